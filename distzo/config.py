@@ -1,0 +1,75 @@
+"""Engine options, validated up front so that bad input fails before any model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distzo.zo.schedule import SCHEDULES
+
+MODES = ("offload", "resident")
+
+
+@dataclass
+class ZOConfig:
+    """Options of one ZO run (MeZO-SGD on a resident or offloaded model).
+
+    ``seed`` None draws a run seed at random; the step noise derives from it alone.
+    ``noise_chunk`` is part of the run's identity: z is drawn in chunks of this many
+    elements, so changing it changes the trajectory.
+    """
+
+    lr: float = 1e-6
+    eps: float = 1e-3
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    max_steps: int | None = None
+    mode: str = "offload"
+    num_slots: int = 2
+    device: str = "auto"
+    seed: int | None = None
+    noise_chunk: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3")
+        if not self.lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}; set lr to a non-negative value such as 1e-6")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.lr_schedule == "linear" and self.max_steps is None:
+            raise ValueError("lr_schedule 'linear' needs max_steps; set max_steps or use lr_schedule 'constant'")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.num_slots < 1:
+            raise ValueError(
+                f"num_slots must be >= 1, got {self.num_slots}; use 2 or 3 to overlap transfers, 1 for least memory"
+            )
+        if self.noise_chunk < 1:
+            raise ValueError(f"noise_chunk must be >= 1 element, got {self.noise_chunk}")
+        self.torch_device()  # a malformed device string fails here, not mid-build
+
+    def torch_device(self) -> torch.device:
+        """The compute device: ``auto`` is the local CUDA device when present, else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available; use device cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device

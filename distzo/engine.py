@@ -1,0 +1,343 @@
+"""One ZO step over embed -> streamed blocks -> head (DESIGN section 2).
+
+Per step t, with the pending update (t-1, g, lr) of the previous step:
+
+* the resident bucket (embeddings, head, final norm) gets the pending update, then
+  is perturbed out of place into its scratch bucket for each sign;
+* each block is uploaded into a device slot, gets the pending update right there (so
+  it crosses the link once per step), is perturbed out of place into the one block
+  scratch bucket for each sign and run on that sign's hidden states, then offloaded;
+* the head gives L+ and L-; one all-reduce of ``[L+, L-]`` (identity in one process)
+  gives every rank the same g, which becomes the new pending update.
+
+The module parameters are bound once to the scratch buckets, so the model's own
+layers compute with whatever perturbation the scratch currently holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from distzo.config import ZOConfig
+from distzo.models import BlockAdapter, adapter_for
+from distzo.offload import BlockScheduler, BucketLayout, OffloadedBlocks, ResidentBlocks, Streams, bind
+from distzo.zo import NoiseSource, learning_rate, loss_contribution, projected_gradient
+
+logger = logging.getLogger(__name__)
+
+RESIDENT_BLOCK_ID = 0  # noise id of the resident bucket; block i has id i + 1
+SIGNS = (1, -1)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # 0-based index of the step just taken
+    loss: float  # (L+ + L-) / 2, the loss at theta to first order
+    loss_plus: float
+    loss_minus: float
+    projected_grad: float
+    lr: float
+    num_tokens: int  # input tokens this rank processed (both passes count once)
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """The last step's update, applied lazily when each bucket next reaches the device."""
+
+    step: int
+    projected_grad: float
+    lr: float
+
+
+def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {k: tuple(v) for k, v in names.items()}
+
+
+def _unique(params) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class ZOEngine:
+    """MeZO-SGD on a model whose blocks are resident (MeZO) or streamed from host memory (ZO2).
+
+    ``reduce`` sums a small float64 vector over the ranks (identity in one process) and
+    ``signs`` selects which perturbed passes this rank runs; the distributed layer sets both.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZOConfig,
+        adapter: BlockAdapter | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        signs: tuple[int, ...] = SIGNS,
+        run_seed: int | None = None,
+    ) -> None:
+        config.validate()
+        if not signs or any(s not in SIGNS for s in signs):
+            raise ValueError(f"signs must be a non-empty subset of {SIGNS}, got {signs}")
+        self.adapter = adapter if adapter is not None else adapter_for(model)
+        self.config = config
+        self.device = config.torch_device()
+        self.model = model
+        self.reduce = reduce if reduce is not None else (lambda x: x)
+        self.signs = tuple(signs)
+        if run_seed is None:
+            run_seed = config.seed if config.seed is not None else secrets.randbits(63)
+        self.run_seed = int(run_seed)
+        self.step_index = 0
+        self.pending: PendingUpdate | None = None
+        self._broken: str | None = None
+
+        # ZO takes two forward passes of one function: dropout would make them two functions.
+        model.eval()
+        model.requires_grad_(False)
+        self.blocks = self.adapter.blocks()
+        if not self.blocks:
+            raise ValueError("the model has no transformer blocks to stream")
+        names = _aliases(model)
+        block_params = [_unique(b.parameters()) for b in self.blocks]
+        in_blocks = {id(p) for ps in block_params for p in ps}
+        resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks]
+
+        built = [BucketLayout.build([(names[id(p)], p) for p in ps]) for ps in block_params]
+        self.block_layouts = [layout for layout, _ in built]
+        self.resident_layout, resident_ordered = BucketLayout.build([(names[id(p)], p) for p in resident_params])
+        dtype = self.resident_layout.dtype
+        if any(layout.dtype != dtype for layout in self.block_layouts):
+            raise ValueError("blocks and resident modules must share one dtype; cast the model first")
+
+        if config.mode == "offload":
+            self.store = OffloadedBlocks(self.block_layouts, self.device, config.num_slots)
+        else:
+            self.store = ResidentBlocks(self.block_layouts, self.device)
+        for i, (layout, ordered) in enumerate(built):
+            layout.pack(ordered, self.store.master(i))
+        self.resident_master = torch.empty(self.resident_layout.numel, device=self.device, dtype=dtype)
+        self.resident_layout.pack(resident_ordered, self.resident_master)
+
+        # One scratch bucket serves every block: blocks compute one after another on one stream.
+        self.block_scratch = torch.zeros(max(l.numel for l in self.block_layouts), device=self.device, dtype=dtype)
+        self.resident_scratch = torch.zeros_like(self.resident_master)
+        for (layout, ordered) in built:
+            bind(ordered, layout, self.block_scratch)
+        bind(resident_ordered, self.resident_layout, self.resident_scratch)
+        self._resident_holds: tuple[int, int] | None = None  # (sign, step) now in resident_scratch
+        model.to(self.device)  # parameters already live on the device; this moves buffers only
+
+        self.noise = NoiseSource(self.run_seed, config.noise_chunk, self.device, dtype)
+        self.streams = Streams(self.device)
+        self.scheduler = BlockScheduler(self.store, self.streams, len(self.blocks))
+        logger.info(
+            "ZO engine: %s mode on %s, %d blocks, %d slots, %.1f M parameters",
+            config.mode,
+            self.device,
+            len(self.blocks),
+            self.store.num_slots,
+            self.num_parameters / 1e6,
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def num_parameters(self) -> int:
+        return self.resident_layout.num_parameters + sum(l.num_parameters for l in self.block_layouts)
+
+    def step(self, batch: Mapping[str, torch.Tensor], num_items: int | None = None) -> StepResult:
+        """One ZO-SGD step on ``batch`` (``input_ids``, optional ``attention_mask``/``labels``).
+
+        ``num_items`` is the number of label tokens of the *global* batch; it defaults to
+        this batch's, which is right in one process.
+        """
+        t = self.step_index
+        cfg = self.config
+        lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
+        input_ids, attention_mask, labels = self._prepare(batch)
+        num_items = self._label_tokens(labels) if num_items is None else num_items
+        if num_items <= 0:
+            raise ValueError("the batch has no label tokens (every label is -100); nothing to train on")
+
+        with self._guard(), torch.no_grad(), self.streams.on("compute"):
+            hiddens = self._stream_pass(self.signs, t, input_ids, attention_mask)
+            losses = {}
+            for sign in reversed(self.signs):  # the resident scratch still holds the last sign
+                self._perturb_resident(sign, t)
+                losses[sign] = self.adapter.loss(self.adapter.logits(hiddens[sign]), labels, num_items)
+            loss_plus, loss_minus = self.reduce(loss_contribution(losses)).tolist()  # the step's one sync
+
+        g = projected_gradient(loss_plus, loss_minus, cfg.eps)
+        self.pending = PendingUpdate(t, g, lr)
+        self.step_index += 1
+        tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
+        return StepResult(t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, g, lr, tokens)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (and mean loss, if the batch has labels) at the current, unperturbed parameters."""
+        input_ids, attention_mask, labels = self._prepare(batch, default_labels=False)
+        with self._guard(), torch.no_grad(), self.streams.on("compute"):
+            hidden = self._stream_pass((0,), self.step_index, input_ids, attention_mask)[0]
+            self._perturb_resident(0, self.step_index)
+            logits = self.adapter.logits(hidden)
+            loss = self.adapter.loss(logits, labels, None) if labels is not None else None
+        self.streams.synchronize()
+        return logits, loss
+
+    def flush(self) -> None:
+        """Apply the pending update to every bucket now (before export or inspection).
+
+        It is the same op the next step would apply, so flushing never changes the trajectory.
+        """
+        if self.pending is None:
+            return
+        with self._guard(), torch.no_grad(), self.streams.on("compute"):
+            self._stream_pass((), self.step_index, None, None)
+        self.streams.synchronize()
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Flushed master values by Hugging Face name (aliases of tied weights included)."""
+        self.flush()
+        self.streams.synchronize()
+        out = self.resident_layout.views(self.resident_master)
+        for i, layout in enumerate(self.block_layouts):
+            out.update(layout.views(self.store.master(i)))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full training state, pending update included (no flush: saving stays cheap)."""
+        self.streams.synchronize()
+        params = {e.names[0]: v for e, v in self._canonical_views()}
+        return {
+            "step": self.step_index,
+            "run_seed": self.run_seed,
+            "noise_chunk": self.config.noise_chunk,
+            "pending": asdict(self.pending) if self.pending is not None else None,
+            "params": params,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
+        if state["noise_chunk"] != self.config.noise_chunk:
+            raise ValueError(
+                f"checkpoint was trained with noise_chunk {state['noise_chunk']}, engine has "
+                f"{self.config.noise_chunk}; set noise_chunk to match"
+            )
+        params = state["params"]
+        expected = {e.names[0] for e, _ in self._canonical_views()}
+        if set(params) != expected:
+            missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
+            raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+        self.streams.synchronize()
+        with torch.no_grad():
+            for e, view in self._canonical_views():
+                view.copy_(params[e.names[0]])
+        self.step_index = int(state["step"])
+        self.run_seed = int(state["run_seed"])
+        self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, self.resident_master.dtype)
+        self.pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
+        self._resident_holds = None
+        self._broken = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _canonical_views(self):
+        yield from zip(self.resident_layout.entries, self._entry_views(self.resident_layout, self.resident_master))
+        for i, layout in enumerate(self.block_layouts):
+            yield from zip(layout.entries, self._entry_views(layout, self.store.master(i)))
+
+    @staticmethod
+    def _entry_views(layout: BucketLayout, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[e.offset : e.offset + e.numel].view(e.shape) for e in layout.entries]
+
+    def _prepare(self, batch: Mapping[str, torch.Tensor], default_labels: bool = True):
+        if "input_ids" not in batch:
+            raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
+        input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device, non_blocking=True)
+        labels = batch.get("labels")
+        if labels is not None:
+            labels = labels.to(self.device, non_blocking=True)
+        elif default_labels:
+            # Plain causal LM: predict every real token, never padding.
+            labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+        return input_ids, attention_mask, labels
+
+    @staticmethod
+    def _label_tokens(labels: torch.Tensor) -> int:
+        return int((labels[..., 1:] != -100).sum())
+
+    def _guard(self):
+        """Refuse to continue after a pass failed half-way: its buckets are half-updated."""
+        engine = self
+
+        class _Guard:
+            def __enter__(self):
+                if engine._broken is not None:
+                    raise RuntimeError(
+                        f"the engine is unusable after an earlier failure ({engine._broken}); "
+                        "reload a checkpoint with load_state_dict"
+                    )
+
+            def __exit__(self, exc_type, exc, tb):
+                if exc is not None:
+                    engine._broken = f"{exc_type.__name__}: {exc}"
+                return False
+
+        return _Guard()
+
+    def _perturb_resident(self, sign: int, step: int) -> None:
+        key = (sign, step if sign else -1)
+        if self._resident_holds != key:
+            self.noise.perturb_into(self.resident_scratch, self.resident_master, sign * self.config.eps, step, RESIDENT_BLOCK_ID)
+            self._resident_holds = key
+
+    def _apply(self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int) -> None:
+        self.noise.apply_update(
+            bucket, layout.decay_end, update.lr, update.projected_grad, self.config.weight_decay, update.step, block_id
+        )
+
+    def _stream_pass(
+        self,
+        signs: tuple[int, ...],
+        step: int,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> dict[int, torch.Tensor]:
+        """Apply the pending update everywhere and run the blocks once for each sign.
+
+        Returns each sign's last hidden state. With no signs (flush) it only updates.
+        """
+        update, self.pending = self.pending, None
+        if update is not None:
+            self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
+            self._resident_holds = None
+        hiddens, ctx = {}, None
+        for sign in signs:
+            self._perturb_resident(sign, step)
+            hiddens[sign], ctx = self.adapter.embed(input_ids, attention_mask)
+        eps = self.config.eps
+
+        def compute(i: int, bucket: torch.Tensor) -> None:
+            if update is not None:
+                self._apply(update, bucket, self.block_layouts[i], i + 1)
+            for sign in signs:
+                self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1)
+                hiddens[sign] = self.adapter.block_forward(self.blocks[i], hiddens[sign], ctx)
+
+        self.scheduler.run(compute)
+        return hiddens

@@ -1,0 +1,68 @@
+"""What the engine needs from a causal LM: resident embed/head, and a list of blocks.
+
+An adapter wraps the model's *own* modules; it copies no modeling code. Per-batch
+tensors that every block needs (the attention mask in the form the model's
+attention implementation expects, position ids, rotary tables) are built once by
+``embed`` into a ``BatchContext`` the way the model itself builds them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass
+class BatchContext:
+    attention_mask: Any  # whatever the model's mask builder returned (None, a tensor, a BlockMask)
+    position_ids: torch.Tensor | None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class BlockAdapter(ABC):
+    """Splits a Hugging Face causal LM into embed -> blocks -> head."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @abstractmethod
+    def blocks(self) -> list[nn.Module]:
+        """The streamed transformer layers, in execution order."""
+
+    @abstractmethod
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, BatchContext]:
+        """Token ids -> the first block's input, plus the per-batch context."""
+
+    @abstractmethod
+    def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """One layer, called exactly as the model's own forward calls it."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last block's output -> vocabulary logits (final norm, projections, lm head)."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
+        """The model's own causal-LM loss; ``num_items`` normalises a sum over label tokens.
+
+        Passing the global number of label tokens makes the ranks' losses add up to the
+        global mean however the batch is split (the HF Trainer's device-invariant loss).
+        """
+        return self.model.loss_function(
+            logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=num_items
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blockwise forward with the parameters in place: the reference for equivalence tests."""
+        hidden, ctx = self.embed(input_ids, attention_mask)
+        for block in self.blocks():
+            hidden = self.block_forward(block, hidden, ctx)
+        logits = self.logits(hidden)
+        return logits, (self.loss(logits, labels, None) if labels is not None else None)

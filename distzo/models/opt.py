@@ -1,0 +1,49 @@
+"""OPT (facebook/opt-*): learned positions, optional project_in/out, tied head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask
+
+from distzo.models.adapter import BatchContext, BlockAdapter
+
+
+class OPTAdapter(BlockAdapter):
+    model_types = ("opt",)
+
+    @property
+    def _decoder(self) -> nn.Module:
+        return self.model.model.decoder
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self._decoder.layers)
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, BatchContext]:
+        # Mirrors OPTDecoder.forward without a cache: positions come from the dense mask
+        # (so left padding works), while the mask handed to the layers stays None when the
+        # batch is unpadded, exactly as the model passes it.
+        decoder = self._decoder
+        inputs_embeds = decoder.embed_tokens(input_ids)
+        position_mask = attention_mask
+        if position_mask is None:
+            position_mask = torch.ones(input_ids.shape, device=input_ids.device, dtype=torch.long)
+        position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()
+        causal_mask = create_causal_mask(
+            config=decoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=None
+        )
+        pos_embeds = decoder.embed_positions(position_mask, 0, position_ids=position_ids)
+        if decoder.project_in is not None:
+            inputs_embeds = decoder.project_in(inputs_embeds)
+        return inputs_embeds + pos_embeds, BatchContext(causal_mask, position_ids)
+
+    def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        return block(hidden, attention_mask=ctx.attention_mask, position_ids=ctx.position_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        decoder = self._decoder
+        if decoder.final_layer_norm is not None:
+            hidden = decoder.final_layer_norm(hidden)
+        if decoder.project_out is not None:
+            hidden = decoder.project_out(hidden)
+        return self.model.lm_head(hidden)

@@ -1,0 +1,47 @@
+"""Choose an adapter from ``config.model_type``; load models from a path, a hub name or a config."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from distzo.models.adapter import BlockAdapter
+from distzo.models.opt import OPTAdapter
+
+ADAPTERS: dict[str, type[BlockAdapter]] = {t: cls for cls in (OPTAdapter,) for t in cls.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def check_supported(model_type: str) -> type[BlockAdapter]:
+    """The adapter class for ``model_type``, or a one-line error listing what is supported."""
+    try:
+        return ADAPTERS[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model type {model_type!r}: distzo supports {', '.join(supported_model_types())}; "
+            "pick a model of one of these families"
+        ) from None
+
+
+def adapter_for(model: nn.Module) -> BlockAdapter:
+    return check_supported(getattr(model.config, "model_type", type(model).__name__))(model)
+
+
+def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A randomly initialised model of ``config``'s shape (tests, benchmarks, the default run)."""
+    check_supported(config.model_type)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a pretrained causal LM from a local directory or a hub name.
+
+    The config is read first so that an unsupported family fails before any weights load.
+    """
+    config = AutoConfig.from_pretrained(name_or_path)
+    check_supported(config.model_type)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)

@@ -1,0 +1,64 @@
+"""The per-step block pipeline: upload i+1 while computing i while offloading i-1.
+
+Ordering rules (each enforced by an event, never a global synchronize):
+  compute(i)  waits upload(i)        -- the slot holds block i
+  offload(i)  waits compute(i)       -- block i is updated
+  upload(j)   waits offload(j - K)   -- slot j % K is free again
+and each stream is FIFO. The last rule also orders a block's offload at step t
+before its upload at step t+1, because that upload waits for a later offload on
+the same FIFO stream.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from distzo.offload.block_store import BlockStore
+from distzo.offload.streams import Streams
+from distzo.offload.timeline import Timeline
+
+
+class BlockScheduler:
+    def __init__(self, store: BlockStore, streams: Streams, num_blocks: int) -> None:
+        self.store = store
+        self.streams = streams
+        self.num_blocks = num_blocks
+        # Per slot: the event after which the slot's last block has been offloaded.
+        # Kept across steps so step t+1's first uploads wait for step t's last offloads.
+        self._slot_free: list[torch.cuda.Event | None] = [None] * store.num_slots
+        self.timeline: Timeline | None = None
+
+    def _phase(self, phase: str, block: int, work: Callable[[], None]) -> None:
+        mark = self.timeline.start(phase) if self.timeline is not None else None
+        work()
+        if self.timeline is not None:
+            self.timeline.end(phase, block, mark)
+
+    def run(self, compute: Callable[[int, torch.Tensor], None]) -> None:
+        """Stream every block through the device once, calling ``compute(i, bucket)``
+        on the compute stream with block i's device master bucket."""
+        n, k = self.num_blocks, self.store.num_slots
+        s = self.streams
+        uploaded: list[torch.cuda.Event | None] = [None] * k
+
+        def upload(j: int) -> None:
+            with s.on("upload"):
+                s.wait("upload", self._slot_free[j % k])
+                self._phase("upload", j, lambda: self.store.upload(j))
+                uploaded[j % k] = s.record("upload")
+
+        for j in range(min(k, n)):
+            upload(j)
+        for i in range(n):
+            with s.on("compute"):
+                s.wait("compute", uploaded[i % k])
+                self._phase("compute", i, lambda: compute(i, self.store.device_bucket(i)))
+                computed = s.record("compute")
+            with s.on("offload"):
+                s.wait("offload", computed)
+                self._phase("offload", i, lambda: self.store.offload(i))
+                self._slot_free[i % k] = s.record("offload")
+            if i + k < n:
+                upload(i + k)

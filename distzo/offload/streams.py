@@ -1,0 +1,51 @@
+"""Upload / compute / offload streams, ordered by events; a synchronous stand-in on CPU.
+
+One schedule, two backends: on CUDA each phase runs on its own stream and the
+phases are chained by events (never a global synchronize); on CPU every call runs
+in order on the calling thread, so the same code is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+PHASES = ("upload", "compute", "offload")
+
+
+class Streams:
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.is_async = self.device.type == "cuda"
+        if self.is_async:
+            self._streams = {name: torch.cuda.Stream(device=self.device) for name in PHASES}
+
+    @contextlib.contextmanager
+    def on(self, phase: str) -> Iterator[None]:
+        """Run the enclosed work on ``phase``'s stream."""
+        if not self.is_async:
+            yield
+            return
+        with torch.cuda.stream(self._streams[phase]):
+            yield
+
+    def record(self, phase: str, timing: bool = False) -> torch.cuda.Event | None:
+        """An event marking everything queued so far on ``phase``; None on CPU."""
+        if not self.is_async:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(self._streams[phase])
+        return event
+
+    def wait(self, phase: str, event: torch.cuda.Event | None) -> None:
+        """Make ``phase`` wait (on the device, not the host) for ``event``."""
+        if event is not None and self.is_async:
+            self._streams[phase].wait_event(event)
+
+    def synchronize(self) -> None:
+        """Block the host until all three streams are idle (step boundaries and export only)."""
+        if self.is_async:
+            for stream in self._streams.values():
+                stream.synchronize()
