@@ -138,6 +138,9 @@ class ZOEngine:
         bind(resident_ordered, self.resident_layout, self.resident_scratch)
         self._resident_holds: tuple[int, int] | None = None  # (sign, step) now in resident_scratch
         model.to(self.device)  # parameters already live on the device; this moves buffers only
+        if self.device.type == "cuda":
+            # The buffers were filled on the default stream; the three streams start after that.
+            torch.cuda.current_stream(self.device).synchronize()
 
         self.noise = NoiseSource(self.run_seed, config.noise_chunk, self.device, dtype)
         self.streams = Streams(self.device)
@@ -166,12 +169,14 @@ class ZOEngine:
         t = self.step_index
         cfg = self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
-        input_ids, attention_mask, labels = self._prepare(batch)
-        num_items = self._label_tokens(labels) if num_items is None else num_items
+        self._check_batch(batch)
+        num_tokens, label_tokens = self._count_tokens(batch)
+        num_items = label_tokens if num_items is None else num_items
         if num_items <= 0:
             raise ValueError("the batch has no label tokens (every label is -100); nothing to train on")
 
-        with self._guard(), torch.no_grad(), self.streams.on("compute"):
+        with self._guard(), torch.no_grad(), self.streams.compute_scope():
+            input_ids, attention_mask, labels = self._prepare(batch)
             hiddens = self._stream_pass(self.signs, t, input_ids, attention_mask)
             losses = {}
             for sign in reversed(self.signs):  # the resident scratch still holds the last sign
@@ -182,18 +187,22 @@ class ZOEngine:
         g = projected_gradient(loss_plus, loss_minus, cfg.eps)
         self.pending = PendingUpdate(t, g, lr)
         self.step_index += 1
-        tokens = int(attention_mask.sum()) if attention_mask is not None else input_ids.numel()
-        return StepResult(t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, g, lr, tokens)
+        return StepResult(t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, g, lr, num_tokens)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (and mean loss, if the batch has labels) at the current, unperturbed parameters."""
-        input_ids, attention_mask, labels = self._prepare(batch, default_labels=False)
-        with self._guard(), torch.no_grad(), self.streams.on("compute"):
+        self._check_batch(batch)
+        with self._guard(), torch.no_grad(), self.streams.compute_scope():
+            input_ids, attention_mask, labels = self._prepare(batch, default_labels=False)
             hidden = self._stream_pass((0,), self.step_index, input_ids, attention_mask)[0]
             self._perturb_resident(0, self.step_index)
             logits = self.adapter.logits(hidden)
             loss = self.adapter.loss(logits, labels, None) if labels is not None else None
-        self.streams.synchronize()
+        if self.streams.is_async:  # made on the compute stream, used and freed on the caller's
+            caller = torch.cuda.current_stream(self.device)
+            for tensor in (logits, loss):
+                if tensor is not None:
+                    tensor.record_stream(caller)
         return logits, loss
 
     def flush(self) -> None:
@@ -203,7 +212,7 @@ class ZOEngine:
         """
         if self.pending is None:
             return
-        with self._guard(), torch.no_grad(), self.streams.on("compute"):
+        with self._guard(), torch.no_grad(), self.streams.compute_scope():
             self._stream_pass((), self.step_index, None, None)
         self.streams.synchronize()
 
@@ -263,8 +272,7 @@ class ZOEngine:
         return [flat[e.offset : e.offset + e.numel].view(e.shape) for e in layout.entries]
 
     def _prepare(self, batch: Mapping[str, torch.Tensor], default_labels: bool = True):
-        if "input_ids" not in batch:
-            raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
+        """The batch on the device (copied on the compute stream), with default labels."""
         input_ids = batch["input_ids"].to(self.device, non_blocking=True)
         attention_mask = batch.get("attention_mask")
         if attention_mask is not None:
@@ -277,9 +285,25 @@ class ZOEngine:
             labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
         return input_ids, attention_mask, labels
 
+    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        if "input_ids" not in batch:
+            raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and batch["input_ids"].shape[-1] > limit:
+            raise ValueError(
+                f"sequences of {batch['input_ids'].shape[-1]} tokens exceed the model's "
+                f"max_position_embeddings {limit}; truncate them"
+            )
+
     @staticmethod
-    def _label_tokens(labels: torch.Tensor) -> int:
-        return int((labels[..., 1:] != -100).sum())
+    def _count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """(input tokens, label tokens) of the caller's batch, counted where it lies (no device
+        sync for a batch on the host); labels default as in ``_prepare``."""
+        input_ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
+        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+        if labels is not None:
+            return tokens, int((labels[..., 1:] != -100).sum())
+        return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
 
     def _guard(self):
         """Refuse to continue after a pass failed half-way: its buckets are half-updated."""

@@ -48,14 +48,21 @@ class BlockAdapter(ABC):
         """Last block's output -> vocabulary logits (final norm, projections, lm head)."""
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
-        """The model's own causal-LM loss; ``num_items`` normalises a sum over label tokens.
+        """Next-token cross-entropy over labels != -100, as the model's own causal-LM loss.
 
-        Passing the global number of label tokens makes the ranks' losses add up to the
-        global mean however the batch is split (the HF Trainer's device-invariant loss).
+        ``num_items`` turns the sum over label tokens into a mean over the *global*
+        batch, so the ranks' losses add up to the global mean however the batch is split
+        (the HF Trainer's device-invariant loss); None means this batch's own mean.
+        Unlike transformers' loss, which casts logits to float32 (down-casting a float64
+        model), this one computes in at least float32 and keeps float64 as float64: a ZO
+        step differences two nearly equal losses, so their precision is the gradient's.
         """
-        return self.model.loss_function(
-            logits=logits, labels=labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=num_items
-        )
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        shifted = logits[..., :-1, :].reshape(-1, logits.shape[-1]).to(dtype)
+        targets = labels[..., 1:].reshape(-1).to(logits.device)
+        if num_items is None:
+            return nn.functional.cross_entropy(shifted, targets, ignore_index=-100)
+        return nn.functional.cross_entropy(shifted, targets, ignore_index=-100, reduction="sum") / num_items
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None

@@ -31,6 +31,23 @@ class Streams:
         with torch.cuda.stream(self._streams[phase]):
             yield
 
+    @contextlib.contextmanager
+    def compute_scope(self) -> Iterator[None]:
+        """Run a whole pass on the compute stream, ordered after and before the caller's stream.
+
+        Entering waits for the caller's queued work (a batch or buffers it just wrote);
+        leaving makes the caller's stream wait for the pass, so results are safe to use there.
+        """
+        if not self.is_async:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        compute = self._streams["compute"]
+        compute.wait_stream(caller)
+        with torch.cuda.stream(compute):
+            yield
+        caller.wait_stream(compute)
+
     def record(self, phase: str, timing: bool = False) -> torch.cuda.Event | None:
         """An event marking everything queued so far on ``phase``; None on CPU."""
         if not self.is_async:

@@ -1,0 +1,5 @@
+"""Tasks and batches."""
+
+from distzo.data.synthetic import CountingTask
+
+__all__ = ["CountingTask"]

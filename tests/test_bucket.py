@@ -1,0 +1,35 @@
+import pytest
+import torch
+from torch import nn
+
+from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, bind
+
+
+def test_layout_puts_decayed_parameters_first_and_aligns_offsets():
+    lin = nn.Linear(5, 3)
+    norm = nn.LayerNorm(3)
+    params = [(("bias",), lin.bias), (("w",), lin.weight), (("ln.w", "tied.w"), norm.weight)]
+    layout, ordered = BucketLayout.build(params)
+    assert [e.names[0] for e in layout.entries] == ["w", "bias", "ln.w"]
+    assert ordered == [lin.weight, lin.bias, norm.weight]
+    assert all(e.offset % ALIGN_ELEMENTS == 0 for e in layout.entries)
+    assert layout.decay_end == ALIGN_ELEMENTS  # only the matrix decays
+    assert layout.numel % ALIGN_ELEMENTS == 0
+    assert layout.num_parameters == 15 + 3 + 3
+
+    flat = torch.full((layout.numel,), float("nan"))
+    layout.pack(ordered, flat)
+    views = layout.views(flat)
+    assert torch.equal(views["w"], lin.weight.detach())
+    assert views["tied.w"] is views["ln.w"]
+    assert torch.count_nonzero(torch.isnan(flat)) == 0  # padding is zeroed, not garbage
+
+    bind(ordered, layout, flat)
+    flat[layout.entries[0].offset] = 42.0
+    assert lin.weight[0, 0].item() == 42.0  # the module now computes with the bucket
+
+
+def test_mixed_dtypes_are_refused():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="one dtype"):
+        BucketLayout.build([(("a",), a), (("b",), b)])

@@ -1,0 +1,89 @@
+"""Bad input fails early with one line that names the option and the fix."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from distzo import ZOConfig, ZOEngine, load_model
+from tests.conftest import tiny_opt
+
+
+@pytest.mark.parametrize(
+    "options, option_named",
+    [
+        ({"eps": 0.0}, "eps"),
+        ({"eps": -1e-3}, "eps"),
+        ({"lr": -1e-6}, "lr"),
+        ({"num_slots": 0}, "num_slots"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"lr_schedule": "cosine"}, "lr_schedule"),
+        ({"lr_schedule": "linear"}, "max_steps"),
+        ({"mode": "disk"}, "mode"),
+        ({"noise_chunk": 0}, "noise_chunk"),
+        ({"device": "tpu:x"}, "device"),
+    ],
+)
+def test_invalid_options_name_themselves(options, option_named):
+    with pytest.raises(ValueError, match=option_named) as info:
+        ZOConfig(**options)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        ZOConfig(device="cuda")
+
+
+def test_one_slot_is_valid_and_trains():
+    engine = ZOEngine(tiny_opt(), ZOConfig(num_slots=1, device="cpu", seed=0))
+    ids = torch.randint(3, 64, (2, 8))
+    assert engine.step({"input_ids": ids}).step == 0
+
+
+def tiny_gpt2():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+
+
+def test_unsupported_model_type_lists_the_supported_ones():
+    with pytest.raises(ValueError, match=r"unsupported model type 'gpt2'.*supports opt") as info:
+        ZOEngine(tiny_gpt2(), ZOConfig(device="cpu"))
+    assert "\n" not in str(info.value)
+
+
+def test_unsupported_checkpoint_fails_before_loading_weights(tmp_path):
+    tiny_gpt2().config.save_pretrained(tmp_path)  # a config and no weights: loading them would fail differently
+    with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
+        load_model(str(tmp_path))
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "distzo.train", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--eps", "0"], "eps"),
+        (["--num-slots", "0"], "num_slots"),
+        (["--lr", "-1"], "lr"),
+        (["--seq-len", "100"], "--seq-len"),
+        (["--model", "/no/such/model"], "--model"),
+    ],
+)
+def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0]
+
+
+def test_engine_refuses_sequences_longer_than_the_model_allows():
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.step({"input_ids": torch.randint(3, 64, (1, 65))})
