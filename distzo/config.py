@@ -9,6 +9,9 @@ import torch
 from distzo.zo.schedule import SCHEDULES
 
 MODES = ("offload", "resident")
+TRANSFERS = ("auto", "naive", "sliced")
+TRANSFER_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8")
+COMPUTE_DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -17,7 +20,11 @@ class ZOConfig:
 
     ``seed`` None draws a run seed at random; the step noise derives from it alone.
     ``noise_chunk`` is part of the run's identity: z is drawn in chunks of this many
-    elements, so changing it changes the trajectory.
+    elements, so changing it changes the trajectory. ``transfer`` picks how blocks
+    cross the link (``auto``: sliced on CUDA+NCCL with several local ranks, else naive);
+    ``transfer_dtype`` is their format in host memory and on the wire (fp32 masters stay
+    on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
+    perturbed weights and activations use (AMP).
     """
 
     lr: float = 1e-6
@@ -31,6 +38,9 @@ class ZOConfig:
     device: str = "auto"
     seed: int | None = None
     noise_chunk: int = 1 << 22
+    transfer: str = "auto"
+    transfer_dtype: str = "fp32"
+    compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +68,21 @@ class ZOConfig:
             )
         if self.noise_chunk < 1:
             raise ValueError(f"noise_chunk must be >= 1 element, got {self.noise_chunk}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
+        if self.transfer_dtype not in TRANSFER_DTYPE_NAMES:
+            raise ValueError(
+                f"transfer_dtype must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got {self.transfer_dtype!r}"
+            )
+        if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
+            raise ValueError(
+                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got {self.compute_dtype!r}"
+            )
+        if self.transfer_dtype != "fp32" and self.mode != "offload":
+            raise ValueError(
+                f"transfer_dtype {self.transfer_dtype} only applies to mode offload (resident blocks never "
+                "travel); use transfer_dtype fp32 or mode offload"
+            )
         self.torch_device()  # a malformed device string fails here, not mid-build
 
     def torch_device(self) -> torch.device:

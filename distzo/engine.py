@@ -19,20 +19,22 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distzo.config import ZOConfig
+from distzo.dist import ParallelContext
 from distzo.models import BlockAdapter, adapter_for
-from distzo.offload import BlockScheduler, BucketLayout, OffloadedBlocks, ResidentBlocks, Streams, bind
+from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
+from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.zo import NoiseSource, learning_rate, loss_contribution, projected_gradient
 
 logger = logging.getLogger(__name__)
 
 RESIDENT_BLOCK_ID = 0  # noise id of the resident bucket; block i has id i + 1
-SIGNS = (1, -1)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,20 @@ class PendingUpdate:
     lr: float
 
 
+def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """(input tokens, label tokens) of a batch, counted where it lies (no device sync for
+    a batch on the host). Labels default as in a plain causal LM: every real token.
+
+    The label count of the *global* batch is what each rank passes as ``num_items`` so
+    that its loss is a share of the global mean.
+    """
+    input_ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
+    tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+    if labels is not None:
+        return tokens, int((labels[..., 1:] != -100).sum())
+    return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
+
+
 def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -74,8 +90,10 @@ def _unique(params) -> list[nn.Parameter]:
 class ZOEngine:
     """MeZO-SGD on a model whose blocks are resident (MeZO) or streamed from host memory (ZO2).
 
-    ``reduce`` sums a small float64 vector over the ranks (identity in one process) and
-    ``signs`` selects which perturbed passes this rank runs; the distributed layer sets both.
+    ``parallel`` places this rank in a torchrun job (DistZO2): which perturbed passes it
+    runs, the all-reduce that gives every rank the same g, and the node-local group that
+    shares one host copy of the blocks. ``run_seed`` must be equal on every rank (the
+    trainer broadcasts it); it defaults to ``config.seed``, else a random draw.
     """
 
     def __init__(
@@ -83,19 +101,17 @@ class ZOEngine:
         model: nn.Module,
         config: ZOConfig,
         adapter: BlockAdapter | None = None,
-        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        signs: tuple[int, ...] = SIGNS,
+        parallel: ParallelContext | None = None,
         run_seed: int | None = None,
     ) -> None:
         config.validate()
-        if not signs or any(s not in SIGNS for s in signs):
-            raise ValueError(f"signs must be a non-empty subset of {SIGNS}, got {signs}")
         self.adapter = adapter if adapter is not None else adapter_for(model)
         self.config = config
         self.device = config.torch_device()
         self.model = model
-        self.reduce = reduce if reduce is not None else (lambda x: x)
-        self.signs = tuple(signs)
+        self.parallel = parallel if parallel is not None else ParallelContext.single()
+        self.signs = self.parallel.signs
+        self.transfer = self._resolve_transfer()
         if run_seed is None:
             run_seed = config.seed if config.seed is not None else secrets.randbits(63)
         self.run_seed = int(run_seed)
@@ -117,22 +133,35 @@ class ZOEngine:
         built = [BucketLayout.build([(names[id(p)], p) for p in ps]) for ps in block_params]
         self.block_layouts = [layout for layout, _ in built]
         self.resident_layout, resident_ordered = BucketLayout.build([(names[id(p)], p) for p in resident_params])
-        dtype = self.resident_layout.dtype
+        dtype = self.resident_layout.dtype  # the masters' dtype
         if any(layout.dtype != dtype for layout in self.block_layouts):
             raise ValueError("blocks and resident modules must share one dtype; cast the model first")
+        compute_dtype = dtype if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
+        self._make_noise(dtype)
 
         if config.mode == "offload":
-            self.store = OffloadedBlocks(self.block_layouts, self.device, config.num_slots)
+            shard = None
+            if self.transfer == "sliced":
+                group = self.parallel.shard_group
+                shard = Shard(group.group, group.rank, group.size)
+            low_bit = None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
+            self.store = StreamedBlocks(
+                self.block_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise
+            )
         else:
             self.store = ResidentBlocks(self.block_layouts, self.device)
         for i, (layout, ordered) in enumerate(built):
-            layout.pack(ordered, self.store.master(i))
+            values = torch.empty(layout.numel, dtype=dtype)
+            layout.pack(ordered, values)
+            self.store.load_block(i, values)
         self.resident_master = torch.empty(self.resident_layout.numel, device=self.device, dtype=dtype)
         self.resident_layout.pack(resident_ordered, self.resident_master)
 
-        # One scratch bucket serves every block: blocks compute one after another on one stream.
-        self.block_scratch = torch.zeros(max(l.numel for l in self.block_layouts), device=self.device, dtype=dtype)
-        self.resident_scratch = torch.zeros_like(self.resident_master)
+        # One scratch bucket serves every block: blocks compute one after another on one
+        # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
+        scratch_len = max(l.numel for l in self.block_layouts)
+        self.block_scratch = torch.zeros(scratch_len, device=self.device, dtype=compute_dtype)
+        self.resident_scratch = torch.zeros(self.resident_layout.numel, device=self.device, dtype=compute_dtype)
         for (layout, ordered) in built:
             bind(ordered, layout, self.block_scratch)
         bind(resident_ordered, self.resident_layout, self.resident_scratch)
@@ -142,16 +171,44 @@ class ZOEngine:
             # The buffers were filled on the default stream; the three streams start after that.
             torch.cuda.current_stream(self.device).synchronize()
 
-        self.noise = NoiseSource(self.run_seed, config.noise_chunk, self.device, dtype)
         self.streams = Streams(self.device)
         self.scheduler = BlockScheduler(self.store, self.streams, len(self.blocks))
         logger.info(
-            "ZO engine: %s mode on %s, %d blocks, %d slots, %.1f M parameters",
+            "ZO engine: %s mode (%s transfer, %s on the wire, %s compute) on %s, %d blocks, %d slots, "
+            "%.1f M parameters, %.1f MB host",
             config.mode,
+            self.transfer,
+            config.transfer_dtype,
+            str(compute_dtype).replace("torch.", ""),
             self.device,
             len(self.blocks),
             self.store.num_slots,
             self.num_parameters / 1e6,
+            self.store.host_bytes / 1e6,
+        )
+
+    def _resolve_transfer(self) -> str:
+        transfer, group = self.config.transfer, self.parallel.shard_group
+        if self.config.mode == "resident":
+            return "none"
+        if transfer == "sliced" and group is None:
+            raise ValueError(
+                "transfer sliced needs a torchrun launch with a node-local process group; "
+                "use transfer naive (or auto) in a single process"
+            )
+        if transfer == "auto":
+            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+            return "sliced" if self.device.type == "cuda" and nccl and group and group.size > 1 else "naive"
+        return transfer
+
+    def _make_noise(self, dtype: torch.dtype) -> None:
+        self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, dtype)
+        # A separate source (own generator and workspace) for rounding: it runs on the
+        # offload stream, concurrently with the compute stream's perturbations.
+        self.rounding_noise = (
+            NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform")
+            if self.config.transfer_dtype != "fp32"
+            else None
         )
 
     # ------------------------------------------------------------------ public API
@@ -170,7 +227,7 @@ class ZOEngine:
         cfg = self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
         self._check_batch(batch)
-        num_tokens, label_tokens = self._count_tokens(batch)
+        num_tokens, label_tokens = count_tokens(batch)
         num_items = label_tokens if num_items is None else num_items
         if num_items <= 0:
             raise ValueError("the batch has no label tokens (every label is -100); nothing to train on")
@@ -182,7 +239,7 @@ class ZOEngine:
             for sign in reversed(self.signs):  # the resident scratch still holds the last sign
                 self._perturb_resident(sign, t)
                 losses[sign] = self.adapter.loss(self.adapter.logits(hiddens[sign]), labels, num_items)
-            loss_plus, loss_minus = self.reduce(loss_contribution(losses)).tolist()  # the step's one sync
+            loss_plus, loss_minus = self.parallel.reduce(loss_contribution(losses)).tolist()  # the one sync
 
         g = projected_gradient(loss_plus, loss_minus, cfg.eps)
         self.pending = PendingUpdate(t, g, lr)
@@ -217,24 +274,20 @@ class ZOEngine:
         self.streams.synchronize()
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """Flushed master values by Hugging Face name (aliases of tied weights included)."""
+        """Flushed values by Hugging Face name (aliases of tied weights included), as CPU
+        copies in the master dtype. Collective under the sliced transfer: call on every rank."""
         self.flush()
-        self.streams.synchronize()
-        out = self.resident_layout.views(self.resident_master)
-        for i, layout in enumerate(self.block_layouts):
-            out.update(layout.views(self.store.master(i)))
-        return out
+        return self._collect()
 
     def state_dict(self) -> dict[str, Any]:
         """The full training state, pending update included (no flush: saving stays cheap)."""
-        self.streams.synchronize()
-        params = {e.names[0]: v for e, v in self._canonical_views()}
+        params = self._collect()
         return {
             "step": self.step_index,
             "run_seed": self.run_seed,
             "noise_chunk": self.config.noise_chunk,
             "pending": asdict(self.pending) if self.pending is not None else None,
-            "params": params,
+            "params": {name: params[name] for name in self.canonical_names},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -245,31 +298,55 @@ class ZOEngine:
                 f"{self.config.noise_chunk}; set noise_chunk to match"
             )
         params = state["params"]
-        expected = {e.names[0] for e, _ in self._canonical_views()}
+        expected = set(self.canonical_names)
         if set(params) != expected:
             missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
             raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
         self.streams.synchronize()
+        dtype = self.resident_master.dtype
         with torch.no_grad():
-            for e, view in self._canonical_views():
-                view.copy_(params[e.names[0]])
+            for e in self.resident_layout.entries:
+                self.resident_master[e.offset : e.offset + e.numel].copy_(params[e.names[0]].reshape(-1))
+            for i, layout in enumerate(self.block_layouts):
+                values = torch.zeros(layout.numel, dtype=dtype)
+                for e in layout.entries:
+                    values[e.offset : e.offset + e.numel] = params[e.names[0]].reshape(-1)
+                self.store.load_block(i, values)
         self.step_index = int(state["step"])
         self.run_seed = int(state["run_seed"])
-        self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, self.resident_master.dtype)
+        self._make_noise(dtype)
+        if isinstance(self.store, StreamedBlocks):
+            self.store.rounding_noise = self.rounding_noise
         self.pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
         self._resident_holds = None
         self._broken = None
 
     # ------------------------------------------------------------------ internals
 
-    def _canonical_views(self):
-        yield from zip(self.resident_layout.entries, self._entry_views(self.resident_layout, self.resident_master))
-        for i, layout in enumerate(self.block_layouts):
-            yield from zip(layout.entries, self._entry_views(layout, self.store.master(i)))
+    def _entries(self):
+        yield from self.resident_layout.entries
+        for layout in self.block_layouts:
+            yield from layout.entries
 
-    @staticmethod
-    def _entry_views(layout: BucketLayout, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[e.offset : e.offset + e.numel].view(e.shape) for e in layout.entries]
+    @property
+    def canonical_names(self) -> list[str]:
+        """One name per distinct parameter (a tied weight appears once), in bucket order."""
+        return [e.names[0] for e in self._entries()]
+
+    def _collect(self) -> dict[str, torch.Tensor]:
+        """Every parameter as stored (pending update not applied), as CPU copies.
+
+        Blocks are read back through the device (an upload): that is where a sliced rank
+        sees the whole block and where a low-bit master becomes the master dtype.
+        """
+        self.streams.synchronize()
+        with torch.no_grad():
+            out = self.resident_layout.views(self.resident_master.to("cpu", copy=True))
+            for i, layout in enumerate(self.block_layouts):
+                self.store.upload(i)
+                out.update(layout.views(self.store.device_bucket(i).to("cpu", copy=True)))
+        self.streams.synchronize()
+        return out
 
     def _prepare(self, batch: Mapping[str, torch.Tensor], default_labels: bool = True):
         """The batch on the device (copied on the compute stream), with default labels."""
@@ -294,16 +371,6 @@ class ZOEngine:
                 f"sequences of {batch['input_ids'].shape[-1]} tokens exceed the model's "
                 f"max_position_embeddings {limit}; truncate them"
             )
-
-    @staticmethod
-    def _count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-        """(input tokens, label tokens) of the caller's batch, counted where it lies (no device
-        sync for a batch on the host); labels default as in ``_prepare``."""
-        input_ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
-        tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-        if labels is not None:
-            return tokens, int((labels[..., 1:] != -100).sum())
-        return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
 
     def _guard(self):
         """Refuse to continue after a pass failed half-way: its buckets are half-updated."""
@@ -347,6 +414,7 @@ class ZOEngine:
         Returns each sign's last hidden state. With no signs (flush) it only updates.
         """
         update, self.pending = self.pending, None
+        self.store.step = step
         if update is not None:
             self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
             self._resident_holds = None

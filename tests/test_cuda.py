@@ -27,7 +27,7 @@ def test_offload_equals_resident_on_gpu():
 
 def test_host_buckets_are_pinned_and_masters_live_on_the_host():
     engine = ZOEngine(tiny_opt(), ZOConfig(mode="offload", device="cuda", seed=0))
-    assert engine.store.host.pinned and engine.store.host.storage.is_pinned()
+    assert engine.store.host_pinned and engine.store.host_storage.is_pinned()
     assert engine.store.master(0).device.type == "cpu"
     assert engine.block_scratch.device.type == "cuda"
 

@@ -1,11 +1,11 @@
 """Moving blocks between host and device: bucket layout, host buckets, device slots,
 streams and the block pipeline."""
 
-from distzo.offload.block_store import BlockStore, OffloadedBlocks, ResidentBlocks
+from distzo.offload.block_store import BlockStore, ResidentBlocks
 from distzo.offload.bucket import BucketLayout, bind
 from distzo.offload.device_slots import DeviceSlots
-from distzo.offload.host_buckets import HostBuckets
 from distzo.offload.scheduler import BlockScheduler
+from distzo.offload.streamed_blocks import Shard, StreamedBlocks
 from distzo.offload.streams import Streams
 from distzo.offload.timeline import Span, Timeline
 
@@ -14,10 +14,10 @@ __all__ = [
     "BlockStore",
     "BucketLayout",
     "DeviceSlots",
-    "HostBuckets",
-    "OffloadedBlocks",
     "ResidentBlocks",
+    "Shard",
     "Span",
+    "StreamedBlocks",
     "Streams",
     "Timeline",
     "bind",

@@ -18,7 +18,7 @@ from torch import nn
 ALIGN_ELEMENTS = 64
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
@@ -62,7 +62,7 @@ class BucketLayout:
         entries, offset, decay_end = [], 0, 0
         for names, p in ordered:
             entries.append(Entry(tuple(names), tuple(p.shape), offset, p.numel()))
-            offset = _round_up(offset + p.numel(), ALIGN_ELEMENTS)
+            offset = round_up(offset + p.numel(), ALIGN_ELEMENTS)
             if takes_weight_decay(p):
                 decay_end = offset
         return cls(tuple(entries), offset, decay_end, dtypes.pop()), [p for _, p in ordered]

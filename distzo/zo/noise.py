@@ -39,13 +39,18 @@ class NoiseSource:
     allocate nothing in the step loop.
     """
 
-    def __init__(self, run_seed: int, chunk: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, run_seed: int, chunk: int, device: torch.device, dtype: torch.dtype, distribution: str = "normal"
+    ) -> None:
+        if distribution not in ("normal", "uniform"):
+            raise ValueError(f"distribution must be normal or uniform, got {distribution!r}")
         if chunk <= 0:
             raise ValueError(f"noise chunk must be > 0 elements, got {chunk}")
         self.run_seed = int(run_seed)
         self.chunk = int(chunk)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.distribution = distribution
         self._generator = torch.Generator(device=self.device)
         self._workspace = torch.empty(self.chunk, device=self.device, dtype=dtype)
 
@@ -63,7 +68,11 @@ class NoiseSource:
         for index in range(start // c, (stop + c - 1) // c):
             chunk_lo, chunk_hi = index * c, min((index + 1) * c, total)
             self._generator.manual_seed(noise_seed(self.run_seed, step, block_id, index))
-            z = self._workspace[: chunk_hi - chunk_lo].normal_(generator=self._generator)
+            z = self._workspace[: chunk_hi - chunk_lo]
+            if self.distribution == "normal":
+                z.normal_(generator=self._generator)
+            else:
+                z.uniform_(generator=self._generator)
             lo, hi = max(start, chunk_lo), min(stop, chunk_hi)
             yield lo, hi, z[lo - chunk_lo : hi - chunk_lo]
 

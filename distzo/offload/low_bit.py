@@ -1,0 +1,63 @@
+"""Low-bit transfer formats and the rounding back into them (ZO2's AMP mode).
+
+Blocks may rest in host memory and cross the link as bf16/fp16/fp8 while the device
+keeps an fp32 master for the update. A ZO update is tiny (lr * g * z), usually far
+below half an ulp of a bf16 weight: round-to-nearest would drop it every time, so the
+way back rounds stochastically, up or down with probabilities that make the expected
+result the exact value (unbiased).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TRANSFER_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_INT_VIEW = {1: torch.int8, 2: torch.int16}
+
+
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    """Map low-bit floats to int32 keys that are consecutive for neighbouring values
+    (sign-magnitude bits -> two's-complement order; +0 and -0 both map to 0)."""
+    bits = x.view(_INT_VIEW[x.element_size()]).to(torch.int32)
+    sign_bit = 1 << (8 * x.element_size() - 1)
+    magnitude = bits & (sign_bit - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
+def _from_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    sign_bit = 1 << (8 * size - 1)
+    magnitude = key.abs()
+    bits = torch.where(key < 0, magnitude - sign_bit, magnitude)  # sign bit set, as a signed int
+    return bits.to(_INT_VIEW[size]).view(dtype)
+
+
+def round_nearest_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Round-to-nearest into ``dst``'s format, saturating instead of overflowing."""
+    limit = torch.finfo(dst.dtype).max
+    dst.copy_(src.clamp(-limit, limit))
+
+
+def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, uniform: torch.Tensor) -> None:
+    """Round ``src`` into ``dst``'s format, to the neighbour above with probability
+    (src - below) / (above - below), driven by ``uniform`` draws in [0, 1).
+
+    Exactly representable values stay as they are; values beyond the format's range
+    saturate. Works for any IEEE-like low-bit format (bf16, fp16, fp8 e4m3/e5m2).
+    """
+    limit = torch.finfo(dst.dtype).max
+    x = src.float().clamp(-limit, limit)
+    nearest = x.to(dst.dtype)
+    nearest_value = nearest.float()
+    direction = torch.sign(x - nearest_value).to(torch.int32)  # towards the other neighbour
+    other = _from_key(_order_key(nearest) + direction, dst.dtype)
+    gap = (other.float() - nearest_value).abs()
+    p_other = torch.where(direction == 0, torch.zeros_like(x), (x - nearest_value).abs() / gap)
+    dst.copy_(torch.where(uniform < p_other, other, nearest))

@@ -1,0 +1,148 @@
+"""Block masters in host memory, streamed through K device slots (ZO2 / DistZO2).
+
+One class covers both transfer modes, because naive is sliced with one owner:
+
+* **naive** (``shard`` None): this rank holds every block whole and moves all M
+  elements each way.
+* **sliced**: the n ranks of a node each own slice k (M/n elements, padded) of every
+  block in one host allocation made at start-up. Upload copies the own slice over
+  PCIe into its place in the slot, then all-gathers the slices over the node's
+  interconnect into the full slot; offload copies only the own slice back. Since
+  every rank applies the same update to the full block, each owner's slice is right.
+
+With a low-bit ``transfer_dtype`` the host copy and the wire carry bf16/fp16/fp8;
+a staging buffer per slot receives them and the fp32 master slot is rebuilt from it
+(upcast) for the update; the way back rounds stochastically (see ``low_bit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
+from distzo.offload.device_slots import DeviceSlots
+from distzo.offload.low_bit import round_nearest_, round_stochastic_
+from distzo.zo.noise import NoiseSource
+
+# Rounding noise ids live far above block ids, so they never reuse a perturbation's seeds.
+ROUNDING_STREAM = 1 << 40
+
+
+@dataclass
+class Shard:
+    """This rank's share of the host copy: slice ``rank`` of ``size``, gathered over ``group``."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+
+class StreamedBlocks:
+    def __init__(
+        self,
+        layouts: list[BucketLayout],
+        device: torch.device,
+        num_slots: int,
+        transfer_dtype: torch.dtype | None = None,
+        shard: Shard | None = None,
+        rounding_noise: NoiseSource | None = None,
+    ) -> None:
+        device = torch.device(device)
+        self.layouts = layouts
+        self.shard = shard if shard is not None else Shard(None, 0, 1)
+        n = self.shard.size
+        master_dtype = layouts[0].dtype
+        self.transfer_dtype = transfer_dtype or master_dtype
+        self.low_bit = self.transfer_dtype != master_dtype
+        if self.low_bit and rounding_noise is None:
+            raise ValueError("a low-bit transfer needs a rounding noise source")
+        self.rounding_noise = rounding_noise
+        self.step = 0  # the pass's step: keys the rounding noise on the way back
+        # Padded so that every slice has the same length and starts aligned.
+        self.padded = [round_up(layout.numel, n * ALIGN_ELEMENTS) for layout in layouts]
+        self.slice_len = [p // n for p in self.padded]
+
+        pin = device.type == "cuda"
+        self.host_storage = torch.zeros(sum(self.slice_len), dtype=self.transfer_dtype, pin_memory=pin)
+        self.host_pinned = pin
+        self.host_slices: list[torch.Tensor] = []
+        offset = 0
+        for length in self.slice_len:
+            self.host_slices.append(self.host_storage[offset : offset + length])
+            offset += length
+
+        biggest = max(self.padded)
+        self.slots = DeviceSlots(num_slots, biggest, device, master_dtype)
+        self.staging = DeviceSlots(num_slots, biggest, device, self.transfer_dtype) if self.low_bit else None
+        self.num_slots = num_slots
+        self._non_blocking = pin
+
+    # -------------------------------------------------------------- BlockStore API
+
+    def _own(self, index: int) -> tuple[int, int]:
+        length = self.slice_len[index]
+        return self.shard.rank * length, (self.shard.rank + 1) * length
+
+    def _wire(self, index: int) -> torch.Tensor:
+        buffers = self.staging if self.low_bit else self.slots
+        return buffers.for_block(index, self.padded[index])
+
+    def upload(self, index: int) -> None:
+        lo, hi = self._own(index)
+        wire = self._wire(index)
+        wire[lo:hi].copy_(self.host_slices[index], non_blocking=self._non_blocking)
+        if self.shard.size > 1:
+            # In place (this rank's input is its own slice of the output), as bytes: a
+            # gather moves bits unchanged, and bytes work for every format on every backend.
+            raw = wire.view(torch.uint8)
+            size = wire.element_size()
+            dist.all_gather_into_tensor(raw, raw[lo * size : hi * size], group=self.shard.group)
+        if self.low_bit:
+            self.slots.for_block(index, self.padded[index]).copy_(wire)
+
+    def offload(self, index: int) -> None:
+        lo, hi = self._own(index)
+        master = self.slots.for_block(index, self.padded[index])[lo:hi]
+        if self.low_bit:
+            wire = self._wire(index)[lo:hi]
+            self._round_into(wire, master, index, lo)
+            master = wire
+        self.host_slices[index].copy_(master, non_blocking=self._non_blocking)
+
+    def device_bucket(self, index: int) -> torch.Tensor:
+        return self.slots.for_block(index, self.layouts[index].numel)
+
+    def master(self, index: int) -> torch.Tensor:
+        """This rank's host slice of block ``index`` (the whole block when naive)."""
+        return self.host_slices[index]
+
+    def load_block(self, index: int, values: torch.Tensor) -> None:
+        """Take this rank's slice of a whole block's initial values (round-to-nearest)."""
+        lo, hi = self._own(index)
+        padded = torch.zeros(self.padded[index], dtype=values.dtype)
+        padded[: values.numel()] = values
+        round_nearest_(self.host_slices[index], padded[lo:hi])
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_storage.numel() * self.host_storage.element_size()
+
+    @property
+    def device_bytes(self) -> int:
+        return self.slots.nbytes + (self.staging.nbytes if self.staging is not None else 0)
+
+    # -------------------------------------------------------------- rounding
+
+    def _round_into(self, wire: torch.Tensor, master: torch.Tensor, index: int, lo: int) -> None:
+        """Stochastic rounding of the own slice; the uniform draws are keyed by the
+        element's place in the block, so any slicing rounds every element alike."""
+        total = self.layouts[index].numel
+        stop = min(lo + master.numel(), total)
+        if stop > lo:
+            for a, b, u in self.rounding_noise.chunks(lo, stop, total, self.step, ROUNDING_STREAM + index):
+                round_stochastic_(wire[a - lo : b - lo], master[a - lo : b - lo], u)
+        if stop < lo + master.numel():  # the padding tail: zeros
+            round_nearest_(wire[max(stop - lo, 0) :], master[max(stop - lo, 0) :])
