@@ -71,3 +71,40 @@ def test_upload_of_the_next_block_overlaps_the_current_compute():
     for i in range(6):
         assert spans[("upload", i)].end_ms <= spans[("compute", i)].start_ms + 1e-3
         assert spans[("compute", i)].end_ms <= spans[("offload", i)].start_ms + 1e-3
+
+
+def test_single_rank_nccl_launch_runs(tmp_path):
+    from tests.launch import Run, torchrun
+
+    proc = torchrun(1, ["--max-steps", "20", "--device", "cuda", "--backend", "nccl", "--output-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(tmp_path)
+    assert run.ranks[0]["eval_after"] < run.ranks[0]["eval_before"]
+
+
+def test_sliced_transfer_with_two_ranks_sharing_one_gpu(tmp_path):
+    # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors (through the host).
+    from tests.launch import Run, torchrun
+
+    runs = {}
+    for transfer in ("naive", "sliced"):
+        out = tmp_path / transfer
+        proc = torchrun(
+            2,
+            ["--max-steps", "10", "--device", "cuda:0", "--backend", "gloo", "--pert", "2",
+             "--transfer", transfer, "--output-dir", str(out)],
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[transfer] = Run(out)
+    assert runs["sliced"].grads == runs["naive"].grads
+    assert runs["sliced"].ranks[0]["host_bytes"] < 0.55 * runs["naive"].ranks[0]["host_bytes"]
+
+
+def test_low_bit_transfer_with_amp_compute_on_gpu():
+    model = tiny_opt(seed=0, num_hidden_layers=4)
+    engine = ZOEngine(
+        model, ZOConfig(mode="offload", device="cuda", transfer_dtype="bf16", compute_dtype="bf16", eps=1e-2, seed=0)
+    )
+    assert engine.store.host_storage.dtype == torch.bfloat16 and engine.store.host_storage.is_pinned()
+    results = [engine.step(random_batch(64, seed=i)) for i in range(5)]
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)

@@ -1,0 +1,69 @@
+"""Launching the real entry point under torchrun, bound to localhost, bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, args: list[str], port: int, nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={port}",
+        "-m", "distzo.train", *args,
+    ]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 180, env: dict[str, str] | None = None):
+    return subprocess.run(
+        torchrun_command(nproc, args, free_port()), capture_output=True, text=True, timeout=timeout, env=child_env(env)
+    )
+
+
+def python_train(args: list[str], timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "distzo.train", *args], capture_output=True, text=True, timeout=timeout, env=child_env()
+    )
+
+
+class Run:
+    """What a launch with --output-dir left behind."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        self.params: dict[str, torch.Tensor] = load_file(str(out / "final.safetensors"))
+        self.ranks = {
+            int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")
+        }
+
+    @property
+    def grads(self) -> list[float]:
+        return [m["projected_grad"] for m in self.metrics]
+
+
+def max_relative_difference(a: Run, b: Run) -> tuple[float, float]:
+    """(worst relative g difference over steps, worst relative parameter-norm difference)."""
+    g = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a.grads, b.grads, strict=True))
+    p = max(((a.params[k] - b.params[k]).norm() / b.params[k].norm()).item() for k in b.params)
+    return g, p

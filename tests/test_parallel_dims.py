@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
+
+
+@pytest.mark.parametrize(
+    "world, dp, pert, expected",
+    [
+        (1, None, None, (1, 1)),
+        (2, None, None, (1, 2)),
+        (3, None, None, (3, 1)),
+        (4, None, None, (2, 2)),
+        (4, None, 1, (4, 1)),
+        (4, 4, None, (4, 1)),
+        (4, 2, None, (2, 2)),
+        (2, 1, 2, (1, 2)),
+    ],
+)
+def test_auto_and_explicit_layouts(world, dp, pert, expected):
+    dims = ParallelDims.resolve(world, dp, pert)
+    assert (dims.dp, dims.pert) == expected
+    assert dims.world_size == world
+
+
+@pytest.mark.parametrize(
+    "world, dp, pert, message",
+    [
+        (4, 3, 2, "does not match the 4 launched ranks"),
+        (4, None, 3, "--pert must be 1 or 2"),
+        (3, None, 2, "does not divide"),
+        (8, 2, None, "leaves no valid --pert"),
+        (2, 0, None, "--dp must be >= 1"),
+    ],
+)
+def test_invalid_layouts_are_one_line_errors(world, dp, pert, message):
+    with pytest.raises(ValueError, match=message) as info:
+        ParallelDims.resolve(world, dp, pert)
+    assert "\n" not in str(info.value)
+
+
+def test_batch_must_split_over_dp():
+    ParallelDims(2, 2).check_batch(8)
+    with pytest.raises(ValueError, match="--batch-size 7 is not divisible by --dp 2"):
+        ParallelDims(2, 2).check_batch(7)
+
+
+def test_row_major_mesh_coordinates_pair_neighbours():
+    dims = ParallelDims(2, 2)
+    assert [dims.coordinates(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_signs_and_batch_shares_per_rank():
+    batch = {"input_ids": torch.arange(8).view(8, 1)}
+    seen = {}
+    for rank in range(4):
+        ctx = ParallelContext(LaunchEnv(rank=rank, world_size=4, launched=True), ParallelDims(2, 2))
+        seen[rank] = (ctx.signs, ctx.shard_batch(batch)["input_ids"].view(-1).tolist())
+    assert seen[0] == ((1,), [0, 1, 2, 3]) and seen[1] == ((-1,), [0, 1, 2, 3])  # a pert pair: same rows
+    assert seen[2] == ((1,), [4, 5, 6, 7]) and seen[3] == ((-1,), [4, 5, 6, 7])
+    assert ParallelContext.single().signs == (1, -1)
+
+
+def test_launch_env_reads_torchrun_variables():
+    env = LaunchEnv.from_environ(
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    )
+    assert env == LaunchEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, launched=True)
+    assert LaunchEnv.from_environ({}) == LaunchEnv()
