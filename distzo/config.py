@@ -83,6 +83,8 @@ class ZOConfig:
                 f"transfer_dtype {self.transfer_dtype} only applies to mode offload (resident blocks never "
                 "travel); use transfer_dtype fp32 or mode offload"
             )
+        if self.transfer == "sliced" and self.mode != "offload":
+            raise ValueError("transfer sliced only applies to mode offload (resident blocks never travel)")
         self.torch_device()  # a malformed device string fails here, not mid-build
 
     def torch_device(self) -> torch.device:

@@ -205,6 +205,8 @@ def train(args: argparse.Namespace, env: LaunchEnv, config: ZOConfig, dims: Para
             "rank": env.rank,
             "transfer": engine.transfer,
             "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
+            "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
+            "formula_coordinates": list(dims.coordinates(env.rank)),
             "host_bytes": engine.store.host_bytes,
             "device_bytes": engine.store.device_bytes,
             "eval_before": before,

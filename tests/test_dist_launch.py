@@ -45,6 +45,12 @@ def test_every_strategy_follows_the_single_process_trajectory(runs, name):
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
 
 
+def test_device_mesh_places_ranks_row_major(runs):
+    ranks = runs["2d"].ranks
+    assert [ranks[r]["mesh_coordinates"] for r in range(4)] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert all(r["mesh_coordinates"] == r["formula_coordinates"] for r in ranks.values())
+
+
 def test_perturbation_parallel_is_bitwise_single(runs):
     assert runs["pertp"].grads == runs["single"].grads
 

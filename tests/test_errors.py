@@ -24,6 +24,10 @@ from tests.conftest import tiny_opt
         ({"mode": "disk"}, "mode"),
         ({"noise_chunk": 0}, "noise_chunk"),
         ({"device": "tpu:x"}, "device"),
+        ({"transfer": "sliced", "mode": "resident"}, "transfer sliced"),
+        ({"transfer": "ring"}, "transfer"),
+        ({"transfer_dtype": "int4"}, "transfer_dtype"),
+        ({"compute_dtype": "fp8"}, "compute_dtype"),
     ],
 )
 def test_invalid_options_name_themselves(options, option_named):
