@@ -24,7 +24,8 @@ class ZOConfig:
     cross the link (``auto``: sliced on CUDA+NCCL with several local ranks, else naive);
     ``transfer_dtype`` is their format in host memory and on the wire (fp32 masters stay
     on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
-    perturbed weights and activations use (AMP).
+    perturbed weights and activations use (AMP); ``transfer_chunks`` pieces of each
+    rank's share pipeline the sliced upload's copy with its all-gather.
     """
 
     lr: float = 1e-6
@@ -41,6 +42,7 @@ class ZOConfig:
     transfer: str = "auto"
     transfer_dtype: str = "fp32"
     compute_dtype: str = "auto"
+    transfer_chunks: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +85,8 @@ class ZOConfig:
                 f"transfer_dtype {self.transfer_dtype} only applies to mode offload (resident blocks never "
                 "travel); use transfer_dtype fp32 or mode offload"
             )
+        if self.transfer_chunks < 1:
+            raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError("transfer sliced only applies to mode offload (resident blocks never travel)")
         self.torch_device()  # a malformed device string fails here, not mid-build

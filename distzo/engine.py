@@ -146,7 +146,8 @@ class ZOEngine:
                 shard = Shard(group.group, group.rank, group.size)
             low_bit = None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
             self.store = StreamedBlocks(
-                self.block_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise
+                self.block_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise,
+                config.transfer_chunks,
             )
         else:
             self.store = ResidentBlocks(self.block_layouts, self.device)

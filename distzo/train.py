@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--pert", type=int, default=None, help="perturbation-parallel size, 1 or 2 (default auto: 2 if the world is even)")
     dist.add_argument("--transfer", choices=TRANSFERS, default="auto", help="naive: whole blocks per rank; sliced: each local rank moves 1/n and all-gathers; auto: sliced on CUDA+NCCL with >1 local ranks")
     dist.add_argument("--transfer-dtype", choices=TRANSFER_DTYPE_NAMES, default="fp32", help="format of blocks in host memory and on the wire (stochastic rounding back)")
+    dist.add_argument("--transfer-chunks", type=int, default=4, help="pieces of each rank's share, so the sliced upload's all-gather of one overlaps the copy of the next")
     dist.add_argument("--compute-dtype", choices=COMPUTE_DTYPE_NAMES, default="auto", help="dtype of perturbed weights and activations (auto: the master dtype)")
     dist.add_argument("--backend", choices=pg.BACKENDS, default="auto", help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
     dist.add_argument("--dist-timeout", type=float, default=300.0, help="seconds before a stuck collective fails the job")
@@ -105,6 +106,7 @@ def validate(args: argparse.Namespace, env: LaunchEnv) -> tuple[ZOConfig, Parall
         transfer=args.transfer,
         transfer_dtype=args.transfer_dtype,
         compute_dtype=args.compute_dtype,
+        transfer_chunks=args.transfer_chunks,
     )
     pg.resolve_backend(args.backend, config.torch_device())
     model_config = model_config_of(args.model)

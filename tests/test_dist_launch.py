@@ -64,7 +64,7 @@ def test_sliced_equals_naive_and_holds_a_quarter_of_the_host_copy(runs):
     assert {r["transfer"] for r in sliced.ranks.values()} == {"sliced"}
     for rank in range(4):
         share = sliced.ranks[rank]["host_bytes"] / naive.ranks[rank]["host_bytes"]
-        assert 0.25 <= share <= 0.27, share  # 1/4, plus the padding that aligns the slices
+        assert 0.25 <= share <= 0.28, share  # 1/4, plus padding that aligns each of the 4 pieces per rank
 
 
 def test_perturbation_parallel_is_bitwise_single_in_float32(tmp_path):
@@ -144,7 +144,7 @@ def test_low_bit_sliced_equals_low_bit_naive_bitwise(tmp_path, wire, compute):
     for name, value in runs["naive"].params.items():
         assert (runs["sliced"].params[name] == value).all(), name
     share = runs["sliced"].ranks[0]["host_bytes"] / runs["naive"].ranks[0]["host_bytes"]
-    assert 0.5 <= share <= 0.52
+    assert 0.5 <= share <= 0.53  # 1/2, plus padding that aligns each of the 4 pieces per rank
 
 
 def test_single_node_launch_script_runs(tmp_path):
@@ -155,3 +155,13 @@ def test_single_node_launch_script_runs(tmp_path):
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert len(Run(tmp_path).metrics) == 20
+
+
+@pytest.mark.parametrize("chunks", ["1", "3"])
+def test_pipelined_pieces_do_not_change_the_trajectory(runs, tmp_path, chunks):
+    proc = torchrun(
+        4, FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--transfer-chunks", chunks,
+                   "--output-dir", str(tmp_path)],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Run(tmp_path).grads == runs["2d_sliced"].grads  # default: 4 pieces

@@ -54,6 +54,9 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, uniform: torch.Tenso
     """
     limit = torch.finfo(dst.dtype).max
     x = src.float().clamp(-limit, limit)
+    if dst.dtype == torch.bfloat16:
+        _round_stochastic_bf16_(dst, x, uniform)
+        return
     nearest = x.to(dst.dtype)
     nearest_value = nearest.float()
     direction = torch.sign(x - nearest_value).to(torch.int32)  # towards the other neighbour
@@ -61,3 +64,14 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, uniform: torch.Tenso
     gap = (other.float() - nearest_value).abs()
     p_other = torch.where(direction == 0, torch.zeros_like(x), (x - nearest_value).abs() / gap)
     dst.copy_(torch.where(uniform < p_other, other, nearest))
+
+
+def _round_stochastic_bf16_(dst: torch.Tensor, x: torch.Tensor, uniform: torch.Tensor) -> None:
+    """bf16 is fp32 with the low 16 bits cut: adding 16 random bits to the bit pattern
+    and cutting them carries into the kept bits with probability equal to the cut
+    fraction (on the magnitude, so for either sign), which is exactly stochastic rounding."""
+    noise = (uniform * 65536.0).to(torch.int32)  # uniform in [0, 2^16)
+    bits = (x.view(torch.int32) + noise) & -65536  # clear the low 16 bits (0xFFFF0000)
+    rounded = bits.view(torch.float32)
+    limit = torch.finfo(torch.bfloat16).max
+    dst.copy_(rounded.clamp(-limit, limit))  # exact: the low bits are zero

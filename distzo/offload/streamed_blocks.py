@@ -4,11 +4,13 @@ One class covers both transfer modes, because naive is sliced with one owner:
 
 * **naive** (``shard`` None): this rank holds every block whole and moves all M
   elements each way.
-* **sliced**: the n ranks of a node each own slice k (M/n elements, padded) of every
-  block in one host allocation made at start-up. Upload copies the own slice over
-  PCIe into its place in the slot, then all-gathers the slices over the node's
-  interconnect into the full slot; offload copies only the own slice back. Since
-  every rank applies the same update to the full block, each owner's slice is right.
+* **sliced**: the n ranks of a node each own M/n elements (padded) of every block,
+  in one host allocation made at start-up. Upload copies the own share over PCIe
+  into its place in the slot, then all-gathers the shares over the node's
+  interconnect into the full slot; offload copies only the own share back. Since
+  every rank applies the same update to the full block, each owner's share is right.
+  The share is striped in ``chunks`` pieces (rank k owns pieces j*n + k), so that
+  piece j's all-gather, issued asynchronously, overlaps piece j+1's PCIe copy.
 
 With a low-bit ``transfer_dtype`` the host copy and the wire carry bf16/fp16/fp8;
 a staging buffer per slot receives them and the fp32 master slot is rebuilt from it
@@ -49,7 +51,10 @@ class StreamedBlocks:
         transfer_dtype: torch.dtype | None = None,
         shard: Shard | None = None,
         rounding_noise: NoiseSource | None = None,
+        chunks: int = 1,
     ) -> None:
+        if chunks < 1:
+            raise ValueError(f"transfer chunks must be >= 1, got {chunks}")
         device = torch.device(device)
         self.layouts = layouts
         self.shard = shard if shard is not None else Shard(None, 0, 1)
@@ -61,8 +66,10 @@ class StreamedBlocks:
             raise ValueError("a low-bit transfer needs a rounding noise source")
         self.rounding_noise = rounding_noise
         self.step = 0  # the pass's step: keys the rounding noise on the way back
-        # Padded so that every slice has the same length and starts aligned.
-        self.padded = [round_up(layout.numel, n * ALIGN_ELEMENTS) for layout in layouts]
+        # Sliced only: a single owner has nothing to overlap its copy with.
+        self.chunks = chunks if n > 1 else 1
+        # Padded so that every piece has the same length and starts aligned.
+        self.padded = [round_up(layout.numel, n * self.chunks * ALIGN_ELEMENTS) for layout in layouts]
         self.slice_len = [p // n for p in self.padded]
 
         pin = device.type == "cuda"
@@ -82,35 +89,46 @@ class StreamedBlocks:
 
     # -------------------------------------------------------------- BlockStore API
 
-    def _own(self, index: int) -> tuple[int, int]:
-        length = self.slice_len[index]
-        return self.shard.rank * length, (self.shard.rank + 1) * length
+    def _pieces(self, index: int):
+        """(host range, slot range) of each piece this rank owns, in host order."""
+        piece = self.slice_len[index] // self.chunks
+        n, k = self.shard.size, self.shard.rank
+        for j in range(self.chunks):
+            slot_lo = (j * n + k) * piece
+            yield (j * piece, (j + 1) * piece), (slot_lo, slot_lo + piece)
 
     def _wire(self, index: int) -> torch.Tensor:
         buffers = self.staging if self.low_bit else self.slots
         return buffers.for_block(index, self.padded[index])
 
     def upload(self, index: int) -> None:
-        lo, hi = self._own(index)
-        wire = self._wire(index)
-        wire[lo:hi].copy_(self.host_slices[index], non_blocking=self._non_blocking)
-        if self.shard.size > 1:
-            # In place (this rank's input is its own slice of the output), as bytes: a
-            # gather moves bits unchanged, and bytes work for every format on every backend.
-            raw = wire.view(torch.uint8)
-            size = wire.element_size()
-            dist.all_gather_into_tensor(raw, raw[lo * size : hi * size], group=self.shard.group)
+        wire, host = self._wire(index), self.host_slices[index]
+        gathers = []
+        piece_len = self.slice_len[index] // self.chunks * self.shard.size
+        for j, ((h_lo, h_hi), (s_lo, s_hi)) in enumerate(self._pieces(index)):
+            wire[s_lo:s_hi].copy_(host[h_lo:h_hi], non_blocking=self._non_blocking)
+            if self.shard.size > 1:
+                # In place (the input is this rank's own piece of the output), as bytes: a
+                # gather moves bits unchanged, and bytes work for every format on every
+                # backend. Asynchronous, so the next piece's copy overlaps this gather.
+                raw = wire[j * piece_len : (j + 1) * piece_len].view(torch.uint8)
+                own = wire[s_lo:s_hi].view(torch.uint8)
+                gathers.append(dist.all_gather_into_tensor(raw, own, group=self.shard.group, async_op=True))
+        for work in gathers:
+            work.wait()  # on CUDA: the current (upload) stream waits, the host does not
         if self.low_bit:
             self.slots.for_block(index, self.padded[index]).copy_(wire)
 
     def offload(self, index: int) -> None:
-        lo, hi = self._own(index)
-        master = self.slots.for_block(index, self.padded[index])[lo:hi]
-        if self.low_bit:
-            wire = self._wire(index)[lo:hi]
-            self._round_into(wire, master, index, lo)
-            master = wire
-        self.host_slices[index].copy_(master, non_blocking=self._non_blocking)
+        master_full = self.slots.for_block(index, self.padded[index])
+        host = self.host_slices[index]
+        for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
+            master = master_full[s_lo:s_hi]
+            if self.low_bit:
+                wire = self._wire(index)[s_lo:s_hi]
+                self._round_into(wire, master, index, s_lo)
+                master = wire
+            host[h_lo:h_hi].copy_(master, non_blocking=self._non_blocking)
 
     def device_bucket(self, index: int) -> torch.Tensor:
         return self.slots.for_block(index, self.layouts[index].numel)
@@ -120,11 +138,11 @@ class StreamedBlocks:
         return self.host_slices[index]
 
     def load_block(self, index: int, values: torch.Tensor) -> None:
-        """Take this rank's slice of a whole block's initial values (round-to-nearest)."""
-        lo, hi = self._own(index)
+        """Take this rank's share of a whole block's initial values (round-to-nearest)."""
         padded = torch.zeros(self.padded[index], dtype=values.dtype)
         padded[: values.numel()] = values
-        round_nearest_(self.host_slices[index], padded[lo:hi])
+        for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
+            round_nearest_(self.host_slices[index][h_lo:h_hi], padded[s_lo:s_hi])
 
     @property
     def host_bytes(self) -> int:

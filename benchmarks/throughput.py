@@ -1,0 +1,210 @@
+"""Training throughput and memory: resident (MeZO) vs offload (ZO2) vs the parallel layouts.
+
+    python benchmarks/throughput.py [--quick] [--shape opt-1.3b] [--layers 4] [--batch 8] [--seq 512]
+    torchrun --nproc_per_node=2 benchmarks/throughput.py     # adds PertP, DDP (and 2D on 4 ranks)
+
+Single process: tokens/s and peak device memory of resident, offload without overlap
+(one slot) and offload with overlap (K slots), on a random-init model of the shape;
+per-block upload/compute/offload times from the device timeline and the overlap
+efficiency eta = max(upload, compute, offload) / (pipelined time per block).
+Under torchrun it also runs, in the same process group and the same run: rank 0 alone
+(the 1-rank baseline, same threads per rank), PertP, DDP and 2D, so the ratios
+against resident and against 1 rank are taken side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distzo import ZOConfig, ZOEngine
+from distzo.bench import BenchReport, Measurement
+from distzo.bench.records import device_name
+from distzo.bench.timing import Timer, synchronize
+from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
+from distzo.dist import process_group as pg
+from distzo.models import model_from_config
+from distzo.models.tiny import tiny_opt_config
+from distzo.offload import Timeline
+from transformers import OPTConfig
+
+logger = logging.getLogger("throughput")
+
+SHAPES = {  # hidden, ffn, heads, layers (the real layer counts; --layers overrides)
+    "tiny": (64, 256, 4, 4),
+    "opt-125m": (768, 3072, 12, 12),
+    "opt-350m": (1024, 4096, 16, 24),
+    "opt-1.3b": (2048, 8192, 32, 24),
+    "opt-2.7b": (2560, 10240, 32, 32),
+    "opt-6.7b": (4096, 16384, 32, 32),
+    "opt-13b": (5120, 20480, 40, 40),
+}
+
+
+def model_config(shape: str, layers: int | None, seq: int) -> OPTConfig:
+    hidden, ffn, heads, depth = SHAPES[shape]
+    return tiny_opt_config(
+        vocab_size=50272 if shape != "tiny" else 512,
+        hidden_size=hidden,
+        ffn_dim=ffn,
+        num_attention_heads=heads,
+        num_hidden_layers=layers or depth,
+        word_embed_proj_dim=hidden,
+        max_position_embeddings=max(seq, 2048),
+    )
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, env: LaunchEnv, device: torch.device) -> None:
+        self.args, self.env, self.device = args, env, device
+        self.report = BenchReport("throughput", device_name(device), env.world_size)
+        self.config = model_config(args.shape, args.layers, args.seq)
+        self.compute = args.compute_dtype
+        g = torch.Generator().manual_seed(0)
+        self.batch = {"input_ids": torch.randint(3, self.config.vocab_size, (args.batch, args.seq), generator=g)}
+
+    def barrier(self) -> None:
+        if self.env.world_size > 1:
+            dist.barrier()
+
+    def engine(self, mode: str, slots: int, parallel: ParallelContext) -> ZOEngine:
+        torch.manual_seed(0)
+        model = model_from_config(self.config)
+        config = ZOConfig(
+            lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
+            compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
+        )
+        return ZOEngine(model, config, parallel=parallel)
+
+    def measure(self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True):
+        """Time ``--steps`` steps of one layout; ranks outside it wait at the barrier."""
+        self.barrier()
+        if not participates:
+            self.barrier()
+            return None
+        engine = self.engine(mode, slots, parallel)
+        local = parallel.shard_batch(self.batch)
+        tokens = self.batch["input_ids"].numel()  # the global batch: every layout does the same work
+        engine.step(local)  # warm-up (allocator, first uploads)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        samples = []
+        for _ in range(self.args.steps):
+            synchronize(self.device)
+            start = time.perf_counter()
+            engine.step(local)
+            synchronize(self.device)
+            samples.append(time.perf_counter() - start)
+        timer = Timer(samples)
+        metrics = {
+            "tokens_per_s": tokens / timer.median,
+            "host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        }
+        if self.device.type == "cuda":
+            metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        metrics.update(self.block_times(engine, local))
+        params = {
+            "shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": self.args.batch,
+            "seq": self.args.seq, "mode": mode, "slots": slots, "dp": parallel.dims.dp, "pert": parallel.dims.pert,
+            "compute": self.compute, "threads": torch.get_num_threads(),
+        }
+        m = Measurement.from_timer(name, params, timer, metrics)
+        if self.env.rank == 0:
+            self.report.measurements.append(m)
+            logger.info("%-14s %10.1f tokens/s  eta %.2f", name, metrics["tokens_per_s"], metrics.get("eta", 0.0))
+        del engine
+        if not parallel.is_distributed:
+            self.barrier()  # the ranks that sat this one out wait here
+        return m
+
+    def block_times(self, engine: ZOEngine, batch) -> dict[str, float]:
+        """Mean upload/compute/offload per block from one step's timeline, and eta."""
+        engine.scheduler.timeline = Timeline(engine.streams)
+        engine.step(batch)
+        spans = engine.scheduler.timeline.spans()
+        engine.scheduler.timeline = None
+        n = engine.scheduler.num_blocks
+        mean = {p: sum(s.ms for s in spans if s.phase == p) / n for p in ("upload", "compute", "offload")}
+        pipelined = (max(s.end_ms for s in spans) - min(s.start_ms for s in spans)) / n
+        return {
+            "upload_ms_per_block": mean["upload"],
+            "compute_ms_per_block": mean["compute"],
+            "offload_ms_per_block": mean["offload"],
+            "pipelined_ms_per_block": pipelined,
+            "eta": max(mean.values()) / pipelined if pipelined > 0 else 0.0,
+        }
+
+    def run(self) -> BenchReport:
+        single = ParallelContext.single()
+        first = self.env.rank == 0
+        resident = offload = None
+        if not self.args.skip_resident:
+            resident = self.measure("resident", "resident", 1, single, first)
+        self.measure("offload_serial", "offload", 1, single, first)
+        offload = self.measure("offload", "offload", self.args.slots, single, first)
+        if first and resident is not None:
+            for m in self.report.measurements:
+                self.report.derived[f"{m.name}_vs_resident"] = m.metrics["tokens_per_s"] / resident.metrics["tokens_per_s"]
+        world = self.env.world_size
+        if world > 1:
+            # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
+            # 2D (dp x 2) on more, DDP on any.
+            layouts = {"ddp": ParallelDims(world, 1)}
+            if world == 2:
+                layouts["pertp"] = ParallelDims(1, 2)
+            elif world % 2 == 0:
+                layouts["2d"] = ParallelDims(world // 2, 2)
+            for name, dims in layouts.items():
+                dims.check_batch(self.args.batch)
+                m = self.measure(name, "offload", self.args.slots, ParallelContext(self.env, dims))
+                if first:
+                    self.report.derived[f"{name}_vs_1_rank"] = m.metrics["tokens_per_s"] / offload.metrics["tokens_per_s"]
+        return self.report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: seconds (CI)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="model shape (default tiny if --quick, else opt-1.3b)")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (memory)")
+    p.add_argument("--batch", type=int, default=None, help="global batch (default 8; quick 4)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; quick 32)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)")
+    p.add_argument("--slots", type=int, default=2, help="device slots of the overlapped offload")
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
+    p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="benchmarks/out/throughput.json")
+    args = p.parse_args()
+    args.shape = args.shape or ("tiny" if args.quick else "opt-1.3b")
+    args.batch = args.batch or (4 if args.quick else 8)
+    args.seq = args.seq or (32 if args.quick else 512)
+    args.steps = args.steps or (2 if args.quick else 5)
+    env = LaunchEnv.from_environ()
+    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
+    logging.getLogger("distzo").setLevel(logging.WARNING)
+    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{env.local_rank}" if args.device == "auto" and cuda else ("cpu" if not cuda else args.device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(args.threads)
+    if env.launched:
+        pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
+    report = Bench(args, env, device).run()
+    if env.rank == 0:
+        out = Path(args.out)
+        report.write(out, ["mode", "slots", "dp", "pert", "tokens_per_s", "peak_device_gb", "eta"])
+        logger.info("wrote %s, %s", out, out.with_suffix(".md"))
+    pg.shutdown()
+
+
+if __name__ == "__main__":
+    main()

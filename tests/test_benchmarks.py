@@ -1,0 +1,71 @@
+"""The benchmarks run in their --quick form and write reports that match the schema."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from distzo.bench import validate_report
+from tests.launch import child_env, free_port
+
+
+def run(args, nproc=1, timeout=240):
+    if nproc == 1:
+        command = [sys.executable, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def load(path):
+    data = json.loads(path.read_text())
+    validate_report(data)
+    assert path.with_suffix(".md").read_text().startswith(data["benchmark"])
+    return data
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_bandwidth_quick_report(tmp_path, nproc):
+    out = tmp_path / "bandwidth.json"
+    run(["benchmarks/bandwidth.py", "--quick", "--out", str(out)], nproc)
+    data = load(out)
+    names = {(m["name"], m["params"].get("transfer"), m["params"]["dtype"]) for m in data["measurements"]}
+    for dtype in ("fp32", "bf16"):
+        assert ("engine_upload", "naive", dtype) in names and ("engine_offload", "naive", dtype) in names
+    if nproc == 2:
+        assert ("engine_upload", "sliced", "fp32") in names
+        assert any(m["name"] == "all_gather" for m in data["measurements"])
+    assert any(k.startswith("upload_vs_bare_h2d[") for k in data["derived"])
+    assert any(k.startswith("slice_time_ratio[") for k in data["derived"])
+    model = run(["benchmarks/model.py", "--bandwidth", str(out), "--shape", "opt-13b", "--max-n", "4"])
+    assert "| 4 |" in model.stdout
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_throughput_quick_report(tmp_path, nproc):
+    out = tmp_path / "throughput.json"
+    run(["benchmarks/throughput.py", "--quick", "--out", str(out)], nproc)
+    data = load(out)
+    names = [m["name"] for m in data["measurements"]]
+    assert names[:3] == ["resident", "offload_serial", "offload"]
+    for m in data["measurements"]:
+        assert m["metrics"]["tokens_per_s"] > 0 and 0 < m["metrics"]["eta"] <= 1.0001
+    assert "offload_vs_resident" in data["derived"]
+    if nproc == 2:
+        assert {"pertp", "ddp"} <= set(names)
+        assert "pertp_vs_1_rank" in data["derived"]
+
+
+def test_schema_rejects_a_broken_report(tmp_path):
+    out = tmp_path / "bandwidth.json"
+    run(["benchmarks/bandwidth.py", "--quick", "--dtypes", "fp32", "--out", str(out)])
+    data = json.loads(out.read_text())
+    data["measurements"][0]["median_s"] = data["measurements"][0]["max_s"] * 2
+    with pytest.raises(ValueError, match="min <= median <= max"):
+        validate_report(data)
+    with pytest.raises(ValueError, match="schema_version"):
+        validate_report(dict(data, schema_version=0))
