@@ -38,6 +38,7 @@ logger = logging.getLogger("throughput")
 
 SHAPES = {  # hidden, ffn, heads, layers (the real layer counts; --layers overrides)
     "tiny": (64, 256, 4, 4),
+    "mini": (256, 1024, 4, 4),  # small vocabulary too: compute-bound on a CPU at batch x seq >= 4k
     "opt-125m": (768, 3072, 12, 12),
     "opt-350m": (1024, 4096, 16, 24),
     "opt-1.3b": (2048, 8192, 32, 24),
@@ -50,7 +51,7 @@ SHAPES = {  # hidden, ffn, heads, layers (the real layer counts; --layers overri
 def model_config(shape: str, layers: int | None, seq: int) -> OPTConfig:
     hidden, ffn, heads, depth = SHAPES[shape]
     return tiny_opt_config(
-        vocab_size=50272 if shape != "tiny" else 512,
+        vocab_size=512 if shape in ("tiny", "mini") else 50272,
         hidden_size=hidden,
         ffn_dim=ffn,
         num_attention_heads=heads,
