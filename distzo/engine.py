@@ -313,12 +313,17 @@ class ZOEngine:
                 for e in layout.entries:
                     values[e.offset : e.offset + e.numel] = params[e.names[0]].reshape(-1)
                 self.store.load_block(i, values)
-        self.step_index = int(state["step"])
-        self.run_seed = int(state["run_seed"])
-        self._make_noise(dtype)
+        pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
+        self.restore(int(state["step"]), int(state["run_seed"]), pending)
+
+    def restore(self, step: int, run_seed: int, pending: PendingUpdate | None) -> None:
+        """Set the step counter, run seed and pending update after the buckets were loaded."""
+        self.step_index = step
+        self.run_seed = run_seed
+        self._make_noise(self.resident_master.dtype)
         if isinstance(self.store, StreamedBlocks):
             self.store.rounding_noise = self.rounding_noise
-        self.pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
+        self.pending = pending
         self._resident_holds = None
         self._broken = None
 

@@ -1,75 +1,50 @@
 """``python -m distzo.train`` / ``torchrun --nproc_per_node=N -m distzo.train``.
 
 With no arguments it trains a tiny random-init OPT on a counting task generated in
-code (no download), evaluates before and after, and prints the loss going down.
-Under torchrun the ranks form a dp x pert mesh (DistZO2): every option is validated
-on every rank before any process group or model is built.
+code (no download), evaluates before and after, and prints the metrics improving.
+Under torchrun the ranks form a dp x pert mesh (DistZO2). Every option is validated
+on every rank before any process group or model is built; options come from the
+defaults, a TOML file (``--config``) and the flags, in that order of precedence.
+
+A run directory (``--output-dir``, default ``./runs/<timestamp>``) receives:
+``config.toml`` (the resolved options), ``metrics.jsonl`` (one record per step),
+``eval.jsonl``, ``seedlog.jsonl`` (what ``python -m distzo.replay`` needs),
+``checkpoints/step-N/`` (resumable with ``--resume``), ``base/`` (the initial
+weights of a random-init model), ``export/`` (the final model, Hugging Face format)
+and ``rankN.json`` (each rank's transfer mode and memory).
 """
 
 from __future__ import annotations
 
-import argparse
+import datetime
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from distzo.config import COMPUTE_DTYPE_NAMES, MODES, TRANSFER_DTYPE_NAMES, TRANSFERS, ZOConfig
+from distzo.checkpoint import Checkpointer, export_hf, latest_checkpoint
+from distzo.config import ZOConfig
 from distzo.data import CountingTask
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims, ShardGroup, broadcast_seed
 from distzo.dist import process_group as pg
 from distzo.engine import ZOEngine, count_tokens
+from distzo.job_config import JobConfig, resolve, write_resolved
 from distzo.models import check_supported, load_model, model_from_config
 from distzo.models.tiny import tiny_opt_config
-from distzo.zo import SCHEDULES
 
 logger = logging.getLogger("distzo.train")
 
 MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+TASKS = ("counting",)
 FAILURE_ENV = "DISTZO_FAIL_AT"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m distzo.train",
-        description="Zeroth-order (MeZO / ZO2 / DistZO2) fine-tuning. Defaults train a tiny OPT on a "
-        "generated counting task. Launch with torchrun for several ranks.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default=None, help="hub name or local path of an OPT model; default: tiny random init")
-    p.add_argument("--dtype", choices=sorted(MASTER_DTYPES), default="fp32", help="master (parameter) dtype")
-    p.add_argument("--max-steps", type=int, default=2000, help="ZO steps to take")
-    p.add_argument("--batch-size", type=int, default=16, help="global sequences per step (split over dp)")
-    p.add_argument("--seq-len", type=int, default=16, help="tokens per generated sequence")
-    p.add_argument("--lr", type=float, default=1e-2, help="learning rate")
-    p.add_argument("--eps", type=float, default=1e-3, help="perturbation scale")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay on matrices")
-    p.add_argument("--lr-schedule", choices=SCHEDULES, default="linear", help="learning-rate schedule")
-    p.add_argument("--mode", choices=MODES, default="offload", help="offload: blocks in host memory (ZO2); resident: all on device (MeZO)")
-    p.add_argument("--num-slots", type=int, default=2, help="device slots for streamed blocks (1 = no overlap)")
-    p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--seed", type=int, default=0, help="run seed (model init, data and noise); -1: rank 0 draws one")
-    p.add_argument("--eval-batch-size", type=int, default=64, help="sequences in the fixed evaluation batch")
-    p.add_argument("--log-every", type=int, default=50, help="log a line every N steps")
-    p.add_argument("--output-dir", default=None, help="where rank 0 writes metrics.jsonl and final.safetensors")
-    dist = p.add_argument_group("distributed (under torchrun)")
-    dist.add_argument("--dp", type=int, default=None, help="data-parallel size (default auto: world / pert)")
-    dist.add_argument("--pert", type=int, default=None, help="perturbation-parallel size, 1 or 2 (default auto: 2 if the world is even)")
-    dist.add_argument("--transfer", choices=TRANSFERS, default="auto", help="naive: whole blocks per rank; sliced: each local rank moves 1/n and all-gathers; auto: sliced on CUDA+NCCL with >1 local ranks")
-    dist.add_argument("--transfer-dtype", choices=TRANSFER_DTYPE_NAMES, default="fp32", help="format of blocks in host memory and on the wire (stochastic rounding back)")
-    dist.add_argument("--transfer-chunks", type=int, default=4, help="pieces of each rank's share, so the sliced upload's all-gather of one overlaps the copy of the next")
-    dist.add_argument("--compute-dtype", choices=COMPUTE_DTYPE_NAMES, default="auto", help="dtype of perturbed weights and activations (auto: the master dtype)")
-    dist.add_argument("--backend", choices=pg.BACKENDS, default="auto", help="process-group backend (auto: nccl on CUDA, gloo on CPU)")
-    dist.add_argument("--dist-timeout", type=float, default=300.0, help="seconds before a stuck collective fails the job")
-    dist.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores / local ranks)")
-    return p
 
 
 def configure_logging(env: LaunchEnv) -> None:
@@ -85,40 +60,6 @@ def resolve_device(name: str, env: LaunchEnv) -> str:
     return name
 
 
-def validate(args: argparse.Namespace, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims]:
-    """Every check that needs no model and no process group, run identically on every rank."""
-    if args.max_steps < 0 or args.batch_size < 1 or args.eval_batch_size < 1:
-        raise ValueError("--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1")
-    dims = ParallelDims.resolve(env.world_size, args.dp, args.pert)
-    dims.check_batch(args.batch_size)
-    if args.transfer == "sliced" and not env.launched:
-        raise ValueError("--transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto")
-    config = ZOConfig(
-        lr=args.lr,
-        eps=args.eps,
-        weight_decay=args.weight_decay,
-        lr_schedule=args.lr_schedule,
-        max_steps=args.max_steps,
-        mode=args.mode,
-        num_slots=args.num_slots,
-        device=resolve_device(args.device, env),
-        seed=None if args.seed == -1 else args.seed,
-        transfer=args.transfer,
-        transfer_dtype=args.transfer_dtype,
-        compute_dtype=args.compute_dtype,
-        transfer_chunks=args.transfer_chunks,
-    )
-    pg.resolve_backend(args.backend, config.torch_device())
-    model_config = model_config_of(args.model)
-    check_supported(model_config.model_type)
-    if args.seq_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}; lower --seq-len"
-        )
-    return config, dims
-
-
 def model_config_of(name: str | None) -> PretrainedConfig:
     """The model's config alone (a small file): enough to reject bad input before loading."""
     if name is None:
@@ -129,14 +70,61 @@ def model_config_of(name: str | None) -> PretrainedConfig:
         raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
 
 
-def build_parallel(args: argparse.Namespace, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
+def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims]:
+    """Every check that needs no model and no process group, run identically on every rank."""
+    data, optim, off, par, run = job.data, job.optim, job.offload, job.parallel, job.run
+    if optim.max_steps < 0 or data.batch_size < 1 or data.eval_batch_size < 1:
+        raise ValueError("--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1")
+    if run.log_every < 0 or run.eval_steps < 0 or run.save_steps < 0:
+        raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
+    if data.task not in TASKS:
+        raise ValueError(f"--task {data.task!r} is not available; choose one of {', '.join(TASKS)}")
+    if data.train_file or data.eval_file:
+        raise ValueError(f"--task {data.task} generates its data; --train-file/--eval-file do not apply to it")
+    dims = ParallelDims.resolve(env.world_size, par.dp, par.pert)
+    dims.check_batch(data.batch_size)
+    if off.transfer == "sliced" and not env.launched:
+        raise ValueError("--transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto")
+    if data.eval_batch_size < env.world_size:
+        raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
+    config = ZOConfig(
+        lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay, lr_schedule=optim.lr_schedule,
+        warmup_steps=optim.warmup_steps, max_steps=optim.max_steps, mode=off.mode, num_slots=off.num_slots,
+        device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
+        transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
+        transfer_chunks=off.transfer_chunks,
+    )
+    pg.resolve_backend(par.backend, config.torch_device())
+    model_config = model_config_of(job.model.model)
+    check_supported(model_config.model_type)
+    if data.seq_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"--seq-len {data.seq_len} exceeds the model's max_position_embeddings "
+            f"{model_config.max_position_embeddings}; lower --seq-len"
+        )
+    if run.resume and not run.output_dir:
+        raise ValueError("--resume needs --output-dir: the run directory to resume")
+    if run.resume and not latest_checkpoint(Path(run.output_dir) / "checkpoints"):
+        raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
+    return config, dims
+
+
+def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
     if not env.launched:
         return ParallelContext(env, dims)
-    pg.init_process_group(env, pg.resolve_backend(args.backend, device), args.dist_timeout)
+    pg.init_process_group(env, pg.resolve_backend(job.parallel.backend, device), job.parallel.dist_timeout)
     mesh = pg.build_mesh(dims, device)
     group, members = pg.node_groups(env)
-    shard = ShardGroup(group, members, members.index(env.rank))
-    return ParallelContext(env, dims, mesh, shard)
+    return ParallelContext(env, dims, mesh, ShardGroup(group, members, members.index(env.rank)))
+
+
+def agree(value, env: LaunchEnv):
+    """Rank 0's value of a small Python object, on every rank."""
+    if not env.launched or env.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def injected_failure(rank: int) -> int | None:
@@ -148,92 +136,165 @@ def injected_failure(rank: int) -> int | None:
     return fail_step if fail_rank == rank else None
 
 
-def train(args: argparse.Namespace, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) -> None:
+def evaluate(engine: ZOEngine, eval_set: dict[str, torch.Tensor], parallel: ParallelContext) -> dict[str, float]:
+    """Next-token loss and accuracy on the eval set, its rows sharded over all ranks and
+    the sums reduced (every rank takes part: uploads may be collective)."""
+    rank, world = parallel.env.rank, parallel.env.world_size
+    rows = torch.arange(eval_set["input_ids"].shape[0]).tensor_split(world)[rank]
+    shard = {k: v[rows] for k, v in eval_set.items()}
+    logits, _ = engine.forward(shard)
+    targets = shard["labels"][:, 1:].to(logits.device)
+    keep = targets != -100
+    predicted = logits[:, :-1].float()
+    loss_sum = torch.nn.functional.cross_entropy(predicted[keep], targets[keep], reduction="sum")
+    correct = (predicted.argmax(-1)[keep] == targets[keep]).sum()
+    totals = torch.stack([loss_sum.double(), correct.double(), keep.sum().double()])
+    totals = parallel.reduce(totals)
+    loss, hits, count = totals.tolist()
+    return {"eval_loss": loss / count, "eval_accuracy": hits / count}
+
+
+def _truncate_jsonl(path: Path, before_step: int) -> None:
+    """Drop the records of steps a resumed run will take again."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines()
+                if "step" not in (rec := json.loads(line)) or rec["step"] < before_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+class RunLogs:
+    """Rank 0's JSON-lines files: per-step metrics, evaluations and the seed log."""
+
+    def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.paths = {"metrics": log_dir / "metrics.jsonl", "eval": log_dir / "eval.jsonl", "seeds": run_dir / "seedlog.jsonl"}
+        for path in self.paths.values():
+            _truncate_jsonl(path, resume_step) if resume_step else path.unlink(missing_ok=True)
+        self.files = {name: open(path, "a") for name, path in self.paths.items()}
+        if not resume_step:
+            self.write("seeds", {"kind": "header", **header})
+
+    def write(self, name: str, record: dict) -> None:
+        self.files[name].write(json.dumps(record) + "\n")
+        self.files[name].flush()
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) -> dict:
     device = config.torch_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif env.launched or args.threads:
-        logger.info("%d CPU threads per rank", pg.set_cpu_threads(env, args.threads))
-    parallel = build_parallel(args, env, dims, device)
+    elif env.launched or job.parallel.threads:
+        logger.info("%d CPU threads per rank", pg.set_cpu_threads(env, job.parallel.threads))
+    parallel = build_parallel(job, env, dims, device)
     seed = broadcast_seed(config.seed, device)
-    logger.info(
-        "run seed %d; %d ranks as dp %d x pert %d", seed, env.world_size, dims.dp, dims.pert
-    )
+    stamp = agree(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), env)
+    run_dir = Path(job.run.output_dir or f"runs/{stamp}")
+    job.run.seed = seed  # the resolved config repeats the run, even when the seed was drawn
+    logger.info("run %s: seed %d; %d ranks as dp %d x pert %d", run_dir, seed, env.world_size, dims.dp, dims.pert)
 
     torch.manual_seed(seed)  # the random init of the default model: equal on every rank
-    dtype = MASTER_DTYPES[args.dtype]
-    model = load_model(args.model, dtype) if args.model else model_from_config(tiny_opt_config(), dtype)
+    dtype = MASTER_DTYPES[job.model.dtype]
+    model = load_model(job.model.model, dtype) if job.model.model else model_from_config(tiny_opt_config(), dtype)
+    if env.rank == 0:
+        write_resolved(job, run_dir)
+        if not job.model.model and not job.run.resume:
+            model.save_pretrained(run_dir / "base")  # replay needs the initial weights
     engine = ZOEngine(model, config, parallel=parallel, run_seed=seed)
-    task = CountingTask(model.config.vocab_size, seq_len=args.seq_len, seed=seed)
-    out_dir = Path(args.output_dir) if args.output_dir else None
-    metrics = None
-    if out_dir is not None and env.rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        metrics = open(out_dir / "metrics.jsonl", "w")
+    checkpointer = Checkpointer(run_dir / "checkpoints", engine)
+    start_step = checkpointer.load(latest_checkpoint(run_dir / "checkpoints")) if job.run.resume else 0
+    task = CountingTask(model.config.vocab_size, seq_len=job.data.seq_len, seed=seed)
+    eval_set = task.eval_set(job.data.eval_batch_size)
+    logs = None
+    if env.rank == 0:
+        header = {
+            "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "weight_decay": config.weight_decay,
+            "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
+            "base": job.model.model or str(run_dir / "base"),
+        }
+        logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)
 
-    eval_batch = task.batch(args.eval_batch_size)
-    eval_batch["labels"] = eval_batch["input_ids"]
-    before = engine.forward(eval_batch)[1].item()
-    logger.info("eval loss before training: %.4f", before)
-    start, tokens = time.perf_counter(), 0
-    progress = tqdm(range(args.max_steps), desc="train", disable=None if env.rank == 0 else True)
+    before = evaluate(engine, eval_set, parallel)
+    logger.info("eval before training (step %d): loss %.4f accuracy %.3f", start_step, before["eval_loss"], before["eval_accuracy"])
+    if logs:
+        logs.write("eval", {"step": start_step, **before})
+    started, tokens = time.perf_counter(), 0
+    progress = tqdm(range(start_step, job.optim.max_steps), desc="train", initial=start_step,
+                    total=job.optim.max_steps, disable=None if env.rank == 0 else True)
     for step in progress:
         if step == fail_at:
             raise RuntimeError(f"failure injected by {FAILURE_ENV} at step {step}")
-        global_batch = task.batch(args.batch_size)  # the same rows on every rank
+        step_start = time.perf_counter()
+        global_batch = task.batch(job.data.batch_size, step)  # the same rows on every rank
         _, label_tokens = count_tokens(global_batch)
         result = engine.step(parallel.shard_batch(global_batch), num_items=label_tokens)
-        tokens += result.num_tokens
-        progress.set_postfix(loss=f"{result.loss:.4f}", g=f"{result.projected_grad:+.3g}")
-        if metrics is not None:
-            record = {k: getattr(result, k) for k in ("step", "loss", "loss_plus", "loss_minus", "projected_grad", "lr")}
-            metrics.write(json.dumps(record) + "\n")
-        if args.log_every and (step % args.log_every == 0 or step == args.max_steps - 1):
+        step_tokens = global_batch["input_ids"].numel()
+        tokens += step_tokens
+        tokens_per_s = step_tokens / max(time.perf_counter() - step_start, 1e-9)
+        progress.set_postfix(loss=f"{result.loss:.4f}", g=f"{result.projected_grad:+.3g}", tok_s=f"{tokens_per_s:.0f}")
+        if logs:
+            record = {
+                "step": step, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
+                "projected_grad": result.projected_grad, "lr": result.lr, "tokens_per_s": tokens_per_s,
+                "host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            }
+            if device.type == "cuda":
+                record["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            logs.write("metrics", record)
+            logs.write("seeds", {"step": step, "run_seed": engine.run_seed, "projected_grad": result.projected_grad, "lr": result.lr})
+        if job.run.log_every and (step % job.run.log_every == 0 or step == job.optim.max_steps - 1):
             logger.info("step %d loss %.4f g %+.4g lr %.3g", step, result.loss, result.projected_grad, result.lr)
-    elapsed = time.perf_counter() - start
-    after = engine.forward(eval_batch)[1].item()
-    logger.info(
-        "eval loss %.4f -> %.4f after %d steps (%.1f s, %.0f tokens/s on rank 0)",
-        before,
-        after,
-        args.max_steps,
-        elapsed,
-        tokens / max(elapsed, 1e-9),
-    )
-    params = engine.named_parameters()  # collective under the sliced transfer
-    if out_dir is not None:
-        rank_record = {
-            "rank": env.rank,
-            "transfer": engine.transfer,
-            "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
-            "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
-            "formula_coordinates": list(dims.coordinates(env.rank)),
-            "host_bytes": engine.store.host_bytes,
-            "device_bytes": engine.store.device_bytes,
-            "eval_before": before,
-            "eval_after": after,
-        }
-        (out_dir / f"rank{env.rank}.json").write_text(json.dumps(rank_record))
-    if metrics is not None:
-        metrics.close()
-        canonical = {name: params[name].contiguous() for name in engine.canonical_names}
-        tmp = out_dir / "final.safetensors.tmp"
-        save_file(canonical, str(tmp))
-        tmp.replace(out_dir / "final.safetensors")  # never a half-written file
+        done = step + 1
+        if job.run.eval_steps and done % job.run.eval_steps == 0 and done < job.optim.max_steps:
+            metrics = evaluate(engine, eval_set, parallel)
+            logger.info("eval at step %d: loss %.4f accuracy %.3f", done, metrics["eval_loss"], metrics["eval_accuracy"])
+            if logs:
+                logs.write("eval", {"step": done, **metrics})
+        if job.run.save_steps and done % job.run.save_steps == 0 and done < job.optim.max_steps:
+            checkpointer.save(asynchronous=True)
+        checkpointer.poll()
+    elapsed = time.perf_counter() - started
+
+    after = evaluate(engine, eval_set, parallel)
+    if logs:
+        logs.write("eval", {"step": job.optim.max_steps, **after})
+    checkpointer.save(asynchronous=False)  # the final state: resumable, then exported
+    export = export_hf(engine, run_dir / "export")
+    record = {
+        "rank": env.rank, "transfer": engine.transfer,
+        "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
+        "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
+        "formula_coordinates": list(dims.coordinates(env.rank)),
+        "host_bytes": engine.store.host_bytes, "device_bytes": engine.store.device_bytes,
+        "eval_before": before, "eval_after": after,
+    }
+    (run_dir / f"rank{env.rank}.json").write_text(json.dumps(record))
+    if logs:
+        logs.close()
+        logger.info(
+            "done: %d steps in %.1f s (%.0f tokens/s); eval loss %.4f -> %.4f, accuracy %.3f -> %.3f; "
+            "model exported to %s",
+            job.optim.max_steps - start_step, elapsed, tokens / max(elapsed, 1e-9), before["eval_loss"],
+            after["eval_loss"], before["eval_accuracy"], after["eval_accuracy"], export,
+        )
+    return after
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     env = LaunchEnv.from_environ()
     configure_logging(env)
     try:
-        config, dims = validate(args, env)
+        job = resolve(argv)
+        config, dims = validate(job, env)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)  # every rank, the same line, before any model
         return 2
     try:
-        train(args, env, config, dims)
+        train(job, env, config, dims)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

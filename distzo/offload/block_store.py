@@ -28,6 +28,8 @@ class BlockStore(Protocol):
 
     def load_block(self, index: int, values: torch.Tensor) -> None: ...
 
+    def block_at_rest(self, index: int) -> torch.Tensor: ...
+
     @property
     def host_bytes(self) -> int: ...
 
@@ -55,6 +57,9 @@ class ResidentBlocks:
 
     def load_block(self, index: int, values: torch.Tensor) -> None:
         self.masters[index].copy_(values)
+
+    def block_at_rest(self, index: int) -> torch.Tensor:
+        return self.masters[index]
 
     @property
     def host_bytes(self) -> int:

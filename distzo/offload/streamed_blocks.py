@@ -133,6 +133,12 @@ class StreamedBlocks:
     def device_bucket(self, index: int) -> torch.Tensor:
         return self.slots.for_block(index, self.layouts[index].numel)
 
+    def block_at_rest(self, index: int) -> torch.Tensor:
+        """The whole block on the device in its host format (the transfer dtype), exactly as
+        stored: what a checkpoint must hold. Collective under the sliced transfer."""
+        self.upload(index)
+        return self._wire(index)[: self.layouts[index].numel]
+
     def master(self, index: int) -> torch.Tensor:
         """This rank's host slice of block ``index`` (the whole block when naive)."""
         return self.host_slices[index]

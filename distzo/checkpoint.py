@@ -1,0 +1,173 @@
+"""Resumable training state with torch.distributed.checkpoint, and Hugging Face export.
+
+A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
+noise chunk, the pending update), the resident bucket, and every block in its at-rest
+format (the transfer dtype), so that a resumed run, on any number of ranks and with
+either transfer mode, continues the exact trajectory. In naive mode every rank holds
+every block and DCP keeps one copy of replicated tensors; under the sliced transfer
+a block is gathered through the device and contributed by one rank of the first node.
+
+Saving is asynchronous (DCP stages the tensors, a thread writes them) into
+``step-N.tmp/``, renamed to ``step-N/`` once every rank's data and the metadata are on
+disk: a crash mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from distzo.engine import PendingUpdate, ZOEngine
+
+logger = logging.getLogger(__name__)
+
+CRASH_ENV = "DISTZO_CRASH_IN_SAVE"  # "STEP": exit abruptly right after launching that step's save (tests)
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The completed checkpoint with the highest step (``*.tmp`` ones never count)."""
+    if not directory.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return max(steps)[1] if steps else None
+
+
+def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
+    pending = engine.pending
+    return {
+        "meta/step": torch.tensor([engine.step_index], dtype=torch.int64),
+        "meta/run_seed": torch.tensor([engine.run_seed], dtype=torch.int64),
+        "meta/noise_chunk": torch.tensor([engine.config.noise_chunk], dtype=torch.int64),
+        "meta/pending": torch.tensor(
+            [1.0, pending.step, pending.projected_grad, pending.lr] if pending else [0.0, 0.0, 0.0, 0.0],
+            dtype=torch.float64,
+        ),
+    }
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, engine: ZOEngine) -> None:
+        self.directory = directory
+        self.engine = engine
+        self._pending_save: tuple[Future, Path, Path] | None = None
+        # DCP's asynchronous writer runs collectives from a thread: give it its own gloo
+        # group, so it never interleaves with the training's collectives (or needs NCCL).
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """This rank's contribution: meta and resident (replicated), and its blocks."""
+        engine = self.engine
+        engine.streams.synchronize()
+        sliced = engine.transfer == "sliced"
+        shard = engine.parallel.shard_group
+        state = _meta(engine)
+        with torch.no_grad():
+            state["resident"] = engine.resident_master.to("cpu", copy=True)
+            for i in range(len(engine.blocks)):
+                at_rest = engine.store.block_at_rest(i)  # collective when sliced
+                # Sliced: the shard group holding rank 0 contributes, block i from its member i % n.
+                if not sliced or (0 in shard.members and i % shard.size == shard.rank):
+                    state[f"block/{i}"] = at_rest.to("cpu", copy=True)
+        engine.streams.synchronize()
+        return state
+
+    def save(self, asynchronous: bool = True) -> None:
+        """Checkpoint the engine's current state as ``step-<step>``; at most one save in flight."""
+        self.wait()
+        step = self.engine.step_index
+        final = self.directory / f"step-{step}"
+        tmp = self.directory / f"step-{step}.tmp"
+        rank, _ = _world()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier(group=self._group)
+        state = self._state()
+        if asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            self._pending_save = (future, tmp, final)
+            if os.environ.get(CRASH_ENV) == str(step):
+                logger.error("crashing during the asynchronous save of step %d (%s)", step, CRASH_ENV)
+                os._exit(1)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+            self._finalize(tmp, final)
+
+    def poll(self) -> None:
+        """Finish a completed background save (cheap; call once per step)."""
+        if self._pending_save is not None and self._pending_save[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending_save is None:
+            return
+        future, tmp, final = self._pending_save
+        self._pending_save = None
+        future.result()
+        self._finalize(tmp, final)
+
+    def _finalize(self, tmp: Path, final: Path) -> None:
+        # Each rank's future resolves only after the metadata is written, which needs every
+        # rank's data: once rank 0 sees its own, the checkpoint is complete.
+        if _world()[0] == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            logger.info("checkpoint %s written", final)
+
+    def load(self, path: Path) -> int:
+        """Restore the engine from ``path``; returns the step to continue from."""
+        engine = self.engine
+        engine.streams.synchronize()
+        meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
+        meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
+        dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
+        if int(meta["meta/noise_chunk"]) != engine.config.noise_chunk:
+            raise ValueError(f"{path} was trained with noise_chunk {int(meta['meta/noise_chunk'])}; set it to match")
+        rest_dtype = engine.store.block_at_rest(0).dtype if engine.blocks else None
+        for i, layout in enumerate(engine.block_layouts):
+            buffer = {f"block/{i}": torch.empty(layout.numel, dtype=rest_dtype)}
+            dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)  # one block at a time
+            engine.store.load_block(i, buffer[f"block/{i}"])
+        with torch.no_grad():
+            engine.resident_master.copy_(meta["resident"])
+        has_pending, p_step, p_g, p_lr = meta["meta/pending"].tolist()
+        engine.restore(
+            step=int(meta["meta/step"]),
+            run_seed=int(meta["meta/run_seed"]),
+            pending=PendingUpdate(int(p_step), p_g, p_lr) if has_pending else None,
+        )
+        logger.info("resumed from %s at step %d", path, engine.step_index)
+        return engine.step_index
+
+
+def export_hf(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | None:
+    """Write the flushed model as a Hugging Face directory (config + safetensors) that
+    ``AutoModelForCausalLM.from_pretrained`` loads. Collective; rank 0 writes."""
+    params = engine.named_parameters()
+    if _world()[0] != 0:
+        return None
+    state = {name: params[name].contiguous() for name in engine.canonical_names}
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    engine.model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory

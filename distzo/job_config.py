@@ -1,0 +1,219 @@
+"""The training job's options: one tree, three layers (defaults < TOML file < flags).
+
+Each option is a field of a section dataclass; its command-line flag is its name with
+dashes (``max_steps`` -> ``--max-steps``) and its TOML key is ``[section] name``. An
+unknown TOML section or key is an error, never a silent no-op. The resolved tree is
+written into the run directory, so a run can be repeated from its own folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distzo.config import COMPUTE_DTYPE_NAMES, MODES, TRANSFER_DTYPE_NAMES, TRANSFERS
+from distzo.zo.schedule import SCHEDULES
+
+
+def option(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelOptions:
+    model: str | None = option(None, "hub name or local path of an OPT model; default: the tiny random-init OPT")
+    dtype: str = option("fp32", "master (parameter) dtype", ("fp32", "fp64"))
+
+
+@dataclass
+class DataOptions:
+    task: str = option("counting", "the task to train on (counting: a generated sequence task)")
+    train_file: str | None = option(None, "local training data file (task-specific schema)")
+    eval_file: str | None = option(None, "local evaluation data file")
+    batch_size: int = option(16, "global sequences per step (split over dp)")
+    seq_len: int = option(16, "tokens per generated sequence")
+    eval_batch_size: int = option(64, "sequences in the evaluation set")
+
+
+@dataclass
+class OptimOptions:
+    max_steps: int = option(2000, "ZO steps to take")
+    lr: float = option(1e-2, "learning rate")
+    eps: float = option(1e-3, "perturbation scale")
+    weight_decay: float = option(0.0, "decoupled weight decay on matrices")
+    lr_schedule: str = option("linear", "learning-rate schedule", SCHEDULES)
+    warmup_steps: int = option(0, "linear warm-up steps")
+
+
+@dataclass
+class OffloadOptions:
+    mode: str = option("offload", "offload: blocks in host memory (ZO2); resident: all on device (MeZO)", MODES)
+    num_slots: int = option(2, "device slots for streamed blocks (1 = no overlap)")
+    transfer: str = option(
+        "auto", "naive: whole blocks per rank; sliced: each local rank moves 1/n and all-gathers; "
+        "auto: sliced on CUDA+NCCL with >1 local ranks", TRANSFERS,
+    )
+    transfer_dtype: str = option("fp32", "format of blocks in host memory and on the wire", TRANSFER_DTYPE_NAMES)
+    compute_dtype: str = option("auto", "dtype of perturbed weights and activations (auto: the master dtype)", COMPUTE_DTYPE_NAMES)
+    transfer_chunks: int = option(4, "pieces of each rank's share, pipelining the sliced upload's copy and all-gather")
+
+
+@dataclass
+class ParallelOptions:
+    device: str = option("auto", "auto (cuda:LOCAL_RANK if CUDA, else cpu), cpu, cuda or cuda:N")
+    dp: int | None = option(None, "data-parallel size (default auto: world / pert)")
+    pert: int | None = option(None, "perturbation-parallel size, 1 or 2 (default auto: 2 if the world is even)")
+    backend: str = option("auto", "process-group backend (auto: nccl on CUDA, gloo on CPU)", ("auto", "nccl", "gloo"))
+    dist_timeout: float = option(300.0, "seconds before a stuck collective fails the job")
+    threads: int = option(0, "CPU threads per rank (0: cores / local ranks)")
+
+
+@dataclass
+class RunOptions:
+    seed: int = option(0, "run seed (model init, data and noise); -1: rank 0 draws one")
+    output_dir: str | None = option(None, "run directory (default ./runs/<timestamp>)")
+    log_dir: str | None = option(None, "where metrics.jsonl goes (default: the run directory)")
+    log_every: int = option(50, "log a line every N steps (0: none)")
+    eval_steps: int = option(0, "evaluate every N steps (0: only before and after)")
+    save_steps: int = option(0, "checkpoint every N steps (0: only at the end)")
+    resume: bool = option(False, "resume from the latest checkpoint in the run directory")
+
+
+@dataclass
+class JobConfig:
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    offload: OffloadOptions = field(default_factory=OffloadOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _options():
+    """(section name, field) for every option, in declaration order."""
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(section.default_factory()):
+            yield section.name, f
+
+
+def _field_types() -> dict[str, type]:
+    """Each option's value type (Optional stripped); option names are unique across sections,
+    since each is also a flag."""
+    out: dict[str, type] = {}
+    for section in dataclasses.fields(JobConfig):
+        cls = section.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+                hint = next(a for a in typing.get_args(hint) if a is not type(None))
+            assert f.name not in out, f"option {f.name} appears in two sections"
+            out[f.name] = hint
+    return out
+
+
+_TYPES = _field_types()
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    return _TYPES[f.name]
+
+
+def build_parser(prog: str = "python -m distzo.train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Zeroth-order (MeZO / ZO2 / DistZO2) fine-tuning. Defaults train a tiny OPT on a "
+        "generated counting task. Launch with torchrun for several ranks. Every option can also be set "
+        "in a TOML file (--config), as [section] key = value; flags override the file.",
+    )
+    p.add_argument("--config", default=None, help="a TOML file of options (flags override it)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, f in _options():
+        group = groups.setdefault(section, p.add_argument_group(f"[{section}]"))
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(f)
+        text = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            group.add_argument(
+                flag, type=kind, choices=f.metadata["choices"], default=argparse.SUPPRESS, help=text,
+                metavar=None if f.metadata["choices"] else kind.__name__.upper(),
+            )
+    return p
+
+
+def load_toml(path: str) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"--config {path}: not valid TOML ({err})") from None
+    known = {section: {f.name for f in dataclasses.fields(type(obj))} for section, obj in JobConfig().sections().items()}
+    for section, values in data.items():
+        if section not in known or not isinstance(values, dict):
+            raise ValueError(f"--config {path}: unknown section [{section}]; sections are {', '.join(known)}")
+        for key in values:
+            if key not in known[section]:
+                raise ValueError(f"--config {path}: unknown key {key!r} in [{section}]; keys are {', '.join(sorted(known[section]))}")
+    return data
+
+
+def resolve(argv: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file, then the flags given on the command line."""
+    args = vars(build_parser().parse_args(argv))
+    config = JobConfig()
+    if args.get("config"):
+        for section, values in load_toml(args["config"]).items():
+            target = getattr(config, section)
+            for key, value in values.items():
+                kind = _base_type(next(f for f in dataclasses.fields(target) if f.name == key))
+                if kind is float and isinstance(value, int):
+                    value = float(value)
+                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                    raise ValueError(f"--config: [{section}] {key} must be a {kind.__name__}, got {value!r}")
+                setattr(target, key, value)
+    for section, f in _options():
+        if f.name in args:
+            setattr(getattr(config, section), f.name, args[f.name])
+    return config
+
+
+def to_toml(config: JobConfig) -> str:
+    """The resolved tree as TOML (unset options, None, are left out: TOML has no null)."""
+    lines = []
+    for section, values in config.sections().items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{f.name} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_resolved(config: JobConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.toml"
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(to_toml(config))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,94 @@
+"""``python -m distzo.replay --base MODEL --log SEEDLOG --out DIR``: a ZO run rebuilt from
+its seeds and scalars.
+
+A ZO-SGD run is fully described by its base weights and, per step, (step, g, lr): z is
+regenerated from (run seed, step, block, chunk), so replaying the updates in order
+gives the fine-tuned weights bit for bit (on the device type that trained them: CPU
+and CUDA generators draw different z). The log is kilobytes where a checkpoint is the
+model's size, so it is also a cheap checkpoint between full saves. Runs with a low-bit
+transfer round stochastically on the host and cannot be replayed from the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from distzo.checkpoint import export_hf
+from distzo.config import ZOConfig
+from distzo.engine import PendingUpdate, ZOEngine
+from distzo.models import load_model
+
+logger = logging.getLogger("distzo.replay")
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def read_log(path: Path) -> tuple[dict, list[dict]]:
+    """The header and the step records, checked: one record per step, 0..n-1 in order."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise ValueError(f"--log {path}: {err.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"--log {path}, line {number}: not JSON") from None
+    if not records or records[0].get("kind") != "header":
+        raise ValueError(f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?")
+    header, steps = records[0], records[1:]
+    for expected, record in enumerate(steps):
+        if record.get("step") != expected or not {"projected_grad", "lr"} <= record.keys():
+            raise ValueError(f"--log {path}, line {expected + 2}: expected the record of step {expected}")
+    return header, steps
+
+
+def replay(base: str, log: Path, out: Path, device: str | None = None) -> Path:
+    header, steps = read_log(log)
+    if header.get("transfer_dtype", "fp32") != "fp32":
+        raise ValueError(
+            f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the host, so its weights "
+            "are not a function of the log; use the run's export/ instead"
+        )
+    device = device or header["device_type"]
+    config = ZOConfig(
+        lr=0.0, mode="resident", device=device, weight_decay=header["weight_decay"],
+        noise_chunk=header["noise_chunk"], seed=header["run_seed"],
+    )
+    if config.torch_device().type != header["device_type"]:
+        raise ValueError(f"the run drew its noise on {header['device_type']}; replay it on that device type")
+    engine = ZOEngine(load_model(base, DTYPES[header["dtype"]]), config, run_seed=header["run_seed"])
+    for record in steps:
+        engine.pending = PendingUpdate(record["step"], record["projected_grad"], record["lr"])
+        engine.flush()
+    engine.step_index = len(steps)
+    logger.info("replayed %d steps onto %s", len(steps), base)
+    return export_hf(engine, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m distzo.replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="the base model (hub name or local path) the run started from")
+    p.add_argument("--log", required=True, type=Path, help="the run's seedlog.jsonl")
+    p.add_argument("--out", required=True, type=Path, help="where to write the rebuilt model (Hugging Face format)")
+    p.add_argument("--device", default=None, help="default: the device type the run trained on")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        out = replay(args.base, args.log, args.out, args.device)
+    except (ValueError, OSError) as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    logger.info("wrote %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
