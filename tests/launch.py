@@ -52,7 +52,7 @@ class Run:
     def __init__(self, out: Path) -> None:
         self.out = out
         self.metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        self.params: dict[str, torch.Tensor] = load_file(str(out / "final.safetensors"))
+        self.params: dict[str, torch.Tensor] = load_file(str(out / "export" / "model.safetensors"))
         self.ranks = {
             int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")
         }

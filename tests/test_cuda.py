@@ -79,7 +79,7 @@ def test_single_rank_nccl_launch_runs(tmp_path):
     proc = torchrun(1, ["--max-steps", "20", "--device", "cuda", "--backend", "nccl", "--output-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Run(tmp_path)
-    assert run.ranks[0]["eval_after"] < run.ranks[0]["eval_before"]
+    assert run.ranks[0]["eval_after"]["eval_loss"] < run.ranks[0]["eval_before"]["eval_loss"]
 
 
 def test_sliced_transfer_with_two_ranks_sharing_one_gpu(tmp_path):

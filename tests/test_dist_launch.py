@@ -104,7 +104,7 @@ def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):
     assert proc.returncode != 0
     assert "failure injected by DISTZO_FAIL_AT at step 3" in proc.stderr
     assert elapsed < 60, elapsed
-    assert not (tmp_path / "final.safetensors").exists()
+    assert not (tmp_path / "export").exists()
 
 
 @pytest.mark.parametrize(

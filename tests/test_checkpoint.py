@@ -1,0 +1,125 @@
+"""Resume, crash during an asynchronous save, export and replay, through the real CLI."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from distzo import ZOConfig, ZOEngine
+from distzo.checkpoint import export_hf, latest_checkpoint
+from distzo.data import CountingTask
+from tests.conftest import random_batch, tiny_opt
+from tests.launch import Run, child_env, python_train, torchrun
+
+# A constant lr: the schedule then does not depend on where a run was cut. fp64 masters:
+# resuming on another world size changes how the batch is split, and g magnifies the
+# fp32 reassociation of the loss sums by 1/(2 eps) (see test_dist_launch).
+COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "5", "--lr-schedule", "constant"]
+
+
+def launch(nproc, args, env=None):
+    proc = python_train(args) if nproc == 1 else torchrun(nproc, args, env=env)
+    return proc
+
+
+def assert_same_params(a: Run, b: Run, rel: float = 0.0):
+    for name, value in b.params.items():
+        diff = ((a.params[name] - value).norm() / value.norm()).item()
+        assert diff <= rel, (name, diff)
+
+
+def test_single_process_resume_is_bitwise(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert launch(1, COMMON + ["--output-dir", str(full)]).returncode == 0
+    assert launch(1, COMMON + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    proc = launch(1, COMMON + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stderr and "step-4 at step 4" in proc.stderr
+    assert Run(cut).grads == Run(full).grads  # the metrics log continues where it was cut
+    assert_same_params(Run(cut), Run(full))
+
+
+def test_resume_is_exact_and_independent_of_world_size(tmp_path):
+    full = tmp_path / "full"
+    proc = launch(4, COMMON + ["--dtype", "fp64", "--save-steps", "5", "--output-dir", str(full)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert latest_checkpoint(full / "checkpoints").name == "step-10"
+    assert (full / "checkpoints" / "step-5").is_dir()
+    reference = Run(full)
+    for nproc in (4, 2, 1):
+        resumed = tmp_path / f"resumed{nproc}"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints" / "step-5", resumed / "checkpoints" / "step-5")
+        proc = launch(nproc, COMMON + ["--dtype", "fp64", "--output-dir", str(resumed), "--resume"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert_same_params(Run(resumed), reference, rel=1e-6)
+
+
+def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path):
+    args = COMMON + ["--max-steps", "20", "--save-steps", "5", "--output-dir", str(tmp_path)]
+    crashed = launch(2, args, env={"DISTZO_CRASH_IN_SAVE": "10"})
+    assert crashed.returncode != 0
+    checkpoints = tmp_path / "checkpoints"
+    assert latest_checkpoint(checkpoints).name == "step-5"
+    assert not (checkpoints / "step-10").exists()
+    resumed = launch(2, args + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step-5 at step 5" in resumed.stderr
+    uninterrupted = tmp_path.parent / (tmp_path.name + "-full")
+    assert launch(2, COMMON + ["--max-steps", "20", "--output-dir", str(uninterrupted)]).returncode == 0
+    assert Run(tmp_path).grads == Run(uninterrupted).grads
+    assert_same_params(Run(tmp_path), Run(uninterrupted))
+
+
+def test_export_loads_in_transformers_and_matches_the_engine(tmp_path):
+    model = tiny_opt(seed=0, word_embed_proj_dim=16)
+    engine = ZOEngine(model, ZOConfig(lr=1e-2, eps=1e-3, seed=0, device="cpu"))
+    task = CountingTask(64, seed=0)
+    for step in range(20):
+        engine.step(task.batch(8, step))
+    batch = random_batch(64, pad="left", seed=1)
+    logits, _ = engine.forward(batch)
+    export_hf(engine, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        reference = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert (reference - logits).abs().max().item() <= 1e-5
+
+
+def test_replay_of_the_seed_log_equals_the_export(tmp_path):
+    run = tmp_path / "run"
+    assert launch(1, COMMON + ["--max-steps", "30", "--weight-decay", "0.1", "--output-dir", str(run)]).returncode == 0
+    out = tmp_path / "replayed"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.replay", "--base", str(run / "base"), "--log", str(run / "seedlog.jsonl"),
+         "--out", str(out)], capture_output=True, text=True, timeout=120, env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported, replayed = load_file(str(run / "export" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert exported.keys() == replayed.keys()
+    for name in exported:
+        assert torch.equal(exported[name], replayed[name]), name
+    base = load_file(str(run / "base" / "model.safetensors"))
+    assert any(not torch.equal(base[name], exported[name]) for name in base)  # it did train
+
+
+@pytest.mark.parametrize(
+    "log, message",
+    [
+        ('{"step": 0, "projected_grad": 1, "lr": 1}\n', "first line must be the run's header"),
+        ('{"kind": "header"}\n{"step": 1, "projected_grad": 1, "lr": 1}\n', "expected the record of step 0"),
+        ('{"kind": "header"}\nnot json\n', "line 2: not JSON"),
+    ],
+)
+def test_replay_rejects_a_malformed_log(tmp_path, log, message):
+    path = tmp_path / "seedlog.jsonl"
+    path.write_text(log)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.replay", "--base", "x", "--log", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
