@@ -33,11 +33,16 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    task: str = option("counting", "the task to train on (counting: a generated sequence task)")
+    task: str = option(
+        "counting", "counting (generated, no files), text (raw text, causal LM), or a prompt task: "
+        "sst2, rte, cb, boolq, wic, copa, multirc, squad"
+    )
     train_file: str | None = option(None, "local training data file (task-specific schema)")
     eval_file: str | None = option(None, "local evaluation data file")
     batch_size: int = option(16, "global sequences per step (split over dp)")
-    seq_len: int = option(16, "tokens per generated sequence")
+    seq_len: int = option(16, "tokens per generated sequence (counting task)")
+    max_length: int = option(0, "longest token sequence of text and prompt tasks (0: the model's limit)")
+    max_new_tokens: int = option(16, "greedy decoding length when evaluating generation tasks (squad)")
     eval_batch_size: int = option(64, "sequences in the evaluation set")
 
 

@@ -32,18 +32,18 @@ from transformers import AutoConfig, PretrainedConfig
 
 from distzo.checkpoint import Checkpointer, export_hf, latest_checkpoint
 from distzo.config import ZOConfig
-from distzo.data import CountingTask
+from distzo.data.prompt_data import PromptEncoder
+from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData, load_task_rows
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims, ShardGroup, broadcast_seed
 from distzo.dist import process_group as pg
 from distzo.engine import ZOEngine, count_tokens
 from distzo.job_config import JobConfig, resolve, write_resolved
 from distzo.models import check_supported, load_model, model_from_config
-from distzo.models.tiny import tiny_opt_config
+from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 
 logger = logging.getLogger("distzo.train")
 
 MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-TASKS = ("counting",)
 FAILURE_ENV = "DISTZO_FAIL_AT"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
 
 
@@ -60,27 +60,33 @@ def resolve_device(name: str, env: LaunchEnv) -> str:
     return name
 
 
-def model_config_of(name: str | None) -> PretrainedConfig:
+def default_model_config(task: str) -> PretrainedConfig:
+    """The random-init model of a run without --model: the tiny OPT, sized for the byte
+    tokenizer and prompt lengths when the task reads text."""
+    if task == "counting":
+        return tiny_opt_config()
+    return tiny_opt_config(vocab_size=len(byte_tokenizer()), max_position_embeddings=512)
+
+
+def model_config_of(name: str | None, task: str) -> PretrainedConfig:
     """The model's config alone (a small file): enough to reject bad input before loading."""
     if name is None:
-        return tiny_opt_config()
+        return default_model_config(task)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:  # a missing path, a malformed name, no hub access
         raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
 
 
-def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims]:
+def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, LoadedRows | None]:
     """Every check that needs no model and no process group, run identically on every rank."""
     data, optim, off, par, run = job.data, job.optim, job.offload, job.parallel, job.run
     if optim.max_steps < 0 or data.batch_size < 1 or data.eval_batch_size < 1:
         raise ValueError("--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1")
     if run.log_every < 0 or run.eval_steps < 0 or run.save_steps < 0:
         raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
-    if data.task not in TASKS:
-        raise ValueError(f"--task {data.task!r} is not available; choose one of {', '.join(TASKS)}")
-    if data.train_file or data.eval_file:
-        raise ValueError(f"--task {data.task} generates its data; --train-file/--eval-file do not apply to it")
+    if data.max_length < 0 or data.max_new_tokens < 1:
+        raise ValueError("--max-length must be >= 0 (0: the model's limit) and --max-new-tokens >= 1")
     dims = ParallelDims.resolve(env.world_size, par.dp, par.pert)
     dims.check_batch(data.batch_size)
     if off.transfer == "sliced" and not env.launched:
@@ -95,18 +101,44 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims]:
         transfer_chunks=off.transfer_chunks,
     )
     pg.resolve_backend(par.backend, config.torch_device())
-    model_config = model_config_of(job.model.model)
+    model_config = model_config_of(job.model.model, data.task)
     check_supported(model_config.model_type)
-    if data.seq_len > model_config.max_position_embeddings:
+    longest = data.seq_len if data.task == "counting" else data.max_length
+    if longest > model_config.max_position_embeddings:
+        flag = "--seq-len" if data.task == "counting" else "--max-length"
         raise ValueError(
-            f"--seq-len {data.seq_len} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}; lower --seq-len"
+            f"{flag} {longest} exceeds the model's max_position_embeddings "
+            f"{model_config.max_position_embeddings}; lower {flag}"
         )
+    rows = load_task_rows(data.task, data.train_file, data.eval_file)  # every row checked, before any model
     if run.resume and not run.output_dir:
         raise ValueError("--resume needs --output-dir: the run directory to resume")
     if run.resume and not latest_checkpoint(Path(run.output_dir) / "checkpoints"):
         raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
-    return config, dims
+    return config, dims, rows
+
+
+def load_tokenizer(job: JobConfig):
+    """The model's own tokenizer, or the built-in byte tokenizer of a random-init model."""
+    if job.data.task == "counting":
+        return None
+    if not job.model.model:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(job.model.model)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {job.model.model}: no tokenizer to read the task's text ({str(err).splitlines()[0]})") from None
+
+
+def build_task_data(job: JobConfig, rows: LoadedRows | None, tokenizer, model_config, seed: int):
+    if rows is None:
+        return CountingData(model_config.vocab_size, job.data.seq_len, job.data.eval_batch_size, seed)
+    encoder = PromptEncoder(tokenizer, job.data.max_length or model_config.max_position_embeddings)
+    if job.data.task == "text":
+        return TextData(rows, encoder, seed)
+    return PromptData(rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens)
 
 
 def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
@@ -136,22 +168,8 @@ def injected_failure(rank: int) -> int | None:
     return fail_step if fail_rank == rank else None
 
 
-def evaluate(engine: ZOEngine, eval_set: dict[str, torch.Tensor], parallel: ParallelContext) -> dict[str, float]:
-    """Next-token loss and accuracy on the eval set, its rows sharded over all ranks and
-    the sums reduced (every rank takes part: uploads may be collective)."""
-    rank, world = parallel.env.rank, parallel.env.world_size
-    rows = torch.arange(eval_set["input_ids"].shape[0]).tensor_split(world)[rank]
-    shard = {k: v[rows] for k, v in eval_set.items()}
-    logits, _ = engine.forward(shard)
-    targets = shard["labels"][:, 1:].to(logits.device)
-    keep = targets != -100
-    predicted = logits[:, :-1].float()
-    loss_sum = torch.nn.functional.cross_entropy(predicted[keep], targets[keep], reduction="sum")
-    correct = (predicted.argmax(-1)[keep] == targets[keep]).sum()
-    totals = torch.stack([loss_sum.double(), correct.double(), keep.sum().double()])
-    totals = parallel.reduce(totals)
-    loss, hits, count = totals.tolist()
-    return {"eval_loss": loss / count, "eval_accuracy": hits / count}
+def describe(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items())
 
 
 def _truncate_jsonl(path: Path, before_step: int) -> None:
@@ -183,7 +201,7 @@ class RunLogs:
             f.close()
 
 
-def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) -> dict:
+def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, rows: LoadedRows | None) -> dict:
     device = config.torch_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -198,16 +216,21 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) 
 
     torch.manual_seed(seed)  # the random init of the default model: equal on every rank
     dtype = MASTER_DTYPES[job.model.dtype]
-    model = load_model(job.model.model, dtype) if job.model.model else model_from_config(tiny_opt_config(), dtype)
+    tokenizer = load_tokenizer(job)
+    if job.model.model:
+        model = load_model(job.model.model, dtype)
+    else:
+        model = model_from_config(default_model_config(job.data.task), dtype)
     if env.rank == 0:
         write_resolved(job, run_dir)
         if not job.model.model and not job.run.resume:
             model.save_pretrained(run_dir / "base")  # replay needs the initial weights
+            if tokenizer is not None:
+                tokenizer.save_pretrained(run_dir / "base")
     engine = ZOEngine(model, config, parallel=parallel, run_seed=seed)
     checkpointer = Checkpointer(run_dir / "checkpoints", engine)
     start_step = checkpointer.load(latest_checkpoint(run_dir / "checkpoints")) if job.run.resume else 0
-    task = CountingTask(model.config.vocab_size, seq_len=job.data.seq_len, seed=seed)
-    eval_set = task.eval_set(job.data.eval_batch_size)
+    data = build_task_data(job, rows, tokenizer, model.config, seed)
     logs = None
     if env.rank == 0:
         header = {
@@ -218,8 +241,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) 
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)
 
-    before = evaluate(engine, eval_set, parallel)
-    logger.info("eval before training (step %d): loss %.4f accuracy %.3f", start_step, before["eval_loss"], before["eval_accuracy"])
+    before = data.evaluate(engine, parallel)
+    logger.info("eval before training (step %d): %s", start_step, describe(before))
     if logs:
         logs.write("eval", {"step": start_step, **before})
     started, tokens = time.perf_counter(), 0
@@ -229,7 +252,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) 
         if step == fail_at:
             raise RuntimeError(f"failure injected by {FAILURE_ENV} at step {step}")
         step_start = time.perf_counter()
-        global_batch = task.batch(job.data.batch_size, step)  # the same rows on every rank
+        global_batch = data.batch(job.data.batch_size, step)  # the same rows on every rank
         _, label_tokens = count_tokens(global_batch)
         result = engine.step(parallel.shard_batch(global_batch), num_items=label_tokens)
         step_tokens = global_batch["input_ids"].numel()
@@ -250,8 +273,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) 
             logger.info("step %d loss %.4f g %+.4g lr %.3g", step, result.loss, result.projected_grad, result.lr)
         done = step + 1
         if job.run.eval_steps and done % job.run.eval_steps == 0 and done < job.optim.max_steps:
-            metrics = evaluate(engine, eval_set, parallel)
-            logger.info("eval at step %d: loss %.4f accuracy %.3f", done, metrics["eval_loss"], metrics["eval_accuracy"])
+            metrics = data.evaluate(engine, parallel)
+            logger.info("eval at step %d: %s", done, describe(metrics))
             if logs:
                 logs.write("eval", {"step": done, **metrics})
         if job.run.save_steps and done % job.run.save_steps == 0 and done < job.optim.max_steps:
@@ -259,11 +282,11 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) 
         checkpointer.poll()
     elapsed = time.perf_counter() - started
 
-    after = evaluate(engine, eval_set, parallel)
+    after = data.evaluate(engine, parallel)
     if logs:
         logs.write("eval", {"step": job.optim.max_steps, **after})
     checkpointer.save(asynchronous=False)  # the final state: resumable, then exported
-    export = export_hf(engine, run_dir / "export")
+    export = export_hf(engine, run_dir / "export", tokenizer)
     record = {
         "rank": env.rank, "transfer": engine.transfer,
         "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
@@ -276,10 +299,9 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims) 
     if logs:
         logs.close()
         logger.info(
-            "done: %d steps in %.1f s (%.0f tokens/s); eval loss %.4f -> %.4f, accuracy %.3f -> %.3f; "
-            "model exported to %s",
-            job.optim.max_steps - start_step, elapsed, tokens / max(elapsed, 1e-9), before["eval_loss"],
-            after["eval_loss"], before["eval_accuracy"], after["eval_accuracy"], export,
+            "done: %d steps in %.1f s (%.0f tokens/s); eval %s -> %s; model exported to %s",
+            job.optim.max_steps - start_step, elapsed, tokens / max(elapsed, 1e-9), describe(before),
+            describe(after), export,
         )
     return after
 
@@ -289,12 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(env)
     try:
         job = resolve(argv)
-        config, dims = validate(job, env)
+        config, dims, rows = validate(job, env)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)  # every rank, the same line, before any model
         return 2
     try:
-        train(job, env, config, dims)
+        train(job, env, config, dims, rows)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

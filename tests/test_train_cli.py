@@ -12,7 +12,7 @@ def test_default_job_runs_and_the_loss_goes_down():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    match = re.search(r"400 steps in .* eval loss ([\d.]+) -> ([\d.]+)", proc.stderr)
+    match = re.search(r"400 steps in .* eval loss ([\d.]+), accuracy [\d.]+ -> loss ([\d.]+)", proc.stderr)
     assert match, proc.stderr[-2000:]
     before, after = map(float, match.groups())
     assert after < before - 0.5, (before, after)

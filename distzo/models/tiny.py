@@ -21,3 +21,21 @@ def tiny_opt_config(**overrides) -> OPTConfig:
     )
     fields.update(overrides)
     return OPTConfig(**fields)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer built in code (no download): one token per byte, plus
+    ``</s>`` (bos/eos) and ``<pad>``; 258 tokens. Pairs with a random-init model whose
+    vocabulary is at least that large, for text and prompt tasks offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "</s>": 1}
+    vocab.update({ch: i + 2 for i, ch in enumerate(sorted(alphabet))})
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="</s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.add_bos_token = True
+    return tokenizer

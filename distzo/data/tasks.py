@@ -1,0 +1,166 @@
+"""MeZO's prompt-based tasks: each row becomes a prompt and its candidate continuations.
+
+A classification or multiple-choice example is a prompt plus one continuation per
+candidate (the verbalizer's words, or the choices); training uses the correct one and
+puts the loss on its tokens only, evaluation scores every candidate by its mean token
+log-likelihood. A generation example (SQuAD) is a prompt and gold answers; training
+uses the first answer, evaluation decodes greedily and scores F1 / exact match.
+
+The prompt wordings and verbalizers are MeZO's (Malladi et al., 2023), most of them
+from PromptSource. Row schema of each task (the columns of its local file, the same
+names as the Hugging Face datasets):
+
+| task | columns | label |
+|---|---|---|
+| sst2 | sentence, label | 0 negative, 1 positive |
+| rte | premise, hypothesis, label | 0 entailment, 1 not entailment |
+| cb | premise, hypothesis, label | 0 entailment, 1 contradiction, 2 neutral |
+| boolq | passage, question, label | 0 false, 1 true (or true/false) |
+| wic | word, sentence1, sentence2, label | 0 different, 1 same meaning |
+| copa | premise, question, choice1, choice2, label | 0 choice1, 1 choice2; question is cause or effect |
+| multirc | paragraph, question, answer, label | 0 wrong, 1 right answer |
+| squad | title, context, question, answers | answers: a list of strings, or {"text": [...]} |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    continuations: tuple[str, ...]  # appended to the prompt: one per candidate, or the answer
+    label: int  # index of the right continuation
+    answers: tuple[str, ...] = ()  # generation tasks: every gold answer (scoring)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    kind: str  # "classification" (incl. multiple choice) or "generation"
+    columns: tuple[str, ...]
+    build: Callable[[dict[str, Any]], Example]
+    num_labels: int = 0
+
+
+def _label(row: dict[str, Any], count: int) -> int:
+    value = row["label"]
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        value = int(value.strip().lower() == "true")
+    try:
+        label = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"label {value!r} is not an integer") from None
+    if not 0 <= label < count:
+        raise ValueError(f"label {label} is outside 0..{count - 1}")
+    return label
+
+
+def _verbalized(prompt: str, words: tuple[str, ...], row: dict[str, Any], separator: str = "") -> Example:
+    return Example(prompt, tuple(separator + w for w in words), _label(row, len(words)))
+
+
+def _sst2(row):
+    return _verbalized(f"{row['sentence'].strip()} It was", ("terrible", "great"), row, " ")
+
+
+def _rte(row):
+    prompt = f"{row['premise']}\nDoes this mean that \"{row['hypothesis']}\" is true? Yes or No?\n"
+    return _verbalized(prompt, ("Yes", "No"), row)
+
+
+def _cb(row):
+    prompt = f"Suppose {row['premise']} Can we infer that \"{row['hypothesis']}\"? Yes, No, or Maybe?\n"
+    return _verbalized(prompt, ("Yes", "No", "Maybe"), row)
+
+
+def _boolq(row):
+    question = row["question"].strip()
+    question = question if question.endswith("?") else question + "?"
+    return _verbalized(f"{row['passage']} {question[0].upper() + question[1:]}", ("No", "Yes"), row, " ")
+
+
+def _wic(row):
+    prompt = (
+        f"Does the word \"{row['word']}\" have the same meaning in these two sentences? Yes, No?\n"
+        f"{row['sentence1']}\n{row['sentence2']}\n"
+    )
+    return _verbalized(prompt, ("No", "Yes"), row)
+
+
+def _copa(row):
+    conjunctions = {"cause": " because ", "effect": " so "}
+    if row["question"] not in conjunctions:
+        raise ValueError(f"question {row['question']!r} must be cause or effect")
+    premise = row["premise"].rstrip()
+    premise = premise[:-1] if premise.endswith(".") else premise
+
+    def lower_first(choice: str) -> str:  # "I" stays capital, as in MeZO
+        words = choice.split(" ")
+        if words[0] != "I":
+            words[0] = words[0].lower()
+        return " ".join(words)
+
+    return _verbalized(premise + conjunctions[row["question"]], (lower_first(row["choice1"]), lower_first(row["choice2"])), row)
+
+
+def _multirc(row):
+    prompt = (
+        f"{row['paragraph']}\nQuestion: {row['question']}\n"
+        f"I found this answer \"{row['answer']}\". Is that correct? Yes or No?\n"
+    )
+    return _verbalized(prompt, ("No", "Yes"), row)
+
+
+def _squad(row):
+    answers = row["answers"]
+    if isinstance(answers, dict):
+        answers = answers.get("text", [])
+    if isinstance(answers, str):
+        answers = [answers]
+    if not answers or not all(isinstance(a, str) for a in answers):
+        raise ValueError("answers must be a non-empty list of strings (or {\"text\": [...]})")
+    prompt = f"Title: {row['title']}\nContext: {row['context']}\nQuestion: {row['question'].strip()}\nAnswer:"
+    return Example(prompt, (f" {answers[0]}\n",), 0, tuple(answers))
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("sst2", "classification", ("sentence", "label"), _sst2, 2),
+        Task("rte", "classification", ("premise", "hypothesis", "label"), _rte, 2),
+        Task("cb", "classification", ("premise", "hypothesis", "label"), _cb, 3),
+        Task("boolq", "classification", ("passage", "question", "label"), _boolq, 2),
+        Task("wic", "classification", ("word", "sentence1", "sentence2", "label"), _wic, 2),
+        Task("copa", "classification", ("premise", "question", "choice1", "choice2", "label"), _copa, 2),
+        Task("multirc", "classification", ("paragraph", "question", "answer", "label"), _multirc, 2),
+        Task("squad", "generation", ("title", "context", "question", "answers"), _squad),
+    )
+}
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown --task {name!r}; choose one of counting, text, {', '.join(TASKS)}") from None
+
+
+def build_examples(task: Task, rows: list[dict[str, Any]], source: str) -> list[Example]:
+    """Every row as an Example; a bad row is a one-line error naming the file and the row."""
+    examples = []
+    for number, row in enumerate(rows, 1):
+        missing = [c for c in task.columns if c not in row or row[c] is None]
+        if missing:
+            raise ValueError(
+                f"{source}, row {number}: missing column {missing[0]!r} (task {task.name} needs {', '.join(task.columns)})"
+            )
+        try:
+            examples.append(task.build(row))
+        except (ValueError, AttributeError, TypeError) as err:
+            raise ValueError(f"{source}, row {number}: {err}") from None
+    return examples
