@@ -1,0 +1,77 @@
+"""Forming the process group, the named mesh and the node-local shard groups."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distzo.dist.launch_env import LaunchEnv
+from distzo.dist.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
+    return backend
+
+
+def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
+    """Join the job's process group. A collective stuck past ``timeout_s`` (a dead peer)
+    raises instead of hanging, so the whole job exits."""
+    dist.init_process_group(
+        backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
+    return init_device_mesh(device.type, (dims.dp, dims.pert), mesh_dim_names=("dp", "pert"))
+
+
+def node_groups(env: LaunchEnv) -> tuple[dist.ProcessGroup, list[int]]:
+    """This node's group of local ranks (the sliced transfer's shard group) and its members.
+
+    Nodes are told apart by torchrun's GROUP_RANK and sized by LOCAL_WORLD_SIZE, as the
+    launcher set them; every rank learns every node's members, since each new_group must
+    be created by all ranks in the same order.
+    """
+    places = [None] * env.world_size
+    dist.all_gather_object(places, (env.node_rank, env.local_rank, env.local_world_size))
+    by_node: dict[int, list[tuple[int, int]]] = {}
+    for rank, (node, local_rank, local_world) in enumerate(places):
+        by_node.setdefault(node, []).append((local_rank, rank))
+        if local_world != env.local_world_size:
+            raise ValueError("every node must run the same number of ranks (LOCAL_WORLD_SIZE differs)")
+    mine = None
+    for node in sorted(by_node):
+        members = [rank for _, rank in sorted(by_node[node])]
+        group = dist.new_group(members)
+        if node == env.node_rank:
+            mine = (group, members)
+    assert mine is not None
+    return mine
+
+
+def set_cpu_threads(env: LaunchEnv, threads: int | None) -> int:
+    """Give each rank its share of the cores (default: cores / local ranks), so that
+    2 ranks vs 1 is a fair comparison and ranks do not thrash each other."""
+    count = threads if threads else max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(count)
+    return count
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
