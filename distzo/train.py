@@ -241,10 +241,14 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)
 
-    before = data.evaluate(engine, parallel)
-    logger.info("eval before training (step %d): %s", start_step, describe(before))
-    if logs:
-        logs.write("eval", {"step": start_step, **before})
+    # A resumed run does not evaluate where it starts: an evaluation applies the pending
+    # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
+    # extra one would part the resumed trajectory from the uninterrupted run's.
+    before = data.evaluate(engine, parallel) if start_step == 0 else None
+    if before is not None:
+        logger.info("eval before training: %s", describe(before))
+        if logs:
+            logs.write("eval", {"step": 0, **before})
     started, tokens = time.perf_counter(), 0
     progress = tqdm(range(start_step, job.optim.max_steps), desc="train", initial=start_step,
                     total=job.optim.max_steps, disable=None if env.rank == 0 else True)
@@ -282,10 +286,11 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
         checkpointer.poll()
     elapsed = time.perf_counter() - started
 
+    # Saved before the final evaluation, whose flush a longer run would not make here.
+    checkpointer.save(asynchronous=False)
     after = data.evaluate(engine, parallel)
     if logs:
         logs.write("eval", {"step": job.optim.max_steps, **after})
-    checkpointer.save(asynchronous=False)  # the final state: resumable, then exported
     export = export_hf(engine, run_dir / "export", tokenizer)
     record = {
         "rank": env.rank, "transfer": engine.transfer,
@@ -299,9 +304,9 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     if logs:
         logs.close()
         logger.info(
-            "done: %d steps in %.1f s (%.0f tokens/s); eval %s -> %s; model exported to %s",
-            job.optim.max_steps - start_step, elapsed, tokens / max(elapsed, 1e-9), describe(before),
-            describe(after), export,
+            "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s",
+            job.optim.max_steps - start_step, elapsed, tokens / max(elapsed, 1e-9),
+            f"{describe(before)} -> " if before else f"(resumed at step {start_step}) ", describe(after), export,
         )
     return after
 

@@ -123,3 +123,16 @@ def test_replay_rejects_a_malformed_log(tmp_path, log, message):
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path):
+    # A flush moves a stochastic-rounding point, so the resumed leg must flush (evaluate)
+    # exactly where the uninterrupted run does: it does not evaluate where it resumes.
+    flags = COMMON + ["--transfer-dtype", "bf16", "--compute-dtype", "fp32", "--eval-steps", "3"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
+    assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    proc = launch(1, flags + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Run(cut).grads == Run(full).grads
+    assert_same_params(Run(cut), Run(full))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from distzo import ZOConfig, ZOEngine, load_model
 from tests.conftest import tiny_opt
@@ -48,19 +48,22 @@ def test_one_slot_is_valid_and_trains():
     assert engine.step({"input_ids": ids}).step == 0
 
 
-def tiny_gpt2():
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+def tiny_neox():
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=32, max_position_embeddings=32))
 
 
 def test_unsupported_model_type_lists_the_supported_ones():
-    with pytest.raises(ValueError, match=r"unsupported model type 'gpt2'.*supports opt") as info:
-        ZOEngine(tiny_gpt2(), ZOConfig(device="cpu"))
+    with pytest.raises(
+        ValueError, match=r"unsupported model type 'gpt_neox': distzo supports gpt2, llama, mistral, opt, qwen2, qwen3"
+    ) as info:
+        ZOEngine(tiny_neox(), ZOConfig(device="cpu"))
     assert "\n" not in str(info.value)
 
 
 def test_unsupported_checkpoint_fails_before_loading_weights(tmp_path):
-    tiny_gpt2().config.save_pretrained(tmp_path)  # a config and no weights: loading them would fail differently
-    with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
+    tiny_neox().config.save_pretrained(tmp_path)  # a config and no weights: loading them would fail differently
+    with pytest.raises(ValueError, match="unsupported model type 'gpt_neox'"):
         load_model(str(tmp_path))
 
 

@@ -3,10 +3,10 @@ import subprocess
 import sys
 
 
-def test_default_job_runs_and_the_loss_goes_down():
+def test_default_job_runs_and_the_loss_goes_down(tmp_path):
     # The README's main command, shortened; the full default (2000 steps) takes ~5 s.
     proc = subprocess.run(
-        [sys.executable, "-m", "distzo.train", "--max-steps", "400", "--device", "cpu"],
+        [sys.executable, "-m", "distzo.train", "--max-steps", "400", "--device", "cpu", "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -7,9 +7,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distzo.models.adapter import BlockAdapter
+from distzo.models.gpt2 import GPT2Adapter
+from distzo.models.llama import LlamaFamilyAdapter
 from distzo.models.opt import OPTAdapter
 
-ADAPTERS: dict[str, type[BlockAdapter]] = {t: cls for cls in (OPTAdapter,) for t in cls.model_types}
+# Adding a family: one adapter file, its class here, and a blockwise == forward test.
+ADAPTERS: dict[str, type[BlockAdapter]] = {
+    t: cls for cls in (OPTAdapter, LlamaFamilyAdapter, GPT2Adapter) for t in cls.model_types
+}
 
 
 def supported_model_types() -> list[str]:

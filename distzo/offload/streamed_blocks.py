@@ -20,6 +20,7 @@ a staging buffer per slot receives them and the fp32 master slot is rebuilt from
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,9 @@ import torch.distributed as dist
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.device_slots import DeviceSlots
 from distzo.offload.low_bit import round_nearest_, round_stochastic_
-from distzo.zo.noise import NoiseSource
+
+if TYPE_CHECKING:  # offload takes a noise source; it does not reach into zo's internals
+    from distzo.zo import NoiseSource
 
 # Rounding noise ids live far above block ids, so they never reuse a perturbation's seeds.
 ROUNDING_STREAM = 1 << 40
@@ -50,7 +53,7 @@ class StreamedBlocks:
         num_slots: int,
         transfer_dtype: torch.dtype | None = None,
         shard: Shard | None = None,
-        rounding_noise: NoiseSource | None = None,
+        rounding_noise: "NoiseSource | None" = None,
         chunks: int = 1,
     ) -> None:
         if chunks < 1:

@@ -1,0 +1,77 @@
+"""Every adapter's blockwise forward equals the model's own forward; the engine's
+trajectory does not depend on the family's quirks (offload == resident)."""
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from distzo import ZOConfig, ZOEngine, adapter_for
+from distzo.models import supported_model_types
+from tests.conftest import random_batch
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, pad_token_id=0)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(num_hidden_layers=3, **COMMON),
+    "llama_tied": lambda: LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **COMMON),
+    "qwen2": lambda: Qwen2Config(num_hidden_layers=3, **COMMON),
+    # sliding-window layers from layer 1 on, with a window shorter than the sequence
+    "qwen2_sliding": lambda: Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=4,
+                                         max_window_layers=1, **COMMON),
+    "qwen3": lambda: Qwen3Config(num_hidden_layers=3, head_dim=8, **COMMON),
+    "mistral": lambda: MistralConfig(num_hidden_layers=3, sliding_window=4, **COMMON),
+    "gpt2": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64),
+}
+
+
+def build(name, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
+
+
+def test_every_family_is_registered():
+    assert set(supported_model_types()) == {"opt", "llama", "qwen2", "qwen3", "mistral", "gpt2"}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("pad", [None, "left", "right"])
+def test_blockwise_forward_equals_the_model_forward(name, pad):
+    model = build(name, seed=1)
+    batch = random_batch(64, pad=pad, seed=2)
+    with torch.no_grad():
+        reference = model(**batch)
+        logits, loss = adapter_for(model).forward(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    keep = batch["attention_mask"].bool()  # padded positions may hold anything
+    assert (logits - reference.logits)[keep].abs().max().item() <= 1e-5
+    assert torch.allclose(loss, reference.loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_sliding", "gpt2"])
+def test_offload_trajectory_equals_resident(name):
+    runs = {}
+    for mode in ("offload", "resident"):
+        engine = ZOEngine(build(name), ZOConfig(mode=mode, lr=1e-3, eps=1e-3, weight_decay=0.1, seed=4, device="cpu",
+                                                noise_chunk=500))
+        results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(6)]
+        runs[mode] = ([(r.loss_plus, r.loss_minus, r.projected_grad) for r in results], engine.named_parameters())
+    assert runs["offload"][0] == runs["resident"][0]
+    for key, value in runs["resident"][1].items():
+        assert torch.equal(runs["offload"][1][key], value), key
+
+
+def test_tied_heads_are_one_parameter():
+    for name in ("llama_tied", "gpt2"):
+        engine = ZOEngine(build(name), ZOConfig(device="cpu", seed=0))
+        params = engine.named_parameters()
+        head = "lm_head.weight"
+        tied = [k for k in params if k != head and params[k] is params[head]]
+        assert len(tied) == 1, (name, tied)
+    untied = ZOEngine(build("llama"), ZOConfig(device="cpu", seed=0)).named_parameters()
+    assert untied["lm_head.weight"] is not untied["model.embed_tokens.weight"]
