@@ -28,6 +28,7 @@ from torch import nn
 from distzo.config import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.models import BlockAdapter, adapter_for
+from distzo.models.weights import WeightSource
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.zo import NoiseSource, learning_rate, loss_contribution, projected_gradient
@@ -71,6 +72,46 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
 
 
+def _bucket_values(layout: BucketLayout, ordered: list[nn.Parameter], weights: WeightSource | None) -> torch.Tensor:
+    """One bucket's initial values on the host: the parameters' own, or the source's."""
+    flat = torch.zeros(layout.numel, dtype=layout.dtype)
+    if weights is None:
+        layout.pack(ordered, flat)
+    else:
+        for e in layout.entries:
+            flat[e.offset : e.offset + e.numel] = weights.tensor(e.names, e.shape, layout.dtype).reshape(-1)
+    return flat
+
+
+def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelContext) -> str:
+    """none (resident), naive or sliced: ``auto`` is sliced on CUDA + NCCL with several local ranks."""
+    transfer, group = config.transfer, parallel.shard_group
+    if config.mode == "resident":
+        return "none"
+    if transfer == "sliced" and group is None:
+        raise ValueError(
+            "transfer sliced needs a torchrun launch with a node-local process group; "
+            "use transfer naive (or auto) in a single process"
+        )
+    if transfer == "auto":
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        return "sliced" if device.type == "cuda" and nccl and group and group.size > 1 else "naive"
+    return transfer
+
+
+def bucket_layouts(
+    model: nn.Module, blocks: list[nn.Module]
+) -> tuple[list[tuple[BucketLayout, list[nn.Parameter]]], tuple[BucketLayout, list[nn.Parameter]]]:
+    """Each block's bucket and the resident bucket (every parameter outside the blocks),
+    with their parameters in layout order. Works on a meta-device skeleton (shapes only)."""
+    names = _aliases(model)
+    block_params = [_unique(b.parameters()) for b in blocks]
+    in_blocks = {id(p) for ps in block_params for p in ps}
+    resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks]
+    built = [BucketLayout.build([(names[id(p)], p) for p in ps]) for ps in block_params]
+    return built, BucketLayout.build([(names[id(p)], p) for p in resident_params])
+
+
 def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -94,6 +135,9 @@ class ZOEngine:
     runs, the all-reduce that gives every rank the same g, and the node-local group that
     shares one host copy of the blocks. ``run_seed`` must be equal on every rank (the
     trainer broadcasts it); it defaults to ``config.seed``, else a random draw.
+    ``weights`` fills the buckets, one at a time, for a model whose parameters are still on
+    the meta device (streaming load, random init of large shapes); without it the model's
+    own parameter values are packed.
     """
 
     def __init__(
@@ -103,6 +147,7 @@ class ZOEngine:
         adapter: BlockAdapter | None = None,
         parallel: ParallelContext | None = None,
         run_seed: int | None = None,
+        weights: WeightSource | None = None,
     ) -> None:
         config.validate()
         self.adapter = adapter if adapter is not None else adapter_for(model)
@@ -125,14 +170,8 @@ class ZOEngine:
         self.blocks = self.adapter.blocks()
         if not self.blocks:
             raise ValueError("the model has no transformer blocks to stream")
-        names = _aliases(model)
-        block_params = [_unique(b.parameters()) for b in self.blocks]
-        in_blocks = {id(p) for ps in block_params for p in ps}
-        resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks]
-
-        built = [BucketLayout.build([(names[id(p)], p) for p in ps]) for ps in block_params]
+        built, (self.resident_layout, resident_ordered) = bucket_layouts(model, self.blocks)
         self.block_layouts = [layout for layout, _ in built]
-        self.resident_layout, resident_ordered = BucketLayout.build([(names[id(p)], p) for p in resident_params])
         dtype = self.resident_layout.dtype  # the masters' dtype
         if any(layout.dtype != dtype for layout in self.block_layouts):
             raise ValueError("blocks and resident modules must share one dtype; cast the model first")
@@ -152,20 +191,17 @@ class ZOEngine:
         else:
             self.store = ResidentBlocks(self.block_layouts, self.device)
         for i, (layout, ordered) in enumerate(built):
-            values = torch.empty(layout.numel, dtype=dtype)
-            layout.pack(ordered, values)
-            self.store.load_block(i, values)
-        self.resident_master = torch.empty(self.resident_layout.numel, device=self.device, dtype=dtype)
-        self.resident_layout.pack(resident_ordered, self.resident_master)
+            self.store.load_block(i, _bucket_values(layout, ordered, weights))  # one block in memory at a time
+        self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(self.device)
 
         # One scratch bucket serves every block: blocks compute one after another on one
         # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
         scratch_len = max(l.numel for l in self.block_layouts)
         self.block_scratch = torch.zeros(scratch_len, device=self.device, dtype=compute_dtype)
         self.resident_scratch = torch.zeros(self.resident_layout.numel, device=self.device, dtype=compute_dtype)
-        for (layout, ordered) in built:
-            bind(ordered, layout, self.block_scratch)
-        bind(resident_ordered, self.resident_layout, self.resident_scratch)
+        for layout in self.block_layouts:
+            bind(model, layout, self.block_scratch)
+        bind(model, self.resident_layout, self.resident_scratch)
         self._resident_holds: tuple[int, int] | None = None  # (sign, step) now in resident_scratch
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
@@ -189,18 +225,7 @@ class ZOEngine:
         )
 
     def _resolve_transfer(self) -> str:
-        transfer, group = self.config.transfer, self.parallel.shard_group
-        if self.config.mode == "resident":
-            return "none"
-        if transfer == "sliced" and group is None:
-            raise ValueError(
-                "transfer sliced needs a torchrun launch with a node-local process group; "
-                "use transfer naive (or auto) in a single process"
-            )
-        if transfer == "auto":
-            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-            return "sliced" if self.device.type == "cuda" and nccl and group and group.size > 1 else "naive"
-        return transfer
+        return resolve_transfer(self.config, self.device, self.parallel)
 
     def _make_noise(self, dtype: torch.dtype) -> None:
         self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, dtype)

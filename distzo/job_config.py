@@ -28,6 +28,8 @@ def option(default: Any, help: str, choices: tuple | None = None) -> Any:
 @dataclass
 class ModelOptions:
     model: str | None = option(None, "hub name or local path of an OPT model; default: the tiny random-init OPT")
+    model_config: str | None = option(None, "a named shape with random weights, no checkpoint (e.g. opt-13b, llama-2-7b)")
+    model_layers: int | None = option(None, "override the layer count of --model-config (memory checks, benchmarks)")
     dtype: str = option("fp32", "master (parameter) dtype", ("fp32", "fp64"))
 
 
@@ -88,6 +90,7 @@ class RunOptions:
     eval_steps: int = option(0, "evaluate every N steps (0: only before and after)")
     save_steps: int = option(0, "checkpoint every N steps (0: only at the end)")
     resume: bool = option(False, "resume from the latest checkpoint in the run directory")
+    force: bool = option(False, "start even when the memory plan does not fit what this machine has free")
 
 
 @dataclass

@@ -36,10 +36,13 @@ from distzo.data.prompt_data import PromptEncoder
 from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData, load_task_rows
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims, ShardGroup, broadcast_seed
 from distzo.dist import process_group as pg
-from distzo.engine import ZOEngine, count_tokens
+from distzo.engine import ZOEngine, count_tokens, resolve_transfer
+from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.job_config import JobConfig, resolve, write_resolved
 from distzo.models import check_supported, load_model, model_from_config
+from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
+from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 
 logger = logging.getLogger("distzo.train")
 
@@ -68,8 +71,15 @@ def default_model_config(task: str) -> PretrainedConfig:
     return tiny_opt_config(vocab_size=len(byte_tokenizer()), max_position_embeddings=512)
 
 
-def model_config_of(name: str | None, task: str) -> PretrainedConfig:
+def model_config_of(job: JobConfig) -> PretrainedConfig:
     """The model's config alone (a small file): enough to reject bad input before loading."""
+    name, task = job.model.model, job.data.task
+    if job.model.model_config:
+        if name:
+            raise ValueError("--model and --model-config both name a model; keep one")
+        return shape_config(job.model.model_config, job.model.model_layers)
+    if job.model.model_layers is not None:
+        raise ValueError("--model-layers only applies to --model-config")
     if name is None:
         return default_model_config(task)
     try:
@@ -101,7 +111,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         transfer_chunks=off.transfer_chunks,
     )
     pg.resolve_backend(par.backend, config.torch_device())
-    model_config = model_config_of(job.model.model, data.task)
+    model_config = model_config_of(job)
     check_supported(model_config.model_type)
     longest = data.seq_len if data.task == "counting" else data.max_length
     if longest > model_config.max_position_embeddings:
@@ -122,7 +132,7 @@ def load_tokenizer(job: JobConfig):
     """The model's own tokenizer, or the built-in byte tokenizer of a random-init model."""
     if job.data.task == "counting":
         return None
-    if not job.model.model:
+    if not job.model.model:  # the default tiny model or a --model-config shape
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
@@ -139,6 +149,26 @@ def build_task_data(job: JobConfig, rows: LoadedRows | None, tokenizer, model_co
     if job.data.task == "text":
         return TextData(rows, encoder, seed)
     return PromptData(rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens)
+
+
+def build_model(job: JobConfig, dtype: torch.dtype, seed: int):
+    """(model, weight source): a skeleton filled bucket by bucket for a --model-config shape
+    or a local checkpoint directory (never materialised whole); otherwise a loaded model."""
+    if job.model.model_config:
+        return skeleton(shape_config(job.model.model_config, job.model.model_layers), dtype), RandomWeights(seed)
+    if job.model.model and Path(job.model.model).is_dir():
+        return skeleton(AutoConfig.from_pretrained(job.model.model), dtype), open_checkpoint(job.model.model)
+    if job.model.model:
+        return load_model(job.model.model, dtype), None  # a hub name: transformers downloads and loads it
+    return model_from_config(default_model_config(job.data.task), dtype), None
+
+
+def memory_plan(job: JobConfig, model, config: ZOConfig, parallel: ParallelContext, device: torch.device) -> MemoryPlan:
+    sliced = resolve_transfer(config, device, parallel) == "sliced"
+    seq = job.data.seq_len if job.data.task == "counting" else (job.data.max_length or model.config.max_position_embeddings)
+    shard = parallel.shard_group.size if parallel.shard_group else 1
+    batch = max(job.data.batch_size // parallel.dims.dp, job.data.eval_batch_size // parallel.env.world_size, 1)
+    return plan_memory(model, config, shard, sliced, batch, seq, len(parallel.signs))
 
 
 def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
@@ -217,17 +247,17 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     torch.manual_seed(seed)  # the random init of the default model: equal on every rank
     dtype = MASTER_DTYPES[job.model.dtype]
     tokenizer = load_tokenizer(job)
-    if job.model.model:
-        model = load_model(job.model.model, dtype)
-    else:
-        model = model_from_config(default_model_config(job.data.task), dtype)
+    model, weights = build_model(job, dtype, seed)
+    plan = memory_plan(job, model, config, parallel, device)
+    logger.info("memory plan: %s", plan.describe())
+    check_fits(plan, device, env.local_world_size, job.run.force)
     if env.rank == 0:
         write_resolved(job, run_dir)
-        if not job.model.model and not job.run.resume:
+        if weights is None and not job.model.model and not job.run.resume:
             model.save_pretrained(run_dir / "base")  # replay needs the initial weights
             if tokenizer is not None:
                 tokenizer.save_pretrained(run_dir / "base")
-    engine = ZOEngine(model, config, parallel=parallel, run_seed=seed)
+    engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights)
     checkpointer = Checkpointer(run_dir / "checkpoints", engine)
     start_step = checkpointer.load(latest_checkpoint(run_dir / "checkpoints")) if job.run.resume else 0
     data = build_task_data(job, rows, tokenizer, model.config, seed)

@@ -24,9 +24,14 @@ def test_layout_puts_decayed_parameters_first_and_aligns_offsets():
     assert views["tied.w"] is views["ln.w"]
     assert torch.count_nonzero(torch.isnan(flat)) == 0  # padding is zeroed, not garbage
 
-    bind(ordered, layout, flat)
-    flat[layout.entries[0].offset] = 42.0
-    assert lin.weight[0, 0].item() == 42.0  # the module now computes with the bucket
+    model = nn.Module()
+    model.lin, model.ln = lin, norm
+    named, _ = BucketLayout.build([(("lin.weight",), lin.weight), (("lin.bias",), lin.bias), (("ln.weight",), norm.weight)])
+    named_flat = torch.zeros(named.numel)
+    bind(model, named, named_flat)
+    named_flat[named.entries[0].offset] = 42.0
+    assert model.lin.weight[0, 0].item() == 42.0  # the module now computes with the bucket
+    assert model.lin.weight.data_ptr() == named_flat.data_ptr()
 
 
 def test_mixed_dtypes_are_refused():

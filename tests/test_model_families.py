@@ -75,3 +75,21 @@ def test_tied_heads_are_one_parameter():
         assert len(tied) == 1, (name, tied)
     untied = ZOEngine(build("llama"), ZOConfig(device="cpu", seed=0)).named_parameters()
     assert untied["lm_head.weight"] is not untied["model.embed_tokens.weight"]
+
+
+def test_strategy_invariance_for_a_tiny_llama(tmp_path):
+    from tests.launch import Run, python_train, torchrun
+
+    build("llama", seed=3).save_pretrained(tmp_path / "llama")
+    common = ["--model", str(tmp_path / "llama"), "--max-steps", "6", "--batch-size", "8", "--log-every", "0",
+              "--dtype", "fp64", "--lr-schedule", "constant"]
+    single = tmp_path / "single"
+    assert python_train(common + ["--output-dir", str(single)]).returncode == 0
+    for name, flags in {"pertp": ["--pert", "2"], "ddp": ["--pert", "1"]}.items():
+        out = tmp_path / name
+        proc = torchrun(2, common + flags + ["--output-dir", str(out)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        a, b = Run(out), Run(single)
+        assert max(abs(x - y) / abs(y) for x, y in zip(a.grads, b.grads)) <= 1e-9
+        for key, value in b.params.items():
+            assert ((a.params[key] - value).norm() / value.norm()).item() <= 1e-9, key

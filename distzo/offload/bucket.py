@@ -87,8 +87,15 @@ class BucketLayout:
         return sum(e.numel for e in self.entries)
 
 
-def bind(params: list[nn.Parameter], layout: BucketLayout, flat: torch.Tensor) -> None:
-    """Make each module parameter a view into ``flat``: the module then computes with
-    whatever the buffer holds, without re-pointing anything per step."""
-    for e, p in zip(layout.entries, params, strict=True):
-        p.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+def bind(model: nn.Module, layout: BucketLayout, flat: torch.Tensor) -> None:
+    """Make each of the model's parameters a view into ``flat``: the modules then compute
+    with whatever the buffer holds, without re-pointing anything per step.
+
+    Each parameter is replaced (at every name it is reachable by, so tied weights stay one
+    object) rather than re-pointed, which also works for a skeleton on the meta device.
+    """
+    for e in layout.entries:
+        param = nn.Parameter(flat[e.offset : e.offset + e.numel].view(e.shape), requires_grad=False)
+        for name in e.names:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)

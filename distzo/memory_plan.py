@@ -1,0 +1,129 @@
+"""The memory a run will take, computed from the bucket layouts before anything is allocated.
+
+Rank 0 prints it at start-up, and the run refuses to start (one line) when it does not
+fit the free device memory or the host memory it sees, unless ``--force``. The
+figures are the engine's own allocations (buckets, slots, staging, scratch, the noise
+workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocated``;
+the activation figure is an estimate of the largest transient (the bigger of one
+block's intermediates and the fp32 logits of the loss).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distzo.config import ZOConfig
+from distzo.engine import bucket_layouts
+from distzo.models import adapter_for
+from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
+from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
+
+logger = logging.getLogger(__name__)
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parameters: int
+    host_bytes: int  # this rank's host copy of the blocks
+    device_resident: int  # the resident bucket and its scratch
+    device_blocks: int  # resident-mode block masters, or the K slots (+ staging)
+    device_scratch: int  # the block scratch bucket and the noise workspaces
+    activations: int  # estimate of the largest transient
+
+    @property
+    def device_bytes(self) -> int:
+        """What the engine allocates (activations excluded)."""
+        return self.device_resident + self.device_blocks + self.device_scratch
+
+    def describe(self) -> str:
+        return (
+            f"{self.parameters / 1e9:.3f} B parameters; host {self.host_bytes / GB:.2f} GB per rank; "
+            f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, blocks/slots "
+            f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}) + activations ~"
+            f"{self.activations / GB:.2f} GB"
+        )
+
+
+def _width(config, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return default
+
+
+def plan_memory(
+    model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool, batch: int, seq: int, signs: int
+) -> MemoryPlan:
+    """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton)."""
+    built, (resident, _) = bucket_layouts(model, adapter_for(model).blocks())
+    layouts = [layout for layout, _ in built]
+    master = resident.dtype.itemsize
+    compute = master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype].itemsize
+    wire = master if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype].itemsize
+    owners = shard_size if sliced else 1
+    chunks = config.transfer_chunks if owners > 1 else 1
+    padded = [round_up(l.numel, owners * chunks * ALIGN_ELEMENTS) for l in layouts]
+    largest = max(padded)
+    noise = config.noise_chunk * master + (config.noise_chunk * 4 if wire != master else 0)
+    if config.mode == "offload":
+        host = sum(padded) // owners * wire
+        blocks = config.num_slots * largest * (master + (wire if wire != master else 0))
+    else:
+        host, blocks = 0, sum(l.numel for l in layouts) * master
+    cfg = model.config
+    hidden = _width(cfg, "hidden_size", "n_embd")
+    ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
+    heads = _width(cfg, "num_attention_heads", "n_head", default=1)
+    vocab = _width(cfg, "vocab_size")
+    tokens = batch * seq
+    block_tmp = tokens * (4 * hidden + 2 * ffn) * compute + batch * heads * seq * seq * compute
+    logits = tokens * vocab * (compute + 2 * 4)  # logits, and their fp32 copy and log-softmax in the loss
+    activations = signs * tokens * hidden * compute + max(block_tmp, logits)
+    return MemoryPlan(
+        parameters=resident.num_parameters + sum(l.num_parameters for l in layouts),
+        host_bytes=host,
+        device_resident=resident.numel * (master + compute),
+        device_blocks=blocks,
+        device_scratch=max(l.numel for l in layouts) * compute + noise,
+        activations=activations,
+    )
+
+
+def available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: bool) -> None:
+    """Refuse a plan that cannot fit, before anything is allocated (``force`` overrides)."""
+    problems = []
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        need = plan.device_bytes + plan.activations
+        if need > free:
+            problems.append(f"{need / GB:.1f} GB of device memory, {free / GB:.1f} GB free on {device}")
+        host_need = plan.host_bytes * local_ranks
+    else:  # on CPU the "device" buffers are host memory too
+        host_need = (plan.host_bytes + plan.device_bytes + plan.activations) * local_ranks
+    available = available_host_bytes()
+    if available is not None and host_need > available:
+        problems.append(f"{host_need / GB:.1f} GB of host memory for {local_ranks} local ranks, {available / GB:.1f} GB available")
+    if problems and not force:
+        raise ValueError(
+            f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots or the batch, use a low-bit "
+            "--transfer-dtype or --transfer sliced, fewer --model-layers, or pass --force to start anyway"
+        )
+    for problem in problems:
+        logger.warning("starting anyway (--force): the plan needs %s", problem)

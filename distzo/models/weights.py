@@ -1,0 +1,127 @@
+"""Where a model's weights come from when it is never materialised whole.
+
+The model is built as a skeleton (parameters on the meta device, small buffers such as
+rotary tables real), and the engine asks a ``WeightSource`` for each bucket's tensors,
+one bucket at a time, straight into the host copies: the peak is the resident part plus
+one block, never the model twice.
+
+* ``SafetensorsWeights``: a Hugging Face directory with ``model.safetensors`` or
+  sharded ``model-XXXXX-of-YYYYY.safetensors`` + ``model.safetensors.index.json``;
+  tensors are read one at a time (memory-mapped).
+* ``TorchBinWeights``: ``pytorch_model.bin`` (or sharded ``.bin`` + index), loaded with
+  ``torch.load(weights_only=True, mmap=True)``: no unpickling of code, but a shard's
+  tensors are mapped at once, so it is the slower, more memory-hungry path.
+* ``RandomWeights``: random init without a checkpoint (benchmarks, memory checks),
+  each tensor seeded by its name, so every rank draws the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+class WeightSource(Protocol):
+    def tensor(self, names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    """The model with its parameters on the meta device (no memory) and buffers real."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # the meta registration leaves tied heads as separate parameters
+    return model
+
+
+def _pick(names: tuple[str, ...], available) -> str:
+    """The alias under which a (possibly tied) parameter was saved."""
+    for name in names:
+        if name in available:
+            return name
+    raise ValueError(f"the checkpoint has no tensor for {names[0]} (nor its aliases {list(names[1:])})")
+
+
+def _check(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
+    return value
+
+
+class SafetensorsWeights:
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = directory / "model.safetensors"
+            with safe_open(str(single), "pt") as handle:
+                weight_map = {name: single.name for name in handle.keys()}
+        self.directory, self.weight_map = directory, weight_map
+        self._open = safe_open
+        self._handles: dict[str, object] = {}
+
+    def tensor(self, names, shape, dtype):
+        name = _pick(names, self.weight_map)
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(str(self.directory / file), "pt")
+        return _check(name, self._handles[file].get_tensor(name), shape).to(dtype)
+
+
+class TorchBinWeights:
+    def __init__(self, directory: Path) -> None:
+        index = directory / "pytorch_model.bin.index.json"
+        if index.exists():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            self.weight_map = None
+        self.directory = directory
+        self._shards: dict[str, dict[str, torch.Tensor]] = {}
+
+    def _shard(self, file: str) -> dict[str, torch.Tensor]:
+        if file not in self._shards:
+            self._shards[file] = torch.load(self.directory / file, map_location="cpu", weights_only=True, mmap=True)
+        return self._shards[file]
+
+    def tensor(self, names, shape, dtype):
+        if self.weight_map is None:
+            state = self._shard("pytorch_model.bin")
+            name = _pick(names, state)
+        else:
+            name = _pick(names, self.weight_map)
+            state = self._shard(self.weight_map[name])
+        return _check(name, state[name], shape).to(dtype)
+
+
+class RandomWeights:
+    """Matrices ~ N(0, std), biases 0, norm scales 1 (the usual initialisation)."""
+
+    def __init__(self, seed: int, std: float = 0.02) -> None:
+        self.seed, self.std = seed, std
+
+    def tensor(self, names, shape, dtype):
+        name = names[0]
+        if len(shape) < 2:
+            return (torch.zeros if name.endswith("bias") else torch.ones)(shape, dtype=dtype)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape, dtype=dtype).normal_(0.0, self.std, generator=generator)
+
+
+def open_checkpoint(directory: str | Path) -> WeightSource:
+    """The weight source of a local Hugging Face directory (safetensors preferred)."""
+    directory = Path(directory)
+    if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+        return SafetensorsWeights(directory)
+    if (directory / "pytorch_model.bin").exists() or (directory / "pytorch_model.bin.index.json").exists():
+        return TorchBinWeights(directory)
+    raise ValueError(f"{directory} holds no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
