@@ -108,3 +108,20 @@ def test_low_bit_transfer_with_amp_compute_on_gpu():
     assert engine.store.host_storage.dtype == torch.bfloat16 and engine.store.host_storage.is_pinned()
     results = [engine.step(random_batch(64, seed=i)) for i in range(5)]
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
+
+
+def test_memory_plan_matches_what_cuda_allocates():
+    from distzo.memory_plan import plan_memory
+    from distzo.models.shapes import shape_config
+    from distzo.models.weights import RandomWeights, skeleton
+
+    for config in (ZOConfig(device="cuda", seed=0), ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16")):
+        model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
+        plan = plan_memory(model, config, 1, False, batch=1, seq=8, signs=2)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        engine = ZOEngine(model, config, weights=RandomWeights(0))
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated() - before
+        assert abs(allocated - plan.device_bytes) <= 0.1 * plan.device_bytes, (allocated, plan.device_bytes)
+        del engine, model

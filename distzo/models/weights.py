@@ -68,14 +68,13 @@ class SafetensorsWeights:
                 weight_map = {name: single.name for name in handle.keys()}
         self.directory, self.weight_map = directory, weight_map
         self._open = safe_open
-        self._handles: dict[str, object] = {}
 
     def tensor(self, names, shape, dtype):
+        # One mapping per tensor, closed at once: pages read from a file mapping that stays
+        # open count as this process's memory, which would add up to the whole checkpoint.
         name = _pick(names, self.weight_map)
-        file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = self._open(str(self.directory / file), "pt")
-        return _check(name, self._handles[file].get_tensor(name), shape).to(dtype)
+        with self._open(str(self.directory / self.weight_map[name]), "pt") as handle:
+            return _check(name, handle.get_tensor(name), shape).to(dtype=dtype, copy=True)
 
 
 class TorchBinWeights:

@@ -1,0 +1,125 @@
+"""Streaming load and random-init shapes: the model is never materialised whole."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from distzo import ZOConfig, ZOEngine
+from distzo.memory_plan import plan_memory
+from distzo.models.shapes import SHAPES, shape_config
+from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from tests.conftest import random_batch
+from tests.launch import child_env, python_train
+from tests.test_model_families import CONFIGS, build
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+def test_streamed_parameters_equal_from_pretrained(tmp_path, name, fmt):
+    original = build(name, seed=5)
+    kwargs = {"max_shard_size": "20KB"} if fmt == "sharded" else {}
+    original.save_pretrained(tmp_path, safe_serialization=fmt != "bin", **kwargs)
+    if fmt == "sharded":
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = skeleton(reference.config, torch.float32)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0), weights=open_checkpoint(tmp_path))
+    params = engine.named_parameters()
+    for key, value in reference.state_dict().items():
+        if key in params:
+            assert torch.equal(params[key], value), key
+    batch = random_batch(64, pad="left", seed=1)
+    with torch.no_grad():
+        expected = reference(**batch).logits
+    logits, _ = engine.forward(batch)
+    keep = batch["attention_mask"].bool()
+    assert (logits - expected)[keep].abs().max().item() <= 1e-5
+
+
+def test_a_directory_without_weights_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="holds no model.safetensors"):
+        open_checkpoint(tmp_path)
+
+
+def test_random_weights_are_the_same_on_every_rank_and_shaped_by_role():
+    a, b = RandomWeights(3), RandomWeights(3)
+    w = a.tensor(("model.layers.0.mlp.up_proj.weight",), (8, 4), torch.float32)
+    assert torch.equal(w, b.tensor(("model.layers.0.mlp.up_proj.weight",), (8, 4), torch.float32))
+    assert not torch.equal(w, a.tensor(("model.layers.1.mlp.up_proj.weight",), (8, 4), torch.float32))
+    assert torch.equal(a.tensor(("x.bias",), (3,), torch.float32), torch.zeros(3))
+    assert torch.equal(a.tensor(("x.norm.weight",), (3,), torch.float32), torch.ones(3))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_every_named_shape_builds_as_a_skeleton(name):
+    model = skeleton(shape_config(name, layers=1), torch.float32)
+    plan = plan_memory(model, ZOConfig(device="cpu"), 1, False, batch=1, seq=8, signs=2)
+    assert plan.parameters > 1e7 and plan.host_bytes > 0
+
+
+def test_the_plan_counts_what_the_engine_allocates():
+    model = build("llama", seed=0)
+    for config in (ZOConfig(device="cpu", num_slots=3), ZOConfig(device="cpu", transfer_dtype="bf16")):
+        plan = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
+        engine = ZOEngine(build("llama", seed=0), config)
+        allocated = (engine.resident_master.nbytes + engine.resident_scratch.nbytes + engine.block_scratch.nbytes
+                     + engine.store.device_bytes + engine.noise._workspace.nbytes
+                     + (engine.rounding_noise._workspace.nbytes if engine.rounding_noise else 0))
+        assert plan.device_bytes == allocated
+        assert plan.host_bytes == engine.store.host_bytes
+
+
+def test_opt_13b_shape_with_one_layer_builds_and_steps():
+    model = skeleton(shape_config("opt-13b", layers=1), torch.float32)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, lr=1e-7), weights=RandomWeights(0))
+    # 50272 x 5120 tied embedding (257.4M) + 2050 x 5120 positions (10.5M) + one 12 d^2 layer (314.6M)
+    assert 0.58e9 < engine.num_parameters < 0.59e9
+    result = engine.step({"input_ids": torch.randint(3, 50272, (1, 4))})
+    assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_anything_is_allocated():
+    proc = python_train(["--model-config", "opt-175b", "--max-steps", "1"])
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the run does not fit: it needs") and "--force" in line
+
+
+@pytest.mark.slow
+def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
+    # ~0.83 GB of fp32 weights in 300 MB shards; a small vocabulary keeps the resident part small.
+    config = LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0.5e9 < model_bytes < 1e9
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="300MB")
+    del model
+    assert len(list((tmp_path / "ckpt").glob("model-*.safetensors"))) >= 3
+    from tests.launch import free_port
+
+    for n in (1, 2):
+        out = tmp_path / f"probe{n}"
+        probe = [str(tmp_path / "ckpt"), str(out)]
+        command = [sys.executable, "tests/stream_probe.py", *probe] if n == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", "tests/stream_probe.py", *probe]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads((tmp_path / f"probe{n}.rank{r}.json").read_text()) for r in range(n)]
+        bound = 1.3 * model_bytes / n + 1e9
+        print(f"n={n}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB")
+        for record in records:
+            assert record["peak_rss"] < bound, (n, record["peak_rss"] / 1e9, bound / 1e9)
+        reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+        for key, (total, squares) in records[0]["checksums"].items():
+            value = reference[key].double()
+            assert total == pytest.approx(value.sum().item(), rel=1e-12, abs=1e-9), key
+            assert squares == pytest.approx(value.square().sum().item(), rel=1e-12), key
+        del reference
