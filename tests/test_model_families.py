@@ -85,11 +85,18 @@ def test_strategy_invariance_for_a_tiny_llama(tmp_path):
               "--dtype", "fp64", "--lr-schedule", "constant"]
     single = tmp_path / "single"
     assert python_train(common + ["--output-dir", str(single)]).returncode == 0
+    runs = {}
     for name, flags in {"pertp": ["--pert", "2"], "ddp": ["--pert", "1"]}.items():
         out = tmp_path / name
         proc = torchrun(2, common + flags + ["--output-dir", str(out)])
         assert proc.returncode == 0, proc.stderr[-3000:]
-        a, b = Run(out), Run(single)
-        assert max(abs(x - y) / abs(y) for x, y in zip(a.grads, b.grads)) <= 1e-9
-        for key, value in b.params.items():
-            assert ((a.params[key] - value).norm() / value.norm()).item() <= 1e-9, key
+        runs[name] = Run(out)
+    reference = Run(single)
+    assert runs["pertp"].grads == reference.grads  # nothing is split: bitwise
+    # DDP splits the batch. Llama's RMSNorm and rotary tables compute in fp32 even in an
+    # fp64 model, so the split's reassociation surfaces at fp32 rounding (measured ~6e-7
+    # in g, after the 1/(2 eps) magnification) instead of fp64's ~1e-12.
+    a = runs["ddp"]
+    assert max(abs(x - y) / abs(y) for x, y in zip(a.grads, reference.grads)) <= 1e-5
+    for key, value in reference.params.items():
+        assert ((a.params[key] - value).norm() / value.norm()).item() <= 1e-5, key
