@@ -26,6 +26,7 @@ from distzo.bench import BenchReport, Measurement, time_repeated
 from distzo.bench.records import device_name
 from distzo.dist import LaunchEnv
 from distzo.dist import process_group as pg
+from distzo.models.shapes import OPT_SHAPES
 from distzo.offload import BucketLayout, Shard, StreamedBlocks
 from distzo.offload.low_bit import TRANSFER_DTYPES
 from distzo.zo import NoiseSource
@@ -33,16 +34,7 @@ from distzo.zo import NoiseSource
 logger = logging.getLogger("bandwidth")
 
 # Hidden sizes d of the models whose layer (12*d^2 parameters) is a default block size.
-LAYER_WIDTHS = {
-    "tiny": 128,
-    "opt-125m": 768,
-    "opt-1.3b": 2048,
-    "opt-6.7b": 4096,
-    "opt-13b": 5120,
-    "opt-30b": 7168,
-    "opt-66b": 9216,
-    "opt-175b": 12288,
-}
+LAYER_WIDTHS = {"tiny": 128, **{name: shape[0] for name, shape in OPT_SHAPES.items()}}
 UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 

@@ -24,7 +24,9 @@ import argparse
 import json
 from pathlib import Path
 
-LAYER_WIDTHS = {"opt-1.3b": 2048, "opt-13b": 5120, "opt-66b": 9216, "opt-175b": 12288}
+from distzo.models.shapes import OPT_SHAPES
+
+LAYER_WIDTHS = {name: shape[0] for name, shape in OPT_SHAPES.items()}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement
@@ -30,34 +31,26 @@ from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.models import model_from_config
+from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.offload import Timeline
-from transformers import OPTConfig
 
 logger = logging.getLogger("throughput")
 
-SHAPES = {  # hidden, ffn, heads, layers (the real layer counts; --layers overrides)
-    "tiny": (64, 256, 4, 4),
-    "mini": (256, 1024, 4, 4),  # small vocabulary too: compute-bound on a CPU at batch x seq >= 4k
-    "opt-125m": (768, 3072, 12, 12),
-    "opt-350m": (1024, 4096, 16, 24),
-    "opt-1.3b": (2048, 8192, 32, 24),
-    "opt-2.7b": (2560, 10240, 32, 32),
-    "opt-6.7b": (4096, 16384, 32, 32),
-    "opt-13b": (5120, 20480, 40, 40),
-}
+# Two small shapes for CPUs (vocabulary 512); every named shape of distzo.models.shapes too.
+SMALL_SHAPES = {"tiny": (64, 256, 4, 4), "mini": (256, 1024, 4, 4)}  # hidden, ffn, heads, layers
+SHAPE_NAMES = sorted(SMALL_SHAPES) + SHAPES
 
 
-def model_config(shape: str, layers: int | None, seq: int) -> OPTConfig:
-    hidden, ffn, heads, depth = SHAPES[shape]
+def model_config(shape: str, layers: int | None, seq: int) -> PretrainedConfig:
+    if shape not in SMALL_SHAPES:
+        config = shape_config(shape, layers)
+        config.max_position_embeddings = max(seq, config.max_position_embeddings)
+        return config
+    hidden, ffn, heads, depth = SMALL_SHAPES[shape]
     return tiny_opt_config(
-        vocab_size=512 if shape in ("tiny", "mini") else 50272,
-        hidden_size=hidden,
-        ffn_dim=ffn,
-        num_attention_heads=heads,
-        num_hidden_layers=layers or depth,
-        word_embed_proj_dim=hidden,
-        max_position_embeddings=max(seq, 2048),
+        vocab_size=512, hidden_size=hidden, ffn_dim=ffn, num_attention_heads=heads,
+        num_hidden_layers=layers or depth, word_embed_proj_dim=hidden, max_position_embeddings=max(seq, 2048),
     )
 
 
@@ -172,7 +165,7 @@ class Bench:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: seconds (CI)")
-    p.add_argument("--shape", default=None, choices=sorted(SHAPES), help="model shape (default tiny if --quick, else opt-1.3b)")
+    p.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="model shape (default tiny if --quick, else opt-1.3b)")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (memory)")
     p.add_argument("--batch", type=int, default=None, help="global batch (default 8; quick 4)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; quick 32)")
