@@ -15,6 +15,7 @@ installed (extra ``bench``), a PNG plot.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from pathlib import Path
 
@@ -94,12 +95,12 @@ class Bench:
             )
             params = {"size": label, "numel": numel, "dtype": dtype_name, "transfer": transfer}
             wire_bytes = numel * dtype.itemsize  # the whole block reaches / leaves the device
-            up = self.timed("engine_upload", params, lambda: store.upload(0), wire_bytes, numel)
-            off = self.timed("engine_offload", params, lambda: store.offload(0), wire_bytes, numel)
+            up = self.timed("engine_upload", params, functools.partial(store.upload, 0), wire_bytes, numel)
+            off = self.timed("engine_offload", params, functools.partial(store.offload, 0), wire_bytes, numel)
             key = f"{label}/{dtype_name}/{transfer}"
             self.ceiling_ratio(f"upload_vs_bare_h2d[{key}]", up, f"{label}/{dtype_name}/h2d")
             self.ceiling_ratio(f"offload_vs_bare_d2h[{key}]", off, f"{label}/{dtype_name}/d2h")
-            del store
+            store = None  # release this block's buffers before the next mode allocates its own
 
     def ceiling_ratio(self, name: str, engine: Measurement, bare_key: str) -> None:
         bare = self._bare.get(bare_key)

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine, adapter_for, load_model
-from distzo.models.tiny import tiny_opt_config
 from tests.conftest import random_batch, tiny_opt
 
 CONFIGS = {

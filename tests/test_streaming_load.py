@@ -14,7 +14,7 @@ from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from tests.conftest import random_batch
 from tests.launch import child_env, python_train
-from tests.test_model_families import CONFIGS, build
+from tests.test_model_families import build
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2"])
