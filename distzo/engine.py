@@ -16,6 +16,7 @@ layers compute with whatever perturbation the scratch currently holds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from dataclasses import asdict, dataclass
@@ -112,6 +113,16 @@ def bucket_layouts(
     return built, BucketLayout.build([(names[id(p)], p) for p in resident_params])
 
 
+def _bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of a bucket, read from the source tensor by tensor (alignment gaps 0)."""
+    out = torch.zeros(hi - lo, dtype=layout.dtype)
+    for e in layout.entries:
+        a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+        if a < b:
+            out[a - lo : b - lo] = weights.tensor_range(e.names, e.shape, layout.dtype, a - e.offset, b - e.offset)
+    return out
+
+
 def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -191,7 +202,11 @@ class ZOEngine:
         else:
             self.store = ResidentBlocks(self.block_layouts, self.device)
         for i, (layout, ordered) in enumerate(built):
-            self.store.load_block(i, _bucket_values(layout, ordered, weights))  # one block in memory at a time
+            if weights is not None and self.transfer == "sliced":
+                # Read only this rank's share of the block from the checkpoint.
+                self.store.load_block_ranges(i, functools.partial(_bucket_range, layout, weights))
+            else:
+                self.store.load_block(i, _bucket_values(layout, ordered, weights))  # one block in memory at a time
         self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(self.device)
 
         # One scratch bucket serves every block: blocks compute one after another on one

@@ -123,3 +123,43 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
             assert total == pytest.approx(value.sum().item(), rel=1e-12, abs=1e-9), key
             assert squares == pytest.approx(value.square().sum().item(), rel=1e-12), key
         del reference
+
+
+def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
+    from distzo.engine import _bucket_range, bucket_layouts
+    from distzo.models import adapter_for
+    from distzo.offload import Shard, StreamedBlocks
+
+    original = build("llama", seed=2)
+    original.save_pretrained(tmp_path, max_shard_size="20KB")
+    source = open_checkpoint(tmp_path)
+    model = skeleton(original.config, torch.float32)
+    built, _ = bucket_layouts(model, adapter_for(model).blocks())
+    layouts = [layout for layout, _ in built]
+    naive = StreamedBlocks(layouts, torch.device("cpu"), 1)
+    for i, (layout, ordered) in enumerate(built):
+        full = torch.zeros(layout.numel)
+        for e in layout.entries:
+            full[e.offset : e.offset + e.numel] = source.tensor(e.names, e.shape, torch.float32).reshape(-1)
+        naive.load_block(i, full)
+    for rank in range(2):
+        sliced = StreamedBlocks(layouts, torch.device("cpu"), 1, shard=Shard(None, rank, 2), chunks=3)
+        asked = []
+
+        def read(layout, lo, hi):
+            asked.append((lo, hi))
+            return _bucket_range(layout, source, lo, hi)
+
+        for i, layout in enumerate(layouts):
+            asked.clear()
+            sliced.load_block_ranges(i, lambda lo, hi, layout=layout: read(layout, lo, hi))
+            owned = [s for _, s in sliced._pieces(i)]
+            assert sum(hi - lo for lo, hi in asked) <= sum(hi - lo for lo, hi in owned)  # never more than its share
+            assert all(any(o_lo <= lo and hi <= o_hi for o_lo, o_hi in owned) for lo, hi in asked)
+            # and what it holds equals the owner's pieces of the whole block
+            sliced_full = torch.zeros(sliced.padded[i])
+            naive_full = torch.zeros(sliced.padded[i])
+            naive_full[: layout.numel] = naive.master(i)[: layout.numel]
+            for (h_lo, h_hi), (s_lo, s_hi) in sliced._pieces(i):
+                sliced_full[s_lo:s_hi] = sliced.master(i)[h_lo:h_hi]
+                assert torch.equal(sliced_full[s_lo:s_hi], naive_full[s_lo:s_hi])

@@ -30,6 +30,16 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 class WeightSource(Protocol):
     def tensor(self, names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
+    def tensor_range(
+        self, names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, start: int, stop: int
+    ) -> torch.Tensor:
+        """Elements [start, stop) of the flattened tensor (a sliced rank's own piece)."""
+        ...
+
+
+def _flat_range(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return full.reshape(-1)[start:stop]
+
 
 def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     """The model with its parameters on the meta device (no memory) and buffers real."""
@@ -76,6 +86,20 @@ class SafetensorsWeights:
         with self._open(str(self.directory / self.weight_map[name]), "pt") as handle:
             return _check(name, handle.get_tensor(name), shape).to(dtype=dtype, copy=True)
 
+    def tensor_range(self, names, shape, dtype, start, stop):
+        """Reads only the rows that hold elements [start, stop)."""
+        name = _pick(names, self.weight_map)
+        row = 1
+        for size in shape[1:]:
+            row *= size
+        first, last = start // row, -(-stop // row)
+        with self._open(str(self.directory / self.weight_map[name]), "pt") as handle:
+            piece = handle.get_slice(name)
+            if tuple(piece.get_shape()) != tuple(shape):
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(piece.get_shape())}, the model expects {tuple(shape)}")
+            rows = piece[first:last].reshape(-1)
+            return rows[start - first * row : stop - first * row].to(dtype=dtype, copy=True)
+
 
 class TorchBinWeights:
     def __init__(self, directory: Path) -> None:
@@ -101,6 +125,9 @@ class TorchBinWeights:
             state = self._shard(self.weight_map[name])
         return _check(name, state[name], shape).to(dtype)
 
+    def tensor_range(self, names, shape, dtype, start, stop):
+        return _flat_range(self.tensor(names, shape, dtype), start, stop)
+
 
 class RandomWeights:
     """Matrices ~ N(0, std), biases 0, norm scales 1 (the usual initialisation)."""
@@ -114,6 +141,9 @@ class RandomWeights:
             return (torch.zeros if name.endswith("bias") else torch.ones)(shape, dtype=dtype)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.empty(shape, dtype=dtype).normal_(0.0, self.std, generator=generator)
+
+    def tensor_range(self, names, shape, dtype, start, stop):
+        return _flat_range(self.tensor(names, shape, dtype), start, stop)  # drawn whole: the same on every rank
 
 
 def open_checkpoint(directory: str | Path) -> WeightSource:

@@ -153,6 +153,16 @@ class StreamedBlocks:
         for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
             round_nearest_(self.host_slices[index][h_lo:h_hi], padded[s_lo:s_hi])
 
+    def load_block_ranges(self, index: int, read) -> None:
+        """Take this rank's share by reading only it: ``read(lo, hi)`` returns the block's
+        elements [lo, hi) (a streaming load asks the checkpoint for just those)."""
+        numel = self.layouts[index].numel
+        for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
+            host = self.host_slices[index][h_lo:h_hi]
+            host.zero_()  # padding beyond the block stays 0
+            if s_lo < numel:
+                round_nearest_(host[: min(s_hi, numel) - s_lo], read(s_lo, min(s_hi, numel)))
+
     @property
     def host_bytes(self) -> int:
         return self.host_storage.numel() * self.host_storage.element_size()
