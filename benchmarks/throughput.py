@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import resource
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from distzo.bench.records import device_name
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
+from distzo.host_memory import peak_rss_bytes
 from distzo.models import model_from_config
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
@@ -98,7 +98,7 @@ class Bench:
         timer = Timer(samples)
         metrics = {
             "tokens_per_s": tokens / timer.median,
-            "host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "host_rss_gb": peak_rss_bytes() / 1e9,
         }
         if self.device.type == "cuda":
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9

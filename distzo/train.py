@@ -20,7 +20,6 @@ import datetime
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -33,12 +32,25 @@ from transformers import AutoConfig, PretrainedConfig
 from distzo.checkpoint import Checkpointer, export_hf, latest_checkpoint
 from distzo.config import ZOConfig
 from distzo.data.prompt_data import PromptEncoder
-from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData, load_task_rows
-from distzo.dist import LaunchEnv, ParallelContext, ParallelDims, ShardGroup, broadcast_seed
+from distzo.data.task_data import (
+    CountingData,
+    LoadedRows,
+    PromptData,
+    TextData,
+    load_task_rows,
+)
+from distzo.dist import (
+    LaunchEnv,
+    ParallelContext,
+    ParallelDims,
+    ShardGroup,
+    broadcast_seed,
+)
 from distzo.dist import process_group as pg
 from distzo.engine import ZOEngine, count_tokens, resolve_transfer
-from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
+from distzo.host_memory import peak_rss_bytes
 from distzo.job_config import JobConfig, resolve, write_resolved
+from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import check_supported, load_model, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
@@ -297,7 +309,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             record = {
                 "step": step, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
                 "projected_grad": result.projected_grad, "lr": result.lr, "tokens_per_s": tokens_per_s,
-                "host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                "host_rss_gb": peak_rss_bytes() / 1e9,
             }
             if device.type == "cuda":
                 record["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9

@@ -3,7 +3,6 @@ torchrun ranks sliced), report each rank's peak RSS right after the load, and ra
 per-parameter checksums of the loaded values."""
 
 import json
-import resource
 import sys
 
 import torch
@@ -12,6 +11,7 @@ from transformers import AutoConfig
 from distzo import ZOConfig, ZOEngine
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
+from distzo.host_memory import peak_rss_bytes
 from distzo.models.weights import open_checkpoint, skeleton
 
 path, out = sys.argv[1], sys.argv[2]
@@ -25,7 +25,7 @@ if env.launched:
     parallel, transfer = ParallelContext(env, dims, None, ShardGroup(group, members, members.index(env.rank))), "sliced"
 model = skeleton(AutoConfig.from_pretrained(path), torch.float32)
 engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, transfer=transfer), parallel=parallel, weights=open_checkpoint(path))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes (Linux reports KiB)
+peak = peak_rss_bytes()
 params = engine.named_parameters()  # after the measurement: this makes full copies
 record = {"rank": env.rank, "peak_rss": peak, "host_bytes": engine.store.host_bytes}
 if env.rank == 0:
