@@ -129,15 +129,25 @@ def evaluate_generation(
     return {"eval_f1": f1_sum / total, "eval_exact_match": em_sum / total}
 
 
-def evaluate_lm(engine: ZOEngine, batch: dict[str, torch.Tensor], parallel: ParallelContext) -> dict[str, float]:
-    """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded."""
+def evaluate_lm(
+    engine: ZOEngine, batch: dict[str, torch.Tensor], parallel: ParallelContext, batch_size: int | None = None
+) -> dict[str, float]:
+    """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded over the
+    ranks and scored ``batch_size`` rows per forward call."""
     rows = list(_share(batch["input_ids"].shape[0], parallel))
-    shard = {k: v[rows] for k, v in batch.items()}
-    logits, _ = engine.forward(shard)
-    targets = shard["labels"][:, 1:].to(logits.device)
-    keep = targets != -100
-    predicted = logits[:, :-1].float()
-    loss_sum = torch.nn.functional.cross_entropy(predicted[keep], targets[keep], reduction="sum")
-    correct = (predicted.argmax(-1)[keep] == targets[keep]).sum()
-    loss, hits, count = _reduce([loss_sum.item(), correct.item(), keep.sum().item()], parallel)
+    batch_size = batch_size or max(len(rows), 1)
+    sums = [0.0, 0.0, 0.0]
+    for call in range(_calls(batch["input_ids"].shape[0], batch_size, parallel)):
+        chunk = rows[call * batch_size : (call + 1) * batch_size]
+        shard = {k: v[chunk or rows[:1] or [0]] for k, v in batch.items()}  # a spare call repeats a row
+        logits, _ = engine.forward(shard)
+        if not chunk:
+            continue
+        targets = shard["labels"][:, 1:].to(logits.device)
+        keep = targets != -100
+        predicted = logits[:, :-1].float()
+        sums[0] += torch.nn.functional.cross_entropy(predicted[keep], targets[keep], reduction="sum").item()
+        sums[1] += (predicted.argmax(-1)[keep] == targets[keep]).sum().item()
+        sums[2] += keep.sum().item()
+    loss, hits, count = _reduce(sums, parallel)
     return {"eval_loss": loss / count, "eval_accuracy": hits / count}

@@ -27,7 +27,9 @@ def option(default: Any, help: str, choices: tuple | None = None) -> Any:
 
 @dataclass
 class ModelOptions:
-    model: str | None = option(None, "hub name or local path of an OPT model; default: the tiny random-init OPT")
+    model: str | None = option(
+        None, "hub name or local path of a model (opt, llama, qwen2, qwen3, mistral, gpt2); default: a tiny random-init OPT"
+    )
     model_config: str | None = option(None, "a named shape with random weights, no checkpoint (e.g. opt-13b, llama-2-7b)")
     model_layers: int | None = option(None, "override the layer count of --model-config (memory checks, benchmarks)")
     dtype: str = option("fp32", "master (parameter) dtype", ("fp32", "fp64"))
@@ -85,7 +87,7 @@ class ParallelOptions:
 class RunOptions:
     seed: int = option(0, "run seed (model init, data and noise); -1: rank 0 draws one")
     output_dir: str | None = option(None, "run directory (default ./runs/<timestamp>)")
-    log_dir: str | None = option(None, "where metrics.jsonl goes (default: the run directory)")
+    log_dir: str | None = option(None, "where metrics.jsonl and eval.jsonl go (default: the run directory)")
     log_every: int = option(50, "log a line every N steps (0: none)")
     eval_steps: int = option(0, "evaluate every N steps (0: only before and after)")
     save_steps: int = option(0, "checkpoint every N steps (0: only at the end)")

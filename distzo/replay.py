@@ -1,4 +1,4 @@
-"""``python -m distzo.replay --base MODEL --log SEEDLOG --out DIR``: a ZO run rebuilt from
+"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR``: a ZO run rebuilt from
 its seeds and scalars.
 
 A ZO-SGD run is fully described by its base weights and, per step, (step, g, lr): z is
@@ -18,11 +18,14 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from distzo.checkpoint import export_hf
 from distzo.config import ZOConfig
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
+from distzo.models.shapes import shape_config
+from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 
 logger = logging.getLogger("distzo.replay")
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -49,7 +52,22 @@ def read_log(path: Path) -> tuple[dict, list[dict]]:
     return header, steps
 
 
-def replay(base: str, log: Path, out: Path, device: str | None = None) -> Path:
+def base_model(base: str | None, header: dict, dtype: torch.dtype):
+    """(model, weight source) of the run's starting point, streamed where it can be: a
+    --model-config shape is rebuilt from its init seed, a local directory read bucket by
+    bucket; a hub name loads through transformers."""
+    if base is None and header.get("model_config"):
+        config = shape_config(header["model_config"], header.get("model_layers"))
+        return skeleton(config, dtype), RandomWeights(header["init_seed"])
+    base = base or header.get("base")
+    if not base:
+        raise ValueError("the log names no base model; pass --base")
+    if Path(base).is_dir():
+        return skeleton(AutoConfig.from_pretrained(base), dtype), open_checkpoint(base)
+    return load_model(base, dtype), None
+
+
+def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path:
     header, steps = read_log(log)
     if header.get("transfer_dtype", "fp32") != "fp32":
         raise ValueError(
@@ -63,19 +81,21 @@ def replay(base: str, log: Path, out: Path, device: str | None = None) -> Path:
     )
     if config.torch_device().type != header["device_type"]:
         raise ValueError(f"the run drew its noise on {header['device_type']}; replay it on that device type")
-    engine = ZOEngine(load_model(base, DTYPES[header["dtype"]]), config, run_seed=header["run_seed"])
+    model, weights = base_model(base, header, DTYPES[header["dtype"]])
+    engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     for record in steps:
         engine.pending = PendingUpdate(record["step"], record["projected_grad"], record["lr"])
         engine.flush()
     engine.step_index = len(steps)
-    logger.info("replayed %d steps onto %s", len(steps), base)
+    logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))
     return export_hf(engine, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m distzo.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="the base model (hub name or local path) the run started from")
+    p.add_argument("--base", default=None, help="the base model (hub name or local path) the run started from; "
+                   "default: the one its log names (or the --model-config shape it was drawn from)")
     p.add_argument("--log", required=True, type=Path, help="the run's seedlog.jsonl")
     p.add_argument("--out", required=True, type=Path, help="where to write the rebuilt model (Hugging Face format)")
     p.add_argument("--device", default=None, help="default: the device type the run trained on")

@@ -155,11 +155,14 @@ def load_tokenizer(job: JobConfig):
 
 
 def build_task_data(job: JobConfig, rows: LoadedRows | None, tokenizer, model_config, seed: int):
+    """Needs the model's config only (vocabulary, positions): built before the model, so
+    the memory plan knows the real longest sequence."""
     if rows is None:
-        return CountingData(model_config.vocab_size, job.data.seq_len, job.data.eval_batch_size, seed)
+        return CountingData(model_config.vocab_size, job.data.seq_len, job.data.eval_batch_size, seed,
+                            job.data.eval_batch_size)
     encoder = PromptEncoder(tokenizer, job.data.max_length or model_config.max_position_embeddings)
     if job.data.task == "text":
-        return TextData(rows, encoder, seed)
+        return TextData(rows, encoder, seed, job.data.eval_batch_size)
     return PromptData(rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens)
 
 
@@ -175,9 +178,9 @@ def build_model(job: JobConfig, dtype: torch.dtype, seed: int):
     return model_from_config(default_model_config(job.data.task), dtype), None
 
 
-def memory_plan(job: JobConfig, model, config: ZOConfig, parallel: ParallelContext, device: torch.device) -> MemoryPlan:
+def memory_plan(job: JobConfig, model, data, config: ZOConfig, parallel: ParallelContext, device: torch.device) -> MemoryPlan:
     sliced = resolve_transfer(config, device, parallel) == "sliced"
-    seq = job.data.seq_len if job.data.task == "counting" else (job.data.max_length or model.config.max_position_embeddings)
+    seq = data.longest
     shard = parallel.shard_group.size if parallel.shard_group else 1
     batch = max(job.data.batch_size // parallel.dims.dp, job.data.eval_batch_size // parallel.env.world_size, 1)
     return plan_memory(model, config, shard, sliced, batch, seq, len(parallel.signs))
@@ -214,11 +217,11 @@ def describe(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items())
 
 
-def _truncate_jsonl(path: Path, before_step: int) -> None:
-    """Drop the records of steps a resumed run will take again."""
+def _truncate_jsonl(path: Path, keep_below: int) -> None:
+    """Drop the records a resumed run will write again (those of step >= ``keep_below``)."""
     if path.exists():
         kept = [line for line in path.read_text().splitlines()
-                if "step" not in (rec := json.loads(line)) or rec["step"] < before_step]
+                if "step" not in (rec := json.loads(line)) or rec["step"] < keep_below]
         path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -228,8 +231,13 @@ class RunLogs:
     def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.paths = {"metrics": log_dir / "metrics.jsonl", "eval": log_dir / "eval.jsonl", "seeds": run_dir / "seedlog.jsonl"}
-        for path in self.paths.values():
-            _truncate_jsonl(path, resume_step) if resume_step else path.unlink(missing_ok=True)
+        for name, path in self.paths.items():
+            if not resume_step:
+                path.unlink(missing_ok=True)
+            else:
+                # Step records are 0-based steps taken; an evaluation "at step N" saw the state
+                # after N steps, which is the checkpoint the run resumes from: it stays.
+                _truncate_jsonl(path, resume_step + 1 if name == "eval" else resume_step)
         self.files = {name: open(path, "a") for name, path in self.paths.items()}
         if not resume_step:
             self.write("seeds", {"kind": "header", **header})
@@ -260,7 +268,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     dtype = MASTER_DTYPES[job.model.dtype]
     tokenizer = load_tokenizer(job)
     model, weights = build_model(job, dtype, seed)
-    plan = memory_plan(job, model, config, parallel, device)
+    data = build_task_data(job, rows, tokenizer, model.config, seed)
+    plan = memory_plan(job, model, data, config, parallel, device)
     logger.info("memory plan: %s", plan.describe())
     check_fits(plan, device, env.local_world_size, job.run.force)
     if env.rank == 0:
@@ -272,13 +281,13 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights)
     checkpointer = Checkpointer(run_dir / "checkpoints", engine)
     start_step = checkpointer.load(latest_checkpoint(run_dir / "checkpoints")) if job.run.resume else 0
-    data = build_task_data(job, rows, tokenizer, model.config, seed)
     logs = None
     if env.rank == 0:
         header = {
             "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "weight_decay": config.weight_decay,
             "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
-            "base": job.model.model or str(run_dir / "base"),
+            "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
+            "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
         }
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)

@@ -136,3 +136,28 @@ def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Run(cut).grads == Run(full).grads
     assert_same_params(Run(cut), Run(full))
+
+
+def test_a_model_config_run_replays_without_a_base(tmp_path):
+    run = tmp_path / "run"
+    args = ["--model-config", "opt-125m", "--model-layers", "1", "--max-steps", "3", "--batch-size", "2",
+            "--eval-batch-size", "4", "--lr", "1e-5", "--log-every", "0", "--output-dir", str(run)]
+    proc = launch(1, args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (run / "base").exists()  # the base is redrawn from the shape and its init seed
+    out = tmp_path / "replayed"
+    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(run / "seedlog.jsonl"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported, replayed = load_file(str(run / "export" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert exported.keys() == replayed.keys() and all(torch.equal(exported[k], replayed[k]) for k in exported)
+
+
+def test_a_resumed_run_keeps_the_evaluation_at_its_resume_step(tmp_path):
+    import json
+
+    args = COMMON + ["--max-steps", "8", "--save-steps", "4", "--eval-steps", "2", "--output-dir", str(tmp_path)]
+    assert launch(1, args + ["--max-steps", "4"]).returncode == 0  # stops (and checkpoints) at 4
+    assert launch(1, args + ["--resume"]).returncode == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert steps == [0, 2, 4, 6, 8]

@@ -22,6 +22,11 @@ class TaskData(Protocol):
 
     def evaluate(self, engine, parallel) -> dict[str, float]: ...
 
+    @property
+    def longest(self) -> int:
+        """The longest token sequence a step or an evaluation will run (the memory plan's)."""
+        ...
+
 
 @dataclass
 class LoadedRows:
@@ -58,9 +63,11 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
 
 
 class CountingData:
-    def __init__(self, vocab_size: int, seq_len: int, eval_size: int, seed: int) -> None:
+    def __init__(self, vocab_size: int, seq_len: int, eval_size: int, seed: int, eval_batch_size: int) -> None:
         self.task = CountingTask(vocab_size, seq_len=seq_len, seed=seed)
         self.eval_set = self.task.eval_set(eval_size)
+        self.longest = seq_len
+        self.eval_batch_size = eval_batch_size
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.task.batch(batch_size, step)
@@ -68,13 +75,15 @@ class CountingData:
     def evaluate(self, engine, parallel) -> dict[str, float]:
         from distzo.evaluation import evaluate_lm
 
-        return evaluate_lm(engine, self.eval_set, parallel)
+        return evaluate_lm(engine, self.eval_set, parallel, self.eval_batch_size)
 
 
 class TextData:
-    def __init__(self, rows: LoadedRows, encoder: PromptEncoder, seed: int) -> None:
+    def __init__(self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int) -> None:
         self.train = TextTrainData(rows.train, encoder, seed)
         self.eval_batch = encoder.collate([(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)])
+        self.eval_batch_size = eval_batch_size
+        self.longest = max(max(len(ids) for ids, _ in self.train.sequences), self.eval_batch["input_ids"].shape[1])
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)
@@ -82,7 +91,7 @@ class TextData:
     def evaluate(self, engine, parallel) -> dict[str, float]:
         from distzo.evaluation import evaluate_lm
 
-        return evaluate_lm(engine, self.eval_batch, parallel)
+        return evaluate_lm(engine, self.eval_batch, parallel, self.eval_batch_size)
 
 
 class PromptData:
@@ -91,6 +100,9 @@ class PromptData:
         self.train = PromptTrainData(rows.train, encoder, seed)
         self.eval_examples: list[Example] = rows.eval
         self.encoder, self.eval_batch_size, self.max_new_tokens = encoder, eval_batch_size, max_new_tokens
+        lengths = [len(encoder.encode(e.prompt, c)[0]) for e in rows.train + rows.eval for c in e.continuations]
+        extra = max_new_tokens if self.kind == "generation" else 0
+        self.longest = min(max(lengths) + extra, encoder.max_length)
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)
