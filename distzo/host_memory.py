@@ -1,8 +1,20 @@
-"""This process's peak resident memory, measured so that it means this process."""
+"""This machine's and this process's memory figures, read from /proc (Linux)."""
 
 from __future__ import annotations
 
 import resource
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    """A ``field: N kB`` line of a /proc file, in bytes; None where there is none."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def peak_rss_bytes() -> int:
@@ -11,11 +23,10 @@ def peak_rss_bytes() -> int:
     Not ``getrusage().ru_maxrss``: Linux carries that across fork + exec, so a process
     started by a large parent (a test runner, a launcher) reports the parent's peak.
     """
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _proc_kib("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_host_bytes() -> int | None:
+    """Memory the kernel could give without swapping (MemAvailable)."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")

@@ -18,6 +18,7 @@ from torch import nn
 
 from distzo.config import ZOConfig
 from distzo.engine import bucket_layouts
+from distzo.host_memory import available_host_bytes
 from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
@@ -93,17 +94,6 @@ def plan_memory(
         device_scratch=max(l.numel for l in layouts) * compute + noise,
         activations=activations,
     )
-
-
-def available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: bool) -> None:
