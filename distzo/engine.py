@@ -75,12 +75,10 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
 
 def _bucket_values(layout: BucketLayout, ordered: list[nn.Parameter], weights: WeightSource | None) -> torch.Tensor:
     """One bucket's initial values on the host: the parameters' own, or the source's."""
+    if weights is not None:
+        return _bucket_range(layout, weights, 0, layout.numel)
     flat = torch.zeros(layout.numel, dtype=layout.dtype)
-    if weights is None:
-        layout.pack(ordered, flat)
-    else:
-        for e in layout.entries:
-            flat[e.offset : e.offset + e.numel] = weights.tensor(e.names, e.shape, layout.dtype).reshape(-1)
+    layout.pack(ordered, flat)
     return flat
 
 
