@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from distzo.checkpoint import export_hf
+from distzo.cli_errors import fail
 from distzo.config import ZOConfig
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = replay(args.base, args.log, args.out, args.device)
     except (ValueError, OSError) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(str(err).splitlines()[0])
     logger.info("wrote %s", out)
     return 0
 

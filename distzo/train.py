@@ -30,6 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from distzo.checkpoint import Checkpointer, export_hf, latest_checkpoint
+from distzo.cli_errors import fail
 from distzo.config import ZOConfig
 from distzo.data.prompt_data import PromptEncoder
 from distzo.data.task_data import (
@@ -369,13 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         job = resolve(argv)
         config, dims, rows = validate(job, env)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)  # every rank, the same line, before any model
-        return 2
+        return fail(str(err))  # every rank, the same line, before any model
     try:
         train(job, env, config, dims, rows)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(str(err))
     # Any other failure propagates: the process exits non-zero and torchrun stops the other
     # ranks (a peer blocked in a collective fails by itself within --dist-timeout). The
     # process group is torn down only after success: tearing it down under a collective
