@@ -58,13 +58,14 @@ def evaluate_choices(
     engine: ZOEngine, examples: Sequence[Example], encoder: PromptEncoder, parallel: ParallelContext, batch_size: int
 ) -> dict[str, float]:
     mine = [examples[i] for i in _share(len(examples), parallel)]
-    sequences = [(e_index, encoder.encode(e.prompt, c)) for e_index, e in enumerate(mine) for c in e.continuations]
+    sequences = [encoder.encode(e.prompt, c) for e in mine for c in e.continuations]
+    spare = encoder.encode(examples[0].prompt, examples[0].continuations[0])  # for a call past this rank's share
     per_example = max(len(e.continuations) for e in examples)
     calls = _calls(len(examples) * per_example, batch_size, parallel)
     scores: list[float] = []
     for call in range(calls):
         chunk = sequences[call * batch_size : (call + 1) * batch_size]
-        batch = encoder.collate([s for _, s in chunk] or [sequences[0][1] if sequences else encoder.encode(examples[0].prompt, examples[0].continuations[0])])
+        batch = encoder.collate(chunk or [spare])
         logits, _ = engine.forward(batch)
         if chunk:
             scores.extend(token_log_probs(logits, batch).tolist())
