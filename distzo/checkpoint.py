@@ -137,8 +137,7 @@ class Checkpointer:
         meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
         dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
-        if int(meta["meta/noise_chunk"]) != engine.config.noise_chunk:
-            raise ValueError(f"{path} was trained with noise_chunk {int(meta['meta/noise_chunk'])}; set it to match")
+        engine.check_noise_chunk(int(meta["meta/noise_chunk"]), str(path))
         rest_dtype = engine.store.block_at_rest(0).dtype if engine.blocks else None
         for i, layout in enumerate(engine.block_layouts):
             buffer = {f"block/{i}": torch.empty(layout.numel, dtype=rest_dtype)}

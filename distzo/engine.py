@@ -331,11 +331,7 @@ class ZOEngine:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
-        if state["noise_chunk"] != self.config.noise_chunk:
-            raise ValueError(
-                f"checkpoint was trained with noise_chunk {state['noise_chunk']}, engine has "
-                f"{self.config.noise_chunk}; set noise_chunk to match"
-            )
+        self.check_noise_chunk(int(state["noise_chunk"]), "the state")
         params = state["params"]
         expected = set(self.canonical_names)
         if set(params) != expected:
@@ -353,6 +349,14 @@ class ZOEngine:
                 self.store.load_block(i, values)
         pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
         self.restore(int(state["step"]), int(state["run_seed"]), pending)
+
+    def check_noise_chunk(self, trained: int, source: str) -> None:
+        """z depends on the chunk size: a state drawn with another one continues another run."""
+        if trained != self.config.noise_chunk:
+            raise ValueError(
+                f"{source} was trained with noise_chunk {trained}, the engine has {self.config.noise_chunk}; "
+                "set noise_chunk to match"
+            )
 
     def restore(self, step: int, run_seed: int, pending: PendingUpdate | None) -> None:
         """Set the step counter, run seed and pending update after the buckets were loaded."""
