@@ -1,6 +1,7 @@
 """Training throughput and memory: resident (MeZO) vs offload (ZO2) vs the parallel layouts.
 
     python benchmarks/throughput.py [--quick] [--shape opt-1.3b] [--layers 4] [--batch 8] [--seq 512]
+    python benchmarks/throughput.py --shape opt-1.3b --sweep 1x128,2x256,4x512,8x512,16x512
     torchrun --nproc_per_node=2 benchmarks/throughput.py     # adds PertP, DDP (and 2D on 4 ranks)
 
 Single process: tokens/s and peak device memory of resident, offload without overlap
@@ -10,6 +11,12 @@ efficiency eta = max(upload, compute, offload) / (pipelined time per block).
 Under torchrun it also runs, in the same process group and the same run: rank 0 alone
 (the 1-rank baseline, same threads per rank), PertP, DDP and 2D, so the ratios
 against resident and against 1 rank are taken side by side.
+
+``--sweep`` measures every layout at several batch x sequence points (each engine built
+once) and reports where offload first reaches 0.95 x resident: the crossover, below
+which a block's compute is too short to hide its transfers. Weights are drawn into the
+host buckets block by block (``RandomWeights`` on a meta skeleton), as the trainer's
+``--model-config`` does, so even large shapes are never materialised twice.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.host_memory import peak_rss_bytes
-from distzo.models import model_from_config
 from distzo.models.shapes import SHAPES, shape_config
+from distzo.models.weights import RandomWeights, skeleton
 from distzo.models.tiny import tiny_opt_config
 from distzo.offload import Timeline
 
@@ -40,6 +47,25 @@ logger = logging.getLogger("throughput")
 # Two small shapes for CPUs (vocabulary 512); every named shape of distzo.models.shapes too.
 SMALL_SHAPES = {"tiny": (64, 256, 4, 4), "mini": (256, 1024, 4, 4)}  # hidden, ffn, heads, layers
 SHAPE_NAMES = sorted(SMALL_SHAPES) + SHAPES
+CROSSOVER = 0.95  # offload / resident throughput at which the transfers count as hidden
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"1x128,8x512"`` -> [(1, 128), (8, 512)] (batch x sequence length)."""
+    points = []
+    for item in text.split(","):
+        try:
+            batch, seq = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--sweep: {item!r} is not BATCHxSEQ; write e.g. --sweep 1x128,8x512") from None
+        if batch < 1 or seq < 2:
+            raise SystemExit(f"--sweep: {item!r} needs batch >= 1 and seq >= 2")
+        points.append((batch, seq))
+    return points
+
+
+def point_name(batch: int, seq: int) -> str:
+    return f"{batch}x{seq}"
 
 
 def model_config(shape: str, layers: int | None, seq: int) -> PretrainedConfig:
@@ -58,33 +84,54 @@ class Bench:
     def __init__(self, args: argparse.Namespace, env: LaunchEnv, device: torch.device) -> None:
         self.args, self.env, self.device = args, env, device
         self.report = BenchReport("throughput", device_name(device), env.world_size)
-        self.config = model_config(args.shape, args.layers, args.seq)
+        self.points = args.points
+        self.config = model_config(args.shape, args.layers, max(seq for _, seq in self.points))
         self.compute = args.compute_dtype
         g = torch.Generator().manual_seed(0)
-        self.batch = {"input_ids": torch.randint(3, self.config.vocab_size, (args.batch, args.seq), generator=g)}
+        self.batches = {
+            (b, s): {"input_ids": torch.randint(3, self.config.vocab_size, (b, s), generator=g)} for b, s in self.points
+        }
 
     def barrier(self) -> None:
         if self.env.world_size > 1:
             dist.barrier()
 
     def engine(self, mode: str, slots: int, parallel: ParallelContext) -> ZOEngine:
-        torch.manual_seed(0)
-        model = model_from_config(self.config)
         config = ZOConfig(
             lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
             compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
         )
-        return ZOEngine(model, config, parallel=parallel)
+        model = skeleton(self.config, torch.float32)
+        return ZOEngine(model, config, parallel=parallel, weights=RandomWeights(0))
 
-    def measure(self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True):
-        """Time ``--steps`` steps of one layout; ranks outside it wait at the barrier."""
+    def measure(
+        self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True
+    ) -> dict[tuple[int, int], Measurement]:
+        """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the barrier."""
         self.barrier()
         if not participates:
             self.barrier()
-            return None
+            return {}
         engine = self.engine(mode, slots, parallel)
-        local = parallel.shard_batch(self.batch)
-        tokens = self.batch["input_ids"].numel()  # the global batch: every layout does the same work
+        out = {}
+        for point in self.points:
+            out[point] = m = self.measure_point(engine, name, point)
+            if self.env.rank == 0:
+                self.report.measurements.append(m)
+                logger.info(
+                    "%-14s %-9s %10.1f tokens/s  eta %.2f", name, point_name(*point),
+                    m.metrics["tokens_per_s"], m.metrics["eta"],
+                )
+        del engine
+        if not parallel.is_distributed:
+            self.barrier()  # the ranks that sat this one out wait here
+        return out
+
+    def measure_point(self, engine: ZOEngine, name: str, point: tuple[int, int]) -> Measurement:
+        parallel = engine.parallel
+        batch = self.batches[point]
+        local = parallel.shard_batch(batch)
+        tokens = batch["input_ids"].numel()  # the global batch: every layout does the same work
         engine.step(local)  # warm-up (allocator, first uploads)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -104,18 +151,11 @@ class Bench:
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         metrics.update(self.block_times(engine, local))
         params = {
-            "shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": self.args.batch,
-            "seq": self.args.seq, "mode": mode, "slots": slots, "dp": parallel.dims.dp, "pert": parallel.dims.pert,
-            "compute": self.compute, "threads": torch.get_num_threads(),
+            "shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": point[0],
+            "seq": point[1], "mode": engine.config.mode, "slots": engine.config.num_slots, "dp": parallel.dims.dp,
+            "pert": parallel.dims.pert, "compute": self.compute, "threads": torch.get_num_threads(),
         }
-        m = Measurement.from_timer(name, params, timer, metrics)
-        if self.env.rank == 0:
-            self.report.measurements.append(m)
-            logger.info("%-14s %10.1f tokens/s  eta %.2f", name, metrics["tokens_per_s"], metrics.get("eta", 0.0))
-        del engine
-        if not parallel.is_distributed:
-            self.barrier()  # the ranks that sat this one out wait here
-        return m
+        return Measurement.from_timer(name, params, timer, metrics)
 
     def block_times(self, engine: ZOEngine, batch) -> dict[str, float]:
         """Mean upload/compute/offload per block from one step's timeline, and eta."""
@@ -134,17 +174,37 @@ class Bench:
             "eta": max(mean.values()) / pipelined if pipelined > 0 else 0.0,
         }
 
+    def ratio_key(self, name: str, point: tuple[int, int]) -> str:
+        """``offload_vs_resident`` for one point, ``offload_vs_resident[8x512]`` in a sweep."""
+        return name if len(self.points) == 1 else f"{name}[{point_name(*point)}]"
+
+    def derive_against_resident(self, resident: dict, layouts: dict[str, dict]) -> None:
+        for name, runs in layouts.items():
+            for point, m in runs.items():
+                ratio = m.metrics["tokens_per_s"] / resident[point].metrics["tokens_per_s"]
+                self.report.derived[self.ratio_key(f"{name}_vs_resident", point)] = ratio
+        # The crossover: the fewest tokens per step from which on (every larger point too)
+        # offload keeps up with resident.
+        ordered = sorted(layouts["offload"].items(), key=lambda item: item[0][0] * item[0][1])
+        crossover = None
+        for (b, s), m in reversed(ordered):
+            if m.metrics["tokens_per_s"] < CROSSOVER * resident[(b, s)].metrics["tokens_per_s"]:
+                break
+            crossover = b * s
+        if len(self.points) > 1 and crossover is not None:
+            self.report.derived["crossover_tokens_per_step"] = float(crossover)
+            logger.info("offload >= %.2f x resident from %d tokens per step on", CROSSOVER, crossover)
+
     def run(self) -> BenchReport:
         single = ParallelContext.single()
         first = self.env.rank == 0
-        resident = offload = None
+        resident = {}
         if not self.args.skip_resident:
             resident = self.measure("resident", "resident", 1, single, first)
-        self.measure("offload_serial", "offload", 1, single, first)
+        serial = self.measure("offload_serial", "offload", 1, single, first)
         offload = self.measure("offload", "offload", self.args.slots, single, first)
-        if first and resident is not None:
-            for m in self.report.measurements:
-                self.report.derived[f"{m.name}_vs_resident"] = m.metrics["tokens_per_s"] / resident.metrics["tokens_per_s"]
+        if first and resident:
+            self.derive_against_resident(resident, {"offload_serial": serial, "offload": offload})
         world = self.env.world_size
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
@@ -155,10 +215,13 @@ class Bench:
             elif world % 2 == 0:
                 layouts["2d"] = ParallelDims(world // 2, 2)
             for name, dims in layouts.items():
-                dims.check_batch(self.args.batch)
-                m = self.measure(name, "offload", self.args.slots, ParallelContext(self.env, dims))
+                for batch, _ in self.points:
+                    dims.check_batch(batch)
+                runs = self.measure(name, "offload", self.args.slots, ParallelContext(self.env, dims))
                 if first:
-                    self.report.derived[f"{name}_vs_1_rank"] = m.metrics["tokens_per_s"] / offload.metrics["tokens_per_s"]
+                    for point, m in runs.items():
+                        ratio = m.metrics["tokens_per_s"] / offload[point].metrics["tokens_per_s"]
+                        self.report.derived[self.ratio_key(f"{name}_vs_1_rank", point)] = ratio
         return self.report
 
 
@@ -169,6 +232,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="override the layer count (memory)")
     p.add_argument("--batch", type=int, default=None, help="global batch (default 8; quick 4)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; quick 32)")
+    p.add_argument("--sweep", default=None, help="batch x seq points instead, e.g. 1x128,4x512,16x512")
     p.add_argument("--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)")
     p.add_argument("--slots", type=int, default=2, help="device slots of the overlapped offload")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -181,6 +245,7 @@ def main() -> None:
     args.batch = args.batch or (4 if args.quick else 8)
     args.seq = args.seq or (32 if args.quick else 512)
     args.steps = args.steps or (2 if args.quick else 5)
+    args.points = parse_points(args.sweep) if args.sweep else [(args.batch, args.seq)]
     env = LaunchEnv.from_environ()
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
     logging.getLogger("distzo").setLevel(logging.WARNING)
@@ -195,7 +260,7 @@ def main() -> None:
     report = Bench(args, env, device).run()
     if env.rank == 0:
         out = Path(args.out)
-        report.write(out, ["mode", "slots", "dp", "pert", "tokens_per_s", "peak_device_gb", "eta"])
+        report.write(out, ["mode", "slots", "dp", "pert", "batch", "seq", "tokens_per_s", "peak_device_gb", "eta"])
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()
 

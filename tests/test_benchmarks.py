@@ -60,6 +60,27 @@ def test_throughput_quick_report(tmp_path, nproc):
         assert "pertp_vs_1_rank" in data["derived"]
 
 
+def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
+    out = tmp_path / "throughput.json"
+    run(["benchmarks/throughput.py", "--quick", "--sweep", "1x8,2x16", "--out", str(out)])
+    data = load(out)
+    points = {(m["name"], m["params"]["batch"], m["params"]["seq"]) for m in data["measurements"]}
+    for name in ("resident", "offload_serial", "offload"):
+        assert {(name, 1, 8), (name, 2, 16)} <= points
+    assert {"offload_vs_resident[1x8]", "offload_vs_resident[2x16]"} <= set(data["derived"])
+    ratios = [data["derived"][f"offload_vs_resident[{p}]"] for p in ("1x8", "2x16")]
+    crossover = data["derived"].get("crossover_tokens_per_step")
+    # The crossover is the first point (by tokens) from which every point reaches 0.95.
+    expected = 8.0 if min(ratios) >= 0.95 else (32.0 if ratios[1] >= 0.95 else None)
+    assert crossover == expected
+
+
+def test_a_malformed_sweep_is_one_clear_line():
+    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--sweep", "8by512"],
+                          capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode != 0 and "is not BATCHxSEQ" in proc.stderr
+
+
 def test_schema_rejects_a_broken_report(tmp_path):
     out = tmp_path / "bandwidth.json"
     run(["benchmarks/bandwidth.py", "--quick", "--dtypes", "fp32", "--out", str(out)])

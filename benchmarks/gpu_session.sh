@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every CUDA test and GPU benchmark of the project, in stages that each fit one
+# 10-minute command on a lent H100/H200, with every result packed into one archive.
+#
+#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big (default: all)
+#
+# Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
+# stage and results-<stages>.tgz holding every JSON/Markdown/PNG report, so that a
+# single file comes back whatever the number of reports. Each run is bounded by
+# `timeout`, so a stuck run costs its own stage and the archive is still written.
+#
+# The machine's image has torch, accelerate, safetensors and pytest but an older
+# transformers than setup.cfg asks for: carry the wheel (see benchmarks/README.md,
+# "On a lent GPU") in .whl/ and it is put first on PYTHONPATH here.
+set -uo pipefail
+
+OUT=${OUT:-benchmarks/out/gpu}
+WORK=$(mktemp -d)
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
+mkdir -p "$OUT"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
+git rev-parse --short HEAD 2>/dev/null || true
+
+pack() {
+    local name
+    name="results-$(IFS=-; echo "${STAGES[*]}").tgz"
+    tar czf "$OUT/$name" -C "$WORK" . && echo "packed $OUT/$name"
+}
+trap pack EXIT
+
+bounded() {  # bounded SECONDS LOG COMMAND...: one run, its output kept in the stage's log
+    local limit=$1 log=$2
+    shift 2
+    echo "+ $*" | tee -a "$WORK/$log"
+    timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$WORK/$log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && echo "!! exit $rc: $*" | tee -a "$WORK/$log"
+    return 0
+}
+
+sweep=1x128,2x256,4x512,8x512,16x512
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    tests)
+        bounded 500 tests.log python3 -m pytest -m cuda -q -p no:cacheprovider --junitxml "$WORK/cuda-tests.xml"
+        ;;
+    bandwidth)
+        bounded 360 bandwidth.log python3 benchmarks/bandwidth.py --dtypes fp32,bf16,fp8 --repeats 10 \
+            --out "$WORK/bandwidth.json"
+        for shape in opt-13b opt-175b; do
+            bounded 60 bandwidth.log python3 benchmarks/model.py --bandwidth "$WORK/bandwidth.json" --shape $shape \
+                --out "$WORK/model-$shape.md"
+        done
+        ;;
+    throughput)  # OPT-1.3B, fp32 and bf16 compute: the crossover sweep, resident vs offload
+        for dtype in fp32 bf16; do
+            bounded 270 throughput.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype $dtype \
+                --sweep $sweep --steps 3 --out "$WORK/throughput-opt-1.3b-$dtype.json"
+        done
+        ;;
+    big)  # OPT-6.7B: fits an H100 whole in bf16 and fp32, so resident is measurable
+        for dtype in bf16 fp32; do
+            bounded 280 big.log python3 benchmarks/throughput.py --shape opt-6.7b --compute-dtype $dtype \
+                --sweep 1x256,4x512,8x512 --steps 3 --out "$WORK/throughput-opt-6.7b-$dtype.json"
+        done
+        ;;
+    *)
+        echo "unknown stage $stage: use tests, bandwidth, throughput or big" >&2
+        exit 2
+        ;;
+    esac
+done
+cp "$WORK"/*.log "$OUT"/ 2>/dev/null || true
