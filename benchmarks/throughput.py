@@ -38,8 +38,8 @@ from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.host_memory import peak_rss_bytes
 from distzo.models.shapes import SHAPES, shape_config
-from distzo.models.weights import RandomWeights, skeleton
 from distzo.models.tiny import tiny_opt_config
+from distzo.models.weights import RandomWeights, skeleton
 from distzo.offload import Timeline
 
 logger = logging.getLogger("throughput")
