@@ -1,4 +1,4 @@
-"""Resumable training state with torch.distributed.checkpoint, and Hugging Face export.
+"""Resumable training state with torch.distributed.checkpoint (the export is ``distzo.export``).
 
 A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
 noise chunk, the pending update), the resident bucket, and every block in its at-rest
@@ -153,20 +153,3 @@ class Checkpointer:
         )
         logger.info("resumed from %s at step %d", path, engine.step_index)
         return engine.step_index
-
-
-def export_hf(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | None:
-    """Write the flushed model as a Hugging Face directory (config + safetensors) that
-    ``AutoModelForCausalLM.from_pretrained`` loads. Collective; rank 0 writes."""
-    params = engine.named_parameters()
-    if _world()[0] != 0:
-        return None
-    state = {name: params[name].contiguous() for name in engine.canonical_names}
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    engine.model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
-    return directory

@@ -20,7 +20,7 @@ import functools
 import logging
 import secrets
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from distzo.dist import ParallelContext
 from distzo.models import BlockAdapter, adapter_for
 from distzo.models.weights import WeightSource
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
+from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.zo import NoiseSource, learning_rate, loss_contribution, projected_gradient
 
@@ -381,20 +382,43 @@ class ZOEngine:
         """One name per distinct parameter (a tied weight appears once), in bucket order."""
         return [e.names[0] for e in self._entries()]
 
-    def _collect(self) -> dict[str, torch.Tensor]:
-        """Every parameter as stored (pending update not applied), as CPU copies.
+    def stream_parameters(self, materialize: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Flushed values, one bucket at a time, as ``(canonical name, CPU tensor)`` with
+        storage of their own: an export holds one block, never the model twice.
+
+        Collective under the sliced transfer (each block is gathered through the device):
+        every rank must drain it. A rank with ``materialize=False`` takes part in the
+        gathers but copies nothing to the host and yields nothing.
+        """
+        self.flush()
+        for entry, value in self._bucket_values(materialize):
+            yield entry.names[0], value
+
+    def _bucket_values(self, materialize: bool = True) -> Iterator[tuple[Entry, torch.Tensor]]:
+        """Every parameter as stored (pending update not applied), bucket by bucket.
 
         Blocks are read back through the device (an upload): that is where a sliced rank
         sees the whole block and where a low-bit master becomes the master dtype.
         """
         self.streams.synchronize()
-        with torch.no_grad():
-            out = self.resident_layout.views(self.resident_master.to("cpu", copy=True))
-            for i, layout in enumerate(self.block_layouts):
-                self.store.upload(i)
-                out.update(layout.views(self.store.device_bucket(i).to("cpu", copy=True)))
+        buckets = [(self.resident_layout, lambda: self.resident_master)]
+        for i, layout in enumerate(self.block_layouts):
+            buckets.append((layout, functools.partial(self._uploaded, i)))
+        for layout, fetch in buckets:
+            bucket = fetch()  # the buckets are plain tensors (no autograd), bound views aside
+            if materialize:
+                for e in layout.entries:
+                    yield e, bucket[e.offset : e.offset + e.numel].view(e.shape).to("cpu", copy=True)
         self.streams.synchronize()
-        return out
+
+    def _uploaded(self, index: int) -> torch.Tensor:
+        self.store.upload(index)
+        return self.store.device_bucket(index)
+
+    def _collect(self) -> dict[str, torch.Tensor]:
+        """Every parameter as stored, by every alias, as CPU copies (a tied weight's aliases
+        share one tensor)."""
+        return {name: value for entry, value in self._bucket_values() for name in entry.names}
 
     def _prepare(self, batch: Mapping[str, torch.Tensor], default_labels: bool = True):
         """The batch on the device (copied on the compute stream), with default labels."""

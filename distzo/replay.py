@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from distzo.checkpoint import export_hf
+from distzo.export import export_hf
 from distzo.cli_errors import fail
 from distzo.config import ZOConfig
 from distzo.engine import PendingUpdate, ZOEngine

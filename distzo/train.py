@@ -29,7 +29,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from distzo.checkpoint import Checkpointer, export_hf, latest_checkpoint
+from distzo.checkpoint import Checkpointer, latest_checkpoint
+from distzo.export import check_shard_size, export_hf
 from distzo.cli_errors import fail
 from distzo.config import ZOConfig
 from distzo.data.prompt_data import PromptEncoder
@@ -134,6 +135,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
             f"{model_config.max_position_embeddings}; lower {flag}"
         )
     rows = load_task_rows(data.task, data.train_file, data.eval_file)  # every row checked, before any model
+    check_shard_size(run.export_shard_size)
     if run.resume and not run.output_dir:
         raise ValueError("--resume needs --output-dir: the run directory to resume")
     if run.resume and not latest_checkpoint(Path(run.output_dir) / "checkpoints"):
@@ -343,7 +345,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     after = data.evaluate(engine, parallel)
     if logs:
         logs.write("eval", {"step": job.optim.max_steps, **after})
-    export = export_hf(engine, run_dir / "export", tokenizer)
+    export = export_hf(engine, run_dir / "export", tokenizer, job.run.export_shard_size)
     record = {
         "rank": env.rank, "transfer": engine.transfer,
         "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],

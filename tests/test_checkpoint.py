@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
-from distzo.checkpoint import export_hf, latest_checkpoint
+from distzo.checkpoint import latest_checkpoint
+from distzo.export import export_hf
 from distzo.data import CountingTask
 from tests.conftest import random_batch, tiny_opt
 from tests.launch import Run, child_env, python_train, torchrun

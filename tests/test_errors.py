@@ -81,6 +81,7 @@ def run_cli(*args):
         (["--lr", "-1"], "lr"),
         (["--seq-len", "100"], "--seq-len"),
         (["--model", "/no/such/model"], "--model"),
+        (["--export-shard-size", "big"], "--export-shard-size"),
     ],
 )
 def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):
