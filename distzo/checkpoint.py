@@ -3,11 +3,12 @@
 A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
 noise chunk, the pending update), the resident bucket, and every block in its at-rest
 format (the transfer dtype), so that a resumed run, on any number of ranks and with
-either transfer mode, continues the exact trajectory. In naive mode every rank holds
-every block and DCP keeps one copy of replicated tensors; under the sliced transfer
-a block is gathered through the device and contributed by one rank of the first node.
+either transfer mode, continues the exact trajectory. Every block is contributed by
+one rank (round robin), as a private CPU copy: the save holds one extra copy of the
+model across the whole job, never one per rank. Under the sliced transfer a block is
+first gathered through the device, since a rank holds only its slices.
 
-Saving is asynchronous (DCP stages the tensors, a thread writes them) into
+Saving is asynchronous (the copies are made at once, a thread writes them) into
 ``step-N.tmp/``, renamed to ``step-N/`` once every rank's data and the metadata are on
 disk: a crash mid-save leaves the previous checkpoint as the latest.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.engine import PendingUpdate, ZOEngine
 
@@ -60,6 +62,15 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+class PrivateCopies(AsyncStager):
+    """Staging for a state that is already made of copies no one else writes to."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+
 class Checkpointer:
     def __init__(self, directory: Path, engine: ZOEngine) -> None:
         self.directory = directory
@@ -70,19 +81,30 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     def _state(self) -> dict[str, torch.Tensor]:
-        """This rank's contribution: meta and resident (replicated), and its blocks."""
+        """This rank's contribution, as private CPU copies (training may go on at once).
+
+        Each block is written by exactly one rank, so the copies add up to one model
+        across the job instead of one per rank: block i comes from rank i % world, or
+        under the sliced transfer (where a rank holds only slices) from member i % n of
+        the shard group holding rank 0, after a gather through the device. Rank 0 adds
+        the resident bucket; the meta scalars are replicated (DCP keeps one copy).
+        """
         engine = self.engine
         engine.streams.synchronize()
-        sliced = engine.transfer == "sliced"
-        shard = engine.parallel.shard_group
+        rank, world = _world()
         state = _meta(engine)
-        with torch.no_grad():
+        if rank == 0:
             state["resident"] = engine.resident_master.to("cpu", copy=True)
-            for i in range(len(engine.blocks)):
-                at_rest = engine.store.block_at_rest(i)  # collective when sliced
-                # Sliced: the shard group holding rank 0 contributes, block i from its member i % n.
-                if not sliced or (0 in shard.members and i % shard.size == shard.rank):
-                    state[f"block/{i}"] = at_rest.to("cpu", copy=True)
+        shard = engine.parallel.shard_group
+        for i in range(len(engine.blocks)):
+            if engine.transfer == "sliced":
+                at_rest = engine.store.block_at_rest(i)  # collective: every rank takes part
+                mine = 0 in shard.members and i % shard.size == shard.rank
+            else:
+                mine = i % world == rank
+                at_rest = engine.store.block_at_rest(i) if mine else None  # local, no transfer
+            if mine:
+                state[f"block/{i}"] = at_rest.to("cpu", copy=True)
         engine.streams.synchronize()
         return state
 
@@ -100,7 +122,10 @@ class Checkpointer:
             dist.barrier(group=self._group)
         state = self._state()
         if asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            # The state is already private copies: DCP's default stager would copy it again.
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self._group, async_stager=PrivateCopies()
+            )
             self._pending_save = (future, tmp, final)
             if os.environ.get(CRASH_ENV) == str(step):
                 logger.error("crashing during the asynchronous save of step %d (%s)", step, CRASH_ENV)
@@ -138,9 +163,8 @@ class Checkpointer:
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
         dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
         engine.check_noise_chunk(int(meta["meta/noise_chunk"]), str(path))
-        rest_dtype = engine.store.block_at_rest(0).dtype if engine.blocks else None
         for i, layout in enumerate(engine.block_layouts):
-            buffer = {f"block/{i}": torch.empty(layout.numel, dtype=rest_dtype)}
+            buffer = {f"block/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)}
             dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)  # one block at a time
             engine.store.load_block(i, buffer[f"block/{i}"])
         with torch.no_grad():

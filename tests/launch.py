@@ -62,6 +62,14 @@ class Run:
         return [m["projected_grad"] for m in self.metrics]
 
 
+def checkpoint_writers(checkpoint: Path) -> dict[str, int]:
+    """Which rank's DCP file (``__RANK_0.distcp``) holds each tensor of a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    return {index.fqn: int(info.relative_path.split("_")[2]) for index, info in storage.items()}
+
+
 def max_relative_difference(a: Run, b: Run) -> tuple[float, float]:
     """(worst relative g difference over steps, worst relative parameter-norm difference)."""
     g = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a.grads, b.grads, strict=True))

@@ -14,7 +14,7 @@ from distzo.checkpoint import latest_checkpoint
 from distzo.export import export_hf
 from distzo.data import CountingTask
 from tests.conftest import random_batch, tiny_opt
-from tests.launch import Run, child_env, python_train, torchrun
+from tests.launch import Run, checkpoint_writers, child_env, python_train, torchrun
 
 # A constant lr: the schedule then does not depend on where a run was cut. fp64 masters:
 # resuming on another world size changes how the batch is split, and g magnifies the
@@ -58,6 +58,34 @@ def test_resume_is_exact_and_independent_of_world_size(tmp_path):
         proc = launch(nproc, COMMON + ["--dtype", "fp64", "--output-dir", str(resumed), "--resume"])
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert_same_params(Run(resumed), reference, rel=1e-6)
+
+
+def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards(tmp_path):
+    # Five blocks over 4 ranks of one node (one shard group of 4): each block is gathered
+    # and written by member i % 4 alone; resuming on 1 (naive) or 2 (sliced) ranks
+    # continues the trajectory of the uninterrupted 4-rank run.
+    tiny_opt(seed=4, num_hidden_layers=5).save_pretrained(tmp_path / "model")
+    base = COMMON + ["--model", str(tmp_path / "model"), "--dtype", "fp64"]
+    flags = base + ["--dp", "2", "--pert", "2"]
+    full = tmp_path / "full"
+    proc = launch(4, flags + ["--transfer", "sliced", "--save-steps", "5", "--output-dir", str(full)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = checkpoint_writers(full / "checkpoints" / "step-5")
+    assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
+    assert files["resident"] == 0
+    reference = Run(full)
+    for nproc, extra in ((1, []), (2, ["--transfer", "sliced"])):
+        resumed = tmp_path / f"resumed{nproc}"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints" / "step-5", resumed / "checkpoints" / "step-5")
+        proc = launch(nproc, base + extra + ["--output-dir", str(resumed), "--resume"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert_same_params(Run(resumed), reference, rel=1e-6)
+    # Naive: block i from rank i % world, read from the host copy with no device transfer.
+    naive = tmp_path / "naive"
+    assert launch(4, flags + ["--max-steps", "2", "--output-dir", str(naive)]).returncode == 0
+    files = checkpoint_writers(naive / "checkpoints" / "step-2")
+    assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
 
 
 def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path):

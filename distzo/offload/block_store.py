@@ -28,7 +28,13 @@ class BlockStore(Protocol):
 
     def load_block(self, index: int, values: torch.Tensor) -> None: ...
 
-    def block_at_rest(self, index: int) -> torch.Tensor: ...
+    def block_at_rest(self, index: int) -> torch.Tensor:
+        """The whole block exactly as stored (its at-rest dtype): what a checkpoint holds.
+        Collective where the block is split over ranks; may be a view of live memory."""
+        ...
+
+    @property
+    def rest_dtype(self) -> torch.dtype: ...
 
     @property
     def host_bytes(self) -> int: ...
@@ -60,6 +66,10 @@ class ResidentBlocks:
 
     def block_at_rest(self, index: int) -> torch.Tensor:
         return self.masters[index]
+
+    @property
+    def rest_dtype(self) -> torch.dtype:
+        return self.masters[0].dtype
 
     @property
     def host_bytes(self) -> int:

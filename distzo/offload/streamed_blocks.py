@@ -137,10 +137,18 @@ class StreamedBlocks:
         return self.slots.for_block(index, self.layouts[index].numel)
 
     def block_at_rest(self, index: int) -> torch.Tensor:
-        """The whole block on the device in its host format (the transfer dtype), exactly as
-        stored: what a checkpoint must hold. Collective under the sliced transfer."""
+        """The whole block in its host format (the transfer dtype), exactly as stored: what
+        a checkpoint must hold. A single owner's host copy is the block (a view, no
+        transfer); shares of several ranks are gathered through the device (collective)."""
+        numel = self.layouts[index].numel
+        if self.shard.size == 1:
+            return self.host_slices[index][:numel]  # one piece, in block order
         self.upload(index)
-        return self._wire(index)[: self.layouts[index].numel]
+        return self._wire(index)[:numel]
+
+    @property
+    def rest_dtype(self) -> torch.dtype:
+        return self.transfer_dtype
 
     def master(self, index: int) -> torch.Tensor:
         """This rank's host slice of block ``index`` (the whole block when naive)."""
