@@ -80,31 +80,39 @@ class Checkpointer:
         # group, so it never interleaves with the training's collectives (or needs NCCL).
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
-    def _state(self) -> dict[str, torch.Tensor]:
-        """This rank's contribution, as private CPU copies (training may go on at once).
+    def _state(self, private: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's contribution. ``private``: CPU copies, so training may go on while
+        a thread writes them; otherwise the live host memory itself wherever the data
+        already rests there (a synchronous save, which training waits for, needs no copy).
 
         Each block is written by exactly one rank, so the copies add up to one model
         across the job instead of one per rank: block i comes from rank i % world, or
         under the sliced transfer (where a rank holds only slices) from member i % n of
-        the shard group holding rank 0, after a gather through the device. Rank 0 adds
-        the resident bucket; the meta scalars are replicated (DCP keeps one copy).
+        the shard group holding rank 0, after a gather through the device into a slot
+        that the next block reuses (so always copied). Rank 0 adds the resident bucket;
+        the meta scalars are replicated (DCP keeps one copy).
         """
         engine = self.engine
         engine.streams.synchronize()
         rank, world = _world()
+        sliced = engine.transfer == "sliced"
+
+        def contribution(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+            return tensor.to("cpu", copy=True) if copy else tensor.to("cpu")
+
         state = _meta(engine)
         if rank == 0:
-            state["resident"] = engine.resident_master.to("cpu", copy=True)
+            state["resident"] = contribution(engine.resident_master, private)
         shard = engine.parallel.shard_group
         for i in range(len(engine.blocks)):
-            if engine.transfer == "sliced":
+            if sliced:
                 at_rest = engine.store.block_at_rest(i)  # collective: every rank takes part
                 mine = 0 in shard.members and i % shard.size == shard.rank
             else:
                 mine = i % world == rank
                 at_rest = engine.store.block_at_rest(i) if mine else None  # local, no transfer
             if mine:
-                state[f"block/{i}"] = at_rest.to("cpu", copy=True)
+                state[f"block/{i}"] = contribution(at_rest, private or sliced)
         engine.streams.synchronize()
         return state
 
@@ -120,7 +128,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         if dist.is_initialized():
             dist.barrier(group=self._group)
-        state = self._state()
+        state = self._state(private=asynchronous)
         if asynchronous:
             # The state is already private copies: DCP's default stager would copy it again.
             future = dcp.async_save(

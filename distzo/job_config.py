@@ -91,6 +91,10 @@ class RunOptions:
     log_every: int = option(50, "log a line every N steps (0: none)")
     eval_steps: int = option(0, "evaluate every N steps (0: only before and after)")
     save_steps: int = option(0, "checkpoint every N steps (0: only at the end)")
+    save_async: bool = option(
+        True, "write --save-steps checkpoints from a background thread (a host copy of the model per node); "
+        "--no-save-async writes them from the live host copy while training waits"
+    )
     resume: bool = option(False, "resume from the latest checkpoint in the run directory")
     export_shard_size: str = option("5GB", "largest safetensors file of the exported model (e.g. 5GB, 500MB)")
     force: bool = option(False, "start even when the memory plan does not fit what this machine has free")

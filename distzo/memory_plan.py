@@ -35,6 +35,7 @@ class MemoryPlan:
     device_blocks: int  # resident-mode block masters, or the K slots (+ staging)
     device_scratch: int  # the block scratch bucket and the noise workspaces
     activations: int  # estimate of the largest transient
+    checkpoint_bytes: int = 0  # host copies a checkpoint save makes on this node (one writer per block)
 
     @property
     def device_bytes(self) -> int:
@@ -46,7 +47,7 @@ class MemoryPlan:
             f"{self.parameters / 1e9:.3f} B parameters; host {self.host_bytes / GB:.2f} GB per rank; "
             f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, blocks/slots "
             f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}) + activations ~"
-            f"{self.activations / GB:.2f} GB"
+            f"{self.activations / GB:.2f} GB; a checkpoint save +{self.checkpoint_bytes / GB:.2f} GB host per node"
         )
 
 
@@ -59,9 +60,17 @@ def _width(config, *names: str, default: int = 0) -> int:
 
 
 def plan_memory(
-    model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool, batch: int, seq: int, signs: int
+    model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool, batch: int, seq: int, signs: int,
+    world: int = 1, local_ranks: int = 1, async_save: bool = True,
 ) -> MemoryPlan:
-    """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton)."""
+    """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
+
+    ``world`` and ``local_ranks`` place the rank in the job, for the checkpoint's copies:
+    block i is copied by one rank (i % world, or under the sliced transfer a member of the
+    first node's shard group), plus the resident bucket on rank 0. A synchronous save
+    (``async_save`` False; the final save always is) copies only what does not already
+    rest in host memory.
+    """
     built, (resident, _) = bucket_layouts(model, adapter_for(model).blocks())
     layouts = [layout for layout, _ in built]
     master = resident.dtype.itemsize
@@ -86,6 +95,16 @@ def plan_memory(
     block_tmp = tokens * (4 * hidden + 2 * ffn) * compute + batch * heads * seq * seq * compute
     logits = tokens * vocab * (compute + 2 * 4)  # logits, and their fp32 copy and log-softmax in the loss
     activations = signs * tokens * hidden * compute + max(block_tmp, logits)
+    at_rest = [l.numel * (wire if config.mode == "offload" else master) for l in layouts]
+    if sliced:  # the first node's shard group writes every block
+        node_blocks = len(layouts)
+    else:
+        node_blocks = min(len(layouts), -(-len(layouts) // world) * local_ranks)
+    on_device = config.torch_device().type != "cpu"
+    copies_blocks = async_save or sliced or (config.mode == "resident" and on_device)
+    checkpoint = (sum(sorted(at_rest, reverse=True)[:node_blocks]) if copies_blocks else 0) + (
+        resident.numel * master if async_save or on_device else 0
+    )
     return MemoryPlan(
         parameters=resident.num_parameters + sum(l.num_parameters for l in layouts),
         host_bytes=host,
@@ -93,6 +112,7 @@ def plan_memory(
         device_blocks=blocks,
         device_scratch=max(l.numel for l in layouts) * compute + noise,
         activations=activations,
+        checkpoint_bytes=checkpoint,
     )
 
 
@@ -104,12 +124,15 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
         need = plan.device_bytes + plan.activations
         if need > free:
             problems.append(f"{need / GB:.1f} GB of device memory, {free / GB:.1f} GB free on {device}")
-        host_need = plan.host_bytes * local_ranks
+        host_need = plan.host_bytes * local_ranks + plan.checkpoint_bytes
     else:  # on CPU the "device" buffers are host memory too
-        host_need = (plan.host_bytes + plan.device_bytes + plan.activations) * local_ranks
+        host_need = (plan.host_bytes + plan.device_bytes + plan.activations) * local_ranks + plan.checkpoint_bytes
     available = available_host_bytes()
     if available is not None and host_need > available:
-        problems.append(f"{host_need / GB:.1f} GB of host memory for {local_ranks} local ranks, {available / GB:.1f} GB available")
+        problems.append(
+            f"{host_need / GB:.1f} GB of host memory for {local_ranks} local ranks and a checkpoint save, "
+            f"{available / GB:.1f} GB available"
+        )
     if problems and not force:
         raise ValueError(
             f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots or the batch, use a low-bit "

@@ -186,7 +186,11 @@ def memory_plan(job: JobConfig, model, data, config: ZOConfig, parallel: Paralle
     seq = data.longest
     shard = parallel.shard_group.size if parallel.shard_group else 1
     batch = max(job.data.batch_size // parallel.dims.dp, job.data.eval_batch_size // parallel.env.world_size, 1)
-    return plan_memory(model, config, shard, sliced, batch, seq, len(parallel.signs))
+    env = parallel.env
+    return plan_memory(
+        model, config, shard, sliced, batch, seq, len(parallel.signs), env.world_size, env.local_world_size,
+        async_save=job.run.save_async and job.run.save_steps > 0,
+    )
 
 
 def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
@@ -336,7 +340,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             if logs:
                 logs.write("eval", {"step": done, **metrics})
         if job.run.save_steps and done % job.run.save_steps == 0 and done < job.optim.max_steps:
-            checkpointer.save(asynchronous=True)
+            checkpointer.save(asynchronous=job.run.save_async)
         checkpointer.poll()
     elapsed = time.perf_counter() - started
 

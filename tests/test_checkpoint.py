@@ -88,6 +88,19 @@ def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards
     assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
 
 
+def test_synchronous_saves_in_place_resume_exactly(tmp_path):
+    full = tmp_path / "full"
+    args = COMMON + ["--save-steps", "4", "--no-save-async"]
+    proc = launch(2, args + ["--output-dir", str(full)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step-8", resumed / "checkpoints" / "step-8")
+    proc = launch(2, args + ["--output-dir", str(resumed), "--resume"])
+    assert proc.returncode == 0 and "step-8 at step 8" in proc.stderr, proc.stderr[-2000:]
+    assert_same_params(Run(resumed), Run(full))
+
+
 def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path):
     args = COMMON + ["--max-steps", "20", "--save-steps", "5", "--output-dir", str(tmp_path)]
     crashed = launch(2, args, env={"DISTZO_CRASH_IN_SAVE": "10"})

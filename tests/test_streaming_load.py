@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distzo import ZOConfig, ZOEngine
+from distzo.checkpoint import Checkpointer
 from distzo.memory_plan import plan_memory
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
@@ -62,7 +63,7 @@ def test_every_named_shape_builds_as_a_skeleton(name):
     assert plan.parameters > 1e7 and plan.host_bytes > 0
 
 
-def test_the_plan_counts_what_the_engine_allocates():
+def test_the_plan_counts_what_the_engine_allocates(tmp_path):
     model = build("llama", seed=0)
     for config in (ZOConfig(device="cpu", num_slots=3), ZOConfig(device="cpu", transfer_dtype="bf16")):
         plan = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
@@ -72,6 +73,15 @@ def test_the_plan_counts_what_the_engine_allocates():
                      + (engine.rounding_noise._workspace.nbytes if engine.rounding_noise else 0))
         assert plan.device_bytes == allocated
         assert plan.host_bytes == engine.store.host_bytes
+        # A checkpoint save copies exactly what the plan reserves for it: everything when
+        # asynchronous, nothing when synchronous (the blocks' host copy is written as it is).
+        live = {engine.resident_master.untyped_storage().data_ptr(), engine.store.host_storage.untyped_storage().data_ptr()}
+        for async_save in (True, False):
+            state = Checkpointer(tmp_path, engine)._state(private=async_save)
+            copied = [v for k, v in state.items() if not k.startswith("meta/")]
+            copied = [v for v in copied if v.untyped_storage().data_ptr() not in live]
+            planned = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2, async_save=async_save)
+            assert planned.checkpoint_bytes == sum(v.nbytes for v in copied) == (plan.checkpoint_bytes if async_save else 0)
 
 
 def test_opt_13b_shape_with_one_layer_builds_and_steps():
