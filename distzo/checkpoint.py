@@ -5,7 +5,8 @@ noise chunk, the pending update), the resident bucket, and every block in its at
 format (the transfer dtype), so that a resumed run, on any number of ranks and with
 either transfer mode, continues the exact trajectory. Every block is contributed by
 one rank (round robin), as a private CPU copy: the save holds one extra copy of the
-model across the whole job, never one per rank. Under the sliced transfer a block is
+model across the whole job, never one per rank (nor, under the sliced transfer, one
+per node: the blocks are spread over the nodes). Under the sliced transfer a block is
 first gathered through the device, since a rank holds only its slices.
 
 Saving is asynchronous (the copies are made at once, a thread writes them) into
@@ -87,9 +88,9 @@ class Checkpointer:
 
         Each block is written by exactly one rank, so the copies add up to one model
         across the job instead of one per rank: block i comes from rank i % world, or
-        under the sliced transfer (where a rank holds only slices) from member i % n of
-        the shard group holding rank 0, after a gather through the device into a slot
-        that the next block reuses (so always copied). Rank 0 adds the resident bucket;
+        under the sliced transfer (where a rank holds only slices) from node i % nodes,
+        member (i // nodes) % n of its shard group, after a gather through the device
+        into a slot that the next block reuses (so always copied). Rank 0 adds the resident bucket;
         the meta scalars are replicated (DCP keeps one copy).
         """
         engine = self.engine
@@ -107,7 +108,10 @@ class Checkpointer:
         for i in range(len(engine.blocks)):
             if sliced:
                 at_rest = engine.store.block_at_rest(i)  # collective: every rank takes part
-                mine = 0 in shard.members and i % shard.size == shard.rank
+                # Every node holds the whole model: block i from node i % nodes, spreading
+                # the copies over the nodes, and there from member (i // nodes) % n.
+                nodes = world // shard.size
+                mine = i % nodes == engine.parallel.env.node_rank and (i // nodes) % shard.size == shard.rank
             else:
                 mine = i % world == rank
                 at_rest = engine.store.block_at_rest(i) if mine else None  # local, no transfer

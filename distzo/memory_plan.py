@@ -66,8 +66,8 @@ def plan_memory(
     """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
 
     ``world`` and ``local_ranks`` place the rank in the job, for the checkpoint's copies:
-    block i is copied by one rank (i % world, or under the sliced transfer a member of the
-    first node's shard group), plus the resident bucket on rank 0. A synchronous save
+    block i is copied by one rank (i % world, or under the sliced transfer a member of
+    node i % nodes), plus the resident bucket on rank 0. A synchronous save
     (``async_save`` False; the final save always is) copies only what does not already
     rest in host memory.
     """
@@ -96,8 +96,8 @@ def plan_memory(
     logits = tokens * vocab * (compute + 2 * 4)  # logits, and their fp32 copy and log-softmax in the loss
     activations = signs * tokens * hidden * compute + max(block_tmp, logits)
     at_rest = [l.numel * (wire if config.mode == "offload" else master) for l in layouts]
-    if sliced:  # the first node's shard group writes every block
-        node_blocks = len(layouts)
+    if sliced:  # each node's shard group writes every (world / n)-th block
+        node_blocks = -(-len(layouts) // max(world // shard_size, 1))
     else:
         node_blocks = min(len(layouts), -(-len(layouts) // world) * local_ranks)
     on_device = config.torch_device().type != "cpu"

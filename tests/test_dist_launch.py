@@ -98,9 +98,9 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
     assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
     two_nodes = Run(tmp_path)
     assert {r: two_nodes.ranks[r]["shard_group"] for r in range(4)} == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
-    # The checkpoint's blocks come from the first node alone, block i from its member i % 2.
+    # Each node writes its share of the checkpoint's blocks: block i from node i % 2.
     files = checkpoint_writers(tmp_path / "checkpoints" / "step-10")
-    assert {k: v for k, v in files.items() if k.startswith("block/")} == {"block/0": 0, "block/1": 1}
+    assert {k: v for k, v in files.items() if k.startswith("block/")} == {"block/0": 0, "block/1": 2}
     half = runs["2d"].ranks[0]["host_bytes"] / 2
     assert all(abs(r["host_bytes"] - half) / half < 0.05 for r in two_nodes.ranks.values())
     g_diff, param_diff = max_relative_difference(two_nodes, runs["single"])
