@@ -90,8 +90,8 @@ class Checkpointer:
         across the job instead of one per rank: block i comes from rank i % world, or
         under the sliced transfer (where a rank holds only slices) from node i % nodes,
         member (i // nodes) % n of its shard group, after a gather through the device
-        into a slot that the next block reuses (so always copied). Rank 0 adds the resident bucket;
-        the meta scalars are replicated (DCP keeps one copy).
+        into a slot that the next block reuses (so always copied). Rank 0 adds the
+        resident bucket; the meta scalars are replicated (DCP keeps one copy).
         """
         engine = self.engine
         engine.streams.synchronize()

@@ -92,7 +92,7 @@ class RunOptions:
     eval_steps: int = option(0, "evaluate every N steps (0: only before and after)")
     save_steps: int = option(0, "checkpoint every N steps (0: only at the end)")
     save_async: bool = option(
-        True, "write --save-steps checkpoints from a background thread (a host copy of the model per node); "
+        True, "write --save-steps checkpoints from a background thread (each node first copies its share of the model); "
         "--no-save-async writes them from the live host copy while training waits"
     )
     resume: bool = option(False, "resume from the latest checkpoint in the run directory")
