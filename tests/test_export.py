@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
+from distzo.checkpoint import Checkpointer, latest_checkpoint
 from distzo.export import INDEX_NAME, check_shard_size, export_hf
 from tests.conftest import random_batch, tiny_opt
 from tests.test_model_families import build
@@ -69,6 +70,36 @@ def test_a_rank_that_does_not_write_materialises_nothing():
     for name, value in streamed.items():
         assert torch.equal(value, params[name])
         assert value.untyped_storage().nbytes() == value.numel() * value.element_size()  # its own storage
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
+    # The paths a run ends with (asynchronous DCP save, load, streamed export) on the
+    # device that trained: on CUDA, through pinned host buckets and the upload stream.
+    def engine():
+        config = ZOConfig(mode="offload", device=device, lr=1e-2, eps=1e-3, weight_decay=0.1, seed=0)
+        return ZOEngine(tiny_opt(seed=0, num_hidden_layers=3), config)
+
+    first = engine()
+    for step in range(3):
+        first.step(random_batch(64, pad="left", seed=step))
+    saver = Checkpointer(tmp_path / "checkpoints", first)
+    saver.save(asynchronous=True)
+    saver.wait()
+    second = engine()
+    assert Checkpointer(tmp_path / "checkpoints", second).load(latest_checkpoint(tmp_path / "checkpoints")) == 3
+    batch = random_batch(64, pad="left", seed=7)
+    assert first.step(batch) == second.step(batch)  # the resumed engine takes the same step
+
+    out = export_hf(first, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()
+    logits, _ = first.forward(batch)
+    with torch.no_grad():
+        reference = loaded(
+            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
+        ).logits
+    keep = batch["attention_mask"].bool().to(device)
+    assert (reference - logits)[keep].abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("size", ["lots", "1000", "-1GB"])
