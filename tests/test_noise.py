@@ -9,6 +9,10 @@ def test_seed_is_a_pure_function_of_its_coordinates():
     seeds = {noise_seed(7, s, b, c) for s in range(4) for b in range(4) for c in range(4)}
     assert len(seeds) == 64
     assert all(0 <= s < 2**63 for s in seeds)
+    # query 0 is the single-direction draw; every other query is a fresh coordinate
+    assert noise_seed(7, 3, 2, 1, query=0) == noise_seed(7, 3, 2, 1)
+    queries = {noise_seed(7, 3, 2, 1, query=q) for q in range(8)}
+    assert len(queries | seeds) == 64 + 7
 
 
 def test_a_chunk_does_not_depend_on_the_range_asked_for():
@@ -41,9 +45,27 @@ def test_perturb_and_update_follow_the_mezo_formulas():
 
     lr, g, wd, decay_end = 0.1, 2.5, 0.01, 20
     updated = theta.clone()
-    src.apply_update(updated, decay_end, lr, g, wd, step=4, block_id=9)
+    src.apply_update(updated, decay_end, lr, (g,), wd, step=4, block_id=9)
     expected = theta - lr * g * z
     expected[:decay_end] -= lr * wd * theta[:decay_end]
+    torch.testing.assert_close(updated, expected, rtol=1e-13, atol=1e-15)
+
+
+def test_a_multi_query_update_averages_the_directions():
+    src = NoiseSource(3, chunk=16, device=torch.device("cpu"), dtype=torch.float64)
+    theta = torch.randn(50, dtype=torch.float64)
+    zs = [src.full(50, step=4, block_id=9, query=q) for q in range(3)]
+    assert not torch.equal(zs[0], zs[1]) and not torch.equal(zs[1], zs[2])
+    assert torch.equal(zs[0], src.full(50, step=4, block_id=9))
+    out = torch.empty(50, dtype=torch.float64)
+    src.perturb_into(out, theta, 1e-3, step=4, block_id=9, query=2)
+    torch.testing.assert_close(out, theta + 1e-3 * zs[2], rtol=0, atol=1e-15)
+
+    lr, grads, wd, decay_end = 0.1, (2.5, -1.0, 0.25), 0.01, 20
+    updated = theta.clone()
+    src.apply_update(updated, decay_end, lr, grads, wd, step=4, block_id=9)
+    expected = theta - lr * sum(g * z for g, z in zip(grads, zs)) / 3
+    expected[:decay_end] -= lr * wd * theta[:decay_end]  # decay once, not once per query
     torch.testing.assert_close(updated, expected, rtol=1e-13, atol=1e-15)
 
 
