@@ -44,16 +44,26 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def _pending_vector(pending: PendingUpdate | None) -> torch.Tensor:
+    """``[has, step, g_0, lr, g_1, ..., g_{q-1}]``: the one-query layout, extended by the
+    other queries' g, so that single-query checkpoints keep their format."""
+    if pending is None:
+        return torch.zeros(4, dtype=torch.float64)
+    first, *rest = pending.projected_grads
+    return torch.tensor([1.0, pending.step, first, pending.lr, *rest], dtype=torch.float64)
+
+
+def _pending_update(vector: torch.Tensor) -> PendingUpdate | None:
+    has, step, first, lr, *rest = vector.tolist()
+    return PendingUpdate(int(step), (first, *rest), lr) if has else None
+
+
 def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
-    pending = engine.pending
     return {
         "meta/step": torch.tensor([engine.step_index], dtype=torch.int64),
         "meta/run_seed": torch.tensor([engine.run_seed], dtype=torch.int64),
         "meta/noise_chunk": torch.tensor([engine.config.noise_chunk], dtype=torch.int64),
-        "meta/pending": torch.tensor(
-            [1.0, pending.step, pending.projected_grad, pending.lr] if pending else [0.0, 0.0, 0.0, 0.0],
-            dtype=torch.float64,
-        ),
+        "meta/pending": _pending_vector(engine.pending),
     }
 
 
@@ -172,6 +182,9 @@ class Checkpointer:
         engine = self.engine
         engine.streams.synchronize()
         meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
+        # The pending update has as many g as the saving run had queries, whatever this one has.
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata["meta/pending"]
+        meta["meta/pending"] = torch.zeros(saved.size, dtype=torch.float64)
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
         dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
         engine.check_noise_chunk(int(meta["meta/noise_chunk"]), str(path))
@@ -181,11 +194,10 @@ class Checkpointer:
             engine.store.load_block(i, buffer[f"block/{i}"])
         with torch.no_grad():
             engine.resident_master.copy_(meta["resident"])
-        has_pending, p_step, p_g, p_lr = meta["meta/pending"].tolist()
         engine.restore(
             step=int(meta["meta/step"]),
             run_seed=int(meta["meta/run_seed"]),
-            pending=PendingUpdate(int(p_step), p_g, p_lr) if has_pending else None,
+            pending=_pending_update(meta["meta/pending"]),
         )
         logger.info("resumed from %s at step %d", path, engine.step_index)
         return engine.step_index

@@ -26,6 +26,8 @@ class ZOConfig:
     on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
     perturbed weights and activations use (AMP); ``transfer_chunks`` pieces of each
     rank's share pipeline the sliced upload's copy with its all-gather.
+    ``num_queries`` directions per step (n-SPSA) average their estimates: each adds two
+    forward passes per block but no transfer, since a block is uploaded once per step.
     """
 
     lr: float = 1e-6
@@ -43,6 +45,7 @@ class ZOConfig:
     transfer_dtype: str = "fp32"
     compute_dtype: str = "auto"
     transfer_chunks: int = 4
+    num_queries: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +90,10 @@ class ZOConfig:
             )
         if self.transfer_chunks < 1:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+        if self.num_queries < 1:
+            raise ValueError(
+                f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to average directions"
+            )
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError("transfer sliced only applies to mode offload (resident blocks never travel)")
         self.torch_device()  # a malformed device string fails here, not mid-build

@@ -1,14 +1,15 @@
 """One ZO step over embed -> streamed blocks -> head (DESIGN section 2).
 
-Per step t, with the pending update (t-1, g, lr) of the previous step:
+Per step t, with the pending update (t-1, g_0..g_{q-1}, lr) of the previous step:
 
 * the resident bucket (embeddings, head, final norm) gets the pending update, then
   is perturbed out of place into its scratch bucket for each sign;
 * each block is uploaded into a device slot, gets the pending update right there (so
   it crosses the link once per step), is perturbed out of place into the one block
-  scratch bucket for each sign and run on that sign's hidden states, then offloaded;
-* the head gives L+ and L-; one all-reduce of ``[L+, L-]`` (identity in one process)
-  gives every rank the same g, which becomes the new pending update.
+  scratch bucket for each pass (query j, sign) and run on that pass's hidden states,
+  then offloaded: q queries (n-SPSA) cost 2q forward passes but one transfer;
+* the head gives L+_j and L-_j; one all-reduce of ``[L+_0, L-_0, ...]`` (identity in
+  one process) gives every rank the same g_j, which become the new pending update.
 
 The module parameters are bound once to the scratch buckets, so the model's own
 layers compute with whatever perturbation the scratch currently holds.
@@ -33,31 +34,42 @@ from distzo.models.weights import WeightSource
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
-from distzo.zo import NoiseSource, learning_rate, loss_contribution, projected_gradient
+from distzo.zo import NoiseSource, learning_rate, loss_contribution, passes, projected_gradients
+from distzo.zo.estimator import Pass
 
 logger = logging.getLogger(__name__)
 
 RESIDENT_BLOCK_ID = 0  # noise id of the resident bucket; block i has id i + 1
+UNPERTURBED: Pass = (0, 0)  # the pass of an evaluation forward: theta itself
 
 
 @dataclass(frozen=True)
 class StepResult:
+    """One step's losses and estimate; with several queries, means over the queries."""
+
     step: int  # 0-based index of the step just taken
-    loss: float  # (L+ + L-) / 2, the loss at theta to first order
+    loss: float  # mean of (L+ + L-) / 2, the loss at theta to first order
     loss_plus: float
     loss_minus: float
-    projected_grad: float
+    projected_grad: float  # mean of projected_grads
     lr: float
-    num_tokens: int  # input tokens this rank processed (both passes count once)
+    num_tokens: int  # input tokens this rank processed (all passes count once)
+    projected_grads: tuple[float, ...] = ()  # g_j of each query j
 
 
 @dataclass(frozen=True)
 class PendingUpdate:
-    """The last step's update, applied lazily when each bucket next reaches the device."""
+    """The last step's update, applied lazily when each bucket next reaches the device:
+    theta -= lr * (mean_j g_j z_j + wd theta), z_j drawn for (step, query j)."""
 
     step: int
-    projected_grad: float
+    projected_grads: tuple[float, ...]
     lr: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "projected_grads", tuple(float(g) for g in self.projected_grads))
+        if not self.projected_grads:
+            raise ValueError("a pending update needs one projected gradient per query, got none")
 
 
 def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -166,6 +178,7 @@ class ZOEngine:
         self.model = model
         self.parallel = parallel if parallel is not None else ParallelContext.single()
         self.signs = self.parallel.signs
+        self.passes = passes(config.num_queries, self.signs)  # (query, sign) this rank runs
         self.transfer = self._resolve_transfer()
         if run_seed is None:
             run_seed = config.seed if config.seed is not None else secrets.randbits(63)
@@ -216,7 +229,7 @@ class ZOEngine:
         for layout in self.block_layouts:
             bind(model, layout, self.block_scratch)
         bind(model, self.resident_layout, self.resident_scratch)
-        self._resident_holds: tuple[int, int] | None = None  # (sign, step) now in resident_scratch
+        self._resident_holds: tuple[int, int, int] | None = None  # (query, sign, step) now in resident_scratch
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
             # The buffers were filled on the default stream; the three streams start after that.
@@ -226,7 +239,7 @@ class ZOEngine:
         self.scheduler = BlockScheduler(self.store, self.streams, len(self.blocks))
         logger.info(
             "ZO engine: %s mode (%s transfer, %s on the wire, %s compute) on %s, %d blocks, %d slots, "
-            "%.1f M parameters, %.1f MB host",
+            "%.1f M parameters, %.1f MB host, %d quer%s per step",
             config.mode,
             self.transfer,
             config.transfer_dtype,
@@ -236,6 +249,8 @@ class ZOEngine:
             self.store.num_slots,
             self.num_parameters / 1e6,
             self.store.host_bytes / 1e6,
+            config.num_queries,
+            "y" if config.num_queries == 1 else "ies",
         )
 
     def _resolve_transfer(self) -> str:
@@ -274,25 +289,29 @@ class ZOEngine:
 
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
             input_ids, attention_mask, labels = self._prepare(batch)
-            hiddens = self._stream_pass(self.signs, t, input_ids, attention_mask)
+            hiddens = self._stream_pass(self.passes, t, input_ids, attention_mask)
             losses = {}
-            for sign in reversed(self.signs):  # the resident scratch still holds the last sign
-                self._perturb_resident(sign, t)
-                losses[sign] = self.adapter.loss(self.adapter.logits(hiddens[sign]), labels, num_items)
-            loss_plus, loss_minus = self.parallel.reduce(loss_contribution(losses)).tolist()  # the one sync
+            for p in reversed(self.passes):  # the resident scratch still holds the last pass
+                self._perturb_resident(p, t)
+                losses[p] = self.adapter.loss(self.adapter.logits(hiddens.pop(p)), labels, num_items)
+            reduced = self.parallel.reduce(loss_contribution(losses, cfg.num_queries)).tolist()  # the one sync
 
-        g = projected_gradient(loss_plus, loss_minus, cfg.eps)
-        self.pending = PendingUpdate(t, g, lr)
+        grads = projected_gradients(reduced, cfg.eps)
+        self.pending = PendingUpdate(t, grads, lr)
         self.step_index += 1
-        return StepResult(t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, g, lr, num_tokens)
+        q = cfg.num_queries
+        loss_plus, loss_minus = sum(reduced[0::2]) / q, sum(reduced[1::2]) / q
+        return StepResult(
+            t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, sum(grads) / q, lr, num_tokens, grads
+        )
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (and mean loss, if the batch has labels) at the current, unperturbed parameters."""
         self._check_batch(batch)
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
             input_ids, attention_mask, labels = self._prepare(batch, default_labels=False)
-            hidden = self._stream_pass((0,), self.step_index, input_ids, attention_mask)[0]
-            self._perturb_resident(0, self.step_index)
+            hidden = self._stream_pass((UNPERTURBED,), self.step_index, input_ids, attention_mask)[UNPERTURBED]
+            self._perturb_resident(UNPERTURBED, self.step_index)
             logits = self.adapter.logits(hidden)
             loss = self.adapter.loss(logits, labels, None) if labels is not None else None
         if self.streams.is_async:  # made on the compute stream, used and freed on the caller's
@@ -463,27 +482,30 @@ class ZOEngine:
 
         return _Guard()
 
-    def _perturb_resident(self, sign: int, step: int) -> None:
-        key = (sign, step if sign else -1)
+    def _perturb_resident(self, p: Pass, step: int) -> None:
+        query, sign = p
+        key = (query, sign, step) if sign else (0, 0, -1)
         if self._resident_holds != key:
-            self.noise.perturb_into(self.resident_scratch, self.resident_master, sign * self.config.eps, step, RESIDENT_BLOCK_ID)
+            self.noise.perturb_into(
+                self.resident_scratch, self.resident_master, sign * self.config.eps, step, RESIDENT_BLOCK_ID, query
+            )
             self._resident_holds = key
 
     def _apply(self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int) -> None:
         self.noise.apply_update(
-            bucket, layout.decay_end, update.lr, update.projected_grad, self.config.weight_decay, update.step, block_id
+            bucket, layout.decay_end, update.lr, update.projected_grads, self.config.weight_decay, update.step, block_id
         )
 
     def _stream_pass(
         self,
-        signs: tuple[int, ...],
+        passes: tuple[Pass, ...],
         step: int,
         input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
-    ) -> dict[int, torch.Tensor]:
-        """Apply the pending update everywhere and run the blocks once for each sign.
+    ) -> dict[Pass, torch.Tensor]:
+        """Apply the pending update everywhere and run the blocks once for each pass.
 
-        Returns each sign's last hidden state. With no signs (flush) it only updates.
+        Returns each pass's last hidden state. With no passes (flush) it only updates.
         """
         update, self.pending = self.pending, None
         self.store.step = step
@@ -491,17 +513,18 @@ class ZOEngine:
             self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
             self._resident_holds = None
         hiddens, ctx = {}, None
-        for sign in signs:
-            self._perturb_resident(sign, step)
-            hiddens[sign], ctx = self.adapter.embed(input_ids, attention_mask)
+        for p in passes:
+            self._perturb_resident(p, step)
+            hiddens[p], ctx = self.adapter.embed(input_ids, attention_mask)
         eps = self.config.eps
 
         def compute(i: int, bucket: torch.Tensor) -> None:
             if update is not None:
                 self._apply(update, bucket, self.block_layouts[i], i + 1)
-            for sign in signs:
-                self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1)
-                hiddens[sign] = self.adapter.block_forward(self.blocks[i], hiddens[sign], ctx)
+            for p in passes:
+                query, sign = p
+                self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
+                hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
 
         self.scheduler.run(compute)
         return hiddens

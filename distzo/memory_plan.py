@@ -94,7 +94,8 @@ def plan_memory(
     tokens = batch * seq
     block_tmp = tokens * (4 * hidden + 2 * ffn) * compute + batch * heads * seq * seq * compute
     logits = tokens * vocab * (compute + 2 * 4)  # logits, and their fp32 copy and log-softmax in the loss
-    activations = signs * tokens * hidden * compute + max(block_tmp, logits)
+    live_hiddens = signs * config.num_queries  # one hidden state per pass crosses the blocks
+    activations = live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
     at_rest = [l.numel * (wire if config.mode == "offload" else master) for l in layouts]
     if sliced:  # each node's shard group writes every (world / n)-th block
         node_blocks = -(-len(layouts) // max(world // shard_size, 1))

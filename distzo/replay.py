@@ -1,8 +1,8 @@
 """``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR``: a ZO run rebuilt from
 its seeds and scalars.
 
-A ZO-SGD run is fully described by its base weights and, per step, (step, g, lr): z is
-regenerated from (run seed, step, block, chunk), so replaying the updates in order
+A ZO-SGD run is fully described by its base weights and, per step, (step, g per query,
+lr): z is regenerated from (run seed, step, block, chunk, query), so replaying the updates in order
 gives the fine-tuned weights bit for bit (on the device type that trained them: CPU
 and CUDA generators draw different z). The log is kilobytes where a checkpoint is the
 model's size, so it is also a cheap checkpoint between full saves. Runs with a low-bit
@@ -48,7 +48,7 @@ def read_log(path: Path) -> tuple[dict, list[dict]]:
         raise ValueError(f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?")
     header, steps = records[0], records[1:]
     for expected, record in enumerate(steps):
-        if record.get("step") != expected or not {"projected_grad", "lr"} <= record.keys():
+        if record.get("step") != expected or "lr" not in record or not {"projected_grads", "projected_grad"} & record.keys():
             raise ValueError(f"--log {path}, line {expected + 2}: expected the record of step {expected}")
     return header, steps
 
@@ -85,7 +85,8 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     model, weights = base_model(base, header, DTYPES[header["dtype"]])
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     for record in steps:
-        engine.pending = PendingUpdate(record["step"], record["projected_grad"], record["lr"])
+        grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]  # older logs
+        engine.pending = PendingUpdate(record["step"], grads, record["lr"])
         engine.flush()
     engine.step_index = len(steps)
     logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))

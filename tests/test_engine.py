@@ -26,8 +26,8 @@ def run(mode, steps=20, num_slots=2, flush_at=(), **overrides):
 
 def assert_same_trajectory(a, b):
     (results_a, params_a), (results_b, params_b) = a, b
-    assert [(r.loss_plus, r.loss_minus, r.projected_grad) for r in results_a] == [
-        (r.loss_plus, r.loss_minus, r.projected_grad) for r in results_b
+    assert [(r.loss_plus, r.loss_minus, r.projected_grads) for r in results_a] == [
+        (r.loss_plus, r.loss_minus, r.projected_grads) for r in results_b
     ]
     assert params_a.keys() == params_b.keys()
     for name in params_a:
@@ -61,30 +61,36 @@ FLOAT64_TINY = dict(
 )
 
 
-def zo_and_autograd_gradient(seed, eps):
+def zo_and_autograd_gradient(seed, eps, num_queries=1, lr=0.0):
+    """(engine after one step, its g per query, z_j . autograd gradient per query)."""
     model = tiny_opt(seed=seed, **FLOAT64_TINY)
     reference = tiny_opt(seed=seed, **FLOAT64_TINY).eval()
     # Right padding: pad positions then never reach the loss. (With left padding the last
     # pad predicts the first real token, and autograd's padding_idx drops that gradient.)
     batch = random_batch(model.config.vocab_size, pad="right", seed=seed)
-    engine = ZOEngine(model, ZOConfig(eps=eps, lr=0.0, seed=seed, device="cpu", noise_chunk=777))
-    g = engine.step(batch).projected_grad
+    config = ZOConfig(eps=eps, lr=lr, seed=seed, device="cpu", noise_chunk=777, num_queries=num_queries)
+    engine = ZOEngine(model, config)
+    grads = engine.step(batch).projected_grads
 
     reference(**batch).loss.backward()
-    grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False)}
-    dot = 0.0
-    buckets = [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [(l, i + 1) for i, l in enumerate(engine.block_layouts)]
-    for layout, block_id in buckets:
-        z = engine.noise.full(layout.numel, step=0, block_id=block_id)
-        for entry in layout.entries:
-            z_param = z[entry.offset : entry.offset + entry.numel].view(entry.shape)
-            dot += (z_param * grads[entry.names[0]]).sum().item()
-    return g, dot
+    autograd = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False)}
+    dots = [0.0] * num_queries
+    for layout, block_id in buckets_of(engine):
+        for query in range(num_queries):
+            z = engine.noise.full(layout.numel, step=0, block_id=block_id, query=query)
+            for entry in layout.entries:
+                z_param = z[entry.offset : entry.offset + entry.numel].view(entry.shape)
+                dots[query] += (z_param * autograd[entry.names[0]]).sum().item()
+    return engine, grads, dots
+
+
+def buckets_of(engine):
+    return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [(l, i + 1) for i, l in enumerate(engine.block_layouts)]
 
 
 @pytest.mark.parametrize("seed", [1, 3, 4])
 def test_projected_gradient_equals_z_dot_autograd_gradient(seed):
-    g, dot = zo_and_autograd_gradient(seed, eps=1e-4)
+    _, (g,), (dot,) = zo_and_autograd_gradient(seed, eps=1e-4)
     assert g == pytest.approx(dot, rel=1e-4)
 
 
@@ -92,10 +98,41 @@ def test_projected_gradient_equals_z_dot_autograd_gradient(seed):
 def test_projected_gradient_error_is_the_central_difference_truncation(seed):
     # Where g is near 0 (seed 2: |g| ~ 0.01) a relative bound at eps=1e-4 is meaningless; what
     # shows that the estimator has no bias is that its error shrinks as eps^2.
-    g4, dot = zo_and_autograd_gradient(seed, eps=1e-4)
-    g5, _ = zo_and_autograd_gradient(seed, eps=1e-5)
+    _, (g4,), (dot,) = zo_and_autograd_gradient(seed, eps=1e-4)
+    _, (g5,), _ = zo_and_autograd_gradient(seed, eps=1e-5)
     assert abs(g5 - dot) < abs(g4 - dot) / 30
     assert g5 == pytest.approx(dot, rel=1e-4)
+
+
+def test_each_query_estimates_its_own_directional_derivative():
+    # n-SPSA: query j's g is z_j . grad L for its own z_j; query 0 is MeZO's one direction.
+    _, (single,), _ = zo_and_autograd_gradient(1, eps=1e-4)
+    _, grads, dots = zo_and_autograd_gradient(1, eps=1e-4, num_queries=3)
+    assert grads[0] == single
+    assert grads == pytest.approx(dots, rel=1e-4)
+    assert len({round(d, 6) for d in dots}) == 3  # three different directions
+
+
+def test_a_multi_query_step_moves_theta_by_the_mean_of_its_estimates():
+    lr, q = 1e-3, 3
+    before = tiny_opt(seed=1, **FLOAT64_TINY).state_dict()
+    engine, grads, _ = zo_and_autograd_gradient(1, eps=1e-4, num_queries=q, lr=lr)
+    after = engine.named_parameters()
+    for layout, block_id in buckets_of(engine):
+        zs = [engine.noise.full(layout.numel, step=0, block_id=block_id, query=j) for j in range(q)]
+        step = -lr * sum(g * z for g, z in zip(grads, zs)) / q
+        for entry in layout.entries:
+            expected = before[entry.names[0]] + step[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            torch.testing.assert_close(after[entry.names[0]], expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("num_queries", [2, 3])
+def test_multi_query_offload_equals_resident_bitwise(num_queries):
+    resident = run("resident", steps=5, num_queries=num_queries)
+    assert_same_trajectory(run("offload", steps=5, num_queries=num_queries), resident)
+    assert all(len(r.projected_grads) == num_queries for r in resident[0])
+    single = run("resident", steps=5)  # the extra queries really change the step
+    assert not torch.equal(single[1]["model.decoder.layers.0.fc1.weight"], resident[1]["model.decoder.layers.0.fc1.weight"])
 
 
 def test_a_hundred_steps_lower_the_loss_clearly():
@@ -153,7 +190,7 @@ def test_weight_decay_touches_matrices_only():
     model = tiny_opt(seed=0)
     engine = ZOEngine(model, ZOConfig(lr=0.5, eps=1e-3, weight_decay=0.1, seed=0, device="cpu"))
     before = {k: v.clone() for k, v in engine.named_parameters().items()}
-    engine.pending = PendingUpdate(step=0, projected_grad=0.0, lr=0.5)  # g = 0: only decay acts
+    engine.pending = PendingUpdate(step=0, projected_grads=(0.0,), lr=0.5)  # g = 0: only decay acts
     after = engine.named_parameters()
     for name, value in after.items():
         if value.ndim >= 2:

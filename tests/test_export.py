@@ -76,8 +76,10 @@ def test_a_rank_that_does_not_write_materialises_nothing():
 def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
     # The paths a run ends with (asynchronous DCP save, load, streamed export) on the
     # device that trained: on CUDA, through pinned host buckets and the upload stream.
-    def engine():
-        config = ZOConfig(mode="offload", device=device, lr=1e-2, eps=1e-3, weight_decay=0.1, seed=0)
+    # Two queries per step: the checkpoint's pending update carries two g.
+    def engine(num_queries=2):
+        config = ZOConfig(mode="offload", device=device, lr=1e-2, eps=1e-3, weight_decay=0.1, seed=0,
+                          num_queries=num_queries)
         return ZOEngine(tiny_opt(seed=0, num_hidden_layers=3), config)
 
     first = engine()
@@ -86,10 +88,18 @@ def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
     saver = Checkpointer(tmp_path / "checkpoints", first)
     saver.save(asynchronous=True)
     saver.wait()
+    latest = latest_checkpoint(tmp_path / "checkpoints")
     second = engine()
-    assert Checkpointer(tmp_path / "checkpoints", second).load(latest_checkpoint(tmp_path / "checkpoints")) == 3
+    assert Checkpointer(tmp_path / "checkpoints", second).load(latest) == 3
     batch = random_batch(64, pad="left", seed=7)
+    at_save = first.named_parameters()  # a flush: it does not change the trajectory
     assert first.step(batch) == second.step(batch)  # the resumed engine takes the same step
+    # A run resumed with another number of queries still applies the saved update whole.
+    single = engine(num_queries=1)
+    Checkpointer(tmp_path / "checkpoints", single).load(latest)
+    assert len(single.pending.projected_grads) == 2
+    for name, value in single.named_parameters().items():
+        assert torch.equal(value, at_save[name]), name
 
     out = export_hf(first, tmp_path / "export")
     loaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()
