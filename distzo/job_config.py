@@ -58,6 +58,10 @@ class OptimOptions:
     weight_decay: float = option(0.0, "decoupled weight decay on matrices")
     lr_schedule: str = option("linear", "learning-rate schedule", SCHEDULES)
     warmup_steps: int = option(0, "linear warm-up steps")
+    num_queries: int = option(
+        1, "random directions per step, their estimates averaged (n-SPSA): each adds two forward passes "
+        "per block, no transfer"
+    )
 
 
 @dataclass

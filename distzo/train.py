@@ -122,7 +122,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         warmup_steps=optim.warmup_steps, max_steps=optim.max_steps, mode=off.mode, num_slots=off.num_slots,
         device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
-        transfer_chunks=off.transfer_chunks,
+        transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries,
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)
@@ -329,8 +329,11 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             }
             if device.type == "cuda":
                 record["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            if len(result.projected_grads) > 1:
+                record["projected_grads"] = list(result.projected_grads)
             logs.write("metrics", record)
-            logs.write("seeds", {"step": step, "run_seed": engine.run_seed, "projected_grad": result.projected_grad, "lr": result.lr})
+            logs.write("seeds", {"step": step, "run_seed": engine.run_seed, "projected_grads": list(result.projected_grads),
+                                 "lr": result.lr})
         if job.run.log_every and (step % job.run.log_every == 0 or step == job.optim.max_steps - 1):
             logger.info("step %d loss %.4f g %+.4g lr %.3g", step, result.loss, result.projected_grad, result.lr)
         done = step + 1

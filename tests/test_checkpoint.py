@@ -33,11 +33,14 @@ def assert_same_params(a: Run, b: Run, rel: float = 0.0):
         assert diff <= rel, (name, diff)
 
 
-def test_single_process_resume_is_bitwise(tmp_path):
+@pytest.mark.parametrize("queries", ["1", "3"])
+def test_single_process_resume_is_bitwise(tmp_path, queries):
+    # With 3 queries the checkpoint's pending update carries three g (one per direction).
+    flags = COMMON + ["--num-queries", queries]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert launch(1, COMMON + ["--output-dir", str(full)]).returncode == 0
-    assert launch(1, COMMON + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
-    proc = launch(1, COMMON + ["--output-dir", str(cut), "--resume"])
+    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
+    assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    proc = launch(1, flags + ["--output-dir", str(cut), "--resume"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stderr and "step-4 at step 4" in proc.stderr
     assert Run(cut).grads == Run(full).grads  # the metrics log continues where it was cut
@@ -132,9 +135,11 @@ def test_export_loads_in_transformers_and_matches_the_engine(tmp_path):
     assert (reference - logits).abs().max().item() <= 1e-5
 
 
-def test_replay_of_the_seed_log_equals_the_export(tmp_path):
+@pytest.mark.parametrize("queries", ["1", "2"])
+def test_replay_of_the_seed_log_equals_the_export(tmp_path, queries):
     run = tmp_path / "run"
-    assert launch(1, COMMON + ["--max-steps", "30", "--weight-decay", "0.1", "--output-dir", str(run)]).returncode == 0
+    flags = COMMON + ["--max-steps", "30", "--weight-decay", "0.1", "--num-queries", queries, "--output-dir", str(run)]
+    assert launch(1, flags).returncode == 0
     out = tmp_path / "replayed"
     proc = subprocess.run(
         [sys.executable, "-m", "distzo.replay", "--base", str(run / "base"), "--log", str(run / "seedlog.jsonl"),

@@ -32,6 +32,8 @@ LAUNCHES = {
     "ddp": (2, FP64 + ["--pert", "1"]),
     "2d": (4, FP64 + ["--dp", "2", "--pert", "2"]),
     "2d_sliced": (4, FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced"]),
+    "single_q3": (1, FP64 + ["--num-queries", "3"]),
+    "2d_sliced_q3": (4, FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--num-queries", "3"]),
 }
 
 
@@ -52,6 +54,17 @@ def test_every_strategy_follows_the_single_process_trajectory(runs, name):
     g_diff, param_diff = max_relative_difference(runs[name], runs["single"])
     assert len(runs[name].metrics) == 10
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
+
+
+def test_multi_query_2d_sliced_follows_the_single_process_trajectory(runs):
+    # n-SPSA keeps one all-reduce per step: 2 x 3 losses, each rank's passes in their slots.
+    multi, single = runs["2d_sliced_q3"], runs["single_q3"]
+    g_diff, param_diff = max_relative_difference(multi, single)
+    assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
+    per_query = [(a, b) for m, s in zip(multi.metrics, single.metrics, strict=True)
+                 for a, b in zip(m["projected_grads"], s["projected_grads"], strict=True)]
+    assert len(per_query) == 30 and all(abs(a - b) <= 1e-9 * max(abs(b), 1e-12) for a, b in per_query)
+    assert max_relative_difference(single, runs["single"])[1] > 1e-3  # three queries took another path
 
 
 def test_device_mesh_places_ranks_row_major(runs):

@@ -28,6 +28,7 @@ from tests.conftest import tiny_opt
         ({"transfer": "ring"}, "transfer"),
         ({"transfer_dtype": "int4"}, "transfer_dtype"),
         ({"compute_dtype": "fp8"}, "compute_dtype"),
+        ({"num_queries": 0}, "num_queries"),
     ],
 )
 def test_invalid_options_name_themselves(options, option_named):
@@ -82,6 +83,7 @@ def run_cli(*args):
         (["--seq-len", "100"], "--seq-len"),
         (["--model", "/no/such/model"], "--model"),
         (["--export-shard-size", "big"], "--export-shard-size"),
+        (["--num-queries", "0"], "num_queries"),
     ],
 )
 def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):
