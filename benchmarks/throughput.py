@@ -100,6 +100,7 @@ class Bench:
         config = ZOConfig(
             lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
             compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
+            num_queries=self.args.num_queries,
         )
         model = skeleton(self.config, torch.float32)
         return ZOEngine(model, config, parallel=parallel, weights=RandomWeights(0))
@@ -154,6 +155,7 @@ class Bench:
             "shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": point[0],
             "seq": point[1], "mode": engine.config.mode, "slots": engine.config.num_slots, "dp": parallel.dims.dp,
             "pert": parallel.dims.pert, "compute": self.compute, "threads": torch.get_num_threads(),
+            "queries": engine.config.num_queries,
         }
         return Measurement.from_timer(name, params, timer, metrics)
 
@@ -236,6 +238,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)")
     p.add_argument("--slots", type=int, default=2, help="device slots of the overlapped offload")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--num-queries", type=int, default=1,
+                   help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
     p.add_argument("--device", default="auto")
@@ -246,6 +250,8 @@ def main() -> None:
     args.seq = args.seq or (32 if args.quick else 512)
     args.steps = args.steps or (2 if args.quick else 5)
     args.points = parse_points(args.sweep) if args.sweep else [(args.batch, args.seq)]
+    if args.num_queries < 1:
+        raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
     env = LaunchEnv.from_environ()
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
     logging.getLogger("distzo").setLevel(logging.WARNING)
@@ -260,7 +266,7 @@ def main() -> None:
     report = Bench(args, env, device).run()
     if env.rank == 0:
         out = Path(args.out)
-        report.write(out, ["mode", "slots", "dp", "pert", "batch", "seq", "tokens_per_s", "peak_device_gb", "eta"])
+        report.write(out, ["mode", "slots", "dp", "pert", "queries", "batch", "seq", "tokens_per_s", "peak_device_gb", "eta"])
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()
 
