@@ -102,9 +102,22 @@ def model_config_of(job: JobConfig) -> PretrainedConfig:
         raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
 
 
+def default_lr(job: JobConfig) -> float:
+    """The lr when --lr is not given. ZO steps scale with sqrt(parameters) and a
+    pretrained model sits in a narrow basin: MeZO tuned full-parameter OPT with 1e-6 to
+    1e-7, where the tiny random-init model needs 1e-2 to learn (1e-3 on real text,
+    where 1e-2 diverged)."""
+    if job.model.model or job.model.model_config:
+        return 1e-6
+    return 1e-2 if job.data.task == "counting" else 1e-3
+
+
 def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, LoadedRows | None]:
     """Every check that needs no model and no process group, run identically on every rank."""
     data, optim, off, par, run = job.data, job.optim, job.offload, job.parallel, job.run
+    if optim.lr is None:
+        optim.lr = default_lr(job)  # resolved here, so the run's config.toml records it
+        logger.info("lr %g (the default for this model and task; --lr sets it)", optim.lr)
     if optim.max_steps < 0 or data.batch_size < 1 or data.eval_batch_size < 1:
         raise ValueError("--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1")
     if run.log_every < 0 or run.eval_steps < 0 or run.save_steps < 0:

@@ -68,7 +68,7 @@ def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards
     # and written by member i % 4 alone; resuming on 1 (naive) or 2 (sliced) ranks
     # continues the trajectory of the uninterrupted 4-rank run.
     tiny_opt(seed=4, num_hidden_layers=5).save_pretrained(tmp_path / "model")
-    base = COMMON + ["--model", str(tmp_path / "model"), "--dtype", "fp64"]
+    base = COMMON + ["--model", str(tmp_path / "model"), "--dtype", "fp64", "--lr", "1e-2"]
     flags = base + ["--dp", "2", "--pert", "2"]
     full = tmp_path / "full"
     proc = launch(4, flags + ["--transfer", "sliced", "--save-steps", "5", "--output-dir", str(full)])

@@ -82,7 +82,7 @@ def test_strategy_invariance_for_a_tiny_llama(tmp_path):
 
     build("llama", seed=3).save_pretrained(tmp_path / "llama")
     common = ["--model", str(tmp_path / "llama"), "--max-steps", "6", "--batch-size", "8", "--log-every", "0",
-              "--dtype", "fp64", "--lr-schedule", "constant"]
+              "--dtype", "fp64", "--lr-schedule", "constant", "--lr", "1e-2"]
     single = tmp_path / "single"
     assert python_train(common + ["--output-dir", str(single)]).returncode == 0
     runs = {}
