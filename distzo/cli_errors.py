@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+
+def program(module: str) -> str:
+    """The name to show in usage lines: the installed command (``distzo-train``) when the
+    user ran that, else ``python -m distzo.train``."""
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return script if script.startswith("distzo-") else f"python -m {module}"
 
 
 def fail(message: str) -> int:

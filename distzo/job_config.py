@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distzo.cli_errors import program
 from distzo.config import COMPUTE_DTYPE_NAMES, MODES, TRANSFER_DTYPE_NAMES, TRANSFERS
 from distzo.zo.schedule import SCHEDULES
 
@@ -53,7 +54,10 @@ class DataOptions:
 @dataclass
 class OptimOptions:
     max_steps: int = option(2000, "ZO steps to take")
-    lr: float = option(1e-2, "learning rate")
+    lr: float | None = option(
+        None, "learning rate (default: 1e-6, MeZO's, for --model and --model-config; 1e-2 for the built-in tiny "
+        "model on counting, 1e-3 on the other tasks)"
+    )
     eps: float = option(1e-3, "perturbation scale")
     weight_decay: float = option(0.0, "decoupled weight decay on matrices")
     lr_schedule: str = option("linear", "learning-rate schedule", SCHEDULES)
@@ -147,9 +151,9 @@ def _base_type(f: dataclasses.Field) -> type:
     return _TYPES[f.name]
 
 
-def build_parser(prog: str = "python -m distzo.train") -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog,
+        prog=prog or program("distzo.train"),
         description="Zeroth-order (MeZO / ZO2 / DistZO2) fine-tuning. Defaults train a tiny OPT on a "
         "generated counting task. Launch with torchrun for several ranks. Every option can also be set "
         "in a TOML file (--config), as [section] key = value; flags override the file.",

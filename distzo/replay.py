@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from distzo.export import export_hf
-from distzo.cli_errors import fail
+from distzo.cli_errors import fail, program
 from distzo.config import ZOConfig
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
@@ -94,7 +94,7 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m distzo.replay", description=__doc__,
+    p = argparse.ArgumentParser(prog=program("distzo.replay"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default=None, help="the base model (hub name or local path) the run started from; "
                    "default: the one its log names (or the --model-config shape it was drawn from)")
