@@ -2,7 +2,8 @@
 # Every CUDA test and GPU benchmark of the project, in stages that each fit one
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
-#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big (default: all)
+#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries
+#                                                  (default: the first four)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
 # stage and results-<stages>.tgz holding every JSON/Markdown/PNG report, so that a
@@ -18,6 +19,12 @@ OUT=${OUT:-benchmarks/out/gpu}
 WORK=$(mktemp -d)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
+for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
+    case $stage in
+        tests|bandwidth|throughput|big|queries) ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big or queries" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$OUT"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -75,9 +82,9 @@ for stage in "${STAGES[@]}"; do
                 --sweep 1x256,4x512,8x512 --steps 3 --out "$WORK/throughput-opt-6.7b-$dtype.json"
         done
         ;;
-    *)
-        echo "unknown stage $stage: use tests, bandwidth, throughput or big" >&2
-        exit 2
+    queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
+        bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
+            --sweep 1x128,2x256,4x512 --num-queries 4 --steps 3 --out "$WORK/throughput-opt-1.3b-bf16-q4.json"
         ;;
     esac
 done

@@ -82,6 +82,13 @@ def test_a_malformed_sweep_is_one_clear_line():
     assert proc.returncode != 0 and "is not BATCHxSEQ" in proc.stderr
 
 
+def test_the_gpu_session_script_refuses_an_unknown_stage_before_running_any(tmp_path):
+    proc = subprocess.run(["bash", "benchmarks/gpu_session.sh", "tests", "throughpt"], capture_output=True, text=True,
+                          timeout=60, env=child_env({"OUT": str(tmp_path)}))
+    assert proc.returncode == 2 and "unknown stage throughpt" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was packed
+
+
 def test_schema_rejects_a_broken_report(tmp_path):
     out = tmp_path / "bandwidth.json"
     run(["benchmarks/bandwidth.py", "--quick", "--dtypes", "fp32", "--out", str(out)])
