@@ -164,7 +164,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         group = groups.setdefault(section, p.add_argument_group(f"[{section}]"))
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(f)
-        text = f"{f.metadata['help']} (default: {f.default})"
+        # An option that defaults to None says what that means in its own help.
+        text = f.metadata["help"] if f.default is None else f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:

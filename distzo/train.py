@@ -115,9 +115,9 @@ def default_lr(job: JobConfig) -> float:
 def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, LoadedRows | None]:
     """Every check that needs no model and no process group, run identically on every rank."""
     data, optim, off, par, run = job.data, job.optim, job.offload, job.parallel, job.run
-    if optim.lr is None:
+    lr_defaulted = optim.lr is None
+    if lr_defaulted:
         optim.lr = default_lr(job)  # resolved here, so the run's config.toml records it
-        logger.info("lr %g (the default for this model and task; --lr sets it)", optim.lr)
     if optim.max_steps < 0 or data.batch_size < 1 or data.eval_batch_size < 1:
         raise ValueError("--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1")
     if run.log_every < 0 or run.eval_steps < 0 or run.save_steps < 0:
@@ -153,6 +153,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         raise ValueError("--resume needs --output-dir: the run directory to resume")
     if run.resume and not latest_checkpoint(Path(run.output_dir) / "checkpoints"):
         raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
+    if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
+        logger.info("lr %g: the default for this model and task (--lr sets it)", optim.lr)
     return config, dims, rows
 
 
