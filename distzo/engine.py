@@ -3,7 +3,7 @@
 Per step t, with the pending update (t-1, g_0..g_{q-1}, lr) of the previous step:
 
 * the resident bucket (embeddings, head, final norm) gets the pending update, then
-  is perturbed out of place into its scratch bucket for each sign;
+  is perturbed out of place into its scratch bucket for each pass;
 * each block is uploaded into a device slot, gets the pending update right there (so
   it crosses the link once per step), is perturbed out of place into the one block
   scratch bucket for each pass (query j, sign) and run on that pass's hidden states,
@@ -34,8 +34,7 @@ from distzo.models.weights import WeightSource
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
-from distzo.zo import NoiseSource, learning_rate, loss_contribution, passes, projected_gradients
-from distzo.zo.estimator import Pass
+from distzo.zo import NoiseSource, Pass, learning_rate, loss_contribution, passes, projected_gradients
 
 logger = logging.getLogger(__name__)
 
