@@ -53,7 +53,7 @@ class StepResult:
     projected_grad: float  # mean of projected_grads
     lr: float
     num_tokens: int  # input tokens this rank processed (all passes count once)
-    projected_grads: tuple[float, ...] = ()  # g_j of each query j
+    projected_grads: tuple[float, ...]  # g_j of each query j
 
 
 @dataclass(frozen=True)
