@@ -21,9 +21,10 @@ import functools
 import logging
 import secrets
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import torch
+from torch.utils._pytree import tree_leaves
 import torch.distributed as dist
 from torch import nn
 
@@ -31,6 +32,7 @@ from distzo.config import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.models import BlockAdapter, adapter_for
 from distzo.models.weights import WeightSource
+from distzo.objectives import LanguageModeling, Objective, PassRunner
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 RESIDENT_BLOCK_ID = 0  # noise id of the resident bucket; block i has id i + 1
 UNPERTURBED: Pass = (0, 0)  # the pass of an evaluation forward: theta itself
+Measured = TypeVar("Measured")
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,8 @@ class ZOEngine:
     trainer broadcasts it); it defaults to ``config.seed``, else a random draw.
     ``weights`` fills the buckets, one at a time, for a model whose parameters are still on
     the meta device (streaming load, random init of large shapes); without it the model's
-    own parameter values are packed.
+    own parameter values are packed. ``objective`` is what a step minimises (default: the
+    causal-LM loss on the batch's labels; see ``distzo.objectives``).
     """
 
     def __init__(
@@ -169,8 +173,10 @@ class ZOEngine:
         parallel: ParallelContext | None = None,
         run_seed: int | None = None,
         weights: WeightSource | None = None,
+        objective: Objective | None = None,
     ) -> None:
         config.validate()
+        self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.adapter = adapter if adapter is not None else adapter_for(model)
         self.config = config
         self.device = config.torch_device()
@@ -272,28 +278,26 @@ class ZOEngine:
         return self.resident_layout.num_parameters + sum(l.num_parameters for l in self.block_layouts)
 
     def step(self, batch: Mapping[str, torch.Tensor], num_items: int | None = None) -> StepResult:
-        """One ZO-SGD step on ``batch`` (``input_ids``, optional ``attention_mask``/``labels``).
+        """One ZO-SGD step on ``batch``, in the form the objective reads (for the default
+        ``lm``: ``input_ids``, optional ``attention_mask``/``labels``).
 
-        ``num_items`` is the number of label tokens of the *global* batch; it defaults to
-        this batch's, which is right in one process.
+        ``num_items`` is what the objective averages over (label tokens, examples) in the
+        *global* batch; it defaults to this batch's, which is right in one process.
         """
         t = self.step_index
         cfg = self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
         self._check_batch(batch)
-        num_tokens, label_tokens = count_tokens(batch)
-        num_items = label_tokens if num_items is None else num_items
+        num_tokens, _ = count_tokens(batch)
+        num_items = self.objective.num_items(batch) if num_items is None else num_items
         if num_items <= 0:
-            raise ValueError("the batch has no label tokens (every label is -100); nothing to train on")
+            raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
 
-        with self._guard(), torch.no_grad(), self.streams.compute_scope():
-            input_ids, attention_mask, labels = self._prepare(batch)
-            hiddens = self._stream_pass(self.passes, t, input_ids, attention_mask)
-            losses = {}
-            for p in reversed(self.passes):  # the resident scratch still holds the last pass
-                self._perturb_resident(p, t)
-                losses[p] = self.adapter.loss(self.adapter.logits(hiddens.pop(p)), labels, num_items)
-            reduced = self.parallel.reduce(loss_contribution(losses, cfg.num_queries)).tolist()  # the one sync
+        with self._guard(), torch.no_grad():
+            prepared = self.objective.prepare(batch, self.device)  # host work and copies, queued before any kernel
+            with self.streams.compute_scope():
+                losses = self.objective.losses(_StepRunner(self, t, self.passes), prepared, self.passes, num_items)
+                reduced = self.parallel.reduce(loss_contribution(losses, cfg.num_queries)).tolist()  # the one sync
 
         grads = projected_gradients(reduced, cfg.eps)
         self.pending = PendingUpdate(t, grads, lr)
@@ -305,20 +309,36 @@ class ZOEngine:
         )
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (and mean loss, if the batch has labels) at the current, unperturbed parameters."""
+        """Logits of every position (and mean loss, if the batch has labels) at the current,
+        unperturbed parameters: the model's own forward, for inspection and tests.
+        Evaluation uses ``evaluate``, which reads the head only where it is needed."""
         self._check_batch(batch)
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
-            input_ids, attention_mask, labels = self._prepare(batch, default_labels=False)
-            hidden = self._stream_pass((UNPERTURBED,), self.step_index, input_ids, attention_mask)[UNPERTURBED]
+            input_ids, attention_mask, labels = self._prepare(batch)
+            hidden = self._stream_pass((UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, attention_mask)
             self._perturb_resident(UNPERTURBED, self.step_index)
-            logits = self.adapter.logits(hidden)
+            logits = self.adapter.logits(hidden[UNPERTURBED])
             loss = self.adapter.loss(logits, labels, None) if labels is not None else None
-        if self.streams.is_async:  # made on the compute stream, used and freed on the caller's
-            caller = torch.cuda.current_stream(self.device)
-            for tensor in (logits, loss):
-                if tensor is not None:
-                    tensor.record_stream(caller)
+        self._hand_to_caller((logits, loss))
         return logits, loss
+
+    def evaluate(self, measure: Callable[[PassRunner], Measured]) -> Measured:
+        """``measure(runner)`` on the model at its current parameters (the pending update
+        applied first, as a flush would): the one pass is ``UNPERTURBED``. Whatever tensors
+        it returns are safe to use on the caller's stream."""
+        with self._guard(), torch.no_grad(), self.streams.compute_scope():
+            result = measure(_StepRunner(self, self.step_index, (UNPERTURBED,)))
+        self._hand_to_caller(result)
+        return result
+
+    def _hand_to_caller(self, result: Any) -> None:
+        """Tensors made on the compute stream and freed on the caller's (compute_scope
+        already ordered the caller after the work that wrote them)."""
+        if self.streams.is_async:
+            caller = torch.cuda.current_stream(self.device)
+            for leaf in tree_leaves(result):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                    leaf.record_stream(caller)
 
     def flush(self) -> None:
         """Apply the pending update to every bucket now (before export or inspection).
@@ -438,19 +458,12 @@ class ZOEngine:
         share one tensor)."""
         return {name: value for entry, value in self._bucket_values() for name in entry.names}
 
-    def _prepare(self, batch: Mapping[str, torch.Tensor], default_labels: bool = True):
-        """The batch on the device (copied on the compute stream), with default labels."""
-        input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-        attention_mask = batch.get("attention_mask")
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device, non_blocking=True)
-        labels = batch.get("labels")
-        if labels is not None:
-            labels = labels.to(self.device, non_blocking=True)
-        elif default_labels:
-            # Plain causal LM: predict every real token, never padding.
-            labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
-        return input_ids, attention_mask, labels
+    def _prepare(self, batch: Mapping[str, torch.Tensor]):
+        """input_ids, attention_mask and labels (None if absent) on the device."""
+        def move(t):
+            return t.to(self.device, non_blocking=True) if t is not None else None
+
+        return move(batch["input_ids"]), move(batch.get("attention_mask")), move(batch.get("labels"))
 
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         if "input_ids" not in batch:
@@ -499,31 +512,64 @@ class ZOEngine:
         self,
         passes: tuple[Pass, ...],
         step: int,
-        input_ids: torch.Tensor | None,
+        input_ids: Mapping[Pass, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
     ) -> dict[Pass, torch.Tensor]:
-        """Apply the pending update everywhere and run the blocks once for each pass.
+        """Apply the pending update everywhere and run the blocks once for each pass, each
+        on its own token ids (one shared mask).
 
-        Returns each pass's last hidden state. With no passes (flush) it only updates.
+        Returns each pass's last hidden state, the pass whose perturbation the resident
+        bucket holds first (the order in which reading heads re-perturbs it least). With
+        no passes (flush) it only updates.
         """
         update, self.pending = self.pending, None
         self.store.step = step
         if update is not None:
             self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
             self._resident_holds = None
+        held = self._held_pass(step)
+        order = sorted(passes, key=lambda p: p != held)  # embed the held pass first: one perturbation fewer
         hiddens, ctx = {}, None
-        for p in passes:
+        for p in order:
             self._perturb_resident(p, step)
-            hiddens[p], ctx = self.adapter.embed(input_ids, attention_mask)
+            hiddens[p], ctx = self.adapter.embed(input_ids[p], attention_mask)
         eps = self.config.eps
 
         def compute(i: int, bucket: torch.Tensor) -> None:
             if update is not None:
                 self._apply(update, bucket, self.block_layouts[i], i + 1)
-            for p in passes:
+            for p in order:
                 query, sign = p
                 self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
                 hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
 
         self.scheduler.run(compute)
-        return hiddens
+        return {p: hiddens[p] for p in reversed(order)}
+
+    def _held_pass(self, step: int) -> Pass | None:
+        """The pass whose perturbation the resident scratch holds now, if any."""
+        if self._resident_holds is None:
+            return None
+        query, sign, held_step = self._resident_holds
+        if sign == 0:
+            return UNPERTURBED
+        return (query, sign) if held_step == step else None
+
+
+class _StepRunner:
+    """The engine seen by an objective: one step's passes, blocks streamed per call."""
+
+    def __init__(self, engine: ZOEngine, step: int, passes: tuple[Pass, ...]) -> None:
+        self.engine, self.step, self.passes = engine, step, passes
+        self.device = engine.device
+
+    def hidden_states(
+        self, input_ids: Mapping[Pass, torch.Tensor], attention_mask: torch.Tensor | None
+    ) -> dict[Pass, torch.Tensor]:
+        if set(input_ids) != set(self.passes):
+            raise ValueError(f"hidden_states needs token ids for the passes {self.passes}, got {tuple(input_ids)}")
+        return self.engine._stream_pass(self.passes, self.step, input_ids, attention_mask)
+
+    def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
+        self.engine._perturb_resident(p, self.step)
+        return self.engine.adapter.logits(hidden)

@@ -2,29 +2,58 @@
 examples and the sums are added up, so the metric covers the whole set once.
 
 Every rank makes the same number of forward calls (a rank short of work repeats a
-dummy batch): under the sliced transfer each forward's uploads are collectives.
+spare batch): under the sliced transfer each forward's uploads are collectives.
+Results stay on the device until the end of the evaluation; the LM head runs only at
+the positions a metric reads.
 
 * classification / multiple choice: each candidate continuation scored by its mean
   token log-likelihood (MeZO's rule); accuracy of the argmax.
-* generation (SQuAD): greedy decoding up to ``max_new_tokens`` or a newline; SQuAD's
-  F1 and exact match against every gold answer (the best one counts).
+* generation (SQuAD): greedy decoding of a whole batch together, ``max_new_tokens``
+  tokens cut at the first newline; SQuAD's F1 and exact match against every gold
+  answer (the best one counts).
 * language modelling: next-token loss and accuracy over the label tokens.
+
+Imports run one way: train -> evaluation -> {engine, data}; ``evaluate`` picks the
+evaluation for a task's data.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-import re
-import string
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from distzo.data.prompt_data import PromptEncoder
+from distzo.data.task_data import CountingData, PromptData, TextData
 from distzo.data.tasks import Example
 from distzo.dist import ParallelContext
-from distzo.engine import ZOEngine
+from distzo.engine import UNPERTURBED, ZOEngine
+from distzo.objectives import (
+    PassRunner,
+    answer_text,
+    candidate_scores,
+    collate_choices,
+    collate_prompts,
+    exact_match,
+    f1_score,
+    greedy_decode,
+    lm_sums,
+)
+from distzo.objectives.choice import prepare_choices
+from distzo.objectives.generation import prepare_prompts
+from distzo.objectives.lm import prepare_lm
+
+
+def evaluate(engine: ZOEngine, data: CountingData | TextData | PromptData, parallel: ParallelContext) -> dict[str, float]:
+    """The evaluation that fits ``data``'s task."""
+    if isinstance(data, PromptData):
+        if data.kind == "generation":
+            return evaluate_generation(
+                engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size, data.max_new_tokens
+            )
+        return evaluate_choices(engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size)
+    return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size)
 
 
 def _share(count: int, parallel: ParallelContext) -> range:
@@ -41,63 +70,44 @@ def _calls(count: int, per_call: int, parallel: ParallelContext) -> int:
     return max(1, math.ceil(largest / per_call))
 
 
-def _reduce(values: list[float], parallel: ParallelContext) -> list[float]:
-    return parallel.reduce(torch.tensor(values, dtype=torch.float64)).tolist()
+def _reduce(engine: ZOEngine, values: Sequence[torch.Tensor | float], parallel: ParallelContext) -> list[float]:
+    """Sum each value over the ranks; one host read for all of them."""
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(engine.device) for v in values])
+    return parallel.reduce(stacked).tolist()
 
 
-def token_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per row: the mean log-probability of its label tokens."""
-    labels = batch["labels"][:, 1:].to(logits.device)
-    keep = labels != -100
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * keep).sum(-1) / keep.sum(-1).clamp(min=1)
+def _hidden(runner: PassRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    return runner.hidden_states({UNPERTURBED: input_ids}, attention_mask)[UNPERTURBED]
 
 
 def evaluate_choices(
-    engine: ZOEngine, examples: Sequence[Example], encoder: PromptEncoder, parallel: ParallelContext, batch_size: int
+    engine: ZOEngine,
+    examples: Sequence[Example],
+    encoder: PromptEncoder,
+    parallel: ParallelContext,
+    batch_size: int,
+    full_head: bool = False,
 ) -> dict[str, float]:
+    """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call."""
     mine = [examples[i] for i in _share(len(examples), parallel)]
-    sequences = [encoder.encode(e.prompt, c) for e in mine for c in e.continuations]
-    spare = encoder.encode(examples[0].prompt, examples[0].continuations[0])  # for a call past this rank's share
-    per_example = max(len(e.continuations) for e in examples)
-    calls = _calls(len(examples) * per_example, batch_size, parallel)
-    scores: list[float] = []
-    for call in range(calls):
-        chunk = sequences[call * batch_size : (call + 1) * batch_size]
-        batch = encoder.collate(chunk or [spare])
-        logits, _ = engine.forward(batch)
+    rows = max(encoder.choice_rows(e) for e in examples)  # the same on every rank
+    per_call = max(1, batch_size // rows)
+    encodings = [encoder.encode_choices(e) for e in mine]
+    spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
+    correct = torch.zeros((), dtype=torch.long, device=engine.device)
+    for call in range(_calls(len(examples), per_call, parallel)):
+        chunk = encodings[call * per_call : (call + 1) * per_call]
+        prepared = prepare_choices(collate_choices(chunk or spare, encoder.pad_id), engine.device, full_head)
+
+        def scores(runner: PassRunner) -> torch.Tensor:
+            hidden = _hidden(runner, prepared.input_ids, prepared.attention_mask)
+            return candidate_scores(runner, prepared, UNPERTURBED, hidden)
+
+        best = engine.evaluate(scores).argmax(dim=1)
         if chunk:
-            scores.extend(token_log_probs(logits, batch).tolist())
-    correct, position = 0, 0
-    for e in mine:
-        options = scores[position : position + len(e.continuations)]
-        position += len(e.continuations)
-        correct += int(max(range(len(options)), key=options.__getitem__) == e.label)
-    hits, total = _reduce([correct, len(mine)], parallel)
+            correct = correct + (best == prepared.labels).sum()
+    hits, total = _reduce(engine, [correct, len(mine)], parallel)
     return {"eval_accuracy": hits / total}
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def f1_score(prediction: str, gold: str) -> float:
-    predicted, truth = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    common = sum((collections.Counter(predicted) & collections.Counter(truth)).values())
-    if not predicted or not truth:
-        return float(predicted == truth)
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(predicted), common / len(truth)
-    return 2 * precision * recall / (precision + recall)
-
-
-def exact_match(prediction: str, gold: str) -> float:
-    return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
 def evaluate_generation(
@@ -108,47 +118,54 @@ def evaluate_generation(
     batch_size: int,
     max_new_tokens: int = 16,
 ) -> dict[str, float]:
-    mine = [examples[i] for i in _share(len(examples), parallel)]
-    tokenizer = encoder.tokenizer
-    calls = _calls(len(examples), batch_size, parallel)
+    """Greedy answers of ``batch_size`` examples at a time, decoded together."""
+    share = _share(len(examples), parallel)
+    decode = _decoder(encoder)
     f1 = em = 0.0
-    for call in range(calls):
-        chunk = mine[call * batch_size : (call + 1) * batch_size]
-        prompts = [encoder.encode(e.prompt, "")[0] for e in (chunk or examples[:1])]
-        generated: list[list[int]] = [[] for _ in prompts]
-        for _ in range(max_new_tokens):  # a fixed count: every rank calls forward alike
-            rows = [(p + g)[-encoder.max_length :] for p, g in zip(prompts, generated)]
-            batch = encoder.collate([(r, 0) for r in rows])
-            logits, _ = engine.forward(batch)
-            for row, ids in enumerate(rows):
-                generated[row].append(int(logits[row, len(ids) - 1].argmax()))
-        for e, ids in zip(chunk, generated):
-            prediction = tokenizer.decode(ids, skip_special_tokens=True).split("\n")[0].strip()
-            f1 += max(f1_score(prediction, gold) for gold in e.answers)
-            em += max(exact_match(prediction, gold) for gold in e.answers)
-    f1_sum, em_sum, total = _reduce([f1, em, len(mine)], parallel)
+    for call in range(_calls(len(examples), batch_size, parallel)):
+        chunk = list(share[call * batch_size : (call + 1) * batch_size])
+        indices = chunk or [0]
+        prompts = [encoder.encode_prompt(examples[i].prompt, max_new_tokens) for i in indices]
+        prepared = prepare_prompts(collate_prompts(prompts, indices, max_new_tokens, encoder.pad_id), engine.device)
+        tokens = engine.evaluate(lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED])
+        for i, ids in zip(chunk, tokens.tolist()):  # one read per batch
+            prediction = answer_text(decode, ids)
+            f1 += max(f1_score(prediction, gold) for gold in examples[i].answers)
+            em += max(exact_match(prediction, gold) for gold in examples[i].answers)
+    f1_sum, em_sum, total = _reduce(engine, [f1, em, len(share)], parallel)
     return {"eval_f1": f1_sum / total, "eval_exact_match": em_sum / total}
 
 
+def _decoder(encoder: PromptEncoder):
+    def decode(ids: Sequence[int]) -> str:
+        return encoder.tokenizer.decode(ids, skip_special_tokens=True)
+
+    return decode
+
+
 def evaluate_lm(
-    engine: ZOEngine, batch: dict[str, torch.Tensor], parallel: ParallelContext, batch_size: int | None = None
+    engine: ZOEngine,
+    batch: Mapping[str, torch.Tensor],
+    parallel: ParallelContext,
+    batch_size: int | None = None,
+    full_head: bool = False,
 ) -> dict[str, float]:
     """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded over the
     ranks and scored ``batch_size`` rows per forward call."""
     rows = list(_share(batch["input_ids"].shape[0], parallel))
     batch_size = batch_size or max(len(rows), 1)
-    sums = [0.0, 0.0, 0.0]
+    loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
+    count = 0
     for call in range(_calls(batch["input_ids"].shape[0], batch_size, parallel)):
         chunk = rows[call * batch_size : (call + 1) * batch_size]
         shard = {k: v[chunk or rows[:1] or [0]] for k, v in batch.items()}  # a spare call repeats a row
-        logits, _ = engine.forward(shard)
-        if not chunk:
-            continue
-        targets = shard["labels"][:, 1:].to(logits.device)
-        keep = targets != -100
-        predicted = logits[:, :-1].float()
-        sums[0] += torch.nn.functional.cross_entropy(predicted[keep], targets[keep], reduction="sum").item()
-        sums[1] += (predicted.argmax(-1)[keep] == targets[keep]).sum().item()
-        sums[2] += keep.sum().item()
-    loss, hits, count = _reduce(sums, parallel)
-    return {"eval_loss": loss / count, "eval_accuracy": hits / count}
+        prepared = prepare_lm(shard, engine.device, full_head)
+
+        def sums(runner: PassRunner) -> tuple[torch.Tensor, torch.Tensor]:
+            return lm_sums(runner, prepared, UNPERTURBED, _hidden(runner, prepared.input_ids, prepared.attention_mask))
+
+        nll, right = engine.evaluate(sums)
+        if chunk:
+            loss, hits, count = loss + nll, hits + right, count + prepared.targets.num_entries
+    loss_sum, hit_sum, total = _reduce(engine, [loss, hits, count], parallel)
+    return {"eval_loss": loss_sum / total, "eval_accuracy": hit_sum / total}

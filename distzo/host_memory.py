@@ -27,6 +27,23 @@ def peak_rss_bytes() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_bytes() -> int | None:
+    """This process's resident set now (VmRSS)."""
+    return _proc_kib("/proc/self/status", "VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Restart the VmHWM high-water mark from the current RSS (Linux: writing 5 to
+    /proc/self/clear_refs), so a later ``peak_rss_bytes`` covers only what ran since.
+    False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def available_host_bytes() -> int | None:
     """Memory the kernel could give without swapping (MemAvailable)."""
     return _proc_kib("/proc/meminfo", "MemAvailable")

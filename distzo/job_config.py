@@ -62,6 +62,12 @@ class OptimOptions:
     weight_decay: float = option(0.0, "decoupled weight decay on matrices")
     lr_schedule: str = option("linear", "learning-rate schedule", SCHEDULES)
     warmup_steps: int = option(0, "linear warm-up steps")
+    objective: str | None = option(
+        None, "what a step minimises on prompt tasks: classification (cross-entropy over the candidates' scores), "
+        "lm (teacher forcing on the answer), accuracy or f1 (non-differentiable metrics); default: MeZO's choice, "
+        "classification for sst2, rte, cb, boolq, wic, multirc and lm for copa, squad, text, counting",
+        ("lm", "classification", "accuracy", "f1"),
+    )
     num_queries: int = option(
         1, "random directions per step, their estimates averaged (n-SPSA): each adds two forward passes "
         "per block, no transfer"

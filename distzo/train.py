@@ -29,16 +29,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from distzo.bench.records import device_name
 from distzo.checkpoint import Checkpointer, latest_checkpoint
 from distzo.export import check_shard_size, export_hf
 from distzo.cli_errors import fail
 from distzo.config import ZOConfig
 from distzo.data.prompt_data import PromptEncoder
 from distzo.data.task_data import (
+    TASK_NAMES,
     CountingData,
     LoadedRows,
     PromptData,
     TextData,
+    check_objective,
+    default_objective,
     load_task_rows,
 )
 from distzo.dist import (
@@ -49,7 +53,8 @@ from distzo.dist import (
     broadcast_seed,
 )
 from distzo.dist import process_group as pg
-from distzo.engine import ZOEngine, count_tokens, resolve_transfer
+from distzo.engine import ZOEngine, resolve_transfer
+from distzo.evaluation import evaluate
 from distzo.host_memory import peak_rss_bytes
 from distzo.job_config import JobConfig, resolve, write_resolved
 from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
@@ -57,6 +62,7 @@ from distzo.models import check_supported, load_model, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
 
 logger = logging.getLogger("distzo.train")
 
@@ -128,6 +134,10 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     dims.check_batch(data.batch_size)
     if off.transfer == "sliced" and not env.launched:
         raise ValueError("--transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto")
+    if data.task in TASK_NAMES:  # an unknown task is named by load_task_rows below
+        if optim.objective is None:
+            optim.objective = default_objective(data.task)  # resolved here: config.toml records it
+        check_objective(data.task, optim.objective)
     if data.eval_batch_size < env.world_size:
         raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
     config = ZOConfig(
@@ -181,7 +191,19 @@ def build_task_data(job: JobConfig, rows: LoadedRows | None, tokenizer, model_co
     encoder = PromptEncoder(tokenizer, job.data.max_length or model_config.max_position_embeddings)
     if job.data.task == "text":
         return TextData(rows, encoder, seed, job.data.eval_batch_size)
-    return PromptData(rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens)
+    return PromptData(rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens, job.optim.objective)
+
+
+def build_objective(name: str, data, tokenizer) -> Objective:
+    """What the engine's steps minimise (the pairing with the task was checked in validate)."""
+    if name == "classification":
+        return Classification()
+    if name == "accuracy":
+        return Accuracy()
+    if name == "f1":
+        answers = [e.answers for e in data.train_examples]
+        return F1(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), answers)
+    return LanguageModeling()
 
 
 def build_model(job: JobConfig, dtype: torch.dtype, seed: int):
@@ -200,7 +222,8 @@ def memory_plan(job: JobConfig, model, data, config: ZOConfig, parallel: Paralle
     sliced = resolve_transfer(config, device, parallel) == "sliced"
     seq = data.longest
     shard = parallel.shard_group.size if parallel.shard_group else 1
-    batch = max(job.data.batch_size // parallel.dims.dp, job.data.eval_batch_size // parallel.env.world_size, 1)
+    rows = job.data.batch_size // parallel.dims.dp * data.rows_per_example  # candidates on rows of their own
+    batch = max(rows, job.data.eval_batch_size // parallel.env.world_size, 1)
     env = parallel.env
     return plan_memory(
         model, config, shard, sliced, batch, seq, len(parallel.signs), env.world_size, env.local_world_size,
@@ -300,7 +323,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             model.save_pretrained(run_dir / "base")  # replay needs the initial weights
             if tokenizer is not None:
                 tokenizer.save_pretrained(run_dir / "base")
-    engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights)
+    objective = build_objective(job.optim.objective or "lm", data, tokenizer)
+    engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights, objective=objective)
     checkpointer = Checkpointer(run_dir / "checkpoints", engine)
     start_step = checkpointer.load(latest_checkpoint(run_dir / "checkpoints")) if job.run.resume else 0
     logs = None
@@ -310,6 +334,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
             "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
             "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
+            "objective": objective.name,
         }
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)
@@ -317,7 +342,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     # A resumed run does not evaluate where it starts: an evaluation applies the pending
     # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
     # extra one would part the resumed trajectory from the uninterrupted run's.
-    before = data.evaluate(engine, parallel) if start_step == 0 else None
+    before = evaluate(engine, data, parallel) if start_step == 0 else None
     if before is not None:
         logger.info("eval before training: %s", describe(before))
         if logs:
@@ -330,15 +355,15 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             raise RuntimeError(f"failure injected by {FAILURE_ENV} at step {step}")
         step_start = time.perf_counter()
         global_batch = data.batch(job.data.batch_size, step)  # the same rows on every rank
-        _, label_tokens = count_tokens(global_batch)
-        result = engine.step(parallel.shard_batch(global_batch), num_items=label_tokens)
+        num_items = objective.num_items(global_batch)  # label tokens or examples of the global batch
+        result = engine.step(parallel.shard_batch(global_batch), num_items=num_items)
         step_tokens = global_batch["input_ids"].numel()
         tokens += step_tokens
         tokens_per_s = step_tokens / max(time.perf_counter() - step_start, 1e-9)
         progress.set_postfix(loss=f"{result.loss:.4f}", g=f"{result.projected_grad:+.3g}", tok_s=f"{tokens_per_s:.0f}")
         if logs:
             record = {
-                "step": step, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
+                "step": step, "objective": objective.name, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
                 "projected_grad": result.projected_grad, "lr": result.lr, "tokens_per_s": tokens_per_s,
                 "host_rss_gb": peak_rss_bytes() / 1e9,
             }
@@ -353,7 +378,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             logger.info("step %d loss %.4f g %+.4g lr %.3g", step, result.loss, result.projected_grad, result.lr)
         done = step + 1
         if job.run.eval_steps and done % job.run.eval_steps == 0 and done < job.optim.max_steps:
-            metrics = data.evaluate(engine, parallel)
+            metrics = evaluate(engine, data, parallel)
             logger.info("eval at step %d: %s", done, describe(metrics))
             if logs:
                 logs.write("eval", {"step": done, **metrics})
@@ -364,12 +389,12 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
 
     # Saved before the final evaluation, whose flush a longer run would not make here.
     checkpointer.save(asynchronous=False)
-    after = data.evaluate(engine, parallel)
+    after = evaluate(engine, data, parallel)
     if logs:
         logs.write("eval", {"step": job.optim.max_steps, **after})
     export = export_hf(engine, run_dir / "export", tokenizer, job.run.export_shard_size)
     record = {
-        "rank": env.rank, "transfer": engine.transfer,
+        "rank": env.rank, "device": device_name(device), "transfer": engine.transfer,
         "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
         "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
         "formula_coordinates": list(dims.coordinates(env.rank)),

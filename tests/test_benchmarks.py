@@ -1,8 +1,10 @@
 """The benchmarks run in their --quick form and write reports that match the schema."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +100,33 @@ def test_schema_rejects_a_broken_report(tmp_path):
         validate_report(data)
     with pytest.raises(ValueError, match="schema_version"):
         validate_report(dict(data, schema_version=0))
+
+
+def test_throughput_compares_the_head_at_labels_with_the_full_head(tmp_path):
+    out = tmp_path / "head.json"
+    run(["benchmarks/throughput.py", "--quick", "--compare-head", "--out", str(out)])
+    data = load(out)
+    names = {m["name"] for m in data["measurements"]}
+    assert names == {"step_at_labels", "step_full", "eval_full", "eval_at_labels"}
+    assert data["derived"]["step_full_over_at_labels"] > 0
+    peaks = {m["name"]: m["metrics"]["eval_peak_extra_gb"] for m in data["measurements"] if m["name"].startswith("eval")}
+    assert peaks["eval_full"] >= peaks["eval_at_labels"]  # the full float32 log-softmax is never smaller
+
+
+GGUF = os.environ.get("DISTZO_SMOLLM2_GGUF")
+SST2_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2-sample"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GGUF or not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs the SmolLM2 GGUF and ../shared")
+def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path):
+    pytest.importorskip("gguf")
+    out = tmp_path / "learning.json"
+    proc = run(["benchmarks/learning.py", "--quick", "--objectives", "classification", "--model-dir",
+                str(tmp_path / "smollm2"), "--out", str(out)], timeout=600)
+    data = load(out)
+    steps = [m["params"]["step"] for m in data["measurements"]]
+    assert steps == [0, 2, 4] and {m["params"]["objective"] for m in data["measurements"]} == {"classification"}
+    assert all(0 <= m["metrics"]["eval_accuracy"] <= 1 for m in data["measurements"])
+    assert "--objective classification" in data["measurements"][0]["params"]["command"]
+    assert "held-out accuracy" in proc.stdout

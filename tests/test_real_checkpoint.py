@@ -68,3 +68,42 @@ def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path):
 
     results = [engine.step(dict(batch)) for _ in range(2)]  # ZO steps on the real model
     assert all(abs(r.projected_grad) < 1e3 and r.loss < 10 for r in results)
+
+
+SST2_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2-sample"
+
+
+@pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample")
+def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(tmp_path):
+    """The CI-sized form of benchmarks/learning.py: 8 ZO steps on 32 real rows lower the
+    classification loss on those rows (1.34 -> 0.70 at seed 0; 0.58 and 1.00 at seeds 1, 2)."""
+    pytest.importorskip("gguf")
+    from transformers import AutoConfig
+
+    from distzo.data.loaders import load_rows
+    from distzo.data.prompt_data import ChoiceTrainData, PromptEncoder
+    from distzo.data.tasks import TASKS, build_examples
+    from distzo.engine import UNPERTURBED
+    from distzo.models.gguf import gguf_to_hf
+    from distzo.objectives import Classification, collate_choices
+
+    directory = gguf_to_hf(GGUF, tmp_path / "smollm2")
+    assert AutoConfig.from_pretrained(directory).model_type == "llama"
+    assert not hasattr(AutoConfig.from_pretrained(directory), "quantization_config")  # plain floats now
+    examples = build_examples(TASKS["sst2"], load_rows(str(SST2_SAMPLE / "train.tsv"))[:32], "train.tsv")
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(directory), max_length=128)
+    objective = Classification()
+    config = ZOConfig(device="cpu", seed=0, lr=1e-4, eps=1e-3, lr_schedule="constant")
+    model = skeleton(AutoConfig.from_pretrained(directory), torch.float32)
+    engine = ZOEngine(model, config, weights=open_checkpoint(directory), objective=objective)
+    whole = objective.prepare(collate_choices([encoder.encode_choices(e) for e in examples], encoder.pad_id), engine.device)
+
+    def loss() -> float:
+        return engine.evaluate(lambda runner: objective.losses(runner, whole, (UNPERTURBED,), len(examples)))[UNPERTURBED].item()
+
+    before = loss()
+    data = ChoiceTrainData(examples, encoder, seed=0)
+    for step in range(8):
+        engine.step(data.batch(8, step))
+    after = loss()
+    assert after < before - 0.1, (before, after)

@@ -12,7 +12,8 @@ from distzo.data.prompt_data import PromptEncoder, step_indices
 from distzo.data.task_data import load_task_rows
 from distzo.data.tasks import TASKS, build_examples
 from distzo.dist import ParallelContext
-from distzo.evaluation import evaluate_choices, exact_match, f1_score
+from distzo.evaluation import evaluate_choices
+from distzo.objectives import exact_match, f1_score
 from distzo.models.tiny import byte_tokenizer
 from tests.conftest import tiny_opt
 

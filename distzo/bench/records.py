@@ -4,7 +4,7 @@ Schema (version 1), checked by ``validate_report``::
 
     {
       "schema_version": 1,
-      "benchmark": "bandwidth" | "throughput",
+      "benchmark": "bandwidth" | "throughput" | "learning",
       "created": ISO-8601 time, "commit": git hash or "unknown",
       "device": "NVIDIA H100 80GB HBM3" | "cpu (N threads)", "torch": version,
       "world_size": int, "command": the command line,
@@ -34,7 +34,7 @@ import torch
 from distzo.bench.timing import Timer
 
 SCHEMA_VERSION = 1
-BENCHMARKS = ("bandwidth", "throughput")
+BENCHMARKS = ("bandwidth", "throughput", "learning")
 _SCALAR = (str, int, float, bool, type(None))
 
 

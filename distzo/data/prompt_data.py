@@ -5,6 +5,10 @@ continuation's tokens (the only ones with labels) are exactly known; a sequence
 longer than ``max_length`` loses prompt tokens from the left, never its answer.
 The batch of step t takes positions [t*B, (t+1)*B) of an endless run of per-epoch
 permutations seeded by (seed, epoch): a resumed run needs only its step.
+
+Each objective reads its own batch form (``distzo.objectives``): ``lm`` the right
+continuation with labels on its tokens, ``classification`` / ``accuracy`` every
+candidate of each example, ``f1`` the prompt with room for the answer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Sequence
 import torch
 
 from distzo.data.tasks import Example
+from distzo.objectives import ChoiceEncoding, collate_choices, collate_prompts
 from distzo.zo.noise import noise_seed
 
 
@@ -30,6 +35,39 @@ class PromptEncoder:
         tail = tail[: self.max_length - 1]
         ids = (head + tail)[-self.max_length :]
         return ids, len(tail)
+
+    def _tail(self, continuation: str) -> list[int]:
+        return self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+
+    def shares_prompt(self, example: Example) -> bool:
+        """Every candidate is one token: one row (the prompt) scores them all."""
+        return all(len(self._tail(c)) == 1 for c in example.continuations)
+
+    def choice_rows(self, example: Example) -> int:
+        return 1 if self.shares_prompt(example) else len(example.continuations)
+
+    def encode_choices(self, example: Example) -> ChoiceEncoding:
+        """The example's rows and scored tokens: the prompt alone when every candidate is
+        one token (scored at the prompt's last position), else prompt + candidate per row,
+        each scored on its candidate's tokens, exactly as ``encode`` lays them out."""
+        ids, _ = self.encode(example.prompt, example.continuations[0])
+        if self.shares_prompt(example) and len(ids) > 1:
+            prompt = ids[:-1]
+            scored = [(0, len(prompt) - 1, self._tail(c)[0], c_index) for c_index, c in enumerate(example.continuations)]
+            return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label)
+        rows, scored = [], []
+        for c_index, continuation in enumerate(example.continuations):
+            ids, answer = self.encode(example.prompt, continuation)
+            if answer == 0:
+                raise ValueError(f"candidate {continuation!r} has no tokens to score")
+            scored += [(c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))]
+            rows.append(tuple(ids))
+        return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
+
+    def encode_prompt(self, prompt: str, room: int) -> list[int]:
+        """A prompt to decode from, cut from the left to leave ``room`` new tokens."""
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return ids[-max(self.max_length - room, 1) :]
 
     def collate(self, sequences: Sequence[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
         """Right-padded ids, mask, and labels on the continuation tokens only."""
@@ -73,6 +111,41 @@ class PromptTrainData:
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         indices = step_indices(len(self.examples), batch_size, step, self.seed)
         return self.encoder.collate([self._sequence(i) for i in indices])
+
+
+class ChoiceTrainData:
+    """Training batches that score every candidate (``classification``, ``accuracy``)."""
+
+    def __init__(self, examples: list[Example], encoder: PromptEncoder, seed: int) -> None:
+        self.examples, self.encoder, self.seed = examples, encoder, seed
+        self._cache: dict[int, ChoiceEncoding] = {}
+
+    def _encoding(self, index: int) -> ChoiceEncoding:
+        if index not in self._cache:
+            self._cache[index] = self.encoder.encode_choices(self.examples[index])
+        return self._cache[index]
+
+    def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
+        indices = step_indices(len(self.examples), batch_size, step, self.seed)
+        return collate_choices([self._encoding(i) for i in indices], self.encoder.pad_id)
+
+
+class PromptOnlyTrainData:
+    """Training batches to decode from (``f1``): each row a prompt with room for the answer,
+    and its example's index (where the objective finds the gold answers)."""
+
+    def __init__(self, examples: list[Example], encoder: PromptEncoder, seed: int, max_new_tokens: int) -> None:
+        self.examples, self.encoder, self.seed, self.max_new_tokens = examples, encoder, seed, max_new_tokens
+        self._cache: dict[int, list[int]] = {}
+
+    def _prompt(self, index: int) -> list[int]:
+        if index not in self._cache:
+            self._cache[index] = self.encoder.encode_prompt(self.examples[index].prompt, self.max_new_tokens)
+        return self._cache[index]
+
+    def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
+        indices = step_indices(len(self.examples), batch_size, step, self.seed)
+        return collate_prompts([self._prompt(i) for i in indices], indices, self.max_new_tokens, self.encoder.pad_id)
 
 
 class TextTrainData:

@@ -1,4 +1,8 @@
-"""One object per kind of task: training batches by step, and its evaluation."""
+"""One object per kind of task: its training batches by step and its evaluation material.
+
+Which evaluation runs on that material is ``distzo.evaluation``'s choice: the data
+package knows no engine.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,55 @@ from typing import Any, Protocol
 import torch
 
 from distzo.data.loaders import load_rows
-from distzo.data.prompt_data import PromptEncoder, PromptTrainData, TextTrainData
+from distzo.data.prompt_data import (
+    ChoiceTrainData,
+    PromptEncoder,
+    PromptOnlyTrainData,
+    PromptTrainData,
+    TextTrainData,
+)
 from distzo.data.synthetic import CountingTask
 from distzo.data.tasks import TASKS, Example, build_examples, get_task
+from distzo.objectives import OBJECTIVES
 
 GENERATED = ("counting",)
 TEXT = ("text",)
 TASK_NAMES = GENERATED + TEXT + tuple(TASKS)
+# MeZO's scripts (large_models/mezo.sh) train every classification task with
+# --train_as_classification except COPA, which they train LM-style; SQuAD is LM-style.
+LM_TRAINED = ("copa", "squad")
+
+
+def default_objective(task: str) -> str:
+    """The objective MeZO's scripts use for ``task``."""
+    if task in GENERATED + TEXT or task in LM_TRAINED:
+        return "lm"
+    return "classification"
+
+
+def check_objective(task: str, objective: str) -> None:
+    """A one-line error for an unknown objective or a pairing that makes no sense."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown --objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    kind = TASKS[task].kind if task in TASKS else "text"
+    allowed = {"text": ("lm",), "classification": ("lm", "classification", "accuracy"), "generation": ("lm", "f1")}[kind]
+    if objective not in allowed:
+        raise ValueError(
+            f"--objective {objective} does not apply to --task {task}; choose one of {', '.join(allowed)}"
+        )
 
 
 class TaskData(Protocol):
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]: ...
 
-    def evaluate(self, engine, parallel) -> dict[str, float]: ...
-
     @property
     def longest(self) -> int:
         """The longest token sequence a step or an evaluation will run (the memory plan's)."""
+        ...
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences a training example becomes (candidates scored on rows of their own)."""
         ...
 
 
@@ -68,50 +104,48 @@ class CountingData:
         self.eval_set = self.task.eval_set(eval_size)
         self.longest = seq_len
         self.eval_batch_size = eval_batch_size
+        self.rows_per_example = 1
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.task.batch(batch_size, step)
-
-    def evaluate(self, engine, parallel) -> dict[str, float]:
-        from distzo.evaluation import evaluate_lm
-
-        return evaluate_lm(engine, self.eval_set, parallel, self.eval_batch_size)
 
 
 class TextData:
     def __init__(self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int) -> None:
         self.train = TextTrainData(rows.train, encoder, seed)
-        self.eval_batch = encoder.collate([(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)])
+        self.eval_set = encoder.collate([(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)])
         self.eval_batch_size = eval_batch_size
-        self.longest = max(max(len(ids) for ids, _ in self.train.sequences), self.eval_batch["input_ids"].shape[1])
+        self.longest = max(max(len(ids) for ids, _ in self.train.sequences), self.eval_set["input_ids"].shape[1])
+        self.rows_per_example = 1
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)
-
-    def evaluate(self, engine, parallel) -> dict[str, float]:
-        from distzo.evaluation import evaluate_lm
-
-        return evaluate_lm(engine, self.eval_batch, parallel, self.eval_batch_size)
 
 
 class PromptData:
-    def __init__(self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int, max_new_tokens: int = 16) -> None:
+    """A prompt task trained with ``objective`` (``lm``, ``classification``, ``accuracy``, ``f1``)."""
+
+    def __init__(
+        self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int, max_new_tokens: int = 16,
+        objective: str | None = None,
+    ) -> None:
         self.kind = TASKS[rows.task].kind
-        self.train = PromptTrainData(rows.train, encoder, seed)
+        self.objective = objective or default_objective(rows.task)
+        check_objective(rows.task, self.objective)
+        self.train_examples: list[Example] = rows.train
         self.eval_examples: list[Example] = rows.eval
         self.encoder, self.eval_batch_size, self.max_new_tokens = encoder, eval_batch_size, max_new_tokens
+        if self.objective in ("classification", "accuracy"):
+            self.train = ChoiceTrainData(rows.train, encoder, seed)
+        elif self.objective == "f1":
+            self.train = PromptOnlyTrainData(rows.train, encoder, seed, max_new_tokens)
+        else:
+            self.train = PromptTrainData(rows.train, encoder, seed)
         lengths = [len(encoder.encode(e.prompt, c)[0]) for e in rows.train + rows.eval for c in e.continuations]
         extra = max_new_tokens if self.kind == "generation" else 0
         self.longest = min(max(lengths) + extra, encoder.max_length)
+        choices = self.objective in ("classification", "accuracy")
+        self.rows_per_example = max(encoder.choice_rows(e) for e in rows.train) if choices else 1
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)
-
-    def evaluate(self, engine, parallel) -> dict[str, float]:
-        from distzo.evaluation import evaluate_choices, evaluate_generation
-
-        if self.kind == "generation":
-            return evaluate_generation(
-                engine, self.eval_examples, self.encoder, parallel, self.eval_batch_size, self.max_new_tokens
-            )
-        return evaluate_choices(engine, self.eval_examples, self.encoder, parallel, self.eval_batch_size)

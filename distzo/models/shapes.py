@@ -29,6 +29,7 @@ OTHER_SHAPES = {
     "llama-2-70b": (LlamaConfig, 8192, 80, 64, 8, 28672, 32000, False),
     "qwen2.5-7b": (Qwen2Config, 3584, 28, 28, 4, 18944, 152064, False),
     "qwen2.5-0.5b": (Qwen2Config, 896, 24, 14, 2, 4864, 151936, True),
+    "smollm2-135m": (LlamaConfig, 576, 30, 9, 3, 1536, 49152, True),
 }
 SHAPES = sorted(OPT_SHAPES) + sorted(OTHER_SHAPES)
 

@@ -1,0 +1,168 @@
+"""Classification and multiple choice: every candidate scored by the mean log-likelihood
+of its tokens (the rule evaluation takes the argmax of), the loss read off those scores.
+
+* ``Classification``: MeZO's ``--train_as_classification``, the cross-entropy of the right
+  candidate among the example's candidates, softmax over the scores.
+* ``Accuracy``: MeZO's non-differentiable objective, minus the fraction of examples whose
+  best-scored candidate is the right one.
+
+A batch holds whole examples along dim 0, so it shards over data-parallel ranks like any
+batch; each rank's loss is its examples' sum divided by the *global* example count, and
+the ranks' values add up to the global mean in the step's one all-reduce. An example
+whose candidates are all single tokens (SST-2's " terrible" / " great") is one row, its
+prompt: the logits of the prompt's last position score every candidate. Otherwise each
+candidate is a row of its own (prompt + candidate).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from distzo.objectives.runner import PassRunner
+from distzo.objectives.scoring import HeadTargets, picked_log_probs
+from distzo.zo.estimator import Pass
+
+# input_ids / attention_mask [E, R, L]; per scored token s of example e: score_position
+# [E, S] (flat r * L + t of the position whose logits predict it, -1 = none), score_token,
+# score_candidate (-1 = none); label [E].
+CHOICE_KEYS = ("input_ids", "attention_mask", "score_position", "score_token", "score_candidate", "label")
+
+
+@dataclass(frozen=True)
+class ChoiceEncoding:
+    """One example, tokenized: its rows and, per scored token, (row, position, token, candidate)."""
+
+    rows: tuple[tuple[int, ...], ...]
+    scored: tuple[tuple[int, int, int, int], ...]
+    label: int
+
+
+def collate_choices(encodings: Sequence[ChoiceEncoding], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows; an example with fewer rows than the batch's widest gets rows of a
+    single visible pad token (a row with no visible token has no defined attention)."""
+    if not encodings:
+        raise ValueError("a choice batch needs at least one example")
+    rows = max(len(e.rows) for e in encodings)
+    length = max(len(r) for e in encodings for r in e.rows)
+    scored = max(len(e.scored) for e in encodings)
+    count = len(encodings)
+    input_ids = torch.full((count, rows, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((count, rows, length), dtype=torch.long)
+    position = torch.full((count, scored), -1, dtype=torch.long)
+    token = torch.zeros((count, scored), dtype=torch.long)
+    candidate = torch.full((count, scored), -1, dtype=torch.long)
+    for e, encoding in enumerate(encodings):
+        mask[e, :, 0] = 1
+        for r, ids in enumerate(encoding.rows):
+            input_ids[e, r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[e, r, : len(ids)] = 1
+        for s, (r, t, tok, c) in enumerate(encoding.scored):
+            position[e, s], token[e, s], candidate[e, s] = r * length + t, tok, c
+    label = torch.tensor([e.label for e in encodings], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": mask, "score_position": position, "score_token": token,
+            "score_candidate": candidate, "label": label}
+
+
+@dataclass
+class ChoiceBatch:
+    input_ids: torch.Tensor  # [E * R, L]
+    attention_mask: torch.Tensor
+    targets: HeadTargets  # groups: e * C + candidate
+    counts: torch.Tensor  # [E * C] tokens per candidate
+    present: torch.Tensor  # [E, C] candidates that exist
+    labels: torch.Tensor  # [E]
+    examples: int
+    candidates: int
+
+
+def check_choice_batch(batch: Mapping[str, torch.Tensor]) -> None:
+    missing = [k for k in CHOICE_KEYS if k not in batch]
+    if missing:
+        raise ValueError(
+            f"this objective scores candidates: the batch lacks {', '.join(missing)} "
+            "(build it with distzo.objectives.collate_choices)"
+        )
+
+
+def prepare_choices(batch: Mapping[str, torch.Tensor], device: torch.device, full_head: bool = False) -> ChoiceBatch:
+    check_choice_batch(batch)
+    input_ids = batch["input_ids"]
+    examples, rows, length = input_ids.shape
+    candidate = batch["score_candidate"].cpu()
+    candidates = int(candidate.max()) + 1
+    e, s = (candidate >= 0).nonzero(as_tuple=True)
+    flat = e * rows * length + batch["score_position"].cpu()[e, s]
+    group = e * candidates + candidate[e, s]
+    counts = torch.bincount(group, minlength=examples * candidates)
+    targets = HeadTargets.build(flat, batch["score_token"].cpu()[e, s], group, device, full_head)
+    return ChoiceBatch(
+        input_ids.reshape(examples * rows, length).to(device, non_blocking=True),
+        batch["attention_mask"].reshape(examples * rows, length).to(device, non_blocking=True),
+        targets,
+        counts.to(device, non_blocking=True),
+        (counts > 0).view(examples, candidates).to(device, non_blocking=True),
+        batch["label"].to(device, non_blocking=True),
+        examples,
+        candidates,
+    )
+
+
+def candidate_scores(runner: PassRunner, prepared: ChoiceBatch, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
+    """[E, C]: each candidate's mean token log-likelihood; -inf where an example has fewer."""
+    log_probs, _ = picked_log_probs(runner, p, hidden, prepared.targets)
+    sums = log_probs.new_zeros(prepared.examples * prepared.candidates).index_add_(0, prepared.targets.groups, log_probs)
+    scores = (sums / prepared.counts.clamp(min=1)).view(prepared.examples, prepared.candidates)
+    return scores.masked_fill(~prepared.present, float("-inf"))
+
+
+class _ChoiceObjective(ABC):
+    """Scores every candidate of each example, then reads one number off the scores."""
+
+    name = ""
+
+    def __init__(self, full_head: bool = False) -> None:
+        self.full_head = full_head
+
+    def num_items(self, batch: Mapping[str, torch.Tensor]) -> int:
+        check_choice_batch(batch)
+        return int(batch["label"].shape[0])
+
+    def prepare(self, batch: Mapping[str, torch.Tensor], device: torch.device) -> ChoiceBatch:
+        return prepare_choices(batch, device, self.full_head)
+
+    def losses(
+        self, runner: PassRunner, prepared: ChoiceBatch, passes: tuple[Pass, ...], num_items: int
+    ) -> dict[Pass, torch.Tensor]:
+        hiddens = runner.hidden_states({p: prepared.input_ids for p in passes}, prepared.attention_mask)
+        return {
+            p: self.from_scores(candidate_scores(runner, prepared, p, hidden), prepared.labels) / num_items
+            for p, hidden in hiddens.items()
+        }
+
+    @abstractmethod
+    def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the examples, from their [E, C] scores and right candidates."""
+
+
+class Classification(_ChoiceObjective):
+    """Sum over examples of -log softmax(scores)[label] (MeZO: CrossEntropyLoss over the
+    candidates' mean log-likelihoods)."""
+
+    name = "classification"
+
+    def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        right = scores.gather(1, labels.unsqueeze(1)).squeeze(1)
+        return (torch.logsumexp(scores, dim=1) - right).sum()
+
+
+class Accuracy(_ChoiceObjective):
+    """Minus the number of examples whose best candidate (first on ties) is the right one."""
+
+    name = "accuracy"
+
+    def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return -(scores.argmax(dim=1) == labels).sum().to(torch.float64)  # a count: exact in float64

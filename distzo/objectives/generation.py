@@ -1,0 +1,126 @@
+"""Greedy decoding of a whole batch together, and MeZO's F1 objective built on it.
+
+Rows are right-padded prompts with room for ``T`` new tokens; the mask marks a row's
+prompt and its ``T`` slots as visible from the start. Causal attention keeps a position
+blind to the slots after it, so the mask (and every per-batch tensor the model builds
+from it) is the same at every decoding step, and decoding step k only writes the token
+it chose into slot k. Each decoding step runs every pass through every block once: one
+block upload per decoding step, whatever the number of rows or passes. Nothing reads the
+device until the caller takes the finished tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from distzo.objectives.metrics import answer_text, f1_score
+from distzo.objectives.runner import PassRunner
+from distzo.zo.estimator import Pass
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "prompt_length", "example")
+
+
+def collate_prompts(
+    prompts: Sequence[Sequence[int]], examples: Sequence[int], max_new_tokens: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Prompts (already cut to leave ``max_new_tokens`` of room) with their slots, and the
+    index of each row's example (where a metric finds its gold answers)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt to decode needs at least one token")
+    lengths = [len(p) for p in prompts]
+    width = max(lengths) + max_new_tokens
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        mask[row, : len(ids) + max_new_tokens] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "prompt_length": torch.tensor(lengths),
+            "example": torch.tensor(list(examples), dtype=torch.long)}
+
+
+@dataclass
+class PromptBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: torch.Tensor  # on the device
+    longest_prompt: int  # host copies of what sizes the loop
+    max_new_tokens: int
+    examples: list[int]
+
+
+def prepare_prompts(batch: Mapping[str, torch.Tensor], device: torch.device) -> PromptBatch:
+    missing = [k for k in PROMPT_KEYS if k not in batch]
+    if missing:
+        raise ValueError(
+            f"this objective decodes: the batch lacks {', '.join(missing)} (build it with distzo.objectives.collate_prompts)"
+        )
+    lengths = batch["prompt_length"].cpu()
+    # Every row's mask shows its prompt and the T slots; the width is the *global* batch's
+    # (a data-parallel shard may be narrower), so T is read from the mask, not the width.
+    new_tokens = int(batch["attention_mask"][0].sum()) - int(lengths[0])
+    return PromptBatch(
+        batch["input_ids"].to(device, non_blocking=True),
+        batch["attention_mask"].to(device, non_blocking=True),
+        lengths.to(device, non_blocking=True),
+        int(lengths.max()),
+        new_tokens,
+        batch["example"].cpu().tolist(),
+    )
+
+
+def greedy_decode(runner: PassRunner, prepared: PromptBatch, passes: tuple[Pass, ...]) -> dict[Pass, torch.Tensor]:
+    """Each pass's ``[rows, T]`` greedy tokens, left on the device."""
+    rows = torch.arange(prepared.input_ids.shape[0], device=prepared.input_ids.device)
+    ids = {p: prepared.input_ids.clone() for p in passes}
+    out = {p: torch.empty((len(rows), prepared.max_new_tokens), dtype=torch.long, device=rows.device) for p in passes}
+    for k in range(prepared.max_new_tokens):
+        width = prepared.longest_prompt + k  # the columns that can matter at this decoding step
+        hiddens = runner.hidden_states({p: t[:, :width] for p, t in ids.items()}, prepared.attention_mask[:, :width])
+        last = prepared.prompt_length - 1 + k
+        for p, hidden in hiddens.items():
+            token = runner.head(p, hidden[rows, last]).argmax(-1)
+            out[p][:, k] = token
+            if k + 1 < prepared.max_new_tokens:
+                ids[p][rows, last + 1] = token
+    return out
+
+
+class F1:
+    """MeZO's non-differentiable objective for SQuAD: minus the F1 of each perturbed model's
+    greedy answer (to the first newline) against the best gold answer, summed over the
+    examples and divided by the global example count.
+
+    The metric is text, so each step reads the decoded tokens back once: an F1 step has a
+    host sync besides the step's all-reduce.
+    """
+
+    name = "f1"
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], answers: Sequence[Sequence[str]]) -> None:
+        self.decode, self.answers = decode, answers
+
+    def num_items(self, batch: Mapping[str, torch.Tensor]) -> int:
+        return int(batch["input_ids"].shape[0])
+
+    def prepare(self, batch: Mapping[str, torch.Tensor], device: torch.device) -> PromptBatch:
+        return prepare_prompts(batch, device)
+
+    def score(self, tokens: torch.Tensor, examples: Sequence[int]) -> float:
+        """Summed best-answer F1 of host ``[rows, T]`` tokens."""
+        return sum(
+            max(f1_score(answer_text(self.decode, row), gold) for gold in self.answers[example])
+            for row, example in zip(tokens.tolist(), examples)
+        )
+
+    def losses(
+        self, runner: PassRunner, prepared: PromptBatch, passes: tuple[Pass, ...], num_items: int
+    ) -> dict[Pass, torch.Tensor]:
+        generated = greedy_decode(runner, prepared, passes)
+        host = torch.stack([generated[p] for p in passes]).cpu()  # the metric's one read-back
+        return {
+            p: torch.tensor(-self.score(host[i], prepared.examples) / num_items, dtype=torch.float64, device=runner.device)
+            for i, p in enumerate(passes)
+        }
