@@ -12,6 +12,13 @@ Under torchrun it also runs, in the same process group and the same run: rank 0 
 (the 1-rank baseline, same threads per rank), PertP, DDP and 2D, so the ratios
 against resident and against 1 rank are taken side by side.
 
+``--compare-head`` measures, on an SST-2-shaped classification batch (prompts of 8 to 48
+tokens, two single-token candidates scored at the prompt's last position), the step time
+with the LM head at the label positions against the full head (every position's
+logits), side by side in one run, and the peak memory of one evaluation call done the
+old way (full logits, float32 log-softmax of the whole batch) against the new (head at
+the scored positions, ``HEAD_CHUNK`` rows at a time).
+
 ``--sweep`` measures every layout at several batch x sequence points (each engine built
 once) and reports where offload first reaches 0.95 x resident: the crossover, below
 which a block's compute is too short to hide its transfers. Weights are drawn into the
@@ -36,10 +43,13 @@ from distzo.bench.records import device_name
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
-from distzo.host_memory import peak_rss_bytes
+from distzo.engine import UNPERTURBED
+from distzo.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton
+from distzo.objectives import ChoiceEncoding, Classification, candidate_scores, collate_choices
+from distzo.objectives.choice import prepare_choices
 from distzo.offload import Timeline
 
 logger = logging.getLogger("throughput")
@@ -227,6 +237,106 @@ class Bench:
         return self.report
 
 
+def sst2_shaped(examples: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Classification batch shaped like SST-2 prompts: 8-48 tokens, two one-token candidates."""
+    g = torch.Generator().manual_seed(seed)
+    encodings = []
+    for e in range(examples):
+        length = int(torch.randint(8, 49, (1,), generator=g))
+        prompt = tuple(torch.randint(3, vocab, (length,), generator=g).tolist())
+        scored = ((0, length - 1, 5, 0), (0, length - 1, 6, 1))
+        encodings.append(ChoiceEncoding((prompt,), scored, e % 2))
+    return collate_choices(encodings, pad_id=0)
+
+
+class HeadBench:
+    """The LM head at label positions vs on every position: step time and evaluation memory."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        self.report = BenchReport("throughput", device_name(device), 1)
+        self.config = model_config(args.shape, args.layers, 64)
+
+    def engine(self, full_head: bool) -> ZOEngine:
+        config = ZOConfig(lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=self.args.mode,
+                          compute_dtype=self.args.compute_dtype, lr_schedule="constant")
+        model = skeleton(self.config, torch.float32)
+        return ZOEngine(model, config, weights=RandomWeights(0), objective=Classification(full_head=full_head))
+
+    def params(self, head: str, batch: int) -> dict:
+        return {"shape": self.args.shape, "layers": self.config.num_hidden_layers, "head": head, "batch": batch,
+                "mode": self.args.mode, "compute": self.args.compute_dtype, "threads": torch.get_num_threads()}
+
+    def step_times(self, engines: dict[str, ZOEngine], batch: dict) -> dict[str, Measurement]:
+        """Steps of the two engines interleaved, so drift on a noisy machine hits both alike."""
+        samples: dict[str, list[float]] = {name: [] for name in engines}
+        for engine in engines.values():
+            engine.step(batch)  # warm-up
+        for _ in range(self.args.steps):
+            for name, engine in engines.items():
+                synchronize(self.device)
+                start = time.perf_counter()
+                engine.step(batch)
+                synchronize(self.device)
+                samples[name].append(time.perf_counter() - start)
+        tokens = int(batch["attention_mask"].sum())
+        return {
+            name: Measurement.from_timer(f"step_{name}", self.params(name, batch["label"].shape[0]), Timer(s),
+                                         {"tokens_per_s": tokens / Timer(s).median})
+            for name, s in samples.items()
+        }
+
+    def eval_peak(self, engine: ZOEngine, batch: dict, old_way: bool) -> tuple[float, float]:
+        """(seconds, peak bytes above the memory in use before) of one evaluation call."""
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        else:
+            reset_peak_rss()
+            base = rss_bytes() or 0
+        start = time.perf_counter()
+        if old_way:  # what evaluation did before: every logit, a float32 log-softmax of all of them
+            logits, _ = engine.forward({k: batch[k].flatten(0, 1) for k in ("input_ids", "attention_mask")})
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            rows = torch.arange(logits.shape[0])
+            last = batch["attention_mask"].flatten(0, 1).sum(1) - 1
+            best = log_probs[rows, last][:, [5, 6]].argmax(1)
+        else:
+            prepared = prepare_choices(batch, engine.device)
+
+            def scores(runner):
+                hidden = runner.hidden_states({UNPERTURBED: prepared.input_ids}, prepared.attention_mask)[UNPERTURBED]
+                return candidate_scores(runner, prepared, UNPERTURBED, hidden)
+
+            best = engine.evaluate(scores).argmax(1)
+        best.cpu()
+        elapsed = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_rss_bytes()
+        return elapsed, float(peak - base)
+
+    def run(self) -> BenchReport:
+        vocab = self.config.vocab_size
+        engines = {"at_labels": self.engine(False), "full": self.engine(True)}
+        steps = self.step_times(engines, sst2_shaped(self.args.batch, vocab, seed=1))
+        self.report.measurements += steps.values()
+        self.report.derived["step_full_over_at_labels"] = steps["full"].median_s / steps["at_labels"].median_s
+        for name, m in steps.items():
+            logger.info("step, head %-9s %8.1f ms", name, m.median_s * 1e3)
+        evaluation = sst2_shaped(self.args.eval_batch, vocab, seed=2)
+        engine = engines["at_labels"]
+        for old_way, name in ((True, "full"), (False, "at_labels")):
+            self.eval_peak(engine, evaluation, old_way)  # warm-up: the allocator's first growth is not the method's
+            seconds, extra = self.eval_peak(engine, evaluation, old_way)
+            self.report.measurements.append(Measurement(
+                f"eval_{name}", self.params(name, self.args.eval_batch), 1, seconds, seconds, seconds, 0.0,
+                {"eval_peak_extra_gb": extra / 1e9},
+            ))
+            self.report.derived[f"eval_peak_extra_gb[{name}]"] = extra / 1e9
+            logger.info("evaluation of %d rows, head %-9s %6.3f s, peak +%.3f GB", self.args.eval_batch, name, seconds, extra / 1e9)
+        return self.report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: seconds (CI)")
@@ -242,9 +352,18 @@ def main() -> None:
                    help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
+    p.add_argument("--compare-head", action="store_true",
+                   help="the LM head at label positions vs the full head on an SST-2-shaped batch (default shape "
+                        "smollm2-135m, batch 16, evaluation batch 64)")
+    p.add_argument("--eval-batch", type=int, default=None, help="--compare-head: evaluation rows (default 64; quick 8)")
+    p.add_argument("--mode", default="resident", choices=["resident", "offload"], help="--compare-head: engine mode")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="benchmarks/out/throughput.json")
     args = p.parse_args()
+    if args.compare_head:
+        args.shape = args.shape or ("tiny" if args.quick else "smollm2-135m")
+        args.batch = args.batch or (4 if args.quick else 16)
+        args.eval_batch = args.eval_batch or (8 if args.quick else 64)
     args.shape = args.shape or ("tiny" if args.quick else "opt-1.3b")
     args.batch = args.batch or (4 if args.quick else 8)
     args.seq = args.seq or (32 if args.quick else 512)
@@ -263,10 +382,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if env.launched:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
-    report = Bench(args, env, device).run()
+    if args.compare_head and env.world_size > 1:
+        raise SystemExit("--compare-head runs in one process; launch it with python, not torchrun")
+    report = HeadBench(args, device).run() if args.compare_head else Bench(args, env, device).run()
     if env.rank == 0:
         out = Path(args.out)
-        report.write(out, ["mode", "slots", "dp", "pert", "queries", "batch", "seq", "tokens_per_s", "peak_device_gb", "eta"])
+        columns = (["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"] if args.compare_head else
+                   ["mode", "slots", "dp", "pert", "queries", "batch", "seq", "tokens_per_s", "peak_device_gb", "eta"])
+        report.write(out, columns)
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()
 
