@@ -25,7 +25,7 @@ from torch import nn
 
 from distzo.bench import BenchReport, Measurement, time_repeated
 from distzo.bench.records import device_name
-from distzo.dist import LaunchEnv
+from distzo.dist import Collectives, LaunchEnv
 from distzo.dist import process_group as pg
 from distzo.models.shapes import OPT_SHAPES
 from distzo.offload import BucketLayout, Shard, StreamedBlocks
@@ -216,9 +216,10 @@ def main() -> None:
     shard = None
     if env.launched:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=600)
-        group, members = pg.node_groups(env)
+        comm = Collectives.for_job(device)
+        group, members = pg.node_groups(env, comm)
         if len(members) > 1:
-            shard = Shard(group, members.index(env.rank), len(members))
+            shard = Shard(group, members.index(env.rank), len(members), comm)
     report = Bench(args, env, device, shard).run()
     if env.rank == 0:
         out = Path(args.out)

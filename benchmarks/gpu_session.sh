@@ -2,7 +2,7 @@
 # Every CUDA test and GPU benchmark of the project, in stages that each fit one
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
-#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries
+#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned
 #                                                  (default: the first four)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -21,8 +21,8 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
-        tests|bandwidth|throughput|big|queries) ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big or queries" >&2; exit 2 ;;
+        tests|bandwidth|throughput|big|queries|head|pinned) ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head or pinned" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -81,6 +81,15 @@ for stage in "${STAGES[@]}"; do
             bounded 280 big.log python3 benchmarks/throughput.py --shape opt-6.7b --compute-dtype $dtype \
                 --sweep 1x256,4x512,8x512 --steps 3 --out "$WORK/throughput-opt-6.7b-$dtype.json"
         done
+        ;;
+    head)  # the LM head at label positions vs the full head, SmolLM2-135M shape, SST-2-shaped batch
+        for dtype in fp32 bf16; do
+            bounded 150 head.log python3 benchmarks/throughput.py --compare-head --compute-dtype $dtype --steps 10 \
+                --out "$WORK/head-smollm2-$dtype.json"
+        done
+        ;;
+    pinned)  # what the host copy of OPT-13B locks, exactly pinned vs the caching allocator
+        bounded 240 pinned.log python3 benchmarks/pinned.py --shape opt-13b --out "$WORK/pinned-opt-13b.json"
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \

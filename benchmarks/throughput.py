@@ -5,7 +5,8 @@
     torchrun --nproc_per_node=2 benchmarks/throughput.py     # adds PertP, DDP (and 2D on 4 ranks)
 
 Single process: tokens/s and peak device memory of resident, offload without overlap
-(one slot) and offload with overlap (K slots), on a random-init model of the shape;
+(one slot), offload with 2 slots and offload with K slots (default 3: the slot counts
+side by side, ``offload_vs_2slots``), on a random-init model of the shape;
 per-block upload/compute/offload times from the device timeline and the overlap
 efficiency eta = max(upload, compute, offload) / (pipelined time per block).
 Under torchrun it also runs, in the same process group and the same run: rank 0 alone
@@ -178,11 +179,15 @@ class Bench:
         n = engine.scheduler.num_blocks
         mean = {p: sum(s.ms for s in spans if s.phase == p) / n for p in ("upload", "compute", "offload")}
         pipelined = (max(s.end_ms for s in spans) - min(s.start_ms for s in spans)) / n
+        slots = engine.store.num_slots
         return {
             "upload_ms_per_block": mean["upload"],
             "compute_ms_per_block": mean["compute"],
             "offload_ms_per_block": mean["offload"],
             "pipelined_ms_per_block": pipelined,
+            # The stream model's steady state with K slots (docs/ARCHITECTURE.md, section 5):
+            # upload(i) waits offload(i - K), so K periods hold one upload, compute and offload.
+            "model_ms_per_block": max(*mean.values(), sum(mean.values()) / slots),
             "eta": max(mean.values()) / pipelined if pipelined > 0 else 0.0,
         }
 
@@ -214,9 +219,15 @@ class Bench:
         if not self.args.skip_resident:
             resident = self.measure("resident", "resident", 1, single, first)
         serial = self.measure("offload_serial", "offload", 1, single, first)
+        two = self.measure("offload_2slots", "offload", 2, single, first) if self.args.slots != 2 else {}
         offload = self.measure("offload", "offload", self.args.slots, single, first)
         if first and resident:
-            self.derive_against_resident(resident, {"offload_serial": serial, "offload": offload})
+            layouts = {"offload_serial": serial, "offload": offload} | ({"offload_2slots": two} if two else {})
+            self.derive_against_resident(resident, layouts)
+        if first and two:  # the slot count, side by side: K slots against 2 at every point
+            for point, m in offload.items():
+                ratio = m.metrics["tokens_per_s"] / two[point].metrics["tokens_per_s"]
+                self.report.derived[self.ratio_key("offload_vs_2slots", point)] = ratio
         world = self.env.world_size
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
@@ -346,7 +357,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; quick 32)")
     p.add_argument("--sweep", default=None, help="batch x seq points instead, e.g. 1x128,4x512,16x512")
     p.add_argument("--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)")
-    p.add_argument("--slots", type=int, default=2, help="device slots of the overlapped offload")
+    p.add_argument("--slots", type=int, default=3,
+                   help="device slots of the overlapped offload (default 3, the engine's; 2 is measured beside it)")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--num-queries", type=int, default=1,
                    help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less")

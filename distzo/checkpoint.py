@@ -24,10 +24,10 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from distzo.dist.collectives import host_barrier, new_host_group, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 
 logger = logging.getLogger(__name__)
@@ -67,12 +67,6 @@ def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
     }
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class PrivateCopies(AsyncStager):
     """Staging for a state that is already made of copies no one else writes to."""
 
@@ -89,7 +83,7 @@ class Checkpointer:
         self._pending_save: tuple[Future, Path, Path] | None = None
         # DCP's asynchronous writer runs collectives from a thread: give it its own gloo
         # group, so it never interleaves with the training's collectives (or needs NCCL).
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group = new_host_group()
 
     def _state(self, private: bool = True) -> dict[str, torch.Tensor]:
         """This rank's contribution. ``private``: CPU copies, so training may go on while
@@ -104,8 +98,7 @@ class Checkpointer:
         resident bucket; the meta scalars are replicated (DCP keeps one copy).
         """
         engine = self.engine
-        engine.streams.synchronize()
-        rank, world = _world()
+        rank, world = world_rank()
         sliced = engine.transfer == "sliced"
 
         def contribution(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -113,21 +106,20 @@ class Checkpointer:
 
         state = _meta(engine)
         if rank == 0:
-            state["resident"] = contribution(engine.resident_master, private)
+            with engine.streams.compute_scope():  # the resident bucket was last written on the compute stream
+                state["resident"] = contribution(engine.resident_master, private)
         shard = engine.parallel.shard_group
-        for i in range(len(engine.blocks)):
-            if sliced:
-                at_rest = engine.store.block_at_rest(i)  # collective: every rank takes part
-                # Every node holds the whole model: block i from node i % nodes, spreading
-                # the copies over the nodes, and there from member (i // nodes) % n.
-                nodes = world // shard.size
-                mine = i % nodes == engine.parallel.env.node_rank and (i // nodes) % shard.size == shard.rank
-            else:
-                mine = i % world == rank
-                at_rest = engine.store.block_at_rest(i) if mine else None  # local, no transfer
-            if mine:
-                state[f"block/{i}"] = contribution(at_rest, private or sliced)
-        engine.streams.synchronize()
+
+        def mine(i: int) -> bool:
+            if not sliced:
+                return i % world == rank
+            # Every node holds the whole model: block i from node i % nodes, spreading the
+            # copies over the nodes, and there from member (i // nodes) % n.
+            nodes = world // shard.size
+            return i % nodes == engine.parallel.env.node_rank and (i // nodes) % shard.size == shard.rank
+
+        for i, block in engine.blocks_at_rest(mine, private):
+            state[f"block/{i}"] = block
         return state
 
     def save(self, asynchronous: bool = True) -> None:
@@ -136,12 +128,11 @@ class Checkpointer:
         step = self.engine.step_index
         final = self.directory / f"step-{step}"
         tmp = self.directory / f"step-{step}.tmp"
-        rank, _ = _world()
+        rank, _ = world_rank()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        if dist.is_initialized():
-            dist.barrier(group=self._group)
+        host_barrier(self._group)
         state = self._state(private=asynchronous)
         if asynchronous:
             # The state is already private copies: DCP's default stager would copy it again.
@@ -172,7 +163,7 @@ class Checkpointer:
     def _finalize(self, tmp: Path, final: Path) -> None:
         # Each rank's future resolves only after the metadata is written, which needs every
         # rank's data: once rank 0 sees its own, the checkpoint is complete.
-        if _world()[0] == 0:
+        if world_rank()[0] == 0:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             logger.info("checkpoint %s written", final)

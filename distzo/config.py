@@ -28,6 +28,10 @@ class ZOConfig:
     rank's share pipeline the sliced upload's copy with its all-gather.
     ``num_queries`` directions per step (n-SPSA) average their estimates: each adds two
     forward passes per block but no transfer, since a block is uploaded once per step.
+    ``num_slots`` device buffers hold streamed blocks: 3 lets upload, compute and offload
+    of three blocks run at once (a period of max(transfer, compute) per block); with 2,
+    upload(i+2) waits for offload(i), which waits for compute(i) (docs/ARCHITECTURE.md,
+    section 5).
     """
 
     lr: float = 1e-6
@@ -37,7 +41,7 @@ class ZOConfig:
     warmup_steps: int = 0
     max_steps: int | None = None
     mode: str = "offload"
-    num_slots: int = 2
+    num_slots: int = 3
     device: str = "auto"
     seed: int | None = None
     noise_chunk: int = 1 << 22

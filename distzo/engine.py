@@ -181,7 +181,7 @@ class ZOEngine:
         self.config = config
         self.device = config.torch_device()
         self.model = model
-        self.parallel = parallel if parallel is not None else ParallelContext.single()
+        self.parallel = parallel if parallel is not None else ParallelContext.single(self.device)
         self.signs = self.parallel.signs
         self.passes = passes(config.num_queries, self.signs)  # (query, sign) this rank runs
         self.transfer = self._resolve_transfer()
@@ -210,7 +210,7 @@ class ZOEngine:
             shard = None
             if self.transfer == "sliced":
                 group = self.parallel.shard_group
-                shard = Shard(group.group, group.rank, group.size)
+                shard = Shard(group.group, group.rank, group.size, self.parallel.comm)
             low_bit = None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
             self.store = StreamedBlocks(
                 self.block_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise,
@@ -284,6 +284,11 @@ class ZOEngine:
         ``num_items`` is what the objective averages over (label tokens, examples) in the
         *global* batch; it defaults to this batch's, which is right in one process.
         """
+        return self._finish_step(*self._queue_step(batch, num_items))
+
+    def _queue_step(self, batch: Mapping[str, torch.Tensor], num_items: int | None):
+        """Everything of a step up to its one host read, queued without reading the device
+        (the CUDA tests hold it to that with the sync debug mode set to "error")."""
         t = self.step_index
         cfg = self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
@@ -292,13 +297,20 @@ class ZOEngine:
         num_items = self.objective.num_items(batch) if num_items is None else num_items
         if num_items <= 0:
             raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
-
         with self._guard(), torch.no_grad():
             prepared = self.objective.prepare(batch, self.device)  # host work and copies, queued before any kernel
             with self.streams.compute_scope():
                 losses = self.objective.losses(_StepRunner(self, t, self.passes), prepared, self.passes, num_items)
-                reduced = self.parallel.reduce(loss_contribution(losses, cfg.num_queries)).tolist()  # the one sync
+                vector = loss_contribution(losses, cfg.num_queries)
+                if self.parallel.is_distributed:
+                    vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
+                read = self.parallel.comm.read_later(vector)  # queued on the compute stream
+        return t, lr, num_tokens, read
 
+    def _finish_step(self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]) -> StepResult:
+        with self._guard():
+            reduced = read()  # the step's one host sync: waits for the compute stream's losses only
+        cfg = self.config
         grads = projected_gradients(reduced, cfg.eps)
         self.pending = PendingUpdate(t, grads, lr)
         self.step_index += 1
@@ -313,9 +325,10 @@ class ZOEngine:
         unperturbed parameters: the model's own forward, for inspection and tests.
         Evaluation uses ``evaluate``, which reads the head only where it is needed."""
         self._check_batch(batch)
+        host_mask = batch["attention_mask"].cpu() if batch.get("attention_mask") is not None else None
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
-            input_ids, attention_mask, labels = self._prepare(batch)
-            hidden = self._stream_pass((UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, attention_mask)
+            input_ids, _, labels = self._prepare(batch)
+            hidden = self._stream_pass((UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask)
             self._perturb_resident(UNPERTURBED, self.step_index)
             logits = self.adapter.logits(hidden[UNPERTURBED])
             loss = self.adapter.loss(logits, labels, None) if labels is not None else None
@@ -436,18 +449,44 @@ class ZOEngine:
         """Every parameter as stored (pending update not applied), bucket by bucket.
 
         Blocks are read back through the device (an upload): that is where a sliced rank
-        sees the whole block and where a low-bit master becomes the master dtype.
+        sees the whole block and where a low-bit master becomes the master dtype. The
+        uploads run on the upload stream, joined both ways with the caller's, and the
+        read-back ends with a host sync: every gather this rank took part in is complete
+        before it returns, on every rank (NCCL's waits block streams, not the host).
         """
-        self.streams.synchronize()
-        buckets = [(self.resident_layout, lambda: self.resident_master)]
-        for i, layout in enumerate(self.block_layouts):
-            buckets.append((layout, functools.partial(self._uploaded, i)))
-        for layout, fetch in buckets:
-            bucket = fetch()  # the buckets are plain tensors (no autograd), bound views aside
-            if materialize:
-                for e in layout.entries:
-                    yield e, bucket[e.offset : e.offset + e.numel].view(e.shape).to("cpu", copy=True)
-        self.streams.synchronize()
+        buckets = [(self.resident_layout, None)] + [(layout, i) for i, layout in enumerate(self.block_layouts)]
+        try:
+            for layout, index in buckets:
+                values = []
+                with self.streams.compute_scope(), self.streams.on("upload"):
+                    bucket = self.resident_master if index is None else self._uploaded(index)
+                    if materialize:  # copies to pageable host memory: the host waits for this stream
+                        values = [(e, bucket[e.offset : e.offset + e.numel].view(e.shape).to("cpu", copy=True))
+                                  for e in layout.entries]
+                yield from values  # outside the stream context: the consumer runs on its own stream
+        finally:
+            self.parallel.comm.host_sync()
+
+    def blocks_at_rest(self, wanted: Callable[[int], bool], private: bool) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(i, block i exactly as stored, in its at-rest dtype)`` for every block with
+        ``wanted(i)``: what a checkpoint holds. A host copy when ``private`` or when the
+        block is gathered through the device (sliced: collective, so every rank runs every
+        block, wanted or not), else the live host view. Ends with a host sync, as every
+        collective read-back does."""
+        sliced = self.transfer == "sliced"
+        try:
+            for i in range(len(self.blocks)):
+                if not (sliced or wanted(i)):
+                    continue
+                value = None
+                with self.streams.compute_scope(), self.streams.on("upload"):
+                    at_rest = self.store.block_at_rest(i)
+                    if wanted(i):
+                        value = at_rest.to("cpu", copy=True) if private or sliced else at_rest
+                if value is not None:
+                    yield i, value
+        finally:
+            self.parallel.comm.host_sync()
 
     def _uploaded(self, index: int) -> torch.Tensor:
         self.store.upload(index)
@@ -518,21 +557,30 @@ class ZOEngine:
         """Apply the pending update everywhere and run the blocks once for each pass, each
         on its own token ids (one shared mask).
 
-        Returns each pass's last hidden state, the pass whose perturbation the resident
-        bucket holds first (the order in which reading heads re-perturbs it least). With
-        no passes (flush) it only updates.
+        ``attention_mask`` is the host copy (None: every position is real). Returns each
+        pass's last hidden state, the pass whose perturbation the resident bucket holds
+        first (the order in which reading heads re-perturbs it least). With no passes
+        (flush) it only updates.
         """
         update, self.pending = self.pending, None
         self.store.step = step
         if update is not None:
-            self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
             self._resident_holds = None
         held = self._held_pass(step)
         order = sorted(passes, key=lambda p: p != held)  # embed the held pass first: one perturbation fewer
         hiddens, ctx = {}, None
-        for p in order:
-            self._perturb_resident(p, step)
-            hiddens[p], ctx = self.adapter.embed(input_ids[p], attention_mask)
+
+        def embed() -> None:  # runs once the first uploads are queued
+            nonlocal ctx
+            if update is not None:
+                self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
+            if order:  # masks from the host copy: nothing here reads the device
+                shape = tuple(input_ids[order[0]].shape)
+                ctx = self.adapter.context(attention_mask, shape, self.device, self.block_scratch.dtype)
+            for p in order:
+                self._perturb_resident(p, step)
+                hiddens[p] = self.adapter.embed(input_ids[p], ctx)
+
         eps = self.config.eps
 
         def compute(i: int, bucket: torch.Tensor) -> None:
@@ -543,7 +591,8 @@ class ZOEngine:
                 self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
                 hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
 
-        self.scheduler.run(compute)
+        # Unchanged blocks (no pending update) need not go back: their host copies are right.
+        self.scheduler.run(compute, prologue=embed, offload=update is not None)
         return {p: hiddens[p] for p in reversed(order)}
 
     def _held_pass(self, step: int) -> Pass | None:

@@ -70,10 +70,10 @@ def _calls(count: int, per_call: int, parallel: ParallelContext) -> int:
     return max(1, math.ceil(largest / per_call))
 
 
-def _reduce(engine: ZOEngine, values: Sequence[torch.Tensor | float], parallel: ParallelContext) -> list[float]:
-    """Sum each value over the ranks; one host read for all of them."""
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(engine.device) for v in values])
-    return parallel.reduce(stacked).tolist()
+def _reduce(values: Sequence[torch.Tensor | float], parallel: ParallelContext) -> list[float]:
+    """Sum each value over the ranks (on the device, through ``distzo.dist``); one host
+    read for all of them."""
+    return parallel.sum_to_host(list(values))
 
 
 def _hidden(runner: PassRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -106,7 +106,7 @@ def evaluate_choices(
         best = engine.evaluate(scores).argmax(dim=1)
         if chunk:
             correct = correct + (best == prepared.labels).sum()
-    hits, total = _reduce(engine, [correct, len(mine)], parallel)
+    hits, total = _reduce([correct, len(mine)], parallel)
     return {"eval_accuracy": hits / total}
 
 
@@ -132,7 +132,7 @@ def evaluate_generation(
             prediction = answer_text(decode, ids)
             f1 += max(f1_score(prediction, gold) for gold in examples[i].answers)
             em += max(exact_match(prediction, gold) for gold in examples[i].answers)
-    f1_sum, em_sum, total = _reduce(engine, [f1, em, len(share)], parallel)
+    f1_sum, em_sum, total = _reduce([f1, em, len(share)], parallel)
     return {"eval_f1": f1_sum / total, "eval_exact_match": em_sum / total}
 
 
@@ -167,5 +167,5 @@ def evaluate_lm(
         nll, right = engine.evaluate(sums)
         if chunk:
             loss, hits, count = loss + nll, hits + right, count + prepared.targets.num_entries
-    loss_sum, hit_sum, total = _reduce(engine, [loss, hits, count], parallel)
+    loss_sum, hit_sum, total = _reduce([loss, hits, count], parallel)
     return {"eval_loss": loss_sum / total, "eval_accuracy": hit_sum / total}

@@ -21,10 +21,10 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return world_rank()[0] == 0
 
 
 def check_shard_size(size: str) -> None:

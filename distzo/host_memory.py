@@ -1,8 +1,21 @@
-"""This machine's and this process's memory figures, read from /proc (Linux)."""
+"""This machine's and this process's memory figures, read from /proc (Linux), and the
+one way host tensors reach the device."""
 
 from __future__ import annotations
 
 import resource
+
+import torch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor queued for ``device`` without making the host wait: staged through
+    pinned memory on CUDA (from pageable memory the driver may block the host until the
+    stream reaches the copy)."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _proc_kib(path: str, field: str) -> int | None:

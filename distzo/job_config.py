@@ -77,7 +77,10 @@ class OptimOptions:
 @dataclass
 class OffloadOptions:
     mode: str = option("offload", "offload: blocks in host memory (ZO2); resident: all on device (MeZO)", MODES)
-    num_slots: int = option(2, "device slots for streamed blocks (1 = no overlap)")
+    num_slots: int | None = option(
+        None, "device slots for streamed blocks: 3 by default (upload, compute and offload overlap fully), 2 when the "
+        "memory plan does not fit 3, 1 = no overlap"
+    )
     transfer: str = option(
         "auto", "naive: whole blocks per rank; sliced: each local rank moves 1/n and all-gathers; "
         "auto: sliced on CUDA+NCCL with >1 local ranks", TRANSFERS,

@@ -5,7 +5,9 @@ fit the free device memory or the host memory it sees, unless ``--force``. The
 figures are the engine's own allocations (buckets, slots, staging, scratch, the noise
 workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocated``;
 the activation figure is an estimate of the largest transient (the bigger of one
-block's intermediates and the fp32 logits of the loss).
+block's intermediates and the fp32 logits of one head chunk: the head runs at most
+``HEAD_CHUNK`` positions at a time). Host memory is pinned at exactly its size, so
+the host figure is what a CUDA run locks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from distzo.engine import bucket_layouts
 from distzo.host_memory import available_host_bytes
 from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
+from distzo.objectives import HEAD_CHUNK
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -93,7 +96,8 @@ def plan_memory(
     vocab = _width(cfg, "vocab_size")
     tokens = batch * seq
     block_tmp = tokens * (4 * hidden + 2 * ffn) * compute + batch * heads * seq * seq * compute
-    logits = tokens * vocab * (compute + 2 * 4)  # logits, and their fp32 copy and log-softmax in the loss
+    # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and log-softmax
+    logits = min(tokens, HEAD_CHUNK) * vocab * (compute + 2 * 4)
     live_hiddens = signs * config.num_queries  # one hidden state per pass crosses the blocks
     activations = live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
     at_rest = [l.numel * (wire if config.mode == "offload" else master) for l in layouts]

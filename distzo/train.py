@@ -16,6 +16,7 @@ and ``rankN.json`` (each rank's transfer mode and memory).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -25,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
@@ -46,6 +46,7 @@ from distzo.data.task_data import (
     load_task_rows,
 )
 from distzo.dist import (
+    Collectives,
     LaunchEnv,
     ParallelContext,
     ParallelDims,
@@ -58,7 +59,7 @@ from distzo.evaluation import evaluate
 from distzo.host_memory import peak_rss_bytes
 from distzo.job_config import JobConfig, resolve, write_resolved
 from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
-from distzo.models import check_supported, load_model, model_from_config
+from distzo.models import check_supported, hub, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
@@ -142,7 +143,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
     config = ZOConfig(
         lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay, lr_schedule=optim.lr_schedule,
-        warmup_steps=optim.warmup_steps, max_steps=optim.max_steps, mode=off.mode, num_slots=off.num_slots,
+        warmup_steps=optim.warmup_steps, max_steps=optim.max_steps, mode=off.mode, num_slots=3 if off.num_slots is None else off.num_slots,
         device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
         transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries,
@@ -168,16 +169,28 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     return config, dims, rows
 
 
-def load_tokenizer(job: JobConfig):
+def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
+    """The local directory a --model streams from: the path itself, or a hub name's
+    snapshot, downloaded once per node by its first local rank while the others wait."""
+    if not name:
+        return None
+    if Path(name).is_dir():
+        return Path(name)
+    path = hub.snapshot(name, download=True) if env.local_rank == 0 else None
+    comm.barrier()  # the node's download is complete
+    return path if path is not None else hub.snapshot(name, download=False)
+
+
+def load_tokenizer(job: JobConfig, source: Path | None):
     """The model's own tokenizer, or the built-in byte tokenizer of a random-init model."""
     if job.data.task == "counting":
         return None
-    if not job.model.model:  # the default tiny model or a --model-config shape
+    if source is None:  # the default tiny model or a --model-config shape
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(job.model.model)
+        return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ValueError(f"--model {job.model.model}: no tokenizer to read the task's text ({str(err).splitlines()[0]})") from None
 
@@ -206,15 +219,14 @@ def build_objective(name: str, data, tokenizer) -> Objective:
     return LanguageModeling()
 
 
-def build_model(job: JobConfig, dtype: torch.dtype, seed: int):
+def build_model(job: JobConfig, dtype: torch.dtype, seed: int, source: Path | None):
     """(model, weight source): a skeleton filled bucket by bucket for a --model-config shape
-    or a local checkpoint directory (never materialised whole); otherwise a loaded model."""
+    or a checkpoint directory (a local path or a hub snapshot: never materialised whole);
+    otherwise the default tiny model, built whole."""
     if job.model.model_config:
         return skeleton(shape_config(job.model.model_config, job.model.model_layers), dtype), RandomWeights(seed)
-    if job.model.model and Path(job.model.model).is_dir():
-        return skeleton(AutoConfig.from_pretrained(job.model.model), dtype), open_checkpoint(job.model.model)
-    if job.model.model:
-        return load_model(job.model.model, dtype), None  # a hub name: transformers downloads and loads it
+    if source is not None:
+        return skeleton(AutoConfig.from_pretrained(source), dtype), open_checkpoint(source)
     return model_from_config(default_model_config(job.data.task), dtype), None
 
 
@@ -231,22 +243,34 @@ def memory_plan(job: JobConfig, model, data, config: ZOConfig, parallel: Paralle
     )
 
 
+def choose_slots(job: JobConfig, model, data, config: ZOConfig, parallel: ParallelContext, device: torch.device) -> MemoryPlan:
+    """The memory plan, with the slot count resolved: 3 unless --num-slots says otherwise or
+    3 do not fit where 2 do (then 2, said in the log). Recorded in config.toml."""
+    plan = memory_plan(job, model, data, config, parallel, device)
+    if job.offload.num_slots is None and config.mode == "offload":
+        try:
+            check_fits(plan, device, parallel.env.local_world_size, force=False)
+        except ValueError:
+            two = memory_plan(job, model, data, dataclasses.replace(config, num_slots=2), parallel, device)
+            try:
+                check_fits(two, device, parallel.env.local_world_size, force=False)
+            except ValueError:
+                pass  # neither fits: the 3-slot plan's refusal (or --force) decides
+            else:
+                logger.info("3 device slots do not fit; using 2 (upload then waits for the offload two blocks back)")
+                config.num_slots, plan = 2, two
+    job.offload.num_slots = config.num_slots
+    return plan
+
+
 def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
     if not env.launched:
-        return ParallelContext(env, dims)
+        return ParallelContext(env, dims, comm=Collectives(device))
     pg.init_process_group(env, pg.resolve_backend(job.parallel.backend, device), job.parallel.dist_timeout)
+    comm = Collectives.for_job(device)  # the device group's collectives, and a gloo group for the host's
     mesh = pg.build_mesh(dims, device)
-    group, members = pg.node_groups(env)
-    return ParallelContext(env, dims, mesh, ShardGroup(group, members, members.index(env.rank)))
-
-
-def agree(value, env: LaunchEnv):
-    """Rank 0's value of a small Python object, on every rank."""
-    if not env.launched or env.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    group, members = pg.node_groups(env, comm)
+    return ParallelContext(env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm)
 
 
 def injected_failure(rank: int) -> int | None:
@@ -303,18 +327,19 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     elif env.launched or job.parallel.threads:
         logger.info("%d CPU threads per rank", pg.set_cpu_threads(env, job.parallel.threads))
     parallel = build_parallel(job, env, dims, device)
-    seed = broadcast_seed(config.seed, device)
-    stamp = agree(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), env)
+    seed = broadcast_seed(config.seed, parallel.comm)
+    stamp = parallel.comm.broadcast_object(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(job.run.output_dir or f"runs/{stamp}")
     job.run.seed = seed  # the resolved config repeats the run, even when the seed was drawn
     logger.info("run %s: seed %d; %d ranks as dp %d x pert %d", run_dir, seed, env.world_size, dims.dp, dims.pert)
 
     torch.manual_seed(seed)  # the random init of the default model: equal on every rank
     dtype = MASTER_DTYPES[job.model.dtype]
-    tokenizer = load_tokenizer(job)
-    model, weights = build_model(job, dtype, seed)
+    source = model_source(job.model.model, env, parallel.comm)
+    tokenizer = load_tokenizer(job, source)
+    model, weights = build_model(job, dtype, seed, source)
     data = build_task_data(job, rows, tokenizer, model.config, seed)
-    plan = memory_plan(job, model, data, config, parallel, device)
+    plan = choose_slots(job, model, data, config, parallel, device)
     logger.info("memory plan: %s", plan.describe())
     check_fits(plan, device, env.local_world_size, job.run.force)
     if env.rank == 0:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,17 +115,18 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
     assert len(list((tmp_path / "ckpt").glob("model-*.safetensors"))) >= 3
     from tests.launch import free_port
 
-    for n in (1, 2):
+    cache = fake_hub_cache(tmp_path / "hub", "org/large", tmp_path / "ckpt")
+    for n, source in ((1, str(tmp_path / "ckpt")), (2, str(tmp_path / "ckpt")), (2, "hub:org/large")):
         out = tmp_path / f"probe{n}"
-        probe = [str(tmp_path / "ckpt"), str(out)]
+        probe = [source, str(out)]
         command = [sys.executable, "tests/stream_probe.py", *probe] if n == 1 else [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
             f"--master_port={free_port()}", "tests/stream_probe.py", *probe]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env())
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env(hub_env(cache)))
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads((tmp_path / f"probe{n}.rank{r}.json").read_text()) for r in range(n)]
         bound = 1.3 * model_bytes / n + 1e9
-        print(f"n={n}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB")
+        print(f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB")
         for record in records:
             assert record["peak_rss"] < bound, (n, record["peak_rss"] / 1e9, bound / 1e9)
         reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
@@ -133,6 +135,59 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
             assert total == pytest.approx(value.sum().item(), rel=1e-12, abs=1e-9), key
             assert squares == pytest.approx(value.square().sum().item(), rel=1e-12), key
         del reference
+
+
+def fake_hub_cache(cache: Path, repo: str, files: Path) -> Path:
+    """A Hugging Face cache holding ``repo`` as a downloaded snapshot of ``files`` (linked,
+    not copied): what snapshot_download finds offline."""
+    commit = "0" * 40
+    home = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = home / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in files.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (home / "refs").mkdir()
+    (home / "refs" / "main").write_text(commit)
+    return cache
+
+
+def hub_env(cache: Path) -> dict[str, str]:
+    return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_name_streams_its_snapshot_like_a_local_directory(tmp_path):
+    from tests.launch import Run, torchrun
+
+    build("llama_tied", seed=3).save_pretrained(tmp_path / "local", max_shard_size="20KB")
+    cache = fake_hub_cache(tmp_path / "hub", "org/tiny-llama", tmp_path / "local")
+    runs = {}
+    for name, model in (("hub", "org/tiny-llama"), ("local", str(tmp_path / "local"))):
+        args = ["--model", model, "--max-steps", "3", "--log-every", "0", "--batch-size", "4", "--seq-len", "8",
+                "--eval-batch-size", "4", "--dtype", "fp64", "--output-dir", str(tmp_path / name)]
+        proc = torchrun(2, args, env=hub_env(cache))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = Run(tmp_path / name)
+    assert runs["hub"].grads == runs["local"].grads
+    assert all(torch.equal(runs["hub"].params[k], runs["local"].params[k]) for k in runs["local"].params)
+
+
+def test_a_missing_hub_model_is_one_line(tmp_path):
+    from distzo.models.hub import snapshot
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_CACHE", str(tmp_path))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ValueError, match="cannot download --model 'org/none'") as info:
+            snapshot("org/none", download=True)
+    assert "\n" not in str(info.value)
+
+
+def test_only_safetensors_are_fetched_when_the_repository_has_them():
+    from distzo.models.hub import weight_patterns
+
+    both = weight_patterns(["config.json", "model.safetensors", "pytorch_model.bin", "modeling.py"])
+    assert "*.safetensors" in both and "*.bin" not in both and not any(p.endswith(".py") for p in both)
+    assert "*.bin" in weight_patterns(["config.json", "pytorch_model.bin"])
 
 
 def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):

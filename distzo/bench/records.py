@@ -4,7 +4,7 @@ Schema (version 1), checked by ``validate_report``::
 
     {
       "schema_version": 1,
-      "benchmark": "bandwidth" | "throughput" | "learning",
+      "benchmark": "bandwidth" | "throughput" | "learning" | "memory",
       "created": ISO-8601 time, "commit": git hash or "unknown",
       "device": "NVIDIA H100 80GB HBM3" | "cpu (N threads)", "torch": version,
       "world_size": int, "command": the command line,
@@ -34,7 +34,7 @@ import torch
 from distzo.bench.timing import Timer
 
 SCHEMA_VERSION = 1
-BENCHMARKS = ("bandwidth", "throughput", "learning")
+BENCHMARKS = ("bandwidth", "throughput", "learning", "memory")
 _SCALAR = (str, int, float, bool, type(None))
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from distzo.dist.collectives import sum_over_world
+from distzo.dist.collectives import Collectives
 from distzo.dist.launch_env import LaunchEnv
 from distzo.dist.parallel_dims import ParallelDims
 
@@ -33,10 +33,15 @@ class ParallelContext:
     dims: ParallelDims
     mesh: DeviceMesh | None = None
     shard_group: ShardGroup | None = None
+    comm: Collectives | None = None  # every collective goes through it; made for the job if not given
+
+    def __post_init__(self) -> None:
+        if self.comm is None:
+            self.comm = Collectives.for_job() if self.env.world_size > 1 else Collectives(torch.device("cpu"))
 
     @classmethod
-    def single(cls) -> "ParallelContext":
-        return cls(LaunchEnv(), ParallelDims(1, 1))
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
+        return cls(LaunchEnv(), ParallelDims(1, 1), comm=Collectives(torch.device(device)))
 
     @property
     def dp_rank(self) -> int:
@@ -61,9 +66,12 @@ class ParallelContext:
             return (1, -1)
         return ((1,), (-1,))[self.pert_rank]
 
-    def reduce(self, vector: torch.Tensor) -> torch.Tensor:
-        """Sum over this context's ranks (a 1-rank context inside a job reduces nothing)."""
-        return sum_over_world(vector) if self.is_distributed else vector
+    def sum_to_host(self, values: torch.Tensor | list) -> list[float]:
+        """Sum over this context's ranks, read on the host (a 1-rank context inside a job
+        reduces nothing): the step's one all-reduce, and evaluation's sums."""
+        if not self.is_distributed:
+            return self.comm.read(self.comm.stack(values))
+        return self.comm.sum_to_host(values)
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This dp group's contiguous share of a global batch; both ranks of a pert pair

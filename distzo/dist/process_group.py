@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distzo.dist.collectives import Collectives, new_group
 from distzo.dist.launch_env import LaunchEnv
 from distzo.dist.parallel_dims import ParallelDims
 
@@ -40,15 +41,14 @@ def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dims.dp, dims.pert), mesh_dim_names=("dp", "pert"))
 
 
-def node_groups(env: LaunchEnv) -> tuple[dist.ProcessGroup, list[int]]:
+def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, list[int]]:
     """This node's group of local ranks (the sliced transfer's shard group) and its members.
 
     Nodes are told apart by torchrun's GROUP_RANK and sized by LOCAL_WORLD_SIZE, as the
-    launcher set them; every rank learns every node's members, since each new_group must
-    be created by all ranks in the same order.
+    launcher set them; every rank learns every node's members (over the host group),
+    since each new_group must be created by all ranks in the same order.
     """
-    places = [None] * env.world_size
-    dist.all_gather_object(places, (env.node_rank, env.local_rank, env.local_world_size))
+    places = comm.all_gather_object((env.node_rank, env.local_rank, env.local_world_size))
     by_node: dict[int, list[tuple[int, int]]] = {}
     for rank, (node, local_rank, local_world) in enumerate(places):
         by_node.setdefault(node, []).append((local_rank, rank))
@@ -57,7 +57,7 @@ def node_groups(env: LaunchEnv) -> tuple[dist.ProcessGroup, list[int]]:
     mine = None
     for node in sorted(by_node):
         members = [rank for _, rank in sorted(by_node[node])]
-        group = dist.new_group(members)
+        group = new_group(members)
         if node == env.node_rank:
             mine = (group, members)
     assert mine is not None

@@ -3,17 +3,22 @@
 An adapter wraps the model's *own* modules; it copies no modeling code. Per-batch
 tensors that every block needs (the attention mask in the form the model's
 attention implementation expects, position ids, rotary tables) are built once by
-``embed`` into a ``BatchContext`` the way the model itself builds them.
+``context`` into a ``BatchContext`` the way the model itself builds them, from the
+*host* copy of the padding mask: the model's mask builders decide whether a mask is
+needed at all by reading the padding mask (``fast_all``), which on a device tensor
+would make the host wait for the GPU before a step could queue its work.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
+
+from distzo.host_memory import to_device
 
 
 @dataclass
@@ -36,8 +41,15 @@ class BlockAdapter(ABC):
         """The streamed transformer layers, in execution order."""
 
     @abstractmethod
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, BatchContext]:
-        """Token ids -> the first block's input, plus the per-batch context."""
+    def context(
+        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+    ) -> BatchContext:
+        """The per-batch tensors of a ``shape`` (rows, length) batch on ``device``, from
+        the padding mask on the host (None: every position is real). No device reads."""
+
+    @abstractmethod
+    def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """Token ids -> the first block's input."""
 
     @abstractmethod
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
@@ -68,8 +80,32 @@ class BlockAdapter(ABC):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Blockwise forward with the parameters in place: the reference for equivalence tests."""
-        hidden, ctx = self.embed(input_ids, attention_mask)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        host_mask = attention_mask.cpu() if attention_mask is not None else None
+        ctx = self.context(host_mask, tuple(input_ids.shape), input_ids.device, dtype)
+        hidden = self.embed(input_ids, ctx)
         for block in self.blocks():
             hidden = self.block_forward(block, hidden, ctx)
         logits = self.logits(hidden)
         return logits, (self.loss(logits, labels, None) if labels is not None else None)
+
+
+def host_built_mask(
+    builder: Callable[..., Any],
+    config: Any,
+    attention_mask: torch.Tensor | None,
+    shape: tuple[int, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    **kwargs: Any,
+) -> Any:
+    """The model's own mask builder run on the host (a stand-in ``inputs_embeds`` carries
+    only shape and dtype), its result moved to ``device``: None when the builder finds
+    the mask unnecessary, a tensor (or a BlockMask) otherwise."""
+    stand_in = torch.empty((*shape, 1), dtype=dtype)
+    mask = builder(config=config, inputs_embeds=stand_in, attention_mask=attention_mask, past_key_values=None, **kwargs)
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        return to_device(mask, device)
+    return mask.to(device)

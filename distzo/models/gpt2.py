@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from distzo.models.adapter import BatchContext, BlockAdapter
+from distzo.host_memory import to_device
+from distzo.models.adapter import BatchContext, BlockAdapter, host_built_mask
 
 
 class GPT2Adapter(BlockAdapter):
@@ -19,18 +20,20 @@ class GPT2Adapter(BlockAdapter):
     def blocks(self) -> list[nn.Module]:
         return list(self._body.h)
 
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, BatchContext]:
-        # As GPT2Model.forward without a cache or token types: positions 0..L-1, the
-        # model's own causal mask, and its embedding dropout (a no-op in eval mode).
+    def context(
+        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+    ) -> BatchContext:
+        # As GPT2Model.forward without a cache or token types: positions 0..L-1 and the
+        # model's own causal mask (built on the host).
+        host_positions = torch.arange(shape[1]).unsqueeze(0)
+        mask = host_built_mask(create_causal_mask, self.model.config, attention_mask, shape, device, dtype,
+                               position_ids=host_positions)
+        return BatchContext(mask, to_device(host_positions, device))
+
+    def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         body = self._body
-        inputs_embeds = body.wte(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        hidden = inputs_embeds + body.wpe(position_ids)
-        mask = create_causal_mask(
-            config=self.model.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=None, position_ids=position_ids,
-        )
-        return body.drop(hidden), BatchContext(mask, position_ids)
+        hidden = body.wte(input_ids) + body.wpe(ctx.position_ids)
+        return body.drop(hidden)  # the model's embedding dropout (a no-op in eval mode)
 
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return block(hidden, None, ctx.attention_mask, None, use_cache=False, position_ids=ctx.position_ids)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from distzo.models.adapter import BatchContext, BlockAdapter
+from distzo.host_memory import to_device
+from distzo.models.adapter import BatchContext, BlockAdapter, host_built_mask
 
 
 class LlamaFamilyAdapter(BlockAdapter):
@@ -28,22 +29,27 @@ class LlamaFamilyAdapter(BlockAdapter):
             return layer_types[block.self_attn.layer_idx]
         return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, BatchContext]:
+    def context(
+        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+    ) -> BatchContext:
         # As the model's own forward without a cache: positions 0..L-1 (the family does not
-        # shift them for left padding), masks from the model's own builders, one of each kind
-        # its layers use, and the rotary tables computed once by its rotary module.
-        body = self._body
-        inputs_embeds = body.embed_tokens(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        mask_kwargs = dict(
-            config=self.model.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=None, position_ids=position_ids,
-        )
+        # shift them for left padding), masks from the model's own builders (on the host),
+        # one of each kind its layers use, and the rotary tables computed once by its
+        # rotary module (which reads only the dtype and device of its first argument).
+        host_positions = torch.arange(shape[1]).unsqueeze(0)
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         kinds = {self._layer_type(block) for block in self.blocks()}
-        masks = {kind: builders[kind](**mask_kwargs) for kind in kinds}
-        position_embeddings = body.rotary_emb(inputs_embeds, position_ids=position_ids)
-        return inputs_embeds, BatchContext(masks, position_ids, {"position_embeddings": position_embeddings})
+        masks = {
+            kind: host_built_mask(builders[kind], self.model.config, attention_mask, shape, device, dtype,
+                                  position_ids=host_positions)
+            for kind in kinds
+        }
+        position_ids = to_device(host_positions, device)
+        position_embeddings = self._body.rotary_emb(torch.empty(0, dtype=dtype, device=device), position_ids=position_ids)
+        return BatchContext(masks, position_ids, {"position_embeddings": position_embeddings})
+
+    def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        return self._body.embed_tokens(input_ids)
 
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return block(

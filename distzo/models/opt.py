@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from distzo.models.adapter import BatchContext, BlockAdapter
+from distzo.host_memory import to_device
+from distzo.models.adapter import BatchContext, BlockAdapter, host_built_mask
 
 
 class OPTAdapter(BlockAdapter):
@@ -19,23 +20,24 @@ class OPTAdapter(BlockAdapter):
     def blocks(self) -> list[nn.Module]:
         return list(self._decoder.layers)
 
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, BatchContext]:
+    def context(
+        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+    ) -> BatchContext:
         # Mirrors OPTDecoder.forward without a cache: positions come from the dense mask
         # (so left padding works), while the mask handed to the layers stays None when the
         # batch is unpadded, exactly as the model passes it.
+        position_mask = attention_mask if attention_mask is not None else torch.ones(shape, dtype=torch.long)
+        position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()
+        causal_mask = host_built_mask(create_causal_mask, self._decoder.config, attention_mask, shape, device, dtype)
+        return BatchContext(causal_mask, to_device(position_ids, device))
+
+    def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         decoder = self._decoder
         inputs_embeds = decoder.embed_tokens(input_ids)
-        position_mask = attention_mask
-        if position_mask is None:
-            position_mask = torch.ones(input_ids.shape, device=input_ids.device, dtype=torch.long)
-        position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()
-        causal_mask = create_causal_mask(
-            config=decoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=None
-        )
-        pos_embeds = decoder.embed_positions(position_mask, 0, position_ids=position_ids)
+        pos_embeds = decoder.embed_positions(None, 0, position_ids=ctx.position_ids)  # the ids given: no mask read
         if decoder.project_in is not None:
             inputs_embeds = decoder.project_in(inputs_embeds)
-        return inputs_embeds + pos_embeds, BatchContext(causal_mask, position_ids)
+        return inputs_embeds + pos_embeds
 
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return block(hidden, attention_mask=ctx.attention_mask, position_ids=ctx.position_ids)

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 import torch
 
 from distzo.objectives.runner import PassRunner
+from distzo.host_memory import to_device
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
 from distzo.zo.estimator import Pass
 
@@ -69,8 +70,8 @@ def collate_choices(encodings: Sequence[ChoiceEncoding], pad_id: int) -> dict[st
 
 @dataclass
 class ChoiceBatch:
-    input_ids: torch.Tensor  # [E * R, L]
-    attention_mask: torch.Tensor
+    input_ids: torch.Tensor  # [E * R, L], on the device
+    attention_mask: torch.Tensor  # on the host: the model's masks are built there
     targets: HeadTargets  # groups: e * C + candidate
     counts: torch.Tensor  # [E * C] tokens per candidate
     present: torch.Tensor  # [E, C] candidates that exist
@@ -100,12 +101,12 @@ def prepare_choices(batch: Mapping[str, torch.Tensor], device: torch.device, ful
     counts = torch.bincount(group, minlength=examples * candidates)
     targets = HeadTargets.build(flat, batch["score_token"].cpu()[e, s], group, device, full_head)
     return ChoiceBatch(
-        input_ids.reshape(examples * rows, length).to(device, non_blocking=True),
-        batch["attention_mask"].reshape(examples * rows, length).to(device, non_blocking=True),
+        to_device(input_ids.reshape(examples * rows, length), device),
+        batch["attention_mask"].reshape(examples * rows, length).cpu(),
         targets,
-        counts.to(device, non_blocking=True),
-        (counts > 0).view(examples, candidates).to(device, non_blocking=True),
-        batch["label"].to(device, non_blocking=True),
+        to_device(counts, device),
+        to_device((counts > 0).view(examples, candidates), device),
+        to_device(batch["label"], device),
         examples,
         candidates,
     )

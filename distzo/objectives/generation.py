@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from distzo.host_memory import to_device
 from distzo.objectives.metrics import answer_text, f1_score
 from distzo.objectives.runner import PassRunner
 from distzo.zo.estimator import Pass
@@ -43,8 +44,8 @@ def collate_prompts(
 
 @dataclass
 class PromptBatch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    input_ids: torch.Tensor  # on the device
+    attention_mask: torch.Tensor  # on the host: the model's masks are built there
     prompt_length: torch.Tensor  # on the device
     longest_prompt: int  # host copies of what sizes the loop
     max_new_tokens: int
@@ -62,9 +63,9 @@ def prepare_prompts(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
     # (a data-parallel shard may be narrower), so T is read from the mask, not the width.
     new_tokens = int(batch["attention_mask"][0].sum()) - int(lengths[0])
     return PromptBatch(
-        batch["input_ids"].to(device, non_blocking=True),
-        batch["attention_mask"].to(device, non_blocking=True),
-        lengths.to(device, non_blocking=True),
+        to_device(batch["input_ids"], device),
+        batch["attention_mask"].cpu(),
+        to_device(lengths, device),
         int(lengths.max()),
         new_tokens,
         batch["example"].cpu().tolist(),

@@ -8,6 +8,7 @@ from typing import Mapping
 import torch
 
 from distzo.objectives.runner import PassRunner
+from distzo.host_memory import to_device
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
 from distzo.zo.estimator import Pass
 
@@ -23,8 +24,8 @@ def default_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class LMBatch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
+    input_ids: torch.Tensor  # on the device
+    attention_mask: torch.Tensor | None  # on the host: the model's masks are built there
     targets: HeadTargets
 
 
@@ -37,11 +38,7 @@ def prepare_lm(batch: Mapping[str, torch.Tensor], device: torch.device, full_hea
     rows, cols = (following != -100).nonzero(as_tuple=True)
     targets = HeadTargets.build(rows * input_ids.shape[1] + cols, following[rows, cols], None, device, full_head)
     mask = batch.get("attention_mask")
-    return LMBatch(
-        input_ids.to(device, non_blocking=True),
-        mask.to(device, non_blocking=True) if mask is not None else None,
-        targets,
-    )
+    return LMBatch(to_device(input_ids, device), mask.cpu() if mask is not None else None, targets)
 
 
 def lm_sums(runner: PassRunner, prepared: LMBatch, p: Pass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

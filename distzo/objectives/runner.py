@@ -22,7 +22,8 @@ class PassRunner(Protocol):
         self, input_ids: Mapping[Pass, torch.Tensor], attention_mask: torch.Tensor | None
     ) -> dict[Pass, torch.Tensor]:
         """Each pass's last hidden states ``[rows, length, width]`` for its own token ids
-        (one shared mask). The dict's first key is the pass whose head is cheapest to read
+        (device tensors) and one shared padding mask (a host tensor: the model's masks are
+        built on the host, so nothing waits for the device; None: no padding). The dict's first key is the pass whose head is cheapest to read
         next, so reading heads in its order perturbs the resident bucket least."""
         ...
 

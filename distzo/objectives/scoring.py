@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distzo.host_memory import to_device
 from distzo.objectives.runner import PassRunner
 from distzo.zo.estimator import Pass
 
@@ -56,10 +57,8 @@ class HeadTargets:
             chunks.append((p_lo, p_hi, n_lo, n_hi))
             n_lo = n_hi
 
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        return cls(move(positions), move(entry_head), move(tokens[order]), move(groups[order]), chunks, full_head)
+        return cls(to_device(positions, device), to_device(entry_head, device), to_device(tokens[order], device),
+                   to_device(groups[order], device), chunks, full_head)
 
     @property
     def num_entries(self) -> int:

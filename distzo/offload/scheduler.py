@@ -7,6 +7,10 @@ Ordering rules (each enforced by an event, never a global synchronize):
 and each stream is FIFO. The last rule also orders a block's offload at step t
 before its upload at step t+1, because that upload waits for a later offload on
 the same FIFO stream.
+
+A pass that changes no block (an evaluation forward, a decoding step: no pending
+update) skips the offloads, whose host copies are already right: then a slot is free
+again once its compute has read it, upload(j) waits compute(j - K).
 """
 
 from __future__ import annotations
@@ -36,9 +40,19 @@ class BlockScheduler:
         if self.timeline is not None:
             self.timeline.end(phase, block, mark)
 
-    def run(self, compute: Callable[[int, torch.Tensor], None]) -> None:
+    def run(
+        self,
+        compute: Callable[[int, torch.Tensor], None],
+        prologue: Callable[[], None] | None = None,
+        offload: bool = True,
+    ) -> None:
         """Stream every block through the device once, calling ``compute(i, bucket)``
-        on the compute stream with block i's device master bucket."""
+        on the compute stream with block i's device master bucket.
+
+        ``prologue`` runs on the compute stream after the first K uploads are queued (the
+        embedding: the link starts moving blocks before the host queues any compute).
+        ``offload=False``: the blocks were only read; nothing goes back to the host.
+        """
         n, k = self.num_blocks, self.store.num_slots
         s = self.streams
         uploaded: list[torch.cuda.Event | None] = [None] * k
@@ -51,14 +65,20 @@ class BlockScheduler:
 
         for j in range(min(k, n)):
             upload(j)
+        if prologue is not None:
+            with s.on("compute"):
+                prologue()
         for i in range(n):
             with s.on("compute"):
                 s.wait("compute", uploaded[i % k])
                 self._phase("compute", i, lambda: compute(i, self.store.device_bucket(i)))
                 computed = s.record("compute")
-            with s.on("offload"):
-                s.wait("offload", computed)
-                self._phase("offload", i, lambda: self.store.offload(i))
-                self._slot_free[i % k] = s.record("offload")
+            if offload:
+                with s.on("offload"):
+                    s.wait("offload", computed)
+                    self._phase("offload", i, lambda: self.store.offload(i))
+                    self._slot_free[i % k] = s.record("offload")
+            else:
+                self._slot_free[i % k] = computed
             if i + k < n:
                 upload(i + k)

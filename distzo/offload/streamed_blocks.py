@@ -28,8 +28,10 @@ import torch.distributed as dist
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.device_slots import DeviceSlots
 from distzo.offload.low_bit import round_nearest_, round_stochastic_
+from distzo.offload.pinned import pinned_zeros
 
-if TYPE_CHECKING:  # offload takes a noise source; it does not reach into zo's internals
+if TYPE_CHECKING:  # offload takes a noise source and the job's collectives; it reaches into neither
+    from distzo.dist import Collectives
     from distzo.zo import NoiseSource
 
 # Rounding noise ids live far above block ids, so they never reuse a perturbation's seeds.
@@ -38,11 +40,13 @@ ROUNDING_STREAM = 1 << 40
 
 @dataclass
 class Shard:
-    """This rank's share of the host copy: slice ``rank`` of ``size``, gathered over ``group``."""
+    """This rank's share of the host copy: slice ``rank`` of ``size``, gathered over
+    ``group`` by ``comm`` (the job's collectives: device placement and waits)."""
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
+    comm: "Collectives | None" = None
 
 
 class StreamedBlocks:
@@ -76,7 +80,9 @@ class StreamedBlocks:
         self.slice_len = [p // n for p in self.padded]
 
         pin = device.type == "cuda"
-        self.host_storage = torch.zeros(sum(self.slice_len), dtype=self.transfer_dtype, pin_memory=pin)
+        total = sum(self.slice_len)
+        # Pinned at its exact size (the caching allocator behind pin_memory=True rounds up to 2^k).
+        self.host_storage = pinned_zeros(total, self.transfer_dtype) if pin else torch.zeros(total, dtype=self.transfer_dtype)
         self.host_pinned = pin
         self.host_slices: list[torch.Tensor] = []
         offset = 0
@@ -116,9 +122,9 @@ class StreamedBlocks:
                 # backend. Asynchronous, so the next piece's copy overlaps this gather.
                 raw = wire[j * piece_len : (j + 1) * piece_len].view(torch.uint8)
                 own = wire[s_lo:s_hi].view(torch.uint8)
-                gathers.append(dist.all_gather_into_tensor(raw, own, group=self.shard.group, async_op=True))
+                gathers.append(self.shard.comm.all_gather_into(raw, own, self.shard.group))
         for work in gathers:
-            work.wait()  # on CUDA: the current (upload) stream waits, the host does not
+            self.shard.comm.wait(work)  # on CUDA: the current (upload) stream waits, the host does not
         if self.low_bit:
             self.slots.for_block(index, self.padded[index]).copy_(wire)
 

@@ -33,20 +33,26 @@ class Streams:
 
     @contextlib.contextmanager
     def compute_scope(self) -> Iterator[None]:
-        """Run a whole pass on the compute stream, ordered after and before the caller's stream.
+        """Run engine work (a step, a read-back) with the compute stream current, joined
+        with the caller's stream both ways.
 
-        Entering waits for the caller's queued work (a batch or buffers it just wrote);
-        leaving makes the caller's stream wait for the pass, so results are safe to use there.
+        Entering, all three streams wait for the caller's queued work (a batch it copied,
+        a block it loaded, a slot a read-back gathered into); leaving, the caller's stream
+        waits for all three, so whatever the engine wrote (results, slots, host copies)
+        is safe to use, reuse or tear down after it on the caller's stream.
         """
         if not self.is_async:
             yield
             return
         caller = torch.cuda.current_stream(self.device)
-        compute = self._streams["compute"]
-        compute.wait_stream(caller)
-        with torch.cuda.stream(compute):
-            yield
-        caller.wait_stream(compute)
+        for stream in self._streams.values():
+            stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._streams["compute"]):
+                yield
+        finally:
+            for stream in self._streams.values():
+                caller.wait_stream(stream)
 
     def record(self, phase: str, timing: bool = False) -> torch.cuda.Event | None:
         """An event marking everything queued so far on ``phase``; None on CPU."""
