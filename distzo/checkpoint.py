@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.dist.collectives import host_barrier, new_host_group, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
+from distzo.zo import NOISE_KINDS, NOISE_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,36 @@ def _pending_update(vector: torch.Tensor) -> PendingUpdate | None:
     return PendingUpdate(int(step), (first, *rest), lr) if has else None
 
 
+def _noise_vector(kind: str) -> torch.Tensor:
+    """The noise a checkpoint was drawn with: [kind index, version] (legacy: version 0)."""
+    return torch.tensor([NOISE_KINDS.index(kind), 0 if kind == "legacy" else NOISE_VERSION], dtype=torch.int64)
+
+
+def _noise_identity(vector: torch.Tensor) -> str:
+    index, version = (int(v) for v in vector.tolist())
+    kind = NOISE_KINDS[index] if 0 <= index < len(NOISE_KINDS) else f"kind {index}"
+    return kind if version == 0 else f"{kind}-v{version}"
+
+
 def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
     return {
         "meta/step": torch.tensor([engine.step_index], dtype=torch.int64),
         "meta/run_seed": torch.tensor([engine.run_seed], dtype=torch.int64),
         "meta/noise_chunk": torch.tensor([engine.config.noise_chunk], dtype=torch.int64),
+        "meta/noise": _noise_vector(engine.config.noise),
         "meta/pending": _pending_vector(engine.pending),
     }
+
+
+def checkpoint_noise(path: Path) -> str:
+    """The noise kind a checkpoint was drawn with (a checkpoint from before noise kinds: legacy),
+    read on the host without a process group, so a resumed run can pick it before building."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if "meta/noise" not in saved:
+        return "legacy"
+    meta = {"meta/noise": torch.zeros(2, dtype=torch.int64)}
+    dcp.load(meta, checkpoint_id=str(path), no_dist=True)
+    return _noise_identity(meta["meta/noise"]).split("-v")[0]
 
 
 class PrivateCopies(AsyncStager):
@@ -174,11 +198,14 @@ class Checkpointer:
         engine.streams.synchronize()
         meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
         # The pending update has as many g as the saving run had queries, whatever this one has.
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata["meta/pending"]
-        meta["meta/pending"] = torch.zeros(saved.size, dtype=torch.float64)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        meta["meta/pending"] = torch.zeros(saved["meta/pending"].size, dtype=torch.float64)
+        if "meta/noise" not in saved:  # written before noise kinds: legacy noise
+            del meta["meta/noise"]
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
         dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
-        engine.check_noise_chunk(int(meta["meta/noise_chunk"]), str(path))
+        identity = _noise_identity(meta["meta/noise"]) if "meta/noise" in meta else "legacy"
+        engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path))
         for i, layout in enumerate(engine.block_layouts):
             buffer = {f"block/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)}
             dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)  # one block at a time

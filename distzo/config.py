@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
 MODES = ("offload", "resident")
@@ -19,8 +20,11 @@ class ZOConfig:
     """Options of one ZO run (MeZO-SGD on a resident or offloaded model).
 
     ``seed`` None draws a run seed at random; the step noise derives from it alone.
-    ``noise_chunk`` is part of the run's identity: z is drawn in chunks of this many
-    elements, so changing it changes the trajectory. ``transfer`` picks how blocks
+    ``noise`` is the kind of z: ``gaussian`` (default) or ``rademacher`` draw each element
+    from Philox keyed by its coordinates, the same on every device (``noise_chunk`` is
+    then only the workspace size); ``legacy`` is the ``torch.Generator`` noise of earlier
+    versions, for their checkpoints and seed logs (its z depends on ``noise_chunk`` and
+    on the device type). ``transfer`` picks how blocks
     cross the link (``auto``: sliced on CUDA+NCCL with several local ranks, else naive);
     ``transfer_dtype`` is their format in host memory and on the wire (fp32 masters stay
     on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
@@ -50,6 +54,7 @@ class ZOConfig:
     compute_dtype: str = "auto"
     transfer_chunks: int = 4
     num_queries: int = 1
+    noise: str = "gaussian"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +82,11 @@ class ZOConfig:
             )
         if self.noise_chunk < 1:
             raise ValueError(f"noise_chunk must be >= 1 element, got {self.noise_chunk}")
+        if self.noise not in NOISE_KINDS:
+            raise ValueError(
+                f"noise must be one of {', '.join(NOISE_KINDS)}, got {self.noise!r}; gaussian is MeZO's z, "
+                "rademacher SPSA's +-1"
+            )
         if self.transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
         if self.transfer_dtype not in TRANSFER_DTYPE_NAMES:

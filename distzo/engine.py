@@ -36,7 +36,16 @@ from distzo.objectives import LanguageModeling, Objective, PassRunner
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
-from distzo.zo import NoiseSource, Pass, learning_rate, loss_contribution, passes, projected_gradients
+from distzo.zo import (
+    NOISE_KINDS,
+    NoiseSource,
+    Pass,
+    learning_rate,
+    loss_contribution,
+    noise_identity,
+    passes,
+    projected_gradients,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -262,11 +271,12 @@ class ZOEngine:
         return resolve_transfer(self.config, self.device, self.parallel)
 
     def _make_noise(self, dtype: torch.dtype) -> None:
-        self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, dtype)
-        # A separate source (own generator and workspace) for rounding: it runs on the
+        kind = self.config.noise
+        self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, dtype, kind=kind)
+        # A separate source (own stream and workspace) for rounding: it runs on the
         # offload stream, concurrently with the compute stream's perturbations.
         self.rounding_noise = (
-            NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform")
+            NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform", kind=kind)
             if self.config.transfer_dtype != "fp32"
             else None
         )
@@ -377,13 +387,14 @@ class ZOEngine:
             "step": self.step_index,
             "run_seed": self.run_seed,
             "noise_chunk": self.config.noise_chunk,
+            "noise": noise_identity(self.config.noise),
             "pending": asdict(self.pending) if self.pending is not None else None,
             "params": {name: params[name] for name in self.canonical_names},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
-        self.check_noise_chunk(int(state["noise_chunk"]), "the state")
+        self.check_noise(state.get("noise", "legacy"), int(state["noise_chunk"]), "the state")
         params = state["params"]
         expected = set(self.canonical_names)
         if set(params) != expected:
@@ -402,12 +413,20 @@ class ZOEngine:
         pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
         self.restore(int(state["step"]), int(state["run_seed"]), pending)
 
-    def check_noise_chunk(self, trained: int, source: str) -> None:
-        """z depends on the chunk size: a state drawn with another one continues another run."""
-        if trained != self.config.noise_chunk:
+    def check_noise(self, identity: str, chunk: int, source: str) -> None:
+        """A state continues its run only with the same z: the same noise kind and version
+        (``noise_identity``; a state from before noise kinds is ``legacy``), and for the
+        legacy kind the same chunk size, which its z depends on."""
+        ours = noise_identity(self.config.noise)
+        if identity != ours:
+            kind = identity.split("-v")[0]
+            fix = f"set noise {kind}" if kind in NOISE_KINDS and identity == noise_identity(kind) else (
+                "use the distzo version that wrote it")
+            raise ValueError(f"{source} was trained with {identity} noise, the engine draws {ours}; {fix}")
+        if self.config.noise == "legacy" and chunk != self.config.noise_chunk:
             raise ValueError(
-                f"{source} was trained with noise_chunk {trained}, the engine has {self.config.noise_chunk}; "
-                "set noise_chunk to match"
+                f"{source} was trained with noise_chunk {chunk}, the engine has {self.config.noise_chunk}; "
+                "set noise_chunk to match (legacy noise depends on it)"
             )
 
     def restore(self, step: int, run_seed: int, pending: PendingUpdate | None) -> None:

@@ -68,6 +68,11 @@ class OptimOptions:
         "classification for sst2, rte, cb, boolq, wic, multirc and lm for copa, squad, text, counting",
         ("lm", "classification", "accuracy", "f1"),
     )
+    noise: str | None = option(
+        None, "the random directions z: gaussian (MeZO's, default) or rademacher (+-1, SPSA's), both drawn per "
+        "element from Philox and the same on every device; legacy (torch.Generator, earlier versions' runs). "
+        "A resumed run keeps its checkpoint's", ("gaussian", "rademacher", "legacy"),
+    )
     num_queries: int = option(
         1, "random directions per step, their estimates averaged (n-SPSA): each adds two forward passes "
         "per block, no transfer"

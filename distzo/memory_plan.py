@@ -25,6 +25,7 @@ from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
+from distzo.zo.noise import planned_noise_bytes
 
 logger = logging.getLogger(__name__)
 GB = 1e9
@@ -83,7 +84,10 @@ def plan_memory(
     chunks = config.transfer_chunks if owners > 1 else 1
     padded = [round_up(l.numel, owners * chunks * ALIGN_ELEMENTS) for l in layouts]
     largest = max(padded)
-    noise = config.noise_chunk * master + (config.noise_chunk * 4 if wire != master else 0)
+    device_type = config.torch_device().type
+    noise = planned_noise_bytes(config.noise_chunk, master, device_type, config.noise)
+    if wire != master:  # stochastic rounding's uniforms, float32
+        noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
     if config.mode == "offload":
         host = sum(padded) // owners * wire
         blocks = config.num_slots * largest * (master + (wire if wire != master else 0))

@@ -2,9 +2,13 @@
 its seeds and scalars.
 
 A ZO-SGD run is fully described by its base weights and, per step, (step, g per query,
-lr): z is regenerated from (run seed, step, block, chunk, query), so replaying the updates in order
-gives the fine-tuned weights bit for bit (on the device type that trained them: CPU
-and CUDA generators draw different z). The log is kilobytes where a checkpoint is the
+lr): z is regenerated from (run seed, step, block, query) and the element, so replaying
+the updates in order gives the fine-tuned weights: bit for bit on the device type that
+trained them, and on any other device along exactly the same directions (the portable
+noise draws the same z everywhere; the update's arithmetic may round differently, a
+fused multiply-add on a GPU, so the weights agree to float rounding). Logs from before
+noise kinds carry ``legacy`` noise, whose z differs between CPU and CUDA: they replay
+only on the device type that trained them. The log is kilobytes where a checkpoint is the
 model's size, so it is also a cheap checkpoint between full saves. Runs with a low-bit
 transfer round stochastically on the host and cannot be replayed from the log.
 """
@@ -27,6 +31,7 @@ from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.zo import NOISE_KINDS, noise_identity
 
 logger = logging.getLogger("distzo.replay")
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -76,12 +81,17 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
             "are not a function of the log; use the run's export/ instead"
         )
     device = device or header["device_type"]
+    identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator
+    kind = identity.split("-v")[0]
+    if kind not in NOISE_KINDS or identity != noise_identity(kind):
+        raise ValueError(f"--log {log}: the run drew {identity} noise, which this distzo does not draw; "
+                         "replay it with the version that wrote it")
     config = ZOConfig(
         lr=0.0, mode="resident", device=device, weight_decay=header["weight_decay"],
-        noise_chunk=header["noise_chunk"], seed=header["run_seed"],
+        noise_chunk=header["noise_chunk"], seed=header["run_seed"], noise=kind,
     )
-    if config.torch_device().type != header["device_type"]:
-        raise ValueError(f"the run drew its noise on {header['device_type']}; replay it on that device type")
+    if kind == "legacy" and config.torch_device().type != header["device_type"]:
+        raise ValueError(f"the run drew legacy noise on {header['device_type']}; replay it on that device type")
     model, weights = base_model(base, header, DTYPES[header["dtype"]])
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     for record in steps:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from distzo.bench.records import device_name
-from distzo.checkpoint import Checkpointer, latest_checkpoint
+from distzo.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
 from distzo.export import check_shard_size, export_hf
 from distzo.cli_errors import fail
 from distzo.config import ZOConfig
@@ -64,6 +64,7 @@ from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
+from distzo.zo import noise_identity
 
 logger = logging.getLogger("distzo.train")
 
@@ -146,7 +147,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         warmup_steps=optim.warmup_steps, max_steps=optim.max_steps, mode=off.mode, num_slots=3 if off.num_slots is None else off.num_slots,
         device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
-        transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries,
+        transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries, noise=optim.noise or "gaussian",
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)
@@ -164,6 +165,12 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         raise ValueError("--resume needs --output-dir: the run directory to resume")
     if run.resume and not latest_checkpoint(Path(run.output_dir) / "checkpoints"):
         raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
+    if run.resume:  # the run goes on with the z it was drawn with
+        drawn = checkpoint_noise(latest_checkpoint(Path(run.output_dir) / "checkpoints"))
+        if optim.noise not in (None, drawn):
+            raise ValueError(f"--resume: the run was drawn with {drawn} noise; drop --noise {optim.noise} or set it to {drawn}")
+        config.noise = drawn
+    optim.noise = config.noise  # resolved: config.toml records it
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", optim.lr)
     return config, dims, rows
@@ -355,7 +362,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     logs = None
     if env.rank == 0:
         header = {
-            "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "weight_decay": config.weight_decay,
+            "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "noise": noise_identity(config.noise),
+            "weight_decay": config.weight_decay,
             "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
             "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
             "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
@@ -420,6 +428,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     export = export_hf(engine, run_dir / "export", tokenizer, job.run.export_shard_size)
     record = {
         "rank": env.rank, "device": device_name(device), "transfer": engine.transfer,
+        "noise": noise_identity(config.noise), "noise_backend": engine.noise.backend,
         "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
         "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
         "formula_coordinates": list(dims.coordinates(env.rank)),

@@ -116,6 +116,19 @@ def test_throughput_compares_the_head_at_labels_with_the_full_head(tmp_path):
     assert peaks["eval_full"] >= peaks["eval_at_labels"]  # the full float32 log-softmax is never smaller
 
 
+def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
+    out = tmp_path / "noise.json"
+    run(["benchmarks/noise.py", "--quick", "--out", str(out)])
+    data = load(out)
+    names = {m["name"] for m in data["measurements"]}
+    assert names == {f"{op}_{path}" for op in ("perturb", "update", "rounding") for path in ("old", "new", "torch")} | {
+        "step_old", "step_new"}
+    assert all(m["metrics"]["elements_per_s"] > 0 for m in data["measurements"] if "op" in m["params"])
+    backends = {m["name"]: m["params"]["noise_backend"] for m in data["measurements"] if m["name"].startswith("step")}
+    assert backends["step_old"] == "legacy" and backends["step_new"] in ("c", "torch")
+    assert {"perturb_new_over_old_speed", "step_new_over_old_speed"} <= data["derived"].keys()
+
+
 GGUF = os.environ.get("DISTZO_SMOLLM2_GGUF")
 SST2_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2-sample"
 

@@ -208,3 +208,41 @@ def test_a_resumed_run_keeps_the_evaluation_at_its_resume_step(tmp_path):
     assert launch(1, args + ["--resume"]).returncode == 0
     steps = [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert steps == [0, 2, 4, 6, 8]
+
+
+def test_noise_kinds_resume_and_replay_with_the_noise_they_were_drawn_with(tmp_path):
+    import json
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    flags = COMMON + ["--noise", "legacy", "--weight-decay", "0.1"]
+    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
+    assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    # Resuming keeps the checkpoint's kind without being told; naming another is one line.
+    wrong = launch(1, COMMON + ["--noise", "rademacher", "--output-dir", str(cut), "--resume"])
+    assert wrong.returncode == 2 and "drawn with legacy noise; drop --noise rademacher" in wrong.stderr
+    proc = launch(1, COMMON + ["--weight-decay", "0.1", "--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Run(cut).grads == Run(full).grads
+    assert_same_params(Run(cut), Run(full))
+    assert Run(full).ranks[0]["noise"] == "legacy"
+
+    # A seed log from before noise kinds (no "noise" in its header) replays as legacy.
+    lines = (full / "seedlog.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["noise"] == "legacy"
+    for name, identity in (("old", None), ("future", "gaussian-v99")):
+        edited = {k: v for k, v in header.items() if k != "noise"} | ({"noise": identity} if identity else {})
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("\n".join([json.dumps(edited), *lines[1:]]) + "\n")
+        proc = subprocess.run(
+            [sys.executable, "-m", "distzo.replay", "--base", str(full / "base"), "--log", str(log),
+             "--out", str(tmp_path / name)], capture_output=True, text=True, timeout=120, env=child_env(),
+        )
+        if identity is None:
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            replayed = load_file(str(tmp_path / name / "model.safetensors"))
+            exported = load_file(str(full / "export" / "model.safetensors"))
+            assert all(torch.equal(exported[k], replayed[k]) for k in exported)
+        else:
+            assert proc.returncode == 2 and "drew gaussian-v99 noise" in proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1

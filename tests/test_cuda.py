@@ -185,3 +185,44 @@ def test_host_blocks_are_pinned_at_exactly_the_planned_size():
     host = store.host_storage
     store.slots.buffers[0][:4].copy_(host[:4], non_blocking=True)  # an asynchronous copy from it works
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kind,distribution", [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")])
+def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
+    """The portable noise: the Triton kernels on the GPU draw exactly the CPU's z."""
+    from distzo.zo import NoiseSource
+
+    gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, distribution, kind=kind)
+    cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, distribution, kind=kind)
+    assert gpu.backend == "triton"
+    for n, step, block in [(1, 0, 0), (4097, 3, 2), (3_000_001, 123456, 77)]:
+        on_gpu, on_cpu = gpu.full(n, step, block), cpu.full(n, step, block)
+        assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32)), n
+
+
+def test_cuda_fused_noise_ops_follow_the_cpu_ops():
+    """perturb and update in one kernel each: the same z, arithmetic within an ulp of the CPU's;
+    bf16 stochastic rounding bit for bit."""
+    from distzo.offload.low_bit import round_keyed_
+    from distzo.zo import NoiseSource
+
+    gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32)
+    cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32)
+    theta = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
+    out_gpu, out_cpu = torch.empty_like(theta, device="cuda"), torch.empty_like(theta)
+    gpu.perturb_into(out_gpu, theta.cuda(), 1e-3, 4, 9)
+    cpu.perturb_into(out_cpu, theta, 1e-3, 4, 9)
+    ulps = (out_gpu.cpu().view(torch.int32).long() - out_cpu.view(torch.int32).long()).abs().max()
+    assert int(ulps) <= 1
+    updated_gpu, updated_cpu = theta.cuda(), theta.clone()
+    gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
+    cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
+    ulps = (updated_gpu.cpu().view(torch.int32).long() - updated_cpu.view(torch.int32).long()).abs().max()
+    assert int(ulps) <= 2
+    rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
+    rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
+    wire_gpu = torch.empty(theta.numel(), dtype=torch.bfloat16, device="cuda")
+    wire_cpu = torch.empty(theta.numel(), dtype=torch.bfloat16)
+    round_keyed_(wire_gpu, theta.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
+    round_keyed_(wire_cpu, theta, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
+    assert torch.equal(wire_gpu.cpu().view(torch.int16), wire_cpu.view(torch.int16))

@@ -51,6 +51,25 @@ def test_flushing_early_does_not_change_the_trajectory():
     assert_same_trajectory(run("offload", steps=6, flush_at=(1, 2, 4)), run("offload", steps=6))
 
 
+def test_the_trajectory_depends_only_on_the_noise_key(monkeypatch):
+    """Portable z: another workspace size (chunking) or the slow torch generator in place
+    of the C kernel draws the same z, so the whole run is the same, bit for bit."""
+    reference = run("offload", steps=4, noise_chunk=1000)
+    assert_same_trajectory(run("offload", steps=4, noise_chunk=333), reference)
+    assert_same_trajectory(run("resident", steps=4, noise_chunk=4096 * 3 + 1), reference)
+    monkeypatch.setattr("distzo.zo.fast_noise.available", lambda: False)
+    slow = run("offload", steps=4, noise_chunk=1000)
+    assert_same_trajectory(slow, reference)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "legacy"])
+def test_every_noise_kind_keeps_offload_equal_to_resident(kind):
+    resident = run("resident", steps=4, noise=kind)
+    assert_same_trajectory(run("offload", steps=4, noise=kind), resident)
+    with pytest.raises(AssertionError):  # and the kind is really another z
+        assert_same_trajectory(resident, run("resident", steps=4))
+
+
 # Few parameters: the step length is eps * |z| ~ eps * sqrt(#params), and the central
 # difference's curvature error grows with its square. GELU, not OPT's ReLU: a central
 # difference across a ReLU kink is not the derivative, and with thousands of
@@ -88,7 +107,7 @@ def buckets_of(engine):
     return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [(l, i + 1) for i, l in enumerate(engine.block_layouts)]
 
 
-@pytest.mark.parametrize("seed", [1, 3, 4])
+@pytest.mark.parametrize("seed", [2, 3, 8])  # |g| >= 0.1: a relative bound means something
 def test_projected_gradient_equals_z_dot_autograd_gradient(seed):
     _, (g,), (dot,) = zo_and_autograd_gradient(seed, eps=1e-4)
     assert g == pytest.approx(dot, rel=1e-4)
@@ -96,7 +115,7 @@ def test_projected_gradient_equals_z_dot_autograd_gradient(seed):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_projected_gradient_error_is_the_central_difference_truncation(seed):
-    # Where g is near 0 (seed 2: |g| ~ 0.01) a relative bound at eps=1e-4 is meaningless; what
+    # Where g is near 0 (seed 1: |g| ~ 0.005) a relative bound at eps=1e-4 is meaningless; what
     # shows that the estimator has no bias is that its error shrinks as eps^2.
     _, (g4,), (dot,) = zo_and_autograd_gradient(seed, eps=1e-4)
     _, (g5,), _ = zo_and_autograd_gradient(seed, eps=1e-5)
@@ -106,8 +125,8 @@ def test_projected_gradient_error_is_the_central_difference_truncation(seed):
 
 def test_each_query_estimates_its_own_directional_derivative():
     # n-SPSA: query j's g is z_j . grad L for its own z_j; query 0 is MeZO's one direction.
-    _, (single,), _ = zo_and_autograd_gradient(1, eps=1e-4)
-    _, grads, dots = zo_and_autograd_gradient(1, eps=1e-4, num_queries=3)
+    _, (single,), _ = zo_and_autograd_gradient(8, eps=1e-4)  # every |g_j| >= 0.05 at this seed
+    _, grads, dots = zo_and_autograd_gradient(8, eps=1e-4, num_queries=3)
     assert grads[0] == single
     assert grads == pytest.approx(dots, rel=1e-4)
     assert len({round(d, 6) for d in dots}) == 3  # three different directions
@@ -182,8 +201,16 @@ def test_load_state_dict_refuses_a_mismatched_state():
     state["params"].pop("model.decoder.embed_tokens.weight")
     with pytest.raises(ValueError, match="missing"):
         engine.load_state_dict(state)
-    with pytest.raises(ValueError, match="noise_chunk"):
-        engine.load_state_dict(engine.state_dict() | {"noise_chunk": 5})
+    # Another noise kind, or a state from before noise kinds (legacy), continues another run.
+    with pytest.raises(ValueError, match="trained with rademacher-v1 noise, the engine draws gaussian-v1; set noise rademacher"):
+        engine.load_state_dict(engine.state_dict() | {"noise": "rademacher-v1"})
+    legacy_state = {k: v for k, v in engine.state_dict().items() if k != "noise"}
+    with pytest.raises(ValueError, match="trained with legacy noise"):
+        engine.load_state_dict(legacy_state)
+    engine.load_state_dict(engine.state_dict() | {"noise_chunk": 5})  # portable z: the chunk is only a workspace
+    legacy = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0, noise="legacy"))
+    with pytest.raises(ValueError, match="noise_chunk"):  # legacy z depends on it
+        legacy.load_state_dict(legacy_state | {"noise_chunk": 5})
 
 
 def test_weight_decay_touches_matrices_only():

@@ -66,12 +66,14 @@ def test_every_named_shape_builds_as_a_skeleton(name):
 
 def test_the_plan_counts_what_the_engine_allocates(tmp_path):
     model = build("llama", seed=0)
-    for config in (ZOConfig(device="cpu", num_slots=3), ZOConfig(device="cpu", transfer_dtype="bf16")):
+    configs = (ZOConfig(device="cpu", num_slots=3), ZOConfig(device="cpu", transfer_dtype="bf16"),
+               ZOConfig(device="cpu", noise="legacy"))
+    for config in configs:
         plan = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
         engine = ZOEngine(build("llama", seed=0), config)
         allocated = (engine.resident_master.nbytes + engine.resident_scratch.nbytes + engine.block_scratch.nbytes
-                     + engine.store.device_bytes + engine.noise._workspace.nbytes
-                     + (engine.rounding_noise._workspace.nbytes if engine.rounding_noise else 0))
+                     + engine.store.device_bytes + engine.noise.device_bytes
+                     + (engine.rounding_noise.device_bytes if engine.rounding_noise else 0))
         assert plan.device_bytes == allocated
         assert plan.host_bytes == engine.store.host_bytes
         # A checkpoint save copies exactly what the plan reserves for it: everything when

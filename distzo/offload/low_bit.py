@@ -9,7 +9,12 @@ result the exact value (unbiased).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # takes a noise source, never imports the zo package
+    from distzo.zo import NoiseSource
 
 TRANSFER_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -75,3 +80,14 @@ def _round_stochastic_bf16_(dst: torch.Tensor, x: torch.Tensor, uniform: torch.T
     rounded = bits.view(torch.float32)
     limit = torch.finfo(torch.bfloat16).max
     dst.copy_(rounded.clamp(-limit, limit))  # exact: the low bits are zero
+
+
+def round_keyed_(dst: torch.Tensor, src: torch.Tensor, noise: "NoiseSource", lo: int, total: int, step: int,
+                 stream: int) -> None:
+    """Stochastic rounding of bucket elements [lo, lo + n) of a ``total``-element bucket,
+    its uniform draws keyed by (step, stream) and each element's place: one fused kernel
+    where ``noise`` has one (bf16 on CUDA), else chunk by chunk through ``round_stochastic_``."""
+    if noise.round_bf16_into(dst, src, lo, step, stream):
+        return
+    for a, b, u in noise.chunks(lo, lo + src.numel(), total, step, stream):
+        round_stochastic_(dst[a - lo : b - lo], src[a - lo : b - lo], u)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.device_slots import DeviceSlots
-from distzo.offload.low_bit import round_nearest_, round_stochastic_
+from distzo.offload.low_bit import round_keyed_, round_nearest_
 from distzo.offload.pinned import pinned_zeros
 
 if TYPE_CHECKING:  # offload takes a noise source and the job's collectives; it reaches into neither
@@ -193,7 +193,7 @@ class StreamedBlocks:
         total = self.layouts[index].numel
         stop = min(lo + master.numel(), total)
         if stop > lo:
-            for a, b, u in self.rounding_noise.chunks(lo, stop, total, self.step, ROUNDING_STREAM + index):
-                round_stochastic_(wire[a - lo : b - lo], master[a - lo : b - lo], u)
+            round_keyed_(wire[: stop - lo], master[: stop - lo], self.rounding_noise, lo, total, self.step,
+                         ROUNDING_STREAM + index)
         if stop < lo + master.numel():  # the padding tail: zeros
             round_nearest_(wire[max(stop - lo, 0) :], master[max(stop - lo, 0) :])

@@ -1,9 +1,22 @@
-"""Counter-based Gaussian noise and the fused ops that consume it.
+"""The noise z of every step and the fused ops that consume it.
 
-z for (step, query, block) is never stored: any rank regenerates any chunk of it from
-``(run_seed, step, block_id, chunk, query)`` alone. Chunk boundaries sit at fixed offsets
-of the flat bucket, so a chunk's values do not depend on which op asks for it, in
-which order blocks run, or how many ranks share the work.
+z for (step, query, block) is never stored: any rank regenerates any piece of it from
+``(run_seed, step, block_id, query)`` and the element's index alone. Three kinds:
+
+* ``gaussian`` (the default) and ``rademacher``: portable. Each element's bits come from
+  Philox4x32-10 keyed by those coordinates (``distzo.zo.philox``), a Gaussian z from a
+  table of quantiles (``gaussian_table``), a Rademacher z (+-1, SPSA's original) from one
+  bit. Integer arithmetic and a lookup: the same z on a CPU and on every GPU model,
+  whatever the chunking, slicing or thread grid, so a run resumes and replays anywhere.
+  On CUDA with Triton the ops below draw z inside one kernel each
+  (``triton_noise``); on CPU a C kernel (``fast_noise``) fills a cache-sized chunk at a
+  time; elsewhere the torch implementation does, slower, with the same bits.
+* ``legacy``: the ``torch.Generator`` draws of earlier versions, chunk by chunk
+  (``noise_chunk`` is then part of the run's identity, and CPU and CUDA draw different
+  z): kept so that older checkpoints and seed logs resume and replay.
+
+``NOISE_VERSION`` numbers the definition of the portable kinds; states and logs record
+kind and version, and a mismatch is refused.
 """
 
 from __future__ import annotations
@@ -12,63 +25,146 @@ from typing import Sequence
 
 import torch
 
-_MASK64 = (1 << 64) - 1
+from distzo.zo import fast_noise, philox, triton_noise
+from distzo.zo.gaussian_table import gaussian_table
+from distzo.zo.seeds import noise_seed  # noqa: F401  (re-exported: data keys its batches with it)
+
+NOISE_KINDS = ("gaussian", "rademacher", "legacy")
+PORTABLE_KINDS = ("gaussian", "rademacher")
+NOISE_VERSION = 1
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def noise_identity(kind: str) -> str:
+    """What a state or a log records of its noise: the kind, with the version if portable."""
+    return kind if kind == "legacy" else f"{kind}-v{NOISE_VERSION}"
 
 
-def noise_seed(run_seed: int, step: int, block_id: int, chunk: int, query: int = 0) -> int:
-    """Seed of one noise chunk: a pure function of its coordinates (63 bits).
+_TABLES: dict[torch.device, torch.Tensor] = {}
+TABLE_BYTES = 1 << 18  # the Gaussian table: 65,536 float32 values, one copy per device
+# Portable draws on the CPU go a cache-sized piece at a time (1 MB of float32, an L2's
+# share), so z is consumed while it is still in cache; the bits do not depend on it.
+CPU_PIECE = 1 << 18
 
-    Chaining splitmix64 over the coordinates keeps neighbouring steps/blocks from
-    producing correlated generator seeds. ``query`` (the n-SPSA direction) is chained
-    only when it is not 0, so query 0 is the single-direction draw: a MeZO run's noise,
-    logs and checkpoints do not depend on whether multi-query support exists.
-    """
-    h = _splitmix64(run_seed & _MASK64)
-    for part in (step, block_id, chunk) + ((query,) if query else ()):
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h >> 1
+
+def workspace_elements(chunk: int, device_type: str, kind: str) -> int:
+    """The workspace a source holds: ``chunk`` elements, or a cache-sized piece for
+    portable draws on the CPU (where the chunking changes no value)."""
+    return min(chunk, CPU_PIECE) if device_type == "cpu" and kind != "legacy" else chunk
+
+
+def planned_noise_bytes(chunk: int, itemsize: int, device_type: str, kind: str) -> int:
+    """What a ``NoiseSource`` of ``chunk`` elements allocates: its workspace, the
+    float32 staging of the C kernel for other master dtypes, the table (portable kinds;
+    shared by every source on a device, counted with each here, an upper bound)."""
+    if kind == "legacy":
+        return chunk * itemsize
+    elements = workspace_elements(chunk, device_type, kind)
+    staging = elements * 4 if device_type == "cpu" and fast_noise.available() and itemsize != 4 else 0
+    return elements * itemsize + staging + TABLE_BYTES
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    if device not in _TABLES:
+        _TABLES[device] = gaussian_table().to(device)
+    return _TABLES[device]
 
 
 class NoiseSource:
-    """Fills chunks of z on one device, reusing one workspace and one generator.
+    """Fills chunks of z (or of uniform draws) on one device, reusing one workspace.
 
     The workspace is allocated once (``chunk`` elements), so the fused ops below
-    allocate nothing in the step loop.
+    allocate nothing in the step loop. ``distribution`` "normal" draws the perturbation
+    z of ``kind``; "uniform" draws the stochastic rounding's uniforms in [0, 1) (24 bits,
+    from their own Philox stream, or the legacy generator's).
     """
 
     def __init__(
-        self, run_seed: int, chunk: int, device: torch.device, dtype: torch.dtype, distribution: str = "normal"
+        self, run_seed: int, chunk: int, device: torch.device, dtype: torch.dtype, distribution: str = "normal",
+        kind: str = "gaussian",
     ) -> None:
         if distribution not in ("normal", "uniform"):
             raise ValueError(f"distribution must be normal or uniform, got {distribution!r}")
         if chunk <= 0:
             raise ValueError(f"noise chunk must be > 0 elements, got {chunk}")
+        if kind not in NOISE_KINDS:
+            raise ValueError(f"noise kind must be one of {', '.join(NOISE_KINDS)}, got {kind!r}")
         self.run_seed = int(run_seed)
         self.chunk = int(chunk)
         self.device = torch.device(device)
         self.dtype = dtype
         self.distribution = distribution
-        self._generator = torch.Generator(device=self.device)
-        self._workspace = torch.empty(self.chunk, device=self.device, dtype=dtype)
+        self.kind = kind
+        self.piece = workspace_elements(self.chunk, self.device.type, kind)  # elements drawn at a time
+        self._workspace = torch.empty(self.piece, device=self.device, dtype=dtype)
+        if kind == "legacy":
+            self._generator = torch.Generator(device=self.device)
+            return
+        self._draw = "uniform" if distribution == "uniform" else kind
+        self._stream = philox.STREAM_ROUNDING if distribution == "uniform" else philox.STREAM_NOISE
+        self._table = _table(self.device)
+        self._triton = self.device.type == "cuda" and triton_noise.available()
+        self._c = self.device.type == "cpu" and fast_noise.available()
+        # the C kernel writes float32; another master dtype takes the exact copy
+        needs_float32 = self._c and dtype != torch.float32
+        self._float32 = torch.empty(self.piece, dtype=torch.float32) if needs_float32 else None
+
+    @property
+    def device_bytes(self) -> int:
+        """Workspace, staging and table: what ``planned_noise_bytes`` plans."""
+        staging = self._float32.nbytes if self.kind != "legacy" and self._float32 is not None else 0
+        return self._workspace.nbytes + staging + (self._table.nbytes if self.kind != "legacy" else 0)
+
+    @property
+    def backend(self) -> str:
+        """Which implementation draws: triton, c, torch (same bits) or legacy."""
+        if self.kind == "legacy":
+            return "legacy"
+        return "triton" if self._triton else "c" if self._c else "torch"
+
+    def key(self, step: int, block_id: int, query: int = 0) -> tuple[int, int]:
+        return philox.noise_key(self.run_seed, step, block_id, query, self._stream)
+
+    def _fill(self, out: torch.Tensor, start: int, key: tuple[int, int]) -> None:
+        """out <- the draws of elements [start, start + len(out)) of the keyed bucket."""
+        if self._triton and out.dtype == torch.float32:
+            triton_noise.fill(out, start, key, self._draw, self._table)
+        elif self._c:
+            staging = out if out.dtype == torch.float32 else self._float32[: out.numel()]
+            fast_noise.fill(staging, start, key, self._draw, self._table)
+            if staging is not out:
+                out.copy_(staging)
+        else:
+            out.copy_(self.reference(start, start + out.numel(), key))
+
+    def reference(self, start: int, stop: int, key: tuple[int, int]) -> torch.Tensor:
+        """The draws of elements [start, stop) from the torch implementation (any device)."""
+        lanes = philox.LANES32 if self._draw == "uniform" else philox.LANES16
+        bits = philox.torch_lanes(key, start, stop, lanes, self.device)
+        if self._draw == "uniform":
+            return (bits >> 8).to(torch.float32) * (1.0 / 16777216.0)
+        if self._draw == "rademacher":
+            return torch.where((bits & 0x8000) != 0, 1.0, -1.0).to(torch.float32)
+        return self._table[bits]
 
     def chunks(self, start: int, stop: int, total: int, step: int, block_id: int, query: int = 0):
         """Yield ``(lo, hi, z)`` for the chunk-aligned pieces of ``[start, stop)``.
 
-        ``total`` is the bucket's length: each chunk is drawn whole (clipped only by
-        ``total``), so its values never depend on the range asked for. ``z`` holds
-        the noise of bucket elements ``lo..hi``; it is a view of the shared
-        workspace, valid until the next item is drawn.
+        ``total`` is the bucket's length. ``z`` holds the draws of bucket elements
+        ``lo..hi``; it is a view of the shared workspace, valid until the next item is
+        drawn. Portable kinds: a pure function of each element, so the chunking changes
+        nothing. Legacy: each chunk is drawn whole from its own seed.
         """
         if not 0 <= start <= stop <= total:
             raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
-        c = self.chunk
+        c = self.piece
+        if self.kind != "legacy":
+            key = self.key(step, block_id, query)
+            for lo in range(start - start % c, stop, c):
+                lo, hi = max(lo, start), min(lo + c, stop)
+                z = self._workspace[: hi - lo]
+                self._fill(z, lo, key)
+                yield lo, hi, z
+            return
         for index in range(start // c, (stop + c - 1) // c):
             chunk_lo, chunk_hi = index * c, min((index + 1) * c, total)
             self._generator.manual_seed(noise_seed(self.run_seed, step, block_id, index, query))
@@ -87,6 +183,23 @@ class NoiseSource:
             out[lo:hi] = z
         return out
 
+    def _fused(self, theta: torch.Tensor) -> bool:
+        """One Triton kernel per op: CUDA, a portable kind, float32 masters (a float64
+        master keeps torch's double-precision arithmetic)."""
+        return self.kind != "legacy" and self._triton and theta.dtype == torch.float32 and theta.is_contiguous()
+
+    def round_bf16_into(self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int) -> bool:
+        """Stochastic rounding of bucket elements [start, start + n) into bfloat16 in one
+        fused kernel, where there is one (CUDA with Triton, uniform draws of a portable
+        kind, float32 source): True if it ran. Otherwise the caller rounds chunk by chunk
+        with ``chunks`` (the same result, bit for bit)."""
+        fused = (self.distribution == "uniform" and self.kind != "legacy" and self._triton
+                 and dst.dtype == torch.bfloat16 and src.dtype == torch.float32
+                 and dst.is_contiguous() and src.is_contiguous())
+        if fused:
+            triton_noise.round_bf16(dst, src, start, self.key(step, block_id))
+        return fused
+
     def perturb_into(
         self, out: torch.Tensor, theta: torch.Tensor, scale: float, step: int, block_id: int, query: int = 0
     ) -> None:
@@ -94,6 +207,9 @@ class NoiseSource:
         n = theta.numel()
         if scale == 0.0:
             out[:n].copy_(theta)
+            return
+        if self._fused(theta):
+            triton_noise.perturb(out[:n], theta, scale, self.key(step, block_id, query), self.kind, self._table)
             return
         for lo, hi, z in self.chunks(0, n, n, step, block_id, query):
             torch.add(theta[lo:hi], z, alpha=scale, out=out[lo:hi])
@@ -111,11 +227,16 @@ class NoiseSource:
         """theta <- theta - lr * (mean_j g_j * z_j + wd * theta), wd only on ``theta[:decay_end]``.
 
         One g per query (n-SPSA); MeZO's step is the one-query case. Chunk by chunk, so each
-        piece of theta is read and written while it is hot, whatever the number of queries.
+        piece of theta is read and written while it is hot, whatever the number of queries
+        (on CUDA: one kernel, one pass per query).
         """
         shrink = 1.0 - lr * weight_decay
         alphas = [-lr * g / len(projected_grads) for g in projected_grads]
-        n, c = theta.numel(), self.chunk
+        if self._fused(theta):
+            keys = [self.key(step, block_id, q) for q in range(len(alphas))]
+            triton_noise.update(theta, decay_end if weight_decay else 0, shrink, keys, alphas, self.kind, self._table)
+            return
+        n, c = theta.numel(), self.piece
         for lo in range(0, n, c):
             hi = min(lo + c, n)
             piece = theta[lo:hi]

@@ -1,0 +1,134 @@
+"""The Triton kernels of ``distzo.zo.triton_noise`` (imported only where Triton is).
+
+Philox4x32-10 as in ``distzo.zo.philox`` (the reference), on a tile of 512 counters per
+program; see ``triton_noise`` for what each kernel computes.
+"""
+
+import triton
+import triton.language as tl
+
+from distzo.zo import philox as definition
+
+M0 = tl.constexpr(definition.M0)
+M1 = tl.constexpr(definition.M1)
+W0 = tl.constexpr(definition.W0)
+W1 = tl.constexpr(definition.W1)
+BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bfloat16's largest finite value
+
+
+@triton.jit
+def philox_block(counter, k0, k1):
+    """Philox4x32-10 of counters (int64 values, counter words (low, high, 0, 0))."""
+    c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (counter >> 32).to(tl.uint32)
+    c2 = tl.zeros_like(c0)
+    c3 = tl.zeros_like(c0)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, M0)
+        lo0 = c0 * M0
+        hi1 = tl.umulhi(c2, M1)
+        lo1 = c2 * M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + W0
+        k1 = k1 + W1
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def pick(w0, w1, w2, w3, index: tl.constexpr):
+    if index == 0:
+        return w0
+    elif index == 1:
+        return w1
+    elif index == 2:
+        return w2
+    else:
+        return w3
+
+
+@triton.jit
+def draw16(w0, w1, w2, w3, lane: tl.constexpr, table_ptr, KIND: tl.constexpr):
+    """z of a 16-bit lane as float32: KIND 0 the Gaussian table, 1 Rademacher."""
+    bits = (pick(w0, w1, w2, w3, lane // 2) >> (16 * (lane % 2))) & 0xFFFF
+    if KIND == 0:
+        return tl.load(table_ptr + bits.to(tl.int32))
+    else:
+        return tl.where((bits & 0x8000) != 0, 1.0, -1.0).to(tl.float32)
+
+
+@triton.jit
+def keys(k0, k1):
+    return k0.to(tl.uint32), k1.to(tl.uint32)
+
+
+@triton.jit
+def tile_words(start, k0, k1, LANES: tl.constexpr, BLOCKS: tl.constexpr):
+    """This program's tile: the element index of its lane 0 (lane j adds j * BLOCKS) and
+    the four Philox words of each of its counters."""
+    tile = (start // (BLOCKS * LANES) + tl.program_id(0)).to(tl.int64)
+    b = tl.arange(0, BLOCKS)
+    k0, k1 = keys(k0, k1)
+    w0, w1, w2, w3 = philox_block(tile * BLOCKS + b, k0, k1)
+    return tile * (BLOCKS * LANES) + b, w0, w1, w2, w3
+
+
+@triton.jit
+def fill_kernel(out_ptr, table_ptr, start, n, k0, k1, KIND: tl.constexpr, BLOCKS: tl.constexpr):
+    """Draws of elements [start, start + n) into out[0:n] (KIND 2: uniform, 32-bit lanes)."""
+    lanes: tl.constexpr = 4 if KIND == 2 else 8
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, lanes, BLOCKS)
+    for lane in tl.static_range(lanes):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e < start + n)
+        if KIND == 2:
+            value = (pick(w0, w1, w2, w3, lane) >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        else:
+            value = draw16(w0, w1, w2, w3, lane, table_ptr, KIND)
+        tl.store(out_ptr + (e - start), value, mask=inside)
+
+
+@triton.jit
+def perturb_kernel(out_ptr, theta_ptr, table_ptr, start, n, k0, k1, scale, KIND: tl.constexpr,
+                   BLOCKS: tl.constexpr):
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
+    for lane in tl.static_range(8):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e < start + n)
+        theta = tl.load(theta_ptr + (e - start), mask=inside)
+        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
+        out = theta + scale * z
+        tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def update_kernel(theta_ptr, table_ptr, start, n, k0, k1, alpha, decay_end, shrink, KIND: tl.constexpr,
+                  BLOCKS: tl.constexpr):
+    """theta <- theta * shrink on [0, decay_end), then + alpha * z: one read, one write.
+    A step's queries are one launch each, the decay riding on the first (decay_end 0 after)."""
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
+    for lane in tl.static_range(8):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e < start + n)
+        theta = tl.load(theta_ptr + (e - start), mask=inside)
+        theta = tl.where(e < decay_end, theta * shrink, theta)
+        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
+        tl.store(theta_ptr + (e - start), theta + alpha * z, mask=inside)
+
+
+@triton.jit
+def round_bf16_kernel(dst_ptr, src_ptr, start, n, k0, k1, BLOCKS: tl.constexpr):
+    """dst (bf16) <- src (fp32) rounded stochastically, elements [start, start + n) of the
+    bucket: the top 16 bits of each element's 32-bit uniform lane are added to the float's
+    bit pattern and the low 16 bits cut (``offload.low_bit``'s rule; with its uniform
+    u = (w >> 8) * 2^-24, int(u * 65536) is exactly w >> 16)."""
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 4, BLOCKS)
+    for lane in tl.static_range(4):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e < start + n)
+        x = tl.load(src_ptr + (e - start), mask=inside).to(tl.float32)
+        x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
+        noise = (pick(w0, w1, w2, w3, lane) >> 16).to(tl.int32)
+        bits = (x.to(tl.int32, bitcast=True) + noise) & -65536
+        rounded = bits.to(tl.float32, bitcast=True)
+        rounded = tl.minimum(tl.maximum(rounded, -BF16_MAX), BF16_MAX)
+        tl.store(dst_ptr + (e - start), rounded.to(tl.bfloat16), mask=inside)

@@ -1,0 +1,94 @@
+"""The portable noise on CUDA: Triton kernels that draw z inside the op that uses it.
+
+Each kernel program takes one tile of ``distzo.zo.philox``'s layout (512 Philox
+counters; 4,096 elements of 16-bit lanes or 2,048 of 32-bit lanes), runs Philox4x32-10
+on its counters once, and then, lane by lane, reads, transforms and writes 512
+contiguous elements: z is never written to memory.
+
+* ``fill``: the draws themselves (z, +-1 or uniforms) into a buffer (tests, and the
+  rounding of formats without a fused kernel);
+* ``perturb``: ``out = theta + scale * z`` (the scratch of a pass);
+* ``update``: ``theta = theta * shrink (on the decayed prefix) + sum_j alpha_j z_j``, one
+  launch, one read and one write of the bucket per query (MeZO's one query: one pass,
+  decay included).
+
+* ``round_bf16``: stochastic rounding of a float32 range into bfloat16 (the AMP wire
+  format), its uniforms drawn in place. Other low-bit formats (fp16, fp8) take their
+  uniforms from ``fill`` and round with torch ops (one more pass).
+
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (slowly): the tests
+hold them to the reference generator bit for bit on every CI run. Import this module
+only where Triton is installed (``available()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from distzo.zo.philox import TILE_BLOCKS
+
+
+@functools.cache
+def available() -> bool:
+    """Triton is importable, and there is a GPU for it (or its interpreter is asked for)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernels():
+    from distzo.zo import triton_kernels
+
+    return {"fill": triton_kernels.fill_kernel, "perturb": triton_kernels.perturb_kernel,
+            "update": triton_kernels.update_kernel, "round_bf16": triton_kernels.round_bf16_kernel}
+
+
+KINDS = {"gaussian": 0, "rademacher": 1, "uniform": 2}
+# theta + a * z as one fused multiply-add, as torch's CPU kernels compute add(..., alpha=a):
+# the CPU and the GPU then round the perturbation and the update alike.
+FUSED_MULTIPLY_ADD = {"enable_fp_fusion": True}
+
+
+def _grid(start: int, n: int, lanes: int) -> tuple[int]:
+    tile = TILE_BLOCKS * lanes
+    return ((start + n + tile - 1) // tile - start // tile,)
+
+
+def fill(out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor) -> None:
+    """out[0:n] <- the draws of elements [start, start + n) (float32, contiguous)."""
+    lanes = 4 if kind == "uniform" else 8
+    _kernels()["fill"][_grid(start, out.numel(), lanes)](
+        out, table, start, out.numel(), key[0], key[1], KIND=KINDS[kind], BLOCKS=TILE_BLOCKS,
+        **FUSED_MULTIPLY_ADD,
+    )
+
+
+def perturb(out: torch.Tensor, theta: torch.Tensor, scale: float, key: tuple[int, int], kind: str, table: torch.Tensor) -> None:
+    """out[0:n] <- theta[0:n] + scale * z of elements [0, n) (one pass, z never stored)."""
+    n = theta.numel()
+    _kernels()["perturb"][_grid(0, n, 8)](out, theta, table, 0, n, key[0], key[1], scale, KIND=KINDS[kind],
+                                           BLOCKS=TILE_BLOCKS, **FUSED_MULTIPLY_ADD)
+
+
+def update(theta: torch.Tensor, decay_end: int, shrink: float, keys: list[tuple[int, int]], alphas: list[float],
+           kind: str, table: torch.Tensor) -> None:
+    """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch and
+    one pass per query (scalars only: nothing is copied to the device for it)."""
+    n = theta.numel()
+    for query, (key, alpha) in enumerate(zip(keys, alphas)):
+        _kernels()["update"][_grid(0, n, 8)](theta, table, 0, n, key[0], key[1], alpha, decay_end if query == 0 else 0,
+                                              shrink, KIND=KINDS[kind], BLOCKS=TILE_BLOCKS,
+                                              **FUSED_MULTIPLY_ADD)
+
+
+def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int, int]) -> None:
+    """dst[0:n] (bfloat16) <- src[0:n] (float32) rounded stochastically with the uniforms of
+    bucket elements [start, start + n): one read of src, one write of dst."""
+    n = src.numel()
+    _kernels()["round_bf16"][_grid(start, n, 4)](dst, src, start, n, key[0], key[1], BLOCKS=TILE_BLOCKS,
+                                        **FUSED_MULTIPLY_ADD)
