@@ -2,7 +2,7 @@
 # Every CUDA test and GPU benchmark of the project, in stages that each fit one
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
-#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned
+#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise
 #                                                  (default: the first four)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -21,8 +21,8 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
-        tests|bandwidth|throughput|big|queries|head|pinned) ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head or pinned" >&2; exit 2 ;;
+        tests|bandwidth|throughput|big|queries|head|pinned|noise) ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned or noise" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -90,6 +90,11 @@ for stage in "${STAGES[@]}"; do
         ;;
     pinned)  # what the host copy of OPT-13B locks, exactly pinned vs the caching allocator
         bounded 240 pinned.log python3 benchmarks/pinned.py --shape opt-13b --out "$WORK/pinned-opt-13b.json"
+        ;;
+    noise)  # the fused noise kernels against the legacy path (256 M elements), and the opt-125m 4-layer step
+        bounded 200 noise.log python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k noise
+        bounded 300 noise.log python3 benchmarks/noise.py --elements 268435456 --skip-torch --batch 8 --seq 512 \
+            --out "$WORK/noise.json"
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \

@@ -1,0 +1,166 @@
+"""The noise ops, old path against new: elements per second and bytes moved, and the
+step they dominate.
+
+    python benchmarks/noise.py                      # 16 M elements per op, opt-125m 4-layer step
+    python benchmarks/noise.py --quick              # 64 k elements, tiny step (CI)
+    python benchmarks/noise.py --threads 1          # the CPU paths on one thread
+
+Paths: ``old`` is the noise of earlier versions (``--noise legacy``: a reseeded
+``torch.Generator`` fills a workspace chunk by chunk, a separate op consumes it); ``new``
+is the portable Gaussian noise on its fastest backend (the C kernel on CPU, one fused
+Triton kernel per op on CUDA); ``torch`` is the portable noise's torch implementation
+(the same bits, for reference). Ops on one float32 bucket of ``--elements``:
+
+* ``perturb``: out = theta + eps * z (reads theta, writes out: 8 bytes per element)
+* ``update``: theta -= lr * (g * z + wd * theta) (reads and writes theta: 8)
+* ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6)
+
+``gb_per_s`` is the bytes an op must move divided by its time; on CUDA ``of_copy`` is
+that against a plain device copy of the same bytes in the same run (the bandwidth the
+device really gives). Then the step of the ``opt-125m`` widths with ``--layers`` layers
+(a 50,272-word vocabulary: 40 M resident parameters whose z every step regenerates),
+old noise and new, interleaved. Report: benchmark "throughput".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from distzo import ZOConfig, ZOEngine
+from distzo.bench import BenchReport, Measurement, time_repeated
+from distzo.bench.records import device_name
+from distzo.bench.timing import Timer, synchronize
+from distzo.models.shapes import shape_config
+from distzo.models.tiny import tiny_opt_config
+from distzo.models.weights import RandomWeights, skeleton
+from distzo.offload.low_bit import round_keyed_
+from distzo.zo import NoiseSource
+
+BYTES = {"perturb": 8, "update": 8, "rounding": 6}
+PATHS = {"old": "legacy", "new": "gaussian", "torch": "gaussian"}
+
+
+def source(path: str, device: torch.device, chunk: int, distribution: str = "normal") -> NoiseSource:
+    src = NoiseSource(0, chunk, device, torch.float32, distribution, kind=PATHS[path])
+    if path == "torch":  # the portable bits from the torch implementation
+        src._c = src._triton = False
+    return src
+
+
+def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
+    theta = torch.randn(n, device=device)
+    if op == "perturb":
+        src, out = source(path, device, chunk), torch.empty_like(theta)
+        return lambda: src.perturb_into(out, theta, 1e-3, 3, 1)
+    if op == "update":
+        src = source(path, device, chunk)
+        return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
+    src, wire = source(path, device, chunk, "uniform"), torch.empty(n, device=device, dtype=torch.bfloat16)
+    return lambda: round_keyed_(wire, theta, src, 0, n, 3, 1 << 40)
+
+
+def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchReport) -> None:
+    paths = ["old", "new", "torch"] if not args.skip_torch else ["old", "new"]
+    copy_gbs = None
+    if device.type == "cuda":
+        a, b = torch.empty(args.elements, device=device), torch.empty(args.elements, device=device)
+        t = time_repeated(lambda: b.copy_(a), device, args.repeats)
+        copy_gbs = 8 * args.elements / t.median / 1e9
+        report.derived["device_copy_gb_per_s"] = copy_gbs
+        print(f"device copy {copy_gbs:8.1f} GB/s (read + write)")
+    for op in ("perturb", "update", "rounding"):
+        medians = {}
+        for path in paths:
+            run = op_runner(op, path, device, args.elements, args.chunk)
+            timer = time_repeated(run, device, args.repeats)
+            per_s = args.elements / timer.median
+            metrics = {"elements_per_s": per_s, "bytes_per_element": BYTES[op], "gb_per_s": per_s * BYTES[op] / 1e9}
+            if copy_gbs:
+                metrics["of_copy"] = metrics["gb_per_s"] / copy_gbs
+            params = {"op": op, "path": path, "elements": args.elements, "chunk": args.chunk,
+                      "threads": torch.get_num_threads()}
+            report.measurements.append(Measurement.from_timer(f"{op}_{path}", params, timer, metrics))
+            medians[path] = timer.median
+            extra = f"  {metrics['of_copy']:.2f} of copy" if copy_gbs else ""
+            print(f"{op:9s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} GB/s{extra}")
+        report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]
+
+
+def step_model(args: argparse.Namespace):
+    if args.quick:
+        return tiny_opt_config(vocab_size=2048, hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
+                               word_embed_proj_dim=64, max_position_embeddings=64)
+    return shape_config("opt-125m", args.layers)
+
+
+def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchReport) -> None:
+    """Steps of the old and the new noise interleaved, so drift hits both alike."""
+    config = step_model(args)
+    engines = {
+        path: ZOEngine(skeleton(config, torch.float32), ZOConfig(
+            lr=1e-7, eps=1e-3, seed=0, device=str(device), mode=args.mode, noise=PATHS[path], lr_schedule="constant"),
+            weights=RandomWeights(0))
+        for path in ("old", "new")
+    }
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(3, config.vocab_size, (args.batch, args.seq), generator=g)}
+    samples: dict[str, list[float]] = {path: [] for path in engines}
+    for engine in engines.values():
+        engine.step(batch)  # warm-up
+    for _ in range(args.steps):
+        for path, engine in engines.items():
+            synchronize(device)
+            start = time.perf_counter()
+            engine.step(batch)
+            synchronize(device)
+            samples[path].append(time.perf_counter() - start)
+    params = {"shape": "tiny" if args.quick else "opt-125m", "layers": config.num_hidden_layers, "batch": args.batch,
+              "seq": args.seq, "mode": args.mode, "threads": torch.get_num_threads()}
+    for path, s in samples.items():
+        timer = Timer(s)
+        report.measurements.append(Measurement.from_timer(
+            f"step_{path}", params | {"path": path, "noise_backend": engines[path].noise.backend}, timer,
+            {"tokens_per_s": args.batch * args.seq / timer.median}))
+        print(f"step {path:4s} ({engines[path].noise.backend:6s}) {timer.median * 1e3:9.1f} ms  spread {timer.spread:.2f}")
+    report.derived["step_new_over_old_speed"] = Timer(samples["old"]).median / Timer(samples["new"]).median
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, 2 repeats: seconds (CI)")
+    p.add_argument("--elements", type=int, default=None, help="bucket size per op (default 16 M; quick 64 k)")
+    p.add_argument("--chunk", type=int, default=1 << 22, help="noise_chunk (the engine default; legacy draws chunks this long)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per op (default 5; quick 2)")
+    p.add_argument("--skip-torch", action="store_true", help="leave out the torch implementation (slow on CPU)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=None, help="default 128; quick 16")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per path (default 5; quick 2)")
+    p.add_argument("--mode", default="resident", choices=["resident", "offload"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out/noise.json"))
+    args = p.parse_args()
+    args.elements = args.elements or (1 << 16 if args.quick else 1 << 24)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.steps = args.steps or (2 if args.quick else 5)
+    args.seq = args.seq or (16 if args.quick else 128)
+    if args.quick:
+        args.batch = min(args.batch, 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    report = BenchReport("throughput", device_name(device), 1)
+    measure_ops(args, device, report)
+    measure_steps(args, device, report)
+    report.write(args.out, ["op", "path", "elements", "elements_per_s", "gb_per_s", "of_copy", "tokens_per_s"])
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
