@@ -114,8 +114,8 @@ def perturbed_engine(engine, sign, eps, step=0):
 def test_accuracy_objective_equals_the_evaluation_of_each_perturbed_model():
     examples = rte_examples(12)
     encoder = PromptEncoder(TOKENIZER, max_length=256)
-    eps = 0.3  # large enough that the two perturbed models disagree somewhere
-    engine = ZOEngine(model(), ZOConfig(device="cpu", seed=7, eps=eps, lr=0.0, noise_chunk=4096), objective=Accuracy())
+    eps = 0.3  # large enough that the two perturbed models disagree somewhere (with seed 2's z)
+    engine = ZOEngine(model(), ZOConfig(device="cpu", seed=2, eps=eps, lr=0.0, noise_chunk=4096), objective=Accuracy())
     plus, minus = perturbed_engine(engine, 1, eps), perturbed_engine(engine, -1, eps)
     batch = ChoiceTrainData(examples, encoder, seed=0).batch(len(examples), 0)
     result = engine.step(batch)
