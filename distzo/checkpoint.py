@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.dist.collectives import host_barrier, new_host_group, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
-from distzo.zo import NOISE_KINDS, NOISE_VERSION
+from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def checkpoint_noise(path: Path) -> str:
         return "legacy"
     meta = {"meta/noise": torch.zeros(2, dtype=torch.int64)}
     dcp.load(meta, checkpoint_id=str(path), no_dist=True)
-    return _noise_identity(meta["meta/noise"]).split("-v")[0]
+    return identity_kind(_noise_identity(meta["meta/noise"]))
 
 
 class PrivateCopies(AsyncStager):

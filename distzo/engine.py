@@ -37,9 +37,10 @@ from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, 
 from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.zo import (
-    NOISE_KINDS,
     NoiseSource,
     Pass,
+    drawable,
+    identity_kind,
     learning_rate,
     loss_contribution,
     noise_identity,
@@ -419,8 +420,8 @@ class ZOEngine:
         legacy kind the same chunk size, which its z depends on."""
         ours = noise_identity(self.config.noise)
         if identity != ours:
-            kind = identity.split("-v")[0]
-            fix = f"set noise {kind}" if kind in NOISE_KINDS and identity == noise_identity(kind) else (
+            kind = identity_kind(identity)
+            fix = f"set noise {kind}" if drawable(identity) else (
                 "use the distzo version that wrote it")
             raise ValueError(f"{source} was trained with {identity} noise, the engine draws {ours}; {fix}")
         if self.config.noise == "legacy" and chunk != self.config.noise_chunk:

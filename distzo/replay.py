@@ -31,7 +31,7 @@ from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
-from distzo.zo import NOISE_KINDS, noise_identity
+from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -82,8 +82,8 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
         )
     device = device or header["device_type"]
     identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator
-    kind = identity.split("-v")[0]
-    if kind not in NOISE_KINDS or identity != noise_identity(kind):
+    kind = identity_kind(identity)
+    if not drawable(identity):
         raise ValueError(f"--log {log}: the run drew {identity} noise, which this distzo does not draw; "
                          "replay it with the version that wrote it")
     config = ZOConfig(

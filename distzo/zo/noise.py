@@ -30,13 +30,23 @@ from distzo.zo.gaussian_table import gaussian_table
 from distzo.zo.seeds import noise_seed  # noqa: F401  (re-exported: data keys its batches with it)
 
 NOISE_KINDS = ("gaussian", "rademacher", "legacy")
-PORTABLE_KINDS = ("gaussian", "rademacher")
 NOISE_VERSION = 1
 
 
 def noise_identity(kind: str) -> str:
     """What a state or a log records of its noise: the kind, with the version if portable."""
     return kind if kind == "legacy" else f"{kind}-v{NOISE_VERSION}"
+
+
+def identity_kind(identity: str) -> str:
+    """The kind named by a recorded identity (``gaussian-v1`` -> ``gaussian``)."""
+    return identity.split("-v")[0]
+
+
+def drawable(identity: str) -> bool:
+    """Whether this version draws the noise a state or log recorded (its kind and version)."""
+    kind = identity_kind(identity)
+    return kind in NOISE_KINDS and identity == noise_identity(kind)
 
 
 _TABLES: dict[torch.device, torch.Tensor] = {}
@@ -98,6 +108,8 @@ class NoiseSource:
         self._workspace = torch.empty(self.piece, device=self.device, dtype=dtype)
         if kind == "legacy":
             self._generator = torch.Generator(device=self.device)
+            self._triton = self._c = False
+            self._table = self._float32 = None
             return
         self._draw = "uniform" if distribution == "uniform" else kind
         self._stream = philox.STREAM_ROUNDING if distribution == "uniform" else philox.STREAM_NOISE
@@ -111,8 +123,8 @@ class NoiseSource:
     @property
     def device_bytes(self) -> int:
         """Workspace, staging and table: what ``planned_noise_bytes`` plans."""
-        staging = self._float32.nbytes if self.kind != "legacy" and self._float32 is not None else 0
-        return self._workspace.nbytes + staging + (self._table.nbytes if self.kind != "legacy" else 0)
+        extras = (self._float32, self._table)
+        return self._workspace.nbytes + sum(t.nbytes for t in extras if t is not None)
 
     @property
     def backend(self) -> str:
@@ -186,14 +198,14 @@ class NoiseSource:
     def _fused(self, theta: torch.Tensor) -> bool:
         """One Triton kernel per op: CUDA, a portable kind, float32 masters (a float64
         master keeps torch's double-precision arithmetic)."""
-        return self.kind != "legacy" and self._triton and theta.dtype == torch.float32 and theta.is_contiguous()
+        return self._triton and theta.dtype == torch.float32 and theta.is_contiguous()
 
     def round_bf16_into(self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int) -> bool:
         """Stochastic rounding of bucket elements [start, start + n) into bfloat16 in one
         fused kernel, where there is one (CUDA with Triton, uniform draws of a portable
         kind, float32 source): True if it ran. Otherwise the caller rounds chunk by chunk
         with ``chunks`` (the same result, bit for bit)."""
-        fused = (self.distribution == "uniform" and self.kind != "legacy" and self._triton
+        fused = (self.distribution == "uniform" and self._triton
                  and dst.dtype == torch.bfloat16 and src.dtype == torch.float32
                  and dst.is_contiguous() and src.is_contiguous())
         if fused:

@@ -41,6 +41,7 @@ def available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
 def _kernels():
     from distzo.zo import triton_kernels
 
