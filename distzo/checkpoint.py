@@ -123,7 +123,7 @@ class Checkpointer:
         """
         engine = self.engine
         rank, world = world_rank()
-        sliced = engine.transfer == "sliced"
+        sliced = engine.state_sliced
 
         def contribution(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
             return tensor.to("cpu", copy=True) if copy else tensor.to("cpu")

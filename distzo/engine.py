@@ -18,6 +18,7 @@ layers compute with whatever perturbation the scratch currently holds.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import secrets
 from dataclasses import asdict, dataclass
@@ -124,16 +125,39 @@ def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelC
 
 
 def bucket_layouts(
-    model: nn.Module, blocks: list[nn.Module]
+    model: nn.Module, blocks: list[nn.Module], select: Callable[[nn.Parameter], bool] | None = None
 ) -> tuple[list[tuple[BucketLayout, list[nn.Parameter]]], tuple[BucketLayout, list[nn.Parameter]]]:
     """Each block's bucket and the resident bucket (every parameter outside the blocks),
-    with their parameters in layout order. Works on a meta-device skeleton (shapes only)."""
+    with their parameters in layout order. Works on a meta-device skeleton (shapes only).
+
+    ``select`` keeps only some parameters (an adapter's trainable ones, or the frozen
+    base); a bucket may then be empty."""
     names = _aliases(model)
+    keep = select if select is not None else (lambda p: True)
+    dtype = next(model.parameters()).dtype
     block_params = [_unique(b.parameters()) for b in blocks]
     in_blocks = {id(p) for ps in block_params for p in ps}
-    resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks]
-    built = [BucketLayout.build([(names[id(p)], p) for p in ps]) for ps in block_params]
-    return built, BucketLayout.build([(names[id(p)], p) for p in resident_params])
+    resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks and keep(p)]
+    empty = dtype if select is not None else None
+    built = [BucketLayout.build([(names[id(p)], p) for p in ps if keep(p)], empty) for ps in block_params]
+    return built, BucketLayout.build([(names[id(p)], p) for p in resident_params], empty)
+
+
+def unwrap_peft(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """(the transformers model, the ``peft.PeftModel`` around it or None). The engine runs
+    the model's own modules, into which peft injected its adapter layers."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model(), model
+    return model, None
+
+
+def trainable_selector(model: nn.Module) -> Callable[[nn.Parameter], bool] | None:
+    """Which parameters a step perturbs and updates: those with ``requires_grad`` when the
+    model is partly frozen (a peft adapter on a frozen base); None: all of them."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if 0 < len(trainable) < len({id(p) for p in model.parameters()}):
+        return lambda p: id(p) in trainable
+    return None
 
 
 def _bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int) -> torch.Tensor:
@@ -144,6 +168,10 @@ def _bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int)
         if a < b:
             out[a - lo : b - lo] = weights.tensor_range(e.names, e.shape, layout.dtype, a - e.offset, b - e.offset)
     return out
+
+
+def _not(select: Callable[[nn.Parameter], bool], p: nn.Parameter) -> bool:
+    return not select(p)
 
 
 def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
@@ -186,6 +214,7 @@ class ZOEngine:
         objective: Objective | None = None,
     ) -> None:
         config.validate()
+        model, self.peft_model = unwrap_peft(model)
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.adapter = adapter if adapter is not None else adapter_for(model)
         self.config = config
@@ -204,36 +233,50 @@ class ZOEngine:
 
         # ZO takes two forward passes of one function: dropout would make them two functions.
         model.eval()
+        select = trainable_selector(model)  # read before everything is frozen below
         model.requires_grad_(False)
         self.blocks = self.adapter.blocks()
         if not self.blocks:
             raise ValueError("the model has no transformer blocks to stream")
-        built, (self.resident_layout, resident_ordered) = bucket_layouts(model, self.blocks)
+        # The trainable buckets: every parameter, or an adapter's. A frozen base (adapter
+        # runs) gets buckets of its own that are only ever read.
+        built, (self.resident_layout, resident_ordered) = bucket_layouts(model, self.blocks, select)
         self.block_layouts = [layout for layout, _ in built]
+        self.frozen_base = select is not None
+        if self.frozen_base:
+            frozen = functools.partial(_not, select)
+            base_built, (self.resident_base_layout, base_ordered) = bucket_layouts(model, self.blocks, frozen)
+            self.base_layouts = [layout for layout, _ in base_built]
+            if not any(layout.numel for layout in [self.resident_layout, *self.block_layouts]):
+                raise ValueError("the adapter has no trainable parameters; check its target modules")
+        else:
+            base_built, self.base_layouts, self.resident_base_layout = [], [], None
         dtype = self.resident_layout.dtype  # the masters' dtype
-        if any(layout.dtype != dtype for layout in self.block_layouts):
+        if any(layout.dtype != dtype for layout in [*self.block_layouts, *self.base_layouts]):
             raise ValueError("blocks and resident modules must share one dtype; cast the model first")
         compute_dtype = dtype if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
         self._make_noise(dtype)
 
+        # The streamed store holds what crosses the link each step: the whole blocks, or
+        # under an adapter the frozen base, uploaded and never written back (the adapter's
+        # own buckets are small and stay on the device).
+        streamed_layouts = self.base_layouts if self.frozen_base else self.block_layouts
         if config.mode == "offload":
             shard = None
             if self.transfer == "sliced":
                 group = self.parallel.shard_group
                 shard = Shard(group.group, group.rank, group.size, self.parallel.comm)
             low_bit = None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
-            self.store = StreamedBlocks(
-                self.block_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise,
-                config.transfer_chunks,
+            streamed = StreamedBlocks(
+                streamed_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise,
+                config.transfer_chunks, read_only=self.frozen_base,
             )
         else:
-            self.store = ResidentBlocks(self.block_layouts, self.device)
-        for i, (layout, ordered) in enumerate(built):
-            if weights is not None and self.transfer == "sliced":
-                # Read only this rank's share of the block from the checkpoint.
-                self.store.load_block_ranges(i, functools.partial(_bucket_range, layout, weights))
-            else:
-                self.store.load_block(i, _bucket_values(layout, ordered, weights))  # one block in memory at a time
+            streamed = ResidentBlocks(streamed_layouts, self.device)
+        self.base_store = streamed if self.frozen_base else None
+        self.store = ResidentBlocks(self.block_layouts, self.device) if self.frozen_base else streamed
+        self._fill(self.store, built, weights, sliced=self.state_sliced)
+        self._fill(self.base_store, base_built, weights, sliced=self.transfer == "sliced")
         self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(self.device)
 
         # One scratch bucket serves every block: blocks compute one after another on one
@@ -244,6 +287,17 @@ class ZOEngine:
         for layout in self.block_layouts:
             bind(model, layout, self.block_scratch)
         bind(model, self.resident_layout, self.resident_scratch)
+        if self.frozen_base:
+            # The frozen base of each block is copied into its own scratch once per visit,
+            # in the compute dtype, and every pass reads it; the resident base never changes.
+            self.base_scratch = torch.zeros(max(l.numel for l in self.base_layouts), device=self.device,
+                                            dtype=compute_dtype)
+            for layout in self.base_layouts:
+                bind(model, layout, self.base_scratch)
+            self.resident_base = _bucket_values(self.resident_base_layout, base_ordered, weights).to(self.device)
+            base_compute = self.resident_base.to(compute_dtype)  # the same tensor when the dtypes agree
+            bind(model, self.resident_base_layout, base_compute)
+            self._resident_base_compute = base_compute
         self._resident_holds: tuple[int, int, int] | None = None  # (query, sign, step) now in resident_scratch
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
@@ -251,19 +305,20 @@ class ZOEngine:
             torch.cuda.current_stream(self.device).synchronize()
 
         self.streams = Streams(self.device)
-        self.scheduler = BlockScheduler(self.store, self.streams, len(self.blocks))
+        self.scheduler = BlockScheduler(self.streamed_store, self.streams, len(self.blocks))
         logger.info(
             "ZO engine: %s mode (%s transfer, %s on the wire, %s compute) on %s, %d blocks, %d slots, "
-            "%.1f M parameters, %.1f MB host, %d quer%s per step",
+            "%.1f M trained parameters%s, %.1f MB host, %d quer%s per step",
             config.mode,
             self.transfer,
             config.transfer_dtype,
             str(compute_dtype).replace("torch.", ""),
             self.device,
             len(self.blocks),
-            self.store.num_slots,
+            self.streamed_store.num_slots,
             self.num_parameters / 1e6,
-            self.store.host_bytes / 1e6,
+            f" (of {(self.num_parameters + self.num_frozen) / 1e6:.1f} M: a frozen base)" if self.frozen_base else "",
+            self.host_bytes / 1e6,
             config.num_queries,
             "y" if config.num_queries == 1 else "ies",
         )
@@ -271,14 +326,47 @@ class ZOEngine:
     def _resolve_transfer(self) -> str:
         return resolve_transfer(self.config, self.device, self.parallel)
 
+    @staticmethod
+    def _fill(store, built, weights: WeightSource | None, sliced: bool) -> None:
+        """Each block's initial values into ``store``, one block in memory at a time."""
+        for i, (layout, ordered) in enumerate(built):
+            if weights is not None and sliced:
+                # Read only this rank's share of the block from the checkpoint.
+                store.load_block_ranges(i, functools.partial(_bucket_range, layout, weights))
+            else:
+                store.load_block(i, _bucket_values(layout, ordered, weights))
+
+    @property
+    def streamed_store(self):
+        """The store whose blocks the scheduler moves: the frozen base under an adapter."""
+        return self.base_store if self.base_store is not None else self.store
+
+    @property
+    def state_sliced(self) -> bool:
+        """Whether the trained state is split over the node's ranks (the sliced transfer of
+        whole blocks); an adapter's state is small and whole on every rank."""
+        return self.transfer == "sliced" and not self.frozen_base
+
+    @property
+    def host_bytes(self) -> int:
+        return self.streamed_store.host_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        frozen = 0
+        if self.frozen_base:
+            frozen = self.store.device_bytes + self.base_scratch.numel() * self.base_scratch.element_size()
+        return self.streamed_store.device_bytes + frozen
+
     def _make_noise(self, dtype: torch.dtype) -> None:
         kind = self.config.noise
         self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, dtype, kind=kind)
         # A separate source (own stream and workspace) for rounding: it runs on the
-        # offload stream, concurrently with the compute stream's perturbations.
+        # offload stream, concurrently with the compute stream's perturbations. A frozen
+        # base is never written back, so it never rounds.
         self.rounding_noise = (
             NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform", kind=kind)
-            if self.config.transfer_dtype != "fp32"
+            if self.config.transfer_dtype != "fp32" and not self.frozen_base
             else None
         )
 
@@ -286,7 +374,15 @@ class ZOEngine:
 
     @property
     def num_parameters(self) -> int:
+        """The parameters a step perturbs and updates (an adapter's alone, under one)."""
         return self.resident_layout.num_parameters + sum(l.num_parameters for l in self.block_layouts)
+
+    @property
+    def num_frozen(self) -> int:
+        """The parameters of a frozen base (0 without an adapter)."""
+        if not self.frozen_base:
+            return 0
+        return self.resident_base_layout.num_parameters + sum(l.num_parameters for l in self.base_layouts)
 
     def step(self, batch: Mapping[str, torch.Tensor], num_items: int | None = None) -> StepResult:
         """One ZO-SGD step on ``batch``, in the form the objective reads (for the default
@@ -453,20 +549,47 @@ class ZOEngine:
         """One name per distinct parameter (a tied weight appears once), in bucket order."""
         return [e.names[0] for e in self._entries()]
 
-    def stream_parameters(self, materialize: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream_parameters(
+        self, materialize: bool = True, frozen: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Flushed values, one bucket at a time, as ``(canonical name, CPU tensor)`` with
         storage of their own: an export holds one block, never the model twice.
+        ``frozen``: the frozen base of an adapter run instead of the trained parameters.
 
         Collective under the sliced transfer (each block is gathered through the device):
         every rank must drain it. A rank with ``materialize=False`` takes part in the
         gathers but copies nothing to the host and yields nothing.
         """
         self.flush()
-        for entry, value in self._bucket_values(materialize):
+        for _, entry, value in self._bucket_values(materialize, frozen):
             yield entry.names[0], value
 
-    def _bucket_values(self, materialize: bool = True) -> Iterator[tuple[Entry, torch.Tensor]]:
-        """Every parameter as stored (pending update not applied), bucket by bucket.
+    def stream_buckets(self, materialize: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+        """Flushed values, resident modules first, then block by block, as one dict per
+        bucket by every alias, frozen base and adapter together (a merge of an adapter
+        into its base needs both halves of a block at once). Collective as ``stream_parameters``."""
+        self.flush()
+        trained = self._buckets(materialize)
+        frozen = self._buckets(materialize, frozen=True) if self.frozen_base else iter(())
+        # zip_longest drains both, so every rank takes part in every gather of either
+        for halves in itertools.zip_longest(trained, frozen, fillvalue=()):
+            values = {name: value for half in halves for entry, value in half for name in entry.names}
+            if materialize:
+                yield values
+
+    def _bucket_values(
+        self, materialize: bool = True, frozen: bool = False
+    ) -> Iterator[tuple[int, Entry, torch.Tensor]]:
+        """Every parameter as stored (pending update not applied), bucket by bucket, as
+        ``(bucket index, entry, value)``: -1 for the resident modules, i for block i."""
+        for index, values in enumerate(self._buckets(materialize, frozen), start=-1):
+            for entry, value in values:
+                yield index, entry, value
+
+    def _buckets(self, materialize: bool = True, frozen: bool = False) -> Iterator[list[tuple[Entry, torch.Tensor]]]:
+        """Every bucket as stored (pending update not applied), resident first, as a list of
+        ``(entry, CPU copy)`` (empty where ``materialize`` is False).
+        ``frozen``: the frozen base's buckets instead of the trained ones.
 
         Blocks are read back through the device (an upload): that is where a sliced rank
         sees the whole block and where a low-bit master becomes the master dtype. The
@@ -474,16 +597,26 @@ class ZOEngine:
         read-back ends with a host sync: every gather this rank took part in is complete
         before it returns, on every rank (NCCL's waits block streams, not the host).
         """
-        buckets = [(self.resident_layout, None)] + [(layout, i) for i, layout in enumerate(self.block_layouts)]
+        if frozen:
+            store, resident, layouts = self.base_store, self.resident_base, self.base_layouts
+            resident_layout = self.resident_base_layout
+        else:
+            store, resident, layouts = self.store, self.resident_master, self.block_layouts
+            resident_layout = self.resident_layout
+        buckets = [(resident_layout, -1)] + [(layout, i) for i, layout in enumerate(layouts)]
         try:
             for layout, index in buckets:
                 values = []
                 with self.streams.compute_scope(), self.streams.on("upload"):
-                    bucket = self.resident_master if index is None else self._uploaded(index)
+                    if index < 0:
+                        bucket = resident
+                    else:
+                        store.upload(index)
+                        bucket = store.device_bucket(index)
                     if materialize:  # copies to pageable host memory: the host waits for this stream
                         values = [(e, bucket[e.offset : e.offset + e.numel].view(e.shape).to("cpu", copy=True))
                                   for e in layout.entries]
-                yield from values  # outside the stream context: the consumer runs on its own stream
+                yield values  # outside the stream context: the consumer runs on its own stream
         finally:
             self.parallel.comm.host_sync()
 
@@ -493,7 +626,7 @@ class ZOEngine:
         block is gathered through the device (sliced: collective, so every rank runs every
         block, wanted or not), else the live host view. Ends with a host sync, as every
         collective read-back does."""
-        sliced = self.transfer == "sliced"
+        sliced = self.state_sliced
         try:
             for i in range(len(self.blocks)):
                 if not (sliced or wanted(i)):
@@ -508,14 +641,10 @@ class ZOEngine:
         finally:
             self.parallel.comm.host_sync()
 
-    def _uploaded(self, index: int) -> torch.Tensor:
-        self.store.upload(index)
-        return self.store.device_bucket(index)
-
     def _collect(self) -> dict[str, torch.Tensor]:
-        """Every parameter as stored, by every alias, as CPU copies (a tied weight's aliases
-        share one tensor)."""
-        return {name: value for entry, value in self._bucket_values() for name in entry.names}
+        """Every trained parameter as stored, by every alias, as CPU copies (a tied weight's
+        aliases share one tensor)."""
+        return {name: value for _, entry, value in self._bucket_values() for name in entry.names}
 
     def _prepare(self, batch: Mapping[str, torch.Tensor]):
         """input_ids, attention_mask and labels (None if absent) on the device."""
@@ -556,13 +685,15 @@ class ZOEngine:
     def _perturb_resident(self, p: Pass, step: int) -> None:
         query, sign = p
         key = (query, sign, step) if sign else (0, 0, -1)
-        if self._resident_holds != key:
+        if self._resident_holds != key and self.resident_master.numel():
             self.noise.perturb_into(
                 self.resident_scratch, self.resident_master, sign * self.config.eps, step, RESIDENT_BLOCK_ID, query
             )
             self._resident_holds = key
 
     def _apply(self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int) -> None:
+        if not layout.numel:
+            return
         self.noise.apply_update(
             bucket, layout.decay_end, update.lr, update.projected_grads, self.config.weight_decay, update.step, block_id
         )
@@ -604,15 +735,21 @@ class ZOEngine:
         eps = self.config.eps
 
         def compute(i: int, bucket: torch.Tensor) -> None:
+            if self.frozen_base:  # the streamed bucket is the base: one copy serves every pass
+                numel = self.base_layouts[i].numel
+                self.base_scratch[:numel].copy_(bucket[:numel])
+                bucket = self.store.device_bucket(i)  # the block's adapter
             if update is not None:
                 self._apply(update, bucket, self.block_layouts[i], i + 1)
             for p in order:
                 query, sign = p
-                self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
+                if bucket.numel():
+                    self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
                 hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
 
-        # Unchanged blocks (no pending update) need not go back: their host copies are right.
-        self.scheduler.run(compute, prologue=embed, offload=update is not None)
+        # Unchanged blocks (no pending update) need not go back: their host copies are right,
+        # and a frozen base never changes.
+        self.scheduler.run(compute, prologue=embed, offload=update is not None and not self.frozen_base)
         return {p: hiddens[p] for p in reversed(order)}
 
     def _held_pass(self, step: int) -> Pass | None:

@@ -432,7 +432,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
         "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
         "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
         "formula_coordinates": list(dims.coordinates(env.rank)),
-        "host_bytes": engine.store.host_bytes, "device_bytes": engine.store.device_bytes,
+        "host_bytes": engine.host_bytes, "device_bytes": engine.device_bytes,
         "eval_before": before, "eval_after": after,
     }
     (run_dir / f"rank{env.rank}.json").write_text(json.dumps(record))

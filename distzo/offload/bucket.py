@@ -46,15 +46,19 @@ class BucketLayout:
 
     @classmethod
     def build(
-        cls, params: Iterable[tuple[tuple[str, ...], nn.Parameter]]
+        cls, params: Iterable[tuple[tuple[str, ...], nn.Parameter]], empty_dtype: torch.dtype | None = None
     ) -> tuple["BucketLayout", list[nn.Parameter]]:
         """Lay out ``(aliases, parameter)`` pairs: decayed first, each offset aligned.
 
         Returns the layout and the parameters in layout order (for ``pack``/``bind``).
+        ``empty_dtype``: an empty bucket is allowed, with that dtype (a block whose
+        adapter trains nothing, the resident modules of a LoRA run).
         """
         params = list(params)
         if not params:
-            raise ValueError("a bucket needs at least one parameter")
+            if empty_dtype is None:
+                raise ValueError("a bucket needs at least one parameter")
+            return cls((), 0, 0, empty_dtype), []
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
             raise ValueError(f"a bucket holds one dtype, got {sorted(map(str, dtypes))}; cast the model first")

@@ -15,6 +15,9 @@ One class covers both transfer modes, because naive is sliced with one owner:
 With a low-bit ``transfer_dtype`` the host copy and the wire carry bf16/fp16/fp8;
 a staging buffer per slot receives them and the fp32 master slot is rebuilt from it
 (upcast) for the update; the way back rounds stochastically (see ``low_bit``).
+
+``read_only``: the frozen base of an adapter run. Blocks only go up; nothing is ever
+written back, so a low-bit host copy is rounded once, to nearest, when it is loaded.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class StreamedBlocks:
         shard: Shard | None = None,
         rounding_noise: "NoiseSource | None" = None,
         chunks: int = 1,
+        read_only: bool = False,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"transfer chunks must be >= 1, got {chunks}")
@@ -69,7 +73,8 @@ class StreamedBlocks:
         master_dtype = layouts[0].dtype
         self.transfer_dtype = transfer_dtype or master_dtype
         self.low_bit = self.transfer_dtype != master_dtype
-        if self.low_bit and rounding_noise is None:
+        self.read_only = read_only
+        if self.low_bit and rounding_noise is None and not read_only:
             raise ValueError("a low-bit transfer needs a rounding noise source")
         self.rounding_noise = rounding_noise
         self.step = 0  # the pass's step: keys the rounding noise on the way back
@@ -129,6 +134,8 @@ class StreamedBlocks:
             self.slots.for_block(index, self.padded[index]).copy_(wire)
 
     def offload(self, index: int) -> None:
+        if self.read_only:
+            raise RuntimeError("a read-only block store (a frozen base) is never written back")
         master_full = self.slots.for_block(index, self.padded[index])
         host = self.host_slices[index]
         for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):

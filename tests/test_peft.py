@@ -1,0 +1,204 @@
+"""Adapters through peft (LoRA, LoRA-FA): only the adapter is perturbed and updated, the
+base streams read-only, g is the adapter's directional derivative, and the export is a
+peft adapter (or a merged model) that gives the engine's logits."""
+
+import collections
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from distzo import ZOConfig, ZOEngine
+from distzo.engine import RESIDENT_BLOCK_ID
+from distzo.export import export_model
+from distzo.models.tiny import tiny_opt_config
+from distzo.models.weights import SafetensorsWeights, skeleton
+from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
+from tests.conftest import random_batch, tiny_opt
+
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, pad_token_id=0, num_hidden_layers=3)
+
+
+def base_model(family, seed=0, dtype=torch.float32, **overrides):
+    if family == "opt":
+        return tiny_opt(seed=seed, dtype=dtype, num_hidden_layers=3, **overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**{**LLAMA, **overrides}), dtype=dtype)
+
+
+def adapted(family, method="lora", seed=0, dtype=torch.float32, **overrides):
+    return attach_adapter(base_model(family, seed, dtype, **overrides), AdapterSpec(method, r=4, alpha=8), seed=5)
+
+
+def engine_for(model, weights=None, **overrides):
+    options = dict(lr=1e-2, eps=1e-3, seed=3, device="cpu", noise_chunk=333, weight_decay=0.1)
+    options.update(overrides)
+    return ZOEngine(model, ZOConfig(**options), weights=weights)
+
+
+def train(engine, vocab, steps=4, seed=0):
+    return [engine.step(random_batch(vocab, pad="left", seed=seed + i)) for i in range(steps)]
+
+
+def frozen_values(engine):
+    return dict(engine.stream_parameters(frozen=True))
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("method", ["lora", "lora-fa"])
+def test_only_the_adapter_changes(family, method):
+    model = adapted(family, method)
+    engine = engine_for(model, mode="offload", num_slots=2)
+    trained_names = set(engine.canonical_names)
+    assert all(".lora_B." in n or (method == "lora" and ".lora_A." in n) for n in trained_names)
+    assert {n.split(".")[-4] for n in trained_names} == {"q_proj", "v_proj"}  # peft's default targets
+    before_base, before = frozen_values(engine), engine.named_parameters()
+    train(engine, model.config.vocab_size)
+    after_base, after = frozen_values(engine), engine.named_parameters()
+    assert before_base.keys() == after_base.keys()
+    assert all(torch.equal(before_base[n], after_base[n]) for n in before_base)  # the base, bit for bit
+    assert all(not torch.equal(before[n], after[n]) for n in before)  # every trained tensor moved
+
+
+@pytest.mark.parametrize("method", ["lora", "lora-fa"])
+def test_offload_equals_resident_bitwise(method):
+    runs = []
+    for mode in ("resident", "offload"):
+        model = adapted("opt", method)
+        engine = engine_for(model, mode=mode, num_slots=2, num_queries=2)
+        runs.append(([(r.loss_plus, r.loss_minus, r.projected_grads) for r in train(engine, model.config.vocab_size)],
+                     engine.named_parameters()))
+    (trajectory_a, params_a), (trajectory_b, params_b) = runs
+    assert trajectory_a == trajectory_b
+    assert all(torch.equal(params_a[n], params_b[n]) for n in params_a)
+
+
+FLOAT64 = dict(hidden_size=16, ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=8, max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("method", ["lora", "lora-fa"])
+def test_projected_gradient_is_the_adapters_directional_derivative(method):
+    # B starts at 0, where dL/dA is 0: take one step first so both halves carry gradient.
+    model = adapted("opt", method, dtype=torch.float64, **FLOAT64)
+    engine = engine_for(model, eps=1e-6, lr=0.0, weight_decay=0.0, seed=2)
+    with torch.no_grad():  # a non-zero B, the same in the engine and the reference
+        for e in engine.block_layouts[0].entries:
+            engine.store.device_bucket(0)[e.offset : e.offset + e.numel] = 0.05
+    batch = random_batch(model.config.vocab_size, pad="right", seed=4)
+    (g,) = engine.step(batch).projected_grads
+
+    reference = adapted("opt", method, dtype=torch.float64, **FLOAT64)
+    values = dict(engine.stream_parameters()) | dict(engine.stream_parameters(frozen=True))
+    with torch.no_grad():
+        for name, p in reference.get_base_model().named_parameters():
+            p.copy_(values[name])
+    reference.eval()
+    reference(**batch).loss.backward()
+    grads = {n: p.grad for n, p in reference.get_base_model().named_parameters() if p.requires_grad}
+    assert set(grads) == set(engine.canonical_names)
+    dot = 0.0
+    for i, layout in enumerate(engine.block_layouts):
+        z = engine.noise.full(layout.numel, step=0, block_id=i + 1, query=0)
+        for e in layout.entries:
+            dot += (z[e.offset : e.offset + e.numel].view(e.shape) * grads[e.names[0]]).sum().item()
+    assert engine.resident_layout.numel == 0  # LoRA trains nothing outside the blocks
+    assert abs(g) > 1e-3
+    assert g == pytest.approx(dot, rel=1e-5)  # float64: the central difference's truncation at eps 1e-6
+
+
+class Counting:
+    def __init__(self, store):
+        self.uploads, self.offloads = collections.Counter(), collections.Counter()
+        upload = store.upload
+
+        def counted_upload(i):
+            self.uploads[i] += 1
+            upload(i)
+
+        def counted_offload(i):
+            self.offloads[i] += 1
+
+        store.upload, store.offload = counted_upload, counted_offload
+
+
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16", "fp8"])
+def test_the_base_goes_up_once_per_step_and_never_back(transfer_dtype):
+    model = adapted("opt", "lora-fa")
+    engine = engine_for(model, mode="offload", num_slots=2, transfer_dtype=transfer_dtype)
+    counts = Counting(engine.base_store)
+    results = train(engine, model.config.vocab_size, steps=3)
+    assert dict(counts.uploads) == {0: 3, 1: 3, 2: 3} and not counts.offloads
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
+    full = engine_for(adapted("opt", "lora-fa"), mode="offload")
+    assert engine.host_bytes * {"fp32": 1, "bf16": 2, "fp8": 4}[transfer_dtype] == full.host_bytes
+
+
+def test_a_low_bit_base_is_rounded_once_to_nearest():
+    model = adapted("opt", "lora-fa")
+    reference = {n: p.detach().clone() for n, p in model.get_base_model().named_parameters()}
+    engine = engine_for(model, mode="offload", transfer_dtype="bf16")
+    train(engine, model.config.vocab_size, steps=2)
+    in_blocks = {e.names[0] for layout in engine.base_layouts for e in layout.entries}
+    for name, value in frozen_values(engine).items():
+        rounded = reference[name].to(torch.bfloat16).float() if name in in_blocks else reference[name]
+        assert torch.equal(value, rounded), name  # blocks rest in bf16; the resident modules stay fp32
+
+
+def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path):
+    base_model("llama", seed=1).save_pretrained(tmp_path)
+    spec = AdapterSpec("lora-fa", r=4, alpha=8)
+    whole = attach_adapter(AutoModelForCausalLM.from_pretrained(tmp_path), spec, seed=5)
+    shell = attach_adapter(skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5)
+    a = engine_for(whole, mode="offload")
+    b = engine_for(shell, AdapterWeights(SafetensorsWeights(tmp_path), shell), mode="offload")
+    ra, rb = train(a, 64), train(b, 64)
+    assert [r.projected_grads for r in ra] == [r.projected_grads for r in rb]
+    pa, pb = a.named_parameters(), b.named_parameters()
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("method", ["lora", "lora-fa"])
+def test_the_exported_adapter_loads_with_peft_and_gives_the_engines_logits(tmp_path, family, method):
+    from peft import PeftModel
+
+    model = adapted(family, method)
+    engine = engine_for(model, mode="offload")
+    train(engine, model.config.vocab_size)
+    batch = random_batch(model.config.vocab_size, pad="right", seed=9)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(base_model(family), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool()
+    assert torch.allclose(theirs[mask], logits[mask], atol=1e-5)
+
+    export_model(engine, tmp_path / "merged", merge_adapter=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        plain = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(plain[mask], logits[mask], atol=1e-5)
+
+
+def test_a_state_dict_holds_the_adapter_only_and_resumes_the_same_trajectory():
+    full = engine_for(adapted("opt", "lora"), mode="offload")
+    results = train(full, 64, steps=6)
+    first = engine_for(adapted("opt", "lora"), mode="offload")
+    train(first, 64, steps=3)
+    state = first.state_dict()
+    assert all(".lora_" in n for n in state["params"])
+    resumed = engine_for(adapted("opt", "lora"), mode="resident")
+    resumed.load_state_dict(state)
+    rest = [resumed.step(random_batch(64, pad="left", seed=i)) for i in range(3, 6)]
+    assert [r.projected_grads for r in rest] == [r.projected_grads for r in results[3:]]
+
+
+def test_bad_adapter_options_are_one_line_errors():
+    with pytest.raises(ValueError, match="drop --lora-dropout"):
+        AdapterSpec("lora", dropout=0.1).validate()
+    with pytest.raises(ValueError, match="--lora-targets"):
+        attach_adapter(base_model("opt"), AdapterSpec("lora", targets=("no_such_proj",)), seed=0)
