@@ -42,7 +42,8 @@ def train_command(args: argparse.Namespace, objective: str, run_dir: Path, eval_
         "--lr", str(args.lr), "--eps", str(args.eps), "--batch-size", str(args.batch_size), "--lr-schedule", "constant",
         "--max-steps", str(args.steps), "--eval-steps", str(args.eval_steps), "--eval-batch-size", "64",
         "--seed", str(args.seed), "--log-every", "0", "--mode", args.mode, "--device", args.device,
-        "--output-dir", str(run_dir),
+        "--output-dir", str(run_dir), "--peft", args.peft, "--lora-r", str(args.lora_r),
+        "--lora-alpha", str(args.lora_alpha),
     ]
 
 
@@ -77,6 +78,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", default="resident", choices=["resident", "offload"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa"],
+                   help="train an adapter instead of every parameter (lr and eps then need raising: P-RGE's 1e-3, 1e-2)")
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--quick", action="store_true", help="4 steps, 32 held-out rows: a smoke run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
     args = p.parse_args()
@@ -98,7 +103,7 @@ def main() -> None:
 
     report = BenchReport("learning", "", 1)
     for objective in args.objectives.split(","):
-        run_dir = work / objective
+        run_dir = work / (objective if args.peft == "none" else f"{objective}-{args.peft}")
         command = train_command(args, objective, run_dir, eval_file)
         print("+", " ".join(command), flush=True)
         started = time.perf_counter()
@@ -110,7 +115,8 @@ def main() -> None:
         report.device = ranks.get("device", report.device) or "unknown"
         for point in curve(run_dir):
             report.measurements.append(Measurement(
-                objective, {"objective": objective, "step": point["step"], "command": " ".join(command[1:])},
+                objective, {"objective": objective, "peft": args.peft, "step": point["step"],
+                            "command": " ".join(command[1:])},
                 1, elapsed, elapsed, elapsed, 0.0,
                 {k: v for k, v in point.items() if k != "step"},
             ))

@@ -200,6 +200,13 @@ class Checkpointer:
         # The pending update has as many g as the saving run had queries, whatever this one has.
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         meta["meta/pending"] = torch.zeros(saved["meta/pending"].size, dtype=torch.float64)
+        buckets = [("resident", engine.resident_layout)] + [(f"block/{i}", l) for i, l in enumerate(engine.block_layouts)]
+        for key, layout in buckets:
+            if key not in saved or tuple(saved[key].size) != (layout.numel,):
+                raise ValueError(
+                    f"{path} holds other trained parameters than this run ({key}); resume with the options it was "
+                    "trained with (the model, --peft, --lora-r, --lora-targets)"
+                )
         if "meta/noise" not in saved:  # written before noise kinds: legacy noise
             del meta["meta/noise"]
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")

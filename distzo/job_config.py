@@ -19,6 +19,7 @@ from typing import Any
 
 from distzo.cli_errors import program
 from distzo.config import COMPUTE_DTYPE_NAMES, MODES, TRANSFER_DTYPE_NAMES, TRANSFERS
+from distzo.peft_tuning import PEFT_METHODS
 from distzo.zo.schedule import SCHEDULES
 
 
@@ -80,6 +81,22 @@ class OptimOptions:
 
 
 @dataclass
+class PeftOptions:
+    peft: str = option(
+        "none", "what a step trains: none (every parameter), lora (LoRA's A and B, as MeZO) or lora-fa (B only, A "
+        "frozen at its init, as P-RGE); adapters come from peft and the frozen base streams read-only",
+        PEFT_METHODS,
+    )
+    lora_r: int = option(8, "LoRA rank")
+    lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = option(0.0, "must stay 0: the two perturbed passes of a step compute one function")
+    lora_targets: str | None = option(
+        None, "comma-separated module names to adapt (default: peft's for the family, q_proj,v_proj for OPT and Llama)"
+    )
+    merge_adapter: bool = option(False, "export/ holds the base with the adapter merged in, not the peft adapter")
+
+
+@dataclass
 class OffloadOptions:
     mode: str = option("offload", "offload: blocks in host memory (ZO2); resident: all on device (MeZO)", MODES)
     num_slots: int | None = option(
@@ -127,6 +144,7 @@ class JobConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     data: DataOptions = field(default_factory=DataOptions)
     optim: OptimOptions = field(default_factory=OptimOptions)
+    peft: PeftOptions = field(default_factory=PeftOptions)
     offload: OffloadOptions = field(default_factory=OffloadOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     run: RunOptions = field(default_factory=RunOptions)

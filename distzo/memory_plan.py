@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from distzo.config import ZOConfig
-from distzo.engine import bucket_layouts
+from distzo.engine import bucket_layouts, trainable_selector, unwrap_peft
 from distzo.host_memory import available_host_bytes
 from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
@@ -40,6 +40,7 @@ class MemoryPlan:
     device_scratch: int  # the block scratch bucket and the noise workspaces
     activations: int  # estimate of the largest transient
     checkpoint_bytes: int = 0  # host copies a checkpoint save makes on this node (one writer per block)
+    frozen_parameters: int = 0  # a frozen base under an adapter (``parameters`` are the trained ones)
 
     @property
     def device_bytes(self) -> int:
@@ -48,7 +49,9 @@ class MemoryPlan:
 
     def describe(self) -> str:
         return (
-            f"{self.parameters / 1e9:.3f} B parameters; host {self.host_bytes / GB:.2f} GB per rank; "
+            f"{self.parameters / 1e9:.3f} B parameters"
+            + (f" trained on a frozen base of {self.frozen_parameters / 1e9:.3f} B" if self.frozen_parameters else "")
+            + f"; host {self.host_bytes / GB:.2f} GB per rank; "
             f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, blocks/slots "
             f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}) + activations ~"
             f"{self.activations / GB:.2f} GB; a checkpoint save +{self.checkpoint_bytes / GB:.2f} GB host per node"
@@ -75,24 +78,41 @@ def plan_memory(
     (``async_save`` False; the final save always is) copies only what does not already
     rest in host memory.
     """
-    built, (resident, _) = bucket_layouts(model, adapter_for(model).blocks())
+    model, _ = unwrap_peft(model)
+    blocks_of_model = adapter_for(model).blocks()
+    select = trainable_selector(model)
+    built, (resident, _) = bucket_layouts(model, blocks_of_model, select)
     layouts = [layout for layout, _ in built]
+    # What streams: the whole blocks, or under an adapter the frozen base (read-only; the
+    # adapter's buckets stay on the device, with the frozen resident modules).
+    frozen = select is not None
+    if frozen:
+        base_built, (resident_base, _) = bucket_layouts(model, blocks_of_model, lambda p: not select(p))
+        streamed = [layout for layout, _ in base_built]
+    else:
+        streamed = layouts
     master = resident.dtype.itemsize
     compute = master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype].itemsize
     wire = master if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype].itemsize
     owners = shard_size if sliced else 1
     chunks = config.transfer_chunks if owners > 1 else 1
-    padded = [round_up(l.numel, owners * chunks * ALIGN_ELEMENTS) for l in layouts]
+    padded = [round_up(l.numel, owners * chunks * ALIGN_ELEMENTS) for l in streamed]
     largest = max(padded)
     device_type = config.torch_device().type
     noise = planned_noise_bytes(config.noise_chunk, master, device_type, config.noise)
-    if wire != master:  # stochastic rounding's uniforms, float32
+    if wire != master and not frozen:  # stochastic rounding's uniforms, float32
         noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
     if config.mode == "offload":
         host = sum(padded) // owners * wire
         blocks = config.num_slots * largest * (master + (wire if wire != master else 0))
     else:
-        host, blocks = 0, sum(l.numel for l in layouts) * master
+        host, blocks = 0, sum(l.numel for l in streamed) * master
+    scratch = max(l.numel for l in layouts) * compute
+    resident_bytes = resident.numel * (master + compute)
+    if frozen:
+        blocks += sum(l.numel for l in layouts) * master  # the adapter's block buckets
+        scratch += max(l.numel for l in streamed) * compute  # the base's copy in the compute dtype
+        resident_bytes += resident_base.numel * (master + (compute if compute != master else 0))
     cfg = model.config
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
@@ -104,24 +124,26 @@ def plan_memory(
     logits = min(tokens, HEAD_CHUNK) * vocab * (compute + 2 * 4)
     live_hiddens = signs * config.num_queries  # one hidden state per pass crosses the blocks
     activations = live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
-    at_rest = [l.numel * (wire if config.mode == "offload" else master) for l in layouts]
+    at_rest = [l.numel * (wire if config.mode == "offload" and not frozen else master) for l in layouts]
+    sliced = sliced and not frozen  # an adapter's state is whole on every rank
     if sliced:  # each node's shard group writes every (world / n)-th block
         node_blocks = -(-len(layouts) // max(world // shard_size, 1))
     else:
         node_blocks = min(len(layouts), -(-len(layouts) // world) * local_ranks)
     on_device = config.torch_device().type != "cpu"
-    copies_blocks = async_save or sliced or (config.mode == "resident" and on_device)
+    copies_blocks = async_save or sliced or ((config.mode == "resident" or frozen) and on_device)
     checkpoint = (sum(sorted(at_rest, reverse=True)[:node_blocks]) if copies_blocks else 0) + (
         resident.numel * master if async_save or on_device else 0
     )
     return MemoryPlan(
         parameters=resident.num_parameters + sum(l.num_parameters for l in layouts),
         host_bytes=host,
-        device_resident=resident.numel * (master + compute),
+        device_resident=resident_bytes,
         device_blocks=blocks,
-        device_scratch=max(l.numel for l in layouts) * compute + noise,
+        device_scratch=scratch + noise,
         activations=activations,
         checkpoint_bytes=checkpoint,
+        frozen_parameters=(resident_base.num_parameters + sum(l.num_parameters for l in streamed)) if frozen else 0,
     )
 
 

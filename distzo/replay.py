@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from distzo.export import export_hf
+from distzo.export import export_model
 from distzo.cli_errors import fail, program
 from distzo.config import ZOConfig
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
@@ -93,6 +94,10 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     if kind == "legacy" and config.torch_device().type != header["device_type"]:
         raise ValueError(f"the run drew legacy noise on {header['device_type']}; replay it on that device type")
     model, weights = base_model(base, header, DTYPES[header["dtype"]])
+    spec = AdapterSpec.from_record(header.get("peft"))
+    if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
+        model = attach_adapter(model, spec, header["init_seed"])
+        weights = AdapterWeights(weights, model) if weights is not None else None
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     for record in steps:
         grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]  # older logs
@@ -100,7 +105,7 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
         engine.flush()
     engine.step_index = len(steps)
     logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))
-    return export_hf(engine, out)
+    return export_model(engine, out)
 
 
 def main(argv: list[str] | None = None) -> int:

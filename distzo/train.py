@@ -31,7 +31,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from distzo.bench.records import device_name
 from distzo.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
-from distzo.export import check_shard_size, export_hf
+from distzo.export import check_shard_size, export_model
 from distzo.cli_errors import fail
 from distzo.config import ZOConfig
 from distzo.data.prompt_data import PromptEncoder
@@ -63,6 +63,7 @@ from distzo.models import check_supported, hub, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
 from distzo.zo import noise_identity
 
@@ -140,6 +141,9 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         if optim.objective is None:
             optim.objective = default_objective(data.task)  # resolved here: config.toml records it
         check_objective(data.task, optim.objective)
+    adapter_spec(job).validate()
+    if job.peft.merge_adapter and job.peft.peft == "none":
+        raise ValueError("--merge-adapter needs an adapter (--peft lora or lora-fa); drop it for full tuning")
     if data.eval_batch_size < env.world_size:
         raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
     config = ZOConfig(
@@ -174,6 +178,11 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", optim.lr)
     return config, dims, rows
+
+
+def adapter_spec(job: JobConfig) -> AdapterSpec:
+    p = job.peft
+    return AdapterSpec(p.peft, p.lora_r, p.lora_alpha, p.lora_dropout, AdapterSpec.parse_targets(p.lora_targets))
 
 
 def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
@@ -345,16 +354,20 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     source = model_source(job.model.model, env, parallel.comm)
     tokenizer = load_tokenizer(job, source)
     model, weights = build_model(job, dtype, seed, source)
+    if env.rank == 0 and weights is None and not job.model.model and not job.run.resume:
+        model.save_pretrained(run_dir / "base")  # replay needs the initial weights
+        if tokenizer is not None:
+            tokenizer.save_pretrained(run_dir / "base")
+    spec = adapter_spec(job)
+    if spec.enabled:  # the same adapter init on every rank, on resume and in a replay: seeded by the run
+        model = attach_adapter(model, spec, seed)
+        weights = AdapterWeights(weights, model) if weights is not None else None
     data = build_task_data(job, rows, tokenizer, model.config, seed)
     plan = choose_slots(job, model, data, config, parallel, device)
     logger.info("memory plan: %s", plan.describe())
     check_fits(plan, device, env.local_world_size, job.run.force)
     if env.rank == 0:
         write_resolved(job, run_dir)
-        if weights is None and not job.model.model and not job.run.resume:
-            model.save_pretrained(run_dir / "base")  # replay needs the initial weights
-            if tokenizer is not None:
-                tokenizer.save_pretrained(run_dir / "base")
     objective = build_objective(job.optim.objective or "lm", data, tokenizer)
     engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights, objective=objective)
     checkpointer = Checkpointer(run_dir / "checkpoints", engine)
@@ -367,7 +380,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
             "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
             "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
-            "objective": objective.name,
+            "objective": objective.name, "peft": spec.record() if spec.enabled else None,
         }
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)
@@ -425,7 +438,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     after = evaluate(engine, data, parallel)
     if logs:
         logs.write("eval", {"step": job.optim.max_steps, **after})
-    export = export_hf(engine, run_dir / "export", tokenizer, job.run.export_shard_size)
+    export = export_model(engine, run_dir / "export", tokenizer, job.run.export_shard_size, job.peft.merge_adapter)
     record = {
         "rank": env.rank, "device": device_name(device), "transfer": engine.transfer,
         "noise": noise_identity(config.noise), "noise_backend": engine.noise.backend,

@@ -202,3 +202,20 @@ def test_bad_adapter_options_are_one_line_errors():
         AdapterSpec("lora", dropout=0.1).validate()
     with pytest.raises(ValueError, match="--lora-targets"):
         attach_adapter(base_model("opt"), AdapterSpec("lora", targets=("no_such_proj",)), seed=0)
+
+
+@pytest.mark.parametrize("mode, transfer_dtype", [("offload", "fp32"), ("offload", "bf16"), ("resident", "fp32")])
+def test_the_memory_plan_counts_what_an_adapter_engine_allocates(mode, transfer_dtype):
+    from distzo.memory_plan import plan_memory
+
+    config = ZOConfig(device="cpu", mode=mode, transfer_dtype=transfer_dtype, num_slots=2)
+    plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8, signs=2)
+    engine = ZOEngine(adapted("llama", "lora-fa"), config)
+    resident_base = engine.resident_base.nbytes + (
+        0 if engine._resident_base_compute is engine.resident_base else engine._resident_base_compute.nbytes)
+    allocated = (engine.resident_master.nbytes + engine.resident_scratch.nbytes + engine.block_scratch.nbytes
+                 + engine.device_bytes + resident_base + engine.noise.device_bytes)
+    assert plan.device_bytes == allocated
+    assert plan.host_bytes == engine.host_bytes
+    assert plan.parameters == engine.num_parameters and plan.frozen_parameters == engine.num_frozen
+    assert engine.rounding_noise is None  # a read-only base never rounds
