@@ -32,6 +32,9 @@ class ZOConfig:
     rank's share pipeline the sliced upload's copy with its all-gather.
     ``num_queries`` directions per step (n-SPSA) average their estimates: each adds two
     forward passes per block but no transfer, since a block is uploaded once per step.
+    ``dual_forward`` / ``batch_queries`` (adapters only): the +eps and -eps passes of a
+    query, and the passes of the several queries, run as one forward over a duplicated
+    batch, each slice with its own adapter weights (P-RGE).
     ``num_slots`` device buffers hold streamed blocks: 3 lets upload, compute and offload
     of three blocks run at once (a period of max(transfer, compute) per block); with 2,
     upload(i+2) waits for offload(i), which waits for compute(i) (docs/ARCHITECTURE.md,
@@ -55,6 +58,8 @@ class ZOConfig:
     transfer_chunks: int = 4
     num_queries: int = 1
     noise: str = "gaussian"
+    dual_forward: bool = False
+    batch_queries: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

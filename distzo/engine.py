@@ -32,6 +32,7 @@ from torch import nn
 from distzo.config import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.models import BlockAdapter, adapter_for
+from distzo.models.batched_linear import make_pass_batched
 from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
@@ -298,6 +299,7 @@ class ZOEngine:
             base_compute = self.resident_base.to(compute_dtype)  # the same tensor when the dtypes agree
             bind(model, self.resident_base_layout, base_compute)
             self._resident_base_compute = base_compute
+        self._setup_batched_passes(model, compute_dtype)
         self._resident_holds: tuple[int, int, int] | None = None  # (query, sign, step) now in resident_scratch
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
@@ -325,6 +327,33 @@ class ZOEngine:
 
     def _resolve_transfer(self) -> str:
         return resolve_transfer(self.config, self.device, self.parallel)
+
+    def _setup_batched_passes(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
+        """P-RGE's batched passes: the passes of a group share one forward, the batch
+        duplicated per pass, and every trained LoRA factor computes its slice of the batch
+        with that pass's perturbed weights (``PassBatchedLinear``), held side by side in
+        ``pass_scratch``; the frozen base is read once for the whole group."""
+        self.pass_groups_of = _pass_grouping(self.config.dual_forward, self.config.batch_queries)
+        self._batched_factors: list[list[tuple[nn.Module, Entry]]] = []
+        self.pass_scratch = None
+        largest = max(len(g) for g in self.pass_groups_of(self.passes))
+        if largest == 1:
+            return
+        if not self.frozen_base or self.resident_layout.numel:
+            raise ValueError(
+                "--dual-forward and --batch-queries need an adapter that trains only inside the blocks "
+                "(--peft lora or lora-fa); drop them for full tuning"
+            )
+        for layout in self.block_layouts:
+            factors = []
+            for e in layout.entries:
+                owner, _, attr = e.names[0].rpartition(".")
+                if attr != "weight":
+                    make_pass_batched(None)  # the one-line refusal
+                factors.append((make_pass_batched(model.get_submodule(owner)), e))
+            self._batched_factors.append(factors)
+        self.pass_scratch = torch.zeros(largest, max(l.numel for l in self.block_layouts), device=self.device,
+                                        dtype=compute_dtype)
 
     @staticmethod
     def _fill(store, built, weights: WeightSource | None, sliced: bool) -> None:
@@ -719,7 +748,10 @@ class ZOEngine:
             self._resident_holds = None
         held = self._held_pass(step)
         order = sorted(passes, key=lambda p: p != held)  # embed the held pass first: one perturbation fewer
+        groups = self.pass_groups_of(tuple(order)) if self.pass_scratch is not None else [(p,) for p in order]
         hiddens, ctx = {}, None
+        joined: dict[tuple[Pass, ...], torch.Tensor] = {}  # a batched group's hidden states, pass-major rows
+        group_ctx: dict[int, Any] = {}  # the context of a batch duplicated g times, by g
 
         def embed() -> None:  # runs once the first uploads are queued
             nonlocal ctx
@@ -731,6 +763,14 @@ class ZOEngine:
             for p in order:
                 self._perturb_resident(p, step)
                 hiddens[p] = self.adapter.embed(input_ids[p], ctx)
+            for group in groups:
+                if len(group) > 1:
+                    g, (rows, length) = len(group), input_ids[group[0]].shape
+                    if g not in group_ctx:
+                        mask = attention_mask.repeat(g, 1) if attention_mask is not None else None
+                        group_ctx[g] = self.adapter.context(mask, (g * rows, length), self.device,
+                                                            self.block_scratch.dtype)
+                    joined[group] = torch.cat([hiddens.pop(p) for p in group])
 
         eps = self.config.eps
 
@@ -741,15 +781,28 @@ class ZOEngine:
                 bucket = self.store.device_bucket(i)  # the block's adapter
             if update is not None:
                 self._apply(update, bucket, self.block_layouts[i], i + 1)
-            for p in order:
-                query, sign = p
-                if bucket.numel():
-                    self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
-                hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
+            for group in groups:
+                if len(group) == 1:
+                    (p,) = group
+                    query, sign = p
+                    if bucket.numel():
+                        self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
+                    hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
+                    continue
+                for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
+                    self.noise.perturb_into(self.pass_scratch[k], bucket, sign * eps, step, i + 1, query)
+                factors = self._batched_factors[i]
+                for module, e in factors:
+                    module.stacked = self.pass_scratch[: len(group), e.offset : e.offset + e.numel].unflatten(1, e.shape)
+                joined[group] = self.adapter.block_forward(self.blocks[i], joined[group], group_ctx[len(group)])
+                for module, _ in factors:
+                    module.stacked = None
 
         # Unchanged blocks (no pending update) need not go back: their host copies are right,
         # and a frozen base never changes.
         self.scheduler.run(compute, prologue=embed, offload=update is not None and not self.frozen_base)
+        for group, hidden in joined.items():
+            hiddens.update(zip(group, hidden.chunk(len(group))))
         return {p: hiddens[p] for p in reversed(order)}
 
     def _held_pass(self, step: int) -> Pass | None:
@@ -760,6 +813,23 @@ class ZOEngine:
         if sign == 0:
             return UNPERTURBED
         return (query, sign) if held_step == step else None
+
+
+def _pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], list[tuple[Pass, ...]]]:
+    """How a rank's passes are grouped into batched forwards: the two signs of a query
+    together (``dual``), one sign of every query together (``queries``), all of them
+    (both), or each alone (neither). Groups keep the order of the passes given."""
+    def key(p: Pass):
+        query, sign = p
+        return (None if queries else query, None if dual else sign)
+
+    def groups(order: tuple[Pass, ...]) -> list[tuple[Pass, ...]]:
+        out: dict[Any, list[Pass]] = {}
+        for p in order:
+            out.setdefault(key(p), []).append(p)
+        return [tuple(g) for g in out.values()]
+
+    return groups
 
 
 class _StepRunner:

@@ -94,6 +94,13 @@ class PeftOptions:
         None, "comma-separated module names to adapt (default: peft's for the family, q_proj,v_proj for OPT and Llama)"
     )
     merge_adapter: bool = option(False, "export/ holds the base with the adapter merged in, not the peft adapter")
+    dual_forward: bool = option(
+        False, "run a query's +eps and -eps passes as one forward over the batch twice, each half with its own "
+        "adapter weights (P-RGE; adapters only)"
+    )
+    batch_queries: bool = option(
+        False, "run the --num-queries passes of a sign as one forward over the batch q times (P-RGE; adapters only)"
+    )
 
 
 @dataclass

@@ -142,6 +142,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
             optim.objective = default_objective(data.task)  # resolved here: config.toml records it
         check_objective(data.task, optim.objective)
     adapter_spec(job).validate()
+    if (job.peft.dual_forward or job.peft.batch_queries) and job.peft.peft == "none":
+        raise ValueError("--dual-forward and --batch-queries need an adapter (--peft lora or lora-fa); drop them")
     if job.peft.merge_adapter and job.peft.peft == "none":
         raise ValueError("--merge-adapter needs an adapter (--peft lora or lora-fa); drop it for full tuning")
     if data.eval_batch_size < env.world_size:
@@ -152,6 +154,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
         transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries, noise=optim.noise or "gaussian",
+        dual_forward=job.peft.dual_forward, batch_queries=job.peft.batch_queries,
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)

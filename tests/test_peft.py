@@ -219,3 +219,30 @@ def test_the_memory_plan_counts_what_an_adapter_engine_allocates(mode, transfer_
     assert plan.host_bytes == engine.host_bytes
     assert plan.parameters == engine.num_parameters and plan.frozen_parameters == engine.num_frozen
     assert engine.rounding_noise is None  # a read-only base never rounds
+
+
+BATCHINGS = {"dual": dict(dual_forward=True), "queries": dict(batch_queries=True),
+             "both": dict(dual_forward=True, batch_queries=True)}
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+@pytest.mark.parametrize("batching", list(BATCHINGS))
+@pytest.mark.parametrize("method, dtype, rel", [("lora-fa", torch.float32, 1e-6), ("lora", torch.float64, 1e-12)])
+def test_batched_passes_equal_the_sequential_passes(family, batching, method, dtype, rel):
+    runs = []
+    for flags in ({}, BATCHINGS[batching]):
+        model = adapted(family, method, dtype=dtype)
+        engine = engine_for(model, mode="offload", num_slots=2, num_queries=3, **flags)
+        assert (engine.pass_scratch is not None) == bool(flags)
+        runs.append((train(engine, model.config.vocab_size, steps=3), engine.named_parameters()))
+    (sequential, params_a), (batched, params_b) = runs
+    for a, b in zip(sequential, batched):
+        assert (a.loss_plus, a.loss_minus) == pytest.approx((b.loss_plus, b.loss_minus), rel=rel)
+        assert a.projected_grads == pytest.approx(b.projected_grads, rel=1e4 * rel, abs=1e4 * rel)
+    for name in params_a:
+        assert torch.allclose(params_a[name], params_b[name], rtol=1e4 * rel, atol=1e4 * rel), name
+
+
+def test_batched_passes_need_an_adapter():
+    with pytest.raises(ValueError, match="--dual-forward and --batch-queries need an adapter"):
+        engine_for(base_model("opt"), dual_forward=True)

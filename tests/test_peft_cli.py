@@ -62,10 +62,11 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
 
 def test_layouts_follow_the_single_process(tmp_path):
     # fp64: the DDP split of the batch reassociates the loss sums (see test_dist_launch)
-    flags = COMMON + ["--peft", "lora", "--dtype", "fp64", "--max-steps", "5"]
+    flags = COMMON + ["--peft", "lora", "--dtype", "fp64", "--max-steps", "5", "--num-queries", "2"]
     single = tmp_path / "single"
     assert python_train(flags + ["--output-dir", str(single)]).returncode == 0
-    runs = {"pertp": (2, ["--pert", "2"]), "2d-sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"])}
+    runs = {"pertp": (2, ["--pert", "2"]), "2d-sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"]),
+            "ddp-batched": (2, ["--pert", "1", "--dual-forward", "--batch-queries"])}
     for name, (nproc, extra) in runs.items():
         proc = torchrun(nproc, flags + extra + ["--output-dir", str(tmp_path / name)])
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -74,6 +75,9 @@ def test_layouts_follow_the_single_process(tmp_path):
     sliced = tmp_path / "2d-sliced"
     assert grads(sliced) == pytest.approx(grads(single), rel=1e-9)
     assert_same(adapter(sliced), adapter(single), rel=1e-9)
+    batched = tmp_path / "ddp-batched"  # each rank runs its rows' 2q passes as one forward
+    assert grads(batched) == pytest.approx(grads(single), rel=1e-9)
+    assert_same(adapter(batched), adapter(single), rel=1e-9)
 
 
 def test_merge_adapter_exports_a_plain_model(tmp_path):
@@ -90,6 +94,7 @@ def test_merge_adapter_exports_a_plain_model(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--peft", "lora", "--lora-dropout", "0.1"], "drop --lora-dropout"),
     (["--merge-adapter"], "--merge-adapter needs an adapter"),
+    (["--dual-forward"], "--dual-forward and --batch-queries need an adapter"),
     (["--peft", "lora", "--lora-targets", "nothing_here"], "--lora-targets"),
 ])
 def test_bad_adapter_flags_are_one_line(tmp_path, flags, message):

@@ -1,0 +1,42 @@
+"""A linear layer whose batch is split into passes, each with its own weight (P-RGE's
+dual-forward LoRA: one forward computes the +eps and -eps losses, and those of several
+queries, reading the frozen base weights once).
+
+The engine turns the trainable LoRA factors (``lora_A`` / ``lora_B`` of peft, plain
+``nn.Linear`` without bias) into this class in place: while ``stacked`` holds
+``(passes, out, in)`` weights, a ``(passes * b, ..., in)`` input is computed as one
+batched matrix product per pass slice, rows ``[k b, (k + 1) b)`` with weight ``k``;
+otherwise it is the plain linear layer it was.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PassBatchedLinear(nn.Linear):
+    stacked: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.stacked
+        if weights is None:
+            return super().forward(x)
+        passes, out_features, in_features = weights.shape
+        rows = x.reshape(passes, -1, in_features)  # the passes' slices, each b * T rows
+        y = torch.bmm(rows, weights.transpose(1, 2))
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+def make_pass_batched(module: nn.Module) -> PassBatchedLinear:
+    """Turn a bias-free ``nn.Linear`` into a ``PassBatchedLinear`` (the same object, the
+    same parameters); anything else is refused."""
+    if type(module) is PassBatchedLinear:
+        return module
+    if type(module) is not nn.Linear or module.bias is not None:
+        raise ValueError(
+            f"batched passes need the trained tensors to be bias-free linear factors (LoRA's A and B), "
+            f"got a {type(module).__name__}; use --peft lora or lora-fa without them, or drop --dual-forward/--batch-queries"
+        )
+    module.__class__ = PassBatchedLinear
+    return module
