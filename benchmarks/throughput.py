@@ -49,6 +49,7 @@ from distzo.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton
+from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import ChoiceEncoding, Classification, candidate_scores, collate_choices
 from distzo.objectives.choice import prepare_choices
 from distzo.offload import Timeline
@@ -111,10 +112,13 @@ class Bench:
         config = ZOConfig(
             lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
             compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
-            num_queries=self.args.num_queries,
+            num_queries=self.args.num_queries, dual_forward=self.args.dual_forward,
         )
-        model = skeleton(self.config, torch.float32)
-        return ZOEngine(model, config, parallel=parallel, weights=RandomWeights(0))
+        model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
+        if self.args.peft != "none":  # an adapter: the base streams up only, the adapter stays on the device
+            model = attach_adapter(model, AdapterSpec(self.args.peft), seed=0)
+            weights = AdapterWeights(weights, model)
+        return ZOEngine(model, config, parallel=parallel, weights=weights)
 
     def measure(
         self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True
@@ -166,7 +170,7 @@ class Bench:
             "shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": point[0],
             "seq": point[1], "mode": engine.config.mode, "slots": engine.config.num_slots, "dp": parallel.dims.dp,
             "pert": parallel.dims.pert, "compute": self.compute, "threads": torch.get_num_threads(),
-            "queries": engine.config.num_queries,
+            "queries": engine.config.num_queries, "peft": self.args.peft, "dual_forward": self.args.dual_forward,
         }
         return Measurement.from_timer(name, params, timer, metrics)
 
@@ -179,7 +183,7 @@ class Bench:
         n = engine.scheduler.num_blocks
         mean = {p: sum(s.ms for s in spans if s.phase == p) / n for p in ("upload", "compute", "offload")}
         pipelined = (max(s.end_ms for s in spans) - min(s.start_ms for s in spans)) / n
-        slots = engine.store.num_slots
+        slots = engine.streamed_store.num_slots
         return {
             "upload_ms_per_block": mean["upload"],
             "compute_ms_per_block": mean["compute"],
@@ -362,6 +366,9 @@ def main() -> None:
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--num-queries", type=int, default=1,
                    help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less")
+    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa"],
+                   help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device")
+    p.add_argument("--dual-forward", action="store_true", help="with --peft: both signs of a query in one forward")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
     p.add_argument("--compare-head", action="store_true",

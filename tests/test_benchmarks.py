@@ -146,3 +146,12 @@ def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path):
     assert all(0 <= m["metrics"]["eval_accuracy"] <= 1 for m in data["measurements"])
     assert "--objective classification" in data["measurements"][0]["params"]["command"]
     assert "held-out accuracy" in proc.stdout
+
+
+def test_throughput_with_an_adapter_uploads_the_base_and_offloads_nothing(tmp_path):
+    out = tmp_path / "throughput.json"
+    run(["benchmarks/throughput.py", "--quick", "--peft", "lora-fa", "--dual-forward", "--out", str(out)])
+    data = load(out)
+    offloaded = [m for m in data["measurements"] if m["params"]["mode"] == "offload"]
+    assert offloaded and all(m["params"]["peft"] == "lora-fa" and m["params"]["dual_forward"] for m in offloaded)
+    assert all(m["metrics"]["offload_ms_per_block"] == 0 and m["metrics"]["upload_ms_per_block"] > 0 for m in offloaded)
