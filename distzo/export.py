@@ -81,8 +81,8 @@ def export_model(
     """The run's ``export/``: the model in the Hugging Face format, or for an adapter run
     the peft adapter (``merge_adapter``: the base with the adapter merged in, a plain
     model). Collective: call on every rank; returns the directory on rank 0."""
-    if engine.peft_model is None:
-        return export_hf(engine, directory, tokenizer, max_shard_size)
+    if engine.peft_model is None:  # a plain model, some of it perhaps frozen: every parameter
+        return export_hf(engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base)
     if merge_adapter:
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
     return export_adapter(engine, directory, tokenizer)

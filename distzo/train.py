@@ -449,6 +449,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
         "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
         "formula_coordinates": list(dims.coordinates(env.rank)),
         "host_bytes": engine.host_bytes, "device_bytes": engine.device_bytes,
+        "peft": job.peft.peft, "trained_parameters": engine.num_parameters, "frozen_parameters": engine.num_frozen,
+        "base_read_only": engine.frozen_base,
         "eval_before": before, "eval_after": after,
     }
     (run_dir / f"rank{env.rank}.json").write_text(json.dumps(record))

@@ -246,3 +246,19 @@ def test_batched_passes_equal_the_sequential_passes(family, batching, method, dt
 def test_batched_passes_need_an_adapter():
     with pytest.raises(ValueError, match="--dual-forward and --batch-queries need an adapter"):
         engine_for(base_model("opt"), dual_forward=True)
+
+
+def test_a_partly_frozen_plain_model_trains_the_rest_and_exports_everything(tmp_path):
+    model = base_model("opt")
+    model.model.decoder.embed_tokens.requires_grad_(False)  # tied with the head: both stay
+    frozen = model.model.decoder.embed_tokens.weight.detach().clone()
+    engine = engine_for(model, mode="offload")
+    assert engine.frozen_base and not any("embed_tokens" in n for n in engine.canonical_names)
+    train(engine, model.config.vocab_size, steps=2)
+    batch = random_batch(model.config.vocab_size, seed=3)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded.model.decoder.embed_tokens.weight, frozen)
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=batch["input_ids"]).logits, logits, atol=1e-5)

@@ -41,6 +41,8 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
     header = json.loads((full / "seedlog.jsonl").read_text().splitlines()[0])
     assert header["peft"]["method"] == "lora-fa"
     assert "trained on a frozen base" in proc.stderr
+    rank = json.loads((full / "rank0.json").read_text())
+    assert rank["base_read_only"] and 0 < rank["trained_parameters"] < rank["frozen_parameters"]
 
     assert python_train(flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
     proc = python_train(flags + ["--output-dir", str(cut), "--resume"])
