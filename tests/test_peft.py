@@ -262,3 +262,35 @@ def test_a_partly_frozen_plain_model_trains_the_rest_and_exports_everything(tmp_
     assert torch.equal(loaded.model.decoder.embed_tokens.weight, frozen)
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=batch["input_ids"]).logits, logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
+    from distzo.export_step import TrainingStep, save_training_step, step_keys
+
+    model = adapted(family, "lora-fa")
+    engine = engine_for(model, mode="resident", weight_decay=0.1, lr=1e-2)
+    batches = [random_batch(model.config.vocab_size, pad="right", seed=20 + i) for i in range(3)]
+    files = save_training_step(engine, batches[0], tmp_path)
+    program = torch.export.load(files[0]).module()  # read back from disk
+    step_module = TrainingStep(engine)  # the eager module: the same arithmetic
+    results = []
+    for t, batch in enumerate(batches):
+        results.append(engine.step(batch))
+    previous, scale, shrink = step_keys(engine, 0), torch.tensor(0.0), torch.tensor(1.0)
+    for t, (batch, result) in enumerate(zip(batches, results)):
+        keys = step_keys(engine, t)
+        args = (batch["input_ids"], batch["attention_mask"], batch["labels"], previous, scale, shrink, keys)
+        plus, minus = program(*args)
+        eager_plus, eager_minus = step_module(*args)
+        assert (plus.item(), minus.item()) == pytest.approx((result.loss_plus, result.loss_minus), rel=1e-6), t
+        assert (eager_plus.item(), eager_minus.item()) == pytest.approx((plus.item(), minus.item()), rel=1e-6)
+        # the host's part: g of the step (the engine's, so that the two runs stay on one
+        # trajectory: g divides a loss difference by 2 eps, magnifying float rounding)
+        previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
+        shrink = torch.tensor(1 - result.lr * engine.config.weight_decay)
+    # B after the updates of steps 0 and 1 (step 2's is the next call's first act, and the engine's pending one)
+    for i, layout in enumerate(engine.block_layouts):
+        for held in (program.get_buffer(f"adapter_{i}"), step_module.get_buffer(f"adapter_{i}")):
+            assert torch.allclose(held, engine.store.device_bucket(i), rtol=1e-5, atol=1e-7)
+            assert held.abs().sum() > 0
