@@ -294,3 +294,27 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
         for held in (program.get_buffer(f"adapter_{i}"), step_module.get_buffer(f"adapter_{i}")):
             assert torch.allclose(held, engine.store.device_bucket(i), rtol=1e-5, atol=1e-7)
             assert held.abs().sum() > 0
+
+
+def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):
+    pytest.importorskip("executorch")
+    from executorch.runtime import Runtime
+
+    from distzo.export_step import save_training_step, step_keys
+
+    model = adapted("llama", "lora-fa")
+    engine = engine_for(model, mode="resident", weight_decay=0.1, lr=1e-2)
+    batches = [random_batch(model.config.vocab_size, pad="right", seed=30 + i) for i in range(3)]
+    files = save_training_step(engine, batches[0], tmp_path)
+    assert [f.name for f in files] == ["step.pt2", "step.pte"]
+    method = Runtime.get().load_program(str(files[1])).load_method("forward")
+    previous, scale, shrink = step_keys(engine, 0), torch.tensor(0.0), torch.tensor(1.0)
+    for t, batch in enumerate(batches):
+        result = engine.step(batch)
+        keys = step_keys(engine, t)
+        plus, minus = method.execute([batch["input_ids"], batch["attention_mask"], batch["labels"],
+                                      previous, scale, shrink, keys])
+        # steps 1 and 2 read the B that the runtime's own buffers updated
+        assert (plus.item(), minus.item()) == pytest.approx((result.loss_plus, result.loss_minus), rel=1e-6), t
+        previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
+        shrink = torch.tensor(1 - result.lr * engine.config.weight_decay)

@@ -81,13 +81,19 @@ def reference_lanes(key: tuple[int, int], start: int, stop: int, lanes: int) -> 
     return out
 
 
+def _shr(a: torch.Tensor, bits: int) -> torch.Tensor:
+    """``a >> bits`` for a non-negative int64 tensor, as a floor division: the shift
+    operators are not in the core ATen opset that exported programs (ExecuTorch) run."""
+    return torch.div(a, 1 << bits, rounding_mode="floor")
+
+
 def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(high, low) 32-bit words of a * m for 32-bit ``a`` (int64 tensor) and constant m,
     with every intermediate below 2^49: exact in int64 on every device."""
     high_m, low_m = m >> 16, m & 0xFFFF
     t_low, t_high = a * low_m, a * high_m  # each < 2^48
-    s = t_low + ((t_high & 0xFFFF) << 16)  # < 2^49
-    return (t_high >> 16) + (s >> 32), s & _MASK32
+    s = t_low + (t_high & 0xFFFF) * (1 << 16)  # < 2^49
+    return _shr(t_high, 16) + _shr(s, 32), s & _MASK32
 
 
 def torch_philox(c0: torch.Tensor, c1: torch.Tensor, key: tuple[int, int]):
@@ -108,9 +114,9 @@ def torch_lanes(key: tuple[int, int], start: int, stop: int, lanes: int, device:
     tile = TILE_BLOCKS * lanes
     first, last = start // tile, (stop + tile - 1) // tile
     counters = torch.arange(first * TILE_BLOCKS, last * TILE_BLOCKS, dtype=torch.int64, device=device)
-    words = torch.stack(torch_philox(counters & _MASK32, counters >> 32, key))  # [4, counters]
+    words = torch.stack(torch_philox(counters & _MASK32, _shr(counters, 32), key))  # [4, counters]
     if lanes == LANES16:
-        words = torch.stack((words & 0xFFFF, words >> 16), dim=1).reshape(LANES16, -1)  # lane j = word j//2, half j%2
+        words = torch.stack((words & 0xFFFF, _shr(words, 16)), dim=1).reshape(LANES16, -1)  # lane j = word j//2, half j%2
     # [lanes, tiles * 512] -> per tile, lane-major: element order within a tile
     bits = words.view(lanes, last - first, TILE_BLOCKS).permute(1, 0, 2).reshape(-1)
     offset = first * tile
