@@ -318,3 +318,20 @@ def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):
         assert (plus.item(), minus.item()) == pytest.approx((result.loss_plus, result.loss_minus), rel=1e-6), t
         previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
         shrink = torch.tensor(1 - result.lr * engine.config.weight_decay)
+
+
+def test_a_model_wrapped_by_the_user_with_get_peft_model_trains_through_the_python_api(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model = get_peft_model(base_model("llama"), LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"]))
+    engine = engine_for(model, mode="offload")
+    assert {n.split(".")[-4] for n in engine.canonical_names} == {"o_proj", "down_proj"}
+    train(engine, 64, steps=2)
+    batch = random_batch(64, pad="right", seed=2)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path)
+    loaded = PeftModel.from_pretrained(base_model("llama"), tmp_path).eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool()
+    assert torch.allclose(theirs[mask], logits[mask], atol=1e-5)
