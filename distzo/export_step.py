@@ -105,7 +105,7 @@ def export_training_step(engine: ZOEngine, batch: dict[str, torch.Tensor]) -> to
     return torch.export.export(step, args)
 
 
-def save_training_step(engine: ZOEngine, batch: dict[str, torch.Tensor], directory) -> list:
+def save_training_step(engine: ZOEngine, batch: dict[str, torch.Tensor], directory, pte: bool = True) -> list:
     """Write the exported step into ``directory``: ``step.pt2`` (``torch.export.save``;
     ``torch.export.load`` reads it back without unpickling code) and, where ``executorch``
     is installed, ``step.pte`` for the ExecuTorch runtime. Returns the files written."""
@@ -122,9 +122,77 @@ def save_training_step(engine: ZOEngine, batch: dict[str, torch.Tensor], directo
         from executorch.exir import to_edge
     except ImportError:
         return written
+    if not pte:
+        return written
     pte = to_edge(program).to_executorch()
     written.append(directory / "step.pte")
     tmp = written[-1].with_suffix(".pte.tmp")
     tmp.write_bytes(pte.buffer)
     tmp.replace(written[-1])
     return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distzo.export_step``: the LoRA-FA training step of a model, for a runtime."""
+    import argparse
+    import logging
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from distzo.cli_errors import fail, program
+    from distzo.config import ZOConfig
+    from distzo.models import model_from_config
+    from distzo.models.tiny import tiny_opt_config
+    from distzo.peft_tuning import AdapterSpec, attach_adapter
+
+    p = argparse.ArgumentParser(prog=program("distzo.export_step"), description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="local path or hub name of the base model (default: the tiny OPT)")
+    p.add_argument("--out", required=True, type=Path, help="folder for step.pt2 (and step.pte), keys.safetensors")
+    p.add_argument("--batch", type=int, default=1, help="rows per step (the program's fixed shape)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per row (the program's fixed shape)")
+    p.add_argument("--steps", type=int, default=1000, help="steps whose Philox keys keys.safetensors holds")
+    p.add_argument("--seed", type=int, default=0, help="run seed: the adapter's init and every z")
+    p.add_argument("--eps", type=float, default=1e-2)
+    p.add_argument("--lora-r", type=int, default=8)
+    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's)")
+    p.add_argument("--pte", action=argparse.BooleanOptionalAction, default=True,
+                   help="also write step.pte for the ExecuTorch runtime (where executorch is installed)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.batch < 1 or args.seq < 2 or args.steps < 1:
+            raise ValueError("--batch and --steps must be >= 1 and --seq >= 2")
+        spec = AdapterSpec("lora-fa", args.lora_r, args.lora_alpha, 0.0, AdapterSpec.parse_targets(args.lora_targets))
+        spec.validate()
+        if args.model:
+            try:
+                base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"cannot load --model {args.model!r}: {str(err).splitlines()[0]}") from None
+        else:
+            torch.manual_seed(args.seed)
+            base = model_from_config(tiny_opt_config(), torch.float32)
+        if args.seq > base.config.max_position_embeddings:
+            raise ValueError(f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} positions")
+        engine = ZOEngine(attach_adapter(base, spec, args.seed),
+                          ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps))
+        ids = torch.ones(args.batch, args.seq, dtype=torch.int64)
+        files = save_training_step(engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                            "labels": ids}, args.out, pte=args.pte)
+        keys = torch.stack([step_keys(engine, t) for t in range(args.steps)])
+        save_file({"keys": keys}, str(args.out / "keys.safetensors"), metadata={"eps": str(args.eps)})
+    except (ValueError, OSError) as err:
+        return fail(str(err).splitlines()[0])
+    for f in [*files, args.out / "keys.safetensors"]:
+        logging.getLogger("distzo.export_step").info("wrote %s", f)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

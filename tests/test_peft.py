@@ -335,3 +335,27 @@ def test_a_model_wrapped_by_the_user_with_get_peft_model_trains_through_the_pyth
         theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     mask = batch["attention_mask"].bool()
     assert torch.allclose(theirs[mask], logits[mask], atol=1e-5)
+
+
+def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.launch import child_env
+
+    cmd = [sys.executable, "-m", "distzo.export_step", "--out", str(tmp_path), "--batch", "2", "--seq", "8", "--no-pte",
+           "--steps", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    keys = load_file(str(tmp_path / "keys.safetensors"))["keys"]
+    assert keys.shape == (3, 2, 2)  # steps x blocks of the tiny OPT x key words
+    step = torch.export.load(tmp_path / "step.pt2").module()
+    batch = random_batch(64, batch=2, seq=8, seed=1)
+    plus, minus = step(batch["input_ids"], batch["attention_mask"], batch["labels"], keys[0], torch.tensor(0.0),
+                       torch.tensor(1.0), keys[0])
+    assert torch.isfinite(plus) and plus != minus
+    assert not (tmp_path / "step.pte").exists()
+    bad = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, timeout=300, env=child_env())
+    assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr
