@@ -102,4 +102,4 @@ def test_merge_adapter_exports_a_plain_model(tmp_path):
 def test_bad_adapter_flags_are_one_line(tmp_path, flags, message):
     proc = python_train(COMMON + flags + ["--output-dir", str(tmp_path)])
     assert proc.returncode == 2 and message in proc.stderr
-    assert len([l for l in proc.stderr.splitlines() if "error" in l.lower()]) == 1
+    assert len([l for l in proc.stderr.splitlines() if l.startswith("error: ")]) == 1
