@@ -67,8 +67,10 @@ def test_layouts_follow_the_single_process(tmp_path):
     flags = COMMON + ["--peft", "lora", "--dtype", "fp64", "--max-steps", "5", "--num-queries", "2"]
     single = tmp_path / "single"
     assert python_train(flags + ["--output-dir", str(single)]).returncode == 0
-    runs = {"pertp": (2, ["--pert", "2"]), "2d-sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"]),
-            "ddp-batched": (2, ["--pert", "1", "--dual-forward", "--batch-queries"])}
+    # 2D: each rank runs one sign of both queries, batched into one forward (--dual-forward has
+    # nothing to pair there; the engine tests hold it equal to the sequential passes)
+    runs = {"pertp": (2, ["--pert", "2"]),
+            "2d-sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--dual-forward", "--batch-queries"])}
     for name, (nproc, extra) in runs.items():
         proc = torchrun(nproc, flags + extra + ["--output-dir", str(tmp_path / name)])
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -77,9 +79,6 @@ def test_layouts_follow_the_single_process(tmp_path):
     sliced = tmp_path / "2d-sliced"
     assert grads(sliced) == pytest.approx(grads(single), rel=1e-9)
     assert_same(adapter(sliced), adapter(single), rel=1e-9)
-    batched = tmp_path / "ddp-batched"  # each rank runs its rows' 2q passes as one forward
-    assert grads(batched) == pytest.approx(grads(single), rel=1e-9)
-    assert_same(adapter(batched), adapter(single), rel=1e-9)
 
 
 def test_merge_adapter_exports_a_plain_model(tmp_path):
