@@ -152,6 +152,16 @@ def unwrap_peft(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     return model, None
 
 
+def split_layouts(model: nn.Module, blocks: list[nn.Module]):
+    """``(trained, frozen)``: the bucket layouts of what a step trains and, for a partly
+    frozen model (an adapter), of its frozen base (None for full tuning); each as
+    ``bucket_layouts`` returns them. Read before the engine freezes every parameter."""
+    select = trainable_selector(model)
+    trained = bucket_layouts(model, blocks, select)
+    frozen = bucket_layouts(model, blocks, functools.partial(_not, select)) if select is not None else None
+    return trained, frozen
+
+
 def trainable_selector(model: nn.Module) -> Callable[[nn.Parameter], bool] | None:
     """Which parameters a step perturbs and updates: those with ``requires_grad`` when the
     model is partly frozen (a peft adapter on a frozen base); None: all of them."""
@@ -234,19 +244,17 @@ class ZOEngine:
 
         # ZO takes two forward passes of one function: dropout would make them two functions.
         model.eval()
-        select = trainable_selector(model)  # read before everything is frozen below
-        model.requires_grad_(False)
         self.blocks = self.adapter.blocks()
         if not self.blocks:
             raise ValueError("the model has no transformer blocks to stream")
         # The trainable buckets: every parameter, or an adapter's. A frozen base (adapter
         # runs) gets buckets of its own that are only ever read.
-        built, (self.resident_layout, resident_ordered) = bucket_layouts(model, self.blocks, select)
+        (built, (self.resident_layout, resident_ordered)), frozen = split_layouts(model, self.blocks)
+        model.requires_grad_(False)
         self.block_layouts = [layout for layout, _ in built]
-        self.frozen_base = select is not None
+        self.frozen_base = frozen is not None
         if self.frozen_base:
-            frozen = functools.partial(_not, select)
-            base_built, (self.resident_base_layout, base_ordered) = bucket_layouts(model, self.blocks, frozen)
+            base_built, (self.resident_base_layout, base_ordered) = frozen
             self.base_layouts = [layout for layout, _ in base_built]
             if not any(layout.numel for layout in [self.resident_layout, *self.block_layouts]):
                 raise ValueError("the adapter has no trainable parameters; check its target modules")
@@ -348,9 +356,7 @@ class ZOEngine:
             factors = []
             for e in layout.entries:
                 owner, _, attr = e.names[0].rpartition(".")
-                if attr != "weight":
-                    make_pass_batched(None)  # the one-line refusal
-                factors.append((make_pass_batched(model.get_submodule(owner)), e))
+                factors.append((make_pass_batched(model.get_submodule(owner), attr), e))
             self._batched_factors.append(factors)
         self.pass_scratch = torch.zeros(largest, max(l.numel for l in self.block_layouts), device=self.device,
                                         dtype=compute_dtype)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from distzo.config import ZOConfig
-from distzo.engine import bucket_layouts, trainable_selector, unwrap_peft
+from distzo.engine import split_layouts, unwrap_peft
 from distzo.host_memory import available_host_bytes
 from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
@@ -80,14 +80,13 @@ def plan_memory(
     """
     model, _ = unwrap_peft(model)
     blocks_of_model = adapter_for(model).blocks()
-    select = trainable_selector(model)
-    built, (resident, _) = bucket_layouts(model, blocks_of_model, select)
+    (built, (resident, _)), frozen_layouts = split_layouts(model, blocks_of_model)
     layouts = [layout for layout, _ in built]
     # What streams: the whole blocks, or under an adapter the frozen base (read-only; the
     # adapter's buckets stay on the device, with the frozen resident modules).
-    frozen = select is not None
+    frozen = frozen_layouts is not None
     if frozen:
-        base_built, (resident_base, _) = bucket_layouts(model, blocks_of_model, lambda p: not select(p))
+        base_built, (resident_base, _) = frozen_layouts
         streamed = [layout for layout, _ in base_built]
     else:
         streamed = layouts

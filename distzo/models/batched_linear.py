@@ -28,12 +28,12 @@ class PassBatchedLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], out_features)
 
 
-def make_pass_batched(module: nn.Module) -> PassBatchedLinear:
-    """Turn a bias-free ``nn.Linear`` into a ``PassBatchedLinear`` (the same object, the
-    same parameters); anything else is refused."""
-    if type(module) is PassBatchedLinear:
+def make_pass_batched(module: nn.Module, attr: str = "weight") -> PassBatchedLinear:
+    """Turn a bias-free ``nn.Linear`` whose trained tensor is ``attr`` into a
+    ``PassBatchedLinear`` (the same object, the same parameters); anything else is refused."""
+    if type(module) is PassBatchedLinear and attr == "weight":
         return module
-    if type(module) is not nn.Linear or module.bias is not None:
+    if type(module) is not nn.Linear or module.bias is not None or attr != "weight":
         raise ValueError(
             f"batched passes need the trained tensors to be bias-free linear factors (LoRA's A and B), "
             f"got a {type(module).__name__}; use --peft lora or lora-fa without them, or drop --dual-forward/--batch-queries"
