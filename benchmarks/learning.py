@@ -43,7 +43,7 @@ def train_command(args: argparse.Namespace, objective: str, run_dir: Path, eval_
         "--max-steps", str(args.steps), "--eval-steps", str(args.eval_steps), "--eval-batch-size", "64",
         "--seed", str(args.seed), "--log-every", "0", "--mode", args.mode, "--device", args.device,
         "--output-dir", str(run_dir), "--peft", args.peft, "--lora-r", str(args.lora_r),
-        "--lora-alpha", str(args.lora_alpha),
+        "--lora-alpha", str(args.lora_alpha), "--prefix-length", str(args.prefix_length),
     ]
 
 
@@ -78,10 +78,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", default="resident", choices=["resident", "offload"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa"],
+    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa", "prefix"],
                    help="train an adapter instead of every parameter (lr and eps then need raising: P-RGE's 1e-3, 1e-2)")
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--prefix-length", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="4 steps, 32 held-out rows: a smoke run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
     args = p.parse_args()

@@ -366,7 +366,7 @@ def main() -> None:
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--num-queries", type=int, default=1,
                    help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less")
-    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa"],
+    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa", "prefix"],
                    help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device")
     p.add_argument("--dual-forward", action="store_true", help="with --peft: both signs of a query in one forward")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")

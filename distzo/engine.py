@@ -33,11 +33,13 @@ from distzo.config import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.models import BlockAdapter, adapter_for
 from distzo.models.batched_linear import make_pass_batched
+from distzo.models.prefix import BlockPrefix
 from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.bucket import Entry
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
+from distzo.peft_tuning import install_block_prefixes, is_prefix_tuned
 from distzo.zo import (
     NoiseSource,
     Pass,
@@ -247,6 +249,8 @@ class ZOEngine:
         self.blocks = self.adapter.blocks()
         if not self.blocks:
             raise ValueError("the model has no transformer blocks to stream")
+        # Prefix tuning: every block carries its own prefix, trained with the block.
+        self.prefixes = install_block_prefixes(self.peft_model, self.blocks) if is_prefix_tuned(self.peft_model) else []
         # The trainable buckets: every parameter, or an adapter's. A frozen base (adapter
         # runs) gets buckets of its own that are only ever read.
         (built, (self.resident_layout, resident_ordered)), frozen = split_layouts(model, self.blocks)
@@ -316,6 +320,8 @@ class ZOEngine:
 
         self.streams = Streams(self.device)
         self.scheduler = BlockScheduler(self.streamed_store, self.streams, len(self.blocks))
+        if self.prefixes and self.prefixes[0].init_tokens is not None:
+            self._init_prefixes_from_activations(self.prefixes[0].init_tokens)
         logger.info(
             "ZO engine: %s mode (%s transfer, %s on the wire, %s compute) on %s, %d blocks, %d slots, "
             "%.1f M trained parameters%s, %.1f MB host, %d quer%s per step",
@@ -332,6 +338,20 @@ class ZOEngine:
             config.num_queries,
             "y" if config.num_queries == 1 else "ies",
         )
+
+    def _init_prefixes_from_activations(self, token_ids: torch.Tensor) -> None:
+        """MeZO's prefix init (``prefix_init_by_real_act``): each layer's prefix becomes the
+        keys and values that layer computes for ``token_ids`` (random tokens drawn from the
+        run seed) in one unperturbed pass of the model without a prefix."""
+        for prefix in self.prefixes:
+            prefix.capture = True
+        self.forward({"input_ids": token_ids})
+        for i, prefix in enumerate(self.prefixes):
+            captured = prefix.take_captured()
+            prefix.init_tokens = None
+            (entry,) = (e for e in self.block_layouts[i].entries if ".prefix_tuning." in e.names[0])
+            bucket = self.store.device_bucket(i)
+            bucket[entry.offset : entry.offset + entry.numel].copy_(captured.reshape(-1))
 
     def _resolve_transfer(self) -> str:
         return resolve_transfer(self.config, self.device, self.parallel)
@@ -350,13 +370,14 @@ class ZOEngine:
         if not self.frozen_base or self.resident_layout.numel:
             raise ValueError(
                 "--dual-forward and --batch-queries need an adapter that trains only inside the blocks "
-                "(--peft lora or lora-fa); drop them for full tuning"
+                "(--peft lora, lora-fa or prefix); drop them for full tuning"
             )
         for layout in self.block_layouts:
             factors = []
             for e in layout.entries:
                 owner, _, attr = e.names[0].rpartition(".")
-                factors.append((make_pass_batched(model.get_submodule(owner), attr), e))
+                module = model.get_submodule(owner)  # a prefix reads ``stacked`` itself
+                factors.append((module if isinstance(module, BlockPrefix) else make_pass_batched(module, attr), e))
             self._batched_factors.append(factors)
         self.pass_scratch = torch.zeros(largest, max(l.numel for l in self.block_layouts), device=self.device,
                                         dtype=compute_dtype)
@@ -692,10 +713,11 @@ class ZOEngine:
         if "input_ids" not in batch:
             raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and batch["input_ids"].shape[-1] > limit:
+        prefix = self.prefixes[0].length if self.prefixes else 0  # its positions come first
+        if limit is not None and batch["input_ids"].shape[-1] + prefix > limit:
             raise ValueError(
-                f"sequences of {batch['input_ids'].shape[-1]} tokens exceed the model's "
-                f"max_position_embeddings {limit}; truncate them"
+                f"sequences of {batch['input_ids'].shape[-1]} tokens{f' after a {prefix}-token prefix' if prefix else ''} "
+                f"exceed the model's max_position_embeddings {limit}; truncate them"
             )
 
     def _guard(self):

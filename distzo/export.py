@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
-from distzo.peft_tuning import ADAPTER_NAME, base_name, is_adapter_name
+from distzo.peft_tuning import ADAPTER_NAME, base_name, is_adapter_name, prefix_table
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ def export_model(
     model). Collective: call on every rank; returns the directory on rank 0."""
     if engine.peft_model is None:  # a plain model, some of it perhaps frozen: every parameter
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base)
+    if merge_adapter and engine.prefixes:
+        raise ValueError("a prefix cannot be merged into the weights; export the peft adapter (merge_adapter=False)")
     if merge_adapter:
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
     return export_adapter(engine, directory, tokenizer)
@@ -168,8 +170,14 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = get_peft_model_state_dict(engine.peft_model, {"base_model.model." + n: v for n, v in values.items()},
-                                      adapter_name=ADAPTER_NAME)
+    if engine.prefixes:  # peft reads a prefix from its own table: the blocks' prefixes go back into it
+        names = [next(e.names[0] for e in layout.entries if is_adapter_name(e.names[0])) for layout in engine.block_layouts]
+        table = engine.peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
+        table.data = prefix_table([values[n] for n in names]).to(table.dtype)
+        state = get_peft_model_state_dict(engine.peft_model, adapter_name=ADAPTER_NAME)
+    else:
+        state = get_peft_model_state_dict(engine.peft_model, {"base_model.model." + n: v for n, v in values.items()},
+                                          adapter_name=ADAPTER_NAME)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     engine.peft_model.peft_config[ADAPTER_NAME].save_pretrained(tmp)
     if tokenizer is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from distzo.cli_errors import program
 from distzo.config import COMPUTE_DTYPE_NAMES, MODES, TRANSFER_DTYPE_NAMES, TRANSFERS
-from distzo.peft_tuning import PEFT_METHODS
+from distzo.peft_tuning import PEFT_METHODS, PREFIX_INITS
 from distzo.zo.schedule import SCHEDULES
 
 
@@ -83,8 +83,9 @@ class OptimOptions:
 @dataclass
 class PeftOptions:
     peft: str = option(
-        "none", "what a step trains: none (every parameter), lora (LoRA's A and B, as MeZO) or lora-fa (B only, A "
-        "frozen at its init, as P-RGE); adapters come from peft and the frozen base streams read-only",
+        "none", "what a step trains: none (every parameter), lora (LoRA's A and B, as MeZO), lora-fa (B only, A "
+        "frozen at its init, as P-RGE) or prefix (virtual tokens' keys and values in every layer); adapters come "
+        "from peft and the frozen base streams read-only",
         PEFT_METHODS,
     )
     lora_r: int = option(8, "LoRA rank")
@@ -93,7 +94,12 @@ class PeftOptions:
     lora_targets: str | None = option(
         None, "comma-separated module names to adapt (default: peft's for the family, q_proj,v_proj for OPT and Llama)"
     )
-    merge_adapter: bool = option(False, "export/ holds the base with the adapter merged in, not the peft adapter")
+    prefix_length: int = option(5, "prefix tuning: virtual tokens per layer (MeZO's 5)")
+    prefix_init: str = option(
+        "real", "prefix tuning: real (each layer's keys and values of random tokens, as MeZO) or random (peft's init)",
+        PREFIX_INITS,
+    )
+    merge_adapter: bool = option(False, "export/ holds the base with the LoRA adapter merged in, not the peft adapter")
     dual_forward: bool = option(
         False, "run a query's +eps and -eps passes as one forward over the batch twice, each half with its own "
         "adapter weights (P-RGE; adapters only)"

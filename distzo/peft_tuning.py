@@ -7,6 +7,12 @@ and streams the frozen base read-only: uploaded each step, never written back.
 * ``lora``: ``A`` and ``B`` of every target module are trained (MeZO perturbs both).
 * ``lora-fa``: ``A`` stays at its random init and only ``B`` is trained, as in P-RGE
   (peft's ``create_lorafa_optimizer`` freezes ``lora_A`` the same way).
+* ``prefix``: peft's prefix tuning (``PrefixTuningConfig``, no reparameterisation, as
+  MeZO): virtual tokens' keys and values in every layer. Each block gets its columns of
+  peft's table as a ``BlockPrefix`` (``distzo.models.prefix``), so a streamed block carries
+  its own prefix; the export writes peft's table back. Initialised as MeZO does by default
+  (``real``: the keys and values the model itself computes for random tokens) or by
+  peft's own random init (``random``).
 
 Dropout is refused: the two perturbed passes of a step must compute one function.
 The adapter's initial values come from peft's own init (``reset_lora_parameters``:
@@ -22,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-PEFT_METHODS = ("none", "lora", "lora-fa")
+PEFT_METHODS = ("none", "lora", "lora-fa", "prefix")
+PREFIX_INITS = ("real", "random")
 ADAPTER_NAME = "default"  # peft's name of a model's one adapter
 
 
@@ -37,6 +44,8 @@ class AdapterSpec:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] | None = None
+    prefix_length: int = 5  # MeZO's num_prefix
+    prefix_init: str = "real"  # MeZO's prefix_init_by_real_act
 
     def validate(self) -> None:
         if self.method not in PEFT_METHODS:
@@ -52,6 +61,10 @@ class AdapterSpec:
             )
         if self.targets is not None and not self.targets:
             raise ValueError("--lora-targets names no module; give names such as q_proj,v_proj or leave it out")
+        if self.prefix_length < 1:
+            raise ValueError(f"--prefix-length must be >= 1, got {self.prefix_length}")
+        if self.prefix_init not in PREFIX_INITS:
+            raise ValueError(f"--prefix-init {self.prefix_init!r} is not one of {', '.join(PREFIX_INITS)}")
 
     @property
     def enabled(self) -> bool:
@@ -67,7 +80,8 @@ class AdapterSpec:
     def record(self) -> dict:
         """How the run's log and checkpoint metadata name the adapter (a replay rebuilds it)."""
         return {"method": self.method, "r": self.r, "alpha": self.alpha,
-                "targets": list(self.targets) if self.targets else None}
+                "targets": list(self.targets) if self.targets else None,
+                "prefix_length": self.prefix_length, "prefix_init": self.prefix_init}
 
     @classmethod
     def from_record(cls, record: dict | None) -> "AdapterSpec":
@@ -75,12 +89,16 @@ class AdapterSpec:
             return cls()
         targets = record.get("targets")
         return cls(record["method"], int(record["r"]), float(record["alpha"]), 0.0,
-                   tuple(targets) if targets else None)
+                   tuple(targets) if targets else None, int(record.get("prefix_length", 5)),
+                   record.get("prefix_init", "real"))
 
 
 def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     """``peft.get_peft_model(model, LoraConfig(...))`` with its adapter initialised from
-    ``seed`` (on CPU where the model is a meta skeleton) and, for lora-fa, ``A`` frozen."""
+    ``seed`` (on CPU where the model is a meta skeleton) and, for lora-fa, ``A`` frozen;
+    for prefix, ``PrefixTuningConfig`` and a ``BlockPrefix`` in every block."""
+    if spec.method == "prefix":
+        return _attach_prefix(model, spec, seed)
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -108,6 +126,60 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     return peft_model
 
 
+def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
+    from peft import PrefixTuningConfig, get_peft_model
+
+    from distzo.models.registry import adapter_for
+
+    config = PrefixTuningConfig(num_virtual_tokens=spec.prefix_length, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+        table = peft_model.prompt_encoder[ADAPTER_NAME].embedding
+        if table.weight.is_meta:  # a skeleton's table: memory and peft's own init (N(0, 1)), on CPU
+            table.to_empty(device="cpu")
+            table.reset_parameters()
+    prefixes = install_block_prefixes(peft_model, adapter_for(model).blocks())
+    if spec.prefix_init == "real":  # MeZO: the keys and values of random tokens, computed by the engine
+        tokens = torch.randint(model.config.vocab_size, (1, spec.prefix_length),
+                               generator=torch.Generator().manual_seed(seed))
+        for prefix in prefixes:
+            prefix.init_tokens = tokens
+    return peft_model
+
+
+def is_prefix_tuned(peft_model: nn.Module | None) -> bool:
+    return peft_model is not None and getattr(peft_model.peft_config.get(ADAPTER_NAME), "peft_type", None) == "PREFIX_TUNING"
+
+
+def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> list:
+    """Give every block its columns of peft's prefix table as a ``BlockPrefix`` (trained;
+    the table itself is frozen and only rewritten at export). Idempotent."""
+    from distzo.models.prefix import BlockPrefix
+
+    config = peft_model.peft_config[ADAPTER_NAME]
+    if config.prefix_projection:
+        raise ValueError("prefix tuning with prefix_projection=True trains an MLP outside the blocks; "
+                         "use PrefixTuningConfig(prefix_projection=False), as MeZO")
+    if config.num_layers != len(blocks):
+        raise ValueError(f"the prefix has {config.num_layers} layers but the model streams {len(blocks)} blocks")
+    table = peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
+    width, heads = config.token_dim, config.num_attention_heads
+    for i, block in enumerate(blocks):
+        if getattr(block, "prefix_tuning", None) is None:
+            columns = table.detach()[:, 2 * width * i : 2 * width * (i + 1)]
+            dtype = next(block.parameters()).dtype
+            key_values = columns.reshape(config.num_virtual_tokens, 2, heads, width // heads).to(dtype).clone()
+            block.prefix_tuning = BlockPrefix(key_values, i)
+    table.requires_grad_(False)
+    return [block.prefix_tuning for block in blocks]
+
+
+def prefix_table(block_values: list[torch.Tensor]) -> torch.Tensor:
+    """peft's prefix table (``prompt_embeddings``) from the blocks' prefixes, in layer order."""
+    return torch.cat([v.reshape(v.shape[0], -1) for v in block_values], dim=1)
+
+
 def base_name(name: str) -> str:
     """The name of a base parameter in the original checkpoint (peft moves a target's
     weight under ``base_layer``)."""
@@ -115,7 +187,7 @@ def base_name(name: str) -> str:
 
 
 def is_adapter_name(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
+    return ".lora_A." in name or ".lora_B." in name or ".prefix_tuning." in name
 
 
 class AdapterWeights:
@@ -125,6 +197,9 @@ class AdapterWeights:
     def __init__(self, base, model: nn.Module) -> None:
         self.base = base
         self.adapter = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_name(n)}
+        if is_prefix_tuned(model):  # named as in the base model, which holds the blocks' prefixes
+            self.adapter = {n: p.detach().clone() for n, p in model.get_base_model().named_parameters()
+                            if is_adapter_name(n)}
 
     def _own(self, names: tuple[str, ...]) -> torch.Tensor | None:
         for name in names:

@@ -143,9 +143,10 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         check_objective(data.task, optim.objective)
     adapter_spec(job).validate()
     if (job.peft.dual_forward or job.peft.batch_queries) and job.peft.peft == "none":
-        raise ValueError("--dual-forward and --batch-queries need an adapter (--peft lora or lora-fa); drop them")
-    if job.peft.merge_adapter and job.peft.peft == "none":
-        raise ValueError("--merge-adapter needs an adapter (--peft lora or lora-fa); drop it for full tuning")
+        raise ValueError("--dual-forward and --batch-queries need an adapter (--peft lora, lora-fa or prefix); drop them")
+    if job.peft.merge_adapter and job.peft.peft not in ("lora", "lora-fa"):
+        raise ValueError("--merge-adapter needs a LoRA adapter (--peft lora or lora-fa): a prefix or full tuning "
+                         "has no delta to merge; drop it")
     if data.eval_batch_size < env.world_size:
         raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
     config = ZOConfig(
@@ -185,7 +186,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
 
 def adapter_spec(job: JobConfig) -> AdapterSpec:
     p = job.peft
-    return AdapterSpec(p.peft, p.lora_r, p.lora_alpha, p.lora_dropout, AdapterSpec.parse_targets(p.lora_targets))
+    return AdapterSpec(p.peft, p.lora_r, p.lora_alpha, p.lora_dropout, AdapterSpec.parse_targets(p.lora_targets),
+                       p.prefix_length, p.prefix_init)
 
 
 def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:

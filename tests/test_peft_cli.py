@@ -62,6 +62,35 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
     assert proc.returncode == 2 and "holds other trained parameters" in proc.stderr
 
 
+def test_a_prefix_run_resumes_replays_and_follows_pertp(tmp_path):
+    flags = COMMON + ["--peft", "prefix", "--prefix-length", "3", "--num-queries", "2", "--dtype", "fp64"]
+    full = tmp_path / "full"
+    proc = python_train(flags + ["--save-steps", "4", "--output-dir", str(full)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((full / "export" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "PREFIX_TUNING" and config["num_virtual_tokens"] == 3
+    assert list(adapter(full)) == ["prompt_embeddings"]
+
+    cut = tmp_path / "cut"  # the run as it stood at its step-4 checkpoint
+    shutil.copytree(full / "checkpoints" / "step-4", cut / "checkpoints" / "step-4")
+    proc = python_train(flags + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert grads(cut) == grads(full)[4:]
+    assert_same(adapter(cut), adapter(full))
+
+    out = tmp_path / "replayed"  # the real init is redone from the run seed, then the logged steps
+    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(full / "seedlog.jsonl"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same(load_file(str(out / "adapter_model.safetensors")), adapter(full))
+
+    pertp = tmp_path / "pertp"  # each rank one sign of both queries, batched into one forward
+    proc = torchrun(2, flags + ["--pert", "2", "--batch-queries", "--output-dir", str(pertp)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert grads(pertp) == pytest.approx(grads(full), rel=1e-9)
+    assert_same(adapter(pertp), adapter(full), rel=1e-9)
+
+
 def test_layouts_follow_the_single_process(tmp_path):
     # fp64: the DDP split of the batch reassociates the loss sums (see test_dist_launch)
     flags = COMMON + ["--peft", "lora", "--dtype", "fp64", "--max-steps", "5", "--num-queries", "2"]
@@ -94,7 +123,9 @@ def test_merge_adapter_exports_a_plain_model(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--peft", "lora", "--lora-dropout", "0.1"], "drop --lora-dropout"),
-    (["--merge-adapter"], "--merge-adapter needs an adapter"),
+    (["--merge-adapter"], "--merge-adapter needs a LoRA adapter"),
+    (["--peft", "prefix", "--merge-adapter"], "--merge-adapter needs a LoRA adapter"),
+    (["--peft", "prefix", "--prefix-length", "0"], "--prefix-length must be >= 1"),
     (["--dual-forward"], "--dual-forward and --batch-queries need an adapter"),
     (["--peft", "lora", "--lora-targets", "nothing_here"], "--lora-targets"),
 ])

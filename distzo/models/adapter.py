@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from distzo.host_memory import to_device
+from distzo.models.prefix import host_prefix_cache
 
 
 @dataclass
@@ -35,6 +36,14 @@ class BlockAdapter(ABC):
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+
+    @property
+    def prefix_length(self) -> int:
+        """Prefix tuning (``distzo.models.prefix``): how many virtual tokens every layer
+        attends to before the batch's own (0: none, or a run capturing their init); the
+        masks and positions are built for them as under peft."""
+        prefix = getattr(self.blocks()[0], "prefix_tuning", None)
+        return 0 if prefix is None or prefix.capture else prefix.length
 
     @abstractmethod
     def blocks(self) -> list[nn.Module]:
@@ -58,6 +67,22 @@ class BlockAdapter(ABC):
     @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Last block's output -> vocabulary logits (final norm, projections, lm head)."""
+
+    def block_cache(self, block: nn.Module, rows: int) -> Any:
+        """What a block gets as ``past_key_values``: its prefix as a one-layer cache, or None."""
+        prefix = getattr(block, "prefix_tuning", None)
+        return prefix.cache(rows) if prefix is not None else None
+
+    def prefixed(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
+        """The padding mask widened by the prefix (ones in front, as peft) and the host
+        stand-in of peft's prefix cache for the mask builders; unchanged and None without."""
+        length = self.prefix_length
+        if not length:
+            return attention_mask, None
+        if attention_mask is not None:
+            ones = torch.ones(attention_mask.shape[0], length, dtype=attention_mask.dtype)
+            attention_mask = torch.cat([ones, attention_mask], dim=1)
+        return attention_mask, host_prefix_cache(length, len(self.blocks()))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
         """Next-token cross-entropy over labels != -100, as the model's own causal-LM loss.
@@ -97,13 +122,15 @@ def host_built_mask(
     shape: tuple[int, int],
     device: torch.device,
     dtype: torch.dtype,
+    past_key_values: Any = None,
     **kwargs: Any,
 ) -> Any:
     """The model's own mask builder run on the host (a stand-in ``inputs_embeds`` carries
-    only shape and dtype), its result moved to ``device``: None when the builder finds
+    only shape and dtype; ``past_key_values`` a prefix's length), its result moved to ``device``: None when the builder finds
     the mask unnecessary, a tensor (or a BlockMask) otherwise."""
     stand_in = torch.empty((*shape, 1), dtype=dtype)
-    mask = builder(config=config, inputs_embeds=stand_in, attention_mask=attention_mask, past_key_values=None, **kwargs)
+    mask = builder(config=config, inputs_embeds=stand_in, attention_mask=attention_mask, past_key_values=past_key_values,
+                   **kwargs)
     if mask is None:
         return None
     if isinstance(mask, torch.Tensor):

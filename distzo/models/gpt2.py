@@ -24,9 +24,11 @@ class GPT2Adapter(BlockAdapter):
         self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
     ) -> BatchContext:
         # As GPT2Model.forward without a cache or token types: positions 0..L-1 and the
-        # model's own causal mask (built on the host).
-        host_positions = torch.arange(shape[1]).unsqueeze(0)
-        mask = host_built_mask(create_causal_mask, self.model.config, attention_mask, shape, device, dtype,
+        # model's own causal mask (built on the host); a prefix shifts and widens them (peft).
+        start = self.prefix_length
+        host_positions = torch.arange(start, start + shape[1]).unsqueeze(0)
+        attention_mask, past = self.prefixed(attention_mask)
+        mask = host_built_mask(create_causal_mask, self.model.config, attention_mask, shape, device, dtype, past,
                                position_ids=host_positions)
         return BatchContext(mask, to_device(host_positions, device))
 
@@ -36,7 +38,8 @@ class GPT2Adapter(BlockAdapter):
         return body.drop(hidden)  # the model's embedding dropout (a no-op in eval mode)
 
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        return block(hidden, None, ctx.attention_mask, None, use_cache=False, position_ids=ctx.position_ids)
+        return block(hidden, self.block_cache(block, hidden.shape[0]), ctx.attention_mask, None, use_cache=False,
+                     position_ids=ctx.position_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self._body.ln_f(hidden))

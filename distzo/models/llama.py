@@ -36,11 +36,14 @@ class LlamaFamilyAdapter(BlockAdapter):
         # shift them for left padding), masks from the model's own builders (on the host),
         # one of each kind its layers use, and the rotary tables computed once by its
         # rotary module (which reads only the dtype and device of its first argument).
-        host_positions = torch.arange(shape[1]).unsqueeze(0)
+        # A prefix shifts the positions by its length and widens the masks, as under peft.
+        start = self.prefix_length
+        host_positions = torch.arange(start, start + shape[1]).unsqueeze(0)
+        attention_mask, past = self.prefixed(attention_mask)
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         kinds = {self._layer_type(block) for block in self.blocks()}
         masks = {
-            kind: host_built_mask(builders[kind], self.model.config, attention_mask, shape, device, dtype,
+            kind: host_built_mask(builders[kind], self.model.config, attention_mask, shape, device, dtype, past,
                                   position_ids=host_positions)
             for kind in kinds
         }
@@ -57,6 +60,7 @@ class LlamaFamilyAdapter(BlockAdapter):
             attention_mask=ctx.attention_mask[self._layer_type(block)],
             position_ids=ctx.position_ids,
             position_embeddings=ctx.extras["position_embeddings"],
+            past_key_values=self.block_cache(block, hidden.shape[0]),
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,14 @@ class OPTAdapter(BlockAdapter):
     ) -> BatchContext:
         # Mirrors OPTDecoder.forward without a cache: positions come from the dense mask
         # (so left padding works), while the mask handed to the layers stays None when the
-        # batch is unpadded, exactly as the model passes it.
-        position_mask = attention_mask if attention_mask is not None else torch.ones(shape, dtype=torch.long)
-        position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()
-        causal_mask = host_built_mask(create_causal_mask, self._decoder.config, attention_mask, shape, device, dtype)
+        # batch is unpadded, exactly as the model passes it. A prefix widens the mask (peft)
+        # and the positions count it, then drop its own (as the model with a cache).
+        start = self.prefix_length
+        attention_mask, past = self.prefixed(attention_mask)
+        position_mask = attention_mask if attention_mask is not None else torch.ones(shape[0], start + shape[1], dtype=torch.long)
+        position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()[:, start:]
+        causal_mask = host_built_mask(create_causal_mask, self._decoder.config, attention_mask, shape, device, dtype,
+                                      past)
         return BatchContext(causal_mask, to_device(position_ids, device))
 
     def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
@@ -40,7 +44,8 @@ class OPTAdapter(BlockAdapter):
         return inputs_embeds + pos_embeds
 
     def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        return block(hidden, attention_mask=ctx.attention_mask, position_ids=ctx.position_ids)
+        return block(hidden, attention_mask=ctx.attention_mask, position_ids=ctx.position_ids,
+                     past_key_values=self.block_cache(block, hidden.shape[0]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         decoder = self._decoder
