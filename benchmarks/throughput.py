@@ -108,11 +108,11 @@ class Bench:
         if self.env.world_size > 1:
             dist.barrier()
 
-    def engine(self, mode: str, slots: int, parallel: ParallelContext) -> ZOEngine:
+    def engine(self, mode: str, slots: int, parallel: ParallelContext, grad_accum: int = 1) -> ZOEngine:
         config = ZOConfig(
             lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
             compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
-            num_queries=self.args.num_queries, dual_forward=self.args.dual_forward,
+            num_queries=self.args.num_queries, dual_forward=self.args.dual_forward, grad_accum=grad_accum,
         )
         model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
         if self.args.peft != "none":  # an adapter: the base streams up only, the adapter stays on the device
@@ -121,14 +121,15 @@ class Bench:
         return ZOEngine(model, config, parallel=parallel, weights=weights)
 
     def measure(
-        self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True
+        self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True,
+        grad_accum: int = 1,
     ) -> dict[tuple[int, int], Measurement]:
         """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the barrier."""
         self.barrier()
         if not participates:
             self.barrier()
             return {}
-        engine = self.engine(mode, slots, parallel)
+        engine = self.engine(mode, slots, parallel, grad_accum)
         out = {}
         for point in self.points:
             out[point] = m = self.measure_point(engine, name, point)
@@ -151,6 +152,7 @@ class Bench:
         engine.step(local)  # warm-up (allocator, first uploads)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        rss_resets = reset_peak_rss()  # on CPU the activations are host memory: the peak of the timed steps
         samples = []
         for _ in range(self.args.steps):
             synchronize(self.device)
@@ -163,6 +165,8 @@ class Bench:
             "tokens_per_s": tokens / timer.median,
             "host_rss_gb": peak_rss_bytes() / 1e9,
         }
+        if rss_resets:
+            metrics["step_peak_rss_gb"] = metrics["host_rss_gb"]
         if self.device.type == "cuda":
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         metrics.update(self.block_times(engine, local))
@@ -171,6 +175,7 @@ class Bench:
             "seq": point[1], "mode": engine.config.mode, "slots": engine.config.num_slots, "dp": parallel.dims.dp,
             "pert": parallel.dims.pert, "compute": self.compute, "threads": torch.get_num_threads(),
             "queries": engine.config.num_queries, "peft": self.args.peft, "dual_forward": self.args.dual_forward,
+            "grad_accum": engine.config.grad_accum,
         }
         return Measurement.from_timer(name, params, timer, metrics)
 
@@ -232,6 +237,18 @@ class Bench:
             for point, m in offload.items():
                 ratio = m.metrics["tokens_per_s"] / two[point].metrics["tokens_per_s"]
                 self.report.derived[self.ratio_key("offload_vs_2slots", point)] = ratio
+        for n in self.args.grad_accum:  # micro-batches per step: the same step, less activation memory
+            if n == 1:
+                continue
+            runs = self.measure(f"offload_accum{n}", "offload", self.args.slots, single, first, grad_accum=n)
+            for point, m in runs.items():
+                base = offload[point].metrics
+                self.report.derived[self.ratio_key(f"accum{n}_vs_offload", point)] = (
+                    m.metrics["tokens_per_s"] / base["tokens_per_s"])
+                memory = "peak_device_gb" if "peak_device_gb" in base else "step_peak_rss_gb"
+                if memory in base:
+                    self.report.derived[self.ratio_key(f"accum{n}_peak_memory_vs_offload", point)] = (
+                        m.metrics[memory] / base[memory])
         world = self.env.world_size
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
@@ -369,6 +386,9 @@ def main() -> None:
     p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa", "prefix"],
                    help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device")
     p.add_argument("--dual-forward", action="store_true", help="with --peft: both signs of a query in one forward")
+    p.add_argument("--grad-accum", default="1",
+                   help="micro-batches per step to compare, e.g. 1,2,4: offload at each (one upload per block per "
+                        "step), tokens/s and peak memory against the whole batch at once")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
     p.add_argument("--compare-head", action="store_true",
@@ -390,6 +410,12 @@ def main() -> None:
     args.points = parse_points(args.sweep) if args.sweep else [(args.batch, args.seq)]
     if args.num_queries < 1:
         raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
+    try:
+        args.grad_accum = [int(n) for n in args.grad_accum.split(",")]
+    except ValueError:
+        raise SystemExit(f"--grad-accum takes comma-separated counts such as 1,2,4, got {args.grad_accum!r}") from None
+    if any(n < 1 or n > b for n in args.grad_accum for b, _ in args.points):
+        raise SystemExit(f"--grad-accum counts must be between 1 and the batch, got {args.grad_accum}")
     env = LaunchEnv.from_environ()
     logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
     logging.getLogger("distzo").setLevel(logging.WARNING)
@@ -407,7 +433,8 @@ def main() -> None:
     if env.rank == 0:
         out = Path(args.out)
         columns = (["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"] if args.compare_head else
-                   ["mode", "slots", "dp", "pert", "queries", "batch", "seq", "tokens_per_s", "peak_device_gb", "eta"])
+                   ["mode", "slots", "dp", "pert", "queries", "grad_accum", "batch", "seq", "tokens_per_s",
+                    "peak_device_gb", "step_peak_rss_gb", "eta"])
         report.write(out, columns)
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()

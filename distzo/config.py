@@ -35,6 +35,10 @@ class ZOConfig:
     ``dual_forward`` / ``batch_queries`` (adapters only): the +eps and -eps passes of a
     query, and the passes of the several queries, run as one forward over a duplicated
     batch, each slice with its own adapter weights (P-RGE).
+    ``grad_accum`` splits each step's batch into that many micro-batches that share the
+    step's z: each runs through a block while the block is on the device (one upload per
+    block per step), so the activations are one micro-batch's; the losses, and so g, are
+    those of the whole batch.
     ``num_slots`` device buffers hold streamed blocks: 3 lets upload, compute and offload
     of three blocks run at once (a period of max(transfer, compute) per block); with 2,
     upload(i+2) waits for offload(i), which waits for compute(i) (docs/ARCHITECTURE.md,
@@ -60,6 +64,7 @@ class ZOConfig:
     noise: str = "gaussian"
     dual_forward: bool = False
     batch_queries: bool = False
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,6 +114,8 @@ class ZOConfig:
             )
         if self.transfer_chunks < 1:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once")
         if self.num_queries < 1:
             raise ValueError(
                 f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to average directions"

@@ -463,7 +463,8 @@ class ZOEngine:
         with self._guard(), torch.no_grad():
             prepared = self.objective.prepare(batch, self.device)  # host work and copies, queued before any kernel
             with self.streams.compute_scope():
-                losses = self.objective.losses(_StepRunner(self, t, self.passes), prepared, self.passes, num_items)
+                runner = _StepRunner(self, t, self.passes, cfg.grad_accum)
+                losses = self.objective.losses(runner, prepared, self.passes, num_items)
                 vector = loss_contribution(losses, cfg.num_queries)
                 if self.parallel.is_distributed:
                     vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
@@ -761,6 +762,7 @@ class ZOEngine:
         step: int,
         input_ids: Mapping[Pass, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
+        micro_batches: int = 1,
     ) -> dict[Pass, torch.Tensor]:
         """Apply the pending update everywhere and run the blocks once for each pass, each
         on its own token ids (one shared mask).
@@ -768,7 +770,10 @@ class ZOEngine:
         ``attention_mask`` is the host copy (None: every position is real). Returns each
         pass's last hidden state, the pass whose perturbation the resident bucket holds
         first (the order in which reading heads re-perturbs it least). With no passes
-        (flush) it only updates.
+        (flush) it only updates. ``micro_batches`` (gradient accumulation) splits the rows
+        into that many micro-batches, each run through a block while it is on the device:
+        one upload per block whatever their number, the activations of one micro-batch at
+        a time, and every micro-batch's hidden states carried between blocks.
         """
         update, self.pending = self.pending, None
         self.store.step = step
@@ -777,30 +782,35 @@ class ZOEngine:
         held = self._held_pass(step)
         order = sorted(passes, key=lambda p: p != held)  # embed the held pass first: one perturbation fewer
         groups = self.pass_groups_of(tuple(order)) if self.pass_scratch is not None else [(p,) for p in order]
-        hiddens, ctx = {}, None
-        joined: dict[tuple[Pass, ...], torch.Tensor] = {}  # a batched group's hidden states, pass-major rows
-        group_ctx: dict[int, Any] = {}  # the context of a batch duplicated g times, by g
+        # Each pass's hidden states as a list of micro-batches; a batched group's as one
+        # list too, each micro-batch holding the group's passes' rows, pass-major.
+        hiddens: dict[tuple[Pass, ...], list[torch.Tensor]] = {}
+        contexts: dict[int, list[Any]] = {}  # by group size: one context per micro-batch
+        eps = self.config.eps
 
         def embed() -> None:  # runs once the first uploads are queued
-            nonlocal ctx
             if update is not None:
                 self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
-            if order:  # masks from the host copy: nothing here reads the device
-                shape = tuple(input_ids[order[0]].shape)
-                ctx = self.adapter.context(attention_mask, shape, self.device, self.block_scratch.dtype)
+            if not order:
+                return
+            rows, length = input_ids[order[0]].shape
+            bounds = micro_batch_bounds(rows, micro_batches)
+            dtype = self.block_scratch.dtype
+            for g in {len(group) for group in groups} | {1}:  # masks from the host copy: no device reads
+                contexts[g] = [
+                    self.adapter.context(
+                        attention_mask[lo:hi].repeat(g, 1) if attention_mask is not None else None,
+                        (g * (hi - lo), length), self.device, dtype,
+                    )
+                    for lo, hi in bounds
+                ]
+            own = {}
             for p in order:
                 self._perturb_resident(p, step)
-                hiddens[p] = self.adapter.embed(input_ids[p], ctx)
+                own[p] = [self.adapter.embed(input_ids[p][lo:hi], ctx) for (lo, hi), ctx in zip(bounds, contexts[1])]
             for group in groups:
-                if len(group) > 1:
-                    g, (rows, length) = len(group), input_ids[group[0]].shape
-                    if g not in group_ctx:
-                        mask = attention_mask.repeat(g, 1) if attention_mask is not None else None
-                        group_ctx[g] = self.adapter.context(mask, (g * rows, length), self.device,
-                                                            self.block_scratch.dtype)
-                    joined[group] = torch.cat([hiddens.pop(p) for p in group])
-
-        eps = self.config.eps
+                parts = [own.pop(p) for p in group]
+                hiddens[group] = parts[0] if len(group) == 1 else [torch.cat(micro) for micro in zip(*parts)]
 
         def compute(i: int, bucket: torch.Tensor) -> None:
             if self.frozen_base:  # the streamed bucket is the base: one copy serves every pass
@@ -809,29 +819,34 @@ class ZOEngine:
                 bucket = self.store.device_bucket(i)  # the block's adapter
             if update is not None:
                 self._apply(update, bucket, self.block_layouts[i], i + 1)
+            block = self.blocks[i]
             for group in groups:
                 if len(group) == 1:
-                    (p,) = group
-                    query, sign = p
+                    ((query, sign),) = group
                     if bucket.numel():
                         self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
-                    hiddens[p] = self.adapter.block_forward(self.blocks[i], hiddens[p], ctx)
+                    hiddens[group] = [self.adapter.block_forward(block, h, ctx)
+                                      for h, ctx in zip(hiddens[group], contexts[1])]
                     continue
                 for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
                     self.noise.perturb_into(self.pass_scratch[k], bucket, sign * eps, step, i + 1, query)
                 factors = self._batched_factors[i]
                 for module, e in factors:
                     module.stacked = self.pass_scratch[: len(group), e.offset : e.offset + e.numel].unflatten(1, e.shape)
-                joined[group] = self.adapter.block_forward(self.blocks[i], joined[group], group_ctx[len(group)])
+                hiddens[group] = [self.adapter.block_forward(block, h, ctx)
+                                  for h, ctx in zip(hiddens[group], contexts[len(group)])]
                 for module, _ in factors:
                     module.stacked = None
 
         # Unchanged blocks (no pending update) need not go back: their host copies are right,
         # and a frozen base never changes.
         self.scheduler.run(compute, prologue=embed, offload=update is not None and not self.frozen_base)
-        for group, hidden in joined.items():
-            hiddens.update(zip(group, hidden.chunk(len(group))))
-        return {p: hiddens[p] for p in reversed(order)}
+        out: dict[Pass, list[torch.Tensor]] = {p: [] for p in order}
+        for group, micro in hiddens.items():
+            for h in micro:  # a batched micro-batch holds its passes' rows one after another
+                for p, rows in zip(group, h.chunk(len(group))):
+                    out[p].append(rows)
+        return {p: out[p][0] if len(out[p]) == 1 else torch.cat(out[p]) for p in reversed(order)}
 
     def _held_pass(self, step: int) -> Pass | None:
         """The pass whose perturbation the resident scratch holds now, if any."""
@@ -841,6 +856,23 @@ class ZOEngine:
         if sign == 0:
             return UNPERTURBED
         return (query, sign) if held_step == step else None
+
+
+def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """Row ranges of ``micro_batches`` near-equal micro-batches (the first ones one row
+    larger when ``rows`` does not divide); refused when there are fewer rows than that."""
+    if micro_batches > rows:
+        raise ValueError(
+            f"--grad-accum {micro_batches} needs at least {micro_batches} rows per rank, the batch has {rows}; "
+            "lower --grad-accum or raise --batch-size"
+        )
+    size, extra = divmod(rows, micro_batches)
+    bounds, lo = [], 0
+    for m in range(micro_batches):
+        hi = lo + size + (1 if m < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
 
 
 def _pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], list[tuple[Pass, ...]]]:
@@ -863,8 +895,8 @@ def _pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], li
 class _StepRunner:
     """The engine seen by an objective: one step's passes, blocks streamed per call."""
 
-    def __init__(self, engine: ZOEngine, step: int, passes: tuple[Pass, ...]) -> None:
-        self.engine, self.step, self.passes = engine, step, passes
+    def __init__(self, engine: ZOEngine, step: int, passes: tuple[Pass, ...], micro_batches: int = 1) -> None:
+        self.engine, self.step, self.passes, self.micro_batches = engine, step, passes, micro_batches
         self.device = engine.device
 
     def hidden_states(
@@ -872,7 +904,7 @@ class _StepRunner:
     ) -> dict[Pass, torch.Tensor]:
         if set(input_ids) != set(self.passes):
             raise ValueError(f"hidden_states needs token ids for the passes {self.passes}, got {tuple(input_ids)}")
-        return self.engine._stream_pass(self.passes, self.step, input_ids, attention_mask)
+        return self.engine._stream_pass(self.passes, self.step, input_ids, attention_mask, self.micro_batches)
 
     def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
         self.engine._perturb_resident(p, self.step)

@@ -78,6 +78,10 @@ class OptimOptions:
         1, "random directions per step, their estimates averaged (n-SPSA): each adds two forward passes "
         "per block, no transfer"
     )
+    grad_accum: int = option(
+        1, "micro-batches per step sharing its z: each runs through a block while it is on the device (one upload "
+        "per block per step), so activations are one micro-batch's; g is the whole batch's"
+    )
 
 
 @dataclass

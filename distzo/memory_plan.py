@@ -5,7 +5,8 @@ fit the free device memory or the host memory it sees, unless ``--force``. The
 figures are the engine's own allocations (buckets, slots, staging, scratch, the noise
 workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocated``;
 the activation figure is an estimate of the largest transient (the bigger of one
-block's intermediates and the fp32 logits of one head chunk: the head runs at most
+block's intermediates, for one micro-batch under --grad-accum, and the fp32 logits of one
+head chunk: the head runs at most
 ``HEAD_CHUNK`` positions at a time). Host memory is pinned at exactly its size, so
 the host figure is what a CUDA run locks.
 """
@@ -118,10 +119,11 @@ def plan_memory(
     heads = _width(cfg, "num_attention_heads", "n_head", default=1)
     vocab = _width(cfg, "vocab_size")
     tokens = batch * seq
-    block_tmp = tokens * (4 * hidden + 2 * ffn) * compute + batch * heads * seq * seq * compute
+    micro = -(-batch // config.grad_accum)  # a block runs one micro-batch at a time (the largest)
+    block_tmp = micro * seq * (4 * hidden + 2 * ffn) * compute + micro * heads * seq * seq * compute
     # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and log-softmax
     logits = min(tokens, HEAD_CHUNK) * vocab * (compute + 2 * 4)
-    live_hiddens = signs * config.num_queries  # one hidden state per pass crosses the blocks
+    live_hiddens = signs * config.num_queries  # one hidden state per pass (all its micro-batches) crosses the blocks
     activations = live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
     at_rest = [l.numel * (wire if config.mode == "offload" and not frozen else master) for l in layouts]
     sliced = sliced and not frozen  # an adapter's state is whole on every rank

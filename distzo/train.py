@@ -147,6 +147,11 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     if job.peft.merge_adapter and job.peft.peft not in ("lora", "lora-fa"):
         raise ValueError("--merge-adapter needs a LoRA adapter (--peft lora or lora-fa): a prefix or full tuning "
                          "has no delta to merge; drop it")
+    if optim.grad_accum < 1 or optim.grad_accum > data.batch_size // dims.dp:
+        raise ValueError(
+            f"--grad-accum {optim.grad_accum} must be between 1 and the {data.batch_size // dims.dp} sequences of a "
+            "rank's batch (--batch-size / dp); change one of them"
+        )
     if data.eval_batch_size < env.world_size:
         raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
     config = ZOConfig(
@@ -155,7 +160,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
         transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries, noise=optim.noise or "gaussian",
-        dual_forward=job.peft.dual_forward, batch_queries=job.peft.batch_queries,
+        dual_forward=job.peft.dual_forward, batch_queries=job.peft.batch_queries, grad_accum=optim.grad_accum,
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)

@@ -14,8 +14,8 @@ from tests.launch import Run, max_relative_difference, python_train, torchrun
 LAYOUTS = {
     "single": (1, []),
     "pertp": (2, ["--pert", "2"]),
-    "ddp": (2, ["--pert", "1"]),
-    "2d": (4, ["--dp", "2", "--pert", "2"]),
+    "ddp": (2, ["--pert", "1", "--grad-accum", "2"]),  # micro-batches give the whole batch's g
+    "2d": (4, ["--dp", "2", "--pert", "2", "--grad-accum", "2"]),
     "2d_sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"]),
 }
 # objective: (task, extra flags, layouts besides single). A large eps makes the perturbed
