@@ -30,6 +30,7 @@ host buckets block by block (``RandomWeights`` on a meta skeleton), as the train
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import time
 from pathlib import Path
@@ -60,6 +61,16 @@ logger = logging.getLogger("throughput")
 SMALL_SHAPES = {"tiny": (64, 256, 4, 4), "mini": (256, 1024, 4, 4)}  # hidden, ffn, heads, layers
 SHAPE_NAMES = sorted(SMALL_SHAPES) + SHAPES
 CROSSOVER = 0.95  # offload / resident throughput at which the transfers count as hidden
+
+
+def return_large_blocks() -> None:
+    """On CPU, make glibc hand every large block back to the OS when it is freed (a fixed
+    mmap threshold: its default one rises after frees and then keeps freed activations in
+    the heap), so that RSS follows the activations of each layout, not the largest so far."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS figures then include what the allocator kept
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -152,7 +163,8 @@ class Bench:
         engine.step(local)  # warm-up (allocator, first uploads)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        rss_resets = reset_peak_rss()  # on CPU the activations are host memory: the peak of the timed steps
+        # On CPU the activations are host memory: the growth of RSS over the timed steps.
+        rss_resets, rss_before = reset_peak_rss(), rss_bytes()
         samples = []
         for _ in range(self.args.steps):
             synchronize(self.device)
@@ -166,7 +178,7 @@ class Bench:
             "host_rss_gb": peak_rss_bytes() / 1e9,
         }
         if rss_resets:
-            metrics["step_peak_rss_gb"] = metrics["host_rss_gb"]
+            metrics["step_extra_rss_gb"] = (peak_rss_bytes() - rss_before) / 1e9
         if self.device.type == "cuda":
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         metrics.update(self.block_times(engine, local))
@@ -245,7 +257,7 @@ class Bench:
                 base = offload[point].metrics
                 self.report.derived[self.ratio_key(f"accum{n}_vs_offload", point)] = (
                     m.metrics["tokens_per_s"] / base["tokens_per_s"])
-                memory = "peak_device_gb" if "peak_device_gb" in base else "step_peak_rss_gb"
+                memory = "peak_device_gb" if "peak_device_gb" in base else "step_extra_rss_gb"
                 if memory in base:
                     self.report.derived[self.ratio_key(f"accum{n}_peak_memory_vs_offload", point)] = (
                         m.metrics[memory] / base[memory])
@@ -425,6 +437,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(args.threads)
+        return_large_blocks()
     if env.launched:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
     if args.compare_head and env.world_size > 1:
@@ -434,7 +447,7 @@ def main() -> None:
         out = Path(args.out)
         columns = (["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"] if args.compare_head else
                    ["mode", "slots", "dp", "pert", "queries", "grad_accum", "batch", "seq", "tokens_per_s",
-                    "peak_device_gb", "step_peak_rss_gb", "eta"])
+                    "peak_device_gb", "step_extra_rss_gb", "eta"])
         report.write(out, columns)
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()
