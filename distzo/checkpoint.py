@@ -59,6 +59,19 @@ def _pending_update(vector: torch.Tensor) -> PendingUpdate | None:
     return PendingUpdate(int(step), (first, *rest), lr) if has else None
 
 
+def _recent_vector(recent: tuple[tuple[int, tuple[float, ...]], ...]) -> torch.Tensor:
+    """A momentum's recent steps, ``[count, queries, (step, g_0 .. g_{q-1}) x count]``."""
+    queries = len(recent[0][1]) if recent else 0
+    flat = [v for step, grads in recent for v in (step, *grads)]
+    return torch.tensor([len(recent), queries, *flat], dtype=torch.float64)
+
+
+def _recent_steps(vector: torch.Tensor) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    count, queries, *flat = vector.tolist()
+    width = 1 + int(queries)
+    return tuple((int(flat[i * width]), tuple(flat[i * width + 1 : (i + 1) * width])) for i in range(int(count)))
+
+
 def _noise_vector(kind: str) -> torch.Tensor:
     """The noise a checkpoint was drawn with: [kind index, version] (legacy: version 0)."""
     return torch.tensor([NOISE_KINDS.index(kind), 0 if kind == "legacy" else NOISE_VERSION], dtype=torch.int64)
@@ -77,6 +90,7 @@ def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
         "meta/noise_chunk": torch.tensor([engine.config.noise_chunk], dtype=torch.int64),
         "meta/noise": _noise_vector(engine.config.noise),
         "meta/pending": _pending_vector(engine.pending),
+        "meta/recent_steps": _recent_vector(engine.recent_steps),
     }
 
 
@@ -200,6 +214,10 @@ class Checkpointer:
         # The pending update has as many g as the saving run had queries, whatever this one has.
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         meta["meta/pending"] = torch.zeros(saved["meta/pending"].size, dtype=torch.float64)
+        if "meta/recent_steps" in saved:  # a momentum's history (absent before optimizers)
+            meta["meta/recent_steps"] = torch.zeros(saved["meta/recent_steps"].size, dtype=torch.float64)
+        else:
+            del meta["meta/recent_steps"]
         buckets = [("resident", engine.resident_layout)] + [(f"block/{i}", l) for i, l in enumerate(engine.block_layouts)]
         for key, layout in buckets:
             if key not in saved or tuple(saved[key].size) != (layout.numel,):
@@ -219,10 +237,12 @@ class Checkpointer:
             engine.store.load_block(i, buffer[f"block/{i}"])
         with torch.no_grad():
             engine.resident_master.copy_(meta["resident"])
+        recent = _recent_steps(meta["meta/recent_steps"]) if "meta/recent_steps" in meta else ()
         engine.restore(
             step=int(meta["meta/step"]),
             run_seed=int(meta["meta/run_seed"]),
-            pending=_pending_update(meta["meta/pending"]),
+            pending=engine.with_momentum(_pending_update(meta["meta/pending"]), recent),
+            recent_steps=recent,
         )
         logger.info("resumed from %s at step %d", path, engine.step_index)
         return engine.step_index

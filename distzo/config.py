@@ -15,6 +15,10 @@ TRANSFER_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8")
 COMPUTE_DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 
+OPTIMIZERS = ("sgd", "momentum")
+MAX_MOMENTUM_WINDOW = 256  # noise draws per block per update
+
+
 @dataclass
 class ZOConfig:
     """Options of one ZO run (MeZO-SGD on a resident or offloaded model).
@@ -39,6 +43,11 @@ class ZOConfig:
     step's z: each runs through a block while the block is on the device (one upload per
     block per step), so the activations are one micro-batch's; the losses, and so g, are
     those of the whole batch.
+    ``optimizer`` ``sgd`` is MeZO's ZO-SGD; ``momentum`` is ZO-SGD with momentum
+    (``m_t = beta1 m_{t-1} + g_t z_t``, ``theta -= lr (m_t + wd theta)``) held as MeZO's
+    appendix B.2 suggests: no state memory, ``m_t`` regenerated at each update from the
+    last ``momentum_window`` steps' seeds and g, so the momentum is truncated after W
+    steps (the terms dropped weigh ``beta1^W`` relative to the newest: 0.9^32 = 3.4 %).
     ``num_slots`` device buffers hold streamed blocks: 3 lets upload, compute and offload
     of three blocks run at once (a period of max(transfer, compute) per block); with 2,
     upload(i+2) waits for offload(i), which waits for compute(i) (docs/ARCHITECTURE.md,
@@ -65,6 +74,9 @@ class ZOConfig:
     dual_forward: bool = False
     batch_queries: bool = False
     grad_accum: int = 1
+    optimizer: str = "sgd"
+    beta1: float = 0.9
+    momentum_window: int = 32
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,6 +126,15 @@ class ZOConfig:
             )
         if self.transfer_chunks < 1:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if not 0 <= self.beta1 < 1:
+            raise ValueError(f"beta1 must be in [0, 1), got {self.beta1}")
+        if not 1 <= self.momentum_window <= MAX_MOMENTUM_WINDOW:
+            raise ValueError(
+                f"momentum_window must be in [1, {MAX_MOMENTUM_WINDOW}], got {self.momentum_window}: each step "
+                "regenerates that many steps' noise per block"
+            )
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once")
         if self.num_queries < 1:

@@ -76,16 +76,30 @@ class StepResult:
 @dataclass(frozen=True)
 class PendingUpdate:
     """The last step's update, applied lazily when each bucket next reaches the device:
-    theta -= lr * (mean_j g_j z_j + wd theta), z_j drawn for (step, query j)."""
+    theta -= lr * (mean_j g_j z_j + wd theta), z_j drawn for (step, query j).
+
+    With momentum recomputed from the gradient history (MeZO, appendix B.2) ``history``
+    holds the earlier steps' ``(step, projected_grads)``, newest first, and the update is
+    theta -= lr * (m_t + wd theta), m_t = sum_k beta1^k mean_j g_{t-k,j} z_{t-k,j}: the
+    momentum regenerated from its seeds, truncated to ``1 + len(history)`` steps."""
 
     step: int
     projected_grads: tuple[float, ...]
     lr: float
+    history: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    beta1: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "projected_grads", tuple(float(g) for g in self.projected_grads))
+        object.__setattr__(self, "history", tuple((int(s), tuple(float(g) for g in gs)) for s, gs in self.history))
         if not self.projected_grads:
             raise ValueError("a pending update needs one projected gradient per query, got none")
+
+    def terms(self) -> list[tuple[int, int, float]]:
+        """``(step, query, coefficient of z)`` of every noise draw the update adds, over lr."""
+        steps = [(self.step, self.projected_grads), *self.history]
+        return [(step, query, -(self.beta1 ** k) * g / len(grads))
+                for k, (step, grads) in enumerate(steps) for query, g in enumerate(grads)]
 
 
 def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -242,6 +256,7 @@ class ZOEngine:
         self.run_seed = int(run_seed)
         self.step_index = 0
         self.pending: PendingUpdate | None = None
+        self.recent_steps: tuple[tuple[int, tuple[float, ...]], ...] = ()  # momentum: (step, g) newest first
         self._broken: str | None = None
 
         # ZO takes two forward passes of one function: dropout would make them two functions.
@@ -476,13 +491,31 @@ class ZOEngine:
             reduced = read()  # the step's one host sync: waits for the compute stream's losses only
         cfg = self.config
         grads = projected_gradients(reduced, cfg.eps)
-        self.pending = PendingUpdate(t, grads, lr)
+        self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
         self.step_index += 1
         q = cfg.num_queries
         loss_plus, loss_minus = sum(reduced[0::2]) / q, sum(reduced[1::2]) / q
         return StepResult(
             t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, sum(grads) / q, lr, num_tokens, grads
         )
+
+    def momentum_update(self, update: PendingUpdate) -> PendingUpdate:
+        """The step's update with the recent steps' g as its momentum history (``sgd``: as it is)."""
+        if self.config.optimizer != "momentum":
+            return update
+        self.recent_steps = ((update.step, update.projected_grads), *self.recent_steps)[: self.config.momentum_window]
+        return self.with_momentum(update, self.recent_steps)
+
+    def with_momentum(self, update: PendingUpdate | None, recent_steps) -> PendingUpdate | None:
+        """``update`` (a step's own g) with the momentum history that precedes it in
+        ``recent_steps`` (newest first, the update's own step included): how a resumed run
+        or a replay rebuilds the pending update from a checkpoint or a seed log."""
+        if update is None or self.config.optimizer != "momentum":
+            return update
+        recent = tuple(recent_steps)
+        history = recent[1:] if recent and recent[0][0] == update.step else recent
+        return PendingUpdate(update.step, update.projected_grads, update.lr,
+                             history[: self.config.momentum_window - 1], self.config.beta1)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of every position (and mean loss, if the batch has labels) at the current,
@@ -543,6 +576,7 @@ class ZOEngine:
             "noise_chunk": self.config.noise_chunk,
             "noise": noise_identity(self.config.noise),
             "pending": asdict(self.pending) if self.pending is not None else None,
+            "recent_steps": [[step, list(grads)] for step, grads in self.recent_steps],
             "params": {name: params[name] for name in self.canonical_names},
         }
 
@@ -565,7 +599,7 @@ class ZOEngine:
                     values[e.offset : e.offset + e.numel] = params[e.names[0]].reshape(-1)
                 self.store.load_block(i, values)
         pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
-        self.restore(int(state["step"]), int(state["run_seed"]), pending)
+        self.restore(int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ()))
 
     def check_noise(self, identity: str, chunk: int, source: str) -> None:
         """A state continues its run only with the same z: the same noise kind and version
@@ -583,10 +617,12 @@ class ZOEngine:
                 "set noise_chunk to match (legacy noise depends on it)"
             )
 
-    def restore(self, step: int, run_seed: int, pending: PendingUpdate | None) -> None:
-        """Set the step counter, run seed and pending update after the buckets were loaded."""
+    def restore(self, step: int, run_seed: int, pending: PendingUpdate | None, recent_steps=()) -> None:
+        """Set the step counter, run seed, pending update and momentum history (``(step, g)``
+        of the recent steps, newest first) after the buckets were loaded."""
         self.step_index = step
         self.run_seed = run_seed
+        self.recent_steps = tuple((int(s), tuple(float(g) for g in gs)) for s, gs in recent_steps)
         self._make_noise(self.resident_master.dtype)
         if isinstance(self.store, StreamedBlocks):
             self.store.rounding_noise = self.rounding_noise
@@ -752,9 +788,9 @@ class ZOEngine:
     def _apply(self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int) -> None:
         if not layout.numel:
             return
-        self.noise.apply_update(
-            bucket, layout.decay_end, update.lr, update.projected_grads, self.config.weight_decay, update.step, block_id
-        )
+        wd = self.config.weight_decay
+        terms = [(step, query, update.lr * c) for step, query, c in update.terms()]
+        self.noise.apply_terms(bucket, layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms, block_id)
 
     def _stream_pass(
         self,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.cli_errors import program
-from distzo.config import COMPUTE_DTYPE_NAMES, MODES, TRANSFER_DTYPE_NAMES, TRANSFERS
+from distzo.config import COMPUTE_DTYPE_NAMES, MODES, OPTIMIZERS, TRANSFER_DTYPE_NAMES, TRANSFERS
 from distzo.peft_tuning import PEFT_METHODS, PREFIX_INITS
 from distzo.zo.schedule import SCHEDULES
 
@@ -77,6 +77,15 @@ class OptimOptions:
     num_queries: int = option(
         1, "random directions per step, their estimates averaged (n-SPSA): each adds two forward passes "
         "per block, no transfer"
+    )
+    optimizer: str = option(
+        "sgd", "sgd (MeZO's ZO-SGD) or momentum (m = beta1 m + g z, regenerated each update from the last "
+        "--momentum-window steps' seeds and g: no state memory, MeZO's appendix B.2)", OPTIMIZERS,
+    )
+    beta1: float = option(0.9, "momentum coefficient")
+    momentum_window: int = option(
+        32, "steps the momentum is regenerated from (1-256): each update draws that many steps' noise per block; "
+        "older steps are dropped (they weigh beta1^W)"
     )
     grad_accum: int = option(
         1, "micro-batches per step sharing its z: each runs through a block while it is on the device (one upload "

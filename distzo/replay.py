@@ -90,6 +90,7 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     config = ZOConfig(
         lr=0.0, mode="resident", device=device, weight_decay=header["weight_decay"],
         noise_chunk=header["noise_chunk"], seed=header["run_seed"], noise=kind,
+        **optimizer_options(header.get("optimizer")),
     )
     if kind == "legacy" and config.torch_device().type != header["device_type"]:
         raise ValueError(f"the run drew legacy noise on {header['device_type']}; replay it on that device type")
@@ -101,11 +102,18 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     for record in steps:
         grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]  # older logs
-        engine.pending = PendingUpdate(record["step"], grads, record["lr"])
+        engine.pending = engine.momentum_update(PendingUpdate(record["step"], grads, record["lr"]))
         engine.flush()
     engine.step_index = len(steps)
     logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))
     return export_model(engine, out)
+
+
+def optimizer_options(record: dict | None) -> dict:
+    """The ``ZOConfig`` fields of the run's optimizer (a log from before optimizers: ZO-SGD)."""
+    if not record:
+        return {}
+    return {"optimizer": record["name"], "beta1": record["beta1"], "momentum_window": record["momentum_window"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,6 +161,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
         transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries, noise=optim.noise or "gaussian",
         dual_forward=job.peft.dual_forward, batch_queries=job.peft.batch_queries, grad_accum=optim.grad_accum,
+        optimizer=optim.optimizer, beta1=optim.beta1, momentum_window=optim.momentum_window,
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)
@@ -391,6 +392,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
             "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
             "objective": objective.name, "peft": spec.record() if spec.enabled else None,
+            "optimizer": {"name": config.optimizer, "beta1": config.beta1, "momentum_window": config.momentum_window},
         }
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)

@@ -238,22 +238,28 @@ class NoiseSource:
     ) -> None:
         """theta <- theta - lr * (mean_j g_j * z_j + wd * theta), wd only on ``theta[:decay_end]``.
 
-        One g per query (n-SPSA); MeZO's step is the one-query case. Chunk by chunk, so each
-        piece of theta is read and written while it is hot, whatever the number of queries
-        (on CUDA: one kernel, one pass per query).
+        One g per query (n-SPSA); MeZO's step is the one-query case.
         """
-        shrink = 1.0 - lr * weight_decay
-        alphas = [-lr * g / len(projected_grads) for g in projected_grads]
+        terms = [(step, query, -lr * g / len(projected_grads)) for query, g in enumerate(projected_grads)]
+        self.apply_terms(theta, decay_end if weight_decay else 0, 1.0 - lr * weight_decay, terms, block_id)
+
+    def apply_terms(
+        self, theta: torch.Tensor, decay_end: int, shrink: float, terms: Sequence[tuple[int, int, float]], block_id: int
+    ) -> None:
+        """theta <- theta * shrink on ``[0, decay_end)``, then + sum alpha * z over the
+        ``(step, query, alpha)`` terms (one step's queries, or a momentum's recent steps).
+        Chunk by chunk, so each piece of theta is read and written while it is hot, whatever
+        the number of terms (on CUDA: one kernel, one pass per term)."""
         if self._fused(theta):
-            keys = [self.key(step, block_id, q) for q in range(len(alphas))]
-            triton_noise.update(theta, decay_end if weight_decay else 0, shrink, keys, alphas, self.kind, self._table)
+            keys = [self.key(step, block_id, query) for step, query, _ in terms]
+            triton_noise.update(theta, decay_end, shrink, keys, [a for _, _, a in terms], self.kind, self._table)
             return
         n, c = theta.numel(), self.piece
         for lo in range(0, n, c):
             hi = min(lo + c, n)
             piece = theta[lo:hi]
-            if weight_decay and lo < decay_end:
+            if lo < decay_end:
                 piece[: min(hi, decay_end) - lo].mul_(shrink)
-            for query, alpha in enumerate(alphas):
+            for step, query, alpha in terms:
                 for _, _, z in self.chunks(lo, hi, n, step, block_id, query):
                     piece.add_(z, alpha=alpha)
