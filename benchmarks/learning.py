@@ -44,6 +44,7 @@ def train_command(args: argparse.Namespace, objective: str, run_dir: Path, eval_
         "--seed", str(args.seed), "--log-every", "0", "--mode", args.mode, "--device", args.device,
         "--output-dir", str(run_dir), "--peft", args.peft, "--lora-r", str(args.lora_r),
         "--lora-alpha", str(args.lora_alpha), "--prefix-length", str(args.prefix_length),
+        "--optimizer", args.optimizer, "--beta1", str(args.beta1), "--momentum-window", str(args.momentum_window),
     ]
 
 
@@ -83,6 +84,9 @@ def main() -> None:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--prefix-length", type=int, default=5)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum"])
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--momentum-window", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="4 steps, 32 held-out rows: a smoke run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
     args = p.parse_args()
@@ -104,7 +108,7 @@ def main() -> None:
 
     report = BenchReport("learning", "", 1)
     for objective in args.objectives.split(","):
-        run_dir = work / (objective if args.peft == "none" else f"{objective}-{args.peft}")
+        run_dir = work / "-".join([objective] + [x for x in (args.peft, args.optimizer) if x not in ("none", "sgd")])
         command = train_command(args, objective, run_dir, eval_file)
         print("+", " ".join(command), flush=True)
         started = time.perf_counter()
