@@ -361,12 +361,15 @@ class ZOEngine:
         for prefix in self.prefixes:
             prefix.capture = True
         self.forward({"input_ids": token_ids})
-        for i, prefix in enumerate(self.prefixes):
-            captured = prefix.take_captured()
-            prefix.init_tokens = None
-            (entry,) = (e for e in self.block_layouts[i].entries if ".prefix_tuning." in e.names[0])
-            bucket = self.store.device_bucket(i)
-            bucket[entry.offset : entry.offset + entry.numel].copy_(captured.reshape(-1))
+        # On the compute stream, which wrote the captured keys and values (they were never
+        # handed to the caller's stream) and which updates the adapter's buckets.
+        with torch.no_grad(), self.streams.compute_scope():
+            for i, prefix in enumerate(self.prefixes):
+                captured = prefix.take_captured()
+                prefix.init_tokens = None
+                (entry,) = (e for e in self.block_layouts[i].entries if ".prefix_tuning." in e.names[0])
+                bucket = self.store.device_bucket(i)
+                bucket[entry.offset : entry.offset + entry.numel].copy_(captured.reshape(-1))
 
     def _resolve_transfer(self) -> str:
         return resolve_transfer(self.config, self.device, self.parallel)

@@ -226,3 +226,35 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     round_keyed_(wire_gpu, theta.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
     round_keyed_(wire_cpu, theta, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
     assert torch.equal(wire_gpu.cpu().view(torch.int16), wire_cpu.view(torch.int16))
+
+
+@pytest.mark.parametrize("method", ["lora-fa", "prefix"])
+def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early(method):
+    # The read-only streamed base, batched passes, a prefix's one-layer caches, micro-batches
+    # and the momentum's multi-step update on CUDA: the CPU's trajectory (fp32, 1e-4), and a
+    # steady-state step queued without a host sync.
+    from distzo.peft_tuning import AdapterSpec, attach_adapter
+
+    def run(device):
+        model = attach_adapter(tiny_opt(seed=0, num_hidden_layers=3), AdapterSpec(method, r=4, alpha=8), seed=5)
+        config = ZOConfig(mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_queries=2, dual_forward=True,
+                          grad_accum=2, optimizer="momentum", momentum_window=4)
+        engine = ZOEngine(model, config)
+        results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(4)]
+        return engine, [r.projected_grads for r in results], engine.named_parameters()
+
+    gpu, gpu_grads, gpu_params = run("cuda")
+    _, cpu_grads, cpu_params = run("cpu")
+    for a, b in zip(gpu_grads, cpu_grads):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-4)
+    for name, value in cpu_params.items():
+        assert torch.allclose(gpu_params[name], value, rtol=1e-4, atol=1e-5), name
+    batch = random_batch(64, pad="right", seed=9)
+    gpu.step(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        queued = gpu._queue_step(batch, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    gpu._finish_step(*queued)
