@@ -73,6 +73,12 @@ class StepResult:
     projected_grads: tuple[float, ...]  # g_j of each query j
 
 
+def step_grads(entries) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """``(step, projected_grads)`` pairs as ints and float tuples (from lists, a state
+    dict or a checkpoint): a momentum's history."""
+    return tuple((int(step), tuple(float(g) for g in grads)) for step, grads in entries)
+
+
 @dataclass(frozen=True)
 class PendingUpdate:
     """The last step's update, applied lazily when each bucket next reaches the device:
@@ -91,7 +97,7 @@ class PendingUpdate:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "projected_grads", tuple(float(g) for g in self.projected_grads))
-        object.__setattr__(self, "history", tuple((int(s), tuple(float(g) for g in gs)) for s, gs in self.history))
+        object.__setattr__(self, "history", step_grads(self.history))
         if not self.projected_grads:
             raise ValueError("a pending update needs one projected gradient per query, got none")
 
@@ -625,7 +631,7 @@ class ZOEngine:
         of the recent steps, newest first) after the buckets were loaded."""
         self.step_index = step
         self.run_seed = run_seed
-        self.recent_steps = tuple((int(s), tuple(float(g) for g in gs)) for s, gs in recent_steps)
+        self.recent_steps = step_grads(recent_steps)
         self._make_noise(self.resident_master.dtype)
         if isinstance(self.store, StreamedBlocks):
             self.store.rounding_noise = self.rounding_noise
@@ -753,7 +759,7 @@ class ZOEngine:
         if "input_ids" not in batch:
             raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        prefix = self.prefixes[0].length if self.prefixes else 0  # its positions come first
+        prefix = self.adapter.prefix_length  # its positions come first
         if limit is not None and batch["input_ids"].shape[-1] + prefix > limit:
             raise ValueError(
                 f"sequences of {batch['input_ids'].shape[-1]} tokens{f' after a {prefix}-token prefix' if prefix else ''} "

@@ -196,10 +196,9 @@ class AdapterWeights:
 
     def __init__(self, base, model: nn.Module) -> None:
         self.base = base
-        self.adapter = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_name(n)}
-        if is_prefix_tuned(model):  # named as in the base model, which holds the blocks' prefixes
-            self.adapter = {n: p.detach().clone() for n, p in model.get_base_model().named_parameters()
-                            if is_adapter_name(n)}
+        # A prefix is named as in the base model, which holds the blocks' prefixes.
+        source = model.get_base_model() if is_prefix_tuned(model) else model
+        self.adapter = {n: p.detach().clone() for n, p in source.named_parameters() if is_adapter_name(n)}
 
     def _own(self, names: tuple[str, ...]) -> torch.Tensor | None:
         for name in names:

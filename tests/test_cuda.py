@@ -137,6 +137,16 @@ def resident_bytes() -> int:
     return rss_bytes()
 
 
+def queued_without_a_sync(engine, batch):
+    """A step queued under the sync debug mode "error": any host wait before its one read raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return engine._queue_step(batch, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_a_steady_state_step_never_waits_for_the_device_before_its_one_read():
     # Padded rows (the model's mask builder would read the padding mask on the device),
     # a pending update (every block offloaded) and the classification objective (index
@@ -153,13 +163,7 @@ def test_a_steady_state_step_never_waits_for_the_device_before_its_one_read():
         engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", seed=0), objective=objective)
         for _ in range(2):  # warm-up: allocator, first uploads, a pending update
             engine.step(batch)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            queued = engine._queue_step(batch, None)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        result = engine._finish_step(*queued)  # the one host sync: the losses
+        result = engine._finish_step(*queued_without_a_sync(engine, batch))  # the one host sync: the losses
         assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
 
 
@@ -251,10 +255,4 @@ def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early
         assert torch.allclose(gpu_params[name], value, rtol=1e-4, atol=1e-5), name
     batch = random_batch(64, pad="right", seed=9)
     gpu.step(batch)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        queued = gpu._queue_step(batch, None)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    gpu._finish_step(*queued)
+    gpu._finish_step(*queued_without_a_sync(gpu, batch))

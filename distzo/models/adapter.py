@@ -73,16 +73,17 @@ class BlockAdapter(ABC):
         prefix = getattr(block, "prefix_tuning", None)
         return prefix.cache(rows) if prefix is not None else None
 
-    def prefixed(self, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
-        """The padding mask widened by the prefix (ones in front, as peft) and the host
-        stand-in of peft's prefix cache for the mask builders; unchanged and None without."""
+    def prefixed(self, attention_mask: torch.Tensor | None) -> tuple[int, torch.Tensor | None, Any]:
+        """The prefix length (where the batch's positions start), the padding mask widened
+        by the prefix (ones in front, as peft) and the host stand-in of peft's prefix cache
+        for the mask builders; 0, the mask unchanged and None without a prefix."""
         length = self.prefix_length
         if not length:
-            return attention_mask, None
+            return 0, attention_mask, None
         if attention_mask is not None:
             ones = torch.ones(attention_mask.shape[0], length, dtype=attention_mask.dtype)
             attention_mask = torch.cat([ones, attention_mask], dim=1)
-        return attention_mask, host_prefix_cache(length, len(self.blocks()))
+        return length, attention_mask, host_prefix_cache(length, len(self.blocks()))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
         """Next-token cross-entropy over labels != -100, as the model's own causal-LM loss.

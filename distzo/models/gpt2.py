@@ -25,9 +25,8 @@ class GPT2Adapter(BlockAdapter):
     ) -> BatchContext:
         # As GPT2Model.forward without a cache or token types: positions 0..L-1 and the
         # model's own causal mask (built on the host); a prefix shifts and widens them (peft).
-        start = self.prefix_length
+        start, attention_mask, past = self.prefixed(attention_mask)
         host_positions = torch.arange(start, start + shape[1]).unsqueeze(0)
-        attention_mask, past = self.prefixed(attention_mask)
         mask = host_built_mask(create_causal_mask, self.model.config, attention_mask, shape, device, dtype, past,
                                position_ids=host_positions)
         return BatchContext(mask, to_device(host_positions, device))

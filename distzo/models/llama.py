@@ -37,9 +37,8 @@ class LlamaFamilyAdapter(BlockAdapter):
         # one of each kind its layers use, and the rotary tables computed once by its
         # rotary module (which reads only the dtype and device of its first argument).
         # A prefix shifts the positions by its length and widens the masks, as under peft.
-        start = self.prefix_length
+        start, attention_mask, past = self.prefixed(attention_mask)
         host_positions = torch.arange(start, start + shape[1]).unsqueeze(0)
-        attention_mask, past = self.prefixed(attention_mask)
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         kinds = {self._layer_type(block) for block in self.blocks()}
         masks = {

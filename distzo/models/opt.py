@@ -27,8 +27,7 @@ class OPTAdapter(BlockAdapter):
         # (so left padding works), while the mask handed to the layers stays None when the
         # batch is unpadded, exactly as the model passes it. A prefix widens the mask (peft)
         # and the positions count it, then drop its own (as the model with a cache).
-        start = self.prefix_length
-        attention_mask, past = self.prefixed(attention_mask)
+        start, attention_mask, past = self.prefixed(attention_mask)
         position_mask = attention_mask if attention_mask is not None else torch.ones(shape[0], start + shape[1], dtype=torch.long)
         position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()[:, start:]
         causal_mask = host_built_mask(create_causal_mask, self._decoder.config, attention_mask, shape, device, dtype,
