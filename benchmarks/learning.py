@@ -45,6 +45,7 @@ def train_command(args: argparse.Namespace, objective: str, run_dir: Path, eval_
         "--output-dir", str(run_dir), "--peft", args.peft, "--lora-r", str(args.lora_r),
         "--lora-alpha", str(args.lora_alpha), "--prefix-length", str(args.prefix_length),
         "--optimizer", args.optimizer, "--beta1", str(args.beta1), "--momentum-window", str(args.momentum_window),
+        "--beta2", str(args.beta2), "--optimizer-state", args.optimizer_state,
     ]
 
 
@@ -84,8 +85,10 @@ def main() -> None:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--prefix-length", type=int, default=5)
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
+    p.add_argument("--optimizer-state", default="auto", choices=["auto", "recomputed", "stored"])
     p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--momentum-window", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="4 steps, 32 held-out rows: a smoke run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")

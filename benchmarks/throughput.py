@@ -119,11 +119,15 @@ class Bench:
         if self.env.world_size > 1:
             dist.barrier()
 
-    def engine(self, mode: str, slots: int, parallel: ParallelContext, grad_accum: int = 1) -> ZOEngine:
+    def engine(
+        self, mode: str, slots: int, parallel: ParallelContext, grad_accum: int = 1, optimizer: str = "sgd"
+    ) -> ZOEngine:
         config = ZOConfig(
             lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
             compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
             num_queries=self.args.num_queries, dual_forward=self.args.dual_forward, grad_accum=grad_accum,
+            optimizer=optimizer, state_dtype=self.args.state_dtype if optimizer != "sgd" and mode == "offload" else "fp32",
+            optimizer_state="stored" if optimizer == "momentum" else "auto",
         )
         model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
         if self.args.peft != "none":  # an adapter: the base streams up only, the adapter stays on the device
@@ -133,14 +137,14 @@ class Bench:
 
     def measure(
         self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True,
-        grad_accum: int = 1,
+        grad_accum: int = 1, optimizer: str = "sgd",
     ) -> dict[tuple[int, int], Measurement]:
         """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the barrier."""
         self.barrier()
         if not participates:
             self.barrier()
             return {}
-        engine = self.engine(mode, slots, parallel, grad_accum)
+        engine = self.engine(mode, slots, parallel, grad_accum, optimizer)
         out = {}
         for point in self.points:
             out[point] = m = self.measure_point(engine, name, point)
@@ -176,6 +180,8 @@ class Bench:
         metrics = {
             "tokens_per_s": tokens / timer.median,
             "host_rss_gb": peak_rss_bytes() / 1e9,
+            "link_gb_per_step": engine.link_bytes_per_step / 1e9,  # uploaded by this rank (offloaded alike)
+            "state_host_gb": engine.state_host_bytes / 1e9,
         }
         if rss_resets:
             metrics["step_extra_rss_gb"] = (peak_rss_bytes() - rss_before) / 1e9
@@ -187,7 +193,8 @@ class Bench:
             "seq": point[1], "mode": engine.config.mode, "slots": engine.config.num_slots, "dp": parallel.dims.dp,
             "pert": parallel.dims.pert, "compute": self.compute, "threads": torch.get_num_threads(),
             "queries": engine.config.num_queries, "peft": self.args.peft, "dual_forward": self.args.dual_forward,
-            "grad_accum": engine.config.grad_accum,
+            "grad_accum": engine.config.grad_accum, "optimizer": engine.config.optimizer,
+            "state_dtype": engine.config.state_dtype,
         }
         return Measurement.from_timer(name, params, timer, metrics)
 
@@ -261,6 +268,16 @@ class Bench:
                 if memory in base:
                     self.report.derived[self.ratio_key(f"accum{n}_peak_memory_vs_offload", point)] = (
                         m.metrics[memory] / base[memory])
+        for optimizer in self.args.optimizers:  # stored moments ride with every block: more bytes per step
+            if optimizer == "sgd":
+                continue
+            runs = self.measure(f"offload_{optimizer}", "offload", self.args.slots, single, first, optimizer=optimizer)
+            for point, m in runs.items():
+                base = offload[point].metrics
+                self.report.derived[self.ratio_key(f"{optimizer}_vs_sgd", point)] = (
+                    m.metrics["tokens_per_s"] / base["tokens_per_s"])
+                self.report.derived[self.ratio_key(f"{optimizer}_link_bytes_vs_sgd", point)] = (
+                    m.metrics["link_gb_per_step"] / base["link_gb_per_step"])
         world = self.env.world_size
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
@@ -401,6 +418,11 @@ def main() -> None:
     p.add_argument("--grad-accum", default="1",
                    help="micro-batches per step to compare, e.g. 1,2,4: offload at each (one upload per block per "
                         "step), tokens/s and peak memory against the whole batch at once")
+    p.add_argument("--optimizers", default="sgd",
+                   help="optimizers to compare offloaded, e.g. sgd,momentum,adam: momentum and adam store their "
+                        "moments beside each block and move them with it (tokens/s and link bytes against sgd)")
+    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="--optimizers: the stored moments' format at rest and on the link")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
     p.add_argument("--compare-head", action="store_true",
@@ -426,6 +448,9 @@ def main() -> None:
         args.grad_accum = [int(n) for n in args.grad_accum.split(",")]
     except ValueError:
         raise SystemExit(f"--grad-accum takes comma-separated counts such as 1,2,4, got {args.grad_accum!r}") from None
+    args.optimizers = args.optimizers.split(",")
+    if not set(args.optimizers) <= {"sgd", "momentum", "adam"}:
+        raise SystemExit(f"--optimizers takes sgd, momentum, adam, comma-separated, got {','.join(args.optimizers)}")
     if any(n < 1 or n > b for n in args.grad_accum for b, _ in args.points):
         raise SystemExit(f"--grad-accum counts must be between 1 and the batch, got {args.grad_accum}")
     env = LaunchEnv.from_environ()

@@ -1,8 +1,9 @@
 """Resumable training state with torch.distributed.checkpoint (the export is ``distzo.export``).
 
 A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
-noise chunk, the pending update), the resident bucket, and every block in its at-rest
-format (the transfer dtype), so that a resumed run, on any number of ranks and with
+noise chunk, the pending update, the optimizer), the resident bucket, every block in its
+at-rest format (the transfer dtype) and a stored optimizer's moments beside them
+(``<moment>/resident``, ``<moment>/block/i``, in the state dtype), so that a resumed run, on any number of ranks and with
 either transfer mode, continues the exact trajectory. Every block is contributed by
 one rank (round robin), as a private CPU copy: the save holds one extra copy of the
 model across the whole job, never one per rank (nor, under the sliced transfer, one
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.dist.collectives import host_barrier, new_host_group, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
+from distzo.config import OPTIMIZERS
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,18 @@ def _noise_identity(vector: torch.Tensor) -> str:
     return kind if version == 0 else f"{kind}-v{version}"
 
 
+def _optimizer_vector(engine: ZOEngine) -> torch.Tensor:
+    """[optimizer index, moments stored, beta1, beta2, adam eps]: what a resumed run checks."""
+    cfg = engine.config
+    return torch.tensor([OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, cfg.beta1, cfg.beta2, cfg.adam_eps],
+                        dtype=torch.float64)
+
+
+def _optimizer_of(vector: torch.Tensor) -> tuple[str, int]:
+    index, moments, *_ = vector.tolist()
+    return OPTIMIZERS[int(index)], int(moments)
+
+
 def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
     return {
         "meta/step": torch.tensor([engine.step_index], dtype=torch.int64),
@@ -91,6 +105,7 @@ def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
         "meta/noise": _noise_vector(engine.config.noise),
         "meta/pending": _pending_vector(engine.pending),
         "meta/recent_steps": _recent_vector(engine.recent_steps),
+        "meta/optimizer": _optimizer_vector(engine),
     }
 
 
@@ -146,6 +161,8 @@ class Checkpointer:
         if rank == 0:
             with engine.streams.compute_scope():  # the resident bucket was last written on the compute stream
                 state["resident"] = contribution(engine.resident_master, private)
+                for name, moment in zip(engine.moments.names, engine.moments.resident):
+                    state[f"{name}/resident"] = contribution(moment, private)
         shard = engine.parallel.shard_group
 
         def mine(i: int) -> bool:
@@ -158,6 +175,9 @@ class Checkpointer:
 
         for i, block in engine.blocks_at_rest(mine, private):
             state[f"block/{i}"] = block
+        for k, name in enumerate(engine.moments.names):
+            for i, block in engine.blocks_at_rest(mine, private, moment=k):
+                state[f"{name}/block/{i}"] = block
         return state
 
     def save(self, asynchronous: bool = True) -> None:
@@ -206,6 +226,25 @@ class Checkpointer:
             tmp.rename(final)
             logger.info("checkpoint %s written", final)
 
+    def _check_optimizer(self, path: Path, saved) -> None:
+        """A run resumes with the optimizer state it was saved with: the same optimizer, its
+        moments stored or not alike (a checkpoint from before optimizers: ZO-SGD)."""
+        if "meta/optimizer" in saved:
+            vector = {"meta/optimizer": torch.zeros(saved["meta/optimizer"].size, dtype=torch.float64)}
+            dcp.load(vector, checkpoint_id=str(path), process_group=self._group)
+            optimizer, moments = _optimizer_of(vector["meta/optimizer"])
+        else:  # written before stored optimizer state: no moments, whichever optimizer
+            optimizer, moments = self.engine.config.optimizer if not self.engine.config.num_moments else "sgd", 0
+        cfg = self.engine.config
+        if (optimizer, moments) != (cfg.optimizer, cfg.num_moments):
+            def says(name: str, count: int) -> str:
+                return f"--optimizer {name}" + (" --optimizer-state stored" if name == "momentum" and count else "")
+
+            raise ValueError(
+                f"{path} was trained with {says(optimizer, moments)}, this run has {says(cfg.optimizer, cfg.num_moments)}; "
+                "resume with the optimizer it was trained with"
+            )
+
     def load(self, path: Path) -> int:
         """Restore the engine from ``path``; returns the step to continue from."""
         engine = self.engine
@@ -225,6 +264,8 @@ class Checkpointer:
                     f"{path} holds other trained parameters than this run ({key}); resume with the options it was "
                     "trained with (the model, --peft, --lora-r, --lora-targets)"
                 )
+        self._check_optimizer(path, saved)
+        del meta["meta/optimizer"]
         if "meta/noise" not in saved:  # written before noise kinds: legacy noise
             del meta["meta/noise"]
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
@@ -235,6 +276,15 @@ class Checkpointer:
             buffer = {f"block/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)}
             dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)  # one block at a time
             engine.store.load_block(i, buffer[f"block/{i}"])
+        for k, name in enumerate(engine.moments.names):
+            resident = {f"{name}/resident": torch.empty_like(engine.moments.resident[k], device="cpu")}
+            dcp.load(resident, checkpoint_id=str(path), process_group=self._group)
+            engine.moments.resident[k].copy_(resident[f"{name}/resident"])
+            store = engine.moments.blocks[k]
+            for i, layout in enumerate(engine.block_layouts):
+                buffer = {f"{name}/block/{i}": torch.empty(layout.numel, dtype=store.rest_dtype)}
+                dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
+                store.load_block(i, buffer[f"{name}/block/{i}"])
         with torch.no_grad():
             engine.resident_master.copy_(meta["resident"])
         recent = _recent_steps(meta["meta/recent_steps"]) if "meta/recent_steps" in meta else ()

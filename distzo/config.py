@@ -15,7 +15,9 @@ TRANSFER_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8")
 COMPUTE_DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 
-OPTIMIZERS = ("sgd", "momentum")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZER_STATES = ("auto", "recomputed", "stored")
+STATE_DTYPES = ("fp32", "bf16")
 MAX_MOMENTUM_WINDOW = 256  # noise draws per block per update
 
 
@@ -48,6 +50,15 @@ class ZOConfig:
     appendix B.2 suggests: no state memory, ``m_t`` regenerated at each update from the
     last ``momentum_window`` steps' seeds and g, so the momentum is truncated after W
     steps (the terms dropped weigh ``beta1^W`` relative to the newest: 0.9^32 = 3.4 %).
+    ``adam`` is MeZO-Adam: the moments of the estimate ``g_t z_t`` with
+    ``beta1``/``beta2``, bias-corrected, ``adam_eps`` added to ``sqrt(v)`` and the weight
+    decay decoupled, as the AdamW of transformers that MeZO trains with.
+    ``optimizer_state`` says how a momentum or Adam keeps its state: ``recomputed``
+    (momentum only, the default for it) or ``stored``: moment buckets beside each
+    trained bucket, exact at any length, 1x (momentum) or 2x (Adam) the trained
+    parameters' memory; streamed blocks carry theirs through the link with them, in
+    ``state_dtype`` at rest in host memory (``bf16`` rounds them stochastically, as a
+    low-bit transfer does the weights).
     ``num_slots`` device buffers hold streamed blocks: 3 lets upload, compute and offload
     of three blocks run at once (a period of max(transfer, compute) per block); with 2,
     upload(i+2) waits for offload(i), which waits for compute(i) (docs/ARCHITECTURE.md,
@@ -77,6 +88,10 @@ class ZOConfig:
     optimizer: str = "sgd"
     beta1: float = 0.9
     momentum_window: int = 32
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    optimizer_state: str = "auto"
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -135,6 +150,28 @@ class ZOConfig:
                 f"momentum_window must be in [1, {MAX_MOMENTUM_WINDOW}], got {self.momentum_window}: each step "
                 "regenerates that many steps' noise per block"
             )
+        if not 0 <= self.beta2 < 1:
+            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}; MeZO's is 1e-8")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, got {self.optimizer_state!r}"
+            )
+        if self.optimizer_state == "recomputed" and self.optimizer == "adam":
+            raise ValueError(
+                "optimizer_state recomputed applies to momentum only (Adam's second moment is not linear in the "
+                "noise); use optimizer_state stored for adam"
+            )
+        if self.optimizer_state == "stored" and self.optimizer == "sgd":
+            raise ValueError("ZO-SGD has no optimizer state to store; choose optimizer momentum or adam")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
+        if self.state_dtype != "fp32" and not (self.stored_state and self.mode == "offload"):
+            raise ValueError(
+                f"state_dtype {self.state_dtype} applies to stored optimizer state at rest in host memory "
+                "(optimizer adam, or momentum with optimizer_state stored, in mode offload); use state_dtype fp32"
+            )
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once")
         if self.num_queries < 1:
@@ -144,6 +181,16 @@ class ZOConfig:
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError("transfer sliced only applies to mode offload (resident blocks never travel)")
         self.torch_device()  # a malformed device string fails here, not mid-build
+
+    @property
+    def stored_state(self) -> bool:
+        """Whether moment buckets are kept (Adam always; momentum when asked)."""
+        return self.optimizer == "adam" or (self.optimizer == "momentum" and self.optimizer_state == "stored")
+
+    @property
+    def num_moments(self) -> int:
+        """Moment buckets per trained bucket: Adam's m and v, a stored momentum's m, else none."""
+        return {"adam": 2, "momentum": 1}.get(self.optimizer, 0) if self.stored_state else 0
 
     def torch_device(self) -> torch.device:
         """The compute device: ``auto`` is the local CUDA device when present, else the CPU."""
@@ -158,3 +205,24 @@ class ZOConfig:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+
+
+def optimizer_record(config: ZOConfig) -> dict:
+    """The seed log header's record of the optimizer: what a replay needs to rebuild its updates."""
+    return {"name": config.optimizer, "beta1": config.beta1, "momentum_window": config.momentum_window,
+            "beta2": config.beta2, "adam_eps": config.adam_eps,
+            "state": "stored" if config.stored_state else "recomputed" if config.optimizer == "momentum" else "none",
+            "state_dtype": config.state_dtype}
+
+
+def optimizer_options(record: dict | None) -> dict:
+    """The ``ZOConfig`` fields of the run's optimizer (a log from before optimizers: ZO-SGD;
+    from before stored state: a recomputed momentum). A replay is resident: fp32 state."""
+    if not record:
+        return {}
+    options = {"optimizer": record["name"], "beta1": record["beta1"], "momentum_window": record["momentum_window"]}
+    if "beta2" in record:
+        options.update(beta2=record["beta2"], adam_eps=record["adam_eps"])
+    if record.get("state") == "stored":
+        options["optimizer_state"] = "stored"
+    return options

@@ -38,6 +38,8 @@ from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
 from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
 from distzo.offload.bucket import Entry
+from distzo.offload.moment_stores import CarriedStore, Moments
+from distzo.offload.streamed_blocks import ROUNDING_STREAM
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.peft_tuning import install_block_prefixes, is_prefix_tuned
 from distzo.zo import (
@@ -51,6 +53,7 @@ from distzo.zo import (
     passes,
     projected_gradients,
 )
+from distzo.zo.moments import MomentRule, MomentUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +298,8 @@ class ZOEngine:
         # under an adapter the frozen base, uploaded and never written back (the adapter's
         # own buckets are small and stay on the device).
         streamed_layouts = self.base_layouts if self.frozen_base else self.block_layouts
+        shard = None
         if config.mode == "offload":
-            shard = None
             if self.transfer == "sliced":
                 group = self.parallel.shard_group
                 shard = Shard(group.group, group.rank, group.size, self.parallel.comm)
@@ -312,6 +315,7 @@ class ZOEngine:
         self._fill(self.store, built, weights, sliced=self.state_sliced)
         self._fill(self.base_store, base_built, weights, sliced=self.transfer == "sliced")
         self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(self.device)
+        self._make_moments(dtype, shard if config.mode == "offload" else None)
 
         # One scratch bucket serves every block: blocks compute one after another on one
         # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
@@ -416,10 +420,36 @@ class ZOEngine:
             else:
                 store.load_block(i, _bucket_values(layout, ordered, weights))
 
+    def _make_moments(self, dtype: torch.dtype, shard: Shard | None) -> None:
+        """Stored optimizer state (Adam, a stored momentum): zeroed moment buckets beside the
+        resident bucket and the blocks, in host shards streamed with the blocks when the
+        blocks stream (sliced like them), else on the device; none for ZO-SGD."""
+        self.moment_rule = MomentRule.of(self.config)
+        self.moment_updater = MomentUpdater(self.moment_rule, self.noise) if self.moment_rule else None
+        self._carried: CarriedStore | None = None
+        names = self.moment_rule.names if self.moment_rule else ()
+        resident = [torch.zeros_like(self.resident_master) for _ in names]
+        if self.config.mode == "offload" and not self.frozen_base:
+            state_dtype = torch.bfloat16 if self.config.state_dtype == "bf16" else None
+            blocks = [
+                StreamedBlocks(self.block_layouts, self.device, self.config.num_slots, state_dtype, shard,
+                               self.rounding_noise, self.config.transfer_chunks,
+                               rounding_stream=ROUNDING_STREAM * (2 + k))
+                for k in range(len(names))
+            ]
+            if blocks:
+                self._carried = CarriedStore(self.store, blocks)
+        else:
+            blocks = [ResidentBlocks(self.block_layouts, self.device) for _ in names]
+        self.moments = Moments(names, resident, blocks)
+
     @property
     def streamed_store(self):
-        """The store whose blocks the scheduler moves: the frozen base under an adapter."""
-        return self.base_store if self.base_store is not None else self.store
+        """The store whose blocks the scheduler moves: the frozen base under an adapter,
+        the blocks with their moments when those travel too."""
+        if self.base_store is not None:
+            return self.base_store
+        return self._carried if self._carried is not None else self.store
 
     @property
     def state_sliced(self) -> bool:
@@ -429,14 +459,41 @@ class ZOEngine:
 
     @property
     def host_bytes(self) -> int:
-        return self.streamed_store.host_bytes
+        """The host copy of the streamed blocks (optimizer state apart: ``state_host_bytes``)."""
+        return (self.base_store or self.store).host_bytes
 
     @property
     def device_bytes(self) -> int:
+        """Block masters or slots (and an adapter's buckets and base scratch); optimizer
+        state apart (``state_device_bytes``)."""
         frozen = 0
         if self.frozen_base:
             frozen = self.store.device_bytes + self.base_scratch.numel() * self.base_scratch.element_size()
-        return self.streamed_store.device_bytes + frozen
+        return (self.base_store or self.store).device_bytes + frozen
+
+    @property
+    def link_bytes_per_step(self) -> int:
+        """Bytes this rank uploads over the host link in a training step (and offloads, unless
+        the blocks are a frozen base): every streamed block once, with its moments; 0 resident."""
+        store = self.streamed_store
+        if not hasattr(store, "link_bytes"):
+            return 0
+        if self._carried is not None:
+            carry, self._carried.carry = self._carried.carry, True
+        total = sum(store.link_bytes(i) for i in range(len(self.blocks)))
+        if self._carried is not None:
+            self._carried.carry = carry
+        return total
+
+    @property
+    def state_host_bytes(self) -> int:
+        """The moments' host shards (stored optimizer state of streamed blocks)."""
+        return self.moments.host_bytes
+
+    @property
+    def state_device_bytes(self) -> int:
+        """The moments on the device (resident bucket's, blocks' or their slots) and the update's scratch."""
+        return self.moments.device_bytes + (self.moment_updater.device_bytes if self.moment_updater else 0)
 
     def _make_noise(self, dtype: torch.dtype) -> None:
         kind = self.config.noise
@@ -444,11 +501,13 @@ class ZOEngine:
         # A separate source (own stream and workspace) for rounding: it runs on the
         # offload stream, concurrently with the compute stream's perturbations. A frozen
         # base is never written back, so it never rounds.
+        rounds = (self.config.transfer_dtype != "fp32" or self.config.state_dtype != "fp32") and not self.frozen_base
         self.rounding_noise = (
             NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform", kind=kind)
-            if self.config.transfer_dtype != "fp32" and not self.frozen_base
-            else None
+            if rounds else None
         )
+        if getattr(self, "moment_updater", None) is not None:
+            self.moment_updater.noise = self.noise
 
     # ------------------------------------------------------------------ public API
 
@@ -587,7 +646,16 @@ class ZOEngine:
             "pending": asdict(self.pending) if self.pending is not None else None,
             "recent_steps": [[step, list(grads)] for step, grads in self.recent_steps],
             "params": {name: params[name] for name in self.canonical_names},
+            "optimizer_state": self._moment_values(),
         }
+
+    def _moment_values(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each stored moment by torch's name for it, by canonical parameter name (CPU copies)."""
+        out = {}
+        for k, state_name in enumerate(self.moments.names):
+            values = {entry.names[0]: value for bucket in self._buckets(moment=k) for entry, value in bucket}
+            out[state_name] = {name: values[name] for name in self.canonical_names}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
@@ -597,18 +665,29 @@ class ZOEngine:
         if set(params) != expected:
             missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
             raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+        moments = state.get("optimizer_state") or {}
+        if set(moments) != set(self.moments.names):
+            raise ValueError(
+                f"the state holds optimizer state {sorted(moments) or 'none'}, the engine keeps "
+                f"{list(self.moments.names) or 'none'}; load it with the optimizer it was trained with"
+            )
         self.streams.synchronize()
-        dtype = self.resident_master.dtype
         with torch.no_grad():
-            for e in self.resident_layout.entries:
-                self.resident_master[e.offset : e.offset + e.numel].copy_(params[e.names[0]].reshape(-1))
-            for i, layout in enumerate(self.block_layouts):
-                values = torch.zeros(layout.numel, dtype=dtype)
-                for e in layout.entries:
-                    values[e.offset : e.offset + e.numel] = params[e.names[0]].reshape(-1)
-                self.store.load_block(i, values)
+            self._load_buckets(params, self.resident_master, self.store)
+            for k, name in enumerate(self.moments.names):
+                self._load_buckets(moments[name], self.moments.resident[k], self.moments.blocks[k])
         pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
         self.restore(int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ()))
+
+    def _load_buckets(self, values: Mapping[str, torch.Tensor], resident: torch.Tensor, store) -> None:
+        """Values by canonical name into the resident bucket ``resident`` and the blocks of ``store``."""
+        for e in self.resident_layout.entries:
+            resident[e.offset : e.offset + e.numel].copy_(values[e.names[0]].reshape(-1))
+        for i, layout in enumerate(self.block_layouts):
+            flat = torch.zeros(layout.numel, dtype=resident.dtype)
+            for e in layout.entries:
+                flat[e.offset : e.offset + e.numel] = values[e.names[0]].reshape(-1)
+            store.load_block(i, flat)
 
     def check_noise(self, identity: str, chunk: int, source: str) -> None:
         """A state continues its run only with the same z: the same noise kind and version
@@ -633,8 +712,9 @@ class ZOEngine:
         self.run_seed = run_seed
         self.recent_steps = step_grads(recent_steps)
         self._make_noise(self.resident_master.dtype)
-        if isinstance(self.store, StreamedBlocks):
-            self.store.rounding_noise = self.rounding_noise
+        for store in (self.store, *self.moments.blocks):
+            if isinstance(store, StreamedBlocks):
+                store.rounding_noise = self.rounding_noise
         self.pending = pending
         self._resident_holds = None
         self._broken = None
@@ -688,10 +768,13 @@ class ZOEngine:
             for entry, value in values:
                 yield index, entry, value
 
-    def _buckets(self, materialize: bool = True, frozen: bool = False) -> Iterator[list[tuple[Entry, torch.Tensor]]]:
+    def _buckets(
+        self, materialize: bool = True, frozen: bool = False, moment: int | None = None
+    ) -> Iterator[list[tuple[Entry, torch.Tensor]]]:
         """Every bucket as stored (pending update not applied), resident first, as a list of
         ``(entry, CPU copy)`` (empty where ``materialize`` is False).
-        ``frozen``: the frozen base's buckets instead of the trained ones.
+        ``frozen``: the frozen base's buckets instead of the trained ones; ``moment``: the
+        trained buckets' optimizer moment of that index instead.
 
         Blocks are read back through the device (an upload): that is where a sliced rank
         sees the whole block and where a low-bit master becomes the master dtype. The
@@ -702,6 +785,9 @@ class ZOEngine:
         if frozen:
             store, resident, layouts = self.base_store, self.resident_base, self.base_layouts
             resident_layout = self.resident_base_layout
+        elif moment is not None:
+            store, resident = self.moments.blocks[moment], self.moments.resident[moment]
+            layouts, resident_layout = self.block_layouts, self.resident_layout
         else:
             store, resident, layouts = self.store, self.resident_master, self.block_layouts
             resident_layout = self.resident_layout
@@ -722,20 +808,23 @@ class ZOEngine:
         finally:
             self.parallel.comm.host_sync()
 
-    def blocks_at_rest(self, wanted: Callable[[int], bool], private: bool) -> Iterator[tuple[int, torch.Tensor]]:
+    def blocks_at_rest(
+        self, wanted: Callable[[int], bool], private: bool, moment: int | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """``(i, block i exactly as stored, in its at-rest dtype)`` for every block with
-        ``wanted(i)``: what a checkpoint holds. A host copy when ``private`` or when the
+        ``wanted(i)`` (``moment``: that optimizer moment of the block): what a checkpoint holds. A host copy when ``private`` or when the
         block is gathered through the device (sliced: collective, so every rank runs every
         block, wanted or not), else the live host view. Ends with a host sync, as every
         collective read-back does."""
         sliced = self.state_sliced
+        store = self.store if moment is None else self.moments.blocks[moment]
         try:
             for i in range(len(self.blocks)):
                 if not (sliced or wanted(i)):
                     continue
                 value = None
                 with self.streams.compute_scope(), self.streams.on("upload"):
-                    at_rest = self.store.block_at_rest(i)
+                    at_rest = store.block_at_rest(i)
                     if wanted(i):
                         value = at_rest.to("cpu", copy=True) if private or sliced else at_rest
                 if value is not None:
@@ -794,10 +883,17 @@ class ZOEngine:
             )
             self._resident_holds = key
 
-    def _apply(self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int) -> None:
+    def _apply(
+        self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int,
+        moments: list[torch.Tensor],
+    ) -> None:
         if not layout.numel:
             return
         wd = self.config.weight_decay
+        if self.moment_updater is not None:
+            self.moment_updater.apply(bucket, moments, layout.decay_end, update.lr, wd, update.step,
+                                      update.projected_grads, block_id)
+            return
         terms = [(step, query, update.lr * c) for step, query, c in update.terms()]
         self.noise.apply_terms(bucket, layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms, block_id)
 
@@ -822,6 +918,9 @@ class ZOEngine:
         """
         update, self.pending = self.pending, None
         self.store.step = step
+        self.moments.set_step(step)
+        if self._carried is not None:
+            self._carried.carry = update is not None  # moments travel only to be updated
         if update is not None:
             self._resident_holds = None
         held = self._held_pass(step)
@@ -835,7 +934,7 @@ class ZOEngine:
 
         def embed() -> None:  # runs once the first uploads are queued
             if update is not None:
-                self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID)
+                self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID, self.moments.resident)
             if not order:
                 return
             rows, length = input_ids[order[0]].shape
@@ -863,7 +962,7 @@ class ZOEngine:
                 self.base_scratch[:numel].copy_(bucket[:numel])
                 bucket = self.store.device_bucket(i)  # the block's adapter
             if update is not None:
-                self._apply(update, bucket, self.block_layouts[i], i + 1)
+                self._apply(update, bucket, self.block_layouts[i], i + 1, self.moments.device_buckets(i))
             block = self.blocks[i]
             for group in groups:
                 if len(group) == 1:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from distzo.cli_errors import program
-from distzo.config import COMPUTE_DTYPE_NAMES, MODES, OPTIMIZERS, TRANSFER_DTYPE_NAMES, TRANSFERS
+from distzo.config import (
+    COMPUTE_DTYPE_NAMES, MODES, OPTIMIZER_STATES, OPTIMIZERS, STATE_DTYPES, TRANSFER_DTYPE_NAMES, TRANSFERS,
+)
 from distzo.peft_tuning import PEFT_METHODS, PREFIX_INITS
 from distzo.zo.schedule import SCHEDULES
 
@@ -79,13 +81,25 @@ class OptimOptions:
         "per block, no transfer"
     )
     optimizer: str = option(
-        "sgd", "sgd (MeZO's ZO-SGD) or momentum (m = beta1 m + g z, regenerated each update from the last "
-        "--momentum-window steps' seeds and g: no state memory, MeZO's appendix B.2)", OPTIMIZERS,
+        "sgd", "sgd (MeZO's ZO-SGD), momentum (m = beta1 m + g z; by default regenerated each update from the "
+        "last --momentum-window steps' seeds and g: no state memory, MeZO's appendix B.2) or adam (MeZO-Adam: "
+        "bias-corrected moments of g z, stored beside the weights)", OPTIMIZERS,
     )
-    beta1: float = option(0.9, "momentum coefficient")
+    beta1: float = option(0.9, "momentum coefficient (Adam's first moment)")
+    beta2: float = option(0.999, "Adam's second-moment coefficient")
+    adam_eps: float = option(1e-8, "added to Adam's sqrt(v)")
     momentum_window: int = option(
         32, "steps the momentum is regenerated from (1-256): each update draws that many steps' noise per block; "
         "older steps are dropped (they weigh beta1^W)"
+    )
+    optimizer_state: str = option(
+        "auto", "how momentum or Adam keeps its state: recomputed (momentum only, the default for it: no memory) or "
+        "stored (moment buckets beside the weights, moved with each block: exact at any length, 1x the trained "
+        "parameters for momentum, 2x for Adam, always for adam)", OPTIMIZER_STATES,
+    )
+    state_dtype: str = option(
+        "fp32", "stored moments at rest in host memory under --mode offload: fp32, or bf16 (half the host memory "
+        "and link bytes, rounded stochastically)", STATE_DTYPES,
     )
     grad_accum: int = option(
         1, "micro-batches per step sharing its z: each runs through a block while it is on the device (one upload "

@@ -26,7 +26,7 @@ from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
-from distzo.zo.noise import planned_noise_bytes
+from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
 logger = logging.getLogger(__name__)
 GB = 1e9
@@ -42,11 +42,13 @@ class MemoryPlan:
     activations: int  # estimate of the largest transient
     checkpoint_bytes: int = 0  # host copies a checkpoint save makes on this node (one writer per block)
     frozen_parameters: int = 0  # a frozen base under an adapter (``parameters`` are the trained ones)
+    state_host_bytes: int = 0  # this rank's host shards of a stored optimizer's moments
+    state_device_bytes: int = 0  # the moments on the device (or their slots) and the update's scratch
 
     @property
     def device_bytes(self) -> int:
         """What the engine allocates (activations excluded)."""
-        return self.device_resident + self.device_blocks + self.device_scratch
+        return self.device_resident + self.device_blocks + self.device_scratch + self.state_device_bytes
 
     def describe(self) -> str:
         return (
@@ -54,8 +56,12 @@ class MemoryPlan:
             + (f" trained on a frozen base of {self.frozen_parameters / 1e9:.3f} B" if self.frozen_parameters else "")
             + f"; host {self.host_bytes / GB:.2f} GB per rank; "
             f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, blocks/slots "
-            f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}) + activations ~"
-            f"{self.activations / GB:.2f} GB; a checkpoint save +{self.checkpoint_bytes / GB:.2f} GB host per node"
+            f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}"
+            + (f", optimizer state {self.state_device_bytes / GB:.2f}" if self.state_device_bytes else "")
+            + ") + activations ~"
+            f"{self.activations / GB:.2f} GB"
+            + (f"; optimizer state {self.state_host_bytes / GB:.2f} GB host per rank" if self.state_host_bytes else "")
+            + f"; a checkpoint save +{self.checkpoint_bytes / GB:.2f} GB host per node"
         )
 
 
@@ -100,7 +106,8 @@ def plan_memory(
     largest = max(padded)
     device_type = config.torch_device().type
     noise = planned_noise_bytes(config.noise_chunk, master, device_type, config.noise)
-    if wire != master and not frozen:  # stochastic rounding's uniforms, float32
+    state_wire = 2 if config.state_dtype == "bf16" else master
+    if (wire != master or state_wire != master) and not frozen:  # stochastic rounding's uniforms, float32
         noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
     if config.mode == "offload":
         host = sum(padded) // owners * wire
@@ -113,6 +120,8 @@ def plan_memory(
         blocks += sum(l.numel for l in layouts) * master  # the adapter's block buckets
         scratch += max(l.numel for l in streamed) * compute  # the base's copy in the compute dtype
         resident_bytes += resident_base.numel * (master + (compute if compute != master else 0))
+    state_host, state_device = _state_bytes(config, resident.numel, layouts, padded, owners, master, state_wire,
+                                            streams=config.mode == "offload" and not frozen)
     cfg = model.config
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
@@ -133,9 +142,13 @@ def plan_memory(
         node_blocks = min(len(layouts), -(-len(layouts) // world) * local_ranks)
     on_device = config.torch_device().type != "cpu"
     copies_blocks = async_save or sliced or ((config.mode == "resident" or frozen) and on_device)
+    moments = config.num_moments
+    # a stored optimizer's moments are saved beside the weights, in their at-rest dtype
+    state_rest = [l.numel * (state_wire if config.mode == "offload" and not frozen else master) for l in layouts]
     checkpoint = (sum(sorted(at_rest, reverse=True)[:node_blocks]) if copies_blocks else 0) + (
         resident.numel * master if async_save or on_device else 0
-    )
+    ) + moments * ((sum(sorted(state_rest, reverse=True)[:node_blocks]) if copies_blocks else 0)
+                   + (resident.numel * master if async_save or on_device else 0))
     return MemoryPlan(
         parameters=resident.num_parameters + sum(l.num_parameters for l in layouts),
         host_bytes=host,
@@ -145,7 +158,30 @@ def plan_memory(
         activations=activations,
         checkpoint_bytes=checkpoint,
         frozen_parameters=(resident_base.num_parameters + sum(l.num_parameters for l in streamed)) if frozen else 0,
+        state_host_bytes=state_host,
+        state_device_bytes=state_device,
     )
+
+
+def _state_bytes(
+    config: ZOConfig, resident_numel: int, layouts, padded: list[int], owners: int, master: int, state_wire: int,
+    streams: bool,
+) -> tuple[int, int]:
+    """(host, device) bytes of a stored optimizer's moments, as the engine allocates them:
+    beside the resident bucket on the device; beside streamed blocks as host shards in
+    the state dtype with K slots of their own (+ bf16 staging), else on the device; plus
+    the update's scratch (one noise piece for ghat, one more for Adam's denominator)."""
+    moments = config.num_moments
+    if not moments:
+        return 0, 0
+    if streams:
+        host = moments * (sum(padded) // owners) * state_wire
+        blocks = moments * config.num_slots * max(padded) * (master + (state_wire if state_wire != master else 0))
+    else:
+        host, blocks = 0, moments * sum(l.numel for l in layouts) * master
+    scratch = (2 if config.optimizer == "adam" else 1) * workspace_elements(
+        config.noise_chunk, config.torch_device().type, config.noise) * master
+    return host, moments * resident_numel * master + blocks + scratch
 
 
 def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: bool) -> None:
@@ -156,9 +192,10 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
         need = plan.device_bytes + plan.activations
         if need > free:
             problems.append(f"{need / GB:.1f} GB of device memory, {free / GB:.1f} GB free on {device}")
-        host_need = plan.host_bytes * local_ranks + plan.checkpoint_bytes
+        host_need = (plan.host_bytes + plan.state_host_bytes) * local_ranks + plan.checkpoint_bytes
     else:  # on CPU the "device" buffers are host memory too
-        host_need = (plan.host_bytes + plan.device_bytes + plan.activations) * local_ranks + plan.checkpoint_bytes
+        host_need = (plan.host_bytes + plan.state_host_bytes + plan.device_bytes + plan.activations) * local_ranks \
+            + plan.checkpoint_bytes
     available = available_host_bytes()
     if available is not None and host_need > available:
         problems.append(

@@ -26,7 +26,7 @@ from transformers import AutoConfig
 
 from distzo.export import export_model
 from distzo.cli_errors import fail, program
-from distzo.config import ZOConfig
+from distzo.config import ZOConfig, optimizer_options
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
@@ -81,6 +81,11 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
             f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the host, so its weights "
             "are not a function of the log; use the run's export/ instead"
         )
+    if (header.get("optimizer") or {}).get("state_dtype", "fp32") != "fp32":
+        raise ValueError(
+            f"--log {log}: the run's {header['optimizer']['state_dtype']} optimizer state rounds stochastically on "
+            "the host, so its weights are not a function of the log; use the run's export/ instead"
+        )
     device = device or header["device_type"]
     identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator
     kind = identity_kind(identity)
@@ -107,13 +112,6 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     engine.step_index = len(steps)
     logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))
     return export_model(engine, out)
-
-
-def optimizer_options(record: dict | None) -> dict:
-    """The ``ZOConfig`` fields of the run's optimizer (a log from before optimizers: ZO-SGD)."""
-    if not record:
-        return {}
-    return {"optimizer": record["name"], "beta1": record["beta1"], "momentum_window": record["momentum_window"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from distzo.bench.records import device_name
 from distzo.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
 from distzo.export import check_shard_size, export_model
 from distzo.cli_errors import fail
-from distzo.config import ZOConfig
+from distzo.config import ZOConfig, optimizer_record
 from distzo.data.prompt_data import PromptEncoder
 from distzo.data.task_data import (
     TASK_NAMES,
@@ -161,7 +161,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
         transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries, noise=optim.noise or "gaussian",
         dual_forward=job.peft.dual_forward, batch_queries=job.peft.batch_queries, grad_accum=optim.grad_accum,
-        optimizer=optim.optimizer, beta1=optim.beta1, momentum_window=optim.momentum_window,
+        optimizer=optim.optimizer, beta1=optim.beta1, momentum_window=optim.momentum_window, beta2=optim.beta2,
+        adam_eps=optim.adam_eps, optimizer_state=optim.optimizer_state, state_dtype=optim.state_dtype,
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)
@@ -392,7 +393,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
             "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
             "objective": objective.name, "peft": spec.record() if spec.enabled else None,
-            "optimizer": {"name": config.optimizer, "beta1": config.beta1, "momentum_window": config.momentum_window},
+            "optimizer": optimizer_record(config),
         }
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
     fail_at = injected_failure(env.rank)

@@ -67,9 +67,14 @@ def test_throughput_quick_report(tmp_path, nproc):
 
 def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
     out = tmp_path / "throughput.json"
-    run(["benchmarks/throughput.py", "--quick", "--sweep", "1x8,2x16", "--num-queries", "2", "--out", str(out)])
+    run(["benchmarks/throughput.py", "--quick", "--sweep", "1x8,2x16", "--num-queries", "2", "--optimizers", "sgd,adam",
+         "--out", str(out)])
     data = load(out)
     assert {m["params"]["queries"] for m in data["measurements"]} == {2}
+    # Adam's two fp32 moments cross the link with every block: three times SGD's bytes
+    assert data["derived"]["adam_link_bytes_vs_sgd[1x8]"] == pytest.approx(3.0)
+    adam = next(m for m in data["measurements"] if m["name"] == "offload_adam")
+    assert adam["params"]["optimizer"] == "adam" and adam["metrics"]["state_host_gb"] > 0
     points = {(m["name"], m["params"]["batch"], m["params"]["seq"]) for m in data["measurements"]}
     for name in ("resident", "offload_serial", "offload"):
         assert {(name, 1, 8), (name, 2, 16)} <= points

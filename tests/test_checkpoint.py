@@ -14,7 +14,7 @@ from distzo.checkpoint import latest_checkpoint
 from distzo.export import export_hf
 from distzo.data import CountingTask
 from tests.conftest import random_batch, tiny_opt
-from tests.launch import Run, checkpoint_writers, child_env, python_train, torchrun
+from tests.launch import Run, checkpoint_writers, child_env, main_in_process, python_train, torchrun
 
 # A constant lr: the schedule then does not depend on where a run was cut. fp64 masters:
 # resuming on another world size changes how the batch is split, and g magnifies the
@@ -33,10 +33,10 @@ def assert_same_params(a: Run, b: Run, rel: float = 0.0):
         assert diff <= rel, (name, diff)
 
 
-@pytest.mark.parametrize("queries", ["1", "3"])
-def test_single_process_resume_is_bitwise(tmp_path, queries):
+def test_single_process_resume_is_bitwise(tmp_path):
     # With 3 queries the checkpoint's pending update carries three g (one per direction).
-    flags = COMMON + ["--num-queries", queries]
+    # (One query's bitwise resume: the momentum, adapter and low-bit resume tests.)
+    flags = COMMON + ["--num-queries", "3"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
     assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
@@ -48,34 +48,55 @@ def test_single_process_resume_is_bitwise(tmp_path, queries):
 
 
 def test_resume_is_exact_and_independent_of_world_size(tmp_path):
+    # Adam: its moments are in the checkpoint beside the weights and reshard with them.
+    flags = COMMON + ["--dtype", "fp64", "--optimizer", "adam", "--lr", "1e-3"]
     full = tmp_path / "full"
-    proc = launch(4, COMMON + ["--dtype", "fp64", "--save-steps", "5", "--output-dir", str(full)])
+    proc = launch(4, flags + ["--save-steps", "5", "--output-dir", str(full)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert latest_checkpoint(full / "checkpoints").name == "step-10"
-    assert (full / "checkpoints" / "step-5").is_dir()
+    files = checkpoint_writers(full / "checkpoints" / "step-5")
+    assert {k for k in files if k.startswith("exp_avg_sq/")} == {"exp_avg_sq/resident", "exp_avg_sq/block/0",
+                                                                   "exp_avg_sq/block/1"}
     reference = Run(full)
     for nproc in (4, 2, 1):
         resumed = tmp_path / f"resumed{nproc}"
         (resumed / "checkpoints").mkdir(parents=True)
         shutil.copytree(full / "checkpoints" / "step-5", resumed / "checkpoints" / "step-5")
-        proc = launch(nproc, COMMON + ["--dtype", "fp64", "--output-dir", str(resumed), "--resume"])
+        proc = launch(nproc, flags + ["--output-dir", str(resumed), "--resume"])
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert_same_params(Run(resumed), reference, rel=1e-6)
+        assert Run(resumed).grads == pytest.approx(reference.grads[5:], rel=1e-9)
+        assert_same_params(Run(resumed), reference, rel=1e-9)
+    # The seed log replays the Adam run (its moments rebuilt from the log's g) to the export.
+    out = tmp_path / "replayed"
+    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(full / "seedlog.jsonl"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported, replayed = load_file(str(full / "export" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.allclose(exported[k], replayed[k], rtol=1e-12, atol=0) for k in exported)
+    # Resuming with another optimizer is refused in one line.
+    proc = launch(1, COMMON + ["--dtype", "fp64", "--output-dir", str(tmp_path / "resumed1"), "--resume"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "was trained with --optimizer adam, this run has --optimizer sgd; resume with the optimizer it was trained with")
 
 
 def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards(tmp_path):
     # Five blocks over 4 ranks of one node (one shard group of 4): each block is gathered
     # and written by member i % 4 alone; resuming on 1 (naive) or 2 (sliced) ranks
-    # continues the trajectory of the uninterrupted 4-rank run.
+    # continues the trajectory of the uninterrupted 4-rank run. A stored momentum's buffers
+    # are sliced like the weights and gathered, written and resharded alike.
     tiny_opt(seed=4, num_hidden_layers=5).save_pretrained(tmp_path / "model")
-    base = COMMON + ["--model", str(tmp_path / "model"), "--dtype", "fp64", "--lr", "1e-2"]
+    base = COMMON + ["--model", str(tmp_path / "model"), "--dtype", "fp64", "--lr", "1e-3", "--optimizer", "momentum",
+                     "--optimizer-state", "stored"]
     flags = base + ["--dp", "2", "--pert", "2"]
     full = tmp_path / "full"
     proc = launch(4, flags + ["--transfer", "sliced", "--save-steps", "5", "--output-dir", str(full)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = checkpoint_writers(full / "checkpoints" / "step-5")
     assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
-    assert files["resident"] == 0
+    assert {k: v for k, v in files.items() if k.startswith("momentum_buffer/block/")} == {
+        f"momentum_buffer/block/{i}": i % 4 for i in range(5)}
+    assert files["resident"] == files["momentum_buffer/resident"] == 0
     reference = Run(full)
     for nproc, extra in ((1, []), (2, ["--transfer", "sliced"])):
         resumed = tmp_path / f"resumed{nproc}"
@@ -165,10 +186,7 @@ def test_replay_of_the_seed_log_equals_the_export(tmp_path, queries):
 def test_replay_rejects_a_malformed_log(tmp_path, log, message):
     path = tmp_path / "seedlog.jsonl"
     path.write_text(log)
-    proc = subprocess.run(
-        [sys.executable, "-m", "distzo.replay", "--base", "x", "--log", str(path), "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=60,
-    )
+    proc = main_in_process("distzo.replay", ["--base", "x", "--log", str(path), "--out", str(tmp_path / "o")])
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 

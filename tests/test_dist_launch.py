@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.launch import (
+    train_in_process,
     Run,
     checkpoint_writers,
     child_env,
@@ -149,7 +150,7 @@ def test_invalid_layouts_are_rejected_on_every_rank_before_any_model(flags, mess
 
 
 def test_sliced_without_a_process_group_is_rejected():
-    proc = python_train(["--transfer", "sliced"])
+    proc = train_in_process(["--transfer", "sliced"])
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: --transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto"

@@ -1,7 +1,5 @@
 """Bad input fails early with one line that names the option and the fix."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -9,6 +7,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from distzo import ZOConfig, ZOEngine, load_model
 from tests.conftest import tiny_opt
+from tests.launch import train_in_process
 
 
 @pytest.mark.parametrize(
@@ -69,9 +68,7 @@ def test_unsupported_checkpoint_fails_before_loading_weights(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "distzo.train", *args], capture_output=True, text=True, timeout=120
-    )
+    return train_in_process(list(args))
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,10 @@
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from distzo.job_config import JobConfig, build_parser, load_toml, resolve, to_toml, write_resolved
+from tests.launch import train_in_process
 
 
 def test_defaults_then_file_then_flags(tmp_path):
@@ -63,6 +62,6 @@ def test_example_configs_name_only_known_options(path):
 def test_cli_reports_an_unknown_key_in_one_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[optim]\nlr_max = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "distzo.train", "--config", str(path)], capture_output=True, text=True)
+    proc = train_in_process(["--config", str(path)])
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: --config") and len(proc.stderr.strip().splitlines()) == 1

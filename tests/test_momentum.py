@@ -86,7 +86,7 @@ def test_bad_momentum_options_are_one_line_errors():
         ZOConfig(optimizer="momentum", momentum_window=0)
     with pytest.raises(ValueError, match="beta1 must be in \\[0, 1\\)"):
         ZOConfig(beta1=1.0)
-    with pytest.raises(ValueError, match="optimizer 'adamw' is not one of sgd, momentum"):
+    with pytest.raises(ValueError, match="optimizer 'adamw' is not one of sgd, momentum, adam"):
         ZOConfig(optimizer="adamw")
 
 
@@ -97,7 +97,8 @@ def test_a_momentum_run_resumes_from_its_checkpoint_and_replays_exactly(tmp_path
     proc = python_train(flags + ["--save-steps", "4", "--output-dir", str(full)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     header = json.loads((full / "seedlog.jsonl").read_text().splitlines()[0])
-    assert header["optimizer"] == {"name": "momentum", "beta1": 0.9, "momentum_window": 3}
+    assert header["optimizer"] == {"name": "momentum", "beta1": 0.9, "momentum_window": 3, "beta2": 0.999,
+                                   "adam_eps": 1e-8, "state": "recomputed", "state_dtype": "fp32"}
 
     shutil.copytree(full / "checkpoints" / "step-4", cut / "checkpoints" / "step-4")
     proc = python_train(flags + ["--output-dir", str(cut), "--resume"])

@@ -9,19 +9,24 @@ import json
 
 import pytest
 
-from tests.launch import Run, max_relative_difference, python_train, torchrun
+from tests.launch import Run, max_relative_difference, python_train, torchrun, train_in_process
 
+ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
+# layout: (ranks, flags, the single-process run it must follow)
 LAYOUTS = {
-    "single": (1, []),
-    "pertp": (2, ["--pert", "2"]),
-    "ddp": (2, ["--pert", "1", "--grad-accum", "2"]),  # micro-batches give the whole batch's g
-    "2d": (4, ["--dp", "2", "--pert", "2", "--grad-accum", "2"]),
-    "2d_sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"]),
+    "single": (1, [], None),
+    "single_adam": (1, ADAM, None),
+    "pertp": (2, ["--pert", "2"], "single"),
+    "ddp": (2, ["--pert", "1", "--grad-accum", "2"], "single"),  # micro-batches give the whole batch's g
+    "2d_adam": (4, ["--dp", "2", "--pert", "2", "--grad-accum", "2", *ADAM], "single_adam"),
+    # Adam's moments sliced over the node like the weights, all-gathered with them
+    "2d_sliced_adam": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced", *ADAM], "single_adam"),
+    "2d_sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"], "single"),
 }
 # objective: (task, extra flags, layouts besides single). A large eps makes the perturbed
 # models' metrics differ, so the non-differentiable objectives move (g != 0).
 OBJECTIVES = {
-    "classification": ("sst2", ["--eps", "1e-3"], ["pertp", "ddp", "2d", "2d_sliced"]),
+    "classification": ("sst2", ["--eps", "1e-3"], ["pertp", "ddp", "2d_adam", "2d_sliced_adam"]),
     "accuracy": ("sst2", ["--eps", "0.3"], ["2d_sliced"]),
     "f1": ("squad", ["--eps", "0.3", "--max-new-tokens", "3"], ["2d_sliced"]),
 }
@@ -47,8 +52,9 @@ def runs(tmp_path_factory):
     out = {}
     for objective, (task, extra, layouts) in OBJECTIVES.items():
         data = task_files(tmp_path_factory.mktemp(f"{objective}-data"), task)
-        for layout in ["single", *layouts]:
-            nproc, flags = LAYOUTS[layout]
+        baselines = sorted({LAYOUTS[layout][2] for layout in layouts})
+        for layout in [*baselines, *layouts]:
+            nproc, flags, _ = LAYOUTS[layout]
             path = tmp_path_factory.mktemp(f"{objective}-{layout}")
             args = ["--task", task, "--train-file", data, "--eval-file", data, "--objective", objective,
                     "--max-steps", "5", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0",
@@ -63,7 +69,7 @@ def runs(tmp_path_factory):
     "objective, layout", [(o, layout) for o, (_, _, layouts) in OBJECTIVES.items() for layout in layouts]
 )
 def test_every_objective_and_layout_follows_the_single_process(runs, objective, layout):
-    single, other = runs[objective, "single"], runs[objective, layout]
+    single, other = runs[objective, LAYOUTS[layout][2]], runs[objective, layout]
     assert len(other.metrics) == 5
     assert [m["loss_plus"] for m in other.metrics] == pytest.approx([m["loss_plus"] for m in single.metrics], rel=1e-9)
     g_diff, param_diff = max_relative_difference(other, single)
@@ -104,6 +110,6 @@ NO_FILES = ["--train-file", "/no/such.jsonl", "--eval-file", "/no/such.jsonl"]  
     ],
 )
 def test_an_objective_that_does_not_fit_the_task_is_one_line_before_any_file(args, message):
-    proc = python_train(args)
+    proc = train_in_process(args)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {message}", proc.stderr

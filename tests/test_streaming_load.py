@@ -15,7 +15,7 @@ from distzo.memory_plan import plan_memory
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from tests.conftest import random_batch
-from tests.launch import child_env, python_train
+from tests.launch import child_env, train_in_process
 from tests.test_model_families import build
 
 
@@ -97,7 +97,7 @@ def test_opt_13b_shape_with_one_layer_builds_and_steps():
 
 
 def test_a_plan_that_does_not_fit_is_refused_before_anything_is_allocated():
-    proc = python_train(["--model-config", "opt-175b", "--max-steps", "1"])
+    proc = train_in_process(["--model-config", "opt-175b", "--max-steps", "1"])
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: the run does not fit: it needs") and "--force" in line

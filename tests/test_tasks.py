@@ -244,18 +244,18 @@ def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):
     ],
 )
 def test_task_input_errors_are_one_line_before_any_model(args, message):
-    from tests.launch import python_train
+    from tests.launch import train_in_process
 
-    proc = python_train(args)
+    proc = train_in_process(args)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(message), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_malformed_row_stops_the_cli_with_file_and_row(tmp_path):
-    from tests.launch import python_train
+    from tests.launch import train_in_process
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"sentence": "ok", "label": 1}, {"sentence": "no label"}])
-    proc = python_train(["--task", "sst2", "--train-file", bad, "--eval-file", bad])
+    proc = train_in_process(["--task", "sst2", "--train-file", bad, "--eval-file", bad])
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         f"error: {bad}, row 2: missing column 'label' (task sst2 needs sentence, label)"

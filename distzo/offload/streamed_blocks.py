@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # offload takes a noise source and the job's collectives; it 
     from distzo.dist import Collectives
     from distzo.zo import NoiseSource
 
-# Rounding noise ids live far above block ids, so they never reuse a perturbation's seeds.
+# Rounding noise ids live far above block ids, so they never reuse a perturbation's seeds;
+# each other store that rounds (an optimizer's moments) takes a further multiple.
 ROUNDING_STREAM = 1 << 40
 
 
@@ -63,6 +64,7 @@ class StreamedBlocks:
         rounding_noise: "NoiseSource | None" = None,
         chunks: int = 1,
         read_only: bool = False,
+        rounding_stream: int = ROUNDING_STREAM,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"transfer chunks must be >= 1, got {chunks}")
@@ -77,6 +79,7 @@ class StreamedBlocks:
         if self.low_bit and rounding_noise is None and not read_only:
             raise ValueError("a low-bit transfer needs a rounding noise source")
         self.rounding_noise = rounding_noise
+        self.rounding_stream = rounding_stream  # noise ids of its rounding: rounding_stream + block
         self.step = 0  # the pass's step: keys the rounding noise on the way back
         # Sliced only: a single owner has nothing to overlap its copy with.
         self.chunks = chunks if n > 1 else 1
@@ -184,6 +187,10 @@ class StreamedBlocks:
             if s_lo < numel:
                 round_nearest_(host[: min(s_hi, numel) - s_lo], read(s_lo, min(s_hi, numel)))
 
+    def link_bytes(self, index: int) -> int:
+        """Bytes this rank copies over the host link for block ``index``, each way."""
+        return self.slice_len[index] * self.host_storage.element_size()
+
     @property
     def host_bytes(self) -> int:
         return self.host_storage.numel() * self.host_storage.element_size()
@@ -201,6 +208,6 @@ class StreamedBlocks:
         stop = min(lo + master.numel(), total)
         if stop > lo:
             round_keyed_(wire[: stop - lo], master[: stop - lo], self.rounding_noise, lo, total, self.step,
-                         ROUNDING_STREAM + index)
+                         self.rounding_stream + index)
         if stop < lo + master.numel():  # the padding tail: zeros
             round_nearest_(wire[max(stop - lo, 0) :], master[max(stop - lo, 0) :])
