@@ -2,7 +2,7 @@
 # Every CUDA test and GPU benchmark of the project, in stages that each fit one
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
-#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise
+#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise optimizers
 #                                                  (default: the first four)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -21,8 +21,8 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
-        tests|bandwidth|throughput|big|queries|head|pinned|noise) ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned or noise" >&2; exit 2 ;;
+        tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers) ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise or optimizers" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -95,6 +95,15 @@ for stage in "${STAGES[@]}"; do
         bounded 200 noise.log python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k noise
         bounded 300 noise.log python3 benchmarks/noise.py --elements 268435456 --skip-torch --batch 8 --seq 512 \
             --out "$WORK/noise.json"
+        ;;
+    optimizers)  # issue 15: --grad-accum's peak device memory, and streamed Adam/momentum moments (fp32, bf16) vs SGD
+        bounded 270 optimizers.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 --batch 16 \
+            --seq 512 --grad-accum 1,2,4 --steps 3 --skip-resident --out "$WORK/throughput-opt-1.3b-accum.json"
+        for state in fp32 bf16; do
+            bounded 200 optimizers.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
+                --sweep 1x128,8x512 --optimizers sgd,momentum,adam --state-dtype $state --steps 3 --skip-resident \
+                --out "$WORK/throughput-opt-1.3b-optimizers-$state.json"
+        done
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \

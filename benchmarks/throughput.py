@@ -240,6 +240,14 @@ class Bench:
             self.report.derived["crossover_tokens_per_step"] = float(crossover)
             logger.info("offload >= %.2f x resident from %d tokens per step on", CROSSOVER, crossover)
 
+    def derive_against(self, base: dict, runs: dict, ratios: dict[str, str]) -> None:
+        """``derived[name] = metric of runs / metric of base`` at every point, for each
+        ``name: metric`` the base has (peak RSS is not measurable everywhere)."""
+        for point, m in runs.items():
+            for name, metric in ratios.items():
+                if metric in base[point].metrics:
+                    self.report.derived[self.ratio_key(name, point)] = m.metrics[metric] / base[point].metrics[metric]
+
     def run(self) -> BenchReport:
         single = ParallelContext.single()
         first = self.env.rank == 0
@@ -260,24 +268,15 @@ class Bench:
             if n == 1:
                 continue
             runs = self.measure(f"offload_accum{n}", "offload", self.args.slots, single, first, grad_accum=n)
-            for point, m in runs.items():
-                base = offload[point].metrics
-                self.report.derived[self.ratio_key(f"accum{n}_vs_offload", point)] = (
-                    m.metrics["tokens_per_s"] / base["tokens_per_s"])
-                memory = "peak_device_gb" if "peak_device_gb" in base else "step_extra_rss_gb"
-                if memory in base:
-                    self.report.derived[self.ratio_key(f"accum{n}_peak_memory_vs_offload", point)] = (
-                        m.metrics[memory] / base[memory])
+            memory = "peak_device_gb" if self.device.type == "cuda" else "step_extra_rss_gb"
+            self.derive_against(offload, runs, {f"accum{n}_vs_offload": "tokens_per_s",
+                                                f"accum{n}_peak_memory_vs_offload": memory})
         for optimizer in self.args.optimizers:  # stored moments ride with every block: more bytes per step
-            if optimizer == "sgd":
-                continue
-            runs = self.measure(f"offload_{optimizer}", "offload", self.args.slots, single, first, optimizer=optimizer)
-            for point, m in runs.items():
-                base = offload[point].metrics
-                self.report.derived[self.ratio_key(f"{optimizer}_vs_sgd", point)] = (
-                    m.metrics["tokens_per_s"] / base["tokens_per_s"])
-                self.report.derived[self.ratio_key(f"{optimizer}_link_bytes_vs_sgd", point)] = (
-                    m.metrics["link_gb_per_step"] / base["link_gb_per_step"])
+            if optimizer != "sgd":
+                runs = self.measure(f"offload_{optimizer}", "offload", self.args.slots, single, first,
+                                    optimizer=optimizer)
+                self.derive_against(offload, runs, {f"{optimizer}_vs_sgd": "tokens_per_s",
+                                                    f"{optimizer}_link_bytes_vs_sgd": "link_gb_per_step"})
         world = self.env.world_size
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,

@@ -1,7 +1,7 @@
 """Run by test_collectives under torchrun (2 ranks): the engine's collective paths
 against the NCCL stand-in (tests/nccl_like.py) as the device group, gloo as the host
-group. Steps, an evaluation, a sliced export written by rank 0 alone and a sliced
-checkpoint; after each, no collective may be outstanding on any rank (what NCCL
+group. Adam steps, an evaluation, a sliced export written by rank 0 alone and a sliced
+checkpoint (moments included); after each, no collective may be outstanding on any rank (what NCCL
 would leave pending when a rank returns or tears down), and none may be refused."""
 
 import json
@@ -29,8 +29,9 @@ dist.init_process_group(nccl_like.NAME, rank=env.rank, world_size=env.world_size
 comm = Collectives.for_job(torch.device("cpu"))
 group, members = pg.node_groups(env, comm)
 parallel = ParallelContext(env, ParallelDims(2, 1), None, ShardGroup(group, members, members.index(env.rank)), comm)
-engine = ZOEngine(tiny_opt(seed=0, num_hidden_layers=3), ZOConfig(device="cpu", seed=4, transfer="sliced", lr=1e-3),
-                  parallel=parallel)
+# Adam: its moments are sliced and gathered with the blocks, and checkpointed beside them.
+engine = ZOEngine(tiny_opt(seed=0, num_hidden_layers=3),
+                  ZOConfig(device="cpu", seed=4, transfer="sliced", lr=1e-3, optimizer="adam"), parallel=parallel)
 record = {"rank": env.rank}
 
 

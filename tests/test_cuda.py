@@ -116,7 +116,8 @@ def test_memory_plan_matches_what_cuda_allocates():
     from distzo.models.shapes import shape_config
     from distzo.models.weights import RandomWeights, skeleton
 
-    for config in (ZOConfig(device="cuda", seed=0), ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16")):
+    for config in (ZOConfig(device="cuda", seed=0), ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
+                   ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16")):
         model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
         plan = plan_memory(model, config, 1, False, batch=1, seq=8, signs=2)
         torch.cuda.synchronize()
@@ -239,12 +240,20 @@ def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early
     # steady-state step queued without a host sync.
     from distzo.peft_tuning import AdapterSpec, attach_adapter
 
-    def run(device):
+    def build(device):
         model = attach_adapter(tiny_opt(seed=0, num_hidden_layers=3), AdapterSpec(method, r=4, alpha=8), seed=5)
-        config = ZOConfig(mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_queries=2, dual_forward=True,
-                          grad_accum=2, optimizer="momentum", momentum_window=4)
-        engine = ZOEngine(model, config)
-        results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(4)]
+        return ZOEngine(model, ZOConfig(mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_queries=2,
+                                        dual_forward=True, grad_accum=2, optimizer="momentum", momentum_window=4))
+
+    follows_the_cpu_and_never_syncs_early(build, steps=4)
+
+
+def follows_the_cpu_and_never_syncs_early(build, steps):
+    """``build(device)``'s engine on CUDA takes the CPU's trajectory (fp32: g to 1e-3, weights
+    to 1e-4) and queues a steady-state step without a host sync; returns the CUDA engine."""
+    def run(device):
+        engine = build(device)
+        results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(steps)]
         return engine, [r.projected_grads for r in results], engine.named_parameters()
 
     gpu, gpu_grads, gpu_params = run("cuda")
@@ -256,3 +265,20 @@ def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early
     batch = random_batch(64, pad="right", seed=9)
     gpu.step(batch)
     gpu._finish_step(*queued_without_a_sync(gpu, batch))
+    return gpu
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_adam_moments_stream_with_their_blocks_on_the_gpu_as_on_the_cpu(state_dtype):
+    # Adam's moments in pinned host shards, uploaded and offloaded with each block on the
+    # upload/offload streams and updated on the compute stream: the CPU's trajectory
+    # (fp32 state: 1e-4; bf16 state rounds with the same keyed draws on both), and a
+    # steady-state step queued without a host sync.
+    def build(device):
+        return ZOEngine(tiny_opt(seed=0, num_hidden_layers=4), ZOConfig(
+            mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_slots=2, optimizer="adam",
+            state_dtype=state_dtype, weight_decay=0.1))
+
+    gpu = follows_the_cpu_and_never_syncs_early(build, steps=5)
+    assert all(store.host_storage.is_pinned() for store in gpu.moments.blocks)
+
