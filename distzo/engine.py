@@ -265,6 +265,7 @@ class ZOEngine:
         self.run_seed = int(run_seed)
         self.step_index = 0
         self.pending: PendingUpdate | None = None
+        self._backlog: list[PendingUpdate] = []  # logged steps to apply before the pending one (catch_up)
         self.recent_steps: tuple[tuple[int, tuple[float, ...]], ...] = ()  # momentum: (step, g) newest first
         self._broken: str | None = None
 
@@ -623,11 +624,30 @@ class ZOEngine:
 
         It is the same op the next step would apply, so flushing never changes the trajectory.
         """
-        if self.pending is None:
+        if self.pending is None and not self._backlog:
             return
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
             self._stream_pass((), self.step_index, None, None)
         self.streams.synchronize()
+
+    def catch_up(self, logged: list[tuple[int, tuple[float, ...], float]]) -> None:
+        """Apply logged steps ``(step, projected_grads, lr)``, which must follow the engine's
+        step, as if they had been trained: in one pass over the blocks, each uploaded and
+        offloaded once whatever their number, every bucket taking the pending update and then
+        each logged one in order (per element the same operations in the same order as the
+        steps' own updates: bitwise the trajectory). A restarted run resumes this way from a
+        checkpoint plus the seed log; a replay from the base weights plus the log."""
+        if not logged:
+            return
+        first = logged[0][0]
+        if first != self.step_index or [s for s, _, _ in logged] != list(range(first, first + len(logged))):
+            raise ValueError(f"logged steps must run on from step {self.step_index} in order, got {logged[0][0]}..")
+        updates = [self.pending] if self.pending is not None else []
+        for step, grads, lr in logged:
+            updates.append(self.momentum_update(PendingUpdate(step, grads, lr)))
+        self.pending, self._backlog = updates[-1], updates[:-1]
+        self.flush()
+        self.step_index = logged[-1][0] + 1
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Flushed values by Hugging Face name (aliases of tied weights included), as CPU
@@ -916,12 +936,13 @@ class ZOEngine:
         one upload per block whatever their number, the activations of one micro-batch at
         a time, and every micro-batch's hidden states carried between blocks.
         """
-        update, self.pending = self.pending, None
+        updates = [*self._backlog, *([self.pending] if self.pending is not None else [])]
+        self._backlog, self.pending = [], None
         self.store.step = step
         self.moments.set_step(step)
         if self._carried is not None:
-            self._carried.carry = update is not None  # moments travel only to be updated
-        if update is not None:
+            self._carried.carry = bool(updates)  # moments travel only to be updated
+        if updates:
             self._resident_holds = None
         held = self._held_pass(step)
         order = sorted(passes, key=lambda p: p != held)  # embed the held pass first: one perturbation fewer
@@ -933,7 +954,7 @@ class ZOEngine:
         eps = self.config.eps
 
         def embed() -> None:  # runs once the first uploads are queued
-            if update is not None:
+            for update in updates:
                 self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID, self.moments.resident)
             if not order:
                 return
@@ -961,7 +982,7 @@ class ZOEngine:
                 numel = self.base_layouts[i].numel
                 self.base_scratch[:numel].copy_(bucket[:numel])
                 bucket = self.store.device_bucket(i)  # the block's adapter
-            if update is not None:
+            for update in updates:
                 self._apply(update, bucket, self.block_layouts[i], i + 1, self.moments.device_buckets(i))
             block = self.blocks[i]
             for group in groups:
@@ -984,7 +1005,7 @@ class ZOEngine:
 
         # Unchanged blocks (no pending update) need not go back: their host copies are right,
         # and a frozen base never changes.
-        self.scheduler.run(compute, prologue=embed, offload=update is not None and not self.frozen_base)
+        self.scheduler.run(compute, prologue=embed, offload=bool(updates) and not self.frozen_base)
         out: dict[Pass, list[torch.Tensor]] = {p: [] for p in order}
         for group, micro in hiddens.items():
             for h in micro:  # a batched micro-batch holds its passes' rows one after another

@@ -25,8 +25,12 @@ from distzo.peft_tuning import PEFT_METHODS, PREFIX_INITS
 from distzo.zo.schedule import SCHEDULES
 
 
-def option(default: Any, help: str, choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+RESUME_MODES = ("no", "yes", "auto")
+
+
+def option(default: Any, help: str, choices: tuple | None = None, bare: Any = None) -> Any:
+    """A job option; ``bare``: the value of its flag given without one (``--resume``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "bare": bare})
 
 
 @dataclass
@@ -174,7 +178,16 @@ class RunOptions:
         True, "write --save-steps checkpoints from a background thread (each node first copies its share of the model); "
         "--no-save-async writes them from the live host copy while training waits"
     )
-    resume: bool = option(False, "resume from the latest checkpoint in the run directory")
+    resume: str | None = option(
+        None, "no: start afresh; yes (the bare flag): resume from the latest checkpoint in the run directory, then "
+        "catch up with every step the seed log holds after it; auto: that when the run directory has a checkpoint or "
+        "logged steps, else start afresh. Default: auto under torchrun --max-restarts > 0, else no",
+        RESUME_MODES, bare="yes",
+    )
+    log_sync_steps: int = option(
+        1, "sync the seed log to disk every N steps (a crash loses at most the last N-1 logged steps, which are "
+        "then trained again)"
+    )
     export_shard_size: str = option("5GB", "largest safetensors file of the exported model (e.g. 5GB, 500MB)")
     force: bool = option(False, "start even when the memory plan does not fit what this machine has free")
 
@@ -241,9 +254,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
+            bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata.get("bare") is not None else {}
             group.add_argument(
                 flag, type=kind, choices=f.metadata["choices"], default=argparse.SUPPRESS, help=text,
-                metavar=None if f.metadata["choices"] else kind.__name__.upper(),
+                metavar=None if f.metadata["choices"] else kind.__name__.upper(), **bare,
             )
     return p
 

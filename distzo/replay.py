@@ -16,7 +16,6 @@ transfer round stochastically on the host and cannot be replayed from the log.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -27,36 +26,16 @@ from transformers import AutoConfig
 from distzo.export import export_model
 from distzo.cli_errors import fail, program
 from distzo.config import ZOConfig, optimizer_options
-from distzo.engine import PendingUpdate, ZOEngine
+from distzo.engine import ZOEngine
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.seed_log import read_seed_log, step_grads
 from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def read_log(path: Path) -> tuple[dict, list[dict]]:
-    """The header and the step records, checked: one record per step, 0..n-1 in order."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise ValueError(f"--log {path}: {err.strerror}") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise ValueError(f"--log {path}, line {number}: not JSON") from None
-    if not records or records[0].get("kind") != "header":
-        raise ValueError(f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?")
-    header, steps = records[0], records[1:]
-    for expected, record in enumerate(steps):
-        if record.get("step") != expected or "lr" not in record or not {"projected_grads", "projected_grad"} & record.keys():
-            raise ValueError(f"--log {path}, line {expected + 2}: expected the record of step {expected}")
-    return header, steps
 
 
 def base_model(base: str | None, header: dict, dtype: torch.dtype):
@@ -75,7 +54,7 @@ def base_model(base: str | None, header: dict, dtype: torch.dtype):
 
 
 def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path:
-    header, steps = read_log(log)
+    header, steps = read_seed_log(log)
     if header.get("transfer_dtype", "fp32") != "fp32":
         raise ValueError(
             f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the host, so its weights "
@@ -105,11 +84,8 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
         model = attach_adapter(model, spec, header["init_seed"])
         weights = AdapterWeights(weights, model) if weights is not None else None
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
-    for record in steps:
-        grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]  # older logs
-        engine.pending = engine.momentum_update(PendingUpdate(record["step"], grads, record["lr"]))
-        engine.flush()
-    engine.step_index = len(steps)
+    # every logged update in one pass over the blocks, in order: the run's trajectory
+    engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
     logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))
     return export_model(engine, out)
 

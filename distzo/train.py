@@ -21,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -65,12 +66,16 @@ from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
-from distzo.zo import noise_identity
+from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log, step_grads
+from distzo.zo import identity_kind, noise_identity
+
+SEED_LOG = "seedlog.jsonl"
 
 logger = logging.getLogger("distzo.train")
 
 MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 FAILURE_ENV = "DISTZO_FAIL_AT"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
+KILL_ENV = "DISTZO_KILL_AT"  # "RANK:STEP": that rank SIGKILLs itself there, on a job's first attempt only (restart tests)
 
 
 def configure_logging(env: LaunchEnv) -> None:
@@ -176,12 +181,11 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         )
     rows = load_task_rows(data.task, data.train_file, data.eval_file)  # every row checked, before any model
     check_shard_size(run.export_shard_size)
-    if run.resume and not run.output_dir:
-        raise ValueError("--resume needs --output-dir: the run directory to resume")
-    if run.resume and not latest_checkpoint(Path(run.output_dir) / "checkpoints"):
-        raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
-    if run.resume:  # the run goes on with the z it was drawn with
-        drawn = checkpoint_noise(latest_checkpoint(Path(run.output_dir) / "checkpoints"))
+    if run.log_sync_steps < 1:
+        raise ValueError(f"--log-sync-steps must be >= 1, got {run.log_sync_steps}")
+    run.resume = resume_mode(run, env)
+    if run.resume != "no":  # the run goes on with the z it was drawn with
+        drawn = drawn_noise(Path(run.output_dir))
         if optim.noise not in (None, drawn):
             raise ValueError(f"--resume: the run was drawn with {drawn} noise; drop --noise {optim.noise} or set it to {drawn}")
         config.noise = drawn
@@ -189,6 +193,71 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", optim.lr)
     return config, dims, rows
+
+
+def resume_mode(run, env: LaunchEnv) -> str:
+    """``no`` or ``yes``, resolved: ``auto`` (the default under torchrun --max-restarts > 0)
+    resumes when the run directory holds a checkpoint or logged steps to go on from."""
+    if run.resume is None and env.max_restarts > 0 and not run.output_dir:
+        if env.rank == 0:
+            logger.warning("torchrun restarts this job, but without --output-dir a restart starts afresh in a new "
+                           "directory: give --output-dir to resume where it stopped")
+        return "no"
+    mode = run.resume or ("auto" if env.max_restarts > 0 else "no")
+    if mode != "no" and not run.output_dir:
+        raise ValueError(f"--resume {mode} needs --output-dir: the run directory to resume")
+    if mode == "no":
+        return mode
+    directory = Path(run.output_dir)
+    if latest_checkpoint(directory / "checkpoints"):
+        return "yes"
+    if mode == "yes":
+        raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
+    return "yes" if logged_steps(directory / SEED_LOG) else "no"
+
+
+def logged_steps(path: Path) -> int:
+    """How many steps a seed log holds (0: none, or no log)."""
+    if not path.is_file():
+        return 0
+    try:
+        return len(read_seed_log(path)[1])
+    except ValueError:
+        return 0
+
+
+def drawn_noise(run_dir: Path) -> str:
+    """The noise kind a resumed run was drawn with: its checkpoint's, else its seed log's."""
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is not None:
+        return checkpoint_noise(checkpoint)
+    return identity_kind(read_seed_log(run_dir / SEED_LOG)[0].get("noise", "legacy"))
+
+
+def catch_up_from_log(engine: ZOEngine, run_dir: Path, header: dict, parallel: ParallelContext) -> int:
+    """Apply every step the seed log holds beyond the engine's (a restart after a crash
+    or a preemption), in one pass over the blocks; returns the step to train from.
+    Rank 0 reads the log and hands the records to every rank. A low-bit transfer or state
+    rounds on the host at each step, which a catch-up cannot repeat: those steps are
+    trained again instead (the same result)."""
+    path = run_dir / SEED_LOG
+    start = engine.step_index
+    records = None
+    if parallel.env.rank == 0 and path.is_file():
+        logged_header, steps = read_seed_log(path)
+        check_same_run(path, logged_header, header)
+        records = [(r["step"], step_grads(r), r["lr"]) for r in steps[start:]]
+    records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records
+    if not records:
+        return start
+    if engine.config.transfer_dtype != "fp32" or engine.config.state_dtype != "fp32":
+        logger.info("steps %d-%d are in the seed log, but a low-bit transfer rounds at every step: training them "
+                    "again from step %d", start, records[-1][0], start)
+        return start
+    engine.catch_up(records)
+    logger.info("caught up with steps %d-%d from the seed log in one pass; training from step %d",
+                start, records[-1][0], engine.step_index)
+    return engine.step_index
 
 
 def adapter_spec(job: JobConfig) -> AdapterSpec:
@@ -301,9 +370,9 @@ def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: t
     return ParallelContext(env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm)
 
 
-def injected_failure(rank: int) -> int | None:
-    """The step at which this rank must raise, from ``DISTZO_FAIL_AT=RANK:STEP``."""
-    spec = os.environ.get(FAILURE_ENV)
+def injected_failure(rank: int, variable: str = FAILURE_ENV) -> int | None:
+    """The step at which this rank must fail, from ``variable=RANK:STEP``."""
+    spec = os.environ.get(variable)
     if not spec:
         return None
     fail_rank, fail_step = (int(x) for x in spec.split(":"))
@@ -315,19 +384,28 @@ def describe(metrics: dict[str, float]) -> str:
 
 
 def _truncate_jsonl(path: Path, keep_below: int) -> None:
-    """Drop the records a resumed run will write again (those of step >= ``keep_below``)."""
+    """Drop the records a resumed run will write again (those of step >= ``keep_below``),
+    and a last line a crash tore (not JSON), through a temporary file and a rename."""
     if path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if "step" not in (rec := json.loads(line)) or rec["step"] < keep_below]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "step" not in record or record["step"] < keep_below:
+                kept.append(line)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
 
 
 class RunLogs:
     """Rank 0's JSON-lines files: per-step metrics, evaluations and the seed log."""
 
-    def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict) -> None:
+    def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict, sync_every: int = 1) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = {"metrics": log_dir / "metrics.jsonl", "eval": log_dir / "eval.jsonl", "seeds": run_dir / "seedlog.jsonl"}
+        self.paths = {"metrics": log_dir / "metrics.jsonl", "eval": log_dir / "eval.jsonl", "seeds": run_dir / SEED_LOG}
         for name, path in self.paths.items():
             if not resume_step:
                 path.unlink(missing_ok=True)
@@ -335,17 +413,22 @@ class RunLogs:
                 # Step records are 0-based steps taken; an evaluation "at step N" saw the state
                 # after N steps, which is the checkpoint the run resumes from: it stays.
                 _truncate_jsonl(path, resume_step + 1 if name == "eval" else resume_step)
-        self.files = {name: open(path, "a") for name, path in self.paths.items()}
+        self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
+        self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
         if not resume_step:
             self.write("seeds", {"kind": "header", **header})
 
     def write(self, name: str, record: dict) -> None:
+        if name == "seeds":
+            self.seeds.write(record)
+            return
         self.files[name].write(json.dumps(record) + "\n")
         self.files[name].flush()
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        self.seeds.close()
 
 
 def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, rows: LoadedRows | None) -> dict:
@@ -366,7 +449,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     source = model_source(job.model.model, env, parallel.comm)
     tokenizer = load_tokenizer(job, source)
     model, weights = build_model(job, dtype, seed, source)
-    if env.rank == 0 and weights is None and not job.model.model and not job.run.resume:
+    if env.rank == 0 and weights is None and not job.model.model and job.run.resume == "no":
         model.save_pretrained(run_dir / "base")  # replay needs the initial weights
         if tokenizer is not None:
             tokenizer.save_pretrained(run_dir / "base")
@@ -383,20 +466,25 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     objective = build_objective(job.optim.objective or "lm", data, tokenizer)
     engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights, objective=objective)
     checkpointer = Checkpointer(run_dir / "checkpoints", engine)
-    start_step = checkpointer.load(latest_checkpoint(run_dir / "checkpoints")) if job.run.resume else 0
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if job.run.resume == "yes" else None
+    start_step = checkpointer.load(checkpoint) if checkpoint is not None else 0
+    header = {
+        "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "noise": noise_identity(config.noise),
+        "weight_decay": config.weight_decay,
+        "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
+        "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
+        "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
+        "objective": objective.name, "peft": spec.record() if spec.enabled else None,
+        "optimizer": optimizer_record(config),
+    }
+    if job.run.resume == "yes":
+        start_step = catch_up_from_log(engine, run_dir, header, parallel)
     logs = None
     if env.rank == 0:
-        header = {
-            "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "noise": noise_identity(config.noise),
-            "weight_decay": config.weight_decay,
-            "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
-            "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
-            "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
-            "objective": objective.name, "peft": spec.record() if spec.enabled else None,
-            "optimizer": optimizer_record(config),
-        }
-        logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header)
+        logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header,
+                       job.run.log_sync_steps)
     fail_at = injected_failure(env.rank)
+    kill_at = injected_failure(env.rank, KILL_ENV) if env.restart_count == 0 else None
 
     # A resumed run does not evaluate where it starts: an evaluation applies the pending
     # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
@@ -412,6 +500,9 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     for step in progress:
         if step == fail_at:
             raise RuntimeError(f"failure injected by {FAILURE_ENV} at step {step}")
+        if step == kill_at:
+            logger.error("killing rank %d at step %d (%s)", env.rank, step, KILL_ENV)
+            os.kill(os.getpid(), signal.SIGKILL)
         step_start = time.perf_counter()
         global_batch = data.batch(job.data.batch_size, step)  # the same rows on every rank
         num_items = objective.num_items(global_batch)  # label tokens or examples of the global batch

@@ -19,11 +19,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, args: list[str], port: int, nnodes: int = 1, node_rank: int = 0) -> list[str]:
+def torchrun_command(nproc: int, args: list[str], port: int, nnodes: int = 1, node_rank: int = 0,
+                     max_restarts: int = 0) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={port}",
+        "--master_addr=127.0.0.1", f"--master_port={port}", f"--max-restarts={max_restarts}",
         "-m", "distzo.train", *args,
     ]
 
@@ -34,9 +35,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 180, env: dict[str, str] | None = None):
+def torchrun(nproc: int, args: list[str], timeout: float = 180, env: dict[str, str] | None = None, max_restarts: int = 0):
     return subprocess.run(
-        torchrun_command(nproc, args, free_port()), capture_output=True, text=True, timeout=timeout, env=child_env(env)
+        torchrun_command(nproc, args, free_port(), max_restarts=max_restarts), capture_output=True, text=True,
+        timeout=timeout, env=child_env(env),
     )
 
 

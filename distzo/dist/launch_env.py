@@ -14,6 +14,8 @@ class LaunchEnv:
     local_world_size: int = 1
     node_rank: int = 0  # torchrun's GROUP_RANK: which agent (node) started this process
     launched: bool = False  # started by torchrun (a process group can be formed)
+    max_restarts: int = 0  # torchrun --max-restarts: the job is restarted after a failure that many times
+    restart_count: int = 0  # which restart this is (0: the first attempt)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
@@ -28,4 +30,6 @@ class LaunchEnv:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             node_rank=int(env.get("GROUP_RANK", 0)),
             launched=True,
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )

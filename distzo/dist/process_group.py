@@ -31,9 +31,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
     """Join the job's process group. A collective stuck past ``timeout_s`` (a dead peer)
-    raises instead of hanging, so the whole job exits."""
+    raises instead of hanging, so the whole job exits.
+
+    torchrun's store outlives a restart (``--max-restarts``) and still holds the failed
+    attempt's keys, among them the dead ranks' addresses, which gloo would try to reach:
+    each attempt's groups live under a prefix of their own in it."""
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
     dist.init_process_group(
-        backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s)
+        backend=backend, store=dist.PrefixStore(f"distzo/attempt-{env.restart_count}", store), rank=env.rank,
+        world_size=env.world_size, timeout=timeout,
     )
 
 

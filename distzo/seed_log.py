@@ -1,0 +1,92 @@
+"""The seed log, ``seedlog.jsonl``: the run's header, then one record per step.
+
+A ZO run is its starting weights plus, per step, ``(step, g per query, lr)``: the noise
+is regenerated from the run seed. So the log is both what ``distzo.replay`` rebuilds a
+model from and what a restarted run catches up with after its last checkpoint, with no
+forward pass and no data. It is written so that a crash cannot leave a half-written
+record that reads as a step: each record is one line appended and flushed, and synced to
+disk every ``sync_every`` records; a reader drops a torn last line (with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Header fields a continuing run must share with the log: they change the trajectory.
+TRAJECTORY_FIELDS = ("run_seed", "noise", "noise_chunk", "weight_decay", "dtype", "transfer_dtype", "peft", "optimizer")
+
+
+class SeedLogWriter:
+    """Appends records to the log, each flushed, synced to disk every ``sync_every`` (1: each)."""
+
+    def __init__(self, path: Path, sync_every: int = 1) -> None:
+        self.path = path
+        self.sync_every = max(1, sync_every)
+        self._file = open(path, "a")
+        self._unsynced = 0
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self._unsynced += 1
+        if self._unsynced >= self.sync_every:
+            self.sync()
+
+    def sync(self) -> None:
+        os.fsync(self._file.fileno())
+        self._unsynced = 0
+
+    def close(self) -> None:
+        self.sync()
+        self._file.close()
+
+
+def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
+    """The header and the step records, checked: one record per step, 0..n-1 in order.
+    A last line without its newline, or not JSON, is a record torn by a crash: dropped,
+    with a warning; a bad line anywhere else is an error."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"--log {path}: {err.strerror}") from None
+    lines = text.split("\n")
+    complete, tail = lines[:-1], lines[-1]  # tail: what follows the last newline ("" when whole)
+    records = []
+    for number, line in enumerate(complete, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(complete) and not tail and records:
+                logger.warning("%s: dropped a torn last line (line %d, not JSON)", path, number)
+                continue
+            raise ValueError(f"--log {path}, line {number}: not JSON") from None
+    if tail:
+        logger.warning("%s: dropped a torn last line (line %d, no newline)", path, len(complete) + 1)
+    if not records or records[0].get("kind") != "header":
+        raise ValueError(f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?")
+    header, steps = records[0], records[1:]
+    for expected, record in enumerate(steps):
+        if record.get("step") != expected or "lr" not in record or not {"projected_grads", "projected_grad"} & record.keys():
+            raise ValueError(f"--log {path}, line {expected + 2}: expected the record of step {expected}")
+    return header, steps
+
+
+def step_grads(record: dict) -> list[float]:
+    """A record's g per query (logs from before n-SPSA hold one ``projected_grad``)."""
+    return record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]
+
+
+def check_same_run(path: Path, logged: dict, ours: dict) -> None:
+    """Refuse, in one line, a log whose header differs from this run's where the trajectory
+    depends on it (another run seed, noise, decay, dtype, adapter or optimizer)."""
+    for name in TRAJECTORY_FIELDS:
+        if logged.get(name) != ours.get(name):
+            raise ValueError(
+                f"{path} is the log of another run ({name} {logged.get(name)!r}, this run has {ours.get(name)!r}); "
+                "resume with the options it was written with, or use a fresh --output-dir"
+            )
