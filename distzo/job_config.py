@@ -291,6 +291,9 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
                 kind = _base_type(next(f for f in dataclasses.fields(target) if f.name == key))
                 if kind is float and isinstance(value, int):
                     value = float(value)
+                bare = next(f for f in dataclasses.fields(target) if f.name == key).metadata.get("bare")
+                if bare is not None and isinstance(value, bool):  # resume = true, as before it took a mode
+                    value = bare if value else "no"
                 if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                     raise ValueError(f"--config: [{section}] {key} must be a {kind.__name__}, got {value!r}")
                 setattr(target, key, value)

@@ -48,8 +48,8 @@ class SeedLogWriter:
 
 def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
     """The header and the step records, checked: one record per step, 0..n-1 in order.
-    A last line without its newline, or not JSON, is a record torn by a crash: dropped,
-    with a warning; a bad line anywhere else is an error."""
+    A last line without its newline is a record torn by a crash (each is written with its
+    newline in one write): dropped, with a warning; a line that is not JSON is an error."""
     try:
         text = path.read_text()
     except OSError as err:
@@ -61,9 +61,6 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            if number == len(complete) and not tail and records:
-                logger.warning("%s: dropped a torn last line (line %d, not JSON)", path, number)
-                continue
             raise ValueError(f"--log {path}, line {number}: not JSON") from None
     if tail:
         logger.warning("%s: dropped a torn last line (line %d, no newline)", path, len(complete) + 1)

@@ -14,7 +14,7 @@ def test_defaults_then_file_then_flags(tmp_path):
     assert job.optim.lr == 0.5  # from the file
     assert job.optim.max_steps == 9  # the flag beats the file
     assert job.optim.eps == 0.01  # a flag alone
-    assert job.offload.mode == "resident" and job.run.resume is True
+    assert job.offload.mode == "resident" and job.run.resume == "yes"  # the boolean of older files is the bare flag
     assert job.data.batch_size == JobConfig().data.batch_size  # untouched default
 
 
