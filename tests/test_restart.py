@@ -3,13 +3,16 @@ pass over the blocks, is the uninterrupted trajectory bit for bit; the log survi
 crash mid-write; a log of another run is refused."""
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log
 from tests.conftest import random_batch
-from tests.launch import Run, torchrun
+from tests.launch import Run, child_env, python_train, torchrun, train_in_process
 from tests.test_peft import base_model, engine_for
 
 
@@ -107,3 +110,31 @@ def test_a_killed_rank_restarts_the_job_which_catches_up_from_the_seed_log(tmp_p
     assert Run(killed).grads == Run(full).grads  # metrics.jsonl holds every step once
     assert [json.loads(line)["step"] for line in (killed / "seedlog.jsonl").read_text().splitlines()[1:]] == list(range(45))
     assert all(torch.equal(Run(killed).params[k], v) for k, v in Run(full).params.items())
+
+
+def test_a_torn_log_resumes_exactly_and_another_runs_log_is_refused(tmp_path):
+    # A process killed at step 10 (checkpoint at 8) whose log's last record is torn: the
+    # resumed run drops it, catches up with step 8, trains 9-11 and ends where an
+    # uninterrupted run does; a log whose header is another run's is refused in one line.
+    flags = ["--max-steps", "12", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0", "--seed", "5",
+             "--lr-schedule", "constant", "--save-steps", "4"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert python_train(flags + ["--output-dir", str(full)]).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "distzo.train", *flags, "--output-dir", str(cut)], capture_output=True,
+                          text=True, timeout=120, env=child_env({"DISTZO_KILL_AT": "0:10"}))
+    assert proc.returncode == -signal.SIGKILL
+    log = cut / "seedlog.jsonl"
+    text = log.read_text()
+    log.write_text(text[: len(text) - 20])  # step 9's record cut mid-line
+    proc = python_train(flags + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dropped a torn last line" in proc.stderr and "caught up with steps 8-8" in proc.stderr
+    assert all(torch.equal(Run(cut).params[k], v) for k, v in Run(full).params.items())
+
+    header, *steps = log.read_text().splitlines()
+    log.write_text("\n".join([header.replace('"run_seed": 5', '"run_seed": 6'), *steps]) + "\n")
+    proc = train_in_process(flags + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {log} is the log of another run (run_seed 6, this run has 5); resume with the options it was "
+        "written with, or use a fresh --output-dir")
