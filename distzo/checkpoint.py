@@ -129,10 +129,24 @@ class PrivateCopies(AsyncStager):
         return state_dict
 
 
+def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the ``keep`` newest, oldest first (``keep`` 0:
+    keep all). Only complete ``step-N`` directories count: a save in flight is a
+    ``.tmp`` one, and the latest complete checkpoint is always among those kept."""
+    if keep <= 0 or not directory.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 class Checkpointer:
-    def __init__(self, directory: Path, engine: ZOEngine) -> None:
+    def __init__(self, directory: Path, engine: ZOEngine, keep: int = 0) -> None:
         self.directory = directory
         self.engine = engine
+        self.keep = keep  # complete checkpoints kept on disk (0: all)
         self._pending_save: tuple[Future, Path, Path] | None = None
         # DCP's asynchronous writer runs collectives from a thread: give it its own gloo
         # group, so it never interleaves with the training's collectives (or needs NCCL).
@@ -225,6 +239,8 @@ class Checkpointer:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             logger.info("checkpoint %s written", final)
+            for path in prune_checkpoints(self.directory, self.keep):
+                logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
 
     def _check_optimizer(self, path: Path, saved) -> None:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its

@@ -74,6 +74,7 @@ class StepResult:
     lr: float
     num_tokens: int  # input tokens this rank processed (all passes count once)
     projected_grads: tuple[float, ...]  # g_j of each query j
+    stop: bool = False  # some rank asked to stop after this step (a preemption notice)
 
 
 def step_grads(entries) -> tuple[tuple[int, tuple[float, ...]], ...]:
@@ -524,16 +525,19 @@ class ZOEngine:
             return 0
         return self.resident_base_layout.num_parameters + sum(l.num_parameters for l in self.base_layouts)
 
-    def step(self, batch: Mapping[str, torch.Tensor], num_items: int | None = None) -> StepResult:
+    def step(self, batch: Mapping[str, torch.Tensor], num_items: int | None = None, stop: bool = False) -> StepResult:
         """One ZO-SGD step on ``batch``, in the form the objective reads (for the default
         ``lm``: ``input_ids``, optional ``attention_mask``/``labels``).
 
         ``num_items`` is what the objective averages over (label tokens, examples) in the
         *global* batch; it defaults to this batch's, which is right in one process.
+        ``stop``: this rank's vote to stop after this step, carried by the step's one
+        all-reduce, so every rank learns in the same step whether any rank voted
+        (``StepResult.stop``): ranks that got a signal at different moments stop together.
         """
-        return self._finish_step(*self._queue_step(batch, num_items))
+        return self._finish_step(*self._queue_step(batch, num_items, stop))
 
-    def _queue_step(self, batch: Mapping[str, torch.Tensor], num_items: int | None):
+    def _queue_step(self, batch: Mapping[str, torch.Tensor], num_items: int | None, stop: bool = False):
         """Everything of a step up to its one host read, queued without reading the device
         (the CUDA tests hold it to that with the sync debug mode set to "error")."""
         t = self.step_index
@@ -550,6 +554,8 @@ class ZOEngine:
                 runner = _StepRunner(self, t, self.passes, cfg.grad_accum)
                 losses = self.objective.losses(runner, prepared, self.passes, num_items)
                 vector = loss_contribution(losses, cfg.num_queries)
+                # the stop vote rides on the losses' all-reduce: filled on the device, no copy
+                vector = torch.cat([vector, torch.full((1,), float(stop), dtype=vector.dtype, device=vector.device)])
                 if self.parallel.is_distributed:
                     vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
                 read = self.parallel.comm.read_later(vector)  # queued on the compute stream
@@ -557,7 +563,7 @@ class ZOEngine:
 
     def _finish_step(self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]) -> StepResult:
         with self._guard():
-            reduced = read()  # the step's one host sync: waits for the compute stream's losses only
+            *reduced, votes = read()  # the step's one host sync: waits for the compute stream's losses only
         cfg = self.config
         grads = projected_gradients(reduced, cfg.eps)
         self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
@@ -565,7 +571,7 @@ class ZOEngine:
         q = cfg.num_queries
         loss_plus, loss_minus = sum(reduced[0::2]) / q, sum(reduced[1::2]) / q
         return StepResult(
-            t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, sum(grads) / q, lr, num_tokens, grads
+            t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, sum(grads) / q, lr, num_tokens, grads, votes > 0
         )
 
     def momentum_update(self, update: PendingUpdate) -> PendingUpdate:

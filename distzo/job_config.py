@@ -22,6 +22,7 @@ from distzo.config import (
     COMPUTE_DTYPE_NAMES, MODES, OPTIMIZER_STATES, OPTIMIZERS, STATE_DTYPES, TRANSFER_DTYPE_NAMES, TRANSFERS,
 )
 from distzo.peft_tuning import PEFT_METHODS, PREFIX_INITS
+from distzo.reporting import REPORTERS
 from distzo.zo.schedule import SCHEDULES
 
 
@@ -183,6 +184,17 @@ class RunOptions:
         "catch up with every step the seed log holds after it; auto: that when the run directory has a checkpoint or "
         "logged steps, else start afresh. Default: auto under torchrun --max-restarts > 0, else no",
         RESUME_MODES, bare="yes",
+    )
+    report_to: str = option(
+        "none", "the run's dashboard, from rank 0: tensorboard (event files in <run>/tensorboard; pip install "
+        "'distzo[tensorboard]') or wandb (in the mode the environment sets; pip install 'distzo[wandb]')", REPORTERS,
+    )
+    keep_checkpoints: int = option(
+        2, "complete checkpoints kept on disk, the oldest deleted first once a newer one is complete (0: keep all)"
+    )
+    save_on_signal: bool = option(
+        False, "on SIGTERM or SIGUSR1 (a preemption notice) write a checkpoint after the step under way before "
+        "exiting; without it the seed log, synced, is what the restart catches up from"
     )
     log_sync_steps: int = option(
         1, "sync the seed log to disk every N steps (a crash loses at most the last N-1 logged steps, which are "

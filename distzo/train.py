@@ -57,7 +57,7 @@ from distzo.dist import (
 from distzo.dist import process_group as pg
 from distzo.engine import ZOEngine, resolve_transfer
 from distzo.evaluation import evaluate
-from distzo.host_memory import peak_rss_bytes
+from distzo.host_memory import peak_rss_bytes, rss_bytes
 from distzo.job_config import JobConfig, resolve, write_resolved
 from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import check_supported, hub, model_from_config
@@ -66,6 +66,8 @@ from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
+from distzo.preemption import EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.reporting import Reporter, check_reporter, make_reporter
 from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log, step_grads
 from distzo.zo import identity_kind, noise_identity
 
@@ -75,6 +77,7 @@ logger = logging.getLogger("distzo.train")
 
 MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 FAILURE_ENV = "DISTZO_FAIL_AT"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
+SIGNAL_ENV = "DISTZO_SIGNAL_AT"  # "RANK:STEP": that rank sends itself SIGTERM just before that step (preemption tests)
 KILL_ENV = "DISTZO_KILL_AT"  # "RANK:STEP": that rank SIGKILLs itself there, on a job's first attempt only (restart tests)
 
 
@@ -181,6 +184,9 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
         )
     rows = load_task_rows(data.task, data.train_file, data.eval_file)  # every row checked, before any model
     check_shard_size(run.export_shard_size)
+    check_reporter(run.report_to)
+    if run.keep_checkpoints < 0:
+        raise ValueError(f"--keep-checkpoints must be >= 0 (0: keep all), got {run.keep_checkpoints}")
     if run.log_sync_steps < 1:
         raise ValueError(f"--log-sync-steps must be >= 1, got {run.log_sync_steps}")
     run.resume = resume_mode(run, env)
@@ -403,7 +409,9 @@ def _truncate_jsonl(path: Path, keep_below: int) -> None:
 class RunLogs:
     """Rank 0's JSON-lines files: per-step metrics, evaluations and the seed log."""
 
-    def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict, sync_every: int = 1) -> None:
+    def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict, sync_every: int = 1,
+                 reporter: Reporter | None = None) -> None:
+        self.reporter = reporter  # the dashboard: every metrics and eval record's numbers
         log_dir.mkdir(parents=True, exist_ok=True)
         self.paths = {"metrics": log_dir / "metrics.jsonl", "eval": log_dir / "eval.jsonl", "seeds": run_dir / SEED_LOG}
         for name, path in self.paths.items():
@@ -424,14 +432,37 @@ class RunLogs:
             return
         self.files[name].write(json.dumps(record) + "\n")
         self.files[name].flush()
+        if self.reporter is not None:
+            prefix = "train" if name == "metrics" else "eval"
+            self.reporter.log({f"{prefix}/{key.removeprefix('eval_')}": float(value) for key, value in record.items()
+                               if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)},
+                              record["step"])
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
         self.seeds.close()
+        if self.reporter is not None:
+            self.reporter.close()
 
 
-def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, rows: LoadedRows | None) -> dict:
+def stop_after(job: JobConfig, checkpointer: Checkpointer, logs: RunLogs | None, done: int, received: str | None) -> None:
+    """End a preempted run at a step boundary: a checkpoint of ``done`` steps with
+    ``--save-on-signal`` (else the synced seed log is what a restart catches up from), an
+    asynchronous save in flight completed, the logs closed; then ``Preempted``."""
+    if job.run.save_on_signal:
+        checkpointer.save(asynchronous=False)
+    else:
+        checkpointer.wait()
+    if logs:
+        logs.close()  # syncs the seed log
+    raise Preempted(done, received or "a signal to another rank")
+
+
+def train(
+    job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, rows: LoadedRows | None,
+    signals: StopSignals | None = None,
+) -> dict:
     device = config.torch_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -465,7 +496,7 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
         write_resolved(job, run_dir)
     objective = build_objective(job.optim.objective or "lm", data, tokenizer)
     engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights, objective=objective)
-    checkpointer = Checkpointer(run_dir / "checkpoints", engine)
+    checkpointer = Checkpointer(run_dir / "checkpoints", engine, job.run.keep_checkpoints)
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if job.run.resume == "yes" else None
     start_step = checkpointer.load(checkpoint) if checkpoint is not None else 0
     header = {
@@ -481,10 +512,12 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
         start_step = catch_up_from_log(engine, run_dir, header, parallel)
     logs = None
     if env.rank == 0:
+        reporter = make_reporter(job.run.report_to, run_dir, dataclasses.asdict(job))
         logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header,
-                       job.run.log_sync_steps)
+                       job.run.log_sync_steps, reporter)
     fail_at = injected_failure(env.rank)
     kill_at = injected_failure(env.rank, KILL_ENV) if env.restart_count == 0 else None
+    signal_at = injected_failure(env.rank, SIGNAL_ENV) if not job.run.resume == "yes" else None
 
     # A resumed run does not evaluate where it starts: an evaluation applies the pending
     # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
@@ -500,22 +533,28 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
     for step in progress:
         if step == fail_at:
             raise RuntimeError(f"failure injected by {FAILURE_ENV} at step {step}")
+        if step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the step starts
         if step == kill_at:
             logger.error("killing rank %d at step %d (%s)", env.rank, step, KILL_ENV)
             os.kill(os.getpid(), signal.SIGKILL)
         step_start = time.perf_counter()
         global_batch = data.batch(job.data.batch_size, step)  # the same rows on every rank
         num_items = objective.num_items(global_batch)  # label tokens or examples of the global batch
-        result = engine.step(parallel.shard_batch(global_batch), num_items=num_items)
+        result = engine.step(parallel.shard_batch(global_batch), num_items=num_items,
+                             stop=signals is not None and signals.requested)
         step_tokens = global_batch["input_ids"].numel()
         tokens += step_tokens
-        tokens_per_s = step_tokens / max(time.perf_counter() - step_start, 1e-9)
+        step_seconds = max(time.perf_counter() - step_start, 1e-9)
+        tokens_per_s = step_tokens / step_seconds
         progress.set_postfix(loss=f"{result.loss:.4f}", g=f"{result.projected_grad:+.3g}", tok_s=f"{tokens_per_s:.0f}")
         if logs:
             record = {
                 "step": step, "objective": objective.name, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
                 "projected_grad": result.projected_grad, "lr": result.lr, "tokens_per_s": tokens_per_s,
-                "host_rss_gb": peak_rss_bytes() / 1e9,
+                "link_gb_per_s": engine.link_bytes_per_step / step_seconds / 1e9,  # uploaded by rank 0 (offloaded alike)
+                "host_rss_gb": current_rss / 1e9 if (current_rss := rss_bytes()) is not None else None,
+                "host_peak_rss_gb": peak_rss_bytes() / 1e9,
             }
             if device.type == "cuda":
                 record["peak_device_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
@@ -524,6 +563,8 @@ def train(job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, 
             logs.write("metrics", record)
             logs.write("seeds", {"step": step, "run_seed": engine.run_seed, "projected_grads": list(result.projected_grads),
                                  "lr": result.lr})
+        if result.stop:  # a rank was signalled: every rank stops here, after this step's records
+            stop_after(job, checkpointer, logs, step + 1, signals.received if signals else None)
         if job.run.log_every and (step % job.run.log_every == 0 or step == job.optim.max_steps - 1):
             logger.info("step %d loss %.4f g %+.4g lr %.3g", step, result.loss, result.projected_grad, result.lr)
         done = step + 1
@@ -574,9 +615,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         return fail(str(err))  # every rank, the same line, before any model
     try:
-        train(job, env, config, dims, rows)
+        with StopSignals() as signals:
+            train(job, env, config, dims, rows, signals)
     except ValueError as err:
         return fail(str(err))
+    except Preempted as stopped:
+        if env.rank == 0:
+            logger.warning("preempted: %s; %d steps done, --resume (or a restart) goes on from there", stopped,
+                           stopped.step)
+        pg.shutdown()  # every rank stopped after the same step: no collective is pending
+        return EXIT_PREEMPTED
     # Any other failure propagates: the process exits non-zero and torchrun stops the other
     # ranks (a peer blocked in a collective fails by itself within --dist-timeout). The
     # process group is torn down only after success: tearing it down under a collective

@@ -33,20 +33,6 @@ def assert_same_params(a: Run, b: Run, rel: float = 0.0):
         assert diff <= rel, (name, diff)
 
 
-def test_single_process_resume_is_bitwise(tmp_path):
-    # With 3 queries the checkpoint's pending update carries three g (one per direction).
-    # (One query's bitwise resume: the momentum, adapter and low-bit resume tests.)
-    flags = COMMON + ["--num-queries", "3"]
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
-    assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
-    proc = launch(1, flags + ["--output-dir", str(cut), "--resume"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "resumed from" in proc.stderr and "step-4 at step 4" in proc.stderr
-    assert Run(cut).grads == Run(full).grads  # the metrics log continues where it was cut
-    assert_same_params(Run(cut), Run(full))
-
-
 def test_resume_is_exact_and_independent_of_world_size(tmp_path):
     # Adam: its moments are in the checkpoint beside the weights and reshard with them.
     flags = COMMON + ["--dtype", "fp64", "--optimizer", "adam", "--lr", "1e-3"]
@@ -110,19 +96,6 @@ def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards
     assert launch(4, flags + ["--max-steps", "2", "--output-dir", str(naive)]).returncode == 0
     files = checkpoint_writers(naive / "checkpoints" / "step-2")
     assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
-
-
-def test_synchronous_saves_in_place_resume_exactly(tmp_path):
-    full = tmp_path / "full"
-    args = COMMON + ["--save-steps", "4", "--no-save-async"]
-    proc = launch(2, args + ["--output-dir", str(full)])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step-8", resumed / "checkpoints" / "step-8")
-    proc = launch(2, args + ["--output-dir", str(resumed), "--resume"])
-    assert proc.returncode == 0 and "step-8 at step 8" in proc.stderr, proc.stderr[-2000:]
-    assert_same_params(Run(resumed), Run(full))
 
 
 def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path):

@@ -1,0 +1,72 @@
+"""The run's dashboard: ``--report-to tensorboard|wandb|none`` (transformers' ``report_to``).
+
+Rank 0 reports every step's scalars (loss, g, lr, tokens/s, memory, the host link's
+GB/s) and every evaluation. TensorBoard writes event files through
+``torch.utils.tensorboard`` under ``<run>/tensorboard``; Weights & Biases runs in
+whatever mode the environment sets (``WANDB_MODE=offline`` included), one wandb run per
+distzo run directory, resumed with it. Each is an optional extra
+(``pip install 'distzo[tensorboard]'`` / ``'distzo[wandb]'``); asking for one that is
+not installed is a one-line error before any model is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+from typing import Protocol
+
+REPORTERS = ("none", "tensorboard", "wandb")
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+class Reporter(Protocol):
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_reporter(kind: str) -> None:
+    """Refuse, in one line, a dashboard whose package is not installed."""
+    package = _PACKAGES.get(kind)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(f"--report-to {kind} needs the {package} package: pip install 'distzo[{kind}]', "
+                         "or drop --report-to")
+
+
+class TensorBoardReporter:
+    def __init__(self, run_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbReporter:
+    def __init__(self, run_dir: Path, config: dict) -> None:
+        import wandb
+
+        # One wandb run per run directory: a resumed or restarted run appends to it.
+        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.run = wandb.init(project="distzo", name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
+                              config=config)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_reporter(kind: str, run_dir: Path, config: dict) -> Reporter | None:
+    if kind == "tensorboard":
+        return TensorBoardReporter(run_dir)
+    if kind == "wandb":
+        return WandbReporter(run_dir, config)
+    return None
