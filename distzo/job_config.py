@@ -27,6 +27,12 @@ from distzo.zo.schedule import SCHEDULES
 
 
 RESUME_MODES = ("no", "yes", "auto")
+# Where each section's options are explained (the --help epilog names them).
+SECTION_DOCS = {
+    "model": "docs/models.md", "data": "docs/tasks.md", "optim": "docs/optimizers.md", "peft": "docs/peft.md",
+    "offload": "docs/distributed.md", "parallel": "docs/distributed.md",
+    "run": "docs/training.md, docs/checkpoints.md",
+}
 
 
 def option(default: Any, help: str, choices: tuple | None = None, bare: Any = None) -> Any:
@@ -251,6 +257,8 @@ def _base_type(f: dataclasses.Field) -> type:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog or program("distzo.train"),
+        epilog="Documentation, by section: " + "; ".join(f"[{name}] {page}" for name, page in SECTION_DOCS.items())
+        + " (in the repository, or its README's links).",
         description="Zeroth-order (MeZO / ZO2 / DistZO2) fine-tuning. Defaults train a tiny OPT on a "
         "generated counting task. Launch with torchrun for several ranks. Every option can also be set "
         "in a TOML file (--config), as [section] key = value; flags override the file.",

@@ -228,7 +228,7 @@ def test_a_dashboard_that_is_not_installed_is_one_line(monkeypatch):
 
 def test_wandb_gets_every_step_and_evaluation_and_a_resumed_run_continues_its_wandb_run(tmp_path):
     # tests/fake_wandb stands in for the package (wandb is not installed in CI): it records
-    # the calls. A real wandb 0.31 in offline mode ran the same command by hand (README).
+    # the calls. A real wandb 0.31 in offline mode ran the same command by hand (docs/training.md).
     calls = tmp_path / "wandb-calls.jsonl"
     env = {"PYTHONPATH": str(Path(__file__).parent / "fake_wandb"), "FAKE_WANDB_LOG": str(calls)}
     args = ["--max-steps", "4", "--eval-steps", "2", "--log-every", "0", "--report-to", "wandb", "--save-steps", "2",
