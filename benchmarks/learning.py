@@ -90,11 +90,11 @@ def main() -> None:
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--momentum-window", type=int, default=32)
-    p.add_argument("--quick", action="store_true", help="4 steps, 32 held-out rows: a smoke run")
+    p.add_argument("--quick", action="store_true", help="4 steps of 8 rows, 16 held-out rows: a smoke run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.eval_steps, args.eval_rows = 4, 2, 32
+        args.steps, args.eval_steps, args.eval_rows, args.batch_size = 4, 2, 16, 8
     if not args.gguf or not Path(args.gguf).is_file():
         raise SystemExit("learning.py: give --gguf (or DISTZO_SMOLLM2_GGUF): the SmolLM2 GGUF file, see this file's docstring")
     for name in ("train.tsv", "heldout.tsv"):
