@@ -129,7 +129,7 @@ def test_export_loads_in_transformers_and_matches_the_engine(tmp_path):
     assert (reference - logits).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("queries", ["1", "2"])
+@pytest.mark.parametrize("queries", ["2"])  # one query: the Adam world-size test replays too
 def test_replay_of_the_seed_log_equals_the_export(tmp_path, queries):
     run = tmp_path / "run"
     flags = COMMON + ["--max-steps", "30", "--weight-decay", "0.1", "--num-queries", queries, "--output-dir", str(run)]

@@ -13,7 +13,7 @@ import torch
 
 from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log
 from tests.conftest import random_batch
-from tests.launch import Run, child_env, python_train, torchrun, train_in_process
+from tests.launch import Run, child_env, free_port, python_train, torchrun, torchrun_command, train_in_process
 from tests.test_peft import base_model, engine_for
 
 
@@ -184,17 +184,26 @@ def test_old_checkpoints_are_deleted_oldest_first_never_a_save_in_flight(tmp_pat
     assert prune_checkpoints(tmp_path, keep=0) == [] and len(list(tmp_path.iterdir())) == 3
 
 
-def test_a_long_run_keeps_flat_memory_and_at_most_k_checkpoints(tmp_path):
-    # 2,000 steps of the default job on 4 ranks, a checkpoint every 100: rank 0's resident
-    # memory (VmRSS) stays within 2 % from step 200 on, and 2 checkpoints are left.
-    proc = torchrun(4, ["--max-steps", "2000", "--log-every", "0", "--save-steps", "100", "--output-dir", str(tmp_path)],
-                    timeout=600)
+def test_the_default_4_rank_job_learns_with_flat_memory_and_at_most_k_checkpoints(tmp_path):
+    # `torchrun --nproc_per_node=4 -m distzo.train`, as a user runs it (./runs/<timestamp>),
+    # with a checkpoint every 100 of its 2,000 steps: it learns (accuracy from ~0 to >= 0.3,
+    # loss down >= 1.5 nats; measured 4.18 -> 1.65, 0.49), rank 0's resident memory
+    # (VmRSS) stays within 2 % from step 200 on, and 2 checkpoints are left.
+    command = torchrun_command(4, ["--save-steps", "100"], free_port())
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    first, last = evals[0], evals[-1]
+    assert first["step"] == 0 and last["step"] == 2000
+    assert last["eval_accuracy"] >= 0.3 and first["eval_accuracy"] < 0.1, (first, last)
+    assert last["eval_loss"] < first["eval_loss"] - 1.5, (first, last)
+    assert (run_dir / "export" / "model.safetensors").exists() and (run_dir / "config.toml").exists()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(2000))
     rss = [m["host_rss_gb"] for m in metrics[200:]]
     assert max(rss) <= 1.02 * min(rss), (min(rss), max(rss))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1900", "step-2000"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1900", "step-2000"]
 
 
 def test_tensorboard_holds_every_step_and_every_evaluation(tmp_path):

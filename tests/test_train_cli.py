@@ -54,27 +54,3 @@ def test_help_documents_every_flag_with_its_default():
     for flag in ["--max-steps", "--batch-size", "--lr", "--eps", "--mode", "--num-slots", "--device", "--seed"]:
         assert flag in out
     assert "(default: 2000)" in out
-
-
-def test_the_default_torchrun_job_learns(tmp_path):
-    """`torchrun --nproc_per_node=4 -m distzo.train` with no arguments, as a user runs it.
-
-    Documented margin (README): on the eval set, next-token accuracy rises from ~0 to
-    >= 0.3 and the loss falls by >= 1.5 nats (measured: 4.18 -> 1.65, accuracy 0.49).
-    """
-    import json
-    from pathlib import Path
-
-    from tests.launch import child_env, free_port, torchrun_command
-
-    command = torchrun_command(4, [], free_port())
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = list((tmp_path / "runs").iterdir())  # ./runs/<timestamp>
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    first, last = evals[0], evals[-1]
-    assert first["step"] == 0 and last["step"] == 2000
-    assert last["eval_accuracy"] >= 0.3 and first["eval_accuracy"] < 0.1, (first, last)
-    assert last["eval_loss"] < first["eval_loss"] - 1.5, (first, last)
-    assert (run_dir / "export" / "model.safetensors").exists() and (run_dir / "config.toml").exists()
-    assert Path(run_dir / "checkpoints" / "step-2000").is_dir()
