@@ -242,6 +242,13 @@ class Checkpointer:
             for path in prune_checkpoints(self.directory, self.keep):
                 logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
 
+    def _load_blocks(self, path: Path, prefix: str, store) -> None:
+        """``<prefix>/i`` of every block into ``store``, one block in memory at a time."""
+        for i, layout in enumerate(self.engine.block_layouts):
+            buffer = {f"{prefix}/{i}": torch.empty(layout.numel, dtype=store.rest_dtype)}
+            dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
+            store.load_block(i, buffer[f"{prefix}/{i}"])
+
     def _check_optimizer(self, path: Path, saved) -> None:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its
         moments stored or not alike (a checkpoint from before optimizers: ZO-SGD)."""
@@ -288,19 +295,12 @@ class Checkpointer:
         dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
         identity = _noise_identity(meta["meta/noise"]) if "meta/noise" in meta else "legacy"
         engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path))
-        for i, layout in enumerate(engine.block_layouts):
-            buffer = {f"block/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)}
-            dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)  # one block at a time
-            engine.store.load_block(i, buffer[f"block/{i}"])
+        self._load_blocks(path, "block", engine.store)
         for k, name in enumerate(engine.moments.names):
             resident = {f"{name}/resident": torch.empty_like(engine.moments.resident[k], device="cpu")}
             dcp.load(resident, checkpoint_id=str(path), process_group=self._group)
             engine.moments.resident[k].copy_(resident[f"{name}/resident"])
-            store = engine.moments.blocks[k]
-            for i, layout in enumerate(engine.block_layouts):
-                buffer = {f"{name}/block/{i}": torch.empty(layout.numel, dtype=store.rest_dtype)}
-                dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
-                store.load_block(i, buffer[f"{name}/block/{i}"])
+            self._load_blocks(path, f"{name}/block", engine.moments.blocks[k])
         with torch.no_grad():
             engine.resident_master.copy_(meta["resident"])
         recent = _recent_steps(meta["meta/recent_steps"]) if "meta/recent_steps" in meta else ()

@@ -188,6 +188,13 @@ class ZOConfig:
         return self.optimizer == "adam" or (self.optimizer == "momentum" and self.optimizer_state == "stored")
 
     @property
+    def rounds_on_host(self) -> bool:
+        """Whether something rests on the host in a low-bit format, rounded stochastically at
+        every offload (a low-bit transfer, bf16 moments): a step's result then depends on
+        when it went back, so logged steps cannot be applied in one catch-up pass."""
+        return self.transfer_dtype != "fp32" or self.state_dtype != "fp32"
+
+    @property
     def num_moments(self) -> int:
         """Moment buckets per trained bucket: Adam's m and v, a stored momentum's m, else none."""
         return {"adam": 2, "momentum": 1}.get(self.optimizer, 0) if self.stored_state else 0

@@ -317,7 +317,7 @@ class ZOEngine:
         self._fill(self.store, built, weights, sliced=self.state_sliced)
         self._fill(self.base_store, base_built, weights, sliced=self.transfer == "sliced")
         self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(self.device)
-        self._make_moments(dtype, shard if config.mode == "offload" else None)
+        self._make_moments(shard)
 
         # One scratch bucket serves every block: blocks compute one after another on one
         # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
@@ -422,7 +422,7 @@ class ZOEngine:
             else:
                 store.load_block(i, _bucket_values(layout, ordered, weights))
 
-    def _make_moments(self, dtype: torch.dtype, shard: Shard | None) -> None:
+    def _make_moments(self, shard: Shard | None) -> None:
         """Stored optimizer state (Adam, a stored momentum): zeroed moment buckets beside the
         resident bucket and the blocks, in host shards streamed with the blocks when the
         blocks stream (sliced like them), else on the device; none for ZO-SGD."""
@@ -477,15 +477,7 @@ class ZOEngine:
     def link_bytes_per_step(self) -> int:
         """Bytes this rank uploads over the host link in a training step (and offloads, unless
         the blocks are a frozen base): every streamed block once, with its moments; 0 resident."""
-        store = self.streamed_store
-        if not hasattr(store, "link_bytes"):
-            return 0
-        if self._carried is not None:
-            carry, self._carried.carry = self._carried.carry, True
-        total = sum(store.link_bytes(i) for i in range(len(self.blocks)))
-        if self._carried is not None:
-            self._carried.carry = carry
-        return total
+        return sum(self.streamed_store.link_bytes(i) for i in range(len(self.blocks)))
 
     @property
     def state_host_bytes(self) -> int:
@@ -503,13 +495,10 @@ class ZOEngine:
         # A separate source (own stream and workspace) for rounding: it runs on the
         # offload stream, concurrently with the compute stream's perturbations. A frozen
         # base is never written back, so it never rounds.
-        rounds = (self.config.transfer_dtype != "fp32" or self.config.state_dtype != "fp32") and not self.frozen_base
         self.rounding_noise = (
             NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform", kind=kind)
-            if rounds else None
+            if self.config.rounds_on_host and not self.frozen_base else None
         )
-        if getattr(self, "moment_updater", None) is not None:
-            self.moment_updater.noise = self.noise
 
     # ------------------------------------------------------------------ public API
 
@@ -917,7 +906,7 @@ class ZOEngine:
             return
         wd = self.config.weight_decay
         if self.moment_updater is not None:
-            self.moment_updater.apply(bucket, moments, layout.decay_end, update.lr, wd, update.step,
+            self.moment_updater.apply(self.noise, bucket, moments, layout.decay_end, update.lr, wd, update.step,
                                       update.projected_grads, block_id)
             return
         terms = [(step, query, update.lr * c) for step, query, c in update.terms()]

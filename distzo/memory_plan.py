@@ -26,6 +26,7 @@ from distzo.models import adapter_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
+from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def _state_bytes(
         blocks = moments * config.num_slots * max(padded) * (master + (state_wire if state_wire != master else 0))
     else:
         host, blocks = 0, moments * sum(l.numel for l in layouts) * master
-    scratch = (2 if config.optimizer == "adam" else 1) * workspace_elements(
+    scratch = MomentRule.of(config).scratch_pieces * workspace_elements(
         config.noise_chunk, config.torch_device().type, config.noise) * master
     return host, moments * resident_numel * master + blocks + scratch
 

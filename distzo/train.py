@@ -256,7 +256,7 @@ def catch_up_from_log(engine: ZOEngine, run_dir: Path, header: dict, parallel: P
     records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records
     if not records:
         return start
-    if engine.config.transfer_dtype != "fp32" or engine.config.state_dtype != "fp32":
+    if engine.config.rounds_on_host:
         logger.info("steps %d-%d are in the seed log, but a low-bit transfer rounds at every step: training them "
                     "again from step %d", start, records[-1][0], start)
         return start
@@ -517,7 +517,8 @@ def train(
                        job.run.log_sync_steps, reporter)
     fail_at = injected_failure(env.rank)
     kill_at = injected_failure(env.rank, KILL_ENV) if env.restart_count == 0 else None
-    signal_at = injected_failure(env.rank, SIGNAL_ENV) if not job.run.resume == "yes" else None
+    signal_at = injected_failure(env.rank, SIGNAL_ENV) if job.run.resume != "yes" else None
+    link_bytes = engine.link_bytes_per_step  # what one step moves over the host link: fixed by the layout
 
     # A resumed run does not evaluate where it starts: an evaluation applies the pending
     # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
@@ -552,7 +553,7 @@ def train(
             record = {
                 "step": step, "objective": objective.name, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
                 "projected_grad": result.projected_grad, "lr": result.lr, "tokens_per_s": tokens_per_s,
-                "link_gb_per_s": engine.link_bytes_per_step / step_seconds / 1e9,  # uploaded by rank 0 (offloaded alike)
+                "link_gb_per_s": link_bytes / step_seconds / 1e9,  # uploaded by rank 0 (offloaded alike)
                 "host_rss_gb": current_rss / 1e9 if (current_rss := rss_bytes()) is not None else None,
                 "host_peak_rss_gb": peak_rss_bytes() / 1e9,
             }

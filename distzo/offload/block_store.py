@@ -26,6 +26,10 @@ class BlockStore(Protocol):
 
     def device_bucket(self, index: int) -> torch.Tensor: ...
 
+    def link_bytes(self, index: int) -> int:
+        """Bytes of block ``index`` this rank moves over the host link each way per step."""
+        ...
+
     def load_block(self, index: int, values: torch.Tensor) -> None: ...
 
     def block_at_rest(self, index: int) -> torch.Tensor:
@@ -60,6 +64,9 @@ class ResidentBlocks:
 
     def device_bucket(self, index: int) -> torch.Tensor:
         return self.masters[index]
+
+    def link_bytes(self, index: int) -> int:
+        return 0  # nothing moves
 
     def load_block(self, index: int, values: torch.Tensor) -> None:
         self.masters[index].copy_(values)

@@ -76,6 +76,6 @@ class CarriedStore:
         return self.weights.device_bucket(index)
 
     def link_bytes(self, index: int) -> int:
-        """Bytes of block ``index`` over the host link each way, moments included (while carried)."""
-        carried = sum(store.link_bytes(index) for store in self.moments) if self.carry else 0
-        return self.weights.link_bytes(index) + carried
+        """Bytes of block ``index`` over the host link each way in a training step, its
+        moments included (an evaluation, which leaves them at rest, moves the weights' alone)."""
+        return self.weights.link_bytes(index) + sum(store.link_bytes(index) for store in self.moments)

@@ -54,16 +54,21 @@ class MomentRule:
     def num_moments(self) -> int:
         return len(self.names)
 
+    @property
+    def scratch_pieces(self) -> int:
+        """Noise pieces of scratch the update holds: ``ghat``, and Adam's denominator."""
+        return 2 if self.optimizer == "adam" else 1
+
 
 class MomentUpdater:
     """Applies a rule's update to buckets and their moments, with scratch made once
-    (``ghat`` and Adam's denominator, one noise piece each), so steps allocate nothing."""
+    (``ghat`` and Adam's denominator, one noise piece each), so steps allocate nothing.
+    ``noise`` sizes the scratch; each ``apply`` draws from the source it is given (the
+    engine's own, which a restore replaces)."""
 
     def __init__(self, rule: MomentRule, noise: "NoiseSource") -> None:
         self.rule = rule
-        self.noise = noise
-        count = 2 if rule.optimizer == "adam" else 1
-        self._scratch = torch.empty(count, noise.piece, device=noise.device, dtype=noise.dtype)
+        self._scratch = torch.empty(rule.scratch_pieces, noise.piece, device=noise.device, dtype=noise.dtype)
 
     @property
     def device_bytes(self) -> int:
@@ -71,6 +76,7 @@ class MomentUpdater:
 
     def apply(
         self,
+        noise: "NoiseSource",
         theta: torch.Tensor,
         moments: Sequence[torch.Tensor],
         decay_end: int,
@@ -82,7 +88,7 @@ class MomentUpdater:
     ) -> None:
         """Update ``theta`` and its ``moments`` (same length) in place with step ``step``'s
         estimate; weight decay only on ``theta[:decay_end]``."""
-        rule, noise = self.rule, self.noise
+        rule = self.rule
         n, c = theta.numel(), noise.piece
         q = len(projected_grads)
         shrink = 1.0 - lr * weight_decay
