@@ -4,6 +4,7 @@ preemption signal or a torn log); every rank stops after the same step on a sign
 long run keeps flat memory and K checkpoints; the dashboard holds every step."""
 
 import json
+import os
 from pathlib import Path
 import subprocess
 import sys
@@ -167,9 +168,48 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
         "written with, or use a fresh --output-dir")
 
 
-def test_the_slurm_script_is_valid_bash():
-    proc = subprocess.run(["bash", "-n", "launch/slurm.sbatch"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+def test_the_slurm_script_stops_at_the_time_limit_notice_requeues_and_the_requeued_job_goes_on(tmp_path):
+    # launch/slurm.sbatch as sbatch runs it, with tests/fake_slurm's srun (which becomes its
+    # task, as a signal to srun reaches the task) and scontrol (this host; requeues recorded):
+    # the time-limit notice (SIGTERM to the batch shell alone, --signal=B:TERM) reaches both
+    # ranks through srun and torchrun, the job stops after a step and requeues itself; the
+    # requeued job (same id, same directory, --resume auto) ends where an uninterrupted run does.
+    import signal
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    out, log = tmp_path / "slurm-out", tmp_path / "slurm.log"
+    env = child_env({
+        "PATH": f"{repo / 'tests' / 'fake_slurm'}:{os.environ['PATH']}", "FAKE_SLURM_LOG": str(log),
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_SUBMIT_DIR": str(repo), "OUTPUT_DIR": str(out), "RDZV_PORT": str(free_port()),
+    })
+    flags = ["--max-steps", "100", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0", "--seed", "5",
+             "--lr-schedule", "constant"]
+    job = subprocess.Popen(["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"], cwd=tmp_path,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode != 0, stderr[-3000:]
+    assert "stopped before the time limit" in stdout and "requeueing 4242" in stdout
+    assert "preempted: stopped after step" in stderr
+    stopped_after = len((out / "metrics.jsonl").read_text().splitlines())
+    assert 3 <= stopped_after < 100 and not (out / "export").exists()
+    assert log.read_text().splitlines()[-1] == "scontrol requeue 4242"
+
+    requeued = subprocess.run(["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"], cwd=tmp_path,
+                              env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=180)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert f"training from step {stopped_after}" in requeued.stderr
+    assert log.read_text().count("requeue") == 1
+    full = tmp_path / "full"
+    assert python_train(flags + ["--output-dir", str(full)]).returncode == 0  # 2 PertP ranks are 1 process in fp32
+    assert Run(out).grads == Run(full).grads
+    assert all(torch.equal(Run(out).params[k], v) for k, v in Run(full).params.items())
 
 
 def test_old_checkpoints_are_deleted_oldest_first_never_a_save_in_flight(tmp_path):
