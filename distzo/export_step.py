@@ -65,9 +65,15 @@ class TrainingStep(nn.Module):
                          for e in layout.entries] for layout in self.layouts]
         self.register_buffer("table", gaussian_table())
         self.decay_ends = [layout.decay_end for layout in self.layouts]
+        self.widest = max(layout.numel for layout in self.layouts)
 
-    def _z(self, key: torch.Tensor, numel: int) -> torch.Tensor:
-        bits = philox.torch_lanes((key[0], key[1]), 0, numel, philox.LANES16)
+    def _noise(self, keys: torch.Tensor) -> torch.Tensor:
+        """``z`` for every key row of ``keys`` (``[k, 2]``) over the largest block: one
+        Philox graph for all blocks and both steps, so the program (and the time to lower
+        it for a runtime) does not grow with the number of blocks. A block reads the
+        first ``numel`` values of its row: an element's draw does not depend on how many
+        are drawn."""
+        bits = philox.torch_lanes((keys[:, :1], keys[:, 1:]), 0, self.widest, philox.LANES16)
         return self.table[bits]
 
     def forward(
@@ -75,11 +81,12 @@ class TrainingStep(nn.Module):
         previous_keys: torch.Tensor, update_scale: torch.Tensor, shrink: torch.Tensor, keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``update_scale`` = -lr g of the previous step (0 at the first), ``shrink`` = 1 - lr wd."""
+        noise = self._noise(torch.cat([previous_keys, keys])).unflatten(0, (2, len(self.layouts)))
         for i, layout in enumerate(self.layouts):
             theta = getattr(self, f"adapter_{i}")
             decayed = torch.cat([theta[: self.decay_ends[i]] * shrink, theta[self.decay_ends[i] :]])
-            theta.copy_(decayed + update_scale * self._z(previous_keys[i], layout.numel))
-            z = self._z(keys[i], layout.numel)
+            theta.copy_(decayed + update_scale * noise[0, i, : layout.numel])
+            z = noise[1, i, : layout.numel]
             both = torch.stack([theta + self.eps * z, theta - self.eps * z])
             for module, e in self.factors[i]:
                 module.stacked = both[:, e.offset : e.offset + e.numel].unflatten(1, e.shape)

@@ -109,6 +109,17 @@ def test_torch_lanes_equal_the_reference_bit_for_bit(lanes):
             assert got == philox.reference_lanes(key, start, stop, lanes), (key, start, stop)
 
 
+@pytest.mark.parametrize("lanes", [philox.LANES16, philox.LANES32])
+def test_many_keys_drawn_at_once_give_each_keys_own_bits(lanes):
+    # the exported training step draws every block's noise as one grid of keys x elements
+    keys = torch.tensor(KEYS, dtype=torch.int64)
+    for start, stop in RANGES[:5]:
+        grid = philox.torch_lanes((keys[:, :1], keys[:, 1:]), start, stop, lanes)
+        assert grid.shape == (len(KEYS), stop - start)
+        for row, key in zip(grid.tolist(), KEYS):
+            assert row == philox.torch_lanes(key, start, stop, lanes).tolist(), (key, start, stop)
+
+
 def test_each_element_of_a_tile_has_its_own_counter_and_lane():
     pairs = philox.counters_and_lanes(0, 2 * TILE16, philox.LANES16)[1]
     assert len(set(pairs)) == 2 * TILE16

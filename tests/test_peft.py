@@ -343,7 +343,7 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
 
     from safetensors.torch import load_file
 
-    from tests.launch import child_env
+    from tests.launch import child_env, main_in_process
 
     cmd = [sys.executable, "-m", "distzo.export_step", "--out", str(tmp_path), "--batch", "2", "--seq", "8", "--no-pte",
            "--steps", "3"]
@@ -357,5 +357,5 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
                        torch.tensor(1.0), keys[0])
     assert torch.isfinite(plus) and plus != minus
     assert not (tmp_path / "step.pte").exists()
-    bad = subprocess.run(cmd[:-1] + ["0"], capture_output=True, text=True, timeout=300, env=child_env())
+    bad = main_in_process("distzo.export_step", cmd[3:-1] + ["0"])
     assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr

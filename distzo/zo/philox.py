@@ -108,16 +108,18 @@ def torch_philox(c0: torch.Tensor, c1: torch.Tensor, key: tuple[int, int]):
     return c0, c1, c2, c3
 
 
-def torch_lanes(key: tuple[int, int], start: int, stop: int, lanes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def torch_lanes(key: tuple, start: int, stop: int, lanes: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Each element's lane bits for elements [start, stop) as an int64 tensor on ``device``
-    (whole tiles are computed, then cut to the range)."""
+    (whole tiles are computed, then cut to the range). ``key`` is two ints, or two int64
+    tensors of one shape ``[*keys, 1]`` (many keys drawn by one set of ops, as an exported
+    program wants): the result is then ``[*keys, stop - start]``, one row per key."""
     tile = TILE_BLOCKS * lanes
     first, last = start // tile, (stop + tile - 1) // tile
     counters = torch.arange(first * TILE_BLOCKS, last * TILE_BLOCKS, dtype=torch.int64, device=device)
-    words = torch.stack(torch_philox(counters & _MASK32, _shr(counters, 32), key))  # [4, counters]
-    if lanes == LANES16:
-        words = torch.stack((words & 0xFFFF, _shr(words, 16)), dim=1).reshape(LANES16, -1)  # lane j = word j//2, half j%2
-    # [lanes, tiles * 512] -> per tile, lane-major: element order within a tile
-    bits = words.view(lanes, last - first, TILE_BLOCKS).permute(1, 0, 2).reshape(-1)
+    words = torch.stack(torch.broadcast_tensors(*torch_philox(counters & _MASK32, _shr(counters, 32), key)))
+    if lanes == LANES16:  # [4, *keys, counters] -> [8, ...]: lane j = word j//2, half j%2
+        words = torch.stack((words & 0xFFFF, _shr(words, 16)), dim=1).flatten(0, 1)
+    # [lanes, *keys, tiles, 512] -> per tile, lane-major: element order within a tile
+    bits = words.unflatten(-1, (last - first, TILE_BLOCKS)).movedim(0, -2).flatten(-3)
     offset = first * tile
-    return bits[start - offset : stop - offset]
+    return bits[..., start - offset : stop - offset]
