@@ -10,6 +10,7 @@ disk every ``sync_every`` records; a reader drops a torn last line (with a warni
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -71,6 +72,22 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
         if record.get("step") != expected or "lr" not in record or not {"projected_grads", "projected_grad"} & record.keys():
             raise ValueError(f"--log {path}, line {expected + 2}: expected the record of step {expected}")
     return header, steps
+
+
+def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:
+    """``read_seed_log``, read once per state of the file: a resume asks the log whether
+    it holds steps, which noise drew them and which to catch up with, and should read it
+    (and warn of a torn line) once. The records are shared: read them, do not change them."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return read_seed_log(path)  # its one-line error
+    return _read_seed_log_cached(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_seed_log_cached(path: str, mtime_ns: int, size: int) -> tuple[dict, list[dict]]:
+    return read_seed_log(Path(path))
 
 
 def step_grads(record: dict) -> list[float]:

@@ -68,7 +68,7 @@ from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
 from distzo.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from distzo.reporting import Reporter, check_reporter, make_reporter
-from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log, step_grads
+from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log_once, step_grads
 from distzo.zo import identity_kind, noise_identity
 
 SEED_LOG = "seedlog.jsonl"
@@ -227,7 +227,7 @@ def logged_steps(path: Path) -> int:
     if not path.is_file():
         return 0
     try:
-        return len(read_seed_log(path)[1])
+        return len(read_seed_log_once(path)[1])
     except ValueError:
         return 0
 
@@ -237,7 +237,7 @@ def drawn_noise(run_dir: Path) -> str:
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is not None:
         return checkpoint_noise(checkpoint)
-    return identity_kind(read_seed_log(run_dir / SEED_LOG)[0].get("noise", "legacy"))
+    return identity_kind(read_seed_log_once(run_dir / SEED_LOG)[0].get("noise", "legacy"))
 
 
 def catch_up_from_log(engine: ZOEngine, run_dir: Path, header: dict, parallel: ParallelContext) -> int:
@@ -250,7 +250,7 @@ def catch_up_from_log(engine: ZOEngine, run_dir: Path, header: dict, parallel: P
     start = engine.step_index
     records = None
     if parallel.env.rank == 0 and path.is_file():
-        logged_header, steps = read_seed_log(path)
+        logged_header, steps = read_seed_log_once(path)
         check_same_run(path, logged_header, header)
         records = [(r["step"], step_grads(r), r["lr"]) for r in steps[start:]]
     records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records
