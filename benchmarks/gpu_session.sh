@@ -2,7 +2,7 @@
 # Every CUDA test and GPU benchmark of the project, in stages that each fit one
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
-#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise optimizers
+#   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise optimizers adapters
 #                                                  (default: the first four)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -21,8 +21,8 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
-        tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers) ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise or optimizers" >&2; exit 2 ;;
+        tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers or adapters" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$OUT"
@@ -104,6 +104,10 @@ for stage in "${STAGES[@]}"; do
                 --sweep 1x128,8x512 --optimizers sgd,momentum,adam --state-dtype $state --steps 3 --skip-resident \
                 --out "$WORK/throughput-opt-1.3b-optimizers-$state.json"
         done
+        ;;
+    adapters)  # issue 14: full vs LoRA-FA vs the dual forward and batched queries at q=4 (P-RGE: Llama2-7B, seq 64, batch 1)
+        bounded 400 adapters.log python3 benchmarks/throughput.py --compare-adapters --shape llama-2-7b --layers 8 \
+            --compute-dtype bf16 --sweep 1x64,8x64,16x256 --steps 5 --out "$WORK/throughput-llama-2-7b-adapters.json"
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py [--quick] [--shape opt-1.3b] [--layers 4] [--batch 8] [--seq 512]
     python benchmarks/throughput.py --shape opt-1.3b --sweep 1x128,2x256,4x512,8x512,16x512
+    python benchmarks/throughput.py --compare-adapters --shape opt-125m --sweep 1x64,8x64   # P-RGE's layouts
     torchrun --nproc_per_node=2 benchmarks/throughput.py     # adds PertP, DDP (and 2D on 4 ranks)
 
 Single process: tokens/s and peak device memory of resident, offload without overlap
@@ -19,6 +20,11 @@ with the LM head at the label positions against the full head (every position's
 logits), side by side in one run, and the peak memory of one evaluation call done the
 old way (full logits, float32 log-softmax of the whole batch) against the new (head at
 the scored positions, ``HEAD_CHUNK`` rows at a time).
+
+``--compare-adapters`` measures, at ``--num-queries`` q (default 4), full tuning against
+LoRA-FA and LoRA-FA with P-RGE's batched passes: ``--dual-forward`` (a query's two passes
+as one over the batch twice), ``--batch-queries`` (the q queries' passes of one sign as
+one) and both (one pass over 2q copies), steps interleaved, tokens/s side by side.
 
 ``--sweep`` measures every layout at several batch x sequence points (each engine built
 once) and reports where offload first reaches 0.95 x resident: the crossover, below
@@ -297,6 +303,97 @@ class Bench:
         return self.report
 
 
+def interleaved_steps(
+    engines: dict[str, ZOEngine], batch: dict, steps: int, device: torch.device
+) -> dict[str, tuple[Timer, int | None]]:
+    """Each engine's step times, the engines' steps taken in turn so that drift on a noisy
+    machine hits them alike, and the most memory one of its steps took above what was in
+    use before it (device memory on CUDA, RSS on CPU; None where it cannot be measured)."""
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    extra: dict[str, int | None] = {name: None for name in engines}
+    for engine in engines.values():
+        engine.step(batch)  # warm-up (allocator, first uploads)
+    for _ in range(steps):
+        for name, engine in engines.items():
+            synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                before, resets = torch.cuda.memory_allocated(device), True
+            else:
+                resets, before = reset_peak_rss(), rss_bytes()
+            start = time.perf_counter()
+            engine.step(batch)
+            synchronize(device)
+            samples[name].append(time.perf_counter() - start)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+            if resets and before is not None:
+                extra[name] = max(extra[name] or 0, peak - before)
+    return {name: (Timer(samples[name]), extra[name]) for name in engines}
+
+
+# P-RGE's layouts at the same query count: (adapter, dual forward, batched queries).
+ADAPTER_LAYOUTS = {
+    "full": ("none", False, False),
+    "lora_fa": ("lora-fa", False, False),
+    "lora_fa_dual": ("lora-fa", True, False),
+    "lora_fa_queries": ("lora-fa", False, True),
+    "lora_fa_dual_queries": ("lora-fa", True, True),
+}
+
+
+class AdapterBench:
+    """Full tuning vs LoRA-FA vs LoRA-FA with P-RGE's batched passes (the dual forward, the
+    batched queries, both), every layout at the same ``--num-queries``, steps interleaved.
+
+    Every layout does the same arithmetic per step (2q forward passes over the batch); what
+    differs is how the passes are grouped. A group of g passes reads each base weight once
+    for g copies of the batch, so it pays where reading the weights is the step's cost
+    (small batches, a memory-bound device) and gives nothing where the matrix products
+    already saturate the device."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        self.report = BenchReport("throughput", device_name(device), 1)
+        self.config = model_config(args.shape, args.layers, max(seq for _, seq in args.points))
+
+    def engine(self, peft: str, dual_forward: bool, batch_queries: bool) -> ZOEngine:
+        config = ZOConfig(
+            lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=self.args.mode, compute_dtype=self.args.compute_dtype,
+            transfer="naive" if self.args.mode == "offload" else "auto", num_queries=self.args.num_queries,
+            dual_forward=dual_forward, batch_queries=batch_queries, lr_schedule="constant",
+        )
+        model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
+        if peft != "none":
+            model = attach_adapter(model, AdapterSpec(peft), seed=0)
+            weights = AdapterWeights(weights, model)
+        return ZOEngine(model, config, weights=weights)
+
+    def run(self) -> BenchReport:
+        engines = {name: self.engine(*layout) for name, layout in ADAPTER_LAYOUTS.items()}
+        g = torch.Generator().manual_seed(0)
+        for b, s in self.args.points:
+            batch = {"input_ids": torch.randint(3, self.config.vocab_size, (b, s), generator=g)}
+            steps = interleaved_steps(engines, batch, self.args.steps, self.device)
+            speed = {}
+            for name, (timer, extra) in steps.items():
+                peft, dual, queries = ADAPTER_LAYOUTS[name]
+                params = {"shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": b, "seq": s,
+                          "mode": self.args.mode, "compute": self.args.compute_dtype, "threads": torch.get_num_threads(),
+                          "queries": self.args.num_queries, "peft": peft, "dual_forward": dual, "batch_queries": queries,
+                          "trained_params": engines[name].num_parameters}
+                metrics = {"tokens_per_s": b * s / timer.median}
+                if extra is not None:
+                    metrics["step_extra_memory_gb"] = extra / 1e9
+                self.report.measurements.append(Measurement.from_timer(name, params, timer, metrics))
+                speed[name] = metrics["tokens_per_s"]
+                logger.info("%-21s %-9s %10.1f tokens/s", name, point_name(b, s), speed[name])
+            key = f"[{point_name(b, s)}]"
+            self.report.derived["lora_fa_vs_full" + key] = speed["lora_fa"] / speed["full"]
+            for name in ("lora_fa_dual", "lora_fa_queries", "lora_fa_dual_queries"):
+                self.report.derived[f"{name.removeprefix('lora_fa_')}_vs_lora_fa{key}"] = speed[name] / speed["lora_fa"]
+        return self.report
+
+
 def sst2_shaped(examples: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     """Classification batch shaped like SST-2 prompts: 8-48 tokens, two one-token candidates."""
     g = torch.Generator().manual_seed(seed)
@@ -329,21 +426,12 @@ class HeadBench:
 
     def step_times(self, engines: dict[str, ZOEngine], batch: dict) -> dict[str, Measurement]:
         """Steps of the two engines interleaved, so drift on a noisy machine hits both alike."""
-        samples: dict[str, list[float]] = {name: [] for name in engines}
-        for engine in engines.values():
-            engine.step(batch)  # warm-up
-        for _ in range(self.args.steps):
-            for name, engine in engines.items():
-                synchronize(self.device)
-                start = time.perf_counter()
-                engine.step(batch)
-                synchronize(self.device)
-                samples[name].append(time.perf_counter() - start)
+        steps = interleaved_steps(engines, batch, self.args.steps, self.device)
         tokens = int(batch["attention_mask"].sum())
         return {
-            name: Measurement.from_timer(f"step_{name}", self.params(name, batch["label"].shape[0]), Timer(s),
-                                         {"tokens_per_s": tokens / Timer(s).median})
-            for name, s in samples.items()
+            name: Measurement.from_timer(f"step_{name}", self.params(name, batch["label"].shape[0]), timer,
+                                         {"tokens_per_s": tokens / timer.median})
+            for name, (timer, _) in steps.items()
         }
 
     def eval_peak(self, engine: ZOEngine, batch: dict, old_way: bool) -> tuple[float, float]:
@@ -409,8 +497,9 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=3,
                    help="device slots of the overlapped offload (default 3, the engine's; 2 is measured beside it)")
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--num-queries", type=int, default=1,
-                   help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less")
+    p.add_argument("--num-queries", type=int, default=None,
+                   help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less "
+                        "(default 1; 4 with --compare-adapters)")
     p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa", "prefix"],
                    help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device")
     p.add_argument("--dual-forward", action="store_true", help="with --peft: both signs of a query in one forward")
@@ -424,11 +513,14 @@ def main() -> None:
                    help="--optimizers: the stored moments' format at rest and on the link")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
     p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
+    p.add_argument("--compare-adapters", action="store_true",
+                   help="full tuning vs LoRA-FA vs LoRA-FA with --dual-forward, --batch-queries and both, at "
+                        "--num-queries (default 4), every point of --sweep or --batch x --seq")
     p.add_argument("--compare-head", action="store_true",
                    help="the LM head at label positions vs the full head on an SST-2-shaped batch (default shape "
                         "smollm2-135m, batch 16, evaluation batch 64)")
     p.add_argument("--eval-batch", type=int, default=None, help="--compare-head: evaluation rows (default 64; quick 8)")
-    p.add_argument("--mode", default="resident", choices=["resident", "offload"], help="--compare-head: engine mode")
+    p.add_argument("--mode", default="resident", choices=["resident", "offload"], help="--compare-head, --compare-adapters: engine mode")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="benchmarks/out/throughput.json")
     args = p.parse_args()
@@ -441,6 +533,9 @@ def main() -> None:
     args.seq = args.seq or (32 if args.quick else 512)
     args.steps = args.steps or (2 if args.quick else 5)
     args.points = parse_points(args.sweep) if args.sweep else [(args.batch, args.seq)]
+    args.num_queries = args.num_queries or (4 if args.compare_adapters else 1)
+    if args.compare_adapters and (args.compare_head or args.peft != "none" or args.dual_forward):
+        raise SystemExit("--compare-adapters runs its own layouts: leave out --compare-head, --peft and --dual-forward")
     if args.num_queries < 1:
         raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
     try:
@@ -464,14 +559,24 @@ def main() -> None:
         return_large_blocks()
     if env.launched:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
-    if args.compare_head and env.world_size > 1:
-        raise SystemExit("--compare-head runs in one process; launch it with python, not torchrun")
-    report = HeadBench(args, device).run() if args.compare_head else Bench(args, env, device).run()
+    if (args.compare_head or args.compare_adapters) and env.world_size > 1:
+        raise SystemExit("--compare-head and --compare-adapters run in one process; launch them with python, not torchrun")
+    if args.compare_head:
+        report = HeadBench(args, device).run()
+    elif args.compare_adapters:
+        report = AdapterBench(args, device).run()
+    else:
+        report = Bench(args, env, device).run()
     if env.rank == 0:
         out = Path(args.out)
-        columns = (["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"] if args.compare_head else
-                   ["mode", "slots", "dp", "pert", "queries", "grad_accum", "batch", "seq", "tokens_per_s",
-                    "peak_device_gb", "step_extra_rss_gb", "eta"])
+        if args.compare_head:
+            columns = ["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"]
+        elif args.compare_adapters:
+            columns = ["peft", "dual_forward", "batch_queries", "queries", "batch", "seq", "tokens_per_s",
+                       "step_extra_memory_gb"]
+        else:
+            columns = ["mode", "slots", "dp", "pert", "queries", "grad_accum", "batch", "seq", "tokens_per_s",
+                       "peak_device_gb", "step_extra_rss_gb", "eta"]
         report.write(out, columns)
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()

@@ -160,3 +160,27 @@ def test_throughput_with_an_adapter_uploads_the_base_and_offloads_nothing(tmp_pa
     offloaded = [m for m in data["measurements"] if m["params"]["mode"] == "offload"]
     assert offloaded and all(m["params"]["peft"] == "lora-fa" and m["params"]["dual_forward"] for m in offloaded)
     assert all(m["metrics"]["offload_ms_per_block"] == 0 and m["metrics"]["upload_ms_per_block"] > 0 for m in offloaded)
+
+
+def test_throughput_compares_full_tuning_with_lora_fa_and_its_batched_passes(tmp_path):
+    out = tmp_path / "adapters.json"
+    run(["benchmarks/throughput.py", "--quick", "--compare-adapters", "--num-queries", "2", "--sweep", "1x8,2x8",
+         "--steps", "1", "--out", str(out)])
+    data = load(out)
+    layouts = {(m["name"], m["params"]["batch"]): m["params"] for m in data["measurements"]}
+    names = ["full", "lora_fa", "lora_fa_dual", "lora_fa_queries", "lora_fa_dual_queries"]
+    assert sorted(layouts) == sorted((name, b) for name in names for b in (1, 2))
+    full, dual_queries = layouts[("full", 1)], layouts[("lora_fa_dual_queries", 1)]
+    assert full["peft"] == "none" and not full["dual_forward"] and not full["batch_queries"]
+    assert dual_queries["peft"] == "lora-fa" and dual_queries["dual_forward"] and dual_queries["batch_queries"]
+    assert all(p["queries"] == 2 for p in layouts.values())
+    assert 0 < layouts[("lora_fa", 1)]["trained_params"] < full["trained_params"]  # B alone is trained
+    for point in ("1x8", "2x8"):
+        for ratio in ("lora_fa_vs_full", "dual_vs_lora_fa", "queries_vs_lora_fa", "dual_queries_vs_lora_fa"):
+            assert data["derived"][f"{ratio}[{point}]"] > 0
+
+
+def test_compare_adapters_refuses_layout_flags_of_its_own(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--compare-adapters", "--peft", "lora"],
+                          capture_output=True, text=True, env=child_env(), timeout=120)
+    assert proc.returncode != 0 and "--compare-adapters runs its own layouts" in proc.stderr
