@@ -1,3 +1,7 @@
+import fcntl
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +20,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M (``DISTZO_SMOLLM2_GGUF``) as a Hugging Face directory, converted once per
+    test run: reading the GGUF takes about 30 s, and three tests need the model. xdist's
+    workers share one copy (their base folders have one parent); the first converts while
+    the others wait on a lock, and the conversion itself is written whole or not at all."""
+    gguf = os.environ.get("DISTZO_SMOLLM2_GGUF")
+    if not gguf or not Path(gguf).is_file():
+        pytest.skip("set DISTZO_SMOLLM2_GGUF (see tests/test_real_checkpoint.py)")
+    pytest.importorskip("gguf")
+    from distzo.models.gguf import gguf_to_hf
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    with open(root / "smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return gguf_to_hf(gguf, root / "smollm2-hf")
 
 
 def tiny_opt(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

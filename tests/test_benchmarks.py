@@ -140,11 +140,10 @@ SST2_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2-sa
 
 @pytest.mark.slow
 @pytest.mark.skipif(not GGUF or not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs the SmolLM2 GGUF and ../shared")
-def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path):
-    pytest.importorskip("gguf")
+def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path, smollm2_dir):
     out = tmp_path / "learning.json"
     proc = run(["benchmarks/learning.py", "--quick", "--objectives", "classification", "--model-dir",
-                str(tmp_path / "smollm2"), "--out", str(out)], timeout=600)
+                str(smollm2_dir), "--out", str(out)], timeout=600)
     data = load(out)
     steps = [m["params"]["step"] for m in data["measurements"]]
     assert steps == [0, 2, 4] and {m["params"]["objective"] for m in data["measurements"]} == {"classification"}

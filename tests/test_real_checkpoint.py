@@ -26,34 +26,12 @@ pytestmark = [
 ]
 
 
-def write_sharded(model, directory: Path) -> None:
-    """The dequantised weights as two safetensors shards and an index, as save_pretrained
-    lays them out (it refuses models loaded from GGUF); a tied head is stored once."""
-    import json
-
-    from safetensors.torch import save_file
-
-    directory.mkdir()
-    model.config.save_pretrained(directory)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    names = sorted(state)
-    weight_map = {}
-    for part, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), 1):
-        file = f"model-0000{part}-of-00002.safetensors"
-        save_file({k: state[k] for k in chunk}, str(directory / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in chunk})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path):
-    pytest.importorskip("gguf")
-    path = Path(GGUF)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path, smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert reference.config.model_type == "llama"
-    write_sharded(reference, tmp_path / "smollm2")
+    reference.save_pretrained(tmp_path / "smollm2", max_shard_size="300MB")  # ~0.54 GB: streamed from shards
+    assert len(list((tmp_path / "smollm2").glob("model-*.safetensors"))) == 2
 
     model = skeleton(reference.config, torch.float32)
     engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, lr=1e-7, eps=1e-3), weights=open_checkpoint(tmp_path / "smollm2"))
@@ -74,20 +52,18 @@ SST2_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2-sa
 
 
 @pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample")
-def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(tmp_path):
+def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(smollm2_dir):
     """The CI-sized form of benchmarks/learning.py: 8 ZO steps on 32 real rows lower the
     classification loss on those rows (1.34 -> 0.70 at seed 0; 0.58 and 1.00 at seeds 1, 2)."""
-    pytest.importorskip("gguf")
     from transformers import AutoConfig
 
     from distzo.data.loaders import load_rows
     from distzo.data.prompt_data import ChoiceTrainData, PromptEncoder
     from distzo.data.tasks import TASKS, build_examples
     from distzo.engine import UNPERTURBED
-    from distzo.models.gguf import gguf_to_hf
     from distzo.objectives import Classification, collate_choices
 
-    directory = gguf_to_hf(GGUF, tmp_path / "smollm2")
+    directory = smollm2_dir  # tests/conftest.py converts the GGUF once for the run
     assert AutoConfig.from_pretrained(directory).model_type == "llama"
     assert not hasattr(AutoConfig.from_pretrained(directory), "quantization_config")  # plain floats now
     examples = build_examples(TASKS["sst2"], load_rows(str(SST2_SAMPLE / "train.tsv"))[:32], "train.tsv")

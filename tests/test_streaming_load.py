@@ -118,6 +118,9 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
     from tests.launch import free_port
 
     cache = fake_hub_cache(tmp_path / "hub", "org/large", tmp_path / "ckpt")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+    sums = {key: (value.double().sum().item(), value.double().square().sum().item()) for key, value in reference.items()}
+    del reference
     for n, source in ((1, str(tmp_path / "ckpt")), (2, str(tmp_path / "ckpt")), (2, "hub:org/large")):
         out = tmp_path / f"probe{n}"
         probe = [source, str(out)]
@@ -131,12 +134,9 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
         print(f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB")
         for record in records:
             assert record["peak_rss"] < bound, (n, record["peak_rss"] / 1e9, bound / 1e9)
-        reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
         for key, (total, squares) in records[0]["checksums"].items():
-            value = reference[key].double()
-            assert total == pytest.approx(value.sum().item(), rel=1e-12, abs=1e-9), key
-            assert squares == pytest.approx(value.square().sum().item(), rel=1e-12), key
-        del reference
+            assert total == pytest.approx(sums[key][0], rel=1e-12, abs=1e-9), key
+            assert squares == pytest.approx(sums[key][1], rel=1e-12), key
 
 
 def fake_hub_cache(cache: Path, repo: str, files: Path) -> Path:
