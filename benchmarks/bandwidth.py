@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distzo.bench import BenchReport, Measurement, time_repeated
-from distzo.bench.records import device_name
+from distzo.runtime.devices import device_name
 from distzo.dist import Collectives, LaunchEnv
 from distzo.dist import process_group as pg
 from distzo.models.shapes import OPT_SHAPES

@@ -92,7 +92,7 @@ for stage in "${STAGES[@]}"; do
         bounded 240 pinned.log python3 benchmarks/pinned.py --shape opt-13b --out "$WORK/pinned-opt-13b.json"
         ;;
     noise)  # the fused noise kernels against the legacy path (256 M elements), and the opt-125m 4-layer step
-        bounded 200 noise.log python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k noise
+        bounded 200 noise.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py -k noise
         bounded 300 noise.log python3 benchmarks/noise.py --elements 268435456 --skip-torch --batch 8 --seq 512 \
             --out "$WORK/noise.json"
         ;;

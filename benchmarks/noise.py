@@ -32,7 +32,7 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement, time_repeated
-from distzo.bench.records import device_name
+from distzo.runtime.devices import device_name
 from distzo.bench.timing import Timer, synchronize
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import tiny_opt_config

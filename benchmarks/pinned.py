@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from distzo.bench import BenchReport, Measurement
-from distzo.bench.records import device_name
-from distzo.engine import bucket_layouts
-from distzo.host_memory import _proc_kib
-from distzo.memory_plan import plan_memory
-from distzo.config import ZOConfig
-from distzo.models import adapter_for
+from distzo.runtime.devices import device_name
+from distzo.engine.engine import bucket_layouts
+from distzo.runtime.host_memory import _proc_kib
+from distzo.job.memory_plan import plan_memory
+from distzo.config.engine_options import ZOConfig
+from distzo.models import family_for
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
 from distzo.offload import StreamedBlocks
@@ -64,7 +64,7 @@ def main() -> None:
         raise SystemExit("pinned.py needs a CUDA device: pinning is what it measures")
     device = torch.device("cuda")
     model = skeleton(shape_config(args.shape, args.layers), torch.float32)
-    built, _ = bucket_layouts(model, adapter_for(model).blocks())
+    built, _ = bucket_layouts(model, family_for(model).blocks())
     layouts = [layout for layout, _ in built]
     plan = plan_memory(model, ZOConfig(device="cuda"), 1, False, batch=1, seq=8, signs=2)
     params = {"shape": args.shape, "layers": model.config.num_hidden_layers, "planned_gb": plan.host_bytes / 1e9}

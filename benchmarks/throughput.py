@@ -47,16 +47,16 @@ from transformers import PretrainedConfig
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement
-from distzo.bench.records import device_name
+from distzo.runtime.devices import device_name
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
-from distzo.engine import UNPERTURBED
-from distzo.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from distzo.engine.engine import UNPERTURBED
+from distzo.runtime.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton
-from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import ChoiceEncoding, Classification, candidate_scores, collate_choices
 from distzo.objectives.choice import prepare_choices
 from distzo.offload import Timeline

@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from distzo.export import export_model
-from distzo.cli_errors import fail, program
-from distzo.config import ZOConfig, optimizer_options
-from distzo.engine import ZOEngine
+from distzo.export.hf_model import export_model
+from distzo.config.cli import fail, program
+from distzo.config.engine_options import ZOConfig, optimizer_options
+from distzo.engine.engine import ZOEngine
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
-from distzo.seed_log import read_seed_log, step_grads
-from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
+from distzo.job.seed_log import read_seed_log, step_grads
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")

@@ -30,12 +30,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from distzo.bench.records import device_name
-from distzo.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
-from distzo.export import check_shard_size, export_model
-from distzo.cli_errors import fail
-from distzo.config import ZOConfig, optimizer_record
-from distzo.data.prompt_data import PromptEncoder
+from distzo.runtime.devices import device_name
+from distzo.job.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
+from distzo.export.hf_model import check_shard_size, export_model
+from distzo.config.cli import fail
+from distzo.config.engine_options import ZOConfig, optimizer_record
+from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import (
     TASK_NAMES,
     CountingData,
@@ -55,20 +55,20 @@ from distzo.dist import (
     broadcast_seed,
 )
 from distzo.dist import process_group as pg
-from distzo.engine import ZOEngine, resolve_transfer
-from distzo.evaluation import evaluate
-from distzo.host_memory import peak_rss_bytes, rss_bytes
-from distzo.job_config import JobConfig, resolve, write_resolved
-from distzo.memory_plan import MemoryPlan, check_fits, plan_memory
+from distzo.engine.engine import ZOEngine, resolve_transfer
+from distzo.job.evaluation import evaluate
+from distzo.runtime.host_memory import peak_rss_bytes, rss_bytes
+from distzo.config.job import JobConfig, resolve, write_resolved
+from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import check_supported, hub, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
-from distzo.peft_tuning import AdapterSpec, AdapterWeights, attach_adapter
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
-from distzo.preemption import EXIT_PREEMPTED, Preempted, StopSignals
-from distzo.reporting import Reporter, check_reporter, make_reporter
-from distzo.seed_log import SeedLogWriter, check_same_run, read_seed_log_once, step_grads
+from distzo.job.preemption import EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.job.reporting import Reporter, check_reporter, make_reporter
+from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log_once, step_grads
 from distzo.zo import identity_kind, noise_identity
 
 SEED_LOG = "seedlog.jsonl"

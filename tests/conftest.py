@@ -5,8 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from distzo.models import model_from_config
-from distzo.models.tiny import tiny_opt_config
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two
 # threads per process thrash (measured 40x slower); one keeps the suite fast and steady.
@@ -30,7 +28,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     the others wait on a lock, and the conversion itself is written whole or not at all."""
     gguf = os.environ.get("DISTZO_SMOLLM2_GGUF")
     if not gguf or not Path(gguf).is_file():
-        pytest.skip("set DISTZO_SMOLLM2_GGUF (see tests/test_real_checkpoint.py)")
+        pytest.skip("set DISTZO_SMOLLM2_GGUF (see tests/unit/test_real_checkpoint.py)")
     pytest.importorskip("gguf")
     from distzo.models.gguf import gguf_to_hf
 
@@ -42,24 +40,5 @@ def smollm2_dir(tmp_path_factory) -> Path:
         return gguf_to_hf(gguf, root / "smollm2-hf")
 
 
-def tiny_opt(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    """A tiny random-init OPT, the same weights for the same seed."""
-    torch.manual_seed(seed)
-    return model_from_config(tiny_opt_config(**overrides), dtype=dtype)
 
 
-def random_batch(vocab_size: int, batch: int = 4, seq: int = 12, seed: int = 0, pad: str | None = None):
-    """Token ids (avoiding the pad id 0) with an attention mask; ``pad`` left/right pads some rows."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab_size, (batch, seq), generator=g)
-    mask = torch.ones_like(ids)
-    if pad is not None:
-        for row, n in enumerate([0, 3, 5, 1][:batch]):
-            if n:
-                if pad == "left":
-                    mask[row, :n] = 0
-                else:
-                    mask[row, seq - n :] = 0
-        ids = ids.masked_fill(mask == 0, 0)
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

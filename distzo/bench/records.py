@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -52,12 +51,6 @@ class Measurement:
     @classmethod
     def from_timer(cls, name: str, params: dict[str, Any], timer: Timer, metrics: dict[str, float]) -> "Measurement":
         return cls(name, params, len(timer.samples), timer.median, min(timer.samples), max(timer.samples), timer.spread, metrics)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def git_commit() -> str:

@@ -1,6 +1,6 @@
 """One object per kind of task: its training batches by step and its evaluation material.
 
-Which evaluation runs on that material is ``distzo.evaluation``'s choice: the data
+Which evaluation runs on that material is ``distzo.job.evaluation``'s choice: the data
 package knows no engine.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from distzo.data.loaders import load_rows
-from distzo.data.prompt_data import (
+from distzo.data.encoding import (
     ChoiceTrainData,
     PromptEncoder,
     PromptOnlyTrainData,
@@ -20,7 +20,7 @@ from distzo.data.prompt_data import (
     TextTrainData,
 )
 from distzo.data.synthetic import CountingTask
-from distzo.data.tasks import TASKS, Example, build_examples, get_task
+from distzo.data.templates import TASKS, Example, build_examples, get_task
 from distzo.objectives import OBJECTIVES
 
 GENERATED = ("counting",)

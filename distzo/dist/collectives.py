@@ -12,7 +12,7 @@ A job has two groups over the same ranks:
   barriers. It is a gloo group of its own next to NCCL, not a ``"cpu:gloo,cuda:nccl"``
   default group: a host collective then never lands on the device backend by
   accident, and the CPU tests can run the device group as an NCCL stand-in
-  (``tests/nccl_like.py``: refuses tensors that were not placed, finishes only at a
+  (``tests/helpers/nccl_like.py``: refuses tensors that were not placed, finishes only at a
   host sync) while the host group stays real gloo.
 
 In one process every operation is the identity.

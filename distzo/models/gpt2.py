@@ -6,11 +6,11 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from distzo.host_memory import to_device
-from distzo.models.adapter import BatchContext, BlockAdapter, host_built_mask
+from distzo.runtime.devices import to_device
+from distzo.models.family import BatchContext, ModelFamily, host_built_mask
 
 
-class GPT2Adapter(BlockAdapter):
+class GPT2Family(ModelFamily):
     model_types = ("gpt2",)
 
     @property

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from distzo.host_memory import to_device
-from distzo.models.adapter import BatchContext, BlockAdapter, host_built_mask
+from distzo.runtime.devices import to_device
+from distzo.models.family import BatchContext, ModelFamily, host_built_mask
 
 
-class LlamaFamilyAdapter(BlockAdapter):
+class LlamaFamily(ModelFamily):
     model_types = ("llama", "qwen2", "qwen3", "mistral")
 
     @property

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from distzo.models.adapter import BlockAdapter
-from distzo.models.gpt2 import GPT2Adapter
-from distzo.models.llama import LlamaFamilyAdapter
-from distzo.models.opt import OPTAdapter
+from distzo.models.family import ModelFamily
+from distzo.models.gpt2 import GPT2Family
+from distzo.models.llama import LlamaFamily
+from distzo.models.opt import OPTFamily
 
 # Adding a family: one adapter file, its class here, and a blockwise == forward test.
-ADAPTERS: dict[str, type[BlockAdapter]] = {
-    t: cls for cls in (OPTAdapter, LlamaFamilyAdapter, GPT2Adapter) for t in cls.model_types
+ADAPTERS: dict[str, type[ModelFamily]] = {
+    t: cls for cls in (OPTFamily, LlamaFamily, GPT2Family) for t in cls.model_types
 }
 
 
@@ -21,7 +21,7 @@ def supported_model_types() -> list[str]:
     return sorted(ADAPTERS)
 
 
-def check_supported(model_type: str) -> type[BlockAdapter]:
+def check_supported(model_type: str) -> type[ModelFamily]:
     """The adapter class for ``model_type``, or a one-line error listing what is supported."""
     try:
         return ADAPTERS[model_type]
@@ -32,7 +32,7 @@ def check_supported(model_type: str) -> type[BlockAdapter]:
         ) from None
 
 
-def adapter_for(model: nn.Module) -> BlockAdapter:
+def family_for(model: nn.Module) -> ModelFamily:
     return check_supported(getattr(model.config, "model_type", type(model).__name__))(model)
 
 

@@ -23,7 +23,7 @@ from distzo.objectives.choice import (
 from distzo.objectives.generation import F1, collate_prompts, greedy_decode
 from distzo.objectives.lm import LanguageModeling, lm_sums
 from distzo.objectives.metrics import answer_text, exact_match, f1_score, normalize_answer
-from distzo.objectives.runner import Objective, PassRunner
+from distzo.objectives.protocol import Objective, PassRunner
 from distzo.objectives.scoring import HEAD_CHUNK, HeadTargets, picked_log_probs
 
 OBJECTIVES = ("lm", "classification", "accuracy", "f1")

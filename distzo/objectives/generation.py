@@ -16,9 +16,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from distzo.host_memory import to_device
+from distzo.runtime.devices import to_device
 from distzo.objectives.metrics import answer_text, f1_score
-from distzo.objectives.runner import PassRunner
+from distzo.objectives.protocol import PassRunner
 from distzo.zo.estimator import Pass
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "prompt_length", "example")

@@ -7,8 +7,8 @@ from typing import Mapping
 
 import torch
 
-from distzo.objectives.runner import PassRunner
-from distzo.host_memory import to_device
+from distzo.objectives.protocol import PassRunner
+from distzo.runtime.devices import to_device
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
 from distzo.zo.estimator import Pass
 

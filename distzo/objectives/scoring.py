@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distzo.host_memory import to_device
-from distzo.objectives.runner import PassRunner
+from distzo.runtime.devices import to_device
+from distzo.objectives.protocol import PassRunner
 from distzo.zo.estimator import Pass
 
 HEAD_CHUNK = 1024  # positions per head call: bounds the float32 logits at HEAD_CHUNK x vocab

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from distzo.config import ZOConfig
+    from distzo.config.engine_options import ZOConfig
     from distzo.zo.noise import NoiseSource
 
 # The names torch's own optimizers give these states (SGD's and AdamW's), for state dicts.

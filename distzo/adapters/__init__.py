@@ -1,0 +1,1 @@
+"""Trainable adapters on a frozen base, through ``peft``: LoRA, LoRA-FA and prefix tuning."""

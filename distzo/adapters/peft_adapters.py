@@ -1,0 +1,220 @@
+"""Adapters through ``peft``: LoRA (MeZO's LoRA runs) and LoRA-FA (P-RGE's default) on a frozen base.
+
+peft injects its layers into the model's own modules; the engine then perturbs and
+updates only the parameters that require grad (the adapter, ``engine.trainable_selector``)
+and streams the frozen base read-only: uploaded each step, never written back.
+
+* ``lora``: ``A`` and ``B`` of every target module are trained (MeZO perturbs both).
+* ``lora-fa``: ``A`` stays at its random init and only ``B`` is trained, as in P-RGE
+  (peft's ``create_lorafa_optimizer`` freezes ``lora_A`` the same way).
+* ``prefix``: peft's prefix tuning (``PrefixTuningConfig``, no reparameterisation, as
+  MeZO): virtual tokens' keys and values in every layer. Each block gets its columns of
+  peft's table as a ``BlockPrefix`` (``distzo.models.prefix``), so a streamed block carries
+  its own prefix; the export writes peft's table back. Initialised as MeZO does by default
+  (``real``: the keys and values the model itself computes for random tokens) or by
+  peft's own random init (``random``).
+
+Dropout is refused: the two perturbed passes of a step must compute one function.
+The adapter's initial values come from peft's own init (``reset_lora_parameters``:
+``A`` Kaiming-uniform, ``B`` zero) under a generator seeded by the run seed, so every
+rank, a resumed run and a replay rebuild the same ``A``, also on a skeleton model whose
+base never exists whole in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+PEFT_METHODS = ("none", "lora", "lora-fa", "prefix")
+PREFIX_INITS = ("real", "random")
+ADAPTER_NAME = "default"  # peft's name of a model's one adapter
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What to train: ``method`` none (every parameter), lora or lora-fa; rank, alpha and
+    target module names (None: peft's default for the model family, q_proj and v_proj
+    for OPT and the Llama family, as MeZO and peft do)."""
+
+    method: str = "none"
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] | None = None
+    prefix_length: int = 5  # MeZO's num_prefix
+    prefix_init: str = "real"  # MeZO's prefix_init_by_real_act
+
+    def validate(self) -> None:
+        if self.method not in PEFT_METHODS:
+            raise ValueError(f"--peft {self.method!r} is not one of {', '.join(PEFT_METHODS)}")
+        if self.r < 1:
+            raise ValueError(f"--lora-r must be >= 1, got {self.r}")
+        if not self.alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
+        if self.dropout != 0:
+            raise ValueError(
+                f"--lora-dropout {self.dropout}: the two perturbed passes of a ZO step must compute one function, "
+                "and dropout draws a different one each pass; drop --lora-dropout (0)"
+            )
+        if self.targets is not None and not self.targets:
+            raise ValueError("--lora-targets names no module; give names such as q_proj,v_proj or leave it out")
+        if self.prefix_length < 1:
+            raise ValueError(f"--prefix-length must be >= 1, got {self.prefix_length}")
+        if self.prefix_init not in PREFIX_INITS:
+            raise ValueError(f"--prefix-init {self.prefix_init!r} is not one of {', '.join(PREFIX_INITS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @classmethod
+    def parse_targets(cls, text: str | None) -> tuple[str, ...] | None:
+        """``q_proj,v_proj`` -> ("q_proj", "v_proj"); None or empty: the family's default."""
+        if text is None:
+            return None
+        return tuple(t.strip() for t in text.split(",") if t.strip())
+
+    def record(self) -> dict:
+        """How the run's log and checkpoint metadata name the adapter (a replay rebuilds it)."""
+        return {"method": self.method, "r": self.r, "alpha": self.alpha,
+                "targets": list(self.targets) if self.targets else None,
+                "prefix_length": self.prefix_length, "prefix_init": self.prefix_init}
+
+    @classmethod
+    def from_record(cls, record: dict | None) -> "AdapterSpec":
+        if not record:
+            return cls()
+        targets = record.get("targets")
+        return cls(record["method"], int(record["r"]), float(record["alpha"]), 0.0,
+                   tuple(targets) if targets else None, int(record.get("prefix_length", 5)),
+                   record.get("prefix_init", "real"))
+
+
+def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
+    """``peft.get_peft_model(model, LoraConfig(...))`` with its adapter initialised from
+    ``seed`` (on CPU where the model is a meta skeleton) and, for lora-fa, ``A`` frozen;
+    for prefix, ``PrefixTuningConfig`` and a ``BlockPrefix`` in every block."""
+    if spec.method == "prefix":
+        return _attach_prefix(model, spec, seed)
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    config = LoraConfig(
+        r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+        target_modules=list(spec.targets) if spec.targets else None,
+    )
+    with torch.random.fork_rng(devices=[]):  # the caller's generator state is left as it was
+        try:
+            peft_model = get_peft_model(model, config)
+        except ValueError as err:  # no target module matched, or a family peft has no default for
+            raise ValueError(f"--peft {spec.method}: {str(err).splitlines()[0]} (set --lora-targets)") from None
+        torch.manual_seed(seed)
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer):
+                for part in (module.lora_A, module.lora_B):
+                    layer = part[ADAPTER_NAME]
+                    if layer.weight.is_meta:  # a skeleton's adapter: give it memory before peft's init
+                        layer.to_empty(device="cpu")
+                module.reset_lora_parameters(ADAPTER_NAME, True)
+    if spec.method == "lora-fa":
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name:
+                param.requires_grad_(False)
+    return peft_model
+
+
+def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
+    from peft import PrefixTuningConfig, get_peft_model
+
+    from distzo.models.registry import family_for
+
+    config = PrefixTuningConfig(num_virtual_tokens=spec.prefix_length, task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+        table = peft_model.prompt_encoder[ADAPTER_NAME].embedding
+        if table.weight.is_meta:  # a skeleton's table: memory and peft's own init (N(0, 1)), on CPU
+            table.to_empty(device="cpu")
+            table.reset_parameters()
+    prefixes = install_block_prefixes(peft_model, family_for(model).blocks())
+    if spec.prefix_init == "real":  # MeZO: the keys and values of random tokens, computed by the engine
+        tokens = torch.randint(model.config.vocab_size, (1, spec.prefix_length),
+                               generator=torch.Generator().manual_seed(seed))
+        for prefix in prefixes:
+            prefix.init_tokens = tokens
+    return peft_model
+
+
+def is_prefix_tuned(peft_model: nn.Module | None) -> bool:
+    return peft_model is not None and getattr(peft_model.peft_config.get(ADAPTER_NAME), "peft_type", None) == "PREFIX_TUNING"
+
+
+def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> list:
+    """Give every block its columns of peft's prefix table as a ``BlockPrefix`` (trained;
+    the table itself is frozen and only rewritten at export). Idempotent."""
+    from distzo.models.prefix import BlockPrefix
+
+    config = peft_model.peft_config[ADAPTER_NAME]
+    if config.prefix_projection:
+        raise ValueError("prefix tuning with prefix_projection=True trains an MLP outside the blocks; "
+                         "use PrefixTuningConfig(prefix_projection=False), as MeZO")
+    if config.num_layers != len(blocks):
+        raise ValueError(f"the prefix has {config.num_layers} layers but the model streams {len(blocks)} blocks")
+    table = peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
+    width, heads = config.token_dim, config.num_attention_heads
+    for i, block in enumerate(blocks):
+        if getattr(block, "prefix_tuning", None) is None:
+            columns = table.detach()[:, 2 * width * i : 2 * width * (i + 1)]
+            dtype = next(block.parameters()).dtype
+            key_values = columns.reshape(config.num_virtual_tokens, 2, heads, width // heads).to(dtype).clone()
+            block.prefix_tuning = BlockPrefix(key_values, i)
+    table.requires_grad_(False)
+    return [block.prefix_tuning for block in blocks]
+
+
+def prefix_table(block_values: list[torch.Tensor]) -> torch.Tensor:
+    """peft's prefix table (``prompt_embeddings``) from the blocks' prefixes, in layer order."""
+    return torch.cat([v.reshape(v.shape[0], -1) for v in block_values], dim=1)
+
+
+def base_name(name: str) -> str:
+    """The name of a base parameter in the original checkpoint (peft moves a target's
+    weight under ``base_layer``)."""
+    return name.replace(".base_layer.", ".")
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".prefix_tuning." in name
+
+
+class AdapterWeights:
+    """A ``WeightSource`` for a model with an adapter: the adapter's initial values from
+    the model itself, every base tensor from the checkpoint under its original name."""
+
+    def __init__(self, base, model: nn.Module) -> None:
+        self.base = base
+        # A prefix is named as in the base model, which holds the blocks' prefixes.
+        source = model.get_base_model() if is_prefix_tuned(model) else model
+        self.adapter = {n: p.detach().clone() for n, p in source.named_parameters() if is_adapter_name(n)}
+
+    def _own(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        for name in names:
+            for key in (name, "base_model.model." + name):
+                if key in self.adapter:
+                    return self.adapter[key]
+        return None
+
+    def tensor(self, names, shape, dtype):
+        own = self._own(names)
+        if own is not None:
+            return own.to(dtype)
+        return self.base.tensor(tuple(base_name(n) for n in names), shape, dtype)
+
+    def tensor_range(self, names, shape, dtype, start, stop):
+        own = self._own(names)
+        if own is not None:
+            return own.to(dtype).reshape(-1)[start:stop]
+        return self.base.tensor_range(tuple(base_name(n) for n in names), shape, dtype, start, stop)

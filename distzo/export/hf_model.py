@@ -1,0 +1,204 @@
+"""The trained model as a Hugging Face directory, written one block at a time.
+
+``save_pretrained`` wants the whole state dict in memory: for a model that lives in
+host memory only as rank-owned slices (and may be several times the size of any one
+rank's share), that is the model twice. Here the engine streams its parameters bucket
+by bucket, rank 0 collects them into Hugging Face's own shard plan
+(``split_torch_state_dict_into_shards``, computed from shapes alone) and writes each
+safetensors shard as soon as its last tensor arrives, so the peak is about one shard
+plus one block. The directory is the format ``from_pretrained`` reads: config,
+generation config, ``model.safetensors`` or ``model-XXXXX-of-YYYYY.safetensors`` with
+``model.safetensors.index.json``, and the tokenizer when one is given. It is written
+under ``<name>.tmp`` and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+
+from distzo.dist.collectives import world_rank
+from distzo.engine.engine import ZOEngine
+from distzo.adapters.peft_adapters import ADAPTER_NAME, base_name, is_adapter_name, prefix_table
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_PATTERN = "model{suffix}.safetensors"  # transformers' SAFE_WEIGHTS_NAME, sharded
+INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def _is_rank0() -> bool:
+    return world_rank()[0] == 0
+
+
+def check_shard_size(size: str) -> None:
+    """A one-line error, before any work, for a size Hugging Face's shard planner cannot read."""
+    try:
+        if size.strip().startswith("-"):
+            raise ValueError(size)
+        split_torch_state_dict_into_shards({"probe": torch.empty(1, device="meta")}, max_shard_size=size)
+    except (ValueError, TypeError):
+        raise ValueError(f"--export-shard-size {size!r} is not a size; write e.g. 5GB or 500MB") from None
+
+
+def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
+    """Meta tensors of what the export holds, by name: the trained parameters, or for a
+    merged adapter the base model's own parameters (adapter folded in)."""
+    layouts = [engine.resident_layout, *engine.block_layouts]
+    if merged:
+        layouts += [engine.resident_base_layout, *engine.base_layouts]
+    shapes = {}
+    for layout in layouts:
+        for e in layout.entries:
+            if merged and is_adapter_name(e.names[0]):
+                continue
+            name = base_name(e.names[0]) if merged else e.names[0]
+            shapes[name] = torch.empty(e.shape, dtype=layout.dtype, device="meta")
+    return shapes
+
+
+def shard_plan(engine: ZOEngine, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, merged: bool = False):
+    """Hugging Face's split of the model's tensors into files, from shapes alone."""
+    return split_torch_state_dict_into_shards(
+        _shapes(engine, merged), filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
+    )
+
+
+def export_model(
+    engine: ZOEngine, directory: Path, tokenizer=None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    merge_adapter: bool = False,
+) -> Path | None:
+    """The run's ``export/``: the model in the Hugging Face format, or for an adapter run
+    the peft adapter (``merge_adapter``: the base with the adapter merged in, a plain
+    model). Collective: call on every rank; returns the directory on rank 0."""
+    if engine.peft_model is None:  # a plain model, some of it perhaps frozen: every parameter
+        return export_hf(engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base)
+    if merge_adapter and engine.prefixes:
+        raise ValueError("a prefix cannot be merged into the weights; export the peft adapter (merge_adapter=False)")
+    if merge_adapter:
+        return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
+    return export_adapter(engine, directory, tokenizer)
+
+
+def _merged_parameters(engine: ZOEngine, materialize: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's parameters with each LoRA delta ``scaling * B @ A`` added, as peft's
+    ``merge_and_unload`` computes it, block by block."""
+    from peft.utils import transpose
+
+    canonical = _canonical(engine)
+    for values in engine.stream_buckets(materialize):
+        for name, value in values.items():
+            if is_adapter_name(name) or name not in canonical:
+                continue
+            if ".base_layer." in name:
+                module_name = name[: name.index(".base_layer.")]
+                module = engine.model.get_submodule(module_name)
+                if name.endswith(".weight") and ADAPTER_NAME in module.lora_A:
+                    a = values[f"{module_name}.lora_A.{ADAPTER_NAME}.weight"]
+                    b = values[f"{module_name}.lora_B.{ADAPTER_NAME}.weight"]
+                    delta = transpose(b @ a, module.fan_in_fan_out) * module.scaling[ADAPTER_NAME]
+                    value = value + delta.to(value.dtype)
+            yield base_name(name), value
+
+
+def _canonical(engine: ZOEngine) -> set[str]:
+    layouts = [engine.resident_layout, *engine.block_layouts, engine.resident_base_layout, *engine.base_layouts]
+    return {e.names[0] for layout in layouts for e in layout.entries}
+
+
+def export_hf(
+    engine: ZOEngine, directory: Path, tokenizer=None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    merged: bool = False,
+) -> Path | None:
+    """Write the flushed model to ``directory`` in the Hugging Face format; returns it on
+    rank 0 (None elsewhere). Collective: call on every rank. ``merged``: an adapter run's
+    base with the adapter merged in."""
+    directory = Path(directory)
+    rank0 = _is_rank0()
+    plan = shard_plan(engine, max_shard_size, merged)
+    file_of = {name: file for file, names in plan.filename_to_tensors.items() for name in names}
+    missing = {file: set(names) for file, names in plan.filename_to_tensors.items()}
+    tmp = directory.with_name(directory.name + ".tmp")
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    collected: dict[str, dict[str, torch.Tensor]] = {}
+    tensors = _merged_parameters(engine, rank0) if merged else engine.stream_parameters(materialize=rank0)
+    for name, value in tensors:
+        file = file_of[name]
+        collected.setdefault(file, {})[name] = value
+        missing[file].discard(name)
+        if not missing[file]:
+            save_file(collected.pop(file), str(tmp / file), metadata={"format": "pt"})
+            logger.info("export: wrote %s", file)
+    if not rank0:
+        return None
+    assert not collected, f"shards left unwritten: {sorted(collected)}"
+
+    if plan.is_sharded:
+        total = engine.num_parameters + (engine.num_frozen if merged else 0)
+        index = {"metadata": {**plan.metadata, "total_parameters": total}, "weight_map": file_of}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _write_configs(engine, tmp, tokenizer)
+    return _publish(tmp, directory)
+
+
+def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | None:
+    """Write the flushed adapter in peft's format (``adapter_config.json`` and
+    ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads onto
+    the base model. Collective: call on every rank; returns the directory on rank 0."""
+    from peft.utils import get_peft_model_state_dict
+
+    directory = Path(directory)
+    rank0 = _is_rank0()
+    values = dict(engine.stream_parameters(materialize=rank0))
+    # A frozen lora_A (lora-fa) is part of the adapter too; it rests with the base.
+    values.update((n, v) for n, v in engine.stream_parameters(materialize=rank0, frozen=True) if is_adapter_name(n))
+    if not rank0:
+        return None
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if engine.prefixes:  # peft reads a prefix from its own table: the blocks' prefixes go back into it
+        names = [next(e.names[0] for e in layout.entries if is_adapter_name(e.names[0])) for layout in engine.block_layouts]
+        table = engine.peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
+        table.data = prefix_table([values[n] for n in names]).to(table.dtype)
+        state = get_peft_model_state_dict(engine.peft_model, adapter_name=ADAPTER_NAME)
+    else:
+        state = get_peft_model_state_dict(engine.peft_model, {"base_model.model." + n: v for n, v in values.items()},
+                                          adapter_name=ADAPTER_NAME)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    engine.peft_model.peft_config[ADAPTER_NAME].save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    return _publish(tmp, directory)
+
+
+def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
+    model = engine.model
+    config = copy.deepcopy(model.config)  # the live model's config stays as it is
+    config.dtype = str(engine.resident_layout.dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(directory)
+    if model.can_generate():
+        model.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _publish(tmp: Path, directory: Path) -> Path:
+    """The finished ``<name>.tmp`` becomes ``<name>``: never a half-written export."""
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory

@@ -1,0 +1,314 @@
+"""Resumable training state with torch.distributed.checkpoint (the export is ``distzo.export.hf_model``).
+
+A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
+noise chunk, the pending update, the optimizer), the resident bucket, every block in its
+at-rest format (the transfer dtype) and a stored optimizer's moments beside them
+(``<moment>/resident``, ``<moment>/block/i``, in the state dtype), so that a resumed run, on any number of ranks and with
+either transfer mode, continues the exact trajectory. Every block is contributed by
+one rank (round robin), as a private CPU copy: the save holds one extra copy of the
+model across the whole job, never one per rank (nor, under the sliced transfer, one
+per node: the blocks are spread over the nodes). Under the sliced transfer a block is
+first gathered through the device, since a rank holds only its slices.
+
+Saving is asynchronous (the copies are made at once, a thread writes them) into
+``step-N.tmp/``, renamed to ``step-N/`` once every rank's data and the metadata are on
+disk: a crash mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from distzo.dist.collectives import host_barrier, new_host_group, world_rank
+from distzo.engine.engine import PendingUpdate, ZOEngine
+from distzo.config.engine_options import OPTIMIZERS
+from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
+
+logger = logging.getLogger(__name__)
+
+CRASH_ENV = "DISTZO_CRASH_IN_SAVE"  # "STEP": exit abruptly right after launching that step's save (tests)
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The completed checkpoint with the highest step (``*.tmp`` ones never count)."""
+    if not directory.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return max(steps)[1] if steps else None
+
+
+def _pending_vector(pending: PendingUpdate | None) -> torch.Tensor:
+    """``[has, step, g_0, lr, g_1, ..., g_{q-1}]``: the one-query layout, extended by the
+    other queries' g, so that single-query checkpoints keep their format."""
+    if pending is None:
+        return torch.zeros(4, dtype=torch.float64)
+    first, *rest = pending.projected_grads
+    return torch.tensor([1.0, pending.step, first, pending.lr, *rest], dtype=torch.float64)
+
+
+def _pending_update(vector: torch.Tensor) -> PendingUpdate | None:
+    has, step, first, lr, *rest = vector.tolist()
+    return PendingUpdate(int(step), (first, *rest), lr) if has else None
+
+
+def _recent_vector(recent: tuple[tuple[int, tuple[float, ...]], ...]) -> torch.Tensor:
+    """A momentum's recent steps, ``[count, queries, (step, g_0 .. g_{q-1}) x count]``."""
+    queries = len(recent[0][1]) if recent else 0
+    flat = [v for step, grads in recent for v in (step, *grads)]
+    return torch.tensor([len(recent), queries, *flat], dtype=torch.float64)
+
+
+def _recent_steps(vector: torch.Tensor) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    count, queries, *flat = vector.tolist()
+    width = 1 + int(queries)
+    return tuple((int(flat[i * width]), tuple(flat[i * width + 1 : (i + 1) * width])) for i in range(int(count)))
+
+
+def _noise_vector(kind: str) -> torch.Tensor:
+    """The noise a checkpoint was drawn with: [kind index, version] (legacy: version 0)."""
+    return torch.tensor([NOISE_KINDS.index(kind), 0 if kind == "legacy" else NOISE_VERSION], dtype=torch.int64)
+
+
+def _noise_identity(vector: torch.Tensor) -> str:
+    index, version = (int(v) for v in vector.tolist())
+    kind = NOISE_KINDS[index] if 0 <= index < len(NOISE_KINDS) else f"kind {index}"
+    return kind if version == 0 else f"{kind}-v{version}"
+
+
+def _optimizer_vector(engine: ZOEngine) -> torch.Tensor:
+    """[optimizer index, moments stored, beta1, beta2, adam eps]: what a resumed run checks."""
+    cfg = engine.config
+    return torch.tensor([OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, cfg.beta1, cfg.beta2, cfg.adam_eps],
+                        dtype=torch.float64)
+
+
+def _optimizer_of(vector: torch.Tensor) -> tuple[str, int]:
+    index, moments, *_ = vector.tolist()
+    return OPTIMIZERS[int(index)], int(moments)
+
+
+def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
+    return {
+        "meta/step": torch.tensor([engine.step_index], dtype=torch.int64),
+        "meta/run_seed": torch.tensor([engine.run_seed], dtype=torch.int64),
+        "meta/noise_chunk": torch.tensor([engine.config.noise_chunk], dtype=torch.int64),
+        "meta/noise": _noise_vector(engine.config.noise),
+        "meta/pending": _pending_vector(engine.pending),
+        "meta/recent_steps": _recent_vector(engine.recent_steps),
+        "meta/optimizer": _optimizer_vector(engine),
+    }
+
+
+def checkpoint_noise(path: Path) -> str:
+    """The noise kind a checkpoint was drawn with (a checkpoint from before noise kinds: legacy),
+    read on the host without a process group, so a resumed run can pick it before building."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if "meta/noise" not in saved:
+        return "legacy"
+    meta = {"meta/noise": torch.zeros(2, dtype=torch.int64)}
+    dcp.load(meta, checkpoint_id=str(path), no_dist=True)
+    return identity_kind(_noise_identity(meta["meta/noise"]))
+
+
+class PrivateCopies(AsyncStager):
+    """Staging for a state that is already made of copies no one else writes to."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+
+def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the ``keep`` newest, oldest first (``keep`` 0:
+    keep all). Only complete ``step-N`` directories count: a save in flight is a
+    ``.tmp`` one, and the latest complete checkpoint is always among those kept."""
+    if keep <= 0 or not directory.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    doomed = [p for _, p in steps[: max(len(steps) - keep, 0)]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, engine: ZOEngine, keep: int = 0) -> None:
+        self.directory = directory
+        self.engine = engine
+        self.keep = keep  # complete checkpoints kept on disk (0: all)
+        self._pending_save: tuple[Future, Path, Path] | None = None
+        # DCP's asynchronous writer runs collectives from a thread: give it its own gloo
+        # group, so it never interleaves with the training's collectives (or needs NCCL).
+        self._group = new_host_group()
+
+    def _state(self, private: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's contribution. ``private``: CPU copies, so training may go on while
+        a thread writes them; otherwise the live host memory itself wherever the data
+        already rests there (a synchronous save, which training waits for, needs no copy).
+
+        Each block is written by exactly one rank, so the copies add up to one model
+        across the job instead of one per rank: block i comes from rank i % world, or
+        under the sliced transfer (where a rank holds only slices) from node i % nodes,
+        member (i // nodes) % n of its shard group, after a gather through the device
+        into a slot that the next block reuses (so always copied). Rank 0 adds the
+        resident bucket; the meta scalars are replicated (DCP keeps one copy).
+        """
+        engine = self.engine
+        rank, world = world_rank()
+        sliced = engine.state_sliced
+
+        def contribution(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+            return tensor.to("cpu", copy=True) if copy else tensor.to("cpu")
+
+        state = _meta(engine)
+        if rank == 0:
+            with engine.streams.compute_scope():  # the resident bucket was last written on the compute stream
+                state["resident"] = contribution(engine.resident_master, private)
+                for name, moment in zip(engine.moments.names, engine.moments.resident):
+                    state[f"{name}/resident"] = contribution(moment, private)
+        shard = engine.parallel.shard_group
+
+        def mine(i: int) -> bool:
+            if not sliced:
+                return i % world == rank
+            # Every node holds the whole model: block i from node i % nodes, spreading the
+            # copies over the nodes, and there from member (i // nodes) % n.
+            nodes = world // shard.size
+            return i % nodes == engine.parallel.env.node_rank and (i // nodes) % shard.size == shard.rank
+
+        for i, block in engine.blocks_at_rest(mine, private):
+            state[f"block/{i}"] = block
+        for k, name in enumerate(engine.moments.names):
+            for i, block in engine.blocks_at_rest(mine, private, moment=k):
+                state[f"{name}/block/{i}"] = block
+        return state
+
+    def save(self, asynchronous: bool = True) -> None:
+        """Checkpoint the engine's current state as ``step-<step>``; at most one save in flight."""
+        self.wait()
+        step = self.engine.step_index
+        final = self.directory / f"step-{step}"
+        tmp = self.directory / f"step-{step}.tmp"
+        rank, _ = world_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        host_barrier(self._group)
+        state = self._state(private=asynchronous)
+        if asynchronous:
+            # The state is already private copies: DCP's default stager would copy it again.
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self._group, async_stager=PrivateCopies()
+            )
+            self._pending_save = (future, tmp, final)
+            if os.environ.get(CRASH_ENV) == str(step):
+                logger.error("crashing during the asynchronous save of step %d (%s)", step, CRASH_ENV)
+                os._exit(1)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+            self._finalize(tmp, final)
+
+    def poll(self) -> None:
+        """Finish a completed background save (cheap; call once per step)."""
+        if self._pending_save is not None and self._pending_save[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending_save is None:
+            return
+        future, tmp, final = self._pending_save
+        self._pending_save = None
+        future.result()
+        self._finalize(tmp, final)
+
+    def _finalize(self, tmp: Path, final: Path) -> None:
+        # Each rank's future resolves only after the metadata is written, which needs every
+        # rank's data: once rank 0 sees its own, the checkpoint is complete.
+        if world_rank()[0] == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            logger.info("checkpoint %s written", final)
+            for path in prune_checkpoints(self.directory, self.keep):
+                logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
+
+    def _load_blocks(self, path: Path, prefix: str, store) -> None:
+        """``<prefix>/i`` of every block into ``store``, one block in memory at a time."""
+        for i, layout in enumerate(self.engine.block_layouts):
+            buffer = {f"{prefix}/{i}": torch.empty(layout.numel, dtype=store.rest_dtype)}
+            dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
+            store.load_block(i, buffer[f"{prefix}/{i}"])
+
+    def _check_optimizer(self, path: Path, saved) -> None:
+        """A run resumes with the optimizer state it was saved with: the same optimizer, its
+        moments stored or not alike (a checkpoint from before optimizers: ZO-SGD)."""
+        if "meta/optimizer" in saved:
+            vector = {"meta/optimizer": torch.zeros(saved["meta/optimizer"].size, dtype=torch.float64)}
+            dcp.load(vector, checkpoint_id=str(path), process_group=self._group)
+            optimizer, moments = _optimizer_of(vector["meta/optimizer"])
+        else:  # written before stored optimizer state: no moments, whichever optimizer
+            optimizer, moments = self.engine.config.optimizer if not self.engine.config.num_moments else "sgd", 0
+        cfg = self.engine.config
+        if (optimizer, moments) != (cfg.optimizer, cfg.num_moments):
+            def says(name: str, count: int) -> str:
+                return f"--optimizer {name}" + (" --optimizer-state stored" if name == "momentum" and count else "")
+
+            raise ValueError(
+                f"{path} was trained with {says(optimizer, moments)}, this run has {says(cfg.optimizer, cfg.num_moments)}; "
+                "resume with the optimizer it was trained with"
+            )
+
+    def load(self, path: Path) -> int:
+        """Restore the engine from ``path``; returns the step to continue from."""
+        engine = self.engine
+        engine.streams.synchronize()
+        meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
+        # The pending update has as many g as the saving run had queries, whatever this one has.
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        meta["meta/pending"] = torch.zeros(saved["meta/pending"].size, dtype=torch.float64)
+        if "meta/recent_steps" in saved:  # a momentum's history (absent before optimizers)
+            meta["meta/recent_steps"] = torch.zeros(saved["meta/recent_steps"].size, dtype=torch.float64)
+        else:
+            del meta["meta/recent_steps"]
+        buckets = [("resident", engine.resident_layout)] + [(f"block/{i}", l) for i, l in enumerate(engine.block_layouts)]
+        for key, layout in buckets:
+            if key not in saved or tuple(saved[key].size) != (layout.numel,):
+                raise ValueError(
+                    f"{path} holds other trained parameters than this run ({key}); resume with the options it was "
+                    "trained with (the model, --peft, --lora-r, --lora-targets)"
+                )
+        self._check_optimizer(path, saved)
+        del meta["meta/optimizer"]
+        if "meta/noise" not in saved:  # written before noise kinds: legacy noise
+            del meta["meta/noise"]
+        meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
+        dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
+        identity = _noise_identity(meta["meta/noise"]) if "meta/noise" in meta else "legacy"
+        engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path))
+        self._load_blocks(path, "block", engine.store)
+        for k, name in enumerate(engine.moments.names):
+            resident = {f"{name}/resident": torch.empty_like(engine.moments.resident[k], device="cpu")}
+            dcp.load(resident, checkpoint_id=str(path), process_group=self._group)
+            engine.moments.resident[k].copy_(resident[f"{name}/resident"])
+            self._load_blocks(path, f"{name}/block", engine.moments.blocks[k])
+        with torch.no_grad():
+            engine.resident_master.copy_(meta["resident"])
+        recent = _recent_steps(meta["meta/recent_steps"]) if "meta/recent_steps" in meta else ()
+        engine.restore(
+            step=int(meta["meta/step"]),
+            run_seed=int(meta["meta/run_seed"]),
+            pending=engine.with_momentum(_pending_update(meta["meta/pending"]), recent),
+            recent_steps=recent,
+        )
+        logger.info("resumed from %s at step %d", path, engine.step_index)
+        return engine.step_index

@@ -1,0 +1,171 @@
+"""Evaluation, sharded over all ranks and reduced: every rank scores its share of the
+examples and the sums are added up, so the metric covers the whole set once.
+
+Every rank makes the same number of forward calls (a rank short of work repeats a
+spare batch): under the sliced transfer each forward's uploads are collectives.
+Results stay on the device until the end of the evaluation; the LM head runs only at
+the positions a metric reads.
+
+* classification / multiple choice: each candidate continuation scored by its mean
+  token log-likelihood (MeZO's rule); accuracy of the argmax.
+* generation (SQuAD): greedy decoding of a whole batch together, ``max_new_tokens``
+  tokens cut at the first newline; SQuAD's F1 and exact match against every gold
+  answer (the best one counts).
+* language modelling: next-token loss and accuracy over the label tokens.
+
+Imports run one way: train -> evaluation -> {engine, data}; ``evaluate`` picks the
+evaluation for a task's data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from distzo.data.encoding import PromptEncoder
+from distzo.data.task_data import CountingData, PromptData, TextData
+from distzo.data.templates import Example
+from distzo.dist import ParallelContext
+from distzo.engine.engine import UNPERTURBED, ZOEngine
+from distzo.objectives import (
+    PassRunner,
+    answer_text,
+    candidate_scores,
+    collate_choices,
+    collate_prompts,
+    exact_match,
+    f1_score,
+    greedy_decode,
+    lm_sums,
+)
+from distzo.objectives.choice import prepare_choices
+from distzo.objectives.generation import prepare_prompts
+from distzo.objectives.lm import prepare_lm
+
+
+def evaluate(engine: ZOEngine, data: CountingData | TextData | PromptData, parallel: ParallelContext) -> dict[str, float]:
+    """The evaluation that fits ``data``'s task."""
+    if isinstance(data, PromptData):
+        if data.kind == "generation":
+            return evaluate_generation(
+                engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size, data.max_new_tokens
+            )
+        return evaluate_choices(engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size)
+    return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size)
+
+
+def _share(count: int, parallel: ParallelContext) -> range:
+    """This rank's contiguous share of ``count`` items (sizes differ by at most one)."""
+    world, rank = parallel.env.world_size, parallel.env.rank
+    base, extra = divmod(count, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def _calls(count: int, per_call: int, parallel: ParallelContext) -> int:
+    """Forward calls every rank makes: enough for the largest share."""
+    largest = math.ceil(count / parallel.env.world_size)
+    return max(1, math.ceil(largest / per_call))
+
+
+def _reduce(values: Sequence[torch.Tensor | float], parallel: ParallelContext) -> list[float]:
+    """Sum each value over the ranks (on the device, through ``distzo.dist``); one host
+    read for all of them."""
+    return parallel.sum_to_host(list(values))
+
+
+def _hidden(runner: PassRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    return runner.hidden_states({UNPERTURBED: input_ids}, attention_mask)[UNPERTURBED]
+
+
+def evaluate_choices(
+    engine: ZOEngine,
+    examples: Sequence[Example],
+    encoder: PromptEncoder,
+    parallel: ParallelContext,
+    batch_size: int,
+    full_head: bool = False,
+) -> dict[str, float]:
+    """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call."""
+    mine = [examples[i] for i in _share(len(examples), parallel)]
+    rows = max(encoder.choice_rows(e) for e in examples)  # the same on every rank
+    per_call = max(1, batch_size // rows)
+    encodings = [encoder.encode_choices(e) for e in mine]
+    spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
+    correct = torch.zeros((), dtype=torch.long, device=engine.device)
+    for call in range(_calls(len(examples), per_call, parallel)):
+        chunk = encodings[call * per_call : (call + 1) * per_call]
+        prepared = prepare_choices(collate_choices(chunk or spare, encoder.pad_id), engine.device, full_head)
+
+        def scores(runner: PassRunner) -> torch.Tensor:
+            hidden = _hidden(runner, prepared.input_ids, prepared.attention_mask)
+            return candidate_scores(runner, prepared, UNPERTURBED, hidden)
+
+        best = engine.evaluate(scores).argmax(dim=1)
+        if chunk:
+            correct = correct + (best == prepared.labels).sum()
+    hits, total = _reduce([correct, len(mine)], parallel)
+    return {"eval_accuracy": hits / total}
+
+
+def evaluate_generation(
+    engine: ZOEngine,
+    examples: Sequence[Example],
+    encoder: PromptEncoder,
+    parallel: ParallelContext,
+    batch_size: int,
+    max_new_tokens: int = 16,
+) -> dict[str, float]:
+    """Greedy answers of ``batch_size`` examples at a time, decoded together."""
+    share = _share(len(examples), parallel)
+    decode = _decoder(encoder)
+    f1 = em = 0.0
+    for call in range(_calls(len(examples), batch_size, parallel)):
+        chunk = list(share[call * batch_size : (call + 1) * batch_size])
+        indices = chunk or [0]
+        prompts = [encoder.encode_prompt(examples[i].prompt, max_new_tokens) for i in indices]
+        prepared = prepare_prompts(collate_prompts(prompts, indices, max_new_tokens, encoder.pad_id), engine.device)
+        tokens = engine.evaluate(lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED])
+        for i, ids in zip(chunk, tokens.tolist()):  # one read per batch
+            prediction = answer_text(decode, ids)
+            f1 += max(f1_score(prediction, gold) for gold in examples[i].answers)
+            em += max(exact_match(prediction, gold) for gold in examples[i].answers)
+    f1_sum, em_sum, total = _reduce([f1, em, len(share)], parallel)
+    return {"eval_f1": f1_sum / total, "eval_exact_match": em_sum / total}
+
+
+def _decoder(encoder: PromptEncoder):
+    def decode(ids: Sequence[int]) -> str:
+        return encoder.tokenizer.decode(ids, skip_special_tokens=True)
+
+    return decode
+
+
+def evaluate_lm(
+    engine: ZOEngine,
+    batch: Mapping[str, torch.Tensor],
+    parallel: ParallelContext,
+    batch_size: int | None = None,
+    full_head: bool = False,
+) -> dict[str, float]:
+    """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded over the
+    ranks and scored ``batch_size`` rows per forward call."""
+    rows = list(_share(batch["input_ids"].shape[0], parallel))
+    batch_size = batch_size or max(len(rows), 1)
+    loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
+    count = 0
+    for call in range(_calls(batch["input_ids"].shape[0], batch_size, parallel)):
+        chunk = rows[call * batch_size : (call + 1) * batch_size]
+        shard = {k: v[chunk or rows[:1] or [0]] for k, v in batch.items()}  # a spare call repeats a row
+        prepared = prepare_lm(shard, engine.device, full_head)
+
+        def sums(runner: PassRunner) -> tuple[torch.Tensor, torch.Tensor]:
+            return lm_sums(runner, prepared, UNPERTURBED, _hidden(runner, prepared.input_ids, prepared.attention_mask))
+
+        nll, right = engine.evaluate(sums)
+        if chunk:
+            loss, hits, count = loss + nll, hits + right, count + prepared.targets.num_entries
+    loss_sum, hit_sum, total = _reduce([loss, hits, count], parallel)
+    return {"eval_loss": loss_sum / total, "eval_accuracy": hit_sum / total}

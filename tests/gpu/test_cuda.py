@@ -1,0 +1,284 @@
+"""GPU behaviour: run with `python -m pytest -m cuda` on a CUDA machine (skipped without one)."""
+
+import gc
+import pytest
+import torch
+
+from distzo import ZOConfig, ZOEngine
+from distzo.offload import Timeline
+from tests.helpers.models import random_batch, tiny_opt
+
+pytestmark = pytest.mark.cuda
+
+
+def trajectory(mode, steps=10):
+    model = tiny_opt(seed=0, num_hidden_layers=4, word_embed_proj_dim=16)
+    engine = ZOEngine(model, ZOConfig(mode=mode, device="cuda", lr=1e-3, eps=1e-3, weight_decay=0.1, seed=3))
+    results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(steps)]
+    return [(r.loss_plus, r.loss_minus, r.projected_grad) for r in results], engine.named_parameters()
+
+
+def test_offload_equals_resident_on_gpu():
+    offload_results, offload_params = trajectory("offload")
+    resident_results, resident_params = trajectory("resident")
+    assert offload_results == resident_results
+    for name, value in resident_params.items():
+        assert torch.equal(offload_params[name], value), name  # both are host copies
+
+
+def test_host_buckets_are_pinned_and_masters_live_on_the_host():
+    engine = ZOEngine(tiny_opt(), ZOConfig(mode="offload", device="cuda", seed=0))
+    assert engine.store.host_pinned and engine.store.host_storage.is_pinned()
+    assert engine.store.master(0).device.type == "cpu"
+    assert engine.block_scratch.device.type == "cuda"
+
+
+def test_steady_state_step_allocates_no_new_device_memory():
+    model = tiny_opt(seed=0, num_hidden_layers=4, hidden_size=128, ffn_dim=512, word_embed_proj_dim=128)
+    engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=2, seed=0))
+    batch = random_batch(64, batch=8, seq=32, seed=0)
+    for _ in range(2):  # the first step warms the caching allocator
+        engine.step(batch)
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    reserved, segments = torch.cuda.memory_reserved(), stats["segment.all.allocated"]
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(5):
+        engine.step(batch)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == segments  # no new cudaMalloc
+    assert torch.cuda.memory_allocated() == allocated  # nothing accumulates across steps
+
+
+def test_upload_of_the_next_block_overlaps_the_current_compute():
+    # Compute-heavy blocks (a long batch) so each compute outlasts the next block's upload.
+    model = tiny_opt(
+        seed=0, num_hidden_layers=6, hidden_size=512, ffn_dim=2048, num_attention_heads=8,
+        word_embed_proj_dim=512, max_position_embeddings=512,
+    )
+    engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=3, seed=0))
+    batch = random_batch(64, batch=16, seq=512, seed=0)
+    engine.step(batch)  # warm-up
+    engine.scheduler.timeline = Timeline(engine.streams)
+    engine.step(batch)
+    spans = {(s.phase, s.block): s for s in engine.scheduler.timeline.spans()}
+    overlapped = [
+        i for i in range(5) if spans[("upload", i + 1)].start_ms < spans[("compute", i)].end_ms
+    ]
+    assert overlapped, sorted(spans.values(), key=lambda s: s.start_ms)
+    # and the ordering rules held on the device timeline
+    for i in range(6):
+        assert spans[("upload", i)].end_ms <= spans[("compute", i)].start_ms + 1e-3
+        assert spans[("compute", i)].end_ms <= spans[("offload", i)].start_ms + 1e-3
+
+
+def test_single_rank_nccl_launch_runs(tmp_path):
+    from tests.helpers.launch import Run, torchrun
+
+    proc = torchrun(1, ["--max-steps", "20", "--device", "cuda", "--backend", "nccl", "--output-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = Run(tmp_path)
+    assert run.ranks[0]["eval_after"]["eval_loss"] < run.ranks[0]["eval_before"]["eval_loss"]
+
+
+def test_sliced_transfer_with_two_ranks_sharing_one_gpu(tmp_path):
+    # NCCL refuses two ranks on one GPU; gloo moves CUDA tensors (through the host).
+    from tests.helpers.launch import Run, torchrun
+
+    runs = {}
+    for transfer in ("naive", "sliced"):
+        out = tmp_path / transfer
+        proc = torchrun(
+            2,
+            ["--max-steps", "10", "--device", "cuda:0", "--backend", "gloo", "--pert", "2",
+             "--transfer", transfer, "--output-dir", str(out)],
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[transfer] = Run(out)
+    assert runs["sliced"].grads == runs["naive"].grads
+    assert runs["sliced"].ranks[0]["host_bytes"] < 0.55 * runs["naive"].ranks[0]["host_bytes"]
+
+
+def test_low_bit_transfer_with_amp_compute_on_gpu():
+    model = tiny_opt(seed=0, num_hidden_layers=4)
+    engine = ZOEngine(
+        model, ZOConfig(mode="offload", device="cuda", transfer_dtype="bf16", compute_dtype="bf16", eps=1e-2, seed=0)
+    )
+    assert engine.store.host_storage.dtype == torch.bfloat16 and engine.store.host_storage.is_pinned()
+    results = [engine.step(random_batch(64, seed=i)) for i in range(5)]
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
+
+
+def test_memory_plan_matches_what_cuda_allocates():
+    from distzo.job.memory_plan import plan_memory
+    from distzo.models.shapes import shape_config
+    from distzo.models.weights import RandomWeights, skeleton
+
+    for config in (ZOConfig(device="cuda", seed=0), ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
+                   ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16")):
+        model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
+        plan = plan_memory(model, config, 1, False, batch=1, seq=8, signs=2)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        engine = ZOEngine(model, config, weights=RandomWeights(0))
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated() - before
+        assert abs(allocated - plan.device_bytes) <= 0.1 * plan.device_bytes, (allocated, plan.device_bytes)
+        del engine, model
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS). Pinned pages are resident by definition;
+    VmLck and VmPin stay 0 for CUDA-pinned memory on the lent H100 (driver 580, measured
+    2026-11-23), so the resident rise of a fresh allocation is what shows its pinned size."""
+    from distzo.runtime.host_memory import rss_bytes
+
+    return rss_bytes()
+
+
+def queued_without_a_sync(engine, batch):
+    """A step queued under the sync debug mode "error": any host wait before its one read raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return engine._queue_step(batch, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_steady_state_step_never_waits_for_the_device_before_its_one_read():
+    # Padded rows (the model's mask builder would read the padding mask on the device),
+    # a pending update (every block offloaded) and the classification objective (index
+    # tensors): everything up to the loss read is queued without a host sync.
+    from distzo.objectives import Classification, ChoiceEncoding, collate_choices
+
+    model = tiny_opt(seed=0, num_hidden_layers=4)
+    for objective, batch in (
+        (None, random_batch(64, batch=4, seq=16, pad="right", seed=0)),
+        (Classification(), collate_choices(
+            [ChoiceEncoding(((5, 6, 7, 8), (5, 6, 9)), ((0, 2, 8, 0), (1, 1, 9, 1)), 1),
+             ChoiceEncoding(((5, 7),), ((0, 1, 3, 0), (0, 1, 4, 1)), 0)], pad_id=0)),
+    ):
+        engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", seed=0), objective=objective)
+        for _ in range(2):  # warm-up: allocator, first uploads, a pending update
+            engine.step(batch)
+        result = engine._finish_step(*queued_without_a_sync(engine, batch))  # the one host sync: the losses
+        assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
+
+
+def test_host_blocks_are_pinned_at_exactly_the_planned_size():
+    from distzo.engine.engine import bucket_layouts
+    from distzo.job.memory_plan import plan_memory
+    from distzo.models import family_for
+    from distzo.models.shapes import shape_config
+    from distzo.models.weights import skeleton
+    from distzo.offload import StreamedBlocks
+
+    # 4 OPT-1.3B layers: 805.7 MB, which the caching host allocator would round to 1073.7 MB (2^30)
+    model = skeleton(shape_config("opt-1.3b", layers=4), torch.float32)
+    plan = plan_memory(model, ZOConfig(device="cuda", seed=0), 1, False, batch=1, seq=8, signs=2)
+    layouts = [layout for layout, _ in bucket_layouts(model, family_for(model).blocks())[0]]
+    torch.cuda.synchronize()
+    gc.collect()
+    before = resident_bytes()
+    store = StreamedBlocks(layouts, torch.device("cuda"), 1)
+    grown = resident_bytes() - before
+    assert store.host_storage.is_pinned() and store.host_bytes == plan.host_bytes
+    assert abs(grown - plan.host_bytes) <= 0.02 * plan.host_bytes, (grown, plan.host_bytes)
+    host = store.host_storage
+    store.slots.buffers[0][:4].copy_(host[:4], non_blocking=True)  # an asynchronous copy from it works
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kind,distribution", [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")])
+def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
+    """The portable noise: the Triton kernels on the GPU draw exactly the CPU's z."""
+    from distzo.zo import NoiseSource
+
+    gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, distribution, kind=kind)
+    cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, distribution, kind=kind)
+    assert gpu.backend == "triton"
+    for n, step, block in [(1, 0, 0), (4097, 3, 2), (3_000_001, 123456, 77)]:
+        on_gpu, on_cpu = gpu.full(n, step, block), cpu.full(n, step, block)
+        assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32)), n
+
+
+def test_cuda_fused_noise_ops_follow_the_cpu_ops():
+    """perturb and update in one kernel each: the same z, arithmetic within an ulp of the CPU's;
+    bf16 stochastic rounding bit for bit."""
+    from distzo.offload.low_bit import round_keyed_
+    from distzo.zo import NoiseSource
+
+    gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32)
+    cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32)
+    theta = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
+    out_gpu, out_cpu = torch.empty_like(theta, device="cuda"), torch.empty_like(theta)
+    gpu.perturb_into(out_gpu, theta.cuda(), 1e-3, 4, 9)
+    cpu.perturb_into(out_cpu, theta, 1e-3, 4, 9)
+    ulps = (out_gpu.cpu().view(torch.int32).long() - out_cpu.view(torch.int32).long()).abs().max()
+    assert int(ulps) <= 1
+    updated_gpu, updated_cpu = theta.cuda(), theta.clone()
+    gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
+    cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
+    ulps = (updated_gpu.cpu().view(torch.int32).long() - updated_cpu.view(torch.int32).long()).abs().max()
+    assert int(ulps) <= 2
+    rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
+    rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
+    wire_gpu = torch.empty(theta.numel(), dtype=torch.bfloat16, device="cuda")
+    wire_cpu = torch.empty(theta.numel(), dtype=torch.bfloat16)
+    round_keyed_(wire_gpu, theta.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
+    round_keyed_(wire_cpu, theta, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
+    assert torch.equal(wire_gpu.cpu().view(torch.int16), wire_cpu.view(torch.int16))
+
+
+@pytest.mark.parametrize("method", ["lora-fa", "prefix"])
+def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early(method):
+    # The read-only streamed base, batched passes, a prefix's one-layer caches, micro-batches
+    # and the momentum's multi-step update on CUDA: the CPU's trajectory (fp32, 1e-4), and a
+    # steady-state step queued without a host sync.
+    from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+
+    def build(device):
+        model = attach_adapter(tiny_opt(seed=0, num_hidden_layers=3), AdapterSpec(method, r=4, alpha=8), seed=5)
+        return ZOEngine(model, ZOConfig(mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_queries=2,
+                                        dual_forward=True, grad_accum=2, optimizer="momentum", momentum_window=4))
+
+    follows_the_cpu_and_never_syncs_early(build, steps=4)
+
+
+def follows_the_cpu_and_never_syncs_early(build, steps):
+    """``build(device)``'s engine on CUDA takes the CPU's trajectory (fp32: g to 1e-3, weights
+    to 1e-4) and queues a steady-state step without a host sync; returns the CUDA engine."""
+    def run(device):
+        engine = build(device)
+        results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(steps)]
+        return engine, [r.projected_grads for r in results], engine.named_parameters()
+
+    gpu, gpu_grads, gpu_params = run("cuda")
+    _, cpu_grads, cpu_params = run("cpu")
+    for a, b in zip(gpu_grads, cpu_grads):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-4)
+    for name, value in cpu_params.items():
+        assert torch.allclose(gpu_params[name], value, rtol=1e-4, atol=1e-5), name
+    batch = random_batch(64, pad="right", seed=9)
+    gpu.step(batch)
+    gpu._finish_step(*queued_without_a_sync(gpu, batch))
+    return gpu
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_adam_moments_stream_with_their_blocks_on_the_gpu_as_on_the_cpu(state_dtype):
+    # Adam's moments in pinned host shards, uploaded and offloaded with each block on the
+    # upload/offload streams and updated on the compute stream: the CPU's trajectory
+    # (fp32 state: 1e-4; bf16 state rounds with the same keyed draws on both), and a
+    # steady-state step queued without a host sync.
+    def build(device):
+        return ZOEngine(tiny_opt(seed=0, num_hidden_layers=4), ZOConfig(
+            mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_slots=2, optimizer="adam",
+            state_dtype=state_dtype, weight_decay=0.1))
+
+    gpu = follows_the_cpu_and_never_syncs_early(build, steps=5)
+    assert all(store.host_storage.is_pinned() for store in gpu.moments.blocks)
+

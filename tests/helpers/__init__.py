@@ -1,0 +1,1 @@
+"""What the tests share: tiny models, engines, launchers, probes and stand-ins."""

@@ -1,0 +1,69 @@
+"""Run by tests/unit/test_noise.py under TRITON_INTERPRET=1: the Triton noise kernels on the
+CPU against the reference generator. Exits non-zero (an assertion) on any difference."""
+
+import os
+
+import torch
+
+from distzo.zo import NoiseSource, triton_noise
+from distzo.zo.gaussian_table import gaussian_table
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
+assert triton_noise.available()
+
+table = gaussian_table()
+ranges = [(0, 1), (0, 37), (5, 4096), (4090, 4100), (4095, 12289), (20_000, 20_003)]
+for kind, distribution in [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")]:
+    src = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, distribution, kind=kind)
+    draw = "uniform" if distribution == "uniform" else kind
+    for step, block in [(0, 0), (123456, 77)]:
+        key = src.key(step, block)
+        for start, stop in ranges:
+            out = torch.full((stop - start,), float("nan"))
+            triton_noise.fill(out, start, key, draw, table)
+            expected = src.reference(start, stop, key)
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (kind, distribution, start, stop)
+
+
+def ulps(a, b):
+    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
+
+
+gen = torch.Generator().manual_seed(0)
+for kind in ("gaussian", "rademacher"):
+    src = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
+    for n in (1, 4095, 4096, 9000):
+        theta = torch.randn(n, generator=gen)
+        key = src.key(4, 9)
+        z = src.reference(0, n, key)
+        out = torch.full((n + 7,), float("nan"))
+        triton_noise.perturb(out[:n], theta, -1e-3, key, kind, table)
+        assert ulps(out[:n], torch.add(theta, z, alpha=-1e-3)) <= 1, (kind, n)
+        assert out[n:].isnan().all()  # nothing past the bucket is written
+
+        keys = [src.key(4, 9, q) for q in range(3)]
+        zs = [src.reference(0, n, k) for k in keys]
+        alphas, shrink, decay_end = [0.5, -0.25, 0.125], 0.999, n // 2
+        updated = theta.clone()
+        triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
+        expected = theta.clone()
+        expected[:decay_end].mul_(shrink)
+        for zq, alpha in zip(zs, alphas):
+            expected.add_(zq, alpha=alpha)
+        assert ulps(updated, expected) <= 1, (kind, n)
+
+# stochastic rounding to bf16: the fused kernel equals offload.low_bit's rule on the
+# reference uniforms, bit for bit (values spread over many binades, both signs, saturation)
+from distzo.offload.low_bit import round_stochastic_  # noqa: E402
+
+rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
+for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)]:
+    src = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n).to(torch.float32)
+    src[:3] = torch.tensor([3.4e38, -3.4e38, 0.0])[: min(3, n)]
+    key = rounding.key(7, 1 << 40)
+    dst = torch.empty(n, dtype=torch.bfloat16)
+    triton_noise.round_bf16(dst, src, start, key)
+    expected = torch.empty(n, dtype=torch.bfloat16)
+    round_stochastic_(expected, src, rounding.reference(start, start + n, key))
+    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16)), (start, n)
+print("triton kernels == reference")

@@ -1,0 +1,109 @@
+"""The documentation is checked: README.md and docs/*.md run their CPU blocks, name only
+flags that exist, and link only to files and headings that exist."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distzo.config.job import build_parser
+from tests.helpers.launch import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUNNABLE = "<!-- runnable on CPU -->"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+def runnable_blocks(path: Path) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block right after the runnable marker."""
+    lines = path.read_text().splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.strip() == RUNNABLE:
+            language = FENCE.match(lines[i + 1]).group(1)
+            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+            blocks.append((language, "\n".join(lines[i + 2 : end])))
+    return blocks
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # headings, not code comments
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+RUNNABLE_PAGES = [page for page in PAGES if runnable_blocks(page)]
+
+
+def test_the_pages_have_runnable_blocks():
+    blocks = [block for page in PAGES for block in runnable_blocks(page)]
+    assert len(blocks) >= 2 and {language for language, _ in blocks} >= {"bash", "python"}
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=[p.name for p in RUNNABLE_PAGES])
+def test_every_runnable_block_runs_on_cpu(tmp_path, page):
+    # A page's blocks run in order in one fresh directory: a later one may use what an
+    # earlier one wrote (a run directory it resumes or replays).
+    for language, code in runnable_blocks(page):
+        command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=child_env({"CUDA_VISIBLE_DEVICES": ""}))
+        assert proc.returncode == 0, f"{page.name}:\n{code}\n{proc.stderr[-3000:]}"
+
+
+def train_flags_named(path: Path) -> set[str]:
+    """Flags given to distzo.train: on command lines after ``distzo.train``/``distzo-train``,
+    and in option tables (rows whose second cell names a flag)."""
+    named = set()
+    for line in path.read_text().splitlines():
+        for program in ("distzo.train", "distzo-train"):
+            if program in line:
+                named |= set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split(program, 1)[1]))
+        row = re.match(r"^\| *\| *`(--[a-z][a-z0-9-]*)", line)
+        if row:
+            named |= set(re.findall(r"`(--[a-z][a-z0-9-]*)", line.split("|")[2]))
+    return named
+
+
+def test_every_flag_the_docs_give_the_training_job_exists():
+    known = {option for action in build_parser()._actions for option in action.option_strings}
+    known |= {"--no-" + o[2:] for o in known}
+    missing = {f"{page.name}: {flag}" for page in PAGES for flag in train_flags_named(page) if flag not in known}
+    assert not missing, sorted(missing)
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in [*PAGES, ROOT / "benchmarks" / "README.md"]:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall((ROOT / "README.md").read_text())}
+    assert set((ROOT / "docs").glob("*.md")) <= linked
+
+
+def test_help_points_each_section_to_a_docs_page_that_exists():
+    from distzo.config.job import SECTION_DOCS, JobConfig
+
+    assert set(SECTION_DOCS) == set(JobConfig().sections())
+    pages = {page.strip() for value in SECTION_DOCS.values() for page in value.split(",")}
+    assert all((ROOT / page).is_file() for page in pages), pages
+    assert "[optim] docs/optimizers.md" in build_parser().format_help().replace("\n", " ")

@@ -1,0 +1,96 @@
+"""Bad input fails early with one line that names the option and the fix."""
+
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from distzo import ZOConfig, ZOEngine, load_model
+from tests.helpers.models import tiny_opt
+from tests.helpers.launch import train_in_process
+
+
+@pytest.mark.parametrize(
+    "options, option_named",
+    [
+        ({"eps": 0.0}, "eps"),
+        ({"eps": -1e-3}, "eps"),
+        ({"lr": -1e-6}, "lr"),
+        ({"num_slots": 0}, "num_slots"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"lr_schedule": "cosine"}, "lr_schedule"),
+        ({"lr_schedule": "linear"}, "max_steps"),
+        ({"mode": "disk"}, "mode"),
+        ({"noise_chunk": 0}, "noise_chunk"),
+        ({"device": "tpu:x"}, "device"),
+        ({"transfer": "sliced", "mode": "resident"}, "transfer sliced"),
+        ({"transfer": "ring"}, "transfer"),
+        ({"transfer_dtype": "int4"}, "transfer_dtype"),
+        ({"compute_dtype": "fp8"}, "compute_dtype"),
+        ({"num_queries": 0}, "num_queries"),
+    ],
+)
+def test_invalid_options_name_themselves(options, option_named):
+    with pytest.raises(ValueError, match=option_named) as info:
+        ZOConfig(**options)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_refused():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        ZOConfig(device="cuda")
+
+
+def test_one_slot_is_valid_and_trains():
+    engine = ZOEngine(tiny_opt(), ZOConfig(num_slots=1, device="cpu", seed=0))
+    ids = torch.randint(3, 64, (2, 8))
+    assert engine.step({"input_ids": ids}).step == 0
+
+
+def tiny_neox():
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=32, max_position_embeddings=32))
+
+
+def test_unsupported_model_type_lists_the_supported_ones():
+    with pytest.raises(
+        ValueError, match=r"unsupported model type 'gpt_neox': distzo supports gpt2, llama, mistral, opt, qwen2, qwen3"
+    ) as info:
+        ZOEngine(tiny_neox(), ZOConfig(device="cpu"))
+    assert "\n" not in str(info.value)
+
+
+def test_unsupported_checkpoint_fails_before_loading_weights(tmp_path):
+    tiny_neox().config.save_pretrained(tmp_path)  # a config and no weights: loading them would fail differently
+    with pytest.raises(ValueError, match="unsupported model type 'gpt_neox'"):
+        load_model(str(tmp_path))
+
+
+def run_cli(*args):
+    return train_in_process(list(args))
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--eps", "0"], "eps"),
+        (["--num-slots", "0"], "num_slots"),
+        (["--lr", "-1"], "lr"),
+        (["--seq-len", "100"], "--seq-len"),
+        (["--model", "/no/such/model"], "--model"),
+        (["--export-shard-size", "big"], "--export-shard-size"),
+        (["--num-queries", "0"], "num_queries"),
+    ],
+)
+def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0]
+
+
+def test_engine_refuses_sequences_longer_than_the_model_allows():
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.step({"input_ids": torch.randint(3, 64, (1, 65))})

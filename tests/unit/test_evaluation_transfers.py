@@ -1,0 +1,72 @@
+"""Evaluation moves each block once per forward call and never back: a pass with no
+pending update changes no block, so nothing is offloaded (issue: evaluation streamed
+every block twice)."""
+
+import collections
+import math
+
+import pytest
+
+from distzo import ZOConfig, ZOEngine
+from distzo.data.encoding import PromptEncoder, PromptTrainData
+from distzo.data.templates import TASKS, build_examples
+from distzo.dist import ParallelContext
+from distzo.job.evaluation import evaluate_choices, evaluate_generation, evaluate_lm
+from distzo.models.tiny import byte_tokenizer
+from tests.helpers.models import tiny_opt
+
+TOKENIZER = byte_tokenizer()
+
+
+class Counting:
+    """Counts the store's uploads and offloads per block."""
+
+    def __init__(self, engine):
+        self.uploads, self.offloads = collections.Counter(), collections.Counter()
+        upload, offload = engine.store.upload, engine.store.offload
+
+        def counted_upload(i):
+            self.uploads[i] += 1
+            upload(i)
+
+        def counted_offload(i):
+            self.offloads[i] += 1
+            offload(i)
+
+        engine.store.upload, engine.store.offload = counted_upload, counted_offload
+
+
+def engine_and_encoder():
+    model = tiny_opt(seed=1, vocab_size=len(TOKENIZER), max_position_embeddings=256, num_hidden_layers=3)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, mode="offload", num_slots=2))
+    return engine, PromptEncoder(TOKENIZER, max_length=256)
+
+
+def squad(n):
+    rows = [{"title": "T", "context": f"Code {i}.", "question": "Which?", "answers": [str(i)]} for i in range(n)]
+    return build_examples(TASKS["squad"], rows, "x")
+
+
+@pytest.mark.parametrize("examples, rows, new_tokens", [(5, 2, 3), (4, 4, 2), (1, 3, 4)])
+def test_generation_uploads_each_block_once_per_decoding_step_and_offloads_none(examples, rows, new_tokens):
+    engine, encoder = engine_and_encoder()
+    counts = Counting(engine)
+    evaluate_generation(engine, squad(examples), encoder, ParallelContext.single(), rows, new_tokens)
+    bound = math.ceil(examples / rows) * new_tokens
+    assert set(counts.uploads.values()) == {bound} and len(counts.uploads) == 3
+    assert not counts.offloads
+
+
+def test_choice_and_lm_evaluation_upload_once_per_call_and_offload_only_a_pending_update():
+    engine, encoder = engine_and_encoder()
+    examples = build_examples(TASKS["rte"], [{"premise": f"P{i}.", "hypothesis": "H.", "label": i % 2} for i in range(6)], "x")
+    counts = Counting(engine)
+    evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)  # 2 rows each: 2 per call
+    assert set(counts.uploads.values()) == {3} and not counts.offloads
+
+    engine.step(PromptTrainData(examples, encoder, seed=0).batch(4, 0))  # leaves a pending update
+    counts.uploads.clear(), counts.offloads.clear()
+    lm_batch = PromptTrainData(examples, encoder, seed=0).batch(6, 1)
+    evaluate_lm(engine, lm_batch, ParallelContext.single(), batch_size=2)  # 3 calls
+    assert set(counts.uploads.values()) == {3}
+    assert set(counts.offloads.values()) == {1}  # the first call applies the update and writes it back, once

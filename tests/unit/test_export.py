@@ -1,0 +1,118 @@
+"""The export streams the model out block by block in Hugging Face's format, sharded as
+``save_pretrained`` would shard it, and loads back into transformers exactly."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from distzo import ZOConfig, ZOEngine
+from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.export.hf_model import INDEX_NAME, check_shard_size, export_hf
+from tests.helpers.models import random_batch, tiny_opt
+from tests.helpers.models import build
+
+
+def trained(model, mode="offload", steps=3):
+    engine = ZOEngine(model, ZOConfig(mode=mode, lr=1e-2, eps=1e-3, seed=0, device="cpu", noise_chunk=500))
+    for step in range(steps):
+        engine.step(random_batch(64, pad="left", seed=step))
+    return engine
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3", "gpt2"])
+def test_a_sharded_export_loads_back_exactly(tmp_path, name):
+    engine = trained(build(name))
+    expected = engine.named_parameters()
+    out = export_hf(engine, tmp_path / "export", max_shard_size="20KB")
+    assert out == tmp_path / "export" and not (tmp_path / "export.tmp").exists()
+    index = json.loads((out / INDEX_NAME).read_text())
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 1 and not (out / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    assert set(index["weight_map"]) == set(engine.canonical_names)
+    sizes = {f.name: sum(t.numel() * t.element_size() for t in load_file(str(f)).values()) for f in files}
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    assert max(sizes.values()) <= 20_000 or len(load_file(str(files[0]))) == 1  # one oversized tensor alone
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for key, value in loaded.state_dict().items():
+        if key in expected:  # parameters (buffers such as rotary tables are not saved)
+            assert torch.equal(value, expected[key]), key
+    batch = random_batch(64, pad="left", seed=9)
+    with torch.no_grad():
+        logits, _ = engine.forward(batch)
+        reference = loaded.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    keep = batch["attention_mask"].bool()
+    assert (reference - logits)[keep].abs().max().item() <= 1e-5
+
+
+def test_a_small_model_is_one_file_with_its_config_dtype(tmp_path):
+    engine = trained(tiny_opt(seed=0, dtype=torch.float64), mode="resident")
+    live = engine.model.config.to_dict()
+    out = export_hf(engine, tmp_path / "export")
+    assert (out / "model.safetensors").exists() and not (out / INDEX_NAME).exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float64" and config["architectures"] == ["OPTForCausalLM"]
+    assert engine.model.config.to_dict() == live  # the export wrote a copy of the config
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float64
+
+
+def test_a_rank_that_does_not_write_materialises_nothing():
+    engine = trained(tiny_opt(seed=0))
+    assert list(engine.stream_parameters(materialize=False)) == []
+    streamed = dict(engine.stream_parameters())
+    assert list(streamed) == engine.canonical_names
+    params = engine.named_parameters()
+    for name, value in streamed.items():
+        assert torch.equal(value, params[name])
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size()  # its own storage
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
+    # The paths a run ends with (asynchronous DCP save, load, streamed export) on the
+    # device that trained: on CUDA, through pinned host buckets and the upload stream.
+    # Two queries per step: the checkpoint's pending update carries two g.
+    def engine(num_queries=2):
+        config = ZOConfig(mode="offload", device=device, lr=1e-2, eps=1e-3, weight_decay=0.1, seed=0,
+                          num_queries=num_queries)
+        return ZOEngine(tiny_opt(seed=0, num_hidden_layers=3), config)
+
+    first = engine()
+    for step in range(3):
+        first.step(random_batch(64, pad="left", seed=step))
+    saver = Checkpointer(tmp_path / "checkpoints", first)
+    saver.save(asynchronous=True)
+    saver.wait()
+    latest = latest_checkpoint(tmp_path / "checkpoints")
+    second = engine()
+    assert Checkpointer(tmp_path / "checkpoints", second).load(latest) == 3
+    batch = random_batch(64, pad="left", seed=7)
+    at_save = first.named_parameters()  # a flush: it does not change the trajectory
+    assert first.step(batch) == second.step(batch)  # the resumed engine takes the same step
+    # A run resumed with another number of queries still applies the saved update whole.
+    single = engine(num_queries=1)
+    Checkpointer(tmp_path / "checkpoints", single).load(latest)
+    assert len(single.pending.projected_grads) == 2
+    for name, value in single.named_parameters().items():
+        assert torch.equal(value, at_save[name]), name
+
+    out = export_hf(first, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()
+    logits, _ = first.forward(batch)
+    with torch.no_grad():
+        reference = loaded(
+            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
+        ).logits
+    keep = batch["attention_mask"].bool().to(device)
+    assert (reference - logits)[keep].abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("size", ["lots", "1000", "-1GB"])
+def test_an_unreadable_shard_size_is_a_clear_error(size):
+    with pytest.raises(ValueError, match="is not a size; write e.g. 5GB"):
+        check_shard_size(size)

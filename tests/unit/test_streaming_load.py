@@ -1,0 +1,232 @@
+"""Streaming load and random-init shapes: the model is never materialised whole."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from distzo import ZOConfig, ZOEngine
+from distzo.job.checkpoint import Checkpointer
+from distzo.job.memory_plan import plan_memory
+from distzo.models.shapes import SHAPES, shape_config
+from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from tests.helpers.models import random_batch
+from tests.helpers.launch import child_env, train_in_process
+from tests.helpers.models import build
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+def test_streamed_parameters_equal_from_pretrained(tmp_path, name, fmt):
+    original = build(name, seed=5)
+    kwargs = {"max_shard_size": "20KB"} if fmt == "sharded" else {}
+    original.save_pretrained(tmp_path, safe_serialization=fmt != "bin", **kwargs)
+    if fmt == "sharded":
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = skeleton(reference.config, torch.float32)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0), weights=open_checkpoint(tmp_path))
+    params = engine.named_parameters()
+    for key, value in reference.state_dict().items():
+        if key in params:
+            assert torch.equal(params[key], value), key
+    batch = random_batch(64, pad="left", seed=1)
+    with torch.no_grad():
+        expected = reference(**batch).logits
+    logits, _ = engine.forward(batch)
+    keep = batch["attention_mask"].bool()
+    assert (logits - expected)[keep].abs().max().item() <= 1e-5
+
+
+def test_a_directory_without_weights_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="holds no model.safetensors"):
+        open_checkpoint(tmp_path)
+
+
+def test_random_weights_are_the_same_on_every_rank_and_shaped_by_role():
+    a, b = RandomWeights(3), RandomWeights(3)
+    w = a.tensor(("model.layers.0.mlp.up_proj.weight",), (8, 4), torch.float32)
+    assert torch.equal(w, b.tensor(("model.layers.0.mlp.up_proj.weight",), (8, 4), torch.float32))
+    assert not torch.equal(w, a.tensor(("model.layers.1.mlp.up_proj.weight",), (8, 4), torch.float32))
+    assert torch.equal(a.tensor(("x.bias",), (3,), torch.float32), torch.zeros(3))
+    assert torch.equal(a.tensor(("x.norm.weight",), (3,), torch.float32), torch.ones(3))
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_every_named_shape_builds_as_a_skeleton(name):
+    model = skeleton(shape_config(name, layers=1), torch.float32)
+    plan = plan_memory(model, ZOConfig(device="cpu"), 1, False, batch=1, seq=8, signs=2)
+    assert plan.parameters > 1e7 and plan.host_bytes > 0
+
+
+def test_the_plan_counts_what_the_engine_allocates(tmp_path):
+    model = build("llama", seed=0)
+    configs = (ZOConfig(device="cpu", num_slots=3), ZOConfig(device="cpu", transfer_dtype="bf16"),
+               ZOConfig(device="cpu", noise="legacy"))
+    for config in configs:
+        plan = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
+        engine = ZOEngine(build("llama", seed=0), config)
+        allocated = (engine.resident_master.nbytes + engine.resident_scratch.nbytes + engine.block_scratch.nbytes
+                     + engine.store.device_bytes + engine.noise.device_bytes
+                     + (engine.rounding_noise.device_bytes if engine.rounding_noise else 0))
+        assert plan.device_bytes == allocated
+        assert plan.host_bytes == engine.store.host_bytes
+        # A checkpoint save copies exactly what the plan reserves for it: everything when
+        # asynchronous, nothing when synchronous (the blocks' host copy is written as it is).
+        live = {engine.resident_master.untyped_storage().data_ptr(), engine.store.host_storage.untyped_storage().data_ptr()}
+        for async_save in (True, False):
+            state = Checkpointer(tmp_path, engine)._state(private=async_save)
+            copied = [v for k, v in state.items() if not k.startswith("meta/")]
+            copied = [v for v in copied if v.untyped_storage().data_ptr() not in live]
+            planned = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2, async_save=async_save)
+            assert planned.checkpoint_bytes == sum(v.nbytes for v in copied) == (plan.checkpoint_bytes if async_save else 0)
+
+
+def test_opt_13b_shape_with_one_layer_builds_and_steps():
+    model = skeleton(shape_config("opt-13b", layers=1), torch.float32)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, lr=1e-7), weights=RandomWeights(0))
+    # 50272 x 5120 tied embedding (257.4M) + 2050 x 5120 positions (10.5M) + one 12 d^2 layer (314.6M)
+    assert 0.58e9 < engine.num_parameters < 0.59e9
+    result = engine.step({"input_ids": torch.randint(3, 50272, (1, 4))})
+    assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_anything_is_allocated():
+    proc = train_in_process(["--model-config", "opt-175b", "--max-steps", "1"])
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the run does not fit: it needs") and "--force" in line
+
+
+@pytest.mark.slow
+def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
+    # ~0.83 GB of fp32 weights in 300 MB shards; a small vocabulary keeps the resident part small.
+    config = LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0.5e9 < model_bytes < 1e9
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="300MB")
+    del model
+    assert len(list((tmp_path / "ckpt").glob("model-*.safetensors"))) >= 3
+    from tests.helpers.launch import free_port
+
+    cache = fake_hub_cache(tmp_path / "hub", "org/large", tmp_path / "ckpt")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
+    sums = {key: (value.double().sum().item(), value.double().square().sum().item()) for key, value in reference.items()}
+    del reference
+    for n, source in ((1, str(tmp_path / "ckpt")), (2, str(tmp_path / "ckpt")), (2, "hub:org/large")):
+        out = tmp_path / f"probe{n}"
+        probe = [source, str(out)]
+        command = [sys.executable, "tests/helpers/stream_probe.py", *probe] if n == 1 else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", "tests/helpers/stream_probe.py", *probe]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env(hub_env(cache)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads((tmp_path / f"probe{n}.rank{r}.json").read_text()) for r in range(n)]
+        bound = 1.3 * model_bytes / n + 1e9
+        print(f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB")
+        for record in records:
+            assert record["peak_rss"] < bound, (n, record["peak_rss"] / 1e9, bound / 1e9)
+        for key, (total, squares) in records[0]["checksums"].items():
+            assert total == pytest.approx(sums[key][0], rel=1e-12, abs=1e-9), key
+            assert squares == pytest.approx(sums[key][1], rel=1e-12), key
+
+
+def fake_hub_cache(cache: Path, repo: str, files: Path) -> Path:
+    """A Hugging Face cache holding ``repo`` as a downloaded snapshot of ``files`` (linked,
+    not copied): what snapshot_download finds offline."""
+    commit = "0" * 40
+    home = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = home / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in files.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (home / "refs").mkdir()
+    (home / "refs" / "main").write_text(commit)
+    return cache
+
+
+def hub_env(cache: Path) -> dict[str, str]:
+    return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_name_streams_its_snapshot_like_a_local_directory(tmp_path):
+    from tests.helpers.launch import Run, torchrun
+
+    build("llama_tied", seed=3).save_pretrained(tmp_path / "local", max_shard_size="20KB")
+    cache = fake_hub_cache(tmp_path / "hub", "org/tiny-llama", tmp_path / "local")
+    runs = {}
+    for name, model in (("hub", "org/tiny-llama"), ("local", str(tmp_path / "local"))):
+        args = ["--model", model, "--max-steps", "3", "--log-every", "0", "--batch-size", "4", "--seq-len", "8",
+                "--eval-batch-size", "4", "--dtype", "fp64", "--output-dir", str(tmp_path / name)]
+        proc = torchrun(2, args, env=hub_env(cache))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = Run(tmp_path / name)
+    assert runs["hub"].grads == runs["local"].grads
+    assert all(torch.equal(runs["hub"].params[k], runs["local"].params[k]) for k in runs["local"].params)
+
+
+def test_a_missing_hub_model_is_one_line(tmp_path):
+    from distzo.models.hub import snapshot
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_CACHE", str(tmp_path))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ValueError, match="cannot download --model 'org/none'") as info:
+            snapshot("org/none", download=True)
+    assert "\n" not in str(info.value)
+
+
+def test_only_safetensors_are_fetched_when_the_repository_has_them():
+    from distzo.models.hub import weight_patterns
+
+    both = weight_patterns(["config.json", "model.safetensors", "pytorch_model.bin", "modeling.py"])
+    assert "*.safetensors" in both and "*.bin" not in both and not any(p.endswith(".py") for p in both)
+    assert "*.bin" in weight_patterns(["config.json", "pytorch_model.bin"])
+
+
+def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
+    from distzo.engine.engine import _bucket_range, bucket_layouts
+    from distzo.models import family_for
+    from distzo.offload import Shard, StreamedBlocks
+
+    original = build("llama", seed=2)
+    original.save_pretrained(tmp_path, max_shard_size="20KB")
+    source = open_checkpoint(tmp_path)
+    model = skeleton(original.config, torch.float32)
+    built, _ = bucket_layouts(model, family_for(model).blocks())
+    layouts = [layout for layout, _ in built]
+    naive = StreamedBlocks(layouts, torch.device("cpu"), 1)
+    for i, (layout, ordered) in enumerate(built):
+        full = torch.zeros(layout.numel)
+        for e in layout.entries:
+            full[e.offset : e.offset + e.numel] = source.tensor(e.names, e.shape, torch.float32).reshape(-1)
+        naive.load_block(i, full)
+    for rank in range(2):
+        sliced = StreamedBlocks(layouts, torch.device("cpu"), 1, shard=Shard(None, rank, 2), chunks=3)
+        asked = []
+
+        def read(layout, lo, hi):
+            asked.append((lo, hi))
+            return _bucket_range(layout, source, lo, hi)
+
+        for i, layout in enumerate(layouts):
+            asked.clear()
+            sliced.load_block_ranges(i, lambda lo, hi, layout=layout: read(layout, lo, hi))
+            owned = [s for _, s in sliced._pieces(i)]
+            assert sum(hi - lo for lo, hi in asked) <= sum(hi - lo for lo, hi in owned)  # never more than its share
+            assert all(any(o_lo <= lo and hi <= o_hi for o_lo, o_hi in owned) for lo, hi in asked)
+            # and what it holds equals the owner's pieces of the whole block
+            sliced_full = torch.zeros(sliced.padded[i])
+            naive_full = torch.zeros(sliced.padded[i])
+            naive_full[: layout.numel] = naive.master(i)[: layout.numel]
+            for (h_lo, h_hi), (s_lo, s_hi) in sliced._pieces(i):
+                sliced_full[s_lo:s_hi] = sliced.master(i)[h_lo:h_hi]
+                assert torch.equal(sliced_full[s_lo:s_hi], naive_full[s_lo:s_hi])
