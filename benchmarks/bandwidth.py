@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from distzo.bench import BenchReport, Measurement, time_repeated
-from distzo.runtime.devices import device_name
 from distzo.dist import Collectives, LaunchEnv
 from distzo.dist import process_group as pg
 from distzo.models.shapes import OPT_SHAPES
 from distzo.offload import BucketLayout, Shard, StreamedBlocks
 from distzo.offload.low_bit import TRANSFER_DTYPES
+from distzo.runtime.devices import device_name
 from distzo.zo import NoiseSource
 
 logger = logging.getLogger("bandwidth")
@@ -55,10 +55,16 @@ def block_sizes(args: argparse.Namespace, device: torch.device) -> list[tuple[st
     elif args.quick:
         names = ["tiny"]
     else:  # the 175B layer (7.2 GB in fp32) does not fit a small CPU box several times over
-        names = ["opt-1.3b", "opt-13b", "opt-175b"] if device.type == "cuda" else ["opt-125m", "opt-1.3b"]
+        names = (
+            ["opt-1.3b", "opt-13b", "opt-175b"]
+            if device.type == "cuda"
+            else ["opt-125m", "opt-1.3b"]
+        )
     for name in names:
         if name not in LAYER_WIDTHS:
-            raise SystemExit(f"error: unknown shape {name!r}; choose from {', '.join(LAYER_WIDTHS)}")
+            raise SystemExit(
+                f"error: unknown shape {name!r}; choose from {', '.join(LAYER_WIDTHS)}"
+            )
     return [(name, 12 * LAYER_WIDTHS[name] ** 2) for name in names]
 
 
@@ -67,7 +73,9 @@ def rates(nbytes: int, numel: int, seconds: float) -> dict[str, float]:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, env: LaunchEnv, device: torch.device, shard: Shard | None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, env: LaunchEnv, device: torch.device, shard: Shard | None
+    ) -> None:
         self.args, self.env, self.device, self.shard = args, env, device, shard
         self.report = BenchReport("bandwidth", device_name(device), env.world_size)
         self.pinned = device.type == "cuda"
@@ -81,22 +89,38 @@ class Bench:
         timer = time_repeated(fn, self.device, self.args.repeats, warmup=1)
         m = Measurement.from_timer(name, params, timer, rates(nbytes, numel, timer.median))
         self.report.measurements.append(m)
-        logger.info("%-22s %-28s %8.3f ms %8.2f GB/s", name, params, timer.median * 1e3, m.metrics["gb_per_s"])
+        logger.info(
+            "%-22s %-28s %8.3f ms %8.2f GB/s",
+            name,
+            params,
+            timer.median * 1e3,
+            m.metrics["gb_per_s"],
+        )
         return m
 
     def engine_transfers(self, label: str, numel: int, dtype_name: str) -> None:
         dtype = TRANSFER_DTYPES[dtype_name]
-        layout, _ = BucketLayout.build([(("block",), nn.Parameter(torch.empty(numel, device="meta")))])
+        layout, _ = BucketLayout.build(
+            [(("block",), nn.Parameter(torch.empty(numel, device="meta")))]
+        )
         modes = [("naive", None)] + ([("sliced", self.shard)] if self.shard is not None else [])
         for transfer, shard in modes:
-            rounding = NoiseSource(0, 1 << 22, self.device, torch.float32, "uniform") if dtype_name != "fp32" else None
+            rounding = (
+                NoiseSource(0, 1 << 22, self.device, torch.float32, "uniform")
+                if dtype_name != "fp32"
+                else None
+            )
             store = StreamedBlocks(
                 [layout], self.device, 1, None if dtype_name == "fp32" else dtype, shard, rounding
             )
             params = {"size": label, "numel": numel, "dtype": dtype_name, "transfer": transfer}
             wire_bytes = numel * dtype.itemsize  # the whole block reaches / leaves the device
-            up = self.timed("engine_upload", params, functools.partial(store.upload, 0), wire_bytes, numel)
-            off = self.timed("engine_offload", params, functools.partial(store.offload, 0), wire_bytes, numel)
+            up = self.timed(
+                "engine_upload", params, functools.partial(store.upload, 0), wire_bytes, numel
+            )
+            off = self.timed(
+                "engine_offload", params, functools.partial(store.offload, 0), wire_bytes, numel
+            )
             key = f"{label}/{dtype_name}/{transfer}"
             self.ceiling_ratio(f"upload_vs_bare_h2d[{key}]", up, f"{label}/{dtype_name}/h2d")
             self.ceiling_ratio(f"offload_vs_bare_d2h[{key}]", off, f"{label}/{dtype_name}/d2h")
@@ -112,11 +136,23 @@ class Bench:
         nbytes = numel * dtype.itemsize
         device_buf = torch.empty(numel, dtype=dtype, device=self.device)
         params = {"size": label, "numel": numel, "dtype": dtype_name}
-        for pinned in ([True, False] if self.pinned else [False]):
+        for pinned in [True, False] if self.pinned else [False]:
             host = torch.empty(numel, dtype=dtype, pin_memory=pinned)
             kind = "pinned" if pinned else "pageable"
-            h2d = self.timed(f"bare_h2d_{kind}", params, lambda: device_buf.copy_(host, non_blocking=True), nbytes, numel)
-            d2h = self.timed(f"bare_d2h_{kind}", params, lambda: host.copy_(device_buf, non_blocking=True), nbytes, numel)
+            h2d = self.timed(
+                f"bare_h2d_{kind}",
+                params,
+                lambda: device_buf.copy_(host, non_blocking=True),
+                nbytes,
+                numel,
+            )
+            d2h = self.timed(
+                f"bare_d2h_{kind}",
+                params,
+                lambda: host.copy_(device_buf, non_blocking=True),
+                nbytes,
+                numel,
+            )
             if pinned or not self.pinned:  # the ceiling: pinned on CUDA, the only kind on CPU
                 self._bare[f"{label}/{dtype_name}/h2d"] = h2d
                 self._bare[f"{label}/{dtype_name}/d2h"] = d2h
@@ -144,8 +180,11 @@ class Bench:
             device_buf = torch.empty(part, device=self.device)
             host = torch.empty(part, pin_memory=self.pinned)
             m = self.timed(
-                "bare_h2d_slice", {"size": label, "numel": part, "dtype": "fp32", "n": n},
-                lambda: device_buf.copy_(host, non_blocking=True), part * 4, part,
+                "bare_h2d_slice",
+                {"size": label, "numel": part, "dtype": "fp32", "n": n},
+                lambda: device_buf.copy_(host, non_blocking=True),
+                part * 4,
+                part,
             )
             self.report.derived[f"slice_time_ratio[{label}/n={n}]"] = m.median_s * n / full.median_s
 
@@ -156,8 +195,11 @@ class Bench:
         out = torch.empty(numel // n * n, device=self.device)
         piece = out[self.shard.rank * (numel // n) : (self.shard.rank + 1) * (numel // n)]
         self.timed(
-            "all_gather", {"size": label, "numel": out.numel(), "dtype": "fp32", "n": n},
-            lambda: dist.all_gather_into_tensor(out, piece, group=self.shard.group), out.numel() * 4, out.numel(),
+            "all_gather",
+            {"size": label, "numel": out.numel(), "dtype": "fp32", "n": n},
+            lambda: dist.all_gather_into_tensor(out, piece, group=self.shard.group),
+            out.numel() * 4,
+            out.numel(),
         )
 
     def run(self) -> BenchReport:
@@ -165,7 +207,9 @@ class Bench:
         dtypes = self.args.dtypes.split(",")
         for name in dtypes:
             if name not in TRANSFER_DTYPES:
-                raise SystemExit(f"error: unknown dtype {name!r}; choose from {', '.join(TRANSFER_DTYPES)}")
+                raise SystemExit(
+                    f"error: unknown dtype {name!r}; choose from {', '.join(TRANSFER_DTYPES)}"
+                )
         for label, numel in block_sizes(self.args, self.device):
             for dtype_name in dtypes:
                 self.bare_copies(label, numel, dtype_name)
@@ -185,7 +229,10 @@ def plot(data: dict, path: Path) -> None:
         logger.info("matplotlib not installed (pip install -e '.[bench]'): no plot")
         return
     rows = [m for m in data["measurements"] if "gb_per_s" in m["metrics"]]
-    labels = [f"{m['name']}\n{m['params'].get('size')}/{m['params'].get('dtype')}/{m['params'].get('transfer', '')}" for m in rows]
+    labels = [
+        f"{m['name']}\n{m['params'].get('size')}/{m['params'].get('dtype')}/{m['params'].get('transfer', '')}"
+        for m in rows
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows)), 4))
     ax.bar(range(len(rows)), [m["metrics"]["gb_per_s"] for m in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
@@ -196,21 +243,40 @@ def plot(data: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="tiny block, few repeats: seconds (CI)")
-    p.add_argument("--shapes", default=None, help=f"layer shapes, comma-separated: {', '.join(LAYER_WIDTHS)}")
+    p.add_argument(
+        "--shapes", default=None, help=f"layer shapes, comma-separated: {', '.join(LAYER_WIDTHS)}"
+    )
     p.add_argument("--bytes", default=None, help="raw fp32 block sizes instead, e.g. 64MB,1GB")
-    p.add_argument("--dtypes", default=None, help="transfer dtypes (default fp32,bf16; quick: fp32,bf16)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 10; quick 3)")
+    p.add_argument(
+        "--dtypes", default=None, help="transfer dtypes (default fp32,bf16; quick: fp32,bf16)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats per measurement (default 10; quick 3)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA), cpu or cuda:N")
-    p.add_argument("--out", default="benchmarks/out/bandwidth.json", help="JSON path; .md and .png beside it")
+    p.add_argument(
+        "--out", default="benchmarks/out/bandwidth.json", help="JSON path; .md and .png beside it"
+    )
     args = p.parse_args()
     args.repeats = args.repeats or (3 if args.quick else 10)
     args.dtypes = args.dtypes or "fp32,bf16"
     env = LaunchEnv.from_environ()
-    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
+    logging.basicConfig(
+        level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s"
+    )
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device(f"cuda:{env.local_rank}" if args.device == "auto" and cuda else ("cpu" if not cuda else args.device))
+    device = torch.device(
+        f"cuda:{env.local_rank}"
+        if args.device == "auto" and cuda
+        else ("cpu" if not cuda else args.device)
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     shard = None

@@ -36,21 +36,30 @@ def measured_links(path: Path) -> tuple[float, float, str]:
     best: dict[str, tuple[int, float]] = {}
     for m in data["measurements"]:
         for direction in ("h2d", "d2h"):
-            if m["name"] in (f"bare_{direction}_pinned", f"bare_{direction}_pageable") and m["params"].get("dtype") == "fp32":
+            if (
+                m["name"] in (f"bare_{direction}_pinned", f"bare_{direction}_pageable")
+                and m["params"].get("dtype") == "fp32"
+            ):
                 pinned = m["name"].endswith("pinned")
                 key = (direction, pinned)
                 size = m["params"]["numel"]
                 if key not in best or size > best[key][0]:
                     best[key] = (size, m["metrics"]["gb_per_s"])
+
     def pick(direction: str) -> float:
         entry = best.get((direction, True)) or best.get((direction, False))
         if entry is None:
-            raise SystemExit(f"error: {path} has no fp32 bare {direction} copy; run benchmarks/bandwidth.py first")
+            raise SystemExit(
+                f"error: {path} has no fp32 bare {direction} copy; run benchmarks/bandwidth.py first"
+            )
         return entry[1]
+
     return pick("h2d"), pick("d2h"), f"{data['device']} ({path})"
 
 
-def project(block_bytes: float, b_h2d: float, b_d2h: float, b_ag: float, chunks: int, max_n: int) -> list[dict]:
+def project(
+    block_bytes: float, b_h2d: float, b_d2h: float, b_ag: float, chunks: int, max_n: int
+) -> list[dict]:
     gb = block_bytes / 1e9
     rows = []
     for n in range(1, max_n + 1):
@@ -70,16 +79,35 @@ def project(block_bytes: float, b_h2d: float, b_d2h: float, b_ag: float, chunks:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bandwidth", type=Path, default=None, help="a bandwidth.py JSON to take B_h2d/B_d2h from")
-    p.add_argument("--b-h2d", type=float, default=None, help="host->device GB/s (instead of --bandwidth)")
-    p.add_argument("--b-d2h", type=float, default=None, help="device->host GB/s (instead of --bandwidth)")
-    p.add_argument("--b-allgather", type=float, default=360.0, help="all-gather bus bandwidth, GB/s")
-    p.add_argument("--shape", default="opt-175b", choices=sorted(LAYER_WIDTHS), help="block = one layer, 12 d^2 parameters")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--bandwidth", type=Path, default=None, help="a bandwidth.py JSON to take B_h2d/B_d2h from"
+    )
+    p.add_argument(
+        "--b-h2d", type=float, default=None, help="host->device GB/s (instead of --bandwidth)"
+    )
+    p.add_argument(
+        "--b-d2h", type=float, default=None, help="device->host GB/s (instead of --bandwidth)"
+    )
+    p.add_argument(
+        "--b-allgather", type=float, default=360.0, help="all-gather bus bandwidth, GB/s"
+    )
+    p.add_argument(
+        "--shape",
+        default="opt-175b",
+        choices=sorted(LAYER_WIDTHS),
+        help="block = one layer, 12 d^2 parameters",
+    )
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--chunks", type=int, default=8, help="chunks of the slice in the pipelined variant")
+    p.add_argument(
+        "--chunks", type=int, default=8, help="chunks of the slice in the pipelined variant"
+    )
     p.add_argument("--max-n", type=int, default=8)
-    p.add_argument("--out", type=Path, default=None, help="also write the table (Markdown) and JSON here")
+    p.add_argument(
+        "--out", type=Path, default=None, help="also write the table (Markdown) and JSON here"
+    )
     args = p.parse_args()
     if args.bandwidth is not None:
         b_h2d, b_d2h, source = measured_links(args.bandwidth)
@@ -107,8 +135,18 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".md").write_text(table)
-        args.out.with_suffix(".json").write_text(json.dumps({"block_bytes": block, "b_h2d": b_h2d, "b_d2h": b_d2h,
-                                                              "b_allgather": args.b_allgather, "rows": rows}, indent=1))
+        args.out.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "block_bytes": block,
+                    "b_h2d": b_h2d,
+                    "b_d2h": b_d2h,
+                    "b_allgather": args.b_allgather,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

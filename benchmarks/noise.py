@@ -32,19 +32,21 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement, time_repeated
-from distzo.runtime.devices import device_name
 from distzo.bench.timing import Timer, synchronize
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton
 from distzo.offload.low_bit import round_keyed_
+from distzo.runtime.devices import device_name
 from distzo.zo import NoiseSource
 
 BYTES = {"perturb": 8, "update": 8, "rounding": 6}
 PATHS = {"old": "legacy", "new": "gaussian", "torch": "gaussian"}
 
 
-def source(path: str, device: torch.device, chunk: int, distribution: str = "normal") -> NoiseSource:
+def source(
+    path: str, device: torch.device, chunk: int, distribution: str = "normal"
+) -> NoiseSource:
     src = NoiseSource(0, chunk, device, torch.float32, distribution, kind=PATHS[path])
     if path == "torch":  # the portable bits from the torch implementation
         src._c = src._triton = False
@@ -59,7 +61,10 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
     if op == "update":
         src = source(path, device, chunk)
         return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
-    src, wire = source(path, device, chunk, "uniform"), torch.empty(n, device=device, dtype=torch.bfloat16)
+    src, wire = (
+        source(path, device, chunk, "uniform"),
+        torch.empty(n, device=device, dtype=torch.bfloat16),
+    )
     return lambda: round_keyed_(wire, theta, src, 0, n, 3, 1 << 40)
 
 
@@ -78,22 +83,42 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
             run = op_runner(op, path, device, args.elements, args.chunk)
             timer = time_repeated(run, device, args.repeats)
             per_s = args.elements / timer.median
-            metrics = {"elements_per_s": per_s, "bytes_per_element": BYTES[op], "gb_per_s": per_s * BYTES[op] / 1e9}
+            metrics = {
+                "elements_per_s": per_s,
+                "bytes_per_element": BYTES[op],
+                "gb_per_s": per_s * BYTES[op] / 1e9,
+            }
             if copy_gbs:
                 metrics["of_copy"] = metrics["gb_per_s"] / copy_gbs
-            params = {"op": op, "path": path, "elements": args.elements, "chunk": args.chunk,
-                      "threads": torch.get_num_threads()}
-            report.measurements.append(Measurement.from_timer(f"{op}_{path}", params, timer, metrics))
+            params = {
+                "op": op,
+                "path": path,
+                "elements": args.elements,
+                "chunk": args.chunk,
+                "threads": torch.get_num_threads(),
+            }
+            report.measurements.append(
+                Measurement.from_timer(f"{op}_{path}", params, timer, metrics)
+            )
             medians[path] = timer.median
             extra = f"  {metrics['of_copy']:.2f} of copy" if copy_gbs else ""
-            print(f"{op:9s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} GB/s{extra}")
+            print(
+                f"{op:9s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} GB/s{extra}"
+            )
         report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]
 
 
 def step_model(args: argparse.Namespace):
     if args.quick:
-        return tiny_opt_config(vocab_size=2048, hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2,
-                               word_embed_proj_dim=64, max_position_embeddings=64)
+        return tiny_opt_config(
+            vocab_size=2048,
+            hidden_size=64,
+            ffn_dim=128,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            word_embed_proj_dim=64,
+            max_position_embeddings=64,
+        )
     return shape_config("opt-125m", args.layers)
 
 
@@ -101,9 +126,19 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
     """Steps of the old and the new noise interleaved, so drift hits both alike."""
     config = step_model(args)
     engines = {
-        path: ZOEngine(skeleton(config, torch.float32), ZOConfig(
-            lr=1e-7, eps=1e-3, seed=0, device=str(device), mode=args.mode, noise=PATHS[path], lr_schedule="constant"),
-            weights=RandomWeights(0))
+        path: ZOEngine(
+            skeleton(config, torch.float32),
+            ZOConfig(
+                lr=1e-7,
+                eps=1e-3,
+                seed=0,
+                device=str(device),
+                mode=args.mode,
+                noise=PATHS[path],
+                lr_schedule="constant",
+            ),
+            weights=RandomWeights(0),
+        )
         for path in ("old", "new")
     }
     g = torch.Generator().manual_seed(0)
@@ -118,28 +153,58 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
             engine.step(batch)
             synchronize(device)
             samples[path].append(time.perf_counter() - start)
-    params = {"shape": "tiny" if args.quick else "opt-125m", "layers": config.num_hidden_layers, "batch": args.batch,
-              "seq": args.seq, "mode": args.mode, "threads": torch.get_num_threads()}
+    params = {
+        "shape": "tiny" if args.quick else "opt-125m",
+        "layers": config.num_hidden_layers,
+        "batch": args.batch,
+        "seq": args.seq,
+        "mode": args.mode,
+        "threads": torch.get_num_threads(),
+    }
     for path, s in samples.items():
         timer = Timer(s)
-        report.measurements.append(Measurement.from_timer(
-            f"step_{path}", params | {"path": path, "noise_backend": engines[path].noise.backend}, timer,
-            {"tokens_per_s": args.batch * args.seq / timer.median}))
-        print(f"step {path:4s} ({engines[path].noise.backend:6s}) {timer.median * 1e3:9.1f} ms  spread {timer.spread:.2f}")
-    report.derived["step_new_over_old_speed"] = Timer(samples["old"]).median / Timer(samples["new"]).median
+        report.measurements.append(
+            Measurement.from_timer(
+                f"step_{path}",
+                params | {"path": path, "noise_backend": engines[path].noise.backend},
+                timer,
+                {"tokens_per_s": args.batch * args.seq / timer.median},
+            )
+        )
+        print(
+            f"step {path:4s} ({engines[path].noise.backend:6s}) {timer.median * 1e3:9.1f} ms  spread {timer.spread:.2f}"
+        )
+    report.derived["step_new_over_old_speed"] = (
+        Timer(samples["old"]).median / Timer(samples["new"]).median
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, 2 repeats: seconds (CI)")
-    p.add_argument("--elements", type=int, default=None, help="bucket size per op (default 16 M; quick 64 k)")
-    p.add_argument("--chunk", type=int, default=1 << 22, help="noise_chunk (the engine default; legacy draws chunks this long)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per op (default 5; quick 2)")
-    p.add_argument("--skip-torch", action="store_true", help="leave out the torch implementation (slow on CPU)")
+    p.add_argument(
+        "--elements", type=int, default=None, help="bucket size per op (default 16 M; quick 64 k)"
+    )
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=1 << 22,
+        help="noise_chunk (the engine default; legacy draws chunks this long)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats per op (default 5; quick 2)"
+    )
+    p.add_argument(
+        "--skip-torch", action="store_true", help="leave out the torch implementation (slow on CPU)"
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None, help="default 128; quick 16")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per path (default 5; quick 2)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="timed steps per path (default 5; quick 2)"
+    )
     p.add_argument("--mode", default="resident", choices=["resident", "offload"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--device", default="auto")
@@ -153,12 +218,20 @@ def main() -> None:
         args.batch = min(args.batch, 2)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     report = BenchReport("throughput", device_name(device), 1)
     measure_ops(args, device, report)
     measure_steps(args, device, report)
-    report.write(args.out, ["op", "path", "elements", "elements_per_s", "gb_per_s", "of_copy", "tokens_per_s"])
+    report.write(
+        args.out,
+        ["op", "path", "elements", "elements_per_s", "gb_per_s", "of_copy", "tokens_per_s"],
+    )
     print(f"wrote {args.out}")
 
 

@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 
 from distzo.bench import BenchReport, Measurement
-from distzo.runtime.devices import device_name
-from distzo.engine.engine import bucket_layouts
-from distzo.runtime.host_memory import _proc_kib
-from distzo.job.memory_plan import plan_memory
 from distzo.config.engine_options import ZOConfig
+from distzo.engine.engine import bucket_layouts
+from distzo.job.memory_plan import plan_memory
 from distzo.models import family_for
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
 from distzo.offload import StreamedBlocks
+from distzo.runtime.devices import device_name
+from distzo.runtime.host_memory import _proc_kib
 
 # Pinned pages are resident: the rise of VmRSS is the memory an allocation pinned. VmLck
 # and VmPin are reported too (0 for CUDA-pinned memory on the lent H100: the driver pins
@@ -48,14 +48,22 @@ def measure(name: str, params: dict, build) -> tuple[Measurement, object]:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     grown = {field: (status(field) - before[field]) / 1e9 for field in FIELDS}
-    print(f"{name:22s} resident +{grown['VmRSS']:8.3f} GB (VmLck +{grown['VmLck']:.3f}, VmPin +{grown['VmPin']:.3f}) "
-          f"in {seconds:6.1f} s")
-    metrics = {"resident_gb": grown["VmRSS"], "vmlck_gb": grown["VmLck"], "vmpin_gb": grown["VmPin"]}
+    print(
+        f"{name:22s} resident +{grown['VmRSS']:8.3f} GB (VmLck +{grown['VmLck']:.3f}, VmPin +{grown['VmPin']:.3f}) "
+        f"in {seconds:6.1f} s"
+    )
+    metrics = {
+        "resident_gb": grown["VmRSS"],
+        "vmlck_gb": grown["VmLck"],
+        "vmpin_gb": grown["VmPin"],
+    }
     return Measurement(name, params, 1, seconds, seconds, seconds, 0.0, metrics), held
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", default="opt-13b", choices=SHAPES)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/pinned.json"))
@@ -67,17 +75,28 @@ def main() -> None:
     built, _ = bucket_layouts(model, family_for(model).blocks())
     layouts = [layout for layout, _ in built]
     plan = plan_memory(model, ZOConfig(device="cuda"), 1, False, batch=1, seq=8, signs=2)
-    params = {"shape": args.shape, "layers": model.config.num_hidden_layers, "planned_gb": plan.host_bytes / 1e9}
+    params = {
+        "shape": args.shape,
+        "layers": model.config.num_hidden_layers,
+        "planned_gb": plan.host_bytes / 1e9,
+    }
     print(f"{args.shape}: planned host copy {plan.host_bytes / 1e9:.3f} GB")
     report = BenchReport("memory", device_name(device), 1)
     exact, store = measure("engine_exact_pin", params, lambda: StreamedBlocks(layouts, device, 1))
     report.measurements.append(exact)
-    report.derived["engine_pinned_over_planned"] = exact.metrics["resident_gb"] * 1e9 / plan.host_bytes
+    report.derived["engine_pinned_over_planned"] = (
+        exact.metrics["resident_gb"] * 1e9 / plan.host_bytes
+    )
     del store
-    caching, buffer = measure("caching_allocator_pin", params,
-                              lambda: torch.empty(plan.host_bytes, dtype=torch.uint8, pin_memory=True))
+    caching, buffer = measure(
+        "caching_allocator_pin",
+        params,
+        lambda: torch.empty(plan.host_bytes, dtype=torch.uint8, pin_memory=True),
+    )
     report.measurements.append(caching)
-    report.derived["caching_pinned_over_planned"] = caching.metrics["resident_gb"] * 1e9 / plan.host_bytes
+    report.derived["caching_pinned_over_planned"] = (
+        caching.metrics["resident_gb"] * 1e9 / plan.host_bytes
+    )
     del buffer
     report.write(args.out, ["shape", "planned_gb", "resident_gb", "vmlck_gb", "vmpin_gb"])
     print(f"wrote {args.out}")

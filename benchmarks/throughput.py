@@ -46,20 +46,20 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from distzo import ZOConfig, ZOEngine
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.bench import BenchReport, Measurement
-from distzo.runtime.devices import device_name
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.engine.engine import UNPERTURBED
-from distzo.runtime.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import ChoiceEncoding, Classification, candidate_scores, collate_choices
 from distzo.objectives.choice import prepare_choices
 from distzo.offload import Timeline
+from distzo.runtime.devices import device_name
+from distzo.runtime.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 logger = logging.getLogger("throughput")
 
@@ -86,7 +86,9 @@ def parse_points(text: str) -> list[tuple[int, int]]:
         try:
             batch, seq = (int(v) for v in item.lower().split("x"))
         except ValueError:
-            raise SystemExit(f"--sweep: {item!r} is not BATCHxSEQ; write e.g. --sweep 1x128,8x512") from None
+            raise SystemExit(
+                f"--sweep: {item!r} is not BATCHxSEQ; write e.g. --sweep 1x128,8x512"
+            ) from None
         if batch < 1 or seq < 2:
             raise SystemExit(f"--sweep: {item!r} needs batch >= 1 and seq >= 2")
         points.append((batch, seq))
@@ -104,8 +106,13 @@ def model_config(shape: str, layers: int | None, seq: int) -> PretrainedConfig:
         return config
     hidden, ffn, heads, depth = SMALL_SHAPES[shape]
     return tiny_opt_config(
-        vocab_size=512, hidden_size=hidden, ffn_dim=ffn, num_attention_heads=heads,
-        num_hidden_layers=layers or depth, word_embed_proj_dim=hidden, max_position_embeddings=max(seq, 2048),
+        vocab_size=512,
+        hidden_size=hidden,
+        ffn_dim=ffn,
+        num_attention_heads=heads,
+        num_hidden_layers=layers or depth,
+        word_embed_proj_dim=hidden,
+        max_position_embeddings=max(seq, 2048),
     )
 
 
@@ -118,7 +125,8 @@ class Bench:
         self.compute = args.compute_dtype
         g = torch.Generator().manual_seed(0)
         self.batches = {
-            (b, s): {"input_ids": torch.randint(3, self.config.vocab_size, (b, s), generator=g)} for b, s in self.points
+            (b, s): {"input_ids": torch.randint(3, self.config.vocab_size, (b, s), generator=g)}
+            for b, s in self.points
         }
 
     def barrier(self) -> None:
@@ -126,24 +134,48 @@ class Bench:
             dist.barrier()
 
     def engine(
-        self, mode: str, slots: int, parallel: ParallelContext, grad_accum: int = 1, optimizer: str = "sgd"
+        self,
+        mode: str,
+        slots: int,
+        parallel: ParallelContext,
+        grad_accum: int = 1,
+        optimizer: str = "sgd",
     ) -> ZOEngine:
         config = ZOConfig(
-            lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=mode, num_slots=slots,
-            compute_dtype=self.compute, transfer="naive" if mode == "offload" else "auto",
-            num_queries=self.args.num_queries, dual_forward=self.args.dual_forward, grad_accum=grad_accum,
-            optimizer=optimizer, state_dtype=self.args.state_dtype if optimizer != "sgd" and mode == "offload" else "fp32",
+            lr=1e-7,
+            eps=1e-3,
+            seed=0,
+            device=str(self.device),
+            mode=mode,
+            num_slots=slots,
+            compute_dtype=self.compute,
+            transfer="naive" if mode == "offload" else "auto",
+            num_queries=self.args.num_queries,
+            dual_forward=self.args.dual_forward,
+            grad_accum=grad_accum,
+            optimizer=optimizer,
+            state_dtype=self.args.state_dtype
+            if optimizer != "sgd" and mode == "offload"
+            else "fp32",
             optimizer_state="stored" if optimizer == "momentum" else "auto",
         )
         model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
-        if self.args.peft != "none":  # an adapter: the base streams up only, the adapter stays on the device
+        if (
+            self.args.peft != "none"
+        ):  # an adapter: the base streams up only, the adapter stays on the device
             model = attach_adapter(model, AdapterSpec(self.args.peft), seed=0)
             weights = AdapterWeights(weights, model)
         return ZOEngine(model, config, parallel=parallel, weights=weights)
 
     def measure(
-        self, name: str, mode: str, slots: int, parallel: ParallelContext, participates: bool = True,
-        grad_accum: int = 1, optimizer: str = "sgd",
+        self,
+        name: str,
+        mode: str,
+        slots: int,
+        parallel: ParallelContext,
+        participates: bool = True,
+        grad_accum: int = 1,
+        optimizer: str = "sgd",
     ) -> dict[tuple[int, int], Measurement]:
         """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the barrier."""
         self.barrier()
@@ -157,8 +189,11 @@ class Bench:
             if self.env.rank == 0:
                 self.report.measurements.append(m)
                 logger.info(
-                    "%-14s %-9s %10.1f tokens/s  eta %.2f", name, point_name(*point),
-                    m.metrics["tokens_per_s"], m.metrics["eta"],
+                    "%-14s %-9s %10.1f tokens/s  eta %.2f",
+                    name,
+                    point_name(*point),
+                    m.metrics["tokens_per_s"],
+                    m.metrics["eta"],
                 )
         del engine
         if not parallel.is_distributed:
@@ -186,7 +221,8 @@ class Bench:
         metrics = {
             "tokens_per_s": tokens / timer.median,
             "host_rss_gb": peak_rss_bytes() / 1e9,
-            "link_gb_per_step": engine.link_bytes_per_step / 1e9,  # uploaded by this rank (offloaded alike)
+            "link_gb_per_step": engine.link_bytes_per_step
+            / 1e9,  # uploaded by this rank (offloaded alike)
             "state_host_gb": engine.state_host_bytes / 1e9,
         }
         if rss_resets:
@@ -195,11 +231,21 @@ class Bench:
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         metrics.update(self.block_times(engine, local))
         params = {
-            "shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": point[0],
-            "seq": point[1], "mode": engine.config.mode, "slots": engine.config.num_slots, "dp": parallel.dims.dp,
-            "pert": parallel.dims.pert, "compute": self.compute, "threads": torch.get_num_threads(),
-            "queries": engine.config.num_queries, "peft": self.args.peft, "dual_forward": self.args.dual_forward,
-            "grad_accum": engine.config.grad_accum, "optimizer": engine.config.optimizer,
+            "shape": self.args.shape,
+            "layers": self.config.num_hidden_layers,
+            "batch": point[0],
+            "seq": point[1],
+            "mode": engine.config.mode,
+            "slots": engine.config.num_slots,
+            "dp": parallel.dims.dp,
+            "pert": parallel.dims.pert,
+            "compute": self.compute,
+            "threads": torch.get_num_threads(),
+            "queries": engine.config.num_queries,
+            "peft": self.args.peft,
+            "dual_forward": self.args.dual_forward,
+            "grad_accum": engine.config.grad_accum,
+            "optimizer": engine.config.optimizer,
             "state_dtype": engine.config.state_dtype,
         }
         return Measurement.from_timer(name, params, timer, metrics)
@@ -211,7 +257,10 @@ class Bench:
         spans = engine.scheduler.timeline.spans()
         engine.scheduler.timeline = None
         n = engine.scheduler.num_blocks
-        mean = {p: sum(s.ms for s in spans if s.phase == p) / n for p in ("upload", "compute", "offload")}
+        mean = {
+            p: sum(s.ms for s in spans if s.phase == p) / n
+            for p in ("upload", "compute", "offload")
+        }
         pipelined = (max(s.end_ms for s in spans) - min(s.start_ms for s in spans)) / n
         slots = engine.streamed_store.num_slots
         return {
@@ -244,7 +293,9 @@ class Bench:
             crossover = b * s
         if len(self.points) > 1 and crossover is not None:
             self.report.derived["crossover_tokens_per_step"] = float(crossover)
-            logger.info("offload >= %.2f x resident from %d tokens per step on", CROSSOVER, crossover)
+            logger.info(
+                "offload >= %.2f x resident from %d tokens per step on", CROSSOVER, crossover
+            )
 
     def derive_against(self, base: dict, runs: dict, ratios: dict[str, str]) -> None:
         """``derived[name] = metric of runs / metric of base`` at every point, for each
@@ -252,7 +303,9 @@ class Bench:
         for point, m in runs.items():
             for name, metric in ratios.items():
                 if metric in base[point].metrics:
-                    self.report.derived[self.ratio_key(name, point)] = m.metrics[metric] / base[point].metrics[metric]
+                    self.report.derived[self.ratio_key(name, point)] = (
+                        m.metrics[metric] / base[point].metrics[metric]
+                    )
 
     def run(self) -> BenchReport:
         single = ParallelContext.single()
@@ -261,28 +314,58 @@ class Bench:
         if not self.args.skip_resident:
             resident = self.measure("resident", "resident", 1, single, first)
         serial = self.measure("offload_serial", "offload", 1, single, first)
-        two = self.measure("offload_2slots", "offload", 2, single, first) if self.args.slots != 2 else {}
+        two = (
+            self.measure("offload_2slots", "offload", 2, single, first)
+            if self.args.slots != 2
+            else {}
+        )
         offload = self.measure("offload", "offload", self.args.slots, single, first)
         if first and resident:
-            layouts = {"offload_serial": serial, "offload": offload} | ({"offload_2slots": two} if two else {})
+            layouts = {"offload_serial": serial, "offload": offload} | (
+                {"offload_2slots": two} if two else {}
+            )
             self.derive_against_resident(resident, layouts)
         if first and two:  # the slot count, side by side: K slots against 2 at every point
             for point, m in offload.items():
                 ratio = m.metrics["tokens_per_s"] / two[point].metrics["tokens_per_s"]
                 self.report.derived[self.ratio_key("offload_vs_2slots", point)] = ratio
-        for n in self.args.grad_accum:  # micro-batches per step: the same step, less activation memory
+        for (
+            n
+        ) in self.args.grad_accum:  # micro-batches per step: the same step, less activation memory
             if n == 1:
                 continue
-            runs = self.measure(f"offload_accum{n}", "offload", self.args.slots, single, first, grad_accum=n)
+            runs = self.measure(
+                f"offload_accum{n}", "offload", self.args.slots, single, first, grad_accum=n
+            )
             memory = "peak_device_gb" if self.device.type == "cuda" else "step_extra_rss_gb"
-            self.derive_against(offload, runs, {f"accum{n}_vs_offload": "tokens_per_s",
-                                                f"accum{n}_peak_memory_vs_offload": memory})
-        for optimizer in self.args.optimizers:  # stored moments ride with every block: more bytes per step
+            self.derive_against(
+                offload,
+                runs,
+                {
+                    f"accum{n}_vs_offload": "tokens_per_s",
+                    f"accum{n}_peak_memory_vs_offload": memory,
+                },
+            )
+        for (
+            optimizer
+        ) in self.args.optimizers:  # stored moments ride with every block: more bytes per step
             if optimizer != "sgd":
-                runs = self.measure(f"offload_{optimizer}", "offload", self.args.slots, single, first,
-                                    optimizer=optimizer)
-                self.derive_against(offload, runs, {f"{optimizer}_vs_sgd": "tokens_per_s",
-                                                    f"{optimizer}_link_bytes_vs_sgd": "link_gb_per_step"})
+                runs = self.measure(
+                    f"offload_{optimizer}",
+                    "offload",
+                    self.args.slots,
+                    single,
+                    first,
+                    optimizer=optimizer,
+                )
+                self.derive_against(
+                    offload,
+                    runs,
+                    {
+                        f"{optimizer}_vs_sgd": "tokens_per_s",
+                        f"{optimizer}_link_bytes_vs_sgd": "link_gb_per_step",
+                    },
+                )
         world = self.env.world_size
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
@@ -295,7 +378,9 @@ class Bench:
             for name, dims in layouts.items():
                 for batch, _ in self.points:
                     dims.check_batch(batch)
-                runs = self.measure(name, "offload", self.args.slots, ParallelContext(self.env, dims))
+                runs = self.measure(
+                    name, "offload", self.args.slots, ParallelContext(self.env, dims)
+                )
                 if first:
                     for point, m in runs.items():
                         ratio = m.metrics["tokens_per_s"] / offload[point].metrics["tokens_per_s"]
@@ -325,7 +410,11 @@ def interleaved_steps(
             engine.step(batch)
             synchronize(device)
             samples[name].append(time.perf_counter() - start)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+            peak = (
+                torch.cuda.max_memory_allocated(device)
+                if device.type == "cuda"
+                else peak_rss_bytes()
+            )
             if resets and before is not None:
                 extra[name] = max(extra[name] or 0, peak - before)
     return {name: (Timer(samples[name]), extra[name]) for name in engines}
@@ -358,9 +447,17 @@ class AdapterBench:
 
     def engine(self, peft: str, dual_forward: bool, batch_queries: bool) -> ZOEngine:
         config = ZOConfig(
-            lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=self.args.mode, compute_dtype=self.args.compute_dtype,
-            transfer="naive" if self.args.mode == "offload" else "auto", num_queries=self.args.num_queries,
-            dual_forward=dual_forward, batch_queries=batch_queries, lr_schedule="constant",
+            lr=1e-7,
+            eps=1e-3,
+            seed=0,
+            device=str(self.device),
+            mode=self.args.mode,
+            compute_dtype=self.args.compute_dtype,
+            transfer="naive" if self.args.mode == "offload" else "auto",
+            num_queries=self.args.num_queries,
+            dual_forward=dual_forward,
+            batch_queries=batch_queries,
+            lr_schedule="constant",
         )
         model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
         if peft != "none":
@@ -377,20 +474,34 @@ class AdapterBench:
             speed = {}
             for name, (timer, extra) in steps.items():
                 peft, dual, queries = ADAPTER_LAYOUTS[name]
-                params = {"shape": self.args.shape, "layers": self.config.num_hidden_layers, "batch": b, "seq": s,
-                          "mode": self.args.mode, "compute": self.args.compute_dtype, "threads": torch.get_num_threads(),
-                          "queries": self.args.num_queries, "peft": peft, "dual_forward": dual, "batch_queries": queries,
-                          "trained_params": engines[name].num_parameters}
+                params = {
+                    "shape": self.args.shape,
+                    "layers": self.config.num_hidden_layers,
+                    "batch": b,
+                    "seq": s,
+                    "mode": self.args.mode,
+                    "compute": self.args.compute_dtype,
+                    "threads": torch.get_num_threads(),
+                    "queries": self.args.num_queries,
+                    "peft": peft,
+                    "dual_forward": dual,
+                    "batch_queries": queries,
+                    "trained_params": engines[name].num_parameters,
+                }
                 metrics = {"tokens_per_s": b * s / timer.median}
                 if extra is not None:
                     metrics["step_extra_memory_gb"] = extra / 1e9
-                self.report.measurements.append(Measurement.from_timer(name, params, timer, metrics))
+                self.report.measurements.append(
+                    Measurement.from_timer(name, params, timer, metrics)
+                )
                 speed[name] = metrics["tokens_per_s"]
                 logger.info("%-21s %-9s %10.1f tokens/s", name, point_name(b, s), speed[name])
             key = f"[{point_name(b, s)}]"
             self.report.derived["lora_fa_vs_full" + key] = speed["lora_fa"] / speed["full"]
             for name in ("lora_fa_dual", "lora_fa_queries", "lora_fa_dual_queries"):
-                self.report.derived[f"{name.removeprefix('lora_fa_')}_vs_lora_fa{key}"] = speed[name] / speed["lora_fa"]
+                self.report.derived[f"{name.removeprefix('lora_fa_')}_vs_lora_fa{key}"] = (
+                    speed[name] / speed["lora_fa"]
+                )
         return self.report
 
 
@@ -415,22 +526,42 @@ class HeadBench:
         self.config = model_config(args.shape, args.layers, 64)
 
     def engine(self, full_head: bool) -> ZOEngine:
-        config = ZOConfig(lr=1e-7, eps=1e-3, seed=0, device=str(self.device), mode=self.args.mode,
-                          compute_dtype=self.args.compute_dtype, lr_schedule="constant")
+        config = ZOConfig(
+            lr=1e-7,
+            eps=1e-3,
+            seed=0,
+            device=str(self.device),
+            mode=self.args.mode,
+            compute_dtype=self.args.compute_dtype,
+            lr_schedule="constant",
+        )
         model = skeleton(self.config, torch.float32)
-        return ZOEngine(model, config, weights=RandomWeights(0), objective=Classification(full_head=full_head))
+        return ZOEngine(
+            model, config, weights=RandomWeights(0), objective=Classification(full_head=full_head)
+        )
 
     def params(self, head: str, batch: int) -> dict:
-        return {"shape": self.args.shape, "layers": self.config.num_hidden_layers, "head": head, "batch": batch,
-                "mode": self.args.mode, "compute": self.args.compute_dtype, "threads": torch.get_num_threads()}
+        return {
+            "shape": self.args.shape,
+            "layers": self.config.num_hidden_layers,
+            "head": head,
+            "batch": batch,
+            "mode": self.args.mode,
+            "compute": self.args.compute_dtype,
+            "threads": torch.get_num_threads(),
+        }
 
     def step_times(self, engines: dict[str, ZOEngine], batch: dict) -> dict[str, Measurement]:
         """Steps of the two engines interleaved, so drift on a noisy machine hits both alike."""
         steps = interleaved_steps(engines, batch, self.args.steps, self.device)
         tokens = int(batch["attention_mask"].sum())
         return {
-            name: Measurement.from_timer(f"step_{name}", self.params(name, batch["label"].shape[0]), timer,
-                                         {"tokens_per_s": tokens / timer.median})
+            name: Measurement.from_timer(
+                f"step_{name}",
+                self.params(name, batch["label"].shape[0]),
+                timer,
+                {"tokens_per_s": tokens / timer.median},
+            )
             for name, (timer, _) in steps.items()
         }
 
@@ -445,7 +576,9 @@ class HeadBench:
             base = rss_bytes() or 0
         start = time.perf_counter()
         if old_way:  # what evaluation did before: every logit, a float32 log-softmax of all of them
-            logits, _ = engine.forward({k: batch[k].flatten(0, 1) for k in ("input_ids", "attention_mask")})
+            logits, _ = engine.forward(
+                {k: batch[k].flatten(0, 1) for k in ("input_ids", "attention_mask")}
+            )
             log_probs = torch.log_softmax(logits.float(), dim=-1)
             rows = torch.arange(logits.shape[0])
             last = batch["attention_mask"].flatten(0, 1).sum(1) - 1
@@ -454,13 +587,19 @@ class HeadBench:
             prepared = prepare_choices(batch, engine.device)
 
             def scores(runner):
-                hidden = runner.hidden_states({UNPERTURBED: prepared.input_ids}, prepared.attention_mask)[UNPERTURBED]
+                hidden = runner.hidden_states(
+                    {UNPERTURBED: prepared.input_ids}, prepared.attention_mask
+                )[UNPERTURBED]
                 return candidate_scores(runner, prepared, UNPERTURBED, hidden)
 
             best = engine.evaluate(scores).argmax(1)
         best.cpu()
         elapsed = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_rss_bytes()
+        peak = (
+            torch.cuda.max_memory_allocated(self.device)
+            if self.device.type == "cuda"
+            else peak_rss_bytes()
+        )
         return elapsed, float(peak - base)
 
     def run(self) -> BenchReport:
@@ -468,59 +607,134 @@ class HeadBench:
         engines = {"at_labels": self.engine(False), "full": self.engine(True)}
         steps = self.step_times(engines, sst2_shaped(self.args.batch, vocab, seed=1))
         self.report.measurements += steps.values()
-        self.report.derived["step_full_over_at_labels"] = steps["full"].median_s / steps["at_labels"].median_s
+        self.report.derived["step_full_over_at_labels"] = (
+            steps["full"].median_s / steps["at_labels"].median_s
+        )
         for name, m in steps.items():
             logger.info("step, head %-9s %8.1f ms", name, m.median_s * 1e3)
         evaluation = sst2_shaped(self.args.eval_batch, vocab, seed=2)
         engine = engines["at_labels"]
         for old_way, name in ((True, "full"), (False, "at_labels")):
-            self.eval_peak(engine, evaluation, old_way)  # warm-up: the allocator's first growth is not the method's
+            self.eval_peak(
+                engine, evaluation, old_way
+            )  # warm-up: the allocator's first growth is not the method's
             seconds, extra = self.eval_peak(engine, evaluation, old_way)
-            self.report.measurements.append(Measurement(
-                f"eval_{name}", self.params(name, self.args.eval_batch), 1, seconds, seconds, seconds, 0.0,
-                {"eval_peak_extra_gb": extra / 1e9},
-            ))
+            self.report.measurements.append(
+                Measurement(
+                    f"eval_{name}",
+                    self.params(name, self.args.eval_batch),
+                    1,
+                    seconds,
+                    seconds,
+                    seconds,
+                    0.0,
+                    {"eval_peak_extra_gb": extra / 1e9},
+                )
+            )
             self.report.derived[f"eval_peak_extra_gb[{name}]"] = extra / 1e9
-            logger.info("evaluation of %d rows, head %-9s %6.3f s, peak +%.3f GB", self.args.eval_batch, name, seconds, extra / 1e9)
+            logger.info(
+                "evaluation of %d rows, head %-9s %6.3f s, peak +%.3f GB",
+                self.args.eval_batch,
+                name,
+                seconds,
+                extra / 1e9,
+            )
         return self.report
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: seconds (CI)")
-    p.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="model shape (default tiny if --quick, else opt-1.3b)")
+    p.add_argument(
+        "--shape",
+        default=None,
+        choices=SHAPE_NAMES,
+        help="model shape (default tiny if --quick, else opt-1.3b)",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the layer count (memory)")
     p.add_argument("--batch", type=int, default=None, help="global batch (default 8; quick 4)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; quick 32)")
-    p.add_argument("--sweep", default=None, help="batch x seq points instead, e.g. 1x128,4x512,16x512")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)")
-    p.add_argument("--slots", type=int, default=3,
-                   help="device slots of the overlapped offload (default 3, the engine's; 2 is measured beside it)")
+    p.add_argument(
+        "--sweep", default=None, help="batch x seq points instead, e.g. 1x128,4x512,16x512"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)"
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=3,
+        help="device slots of the overlapped offload (default 3, the engine's; 2 is measured beside it)",
+    )
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--num-queries", type=int, default=None,
-                   help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less "
-                        "(default 1; 4 with --compare-adapters)")
-    p.add_argument("--peft", default="none", choices=["none", "lora", "lora-fa", "prefix"],
-                   help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device")
-    p.add_argument("--dual-forward", action="store_true", help="with --peft: both signs of a query in one forward")
-    p.add_argument("--grad-accum", default="1",
-                   help="micro-batches per step to compare, e.g. 1,2,4: offload at each (one upload per block per "
-                        "step), tokens/s and peak memory against the whole batch at once")
-    p.add_argument("--optimizers", default="sgd",
-                   help="optimizers to compare offloaded, e.g. sgd,momentum,adam: momentum and adam store their "
-                        "moments beside each block and move them with it (tokens/s and link bytes against sgd)")
-    p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="--optimizers: the stored moments' format at rest and on the link")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)")
-    p.add_argument("--skip-resident", action="store_true", help="when the model does not fit the device")
-    p.add_argument("--compare-adapters", action="store_true",
-                   help="full tuning vs LoRA-FA vs LoRA-FA with --dual-forward, --batch-queries and both, at "
-                        "--num-queries (default 4), every point of --sweep or --batch x --seq")
-    p.add_argument("--compare-head", action="store_true",
-                   help="the LM head at label positions vs the full head on an SST-2-shaped batch (default shape "
-                        "smollm2-135m, batch 16, evaluation batch 64)")
-    p.add_argument("--eval-batch", type=int, default=None, help="--compare-head: evaluation rows (default 64; quick 8)")
-    p.add_argument("--mode", default="resident", choices=["resident", "offload"], help="--compare-head, --compare-adapters: engine mode")
+    p.add_argument(
+        "--num-queries",
+        type=int,
+        default=None,
+        help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less "
+        "(default 1; 4 with --compare-adapters)",
+    )
+    p.add_argument(
+        "--peft",
+        default="none",
+        choices=["none", "lora", "lora-fa", "prefix"],
+        help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device",
+    )
+    p.add_argument(
+        "--dual-forward",
+        action="store_true",
+        help="with --peft: both signs of a query in one forward",
+    )
+    p.add_argument(
+        "--grad-accum",
+        default="1",
+        help="micro-batches per step to compare, e.g. 1,2,4: offload at each (one upload per block per "
+        "step), tokens/s and peak memory against the whole batch at once",
+    )
+    p.add_argument(
+        "--optimizers",
+        default="sgd",
+        help="optimizers to compare offloaded, e.g. sgd,momentum,adam: momentum and adam store their "
+        "moments beside each block and move them with it (tokens/s and link bytes against sgd)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="--optimizers: the stored moments' format at rest and on the link",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)"
+    )
+    p.add_argument(
+        "--skip-resident", action="store_true", help="when the model does not fit the device"
+    )
+    p.add_argument(
+        "--compare-adapters",
+        action="store_true",
+        help="full tuning vs LoRA-FA vs LoRA-FA with --dual-forward, --batch-queries and both, at "
+        "--num-queries (default 4), every point of --sweep or --batch x --seq",
+    )
+    p.add_argument(
+        "--compare-head",
+        action="store_true",
+        help="the LM head at label positions vs the full head on an SST-2-shaped batch (default shape "
+        "smollm2-135m, batch 16, evaluation batch 64)",
+    )
+    p.add_argument(
+        "--eval-batch",
+        type=int,
+        default=None,
+        help="--compare-head: evaluation rows (default 64; quick 8)",
+    )
+    p.add_argument(
+        "--mode",
+        default="resident",
+        choices=["resident", "offload"],
+        help="--compare-head, --compare-adapters: engine mode",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="benchmarks/out/throughput.json")
     args = p.parse_args()
@@ -535,23 +749,37 @@ def main() -> None:
     args.points = parse_points(args.sweep) if args.sweep else [(args.batch, args.seq)]
     args.num_queries = args.num_queries or (4 if args.compare_adapters else 1)
     if args.compare_adapters and (args.compare_head or args.peft != "none" or args.dual_forward):
-        raise SystemExit("--compare-adapters runs its own layouts: leave out --compare-head, --peft and --dual-forward")
+        raise SystemExit(
+            "--compare-adapters runs its own layouts: leave out --compare-head, --peft and --dual-forward"
+        )
     if args.num_queries < 1:
         raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
     try:
         args.grad_accum = [int(n) for n in args.grad_accum.split(",")]
     except ValueError:
-        raise SystemExit(f"--grad-accum takes comma-separated counts such as 1,2,4, got {args.grad_accum!r}") from None
+        raise SystemExit(
+            f"--grad-accum takes comma-separated counts such as 1,2,4, got {args.grad_accum!r}"
+        ) from None
     args.optimizers = args.optimizers.split(",")
     if not set(args.optimizers) <= {"sgd", "momentum", "adam"}:
-        raise SystemExit(f"--optimizers takes sgd, momentum, adam, comma-separated, got {','.join(args.optimizers)}")
+        raise SystemExit(
+            f"--optimizers takes sgd, momentum, adam, comma-separated, got {','.join(args.optimizers)}"
+        )
     if any(n < 1 or n > b for n in args.grad_accum for b, _ in args.points):
-        raise SystemExit(f"--grad-accum counts must be between 1 and the batch, got {args.grad_accum}")
+        raise SystemExit(
+            f"--grad-accum counts must be between 1 and the batch, got {args.grad_accum}"
+        )
     env = LaunchEnv.from_environ()
-    logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s")
+    logging.basicConfig(
+        level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s"
+    )
     logging.getLogger("distzo").setLevel(logging.WARNING)
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device(f"cuda:{env.local_rank}" if args.device == "auto" and cuda else ("cpu" if not cuda else args.device))
+    device = torch.device(
+        f"cuda:{env.local_rank}"
+        if args.device == "auto" and cuda
+        else ("cpu" if not cuda else args.device)
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
@@ -560,7 +788,9 @@ def main() -> None:
     if env.launched:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
     if (args.compare_head or args.compare_adapters) and env.world_size > 1:
-        raise SystemExit("--compare-head and --compare-adapters run in one process; launch them with python, not torchrun")
+        raise SystemExit(
+            "--compare-head and --compare-adapters run in one process; launch them with python, not torchrun"
+        )
     if args.compare_head:
         report = HeadBench(args, device).run()
     elif args.compare_adapters:
@@ -572,11 +802,31 @@ def main() -> None:
         if args.compare_head:
             columns = ["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"]
         elif args.compare_adapters:
-            columns = ["peft", "dual_forward", "batch_queries", "queries", "batch", "seq", "tokens_per_s",
-                       "step_extra_memory_gb"]
+            columns = [
+                "peft",
+                "dual_forward",
+                "batch_queries",
+                "queries",
+                "batch",
+                "seq",
+                "tokens_per_s",
+                "step_extra_memory_gb",
+            ]
         else:
-            columns = ["mode", "slots", "dp", "pert", "queries", "grad_accum", "batch", "seq", "tokens_per_s",
-                       "peak_device_gb", "step_extra_rss_gb", "eta"]
+            columns = [
+                "mode",
+                "slots",
+                "dp",
+                "pert",
+                "queries",
+                "grad_accum",
+                "batch",
+                "seq",
+                "tokens_per_s",
+                "peak_device_gb",
+                "step_extra_rss_gb",
+                "eta",
+            ]
         report.write(out, columns)
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()

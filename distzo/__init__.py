@@ -6,4 +6,12 @@ from distzo.models import family_for, load_model, model_from_config
 
 __version__ = "0.1.0"
 
-__all__ = ["ZOConfig", "ZOEngine", "StepResult", "PendingUpdate", "family_for", "load_model", "model_from_config"]
+__all__ = [
+    "ZOConfig",
+    "ZOEngine",
+    "StepResult",
+    "PendingUpdate",
+    "family_for",
+    "load_model",
+    "model_from_config",
+]

@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from distzo.export.hf_model import export_model
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.config.cli import fail, program
 from distzo.config.engine_options import ZOConfig, optimizer_options
 from distzo.engine.engine import ZOEngine
+from distzo.export.hf_model import export_model
+from distzo.job.seed_log import read_seed_log, step_grads
 from distzo.models import load_model
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
-from distzo.job.seed_log import read_seed_log, step_grads
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
@@ -69,15 +69,24 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator
     kind = identity_kind(identity)
     if not drawable(identity):
-        raise ValueError(f"--log {log}: the run drew {identity} noise, which this distzo does not draw; "
-                         "replay it with the version that wrote it")
+        raise ValueError(
+            f"--log {log}: the run drew {identity} noise, which this distzo does not draw; "
+            "replay it with the version that wrote it"
+        )
     config = ZOConfig(
-        lr=0.0, mode="resident", device=device, weight_decay=header["weight_decay"],
-        noise_chunk=header["noise_chunk"], seed=header["run_seed"], noise=kind,
+        lr=0.0,
+        mode="resident",
+        device=device,
+        weight_decay=header["weight_decay"],
+        noise_chunk=header["noise_chunk"],
+        seed=header["run_seed"],
+        noise=kind,
         **optimizer_options(header.get("optimizer")),
     )
     if kind == "legacy" and config.torch_device().type != header["device_type"]:
-        raise ValueError(f"the run drew legacy noise on {header['device_type']}; replay it on that device type")
+        raise ValueError(
+            f"the run drew legacy noise on {header['device_type']}; replay it on that device type"
+        )
     model, weights = base_model(base, header, DTYPES[header["dtype"]])
     spec = AdapterSpec.from_record(header.get("peft"))
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
@@ -86,20 +95,38 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     # every logged update in one pass over the blocks, in order: the run's trajectory
     engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
-    logger.info("replayed %d steps onto %s", len(steps), base or header.get("base") or header.get("model_config"))
+    logger.info(
+        "replayed %d steps onto %s",
+        len(steps),
+        base or header.get("base") or header.get("model_config"),
+    )
     return export_model(engine, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=program("distzo.replay"), description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default=None, help="the base model (hub name or local path) the run started from; "
-                   "default: the one its log names (or the --model-config shape it was drawn from)")
+    p = argparse.ArgumentParser(
+        prog=program("distzo.replay"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        help="the base model (hub name or local path) the run started from; "
+        "default: the one its log names (or the --model-config shape it was drawn from)",
+    )
     p.add_argument("--log", required=True, type=Path, help="the run's seedlog.jsonl")
-    p.add_argument("--out", required=True, type=Path, help="where to write the rebuilt model (Hugging Face format)")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="where to write the rebuilt model (Hugging Face format)",
+    )
     p.add_argument("--device", default=None, help="default: the device type the run trained on")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         out = replay(args.base, args.log, args.out, args.device)
     except (ValueError, OSError) as err:

@@ -30,11 +30,10 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from distzo.runtime.devices import device_name
-from distzo.job.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
-from distzo.export.hf_model import check_shard_size, export_model
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.config.cli import fail
 from distzo.config.engine_options import ZOConfig, optimizer_record
+from distzo.config.job import JobConfig, resolve, write_resolved
 from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import (
     TASK_NAMES,
@@ -56,19 +55,20 @@ from distzo.dist import (
 )
 from distzo.dist import process_group as pg
 from distzo.engine.engine import ZOEngine, resolve_transfer
+from distzo.export.hf_model import check_shard_size, export_model
+from distzo.job.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
 from distzo.job.evaluation import evaluate
-from distzo.runtime.host_memory import peak_rss_bytes, rss_bytes
-from distzo.config.job import JobConfig, resolve, write_resolved
 from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
+from distzo.job.preemption import EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.job.reporting import Reporter, check_reporter, make_reporter
+from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log_once, step_grads
 from distzo.models import check_supported, hub, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
-from distzo.job.preemption import EXIT_PREEMPTED, Preempted, StopSignals
-from distzo.job.reporting import Reporter, check_reporter, make_reporter
-from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log_once, step_grads
+from distzo.runtime.devices import device_name
+from distzo.runtime.host_memory import peak_rss_bytes, rss_bytes
 from distzo.zo import identity_kind, noise_identity
 
 SEED_LOG = "seedlog.jsonl"
@@ -76,7 +76,9 @@ SEED_LOG = "seedlog.jsonl"
 logger = logging.getLogger("distzo.train")
 
 MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-FAILURE_ENV = "DISTZO_FAIL_AT"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
+FAILURE_ENV = (
+    "DISTZO_FAIL_AT"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
+)
 SIGNAL_ENV = "DISTZO_SIGNAL_AT"  # "RANK:STEP": that rank sends itself SIGTERM just before that step (preemption tests)
 KILL_ENV = "DISTZO_KILL_AT"  # "RANK:STEP": that rank SIGKILLs itself there, on a job's first attempt only (restart tests)
 
@@ -84,7 +86,9 @@ KILL_ENV = "DISTZO_KILL_AT"  # "RANK:STEP": that rank SIGKILLs itself there, on 
 def configure_logging(env: LaunchEnv) -> None:
     """Rank 0 speaks; the other ranks report only warnings and errors, tagged with their rank."""
     level = logging.INFO if env.rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"%(asctime)s [rank{env.rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s [rank{env.rank}] %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def resolve_device(name: str, env: LaunchEnv) -> str:
@@ -140,37 +144,65 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     if run.log_every < 0 or run.eval_steps < 0 or run.save_steps < 0:
         raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
     if data.max_length < 0 or data.max_new_tokens < 1:
-        raise ValueError("--max-length must be >= 0 (0: the model's limit) and --max-new-tokens >= 1")
+        raise ValueError(
+            "--max-length must be >= 0 (0: the model's limit) and --max-new-tokens >= 1"
+        )
     dims = ParallelDims.resolve(env.world_size, par.dp, par.pert)
     dims.check_batch(data.batch_size)
     if off.transfer == "sliced" and not env.launched:
-        raise ValueError("--transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto")
+        raise ValueError(
+            "--transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto"
+        )
     if data.task in TASK_NAMES:  # an unknown task is named by load_task_rows below
         if optim.objective is None:
             optim.objective = default_objective(data.task)  # resolved here: config.toml records it
         check_objective(data.task, optim.objective)
     adapter_spec(job).validate()
     if (job.peft.dual_forward or job.peft.batch_queries) and job.peft.peft == "none":
-        raise ValueError("--dual-forward and --batch-queries need an adapter (--peft lora, lora-fa or prefix); drop them")
+        raise ValueError(
+            "--dual-forward and --batch-queries need an adapter (--peft lora, lora-fa or prefix); drop them"
+        )
     if job.peft.merge_adapter and job.peft.peft not in ("lora", "lora-fa"):
-        raise ValueError("--merge-adapter needs a LoRA adapter (--peft lora or lora-fa): a prefix or full tuning "
-                         "has no delta to merge; drop it")
+        raise ValueError(
+            "--merge-adapter needs a LoRA adapter (--peft lora or lora-fa): a prefix or full tuning "
+            "has no delta to merge; drop it"
+        )
     if optim.grad_accum < 1 or optim.grad_accum > data.batch_size // dims.dp:
         raise ValueError(
             f"--grad-accum {optim.grad_accum} must be between 1 and the {data.batch_size // dims.dp} sequences of a "
             "rank's batch (--batch-size / dp); change one of them"
         )
     if data.eval_batch_size < env.world_size:
-        raise ValueError(f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it")
+        raise ValueError(
+            f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it"
+        )
     config = ZOConfig(
-        lr=optim.lr, eps=optim.eps, weight_decay=optim.weight_decay, lr_schedule=optim.lr_schedule,
-        warmup_steps=optim.warmup_steps, max_steps=optim.max_steps, mode=off.mode, num_slots=3 if off.num_slots is None else off.num_slots,
-        device=resolve_device(par.device, env), seed=None if run.seed == -1 else run.seed,
-        transfer=off.transfer, transfer_dtype=off.transfer_dtype, compute_dtype=off.compute_dtype,
-        transfer_chunks=off.transfer_chunks, num_queries=optim.num_queries, noise=optim.noise or "gaussian",
-        dual_forward=job.peft.dual_forward, batch_queries=job.peft.batch_queries, grad_accum=optim.grad_accum,
-        optimizer=optim.optimizer, beta1=optim.beta1, momentum_window=optim.momentum_window, beta2=optim.beta2,
-        adam_eps=optim.adam_eps, optimizer_state=optim.optimizer_state, state_dtype=optim.state_dtype,
+        lr=optim.lr,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        lr_schedule=optim.lr_schedule,
+        warmup_steps=optim.warmup_steps,
+        max_steps=optim.max_steps,
+        mode=off.mode,
+        num_slots=3 if off.num_slots is None else off.num_slots,
+        device=resolve_device(par.device, env),
+        seed=None if run.seed == -1 else run.seed,
+        transfer=off.transfer,
+        transfer_dtype=off.transfer_dtype,
+        compute_dtype=off.compute_dtype,
+        transfer_chunks=off.transfer_chunks,
+        num_queries=optim.num_queries,
+        noise=optim.noise or "gaussian",
+        dual_forward=job.peft.dual_forward,
+        batch_queries=job.peft.batch_queries,
+        grad_accum=optim.grad_accum,
+        optimizer=optim.optimizer,
+        beta1=optim.beta1,
+        momentum_window=optim.momentum_window,
+        beta2=optim.beta2,
+        adam_eps=optim.adam_eps,
+        optimizer_state=optim.optimizer_state,
+        state_dtype=optim.state_dtype,
     )
     pg.resolve_backend(par.backend, config.torch_device())
     model_config = model_config_of(job)
@@ -182,18 +214,24 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
             f"{flag} {longest} exceeds the model's max_position_embeddings "
             f"{model_config.max_position_embeddings}; lower {flag}"
         )
-    rows = load_task_rows(data.task, data.train_file, data.eval_file)  # every row checked, before any model
+    rows = load_task_rows(
+        data.task, data.train_file, data.eval_file
+    )  # every row checked, before any model
     check_shard_size(run.export_shard_size)
     check_reporter(run.report_to)
     if run.keep_checkpoints < 0:
-        raise ValueError(f"--keep-checkpoints must be >= 0 (0: keep all), got {run.keep_checkpoints}")
+        raise ValueError(
+            f"--keep-checkpoints must be >= 0 (0: keep all), got {run.keep_checkpoints}"
+        )
     if run.log_sync_steps < 1:
         raise ValueError(f"--log-sync-steps must be >= 1, got {run.log_sync_steps}")
     run.resume = resume_mode(run, env)
     if run.resume != "no":  # the run goes on with the z it was drawn with
         drawn = drawn_noise(Path(run.output_dir))
         if optim.noise not in (None, drawn):
-            raise ValueError(f"--resume: the run was drawn with {drawn} noise; drop --noise {optim.noise} or set it to {drawn}")
+            raise ValueError(
+                f"--resume: the run was drawn with {drawn} noise; drop --noise {optim.noise} or set it to {drawn}"
+            )
         config.noise = drawn
     optim.noise = config.noise  # resolved: config.toml records it
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
@@ -206,8 +244,10 @@ def resume_mode(run, env: LaunchEnv) -> str:
     resumes when the run directory holds a checkpoint or logged steps to go on from."""
     if run.resume is None and env.max_restarts > 0 and not run.output_dir:
         if env.rank == 0:
-            logger.warning("torchrun restarts this job, but without --output-dir a restart starts afresh in a new "
-                           "directory: give --output-dir to resume where it stopped")
+            logger.warning(
+                "torchrun restarts this job, but without --output-dir a restart starts afresh in a new "
+                "directory: give --output-dir to resume where it stopped"
+            )
         return "no"
     mode = run.resume or ("auto" if env.max_restarts > 0 else "no")
     if mode != "no" and not run.output_dir:
@@ -218,7 +258,9 @@ def resume_mode(run, env: LaunchEnv) -> str:
     if latest_checkpoint(directory / "checkpoints"):
         return "yes"
     if mode == "yes":
-        raise ValueError(f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh")
+        raise ValueError(
+            f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start afresh"
+        )
     return "yes" if logged_steps(directory / SEED_LOG) else "no"
 
 
@@ -240,7 +282,9 @@ def drawn_noise(run_dir: Path) -> str:
     return identity_kind(read_seed_log_once(run_dir / SEED_LOG)[0].get("noise", "legacy"))
 
 
-def catch_up_from_log(engine: ZOEngine, run_dir: Path, header: dict, parallel: ParallelContext) -> int:
+def catch_up_from_log(
+    engine: ZOEngine, run_dir: Path, header: dict, parallel: ParallelContext
+) -> int:
     """Apply every step the seed log holds beyond the engine's (a restart after a crash
     or a preemption), in one pass over the blocks; returns the step to train from.
     Rank 0 reads the log and hands the records to every rank. A low-bit transfer or state
@@ -257,19 +301,35 @@ def catch_up_from_log(engine: ZOEngine, run_dir: Path, header: dict, parallel: P
     if not records:
         return start
     if engine.config.rounds_on_host:
-        logger.info("steps %d-%d are in the seed log, but a low-bit transfer rounds at every step: training them "
-                    "again from step %d", start, records[-1][0], start)
+        logger.info(
+            "steps %d-%d are in the seed log, but a low-bit transfer rounds at every step: training them "
+            "again from step %d",
+            start,
+            records[-1][0],
+            start,
+        )
         return start
     engine.catch_up(records)
-    logger.info("caught up with steps %d-%d from the seed log in one pass; training from step %d",
-                start, records[-1][0], engine.step_index)
+    logger.info(
+        "caught up with steps %d-%d from the seed log in one pass; training from step %d",
+        start,
+        records[-1][0],
+        engine.step_index,
+    )
     return engine.step_index
 
 
 def adapter_spec(job: JobConfig) -> AdapterSpec:
     p = job.peft
-    return AdapterSpec(p.peft, p.lora_r, p.lora_alpha, p.lora_dropout, AdapterSpec.parse_targets(p.lora_targets),
-                       p.prefix_length, p.prefix_init)
+    return AdapterSpec(
+        p.peft,
+        p.lora_r,
+        p.lora_alpha,
+        p.lora_dropout,
+        AdapterSpec.parse_targets(p.lora_targets),
+        p.prefix_length,
+        p.prefix_init,
+    )
 
 
 def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
@@ -295,19 +355,28 @@ def load_tokenizer(job: JobConfig, source: Path | None):
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
-        raise ValueError(f"--model {job.model.model}: no tokenizer to read the task's text ({str(err).splitlines()[0]})") from None
+        raise ValueError(
+            f"--model {job.model.model}: no tokenizer to read the task's text ({str(err).splitlines()[0]})"
+        ) from None
 
 
 def build_task_data(job: JobConfig, rows: LoadedRows | None, tokenizer, model_config, seed: int):
     """Needs the model's config only (vocabulary, positions): built before the model, so
     the memory plan knows the real longest sequence."""
     if rows is None:
-        return CountingData(model_config.vocab_size, job.data.seq_len, job.data.eval_batch_size, seed,
-                            job.data.eval_batch_size)
+        return CountingData(
+            model_config.vocab_size,
+            job.data.seq_len,
+            job.data.eval_batch_size,
+            seed,
+            job.data.eval_batch_size,
+        )
     encoder = PromptEncoder(tokenizer, job.data.max_length or model_config.max_position_embeddings)
     if job.data.task == "text":
         return TextData(rows, encoder, seed, job.data.eval_batch_size)
-    return PromptData(rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens, job.optim.objective)
+    return PromptData(
+        rows, encoder, seed, job.data.eval_batch_size, job.data.max_new_tokens, job.optim.objective
+    )
 
 
 def build_objective(name: str, data, tokenizer) -> Objective:
@@ -327,26 +396,42 @@ def build_model(job: JobConfig, dtype: torch.dtype, seed: int, source: Path | No
     or a checkpoint directory (a local path or a hub snapshot: never materialised whole);
     otherwise the default tiny model, built whole."""
     if job.model.model_config:
-        return skeleton(shape_config(job.model.model_config, job.model.model_layers), dtype), RandomWeights(seed)
+        return skeleton(
+            shape_config(job.model.model_config, job.model.model_layers), dtype
+        ), RandomWeights(seed)
     if source is not None:
         return skeleton(AutoConfig.from_pretrained(source), dtype), open_checkpoint(source)
     return model_from_config(default_model_config(job.data.task), dtype), None
 
 
-def memory_plan(job: JobConfig, model, data, config: ZOConfig, parallel: ParallelContext, device: torch.device) -> MemoryPlan:
+def memory_plan(
+    job: JobConfig, model, data, config: ZOConfig, parallel: ParallelContext, device: torch.device
+) -> MemoryPlan:
     sliced = resolve_transfer(config, device, parallel) == "sliced"
     seq = data.longest
     shard = parallel.shard_group.size if parallel.shard_group else 1
-    rows = job.data.batch_size // parallel.dims.dp * data.rows_per_example  # candidates on rows of their own
+    rows = (
+        job.data.batch_size // parallel.dims.dp * data.rows_per_example
+    )  # candidates on rows of their own
     batch = max(rows, job.data.eval_batch_size // parallel.env.world_size, 1)
     env = parallel.env
     return plan_memory(
-        model, config, shard, sliced, batch, seq, len(parallel.signs), env.world_size, env.local_world_size,
+        model,
+        config,
+        shard,
+        sliced,
+        batch,
+        seq,
+        len(parallel.signs),
+        env.world_size,
+        env.local_world_size,
         async_save=job.run.save_async and job.run.save_steps > 0,
     )
 
 
-def choose_slots(job: JobConfig, model, data, config: ZOConfig, parallel: ParallelContext, device: torch.device) -> MemoryPlan:
+def choose_slots(
+    job: JobConfig, model, data, config: ZOConfig, parallel: ParallelContext, device: torch.device
+) -> MemoryPlan:
     """The memory plan, with the slot count resolved: 3 unless --num-slots says otherwise or
     3 do not fit where 2 do (then 2, said in the log). Recorded in config.toml."""
     plan = memory_plan(job, model, data, config, parallel, device)
@@ -354,26 +439,38 @@ def choose_slots(job: JobConfig, model, data, config: ZOConfig, parallel: Parall
         try:
             check_fits(plan, device, parallel.env.local_world_size, force=False)
         except ValueError:
-            two = memory_plan(job, model, data, dataclasses.replace(config, num_slots=2), parallel, device)
+            two = memory_plan(
+                job, model, data, dataclasses.replace(config, num_slots=2), parallel, device
+            )
             try:
                 check_fits(two, device, parallel.env.local_world_size, force=False)
             except ValueError:
                 pass  # neither fits: the 3-slot plan's refusal (or --force) decides
             else:
-                logger.info("3 device slots do not fit; using 2 (upload then waits for the offload two blocks back)")
+                logger.info(
+                    "3 device slots do not fit; using 2 (upload then waits for the offload two blocks back)"
+                )
                 config.num_slots, plan = 2, two
     job.offload.num_slots = config.num_slots
     return plan
 
 
-def build_parallel(job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device) -> ParallelContext:
+def build_parallel(
+    job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device
+) -> ParallelContext:
     if not env.launched:
         return ParallelContext(env, dims, comm=Collectives(device))
-    pg.init_process_group(env, pg.resolve_backend(job.parallel.backend, device), job.parallel.dist_timeout)
-    comm = Collectives.for_job(device)  # the device group's collectives, and a gloo group for the host's
+    pg.init_process_group(
+        env, pg.resolve_backend(job.parallel.backend, device), job.parallel.dist_timeout
+    )
+    comm = Collectives.for_job(
+        device
+    )  # the device group's collectives, and a gloo group for the host's
     mesh = pg.build_mesh(dims, device)
     group, members = pg.node_groups(env, comm)
-    return ParallelContext(env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm)
+    return ParallelContext(
+        env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm
+    )
 
 
 def injected_failure(rank: int, variable: str = FAILURE_ENV) -> int | None:
@@ -409,11 +506,22 @@ def _truncate_jsonl(path: Path, keep_below: int) -> None:
 class RunLogs:
     """Rank 0's JSON-lines files: per-step metrics, evaluations and the seed log."""
 
-    def __init__(self, run_dir: Path, log_dir: Path, resume_step: int, header: dict, sync_every: int = 1,
-                 reporter: Reporter | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        log_dir: Path,
+        resume_step: int,
+        header: dict,
+        sync_every: int = 1,
+        reporter: Reporter | None = None,
+    ) -> None:
         self.reporter = reporter  # the dashboard: every metrics and eval record's numbers
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = {"metrics": log_dir / "metrics.jsonl", "eval": log_dir / "eval.jsonl", "seeds": run_dir / SEED_LOG}
+        self.paths = {
+            "metrics": log_dir / "metrics.jsonl",
+            "eval": log_dir / "eval.jsonl",
+            "seeds": run_dir / SEED_LOG,
+        }
         for name, path in self.paths.items():
             if not resume_step:
                 path.unlink(missing_ok=True)
@@ -434,9 +542,16 @@ class RunLogs:
         self.files[name].flush()
         if self.reporter is not None:
             prefix = "train" if name == "metrics" else "eval"
-            self.reporter.log({f"{prefix}/{key.removeprefix('eval_')}": float(value) for key, value in record.items()
-                               if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)},
-                              record["step"])
+            self.reporter.log(
+                {
+                    f"{prefix}/{key.removeprefix('eval_')}": float(value)
+                    for key, value in record.items()
+                    if key != "step"
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                },
+                record["step"],
+            )
 
     def close(self) -> None:
         for f in self.files.values():
@@ -446,7 +561,13 @@ class RunLogs:
             self.reporter.close()
 
 
-def stop_after(job: JobConfig, checkpointer: Checkpointer, logs: RunLogs | None, done: int, received: str | None) -> None:
+def stop_after(
+    job: JobConfig,
+    checkpointer: Checkpointer,
+    logs: RunLogs | None,
+    done: int,
+    received: str | None,
+) -> None:
     """End a preempted run at a step boundary: a checkpoint of ``done`` steps with
     ``--save-on-signal`` (else the synced seed log is what a restart catches up from), an
     asynchronous save in flight completed, the logs closed; then ``Preempted``."""
@@ -460,7 +581,11 @@ def stop_after(job: JobConfig, checkpointer: Checkpointer, logs: RunLogs | None,
 
 
 def train(
-    job: JobConfig, env: LaunchEnv, config: ZOConfig, dims: ParallelDims, rows: LoadedRows | None,
+    job: JobConfig,
+    env: LaunchEnv,
+    config: ZOConfig,
+    dims: ParallelDims,
+    rows: LoadedRows | None,
     signals: StopSignals | None = None,
 ) -> dict:
     device = config.torch_device()
@@ -473,7 +598,14 @@ def train(
     stamp = parallel.comm.broadcast_object(datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     run_dir = Path(job.run.output_dir or f"runs/{stamp}")
     job.run.seed = seed  # the resolved config repeats the run, even when the seed was drawn
-    logger.info("run %s: seed %d; %d ranks as dp %d x pert %d", run_dir, seed, env.world_size, dims.dp, dims.pert)
+    logger.info(
+        "run %s: seed %d; %d ranks as dp %d x pert %d",
+        run_dir,
+        seed,
+        env.world_size,
+        dims.dp,
+        dims.pert,
+    )
 
     torch.manual_seed(seed)  # the random init of the default model: equal on every rank
     dtype = MASTER_DTYPES[job.model.dtype]
@@ -485,7 +617,9 @@ def train(
         if tokenizer is not None:
             tokenizer.save_pretrained(run_dir / "base")
     spec = adapter_spec(job)
-    if spec.enabled:  # the same adapter init on every rank, on resume and in a replay: seeded by the run
+    if (
+        spec.enabled
+    ):  # the same adapter init on every rank, on resume and in a replay: seeded by the run
         model = attach_adapter(model, spec, seed)
         weights = AdapterWeights(weights, model) if weights is not None else None
     data = build_task_data(job, rows, tokenizer, model.config, seed)
@@ -495,17 +629,26 @@ def train(
     if env.rank == 0:
         write_resolved(job, run_dir)
     objective = build_objective(job.optim.objective or "lm", data, tokenizer)
-    engine = ZOEngine(model, config, parallel=parallel, run_seed=seed, weights=weights, objective=objective)
+    engine = ZOEngine(
+        model, config, parallel=parallel, run_seed=seed, weights=weights, objective=objective
+    )
     checkpointer = Checkpointer(run_dir / "checkpoints", engine, job.run.keep_checkpoints)
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if job.run.resume == "yes" else None
     start_step = checkpointer.load(checkpoint) if checkpoint is not None else 0
     header = {
-        "run_seed": engine.run_seed, "noise_chunk": config.noise_chunk, "noise": noise_identity(config.noise),
+        "run_seed": engine.run_seed,
+        "noise_chunk": config.noise_chunk,
+        "noise": noise_identity(config.noise),
         "weight_decay": config.weight_decay,
-        "device_type": device.type, "dtype": job.model.dtype, "transfer_dtype": config.transfer_dtype,
+        "device_type": device.type,
+        "dtype": job.model.dtype,
+        "transfer_dtype": config.transfer_dtype,
         "base": job.model.model or (None if job.model.model_config else str(run_dir / "base")),
-        "model_config": job.model.model_config, "model_layers": job.model.model_layers, "init_seed": seed,
-        "objective": objective.name, "peft": spec.record() if spec.enabled else None,
+        "model_config": job.model.model_config,
+        "model_layers": job.model.model_layers,
+        "init_seed": seed,
+        "objective": objective.name,
+        "peft": spec.record() if spec.enabled else None,
         "optimizer": optimizer_record(config),
     }
     if job.run.resume == "yes":
@@ -513,12 +656,20 @@ def train(
     logs = None
     if env.rank == 0:
         reporter = make_reporter(job.run.report_to, run_dir, dataclasses.asdict(job))
-        logs = RunLogs(run_dir, Path(job.run.log_dir) if job.run.log_dir else run_dir, start_step, header,
-                       job.run.log_sync_steps, reporter)
+        logs = RunLogs(
+            run_dir,
+            Path(job.run.log_dir) if job.run.log_dir else run_dir,
+            start_step,
+            header,
+            job.run.log_sync_steps,
+            reporter,
+        )
     fail_at = injected_failure(env.rank)
     kill_at = injected_failure(env.rank, KILL_ENV) if env.restart_count == 0 else None
     signal_at = injected_failure(env.rank, SIGNAL_ENV) if job.run.resume != "yes" else None
-    link_bytes = engine.link_bytes_per_step  # what one step moves over the host link: fixed by the layout
+    link_bytes = (
+        engine.link_bytes_per_step
+    )  # what one step moves over the host link: fixed by the layout
 
     # A resumed run does not evaluate where it starts: an evaluation applies the pending
     # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
@@ -529,8 +680,13 @@ def train(
         if logs:
             logs.write("eval", {"step": 0, **before})
     started, tokens = time.perf_counter(), 0
-    progress = tqdm(range(start_step, job.optim.max_steps), desc="train", initial=start_step,
-                    total=job.optim.max_steps, disable=None if env.rank == 0 else True)
+    progress = tqdm(
+        range(start_step, job.optim.max_steps),
+        desc="train",
+        initial=start_step,
+        total=job.optim.max_steps,
+        disable=None if env.rank == 0 else True,
+    )
     for step in progress:
         if step == fail_at:
             raise RuntimeError(f"failure injected by {FAILURE_ENV} at step {step}")
@@ -541,20 +697,39 @@ def train(
             os.kill(os.getpid(), signal.SIGKILL)
         step_start = time.perf_counter()
         global_batch = data.batch(job.data.batch_size, step)  # the same rows on every rank
-        num_items = objective.num_items(global_batch)  # label tokens or examples of the global batch
-        result = engine.step(parallel.shard_batch(global_batch), num_items=num_items,
-                             stop=signals is not None and signals.requested)
+        num_items = objective.num_items(
+            global_batch
+        )  # label tokens or examples of the global batch
+        result = engine.step(
+            parallel.shard_batch(global_batch),
+            num_items=num_items,
+            stop=signals is not None and signals.requested,
+        )
         step_tokens = global_batch["input_ids"].numel()
         tokens += step_tokens
         step_seconds = max(time.perf_counter() - step_start, 1e-9)
         tokens_per_s = step_tokens / step_seconds
-        progress.set_postfix(loss=f"{result.loss:.4f}", g=f"{result.projected_grad:+.3g}", tok_s=f"{tokens_per_s:.0f}")
+        progress.set_postfix(
+            loss=f"{result.loss:.4f}",
+            g=f"{result.projected_grad:+.3g}",
+            tok_s=f"{tokens_per_s:.0f}",
+        )
         if logs:
             record = {
-                "step": step, "objective": objective.name, "loss": result.loss, "loss_plus": result.loss_plus, "loss_minus": result.loss_minus,
-                "projected_grad": result.projected_grad, "lr": result.lr, "tokens_per_s": tokens_per_s,
-                "link_gb_per_s": link_bytes / step_seconds / 1e9,  # uploaded by rank 0 (offloaded alike)
-                "host_rss_gb": current_rss / 1e9 if (current_rss := rss_bytes()) is not None else None,
+                "step": step,
+                "objective": objective.name,
+                "loss": result.loss,
+                "loss_plus": result.loss_plus,
+                "loss_minus": result.loss_minus,
+                "projected_grad": result.projected_grad,
+                "lr": result.lr,
+                "tokens_per_s": tokens_per_s,
+                "link_gb_per_s": link_bytes
+                / step_seconds
+                / 1e9,  # uploaded by rank 0 (offloaded alike)
+                "host_rss_gb": current_rss / 1e9
+                if (current_rss := rss_bytes()) is not None
+                else None,
                 "host_peak_rss_gb": peak_rss_bytes() / 1e9,
             }
             if device.type == "cuda":
@@ -562,12 +737,25 @@ def train(
             if len(result.projected_grads) > 1:
                 record["projected_grads"] = list(result.projected_grads)
             logs.write("metrics", record)
-            logs.write("seeds", {"step": step, "run_seed": engine.run_seed, "projected_grads": list(result.projected_grads),
-                                 "lr": result.lr})
+            logs.write(
+                "seeds",
+                {
+                    "step": step,
+                    "run_seed": engine.run_seed,
+                    "projected_grads": list(result.projected_grads),
+                    "lr": result.lr,
+                },
+            )
         if result.stop:  # a rank was signalled: every rank stops here, after this step's records
             stop_after(job, checkpointer, logs, step + 1, signals.received if signals else None)
         if job.run.log_every and (step % job.run.log_every == 0 or step == job.optim.max_steps - 1):
-            logger.info("step %d loss %.4f g %+.4g lr %.3g", step, result.loss, result.projected_grad, result.lr)
+            logger.info(
+                "step %d loss %.4f g %+.4g lr %.3g",
+                step,
+                result.loss,
+                result.projected_grad,
+                result.lr,
+            )
         done = step + 1
         if job.run.eval_steps and done % job.run.eval_steps == 0 and done < job.optim.max_steps:
             metrics = evaluate(engine, data, parallel)
@@ -584,25 +772,38 @@ def train(
     after = evaluate(engine, data, parallel)
     if logs:
         logs.write("eval", {"step": job.optim.max_steps, **after})
-    export = export_model(engine, run_dir / "export", tokenizer, job.run.export_shard_size, job.peft.merge_adapter)
+    export = export_model(
+        engine, run_dir / "export", tokenizer, job.run.export_shard_size, job.peft.merge_adapter
+    )
     record = {
-        "rank": env.rank, "device": device_name(device), "transfer": engine.transfer,
-        "noise": noise_identity(config.noise), "noise_backend": engine.noise.backend,
+        "rank": env.rank,
+        "device": device_name(device),
+        "transfer": engine.transfer,
+        "noise": noise_identity(config.noise),
+        "noise_backend": engine.noise.backend,
         "shard_group": parallel.shard_group.members if parallel.shard_group else [env.rank],
         "mesh_coordinates": [parallel.dp_rank, parallel.pert_rank],
         "formula_coordinates": list(dims.coordinates(env.rank)),
-        "host_bytes": engine.host_bytes, "device_bytes": engine.device_bytes,
-        "peft": job.peft.peft, "trained_parameters": engine.num_parameters, "frozen_parameters": engine.num_frozen,
+        "host_bytes": engine.host_bytes,
+        "device_bytes": engine.device_bytes,
+        "peft": job.peft.peft,
+        "trained_parameters": engine.num_parameters,
+        "frozen_parameters": engine.num_frozen,
         "base_read_only": engine.frozen_base,
-        "eval_before": before, "eval_after": after,
+        "eval_before": before,
+        "eval_after": after,
     }
     (run_dir / f"rank{env.rank}.json").write_text(json.dumps(record))
     if logs:
         logs.close()
         logger.info(
             "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s",
-            job.optim.max_steps - start_step, elapsed, tokens / max(elapsed, 1e-9),
-            f"{describe(before)} -> " if before else f"(resumed at step {start_step}) ", describe(after), export,
+            job.optim.max_steps - start_step,
+            elapsed,
+            tokens / max(elapsed, 1e-9),
+            f"{describe(before)} -> " if before else f"(resumed at step {start_step}) ",
+            describe(after),
+            export,
         )
     return after
 
@@ -622,8 +823,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(err))
     except Preempted as stopped:
         if env.rank == 0:
-            logger.warning("preempted: %s; %d steps done, --resume (or a restart) goes on from there", stopped,
-                           stopped.step)
+            logger.warning(
+                "preempted: %s; %d steps done, --resume (or a restart) goes on from there",
+                stopped,
+                stopped.step,
+            )
         pg.shutdown()  # every rank stopped after the same step: no collective is pending
         return EXIT_PREEMPTED
     # Any other failure propagates: the process exits non-zero and torchrun stops the other

@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine two
 # threads per process thrash (measured 40x slower); one keeps the suite fast and steady.
 torch.set_num_threads(1)
@@ -38,7 +37,3 @@ def smollm2_dir(tmp_path_factory) -> Path:
     with open(root / "smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return gguf_to_hf(gguf, root / "smollm2-hf")
-
-
-
-

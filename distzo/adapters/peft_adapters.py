@@ -60,11 +60,15 @@ class AdapterSpec:
                 "and dropout draws a different one each pass; drop --lora-dropout (0)"
             )
         if self.targets is not None and not self.targets:
-            raise ValueError("--lora-targets names no module; give names such as q_proj,v_proj or leave it out")
+            raise ValueError(
+                "--lora-targets names no module; give names such as q_proj,v_proj or leave it out"
+            )
         if self.prefix_length < 1:
             raise ValueError(f"--prefix-length must be >= 1, got {self.prefix_length}")
         if self.prefix_init not in PREFIX_INITS:
-            raise ValueError(f"--prefix-init {self.prefix_init!r} is not one of {', '.join(PREFIX_INITS)}")
+            raise ValueError(
+                f"--prefix-init {self.prefix_init!r} is not one of {', '.join(PREFIX_INITS)}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -79,18 +83,29 @@ class AdapterSpec:
 
     def record(self) -> dict:
         """How the run's log and checkpoint metadata name the adapter (a replay rebuilds it)."""
-        return {"method": self.method, "r": self.r, "alpha": self.alpha,
-                "targets": list(self.targets) if self.targets else None,
-                "prefix_length": self.prefix_length, "prefix_init": self.prefix_init}
+        return {
+            "method": self.method,
+            "r": self.r,
+            "alpha": self.alpha,
+            "targets": list(self.targets) if self.targets else None,
+            "prefix_length": self.prefix_length,
+            "prefix_init": self.prefix_init,
+        }
 
     @classmethod
-    def from_record(cls, record: dict | None) -> "AdapterSpec":
+    def from_record(cls, record: dict | None) -> AdapterSpec:
         if not record:
             return cls()
         targets = record.get("targets")
-        return cls(record["method"], int(record["r"]), float(record["alpha"]), 0.0,
-                   tuple(targets) if targets else None, int(record.get("prefix_length", 5)),
-                   record.get("prefix_init", "real"))
+        return cls(
+            record["method"],
+            int(record["r"]),
+            float(record["alpha"]),
+            0.0,
+            tuple(targets) if targets else None,
+            int(record.get("prefix_length", 5)),
+            record.get("prefix_init", "real"),
+        )
 
 
 def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
@@ -103,20 +118,28 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     from peft.tuners.lora import LoraLayer
 
     config = LoraConfig(
-        r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
         target_modules=list(spec.targets) if spec.targets else None,
     )
     with torch.random.fork_rng(devices=[]):  # the caller's generator state is left as it was
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as err:  # no target module matched, or a family peft has no default for
-            raise ValueError(f"--peft {spec.method}: {str(err).splitlines()[0]} (set --lora-targets)") from None
+            raise ValueError(
+                f"--peft {spec.method}: {str(err).splitlines()[0]} (set --lora-targets)"
+            ) from None
         torch.manual_seed(seed)
         for module in peft_model.modules():
             if isinstance(module, LoraLayer):
                 for part in (module.lora_A, module.lora_B):
                     layer = part[ADAPTER_NAME]
-                    if layer.weight.is_meta:  # a skeleton's adapter: give it memory before peft's init
+                    if (
+                        layer.weight.is_meta
+                    ):  # a skeleton's adapter: give it memory before peft's init
                         layer.to_empty(device="cpu")
                 module.reset_lora_parameters(ADAPTER_NAME, True)
     if spec.method == "lora-fa":
@@ -140,16 +163,24 @@ def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
             table.to_empty(device="cpu")
             table.reset_parameters()
     prefixes = install_block_prefixes(peft_model, family_for(model).blocks())
-    if spec.prefix_init == "real":  # MeZO: the keys and values of random tokens, computed by the engine
-        tokens = torch.randint(model.config.vocab_size, (1, spec.prefix_length),
-                               generator=torch.Generator().manual_seed(seed))
+    if (
+        spec.prefix_init == "real"
+    ):  # MeZO: the keys and values of random tokens, computed by the engine
+        tokens = torch.randint(
+            model.config.vocab_size,
+            (1, spec.prefix_length),
+            generator=torch.Generator().manual_seed(seed),
+        )
         for prefix in prefixes:
             prefix.init_tokens = tokens
     return peft_model
 
 
 def is_prefix_tuned(peft_model: nn.Module | None) -> bool:
-    return peft_model is not None and getattr(peft_model.peft_config.get(ADAPTER_NAME), "peft_type", None) == "PREFIX_TUNING"
+    return (
+        peft_model is not None
+        and getattr(peft_model.peft_config.get(ADAPTER_NAME), "peft_type", None) == "PREFIX_TUNING"
+    )
 
 
 def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> list:
@@ -159,17 +190,25 @@ def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> li
 
     config = peft_model.peft_config[ADAPTER_NAME]
     if config.prefix_projection:
-        raise ValueError("prefix tuning with prefix_projection=True trains an MLP outside the blocks; "
-                         "use PrefixTuningConfig(prefix_projection=False), as MeZO")
+        raise ValueError(
+            "prefix tuning with prefix_projection=True trains an MLP outside the blocks; "
+            "use PrefixTuningConfig(prefix_projection=False), as MeZO"
+        )
     if config.num_layers != len(blocks):
-        raise ValueError(f"the prefix has {config.num_layers} layers but the model streams {len(blocks)} blocks")
+        raise ValueError(
+            f"the prefix has {config.num_layers} layers but the model streams {len(blocks)} blocks"
+        )
     table = peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
     width, heads = config.token_dim, config.num_attention_heads
     for i, block in enumerate(blocks):
         if getattr(block, "prefix_tuning", None) is None:
             columns = table.detach()[:, 2 * width * i : 2 * width * (i + 1)]
             dtype = next(block.parameters()).dtype
-            key_values = columns.reshape(config.num_virtual_tokens, 2, heads, width // heads).to(dtype).clone()
+            key_values = (
+                columns.reshape(config.num_virtual_tokens, 2, heads, width // heads)
+                .to(dtype)
+                .clone()
+            )
             block.prefix_tuning = BlockPrefix(key_values, i)
     table.requires_grad_(False)
     return [block.prefix_tuning for block in blocks]
@@ -198,7 +237,9 @@ class AdapterWeights:
         self.base = base
         # A prefix is named as in the base model, which holds the blocks' prefixes.
         source = model.get_base_model() if is_prefix_tuned(model) else model
-        self.adapter = {n: p.detach().clone() for n, p in source.named_parameters() if is_adapter_name(n)}
+        self.adapter = {
+            n: p.detach().clone() for n, p in source.named_parameters() if is_adapter_name(n)
+        }
 
     def _own(self, names: tuple[str, ...]) -> torch.Tensor | None:
         for name in names:

@@ -3,4 +3,11 @@
 from distzo.bench.records import SCHEMA_VERSION, BenchReport, Measurement, validate_report
 from distzo.bench.timing import Timer, time_repeated
 
-__all__ = ["BenchReport", "Measurement", "SCHEMA_VERSION", "Timer", "time_repeated", "validate_report"]
+__all__ = [
+    "BenchReport",
+    "Measurement",
+    "SCHEMA_VERSION",
+    "Timer",
+    "time_repeated",
+    "validate_report",
+]

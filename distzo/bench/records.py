@@ -49,16 +49,34 @@ class Measurement:
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_timer(cls, name: str, params: dict[str, Any], timer: Timer, metrics: dict[str, float]) -> "Measurement":
-        return cls(name, params, len(timer.samples), timer.median, min(timer.samples), max(timer.samples), timer.spread, metrics)
+    def from_timer(
+        cls, name: str, params: dict[str, Any], timer: Timer, metrics: dict[str, float]
+    ) -> Measurement:
+        return cls(
+            name,
+            params,
+            len(timer.samples),
+            timer.median,
+            min(timer.samples),
+            max(timer.samples),
+            timer.spread,
+            metrics,
+        )
 
 
 def git_commit() -> str:
     try:
         root = Path(__file__).resolve().parents[2]
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -75,7 +93,7 @@ class BenchReport:
         return {
             "schema_version": SCHEMA_VERSION,
             "benchmark": self.benchmark,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": git_commit(),
             "device": self.device,
             "torch": torch.__version__,
@@ -131,18 +149,43 @@ def validate_report(data: dict[str, Any]) -> None:
     need(data.get("schema_version") == SCHEMA_VERSION, f"schema_version must be {SCHEMA_VERSION}")
     need(data.get("benchmark") in BENCHMARKS, f"benchmark must be one of {BENCHMARKS}")
     for key in ("created", "commit", "device", "torch", "command"):
-        need(isinstance(data.get(key), str) and data[key] != "", f"{key} must be a non-empty string")
-    need(isinstance(data.get("world_size"), int) and data["world_size"] >= 1, "world_size must be an int >= 1")
-    need(isinstance(data.get("measurements"), list) and data["measurements"], "measurements must be a non-empty list")
+        need(
+            isinstance(data.get(key), str) and data[key] != "", f"{key} must be a non-empty string"
+        )
+    need(
+        isinstance(data.get("world_size"), int) and data["world_size"] >= 1,
+        "world_size must be an int >= 1",
+    )
+    need(
+        isinstance(data.get("measurements"), list) and data["measurements"],
+        "measurements must be a non-empty list",
+    )
     for i, m in enumerate(data["measurements"]):
-        need(isinstance(m.get("name"), str) and m["name"], f"measurements[{i}].name must be a string")
+        need(
+            isinstance(m.get("name"), str) and m["name"], f"measurements[{i}].name must be a string"
+        )
         need(isinstance(m.get("params"), dict), f"measurements[{i}].params must be an object")
-        need(all(isinstance(v, _SCALAR) for v in m["params"].values()), f"measurements[{i}].params must be scalars")
-        need(isinstance(m.get("repeats"), int) and m["repeats"] >= 1, f"measurements[{i}].repeats must be >= 1")
+        need(
+            all(isinstance(v, _SCALAR) for v in m["params"].values()),
+            f"measurements[{i}].params must be scalars",
+        )
+        need(
+            isinstance(m.get("repeats"), int) and m["repeats"] >= 1,
+            f"measurements[{i}].repeats must be >= 1",
+        )
         for key in ("median_s", "min_s", "max_s", "spread"):
-            need(isinstance(m.get(key), (int, float)) and m[key] >= 0, f"measurements[{i}].{key} must be >= 0")
+            need(
+                isinstance(m.get(key), (int, float)) and m[key] >= 0,
+                f"measurements[{i}].{key} must be >= 0",
+            )
         need(m["min_s"] <= m["median_s"] <= m["max_s"], f"measurements[{i}]: min <= median <= max")
         need(isinstance(m.get("metrics"), dict), f"measurements[{i}].metrics must be an object")
-        need(all(isinstance(v, (int, float)) for v in m["metrics"].values()), f"measurements[{i}].metrics must be numbers")
+        need(
+            all(isinstance(v, (int, float)) for v in m["metrics"].values()),
+            f"measurements[{i}].metrics must be numbers",
+        )
     need(isinstance(data.get("derived"), dict), "derived must be an object")
-    need(all(isinstance(v, (int, float)) for v in data["derived"].values()), "derived values must be numbers")
+    need(
+        all(isinstance(v, (int, float)) for v in data["derived"].values()),
+        "derived values must be numbers",
+    )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -29,7 +29,9 @@ class Timer:
         return (max(self.samples) - min(self.samples)) / self.median if self.median else 0.0
 
 
-def time_repeated(fn: Callable[[], None], device: torch.device, repeats: int, warmup: int = 1) -> Timer:
+def time_repeated(
+    fn: Callable[[], None], device: torch.device, repeats: int, warmup: int = 1
+) -> Timer:
     """Wall time of ``fn`` per call, device-synchronised, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()

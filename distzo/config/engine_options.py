@@ -98,15 +98,23 @@ class ZOConfig:
 
     def validate(self) -> None:
         if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3")
+            raise ValueError(
+                f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3"
+            )
         if not self.lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}; set lr to a non-negative value such as 1e-6")
+            raise ValueError(
+                f"lr must be >= 0, got {self.lr}; set lr to a non-negative value such as 1e-6"
+            )
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+            raise ValueError(
+                f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}"
+            )
         if self.lr_schedule == "linear" and self.max_steps is None:
-            raise ValueError("lr_schedule 'linear' needs max_steps; set max_steps or use lr_schedule 'constant'")
+            raise ValueError(
+                "lr_schedule 'linear' needs max_steps; set max_steps or use lr_schedule 'constant'"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.max_steps is not None and self.max_steps < 0:
@@ -125,7 +133,9 @@ class ZOConfig:
                 "rademacher SPSA's +-1"
             )
         if self.transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
+            raise ValueError(
+                f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}"
+            )
         if self.transfer_dtype not in TRANSFER_DTYPE_NAMES:
             raise ValueError(
                 f"transfer_dtype must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got {self.transfer_dtype!r}"
@@ -164,28 +174,38 @@ class ZOConfig:
                 "noise); use optimizer_state stored for adam"
             )
         if self.optimizer_state == "stored" and self.optimizer == "sgd":
-            raise ValueError("ZO-SGD has no optimizer state to store; choose optimizer momentum or adam")
+            raise ValueError(
+                "ZO-SGD has no optimizer state to store; choose optimizer momentum or adam"
+            )
         if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
+            raise ValueError(
+                f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}"
+            )
         if self.state_dtype != "fp32" and not (self.stored_state and self.mode == "offload"):
             raise ValueError(
                 f"state_dtype {self.state_dtype} applies to stored optimizer state at rest in host memory "
                 "(optimizer adam, or momentum with optimizer_state stored, in mode offload); use state_dtype fp32"
             )
         if self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once")
+            raise ValueError(
+                f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once"
+            )
         if self.num_queries < 1:
             raise ValueError(
                 f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to average directions"
             )
         if self.transfer == "sliced" and self.mode != "offload":
-            raise ValueError("transfer sliced only applies to mode offload (resident blocks never travel)")
+            raise ValueError(
+                "transfer sliced only applies to mode offload (resident blocks never travel)"
+            )
         self.torch_device()  # a malformed device string fails here, not mid-build
 
     @property
     def stored_state(self) -> bool:
         """Whether moment buckets are kept (Adam always; momentum when asked)."""
-        return self.optimizer == "adam" or (self.optimizer == "momentum" and self.optimizer_state == "stored")
+        return self.optimizer == "adam" or (
+            self.optimizer == "momentum" and self.optimizer_state == "stored"
+        )
 
     @property
     def rounds_on_host(self) -> bool:
@@ -202,13 +222,21 @@ class ZOConfig:
     def torch_device(self) -> torch.device:
         """The compute device: ``auto`` is the local CUDA device when present, else the CPU."""
         if self.device == "auto":
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            return (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
         try:
             device = torch.device(self.device)
         except RuntimeError:
-            raise ValueError(f"device {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+            raise ValueError(
+                f"device {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N"
+            ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available; use device cpu")
+            raise ValueError(
+                f"device {self.device!r} asked for, but CUDA is not available; use device cpu"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
@@ -216,10 +244,19 @@ class ZOConfig:
 
 def optimizer_record(config: ZOConfig) -> dict:
     """The seed log header's record of the optimizer: what a replay needs to rebuild its updates."""
-    return {"name": config.optimizer, "beta1": config.beta1, "momentum_window": config.momentum_window,
-            "beta2": config.beta2, "adam_eps": config.adam_eps,
-            "state": "stored" if config.stored_state else "recomputed" if config.optimizer == "momentum" else "none",
-            "state_dtype": config.state_dtype}
+    return {
+        "name": config.optimizer,
+        "beta1": config.beta1,
+        "momentum_window": config.momentum_window,
+        "beta2": config.beta2,
+        "adam_eps": config.adam_eps,
+        "state": "stored"
+        if config.stored_state
+        else "recomputed"
+        if config.optimizer == "momentum"
+        else "none",
+        "state_dtype": config.state_dtype,
+    }
 
 
 def optimizer_options(record: dict | None) -> dict:
@@ -227,7 +264,11 @@ def optimizer_options(record: dict | None) -> dict:
     from before stored state: a recomputed momentum). A replay is resident: fp32 state."""
     if not record:
         return {}
-    options = {"optimizer": record["name"], "beta1": record["beta1"], "momentum_window": record["momentum_window"]}
+    options = {
+        "optimizer": record["name"],
+        "beta1": record["beta1"],
+        "momentum_window": record["momentum_window"],
+    }
     if "beta2" in record:
         options.update(beta2=record["beta2"], adam_eps=record["adam_eps"])
     if record.get("state") == "stored":

@@ -13,7 +13,7 @@ candidate of each example, ``f1`` the prompt with room for the answer.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -26,12 +26,18 @@ class PromptEncoder:
     def __init__(self, tokenizer, max_length: int) -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
 
     def encode(self, prompt: str, continuation: str) -> tuple[list[int], int]:
         """(token ids, number of continuation tokens at the end)."""
         head = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        tail = self.tokenizer(continuation, add_special_tokens=False)["input_ids"] if continuation else []
+        tail = (
+            self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            if continuation
+            else []
+        )
         tail = tail[: self.max_length - 1]
         ids = (head + tail)[-self.max_length :]
         return ids, len(tail)
@@ -53,14 +59,19 @@ class PromptEncoder:
         ids, _ = self.encode(example.prompt, example.continuations[0])
         if self.shares_prompt(example) and len(ids) > 1:
             prompt = ids[:-1]
-            scored = [(0, len(prompt) - 1, self._tail(c)[0], c_index) for c_index, c in enumerate(example.continuations)]
+            scored = [
+                (0, len(prompt) - 1, self._tail(c)[0], c_index)
+                for c_index, c in enumerate(example.continuations)
+            ]
             return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label)
         rows, scored = [], []
         for c_index, continuation in enumerate(example.continuations):
             ids, answer = self.encode(example.prompt, continuation)
             if answer == 0:
                 raise ValueError(f"candidate {continuation!r} has no tokens to score")
-            scored += [(c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))]
+            scored += [
+                (c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))
+            ]
             rows.append(tuple(ids))
         return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
 
@@ -79,7 +90,9 @@ class PromptEncoder:
             input_ids[row, : len(ids)] = torch.tensor(ids)
             mask[row, : len(ids)] = 1
             if answer:
-                labels[row, len(ids) - answer : len(ids)] = input_ids[row, len(ids) - answer : len(ids)]
+                labels[row, len(ids) - answer : len(ids)] = input_ids[
+                    row, len(ids) - answer : len(ids)
+                ]
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
@@ -105,7 +118,9 @@ class PromptTrainData:
     def _sequence(self, index: int) -> tuple[list[int], int]:
         if index not in self._cache:
             example = self.examples[index]
-            self._cache[index] = self.encoder.encode(example.prompt, example.continuations[example.label])
+            self._cache[index] = self.encoder.encode(
+                example.prompt, example.continuations[example.label]
+            )
         return self._cache[index]
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
@@ -134,18 +149,29 @@ class PromptOnlyTrainData:
     """Training batches to decode from (``f1``): each row a prompt with room for the answer,
     and its example's index (where the objective finds the gold answers)."""
 
-    def __init__(self, examples: list[Example], encoder: PromptEncoder, seed: int, max_new_tokens: int) -> None:
-        self.examples, self.encoder, self.seed, self.max_new_tokens = examples, encoder, seed, max_new_tokens
+    def __init__(
+        self, examples: list[Example], encoder: PromptEncoder, seed: int, max_new_tokens: int
+    ) -> None:
+        self.examples, self.encoder, self.seed, self.max_new_tokens = (
+            examples,
+            encoder,
+            seed,
+            max_new_tokens,
+        )
         self._cache: dict[int, list[int]] = {}
 
     def _prompt(self, index: int) -> list[int]:
         if index not in self._cache:
-            self._cache[index] = self.encoder.encode_prompt(self.examples[index].prompt, self.max_new_tokens)
+            self._cache[index] = self.encoder.encode_prompt(
+                self.examples[index].prompt, self.max_new_tokens
+            )
         return self._cache[index]
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         indices = step_indices(len(self.examples), batch_size, step, self.seed)
-        return collate_prompts([self._prompt(i) for i in indices], indices, self.max_new_tokens, self.encoder.pad_id)
+        return collate_prompts(
+            [self._prompt(i) for i in indices], indices, self.max_new_tokens, self.encoder.pad_id
+        )
 
 
 class TextTrainData:

@@ -24,7 +24,9 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         raise ValueError(f"data file {source} does not exist")
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"{source}: unsupported format {suffix or '(none)'}; use one of {', '.join(FORMATS)}")
+        raise ValueError(
+            f"{source}: unsupported format {suffix or '(none)'}; use one of {', '.join(FORMATS)}"
+        )
     if suffix == ".jsonl":
         rows = []
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -52,7 +54,9 @@ def load_rows(source: str) -> list[dict[str, Any]]:
             rows = []
             for number, row in enumerate(reader, 1):
                 if None in row or None in row.values():
-                    raise ValueError(f"{source}, row {number}: wrong number of fields for the header {reader.fieldnames}")
+                    raise ValueError(
+                        f"{source}, row {number}: wrong number of fields for the header {reader.fieldnames}"
+                    )
                 rows.append(row)
             return rows
     if suffix == ".parquet":
@@ -61,7 +65,9 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         try:
             return pq.read_table(path).to_pylist()
         except Exception as err:  # pyarrow raises several kinds for a damaged file
-            raise ValueError(f"{source}: not a readable parquet file ({str(err).splitlines()[0]})") from None
+            raise ValueError(
+                f"{source}: not a readable parquet file ({str(err).splitlines()[0]})"
+            ) from None
     return [{"text": line} for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -71,7 +77,9 @@ def parse_hub_spec(source: str) -> tuple[str, str | None, str]:
         return parts[0], None, parts[1]
     if len(parts) == 3:
         return parts[0], parts[1], parts[2]
-    raise ValueError(f"{source}: write a hub dataset as hf:PATH[:CONFIG]:SPLIT, e.g. hf:nyu-mll/glue:sst2:train")
+    raise ValueError(
+        f"{source}: write a hub dataset as hf:PATH[:CONFIG]:SPLIT, e.g. hf:nyu-mll/glue:sst2:train"
+    )
 
 
 def _hub_rows(source: str) -> list[dict[str, Any]]:
@@ -81,4 +89,6 @@ def _hub_rows(source: str) -> list[dict[str, Any]]:
     try:
         return list(datasets.load_dataset(path, config, split=split))
     except Exception as err:  # offline, unknown name, unknown split: all one message
-        raise ValueError(f"{source}: cannot load from the hub ({str(err).splitlines()[0]}); use a local file") from None
+        raise ValueError(
+            f"{source}: cannot load from the hub ({str(err).splitlines()[0]}); use a local file"
+        ) from None

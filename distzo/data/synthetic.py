@@ -18,9 +18,13 @@ EVAL_STREAM = -1  # the evaluation set's "step": never a training step
 
 
 class CountingTask:
-    def __init__(self, vocab_size: int, seq_len: int = 16, span: int = 16, offset: int = 16, seed: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int, seq_len: int = 16, span: int = 16, offset: int = 16, seed: int = 0
+    ) -> None:
         if offset + span > vocab_size:
-            raise ValueError(f"counting window [{offset}, {offset + span}) does not fit a vocabulary of {vocab_size}")
+            raise ValueError(
+                f"counting window [{offset}, {offset + span}) does not fit a vocabulary of {vocab_size}"
+            )
         self.seq_len, self.span, self.offset, self.seed = seq_len, span, offset, seed
         self._next_step = 0
 

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import torch
 
-from distzo.data.loaders import load_rows
 from distzo.data.encoding import (
     ChoiceTrainData,
     PromptEncoder,
@@ -19,6 +18,7 @@ from distzo.data.encoding import (
     PromptTrainData,
     TextTrainData,
 )
+from distzo.data.loaders import load_rows
 from distzo.data.synthetic import CountingTask
 from distzo.data.templates import TASKS, Example, build_examples, get_task
 from distzo.objectives import OBJECTIVES
@@ -41,9 +41,15 @@ def default_objective(task: str) -> str:
 def check_objective(task: str, objective: str) -> None:
     """A one-line error for an unknown objective or a pairing that makes no sense."""
     if objective not in OBJECTIVES:
-        raise ValueError(f"unknown --objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        raise ValueError(
+            f"unknown --objective {objective!r}; choose one of {', '.join(OBJECTIVES)}"
+        )
     kind = TASKS[task].kind if task in TASKS else "text"
-    allowed = {"text": ("lm",), "classification": ("lm", "classification", "accuracy"), "generation": ("lm", "f1")}[kind]
+    allowed = {
+        "text": ("lm",),
+        "classification": ("lm", "classification", "accuracy"),
+        "generation": ("lm", "f1"),
+    }[kind]
     if objective not in allowed:
         raise ValueError(
             f"--objective {objective} does not apply to --task {task}; choose one of {', '.join(allowed)}"
@@ -77,7 +83,9 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
     """Read and check the files of a file-based task (one-line errors naming file and row)."""
     if task in GENERATED:
         if train_file or eval_file:
-            raise ValueError(f"--task {task} generates its data; --train-file/--eval-file do not apply to it")
+            raise ValueError(
+                f"--task {task} generates its data; --train-file/--eval-file do not apply to it"
+            )
         return None
     if task not in TASK_NAMES:
         raise ValueError(f"unknown --task {task!r}; choose one of {', '.join(TASK_NAMES)}")
@@ -91,7 +99,9 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
         if task in TEXT:
             for number, row in enumerate(rows, 1):
                 if not isinstance(row.get("text"), str):
-                    raise ValueError(f"{source}, row {number}: missing column 'text' (task text needs text)")
+                    raise ValueError(
+                        f"{source}, row {number}: missing column 'text' (task text needs text)"
+                    )
             loaded.append([row["text"] for row in rows])
         else:
             loaded.append(build_examples(get_task(task), rows, source))
@@ -99,7 +109,9 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
 
 
 class CountingData:
-    def __init__(self, vocab_size: int, seq_len: int, eval_size: int, seed: int, eval_batch_size: int) -> None:
+    def __init__(
+        self, vocab_size: int, seq_len: int, eval_size: int, seed: int, eval_batch_size: int
+    ) -> None:
         self.task = CountingTask(vocab_size, seq_len=seq_len, seed=seed)
         self.eval_set = self.task.eval_set(eval_size)
         self.longest = seq_len
@@ -111,11 +123,17 @@ class CountingData:
 
 
 class TextData:
-    def __init__(self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int) -> None:
+    def __init__(
+        self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int
+    ) -> None:
         self.train = TextTrainData(rows.train, encoder, seed)
-        self.eval_set = encoder.collate([(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)])
+        self.eval_set = encoder.collate(
+            [(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)]
+        )
         self.eval_batch_size = eval_batch_size
-        self.longest = max(max(len(ids) for ids, _ in self.train.sequences), self.eval_set["input_ids"].shape[1])
+        self.longest = max(
+            max(len(ids) for ids, _ in self.train.sequences), self.eval_set["input_ids"].shape[1]
+        )
         self.rows_per_example = 1
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
@@ -126,7 +144,12 @@ class PromptData:
     """A prompt task trained with ``objective`` (``lm``, ``classification``, ``accuracy``, ``f1``)."""
 
     def __init__(
-        self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int, max_new_tokens: int = 16,
+        self,
+        rows: LoadedRows,
+        encoder: PromptEncoder,
+        seed: int,
+        eval_batch_size: int,
+        max_new_tokens: int = 16,
         objective: str | None = None,
     ) -> None:
         self.kind = TASKS[rows.task].kind
@@ -134,14 +157,22 @@ class PromptData:
         check_objective(rows.task, self.objective)
         self.train_examples: list[Example] = rows.train
         self.eval_examples: list[Example] = rows.eval
-        self.encoder, self.eval_batch_size, self.max_new_tokens = encoder, eval_batch_size, max_new_tokens
+        self.encoder, self.eval_batch_size, self.max_new_tokens = (
+            encoder,
+            eval_batch_size,
+            max_new_tokens,
+        )
         if self.objective in ("classification", "accuracy"):
             self.train = ChoiceTrainData(rows.train, encoder, seed)
         elif self.objective == "f1":
             self.train = PromptOnlyTrainData(rows.train, encoder, seed, max_new_tokens)
         else:
             self.train = PromptTrainData(rows.train, encoder, seed)
-        lengths = [len(encoder.encode(e.prompt, c)[0]) for e in rows.train + rows.eval for c in e.continuations]
+        lengths = [
+            len(encoder.encode(e.prompt, c)[0])
+            for e in rows.train + rows.eval
+            for c in e.continuations
+        ]
         extra = max_new_tokens if self.kind == "generation" else 0
         self.longest = min(max(lengths) + extra, encoder.max_length)
         choices = self.objective in ("classification", "accuracy")

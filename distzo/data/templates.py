@@ -24,8 +24,9 @@ names as the Hugging Face datasets):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,9 @@ def _label(row: dict[str, Any], count: int) -> int:
     return label
 
 
-def _verbalized(prompt: str, words: tuple[str, ...], row: dict[str, Any], separator: str = "") -> Example:
+def _verbalized(
+    prompt: str, words: tuple[str, ...], row: dict[str, Any], separator: str = ""
+) -> Example:
     return Example(prompt, tuple(separator + w for w in words), _label(row, len(words)))
 
 
@@ -69,24 +72,28 @@ def _sst2(row):
 
 
 def _rte(row):
-    prompt = f"{row['premise']}\nDoes this mean that \"{row['hypothesis']}\" is true? Yes or No?\n"
+    prompt = f'{row["premise"]}\nDoes this mean that "{row["hypothesis"]}" is true? Yes or No?\n'
     return _verbalized(prompt, ("Yes", "No"), row)
 
 
 def _cb(row):
-    prompt = f"Suppose {row['premise']} Can we infer that \"{row['hypothesis']}\"? Yes, No, or Maybe?\n"
+    prompt = (
+        f'Suppose {row["premise"]} Can we infer that "{row["hypothesis"]}"? Yes, No, or Maybe?\n'
+    )
     return _verbalized(prompt, ("Yes", "No", "Maybe"), row)
 
 
 def _boolq(row):
     question = row["question"].strip()
     question = question if question.endswith("?") else question + "?"
-    return _verbalized(f"{row['passage']} {question[0].upper() + question[1:]}", ("No", "Yes"), row, " ")
+    return _verbalized(
+        f"{row['passage']} {question[0].upper() + question[1:]}", ("No", "Yes"), row, " "
+    )
 
 
 def _wic(row):
     prompt = (
-        f"Does the word \"{row['word']}\" have the same meaning in these two sentences? Yes, No?\n"
+        f'Does the word "{row["word"]}" have the same meaning in these two sentences? Yes, No?\n'
         f"{row['sentence1']}\n{row['sentence2']}\n"
     )
     return _verbalized(prompt, ("No", "Yes"), row)
@@ -105,13 +112,17 @@ def _copa(row):
             words[0] = words[0].lower()
         return " ".join(words)
 
-    return _verbalized(premise + conjunctions[row["question"]], (lower_first(row["choice1"]), lower_first(row["choice2"])), row)
+    return _verbalized(
+        premise + conjunctions[row["question"]],
+        (lower_first(row["choice1"]), lower_first(row["choice2"])),
+        row,
+    )
 
 
 def _multirc(row):
     prompt = (
         f"{row['paragraph']}\nQuestion: {row['question']}\n"
-        f"I found this answer \"{row['answer']}\". Is that correct? Yes or No?\n"
+        f'I found this answer "{row["answer"]}". Is that correct? Yes or No?\n'
     )
     return _verbalized(prompt, ("No", "Yes"), row)
 
@@ -123,7 +134,7 @@ def _squad(row):
     if isinstance(answers, str):
         answers = [answers]
     if not answers or not all(isinstance(a, str) for a in answers):
-        raise ValueError("answers must be a non-empty list of strings (or {\"text\": [...]})")
+        raise ValueError('answers must be a non-empty list of strings (or {"text": [...]})')
     prompt = f"Title: {row['title']}\nContext: {row['context']}\nQuestion: {row['question'].strip()}\nAnswer:"
     return Example(prompt, (f" {answers[0]}\n",), 0, tuple(answers))
 
@@ -136,8 +147,16 @@ TASKS: dict[str, Task] = {
         Task("cb", "classification", ("premise", "hypothesis", "label"), _cb, 3),
         Task("boolq", "classification", ("passage", "question", "label"), _boolq, 2),
         Task("wic", "classification", ("word", "sentence1", "sentence2", "label"), _wic, 2),
-        Task("copa", "classification", ("premise", "question", "choice1", "choice2", "label"), _copa, 2),
-        Task("multirc", "classification", ("paragraph", "question", "answer", "label"), _multirc, 2),
+        Task(
+            "copa",
+            "classification",
+            ("premise", "question", "choice1", "choice2", "label"),
+            _copa,
+            2,
+        ),
+        Task(
+            "multirc", "classification", ("paragraph", "question", "answer", "label"), _multirc, 2
+        ),
         Task("squad", "generation", ("title", "context", "question", "answers"), _squad),
     )
 }
@@ -147,7 +166,9 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown --task {name!r}; choose one of counting, text, {', '.join(TASKS)}") from None
+        raise ValueError(
+            f"unknown --task {name!r}; choose one of counting, text, {', '.join(TASKS)}"
+        ) from None
 
 
 def build_examples(task: Task, rows: list[dict[str, Any]], source: str) -> list[Example]:

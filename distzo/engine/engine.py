@@ -21,14 +21,16 @@ import functools
 import itertools
 import logging
 import secrets
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from torch.utils._pytree import tree_leaves
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
+from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.models import ModelFamily, family_for
@@ -36,12 +38,19 @@ from distzo.models.batched_linear import make_pass_batched
 from distzo.models.prefix import BlockPrefix
 from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
-from distzo.offload import BlockScheduler, BucketLayout, ResidentBlocks, Shard, StreamedBlocks, Streams, bind
+from distzo.offload import (
+    BlockScheduler,
+    BucketLayout,
+    ResidentBlocks,
+    Shard,
+    StreamedBlocks,
+    Streams,
+    bind,
+)
 from distzo.offload.bucket import Entry
+from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.offload.streamed_blocks import ROUNDING_STREAM
-from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
-from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
 from distzo.zo import (
     NoiseSource,
     Pass,
@@ -108,8 +117,11 @@ class PendingUpdate:
     def terms(self) -> list[tuple[int, int, float]]:
         """``(step, query, coefficient of z)`` of every noise draw the update adds, over lr."""
         steps = [(self.step, self.projected_grads), *self.history]
-        return [(step, query, -(self.beta1 ** k) * g / len(grads))
-                for k, (step, grads) in enumerate(steps) for query, g in enumerate(grads)]
+        return [
+            (step, query, -(self.beta1**k) * g / len(grads))
+            for k, (step, grads) in enumerate(steps)
+            for query, g in enumerate(grads)
+        ]
 
 
 def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
@@ -126,7 +138,9 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
 
 
-def _bucket_values(layout: BucketLayout, ordered: list[nn.Parameter], weights: WeightSource | None) -> torch.Tensor:
+def _bucket_values(
+    layout: BucketLayout, ordered: list[nn.Parameter], weights: WeightSource | None
+) -> torch.Tensor:
     """One bucket's initial values on the host: the parameters' own, or the source's."""
     if weights is not None:
         return _bucket_range(layout, weights, 0, layout.numel)
@@ -166,7 +180,9 @@ def bucket_layouts(
     in_blocks = {id(p) for ps in block_params for p in ps}
     resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks and keep(p)]
     empty = dtype if select is not None else None
-    built = [BucketLayout.build([(names[id(p)], p) for p in ps if keep(p)], empty) for ps in block_params]
+    built = [
+        BucketLayout.build([(names[id(p)], p) for p in ps if keep(p)], empty) for ps in block_params
+    ]
     return built, BucketLayout.build([(names[id(p)], p) for p in resident_params], empty)
 
 
@@ -184,7 +200,11 @@ def split_layouts(model: nn.Module, blocks: list[nn.Module]):
     ``bucket_layouts`` returns them. Read before the engine freezes every parameter."""
     select = trainable_selector(model)
     trained = bucket_layouts(model, blocks, select)
-    frozen = bucket_layouts(model, blocks, functools.partial(_not, select)) if select is not None else None
+    frozen = (
+        bucket_layouts(model, blocks, functools.partial(_not, select))
+        if select is not None
+        else None
+    )
     return trained, frozen
 
 
@@ -203,7 +223,9 @@ def _bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int)
     for e in layout.entries:
         a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
         if a < b:
-            out[a - lo : b - lo] = weights.tensor_range(e.names, e.shape, layout.dtype, a - e.offset, b - e.offset)
+            out[a - lo : b - lo] = weights.tensor_range(
+                e.names, e.shape, layout.dtype, a - e.offset, b - e.offset
+            )
     return out
 
 
@@ -266,8 +288,12 @@ class ZOEngine:
         self.run_seed = int(run_seed)
         self.step_index = 0
         self.pending: PendingUpdate | None = None
-        self._backlog: list[PendingUpdate] = []  # logged steps to apply before the pending one (catch_up)
-        self.recent_steps: tuple[tuple[int, tuple[float, ...]], ...] = ()  # momentum: (step, g) newest first
+        self._backlog: list[
+            PendingUpdate
+        ] = []  # logged steps to apply before the pending one (catch_up)
+        self.recent_steps: tuple[
+            tuple[int, tuple[float, ...]], ...
+        ] = ()  # momentum: (step, g) newest first
         self._broken: str | None = None
 
         # ZO takes two forward passes of one function: dropout would make them two functions.
@@ -276,10 +302,16 @@ class ZOEngine:
         if not self.blocks:
             raise ValueError("the model has no transformer blocks to stream")
         # Prefix tuning: every block carries its own prefix, trained with the block.
-        self.prefixes = install_block_prefixes(self.peft_model, self.blocks) if is_prefix_tuned(self.peft_model) else []
+        self.prefixes = (
+            install_block_prefixes(self.peft_model, self.blocks)
+            if is_prefix_tuned(self.peft_model)
+            else []
+        )
         # The trainable buckets: every parameter, or an adapter's. A frozen base (adapter
         # runs) gets buckets of its own that are only ever read.
-        (built, (self.resident_layout, resident_ordered)), frozen = split_layouts(model, self.blocks)
+        (built, (self.resident_layout, resident_ordered)), frozen = split_layouts(
+            model, self.blocks
+        )
         model.requires_grad_(False)
         self.block_layouts = [layout for layout, _ in built]
         self.frozen_base = frozen is not None
@@ -287,13 +319,19 @@ class ZOEngine:
             base_built, (self.resident_base_layout, base_ordered) = frozen
             self.base_layouts = [layout for layout, _ in base_built]
             if not any(layout.numel for layout in [self.resident_layout, *self.block_layouts]):
-                raise ValueError("the adapter has no trainable parameters; check its target modules")
+                raise ValueError(
+                    "the adapter has no trainable parameters; check its target modules"
+                )
         else:
             base_built, self.base_layouts, self.resident_base_layout = [], [], None
         dtype = self.resident_layout.dtype  # the masters' dtype
         if any(layout.dtype != dtype for layout in [*self.block_layouts, *self.base_layouts]):
-            raise ValueError("blocks and resident modules must share one dtype; cast the model first")
-        compute_dtype = dtype if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
+            raise ValueError(
+                "blocks and resident modules must share one dtype; cast the model first"
+            )
+        compute_dtype = (
+            dtype if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
+        )
         self._make_noise(dtype)
 
         # The streamed store holds what crosses the link each step: the whole blocks, or
@@ -305,41 +343,62 @@ class ZOEngine:
             if self.transfer == "sliced":
                 group = self.parallel.shard_group
                 shard = Shard(group.group, group.rank, group.size, self.parallel.comm)
-            low_bit = None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
+            low_bit = (
+                None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
+            )
             streamed = StreamedBlocks(
-                streamed_layouts, self.device, config.num_slots, low_bit, shard, self.rounding_noise,
-                config.transfer_chunks, read_only=self.frozen_base,
+                streamed_layouts,
+                self.device,
+                config.num_slots,
+                low_bit,
+                shard,
+                self.rounding_noise,
+                config.transfer_chunks,
+                read_only=self.frozen_base,
             )
         else:
             streamed = ResidentBlocks(streamed_layouts, self.device)
         self.base_store = streamed if self.frozen_base else None
-        self.store = ResidentBlocks(self.block_layouts, self.device) if self.frozen_base else streamed
+        self.store = (
+            ResidentBlocks(self.block_layouts, self.device) if self.frozen_base else streamed
+        )
         self._fill(self.store, built, weights, sliced=self.state_sliced)
         self._fill(self.base_store, base_built, weights, sliced=self.transfer == "sliced")
-        self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(self.device)
+        self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(
+            self.device
+        )
         self._make_moments(shard)
 
         # One scratch bucket serves every block: blocks compute one after another on one
         # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
         scratch_len = max(l.numel for l in self.block_layouts)
         self.block_scratch = torch.zeros(scratch_len, device=self.device, dtype=compute_dtype)
-        self.resident_scratch = torch.zeros(self.resident_layout.numel, device=self.device, dtype=compute_dtype)
+        self.resident_scratch = torch.zeros(
+            self.resident_layout.numel, device=self.device, dtype=compute_dtype
+        )
         for layout in self.block_layouts:
             bind(model, layout, self.block_scratch)
         bind(model, self.resident_layout, self.resident_scratch)
         if self.frozen_base:
             # The frozen base of each block is copied into its own scratch once per visit,
             # in the compute dtype, and every pass reads it; the resident base never changes.
-            self.base_scratch = torch.zeros(max(l.numel for l in self.base_layouts), device=self.device,
-                                            dtype=compute_dtype)
+            self.base_scratch = torch.zeros(
+                max(l.numel for l in self.base_layouts), device=self.device, dtype=compute_dtype
+            )
             for layout in self.base_layouts:
                 bind(model, layout, self.base_scratch)
-            self.resident_base = _bucket_values(self.resident_base_layout, base_ordered, weights).to(self.device)
-            base_compute = self.resident_base.to(compute_dtype)  # the same tensor when the dtypes agree
+            self.resident_base = _bucket_values(
+                self.resident_base_layout, base_ordered, weights
+            ).to(self.device)
+            base_compute = self.resident_base.to(
+                compute_dtype
+            )  # the same tensor when the dtypes agree
             bind(model, self.resident_base_layout, base_compute)
             self._resident_base_compute = base_compute
         self._setup_batched_passes(model, compute_dtype)
-        self._resident_holds: tuple[int, int, int] | None = None  # (query, sign, step) now in resident_scratch
+        self._resident_holds: tuple[int, int, int] | None = (
+            None  # (query, sign, step) now in resident_scratch
+        )
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
             # The buffers were filled on the default stream; the three streams start after that.
@@ -360,7 +419,9 @@ class ZOEngine:
             len(self.blocks),
             self.streamed_store.num_slots,
             self.num_parameters / 1e6,
-            f" (of {(self.num_parameters + self.num_frozen) / 1e6:.1f} M: a frozen base)" if self.frozen_base else "",
+            f" (of {(self.num_parameters + self.num_frozen) / 1e6:.1f} M: a frozen base)"
+            if self.frozen_base
+            else "",
             self.host_bytes / 1e6,
             config.num_queries,
             "y" if config.num_queries == 1 else "ies",
@@ -379,7 +440,9 @@ class ZOEngine:
             for i, prefix in enumerate(self.prefixes):
                 captured = prefix.take_captured()
                 prefix.init_tokens = None
-                (entry,) = (e for e in self.block_layouts[i].entries if ".prefix_tuning." in e.names[0])
+                (entry,) = (
+                    e for e in self.block_layouts[i].entries if ".prefix_tuning." in e.names[0]
+                )
                 bucket = self.store.device_bucket(i)
                 bucket[entry.offset : entry.offset + entry.numel].copy_(captured.reshape(-1))
 
@@ -407,10 +470,21 @@ class ZOEngine:
             for e in layout.entries:
                 owner, _, attr = e.names[0].rpartition(".")
                 module = model.get_submodule(owner)  # a prefix reads ``stacked`` itself
-                factors.append((module if isinstance(module, BlockPrefix) else make_pass_batched(module, attr), e))
+                factors.append(
+                    (
+                        module
+                        if isinstance(module, BlockPrefix)
+                        else make_pass_batched(module, attr),
+                        e,
+                    )
+                )
             self._batched_factors.append(factors)
-        self.pass_scratch = torch.zeros(largest, max(l.numel for l in self.block_layouts), device=self.device,
-                                        dtype=compute_dtype)
+        self.pass_scratch = torch.zeros(
+            largest,
+            max(l.numel for l in self.block_layouts),
+            device=self.device,
+            dtype=compute_dtype,
+        )
 
     @staticmethod
     def _fill(store, built, weights: WeightSource | None, sliced: bool) -> None:
@@ -427,16 +501,25 @@ class ZOEngine:
         resident bucket and the blocks, in host shards streamed with the blocks when the
         blocks stream (sliced like them), else on the device; none for ZO-SGD."""
         self.moment_rule = MomentRule.of(self.config)
-        self.moment_updater = MomentUpdater(self.moment_rule, self.noise) if self.moment_rule else None
+        self.moment_updater = (
+            MomentUpdater(self.moment_rule, self.noise) if self.moment_rule else None
+        )
         self._carried: CarriedStore | None = None
         names = self.moment_rule.names if self.moment_rule else ()
         resident = [torch.zeros_like(self.resident_master) for _ in names]
         if self.config.mode == "offload" and not self.frozen_base:
             state_dtype = torch.bfloat16 if self.config.state_dtype == "bf16" else None
             blocks = [
-                StreamedBlocks(self.block_layouts, self.device, self.config.num_slots, state_dtype, shard,
-                               self.rounding_noise, self.config.transfer_chunks,
-                               rounding_stream=ROUNDING_STREAM * (2 + k))
+                StreamedBlocks(
+                    self.block_layouts,
+                    self.device,
+                    self.config.num_slots,
+                    state_dtype,
+                    shard,
+                    self.rounding_noise,
+                    self.config.transfer_chunks,
+                    rounding_stream=ROUNDING_STREAM * (2 + k),
+                )
                 for k in range(len(names))
             ]
             if blocks:
@@ -470,7 +553,10 @@ class ZOEngine:
         state apart (``state_device_bytes``)."""
         frozen = 0
         if self.frozen_base:
-            frozen = self.store.device_bytes + self.base_scratch.numel() * self.base_scratch.element_size()
+            frozen = (
+                self.store.device_bytes
+                + self.base_scratch.numel() * self.base_scratch.element_size()
+            )
         return (self.base_store or self.store).device_bytes + frozen
 
     @property
@@ -487,17 +573,29 @@ class ZOEngine:
     @property
     def state_device_bytes(self) -> int:
         """The moments on the device (resident bucket's, blocks' or their slots) and the update's scratch."""
-        return self.moments.device_bytes + (self.moment_updater.device_bytes if self.moment_updater else 0)
+        return self.moments.device_bytes + (
+            self.moment_updater.device_bytes if self.moment_updater else 0
+        )
 
     def _make_noise(self, dtype: torch.dtype) -> None:
         kind = self.config.noise
-        self.noise = NoiseSource(self.run_seed, self.config.noise_chunk, self.device, dtype, kind=kind)
+        self.noise = NoiseSource(
+            self.run_seed, self.config.noise_chunk, self.device, dtype, kind=kind
+        )
         # A separate source (own stream and workspace) for rounding: it runs on the
         # offload stream, concurrently with the compute stream's perturbations. A frozen
         # base is never written back, so it never rounds.
         self.rounding_noise = (
-            NoiseSource(self.run_seed, self.config.noise_chunk, self.device, torch.float32, "uniform", kind=kind)
-            if self.config.rounds_on_host and not self.frozen_base else None
+            NoiseSource(
+                self.run_seed,
+                self.config.noise_chunk,
+                self.device,
+                torch.float32,
+                "uniform",
+                kind=kind,
+            )
+            if self.config.rounds_on_host and not self.frozen_base
+            else None
         )
 
     # ------------------------------------------------------------------ public API
@@ -505,16 +603,22 @@ class ZOEngine:
     @property
     def num_parameters(self) -> int:
         """The parameters a step perturbs and updates (an adapter's alone, under one)."""
-        return self.resident_layout.num_parameters + sum(l.num_parameters for l in self.block_layouts)
+        return self.resident_layout.num_parameters + sum(
+            l.num_parameters for l in self.block_layouts
+        )
 
     @property
     def num_frozen(self) -> int:
         """The parameters of a frozen base (0 without an adapter)."""
         if not self.frozen_base:
             return 0
-        return self.resident_base_layout.num_parameters + sum(l.num_parameters for l in self.base_layouts)
+        return self.resident_base_layout.num_parameters + sum(
+            l.num_parameters for l in self.base_layouts
+        )
 
-    def step(self, batch: Mapping[str, torch.Tensor], num_items: int | None = None, stop: bool = False) -> StepResult:
+    def step(
+        self, batch: Mapping[str, torch.Tensor], num_items: int | None = None, stop: bool = False
+    ) -> StepResult:
         """One ZO-SGD step on ``batch``, in the form the objective reads (for the default
         ``lm``: ``input_ids``, optional ``attention_mask``/``labels``).
 
@@ -526,7 +630,9 @@ class ZOEngine:
         """
         return self._finish_step(*self._queue_step(batch, num_items, stop))
 
-    def _queue_step(self, batch: Mapping[str, torch.Tensor], num_items: int | None, stop: bool = False):
+    def _queue_step(
+        self, batch: Mapping[str, torch.Tensor], num_items: int | None, stop: bool = False
+    ):
         """Everything of a step up to its one host read, queued without reading the device
         (the CUDA tests hold it to that with the sync debug mode set to "error")."""
         t = self.step_index
@@ -538,21 +644,32 @@ class ZOEngine:
         if num_items <= 0:
             raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
         with self._guard(), torch.no_grad():
-            prepared = self.objective.prepare(batch, self.device)  # host work and copies, queued before any kernel
+            prepared = self.objective.prepare(
+                batch, self.device
+            )  # host work and copies, queued before any kernel
             with self.streams.compute_scope():
                 runner = _StepRunner(self, t, self.passes, cfg.grad_accum)
                 losses = self.objective.losses(runner, prepared, self.passes, num_items)
                 vector = loss_contribution(losses, cfg.num_queries)
                 # the stop vote rides on the losses' all-reduce: filled on the device, no copy
-                vector = torch.cat([vector, torch.full((1,), float(stop), dtype=vector.dtype, device=vector.device)])
+                vector = torch.cat(
+                    [
+                        vector,
+                        torch.full((1,), float(stop), dtype=vector.dtype, device=vector.device),
+                    ]
+                )
                 if self.parallel.is_distributed:
                     vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
                 read = self.parallel.comm.read_later(vector)  # queued on the compute stream
         return t, lr, num_tokens, read
 
-    def _finish_step(self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]) -> StepResult:
+    def _finish_step(
+        self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]
+    ) -> StepResult:
         with self._guard():
-            *reduced, votes = read()  # the step's one host sync: waits for the compute stream's losses only
+            *reduced, votes = (
+                read()
+            )  # the step's one host sync: waits for the compute stream's losses only
         cfg = self.config
         grads = projected_gradients(reduced, cfg.eps)
         self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
@@ -560,14 +677,24 @@ class ZOEngine:
         q = cfg.num_queries
         loss_plus, loss_minus = sum(reduced[0::2]) / q, sum(reduced[1::2]) / q
         return StepResult(
-            t, (loss_plus + loss_minus) / 2, loss_plus, loss_minus, sum(grads) / q, lr, num_tokens, grads, votes > 0
+            t,
+            (loss_plus + loss_minus) / 2,
+            loss_plus,
+            loss_minus,
+            sum(grads) / q,
+            lr,
+            num_tokens,
+            grads,
+            votes > 0,
         )
 
     def momentum_update(self, update: PendingUpdate) -> PendingUpdate:
         """The step's update with the recent steps' g as its momentum history (``sgd``: as it is)."""
         if self.config.optimizer != "momentum":
             return update
-        self.recent_steps = ((update.step, update.projected_grads), *self.recent_steps)[: self.config.momentum_window]
+        self.recent_steps = ((update.step, update.projected_grads), *self.recent_steps)[
+            : self.config.momentum_window
+        ]
         return self.with_momentum(update, self.recent_steps)
 
     def with_momentum(self, update: PendingUpdate | None, recent_steps) -> PendingUpdate | None:
@@ -578,18 +705,29 @@ class ZOEngine:
             return update
         recent = tuple(recent_steps)
         history = recent[1:] if recent and recent[0][0] == update.step else recent
-        return PendingUpdate(update.step, update.projected_grads, update.lr,
-                             history[: self.config.momentum_window - 1], self.config.beta1)
+        return PendingUpdate(
+            update.step,
+            update.projected_grads,
+            update.lr,
+            history[: self.config.momentum_window - 1],
+            self.config.beta1,
+        )
 
-    def forward(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of every position (and mean loss, if the batch has labels) at the current,
         unperturbed parameters: the model's own forward, for inspection and tests.
         Evaluation uses ``evaluate``, which reads the head only where it is needed."""
         self._check_batch(batch)
-        host_mask = batch["attention_mask"].cpu() if batch.get("attention_mask") is not None else None
+        host_mask = (
+            batch["attention_mask"].cpu() if batch.get("attention_mask") is not None else None
+        )
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
             input_ids, _, labels = self._prepare(batch)
-            hidden = self._stream_pass((UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask)
+            hidden = self._stream_pass(
+                (UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask
+            )
             self._perturb_resident(UNPERTURBED, self.step_index)
             logits = self.family.logits(hidden[UNPERTURBED])
             loss = self.family.loss(logits, labels, None) if labels is not None else None
@@ -635,8 +773,12 @@ class ZOEngine:
         if not logged:
             return
         first = logged[0][0]
-        if first != self.step_index or [s for s, _, _ in logged] != list(range(first, first + len(logged))):
-            raise ValueError(f"logged steps must run on from step {self.step_index} in order, got {logged[0][0]}..")
+        if first != self.step_index or [s for s, _, _ in logged] != list(
+            range(first, first + len(logged))
+        ):
+            raise ValueError(
+                f"logged steps must run on from step {self.step_index} in order, got {logged[0][0]}.."
+            )
         updates = [self.pending] if self.pending is not None else []
         for step, grads, lr in logged:
             updates.append(self.momentum_update(PendingUpdate(step, grads, lr)))
@@ -668,7 +810,11 @@ class ZOEngine:
         """Each stored moment by torch's name for it, by canonical parameter name (CPU copies)."""
         out = {}
         for k, state_name in enumerate(self.moments.names):
-            values = {entry.names[0]: value for bucket in self._buckets(moment=k) for entry, value in bucket}
+            values = {
+                entry.names[0]: value
+                for bucket in self._buckets(moment=k)
+                for entry, value in bucket
+            }
             out[state_name] = {name: values[name] for name in self.canonical_names}
         return out
 
@@ -679,7 +825,9 @@ class ZOEngine:
         expected = set(self.canonical_names)
         if set(params) != expected:
             missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
-            raise ValueError(f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+            raise ValueError(
+                f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
         moments = state.get("optimizer_state") or {}
         if set(moments) != set(self.moments.names):
             raise ValueError(
@@ -692,9 +840,13 @@ class ZOEngine:
             for k, name in enumerate(self.moments.names):
                 self._load_buckets(moments[name], self.moments.resident[k], self.moments.blocks[k])
         pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
-        self.restore(int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ()))
+        self.restore(
+            int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ())
+        )
 
-    def _load_buckets(self, values: Mapping[str, torch.Tensor], resident: torch.Tensor, store) -> None:
+    def _load_buckets(
+        self, values: Mapping[str, torch.Tensor], resident: torch.Tensor, store
+    ) -> None:
         """Values by canonical name into the resident bucket ``resident`` and the blocks of ``store``."""
         for e in self.resident_layout.entries:
             resident[e.offset : e.offset + e.numel].copy_(values[e.names[0]].reshape(-1))
@@ -711,16 +863,23 @@ class ZOEngine:
         ours = noise_identity(self.config.noise)
         if identity != ours:
             kind = identity_kind(identity)
-            fix = f"set noise {kind}" if drawable(identity) else (
-                "use the distzo version that wrote it")
-            raise ValueError(f"{source} was trained with {identity} noise, the engine draws {ours}; {fix}")
+            fix = (
+                f"set noise {kind}"
+                if drawable(identity)
+                else ("use the distzo version that wrote it")
+            )
+            raise ValueError(
+                f"{source} was trained with {identity} noise, the engine draws {ours}; {fix}"
+            )
         if self.config.noise == "legacy" and chunk != self.config.noise_chunk:
             raise ValueError(
                 f"{source} was trained with noise_chunk {chunk}, the engine has {self.config.noise_chunk}; "
                 "set noise_chunk to match (legacy noise depends on it)"
             )
 
-    def restore(self, step: int, run_seed: int, pending: PendingUpdate | None, recent_steps=()) -> None:
+    def restore(
+        self, step: int, run_seed: int, pending: PendingUpdate | None, recent_steps=()
+    ) -> None:
         """Set the step counter, run seed, pending update and momentum history (``(step, g)``
         of the recent steps, newest first) after the buckets were loaded."""
         self.step_index = step
@@ -770,7 +929,9 @@ class ZOEngine:
         frozen = self._buckets(materialize, frozen=True) if self.frozen_base else iter(())
         # zip_longest drains both, so every rank takes part in every gather of either
         for halves in itertools.zip_longest(trained, frozen, fillvalue=()):
-            values = {name: value for half in halves for entry, value in half for name in entry.names}
+            values = {
+                name: value for half in halves for entry, value in half for name in entry.names
+            }
             if materialize:
                 yield values
 
@@ -816,9 +977,18 @@ class ZOEngine:
                     else:
                         store.upload(index)
                         bucket = store.device_bucket(index)
-                    if materialize:  # copies to pageable host memory: the host waits for this stream
-                        values = [(e, bucket[e.offset : e.offset + e.numel].view(e.shape).to("cpu", copy=True))
-                                  for e in layout.entries]
+                    if (
+                        materialize
+                    ):  # copies to pageable host memory: the host waits for this stream
+                        values = [
+                            (
+                                e,
+                                bucket[e.offset : e.offset + e.numel]
+                                .view(e.shape)
+                                .to("cpu", copy=True),
+                            )
+                            for e in layout.entries
+                        ]
                 yield values  # outside the stream context: the consumer runs on its own stream
         finally:
             self.parallel.comm.host_sync()
@@ -854,14 +1024,21 @@ class ZOEngine:
 
     def _prepare(self, batch: Mapping[str, torch.Tensor]):
         """input_ids, attention_mask and labels (None if absent) on the device."""
+
         def move(t):
             return t.to(self.device, non_blocking=True) if t is not None else None
 
-        return move(batch["input_ids"]), move(batch.get("attention_mask")), move(batch.get("labels"))
+        return (
+            move(batch["input_ids"]),
+            move(batch.get("attention_mask")),
+            move(batch.get("labels")),
+        )
 
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         if "input_ids" not in batch:
-            raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
+            raise ValueError(
+                "a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')"
+            )
         limit = getattr(self.model.config, "max_position_embeddings", None)
         prefix = self.family.prefix_length  # its positions come first
         if limit is not None and batch["input_ids"].shape[-1] + prefix > limit:
@@ -894,23 +1071,43 @@ class ZOEngine:
         key = (query, sign, step) if sign else (0, 0, -1)
         if self._resident_holds != key and self.resident_master.numel():
             self.noise.perturb_into(
-                self.resident_scratch, self.resident_master, sign * self.config.eps, step, RESIDENT_BLOCK_ID, query
+                self.resident_scratch,
+                self.resident_master,
+                sign * self.config.eps,
+                step,
+                RESIDENT_BLOCK_ID,
+                query,
             )
             self._resident_holds = key
 
     def _apply(
-        self, update: PendingUpdate, bucket: torch.Tensor, layout: BucketLayout, block_id: int,
+        self,
+        update: PendingUpdate,
+        bucket: torch.Tensor,
+        layout: BucketLayout,
+        block_id: int,
         moments: list[torch.Tensor],
     ) -> None:
         if not layout.numel:
             return
         wd = self.config.weight_decay
         if self.moment_updater is not None:
-            self.moment_updater.apply(self.noise, bucket, moments, layout.decay_end, update.lr, wd, update.step,
-                                      update.projected_grads, block_id)
+            self.moment_updater.apply(
+                self.noise,
+                bucket,
+                moments,
+                layout.decay_end,
+                update.lr,
+                wd,
+                update.step,
+                update.projected_grads,
+                block_id,
+            )
             return
         terms = [(step, query, update.lr * c) for step, query, c in update.terms()]
-        self.noise.apply_terms(bucket, layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms, block_id)
+        self.noise.apply_terms(
+            bucket, layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms, block_id
+        )
 
     def _stream_pass(
         self,
@@ -940,8 +1137,14 @@ class ZOEngine:
         if updates:
             self._resident_holds = None
         held = self._held_pass(step)
-        order = sorted(passes, key=lambda p: p != held)  # embed the held pass first: one perturbation fewer
-        groups = self.pass_groups_of(tuple(order)) if self.pass_scratch is not None else [(p,) for p in order]
+        order = sorted(
+            passes, key=lambda p: p != held
+        )  # embed the held pass first: one perturbation fewer
+        groups = (
+            self.pass_groups_of(tuple(order))
+            if self.pass_scratch is not None
+            else [(p,) for p in order]
+        )
         # Each pass's hidden states as a list of micro-batches; a batched group's as one
         # list too, each micro-batch holding the group's passes' rows, pass-major.
         hiddens: dict[tuple[Pass, ...], list[torch.Tensor]] = {}
@@ -950,27 +1153,42 @@ class ZOEngine:
 
         def embed() -> None:  # runs once the first uploads are queued
             for update in updates:
-                self._apply(update, self.resident_master, self.resident_layout, RESIDENT_BLOCK_ID, self.moments.resident)
+                self._apply(
+                    update,
+                    self.resident_master,
+                    self.resident_layout,
+                    RESIDENT_BLOCK_ID,
+                    self.moments.resident,
+                )
             if not order:
                 return
             rows, length = input_ids[order[0]].shape
             bounds = micro_batch_bounds(rows, micro_batches)
             dtype = self.block_scratch.dtype
-            for g in {len(group) for group in groups} | {1}:  # masks from the host copy: no device reads
+            for g in {len(group) for group in groups} | {
+                1
+            }:  # masks from the host copy: no device reads
                 contexts[g] = [
                     self.family.context(
                         attention_mask[lo:hi].repeat(g, 1) if attention_mask is not None else None,
-                        (g * (hi - lo), length), self.device, dtype,
+                        (g * (hi - lo), length),
+                        self.device,
+                        dtype,
                     )
                     for lo, hi in bounds
                 ]
             own = {}
             for p in order:
                 self._perturb_resident(p, step)
-                own[p] = [self.family.embed(input_ids[p][lo:hi], ctx) for (lo, hi), ctx in zip(bounds, contexts[1])]
+                own[p] = [
+                    self.family.embed(input_ids[p][lo:hi], ctx)
+                    for (lo, hi), ctx in zip(bounds, contexts[1])
+                ]
             for group in groups:
                 parts = [own.pop(p) for p in group]
-                hiddens[group] = parts[0] if len(group) == 1 else [torch.cat(micro) for micro in zip(*parts)]
+                hiddens[group] = (
+                    parts[0] if len(group) == 1 else [torch.cat(micro) for micro in zip(*parts)]
+                )
 
         def compute(i: int, bucket: torch.Tensor) -> None:
             if self.frozen_base:  # the streamed bucket is the base: one copy serves every pass
@@ -978,23 +1196,35 @@ class ZOEngine:
                 self.base_scratch[:numel].copy_(bucket[:numel])
                 bucket = self.store.device_bucket(i)  # the block's adapter
             for update in updates:
-                self._apply(update, bucket, self.block_layouts[i], i + 1, self.moments.device_buckets(i))
+                self._apply(
+                    update, bucket, self.block_layouts[i], i + 1, self.moments.device_buckets(i)
+                )
             block = self.blocks[i]
             for group in groups:
                 if len(group) == 1:
                     ((query, sign),) = group
                     if bucket.numel():
-                        self.noise.perturb_into(self.block_scratch, bucket, sign * eps, step, i + 1, query)
-                    hiddens[group] = [self.family.block_forward(block, h, ctx)
-                                      for h, ctx in zip(hiddens[group], contexts[1])]
+                        self.noise.perturb_into(
+                            self.block_scratch, bucket, sign * eps, step, i + 1, query
+                        )
+                    hiddens[group] = [
+                        self.family.block_forward(block, h, ctx)
+                        for h, ctx in zip(hiddens[group], contexts[1])
+                    ]
                     continue
                 for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
-                    self.noise.perturb_into(self.pass_scratch[k], bucket, sign * eps, step, i + 1, query)
+                    self.noise.perturb_into(
+                        self.pass_scratch[k], bucket, sign * eps, step, i + 1, query
+                    )
                 factors = self._batched_factors[i]
                 for module, e in factors:
-                    module.stacked = self.pass_scratch[: len(group), e.offset : e.offset + e.numel].unflatten(1, e.shape)
-                hiddens[group] = [self.family.block_forward(block, h, ctx)
-                                  for h, ctx in zip(hiddens[group], contexts[len(group)])]
+                    module.stacked = self.pass_scratch[
+                        : len(group), e.offset : e.offset + e.numel
+                    ].unflatten(1, e.shape)
+                hiddens[group] = [
+                    self.family.block_forward(block, h, ctx)
+                    for h, ctx in zip(hiddens[group], contexts[len(group)])
+                ]
                 for module, _ in factors:
                     module.stacked = None
 
@@ -1035,10 +1265,13 @@ def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], list[tuple[Pass, ...]]]:
+def _pass_grouping(
+    dual: bool, queries: bool
+) -> Callable[[tuple[Pass, ...]], list[tuple[Pass, ...]]]:
     """How a rank's passes are grouped into batched forwards: the two signs of a query
     together (``dual``), one sign of every query together (``queries``), all of them
     (both), or each alone (neither). Groups keep the order of the passes given."""
+
     def key(p: Pass):
         query, sign = p
         return (None if queries else query, None if dual else sign)
@@ -1055,16 +1288,27 @@ def _pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], li
 class _StepRunner:
     """The engine seen by an objective: one step's passes, blocks streamed per call."""
 
-    def __init__(self, engine: ZOEngine, step: int, passes: tuple[Pass, ...], micro_batches: int = 1) -> None:
-        self.engine, self.step, self.passes, self.micro_batches = engine, step, passes, micro_batches
+    def __init__(
+        self, engine: ZOEngine, step: int, passes: tuple[Pass, ...], micro_batches: int = 1
+    ) -> None:
+        self.engine, self.step, self.passes, self.micro_batches = (
+            engine,
+            step,
+            passes,
+            micro_batches,
+        )
         self.device = engine.device
 
     def hidden_states(
         self, input_ids: Mapping[Pass, torch.Tensor], attention_mask: torch.Tensor | None
     ) -> dict[Pass, torch.Tensor]:
         if set(input_ids) != set(self.passes):
-            raise ValueError(f"hidden_states needs token ids for the passes {self.passes}, got {tuple(input_ids)}")
-        return self.engine._stream_pass(self.passes, self.step, input_ids, attention_mask, self.micro_batches)
+            raise ValueError(
+                f"hidden_states needs token ids for the passes {self.passes}, got {tuple(input_ids)}"
+            )
+        return self.engine._stream_pass(
+            self.passes, self.step, input_ids, attention_mask, self.micro_batches
+        )
 
     def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
         self.engine._perturb_resident(p, self.step)

@@ -18,16 +18,16 @@ import copy
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from distzo.adapters.peft_adapters import ADAPTER_NAME, base_name, is_adapter_name, prefix_table
 from distzo.dist.collectives import world_rank
 from distzo.engine.engine import ZOEngine
-from distzo.adapters.peft_adapters import ADAPTER_NAME, base_name, is_adapter_name, prefix_table
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,13 @@ def check_shard_size(size: str) -> None:
     try:
         if size.strip().startswith("-"):
             raise ValueError(size)
-        split_torch_state_dict_into_shards({"probe": torch.empty(1, device="meta")}, max_shard_size=size)
+        split_torch_state_dict_into_shards(
+            {"probe": torch.empty(1, device="meta")}, max_shard_size=size
+        )
     except (ValueError, TypeError):
-        raise ValueError(f"--export-shard-size {size!r} is not a size; write e.g. 5GB or 500MB") from None
+        raise ValueError(
+            f"--export-shard-size {size!r} is not a size; write e.g. 5GB or 500MB"
+        ) from None
 
 
 def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
@@ -67,7 +71,9 @@ def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
     return shapes
 
 
-def shard_plan(engine: ZOEngine, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, merged: bool = False):
+def shard_plan(
+    engine: ZOEngine, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, merged: bool = False
+):
     """Hugging Face's split of the model's tensors into files, from shapes alone."""
     return split_torch_state_dict_into_shards(
         _shapes(engine, merged), filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
@@ -75,7 +81,10 @@ def shard_plan(engine: ZOEngine, max_shard_size: int | str = DEFAULT_MAX_SHARD_S
 
 
 def export_model(
-    engine: ZOEngine, directory: Path, tokenizer=None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    engine: ZOEngine,
+    directory: Path,
+    tokenizer=None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     merge_adapter: bool = False,
 ) -> Path | None:
     """The run's ``export/``: the model in the Hugging Face format, or for an adapter run
@@ -84,7 +93,9 @@ def export_model(
     if engine.peft_model is None:  # a plain model, some of it perhaps frozen: every parameter
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base)
     if merge_adapter and engine.prefixes:
-        raise ValueError("a prefix cannot be merged into the weights; export the peft adapter (merge_adapter=False)")
+        raise ValueError(
+            "a prefix cannot be merged into the weights; export the peft adapter (merge_adapter=False)"
+        )
     if merge_adapter:
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
     return export_adapter(engine, directory, tokenizer)
@@ -112,12 +123,20 @@ def _merged_parameters(engine: ZOEngine, materialize: bool) -> Iterator[tuple[st
 
 
 def _canonical(engine: ZOEngine) -> set[str]:
-    layouts = [engine.resident_layout, *engine.block_layouts, engine.resident_base_layout, *engine.base_layouts]
+    layouts = [
+        engine.resident_layout,
+        *engine.block_layouts,
+        engine.resident_base_layout,
+        *engine.base_layouts,
+    ]
     return {e.names[0] for layout in layouts for e in layout.entries}
 
 
 def export_hf(
-    engine: ZOEngine, directory: Path, tokenizer=None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    engine: ZOEngine,
+    directory: Path,
+    tokenizer=None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     merged: bool = False,
 ) -> Path | None:
     """Write the flushed model to ``directory`` in the Hugging Face format; returns it on
@@ -134,7 +153,9 @@ def export_hf(
         tmp.mkdir(parents=True)
 
     collected: dict[str, dict[str, torch.Tensor]] = {}
-    tensors = _merged_parameters(engine, rank0) if merged else engine.stream_parameters(materialize=rank0)
+    tensors = (
+        _merged_parameters(engine, rank0) if merged else engine.stream_parameters(materialize=rank0)
+    )
     for name, value in tensors:
         file = file_of[name]
         collected.setdefault(file, {})[name] = value
@@ -164,21 +185,37 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
     rank0 = _is_rank0()
     values = dict(engine.stream_parameters(materialize=rank0))
     # A frozen lora_A (lora-fa) is part of the adapter too; it rests with the base.
-    values.update((n, v) for n, v in engine.stream_parameters(materialize=rank0, frozen=True) if is_adapter_name(n))
+    values.update(
+        (n, v)
+        for n, v in engine.stream_parameters(materialize=rank0, frozen=True)
+        if is_adapter_name(n)
+    )
     if not rank0:
         return None
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if engine.prefixes:  # peft reads a prefix from its own table: the blocks' prefixes go back into it
-        names = [next(e.names[0] for e in layout.entries if is_adapter_name(e.names[0])) for layout in engine.block_layouts]
+    if (
+        engine.prefixes
+    ):  # peft reads a prefix from its own table: the blocks' prefixes go back into it
+        names = [
+            next(e.names[0] for e in layout.entries if is_adapter_name(e.names[0]))
+            for layout in engine.block_layouts
+        ]
         table = engine.peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
         table.data = prefix_table([values[n] for n in names]).to(table.dtype)
         state = get_peft_model_state_dict(engine.peft_model, adapter_name=ADAPTER_NAME)
     else:
-        state = get_peft_model_state_dict(engine.peft_model, {"base_model.model." + n: v for n, v in values.items()},
-                                          adapter_name=ADAPTER_NAME)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        state = get_peft_model_state_dict(
+            engine.peft_model,
+            {"base_model.model." + n: v for n, v in values.items()},
+            adapter_name=ADAPTER_NAME,
+        )
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(tmp / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
     engine.peft_model.peft_config[ADAPTER_NAME].save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

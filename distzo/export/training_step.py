@@ -31,8 +31,10 @@ from distzo.zo.gaussian_table import gaussian_table
 
 def step_keys(engine: ZOEngine, step: int) -> torch.Tensor:
     """The Philox keys of every block's adapter draw at ``step``: int64 ``[blocks, 2]``."""
-    return torch.tensor([engine.noise.key(step, i + 1, 0) for i in range(len(engine.block_layouts))],
-                        dtype=torch.int64)
+    return torch.tensor(
+        [engine.noise.key(step, i + 1, 0) for i in range(len(engine.block_layouts))],
+        dtype=torch.int64,
+    )
 
 
 class TrainingStep(nn.Module):
@@ -40,10 +42,18 @@ class TrainingStep(nn.Module):
 
     def __init__(self, engine: ZOEngine) -> None:
         super().__init__()
-        if engine.peft_model is None or engine.resident_layout.numel or engine.config.noise != "gaussian":
-            raise ValueError("the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise")
+        if (
+            engine.peft_model is None
+            or engine.resident_layout.numel
+            or engine.config.noise != "gaussian"
+        ):
+            raise ValueError(
+                "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"
+            )
         if engine.config.num_queries != 1 or engine.parallel.is_distributed:
-            raise ValueError("the exportable step runs one query in one process (P-RGE's on-device step)")
+            raise ValueError(
+                "the exportable step runs one query in one process (P-RGE's on-device step)"
+            )
         self.eps = engine.config.eps
         self.layouts = engine.block_layouts
         values = dict(engine.stream_parameters()) | dict(engine.stream_parameters(frozen=True))
@@ -54,15 +64,24 @@ class TrainingStep(nn.Module):
         with torch.no_grad():
             for name, param in list(model.named_parameters()):
                 owner, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(owner), attr, nn.Parameter(values[name].clone(), requires_grad=False))
+                setattr(
+                    model.get_submodule(owner),
+                    attr,
+                    nn.Parameter(values[name].clone(), requires_grad=False),
+                )
         self.model = model
         for i, layout in enumerate(self.layouts):
             flat = torch.zeros(layout.numel, dtype=layout.dtype)
             for e in layout.entries:
                 flat[e.offset : e.offset + e.numel] = values[e.names[0]].reshape(-1)
             self.register_buffer(f"adapter_{i}", flat)
-        self.factors = [[(make_pass_batched(model.get_submodule(e.names[0].rpartition(".")[0])), e)
-                         for e in layout.entries] for layout in self.layouts]
+        self.factors = [
+            [
+                (make_pass_batched(model.get_submodule(e.names[0].rpartition(".")[0])), e)
+                for e in layout.entries
+            ]
+            for layout in self.layouts
+        ]
         self.register_buffer("table", gaussian_table())
         self.decay_ends = [layout.decay_end for layout in self.layouts]
         self.widest = max(layout.numel for layout in self.layouts)
@@ -77,8 +96,14 @@ class TrainingStep(nn.Module):
         return self.table[bits]
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-        previous_keys: torch.Tensor, update_scale: torch.Tensor, shrink: torch.Tensor, keys: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        previous_keys: torch.Tensor,
+        update_scale: torch.Tensor,
+        shrink: torch.Tensor,
+        keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``update_scale`` = -lr g of the previous step (0 at the first), ``shrink`` = 1 - lr wd."""
         noise = self._noise(torch.cat([previous_keys, keys])).unflatten(0, (2, len(self.layouts)))
@@ -90,7 +115,9 @@ class TrainingStep(nn.Module):
             both = torch.stack([theta + self.eps * z, theta - self.eps * z])
             for module, e in self.factors[i]:
                 module.stacked = both[:, e.offset : e.offset + e.numel].unflatten(1, e.shape)
-        logits = self.model(input_ids=input_ids.repeat(2, 1), attention_mask=attention_mask.repeat(2, 1)).logits
+        logits = self.model(
+            input_ids=input_ids.repeat(2, 1), attention_mask=attention_mask.repeat(2, 1)
+        ).logits
         for factors in self.factors:
             for module, _ in factors:
                 module.stacked = None
@@ -102,17 +129,28 @@ class TrainingStep(nn.Module):
         return halves[0], halves[1]
 
 
-def export_training_step(engine: ZOEngine, batch: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+def export_training_step(
+    engine: ZOEngine, batch: dict[str, torch.Tensor]
+) -> torch.export.ExportedProgram:
     """``torch.export`` of the engine's step for batches shaped like ``batch``."""
     step = TrainingStep(engine).eval()
     keys = step_keys(engine, 0)
     # distinct tensors: inputs that alias while tracing are traced as one
-    args = (batch["input_ids"], batch["attention_mask"], batch["labels"], keys.clone(), torch.tensor(0.0),
-            torch.tensor(1.0), keys.clone())
+    args = (
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["labels"],
+        keys.clone(),
+        torch.tensor(0.0),
+        torch.tensor(1.0),
+        keys.clone(),
+    )
     return torch.export.export(step, args)
 
 
-def save_training_step(engine: ZOEngine, batch: dict[str, torch.Tensor], directory, pte: bool = True) -> list:
+def save_training_step(
+    engine: ZOEngine, batch: dict[str, torch.Tensor], directory, pte: bool = True
+) -> list:
     """Write the exported step into ``directory``: ``step.pt2`` (``torch.export.save``;
     ``torch.export.load`` reads it back without unpickling code) and, where ``executorch``
     is installed, ``step.pte`` for the ExecuTorch runtime. Returns the files written."""
@@ -148,50 +186,90 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
     from distzo.config.cli import fail, program
     from distzo.config.engine_options import ZOConfig
     from distzo.models import model_from_config
     from distzo.models.tiny import tiny_opt_config
-    from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
 
-    p = argparse.ArgumentParser(prog=program("distzo.export.training_step"), description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local path or hub name of the base model (default: the tiny OPT)")
-    p.add_argument("--out", required=True, type=Path, help="folder for step.pt2 (and step.pte), keys.safetensors")
+    p = argparse.ArgumentParser(
+        prog=program("distzo.export.training_step"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local path or hub name of the base model (default: the tiny OPT)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="folder for step.pt2 (and step.pte), keys.safetensors",
+    )
     p.add_argument("--batch", type=int, default=1, help="rows per step (the program's fixed shape)")
     p.add_argument("--seq", type=int, default=64, help="tokens per row (the program's fixed shape)")
-    p.add_argument("--steps", type=int, default=1000, help="steps whose Philox keys keys.safetensors holds")
+    p.add_argument(
+        "--steps", type=int, default=1000, help="steps whose Philox keys keys.safetensors holds"
+    )
     p.add_argument("--seed", type=int, default=0, help="run seed: the adapter's init and every z")
     p.add_argument("--eps", type=float, default=1e-2)
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--lora-targets", default=None, help="comma-separated module names (default: peft's)")
-    p.add_argument("--pte", action=argparse.BooleanOptionalAction, default=True,
-                   help="also write step.pte for the ExecuTorch runtime (where executorch is installed)")
+    p.add_argument(
+        "--lora-targets", default=None, help="comma-separated module names (default: peft's)"
+    )
+    p.add_argument(
+        "--pte",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also write step.pte for the ExecuTorch runtime (where executorch is installed)",
+    )
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         if args.batch < 1 or args.seq < 2 or args.steps < 1:
             raise ValueError("--batch and --steps must be >= 1 and --seq >= 2")
-        spec = AdapterSpec("lora-fa", args.lora_r, args.lora_alpha, 0.0, AdapterSpec.parse_targets(args.lora_targets))
+        spec = AdapterSpec(
+            "lora-fa",
+            args.lora_r,
+            args.lora_alpha,
+            0.0,
+            AdapterSpec.parse_targets(args.lora_targets),
+        )
         spec.validate()
         if args.model:
             try:
                 base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
             except (OSError, ValueError) as err:
-                raise ValueError(f"cannot load --model {args.model!r}: {str(err).splitlines()[0]}") from None
+                raise ValueError(
+                    f"cannot load --model {args.model!r}: {str(err).splitlines()[0]}"
+                ) from None
         else:
             torch.manual_seed(args.seed)
             base = model_from_config(tiny_opt_config(), torch.float32)
         if args.seq > base.config.max_position_embeddings:
-            raise ValueError(f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} positions")
-        engine = ZOEngine(attach_adapter(base, spec, args.seed),
-                          ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps))
+            raise ValueError(
+                f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} positions"
+            )
+        engine = ZOEngine(
+            attach_adapter(base, spec, args.seed),
+            ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps),
+        )
         ids = torch.ones(args.batch, args.seq, dtype=torch.int64)
-        files = save_training_step(engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                            "labels": ids}, args.out, pte=args.pte)
+        files = save_training_step(
+            engine,
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids},
+            args.out,
+            pte=args.pte,
+        )
         keys = torch.stack([step_keys(engine, t) for t in range(args.steps)])
-        save_file({"keys": keys}, str(args.out / "keys.safetensors"), metadata={"eps": str(args.eps)})
+        save_file(
+            {"keys": keys}, str(args.out / "keys.safetensors"), metadata={"eps": str(args.eps)}
+        )
     except (ValueError, OSError) as err:
         return fail(str(err).splitlines()[0])
     for f in [*files, args.out / "keys.safetensors"]:

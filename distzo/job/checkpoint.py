@@ -28,14 +28,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from distzo.config.engine_options import OPTIMIZERS
 from distzo.dist.collectives import host_barrier, new_host_group, world_rank
 from distzo.engine.engine import PendingUpdate, ZOEngine
-from distzo.config.engine_options import OPTIMIZERS
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
 
-CRASH_ENV = "DISTZO_CRASH_IN_SAVE"  # "STEP": exit abruptly right after launching that step's save (tests)
+CRASH_ENV = (
+    "DISTZO_CRASH_IN_SAVE"  # "STEP": exit abruptly right after launching that step's save (tests)
+)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -43,7 +45,11 @@ def latest_checkpoint(directory: Path) -> Path | None:
     """The completed checkpoint with the highest step (``*.tmp`` ones never count)."""
     if not directory.is_dir():
         return None
-    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    steps = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    ]
     return max(steps)[1] if steps else None
 
 
@@ -71,12 +77,17 @@ def _recent_vector(recent: tuple[tuple[int, tuple[float, ...]], ...]) -> torch.T
 def _recent_steps(vector: torch.Tensor) -> tuple[tuple[int, tuple[float, ...]], ...]:
     count, queries, *flat = vector.tolist()
     width = 1 + int(queries)
-    return tuple((int(flat[i * width]), tuple(flat[i * width + 1 : (i + 1) * width])) for i in range(int(count)))
+    return tuple(
+        (int(flat[i * width]), tuple(flat[i * width + 1 : (i + 1) * width]))
+        for i in range(int(count))
+    )
 
 
 def _noise_vector(kind: str) -> torch.Tensor:
     """The noise a checkpoint was drawn with: [kind index, version] (legacy: version 0)."""
-    return torch.tensor([NOISE_KINDS.index(kind), 0 if kind == "legacy" else NOISE_VERSION], dtype=torch.int64)
+    return torch.tensor(
+        [NOISE_KINDS.index(kind), 0 if kind == "legacy" else NOISE_VERSION], dtype=torch.int64
+    )
 
 
 def _noise_identity(vector: torch.Tensor) -> str:
@@ -88,8 +99,10 @@ def _noise_identity(vector: torch.Tensor) -> str:
 def _optimizer_vector(engine: ZOEngine) -> torch.Tensor:
     """[optimizer index, moments stored, beta1, beta2, adam eps]: what a resumed run checks."""
     cfg = engine.config
-    return torch.tensor([OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, cfg.beta1, cfg.beta2, cfg.adam_eps],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, cfg.beta1, cfg.beta2, cfg.adam_eps],
+        dtype=torch.float64,
+    )
 
 
 def _optimizer_of(vector: torch.Tensor) -> tuple[str, int]:
@@ -135,7 +148,11 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
     ``.tmp`` one, and the latest complete checkpoint is always among those kept."""
     if keep <= 0 or not directory.is_dir():
         return []
-    steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    )
     doomed = [p for _, p in steps[: max(len(steps) - keep, 0)]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -173,7 +190,9 @@ class Checkpointer:
 
         state = _meta(engine)
         if rank == 0:
-            with engine.streams.compute_scope():  # the resident bucket was last written on the compute stream
+            with (
+                engine.streams.compute_scope()
+            ):  # the resident bucket was last written on the compute stream
                 state["resident"] = contribution(engine.resident_master, private)
                 for name, moment in zip(engine.moments.names, engine.moments.resident):
                     state[f"{name}/resident"] = contribution(moment, private)
@@ -185,7 +204,10 @@ class Checkpointer:
             # Every node holds the whole model: block i from node i % nodes, spreading the
             # copies over the nodes, and there from member (i // nodes) % n.
             nodes = world // shard.size
-            return i % nodes == engine.parallel.env.node_rank and (i // nodes) % shard.size == shard.rank
+            return (
+                i % nodes == engine.parallel.env.node_rank
+                and (i // nodes) % shard.size == shard.rank
+            )
 
         for i, block in engine.blocks_at_rest(mine, private):
             state[f"block/{i}"] = block
@@ -209,11 +231,16 @@ class Checkpointer:
         if asynchronous:
             # The state is already private copies: DCP's default stager would copy it again.
             future = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self._group, async_stager=PrivateCopies()
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self._group,
+                async_stager=PrivateCopies(),
             )
             self._pending_save = (future, tmp, final)
             if os.environ.get(CRASH_ENV) == str(step):
-                logger.error("crashing during the asynchronous save of step %d (%s)", step, CRASH_ENV)
+                logger.error(
+                    "crashing during the asynchronous save of step %d (%s)", step, CRASH_ENV
+                )
                 os._exit(1)
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
@@ -253,15 +280,23 @@ class Checkpointer:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its
         moments stored or not alike (a checkpoint from before optimizers: ZO-SGD)."""
         if "meta/optimizer" in saved:
-            vector = {"meta/optimizer": torch.zeros(saved["meta/optimizer"].size, dtype=torch.float64)}
+            vector = {
+                "meta/optimizer": torch.zeros(saved["meta/optimizer"].size, dtype=torch.float64)
+            }
             dcp.load(vector, checkpoint_id=str(path), process_group=self._group)
             optimizer, moments = _optimizer_of(vector["meta/optimizer"])
         else:  # written before stored optimizer state: no moments, whichever optimizer
-            optimizer, moments = self.engine.config.optimizer if not self.engine.config.num_moments else "sgd", 0
+            optimizer, moments = (
+                self.engine.config.optimizer if not self.engine.config.num_moments else "sgd",
+                0,
+            )
         cfg = self.engine.config
         if (optimizer, moments) != (cfg.optimizer, cfg.num_moments):
+
             def says(name: str, count: int) -> str:
-                return f"--optimizer {name}" + (" --optimizer-state stored" if name == "momentum" and count else "")
+                return f"--optimizer {name}" + (
+                    " --optimizer-state stored" if name == "momentum" and count else ""
+                )
 
             raise ValueError(
                 f"{path} was trained with {says(optimizer, moments)}, this run has {says(cfg.optimizer, cfg.num_moments)}; "
@@ -277,10 +312,14 @@ class Checkpointer:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         meta["meta/pending"] = torch.zeros(saved["meta/pending"].size, dtype=torch.float64)
         if "meta/recent_steps" in saved:  # a momentum's history (absent before optimizers)
-            meta["meta/recent_steps"] = torch.zeros(saved["meta/recent_steps"].size, dtype=torch.float64)
+            meta["meta/recent_steps"] = torch.zeros(
+                saved["meta/recent_steps"].size, dtype=torch.float64
+            )
         else:
             del meta["meta/recent_steps"]
-        buckets = [("resident", engine.resident_layout)] + [(f"block/{i}", l) for i, l in enumerate(engine.block_layouts)]
+        buckets = [("resident", engine.resident_layout)] + [
+            (f"block/{i}", l) for i, l in enumerate(engine.block_layouts)
+        ]
         for key, layout in buckets:
             if key not in saved or tuple(saved[key].size) != (layout.numel,):
                 raise ValueError(
@@ -297,7 +336,9 @@ class Checkpointer:
         engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path))
         self._load_blocks(path, "block", engine.store)
         for k, name in enumerate(engine.moments.names):
-            resident = {f"{name}/resident": torch.empty_like(engine.moments.resident[k], device="cpu")}
+            resident = {
+                f"{name}/resident": torch.empty_like(engine.moments.resident[k], device="cpu")
+            }
             dcp.load(resident, checkpoint_id=str(path), process_group=self._group)
             engine.moments.resident[k].copy_(resident[f"{name}/resident"])
             self._load_blocks(path, f"{name}/block", engine.moments.blocks[k])

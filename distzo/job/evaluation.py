@@ -20,7 +20,7 @@ evaluation for a task's data.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -45,14 +45,23 @@ from distzo.objectives.generation import prepare_prompts
 from distzo.objectives.lm import prepare_lm
 
 
-def evaluate(engine: ZOEngine, data: CountingData | TextData | PromptData, parallel: ParallelContext) -> dict[str, float]:
+def evaluate(
+    engine: ZOEngine, data: CountingData | TextData | PromptData, parallel: ParallelContext
+) -> dict[str, float]:
     """The evaluation that fits ``data``'s task."""
     if isinstance(data, PromptData):
         if data.kind == "generation":
             return evaluate_generation(
-                engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size, data.max_new_tokens
+                engine,
+                data.eval_examples,
+                data.encoder,
+                parallel,
+                data.eval_batch_size,
+                data.max_new_tokens,
             )
-        return evaluate_choices(engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size)
+        return evaluate_choices(
+            engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size
+        )
     return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size)
 
 
@@ -76,7 +85,9 @@ def _reduce(values: Sequence[torch.Tensor | float], parallel: ParallelContext) -
     return parallel.sum_to_host(list(values))
 
 
-def _hidden(runner: PassRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+def _hidden(
+    runner: PassRunner, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
     return runner.hidden_states({UNPERTURBED: input_ids}, attention_mask)[UNPERTURBED]
 
 
@@ -97,7 +108,9 @@ def evaluate_choices(
     correct = torch.zeros((), dtype=torch.long, device=engine.device)
     for call in range(_calls(len(examples), per_call, parallel)):
         chunk = encodings[call * per_call : (call + 1) * per_call]
-        prepared = prepare_choices(collate_choices(chunk or spare, encoder.pad_id), engine.device, full_head)
+        prepared = prepare_choices(
+            collate_choices(chunk or spare, encoder.pad_id), engine.device, full_head
+        )
 
         def scores(runner: PassRunner) -> torch.Tensor:
             hidden = _hidden(runner, prepared.input_ids, prepared.attention_mask)
@@ -126,8 +139,12 @@ def evaluate_generation(
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
         indices = chunk or [0]
         prompts = [encoder.encode_prompt(examples[i].prompt, max_new_tokens) for i in indices]
-        prepared = prepare_prompts(collate_prompts(prompts, indices, max_new_tokens, encoder.pad_id), engine.device)
-        tokens = engine.evaluate(lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED])
+        prepared = prepare_prompts(
+            collate_prompts(prompts, indices, max_new_tokens, encoder.pad_id), engine.device
+        )
+        tokens = engine.evaluate(
+            lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED]
+        )
         for i, ids in zip(chunk, tokens.tolist()):  # one read per batch
             prediction = answer_text(decode, ids)
             f1 += max(f1_score(prediction, gold) for gold in examples[i].answers)
@@ -158,11 +175,18 @@ def evaluate_lm(
     count = 0
     for call in range(_calls(batch["input_ids"].shape[0], batch_size, parallel)):
         chunk = rows[call * batch_size : (call + 1) * batch_size]
-        shard = {k: v[chunk or rows[:1] or [0]] for k, v in batch.items()}  # a spare call repeats a row
+        shard = {
+            k: v[chunk or rows[:1] or [0]] for k, v in batch.items()
+        }  # a spare call repeats a row
         prepared = prepare_lm(shard, engine.device, full_head)
 
         def sums(runner: PassRunner) -> tuple[torch.Tensor, torch.Tensor]:
-            return lm_sums(runner, prepared, UNPERTURBED, _hidden(runner, prepared.input_ids, prepared.attention_mask))
+            return lm_sums(
+                runner,
+                prepared,
+                UNPERTURBED,
+                _hidden(runner, prepared.input_ids, prepared.attention_mask),
+            )
 
         nll, right = engine.evaluate(sums)
         if chunk:

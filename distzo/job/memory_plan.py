@@ -21,11 +21,11 @@ from torch import nn
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine.engine import split_layouts, unwrap_peft
-from distzo.runtime.host_memory import available_host_bytes
 from distzo.models import family_for
-from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
 from distzo.objectives import HEAD_CHUNK
+from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
+from distzo.runtime.host_memory import available_host_bytes
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
@@ -41,27 +41,50 @@ class MemoryPlan:
     device_blocks: int  # resident-mode block masters, or the K slots (+ staging)
     device_scratch: int  # the block scratch bucket and the noise workspaces
     activations: int  # estimate of the largest transient
-    checkpoint_bytes: int = 0  # host copies a checkpoint save makes on this node (one writer per block)
-    frozen_parameters: int = 0  # a frozen base under an adapter (``parameters`` are the trained ones)
+    checkpoint_bytes: int = (
+        0  # host copies a checkpoint save makes on this node (one writer per block)
+    )
+    frozen_parameters: int = (
+        0  # a frozen base under an adapter (``parameters`` are the trained ones)
+    )
     state_host_bytes: int = 0  # this rank's host shards of a stored optimizer's moments
-    state_device_bytes: int = 0  # the moments on the device (or their slots) and the update's scratch
+    state_device_bytes: int = (
+        0  # the moments on the device (or their slots) and the update's scratch
+    )
 
     @property
     def device_bytes(self) -> int:
         """What the engine allocates (activations excluded)."""
-        return self.device_resident + self.device_blocks + self.device_scratch + self.state_device_bytes
+        return (
+            self.device_resident
+            + self.device_blocks
+            + self.device_scratch
+            + self.state_device_bytes
+        )
 
     def describe(self) -> str:
         return (
             f"{self.parameters / 1e9:.3f} B parameters"
-            + (f" trained on a frozen base of {self.frozen_parameters / 1e9:.3f} B" if self.frozen_parameters else "")
+            + (
+                f" trained on a frozen base of {self.frozen_parameters / 1e9:.3f} B"
+                if self.frozen_parameters
+                else ""
+            )
             + f"; host {self.host_bytes / GB:.2f} GB per rank; "
             f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, blocks/slots "
             f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}"
-            + (f", optimizer state {self.state_device_bytes / GB:.2f}" if self.state_device_bytes else "")
+            + (
+                f", optimizer state {self.state_device_bytes / GB:.2f}"
+                if self.state_device_bytes
+                else ""
+            )
             + ") + activations ~"
             f"{self.activations / GB:.2f} GB"
-            + (f"; optimizer state {self.state_host_bytes / GB:.2f} GB host per rank" if self.state_host_bytes else "")
+            + (
+                f"; optimizer state {self.state_host_bytes / GB:.2f} GB host per rank"
+                if self.state_host_bytes
+                else ""
+            )
             + f"; a checkpoint save +{self.checkpoint_bytes / GB:.2f} GB host per node"
         )
 
@@ -75,8 +98,16 @@ def _width(config, *names: str, default: int = 0) -> int:
 
 
 def plan_memory(
-    model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool, batch: int, seq: int, signs: int,
-    world: int = 1, local_ranks: int = 1, async_save: bool = True,
+    model: nn.Module,
+    config: ZOConfig,
+    shard_size: int,
+    sliced: bool,
+    batch: int,
+    seq: int,
+    signs: int,
+    world: int = 1,
+    local_ranks: int = 1,
+    async_save: bool = True,
 ) -> MemoryPlan:
     """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
 
@@ -99,8 +130,14 @@ def plan_memory(
     else:
         streamed = layouts
     master = resident.dtype.itemsize
-    compute = master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype].itemsize
-    wire = master if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype].itemsize
+    compute = (
+        master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype].itemsize
+    )
+    wire = (
+        master
+        if config.transfer_dtype == "fp32"
+        else TRANSFER_DTYPES[config.transfer_dtype].itemsize
+    )
     owners = shard_size if sliced else 1
     chunks = config.transfer_chunks if owners > 1 else 1
     padded = [round_up(l.numel, owners * chunks * ALIGN_ELEMENTS) for l in streamed]
@@ -108,7 +145,9 @@ def plan_memory(
     device_type = config.torch_device().type
     noise = planned_noise_bytes(config.noise_chunk, master, device_type, config.noise)
     state_wire = 2 if config.state_dtype == "bf16" else master
-    if (wire != master or state_wire != master) and not frozen:  # stochastic rounding's uniforms, float32
+    if (
+        wire != master or state_wire != master
+    ) and not frozen:  # stochastic rounding's uniforms, float32
         noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
     if config.mode == "offload":
         host = sum(padded) // owners * wire
@@ -121,8 +160,16 @@ def plan_memory(
         blocks += sum(l.numel for l in layouts) * master  # the adapter's block buckets
         scratch += max(l.numel for l in streamed) * compute  # the base's copy in the compute dtype
         resident_bytes += resident_base.numel * (master + (compute if compute != master else 0))
-    state_host, state_device = _state_bytes(config, resident.numel, layouts, padded, owners, master, state_wire,
-                                            streams=config.mode == "offload" and not frozen)
+    state_host, state_device = _state_bytes(
+        config,
+        resident.numel,
+        layouts,
+        padded,
+        owners,
+        master,
+        state_wire,
+        streams=config.mode == "offload" and not frozen,
+    )
     cfg = model.config
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
@@ -133,9 +180,13 @@ def plan_memory(
     block_tmp = micro * seq * (4 * hidden + 2 * ffn) * compute + micro * heads * seq * seq * compute
     # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and log-softmax
     logits = min(tokens, HEAD_CHUNK) * vocab * (compute + 2 * 4)
-    live_hiddens = signs * config.num_queries  # one hidden state per pass (all its micro-batches) crosses the blocks
+    live_hiddens = (
+        signs * config.num_queries
+    )  # one hidden state per pass (all its micro-batches) crosses the blocks
     activations = live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
-    at_rest = [l.numel * (wire if config.mode == "offload" and not frozen else master) for l in layouts]
+    at_rest = [
+        l.numel * (wire if config.mode == "offload" and not frozen else master) for l in layouts
+    ]
     sliced = sliced and not frozen  # an adapter's state is whole on every rank
     if sliced:  # each node's shard group writes every (world / n)-th block
         node_blocks = -(-len(layouts) // max(world // shard_size, 1))
@@ -145,11 +196,19 @@ def plan_memory(
     copies_blocks = async_save or sliced or ((config.mode == "resident" or frozen) and on_device)
     moments = config.num_moments
     # a stored optimizer's moments are saved beside the weights, in their at-rest dtype
-    state_rest = [l.numel * (state_wire if config.mode == "offload" and not frozen else master) for l in layouts]
-    checkpoint = (sum(sorted(at_rest, reverse=True)[:node_blocks]) if copies_blocks else 0) + (
-        resident.numel * master if async_save or on_device else 0
-    ) + moments * ((sum(sorted(state_rest, reverse=True)[:node_blocks]) if copies_blocks else 0)
-                   + (resident.numel * master if async_save or on_device else 0))
+    state_rest = [
+        l.numel * (state_wire if config.mode == "offload" and not frozen else master)
+        for l in layouts
+    ]
+    checkpoint = (
+        (sum(sorted(at_rest, reverse=True)[:node_blocks]) if copies_blocks else 0)
+        + (resident.numel * master if async_save or on_device else 0)
+        + moments
+        * (
+            (sum(sorted(state_rest, reverse=True)[:node_blocks]) if copies_blocks else 0)
+            + (resident.numel * master if async_save or on_device else 0)
+        )
+    )
     return MemoryPlan(
         parameters=resident.num_parameters + sum(l.num_parameters for l in layouts),
         host_bytes=host,
@@ -158,14 +217,22 @@ def plan_memory(
         device_scratch=scratch + noise,
         activations=activations,
         checkpoint_bytes=checkpoint,
-        frozen_parameters=(resident_base.num_parameters + sum(l.num_parameters for l in streamed)) if frozen else 0,
+        frozen_parameters=(resident_base.num_parameters + sum(l.num_parameters for l in streamed))
+        if frozen
+        else 0,
         state_host_bytes=state_host,
         state_device_bytes=state_device,
     )
 
 
 def _state_bytes(
-    config: ZOConfig, resident_numel: int, layouts, padded: list[int], owners: int, master: int, state_wire: int,
+    config: ZOConfig,
+    resident_numel: int,
+    layouts,
+    padded: list[int],
+    owners: int,
+    master: int,
+    state_wire: int,
     streams: bool,
 ) -> tuple[int, int]:
     """(host, device) bytes of a stored optimizer's moments, as the engine allocates them:
@@ -177,11 +244,19 @@ def _state_bytes(
         return 0, 0
     if streams:
         host = moments * (sum(padded) // owners) * state_wire
-        blocks = moments * config.num_slots * max(padded) * (master + (state_wire if state_wire != master else 0))
+        blocks = (
+            moments
+            * config.num_slots
+            * max(padded)
+            * (master + (state_wire if state_wire != master else 0))
+        )
     else:
         host, blocks = 0, moments * sum(l.numel for l in layouts) * master
-    scratch = MomentRule.of(config).scratch_pieces * workspace_elements(
-        config.noise_chunk, config.torch_device().type, config.noise) * master
+    scratch = (
+        MomentRule.of(config).scratch_pieces
+        * workspace_elements(config.noise_chunk, config.torch_device().type, config.noise)
+        * master
+    )
     return host, moments * resident_numel * master + blocks + scratch
 
 
@@ -192,11 +267,14 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
         free, _ = torch.cuda.mem_get_info(device)
         need = plan.device_bytes + plan.activations
         if need > free:
-            problems.append(f"{need / GB:.1f} GB of device memory, {free / GB:.1f} GB free on {device}")
+            problems.append(
+                f"{need / GB:.1f} GB of device memory, {free / GB:.1f} GB free on {device}"
+            )
         host_need = (plan.host_bytes + plan.state_host_bytes) * local_ranks + plan.checkpoint_bytes
     else:  # on CPU the "device" buffers are host memory too
-        host_need = (plan.host_bytes + plan.state_host_bytes + plan.device_bytes + plan.activations) * local_ranks \
-            + plan.checkpoint_bytes
+        host_need = (
+            plan.host_bytes + plan.state_host_bytes + plan.device_bytes + plan.activations
+        ) * local_ranks + plan.checkpoint_bytes
     available = available_host_bytes()
     if available is not None and host_need > available:
         problems.append(

@@ -48,7 +48,7 @@ class StopSignals:
             self.received = signal.Signals(signum).name
             logger.warning("%s received: stopping after the step under way", self.received)
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -30,8 +30,10 @@ def check_reporter(kind: str) -> None:
     """Refuse, in one line, a dashboard whose package is not installed."""
     package = _PACKAGES.get(kind)
     if package is not None and importlib.util.find_spec(package) is None:
-        raise ValueError(f"--report-to {kind} needs the {package} package: pip install 'distzo[{kind}]', "
-                         "or drop --report-to")
+        raise ValueError(
+            f"--report-to {kind} needs the {package} package: pip install 'distzo[{kind}]', "
+            "or drop --report-to"
+        )
 
 
 class TensorBoardReporter:
@@ -54,8 +56,14 @@ class WandbReporter:
 
         # One wandb run per run directory: a resumed or restarted run appends to it.
         run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        self.run = wandb.init(project="distzo", name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
-                              config=config)
+        self.run = wandb.init(
+            project="distzo",
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+        )
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)

@@ -19,7 +19,16 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # Header fields a continuing run must share with the log: they change the trajectory.
-TRAJECTORY_FIELDS = ("run_seed", "noise", "noise_chunk", "weight_decay", "dtype", "transfer_dtype", "peft", "optimizer")
+TRAJECTORY_FIELDS = (
+    "run_seed",
+    "noise",
+    "noise_chunk",
+    "weight_decay",
+    "dtype",
+    "transfer_dtype",
+    "peft",
+    "optimizer",
+)
 
 
 class SeedLogWriter:
@@ -64,13 +73,23 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
         except json.JSONDecodeError:
             raise ValueError(f"--log {path}, line {number}: not JSON") from None
     if tail:
-        logger.warning("%s: dropped a torn last line (line %d, no newline)", path, len(complete) + 1)
+        logger.warning(
+            "%s: dropped a torn last line (line %d, no newline)", path, len(complete) + 1
+        )
     if not records or records[0].get("kind") != "header":
-        raise ValueError(f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?")
+        raise ValueError(
+            f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?"
+        )
     header, steps = records[0], records[1:]
     for expected, record in enumerate(steps):
-        if record.get("step") != expected or "lr" not in record or not {"projected_grads", "projected_grad"} & record.keys():
-            raise ValueError(f"--log {path}, line {expected + 2}: expected the record of step {expected}")
+        if (
+            record.get("step") != expected
+            or "lr" not in record
+            or not {"projected_grads", "projected_grad"} & record.keys()
+        ):
+            raise ValueError(
+                f"--log {path}, line {expected + 2}: expected the record of step {expected}"
+            )
     return header, steps
 
 

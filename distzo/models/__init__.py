@@ -2,7 +2,13 @@
 
 from distzo.models.family import BatchContext, ModelFamily
 from distzo.models.opt import OPTFamily
-from distzo.models.registry import family_for, check_supported, load_model, model_from_config, supported_model_types
+from distzo.models.registry import (
+    check_supported,
+    family_for,
+    load_model,
+    model_from_config,
+    supported_model_types,
+)
 
 __all__ = [
     "BatchContext",

@@ -12,14 +12,15 @@ would make the host wait for the GPU before a step could queue its work.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from distzo.runtime.devices import to_device
 from distzo.models.prefix import host_prefix_cache
+from distzo.runtime.devices import to_device
 
 
 @dataclass
@@ -51,7 +52,11 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def context(
-        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+        self,
+        attention_mask: torch.Tensor | None,
+        shape: tuple[int, int],
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> BatchContext:
         """The per-batch tensors of a ``shape`` (rows, length) batch on ``device``, from
         the padding mask on the host (None: every position is real). No device reads."""
@@ -61,7 +66,9 @@ class ModelFamily(ABC):
         """Token ids -> the first block's input."""
 
     @abstractmethod
-    def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+    def block_forward(
+        self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext
+    ) -> torch.Tensor:
         """One layer, called exactly as the model's own forward calls it."""
 
     @abstractmethod
@@ -85,7 +92,9 @@ class ModelFamily(ABC):
             attention_mask = torch.cat([ones, attention_mask], dim=1)
         return length, attention_mask, host_prefix_cache(length, len(self.blocks()))
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
+    def loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None
+    ) -> torch.Tensor:
         """Next-token cross-entropy over labels != -100, as the model's own causal-LM loss.
 
         ``num_items`` turns the sum over label tokens into a mean over the *global*
@@ -100,10 +109,16 @@ class ModelFamily(ABC):
         targets = labels[..., 1:].reshape(-1).to(logits.device)
         if num_items is None:
             return nn.functional.cross_entropy(shifted, targets, ignore_index=-100)
-        return nn.functional.cross_entropy(shifted, targets, ignore_index=-100, reduction="sum") / num_items
+        return (
+            nn.functional.cross_entropy(shifted, targets, ignore_index=-100, reduction="sum")
+            / num_items
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Blockwise forward with the parameters in place: the reference for equivalence tests."""
         dtype = self.model.get_input_embeddings().weight.dtype
@@ -130,8 +145,13 @@ def host_built_mask(
     only shape and dtype; ``past_key_values`` a prefix's length), its result moved to ``device``: None when the builder finds
     the mask unnecessary, a tensor (or a BlockMask) otherwise."""
     stand_in = torch.empty((*shape, 1), dtype=dtype)
-    mask = builder(config=config, inputs_embeds=stand_in, attention_mask=attention_mask, past_key_values=past_key_values,
-                   **kwargs)
+    mask = builder(
+        config=config,
+        inputs_embeds=stand_in,
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        **kwargs,
+    )
     if mask is None:
         return None
     if isinstance(mask, torch.Tensor):

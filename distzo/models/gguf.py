@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 
-def gguf_to_hf(gguf_file: str | Path, directory: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def gguf_to_hf(
+    gguf_file: str | Path, directory: str | Path, dtype: torch.dtype = torch.float32
+) -> Path:
     """Write ``gguf_file`` as ``directory`` (config, one safetensors file, tokenizer); a
     directory already holding the conversion is reused. Written to a temporary folder
     first and renamed, so an interrupted conversion leaves nothing half-written."""
@@ -30,15 +32,21 @@ def gguf_to_hf(gguf_file: str | Path, directory: str | Path, dtype: torch.dtype 
     staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype
+        )
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # stored once, as the model's own save would
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
         if getattr(model.config, "quantization_config", None) is not None:
-            del model.config.quantization_config  # the weights written are plain floats, not GGUF blocks
+            del (
+                model.config.quantization_config
+            )  # the weights written are plain floats, not GGUF blocks
         model.config.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(staging)
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(
+            staging
+        )
         staging.replace(directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

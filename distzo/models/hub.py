@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-METADATA = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # configs, tokenizers, chat templates
+METADATA = [
+    "*.json",
+    "*.txt",
+    "*.model",
+    "*.jinja",
+    "*.tiktoken",
+]  # configs, tokenizers, chat templates
 
 
 def weight_patterns(files: list[str]) -> list[str]:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from distzo.runtime.devices import to_device
 from distzo.models.family import BatchContext, ModelFamily, host_built_mask
+from distzo.runtime.devices import to_device
 
 
 class LlamaFamily(ModelFamily):
@@ -30,7 +30,11 @@ class LlamaFamily(ModelFamily):
         return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
     def context(
-        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+        self,
+        attention_mask: torch.Tensor | None,
+        shape: tuple[int, int],
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> BatchContext:
         # As the model's own forward without a cache: positions 0..L-1 (the family does not
         # shift them for left padding), masks from the model's own builders (on the host),
@@ -39,21 +43,36 @@ class LlamaFamily(ModelFamily):
         # A prefix shifts the positions by its length and widens the masks, as under peft.
         start, attention_mask, past = self.prefixed(attention_mask)
         host_positions = torch.arange(start, start + shape[1]).unsqueeze(0)
-        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        builders = {
+            "full_attention": create_causal_mask,
+            "sliding_attention": create_sliding_window_causal_mask,
+        }
         kinds = {self._layer_type(block) for block in self.blocks()}
         masks = {
-            kind: host_built_mask(builders[kind], self.model.config, attention_mask, shape, device, dtype, past,
-                                  position_ids=host_positions)
+            kind: host_built_mask(
+                builders[kind],
+                self.model.config,
+                attention_mask,
+                shape,
+                device,
+                dtype,
+                past,
+                position_ids=host_positions,
+            )
             for kind in kinds
         }
         position_ids = to_device(host_positions, device)
-        position_embeddings = self._body.rotary_emb(torch.empty(0, dtype=dtype, device=device), position_ids=position_ids)
+        position_embeddings = self._body.rotary_emb(
+            torch.empty(0, dtype=dtype, device=device), position_ids=position_ids
+        )
         return BatchContext(masks, position_ids, {"position_embeddings": position_embeddings})
 
     def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return self._body.embed_tokens(input_ids)
 
-    def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+    def block_forward(
+        self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext
+    ) -> torch.Tensor:
         return block(
             hidden,
             attention_mask=ctx.attention_mask[self._layer_type(block)],

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from distzo.runtime.devices import to_device
 from distzo.models.family import BatchContext, ModelFamily, host_built_mask
+from distzo.runtime.devices import to_device
 
 
 class OPTFamily(ModelFamily):
@@ -21,30 +21,47 @@ class OPTFamily(ModelFamily):
         return list(self._decoder.layers)
 
     def context(
-        self, attention_mask: torch.Tensor | None, shape: tuple[int, int], device: torch.device, dtype: torch.dtype
+        self,
+        attention_mask: torch.Tensor | None,
+        shape: tuple[int, int],
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> BatchContext:
         # Mirrors OPTDecoder.forward without a cache: positions come from the dense mask
         # (so left padding works), while the mask handed to the layers stays None when the
         # batch is unpadded, exactly as the model passes it. A prefix widens the mask (peft)
         # and the positions count it, then drop its own (as the model with a cache).
         start, attention_mask, past = self.prefixed(attention_mask)
-        position_mask = attention_mask if attention_mask is not None else torch.ones(shape[0], start + shape[1], dtype=torch.long)
+        position_mask = (
+            attention_mask
+            if attention_mask is not None
+            else torch.ones(shape[0], start + shape[1], dtype=torch.long)
+        )
         position_ids = (torch.cumsum(position_mask, dim=1) * position_mask - 1).long()[:, start:]
-        causal_mask = host_built_mask(create_causal_mask, self._decoder.config, attention_mask, shape, device, dtype,
-                                      past)
+        causal_mask = host_built_mask(
+            create_causal_mask, self._decoder.config, attention_mask, shape, device, dtype, past
+        )
         return BatchContext(causal_mask, to_device(position_ids, device))
 
     def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         decoder = self._decoder
         inputs_embeds = decoder.embed_tokens(input_ids)
-        pos_embeds = decoder.embed_positions(None, 0, position_ids=ctx.position_ids)  # the ids given: no mask read
+        pos_embeds = decoder.embed_positions(
+            None, 0, position_ids=ctx.position_ids
+        )  # the ids given: no mask read
         if decoder.project_in is not None:
             inputs_embeds = decoder.project_in(inputs_embeds)
         return inputs_embeds + pos_embeds
 
-    def block_forward(self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        return block(hidden, attention_mask=ctx.attention_mask, position_ids=ctx.position_ids,
-                     past_key_values=self.block_cache(block, hidden.shape[0]))
+    def block_forward(
+        self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext
+    ) -> torch.Tensor:
+        return block(
+            hidden,
+            attention_mask=ctx.attention_mask,
+            position_ids=ctx.position_ids,
+            past_key_values=self.block_cache(block, hidden.shape[0]),
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         decoder = self._decoder

@@ -40,14 +40,25 @@ def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
     if name in OPT_SHAPES:
         hidden, depth, heads, ffn = OPT_SHAPES[name]
         return OPTConfig(
-            hidden_size=hidden, num_hidden_layers=layers or depth, num_attention_heads=heads, ffn_dim=ffn,
-            word_embed_proj_dim=hidden if name != "opt-350m" else 512, vocab_size=50272,
-            max_position_embeddings=2048, do_layer_norm_before=name != "opt-350m",
+            hidden_size=hidden,
+            num_hidden_layers=layers or depth,
+            num_attention_heads=heads,
+            ffn_dim=ffn,
+            word_embed_proj_dim=hidden if name != "opt-350m" else 512,
+            vocab_size=50272,
+            max_position_embeddings=2048,
+            do_layer_norm_before=name != "opt-350m",
         )
     if name in OTHER_SHAPES:
         cls, hidden, depth, heads, kv, ffn, vocab, tied = OTHER_SHAPES[name]
         return cls(
-            hidden_size=hidden, num_hidden_layers=layers or depth, num_attention_heads=heads, num_key_value_heads=kv,
-            intermediate_size=ffn, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=4096,
+            hidden_size=hidden,
+            num_hidden_layers=layers or depth,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=ffn,
+            vocab_size=vocab,
+            tie_word_embeddings=tied,
+            max_position_embeddings=4096,
         )
     raise ValueError(f"unknown --model-config {name!r}; choose one of {', '.join(SHAPES)}")

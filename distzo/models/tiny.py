@@ -36,6 +36,8 @@ def byte_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="</s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="</s>", eos_token="</s>", pad_token="<pad>"
+    )
     tokenizer.add_bos_token = True
     return tokenizer

@@ -28,10 +28,17 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 
 class WeightSource(Protocol):
-    def tensor(self, names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def tensor(
+        self, names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor: ...
 
     def tensor_range(
-        self, names: tuple[str, ...], shape: tuple[int, ...], dtype: torch.dtype, start: int, stop: int
+        self,
+        names: tuple[str, ...],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        start: int,
+        stop: int,
     ) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor (a sliced rank's own piece)."""
         ...
@@ -56,12 +63,16 @@ def _pick(names: tuple[str, ...], available) -> str:
     for name in names:
         if name in available:
             return name
-    raise ValueError(f"the checkpoint has no tensor for {names[0]} (nor its aliases {list(names[1:])})")
+    raise ValueError(
+        f"the checkpoint has no tensor for {names[0]} (nor its aliases {list(names[1:])})"
+    )
 
 
 def _check(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects {tuple(shape)}")
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects {tuple(shape)}"
+        )
     return value
 
 
@@ -96,7 +107,9 @@ class SafetensorsWeights:
         with self._open(str(self.directory / self.weight_map[name]), "pt") as handle:
             piece = handle.get_slice(name)
             if tuple(piece.get_shape()) != tuple(shape):
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(piece.get_shape())}, the model expects {tuple(shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(piece.get_shape())}, the model expects {tuple(shape)}"
+                )
             rows = piece[first:last].reshape(-1)
             return rows[start - first * row : stop - first * row].to(dtype=dtype, copy=True)
 
@@ -113,7 +126,9 @@ class TorchBinWeights:
 
     def _shard(self, file: str) -> dict[str, torch.Tensor]:
         if file not in self._shards:
-            self._shards[file] = torch.load(self.directory / file, map_location="cpu", weights_only=True, mmap=True)
+            self._shards[file] = torch.load(
+                self.directory / file, map_location="cpu", weights_only=True, mmap=True
+            )
         return self._shards[file]
 
     def tensor(self, names, shape, dtype):
@@ -143,14 +158,22 @@ class RandomWeights:
         return torch.empty(shape, dtype=dtype).normal_(0.0, self.std, generator=generator)
 
     def tensor_range(self, names, shape, dtype, start, stop):
-        return _flat_range(self.tensor(names, shape, dtype), start, stop)  # drawn whole: the same on every rank
+        return _flat_range(
+            self.tensor(names, shape, dtype), start, stop
+        )  # drawn whole: the same on every rank
 
 
 def open_checkpoint(directory: str | Path) -> WeightSource:
     """The weight source of a local Hugging Face directory (safetensors preferred)."""
     directory = Path(directory)
-    if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+    if (directory / "model.safetensors").exists() or (
+        directory / "model.safetensors.index.json"
+    ).exists():
         return SafetensorsWeights(directory)
-    if (directory / "pytorch_model.bin").exists() or (directory / "pytorch_model.bin.index.json").exists():
+    if (directory / "pytorch_model.bin").exists() or (
+        directory / "pytorch_model.bin.index.json"
+    ).exists():
         return TorchBinWeights(directory)
-    raise ValueError(f"{directory} holds no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
+    raise ValueError(
+        f"{directory} holds no model.safetensors(.index.json) or pytorch_model.bin(.index.json)"
+    )

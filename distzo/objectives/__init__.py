@@ -29,7 +29,25 @@ from distzo.objectives.scoring import HEAD_CHUNK, HeadTargets, picked_log_probs
 OBJECTIVES = ("lm", "classification", "accuracy", "f1")
 
 __all__ = [
-    "CHOICE_KEYS", "HEAD_CHUNK", "OBJECTIVES", "Accuracy", "ChoiceEncoding", "Classification", "F1", "HeadTargets",
-    "LanguageModeling", "Objective", "PassRunner", "answer_text", "candidate_scores", "collate_choices",
-    "collate_prompts", "exact_match", "f1_score", "greedy_decode", "lm_sums", "normalize_answer", "picked_log_probs",
+    "CHOICE_KEYS",
+    "HEAD_CHUNK",
+    "OBJECTIVES",
+    "Accuracy",
+    "ChoiceEncoding",
+    "Classification",
+    "F1",
+    "HeadTargets",
+    "LanguageModeling",
+    "Objective",
+    "PassRunner",
+    "answer_text",
+    "candidate_scores",
+    "collate_choices",
+    "collate_prompts",
+    "exact_match",
+    "f1_score",
+    "greedy_decode",
+    "lm_sums",
+    "normalize_answer",
+    "picked_log_probs",
 ]

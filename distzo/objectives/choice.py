@@ -17,20 +17,27 @@ candidate is a row of its own (prompt + candidate).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
 from distzo.objectives.protocol import PassRunner
-from distzo.runtime.devices import to_device
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
+from distzo.runtime.devices import to_device
 from distzo.zo.estimator import Pass
 
 # input_ids / attention_mask [E, R, L]; per scored token s of example e: score_position
 # [E, S] (flat r * L + t of the position whose logits predict it, -1 = none), score_token,
 # score_candidate (-1 = none); label [E].
-CHOICE_KEYS = ("input_ids", "attention_mask", "score_position", "score_token", "score_candidate", "label")
+CHOICE_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "score_position",
+    "score_token",
+    "score_candidate",
+    "label",
+)
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,14 @@ def collate_choices(encodings: Sequence[ChoiceEncoding], pad_id: int) -> dict[st
         for s, (r, t, tok, c) in enumerate(encoding.scored):
             position[e, s], token[e, s], candidate[e, s] = r * length + t, tok, c
     label = torch.tensor([e.label for e in encodings], dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": mask, "score_position": position, "score_token": token,
-            "score_candidate": candidate, "label": label}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "score_position": position,
+        "score_token": token,
+        "score_candidate": candidate,
+        "label": label,
+    }
 
 
 @dataclass
@@ -89,7 +102,9 @@ def check_choice_batch(batch: Mapping[str, torch.Tensor]) -> None:
         )
 
 
-def prepare_choices(batch: Mapping[str, torch.Tensor], device: torch.device, full_head: bool = False) -> ChoiceBatch:
+def prepare_choices(
+    batch: Mapping[str, torch.Tensor], device: torch.device, full_head: bool = False
+) -> ChoiceBatch:
     check_choice_batch(batch)
     input_ids = batch["input_ids"]
     examples, rows, length = input_ids.shape
@@ -112,10 +127,14 @@ def prepare_choices(batch: Mapping[str, torch.Tensor], device: torch.device, ful
     )
 
 
-def candidate_scores(runner: PassRunner, prepared: ChoiceBatch, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
+def candidate_scores(
+    runner: PassRunner, prepared: ChoiceBatch, p: Pass, hidden: torch.Tensor
+) -> torch.Tensor:
     """[E, C]: each candidate's mean token log-likelihood; -inf where an example has fewer."""
     log_probs, _ = picked_log_probs(runner, p, hidden, prepared.targets)
-    sums = log_probs.new_zeros(prepared.examples * prepared.candidates).index_add_(0, prepared.targets.groups, log_probs)
+    sums = log_probs.new_zeros(prepared.examples * prepared.candidates).index_add_(
+        0, prepared.targets.groups, log_probs
+    )
     scores = (sums / prepared.counts.clamp(min=1)).view(prepared.examples, prepared.candidates)
     return scores.masked_fill(~prepared.present, float("-inf"))
 
@@ -138,9 +157,12 @@ class _ChoiceObjective(ABC):
     def losses(
         self, runner: PassRunner, prepared: ChoiceBatch, passes: tuple[Pass, ...], num_items: int
     ) -> dict[Pass, torch.Tensor]:
-        hiddens = runner.hidden_states({p: prepared.input_ids for p in passes}, prepared.attention_mask)
+        hiddens = runner.hidden_states(
+            {p: prepared.input_ids for p in passes}, prepared.attention_mask
+        )
         return {
-            p: self.from_scores(candidate_scores(runner, prepared, p, hidden), prepared.labels) / num_items
+            p: self.from_scores(candidate_scores(runner, prepared, p, hidden), prepared.labels)
+            / num_items
             for p, hidden in hiddens.items()
         }
 
@@ -166,4 +188,6 @@ class Accuracy(_ChoiceObjective):
     name = "accuracy"
 
     def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return -(scores.argmax(dim=1) == labels).sum().to(torch.float64)  # a count: exact in float64
+        return (
+            -(scores.argmax(dim=1) == labels).sum().to(torch.float64)
+        )  # a count: exact in float64

@@ -11,14 +11,14 @@ device until the caller takes the finished tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import torch
 
-from distzo.runtime.devices import to_device
 from distzo.objectives.metrics import answer_text, f1_score
 from distzo.objectives.protocol import PassRunner
+from distzo.runtime.devices import to_device
 from distzo.zo.estimator import Pass
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "prompt_length", "example")
@@ -38,8 +38,12 @@ def collate_prompts(
     for row, ids in enumerate(prompts):
         input_ids[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
         mask[row, : len(ids) + max_new_tokens] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "prompt_length": torch.tensor(lengths),
-            "example": torch.tensor(list(examples), dtype=torch.long)}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "prompt_length": torch.tensor(lengths),
+        "example": torch.tensor(list(examples), dtype=torch.long),
+    }
 
 
 @dataclass
@@ -72,14 +76,21 @@ def prepare_prompts(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
     )
 
 
-def greedy_decode(runner: PassRunner, prepared: PromptBatch, passes: tuple[Pass, ...]) -> dict[Pass, torch.Tensor]:
+def greedy_decode(
+    runner: PassRunner, prepared: PromptBatch, passes: tuple[Pass, ...]
+) -> dict[Pass, torch.Tensor]:
     """Each pass's ``[rows, T]`` greedy tokens, left on the device."""
     rows = torch.arange(prepared.input_ids.shape[0], device=prepared.input_ids.device)
     ids = {p: prepared.input_ids.clone() for p in passes}
-    out = {p: torch.empty((len(rows), prepared.max_new_tokens), dtype=torch.long, device=rows.device) for p in passes}
+    out = {
+        p: torch.empty((len(rows), prepared.max_new_tokens), dtype=torch.long, device=rows.device)
+        for p in passes
+    }
     for k in range(prepared.max_new_tokens):
         width = prepared.longest_prompt + k  # the columns that can matter at this decoding step
-        hiddens = runner.hidden_states({p: t[:, :width] for p, t in ids.items()}, prepared.attention_mask[:, :width])
+        hiddens = runner.hidden_states(
+            {p: t[:, :width] for p, t in ids.items()}, prepared.attention_mask[:, :width]
+        )
         last = prepared.prompt_length - 1 + k
         for p, hidden in hiddens.items():
             token = runner.head(p, hidden[rows, last]).argmax(-1)
@@ -100,7 +111,9 @@ class F1:
 
     name = "f1"
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], answers: Sequence[Sequence[str]]) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], answers: Sequence[Sequence[str]]
+    ) -> None:
         self.decode, self.answers = decode, answers
 
     def num_items(self, batch: Mapping[str, torch.Tensor]) -> int:
@@ -122,6 +135,10 @@ class F1:
         generated = greedy_decode(runner, prepared, passes)
         host = torch.stack([generated[p] for p in passes]).cpu()  # the metric's one read-back
         return {
-            p: torch.tensor(-self.score(host[i], prepared.examples) / num_items, dtype=torch.float64, device=runner.device)
+            p: torch.tensor(
+                -self.score(host[i], prepared.examples) / num_items,
+                dtype=torch.float64,
+                device=runner.device,
+            )
             for i, p in enumerate(passes)
         }

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
 from distzo.objectives.protocol import PassRunner
-from distzo.runtime.devices import to_device
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
+from distzo.runtime.devices import to_device
 from distzo.zo.estimator import Pass
 
 
@@ -29,19 +29,25 @@ class LMBatch:
     targets: HeadTargets
 
 
-def prepare_lm(batch: Mapping[str, torch.Tensor], device: torch.device, full_head: bool = False) -> LMBatch:
+def prepare_lm(
+    batch: Mapping[str, torch.Tensor], device: torch.device, full_head: bool = False
+) -> LMBatch:
     """Token t+1 of a row is predicted at position t: the head runs at the positions whose
     next label is not -100 (found on the host when the batch is on the host)."""
     input_ids = batch["input_ids"]
     labels = default_labels(batch)
     following = labels[:, 1:].cpu()
     rows, cols = (following != -100).nonzero(as_tuple=True)
-    targets = HeadTargets.build(rows * input_ids.shape[1] + cols, following[rows, cols], None, device, full_head)
+    targets = HeadTargets.build(
+        rows * input_ids.shape[1] + cols, following[rows, cols], None, device, full_head
+    )
     mask = batch.get("attention_mask")
     return LMBatch(to_device(input_ids, device), mask.cpu() if mask is not None else None, targets)
 
 
-def lm_sums(runner: PassRunner, prepared: LMBatch, p: Pass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_sums(
+    runner: PassRunner, prepared: LMBatch, p: Pass, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed negative log-likelihood, number of argmax hits) over the label tokens."""
     log_probs, hits = picked_log_probs(runner, p, hidden, prepared.targets, with_hits=True)
     return -log_probs.sum(), hits.sum()
@@ -65,7 +71,9 @@ class LanguageModeling:
     def losses(
         self, runner: PassRunner, prepared: LMBatch, passes: tuple[Pass, ...], num_items: int
     ) -> dict[Pass, torch.Tensor]:
-        hiddens = runner.hidden_states({p: prepared.input_ids for p in passes}, prepared.attention_mask)
+        hiddens = runner.hidden_states(
+            {p: prepared.input_ids for p in passes}, prepared.attention_mask
+        )
         return {
             p: -picked_log_probs(runner, p, hidden, prepared.targets)[0].sum() / num_items
             for p, hidden in hiddens.items()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import re
 import string
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 def normalize_answer(text: str) -> str:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distzo.runtime.devices import to_device
 from distzo.objectives.protocol import PassRunner
+from distzo.runtime.devices import to_device
 from distzo.zo.estimator import Pass
 
 HEAD_CHUNK = 1024  # positions per head call: bounds the float32 logits at HEAD_CHUNK x vocab
@@ -30,7 +30,9 @@ class HeadTargets:
     tokens: torch.Tensor  # [N] the scored tokens
     groups: torch.Tensor  # [N] a caller's label per entry (a candidate id), permuted alongside
     chunks: list[tuple[int, int, int, int]]  # (p_lo, p_hi, n_lo, n_hi) per head call
-    full_head: bool = False  # the reference: the head on every position, then pick (tests, benchmarks)
+    full_head: bool = (
+        False  # the reference: the head on every position, then pick (tests, benchmarks)
+    )
 
     @classmethod
     def build(
@@ -41,7 +43,7 @@ class HeadTargets:
         device: torch.device,
         full_head: bool = False,
         chunk: int = HEAD_CHUNK,
-    ) -> "HeadTargets":
+    ) -> HeadTargets:
         """From host tensors: entries sorted by position, so each head chunk reads a
         contiguous run of entries (bounds computed here, on the host)."""
         flat_positions, tokens = flat_positions.cpu().long(), tokens.cpu().long()
@@ -57,8 +59,14 @@ class HeadTargets:
             chunks.append((p_lo, p_hi, n_lo, n_hi))
             n_lo = n_hi
 
-        return cls(to_device(positions, device), to_device(entry_head, device), to_device(tokens[order], device),
-                   to_device(groups[order], device), chunks, full_head)
+        return cls(
+            to_device(positions, device),
+            to_device(entry_head, device),
+            to_device(tokens[order], device),
+            to_device(groups[order], device),
+            chunks,
+            full_head,
+        )
 
     @property
     def num_entries(self) -> int:
@@ -77,11 +85,19 @@ def picked_log_probs(
     picked, hits = [], []
     for p_lo, p_hi, n_lo, n_hi in targets.chunks:
         where = targets.positions[p_lo:p_hi]
-        logits = full.index_select(0, where) if targets.full_head else runner.head(p, flat.index_select(0, where))
-        log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        logits = (
+            full.index_select(0, where)
+            if targets.full_head
+            else runner.head(p, flat.index_select(0, where))
+        )
+        log_probs = torch.log_softmax(
+            logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1
+        )
         rows, tokens = targets.entry_head[n_lo:n_hi] - p_lo, targets.tokens[n_lo:n_hi]
         picked.append(log_probs[rows, tokens])
         if with_hits:
             hits.append(logits.argmax(-1)[rows] == tokens)
     empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
-    return (torch.cat(picked) if picked else empty), (torch.cat(hits) if with_hits and hits else None)
+    return (torch.cat(picked) if picked else empty), (
+        torch.cat(hits) if with_hits and hits else None
+    )

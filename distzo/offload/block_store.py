@@ -51,7 +51,9 @@ class ResidentBlocks:
     """Every block's master stays on the device (MeZO); nothing moves."""
 
     def __init__(self, layouts: list[BucketLayout], device: torch.device) -> None:
-        self.masters = [torch.zeros(layout.numel, device=device, dtype=layout.dtype) for layout in layouts]
+        self.masters = [
+            torch.zeros(layout.numel, device=device, dtype=layout.dtype) for layout in layouts
+        ]
         # No slot reuse: every block has its own buffer, so any look-ahead is safe.
         self.num_slots = len(layouts)
         self.step = 0

@@ -7,8 +7,8 @@ take weight decay come first, so the decayed region is the prefix ``[0, decay_en
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -46,8 +46,10 @@ class BucketLayout:
 
     @classmethod
     def build(
-        cls, params: Iterable[tuple[tuple[str, ...], nn.Parameter]], empty_dtype: torch.dtype | None = None
-    ) -> tuple["BucketLayout", list[nn.Parameter]]:
+        cls,
+        params: Iterable[tuple[tuple[str, ...], nn.Parameter]],
+        empty_dtype: torch.dtype | None = None,
+    ) -> tuple[BucketLayout, list[nn.Parameter]]:
         """Lay out ``(aliases, parameter)`` pairs: decayed first, each offset aligned.
 
         Returns the layout and the parameters in layout order (for ``pack``/``bind``).
@@ -61,8 +63,12 @@ class BucketLayout:
             return cls((), 0, 0, empty_dtype), []
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"a bucket holds one dtype, got {sorted(map(str, dtypes))}; cast the model first")
-        ordered = [x for x in params if takes_weight_decay(x[1])] + [x for x in params if not takes_weight_decay(x[1])]
+            raise ValueError(
+                f"a bucket holds one dtype, got {sorted(map(str, dtypes))}; cast the model first"
+            )
+        ordered = [x for x in params if takes_weight_decay(x[1])] + [
+            x for x in params if not takes_weight_decay(x[1])
+        ]
         entries, offset, decay_end = [], 0, 0
         for names, p in ordered:
             entries.append(Entry(tuple(names), tuple(p.shape), offset, p.numel()))

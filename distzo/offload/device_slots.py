@@ -8,9 +8,13 @@ import torch
 class DeviceSlots:
     """Allocated once, sized for the largest block, so the step loop allocates nothing."""
 
-    def __init__(self, num_slots: int, numel: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_slots: int, numel: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
         if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1 (1 = no overlap, least memory), got {num_slots}")
+            raise ValueError(
+                f"num_slots must be >= 1 (1 = no overlap, least memory), got {num_slots}"
+            )
         self.buffers = [torch.empty(numel, device=device, dtype=dtype) for _ in range(num_slots)]
 
     def __len__(self) -> int:

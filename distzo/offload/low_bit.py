@@ -22,7 +22,11 @@ TRANSFER_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp8": torch.float8_e4m3fn,
 }
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16}
 
@@ -82,8 +86,15 @@ def _round_stochastic_bf16_(dst: torch.Tensor, x: torch.Tensor, uniform: torch.T
     dst.copy_(rounded.clamp(-limit, limit))  # exact: the low bits are zero
 
 
-def round_keyed_(dst: torch.Tensor, src: torch.Tensor, noise: "NoiseSource", lo: int, total: int, step: int,
-                 stream: int) -> None:
+def round_keyed_(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    noise: NoiseSource,
+    lo: int,
+    total: int,
+    step: int,
+    stream: int,
+) -> None:
     """Stochastic rounding of bucket elements [lo, lo + n) of a ``total``-element bucket,
     its uniform draws keyed by (step, stream) and each element's place: one fused kernel
     where ``noise`` has one (bf16 on CUDA), else chunk by chunk through ``round_stochastic_``."""

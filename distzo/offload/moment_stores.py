@@ -10,7 +10,7 @@ device beside the masters.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,7 +21,9 @@ class Moments:
     """``names[k]`` (torch's name for the state) of every trained bucket:
     ``resident[k]`` beside the resident bucket, ``blocks[k]`` beside the blocks."""
 
-    def __init__(self, names: Sequence[str], resident: list[torch.Tensor], blocks: list[BlockStore]) -> None:
+    def __init__(
+        self, names: Sequence[str], resident: list[torch.Tensor], blocks: list[BlockStore]
+    ) -> None:
         self.names = tuple(names)
         self.resident = resident
         self.blocks = blocks
@@ -40,7 +42,9 @@ class Moments:
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.nbytes for t in self.resident) + sum(store.device_bytes for store in self.blocks)
+        return sum(t.nbytes for t in self.resident) + sum(
+            store.device_bytes for store in self.blocks
+        )
 
 
 class CarriedStore:
@@ -51,7 +55,9 @@ class CarriedStore:
 
     def __init__(self, weights: BlockStore, moments: Sequence[BlockStore]) -> None:
         if any(m.num_slots != weights.num_slots for m in moments):
-            raise ValueError("moments must have as many device slots as the blocks they travel with")
+            raise ValueError(
+                "moments must have as many device slots as the blocks they travel with"
+            )
         self.weights = weights
         self.moments = list(moments)
         self.carry = True
@@ -78,4 +84,6 @@ class CarriedStore:
     def link_bytes(self, index: int) -> int:
         """Bytes of block ``index`` over the host link each way in a training step, its
         moments included (an evaluation, which leaves them at rest, moves the weights' alone)."""
-        return self.weights.link_bytes(index) + sum(store.link_bytes(index) for store in self.moments)
+        return self.weights.link_bytes(index) + sum(
+            store.link_bytes(index) for store in self.moments
+        )

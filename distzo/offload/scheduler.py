@@ -15,7 +15,7 @@ again once its compute has read it, upload(j) waits compute(j - K).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -50,7 +50,7 @@ class Shard:
     group: dist.ProcessGroup | None
     rank: int
     size: int
-    comm: "Collectives | None" = None
+    comm: Collectives | None = None
 
 
 class StreamedBlocks:
@@ -61,7 +61,7 @@ class StreamedBlocks:
         num_slots: int,
         transfer_dtype: torch.dtype | None = None,
         shard: Shard | None = None,
-        rounding_noise: "NoiseSource | None" = None,
+        rounding_noise: NoiseSource | None = None,
         chunks: int = 1,
         read_only: bool = False,
         rounding_stream: int = ROUNDING_STREAM,
@@ -84,13 +84,19 @@ class StreamedBlocks:
         # Sliced only: a single owner has nothing to overlap its copy with.
         self.chunks = chunks if n > 1 else 1
         # Padded so that every piece has the same length and starts aligned.
-        self.padded = [round_up(layout.numel, n * self.chunks * ALIGN_ELEMENTS) for layout in layouts]
+        self.padded = [
+            round_up(layout.numel, n * self.chunks * ALIGN_ELEMENTS) for layout in layouts
+        ]
         self.slice_len = [p // n for p in self.padded]
 
         pin = device.type == "cuda"
         total = sum(self.slice_len)
         # Pinned at its exact size (the caching allocator behind pin_memory=True rounds up to 2^k).
-        self.host_storage = pinned_zeros(total, self.transfer_dtype) if pin else torch.zeros(total, dtype=self.transfer_dtype)
+        self.host_storage = (
+            pinned_zeros(total, self.transfer_dtype)
+            if pin
+            else torch.zeros(total, dtype=self.transfer_dtype)
+        )
         self.host_pinned = pin
         self.host_slices: list[torch.Tensor] = []
         offset = 0
@@ -100,7 +106,9 @@ class StreamedBlocks:
 
         biggest = max(self.padded)
         self.slots = DeviceSlots(num_slots, biggest, device, master_dtype)
-        self.staging = DeviceSlots(num_slots, biggest, device, self.transfer_dtype) if self.low_bit else None
+        self.staging = (
+            DeviceSlots(num_slots, biggest, device, self.transfer_dtype) if self.low_bit else None
+        )
         self.num_slots = num_slots
         self._non_blocking = pin
 
@@ -132,7 +140,9 @@ class StreamedBlocks:
                 own = wire[s_lo:s_hi].view(torch.uint8)
                 gathers.append(self.shard.comm.all_gather_into(raw, own, self.shard.group))
         for work in gathers:
-            self.shard.comm.wait(work)  # on CUDA: the current (upload) stream waits, the host does not
+            self.shard.comm.wait(
+                work
+            )  # on CUDA: the current (upload) stream waits, the host does not
         if self.low_bit:
             self.slots.for_block(index, self.padded[index]).copy_(wire)
 
@@ -207,7 +217,14 @@ class StreamedBlocks:
         total = self.layouts[index].numel
         stop = min(lo + master.numel(), total)
         if stop > lo:
-            round_keyed_(wire[: stop - lo], master[: stop - lo], self.rounding_noise, lo, total, self.step,
-                         self.rounding_stream + index)
+            round_keyed_(
+                wire[: stop - lo],
+                master[: stop - lo],
+                self.rounding_noise,
+                lo,
+                total,
+                self.step,
+                self.rounding_stream + index,
+            )
         if stop < lo + master.numel():  # the padding tail: zeros
             round_nearest_(wire[max(stop - lo, 0) :], master[max(stop - lo, 0) :])

@@ -8,7 +8,7 @@ in order on the calling thread, so the same code is tested without a GPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -33,10 +33,18 @@ class Timeline:
     _marks: list = field(default_factory=list)
 
     def start(self, phase: str):
-        return self.streams.record(phase, timing=True) if self.streams.is_async else time.perf_counter()
+        return (
+            self.streams.record(phase, timing=True)
+            if self.streams.is_async
+            else time.perf_counter()
+        )
 
     def end(self, phase: str, block: int, start) -> None:
-        stop = self.streams.record(phase, timing=True) if self.streams.is_async else time.perf_counter()
+        stop = (
+            self.streams.record(phase, timing=True)
+            if self.streams.is_async
+            else time.perf_counter()
+        )
         self._marks.append((phase, block, start, stop))
 
     def clear(self) -> None:
@@ -49,7 +57,10 @@ class Timeline:
         if self.streams.is_async:
             torch.cuda.synchronize(self.streams.device)
             origin = self._marks[0][2]  # any event serves as origin; elapsed times may be negative
-            out = [Span(p, b, origin.elapsed_time(s), origin.elapsed_time(e)) for p, b, s, e in self._marks]
+            out = [
+                Span(p, b, origin.elapsed_time(s), origin.elapsed_time(e))
+                for p, b, s, e in self._marks
+            ]
         else:
             out = [Span(p, b, s * 1e3, e * 1e3) for p, b, s, e in self._marks]
         first = min(s.start_ms for s in out)

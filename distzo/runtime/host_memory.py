@@ -5,7 +5,6 @@ from __future__ import annotations
 import resource
 
 
-
 def _proc_kib(path: str, field: str) -> int | None:
     """A ``field: N kB`` line of a /proc file, in bytes; None where there is none."""
     try:

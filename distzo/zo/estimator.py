@@ -28,7 +28,9 @@ def loss_contribution(losses: dict[Pass, torch.Tensor], num_queries: int = 1) ->
     """
     first = next(iter(losses.values()))
     zero = torch.zeros((), device=first.device, dtype=torch.float64)
-    return torch.stack([losses[p].to(torch.float64) if p in losses else zero for p in passes(num_queries, (1, -1))])
+    return torch.stack(
+        [losses[p].to(torch.float64) if p in losses else zero for p in passes(num_queries, (1, -1))]
+    )
 
 
 def projected_gradient(loss_plus: float, loss_minus: float, eps: float) -> float:
@@ -38,4 +40,6 @@ def projected_gradient(loss_plus: float, loss_minus: float, eps: float) -> float
 
 def projected_gradients(losses: list[float], eps: float) -> tuple[float, ...]:
     """One g per query from the reduced ``[L+_0, L-_0, L+_1, L-_1, ...]``."""
-    return tuple(projected_gradient(losses[i], losses[i + 1], eps) for i in range(0, len(losses), 2))
+    return tuple(
+        projected_gradient(losses[i], losses[i + 1], eps) for i in range(0, len(losses), 2)
+    )

@@ -24,7 +24,13 @@ def _library() -> ctypes.CDLL | None:
         return None
     library = ctypes.CDLL(spec.origin)
     library.distzo_philox_fill.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_uint32,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_void_p,
     ]
     library.distzo_philox_fill.restype = None
     return library
@@ -34,9 +40,13 @@ def available() -> bool:
     return _library() is not None
 
 
-def fill(out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor | None) -> None:
+def fill(
+    out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor | None
+) -> None:
     """``out`` (contiguous float32 on the CPU) <- the draws of elements [start, start + len)."""
     if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError("the C noise kernel fills contiguous float32 CPU tensors")
     table_pointer = table.data_ptr() if table is not None else None
-    _library().distzo_philox_fill(out.data_ptr(), start, out.numel(), key[0], key[1], KINDS[kind], table_pointer)
+    _library().distzo_philox_fill(
+        out.data_ptr(), start, out.numel(), key[0], key[1], KINDS[kind], table_pointer
+    )

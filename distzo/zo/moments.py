@@ -17,8 +17,9 @@ with it), so the update needs no more than the bucket's own chunk of each.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,7 +41,7 @@ class MomentRule:
     eps: float = 1e-8
 
     @classmethod
-    def of(cls, config: "ZOConfig") -> "MomentRule | None":
+    def of(cls, config: ZOConfig) -> MomentRule | None:
         """The config's rule, or None when it stores no moments (ZO-SGD, recomputed momentum)."""
         if not config.stored_state:
             return None
@@ -66,9 +67,11 @@ class MomentUpdater:
     ``noise`` sizes the scratch; each ``apply`` draws from the source it is given (the
     engine's own, which a restore replaces)."""
 
-    def __init__(self, rule: MomentRule, noise: "NoiseSource") -> None:
+    def __init__(self, rule: MomentRule, noise: NoiseSource) -> None:
         self.rule = rule
-        self._scratch = torch.empty(rule.scratch_pieces, noise.piece, device=noise.device, dtype=noise.dtype)
+        self._scratch = torch.empty(
+            rule.scratch_pieces, noise.piece, device=noise.device, dtype=noise.dtype
+        )
 
     @property
     def device_bytes(self) -> int:
@@ -76,7 +79,7 @@ class MomentUpdater:
 
     def apply(
         self,
-        noise: "NoiseSource",
+        noise: NoiseSource,
         theta: torch.Tensor,
         moments: Sequence[torch.Tensor],
         decay_end: int,

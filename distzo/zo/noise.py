@@ -21,7 +21,7 @@ kind and version, and a mismatch is refused.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -69,7 +69,9 @@ def planned_noise_bytes(chunk: int, itemsize: int, device_type: str, kind: str) 
     if kind == "legacy":
         return chunk * itemsize
     elements = workspace_elements(chunk, device_type, kind)
-    staging = elements * 4 if device_type == "cpu" and fast_noise.available() and itemsize != 4 else 0
+    staging = (
+        elements * 4 if device_type == "cpu" and fast_noise.available() and itemsize != 4 else 0
+    )
     return elements * itemsize + staging + TABLE_BYTES
 
 
@@ -89,7 +91,12 @@ class NoiseSource:
     """
 
     def __init__(
-        self, run_seed: int, chunk: int, device: torch.device, dtype: torch.dtype, distribution: str = "normal",
+        self,
+        run_seed: int,
+        chunk: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        distribution: str = "normal",
         kind: str = "gaussian",
     ) -> None:
         if distribution not in ("normal", "uniform"):
@@ -104,7 +111,9 @@ class NoiseSource:
         self.dtype = dtype
         self.distribution = distribution
         self.kind = kind
-        self.piece = workspace_elements(self.chunk, self.device.type, kind)  # elements drawn at a time
+        self.piece = workspace_elements(
+            self.chunk, self.device.type, kind
+        )  # elements drawn at a time
         self._workspace = torch.empty(self.piece, device=self.device, dtype=dtype)
         if kind == "legacy":
             self._generator = torch.Generator(device=self.device)
@@ -200,20 +209,33 @@ class NoiseSource:
         master keeps torch's double-precision arithmetic)."""
         return self._triton and theta.dtype == torch.float32 and theta.is_contiguous()
 
-    def round_bf16_into(self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int) -> bool:
+    def round_bf16_into(
+        self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int
+    ) -> bool:
         """Stochastic rounding of bucket elements [start, start + n) into bfloat16 in one
         fused kernel, where there is one (CUDA with Triton, uniform draws of a portable
         kind, float32 source): True if it ran. Otherwise the caller rounds chunk by chunk
         with ``chunks`` (the same result, bit for bit)."""
-        fused = (self.distribution == "uniform" and self._triton
-                 and dst.dtype == torch.bfloat16 and src.dtype == torch.float32
-                 and dst.is_contiguous() and src.is_contiguous())
+        fused = (
+            self.distribution == "uniform"
+            and self._triton
+            and dst.dtype == torch.bfloat16
+            and src.dtype == torch.float32
+            and dst.is_contiguous()
+            and src.is_contiguous()
+        )
         if fused:
             triton_noise.round_bf16(dst, src, start, self.key(step, block_id))
         return fused
 
     def perturb_into(
-        self, out: torch.Tensor, theta: torch.Tensor, scale: float, step: int, block_id: int, query: int = 0
+        self,
+        out: torch.Tensor,
+        theta: torch.Tensor,
+        scale: float,
+        step: int,
+        block_id: int,
+        query: int = 0,
     ) -> None:
         """out = theta + scale * z_query, out of place, so theta is never perturbed."""
         n = theta.numel()
@@ -221,7 +243,9 @@ class NoiseSource:
             out[:n].copy_(theta)
             return
         if self._fused(theta):
-            triton_noise.perturb(out[:n], theta, scale, self.key(step, block_id, query), self.kind, self._table)
+            triton_noise.perturb(
+                out[:n], theta, scale, self.key(step, block_id, query), self.kind, self._table
+            )
             return
         for lo, hi, z in self.chunks(0, n, n, step, block_id, query):
             torch.add(theta[lo:hi], z, alpha=scale, out=out[lo:hi])
@@ -240,11 +264,20 @@ class NoiseSource:
 
         One g per query (n-SPSA); MeZO's step is the one-query case.
         """
-        terms = [(step, query, -lr * g / len(projected_grads)) for query, g in enumerate(projected_grads)]
-        self.apply_terms(theta, decay_end if weight_decay else 0, 1.0 - lr * weight_decay, terms, block_id)
+        terms = [
+            (step, query, -lr * g / len(projected_grads)) for query, g in enumerate(projected_grads)
+        ]
+        self.apply_terms(
+            theta, decay_end if weight_decay else 0, 1.0 - lr * weight_decay, terms, block_id
+        )
 
     def apply_terms(
-        self, theta: torch.Tensor, decay_end: int, shrink: float, terms: Sequence[tuple[int, int, float]], block_id: int
+        self,
+        theta: torch.Tensor,
+        decay_end: int,
+        shrink: float,
+        terms: Sequence[tuple[int, int, float]],
+        block_id: int,
     ) -> None:
         """theta <- theta * shrink on ``[0, decay_end)``, then + sum alpha * z over the
         ``(step, query, alpha)`` terms (one step's queries, or a momentum's recent steps).
@@ -252,7 +285,9 @@ class NoiseSource:
         the number of terms (on CUDA: one kernel, one pass per term)."""
         if self._fused(theta):
             keys = [self.key(step, block_id, query) for step, query, _ in terms]
-            triton_noise.update(theta, decay_end, shrink, keys, [a for _, _, a in terms], self.kind, self._table)
+            triton_noise.update(
+                theta, decay_end, shrink, keys, [a for _, _, a in terms], self.kind, self._table
+            )
             return
         n, c = theta.numel(), self.piece
         for lo in range(0, n, c):

@@ -41,7 +41,9 @@ STREAM_NOISE, STREAM_ROUNDING = 0, 1  # what a key draws: the perturbation z, or
 
 def noise_key(run_seed: int, step: int, block_id: int, query: int, stream: int) -> tuple[int, int]:
     """The Philox key of one (step, block, query) draw: two 32-bit words."""
-    h = noise_seed(run_seed, step, block_id, stream, query)  # 63 bits, splitmix64-chained coordinates
+    h = noise_seed(
+        run_seed, step, block_id, stream, query
+    )  # 63 bits, splitmix64-chained coordinates
     return h & _MASK32, h >> 32
 
 
@@ -55,13 +57,20 @@ def counters_and_lanes(start: int, stop: int, lanes: int) -> tuple[range, list[t
     return range(start, stop), pairs
 
 
-def philox4x32(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+def philox4x32(
+    counter: tuple[int, int, int, int], key: tuple[int, int]
+) -> tuple[int, int, int, int]:
     """The reference Philox4x32-10 block function on Python integers."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for _ in range(ROUNDS):
         p0, p1 = M0 * c0, M1 * c2
-        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & _MASK32, p1 & _MASK32, ((p0 >> 32) ^ c3 ^ k1) & _MASK32, p0 & _MASK32
+        c0, c1, c2, c3 = (
+            ((p1 >> 32) ^ c1 ^ k0) & _MASK32,
+            p1 & _MASK32,
+            ((p0 >> 32) ^ c3 ^ k1) & _MASK32,
+            p0 & _MASK32,
+        )
         k0, k1 = (k0 + W0) & _MASK32, (k1 + W1) & _MASK32
     return c0, c1, c2, c3
 
@@ -77,7 +86,9 @@ def reference_lanes(key: tuple[int, int], start: int, stop: int, lanes: int) -> 
     """Each element's lane bits, one Philox call per element: the definition (slow)."""
     out = []
     for _, (counter, lane) in zip(*counters_and_lanes(start, stop, lanes)):
-        out.append(lane_bits(philox4x32((counter & _MASK32, counter >> 32, 0, 0), key), lane, lanes))
+        out.append(
+            lane_bits(philox4x32((counter & _MASK32, counter >> 32, 0, 0), key), lane, lanes)
+        )
     return out
 
 
@@ -108,15 +119,21 @@ def torch_philox(c0: torch.Tensor, c1: torch.Tensor, key: tuple[int, int]):
     return c0, c1, c2, c3
 
 
-def torch_lanes(key: tuple, start: int, stop: int, lanes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def torch_lanes(
+    key: tuple, start: int, stop: int, lanes: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Each element's lane bits for elements [start, stop) as an int64 tensor on ``device``
     (whole tiles are computed, then cut to the range). ``key`` is two ints, or two int64
     tensors of one shape ``[*keys, 1]`` (many keys drawn by one set of ops, as an exported
     program wants): the result is then ``[*keys, stop - start]``, one row per key."""
     tile = TILE_BLOCKS * lanes
     first, last = start // tile, (stop + tile - 1) // tile
-    counters = torch.arange(first * TILE_BLOCKS, last * TILE_BLOCKS, dtype=torch.int64, device=device)
-    words = torch.stack(torch.broadcast_tensors(*torch_philox(counters & _MASK32, _shr(counters, 32), key)))
+    counters = torch.arange(
+        first * TILE_BLOCKS, last * TILE_BLOCKS, dtype=torch.int64, device=device
+    )
+    words = torch.stack(
+        torch.broadcast_tensors(*torch_philox(counters & _MASK32, _shr(counters, 32), key))
+    )
     if lanes == LANES16:  # [4, *keys, counters] -> [8, ...]: lane j = word j//2, half j%2
         words = torch.stack((words & 0xFFFF, _shr(words, 16)), dim=1).flatten(0, 1)
     # [lanes, *keys, tiles, 512] -> per tile, lane-major: element order within a tile

@@ -5,7 +5,9 @@ from __future__ import annotations
 SCHEDULES = ("constant", "linear")
 
 
-def learning_rate(base_lr: float, step: int, schedule: str, warmup_steps: int = 0, max_steps: int | None = None) -> float:
+def learning_rate(
+    base_lr: float, step: int, schedule: str, warmup_steps: int = 0, max_steps: int | None = None
+) -> float:
     """The lr of 0-based ``step``: linear warm-up, then constant or linear decay to 0 at ``max_steps``.
 
     A pure function of the step, so a resumed run sees the same lr as an uninterrupted one.
@@ -16,7 +18,9 @@ def learning_rate(base_lr: float, step: int, schedule: str, warmup_steps: int = 
         return base_lr
     if schedule == "linear":
         if max_steps is None:
-            raise ValueError("lr_schedule 'linear' needs max_steps; set max_steps or use lr_schedule 'constant'")
+            raise ValueError(
+                "lr_schedule 'linear' needs max_steps; set max_steps or use lr_schedule 'constant'"
+            )
         span = max(1, max_steps - warmup_steps)
         return base_lr * max(0.0, (max_steps - step) / span)
     raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")

@@ -88,8 +88,9 @@ def fill_kernel(out_ptr, table_ptr, start, n, k0, k1, KIND: tl.constexpr, BLOCKS
 
 
 @triton.jit
-def perturb_kernel(out_ptr, theta_ptr, table_ptr, start, n, k0, k1, scale, KIND: tl.constexpr,
-                   BLOCKS: tl.constexpr):
+def perturb_kernel(
+    out_ptr, theta_ptr, table_ptr, start, n, k0, k1, scale, KIND: tl.constexpr, BLOCKS: tl.constexpr
+):
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
@@ -101,8 +102,19 @@ def perturb_kernel(out_ptr, theta_ptr, table_ptr, start, n, k0, k1, scale, KIND:
 
 
 @triton.jit
-def update_kernel(theta_ptr, table_ptr, start, n, k0, k1, alpha, decay_end, shrink, KIND: tl.constexpr,
-                  BLOCKS: tl.constexpr):
+def update_kernel(
+    theta_ptr,
+    table_ptr,
+    start,
+    n,
+    k0,
+    k1,
+    alpha,
+    decay_end,
+    shrink,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     """theta <- theta * shrink on [0, decay_end), then + alpha * z: one read, one write.
     A step's queries are one launch each, the decay riding on the first (decay_end 0 after)."""
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)

@@ -45,8 +45,12 @@ def available() -> bool:
 def _kernels():
     from distzo.zo import triton_kernels
 
-    return {"fill": triton_kernels.fill_kernel, "perturb": triton_kernels.perturb_kernel,
-            "update": triton_kernels.update_kernel, "round_bf16": triton_kernels.round_bf16_kernel}
+    return {
+        "fill": triton_kernels.fill_kernel,
+        "perturb": triton_kernels.perturb_kernel,
+        "update": triton_kernels.update_kernel,
+        "round_bf16": triton_kernels.round_bf16_kernel,
+    }
 
 
 KINDS = {"gaussian": 0, "rademacher": 1, "uniform": 2}
@@ -60,36 +64,82 @@ def _grid(start: int, n: int, lanes: int) -> tuple[int]:
     return ((start + n + tile - 1) // tile - start // tile,)
 
 
-def fill(out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor) -> None:
+def fill(
+    out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor
+) -> None:
     """out[0:n] <- the draws of elements [start, start + n) (float32, contiguous)."""
     lanes = 4 if kind == "uniform" else 8
     _kernels()["fill"][_grid(start, out.numel(), lanes)](
-        out, table, start, out.numel(), key[0], key[1], KIND=KINDS[kind], BLOCKS=TILE_BLOCKS,
+        out,
+        table,
+        start,
+        out.numel(),
+        key[0],
+        key[1],
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
         **FUSED_MULTIPLY_ADD,
     )
 
 
-def perturb(out: torch.Tensor, theta: torch.Tensor, scale: float, key: tuple[int, int], kind: str, table: torch.Tensor) -> None:
+def perturb(
+    out: torch.Tensor,
+    theta: torch.Tensor,
+    scale: float,
+    key: tuple[int, int],
+    kind: str,
+    table: torch.Tensor,
+) -> None:
     """out[0:n] <- theta[0:n] + scale * z of elements [0, n) (one pass, z never stored)."""
     n = theta.numel()
-    _kernels()["perturb"][_grid(0, n, 8)](out, theta, table, 0, n, key[0], key[1], scale, KIND=KINDS[kind],
-                                           BLOCKS=TILE_BLOCKS, **FUSED_MULTIPLY_ADD)
+    _kernels()["perturb"][_grid(0, n, 8)](
+        out,
+        theta,
+        table,
+        0,
+        n,
+        key[0],
+        key[1],
+        scale,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **FUSED_MULTIPLY_ADD,
+    )
 
 
-def update(theta: torch.Tensor, decay_end: int, shrink: float, keys: list[tuple[int, int]], alphas: list[float],
-           kind: str, table: torch.Tensor) -> None:
+def update(
+    theta: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: list[tuple[int, int]],
+    alphas: list[float],
+    kind: str,
+    table: torch.Tensor,
+) -> None:
     """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch and
     one pass per query (scalars only: nothing is copied to the device for it)."""
     n = theta.numel()
     for query, (key, alpha) in enumerate(zip(keys, alphas)):
-        _kernels()["update"][_grid(0, n, 8)](theta, table, 0, n, key[0], key[1], alpha, decay_end if query == 0 else 0,
-                                              shrink, KIND=KINDS[kind], BLOCKS=TILE_BLOCKS,
-                                              **FUSED_MULTIPLY_ADD)
+        _kernels()["update"][_grid(0, n, 8)](
+            theta,
+            table,
+            0,
+            n,
+            key[0],
+            key[1],
+            alpha,
+            decay_end if query == 0 else 0,
+            shrink,
+            KIND=KINDS[kind],
+            BLOCKS=TILE_BLOCKS,
+            **FUSED_MULTIPLY_ADD,
+        )
 
 
 def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int, int]) -> None:
     """dst[0:n] (bfloat16) <- src[0:n] (float32) rounded stochastically with the uniforms of
     bucket elements [start, start + n): one read of src, one write of dst."""
     n = src.numel()
-    _kernels()["round_bf16"][_grid(start, n, 4)](dst, src, start, n, key[0], key[1], BLOCKS=TILE_BLOCKS,
-                                        **FUSED_MULTIPLY_ADD)
+    _kernels()["round_bf16"][_grid(start, n, 4)](
+        dst, src, start, n, key[0], key[1], BLOCKS=TILE_BLOCKS, **FUSED_MULTIPLY_ADD
+    )

@@ -1,6 +1,7 @@
 """GPU behaviour: run with `python -m pytest -m cuda` on a CUDA machine (skipped without one)."""
 
 import gc
+
 import pytest
 import torch
 
@@ -13,9 +14,13 @@ pytestmark = pytest.mark.cuda
 
 def trajectory(mode, steps=10):
     model = tiny_opt(seed=0, num_hidden_layers=4, word_embed_proj_dim=16)
-    engine = ZOEngine(model, ZOConfig(mode=mode, device="cuda", lr=1e-3, eps=1e-3, weight_decay=0.1, seed=3))
+    engine = ZOEngine(
+        model, ZOConfig(mode=mode, device="cuda", lr=1e-3, eps=1e-3, weight_decay=0.1, seed=3)
+    )
     results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(steps)]
-    return [(r.loss_plus, r.loss_minus, r.projected_grad) for r in results], engine.named_parameters()
+    return [
+        (r.loss_plus, r.loss_minus, r.projected_grad) for r in results
+    ], engine.named_parameters()
 
 
 def test_offload_equals_resident_on_gpu():
@@ -34,7 +39,9 @@ def test_host_buckets_are_pinned_and_masters_live_on_the_host():
 
 
 def test_steady_state_step_allocates_no_new_device_memory():
-    model = tiny_opt(seed=0, num_hidden_layers=4, hidden_size=128, ffn_dim=512, word_embed_proj_dim=128)
+    model = tiny_opt(
+        seed=0, num_hidden_layers=4, hidden_size=128, ffn_dim=512, word_embed_proj_dim=128
+    )
     engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=2, seed=0))
     batch = random_batch(64, batch=8, seq=32, seed=0)
     for _ in range(2):  # the first step warms the caching allocator
@@ -55,8 +62,13 @@ def test_steady_state_step_allocates_no_new_device_memory():
 def test_upload_of_the_next_block_overlaps_the_current_compute():
     # Compute-heavy blocks (a long batch) so each compute outlasts the next block's upload.
     model = tiny_opt(
-        seed=0, num_hidden_layers=6, hidden_size=512, ffn_dim=2048, num_attention_heads=8,
-        word_embed_proj_dim=512, max_position_embeddings=512,
+        seed=0,
+        num_hidden_layers=6,
+        hidden_size=512,
+        ffn_dim=2048,
+        num_attention_heads=8,
+        word_embed_proj_dim=512,
+        max_position_embeddings=512,
     )
     engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=3, seed=0))
     batch = random_batch(64, batch=16, seq=512, seed=0)
@@ -77,7 +89,19 @@ def test_upload_of_the_next_block_overlaps_the_current_compute():
 def test_single_rank_nccl_launch_runs(tmp_path):
     from tests.helpers.launch import Run, torchrun
 
-    proc = torchrun(1, ["--max-steps", "20", "--device", "cuda", "--backend", "nccl", "--output-dir", str(tmp_path)])
+    proc = torchrun(
+        1,
+        [
+            "--max-steps",
+            "20",
+            "--device",
+            "cuda",
+            "--backend",
+            "nccl",
+            "--output-dir",
+            str(tmp_path),
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Run(tmp_path)
     assert run.ranks[0]["eval_after"]["eval_loss"] < run.ranks[0]["eval_before"]["eval_loss"]
@@ -92,8 +116,20 @@ def test_sliced_transfer_with_two_ranks_sharing_one_gpu(tmp_path):
         out = tmp_path / transfer
         proc = torchrun(
             2,
-            ["--max-steps", "10", "--device", "cuda:0", "--backend", "gloo", "--pert", "2",
-             "--transfer", transfer, "--output-dir", str(out)],
+            [
+                "--max-steps",
+                "10",
+                "--device",
+                "cuda:0",
+                "--backend",
+                "gloo",
+                "--pert",
+                "2",
+                "--transfer",
+                transfer,
+                "--output-dir",
+                str(out),
+            ],
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[transfer] = Run(out)
@@ -104,9 +140,19 @@ def test_sliced_transfer_with_two_ranks_sharing_one_gpu(tmp_path):
 def test_low_bit_transfer_with_amp_compute_on_gpu():
     model = tiny_opt(seed=0, num_hidden_layers=4)
     engine = ZOEngine(
-        model, ZOConfig(mode="offload", device="cuda", transfer_dtype="bf16", compute_dtype="bf16", eps=1e-2, seed=0)
+        model,
+        ZOConfig(
+            mode="offload",
+            device="cuda",
+            transfer_dtype="bf16",
+            compute_dtype="bf16",
+            eps=1e-2,
+            seed=0,
+        ),
     )
-    assert engine.store.host_storage.dtype == torch.bfloat16 and engine.store.host_storage.is_pinned()
+    assert (
+        engine.store.host_storage.dtype == torch.bfloat16 and engine.store.host_storage.is_pinned()
+    )
     results = [engine.step(random_batch(64, seed=i)) for i in range(5)]
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
 
@@ -116,8 +162,11 @@ def test_memory_plan_matches_what_cuda_allocates():
     from distzo.models.shapes import shape_config
     from distzo.models.weights import RandomWeights, skeleton
 
-    for config in (ZOConfig(device="cuda", seed=0), ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
-                   ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16")):
+    for config in (
+        ZOConfig(device="cuda", seed=0),
+        ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
+        ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16"),
+    ):
         model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
         plan = plan_memory(model, config, 1, False, batch=1, seq=8, signs=2)
         torch.cuda.synchronize()
@@ -125,7 +174,10 @@ def test_memory_plan_matches_what_cuda_allocates():
         engine = ZOEngine(model, config, weights=RandomWeights(0))
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated() - before
-        assert abs(allocated - plan.device_bytes) <= 0.1 * plan.device_bytes, (allocated, plan.device_bytes)
+        assert abs(allocated - plan.device_bytes) <= 0.1 * plan.device_bytes, (
+            allocated,
+            plan.device_bytes,
+        )
         del engine, model
 
 
@@ -152,19 +204,30 @@ def test_a_steady_state_step_never_waits_for_the_device_before_its_one_read():
     # Padded rows (the model's mask builder would read the padding mask on the device),
     # a pending update (every block offloaded) and the classification objective (index
     # tensors): everything up to the loss read is queued without a host sync.
-    from distzo.objectives import Classification, ChoiceEncoding, collate_choices
+    from distzo.objectives import ChoiceEncoding, Classification, collate_choices
 
     model = tiny_opt(seed=0, num_hidden_layers=4)
     for objective, batch in (
         (None, random_batch(64, batch=4, seq=16, pad="right", seed=0)),
-        (Classification(), collate_choices(
-            [ChoiceEncoding(((5, 6, 7, 8), (5, 6, 9)), ((0, 2, 8, 0), (1, 1, 9, 1)), 1),
-             ChoiceEncoding(((5, 7),), ((0, 1, 3, 0), (0, 1, 4, 1)), 0)], pad_id=0)),
+        (
+            Classification(),
+            collate_choices(
+                [
+                    ChoiceEncoding(((5, 6, 7, 8), (5, 6, 9)), ((0, 2, 8, 0), (1, 1, 9, 1)), 1),
+                    ChoiceEncoding(((5, 7),), ((0, 1, 3, 0), (0, 1, 4, 1)), 0),
+                ],
+                pad_id=0,
+            ),
+        ),
     ):
-        engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", seed=0), objective=objective)
+        engine = ZOEngine(
+            model, ZOConfig(mode="offload", device="cuda", seed=0), objective=objective
+        )
         for _ in range(2):  # warm-up: allocator, first uploads, a pending update
             engine.step(batch)
-        result = engine._finish_step(*queued_without_a_sync(engine, batch))  # the one host sync: the losses
+        result = engine._finish_step(
+            *queued_without_a_sync(engine, batch)
+        )  # the one host sync: the losses
         assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
 
 
@@ -188,11 +251,15 @@ def test_host_blocks_are_pinned_at_exactly_the_planned_size():
     assert store.host_storage.is_pinned() and store.host_bytes == plan.host_bytes
     assert abs(grown - plan.host_bytes) <= 0.02 * plan.host_bytes, (grown, plan.host_bytes)
     host = store.host_storage
-    store.slots.buffers[0][:4].copy_(host[:4], non_blocking=True)  # an asynchronous copy from it works
+    store.slots.buffers[0][:4].copy_(
+        host[:4], non_blocking=True
+    )  # an asynchronous copy from it works
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("kind,distribution", [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")])
+@pytest.mark.parametrize(
+    "kind,distribution", [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")]
+)
 def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
     """The portable noise: the Triton kernels on the GPU draw exactly the CPU's z."""
     from distzo.zo import NoiseSource
@@ -222,7 +289,11 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     updated_gpu, updated_cpu = theta.cuda(), theta.clone()
     gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
     cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
-    ulps = (updated_gpu.cpu().view(torch.int32).long() - updated_cpu.view(torch.int32).long()).abs().max()
+    ulps = (
+        (updated_gpu.cpu().view(torch.int32).long() - updated_cpu.view(torch.int32).long())
+        .abs()
+        .max()
+    )
     assert int(ulps) <= 2
     rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
     rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
@@ -241,9 +312,24 @@ def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early
     from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
 
     def build(device):
-        model = attach_adapter(tiny_opt(seed=0, num_hidden_layers=3), AdapterSpec(method, r=4, alpha=8), seed=5)
-        return ZOEngine(model, ZOConfig(mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_queries=2,
-                                        dual_forward=True, grad_accum=2, optimizer="momentum", momentum_window=4))
+        model = attach_adapter(
+            tiny_opt(seed=0, num_hidden_layers=3), AdapterSpec(method, r=4, alpha=8), seed=5
+        )
+        return ZOEngine(
+            model,
+            ZOConfig(
+                mode="offload",
+                device=device,
+                lr=1e-3,
+                eps=1e-2,
+                seed=3,
+                num_queries=2,
+                dual_forward=True,
+                grad_accum=2,
+                optimizer="momentum",
+                momentum_window=4,
+            ),
+        )
 
     follows_the_cpu_and_never_syncs_early(build, steps=4)
 
@@ -251,6 +337,7 @@ def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early
 def follows_the_cpu_and_never_syncs_early(build, steps):
     """``build(device)``'s engine on CUDA takes the CPU's trajectory (fp32: g to 1e-3, weights
     to 1e-4) and queues a steady-state step without a host sync; returns the CUDA engine."""
+
     def run(device):
         engine = build(device)
         results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(steps)]
@@ -275,10 +362,20 @@ def test_adam_moments_stream_with_their_blocks_on_the_gpu_as_on_the_cpu(state_dt
     # (fp32 state: 1e-4; bf16 state rounds with the same keyed draws on both), and a
     # steady-state step queued without a host sync.
     def build(device):
-        return ZOEngine(tiny_opt(seed=0, num_hidden_layers=4), ZOConfig(
-            mode="offload", device=device, lr=1e-3, eps=1e-2, seed=3, num_slots=2, optimizer="adam",
-            state_dtype=state_dtype, weight_decay=0.1))
+        return ZOEngine(
+            tiny_opt(seed=0, num_hidden_layers=4),
+            ZOConfig(
+                mode="offload",
+                device=device,
+                lr=1e-3,
+                eps=1e-2,
+                seed=3,
+                num_slots=2,
+                optimizer="adam",
+                state_dtype=state_dtype,
+                weight_decay=0.1,
+            ),
+        )
 
     gpu = follows_the_cpu_and_never_syncs_early(build, steps=5)
     assert all(store.host_storage.is_pinned() for store in gpu.moments.blocks)
-

@@ -22,7 +22,13 @@ def frozen_values(engine):
     return dict(engine.stream_parameters(frozen=True))
 
 
-FLOAT64 = dict(hidden_size=16, ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=8, max_position_embeddings=16)
+FLOAT64 = dict(
+    hidden_size=16,
+    ffn_dim=32,
+    num_attention_heads=2,
+    word_embed_proj_dim=8,
+    max_position_embeddings=16,
+)
 
 
 class Counting:
@@ -40,27 +46,43 @@ class Counting:
         store.upload, store.offload = counted_upload, counted_offload
 
 
-BATCHINGS = {"dual": dict(dual_forward=True), "queries": dict(batch_queries=True),
-             "both": dict(dual_forward=True, batch_queries=True)}
+BATCHINGS = {
+    "dual": dict(dual_forward=True),
+    "queries": dict(batch_queries=True),
+    "both": dict(dual_forward=True, batch_queries=True),
+}
 
 
 def reference_momentum(engine, initial, results, beta1, window, wd):
     """Dense momentum over every trained tensor: m_t = sum_{k<W} beta1^k mean_j g_{t-k,j} z_{t-k,j},
     theta <- theta * (1 - lr wd on matrices) - lr m_t, z drawn by the engine's own noise."""
-    layouts = [(0, engine.resident_layout)] + [(i + 1, l) for i, l in enumerate(engine.block_layouts)]
-    theta = {block: torch.cat([initial[e.names[0]].reshape(-1) for e in layout.entries]).double()
-             for block, layout in layouts}
+    layouts = [(0, engine.resident_layout)] + [
+        (i + 1, l) for i, l in enumerate(engine.block_layouts)
+    ]
+    theta = {
+        block: torch.cat([initial[e.names[0]].reshape(-1) for e in layout.entries]).double()
+        for block, layout in layouts
+    }
     for t, r in enumerate(results):
         for block, layout in layouts:
             m = torch.zeros_like(theta[block])
             for k in range(min(window, t + 1)):
                 grads = results[t - k].projected_grads
                 for j, g in enumerate(grads):
-                    z = engine.noise.full(layout.numel, step=t - k, block_id=block, query=j).double()
+                    z = engine.noise.full(
+                        layout.numel, step=t - k, block_id=block, query=j
+                    ).double()
                     dense = torch.cat([z[e.offset : e.offset + e.numel] for e in layout.entries])
-                    m += beta1 ** k * g / len(grads) * dense
+                    m += beta1**k * g / len(grads) * dense
             decay = torch.ones_like(theta[block])
-            decay[: sum(e.numel for e in layout.entries if e.offset < layout.decay_end)] = 1 - r.lr * wd
+            decay[: sum(e.numel for e in layout.entries if e.offset < layout.decay_end)] = (
+                1 - r.lr * wd
+            )
             theta[block] = theta[block] * decay - r.lr * m
-    return {e.names[0]: theta[block][sum(x.numel for x in layout.entries[:n]):][: e.numel].view(e.shape)
-            for block, layout in layouts for n, e in enumerate(layout.entries)}
+    return {
+        e.names[0]: theta[block][sum(x.numel for x in layout.entries[:n]) :][: e.numel].view(
+            e.shape
+        )
+        for block, layout in layouts
+        for n, e in enumerate(layout.entries)
+    }

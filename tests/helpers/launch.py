@@ -19,13 +19,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, args: list[str], port: int, nnodes: int = 1, node_rank: int = 0,
-                     max_restarts: int = 0) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    args: list[str],
+    port: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    max_restarts: int = 0,
+) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={port}", f"--max-restarts={max_restarts}",
-        "-m", "distzo.train", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "distzo.train",
+        *args,
     ]
 
 
@@ -35,25 +49,42 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 180, env: dict[str, str] | None = None, max_restarts: int = 0):
+def torchrun(
+    nproc: int,
+    args: list[str],
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    max_restarts: int = 0,
+):
     return subprocess.run(
-        torchrun_command(nproc, args, free_port(), max_restarts=max_restarts), capture_output=True, text=True,
-        timeout=timeout, env=child_env(env),
+        torchrun_command(nproc, args, free_port(), max_restarts=max_restarts),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(env),
     )
 
 
 def python_train(args: list[str], timeout: float = 120):
     return subprocess.run(
-        [sys.executable, "-m", "distzo.train", *args], capture_output=True, text=True, timeout=timeout, env=child_env()
+        [sys.executable, "-m", "distzo.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
     )
 
 
-def train_in_process(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def train_in_process(
+    args: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m distzo.train ARGS`` run by this process (see ``main_in_process``)."""
     return main_in_process("distzo.train", args, env)
 
 
-def main_in_process(program: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def main_in_process(
+    program: str, args: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m PROGRAM ARGS`` run by this process, for checks that end before any
     training (bad input): the same ``main``, its exit code and its stderr, logging included
     (routed to the captured stderr as a fresh process would), without a new interpreter's
@@ -89,11 +120,11 @@ class Run:
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        self.metrics = [
+            json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+        ]
         self.params: dict[str, torch.Tensor] = load_file(str(out / "export" / "model.safetensors"))
-        self.ranks = {
-            int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")
-        }
+        self.ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
     @property
     def grads(self) -> list[float]:

@@ -21,7 +21,9 @@ def tiny_opt(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     return model_from_config(tiny_opt_config(**overrides), dtype=dtype)
 
 
-def random_batch(vocab_size: int, batch: int = 4, seq: int = 12, seed: int = 0, pad: str | None = None):
+def random_batch(
+    vocab_size: int, batch: int = 4, seq: int = 12, seed: int = 0, pad: str | None = None
+):
     """Token ids (avoiding the pad id 0) with an attention mask; ``pad`` left/right pads some rows."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab_size, (batch, seq), generator=g)
@@ -38,8 +40,16 @@ def random_batch(vocab_size: int, batch: int = 4, seq: int = 12, seed: int = 0, 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, pad_token_id=0, num_hidden_layers=3)
+LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    num_hidden_layers=3,
+)
 
 
 def base_model(family, seed=0, dtype=torch.float32, **overrides):
@@ -50,11 +60,20 @@ def base_model(family, seed=0, dtype=torch.float32, **overrides):
 
 
 def adapted(family, method="lora", seed=0, dtype=torch.float32, **overrides):
-    return attach_adapter(base_model(family, seed, dtype, **overrides), AdapterSpec(method, r=4, alpha=8), seed=5)
+    return attach_adapter(
+        base_model(family, seed, dtype, **overrides), AdapterSpec(method, r=4, alpha=8), seed=5
+    )
 
 
-COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, pad_token_id=0)
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
 
 
 CONFIGS = {
@@ -62,8 +81,13 @@ CONFIGS = {
     "llama_tied": lambda: LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **COMMON),
     "qwen2": lambda: Qwen2Config(num_hidden_layers=3, **COMMON),
     # sliding-window layers from layer 1 on, with a window shorter than the sequence
-    "qwen2_sliding": lambda: Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=4,
-                                         max_window_layers=1, **COMMON),
+    "qwen2_sliding": lambda: Qwen2Config(
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        **COMMON,
+    ),
     "qwen3": lambda: Qwen3Config(num_hidden_layers=3, head_dim=8, **COMMON),
     "mistral": lambda: MistralConfig(num_hidden_layers=3, sliding_window=4, **COMMON),
     "gpt2": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64),

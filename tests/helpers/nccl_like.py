@@ -32,7 +32,7 @@ NAME = "nccl_like"
 class DeferredWork(dist._Work):
     """Applies a collective's result to the caller's tensors when waited for."""
 
-    def __init__(self, group: "NcclLike", apply) -> None:
+    def __init__(self, group: NcclLike, apply) -> None:
         super().__init__()
         self.group, self.apply, self.applied = group, apply, False
 
@@ -44,11 +44,13 @@ class DeferredWork(dist._Work):
 
 
 class NcclLike(dist.ProcessGroup):
-    instances: list["NcclLike"] = []
+    instances: list[NcclLike] = []
 
     def __init__(self, store, rank: int, size: int, timeout) -> None:
         super().__init__(rank, size)
-        self.inner = dist.ProcessGroupGloo(dist.PrefixStore(f"nccl_like/{len(self.instances)}", store), rank, size, timeout)
+        self.inner = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"nccl_like/{len(self.instances)}", store), rank, size, timeout
+        )
         self.outstanding = 0
         self.refused: list[str] = []
         NcclLike.instances.append(self)
@@ -60,7 +62,9 @@ class NcclLike(dist.ProcessGroup):
         for tensor in tensors:
             if not getattr(tensor, collectives.PLACED, False):
                 self.refused.append(op)
-                raise RuntimeError(f"No backend type associated with device type cpu ({op} of a tensor not placed for {NAME})")
+                raise RuntimeError(
+                    f"No backend type associated with device type cpu ({op} of a tensor not placed for {NAME})"
+                )
 
     def _deferred(self, outputs, compute) -> DeferredWork:
         results = compute()

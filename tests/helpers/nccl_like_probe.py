@@ -11,15 +11,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.helpers import nccl_like
-from tests.helpers.models import random_batch, tiny_opt
-
 from distzo import ZOConfig, ZOEngine  # noqa: E402
-from distzo.job.checkpoint import Checkpointer  # noqa: E402
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup  # noqa: E402
 from distzo.dist import process_group as pg  # noqa: E402
-from distzo.job.evaluation import evaluate_lm  # noqa: E402
 from distzo.export.hf_model import export_hf  # noqa: E402
+from distzo.job.checkpoint import Checkpointer  # noqa: E402
+from distzo.job.evaluation import evaluate_lm  # noqa: E402
+from tests.helpers import nccl_like
+from tests.helpers.models import random_batch, tiny_opt
 
 out = Path(sys.argv[1])
 torch.set_num_threads(1)
@@ -28,10 +27,15 @@ env = LaunchEnv.from_environ()
 dist.init_process_group(nccl_like.NAME, rank=env.rank, world_size=env.world_size)
 comm = Collectives.for_job(torch.device("cpu"))
 group, members = pg.node_groups(env, comm)
-parallel = ParallelContext(env, ParallelDims(2, 1), None, ShardGroup(group, members, members.index(env.rank)), comm)
+parallel = ParallelContext(
+    env, ParallelDims(2, 1), None, ShardGroup(group, members, members.index(env.rank)), comm
+)
 # Adam: its moments are sliced and gathered with the blocks, and checkpointed beside them.
-engine = ZOEngine(tiny_opt(seed=0, num_hidden_layers=3),
-                  ZOConfig(device="cpu", seed=4, transfer="sliced", lr=1e-3, optimizer="adam"), parallel=parallel)
+engine = ZOEngine(
+    tiny_opt(seed=0, num_hidden_layers=3),
+    ZOConfig(device="cpu", seed=4, transfer="sliced", lr=1e-3, optimizer="adam"),
+    parallel=parallel,
+)
 record = {"rank": env.rank}
 
 

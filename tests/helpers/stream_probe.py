@@ -12,8 +12,8 @@ from transformers import AutoConfig
 from distzo import ZOConfig, ZOEngine
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
-from distzo.runtime.host_memory import peak_rss_bytes
 from distzo.models.weights import open_checkpoint, skeleton
+from distzo.runtime.host_memory import peak_rss_bytes
 
 path, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
@@ -31,12 +31,19 @@ if path.startswith("hub:"):
 
     path = str(model_source(path[4:], env, parallel.comm))
 model = skeleton(AutoConfig.from_pretrained(path), torch.float32)
-engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, transfer=transfer), parallel=parallel, weights=open_checkpoint(path))
+engine = ZOEngine(
+    model,
+    ZOConfig(device="cpu", seed=0, transfer=transfer),
+    parallel=parallel,
+    weights=open_checkpoint(path),
+)
 peak = peak_rss_bytes()
 params = engine.named_parameters()  # after the measurement: this makes full copies
 record = {"rank": env.rank, "peak_rss": peak, "host_bytes": engine.store.host_bytes}
 if env.rank == 0:
-    record["checksums"] = {k: [v.double().sum().item(), v.double().square().sum().item()] for k, v in params.items()}
+    record["checksums"] = {
+        k: [v.double().sum().item(), v.double().square().sum().item()] for k, v in params.items()
+    }
 with open(f"{out}.rank{env.rank}.json", "w") as fh:
     json.dump(record, fh)
 pg.shutdown()

@@ -13,7 +13,11 @@ assert triton_noise.available()
 
 table = gaussian_table()
 ranges = [(0, 1), (0, 37), (5, 4096), (4090, 4100), (4095, 12289), (20_000, 20_003)]
-for kind, distribution in [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")]:
+for kind, distribution in [
+    ("gaussian", "normal"),
+    ("rademacher", "normal"),
+    ("gaussian", "uniform"),
+]:
     src = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, distribution, kind=kind)
     draw = "uniform" if distribution == "uniform" else kind
     for step, block in [(0, 0), (123456, 77)]:
@@ -22,7 +26,12 @@ for kind, distribution in [("gaussian", "normal"), ("rademacher", "normal"), ("g
             out = torch.full((stop - start,), float("nan"))
             triton_noise.fill(out, start, key, draw, table)
             expected = src.reference(start, stop, key)
-            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (kind, distribution, start, stop)
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (
+                kind,
+                distribution,
+                start,
+                stop,
+            )
 
 
 def ulps(a, b):

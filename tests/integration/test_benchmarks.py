@@ -15,8 +15,15 @@ def run(args, nproc=1, timeout=240):
     if nproc == 1:
         command = [sys.executable, *args]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            *args,
+        ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -34,15 +41,23 @@ def test_bandwidth_quick_report(tmp_path, nproc):
     out = tmp_path / "bandwidth.json"
     run(["benchmarks/bandwidth.py", "--quick", "--out", str(out)], nproc)
     data = load(out)
-    names = {(m["name"], m["params"].get("transfer"), m["params"]["dtype"]) for m in data["measurements"]}
+    names = {
+        (m["name"], m["params"].get("transfer"), m["params"]["dtype"]) for m in data["measurements"]
+    }
     for dtype in ("fp32", "bf16"):
-        assert ("engine_upload", "naive", dtype) in names and ("engine_offload", "naive", dtype) in names
+        assert ("engine_upload", "naive", dtype) in names and (
+            "engine_offload",
+            "naive",
+            dtype,
+        ) in names
     if nproc == 2:
         assert ("engine_upload", "sliced", "fp32") in names
         assert any(m["name"] == "all_gather" for m in data["measurements"])
     assert any(k.startswith("upload_vs_bare_h2d[") for k in data["derived"])
     assert any(k.startswith("slice_time_ratio[") for k in data["derived"])
-    model = run(["benchmarks/model.py", "--bandwidth", str(out), "--shape", "opt-13b", "--max-n", "4"])
+    model = run(
+        ["benchmarks/model.py", "--bandwidth", str(out), "--shape", "opt-13b", "--max-n", "4"]
+    )
     assert "| 4 |" in model.stdout
 
 
@@ -56,8 +71,12 @@ def test_throughput_quick_report(tmp_path, nproc):
     for m in data["measurements"]:
         assert m["metrics"]["tokens_per_s"] > 0 and 0 < m["metrics"]["eta"] <= 1.0001
         # on CPU the phases run in turn, so the stream model's period is never above the measured one
-        assert 0 < m["metrics"]["model_ms_per_block"] <= m["metrics"]["pipelined_ms_per_block"] * 1.05
-    assert {m["params"]["slots"] for m in data["measurements"] if m["name"].startswith("offload")} >= {1, 2, 3}
+        assert (
+            0 < m["metrics"]["model_ms_per_block"] <= m["metrics"]["pipelined_ms_per_block"] * 1.05
+        )
+    assert {
+        m["params"]["slots"] for m in data["measurements"] if m["name"].startswith("offload")
+    } >= {1, 2, 3}
     assert "offload_vs_resident" in data["derived"] and "offload_vs_2slots" in data["derived"]
     if nproc == 2:
         assert {"pertp", "ddp"} <= set(names)
@@ -66,8 +85,20 @@ def test_throughput_quick_report(tmp_path, nproc):
 
 def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
     out = tmp_path / "throughput.json"
-    run(["benchmarks/throughput.py", "--quick", "--sweep", "1x8,2x16", "--num-queries", "2", "--optimizers", "sgd,adam",
-         "--out", str(out)])
+    run(
+        [
+            "benchmarks/throughput.py",
+            "--quick",
+            "--sweep",
+            "1x8,2x16",
+            "--num-queries",
+            "2",
+            "--optimizers",
+            "sgd,adam",
+            "--out",
+            str(out),
+        ]
+    )
     data = load(out)
     assert {m["params"]["queries"] for m in data["measurements"]} == {2}
     # Adam's two fp32 moments cross the link with every block: three times SGD's bytes
@@ -86,14 +117,24 @@ def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
 
 
 def test_a_malformed_sweep_is_one_clear_line():
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--sweep", "8by512"],
-                          capture_output=True, text=True, timeout=60, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--quick", "--sweep", "8by512"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
     assert proc.returncode != 0 and "is not BATCHxSEQ" in proc.stderr
 
 
 def test_the_gpu_session_script_refuses_an_unknown_stage_before_running_any(tmp_path):
-    proc = subprocess.run(["bash", "benchmarks/gpu_session.sh", "tests", "throughpt"], capture_output=True, text=True,
-                          timeout=60, env=child_env({"OUT": str(tmp_path)}))
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_session.sh", "tests", "throughpt"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env({"OUT": str(tmp_path)}),
+    )
     assert proc.returncode == 2 and "unknown stage throughpt" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was packed
 
@@ -116,8 +157,14 @@ def test_throughput_compares_the_head_at_labels_with_the_full_head(tmp_path):
     names = {m["name"] for m in data["measurements"]}
     assert names == {"step_at_labels", "step_full", "eval_full", "eval_at_labels"}
     assert data["derived"]["step_full_over_at_labels"] > 0
-    peaks = {m["name"]: m["metrics"]["eval_peak_extra_gb"] for m in data["measurements"] if m["name"].startswith("eval")}
-    assert peaks["eval_full"] >= peaks["eval_at_labels"]  # the full float32 log-softmax is never smaller
+    peaks = {
+        m["name"]: m["metrics"]["eval_peak_extra_gb"]
+        for m in data["measurements"]
+        if m["name"].startswith("eval")
+    }
+    assert (
+        peaks["eval_full"] >= peaks["eval_at_labels"]
+    )  # the full float32 log-softmax is never smaller
 
 
 def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
@@ -125,10 +172,19 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
     run(["benchmarks/noise.py", "--quick", "--out", str(out)])
     data = load(out)
     names = {m["name"] for m in data["measurements"]}
-    assert names == {f"{op}_{path}" for op in ("perturb", "update", "rounding") for path in ("old", "new", "torch")} | {
-        "step_old", "step_new"}
-    assert all(m["metrics"]["elements_per_s"] > 0 for m in data["measurements"] if "op" in m["params"])
-    backends = {m["name"]: m["params"]["noise_backend"] for m in data["measurements"] if m["name"].startswith("step")}
+    assert names == {
+        f"{op}_{path}"
+        for op in ("perturb", "update", "rounding")
+        for path in ("old", "new", "torch")
+    } | {"step_old", "step_new"}
+    assert all(
+        m["metrics"]["elements_per_s"] > 0 for m in data["measurements"] if "op" in m["params"]
+    )
+    backends = {
+        m["name"]: m["params"]["noise_backend"]
+        for m in data["measurements"]
+        if m["name"].startswith("step")
+    }
     assert backends["step_old"] == "legacy" and backends["step_new"] in ("c", "torch")
     assert {"perturb_new_over_old_speed", "step_new_over_old_speed"} <= data["derived"].keys()
 
@@ -137,14 +193,29 @@ SST2_SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2-sa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample")
+@pytest.mark.skipif(
+    not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample"
+)
 def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path, smollm2_dir):
     out = tmp_path / "learning.json"
-    proc = run(["benchmarks/learning.py", "--quick", "--objectives", "classification", "--model-dir",
-                str(smollm2_dir), "--out", str(out)], timeout=600)
+    proc = run(
+        [
+            "benchmarks/learning.py",
+            "--quick",
+            "--objectives",
+            "classification",
+            "--model-dir",
+            str(smollm2_dir),
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     data = load(out)
     steps = [m["params"]["step"] for m in data["measurements"]]
-    assert steps == [0, 2, 4] and {m["params"]["objective"] for m in data["measurements"]} == {"classification"}
+    assert steps == [0, 2, 4] and {m["params"]["objective"] for m in data["measurements"]} == {
+        "classification"
+    }
     assert all(0 <= m["metrics"]["eval_accuracy"] <= 1 for m in data["measurements"])
     assert "--objective classification" in data["measurements"][0]["params"]["command"]
     assert "held-out accuracy" in proc.stdout
@@ -152,32 +223,83 @@ def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path, smollm2_dir):
 
 def test_throughput_with_an_adapter_uploads_the_base_and_offloads_nothing(tmp_path):
     out = tmp_path / "throughput.json"
-    run(["benchmarks/throughput.py", "--quick", "--peft", "lora-fa", "--dual-forward", "--out", str(out)])
+    run(
+        [
+            "benchmarks/throughput.py",
+            "--quick",
+            "--peft",
+            "lora-fa",
+            "--dual-forward",
+            "--out",
+            str(out),
+        ]
+    )
     data = load(out)
     offloaded = [m for m in data["measurements"] if m["params"]["mode"] == "offload"]
-    assert offloaded and all(m["params"]["peft"] == "lora-fa" and m["params"]["dual_forward"] for m in offloaded)
-    assert all(m["metrics"]["offload_ms_per_block"] == 0 and m["metrics"]["upload_ms_per_block"] > 0 for m in offloaded)
+    assert offloaded and all(
+        m["params"]["peft"] == "lora-fa" and m["params"]["dual_forward"] for m in offloaded
+    )
+    assert all(
+        m["metrics"]["offload_ms_per_block"] == 0 and m["metrics"]["upload_ms_per_block"] > 0
+        for m in offloaded
+    )
 
 
 def test_throughput_compares_full_tuning_with_lora_fa_and_its_batched_passes(tmp_path):
     out = tmp_path / "adapters.json"
-    run(["benchmarks/throughput.py", "--quick", "--compare-adapters", "--num-queries", "2", "--sweep", "1x8,2x8",
-         "--steps", "1", "--out", str(out)])
+    run(
+        [
+            "benchmarks/throughput.py",
+            "--quick",
+            "--compare-adapters",
+            "--num-queries",
+            "2",
+            "--sweep",
+            "1x8,2x8",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     data = load(out)
     layouts = {(m["name"], m["params"]["batch"]): m["params"] for m in data["measurements"]}
     names = ["full", "lora_fa", "lora_fa_dual", "lora_fa_queries", "lora_fa_dual_queries"]
     assert sorted(layouts) == sorted((name, b) for name in names for b in (1, 2))
     full, dual_queries = layouts[("full", 1)], layouts[("lora_fa_dual_queries", 1)]
     assert full["peft"] == "none" and not full["dual_forward"] and not full["batch_queries"]
-    assert dual_queries["peft"] == "lora-fa" and dual_queries["dual_forward"] and dual_queries["batch_queries"]
+    assert (
+        dual_queries["peft"] == "lora-fa"
+        and dual_queries["dual_forward"]
+        and dual_queries["batch_queries"]
+    )
     assert all(p["queries"] == 2 for p in layouts.values())
-    assert 0 < layouts[("lora_fa", 1)]["trained_params"] < full["trained_params"]  # B alone is trained
+    assert (
+        0 < layouts[("lora_fa", 1)]["trained_params"] < full["trained_params"]
+    )  # B alone is trained
     for point in ("1x8", "2x8"):
-        for ratio in ("lora_fa_vs_full", "dual_vs_lora_fa", "queries_vs_lora_fa", "dual_queries_vs_lora_fa"):
+        for ratio in (
+            "lora_fa_vs_full",
+            "dual_vs_lora_fa",
+            "queries_vs_lora_fa",
+            "dual_queries_vs_lora_fa",
+        ):
             assert data["derived"][f"{ratio}[{point}]"] > 0
 
 
 def test_compare_adapters_refuses_layout_flags_of_its_own(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--compare-adapters", "--peft", "lora"],
-                          capture_output=True, text=True, env=child_env(), timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/throughput.py",
+            "--quick",
+            "--compare-adapters",
+            "--peft",
+            "lora",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     assert proc.returncode != 0 and "--compare-adapters runs its own layouts" in proc.stderr

@@ -10,16 +10,34 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
-from distzo.job.checkpoint import latest_checkpoint
-from distzo.export.hf_model import export_hf
 from distzo.data import CountingTask
+from distzo.export.hf_model import export_hf
+from distzo.job.checkpoint import latest_checkpoint
+from tests.helpers.launch import (
+    Run,
+    checkpoint_writers,
+    child_env,
+    main_in_process,
+    python_train,
+    torchrun,
+)
 from tests.helpers.models import random_batch, tiny_opt
-from tests.helpers.launch import Run, checkpoint_writers, child_env, main_in_process, python_train, torchrun
 
 # A constant lr: the schedule then does not depend on where a run was cut. fp64 masters:
 # resuming on another world size changes how the batch is split, and g magnifies the
 # fp32 reassociation of the loss sums by 1/(2 eps) (see test_dist_launch).
-COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "5", "--lr-schedule", "constant"]
+COMMON = [
+    "--max-steps",
+    "10",
+    "--batch-size",
+    "8",
+    "--log-every",
+    "0",
+    "--seed",
+    "5",
+    "--lr-schedule",
+    "constant",
+]
 
 
 def launch(nproc, args, env=None):
@@ -41,8 +59,11 @@ def test_resume_is_exact_and_independent_of_world_size(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert latest_checkpoint(full / "checkpoints").name == "step-10"
     files = checkpoint_writers(full / "checkpoints" / "step-5")
-    assert {k for k in files if k.startswith("exp_avg_sq/")} == {"exp_avg_sq/resident", "exp_avg_sq/block/0",
-                                                                   "exp_avg_sq/block/1"}
+    assert {k for k in files if k.startswith("exp_avg_sq/")} == {
+        "exp_avg_sq/resident",
+        "exp_avg_sq/block/0",
+        "exp_avg_sq/block/1",
+    }
     reference = Run(full)
     for nproc in (4, 2, 1):
         resumed = tmp_path / f"resumed{nproc}"
@@ -54,16 +75,39 @@ def test_resume_is_exact_and_independent_of_world_size(tmp_path):
         assert_same_params(Run(resumed), reference, rel=1e-9)
     # The seed log replays the Adam run (its moments rebuilt from the log's g) to the export.
     out = tmp_path / "replayed"
-    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(full / "seedlog.jsonl"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distzo.replay",
+            "--log",
+            str(full / "seedlog.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    exported, replayed = load_file(str(full / "export" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    exported, replayed = (
+        load_file(str(full / "export" / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
     assert all(torch.allclose(exported[k], replayed[k], rtol=1e-12, atol=0) for k in exported)
     # Resuming with another optimizer is refused in one line.
-    proc = launch(1, COMMON + ["--dtype", "fp64", "--output-dir", str(tmp_path / "resumed1"), "--resume"])
+    proc = launch(
+        1, COMMON + ["--dtype", "fp64", "--output-dir", str(tmp_path / "resumed1"), "--resume"]
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].endswith(
-        "was trained with --optimizer adam, this run has --optimizer sgd; resume with the optimizer it was trained with")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "was trained with --optimizer adam, this run has --optimizer sgd; resume with the optimizer it was trained with"
+        )
+    )
 
 
 def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards(tmp_path):
@@ -72,16 +116,31 @@ def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards
     # continues the trajectory of the uninterrupted 4-rank run. A stored momentum's buffers
     # are sliced like the weights and gathered, written and resharded alike.
     tiny_opt(seed=4, num_hidden_layers=5).save_pretrained(tmp_path / "model")
-    base = COMMON + ["--model", str(tmp_path / "model"), "--dtype", "fp64", "--lr", "1e-3", "--optimizer", "momentum",
-                     "--optimizer-state", "stored"]
+    base = COMMON + [
+        "--model",
+        str(tmp_path / "model"),
+        "--dtype",
+        "fp64",
+        "--lr",
+        "1e-3",
+        "--optimizer",
+        "momentum",
+        "--optimizer-state",
+        "stored",
+    ]
     flags = base + ["--dp", "2", "--pert", "2"]
     full = tmp_path / "full"
-    proc = launch(4, flags + ["--transfer", "sliced", "--save-steps", "5", "--output-dir", str(full)])
+    proc = launch(
+        4, flags + ["--transfer", "sliced", "--save-steps", "5", "--output-dir", str(full)]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = checkpoint_writers(full / "checkpoints" / "step-5")
-    assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
+    assert {k: v for k, v in files.items() if k.startswith("block/")} == {
+        f"block/{i}": i % 4 for i in range(5)
+    }
     assert {k: v for k, v in files.items() if k.startswith("momentum_buffer/block/")} == {
-        f"momentum_buffer/block/{i}": i % 4 for i in range(5)}
+        f"momentum_buffer/block/{i}": i % 4 for i in range(5)
+    }
     assert files["resident"] == files["momentum_buffer/resident"] == 0
     reference = Run(full)
     for nproc, extra in ((1, []), (2, ["--transfer", "sliced"])):
@@ -95,7 +154,9 @@ def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards
     naive = tmp_path / "naive"
     assert launch(4, flags + ["--max-steps", "2", "--output-dir", str(naive)]).returncode == 0
     files = checkpoint_writers(naive / "checkpoints" / "step-2")
-    assert {k: v for k, v in files.items() if k.startswith("block/")} == {f"block/{i}": i % 4 for i in range(5)}
+    assert {k: v for k, v in files.items() if k.startswith("block/")} == {
+        f"block/{i}": i % 4 for i in range(5)
+    }
 
 
 def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_path):
@@ -111,7 +172,10 @@ def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "step-5 at step 5" in resumed.stderr
     uninterrupted = tmp_path.parent / (tmp_path.name + "-full")
-    assert launch(1, COMMON + ["--max-steps", "20", "--output-dir", str(uninterrupted)]).returncode == 0
+    assert (
+        launch(1, COMMON + ["--max-steps", "20", "--output-dir", str(uninterrupted)]).returncode
+        == 0
+    )
     assert Run(tmp_path).grads == Run(uninterrupted).grads
     assert_same_params(Run(tmp_path), Run(uninterrupted))
 
@@ -127,22 +191,49 @@ def test_export_loads_in_transformers_and_matches_the_engine(tmp_path):
     export_hf(engine, tmp_path / "export")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
-        reference = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        reference = loaded(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
     assert (reference - logits).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("queries", ["2"])  # one query: the Adam world-size test replays too
 def test_replay_of_the_seed_log_equals_the_export(tmp_path, queries):
     run = tmp_path / "run"
-    flags = COMMON + ["--max-steps", "30", "--weight-decay", "0.1", "--num-queries", queries, "--output-dir", str(run)]
+    flags = COMMON + [
+        "--max-steps",
+        "30",
+        "--weight-decay",
+        "0.1",
+        "--num-queries",
+        queries,
+        "--output-dir",
+        str(run),
+    ]
     assert launch(1, flags).returncode == 0
     out = tmp_path / "replayed"
     proc = subprocess.run(
-        [sys.executable, "-m", "distzo.replay", "--base", str(run / "base"), "--log", str(run / "seedlog.jsonl"),
-         "--out", str(out)], capture_output=True, text=True, timeout=120, env=child_env(),
+        [
+            sys.executable,
+            "-m",
+            "distzo.replay",
+            "--base",
+            str(run / "base"),
+            "--log",
+            str(run / "seedlog.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    exported, replayed = load_file(str(run / "export" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    exported, replayed = (
+        load_file(str(run / "export" / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
     assert exported.keys() == replayed.keys()
     for name in exported:
         assert torch.equal(exported[name], replayed[name]), name
@@ -154,15 +245,24 @@ def test_replay_of_the_seed_log_equals_the_export(tmp_path, queries):
     "log, message",
     [
         ('{"step": 0, "projected_grad": 1, "lr": 1}\n', "first line must be the run's header"),
-        ('{"kind": "header"}\n{"step": 1, "projected_grad": 1, "lr": 1}\n', "expected the record of step 0"),
+        (
+            '{"kind": "header"}\n{"step": 1, "projected_grad": 1, "lr": 1}\n',
+            "expected the record of step 0",
+        ),
         ('{"kind": "header"}\nnot json\n', "line 2: not JSON"),
     ],
 )
 def test_replay_rejects_a_malformed_log(tmp_path, log, message):
     path = tmp_path / "seedlog.jsonl"
     path.write_text(log)
-    proc = main_in_process("distzo.replay", ["--base", "x", "--log", str(path), "--out", str(tmp_path / "o")])
-    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = main_in_process(
+        "distzo.replay", ["--base", "x", "--log", str(path), "--out", str(tmp_path / "o")]
+    )
+    assert (
+        proc.returncode == 2
+        and message in proc.stderr
+        and len(proc.stderr.strip().splitlines()) == 1
+    )
 
 
 def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path):
@@ -180,26 +280,71 @@ def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path):
 
 def test_a_model_config_run_replays_without_a_base(tmp_path):
     run = tmp_path / "run"
-    args = ["--model-config", "opt-125m", "--model-layers", "1", "--max-steps", "3", "--batch-size", "2",
-            "--eval-batch-size", "4", "--lr", "1e-5", "--log-every", "0", "--output-dir", str(run)]
+    args = [
+        "--model-config",
+        "opt-125m",
+        "--model-layers",
+        "1",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--eval-batch-size",
+        "4",
+        "--lr",
+        "1e-5",
+        "--log-every",
+        "0",
+        "--output-dir",
+        str(run),
+    ]
     proc = launch(1, args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (run / "base").exists()  # the base is redrawn from the shape and its init seed
     out = tmp_path / "replayed"
-    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(run / "seedlog.jsonl"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distzo.replay",
+            "--log",
+            str(run / "seedlog.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    exported, replayed = load_file(str(run / "export" / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert exported.keys() == replayed.keys() and all(torch.equal(exported[k], replayed[k]) for k in exported)
+    exported, replayed = (
+        load_file(str(run / "export" / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
+    assert exported.keys() == replayed.keys() and all(
+        torch.equal(exported[k], replayed[k]) for k in exported
+    )
 
 
 def test_a_resumed_run_keeps_the_evaluation_at_its_resume_step(tmp_path):
     import json
 
-    args = COMMON + ["--max-steps", "8", "--save-steps", "4", "--eval-steps", "2", "--output-dir", str(tmp_path)]
+    args = COMMON + [
+        "--max-steps",
+        "8",
+        "--save-steps",
+        "4",
+        "--eval-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+    ]
     assert launch(1, args + ["--max-steps", "4"]).returncode == 0  # stops (and checkpoints) at 4
     assert launch(1, args + ["--resume"]).returncode == 0
-    steps = [json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()
+    ]
     assert steps == [0, 2, 4, 6, 8]
 
 
@@ -212,7 +357,9 @@ def test_noise_kinds_resume_and_replay_with_the_noise_they_were_drawn_with(tmp_p
     assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
     # Resuming keeps the checkpoint's kind without being told; naming another is one line.
     wrong = launch(1, COMMON + ["--noise", "rademacher", "--output-dir", str(cut), "--resume"])
-    assert wrong.returncode == 2 and "drawn with legacy noise; drop --noise rademacher" in wrong.stderr
+    assert (
+        wrong.returncode == 2 and "drawn with legacy noise; drop --noise rademacher" in wrong.stderr
+    )
     proc = launch(1, COMMON + ["--weight-decay", "0.1", "--output-dir", str(cut), "--resume"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Run(cut).grads == Run(full).grads
@@ -224,12 +371,27 @@ def test_noise_kinds_resume_and_replay_with_the_noise_they_were_drawn_with(tmp_p
     header = json.loads(lines[0])
     assert header["noise"] == "legacy"
     for name, identity in (("old", None), ("future", "gaussian-v99")):
-        edited = {k: v for k, v in header.items() if k != "noise"} | ({"noise": identity} if identity else {})
+        edited = {k: v for k, v in header.items() if k != "noise"} | (
+            {"noise": identity} if identity else {}
+        )
         log = tmp_path / f"{name}.jsonl"
         log.write_text("\n".join([json.dumps(edited), *lines[1:]]) + "\n")
         proc = subprocess.run(
-            [sys.executable, "-m", "distzo.replay", "--base", str(full / "base"), "--log", str(log),
-             "--out", str(tmp_path / name)], capture_output=True, text=True, timeout=120, env=child_env(),
+            [
+                sys.executable,
+                "-m",
+                "distzo.replay",
+                "--base",
+                str(full / "base"),
+                "--log",
+                str(log),
+                "--out",
+                str(tmp_path / name),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(),
         )
         if identity is None:
             assert proc.returncode == 0, proc.stderr[-2000:]

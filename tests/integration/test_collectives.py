@@ -14,10 +14,29 @@ from tests.helpers.launch import child_env, free_port
 
 PACKAGE = Path(__file__).resolve().parents[2] / "distzo"
 COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
-    "all_to_all_single", "broadcast", "broadcast_object_list", "barrier", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "scatter", "gather", "gather_object", "send", "recv", "isend", "irecv", "new_group",
-    "monitored_barrier", "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "gather",
+    "gather_object",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "new_group",
+    "monitored_barrier",
+    "batch_isend_irecv",
 }
 
 
@@ -30,19 +49,30 @@ def collective_calls(path: Path) -> list[str]:
             aliases |= {a.asname or a.name for a in node.names if a.name == "torch.distributed"}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in COLLECTIVES
+        ):
             owner = ast.unparse(node.func.value)
             if owner in aliases:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {owner}.{node.func.attr}")
         if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
-            found += [f"{path.relative_to(PACKAGE)}:{node.lineno} from torch.distributed import {a.name}"
-                      for a in node.names if a.name in COLLECTIVES]
+            found += [
+                f"{path.relative_to(PACKAGE)}:{node.lineno} from torch.distributed import {a.name}"
+                for a in node.names
+                if a.name in COLLECTIVES
+            ]
     return found
 
 
 def test_no_module_outside_distzo_dist_calls_a_collective():
-    offenders = [call for path in sorted(PACKAGE.rglob("*.py")) if "dist" not in path.relative_to(PACKAGE).parts[:1]
-                 for call in collective_calls(path)]
+    offenders = [
+        call
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "dist" not in path.relative_to(PACKAGE).parts[:1]
+        for call in collective_calls(path)
+    ]
     assert offenders == [], offenders
 
 
@@ -66,13 +96,24 @@ def test_the_engine_follows_nccls_rules_against_a_stand_in(tmp_path):
     # tests/helpers/nccl_like.py refuses tensors not placed for the device group and holds every
     # collective outstanding until a host sync: evaluation summing a host tensor, or a
     # read-back returning before its gathers finished, fail here as under NCCL.
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "tests.helpers.nccl_like_probe", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "tests.helpers.nccl_like_probe",
+        str(tmp_path),
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for record in records:
         assert record["refused"] == 0
-        assert [record[k] for k in ("after_steps", "after_eval", "after_export", "after_checkpoint")] == [0, 0, 0, 0]
+        assert [
+            record[k] for k in ("after_steps", "after_eval", "after_export", "after_checkpoint")
+        ] == [0, 0, 0, 0]
     assert records[0]["eval"] == records[1]["eval"] and records[0]["eval"]["eval_loss"] > 0
     assert (tmp_path / "export" / "model.safetensors").is_file()

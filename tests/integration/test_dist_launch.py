@@ -12,7 +12,6 @@ import time
 import pytest
 
 from tests.helpers.launch import (
-    train_in_process,
     Run,
     checkpoint_writers,
     child_env,
@@ -21,6 +20,7 @@ from tests.helpers.launch import (
     python_train,
     torchrun,
     torchrun_command,
+    train_in_process,
 )
 
 COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "3"]
@@ -33,7 +33,10 @@ LAUNCHES = {
     "2d": (4, FP64 + ["--dp", "2", "--pert", "2"]),
     "2d_sliced": (4, FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced"]),
     "single_q3": (1, FP64 + ["--num-queries", "3"]),
-    "2d_sliced_q3": (4, FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--num-queries", "3"]),
+    "2d_sliced_q3": (
+        4,
+        FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--num-queries", "3"],
+    ),
 }
 
 
@@ -62,10 +65,17 @@ def test_multi_query_2d_sliced_follows_the_single_process_trajectory(runs):
     multi, single = runs["2d_sliced_q3"], runs["single_q3"]
     g_diff, param_diff = max_relative_difference(multi, single)
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
-    per_query = [(a, b) for m, s in zip(multi.metrics, single.metrics, strict=True)
-                 for a, b in zip(m["projected_grads"], s["projected_grads"], strict=True)]
-    assert len(per_query) == 30 and all(abs(a - b) <= 1e-9 * max(abs(b), 1e-12) for a, b in per_query)
-    assert max_relative_difference(single, runs["single"])[1] > 1e-3  # three queries took another path
+    per_query = [
+        (a, b)
+        for m, s in zip(multi.metrics, single.metrics, strict=True)
+        for a, b in zip(m["projected_grads"], s["projected_grads"], strict=True)
+    ]
+    assert len(per_query) == 30 and all(
+        abs(a - b) <= 1e-9 * max(abs(b), 1e-12) for a, b in per_query
+    )
+    assert (
+        max_relative_difference(single, runs["single"])[1] > 1e-3
+    )  # three queries took another path
 
 
 def test_device_mesh_places_ranks_row_major(runs):
@@ -87,26 +97,48 @@ def test_sliced_equals_naive_and_holds_a_quarter_of_the_host_copy(runs):
     assert {r["transfer"] for r in sliced.ranks.values()} == {"sliced"}
     for rank in range(4):
         share = sliced.ranks[rank]["host_bytes"] / naive.ranks[rank]["host_bytes"]
-        assert 0.25 <= share <= 0.28, share  # 1/4, plus padding that aligns each of the 4 pieces per rank
+        assert 0.25 <= share <= 0.28, (
+            share
+        )  # 1/4, plus padding that aligns each of the 4 pieces per rank
 
 
 def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tmp_path):
     port = free_port()
-    args = FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--output-dir", str(tmp_path)]
+    args = FP64 + [
+        "--dp",
+        "2",
+        "--pert",
+        "2",
+        "--transfer",
+        "sliced",
+        "--output-dir",
+        str(tmp_path),
+    ]
     agents = [
         subprocess.Popen(
             torchrun_command(2, args, port, nnodes=2, node_rank=node),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
         )
         for node in (0, 1)
     ]
     outputs = [agent.communicate(timeout=180) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
     two_nodes = Run(tmp_path)
-    assert {r: two_nodes.ranks[r]["shard_group"] for r in range(4)} == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    assert {r: two_nodes.ranks[r]["shard_group"] for r in range(4)} == {
+        0: [0, 1],
+        1: [0, 1],
+        2: [2, 3],
+        3: [2, 3],
+    }
     # Each node writes its share of the checkpoint's blocks: block i from node i % 2.
     files = checkpoint_writers(tmp_path / "checkpoints" / "step-10")
-    assert {k: v for k, v in files.items() if k.startswith("block/")} == {"block/0": 0, "block/1": 2}
+    assert {k: v for k, v in files.items() if k.startswith("block/")} == {
+        "block/0": 0,
+        "block/1": 2,
+    }
     half = runs["2d"].ranks[0]["host_bytes"] / 2
     assert all(abs(r["host_bytes"] - half) / half < 0.05 for r in two_nodes.ranks.values())
     g_diff, param_diff = max_relative_difference(two_nodes, runs["single"])
@@ -116,7 +148,10 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
 def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):
     started = time.monotonic()
     proc = torchrun(
-        4, COMMON + ["--max-steps", "1000", "--output-dir", str(tmp_path)], env={"DISTZO_FAIL_AT": "1:3"}, timeout=120
+        4,
+        COMMON + ["--max-steps", "1000", "--output-dir", str(tmp_path)],
+        env={"DISTZO_FAIL_AT": "1:3"},
+        timeout=120,
     )
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
@@ -138,7 +173,9 @@ def test_invalid_layouts_are_rejected_on_every_rank_before_any_model(flags, mess
         proc = torchrun(2, ["--max-steps", "1"] + flags, timeout=120)
         assert proc.returncode != 0
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert errors == [f"error: {message}" + errors[0].split(message, 1)[1]] * 2, proc.stderr[-2000:]
+        assert errors == [f"error: {message}" + errors[0].split(message, 1)[1]] * 2, proc.stderr[
+            -2000:
+        ]
         assert "eval loss" not in proc.stderr and "ZO engine" not in proc.stderr
         return
     # the same validation as rank 0 of a 2-rank launch sees it, in this process
@@ -157,7 +194,16 @@ def test_sliced_without_a_process_group_is_rejected():
 
 @pytest.mark.parametrize("wire, compute", [("bf16", "bf16"), ("fp8", "fp32")])
 def test_low_bit_sliced_equals_low_bit_naive_bitwise(tmp_path, wire, compute):
-    flags = COMMON + ["--pert", "1", "--transfer-dtype", wire, "--compute-dtype", compute, "--eps", "1e-2"]
+    flags = COMMON + [
+        "--pert",
+        "1",
+        "--transfer-dtype",
+        wire,
+        "--compute-dtype",
+        compute,
+        "--eps",
+        "1e-2",
+    ]
     runs = {}
     for transfer in ("naive", "sliced"):
         out = tmp_path / transfer
@@ -173,8 +219,19 @@ def test_low_bit_sliced_equals_low_bit_naive_bitwise(tmp_path, wire, compute):
 
 def test_single_node_launch_script_runs(tmp_path):
     proc = subprocess.run(
-        ["bash", "launch/run_train.sh", "--max-steps", "20", "--log-every", "0", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=180,
+        [
+            "bash",
+            "launch/run_train.sh",
+            "--max-steps",
+            "20",
+            "--log-every",
+            "0",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
         env=child_env({"NGPU": "2", "MASTER_PORT": str(free_port())}),
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -184,8 +241,20 @@ def test_single_node_launch_script_runs(tmp_path):
 @pytest.mark.parametrize("chunks", ["1", "3"])
 def test_pipelined_pieces_do_not_change_the_trajectory(runs, tmp_path, chunks):
     proc = torchrun(
-        4, FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--transfer-chunks", chunks,
-                   "--output-dir", str(tmp_path)],
+        4,
+        FP64
+        + [
+            "--dp",
+            "2",
+            "--pert",
+            "2",
+            "--transfer",
+            "sliced",
+            "--transfer-chunks",
+            chunks,
+            "--output-dir",
+            str(tmp_path),
+        ],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert Run(tmp_path).grads == runs["2d_sliced"].grads  # default: 4 pieces

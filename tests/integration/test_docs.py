@@ -36,7 +36,9 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # headings, not code comments
+    text = re.sub(
+        r"^```.*?^```", "", path.read_text(), flags=re.S | re.M
+    )  # headings, not code comments
     return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 
@@ -53,9 +55,19 @@ def test_every_runnable_block_runs_on_cpu(tmp_path, page):
     # A page's blocks run in order in one fresh directory: a later one may use what an
     # earlier one wrote (a run directory it resumes or replays).
     for language, code in runnable_blocks(page):
-        command = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
-        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                              env=child_env({"CUDA_VISIBLE_DEVICES": ""}))
+        command = (
+            ["bash", "-euo", "pipefail", "-c", code]
+            if language == "bash"
+            else [sys.executable, "-c", code]
+        )
+        proc = subprocess.run(
+            command,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=child_env({"CUDA_VISIBLE_DEVICES": ""}),
+        )
         assert proc.returncode == 0, f"{page.name}:\n{code}\n{proc.stderr[-3000:]}"
 
 
@@ -66,7 +78,9 @@ def train_flags_named(path: Path) -> set[str]:
     for line in path.read_text().splitlines():
         for program in ("distzo.train", "distzo-train"):
             if program in line:
-                named |= set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split(program, 1)[1]))
+                named |= set(
+                    re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split(program, 1)[1])
+                )
         row = re.match(r"^\| *\| *`(--[a-z][a-z0-9-]*)", line)
         if row:
             named |= set(re.findall(r"`(--[a-z][a-z0-9-]*)", line.split("|")[2]))
@@ -76,7 +90,12 @@ def train_flags_named(path: Path) -> set[str]:
 def test_every_flag_the_docs_give_the_training_job_exists():
     known = {option for action in build_parser()._actions for option in action.option_strings}
     known |= {"--no-" + o[2:] for o in known}
-    missing = {f"{page.name}: {flag}" for page in PAGES for flag in train_flags_named(page) if flag not in known}
+    missing = {
+        f"{page.name}: {flag}"
+        for page in PAGES
+        for flag in train_flags_named(page)
+        if flag not in known
+    }
     assert not missing, sorted(missing)
 
 
@@ -96,7 +115,10 @@ def test_every_relative_link_resolves():
 
 
 def test_every_docs_page_is_reachable_from_the_readme():
-    linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall((ROOT / "README.md").read_text())}
+    linked = {
+        (ROOT / target.partition("#")[0]).resolve()
+        for target in LINK.findall((ROOT / "README.md").read_text())
+    }
     assert set((ROOT / "docs").glob("*.md")) <= linked
 
 

@@ -5,34 +5,49 @@ long run keeps flat memory and K checkpoints; the dashboard holds every step."""
 
 import json
 import os
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log
-from tests.helpers.models import random_batch
-from tests.helpers.launch import Run, child_env, free_port, python_train, torchrun, torchrun_command, train_in_process
 from tests.helpers.engines import engine_for
-from tests.helpers.models import base_model
+from tests.helpers.launch import (
+    Run,
+    child_env,
+    free_port,
+    python_train,
+    torchrun,
+    torchrun_command,
+    train_in_process,
+)
+from tests.helpers.models import base_model, random_batch
 
 
 def counted_uploads(engine):
     moved = {"upload": 0, "offload": 0}
     store = engine.streamed_store
     for name in moved:
+
         def counted(index, original=getattr(store, name), name=name):
             moved[name] += 1
             original(index)
+
         setattr(store, name, counted)
     return moved
 
 
-@pytest.mark.parametrize("options", [
-    dict(), dict(num_queries=2, optimizer="momentum", momentum_window=4), dict(optimizer="adam", lr=1e-3),
-], ids=["sgd", "momentum", "adam"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(num_queries=2, optimizer="momentum", momentum_window=4),
+        dict(optimizer="adam", lr=1e-3),
+    ],
+    ids=["sgd", "momentum", "adam"],
+)
 def test_catching_up_with_logged_steps_is_the_uninterrupted_trajectory_in_one_pass(options):
     def build():
         return engine_for(base_model("llama"), mode="offload", num_slots=2, **options)
@@ -47,7 +62,9 @@ def test_catching_up_with_logged_steps_is_the_uninterrupted_trajectory_in_one_pa
     restarted = build()
     restarted.load_state_dict(cut.state_dict())  # the checkpoint at step 5
     moved = counted_uploads(restarted)
-    restarted.catch_up([(r.step, r.projected_grads, r.lr) for r in results[5:9]])  # steps 5-8 from the log
+    restarted.catch_up(
+        [(r.step, r.projected_grads, r.lr) for r in results[5:9]]
+    )  # steps 5-8 from the log
     blocks = len(restarted.blocks)
     assert moved == {"upload": blocks, "offload": blocks}  # one pass for the four steps
     assert restarted.step_index == 9
@@ -80,8 +97,12 @@ def test_a_torn_last_line_is_dropped_with_a_warning(tmp_path, caplog):
     header, steps = read_seed_log(path)
     assert header["run_seed"] == 7 and [s["step"] for s in steps] == [0, 1]
     assert "dropped a torn last line (line 4, no newline)" in caplog.text
-    path.write_text(whole.replace('"lr": 0.001}\n{"step": 2', '"lr": 0.001}\n{"step": 2, "proj\n{"step": 2'))
-    with pytest.raises(ValueError, match="line 4: not JSON"):  # a broken line that is not the last is an error
+    path.write_text(
+        whole.replace('"lr": 0.001}\n{"step": 2', '"lr": 0.001}\n{"step": 2, "proj\n{"step": 2')
+    )
+    with pytest.raises(
+        ValueError, match="line 4: not JSON"
+    ):  # a broken line that is not the last is an error
         read_seed_log(path)
 
 
@@ -90,7 +111,9 @@ def test_a_log_of_another_run_is_refused_in_one_line(tmp_path):
     write_log(path, optimizer={"name": "sgd"})
     header, _ = read_seed_log(path)
     check_same_run(path, header, {"run_seed": 7, "optimizer": {"name": "sgd"}})
-    with pytest.raises(ValueError, match=r"is the log of another run \(run_seed 7, this run has 8\)") as info:
+    with pytest.raises(
+        ValueError, match=r"is the log of another run \(run_seed 7, this run has 8\)"
+    ) as info:
         check_same_run(path, header, {"run_seed": 8, "optimizer": {"name": "sgd"}})
     assert "\n" not in str(info.value)
     assert json.loads(path.read_text().splitlines()[0])["kind"] == "header"
@@ -100,36 +123,91 @@ def test_a_killed_rank_restarts_the_job_which_catches_up_from_the_seed_log(tmp_p
     # Rank 2 of 4 dies (SIGKILL) at step 37 of 45; torchrun restarts the job, which loads
     # the step-20 checkpoint, applies steps 20-36 from the seed log in one pass and trains
     # on: its export is the uninterrupted run's bit for bit (sliced transfer, 2 queries).
-    flags = ["--max-steps", "45", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0", "--seed", "5",
-             "--lr-schedule", "constant", "--save-steps", "20", "--transfer", "sliced", "--num-queries", "2"]
+    flags = [
+        "--max-steps",
+        "45",
+        "--batch-size",
+        "8",
+        "--eval-batch-size",
+        "8",
+        "--log-every",
+        "0",
+        "--seed",
+        "5",
+        "--lr-schedule",
+        "constant",
+        "--save-steps",
+        "20",
+        "--transfer",
+        "sliced",
+        "--num-queries",
+        "2",
+    ]
     full, killed = tmp_path / "full", tmp_path / "killed"
     proc = torchrun(4, flags + ["--output-dir", str(full)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = torchrun(4, flags + ["--output-dir", str(killed)], env={"DISTZO_KILL_AT": "2:37"}, max_restarts=1,
-                    timeout=300)
+    proc = torchrun(
+        4,
+        flags + ["--output-dir", str(killed)],
+        env={"DISTZO_KILL_AT": "2:37"},
+        max_restarts=1,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "killing rank 2 at step 37" in proc.stderr
-    assert "caught up with steps 20-36 from the seed log in one pass; training from step 37" in proc.stderr
+    assert (
+        "caught up with steps 20-36 from the seed log in one pass; training from step 37"
+        in proc.stderr
+    )
     assert Run(killed).grads == Run(full).grads  # metrics.jsonl holds every step once
-    assert [json.loads(line)["step"] for line in (killed / "seedlog.jsonl").read_text().splitlines()[1:]] == list(range(45))
+    assert [
+        json.loads(line)["step"] for line in (killed / "seedlog.jsonl").read_text().splitlines()[1:]
+    ] == list(range(45))
     assert all(torch.equal(Run(killed).params[k], v) for k, v in Run(full).params.items())
 
 
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_the_run_resumes_exactly(tmp_path):
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_the_run_resumes_exactly(
+    tmp_path,
+):
     # Rank 1 of 2 gets SIGTERM before step 5: its stop vote rides on step 5's all-reduce,
     # both ranks stop after it, write a checkpoint (--save-on-signal) and exit 143; the
     # resumed run ends where an uninterrupted one does. Every save here is synchronous,
     # written from the live host copy (--no-save-async, and the one on the signal).
-    flags = ["--max-steps", "12", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0", "--seed", "5",
-             "--lr-schedule", "constant", "--dp", "2", "--save-steps", "4", "--no-save-async"]
+    flags = [
+        "--max-steps",
+        "12",
+        "--batch-size",
+        "8",
+        "--eval-batch-size",
+        "8",
+        "--log-every",
+        "0",
+        "--seed",
+        "5",
+        "--lr-schedule",
+        "constant",
+        "--dp",
+        "2",
+        "--save-steps",
+        "4",
+        "--no-save-async",
+    ]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert torchrun(2, flags + ["--output-dir", str(full)]).returncode == 0
-    proc = torchrun(2, flags + ["--output-dir", str(stopped), "--save-on-signal"], env={"DISTZO_SIGNAL_AT": "1:5"})
+    proc = torchrun(
+        2,
+        flags + ["--output-dir", str(stopped), "--save-on-signal"],
+        env={"DISTZO_SIGNAL_AT": "1:5"},
+    )
     assert proc.returncode != 0
     assert "SIGTERM received: stopping after the step under way" in proc.stderr
-    assert "preempted: stopped after step 5 on a signal to another rank; 6 steps done" in proc.stderr
+    assert (
+        "preempted: stopped after step 5 on a signal to another rank; 6 steps done" in proc.stderr
+    )
     assert "exitcode  : 143" in proc.stderr
-    assert [json.loads(line)["step"] for line in (stopped / "metrics.jsonl").read_text().splitlines()] == list(range(6))
+    assert [
+        json.loads(line)["step"] for line in (stopped / "metrics.jsonl").read_text().splitlines()
+    ] == list(range(6))
     assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == ["step-4", "step-6"]
     assert not (stopped / "export").exists()
     proc = torchrun(2, flags + ["--output-dir", str(stopped), "--resume"])
@@ -144,12 +222,29 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     # crash mid-write would leave it): the resumed run drops it, catches up with steps 0-5
     # from the initial weights, trains 6-9 and ends where an uninterrupted run does.
     # A log whose header is another run's is refused in one line.
-    flags = ["--max-steps", "10", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0", "--seed", "5",
-             "--lr-schedule", "constant"]
+    flags = [
+        "--max-steps",
+        "10",
+        "--batch-size",
+        "8",
+        "--eval-batch-size",
+        "8",
+        "--log-every",
+        "0",
+        "--seed",
+        "5",
+        "--lr-schedule",
+        "constant",
+    ]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert python_train(flags + ["--output-dir", str(full)]).returncode == 0
-    proc = subprocess.run([sys.executable, "-m", "distzo.train", *flags, "--output-dir", str(stopped)],
-                          capture_output=True, text=True, timeout=120, env=child_env({"DISTZO_SIGNAL_AT": "0:6"}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.train", *flags, "--output-dir", str(stopped)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env({"DISTZO_SIGNAL_AT": "0:6"}),
+    )
     assert proc.returncode == 143 and not (stopped / "checkpoints").exists()
     log = stopped / "seedlog.jsonl"
     text = log.read_text()
@@ -157,7 +252,10 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     proc = python_train(flags + ["--output-dir", str(stopped), "--resume", "auto"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("dropped a torn last line") == 1  # the resume reads the log once
-    assert "caught up with steps 0-5 from the seed log in one pass; training from step 6" in proc.stderr
+    assert (
+        "caught up with steps 0-5 from the seed log in one pass; training from step 6"
+        in proc.stderr
+    )
     assert all(torch.equal(Run(stopped).params[k], v) for k, v in Run(full).params.items())
 
     header, *steps = log.read_text().splitlines()
@@ -166,10 +264,13 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {log} is the log of another run (run_seed 6, this run has 5); resume with the options it was "
-        "written with, or use a fresh --output-dir")
+        "written with, or use a fresh --output-dir"
+    )
 
 
-def test_the_slurm_script_stops_at_the_time_limit_notice_requeues_and_the_requeued_job_goes_on(tmp_path):
+def test_the_slurm_script_stops_at_the_time_limit_notice_requeues_and_the_requeued_job_goes_on(
+    tmp_path,
+):
     # launch/slurm.sbatch as sbatch runs it, with tests/helpers/fake_slurm's srun (which becomes its
     # task, as a signal to srun reaches the task) and scontrol (this host; requeues recorded):
     # the time-limit notice (SIGTERM to the batch shell alone, --signal=B:TERM) reaches both
@@ -180,17 +281,46 @@ def test_the_slurm_script_stops_at_the_time_limit_notice_requeues_and_the_requeu
 
     repo = Path(__file__).resolve().parents[2]
     out, log = tmp_path / "slurm-out", tmp_path / "slurm.log"
-    env = child_env({
-        "PATH": f"{repo / 'tests' / 'helpers' / 'fake_slurm'}:{os.environ['PATH']}", "FAKE_SLURM_LOG": str(log),
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "2",
-        "SLURM_SUBMIT_DIR": str(repo), "OUTPUT_DIR": str(out), "RDZV_PORT": str(free_port()),
-    })
-    flags = ["--max-steps", "100", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0", "--seed", "5",
-             "--lr-schedule", "constant"]
-    job = subprocess.Popen(["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"], cwd=tmp_path,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = child_env(
+        {
+            "PATH": f"{repo / 'tests' / 'helpers' / 'fake_slurm'}:{os.environ['PATH']}",
+            "FAKE_SLURM_LOG": str(log),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node0",
+            "SLURM_NNODES": "1",
+            "SLURM_GPUS_ON_NODE": "2",
+            "SLURM_SUBMIT_DIR": str(repo),
+            "OUTPUT_DIR": str(out),
+            "RDZV_PORT": str(free_port()),
+        }
+    )
+    flags = [
+        "--max-steps",
+        "100",
+        "--batch-size",
+        "8",
+        "--eval-batch-size",
+        "8",
+        "--log-every",
+        "0",
+        "--seed",
+        "5",
+        "--lr-schedule",
+        "constant",
+    ]
+    job = subprocess.Popen(
+        ["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
-    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+    while (
+        not (out / "metrics.jsonl").exists()
+        or len((out / "metrics.jsonl").read_text().splitlines()) < 3
+    ):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.05)
     job.send_signal(signal.SIGTERM)
@@ -202,13 +332,21 @@ def test_the_slurm_script_stops_at_the_time_limit_notice_requeues_and_the_requeu
     assert 3 <= stopped_after < 100 and not (out / "export").exists()
     assert log.read_text().splitlines()[-1] == "scontrol requeue 4242"
 
-    requeued = subprocess.run(["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"], cwd=tmp_path,
-                              env=dict(env, SLURM_RESTART_COUNT="1"), capture_output=True, text=True, timeout=180)
+    requeued = subprocess.run(
+        ["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"],
+        cwd=tmp_path,
+        env=dict(env, SLURM_RESTART_COUNT="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert f"training from step {stopped_after}" in requeued.stderr
     assert log.read_text().count("requeue") == 1
     full = tmp_path / "full"
-    assert python_train(flags + ["--output-dir", str(full)]).returncode == 0  # 2 PertP ranks are 1 process in fp32
+    assert (
+        python_train(flags + ["--output-dir", str(full)]).returncode == 0
+    )  # 2 PertP ranks are 1 process in fp32
     assert Run(out).grads == Run(full).grads
     assert all(torch.equal(Run(out).params[k], v) for k, v in Run(full).params.items())
 
@@ -231,7 +369,9 @@ def test_the_default_4_rank_job_learns_with_flat_memory_and_at_most_k_checkpoint
     # loss down >= 1.5 nats; measured 4.18 -> 1.65, 0.49), rank 0's resident memory
     # (VmRSS) stays within 2 % from step 200 on, and 2 checkpoints are left.
     command = torchrun_command(4, ["--save-steps", "100"], free_port())
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=child_env())
+    proc = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=child_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = list((tmp_path / "runs").iterdir())
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
@@ -239,7 +379,9 @@ def test_the_default_4_rank_job_learns_with_flat_memory_and_at_most_k_checkpoint
     assert first["step"] == 0 and last["step"] == 2000
     assert last["eval_accuracy"] >= 0.3 and first["eval_accuracy"] < 0.1, (first, last)
     assert last["eval_loss"] < first["eval_loss"] - 1.5, (first, last)
-    assert (run_dir / "export" / "model.safetensors").exists() and (run_dir / "config.toml").exists()
+    assert (run_dir / "export" / "model.safetensors").exists() and (
+        run_dir / "config.toml"
+    ).exists()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(2000))
     rss = [m["host_rss_gb"] for m in metrics[200:]]
@@ -251,41 +393,87 @@ def test_tensorboard_holds_every_step_and_every_evaluation(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    proc = python_train(["--max-steps", "6", "--eval-steps", "3", "--log-every", "0", "--report-to", "tensorboard",
-                         "--output-dir", str(tmp_path)])
+    proc = python_train(
+        [
+            "--max-steps",
+            "6",
+            "--eval-steps",
+            "3",
+            "--log-every",
+            "0",
+            "--report-to",
+            "tensorboard",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/projected_grad", "train/lr", "train/tokens_per_s", "train/host_rss_gb",
-            "train/link_gb_per_s", "eval/loss", "eval/accuracy"} <= tags
+    assert {
+        "train/loss",
+        "train/projected_grad",
+        "train/lr",
+        "train/tokens_per_s",
+        "train/host_rss_gb",
+        "train/link_gb_per_s",
+        "eval/loss",
+        "eval/accuracy",
+    } <= tags
     assert [e.step for e in events.Scalars("train/loss")] == list(range(6))
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 3, 6]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(
+        [m["loss"] for m in metrics], rel=1e-6
+    )
 
 
 def test_a_dashboard_that_is_not_installed_is_one_line(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     proc = train_in_process(["--report-to", "wandb"])
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: --report-to wandb needs the wandb package: pip install 'distzo[wandb]', "
-                                   "or drop --report-to")
+    assert proc.stderr.strip() == (
+        "error: --report-to wandb needs the wandb package: pip install 'distzo[wandb]', "
+        "or drop --report-to"
+    )
 
 
 def test_wandb_gets_every_step_and_evaluation_and_a_resumed_run_continues_its_wandb_run(tmp_path):
     # tests/helpers/fake_wandb stands in for the package (wandb is not installed in CI): it records
     # the calls. A real wandb 0.31 in offline mode ran the same command by hand (docs/training.md).
     calls = tmp_path / "wandb-calls.jsonl"
-    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "helpers" / "fake_wandb"), "FAKE_WANDB_LOG": str(calls)}
-    args = ["--max-steps", "4", "--eval-steps", "2", "--log-every", "0", "--report-to", "wandb", "--save-steps", "2",
-            "--output-dir", str(tmp_path / "run")]
+    env = {
+        "PYTHONPATH": str(Path(__file__).parents[1] / "helpers" / "fake_wandb"),
+        "FAKE_WANDB_LOG": str(calls),
+    }
+    args = [
+        "--max-steps",
+        "4",
+        "--eval-steps",
+        "2",
+        "--log-every",
+        "0",
+        "--report-to",
+        "wandb",
+        "--save-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     for extra in ([], ["--max-steps", "6", "--resume"]):
-        proc = subprocess.run([sys.executable, "-m", "distzo.train", *args, *extra], capture_output=True, text=True,
-                              timeout=120, env=child_env(env))
+        proc = subprocess.run(
+            [sys.executable, "-m", "distzo.train", *args, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(env),
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(line) for line in calls.read_text().splitlines()]
     inits = [r for r in records if r["call"] == "init"]

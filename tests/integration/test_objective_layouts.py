@@ -9,7 +9,13 @@ import json
 
 import pytest
 
-from tests.helpers.launch import Run, max_relative_difference, python_train, torchrun, train_in_process
+from tests.helpers.launch import (
+    Run,
+    max_relative_difference,
+    python_train,
+    torchrun,
+    train_in_process,
+)
 
 ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
 # layout: (ranks, flags, the single-process run it must follow)
@@ -17,17 +23,33 @@ LAYOUTS = {
     "single": (1, [], None),
     "single_adam": (1, ADAM, None),
     "pertp": (2, ["--pert", "2"], "single"),
-    "ddp": (2, ["--pert", "1", "--grad-accum", "2"], "single"),  # micro-batches give the whole batch's g
+    "ddp": (
+        2,
+        ["--pert", "1", "--grad-accum", "2"],
+        "single",
+    ),  # micro-batches give the whole batch's g
     "2d_adam": (4, ["--dp", "2", "--pert", "2", "--grad-accum", "2", *ADAM], "single_adam"),
     # Adam's moments sliced over the node like the weights, all-gathered with them
-    "2d_sliced_adam": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced", *ADAM], "single_adam"),
+    "2d_sliced_adam": (
+        4,
+        ["--dp", "2", "--pert", "2", "--transfer", "sliced", *ADAM],
+        "single_adam",
+    ),
     "2d_sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"], "single"),
 }
 # objective: (task, extra flags, layouts besides single). A large eps makes the perturbed
 # models' metrics differ, so the non-differentiable objectives move (g != 0).
 OBJECTIVES = {
-    "classification": ("sst2", ["--eps", "1e-3"], ["ddp", "2d_adam", "2d_sliced_adam"]),  # PertP: test_dist_launch
-    "accuracy": ("sst2", ["--eps", "0.3"], []),  # scored like classification; f1 takes the 2D sliced layout
+    "classification": (
+        "sst2",
+        ["--eps", "1e-3"],
+        ["ddp", "2d_adam", "2d_sliced_adam"],
+    ),  # PertP: test_dist_launch
+    "accuracy": (
+        "sst2",
+        ["--eps", "0.3"],
+        [],
+    ),  # scored like classification; f1 takes the 2D sliced layout
     "f1": ("squad", ["--eps", "0.3", "--max-new-tokens", "3"], ["2d_sliced"]),
 }
 
@@ -39,11 +61,21 @@ def write_jsonl(path, rows):
 
 def task_files(tmp_path, task):
     if task == "sst2":
-        rows = [{"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}", "label": int(i % 3 > 0)} for i in range(16)]
+        rows = [
+            {"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}", "label": int(i % 3 > 0)}
+            for i in range(16)
+        ]
     else:
         # Answers drawn from the byte alphabet's printable range: a random model emits some of it.
-        rows = [{"title": "T", "context": f"Code {i}.", "question": "Which?", "answers": [chr(40 + i) * 2, chr(40 + i)]}
-                for i in range(16)]
+        rows = [
+            {
+                "title": "T",
+                "context": f"Code {i}.",
+                "question": "Which?",
+                "answers": [chr(40 + i) * 2, chr(40 + i)],
+            }
+            for i in range(16)
+        ]
     return write_jsonl(tmp_path / f"{task}.jsonl", rows)
 
 
@@ -56,9 +88,32 @@ def runs(tmp_path_factory):
         for layout in [*baselines, *layouts]:
             nproc, flags, _ = LAYOUTS[layout]
             path = tmp_path_factory.mktemp(f"{objective}-{layout}")
-            args = ["--task", task, "--train-file", data, "--eval-file", data, "--objective", objective,
-                    "--max-steps", "5", "--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0",
-                    "--seed", "3", "--dtype", "fp64", "--output-dir", str(path), *extra, *flags]
+            args = [
+                "--task",
+                task,
+                "--train-file",
+                data,
+                "--eval-file",
+                data,
+                "--objective",
+                objective,
+                "--max-steps",
+                "5",
+                "--batch-size",
+                "8",
+                "--eval-batch-size",
+                "8",
+                "--log-every",
+                "0",
+                "--seed",
+                "3",
+                "--dtype",
+                "fp64",
+                "--output-dir",
+                str(path),
+                *extra,
+                *flags,
+            ]
             proc = python_train(args) if nproc == 1 else torchrun(nproc, args)
             assert proc.returncode == 0, proc.stderr[-3000:]
             out[objective, layout] = Run(path)
@@ -66,12 +121,15 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "objective, layout", [(o, layout) for o, (_, _, layouts) in OBJECTIVES.items() for layout in layouts]
+    "objective, layout",
+    [(o, layout) for o, (_, _, layouts) in OBJECTIVES.items() for layout in layouts],
 )
 def test_every_objective_and_layout_follows_the_single_process(runs, objective, layout):
     single, other = runs[objective, LAYOUTS[layout][2]], runs[objective, layout]
     assert len(other.metrics) == 5
-    assert [m["loss_plus"] for m in other.metrics] == pytest.approx([m["loss_plus"] for m in single.metrics], rel=1e-9)
+    assert [m["loss_plus"] for m in other.metrics] == pytest.approx(
+        [m["loss_plus"] for m in single.metrics], rel=1e-9
+    )
     g_diff, param_diff = max_relative_difference(other, single)
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
 
@@ -79,7 +137,9 @@ def test_every_objective_and_layout_follows_the_single_process(runs, objective, 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_each_objective_moves_the_model_and_is_recorded(runs, objective):
     run = runs[objective, "single"]
-    assert any(g != 0 for g in run.grads), "every step estimated g = 0: the comparison would be vacuous"
+    assert any(g != 0 for g in run.grads), (
+        "every step estimated g = 0: the comparison would be vacuous"
+    )
     assert {m["objective"] for m in run.metrics} == {objective}
     header = json.loads((run.out / "seedlog.jsonl").read_text().splitlines()[0])
     assert header["objective"] == objective
@@ -88,25 +148,55 @@ def test_each_objective_moves_the_model_and_is_recorded(runs, objective):
 
 def test_the_default_objective_is_mezos(tmp_path):
     data = task_files(tmp_path, "sst2")
-    proc = python_train(["--task", "sst2", "--train-file", data, "--eval-file", data, "--max-steps", "1",
-                         "--batch-size", "4", "--eval-batch-size", "4", "--output-dir", str(tmp_path / "run")])
+    proc = python_train(
+        [
+            "--task",
+            "sst2",
+            "--train-file",
+            data,
+            "--eval-file",
+            data,
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--eval-batch-size",
+            "4",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'objective = "classification"' in (tmp_path / "run" / "config.toml").read_text()
 
 
-NO_FILES = ["--train-file", "/no/such.jsonl", "--eval-file", "/no/such.jsonl"]  # never read: the check comes first
+NO_FILES = [
+    "--train-file",
+    "/no/such.jsonl",
+    "--eval-file",
+    "/no/such.jsonl",
+]  # never read: the check comes first
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--task", "sst2", "--objective", "f1", *NO_FILES],
-         "--objective f1 does not apply to --task sst2; choose one of lm, classification, accuracy"),
-        (["--task", "text", "--objective", "classification", *NO_FILES],
-         "--objective classification does not apply to --task text; choose one of lm"),
-        (["--task", "squad", "--objective", "accuracy", *NO_FILES],
-         "--objective accuracy does not apply to --task squad; choose one of lm, f1"),
-        (["--objective", "accuracy"], "--objective accuracy does not apply to --task counting; choose one of lm"),
+        (
+            ["--task", "sst2", "--objective", "f1", *NO_FILES],
+            "--objective f1 does not apply to --task sst2; choose one of lm, classification, accuracy",
+        ),
+        (
+            ["--task", "text", "--objective", "classification", *NO_FILES],
+            "--objective classification does not apply to --task text; choose one of lm",
+        ),
+        (
+            ["--task", "squad", "--objective", "accuracy", *NO_FILES],
+            "--objective accuracy does not apply to --task squad; choose one of lm, f1",
+        ),
+        (
+            ["--objective", "accuracy"],
+            "--objective accuracy does not apply to --task counting; choose one of lm",
+        ),
     ],
 )
 def test_an_objective_that_does_not_fit_the_task_is_one_line_before_any_file(args, message):

@@ -12,12 +12,29 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers.launch import child_env, python_train, torchrun
 
-COMMON = ["--max-steps", "8", "--batch-size", "8", "--log-every", "0", "--seed", "5", "--lr-schedule", "constant",
-          "--eval-batch-size", "8", "--lora-r", "4"]
+COMMON = [
+    "--max-steps",
+    "8",
+    "--batch-size",
+    "8",
+    "--log-every",
+    "0",
+    "--seed",
+    "5",
+    "--lr-schedule",
+    "constant",
+    "--eval-batch-size",
+    "8",
+    "--lora-r",
+    "4",
+]
 
 
 def grads(run):
-    return [json.loads(line)["projected_grad"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)["projected_grad"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def adapter(run):
@@ -35,9 +52,16 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     proc = python_train(flags + ["--output-dir", str(full)])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(p.name for p in (full / "export").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (full / "export").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     config = json.loads((full / "export" / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and config["r"] == 4 and set(config["target_modules"]) == {"q_proj", "v_proj"}
+    assert (
+        config["peft_type"] == "LORA"
+        and config["r"] == 4
+        and set(config["target_modules"]) == {"q_proj", "v_proj"}
+    )
     header = json.loads((full / "seedlog.jsonl").read_text().splitlines()[0])
     assert header["peft"]["method"] == "lora-fa"
     assert "trained on a frozen base" in proc.stderr
@@ -51,19 +75,43 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
     assert_same(adapter(cut), adapter(full))
 
     out = tmp_path / "replayed"
-    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(full / "seedlog.jsonl"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distzo.replay",
+            "--log",
+            str(full / "seedlog.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(load_file(str(out / "adapter_model.safetensors")), adapter(full))
 
     # another adapter cannot continue this run's state
     shutil.copytree(full / "checkpoints", tmp_path / "other" / "checkpoints")
-    proc = python_train(COMMON + ["--peft", "lora", "--output-dir", str(tmp_path / "other"), "--resume"])
+    proc = python_train(
+        COMMON + ["--peft", "lora", "--output-dir", str(tmp_path / "other"), "--resume"]
+    )
     assert proc.returncode == 2 and "holds other trained parameters" in proc.stderr
 
 
 def test_a_prefix_run_resumes_replays_and_follows_pertp(tmp_path):
-    flags = COMMON + ["--peft", "prefix", "--prefix-length", "3", "--num-queries", "2", "--dtype", "fp64"]
+    flags = COMMON + [
+        "--peft",
+        "prefix",
+        "--prefix-length",
+        "3",
+        "--num-queries",
+        "2",
+        "--dtype",
+        "fp64",
+    ]
     full = tmp_path / "full"
     proc = python_train(flags + ["--save-steps", "4", "--output-dir", str(full)])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -79,8 +127,21 @@ def test_a_prefix_run_resumes_replays_and_follows_pertp(tmp_path):
     assert_same(adapter(cut), adapter(full))
 
     out = tmp_path / "replayed"  # the real init is redone from the run seed, then the logged steps
-    proc = subprocess.run([sys.executable, "-m", "distzo.replay", "--log", str(full / "seedlog.jsonl"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distzo.replay",
+            "--log",
+            str(full / "seedlog.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(load_file(str(out / "adapter_model.safetensors")), adapter(full))
 
@@ -98,8 +159,22 @@ def test_layouts_follow_the_single_process(tmp_path):
     assert python_train(flags + ["--output-dir", str(single)]).returncode == 0
     # 2D: each rank runs one sign of both queries, batched into one forward (--dual-forward has
     # nothing to pair there; the engine tests hold it equal to the sequential passes)
-    runs = {"pertp": (2, ["--pert", "2"]),
-            "2d-sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--dual-forward", "--batch-queries"])}
+    runs = {
+        "pertp": (2, ["--pert", "2"]),
+        "2d-sliced": (
+            4,
+            [
+                "--dp",
+                "2",
+                "--pert",
+                "2",
+                "--transfer",
+                "sliced",
+                "--dual-forward",
+                "--batch-queries",
+            ],
+        ),
+    }
     for name, (nproc, extra) in runs.items():
         proc = torchrun(nproc, flags + extra + ["--output-dir", str(tmp_path / name)])
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -111,7 +186,10 @@ def test_layouts_follow_the_single_process(tmp_path):
 
 
 def test_merge_adapter_exports_a_plain_model(tmp_path):
-    proc = python_train(COMMON + ["--peft", "lora", "--merge-adapter", "--max-steps", "3", "--output-dir", str(tmp_path)])
+    proc = python_train(
+        COMMON
+        + ["--peft", "lora", "--merge-adapter", "--max-steps", "3", "--output-dir", str(tmp_path)]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
@@ -121,16 +199,21 @@ def test_merge_adapter_exports_a_plain_model(tmp_path):
     assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in moved)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--peft", "lora", "--lora-dropout", "0.1"], "drop --lora-dropout"),
-    (["--merge-adapter"], "--merge-adapter needs a LoRA adapter"),
-    (["--peft", "prefix", "--merge-adapter"], "--merge-adapter needs a LoRA adapter"),
-    (["--peft", "prefix", "--prefix-length", "0"], "--prefix-length must be >= 1"),
-    (["--dual-forward"], "--dual-forward and --batch-queries need an adapter"),
-    (["--peft", "lora", "--lora-targets", "nothing_here"], "--lora-targets"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--peft", "lora", "--lora-dropout", "0.1"], "drop --lora-dropout"),
+        (["--merge-adapter"], "--merge-adapter needs a LoRA adapter"),
+        (["--peft", "prefix", "--merge-adapter"], "--merge-adapter needs a LoRA adapter"),
+        (["--peft", "prefix", "--prefix-length", "0"], "--prefix-length must be >= 1"),
+        (["--dual-forward"], "--dual-forward and --batch-queries need an adapter"),
+        (["--peft", "lora", "--lora-targets", "nothing_here"], "--lora-targets"),
+    ],
+)
 def test_bad_adapter_flags_are_one_line(tmp_path, capsys, flags, message):
-    from distzo.train import main  # in process: the entry point's own error path, no interpreter start-up
+    from distzo.train import (
+        main,
+    )  # in process: the entry point's own error path, no interpreter start-up
 
     assert main(COMMON + flags + ["--output-dir", str(tmp_path)]) == 2
     errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]

@@ -12,17 +12,31 @@ from distzo.train import default_lr
 def test_default_job_runs_and_the_loss_goes_down(tmp_path):
     # The README's main command, shortened; the full default (2000 steps) takes ~5 s.
     proc = subprocess.run(
-        [sys.executable, "-m", "distzo.train", "--max-steps", "400", "--device", "cpu", "--output-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "distzo.train",
+            "--max-steps",
+            "400",
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    match = re.search(r"400 steps in .* eval loss ([\d.]+), accuracy [\d.]+ -> loss ([\d.]+)", proc.stderr)
+    match = re.search(
+        r"400 steps in .* eval loss ([\d.]+), accuracy [\d.]+ -> loss ([\d.]+)", proc.stderr
+    )
     assert match, proc.stderr[-2000:]
     before, after = map(float, match.groups())
     assert after < before - 0.5, (before, after)
-    assert "lr = 0.01\n" in (tmp_path / "config.toml").read_text()  # the default, resolved and recorded
+    assert (
+        "lr = 0.01\n" in (tmp_path / "config.toml").read_text()
+    )  # the default, resolved and recorded
 
 
 @pytest.mark.parametrize(
@@ -50,7 +64,18 @@ def test_the_installed_commands_run(script):
 
 
 def test_help_documents_every_flag_with_its_default():
-    out = subprocess.run([sys.executable, "-m", "distzo.train", "--help"], capture_output=True, text=True).stdout
-    for flag in ["--max-steps", "--batch-size", "--lr", "--eps", "--mode", "--num-slots", "--device", "--seed"]:
+    out = subprocess.run(
+        [sys.executable, "-m", "distzo.train", "--help"], capture_output=True, text=True
+    ).stdout
+    for flag in [
+        "--max-steps",
+        "--batch-size",
+        "--lr",
+        "--eps",
+        "--mode",
+        "--num-slots",
+        "--device",
+        "--seed",
+    ]:
         assert flag in out
     assert "(default: 2000)" in out

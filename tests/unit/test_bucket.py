@@ -26,7 +26,9 @@ def test_layout_puts_decayed_parameters_first_and_aligns_offsets():
 
     model = nn.Module()
     model.lin, model.ln = lin, norm
-    named, _ = BucketLayout.build([(("lin.weight",), lin.weight), (("lin.bias",), lin.bias), (("ln.weight",), norm.weight)])
+    named, _ = BucketLayout.build(
+        [(("lin.weight",), lin.weight), (("lin.bias",), lin.bias), (("ln.weight",), norm.weight)]
+    )
     named_flat = torch.zeros(named.numel)
     bind(model, named, named_flat)
     named_flat[named.entries[0].offset] = 42.0

@@ -39,12 +39,17 @@ def test_offload_trajectory_equals_resident_bitwise():
     assert_same_trajectory(run("offload"), resident)
     # and the parameters really moved (the comparison is not between two untouched models)
     untouched = tiny_opt(seed=0, num_hidden_layers=3, word_embed_proj_dim=16).state_dict()
-    assert not torch.equal(resident[1]["model.decoder.layers.0.fc1.weight"], untouched["model.decoder.layers.0.fc1.weight"])
+    assert not torch.equal(
+        resident[1]["model.decoder.layers.0.fc1.weight"],
+        untouched["model.decoder.layers.0.fc1.weight"],
+    )
 
 
 @pytest.mark.parametrize("num_slots", [1, 3, 5])
 def test_number_of_slots_does_not_change_the_trajectory(num_slots):
-    assert_same_trajectory(run("offload", steps=6, num_slots=num_slots), run("offload", steps=6, num_slots=2))
+    assert_same_trajectory(
+        run("offload", steps=6, num_slots=num_slots), run("offload", steps=6, num_slots=2)
+    )
 
 
 def test_flushing_early_does_not_change_the_trajectory():
@@ -75,8 +80,14 @@ def test_every_noise_kind_keeps_offload_equal_to_resident(kind):
 # difference across a ReLU kink is not the derivative, and with thousands of
 # pre-activations some always lie within eps of a kink.
 FLOAT64_TINY = dict(
-    dtype=torch.float64, num_hidden_layers=2, hidden_size=16, ffn_dim=32, num_attention_heads=2,
-    word_embed_proj_dim=8, max_position_embeddings=16, activation_function="gelu",
+    dtype=torch.float64,
+    num_hidden_layers=2,
+    hidden_size=16,
+    ffn_dim=32,
+    num_attention_heads=2,
+    word_embed_proj_dim=8,
+    max_position_embeddings=16,
+    activation_function="gelu",
 )
 
 
@@ -87,7 +98,9 @@ def zo_and_autograd_gradient(seed, eps, num_queries=1, lr=0.0):
     # Right padding: pad positions then never reach the loss. (With left padding the last
     # pad predicts the first real token, and autograd's padding_idx drops that gradient.)
     batch = random_batch(model.config.vocab_size, pad="right", seed=seed)
-    config = ZOConfig(eps=eps, lr=lr, seed=seed, device="cpu", noise_chunk=777, num_queries=num_queries)
+    config = ZOConfig(
+        eps=eps, lr=lr, seed=seed, device="cpu", noise_chunk=777, num_queries=num_queries
+    )
     engine = ZOEngine(model, config)
     grads = engine.step(batch).projected_grads
 
@@ -104,7 +117,9 @@ def zo_and_autograd_gradient(seed, eps, num_queries=1, lr=0.0):
 
 
 def buckets_of(engine):
-    return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [(l, i + 1) for i, l in enumerate(engine.block_layouts)]
+    return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [
+        (l, i + 1) for i, l in enumerate(engine.block_layouts)
+    ]
 
 
 @pytest.mark.parametrize("seed", [2, 3, 8])  # |g| >= 0.1: a relative bound means something
@@ -141,7 +156,9 @@ def test_a_multi_query_step_moves_theta_by_the_mean_of_its_estimates():
         zs = [engine.noise.full(layout.numel, step=0, block_id=block_id, query=j) for j in range(q)]
         step = -lr * sum(g * z for g, z in zip(grads, zs)) / q
         for entry in layout.entries:
-            expected = before[entry.names[0]] + step[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            expected = before[entry.names[0]] + step[
+                entry.offset : entry.offset + entry.numel
+            ].view(entry.shape)
             torch.testing.assert_close(after[entry.names[0]], expected, rtol=0, atol=1e-15)
 
 
@@ -151,7 +168,10 @@ def test_multi_query_offload_equals_resident_bitwise(num_queries):
     assert_same_trajectory(run("offload", steps=5, num_queries=num_queries), resident)
     assert all(len(r.projected_grads) == num_queries for r in resident[0])
     single = run("resident", steps=5)  # the extra queries really change the step
-    assert not torch.equal(single[1]["model.decoder.layers.0.fc1.weight"], resident[1]["model.decoder.layers.0.fc1.weight"])
+    assert not torch.equal(
+        single[1]["model.decoder.layers.0.fc1.weight"],
+        resident[1]["model.decoder.layers.0.fc1.weight"],
+    )
 
 
 def test_a_hundred_steps_lower_the_loss_clearly():
@@ -173,7 +193,9 @@ def test_state_dict_resume_continues_the_same_trajectory():
     full, full_params = run("offload", steps=8)
 
     model = tiny_opt(seed=0, num_hidden_layers=3, word_embed_proj_dim=16)
-    config = ZOConfig(mode="offload", lr=1e-3, eps=1e-3, weight_decay=0.1, seed=11, device="cpu", noise_chunk=1000)
+    config = ZOConfig(
+        mode="offload", lr=1e-3, eps=1e-3, weight_decay=0.1, seed=11, device="cpu", noise_chunk=1000
+    )
     data = batches(model.config.vocab_size, 8)
     first = ZOEngine(model, config)
     for batch in data[:4]:
@@ -183,8 +205,18 @@ def test_state_dict_resume_continues_the_same_trajectory():
     assert state["pending"] is not None and state["pending"]["step"] == 3  # saved unflushed
 
     # a differently seeded engine takes the saved state's seed, step and pending update
-    second = ZOEngine(tiny_opt(seed=99, num_hidden_layers=3, word_embed_proj_dim=16), ZOConfig(
-        mode="resident", lr=1e-3, eps=1e-3, weight_decay=0.1, seed=5, device="cpu", noise_chunk=1000))
+    second = ZOEngine(
+        tiny_opt(seed=99, num_hidden_layers=3, word_embed_proj_dim=16),
+        ZOConfig(
+            mode="resident",
+            lr=1e-3,
+            eps=1e-3,
+            weight_decay=0.1,
+            seed=5,
+            device="cpu",
+            noise_chunk=1000,
+        ),
+    )
     second.load_state_dict(state)
     resumed = [second.step(batch) for batch in data[4:]]
     assert [r.projected_grad for r in resumed] == [r.projected_grad for r in full[4:]]
@@ -202,12 +234,17 @@ def test_load_state_dict_refuses_a_mismatched_state():
     with pytest.raises(ValueError, match="missing"):
         engine.load_state_dict(state)
     # Another noise kind, or a state from before noise kinds (legacy), continues another run.
-    with pytest.raises(ValueError, match="trained with rademacher-v1 noise, the engine draws gaussian-v1; set noise rademacher"):
+    with pytest.raises(
+        ValueError,
+        match="trained with rademacher-v1 noise, the engine draws gaussian-v1; set noise rademacher",
+    ):
         engine.load_state_dict(engine.state_dict() | {"noise": "rademacher-v1"})
     legacy_state = {k: v for k, v in engine.state_dict().items() if k != "noise"}
     with pytest.raises(ValueError, match="trained with legacy noise"):
         engine.load_state_dict(legacy_state)
-    engine.load_state_dict(engine.state_dict() | {"noise_chunk": 5})  # portable z: the chunk is only a workspace
+    engine.load_state_dict(
+        engine.state_dict() | {"noise_chunk": 5}
+    )  # portable z: the chunk is only a workspace
     legacy = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0, noise="legacy"))
     with pytest.raises(ValueError, match="noise_chunk"):  # legacy z depends on it
         legacy.load_state_dict(legacy_state | {"noise_chunk": 5})

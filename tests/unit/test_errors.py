@@ -1,13 +1,12 @@
 """Bad input fails early with one line that names the option and the fix."""
 
-
 import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from distzo import ZOConfig, ZOEngine, load_model
-from tests.helpers.models import tiny_opt
 from tests.helpers.launch import train_in_process
+from tests.helpers.models import tiny_opt
 
 
 @pytest.mark.parametrize(
@@ -49,20 +48,31 @@ def test_one_slot_is_valid_and_trains():
 
 
 def tiny_neox():
-    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                            intermediate_size=32, max_position_embeddings=32))
+    return GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(
-        ValueError, match=r"unsupported model type 'gpt_neox': distzo supports gpt2, llama, mistral, opt, qwen2, qwen3"
+        ValueError,
+        match=r"unsupported model type 'gpt_neox': distzo supports gpt2, llama, mistral, opt, qwen2, qwen3",
     ) as info:
         ZOEngine(tiny_neox(), ZOConfig(device="cpu"))
     assert "\n" not in str(info.value)
 
 
 def test_unsupported_checkpoint_fails_before_loading_weights(tmp_path):
-    tiny_neox().config.save_pretrained(tmp_path)  # a config and no weights: loading them would fail differently
+    tiny_neox().config.save_pretrained(
+        tmp_path
+    )  # a config and no weights: loading them would fail differently
     with pytest.raises(ValueError, match="unsupported model type 'gpt_neox'"):
         load_model(str(tmp_path))
 

@@ -37,21 +37,30 @@ class Counting:
 
 
 def engine_and_encoder():
-    model = tiny_opt(seed=1, vocab_size=len(TOKENIZER), max_position_embeddings=256, num_hidden_layers=3)
+    model = tiny_opt(
+        seed=1, vocab_size=len(TOKENIZER), max_position_embeddings=256, num_hidden_layers=3
+    )
     engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, mode="offload", num_slots=2))
     return engine, PromptEncoder(TOKENIZER, max_length=256)
 
 
 def squad(n):
-    rows = [{"title": "T", "context": f"Code {i}.", "question": "Which?", "answers": [str(i)]} for i in range(n)]
+    rows = [
+        {"title": "T", "context": f"Code {i}.", "question": "Which?", "answers": [str(i)]}
+        for i in range(n)
+    ]
     return build_examples(TASKS["squad"], rows, "x")
 
 
 @pytest.mark.parametrize("examples, rows, new_tokens", [(5, 2, 3), (4, 4, 2), (1, 3, 4)])
-def test_generation_uploads_each_block_once_per_decoding_step_and_offloads_none(examples, rows, new_tokens):
+def test_generation_uploads_each_block_once_per_decoding_step_and_offloads_none(
+    examples, rows, new_tokens
+):
     engine, encoder = engine_and_encoder()
     counts = Counting(engine)
-    evaluate_generation(engine, squad(examples), encoder, ParallelContext.single(), rows, new_tokens)
+    evaluate_generation(
+        engine, squad(examples), encoder, ParallelContext.single(), rows, new_tokens
+    )
     bound = math.ceil(examples / rows) * new_tokens
     assert set(counts.uploads.values()) == {bound} and len(counts.uploads) == 3
     assert not counts.offloads
@@ -59,9 +68,15 @@ def test_generation_uploads_each_block_once_per_decoding_step_and_offloads_none(
 
 def test_choice_and_lm_evaluation_upload_once_per_call_and_offload_only_a_pending_update():
     engine, encoder = engine_and_encoder()
-    examples = build_examples(TASKS["rte"], [{"premise": f"P{i}.", "hypothesis": "H.", "label": i % 2} for i in range(6)], "x")
+    examples = build_examples(
+        TASKS["rte"],
+        [{"premise": f"P{i}.", "hypothesis": "H.", "label": i % 2} for i in range(6)],
+        "x",
+    )
     counts = Counting(engine)
-    evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)  # 2 rows each: 2 per call
+    evaluate_choices(
+        engine, examples, encoder, ParallelContext.single(), batch_size=4
+    )  # 2 rows each: 2 per call
     assert set(counts.uploads.values()) == {3} and not counts.offloads
 
     engine.step(PromptTrainData(examples, encoder, seed=0).batch(4, 0))  # leaves a pending update
@@ -69,4 +84,6 @@ def test_choice_and_lm_evaluation_upload_once_per_call_and_offload_only_a_pendin
     lm_batch = PromptTrainData(examples, encoder, seed=0).batch(6, 1)
     evaluate_lm(engine, lm_batch, ParallelContext.single(), batch_size=2)  # 3 calls
     assert set(counts.uploads.values()) == {3}
-    assert set(counts.offloads.values()) == {1}  # the first call applies the update and writes it back, once
+    assert set(counts.offloads.values()) == {
+        1
+    }  # the first call applies the update and writes it back, once

@@ -9,14 +9,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
-from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.export.hf_model import INDEX_NAME, check_shard_size, export_hf
-from tests.helpers.models import random_batch, tiny_opt
-from tests.helpers.models import build
+from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from tests.helpers.models import build, random_batch, tiny_opt
 
 
 def trained(model, mode="offload", steps=3):
-    engine = ZOEngine(model, ZOConfig(mode=mode, lr=1e-2, eps=1e-3, seed=0, device="cpu", noise_chunk=500))
+    engine = ZOEngine(
+        model, ZOConfig(mode=mode, lr=1e-2, eps=1e-3, seed=0, device="cpu", noise_chunk=500)
+    )
     for step in range(steps):
         engine.step(random_batch(64, pad="left", seed=step))
     return engine
@@ -33,9 +34,13 @@ def test_a_sharded_export_loads_back_exactly(tmp_path, name):
     assert len(files) > 1 and not (out / "model.safetensors").exists()
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
     assert set(index["weight_map"]) == set(engine.canonical_names)
-    sizes = {f.name: sum(t.numel() * t.element_size() for t in load_file(str(f)).values()) for f in files}
+    sizes = {
+        f.name: sum(t.numel() * t.element_size() for t in load_file(str(f)).values()) for f in files
+    }
     assert index["metadata"]["total_size"] == sum(sizes.values())
-    assert max(sizes.values()) <= 20_000 or len(load_file(str(files[0]))) == 1  # one oversized tensor alone
+    assert (
+        max(sizes.values()) <= 20_000 or len(load_file(str(files[0]))) == 1
+    )  # one oversized tensor alone
 
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -45,7 +50,9 @@ def test_a_sharded_export_loads_back_exactly(tmp_path, name):
     batch = random_batch(64, pad="left", seed=9)
     with torch.no_grad():
         logits, _ = engine.forward(batch)
-        reference = loaded.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        reference = loaded.eval()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
     keep = batch["attention_mask"].bool()
     assert (reference - logits)[keep].abs().max().item() <= 1e-5
 
@@ -69,7 +76,9 @@ def test_a_rank_that_does_not_write_materialises_nothing():
     params = engine.named_parameters()
     for name, value in streamed.items():
         assert torch.equal(value, params[name])
-        assert value.untyped_storage().nbytes() == value.numel() * value.element_size()  # its own storage
+        assert (
+            value.untyped_storage().nbytes() == value.numel() * value.element_size()
+        )  # its own storage
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -78,8 +87,15 @@ def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
     # device that trained: on CUDA, through pinned host buckets and the upload stream.
     # Two queries per step: the checkpoint's pending update carries two g.
     def engine(num_queries=2):
-        config = ZOConfig(mode="offload", device=device, lr=1e-2, eps=1e-3, weight_decay=0.1, seed=0,
-                          num_queries=num_queries)
+        config = ZOConfig(
+            mode="offload",
+            device=device,
+            lr=1e-2,
+            eps=1e-3,
+            weight_decay=0.1,
+            seed=0,
+            num_queries=num_queries,
+        )
         return ZOEngine(tiny_opt(seed=0, num_hidden_layers=3), config)
 
     first = engine()
@@ -106,7 +122,8 @@ def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
     logits, _ = first.forward(batch)
     with torch.no_grad():
         reference = loaded(
-            input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
         ).logits
     keep = batch["attention_mask"].bool().to(device)
     assert (reference - logits)[keep].abs().max().item() <= 1e-5

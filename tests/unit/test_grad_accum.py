@@ -6,16 +6,19 @@ import pytest
 import torch
 
 from distzo import ZOConfig
-from distzo.job.memory_plan import plan_memory
-from tests.helpers.models import random_batch
 from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+from distzo.job.memory_plan import plan_memory
 from tests.helpers.engines import Counting, engine_for, train
-from tests.helpers.models import base_model
+from tests.helpers.models import base_model, random_batch
 
 
 def trajectory(engine, steps=3):
     results = train(engine, 64, steps=steps)
-    return [r.projected_grads for r in results], [(r.loss_plus, r.loss_minus) for r in results], engine.named_parameters()
+    return (
+        [r.projected_grads for r in results],
+        [(r.loss_plus, r.loss_minus) for r in results],
+        engine.named_parameters(),
+    )
 
 
 def assert_same_run(a, b, rel):
@@ -31,17 +34,39 @@ def assert_same_run(a, b, rel):
 @pytest.mark.parametrize("micro_batches", [2, 3, 4])
 def test_micro_batches_give_the_whole_batchs_trajectory(family, micro_batches):
     # fp64, left padding, two queries; 3 micro-batches of 4 rows do not divide evenly (2, 1, 1)
-    runs = [trajectory(engine_for(base_model(family, dtype=torch.float64), mode="offload", num_slots=2,
-                                  num_queries=2, grad_accum=n)) for n in (1, micro_batches)]
+    runs = [
+        trajectory(
+            engine_for(
+                base_model(family, dtype=torch.float64),
+                mode="offload",
+                num_slots=2,
+                num_queries=2,
+                grad_accum=n,
+            )
+        )
+        for n in (1, micro_batches)
+    ]
     assert_same_run(*runs, rel=1e-9)
 
 
-@pytest.mark.parametrize("method, flags", [("lora-fa", dict(dual_forward=True, batch_queries=True)),
-                                           ("prefix", dict(dual_forward=True))])
+@pytest.mark.parametrize(
+    "method, flags",
+    [("lora-fa", dict(dual_forward=True, batch_queries=True)), ("prefix", dict(dual_forward=True))],
+)
 def test_micro_batches_of_batched_passes_give_the_whole_batchs_trajectory(method, flags):
     spec = AdapterSpec(method, r=4, alpha=8, prefix_length=2)
-    runs = [trajectory(engine_for(attach_adapter(base_model("llama", dtype=torch.float64), spec, seed=5),
-                                  mode="offload", num_queries=2, grad_accum=n, **flags)) for n in (1, 2)]
+    runs = [
+        trajectory(
+            engine_for(
+                attach_adapter(base_model("llama", dtype=torch.float64), spec, seed=5),
+                mode="offload",
+                num_queries=2,
+                grad_accum=n,
+                **flags,
+            )
+        )
+        for n in (1, 2)
+    ]
     assert_same_run(*runs, rel=1e-9)
 
 
@@ -50,12 +75,18 @@ def test_each_block_goes_up_once_per_step_whatever_the_micro_batches():
     counts = Counting(engine.store)
     train(engine, 64, steps=3)
     assert dict(counts.uploads) == {0: 3, 1: 3, 2: 3}
-    assert dict(counts.offloads) == {0: 2, 1: 2, 2: 2}  # steps 2 and 3 write the pending update back
+    assert dict(counts.offloads) == {
+        0: 2,
+        1: 2,
+        2: 2,
+    }  # steps 2 and 3 write the pending update back
 
 
 def test_more_micro_batches_than_rows_is_a_one_line_error():
     engine = engine_for(base_model("opt"), grad_accum=5)
-    with pytest.raises(ValueError, match="--grad-accum 5 needs at least 5 rows per rank, the batch has 4"):
+    with pytest.raises(
+        ValueError, match="--grad-accum 5 needs at least 5 rows per rank, the batch has 4"
+    ):
         engine.step(random_batch(64, seed=0))
     with pytest.raises(ValueError, match="grad_accum must be >= 1"):
         ZOConfig(grad_accum=0)
@@ -63,10 +94,16 @@ def test_more_micro_batches_than_rows_is_a_one_line_error():
 
 def test_the_memory_plan_counts_one_micro_batchs_activations():
     model = base_model("llama")
-    plans = {n: plan_memory(model, ZOConfig(device="cpu", grad_accum=n), 1, False, batch=16, seq=32, signs=2)
-             for n in (1, 4)}
+    plans = {
+        n: plan_memory(
+            model, ZOConfig(device="cpu", grad_accum=n), 1, False, batch=16, seq=32, signs=2
+        )
+        for n in (1, 4)
+    }
     assert plans[4].activations < plans[1].activations
-    assert plans[4].device_bytes == plans[1].device_bytes  # buckets, slots and scratch do not change
+    assert (
+        plans[4].device_bytes == plans[1].device_bytes
+    )  # buckets, slots and scratch do not change
 
 
 def test_a_grad_accum_beyond_a_ranks_batch_is_one_line_before_any_work(tmp_path, capsys):
@@ -74,5 +111,7 @@ def test_a_grad_accum_beyond_a_ranks_batch_is_one_line_before_any_work(tmp_path,
 
     assert main(["--batch-size", "4", "--grad-accum", "5", "--output-dir", str(tmp_path)]) == 2
     errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
-    assert errors == ["error: --grad-accum 5 must be between 1 and the 4 sequences of a rank's batch "
-                      "(--batch-size / dp); change one of them"]
+    assert errors == [
+        "error: --grad-accum 5 must be between 1 and the 4 sequences of a rank's batch "
+        "(--batch-size / dp); change one of them"
+    ]

@@ -9,12 +9,16 @@ from tests.helpers.launch import train_in_process
 
 def test_defaults_then_file_then_flags(tmp_path):
     path = tmp_path / "job.toml"
-    path.write_text('[optim]\nlr = 0.5\nmax_steps = 7\n[offload]\nmode = "resident"\n[run]\nresume = true\n')
+    path.write_text(
+        '[optim]\nlr = 0.5\nmax_steps = 7\n[offload]\nmode = "resident"\n[run]\nresume = true\n'
+    )
     job = resolve(["--config", str(path), "--max-steps", "9", "--eps", "0.01"])
     assert job.optim.lr == 0.5  # from the file
     assert job.optim.max_steps == 9  # the flag beats the file
     assert job.optim.eps == 0.01  # a flag alone
-    assert job.offload.mode == "resident" and job.run.resume == "yes"  # the boolean of older files is the bare flag
+    assert (
+        job.offload.mode == "resident" and job.run.resume == "yes"
+    )  # the boolean of older files is the bare flag
     assert job.data.batch_size == JobConfig().data.batch_size  # untouched default
 
 
@@ -64,4 +68,7 @@ def test_cli_reports_an_unknown_key_in_one_line(tmp_path):
     path.write_text("[optim]\nlr_max = 1\n")
     proc = train_in_process(["--config", str(path)])
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: --config") and len(proc.stderr.strip().splitlines()) == 1
+    assert (
+        proc.stderr.strip().startswith("error: --config")
+        and len(proc.stderr.strip().splitlines()) == 1
+    )

@@ -22,7 +22,9 @@ def imported_modules(path: Path) -> set[str]:
 
 def distzo_imports(folder: str) -> dict[str, set[str]]:
     return {
-        str(path.relative_to(PACKAGE)): {n for n in imported_modules(path) if n.startswith("distzo")}
+        str(path.relative_to(PACKAGE)): {
+            n for n in imported_modules(path) if n.startswith("distzo")
+        }
         for path in sorted((PACKAGE / folder).rglob("*.py"))
     }
 
@@ -30,9 +32,30 @@ def distzo_imports(folder: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize(
     "folder, forbidden",
     [
-        ("data", ("distzo.engine.engine", "distzo.job.evaluation", "distzo.train")),  # data knows no engine
-        ("objectives", ("distzo.engine.engine", "distzo.job.evaluation", "distzo.data", "distzo.offload", "distzo.dist")),
-        ("zo", ("distzo.engine.engine", "distzo.data", "distzo.offload", "distzo.dist", "distzo.objectives")),
+        (
+            "data",
+            ("distzo.engine.engine", "distzo.job.evaluation", "distzo.train"),
+        ),  # data knows no engine
+        (
+            "objectives",
+            (
+                "distzo.engine.engine",
+                "distzo.job.evaluation",
+                "distzo.data",
+                "distzo.offload",
+                "distzo.dist",
+            ),
+        ),
+        (
+            "zo",
+            (
+                "distzo.engine.engine",
+                "distzo.data",
+                "distzo.offload",
+                "distzo.dist",
+                "distzo.objectives",
+            ),
+        ),
     ],
 )
 def test_a_lower_layer_imports_nothing_above_it(folder, forbidden):

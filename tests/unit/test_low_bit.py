@@ -15,7 +15,11 @@ def normal_range_values(dtype, n=100_000):
     g = torch.Generator().manual_seed(0)
     low = torch.finfo(dtype).smallest_normal
     high = min(torch.finfo(dtype).max / 4, 1e4)
-    magnitude = torch.exp(torch.empty(n).uniform_(torch.tensor(low * 4).log().item(), torch.tensor(high).log().item(), generator=g))
+    magnitude = torch.exp(
+        torch.empty(n).uniform_(
+            torch.tensor(low * 4).log().item(), torch.tensor(high).log().item(), generator=g
+        )
+    )
     return magnitude * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
 
 
@@ -28,7 +32,9 @@ def test_round_trip_error_bounds(name):
     round_nearest_(nearest, x)
     assert ((nearest.float() - x).abs() / x.abs()).max() <= ulp / 2
     stochastic = torch.empty_like(x, dtype=dtype)
-    round_stochastic_(stochastic, x, torch.rand(x.shape, generator=torch.Generator().manual_seed(1)))
+    round_stochastic_(
+        stochastic, x, torch.rand(x.shape, generator=torch.Generator().manual_seed(1))
+    )
     assert ((stochastic.float() - x).abs() / x.abs()).max() < ulp
     # stochastic rounding only ever picks one of the two representable neighbours of x,
     # checked against a table of every finite value of the format
@@ -38,7 +44,7 @@ def test_round_trip_error_bounds(name):
     ceil = table[above.clamp(max=table.numel() - 1)]
     value = stochastic.float()
     assert ((value == floor) | (value == ceil)).all()
-    assert ((value == floor).any() and (value == ceil).any())
+    assert (value == floor).any() and (value == ceil).any()
 
 
 def all_finite_values(dtype):
@@ -90,13 +96,19 @@ def test_low_bit_transfer_trains_and_halves_or_quarters_the_host_copy(name):
     # eps 1e-2: with bf16/fp16 activations, L+ - L- at eps 1e-3 is noisier (measured on the
     # first step: bf16 compute moves g by a median 2% at eps 1e-3, 0.5% at 1e-2).
     engine = ZOEngine(
-        model, ZOConfig(lr=1e-2, eps=1e-2, seed=0, device="cpu", transfer_dtype=name, compute_dtype=compute)
+        model,
+        ZOConfig(
+            lr=1e-2, eps=1e-2, seed=0, device="cpu", transfer_dtype=name, compute_dtype=compute
+        ),
     )
     full = ZOEngine(reference, ZOConfig(lr=1e-2, eps=1e-2, seed=0, device="cpu"))
     assert engine.store.host_storage.dtype == TRANSFER_DTYPES[name]
     ratio = engine.store.host_bytes / full.store.host_bytes
     assert ratio == TRANSFER_DTYPES[name].itemsize / 4
-    assert engine.block_scratch.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float32}[name]
+    assert (
+        engine.block_scratch.dtype
+        == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float32}[name]
+    )
     before = engine.forward(evaluation)[1].item()
     for _ in range(100):
         engine.step(task.batch(32))

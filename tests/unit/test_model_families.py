@@ -6,11 +6,7 @@ import torch
 
 from distzo import ZOConfig, ZOEngine, family_for
 from distzo.models import supported_model_types
-from tests.helpers.models import random_batch
-from tests.helpers.models import CONFIGS, build
-
-
-
+from tests.helpers.models import CONFIGS, build, random_batch
 
 
 def test_every_family_is_registered():
@@ -24,7 +20,9 @@ def test_blockwise_forward_equals_the_model_forward(name, pad):
     batch = random_batch(64, pad=pad, seed=2)
     with torch.no_grad():
         reference = model(**batch)
-        logits, loss = family_for(model).forward(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        logits, loss = family_for(model).forward(
+            batch["input_ids"], batch["attention_mask"], batch["labels"]
+        )
     keep = batch["attention_mask"].bool()  # padded positions may hold anything
     assert (logits - reference.logits)[keep].abs().max().item() <= 1e-5
     assert torch.allclose(loss, reference.loss, rtol=1e-6)
@@ -34,10 +32,23 @@ def test_blockwise_forward_equals_the_model_forward(name, pad):
 def test_offload_trajectory_equals_resident(name):
     runs = {}
     for mode in ("offload", "resident"):
-        engine = ZOEngine(build(name), ZOConfig(mode=mode, lr=1e-3, eps=1e-3, weight_decay=0.1, seed=4, device="cpu",
-                                                noise_chunk=500))
+        engine = ZOEngine(
+            build(name),
+            ZOConfig(
+                mode=mode,
+                lr=1e-3,
+                eps=1e-3,
+                weight_decay=0.1,
+                seed=4,
+                device="cpu",
+                noise_chunk=500,
+            ),
+        )
         results = [engine.step(random_batch(64, pad="left", seed=i)) for i in range(6)]
-        runs[mode] = ([(r.loss_plus, r.loss_minus, r.projected_grad) for r in results], engine.named_parameters())
+        runs[mode] = (
+            [(r.loss_plus, r.loss_minus, r.projected_grad) for r in results],
+            engine.named_parameters(),
+        )
     assert runs["offload"][0] == runs["resident"][0]
     for key, value in runs["resident"][1].items():
         assert torch.equal(runs["offload"][1][key], value), key
@@ -58,8 +69,22 @@ def test_strategy_invariance_for_a_tiny_llama(tmp_path):
     from tests.helpers.launch import Run, python_train, torchrun
 
     build("llama", seed=3).save_pretrained(tmp_path / "llama")
-    common = ["--model", str(tmp_path / "llama"), "--max-steps", "6", "--batch-size", "8", "--log-every", "0",
-              "--dtype", "fp64", "--lr-schedule", "constant", "--lr", "1e-2"]
+    common = [
+        "--model",
+        str(tmp_path / "llama"),
+        "--max-steps",
+        "6",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "0",
+        "--dtype",
+        "fp64",
+        "--lr-schedule",
+        "constant",
+        "--lr",
+        "1e-2",
+    ]
     single = tmp_path / "single"
     assert python_train(common + ["--output-dir", str(single)]).returncode == 0
     runs = {}

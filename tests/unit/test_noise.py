@@ -95,10 +95,21 @@ KEYS = [(0, 0), (0xFFFFFFFF, 0xFFFFFFFF), philox.noise_key(7, 3, 2, 1, philox.ST
 
 def test_philox_matches_the_random123_known_answers():
     # Random123's kat_vectors for philox4x32_R(10, ctr, key)
-    assert philox.philox4x32((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
-    assert philox.philox4x32((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
-    assert philox.philox4x32((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == (
-        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+    assert philox.philox4x32((0, 0, 0, 0), (0, 0)) == (
+        0x6627E8D5,
+        0xE169C58D,
+        0xBC57AC4C,
+        0x9B00DBD8,
+    )
+    assert philox.philox4x32((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == (
+        0x408F276D,
+        0x41C83B0E,
+        0xA20BC7C6,
+        0x6D5451FD,
+    )
+    assert philox.philox4x32(
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
+    ) == (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
 
 
 @pytest.mark.parametrize("lanes", [philox.LANES16, philox.LANES32])
@@ -135,7 +146,9 @@ def sources(kind, distribution="normal", chunk=1000):
 
 
 @pytest.mark.skipif(not fast_noise.available(), reason="the C noise kernel was not built")
-@pytest.mark.parametrize("kind,distribution", [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")])
+@pytest.mark.parametrize(
+    "kind,distribution", [("gaussian", "normal"), ("rademacher", "normal"), ("gaussian", "uniform")]
+)
 def test_the_c_kernel_equals_the_torch_implementation_bit_for_bit(kind, distribution):
     fast, slow = sources(kind, distribution)
     assert (fast.backend, slow.backend) == ("c", "torch")
@@ -144,7 +157,9 @@ def test_the_c_kernel_equals_the_torch_implementation_bit_for_bit(kind, distribu
         for start, stop in RANGES:
             out = torch.empty(stop - start)
             fast._fill(out, start, key)
-            assert torch.equal(out.view(torch.int32), slow.reference(start, stop, key).view(torch.int32)), (start, stop)
+            assert torch.equal(
+                out.view(torch.int32), slow.reference(start, stop, key).view(torch.int32)
+            ), (start, stop)
 
 
 def test_the_definition_of_z_is_the_table_at_the_reference_bits():
@@ -153,15 +168,22 @@ def test_the_definition_of_z_is_the_table_at_the_reference_bits():
     bits = philox.reference_lanes(key, 4000, 4200, philox.LANES16)
     table = gaussian_table()
     assert torch.equal(src.full(4200, 2, 5)[4000:], table[torch.tensor(bits)])
-    rademacher = NoiseSource(3, 333, torch.device("cpu"), torch.float32, kind="rademacher").full(4200, 2, 5)[4000:]
+    rademacher = NoiseSource(3, 333, torch.device("cpu"), torch.float32, kind="rademacher").full(
+        4200, 2, 5
+    )[4000:]
     assert rademacher.tolist() == [1.0 if b & 0x8000 else -1.0 for b in bits]
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "rademacher"])
 def test_chunking_never_changes_a_portable_draw(kind):
-    whole = NoiseSource(9, 1 << 16, torch.device("cpu"), torch.float32, kind=kind).full(10_007, 4, 1)
+    whole = NoiseSource(9, 1 << 16, torch.device("cpu"), torch.float32, kind=kind).full(
+        10_007, 4, 1
+    )
     for chunk in (1, 511, 4096, 4097):
-        assert torch.equal(NoiseSource(9, chunk, torch.device("cpu"), torch.float32, kind=kind).full(10_007, 4, 1), whole)
+        assert torch.equal(
+            NoiseSource(9, chunk, torch.device("cpu"), torch.float32, kind=kind).full(10_007, 4, 1),
+            whole,
+        )
 
 
 def test_float64_masters_take_the_exact_float32_values():
@@ -179,7 +201,11 @@ def test_the_gaussian_table_is_symmetric_with_unit_variance():
 
 
 def moments_sample(kind, n, step=0, block=0, query=0):
-    return NoiseSource(1234, 1 << 20, torch.device("cpu"), torch.float32, kind=kind).full(n, step, block, query).double()
+    return (
+        NoiseSource(1234, 1 << 20, torch.device("cpu"), torch.float32, kind=kind)
+        .full(n, step, block, query)
+        .double()
+    )
 
 
 def correlation(a, b):
@@ -233,7 +259,9 @@ def test_the_triton_kernels_interpreted_equal_the_reference():
     fused perturb and update within an ulp of torch's arithmetic on the reference z."""
     pytest.importorskip("triton")
     env = os.environ | {"TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(TRITON_PROBE)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(TRITON_PROBE)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "triton kernels == reference" in done.stdout
 
@@ -244,6 +272,8 @@ def test_the_triton_kernels_compile_for_a_hopper_gpu():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = Path(__file__).parents[1] / "helpers" / "triton_compile_probe.py"
-    done = subprocess.run([sys.executable, str(probe), "90"], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(probe), "90"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "triton kernels compile" in done.stdout

@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine
-from distzo.data.encoding import ChoiceTrainData, PromptEncoder, PromptOnlyTrainData, PromptTrainData
+from distzo.data.encoding import (
+    ChoiceTrainData,
+    PromptEncoder,
+    PromptOnlyTrainData,
+    PromptTrainData,
+)
 from distzo.data.templates import TASKS, Example, build_examples
 from distzo.dist import ParallelContext
 from distzo.engine.engine import RESIDENT_BLOCK_ID, UNPERTURBED
@@ -38,8 +43,12 @@ def model(seed=3, dtype=torch.float32):
 
 
 def rte_examples(n=6):
-    rows = [{"premise": f"Fact {i}.", "hypothesis": f"Claim {i % 3}.", "label": i % 2} for i in range(n)]
-    return build_examples(TASKS["rte"], rows, "x")  # "Yes" / "No": several tokens, a row per candidate
+    rows = [
+        {"premise": f"Fact {i}.", "hypothesis": f"Claim {i % 3}.", "label": i % 2} for i in range(n)
+    ]
+    return build_examples(
+        TASKS["rte"], rows, "x"
+    )  # "Yes" / "No": several tokens, a row per candidate
 
 
 def letter_examples(n=6):
@@ -56,7 +65,7 @@ def reference_scores(reference, example):
             answer = TOKENIZER(continuation, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([prompt + answer])
             log_probs = torch.log_softmax(reference(input_ids=ids).logits[0, :-1].double(), -1)
-            picked = log_probs[torch.arange(ids.shape[1] - 1), ids[0, 1:]][-len(answer):]
+            picked = log_probs[torch.arange(ids.shape[1] - 1), ids[0, 1:]][-len(answer) :]
             scores.append(picked.mean())
     return torch.stack(scores)
 
@@ -64,10 +73,14 @@ def reference_scores(reference, example):
 def objective_value(engine, objective, batch):
     prepared = objective.prepare(batch, engine.device)
     examples = objective.num_items(batch)
-    return engine.evaluate(lambda runner: objective.losses(runner, prepared, (UNPERTURBED,), examples))[UNPERTURBED]
+    return engine.evaluate(
+        lambda runner: objective.losses(runner, prepared, (UNPERTURBED,), examples)
+    )[UNPERTURBED]
 
 
-@pytest.mark.parametrize("examples", [rte_examples(), letter_examples()], ids=["row_per_candidate", "shared_prompt"])
+@pytest.mark.parametrize(
+    "examples", [rte_examples(), letter_examples()], ids=["row_per_candidate", "shared_prompt"]
+)
 def test_classification_loss_is_the_cross_entropy_over_candidate_scores(examples):
     encoder = PromptEncoder(TOKENIZER, max_length=256)
     engine = ZOEngine(model(), ZOConfig(device="cpu", seed=0))
@@ -91,7 +104,9 @@ def test_accuracy_objective_counts_the_best_scored_candidates():
     batch = collate_choices([encoder.encode_choices(e) for e in examples], encoder.pad_id)
     reference = model().eval()
     right = sum(int(reference_scores(reference, e).argmax()) == e.label for e in examples)
-    assert objective_value(engine, Accuracy(), batch).item() == pytest.approx(-right / len(examples))
+    assert objective_value(engine, Accuracy(), batch).item() == pytest.approx(
+        -right / len(examples)
+    )
     assert 0 < right < len(examples)  # neither all right nor all wrong: the count is exercised
 
 
@@ -99,12 +114,16 @@ def perturbed_engine(engine, sign, eps, step=0):
     """A fresh engine holding theta + sign * eps * z (the step's own noise, drawn the same way)."""
     params = engine.named_parameters()
     state = engine.state_dict()
-    layouts = [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [(l, i + 1) for i, l in enumerate(engine.block_layouts)]
+    layouts = [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [
+        (l, i + 1) for i, l in enumerate(engine.block_layouts)
+    ]
     for layout, block_id in layouts:
         z = engine.noise.full(layout.numel, step=step, block_id=block_id)
         for entry in layout.entries:
             flat = params[entry.names[0]].reshape(-1)
-            perturbed = torch.add(flat, z[entry.offset : entry.offset + entry.numel], alpha=sign * eps)
+            perturbed = torch.add(
+                flat, z[entry.offset : entry.offset + entry.numel], alpha=sign * eps
+            )
             state["params"][entry.names[0]] = perturbed.view(entry.shape)
     other = ZOEngine(model(), ZOConfig(device="cpu", seed=0, noise_chunk=engine.config.noise_chunk))
     other.load_state_dict(state)
@@ -115,25 +134,45 @@ def test_accuracy_objective_equals_the_evaluation_of_each_perturbed_model():
     examples = rte_examples(12)
     encoder = PromptEncoder(TOKENIZER, max_length=256)
     eps = 0.3  # large enough that the two perturbed models disagree somewhere (with seed 2's z)
-    engine = ZOEngine(model(), ZOConfig(device="cpu", seed=2, eps=eps, lr=0.0, noise_chunk=4096), objective=Accuracy())
+    engine = ZOEngine(
+        model(),
+        ZOConfig(device="cpu", seed=2, eps=eps, lr=0.0, noise_chunk=4096),
+        objective=Accuracy(),
+    )
     plus, minus = perturbed_engine(engine, 1, eps), perturbed_engine(engine, -1, eps)
     batch = ChoiceTrainData(examples, encoder, seed=0).batch(len(examples), 0)
     result = engine.step(batch)
     whole = len(examples) * 2  # every candidate row of the set in one call, as in the step
-    assert -result.loss_plus == pytest.approx(evaluate_choices(plus, examples, encoder, SINGLE, whole)["eval_accuracy"])
-    assert -result.loss_minus == pytest.approx(evaluate_choices(minus, examples, encoder, SINGLE, whole)["eval_accuracy"])
+    assert -result.loss_plus == pytest.approx(
+        evaluate_choices(plus, examples, encoder, SINGLE, whole)["eval_accuracy"]
+    )
+    assert -result.loss_minus == pytest.approx(
+        evaluate_choices(minus, examples, encoder, SINGLE, whole)["eval_accuracy"]
+    )
     assert result.loss_plus != result.loss_minus and result.projected_grad != 0
 
 
 def squad_examples(n=4):
-    rows = [{"title": "T", "context": f"The code is {i}.", "question": "What?", "answers": [f"code {i}"]} for i in range(n)]
+    rows = [
+        {
+            "title": "T",
+            "context": f"The code is {i}.",
+            "question": "What?",
+            "answers": [f"code {i}"],
+        }
+        for i in range(n)
+    ]
     return build_examples(TASKS["squad"], rows, "x")
 
 
 def greedy_answers(engine, examples, encoder, new_tokens):
     prompts = [encoder.encode_prompt(e.prompt, new_tokens) for e in examples]
-    prepared = prepare_prompts(collate_prompts(prompts, range(len(examples)), new_tokens, encoder.pad_id), engine.device)
-    tokens = engine.evaluate(lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED])
+    prepared = prepare_prompts(
+        collate_prompts(prompts, range(len(examples)), new_tokens, encoder.pad_id), engine.device
+    )
+    tokens = engine.evaluate(
+        lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED]
+    )
     return [answer_text(DECODE, row) for row in tokens.tolist()]
 
 
@@ -144,21 +183,31 @@ def test_f1_objective_equals_the_evaluation_of_each_perturbed_model():
     plus, minus = perturbed_engine(engine, 1, eps), perturbed_engine(engine, -1, eps)
     # Gold answers made of what the + model says for half the rows: F1 is then neither 0 nor 1.
     said = greedy_answers(plus, squad_examples(), encoder, new_tokens)
-    examples = [Example(e.prompt, e.continuations, 0, (said[i] + " extra",) if i % 2 == 0 else ("zzz",))
-                for i, e in enumerate(squad_examples())]
+    examples = [
+        Example(e.prompt, e.continuations, 0, (said[i] + " extra",) if i % 2 == 0 else ("zzz",))
+        for i, e in enumerate(squad_examples())
+    ]
 
     engine.objective = F1(DECODE, [e.answers for e in examples])
-    batch = PromptOnlyTrainData(examples, encoder, seed=0, max_new_tokens=new_tokens).batch(len(examples), 0)
+    batch = PromptOnlyTrainData(examples, encoder, seed=0, max_new_tokens=new_tokens).batch(
+        len(examples), 0
+    )
     result = engine.step(batch)
-    expected_plus = evaluate_generation(plus, examples, encoder, SINGLE, len(examples), new_tokens)["eval_f1"]
-    expected_minus = evaluate_generation(minus, examples, encoder, SINGLE, len(examples), new_tokens)["eval_f1"]
+    expected_plus = evaluate_generation(plus, examples, encoder, SINGLE, len(examples), new_tokens)[
+        "eval_f1"
+    ]
+    expected_minus = evaluate_generation(
+        minus, examples, encoder, SINGLE, len(examples), new_tokens
+    )["eval_f1"]
     assert -result.loss_plus == pytest.approx(expected_plus)
     assert -result.loss_minus == pytest.approx(expected_minus)
     assert 0 < expected_plus < 1 and expected_plus != expected_minus
 
 
 def step_results(objective, batches, dtype=torch.float64):
-    engine = ZOEngine(model(dtype=dtype), ZOConfig(device="cpu", seed=1, lr=1e-3, eps=1e-3), objective=objective)
+    engine = ZOEngine(
+        model(dtype=dtype), ZOConfig(device="cpu", seed=1, lr=1e-3, eps=1e-3), objective=objective
+    )
     return [engine.step(b) for b in batches], engine
 
 
@@ -166,15 +215,22 @@ def step_results(objective, batches, dtype=torch.float64):
 def test_the_head_at_label_positions_equals_the_full_head(make):
     encoder = PromptEncoder(TOKENIZER, max_length=256)
     examples = rte_examples(8)
-    data = (ChoiceTrainData if make is Classification else PromptTrainData)(examples, encoder, seed=0)
+    data = (ChoiceTrainData if make is Classification else PromptTrainData)(
+        examples, encoder, seed=0
+    )
     batches = [data.batch(4, step) for step in range(3)]
     at_labels, engine = step_results(make(), batches, torch.float32)
     full, full_engine = step_results(make(full_head=True), batches, torch.float32)
     for a, b in zip(at_labels, full, strict=True):
         assert a.loss_plus == pytest.approx(b.loss_plus, rel=1e-6)
         assert a.loss_minus == pytest.approx(b.loss_minus, rel=1e-6)
-        assert a.projected_grad == pytest.approx(b.projected_grad, rel=1e-3, abs=1e-3)  # g magnifies by 1/(2 eps)
-    heads = [evaluate_choices(e, examples, encoder, SINGLE, 4, full_head=f) for e, f in ((engine, False), (full_engine, True))]
+        assert a.projected_grad == pytest.approx(
+            b.projected_grad, rel=1e-3, abs=1e-3
+        )  # g magnifies by 1/(2 eps)
+    heads = [
+        evaluate_choices(e, examples, encoder, SINGLE, 4, full_head=f)
+        for e, f in ((engine, False), (full_engine, True))
+    ]
     assert heads[0] == heads[1]
     lm_batch = PromptTrainData(examples, encoder, seed=0).batch(8, 0)
     lm = [evaluate_lm(engine, lm_batch, SINGLE, 3, full_head=f) for f in (False, True)]
@@ -210,5 +266,7 @@ def test_single_token_candidates_share_one_head_position_per_example():
 def test_a_batch_of_another_form_is_a_clear_error():
     engine = ZOEngine(model(), ZOConfig(device="cpu", seed=0), objective=Classification())
     ids = torch.randint(3, 200, (2, 8))
-    with pytest.raises(ValueError, match="lacks score_position, score_token, score_candidate, label"):
+    with pytest.raises(
+        ValueError, match="lacks score_position, score_token, score_candidate, label"
+    ):
         engine.step({"input_ids": ids, "attention_mask": torch.ones_like(ids)})

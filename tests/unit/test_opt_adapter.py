@@ -18,7 +18,9 @@ def test_blockwise_forward_equals_the_model_forward(name, pad):
     batch = random_batch(model.config.vocab_size, pad=pad, seed=2)
     with torch.no_grad():
         reference = model(**batch)
-        logits, loss = family_for(model).forward(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        logits, loss = family_for(model).forward(
+            batch["input_ids"], batch["attention_mask"], batch["labels"]
+        )
     assert (logits - reference.logits).abs().max().item() <= 1e-5
     assert torch.allclose(loss, reference.loss, rtol=1e-6, atol=0)
 
@@ -52,7 +54,9 @@ def test_labels_of_minus_100_are_ignored():
     labels = batch["labels"].clone()
     labels[:, :6] = -100  # a prompt whose tokens are not trained on
     with torch.no_grad():
-        logits, loss = family_for(model).forward(batch["input_ids"], batch["attention_mask"], labels)
+        logits, loss = family_for(model).forward(
+            batch["input_ids"], batch["attention_mask"], labels
+        )
     targets = labels[:, 1:]
     keep = targets != -100
     expected = torch.nn.functional.cross_entropy(logits[:, :-1][keep], targets[keep])

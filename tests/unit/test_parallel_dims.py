@@ -56,14 +56,25 @@ def test_signs_and_batch_shares_per_rank():
     for rank in range(4):
         ctx = ParallelContext(LaunchEnv(rank=rank, world_size=4, launched=True), ParallelDims(2, 2))
         seen[rank] = (ctx.signs, ctx.shard_batch(batch)["input_ids"].view(-1).tolist())
-    assert seen[0] == ((1,), [0, 1, 2, 3]) and seen[1] == ((-1,), [0, 1, 2, 3])  # a pert pair: same rows
+    assert seen[0] == ((1,), [0, 1, 2, 3]) and seen[1] == (
+        (-1,),
+        [0, 1, 2, 3],
+    )  # a pert pair: same rows
     assert seen[2] == ((1,), [4, 5, 6, 7]) and seen[3] == ((-1,), [4, 5, 6, 7])
     assert ParallelContext.single().signs == (1, -1)
 
 
 def test_launch_env_reads_torchrun_variables():
     env = LaunchEnv.from_environ(
-        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+        }
     )
-    assert env == LaunchEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, launched=True)
+    assert env == LaunchEnv(
+        rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, launched=True
+    )
     assert LaunchEnv.from_environ({}) == LaunchEnv()

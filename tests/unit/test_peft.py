@@ -2,30 +2,17 @@
 base streams read-only, g is the adapter's directional derivative, and the export is a
 peft adapter (or a merged model) that gives the engine's logits."""
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distzo import ZOConfig, ZOEngine
+from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.data import CountingTask
 from distzo.export.hf_model import export_model
 from distzo.models.weights import SafetensorsWeights, skeleton
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
-from tests.helpers.models import random_batch, tiny_opt
-from tests.helpers.engines import BATCHINGS, Counting, FLOAT64, engine_for, frozen_values, train
-from tests.helpers.models import adapted, base_model
-
-
-
-
-
-
-
-
-
-
-
+from tests.helpers.engines import BATCHINGS, FLOAT64, Counting, engine_for, frozen_values, train
+from tests.helpers.models import adapted, base_model, random_batch, tiny_opt
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
@@ -35,12 +22,17 @@ def test_only_the_adapter_changes(family, method):
     engine = engine_for(model, mode="offload", num_slots=2)
     trained_names = set(engine.canonical_names)
     assert all(".lora_B." in n or (method == "lora" and ".lora_A." in n) for n in trained_names)
-    assert {n.split(".")[-4] for n in trained_names} == {"q_proj", "v_proj"}  # peft's default targets
+    assert {n.split(".")[-4] for n in trained_names} == {
+        "q_proj",
+        "v_proj",
+    }  # peft's default targets
     before_base, before = frozen_values(engine), engine.named_parameters()
     train(engine, model.config.vocab_size)
     after_base, after = frozen_values(engine), engine.named_parameters()
     assert before_base.keys() == after_base.keys()
-    assert all(torch.equal(before_base[n], after_base[n]) for n in before_base)  # the base, bit for bit
+    assert all(
+        torch.equal(before_base[n], after_base[n]) for n in before_base
+    )  # the base, bit for bit
     assert all(not torch.equal(before[n], after[n]) for n in before)  # every trained tensor moved
 
 
@@ -50,13 +42,18 @@ def test_offload_equals_resident_bitwise(method):
     for mode in ("resident", "offload"):
         model = adapted("opt", method)
         engine = engine_for(model, mode=mode, num_slots=2, num_queries=2)
-        runs.append(([(r.loss_plus, r.loss_minus, r.projected_grads) for r in train(engine, model.config.vocab_size)],
-                     engine.named_parameters()))
+        runs.append(
+            (
+                [
+                    (r.loss_plus, r.loss_minus, r.projected_grads)
+                    for r in train(engine, model.config.vocab_size)
+                ],
+                engine.named_parameters(),
+            )
+        )
     (trajectory_a, params_a), (trajectory_b, params_b) = runs
     assert trajectory_a == trajectory_b
     assert all(torch.equal(params_a[n], params_b[n]) for n in params_a)
-
-
 
 
 @pytest.mark.parametrize("method", ["lora", "lora-fa"])
@@ -86,9 +83,9 @@ def test_projected_gradient_is_the_adapters_directional_derivative(method):
             dot += (z[e.offset : e.offset + e.numel].view(e.shape) * grads[e.names[0]]).sum().item()
     assert engine.resident_layout.numel == 0  # LoRA trains nothing outside the blocks
     assert abs(g) > 1e-3
-    assert g == pytest.approx(dot, rel=1e-5)  # float64: the central difference's truncation at eps 1e-6
-
-
+    assert g == pytest.approx(
+        dot, rel=1e-5
+    )  # float64: the central difference's truncation at eps 1e-6
 
 
 @pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16", "fp8"])
@@ -110,15 +107,21 @@ def test_a_low_bit_base_is_rounded_once_to_nearest():
     train(engine, model.config.vocab_size, steps=2)
     in_blocks = {e.names[0] for layout in engine.base_layouts for e in layout.entries}
     for name, value in frozen_values(engine).items():
-        rounded = reference[name].to(torch.bfloat16).float() if name in in_blocks else reference[name]
-        assert torch.equal(value, rounded), name  # blocks rest in bf16; the resident modules stay fp32
+        rounded = (
+            reference[name].to(torch.bfloat16).float() if name in in_blocks else reference[name]
+        )
+        assert torch.equal(value, rounded), (
+            name
+        )  # blocks rest in bf16; the resident modules stay fp32
 
 
 def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path):
     base_model("llama", seed=1).save_pretrained(tmp_path)
     spec = AdapterSpec("lora-fa", r=4, alpha=8)
     whole = attach_adapter(AutoModelForCausalLM.from_pretrained(tmp_path), spec, seed=5)
-    shell = attach_adapter(skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5)
+    shell = attach_adapter(
+        skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5
+    )
     a = engine_for(whole, mode="offload")
     b = engine_for(shell, AdapterWeights(SafetensorsWeights(tmp_path), shell), mode="offload")
     ra, rb = train(a, 64), train(b, 64)
@@ -129,7 +132,9 @@ def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 @pytest.mark.parametrize("method", ["lora", "lora-fa"])
-def test_the_exported_adapter_loads_with_peft_and_gives_the_engines_logits(tmp_path, family, method):
+def test_the_exported_adapter_loads_with_peft_and_gives_the_engines_logits(
+    tmp_path, family, method
+):
     from peft import PeftModel
 
     model = adapted(family, method)
@@ -138,7 +143,10 @@ def test_the_exported_adapter_loads_with_peft_and_gives_the_engines_logits(tmp_p
     batch = random_batch(model.config.vocab_size, pad="right", seed=9)
     logits, _ = engine.forward(batch)
     export_model(engine, tmp_path / "adapter")
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     loaded = PeftModel.from_pretrained(base_model(family), tmp_path / "adapter").eval()
     with torch.no_grad():
         theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -173,7 +181,9 @@ def test_bad_adapter_options_are_one_line_errors():
         attach_adapter(base_model("opt"), AdapterSpec("lora", targets=("no_such_proj",)), seed=0)
 
 
-@pytest.mark.parametrize("mode, transfer_dtype", [("offload", "fp32"), ("offload", "bf16"), ("resident", "fp32")])
+@pytest.mark.parametrize(
+    "mode, transfer_dtype", [("offload", "fp32"), ("offload", "bf16"), ("resident", "fp32")]
+)
 def test_the_memory_plan_counts_what_an_adapter_engine_allocates(mode, transfer_dtype):
     from distzo.job.memory_plan import plan_memory
 
@@ -181,20 +191,29 @@ def test_the_memory_plan_counts_what_an_adapter_engine_allocates(mode, transfer_
     plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8, signs=2)
     engine = ZOEngine(adapted("llama", "lora-fa"), config)
     resident_base = engine.resident_base.nbytes + (
-        0 if engine._resident_base_compute is engine.resident_base else engine._resident_base_compute.nbytes)
-    allocated = (engine.resident_master.nbytes + engine.resident_scratch.nbytes + engine.block_scratch.nbytes
-                 + engine.device_bytes + resident_base + engine.noise.device_bytes)
+        0
+        if engine._resident_base_compute is engine.resident_base
+        else engine._resident_base_compute.nbytes
+    )
+    allocated = (
+        engine.resident_master.nbytes
+        + engine.resident_scratch.nbytes
+        + engine.block_scratch.nbytes
+        + engine.device_bytes
+        + resident_base
+        + engine.noise.device_bytes
+    )
     assert plan.device_bytes == allocated
     assert plan.host_bytes == engine.host_bytes
     assert plan.parameters == engine.num_parameters and plan.frozen_parameters == engine.num_frozen
     assert engine.rounding_noise is None  # a read-only base never rounds
 
 
-
-
 @pytest.mark.parametrize("family", ["opt", "llama"])
 @pytest.mark.parametrize("batching", list(BATCHINGS))
-@pytest.mark.parametrize("method, dtype, rel", [("lora-fa", torch.float32, 1e-6), ("lora", torch.float64, 1e-12)])
+@pytest.mark.parametrize(
+    "method, dtype, rel", [("lora-fa", torch.float32, 1e-6), ("lora", torch.float64, 1e-12)]
+)
 def test_batched_passes_equal_the_sequential_passes(family, batching, method, dtype, rel):
     runs = []
     for flags in ({}, BATCHINGS[batching]):
@@ -238,7 +257,9 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
     model = adapted(family, "lora-fa")
     engine = engine_for(model, mode="resident", weight_decay=0.1, lr=1e-2)
     batches = [random_batch(model.config.vocab_size, pad="right", seed=20 + i) for i in range(3)]
-    files = save_training_step(engine, batches[0], tmp_path, pte=False)  # the runtime has a test of its own
+    files = save_training_step(
+        engine, batches[0], tmp_path, pte=False
+    )  # the runtime has a test of its own
     program = torch.export.load(files[0]).module()  # read back from disk
     step_module = TrainingStep(engine)  # the eager module: the same arithmetic
     results = []
@@ -247,11 +268,23 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
     previous, scale, shrink = step_keys(engine, 0), torch.tensor(0.0), torch.tensor(1.0)
     for t, (batch, result) in enumerate(zip(batches, results)):
         keys = step_keys(engine, t)
-        args = (batch["input_ids"], batch["attention_mask"], batch["labels"], previous, scale, shrink, keys)
+        args = (
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["labels"],
+            previous,
+            scale,
+            shrink,
+            keys,
+        )
         plus, minus = program(*args)
         eager_plus, eager_minus = step_module(*args)
-        assert (plus.item(), minus.item()) == pytest.approx((result.loss_plus, result.loss_minus), rel=1e-6), t
-        assert (eager_plus.item(), eager_minus.item()) == pytest.approx((plus.item(), minus.item()), rel=1e-6)
+        assert (plus.item(), minus.item()) == pytest.approx(
+            (result.loss_plus, result.loss_minus), rel=1e-6
+        ), t
+        assert (eager_plus.item(), eager_minus.item()) == pytest.approx(
+            (plus.item(), minus.item()), rel=1e-6
+        )
         # the host's part: g of the step (the engine's, so that the two runs stay on one
         # trajectory: g divides a loss difference by 2 eps, magnifying float rounding)
         previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
@@ -279,10 +312,21 @@ def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):
     for t, batch in enumerate(batches):
         result = engine.step(batch)
         keys = step_keys(engine, t)
-        plus, minus = method.execute([batch["input_ids"], batch["attention_mask"], batch["labels"],
-                                      previous, scale, shrink, keys])
+        plus, minus = method.execute(
+            [
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["labels"],
+                previous,
+                scale,
+                shrink,
+                keys,
+            ]
+        )
         # steps 1 and 2 read the B that the runtime's own buffers updated
-        assert (plus.item(), minus.item()) == pytest.approx((result.loss_plus, result.loss_minus), rel=1e-6), t
+        assert (plus.item(), minus.item()) == pytest.approx(
+            (result.loss_plus, result.loss_minus), rel=1e-6
+        ), t
         previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
         shrink = torch.tensor(1 - result.lr * engine.config.weight_decay)
 
@@ -290,7 +334,9 @@ def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):
 def test_a_model_wrapped_by_the_user_with_get_peft_model_trains_through_the_python_api(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    model = get_peft_model(base_model("llama"), LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"]))
+    model = get_peft_model(
+        base_model("llama"), LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"])
+    )
     engine = engine_for(model, mode="offload")
     assert {n.split(".")[-4] for n in engine.canonical_names} == {"o_proj", "down_proj"}
     train(engine, 64, steps=2)
@@ -312,16 +358,35 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
 
     from tests.helpers.launch import child_env, main_in_process
 
-    cmd = [sys.executable, "-m", "distzo.export.training_step", "--out", str(tmp_path), "--batch", "2", "--seq", "8", "--no-pte",
-           "--steps", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "distzo.export.training_step",
+        "--out",
+        str(tmp_path),
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--no-pte",
+        "--steps",
+        "3",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     keys = load_file(str(tmp_path / "keys.safetensors"))["keys"]
     assert keys.shape == (3, 2, 2)  # steps x blocks of the tiny OPT x key words
     step = torch.export.load(tmp_path / "step.pt2").module()
     batch = random_batch(64, batch=2, seq=8, seed=1)
-    plus, minus = step(batch["input_ids"], batch["attention_mask"], batch["labels"], keys[0], torch.tensor(0.0),
-                       torch.tensor(1.0), keys[0])
+    plus, minus = step(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["labels"],
+        keys[0],
+        torch.tensor(0.0),
+        torch.tensor(1.0),
+        keys[0],
+    )
     assert torch.isfinite(plus) and plus != minus
     assert not (tmp_path / "step.pte").exists()
     bad = main_in_process("distzo.export.training_step", cmd[3:-1] + ["0"])
@@ -336,8 +401,18 @@ def test_lora_fa_with_batched_queries_lowers_the_default_tasks_loss():
     task = CountingTask(model.config.vocab_size, seed=0)
     evaluation = task.batch(64)
     evaluation["labels"] = evaluation["input_ids"]
-    engine = ZOEngine(model, ZOConfig(lr=1.0, eps=1e-3, seed=0, device="cpu", num_queries=4, dual_forward=True,
-                                      batch_queries=True))
+    engine = ZOEngine(
+        model,
+        ZOConfig(
+            lr=1.0,
+            eps=1e-3,
+            seed=0,
+            device="cpu",
+            num_queries=4,
+            dual_forward=True,
+            batch_queries=True,
+        ),
+    )
     before = engine.forward(evaluation)[1].item()
     for _ in range(300):
         engine.step(task.batch(16))

@@ -7,18 +7,20 @@ import torch
 from peft import PeftModel, PrefixTuningConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
+from distzo.adapters.peft_adapters import ADAPTER_NAME, AdapterSpec, AdapterWeights, attach_adapter
 from distzo.export.hf_model import export_model
 from distzo.models.registry import family_for
 from distzo.models.weights import SafetensorsWeights, skeleton
-from distzo.adapters.peft_adapters import ADAPTER_NAME, AdapterSpec, AdapterWeights, attach_adapter
-from tests.helpers.models import random_batch
 from tests.helpers.engines import BATCHINGS, FLOAT64, engine_for, frozen_values, train
-from tests.helpers.models import base_model
+from tests.helpers.models import base_model, random_batch
 
 
 def prefixed(family, init="random", length=3, dtype=torch.float32, **overrides):
-    return attach_adapter(base_model(family, dtype=dtype, **overrides),
-                          AdapterSpec("prefix", prefix_length=length, prefix_init=init), seed=5)
+    return attach_adapter(
+        base_model(family, dtype=dtype, **overrides),
+        AdapterSpec("prefix", prefix_length=length, prefix_init=init),
+        seed=5,
+    )
 
 
 def peft_table(model):
@@ -30,9 +32,20 @@ def peft_table(model):
 def test_the_blockwise_forward_with_a_prefix_is_pefts_forward(family, pad):
     if family == "gpt2":
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4,
-                                                           n_positions=64, bos_token_id=1, eos_token_id=2))
-        model = attach_adapter(base, AdapterSpec("prefix", prefix_length=3, prefix_init="random"), seed=5)
+        base = AutoModelForCausalLM.from_config(
+            GPT2Config(
+                vocab_size=64,
+                n_embd=32,
+                n_layer=3,
+                n_head=4,
+                n_positions=64,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
+        model = attach_adapter(
+            base, AdapterSpec("prefix", prefix_length=3, prefix_init="random"), seed=5
+        )
     else:
         model = prefixed(family)
     model.eval()
@@ -56,8 +69,12 @@ def test_only_the_prefix_changes_and_offload_equals_resident_bitwise(family):
         before_base, before = frozen_values(engine), engine.named_parameters()
         results = train(engine, 64, steps=3)
         after_base, after = frozen_values(engine), engine.named_parameters()
-        assert all(torch.equal(before_base[n], after_base[n]) for n in before_base)  # the base, bit for bit
-        assert all(not torch.equal(before[n], after[n]) for n in before)  # every layer's prefix moved
+        assert all(
+            torch.equal(before_base[n], after_base[n]) for n in before_base
+        )  # the base, bit for bit
+        assert all(
+            not torch.equal(before[n], after[n]) for n in before
+        )  # every layer's prefix moved
         runs.append(([r.projected_grads for r in results], after))
     (grads_a, params_a), (grads_b, params_b) = runs
     assert grads_a == grads_b
@@ -78,7 +95,9 @@ def test_projected_gradient_is_the_prefixs_directional_derivative():
     width = table.shape[1] // len(engine.blocks)
     with torch.no_grad():
         for i, layout in enumerate(engine.block_layouts):
-            table[:, i * width : (i + 1) * width] = values[layout.entries[0].names[0]].reshape(table.shape[0], -1)
+            table[:, i * width : (i + 1) * width] = values[layout.entries[0].names[0]].reshape(
+                table.shape[0], -1
+            )
     reference(**batch).loss.backward()
     dot = 0.0
     for i, layout in enumerate(engine.block_layouts):
@@ -97,7 +116,9 @@ def test_the_real_init_is_each_layers_keys_and_values_of_random_tokens():
     with torch.no_grad():
         cache = base_model("llama")(input_ids=tokens, use_cache=True).past_key_values
     values = engine.named_parameters()
-    for i, layer in enumerate(cache.layers):  # MeZO: model(random tokens, use_cache=True).past_key_values
+    for i, layer in enumerate(
+        cache.layers
+    ):  # MeZO: model(random tokens, use_cache=True).past_key_values
         kv = values[f"model.layers.{i}.prefix_tuning.key_values"]
         assert torch.allclose(kv[:, 0], layer.keys[0].transpose(0, 1), atol=1e-6)
         assert torch.allclose(kv[:, 1], layer.values[0].transpose(0, 1), atol=1e-6)
@@ -106,7 +127,9 @@ def test_the_real_init_is_each_layers_keys_and_values_of_random_tokens():
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_the_exported_prefix_loads_with_peft_and_gives_the_engines_logits(tmp_path, family):
     if family == "llama":  # wrapped by the user: peft's own random init, through the Python API
-        model = get_peft_model(base_model("llama"), PrefixTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            base_model("llama"), PrefixTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM")
+        )
     else:
         model = prefixed(family, init="real")
     engine = engine_for(model, mode="offload")
@@ -128,7 +151,13 @@ def test_the_exported_prefix_loads_with_peft_and_gives_the_engines_logits(tmp_pa
 def test_batched_passes_with_a_prefix_equal_the_sequential_passes(batching):
     runs = []
     for flags in ({}, BATCHINGS[batching]):
-        engine = engine_for(prefixed("llama", dtype=torch.float64), mode="offload", num_slots=2, num_queries=2, **flags)
+        engine = engine_for(
+            prefixed("llama", dtype=torch.float64),
+            mode="offload",
+            num_slots=2,
+            num_queries=2,
+            **flags,
+        )
         runs.append((train(engine, 64, steps=3), engine.named_parameters()))
     (sequential, params_a), (batched, params_b) = runs
     for a, b in zip(sequential, batched):
@@ -139,9 +168,13 @@ def test_batched_passes_with_a_prefix_equal_the_sequential_passes(batching):
 
 def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path):
     base_model("llama", seed=1).save_pretrained(tmp_path)
-    spec = AdapterSpec("prefix", prefix_length=3)  # the real init: one pass over the streamed blocks
+    spec = AdapterSpec(
+        "prefix", prefix_length=3
+    )  # the real init: one pass over the streamed blocks
     whole = attach_adapter(AutoModelForCausalLM.from_pretrained(tmp_path), spec, seed=5)
-    shell = attach_adapter(skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5)
+    shell = attach_adapter(
+        skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5
+    )
     a = engine_for(whole, mode="offload")
     b = engine_for(shell, AdapterWeights(SafetensorsWeights(tmp_path), shell), mode="offload")
     assert [r.projected_grads for r in train(a, 64)] == [r.projected_grads for r in train(b, 64)]
@@ -151,5 +184,7 @@ def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_
 
 def test_a_prefix_counts_in_the_position_limit():
     engine = engine_for(prefixed("llama", length=4, max_position_embeddings=16))
-    with pytest.raises(ValueError, match="after a 4-token prefix exceed the model's max_position_embeddings 16"):
+    with pytest.raises(
+        ValueError, match="after a 4-token prefix exceed the model's max_position_embeddings 16"
+    ):
         engine.step(random_batch(64, seq=14, seed=0))

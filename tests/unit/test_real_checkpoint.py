@@ -25,12 +25,20 @@ def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path, smollm2_di
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert reference.config.model_type == "llama"
-    reference.save_pretrained(tmp_path / "smollm2", max_shard_size="300MB")  # ~0.54 GB: streamed from shards
+    reference.save_pretrained(
+        tmp_path / "smollm2", max_shard_size="300MB"
+    )  # ~0.54 GB: streamed from shards
     assert len(list((tmp_path / "smollm2").glob("model-*.safetensors"))) == 2
 
     model = skeleton(reference.config, torch.float32)
-    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, lr=1e-7, eps=1e-3), weights=open_checkpoint(tmp_path / "smollm2"))
-    batch = tokenizer(["The capital of France is", "Water boils at"], return_tensors="pt", padding=True)
+    engine = ZOEngine(
+        model,
+        ZOConfig(device="cpu", seed=0, lr=1e-7, eps=1e-3),
+        weights=open_checkpoint(tmp_path / "smollm2"),
+    )
+    batch = tokenizer(
+        ["The capital of France is", "Water boils at"], return_tensors="pt", padding=True
+    )
     with torch.no_grad():
         expected = reference(**batch).logits
     logits, _ = engine.forward(dict(batch))
@@ -46,31 +54,42 @@ def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path, smollm2_di
 SST2_SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2-sample"
 
 
-@pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample")
+@pytest.mark.skipif(
+    not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample"
+)
 def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(smollm2_dir):
     """The CI-sized form of benchmarks/learning.py: 8 ZO steps on 32 real rows lower the
     classification loss on those rows (1.34 -> 0.70 at seed 0; 0.58 and 1.00 at seeds 1, 2)."""
     from transformers import AutoConfig
 
-    from distzo.data.loaders import load_rows
     from distzo.data.encoding import ChoiceTrainData, PromptEncoder
+    from distzo.data.loaders import load_rows
     from distzo.data.templates import TASKS, build_examples
     from distzo.engine.engine import UNPERTURBED
     from distzo.objectives import Classification, collate_choices
 
     directory = smollm2_dir  # tests/conftest.py converts the GGUF once for the run
     assert AutoConfig.from_pretrained(directory).model_type == "llama"
-    assert not hasattr(AutoConfig.from_pretrained(directory), "quantization_config")  # plain floats now
-    examples = build_examples(TASKS["sst2"], load_rows(str(SST2_SAMPLE / "train.tsv"))[:32], "train.tsv")
+    assert not hasattr(
+        AutoConfig.from_pretrained(directory), "quantization_config"
+    )  # plain floats now
+    examples = build_examples(
+        TASKS["sst2"], load_rows(str(SST2_SAMPLE / "train.tsv"))[:32], "train.tsv"
+    )
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(directory), max_length=128)
     objective = Classification()
     config = ZOConfig(device="cpu", seed=0, lr=1e-4, eps=1e-3, lr_schedule="constant")
     model = skeleton(AutoConfig.from_pretrained(directory), torch.float32)
     engine = ZOEngine(model, config, weights=open_checkpoint(directory), objective=objective)
-    whole = objective.prepare(collate_choices([encoder.encode_choices(e) for e in examples], encoder.pad_id), engine.device)
+    whole = objective.prepare(
+        collate_choices([encoder.encode_choices(e) for e in examples], encoder.pad_id),
+        engine.device,
+    )
 
     def loss() -> float:
-        return engine.evaluate(lambda runner: objective.losses(runner, whole, (UNPERTURBED,), len(examples)))[UNPERTURBED].item()
+        return engine.evaluate(
+            lambda runner: objective.losses(runner, whole, (UNPERTURBED,), len(examples))
+        )[UNPERTURBED].item()
 
     before = loss()
     data = ChoiceTrainData(examples, encoder, seed=0)

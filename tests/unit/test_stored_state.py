@@ -11,17 +11,20 @@ import torch
 from distzo import ZOConfig, ZOEngine
 from distzo.engine.engine import PendingUpdate
 from distzo.job.memory_plan import plan_memory
-from tests.helpers.models import random_batch
-from tests.helpers.engines import reference_momentum
-from tests.helpers.engines import engine_for, train
-from tests.helpers.models import adapted, base_model
+from tests.helpers.engines import engine_for, reference_momentum, train
+from tests.helpers.models import adapted, base_model, random_batch
 
 
 def dense_buckets(engine, values):
     """name -> tensor as one flat fp64 tensor per bucket (resident = 0, block i = i + 1)."""
-    layouts = [(0, engine.resident_layout)] + [(i + 1, l) for i, l in enumerate(engine.block_layouts)]
-    return layouts, {block: torch.cat([values[e.names[0]].reshape(-1) for e in layout.entries]).double()
-                     for block, layout in layouts if layout.entries}
+    layouts = [(0, engine.resident_layout)] + [
+        (i + 1, l) for i, l in enumerate(engine.block_layouts)
+    ]
+    return layouts, {
+        block: torch.cat([values[e.names[0]].reshape(-1) for e in layout.entries]).double()
+        for block, layout in layouts
+        if layout.entries
+    }
 
 
 def reference_moments(engine, initial, results, optimizer, beta1, wd, beta2=0.999, eps=1e-8):
@@ -38,9 +41,15 @@ def reference_moments(engine, initial, results, optimizer, beta1, wd, beta2=0.99
             ghat = torch.zeros_like(theta[block])
             for j, g in enumerate(r.projected_grads):
                 z = engine.noise.full(layout.numel, step=t, block_id=block, query=j).double()
-                ghat += g / len(r.projected_grads) * torch.cat([z[e.offset : e.offset + e.numel] for e in layout.entries])
+                ghat += (
+                    g
+                    / len(r.projected_grads)
+                    * torch.cat([z[e.offset : e.offset + e.numel] for e in layout.entries])
+                )
             decay = torch.ones_like(theta[block])
-            decay[: sum(e.numel for e in layout.entries if e.offset < layout.decay_end)] = 1 - r.lr * wd
+            decay[: sum(e.numel for e in layout.entries if e.offset < layout.decay_end)] = (
+                1 - r.lr * wd
+            )
             if optimizer == "momentum":
                 m[block] = beta1 * m[block] + ghat
                 theta[block] = theta[block] * decay - r.lr * m[block]
@@ -63,29 +72,49 @@ def assert_follows(engine, initial, expected):
     moved = max((values[n] - initial[n]).abs().max().item() for n in expected)
     assert moved > 1e-4
     for name, value in expected.items():
-        assert torch.allclose(values[name], value.to(values[name].dtype), rtol=1e-6, atol=1e-9 * moved), name
+        assert torch.allclose(
+            values[name], value.to(values[name].dtype), rtol=1e-6, atol=1e-9 * moved
+        ), name
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
 @pytest.mark.parametrize("optimizer", ["adam", "momentum"])
 def test_stored_state_follows_a_dense_reference(family, optimizer):
-    engine = engine_for(base_model(family, dtype=torch.float64), optimizer=optimizer, optimizer_state="stored",
-                        beta1=0.9, num_queries=2, lr=1e-3, weight_decay=0.1, mode="offload", num_slots=2)
+    engine = engine_for(
+        base_model(family, dtype=torch.float64),
+        optimizer=optimizer,
+        optimizer_state="stored",
+        beta1=0.9,
+        num_queries=2,
+        lr=1e-3,
+        weight_decay=0.1,
+        mode="offload",
+        num_slots=2,
+    )
     initial = engine.named_parameters()
     results = train(engine, 64, steps=30)
-    assert_follows(engine, initial, reference_moments(engine, initial, results, optimizer, 0.9, 0.1))
+    assert_follows(
+        engine, initial, reference_moments(engine, initial, results, optimizer, 0.9, 0.1)
+    )
 
 
 def test_stored_and_recomputed_momentum_apply_one_update_within_the_window():
     """The same 30 estimates (step, g, lr) applied by both forms: equal (to rounding) while the
     window holds every step; a window of 4 drops what the stored momentum keeps."""
-    source = engine_for(base_model("llama", dtype=torch.float64), optimizer="momentum", lr=1e-3, momentum_window=30)
+    source = engine_for(
+        base_model("llama", dtype=torch.float64), optimizer="momentum", lr=1e-3, momentum_window=30
+    )
     initial = source.named_parameters()
     results = train(source, 64, steps=30)
     expected = reference_momentum(source, initial, results, 0.9, 30, 0.1)
     for state, window in (("stored", 30), ("recomputed", 30), ("recomputed", 4)):
-        engine = engine_for(base_model("llama", dtype=torch.float64), optimizer="momentum", optimizer_state=state,
-                            momentum_window=window, lr=1e-3)
+        engine = engine_for(
+            base_model("llama", dtype=torch.float64),
+            optimizer="momentum",
+            optimizer_state=state,
+            momentum_window=window,
+            lr=1e-3,
+        )
         for r in results:  # as a replay applies a seed log
             engine.pending = engine.momentum_update(PendingUpdate(r.step, r.projected_grads, r.lr))
             engine.flush()
@@ -96,8 +125,12 @@ def test_stored_and_recomputed_momentum_apply_one_update_within_the_window():
 
 @pytest.mark.parametrize("method", ["lora-fa", "prefix"])
 def test_adapter_moments_live_on_the_device_and_follow_the_reference(method):
-    engine = engine_for(adapted("llama", method, dtype=torch.float64), optimizer="adam", lr=1e-3, num_slots=2)
-    assert engine.state_host_bytes == 0  # the adapter's buckets and their moments stay on the device
+    engine = engine_for(
+        adapted("llama", method, dtype=torch.float64), optimizer="adam", lr=1e-3, num_slots=2
+    )
+    assert (
+        engine.state_host_bytes == 0
+    )  # the adapter's buckets and their moments stay on the device
     initial = engine.named_parameters()
     results = train(engine, 64, steps=10)
     assert_follows(engine, initial, reference_moments(engine, initial, results, "adam", 0.9, 0.1))
@@ -105,14 +138,21 @@ def test_adapter_moments_live_on_the_device_and_follow_the_reference(method):
 
 def test_adam_offload_equals_resident_and_a_state_dict_resumes_it():
     def adam_engine(mode, **extra):
-        return engine_for(base_model("opt"), mode=mode, num_slots=2, optimizer="adam", lr=1e-3, **extra)
+        return engine_for(
+            base_model("opt"), mode=mode, num_slots=2, optimizer="adam", lr=1e-3, **extra
+        )
 
     runs = {}
     for mode in ("resident", "offload"):
         engine = adam_engine(mode)
-        runs[mode] = [r.projected_grads for r in train(engine, 64, steps=5)], engine.named_parameters()
+        runs[mode] = (
+            [r.projected_grads for r in train(engine, 64, steps=5)],
+            engine.named_parameters(),
+        )
     assert runs["resident"][0] == runs["offload"][0]
-    assert all(torch.equal(runs["resident"][1][n], runs["offload"][1][n]) for n in runs["resident"][1])
+    assert all(
+        torch.equal(runs["resident"][1][n], runs["offload"][1][n]) for n in runs["resident"][1]
+    )
 
     first = adam_engine("offload")
     train(first, 64, steps=3)
@@ -128,7 +168,10 @@ def test_adam_offload_equals_resident_and_a_state_dict_resumes_it():
     assert all(torch.equal(values[n], runs["resident"][1][n]) for n in values)
 
     sgd = engine_for(base_model("opt"), mode="offload", num_slots=2)
-    with pytest.raises(ValueError, match=r"holds optimizer state \['exp_avg', 'exp_avg_sq'\], the engine keeps none"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds optimizer state \['exp_avg', 'exp_avg_sq'\], the engine keeps none",
+    ):
         sgd.load_state_dict(state)
 
 
@@ -137,14 +180,18 @@ def test_moments_travel_only_with_an_update():
     moved = {"upload": 0, "offload": 0}
     for store in engine.moments.blocks:
         for name in moved:
+
             def counted(index, original=getattr(store, name), name=name):
                 moved[name] += 1
                 original(index)
+
             setattr(store, name, counted)
     blocks = len(engine.blocks)
     engine.step(random_batch(64, seed=0))  # no pending update yet: nothing to carry
     assert moved == {"upload": 0, "offload": 0}
-    engine.step(random_batch(64, seed=1))  # step 0's update: each block's two moments up and back once
+    engine.step(
+        random_batch(64, seed=1)
+    )  # step 0's update: each block's two moments up and back once
     assert moved == {"upload": 2 * blocks, "offload": 2 * blocks}
     engine.forward(random_batch(64, seed=2))  # applies step 1's update, then reads
     assert moved == {"upload": 4 * blocks, "offload": 4 * blocks}
@@ -153,8 +200,17 @@ def test_moments_travel_only_with_an_update():
 
 
 def test_bf16_state_rests_at_half_the_bytes_and_stays_close_to_fp32():
-    engines = {dtype: engine_for(base_model("llama"), mode="offload", num_slots=2, optimizer="adam", lr=1e-3,
-                                 state_dtype=dtype) for dtype in ("fp32", "bf16")}
+    engines = {
+        dtype: engine_for(
+            base_model("llama"),
+            mode="offload",
+            num_slots=2,
+            optimizer="adam",
+            lr=1e-3,
+            state_dtype=dtype,
+        )
+        for dtype in ("fp32", "bf16")
+    }
     assert engines["bf16"].state_host_bytes * 2 == engines["fp32"].state_host_bytes
     assert engines["bf16"].moments.blocks[0].host_storage.dtype == torch.bfloat16
     for engine in engines.values():
@@ -167,11 +223,16 @@ def test_bf16_state_rests_at_half_the_bytes_and_stays_close_to_fp32():
 
 
 def test_the_plan_counts_the_state_the_engine_allocates():
-    for options in (dict(mode="offload", optimizer="adam"), dict(mode="offload", optimizer="adam", state_dtype="bf16"),
-                    dict(mode="resident", optimizer="momentum", optimizer_state="stored")):
+    for options in (
+        dict(mode="offload", optimizer="adam"),
+        dict(mode="offload", optimizer="adam", state_dtype="bf16"),
+        dict(mode="resident", optimizer="momentum", optimizer_state="stored"),
+    ):
         config = ZOConfig(device="cpu", num_slots=2, **options)
         model = base_model("llama")
-        sgd = plan_memory(model, ZOConfig(device="cpu", num_slots=2, mode=options["mode"]), 1, False, 2, 8, 2)
+        sgd = plan_memory(
+            model, ZOConfig(device="cpu", num_slots=2, mode=options["mode"]), 1, False, 2, 8, 2
+        )
         plan = plan_memory(model, config, 1, False, 2, 8, 2)
         engine = ZOEngine(base_model("llama"), config)
         assert plan.state_host_bytes == engine.state_host_bytes
@@ -185,7 +246,10 @@ def test_bad_optimizer_state_options_are_one_line_errors():
         ZOConfig(optimizer="adam", optimizer_state="recomputed")
     with pytest.raises(ValueError, match="ZO-SGD has no optimizer state to store"):
         ZOConfig(optimizer_state="stored")
-    with pytest.raises(ValueError, match="state_dtype bf16 applies to stored optimizer state at rest in host memory"):
+    with pytest.raises(
+        ValueError,
+        match="state_dtype bf16 applies to stored optimizer state at rest in host memory",
+    ):
         ZOConfig(optimizer="adam", mode="resident", state_dtype="bf16")
     with pytest.raises(ValueError, match="beta2 must be in"):
         ZOConfig(optimizer="adam", beta2=1.0)

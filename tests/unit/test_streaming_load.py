@@ -14,9 +14,8 @@ from distzo.job.checkpoint import Checkpointer
 from distzo.job.memory_plan import plan_memory
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
-from tests.helpers.models import random_batch
 from tests.helpers.launch import child_env, train_in_process
-from tests.helpers.models import build
+from tests.helpers.models import build, random_batch
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2"])
@@ -52,7 +51,9 @@ def test_random_weights_are_the_same_on_every_rank_and_shaped_by_role():
     a, b = RandomWeights(3), RandomWeights(3)
     w = a.tensor(("model.layers.0.mlp.up_proj.weight",), (8, 4), torch.float32)
     assert torch.equal(w, b.tensor(("model.layers.0.mlp.up_proj.weight",), (8, 4), torch.float32))
-    assert not torch.equal(w, a.tensor(("model.layers.1.mlp.up_proj.weight",), (8, 4), torch.float32))
+    assert not torch.equal(
+        w, a.tensor(("model.layers.1.mlp.up_proj.weight",), (8, 4), torch.float32)
+    )
     assert torch.equal(a.tensor(("x.bias",), (3,), torch.float32), torch.zeros(3))
     assert torch.equal(a.tensor(("x.norm.weight",), (3,), torch.float32), torch.ones(3))
 
@@ -66,25 +67,42 @@ def test_every_named_shape_builds_as_a_skeleton(name):
 
 def test_the_plan_counts_what_the_engine_allocates(tmp_path):
     model = build("llama", seed=0)
-    configs = (ZOConfig(device="cpu", num_slots=3), ZOConfig(device="cpu", transfer_dtype="bf16"),
-               ZOConfig(device="cpu", noise="legacy"))
+    configs = (
+        ZOConfig(device="cpu", num_slots=3),
+        ZOConfig(device="cpu", transfer_dtype="bf16"),
+        ZOConfig(device="cpu", noise="legacy"),
+    )
     for config in configs:
         plan = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
         engine = ZOEngine(build("llama", seed=0), config)
-        allocated = (engine.resident_master.nbytes + engine.resident_scratch.nbytes + engine.block_scratch.nbytes
-                     + engine.store.device_bytes + engine.noise.device_bytes
-                     + (engine.rounding_noise.device_bytes if engine.rounding_noise else 0))
+        allocated = (
+            engine.resident_master.nbytes
+            + engine.resident_scratch.nbytes
+            + engine.block_scratch.nbytes
+            + engine.store.device_bytes
+            + engine.noise.device_bytes
+            + (engine.rounding_noise.device_bytes if engine.rounding_noise else 0)
+        )
         assert plan.device_bytes == allocated
         assert plan.host_bytes == engine.store.host_bytes
         # A checkpoint save copies exactly what the plan reserves for it: everything when
         # asynchronous, nothing when synchronous (the blocks' host copy is written as it is).
-        live = {engine.resident_master.untyped_storage().data_ptr(), engine.store.host_storage.untyped_storage().data_ptr()}
+        live = {
+            engine.resident_master.untyped_storage().data_ptr(),
+            engine.store.host_storage.untyped_storage().data_ptr(),
+        }
         for async_save in (True, False):
             state = Checkpointer(tmp_path, engine)._state(private=async_save)
             copied = [v for k, v in state.items() if not k.startswith("meta/")]
             copied = [v for v in copied if v.untyped_storage().data_ptr() not in live]
-            planned = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2, async_save=async_save)
-            assert planned.checkpoint_bytes == sum(v.nbytes for v in copied) == (plan.checkpoint_bytes if async_save else 0)
+            planned = plan_memory(
+                model, config, 1, False, batch=2, seq=8, signs=2, async_save=async_save
+            )
+            assert (
+                planned.checkpoint_bytes
+                == sum(v.nbytes for v in copied)
+                == (plan.checkpoint_bytes if async_save else 0)
+            )
 
 
 def test_opt_13b_shape_with_one_layer_builds_and_steps():
@@ -106,8 +124,15 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_is_allocated():
 @pytest.mark.slow
 def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
     # ~0.83 GB of fp32 weights in 300 MB shards; a small vocabulary keeps the resident part small.
-    config = LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -119,19 +144,41 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
 
     cache = fake_hub_cache(tmp_path / "hub", "org/large", tmp_path / "ckpt")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").state_dict()
-    sums = {key: (value.double().sum().item(), value.double().square().sum().item()) for key, value in reference.items()}
+    sums = {
+        key: (value.double().sum().item(), value.double().square().sum().item())
+        for key, value in reference.items()
+    }
     del reference
-    for n, source in ((1, str(tmp_path / "ckpt")), (2, str(tmp_path / "ckpt")), (2, "hub:org/large")):
+    for n, source in (
+        (1, str(tmp_path / "ckpt")),
+        (2, str(tmp_path / "ckpt")),
+        (2, "hub:org/large"),
+    ):
         out = tmp_path / f"probe{n}"
         probe = [source, str(out)]
-        command = [sys.executable, "tests/helpers/stream_probe.py", *probe] if n == 1 else [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "tests/helpers/stream_probe.py", *probe]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env(hub_env(cache)))
+        command = (
+            [sys.executable, "tests/helpers/stream_probe.py", *probe]
+            if n == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={n}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                "tests/helpers/stream_probe.py",
+                *probe,
+            ]
+        )
+        proc = subprocess.run(
+            command, capture_output=True, text=True, timeout=600, env=child_env(hub_env(cache))
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads((tmp_path / f"probe{n}.rank{r}.json").read_text()) for r in range(n)]
         bound = 1.3 * model_bytes / n + 1e9
-        print(f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB")
+        print(
+            f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB"
+        )
         for record in records:
             assert record["peak_rss"] < bound, (n, record["peak_rss"] / 1e9, bound / 1e9)
         for key, (total, squares) in records[0]["checksums"].items():
@@ -164,13 +211,31 @@ def test_a_hub_name_streams_its_snapshot_like_a_local_directory(tmp_path):
     cache = fake_hub_cache(tmp_path / "hub", "org/tiny-llama", tmp_path / "local")
     runs = {}
     for name, model in (("hub", "org/tiny-llama"), ("local", str(tmp_path / "local"))):
-        args = ["--model", model, "--max-steps", "3", "--log-every", "0", "--batch-size", "4", "--seq-len", "8",
-                "--eval-batch-size", "4", "--dtype", "fp64", "--output-dir", str(tmp_path / name)]
+        args = [
+            "--model",
+            model,
+            "--max-steps",
+            "3",
+            "--log-every",
+            "0",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "8",
+            "--eval-batch-size",
+            "4",
+            "--dtype",
+            "fp64",
+            "--output-dir",
+            str(tmp_path / name),
+        ]
         proc = torchrun(2, args, env=hub_env(cache))
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = Run(tmp_path / name)
     assert runs["hub"].grads == runs["local"].grads
-    assert all(torch.equal(runs["hub"].params[k], runs["local"].params[k]) for k in runs["local"].params)
+    assert all(
+        torch.equal(runs["hub"].params[k], runs["local"].params[k]) for k in runs["local"].params
+    )
 
 
 def test_a_missing_hub_model_is_one_line(tmp_path):
@@ -188,7 +253,9 @@ def test_only_safetensors_are_fetched_when_the_repository_has_them():
     from distzo.models.hub import weight_patterns
 
     both = weight_patterns(["config.json", "model.safetensors", "pytorch_model.bin", "modeling.py"])
-    assert "*.safetensors" in both and "*.bin" not in both and not any(p.endswith(".py") for p in both)
+    assert (
+        "*.safetensors" in both and "*.bin" not in both and not any(p.endswith(".py") for p in both)
+    )
     assert "*.bin" in weight_patterns(["config.json", "pytorch_model.bin"])
 
 
@@ -207,10 +274,14 @@ def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
     for i, (layout, ordered) in enumerate(built):
         full = torch.zeros(layout.numel)
         for e in layout.entries:
-            full[e.offset : e.offset + e.numel] = source.tensor(e.names, e.shape, torch.float32).reshape(-1)
+            full[e.offset : e.offset + e.numel] = source.tensor(
+                e.names, e.shape, torch.float32
+            ).reshape(-1)
         naive.load_block(i, full)
     for rank in range(2):
-        sliced = StreamedBlocks(layouts, torch.device("cpu"), 1, shard=Shard(None, rank, 2), chunks=3)
+        sliced = StreamedBlocks(
+            layouts, torch.device("cpu"), 1, shard=Shard(None, rank, 2), chunks=3
+        )
         asked = []
 
         def read(layout, lo, hi):
@@ -221,7 +292,9 @@ def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
             asked.clear()
             sliced.load_block_ranges(i, lambda lo, hi, layout=layout: read(layout, lo, hi))
             owned = [s for _, s in sliced._pieces(i)]
-            assert sum(hi - lo for lo, hi in asked) <= sum(hi - lo for lo, hi in owned)  # never more than its share
+            assert sum(hi - lo for lo, hi in asked) <= sum(
+                hi - lo for lo, hi in owned
+            )  # never more than its share
             assert all(any(o_lo <= lo and hi <= o_hi for o_lo, o_hi in owned) for lo, hi in asked)
             # and what it holds equals the owner's pieces of the whole block
             sliced_full = torch.zeros(sliced.padded[i])

@@ -7,46 +7,75 @@ import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine
-from distzo.data.loaders import load_rows, parse_hub_spec
 from distzo.data.encoding import PromptEncoder, step_indices
+from distzo.data.loaders import load_rows, parse_hub_spec
 from distzo.data.task_data import load_task_rows
 from distzo.data.templates import TASKS, build_examples
 from distzo.dist import ParallelContext
 from distzo.job.evaluation import evaluate_choices
-from distzo.objectives import exact_match, f1_score
 from distzo.models.tiny import byte_tokenizer
+from distzo.objectives import exact_match, f1_score
 from tests.helpers.models import tiny_opt
 
 KNOWN = {
-    "sst2": ({"sentence": " a gripping film ", "label": 1}, "a gripping film It was", (" terrible", " great"), 1),
+    "sst2": (
+        {"sentence": " a gripping film ", "label": 1},
+        "a gripping film It was",
+        (" terrible", " great"),
+        1,
+    ),
     "rte": (
         {"premise": "Cats purr.", "hypothesis": "Cats make sounds.", "label": 0},
-        'Cats purr.\nDoes this mean that "Cats make sounds." is true? Yes or No?\n', ("Yes", "No"), 0,
+        'Cats purr.\nDoes this mean that "Cats make sounds." is true? Yes or No?\n',
+        ("Yes", "No"),
+        0,
     ),
     "cb": (
         {"premise": "It rained.", "hypothesis": "The ground is wet.", "label": 2},
-        'Suppose It rained. Can we infer that "The ground is wet."? Yes, No, or Maybe?\n', ("Yes", "No", "Maybe"), 2,
+        'Suppose It rained. Can we infer that "The ground is wet."? Yes, No, or Maybe?\n',
+        ("Yes", "No", "Maybe"),
+        2,
     ),
     "boolq": (
         {"passage": "Water boils at 100 C.", "question": "does water boil at 100 c", "label": True},
-        "Water boils at 100 C. Does water boil at 100 c?", (" No", " Yes"), 1,
+        "Water boils at 100 C. Does water boil at 100 c?",
+        (" No", " Yes"),
+        1,
     ),
     "wic": (
         {"word": "bank", "sentence1": "A river bank.", "sentence2": "A bank loan.", "label": 0},
         'Does the word "bank" have the same meaning in these two sentences? Yes, No?\nA river bank.\nA bank loan.\n',
-        ("No", "Yes"), 0,
+        ("No", "Yes"),
+        0,
     ),
     "copa": (
-        {"premise": "The man fell.", "question": "cause", "choice1": "He tripped.", "choice2": "I laughed.", "label": 0},
-        "The man fell because ", ("he tripped.", "I laughed."), 0,
+        {
+            "premise": "The man fell.",
+            "question": "cause",
+            "choice1": "He tripped.",
+            "choice2": "I laughed.",
+            "label": 0,
+        },
+        "The man fell because ",
+        ("he tripped.", "I laughed."),
+        0,
     ),
     "multirc": (
         {"paragraph": "Tom has a dog.", "question": "What pet?", "answer": "A dog", "label": 1},
-        'Tom has a dog.\nQuestion: What pet?\nI found this answer "A dog". Is that correct? Yes or No?\n', ("No", "Yes"), 1,
+        'Tom has a dog.\nQuestion: What pet?\nI found this answer "A dog". Is that correct? Yes or No?\n',
+        ("No", "Yes"),
+        1,
     ),
     "squad": (
-        {"title": "Pets", "context": "Tom has a dog.", "question": " What pet? ", "answers": {"text": ["a dog", "dog"]}},
-        "Title: Pets\nContext: Tom has a dog.\nQuestion: What pet?\nAnswer:", (" a dog\n",), 0,
+        {
+            "title": "Pets",
+            "context": "Tom has a dog.",
+            "question": " What pet? ",
+            "answers": {"text": ["a dog", "dog"]},
+        },
+        "Title: Pets\nContext: Tom has a dog.\nQuestion: What pet?\nAnswer:",
+        (" a dog\n",),
+        0,
     ),
 }
 
@@ -68,11 +97,23 @@ def test_squad_keeps_every_gold_answer():
 @pytest.mark.parametrize(
     "name, row, message",
     [
-        ("rte", {"premise": "p", "label": 0}, "row 1: missing column 'hypothesis' \\(task rte needs premise, hypothesis, label\\)"),
+        (
+            "rte",
+            {"premise": "p", "label": 0},
+            "row 1: missing column 'hypothesis' \\(task rte needs premise, hypothesis, label\\)",
+        ),
         ("sst2", {"sentence": "s", "label": 5}, "row 1: label 5 is outside 0..1"),
         ("sst2", {"sentence": "s", "label": "pos"}, "row 1: label 'pos' is not an integer"),
-        ("copa", {"premise": "p", "question": "why", "choice1": "a", "choice2": "b", "label": 0}, "row 1: question 'why' must be cause or effect"),
-        ("squad", {"title": "t", "context": "c", "question": "q", "answers": []}, "row 1: answers must be a non-empty list"),
+        (
+            "copa",
+            {"premise": "p", "question": "why", "choice1": "a", "choice2": "b", "label": 0},
+            "row 1: question 'why' must be cause or effect",
+        ),
+        (
+            "squad",
+            {"title": "t", "context": "c", "question": "q", "answers": []},
+            "row 1: answers must be a non-empty list",
+        ),
     ],
 )
 def test_malformed_rows_name_the_file_and_row(name, row, message):
@@ -91,7 +132,9 @@ def write(path, fmt):
         path.write_text(json.dumps(ROWS))
     elif fmt in ("csv", "tsv"):
         with path.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, ["sentence", "label"], delimiter="\t" if fmt == "tsv" else ",")
+            writer = csv.DictWriter(
+                fh, ["sentence", "label"], delimiter="\t" if fmt == "tsv" else ","
+            )
             writer.writeheader()
             writer.writerows(ROWS)
     elif fmt == "parquet":
@@ -106,7 +149,10 @@ def test_every_local_format_loads_the_same_examples(tmp_path, fmt):
     path = tmp_path / f"data.{fmt}"
     write(path, fmt)
     loaded = load_task_rows("sst2", str(path), str(path))
-    assert [(e.prompt, e.label) for e in loaded.train] == [("good It was", 1), ("bad, really It was", 0)]
+    assert [(e.prompt, e.label) for e in loaded.train] == [
+        ("good It was", 1),
+        ("bad, really It was", 0),
+    ]
 
 
 def test_text_files_give_one_row_per_line(tmp_path):
@@ -171,7 +217,9 @@ def test_choice_evaluation_matches_a_plain_per_candidate_loop():
     tokenizer = byte_tokenizer()
     model = tiny_opt(seed=3, vocab_size=len(tokenizer), max_position_embeddings=256)
     reference = tiny_opt(seed=3, vocab_size=len(tokenizer), max_position_embeddings=256).eval()
-    rows = [{"premise": f"Fact {i}.", "hypothesis": f"Claim {i % 3}.", "label": i % 2} for i in range(7)]
+    rows = [
+        {"premise": f"Fact {i}.", "hypothesis": f"Claim {i % 3}.", "label": i % 2} for i in range(7)
+    ]
     examples = build_examples(TASKS["rte"], rows, "x")
     encoder = PromptEncoder(tokenizer, max_length=256)
     engine = ZOEngine(model, ZOConfig(device="cpu", seed=0))
@@ -187,7 +235,7 @@ def test_choice_evaluation_matches_a_plain_per_candidate_loop():
                 ids = torch.tensor([prompt + answer])
                 log_probs = torch.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1)
                 targets = ids[0, 1:]
-                picked = log_probs[torch.arange(len(targets)), targets][-len(answer):]
+                picked = log_probs[torch.arange(len(targets)), targets][-len(answer) :]
                 scores.append(picked.mean().item())
             correct += int(max(range(len(scores)), key=scores.__getitem__) == e.label)
     assert got["eval_accuracy"] == pytest.approx(correct / len(examples))
@@ -208,10 +256,30 @@ def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):
     from tests.helpers.launch import python_train, torchrun
 
     sst = [{"sentence": f"review number {i}", "label": i % 2} for i in range(20)]
-    train, evaluation = write_jsonl(tmp_path / "train.jsonl", sst), write_jsonl(tmp_path / "eval.jsonl", sst[:7])
+    train, evaluation = (
+        write_jsonl(tmp_path / "train.jsonl", sst),
+        write_jsonl(tmp_path / "eval.jsonl", sst[:7]),
+    )
     out = tmp_path / "sst2"
-    proc = torchrun(2, ["--task", "sst2", "--train-file", train, "--eval-file", evaluation, "--max-steps", "6",
-                        "--batch-size", "4", "--eval-batch-size", "4", "--output-dir", str(out)])
+    proc = torchrun(
+        2,
+        [
+            "--task",
+            "sst2",
+            "--train-file",
+            train,
+            "--eval-file",
+            evaluation,
+            "--max-steps",
+            "6",
+            "--batch-size",
+            "4",
+            "--eval-batch-size",
+            "4",
+            "--output-dir",
+            str(out),
+        ],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 6] and all(0 <= e["eval_accuracy"] <= 1 for e in evals)
@@ -219,27 +287,73 @@ def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):
     assert all(abs(e["eval_accuracy"] * 7 - round(e["eval_accuracy"] * 7)) < 1e-9 for e in evals)
     assert (out / "export" / "tokenizer.json").exists()
 
-    squad = [{"title": "T", "context": f"The code is {i}.", "question": "What is the code?", "answers": [str(i)]}
-             for i in range(6)]
-    train, evaluation = write_jsonl(tmp_path / "sq.jsonl", squad), write_jsonl(tmp_path / "sq_eval.jsonl", squad[:3])
-    proc = python_train(["--task", "squad", "--train-file", train, "--eval-file", evaluation, "--max-steps", "2",
-                         "--batch-size", "2", "--max-new-tokens", "3", "--output-dir", str(tmp_path / "squad")])
+    squad = [
+        {
+            "title": "T",
+            "context": f"The code is {i}.",
+            "question": "What is the code?",
+            "answers": [str(i)],
+        }
+        for i in range(6)
+    ]
+    train, evaluation = (
+        write_jsonl(tmp_path / "sq.jsonl", squad),
+        write_jsonl(tmp_path / "sq_eval.jsonl", squad[:3]),
+    )
+    proc = python_train(
+        [
+            "--task",
+            "squad",
+            "--train-file",
+            train,
+            "--eval-file",
+            evaluation,
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--output-dir",
+            str(tmp_path / "squad"),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads((tmp_path / "squad" / "eval.jsonl").read_text().splitlines()[-1])
     assert {"eval_f1", "eval_exact_match"} <= last.keys()
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line {i} of text" for i in range(10)))
-    proc = python_train(["--task", "text", "--train-file", str(corpus), "--eval-file", str(corpus), "--max-steps", "2",
-                         "--batch-size", "2", "--output-dir", str(tmp_path / "text")])
+    proc = python_train(
+        [
+            "--task",
+            "text",
+            "--train-file",
+            str(corpus),
+            "--eval-file",
+            str(corpus),
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--output-dir",
+            str(tmp_path / "text"),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--task", "sst2"], "error: --task sst2 reads its data: give --train-file and --eval-file"),
-        (["--task", "counting", "--train-file", "x.jsonl"], "error: --task counting generates its data"),
+        (
+            ["--task", "sst2"],
+            "error: --task sst2 reads its data: give --train-file and --eval-file",
+        ),
+        (
+            ["--task", "counting", "--train-file", "x.jsonl"],
+            "error: --task counting generates its data",
+        ),
         (["--task", "mnli"], "error: unknown --task 'mnli'"),
     ],
 )
@@ -254,7 +368,9 @@ def test_task_input_errors_are_one_line_before_any_model(args, message):
 def test_a_malformed_row_stops_the_cli_with_file_and_row(tmp_path):
     from tests.helpers.launch import train_in_process
 
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"sentence": "ok", "label": 1}, {"sentence": "no label"}])
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl", [{"sentence": "ok", "label": 1}, {"sentence": "no label"}]
+    )
     proc = train_in_process(["--task", "sst2", "--train-file", bad, "--eval-file", bad])
     assert proc.returncode == 2
     assert proc.stderr.strip() == (

@@ -21,5 +21,9 @@ class Run:
 
 
 def init(**kwargs) -> Run:
-    _record("init", **{k: v for k, v in kwargs.items() if k != "config"}, has_config=bool(kwargs.get("config")))
+    _record(
+        "init",
+        **{k: v for k, v in kwargs.items() if k != "config"},
+        has_config=bool(kwargs.get("config")),
+    )
     return Run()
