@@ -21,7 +21,7 @@ import torch
 
 from distzo.bench import BenchReport, Measurement
 from distzo.config.engine_options import ZOConfig
-from distzo.engine.engine import bucket_layouts
+from distzo.engine import bucket_layouts
 from distzo.job.memory_plan import plan_memory
 from distzo.models import family_for
 from distzo.models.shapes import SHAPES, shape_config

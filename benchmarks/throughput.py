@@ -51,7 +51,7 @@ from distzo.bench import BenchReport, Measurement
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
-from distzo.engine.engine import UNPERTURBED
+from distzo.engine import UNPERTURBED
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton

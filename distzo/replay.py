@@ -26,7 +26,7 @@ from transformers import AutoConfig
 from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.config.cli import fail, program
 from distzo.config.engine_options import ZOConfig, optimizer_options
-from distzo.engine.engine import ZOEngine
+from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.job.seed_log import read_seed_log, step_grads
 from distzo.models import load_model

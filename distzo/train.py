@@ -54,7 +54,7 @@ from distzo.dist import (
     broadcast_seed,
 )
 from distzo.dist import process_group as pg
-from distzo.engine.engine import ZOEngine, resolve_transfer
+from distzo.engine import ZOEngine, resolve_transfer
 from distzo.export.hf_model import check_shard_size, export_model
 from distzo.job.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
 from distzo.job.evaluation import evaluate

@@ -1,4 +1,4 @@
-"""One ZO step over embed -> streamed blocks -> head (DESIGN section 2).
+"""One ZO step over embed -> streamed blocks -> head.
 
 Per step t, with the pending update (t-1, g_0..g_{q-1}, lr) of the previous step:
 

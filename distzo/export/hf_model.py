@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from distzo.adapters.peft_adapters import ADAPTER_NAME, base_name, is_adapter_name, prefix_table
 from distzo.dist.collectives import world_rank
-from distzo.engine.engine import ZOEngine
+from distzo.engine import ZOEngine
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import copy
 import torch
 from torch import nn
 
-from distzo.engine.engine import ZOEngine
+from distzo.engine import ZOEngine
 from distzo.models.batched_linear import make_pass_batched
 from distzo.zo import philox
 from distzo.zo.gaussian_table import gaussian_table

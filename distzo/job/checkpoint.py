@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_options import OPTIMIZERS
 from distzo.dist.collectives import host_barrier, new_host_group, world_rank
-from distzo.engine.engine import PendingUpdate, ZOEngine
+from distzo.engine import PendingUpdate, ZOEngine
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)

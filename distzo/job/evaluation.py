@@ -28,7 +28,7 @@ from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import CountingData, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist import ParallelContext
-from distzo.engine.engine import UNPERTURBED, ZOEngine
+from distzo.engine import UNPERTURBED, ZOEngine
 from distzo.objectives import (
     PassRunner,
     answer_text,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from distzo.config.engine_options import ZOConfig
-from distzo.engine.engine import split_layouts, unwrap_peft
+from distzo.engine import split_layouts, unwrap_peft
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, round_up

@@ -1,4 +1,4 @@
-"""What a ZO step minimises: one number per perturbed model (DESIGN section 2, "Objectives").
+"""What a ZO step minimises: one number per perturbed model.
 
 * ``lm``: teacher forcing on the label tokens (MeZO with ``--only_train_option``).
 * ``classification``: cross-entropy over the candidates' mean log-likelihoods (MeZO's

@@ -232,7 +232,7 @@ def test_a_steady_state_step_never_waits_for_the_device_before_its_one_read():
 
 
 def test_host_blocks_are_pinned_at_exactly_the_planned_size():
-    from distzo.engine.engine import bucket_layouts
+    from distzo.engine import bucket_layouts
     from distzo.job.memory_plan import plan_memory
     from distzo.models import family_for
     from distzo.models.shapes import shape_config

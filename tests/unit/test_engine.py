@@ -3,7 +3,7 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data import CountingTask
-from distzo.engine.engine import RESIDENT_BLOCK_ID, PendingUpdate
+from distzo.engine import RESIDENT_BLOCK_ID, PendingUpdate
 from tests.helpers.models import random_batch, tiny_opt
 
 

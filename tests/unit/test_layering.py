@@ -68,5 +68,5 @@ def test_a_lower_layer_imports_nothing_above_it(folder, forbidden):
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from distzo.engine.engine import ZOEngine\n")
+    probe.write_text("def f():\n    from distzo.engine import ZOEngine\n")
     assert "distzo.engine.engine" in imported_modules(probe)

@@ -13,7 +13,7 @@ from distzo.data.encoding import (
 )
 from distzo.data.templates import TASKS, Example, build_examples
 from distzo.dist import ParallelContext
-from distzo.engine.engine import RESIDENT_BLOCK_ID, UNPERTURBED
+from distzo.engine import RESIDENT_BLOCK_ID, UNPERTURBED
 from distzo.job.evaluation import evaluate_choices, evaluate_generation, evaluate_lm
 from distzo.models.tiny import byte_tokenizer
 from distzo.objectives import (

@@ -65,7 +65,7 @@ def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(smollm2
     from distzo.data.encoding import ChoiceTrainData, PromptEncoder
     from distzo.data.loaders import load_rows
     from distzo.data.templates import TASKS, build_examples
-    from distzo.engine.engine import UNPERTURBED
+    from distzo.engine import UNPERTURBED
     from distzo.objectives import Classification, collate_choices
 
     directory = smollm2_dir  # tests/conftest.py converts the GGUF once for the run

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine
-from distzo.engine.engine import PendingUpdate
+from distzo.engine import PendingUpdate
 from distzo.job.memory_plan import plan_memory
 from tests.helpers.engines import engine_for, reference_momentum, train
 from tests.helpers.models import adapted, base_model, random_batch

@@ -260,7 +260,7 @@ def test_only_safetensors_are_fetched_when_the_repository_has_them():
 
 
 def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
-    from distzo.engine.engine import _bucket_range, bucket_layouts
+    from distzo.engine import bucket_layouts, bucket_range
     from distzo.models import family_for
     from distzo.offload import Shard, StreamedBlocks
 
@@ -286,7 +286,7 @@ def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
 
         def read(layout, lo, hi):
             asked.append((lo, hi))
-            return _bucket_range(layout, source, lo, hi)
+            return bucket_range(layout, source, lo, hi)
 
         for i, layout in enumerate(layouts):
             asked.clear()
