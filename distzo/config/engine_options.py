@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,6 +99,19 @@ class ZOConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Every option, each check naming its option and the fix, in a fixed order."""
+        self._check_step_rule()
+        self._check_layout()
+        self._check_optimizer()
+        self._check_batching()
+        if self.transfer == "sliced" and self.mode != "offload":
+            raise ValueError(
+                "transfer sliced only applies to mode offload (resident blocks never travel)"
+            )
+        self.torch_device()  # a malformed device string fails here, not mid-build
+
+    def _check_step_rule(self) -> None:
+        """The step's size and schedule."""
         if not self.eps > 0:
             raise ValueError(
                 f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3"
@@ -119,18 +134,22 @@ class ZOConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+
+    def _check_layout(self) -> None:
+        """Where blocks live and how they travel, and the noise they draw."""
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.num_slots < 1:
             raise ValueError(
-                f"num_slots must be >= 1, got {self.num_slots}; use 2 or 3 to overlap transfers, 1 for least memory"
+                f"num_slots must be >= 1, got {self.num_slots}; use 2 or 3 to overlap transfers, 1 "
+                "for least memory"
             )
         if self.noise_chunk < 1:
             raise ValueError(f"noise_chunk must be >= 1 element, got {self.noise_chunk}")
         if self.noise not in NOISE_KINDS:
             raise ValueError(
-                f"noise must be one of {', '.join(NOISE_KINDS)}, got {self.noise!r}; gaussian is MeZO's z, "
-                "rademacher SPSA's +-1"
+                f"noise must be one of {', '.join(NOISE_KINDS)}, got {self.noise!r}; gaussian is "
+                "MeZO's z, rademacher SPSA's +-1"
             )
         if self.transfer not in TRANSFERS:
             raise ValueError(
@@ -138,27 +157,32 @@ class ZOConfig:
             )
         if self.transfer_dtype not in TRANSFER_DTYPE_NAMES:
             raise ValueError(
-                f"transfer_dtype must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got {self.transfer_dtype!r}"
+                f"transfer_dtype must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got "
+                f"{self.transfer_dtype!r}"
             )
         if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
             raise ValueError(
-                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got {self.compute_dtype!r}"
+                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got "
+                f"{self.compute_dtype!r}"
             )
         if self.transfer_dtype != "fp32" and self.mode != "offload":
             raise ValueError(
-                f"transfer_dtype {self.transfer_dtype} only applies to mode offload (resident blocks never "
-                "travel); use transfer_dtype fp32 or mode offload"
+                f"transfer_dtype {self.transfer_dtype} only applies to mode offload (resident "
+                "blocks never travel); use transfer_dtype fp32 or mode offload"
             )
         if self.transfer_chunks < 1:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+
+    def _check_optimizer(self) -> None:
+        """The update rule and its state."""
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if not 0 <= self.beta1 < 1:
             raise ValueError(f"beta1 must be in [0, 1), got {self.beta1}")
         if not 1 <= self.momentum_window <= MAX_MOMENTUM_WINDOW:
             raise ValueError(
-                f"momentum_window must be in [1, {MAX_MOMENTUM_WINDOW}], got {self.momentum_window}: each step "
-                "regenerates that many steps' noise per block"
+                f"momentum_window must be in [1, {MAX_MOMENTUM_WINDOW}], got "
+                f"{self.momentum_window}: each step regenerates that many steps' noise per block"
             )
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
@@ -166,12 +190,13 @@ class ZOConfig:
             raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}; MeZO's is 1e-8")
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
-                f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, got {self.optimizer_state!r}"
+                f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, got "
+                f"{self.optimizer_state!r}"
             )
         if self.optimizer_state == "recomputed" and self.optimizer == "adam":
             raise ValueError(
-                "optimizer_state recomputed applies to momentum only (Adam's second moment is not linear in the "
-                "noise); use optimizer_state stored for adam"
+                "optimizer_state recomputed applies to momentum only (Adam's second moment is not "
+                "linear in the noise); use optimizer_state stored for adam"
             )
         if self.optimizer_state == "stored" and self.optimizer == "sgd":
             raise ValueError(
@@ -183,22 +208,22 @@ class ZOConfig:
             )
         if self.state_dtype != "fp32" and not (self.stored_state and self.mode == "offload"):
             raise ValueError(
-                f"state_dtype {self.state_dtype} applies to stored optimizer state at rest in host memory "
-                "(optimizer adam, or momentum with optimizer_state stored, in mode offload); use state_dtype fp32"
+                f"state_dtype {self.state_dtype} applies to stored optimizer state at rest in host "
+                "memory (optimizer adam, or momentum with optimizer_state stored, in mode "
+                "offload); use state_dtype fp32"
             )
+
+    def _check_batching(self) -> None:
+        """How a step's passes split the batch and the directions."""
         if self.grad_accum < 1:
             raise ValueError(
                 f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once"
             )
         if self.num_queries < 1:
             raise ValueError(
-                f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to average directions"
+                f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to "
+                "average directions"
             )
-        if self.transfer == "sliced" and self.mode != "offload":
-            raise ValueError(
-                "transfer sliced only applies to mode offload (resident blocks never travel)"
-            )
-        self.torch_device()  # a malformed device string fails here, not mid-build
 
     @property
     def stored_state(self) -> bool:
@@ -240,6 +265,12 @@ class ZOConfig:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+
+
+def engine_default(name: str) -> Any:
+    """ZOConfig's default of the option ``name``: what a job option the engine shares
+    defaults to, so that the default is written once."""
+    return next(f.default for f in dataclasses.fields(ZOConfig) if f.name == name)
 
 
 def optimizer_record(config: ZOConfig) -> dict:
