@@ -5,4 +5,11 @@ from distzo.dist.launch_env import LaunchEnv
 from distzo.dist.parallel_context import ParallelContext, ShardGroup
 from distzo.dist.parallel_dims import ParallelDims
 
-__all__ = ["Collectives", "LaunchEnv", "ParallelContext", "ParallelDims", "ShardGroup", "broadcast_seed"]
+__all__ = [
+    "Collectives",
+    "LaunchEnv",
+    "ParallelContext",
+    "ParallelDims",
+    "ShardGroup",
+    "broadcast_seed",
+]

@@ -21,14 +21,16 @@ In one process every operation is the identity.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-PLACED = "_distzo_placed"  # set on a tensor placed for the device group (what the NCCL stand-in checks)
+# set on a tensor placed for the device group (what the NCCL stand-in checks)
+PLACED = "_distzo_placed"
 _HOST_SYNC_HOOKS: list[Callable[[], None]] = []
 
 
@@ -56,12 +58,14 @@ class Collectives:
         _, self.world_size = world_rank()
 
     @classmethod
-    def for_job(cls, device: torch.device | None = None) -> "Collectives":
+    def for_job(cls, device: torch.device | None = None) -> Collectives:
         """Collective on every rank (it creates the host group), in the same order.
         ``device`` defaults to the current CUDA device under NCCL, else the CPU."""
         if device is None:
             nccl = initialized() and dist.get_backend() == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            )
         if not initialized():
             return cls(device)
         host = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -79,7 +83,9 @@ class Collectives:
         setattr(placed, PLACED, True)
         return placed
 
-    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    def all_reduce_sum(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         """The sum over ``group`` (default: every rank) of ``tensor``, placed on the
         device; stream-ordered under NCCL (read it on the host with ``read``)."""
         placed = self.place(tensor)
@@ -97,7 +103,8 @@ class Collectives:
         and returns the values."""
         if tensor.device.type == "cuda":
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)  # into pinned memory, on this stream: the host does not wait
+            # into pinned memory, on this stream: the host does not wait
+            host.copy_(tensor, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
         else:
@@ -117,7 +124,9 @@ class Collectives:
         """Scalars (host numbers or device tensors) as one float64 vector on the device."""
         if isinstance(values, torch.Tensor):
             return values
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in values])
+        return torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in values]
+        )
 
     def sum_to_host(self, values: torch.Tensor | Sequence[torch.Tensor | float]) -> list[float]:
         """Sum each value over every rank; one collective and one host read for all."""
@@ -130,7 +139,9 @@ class Collectives:
         member's piece of ``output``); finish it with ``wait``."""
         for tensor in (output, own):
             if tensor.device != self.device:
-                raise ValueError(f"a gather's tensors must be on {self.device}, got {tensor.device}")
+                raise ValueError(
+                    f"a gather's tensors must be on {self.device}, got {tensor.device}"
+                )
             setattr(tensor, PLACED, True)
         return _ALL_GATHER_SINGLE(output, own, group=group, async_op=True)
 
@@ -194,4 +205,3 @@ def new_host_group() -> dist.ProcessGroup | None:
 def host_barrier(group: dist.ProcessGroup | None) -> None:
     if initialized() and dist.get_world_size() > 1:
         dist.barrier(group=group)
-

@@ -14,11 +14,12 @@ class LaunchEnv:
     local_world_size: int = 1
     node_rank: int = 0  # torchrun's GROUP_RANK: which agent (node) started this process
     launched: bool = False  # started by torchrun (a process group can be formed)
-    max_restarts: int = 0  # torchrun --max-restarts: the job is restarted after a failure that many times
+    # torchrun --max-restarts: the job is restarted after a failure that many times
+    max_restarts: int = 0
     restart_count: int = 0  # which restart this is (0: the first attempt)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
         """Read torchrun's variables; a plain ``python -m`` run is one process of one."""
         env = os.environ if environ is None else environ
         if "RANK" not in env or "WORLD_SIZE" not in env:

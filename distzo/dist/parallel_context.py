@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,20 +27,33 @@ class ShardGroup:
         return len(self.members)
 
 
-@dataclass
+@dataclass(init=False)
 class ParallelContext:
     env: LaunchEnv
     dims: ParallelDims
-    mesh: DeviceMesh | None = None
-    shard_group: ShardGroup | None = None
-    comm: Collectives | None = None  # every collective goes through it; made for the job if not given
+    mesh: DeviceMesh | None
+    shard_group: ShardGroup | None
+    comm: Collectives  # every collective goes through it
 
-    def __post_init__(self) -> None:
-        if self.comm is None:
-            self.comm = Collectives.for_job() if self.env.world_size > 1 else Collectives(torch.device("cpu"))
+    def __init__(
+        self,
+        env: LaunchEnv,
+        dims: ParallelDims,
+        mesh: DeviceMesh | None = None,
+        shard_group: ShardGroup | None = None,
+        comm: Collectives | None = None,
+    ) -> None:
+        """``comm`` is made for the job when not given (on the CPU for one process)."""
+        self.env = env
+        self.dims = dims
+        self.mesh = mesh
+        self.shard_group = shard_group
+        if comm is None:
+            comm = Collectives.for_job() if env.world_size > 1 else Collectives(torch.device("cpu"))
+        self.comm = comm
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
+    def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         return cls(LaunchEnv(), ParallelDims(1, 1), comm=Collectives(torch.device(device)))
 
     @property

@@ -22,7 +22,9 @@ class ParallelDims:
         return self.dp * self.pert
 
     @classmethod
-    def resolve(cls, world_size: int, dp: int | None = None, pert: int | None = None) -> "ParallelDims":
+    def resolve(
+        cls, world_size: int, dp: int | None = None, pert: int | None = None
+    ) -> ParallelDims:
         """Fill in ``auto`` (None) sizes and check the layout against the launched ranks.
 
         auto: pert = 2 when the world is even (two ranks per step halve the passes per
@@ -34,7 +36,11 @@ class ParallelDims:
             raise ValueError(f"--dp must be >= 1, got {dp}")
         if pert is None:
             if dp is not None:
-                pert = world_size // dp if world_size % dp == 0 and world_size // dp in PERT_SIZES else 0
+                pert = (
+                    world_size // dp
+                    if world_size % dp == 0 and world_size // dp in PERT_SIZES
+                    else 0
+                )
                 if pert == 0:
                     raise ValueError(
                         f"--dp {dp} leaves no valid --pert for {world_size} ranks; "
@@ -45,10 +51,13 @@ class ParallelDims:
         if dp is None:
             dp = world_size // pert if world_size % pert == 0 else 0
             if dp == 0:
-                raise ValueError(f"--pert {pert} does not divide the {world_size} launched ranks; use --pert 1")
+                raise ValueError(
+                    f"--pert {pert} does not divide the {world_size} launched ranks; use --pert 1"
+                )
         if dp * pert != world_size:
             raise ValueError(
-                f"--dp {dp} x --pert {pert} = {dp * pert} does not match the {world_size} launched ranks; "
+                f"--dp {dp} x --pert {pert} = {dp * pert} does not match the "
+                f"{world_size} launched ranks; "
                 "make dp * pert equal nproc_per_node x nodes"
             )
         return cls(dp, pert)
@@ -56,7 +65,8 @@ class ParallelDims:
     def check_batch(self, global_batch_size: int) -> None:
         if global_batch_size % self.dp:
             raise ValueError(
-                f"--batch-size {global_batch_size} is not divisible by --dp {self.dp}; use a multiple of {self.dp}"
+                f"--batch-size {global_batch_size} is not divisible by --dp {self.dp}; "
+                f"use a multiple of {self.dp}"
             )
 
     def coordinates(self, rank: int) -> tuple[int, int]:

@@ -40,8 +40,11 @@ def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
     store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
     store.set_timeout(timeout)
     dist.init_process_group(
-        backend=backend, store=dist.PrefixStore(f"distzo/attempt-{env.restart_count}", store), rank=env.rank,
-        world_size=env.world_size, timeout=timeout,
+        backend=backend,
+        store=dist.PrefixStore(f"distzo/attempt-{env.restart_count}", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
     )
 
 
@@ -61,7 +64,9 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
     for rank, (node, local_rank, local_world) in enumerate(places):
         by_node.setdefault(node, []).append((local_rank, rank))
         if local_world != env.local_world_size:
-            raise ValueError("every node must run the same number of ranks (LOCAL_WORLD_SIZE differs)")
+            raise ValueError(
+                "every node must run the same number of ranks (LOCAL_WORLD_SIZE differs)"
+            )
     mine = None
     for node in sorted(by_node):
         members = [rank for _, rank in sorted(by_node[node])]
