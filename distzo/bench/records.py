@@ -119,8 +119,8 @@ def markdown_table(data: dict[str, Any], columns: list[str]) -> str:
     """One row per measurement: name, the chosen params/metrics, median time and spread."""
     head = ["name", *columns, "median ms", "spread"]
     lines = [
-        f"{data['benchmark']} on {data['device']} (world {data['world_size']}, torch {data['torch']}, "
-        f"commit {data['commit']}, {data['created']})",
+        f"{data['benchmark']} on {data['device']} (world {data['world_size']}, "
+        f"torch {data['torch']}, commit {data['commit']}, {data['created']})",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),

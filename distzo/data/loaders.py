@@ -55,7 +55,8 @@ def load_rows(source: str) -> list[dict[str, Any]]:
             for number, row in enumerate(reader, 1):
                 if None in row or None in row.values():
                     raise ValueError(
-                        f"{source}, row {number}: wrong number of fields for the header {reader.fieldnames}"
+                        f"{source}, row {number}: wrong number of fields for the header "
+                        f"{reader.fieldnames}"
                     )
                 rows.append(row)
             return rows

@@ -23,7 +23,8 @@ class CountingTask:
     ) -> None:
         if offset + span > vocab_size:
             raise ValueError(
-                f"counting window [{offset}, {offset + span}) does not fit a vocabulary of {vocab_size}"
+                f"counting window [{offset}, {offset + span}) does not fit a vocabulary of "
+                f"{vocab_size}"
             )
         self.seq_len, self.span, self.offset, self.seed = seq_len, span, offset, seed
         self._next_step = 0

@@ -52,7 +52,8 @@ def check_objective(task: str, objective: str) -> None:
     }[kind]
     if objective not in allowed:
         raise ValueError(
-            f"--objective {objective} does not apply to --task {task}; choose one of {', '.join(allowed)}"
+            f"--objective {objective} does not apply to --task {task}; choose one of "
+            f"{', '.join(allowed)}"
         )
 
 
@@ -141,7 +142,8 @@ class TextData:
 
 
 class PromptData:
-    """A prompt task trained with ``objective`` (``lm``, ``classification``, ``accuracy``, ``f1``)."""
+    """A prompt task trained with ``objective`` (``lm``, ``classification``, ``accuracy``,
+    ``f1``)."""
 
     def __init__(
         self,
@@ -162,6 +164,7 @@ class PromptData:
             eval_batch_size,
             max_new_tokens,
         )
+        self.train: ChoiceTrainData | PromptOnlyTrainData | PromptTrainData
         if self.objective in ("classification", "accuracy"):
             self.train = ChoiceTrainData(rows.train, encoder, seed)
         elif self.objective == "f1":

@@ -17,7 +17,7 @@ names as the Hugging Face datasets):
 | cb | premise, hypothesis, label | 0 entailment, 1 contradiction, 2 neutral |
 | boolq | passage, question, label | 0 false, 1 true (or true/false) |
 | wic | word, sentence1, sentence2, label | 0 different, 1 same meaning |
-| copa | premise, question, choice1, choice2, label | 0 choice1, 1 choice2; question is cause or effect |
+| copa | premise, question, choice1, choice2, label | 0 choice1, 1 choice2; question: cause/effect |
 | multirc | paragraph, question, answer, label | 0 wrong, 1 right answer |
 | squad | title, context, question, answers | answers: a list of strings, or {"text": [...]} |
 """
@@ -135,7 +135,10 @@ def _squad(row):
         answers = [answers]
     if not answers or not all(isinstance(a, str) for a in answers):
         raise ValueError('answers must be a non-empty list of strings (or {"text": [...]})')
-    prompt = f"Title: {row['title']}\nContext: {row['context']}\nQuestion: {row['question'].strip()}\nAnswer:"
+    prompt = (
+        f"Title: {row['title']}\nContext: {row['context']}\n"
+        f"Question: {row['question'].strip()}\nAnswer:"
+    )
     return Example(prompt, (f" {answers[0]}\n",), 0, tuple(answers))
 
 
@@ -178,7 +181,8 @@ def build_examples(task: Task, rows: list[dict[str, Any]], source: str) -> list[
         missing = [c for c in task.columns if c not in row or row[c] is None]
         if missing:
             raise ValueError(
-                f"{source}, row {number}: missing column {missing[0]!r} (task {task.name} needs {', '.join(task.columns)})"
+                f"{source}, row {number}: missing column {missing[0]!r} (task {task.name} needs "
+                f"{', '.join(task.columns)})"
             )
         try:
             examples.append(task.build(row))

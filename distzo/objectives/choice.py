@@ -188,6 +188,5 @@ class Accuracy(_ChoiceObjective):
     name = "accuracy"
 
     def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return (
-            -(scores.argmax(dim=1) == labels).sum().to(torch.float64)
-        )  # a count: exact in float64
+        # a count: exact in float64
+        return -(scores.argmax(dim=1) == labels).sum().to(torch.float64)

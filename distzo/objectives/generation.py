@@ -60,7 +60,8 @@ def prepare_prompts(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
     missing = [k for k in PROMPT_KEYS if k not in batch]
     if missing:
         raise ValueError(
-            f"this objective decodes: the batch lacks {', '.join(missing)} (build it with distzo.objectives.collate_prompts)"
+            f"this objective decodes: the batch lacks {', '.join(missing)} (build it with "
+            "distzo.objectives.collate_prompts)"
         )
     lengths = batch["prompt_length"].cpu()
     # Every row's mask shows its prompt and the T slots; the width is the *global* batch's

@@ -50,6 +50,7 @@ def lm_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed negative log-likelihood, number of argmax hits) over the label tokens."""
     log_probs, hits = picked_log_probs(runner, p, hidden, prepared.targets, with_hits=True)
+    assert hits is not None  # asked for with_hits
     return -log_probs.sum(), hits.sum()
 
 

@@ -24,8 +24,9 @@ class PassRunner(Protocol):
     ) -> dict[Pass, torch.Tensor]:
         """Each pass's last hidden states ``[rows, length, width]`` for its own token ids
         (device tensors) and one shared padding mask (a host tensor: the model's masks are
-        built on the host, so nothing waits for the device; None: no padding). The dict's first key is the pass whose head is cheapest to read
-        next, so reading heads in its order perturbs the resident bucket least."""
+        built on the host, so nothing waits for the device; None: no padding). The dict's
+        first key is the pass whose head is cheapest to read next, so reading heads in its
+        order perturbs the resident bucket least."""
         ...
 
     def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:

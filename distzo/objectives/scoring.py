@@ -76,9 +76,9 @@ class HeadTargets:
 def picked_log_probs(
     runner: PassRunner, p: Pass, hidden: torch.Tensor, targets: HeadTargets, with_hits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(token) per entry, whether the token is the argmax per entry or None), in at
-    least float32 (a float64 model keeps float64: a ZO step differences two nearly equal
-    losses, so their precision is the gradient's)."""
+    """(log p(token) per entry, whether the token is the argmax per entry; None unless
+    ``with_hits``), in at least float32 (a float64 model keeps float64: a ZO step
+    differences two nearly equal losses, so their precision is the gradient's)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     if targets.full_head:  # every position's logits, as the model's own forward builds them
         full = runner.head(p, flat)
@@ -98,6 +98,7 @@ def picked_log_probs(
         if with_hits:
             hits.append(logits.argmax(-1)[rows] == tokens)
     empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
-    return (torch.cat(picked) if picked else empty), (
-        torch.cat(hits) if with_hits and hits else None
-    )
+    if not with_hits:
+        return (torch.cat(picked) if picked else empty), None
+    no_hits = hidden.new_zeros(0, dtype=torch.bool)
+    return (torch.cat(picked) if picked else empty), (torch.cat(hits) if hits else no_hits)

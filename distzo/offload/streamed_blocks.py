@@ -122,8 +122,16 @@ class StreamedBlocks:
             slot_lo = (j * n + k) * piece
             yield (j * piece, (j + 1) * piece), (slot_lo, slot_lo + piece)
 
+    @property
+    def _comm(self) -> Collectives:
+        """The collectives that gather a sliced host copy (a whole copy gathers nothing)."""
+        if self.shard.comm is None:
+            raise ValueError("a sliced host copy is gathered by the job's collectives: Shard.comm")
+        return self.shard.comm
+
     def _wire(self, index: int) -> torch.Tensor:
-        buffers = self.staging if self.low_bit else self.slots
+        # the low-bit staging slots (a low-bit transfer has them), else the masters' slots
+        buffers = self.staging if self.staging is not None else self.slots
         return buffers.for_block(index, self.padded[index])
 
     def upload(self, index: int) -> None:
@@ -138,11 +146,10 @@ class StreamedBlocks:
                 # backend. Asynchronous, so the next piece's copy overlaps this gather.
                 raw = wire[j * piece_len : (j + 1) * piece_len].view(torch.uint8)
                 own = wire[s_lo:s_hi].view(torch.uint8)
-                gathers.append(self.shard.comm.all_gather_into(raw, own, self.shard.group))
+                gathers.append(self._comm.all_gather_into(raw, own, self.shard.group))
         for work in gathers:
-            self.shard.comm.wait(
-                work
-            )  # on CUDA: the current (upload) stream waits, the host does not
+            # on CUDA: the current (upload) stream waits, the host does not
+            self._comm.wait(work)
         if self.low_bit:
             self.slots.for_block(index, self.padded[index]).copy_(wire)
 
@@ -216,6 +223,8 @@ class StreamedBlocks:
         element's place in the block, so any slicing rounds every element alike."""
         total = self.layouts[index].numel
         stop = min(lo + master.numel(), total)
+        # a low-bit store that writes back has one (checked when it was made)
+        assert self.rounding_noise is not None
         if stop > lo:
             round_keyed_(
                 wire[: stop - lo],

@@ -46,7 +46,10 @@ def fill(
     """``out`` (contiguous float32 on the CPU) <- the draws of elements [start, start + len)."""
     if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError("the C noise kernel fills contiguous float32 CPU tensors")
+    library = _library()
+    if library is None:
+        raise RuntimeError("the C noise kernel was not built (see available())")
     table_pointer = table.data_ptr() if table is not None else None
-    _library().distzo_philox_fill(
+    library.distzo_philox_fill(
         out.data_ptr(), start, out.numel(), key[0], key[1], KINDS[kind], table_pointer
     )

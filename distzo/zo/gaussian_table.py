@@ -35,7 +35,7 @@ def gaussian_table() -> torch.Tensor:
     digest = hashlib.sha256(table.numpy().tobytes()).hexdigest()
     if digest != TABLE_SHA256:
         raise RuntimeError(
-            "this platform's inverse normal CDF rounds differently: its Gaussian noise table would not match "
-            "other machines'; use --noise rademacher here"
+            "this platform's inverse normal CDF rounds differently: its Gaussian noise table "
+            "would not match other machines'; use --noise rademacher here"
         )
     return table

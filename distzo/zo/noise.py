@@ -111,9 +111,8 @@ class NoiseSource:
         self.dtype = dtype
         self.distribution = distribution
         self.kind = kind
-        self.piece = workspace_elements(
-            self.chunk, self.device.type, kind
-        )  # elements drawn at a time
+        # elements drawn at a time
+        self.piece = workspace_elements(self.chunk, self.device.type, kind)
         self._workspace = torch.empty(self.piece, device=self.device, dtype=dtype)
         if kind == "legacy":
             self._generator = torch.Generator(device=self.device)
@@ -142,15 +141,25 @@ class NoiseSource:
             return "legacy"
         return "triton" if self._triton else "c" if self._c else "torch"
 
+    @property
+    def _kind_table(self) -> torch.Tensor:
+        """The Gaussian table of a portable kind (a legacy source draws without one)."""
+        assert self._table is not None, "a legacy noise source has no table"
+        return self._table
+
     def key(self, step: int, block_id: int, query: int = 0) -> tuple[int, int]:
         return philox.noise_key(self.run_seed, step, block_id, query, self._stream)
 
     def _fill(self, out: torch.Tensor, start: int, key: tuple[int, int]) -> None:
         """out <- the draws of elements [start, start + len(out)) of the keyed bucket."""
         if self._triton and out.dtype == torch.float32:
-            triton_noise.fill(out, start, key, self._draw, self._table)
+            triton_noise.fill(out, start, key, self._draw, self._kind_table)
         elif self._c:
-            staging = out if out.dtype == torch.float32 else self._float32[: out.numel()]
+            if out.dtype == torch.float32:
+                staging = out
+            else:
+                assert self._float32 is not None  # allocated for a non-float32 master
+                staging = self._float32[: out.numel()]
             fast_noise.fill(staging, start, key, self._draw, self._table)
             if staging is not out:
                 out.copy_(staging)
@@ -165,7 +174,7 @@ class NoiseSource:
             return (bits >> 8).to(torch.float32) * (1.0 / 16777216.0)
         if self._draw == "rademacher":
             return torch.where((bits & 0x8000) != 0, 1.0, -1.0).to(torch.float32)
-        return self._table[bits]
+        return self._kind_table[bits]
 
     def chunks(self, start: int, stop: int, total: int, step: int, block_id: int, query: int = 0):
         """Yield ``(lo, hi, z)`` for the chunk-aligned pieces of ``[start, stop)``.
@@ -244,7 +253,7 @@ class NoiseSource:
             return
         if self._fused(theta):
             triton_noise.perturb(
-                out[:n], theta, scale, self.key(step, block_id, query), self.kind, self._table
+                out[:n], theta, scale, self.key(step, block_id, query), self.kind, self._kind_table
             )
             return
         for lo, hi, z in self.chunks(0, n, n, step, block_id, query):
@@ -286,7 +295,13 @@ class NoiseSource:
         if self._fused(theta):
             keys = [self.key(step, block_id, query) for step, query, _ in terms]
             triton_noise.update(
-                theta, decay_end, shrink, keys, [a for _, _, a in terms], self.kind, self._table
+                theta,
+                decay_end,
+                shrink,
+                keys,
+                [a for _, _, a in terms],
+                self.kind,
+                self._kind_table,
             )
             return
         n, c = theta.numel(), self.piece

@@ -41,9 +41,8 @@ STREAM_NOISE, STREAM_ROUNDING = 0, 1  # what a key draws: the perturbation z, or
 
 def noise_key(run_seed: int, step: int, block_id: int, query: int, stream: int) -> tuple[int, int]:
     """The Philox key of one (step, block, query) draw: two 32-bit words."""
-    h = noise_seed(
-        run_seed, step, block_id, stream, query
-    )  # 63 bits, splitmix64-chained coordinates
+    # 63 bits, splitmix64-chained coordinates
+    h = noise_seed(run_seed, step, block_id, stream, query)
     return h & _MASK32, h >> 32
 
 

@@ -8,7 +8,8 @@ SCHEDULES = ("constant", "linear")
 def learning_rate(
     base_lr: float, step: int, schedule: str, warmup_steps: int = 0, max_steps: int | None = None
 ) -> float:
-    """The lr of 0-based ``step``: linear warm-up, then constant or linear decay to 0 at ``max_steps``.
+    """The lr of 0-based ``step``: linear warm-up, then constant or linear decay to 0 at
+    ``max_steps``.
 
     A pure function of the step, so a resumed run sees the same lr as an uninterrupted one.
     """
