@@ -1,4 +1,5 @@
-"""Adapters through ``peft``: LoRA (MeZO's LoRA runs) and LoRA-FA (P-RGE's default) on a frozen base.
+"""Adapters through ``peft``: LoRA (MeZO's LoRA runs) and LoRA-FA (P-RGE's default) on a
+frozen base.
 
 peft injects its layers into the model's own modules; the engine then perturbs and
 updates only the parameters that require grad (the adapter, ``engine.trainable_selector``)
@@ -24,9 +25,13 @@ base never exists whole in memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # peft is imported where an adapter is used (its import is heavy)
+    from peft import PeftModel
 
 PEFT_METHODS = ("none", "lora", "lora-fa", "prefix")
 PREFIX_INITS = ("real", "random")
@@ -56,8 +61,9 @@ class AdapterSpec:
             raise ValueError(f"--lora-alpha must be > 0, got {self.alpha}")
         if self.dropout != 0:
             raise ValueError(
-                f"--lora-dropout {self.dropout}: the two perturbed passes of a ZO step must compute one function, "
-                "and dropout draws a different one each pass; drop --lora-dropout (0)"
+                f"--lora-dropout {self.dropout}: the two perturbed passes of a ZO step must "
+                "compute one function, and dropout draws a different one each pass; "
+                "drop --lora-dropout (0)"
             )
         if self.targets is not None and not self.targets:
             raise ValueError(
@@ -119,7 +125,9 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
 
     config = LoraConfig(
         r=spec.r,
-        lora_alpha=spec.alpha,
+        # peft annotates lora_alpha as int, but only divides it by r: a float is what
+        # --lora-alpha takes and what peft's own configs store
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -137,9 +145,8 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
             if isinstance(module, LoraLayer):
                 for part in (module.lora_A, module.lora_B):
                     layer = part[ADAPTER_NAME]
-                    if (
-                        layer.weight.is_meta
-                    ):  # a skeleton's adapter: give it memory before peft's init
+                    # a skeleton's adapter: give it memory before peft's init
+                    if layer.weight.is_meta:
                         layer.to_empty(device="cpu")
                 module.reset_lora_parameters(ADAPTER_NAME, True)
     if spec.method == "lora-fa":
@@ -158,16 +165,16 @@ def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
-        table = peft_model.prompt_encoder[ADAPTER_NAME].embedding
+        table = prefix_embedding(peft_model)
         if table.weight.is_meta:  # a skeleton's table: memory and peft's own init (N(0, 1)), on CPU
             table.to_empty(device="cpu")
             table.reset_parameters()
-    prefixes = install_block_prefixes(peft_model, family_for(model).blocks())
-    if (
-        spec.prefix_init == "real"
-    ):  # MeZO: the keys and values of random tokens, computed by the engine
+    family = family_for(model)
+    prefixes = install_block_prefixes(peft_model, family.blocks())
+    # MeZO: the keys and values of random tokens, computed by the engine
+    if spec.prefix_init == "real":
         tokens = torch.randint(
-            model.config.vocab_size,
+            family.model.config.vocab_size,
             (1, spec.prefix_length),
             generator=torch.Generator().manual_seed(seed),
         )
@@ -176,19 +183,41 @@ def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     return peft_model
 
 
+def as_peft_model(model: nn.Module | None) -> PeftModel:
+    """``model`` as the ``peft.PeftModel`` that ``attach_adapter`` made of it."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise TypeError(f"expected a peft.PeftModel, got a {type(model).__name__}")
+    return model
+
+
+def prefix_embedding(peft_model: nn.Module) -> nn.Embedding:
+    """peft's prefix table: the prompt encoder's embedding (no projection, as MeZO)."""
+    table = peft_model.get_submodule(f"prompt_encoder.{ADAPTER_NAME}.embedding")
+    if not isinstance(table, nn.Embedding):
+        raise TypeError(f"peft's prefix table is a {type(table).__name__}, not an embedding")
+    return table
+
+
 def is_prefix_tuned(peft_model: nn.Module | None) -> bool:
     return (
         peft_model is not None
-        and getattr(peft_model.peft_config.get(ADAPTER_NAME), "peft_type", None) == "PREFIX_TUNING"
+        and getattr(as_peft_model(peft_model).peft_config.get(ADAPTER_NAME), "peft_type", None)
+        == "PREFIX_TUNING"
     )
 
 
-def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> list:
+def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> list[Any]:
     """Give every block its columns of peft's prefix table as a ``BlockPrefix`` (trained;
     the table itself is frozen and only rewritten at export). Idempotent."""
+    from peft import PrefixTuningConfig
+
     from distzo.models.prefix import BlockPrefix
 
-    config = peft_model.peft_config[ADAPTER_NAME]
+    config = as_peft_model(peft_model).peft_config[ADAPTER_NAME]
+    if not isinstance(config, PrefixTuningConfig):
+        raise TypeError(f"the model's adapter is a {type(config).__name__}, not a prefix")
     if config.prefix_projection:
         raise ValueError(
             "prefix tuning with prefix_projection=True trains an MLP outside the blocks; "
@@ -198,8 +227,9 @@ def install_block_prefixes(peft_model: nn.Module, blocks: list[nn.Module]) -> li
         raise ValueError(
             f"the prefix has {config.num_layers} layers but the model streams {len(blocks)} blocks"
         )
-    table = peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
+    table = prefix_embedding(peft_model).weight
     width, heads = config.token_dim, config.num_attention_heads
+    assert heads is not None  # get_peft_model fills it in from the model's config
     for i, block in enumerate(blocks):
         if getattr(block, "prefix_tuning", None) is None:
             columns = table.detach()[:, 2 * width * i : 2 * width * (i + 1)]
@@ -236,7 +266,7 @@ class AdapterWeights:
     def __init__(self, base, model: nn.Module) -> None:
         self.base = base
         # A prefix is named as in the base model, which holds the blocks' prefixes.
-        source = model.get_base_model() if is_prefix_tuned(model) else model
+        source = as_peft_model(model).get_base_model() if is_prefix_tuned(model) else model
         self.adapter = {
             n: p.detach().clone() for n, p in source.named_parameters() if is_adapter_name(n)
         }

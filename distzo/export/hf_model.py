@@ -24,8 +24,17 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedModel
 
-from distzo.adapters.peft_adapters import ADAPTER_NAME, base_name, is_adapter_name, prefix_table
+from distzo.adapters.peft_adapters import (
+    ADAPTER_NAME,
+    as_peft_model,
+    base_name,
+    is_adapter_name,
+    prefix_embedding,
+    prefix_table,
+)
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 
@@ -94,7 +103,8 @@ def export_model(
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base)
     if merge_adapter and engine.prefixes:
         raise ValueError(
-            "a prefix cannot be merged into the weights; export the peft adapter (merge_adapter=False)"
+            "a prefix cannot be merged into the weights; export the peft adapter "
+            "(merge_adapter=False)"
         )
     if merge_adapter:
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
@@ -104,7 +114,15 @@ def export_model(
 def _merged_parameters(engine: ZOEngine, materialize: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The base's parameters with each LoRA delta ``scaling * B @ A`` added, as peft's
     ``merge_and_unload`` computes it, block by block."""
+    from peft.tuners.lora import Linear as LoraLinear
     from peft.utils import transpose
+
+    def lora_linear(module: nn.Module) -> LoraLinear:
+        if not isinstance(module, LoraLinear):
+            raise ValueError(
+                f"a LoRA {type(module).__name__} does not merge: only LoRA on linear layers does"
+            )
+        return module
 
     canonical = _canonical(engine)
     for values in engine.stream_buckets(materialize):
@@ -113,7 +131,7 @@ def _merged_parameters(engine: ZOEngine, materialize: bool) -> Iterator[tuple[st
                 continue
             if ".base_layer." in name:
                 module_name = name[: name.index(".base_layer.")]
-                module = engine.model.get_submodule(module_name)
+                module = lora_linear(engine.model.get_submodule(module_name))
                 if name.endswith(".weight") and ADAPTER_NAME in module.lora_A:
                     a = values[f"{module_name}.lora_A.{ADAPTER_NAME}.weight"]
                     b = values[f"{module_name}.lora_B.{ADAPTER_NAME}.weight"]
@@ -192,22 +210,22 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
     )
     if not rank0:
         return None
+    peft_model = as_peft_model(engine.peft_model)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if (
-        engine.prefixes
-    ):  # peft reads a prefix from its own table: the blocks' prefixes go back into it
+    # peft reads a prefix from its own table: the blocks' prefixes go back into it
+    if engine.prefixes:
         names = [
             next(e.names[0] for e in layout.entries if is_adapter_name(e.names[0]))
             for layout in engine.block_layouts
         ]
-        table = engine.peft_model.prompt_encoder[ADAPTER_NAME].embedding.weight
+        table = prefix_embedding(peft_model).weight
         table.data = prefix_table([values[n] for n in names]).to(table.dtype)
-        state = get_peft_model_state_dict(engine.peft_model, adapter_name=ADAPTER_NAME)
+        state = get_peft_model_state_dict(peft_model, adapter_name=ADAPTER_NAME)
     else:
         state = get_peft_model_state_dict(
-            engine.peft_model,
+            peft_model,
             {"base_model.model." + n: v for n, v in values.items()},
             adapter_name=ADAPTER_NAME,
         )
@@ -216,7 +234,7 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
         str(tmp / ADAPTER_WEIGHTS),
         metadata={"format": "pt"},
     )
-    engine.peft_model.peft_config[ADAPTER_NAME].save_pretrained(tmp)
+    peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     return _publish(tmp, directory)
@@ -224,6 +242,10 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
 
 def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
     model = engine.model
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"a Hugging Face export needs a transformers model, not a {type(model).__name__}"
+        )
     config = copy.deepcopy(model.config)  # the live model's config stays as it is
     config.dtype = str(engine.resident_layout.dtype).removeprefix("torch.")
     config.architectures = [type(model).__name__]

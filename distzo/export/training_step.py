@@ -40,6 +40,8 @@ def step_keys(engine: ZOEngine, step: int) -> torch.Tensor:
 class TrainingStep(nn.Module):
     """The engine's LoRA-FA step as a module whose only state is the adapter (buffers)."""
 
+    table: torch.Tensor  # the Gaussian noise table (a buffer)
+
     def __init__(self, engine: ZOEngine) -> None:
         super().__init__()
         if (
@@ -62,7 +64,7 @@ class TrainingStep(nn.Module):
         # its mutable buffers.
         model = copy.deepcopy(engine.model)
         with torch.no_grad():
-            for name, param in list(model.named_parameters()):
+            for name, _ in list(model.named_parameters()):
                 owner, _, attr = name.rpartition(".")
                 setattr(
                     model.get_submodule(owner),
@@ -105,7 +107,8 @@ class TrainingStep(nn.Module):
         shrink: torch.Tensor,
         keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``update_scale`` = -lr g of the previous step (0 at the first), ``shrink`` = 1 - lr wd."""
+        """``update_scale`` = -lr g of the previous step (0 at the first), ``shrink`` =
+        1 - lr wd."""
         noise = self._noise(torch.cat([previous_keys, keys])).unflatten(0, (2, len(self.layouts)))
         for i, layout in enumerate(self.layouts):
             theta = getattr(self, f"adapter_{i}")
@@ -169,22 +172,23 @@ def save_training_step(
         return written
     if not pte:
         return written
-    pte = to_edge(program).to_executorch()
+    lowered = to_edge(program).to_executorch()
     written.append(directory / "step.pte")
     tmp = written[-1].with_suffix(".pte.tmp")
-    tmp.write_bytes(pte.buffer)
+    tmp.write_bytes(lowered.buffer)
     tmp.replace(written[-1])
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m distzo.export.training_step``: the LoRA-FA training step of a model, for a runtime."""
+    """``python -m distzo.export.training_step``: the LoRA-FA training step of a model, for a
+    runtime."""
     import argparse
     import logging
     from pathlib import Path
 
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
     from distzo.config.cli import fail, program
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             AdapterSpec.parse_targets(args.lora_targets),
         )
         spec.validate()
+        base: PreTrainedModel
         if args.model:
             try:
                 base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -253,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             base = model_from_config(tiny_opt_config(), torch.float32)
         if args.seq > base.config.max_position_embeddings:
             raise ValueError(
-                f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} positions"
+                f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} "
+                "positions"
             )
         engine = ZOEngine(
             attach_adapter(base, spec, args.seed),

@@ -35,8 +35,9 @@ def make_pass_batched(module: nn.Module, attr: str = "weight") -> PassBatchedLin
         return module
     if type(module) is not nn.Linear or module.bias is not None or attr != "weight":
         raise ValueError(
-            f"batched passes need the trained tensors to be bias-free linear factors (LoRA's A and B), "
-            f"got a {type(module).__name__}; use --peft lora or lora-fa without them, or drop --dual-forward/--batch-queries"
+            "batched passes need the trained tensors to be bias-free linear factors "
+            f"(LoRA's A and B), got a {type(module).__name__}; use --peft lora or lora-fa "
+            "without them, or drop --dual-forward/--batch-queries"
         )
     module.__class__ = PassBatchedLinear
     return module

@@ -36,7 +36,10 @@ class ModelFamily(ABC):
     model_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        # Typed Any: which submodules (``model.decoder``, ``transformer.h``, ``lm_head``) and
+        # config fields a model has is its family's to know, and nn.Module.__getattr__ would
+        # type every one of them ``Tensor | Module``.
+        self.model: Any = model
 
     @property
     def prefix_length(self) -> int:
@@ -123,7 +126,8 @@ class ModelFamily(ABC):
         """Blockwise forward with the parameters in place: the reference for equivalence tests."""
         dtype = self.model.get_input_embeddings().weight.dtype
         host_mask = attention_mask.cpu() if attention_mask is not None else None
-        ctx = self.context(host_mask, tuple(input_ids.shape), input_ids.device, dtype)
+        rows, length = input_ids.shape
+        ctx = self.context(host_mask, (rows, length), input_ids.device, dtype)
         hidden = self.embed(input_ids, ctx)
         for block in self.blocks():
             hidden = self.block_forward(block, hidden, ctx)
@@ -142,8 +146,9 @@ def host_built_mask(
     **kwargs: Any,
 ) -> Any:
     """The model's own mask builder run on the host (a stand-in ``inputs_embeds`` carries
-    only shape and dtype; ``past_key_values`` a prefix's length), its result moved to ``device``: None when the builder finds
-    the mask unnecessary, a tensor (or a BlockMask) otherwise."""
+    only shape and dtype; ``past_key_values`` a prefix's length), its result moved to
+    ``device``: None when the builder finds the mask unnecessary, a tensor (or a BlockMask)
+    otherwise."""
     stand_in = torch.empty((*shape, 1), dtype=dtype)
     mask = builder(
         config=config,

@@ -40,9 +40,8 @@ def gguf_to_hf(
             state.pop("lm_head.weight", None)  # stored once, as the model's own save would
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
         if getattr(model.config, "quantization_config", None) is not None:
-            del (
-                model.config.quantization_config
-            )  # the weights written are plain floats, not GGUF blocks
+            # the weights written are plain floats, not GGUF blocks
+            del model.config.quantization_config
         model.config.save_pretrained(staging)
         AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(
             staging

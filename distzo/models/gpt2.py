@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
@@ -14,7 +16,7 @@ class GPT2Family(ModelFamily):
     model_types = ("gpt2",)
 
     @property
-    def _body(self) -> nn.Module:
+    def _body(self) -> Any:
         return self.model.transformer
 
     def blocks(self) -> list[nn.Module]:

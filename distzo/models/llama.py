@@ -3,6 +3,8 @@ untied head, full or sliding-window attention."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -15,7 +17,7 @@ class LlamaFamily(ModelFamily):
     model_types = ("llama", "qwen2", "qwen3", "mistral")
 
     @property
-    def _body(self) -> nn.Module:
+    def _body(self) -> Any:
         return self.model.model
 
     def blocks(self) -> list[nn.Module]:
@@ -26,7 +28,8 @@ class LlamaFamily(ModelFamily):
         config = self.model.config
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
-            return layer_types[block.self_attn.layer_idx]
+            attention: Any = block.self_attn  # the model's own attention class
+            return layer_types[attention.layer_idx]
         return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
     def context(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
@@ -14,7 +16,7 @@ class OPTFamily(ModelFamily):
     model_types = ("opt",)
 
     @property
-    def _decoder(self) -> nn.Module:
+    def _decoder(self) -> Any:
         return self.model.model.decoder
 
     def blocks(self) -> list[nn.Module]:
@@ -46,9 +48,8 @@ class OPTFamily(ModelFamily):
     def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         decoder = self._decoder
         inputs_embeds = decoder.embed_tokens(input_ids)
-        pos_embeds = decoder.embed_positions(
-            None, 0, position_ids=ctx.position_ids
-        )  # the ids given: no mask read
+        # the ids given: no mask read
+        pos_embeds = decoder.embed_positions(None, 0, position_ids=ctx.position_ids)
         if decoder.project_in is not None:
             inputs_embeds = decoder.project_in(inputs_embeds)
         return inputs_embeds + pos_embeds

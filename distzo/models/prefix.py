@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 
 class BlockPrefix(nn.Module):
@@ -53,8 +54,11 @@ class BlockPrefix(nn.Module):
         return cache
 
     def take_captured(self) -> torch.Tensor:
-        """The keys and values the layer computed in a capture run, as ``key_values`` (batch row 0)."""
-        layer = self.captured.layers[self.layer_idx]
+        """The keys and values the layer computed in a capture run, as ``key_values``
+        (batch row 0)."""
+        layer = self.captured.layers[self.layer_idx] if self.captured is not None else None
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no capture run recorded its activations")
         self.captured, self.capture = None, False
         return torch.stack([layer.keys[0], layer.values[0]]).permute(2, 0, 1, 3)
 

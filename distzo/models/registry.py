@@ -1,10 +1,11 @@
-"""Choose an adapter from ``config.model_type``; load models from a path, a hub name or a config."""
+"""Choose an adapter from ``config.model_type``; load models from a path, a hub name or a
+config."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from distzo.models.family import ModelFamily
 from distzo.models.gpt2 import GPT2Family
@@ -27,8 +28,8 @@ def check_supported(model_type: str) -> type[ModelFamily]:
         return ADAPTERS[model_type]
     except KeyError:
         raise ValueError(
-            f"unsupported model type {model_type!r}: distzo supports {', '.join(supported_model_types())}; "
-            "pick a model of one of these families"
+            f"unsupported model type {model_type!r}: distzo supports "
+            f"{', '.join(supported_model_types())}; pick a model of one of these families"
         ) from None
 
 
@@ -36,13 +37,15 @@ def family_for(model: nn.Module) -> ModelFamily:
     return check_supported(getattr(model.config, "model_type", type(model).__name__))(model)
 
 
-def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+def model_from_config(
+    config: PretrainedConfig, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
     """A randomly initialised model of ``config``'s shape (tests, benchmarks, the default run)."""
     check_supported(config.model_type)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a pretrained causal LM from a local directory or a hub name.
 
     The config is read first so that an unsupported family fails before any weights load.

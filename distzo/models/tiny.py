@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import OPTConfig
 
 
-def tiny_opt_config(**overrides) -> OPTConfig:
+def tiny_opt_config(**overrides: Any) -> OPTConfig:
     """A 2-layer OPT of about 21k parameters; ``overrides`` change any config field."""
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=64,
         hidden_size=32,
         num_hidden_layers=2,

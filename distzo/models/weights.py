@@ -71,7 +71,8 @@ def _pick(names: tuple[str, ...], available) -> str:
 def _check(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if tuple(value.shape) != tuple(shape):
         raise ValueError(
-            f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects {tuple(shape)}"
+            f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects "
+            f"{tuple(shape)}"
         )
     return value
 
@@ -108,7 +109,8 @@ class SafetensorsWeights:
             piece = handle.get_slice(name)
             if tuple(piece.get_shape()) != tuple(shape):
                 raise ValueError(
-                    f"checkpoint tensor {name} has shape {tuple(piece.get_shape())}, the model expects {tuple(shape)}"
+                    f"checkpoint tensor {name} has shape {tuple(piece.get_shape())}, the model "
+                    f"expects {tuple(shape)}"
                 )
             rows = piece[first:last].reshape(-1)
             return rows[start - first * row : stop - first * row].to(dtype=dtype, copy=True)
@@ -158,9 +160,8 @@ class RandomWeights:
         return torch.empty(shape, dtype=dtype).normal_(0.0, self.std, generator=generator)
 
     def tensor_range(self, names, shape, dtype, start, stop):
-        return _flat_range(
-            self.tensor(names, shape, dtype), start, stop
-        )  # drawn whole: the same on every rank
+        # drawn whole: the same on every rank
+        return _flat_range(self.tensor(names, shape, dtype), start, stop)
 
 
 def open_checkpoint(directory: str | Path) -> WeightSource:
