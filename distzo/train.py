@@ -30,19 +30,17 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
+from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter
+from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.cli import fail
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.job import JobConfig, resolve, write_resolved
 from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import (
-    TASK_NAMES,
     CountingData,
     LoadedRows,
     PromptData,
     TextData,
-    check_objective,
-    default_objective,
     load_task_rows,
 )
 from distzo.dist import (
@@ -55,12 +53,12 @@ from distzo.dist import (
 )
 from distzo.dist import process_group as pg
 from distzo.engine import ZOEngine, resolve_transfer
-from distzo.export.hf_model import check_shard_size, export_model
+from distzo.export.hf_model import export_model
 from distzo.job.checkpoint import Checkpointer, checkpoint_noise, latest_checkpoint
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.job.preemption import EXIT_PREEMPTED, Preempted, StopSignals
-from distzo.job.reporting import Reporter, check_reporter, make_reporter
+from distzo.job.reporting import Reporter, make_reporter
 from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log_once, step_grads
 from distzo.models import check_supported, hub, model_from_config
 from distzo.models.shapes import shape_config
@@ -108,103 +106,25 @@ def default_model_config(task: str) -> PretrainedConfig:
 
 def model_config_of(job: JobConfig) -> PretrainedConfig:
     """The model's config alone (a small file): enough to reject bad input before loading."""
-    name, task = job.model.model, job.data.task
     if job.model.model_config:
-        if name:
-            raise ValueError("--model and --model-config both name a model; keep one")
         return shape_config(job.model.model_config, job.model.model_layers)
-    if job.model.model_layers is not None:
-        raise ValueError("--model-layers only applies to --model-config")
+    name = job.model.model
     if name is None:
-        return default_model_config(task)
+        return default_model_config(job.data.task)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:  # a missing path, a malformed name, no hub access
         raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
 
 
-def default_lr(job: JobConfig) -> float:
-    """The lr when --lr is not given. ZO steps scale with sqrt(parameters) and a
-    pretrained model sits in a narrow basin: MeZO tuned full-parameter OPT with 1e-6 to
-    1e-7, where the tiny random-init model needs 1e-2 to learn (1e-3 on real text,
-    where 1e-2 diverged)."""
-    if job.model.model or job.model.model_config:
-        return 1e-6
-    return 1e-2 if job.data.task == "counting" else 1e-3
-
-
 def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, LoadedRows | None]:
     """Every check that needs no model and no process group, run identically on every rank."""
-    data, optim, off, par, run = job.data, job.optim, job.offload, job.parallel, job.run
+    data, optim, run = job.data, job.optim, job.run
     lr_defaulted = optim.lr is None
-    if lr_defaulted:
-        optim.lr = default_lr(job)  # resolved here, so the run's config.toml records it
-    if optim.max_steps < 0 or data.batch_size < 1 or data.eval_batch_size < 1:
-        raise ValueError("--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1")
-    if run.log_every < 0 or run.eval_steps < 0 or run.save_steps < 0:
-        raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
-    if data.max_length < 0 or data.max_new_tokens < 1:
-        raise ValueError(
-            "--max-length must be >= 0 (0: the model's limit) and --max-new-tokens >= 1"
-        )
-    dims = ParallelDims.resolve(env.world_size, par.dp, par.pert)
-    dims.check_batch(data.batch_size)
-    if off.transfer == "sliced" and not env.launched:
-        raise ValueError(
-            "--transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto"
-        )
-    if data.task in TASK_NAMES:  # an unknown task is named by load_task_rows below
-        if optim.objective is None:
-            optim.objective = default_objective(data.task)  # resolved here: config.toml records it
-        check_objective(data.task, optim.objective)
-    adapter_spec(job).validate()
-    if (job.peft.dual_forward or job.peft.batch_queries) and job.peft.peft == "none":
-        raise ValueError(
-            "--dual-forward and --batch-queries need an adapter (--peft lora, lora-fa or prefix); drop them"
-        )
-    if job.peft.merge_adapter and job.peft.peft not in ("lora", "lora-fa"):
-        raise ValueError(
-            "--merge-adapter needs a LoRA adapter (--peft lora or lora-fa): a prefix or full tuning "
-            "has no delta to merge; drop it"
-        )
-    if optim.grad_accum < 1 or optim.grad_accum > data.batch_size // dims.dp:
-        raise ValueError(
-            f"--grad-accum {optim.grad_accum} must be between 1 and the {data.batch_size // dims.dp} sequences of a "
-            "rank's batch (--batch-size / dp); change one of them"
-        )
-    if data.eval_batch_size < env.world_size:
-        raise ValueError(
-            f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} ranks; raise it"
-        )
-    config = ZOConfig(
-        lr=optim.lr,
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        lr_schedule=optim.lr_schedule,
-        warmup_steps=optim.warmup_steps,
-        max_steps=optim.max_steps,
-        mode=off.mode,
-        num_slots=3 if off.num_slots is None else off.num_slots,
-        device=resolve_device(par.device, env),
-        seed=None if run.seed == -1 else run.seed,
-        transfer=off.transfer,
-        transfer_dtype=off.transfer_dtype,
-        compute_dtype=off.compute_dtype,
-        transfer_chunks=off.transfer_chunks,
-        num_queries=optim.num_queries,
-        noise=optim.noise or "gaussian",
-        dual_forward=job.peft.dual_forward,
-        batch_queries=job.peft.batch_queries,
-        grad_accum=optim.grad_accum,
-        optimizer=optim.optimizer,
-        beta1=optim.beta1,
-        momentum_window=optim.momentum_window,
-        beta2=optim.beta2,
-        adam_eps=optim.adam_eps,
-        optimizer_state=optim.optimizer_state,
-        state_dtype=optim.state_dtype,
-    )
-    pg.resolve_backend(par.backend, config.torch_device())
+    resolve_defaults(job)  # resolved here, so the run's config.toml records them
+    dims = check_job(job, env)
+    config = job.engine_config(resolve_device(job.parallel.device, env))
+    pg.resolve_backend(job.parallel.backend, config.torch_device())
     model_config = model_config_of(job)
     check_supported(model_config.model_type)
     longest = data.seq_len if data.task == "counting" else data.max_length
@@ -217,14 +137,6 @@ def validate(job: JobConfig, env: LaunchEnv) -> tuple[ZOConfig, ParallelDims, Lo
     rows = load_task_rows(
         data.task, data.train_file, data.eval_file
     )  # every row checked, before any model
-    check_shard_size(run.export_shard_size)
-    check_reporter(run.report_to)
-    if run.keep_checkpoints < 0:
-        raise ValueError(
-            f"--keep-checkpoints must be >= 0 (0: keep all), got {run.keep_checkpoints}"
-        )
-    if run.log_sync_steps < 1:
-        raise ValueError(f"--log-sync-steps must be >= 1, got {run.log_sync_steps}")
     run.resume = resume_mode(run, env)
     if run.resume != "no":  # the run goes on with the z it was drawn with
         drawn = drawn_noise(Path(run.output_dir))
@@ -317,19 +229,6 @@ def catch_up_from_log(
         engine.step_index,
     )
     return engine.step_index
-
-
-def adapter_spec(job: JobConfig) -> AdapterSpec:
-    p = job.peft
-    return AdapterSpec(
-        p.peft,
-        p.lora_r,
-        p.lora_alpha,
-        p.lora_dropout,
-        AdapterSpec.parse_targets(p.lora_targets),
-        p.prefix_length,
-        p.prefix_init,
-    )
 
 
 def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
@@ -616,7 +515,7 @@ def train(
         model.save_pretrained(run_dir / "base")  # replay needs the initial weights
         if tokenizer is not None:
             tokenizer.save_pretrained(run_dir / "base")
-    spec = adapter_spec(job)
+    spec = job.peft.adapter_spec()
     if (
         spec.enabled
     ):  # the same adapter init on every rank, on resume and in a replay: seeded by the run

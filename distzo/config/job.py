@@ -4,6 +4,14 @@ Each option is a field of a section dataclass; its command-line flag is its name
 dashes (``max_steps`` -> ``--max-steps``) and its TOML key is ``[section] name``. An
 unknown TOML section or key is an error, never a silent no-op. The resolved tree is
 written into the run directory, so a run can be repeated from its own folder.
+
+The engine's options (``ZOConfig``) are part of the tree: each is declared by exactly
+one section with ``engine_option``, which takes its default from the engine's field
+(or None where the job resolves it, or a job default the option's help explains), and
+``JobConfig.engine_config`` builds the engine's flat options from the sections, field by
+field. The engine checks its own options when that config is built (one check, one
+message); each section's ``validate`` checks the options only the job has, and the
+checks across sections live in ``distzo.config.checks``.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS
+from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpec
 from distzo.config.cli import program
 from distzo.config.engine_options import (
     COMPUTE_DTYPE_NAMES,
@@ -27,8 +35,11 @@ from distzo.config.engine_options import (
     STATE_DTYPES,
     TRANSFER_DTYPE_NAMES,
     TRANSFERS,
+    ZOConfig,
+    engine_default,
 )
-from distzo.job.reporting import REPORTERS
+from distzo.export.hf_model import DEFAULT_MAX_SHARD_SIZE, check_shard_size
+from distzo.job.reporting import REPORTERS, check_reporter
 from distzo.zo.schedule import SCHEDULES
 
 RESUME_MODES = ("no", "yes", "auto")
@@ -42,6 +53,15 @@ SECTION_DOCS = {
     "parallel": "docs/distributed.md",
     "run": "docs/training.md, docs/checkpoints.md",
 }
+# ZOConfig's fields that the job resolves from options of its own meaning: the device per
+# local rank (parallel.device: auto is cuda:LOCAL_RANK), the run seed (run.seed: -1 draws one).
+JOB_RESOLVED = ("device", "seed")
+# ZOConfig's fields a job leaves at the engine's default: not job options.
+ENGINE_ONLY = ("noise_chunk",)
+# A message two sections share (the bounds of the loop and of its batches).
+STEPS_AND_BATCHES = "--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1"
+_ENGINE_DEFAULT = object()
+_ADAPTER = AdapterSpec()  # the adapter's defaults: the [peft] options take theirs
 
 
 def option(default: Any, help: str, choices: tuple | None = None, bare: Any = None) -> Any:
@@ -49,11 +69,24 @@ def option(default: Any, help: str, choices: tuple | None = None, bare: Any = No
     return field(default=default, metadata={"help": help, "choices": choices, "bare": bare})
 
 
+def engine_option(
+    name: str, help: str, choices: tuple | None = None, default: Any = _ENGINE_DEFAULT
+) -> Any:
+    """A job option that is also ``ZOConfig.<name>`` (the field of the same name), with the
+    engine's default unless the job gives its own: None for one it resolves later, or a
+    value its help explains."""
+    value = engine_default(name) if default is _ENGINE_DEFAULT else default
+    return field(
+        default=value, metadata={"help": help, "choices": choices, "bare": None, "engine": name}
+    )
+
+
 @dataclass
 class ModelOptions:
     model: str | None = option(
         None,
-        "hub name or local path of a model (opt, llama, qwen2, qwen3, mistral, gpt2); default: a tiny random-init OPT",
+        "hub name or local path of a model (opt, llama, qwen2, qwen3, mistral, gpt2); default: a "
+        "tiny random-init OPT",
     )
     model_config: str | None = option(
         None, "a named shape with random weights, no checkpoint (e.g. opt-13b, llama-2-7b)"
@@ -62,6 +95,13 @@ class ModelOptions:
         None, "override the layer count of --model-config (memory checks, benchmarks)"
     )
     dtype: str = option("fp32", "master (parameter) dtype", ("fp32", "fp64"))
+
+    def validate(self) -> None:
+        """One model source; the shape's own checks come when its config is read."""
+        if self.model_config and self.model:
+            raise ValueError("--model and --model-config both name a model; keep one")
+        if not self.model_config and self.model_layers is not None:
+            raise ValueError("--model-layers only applies to --model-config")
 
 
 @dataclass
@@ -83,138 +123,199 @@ class DataOptions:
     )
     eval_batch_size: int = option(64, "sequences in the evaluation set")
 
+    def validate(self) -> None:
+        """Sizes only: the task and its files are checked when the job loads the rows."""
+        if self.batch_size < 1 or self.eval_batch_size < 1:
+            raise ValueError(STEPS_AND_BATCHES)
+        if self.max_length < 0 or self.max_new_tokens < 1:
+            raise ValueError(
+                "--max-length must be >= 0 (0: the model's limit) and --max-new-tokens >= 1"
+            )
+
 
 @dataclass
 class OptimOptions:
-    max_steps: int = option(2000, "ZO steps to take")
-    lr: float | None = option(
-        None,
-        "learning rate (default: 1e-6, MeZO's, for --model and --model-config; 1e-2 for the built-in tiny "
-        "model on counting, 1e-3 on the other tasks)",
+    # The engine's default is None (no length); a job always has one.
+    max_steps: int = engine_option("max_steps", "ZO steps to take", default=2000)
+    lr: float | None = engine_option(
+        "lr",
+        "learning rate (default: 1e-6, MeZO's, for --model and --model-config; 1e-2 for the "
+        "built-in tiny model on counting, 1e-3 on the other tasks)",
+        default=None,
     )
-    eps: float = option(1e-3, "perturbation scale")
-    weight_decay: float = option(0.0, "decoupled weight decay on matrices")
-    lr_schedule: str = option("linear", "learning-rate schedule", SCHEDULES)
-    warmup_steps: int = option(0, "linear warm-up steps")
+    eps: float = engine_option("eps", "perturbation scale")
+    weight_decay: float = engine_option("weight_decay", "decoupled weight decay on matrices")
+    # The engine's default, constant, needs no max_steps; a job has one, so it decays to 0.
+    lr_schedule: str = engine_option(
+        "lr_schedule", "learning-rate schedule", SCHEDULES, default="linear"
+    )
+    warmup_steps: int = engine_option("warmup_steps", "linear warm-up steps")
     objective: str | None = option(
         None,
-        "what a step minimises on prompt tasks: classification (cross-entropy over the candidates' scores), "
-        "lm (teacher forcing on the answer), accuracy or f1 (non-differentiable metrics); default: MeZO's choice, "
-        "classification for sst2, rte, cb, boolq, wic, multirc and lm for copa, squad, text, counting",
+        "what a step minimises on prompt tasks: classification (cross-entropy over the "
+        "candidates' scores), lm (teacher forcing on the answer), accuracy or f1 "
+        "(non-differentiable metrics); default: MeZO's choice, classification for sst2, rte, cb, "
+        "boolq, wic, multirc and lm for copa, squad, text, counting",
         ("lm", "classification", "accuracy", "f1"),
     )
-    noise: str | None = option(
-        None,
-        "the random directions z: gaussian (MeZO's, default) or rademacher (+-1, SPSA's), both drawn per "
-        "element from Philox and the same on every device; legacy (torch.Generator, earlier versions' runs). "
-        "A resumed run keeps its checkpoint's",
+    noise: str | None = engine_option(
+        "noise",
+        "the random directions z: gaussian (MeZO's, default) or rademacher (+-1, SPSA's), both "
+        "drawn per element from Philox and the same on every device; legacy (torch.Generator, "
+        "earlier versions' runs). A resumed run keeps its checkpoint's",
         ("gaussian", "rademacher", "legacy"),
+        default=None,
     )
-    num_queries: int = option(
-        1,
-        "random directions per step, their estimates averaged (n-SPSA): each adds two forward passes "
-        "per block, no transfer",
+    num_queries: int = engine_option(
+        "num_queries",
+        "random directions per step, their estimates averaged (n-SPSA): each adds two forward "
+        "passes per block, no transfer",
     )
-    optimizer: str = option(
-        "sgd",
-        "sgd (MeZO's ZO-SGD), momentum (m = beta1 m + g z; by default regenerated each update from the "
-        "last --momentum-window steps' seeds and g: no state memory, MeZO's appendix B.2) or adam (MeZO-Adam: "
-        "bias-corrected moments of g z, stored beside the weights)",
+    optimizer: str = engine_option(
+        "optimizer",
+        "sgd (MeZO's ZO-SGD), momentum (m = beta1 m + g z; by default regenerated each update "
+        "from the last --momentum-window steps' seeds and g: no state memory, MeZO's appendix "
+        "B.2) or adam (MeZO-Adam: bias-corrected moments of g z, stored beside the weights)",
         OPTIMIZERS,
     )
-    beta1: float = option(0.9, "momentum coefficient (Adam's first moment)")
-    beta2: float = option(0.999, "Adam's second-moment coefficient")
-    adam_eps: float = option(1e-8, "added to Adam's sqrt(v)")
-    momentum_window: int = option(
-        32,
-        "steps the momentum is regenerated from (1-256): each update draws that many steps' noise per block; "
-        "older steps are dropped (they weigh beta1^W)",
+    beta1: float = engine_option("beta1", "momentum coefficient (Adam's first moment)")
+    beta2: float = engine_option("beta2", "Adam's second-moment coefficient")
+    adam_eps: float = engine_option("adam_eps", "added to Adam's sqrt(v)")
+    momentum_window: int = engine_option(
+        "momentum_window",
+        "steps the momentum is regenerated from (1-256): each update draws that many steps' noise "
+        "per block; older steps are dropped (they weigh beta1^W)",
     )
-    optimizer_state: str = option(
-        "auto",
-        "how momentum or Adam keeps its state: recomputed (momentum only, the default for it: no memory) or "
-        "stored (moment buckets beside the weights, moved with each block: exact at any length, 1x the trained "
-        "parameters for momentum, 2x for Adam, always for adam)",
+    optimizer_state: str = engine_option(
+        "optimizer_state",
+        "how momentum or Adam keeps its state: recomputed (momentum only, the default for it: no "
+        "memory) or stored (moment buckets beside the weights, moved with each block: exact at "
+        "any length, 1x the trained parameters for momentum, 2x for Adam, always for adam)",
         OPTIMIZER_STATES,
     )
-    state_dtype: str = option(
-        "fp32",
-        "stored moments at rest in host memory under --mode offload: fp32, or bf16 (half the host memory "
-        "and link bytes, rounded stochastically)",
+    state_dtype: str = engine_option(
+        "state_dtype",
+        "stored moments at rest in host memory under --mode offload: fp32, or bf16 (half the host "
+        "memory and link bytes, rounded stochastically)",
         STATE_DTYPES,
     )
-    grad_accum: int = option(
-        1,
-        "micro-batches per step sharing its z: each runs through a block while it is on the device (one upload "
+    grad_accum: int = engine_option(
+        "grad_accum",
+        "micro-batches per step sharing its z: each runs through a block while it is on the "
+        "device (one upload "
         "per block per step), so activations are one micro-batch's; g is the whole batch's",
     )
+
+    def validate(self) -> None:
+        """The loop's length; the update's options are the engine's, checked by ZOConfig."""
+        if self.max_steps < 0:
+            raise ValueError(STEPS_AND_BATCHES)
 
 
 @dataclass
 class PeftOptions:
     peft: str = option(
-        "none",
-        "what a step trains: none (every parameter), lora (LoRA's A and B, as MeZO), lora-fa (B only, A "
-        "frozen at its init, as P-RGE) or prefix (virtual tokens' keys and values in every layer); adapters come "
-        "from peft and the frozen base streams read-only",
+        _ADAPTER.method,
+        "what a step trains: none (every parameter), lora (LoRA's A and B, as MeZO), lora-fa (B "
+        "only, A frozen at its init, as P-RGE) or prefix (virtual tokens' keys and values in "
+        "every layer); adapters come from peft and the frozen base streams read-only",
         PEFT_METHODS,
     )
-    lora_r: int = option(8, "LoRA rank")
-    lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / r)")
+    lora_r: int = option(_ADAPTER.r, "LoRA rank")
+    lora_alpha: float = option(_ADAPTER.alpha, "LoRA alpha (the update is scaled by alpha / r)")
     lora_dropout: float = option(
-        0.0, "must stay 0: the two perturbed passes of a step compute one function"
+        _ADAPTER.dropout, "must stay 0: the two perturbed passes of a step compute one function"
     )
     lora_targets: str | None = option(
         None,
-        "comma-separated module names to adapt (default: peft's for the family, q_proj,v_proj for OPT and Llama)",
+        "comma-separated module names to adapt (default: peft's for the family, q_proj,v_proj for "
+        "OPT and Llama)",
     )
-    prefix_length: int = option(5, "prefix tuning: virtual tokens per layer (MeZO's 5)")
+    prefix_length: int = option(
+        _ADAPTER.prefix_length, "prefix tuning: virtual tokens per layer (MeZO's 5)"
+    )
     prefix_init: str = option(
-        "real",
-        "prefix tuning: real (each layer's keys and values of random tokens, as MeZO) or random (peft's init)",
+        _ADAPTER.prefix_init,
+        "prefix tuning: real (each layer's keys and values of random tokens, as MeZO) or random "
+        "(peft's init)",
         PREFIX_INITS,
     )
     merge_adapter: bool = option(
         False, "export/ holds the base with the LoRA adapter merged in, not the peft adapter"
     )
-    dual_forward: bool = option(
-        False,
-        "run a query's +eps and -eps passes as one forward over the batch twice, each half with its own "
-        "adapter weights (P-RGE; adapters only)",
+    dual_forward: bool = engine_option(
+        "dual_forward",
+        "run a query's +eps and -eps passes as one forward over the batch twice, each half with "
+        "its own adapter weights (P-RGE; adapters only)",
     )
-    batch_queries: bool = option(
-        False,
-        "run the --num-queries passes of a sign as one forward over the batch q times (P-RGE; adapters only)",
+    batch_queries: bool = engine_option(
+        "batch_queries",
+        "run the --num-queries passes of a sign as one forward over the batch q times (P-RGE; "
+        "adapters only)",
     )
+
+    def adapter_spec(self) -> AdapterSpec:
+        """What the adapter options ask for, as the adapter module takes it."""
+        return AdapterSpec(
+            self.peft,
+            self.lora_r,
+            self.lora_alpha,
+            self.lora_dropout,
+            AdapterSpec.parse_targets(self.lora_targets),
+            self.prefix_length,
+            self.prefix_init,
+        )
+
+    def validate(self) -> None:
+        """The adapter's own checks, and the options that need one."""
+        self.adapter_spec().validate()
+        if (self.dual_forward or self.batch_queries) and self.peft == "none":
+            raise ValueError(
+                "--dual-forward and --batch-queries need an adapter (--peft lora, lora-fa or "
+                "prefix); drop them"
+            )
+        if self.merge_adapter and self.peft not in ("lora", "lora-fa"):
+            raise ValueError(
+                "--merge-adapter needs a LoRA adapter (--peft lora or lora-fa): a prefix or full "
+                "tuning has no delta to merge; drop it"
+            )
 
 
 @dataclass
 class OffloadOptions:
-    mode: str = option(
-        "offload", "offload: blocks in host memory (ZO2); resident: all on device (MeZO)", MODES
+    mode: str = engine_option(
+        "mode",
+        "offload: blocks in host memory (ZO2); resident: all on device (MeZO)",
+        MODES,
     )
-    num_slots: int | None = option(
-        None,
-        "device slots for streamed blocks: 3 by default (upload, compute and offload overlap fully), 2 when the "
-        "memory plan does not fit 3, 1 = no overlap",
+    num_slots: int | None = engine_option(
+        "num_slots",
+        f"device slots for streamed blocks: {engine_default('num_slots')} by default (upload, "
+        "compute and offload overlap fully), 2 when the memory plan does not fit 3, 1 = no overlap",
+        default=None,
     )
-    transfer: str = option(
-        "auto",
+    transfer: str = engine_option(
+        "transfer",
         "naive: whole blocks per rank; sliced: each local rank moves 1/n and all-gathers; "
         "auto: sliced on CUDA+NCCL with >1 local ranks",
         TRANSFERS,
     )
-    transfer_dtype: str = option(
-        "fp32", "format of blocks in host memory and on the wire", TRANSFER_DTYPE_NAMES
+    transfer_dtype: str = engine_option(
+        "transfer_dtype", "format of blocks in host memory and on the wire", TRANSFER_DTYPE_NAMES
     )
-    compute_dtype: str = option(
-        "auto",
+    compute_dtype: str = engine_option(
+        "compute_dtype",
         "dtype of perturbed weights and activations (auto: the master dtype)",
         COMPUTE_DTYPE_NAMES,
     )
-    transfer_chunks: int = option(
-        4, "pieces of each rank's share, pipelining the sliced upload's copy and all-gather"
+    transfer_chunks: int = engine_option(
+        "transfer_chunks",
+        "pieces of each rank's share, pipelining the sliced upload's copy and all-gather",
     )
+
+    def validate(self) -> None:
+        """Nothing of its own: its options are the engine's (ZOConfig checks them), and
+        whether a sliced transfer has a process group is a check of the launch."""
 
 
 @dataclass
@@ -230,6 +331,10 @@ class ParallelOptions:
     dist_timeout: float = option(300.0, "seconds before a stuck collective fails the job")
     threads: int = option(0, "CPU threads per rank (0: cores / local ranks)")
 
+    def validate(self) -> None:
+        """Nothing alone: dp and pert are checked against the launched world
+        (``ParallelDims.resolve``), the device and backend against this machine."""
+
 
 @dataclass
 class RunOptions:
@@ -243,43 +348,67 @@ class RunOptions:
     save_steps: int = option(0, "checkpoint every N steps (0: only at the end)")
     save_async: bool = option(
         True,
-        "write --save-steps checkpoints from a background thread (each node first copies its share of the model); "
+        "write --save-steps checkpoints from a background thread (each node first copies its "
+        "share of the model); "
         "--no-save-async writes them from the live host copy while training waits",
     )
     resume: str | None = option(
         None,
-        "no: start afresh; yes (the bare flag): resume from the latest checkpoint in the run directory, then "
-        "catch up with every step the seed log holds after it; auto: that when the run directory has a checkpoint or "
-        "logged steps, else start afresh. Default: auto under torchrun --max-restarts > 0, else no",
+        "no: start afresh; yes (the bare flag): resume from the latest checkpoint in the run "
+        "directory, then catch up with every step the seed log holds after it; auto: that when "
+        "the run directory has a checkpoint or logged steps, else start afresh. Default: auto "
+        "under torchrun --max-restarts > 0, else no",
         RESUME_MODES,
         bare="yes",
     )
     report_to: str = option(
         "none",
-        "the run's dashboard, from rank 0: tensorboard (event files in <run>/tensorboard; pip install "
-        "'distzo[tensorboard]') or wandb (in the mode the environment sets; pip install 'distzo[wandb]')",
+        "the run's dashboard, from rank 0: tensorboard (event files in <run>/tensorboard; pip "
+        "install 'distzo[tensorboard]') or wandb (in the mode the environment sets; pip install "
+        "'distzo[wandb]')",
         REPORTERS,
     )
     keep_checkpoints: int = option(
         2,
-        "complete checkpoints kept on disk, the oldest deleted first once a newer one is complete (0: keep all)",
+        "complete checkpoints kept on disk, the oldest deleted first once a newer one is complete "
+        "(0: keep all)",
     )
     save_on_signal: bool = option(
         False,
-        "on SIGTERM or SIGUSR1 (a preemption notice) write a checkpoint after the step under way before "
-        "exiting; without it the seed log, synced, is what the restart catches up from",
+        "on SIGTERM or SIGUSR1 (a preemption notice) write a checkpoint after the step under way "
+        "before exiting; without it the seed log, synced, is what the restart catches up from",
     )
     log_sync_steps: int = option(
         1,
-        "sync the seed log to disk every N steps (a crash loses at most the last N-1 logged steps, which are "
-        "then trained again)",
+        "sync the seed log to disk every N steps (a crash loses at most the last N-1 logged "
+        "steps, which are then trained again)",
     )
     export_shard_size: str = option(
-        "5GB", "largest safetensors file of the exported model (e.g. 5GB, 500MB)"
+        DEFAULT_MAX_SHARD_SIZE,
+        "largest safetensors file of the exported model (e.g. 5GB, 500MB)",
     )
     force: bool = option(
         False, "start even when the memory plan does not fit what this machine has free"
     )
+
+    @property
+    def engine_seed(self) -> int | None:
+        """The engine's run seed: None (-1) has rank 0 draw one."""
+        return None if self.seed == -1 else self.seed
+
+    def validate(self) -> None:
+        """Intervals, retention and the export's and dashboard's options; whether a resume
+        has something to resume is the job's check (it reads the run directory)."""
+        if self.log_every < 0 or self.eval_steps < 0 or self.save_steps < 0:
+            raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
+        check_shard_size(self.export_shard_size)
+        check_reporter(self.report_to)
+        if self.keep_checkpoints < 0:
+            raise ValueError(
+                f"--keep-checkpoints must be >= 0 (0: keep all), got {self.keep_checkpoints}"
+            )
+        if self.log_sync_steps < 1:
+            raise ValueError(f"--log-sync-steps must be >= 1, got {self.log_sync_steps}")
 
 
 @dataclass
@@ -294,6 +423,33 @@ class JobConfig:
 
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self) -> None:
+        """Each section's own checks, in the tree's order."""
+        for section in self.sections().values():
+            section.validate()
+
+    def engine_config(self, device: str) -> ZOConfig:
+        """The engine's options, each taken from the one section that declares it (an unset
+        one, None, keeps the engine's default), and those the job resolves from options of
+        its own (``JOB_RESOLVED``): ``device``, this rank's, and the seed. ZOConfig checks
+        them all, with its own messages."""
+        resolved: dict[str, Any] = {"device": device, "seed": self.run.engine_seed}
+        owners = engine_owners()
+        values = {}
+        for f in dataclasses.fields(ZOConfig):
+            if f.name in resolved:
+                values[f.name] = resolved[f.name]
+            elif f.name in owners:
+                value = getattr(getattr(self, owners[f.name]), f.name)
+                if value is not None:
+                    values[f.name] = value
+        return ZOConfig(**values)
+
+
+def engine_owners() -> dict[str, str]:
+    """ZOConfig field -> the section that declares it as an engine option."""
+    return {f.metadata["engine"]: section for section, f in _options() if "engine" in f.metadata}
 
 
 def _options():
@@ -332,9 +488,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         epilog="Documentation, by section: "
         + "; ".join(f"[{name}] {page}" for name, page in SECTION_DOCS.items())
         + " (in the repository, or its README's links).",
-        description="Zeroth-order (MeZO / ZO2 / DistZO2) fine-tuning. Defaults train a tiny OPT on a "
-        "generated counting task. Launch with torchrun for several ranks. Every option can also be set "
-        "in a TOML file (--config), as [section] key = value; flags override the file.",
+        description="Zeroth-order (MeZO / ZO2 / DistZO2) fine-tuning. Defaults train a tiny OPT "
+        "on a generated counting task. Launch with torchrun for several ranks. Every option can "
+        "also be set in a TOML file (--config), as [section] key = value; flags override the file.",
     )
     p.add_argument("--config", default=None, help="a TOML file of options (flags override it)")
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -390,9 +546,25 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
         for key in values:
             if key not in known[section]:
                 raise ValueError(
-                    f"--config {path}: unknown key {key!r} in [{section}]; keys are {', '.join(sorted(known[section]))}"
+                    f"--config {path}: unknown key {key!r} in [{section}]; keys are "
+                    f"{', '.join(sorted(known[section]))}"
                 )
     return data
+
+
+def _toml_value(section: str, f: dataclasses.Field, value: Any) -> Any:
+    """A TOML value as the option's type: an int where a float is due widened, a boolean
+    of a bare-flag option (``resume = true``, as files wrote it before it took a mode) read
+    as that flag; any other mismatch is a one-line error."""
+    kind = _base_type(f)
+    if kind is float and isinstance(value, int):
+        value = float(value)
+    bare = f.metadata.get("bare")
+    if bare is not None and isinstance(value, bool):
+        value = bare if value else "no"
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"--config: [{section}] {f.name} must be a {kind.__name__}, got {value!r}")
+    return value
 
 
 def resolve(argv: list[str] | None = None) -> JobConfig:
@@ -402,22 +574,9 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
     if args.get("config"):
         for section, values in load_toml(args["config"]).items():
             target = getattr(config, section)
+            fields = {f.name: f for f in dataclasses.fields(target)}
             for key, value in values.items():
-                kind = _base_type(next(f for f in dataclasses.fields(target) if f.name == key))
-                if kind is float and isinstance(value, int):
-                    value = float(value)
-                bare = next(f for f in dataclasses.fields(target) if f.name == key).metadata.get(
-                    "bare"
-                )
-                if bare is not None and isinstance(
-                    value, bool
-                ):  # resume = true, as before it took a mode
-                    value = bare if value else "no"
-                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                    raise ValueError(
-                        f"--config: [{section}] {key} must be a {kind.__name__}, got {value!r}"
-                    )
-                setattr(target, key, value)
+                setattr(target, key, _toml_value(section, fields[key], value))
     for section, f in _options():
         if f.name in args:
             setattr(getattr(config, section), f.name, args[f.name])

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from distzo.config.checks import default_lr
 from distzo.config.job import resolve
-from distzo.train import default_lr
 
 
 def test_default_job_runs_and_the_loss_goes_down(tmp_path):

@@ -1,9 +1,24 @@
+import dataclasses
 import tomllib
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from distzo.config.job import JobConfig, build_parser, load_toml, resolve, to_toml, write_resolved
+from distzo.config.checks import check_job, default_lr, resolve_defaults
+from distzo.config.engine_options import ZOConfig, engine_default
+from distzo.config.job import (
+    ENGINE_ONLY,
+    JOB_RESOLVED,
+    JobConfig,
+    build_parser,
+    engine_owners,
+    load_toml,
+    resolve,
+    to_toml,
+    write_resolved,
+)
+from distzo.dist import LaunchEnv
 from tests.helpers.launch import train_in_process
 
 
@@ -51,7 +66,7 @@ def test_help_documents_every_option_with_its_default():
     text = build_parser().format_help()
     for section, values in JobConfig().sections().items():
         assert f"[{section}]" in text
-        for name, value in vars(values).items():
+        for name in vars(values):
             assert "--" + name.replace("_", "-") in text
     flat = " ".join(text.split())
     assert "(default: 2000)" in flat and "(default: 1e-6, MeZO's, for --model" in flat
@@ -72,3 +87,98 @@ def test_cli_reports_an_unknown_key_in_one_line(tmp_path):
         proc.stderr.strip().startswith("error: --config")
         and len(proc.stderr.strip().splitlines()) == 1
     )
+
+
+def test_every_engine_option_is_declared_by_one_section_or_resolved_by_the_job():
+    declared: dict[str, list[str]] = {}
+    for section, values in JobConfig().sections().items():
+        for f in dataclasses.fields(values):
+            if "engine" in f.metadata:
+                assert f.metadata["engine"] == f.name  # the ZOConfig field of the same name
+                declared.setdefault(f.name, []).append(section)
+    engine = {f.name for f in dataclasses.fields(ZOConfig)}
+    assert set(declared) <= engine
+    for name in engine:
+        if name in JOB_RESOLVED + ENGINE_ONLY:
+            assert name not in declared, name
+        else:
+            assert len(declared.get(name, [])) == 1, (name, declared.get(name))
+
+
+# The engine options whose job default is the job's own, each explained in its help.
+JOB_DEFAULTS = {"max_steps": 2000, "lr_schedule": "linear"}
+
+
+def test_an_engine_option_defaults_to_the_engine_or_to_none_that_the_job_resolves():
+    for section, f in ((s, f) for s, v in JobConfig().sections().items() for f in fields(v)):
+        if "engine" not in f.metadata:
+            continue
+        if f.name in JOB_DEFAULTS:
+            assert f.default == JOB_DEFAULTS[f.name]
+        else:
+            assert f.default in (None, engine_default(f.name)), (section, f.name)
+            assert f.default is not None or "default" in f.metadata["help"], f.name
+
+
+def test_the_engine_config_is_taken_from_the_sections():
+    job = resolve(
+        "--eps 0.01 --lr 0.5 --num-slots 2 --mode resident --peft lora --dual-forward "
+        "--optimizer momentum --noise rademacher --seed -1 --grad-accum 2".split()
+    )
+    config = job.engine_config("cpu")
+    for name, section in engine_owners().items():
+        assert getattr(config, name) == getattr(getattr(job, section), name), name
+    assert (config.device, config.seed, config.noise_chunk) == (
+        "cpu",
+        None,  # -1: rank 0 draws one
+        engine_default("noise_chunk"),
+    )
+    unset = JobConfig().engine_config("cpu")  # None options keep the engine's defaults
+    assert (unset.num_slots, unset.noise) == (engine_default("num_slots"), "gaussian")
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        ("model", {"model": "a", "model_config": "opt-13b"}, "both name a model"),
+        ("model", {"model_layers": 2}, "--model-layers only applies to --model-config"),
+        ("data", {"batch_size": 0}, "--batch-size/--eval-batch-size >= 1"),
+        ("data", {"max_new_tokens": 0}, "--max-new-tokens >= 1"),
+        ("optim", {"max_steps": -1}, "--max-steps must be >= 0"),
+        ("peft", {"lora_r": 0}, "--lora-r must be >= 1"),
+        ("peft", {"batch_queries": True}, "need an adapter"),
+        ("run", {"save_steps": -1}, "--save-steps must be >= 0"),
+        ("run", {"export_shard_size": "big"}, "--export-shard-size 'big' is not a size"),
+        ("run", {"log_sync_steps": 0}, "--log-sync-steps must be >= 1"),
+    ],
+)
+def test_each_section_validates_its_own_options(section, values, message):
+    job = JobConfig()
+    for key, value in values.items():
+        setattr(getattr(job, section), key, value)
+    with pytest.raises(ValueError, match=message):
+        getattr(job, section).validate()
+    JobConfig().validate()  # the defaults pass
+
+
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (["--dp", "3"], 3, "--batch-size 16 is not divisible by --dp 3"),
+        (["--transfer", "sliced"], 1, "--transfer sliced needs a torchrun launch"),
+        (["--task", "sst2", "--objective", "f1"], 1, "--objective"),
+        (["--grad-accum", "9"], 2, "--grad-accum 9 must be between 1 and the 8 sequences"),
+        (["--eval-batch-size", "2"], 4, "--eval-batch-size 2 is smaller than the 4 ranks"),
+    ],
+)
+def test_checks_across_sections_and_against_the_launch(argv, world, message):
+    job = resolve(argv + ["--pert", "1"])
+    resolve_defaults(job)
+    with pytest.raises(ValueError, match=message):
+        check_job(job, LaunchEnv(world_size=world, launched=world > 1))
+
+
+def test_defaults_that_depend_on_another_section_are_resolved_into_the_tree():
+    job = resolve(["--task", "copa"])
+    resolve_defaults(job)
+    assert (job.optim.lr, job.optim.objective) == (default_lr(job), "lm")

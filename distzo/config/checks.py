@@ -1,0 +1,57 @@
+"""The checks and defaults that span sections of the job's options, run after each
+section's own ``validate``. They read no file: what needs the run directory, the task's
+files or the model's config is checked by the job (``distzo.job.validation``)."""
+
+from __future__ import annotations
+
+from distzo.config.engine_options import engine_default
+from distzo.config.job import JobConfig
+from distzo.data.task_data import TASK_NAMES, check_objective, default_objective
+from distzo.dist import LaunchEnv, ParallelDims
+
+
+def default_lr(job: JobConfig) -> float:
+    """The lr when --lr is not given. ZO steps scale with sqrt(parameters) and a
+    pretrained model sits in a narrow basin: MeZO tuned full-parameter OPT with 1e-6 to
+    1e-7 (the engine's default), where the tiny random-init model needs 1e-2 to learn
+    (1e-3 on real text, where 1e-2 diverged)."""
+    if job.model.model or job.model.model_config:
+        return float(engine_default("lr"))
+    return 1e-2 if job.data.task == "counting" else 1e-3
+
+
+def resolve_defaults(job: JobConfig) -> None:
+    """Fill in the options whose default depends on another section (the lr on the model
+    and task, the objective on the task), so that the run's config.toml records them."""
+    if job.optim.lr is None:
+        job.optim.lr = default_lr(job)
+    if job.data.task in TASK_NAMES and job.optim.objective is None:
+        job.optim.objective = default_objective(job.data.task)
+
+
+def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
+    """Each section's checks, then those across sections and against the launch (the
+    world's size, whether a process group exists); returns the parallel layout."""
+    job.validate()
+    data, optim = job.data, job.optim
+    dims = ParallelDims.resolve(env.world_size, job.parallel.dp, job.parallel.pert)
+    dims.check_batch(data.batch_size)
+    if job.offload.transfer == "sliced" and not env.launched:
+        raise ValueError(
+            "--transfer sliced needs a torchrun launch (a process group); use --transfer naive "
+            "or auto"
+        )
+    if data.task in TASK_NAMES and optim.objective is not None:  # an unknown task: the job's
+        check_objective(data.task, optim.objective)
+    if optim.grad_accum < 1 or optim.grad_accum > data.batch_size // dims.dp:
+        raise ValueError(
+            f"--grad-accum {optim.grad_accum} must be between 1 and the "
+            f"{data.batch_size // dims.dp} sequences of a rank's batch (--batch-size / dp); "
+            "change one of them"
+        )
+    if data.eval_batch_size < env.world_size:
+        raise ValueError(
+            f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} "
+            "ranks; raise it"
+        )
+    return dims
