@@ -124,7 +124,7 @@ class Bench:
             key = f"{label}/{dtype_name}/{transfer}"
             self.ceiling_ratio(f"upload_vs_bare_h2d[{key}]", up, f"{label}/{dtype_name}/h2d")
             self.ceiling_ratio(f"offload_vs_bare_d2h[{key}]", off, f"{label}/{dtype_name}/d2h")
-            store = None  # release this block's buffers before the next mode allocates its own
+            del store  # release this block's buffers before the next mode allocates its own
 
     def ceiling_ratio(self, name: str, engine: Measurement, bare_key: str) -> None:
         bare = self._bare.get(bare_key)
@@ -230,7 +230,8 @@ def plot(data: dict, path: Path) -> None:
         return
     rows = [m for m in data["measurements"] if "gb_per_s" in m["metrics"]]
     labels = [
-        f"{m['name']}\n{m['params'].get('size')}/{m['params'].get('dtype')}/{m['params'].get('transfer', '')}"
+        f"{m['name']}\n{m['params'].get('size')}/{m['params'].get('dtype')}/"
+        f"{m['params'].get('transfer', '')}"
         for m in rows
     ]
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows)), 4))

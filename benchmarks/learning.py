@@ -1,8 +1,8 @@
 """Does training learn on real data? SmolLM2-135M on real SST-2 rows, one run per objective.
 
-    python benchmarks/learning.py                                   # classification, lm, accuracy; 400 steps
+    python benchmarks/learning.py            # classification, lm, accuracy; 400 steps
     python benchmarks/learning.py --objectives classification --steps 200 --eval-steps 50
-    python benchmarks/learning.py --quick                           # 4 steps, 32 held-out rows (CI)
+    python benchmarks/learning.py --quick    # 4 steps, 32 held-out rows (CI)
 
 Each objective is one ordinary training job (``python -m distzo.train``, the command is
 printed and recorded) with MeZO's hyperparameters: lr 1e-5, eps 1e-3, batch 16,
@@ -144,7 +144,8 @@ def main() -> None:
         "--peft",
         default="none",
         choices=["none", "lora", "lora-fa", "prefix"],
-        help="train an adapter instead of every parameter (lr and eps then need raising: P-RGE's 1e-3, 1e-2)",
+        help="train an adapter instead of every parameter (lr and eps then need raising: "
+        "P-RGE's 1e-3, 1e-2)",
     )
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
@@ -163,12 +164,14 @@ def main() -> None:
         args.steps, args.eval_steps, args.eval_rows, args.batch_size = 4, 2, 16, 8
     if not args.gguf or not Path(args.gguf).is_file():
         raise SystemExit(
-            "learning.py: give --gguf (or DISTZO_SMOLLM2_GGUF): the SmolLM2 GGUF file, see this file's docstring"
+            "learning.py: give --gguf (or DISTZO_SMOLLM2_GGUF): the SmolLM2 GGUF file, see this "
+            "file's docstring"
         )
     for name in ("train.tsv", "heldout.tsv"):
         if not (args.data / name).is_file():
             raise SystemExit(
-                f"learning.py: {args.data / name} is missing; --data names a folder with train.tsv and heldout.tsv"
+                f"learning.py: {args.data / name} is missing; --data names a folder with train.tsv "
+                "and heldout.tsv"
             )
     gguf_to_hf(args.gguf, args.model_dir)
     work = args.out.parent / (args.out.stem + "-runs")
@@ -213,7 +216,8 @@ def main() -> None:
             )
             loss = f"  train loss {point['train_loss']:.4f}" if "train_loss" in point else ""
             print(
-                f"{objective:15s} step {point['step']:4d}  held-out accuracy {point['eval_accuracy']:.3f}{loss}",
+                f"{objective:15s} step {point['step']:4d}  held-out accuracy "
+                f"{point['eval_accuracy']:.3f}{loss}",
                 flush=True,
             )
         report.derived[f"seconds[{objective}]"] = elapsed

@@ -33,7 +33,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 def measured_links(path: Path) -> tuple[float, float, str]:
     """The largest block's bare pinned (CUDA) or plain (CPU) copy rates of a bandwidth report."""
     data = json.loads(path.read_text())
-    best: dict[str, tuple[int, float]] = {}
+    best: dict[tuple[str, bool], tuple[int, float]] = {}
     for m in data["measurements"]:
         for direction in ("h2d", "d2h"):
             if (
@@ -50,7 +50,8 @@ def measured_links(path: Path) -> tuple[float, float, str]:
         entry = best.get((direction, True)) or best.get((direction, False))
         if entry is None:
             raise SystemExit(
-                f"error: {path} has no fp32 bare {direction} copy; run benchmarks/bandwidth.py first"
+                f"error: {path} has no fp32 bare {direction} copy; "
+                "run benchmarks/bandwidth.py first"
             )
         return entry[1]
 
@@ -118,16 +119,19 @@ def main() -> None:
     block = 12 * LAYER_WIDTHS[args.shape] ** 2 * DTYPE_BYTES[args.dtype]
     rows = project(block, b_h2d, b_d2h, args.b_allgather, args.chunks, args.max_n)
     lines = [
-        f"{args.shape} layer, {args.dtype}: {block / 1e9:.2f} GB; B_h2d {b_h2d:.1f} GB/s, B_d2h {b_d2h:.1f} GB/s "
-        f"({source}); B_allgather {args.b_allgather:.0f} GB/s; {args.chunks} chunks",
+        f"{args.shape} layer, {args.dtype}: {block / 1e9:.2f} GB; "
+        f"B_h2d {b_h2d:.1f} GB/s, B_d2h {b_d2h:.1f} GB/s ({source}); "
+        f"B_allgather {args.b_allgather:.0f} GB/s; {args.chunks} chunks",
         "",
-        "| n | naive up (ms) | sliced up (ms) | pipelined up (ms) | speed-up sliced | speed-up pipelined | offload (ms) | naive offload (ms) |",
+        "| n | naive up (ms) | sliced up (ms) | pipelined up (ms) | speed-up sliced "
+        "| speed-up pipelined | offload (ms) | naive offload (ms) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['n']} | {r['naive_up_s'] * 1e3:.1f} | {r['sliced_up_s'] * 1e3:.1f} | {r['pipelined_up_s'] * 1e3:.1f} | "
-            f"{r['naive_up_s'] / r['sliced_up_s']:.2f} | {r['naive_up_s'] / r['pipelined_up_s']:.2f} | "
+            f"| {r['n']} | {r['naive_up_s'] * 1e3:.1f} | {r['sliced_up_s'] * 1e3:.1f} "
+            f"| {r['pipelined_up_s'] * 1e3:.1f} | {r['naive_up_s'] / r['sliced_up_s']:.2f} "
+            f"| {r['naive_up_s'] / r['pipelined_up_s']:.2f} | "
             f"{r['offload_s'] * 1e3:.1f} | {r['naive_offload_s'] * 1e3:.1f} |"
         )
     table = "\n".join(lines) + "\n"

@@ -103,7 +103,8 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
             medians[path] = timer.median
             extra = f"  {metrics['of_copy']:.2f} of copy" if copy_gbs else ""
             print(
-                f"{op:9s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} GB/s{extra}"
+                f"{op:9s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
+                f"GB/s{extra}"
             )
         report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]
 
@@ -172,7 +173,8 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
             )
         )
         print(
-            f"step {path:4s} ({engines[path].noise.backend:6s}) {timer.median * 1e3:9.1f} ms  spread {timer.spread:.2f}"
+            f"step {path:4s} ({engines[path].noise.backend:6s}) {timer.median * 1e3:9.1f} ms  "
+            f"spread {timer.spread:.2f}"
         )
     report.derived["step_new_over_old_speed"] = (
         Timer(samples["old"]).median / Timer(samples["new"]).median

@@ -1,7 +1,7 @@
 """Pinned host memory: what the engine locks for a shape's host copy of the blocks,
 against what PyTorch's caching host allocator (``pin_memory=True``) would lock.
 
-    python benchmarks/pinned.py --shape opt-13b          # on a CUDA machine (about 52 GB, then 64 GB)
+    python benchmarks/pinned.py --shape opt-13b    # on a CUDA machine (about 52 GB, then 64 GB)
     python benchmarks/pinned.py --shape opt-1.3b --layers 4
 
 The engine's host store (``StreamedBlocks``, fp32 on the wire, one rank) is built for
@@ -49,8 +49,8 @@ def measure(name: str, params: dict, build) -> tuple[Measurement, object]:
     seconds = time.perf_counter() - start
     grown = {field: (status(field) - before[field]) / 1e9 for field in FIELDS}
     print(
-        f"{name:22s} resident +{grown['VmRSS']:8.3f} GB (VmLck +{grown['VmLck']:.3f}, VmPin +{grown['VmPin']:.3f}) "
-        f"in {seconds:6.1f} s"
+        f"{name:22s} resident +{grown['VmRSS']:8.3f} GB "
+        f"(VmLck +{grown['VmLck']:.3f}, VmPin +{grown['VmPin']:.3f}) in {seconds:6.1f} s"
     )
     metrics = {
         "resident_gb": grown["VmRSS"],
@@ -71,13 +71,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("pinned.py needs a CUDA device: pinning is what it measures")
     device = torch.device("cuda")
-    model = skeleton(shape_config(args.shape, args.layers), torch.float32)
+    config = shape_config(args.shape, args.layers)
+    model = skeleton(config, torch.float32)
     built, _ = bucket_layouts(model, family_for(model).blocks())
     layouts = [layout for layout, _ in built]
     plan = plan_memory(model, ZOConfig(device="cuda"), 1, False, batch=1, seq=8, signs=2)
     params = {
         "shape": args.shape,
-        "layers": model.config.num_hidden_layers,
+        "layers": config.num_hidden_layers,
         "planned_gb": plan.host_bytes / 1e9,
     }
     print(f"{args.shape}: planned host copy {plan.host_bytes / 1e9:.3f} GB")

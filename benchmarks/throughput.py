@@ -1,8 +1,10 @@
 """Training throughput and memory: resident (MeZO) vs offload (ZO2) vs the parallel layouts.
 
-    python benchmarks/throughput.py [--quick] [--shape opt-1.3b] [--layers 4] [--batch 8] [--seq 512]
+    python benchmarks/throughput.py [--quick] [--shape opt-1.3b] [--layers 4] [--batch 8] \\
+        [--seq 512]
     python benchmarks/throughput.py --shape opt-1.3b --sweep 1x128,2x256,4x512,8x512,16x512
-    python benchmarks/throughput.py --compare-adapters --shape opt-125m --sweep 1x64,8x64   # P-RGE's layouts
+    # P-RGE's layouts
+    python benchmarks/throughput.py --compare-adapters --shape opt-125m --sweep 1x64,8x64
     torchrun --nproc_per_node=2 benchmarks/throughput.py     # adds PertP, DDP (and 2D on 4 ranks)
 
 Single process: tokens/s and peak device memory of resident, offload without overlap
@@ -54,7 +56,7 @@ from distzo.dist import process_group as pg
 from distzo.engine import UNPERTURBED
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.tiny import tiny_opt_config
-from distzo.models.weights import RandomWeights, skeleton
+from distzo.models.weights import RandomWeights, WeightSource, skeleton
 from distzo.objectives import ChoiceEncoding, Classification, candidate_scores, collate_choices
 from distzo.objectives.choice import prepare_choices
 from distzo.offload import Timeline
@@ -159,10 +161,10 @@ class Bench:
             else "fp32",
             optimizer_state="stored" if optimizer == "momentum" else "auto",
         )
-        model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
-        if (
-            self.args.peft != "none"
-        ):  # an adapter: the base streams up only, the adapter stays on the device
+        model = skeleton(self.config, torch.float32)
+        weights: WeightSource = RandomWeights(0)
+        # an adapter: the base streams up only, the adapter stays on the device
+        if self.args.peft != "none":
             model = attach_adapter(model, AdapterSpec(self.args.peft), seed=0)
             weights = AdapterWeights(weights, model)
         return ZOEngine(model, config, parallel=parallel, weights=weights)
@@ -177,7 +179,8 @@ class Bench:
         grad_accum: int = 1,
         optimizer: str = "sgd",
     ) -> dict[tuple[int, int], Measurement]:
-        """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the barrier."""
+        """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the
+        barrier."""
         self.barrier()
         if not participates:
             self.barrier()
@@ -221,11 +224,11 @@ class Bench:
         metrics = {
             "tokens_per_s": tokens / timer.median,
             "host_rss_gb": peak_rss_bytes() / 1e9,
-            "link_gb_per_step": engine.link_bytes_per_step
-            / 1e9,  # uploaded by this rank (offloaded alike)
+            # uploaded by this rank (offloaded alike)
+            "link_gb_per_step": engine.link_bytes_per_step / 1e9,
             "state_host_gb": engine.state_host_bytes / 1e9,
         }
-        if rss_resets:
+        if rss_resets and rss_before is not None:
             metrics["step_extra_rss_gb"] = (peak_rss_bytes() - rss_before) / 1e9
         if self.device.type == "cuda":
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
@@ -329,9 +332,8 @@ class Bench:
             for point, m in offload.items():
                 ratio = m.metrics["tokens_per_s"] / two[point].metrics["tokens_per_s"]
                 self.report.derived[self.ratio_key("offload_vs_2slots", point)] = ratio
-        for (
-            n
-        ) in self.args.grad_accum:  # micro-batches per step: the same step, less activation memory
+        # micro-batches per step: the same step, less activation memory
+        for n in self.args.grad_accum:
             if n == 1:
                 continue
             runs = self.measure(
@@ -370,12 +372,12 @@ class Bench:
         if world > 1:
             # Every layout spans the whole world (its all-reduce does): PertP on 2 ranks,
             # 2D (dp x 2) on more, DDP on any.
-            layouts = {"ddp": ParallelDims(world, 1)}
+            world_layouts = {"ddp": ParallelDims(world, 1)}
             if world == 2:
-                layouts["pertp"] = ParallelDims(1, 2)
+                world_layouts["pertp"] = ParallelDims(1, 2)
             elif world % 2 == 0:
-                layouts["2d"] = ParallelDims(world // 2, 2)
-            for name, dims in layouts.items():
+                world_layouts["2d"] = ParallelDims(world // 2, 2)
+            for name, dims in world_layouts.items():
                 for batch, _ in self.points:
                     dims.check_batch(batch)
                 runs = self.measure(
@@ -396,6 +398,7 @@ def interleaved_steps(
     use before it (device memory on CUDA, RSS on CPU; None where it cannot be measured)."""
     samples: dict[str, list[float]] = {name: [] for name in engines}
     extra: dict[str, int | None] = {name: None for name in engines}
+    before: int | None
     for engine in engines.values():
         engine.step(batch)  # warm-up (allocator, first uploads)
     for _ in range(steps):
@@ -459,7 +462,8 @@ class AdapterBench:
             batch_queries=batch_queries,
             lr_schedule="constant",
         )
-        model, weights = skeleton(self.config, torch.float32), RandomWeights(0)
+        model = skeleton(self.config, torch.float32)
+        weights: WeightSource = RandomWeights(0)
         if peft != "none":
             model = attach_adapter(model, AdapterSpec(peft), seed=0)
             weights = AdapterWeights(weights, model)
@@ -615,9 +619,8 @@ class HeadBench:
         evaluation = sst2_shaped(self.args.eval_batch, vocab, seed=2)
         engine = engines["at_labels"]
         for old_way, name in ((True, "full"), (False, "at_labels")):
-            self.eval_peak(
-                engine, evaluation, old_way
-            )  # warm-up: the allocator's first growth is not the method's
+            # warm-up: the allocator's first growth is not the method's
+            self.eval_peak(engine, evaluation, old_way)
             seconds, extra = self.eval_peak(engine, evaluation, old_way)
             self.report.measurements.append(
                 Measurement(
@@ -666,21 +669,23 @@ def main() -> None:
         "--slots",
         type=int,
         default=3,
-        help="device slots of the overlapped offload (default 3, the engine's; 2 is measured beside it)",
+        help="device slots of the overlapped offload "
+        "(default 3, the engine's; 2 is measured beside it)",
     )
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument(
         "--num-queries",
         type=int,
         default=None,
-        help="directions per step (n-SPSA): 2 passes each per uploaded block, so transfers weigh less "
-        "(default 1; 4 with --compare-adapters)",
+        help="directions per step (n-SPSA): 2 passes each per uploaded block, "
+        "so transfers weigh less (default 1; 4 with --compare-adapters)",
     )
     p.add_argument(
         "--peft",
         default="none",
         choices=["none", "lora", "lora-fa", "prefix"],
-        help="train an adapter: the base is uploaded only (no offload), the adapter stays on the device",
+        help="train an adapter: the base is uploaded only (no offload), "
+        "the adapter stays on the device",
     )
     p.add_argument(
         "--dual-forward",
@@ -690,14 +695,16 @@ def main() -> None:
     p.add_argument(
         "--grad-accum",
         default="1",
-        help="micro-batches per step to compare, e.g. 1,2,4: offload at each (one upload per block per "
-        "step), tokens/s and peak memory against the whole batch at once",
+        help="micro-batches per step to compare, e.g. 1,2,4: offload at each "
+        "(one upload per block per step), tokens/s and peak memory against the whole batch "
+        "at once",
     )
     p.add_argument(
         "--optimizers",
         default="sgd",
-        help="optimizers to compare offloaded, e.g. sgd,momentum,adam: momentum and adam store their "
-        "moments beside each block and move them with it (tokens/s and link bytes against sgd)",
+        help="optimizers to compare offloaded, e.g. sgd,momentum,adam: momentum and adam "
+        "store their moments beside each block and move them with it "
+        "(tokens/s and link bytes against sgd)",
     )
     p.add_argument(
         "--state-dtype",
@@ -720,8 +727,8 @@ def main() -> None:
     p.add_argument(
         "--compare-head",
         action="store_true",
-        help="the LM head at label positions vs the full head on an SST-2-shaped batch (default shape "
-        "smollm2-135m, batch 16, evaluation batch 64)",
+        help="the LM head at label positions vs the full head on an SST-2-shaped batch "
+        "(default shape smollm2-135m, batch 16, evaluation batch 64)",
     )
     p.add_argument(
         "--eval-batch",
@@ -750,7 +757,8 @@ def main() -> None:
     args.num_queries = args.num_queries or (4 if args.compare_adapters else 1)
     if args.compare_adapters and (args.compare_head or args.peft != "none" or args.dual_forward):
         raise SystemExit(
-            "--compare-adapters runs its own layouts: leave out --compare-head, --peft and --dual-forward"
+            "--compare-adapters runs its own layouts: leave out --compare-head, --peft and "
+            "--dual-forward"
         )
     if args.num_queries < 1:
         raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
@@ -763,7 +771,8 @@ def main() -> None:
     args.optimizers = args.optimizers.split(",")
     if not set(args.optimizers) <= {"sgd", "momentum", "adam"}:
         raise SystemExit(
-            f"--optimizers takes sgd, momentum, adam, comma-separated, got {','.join(args.optimizers)}"
+            "--optimizers takes sgd, momentum, adam, comma-separated, got "
+            f"{','.join(args.optimizers)}"
         )
     if any(n < 1 or n > b for n in args.grad_accum for b, _ in args.points):
         raise SystemExit(
@@ -789,7 +798,8 @@ def main() -> None:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
     if (args.compare_head or args.compare_adapters) and env.world_size > 1:
         raise SystemExit(
-            "--compare-head and --compare-adapters run in one process; launch them with python, not torchrun"
+            "--compare-head and --compare-adapters run in one process; "
+            "launch them with python, not torchrun"
         )
     if args.compare_head:
         report = HeadBench(args, device).run()

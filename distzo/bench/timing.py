@@ -30,7 +30,7 @@ class Timer:
 
 
 def time_repeated(
-    fn: Callable[[], None], device: torch.device, repeats: int, warmup: int = 1
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1
 ) -> Timer:
     """Wall time of ``fn`` per call, device-synchronised, after ``warmup`` untimed calls."""
     for _ in range(warmup):
