@@ -187,7 +187,9 @@ def resident_bytes() -> int:
     2026-11-23), so the resident rise of a fresh allocation is what shows its pinned size."""
     from distzo.runtime.host_memory import rss_bytes
 
-    return rss_bytes()
+    rss = rss_bytes()
+    assert rss is not None, "no VmRSS in /proc/self/status"
+    return rss
 
 
 def queued_without_a_sync(engine, batch):
@@ -225,9 +227,8 @@ def test_a_steady_state_step_never_waits_for_the_device_before_its_one_read():
         )
         for _ in range(2):  # warm-up: allocator, first uploads, a pending update
             engine.step(batch)
-        result = engine._finish_step(
-            *queued_without_a_sync(engine, batch)
-        )  # the one host sync: the losses
+        # the one host sync: the losses
+        result = engine._finish_step(*queued_without_a_sync(engine, batch))
         assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
 
 
@@ -251,9 +252,8 @@ def test_host_blocks_are_pinned_at_exactly_the_planned_size():
     assert store.host_storage.is_pinned() and store.host_bytes == plan.host_bytes
     assert abs(grown - plan.host_bytes) <= 0.02 * plan.host_bytes, (grown, plan.host_bytes)
     host = store.host_storage
-    store.slots.buffers[0][:4].copy_(
-        host[:4], non_blocking=True
-    )  # an asynchronous copy from it works
+    # an asynchronous copy from it works
+    store.slots.buffers[0][:4].copy_(host[:4], non_blocking=True)
     torch.cuda.synchronize()
 
 

@@ -57,7 +57,7 @@ def reference_momentum(engine, initial, results, beta1, window, wd):
     """Dense momentum over every trained tensor: m_t = sum_{k<W} beta1^k mean_j g_{t-k,j} z_{t-k,j},
     theta <- theta * (1 - lr wd on matrices) - lr m_t, z drawn by the engine's own noise."""
     layouts = [(0, engine.resident_layout)] + [
-        (i + 1, l) for i, l in enumerate(engine.block_layouts)
+        (i + 1, layout) for i, layout in enumerate(engine.block_layouts)
     ]
     theta = {
         block: torch.cat([initial[e.names[0]].reshape(-1) for e in layout.entries]).double()

@@ -1,5 +1,7 @@
 """Tiny models and batches the tests build: the same weights for the same seed."""
 
+from typing import Any
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -24,7 +26,8 @@ def tiny_opt(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
 def random_batch(
     vocab_size: int, batch: int = 4, seq: int = 12, seed: int = 0, pad: str | None = None
 ):
-    """Token ids (avoiding the pad id 0) with an attention mask; ``pad`` left/right pads some rows."""
+    """Token ids (avoiding the pad id 0) with an attention mask; ``pad`` left/right pads some
+    rows."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab_size, (batch, seq), generator=g)
     mask = torch.ones_like(ids)
@@ -40,7 +43,7 @@ def random_batch(
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-LLAMA = dict(
+LLAMA: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=32,
     intermediate_size=64,
@@ -65,7 +68,7 @@ def adapted(family, method="lora", seed=0, dtype=torch.float32, **overrides):
     )
 
 
-COMMON = dict(
+COMMON: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=32,
     intermediate_size=64,

@@ -47,7 +47,9 @@ class NcclLike(dist.ProcessGroup):
     instances: list[NcclLike] = []
 
     def __init__(self, store, rank: int, size: int, timeout) -> None:
-        super().__init__(rank, size)
+        # torch's stub lists only the (store, rank, size) constructor; the binding also has
+        # (rank, size), which a backend that wraps another group uses
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self.inner = dist.ProcessGroupGloo(
             dist.PrefixStore(f"nccl_like/{len(self.instances)}", store), rank, size, timeout
         )
@@ -63,7 +65,8 @@ class NcclLike(dist.ProcessGroup):
             if not getattr(tensor, collectives.PLACED, False):
                 self.refused.append(op)
                 raise RuntimeError(
-                    f"No backend type associated with device type cpu ({op} of a tensor not placed for {NAME})"
+                    f"No backend type associated with device type cpu ({op} of a tensor not placed "
+                    f"for {NAME})"
                 )
 
     def _deferred(self, outputs, compute) -> DeferredWork:
@@ -107,4 +110,9 @@ class NcclLike(dist.ProcessGroup):
 def register() -> None:
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, NcclLike, devices=["cpu"])
-    collectives.on_host_sync(lambda: [group.complete() for group in NcclLike.instances])
+
+    def complete_all() -> None:
+        for group in NcclLike.instances:
+            group.complete()
+
+    collectives.on_host_sync(complete_all)

@@ -7,6 +7,7 @@ would leave pending when a rank returns or tears down), and none may be refused.
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ engine = ZOEngine(
     ZOConfig(device="cpu", seed=4, transfer="sliced", lr=1e-3, optimizer="adam"),
     parallel=parallel,
 )
-record = {"rank": env.rank}
+record: dict[str, Any] = {"rank": env.rank}
 
 
 def outstanding() -> int:

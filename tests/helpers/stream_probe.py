@@ -5,6 +5,7 @@ snapshot the way the trainer does (downloaded once per node, here from an offlin
 
 import json
 import sys
+from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -39,7 +40,11 @@ engine = ZOEngine(
 )
 peak = peak_rss_bytes()
 params = engine.named_parameters()  # after the measurement: this makes full copies
-record = {"rank": env.rank, "peak_rss": peak, "host_bytes": engine.store.host_bytes}
+record: dict[str, Any] = {
+    "rank": env.rank,
+    "peak_rss": peak,
+    "host_bytes": engine.store.host_bytes,
+}
 if env.rank == 0:
     record["checksums"] = {
         k: [v.double().sum().item(), v.double().square().sum().item()] for k, v in params.items()

@@ -67,12 +67,12 @@ from distzo.offload.low_bit import round_stochastic_  # noqa: E402
 
 rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
 for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)]:
-    src = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n).to(torch.float32)
-    src[:3] = torch.tensor([3.4e38, -3.4e38, 0.0])[: min(3, n)]
+    values = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n).to(torch.float32)
+    values[:3] = torch.tensor([3.4e38, -3.4e38, 0.0])[: min(3, n)]
     key = rounding.key(7, 1 << 40)
     dst = torch.empty(n, dtype=torch.bfloat16)
-    triton_noise.round_bf16(dst, src, start, key)
+    triton_noise.round_bf16(dst, values, start, key)
     expected = torch.empty(n, dtype=torch.bfloat16)
-    round_stochastic_(expected, src, rounding.reference(start, start + n, key))
+    round_stochastic_(expected, values, rounding.reference(start, start + n, key))
     assert torch.equal(dst.view(torch.int16), expected.view(torch.int16)), (start, n)
 print("triton kernels == reference")

@@ -70,7 +70,8 @@ def test_throughput_quick_report(tmp_path, nproc):
     assert names[:4] == ["resident", "offload_serial", "offload_2slots", "offload"]
     for m in data["measurements"]:
         assert m["metrics"]["tokens_per_s"] > 0 and 0 < m["metrics"]["eta"] <= 1.0001
-        # on CPU the phases run in turn, so the stream model's period is never above the measured one
+        # on CPU the phases run in turn, so the stream model's period is never above the
+        # measured one
         assert (
             0 < m["metrics"]["model_ms_per_block"] <= m["metrics"]["pipelined_ms_per_block"] * 1.05
         )
@@ -162,9 +163,8 @@ def test_throughput_compares_the_head_at_labels_with_the_full_head(tmp_path):
         for m in data["measurements"]
         if m["name"].startswith("eval")
     }
-    assert (
-        peaks["eval_full"] >= peaks["eval_at_labels"]
-    )  # the full float32 log-softmax is never smaller
+    # the full float32 log-softmax is never smaller
+    assert peaks["eval_full"] >= peaks["eval_at_labels"]
 
 
 def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
@@ -274,9 +274,8 @@ def test_throughput_compares_full_tuning_with_lora_fa_and_its_batched_passes(tmp
         and dual_queries["batch_queries"]
     )
     assert all(p["queries"] == 2 for p in layouts.values())
-    assert (
-        0 < layouts[("lora_fa", 1)]["trained_params"] < full["trained_params"]
-    )  # B alone is trained
+    # B alone is trained
+    assert 0 < layouts[("lora_fa", 1)]["trained_params"] < full["trained_params"]
     for point in ("1x8", "2x8"):
         for ratio in (
             "lora_fa_vs_full",

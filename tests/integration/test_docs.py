@@ -24,7 +24,9 @@ def runnable_blocks(path: Path) -> list[tuple[str, str]]:
     blocks = []
     for i, line in enumerate(lines):
         if line.strip() == RUNNABLE:
-            language = FENCE.match(lines[i + 1]).group(1)
+            fence = FENCE.match(lines[i + 1])
+            assert fence is not None, f"{path}:{i + 2}: the runnable marker is not above a fence"
+            language = fence.group(1)
             end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
             blocks.append((language, "\n".join(lines[i + 2 : end])))
     return blocks
@@ -36,9 +38,8 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    text = re.sub(
-        r"^```.*?^```", "", path.read_text(), flags=re.S | re.M
-    )  # headings, not code comments
+    # headings, not code comments
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
     return {slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 

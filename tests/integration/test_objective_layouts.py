@@ -23,11 +23,8 @@ LAYOUTS = {
     "single": (1, [], None),
     "single_adam": (1, ADAM, None),
     "pertp": (2, ["--pert", "2"], "single"),
-    "ddp": (
-        2,
-        ["--pert", "1", "--grad-accum", "2"],
-        "single",
-    ),  # micro-batches give the whole batch's g
+    # micro-batches give the whole batch's g
+    "ddp": (2, ["--pert", "1", "--grad-accum", "2"], "single"),
     "2d_adam": (4, ["--dp", "2", "--pert", "2", "--grad-accum", "2", *ADAM], "single_adam"),
     # Adam's moments sliced over the node like the weights, all-gathered with them
     "2d_sliced_adam": (
@@ -40,16 +37,10 @@ LAYOUTS = {
 # objective: (task, extra flags, layouts besides single). A large eps makes the perturbed
 # models' metrics differ, so the non-differentiable objectives move (g != 0).
 OBJECTIVES = {
-    "classification": (
-        "sst2",
-        ["--eps", "1e-3"],
-        ["ddp", "2d_adam", "2d_sliced_adam"],
-    ),  # PertP: test_dist_launch
-    "accuracy": (
-        "sst2",
-        ["--eps", "0.3"],
-        [],
-    ),  # scored like classification; f1 takes the 2D sliced layout
+    # PertP: test_dist_launch
+    "classification": ("sst2", ["--eps", "1e-3"], ["ddp", "2d_adam", "2d_sliced_adam"]),
+    # scored like classification; f1 takes the 2D sliced layout
+    "accuracy": ("sst2", ["--eps", "0.3"], []),
     "f1": ("squad", ["--eps", "0.3", "--max-new-tokens", "3"], ["2d_sliced"]),
 }
 
@@ -183,7 +174,8 @@ NO_FILES = [
     [
         (
             ["--task", "sst2", "--objective", "f1", *NO_FILES],
-            "--objective f1 does not apply to --task sst2; choose one of lm, classification, accuracy",
+            "--objective f1 does not apply to --task sst2; choose one of lm, classification, "
+            "accuracy",
         ),
         (
             ["--task", "text", "--objective", "classification", *NO_FILES],

@@ -211,10 +211,9 @@ def test_merge_adapter_exports_a_plain_model(tmp_path):
     ],
 )
 def test_bad_adapter_flags_are_one_line(tmp_path, capsys, flags, message):
-    from distzo.train import (
-        main,
-    )  # in process: the entry point's own error path, no interpreter start-up
+    # in process: the entry point's own error path, no interpreter start-up
+    from distzo.train import main
 
     assert main(COMMON + flags + ["--output-dir", str(tmp_path)]) == 2
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0]

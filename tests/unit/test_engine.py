@@ -118,7 +118,7 @@ def zo_and_autograd_gradient(seed, eps, num_queries=1, lr=0.0):
 
 def buckets_of(engine):
     return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [
-        (l, i + 1) for i, l in enumerate(engine.block_layouts)
+        (layout, i + 1) for i, layout in enumerate(engine.block_layouts)
     ]
 
 
@@ -185,7 +185,8 @@ def test_a_hundred_steps_lower_the_loss_clearly():
     for _ in range(100):
         engine.step(task.batch(32))
     after = engine.forward(evaluation)[1].item()
-    # Measured: 4.18 -> 3.86 here; seeds 0-5 drop 0.32-0.91 nats. Without learning it stays at log(64).
+    # Measured: 4.18 -> 3.86 here; seeds 0-5 drop 0.32-0.91 nats. Without learning it stays at
+    # log(64).
     assert after < before - 0.25, (before, after)
 
 
@@ -236,15 +237,15 @@ def test_load_state_dict_refuses_a_mismatched_state():
     # Another noise kind, or a state from before noise kinds (legacy), continues another run.
     with pytest.raises(
         ValueError,
-        match="trained with rademacher-v1 noise, the engine draws gaussian-v1; set noise rademacher",
+        match="trained with rademacher-v1 noise, the engine draws gaussian-v1; "
+        "set noise rademacher",
     ):
         engine.load_state_dict(engine.state_dict() | {"noise": "rademacher-v1"})
     legacy_state = {k: v for k, v in engine.state_dict().items() if k != "noise"}
     with pytest.raises(ValueError, match="trained with legacy noise"):
         engine.load_state_dict(legacy_state)
-    engine.load_state_dict(
-        engine.state_dict() | {"noise_chunk": 5}
-    )  # portable z: the chunk is only a workspace
+    # portable z: the chunk is only a workspace
+    engine.load_state_dict(engine.state_dict() | {"noise_chunk": 5})
     legacy = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0, noise="legacy"))
     with pytest.raises(ValueError, match="noise_chunk"):  # legacy z depends on it
         legacy.load_state_dict(legacy_state | {"noise_chunk": 5})

@@ -74,9 +74,8 @@ def test_choice_and_lm_evaluation_upload_once_per_call_and_offload_only_a_pendin
         "x",
     )
     counts = Counting(engine)
-    evaluate_choices(
-        engine, examples, encoder, ParallelContext.single(), batch_size=4
-    )  # 2 rows each: 2 per call
+    # 2 rows each: 2 per call
+    evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)
     assert set(counts.uploads.values()) == {3} and not counts.offloads
 
     engine.step(PromptTrainData(examples, encoder, seed=0).batch(4, 0))  # leaves a pending update

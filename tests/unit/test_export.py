@@ -38,9 +38,8 @@ def test_a_sharded_export_loads_back_exactly(tmp_path, name):
         f.name: sum(t.numel() * t.element_size() for t in load_file(str(f)).values()) for f in files
     }
     assert index["metadata"]["total_size"] == sum(sizes.values())
-    assert (
-        max(sizes.values()) <= 20_000 or len(load_file(str(files[0]))) == 1
-    )  # one oversized tensor alone
+    # one oversized tensor alone
+    assert max(sizes.values()) <= 20_000 or len(load_file(str(files[0]))) == 1
 
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -76,9 +75,8 @@ def test_a_rank_that_does_not_write_materialises_nothing():
     params = engine.named_parameters()
     for name, value in streamed.items():
         assert torch.equal(value, params[name])
-        assert (
-            value.untyped_storage().nbytes() == value.numel() * value.element_size()
-        )  # its own storage
+        # its own storage
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -101,16 +101,15 @@ def test_the_memory_plan_counts_one_micro_batchs_activations():
         for n in (1, 4)
     }
     assert plans[4].activations < plans[1].activations
-    assert (
-        plans[4].device_bytes == plans[1].device_bytes
-    )  # buckets, slots and scratch do not change
+    # buckets, slots and scratch do not change
+    assert plans[4].device_bytes == plans[1].device_bytes
 
 
 def test_a_grad_accum_beyond_a_ranks_batch_is_one_line_before_any_work(tmp_path, capsys):
     from distzo.train import main  # in process: the entry point's own error path
 
     assert main(["--batch-size", "4", "--grad-accum", "5", "--output-dir", str(tmp_path)]) == 2
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert errors == [
         "error: --grad-accum 5 must be between 1 and the 4 sequences of a rank's batch "
         "(--batch-size / dp); change one of them"

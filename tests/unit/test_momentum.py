@@ -122,10 +122,12 @@ def test_a_momentum_run_resumes_from_its_checkpoint_and_replays_exactly(tmp_path
     proc = python_train(flags + ["--output-dir", str(cut), "--resume"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     grads = [
-        json.loads(l)["projected_grad"] for l in (full / "metrics.jsonl").read_text().splitlines()
+        json.loads(line)["projected_grad"]
+        for line in (full / "metrics.jsonl").read_text().splitlines()
     ]
     assert [
-        json.loads(l)["projected_grad"] for l in (cut / "metrics.jsonl").read_text().splitlines()
+        json.loads(line)["projected_grad"]
+        for line in (cut / "metrics.jsonl").read_text().splitlines()
     ] == grads[4:]
     exported = load_file(str(full / "export" / "model.safetensors"))
     resumed = load_file(str(cut / "export" / "model.safetensors"))

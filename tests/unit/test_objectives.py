@@ -46,9 +46,8 @@ def rte_examples(n=6):
     rows = [
         {"premise": f"Fact {i}.", "hypothesis": f"Claim {i % 3}.", "label": i % 2} for i in range(n)
     ]
-    return build_examples(
-        TASKS["rte"], rows, "x"
-    )  # "Yes" / "No": several tokens, a row per candidate
+    # "Yes" / "No": several tokens, a row per candidate
+    return build_examples(TASKS["rte"], rows, "x")
 
 
 def letter_examples(n=6):
@@ -115,7 +114,7 @@ def perturbed_engine(engine, sign, eps, step=0):
     params = engine.named_parameters()
     state = engine.state_dict()
     layouts = [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [
-        (l, i + 1) for i, l in enumerate(engine.block_layouts)
+        (layout, i + 1) for i, layout in enumerate(engine.block_layouts)
     ]
     for layout, block_id in layouts:
         z = engine.noise.full(layout.numel, step=step, block_id=block_id)
@@ -224,9 +223,8 @@ def test_the_head_at_label_positions_equals_the_full_head(make):
     for a, b in zip(at_labels, full, strict=True):
         assert a.loss_plus == pytest.approx(b.loss_plus, rel=1e-6)
         assert a.loss_minus == pytest.approx(b.loss_minus, rel=1e-6)
-        assert a.projected_grad == pytest.approx(
-            b.projected_grad, rel=1e-3, abs=1e-3
-        )  # g magnifies by 1/(2 eps)
+        # g magnifies by 1/(2 eps)
+        assert a.projected_grad == pytest.approx(b.projected_grad, rel=1e-3, abs=1e-3)
     heads = [
         evaluate_choices(e, examples, encoder, SINGLE, 4, full_head=f)
         for e, f in ((engine, False), (full_engine, True))

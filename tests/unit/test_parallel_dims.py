@@ -56,10 +56,8 @@ def test_signs_and_batch_shares_per_rank():
     for rank in range(4):
         ctx = ParallelContext(LaunchEnv(rank=rank, world_size=4, launched=True), ParallelDims(2, 2))
         seen[rank] = (ctx.signs, ctx.shard_batch(batch)["input_ids"].view(-1).tolist())
-    assert seen[0] == ((1,), [0, 1, 2, 3]) and seen[1] == (
-        (-1,),
-        [0, 1, 2, 3],
-    )  # a pert pair: same rows
+    # a pert pair: same rows
+    assert seen[0] == ((1,), [0, 1, 2, 3]) and seen[1] == ((-1,), [0, 1, 2, 3])
     assert seen[2] == ((1,), [4, 5, 6, 7]) and seen[3] == ((-1,), [4, 5, 6, 7])
     assert ParallelContext.single().signs == (1, -1)
 

@@ -30,9 +30,8 @@ def test_only_the_adapter_changes(family, method):
     train(engine, model.config.vocab_size)
     after_base, after = frozen_values(engine), engine.named_parameters()
     assert before_base.keys() == after_base.keys()
-    assert all(
-        torch.equal(before_base[n], after_base[n]) for n in before_base
-    )  # the base, bit for bit
+    # the base, bit for bit
+    assert all(torch.equal(before_base[n], after_base[n]) for n in before_base)
     assert all(not torch.equal(before[n], after[n]) for n in before)  # every trained tensor moved
 
 
@@ -83,9 +82,8 @@ def test_projected_gradient_is_the_adapters_directional_derivative(method):
             dot += (z[e.offset : e.offset + e.numel].view(e.shape) * grads[e.names[0]]).sum().item()
     assert engine.resident_layout.numel == 0  # LoRA trains nothing outside the blocks
     assert abs(g) > 1e-3
-    assert g == pytest.approx(
-        dot, rel=1e-5
-    )  # float64: the central difference's truncation at eps 1e-6
+    # float64: the central difference's truncation at eps 1e-6
+    assert g == pytest.approx(dot, rel=1e-5)
 
 
 @pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16", "fp8"])
@@ -110,9 +108,8 @@ def test_a_low_bit_base_is_rounded_once_to_nearest():
         rounded = (
             reference[name].to(torch.bfloat16).float() if name in in_blocks else reference[name]
         )
-        assert torch.equal(value, rounded), (
-            name
-        )  # blocks rest in bf16; the resident modules stay fp32
+        # blocks rest in bf16; the resident modules stay fp32
+        assert torch.equal(value, rounded), name
 
 
 def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path):
@@ -257,13 +254,12 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
     model = adapted(family, "lora-fa")
     engine = engine_for(model, mode="resident", weight_decay=0.1, lr=1e-2)
     batches = [random_batch(model.config.vocab_size, pad="right", seed=20 + i) for i in range(3)]
-    files = save_training_step(
-        engine, batches[0], tmp_path, pte=False
-    )  # the runtime has a test of its own
+    # the runtime has a test of its own
+    files = save_training_step(engine, batches[0], tmp_path, pte=False)
     program = torch.export.load(files[0]).module()  # read back from disk
     step_module = TrainingStep(engine)  # the eager module: the same arithmetic
     results = []
-    for t, batch in enumerate(batches):
+    for batch in batches:
         results.append(engine.step(batch))
     previous, scale, shrink = step_keys(engine, 0), torch.tensor(0.0), torch.tensor(1.0)
     for t, (batch, result) in enumerate(zip(batches, results)):
@@ -289,8 +285,9 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
         # trajectory: g divides a loss difference by 2 eps, magnifying float rounding)
         previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
         shrink = torch.tensor(1 - result.lr * engine.config.weight_decay)
-    # B after the updates of steps 0 and 1 (step 2's is the next call's first act, and the engine's pending one)
-    for i, layout in enumerate(engine.block_layouts):
+    # B after the updates of steps 0 and 1 (step 2's is the next call's first act, and the
+    # engine's pending one)
+    for i in range(len(engine.block_layouts)):
         for held in (program.get_buffer(f"adapter_{i}"), step_module.get_buffer(f"adapter_{i}")):
             assert torch.allclose(held, engine.store.device_bucket(i), rtol=1e-5, atol=1e-7)
             assert held.abs().sum() > 0

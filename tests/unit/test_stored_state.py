@@ -18,7 +18,7 @@ from tests.helpers.models import adapted, base_model, random_batch
 def dense_buckets(engine, values):
     """name -> tensor as one flat fp64 tensor per bucket (resident = 0, block i = i + 1)."""
     layouts = [(0, engine.resident_layout)] + [
-        (i + 1, l) for i, l in enumerate(engine.block_layouts)
+        (i + 1, layout) for i, layout in enumerate(engine.block_layouts)
     ]
     return layouts, {
         block: torch.cat([values[e.names[0]].reshape(-1) for e in layout.entries]).double()
@@ -128,9 +128,8 @@ def test_adapter_moments_live_on_the_device_and_follow_the_reference(method):
     engine = engine_for(
         adapted("llama", method, dtype=torch.float64), optimizer="adam", lr=1e-3, num_slots=2
     )
-    assert (
-        engine.state_host_bytes == 0
-    )  # the adapter's buckets and their moments stay on the device
+    # the adapter's buckets and their moments stay on the device
+    assert engine.state_host_bytes == 0
     initial = engine.named_parameters()
     results = train(engine, 64, steps=10)
     assert_follows(engine, initial, reference_moments(engine, initial, results, "adam", 0.9, 0.1))
@@ -178,20 +177,22 @@ def test_adam_offload_equals_resident_and_a_state_dict_resumes_it():
 def test_moments_travel_only_with_an_update():
     engine = engine_for(base_model("opt"), mode="offload", num_slots=2, optimizer="adam", lr=1e-3)
     moved = {"upload": 0, "offload": 0}
+
+    def counting(name, original):
+        def counted(index):
+            moved[name] += 1
+            original(index)
+
+        return counted
+
     for store in engine.moments.blocks:
         for name in moved:
-
-            def counted(index, original=getattr(store, name), name=name):
-                moved[name] += 1
-                original(index)
-
-            setattr(store, name, counted)
+            setattr(store, name, counting(name, getattr(store, name)))
     blocks = len(engine.blocks)
     engine.step(random_batch(64, seed=0))  # no pending update yet: nothing to carry
     assert moved == {"upload": 0, "offload": 0}
-    engine.step(
-        random_batch(64, seed=1)
-    )  # step 0's update: each block's two moments up and back once
+    # step 0's update: each block's two moments up and back once
+    engine.step(random_batch(64, seed=1))
     assert moved == {"upload": 2 * blocks, "offload": 2 * blocks}
     engine.forward(random_batch(64, seed=2))  # applies step 1's update, then reads
     assert moved == {"upload": 4 * blocks, "offload": 4 * blocks}

@@ -108,7 +108,8 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path):
 def test_opt_13b_shape_with_one_layer_builds_and_steps():
     model = skeleton(shape_config("opt-13b", layers=1), torch.float32)
     engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, lr=1e-7), weights=RandomWeights(0))
-    # 50272 x 5120 tied embedding (257.4M) + 2050 x 5120 positions (10.5M) + one 12 d^2 layer (314.6M)
+    # 50272 x 5120 tied embedding (257.4M) + 2050 x 5120 positions (10.5M)
+    # + one 12 d^2 layer (314.6M)
     assert 0.58e9 < engine.num_parameters < 0.59e9
     result = engine.step({"input_ids": torch.randint(3, 50272, (1, 4))})
     assert torch.isfinite(torch.tensor([result.loss_plus, result.loss_minus])).all()
@@ -177,7 +178,8 @@ def test_streaming_a_large_checkpoint_stays_within_its_memory_bound(tmp_path):
         records = [json.loads((tmp_path / f"probe{n}.rank{r}.json").read_text()) for r in range(n)]
         bound = 1.3 * model_bytes / n + 1e9
         print(
-            f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank {[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB"
+            f"n={n} {source}: model {model_bytes / 1e9:.3f} GB, peak RSS per rank "
+            f"{[round(r['peak_rss'] / 1e9, 3) for r in records]} GB, bound {bound / 1e9:.3f} GB"
         )
         for record in records:
             assert record["peak_rss"] < bound, (n, record["peak_rss"] / 1e9, bound / 1e9)
@@ -271,7 +273,7 @@ def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
     built, _ = bucket_layouts(model, family_for(model).blocks())
     layouts = [layout for layout, _ in built]
     naive = StreamedBlocks(layouts, torch.device("cpu"), 1)
-    for i, (layout, ordered) in enumerate(built):
+    for i, (layout, _) in enumerate(built):
         full = torch.zeros(layout.numel)
         for e in layout.entries:
             full[e.offset : e.offset + e.numel] = source.tensor(
@@ -292,9 +294,8 @@ def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
             asked.clear()
             sliced.load_block_ranges(i, lambda lo, hi, layout=layout: read(layout, lo, hi))
             owned = [s for _, s in sliced._pieces(i)]
-            assert sum(hi - lo for lo, hi in asked) <= sum(
-                hi - lo for lo, hi in owned
-            )  # never more than its share
+            # never more than its share
+            assert sum(hi - lo for lo, hi in asked) <= sum(hi - lo for lo, hi in owned)
             assert all(any(o_lo <= lo and hi <= o_hi for o_lo, o_hi in owned) for lo, hi in asked)
             # and what it holds equals the owner's pieces of the whole block
             sliced_full = torch.zeros(sliced.padded[i])

@@ -44,7 +44,8 @@ KNOWN = {
     ),
     "wic": (
         {"word": "bank", "sentence1": "A river bank.", "sentence2": "A bank loan.", "label": 0},
-        'Does the word "bank" have the same meaning in these two sentences? Yes, No?\nA river bank.\nA bank loan.\n',
+        'Does the word "bank" have the same meaning in these two sentences? Yes, No?\nA river '
+        "bank.\nA bank loan.\n",
         ("No", "Yes"),
         0,
     ),
@@ -62,7 +63,8 @@ KNOWN = {
     ),
     "multirc": (
         {"paragraph": "Tom has a dog.", "question": "What pet?", "answer": "A dog", "label": 1},
-        'Tom has a dog.\nQuestion: What pet?\nI found this answer "A dog". Is that correct? Yes or No?\n',
+        'Tom has a dog.\nQuestion: What pet?\nI found this answer "A dog". Is that correct? Yes or '
+        "No?\n",
         ("No", "Yes"),
         1,
     ),
