@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
-from distzo.offload.bucket import ALIGN_ELEMENTS, round_up
+from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.runtime.host_memory import available_host_bytes
 from distzo.zo.moments import MomentRule
@@ -71,8 +72,8 @@ class MemoryPlan:
                 else ""
             )
             + f"; host {self.host_bytes / GB:.2f} GB per rank; "
-            f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, blocks/slots "
-            f"{self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}"
+            f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, "
+            f"blocks/slots {self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}"
             + (
                 f", optimizer state {self.state_device_bytes / GB:.2f}"
                 if self.state_device_bytes
@@ -97,6 +98,61 @@ def _width(config, *names: str, default: int = 0) -> int:
     return default
 
 
+@dataclass(frozen=True)
+class _Buckets:
+    """The buckets a plan counts, and the bytes per element each kind takes."""
+
+    trained: list[BucketLayout]  # the block buckets of what a step trains
+    resident: BucketLayout  # the resident bucket of what a step trains
+    streamed: list[BucketLayout]  # what streams: the blocks, or an adapter's frozen base
+    resident_base: BucketLayout | None  # an adapter's frozen resident modules
+    master: int
+    compute: int
+    wire: int  # blocks at rest in host memory and on the link
+    state_wire: int  # a stored optimizer's moments at rest
+    owners: int  # ranks that each hold a share of a streamed block (sliced transfer)
+    padded: list[int]  # each streamed block's elements, padded for its owners' chunks
+
+    @property
+    def frozen(self) -> bool:
+        return self.resident_base is not None
+
+
+def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) -> _Buckets:
+    """The engine's bucket layouts of ``model`` (already unwrapped from peft)."""
+    (built, (resident, _)), frozen_layouts = split_layouts(model, family_for(model).blocks())
+    trained = [layout for layout, _ in built]
+    streamed, resident_base = trained, None
+    if frozen_layouts is not None:
+        base_built, (resident_base, _) = frozen_layouts
+        streamed = [layout for layout, _ in base_built]
+    master = resident.dtype.itemsize
+    compute = (
+        master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype].itemsize
+    )
+    wire = (
+        master
+        if config.transfer_dtype == "fp32"
+        else TRANSFER_DTYPES[config.transfer_dtype].itemsize
+    )
+    owners = shard_size if sliced else 1
+    chunks = config.transfer_chunks if owners > 1 else 1
+    padded = [round_up(b.numel, owners * chunks * ALIGN_ELEMENTS) for b in streamed]
+    state_wire = 2 if config.state_dtype == "bf16" else master
+    return _Buckets(
+        trained,
+        resident,
+        streamed,
+        resident_base,
+        master,
+        compute,
+        wire,
+        state_wire,
+        owners,
+        padded,
+    )
+
+
 def plan_memory(
     model: nn.Module,
     config: ZOConfig,
@@ -118,59 +174,71 @@ def plan_memory(
     rest in host memory.
     """
     model, _ = unwrap_peft(model)
-    blocks_of_model = family_for(model).blocks()
-    (built, (resident, _)), frozen_layouts = split_layouts(model, blocks_of_model)
-    layouts = [layout for layout, _ in built]
-    # What streams: the whole blocks, or under an adapter the frozen base (read-only; the
-    # adapter's buckets stay on the device, with the frozen resident modules).
-    frozen = frozen_layouts is not None
-    if frozen:
-        base_built, (resident_base, _) = frozen_layouts
-        streamed = [layout for layout, _ in base_built]
-    else:
-        streamed = layouts
-    master = resident.dtype.itemsize
-    compute = (
-        master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype].itemsize
-    )
-    wire = (
-        master
-        if config.transfer_dtype == "fp32"
-        else TRANSFER_DTYPES[config.transfer_dtype].itemsize
-    )
-    owners = shard_size if sliced else 1
-    chunks = config.transfer_chunks if owners > 1 else 1
-    padded = [round_up(l.numel, owners * chunks * ALIGN_ELEMENTS) for l in streamed]
-    largest = max(padded)
-    device_type = config.torch_device().type
-    noise = planned_noise_bytes(config.noise_chunk, master, device_type, config.noise)
-    state_wire = 2 if config.state_dtype == "bf16" else master
-    if (
-        wire != master or state_wire != master
-    ) and not frozen:  # stochastic rounding's uniforms, float32
-        noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
-    if config.mode == "offload":
-        host = sum(padded) // owners * wire
-        blocks = config.num_slots * largest * (master + (wire if wire != master else 0))
-    else:
-        host, blocks = 0, sum(l.numel for l in streamed) * master
-    scratch = max(l.numel for l in layouts) * compute
-    resident_bytes = resident.numel * (master + compute)
-    if frozen:
-        blocks += sum(l.numel for l in layouts) * master  # the adapter's block buckets
-        scratch += max(l.numel for l in streamed) * compute  # the base's copy in the compute dtype
-        resident_bytes += resident_base.numel * (master + (compute if compute != master else 0))
+    b = _buckets(model, config, shard_size, sliced)
+    host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
     state_host, state_device = _state_bytes(
         config,
-        resident.numel,
-        layouts,
-        padded,
-        owners,
-        master,
-        state_wire,
-        streams=config.mode == "offload" and not frozen,
+        b.resident.numel,
+        b.trained,
+        b.padded,
+        b.owners,
+        b.master,
+        b.state_wire,
+        streams=config.mode == "offload" and not b.frozen,
     )
-    cfg = model.config
+    frozen_parameters = 0
+    if b.resident_base is not None:
+        frozen_parameters = b.resident_base.num_parameters + sum(
+            layout.num_parameters for layout in b.streamed
+        )
+    return MemoryPlan(
+        parameters=b.resident.num_parameters + sum(layout.num_parameters for layout in b.trained),
+        host_bytes=host,
+        device_resident=resident_bytes,
+        device_blocks=blocks,
+        device_scratch=scratch + _noise_bytes(b, config),
+        activations=_activation_bytes(model.config, config, b.compute, batch, seq, signs),
+        checkpoint_bytes=_checkpoint_bytes(
+            b, config, sliced, shard_size, world, local_ranks, async_save
+        ),
+        frozen_parameters=frozen_parameters,
+        state_host_bytes=state_host,
+        state_device_bytes=state_device,
+    )
+
+
+def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
+    """(host, device blocks or slots, device scratch, device resident) bytes of the weights."""
+    master, compute, wire = b.master, b.compute, b.wire
+    if config.mode == "offload":
+        host = sum(b.padded) // b.owners * wire
+        blocks = config.num_slots * max(b.padded) * (master + (wire if wire != master else 0))
+    else:
+        host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
+    scratch = max(layout.numel for layout in b.trained) * compute
+    resident_bytes = b.resident.numel * (master + compute)
+    if b.resident_base is not None:
+        blocks += sum(layout.numel for layout in b.trained) * master  # the adapter's blocks
+        # the base's copy in the compute dtype
+        scratch += max(layout.numel for layout in b.streamed) * compute
+        resident_bytes += b.resident_base.numel * (master + (compute if compute != master else 0))
+    return host, blocks, scratch, resident_bytes
+
+
+def _noise_bytes(b: _Buckets, config: ZOConfig) -> int:
+    """The noise workspaces, and stochastic rounding's float32 uniforms for a low-bit rest."""
+    device_type = config.torch_device().type
+    noise = planned_noise_bytes(config.noise_chunk, b.master, device_type, config.noise)
+    if (b.wire != b.master or b.state_wire != b.master) and not b.frozen:
+        noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
+    return noise
+
+
+def _activation_bytes(
+    cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, signs: int
+) -> int:
+    """An estimate of the largest transient: the live hidden states, plus the bigger of one
+    block's intermediates (one micro-batch) and the LM head's logits of one chunk."""
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
     heads = _width(cfg, "num_attention_heads", "n_head", default=1)
@@ -178,57 +246,49 @@ def plan_memory(
     tokens = batch * seq
     micro = -(-batch // config.grad_accum)  # a block runs one micro-batch at a time (the largest)
     block_tmp = micro * seq * (4 * hidden + 2 * ffn) * compute + micro * heads * seq * seq * compute
-    # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and log-softmax
+    # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and
+    # log-softmax
     logits = min(tokens, HEAD_CHUNK) * vocab * (compute + 2 * 4)
-    live_hiddens = (
-        signs * config.num_queries
-    )  # one hidden state per pass (all its micro-batches) crosses the blocks
-    activations = live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
-    at_rest = [
-        l.numel * (wire if config.mode == "offload" and not frozen else master) for l in layouts
-    ]
-    sliced = sliced and not frozen  # an adapter's state is whole on every rank
-    if sliced:  # each node's shard group writes every (world / n)-th block
-        node_blocks = -(-len(layouts) // max(world // shard_size, 1))
-    else:
-        node_blocks = min(len(layouts), -(-len(layouts) // world) * local_ranks)
-    on_device = config.torch_device().type != "cpu"
-    copies_blocks = async_save or sliced or ((config.mode == "resident" or frozen) and on_device)
-    moments = config.num_moments
+    # one hidden state per pass (all its micro-batches) crosses the blocks
+    live_hiddens = signs * config.num_queries
+    return live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
+
+
+def _checkpoint_bytes(
+    b: _Buckets,
+    config: ZOConfig,
+    sliced: bool,
+    shard_size: int,
+    world: int,
+    local_ranks: int,
+    async_save: bool,
+) -> int:
+    """The host copies a save makes on this node: its writers' blocks (and moments), and
+    the resident bucket; a synchronous save reads what already rests on the host."""
+    offloaded = config.mode == "offload" and not b.frozen
+    at_rest = [layout.numel * (b.wire if offloaded else b.master) for layout in b.trained]
     # a stored optimizer's moments are saved beside the weights, in their at-rest dtype
-    state_rest = [
-        l.numel * (state_wire if config.mode == "offload" and not frozen else master)
-        for l in layouts
-    ]
-    checkpoint = (
-        (sum(sorted(at_rest, reverse=True)[:node_blocks]) if copies_blocks else 0)
-        + (resident.numel * master if async_save or on_device else 0)
-        + moments
-        * (
-            (sum(sorted(state_rest, reverse=True)[:node_blocks]) if copies_blocks else 0)
-            + (resident.numel * master if async_save or on_device else 0)
-        )
-    )
-    return MemoryPlan(
-        parameters=resident.num_parameters + sum(l.num_parameters for l in layouts),
-        host_bytes=host,
-        device_resident=resident_bytes,
-        device_blocks=blocks,
-        device_scratch=scratch + noise,
-        activations=activations,
-        checkpoint_bytes=checkpoint,
-        frozen_parameters=(resident_base.num_parameters + sum(l.num_parameters for l in streamed))
-        if frozen
-        else 0,
-        state_host_bytes=state_host,
-        state_device_bytes=state_device,
-    )
+    state_rest = [layout.numel * (b.state_wire if offloaded else b.master) for layout in b.trained]
+    count = len(b.trained)
+    sliced = sliced and not b.frozen  # an adapter's state is whole on every rank
+    if sliced:  # each node's shard group writes every (world / n)-th block
+        node_blocks = -(-count // max(world // shard_size, 1))
+    else:
+        node_blocks = min(count, -(-count // world) * local_ranks)
+    on_device = config.torch_device().type != "cpu"
+    copies_blocks = async_save or sliced or ((config.mode == "resident" or b.frozen) and on_device)
+    resident = b.resident.numel * b.master if async_save or on_device else 0
+
+    def node_share(sizes: list[int]) -> int:
+        return sum(sorted(sizes, reverse=True)[:node_blocks]) if copies_blocks else 0
+
+    return node_share(at_rest) + resident + config.num_moments * (node_share(state_rest) + resident)
 
 
 def _state_bytes(
     config: ZOConfig,
     resident_numel: int,
-    layouts,
+    layouts: list[BucketLayout],
     padded: list[int],
     owners: int,
     master: int,
@@ -240,7 +300,8 @@ def _state_bytes(
     the state dtype with K slots of their own (+ bf16 staging), else on the device; plus
     the update's scratch (one noise piece for ghat, one more for Adam's denominator)."""
     moments = config.num_moments
-    if not moments:
+    rule = MomentRule.of(config)
+    if not moments or rule is None:
         return 0, 0
     if streams:
         host = moments * (sum(padded) // owners) * state_wire
@@ -251,9 +312,9 @@ def _state_bytes(
             * (master + (state_wire if state_wire != master else 0))
         )
     else:
-        host, blocks = 0, moments * sum(l.numel for l in layouts) * master
+        host, blocks = 0, moments * sum(layout.numel for layout in layouts) * master
     scratch = (
-        MomentRule.of(config).scratch_pieces
+        rule.scratch_pieces
         * workspace_elements(config.noise_chunk, config.torch_device().type, config.noise)
         * master
     )
@@ -278,13 +339,14 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
     available = available_host_bytes()
     if available is not None and host_need > available:
         problems.append(
-            f"{host_need / GB:.1f} GB of host memory for {local_ranks} local ranks and a checkpoint save, "
-            f"{available / GB:.1f} GB available"
+            f"{host_need / GB:.1f} GB of host memory for {local_ranks} local ranks and a "
+            f"checkpoint save, {available / GB:.1f} GB available"
         )
     if problems and not force:
         raise ValueError(
-            f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots or the batch, use a low-bit "
-            "--transfer-dtype or --transfer sliced, fewer --model-layers, or pass --force to start anyway"
+            f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots or the "
+            "batch, use a low-bit --transfer-dtype or --transfer sliced, fewer --model-layers, or "
+            "pass --force to start anyway"
         )
     for problem in problems:
         logger.warning("starting anyway (--force): the plan needs %s", problem)
