@@ -53,17 +53,20 @@ def base_model(base: str | None, header: dict, dtype: torch.dtype):
     return load_model(base, dtype), None
 
 
-def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path:
+def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path | None:
+    """Rebuild the run that ``log`` records onto its base, written to ``out``; returns the
+    directory (a replay is one process, so rank 0's: never None there)."""
     header, steps = read_seed_log(log)
     if header.get("transfer_dtype", "fp32") != "fp32":
         raise ValueError(
-            f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the host, so its weights "
-            "are not a function of the log; use the run's export/ instead"
+            f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the "
+            "host, so its weights are not a function of the log; use the run's export/ instead"
         )
     if (header.get("optimizer") or {}).get("state_dtype", "fp32") != "fp32":
         raise ValueError(
-            f"--log {log}: the run's {header['optimizer']['state_dtype']} optimizer state rounds stochastically on "
-            "the host, so its weights are not a function of the log; use the run's export/ instead"
+            f"--log {log}: the run's {header['optimizer']['state_dtype']} optimizer state rounds "
+            "stochastically on the host, so its weights are not a function of the log; use the "
+            "run's export/ instead"
         )
     device = device or header["device_type"]
     identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator

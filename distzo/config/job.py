@@ -21,6 +21,7 @@ import dataclasses
 import tomllib
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -452,21 +453,20 @@ def engine_owners() -> dict[str, str]:
     return {f.metadata["engine"]: section for section, f in _options() if "engine" in f.metadata}
 
 
-def _options():
+def _options() -> Iterator[tuple[str, dataclasses.Field]]:
     """(section name, field) for every option, in declaration order."""
-    for section in dataclasses.fields(JobConfig):
-        for f in dataclasses.fields(section.default_factory()):
-            yield section.name, f
+    for section, values in JobConfig().sections().items():
+        for f in dataclasses.fields(values):
+            yield section, f
 
 
 def _field_types() -> dict[str, type]:
     """Each option's value type (Optional stripped); option names are unique across sections,
     since each is also a flag."""
     out: dict[str, type] = {}
-    for section in dataclasses.fields(JobConfig):
-        cls = section.default_factory
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+    for values in JobConfig().sections().values():
+        hints = typing.get_type_hints(type(values))
+        for f in dataclasses.fields(values):
             hint = hints[f.name]
             if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
                 hint = next(a for a in typing.get_args(hint) if a is not type(None))

@@ -14,12 +14,16 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # the code a process killed by SIGTERM reports
+# What signal.signal installs and returns: a function, SIG_DFL/SIG_IGN, or None (not Python's).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class Preempted(Exception):
@@ -37,7 +41,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: str | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     @property
     def requested(self) -> bool:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+SEED_LOG = "seedlog.jsonl"  # its name in the run directory
+
 # Header fields a continuing run must share with the log: they change the trajectory.
 TRAJECTORY_FIELDS = (
     "run_seed",
@@ -109,9 +111,10 @@ def _read_seed_log_cached(path: str, mtime_ns: int, size: int) -> tuple[dict, li
     return read_seed_log(Path(path))
 
 
-def step_grads(record: dict) -> list[float]:
+def step_grads(record: dict) -> tuple[float, ...]:
     """A record's g per query (logs from before n-SPSA hold one ``projected_grad``)."""
-    return record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]
+    grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]
+    return tuple(grads)
 
 
 def check_same_run(path: Path, logged: dict, ours: dict) -> None:
@@ -120,6 +123,7 @@ def check_same_run(path: Path, logged: dict, ours: dict) -> None:
     for name in TRAJECTORY_FIELDS:
         if logged.get(name) != ours.get(name):
             raise ValueError(
-                f"{path} is the log of another run ({name} {logged.get(name)!r}, this run has {ours.get(name)!r}); "
-                "resume with the options it was written with, or use a fresh --output-dir"
+                f"{path} is the log of another run ({name} {logged.get(name)!r}, this run has "
+                f"{ours.get(name)!r}); resume with the options it was written with, or use a fresh "
+                "--output-dir"
             )

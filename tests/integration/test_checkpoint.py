@@ -105,7 +105,8 @@ def test_resume_is_exact_and_independent_of_world_size(tmp_path):
         proc.stderr.strip()
         .splitlines()[-1]
         .endswith(
-            "was trained with --optimizer adam, this run has --optimizer sgd; resume with the optimizer it was trained with"
+            "was trained with --optimizer adam, this run has --optimizer sgd; resume with the "
+            "optimizer it was trained with"
         )
     )
 

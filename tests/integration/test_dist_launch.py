@@ -188,7 +188,8 @@ def test_sliced_without_a_process_group_is_rejected():
     proc = train_in_process(["--transfer", "sliced"])
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "error: --transfer sliced needs a torchrun launch (a process group); use --transfer naive or auto"
+        "error: --transfer sliced needs a torchrun launch (a process group); use --transfer naive "
+        "or auto"
     )
 
 

@@ -57,7 +57,8 @@ def test_the_default_lr_follows_the_model(argv, lr):
 
 @pytest.mark.parametrize("script", ["distzo-train", "distzo-replay"])
 def test_the_installed_commands_run(script):
-    # `pip install` puts them beside the interpreter; `torchrun ... $(which distzo-train)` works too.
+    # `pip install` puts them beside the interpreter; `torchrun ... $(which distzo-train)` works
+    # too.
     path = Path(sys.executable).parent / script
     proc = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {script} "), proc.stdout[:200]
