@@ -1,14 +1,16 @@
-"""Resumable training state with torch.distributed.checkpoint (the export is ``distzo.export.hf_model``).
+"""Resumable training state with torch.distributed.checkpoint (the export is
+``distzo.export.hf_model``).
 
 A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
 noise chunk, the pending update, the optimizer), the resident bucket, every block in its
 at-rest format (the transfer dtype) and a stored optimizer's moments beside them
-(``<moment>/resident``, ``<moment>/block/i``, in the state dtype), so that a resumed run, on any number of ranks and with
-either transfer mode, continues the exact trajectory. Every block is contributed by
-one rank (round robin), as a private CPU copy: the save holds one extra copy of the
-model across the whole job, never one per rank (nor, under the sliced transfer, one
-per node: the blocks are spread over the nodes). Under the sliced transfer a block is
-first gathered through the device, since a rank holds only its slices.
+(``<moment>/resident``, ``<moment>/block/i``, in the state dtype), so that a resumed run,
+on any number of ranks and with either transfer mode, continues the exact trajectory.
+Every block is contributed by one rank (round robin), as a private CPU copy: the save
+holds one extra copy of the model across the whole job, never one per rank (nor, under
+the sliced transfer, one per node: the blocks are spread over the nodes). Under the
+sliced transfer a block is first gathered through the device, since a rank holds only
+its slices.
 
 Saving is asynchronous (the copies are made at once, a thread writes them) into
 ``step-N.tmp/``, renamed to ``step-N/`` once every rank's data and the metadata are on
@@ -18,14 +20,16 @@ disk: a crash mid-save leaves the previous checkpoint as the latest.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
+from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_options import OPTIMIZERS
@@ -35,9 +39,6 @@ from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
 
-CRASH_ENV = (
-    "DISTZO_CRASH_IN_SAVE"  # "STEP": exit abruptly right after launching that step's save (tests)
-)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -133,6 +134,13 @@ def checkpoint_noise(path: Path) -> str:
     return identity_kind(_noise_identity(meta["meta/noise"]))
 
 
+def _saved_size(saved: Mapping[str, Any], key: str) -> torch.Size:
+    """The shape a checkpoint holds under ``key`` (every entry is a tensor: never pickles)."""
+    entry = saved[key]
+    assert isinstance(entry, TensorStorageMetadata), key
+    return entry.size
+
+
 class PrivateCopies(AsyncStager):
     """Staging for a state that is already made of copies no one else writes to."""
 
@@ -140,6 +148,12 @@ class PrivateCopies(AsyncStager):
 
     def stage(self, state_dict):
         return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: staging copies nothing."""
+
+    def close(self) -> None:
+        """Nothing held."""
 
 
 def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
@@ -203,6 +217,7 @@ class Checkpointer:
                 return i % world == rank
             # Every node holds the whole model: block i from node i % nodes, spreading the
             # copies over the nodes, and there from member (i // nodes) % n.
+            assert shard is not None  # a sliced transfer moves blocks within the node's group
             nodes = world // shard.size
             return (
                 i % nodes == engine.parallel.env.node_rank
@@ -236,12 +251,9 @@ class Checkpointer:
                 process_group=self._group,
                 async_stager=PrivateCopies(),
             )
+            # A stager that returns the state itself (no future) gets the upload's future.
+            assert isinstance(future, Future)
             self._pending_save = (future, tmp, final)
-            if os.environ.get(CRASH_ENV) == str(step):
-                logger.error(
-                    "crashing during the asynchronous save of step %d (%s)", step, CRASH_ENV
-                )
-                os._exit(1)
         else:
             dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
             self._finalize(tmp, final)
@@ -281,7 +293,9 @@ class Checkpointer:
         moments stored or not alike (a checkpoint from before optimizers: ZO-SGD)."""
         if "meta/optimizer" in saved:
             vector = {
-                "meta/optimizer": torch.zeros(saved["meta/optimizer"].size, dtype=torch.float64)
+                "meta/optimizer": torch.zeros(
+                    _saved_size(saved, "meta/optimizer"), dtype=torch.float64
+                )
             }
             dcp.load(vector, checkpoint_id=str(path), process_group=self._group)
             optimizer, moments = _optimizer_of(vector["meta/optimizer"])
@@ -299,8 +313,9 @@ class Checkpointer:
                 )
 
             raise ValueError(
-                f"{path} was trained with {says(optimizer, moments)}, this run has {says(cfg.optimizer, cfg.num_moments)}; "
-                "resume with the optimizer it was trained with"
+                f"{path} was trained with {says(optimizer, moments)}, this run has "
+                f"{says(cfg.optimizer, cfg.num_moments)}; resume with the optimizer it was trained "
+                "with"
             )
 
     def load(self, path: Path) -> int:
@@ -310,21 +325,21 @@ class Checkpointer:
         meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
         # The pending update has as many g as the saving run had queries, whatever this one has.
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        meta["meta/pending"] = torch.zeros(saved["meta/pending"].size, dtype=torch.float64)
+        meta["meta/pending"] = torch.zeros(_saved_size(saved, "meta/pending"), dtype=torch.float64)
         if "meta/recent_steps" in saved:  # a momentum's history (absent before optimizers)
             meta["meta/recent_steps"] = torch.zeros(
-                saved["meta/recent_steps"].size, dtype=torch.float64
+                _saved_size(saved, "meta/recent_steps"), dtype=torch.float64
             )
         else:
             del meta["meta/recent_steps"]
         buckets = [("resident", engine.resident_layout)] + [
-            (f"block/{i}", l) for i, l in enumerate(engine.block_layouts)
+            (f"block/{i}", layout) for i, layout in enumerate(engine.block_layouts)
         ]
         for key, layout in buckets:
-            if key not in saved or tuple(saved[key].size) != (layout.numel,):
+            if key not in saved or tuple(_saved_size(saved, key)) != (layout.numel,):
                 raise ValueError(
-                    f"{path} holds other trained parameters than this run ({key}); resume with the options it was "
-                    "trained with (the model, --peft, --lora-r, --lora-targets)"
+                    f"{path} holds other trained parameters than this run ({key}); resume with the "
+                    "options it was trained with (the model, --peft, --lora-r, --lora-targets)"
                 )
         self._check_optimizer(path, saved)
         del meta["meta/optimizer"]

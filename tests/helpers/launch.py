@@ -12,6 +12,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import faults
+
+TRAIN = "distzo.train"
+FAULTY_TRAIN = "tests.helpers.faulty_train"  # the same entry point, with injected failures
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -26,6 +31,7 @@ def torchrun_command(
     nnodes: int = 1,
     node_rank: int = 0,
     max_restarts: int = 0,
+    module: str = TRAIN,
 ) -> list[str]:
     return [
         sys.executable,
@@ -38,7 +44,7 @@ def torchrun_command(
         f"--master_port={port}",
         f"--max-restarts={max_restarts}",
         "-m",
-        "distzo.train",
+        module,
         *args,
     ]
 
@@ -56,8 +62,11 @@ def torchrun(
     env: dict[str, str] | None = None,
     max_restarts: int = 0,
 ):
+    """torchrun over the training job; an ``env`` that names a fault (``tests.helpers.faults``)
+    runs the faulty entry point, which injects it."""
+    module = FAULTY_TRAIN if faults.injects(env) else TRAIN
     return subprocess.run(
-        torchrun_command(nproc, args, free_port(), max_restarts=max_restarts),
+        torchrun_command(nproc, args, free_port(), max_restarts=max_restarts, module=module),
         capture_output=True,
         text=True,
         timeout=timeout,

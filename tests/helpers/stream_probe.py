@@ -28,7 +28,7 @@ if env.launched:
     shard = ShardGroup(group, members, members.index(env.rank))
     parallel, transfer = ParallelContext(env, dims, None, shard, comm), "sliced"
 if path.startswith("hub:"):
-    from distzo.train import model_source
+    from distzo.job.build import model_source
 
     path = str(model_source(path[4:], env, parallel.comm))
 model = skeleton(AutoConfig.from_pretrained(path), torch.float32)

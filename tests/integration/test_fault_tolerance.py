@@ -15,6 +15,7 @@ import torch
 from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log
 from tests.helpers.engines import engine_for
 from tests.helpers.launch import (
+    FAULTY_TRAIN,
     Run,
     child_env,
     free_port,
@@ -29,13 +30,16 @@ from tests.helpers.models import base_model, random_batch
 def counted_uploads(engine):
     moved = {"upload": 0, "offload": 0}
     store = engine.streamed_store
-    for name in moved:
 
-        def counted(index, original=getattr(store, name), name=name):
+    def counting(name, original):
+        def counted(index):
             moved[name] += 1
             original(index)
 
-        setattr(store, name, counted)
+        return counted
+
+    for name in moved:
+        setattr(store, name, counting(name, getattr(store, name)))
     return moved
 
 
@@ -239,7 +243,7 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert python_train(flags + ["--output-dir", str(full)]).returncode == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "distzo.train", *flags, "--output-dir", str(stopped)],
+        [sys.executable, "-m", FAULTY_TRAIN, *flags, "--output-dir", str(stopped)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -263,8 +267,8 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     proc = train_in_process(flags + ["--output-dir", str(stopped), "--resume"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {log} is the log of another run (run_seed 6, this run has 5); resume with the options it was "
-        "written with, or use a fresh --output-dir"
+        f"error: {log} is the log of another run (run_seed 6, this run has 5); resume with the "
+        "options it was written with, or use a fresh --output-dir"
     )
 
 

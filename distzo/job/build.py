@@ -1,0 +1,195 @@
+"""Building a job's parts from its checked options: the parallel context, the model
+(streamed where it can be), its tokenizer, the task's data, the objective, and the
+memory plan that settles the slot count."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from distzo.config.engine_options import ZOConfig
+from distzo.config.job import JobConfig
+from distzo.data.encoding import PromptEncoder
+from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
+from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
+from distzo.dist import process_group as pg
+from distzo.engine import resolve_transfer
+from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
+from distzo.models import hub, model_from_config
+from distzo.models.shapes import shape_config
+from distzo.models.tiny import byte_tokenizer, tiny_opt_config
+from distzo.models.weights import RandomWeights, WeightSource, open_checkpoint, skeleton
+from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
+
+logger = logging.getLogger("distzo.train")
+
+MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+TaskData = CountingData | TextData | PromptData
+
+
+def default_model_config(task: str) -> PretrainedConfig:
+    """The random-init model of a run without --model: the tiny OPT, sized for the byte
+    tokenizer and prompt lengths when the task reads text."""
+    if task == "counting":
+        return tiny_opt_config()
+    return tiny_opt_config(vocab_size=len(byte_tokenizer()), max_position_embeddings=512)
+
+
+def build_parallel(
+    job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device
+) -> ParallelContext:
+    """The process group, the mesh and the node's shard group (a plain run: none of them)."""
+    if not env.launched:
+        return ParallelContext(env, dims, comm=Collectives(device))
+    pg.init_process_group(
+        env, pg.resolve_backend(job.parallel.backend, device), job.parallel.dist_timeout
+    )
+    # the device group's collectives, and a gloo group for the host's
+    comm = Collectives.for_job(device)
+    mesh = pg.build_mesh(dims, device)
+    group, members = pg.node_groups(env, comm)
+    return ParallelContext(
+        env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm
+    )
+
+
+def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
+    """The local directory a --model streams from: the path itself, or a hub name's
+    snapshot, downloaded once per node by its first local rank while the others wait."""
+    if not name:
+        return None
+    if Path(name).is_dir():
+        return Path(name)
+    path = hub.snapshot(name, download=True) if env.local_rank == 0 else None
+    comm.barrier()  # the node's download is complete
+    return path if path is not None else hub.snapshot(name, download=False)
+
+
+def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
+    """The model's own tokenizer, or the built-in byte tokenizer of a random-init model."""
+    if job.data.task == "counting":
+        return None
+    if source is None:  # the default tiny model or a --model-config shape
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"--model {job.model.model}: no tokenizer to read the task's text "
+            f"({str(err).splitlines()[0]})"
+        ) from None
+
+
+def build_model(
+    job: JobConfig, seed: int, source: Path | None
+) -> tuple[nn.Module, WeightSource | None]:
+    """(model, weight source): a skeleton filled bucket by bucket for a --model-config shape
+    or a checkpoint directory (a local path or a hub snapshot: never materialised whole);
+    otherwise the default tiny model, built whole."""
+    dtype = MASTER_DTYPES[job.model.dtype]
+    if job.model.model_config:
+        shape = shape_config(job.model.model_config, job.model.model_layers)
+        return skeleton(shape, dtype), RandomWeights(seed)
+    if source is not None:
+        return skeleton(AutoConfig.from_pretrained(source), dtype), open_checkpoint(source)
+    return model_from_config(default_model_config(job.data.task), dtype), None
+
+
+def build_task_data(
+    job: JobConfig, rows: LoadedRows | None, tokenizer: Any, model_config: Any, seed: int
+) -> TaskData:
+    """Needs the model's config only (vocabulary, positions): built before the model, so
+    the memory plan knows the real longest sequence."""
+    data = job.data
+    if rows is None:
+        return CountingData(
+            model_config.vocab_size, data.seq_len, data.eval_batch_size, seed, data.eval_batch_size
+        )
+    encoder = PromptEncoder(tokenizer, data.max_length or model_config.max_position_embeddings)
+    if data.task == "text":
+        return TextData(rows, encoder, seed, data.eval_batch_size)
+    return PromptData(
+        rows, encoder, seed, data.eval_batch_size, data.max_new_tokens, job.optim.objective
+    )
+
+
+def build_objective(name: str, data: TaskData, tokenizer: Any) -> Objective:
+    """What the engine's steps minimise (the pairing with the task was checked up front)."""
+    if name == "classification":
+        return Classification()
+    if name == "accuracy":
+        return Accuracy()
+    if name == "f1":
+        answers = [e.answers for e in data.train_examples]  # type: ignore[union-attr]
+        return F1(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), answers)
+    return LanguageModeling()
+
+
+def memory_plan(
+    job: JobConfig,
+    model: nn.Module,
+    data: TaskData,
+    config: ZOConfig,
+    parallel: ParallelContext,
+    device: torch.device,
+) -> MemoryPlan:
+    """This rank's plan for ``config``: the batch a step or an evaluation runs at once."""
+    sliced = resolve_transfer(config, device, parallel) == "sliced"
+    shard = parallel.shard_group.size if parallel.shard_group else 1
+    # candidates on rows of their own
+    rows = job.data.batch_size // parallel.dims.dp * data.rows_per_example
+    batch = max(rows, job.data.eval_batch_size // parallel.env.world_size, 1)
+    env = parallel.env
+    return plan_memory(
+        model,
+        config,
+        shard,
+        sliced,
+        batch,
+        data.longest,
+        len(parallel.signs),
+        env.world_size,
+        env.local_world_size,
+        async_save=job.run.save_async and job.run.save_steps > 0,
+    )
+
+
+def choose_slots(
+    job: JobConfig,
+    model: nn.Module,
+    data: TaskData,
+    config: ZOConfig,
+    parallel: ParallelContext,
+    device: torch.device,
+) -> MemoryPlan:
+    """The memory plan, with the slot count resolved: the engine's default (3) unless
+    --num-slots says otherwise or 3 do not fit where 2 do (then 2, said in the log).
+    Recorded in config.toml."""
+    plan = memory_plan(job, model, data, config, parallel, device)
+    if job.offload.num_slots is None and config.mode == "offload":
+        try:
+            check_fits(plan, device, parallel.env.local_world_size, force=False)
+        except ValueError:
+            two = memory_plan(
+                job, model, data, dataclasses.replace(config, num_slots=2), parallel, device
+            )
+            try:
+                check_fits(two, device, parallel.env.local_world_size, force=False)
+            except ValueError:
+                pass  # neither fits: the 3-slot plan's refusal (or --force) decides
+            else:
+                logger.info(
+                    "3 device slots do not fit; using 2 (upload then waits for the offload two "
+                    "blocks back)"
+                )
+                config.num_slots, plan = 2, two
+    job.offload.num_slots = config.num_slots
+    return plan

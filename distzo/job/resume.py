@@ -1,0 +1,98 @@
+"""Resuming a run from its directory: whether there is something to resume, which noise
+it was drawn with, and the catch-up with the steps its seed log holds beyond the
+checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from distzo.config.job import RunOptions
+from distzo.dist import LaunchEnv, ParallelContext
+from distzo.engine import ZOEngine
+from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
+from distzo.job.seed_log import SEED_LOG, check_same_run, read_seed_log_once, step_grads
+from distzo.zo import identity_kind
+
+logger = logging.getLogger("distzo.train")
+
+
+def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
+    """``no`` or ``yes``, resolved: ``auto`` (the default under torchrun --max-restarts > 0)
+    resumes when the run directory holds a checkpoint or logged steps to go on from."""
+    if run.resume is None and env.max_restarts > 0 and not run.output_dir:
+        if env.rank == 0:
+            logger.warning(
+                "torchrun restarts this job, but without --output-dir a restart starts afresh "
+                "in a new directory: give --output-dir to resume where it stopped"
+            )
+        return "no"
+    mode = run.resume or ("auto" if env.max_restarts > 0 else "no")
+    if mode != "no" and not run.output_dir:
+        raise ValueError(f"--resume {mode} needs --output-dir: the run directory to resume")
+    if mode == "no" or run.output_dir is None:
+        return "no"
+    directory = Path(run.output_dir)
+    if latest_checkpoint(directory / "checkpoints"):
+        return "yes"
+    if mode == "yes":
+        raise ValueError(
+            f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start "
+            "afresh"
+        )
+    return "yes" if logged_steps(directory / SEED_LOG) else "no"
+
+
+def logged_steps(path: Path) -> int:
+    """How many steps a seed log holds (0: none, or no log)."""
+    if not path.is_file():
+        return 0
+    try:
+        return len(read_seed_log_once(path)[1])
+    except ValueError:
+        return 0
+
+
+def drawn_noise(run_dir: Path) -> str:
+    """The noise kind a resumed run was drawn with: its checkpoint's, else its seed log's."""
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is not None:
+        return checkpoint_noise(checkpoint)
+    return identity_kind(read_seed_log_once(run_dir / SEED_LOG)[0].get("noise", "legacy"))
+
+
+def catch_up_from_log(
+    engine: ZOEngine, run_dir: Path, header: dict, parallel: ParallelContext
+) -> int:
+    """Apply every step the seed log holds beyond the engine's (a restart after a crash
+    or a preemption), in one pass over the blocks; returns the step to train from.
+    Rank 0 reads the log and hands the records to every rank. A low-bit transfer or state
+    rounds on the host at each step, which a catch-up cannot repeat: those steps are
+    trained again instead (the same result)."""
+    path = run_dir / SEED_LOG
+    start = engine.step_index
+    records: list[tuple[int, tuple[float, ...], float]] | None = None
+    if parallel.env.rank == 0 and path.is_file():
+        logged_header, steps = read_seed_log_once(path)
+        check_same_run(path, logged_header, header)
+        records = [(r["step"], step_grads(r), r["lr"]) for r in steps[start:]]
+    records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records
+    if not records:
+        return start
+    if engine.config.rounds_on_host:
+        logger.info(
+            "steps %d-%d are in the seed log, but a low-bit transfer rounds at every step: "
+            "training them again from step %d",
+            start,
+            records[-1][0],
+            start,
+        )
+        return start
+    engine.catch_up(records)
+    logger.info(
+        "caught up with steps %d-%d from the seed log in one pass; training from step %d",
+        start,
+        records[-1][0],
+        engine.step_index,
+    )
+    return engine.step_index

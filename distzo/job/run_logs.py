@@ -1,0 +1,94 @@
+"""Rank 0's JSON-lines files in the run directory: per-step metrics, evaluations and the
+seed log, kept consistent with the step a resumed run goes on from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from distzo.job.reporting import Reporter
+from distzo.job.seed_log import SEED_LOG, SeedLogWriter
+
+
+def truncate_jsonl(path: Path, keep_below: int) -> None:
+    """Drop the records a resumed run will write again (those of step >= ``keep_below``),
+    and a last line a crash tore (not JSON), through a temporary file and a rename."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "step" not in record or record["step"] < keep_below:
+            kept.append(line)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+class RunLogs:
+    """metrics.jsonl, eval.jsonl (in ``log_dir``) and the seed log (in ``run_dir``), each
+    record also sent to the dashboard (``reporter``) when there is one."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        log_dir: Path,
+        resume_step: int,
+        header: dict,
+        sync_every: int = 1,
+        reporter: Reporter | None = None,
+    ) -> None:
+        self.reporter = reporter  # the dashboard: every metrics and eval record's numbers
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.paths = {
+            "metrics": log_dir / "metrics.jsonl",
+            "eval": log_dir / "eval.jsonl",
+            "seeds": run_dir / SEED_LOG,
+        }
+        for name, path in self.paths.items():
+            if not resume_step:
+                path.unlink(missing_ok=True)
+            else:
+                # Step records are 0-based steps taken; an evaluation "at step N" saw the state
+                # after N steps, which is the checkpoint the run resumes from: it stays.
+                truncate_jsonl(path, resume_step + 1 if name == "eval" else resume_step)
+        self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
+        self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
+        self.closed = False
+        if not resume_step:
+            self.write("seeds", {"kind": "header", **header})
+
+    def write(self, name: str, record: dict[str, Any]) -> None:
+        """Append ``record`` to the log ``name`` (metrics, eval or seeds)."""
+        if name == "seeds":
+            self.seeds.write(record)
+            return
+        self.files[name].write(json.dumps(record) + "\n")
+        self.files[name].flush()
+        if self.reporter is not None:
+            prefix = "train" if name == "metrics" else "eval"
+            scalars = {
+                f"{prefix}/{key.removeprefix('eval_')}": float(value)
+                for key, value in record.items()
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+            }
+            self.reporter.log(scalars, record["step"])
+
+    def write_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation of the state after ``step`` steps."""
+        self.write("eval", {"step": step, **metrics})
+
+    def close(self) -> None:
+        """Close the files (the seed log synced) and the dashboard; once."""
+        if self.closed:
+            return
+        self.closed = True
+        for f in self.files.values():
+            f.close()
+        self.seeds.close()
+        if self.reporter is not None:
+            self.reporter.close()

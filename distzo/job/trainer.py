@@ -1,0 +1,360 @@
+"""``Trainer``: one training job, from its options to its exported model.
+
+``python -m distzo.train`` is ``Trainer(job).train()`` with the command line's options;
+from Python the same job runs in process. The trainer checks the options when it is
+made (every rank alike, before any process group or model), builds the parts on
+``build()`` (the first ``train()`` does), runs the loop, evaluates, checkpoints and
+exports, and keeps its state readable: ``step`` (steps done), ``engine``,
+``last_metrics`` (the last step's record), ``eval_before``/``eval_after``.
+
+Callbacks (``TrainerCallback``) see each step start and end and each checkpoint save;
+they are how a tool watches or steers a run from Python (the tests inject their
+failures through them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter
+from distzo.config.engine_options import ZOConfig
+from distzo.config.job import JobConfig, write_resolved
+from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
+from distzo.dist import process_group as pg
+from distzo.engine import StepResult, ZOEngine
+from distzo.export.hf_model import export_model
+from distzo.job.build import (
+    TaskData,
+    build_model,
+    build_objective,
+    build_parallel,
+    build_task_data,
+    choose_slots,
+    load_tokenizer,
+    model_source,
+)
+from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.evaluation import evaluate
+from distzo.job.memory_plan import check_fits
+from distzo.job.preemption import Preempted, StopSignals
+from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
+from distzo.job.reporting import make_reporter
+from distzo.job.resume import catch_up_from_log
+from distzo.job.run_logs import RunLogs
+from distzo.job.validation import validate
+from distzo.models.weights import WeightSource
+from distzo.objectives import Objective
+
+logger = logging.getLogger("distzo.train")
+
+
+class TrainerCallback:
+    """Hook points of a run; each is a no-op here, a subclass overrides those it needs."""
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        """Before step ``step`` (0-based) draws its batch."""
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        """After step ``step`` is taken and its records written."""
+
+    def on_save(self, trainer: Trainer, step: int, asynchronous: bool) -> None:
+        """After the checkpoint of ``step`` steps was written, or, ``asynchronous``, while a
+        background thread writes it."""
+
+
+class Trainer:
+    """One training job (see the module's docstring). The parts exist after ``build()``."""
+
+    device: torch.device
+    parallel: ParallelContext
+    seed: int  # the run seed, drawn by rank 0 when the options asked for a random one
+    run_dir: Path
+    tokenizer: Any
+    data: TaskData
+    objective: Objective
+    engine: ZOEngine
+    checkpointer: Checkpointer
+    header: dict[str, Any]  # the seed log's
+    meter: StepMeter
+
+    def __init__(
+        self,
+        job: JobConfig,
+        env: LaunchEnv | None = None,
+        callbacks: Iterable[TrainerCallback] = (),
+    ) -> None:
+        self.job = job
+        self.env = env if env is not None else LaunchEnv.from_environ()
+        self.callbacks = list(callbacks)
+        checked = validate(job, self.env)  # bad input fails here, one line, on every rank
+        self.config: ZOConfig = checked.config
+        self.dims = checked.dims
+        self.rows = checked.rows
+        self.start_step = 0  # where this process's training began (a resume: after 0)
+        self.step = 0  # steps done
+        self.last_metrics: dict[str, Any] | None = None
+        self.eval_before: dict[str, float] | None = None
+        self.eval_after: dict[str, float] | None = None
+        self.logs: RunLogs | None = None  # rank 0's
+        self.built = False
+
+    # -- building
+
+    def build(self) -> None:
+        """Make every part: the process group, the model and its data, the engine, the
+        restored state of a resumed run, the logs. Once; ``train`` calls it."""
+        if self.built:
+            return
+        self.device = self.config.torch_device()
+        self._use_device()
+        self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
+        self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
+        stamp = self.parallel.comm.broadcast_object(
+            datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        )
+        self.run_dir = Path(self.job.run.output_dir or f"runs/{stamp}")
+        self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
+        logger.info(
+            "run %s: seed %d; %d ranks as dp %d x pert %d",
+            self.run_dir,
+            self.seed,
+            self.env.world_size,
+            self.dims.dp,
+            self.dims.pert,
+        )
+        model, weights = self._build_model()
+        self.data = build_task_data(self.job, self.rows, self.tokenizer, model.config, self.seed)
+        self._plan_memory(model)
+        if self.env.rank == 0:
+            write_resolved(self.job, self.run_dir)
+        self.objective = build_objective(
+            self.job.optim.objective or "lm", self.data, self.tokenizer
+        )
+        self.engine = ZOEngine(
+            model,
+            self.config,
+            parallel=self.parallel,
+            run_seed=self.seed,
+            weights=weights,
+            objective=self.objective,
+        )
+        self._restore()
+        self.logs = self._open_logs()
+        self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
+        self.built = True
+
+    def _use_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif self.env.launched or self.job.parallel.threads:
+            threads = pg.set_cpu_threads(self.env, self.job.parallel.threads)
+            logger.info("%d CPU threads per rank", threads)
+
+    def _build_model(self) -> tuple[nn.Module, WeightSource | None]:
+        """The model (with its adapter) and its weight source; a random-init model's initial
+        weights saved as ``base/``, which a replay starts from."""
+        job = self.job
+        torch.manual_seed(self.seed)  # the random init of the default model: equal everywhere
+        source = model_source(job.model.model, self.env, self.parallel.comm)
+        self.tokenizer = load_tokenizer(job, source)
+        model, weights = build_model(job, self.seed, source)
+        fresh = job.run.resume == "no"
+        if self.env.rank == 0 and weights is None and not job.model.model and fresh:
+            assert isinstance(model, PreTrainedModel)  # the default model, built whole
+            model.save_pretrained(self.run_dir / "base")
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(self.run_dir / "base")
+        spec = job.peft.adapter_spec()
+        if spec.enabled:  # the same adapter init on every rank, on resume and in a replay
+            model = attach_adapter(model, spec, self.seed)
+            weights = AdapterWeights(weights, model) if weights is not None else None
+        return model, weights
+
+    def _plan_memory(self, model: nn.Module) -> None:
+        """Settle the slot count and refuse a run that cannot fit (unless --force)."""
+        plan = choose_slots(self.job, model, self.data, self.config, self.parallel, self.device)
+        logger.info("memory plan: %s", plan.describe())
+        check_fits(plan, self.device, self.env.local_world_size, self.job.run.force)
+
+    def _restore(self) -> None:
+        """A resumed run: its latest checkpoint, then the steps its seed log holds after it."""
+        resuming = self.job.run.resume == "yes"
+        self.checkpointer = Checkpointer(
+            self.run_dir / "checkpoints", self.engine, self.job.run.keep_checkpoints
+        )
+        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if resuming else None
+        self.step = self.checkpointer.load(checkpoint) if checkpoint is not None else 0
+        self.header = run_header(
+            self.job,
+            self.config,
+            self.engine.run_seed,
+            self.seed,
+            self.objective.name,
+            self.device,
+            self.run_dir,
+        )
+        if resuming:
+            self.step = catch_up_from_log(self.engine, self.run_dir, self.header, self.parallel)
+        self.start_step = self.step
+
+    def _open_logs(self) -> RunLogs | None:
+        """Rank 0's logs, cut back to the step a resumed run goes on from."""
+        if self.env.rank != 0:
+            return None
+        run = self.job.run
+        reporter = make_reporter(run.report_to, self.run_dir, dataclasses.asdict(self.job))
+        log_dir = Path(run.log_dir) if run.log_dir else self.run_dir
+        return RunLogs(
+            self.run_dir, log_dir, self.start_step, self.header, run.log_sync_steps, reporter
+        )
+
+    # -- training
+
+    def train(self, signals: StopSignals | None = None) -> dict[str, float]:
+        """Train to --max-steps, then save, evaluate and export; returns the final
+        evaluation. ``signals``: a preemption notice stops every rank after the same step
+        (``Preempted``)."""
+        self.build()
+        # A resumed run does not evaluate where it starts: an evaluation applies the pending
+        # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
+        # extra one would part the resumed trajectory from the uninterrupted run's.
+        if self.start_step == 0:
+            self.eval_before = evaluate(self.engine, self.data, self.parallel)
+            logger.info("eval before training: %s", describe(self.eval_before))
+            if self.logs:
+                self.logs.write_eval(0, self.eval_before)
+        started = time.perf_counter()
+        max_steps = self.job.optim.max_steps
+        progress = tqdm(
+            range(self.start_step, max_steps),
+            desc="train",
+            initial=self.start_step,
+            total=max_steps,
+            disable=None if self.env.rank == 0 else True,
+        )
+        for step in progress:
+            result = self._train_step(step, signals)
+            progress.set_postfix(
+                loss=f"{result.loss:.4f}",
+                g=f"{result.projected_grad:+.3g}",
+                tok_s=f"{self.meter.tokens_per_s:.0f}",
+            )
+            self._after_step(step, result, signals)
+        return self._finish(time.perf_counter() - started)
+
+    def _train_step(self, step: int, signals: StopSignals | None) -> StepResult:
+        """One ZO step on the global batch (the same rows on every rank), and its records."""
+        for callback in self.callbacks:
+            callback.on_step_start(self, step)
+        self.meter.start()
+        batch = self.data.batch(self.job.data.batch_size, step)
+        result = self.engine.step(
+            self.parallel.shard_batch(batch),
+            num_items=self.objective.num_items(batch),  # label tokens or examples, global
+            stop=signals is not None and signals.requested,
+        )
+        self.last_metrics = self.meter.record(step, result, batch["input_ids"].numel())
+        self.step = step + 1
+        if self.logs:
+            self.logs.write("metrics", self.last_metrics)
+            self.logs.write("seeds", seed_record(step, result, self.engine.run_seed))
+        for callback in self.callbacks:
+            callback.on_step_end(self, step, self.last_metrics)
+        return result
+
+    def _after_step(self, step: int, result: StepResult, signals: StopSignals | None) -> None:
+        """A preemption's stop, the log line, the periodic evaluation and checkpoint."""
+        if result.stop:  # a rank was signalled: every rank stops here, after this step's records
+            self._stop(signals.received if signals else None)
+        run, max_steps, done = self.job.run, self.job.optim.max_steps, step + 1
+        if run.log_every and (step % run.log_every == 0 or step == max_steps - 1):
+            logger.info(
+                "step %d loss %.4f g %+.4g lr %.3g",
+                step,
+                result.loss,
+                result.projected_grad,
+                result.lr,
+            )
+        if run.eval_steps and done % run.eval_steps == 0 and done < max_steps:
+            metrics = evaluate(self.engine, self.data, self.parallel)
+            logger.info("eval at step %d: %s", done, describe(metrics))
+            if self.logs:
+                self.logs.write_eval(done, metrics)
+        if run.save_steps and done % run.save_steps == 0 and done < max_steps:
+            self.save(asynchronous=run.save_async)
+        self.checkpointer.poll()
+
+    def save(self, asynchronous: bool = False) -> None:
+        """Checkpoint the state after ``step`` steps (``asynchronous``: written by a thread
+        while training goes on)."""
+        self.checkpointer.save(asynchronous=asynchronous)
+        for callback in self.callbacks:
+            callback.on_save(self, self.engine.step_index, asynchronous)
+
+    def _stop(self, received: str | None) -> None:
+        """End a preempted run at a step boundary: a checkpoint of the steps done with
+        ``--save-on-signal`` (else the synced seed log is what a restart catches up from),
+        an asynchronous save in flight completed, the logs closed; then ``Preempted``."""
+        if self.job.run.save_on_signal:
+            self.save(asynchronous=False)
+        else:
+            self.checkpointer.wait()
+        self.close()  # syncs the seed log
+        raise Preempted(self.step, received or "a signal to another rank")
+
+    def _finish(self, elapsed: float) -> dict[str, float]:
+        """The final checkpoint, evaluation and export, and this rank's summary."""
+        # Saved before the final evaluation, whose flush a longer run would not make here.
+        self.save(asynchronous=False)
+        after = evaluate(self.engine, self.data, self.parallel)
+        self.eval_after = after
+        if self.logs:
+            self.logs.write_eval(self.job.optim.max_steps, after)
+        export = export_model(
+            self.engine,
+            self.run_dir / "export",
+            self.tokenizer,
+            self.job.run.export_shard_size,
+            self.job.peft.merge_adapter,
+        )
+        summary = rank_summary(
+            self.engine, self.parallel, self.device, self.job.peft.peft, self.eval_before, after
+        )
+        (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
+        if self.logs:
+            self.close()
+            logger.info(
+                "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s",
+                self.job.optim.max_steps - self.start_step,
+                elapsed,
+                self.meter.tokens / max(elapsed, 1e-9),
+                f"{describe(self.eval_before)} -> "
+                if self.eval_before
+                else f"(resumed at step {self.start_step}) ",
+                describe(after),
+                export,
+            )
+        return after
+
+    def close(self) -> None:
+        """Close the logs (the seed log synced); the trainer's state stays readable."""
+        if self.logs is not None:
+            self.logs.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,102 @@
+"""Every check a job can make before it builds anything, run identically on every rank:
+the options (``distzo.config``), then what needs this machine, the model's config, the
+task's files or the run directory. Bad input stops here, in one line, before any
+process group or model exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from distzo.config.checks import check_job, resolve_defaults
+from distzo.config.engine_options import ZOConfig
+from distzo.config.job import JobConfig
+from distzo.data.task_data import LoadedRows, load_task_rows
+from distzo.dist import LaunchEnv, ParallelDims
+from distzo.dist import process_group as pg
+from distzo.job.build import default_model_config
+from distzo.job.resume import drawn_noise, resume_mode
+from distzo.models import check_supported
+from distzo.models.shapes import shape_config
+
+logger = logging.getLogger("distzo.train")
+
+
+@dataclass
+class CheckedJob:
+    """A job whose every option was checked and resolved: the engine's options, the
+    parallel layout, and the task's rows (None: generated data)."""
+
+    job: JobConfig
+    config: ZOConfig
+    dims: ParallelDims
+    rows: LoadedRows | None
+
+
+def resolve_device(name: str, env: LaunchEnv) -> str:
+    """One rank = one GPU: ``auto`` and a bare ``cuda`` mean cuda:LOCAL_RANK."""
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{env.local_rank % torch.cuda.device_count()}"
+    return name
+
+
+def model_config_of(job: JobConfig) -> PretrainedConfig:
+    """The model's config alone (a small file): enough to reject bad input before loading."""
+    if job.model.model_config:
+        return shape_config(job.model.model_config, job.model.model_layers)
+    name = job.model.model
+    if name is None:
+        return default_model_config(job.data.task)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:  # a missing path, a malformed name, no hub access
+        raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
+
+
+def check_model(job: JobConfig) -> None:
+    """A supported family, with room for the task's longest sequence."""
+    model_config = model_config_of(job)
+    check_supported(model_config.model_type)
+    data = job.data
+    longest = data.seq_len if data.task == "counting" else data.max_length
+    if longest > model_config.max_position_embeddings:
+        flag = "--seq-len" if data.task == "counting" else "--max-length"
+        raise ValueError(
+            f"{flag} {longest} exceeds the model's max_position_embeddings "
+            f"{model_config.max_position_embeddings}; lower {flag}"
+        )
+
+
+def resumed_noise(job: JobConfig, config: ZOConfig) -> ZOConfig:
+    """A resumed run goes on with the z it was drawn with (its checkpoint's or log's)."""
+    drawn = drawn_noise(Path(job.run.output_dir or "."))
+    if job.optim.noise not in (None, drawn):
+        raise ValueError(
+            f"--resume: the run was drawn with {drawn} noise; drop --noise {job.optim.noise} "
+            f"or set it to {drawn}"
+        )
+    return dataclasses.replace(config, noise=drawn)
+
+
+def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
+    """Check and resolve ``job`` in place (its config.toml records the resolved values)."""
+    lr_defaulted = job.optim.lr is None
+    resolve_defaults(job)
+    dims = check_job(job, env)
+    config = job.engine_config(resolve_device(job.parallel.device, env))
+    pg.resolve_backend(job.parallel.backend, config.torch_device())
+    check_model(job)
+    # every row checked, before any model
+    rows = load_task_rows(job.data.task, job.data.train_file, job.data.eval_file)
+    job.run.resume = resume_mode(job.run, env)
+    if job.run.resume != "no":
+        config = resumed_noise(job, config)
+    job.optim.noise = config.noise  # resolved: config.toml records it
+    if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
+        logger.info("lr %g: the default for this model and task (--lr sets it)", job.optim.lr)
+    return CheckedJob(job, config, dims, rows)

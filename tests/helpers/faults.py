@@ -1,0 +1,68 @@
+"""Failures injected into a training job for the tests of failure handling, through the
+trainer's callbacks: the product itself reads none of these variables.
+
+* ``DISTZO_FAIL_AT=RANK:STEP``: that rank raises just before that step.
+* ``DISTZO_SIGNAL_AT=RANK:STEP``: that rank sends itself SIGTERM just before that step
+  (a preemption notice), unless the run resumes.
+* ``DISTZO_KILL_AT=RANK:STEP``: that rank SIGKILLs itself there, on a job's first
+  attempt only (torchrun's restarts then go on).
+* ``DISTZO_CRASH_IN_SAVE=STEP``: the process exits abruptly right after launching that
+  step's asynchronous checkpoint.
+
+A launched job loads them with ``python -m tests.helpers.faulty_train`` in place of
+``python -m distzo.train``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping
+
+from distzo.job.trainer import Trainer, TrainerCallback
+
+FAIL_AT = "DISTZO_FAIL_AT"
+SIGNAL_AT = "DISTZO_SIGNAL_AT"
+KILL_AT = "DISTZO_KILL_AT"
+CRASH_IN_SAVE = "DISTZO_CRASH_IN_SAVE"
+VARIABLES = (FAIL_AT, SIGNAL_AT, KILL_AT, CRASH_IN_SAVE)
+
+logger = logging.getLogger(__name__)
+
+
+def injects(environ: Mapping[str, str] | None) -> bool:
+    """Whether ``environ`` asks for a fault (a launch then runs the faulty entry point)."""
+    return environ is not None and any(name in environ for name in VARIABLES)
+
+
+def _step_of(spec: str | None, rank: int) -> int | None:
+    """The step of ``RANK:STEP`` when it names ``rank``."""
+    if not spec:
+        return None
+    fault_rank, step = (int(x) for x in spec.split(":"))
+    return step if fault_rank == rank else None
+
+
+class Faults(TrainerCallback):
+    """The failures ``environ`` names, injected at the trainer's hook points."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ = dict(os.environ if environ is None else environ)
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        rank = trainer.env.rank
+        if step == _step_of(self.environ.get(FAIL_AT), rank):
+            raise RuntimeError(f"failure injected by {FAIL_AT} at step {step}")
+        if step == _step_of(self.environ.get(SIGNAL_AT), rank) and trainer.job.run.resume != "yes":
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the step starts
+        if step == _step_of(self.environ.get(KILL_AT), rank) and trainer.env.restart_count == 0:
+            logger.error("killing rank %d at step %d (%s)", rank, step, KILL_AT)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_save(self, trainer: Trainer, step: int, asynchronous: bool) -> None:
+        if asynchronous and self.environ.get(CRASH_IN_SAVE) == str(step):
+            logger.error(
+                "crashing during the asynchronous save of step %d (%s)", step, CRASH_IN_SAVE
+            )
+            os._exit(1)
