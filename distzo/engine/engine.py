@@ -33,6 +33,14 @@ from torch.utils._pytree import tree_leaves
 from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
+from distzo.engine.layouts import (
+    RESIDENT_BLOCK_ID,
+    bucket_range,
+    bucket_values,
+    split_layouts,
+    unwrap_peft,
+)
+from distzo.engine.updates import PendingUpdate, step_grads
 from distzo.models import ModelFamily, family_for
 from distzo.models.batched_linear import make_pass_batched
 from distzo.models.prefix import BlockPrefix
@@ -66,7 +74,6 @@ from distzo.zo.moments import MomentRule, MomentUpdater
 
 logger = logging.getLogger(__name__)
 
-RESIDENT_BLOCK_ID = 0  # noise id of the resident bucket; block i has id i + 1
 UNPERTURBED: Pass = (0, 0)  # the pass of an evaluation forward: theta itself
 Measured = TypeVar("Measured")
 
@@ -86,44 +93,6 @@ class StepResult:
     stop: bool = False  # some rank asked to stop after this step (a preemption notice)
 
 
-def step_grads(entries) -> tuple[tuple[int, tuple[float, ...]], ...]:
-    """``(step, projected_grads)`` pairs as ints and float tuples (from lists, a state
-    dict or a checkpoint): a momentum's history."""
-    return tuple((int(step), tuple(float(g) for g in grads)) for step, grads in entries)
-
-
-@dataclass(frozen=True)
-class PendingUpdate:
-    """The last step's update, applied lazily when each bucket next reaches the device:
-    theta -= lr * (mean_j g_j z_j + wd theta), z_j drawn for (step, query j).
-
-    With momentum recomputed from the gradient history (MeZO, appendix B.2) ``history``
-    holds the earlier steps' ``(step, projected_grads)``, newest first, and the update is
-    theta -= lr * (m_t + wd theta), m_t = sum_k beta1^k mean_j g_{t-k,j} z_{t-k,j}: the
-    momentum regenerated from its seeds, truncated to ``1 + len(history)`` steps."""
-
-    step: int
-    projected_grads: tuple[float, ...]
-    lr: float
-    history: tuple[tuple[int, tuple[float, ...]], ...] = ()
-    beta1: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "projected_grads", tuple(float(g) for g in self.projected_grads))
-        object.__setattr__(self, "history", step_grads(self.history))
-        if not self.projected_grads:
-            raise ValueError("a pending update needs one projected gradient per query, got none")
-
-    def terms(self) -> list[tuple[int, int, float]]:
-        """``(step, query, coefficient of z)`` of every noise draw the update adds, over lr."""
-        steps = [(self.step, self.projected_grads), *self.history]
-        return [
-            (step, query, -(self.beta1**k) * g / len(grads))
-            for k, (step, grads) in enumerate(steps)
-            for query, g in enumerate(grads)
-        ]
-
-
 def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """(input tokens, label tokens) of a batch, counted where it lies (no device sync for
     a batch on the host). Labels default as in a plain causal LM: every real token.
@@ -136,17 +105,6 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     if labels is not None:
         return tokens, int((labels[..., 1:] != -100).sum())
     return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
-
-
-def _bucket_values(
-    layout: BucketLayout, ordered: list[nn.Parameter], weights: WeightSource | None
-) -> torch.Tensor:
-    """One bucket's initial values on the host: the parameters' own, or the source's."""
-    if weights is not None:
-        return _bucket_range(layout, weights, 0, layout.numel)
-    flat = torch.zeros(layout.numel, dtype=layout.dtype)
-    layout.pack(ordered, flat)
-    return flat
 
 
 def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelContext) -> str:
@@ -163,90 +121,6 @@ def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelC
         nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         return "sliced" if device.type == "cuda" and nccl and group and group.size > 1 else "naive"
     return transfer
-
-
-def bucket_layouts(
-    model: nn.Module, blocks: list[nn.Module], select: Callable[[nn.Parameter], bool] | None = None
-) -> tuple[list[tuple[BucketLayout, list[nn.Parameter]]], tuple[BucketLayout, list[nn.Parameter]]]:
-    """Each block's bucket and the resident bucket (every parameter outside the blocks),
-    with their parameters in layout order. Works on a meta-device skeleton (shapes only).
-
-    ``select`` keeps only some parameters (an adapter's trainable ones, or the frozen
-    base); a bucket may then be empty."""
-    names = _aliases(model)
-    keep = select if select is not None else (lambda p: True)
-    dtype = next(model.parameters()).dtype
-    block_params = [_unique(b.parameters()) for b in blocks]
-    in_blocks = {id(p) for ps in block_params for p in ps}
-    resident_params = [p for p in _unique(model.parameters()) if id(p) not in in_blocks and keep(p)]
-    empty = dtype if select is not None else None
-    built = [
-        BucketLayout.build([(names[id(p)], p) for p in ps if keep(p)], empty) for ps in block_params
-    ]
-    return built, BucketLayout.build([(names[id(p)], p) for p in resident_params], empty)
-
-
-def unwrap_peft(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    """(the transformers model, the ``peft.PeftModel`` around it or None). The engine runs
-    the model's own modules, into which peft injected its adapter layers."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return model.get_base_model(), model
-    return model, None
-
-
-def split_layouts(model: nn.Module, blocks: list[nn.Module]):
-    """``(trained, frozen)``: the bucket layouts of what a step trains and, for a partly
-    frozen model (an adapter), of its frozen base (None for full tuning); each as
-    ``bucket_layouts`` returns them. Read before the engine freezes every parameter."""
-    select = trainable_selector(model)
-    trained = bucket_layouts(model, blocks, select)
-    frozen = (
-        bucket_layouts(model, blocks, functools.partial(_not, select))
-        if select is not None
-        else None
-    )
-    return trained, frozen
-
-
-def trainable_selector(model: nn.Module) -> Callable[[nn.Parameter], bool] | None:
-    """Which parameters a step perturbs and updates: those with ``requires_grad`` when the
-    model is partly frozen (a peft adapter on a frozen base); None: all of them."""
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    if 0 < len(trainable) < len({id(p) for p in model.parameters()}):
-        return lambda p: id(p) in trainable
-    return None
-
-
-def _bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int) -> torch.Tensor:
-    """Elements [lo, hi) of a bucket, read from the source tensor by tensor (alignment gaps 0)."""
-    out = torch.zeros(hi - lo, dtype=layout.dtype)
-    for e in layout.entries:
-        a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
-        if a < b:
-            out[a - lo : b - lo] = weights.tensor_range(
-                e.names, e.shape, layout.dtype, a - e.offset, b - e.offset
-            )
-    return out
-
-
-def _not(select: Callable[[nn.Parameter], bool], p: nn.Parameter) -> bool:
-    return not select(p)
-
-
-def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {k: tuple(v) for k, v in names.items()}
-
-
-def _unique(params) -> list[nn.Parameter]:
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 class ZOEngine:
@@ -364,7 +238,7 @@ class ZOEngine:
         )
         self._fill(self.store, built, weights, sliced=self.state_sliced)
         self._fill(self.base_store, base_built, weights, sliced=self.transfer == "sliced")
-        self.resident_master = _bucket_values(self.resident_layout, resident_ordered, weights).to(
+        self.resident_master = bucket_values(self.resident_layout, resident_ordered, weights).to(
             self.device
         )
         self._make_moments(shard)
@@ -387,9 +261,9 @@ class ZOEngine:
             )
             for layout in self.base_layouts:
                 bind(model, layout, self.base_scratch)
-            self.resident_base = _bucket_values(
-                self.resident_base_layout, base_ordered, weights
-            ).to(self.device)
+            self.resident_base = bucket_values(self.resident_base_layout, base_ordered, weights).to(
+                self.device
+            )
             base_compute = self.resident_base.to(
                 compute_dtype
             )  # the same tensor when the dtypes agree
@@ -492,9 +366,9 @@ class ZOEngine:
         for i, (layout, ordered) in enumerate(built):
             if weights is not None and sliced:
                 # Read only this rank's share of the block from the checkpoint.
-                store.load_block_ranges(i, functools.partial(_bucket_range, layout, weights))
+                store.load_block_ranges(i, functools.partial(bucket_range, layout, weights))
             else:
-                store.load_block(i, _bucket_values(layout, ordered, weights))
+                store.load_block(i, bucket_values(layout, ordered, weights))
 
     def _make_moments(self, shard: Shard | None) -> None:
         """Stored optimizer state (Adam, a stored momentum): zeroed moment buckets beside the
