@@ -1,12 +1,15 @@
-"""The ZO engine: one step over embed -> streamed blocks -> head."""
+"""The ZO engine: one step over embed -> streamed blocks -> head.
 
-from distzo.engine.engine import (
-    UNPERTURBED,
-    StepResult,
-    ZOEngine,
-    count_tokens,
-    resolve_transfer,
-)
+``engine`` holds ``ZOEngine`` (the step and the forward); ``parts`` assembles it from
+``layouts`` (which parameter goes into which bucket), ``build`` (transfer, noise, stores,
+moments), ``scratch`` (the buffers the model computes with) and ``tuning`` (full tuning
+or an adapter on a frozen base). ``updates`` holds the update not yet applied and the
+momentum, ``passes`` one pass over the blocks, ``state`` reading back, saving and
+loading, ``batches`` what the engine reads of a batch.
+"""
+
+from distzo.engine.build import resolve_transfer
+from distzo.engine.engine import StepResult, ZOEngine, count_tokens
 from distzo.engine.layouts import (
     RESIDENT_BLOCK_ID,
     bucket_layouts,
@@ -14,6 +17,7 @@ from distzo.engine.layouts import (
     split_layouts,
     unwrap_peft,
 )
+from distzo.engine.passes import UNPERTURBED
 from distzo.engine.updates import PendingUpdate
 
 __all__ = [

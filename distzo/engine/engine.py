@@ -17,65 +17,42 @@ layers compute with whatever perturbation the scratch currently holds.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import secrets
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
-from distzo.engine.layouts import (
-    RESIDENT_BLOCK_ID,
-    bucket_range,
-    bucket_values,
-    split_layouts,
-    unwrap_peft,
-)
-from distzo.engine.updates import PendingUpdate, step_grads
+from distzo.engine import state
+from distzo.engine.batches import check_batch, count_tokens, on_device
+from distzo.engine.build import make_noise, resolve_transfer
+from distzo.engine.layouts import unwrap_peft
+from distzo.engine.parts import Placement, build_parts, describe
+from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner
+from distzo.engine.state import BucketReader, StoredBuckets
+from distzo.engine.tuning import Streamed
+from distzo.engine.updates import History, PendingUpdate, UpdateQueue
 from distzo.models import ModelFamily, family_for
-from distzo.models.batched_linear import make_pass_batched
 from distzo.models.prefix import BlockPrefix
 from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
-from distzo.offload import (
-    BlockScheduler,
-    BucketLayout,
-    ResidentBlocks,
-    Shard,
-    StreamedBlocks,
-    Streams,
-    bind,
-)
-from distzo.offload.bucket import Entry
-from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
-from distzo.offload.moment_stores import CarriedStore, Moments
-from distzo.offload.streamed_blocks import ROUNDING_STREAM
-from distzo.zo import (
-    NoiseSource,
-    Pass,
-    drawable,
-    identity_kind,
-    learning_rate,
-    loss_contribution,
-    noise_identity,
-    passes,
-    projected_gradients,
-)
+from distzo.offload import BlockScheduler, BlockStore, BucketLayout, StreamedBlocks, Streams
+from distzo.zo import Pass, learning_rate, loss_contribution, passes, projected_gradients
 from distzo.zo.moments import MomentRule, MomentUpdater
+
+__all__ = ["StepResult", "ZOEngine", "count_tokens"]
 
 logger = logging.getLogger(__name__)
 
-UNPERTURBED: Pass = (0, 0)  # the pass of an evaluation forward: theta itself
 Measured = TypeVar("Measured")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -92,35 +69,46 @@ class StepResult:
     projected_grads: tuple[float, ...]  # g_j of each query j
     stop: bool = False  # some rank asked to stop after this step (a preemption notice)
 
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        lr: float,
+        num_tokens: int,
+        losses: Sequence[float],
+        grads: tuple[float, ...],
+        votes: float,
+    ) -> StepResult:
+        """The result from the reduced ``[L+_0, L-_0, ...]`` and the g_j made of them."""
+        q = len(grads)
+        loss_plus, loss_minus = sum(losses[0::2]) / q, sum(losses[1::2]) / q
+        mean_grad = sum(grads) / q
+        loss = (loss_plus + loss_minus) / 2
+        return cls(step, loss, loss_plus, loss_minus, mean_grad, lr, num_tokens, grads, votes > 0)
 
-def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    """(input tokens, label tokens) of a batch, counted where it lies (no device sync for
-    a batch on the host). Labels default as in a plain causal LM: every real token.
 
-    The label count of the *global* batch is what each rank passes as ``num_items`` so
-    that its loss is a share of the global mean.
-    """
-    input_ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
-    tokens = int(mask.sum()) if mask is not None else input_ids.numel()
-    if labels is not None:
-        return tokens, int((labels[..., 1:] != -100).sum())
-    return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
+class Delegate(Generic[T]):
+    """An engine attribute (or method) that one of the engine's parts owns, kept on the
+    engine for its callers: ``Delegate("updates")`` reads (and writes) the attribute of
+    the same name on ``engine.updates``, so the state has one home."""
 
+    def __init__(self, part: str, name: str | None = None) -> None:
+        self.part, self.name = part, name
 
-def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelContext) -> str:
-    """none (resident), naive or sliced: ``auto`` is sliced on CUDA + NCCL with several local ranks."""
-    transfer, group = config.transfer, parallel.shard_group
-    if config.mode == "resident":
-        return "none"
-    if transfer == "sliced" and group is None:
-        raise ValueError(
-            "transfer sliced needs a torchrun launch with a node-local process group; "
-            "use transfer naive (or auto) in a single process"
-        )
-    if transfer == "auto":
-        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-        return "sliced" if device.type == "cuda" and nccl and group and group.size > 1 else "naive"
-    return transfer
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    @overload
+    def __get__(self, engine: None, owner: type | None = None) -> Delegate[T]: ...
+
+    @overload
+    def __get__(self, engine: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, engine: object | None, owner: type | None = None) -> Any:
+        return self if engine is None else getattr(getattr(engine, self.part), str(self.name))
+
+    def __set__(self, engine: object, value: T) -> None:
+        setattr(getattr(engine, self.part), str(self.name), value)
 
 
 class ZOEngine:
@@ -134,7 +122,43 @@ class ZOEngine:
     the meta device (streaming load, random init of large shapes); without it the model's
     own parameter values are packed. ``objective`` is what a step minimises (default: the
     causal-LM loss on the batch's labels; see ``distzo.objectives``).
+
+    The parts: ``trained`` (the trained buckets as stored), ``tuning`` (what is trained:
+    every parameter, or an adapter on a frozen base), ``updates`` (the update the buckets
+    have not taken yet), ``resident`` (the resident scratch), ``moments`` and ``reader``.
     """
+
+    # Attributes of the parts, by the names the engine's callers know them by.
+    store = Delegate[BlockStore]("trained")  # the trained blocks' store
+    resident_master = Delegate[torch.Tensor]("trained", "resident")
+    block_layouts = Delegate[list[BucketLayout]]("trained")
+    resident_layout = Delegate[BucketLayout]("trained")
+    canonical_names = Delegate[list[str]]("trained")  # one name per distinct parameter
+    num_parameters = Delegate[int]("trained")  # what a step perturbs and updates
+    pending = Delegate[PendingUpdate | None]("updates")  # the last step's, not yet applied
+    recent_steps = Delegate[History]("updates")  # momentum: (step, g), newest first
+    resident_scratch = Delegate[torch.Tensor]("resident", "values")
+    frozen_base = Delegate[bool]("tuning")  # whether an adapter trains on a frozen base
+    prefixes = Delegate[list[BlockPrefix]]("tuning")
+    base_layouts = Delegate[list[BucketLayout]]("tuning")
+    # None under full tuning; Any as before: the export reads it only under a frozen base
+    resident_base_layout = Delegate[Any]("tuning")
+    base_store = Delegate[BlockStore | None]("tuning")
+    resident_base = Delegate[torch.Tensor | None]("tuning")
+    _resident_base_compute = Delegate[torch.Tensor | None]("tuning", "resident_base_compute")
+    base_scratch = Delegate[torch.Tensor | None]("tuning")
+    pass_scratch = Delegate[torch.Tensor | None]("tuning")
+    num_frozen = Delegate[int]("tuning")  # the parameters of a frozen base
+    # bytes of the host copy of the streamed blocks, and of block masters or slots (with an
+    # adapter's buckets and base scratch) on the device; optimizer state apart
+    host_bytes = Delegate[int]("tuning")
+    device_bytes = Delegate[int]("tuning")
+    state_host_bytes = Delegate[int]("moments", "host_bytes")  # the moments' host shards
+    moment_rule = Delegate[MomentRule | None]("update_rule")
+    moment_updater = Delegate[MomentUpdater | None]("update_rule")
+    # the step's update with its momentum history; a saved update with the history before it
+    momentum_update = Delegate[Callable[[PendingUpdate], PendingUpdate]]("updates")
+    with_momentum = Delegate[Callable[[PendingUpdate | None, Any], PendingUpdate | None]]("updates")
 
     def __init__(
         self,
@@ -150,345 +174,46 @@ class ZOEngine:
         model, self.peft_model = unwrap_peft(model)
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.family = family if family is not None else family_for(model)
-        self.config = config
+        self.config, self.model = config, model
         self.device = config.torch_device()
-        self.model = model
         self.parallel = parallel if parallel is not None else ParallelContext.single(self.device)
         self.signs = self.parallel.signs
         self.passes = passes(config.num_queries, self.signs)  # (query, sign) this rank runs
-        self.transfer = self._resolve_transfer()
+        self.transfer = resolve_transfer(config, self.device, self.parallel)
         if run_seed is None:
             run_seed = config.seed if config.seed is not None else secrets.randbits(63)
         self.run_seed = int(run_seed)
         self.step_index = 0
-        self.pending: PendingUpdate | None = None
-        self._backlog: list[
-            PendingUpdate
-        ] = []  # logged steps to apply before the pending one (catch_up)
-        self.recent_steps: tuple[
-            tuple[int, tuple[float, ...]], ...
-        ] = ()  # momentum: (step, g) newest first
+        self.updates = UpdateQueue(config)
         self._broken: str | None = None
-
         # ZO takes two forward passes of one function: dropout would make them two functions.
         model.eval()
         self.blocks = self.family.blocks()
         if not self.blocks:
             raise ValueError("the model has no transformer blocks to stream")
-        # Prefix tuning: every block carries its own prefix, trained with the block.
-        self.prefixes = (
-            install_block_prefixes(self.peft_model, self.blocks)
-            if is_prefix_tuned(self.peft_model)
-            else []
+        at = Placement(
+            config, self.device, self.parallel, self.transfer, self.passes, self.run_seed
         )
-        # The trainable buckets: every parameter, or an adapter's. A frozen base (adapter
-        # runs) gets buckets of its own that are only ever read.
-        (built, (self.resident_layout, resident_ordered)), frozen = split_layouts(
-            model, self.blocks
-        )
-        model.requires_grad_(False)
-        self.block_layouts = [layout for layout, _ in built]
-        self.frozen_base = frozen is not None
-        if self.frozen_base:
-            base_built, (self.resident_base_layout, base_ordered) = frozen
-            self.base_layouts = [layout for layout, _ in base_built]
-            if not any(layout.numel for layout in [self.resident_layout, *self.block_layouts]):
-                raise ValueError(
-                    "the adapter has no trainable parameters; check its target modules"
-                )
-        else:
-            base_built, self.base_layouts, self.resident_base_layout = [], [], None
-        dtype = self.resident_layout.dtype  # the masters' dtype
-        if any(layout.dtype != dtype for layout in [*self.block_layouts, *self.base_layouts]):
-            raise ValueError(
-                "blocks and resident modules must share one dtype; cast the model first"
-            )
-        compute_dtype = (
-            dtype if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
-        )
-        self._make_noise(dtype)
-
-        # The streamed store holds what crosses the link each step: the whole blocks, or
-        # under an adapter the frozen base, uploaded and never written back (the adapter's
-        # own buckets are small and stay on the device).
-        streamed_layouts = self.base_layouts if self.frozen_base else self.block_layouts
-        shard = None
-        if config.mode == "offload":
-            if self.transfer == "sliced":
-                group = self.parallel.shard_group
-                shard = Shard(group.group, group.rank, group.size, self.parallel.comm)
-            low_bit = (
-                None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
-            )
-            streamed = StreamedBlocks(
-                streamed_layouts,
-                self.device,
-                config.num_slots,
-                low_bit,
-                shard,
-                self.rounding_noise,
-                config.transfer_chunks,
-                read_only=self.frozen_base,
-            )
-        else:
-            streamed = ResidentBlocks(streamed_layouts, self.device)
-        self.base_store = streamed if self.frozen_base else None
-        self.store = (
-            ResidentBlocks(self.block_layouts, self.device) if self.frozen_base else streamed
-        )
-        self._fill(self.store, built, weights, sliced=self.state_sliced)
-        self._fill(self.base_store, base_built, weights, sliced=self.transfer == "sliced")
-        self.resident_master = bucket_values(self.resident_layout, resident_ordered, weights).to(
-            self.device
-        )
-        self._make_moments(shard)
-
-        # One scratch bucket serves every block: blocks compute one after another on one
-        # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
-        scratch_len = max(l.numel for l in self.block_layouts)
-        self.block_scratch = torch.zeros(scratch_len, device=self.device, dtype=compute_dtype)
-        self.resident_scratch = torch.zeros(
-            self.resident_layout.numel, device=self.device, dtype=compute_dtype
-        )
-        for layout in self.block_layouts:
-            bind(model, layout, self.block_scratch)
-        bind(model, self.resident_layout, self.resident_scratch)
-        if self.frozen_base:
-            # The frozen base of each block is copied into its own scratch once per visit,
-            # in the compute dtype, and every pass reads it; the resident base never changes.
-            self.base_scratch = torch.zeros(
-                max(l.numel for l in self.base_layouts), device=self.device, dtype=compute_dtype
-            )
-            for layout in self.base_layouts:
-                bind(model, layout, self.base_scratch)
-            self.resident_base = bucket_values(self.resident_base_layout, base_ordered, weights).to(
-                self.device
-            )
-            base_compute = self.resident_base.to(
-                compute_dtype
-            )  # the same tensor when the dtypes agree
-            bind(model, self.resident_base_layout, base_compute)
-            self._resident_base_compute = base_compute
-        self._setup_batched_passes(model, compute_dtype)
-        self._resident_holds: tuple[int, int, int] | None = (
-            None  # (query, sign, step) now in resident_scratch
-        )
+        parts = build_parts(model, self.peft_model, self.blocks, at, weights)
+        self.tuning, self.trained, self.update_rule = parts.tuning, parts.trained, parts.update_rule
+        self.noise, self.rounding_noise = parts.noise, parts.rounding_noise
+        self.moments, self.carried = parts.moments, parts.carried
+        self.block_scratch, self.resident = parts.block_scratch, parts.resident
+        self.pass_groups_of = parts.pass_groups_of
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
             # The buffers were filled on the default stream; the three streams start after that.
             torch.cuda.current_stream(self.device).synchronize()
-
         self.streams = Streams(self.device)
-        self.scheduler = BlockScheduler(self.streamed_store, self.streams, len(self.blocks))
-        if self.prefixes and self.prefixes[0].init_tokens is not None:
-            self._init_prefixes_from_activations(self.prefixes[0].init_tokens)
-        logger.info(
-            "ZO engine: %s mode (%s transfer, %s on the wire, %s compute) on %s, %d blocks, %d slots, "
-            "%.1f M trained parameters%s, %.1f MB host, %d quer%s per step",
-            config.mode,
-            self.transfer,
-            config.transfer_dtype,
-            str(compute_dtype).replace("torch.", ""),
-            self.device,
-            len(self.blocks),
-            self.streamed_store.num_slots,
-            self.num_parameters / 1e6,
-            f" (of {(self.num_parameters + self.num_frozen) / 1e6:.1f} M: a frozen base)"
-            if self.frozen_base
-            else "",
-            self.host_bytes / 1e6,
-            config.num_queries,
-            "y" if config.num_queries == 1 else "ies",
-        )
+        # the scheduler only moves blocks (upload, offload, device_bucket, num_slots), which
+        # a CarriedStore does as well as a BlockStore
+        store = cast(BlockStore, self.streamed_store)
+        self.scheduler = BlockScheduler(store, self.streams, len(self.blocks))
+        self.reader = BucketReader(self.streams, self.parallel)
+        self.tuning.init_prefixes(self.forward, self.streams, self.store, self.block_layouts)
+        logger.info(describe(self, parts.compute_dtype))
 
-    def _init_prefixes_from_activations(self, token_ids: torch.Tensor) -> None:
-        """MeZO's prefix init (``prefix_init_by_real_act``): each layer's prefix becomes the
-        keys and values that layer computes for ``token_ids`` (random tokens drawn from the
-        run seed) in one unperturbed pass of the model without a prefix."""
-        for prefix in self.prefixes:
-            prefix.capture = True
-        self.forward({"input_ids": token_ids})
-        # On the compute stream, which wrote the captured keys and values (they were never
-        # handed to the caller's stream) and which updates the adapter's buckets.
-        with torch.no_grad(), self.streams.compute_scope():
-            for i, prefix in enumerate(self.prefixes):
-                captured = prefix.take_captured()
-                prefix.init_tokens = None
-                (entry,) = (
-                    e for e in self.block_layouts[i].entries if ".prefix_tuning." in e.names[0]
-                )
-                bucket = self.store.device_bucket(i)
-                bucket[entry.offset : entry.offset + entry.numel].copy_(captured.reshape(-1))
-
-    def _resolve_transfer(self) -> str:
-        return resolve_transfer(self.config, self.device, self.parallel)
-
-    def _setup_batched_passes(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
-        """P-RGE's batched passes: the passes of a group share one forward, the batch
-        duplicated per pass, and every trained LoRA factor computes its slice of the batch
-        with that pass's perturbed weights (``PassBatchedLinear``), held side by side in
-        ``pass_scratch``; the frozen base is read once for the whole group."""
-        self.pass_groups_of = _pass_grouping(self.config.dual_forward, self.config.batch_queries)
-        self._batched_factors: list[list[tuple[nn.Module, Entry]]] = []
-        self.pass_scratch = None
-        largest = max(len(g) for g in self.pass_groups_of(self.passes))
-        if largest == 1:
-            return
-        if not self.frozen_base or self.resident_layout.numel:
-            raise ValueError(
-                "--dual-forward and --batch-queries need an adapter that trains only inside the blocks "
-                "(--peft lora, lora-fa or prefix); drop them for full tuning"
-            )
-        for layout in self.block_layouts:
-            factors = []
-            for e in layout.entries:
-                owner, _, attr = e.names[0].rpartition(".")
-                module = model.get_submodule(owner)  # a prefix reads ``stacked`` itself
-                factors.append(
-                    (
-                        module
-                        if isinstance(module, BlockPrefix)
-                        else make_pass_batched(module, attr),
-                        e,
-                    )
-                )
-            self._batched_factors.append(factors)
-        self.pass_scratch = torch.zeros(
-            largest,
-            max(l.numel for l in self.block_layouts),
-            device=self.device,
-            dtype=compute_dtype,
-        )
-
-    @staticmethod
-    def _fill(store, built, weights: WeightSource | None, sliced: bool) -> None:
-        """Each block's initial values into ``store``, one block in memory at a time."""
-        for i, (layout, ordered) in enumerate(built):
-            if weights is not None and sliced:
-                # Read only this rank's share of the block from the checkpoint.
-                store.load_block_ranges(i, functools.partial(bucket_range, layout, weights))
-            else:
-                store.load_block(i, bucket_values(layout, ordered, weights))
-
-    def _make_moments(self, shard: Shard | None) -> None:
-        """Stored optimizer state (Adam, a stored momentum): zeroed moment buckets beside the
-        resident bucket and the blocks, in host shards streamed with the blocks when the
-        blocks stream (sliced like them), else on the device; none for ZO-SGD."""
-        self.moment_rule = MomentRule.of(self.config)
-        self.moment_updater = (
-            MomentUpdater(self.moment_rule, self.noise) if self.moment_rule else None
-        )
-        self._carried: CarriedStore | None = None
-        names = self.moment_rule.names if self.moment_rule else ()
-        resident = [torch.zeros_like(self.resident_master) for _ in names]
-        if self.config.mode == "offload" and not self.frozen_base:
-            state_dtype = torch.bfloat16 if self.config.state_dtype == "bf16" else None
-            blocks = [
-                StreamedBlocks(
-                    self.block_layouts,
-                    self.device,
-                    self.config.num_slots,
-                    state_dtype,
-                    shard,
-                    self.rounding_noise,
-                    self.config.transfer_chunks,
-                    rounding_stream=ROUNDING_STREAM * (2 + k),
-                )
-                for k in range(len(names))
-            ]
-            if blocks:
-                self._carried = CarriedStore(self.store, blocks)
-        else:
-            blocks = [ResidentBlocks(self.block_layouts, self.device) for _ in names]
-        self.moments = Moments(names, resident, blocks)
-
-    @property
-    def streamed_store(self):
-        """The store whose blocks the scheduler moves: the frozen base under an adapter,
-        the blocks with their moments when those travel too."""
-        if self.base_store is not None:
-            return self.base_store
-        return self._carried if self._carried is not None else self.store
-
-    @property
-    def state_sliced(self) -> bool:
-        """Whether the trained state is split over the node's ranks (the sliced transfer of
-        whole blocks); an adapter's state is small and whole on every rank."""
-        return self.transfer == "sliced" and not self.frozen_base
-
-    @property
-    def host_bytes(self) -> int:
-        """The host copy of the streamed blocks (optimizer state apart: ``state_host_bytes``)."""
-        return (self.base_store or self.store).host_bytes
-
-    @property
-    def device_bytes(self) -> int:
-        """Block masters or slots (and an adapter's buckets and base scratch); optimizer
-        state apart (``state_device_bytes``)."""
-        frozen = 0
-        if self.frozen_base:
-            frozen = (
-                self.store.device_bytes
-                + self.base_scratch.numel() * self.base_scratch.element_size()
-            )
-        return (self.base_store or self.store).device_bytes + frozen
-
-    @property
-    def link_bytes_per_step(self) -> int:
-        """Bytes this rank uploads over the host link in a training step (and offloads, unless
-        the blocks are a frozen base): every streamed block once, with its moments; 0 resident."""
-        return sum(self.streamed_store.link_bytes(i) for i in range(len(self.blocks)))
-
-    @property
-    def state_host_bytes(self) -> int:
-        """The moments' host shards (stored optimizer state of streamed blocks)."""
-        return self.moments.host_bytes
-
-    @property
-    def state_device_bytes(self) -> int:
-        """The moments on the device (resident bucket's, blocks' or their slots) and the update's scratch."""
-        return self.moments.device_bytes + (
-            self.moment_updater.device_bytes if self.moment_updater else 0
-        )
-
-    def _make_noise(self, dtype: torch.dtype) -> None:
-        kind = self.config.noise
-        self.noise = NoiseSource(
-            self.run_seed, self.config.noise_chunk, self.device, dtype, kind=kind
-        )
-        # A separate source (own stream and workspace) for rounding: it runs on the
-        # offload stream, concurrently with the compute stream's perturbations. A frozen
-        # base is never written back, so it never rounds.
-        self.rounding_noise = (
-            NoiseSource(
-                self.run_seed,
-                self.config.noise_chunk,
-                self.device,
-                torch.float32,
-                "uniform",
-                kind=kind,
-            )
-            if self.config.rounds_on_host and not self.frozen_base
-            else None
-        )
-
-    # ------------------------------------------------------------------ public API
-
-    @property
-    def num_parameters(self) -> int:
-        """The parameters a step perturbs and updates (an adapter's alone, under one)."""
-        return self.resident_layout.num_parameters + sum(
-            l.num_parameters for l in self.block_layouts
-        )
-
-    @property
-    def num_frozen(self) -> int:
-        """The parameters of a frozen base (0 without an adapter)."""
-        if not self.frozen_base:
-            return 0
-        return self.resident_base_layout.num_parameters + sum(
-            l.num_parameters for l in self.base_layouts
-        )
+    # ------------------------------------------------------------------ the step
 
     def step(
         self, batch: Mapping[str, torch.Tensor], num_items: int | None = None, stop: bool = False
@@ -506,11 +231,10 @@ class ZOEngine:
 
     def _queue_step(
         self, batch: Mapping[str, torch.Tensor], num_items: int | None, stop: bool = False
-    ):
+    ) -> tuple[int, float, int, Callable[[], list[float]]]:
         """Everything of a step up to its one host read, queued without reading the device
         (the CUDA tests hold it to that with the sync debug mode set to "error")."""
-        t = self.step_index
-        cfg = self.config
+        t, cfg = self.step_index, self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
         self._check_batch(batch)
         num_tokens, _ = count_tokens(batch)
@@ -518,20 +242,15 @@ class ZOEngine:
         if num_items <= 0:
             raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
         with self._guard(), torch.no_grad():
-            prepared = self.objective.prepare(
-                batch, self.device
-            )  # host work and copies, queued before any kernel
+            # host work and copies, queued before any kernel
+            prepared = self.objective.prepare(batch, self.device)
             with self.streams.compute_scope():
-                runner = _StepRunner(self, t, self.passes, cfg.grad_accum)
+                runner = StepRunner(self, t, self.passes, cfg.grad_accum)
                 losses = self.objective.losses(runner, prepared, self.passes, num_items)
                 vector = loss_contribution(losses, cfg.num_queries)
                 # the stop vote rides on the losses' all-reduce: filled on the device, no copy
-                vector = torch.cat(
-                    [
-                        vector,
-                        torch.full((1,), float(stop), dtype=vector.dtype, device=vector.device),
-                    ]
-                )
+                vote = torch.full((1,), float(stop), dtype=vector.dtype, device=vector.device)
+                vector = torch.cat([vector, vote])
                 if self.parallel.is_distributed:
                     vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
                 read = self.parallel.comm.read_later(vector)  # queued on the compute stream
@@ -541,51 +260,31 @@ class ZOEngine:
         self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]
     ) -> StepResult:
         with self._guard():
-            *reduced, votes = (
-                read()
-            )  # the step's one host sync: waits for the compute stream's losses only
-        cfg = self.config
-        grads = projected_gradients(reduced, cfg.eps)
+            # the step's one host sync: waits for the compute stream's losses only
+            *reduced, votes = read()
+        grads = projected_gradients(reduced, self.config.eps)
         self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
         self.step_index += 1
-        q = cfg.num_queries
-        loss_plus, loss_minus = sum(reduced[0::2]) / q, sum(reduced[1::2]) / q
-        return StepResult(
-            t,
-            (loss_plus + loss_minus) / 2,
-            loss_plus,
-            loss_minus,
-            sum(grads) / q,
-            lr,
-            num_tokens,
-            grads,
-            votes > 0,
-        )
+        return StepResult.of(t, lr, num_tokens, reduced, grads, votes)
 
-    def momentum_update(self, update: PendingUpdate) -> PendingUpdate:
-        """The step's update with the recent steps' g as its momentum history (``sgd``: as it is)."""
-        if self.config.optimizer != "momentum":
-            return update
-        self.recent_steps = ((update.step, update.projected_grads), *self.recent_steps)[
-            : self.config.momentum_window
-        ]
-        return self.with_momentum(update, self.recent_steps)
+    def _stream_pass(
+        self,
+        passes: tuple[Pass, ...],
+        step: int,
+        input_ids: Mapping[Pass, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        micro_batches: int = 1,
+    ) -> dict[Pass, torch.Tensor]:
+        """Apply the queued updates everywhere and run the blocks once for each pass, each
+        on its own token ids (one shared host mask; None: every position is real), in
+        ``micro_batches`` micro-batches. With no passes (flush) it only updates."""
+        updates = self.updates.take()
+        return BlockPass(self, step, updates, micro_batches).run(passes, input_ids, attention_mask)
 
-    def with_momentum(self, update: PendingUpdate | None, recent_steps) -> PendingUpdate | None:
-        """``update`` (a step's own g) with the momentum history that precedes it in
-        ``recent_steps`` (newest first, the update's own step included): how a resumed run
-        or a replay rebuilds the pending update from a checkpoint or a seed log."""
-        if update is None or self.config.optimizer != "momentum":
-            return update
-        recent = tuple(recent_steps)
-        history = recent[1:] if recent and recent[0][0] == update.step else recent
-        return PendingUpdate(
-            update.step,
-            update.projected_grads,
-            update.lr,
-            history[: self.config.momentum_window - 1],
-            self.config.beta1,
-        )
+    def _perturb_resident(self, p: Pass, step: int) -> None:
+        self.resident.perturb(self.noise, self.resident_master, self.config.eps, p, step)
+
+    # ------------------------------------------------------------------ other passes
 
     def forward(
         self, batch: Mapping[str, torch.Tensor]
@@ -594,11 +293,10 @@ class ZOEngine:
         unperturbed parameters: the model's own forward, for inspection and tests.
         Evaluation uses ``evaluate``, which reads the head only where it is needed."""
         self._check_batch(batch)
-        host_mask = (
-            batch["attention_mask"].cpu() if batch.get("attention_mask") is not None else None
-        )
+        mask = batch.get("attention_mask")
+        host_mask = mask.cpu() if mask is not None else None
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
-            input_ids, _, labels = self._prepare(batch)
+            input_ids, _, labels = on_device(batch, self.device)
             hidden = self._stream_pass(
                 (UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask
             )
@@ -613,25 +311,16 @@ class ZOEngine:
         applied first, as a flush would): the one pass is ``UNPERTURBED``. Whatever tensors
         it returns are safe to use on the caller's stream."""
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
-            result = measure(_StepRunner(self, self.step_index, (UNPERTURBED,)))
+            result = measure(StepRunner(self, self.step_index, (UNPERTURBED,)))
         self._hand_to_caller(result)
         return result
-
-    def _hand_to_caller(self, result: Any) -> None:
-        """Tensors made on the compute stream and freed on the caller's (compute_scope
-        already ordered the caller after the work that wrote them)."""
-        if self.streams.is_async:
-            caller = torch.cuda.current_stream(self.device)
-            for leaf in tree_leaves(result):
-                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
-                    leaf.record_stream(caller)
 
     def flush(self) -> None:
         """Apply the pending update to every bucket now (before export or inspection).
 
         It is the same op the next step would apply, so flushing never changes the trajectory.
         """
-        if self.pending is None and not self._backlog:
+        if not self.updates:
             return
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
             self._stream_pass((), self.step_index, None, None)
@@ -646,138 +335,74 @@ class ZOEngine:
         checkpoint plus the seed log; a replay from the base weights plus the log."""
         if not logged:
             return
-        first = logged[0][0]
-        if first != self.step_index or [s for s, _, _ in logged] != list(
-            range(first, first + len(logged))
-        ):
-            raise ValueError(
-                f"logged steps must run on from step {self.step_index} in order, got {logged[0][0]}.."
-            )
-        updates = [self.pending] if self.pending is not None else []
-        for step, grads, lr in logged:
-            updates.append(self.momentum_update(PendingUpdate(step, grads, lr)))
-        self.pending, self._backlog = updates[-1], updates[:-1]
+        self.updates.queue_logged(logged, self.step_index)
         self.flush()
         self.step_index = logged[-1][0] + 1
+
+    def _hand_to_caller(self, result: Any) -> None:
+        """Tensors made on the compute stream and freed on the caller's (compute_scope
+        already ordered the caller after the work that wrote them)."""
+        if self.streams.is_async:
+            caller = torch.cuda.current_stream(self.device)
+            for leaf in tree_leaves(result):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                    leaf.record_stream(caller)
+
+    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        check_batch(batch, limit, self.family.prefix_length)  # the prefix's positions come first
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Refuse to continue after a pass failed half-way: its buckets are half-updated."""
+        if self._broken is not None:
+            raise RuntimeError(
+                f"the engine is unusable after an earlier failure ({self._broken}); "
+                "reload a checkpoint with load_state_dict"
+            )
+        try:
+            yield
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full training state, pending update included (no flush: saving stays cheap)."""
+        return state.state_dict(self)
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
+        state.load_state_dict(self, saved)
+
+    def check_noise(self, identity: str, chunk: int, source: str) -> None:
+        """Refuse a state drawn with other noise than this engine's (``state.check_noise``)."""
+        state.check_noise(self.config, identity, chunk, source)
+
+    def restore(
+        self, step: int, run_seed: int, pending: PendingUpdate | None, recent_steps: Any = ()
+    ) -> None:
+        """Set the step counter, run seed, pending update and momentum history (``(step, g)``
+        of the recent steps, newest first) after the buckets were loaded."""
+        self.step_index, self.run_seed = step, run_seed
+        self.updates.restore(pending, recent_steps)
+        # the noise is keyed by the run seed; the stores that round draw from the new source
+        rounds, dtype = self.tuning.rounds(self.config), self.resident_master.dtype
+        self.noise, self.rounding_noise = make_noise(
+            self.config, run_seed, self.device, dtype, rounds
+        )
+        for store in (self.store, *self.moments.blocks):
+            if isinstance(store, StreamedBlocks):
+                store.rounding_noise = self.rounding_noise
+        self.resident.forget()
+        self._broken = None
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Flushed values by Hugging Face name (aliases of tied weights included), as CPU
         copies in the master dtype. Collective under the sliced transfer: call on every rank."""
         self.flush()
-        return self._collect()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The full training state, pending update included (no flush: saving stays cheap)."""
-        params = self._collect()
-        return {
-            "step": self.step_index,
-            "run_seed": self.run_seed,
-            "noise_chunk": self.config.noise_chunk,
-            "noise": noise_identity(self.config.noise),
-            "pending": asdict(self.pending) if self.pending is not None else None,
-            "recent_steps": [[step, list(grads)] for step, grads in self.recent_steps],
-            "params": {name: params[name] for name in self.canonical_names},
-            "optimizer_state": self._moment_values(),
-        }
-
-    def _moment_values(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Each stored moment by torch's name for it, by canonical parameter name (CPU copies)."""
-        out = {}
-        for k, state_name in enumerate(self.moments.names):
-            values = {
-                entry.names[0]: value
-                for bucket in self._buckets(moment=k)
-                for entry, value in bucket
-            }
-            out[state_name] = {name: values[name] for name in self.canonical_names}
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
-        self.check_noise(state.get("noise", "legacy"), int(state["noise_chunk"]), "the state")
-        params = state["params"]
-        expected = set(self.canonical_names)
-        if set(params) != expected:
-            missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
-            raise ValueError(
-                f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
-        moments = state.get("optimizer_state") or {}
-        if set(moments) != set(self.moments.names):
-            raise ValueError(
-                f"the state holds optimizer state {sorted(moments) or 'none'}, the engine keeps "
-                f"{list(self.moments.names) or 'none'}; load it with the optimizer it was trained with"
-            )
-        self.streams.synchronize()
-        with torch.no_grad():
-            self._load_buckets(params, self.resident_master, self.store)
-            for k, name in enumerate(self.moments.names):
-                self._load_buckets(moments[name], self.moments.resident[k], self.moments.blocks[k])
-        pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
-        self.restore(
-            int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ())
-        )
-
-    def _load_buckets(
-        self, values: Mapping[str, torch.Tensor], resident: torch.Tensor, store
-    ) -> None:
-        """Values by canonical name into the resident bucket ``resident`` and the blocks of ``store``."""
-        for e in self.resident_layout.entries:
-            resident[e.offset : e.offset + e.numel].copy_(values[e.names[0]].reshape(-1))
-        for i, layout in enumerate(self.block_layouts):
-            flat = torch.zeros(layout.numel, dtype=resident.dtype)
-            for e in layout.entries:
-                flat[e.offset : e.offset + e.numel] = values[e.names[0]].reshape(-1)
-            store.load_block(i, flat)
-
-    def check_noise(self, identity: str, chunk: int, source: str) -> None:
-        """A state continues its run only with the same z: the same noise kind and version
-        (``noise_identity``; a state from before noise kinds is ``legacy``), and for the
-        legacy kind the same chunk size, which its z depends on."""
-        ours = noise_identity(self.config.noise)
-        if identity != ours:
-            kind = identity_kind(identity)
-            fix = (
-                f"set noise {kind}"
-                if drawable(identity)
-                else ("use the distzo version that wrote it")
-            )
-            raise ValueError(
-                f"{source} was trained with {identity} noise, the engine draws {ours}; {fix}"
-            )
-        if self.config.noise == "legacy" and chunk != self.config.noise_chunk:
-            raise ValueError(
-                f"{source} was trained with noise_chunk {chunk}, the engine has {self.config.noise_chunk}; "
-                "set noise_chunk to match (legacy noise depends on it)"
-            )
-
-    def restore(
-        self, step: int, run_seed: int, pending: PendingUpdate | None, recent_steps=()
-    ) -> None:
-        """Set the step counter, run seed, pending update and momentum history (``(step, g)``
-        of the recent steps, newest first) after the buckets were loaded."""
-        self.step_index = step
-        self.run_seed = run_seed
-        self.recent_steps = step_grads(recent_steps)
-        self._make_noise(self.resident_master.dtype)
-        for store in (self.store, *self.moments.blocks):
-            if isinstance(store, StreamedBlocks):
-                store.rounding_noise = self.rounding_noise
-        self.pending = pending
-        self._resident_holds = None
-        self._broken = None
-
-    # ------------------------------------------------------------------ internals
-
-    def _entries(self):
-        yield from self.resident_layout.entries
-        for layout in self.block_layouts:
-            yield from layout.entries
-
-    @property
-    def canonical_names(self) -> list[str]:
-        """One name per distinct parameter (a tied weight appears once), in bucket order."""
-        return [e.names[0] for e in self._entries()]
+        return self.reader.collect(self.trained)
 
     def stream_parameters(
         self, materialize: bool = True, frozen: bool = False
@@ -791,7 +416,10 @@ class ZOEngine:
         gathers but copies nothing to the host and yields nothing.
         """
         self.flush()
-        for _, entry, value in self._bucket_values(materialize, frozen):
+        stored = self.tuning.frozen_buckets if frozen else self.trained
+        if stored is None:
+            raise ValueError("frozen=True reads the frozen base of an adapter run; there is none")
+        for _, entry, value in self.reader.values(stored, materialize):
             yield entry.names[0], value
 
     def stream_buckets(self, materialize: bool = True) -> Iterator[dict[str, torch.Tensor]]:
@@ -799,391 +427,43 @@ class ZOEngine:
         bucket by every alias, frozen base and adapter together (a merge of an adapter
         into its base needs both halves of a block at once). Collective as ``stream_parameters``."""
         self.flush()
-        trained = self._buckets(materialize)
-        frozen = self._buckets(materialize, frozen=True) if self.frozen_base else iter(())
-        # zip_longest drains both, so every rank takes part in every gather of either
-        for halves in itertools.zip_longest(trained, frozen, fillvalue=()):
-            values = {
-                name: value for half in halves for entry, value in half for name in entry.names
-            }
-            if materialize:
-                yield values
-
-    def _bucket_values(
-        self, materialize: bool = True, frozen: bool = False
-    ) -> Iterator[tuple[int, Entry, torch.Tensor]]:
-        """Every parameter as stored (pending update not applied), bucket by bucket, as
-        ``(bucket index, entry, value)``: -1 for the resident modules, i for block i."""
-        for index, values in enumerate(self._buckets(materialize, frozen), start=-1):
-            for entry, value in values:
-                yield index, entry, value
-
-    def _buckets(
-        self, materialize: bool = True, frozen: bool = False, moment: int | None = None
-    ) -> Iterator[list[tuple[Entry, torch.Tensor]]]:
-        """Every bucket as stored (pending update not applied), resident first, as a list of
-        ``(entry, CPU copy)`` (empty where ``materialize`` is False).
-        ``frozen``: the frozen base's buckets instead of the trained ones; ``moment``: the
-        trained buckets' optimizer moment of that index instead.
-
-        Blocks are read back through the device (an upload): that is where a sliced rank
-        sees the whole block and where a low-bit master becomes the master dtype. The
-        uploads run on the upload stream, joined both ways with the caller's, and the
-        read-back ends with a host sync: every gather this rank took part in is complete
-        before it returns, on every rank (NCCL's waits block streams, not the host).
-        """
-        if frozen:
-            store, resident, layouts = self.base_store, self.resident_base, self.base_layouts
-            resident_layout = self.resident_base_layout
-        elif moment is not None:
-            store, resident = self.moments.blocks[moment], self.moments.resident[moment]
-            layouts, resident_layout = self.block_layouts, self.resident_layout
-        else:
-            store, resident, layouts = self.store, self.resident_master, self.block_layouts
-            resident_layout = self.resident_layout
-        buckets = [(resident_layout, -1)] + [(layout, i) for i, layout in enumerate(layouts)]
-        try:
-            for layout, index in buckets:
-                values = []
-                with self.streams.compute_scope(), self.streams.on("upload"):
-                    if index < 0:
-                        bucket = resident
-                    else:
-                        store.upload(index)
-                        bucket = store.device_bucket(index)
-                    if (
-                        materialize
-                    ):  # copies to pageable host memory: the host waits for this stream
-                        values = [
-                            (
-                                e,
-                                bucket[e.offset : e.offset + e.numel]
-                                .view(e.shape)
-                                .to("cpu", copy=True),
-                            )
-                            for e in layout.entries
-                        ]
-                yield values  # outside the stream context: the consumer runs on its own stream
-        finally:
-            self.parallel.comm.host_sync()
+        yield from self.reader.merged(self.trained, self.tuning.frozen_buckets, materialize)
 
     def blocks_at_rest(
         self, wanted: Callable[[int], bool], private: bool, moment: int | None = None
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """``(i, block i exactly as stored, in its at-rest dtype)`` for every block with
-        ``wanted(i)`` (``moment``: that optimizer moment of the block): what a checkpoint holds. A host copy when ``private`` or when the
-        block is gathered through the device (sliced: collective, so every rank runs every
-        block, wanted or not), else the live host view. Ends with a host sync, as every
-        collective read-back does."""
-        sliced = self.state_sliced
+        ``wanted(i)`` (``moment``: that optimizer moment of the block): what a checkpoint
+        holds. Collective under the sliced transfer (``BucketReader.at_rest``)."""
         store = self.store if moment is None else self.moments.blocks[moment]
-        try:
-            for i in range(len(self.blocks)):
-                if not (sliced or wanted(i)):
-                    continue
-                value = None
-                with self.streams.compute_scope(), self.streams.on("upload"):
-                    at_rest = store.block_at_rest(i)
-                    if wanted(i):
-                        value = at_rest.to("cpu", copy=True) if private or sliced else at_rest
-                if value is not None:
-                    yield i, value
-        finally:
-            self.parallel.comm.host_sync()
+        return self.reader.at_rest(store, len(self.blocks), wanted, private, self.state_sliced)
 
-    def _collect(self) -> dict[str, torch.Tensor]:
-        """Every trained parameter as stored, by every alias, as CPU copies (a tied weight's
-        aliases share one tensor)."""
-        return {name: value for _, entry, value in self._bucket_values() for name in entry.names}
+    def moment_buckets(self, k: int) -> StoredBuckets:
+        """Optimizer moment ``k`` of every trained bucket, laid out as the bucket."""
+        return self.trained.beside(self.moments.resident[k], self.moments.blocks[k])
 
-    def _prepare(self, batch: Mapping[str, torch.Tensor]):
-        """input_ids, attention_mask and labels (None if absent) on the device."""
+    # ------------------------------------------------------------------ sizes
 
-        def move(t):
-            return t.to(self.device, non_blocking=True) if t is not None else None
+    @property
+    def streamed_store(self) -> Streamed:
+        """The store whose blocks the scheduler moves: the frozen base under an adapter,
+        the blocks with their moments when those travel too."""
+        return self.tuning.streamed(self.carried if self.carried is not None else self.store)
 
-        return (
-            move(batch["input_ids"]),
-            move(batch.get("attention_mask")),
-            move(batch.get("labels")),
-        )
+    @property
+    def state_sliced(self) -> bool:
+        """Whether the trained state is split over the node's ranks (the sliced transfer of
+        whole blocks); an adapter's state is small and whole on every rank."""
+        return self.transfer == "sliced" and self.tuning.streams_trained
 
-    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
-        if "input_ids" not in batch:
-            raise ValueError(
-                "a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')"
-            )
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        prefix = self.family.prefix_length  # its positions come first
-        if limit is not None and batch["input_ids"].shape[-1] + prefix > limit:
-            raise ValueError(
-                f"sequences of {batch['input_ids'].shape[-1]} tokens{f' after a {prefix}-token prefix' if prefix else ''} "
-                f"exceed the model's max_position_embeddings {limit}; truncate them"
-            )
+    @property
+    def link_bytes_per_step(self) -> int:
+        """Bytes this rank uploads over the host link in a training step (and offloads, unless
+        the blocks are a frozen base): every streamed block once, with its moments; 0 resident."""
+        return sum(self.streamed_store.link_bytes(i) for i in range(len(self.blocks)))
 
-    def _guard(self):
-        """Refuse to continue after a pass failed half-way: its buckets are half-updated."""
-        engine = self
-
-        class _Guard:
-            def __enter__(self):
-                if engine._broken is not None:
-                    raise RuntimeError(
-                        f"the engine is unusable after an earlier failure ({engine._broken}); "
-                        "reload a checkpoint with load_state_dict"
-                    )
-
-            def __exit__(self, exc_type, exc, tb):
-                if exc is not None:
-                    engine._broken = f"{exc_type.__name__}: {exc}"
-                return False
-
-        return _Guard()
-
-    def _perturb_resident(self, p: Pass, step: int) -> None:
-        query, sign = p
-        key = (query, sign, step) if sign else (0, 0, -1)
-        if self._resident_holds != key and self.resident_master.numel():
-            self.noise.perturb_into(
-                self.resident_scratch,
-                self.resident_master,
-                sign * self.config.eps,
-                step,
-                RESIDENT_BLOCK_ID,
-                query,
-            )
-            self._resident_holds = key
-
-    def _apply(
-        self,
-        update: PendingUpdate,
-        bucket: torch.Tensor,
-        layout: BucketLayout,
-        block_id: int,
-        moments: list[torch.Tensor],
-    ) -> None:
-        if not layout.numel:
-            return
-        wd = self.config.weight_decay
-        if self.moment_updater is not None:
-            self.moment_updater.apply(
-                self.noise,
-                bucket,
-                moments,
-                layout.decay_end,
-                update.lr,
-                wd,
-                update.step,
-                update.projected_grads,
-                block_id,
-            )
-            return
-        terms = [(step, query, update.lr * c) for step, query, c in update.terms()]
-        self.noise.apply_terms(
-            bucket, layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms, block_id
-        )
-
-    def _stream_pass(
-        self,
-        passes: tuple[Pass, ...],
-        step: int,
-        input_ids: Mapping[Pass, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
-        micro_batches: int = 1,
-    ) -> dict[Pass, torch.Tensor]:
-        """Apply the pending update everywhere and run the blocks once for each pass, each
-        on its own token ids (one shared mask).
-
-        ``attention_mask`` is the host copy (None: every position is real). Returns each
-        pass's last hidden state, the pass whose perturbation the resident bucket holds
-        first (the order in which reading heads re-perturbs it least). With no passes
-        (flush) it only updates. ``micro_batches`` (gradient accumulation) splits the rows
-        into that many micro-batches, each run through a block while it is on the device:
-        one upload per block whatever their number, the activations of one micro-batch at
-        a time, and every micro-batch's hidden states carried between blocks.
-        """
-        updates = [*self._backlog, *([self.pending] if self.pending is not None else [])]
-        self._backlog, self.pending = [], None
-        self.store.step = step
-        self.moments.set_step(step)
-        if self._carried is not None:
-            self._carried.carry = bool(updates)  # moments travel only to be updated
-        if updates:
-            self._resident_holds = None
-        held = self._held_pass(step)
-        order = sorted(
-            passes, key=lambda p: p != held
-        )  # embed the held pass first: one perturbation fewer
-        groups = (
-            self.pass_groups_of(tuple(order))
-            if self.pass_scratch is not None
-            else [(p,) for p in order]
-        )
-        # Each pass's hidden states as a list of micro-batches; a batched group's as one
-        # list too, each micro-batch holding the group's passes' rows, pass-major.
-        hiddens: dict[tuple[Pass, ...], list[torch.Tensor]] = {}
-        contexts: dict[int, list[Any]] = {}  # by group size: one context per micro-batch
-        eps = self.config.eps
-
-        def embed() -> None:  # runs once the first uploads are queued
-            for update in updates:
-                self._apply(
-                    update,
-                    self.resident_master,
-                    self.resident_layout,
-                    RESIDENT_BLOCK_ID,
-                    self.moments.resident,
-                )
-            if not order:
-                return
-            rows, length = input_ids[order[0]].shape
-            bounds = micro_batch_bounds(rows, micro_batches)
-            dtype = self.block_scratch.dtype
-            for g in {len(group) for group in groups} | {
-                1
-            }:  # masks from the host copy: no device reads
-                contexts[g] = [
-                    self.family.context(
-                        attention_mask[lo:hi].repeat(g, 1) if attention_mask is not None else None,
-                        (g * (hi - lo), length),
-                        self.device,
-                        dtype,
-                    )
-                    for lo, hi in bounds
-                ]
-            own = {}
-            for p in order:
-                self._perturb_resident(p, step)
-                own[p] = [
-                    self.family.embed(input_ids[p][lo:hi], ctx)
-                    for (lo, hi), ctx in zip(bounds, contexts[1])
-                ]
-            for group in groups:
-                parts = [own.pop(p) for p in group]
-                hiddens[group] = (
-                    parts[0] if len(group) == 1 else [torch.cat(micro) for micro in zip(*parts)]
-                )
-
-        def compute(i: int, bucket: torch.Tensor) -> None:
-            if self.frozen_base:  # the streamed bucket is the base: one copy serves every pass
-                numel = self.base_layouts[i].numel
-                self.base_scratch[:numel].copy_(bucket[:numel])
-                bucket = self.store.device_bucket(i)  # the block's adapter
-            for update in updates:
-                self._apply(
-                    update, bucket, self.block_layouts[i], i + 1, self.moments.device_buckets(i)
-                )
-            block = self.blocks[i]
-            for group in groups:
-                if len(group) == 1:
-                    ((query, sign),) = group
-                    if bucket.numel():
-                        self.noise.perturb_into(
-                            self.block_scratch, bucket, sign * eps, step, i + 1, query
-                        )
-                    hiddens[group] = [
-                        self.family.block_forward(block, h, ctx)
-                        for h, ctx in zip(hiddens[group], contexts[1])
-                    ]
-                    continue
-                for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
-                    self.noise.perturb_into(
-                        self.pass_scratch[k], bucket, sign * eps, step, i + 1, query
-                    )
-                factors = self._batched_factors[i]
-                for module, e in factors:
-                    module.stacked = self.pass_scratch[
-                        : len(group), e.offset : e.offset + e.numel
-                    ].unflatten(1, e.shape)
-                hiddens[group] = [
-                    self.family.block_forward(block, h, ctx)
-                    for h, ctx in zip(hiddens[group], contexts[len(group)])
-                ]
-                for module, _ in factors:
-                    module.stacked = None
-
-        # Unchanged blocks (no pending update) need not go back: their host copies are right,
-        # and a frozen base never changes.
-        self.scheduler.run(compute, prologue=embed, offload=bool(updates) and not self.frozen_base)
-        out: dict[Pass, list[torch.Tensor]] = {p: [] for p in order}
-        for group, micro in hiddens.items():
-            for h in micro:  # a batched micro-batch holds its passes' rows one after another
-                for p, rows in zip(group, h.chunk(len(group))):
-                    out[p].append(rows)
-        return {p: out[p][0] if len(out[p]) == 1 else torch.cat(out[p]) for p in reversed(order)}
-
-    def _held_pass(self, step: int) -> Pass | None:
-        """The pass whose perturbation the resident scratch holds now, if any."""
-        if self._resident_holds is None:
-            return None
-        query, sign, held_step = self._resident_holds
-        if sign == 0:
-            return UNPERTURBED
-        return (query, sign) if held_step == step else None
-
-
-def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
-    """Row ranges of ``micro_batches`` near-equal micro-batches (the first ones one row
-    larger when ``rows`` does not divide); refused when there are fewer rows than that."""
-    if micro_batches > rows:
-        raise ValueError(
-            f"--grad-accum {micro_batches} needs at least {micro_batches} rows per rank, the batch has {rows}; "
-            "lower --grad-accum or raise --batch-size"
-        )
-    size, extra = divmod(rows, micro_batches)
-    bounds, lo = [], 0
-    for m in range(micro_batches):
-        hi = lo + size + (1 if m < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
-def _pass_grouping(
-    dual: bool, queries: bool
-) -> Callable[[tuple[Pass, ...]], list[tuple[Pass, ...]]]:
-    """How a rank's passes are grouped into batched forwards: the two signs of a query
-    together (``dual``), one sign of every query together (``queries``), all of them
-    (both), or each alone (neither). Groups keep the order of the passes given."""
-
-    def key(p: Pass):
-        query, sign = p
-        return (None if queries else query, None if dual else sign)
-
-    def groups(order: tuple[Pass, ...]) -> list[tuple[Pass, ...]]:
-        out: dict[Any, list[Pass]] = {}
-        for p in order:
-            out.setdefault(key(p), []).append(p)
-        return [tuple(g) for g in out.values()]
-
-    return groups
-
-
-class _StepRunner:
-    """The engine seen by an objective: one step's passes, blocks streamed per call."""
-
-    def __init__(
-        self, engine: ZOEngine, step: int, passes: tuple[Pass, ...], micro_batches: int = 1
-    ) -> None:
-        self.engine, self.step, self.passes, self.micro_batches = (
-            engine,
-            step,
-            passes,
-            micro_batches,
-        )
-        self.device = engine.device
-
-    def hidden_states(
-        self, input_ids: Mapping[Pass, torch.Tensor], attention_mask: torch.Tensor | None
-    ) -> dict[Pass, torch.Tensor]:
-        if set(input_ids) != set(self.passes):
-            raise ValueError(
-                f"hidden_states needs token ids for the passes {self.passes}, got {tuple(input_ids)}"
-            )
-        return self.engine._stream_pass(
-            self.passes, self.step, input_ids, attention_mask, self.micro_batches
-        )
-
-    def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
-        self.engine._perturb_resident(p, self.step)
-        return self.engine.family.logits(hidden)
+    @property
+    def state_device_bytes(self) -> int:
+        """The moments on the device (resident bucket's, blocks' or their slots) and the
+        update's scratch."""
+        return self.moments.device_bytes + self.update_rule.device_bytes

@@ -1,0 +1,53 @@
+"""What the engine reads of a batch: its token counts, whether it fits the model, and its
+tensors on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """(input tokens, label tokens) of a batch, counted where it lies (no device sync for
+    a batch on the host). Labels default as in a plain causal LM: every real token.
+
+    The label count of the *global* batch is what each rank passes as ``num_items`` so
+    that its loss is a share of the global mean.
+    """
+    input_ids, mask, labels = batch["input_ids"], batch.get("attention_mask"), batch.get("labels")
+    tokens = int(mask.sum()) if mask is not None else input_ids.numel()
+    if labels is not None:
+        return tokens, int((labels[..., 1:] != -100).sum())
+    return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
+
+
+def check_batch(batch: Mapping[str, torch.Tensor], limit: int | None, prefix: int) -> None:
+    """Refuse a batch without token ids, or with sequences longer than the model's
+    ``limit`` of positions once a ``prefix``-token prefix takes the first ones: caught
+    here, before any block has been updated."""
+    if "input_ids" not in batch:
+        raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
+    length = batch["input_ids"].shape[-1]
+    if limit is not None and length + prefix > limit:
+        after = f" after a {prefix}-token prefix" if prefix else ""
+        raise ValueError(
+            f"sequences of {length} tokens{after} exceed the model's "
+            f"max_position_embeddings {limit}; truncate them"
+        )
+
+
+def on_device(
+    batch: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """input_ids, attention_mask and labels (None if absent) on the device, copied without
+    making the host wait."""
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t.to(device, non_blocking=True) if t is not None else None
+
+    return (
+        batch["input_ids"].to(device, non_blocking=True),
+        move(batch.get("attention_mask")),
+        move(batch.get("labels")),
+    )

@@ -1,0 +1,160 @@
+"""The engine's parts, made from its config: the transfer, the noise sources, the block
+stores and their initial values, and the optimizer's moment buckets.
+
+Each is a function of the config and the layouts, so the engine's constructor reads as
+the list of what it assembles; what differs between full tuning and a frozen base is
+decided in ``distzo.engine.tuning``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from distzo.config.engine_options import ZOConfig
+from distzo.dist import ParallelContext
+from distzo.engine.layouts import LaidOut, bucket_range, bucket_values
+from distzo.engine.state import StoredBuckets
+from distzo.models.weights import WeightSource
+from distzo.offload import BlockStore, BucketLayout, ResidentBlocks, Shard, StreamedBlocks
+from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
+from distzo.offload.moment_stores import CarriedStore, Moments
+from distzo.offload.streamed_blocks import ROUNDING_STREAM
+from distzo.zo import NoiseSource
+
+# Makes the store of the blocks that stream, from their layouts (read_only: never written back).
+StoreMaker = Callable[[list[BucketLayout], bool], BlockStore]
+
+
+def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelContext) -> str:
+    """none (resident), naive or sliced: ``auto`` is sliced on CUDA + NCCL with several
+    local ranks, which then share one host copy of the blocks."""
+    transfer, group = config.transfer, parallel.shard_group
+    if config.mode == "resident":
+        return "none"
+    if transfer == "sliced" and group is None:
+        raise ValueError(
+            "transfer sliced needs a torchrun launch with a node-local process group; "
+            "use transfer naive (or auto) in a single process"
+        )
+    if transfer == "auto":
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        return "sliced" if device.type == "cuda" and nccl and group and group.size > 1 else "naive"
+    return transfer
+
+
+def master_dtype(layouts: list[BucketLayout]) -> torch.dtype:
+    """The one dtype of every bucket's master: the update and the noise run in it."""
+    dtype = layouts[0].dtype
+    if any(layout.dtype != dtype for layout in layouts):
+        raise ValueError("blocks and resident modules must share one dtype; cast the model first")
+    return dtype
+
+
+def compute_dtype(config: ZOConfig, master: torch.dtype) -> torch.dtype:
+    """The dtype of the scratch the model computes with: the masters' unless AMP is asked."""
+    return master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
+
+
+def make_noise(
+    config: ZOConfig, run_seed: int, device: torch.device, dtype: torch.dtype, rounds: bool
+) -> tuple[NoiseSource, NoiseSource | None]:
+    """The perturbation noise, and with ``rounds`` (low-bit state written back to the
+    host) a separate source for stochastic rounding: it has its own stream and workspace
+    and runs on the offload stream, concurrently with the compute stream's perturbations."""
+    kind = config.noise
+    noise = NoiseSource(run_seed, config.noise_chunk, device, dtype, kind=kind)
+    rounding = (
+        NoiseSource(run_seed, config.noise_chunk, device, torch.float32, "uniform", kind=kind)
+        if rounds
+        else None
+    )
+    return noise, rounding
+
+
+def make_shard(transfer: str, parallel: ParallelContext) -> Shard | None:
+    """This rank's share of the host copy under the sliced transfer (None: a whole copy)."""
+    if transfer != "sliced":
+        return None
+    group = parallel.shard_group
+    if group is None:  # resolve_transfer refuses sliced without one
+        raise ValueError("the sliced transfer needs a node-local process group")
+    return Shard(group.group, group.rank, group.size, parallel.comm)
+
+
+def store_maker(
+    config: ZOConfig,
+    device: torch.device,
+    shard: Shard | None,
+    rounding_noise: NoiseSource | None,
+) -> StoreMaker:
+    """How the blocks that stream are stored: in host memory, crossing the link in the
+    transfer dtype, under offload; on the device in resident mode."""
+    if config.mode != "offload":
+        return lambda layouts, read_only: ResidentBlocks(layouts, device)
+    low_bit = None if config.transfer_dtype == "fp32" else TRANSFER_DTYPES[config.transfer_dtype]
+
+    def streamed(layouts: list[BucketLayout], read_only: bool) -> BlockStore:
+        return StreamedBlocks(
+            layouts,
+            device,
+            config.num_slots,
+            low_bit,
+            shard,
+            rounding_noise,
+            config.transfer_chunks,
+            read_only=read_only,
+        )
+
+    return streamed
+
+
+def fill_store(
+    store: BlockStore, built: list[LaidOut], weights: WeightSource | None, sliced: bool
+) -> None:
+    """Each block's initial values into ``store``, one block in memory at a time."""
+    for i, (layout, ordered) in enumerate(built):
+        if weights is not None and sliced and isinstance(store, StreamedBlocks):
+            # Read only this rank's share of the block from the checkpoint.
+            store.load_block_ranges(i, functools.partial(bucket_range, layout, weights))
+        else:
+            store.load_block(i, bucket_values(layout, ordered, weights))
+
+
+def make_moments(
+    names: tuple[str, ...],
+    config: ZOConfig,
+    trained: StoredBuckets,
+    streams_trained: bool,
+    device: torch.device,
+    shard: Shard | None,
+    rounding_noise: NoiseSource | None,
+) -> tuple[Moments, CarriedStore | None]:
+    """Stored optimizer state (Adam, a stored momentum): zeroed moment buckets beside the
+    ``trained`` buckets, in host shards streamed with the blocks when the trained blocks
+    stream (sliced like them), else on the device; none for ZO-SGD. Returns the moments
+    and, when they travel, the store that carries them with the blocks."""
+    layouts = trained.block_layouts
+    resident = [torch.zeros_like(trained.resident) for _ in names]
+    if not (config.mode == "offload" and streams_trained):
+        on_device: list[BlockStore] = [ResidentBlocks(layouts, device) for _ in names]
+        return Moments(names, resident, on_device), None
+    state_dtype = torch.bfloat16 if config.state_dtype == "bf16" else None
+    blocks: list[BlockStore] = [
+        StreamedBlocks(
+            layouts,
+            device,
+            config.num_slots,
+            state_dtype,
+            shard,
+            rounding_noise,
+            config.transfer_chunks,
+            rounding_stream=ROUNDING_STREAM * (2 + k),
+        )
+        for k in range(len(names))
+    ]
+    carried = CarriedStore(trained.store, blocks) if blocks else None
+    return Moments(names, resident, blocks), carried

@@ -1,0 +1,153 @@
+"""What an engine is assembled from, in the order it must be made.
+
+The layouts decide the strategy (full tuning or a frozen base), the masters' dtype
+decides the noise, the noise is handed to the stores that round, the stores are filled
+one block at a time, and last the model is bound to its scratch buckets. ``ZOEngine``
+takes the finished parts; a restore only remakes the noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
+from distzo.config.engine_options import ZOConfig
+from distzo.dist import ParallelContext
+from distzo.engine.build import (
+    compute_dtype,
+    fill_store,
+    make_moments,
+    make_noise,
+    make_shard,
+    master_dtype,
+    store_maker,
+)
+from distzo.engine.layouts import bucket_values, split_layouts
+from distzo.engine.passes import Group, pass_grouping
+from distzo.engine.scratch import ResidentScratch, bound_scratch
+from distzo.engine.state import StoredBuckets
+from distzo.engine.tuning import Tuning, make_tuning
+from distzo.engine.updates import UpdateRule
+from distzo.models.weights import WeightSource
+from distzo.offload.moment_stores import CarriedStore, Moments
+from distzo.zo import NoiseSource, Pass
+
+if TYPE_CHECKING:
+    from distzo.engine.engine import ZOEngine
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the engine runs: its device, its rank's place in the job, the transfer, the
+    passes this rank runs and the run seed every rank shares."""
+
+    config: ZOConfig
+    device: torch.device
+    parallel: ParallelContext
+    transfer: str
+    passes: tuple[Pass, ...]
+    run_seed: int
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The engine's parts, made once from the model and the config."""
+
+    tuning: Tuning
+    trained: StoredBuckets
+    noise: NoiseSource
+    rounding_noise: NoiseSource | None
+    update_rule: UpdateRule
+    moments: Moments
+    carried: CarriedStore | None  # the blocks' store that carries their moments, if they travel
+    block_scratch: torch.Tensor
+    resident: ResidentScratch
+    pass_groups_of: Callable[[tuple[Pass, ...]], list[Group]]
+    compute_dtype: torch.dtype
+
+
+def build_parts(
+    model: nn.Module,
+    peft_model: nn.Module | None,
+    blocks: list[nn.Module],
+    at: Placement,
+    weights: WeightSource | None,
+) -> Parts:
+    """Lay out, store, fill and bind ``model`` (its parameters become views of the
+    scratch buckets, and are frozen: the engine updates them, never autograd)."""
+    config, device = at.config, at.device
+    # Prefix tuning: every block carries its own prefix, trained with the block.
+    prefixes = (
+        install_block_prefixes(peft_model, blocks)
+        if peft_model is not None and is_prefix_tuned(peft_model)
+        else []
+    )
+    (built, (resident_layout, resident_ordered)), frozen = split_layouts(model, blocks)
+    model.requires_grad_(False)
+    layouts = [layout for layout, _ in built]
+    tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
+    dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
+    noise, rounding_noise = make_noise(config, at.run_seed, device, dtype, tuning.rounds(config))
+    shard = make_shard(at.transfer, at.parallel)
+    store = tuning.make_store(store_maker(config, device, shard, rounding_noise), layouts, device)
+    fill_store(store, built, weights, sliced=at.transfer == "sliced" and tuning.streams_trained)
+    tuning.load_base(weights, at.transfer == "sliced", device)
+    master = bucket_values(resident_layout, resident_ordered, weights).to(device)
+    trained = StoredBuckets(resident_layout, layouts, master, store)
+    update_rule = UpdateRule(config, noise)
+    streams_trained = tuning.streams_trained
+    moments, carried = make_moments(
+        update_rule.moment_names, config, trained, streams_trained, device, shard, rounding_noise
+    )
+    scratch_dtype = compute_dtype(config, dtype)
+    block_scratch, resident, groups = _bind_scratch(model, tuning, trained, at, scratch_dtype)
+    return Parts(
+        tuning,
+        trained,
+        noise,
+        rounding_noise,
+        update_rule,
+        moments,
+        carried,
+        block_scratch,
+        resident,
+        groups,
+        scratch_dtype,
+    )
+
+
+def _bind_scratch(
+    model: nn.Module, tuning: Tuning, trained: StoredBuckets, at: Placement, dtype: torch.dtype
+) -> tuple[torch.Tensor, ResidentScratch, Callable[[tuple[Pass, ...]], list[Group]]]:
+    """The scratch buckets, the model bound to them, and how passes group into forwards."""
+    device, layouts = at.device, trained.block_layouts
+    # One scratch bucket serves every block: blocks compute one after another on one
+    # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
+    block_scratch = bound_scratch(model, layouts, device, dtype)
+    resident = ResidentScratch(model, trained.resident_layout, device, dtype)
+    tuning.bind_base(model, device, dtype)
+    groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)
+    largest = max(len(g) for g in groups(at.passes))
+    if largest > 1:
+        tuning.setup_batched(model, layouts, trained.resident_layout, largest, device, dtype)
+    return block_scratch, resident, groups
+
+
+def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
+    """One line of what was built (mode, transfer, dtypes, sizes), for the log."""
+    config, frozen = engine.config, engine.num_frozen
+    queries = config.num_queries
+    of_all = f" (of {(engine.num_parameters + frozen) / 1e6:.1f} M: a frozen base)"
+    return (
+        f"ZO engine: {config.mode} mode ({engine.transfer} transfer, {config.transfer_dtype} "
+        f"on the wire, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "
+        f"{len(engine.blocks)} blocks, {engine.streamed_store.num_slots} slots, "
+        f"{engine.num_parameters / 1e6:.1f} M trained parameters"
+        f"{of_all if engine.frozen_base else ''}, {engine.host_bytes / 1e6:.1f} MB host, "
+        f"{queries} quer{'y' if queries == 1 else 'ies'} per step"
+    )

@@ -1,0 +1,246 @@
+"""One pass over the blocks, running every perturbed pass of a step.
+
+Each block is uploaded once, takes the queued updates right there (so it crosses the
+link once per step), and then runs every pass: alone, perturbed out of place into the
+one block scratch, or several passes in one batched forward (P-RGE), each with its own
+perturbed adapter. With gradient accumulation each pass's rows are split into
+micro-batches run one after another while the block is on the device, the hidden states
+of every micro-batch carried between blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distzo.engine.layouts import RESIDENT_BLOCK_ID
+from distzo.engine.updates import PendingUpdate
+from distzo.zo import Pass
+
+if TYPE_CHECKING:
+    from distzo.engine.engine import ZOEngine
+
+UNPERTURBED: Pass = (0, 0)  # the pass of an evaluation forward: theta itself
+
+Group = tuple[Pass, ...]  # passes that run in one forward, their rows one after another
+
+
+def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """Row ranges of ``micro_batches`` near-equal micro-batches (the first ones one row
+    larger when ``rows`` does not divide); refused when there are fewer rows than that."""
+    if micro_batches > rows:
+        raise ValueError(
+            f"--grad-accum {micro_batches} needs at least {micro_batches} rows per rank, "
+            f"the batch has {rows}; lower --grad-accum or raise --batch-size"
+        )
+    size, extra = divmod(rows, micro_batches)
+    bounds, lo = [], 0
+    for m in range(micro_batches):
+        hi = lo + size + (1 if m < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], list[Group]]:
+    """How a rank's passes are grouped into batched forwards: the two signs of a query
+    together (``dual``), one sign of every query together (``queries``), all of them
+    (both), or each alone (neither). Groups keep the order of the passes given."""
+
+    def key(p: Pass) -> tuple[int | None, int | None]:
+        query, sign = p
+        return (None if queries else query, None if dual else sign)
+
+    def groups(order: tuple[Pass, ...]) -> list[Group]:
+        out: dict[Any, list[Pass]] = {}
+        for p in order:
+            out.setdefault(key(p), []).append(p)
+        return [tuple(g) for g in out.values()]
+
+    return groups
+
+
+class BlockPass:
+    """One pass over the blocks at ``step``, applying ``updates`` to every bucket it
+    visits (a flush: no passes at all)."""
+
+    def __init__(
+        self,
+        engine: ZOEngine,
+        step: int,
+        updates: list[PendingUpdate],
+        micro_batches: int = 1,
+    ) -> None:
+        self.engine, self.step, self.updates = engine, step, updates
+        self.micro_batches = micro_batches
+        self.order: tuple[Pass, ...] = ()
+        self.groups: list[Group] = []
+        # Each group's hidden states as a list of micro-batches, each micro-batch holding
+        # the group's passes' rows, pass-major.
+        self.hiddens: dict[Group, list[torch.Tensor]] = {}
+        self.contexts: dict[int, list[Any]] = {}  # by group size: one per micro-batch
+
+    def run(
+        self,
+        passes: tuple[Pass, ...],
+        input_ids: Mapping[Pass, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+    ) -> dict[Pass, torch.Tensor]:
+        """Each pass's last hidden state, the pass whose perturbation the resident scratch
+        holds first (the order in which reading heads re-perturbs it least)."""
+        engine = self.engine
+        engine.store.step = self.step
+        engine.moments.set_step(self.step)
+        if engine.carried is not None:
+            engine.carried.carry = bool(self.updates)  # moments travel only to be updated
+        if self.updates:
+            engine.resident.forget()
+        held = engine.resident.held_pass(self.step)
+        # embed the held pass first: one perturbation fewer
+        self.order = tuple(sorted(passes, key=lambda p: p != held))
+        grouped = engine.pass_scratch is not None
+        self.groups = engine.pass_groups_of(self.order) if grouped else [(p,) for p in self.order]
+        # Unchanged blocks (no update) need not go back: their host copies are right, and
+        # a frozen base never changes.
+        engine.scheduler.run(
+            self.compute,
+            prologue=lambda: self.embed(input_ids, attention_mask),
+            offload=bool(self.updates) and engine.tuning.streams_trained,
+        )
+        return self.outputs()
+
+    def embed(
+        self, input_ids: Mapping[Pass, torch.Tensor] | None, attention_mask: torch.Tensor | None
+    ) -> None:
+        """Update the resident bucket and embed every pass's micro-batches (runs once the
+        first uploads are queued)."""
+        engine = self.engine
+        for update in self.updates:
+            engine.update_rule.apply(
+                engine.noise,
+                update,
+                engine.resident_master,
+                engine.resident_layout,
+                RESIDENT_BLOCK_ID,
+                engine.moments.resident,
+            )
+        if input_ids is None or not self.order:
+            return
+        rows, length = input_ids[self.order[0]].shape
+        bounds = micro_batch_bounds(rows, self.micro_batches)
+        self._make_contexts(bounds, length, attention_mask)
+        own = {}
+        for p in self.order:
+            engine._perturb_resident(p, self.step)
+            own[p] = [
+                engine.family.embed(input_ids[p][lo:hi], ctx)
+                for (lo, hi), ctx in zip(bounds, self.contexts[1])
+            ]
+        for group in self.groups:
+            parts = [own.pop(p) for p in group]
+            self.hiddens[group] = (
+                parts[0] if len(group) == 1 else [torch.cat(micro) for micro in zip(*parts)]
+            )
+
+    def _make_contexts(
+        self, bounds: list[tuple[int, int]], length: int, attention_mask: torch.Tensor | None
+    ) -> None:
+        """Each group size's model context per micro-batch, masks from the host copy: no
+        device reads."""
+        engine = self.engine
+        dtype = engine.block_scratch.dtype
+        for g in {len(group) for group in self.groups} | {1}:
+            self.contexts[g] = [
+                engine.family.context(
+                    attention_mask[lo:hi].repeat(g, 1) if attention_mask is not None else None,
+                    (g * (hi - lo), length),
+                    engine.device,
+                    dtype,
+                )
+                for lo, hi in bounds
+            ]
+
+    def compute(self, i: int, bucket: torch.Tensor) -> None:
+        """Block ``i`` on the device: take the updates, then run every group through it."""
+        engine = self.engine
+        bucket = engine.tuning.visit(i, bucket)
+        for update in self.updates:
+            engine.update_rule.apply(
+                engine.noise,
+                update,
+                bucket,
+                engine.block_layouts[i],
+                i + 1,
+                engine.moments.device_buckets(i),
+            )
+        for group in self.groups:
+            if len(group) == 1:
+                self._alone(i, bucket, group)
+            else:
+                self._batched(i, bucket, group)
+
+    def _alone(self, i: int, bucket: torch.Tensor, group: Group) -> None:
+        engine = self.engine
+        ((query, sign),) = group
+        if bucket.numel():
+            engine.noise.perturb_into(
+                engine.block_scratch, bucket, sign * engine.config.eps, self.step, i + 1, query
+            )
+        self.hiddens[group] = [
+            engine.family.block_forward(engine.blocks[i], h, ctx)
+            for h, ctx in zip(self.hiddens[group], self.contexts[1])
+        ]
+
+    def _batched(self, i: int, bucket: torch.Tensor, group: Group) -> None:
+        engine = self.engine
+        with engine.tuning.stacked(i, len(group)) as rows:
+            for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
+                engine.noise.perturb_into(
+                    rows[k], bucket, sign * engine.config.eps, self.step, i + 1, query
+                )
+            self.hiddens[group] = [
+                engine.family.block_forward(engine.blocks[i], h, ctx)
+                for h, ctx in zip(self.hiddens[group], self.contexts[len(group)])
+            ]
+
+    def outputs(self) -> dict[Pass, torch.Tensor]:
+        """Each pass's rows out of its group's micro-batches, in reverse pass order."""
+        out: dict[Pass, list[torch.Tensor]] = {p: [] for p in self.order}
+        for group, micro in self.hiddens.items():
+            for h in micro:  # a batched micro-batch holds its passes' rows one after another
+                for p, rows in zip(group, h.chunk(len(group))):
+                    out[p].append(rows)
+        return {
+            p: out[p][0] if len(out[p]) == 1 else torch.cat(out[p]) for p in reversed(self.order)
+        }
+
+
+class StepRunner:
+    """The engine seen by an objective: one step's passes, blocks streamed per call."""
+
+    def __init__(
+        self, engine: ZOEngine, step: int, passes: tuple[Pass, ...], micro_batches: int = 1
+    ) -> None:
+        self.engine, self.step, self.passes = engine, step, passes
+        self.micro_batches = micro_batches
+        self.device = engine.device
+
+    def hidden_states(
+        self, input_ids: Mapping[Pass, torch.Tensor], attention_mask: torch.Tensor | None
+    ) -> dict[Pass, torch.Tensor]:
+        """Each pass's last hidden states; the first call of a step applies its updates."""
+        if set(input_ids) != set(self.passes):
+            raise ValueError(
+                f"hidden_states needs token ids for the passes {self.passes}, "
+                f"got {tuple(input_ids)}"
+            )
+        return self.engine._stream_pass(
+            self.passes, self.step, input_ids, attention_mask, self.micro_batches
+        )
+
+    def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits under pass ``p``'s perturbation of the resident bucket."""
+        self.engine._perturb_resident(p, self.step)
+        return self.engine.family.logits(hidden)

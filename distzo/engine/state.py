@@ -1,0 +1,244 @@
+"""The engine's state as it is stored, read back and loaded.
+
+The trained parameters, the frozen base of an adapter run and each optimizer moment are
+alike: a resident bucket and one bucket per block, with their layouts
+(``StoredBuckets``). ``BucketReader`` reads any of them back through the device, where a
+sliced rank sees a whole block and a low-bit master becomes the master dtype; the
+state dict adds what a run needs to continue bit for bit: the step, the run seed, the
+noise it was drawn with, the pending update and the momentum history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distzo.config.engine_options import ZOConfig
+from distzo.dist import ParallelContext
+from distzo.engine.updates import PendingUpdate
+from distzo.offload import BlockStore, BucketLayout, Streams
+from distzo.offload.bucket import Entry
+from distzo.zo import drawable, identity_kind, noise_identity
+
+if TYPE_CHECKING:
+    from distzo.engine.engine import ZOEngine
+
+# One bucket read back: each parameter's entry and its CPU copy.
+BucketValues = list[tuple[Entry, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredBuckets:
+    """A resident bucket and the blocks' buckets in ``store``, laid out by the layouts."""
+
+    resident_layout: BucketLayout
+    block_layouts: list[BucketLayout]
+    resident: torch.Tensor
+    store: BlockStore
+
+    def entries(self) -> Iterator[Entry]:
+        """Every parameter's entry in bucket order, resident first."""
+        yield from self.resident_layout.entries
+        for layout in self.block_layouts:
+            yield from layout.entries
+
+    @property
+    def canonical_names(self) -> list[str]:
+        """One name per distinct parameter (a tied weight appears once), in bucket order."""
+        return [e.names[0] for e in self.entries()]
+
+    @property
+    def num_parameters(self) -> int:
+        """The parameters the buckets hold (alignment gaps apart)."""
+        layouts = [self.resident_layout, *self.block_layouts]
+        return sum(layout.num_parameters for layout in layouts)
+
+    def beside(self, resident: torch.Tensor, store: BlockStore) -> StoredBuckets:
+        """Buckets of the same layouts in other storage: an optimizer moment of these."""
+        return dataclasses.replace(self, resident=resident, store=store)
+
+    def load(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Values by canonical name into the resident bucket and every block."""
+        for e in self.resident_layout.entries:
+            self.resident[e.offset : e.offset + e.numel].copy_(values[e.names[0]].reshape(-1))
+        for i, layout in enumerate(self.block_layouts):
+            flat = torch.zeros(layout.numel, dtype=self.resident.dtype)
+            for e in layout.entries:
+                flat[e.offset : e.offset + e.numel] = values[e.names[0]].reshape(-1)
+            self.store.load_block(i, flat)
+
+
+class BucketReader:
+    """Reads stored buckets back to the host.
+
+    Blocks are read back through the device (an upload): that is where a sliced rank
+    sees the whole block and where a low-bit master becomes the master dtype. The
+    uploads run on the upload stream, joined both ways with the caller's, and every
+    read-back ends with a host sync: every gather this rank took part in is complete
+    before it returns, on every rank (NCCL's waits block streams, not the host).
+    """
+
+    def __init__(self, streams: Streams, parallel: ParallelContext) -> None:
+        self.streams = streams
+        self.parallel = parallel
+
+    def buckets(self, stored: StoredBuckets, materialize: bool = True) -> Iterator[BucketValues]:
+        """Every bucket as stored (pending update not applied), resident first, as a list
+        of ``(entry, CPU copy)`` (empty where ``materialize`` is False)."""
+        buckets = [(stored.resident_layout, -1)]
+        buckets += [(layout, i) for i, layout in enumerate(stored.block_layouts)]
+        try:
+            for layout, index in buckets:
+                values: BucketValues = []
+                with self.streams.compute_scope(), self.streams.on("upload"):
+                    if index < 0:
+                        bucket = stored.resident
+                    else:
+                        stored.store.upload(index)
+                        bucket = stored.store.device_bucket(index)
+                    if materialize:  # to pageable host memory: the host waits for this stream
+                        values = [
+                            (
+                                e,
+                                bucket[e.offset : e.offset + e.numel]
+                                .view(e.shape)
+                                .to("cpu", copy=True),
+                            )
+                            for e in layout.entries
+                        ]
+                yield values  # outside the stream context: the consumer runs on its own stream
+        finally:
+            self.parallel.comm.host_sync()
+
+    def values(
+        self, stored: StoredBuckets, materialize: bool = True
+    ) -> Iterator[tuple[int, Entry, torch.Tensor]]:
+        """Every parameter as stored, bucket by bucket, as ``(bucket index, entry, value)``:
+        -1 for the resident modules, i for block i."""
+        for index, values in enumerate(self.buckets(stored, materialize), start=-1):
+            for entry, value in values:
+                yield index, entry, value
+
+    def collect(self, stored: StoredBuckets) -> dict[str, torch.Tensor]:
+        """Every parameter by every alias, as CPU copies (a tied weight's aliases share one
+        tensor)."""
+        return {name: value for _, entry, value in self.values(stored) for name in entry.names}
+
+    def merged(
+        self, trained: StoredBuckets, frozen: StoredBuckets | None, materialize: bool = True
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """One dict per bucket by every alias, trained and frozen halves together (a merge
+        of an adapter into its base needs both halves of a block at once)."""
+        halves = self.buckets(trained, materialize)
+        frozen_halves = self.buckets(frozen, materialize) if frozen is not None else iter(())
+        # zip_longest drains both, so every rank takes part in every gather of either
+        for pair in itertools.zip_longest(halves, frozen_halves, fillvalue=()):
+            values = {name: value for half in pair for entry, value in half for name in entry.names}
+            if materialize:
+                yield values
+
+    def at_rest(
+        self,
+        store: BlockStore,
+        num_blocks: int,
+        wanted: Callable[[int], bool],
+        private: bool,
+        sliced: bool,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(i, block i exactly as stored, in its at-rest dtype)`` for every wanted block:
+        a host copy when ``private`` or when ``sliced`` (gathered through the device, a
+        collective, so every rank runs every block, wanted or not), else the live view."""
+        try:
+            for i in range(num_blocks):
+                if not (sliced or wanted(i)):
+                    continue
+                value = None
+                with self.streams.compute_scope(), self.streams.on("upload"):
+                    at_rest = store.block_at_rest(i)
+                    if wanted(i):
+                        value = at_rest.to("cpu", copy=True) if private or sliced else at_rest
+                if value is not None:
+                    yield i, value
+        finally:
+            self.parallel.comm.host_sync()
+
+
+def check_noise(config: ZOConfig, identity: str, chunk: int, source: str) -> None:
+    """A state continues its run only with the same z: the same noise kind and version
+    (``noise_identity``; a state from before noise kinds is ``legacy``), and for the
+    legacy kind the same chunk size, which its z depends on."""
+    ours = noise_identity(config.noise)
+    if identity != ours:
+        kind = identity_kind(identity)
+        fix = f"set noise {kind}" if drawable(identity) else "use the distzo version that wrote it"
+        raise ValueError(
+            f"{source} was trained with {identity} noise, the engine draws {ours}; {fix}"
+        )
+    if config.noise == "legacy" and chunk != config.noise_chunk:
+        raise ValueError(
+            f"{source} was trained with noise_chunk {chunk}, the engine has {config.noise_chunk}; "
+            "set noise_chunk to match (legacy noise depends on it)"
+        )
+
+
+def state_dict(engine: ZOEngine) -> dict[str, Any]:
+    """The full training state of ``engine``, pending update included (no flush: saving
+    stays cheap)."""
+    params = engine.reader.collect(engine.trained)
+    pending = engine.pending
+    return {
+        "step": engine.step_index,
+        "run_seed": engine.run_seed,
+        "noise_chunk": engine.config.noise_chunk,
+        "noise": noise_identity(engine.config.noise),
+        "pending": dataclasses.asdict(pending) if pending is not None else None,
+        "recent_steps": [[step, list(grads)] for step, grads in engine.recent_steps],
+        "params": {name: params[name] for name in engine.canonical_names},
+        "optimizer_state": _moment_values(engine),
+    }
+
+
+def _moment_values(engine: ZOEngine) -> dict[str, dict[str, torch.Tensor]]:
+    """Each stored moment by torch's name for it, by canonical parameter name (CPU copies)."""
+    out = {}
+    for k, state_name in enumerate(engine.moments.names):
+        values = {
+            entry.names[0]: value
+            for bucket in engine.reader.buckets(engine.moment_buckets(k))
+            for entry, value in bucket
+        }
+        out[state_name] = {name: values[name] for name in engine.canonical_names}
+    return out
+
+
+def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
+    """Restore a ``state_dict`` into ``engine``; the continued trajectory equals the
+    uninterrupted one."""
+    check_noise(engine.config, state.get("noise", "legacy"), int(state["noise_chunk"]), "the state")
+    params = state["params"]
+    expected = set(engine.canonical_names)
+    if set(params) != expected:
+        missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
+        raise ValueError(
+            f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    moments = state.get("optimizer_state") or {}
+    names = engine.moments.names
+    if set(moments) != set(names):
+        raise ValueError(
+            f"the state holds optimizer state {sorted(moments) or 'none'}, the engine keeps "
+            f"{list(names) or 'none'}; load it with the optimizer it was trained with"
+        )
+    engine.streams.synchronize()
+    with torch.no_grad():
+        engine.trained.load(params)
+        for k, name in enumerate(names):
+            engine.moment_buckets(k).load(moments[name])
+    pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
+    engine.restore(
+        int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ())
+    )
