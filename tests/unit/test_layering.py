@@ -63,7 +63,7 @@ RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 
 def imported_modules(path: Path) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -92,7 +92,7 @@ def python_modules() -> list[str]:
 
 def upward_imports() -> dict[str, list[str]]:
     """Per module, the distzo imports of a layer later than its own (exceptions included)."""
-    found = {}
+    found: dict[str, list[str]] = {}
     for module in python_modules():
         rank = RANK[layer_of_module(module)]
         names = {
