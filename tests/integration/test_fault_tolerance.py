@@ -298,20 +298,10 @@ def test_the_slurm_script_stops_at_the_time_limit_notice_requeues_and_the_requeu
             "RDZV_PORT": str(free_port()),
         }
     )
-    flags = [
-        "--max-steps",
-        "100",
-        "--batch-size",
-        "8",
-        "--eval-batch-size",
-        "8",
-        "--log-every",
-        "0",
-        "--seed",
-        "5",
-        "--lr-schedule",
-        "constant",
-    ]
+    flags = (
+        "--max-steps 100 --batch-size 8 --eval-batch-size 8 --log-every 0 --seed 5 "
+        "--lr-schedule constant"
+    ).split()
     job = subprocess.Popen(
         ["bash", str(repo / "launch" / "slurm.sbatch"), *flags, "--pert", "2"],
         cwd=tmp_path,
