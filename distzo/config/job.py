@@ -39,10 +39,12 @@ from distzo.config.engine_options import (
     ZOConfig,
     engine_default,
 )
-from distzo.export.hf_model import DEFAULT_MAX_SHARD_SIZE, check_shard_size
-from distzo.job.reporting import REPORTERS, check_reporter
 from distzo.zo.schedule import SCHEDULES
 
+# The dashboards --report-to names (``distzo.job.reporting`` builds them).
+REPORTERS = ("none", "tensorboard", "wandb")
+# The largest safetensors file of an export by default (Hugging Face's own default).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 RESUME_MODES = ("no", "yes", "auto")
 # Where each section's options are explained (the --help epilog names them).
 SECTION_DOCS = {
@@ -398,12 +400,11 @@ class RunOptions:
         return None if self.seed == -1 else self.seed
 
     def validate(self) -> None:
-        """Intervals, retention and the export's and dashboard's options; whether a resume
-        has something to resume is the job's check (it reads the run directory)."""
+        """Intervals and retention. Whether the export's shard size parses and the
+        dashboard's package is installed are the job's checks (``distzo.job.validation``),
+        as is whether a resume has something to resume (it reads the run directory)."""
         if self.log_every < 0 or self.eval_steps < 0 or self.save_steps < 0:
             raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
-        check_shard_size(self.export_shard_size)
-        check_reporter(self.report_to)
         if self.keep_checkpoints < 0:
             raise ValueError(
                 f"--keep-checkpoints must be >= 0 (0: keep all), got {self.keep_checkpoints}"

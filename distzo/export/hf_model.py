@@ -35,6 +35,7 @@ from distzo.adapters.peft_adapters import (
     prefix_embedding,
     prefix_table,
 )
+from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 WEIGHTS_PATTERN = "model{suffix}.safetensors"  # transformers' SAFE_WEIGHTS_NAME, sharded
 INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def _is_rank0() -> bool:

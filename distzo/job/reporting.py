@@ -16,7 +16,6 @@ import importlib.util
 from pathlib import Path
 from typing import Protocol
 
-REPORTERS = ("none", "tensorboard", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 

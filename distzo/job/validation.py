@@ -19,7 +19,9 @@ from distzo.config.job import JobConfig
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
+from distzo.export.hf_model import check_shard_size
 from distzo.job.build import default_model_config
+from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
 from distzo.models import check_supported
 from distzo.models.shapes import shape_config
@@ -93,6 +95,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     check_model(job)
     # every row checked, before any model
     rows = load_task_rows(job.data.task, job.data.train_file, job.data.eval_file)
+    check_shard_size(job.run.export_shard_size)
+    check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env)
     if job.run.resume != "no":
         config = resumed_noise(job, config)

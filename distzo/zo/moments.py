@@ -19,16 +19,28 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from distzo.config.engine_options import ZOConfig
     from distzo.zo.noise import NoiseSource
 
 # The names torch's own optimizers give these states (SGD's and AdamW's), for state dicts.
 MOMENT_NAMES = {"momentum": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
+
+
+class MomentOptions(Protocol):
+    """The options a rule is read from (``ZOConfig`` has them): zo states what it needs
+    rather than importing the config layer above it."""
+
+    @property
+    def stored_state(self) -> bool: ...
+
+    optimizer: str
+    beta1: float
+    beta2: float
+    adam_eps: float
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,7 @@ class MomentRule:
     eps: float = 1e-8
 
     @classmethod
-    def of(cls, config: ZOConfig) -> MomentRule | None:
+    def of(cls, config: MomentOptions) -> MomentRule | None:
         """The config's rule, or None when it stores no moments (ZO-SGD, recomputed momentum)."""
         if not config.stored_state:
             return None

@@ -151,7 +151,6 @@ def test_the_engine_config_is_taken_from_the_sections():
         ("peft", {"lora_r": 0}, "--lora-r must be >= 1"),
         ("peft", {"batch_queries": True}, "need an adapter"),
         ("run", {"save_steps": -1}, "--save-steps must be >= 0"),
-        ("run", {"export_shard_size": "big"}, "--export-shard-size 'big' is not a size"),
         ("run", {"log_sync_steps": 0}, "--log-sync-steps must be >= 1"),
     ],
 )
@@ -198,3 +197,11 @@ def test_a_config_written_by_version_0_1_resolves_to_the_default_options():
     assert old.offload.num_slots == engine_default("num_slots")
     old.offload.num_slots = None
     assert old == default
+
+
+def test_the_export_shard_size_is_checked_before_any_model(tmp_path):
+    # A value check the exporter owns: the job runs it with the other checks, before a model.
+    proc = train_in_process(["--export-shard-size", "big", "--output-dir", str(tmp_path / "run")])
+    assert proc.returncode == 2
+    assert "--export-shard-size 'big' is not a size" in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "run").exists()
