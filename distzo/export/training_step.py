@@ -18,7 +18,10 @@ keys, so a run on a phone can be resumed, replayed and exported like any other.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -152,13 +155,11 @@ def export_training_step(
 
 
 def save_training_step(
-    engine: ZOEngine, batch: dict[str, torch.Tensor], directory, pte: bool = True
-) -> list:
+    engine: ZOEngine, batch: dict[str, torch.Tensor], directory: str | Path, pte: bool = True
+) -> list[Path]:
     """Write the exported step into ``directory``: ``step.pt2`` (``torch.export.save``;
     ``torch.export.load`` reads it back without unpickling code) and, where ``executorch``
     is installed, ``step.pte`` for the ExecuTorch runtime. Returns the files written."""
-    from pathlib import Path
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     program = export_training_step(engine, batch)
@@ -180,21 +181,8 @@ def save_training_step(
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m distzo.export.training_step``: the LoRA-FA training step of a model, for a
-    runtime."""
-    import argparse
-    import logging
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, PreTrainedModel
-
-    from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
-    from distzo.config.cli import fail, program
-    from distzo.config.engine_options import ZOConfig
-    from distzo.models import model_from_config
-    from distzo.models.tiny import tiny_opt_config
+def _parser() -> argparse.ArgumentParser:
+    from distzo.config.cli import program
 
     p = argparse.ArgumentParser(
         prog=program("distzo.export.training_step"),
@@ -230,41 +218,58 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also write step.pte for the ExecuTorch runtime (where executorch is installed)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
+    """The command's engine: a LoRA-FA adapter on ``--model`` (or the tiny OPT), checked
+    against the program's fixed shape before anything is traced."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+    from distzo.config.engine_options import ZOConfig
+    from distzo.models import model_from_config
+    from distzo.models.tiny import tiny_opt_config
+
+    if args.batch < 1 or args.seq < 2 or args.steps < 1:
+        raise ValueError("--batch and --steps must be >= 1 and --seq >= 2")
+    targets = AdapterSpec.parse_targets(args.lora_targets)
+    spec = AdapterSpec("lora-fa", args.lora_r, args.lora_alpha, 0.0, targets)
+    spec.validate()
+    base: PreTrainedModel
+    if args.model:
+        try:
+            base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"cannot load --model {args.model!r}: {str(err).splitlines()[0]}"
+            ) from None
+    else:
+        torch.manual_seed(args.seed)
+        base = model_from_config(tiny_opt_config(), torch.float32)
+    if args.seq > base.config.max_position_embeddings:
+        raise ValueError(
+            f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} positions"
+        )
+    return ZOEngine(
+        attach_adapter(base, spec, args.seed),
+        ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distzo.export.training_step``: the LoRA-FA training step of a model, for a
+    runtime."""
+    from safetensors.torch import save_file
+
+    from distzo.config.cli import fail
+
+    args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        if args.batch < 1 or args.seq < 2 or args.steps < 1:
-            raise ValueError("--batch and --steps must be >= 1 and --seq >= 2")
-        spec = AdapterSpec(
-            "lora-fa",
-            args.lora_r,
-            args.lora_alpha,
-            0.0,
-            AdapterSpec.parse_targets(args.lora_targets),
-        )
-        spec.validate()
-        base: PreTrainedModel
-        if args.model:
-            try:
-                base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-            except (OSError, ValueError) as err:
-                raise ValueError(
-                    f"cannot load --model {args.model!r}: {str(err).splitlines()[0]}"
-                ) from None
-        else:
-            torch.manual_seed(args.seed)
-            base = model_from_config(tiny_opt_config(), torch.float32)
-        if args.seq > base.config.max_position_embeddings:
-            raise ValueError(
-                f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} "
-                "positions"
-            )
-        engine = ZOEngine(
-            attach_adapter(base, spec, args.seed),
-            ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps),
-        )
+        engine = _lora_fa_engine(args)
         ids = torch.ones(args.batch, args.seq, dtype=torch.int64)
         files = save_training_step(
             engine,
