@@ -1,0 +1,216 @@
+"""Bad input and failed writes through the entry points: one line on stderr, exit code 2 for
+bad input (1 for a failure), and no run directory or ``*.tmp`` left where none should be."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.helpers.launch import child_env, main_in_process, python_train, train_in_process
+from tests.helpers.models import tiny_opt
+
+ROWS = [{"sentence": "good movie", "label": 1}, {"sentence": "bad", "label": 0}] * 4
+
+
+def one_line(proc, code: int = 2) -> str:
+    """The one error line of a failed launch (its logging before it aside)."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == code and len(errors) == 1, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().endswith(errors[0]), proc.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A short run with a checkpoint per step: a base, a seed log, checkpoints."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    proc = python_train(["--max-steps", "3", "--save-steps", "1", "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def llama_dir(path: Path) -> Path:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+# -- distzo.replay
+
+
+def test_replay_refuses_a_base_of_another_model(run, tmp_path):
+    out = tmp_path / "out"
+    proc = main_in_process(
+        "distzo.replay",
+        ["--base", str(llama_dir(tmp_path / "llama")), "--log", str(run / "seedlog.jsonl")]
+        + ["--out", str(out)],
+    )
+    assert "model type llama" in one_line(proc) and "opt" in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_replay_refuses_an_existing_out_without_overwrite(run, tmp_path):
+    log = str(run / "seedlog.jsonl")
+    for existing in (tmp_path / "dir", tmp_path / "file"):
+        if existing.name == "dir":
+            existing.mkdir()
+        else:
+            existing.write_text("x")
+        proc = main_in_process("distzo.replay", ["--log", log, "--out", str(existing)])
+        assert "--overwrite" in one_line(proc) and str(existing) in proc.stderr
+        assert not list(tmp_path.glob("*.tmp"))
+    proc = main_in_process(
+        "distzo.replay", ["--log", log, "--out", str(tmp_path / "dir"), "--overwrite"]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "dir" / "model.safetensors").is_file()
+
+
+def test_the_seed_log_names_the_base_by_an_absolute_path(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.train", "--max-steps", "1", "--output-dir", "rel"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = json.loads((tmp_path / "rel" / "seedlog.jsonl").read_text().splitlines()[0])
+    assert Path(header["base"]).is_absolute() and Path(header["base"]).is_dir()
+    assert header["model_type"] == "opt"
+
+
+# -- the model
+
+
+@pytest.mark.parametrize("name", ["/nope/model", "./nope", "../nope/model"])
+def test_a_missing_local_model_says_no_such_directory(name):
+    line = one_line(train_in_process(["--model", name]))
+    assert "no such directory" in line and "Repo id" not in line
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_safetensors_file_is_named(tmp_path, damage):
+    model = tmp_path / "model"
+    tiny_opt().save_pretrained(model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"garbage" * 10 if damage == "garbage" else data[: len(data) // 2])
+    out = tmp_path / "out"
+    line = one_line(train_in_process(["--model", str(model), "--output-dir", str(out)]))
+    assert str(weights) in line and "safetensors" in line
+    assert not out.exists()
+
+
+# -- checkpoints
+
+
+def test_a_checkpoint_without_metadata_offers_the_previous_one(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "checkpoints" / "step-3" / ".metadata").unlink()
+    line = one_line(train_in_process(["--output-dir", str(copy), "--resume"]))
+    assert ".metadata" in line and "step-3" in line and "step-2" in line
+
+
+def test_a_truncated_distcp_file_is_named(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shard = next((copy / "checkpoints" / "step-3").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    line = one_line(train_in_process(["--output-dir", str(copy), "--resume"]))
+    assert shard.name in line and "step-2" in line
+
+
+# -- writing
+
+
+def test_an_output_dir_under_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    line = one_line(train_in_process(["--output-dir", str(tmp_path / "file" / "run")]))
+    assert "--output-dir" in line and "not a directory" in line
+
+
+def test_a_full_disk_says_so_and_where(tmp_path, monkeypatch):
+    import distzo.export.hf_model as hf_model
+
+    def full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(hf_model, "save_file", full)
+    out = tmp_path / "out"
+    line = one_line(train_in_process(["--max-steps", "1", "--output-dir", str(out)]), code=1)
+    assert "no space left on device" in line and str(out / "export") in line
+    assert not (out / "export.tmp").exists()
+
+
+# -- data files
+
+
+def test_non_utf8_bytes_name_the_file_and_row(tmp_path):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    bad.write_bytes(b'{"sentence": "ok", "label": 1}\n{"sentence": "\xff\xfe", "label": 0}\n')
+    line = one_line(
+        train_in_process(["--task", "sst2", "--train-file", str(bad), "--eval-file", str(good)])
+    )
+    assert str(bad) in line and "row 2" in line and "UTF-8" in line
+
+
+def test_a_csv_field_over_the_limit_is_one_line(tmp_path):
+    good, big = tmp_path / "good.jsonl", tmp_path / "big.csv"
+    good.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    big.write_text("sentence,label\nok,1\n" + "x" * 200_000 + ",1\n")
+    line = one_line(
+        train_in_process(["--task", "sst2", "--train-file", str(big), "--eval-file", str(good)])
+    )
+    assert str(big) in line and "row 2" in line and "field limit" in line
+
+
+def test_max_length_too_small_for_the_candidates(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "out"
+    line = one_line(
+        train_in_process(
+            ["--task", "sst2", "--train-file", str(data), "--eval-file", str(data)]
+            + ["--max-length", "1", "--output-dir", str(out)]
+        )
+    )
+    assert "--max-length 1" in line
+    assert not out.exists()
+
+
+# -- combined messages (item 10)
+
+
+def test_a_batch_size_message_names_only_its_flag():
+    line = one_line(train_in_process(["--batch-size", "0"]))
+    assert "--batch-size" in line and "--max-steps" not in line and "--eval-batch-size" not in line
+
+
+def test_a_dp_suggestion_says_one_thing_once():
+    line = one_line(train_in_process(["--dp", "2"]))
+    assert line.count("--dp 1") == 1
+
+
+def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[optim]\nlrr = 0.1\n")
+    line = one_line(train_in_process(["--config", str(config)]))
+    assert "did you mean 'lr'" in line
