@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import tomllib
 import types
 import typing
@@ -61,8 +62,6 @@ SECTION_DOCS = {
 JOB_RESOLVED = ("device", "seed")
 # ZOConfig's fields a job leaves at the engine's default: not job options.
 ENGINE_ONLY = ("noise_chunk",)
-# A message two sections share (the bounds of the loop and of its batches).
-STEPS_AND_BATCHES = "--max-steps must be >= 0 and --batch-size/--eval-batch-size >= 1"
 _ENGINE_DEFAULT = object()
 _ADAPTER = AdapterSpec()  # the adapter's defaults: the [peft] options take theirs
 
@@ -128,12 +127,18 @@ class DataOptions:
 
     def validate(self) -> None:
         """Sizes only: the task and its files are checked when the job loads the rows."""
-        if self.batch_size < 1 or self.eval_batch_size < 1:
-            raise ValueError(STEPS_AND_BATCHES)
-        if self.max_length < 0 or self.max_new_tokens < 1:
+        for flag, size in (
+            ("--batch-size", self.batch_size),
+            ("--eval-batch-size", self.eval_batch_size),
+        ):
+            if size < 1:
+                raise ValueError(f"{flag} must be >= 1, got {size}")
+        if self.max_length < 0:
             raise ValueError(
-                "--max-length must be >= 0 (0: the model's limit) and --max-new-tokens >= 1"
+                f"--max-length must be >= 0 (0: the model's limit), got {self.max_length}"
             )
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -212,7 +217,7 @@ class OptimOptions:
     def validate(self) -> None:
         """The loop's length; the update's options are the engine's, checked by ZOConfig."""
         if self.max_steps < 0:
-            raise ValueError(STEPS_AND_BATCHES)
+            raise ValueError(f"--max-steps must be >= 0, got {self.max_steps}")
 
 
 @dataclass
@@ -527,6 +532,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _closest(key: str, keys: set[str]) -> str:
+    """A typo's likely fix first (difflib), else the keys to choose from."""
+    close = difflib.get_close_matches(key, keys, n=1)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return f"keys are {', '.join(sorted(keys))}"
+
+
 def load_toml(path: str) -> dict[str, dict[str, Any]]:
     try:
         with open(path, "rb") as fh:
@@ -547,8 +560,8 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
         for key in values:
             if key not in known[section]:
                 raise ValueError(
-                    f"--config {path}: unknown key {key!r} in [{section}]; keys are "
-                    f"{', '.join(sorted(known[section]))}"
+                    f"--config {path}: unknown key {key!r} in [{section}]; "
+                    + _closest(key, known[section])
                 )
     return data
 

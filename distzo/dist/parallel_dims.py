@@ -42,9 +42,13 @@ class ParallelDims:
                     else 0
                 )
                 if pert == 0:
+                    # the dp of each valid pert, each once (1 rank: only --dp 1)
+                    valid = dict.fromkeys(
+                        f"--dp {world_size // p}" for p in PERT_SIZES if world_size % p == 0
+                    )
                     raise ValueError(
                         f"--dp {dp} leaves no valid --pert for {world_size} ranks; "
-                        f"use --dp {world_size} or --dp {max(1, world_size // 2)}"
+                        f"use {' or '.join(valid)}"
                     )
             else:
                 pert = 2 if world_size % 2 == 0 else 1

@@ -145,8 +145,9 @@ def test_the_engine_config_is_taken_from_the_sections():
     [
         ("model", {"model": "a", "model_config": "opt-13b"}, "both name a model"),
         ("model", {"model_layers": 2}, "--model-layers only applies to --model-config"),
-        ("data", {"batch_size": 0}, "--batch-size/--eval-batch-size >= 1"),
-        ("data", {"max_new_tokens": 0}, "--max-new-tokens >= 1"),
+        ("data", {"batch_size": 0}, "--batch-size must be >= 1, got 0"),
+        ("data", {"eval_batch_size": 0}, "--eval-batch-size must be >= 1, got 0"),
+        ("data", {"max_new_tokens": 0}, "--max-new-tokens must be >= 1"),
         ("optim", {"max_steps": -1}, "--max-steps must be >= 0"),
         ("peft", {"lora_r": 0}, "--lora-r must be >= 1"),
         ("peft", {"batch_queries": True}, "need an adapter"),
