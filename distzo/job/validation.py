@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.export.hf_model import check_shard_size
-from distzo.job.build import default_model_config
+from distzo.job.build import default_model_config, local_model_dir
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
 from distzo.models import check_supported
 from distzo.models.shapes import shape_config
+from distzo.models.weights import check_readable
 
 logger = logging.getLogger("distzo.train")
 
@@ -54,6 +56,9 @@ def model_config_of(job: JobConfig) -> PretrainedConfig:
     name = job.model.model
     if name is None:
         return default_model_config(job.data.task)
+    local = local_model_dir(name)
+    if local is not None:
+        check_readable(local)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:  # a missing path, a malformed name, no hub access
@@ -71,6 +76,25 @@ def check_model(job: JobConfig) -> None:
         raise ValueError(
             f"{flag} {longest} exceeds the model's max_position_embeddings "
             f"{model_config.max_position_embeddings}; lower {flag}"
+        )
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """A run directory that can be made: refused before any run directory exists when a
+    path component is a file, or the nearest existing folder is not writable."""
+    path = Path(output_dir or "runs").absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"--output-dir {output_dir}: {existing} is a file, not a directory; give another "
+            "--output-dir"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--output-dir {output_dir or 'runs/'}: {existing} is not writable (permission "
+            "denied); give another --output-dir"
         )
 
 
@@ -93,6 +117,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     config = job.engine_config(resolve_device(job.parallel.device, env))
     pg.resolve_backend(job.parallel.backend, config.torch_device())
     check_model(job)
+    check_output_dir(job.run.output_dir)
     # every row checked, before any model
     rows = load_task_rows(job.data.task, job.data.train_file, job.data.eval_file)
     check_shard_size(job.run.export_shard_size)

@@ -17,10 +17,12 @@ one block, never the model twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -77,25 +79,54 @@ def _check(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
     return value
 
 
+@contextlib.contextmanager
+def safetensors_file(path: Path) -> Iterator[Any]:
+    """``safe_open`` with safetensors' own error (a garbage or truncated file: its header
+    does not cover the file) as one line naming the file, rather than a traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(path), "pt")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{path}: not a readable safetensors file ({err}); download or export it again"
+        ) from None
+    with handle:
+        yield handle
+
+
+def check_readable(directory: Path) -> None:
+    """Every safetensors file of a local model opens (its header checked against the file's
+    size): damage stops a job before it builds anything, with the file named."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        return  # .bin weights (or none: open_checkpoint says so)
+    for file in files:
+        with safetensors_file(directory / file):
+            pass
+
+
 class SafetensorsWeights:
     def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
-
         index = directory / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
         else:
             single = directory / "model.safetensors"
-            with safe_open(str(single), "pt") as handle:
+            with safetensors_file(single) as handle:
                 weight_map = {name: single.name for name in handle.keys()}
         self.directory, self.weight_map = directory, weight_map
-        self._open = safe_open
+        self._open = safetensors_file
 
     def tensor(self, names, shape, dtype):
         # One mapping per tensor, closed at once: pages read from a file mapping that stays
         # open count as this process's memory, which would add up to the whole checkpoint.
         name = _pick(names, self.weight_map)
-        with self._open(str(self.directory / self.weight_map[name]), "pt") as handle:
+        with self._open(self.directory / self.weight_map[name]) as handle:
             return _check(name, handle.get_tensor(name), shape).to(dtype=dtype, copy=True)
 
     def tensor_range(self, names, shape, dtype, start, stop):
@@ -105,7 +136,7 @@ class SafetensorsWeights:
         for size in shape[1:]:
             row *= size
         first, last = start // row, -(-stop // row)
-        with self._open(str(self.directory / self.weight_map[name]), "pt") as handle:
+        with self._open(self.directory / self.weight_map[name]) as handle:
             piece = handle.get_slice(name)
             if tuple(piece.get_shape()) != tuple(shape):
                 raise ValueError(
