@@ -46,12 +46,14 @@ from distzo.job.build import (
     model_source,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.divergence import diverged, is_finite, warn_if_nothing_learns
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import make_reporter
 from distzo.job.resume import catch_up_from_log
+from distzo.job.run_dir import clear_run
 from distzo.job.run_logs import RunLogs
 from distzo.job.validation import validate
 from distzo.models.weights import WeightSource
@@ -120,6 +122,10 @@ class Trainer:
         self.device = self.config.torch_device()
         self._use_device()
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
+        if self.job.run.overwrite:  # the old run goes before any rank writes into its directory
+            if self.env.rank == 0:
+                clear_run(self.job)
+            self.parallel.comm.barrier()
         self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
         stamp = self.parallel.comm.broadcast_object(
             datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -224,9 +230,12 @@ class Trainer:
 
     def train(self, signals: StopSignals | None = None) -> dict[str, float]:
         """Train to --max-steps, then save, evaluate and export; returns the final
-        evaluation. ``signals``: a preemption notice stops every rank after the same step
-        (``Preempted``)."""
+        evaluation. ``signals``: a preemption notice or Ctrl-C stops every rank after the
+        same step (``Preempted``); a non-finite loss or ``g`` stops every rank at that step,
+        which is not kept (``Diverged``)."""
         self.build()
+        if self.env.rank == 0:
+            warn_if_nothing_learns(self.config)
         # A resumed run does not evaluate where it starts: an evaluation applies the pending
         # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
         # extra one would part the resumed trajectory from the uninterrupted run's.
@@ -265,6 +274,8 @@ class Trainer:
             num_items=self.objective.num_items(batch),  # label tokens or examples, global
             stop=signals is not None and signals.requested,
         )
+        if not is_finite(result):  # the same reduced values on every rank: all stop here
+            self._diverge(result)
         self.last_metrics = self.meter.record(step, result, batch["input_ids"].numel())
         self.step = step + 1
         if self.logs:
@@ -313,6 +324,15 @@ class Trainer:
             self.checkpointer.wait()
         self.close()  # syncs the seed log
         raise Preempted(self.step, received or "a signal to another rank")
+
+    def _diverge(self, result: StepResult) -> None:
+        """End a run at its first non-finite step, keeping nothing of it: its pending update
+        is never applied (no flush, evaluation, save or export follows) nor logged; a save
+        of an earlier step in flight is completed, the logs closed; then ``Diverged``."""
+        self.checkpointer.wait()
+        self.close()  # syncs the seed log, which ends at the step before
+        last = latest_checkpoint(self.run_dir / "checkpoints")
+        raise diverged(result, self.config, str(last) if last is not None else None)
 
     def _finish(self, elapsed: float) -> dict[str, float]:
         """The final checkpoint, evaluation and export, and this rank's summary."""
