@@ -26,7 +26,8 @@ from distzo.config.cli import fail
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
 from distzo.dist import process_group as pg
-from distzo.job.preemption import EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.job.divergence import EXIT_DIVERGED, Diverged
+from distzo.job.preemption import EXIT_INTERRUPTED, Preempted, StopSignals
 from distzo.job.trainer import Trainer, TrainerCallback
 
 logger = logging.getLogger("distzo.train")
@@ -42,9 +43,23 @@ def configure_logging(env: LaunchEnv) -> None:
 
 def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = ()) -> int:
     """Run the job the command line describes; the process's exit code: 0, 2 for bad input
-    (one line on stderr), ``EXIT_PREEMPTED`` after a preemption notice."""
+    (one line on stderr), ``EXIT_DIVERGED`` (1) at a non-finite loss, ``EXIT_PREEMPTED``
+    after a preemption notice, ``EXIT_INTERRUPTED`` after Ctrl-C (a second one included,
+    reported in one line rather than a traceback)."""
     env = LaunchEnv.from_environ()
     configure_logging(env)
+    try:
+        return _run(argv, env, callbacks)
+    except KeyboardInterrupt:  # Ctrl-C before training, or a second one while stopping
+        logger.error(
+            "interrupted at once by SIGINT: nothing saved since the last checkpoint; "
+            "--resume goes on from it and the seed log"
+        )
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCallback]) -> int:
+    """``main`` but for an interrupt at once."""
     try:
         trainer = Trainer(resolve(argv), env, callbacks)
     except ValueError as err:
@@ -54,15 +69,20 @@ def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = (
             trainer.train(signals)
     except ValueError as err:
         return fail(str(err))
+    except Diverged as err:
+        logger.error("%s", err)  # every rank, tagged: they all stop at the same step
+        pg.shutdown()  # every rank saw the same non-finite value: no collective is pending
+        return EXIT_DIVERGED
     except Preempted as stopped:
         if env.rank == 0:
             logger.warning(
-                "preempted: %s; %d steps done, --resume (or a restart) goes on from there",
+                "%s: %s; %d steps done, --resume (or a restart) goes on from there",
+                "interrupted" if stopped.exit_code == EXIT_INTERRUPTED else "preempted",
                 stopped,
                 stopped.step,
             )
         pg.shutdown()  # every rank stopped after the same step: no collective is pending
-        return EXIT_PREEMPTED
+        return stopped.exit_code
     # Any other failure propagates: the process exits non-zero and torchrun stops the other
     # ranks (a peer blocked in a collective fails by itself within --dist-timeout). The
     # process group is torn down only after success: tearing it down under a collective

@@ -1,12 +1,14 @@
-"""Preemption: SIGTERM (SLURM's and the clouds' notice, and what torchrun forwards) or
-SIGUSR1 asks the job to stop after the step under way.
+"""Preemption: SIGTERM (SLURM's and the clouds' notice, and what torchrun forwards),
+SIGUSR1 or SIGINT (Ctrl-C) asks the job to stop after the step under way.
 
 A signal only sets a flag here; the training loop passes it as this rank's stop vote to
 the step's one all-reduce (``ZOEngine.step(stop=...)``), so every rank sees, in the same
 step, whether any rank was signalled, and they all stop after that step: ranks signalled
 a moment apart never wait for each other in a collective. The job then saves (with
 ``--save-on-signal``) or relies on its seed log, and exits with ``EXIT_PREEMPTED``
-(non-zero, so torchrun and SLURM treat it as a failure to requeue).
+(non-zero, so torchrun and SLURM treat it as a failure to requeue), or ``EXIT_INTERRUPTED``
+after a Ctrl-C. A second SIGINT while stopping raises ``KeyboardInterrupt`` at once: the
+user asked again, so the step, the save and every wait are abandoned.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # the code a process killed by SIGTERM reports
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a shell's code for Ctrl-C
 # What signal.signal installs and returns: a function, SIG_DFL/SIG_IGN, or None (not Python's).
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -34,10 +37,17 @@ class Preempted(Exception):
         self.step = step
         self.signal_name = signal_name
 
+    @property
+    def exit_code(self) -> int:
+        """What the process reports: a shell's Ctrl-C code when this rank got SIGINT, else
+        ``EXIT_PREEMPTED`` (a rank stopped by another's vote cannot tell which signal)."""
+        return EXIT_INTERRUPTED if self.signal_name == "SIGINT" else EXIT_PREEMPTED
+
 
 class StopSignals:
-    """While entered, SIGTERM and SIGUSR1 set ``requested`` instead of killing the process
-    (the main thread only: Python delivers signals there); the old handlers come back on exit."""
+    """While entered, SIGTERM, SIGUSR1 and SIGINT set ``requested`` instead of killing the
+    process (the main thread only: Python delivers signals there), and a SIGINT after the
+    first signal raises ``KeyboardInterrupt``; the old handlers come back on exit."""
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -50,7 +60,10 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            logger.warning("%s received: stopping after the step under way", self.received)
+            again = " (Ctrl-C again stops at once, unsaved)" if signum == signal.SIGINT else ""
+            logger.warning("%s received: stopping after the step under way%s", self.received, again)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: main reports it in one line
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
