@@ -9,6 +9,7 @@ causal-LM task). Errors are one line naming the file and the row.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,19 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         raise ValueError(
             f"{source}: unsupported format {suffix or '(none)'}; use one of {', '.join(FORMATS)}"
         )
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # a dependency of datasets
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow raises several kinds for a damaged file
+            raise ValueError(
+                f"{source}: not a readable parquet file ({str(err).splitlines()[0]})"
+            ) from None
+    text = _utf8(path, source, header=suffix in (".csv", ".tsv"))
     if suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -42,34 +53,53 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         return rows
     if suffix == ".json":
         try:
-            rows = json.loads(path.read_text())
+            rows = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{source}: not valid JSON ({err.msg}, line {err.lineno})") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{source}: expected a JSON list of objects")
         return rows
     if suffix in (".csv", ".tsv"):
-        with path.open(newline="") as fh:
-            reader = csv.DictReader(fh, delimiter="\t" if suffix == ".tsv" else ",")
-            rows = []
-            for number, row in enumerate(reader, 1):
-                if None in row or None in row.values():
-                    raise ValueError(
-                        f"{source}, row {number}: wrong number of fields for the header "
-                        f"{reader.fieldnames}"
-                    )
-                rows.append(row)
-            return rows
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq  # a dependency of datasets
+        return _csv_rows(text, source, "\t" if suffix == ".tsv" else ",")
+    return [{"text": line} for line in text.splitlines() if line.strip()]
 
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as err:  # pyarrow raises several kinds for a damaged file
+
+def _utf8(path: Path, source: str, header: bool) -> str:
+    """The file as text, or a one-line error at its first non-UTF-8 byte naming the row
+    (the line; a CSV's header line is not a row) rather than the codec's byte offset."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        where = "the header" if header and line == 1 else f"row {line - 1 if header else line}"
+        raise ValueError(
+            f"{source}, {where}: not UTF-8 (byte 0x{data[err.start]:02x}); save the file as UTF-8"
+        ) from None
+
+
+def _csv_rows(text: str, source: str, delimiter: str) -> list[dict[str, Any]]:
+    """CSV/TSV rows; a malformed row (a field over ``csv.field_size_limit``, the wrong number
+    of fields) is one line naming it."""
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    rows = []
+    number = 0
+    try:
+        for number, row in enumerate(reader, 1):
+            if None in row or None in row.values():
+                raise ValueError(
+                    f"{source}, row {number}: wrong number of fields for the header "
+                    f"{reader.fieldnames}"
+                )
+            rows.append(row)
+    except csv.Error as err:
+        if "field limit" in str(err):
             raise ValueError(
-                f"{source}: not a readable parquet file ({str(err).splitlines()[0]})"
+                f"{source}, row {number + 1}: a field is larger than the CSV field limit "
+                f"({csv.field_size_limit()} characters); shorten it or use a .jsonl file"
             ) from None
-    return [{"text": line} for line in path.read_text().splitlines() if line.strip()]
+        raise ValueError(f"{source}, row {number + 1}: not valid CSV ({err})") from None
+    return rows
 
 
 def parse_hub_spec(source: str) -> tuple[str, str | None, str]:

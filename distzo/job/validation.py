@@ -70,6 +70,12 @@ def check_model(job: JobConfig) -> None:
     model_config = model_config_of(job)
     check_supported(model_config.model_type)
     data = job.data
+    if data.task not in ("counting", "text") and 0 < data.max_length < 2:
+        # a prompt keeps one token at least, so a candidate or answer gets max_length - 1
+        raise ValueError(
+            f"--max-length {data.max_length} leaves no token of a candidate or answer to score "
+            "after its prompt; raise --max-length (at least 2, or 0: the model's limit)"
+        )
     longest = data.seq_len if data.task == "counting" else data.max_length
     if longest > model_config.max_position_embeddings:
         flag = "--seq-len" if data.task == "counting" else "--max-length"
