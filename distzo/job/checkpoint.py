@@ -54,6 +54,58 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def _damage(path: Path) -> str | None:
+    """What makes checkpoint ``path`` unloadable, named by its file (no ``.metadata``: the
+    save never finished; a ``.distcp`` shorter than the entries its metadata places in it:
+    truncated); None for a complete one. Sizes only: nothing is read but the metadata."""
+    metadata = path / ".metadata"
+    if not metadata.is_file():
+        return f"{metadata} is missing (the save did not finish)"
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as err:  # pickle, EOF or DCP errors: a damaged file, whichever
+        return f"{metadata} is unreadable ({(str(err) or type(err).__name__).splitlines()[0]})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
+    for name, end in sorted(needed.items()):
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            return f"{file} is missing"
+        if size < end:
+            return f"{file} is truncated ({size} of {end} bytes)"
+    return None
+
+
+def check_complete(path: Path) -> None:
+    """Refuse a damaged checkpoint in one line naming the file, and offer the previous
+    complete one (or the seed log alone): a resume must not die inside DCP's reader."""
+    damage = _damage(path)
+    if damage is None:
+        return
+    earlier = sorted(
+        (
+            (int(m.group(1)), p)
+            for p in path.parent.iterdir()
+            if (m := _STEP_DIR.match(p.name)) and p.is_dir() and p != path
+        ),
+        reverse=True,
+    )
+    step = int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else None
+    previous = next(
+        (p for n, p in earlier if (step is None or n < step) and _damage(p) is None), None
+    )
+    offer = (
+        f"the previous complete checkpoint is {previous}: move {path} aside to resume from it"
+        if previous is not None
+        else f"no earlier checkpoint is complete: move {path} aside to resume from the seed log"
+    )
+    raise ValueError(f"checkpoint {path} is damaged: {damage}; {offer}")
+
+
 def _pending_vector(pending: PendingUpdate | None) -> torch.Tensor:
     """``[has, step, g_0, lr, g_1, ..., g_{q-1}]``: the one-query layout, extended by the
     other queries' g, so that single-query checkpoints keep their format."""
@@ -126,6 +178,7 @@ def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
 def checkpoint_noise(path: Path) -> str:
     """The noise kind a checkpoint was drawn with (a checkpoint from before noise kinds: legacy),
     read on the host without a process group, so a resumed run can pick it before building."""
+    check_complete(path)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if "meta/noise" not in saved:
         return "legacy"
@@ -321,6 +374,7 @@ class Checkpointer:
     def load(self, path: Path) -> int:
         """Restore the engine from ``path``; returns the step to continue from."""
         engine = self.engine
+        check_complete(path)
         engine.streams.synchronize()
         meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
         # The pending update has as many g as the saving run had queries, whatever this one has.
