@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Iterable
 
-from distzo.config.cli import fail
+from distzo.config.cli import fail, write_failure
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
 from distzo.dist import process_group as pg
@@ -69,6 +69,8 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
             trainer.train(signals)
     except ValueError as err:
         return fail(str(err))
+    except OSError as err:  # a full disk, a directory made unwritable: a failure, one line
+        return fail(write_failure(err, getattr(trainer, "run_dir", "the run directory")), 1)
     except Diverged as err:
         logger.error("%s", err)  # every rank, tagged: they all stop at the same step
         pg.shutdown()  # every rank saw the same non-finite value: no collective is pending

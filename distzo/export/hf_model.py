@@ -14,6 +14,7 @@ under ``<name>.tmp`` and renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -174,31 +175,45 @@ def export_hf(
     tensors = (
         _merged_parameters(engine, rank0) if merged else engine.stream_parameters(materialize=rank0)
     )
-    for name, value in tensors:
-        file = file_of[name]
-        collected.setdefault(file, {})[name] = value
-        missing[file].discard(name)
-        if not missing[file]:
-            save_file(collected.pop(file), str(tmp / file), metadata={"format": "pt"})
-            logger.info("export: wrote %s", file)
-    if not rank0:
-        return None
-    assert not collected, f"shards left unwritten: {sorted(collected)}"
+    with _removed_on_failure(tmp, rank0):
+        for name, value in tensors:
+            file = file_of[name]
+            collected.setdefault(file, {})[name] = value
+            missing[file].discard(name)
+            if not missing[file]:
+                save_file(collected.pop(file), str(tmp / file), metadata={"format": "pt"})
+                logger.info("export: wrote %s", file)
+        if not rank0:
+            return None
+        assert not collected, f"shards left unwritten: {sorted(collected)}"
 
-    if plan.is_sharded:
-        total = engine.num_parameters + (engine.num_frozen if merged else 0)
-        index = {"metadata": {**plan.metadata, "total_parameters": total}, "weight_map": file_of}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _write_configs(engine, tmp, tokenizer)
-    return _publish(tmp, directory)
+        if plan.is_sharded:
+            total = engine.num_parameters + (engine.num_frozen if merged else 0)
+            index = {
+                "metadata": {**plan.metadata, "total_parameters": total},
+                "weight_map": file_of,
+            }
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_configs(engine, tmp, tokenizer)
+        return _publish(tmp, directory)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path, owner: bool) -> Iterator[None]:
+    """A failed write (a full disk, a path that turned unwritable) leaves no ``<name>.tmp``
+    behind: the half-written export is of no use, and its bytes are what the disk lacks."""
+    try:
+        yield
+    except OSError:
+        if owner:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | None:
     """Write the flushed adapter in peft's format (``adapter_config.json`` and
     ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads onto
     the base model. Collective: call on every rank; returns the directory on rank 0."""
-    from peft.utils import get_peft_model_state_dict
-
     directory = Path(directory)
     rank0 = _is_rank0()
     values = dict(engine.stream_parameters(materialize=rank0))
@@ -214,6 +229,14 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    with _removed_on_failure(tmp, True):
+        return _write_adapter(engine, values, peft_model, tmp, directory, tokenizer)
+
+
+def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, tokenizer) -> Path:
+    """The adapter's files into ``tmp``, then published as ``directory``."""
+    from peft.utils import get_peft_model_state_dict
+
     # peft reads a prefix from its own table: the blocks' prefixes go back into it
     if engine.prefixes:
         names = [
@@ -258,6 +281,8 @@ def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
 
 def _publish(tmp: Path, directory: Path) -> Path:
     """The finished ``<name>.tmp`` becomes ``<name>``: never a half-written export."""
+    if directory.is_file() or directory.is_symlink():  # a replay's --out with --overwrite
+        directory.unlink()
     shutil.rmtree(directory, ignore_errors=True)
     tmp.rename(directory)
     return directory
