@@ -1,5 +1,5 @@
-"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR``: a ZO run rebuilt from
-its seeds and scalars.
+"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR [--overwrite]``: a ZO
+run rebuilt from its seeds and scalars.
 
 A ZO-SGD run is fully described by its base weights and, per step, (step, g per query,
 lr): z is regenerated from (run seed, step, block, query) and the element, so replaying
@@ -24,13 +24,14 @@ import torch
 from transformers import AutoConfig
 
 from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
-from distzo.config.cli import fail, program
+from distzo.config.cli import fail, program, write_failure
 from distzo.config.engine_options import ZOConfig, optimizer_options
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
+from distzo.job.build import local_model_dir
 from distzo.job.seed_log import read_seed_log, step_grads
 from distzo.models import load_model
-from distzo.models.shapes import shape_config
+from distzo.models.shapes import check_signature, shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from distzo.zo import drawable, identity_kind
 
@@ -48,9 +49,30 @@ def base_model(base: str | None, header: dict, dtype: torch.dtype):
     base = base or header.get("base")
     if not base:
         raise ValueError("the log names no base model; pass --base")
-    if Path(base).is_dir():
-        return skeleton(AutoConfig.from_pretrained(base), dtype), open_checkpoint(base)
-    return load_model(base, dtype), None
+    recorded = header.get("model") or {}
+    local = local_model_dir(base)
+    if local is not None:
+        config = AutoConfig.from_pretrained(local)
+        check_signature(recorded, config, base)  # before any weight is read
+        return skeleton(config, dtype), open_checkpoint(local)
+    model = load_model(base, dtype)
+    check_signature(recorded, model.config, base)
+    return model, None
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """An existing --out (a folder or a file) is replaced only when asked: a replay must
+    not silently destroy a model someone wrote there."""
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        kind = "folder" if out.is_dir() else "file"
+        raise ValueError(
+            f"--out {out}: the {kind} exists; add --overwrite to replace it, or give another --out"
+        )
+    existing = out.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
 
 
 def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path | None:
@@ -126,14 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         help="where to write the rebuilt model (Hugging Face format)",
     )
     p.add_argument("--device", default=None, help="default: the device type the run trained on")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out (without it, an existing one is refused)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        check_out(args.out, args.overwrite)
         out = replay(args.base, args.log, args.out, args.device)
-    except (ValueError, OSError) as err:
+    except ValueError as err:
         return fail(str(err).splitlines()[0])
+    except OSError as err:  # a full disk, an unwritable --out: a failure, one line
+        return fail(write_failure(err, args.out), 1)
     logger.info("wrote %s", out)
     return 0
 

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.job import JobConfig
 from distzo.dist import ParallelContext
 from distzo.engine import StepResult, ZOEngine
+from distzo.models.shapes import signature
 from distzo.runtime.devices import device_name
 from distzo.runtime.host_memory import peak_rss_bytes, rss_bytes
 from distzo.zo import noise_identity
@@ -81,6 +83,7 @@ def run_header(
     objective: str,
     device: torch.device,
     run_dir: Path,
+    model_config: PretrainedConfig | None = None,
 ) -> dict[str, Any]:
     """The seed log's header: what a replay rebuilds the run from, and what a resumed run
     must share with it (``seed_log.TRAJECTORY_FIELDS``)."""
@@ -94,14 +97,24 @@ def run_header(
         "device_type": device.type,
         "dtype": model.dtype,
         "transfer_dtype": config.transfer_dtype,
-        "base": model.model or (None if model.model_config else str(run_dir / "base")),
+        "base": None if model.model_config else _base(model.model, run_dir),
         "model_config": model.model_config,
         "model_layers": model.model_layers,
         "init_seed": init_seed,
         "objective": objective,
         "peft": spec.record() if spec.enabled else None,
         "optimizer": optimizer_record(config),
+        # what a replay checks its --base against (None: a caller without the model's config)
+        **({"model": signature(model_config)} if model_config is not None else {}),
     }
+
+
+def _base(name: str | None, run_dir: Path) -> str | None:
+    """The base a replay starts from: a hub name as given, a local folder (or the run's own
+    ``base/``) as an absolute path, so the log replays from any working directory."""
+    if name is None:
+        return str((run_dir / "base").absolute())
+    return str(Path(name).expanduser().absolute()) if Path(name).expanduser().is_dir() else name
 
 
 def rank_summary(

@@ -210,6 +210,7 @@ class Trainer:
             self.objective.name,
             self.device,
             self.run_dir,
+            getattr(self.engine.model, "config", None),
         )
         if resuming:
             self.step = catch_up_from_log(self.engine, self.run_dir, self.header, self.parallel)

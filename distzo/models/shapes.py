@@ -62,3 +62,30 @@ def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
             max_position_embeddings=4096,
         )
     raise ValueError(f"unknown --model-config {name!r}; choose one of {', '.join(SHAPES)}")
+
+
+# The config fields that fix a model's parameter shapes across families (transformers maps
+# GPT-2's n_embd/n_layer/n_head onto these names).
+SIGNATURE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def signature(config: PretrainedConfig) -> dict[str, object]:
+    """What a seed log records of its model, so that a replay can refuse another base: the
+    model type and the sizes its updates were drawn for (z is drawn per parameter shape)."""
+    return {
+        "model_type": config.model_type,
+        **{name: getattr(config, name, None) for name in SIGNATURE_FIELDS},
+    }
+
+
+def check_signature(recorded: dict[str, object], config: PretrainedConfig, base: str) -> None:
+    """Refuse a base whose type or sizes differ from those the log recorded (logs from before
+    the record: not checked)."""
+    ours = signature(config)
+    for name, value in recorded.items():
+        if name in ours and ours[name] != value:
+            what = "model type" if name == "model_type" else name
+            raise ValueError(
+                f"--base {base} is a {what} {ours[name]} model, the log's run trained a {what} "
+                f"{value} one; replay onto the base the run started from"
+            )

@@ -92,7 +92,7 @@ def test_the_seed_log_names_the_base_by_an_absolute_path(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     header = json.loads((tmp_path / "rel" / "seedlog.jsonl").read_text().splitlines()[0])
     assert Path(header["base"]).is_absolute() and Path(header["base"]).is_dir()
-    assert header["model_type"] == "opt"
+    assert header["model"]["model_type"] == "opt"
 
 
 # -- the model
