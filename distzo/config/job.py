@@ -369,6 +369,13 @@ class RunOptions:
         RESUME_MODES,
         bare="yes",
     )
+    overwrite: bool = option(
+        False,
+        "start afresh in an --output-dir that holds a run (without it that is refused): first "
+        "delete the old run's own files and folders, config.toml, seedlog.jsonl, metrics.jsonl, "
+        "eval.jsonl, rankN.json, checkpoints/, export/, base/, tensorboard/ and wandb/ (and the "
+        "logs in --log-dir), never other files in the directory",
+    )
     report_to: str = option(
         "none",
         "the run's dashboard, from rank 0: tensorboard (event files in <run>/tensorboard; pip "
@@ -618,9 +625,13 @@ def to_toml(config: JobConfig) -> str:
 
 
 def write_resolved(config: JobConfig, run_dir: Path) -> Path:
+    """``config.toml``: the resolved tree, without --resume and --overwrite, which say how a
+    command treats its directory, not what the run is (a file passed back with --config must
+    not carry them into the old run's directory)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.toml"
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(to_toml(config))
+    run = dataclasses.replace(config.run, resume=None, overwrite=False)
+    tmp.write_text(to_toml(dataclasses.replace(config, run=run)))
     tmp.replace(path)
     return path

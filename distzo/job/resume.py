@@ -11,6 +11,7 @@ from distzo.config.job import RunOptions
 from distzo.dist import LaunchEnv, ParallelContext
 from distzo.engine import ZOEngine
 from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
+from distzo.job.run_dir import logged_steps_of, run_contents
 from distzo.job.seed_log import SEED_LOG, check_same_run, read_seed_log_once, step_grads
 from distzo.zo import identity_kind
 
@@ -19,7 +20,19 @@ logger = logging.getLogger("distzo.train")
 
 def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
     """``no`` or ``yes``, resolved: ``auto`` (the default under torchrun --max-restarts > 0)
-    resumes when the run directory holds a checkpoint or logged steps to go on from."""
+    resumes when the run directory holds a checkpoint or logged steps to go on from, else
+    starts afresh over it (it holds no step: ``run.overwrite`` is set). ``--overwrite``
+    starts afresh, except in a torchrun restart, which goes on from the first attempt."""
+    if run.overwrite:
+        if run.resume in ("yes", "auto"):
+            raise ValueError(
+                f"--overwrite starts afresh and --resume {run.resume} goes on with the run: keep "
+                "one"
+            )
+        if run.resume is None and env.restart_count > 0:
+            run.overwrite = False  # the first attempt deleted the old run: go on from its steps
+        else:
+            return "no"
     if run.resume is None and env.max_restarts > 0 and not run.output_dir:
         if env.rank == 0:
             logger.warning(
@@ -32,25 +45,31 @@ def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
         raise ValueError(f"--resume {mode} needs --output-dir: the run directory to resume")
     if mode == "no" or run.output_dir is None:
         return "no"
-    directory = Path(run.output_dir)
+    directory, logs = Path(run.output_dir), Path(run.log_dir) if run.log_dir else None
     if latest_checkpoint(directory / "checkpoints"):
         return "yes"
+    steps = logged_steps(directory / SEED_LOG)
     if mode == "yes":
+        if steps:  # dropping --resume would overwrite them
+            raise ValueError(
+                f"--resume: no checkpoint in {run.output_dir}/checkpoints, but its seed log holds "
+                f"{steps} steps: --resume auto catches up with them from the initial weights"
+            )
+        fresh = "--overwrite instead" if run_contents(directory, logs) else "drop --resume"
         raise ValueError(
-            f"--resume: no checkpoint in {run.output_dir}/checkpoints; drop --resume to start "
-            "afresh"
+            f"--resume: no checkpoint in {run.output_dir}/checkpoints and no logged step to go on "
+            f"from; {fresh} to start afresh"
         )
-    return "yes" if logged_steps(directory / SEED_LOG) else "no"
+    if steps:
+        return "yes"
+    run.overwrite = bool(run_contents(directory, logs))  # no step to go on from: start afresh
+    return "no"
 
 
 def logged_steps(path: Path) -> int:
-    """How many steps a seed log holds (0: none, or no log)."""
-    if not path.is_file():
-        return 0
-    try:
-        return len(read_seed_log_once(path)[1])
-    except ValueError:
-        return 0
+    """How many step records a seed log holds (0: none, or no log); whether they run
+    0..n-1 is ``check_log_leads_to_checkpoint``'s to say."""
+    return len(logged_steps_of(path)) if path.is_file() else 0
 
 
 def drawn_noise(run_dir: Path) -> str:

@@ -24,6 +24,7 @@ from distzo.export.hf_model import check_shard_size
 from distzo.job.build import default_model_config, local_model_dir
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
+from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.models import check_supported
 from distzo.models.shapes import shape_config
 from distzo.models.weights import check_readable
@@ -129,6 +130,12 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     check_shard_size(job.run.export_shard_size)
     check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env)
+    if job.run.resume == "yes":  # the run directory's own checks, before reading a checkpoint
+        check_log_leads_to_checkpoint(Path(job.run.output_dir or "."))
+        check_resumed_options(job, env)  # may take the run's seed for -1
+        config = dataclasses.replace(config, seed=job.run.engine_seed)
+    else:
+        check_fresh(job)
     if job.run.resume != "no":
         config = resumed_noise(job, config)
     job.optim.noise = config.noise  # resolved: config.toml records it

@@ -190,10 +190,10 @@ def test_defaults_that_depend_on_another_section_are_resolved_into_the_tree():
 def test_a_config_written_by_version_0_1_resolves_to_the_default_options():
     # config.toml of a default run before the engine's options joined the tree (issue 27).
     old, default = resolve(["--config", str(CONFIG_0_1)]), resolve([])
+    assert old.run.output_dir == "/tmp/base/run"  # where that run wrote: another run's now
+    old.run.output_dir = None
     checked_old, checked_default = validate(old, LaunchEnv()), validate(default, LaunchEnv())
     assert checked_old.config == checked_default.config  # the engine's options
-    assert old.run.output_dir == "/tmp/base/run"  # where that run wrote
-    old.run.output_dir = None
     # The file records the slot count that run's memory plan chose: the engine's default.
     assert old.offload.num_slots == engine_default("num_slots")
     old.offload.num_slots = None

@@ -1,0 +1,222 @@
+"""The run directory as the job finds it: whether it already holds a run, what
+``--overwrite`` deletes, whether a resume's checkpoint is one its seed log leads up to,
+and which options a resume may change.
+
+Every check reads only files every rank can see and runs before any process group, so
+every rank takes the same decision (a refusal on one rank and not another would leave a
+peer waiting in a collective). A run's own files are the names below and nothing else:
+``--overwrite`` never deletes what a user put beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from distzo.config.job import JobConfig
+from distzo.dist import LaunchEnv
+from distzo.job.checkpoint import latest_checkpoint
+from distzo.job.seed_log import SEED_LOG
+
+logger = logging.getLogger("distzo.train")
+
+# What a run writes into its directory (each also under a ``.tmp`` name while written).
+RUN_FILES = ("config.toml", SEED_LOG, "metrics.jsonl", "eval.jsonl")
+RUN_FOLDERS = ("checkpoints", "export", "base", "tensorboard", "wandb")
+LOG_FILES = ("metrics.jsonl", "eval.jsonl")  # what goes to --log-dir instead, when given
+_RANK_SUMMARY = re.compile(r"^rank\d+\.json$")
+
+# Options a resumed run may change: they change how or how long the run goes, what it
+# records or where, never the weights after a given step (the layout, the device and the
+# schedule of saves and evaluations are all bit for bit; docs/checkpoints.md). Every other
+# option changes the trajectory and a resume refuses a change to it.
+RESUME_MAY_CHANGE = (
+    "max_steps",
+    "eval_steps",
+    "eval_batch_size",
+    "max_new_tokens",
+    "save_steps",
+    "save_async",
+    "save_on_signal",
+    "log_every",
+    "log_dir",
+    "log_sync_steps",
+    "keep_checkpoints",
+    "report_to",
+    "export_shard_size",
+    "merge_adapter",
+    "force",
+    "mode",
+    "num_slots",
+    "transfer",
+    "transfer_chunks",
+    "device",
+    "dp",
+    "pert",
+    "backend",
+    "dist_timeout",
+    "threads",
+)
+# How this command treats its directory, not what the run is: never compared.
+INVOCATION = ("output_dir", "resume", "overwrite")
+
+
+def run_contents(run_dir: Path, log_dir: Path | None = None) -> list[Path]:
+    """The run's own files and folders in ``run_dir`` (and its logs in ``log_dir``)."""
+    if not run_dir.is_dir():
+        return []
+    names = {*RUN_FILES, *RUN_FOLDERS}
+    names |= {f"{name}.tmp" for name in names}
+    found = [p for p in run_dir.iterdir() if p.name in names or _RANK_SUMMARY.match(p.name)]
+    if log_dir is not None and log_dir.is_dir() and log_dir.resolve() != run_dir.resolve():
+        logs = {*LOG_FILES, *(f"{name}.tmp" for name in LOG_FILES)}
+        found += [p for p in log_dir.iterdir() if p.name in logs]
+    return sorted(found)
+
+
+def _dirs(job: JobConfig) -> tuple[Path, Path | None]:
+    run = job.run
+    return Path(run.output_dir or "."), Path(run.log_dir) if run.log_dir else None
+
+
+def _names(paths: list[Path]) -> str:
+    shown = [p.name + ("/" if p.is_dir() else "") for p in paths[:4]]
+    return ", ".join(shown) + (", ..." if len(paths) > 4 else "")
+
+
+def check_fresh(job: JobConfig) -> None:
+    """A run that starts afresh (no resume) into a directory holding a run would overwrite
+    its logs and export and leave its checkpoints for a later resume to mix in: refused
+    unless ``--overwrite`` (which deletes the old run's files first)."""
+    if job.run.output_dir is None or job.run.overwrite:
+        return
+    run_dir, log_dir = _dirs(job)
+    found = run_contents(run_dir, log_dir)
+    if found:
+        raise ValueError(
+            f"--output-dir {job.run.output_dir} already holds a run ({_names(found)}): add "
+            "--resume to go on with it, --overwrite to delete it and start afresh, or give "
+            "another --output-dir"
+        )
+
+
+def clear_run(job: JobConfig) -> None:
+    """``--overwrite``: delete the old run's own files and folders (see ``run_contents``),
+    nothing else. Rank 0 only, before any rank writes into the directory."""
+    run_dir, log_dir = _dirs(job)
+    found = run_contents(run_dir, log_dir)
+    names = _names(found)
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    if found:
+        logger.warning("--overwrite: deleted the old run in %s (%s)", run_dir, names)
+
+
+def logged_steps_of(path: Path) -> list[int]:
+    """The step of each complete record of a seed log, as written (gaps kept; a torn last
+    line, a header or a line that is not a step record skipped)."""
+    steps = []
+    for line in path.read_text().split("\n")[:-1]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            steps.append(record["step"])
+    return steps
+
+
+def check_log_leads_to_checkpoint(run_dir: Path) -> None:
+    """A resume loads the latest checkpoint and catches up with the seed log's later steps:
+    that is the run only if the log holds every step 0..N-1 before a checkpoint of N steps
+    (a checkpoint ahead of the log, or a log with a gap, is of another run in the same
+    directory). Refused in one line naming both. A directory with no seed log (a checkpoint
+    copied there to resume) has nothing to check."""
+    log = run_dir / SEED_LOG
+    if not log.is_file():
+        return
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    done = int(checkpoint.name.removeprefix("step-")) if checkpoint is not None else 0
+    start = f"{checkpoint} ({done} steps)" if checkpoint is not None else "the initial weights"
+    fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
+    steps = logged_steps_of(log)
+    gap = next((i for i, step in enumerate(steps) if step != i), None)
+    if gap is not None:
+        after = f"step {gap - 1}" if gap else "its header"
+        raise ValueError(
+            f"--resume: {log} jumps from {after} to step {steps[gap]}, so it does not go on "
+            f"from {start}; {fix}"
+        )
+    if len(steps) < done:
+        last = f"step {len(steps) - 1}" if steps else "its header"
+        raise ValueError(
+            f"--resume: {checkpoint} holds {done} steps but {log} ends at {last}; {fix}"
+        )
+
+
+def _recorded(job: JobConfig, path: Path) -> dict[str, Any]:
+    """The options ``config.toml`` records, by name; an option it does not name ran with
+    its default (a file from an earlier version) or was unset (None)."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"--resume: cannot read {path} ({err}); repair or remove it") from None
+    recorded = {}
+    for section, values in JobConfig().sections().items():
+        saved = data.get(section, {})
+        for f in dataclasses.fields(values):
+            recorded[f.name] = saved.get(f.name, getattr(values, f.name))
+    return recorded
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _same(old: Any, new: Any) -> bool:
+    if isinstance(new, float) and isinstance(old, int) and not isinstance(old, bool):
+        old = float(old)
+    return bool(old == new)
+
+
+def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
+    """A resume goes on with the options its run started with (its ``config.toml``, the
+    resolved tree): a change that alters the trajectory is refused, naming each option with
+    the run's value and the new one; the others are accepted, named in one warning. A run
+    seed of -1 (draw one) takes the run's, and an unset noise the checkpoint's (checked
+    after this). Resolves ``job`` in place."""
+    path = Path(job.run.output_dir or ".") / "config.toml"
+    if not path.is_file():
+        return
+    recorded = _recorded(job, path)
+    if job.run.seed == -1 and isinstance(recorded["seed"], int):
+        job.run.seed = recorded["seed"]  # the seed that run drew
+    refused, allowed = [], []
+    for values in job.sections().values():
+        for f in dataclasses.fields(values):
+            name, new = f.name, getattr(values, f.name)
+            if name in INVOCATION or _same(recorded[name], new) or (name, new) == ("noise", None):
+                continue
+            change = f"{_flag(name)} {recorded[name]} -> {new}"
+            if name not in RESUME_MAY_CHANGE:
+                refused.append(change)
+            elif new is not None:  # None: resolved again as the run did (num_slots)
+                allowed.append(change)
+    if refused:
+        raise ValueError(
+            f"--resume: {', '.join(refused)} would change the trajectory of the run in "
+            f"{path.parent} (its config.toml); resume with its values, or start afresh with "
+            "--overwrite or another --output-dir"
+        )
+    if allowed and env.rank == 0:
+        logger.warning("--resume: changed since the run started: %s", ", ".join(allowed))

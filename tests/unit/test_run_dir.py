@@ -1,0 +1,166 @@
+"""The run directory: a command never re-runs into a run it did not ask to go on with or
+to replace, ``--overwrite`` deletes only the run's own files, and a resume goes on only
+from a checkpoint its seed log leads up to, with options that keep its trajectory."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from distzo.config.checks import resolve_defaults
+from distzo.config.job import resolve
+from distzo.dist import LaunchEnv
+from distzo.job.resume import resume_mode
+from distzo.job.run_dir import check_resumed_options
+from tests.helpers.launch import python_train, train_in_process
+
+SMALL = ["--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0"]
+
+
+def hashes(directory: Path) -> dict[str, str]:
+    """Every file under ``directory``, by relative path, with its sha256."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints after 2 and 4 steps."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    proc = python_train([*SMALL, "--max-steps", "4", "--save-steps", "2", "--output-dir", str(run)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A copy of the finished run that a test may change."""
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)
+    config = copy / "config.toml"  # it names the directory it was written in
+    config.write_text(config.read_text().replace(str(finished), str(copy)))
+    return copy
+
+
+def error_line(proc) -> str:
+    """The one line a refusal writes (exit code 2, nothing else on stderr)."""
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_rerun_into_a_run_directory_is_refused_and_changes_no_byte(run):
+    (run / "notes.txt").write_text("mine")
+    before = hashes(run)
+    line = error_line(train_in_process([*SMALL, "--max-steps", "2", "--output-dir", str(run)]))
+    assert line.startswith(f"error: --output-dir {run} already holds a run (base/, checkpoints/")
+    assert line.endswith(
+        "add --resume to go on with it, --overwrite to delete it and start afresh, or give "
+        "another --output-dir"
+    )
+    # The run's own config.toml names its directory: passed back alone, the same refusal.
+    recorded = (run / "config.toml").read_text()
+    assert f'output_dir = "{run}"' in recorded and "resume =" not in recorded
+    assert error_line(train_in_process(["--config", str(run / "config.toml")])) == line
+    assert hashes(run) == before
+
+
+def test_overwrite_deletes_the_runs_own_files_and_nothing_else(run):
+    (run / "notes.txt").write_text("mine")
+    (run / "mine").mkdir()
+    (run / "mine" / "data.jsonl").write_text("{}\n")
+    (run / "checkpoints" / "step-9").mkdir()  # a stale checkpoint a resume would have taken
+    proc = python_train([*SMALL, "--max-steps", "3", "--output-dir", str(run), "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--overwrite: deleted the old run in" in proc.stderr
+    assert (run / "notes.txt").read_text() == "mine" and (run / "mine" / "data.jsonl").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-3"]
+    steps = [json.loads(line) for line in (run / "seedlog.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert "overwrite = false" in (run / "config.toml").read_text()
+
+
+def test_overwrite_and_resume_are_refused_together(run):
+    line = error_line(train_in_process(["--output-dir", str(run), "--overwrite", "--resume"]))
+    assert line == (
+        "error: --overwrite starts afresh and --resume yes goes on with the run: keep one"
+    )
+
+
+def test_a_torchrun_restart_of_an_overwrite_run_goes_on_from_the_first_attempt(run):
+    job = resolve(["--output-dir", str(run), "--overwrite"])
+    first = LaunchEnv(max_restarts=1, restart_count=0)
+    assert resume_mode(job.run, first) == "no" and job.run.overwrite
+    restart = LaunchEnv(max_restarts=1, restart_count=1)
+    assert resume_mode(job.run, restart) == "yes" and not job.run.overwrite
+
+
+def test_a_checkpoint_ahead_of_the_seed_log_is_refused_naming_both(run):
+    log = run / "seedlog.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:3]))  # 0, 1
+    line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
+    assert line == (
+        f"error: --resume: {run}/checkpoints/step-4 holds 4 steps but {log} ends at step 1; "
+        "the two are not one run; start afresh with --overwrite or another --output-dir"
+    )
+
+
+def test_a_seed_log_with_a_gap_is_refused_naming_both(run):
+    # The old failure: a re-run overwrote the log (steps 0-1), a later --resume loaded the
+    # old step-4 checkpoint and appended steps 4-5.
+    log = run / "seedlog.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("".join(line + "\n" for line in lines[:3] + lines[4:]))  # 0, 1, then 3
+    line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
+    assert line == (
+        f"error: --resume: {log} jumps from step 1 to step 3, so it does not go on from "
+        f"{run}/checkpoints/step-4 (4 steps); the two are not one run; start afresh with "
+        "--overwrite or another --output-dir"
+    )
+
+
+def test_resume_refuses_options_that_change_the_trajectory_naming_each(run):
+    argv = [*SMALL, "--output-dir", str(run), "--resume", "--batch-size", "4", "--lr", "0.02"]
+    line = error_line(train_in_process([*argv, "--eps", "0.01", "--optimizer", "momentum"]))
+    assert line == (
+        "error: --resume: --batch-size 8 -> 4, --lr 0.01 -> 0.02, --eps 0.001 -> 0.01, "
+        f"--optimizer sgd -> momentum would change the trajectory of the run in {run} (its "
+        "config.toml); resume with its values, or start afresh with --overwrite or another "
+        "--output-dir"
+    )
+
+
+def test_resume_accepts_options_that_keep_the_trajectory_naming_them_in_one_warning(run):
+    argv = [*SMALL, "--output-dir", str(run), "--resume", "--max-steps", "6", "--eval-steps"]
+    proc = python_train([*argv, "3", "--keep-checkpoints", "0", "--mode", "resident"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (warning,) = [line for line in proc.stderr.splitlines() if "changed since" in line]
+    assert warning.endswith(
+        "--resume: changed since the run started: --max-steps 4 -> 6, --mode offload -> "
+        "resident, --eval-steps 0 -> 3, --save-steps 2 -> 0, "
+        "--keep-checkpoints 2 -> 0"
+    )
+    steps = [json.loads(line) for line in (run / "seedlog.jsonl").read_text().splitlines()][1:]
+    assert [r["step"] for r in steps] == list(range(6))
+
+
+def test_a_resume_with_seed_minus_1_takes_the_runs_seed(run):
+    job = resolve([*SMALL, "--output-dir", str(run), "--seed", "-1"])
+    resolve_defaults(job)  # as validate does first
+    check_resumed_options(job, LaunchEnv())
+    assert job.run.seed == 0
+
+
+def test_resume_without_a_checkpoint_but_with_logged_steps_points_to_resume_auto(run):
+    shutil.rmtree(run / "checkpoints")
+    line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
+    assert line == (
+        f"error: --resume: no checkpoint in {run}/checkpoints, but its seed log holds 4 steps: "
+        "--resume auto catches up with them from the initial weights"
+    )
