@@ -2,8 +2,10 @@
 trainer's callbacks: the product itself reads none of these variables.
 
 * ``DISTZO_FAIL_AT=RANK:STEP``: that rank raises just before that step.
-* ``DISTZO_SIGNAL_AT=RANK:STEP``: that rank sends itself SIGTERM just before that step
-  (a preemption notice), unless the run resumes.
+* ``DISTZO_SIGNAL_AT=RANK:STEP[:SIGNAL],...``: that rank sends itself SIGNAL (default
+  SIGTERM, a preemption notice; SIGINT is a Ctrl-C) just before that step, unless the run
+  resumes. Entries are comma-separated and sent in order: ``0:5:SIGINT,1:5:SIGINT`` is a
+  Ctrl-C reaching both ranks, the same entry twice a second Ctrl-C.
 * ``DISTZO_KILL_AT=RANK:STEP``: that rank SIGKILLs itself there, on a job's first
   attempt only (torchrun's restarts then go on).
 * ``DISTZO_CRASH_IN_SAVE=STEP``: the process exits abruptly right after launching that
@@ -36,6 +38,17 @@ def injects(environ: Mapping[str, str] | None) -> bool:
     return environ is not None and any(name in environ for name in VARIABLES)
 
 
+def _signals_at(spec: str | None, rank: int, step: int) -> list[signal.Signals]:
+    """The signals of the ``RANK:STEP[:SIGNAL]`` entries of ``spec`` naming ``rank`` and
+    ``step``, in order."""
+    signals = []
+    for entry in spec.split(",") if spec else ():
+        fault_rank, fault_step, *name = entry.split(":")
+        if (int(fault_rank), int(fault_step)) == (rank, step):
+            signals.append(signal.Signals[name[0] if name else "SIGTERM"])
+    return signals
+
+
 def _step_of(spec: str | None, rank: int) -> int | None:
     """The step of ``RANK:STEP`` when it names ``rank``."""
     if not spec:
@@ -54,8 +67,9 @@ class Faults(TrainerCallback):
         rank = trainer.env.rank
         if step == _step_of(self.environ.get(FAIL_AT), rank):
             raise RuntimeError(f"failure injected by {FAIL_AT} at step {step}")
-        if step == _step_of(self.environ.get(SIGNAL_AT), rank) and trainer.job.run.resume != "yes":
-            os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the step starts
+        if trainer.job.run.resume != "yes":
+            for sig in _signals_at(self.environ.get(SIGNAL_AT), rank, step):
+                signal.raise_signal(sig)  # its handler runs before this returns
         if step == _step_of(self.environ.get(KILL_AT), rank) and trainer.env.restart_count == 0:
             logger.error("killing rank %d at step %d (%s)", rank, step, KILL_AT)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,84 @@
+"""Ctrl-C (SIGINT) stops a run like a preemption notice: every rank after the same step, a
+checkpoint with --save-on-signal, exit 130 and one line, and the resumed run ends where an
+uninterrupted one does; a second Ctrl-C stops at once, in one line, not a traceback."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers.launch import FAULTY_TRAIN, child_env, torchrun
+
+FLAGS = [
+    "--max-steps",
+    "12",
+    "--batch-size",
+    "8",
+    "--eval-batch-size",
+    "8",
+    "--log-every",
+    "0",
+    "--seed",
+    "5",
+    "--lr-schedule",
+    "constant",
+    "--save-steps",
+    "4",
+    "--no-save-async",
+]
+EXPORTED = "export/model.safetensors"
+
+
+def test_ctrl_c_on_both_ranks_stops_after_the_same_step_and_the_run_resumes_exactly(tmp_path):
+    # SIGINT reaches both ranks before step 5 (a terminal's Ctrl-C, which torchrun forwards
+    # to every rank): both stop after it, write a checkpoint and exit 130; the resumed run's
+    # export is the uninterrupted run's, byte for byte.
+    flags = FLAGS + ["--dp", "2"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    assert torchrun(2, flags + ["--output-dir", str(full)]).returncode == 0
+    proc = torchrun(
+        2,
+        flags + ["--output-dir", str(stopped), "--save-on-signal"],
+        env={"DISTZO_SIGNAL_AT": "0:5:SIGINT,1:5:SIGINT"},
+    )
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}] WARNING distzo.job.preemption: SIGINT received: stopping" in (
+            proc.stderr
+        )
+    assert proc.stderr.count("interrupted: stopped after step 5 on SIGINT; 6 steps done") == 1
+    assert "KeyboardInterrupt" not in proc.stderr
+    assert "exitcode  : 130" in proc.stderr
+    assert [
+        json.loads(line)["step"] for line in (stopped / "metrics.jsonl").read_text().splitlines()
+    ] == list(range(6))
+    assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == ["step-4", "step-6"]
+    assert not (stopped / "export").exists()
+    proc = torchrun(2, flags + ["--output-dir", str(stopped), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (stopped / EXPORTED).read_bytes() == (full / EXPORTED).read_bytes()
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    # Two SIGINTs before step 3: the first asks for a stop after the step, the second ends
+    # the run there, without the step or the signal's checkpoint.
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", FAULTY_TRAIN, *FLAGS, "--save-steps", "2", "--save-on-signal"]
+        + ["--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env({"DISTZO_SIGNAL_AT": "0:3:SIGINT,0:3:SIGINT"}),
+    )
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "ERROR distzo.train: interrupted at once by SIGINT: nothing saved since the last "
+            "checkpoint; --resume goes on from it and the seed log"
+        )
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    assert not (out / "export").exists()
