@@ -31,7 +31,7 @@ from distzo.export.hf_model import export_model
 from distzo.job.build import local_model_dir
 from distzo.job.seed_log import read_seed_log, step_grads
 from distzo.models import load_model
-from distzo.models.shapes import check_signature, shape_config
+from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from distzo.zo import drawable, identity_kind
 
@@ -49,7 +49,7 @@ def base_model(base: str | None, header: dict, dtype: torch.dtype):
     base = base or header.get("base")
     if not base:
         raise ValueError("the log names no base model; pass --base")
-    recorded = header.get("model") or {}
+    recorded = header.get("model") or logged_base_signature(header)
     local = local_model_dir(base)
     if local is not None:
         config = AutoConfig.from_pretrained(local)
@@ -58,6 +58,15 @@ def base_model(base: str | None, header: dict, dtype: torch.dtype):
     model = load_model(base, dtype)
     check_signature(recorded, model.config, base)
     return model, None
+
+
+def logged_base_signature(header: dict) -> dict:
+    """What a log from before the header's ``model`` record says of its model: its base
+    folder's config where that folder still exists; else nothing to check."""
+    logged = header.get("base")
+    if logged and Path(logged).is_dir() and (Path(logged) / "config.json").is_file():
+        return signature(AutoConfig.from_pretrained(logged))
+    return {}
 
 
 def check_out(out: Path, overwrite: bool) -> None:

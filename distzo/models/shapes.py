@@ -65,8 +65,16 @@ def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
 
 
 # The config fields that fix a model's parameter shapes across families (transformers maps
-# GPT-2's n_embd/n_layer/n_head onto these names).
-SIGNATURE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# GPT-2's n_embd/n_layer/n_head onto these names; a family without one records None).
+SIGNATURE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "ffn_dim",
+)
 
 
 def signature(config: PretrainedConfig) -> dict[str, object]:
@@ -86,6 +94,6 @@ def check_signature(recorded: dict[str, object], config: PretrainedConfig, base:
         if name in ours and ours[name] != value:
             what = "model type" if name == "model_type" else name
             raise ValueError(
-                f"--base {base} is a {what} {ours[name]} model, the log's run trained a {what} "
-                f"{value} one; replay onto the base the run started from"
+                f"--base {base} has {what} {ours[name]}, the log's run trained {what} {value}; "
+                "replay onto the base the run started from"
             )

@@ -63,6 +63,23 @@ def test_replay_refuses_a_base_of_another_model(run, tmp_path):
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 
 
+def test_replay_refuses_a_base_of_other_sizes_and_checks_old_logs(run, tmp_path):
+    other = tmp_path / "opt"
+    tiny_opt(ffn_dim=48).save_pretrained(other)  # an OPT, of other sizes than the run's
+    log = tmp_path / "seedlog.jsonl"
+    header, *steps = (run / "seedlog.jsonl").read_text().splitlines()
+    old = json.loads(header)
+    del old["model"]  # a log from before the record: its base folder's config decides
+    log.write_text("\n".join([json.dumps(old), *steps]) + "\n")
+    for seed_log in (run / "seedlog.jsonl", log):
+        proc = main_in_process(
+            "distzo.replay",
+            ["--base", str(other), "--log", str(seed_log), "--out", str(tmp_path / "out")],
+        )
+        assert "the log's run trained" in one_line(proc) and "model type" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_replay_refuses_an_existing_out_without_overwrite(run, tmp_path):
     log = str(run / "seedlog.jsonl")
     for existing in (tmp_path / "dir", tmp_path / "file"):
