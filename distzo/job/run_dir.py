@@ -108,7 +108,10 @@ def check_fresh(job: JobConfig) -> None:
 
 def clear_run(job: JobConfig) -> None:
     """``--overwrite``: delete the old run's own files and folders (see ``run_contents``),
-    nothing else. Rank 0 only, before any rank writes into the directory."""
+    nothing else. Rank 0 only, before any rank writes into the directory. Without
+    --output-dir the run goes to a new directory: nothing to delete."""
+    if job.run.output_dir is None:
+        return
     run_dir, log_dir = _dirs(job)
     found = run_contents(run_dir, log_dir)
     names = _names(found)

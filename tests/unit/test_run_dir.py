@@ -13,7 +13,7 @@ from distzo.config.checks import resolve_defaults
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
 from distzo.job.resume import resume_mode
-from distzo.job.run_dir import check_resumed_options
+from distzo.job.run_dir import check_resumed_options, clear_run
 from tests.helpers.launch import python_train, train_in_process
 
 SMALL = ["--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0"]
@@ -164,3 +164,11 @@ def test_resume_without_a_checkpoint_but_with_logged_steps_points_to_resume_auto
         f"error: --resume: no checkpoint in {run}/checkpoints, but its seed log holds 4 steps: "
         "--resume auto catches up with them from the initial weights"
     )
+
+
+def test_overwrite_without_an_output_dir_deletes_nothing(run, monkeypatch):
+    # The run goes to ./runs/<timestamp>: the working directory's files are not its own.
+    monkeypatch.chdir(run)
+    before = hashes(run)
+    clear_run(resolve(["--overwrite"]))
+    assert hashes(run) == before
