@@ -6,7 +6,7 @@ the step's reduced values, which are already host floats and the same on every r
 after the step's all-reduce, so every rank stops at the same step with no extra
 collective and no extra device sync. Nothing of that step is kept: its pending update is
 never applied, saved or logged, so the last checkpoint and the seed log hold the last
-good state and ``--resume`` (with a lower ``--lr``) goes on from there.
+good state, from which ``--resume`` goes on.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def diverged(result: StepResult, config: ZOConfig, last_checkpoint: str | None) 
         f"(L+ {result.loss_plus:.4g}, L- {result.loss_minus:.4g}), projected gradient "
         f"{grads} at lr {result.lr:.3g}; the step was not applied, saved or logged, and the "
         f"run keeps {kept}the seed log up to step {result.step - 1}: try a lower --lr "
-        f"({config.lr:g} in this run) or a larger --eps ({config.eps:g}), then --resume goes "
-        "on from there; if it persists, check the data",
+        f"({config.lr:g} in this run) or a larger --eps ({config.eps:g}); if it persists, "
+        "check the data",
     )
 
 
