@@ -69,11 +69,11 @@ INVOCATION = ("output_dir", "resume", "overwrite")
 
 def run_contents(run_dir: Path, log_dir: Path | None = None) -> list[Path]:
     """The run's own files and folders in ``run_dir`` (and its logs in ``log_dir``)."""
-    if not run_dir.is_dir():
-        return []
     names = {*RUN_FILES, *RUN_FOLDERS}
     names |= {f"{name}.tmp" for name in names}
-    found = [p for p in run_dir.iterdir() if p.name in names or _RANK_SUMMARY.match(p.name)]
+    found = []
+    if run_dir.is_dir():
+        found = [p for p in run_dir.iterdir() if p.name in names or _RANK_SUMMARY.match(p.name)]
     if log_dir is not None and log_dir.is_dir() and log_dir.resolve() != run_dir.resolve():
         logs = {*LOG_FILES, *(f"{name}.tmp" for name in LOG_FILES)}
         found += [p for p in log_dir.iterdir() if p.name in logs]
@@ -99,8 +99,13 @@ def check_fresh(job: JobConfig) -> None:
     run_dir, log_dir = _dirs(job)
     found = run_contents(run_dir, log_dir)
     if found:
+        where = (
+            f"--output-dir {job.run.output_dir}"
+            if any(p.parent == run_dir for p in found)
+            else f"--log-dir {job.run.log_dir}"
+        )
         raise ValueError(
-            f"--output-dir {job.run.output_dir} already holds a run ({_names(found)}): add "
+            f"{where} already holds a run ({_names(found)}): add "
             "--resume to go on with it, --overwrite to delete it and start afresh, or give "
             "another --output-dir"
         )

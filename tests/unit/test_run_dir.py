@@ -172,3 +172,12 @@ def test_overwrite_without_an_output_dir_deletes_nothing(run, monkeypatch):
     before = hashes(run)
     clear_run(resolve(["--overwrite"]))
     assert hashes(run) == before
+
+
+def test_a_log_dir_holding_a_runs_logs_is_refused_too(run, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    shutil.copy(run / "metrics.jsonl", logs / "metrics.jsonl")
+    argv = ["--output-dir", str(tmp_path / "new"), "--log-dir", str(logs)]
+    line = error_line(train_in_process(argv))
+    assert line.startswith(f"error: --log-dir {logs} already holds a run (metrics.jsonl): add")
