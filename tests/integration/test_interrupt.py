@@ -82,3 +82,20 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     )
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
     assert not (out / "export").exists()
+
+
+def test_a_second_ctrl_c_on_one_of_two_ranks_ends_the_job_without_a_hang(tmp_path):
+    # Rank 0 gets two SIGINTs before step 3 and leaves at once; rank 1, waiting for it in
+    # step 3's all-reduce, fails as after any dead peer, and the job ends (torchrun's
+    # timeout bounds it) with no checkpoint of a later step.
+    out = tmp_path / "run"
+    proc = torchrun(
+        2,
+        FLAGS + ["--dp", "2", "--save-on-signal", "--output-dir", str(out)],
+        env={"DISTZO_SIGNAL_AT": "0:3:SIGINT,0:3:SIGINT,1:3:SIGINT"},
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "[rank0] ERROR distzo.train: interrupted at once by SIGINT" in proc.stderr
+    assert "exitcode: 130) local_rank: 0" in proc.stderr
+    assert not (out / "checkpoints").exists() and not (out / "export").exists()
