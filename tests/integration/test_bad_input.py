@@ -97,6 +97,40 @@ def test_replay_refuses_an_existing_out_without_overwrite(run, tmp_path):
     assert (tmp_path / "dir" / "model.safetensors").is_file()
 
 
+def test_replay_over_a_file_with_overwrite_leaves_no_tmp(run, tmp_path):
+    out = tmp_path / "model"
+    out.write_text("x")
+    proc = main_in_process(
+        "distzo.replay", ["--log", str(run / "seedlog.jsonl"), "--out", str(out), "--overwrite"]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "model.safetensors").is_file() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_replay_onto_a_missing_local_base_says_no_such_directory(run, tmp_path):
+    proc = main_in_process(
+        "distzo.replay",
+        ["--base", "./nope", "--log", str(run / "seedlog.jsonl"), "--out", str(tmp_path / "o")],
+    )
+    assert "no such directory" in one_line(proc) and "Repo id" not in proc.stderr
+
+
+def test_replay_on_a_full_disk_says_so_and_leaves_no_tmp(run, tmp_path, monkeypatch):
+    import distzo.export.hf_model as hf_model
+
+    def full(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(hf_model, "save_file", full)
+    out = tmp_path / "out"
+    proc = main_in_process(
+        "distzo.replay", ["--log", str(run / "seedlog.jsonl"), "--out", str(out)]
+    )
+    line = one_line(proc, code=1)
+    assert "no space left on device" in line and str(out) in line
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+
+
 def test_the_seed_log_names_the_base_by_an_absolute_path(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "distzo.train", "--max-steps", "1", "--output-dir", "rel"],
@@ -161,6 +195,17 @@ def test_an_output_dir_under_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     line = one_line(train_in_process(["--output-dir", str(tmp_path / "file" / "run")]))
     assert "--output-dir" in line and "not a directory" in line
+
+
+def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
+    import distzo.job.validation as validation
+
+    # a stand-in for a read-only folder: the tests may run as root, which os.access never denies
+    monkeypatch.setattr(validation.os, "access", lambda path, mode: False)
+    out = tmp_path / "run"
+    line = one_line(train_in_process(["--output-dir", str(out)]))
+    assert "not writable" in line and str(tmp_path) in line
+    assert not out.exists()
 
 
 def test_a_full_disk_says_so_and_where(tmp_path, monkeypatch):
