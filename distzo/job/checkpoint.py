@@ -19,16 +19,18 @@ disk: a crash mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -209,6 +211,23 @@ class PrivateCopies(AsyncStager):
         """Nothing held."""
 
 
+@contextlib.contextmanager
+def _write_failure(tmp: Path) -> Iterator[None]:
+    """A save that failed to write (a full disk): its ``step-N.tmp`` removed (it never
+    counts, and its bytes are what the disk lacks) and DCP's ``CheckpointException``, which
+    is no ``Exception``, turned back into the ``OSError`` a rank hit, naming the folder."""
+    try:
+        yield
+    except (OSError, CheckpointException) as err:
+        if world_rank()[0] == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failures = err.failures.values() if isinstance(err, CheckpointException) else ()
+        cause = next((e for e, _ in failures if isinstance(e, OSError)), None)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from err
+
+
 def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
     """Delete complete checkpoints beyond the ``keep`` newest, oldest first (``keep`` 0:
     keep all). Only complete ``step-N`` directories count: a save in flight is a
@@ -298,17 +317,19 @@ class Checkpointer:
         state = self._state(private=asynchronous)
         if asynchronous:
             # The state is already private copies: DCP's default stager would copy it again.
-            future = dcp.async_save(
-                state,
-                checkpoint_id=str(tmp),
-                process_group=self._group,
-                async_stager=PrivateCopies(),
-            )
+            with _write_failure(tmp):
+                future = dcp.async_save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    process_group=self._group,
+                    async_stager=PrivateCopies(),
+                )
             # A stager that returns the state itself (no future) gets the upload's future.
             assert isinstance(future, Future)
             self._pending_save = (future, tmp, final)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+            with _write_failure(tmp):
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
             self._finalize(tmp, final)
 
     def poll(self) -> None:
@@ -321,7 +342,8 @@ class Checkpointer:
             return
         future, tmp, final = self._pending_save
         self._pending_save = None
-        future.result()
+        with _write_failure(tmp):
+            future.result()
         self._finalize(tmp, final)
 
     def _finalize(self, tmp: Path, final: Path) -> None:

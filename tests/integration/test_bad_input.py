@@ -221,6 +221,20 @@ def test_a_full_disk_says_so_and_where(tmp_path, monkeypatch):
     assert not (out / "export.tmp").exists()
 
 
+def test_a_full_disk_during_a_checkpoint_save_leaves_no_tmp(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import filesystem
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(filesystem, "_write_item", full)
+    out = tmp_path / "out"
+    proc = train_in_process(["--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)])
+    line = one_line(proc, code=1)
+    assert "no space left on device" in line and str(out / "checkpoints" / "step-1") in line
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+
 # -- data files
 
 
