@@ -63,6 +63,10 @@ RESUME_MAY_CHANGE = (
     "dist_timeout",
     "threads",
 )
+# Options that change the steps after the resume, and only those, on purpose (lowering the
+# lr part-way). The seed log records each step's lr and g, so the catch-up and a replay of
+# the steps before the resume stay exact.
+RESUME_MAY_RETUNE = ("lr", "eps")
 # How this command treats its directory, not what the run is: never compared.
 INVOCATION = ("output_dir", "resume", "overwrite")
 
@@ -209,14 +213,16 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
     recorded = _recorded(job, path)
     if job.run.seed == -1 and isinstance(recorded["seed"], int):
         job.run.seed = recorded["seed"]  # the seed that run drew
-    refused, allowed = [], []
+    refused, allowed, retuned = [], [], []
     for values in job.sections().values():
         for f in dataclasses.fields(values):
             name, new = f.name, getattr(values, f.name)
             if name in INVOCATION or _same(recorded[name], new) or (name, new) == ("noise", None):
                 continue
             change = f"{_flag(name)} {recorded[name]} -> {new}"
-            if name not in RESUME_MAY_CHANGE:
+            if name in RESUME_MAY_RETUNE:
+                retuned.append(change)
+            elif name not in RESUME_MAY_CHANGE:
                 refused.append(change)
             elif new is not None:  # None: resolved again as the run did (num_slots)
                 allowed.append(change)
@@ -228,3 +234,8 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
         )
     if allowed and env.rank == 0:
         logger.warning("--resume: changed since the run started: %s", ", ".join(allowed))
+    if retuned and env.rank == 0:
+        logger.warning(
+            "--resume: %s: the steps from here on differ from the run's (the logged ones stay)",
+            ", ".join(retuned),
+        )
