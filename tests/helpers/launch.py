@@ -74,14 +74,24 @@ def torchrun(
     )
 
 
-def python_train(args: list[str], timeout: float = 120):
+def python_module(program: str, args: list[str], timeout: float = 120):
+    """``python -m PROGRAM ARGS`` in a fresh interpreter, its output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "distzo.train", *args],
+        [sys.executable, "-m", program, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=child_env(),
     )
+
+
+def python_train(args: list[str], timeout: float = 120):
+    return python_module("distzo.train", args, timeout)
+
+
+def python_replay(args: list[str], timeout: float = 300):
+    """``python -m distzo.replay ARGS``: a seed log rebuilt into a model."""
+    return python_module("distzo.replay", args, timeout)
 
 
 def train_in_process(

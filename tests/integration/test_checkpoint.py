@@ -1,8 +1,6 @@
 """Resume, crash during an asynchronous save, export and replay, through the real CLI."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ from distzo.job.checkpoint import latest_checkpoint
 from tests.helpers.launch import (
     Run,
     checkpoint_writers,
-    child_env,
     main_in_process,
+    python_replay,
     python_train,
     torchrun,
 )
@@ -75,21 +73,7 @@ def test_resume_is_exact_and_independent_of_world_size(tmp_path):
         assert_same_params(Run(resumed), reference, rel=1e-9)
     # The seed log replays the Adam run (its moments rebuilt from the log's g) to the export.
     out = tmp_path / "replayed"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distzo.replay",
-            "--log",
-            str(full / "seedlog.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
+    proc = python_replay(["--log", str(full / "seedlog.jsonl"), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported, replayed = (
         load_file(str(full / "export" / "model.safetensors")),
@@ -214,22 +198,9 @@ def test_replay_of_the_seed_log_equals_the_export(tmp_path, queries):
     ]
     assert launch(1, flags).returncode == 0
     out = tmp_path / "replayed"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distzo.replay",
-            "--base",
-            str(run / "base"),
-            "--log",
-            str(run / "seedlog.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = python_replay(
+        ["--base", str(run / "base"), "--log", str(run / "seedlog.jsonl"), "--out", str(out)],
         timeout=120,
-        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported, replayed = (
@@ -304,21 +275,7 @@ def test_a_model_config_run_replays_without_a_base(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (run / "base").exists()  # the base is redrawn from the shape and its init seed
     out = tmp_path / "replayed"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distzo.replay",
-            "--log",
-            str(run / "seedlog.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
+    proc = python_replay(["--log", str(run / "seedlog.jsonl"), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported, replayed = (
         load_file(str(run / "export" / "model.safetensors")),
@@ -381,22 +338,9 @@ def test_noise_kinds_resume_and_replay_with_the_noise_they_were_drawn_with(tmp_p
         )
         log = tmp_path / f"{name}.jsonl"
         log.write_text("\n".join([json.dumps(edited), *lines[1:]]) + "\n")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "distzo.replay",
-                "--base",
-                str(full / "base"),
-                "--log",
-                str(log),
-                "--out",
-                str(tmp_path / name),
-            ],
-            capture_output=True,
-            text=True,
+        proc = python_replay(
+            ["--base", str(full / "base"), "--log", str(log), "--out", str(tmp_path / name)],
             timeout=120,
-            env=child_env(),
         )
         if identity is None:
             assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,15 +2,13 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.launch import child_env, python_train, torchrun
+from tests.helpers.launch import python_replay, python_train, torchrun
 
 COMMON = [
     "--max-steps",
@@ -75,21 +73,7 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
     assert_same(adapter(cut), adapter(full))
 
     out = tmp_path / "replayed"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distzo.replay",
-            "--log",
-            str(full / "seedlog.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
+    proc = python_replay(["--log", str(full / "seedlog.jsonl"), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(load_file(str(out / "adapter_model.safetensors")), adapter(full))
 
@@ -127,21 +111,7 @@ def test_a_prefix_run_resumes_replays_and_follows_pertp(tmp_path):
     assert_same(adapter(cut), adapter(full))
 
     out = tmp_path / "replayed"  # the real init is redone from the run seed, then the logged steps
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distzo.replay",
-            "--log",
-            str(full / "seedlog.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
+    proc = python_replay(["--log", str(full / "seedlog.jsonl"), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(load_file(str(out / "adapter_model.safetensors")), adapter(full))
 

@@ -4,15 +4,13 @@ trajectory follows a dense reference momentum, offload equals resident, and a re
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.helpers.engines import engine_for, reference_momentum, train
-from tests.helpers.launch import child_env, python_train
+from tests.helpers.launch import python_replay, python_train
 from tests.helpers.models import base_model, random_batch
 
 
@@ -134,21 +132,7 @@ def test_a_momentum_run_resumes_from_its_checkpoint_and_replays_exactly(tmp_path
     assert all(torch.equal(exported[k], resumed[k]) for k in exported)
 
     out = tmp_path / "replayed"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "distzo.replay",
-            "--log",
-            str(full / "seedlog.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
+    proc = python_replay(["--log", str(full / "seedlog.jsonl"), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     replayed = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(exported[k], replayed[k]) for k in exported)
