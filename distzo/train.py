@@ -19,6 +19,7 @@ This module is the entry point only: the job itself is ``distzo.job.trainer.Trai
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterable
 
@@ -26,6 +27,14 @@ from distzo.config.cli import fail, write_failure
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
 from distzo.dist import process_group as pg
+from distzo.dist.failure_report import (
+    ERROR_FILE,
+    ERRORS,
+    PEER_REPORT_GRACE_S,
+    is_peer_failure,
+    recorded,
+    report_peer_failure,
+)
 from distzo.job.divergence import EXIT_DIVERGED, Diverged
 from distzo.job.preemption import EXIT_INTERRUPTED, Preempted, StopSignals
 from distzo.job.trainer import Trainer, TrainerCallback
@@ -45,17 +54,40 @@ def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = (
     """Run the job the command line describes; the process's exit code: 0, 2 for bad input
     (one line on stderr), ``EXIT_DIVERGED`` (1) at a non-finite loss, ``EXIT_PREEMPTED``
     after a preemption notice, ``EXIT_INTERRUPTED`` after Ctrl-C (a second one included,
-    reported in one line rather than a traceback)."""
+    reported in one line rather than a traceback). Under torchrun every non-zero exit leaves
+    its reason in torchrun's error file (``distzo.dist.failure_report``)."""
+    code = recorded(_main)(argv, callbacks)
+    return 0 if code is None else code
+
+
+def _main(argv: list[str] | None, callbacks: Iterable[TrainerCallback]) -> int:
     env = LaunchEnv.from_environ()
     configure_logging(env)
     try:
         return _run(argv, env, callbacks)
     except KeyboardInterrupt:  # Ctrl-C before training, or a second one while stopping
-        logger.error(
+        return _stopped(
+            env,
             "interrupted at once by SIGINT: nothing saved since the last checkpoint; "
-            "--resume goes on from it and the seed log"
+            "--resume goes on from it and the seed log",
+            EXIT_INTERRUPTED,
         )
-        return EXIT_INTERRUPTED
+
+
+def _stopped(env: LaunchEnv, message: str, code: int, level: int = logging.ERROR) -> int:
+    """A failure every rank reaches alike (bad input, a divergence, a stop): said once, by
+    rank 0, and by each rank in torchrun's error file (so that its summary shows the line
+    rather than "To enable traceback see ..."); without torchrun every rank says it."""
+    ERRORS.record_message(message)
+    if _speaks(env):
+        logger.log(level, "%s", message)
+    return code
+
+
+def _speaks(env: LaunchEnv) -> bool:
+    """Whether this rank writes a failure every rank shares: rank 0 under torchrun (the
+    others' error files carry it to the summary), every rank otherwise."""
+    return env.rank == 0 or not os.environ.get(ERROR_FILE)
 
 
 def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCallback]) -> int:
@@ -63,34 +95,47 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     try:
         trainer = Trainer(resolve(argv), env, callbacks)
     except ValueError as err:
-        return fail(str(err))  # every rank, the same line, before any model
+        return _failed(env, str(err))  # every rank, the same line, before any model
+    signals = StopSignals()
     try:
-        with StopSignals() as signals:
+        with signals:
             trainer.train(signals)
     except ValueError as err:
-        return fail(str(err))
+        return _failed(env, str(err))
     except OSError as err:  # a full disk, a directory made unwritable: a failure, one line
-        return fail(write_failure(err, getattr(trainer, "run_dir", "the run directory")), 1)
+        return _failed(env, write_failure(err, getattr(trainer, "run_dir", "the run directory")), 1)
     except Diverged as err:
-        logger.error("%s", err)  # every rank, tagged: they all stop at the same step
         pg.shutdown()  # every rank saw the same non-finite value: no collective is pending
-        return EXIT_DIVERGED
+        return _stopped(env, str(err), EXIT_DIVERGED)
     except Preempted as stopped:
-        if env.rank == 0:
-            logger.warning(
-                "%s: %s; %d steps done, --resume (or a restart) goes on from there",
-                "interrupted" if stopped.exit_code == EXIT_INTERRUPTED else "preempted",
-                stopped,
-                stopped.step,
-            )
         pg.shutdown()  # every rank stopped after the same step: no collective is pending
-        return stopped.exit_code
+        what = "interrupted" if stopped.exit_code == EXIT_INTERRUPTED else "preempted"
+        return _stopped(
+            env,
+            f"{what}: {stopped}; {stopped.step} steps done, --resume (or a restart) goes on "
+            "from there",
+            stopped.exit_code,
+            logging.WARNING,  # asked for: not an error, though the exit code says it stopped
+        )
+    except Exception as err:
+        if env.world_size == 1 or not is_peer_failure(err):
+            raise  # this rank's own failure: its traceback, in torchrun's error file too
+        # A peer died (its own error is the root cause) or was stopped by torchrun's SIGTERM.
+        grace = 0.0 if signals.requested else PEER_REPORT_GRACE_S
+        return report_peer_failure(err, env.rank, trainer.step, grace)
     # Any other failure propagates: the process exits non-zero and torchrun stops the other
     # ranks (a peer blocked in a collective fails by itself within --dist-timeout). The
     # process group is torn down only after success: tearing it down under a collective
     # that a dead peer will never join can hang.
     pg.shutdown()
     return 0
+
+
+def _failed(env: LaunchEnv, message: str, code: int = 2) -> int:
+    """``fail``'s ``error: message`` line (bad input: 2; a failure: 1), recorded for torchrun
+    and written once under it (rank 0), by every rank otherwise."""
+    ERRORS.record_message(f"error: {message}")
+    return fail(message, code) if _speaks(env) else code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""A rank's failure as torchrun reports it: the error file's format, which errors mean "a
+peer died", and the quiet exit of a rank stopped by a peer (torchrun's side: the
+integration test tests/integration/test_root_cause.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from distzo.dist.failure_report import ERROR_FILE, ERRORS, is_peer_failure, report_peer_failure
+
+GLOO_PEER_GONE = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:19655. This is typically caused by a remote worker crashing."
+)
+
+
+def test_a_recorded_line_is_what_torchruns_summary_shows(tmp_path, monkeypatch):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE, str(error_file))
+    ERRORS.record_message("error: --batch-size must be >= 1, got 0")
+    assert not (tmp_path / "error.json.tmp").exists()
+    failure = ProcessFailure(local_rank=0, pid=123, exitcode=2, error_file=str(error_file))
+    assert abs(failure.timestamp - time.time()) < 5
+    summary = str(ChildFailedError("distzo.train", {0: failure}))
+    assert "traceback : error: --batch-size must be >= 1, got 0\n" in summary
+
+
+def test_without_torchrun_nothing_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.delenv(ERROR_FILE, raising=False)
+    monkeypatch.chdir(tmp_path)
+    ERRORS.record_message("error: anything")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "err, peer",
+    [
+        (RuntimeError(GLOO_PEER_GONE), True),
+        (RuntimeError("[pair.cc:589] Read error [127.0.0.1]:1: Connection reset by peer"), True),
+        (RuntimeError("Timed out waiting 600000ms for recv operation to complete"), True),
+        (dist.DistBackendError("NCCL communicator was aborted on rank 1"), True),
+        (dist.DistNetworkError("failed to recv, got 0 bytes"), True),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (ValueError("Connection closed by peer"), False),  # not a backend's error type
+        (KeyError("weight"), False),
+    ],
+)
+def test_which_errors_mean_a_peer_failed(err, peer):
+    assert is_peer_failure(err) is peer
+
+
+def test_a_rank_stopped_by_a_peer_says_one_line_and_records_nothing_while_torchrun_acts(
+    tmp_path, monkeypatch, caplog
+):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE, str(error_file))
+    recorded_before_the_wait = []
+    monkeypatch.setattr(
+        "distzo.dist.failure_report.time.sleep",
+        lambda s: recorded_before_the_wait.append((s, error_file.exists())),
+    )
+    with caplog.at_level(logging.ERROR, logger="distzo.train"):
+        code = report_peer_failure(RuntimeError(GLOO_PEER_GONE), rank=0, step=3, grace_s=7.0)
+    assert code == 1
+    # it waited for torchrun's SIGTERM with nothing recorded (the peer is the root cause) ...
+    assert recorded_before_the_wait == [(7.0, False)]
+    # ... and, none having come, records its own line
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "rank 0 stopped in step 3: another rank failed or went silent (Connection closed by "
+        "peer [127.0.0.1]:19655); that rank's error, above and in torchrun's summary, is the "
+        "cause"
+    )
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message["message"] == line
+
+
+def test_without_torchrun_a_rank_stopped_by_a_peer_does_not_wait(monkeypatch, caplog):
+    monkeypatch.delenv(ERROR_FILE, raising=False)
+    monkeypatch.setattr("distzo.dist.failure_report.time.sleep", pytest.fail)
+    assert report_peer_failure(dist.DistBackendError("aborted"), 1, 0, grace_s=7.0) == 1
