@@ -2,6 +2,11 @@
 
 Philox4x32-10 as in ``distzo.zo.philox`` (the reference), on a tile of 512 counters per
 program; see ``triton_noise`` for what each kernel computes.
+
+Offsets: Triton types an integer argument below 2^31 as int32, so ``start + n`` of two
+such arguments wraps when it reaches 2^31 (a mask built on it is then false everywhere and
+the program stores nothing). Element indices are int64 (``tile_words``) and every bound is
+an offset compared with a length, ``e - start < n``, never a sum of arguments.
 """
 
 import triton
@@ -79,7 +84,7 @@ def fill_kernel(out_ptr, table_ptr, start, n, k0, k1, KIND: tl.constexpr, BLOCKS
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, lanes, BLOCKS)
     for lane in tl.static_range(lanes):
         e = first + lane * BLOCKS
-        inside = (e >= start) & (e < start + n)
+        inside = (e >= start) & (e - start < n)
         if KIND == 2:
             value = (pick(w0, w1, w2, w3, lane) >> 8).to(tl.float32) * (1.0 / 16777216.0)
         else:
@@ -94,7 +99,7 @@ def perturb_kernel(
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
-        inside = (e >= start) & (e < start + n)
+        inside = (e >= start) & (e - start < n)
         theta = tl.load(theta_ptr + (e - start), mask=inside)
         z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
         out = theta + scale * z
@@ -120,7 +125,7 @@ def update_kernel(
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
-        inside = (e >= start) & (e < start + n)
+        inside = (e >= start) & (e - start < n)
         theta = tl.load(theta_ptr + (e - start), mask=inside)
         theta = tl.where(e < decay_end, theta * shrink, theta)
         z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
@@ -136,7 +141,7 @@ def round_bf16_kernel(dst_ptr, src_ptr, start, n, k0, k1, BLOCKS: tl.constexpr):
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 4, BLOCKS)
     for lane in tl.static_range(4):
         e = first + lane * BLOCKS
-        inside = (e >= start) & (e < start + n)
+        inside = (e >= start) & (e - start < n)
         x = tl.load(src_ptr + (e - start), mask=inside).to(tl.float32)
         x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
         noise = (pick(w0, w1, w2, w3, lane) >> 16).to(tl.int32)

@@ -7,12 +7,24 @@ import torch
 
 from distzo.zo import NoiseSource, triton_noise
 from distzo.zo.gaussian_table import gaussian_table
+from distzo.zo.philox import TILE_BLOCKS
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 assert triton_noise.available()
 
 table = gaussian_table()
 ranges = [(0, 1), (0, 37), (5, 4096), (4090, 4100), (4095, 12289), (20_000, 20_003)]
+# Bucket offsets where int32 arithmetic wraps: each range is small (the offsets are keys),
+# ending at, straddling or starting past 2^31 and 2^32, so that a bound computed as a sum
+# of two int32 arguments would wrap and store nothing.
+LARGE = [
+    (2**31 - 4096, 2**31),
+    (2**31 - 100, 2**31 + 100),
+    (2**31, 2**31 + 37),
+    (2**32 - 50, 2**32 + 50),
+    (2**32 + 4095, 2**32 + 4097),
+]
+ranges += LARGE
 for kind, distribution in [
     ("gaussian", "normal"),
     ("rademacher", "normal"),
@@ -61,12 +73,39 @@ for kind in ("gaussian", "rademacher"):
             expected.add_(zq, alpha=alpha)
         assert ulps(updated, expected) <= 1, (kind, n)
 
+# The fused kernels at large bucket offsets (the wrappers start at element 0 of a bucket,
+# so the kernels are launched directly on a window of the bucket: out/theta hold elements
+# [start, start + n)). Values chosen so that the arithmetic is exact (theta 0 or 2, scale
+# 1, shrink 0.5): any difference is a wrong z or a missed store, never a rounding.
+kernels = triton_noise._kernels()
+for kind in ("gaussian", "rademacher"):
+    src = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
+    key = src.key(4, 9)
+    for start, stop in LARGE:
+        n = stop - start
+        z = src.reference(start, stop, key)
+        out = torch.full((n,), float("nan"))
+        kernels["perturb"][triton_noise._grid(start, n, 8)](
+            out, torch.zeros(n), table, start, n, key[0], key[1], 1.0,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.FUSED_MULTIPLY_ADD,
+        )  # fmt: skip
+        assert torch.equal(out, z), ("perturb", kind, start)
+        decay_end = start + n // 2  # absolute, like the bucket's resident prefix
+        theta = torch.full((n,), 2.0)
+        kernels["update"][triton_noise._grid(start, n, 8)](
+            theta, table, start, n, key[0], key[1], 1.0, decay_end, 0.5,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.FUSED_MULTIPLY_ADD,
+        )  # fmt: skip
+        expected = torch.full((n,), 2.0)
+        expected[: n // 2] = 1.0
+        assert torch.equal(theta, expected + z), ("update", kind, start)
+
 # stochastic rounding to bf16: the fused kernel equals offload.low_bit's rule on the
 # reference uniforms, bit for bit (values spread over many binades, both signs, saturation)
 from distzo.offload.low_bit import round_stochastic_  # noqa: E402
 
 rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
-for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)]:
+for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)] + [(a, b - a) for a, b in LARGE]:
     values = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n).to(torch.float32)
     values[:3] = torch.tensor([3.4e38, -3.4e38, 0.0])[: min(3, n)]
     key = rounding.key(7, 1 << 40)

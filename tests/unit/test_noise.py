@@ -90,6 +90,8 @@ from distzo.zo.gaussian_table import gaussian_table  # noqa: E402
 TILE16 = philox.TILE_BLOCKS * philox.LANES16  # 4,096 elements of z per tile
 # (start, stop) ranges: inside one tile, across tile edges, not multiples of anything
 RANGES = [(0, 1), (0, 37), (5, 4096), (4090, 4100), (4095, 12289), (20_000, 20_003), (8191, 8193)]
+# offsets where 32-bit arithmetic wraps (a bucket of a 70B model passes 2^31 elements)
+RANGES += [(2**31 - 100, 2**31 + 100), (2**32 - 50, 2**32 + 50), (2**40 + 3, 2**40 + 9)]
 KEYS = [(0, 0), (0xFFFFFFFF, 0xFFFFFFFF), philox.noise_key(7, 3, 2, 1, philox.STREAM_NOISE)]
 
 
