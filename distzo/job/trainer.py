@@ -56,6 +56,7 @@ from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import clear_run
 from distzo.job.run_logs import RunLogs
 from distzo.job.validation import validate
+from distzo.models.hub import quiet_hub_retries
 from distzo.models.weights import WeightSource
 from distzo.objectives import Objective
 
@@ -100,6 +101,7 @@ class Trainer:
         self.job = job
         self.env = env if env is not None else LaunchEnv.from_environ()
         self.callbacks = list(callbacks)
+        quiet_hub_retries(self.env.local_rank)  # validation may reach the hub, on every rank
         checked = validate(job, self.env)  # bad input fails here, one line, on every rank
         self.config: ZOConfig = checked.config
         self.dims = checked.dims

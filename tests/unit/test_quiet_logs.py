@@ -1,7 +1,11 @@
-"""What the log says: figures in the unit that fits (never ``0.000 B parameters``)."""
+"""What the log says, and says once: figures in the unit that fits (never ``0.000 B
+parameters``), each hub retry warning once and only on a node's first rank."""
+
+import logging
 
 import pytest
 
+from distzo.models.hub import HUB_HTTP_LOGGER, OnceOnFirstLocalRank, quiet_hub_retries
 from distzo.runtime.units import format_bytes, format_count
 
 
@@ -28,3 +32,27 @@ def test_bytes_take_the_decimal_unit_that_fits(n, text):
 )
 def test_parameter_counts_take_the_unit_that_fits(n, text):
     assert format_count(n) == text
+
+
+@pytest.fixture
+def hub_logger():
+    logger = logging.getLogger(HUB_HTTP_LOGGER)
+    kept = list(logger.filters)
+    yield logger
+    logger.filters[:] = kept
+
+
+def test_a_hub_retry_warning_is_said_once_and_only_on_the_first_local_rank(hub_logger, caplog):
+    once = quiet_hub_retries(local_rank=0)
+    assert quiet_hub_retries(local_rank=0) is once  # installed once per process
+    for _ in range(3):
+        hub_logger.warning("Retrying in 1s [Retry 1/5].")
+    hub_logger.warning("Retrying in 2s [Retry 2/5].")
+    said = [r.getMessage() for r in caplog.records if r.name == HUB_HTTP_LOGGER]
+    assert said == ["Retrying in 1s [Retry 1/5].", "Retrying in 2s [Retry 2/5]."]
+
+    caplog.clear()
+    quiet_hub_retries(local_rank=1)
+    hub_logger.warning("Retrying in 4s [Retry 3/5].")
+    assert not [r for r in caplog.records if r.name == HUB_HTTP_LOGGER]
+    assert sum(isinstance(f, OnceOnFirstLocalRank) for f in hub_logger.filters) == 1
