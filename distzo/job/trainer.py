@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter
@@ -50,6 +49,7 @@ from distzo.job.divergence import diverged, is_finite, warn_if_nothing_learns
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
+from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import make_reporter
 from distzo.job.resume import catch_up_from_log
@@ -91,6 +91,7 @@ class Trainer:
     checkpointer: Checkpointer
     header: dict[str, Any]  # the seed log's
     meter: StepMeter
+    progress: Progress  # the current train()'s
 
     def __init__(
         self,
@@ -181,7 +182,8 @@ class Trainer:
         fresh = job.run.resume == "no"
         if self.env.rank == 0 and weights is None and not job.model.model and fresh:
             assert isinstance(model, PreTrainedModel)  # the default model, built whole
-            model.save_pretrained(self.run_dir / "base")
+            with no_library_bars():
+                model.save_pretrained(self.run_dir / "base")
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(self.run_dir / "base")
         spec = job.peft.adapter_spec()
@@ -249,21 +251,19 @@ class Trainer:
                 self.logs.write_eval(0, self.eval_before)
         started = time.perf_counter()
         max_steps = self.job.optim.max_steps
-        progress = tqdm(
-            range(self.start_step, max_steps),
-            desc="train",
-            initial=self.start_step,
-            total=max_steps,
-            disable=None if self.env.rank == 0 else True,
-        )
-        for step in progress:
-            result = self._train_step(step, signals)
-            progress.set_postfix(
-                loss=f"{result.loss:.4f}",
-                g=f"{result.projected_grad:+.3g}",
-                tok_s=f"{self.meter.tokens_per_s:.0f}",
-            )
-            self._after_step(step, result, signals)
+        self.progress = Progress(self.start_step, max_steps, show=self.env.rank == 0)
+        try:
+            for step in range(self.start_step, max_steps):
+                result = self._train_step(step, signals)
+                self.progress.update(
+                    step + 1,
+                    loss=f"{result.loss:.4f}",
+                    g=f"{result.projected_grad:+.3g}",
+                    tok_s=f"{self.meter.tokens_per_s:.0f}",
+                )
+                self._after_step(step, result, signals)
+        finally:
+            self.progress.close()
         return self._finish(time.perf_counter() - started)
 
     def _train_step(self, step: int, signals: StopSignals | None) -> StepResult:
@@ -295,11 +295,13 @@ class Trainer:
         run, max_steps, done = self.job.run, self.job.optim.max_steps, step + 1
         if run.log_every and (step % run.log_every == 0 or step == max_steps - 1):
             logger.info(
-                "step %d loss %.4f g %+.4g lr %.3g",
+                "step %d/%d loss %.4f g %+.4g lr %.3g (%s)",
                 step,
+                max_steps,
                 result.loss,
                 result.projected_grad,
                 result.lr,
+                self.progress.describe(done),
             )
         if run.eval_steps and done % run.eval_steps == 0 and done < max_steps:
             metrics = evaluate(self.engine, self.data, self.parallel)

@@ -1,10 +1,15 @@
 """What the log says, and says once: figures in the unit that fits (never ``0.000 B
-parameters``), each hub retry warning once and only on a node's first rank."""
+parameters``), each hub retry warning once and only on a node's first rank,
+transformers' bars off while distzo saves and back afterwards, and the progress line's
+rate and ETA."""
 
+import io
 import logging
 
 import pytest
+from transformers.utils import logging as hf_logging
 
+from distzo.job.progress import Progress, no_library_bars
 from distzo.models.hub import HUB_HTTP_LOGGER, OnceOnFirstLocalRank, quiet_hub_retries
 from distzo.runtime.units import format_bytes, format_count
 
@@ -56,3 +61,43 @@ def test_a_hub_retry_warning_is_said_once_and_only_on_the_first_local_rank(hub_l
     hub_logger.warning("Retrying in 4s [Retry 3/5].")
     assert not [r for r in caplog.records if r.name == HUB_HTTP_LOGGER]
     assert sum(isinstance(f, OnceOnFirstLocalRank) for f in hub_logger.filters) == 1
+
+
+def test_library_bars_are_off_inside_and_as_the_user_had_them_after():
+    assert hf_logging.is_progress_bar_enabled()
+    with no_library_bars():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a user who turned them off keeps them off
+    try:
+        with no_library_bars():
+            pass
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def test_the_progress_line_gives_the_sessions_rate_and_the_time_left(monkeypatch):
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr("distzo.job.progress.time.perf_counter", lambda: next(clock))
+    progress = Progress(start=200, total=1000, show=True)  # a resumed run, at step 200
+    assert progress.bar is None  # pytest's stderr is no terminal
+    # 50 steps in 10 s: 5 steps/s, 750 steps left: 150 s.
+    assert progress.describe(250) == "5 steps/s, ETA 02:30"
+    progress.close()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_bar_is_drawn_only_on_a_terminal_and_only_where_asked(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert Progress(start=0, total=10, show=False).bar is None  # another rank than 0
+    progress = Progress(start=0, total=10, show=True)
+    progress.update(5, loss="1.2345")
+    progress.close()
+    assert "train:  50%" in terminal.getvalue() and "5/10" in terminal.getvalue()
+    assert "loss=1.2345" in terminal.getvalue()
