@@ -35,6 +35,7 @@ from distzo.engine.tuning import Tuning, make_tuning
 from distzo.engine.updates import UpdateRule
 from distzo.models.weights import WeightSource
 from distzo.offload.moment_stores import CarriedStore, Moments
+from distzo.runtime.units import format_bytes, format_count
 from distzo.zo import NoiseSource, Pass
 
 if TYPE_CHECKING:
@@ -142,12 +143,12 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
     """One line of what was built (mode, transfer, dtypes, sizes), for the log."""
     config, frozen = engine.config, engine.num_frozen
     queries = config.num_queries
-    of_all = f" (of {(engine.num_parameters + frozen) / 1e6:.1f} M: a frozen base)"
+    of_all = f" (of {format_count(engine.num_parameters + frozen)}: a frozen base)"
     return (
         f"ZO engine: {config.mode} mode ({engine.transfer} transfer, {config.transfer_dtype} "
         f"on the wire, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "
         f"{len(engine.blocks)} blocks, {engine.streamed_store.num_slots} slots, "
-        f"{engine.num_parameters / 1e6:.1f} M trained parameters"
-        f"{of_all if engine.frozen_base else ''}, {engine.host_bytes / 1e6:.1f} MB host, "
+        f"{format_count(engine.num_parameters)} trained parameters"
+        f"{of_all if engine.frozen_base else ''}, {format_bytes(engine.host_bytes)} host, "
         f"{queries} quer{'y' if queries == 1 else 'ies'} per step"
     )

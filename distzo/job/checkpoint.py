@@ -23,6 +23,7 @@ import contextlib
 import logging
 import re
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -35,13 +36,24 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_options import OPTIMIZERS
-from distzo.dist.collectives import host_barrier, new_host_group, world_rank
+from distzo.dist.collectives import host_barrier, initialized, new_host_group, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# DCP's note at every save and load in a process without torch.distributed (a one-rank
+# run, which is meant): silenced, and no other warning.
+_SINGLE_PROCESS_NOTE = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+@contextlib.contextmanager
+def _without_single_process_note() -> Iterator[None]:
+    """Calls into DCP with its single-process note ignored (also a decorator)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE, category=UserWarning)
+        yield
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -177,6 +189,7 @@ def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
     }
 
 
+@_without_single_process_note()
 def checkpoint_noise(path: Path) -> str:
     """The noise kind a checkpoint was drawn with (a checkpoint from before noise kinds: legacy),
     read on the host without a process group, so a resumed run can pick it before building."""
@@ -251,6 +264,9 @@ class Checkpointer:
         self.engine = engine
         self.keep = keep  # complete checkpoints kept on disk (0: all)
         self._pending_save: tuple[Future, Path, Path] | None = None
+        # An asynchronous save's thread warns after ``dcp.async_save`` returns: in a single
+        # process the note stays ignored until the save is waited for.
+        self._quiet = contextlib.ExitStack()
         # DCP's asynchronous writer runs collectives from a thread: give it its own gloo
         # group, so it never interleaves with the training's collectives (or needs NCCL).
         self._group = new_host_group()
@@ -317,6 +333,8 @@ class Checkpointer:
         state = self._state(private=asynchronous)
         if asynchronous:
             # The state is already private copies: DCP's default stager would copy it again.
+            if not initialized():
+                self._quiet.enter_context(_without_single_process_note())
             with _write_failure(tmp):
                 future = dcp.async_save(
                     state,
@@ -328,7 +346,7 @@ class Checkpointer:
             assert isinstance(future, Future)
             self._pending_save = (future, tmp, final)
         else:
-            with _write_failure(tmp):
+            with _write_failure(tmp), _without_single_process_note():
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
             self._finalize(tmp, final)
 
@@ -338,11 +356,13 @@ class Checkpointer:
             self.wait()
 
     def wait(self) -> None:
+        """Complete the save in flight, if any (its errors raised here)."""
         if self._pending_save is None:
+            self._quiet.close()  # an asynchronous save that failed to start
             return
         future, tmp, final = self._pending_save
         self._pending_save = None
-        with _write_failure(tmp):
+        with _write_failure(tmp), self._quiet:
             future.result()
         self._finalize(tmp, final)
 
@@ -393,6 +413,7 @@ class Checkpointer:
                 "with"
             )
 
+    @_without_single_process_note()
     def load(self, path: Path) -> int:
         """Restore the engine from ``path``; returns the step to continue from."""
         engine = self.engine

@@ -27,11 +27,11 @@ from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.runtime.host_memory import available_host_bytes
+from distzo.runtime.units import format_bytes, format_count
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
 logger = logging.getLogger(__name__)
-GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -64,29 +64,27 @@ class MemoryPlan:
         )
 
     def describe(self) -> str:
+        """The log line: each figure in the unit that fits (``distzo.runtime.units``)."""
+        b = format_bytes
+        frozen = self.frozen_parameters
+        device_parts = [
+            f"resident {b(self.device_resident)}",
+            f"blocks/slots {b(self.device_blocks)}",
+            f"scratch {b(self.device_scratch)}",
+        ]
+        if self.state_device_bytes:
+            device_parts.append(f"optimizer state {b(self.state_device_bytes)}")
         return (
-            f"{self.parameters / 1e9:.3f} B parameters"
+            f"{format_count(self.parameters)} parameters"
+            + (f" trained on a frozen base of {format_count(frozen)}" if frozen else "")
+            + f"; host {b(self.host_bytes)} per rank; device {b(self.device_bytes)} "
+            f"({', '.join(device_parts)}) + activations ~{b(self.activations)}"
             + (
-                f" trained on a frozen base of {self.frozen_parameters / 1e9:.3f} B"
-                if self.frozen_parameters
-                else ""
-            )
-            + f"; host {self.host_bytes / GB:.2f} GB per rank; "
-            f"device {self.device_bytes / GB:.2f} GB (resident {self.device_resident / GB:.2f}, "
-            f"blocks/slots {self.device_blocks / GB:.2f}, scratch {self.device_scratch / GB:.2f}"
-            + (
-                f", optimizer state {self.state_device_bytes / GB:.2f}"
-                if self.state_device_bytes
-                else ""
-            )
-            + ") + activations ~"
-            f"{self.activations / GB:.2f} GB"
-            + (
-                f"; optimizer state {self.state_host_bytes / GB:.2f} GB host per rank"
+                f"; optimizer state {b(self.state_host_bytes)} host per rank"
                 if self.state_host_bytes
                 else ""
             )
-            + f"; a checkpoint save +{self.checkpoint_bytes / GB:.2f} GB host per node"
+            + f"; a checkpoint save +{b(self.checkpoint_bytes)} host per node"
         )
 
 
@@ -329,7 +327,7 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
         need = plan.device_bytes + plan.activations
         if need > free:
             problems.append(
-                f"{need / GB:.1f} GB of device memory, {free / GB:.1f} GB free on {device}"
+                f"{format_bytes(need)} of device memory, {format_bytes(free)} free on {device}"
             )
         host_need = (plan.host_bytes + plan.state_host_bytes) * local_ranks + plan.checkpoint_bytes
     else:  # on CPU the "device" buffers are host memory too
@@ -339,8 +337,8 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
     available = available_host_bytes()
     if available is not None and host_need > available:
         problems.append(
-            f"{host_need / GB:.1f} GB of host memory for {local_ranks} local ranks and a "
-            f"checkpoint save, {available / GB:.1f} GB available"
+            f"{format_bytes(host_need)} of host memory for {local_ranks} local ranks and a "
+            f"checkpoint save, {format_bytes(available)} available"
         )
     if problems and not force:
         raise ValueError(

@@ -22,12 +22,14 @@ from typing import Any
 from distzo.config.job import JobConfig
 from distzo.dist import LaunchEnv
 from distzo.job.checkpoint import latest_checkpoint
+from distzo.job.curves import CURVES
 from distzo.job.seed_log import SEED_LOG
+from distzo.job.summary import SUMMARY
 
 logger = logging.getLogger("distzo.train")
 
 # What a run writes into its directory (each also under a ``.tmp`` name while written).
-RUN_FILES = ("config.toml", SEED_LOG, "metrics.jsonl", "eval.jsonl")
+RUN_FILES = ("config.toml", SEED_LOG, "metrics.jsonl", "eval.jsonl", SUMMARY, CURVES)
 RUN_FOLDERS = ("checkpoints", "export", "base", "tensorboard", "wandb")
 LOG_FILES = ("metrics.jsonl", "eval.jsonl")  # what goes to --log-dir instead, when given
 _RANK_SUMMARY = re.compile(r"^rank\d+\.json$")

@@ -29,6 +29,22 @@ def truncate_jsonl(path: Path, keep_below: int) -> None:
     tmp.replace(path)
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a JSON-lines log (none when it does not exist; a torn last
+    line skipped), for what is drawn or summed up from the whole run."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 class RunLogs:
     """metrics.jsonl, eval.jsonl (in ``log_dir``) and the seed log (in ``run_dir``), each
     record also sent to the dashboard (``reporter``) when there is one."""

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter
@@ -46,16 +45,20 @@ from distzo.job.build import (
     model_source,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.curves import CURVES, write_curves
 from distzo.job.divergence import diverged, is_finite, warn_if_nothing_learns
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
+from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import make_reporter
 from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import clear_run
-from distzo.job.run_logs import RunLogs
+from distzo.job.run_logs import RunLogs, read_records
+from distzo.job.summary import SUMMARY, key_options, run_summary, write_summary
 from distzo.job.validation import validate
+from distzo.models.hub import quiet_hub_retries
 from distzo.models.weights import WeightSource
 from distzo.objectives import Objective
 
@@ -90,6 +93,7 @@ class Trainer:
     checkpointer: Checkpointer
     header: dict[str, Any]  # the seed log's
     meter: StepMeter
+    progress: Progress  # the current train()'s
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class Trainer:
         self.job = job
         self.env = env if env is not None else LaunchEnv.from_environ()
         self.callbacks = list(callbacks)
+        quiet_hub_retries(self.env.local_rank)  # validation may reach the hub, on every rank
         checked = validate(job, self.env)  # bad input fails here, one line, on every rank
         self.config: ZOConfig = checked.config
         self.dims = checked.dims
@@ -179,7 +184,8 @@ class Trainer:
         fresh = job.run.resume == "no"
         if self.env.rank == 0 and weights is None and not job.model.model and fresh:
             assert isinstance(model, PreTrainedModel)  # the default model, built whole
-            model.save_pretrained(self.run_dir / "base")
+            with no_library_bars():
+                model.save_pretrained(self.run_dir / "base")
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(self.run_dir / "base")
         spec = job.peft.adapter_spec()
@@ -247,21 +253,19 @@ class Trainer:
                 self.logs.write_eval(0, self.eval_before)
         started = time.perf_counter()
         max_steps = self.job.optim.max_steps
-        progress = tqdm(
-            range(self.start_step, max_steps),
-            desc="train",
-            initial=self.start_step,
-            total=max_steps,
-            disable=None if self.env.rank == 0 else True,
-        )
-        for step in progress:
-            result = self._train_step(step, signals)
-            progress.set_postfix(
-                loss=f"{result.loss:.4f}",
-                g=f"{result.projected_grad:+.3g}",
-                tok_s=f"{self.meter.tokens_per_s:.0f}",
-            )
-            self._after_step(step, result, signals)
+        self.progress = Progress(self.start_step, max_steps, show=self.env.rank == 0)
+        try:
+            for step in range(self.start_step, max_steps):
+                result = self._train_step(step, signals)
+                self.progress.update(
+                    step + 1,
+                    loss=f"{result.loss:.4f}",
+                    g=f"{result.projected_grad:+.3g}",
+                    tok_s=f"{self.meter.tokens_per_s:.0f}",
+                )
+                self._after_step(step, result, signals)
+        finally:
+            self.progress.close()
         return self._finish(time.perf_counter() - started)
 
     def _train_step(self, step: int, signals: StopSignals | None) -> StepResult:
@@ -293,17 +297,20 @@ class Trainer:
         run, max_steps, done = self.job.run, self.job.optim.max_steps, step + 1
         if run.log_every and (step % run.log_every == 0 or step == max_steps - 1):
             logger.info(
-                "step %d loss %.4f g %+.4g lr %.3g",
+                "step %d/%d loss %.4f g %+.4g lr %.3g (%s)",
                 step,
+                max_steps,
                 result.loss,
                 result.projected_grad,
                 result.lr,
+                self.progress.describe(done),
             )
         if run.eval_steps and done % run.eval_steps == 0 and done < max_steps:
             metrics = evaluate(self.engine, self.data, self.parallel)
             logger.info("eval at step %d: %s", done, describe(metrics))
             if self.logs:
                 self.logs.write_eval(done, metrics)
+                self._draw_curves()
         if run.save_steps and done % run.save_steps == 0 and done < max_steps:
             self.save(asynchronous=run.save_async)
         self.checkpointer.poll()
@@ -356,8 +363,11 @@ class Trainer:
         (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
         if self.logs:
             self.close()
+            curves = self._draw_curves()
+            written = self._write_summary(elapsed, export, curves)
             logger.info(
-                "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s",
+                "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s; "
+                "summary %s, curves %s",
                 self.job.optim.max_steps - self.start_step,
                 elapsed,
                 self.meter.tokens / max(elapsed, 1e-9),
@@ -366,8 +376,53 @@ class Trainer:
                 else f"(resumed at step {self.start_step}) ",
                 describe(after),
                 export,
+                written,
+                curves,
             )
         return after
+
+    def _draw_curves(self) -> Path:
+        """Rank 0: ``curves.png`` from the whole run's logs (metrics.jsonl, eval.jsonl)."""
+        assert self.logs is not None
+        paths = self.logs.paths
+        return write_curves(
+            self.run_dir / CURVES, read_records(paths["metrics"]), read_records(paths["eval"])
+        )
+
+    def _write_summary(self, elapsed: float, export: Path | None, curves: Path) -> Path:
+        """Rank 0: ``summary.json``, the whole run's figures and this session's time."""
+        assert self.logs is not None
+        options = key_options(
+            self.job,
+            self.config,
+            self.objective.name,
+            self.engine.transfer,
+            str(self.device),
+            self.env.world_size,
+        )
+        session = {
+            "start_step": self.start_step,
+            "steps": self.step - self.start_step,
+            "seconds": elapsed,
+            "tokens_per_s": self.meter.tokens / max(elapsed, 1e-9),
+        }
+        paths = {
+            "checkpoint": latest_checkpoint(self.run_dir / "checkpoints"),
+            "export": export,
+            "curves": curves,
+            "config": self.run_dir / "config.toml",
+            "metrics": self.logs.paths["metrics"],
+            "eval_log": self.logs.paths["eval"],
+        }
+        record = run_summary(
+            options,
+            self.step,
+            session,
+            read_records(self.logs.paths["metrics"]),
+            read_records(self.logs.paths["eval"]),
+            paths,
+        )
+        return write_summary(self.run_dir / SUMMARY, record)
 
     def close(self) -> None:
         """Close the logs (the seed log synced); the trainer's state stays readable."""

@@ -11,7 +11,13 @@ configs, the tokenizer, and the weights in safetensors when the repository has t
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+# huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
+# while requesting ..."): every rank validates --model against the hub, so each would say
+# each retry.
+HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
 
 METADATA = [
     "*.json",
@@ -45,3 +51,33 @@ def snapshot(name: str, download: bool, revision: str | None = None) -> Path:
         return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
     except Exception as err:  # network, authentication, a name that is not a repository
         raise ValueError(f"cannot download --model {name!r}: {str(err).splitlines()[0]}") from None
+
+
+class OnceOnFirstLocalRank(logging.Filter):
+    """Lets a record through on the node's first local rank only, and each message once."""
+
+    def __init__(self, local_rank: int) -> None:
+        super().__init__()
+        self.local_rank = local_rank
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.local_rank != 0 or message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def quiet_hub_retries(local_rank: int) -> OnceOnFirstLocalRank:
+    """Say each of huggingface_hub's retry warnings once per node (its first local rank,
+    which also downloads) instead of once per rank and again per retry of the same
+    request. Installed once per process, on that logger alone; returns the filter."""
+    logger = logging.getLogger(HUB_HTTP_LOGGER)
+    for existing in logger.filters:
+        if isinstance(existing, OnceOnFirstLocalRank):
+            existing.local_rank = local_rank
+            return existing
+    once = OnceOnFirstLocalRank(local_rank)
+    logger.addFilter(once)
+    return once

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from distzo.runtime.units import format_bytes
+
 PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 
 
@@ -30,7 +32,8 @@ def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, PORTABLE))
     if error != 0:
         raise RuntimeError(
-            f"could not pin {nbytes / 1e9:.2f} GB of host memory (cudaHostRegister error {error}); "
+            f"could not pin {format_bytes(nbytes)} of host memory "
+            f"(cudaHostRegister error {error}); "
             "raise the locked-memory limit (ulimit -l) or use a low-bit --transfer-dtype"
         )
     weakref.finalize(tensor, _unregister, tensor.data_ptr())

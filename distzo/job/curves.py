@@ -1,0 +1,69 @@
+"""``curves.png``: the run's training loss and each evaluation metric by step, one panel
+each, drawn from metrics.jsonl and eval.jsonl (so a resumed run's picture covers the
+whole run). Rank 0 redraws it at each evaluation and at the end.
+
+matplotlib draws through its Agg canvas directly (``Figure`` + ``FigureCanvasAgg``, no
+pyplot): the process's backend, pyplot's figures and a user's settings stay as they
+were. It is imported on the first drawing, so ``import distzo`` does not pay for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CURVES = "curves.png"
+SMOOTH_POINTS = 50  # the training loss's moving mean spans 1/50 of the steps drawn
+
+
+def eval_metric_names(evals: list[dict[str, Any]]) -> list[str]:
+    """The metrics the evaluations hold, in the order they first appear."""
+    names: list[str] = []
+    for record in evals:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and key not in names:
+                names.append(key)
+    return names
+
+
+def _moving_mean(values: np.ndarray, window: int) -> np.ndarray:
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def write_curves(path: Path, metrics: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Path:
+    """Draw the records into ``path`` (PNG), through a temporary file and a rename."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = eval_metric_names(evals)
+    panels = 1 + len(names)
+    figure = Figure(figsize=(4.5 * panels, 3.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, panels, squeeze=False)[0]
+    steps = np.array([r["step"] for r in metrics if "loss" in r], dtype=float)
+    loss = np.array([r["loss"] for r in metrics if "loss" in r], dtype=float)
+    axes[0].plot(steps, loss, color="C0", linewidth=0.6, alpha=0.4, label="each step")
+    window = len(loss) // SMOOTH_POINTS
+    if window > 1:
+        axes[0].plot(
+            steps[window - 1 :],
+            _moving_mean(loss, window),
+            color="C0",
+            label=f"mean of {window} steps",
+        )
+    axes[0].set_title("training loss")
+    if len(loss):
+        axes[0].legend(loc="upper right", fontsize="small")
+    for i, (ax, name) in enumerate(zip(axes[1:], names), start=1):
+        points = [(r["step"], r[name]) for r in evals if isinstance(r.get(name), (int, float))]
+        ax.plot(*zip(*points), marker="o", color=f"C{i}")
+        ax.set_title(f"eval {name.removeprefix('eval_')}")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, format="png", dpi=100)
+    tmp.replace(path)
+    return path

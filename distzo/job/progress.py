@@ -1,0 +1,78 @@
+"""How far a run is and when it will end: a tqdm bar on rank 0 when stderr is a terminal,
+and on the ``--log-every`` step line, everywhere, the steps done of all, the steps per
+second of this session and the time left. A log that is a file never holds a bar: tqdm
+redraws with carriage returns, which a file keeps one after the other.
+
+Also: transformers' own bars ("Writing model shards" in ``save_pretrained``) silenced
+while distzo saves, the user's setting restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+
+class Progress:
+    """Steps ``start``..``total`` of a run: the bar (``show``: rank 0 on a terminal) and
+    the rate and ETA the step line carries."""
+
+    def __init__(self, start: int, total: int, show: bool) -> None:
+        self.start = start
+        self.total = total
+        self.started = time.perf_counter()
+        self._scope = contextlib.ExitStack()
+        self.bar: Any = None
+        if show and sys.stderr.isatty():
+            # Log lines are written above the bar rather than through it.
+            self._scope.enter_context(logging_redirect_tqdm())
+            self.bar = tqdm(desc="train", initial=start, total=total, dynamic_ncols=True)
+
+    def update(self, done: int, **postfix: str) -> None:
+        """``done`` steps are done; ``postfix``: the figures the bar shows beside it."""
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(done - self.bar.n)
+
+    def steps_per_s(self, done: int) -> float:
+        """This session's mean rate (a resumed run's earlier steps are not timed here)."""
+        return (done - self.start) / max(time.perf_counter() - self.started, 1e-9)
+
+    def describe(self, done: int) -> str:
+        """``12.3 steps/s, ETA 02:39``: the rate so far, the time the steps left take at it."""
+        rate = self.steps_per_s(done)
+        left = (self.total - done) / rate if rate > 0 else 0.0
+        return f"{rate:.3g} steps/s, ETA {tqdm.format_interval(left)}"
+
+    def close(self) -> None:
+        """Remove the bar and give logging its handlers back; once is enough, twice harmless."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self._scope.close()
+
+
+@contextlib.contextmanager
+def no_library_bars() -> Iterator[None]:
+    """transformers' (and huggingface_hub's) progress bars off for the block, then back
+    as the user had them."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hub_was_disabled = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()  # re-enables the hub's too
+        if hub_was_disabled:
+            hub_utils.disable_progress_bars()

@@ -1,0 +1,99 @@
+"""``summary.json``: the run at a glance, written by rank 0 at the end. The options that
+decide what was trained (the whole tree is ``config.toml``), the steps, this session's
+time and tokens per second, the training loss and the first, last and best evaluation,
+and where the last checkpoint, the export and the picture are.
+
+The losses and evaluations come from metrics.jsonl and eval.jsonl, so a resumed run's
+summary covers the whole run; the time and throughput are those of the session that
+finished it (an interrupted session's are not recorded anywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from distzo.config.engine_options import ZOConfig
+from distzo.config.job import JobConfig
+
+SUMMARY = "summary.json"
+
+
+def key_options(
+    job: JobConfig, config: ZOConfig, objective: str, transfer: str, device: str, world_size: int
+) -> dict[str, Any]:
+    """The options a reader compares runs by, resolved (the lr a default gave, the
+    transfer and the device ``auto`` chose; rank 0's device)."""
+    model = job.model
+    return {
+        "model": model.model or model.model_config or "built-in tiny OPT",
+        "model_layers": model.model_layers,
+        "task": job.data.task,
+        "objective": objective,
+        "peft": job.peft.peft,
+        "max_steps": job.optim.max_steps,
+        "batch_size": job.data.batch_size,
+        "lr": config.lr,
+        "lr_schedule": config.lr_schedule,
+        "eps": config.eps,
+        "optimizer": config.optimizer,
+        "num_queries": config.num_queries,
+        "mode": config.mode,
+        "transfer": transfer,
+        "transfer_dtype": config.transfer_dtype,
+        "dtype": model.dtype,
+        "device": device,
+        "world_size": world_size,
+        "seed": job.run.seed,
+    }
+
+
+def best_eval(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best evaluation by the first metric they hold (``eval_loss`` on language
+    modelling, else accuracy or F1): the lowest loss, or the highest of the others."""
+    if not evals:
+        return None
+    key = next((k for k in evals[0] if k != "step"), None)
+    if key is None:
+        return None
+    scored = [r for r in evals if isinstance(r.get(key), (int, float))]
+    pick = min if "loss" in key else max
+    best = pick(scored, key=lambda r: r[key])  # the earliest among equals
+    return {"by": key, **best}
+
+
+def run_summary(
+    options: dict[str, Any],
+    steps: int,
+    session: dict[str, Any],
+    metrics: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    paths: dict[str, Path | None],
+) -> dict[str, Any]:
+    """The summary's record. ``steps``: the run's, all sessions; ``session``: this
+    process's ``start_step``, ``steps``, ``seconds``, ``tokens_per_s``; ``paths``: the
+    checkpoint, export, curves... (absolute in the file, so it reads from anywhere)."""
+    losses = [r["loss"] for r in metrics if isinstance(r.get("loss"), (int, float))]
+    return {
+        "options": options,
+        "steps": steps,
+        "session": session,
+        "train_loss": (
+            {"first": losses[0], "last": losses[-1], "min": min(losses)} if losses else None
+        ),
+        "eval": {
+            "first": evals[0] if evals else None,
+            "last": evals[-1] if evals else None,
+            "best": best_eval(evals),
+        },
+        **{name: str(p.absolute()) if p is not None else None for name, p in paths.items()},
+    }
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> Path:
+    """``summary`` as indented JSON at ``path``, through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,103 @@
+"""What the log says, and says once: figures in the unit that fits (never ``0.000 B
+parameters``), each hub retry warning once and only on a node's first rank,
+transformers' bars off while distzo saves and back afterwards, and the progress line's
+rate and ETA."""
+
+import io
+import logging
+
+import pytest
+from transformers.utils import logging as hf_logging
+
+from distzo.job.progress import Progress, no_library_bars
+from distzo.models.hub import HUB_HTTP_LOGGER, OnceOnFirstLocalRank, quiet_hub_retries
+from distzo.runtime.units import format_bytes, format_count
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1023, "1.02 KB"),
+        (1024, "1.02 KB"),
+        (999_999, "1.00 MB"),  # rounds up into the next unit, not "1000.00 KB"
+        (1.5e9, "1.50 GB"),
+        (695.85e9, "695.85 GB"),
+        (2.5e12, "2.50 TB"),
+    ],
+)
+def test_bytes_take_the_decimal_unit_that_fits(n, text):
+    assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0"), (999, "999"), (21_310, "21.31 K"), (1.2e6, "1.20 M"), (7e9, "7.00 B")],
+)
+def test_parameter_counts_take_the_unit_that_fits(n, text):
+    assert format_count(n) == text
+
+
+@pytest.fixture
+def hub_logger():
+    logger = logging.getLogger(HUB_HTTP_LOGGER)
+    kept = list(logger.filters)
+    yield logger
+    logger.filters[:] = kept
+
+
+def test_a_hub_retry_warning_is_said_once_and_only_on_the_first_local_rank(hub_logger, caplog):
+    once = quiet_hub_retries(local_rank=0)
+    assert quiet_hub_retries(local_rank=0) is once  # installed once per process
+    for _ in range(3):
+        hub_logger.warning("Retrying in 1s [Retry 1/5].")
+    hub_logger.warning("Retrying in 2s [Retry 2/5].")
+    said = [r.getMessage() for r in caplog.records if r.name == HUB_HTTP_LOGGER]
+    assert said == ["Retrying in 1s [Retry 1/5].", "Retrying in 2s [Retry 2/5]."]
+
+    caplog.clear()
+    quiet_hub_retries(local_rank=1)
+    hub_logger.warning("Retrying in 4s [Retry 3/5].")
+    assert not [r for r in caplog.records if r.name == HUB_HTTP_LOGGER]
+    assert sum(isinstance(f, OnceOnFirstLocalRank) for f in hub_logger.filters) == 1
+
+
+def test_library_bars_are_off_inside_and_as_the_user_had_them_after():
+    assert hf_logging.is_progress_bar_enabled()
+    with no_library_bars():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a user who turned them off keeps them off
+    try:
+        with no_library_bars():
+            pass
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def test_the_progress_line_gives_the_sessions_rate_and_the_time_left(monkeypatch):
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr("distzo.job.progress.time.perf_counter", lambda: next(clock))
+    progress = Progress(start=200, total=1000, show=True)  # a resumed run, at step 200
+    assert progress.bar is None  # pytest's stderr is no terminal
+    # 50 steps in 10 s: 5 steps/s, 750 steps left: 150 s.
+    assert progress.describe(250) == "5 steps/s, ETA 02:30"
+    progress.close()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_bar_is_drawn_only_on_a_terminal_and_only_where_asked(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert Progress(start=0, total=10, show=False).bar is None  # another rank than 0
+    progress = Progress(start=0, total=10, show=True)
+    progress.update(5, loss="1.2345")
+    progress.close()
+    assert "train:  50%" in terminal.getvalue() and "5/10" in terminal.getvalue()
+    assert "loss=1.2345" in terminal.getvalue()

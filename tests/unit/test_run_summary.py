@@ -1,0 +1,118 @@
+"""The run's summary.json and curves.png, in process through the Trainer: they hold the
+run's own figures (those of eval.jsonl and metrics.jsonl), a resumed run's cover the
+whole run, the picture is redrawn at each evaluation, the step line carries an ETA in a
+log that is no terminal, the done line names both files, no DCP note is warned at a
+save or a load, and ``--overwrite`` deletes both."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from matplotlib import image
+
+from distzo.config.job import resolve
+from distzo.job.run_dir import check_fresh, clear_run
+from distzo.job.run_logs import read_records
+from distzo.job.trainer import Trainer, TrainerCallback
+
+STEPS = 8
+DCP_NOTE = "torch.distributed is disabled"
+
+
+def job(out: Path, *flags: str):
+    return resolve(
+        ["--max-steps", str(STEPS), "--device", "cpu", "--log-every", "2", "--eval-steps", "4"]
+        + ["--output-dir", str(out), *flags]
+    )
+
+
+class Watch(TrainerCallback):
+    """Keeps curves.png's bytes as each step starts; fails the run before ``stop_at``."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.stop_at = stop_at
+        self.curves: dict[int, bytes | None] = {}
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        if step == self.stop_at:
+            raise RuntimeError(f"stopped at step {step}")
+        path = trainer.run_dir / "curves.png"
+        self.curves[step] = path.read_bytes() if path.exists() else None
+
+
+def check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = image.imread(path).shape
+    assert width > height > 100  # one panel per figure side by side
+
+
+def test_a_run_writes_its_summary_and_its_curves(tmp_path, caplog, capsys, recwarn):
+    caplog.set_level(logging.INFO, logger="distzo.train")
+    out = tmp_path / "run"
+    watch = Watch()
+    with Trainer(job(out, "--save-steps", "4"), callbacks=[watch]) as trainer:
+        trainer.train()
+    summary = json.loads((out / "summary.json").read_text())
+    evals = read_records(out / "eval.jsonl")
+    metrics = read_records(out / "metrics.jsonl")
+    assert [e["step"] for e in evals] == [0, 4, 8]
+    assert summary["steps"] == STEPS and summary["session"]["steps"] == STEPS
+    assert summary["session"]["tokens_per_s"] > 0 and summary["session"]["seconds"] > 0
+    assert summary["eval"]["first"] == evals[0] and summary["eval"]["last"] == evals[-1]
+    best = min(evals, key=lambda e: e["eval_loss"])
+    assert summary["eval"]["best"] == {"by": "eval_loss", **best}
+    assert summary["train_loss"]["first"] == metrics[0]["loss"]
+    assert summary["train_loss"]["last"] == metrics[-1]["loss"]
+    assert summary["options"]["max_steps"] == STEPS and summary["options"]["device"] == "cpu"
+    assert summary["export"] == str((out / "export").absolute())
+    assert summary["checkpoint"] == str((out / "checkpoints" / "step-8").absolute())
+    assert Path(summary["export"], "model.safetensors").is_file()
+    assert Path(summary["checkpoint"], ".metadata").is_file()
+
+    # Drawn at the evaluation after 4 steps (none before it), then again at the end.
+    assert watch.curves[3] is None and watch.curves[4] is not None
+    assert watch.curves[4] == watch.curves[7]
+    assert (out / "curves.png").read_bytes() != watch.curves[7]
+    check_png(out / "curves.png")
+
+    lines = [r.getMessage() for r in caplog.records]
+    assert trainer.progress.bar is None  # pytest's stderr is no terminal: no bar
+    step_2 = next(line for line in lines if line.startswith("step 2/8 loss"))
+    assert " steps/s, ETA 00:0" in step_2
+    done = next(line for line in lines if line.startswith("done: 8 steps"))
+    assert done.endswith(f"summary {out / 'summary.json'}, curves {out / 'curves.png'}")
+    assert not [w for w in recwarn if DCP_NOTE in str(w.message)]  # async saves included
+    assert "Writing model shards" not in capsys.readouterr().err  # the base/ save's bar
+
+
+def test_a_resumed_runs_summary_and_curves_cover_the_whole_run(tmp_path, recwarn):
+    out = tmp_path / "run"
+    first = Trainer(job(out, "--save-steps", "4"), callbacks=[Watch(stop_at=6)])
+    with first, pytest.raises(RuntimeError, match="stopped at step 6"):
+        first.train()
+    assert not (out / "summary.json").exists() and (out / "curves.png").is_file()
+    first_loss = read_records(out / "metrics.jsonl")[0]["loss"]
+
+    second = Trainer(job(out, "--resume"))  # loads the checkpoint of step 4
+    second.train()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    assert summary["session"]["start_step"] == 6 and summary["session"]["steps"] == 2
+    assert summary["train_loss"]["first"] == first_loss
+    assert [e["step"] for e in read_records(out / "eval.jsonl")] == [0, 4, 8]
+    assert summary["eval"]["first"]["step"] == 0 and summary["eval"]["last"]["step"] == 8
+    check_png(out / "curves.png")
+    assert not [w for w in recwarn if DCP_NOTE in str(w.message)]
+
+
+def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    (out / "curves.png").write_bytes(b"\x89PNG")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"already holds a run \(curves.png, summary.json\)"):
+        check_fresh(resolve(["--output-dir", str(out)]))
+    clear_run(resolve(["--output-dir", str(out), "--overwrite"]))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
