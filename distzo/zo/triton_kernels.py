@@ -6,7 +6,8 @@ program; see ``triton_noise`` for what each kernel computes.
 Offsets: Triton types an integer argument below 2^31 as int32, so ``start + n`` of two
 such arguments wraps when it reaches 2^31 (a mask built on it is then false everywhere and
 the program stores nothing). Element indices are int64 (``tile_words``) and every bound is
-an offset compared with a length, ``e - start < n``, never a sum of arguments.
+an offset compared with a length, ``e - start < n``, never a sum of arguments. The
+offsets are int64 by annotation in any case (``SCALARS``).
 """
 
 import triton
@@ -19,6 +20,10 @@ M1 = tl.constexpr(definition.M1)
 W0 = tl.constexpr(definition.W0)
 W1 = tl.constexpr(definition.W1)
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bfloat16's largest finite value
+# The kernels' scalar arguments change every step (keys) or every chunk (offsets): typed by
+# annotation and never specialized, each kernel compiles once (per constexpr and pointer
+# alignment), not once per key parity, divisibility by 16 or int32/int64 range.
+SCALARS = ["start", "n", "k0", "k1", "scale", "alpha", "decay_end", "shrink"]
 
 
 @triton.jit
@@ -77,8 +82,17 @@ def tile_words(start, k0, k1, LANES: tl.constexpr, BLOCKS: tl.constexpr):
     return tile * (BLOCKS * LANES) + b, w0, w1, w2, w3
 
 
-@triton.jit
-def fill_kernel(out_ptr, table_ptr, start, n, k0, k1, KIND: tl.constexpr, BLOCKS: tl.constexpr):
+@triton.jit(do_not_specialize=SCALARS)
+def fill_kernel(
+    out_ptr,
+    table_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     """Draws of elements [start, start + n) into out[0:n] (KIND 2: uniform, 32-bit lanes)."""
     lanes: tl.constexpr = 4 if KIND == 2 else 8
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, lanes, BLOCKS)
@@ -92,9 +106,18 @@ def fill_kernel(out_ptr, table_ptr, start, n, k0, k1, KIND: tl.constexpr, BLOCKS
         tl.store(out_ptr + (e - start), value, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCALARS)
 def perturb_kernel(
-    out_ptr, theta_ptr, table_ptr, start, n, k0, k1, scale, KIND: tl.constexpr, BLOCKS: tl.constexpr
+    out_ptr,
+    theta_ptr,
+    table_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    scale: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
@@ -106,17 +129,17 @@ def perturb_kernel(
         tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCALARS)
 def update_kernel(
     theta_ptr,
     table_ptr,
-    start,
-    n,
-    k0,
-    k1,
-    alpha,
-    decay_end,
-    shrink,
+    start: tl.int64,
+    n: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    alpha: tl.float32,
+    decay_end: tl.int64,
+    shrink: tl.float32,
     KIND: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
@@ -132,8 +155,16 @@ def update_kernel(
         tl.store(theta_ptr + (e - start), theta + alpha * z, mask=inside)
 
 
-@triton.jit
-def round_bf16_kernel(dst_ptr, src_ptr, start, n, k0, k1, BLOCKS: tl.constexpr):
+@triton.jit(do_not_specialize=SCALARS)
+def round_bf16_kernel(
+    dst_ptr,
+    src_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    BLOCKS: tl.constexpr,
+):
     """dst (bf16) <- src (fp32) rounded stochastically, elements [start, start + n) of the
     bucket: the top 16 bits of each element's 32-bit uniform lane are added to the float's
     bit pattern and the low 16 bits cut (``offload.low_bit``'s rule; with its uniform

@@ -1,16 +1,21 @@
 """Run by tests/unit/test_noise.py without TRITON_INTERPRET: compile every Triton noise kernel
 for NVIDIA GPUs (PTX and cubin, with the ptxas that Triton ships) on a machine with no
-GPU, so code the interpreter accepts but the compiler refuses fails on every CI run."""
+GPU, so code the interpreter accepts but the compiler refuses fails on every CI run; and
+check, with the binder Triton's launcher uses to pick a compiled variant, that the keys and
+offsets of 50 steps select one variant per kernel (no recompile as they change)."""
 
+import random
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 from distzo.zo import triton_kernels as k
 
-RANGE = {"start": "i64", "n": "i64", "k0": "i64", "k1": "i64"}
+RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
 KERNELS = [
     (
         k.fill_kernel,
@@ -66,4 +71,28 @@ for target in targets:
             print(
                 f"sm_{target.arch} {fn.__name__} {constexprs}: {len(compiled.asm['cubin'])} bytes"
             )
+
+# What a run passes: keys that change every step (any 32-bit values), chunk offsets and
+# lengths of any size, both sides of 2^31 (one slot-aligned buffer, as the engine's are).
+rng = random.Random(0)
+buffer, table = torch.empty(4096), torch.empty(65536)
+bf16 = torch.empty(4096, dtype=torch.bfloat16)
+CALLS = {
+    k.fill_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1),
+    k.perturb_kernel: lambda s, n, k0, k1: (buffer, buffer, table, s, n, k0, k1, -1e-3),
+    k.update_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1, 1e-3, s // 2, 1.0),
+    k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
+}
+backend = make_backend(targets[0])
+for fn, arguments in CALLS.items():
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    variants = set()
+    for _ in range(50):  # steps
+        start = rng.choice([0, 16, 4096, 12345, 2**31 - 4096, 2**31 + 8, 2**33 + 1])
+        n = rng.choice([1, 16, 3000, 4096, 2**31 + 5])
+        args = arguments(start, n, rng.getrandbits(32), rng.getrandbits(32))
+        constexprs = {"BLOCKS": 512} if fn is k.round_bf16_kernel else {"KIND": 0, "BLOCKS": 512}
+        variants.add(repr(binder(*args, **constexprs)[1]))
+    assert len(variants) == 1, (fn.__name__, sorted(variants))
+    print(f"{fn.__name__}: one variant over 50 steps of keys and offsets")
 print("triton kernels compile")
