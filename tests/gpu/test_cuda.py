@@ -379,3 +379,21 @@ def test_adam_moments_stream_with_their_blocks_on_the_gpu_as_on_the_cpu(state_dt
 
     gpu = follows_the_cpu_and_never_syncs_early(build, steps=5)
     assert all(store.host_storage.is_pinned() for store in gpu.moments.blocks)
+
+
+def test_each_triton_noise_kernel_compiles_once_over_fifty_steps():
+    """Keys change every step and offsets every block: each kernel the steps launch holds one
+    compiled binary after 50 steps (its scalar arguments are never specialized)."""
+    from distzo.zo import triton_kernels, triton_noise
+
+    if not triton_noise.available():
+        pytest.skip("Triton is not installed")
+    model = tiny_opt(seed=0, num_hidden_layers=4, word_embed_proj_dim=16)
+    engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", lr=1e-3, seed=0))
+    for i in range(50):
+        engine.step(random_batch(64, seed=i))
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    for kernel in (triton_kernels.perturb_kernel, triton_kernels.update_kernel):
+        binaries = kernel.device_caches[device][0]  # (kernel cache, key cache, target, ...)
+        assert len(binaries) == 1, (kernel.fn.__name__, list(binaries))
