@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,15 +51,25 @@ def world_rank() -> tuple[int, int]:
 
 
 class Collectives:
-    """The job's collectives for one rank, whose device is ``device``."""
+    """The job's collectives for one rank, whose device is ``device``. ``timeout``: the job's
+    (``--dist-timeout``), given to every group made here (torch's default for a new group
+    is 30 minutes under gloo and 10 under NCCL, whatever the default group has)."""
 
-    def __init__(self, device: torch.device, host_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        host_group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.host_group = host_group
+        self.timeout = timeout
         _, self.world_size = world_rank()
 
     @classmethod
-    def for_job(cls, device: torch.device | None = None) -> Collectives:
+    def for_job(
+        cls, device: torch.device | None = None, timeout: timedelta | None = None
+    ) -> Collectives:
         """Collective on every rank (it creates the host group), in the same order.
         ``device`` defaults to the current CUDA device under NCCL, else the CPU."""
         if device is None:
@@ -67,9 +78,20 @@ class Collectives:
                 torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
             )
         if not initialized():
-            return cls(device)
-        host = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        return cls(device, host)
+            return cls(device, timeout=timeout)
+        gloo = dist.get_backend() == "gloo"
+        host = dist.group.WORLD if gloo else dist.new_group(backend="gloo", timeout=timeout)
+        return cls(device, host, timeout)
+
+    def new_group(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+        """A subgroup with the job's timeout (every rank must call this, in the same order,
+        for every subgroup)."""
+        return dist.new_group(ranks, backend=backend, timeout=self.timeout)
+
+    def new_host_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of its own over every rank, with the job's timeout (DCP's background
+        writer: its collectives never interleave with the training's)."""
+        return dist.new_group(backend="gloo", timeout=self.timeout) if initialized() else None
 
     @property
     def distributed(self) -> bool:
@@ -178,10 +200,16 @@ class Collectives:
         dist.all_gather_object(out, value, group=self.host_group)
         return out
 
-    def barrier(self) -> None:
-        """Every rank reaches this point before any leaves it (the host waits)."""
-        if self.distributed:
+    def barrier(self, timeout: timedelta | None = None) -> None:
+        """Every rank reaches this point before any leaves it (the host waits); ``timeout``:
+        a wait of its own, longer than the group's (gloo's monitored barrier), for a point
+        some rank reaches only after a long job of its own (a first download)."""
+        if not self.distributed:
+            return
+        if timeout is None:
             dist.barrier(group=self.host_group)
+        else:
+            dist.monitored_barrier(group=self.host_group, timeout=timeout, wait_all_ranks=True)
 
 
 def broadcast_seed(seed: int | None, comm: Collectives) -> int:
@@ -189,17 +217,6 @@ def broadcast_seed(seed: int | None, comm: Collectives) -> int:
     so noise and data agree everywhere without relying on any global RNG state."""
     value = seed if seed is not None else secrets.randbits(62)
     return int(comm.broadcast_object(int(value)))
-
-
-def new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
-    """A subgroup (every rank must call this, in the same order, for every subgroup)."""
-    return dist.new_group(ranks, backend=backend)
-
-
-def new_host_group() -> dist.ProcessGroup | None:
-    """A gloo group of its own over every rank (DCP's background writer: its collectives
-    never interleave with the training's)."""
-    return dist.new_group(backend="gloo") if initialized() else None
 
 
 def host_barrier(group: dist.ProcessGroup | None) -> None:

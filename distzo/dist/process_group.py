@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distzo.dist.collectives import Collectives, new_group
+from distzo.dist.collectives import Collectives
 from distzo.dist.launch_env import LaunchEnv
 from distzo.dist.parallel_dims import ParallelDims
 
@@ -48,8 +49,27 @@ def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
     )
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
-    return init_device_mesh(device.type, (dims.dp, dims.pert), mesh_dim_names=("dp", "pert"))
+def build_mesh(dims: ParallelDims, device: torch.device, timeout: timedelta) -> DeviceMesh:
+    """The named ``("dp", "pert")`` mesh, its groups with the job's timeout (DeviceMesh
+    gives its groups torch's default unless their options carry one)."""
+    backend = str(dist.get_backend())
+    options = _backend_options(backend)
+    override: dict[int | str, Any] | None = None
+    if options is not None:  # NCCL or gloo (a test's stand-in backend keeps the default)
+        options._timeout = timeout
+        override = {name: (backend, options) for name in ("dp", "pert")}
+    return init_device_mesh(
+        device.type, (dims.dp, dims.pert), mesh_dim_names=("dp", "pert"), backend_override=override
+    )
+
+
+def _backend_options(backend: str) -> Any:
+    """A fresh options object of ``backend``'s process groups, where torch has one."""
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL.Options()
+    if backend == "gloo":
+        return dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    return None
 
 
 def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, list[int]]:
@@ -70,7 +90,7 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
     mine = None
     for node in sorted(by_node):
         members = [rank for _, rank in sorted(by_node[node])]
-        group = new_group(members)
+        group = comm.new_group(members)
         if node == env.node_rank:
             mine = (group, members)
     assert mine is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Ob
 logger = logging.getLogger("distzo.train")
 
 MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# How long a node's other ranks wait for its first rank to download a hub model: hours (a
+# 405B model is ~800 GB), not --dist-timeout's minutes. A failed download ends that rank,
+# and its peers with it, at once.
+DOWNLOAD_TIMEOUT = timedelta(hours=12)
 TaskData = CountingData | TextData | PromptData
 
 
@@ -47,12 +52,13 @@ def build_parallel(
     """The process group, the mesh and the node's shard group (a plain run: none of them)."""
     if not env.launched:
         return ParallelContext(env, dims, comm=Collectives(device))
-    pg.init_process_group(
-        env, pg.resolve_backend(job.parallel.backend, device), job.parallel.dist_timeout
-    )
-    # the device group's collectives, and a gloo group for the host's
-    comm = Collectives.for_job(device)
-    mesh = pg.build_mesh(dims, device)
+    backend = pg.resolve_backend(job.parallel.backend, device)
+    pg.init_process_group(env, backend, job.parallel.dist_timeout)
+    timeout = timedelta(seconds=job.parallel.dist_timeout)
+    # the device group's collectives, and a gloo group for the host's: every group the job
+    # makes has the job's timeout
+    comm = Collectives.for_job(device, timeout)
+    mesh = pg.build_mesh(dims, device, timeout)
     group, members = pg.node_groups(env, comm)
     return ParallelContext(
         env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm
@@ -82,7 +88,7 @@ def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | 
     if local is not None:
         return local
     path = hub.snapshot(name, download=True) if env.local_rank == 0 else None
-    comm.barrier()  # the node's download is complete
+    comm.barrier(DOWNLOAD_TIMEOUT)  # the node's download is complete (not --dist-timeout's wait)
     return path if path is not None else hub.snapshot(name, download=False)
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_options import OPTIMIZERS
-from distzo.dist.collectives import host_barrier, initialized, new_host_group, world_rank
+from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
@@ -269,7 +269,7 @@ class Checkpointer:
         self._quiet = contextlib.ExitStack()
         # DCP's asynchronous writer runs collectives from a thread: give it its own gloo
         # group, so it never interleaves with the training's collectives (or needs NCCL).
-        self._group = new_host_group()
+        self._group = engine.parallel.comm.new_host_group()
 
     def _state(self, private: bool = True) -> dict[str, torch.Tensor]:
         """This rank's contribution. ``private``: CPU copies, so training may go on while
