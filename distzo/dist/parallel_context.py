@@ -26,6 +26,21 @@ class ShardGroup:
     def size(self) -> int:
         return len(self.members)
 
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, members: list[int], global_rank: int) -> ShardGroup:
+        """This rank's place in ``group``: slice ``i`` of every bucket belongs to
+        ``members[i]``, and a gather over the group orders its pieces by group rank, so the
+        two orders must be one (NCCL and gloo number a group's ranks in ascending global
+        order; ``node_groups`` lists the members so)."""
+        index = members.index(global_rank)
+        group_rank = dist.get_rank(group) if dist.is_initialized() else index
+        if group_rank != index:
+            raise RuntimeError(
+                f"rank {global_rank} is rank {group_rank} of its shard group but owns slice "
+                f"{index} (members {members}): slices would be gathered out of order"
+            )
+        return cls(group, members, index)
+
 
 @dataclass(init=False)
 class ParallelContext:

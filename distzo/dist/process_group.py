@@ -89,7 +89,7 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
             )
     mine = None
     for node in sorted(by_node):
-        members = [rank for _, rank in sorted(by_node[node])]
+        members = sorted(rank for _, rank in by_node[node])  # the group's own rank order
         group = comm.new_group(members)
         if node == env.node_rank:
             mine = (group, members)

@@ -61,7 +61,7 @@ def build_parallel(
     mesh = pg.build_mesh(dims, device, timeout)
     group, members = pg.node_groups(env, comm)
     return ParallelContext(
-        env, dims, mesh, ShardGroup(group, members, members.index(env.rank)), comm
+        env, dims, mesh, ShardGroup.of(group, members, env.rank), comm
     )
 
 

@@ -29,7 +29,7 @@ dist.init_process_group(nccl_like.NAME, rank=env.rank, world_size=env.world_size
 comm = Collectives.for_job(torch.device("cpu"))
 group, members = pg.node_groups(env, comm)
 parallel = ParallelContext(
-    env, ParallelDims(2, 1), None, ShardGroup(group, members, members.index(env.rank)), comm
+    env, ParallelDims(2, 1), None, ShardGroup.of(group, members, env.rank), comm
 )
 # Adam: its moments are sliced and gathered with the blocks, and checkpointed beside them.
 engine = ZOEngine(

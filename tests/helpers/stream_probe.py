@@ -25,7 +25,7 @@ if env.launched:
     comm = Collectives.for_job(torch.device("cpu"))
     group, members = pg.node_groups(env, comm)
     dims = ParallelDims.resolve(env.world_size, None, 1)
-    shard = ShardGroup(group, members, members.index(env.rank))
+    shard = ShardGroup.of(group, members, env.rank)
     parallel, transfer = ParallelContext(env, dims, None, shard, comm), "sliced"
 if path.startswith("hub:"):
     from distzo.job.build import model_source
