@@ -46,7 +46,7 @@ from distzo.job.build import (
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.curves import CURVES, write_curves
-from distzo.job.divergence import diverged, is_finite, warn_if_nothing_learns
+from distzo.job.divergence import diverged, is_finite, steps_kept, warn_if_nothing_learns
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
@@ -334,12 +334,18 @@ class Trainer:
         raise Preempted(self.step, received or "a signal to another rank")
 
     def _diverge(self, result: StepResult) -> None:
-        """End a run at its first non-finite step, keeping nothing of it: its pending update
-        is never applied (no flush, evaluation, save or export follows) nor logged; a save
-        of an earlier step in flight is completed, the logs closed; then ``Diverged``."""
-        self.checkpointer.wait()
-        self.close()  # syncs the seed log, which ends at the step before
-        last = latest_checkpoint(self.run_dir / "checkpoints")
+        """End a run at its first non-finite step, keeping the state before the update that
+        led to it (``distzo.job.divergence``): neither that step's pending update nor the
+        one before it is applied again (no flush, evaluation, save or export follows), a
+        checkpoint of more steps (in flight or complete) is dropped, the logs are cut back
+        and closed; then ``Diverged``."""
+        kept = steps_kept(result.step)
+        for path in self.checkpointer.discard_after(kept):
+            logger.warning("checkpoint %s dropped: it holds the update that diverged", path)
+        if self.logs is not None:
+            self.logs.close_at(kept)  # the seed log synced, ending at step kept - 1
+        self.step = kept
+        last = latest_checkpoint(self.run_dir / "checkpoints", most_steps=kept)
         raise diverged(result, self.config, str(last) if last is not None else None)
 
     def _finish(self, elapsed: float) -> dict[str, float]:
