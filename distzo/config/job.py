@@ -347,7 +347,9 @@ class ParallelOptions:
 @dataclass
 class RunOptions:
     seed: int = option(0, "run seed (model init, data and noise); -1: rank 0 draws one")
-    output_dir: str | None = option(None, "run directory (default ./runs/<timestamp>)")
+    output_dir: str | None = option(
+        None, "run directory (default: a new ./runs/<timestamp>, -2, -3, ... appended if taken)"
+    )
     log_dir: str | None = option(
         None, "where metrics.jsonl and eval.jsonl go (default: the run directory)"
     )
