@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from distzo.config.job import JobConfig
+from distzo.config.job import RUN_ACTIONS, JobConfig
 from distzo.dist import LaunchEnv
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
@@ -72,7 +72,7 @@ RESUME_MAY_CHANGE = (
 # the steps before the resume stay exact.
 RESUME_MAY_RETUNE = ("lr", "eps")
 # How this command treats its directory, not what the run is: never compared.
-INVOCATION = ("output_dir", "resume", "overwrite")
+INVOCATION = ("output_dir", *RUN_ACTIONS)
 
 
 def new_run_dir(root: Path = Path("runs")) -> Path:

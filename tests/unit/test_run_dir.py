@@ -129,7 +129,20 @@ def test_overwrite_deletes_the_runs_own_files_and_nothing_else(run):
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-3"]
     steps = [json.loads(line) for line in (run / "seedlog.jsonl").read_text().splitlines()][1:]
     assert [r["step"] for r in steps] == [0, 1, 2]
-    assert "overwrite = false" in (run / "config.toml").read_text()
+    assert "\noverwrite =" not in (run / "config.toml").read_text()
+
+
+def test_a_resumed_runs_config_records_the_run_not_the_resume(run, tmp_path):
+    proc = train_in_process([*SMALL, "--max-steps", "5", "--output-dir", str(run), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = (run / "config.toml").read_text()
+    assert "max_steps = 5\n" in recorded and f'output_dir = "{run}"' in recorded
+    assert "\nresume =" not in recorded and "\noverwrite =" not in recorded
+    # Passed back for a new run it starts one afresh, as the file a resume wrote before did not.
+    new = tmp_path / "new"
+    job = resolve(["--config", str(run / "config.toml"), "--output-dir", str(new)])
+    assert job.run.resume is None and not job.run.overwrite
+    assert resume_mode(job.run, LaunchEnv()) == "no"
 
 
 def test_overwrite_and_resume_are_refused_together(run):
