@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import logging
 import tomllib
 import types
 import typing
@@ -40,13 +41,19 @@ from distzo.config.engine_options import (
     ZOConfig,
     engine_default,
 )
+from distzo.dist import LaunchEnv
 from distzo.zo.schedule import SCHEDULES
+
+logger = logging.getLogger("distzo.train")
 
 # The dashboards --report-to names (``distzo.job.reporting`` builds them).
 REPORTERS = ("none", "tensorboard", "wandb")
 # The largest safetensors file of an export by default (Hugging Face's own default).
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 RESUME_MODES = ("no", "yes", "auto")
+# What one command does with its run directory, not what the run is: flags only, never in
+# a TOML file (read or written).
+RUN_ACTIONS = ("resume", "overwrite")
 # Where each section's options are explained (the --help epilog names them).
 SECTION_DOCS = {
     "model": "docs/models.md",
@@ -347,7 +354,9 @@ class ParallelOptions:
 @dataclass
 class RunOptions:
     seed: int = option(0, "run seed (model init, data and noise); -1: rank 0 draws one")
-    output_dir: str | None = option(None, "run directory (default ./runs/<timestamp>)")
+    output_dir: str | None = option(
+        None, "run directory (default: a new ./runs/<timestamp>, -2, -3, ... appended if taken)"
+    )
     log_dir: str | None = option(
         None, "where metrics.jsonl and eval.jsonl go (default: the run directory)"
     )
@@ -588,12 +597,36 @@ def _toml_value(section: str, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
+def _drop_actions(path: str, data: dict[str, Any]) -> None:
+    """A file never sets ``RUN_ACTIONS``: they say what one command does with its run
+    directory, not what the run is, and a run's config.toml passed back with --config for
+    a new run must not carry them (an earlier version's config.toml of a resumed run
+    records ``resume = "yes"``: it would resume whatever directory it is passed with).
+    Dropped, so such files still load; one warning line where one asked for an action."""
+    run = data.get("run", {})
+    asked: list[tuple[str, Any]] = []
+    for key in RUN_ACTIONS:
+        value = run.pop(key, False)
+        if value not in ("no", False):
+            asked.append((key, value))
+    if asked and LaunchEnv.from_environ().rank == 0:
+        logger.warning(
+            "--config %s: [run] %s ignored: --resume and --overwrite act on the run directory "
+            "and are given on the command line, never by a file",
+            path,
+            " and ".join(f"{key} = {value!r}" for key, value in asked),
+        )
+
+
 def resolve(argv: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file, then the flags given on the command line."""
+    """Defaults, then the TOML file (its one-off actions dropped), then the flags given on
+    the command line."""
     args = vars(build_parser().parse_args(argv))
     config = JobConfig()
     if args.get("config"):
-        for section, values in load_toml(args["config"]).items():
+        data = load_toml(args["config"])
+        _drop_actions(args["config"], data)
+        for section, values in data.items():
             target = getattr(config, section)
             fields = {f.name: f for f in dataclasses.fields(target)}
             for key, value in values.items():
@@ -605,13 +638,14 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
 
 
 def to_toml(config: JobConfig) -> str:
-    """The resolved tree as TOML (unset options, None, are left out: TOML has no null)."""
+    """The resolved tree as TOML: the options that define the run. Unset options (None) are
+    left out (TOML has no null), and so are ``RUN_ACTIONS``, which no file sets."""
     lines = []
     for section, values in config.sections().items():
         lines.append(f"[{section}]")
         for f in dataclasses.fields(values):
             value = getattr(values, f.name)
-            if value is None:
+            if value is None or (section == "run" and f.name in RUN_ACTIONS):
                 continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
@@ -625,13 +659,11 @@ def to_toml(config: JobConfig) -> str:
 
 
 def write_resolved(config: JobConfig, run_dir: Path) -> Path:
-    """``config.toml``: the resolved tree, without --resume and --overwrite, which say how a
-    command treats its directory, not what the run is (a file passed back with --config must
-    not carry them into the old run's directory)."""
+    """``config.toml``: the resolved tree (``to_toml``), without --resume and --overwrite,
+    which say how a command treats its directory, not what the run is."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.toml"
     tmp = path.with_suffix(".toml.tmp")
-    run = dataclasses.replace(config.run, resume=None, overwrite=False)
-    tmp.write_text(to_toml(dataclasses.replace(config, run=run)))
+    tmp.write_text(to_toml(config))
     tmp.replace(path)
     return path

@@ -56,16 +56,26 @@ def _without_single_process_note() -> Iterator[None]:
         yield
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    """The completed checkpoint with the highest step (``*.tmp`` ones never count)."""
+def _complete(directory: Path) -> list[tuple[int, Path]]:
+    """``(steps, path)`` of every completed checkpoint (``*.tmp`` ones never count)."""
     if not directory.is_dir():
-        return None
-    steps = [
+        return []
+    return [
         (int(m.group(1)), p)
         for p in directory.iterdir()
         if (m := _STEP_DIR.match(p.name)) and p.is_dir()
     ]
+
+
+def latest_checkpoint(directory: Path, most_steps: int | None = None) -> Path | None:
+    """The completed checkpoint with the highest step (of at most ``most_steps`` steps)."""
+    steps = [(n, p) for n, p in _complete(directory) if most_steps is None or n <= most_steps]
     return max(steps)[1] if steps else None
+
+
+def _steps_of(path: Path) -> int:
+    """The steps a checkpoint ``step-N`` (or its ``step-N.tmp``) holds: N."""
+    return int(path.name.removeprefix("step-").removesuffix(".tmp"))
 
 
 def _damage(path: Path) -> str | None:
@@ -247,11 +257,7 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
     ``.tmp`` one, and the latest complete checkpoint is always among those kept."""
     if keep <= 0 or not directory.is_dir():
         return []
-    steps = sorted(
-        (int(m.group(1)), p)
-        for p in directory.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    )
+    steps = sorted(_complete(directory))
     doomed = [p for _, p in steps[: max(len(steps) - keep, 0)]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -365,6 +371,31 @@ class Checkpointer:
         with _write_failure(tmp), self._quiet:
             future.result()
         self._finalize(tmp, final)
+
+    def discard_after(self, steps: int) -> list[Path]:
+        """Drop every checkpoint of more than ``steps`` steps (a diverged run's, which holds
+        the update that led to the non-finite loss): a save of one in flight is completed
+        but never renamed into place (nor does it prune an older one), complete ones are
+        deleted by rank 0; a save in flight of ``steps`` or fewer is completed. Every rank
+        returns once the directory holds only what is kept; rank 0 returns the checkpoints
+        dropped (by their final names), the others nothing."""
+        rank0, dropped = world_rank()[0] == 0, []
+        if self._pending_save is not None and _steps_of(self._pending_save[2]) > steps:
+            future, tmp, final = self._pending_save
+            self._pending_save = None
+            with _write_failure(tmp):
+                future.result()  # every rank's share written: no writer is left behind
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                dropped.append(final)
+        self.wait()
+        if rank0:
+            complete = sorted(p for n, p in _complete(self.directory) if n > steps)
+            for path in complete:
+                shutil.rmtree(path, ignore_errors=True)
+            dropped = sorted([*dropped, *complete], key=_steps_of)
+        host_barrier(self._group)
+        return dropped
 
     def _finalize(self, tmp: Path, final: Path) -> None:
         # Each rank's future resolves only after the metadata is written, which needs every

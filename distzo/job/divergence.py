@@ -4,9 +4,16 @@ A non-finite ``g`` would be applied to every parameter by the step's pending upd
 the run would go on training (and exporting) garbage with exit code 0. The check reads
 the step's reduced values, which are already host floats and the same on every rank
 after the step's all-reduce, so every rank stops at the same step with no extra
-collective and no extra device sync. Nothing of that step is kept: its pending update is
-never applied, saved or logged, so the last checkpoint and the seed log hold the last
-good state, from which ``--resume`` goes on.
+collective and no extra device sync.
+
+What is kept is the last good state: the weights of the last finite loss. Step N's loss is
+measured on the weights after step N-1's update (each update rides on the next pass), so
+a non-finite loss at step N says that update, its ``g`` finite but too large, broke the
+weights: neither step N nor step N-1 is kept. The run keeps N-1 steps: a checkpoint of
+more steps is dropped (it carries step N-1's update, and a resume from it diverges at
+once, whatever its --lr) and the logs end at step N-2, so ``--resume`` (with a lower
+--lr) trains step N-1 again from the weights whose loss was finite. At step 0 nothing
+was applied: nothing is kept.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ EXIT_DIVERGED = 1  # a failure of the run, not bad input (2)
 
 
 class Diverged(Exception):
-    """Step ``step`` (0-based) had a non-finite loss or projected gradient; ``step`` steps
-    are done and kept."""
+    """Step ``step`` (0-based) had a non-finite loss or projected gradient; ``kept`` steps
+    (``step - 1``, as the module says, or 0) are kept."""
 
-    def __init__(self, step: int, message: str) -> None:
+    def __init__(self, step: int, kept: int, message: str) -> None:
         super().__init__(message)
         self.step = step
+        self.kept = kept
 
 
 def is_finite(result: StepResult) -> bool:
@@ -37,18 +45,43 @@ def is_finite(result: StepResult) -> bool:
     return all(math.isfinite(v) for v in values)
 
 
-def diverged(result: StepResult, config: ZOConfig, last_checkpoint: str | None) -> Diverged:
-    """The error of a non-finite step: the step, its values and what to try."""
+def steps_kept(step: int) -> int:
+    """The steps a run that diverged at step ``step`` keeps: all before the update that led
+    to the non-finite loss (step ``step - 1``'s), none at step 0."""
+    return max(step - 1, 0)
+
+
+def _resumes(kept: int, checkpoint: str | None) -> str:
+    """What the run keeps and how it goes on from there."""
+    if kept == 0:
+        return "no step is kept: start afresh (--overwrite)"
+    log = f"the seed log up to step {kept - 1}"
+    if checkpoint is None:
+        return (
+            f"the run keeps {log} and no checkpoint: --resume auto catches up with it from "
+            f"the initial weights and goes on from step {kept}"
+        )
+    return f"the run keeps {checkpoint} and {log}: --resume goes on from step {kept}"
+
+
+def diverged(result: StepResult, config: ZOConfig, checkpoint: str | None) -> Diverged:
+    """The error of a non-finite step: the step, its values, what is kept and what to try.
+    ``checkpoint``: the latest one of at most ``steps_kept`` steps, if any."""
     grads = ", ".join(f"{g:.4g}" for g in result.projected_grads)
-    kept = f"{last_checkpoint} and " if last_checkpoint else ""
+    kept = steps_kept(result.step)
+    dropped = (
+        f"neither this step nor step {kept}, whose update led to it, is kept"
+        if result.step
+        else "the initial weights give it"
+    )
     return Diverged(
         result.step,
+        kept,
         f"training diverged at step {result.step}: loss {result.loss:.4g} "
         f"(L+ {result.loss_plus:.4g}, L- {result.loss_minus:.4g}), projected gradient "
-        f"{grads} at lr {result.lr:.3g}; the step was not applied, saved or logged, and the "
-        f"run keeps {kept}the seed log up to step {result.step - 1}: try a lower --lr "
-        f"({config.lr:g} in this run) or a larger --eps ({config.eps:g}); if it persists, "
-        "check the data",
+        f"{grads} at lr {result.lr:.3g}; {dropped}; {_resumes(kept, checkpoint)}, with a "
+        f"lower --lr ({config.lr:g} in this run) or a larger --eps ({config.eps:g}); if it "
+        "persists, check the data",
     )
 
 

@@ -11,6 +11,8 @@ peer waiting in a collective). A run's own files are the names below and nothing
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import itertools
 import json
 import logging
 import re
@@ -19,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from distzo.config.job import JobConfig
+from distzo.config.job import RUN_ACTIONS, JobConfig
 from distzo.dist import LaunchEnv
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
@@ -70,7 +72,25 @@ RESUME_MAY_CHANGE = (
 # the steps before the resume stay exact.
 RESUME_MAY_RETUNE = ("lr", "eps")
 # How this command treats its directory, not what the run is: never compared.
-INVOCATION = ("output_dir", "resume", "overwrite")
+INVOCATION = ("output_dir", *RUN_ACTIONS)
+
+
+def new_run_dir(root: Path = Path("runs")) -> Path:
+    """The default run directory (no --output-dir): ``root/<timestamp>``, made here with
+    ``mkdir(exist_ok=False)``, which is atomic: when another run took it (two jobs, or a
+    script's loop, started in the same second), ``<timestamp>-2``, ``-3``, ... instead, so
+    no run writes into another's. One process decides (rank 0, which hands it to the
+    others): the name depends on what is on disk when it is made."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = root / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
 
 
 def run_contents(run_dir: Path, log_dir: Path | None = None) -> list[Path]:

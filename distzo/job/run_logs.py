@@ -65,13 +65,11 @@ class RunLogs:
             "eval": log_dir / "eval.jsonl",
             "seeds": run_dir / SEED_LOG,
         }
-        for name, path in self.paths.items():
-            if not resume_step:
+        if resume_step:
+            self._keep(resume_step)
+        else:
+            for path in self.paths.values():
                 path.unlink(missing_ok=True)
-            else:
-                # Step records are 0-based steps taken; an evaluation "at step N" saw the state
-                # after N steps, which is the checkpoint the run resumes from: it stays.
-                truncate_jsonl(path, resume_step + 1 if name == "eval" else resume_step)
         self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
         self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
         self.closed = False
@@ -97,6 +95,18 @@ class RunLogs:
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation of the state after ``step`` steps."""
         self.write("eval", {"step": step, **metrics})
+
+    def _keep(self, steps: int) -> None:
+        """Cut every log back to the state after ``steps`` steps. Step records are 0-based
+        steps taken; an evaluation "at step N" saw the state after N steps: it stays."""
+        for name, path in self.paths.items():
+            truncate_jsonl(path, steps + 1 if name == "eval" else steps)
+
+    def close_at(self, steps: int) -> None:
+        """Close the logs cut back to the state after ``steps`` steps (a diverged run keeps
+        fewer steps than it logged), so that they end where a resume goes on."""
+        self.close()
+        self._keep(steps)
 
     def close(self) -> None:
         """Close the files (the seed log synced) and the dashboard; once."""

@@ -15,7 +15,6 @@ failures through them).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import time
@@ -46,7 +45,7 @@ from distzo.job.build import (
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.curves import CURVES, write_curves
-from distzo.job.divergence import diverged, is_finite, warn_if_nothing_learns
+from distzo.job.divergence import diverged, is_finite, steps_kept, warn_if_nothing_learns
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
@@ -54,7 +53,7 @@ from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import make_reporter
 from distzo.job.resume import catch_up_from_log
-from distzo.job.run_dir import clear_run
+from distzo.job.run_dir import clear_run, new_run_dir
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, key_options, run_summary, write_summary
 from distzo.job.validation import validate
@@ -132,10 +131,8 @@ class Trainer:
                 clear_run(self.job)
             self.parallel.comm.barrier()
         self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
-        stamp = self.parallel.comm.broadcast_object(
-            datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        )
-        self.run_dir = Path(self.job.run.output_dir or f"runs/{stamp}")
+        output_dir = self.job.run.output_dir
+        self.run_dir = Path(output_dir) if output_dir else self._new_run_dir()
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
         logger.info(
             "run %s: seed %d; %d ranks as dp %d x pert %d",
@@ -165,6 +162,22 @@ class Trainer:
         self.logs = self._open_logs()
         self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
         self.built = True
+
+    def _new_run_dir(self) -> Path:
+        """The default run directory, made by rank 0 (``new_run_dir``: unique, even for runs
+        started in the same second) and handed to every rank; a failure to make it, too,
+        so that every rank fails alike and none waits."""
+        made: str | OSError | None = None
+        if self.env.rank == 0:
+            try:
+                made = str(new_run_dir())
+            except OSError as err:
+                made = err
+        made = self.parallel.comm.broadcast_object(made)
+        if isinstance(made, OSError):
+            raise made
+        assert made is not None
+        return Path(made)
 
     def _use_device(self) -> None:
         if self.device.type == "cuda":
@@ -334,12 +347,18 @@ class Trainer:
         raise Preempted(self.step, received or "a signal to another rank")
 
     def _diverge(self, result: StepResult) -> None:
-        """End a run at its first non-finite step, keeping nothing of it: its pending update
-        is never applied (no flush, evaluation, save or export follows) nor logged; a save
-        of an earlier step in flight is completed, the logs closed; then ``Diverged``."""
-        self.checkpointer.wait()
-        self.close()  # syncs the seed log, which ends at the step before
-        last = latest_checkpoint(self.run_dir / "checkpoints")
+        """End a run at its first non-finite step, keeping the state before the update that
+        led to it (``distzo.job.divergence``): neither that step's pending update nor the
+        one before it is applied again (no flush, evaluation, save or export follows), a
+        checkpoint of more steps (in flight or complete) is dropped, the logs are cut back
+        and closed; then ``Diverged``."""
+        kept = steps_kept(result.step)
+        for path in self.checkpointer.discard_after(kept):
+            logger.warning("checkpoint %s dropped: it holds the update that diverged", path)
+        if self.logs is not None:
+            self.logs.close_at(kept)  # the seed log synced, ending at step kept - 1
+        self.step = kept
+        last = latest_checkpoint(self.run_dir / "checkpoints", most_steps=kept)
         raise diverged(result, self.config, str(last) if last is not None else None)
 
     def _finish(self, elapsed: float) -> dict[str, float]:

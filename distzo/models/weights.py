@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import zipfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,19 +97,50 @@ def safetensors_file(path: Path) -> Iterator[Any]:
         yield handle
 
 
-def check_readable(directory: Path) -> None:
-    """Every safetensors file of a local model opens (its header checked against the file's
-    size): damage stops a job before it builds anything, with the file named."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").exists():
-        files = ["model.safetensors"]
+def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` (shard) as ``torch.load(weights_only=True, mmap=True)`` maps
+    it: no unpickling of code, the tensors mapped, not read. A garbage or truncated file
+    (not the zip archive torch.save writes, or one whose records do not hold together) is
+    one line naming the file, rather than torch's traceback or an OSError that would read
+    as a failed write."""
+    if not zipfile.is_zipfile(path):  # torch.load would say "mmap can only be used ..."
+        reason = "not the zip archive torch.save writes: damaged, truncated, or pre-1.6 torch"
     else:
-        return  # .bin weights (or none: open_checkpoint says so)
-    for file in files:
-        with safetensors_file(directory / file):
-            pass
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # miniz, pickle or weights-only errors: damage, whichever
+            text = str(err) or type(err).__name__
+            code = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+            reason = (
+                f"it pickles code, {code.group(1)}, which weights-only loading never runs"
+                if code
+                else text.splitlines()[0].split(". ")[0]
+            )
+    raise ValueError(
+        f"{path}: not a readable PyTorch weights file ({reason}); download or export it again"
+    )
+
+
+def _weight_files(directory: Path, index: str, single: str) -> list[str] | None:
+    """The files of a model's weights in one format: those its index names, or the single
+    file (None: the directory has neither)."""
+    if (directory / index).exists():
+        return sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
+    return [single] if (directory / single).exists() else None
+
+
+def check_readable(directory: Path) -> None:
+    """Every weights file of a local model opens, in the format ``open_checkpoint`` picks
+    (a safetensors header checked against the file's size, a ``.bin`` mapped by
+    ``torch.load``): damage stops a job before it builds anything, with the file named."""
+    files = _weight_files(directory, "model.safetensors.index.json", "model.safetensors")
+    if files is not None:
+        for file in files:
+            with safetensors_file(directory / file):
+                pass
+        return
+    for file in _weight_files(directory, "pytorch_model.bin.index.json", "pytorch_model.bin") or ():
+        torch_bin_file(directory / file)  # none: open_checkpoint says so
 
 
 class SafetensorsWeights:
@@ -159,9 +192,7 @@ class TorchBinWeights:
 
     def _shard(self, file: str) -> dict[str, torch.Tensor]:
         if file not in self._shards:
-            self._shards[file] = torch.load(
-                self.directory / file, map_location="cpu", weights_only=True, mmap=True
-            )
+            self._shards[file] = torch_bin_file(self.directory / file)
         return self._shards[file]
 
     def tensor(self, names, shape, dtype):

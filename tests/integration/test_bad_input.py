@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.helpers.launch import child_env, main_in_process, python_train, train_in_process
@@ -166,6 +167,39 @@ def test_a_damaged_safetensors_file_is_named(tmp_path, damage):
     line = one_line(train_in_process(["--model", str(model), "--output-dir", str(out)]))
     assert str(weights) in line and "safetensors" in line
     assert not out.exists()
+
+
+class _Opens:
+    """Pickled as a call to ``open(path, "w")``: what unpickling a .bin would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "corrupt", "code"])
+def test_a_damaged_torch_bin_file_is_named_and_never_unpickled(tmp_path, damage):
+    model = tmp_path / "model"
+    original = tiny_opt()
+    original.save_pretrained(model)
+    (model / "model.safetensors").unlink()  # .bin weights only, as older repositories hold
+    weights, ran = model / "pytorch_model.bin", tmp_path / "unpickled"
+    torch.save(original.state_dict(), weights)
+    data = weights.read_bytes()
+    if damage == "code":
+        torch.save({**original.state_dict(), "evil": _Opens(ran)}, weights)
+    else:
+        middle = data[:2000] + bytes(len(data) - 4000) + data[-2000:]  # a zip, records zeroed
+        damaged = {"garbage": b"garbage" * 10, "truncated": data[: len(data) // 2]}
+        weights.write_bytes(damaged.get(damage, middle))
+    out = tmp_path / "out"
+    line = one_line(train_in_process(["--model", str(model), "--output-dir", str(out)]))
+    assert line.startswith(f"error: {weights}: not a readable PyTorch weights file (")
+    assert line.endswith("); download or export it again")
+    assert ("pickles code, io.open" in line) == (damage == "code")
+    assert not out.exists() and not ran.exists()
 
 
 # -- checkpoints

@@ -1,15 +1,20 @@
 """Divergence: a run stops at its first non-finite loss or projected gradient, on every rank
-at the same step, keeping nothing of that step (no checkpoint, export or seed-log record
-after it), and exits 1 with a line naming the step, the values and what to try; the last
-checkpoint loads and goes on as if the step had never been taken. ``--lr 0`` warns."""
+at the same step, and exits 1 with a line naming the step, the values, what is kept and
+what to try. What is kept is the last good state: step N's loss is measured after step
+N-1's update, so neither is kept (no checkpoint holding that update, no seed-log or metrics
+record from step N-1 on), and ``--resume`` with a lower --lr trains on from there with
+finite losses, exactly as a run that stopped there. ``--lr 0`` warns."""
 
 import json
+import math
 from pathlib import Path
 
 from tests.helpers.launch import torchrun, train_in_process
 
-# The default tiny job with these flags is finite for steps 0 and 1 and NaN at step 2; the
-# step-2 checkpoint (written asynchronously) is the last good state.
+# The default tiny job with these flags is finite for steps 0 and 1 (step 1's loss already
+# ~7e6: step 0's update broke the weights, but not yet to inf) and NaN at step 2, after
+# step 1's update. The last good state is after one step: the step-1 checkpoint (the step-2
+# one, written asynchronously, carries step 1's update).
 DIVERGING = [
     "--lr",
     "1e3",
@@ -18,7 +23,7 @@ DIVERGING = [
     "--max-steps",
     "10",
     "--save-steps",
-    "2",
+    "1",
     "--log-every",
     "0",
 ]
@@ -29,30 +34,67 @@ def logged_steps(out: Path, name: str) -> list[int]:
     return [json.loads(line)["step"] for line in lines if '"header"' not in line]
 
 
-def assert_stopped_at_step_2(out: Path) -> None:
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+def assert_kept_one_step(out: Path, checkpoints: list[str]) -> None:
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == checkpoints
     assert not (out / "export").exists()
-    assert logged_steps(out, "seedlog.jsonl") == [0, 1]
-    assert logged_steps(out, "metrics.jsonl") == [0, 1]
+    assert logged_steps(out, "seedlog.jsonl") == [0]
+    assert logged_steps(out, "metrics.jsonl") == [0]
+    assert logged_steps(out, "eval.jsonl") == [0]  # the evaluation before training
 
 
-def test_a_nan_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path):
+def assert_trains_on_with_finite_losses(out: Path, resume: str) -> None:
+    proc = train_in_process(DIVERGING + ["--output-dir", str(out), resume, "--lr", "1e-3"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "at step 1" in proc.stderr  # resumed (or caught up) after the one step kept
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(10))
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert [r["lr"] for r in records[1:]] == [1e-3] * 9
+
+
+def test_a_nan_loss_stops_the_run_keeping_the_state_before_the_update_that_broke_it(tmp_path):
     out, fresh = tmp_path / "diverged", tmp_path / "fresh"
     proc = train_in_process(DIVERGING + ["--output-dir", str(out)])
     assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"checkpoint {out / 'checkpoints' / 'step-2'} dropped: it holds the update" in (
+        proc.stderr
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert "training diverged at step 2: loss nan" in last
-    assert f"the run keeps {out / 'checkpoints' / 'step-2'} and the seed log up to step 1" in last
-    assert "try a lower --lr (1000 in this run) or a larger --eps (0.001)" in last
-    assert_stopped_at_step_2(out)
-    # The checkpoint holds the state after the two good steps: resumed there, the run ends
-    # where a run of two steps does, bit for bit.
-    done = ["--max-steps", "2"]
+    assert "neither this step nor step 1, whose update led to it, is kept" in last
+    assert (
+        f"the run keeps {out / 'checkpoints' / 'step-1'} and the seed log up to step 0: "
+        "--resume goes on from step 1, with a lower --lr (1000 in this run) or a larger --eps "
+        "(0.001)"
+    ) in last
+    assert_kept_one_step(out, ["step-1"])
+    # What is kept is the state after one step, bit for bit: resumed there, the run ends
+    # where a run of one step does.
+    done = ["--max-steps", "1"]
     proc = train_in_process(DIVERGING + done + ["--output-dir", str(out), "--resume"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert train_in_process(DIVERGING + done + ["--output-dir", str(fresh)]).returncode == 0
     exported = "export/model.safetensors"
     assert (out / exported).read_bytes() == (fresh / exported).read_bytes()
+    # And with a lower lr it trains on from there: no NaN at once, as from step 2's state.
+    assert_trains_on_with_finite_losses(out, "--resume")
+
+
+def test_with_no_checkpoint_kept_the_seed_log_alone_goes_on(tmp_path):
+    # Saving every 2 steps, the only checkpoint (step-2, complete: written synchronously)
+    # holds step 1's update: deleted.
+    out = tmp_path / "diverged"
+    saves = ["--save-steps", "2", "--no-save-async"]
+    proc = train_in_process(DIVERGING + saves + ["--output-dir", str(out)])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"checkpoint {out / 'checkpoints' / 'step-2'} dropped" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        "the run keeps the seed log up to step 0 and no checkpoint: --resume auto catches up "
+        "with it from the initial weights and goes on from step 1, with a lower --lr"
+    ) in last
+    assert_kept_one_step(out, [])
+    assert_trains_on_with_finite_losses(out, "--resume=auto")
 
 
 def test_every_rank_stops_at_the_same_nan_step_and_exits_non_zero(tmp_path):
@@ -65,12 +107,11 @@ def test_every_rank_stops_at_the_same_nan_step_and_exits_non_zero(tmp_path):
     assert proc.stderr.count("traceback : training diverged at step 2: ") == 2
     assert "exitcode  : 1 " in proc.stderr
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
-    assert_stopped_at_step_2(out)
-    # the checkpoint loads (on any number of ranks) and holds the state after two steps
-    done = ["--max-steps", "2"]
-    proc = train_in_process(DIVERGING + done + ["--output-dir", str(out), "--resume"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (out / "export" / "model.safetensors").is_file()
+    (said,) = [line for line in proc.stderr.splitlines() if "[rank0] ERROR" in line]
+    assert f"the run keeps {out / 'checkpoints' / 'step-1'} and the seed log up to step 0" in said
+    assert_kept_one_step(out, ["step-1"])
+    # the checkpoint loads (on any number of ranks) and trains on with a lower lr
+    assert_trains_on_with_finite_losses(out, "--resume")
 
 
 def test_a_zero_learning_rate_warns_in_one_line(tmp_path):

@@ -27,17 +27,41 @@ CONFIG_0_1 = Path(__file__).parents[1] / "helpers" / "data" / "config-0.1.toml"
 
 def test_defaults_then_file_then_flags(tmp_path):
     path = tmp_path / "job.toml"
-    path.write_text(
-        '[optim]\nlr = 0.5\nmax_steps = 7\n[offload]\nmode = "resident"\n[run]\nresume = true\n'
-    )
+    path.write_text('[optim]\nlr = 0.5\nmax_steps = 7\n[offload]\nmode = "resident"\n')
     job = resolve(["--config", str(path), "--max-steps", "9", "--eps", "0.01"])
     assert job.optim.lr == 0.5  # from the file
     assert job.optim.max_steps == 9  # the flag beats the file
     assert job.optim.eps == 0.01  # a flag alone
-    assert (
-        job.offload.mode == "resident" and job.run.resume == "yes"
-    )  # the boolean of older files is the bare flag
+    assert job.offload.mode == "resident"
     assert job.data.batch_size == JobConfig().data.batch_size  # untouched default
+
+
+@pytest.mark.parametrize(
+    "text, warned",
+    [
+        ('resume = "yes"\noverwrite = true\n', "resume = 'yes' and overwrite = True"),
+        ("resume = true\n", "resume = True"),  # the boolean files wrote before modes
+        ('resume = "no"\noverwrite = false\n', None),  # what 0.1's config.toml records
+    ],
+)
+def test_a_file_never_resumes_or_overwrites_a_run_directory(tmp_path, caplog, text, warned):
+    # --resume and --overwrite act on the directory of one command: an older config.toml that
+    # records them loads, and passed back for a new run does not resume or delete anything.
+    path = tmp_path / "config.toml"
+    path.write_text("[optim]\nlr = 0.5\n[run]\n" + text)
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        job = resolve(["--config", str(path)])
+    assert (job.optim.lr, job.run.resume, job.run.overwrite) == (0.5, None, False)
+    expected = (
+        [
+            f"--config {path}: [run] {warned} ignored: --resume and --overwrite act on the run "
+            "directory and are given on the command line, never by a file"
+        ]
+        if warned
+        else []
+    )
+    assert [r.getMessage() for r in caplog.records] == expected
+    assert resolve(["--config", str(path), "--resume"]).run.resume == "yes"  # the flag acts
 
 
 @pytest.mark.parametrize(

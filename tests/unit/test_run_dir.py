@@ -1,10 +1,14 @@
 """The run directory: a command never re-runs into a run it did not ask to go on with or
-to replace, ``--overwrite`` deletes only the run's own files, and a resume goes on only
-from a checkpoint its seed log leads up to, with options that keep its trajectory."""
+to replace (nor two runs started in the same second into one default directory),
+``--overwrite`` deletes only the run's own files, and a resume goes on only from a
+checkpoint its seed log leads up to, with options that keep its trajectory."""
 
+import datetime
 import hashlib
 import json
 import shutil
+import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,8 +16,10 @@ import pytest
 from distzo.config.checks import resolve_defaults
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
+from distzo.job import run_dir as run_dir_module
 from distzo.job.resume import resume_mode
-from distzo.job.run_dir import check_resumed_options, clear_run
+from distzo.job.run_dir import check_resumed_options, clear_run, new_run_dir
+from distzo.job.trainer import Trainer
 from tests.helpers.launch import python_train, train_in_process
 
 SMALL = ["--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0"]
@@ -45,6 +51,46 @@ def run(finished, tmp_path) -> Path:
     config = copy / "config.toml"  # it names the directory it was written in
     config.write_text(config.read_text().replace(str(finished), str(copy)))
     return copy
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch) -> str:
+    """Every run starts in the same second; returns its timestamp."""
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(run_dir_module, "datetime", types.SimpleNamespace(datetime=Frozen))
+    return "20260102-030405"
+
+
+def test_runs_started_in_the_same_second_get_their_own_default_directories(
+    frozen_clock, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    trainers = [Trainer(resolve([*SMALL, "--lr", lr]), LaunchEnv()) for lr in ("0.01", "0.02")]
+    for trainer in trainers:
+        trainer.build()
+        trainer.close()
+    runs = tmp_path / "runs"
+    assert [t.run_dir for t in trainers] == [
+        Path("runs") / frozen_clock,
+        Path("runs") / f"{frozen_clock}-2",
+    ]
+    for trainer, lr in zip(trainers, ("0.01", "0.02")):  # neither wrote into the other's
+        assert f"lr = {lr}\n" in (tmp_path / trainer.run_dir / "config.toml").read_text()
+    assert sorted(p.name for p in runs.iterdir()) == [frozen_clock, f"{frozen_clock}-2"]
+
+
+def test_a_default_directory_is_made_atomically_once_per_caller(frozen_clock, tmp_path):
+    # Eight "jobs" asking at once get eight directories: mkdir(exist_ok=False) decides.
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda _: new_run_dir(tmp_path / "runs"), range(8)))
+    names = [frozen_clock] + [f"{frozen_clock}-{n}" for n in range(2, 9)]
+    assert sorted(p.name for p in made) == sorted(names)
+    assert all(p.is_dir() and not any(p.iterdir()) for p in made)
 
 
 def error_line(proc) -> str:
@@ -83,7 +129,20 @@ def test_overwrite_deletes_the_runs_own_files_and_nothing_else(run):
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-3"]
     steps = [json.loads(line) for line in (run / "seedlog.jsonl").read_text().splitlines()][1:]
     assert [r["step"] for r in steps] == [0, 1, 2]
-    assert "overwrite = false" in (run / "config.toml").read_text()
+    assert "\noverwrite =" not in (run / "config.toml").read_text()
+
+
+def test_a_resumed_runs_config_records_the_run_not_the_resume(run, tmp_path):
+    proc = train_in_process([*SMALL, "--max-steps", "5", "--output-dir", str(run), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = (run / "config.toml").read_text()
+    assert "max_steps = 5\n" in recorded and f'output_dir = "{run}"' in recorded
+    assert "\nresume =" not in recorded and "\noverwrite =" not in recorded
+    # Passed back for a new run it starts one afresh, as the file a resume wrote before did not.
+    new = tmp_path / "new"
+    job = resolve(["--config", str(run / "config.toml"), "--output-dir", str(new)])
+    assert job.run.resume is None and not job.run.overwrite
+    assert resume_mode(job.run, LaunchEnv()) == "no"
 
 
 def test_overwrite_and_resume_are_refused_together(run):

@@ -1,18 +1,20 @@
-"""How a step ends a run: a non-finite loss or any query's ``g`` is a divergence, and
-SIGINT sets the stop vote once, then raises ``KeyboardInterrupt``."""
+"""How a step ends a run: a non-finite loss or any query's ``g`` is a divergence, which
+keeps the steps before the update that led to it, and SIGINT sets the stop vote once, then
+raises ``KeyboardInterrupt``."""
 
 import math
 import signal
 
 import pytest
 
+from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
-from distzo.job.divergence import is_finite
+from distzo.job.divergence import diverged, is_finite, steps_kept
 from distzo.job.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals
 
 
-def result(losses: list[float], grads: tuple[float, ...]) -> StepResult:
-    return StepResult.of(3, 1e-3, 16, losses, grads, 0.0)
+def result(losses: list[float], grads: tuple[float, ...], step: int = 3) -> StepResult:
+    return StepResult.of(step, 1e-3, 16, losses, grads, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -40,3 +42,50 @@ def test_a_first_sigint_asks_for_a_stop_and_a_second_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is before
     assert Preempted(4, "SIGINT").exit_code == EXIT_INTERRUPTED == 130
     assert Preempted(4, "SIGTERM").exit_code == EXIT_PREEMPTED == 143
+
+
+NAN = ([math.nan, math.nan], (math.nan,))
+VALUES = "loss nan (L+ nan, L- nan), projected gradient nan at lr 0.001"
+TRY = (
+    "with a lower --lr (0.001 in this run) or a larger --eps (0.001); if it persists, check "
+    "the data"
+)
+
+
+@pytest.mark.parametrize(
+    "step, checkpoint, kept, says",
+    [
+        (
+            3,
+            "runs/a/checkpoints/step-2",
+            2,
+            "neither this step nor step 2, whose update led to it, is kept; the run keeps "
+            "runs/a/checkpoints/step-2 and the seed log up to step 1: --resume goes on from "
+            "step 2",
+        ),
+        (
+            3,
+            None,
+            2,
+            "neither this step nor step 2, whose update led to it, is kept; the run keeps the "
+            "seed log up to step 1 and no checkpoint: --resume auto catches up with it from the "
+            "initial weights and goes on from step 2",
+        ),
+        (
+            1,
+            None,
+            0,
+            "neither this step nor step 0, whose update led to it, is kept; no step is kept: "
+            "start afresh (--overwrite)",
+        ),
+        (0, None, 0, "the initial weights give it; no step is kept: start afresh (--overwrite)"),
+    ],
+)
+def test_a_divergence_keeps_the_steps_before_the_update_that_led_to_it(
+    step, checkpoint, kept, says
+):
+    """Step N's loss is measured after step N-1's update: N-1 steps are kept (none at 0)."""
+    assert steps_kept(step) == kept
+    error = diverged(result(*NAN, step=step), ZOConfig(lr=1e-3, eps=1e-3), checkpoint)
+    assert (error.step, error.kept) == (step, kept)
+    assert str(error) == f"training diverged at step {step}: {VALUES}; {says}, {TRY}"
