@@ -60,9 +60,7 @@ def build_parallel(
     comm = Collectives.for_job(device, timeout)
     mesh = pg.build_mesh(dims, device, timeout)
     group, members = pg.node_groups(env, comm)
-    return ParallelContext(
-        env, dims, mesh, ShardGroup.of(group, members, env.rank), comm
-    )
+    return ParallelContext(env, dims, mesh, ShardGroup.of(group, members, env.rank), comm)
 
 
 def local_model_dir(name: str) -> Path | None:
