@@ -3,6 +3,8 @@ untied head, full or sliding-window attention."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 import torch
@@ -11,6 +13,10 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from distzo.models.family import BatchContext, ModelFamily, host_built_mask
 from distzo.runtime.devices import to_device
+
+# Rotary types whose frequencies depend on the longest position (transformers'
+# dynamic_rope_update): they read it on the host.
+DATA_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
 class LlamaFamily(ModelFamily):
@@ -65,10 +71,30 @@ class LlamaFamily(ModelFamily):
             for kind in kinds
         }
         position_ids = to_device(host_positions, device)
-        position_embeddings = self._body.rotary_emb(
-            torch.empty(0, dtype=dtype, device=device), position_ids=position_ids
-        )
+        position_embeddings = self._rotary_tables(host_positions, position_ids, dtype)
         return BatchContext(masks, position_ids, {"position_embeddings": position_embeddings})
+
+    def _rotary_tables(
+        self, host_positions: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) by the model's rotary module. The ``dynamic`` and ``longrope`` types
+        first read ``max(position_ids)`` as a Python value to pick their frequencies: on
+        the device that is a host sync per batch, so those run on a host copy of the module
+        from the host positions, and only the tables travel."""
+        rotary = self._body.rotary_emb
+        kinds = (
+            rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
+        )
+        device = position_ids.device
+        if not DATA_DEPENDENT_ROPE.intersection(kinds) or device.type == "cpu":
+            return rotary(torch.empty(0, dtype=dtype, device=device), position_ids=position_ids)
+        cos, sin = self._host_rotary(torch.empty(0, dtype=dtype), position_ids=host_positions)
+        return to_device(cos, device), to_device(sin, device)
+
+    @functools.cached_property
+    def _host_rotary(self) -> nn.Module:
+        """The rotary module's host copy (made once: its buffers are small)."""
+        return copy.deepcopy(self._body.rotary_emb).to("cpu")
 
     def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         return self._body.embed_tokens(input_ids)
