@@ -5,7 +5,8 @@ is regenerated from the run seed. So the log is both what ``distzo.replay`` rebu
 model from and what a restarted run catches up with after its last checkpoint, with no
 forward pass and no data. It is written so that a crash cannot leave a half-written
 record that reads as a step: each record is one line appended and flushed, and synced to
-disk every ``sync_every`` records; a reader drops a torn last line (with a warning).
+disk every ``sync_every`` records, off the training's path; a reader drops a torn last
+line (with a warning).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -34,26 +36,59 @@ TRAJECTORY_FIELDS = (
 
 
 class SeedLogWriter:
-    """Appends records to the log, each flushed, synced to disk every ``sync_every`` (1: each)."""
+    """Appends records to the log, each flushed (a crash of the process loses none), and
+    synced to disk every ``sync_every`` records (1: each) by a thread of its own: an fsync
+    on a network filesystem takes milliseconds to seconds, and rank 0 waiting for it would
+    make every rank wait at the next step's all-reduce. A failed sync is raised by the
+    next ``write`` (or by ``close``, which syncs everything itself)."""
 
     def __init__(self, path: Path, sync_every: int = 1) -> None:
         self.path = path
         self.sync_every = max(1, sync_every)
         self._file = open(path, "a")
         self._unsynced = 0
+        self._due = threading.Event()  # records wait for the syncer
+        self._closing = False
+        self._error: OSError | None = None
+        self._syncer = threading.Thread(target=self._sync_when_due, name="seedlog-fsync")
+        self._syncer.daemon = True  # never keeps a failing process alive
+        self._syncer.start()
 
     def write(self, record: dict) -> None:
+        self._raise_failed_sync()
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         self._unsynced += 1
         if self._unsynced >= self.sync_every:
-            self.sync()
+            self._unsynced = 0
+            self._due.set()
+
+    def _sync_when_due(self) -> None:
+        while True:
+            self._due.wait()
+            self._due.clear()
+            if self._closing:
+                return
+            try:
+                os.fsync(self._file.fileno())
+            except OSError as err:  # reported by the next write
+                self._error = err
+
+    def _raise_failed_sync(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def sync(self) -> None:
+        """Everything written so far on disk, now (the caller waits)."""
         os.fsync(self._file.fileno())
         self._unsynced = 0
 
     def close(self) -> None:
+        self._closing = True
+        self._due.set()
+        self._syncer.join()
+        self._raise_failed_sync()
         self.sync()
         self._file.close()
 
