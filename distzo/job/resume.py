@@ -9,6 +9,7 @@ from pathlib import Path
 
 from distzo.config.job import RunOptions
 from distzo.dist import LaunchEnv, ParallelContext
+from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
 from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
 from distzo.job.run_dir import logged_steps_of, run_contents
@@ -90,11 +91,15 @@ def catch_up_from_log(
     trained again instead (the same result)."""
     path = run_dir / SEED_LOG
     start = engine.step_index
-    records: list[tuple[int, tuple[float, ...], float]] | None = None
-    if parallel.env.rank == 0 and path.is_file():
+
+    def read() -> list[tuple[int, tuple[float, ...], float]] | None:
+        if parallel.env.rank != 0 or not path.is_file():
+            return None
         logged_header, steps = read_seed_log_once(path)
         check_same_run(path, logged_header, header)
-        records = [(r["step"], step_grads(r), r["lr"]) for r in steps[start:]]
+        return [(r["step"], step_grads(r), r["lr"]) for r in steps[start:]]
+
+    records = agreed(parallel.comm, read)  # a refusal by rank 0 ends every rank with it
     records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records
     if not records:
         return start

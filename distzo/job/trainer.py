@@ -31,6 +31,7 @@ from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, write_resolved
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
 from distzo.dist import process_group as pg
+from distzo.dist.agreement import agreed
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.job.build import (
@@ -145,8 +146,7 @@ class Trainer:
         model, weights = self._build_model()
         self.data = build_task_data(self.job, self.rows, self.tokenizer, model.config, self.seed)
         self._plan_memory(model)
-        if self.env.rank == 0:
-            write_resolved(self.job, self.run_dir)
+        agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
         self.objective = build_objective(
             self.job.optim.objective or "lm", self.data, self.tokenizer
         )
@@ -159,7 +159,7 @@ class Trainer:
             objective=self.objective,
         )
         self._restore()
-        self.logs = self._open_logs()
+        self.logs = agreed(self.parallel.comm, self._open_logs)  # rank 0 opens them
         self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
         self.built = True
 
@@ -207,11 +207,17 @@ class Trainer:
             weights = AdapterWeights(weights, model) if weights is not None else None
         return model, weights
 
+    def _write_config(self) -> None:
+        if self.env.rank == 0:
+            write_resolved(self.job, self.run_dir)
+
     def _plan_memory(self, model: nn.Module) -> None:
         """Settle the slot count and refuse a run that cannot fit (unless --force)."""
         plan = choose_slots(self.job, model, self.data, self.config, self.parallel, self.device)
         logger.info("memory plan: %s", plan.describe())
-        check_fits(plan, self.device, self.env.local_world_size, self.job.run.force)
+        local_ranks, force = self.env.local_world_size, self.job.run.force
+        # one GPU short of memory ends every rank, not that one alone
+        agreed(self.parallel.comm, lambda: check_fits(plan, self.device, local_ranks, force))
 
     def _restore(self) -> None:
         """A resumed run: its latest checkpoint, then the steps its seed log holds after it."""
