@@ -151,6 +151,11 @@ def test_the_engine_config_is_taken_from_the_sections():
         ("optim", {"max_steps": -1}, "--max-steps must be >= 0"),
         ("peft", {"lora_r": 0}, "--lora-r must be >= 1"),
         ("peft", {"batch_queries": True}, "need an adapter"),
+        (
+            "parallel",
+            {"threads": -1},
+            "--threads must be >= 0 \\(0: cores / local ranks\\), got -1",
+        ),
         ("run", {"save_steps": -1}, "--save-steps must be >= 0"),
         ("run", {"log_sync_steps": 0}, "--log-sync-steps must be >= 1"),
     ],
@@ -197,6 +202,10 @@ def test_a_config_written_by_version_0_1_resolves_to_the_default_options():
     # The file records the slot count that run's memory plan chose: the engine's default.
     assert old.offload.num_slots == engine_default("num_slots")
     old.offload.num_slots = None
+    # It records threads = 0, then the default; 0 now asks for cores / local ranks, the
+    # count a plain run then had (PyTorch's own default), where the default is now 1.
+    assert old.parallel.threads == 0
+    old.parallel.threads = None
     assert old == default
 
 
