@@ -1,4 +1,6 @@
+import copy
 import dataclasses
+import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -13,7 +15,6 @@ from distzo.config.job import (
     JobConfig,
     build_parser,
     engine_owners,
-    load_toml,
     resolve,
     to_toml,
     write_resolved,
@@ -76,9 +77,43 @@ def test_help_documents_every_option_with_its_default():
     assert "(default: None)" not in flat  # a None default is explained by the option's own text
 
 
-@pytest.mark.parametrize("path", sorted(Path("launch/configs").glob("*.toml")))
-def test_example_configs_name_only_known_options(path):
-    load_toml(str(path))
+EXAMPLES = sorted(Path(__file__).parents[2].joinpath("launch", "configs").glob("*.toml"))
+KEY_LINE = re.compile(r"^(\w+) = [^#]*?(#.*)?$")
+
+
+def default_of(job: JobConfig, section: str, key: str) -> object:
+    """What ``key`` would be in ``job`` had the file not set it: the tree's default, resolved
+    against the file's other options (the lr on its model), or the engine's for None."""
+    probe = copy.deepcopy(job)
+    setattr(getattr(probe, section), key, getattr(getattr(JobConfig(), section), key))
+    resolve_defaults(probe)
+    value = getattr(getattr(probe, section), key)
+    return engine_default(key) if value is None and key in engine_owners() else value
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_resolve_and_say_which_lines_are_defaults(path):
+    # default.toml spells the default run out: a line that departs from it says so. The
+    # others are recipes: a line that sets an option to its default says so (or goes).
+    assert len(EXAMPLES) == 3
+    job = resolve(["--config", str(path)])
+    resolve_defaults(job)
+    job.validate()
+    spells_defaults = path.name == "default.toml"
+    unexplained, section = [], ""
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        match = KEY_LINE.match(line)
+        if match is None:
+            assert not line or line.startswith("#"), f"{path.name}:{number}: {line}"
+            continue
+        key, comment = match.groups()
+        is_default = getattr(getattr(job, section), key) == default_of(job, section, key)
+        if is_default != spells_defaults and not comment:
+            unexplained.append(f"{path.name}:{number}: {line}")
+    assert not unexplained, unexplained
 
 
 def test_cli_reports_an_unknown_key_in_one_line(tmp_path):
