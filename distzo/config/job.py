@@ -344,11 +344,17 @@ class ParallelOptions:
         "auto", "process-group backend (auto: nccl on CUDA, gloo on CPU)", ("auto", "nccl", "gloo")
     )
     dist_timeout: float = option(300.0, "seconds before a stuck collective fails the job")
-    threads: int = option(0, "CPU threads per rank (0: cores / local ranks)")
+    threads: int | None = option(
+        None,
+        "CPU threads per rank on CPU runs (0: cores / local ranks); default: OMP_NUM_THREADS "
+        "when set, else 1",
+    )
 
     def validate(self) -> None:
-        """Nothing alone: dp and pert are checked against the launched world
+        """The thread count; dp and pert are checked against the launched world
         (``ParallelDims.resolve``), the device and backend against this machine."""
+        if self.threads is not None and self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0: cores / local ranks), got {self.threads}")
 
 
 @dataclass

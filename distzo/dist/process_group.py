@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -97,12 +98,35 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
     return mine
 
 
-def set_cpu_threads(env: LaunchEnv, threads: int | None) -> int:
-    """Give each rank its share of the cores (default: cores / local ranks), so that
-    2 ranks vs 1 is a fair comparison and ranks do not thrash each other."""
-    count = threads if threads else max(1, (os.cpu_count() or 1) // env.local_world_size)
-    torch.set_num_threads(count)
-    return count
+def cpu_threads(
+    threads: int | None,
+    env: LaunchEnv,
+    environ: Mapping[str, str] | None = None,
+    cores: int | None = None,
+) -> tuple[int, str]:
+    """A CPU rank's intra-op thread count, and where it came from (for the log).
+
+    ``--threads N`` sets N and ``--threads 0`` gives each local rank its share of the cores.
+    Unset, an ``OMP_NUM_THREADS`` in the environment is the user's (or torchrun's, which sets
+    1 for several local ranks) and is kept; else 1, as torchrun does: the tiny and small
+    models a CPU run trains gain nothing from more threads, and ranks or jobs sharing the
+    cores slow each other down by 10x and more when each spreads over all of them."""
+    if threads is None:
+        given = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+        if not given:
+            return 1, "the default; --threads N or OMP_NUM_THREADS sets it"
+        first = given.split(",")[0].strip()  # OpenMP's nested form "4,2": the outer level
+        if not first.isdigit() or int(first) < 1:
+            raise ValueError(
+                f"OMP_NUM_THREADS={given!r} is not a thread count; set it to a number >= 1, "
+                "unset it, or give --threads N"
+            )
+        return int(first), "OMP_NUM_THREADS"
+    if threads == 0:
+        cores = cores or os.cpu_count() or 1
+        count = max(1, cores // env.local_world_size)
+        return count, f"--threads 0: {cores} cores / {env.local_world_size} local ranks"
+    return threads, "--threads"
 
 
 def shutdown() -> None:

@@ -30,7 +30,6 @@ from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, write_resolved
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
-from distzo.dist import process_group as pg
 from distzo.dist.agreement import agreed
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
@@ -109,6 +108,7 @@ class Trainer:
         self.config: ZOConfig = checked.config
         self.dims = checked.dims
         self.rows = checked.rows
+        self.threads = checked.threads
         self.start_step = 0  # where this process's training began (a resume: after 0)
         self.step = 0  # steps done
         self.last_metrics: dict[str, Any] | None = None
@@ -182,9 +182,10 @@ class Trainer:
     def _use_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif self.env.launched or self.job.parallel.threads:
-            threads = pg.set_cpu_threads(self.env, self.job.parallel.threads)
-            logger.info("%d CPU threads per rank", threads)
+        elif self.threads is not None:  # resolved by validate: --threads, OMP_NUM_THREADS or 1
+            count, why = self.threads
+            torch.set_num_threads(count)
+            logger.info("CPU threads per rank: %d (%s)", count, why)
 
     def _build_model(self) -> tuple[nn.Module, WeightSource | None]:
         """The model (with its adapter) and its weight source; a random-init model's initial

@@ -35,12 +35,14 @@ logger = logging.getLogger("distzo.train")
 @dataclass
 class CheckedJob:
     """A job whose every option was checked and resolved: the engine's options, the
-    parallel layout, and the task's rows (None: generated data)."""
+    parallel layout, the task's rows (None: generated data), and a CPU rank's thread count
+    with where it came from (None on CUDA, where the threads are left as they are)."""
 
     job: JobConfig
     config: ZOConfig
     dims: ParallelDims
     rows: LoadedRows | None
+    threads: tuple[int, str] | None = None
 
 
 def resolve_device(name: str, env: LaunchEnv) -> str:
@@ -123,6 +125,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     dims = check_job(job, env)
     config = job.engine_config(resolve_device(job.parallel.device, env))
     pg.resolve_backend(job.parallel.backend, config.torch_device())
+    cpu = config.torch_device().type == "cpu"
+    threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
     check_model(job)
     check_output_dir(job.run.output_dir)
     # every row checked, before any model
@@ -141,4 +145,4 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     job.optim.noise = config.noise  # resolved: config.toml records it
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", job.optim.lr)
-    return CheckedJob(job, config, dims, rows)
+    return CheckedJob(job, config, dims, rows, threads)

@@ -314,6 +314,17 @@ def test_a_batch_size_message_names_only_its_flag():
     assert "--batch-size" in line and "--max-steps" not in line and "--eval-batch-size" not in line
 
 
+def test_a_bad_thread_count_in_the_environment_is_one_line_before_any_run(tmp_path):
+    out = tmp_path / "run"
+    proc = train_in_process(["--output-dir", str(out)], env={"OMP_NUM_THREADS": "lots"})
+    assert proc.returncode == 2
+    assert one_line(proc).endswith(
+        "OMP_NUM_THREADS='lots' is not a thread count; set it to a number >= 1, unset it, or "
+        "give --threads N"
+    )
+    assert not out.exists()
+
+
 def test_a_dp_suggestion_says_one_thing_once():
     line = one_line(train_in_process(["--dp", "2"]))
     assert line.count("--dp 1") == 1

@@ -130,3 +130,27 @@ def test_help_points_each_section_to_a_docs_page_that_exists():
     pages = {page.strip() for value in SECTION_DOCS.values() for page in value.split(",")}
     assert all((ROOT / page).is_file() for page in pages), pages
     assert "[optim] docs/optimizers.md" in build_parser().format_help().replace("\n", " ")
+
+
+# The default job's evaluation as the pages quote it: "4.1787 -> 1.7585" or "from 4.1787 to".
+FIGURES = re.compile(r"(\d\.\d{4}) (?:->|to) (\d\.\d{4})")
+QUOTING = ["README.md", "docs/training.md", "docs/distributed.md"]
+
+
+def test_the_quoted_figures_of_the_default_job_start_where_a_real_run_starts(tmp_path):
+    # The start, the random-init model's loss, is the same on every CPU: checked against a
+    # run. The end depends on the CPU's float rounding, so only the pages' agreement on it
+    # is checked: the README's end is the one training.md and the PertP run quote.
+    from distzo.config.job import resolve
+    from distzo.job.trainer import Trainer
+
+    quoted = {name: FIGURES.findall((ROOT / name).read_text()) for name in QUOTING}
+    assert all(quoted.values()), quoted
+    flags = ["--max-steps", "1", "--device", "cpu", "--log-every", "0"]
+    with Trainer(resolve([*flags, "--output-dir", str(tmp_path / "run")])) as trainer:
+        trainer.train()
+    assert trainer.eval_before is not None and trainer.eval_before["eval_accuracy"] == 0
+    start = f"{trainer.eval_before['eval_loss']:.4f}"
+    assert {before for pairs in quoted.values() for before, _ in pairs} == {start}
+    end = quoted["README.md"][0][1]
+    assert all(end in (ROOT / name).read_text() for name in QUOTING[1:]), end

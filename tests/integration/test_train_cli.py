@@ -10,7 +10,7 @@ from distzo.config.job import resolve
 
 
 def test_default_job_runs_and_the_loss_goes_down(tmp_path):
-    # The README's main command, shortened; the full default (2000 steps) takes ~5 s.
+    # The README's main command, shortened; the full default (2000 steps) takes ~30 s.
     proc = subprocess.run(
         [
             sys.executable,

@@ -1,4 +1,6 @@
+import copy
 import dataclasses
+import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -13,7 +15,6 @@ from distzo.config.job import (
     JobConfig,
     build_parser,
     engine_owners,
-    load_toml,
     resolve,
     to_toml,
     write_resolved,
@@ -100,9 +101,43 @@ def test_help_documents_every_option_with_its_default():
     assert "(default: None)" not in flat  # a None default is explained by the option's own text
 
 
-@pytest.mark.parametrize("path", sorted(Path("launch/configs").glob("*.toml")))
-def test_example_configs_name_only_known_options(path):
-    load_toml(str(path))
+EXAMPLES = sorted(Path(__file__).parents[2].joinpath("launch", "configs").glob("*.toml"))
+KEY_LINE = re.compile(r"^(\w+) = [^#]*?(#.*)?$")
+
+
+def default_of(job: JobConfig, section: str, key: str) -> object:
+    """What ``key`` would be in ``job`` had the file not set it: the tree's default, resolved
+    against the file's other options (the lr on its model), or the engine's for None."""
+    probe = copy.deepcopy(job)
+    setattr(getattr(probe, section), key, getattr(getattr(JobConfig(), section), key))
+    resolve_defaults(probe)
+    value = getattr(getattr(probe, section), key)
+    return engine_default(key) if value is None and key in engine_owners() else value
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_resolve_and_say_which_lines_are_defaults(path):
+    # default.toml spells the default run out: a line that departs from it says so. The
+    # others are recipes: a line that sets an option to its default says so (or goes).
+    assert len(EXAMPLES) == 3
+    job = resolve(["--config", str(path)])
+    resolve_defaults(job)
+    job.validate()
+    spells_defaults = path.name == "default.toml"
+    unexplained, section = [], ""
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        match = KEY_LINE.match(line)
+        if match is None:
+            assert not line or line.startswith("#"), f"{path.name}:{number}: {line}"
+            continue
+        key, comment = match.groups()
+        is_default = getattr(getattr(job, section), key) == default_of(job, section, key)
+        if is_default != spells_defaults and not comment:
+            unexplained.append(f"{path.name}:{number}: {line}")
+    assert not unexplained, unexplained
 
 
 def test_cli_reports_an_unknown_key_in_one_line(tmp_path):
@@ -175,6 +210,11 @@ def test_the_engine_config_is_taken_from_the_sections():
         ("optim", {"max_steps": -1}, "--max-steps must be >= 0"),
         ("peft", {"lora_r": 0}, "--lora-r must be >= 1"),
         ("peft", {"batch_queries": True}, "need an adapter"),
+        (
+            "parallel",
+            {"threads": -1},
+            "--threads must be >= 0 \\(0: cores / local ranks\\), got -1",
+        ),
         ("run", {"save_steps": -1}, "--save-steps must be >= 0"),
         ("run", {"log_sync_steps": 0}, "--log-sync-steps must be >= 1"),
     ],
@@ -221,6 +261,10 @@ def test_a_config_written_by_version_0_1_resolves_to_the_default_options():
     # The file records the slot count that run's memory plan chose: the engine's default.
     assert old.offload.num_slots == engine_default("num_slots")
     old.offload.num_slots = None
+    # It records threads = 0, then the default; 0 now asks for cores / local ranks, the
+    # count a plain run then had (PyTorch's own default), where the default is now 1.
+    assert old.parallel.threads == 0
+    old.parallel.threads = None
     assert old == default
 
 

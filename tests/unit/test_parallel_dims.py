@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
+from distzo.dist import process_group as pg
 
 
 @pytest.mark.parametrize(
@@ -76,3 +77,32 @@ def test_launch_env_reads_torchrun_variables():
         rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, launched=True
     )
     assert LaunchEnv.from_environ({}) == LaunchEnv()
+
+
+@pytest.mark.parametrize(
+    "threads, environ, local_ranks, expected",
+    [
+        (None, {}, 1, (1, "the default; --threads N or OMP_NUM_THREADS sets it")),
+        (
+            None,
+            {"OMP_NUM_THREADS": ""},
+            4,
+            (1, "the default; --threads N or OMP_NUM_THREADS sets it"),
+        ),
+        (None, {"OMP_NUM_THREADS": "3"}, 1, (3, "OMP_NUM_THREADS")),
+        (None, {"OMP_NUM_THREADS": " 4,2 "}, 1, (4, "OMP_NUM_THREADS")),  # OpenMP's nested form
+        (3, {"OMP_NUM_THREADS": "1"}, 2, (3, "--threads")),  # the flag beats the environment
+        (0, {"OMP_NUM_THREADS": "1"}, 1, (16, "--threads 0: 16 cores / 1 local ranks")),
+        (0, {}, 3, (5, "--threads 0: 16 cores / 3 local ranks")),
+        (0, {}, 32, (1, "--threads 0: 16 cores / 32 local ranks")),  # at least one
+    ],
+)
+def test_cpu_threads_default_to_one_per_rank(threads, environ, local_ranks, expected):
+    env = LaunchEnv(world_size=local_ranks, local_world_size=local_ranks, launched=True)
+    assert pg.cpu_threads(threads, env, environ, cores=16) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four", "2.5"])
+def test_a_bad_omp_num_threads_is_one_line_naming_the_fix(value):
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS=.* is not a thread count; .*--threads N"):
+        pg.cpu_threads(None, LaunchEnv(), {"OMP_NUM_THREADS": value})

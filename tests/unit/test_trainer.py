@@ -5,6 +5,7 @@ weights, bit for bit."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from distzo.config.job import resolve
 from distzo.job.trainer import Trainer, TrainerCallback
@@ -61,3 +62,33 @@ def test_a_trainer_runs_in_process_and_resumes_onto_the_uninterrupted_weights(tm
     second.train()
     assert second.start_step == 6 and second.eval_before is None
     assert (stopped / "export" / "model.safetensors").read_bytes() == exported
+
+
+@pytest.mark.parametrize(
+    "flags, environ, threads",
+    [
+        ([], {}, 1),
+        (["--threads", "2"], {"OMP_NUM_THREADS": "1"}, 2),
+        ([], {"OMP_NUM_THREADS": "3"}, 3),
+    ],
+)
+def test_a_cpu_run_takes_one_thread_unless_told(
+    tmp_path, monkeypatch, caplog, flags, environ, threads
+):
+    # PyTorch's own default is every core; a CPU run sets its count before any model.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with (
+            caplog.at_level("INFO", logger="distzo.train"),
+            Trainer(job(tmp_path, *flags)) as trainer,
+        ):
+            trainer.build()
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    logged = [r.getMessage() for r in caplog.records if "CPU threads" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith(f"CPU threads per rank: {threads} (")
