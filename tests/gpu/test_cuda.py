@@ -397,3 +397,29 @@ def test_each_triton_noise_kernel_compiles_once_over_fifty_steps():
     for kernel in (triton_kernels.perturb_kernel, triton_kernels.update_kernel):
         binaries = kernel.device_caches[device][0]  # (kernel cache, key cache, target, ...)
         assert len(binaries) == 1, (kernel.fn.__name__, list(binaries))
+
+
+def test_an_asynchronous_save_right_after_a_step_holds_every_block_whole(tmp_path):
+    # Naive offload: the step returns after its loss read with the last blocks' offloads
+    # still landing in pinned host memory; the save's private copies must wait for them.
+    import torch.distributed.checkpoint as dcp
+
+    from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+
+    model = tiny_opt(
+        seed=0, num_hidden_layers=6, hidden_size=512, ffn_dim=2048, word_embed_proj_dim=512
+    )
+    engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=2, seed=0))
+    for step in range(3):
+        engine.step(random_batch(64, batch=8, seq=64, seed=step))
+    checkpointer = Checkpointer(tmp_path, engine)
+    checkpointer.save(asynchronous=True)
+    checkpointer.wait()
+    torch.cuda.synchronize()
+    saved = {
+        f"block/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)
+        for i, layout in enumerate(engine.block_layouts)
+    }
+    dcp.load(saved, checkpoint_id=str(latest_checkpoint(tmp_path)), no_dist=True)
+    for i in range(len(engine.block_layouts)):
+        assert torch.equal(saved[f"block/{i}"], engine.store.block_at_rest(i)), i
