@@ -234,6 +234,34 @@ class PrivateCopies(AsyncStager):
         """Nothing held."""
 
 
+class HostStateWriter(dcp.FileSystemWriter):
+    """DCP's file writer for a state that is on the host already, on the rank's device.
+
+    DCP writes an asynchronous save from a thread of its own, whose CUDA device is 0
+    whatever the rank's; with CUDA available its default loader copies ahead from the
+    device on that thread's current stream, opening a context on GPU 0 on every rank of
+    the node. Nothing here is on a device (``per_thread_copy_ahead=0``: the plain loader,
+    as DCP's own stager sets it), and the thread is put on the rank's device before DCP
+    does anything in it (``reset`` is its first call there), so nothing else can either.
+    """
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        super().__init__(str(path), per_thread_copy_ahead=0)
+        self.device = torch.device(device)
+
+    def _on_rank_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def reset(self, checkpoint_id=None) -> None:
+        self._on_rank_device()
+        super().reset(checkpoint_id)
+
+    def write_data(self, plan, planner):
+        self._on_rank_device()
+        return super().write_data(plan, planner)
+
+
 @contextlib.contextmanager
 def _write_failure(tmp: Path) -> Iterator[None]:
     """A save that failed to write (a full disk): its ``step-N.tmp`` removed (it never
@@ -345,6 +373,7 @@ class Checkpointer:
                 future = dcp.async_save(
                     state,
                     checkpoint_id=str(tmp),
+                    storage_writer=HostStateWriter(tmp, self.engine.device),
                     process_group=self._group,
                     async_stager=PrivateCopies(),
                 )
@@ -353,7 +382,12 @@ class Checkpointer:
             self._pending_save = (future, tmp, final)
         else:
             with _write_failure(tmp), _without_single_process_note():
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+                dcp.save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    storage_writer=HostStateWriter(tmp, self.engine.device),
+                    process_group=self._group,
+                )
             self._finalize(tmp, final)
 
     def poll(self) -> None:

@@ -2,6 +2,7 @@
 DCP's writer thread runs on the rank's device, a sliced resume reads only each rank's
 ranges."""
 
+import threading
 import warnings
 
 import torch
@@ -37,3 +38,42 @@ def test_an_asynchronous_save_copies_each_block_after_its_offload_has_landed(tmp
     saved = saved_blocks(latest_checkpoint(tmp_path), engine)
     for i in range(len(engine.block_layouts)):
         assert torch.equal(saved[f"block/{i}"], engine.store.block_at_rest(i)), i
+
+
+def test_the_writer_thread_is_put_on_the_ranks_device_before_dcp_touches_cuda(
+    tmp_path, monkeypatch
+):
+    # As on a node of GPUs: CUDA is available and this rank's device is cuda:1. DCP writes
+    # from a thread of its own, whose device is 0 until it is set: any CUDA call there
+    # before ``set_device(cuda:1)`` opens a context on GPU 0.
+    engine = engine_for(tiny_opt(seed=1), num_slots=2)
+    train(engine, vocab=64, steps=1)
+    monkeypatch.setattr(engine, "device", torch.device("cuda", 1))
+    checkpointer = Checkpointer(tmp_path, engine)
+    calls, device = [], threading.local()
+
+    def set_device(d):
+        calls.append((threading.current_thread().name, "set_device", torch.device(d)))
+        device.index = torch.device(d).index
+
+    def touched(name):
+        def call(*args, **kwargs):
+            where = (threading.current_thread().name, name, getattr(device, "index", 0))
+            calls.append(where)
+            raise RuntimeError(f"CUDA touched: {where}")
+
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for name in ("current_stream", "current_device", "synchronize", "Stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, touched(name))
+    checkpointer.save(asynchronous=True)
+    checkpointer.wait()
+    writer = [c for c in calls if c[0] != threading.main_thread().name]
+    assert writer and writer[0] == (writer[0][0], "set_device", torch.device("cuda", 1))
+    assert all(c[1] == "set_device" for c in calls), calls
+    monkeypatch.undo()
+    assert torch.equal(
+        saved_blocks(latest_checkpoint(tmp_path), engine)["block/0"], engine.store.block_at_rest(0)
+    )
