@@ -10,7 +10,8 @@ Every block is contributed by one rank (round robin), as a private CPU copy: the
 holds one extra copy of the model across the whole job, never one per rank (nor, under
 the sliced transfer, one per node: the blocks are spread over the nodes). Under the
 sliced transfer a block is first gathered through the device, since a rank holds only
-its slices.
+its slices; on resume a rank reads only the ranges of each block it holds
+(``dcp_ranges``).
 
 Saving is asynchronous (the copies are made at once, a thread writes them) into
 ``step-N.tmp/``, renamed to ``step-N/`` once every rank's data and the metadata are on
@@ -38,6 +39,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from distzo.config.engine_options import OPTIMIZERS
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
+from distzo.job.dcp_ranges import load_ranges
+from distzo.offload import StreamedBlocks
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
@@ -442,11 +445,18 @@ class Checkpointer:
                 logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
 
     def _load_blocks(self, path: Path, prefix: str, store) -> None:
-        """``<prefix>/i`` of every block into ``store``, one block in memory at a time."""
+        """``<prefix>/i`` of every block into ``store``, one block in memory at a time. A
+        store in host memory reads only the ranges this rank holds (a sliced rank: 1/n of
+        each block, so the job reads the model once per node, not once per rank)."""
         for i, layout in enumerate(self.engine.block_layouts):
-            buffer = {f"{prefix}/{i}": torch.empty(layout.numel, dtype=store.rest_dtype)}
+            key = f"{prefix}/{i}"
+            if isinstance(store, StreamedBlocks):
+                values = load_ranges(path, {key: store.share_ranges(i)}, self._group)[key]
+                store.load_block_ranges(i, lambda lo, hi, got=values: got[(lo, hi)])
+                continue
+            buffer = {key: torch.empty(layout.numel, dtype=store.rest_dtype)}
             dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
-            store.load_block(i, buffer[f"{prefix}/{i}"])
+            store.load_block(i, buffer[key])
 
     def _check_optimizer(self, path: Path, saved) -> None:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its
