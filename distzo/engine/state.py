@@ -151,7 +151,13 @@ class BucketReader:
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """``(i, block i exactly as stored, in its at-rest dtype)`` for every wanted block:
         a host copy when ``private`` or when ``sliced`` (gathered through the device, a
-        collective, so every rank runs every block, wanted or not), else the live view."""
+        collective, so every rank runs every block, wanted or not), else the live view.
+
+        A host copy is read by the host (a memcpy here, or DCP's writer thread), which no
+        stream orders after the offloads still landing from the last step: the host waits
+        for them first. A gathered block is ordered on the device (``compute_scope``)."""
+        if not sliced:
+            self.streams.synchronize()
         try:
             for i in range(num_blocks):
                 if not (sliced or wanted(i)):

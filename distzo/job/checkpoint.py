@@ -10,7 +10,8 @@ Every block is contributed by one rank (round robin), as a private CPU copy: the
 holds one extra copy of the model across the whole job, never one per rank (nor, under
 the sliced transfer, one per node: the blocks are spread over the nodes). Under the
 sliced transfer a block is first gathered through the device, since a rank holds only
-its slices.
+its slices; on resume a rank reads only the ranges of each block it holds
+(``dcp_ranges``).
 
 Saving is asynchronous (the copies are made at once, a thread writes them) into
 ``step-N.tmp/``, renamed to ``step-N/`` once every rank's data and the metadata are on
@@ -38,6 +39,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from distzo.config.engine_options import OPTIMIZERS
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
+from distzo.job.dcp_ranges import load_ranges
+from distzo.offload import StreamedBlocks
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
@@ -234,6 +237,34 @@ class PrivateCopies(AsyncStager):
         """Nothing held."""
 
 
+class HostStateWriter(dcp.FileSystemWriter):
+    """DCP's file writer for a state that is on the host already, on the rank's device.
+
+    DCP writes an asynchronous save from a thread of its own, whose CUDA device is 0
+    whatever the rank's; with CUDA available its default loader copies ahead from the
+    device on that thread's current stream, opening a context on GPU 0 on every rank of
+    the node. Nothing here is on a device (``per_thread_copy_ahead=0``: the plain loader,
+    as DCP's own stager sets it), and the thread is put on the rank's device before DCP
+    does anything in it (``reset`` is its first call there), so nothing else can either.
+    """
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        super().__init__(str(path), per_thread_copy_ahead=0)
+        self.device = torch.device(device)
+
+    def _on_rank_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def reset(self, checkpoint_id=None) -> None:
+        self._on_rank_device()
+        super().reset(checkpoint_id)
+
+    def write_data(self, plan, planner):
+        self._on_rank_device()
+        return super().write_data(plan, planner)
+
+
 @contextlib.contextmanager
 def _write_failure(tmp: Path) -> Iterator[None]:
     """A save that failed to write (a full disk): its ``step-N.tmp`` removed (it never
@@ -345,6 +376,7 @@ class Checkpointer:
                 future = dcp.async_save(
                     state,
                     checkpoint_id=str(tmp),
+                    storage_writer=HostStateWriter(tmp, self.engine.device),
                     process_group=self._group,
                     async_stager=PrivateCopies(),
                 )
@@ -353,7 +385,12 @@ class Checkpointer:
             self._pending_save = (future, tmp, final)
         else:
             with _write_failure(tmp), _without_single_process_note():
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self._group)
+                dcp.save(
+                    state,
+                    checkpoint_id=str(tmp),
+                    storage_writer=HostStateWriter(tmp, self.engine.device),
+                    process_group=self._group,
+                )
             self._finalize(tmp, final)
 
     def poll(self) -> None:
@@ -408,11 +445,18 @@ class Checkpointer:
                 logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
 
     def _load_blocks(self, path: Path, prefix: str, store) -> None:
-        """``<prefix>/i`` of every block into ``store``, one block in memory at a time."""
+        """``<prefix>/i`` of every block into ``store``, one block in memory at a time. A
+        store in host memory reads only the ranges this rank holds (a sliced rank: 1/n of
+        each block, so the job reads the model once per node, not once per rank)."""
         for i, layout in enumerate(self.engine.block_layouts):
-            buffer = {f"{prefix}/{i}": torch.empty(layout.numel, dtype=store.rest_dtype)}
+            key = f"{prefix}/{i}"
+            if isinstance(store, StreamedBlocks):
+                values = load_ranges(path, {key: store.share_ranges(i)}, self._group)[key]
+                store.load_block_ranges(i, lambda lo, hi, got=values: got[(lo, hi)])
+                continue
+            buffer = {key: torch.empty(layout.numel, dtype=store.rest_dtype)}
             dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
-            store.load_block(i, buffer[f"{prefix}/{i}"])
+            store.load_block(i, buffer[key])
 
     def _check_optimizer(self, path: Path, saved) -> None:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its

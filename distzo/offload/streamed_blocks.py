@@ -194,9 +194,16 @@ class StreamedBlocks:
         for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
             round_nearest_(self.host_slices[index][h_lo:h_hi], padded[s_lo:s_hi])
 
+    def share_ranges(self, index: int) -> list[tuple[int, int]]:
+        """The elements ``[lo, hi)`` of block ``index`` this rank holds, in host order (the
+        padding left out): what ``load_block_ranges`` reads."""
+        numel = self.layouts[index].numel
+        return [(s_lo, min(s_hi, numel)) for _, (s_lo, s_hi) in self._pieces(index) if s_lo < numel]
+
     def load_block_ranges(self, index: int, read) -> None:
         """Take this rank's share by reading only it: ``read(lo, hi)`` returns the block's
-        elements [lo, hi) (a streaming load asks the checkpoint for just those)."""
+        elements [lo, hi) for each of ``share_ranges`` (a streaming load or a resume asks
+        the checkpoint for just those)."""
         numel = self.layouts[index].numel
         for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
             host = self.host_slices[index][h_lo:h_hi]

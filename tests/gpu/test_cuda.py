@@ -397,3 +397,62 @@ def test_each_triton_noise_kernel_compiles_once_over_fifty_steps():
     for kernel in (triton_kernels.perturb_kernel, triton_kernels.update_kernel):
         binaries = kernel.device_caches[device][0]  # (kernel cache, key cache, target, ...)
         assert len(binaries) == 1, (kernel.fn.__name__, list(binaries))
+
+
+def test_an_asynchronous_save_right_after_a_step_holds_every_block_whole(tmp_path):
+    # Naive offload: the step returns after its loss read with the last blocks' offloads
+    # still landing in pinned host memory; the save's private copies must wait for them.
+    import torch.distributed.checkpoint as dcp
+
+    from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+
+    model = tiny_opt(
+        seed=0, num_hidden_layers=6, hidden_size=512, ffn_dim=2048, word_embed_proj_dim=512
+    )
+    engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=2, seed=0))
+    for step in range(3):
+        engine.step(random_batch(64, batch=8, seq=64, seed=step))
+    checkpointer = Checkpointer(tmp_path, engine)
+    checkpointer.save(asynchronous=True)
+    checkpointer.wait()
+    torch.cuda.synchronize()
+    saved = {
+        f"block/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)
+        for i, layout in enumerate(engine.block_layouts)
+    }
+    dcp.load(saved, checkpoint_id=str(latest_checkpoint(tmp_path)), no_dist=True)
+    for i in range(len(engine.block_layouts)):
+        assert torch.equal(saved[f"block/{i}"], engine.store.block_at_rest(i)), i
+
+
+DEVICE_ONE_SAVE = """
+import os, sys, torch
+from distzo import ZOConfig, ZOEngine
+from distzo.job.checkpoint import Checkpointer
+from tests.helpers.models import random_batch, tiny_opt
+torch.cuda.set_device(1)  # as the trainer does for the rank on GPU 1
+engine = ZOEngine(tiny_opt(seed=0), ZOConfig(device="cuda:1", seed=0))
+engine.step(random_batch(64, seed=0))
+checkpointer = Checkpointer(__import__("pathlib").Path(sys.argv[1]), engine)
+checkpointer.save(asynchronous=True)
+checkpointer.wait()
+print(torch.cuda.list_gpu_processes(0))
+print("pid", os.getpid())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_an_asynchronous_save_of_the_rank_on_gpu_1_opens_no_context_on_gpu_0(tmp_path):
+    # DCP's writer thread starts on device 0: unset, it would open a context there.
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", DEVICE_ONE_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *listing, pid = proc.stdout.strip().splitlines()
+    assert f"process {pid.split()[1]:>10s}" not in "\n".join(listing), proc.stdout

@@ -86,3 +86,44 @@ def reference_momentum(engine, initial, results, beta1, window, wd):
         for block, layout in layouts
         for n, e in enumerate(layout.entries)
     }
+
+
+class LateOffloads:
+    """A stand-in offload stream on CPU: a block's copy back to its host memory lands only
+    when the host waits for the streams (``Streams.synchronize``, the collectives' host
+    sync) or when an upload waits for it (the scheduler's event; FIFO, so all earlier
+    ones too), as a CUDA offload stream's non-blocking copies do. Until then the host
+    memory still holds the block's previous values."""
+
+    def __init__(self, engine, monkeypatch):
+        store, self.pending = engine.store, []
+        offload, upload = store.offload, store.upload
+        synchronize, host_sync = engine.streams.synchronize, engine.parallel.comm.host_sync
+
+        def late_offload(i):
+            host = store.master(i)
+            before = host.clone()
+            offload(i)
+            self.pending.append((host, host.clone()))
+            host.copy_(before)  # queued, not landed
+
+        def waiting_upload(i):
+            self.land()
+            upload(i)
+
+        def landing(wait):
+            def waited():
+                self.land()
+                wait()
+
+            return waited
+
+        monkeypatch.setattr(store, "offload", late_offload)
+        monkeypatch.setattr(store, "upload", waiting_upload)
+        monkeypatch.setattr(engine.streams, "synchronize", landing(synchronize))
+        monkeypatch.setattr(engine.parallel.comm, "host_sync", landing(host_sync))
+
+    def land(self):
+        for host, value in self.pending:
+            host.copy_(value)
+        self.pending.clear()

@@ -1,0 +1,134 @@
+"""The checkpoint's paths at scale, on CPU stand-ins: a save never holds a torn block,
+DCP's writer thread runs on the rank's device, a sliced resume reads only each rank's
+ranges."""
+
+import json
+import subprocess
+import sys
+import threading
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.dcp_ranges import load_ranges
+from tests.helpers.dcp_reads import counting_reads
+from tests.helpers.engines import LateOffloads, engine_for, train
+from tests.helpers.launch import child_env, free_port
+from tests.helpers.models import tiny_opt
+
+
+def saved_blocks(path, engine, prefix="block"):
+    blocks = {
+        f"{prefix}/{i}": torch.empty(layout.numel, dtype=engine.store.rest_dtype)
+        for i, layout in enumerate(engine.block_layouts)
+    }
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(blocks, checkpoint_id=str(path), no_dist=True)
+    return blocks
+
+
+def test_an_asynchronous_save_copies_each_block_after_its_offload_has_landed(tmp_path, monkeypatch):
+    # Naive offload: a block's private copy is a host memcpy of its host memory, which the
+    # last step's last offloads may still be writing (here: until the host waits for them).
+    engine = engine_for(tiny_opt(seed=1, num_hidden_layers=4), num_slots=2)
+    late = LateOffloads(engine, monkeypatch)
+    train(engine, vocab=64, steps=2)
+    assert len(late.pending) >= 2  # the step returned with offloads still in flight
+    checkpointer = Checkpointer(tmp_path, engine)
+    checkpointer.save(asynchronous=True)
+    checkpointer.wait()
+    late.land()
+    saved = saved_blocks(latest_checkpoint(tmp_path), engine)
+    for i in range(len(engine.block_layouts)):
+        assert torch.equal(saved[f"block/{i}"], engine.store.block_at_rest(i)), i
+
+
+def test_the_writer_thread_is_put_on_the_ranks_device_before_dcp_touches_cuda(
+    tmp_path, monkeypatch
+):
+    # As on a node of GPUs: CUDA is available and this rank's device is cuda:1. DCP writes
+    # from a thread of its own, whose device is 0 until it is set: any CUDA call there
+    # before ``set_device(cuda:1)`` opens a context on GPU 0.
+    engine = engine_for(tiny_opt(seed=1), num_slots=2)
+    train(engine, vocab=64, steps=1)
+    monkeypatch.setattr(engine, "device", torch.device("cuda", 1))
+    checkpointer = Checkpointer(tmp_path, engine)
+    calls, device = [], threading.local()
+
+    def set_device(d):
+        calls.append((threading.current_thread().name, "set_device", torch.device(d)))
+        device.index = torch.device(d).index
+
+    def touched(name):
+        def call(*args, **kwargs):
+            where = (threading.current_thread().name, name, getattr(device, "index", 0))
+            calls.append(where)
+            raise RuntimeError(f"CUDA touched: {where}")
+
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for name in ("current_stream", "current_device", "synchronize", "Stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, touched(name))
+    checkpointer.save(asynchronous=True)
+    checkpointer.wait()
+    writer = [c for c in calls if c[0] != threading.main_thread().name]
+    assert writer and writer[0] == (writer[0][0], "set_device", torch.device("cuda", 1))
+    assert all(c[1] == "set_device" for c in calls), calls
+    monkeypatch.undo()
+    assert torch.equal(
+        saved_blocks(latest_checkpoint(tmp_path), engine)["block/0"], engine.store.block_at_rest(0)
+    )
+
+
+def test_a_sliced_resume_reads_only_each_ranks_share_of_the_blocks(tmp_path):
+    # 2 sliced ranks of one node resume Adam from a checkpoint written by the saving path
+    # (each block and moment stored whole by one rank): each rank reads its half of them
+    # (and the resident bucket whole), not every block; the resumed run follows.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            "tests/helpers/checkpoint_read_probe.py",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["same_step"] and record["same_params"], record
+        # each stored item costs its archive directory and read-ahead (~8 kB) besides its data
+        share = record["resident"] + record["blocks"] / 2 + 16384 * record["items"]
+        assert record["read"] <= share, (rank, record)
+        assert record["read"] >= record["resident"] + record["blocks"] / 2, (rank, record)
+
+
+def test_ranges_of_saved_tensors_are_read_alone_and_exactly(tmp_path):
+    # A sliced rank's share of a block: pieces far apart (striped), in the block's own
+    # dtype. DCP's own reader reads a stored tensor whole for each range (2.5 MB here).
+    weights = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    low_bit = torch.randn(30_000).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": weights, "h": low_bit}, checkpoint_id=str(tmp_path), no_dist=True)
+        ranges = {"w": [(0, 16), (100_000, 120_000), (199_990, 200_000)], "h": [(7, 4007)]}
+        with counting_reads() as counter:
+            got = load_ranges(tmp_path, ranges)
+    for key, saved in (("w", weights), ("h", low_bit)):
+        assert sorted(got[key]) == ranges[key]
+        for (lo, hi), value in got[key].items():
+            assert value.dtype == saved.dtype and torch.equal(value, saved[lo:hi]), (key, lo)
+    data = (16 + 20_000 + 10) * 4 + 4000 * 2
+    assert data <= counter[0] <= data + 2 * 16384  # not the 800 kB + 60 kB saved
