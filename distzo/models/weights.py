@@ -213,6 +213,8 @@ class RandomWeights:
 
     def __init__(self, seed: int, std: float = 0.02) -> None:
         self.seed, self.std = seed, std
+        # the tensor whose ranges are being read, by (name, dtype)
+        self._last: tuple[tuple[str, torch.dtype], torch.Tensor] | None = None
 
     def tensor(self, names, shape, dtype):
         name = names[0]
@@ -222,8 +224,11 @@ class RandomWeights:
         return torch.empty(shape, dtype=dtype).normal_(0.0, self.std, generator=generator)
 
     def tensor_range(self, names, shape, dtype, start, stop):
-        # drawn whole: the same on every rank
-        return _flat_range(self.tensor(names, shape, dtype), start, stop)
+        # drawn whole (the same on every rank), and kept while its ranges are read in turn
+        if self._last is None or self._last[0] != (names[0], dtype):
+            self._last = None  # drawn anew: the previous one goes first
+            self._last = ((names[0], dtype), self.tensor(names, shape, dtype))
+        return _flat_range(self._last[1], start, stop)
 
 
 def open_checkpoint(directory: str | Path) -> WeightSource:
