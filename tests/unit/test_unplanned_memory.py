@@ -7,12 +7,16 @@ import gc
 import json
 import weakref
 
+import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.engine import layouts
+from distzo.job import memory_plan
+from distzo.job.memory_plan import check_fits, nccl_buffer_bytes, plan_memory
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from tests.helpers.models import adapted, base_model, build, random_batch
 
 
 def test_the_resident_bucket_reaches_the_device_a_chunk_at_a_time(monkeypatch):
@@ -54,3 +58,88 @@ def test_a_bin_checkpoint_keeps_one_shard_mapped(tmp_path):
     assert mapped() is None, "the first shard is still mapped after the second was opened"
     # and it maps again when read again
     assert torch.equal(source.tensor(("a",), (2, 3), torch.float32)[1], torch.tensor([3.0, 4, 5]))
+
+
+def mask_bytes(ctx):
+    masks = ctx.attention_mask
+    masks = masks.values() if isinstance(masks, dict) else [masks]
+    return sum(m.nbytes for m in masks if isinstance(m, torch.Tensor))
+
+
+@pytest.mark.parametrize(
+    "name, overrides, flags",
+    [
+        ("llama", {}, {}),
+        ("llama", {"attn_implementation": "eager"}, {}),
+        ("qwen2_sliding", {}, {}),  # two kinds of mask: full and sliding
+        ("lora", {}, dict(dual_forward=True, batch_queries=True, num_queries=2)),
+    ],
+)
+def test_the_plan_counts_the_attention_masks_a_step_builds(monkeypatch, name, overrides, flags):
+    if name == "lora":
+        model = adapted("llama", "lora")
+    elif name == "llama":
+        model = base_model("llama", **overrides)
+    else:
+        model = build(name)
+    config = ZOConfig(device="cpu", seed=0, grad_accum=2, **flags)
+    rows, length = 4, 12
+    plan = plan_memory(model, config, 1, False, batch=rows, seq=length, signs=2)
+    engine = ZOEngine(model, config)
+    built = []
+    context = engine.family.context
+
+    def spied(*args, **kwargs):
+        ctx = context(*args, **kwargs)
+        built.append(mask_bytes(ctx))
+        return ctx
+
+    monkeypatch.setattr(engine.family, "context", spied)
+    batch = random_batch(64, rows, length, pad="left")
+    engine.step(batch)
+    assert plan.device_masks == sum(built) > 0, (plan.device_masks, built)
+
+
+MIB = 1 << 20
+
+
+def test_nccl_buffers_follow_nccls_variables():
+    ring, nvls = 2 * 32 * 4 * MIB, 8 * 16 * 2 * 4 * MIB  # per communicator of 8 local ranks
+    assert nccl_buffer_bytes([8, 8], {}) == 2 * (ring + nvls) == 2560 * MIB
+    assert nccl_buffer_bytes([8], {"NCCL_NVLS_ENABLE": "0"}) == ring
+    assert nccl_buffer_bytes([8], {"NCCL_BUFFSIZE": str(MIB), "NCCL_NVLS_ENABLE": "0"}) == ring // 4
+    assert nccl_buffer_bytes([1], {"NCCL_MAX_NCHANNELS": "4"}) == 2 * 4 * 4 * MIB  # no NVLS alone
+    assert nccl_buffer_bytes([], {}) == 0
+
+
+def test_the_plan_counts_nccl_buffers_for_the_job_and_the_shard_group(monkeypatch):
+    monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    model = build("llama")
+
+    def comm(device, sliced, world=8):
+        plan = plan_memory(
+            model, ZOConfig(device="cpu"), 8, sliced, 2, 8, 1, world, 8, device_type=device
+        )
+        return plan.device_comm
+
+    assert comm("cuda", True) == 2 * 256 * MIB and comm("cuda", False) == 256 * MIB
+    assert comm("cpu", True) == 0 and comm("cuda", False, world=1) == 0
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert comm("cuda", False) == 256 * MIB + 1024 * MIB
+
+
+def test_a_refusal_names_the_largest_term(monkeypatch):
+    monkeypatch.setenv("NCCL_BUFFSIZE", str(64 * MIB))
+    model, config = build("llama"), ZOConfig(device="cpu")
+    plan = plan_memory(model, config, 8, True, 2, 8, 1, world=8, local_ranks=8, device_type="cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (MIB, 80 << 30))
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1 << 40)
+    with pytest.raises(ValueError) as refused:
+        check_fits(plan, torch.device("cuda", 0), 8, force=False)
+    message = str(refused.value)
+    assert "free on cuda:0 (largest: NCCL buffers " in message and "host memory" not in message
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1000)
+    cpu_plan = plan_memory(build("llama"), ZOConfig(device="cpu"), 1, False, 2, 8, 2)
+    with pytest.raises(ValueError, match=r"1\.00 KB available \(largest: scratch "):
+        check_fits(cpu_plan, torch.device("cpu"), 1, force=False)
