@@ -27,7 +27,7 @@ from distzo.engine.build import (
     master_dtype,
     store_maker,
 )
-from distzo.engine.layouts import bucket_values, split_layouts
+from distzo.engine.layouts import device_bucket, split_layouts
 from distzo.engine.passes import Group, pass_grouping
 from distzo.engine.scratch import ResidentScratch, bound_scratch
 from distzo.engine.state import StoredBuckets
@@ -98,7 +98,7 @@ def build_parts(
     store = tuning.make_store(store_maker(config, device, shard, rounding_noise), layouts, device)
     fill_store(store, built, weights, sliced=at.transfer == "sliced" and tuning.streams_trained)
     tuning.load_base(weights, at.transfer == "sliced", device)
-    master = bucket_values(resident_layout, resident_ordered, weights).to(device)
+    master = device_bucket(resident_layout, resident_ordered, weights, device)
     trained = StoredBuckets(resident_layout, layouts, master, store)
     update_rule = UpdateRule(config, noise)
     streams_trained = tuning.streams_trained

@@ -22,7 +22,7 @@ from torch import nn
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine.build import StoreMaker, fill_store
-from distzo.engine.layouts import ModelLayouts, bucket_values
+from distzo.engine.layouts import ModelLayouts, device_bucket
 from distzo.engine.scratch import bound_scratch
 from distzo.engine.state import StoredBuckets
 from distzo.models.batched_linear import PassBatchedLinear, make_pass_batched
@@ -249,7 +249,7 @@ class FrozenBase(Tuning):
             raise RuntimeError("load_base runs once, after make_store")
         (built, (layout, ordered)), self._frozen = self._frozen, None
         fill_store(self.base_store, built, weights, sliced)
-        self.resident_base = bucket_values(layout, ordered, weights).to(device)
+        self.resident_base = device_bucket(layout, ordered, weights, device)
 
     def bind_base(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         if self.resident_base is None or self.resident_base_layout is None:

@@ -21,6 +21,7 @@ from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
 from distzo.engine import resolve_transfer
+from distzo.job.evaluation import planned_rows
 from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import hub, model_from_config
 from distzo.models.shapes import shape_config
@@ -165,7 +166,7 @@ def memory_plan(
     shard = parallel.shard_group.size if parallel.shard_group else 1
     # candidates on rows of their own
     rows = job.data.batch_size // parallel.dims.dp * data.rows_per_example
-    batch = max(rows, job.data.eval_batch_size // parallel.env.world_size, 1)
+    batch = max(rows, planned_rows(data, parallel.env.world_size))
     env = parallel.env
     return plan_memory(
         model,

@@ -1,6 +1,9 @@
 """Evaluation, sharded over all ranks and reduced: every rank scores its share of the
 examples and the sums are added up, so the metric covers the whole set once.
 
+``--eval-batch-size`` is the rows of one forward call over all the ranks, like
+``--batch-size``: each rank forwards its ``rows_per_call`` share of them (at least one
+candidate set under a choice task), the rows the memory plan counts (``planned_rows``).
 Every rank makes the same number of forward calls (a rank short of work repeats a
 spare batch): under the sliced transfer each forward's uploads are collectives.
 Results stay on the device until the end of the evaluation; the LM head runs only at
@@ -65,6 +68,27 @@ def evaluate(
     return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size)
 
 
+def rows_per_call(batch_size: int, world: int) -> int:
+    """The rows each of ``world`` ranks forwards per call when ``batch_size`` rows go
+    through one call over all of them: evaluation's peak memory follows it, so the
+    plan and the evaluation read it from here."""
+    return max(1, -(-batch_size // world))
+
+
+def _choices_per_call(batch_size: int, rows: int, world: int) -> int:
+    """Examples per call when each takes ``rows`` rows (one at least)."""
+    return max(1, rows_per_call(batch_size, world) // rows)
+
+
+def planned_rows(data: CountingData | TextData | PromptData, world: int) -> int:
+    """The most rows one rank passes to a forward while evaluating ``data``."""
+    per_call = rows_per_call(data.eval_batch_size, world)
+    if isinstance(data, PromptData) and data.kind != "generation":
+        rows = max(data.encoder.choice_rows(e) for e in data.eval_examples)
+        return _choices_per_call(data.eval_batch_size, rows, world) * rows
+    return per_call
+
+
 def _share(count: int, parallel: ParallelContext) -> range:
     """This rank's contiguous share of ``count`` items (sizes differ by at most one)."""
     world, rank = parallel.env.world_size, parallel.env.rank
@@ -99,10 +123,11 @@ def evaluate_choices(
     batch_size: int,
     full_head: bool = False,
 ) -> dict[str, float]:
-    """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call."""
+    """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call
+    over all the ranks."""
     mine = [examples[i] for i in _share(len(examples), parallel)]
     rows = max(encoder.choice_rows(e) for e in examples)  # the same on every rank
-    per_call = max(1, batch_size // rows)
+    per_call = _choices_per_call(batch_size, rows, parallel.env.world_size)
     encodings = [encoder.encode_choices(e) for e in mine]
     spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
     correct = torch.zeros((), dtype=torch.long, device=engine.device)
@@ -131,8 +156,10 @@ def evaluate_generation(
     batch_size: int,
     max_new_tokens: int = 16,
 ) -> dict[str, float]:
-    """Greedy answers of ``batch_size`` examples at a time, decoded together."""
+    """Greedy answers of ``batch_size`` examples at a time over all the ranks, decoded
+    together."""
     share = _share(len(examples), parallel)
+    batch_size = rows_per_call(batch_size, parallel.env.world_size)
     decode = _decoder(encoder)
     f1 = em = 0.0
     for call in range(_calls(len(examples), batch_size, parallel)):
@@ -168,9 +195,11 @@ def evaluate_lm(
     full_head: bool = False,
 ) -> dict[str, float]:
     """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded over the
-    ranks and scored ``batch_size`` rows per forward call."""
+    ranks and scored ``batch_size`` rows per forward call over all of them (this rank's
+    whole share in one call when None)."""
     rows = list(_share(batch["input_ids"].shape[0], parallel))
-    batch_size = batch_size or max(len(rows), 1)
+    world = parallel.env.world_size
+    batch_size = rows_per_call(batch_size, world) if batch_size else max(len(rows), 1)
     loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
     count = 0
     for call in range(_calls(batch["input_ids"].shape[0], batch_size, parallel)):

@@ -7,13 +7,18 @@ workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocate
 the activation figure is an estimate of the largest transient (the bigger of one
 block's intermediates, for one micro-batch under --grad-accum, and the fp32 logits of one
 head chunk: the head runs at most
-``HEAD_CHUNK`` positions at a time). Host memory is pinned at exactly its size, so
-the host figure is what a CUDA run locks.
+``HEAD_CHUNK`` positions at a time). Beside the engine's own: the attention masks a
+forward keeps, and on a CUDA job of several ranks NCCL's buffers (from the NCCL
+variables in the environment). A refusal names the largest term of what does not
+fit. Host memory is pinned at exactly its size, so the host figure is what a CUDA
+run locks.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +57,8 @@ class MemoryPlan:
     state_device_bytes: int = (
         0  # the moments on the device (or their slots) and the update's scratch
     )
+    device_masks: int = 0  # the attention masks a forward keeps (per micro-batch, group size)
+    device_comm: int = 0  # NCCL's buffers (and NVLS's) for the communicators the job uses
 
     @property
     def device_bytes(self) -> int:
@@ -63,22 +70,41 @@ class MemoryPlan:
             + self.state_device_bytes
         )
 
+    def device_terms(self) -> dict[str, int]:
+        """Every device term by its name in the log line and a refusal (zeros left out)."""
+        terms = {
+            "resident": self.device_resident,
+            "blocks/slots": self.device_blocks,
+            "scratch": self.device_scratch,
+            "optimizer state": self.state_device_bytes,
+            "attention masks": self.device_masks,
+            "NCCL buffers": self.device_comm,
+            "activations": self.activations,
+        }
+        return {name: size for name, size in terms.items() if size}
+
+    @property
+    def device_need(self) -> int:
+        """Everything the plan puts on the device: what the engine allocates, the masks,
+        NCCL's buffers and the activation estimate."""
+        return sum(self.device_terms().values())
+
     def describe(self) -> str:
         """The log line: each figure in the unit that fits (``distzo.runtime.units``)."""
         b = format_bytes
         frozen = self.frozen_parameters
+        terms = self.device_terms()
+        activations = terms.pop("activations", 0)
         device_parts = [
-            f"resident {b(self.device_resident)}",
-            f"blocks/slots {b(self.device_blocks)}",
-            f"scratch {b(self.device_scratch)}",
+            f"{name} {b(size)}"
+            for name, size in terms.items()
+            if size or name in ("resident", "blocks/slots", "scratch")
         ]
-        if self.state_device_bytes:
-            device_parts.append(f"optimizer state {b(self.state_device_bytes)}")
         return (
             f"{format_count(self.parameters)} parameters"
             + (f" trained on a frozen base of {format_count(frozen)}" if frozen else "")
-            + f"; host {b(self.host_bytes)} per rank; device {b(self.device_bytes)} "
-            f"({', '.join(device_parts)}) + activations ~{b(self.activations)}"
+            + f"; host {b(self.host_bytes)} per rank; device {b(self.device_need - activations)} "
+            f"({', '.join(device_parts)}) + activations ~{b(activations)}"
             + (
                 f"; optimizer state {b(self.state_host_bytes)} host per rank"
                 if self.state_host_bytes
@@ -162,6 +188,7 @@ def plan_memory(
     world: int = 1,
     local_ranks: int = 1,
     async_save: bool = True,
+    device_type: str | None = None,
 ) -> MemoryPlan:
     """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
 
@@ -169,8 +196,10 @@ def plan_memory(
     block i is copied by one rank (i % world, or under the sliced transfer a member of
     node i % nodes), plus the resident bucket on rank 0. A synchronous save
     (``async_save`` False; the final save always is) copies only what does not already
-    rest in host memory.
+    rest in host memory. ``device_type`` is where the engine runs (the config's device
+    when None): "cuda" plans a GPU job from a machine without one.
     """
+    on = device_type or config.torch_device().type
     model, _ = unwrap_peft(model)
     b = _buckets(model, config, shard_size, sliced)
     host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
@@ -183,6 +212,7 @@ def plan_memory(
         b.master,
         b.state_wire,
         streams=config.mode == "offload" and not b.frozen,
+        device_type=on,
     )
     frozen_parameters = 0
     if b.resident_base is not None:
@@ -194,14 +224,16 @@ def plan_memory(
         host_bytes=host,
         device_resident=resident_bytes,
         device_blocks=blocks,
-        device_scratch=scratch + _noise_bytes(b, config),
+        device_scratch=scratch + _noise_bytes(b, config, on),
         activations=_activation_bytes(model.config, config, b.compute, batch, seq, signs),
         checkpoint_bytes=_checkpoint_bytes(
-            b, config, sliced, shard_size, world, local_ranks, async_save
+            b, config, sliced, shard_size, world, local_ranks, async_save, on
         ),
         frozen_parameters=frozen_parameters,
         state_host_bytes=state_host,
         state_device_bytes=state_device,
+        device_masks=_mask_bytes(model.config, config, b.compute, batch, seq, signs),
+        device_comm=nccl_buffer_bytes(_nccl_groups(on, world, local_ranks, shard_size, sliced)),
     )
 
 
@@ -223,9 +255,8 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     return host, blocks, scratch, resident_bytes
 
 
-def _noise_bytes(b: _Buckets, config: ZOConfig) -> int:
+def _noise_bytes(b: _Buckets, config: ZOConfig, device_type: str) -> int:
     """The noise workspaces, and stochastic rounding's float32 uniforms for a low-bit rest."""
-    device_type = config.torch_device().type
     noise = planned_noise_bytes(config.noise_chunk, b.master, device_type, config.noise)
     if (b.wire != b.master or b.state_wire != b.master) and not b.frozen:
         noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
@@ -252,6 +283,59 @@ def _activation_bytes(
     return live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
 
 
+def _mask_bytes(cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, signs: int) -> int:
+    """The attention masks a forward keeps on the device: the model's builders make one
+    (rows, 1, L, L) mask per kind of layer (full, sliding) for every micro-batch, for
+    passes alone and again for the largest group of passes batched together; boolean
+    under sdpa, in the compute dtype under eager attention (worst case: a padded batch;
+    an unpadded one needs none under sdpa)."""
+    implementation = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    if implementation.startswith("flash"):
+        return 0  # flash attention reads the (rows, L) padding mask itself
+    itemsize = compute if implementation == "eager" else 1
+    kinds = len(set(getattr(cfg, "layer_types", None) or ["full"]))
+    largest = (signs if config.dual_forward else 1) * (
+        config.num_queries if config.batch_queries else 1
+    )
+    groups = 1 + (largest if largest > 1 else 0)
+    return kinds * groups * batch * seq * seq * itemsize
+
+
+NCCL_BUFFSIZE = 4 << 20  # NCCL's default NCCL_BUFFSIZE: one channel's buffer to one peer
+NCCL_CHANNELS = 32  # NCCL's most channels per communicator (NCCL_MAX_NCHANNELS lowers it)
+NCCL_NVLS_CHANNELS = 16  # NCCL's default NCCL_NVLS_NCHANNELS
+
+
+def _nccl_groups(
+    device_type: str, world: int, local_ranks: int, shard_size: int, sliced: bool
+) -> list[int]:
+    """The local ranks of each NCCL communicator that carries collectives: the job's
+    (the step's all-reduce, evaluation's sums) and, under the sliced transfer, the
+    node's shard group; none on CPU or in one process."""
+    if device_type != "cuda" or world < 2:
+        return []
+    return [local_ranks] + ([shard_size] if sliced else [])
+
+
+def nccl_buffer_bytes(groups: list[int], environ: Mapping[str, str] | None = None) -> int:
+    """NCCL's device buffers on one rank for communicators with ``groups`` local ranks:
+    NCCL_BUFFSIZE per channel per ring peer (the previous and the next rank), and under
+    NVLS (NVLink SHARP on an NVSwitch node, H100; on unless NCCL_NVLS_ENABLE=0)
+    2 x NCCL_BUFFSIZE per NVLS channel per local rank. The environment's settings of
+    these variables are read as NCCL reads them."""
+    env = os.environ if environ is None else environ
+    buffsize = int(env.get("NCCL_BUFFSIZE") or NCCL_BUFFSIZE)
+    channels = min(int(env.get("NCCL_MAX_NCHANNELS") or NCCL_CHANNELS), NCCL_CHANNELS)
+    nvls_channels = int(env.get("NCCL_NVLS_NCHANNELS") or NCCL_NVLS_CHANNELS)
+    nvls = env.get("NCCL_NVLS_ENABLE", "1") != "0"
+    total = 0
+    for local in groups:
+        total += 2 * channels * buffsize
+        if nvls and local > 1:
+            total += local * nvls_channels * 2 * buffsize
+    return total
+
+
 def _checkpoint_bytes(
     b: _Buckets,
     config: ZOConfig,
@@ -260,6 +344,7 @@ def _checkpoint_bytes(
     world: int,
     local_ranks: int,
     async_save: bool,
+    device_type: str,
 ) -> int:
     """The host copies a save makes on this node: its writers' blocks (and moments), and
     the resident bucket; a synchronous save reads what already rests on the host."""
@@ -273,7 +358,7 @@ def _checkpoint_bytes(
         node_blocks = -(-count // max(world // shard_size, 1))
     else:
         node_blocks = min(count, -(-count // world) * local_ranks)
-    on_device = config.torch_device().type != "cpu"
+    on_device = device_type != "cpu"
     copies_blocks = async_save or sliced or ((config.mode == "resident" or b.frozen) and on_device)
     resident = b.resident.numel * b.master if async_save or on_device else 0
 
@@ -292,6 +377,7 @@ def _state_bytes(
     master: int,
     state_wire: int,
     streams: bool,
+    device_type: str,
 ) -> tuple[int, int]:
     """(host, device) bytes of a stored optimizer's moments, as the engine allocates them:
     beside the resident bucket on the device; beside streamed blocks as host shards in
@@ -313,32 +399,49 @@ def _state_bytes(
         host, blocks = 0, moments * sum(layout.numel for layout in layouts) * master
     scratch = (
         rule.scratch_pieces
-        * workspace_elements(config.noise_chunk, config.torch_device().type, config.noise)
+        * workspace_elements(config.noise_chunk, device_type, config.noise)
         * master
     )
     return host, moments * resident_numel * master + blocks + scratch
 
 
+def _largest(terms: dict[str, int]) -> str:
+    """The term that weighs most, for a refusal to name."""
+    name = max(terms, key=lambda k: terms[k])
+    return f"largest: {name} {format_bytes(terms[name])}"
+
+
+def host_terms(plan: MemoryPlan, on_device: bool, local_ranks: int) -> dict[str, int]:
+    """The host memory of a node by term: each local rank's copies (and, on CPU, its
+    "device" terms, which are host memory too) and a checkpoint save's copies."""
+    terms = {
+        "host copy of the blocks": plan.host_bytes * local_ranks,
+        "optimizer state": plan.state_host_bytes * local_ranks,
+        "a checkpoint save": plan.checkpoint_bytes,
+    }
+    if not on_device:
+        terms.update({name: size * local_ranks for name, size in plan.device_terms().items()})
+    return {name: size for name, size in terms.items() if size}
+
+
 def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: bool) -> None:
-    """Refuse a plan that cannot fit, before anything is allocated (``force`` overrides)."""
+    """Refuse a plan that cannot fit, before anything is allocated (``force`` overrides);
+    the refusal names the largest term of what does not fit."""
     problems = []
-    if device.type == "cuda":
+    on_device = device.type == "cuda"
+    if on_device:
         free, _ = torch.cuda.mem_get_info(device)
-        need = plan.device_bytes + plan.activations
-        if need > free:
+        if plan.device_need > free:
             problems.append(
-                f"{format_bytes(need)} of device memory, {format_bytes(free)} free on {device}"
+                f"{format_bytes(plan.device_need)} of device memory, {format_bytes(free)} free "
+                f"on {device} ({_largest(plan.device_terms())})"
             )
-        host_need = (plan.host_bytes + plan.state_host_bytes) * local_ranks + plan.checkpoint_bytes
-    else:  # on CPU the "device" buffers are host memory too
-        host_need = (
-            plan.host_bytes + plan.state_host_bytes + plan.device_bytes + plan.activations
-        ) * local_ranks + plan.checkpoint_bytes
+    host = host_terms(plan, on_device, local_ranks)
     available = available_host_bytes()
-    if available is not None and host_need > available:
+    if available is not None and sum(host.values()) > available:
         problems.append(
-            f"{format_bytes(host_need)} of host memory for {local_ranks} local ranks and a "
-            f"checkpoint save, {format_bytes(available)} available"
+            f"{format_bytes(sum(host.values()))} of host memory for {local_ranks} local ranks "
+            f"and a checkpoint save, {format_bytes(available)} available ({_largest(host)})"
         )
     if problems and not force:
         raise ValueError(

@@ -10,7 +10,8 @@ one block, never the model twice.
   tensors are read one at a time (memory-mapped).
 * ``TorchBinWeights``: ``pytorch_model.bin`` (or sharded ``.bin`` + index), loaded with
   ``torch.load(weights_only=True, mmap=True)``: no unpickling of code, but a shard's
-  tensors are mapped at once, so it is the slower, more memory-hungry path.
+  tensors are mapped at once, so it is the slower, more memory-hungry path; one shard
+  is mapped at a time.
 * ``RandomWeights``: random init without a checkpoint (benchmarks, memory checks),
   each tensor seeded by its name, so every rank draws the same weights.
 """
@@ -188,12 +189,16 @@ class TorchBinWeights:
         else:
             self.weight_map = None
         self.directory = directory
-        self._shards: dict[str, dict[str, torch.Tensor]] = {}
+        self._open: tuple[str, dict[str, torch.Tensor]] | None = None  # the one mapped shard
 
     def _shard(self, file: str) -> dict[str, torch.Tensor]:
-        if file not in self._shards:
-            self._shards[file] = torch_bin_file(self.directory / file)
-        return self._shards[file]
+        """``file`` mapped, and the shard mapped before released: buckets are read in the
+        checkpoint's order, so one shard at a time, never the whole checkpoint, stays
+        mapped (its pages counted against the host's memory while read)."""
+        if self._open is None or self._open[0] != file:
+            self._open = None
+            self._open = (file, torch_bin_file(self.directory / file))
+        return self._open[1]
 
     def tensor(self, names, shape, dtype):
         if self.weight_map is None:
@@ -213,6 +218,8 @@ class RandomWeights:
 
     def __init__(self, seed: int, std: float = 0.02) -> None:
         self.seed, self.std = seed, std
+        # the tensor whose ranges are being read, by (name, dtype)
+        self._last: tuple[tuple[str, torch.dtype], torch.Tensor] | None = None
 
     def tensor(self, names, shape, dtype):
         name = names[0]
@@ -222,8 +229,11 @@ class RandomWeights:
         return torch.empty(shape, dtype=dtype).normal_(0.0, self.std, generator=generator)
 
     def tensor_range(self, names, shape, dtype, start, stop):
-        # drawn whole: the same on every rank
-        return _flat_range(self.tensor(names, shape, dtype), start, stop)
+        # drawn whole (the same on every rank), and kept while its ranges are read in turn
+        if self._last is None or self._last[0] != (names[0], dtype):
+            self._last = None  # drawn anew: the previous one goes first
+            self._last = ((names[0], dtype), self.tensor(names, shape, dtype))
+        return _flat_range(self._last[1], start, stop)
 
 
 def open_checkpoint(directory: str | Path) -> WeightSource:

@@ -1,0 +1,102 @@
+"""``python -m distzo.job.plan_report``: the memory plan of a job, term by term, without
+building or launching it (a named ``--model-config`` shape, planned for CUDA ranks
+from any machine).
+
+It prints what ``distzo.train`` plans on one rank of the job described (the same
+``plan_memory``, the rows a step and an evaluation forward), then the device terms of
+one rank and the host terms of one node, with their totals: the figures in
+docs/models.md are its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from distzo.config.engine_options import COMPUTE_DTYPE_NAMES, TRANSFER_DTYPE_NAMES, ZOConfig
+from distzo.job.evaluation import rows_per_call
+from distzo.job.memory_plan import MemoryPlan, host_terms, plan_memory
+from distzo.models.shapes import SHAPES, shape_config
+from distzo.models.weights import skeleton
+from distzo.runtime.units import format_bytes
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distzo.job.plan_report", description=__doc__)
+    parser.add_argument("--model-config", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--nproc", type=int, default=8, help="ranks on the node (one node)")
+    parser.add_argument("--dp", type=int, default=None, help="default: nproc / pert")
+    parser.add_argument("--pert", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--transfer", default="sliced", choices=("naive", "sliced"))
+    parser.add_argument("--transfer-dtype", default="bf16", choices=TRANSFER_DTYPE_NAMES)
+    parser.add_argument("--compute-dtype", default="bf16", choices=COMPUTE_DTYPE_NAMES)
+    parser.add_argument("--num-slots", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
+    parser.add_argument("--eval-batch-size", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    return parser
+
+
+def report(args: argparse.Namespace) -> str:
+    """The plan's lines for ``args`` (the command line, parsed)."""
+    dp = args.dp or args.nproc // args.pert
+    if dp * args.pert != args.nproc:
+        raise ValueError(f"--dp {dp} x --pert {args.pert} is not --nproc {args.nproc}")
+    config = ZOConfig(
+        device="cpu",
+        mode="offload",
+        num_slots=args.num_slots,
+        transfer_dtype=args.transfer_dtype,
+        compute_dtype=args.compute_dtype,
+    )
+    model = skeleton(shape_config(args.model_config), torch.float32)
+    rows = max(args.batch_size // dp, rows_per_call(args.eval_batch_size, args.nproc))
+    sliced = args.transfer == "sliced"
+    plan = plan_memory(
+        model,
+        config,
+        args.nproc if sliced else 1,
+        sliced,
+        rows,
+        args.seq_len,
+        2 // args.pert,
+        world=args.nproc,
+        local_ranks=args.nproc,
+        device_type="cuda",
+    )
+    return _lines(plan, args, dp, rows)
+
+
+def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int) -> str:
+    b = format_bytes
+    host = host_terms(plan, True, args.nproc)
+    out = [
+        f"{args.model_config}, {args.nproc} GPUs on one node, dp {dp} x pert {args.pert}, "
+        f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
+        f"{args.num_slots} slots, {rows} rows x {args.seq_len} tokens per forward",
+        f"memory plan: {plan.describe()}",
+        "device, per rank:",
+        *(f"  {name:<24} {b(size):>10}" for name, size in plan.device_terms().items()),
+        f"  {'device total':<24} {b(plan.device_need):>10}",
+        f"host, per node ({args.nproc} ranks):",
+        *(f"  {name:<24} {b(size):>10}" for name, size in host.items()),
+        f"  {'host total':<24} {b(sum(host.values())):>10}",
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report; exit 2 with one line for options that do not make a job."""
+    args = _parser().parse_args(argv)
+    try:
+        print(report(args))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The memory plan's figures in docs/models.md are what ``python -m distzo.job.plan_report``
+prints (issue 29: Llama-70B on 8 GPUs, dp 4 x pert 2, sliced, term by term)."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from distzo.job import plan_report
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+def documented_reports():
+    """(arguments, printed block) of every plan_report command docs/models.md shows."""
+    pattern = r"\$ python -m distzo\.job\.plan_report ([^\n]*)\n(.*?)\n```"
+    return [
+        (shlex.split(args), block) for args, block in re.findall(pattern, DOC.read_text(), re.S)
+    ]
+
+
+def test_the_documented_llama_70b_plan_is_what_the_command_prints(monkeypatch, capsys):
+    for name in ("NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_NVLS_NCHANNELS"):
+        monkeypatch.delenv(name, raising=False)  # the doc's figures are NCCL's defaults
+    reports = documented_reports()
+    assert [args for args, _ in reports] == [
+        ["--model-config", "llama-2-70b", "--dp", "4", "--pert", "2"]
+    ]
+    for args, block in reports:
+        assert plan_report.main(args) == 0
+        assert capsys.readouterr().out.strip() == block.strip()
+    assert "NCCL buffers" in block and "device total" in block and "host total" in block
+
+
+def test_a_layout_that_is_not_the_node_is_refused_in_one_line(capsys):
+    assert plan_report.main(["--model-config", "opt-125m", "--dp", "3", "--pert", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --dp 3 x --pert 2 is not --nproc 8"
+
+
+@pytest.mark.parametrize("pert", [1, 2])
+def test_the_report_plans_the_rows_a_rank_forwards(pert):
+    args = plan_report._parser().parse_args(
+        ["--model-config", "opt-125m", "--pert", str(pert), "--eval-batch-size", "8"]
+    )
+    # a step's 16 // dp rows against an evaluation call's ceil(8 / 8) = 1
+    assert f"{16 // (8 // pert)} rows x 512 tokens" in plan_report.report(args)

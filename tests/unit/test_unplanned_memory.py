@@ -1,0 +1,145 @@
+"""Memory the plan did not count (issue 29, item 5): the resident bucket built whole on
+the host by every rank, ``.bin`` shards kept mapped, the attention masks kept per
+micro-batch and group size, and NCCL's buffers. Each is either no longer done or
+planned, and a refusal names the term that does not fit."""
+
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+
+from distzo import ZOConfig, ZOEngine
+from distzo.engine import layouts
+from distzo.job import memory_plan
+from distzo.job.memory_plan import check_fits, nccl_buffer_bytes, plan_memory
+from distzo.models.shapes import shape_config
+from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from tests.helpers.models import adapted, base_model, build, random_batch
+
+
+def test_the_resident_bucket_reaches_the_device_a_chunk_at_a_time(monkeypatch):
+    monkeypatch.setattr(layouts, "LOAD_CHUNK", 1 << 20, raising=False)
+    reads = []
+    whole = layouts.bucket_range
+
+    def spied(layout, weights, lo, hi):
+        reads.append((layout, hi - lo))
+        return whole(layout, weights, lo, hi)
+
+    monkeypatch.setattr(layouts, "bucket_range", spied)
+    model = skeleton(shape_config("opt-125m", layers=1), torch.float32)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0), weights=RandomWeights(3))
+    resident = engine.resident_layout
+    sizes = [n for layout, n in reads if layout is resident]
+    assert resident.numel > 30 << 20 and max(sizes) == 1 << 20
+    assert sum(sizes) == resident.numel
+    # the same values as one read of the whole bucket
+    assert torch.equal(engine.resident_master, whole(resident, RandomWeights(3), 0, resident.numel))
+
+
+def test_a_bin_checkpoint_keeps_one_shard_mapped(tmp_path):
+    shards = {
+        "pytorch_model-00001-of-00002.bin": {"a": torch.arange(6.0).reshape(2, 3)},
+        "pytorch_model-00002-of-00002.bin": {"b": torch.ones(4)},
+    }
+    for file, state in shards.items():
+        torch.save(state, tmp_path / file)
+    weight_map = {name: file for file, state in shards.items() for name in state}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    source = open_checkpoint(tmp_path)
+    first = source.tensor(("a",), (2, 3), torch.float32)  # the mapped tensor itself
+    assert torch.equal(first, torch.arange(6.0).reshape(2, 3))
+    mapped = weakref.ref(first)
+    del first
+    assert torch.equal(source.tensor(("b",), (4,), torch.float32), torch.ones(4))
+    gc.collect()
+    assert mapped() is None, "the first shard is still mapped after the second was opened"
+    # and it maps again when read again
+    assert torch.equal(source.tensor(("a",), (2, 3), torch.float32)[1], torch.tensor([3.0, 4, 5]))
+
+
+def mask_bytes(ctx):
+    masks = ctx.attention_mask
+    masks = masks.values() if isinstance(masks, dict) else [masks]
+    return sum(m.nbytes for m in masks if isinstance(m, torch.Tensor))
+
+
+@pytest.mark.parametrize(
+    "name, overrides, flags",
+    [
+        ("llama", {}, {}),
+        ("llama", {"attn_implementation": "eager"}, {}),
+        ("qwen2_sliding", {}, {}),  # two kinds of mask: full and sliding
+        ("lora", {}, dict(dual_forward=True, batch_queries=True, num_queries=2)),
+    ],
+)
+def test_the_plan_counts_the_attention_masks_a_step_builds(monkeypatch, name, overrides, flags):
+    if name == "lora":
+        model = adapted("llama", "lora")
+    elif name == "llama":
+        model = base_model("llama", **overrides)
+    else:
+        model = build(name)
+    config = ZOConfig(device="cpu", seed=0, grad_accum=2, **flags)
+    rows, length = 4, 12
+    plan = plan_memory(model, config, 1, False, batch=rows, seq=length, signs=2)
+    engine = ZOEngine(model, config)
+    built = []
+    context = engine.family.context
+
+    def spied(*args, **kwargs):
+        ctx = context(*args, **kwargs)
+        built.append(mask_bytes(ctx))
+        return ctx
+
+    monkeypatch.setattr(engine.family, "context", spied)
+    batch = random_batch(64, rows, length, pad="left")
+    engine.step(batch)
+    assert plan.device_masks == sum(built) > 0, (plan.device_masks, built)
+
+
+MIB = 1 << 20
+
+
+def test_nccl_buffers_follow_nccls_variables():
+    ring, nvls = 2 * 32 * 4 * MIB, 8 * 16 * 2 * 4 * MIB  # per communicator of 8 local ranks
+    assert nccl_buffer_bytes([8, 8], {}) == 2 * (ring + nvls) == 2560 * MIB
+    assert nccl_buffer_bytes([8], {"NCCL_NVLS_ENABLE": "0"}) == ring
+    assert nccl_buffer_bytes([8], {"NCCL_BUFFSIZE": str(MIB), "NCCL_NVLS_ENABLE": "0"}) == ring // 4
+    assert nccl_buffer_bytes([1], {"NCCL_MAX_NCHANNELS": "4"}) == 2 * 4 * 4 * MIB  # no NVLS alone
+    assert nccl_buffer_bytes([], {}) == 0
+
+
+def test_the_plan_counts_nccl_buffers_for_the_job_and_the_shard_group(monkeypatch):
+    monkeypatch.delenv("NCCL_BUFFSIZE", raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    model = build("llama")
+
+    def comm(device, sliced, world=8):
+        plan = plan_memory(
+            model, ZOConfig(device="cpu"), 8, sliced, 2, 8, 1, world, 8, device_type=device
+        )
+        return plan.device_comm
+
+    assert comm("cuda", True) == 2 * 256 * MIB and comm("cuda", False) == 256 * MIB
+    assert comm("cpu", True) == 0 and comm("cuda", False, world=1) == 0
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert comm("cuda", False) == 256 * MIB + 1024 * MIB
+
+
+def test_a_refusal_names_the_largest_term(monkeypatch):
+    monkeypatch.setenv("NCCL_BUFFSIZE", str(64 * MIB))
+    model, config = build("llama"), ZOConfig(device="cpu")
+    plan = plan_memory(model, config, 8, True, 2, 8, 1, world=8, local_ranks=8, device_type="cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (MIB, 80 << 30))
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1 << 40)
+    with pytest.raises(ValueError) as refused:
+        check_fits(plan, torch.device("cuda", 0), 8, force=False)
+    message = str(refused.value)
+    assert "free on cuda:0 (largest: NCCL buffers " in message and "host memory" not in message
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1000)
+    cpu_plan = plan_memory(build("llama"), ZOConfig(device="cpu"), 1, False, 2, 8, 2)
+    with pytest.raises(ValueError, match=r"1\.00 KB available \(largest: scratch "):
+        check_fits(cpu_plan, torch.device("cpu"), 1, force=False)
