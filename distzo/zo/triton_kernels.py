@@ -8,6 +8,14 @@ such arguments wraps when it reaches 2^31 (a mask built on it is then false ever
 the program stores nothing). Element indices are int64 (``tile_words``) and every bound is
 an offset compared with a length, ``e - start < n``, never a sum of arguments. The
 offsets are int64 by annotation in any case (``SCALARS``).
+
+Rounding: the kernels that consume several terms (``update``, the moments) hold a whole
+tile, 8 lanes x 512 counters, as one [8, 512] block in registers, draw each term's z into
+it and read and write every element once. They are compiled without fp fusion and spell
+each fused multiply-add of the torch reference as ``tl.fma`` (torch's ``add(x, z,
+alpha=a)`` and ``addcmul`` round once on the CPU and on CUDA), and use the correctly
+rounded ``sqrt_rn``/``div_rn``: each result is then the reference's, bit for bit, on the
+GPU and under the interpreter alike.
 """
 
 import triton
@@ -23,7 +31,7 @@ BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bfloat16's largest finite valu
 # The kernels' scalar arguments change every step (keys) or every chunk (offsets): typed by
 # annotation and never specialized, each kernel compiles once (per constexpr and pointer
 # alignment), not once per key parity, divisibility by 16 or int32/int64 range.
-SCALARS = ["start", "n", "k0", "k1", "scale", "alpha", "decay_end", "shrink"]
+SCALARS = ["start", "n", "k0", "k1", "scale", "alpha", "decay_end", "shrink", "num_terms"]
 
 
 @triton.jit
@@ -129,30 +137,66 @@ def perturb_kernel(
         tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def tile_elements(start, BLOCKS: tl.constexpr):
+    """This program's tile of 16-bit lanes as one block: its Philox counters [BLOCKS] and
+    the element index of each lane of each counter [8, BLOCKS] (lane j: j * BLOCKS on)."""
+    tile = (start // (BLOCKS * 8) + tl.program_id(0)).to(tl.int64)
+    b = tl.arange(0, BLOCKS)
+    lane = tl.arange(0, 8)[:, None]
+    return tile * BLOCKS + b, tile * (BLOCKS * 8) + lane * BLOCKS + b[None, :]
+
+
+@triton.jit
+def tile_z(counters, k0, k1, table_ptr, KIND: tl.constexpr):
+    """z of a tile [8, BLOCKS] for one key: lane j is the 16-bit half j % 2 of word j // 2
+    of its counter (``draw16``'s lanes, all eight at once)."""
+    w0, w1, w2, w3 = philox_block(counters, k0.to(tl.uint32), k1.to(tl.uint32))
+    lane = tl.arange(0, 8)[:, None]
+    low = tl.where(lane < 2, w0[None, :], w1[None, :])
+    high = tl.where(lane < 6, w2[None, :], w3[None, :])
+    word = tl.where(lane < 4, low, high)
+    bits = tl.where(lane % 2 == 1, word >> 16, word & 0xFFFF)
+    if KIND == 0:
+        return tl.load(table_ptr + bits.to(tl.int32))
+    else:
+        return tl.where((bits & 0x8000) != 0, 1.0, -1.0).to(tl.float32)
+
+
+@triton.jit
+def term(terms_ptr, j):
+    """Term j of a launch's [K, 3] int32 table: its key (k0, k1) and alpha's float32 bits."""
+    k0 = tl.load(terms_ptr + 3 * j).to(tl.uint32, bitcast=True)
+    k1 = tl.load(terms_ptr + 3 * j + 1).to(tl.uint32, bitcast=True)
+    alpha = tl.load(terms_ptr + 3 * j + 2).to(tl.float32, bitcast=True)
+    return k0, k1, alpha
+
+
 @triton.jit(do_not_specialize=SCALARS)
 def update_kernel(
     theta_ptr,
     table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
     start: tl.int64,
     n: tl.int64,
-    k0: tl.uint32,
-    k1: tl.uint32,
-    alpha: tl.float32,
     decay_end: tl.int64,
     shrink: tl.float32,
     KIND: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    """theta <- theta * shrink on [0, decay_end), then + alpha * z: one read, one write.
-    A step's queries are one launch each, the decay riding on the first (decay_end 0 after)."""
-    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
-    for lane in tl.static_range(8):
-        e = first + lane * BLOCKS
-        inside = (e >= start) & (e - start < n)
-        theta = tl.load(theta_ptr + (e - start), mask=inside)
-        theta = tl.where(e < decay_end, theta * shrink, theta)
-        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
-        tl.store(theta_ptr + (e - start), theta + alpha * z, mask=inside)
+    """theta <- theta * shrink on [0, decay_end), then + alpha_j * z_j for each of the
+    ``num_terms`` terms in order (one fused multiply-add each, as torch's ``add_(z,
+    alpha=a)``): one read and one write of theta whatever the number of terms (a step's
+    queries, or a recomputed momentum's window of steps times queries)."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    for j in range(num_terms):
+        k0, k1, alpha = term(terms_ptr, j)
+        theta = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, theta)
+    tl.store(theta_ptr + (e - start), theta, mask=inside)
 
 
 @triton.jit(do_not_specialize=SCALARS)

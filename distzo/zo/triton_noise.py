@@ -9,8 +9,8 @@ contiguous elements: z is never written to memory.
   rounding of formats without a fused kernel);
 * ``perturb``: ``out = theta + scale * z`` (the scratch of a pass);
 * ``update``: ``theta = theta * shrink (on the decayed prefix) + sum_j alpha_j z_j``, one
-  launch, one read and one write of the bucket per query (MeZO's one query: one pass,
-  decay included).
+  launch, one read and one write of the bucket for all the terms (a step's queries, or a
+  recomputed momentum's window of steps), decay included.
 
 * ``round_bf16``: stochastic rounding of a float32 range into bfloat16 (the AMP wire
   format), its uniforms drawn in place. Other low-bit formats (fp16, fp8) take their
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -107,33 +108,51 @@ def perturb(
     )
 
 
+def packed_terms(
+    keys: Sequence[tuple[int, int]], alphas: Sequence[float], device: torch.device
+) -> torch.Tensor:
+    """A launch's terms as one [K, 3] int32 table on ``device``: each key's two 32-bit
+    words and its alpha's float32 bits (alpha rounded to float32, as torch rounds a
+    scalar for a float32 op). One copy, from pinned memory and without a host sync on
+    CUDA (the caching host allocator keeps the page until the copy has run)."""
+    host = torch.empty((len(keys), 3), dtype=torch.int32, pin_memory=device.type == "cuda")
+    words = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
+    host[:, :2] = words.to(torch.uint32).view(torch.int32)
+    host[:, 2] = torch.tensor(alphas, dtype=torch.float32).view(torch.int32)
+    return host.to(device, non_blocking=True)
+
+
+# The kernels that spell out each fused multiply-add (tl.fma) compile without fp fusion:
+# no other product and sum of theirs may fuse, or they would round unlike torch.
+EXACT = {"enable_fp_fusion": False}
+
+
 def update(
     theta: torch.Tensor,
     decay_end: int,
     shrink: float,
-    keys: list[tuple[int, int]],
-    alphas: list[float],
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
     kind: str,
     table: torch.Tensor,
 ) -> None:
-    """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch and
-    one pass per query (scalars only: nothing is copied to the device for it)."""
+    """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch,
+    one read and one write of theta for all the terms (their keys and alphas in a tiny
+    table on the device)."""
     n = theta.numel()
-    for query, (key, alpha) in enumerate(zip(keys, alphas)):
-        _kernels()["update"][_grid(0, n, 8)](
-            theta,
-            table,
-            0,
-            n,
-            key[0],
-            key[1],
-            alpha,
-            decay_end if query == 0 else 0,
-            shrink,
-            KIND=KINDS[kind],
-            BLOCKS=TILE_BLOCKS,
-            **FUSED_MULTIPLY_ADD,
-        )
+    _kernels()["update"][_grid(0, n, 8)](
+        theta,
+        table,
+        packed_terms(keys, alphas, theta.device),
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+    )
 
 
 def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int, int]) -> None:

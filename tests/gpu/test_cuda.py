@@ -273,8 +273,8 @@ def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
 
 
 def test_cuda_fused_noise_ops_follow_the_cpu_ops():
-    """perturb and update in one kernel each: the same z, arithmetic within an ulp of the CPU's;
-    bf16 stochastic rounding bit for bit."""
+    """perturb and update in one kernel each: the same z; perturb within an ulp of the CPU's
+    arithmetic, the update and bf16 stochastic rounding bit for bit."""
     from distzo.offload.low_bit import round_keyed_
     from distzo.zo import NoiseSource
 
@@ -289,12 +289,8 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     updated_gpu, updated_cpu = theta.cuda(), theta.clone()
     gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
     cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
-    ulps = (
-        (updated_gpu.cpu().view(torch.int32).long() - updated_cpu.view(torch.int32).long())
-        .abs()
-        .max()
-    )
-    assert int(ulps) <= 2
+    # both queries in one kernel, each a fused multiply-add as torch's add_(z, alpha=a)
+    assert torch.equal(updated_gpu.cpu().view(torch.int32), updated_cpu.view(torch.int32))
     rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
     rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
     wire_gpu = torch.empty(theta.numel(), dtype=torch.bfloat16, device="cuda")

@@ -16,6 +16,9 @@ from triton.runtime.jit import create_function_from_signature
 from distzo.zo import triton_kernels as k
 
 RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
+TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas, on the device
+# the kernels that spell out their fused multiply-adds compile without fp fusion
+EXACT = {k.update_kernel}
 KERNELS = [
     (
         k.fill_kernel,
@@ -46,8 +49,9 @@ KERNELS = [
         {
             "theta_ptr": "*fp32",
             "table_ptr": "*fp32",
-            **RANGE,
-            "alpha": "fp32",
+            **TERMS,
+            "start": "i64",
+            "n": "i64",
             "decay_end": "i64",
             "shrink": "fp32",
             "KIND": "constexpr",
@@ -66,8 +70,11 @@ for target in targets:
     for fn, signature, variants in KERNELS:
         for constexprs in variants:
             source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-            compiled = triton.compile(source, target=target, options={"enable_fp_fusion": True})
+            options = {"enable_fp_fusion": fn not in EXACT}
+            compiled = triton.compile(source, target=target, options=options)
             assert compiled.asm.get("cubin"), (fn.__name__, constexprs)
+            if fn in EXACT:  # torch's rounding: no approximate division or square root
+                assert ".approx" not in compiled.asm["ptx"], fn.__name__
             print(
                 f"sm_{target.arch} {fn.__name__} {constexprs}: {len(compiled.asm['cubin'])} bytes"
             )
@@ -77,10 +84,20 @@ for target in targets:
 rng = random.Random(0)
 buffer, table = torch.empty(4096), torch.empty(65536)
 bf16 = torch.empty(4096, dtype=torch.bfloat16)
+terms = torch.empty(97, 3, dtype=torch.int32)  # the number of terms varies too (1 included)
 CALLS = {
     k.fill_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1),
     k.perturb_kernel: lambda s, n, k0, k1: (buffer, buffer, table, s, n, k0, k1, -1e-3),
-    k.update_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1, 1e-3, s // 2, 1.0),
+    k.update_kernel: lambda s, n, k0, k1: (
+        buffer,
+        table,
+        terms,
+        (1, 2, 8, 96)[k0 % 4],
+        s,
+        n,
+        s // 2,
+        1.0,
+    ),
     k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
 }
 backend = make_backend(targets[0])

@@ -62,16 +62,63 @@ for kind in ("gaussian", "rademacher"):
         assert ulps(out[:n], torch.add(theta, z, alpha=-1e-3)) <= 1, (kind, n)
         assert out[n:].isnan().all()  # nothing past the bucket is written
 
-        keys = [src.key(4, 9, q) for q in range(3)]
-        zs = [src.reference(0, n, k) for k in keys]
-        alphas, shrink, decay_end = [0.5, -0.25, 0.125], 0.999, n // 2
-        updated = theta.clone()
-        triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
-        expected = theta.clone()
-        expected[:decay_end].mul_(shrink)
-        for zq, alpha in zip(zs, alphas):
-            expected.add_(zq, alpha=alpha)
-        assert ulps(updated, expected) <= 1, (kind, n)
+        # every term in one launch (a step's 3 queries; a recomputed momentum's 4 steps x
+        # 3 queries): NoiseSource.apply_terms's CPU path, which defines the trajectory,
+        # bit for bit (alphas that are not float32 values: rounded as torch rounds them)
+        for steps in (1, 4):
+            terms = [
+                (4 - s, q, (-1) ** q * 0.3 / (s + q + 1)) for s in range(steps) for q in range(3)
+            ]
+            keys = [src.key(step, 9, q) for step, q, _ in terms]
+            alphas, shrink, decay_end = [a for _, _, a in terms], 0.999, n // 2
+            updated = theta.clone()
+            triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
+            expected = theta.clone()
+            src.apply_terms(expected, decay_end, shrink, terms, 9)
+            assert torch.equal(updated.view(torch.int32), expected.view(torch.int32)), (
+                kind,
+                n,
+                steps,
+            )
+
+
+class Launches:
+    """Counts the launches of a kernel (``kernel[grid](...)``) in ``triton_noise``."""
+
+    def __init__(self, name):
+        self.name, self.kernel, self.count = name, triton_noise._kernels()[name], 0
+
+    def __enter__(self):
+        triton_noise._kernels()[self.name] = self
+        return self
+
+    def __exit__(self, *exc):
+        triton_noise._kernels()[self.name] = self.kernel
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def on_triton(source):
+    """``source`` taking its CUDA path: the Triton kernels, here on CPU tensors (interpreted)."""
+    source._triton = True
+    return source
+
+
+# NoiseSource's wiring: a recomputed momentum's 4 steps x 2 queries, decay included, are one
+# launch over the bucket (not one per term), bit for bit the CPU path's result
+cpu_source = NoiseSource(3, 1000, torch.device("cpu"), torch.float32)
+triton_source = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32))
+terms = [(9 - s, q, 0.01 * (s + 1) * (q - 0.5)) for s in range(4) for q in range(2)]
+theta = torch.randn(5000, generator=gen)
+on_cpu, fused = theta.clone(), theta.clone()
+cpu_source.apply_terms(on_cpu, 3000, 0.99, terms, 4)
+with Launches("update") as launches:
+    triton_source.apply_terms(fused, 3000, 0.99, terms, 4)
+assert launches.count == 1, launches.count
+assert torch.equal(fused.view(torch.int32), on_cpu.view(torch.int32))
+
 
 # The fused kernels at large bucket offsets (the wrappers start at element 0 of a bucket,
 # so the kernels are launched directly on a window of the bucket: out/theta hold elements
@@ -92,13 +139,16 @@ for kind in ("gaussian", "rademacher"):
         assert torch.equal(out, z), ("perturb", kind, start)
         decay_end = start + n // 2  # absolute, like the bucket's resident prefix
         theta = torch.full((n,), 2.0)
+        second = src.key(5, 9, 1)  # two terms: + z - 2 z' (one rounding each, as below)
+        pair = triton_noise.packed_terms([key, second], [1.0, -2.0], theta.device)
         kernels["update"][triton_noise._grid(start, n, 8)](
-            theta, table, start, n, key[0], key[1], 1.0, decay_end, 0.5,
-            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.FUSED_MULTIPLY_ADD,
+            theta, table, pair, 2, start, n, decay_end, 0.5,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
         )  # fmt: skip
         expected = torch.full((n,), 2.0)
         expected[: n // 2] = 1.0
-        assert torch.equal(theta, expected + z), ("update", kind, start)
+        expected = expected + z - 2 * src.reference(start, stop, second)
+        assert torch.equal(theta, expected), ("update", kind, start)
 
 # stochastic rounding to bf16: the fused kernel equals offload.low_bit's rule on the
 # reference uniforms, bit for bit (values spread over many binades, both signs, saturation)
