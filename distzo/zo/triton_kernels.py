@@ -31,7 +31,24 @@ BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bfloat16's largest finite valu
 # The kernels' scalar arguments change every step (keys) or every chunk (offsets): typed by
 # annotation and never specialized, each kernel compiles once (per constexpr and pointer
 # alignment), not once per key parity, divisibility by 16 or int32/int64 range.
-SCALARS = ["start", "n", "k0", "k1", "scale", "alpha", "decay_end", "shrink", "num_terms"]
+SCALARS = [
+    "start",
+    "n",
+    "k0",
+    "k1",
+    "scale",
+    "alpha",
+    "decay_end",
+    "shrink",
+    "num_terms",
+    "beta1",
+    "beta2",
+    "one_minus_beta1",
+    "one_minus_beta2",
+    "eps",
+    "neg_lr",
+    "neg_step_size",
+]
 
 
 @triton.jit
@@ -196,6 +213,89 @@ def update_kernel(
     for j in range(num_terms):
         k0, k1, alpha = term(terms_ptr, j)
         theta = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, theta)
+    tl.store(theta_ptr + (e - start), theta, mask=inside)
+
+
+@triton.jit
+def tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND: tl.constexpr):
+    """A step's estimate ghat = sum_j alpha_j z_j on a tile, as ``MomentUpdater`` forms
+    it: z_0 * alpha_0 (``torch.mul``), then one fused multiply-add per further query."""
+    k0, k1, alpha = term(terms_ptr, 0)
+    ghat = tile_z(counters, k0, k1, table_ptr, KIND) * alpha
+    for j in range(1, num_terms):
+        k0, k1, alpha = term(terms_ptr, j)
+        ghat = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, ghat)
+    return ghat
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def momentum_kernel(
+    theta_ptr,
+    m_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    beta1: tl.float32,
+    neg_lr: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Stored momentum: m <- m * beta1 + ghat; theta <- theta * shrink on [0, decay_end),
+    then + (-lr) * m. theta and m read once and written once, ghat never stored."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    ghat = tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND)
+    m = tl.load(m_ptr + (e - start), mask=inside, other=0.0)
+    m = m * beta1 + ghat
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    tl.store(m_ptr + (e - start), m, mask=inside)
+    tl.store(theta_ptr + (e - start), tl.fma(m, neg_lr, theta), mask=inside)
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def adam_kernel(
+    theta_ptr,
+    m_ptr,
+    v_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    beta1: tl.float32,
+    beta2: tl.float32,
+    one_minus_beta1: tl.float32,
+    one_minus_beta2: tl.float32,
+    eps: tl.float32,
+    neg_step_size: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """MeZO-Adam: m <- m * beta1 + (1 - beta1) ghat; v <- v * beta2 + (1 - beta2) ghat^2;
+    theta <- theta - step_size * m / (sqrt(v) + eps), then * shrink on [0, decay_end).
+    torch's ops in ``MomentUpdater``'s order (``add_`` and ``addcmul_`` as one fused
+    multiply-add each, ``addcdiv_`` as (value * m) / denom, then an add); theta, m and v
+    read once and written once, ghat and the denominator never stored."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    ghat = tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND)
+    m = tl.load(m_ptr + (e - start), mask=inside, other=0.0)
+    m = tl.fma(ghat, one_minus_beta1, m * beta1)
+    v = tl.load(v_ptr + (e - start), mask=inside, other=0.0)
+    v = tl.fma(ghat * one_minus_beta2, ghat, v * beta2)
+    denom = tl.sqrt_rn(v) + eps
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = theta + tl.div_rn(neg_step_size * m, denom)
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    tl.store(m_ptr + (e - start), m, mask=inside)
+    tl.store(v_ptr + (e - start), v, mask=inside)
     tl.store(theta_ptr + (e - start), theta, mask=inside)
 
 

@@ -10,7 +10,9 @@ contiguous elements: z is never written to memory.
 * ``perturb``: ``out = theta + scale * z`` (the scratch of a pass);
 * ``update``: ``theta = theta * shrink (on the decayed prefix) + sum_j alpha_j z_j``, one
   launch, one read and one write of the bucket for all the terms (a step's queries, or a
-  recomputed momentum's window of steps), decay included.
+  recomputed momentum's window of steps), decay included;
+* ``momentum`` and ``adam``: the stored moments' rules (``distzo.zo.moments``), theta and
+  its moments read once and written once, the step's estimate formed in registers.
 
 * ``round_bf16``: stochastic rounding of a float32 range into bfloat16 (the AMP wire
   format), its uniforms drawn in place. Other low-bit formats (fp16, fp8) take their
@@ -50,6 +52,8 @@ def _kernels():
         "fill": triton_kernels.fill_kernel,
         "perturb": triton_kernels.perturb_kernel,
         "update": triton_kernels.update_kernel,
+        "momentum": triton_kernels.momentum_kernel,
+        "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
     }
 
@@ -149,6 +153,78 @@ def update(
         n,
         decay_end,
         shrink,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+    )
+
+
+def momentum(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    beta1: float,
+    lr: float,
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """Stored momentum in one launch: m <- beta1 m + sum_j alpha_j z_j, theta <- theta *
+    shrink on [0, decay_end), then - lr m (``MomentUpdater``'s arithmetic)."""
+    n = theta.numel()
+    _kernels()["momentum"][_grid(0, n, 8)](
+        theta,
+        m,
+        table,
+        packed_terms(keys, alphas, theta.device),
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        beta1,
+        -lr,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+    )
+
+
+def adam(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    coefficients: tuple[float, float, float, float],
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """MeZO-Adam in one launch, ghat = sum_j alpha_j z_j; ``coefficients`` are
+    (beta1, beta2, eps, step_size) (``MomentUpdater``'s arithmetic)."""
+    beta1, beta2, eps, step_size = coefficients
+    n = theta.numel()
+    _kernels()["adam"][_grid(0, n, 8)](
+        theta,
+        m,
+        v,
+        table,
+        packed_terms(keys, alphas, theta.device),
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        beta1,
+        beta2,
+        1.0 - beta1,
+        1.0 - beta2,
+        eps,
+        -step_size,
         KIND=KINDS[kind],
         BLOCKS=TILE_BLOCKS,
         **EXACT,

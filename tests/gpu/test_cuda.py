@@ -300,6 +300,37 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     assert torch.equal(wire_gpu.cpu().view(torch.int16), wire_cpu.view(torch.int16))
 
 
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_cuda_fused_moment_kernels_follow_the_cpu_noise_ops(optimizer, monkeypatch):
+    """Stored momentum and Adam in one kernel per bucket: the CPU's MomentUpdater bit for
+    bit (Adam's square root correctly rounded on the CPU too, as CUDA's is), 3 queries."""
+    import numpy as np
+
+    from distzo.zo import NoiseSource
+    from distzo.zo.moments import MomentRule, MomentUpdater
+
+    rule = MomentRule(optimizer, 0.9)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(1_000_003, generator=g)
+    moments = [torch.randn(theta.numel(), generator=g) * 1e-2, torch.rand(theta.numel()) * 1e-4]
+    state_cpu = [t.clone() for t in (theta, *moments[: rule.num_moments])]
+    state_gpu = [t.cuda() for t in state_cpu]
+
+    def correctly_rounded(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(torch.from_numpy(np.sqrt(x.numpy())))  # the CPU's (MKL's) is not
+
+    monkeypatch.setattr(torch, "sqrt", correctly_rounded)
+    for state, device in ((state_cpu, "cpu"), (state_gpu, "cuda")):
+        noise = NoiseSource(11, 1 << 18, torch.device(device), torch.float32)
+        assert device == "cpu" or noise.backend == "triton"
+        for step in (4, 5):
+            MomentUpdater(rule, noise).apply(
+                noise, state[0], state[1:], 500_000, 1e-2, 0.1, step, (0.5, -1.5, 2.0), 9
+            )
+    for on_gpu, on_cpu in zip(state_gpu, state_cpu):
+        assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32))
+
+
 @pytest.mark.parametrize("method", ["lora-fa", "prefix"])
 def test_adapters_micro_batches_and_momentum_follow_the_cpu_and_never_sync_early(method):
     # The read-only streamed base, batched passes, a prefix's one-layer caches, micro-batches

@@ -17,8 +17,10 @@ from distzo.zo import triton_kernels as k
 
 RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
 TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas, on the device
+UPDATE = {"start": "i64", "n": "i64", "decay_end": "i64", "shrink": "fp32"}
+ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step_size"]
 # the kernels that spell out their fused multiply-adds compile without fp fusion
-EXACT = {k.update_kernel}
+EXACT = {k.update_kernel, k.momentum_kernel, k.adam_kernel}
 KERNELS = [
     (
         k.fill_kernel,
@@ -50,15 +52,42 @@ KERNELS = [
             "theta_ptr": "*fp32",
             "table_ptr": "*fp32",
             **TERMS,
-            "start": "i64",
-            "n": "i64",
-            "decay_end": "i64",
-            "shrink": "fp32",
+            **UPDATE,
             "KIND": "constexpr",
             "BLOCKS": "constexpr",
         },
         [{"KIND": 0, "BLOCKS": 512}],
     ),  # Gaussian
+    (
+        k.momentum_kernel,
+        {
+            "theta_ptr": "*fp32",
+            "m_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            **TERMS,
+            **UPDATE,
+            "beta1": "fp32",
+            "neg_lr": "fp32",
+            "KIND": "constexpr",
+            "BLOCKS": "constexpr",
+        },
+        [{"KIND": 0, "BLOCKS": 512}],
+    ),
+    (
+        k.adam_kernel,
+        {
+            "theta_ptr": "*fp32",
+            "m_ptr": "*fp32",
+            "v_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            **TERMS,
+            **UPDATE,
+            **{name: "fp32" for name in ADAM},
+            "KIND": "constexpr",
+            "BLOCKS": "constexpr",
+        },
+        [{"KIND": 1, "BLOCKS": 512}],
+    ),
     (
         k.round_bf16_kernel,
         {"dst_ptr": "*bf16", "src_ptr": "*fp32", **RANGE, "BLOCKS": "constexpr"},
@@ -84,19 +113,26 @@ for target in targets:
 rng = random.Random(0)
 buffer, table = torch.empty(4096), torch.empty(65536)
 bf16 = torch.empty(4096, dtype=torch.bfloat16)
-terms = torch.empty(97, 3, dtype=torch.int32)  # the number of terms varies too (1 included)
+terms = torch.empty(96, 3, dtype=torch.int32)
+
+
+def many(k0):
+    """A number of terms (1 included): a step's queries or a momentum's window vary too."""
+    return (1, 2, 8, 96)[k0 % 4]
+
+
 CALLS = {
     k.fill_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1),
     k.perturb_kernel: lambda s, n, k0, k1: (buffer, buffer, table, s, n, k0, k1, -1e-3),
-    k.update_kernel: lambda s, n, k0, k1: (
-        buffer,
-        table,
-        terms,
-        (1, 2, 8, 96)[k0 % 4],
-        s,
-        n,
-        s // 2,
-        1.0,
+    k.update_kernel: lambda s, n, k0, k1: (buffer, table, terms, many(k0), s, n, s // 2, 1.0),
+    k.momentum_kernel: lambda s, n, k0, k1: (
+        *(buffer, buffer, table, terms, many(k0)),
+        *(s, n, s // 2, 1.0, 0.9, -1e-3),
+    ),
+    k.adam_kernel: lambda s, n, k0, k1: (
+        *(buffer, buffer, buffer, table, terms, many(k0)),
+        *(s, n, s // 2, 1.0),
+        *[1e-3] * 6,
     ),
     k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
 }

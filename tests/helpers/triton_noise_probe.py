@@ -1,8 +1,11 @@
 """Run by tests/unit/test_noise.py under TRITON_INTERPRET=1: the Triton noise kernels on the
 CPU against the reference generator. Exits non-zero (an assertion) on any difference."""
 
+import contextlib
+import math
 import os
 
+import numpy as np
 import torch
 
 from distzo.zo import NoiseSource, triton_noise
@@ -149,6 +152,109 @@ for kind in ("gaussian", "rademacher"):
         expected[: n // 2] = 1.0
         expected = expected + z - 2 * src.reference(start, stop, second)
         assert torch.equal(theta, expected), ("update", kind, start)
+
+# The stored moments' rules, one kernel per bucket: MomentUpdater's CPU path (chunk by chunk,
+# 1000-element pieces) bit for bit, with the square root correctly rounded, as CUDA's and the
+# kernel's sqrt_rn are (torch's CPU sqrt, MKL's, misses it by an ulp at times: then Adam's
+# theta differs by an ulp at most). Then at large bucket offsets, the same code drawing there.
+from distzo.zo.moments import MomentRule, MomentUpdater  # noqa: E402
+
+
+@contextlib.contextmanager
+def correctly_rounded_sqrt():
+    original = torch.sqrt
+
+    def sqrt(x, out=None):
+        root = torch.from_numpy(np.sqrt(x.numpy()))
+        return root if out is None else out.copy_(root)
+
+    torch.sqrt = sqrt
+    try:
+        yield
+    finally:
+        torch.sqrt = original
+
+
+class Shifted(NoiseSource):
+    """A CPU source that draws bucket elements [base, base + n) as its [0, n)."""
+
+    def __init__(self, base, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.base = base
+
+    def chunks(self, start, stop, total, step, block_id, query=0):
+        b = self.base
+        for lo, hi, z in super().chunks(b + start, b + stop, b + total, step, block_id, query):
+            yield lo - b, hi - b, z
+
+
+def moment_state(rule, n):
+    theta = torch.randn(n, generator=gen)
+    moments = [torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-4]
+    return theta, moments[: rule.num_moments]
+
+
+def bits(tensors):
+    return [t.view(torch.int32) for t in tensors]
+
+
+RULES = [MomentRule("momentum", 0.9), MomentRule("adam", 0.9, 0.999, 1e-8)]
+for rule in RULES:
+    for kind in ("gaussian", "rademacher"):
+        cpu_source = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
+        triton_source = on_triton(
+            NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
+        )
+        for n, grads in [(1, (0.7,)), (4097, (0.5, -1.5, 0.25)), (9000, (-0.3, 2.0))]:
+            theta, moments = moment_state(rule, n)
+            on_cpu = [t.clone() for t in (theta, *moments)]
+            fused = [t.clone() for t in (theta, *moments)]
+            plain = [t.clone() for t in (theta, *moments)]
+            for step in (6, 7):  # two steps: the second from the first's moments
+                with Launches(rule.optimizer) as launches:
+                    MomentUpdater(rule, triton_source).apply(
+                        triton_source, fused[0], fused[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                    )
+                assert launches.count == 1, (rule.optimizer, launches.count)
+                with correctly_rounded_sqrt():
+                    MomentUpdater(rule, cpu_source).apply(
+                        cpu_source, on_cpu[0], on_cpu[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                    )
+                MomentUpdater(rule, cpu_source).apply(
+                    cpu_source, plain[0], plain[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                )
+            for a, b in zip(bits(fused), bits(on_cpu)):
+                assert torch.equal(a, b), (rule.optimizer, kind, n)
+            # torch's own CPU sqrt: the moments alike, theta within an ulp of itself and
+            # of the two steps' change (the update term is what the denominator scales)
+            for a, b in zip(bits(fused[1:]), bits(plain[1:])):
+                assert torch.equal(a, b), (rule.optimizer, kind, n)
+            bound = 2**-22 * (plain[0].abs() + (plain[0] - theta).abs())
+            assert ((fused[0] - plain[0]).abs() <= bound).all(), (rule.optimizer, kind, n)
+    for start, stop in LARGE:
+        n = stop - start
+        grads = (0.5, -1.5)
+        cpu_source = Shifted(start, 3, 1000, torch.device("cpu"), torch.float32)
+        theta, moments = moment_state(rule, n)
+        expected = [t.clone() for t in (theta, *moments)]
+        with correctly_rounded_sqrt():
+            MomentUpdater(rule, cpu_source).apply(
+                cpu_source, expected[0], expected[1:], n // 2, 1e-2, 0.1, 6, grads, 4
+            )
+        keys = [cpu_source.key(6, 4, query) for query in range(2)]
+        terms = triton_noise.packed_terms(keys, [g / 2 for g in grads], theta.device)
+        common = (terms, 2, start, n, start + n // 2, 1.0 - 1e-2 * 0.1)
+        if rule.optimizer == "momentum":
+            scalars = (rule.beta1, -1e-2)
+        else:
+            step_size = 1e-2 * math.sqrt(1.0 - rule.beta2**7) / (1.0 - rule.beta1**7)
+            scalars = (rule.beta1, rule.beta2, 1 - rule.beta1, 1 - rule.beta2, rule.eps, -step_size)
+        kernels[rule.optimizer][triton_noise._grid(start, n, 8)](
+            theta, *moments, table, *common, *scalars,
+            KIND=0, BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
+        )  # fmt: skip
+        for a, b in zip(bits((theta, *moments)), bits(expected)):
+            assert torch.equal(a, b), (rule.optimizer, start)
 
 # stochastic rounding to bf16: the fused kernel equals offload.low_bit's rule on the
 # reference uniforms, bit for bit (values spread over many binades, both signs, saturation)
