@@ -218,23 +218,23 @@ class NoiseSource:
         (a float64 master keeps torch's double-precision arithmetic)."""
         return self._triton and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
-    def round_bf16_into(
+    def round_into(
         self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int
     ) -> bool:
-        """Stochastic rounding of bucket elements [start, start + n) into bfloat16 in one
-        fused kernel, where there is one (CUDA with Triton, uniform draws of a portable
-        kind, float32 source): True if it ran. Otherwise the caller rounds chunk by chunk
-        with ``chunks`` (the same result, bit for bit)."""
+        """Stochastic rounding of bucket elements [start, start + n) into ``dst``'s low-bit
+        format (bf16, fp16, fp8) in one fused kernel, where there is one (CUDA with Triton,
+        uniform draws of a portable kind, float32 source): True if it ran. Otherwise the
+        caller rounds chunk by chunk with ``chunks`` (the same result, bit for bit)."""
         fused = (
             self.distribution == "uniform"
             and self._triton
-            and dst.dtype == torch.bfloat16
+            and triton_noise.rounds_into(dst.dtype)
             and src.dtype == torch.float32
             and dst.is_contiguous()
             and src.is_contiguous()
         )
         if fused:
-            triton_noise.round_bf16(dst, src, start, self.key(step, block_id))
+            triton_noise.round_stochastic(dst, src, start, self.key(step, block_id))
         return fused
 
     def perturb_into(

@@ -324,3 +324,69 @@ def round_bf16_kernel(
         rounded = bits.to(tl.float32, bitcast=True)
         rounded = tl.minimum(tl.maximum(rounded, -BF16_MAX), BF16_MAX)
         tl.store(dst_ptr + (e - start), rounded.to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
+def low_bit_code(a, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The magnitude code of the value of a low-bit format (MANTISSA bits, exponent BIAS)
+    nearest to a = |x| (float32, within the format's range), ties to even, in integer and
+    exact float ops (no float conversion: Triton's to fp8 needs compute capability 8.9)."""
+    SHIFT: tl.constexpr = 23 - MANTISSA
+    c = a.to(tl.int32, bitcast=True) - ((127 - BIAS) << 23)  # the format's exponent bias
+    normal = (c + ((1 << (SHIFT - 1)) - 1) + ((c >> SHIFT) & 1)) >> SHIFT
+    # subnormal: in units of the smallest, y < 2^MANTISSA (exact; capped where unused)
+    y = tl.minimum(a * (1 << (BIAS - 1 + MANTISSA)), 1 << MANTISSA)
+    subnormal = ((y + 8388608.0) - 8388608.0).to(tl.int32)  # to the integer nearest, even
+    return tl.where(c >= (1 << 23), normal, subnormal)
+
+
+@triton.jit
+def low_bit_magnitude(code, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The float32 value of a magnitude code (exact)."""
+    normal = ((code << (23 - MANTISSA)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    subnormal = tl.div_rn(code.to(tl.float32), (1 << (BIAS - 1 + MANTISSA)) * 1.0)
+    return tl.where(code >= (1 << MANTISSA), normal, subnormal)
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def round_low_bit_kernel(
+    dst_ptr,
+    src_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """dst (the bits of float16 or float8 e4m3fn, as int16 or int8) <- src (float32)
+    rounded stochastically, elements [start, start + n) of the bucket:
+    ``offload.low_bit.round_stochastic_``'s rule op for op (the nearest value, its
+    neighbour on x's side by order key, that one when the uniform u < |x - nearest| /
+    gap), u drawn in place: one read of src, one write of dst."""
+    SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 4, BLOCKS)
+    for lane in tl.static_range(4):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e - start < n)
+        x = tl.load(src_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+        negative = x.to(tl.int32, bitcast=True) < 0  # -0.0 too: its nearest is -0
+        code = low_bit_code(tl.abs(x), MANTISSA, BIAS)
+        nearest = low_bit_magnitude(code, MANTISSA, BIAS)
+        nearest = tl.where(negative, -nearest, nearest)
+        direction = tl.where(x > nearest, 1, tl.where(x < nearest, -1, 0))
+        key = tl.where(negative, -code, code) + direction  # the other neighbour's
+        other = low_bit_magnitude(tl.abs(key), MANTISSA, BIAS)
+        other = tl.where(key < 0, -other, other)
+        gap = tl.where(direction == 0, 1.0, tl.abs(other - nearest))  # else 0 / 0, unused
+        p_other = tl.where(direction == 0, 0.0, tl.div_rn(tl.abs(x - nearest), gap))
+        u = (pick(w0, w1, w2, w3, lane) >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        bits = tl.where(
+            u < p_other,
+            tl.where(key < 0, -key - SIGN, key),
+            tl.where(negative, code - SIGN, code),
+        )
+        tl.store(dst_ptr + (e - start), bits.to(dst_ptr.dtype.element_ty), mask=inside)

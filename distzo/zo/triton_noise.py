@@ -14,9 +14,10 @@ contiguous elements: z is never written to memory.
 * ``momentum`` and ``adam``: the stored moments' rules (``distzo.zo.moments``), theta and
   its moments read once and written once, the step's estimate formed in registers.
 
-* ``round_bf16``: stochastic rounding of a float32 range into bfloat16 (the AMP wire
-  format), its uniforms drawn in place. Other low-bit formats (fp16, fp8) take their
-  uniforms from ``fill`` and round with torch ops (one more pass).
+* ``round_bf16`` and ``round_low_bit``: stochastic rounding of a float32 range into
+  bfloat16, float16 or float8 e4m3fn (the AMP wire formats), its uniforms drawn in
+  place: one read, one write (the low-bit values built from integer and exact float
+  ops, so fp8 needs no hardware conversion).
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (slowly): the tests
 hold them to the reference generator bit for bit on every CI run. Import this module
@@ -55,6 +56,7 @@ def _kernels():
         "momentum": triton_kernels.momentum_kernel,
         "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
+        "round_low_bit": triton_kernels.round_low_bit_kernel,
     }
 
 
@@ -237,4 +239,41 @@ def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int,
     n = src.numel()
     _kernels()["round_bf16"][_grid(start, n, 4)](
         dst, src, start, n, key[0], key[1], BLOCKS=TILE_BLOCKS, **FUSED_MULTIPLY_ADD
+    )
+
+
+# low-bit formats: (mantissa bits, exponent bias, largest finite value, integer view)
+LOW_BIT = {
+    torch.float16: (10, 15, 65504.0, torch.int16),
+    torch.float8_e4m3fn: (3, 7, 448.0, torch.int8),
+}
+
+
+def rounds_into(dtype: torch.dtype) -> bool:
+    """Whether ``round_stochastic`` has a kernel for ``dtype``."""
+    return dtype == torch.bfloat16 or dtype in LOW_BIT
+
+
+def round_stochastic(
+    dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int, int]
+) -> None:
+    """dst[0:n] (bfloat16, float16 or float8 e4m3fn) <- src[0:n] (float32) rounded
+    stochastically with the uniforms of bucket elements [start, start + n), in one pass."""
+    if dst.dtype == torch.bfloat16:
+        round_bf16(dst, src, start, key)
+        return
+    mantissa, bias, limit, as_int = LOW_BIT[dst.dtype]
+    n = src.numel()
+    _kernels()["round_low_bit"][_grid(start, n, 4)](
+        dst.view(as_int),
+        src,
+        start,
+        n,
+        key[0],
+        key[1],
+        MANTISSA=mantissa,
+        BIAS=bias,
+        LIMIT=limit,
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
     )

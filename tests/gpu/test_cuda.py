@@ -274,7 +274,7 @@ def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
 
 def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     """perturb and update in one kernel each: the same z; perturb within an ulp of the CPU's
-    arithmetic, the update and bf16 stochastic rounding bit for bit."""
+    arithmetic, the update and bf16/fp16/fp8 stochastic rounding bit for bit."""
     from distzo.offload.low_bit import round_keyed_
     from distzo.zo import NoiseSource
 
@@ -293,11 +293,14 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     assert torch.equal(updated_gpu.cpu().view(torch.int32), updated_cpu.view(torch.int32))
     rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
     rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
-    wire_gpu = torch.empty(theta.numel(), dtype=torch.bfloat16, device="cuda")
-    wire_cpu = torch.empty(theta.numel(), dtype=torch.bfloat16)
-    round_keyed_(wire_gpu, theta.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
-    round_keyed_(wire_cpu, theta, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
-    assert torch.equal(wire_gpu.cpu().view(torch.int16), wire_cpu.view(torch.int16))
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):  # one kernel each
+        values = theta * (300.0 if dtype == torch.float8_e4m3fn else 1.0)  # into saturation
+        wire_gpu = torch.empty(theta.numel(), dtype=dtype, device="cuda")
+        wire_cpu = torch.empty(theta.numel(), dtype=dtype)
+        round_keyed_(wire_gpu, values.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
+        round_keyed_(wire_cpu, values, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
+        as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        assert torch.equal(wire_gpu.cpu().view(as_int), wire_cpu.view(as_int)), dtype
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])

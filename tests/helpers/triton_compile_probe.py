@@ -6,6 +6,7 @@ offsets of 50 steps select one variant per kernel (no recompile as they change).
 
 import random
 import sys
+from typing import Any
 
 import torch
 import triton
@@ -20,8 +21,9 @@ TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas,
 UPDATE = {"start": "i64", "n": "i64", "decay_end": "i64", "shrink": "fp32"}
 ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step_size"]
 # the kernels that spell out their fused multiply-adds compile without fp fusion
-EXACT = {k.update_kernel, k.momentum_kernel, k.adam_kernel}
-KERNELS = [
+EXACT = {k.update_kernel, k.momentum_kernel, k.adam_kernel, k.round_low_bit_kernel}
+LOW_BIT = ["MANTISSA", "BIAS", "LIMIT", "BLOCKS"]
+KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
     (
         k.fill_kernel,
         {
@@ -93,6 +95,16 @@ KERNELS = [
         {"dst_ptr": "*bf16", "src_ptr": "*fp32", **RANGE, "BLOCKS": "constexpr"},
         [{"BLOCKS": 512}],
     ),
+    (
+        k.round_low_bit_kernel,
+        {"dst_ptr": "*i16", "src_ptr": "*fp32", **RANGE, **{c: "constexpr" for c in LOW_BIT}},
+        [dict(zip(LOW_BIT, (10, 15, 65504.0, 512)))],
+    ),  # fp16
+    (
+        k.round_low_bit_kernel,
+        {"dst_ptr": "*i8", "src_ptr": "*fp32", **RANGE, **{c: "constexpr" for c in LOW_BIT}},
+        [dict(zip(LOW_BIT, (3, 7, 448.0, 512)))],
+    ),  # fp8 e4m3fn (integer and float ops only: any GPU)
 ]
 targets = [GPUTarget("cuda", arch, 32) for arch in (int(a) for a in sys.argv[1:] or ["90"])]
 for target in targets:
@@ -135,6 +147,11 @@ CALLS = {
         *[1e-3] * 6,
     ),
     k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
+    k.round_low_bit_kernel: lambda s, n, k0, k1: (bf16.view(torch.int16), buffer, s, n, k0, k1),
+}
+CONSTEXPRS: dict[Any, dict[str, Any]] = {
+    k.round_bf16_kernel: {"BLOCKS": 512},
+    k.round_low_bit_kernel: dict(zip(LOW_BIT, (10, 15, 65504.0, 512))),
 }
 backend = make_backend(targets[0])
 for fn, arguments in CALLS.items():
@@ -144,7 +161,7 @@ for fn, arguments in CALLS.items():
         start = rng.choice([0, 16, 4096, 12345, 2**31 - 4096, 2**31 + 8, 2**33 + 1])
         n = rng.choice([1, 16, 3000, 4096, 2**31 + 5])
         args = arguments(start, n, rng.getrandbits(32), rng.getrandbits(32))
-        constexprs = {"BLOCKS": 512} if fn is k.round_bf16_kernel else {"KIND": 0, "BLOCKS": 512}
+        constexprs = CONSTEXPRS.get(fn, {"KIND": 0, "BLOCKS": 512})
         seen.add(repr(binder(*args, **constexprs)[1]))
     assert len(seen) == 1, (fn.__name__, sorted(seen))
     print(f"{fn.__name__}: one variant over 50 steps of keys and offsets")

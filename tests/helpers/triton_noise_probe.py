@@ -207,67 +207,111 @@ for rule in RULES:
         )
         for n, grads in [(1, (0.7,)), (4097, (0.5, -1.5, 0.25)), (9000, (-0.3, 2.0))]:
             theta, moments = moment_state(rule, n)
-            on_cpu = [t.clone() for t in (theta, *moments)]
-            fused = [t.clone() for t in (theta, *moments)]
-            plain = [t.clone() for t in (theta, *moments)]
+            exact_state = [t.clone() for t in (theta, *moments)]
+            fused_state = [t.clone() for t in (theta, *moments)]
+            plain_state = [t.clone() for t in (theta, *moments)]
             for step in (6, 7):  # two steps: the second from the first's moments
                 with Launches(rule.optimizer) as launches:
                     MomentUpdater(rule, triton_source).apply(
-                        triton_source, fused[0], fused[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                        triton_source,
+                        fused_state[0],
+                        fused_state[1:],
+                        n // 3,
+                        1e-2,
+                        0.1,
+                        step,
+                        grads,
+                        4,
                     )
                 assert launches.count == 1, (rule.optimizer, launches.count)
                 with correctly_rounded_sqrt():
                     MomentUpdater(rule, cpu_source).apply(
-                        cpu_source, on_cpu[0], on_cpu[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                        cpu_source,
+                        exact_state[0],
+                        exact_state[1:],
+                        n // 3,
+                        1e-2,
+                        0.1,
+                        step,
+                        grads,
+                        4,
                     )
                 MomentUpdater(rule, cpu_source).apply(
-                    cpu_source, plain[0], plain[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                    cpu_source, plain_state[0], plain_state[1:], n // 3, 1e-2, 0.1, step, grads, 4
                 )
-            for a, b in zip(bits(fused), bits(on_cpu)):
+            for a, b in zip(bits(fused_state), bits(exact_state)):
                 assert torch.equal(a, b), (rule.optimizer, kind, n)
             # torch's own CPU sqrt: the moments alike, theta within an ulp of itself and
             # of the two steps' change (the update term is what the denominator scales)
-            for a, b in zip(bits(fused[1:]), bits(plain[1:])):
+            for a, b in zip(bits(fused_state[1:]), bits(plain_state[1:])):
                 assert torch.equal(a, b), (rule.optimizer, kind, n)
-            bound = 2**-22 * (plain[0].abs() + (plain[0] - theta).abs())
-            assert ((fused[0] - plain[0]).abs() <= bound).all(), (rule.optimizer, kind, n)
+            bound = 2**-22 * (plain_state[0].abs() + (plain_state[0] - theta).abs())
+            assert ((fused_state[0] - plain_state[0]).abs() <= bound).all(), (
+                rule.optimizer,
+                kind,
+                n,
+            )
     for start, stop in LARGE:
         n = stop - start
         grads = (0.5, -1.5)
         cpu_source = Shifted(start, 3, 1000, torch.device("cpu"), torch.float32)
         theta, moments = moment_state(rule, n)
-        expected = [t.clone() for t in (theta, *moments)]
+        large_expected = [t.clone() for t in (theta, *moments)]
         with correctly_rounded_sqrt():
             MomentUpdater(rule, cpu_source).apply(
-                cpu_source, expected[0], expected[1:], n // 2, 1e-2, 0.1, 6, grads, 4
+                cpu_source, large_expected[0], large_expected[1:], n // 2, 1e-2, 0.1, 6, grads, 4
             )
         keys = [cpu_source.key(6, 4, query) for query in range(2)]
-        terms = triton_noise.packed_terms(keys, [g / 2 for g in grads], theta.device)
-        common = (terms, 2, start, n, start + n // 2, 1.0 - 1e-2 * 0.1)
-        if rule.optimizer == "momentum":
-            scalars = (rule.beta1, -1e-2)
-        else:
+        large_terms = triton_noise.packed_terms(keys, [g / 2 for g in grads], theta.device)
+        common = (large_terms, 2, start, n, start + n // 2, 1.0 - 1e-2 * 0.1)
+        scalars: tuple[float, ...] = (rule.beta1, -1e-2)
+        if rule.optimizer == "adam":
             step_size = 1e-2 * math.sqrt(1.0 - rule.beta2**7) / (1.0 - rule.beta1**7)
             scalars = (rule.beta1, rule.beta2, 1 - rule.beta1, 1 - rule.beta2, rule.eps, -step_size)
         kernels[rule.optimizer][triton_noise._grid(start, n, 8)](
             theta, *moments, table, *common, *scalars,
             KIND=0, BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
         )  # fmt: skip
-        for a, b in zip(bits((theta, *moments)), bits(expected)):
+        for a, b in zip(bits((theta, *moments)), bits(large_expected)):
             assert torch.equal(a, b), (rule.optimizer, start)
 
-# stochastic rounding to bf16: the fused kernel equals offload.low_bit's rule on the
-# reference uniforms, bit for bit (values spread over many binades, both signs, saturation)
-from distzo.offload.low_bit import round_stochastic_  # noqa: E402
+# stochastic rounding to bf16, fp16 and fp8 (e4m3fn): the fused kernels equal offload.low_bit's
+# rule on the reference uniforms, bit for bit (values spread over the format's binades and
+# below its subnormals, both signs and zeros, exact values, saturation)
+from distzo.offload.low_bit import round_keyed_, round_stochastic_  # noqa: E402
 
 rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
-for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)] + [(a, b - a) for a, b in LARGE]:
-    values = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n).to(torch.float32)
-    values[:3] = torch.tensor([3.4e38, -3.4e38, 0.0])[: min(3, n)]
-    key = rounding.key(7, 1 << 40)
-    dst = torch.empty(n, dtype=torch.bfloat16)
-    triton_noise.round_bf16(dst, values, start, key)
-    expected = torch.empty(n, dtype=torch.bfloat16)
-    round_stochastic_(expected, values, rounding.reference(start, start + n, key))
-    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16)), (start, n)
+SPREAD = {torch.bfloat16: (-30, 30), torch.float16: (-9, 6), torch.float8_e4m3fn: (-4, 3)}
+for dtype, (low, high) in SPREAD.items():
+    limit = torch.finfo(dtype).max
+    for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)] + [(a, b - a) for a, b in LARGE]:
+        values = torch.randn(n, generator=gen) * torch.logspace(low, high, n).to(torch.float32)
+        values[:6] = torch.tensor([2 * limit, -2 * limit, 0.0, -0.0, limit, -1.5])[: min(6, n)]
+        key = rounding.key(7, 1 << 40)
+        dst = torch.empty(n, dtype=dtype)
+        triton_noise.round_stochastic(dst, values, start, key)
+        expected = torch.empty(n, dtype=dtype)
+        round_stochastic_(expected, values, rounding.reference(start, start + n, key))
+        as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        assert torch.equal(dst.view(as_int), expected.view(as_int)), (dtype, start, n)
+    if dtype != torch.bfloat16:  # every value of the format and each tie between two
+        as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        codes = torch.arange(0, int(torch.tensor(limit, dtype=dtype).view(as_int)) + 1)
+        exact = codes.to(as_int).view(dtype).float()
+        ties = (exact[:-1] + exact[1:]) / 2
+        values = torch.cat([exact, ties, -exact, -ties])
+        dst, expected = torch.empty(len(values), dtype=dtype), torch.empty(len(values), dtype=dtype)
+        triton_noise.round_stochastic(dst, values, 0, key)
+        round_stochastic_(expected, values, rounding.reference(0, len(values), key))
+        assert torch.equal(dst.view(as_int), expected.view(as_int)), dtype
+    # the wiring: round_keyed_ on a source that takes the Triton path launches one kernel
+    wire, wire_cpu = torch.empty(5000, dtype=dtype), torch.empty(5000, dtype=dtype)
+    values = torch.randn(5000, generator=gen)
+    name = "round_bf16" if dtype == torch.bfloat16 else "round_low_bit"
+    with Launches(name) as launches:
+        fused_rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
+        round_keyed_(wire, values, on_triton(fused_rounding), 100, 5100, 7, 1 << 40)
+    round_keyed_(wire_cpu, values, rounding, 100, 5100, 7, 1 << 40)
+    assert launches.count == 1, (dtype, launches.count)
+    assert torch.equal(wire.view(as_int), wire_cpu.view(as_int)), dtype
 print("triton kernels == reference")
