@@ -13,7 +13,10 @@ Triton kernel per op on CUDA); ``torch`` is the portable noise's torch implement
 
 * ``perturb``: out = theta + eps * z (reads theta, writes out: 8 bytes per element)
 * ``update``: theta -= lr * (g * z + wd * theta) (reads and writes theta: 8)
-* ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6)
+* ``window``: a recomputed momentum's update, 32 steps' terms (reads and writes theta: 8)
+* ``momentum``, ``adam``: the stored moments' update (theta and 1 or 2 moments: 16, 24)
+* ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6);
+  ``rounding-fp16`` (6) and ``rounding-fp8`` (5) likewise
 
 ``gb_per_s`` is the bytes an op must move divided by its time; on CUDA ``of_copy`` is
 that against a plain device copy of the same bytes in the same run (the bandwidth the
@@ -39,8 +42,23 @@ from distzo.models.weights import RandomWeights, skeleton
 from distzo.offload.low_bit import round_keyed_
 from distzo.runtime.devices import device_name
 from distzo.zo import NoiseSource
+from distzo.zo.moments import MomentRule, MomentUpdater
 
-BYTES = {"perturb": 8, "update": 8, "rounding": 6}
+BYTES = {
+    "perturb": 8,
+    "update": 8,
+    "window": 8,
+    "momentum": 16,
+    "adam": 24,
+    "rounding": 6,
+    "rounding-fp16": 6,
+    "rounding-fp8": 5,
+}
+WIRE = {
+    "rounding": torch.bfloat16,
+    "rounding-fp16": torch.float16,
+    "rounding-fp8": torch.float8_e4m3fn,
+}
 PATHS = {"old": "legacy", "new": "gaussian", "torch": "gaussian"}
 
 
@@ -61,9 +79,17 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
     if op == "update":
         src = source(path, device, chunk)
         return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
+    if op == "window":  # a recomputed momentum: 32 steps' terms
+        src, terms = source(path, device, chunk), [(99 - s, 0, 1e-9) for s in range(32)]
+        return lambda: src.apply_terms(theta, n, 1.0, terms, 1)
+    if op in ("momentum", "adam"):  # stored moments, updated beside theta
+        src, rule = source(path, device, chunk), MomentRule(op, 0.9)
+        moments = [torch.zeros_like(theta) for _ in range(rule.num_moments)]
+        updater = MomentUpdater(rule, src)
+        return lambda: updater.apply(src, theta, moments, n, 1e-7, 1e-4, 3, (0.5,), 1)
     src, wire = (
         source(path, device, chunk, "uniform"),
-        torch.empty(n, device=device, dtype=torch.bfloat16),
+        torch.empty(n, device=device, dtype=WIRE[op]),
     )
     return lambda: round_keyed_(wire, theta, src, 0, n, 3, 1 << 40)
 
@@ -77,7 +103,7 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
         copy_gbs = 8 * args.elements / t.median / 1e9
         report.derived["device_copy_gb_per_s"] = copy_gbs
         print(f"device copy {copy_gbs:8.1f} GB/s (read + write)")
-    for op in ("perturb", "update", "rounding"):
+    for op in BYTES:
         medians = {}
         for path in paths:
             run = op_runner(op, path, device, args.elements, args.chunk)
@@ -103,7 +129,7 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
             medians[path] = timer.median
             extra = f"  {metrics['of_copy']:.2f} of copy" if copy_gbs else ""
             print(
-                f"{op:9s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
+                f"{op:13s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
                 f"GB/s{extra}"
             )
         report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]

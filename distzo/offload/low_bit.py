@@ -97,8 +97,9 @@ def round_keyed_(
 ) -> None:
     """Stochastic rounding of bucket elements [lo, lo + n) of a ``total``-element bucket,
     its uniform draws keyed by (step, stream) and each element's place: one fused kernel
-    where ``noise`` has one (bf16 on CUDA), else chunk by chunk through ``round_stochastic_``."""
-    if noise.round_bf16_into(dst, src, lo, step, stream):
+    where ``noise`` has one (bf16, fp16, fp8 on CUDA), else chunk by chunk through
+    ``round_stochastic_``."""
+    if noise.round_into(dst, src, lo, step, stream):
         return
     for a, b, u in noise.chunks(lo, lo + src.numel(), total, step, stream):
         round_stochastic_(dst[a - lo : b - lo], src[a - lo : b - lo], u)

@@ -3,8 +3,10 @@
 A step's gradient estimate is ``ghat = mean_j g_j z_j``. It is never materialised
 whole: each chunk of a bucket regenerates its piece of every ``z_j``, forms that piece
 of ``ghat`` in a scratch, updates the moments' piece and then theta's, while all of
-them are hot. The moments live beside their bucket (``distzo.offload`` moves them
-with it), so the update needs no more than the bucket's own chunk of each.
+them are hot (on CUDA with Triton: one kernel per bucket, ``triton_noise.momentum``
+or ``adam``, reading and writing theta and the moments once). The moments live beside
+their bucket (``distzo.offload`` moves them with it), so the update needs no more than
+the bucket's own chunk of each.
 
 * momentum: ``m = beta1 m + ghat``; ``theta -= lr (m + wd theta)`` (decay first, as
   the recomputed momentum does);
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from distzo.zo import triton_noise
 
 if TYPE_CHECKING:
     from distzo.zo.noise import NoiseSource
@@ -89,6 +93,27 @@ class MomentUpdater:
     def device_bytes(self) -> int:
         return self._scratch.nbytes
 
+    def _launch(
+        self,
+        noise: NoiseSource,
+        theta: torch.Tensor,
+        moments: Sequence[torch.Tensor],
+        decay: tuple[int, float],
+        keys: list[tuple[int, int]],
+        alphas: list[float],
+        lr: float,
+        step_size: float,
+    ) -> None:
+        """The rule's fused Triton kernel: ghat = sum_j alpha_j z_j drawn in registers,
+        theta and the moments read once and written once (``apply``'s arithmetic)."""
+        rule, draws = self.rule, (noise.kind, noise.kind_table)
+        if rule.optimizer == "momentum":
+            triton_noise.momentum(theta, moments[0], *decay, keys, alphas, rule.beta1, lr, *draws)
+            return
+        coefficients = (rule.beta1, rule.beta2, rule.eps, step_size)
+        m, v = moments
+        triton_noise.adam(theta, m, v, *decay, keys, alphas, coefficients, *draws)
+
     def apply(
         self,
         noise: NoiseSource,
@@ -108,9 +133,15 @@ class MomentUpdater:
         q = len(projected_grads)
         shrink = 1.0 - lr * weight_decay
         decay_end = decay_end if weight_decay else 0
+        step_size = 0.0
         if rule.optimizer == "adam":
             t = step + 1
             step_size = lr * math.sqrt(1.0 - rule.beta2**t) / (1.0 - rule.beta1**t)
+        if noise.fuses(theta, *moments):  # CUDA: one kernel, the same arithmetic
+            keys = [noise.key(step, block_id, query) for query in range(q)]
+            alphas = [g / q for g in projected_grads]
+            self._launch(noise, theta, moments, (decay_end, shrink), keys, alphas, lr, step_size)
+            return
         for lo in range(0, n, c):
             hi = min(lo + c, n)
             ghat = self._scratch[0, : hi - lo]

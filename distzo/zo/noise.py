@@ -142,7 +142,7 @@ class NoiseSource:
         return "triton" if self._triton else "c" if self._c else "torch"
 
     @property
-    def _kind_table(self) -> torch.Tensor:
+    def kind_table(self) -> torch.Tensor:
         """The Gaussian table of a portable kind (a legacy source draws without one)."""
         assert self._table is not None, "a legacy noise source has no table"
         return self._table
@@ -153,7 +153,7 @@ class NoiseSource:
     def _fill(self, out: torch.Tensor, start: int, key: tuple[int, int]) -> None:
         """out <- the draws of elements [start, start + len(out)) of the keyed bucket."""
         if self._triton and out.dtype == torch.float32:
-            triton_noise.fill(out, start, key, self._draw, self._kind_table)
+            triton_noise.fill(out, start, key, self._draw, self.kind_table)
         elif self._c:
             if out.dtype == torch.float32:
                 staging = out
@@ -174,7 +174,7 @@ class NoiseSource:
             return (bits >> 8).to(torch.float32) * (1.0 / 16777216.0)
         if self._draw == "rademacher":
             return torch.where((bits & 0x8000) != 0, 1.0, -1.0).to(torch.float32)
-        return self._kind_table[bits]
+        return self.kind_table[bits]
 
     def chunks(self, start: int, stop: int, total: int, step: int, block_id: int, query: int = 0):
         """Yield ``(lo, hi, z)`` for the chunk-aligned pieces of ``[start, stop)``.
@@ -213,28 +213,28 @@ class NoiseSource:
             out[lo:hi] = z
         return out
 
-    def _fused(self, theta: torch.Tensor) -> bool:
-        """One Triton kernel per op: CUDA, a portable kind, float32 masters (a float64
-        master keeps torch's double-precision arithmetic)."""
-        return self._triton and theta.dtype == torch.float32 and theta.is_contiguous()
+    def fuses(self, *tensors: torch.Tensor) -> bool:
+        """One Triton kernel per op: CUDA, a portable kind, float32 contiguous operands
+        (a float64 master keeps torch's double-precision arithmetic)."""
+        return self._triton and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
-    def round_bf16_into(
+    def round_into(
         self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int
     ) -> bool:
-        """Stochastic rounding of bucket elements [start, start + n) into bfloat16 in one
-        fused kernel, where there is one (CUDA with Triton, uniform draws of a portable
-        kind, float32 source): True if it ran. Otherwise the caller rounds chunk by chunk
-        with ``chunks`` (the same result, bit for bit)."""
+        """Stochastic rounding of bucket elements [start, start + n) into ``dst``'s low-bit
+        format (bf16, fp16, fp8) in one fused kernel, where there is one (CUDA with Triton,
+        uniform draws of a portable kind, float32 source): True if it ran. Otherwise the
+        caller rounds chunk by chunk with ``chunks`` (the same result, bit for bit)."""
         fused = (
             self.distribution == "uniform"
             and self._triton
-            and dst.dtype == torch.bfloat16
+            and triton_noise.rounds_into(dst.dtype)
             and src.dtype == torch.float32
             and dst.is_contiguous()
             and src.is_contiguous()
         )
         if fused:
-            triton_noise.round_bf16(dst, src, start, self.key(step, block_id))
+            triton_noise.round_stochastic(dst, src, start, self.key(step, block_id))
         return fused
 
     def perturb_into(
@@ -251,9 +251,9 @@ class NoiseSource:
         if scale == 0.0:
             out[:n].copy_(theta)
             return
-        if self._fused(theta):
+        if self.fuses(theta):
             triton_noise.perturb(
-                out[:n], theta, scale, self.key(step, block_id, query), self.kind, self._kind_table
+                out[:n], theta, scale, self.key(step, block_id, query), self.kind, self.kind_table
             )
             return
         for lo, hi, z in self.chunks(0, n, n, step, block_id, query):
@@ -292,7 +292,7 @@ class NoiseSource:
         ``(step, query, alpha)`` terms (one step's queries, or a momentum's recent steps).
         Chunk by chunk, so each piece of theta is read and written while it is hot, whatever
         the number of terms (on CUDA: one kernel, one pass per term)."""
-        if self._fused(theta):
+        if self.fuses(theta):
             keys = [self.key(step, block_id, query) for step, query, _ in terms]
             triton_noise.update(
                 theta,
@@ -301,7 +301,7 @@ class NoiseSource:
                 keys,
                 [a for _, _, a in terms],
                 self.kind,
-                self._kind_table,
+                self.kind_table,
             )
             return
         n, c = theta.numel(), self.piece

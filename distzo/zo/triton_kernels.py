@@ -8,6 +8,14 @@ such arguments wraps when it reaches 2^31 (a mask built on it is then false ever
 the program stores nothing). Element indices are int64 (``tile_words``) and every bound is
 an offset compared with a length, ``e - start < n``, never a sum of arguments. The
 offsets are int64 by annotation in any case (``SCALARS``).
+
+Rounding: the kernels that consume several terms (``update``, the moments) hold a whole
+tile, 8 lanes x 512 counters, as one [8, 512] block in registers, draw each term's z into
+it and read and write every element once. They are compiled without fp fusion and spell
+each fused multiply-add of the torch reference as ``tl.fma`` (torch's ``add(x, z,
+alpha=a)`` and ``addcmul`` round once on the CPU and on CUDA), and use the correctly
+rounded ``sqrt_rn``/``div_rn``: each result is then the reference's, bit for bit, on the
+GPU and under the interpreter alike.
 """
 
 import triton
@@ -23,7 +31,24 @@ BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bfloat16's largest finite valu
 # The kernels' scalar arguments change every step (keys) or every chunk (offsets): typed by
 # annotation and never specialized, each kernel compiles once (per constexpr and pointer
 # alignment), not once per key parity, divisibility by 16 or int32/int64 range.
-SCALARS = ["start", "n", "k0", "k1", "scale", "alpha", "decay_end", "shrink"]
+SCALARS = [
+    "start",
+    "n",
+    "k0",
+    "k1",
+    "scale",
+    "alpha",
+    "decay_end",
+    "shrink",
+    "num_terms",
+    "beta1",
+    "beta2",
+    "one_minus_beta1",
+    "one_minus_beta2",
+    "eps",
+    "neg_lr",
+    "neg_step_size",
+]
 
 
 @triton.jit
@@ -129,30 +154,149 @@ def perturb_kernel(
         tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def tile_elements(start, BLOCKS: tl.constexpr):
+    """This program's tile of 16-bit lanes as one block: its Philox counters [BLOCKS] and
+    the element index of each lane of each counter [8, BLOCKS] (lane j: j * BLOCKS on)."""
+    tile = (start // (BLOCKS * 8) + tl.program_id(0)).to(tl.int64)
+    b = tl.arange(0, BLOCKS)
+    lane = tl.arange(0, 8)[:, None]
+    return tile * BLOCKS + b, tile * (BLOCKS * 8) + lane * BLOCKS + b[None, :]
+
+
+@triton.jit
+def tile_z(counters, k0, k1, table_ptr, KIND: tl.constexpr):
+    """z of a tile [8, BLOCKS] for one key: lane j is the 16-bit half j % 2 of word j // 2
+    of its counter (``draw16``'s lanes, all eight at once)."""
+    w0, w1, w2, w3 = philox_block(counters, k0.to(tl.uint32), k1.to(tl.uint32))
+    lane = tl.arange(0, 8)[:, None]
+    low = tl.where(lane < 2, w0[None, :], w1[None, :])
+    high = tl.where(lane < 6, w2[None, :], w3[None, :])
+    word = tl.where(lane < 4, low, high)
+    bits = tl.where(lane % 2 == 1, word >> 16, word & 0xFFFF)
+    if KIND == 0:
+        return tl.load(table_ptr + bits.to(tl.int32))
+    else:
+        return tl.where((bits & 0x8000) != 0, 1.0, -1.0).to(tl.float32)
+
+
+@triton.jit
+def term(terms_ptr, j):
+    """Term j of a launch's [K, 3] int32 table: its key (k0, k1) and alpha's float32 bits."""
+    k0 = tl.load(terms_ptr + 3 * j).to(tl.uint32, bitcast=True)
+    k1 = tl.load(terms_ptr + 3 * j + 1).to(tl.uint32, bitcast=True)
+    alpha = tl.load(terms_ptr + 3 * j + 2).to(tl.float32, bitcast=True)
+    return k0, k1, alpha
+
+
 @triton.jit(do_not_specialize=SCALARS)
 def update_kernel(
     theta_ptr,
     table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
     start: tl.int64,
     n: tl.int64,
-    k0: tl.uint32,
-    k1: tl.uint32,
-    alpha: tl.float32,
     decay_end: tl.int64,
     shrink: tl.float32,
     KIND: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    """theta <- theta * shrink on [0, decay_end), then + alpha * z: one read, one write.
-    A step's queries are one launch each, the decay riding on the first (decay_end 0 after)."""
-    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
-    for lane in tl.static_range(8):
-        e = first + lane * BLOCKS
-        inside = (e >= start) & (e - start < n)
-        theta = tl.load(theta_ptr + (e - start), mask=inside)
-        theta = tl.where(e < decay_end, theta * shrink, theta)
-        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
-        tl.store(theta_ptr + (e - start), theta + alpha * z, mask=inside)
+    """theta <- theta * shrink on [0, decay_end), then + alpha_j * z_j for each of the
+    ``num_terms`` terms in order (one fused multiply-add each, as torch's ``add_(z,
+    alpha=a)``): one read and one write of theta whatever the number of terms (a step's
+    queries, or a recomputed momentum's window of steps times queries)."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    for j in range(num_terms):
+        k0, k1, alpha = term(terms_ptr, j)
+        theta = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, theta)
+    tl.store(theta_ptr + (e - start), theta, mask=inside)
+
+
+@triton.jit
+def tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND: tl.constexpr):
+    """A step's estimate ghat = sum_j alpha_j z_j on a tile, as ``MomentUpdater`` forms
+    it: z_0 * alpha_0 (``torch.mul``), then one fused multiply-add per further query."""
+    k0, k1, alpha = term(terms_ptr, 0)
+    ghat = tile_z(counters, k0, k1, table_ptr, KIND) * alpha
+    for j in range(1, num_terms):
+        k0, k1, alpha = term(terms_ptr, j)
+        ghat = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, ghat)
+    return ghat
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def momentum_kernel(
+    theta_ptr,
+    m_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    beta1: tl.float32,
+    neg_lr: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Stored momentum: m <- m * beta1 + ghat; theta <- theta * shrink on [0, decay_end),
+    then + (-lr) * m. theta and m read once and written once, ghat never stored."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    ghat = tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND)
+    m = tl.load(m_ptr + (e - start), mask=inside, other=0.0)
+    m = m * beta1 + ghat
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    tl.store(m_ptr + (e - start), m, mask=inside)
+    tl.store(theta_ptr + (e - start), tl.fma(m, neg_lr, theta), mask=inside)
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def adam_kernel(
+    theta_ptr,
+    m_ptr,
+    v_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    beta1: tl.float32,
+    beta2: tl.float32,
+    one_minus_beta1: tl.float32,
+    one_minus_beta2: tl.float32,
+    eps: tl.float32,
+    neg_step_size: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """MeZO-Adam: m <- m * beta1 + (1 - beta1) ghat; v <- v * beta2 + (1 - beta2) ghat^2;
+    theta <- theta - step_size * m / (sqrt(v) + eps), then * shrink on [0, decay_end).
+    torch's ops in ``MomentUpdater``'s order (``add_`` and ``addcmul_`` as one fused
+    multiply-add each, ``addcdiv_`` as (value * m) / denom, then an add); theta, m and v
+    read once and written once, ghat and the denominator never stored."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    ghat = tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND)
+    m = tl.load(m_ptr + (e - start), mask=inside, other=0.0)
+    m = tl.fma(ghat, one_minus_beta1, m * beta1)
+    v = tl.load(v_ptr + (e - start), mask=inside, other=0.0)
+    v = tl.fma(ghat * one_minus_beta2, ghat, v * beta2)
+    denom = tl.sqrt_rn(v) + eps
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = theta + tl.div_rn(neg_step_size * m, denom)
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    tl.store(m_ptr + (e - start), m, mask=inside)
+    tl.store(v_ptr + (e - start), v, mask=inside)
+    tl.store(theta_ptr + (e - start), theta, mask=inside)
 
 
 @triton.jit(do_not_specialize=SCALARS)
@@ -180,3 +324,69 @@ def round_bf16_kernel(
         rounded = bits.to(tl.float32, bitcast=True)
         rounded = tl.minimum(tl.maximum(rounded, -BF16_MAX), BF16_MAX)
         tl.store(dst_ptr + (e - start), rounded.to(tl.bfloat16), mask=inside)
+
+
+@triton.jit
+def low_bit_code(a, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The magnitude code of the value of a low-bit format (MANTISSA bits, exponent BIAS)
+    nearest to a = |x| (float32, within the format's range), ties to even, in integer and
+    exact float ops (no float conversion: Triton's to fp8 needs compute capability 8.9)."""
+    SHIFT: tl.constexpr = 23 - MANTISSA
+    c = a.to(tl.int32, bitcast=True) - ((127 - BIAS) << 23)  # the format's exponent bias
+    normal = (c + ((1 << (SHIFT - 1)) - 1) + ((c >> SHIFT) & 1)) >> SHIFT
+    # subnormal: in units of the smallest, y < 2^MANTISSA (exact; capped where unused)
+    y = tl.minimum(a * (1 << (BIAS - 1 + MANTISSA)), 1 << MANTISSA)
+    subnormal = ((y + 8388608.0) - 8388608.0).to(tl.int32)  # to the integer nearest, even
+    return tl.where(c >= (1 << 23), normal, subnormal)
+
+
+@triton.jit
+def low_bit_magnitude(code, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The float32 value of a magnitude code (exact)."""
+    normal = ((code << (23 - MANTISSA)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    subnormal = tl.div_rn(code.to(tl.float32), (1 << (BIAS - 1 + MANTISSA)) * 1.0)
+    return tl.where(code >= (1 << MANTISSA), normal, subnormal)
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def round_low_bit_kernel(
+    dst_ptr,
+    src_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """dst (the bits of float16 or float8 e4m3fn, as int16 or int8) <- src (float32)
+    rounded stochastically, elements [start, start + n) of the bucket:
+    ``offload.low_bit.round_stochastic_``'s rule op for op (the nearest value, its
+    neighbour on x's side by order key, that one when the uniform u < |x - nearest| /
+    gap), u drawn in place: one read of src, one write of dst."""
+    SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 4, BLOCKS)
+    for lane in tl.static_range(4):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e - start < n)
+        x = tl.load(src_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+        negative = x.to(tl.int32, bitcast=True) < 0  # -0.0 too: its nearest is -0
+        code = low_bit_code(tl.abs(x), MANTISSA, BIAS)
+        nearest = low_bit_magnitude(code, MANTISSA, BIAS)
+        nearest = tl.where(negative, -nearest, nearest)
+        direction = tl.where(x > nearest, 1, tl.where(x < nearest, -1, 0))
+        key = tl.where(negative, -code, code) + direction  # the other neighbour's
+        other = low_bit_magnitude(tl.abs(key), MANTISSA, BIAS)
+        other = tl.where(key < 0, -other, other)
+        gap = tl.where(direction == 0, 1.0, tl.abs(other - nearest))  # else 0 / 0, unused
+        p_other = tl.where(direction == 0, 0.0, tl.div_rn(tl.abs(x - nearest), gap))
+        u = (pick(w0, w1, w2, w3, lane) >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        bits = tl.where(
+            u < p_other,
+            tl.where(key < 0, -key - SIGN, key),
+            tl.where(negative, code - SIGN, code),
+        )
+        tl.store(dst_ptr + (e - start), bits.to(dst_ptr.dtype.element_ty), mask=inside)

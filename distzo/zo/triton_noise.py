@@ -9,12 +9,15 @@ contiguous elements: z is never written to memory.
   rounding of formats without a fused kernel);
 * ``perturb``: ``out = theta + scale * z`` (the scratch of a pass);
 * ``update``: ``theta = theta * shrink (on the decayed prefix) + sum_j alpha_j z_j``, one
-  launch, one read and one write of the bucket per query (MeZO's one query: one pass,
-  decay included).
+  launch, one read and one write of the bucket for all the terms (a step's queries, or a
+  recomputed momentum's window of steps), decay included;
+* ``momentum`` and ``adam``: the stored moments' rules (``distzo.zo.moments``), theta and
+  its moments read once and written once, the step's estimate formed in registers.
 
-* ``round_bf16``: stochastic rounding of a float32 range into bfloat16 (the AMP wire
-  format), its uniforms drawn in place. Other low-bit formats (fp16, fp8) take their
-  uniforms from ``fill`` and round with torch ops (one more pass).
+* ``round_bf16`` and ``round_low_bit``: stochastic rounding of a float32 range into
+  bfloat16, float16 or float8 e4m3fn (the AMP wire formats), its uniforms drawn in
+  place: one read, one write (the low-bit values built from integer and exact float
+  ops, so fp8 needs no hardware conversion).
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (slowly): the tests
 hold them to the reference generator bit for bit on every CI run. Import this module
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -49,7 +53,10 @@ def _kernels():
         "fill": triton_kernels.fill_kernel,
         "perturb": triton_kernels.perturb_kernel,
         "update": triton_kernels.update_kernel,
+        "momentum": triton_kernels.momentum_kernel,
+        "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
+        "round_low_bit": triton_kernels.round_low_bit_kernel,
     }
 
 
@@ -107,33 +114,123 @@ def perturb(
     )
 
 
+def packed_terms(
+    keys: Sequence[tuple[int, int]], alphas: Sequence[float], device: torch.device
+) -> torch.Tensor:
+    """A launch's terms as one [K, 3] int32 table on ``device``: each key's two 32-bit
+    words and its alpha's float32 bits (alpha rounded to float32, as torch rounds a
+    scalar for a float32 op). One copy, from pinned memory and without a host sync on
+    CUDA (the caching host allocator keeps the page until the copy has run)."""
+    host = torch.empty((len(keys), 3), dtype=torch.int32, pin_memory=device.type == "cuda")
+    words = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
+    host[:, :2] = words.to(torch.uint32).view(torch.int32)
+    host[:, 2] = torch.tensor(alphas, dtype=torch.float32).view(torch.int32)
+    return host.to(device, non_blocking=True)
+
+
+# The kernels that spell out each fused multiply-add (tl.fma) compile without fp fusion:
+# no other product and sum of theirs may fuse, or they would round unlike torch.
+EXACT = {"enable_fp_fusion": False}
+
+
 def update(
     theta: torch.Tensor,
     decay_end: int,
     shrink: float,
-    keys: list[tuple[int, int]],
-    alphas: list[float],
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
     kind: str,
     table: torch.Tensor,
 ) -> None:
-    """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch and
-    one pass per query (scalars only: nothing is copied to the device for it)."""
+    """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch,
+    one read and one write of theta for all the terms (their keys and alphas in a tiny
+    table on the device)."""
     n = theta.numel()
-    for query, (key, alpha) in enumerate(zip(keys, alphas)):
-        _kernels()["update"][_grid(0, n, 8)](
-            theta,
-            table,
-            0,
-            n,
-            key[0],
-            key[1],
-            alpha,
-            decay_end if query == 0 else 0,
-            shrink,
-            KIND=KINDS[kind],
-            BLOCKS=TILE_BLOCKS,
-            **FUSED_MULTIPLY_ADD,
-        )
+    _kernels()["update"][_grid(0, n, 8)](
+        theta,
+        table,
+        packed_terms(keys, alphas, theta.device),
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+    )
+
+
+def momentum(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    beta1: float,
+    lr: float,
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """Stored momentum in one launch: m <- beta1 m + sum_j alpha_j z_j, theta <- theta *
+    shrink on [0, decay_end), then - lr m (``MomentUpdater``'s arithmetic)."""
+    n = theta.numel()
+    _kernels()["momentum"][_grid(0, n, 8)](
+        theta,
+        m,
+        table,
+        packed_terms(keys, alphas, theta.device),
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        beta1,
+        -lr,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+    )
+
+
+def adam(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    coefficients: tuple[float, float, float, float],
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """MeZO-Adam in one launch, ghat = sum_j alpha_j z_j; ``coefficients`` are
+    (beta1, beta2, eps, step_size) (``MomentUpdater``'s arithmetic)."""
+    beta1, beta2, eps, step_size = coefficients
+    n = theta.numel()
+    _kernels()["adam"][_grid(0, n, 8)](
+        theta,
+        m,
+        v,
+        table,
+        packed_terms(keys, alphas, theta.device),
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        beta1,
+        beta2,
+        1.0 - beta1,
+        1.0 - beta2,
+        eps,
+        -step_size,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+    )
 
 
 def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int, int]) -> None:
@@ -142,4 +239,41 @@ def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int,
     n = src.numel()
     _kernels()["round_bf16"][_grid(start, n, 4)](
         dst, src, start, n, key[0], key[1], BLOCKS=TILE_BLOCKS, **FUSED_MULTIPLY_ADD
+    )
+
+
+# low-bit formats: (mantissa bits, exponent bias, largest finite value, integer view)
+LOW_BIT = {
+    torch.float16: (10, 15, 65504.0, torch.int16),
+    torch.float8_e4m3fn: (3, 7, 448.0, torch.int8),
+}
+
+
+def rounds_into(dtype: torch.dtype) -> bool:
+    """Whether ``round_stochastic`` has a kernel for ``dtype``."""
+    return dtype == torch.bfloat16 or dtype in LOW_BIT
+
+
+def round_stochastic(
+    dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int, int]
+) -> None:
+    """dst[0:n] (bfloat16, float16 or float8 e4m3fn) <- src[0:n] (float32) rounded
+    stochastically with the uniforms of bucket elements [start, start + n), in one pass."""
+    if dst.dtype == torch.bfloat16:
+        round_bf16(dst, src, start, key)
+        return
+    mantissa, bias, limit, as_int = LOW_BIT[dst.dtype]
+    n = src.numel()
+    _kernels()["round_low_bit"][_grid(start, n, 4)](
+        dst.view(as_int),
+        src,
+        start,
+        n,
+        key[0],
+        key[1],
+        MANTISSA=mantissa,
+        BIAS=bias,
+        LIMIT=limit,
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
     )

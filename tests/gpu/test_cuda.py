@@ -273,8 +273,8 @@ def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
 
 
 def test_cuda_fused_noise_ops_follow_the_cpu_ops():
-    """perturb and update in one kernel each: the same z, arithmetic within an ulp of the CPU's;
-    bf16 stochastic rounding bit for bit."""
+    """perturb and update in one kernel each: the same z; perturb within an ulp of the CPU's
+    arithmetic, the update and bf16/fp16/fp8 stochastic rounding bit for bit."""
     from distzo.offload.low_bit import round_keyed_
     from distzo.zo import NoiseSource
 
@@ -289,19 +289,49 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     updated_gpu, updated_cpu = theta.cuda(), theta.clone()
     gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
     cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
-    ulps = (
-        (updated_gpu.cpu().view(torch.int32).long() - updated_cpu.view(torch.int32).long())
-        .abs()
-        .max()
-    )
-    assert int(ulps) <= 2
+    # both queries in one kernel, each a fused multiply-add as torch's add_(z, alpha=a)
+    assert torch.equal(updated_gpu.cpu().view(torch.int32), updated_cpu.view(torch.int32))
     rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
     rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
-    wire_gpu = torch.empty(theta.numel(), dtype=torch.bfloat16, device="cuda")
-    wire_cpu = torch.empty(theta.numel(), dtype=torch.bfloat16)
-    round_keyed_(wire_gpu, theta.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
-    round_keyed_(wire_cpu, theta, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
-    assert torch.equal(wire_gpu.cpu().view(torch.int16), wire_cpu.view(torch.int16))
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):  # one kernel each
+        values = theta * (300.0 if dtype == torch.float8_e4m3fn else 1.0)  # into saturation
+        wire_gpu = torch.empty(theta.numel(), dtype=dtype, device="cuda")
+        wire_cpu = torch.empty(theta.numel(), dtype=dtype)
+        round_keyed_(wire_gpu, values.cuda(), rounding_gpu, 100, theta.numel() + 100, 4, 1 << 40)
+        round_keyed_(wire_cpu, values, rounding_cpu, 100, theta.numel() + 100, 4, 1 << 40)
+        as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        assert torch.equal(wire_gpu.cpu().view(as_int), wire_cpu.view(as_int)), dtype
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_cuda_fused_moment_kernels_follow_the_cpu_noise_ops(optimizer, monkeypatch):
+    """Stored momentum and Adam in one kernel per bucket: the CPU's MomentUpdater bit for
+    bit (Adam's square root correctly rounded on the CPU too, as CUDA's is), 3 queries."""
+    import numpy as np
+
+    from distzo.zo import NoiseSource
+    from distzo.zo.moments import MomentRule, MomentUpdater
+
+    rule = MomentRule(optimizer, 0.9)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(1_000_003, generator=g)
+    moments = [torch.randn(theta.numel(), generator=g) * 1e-2, torch.rand(theta.numel()) * 1e-4]
+    state_cpu = [t.clone() for t in (theta, *moments[: rule.num_moments])]
+    state_gpu = [t.cuda() for t in state_cpu]
+
+    def correctly_rounded(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(torch.from_numpy(np.sqrt(x.numpy())))  # the CPU's (MKL's) is not
+
+    monkeypatch.setattr(torch, "sqrt", correctly_rounded)
+    for state, device in ((state_cpu, "cpu"), (state_gpu, "cuda")):
+        noise = NoiseSource(11, 1 << 18, torch.device(device), torch.float32)
+        assert device == "cpu" or noise.backend == "triton"
+        for step in (4, 5):
+            MomentUpdater(rule, noise).apply(
+                noise, state[0], state[1:], 500_000, 1e-2, 0.1, step, (0.5, -1.5, 2.0), 9
+            )
+    for on_gpu, on_cpu in zip(state_gpu, state_cpu):
+        assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32))
 
 
 @pytest.mark.parametrize("method", ["lora-fa", "prefix"])

@@ -6,6 +6,7 @@ offsets of 50 steps select one variant per kernel (no recompile as they change).
 
 import random
 import sys
+from typing import Any
 
 import torch
 import triton
@@ -16,7 +17,13 @@ from triton.runtime.jit import create_function_from_signature
 from distzo.zo import triton_kernels as k
 
 RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
-KERNELS = [
+TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas, on the device
+UPDATE = {"start": "i64", "n": "i64", "decay_end": "i64", "shrink": "fp32"}
+ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step_size"]
+# the kernels that spell out their fused multiply-adds compile without fp fusion
+EXACT = {k.update_kernel, k.momentum_kernel, k.adam_kernel, k.round_low_bit_kernel}
+LOW_BIT = ["MANTISSA", "BIAS", "LIMIT", "BLOCKS"]
+KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
     (
         k.fill_kernel,
         {
@@ -46,28 +53,69 @@ KERNELS = [
         {
             "theta_ptr": "*fp32",
             "table_ptr": "*fp32",
-            **RANGE,
-            "alpha": "fp32",
-            "decay_end": "i64",
-            "shrink": "fp32",
+            **TERMS,
+            **UPDATE,
             "KIND": "constexpr",
             "BLOCKS": "constexpr",
         },
         [{"KIND": 0, "BLOCKS": 512}],
     ),  # Gaussian
     (
+        k.momentum_kernel,
+        {
+            "theta_ptr": "*fp32",
+            "m_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            **TERMS,
+            **UPDATE,
+            "beta1": "fp32",
+            "neg_lr": "fp32",
+            "KIND": "constexpr",
+            "BLOCKS": "constexpr",
+        },
+        [{"KIND": 0, "BLOCKS": 512}],
+    ),
+    (
+        k.adam_kernel,
+        {
+            "theta_ptr": "*fp32",
+            "m_ptr": "*fp32",
+            "v_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            **TERMS,
+            **UPDATE,
+            **{name: "fp32" for name in ADAM},
+            "KIND": "constexpr",
+            "BLOCKS": "constexpr",
+        },
+        [{"KIND": 1, "BLOCKS": 512}],
+    ),
+    (
         k.round_bf16_kernel,
         {"dst_ptr": "*bf16", "src_ptr": "*fp32", **RANGE, "BLOCKS": "constexpr"},
         [{"BLOCKS": 512}],
     ),
+    (
+        k.round_low_bit_kernel,
+        {"dst_ptr": "*i16", "src_ptr": "*fp32", **RANGE, **{c: "constexpr" for c in LOW_BIT}},
+        [dict(zip(LOW_BIT, (10, 15, 65504.0, 512)))],
+    ),  # fp16
+    (
+        k.round_low_bit_kernel,
+        {"dst_ptr": "*i8", "src_ptr": "*fp32", **RANGE, **{c: "constexpr" for c in LOW_BIT}},
+        [dict(zip(LOW_BIT, (3, 7, 448.0, 512)))],
+    ),  # fp8 e4m3fn (integer and float ops only: any GPU)
 ]
 targets = [GPUTarget("cuda", arch, 32) for arch in (int(a) for a in sys.argv[1:] or ["90"])]
 for target in targets:
     for fn, signature, variants in KERNELS:
         for constexprs in variants:
             source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-            compiled = triton.compile(source, target=target, options={"enable_fp_fusion": True})
+            options = {"enable_fp_fusion": fn not in EXACT}
+            compiled = triton.compile(source, target=target, options=options)
             assert compiled.asm.get("cubin"), (fn.__name__, constexprs)
+            if fn in EXACT:  # torch's rounding: no approximate division or square root
+                assert ".approx" not in compiled.asm["ptx"], fn.__name__
             print(
                 f"sm_{target.arch} {fn.__name__} {constexprs}: {len(compiled.asm['cubin'])} bytes"
             )
@@ -77,11 +125,33 @@ for target in targets:
 rng = random.Random(0)
 buffer, table = torch.empty(4096), torch.empty(65536)
 bf16 = torch.empty(4096, dtype=torch.bfloat16)
+terms = torch.empty(96, 3, dtype=torch.int32)
+
+
+def many(k0):
+    """A number of terms (1 included): a step's queries or a momentum's window vary too."""
+    return (1, 2, 8, 96)[k0 % 4]
+
+
 CALLS = {
     k.fill_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1),
     k.perturb_kernel: lambda s, n, k0, k1: (buffer, buffer, table, s, n, k0, k1, -1e-3),
-    k.update_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1, 1e-3, s // 2, 1.0),
+    k.update_kernel: lambda s, n, k0, k1: (buffer, table, terms, many(k0), s, n, s // 2, 1.0),
+    k.momentum_kernel: lambda s, n, k0, k1: (
+        *(buffer, buffer, table, terms, many(k0)),
+        *(s, n, s // 2, 1.0, 0.9, -1e-3),
+    ),
+    k.adam_kernel: lambda s, n, k0, k1: (
+        *(buffer, buffer, buffer, table, terms, many(k0)),
+        *(s, n, s // 2, 1.0),
+        *[1e-3] * 6,
+    ),
     k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
+    k.round_low_bit_kernel: lambda s, n, k0, k1: (bf16.view(torch.int16), buffer, s, n, k0, k1),
+}
+CONSTEXPRS: dict[Any, dict[str, Any]] = {
+    k.round_bf16_kernel: {"BLOCKS": 512},
+    k.round_low_bit_kernel: dict(zip(LOW_BIT, (10, 15, 65504.0, 512))),
 }
 backend = make_backend(targets[0])
 for fn, arguments in CALLS.items():
@@ -91,7 +161,7 @@ for fn, arguments in CALLS.items():
         start = rng.choice([0, 16, 4096, 12345, 2**31 - 4096, 2**31 + 8, 2**33 + 1])
         n = rng.choice([1, 16, 3000, 4096, 2**31 + 5])
         args = arguments(start, n, rng.getrandbits(32), rng.getrandbits(32))
-        constexprs = {"BLOCKS": 512} if fn is k.round_bf16_kernel else {"KIND": 0, "BLOCKS": 512}
+        constexprs = CONSTEXPRS.get(fn, {"KIND": 0, "BLOCKS": 512})
         seen.add(repr(binder(*args, **constexprs)[1]))
     assert len(seen) == 1, (fn.__name__, sorted(seen))
     print(f"{fn.__name__}: one variant over 50 steps of keys and offsets")

@@ -1,8 +1,11 @@
 """Run by tests/unit/test_noise.py under TRITON_INTERPRET=1: the Triton noise kernels on the
 CPU against the reference generator. Exits non-zero (an assertion) on any difference."""
 
+import contextlib
+import math
 import os
 
+import numpy as np
 import torch
 
 from distzo.zo import NoiseSource, triton_noise
@@ -62,16 +65,63 @@ for kind in ("gaussian", "rademacher"):
         assert ulps(out[:n], torch.add(theta, z, alpha=-1e-3)) <= 1, (kind, n)
         assert out[n:].isnan().all()  # nothing past the bucket is written
 
-        keys = [src.key(4, 9, q) for q in range(3)]
-        zs = [src.reference(0, n, k) for k in keys]
-        alphas, shrink, decay_end = [0.5, -0.25, 0.125], 0.999, n // 2
-        updated = theta.clone()
-        triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
-        expected = theta.clone()
-        expected[:decay_end].mul_(shrink)
-        for zq, alpha in zip(zs, alphas):
-            expected.add_(zq, alpha=alpha)
-        assert ulps(updated, expected) <= 1, (kind, n)
+        # every term in one launch (a step's 3 queries; a recomputed momentum's 4 steps x
+        # 3 queries): NoiseSource.apply_terms's CPU path, which defines the trajectory,
+        # bit for bit (alphas that are not float32 values: rounded as torch rounds them)
+        for steps in (1, 4):
+            terms = [
+                (4 - s, q, (-1) ** q * 0.3 / (s + q + 1)) for s in range(steps) for q in range(3)
+            ]
+            keys = [src.key(step, 9, q) for step, q, _ in terms]
+            alphas, shrink, decay_end = [a for _, _, a in terms], 0.999, n // 2
+            updated = theta.clone()
+            triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
+            expected = theta.clone()
+            src.apply_terms(expected, decay_end, shrink, terms, 9)
+            assert torch.equal(updated.view(torch.int32), expected.view(torch.int32)), (
+                kind,
+                n,
+                steps,
+            )
+
+
+class Launches:
+    """Counts the launches of a kernel (``kernel[grid](...)``) in ``triton_noise``."""
+
+    def __init__(self, name):
+        self.name, self.kernel, self.count = name, triton_noise._kernels()[name], 0
+
+    def __enter__(self):
+        triton_noise._kernels()[self.name] = self
+        return self
+
+    def __exit__(self, *exc):
+        triton_noise._kernels()[self.name] = self.kernel
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def on_triton(source):
+    """``source`` taking its CUDA path: the Triton kernels, here on CPU tensors (interpreted)."""
+    source._triton = True
+    return source
+
+
+# NoiseSource's wiring: a recomputed momentum's 4 steps x 2 queries, decay included, are one
+# launch over the bucket (not one per term), bit for bit the CPU path's result
+cpu_source = NoiseSource(3, 1000, torch.device("cpu"), torch.float32)
+triton_source = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32))
+terms = [(9 - s, q, 0.01 * (s + 1) * (q - 0.5)) for s in range(4) for q in range(2)]
+theta = torch.randn(5000, generator=gen)
+on_cpu, fused = theta.clone(), theta.clone()
+cpu_source.apply_terms(on_cpu, 3000, 0.99, terms, 4)
+with Launches("update") as launches:
+    triton_source.apply_terms(fused, 3000, 0.99, terms, 4)
+assert launches.count == 1, launches.count
+assert torch.equal(fused.view(torch.int32), on_cpu.view(torch.int32))
+
 
 # The fused kernels at large bucket offsets (the wrappers start at element 0 of a bucket,
 # so the kernels are launched directly on a window of the bucket: out/theta hold elements
@@ -92,26 +142,176 @@ for kind in ("gaussian", "rademacher"):
         assert torch.equal(out, z), ("perturb", kind, start)
         decay_end = start + n // 2  # absolute, like the bucket's resident prefix
         theta = torch.full((n,), 2.0)
+        second = src.key(5, 9, 1)  # two terms: + z - 2 z' (one rounding each, as below)
+        pair = triton_noise.packed_terms([key, second], [1.0, -2.0], theta.device)
         kernels["update"][triton_noise._grid(start, n, 8)](
-            theta, table, start, n, key[0], key[1], 1.0, decay_end, 0.5,
-            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.FUSED_MULTIPLY_ADD,
+            theta, table, pair, 2, start, n, decay_end, 0.5,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
         )  # fmt: skip
         expected = torch.full((n,), 2.0)
         expected[: n // 2] = 1.0
-        assert torch.equal(theta, expected + z), ("update", kind, start)
+        expected = expected + z - 2 * src.reference(start, stop, second)
+        assert torch.equal(theta, expected), ("update", kind, start)
 
-# stochastic rounding to bf16: the fused kernel equals offload.low_bit's rule on the
-# reference uniforms, bit for bit (values spread over many binades, both signs, saturation)
-from distzo.offload.low_bit import round_stochastic_  # noqa: E402
+# The stored moments' rules, one kernel per bucket: MomentUpdater's CPU path (chunk by chunk,
+# 1000-element pieces) bit for bit, with the square root correctly rounded, as CUDA's and the
+# kernel's sqrt_rn are (torch's CPU sqrt, MKL's, misses it by an ulp at times: then Adam's
+# theta differs by an ulp at most). Then at large bucket offsets, the same code drawing there.
+from distzo.zo.moments import MomentRule, MomentUpdater  # noqa: E402
+
+
+@contextlib.contextmanager
+def correctly_rounded_sqrt():
+    original = torch.sqrt
+
+    def sqrt(x, out=None):
+        root = torch.from_numpy(np.sqrt(x.numpy()))
+        return root if out is None else out.copy_(root)
+
+    torch.sqrt = sqrt
+    try:
+        yield
+    finally:
+        torch.sqrt = original
+
+
+class Shifted(NoiseSource):
+    """A CPU source that draws bucket elements [base, base + n) as its [0, n)."""
+
+    def __init__(self, base, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.base = base
+
+    def chunks(self, start, stop, total, step, block_id, query=0):
+        b = self.base
+        for lo, hi, z in super().chunks(b + start, b + stop, b + total, step, block_id, query):
+            yield lo - b, hi - b, z
+
+
+def moment_state(rule, n):
+    theta = torch.randn(n, generator=gen)
+    moments = [torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-4]
+    return theta, moments[: rule.num_moments]
+
+
+def bits(tensors):
+    return [t.view(torch.int32) for t in tensors]
+
+
+RULES = [MomentRule("momentum", 0.9), MomentRule("adam", 0.9, 0.999, 1e-8)]
+for rule in RULES:
+    for kind in ("gaussian", "rademacher"):
+        cpu_source = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
+        triton_source = on_triton(
+            NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
+        )
+        for n, grads in [(1, (0.7,)), (4097, (0.5, -1.5, 0.25)), (9000, (-0.3, 2.0))]:
+            theta, moments = moment_state(rule, n)
+            exact_state = [t.clone() for t in (theta, *moments)]
+            fused_state = [t.clone() for t in (theta, *moments)]
+            plain_state = [t.clone() for t in (theta, *moments)]
+            for step in (6, 7):  # two steps: the second from the first's moments
+                with Launches(rule.optimizer) as launches:
+                    MomentUpdater(rule, triton_source).apply(
+                        triton_source,
+                        fused_state[0],
+                        fused_state[1:],
+                        n // 3,
+                        1e-2,
+                        0.1,
+                        step,
+                        grads,
+                        4,
+                    )
+                assert launches.count == 1, (rule.optimizer, launches.count)
+                with correctly_rounded_sqrt():
+                    MomentUpdater(rule, cpu_source).apply(
+                        cpu_source,
+                        exact_state[0],
+                        exact_state[1:],
+                        n // 3,
+                        1e-2,
+                        0.1,
+                        step,
+                        grads,
+                        4,
+                    )
+                MomentUpdater(rule, cpu_source).apply(
+                    cpu_source, plain_state[0], plain_state[1:], n // 3, 1e-2, 0.1, step, grads, 4
+                )
+            for a, b in zip(bits(fused_state), bits(exact_state)):
+                assert torch.equal(a, b), (rule.optimizer, kind, n)
+            # torch's own CPU sqrt: the moments alike, theta within an ulp of itself and
+            # of the two steps' change (the update term is what the denominator scales)
+            for a, b in zip(bits(fused_state[1:]), bits(plain_state[1:])):
+                assert torch.equal(a, b), (rule.optimizer, kind, n)
+            bound = 2**-22 * (plain_state[0].abs() + (plain_state[0] - theta).abs())
+            assert ((fused_state[0] - plain_state[0]).abs() <= bound).all(), (
+                rule.optimizer,
+                kind,
+                n,
+            )
+    for start, stop in LARGE:
+        n = stop - start
+        grads = (0.5, -1.5)
+        cpu_source = Shifted(start, 3, 1000, torch.device("cpu"), torch.float32)
+        theta, moments = moment_state(rule, n)
+        large_expected = [t.clone() for t in (theta, *moments)]
+        with correctly_rounded_sqrt():
+            MomentUpdater(rule, cpu_source).apply(
+                cpu_source, large_expected[0], large_expected[1:], n // 2, 1e-2, 0.1, 6, grads, 4
+            )
+        keys = [cpu_source.key(6, 4, query) for query in range(2)]
+        large_terms = triton_noise.packed_terms(keys, [g / 2 for g in grads], theta.device)
+        common = (large_terms, 2, start, n, start + n // 2, 1.0 - 1e-2 * 0.1)
+        scalars: tuple[float, ...] = (rule.beta1, -1e-2)
+        if rule.optimizer == "adam":
+            step_size = 1e-2 * math.sqrt(1.0 - rule.beta2**7) / (1.0 - rule.beta1**7)
+            scalars = (rule.beta1, rule.beta2, 1 - rule.beta1, 1 - rule.beta2, rule.eps, -step_size)
+        kernels[rule.optimizer][triton_noise._grid(start, n, 8)](
+            theta, *moments, table, *common, *scalars,
+            KIND=0, BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
+        )  # fmt: skip
+        for a, b in zip(bits((theta, *moments)), bits(large_expected)):
+            assert torch.equal(a, b), (rule.optimizer, start)
+
+# stochastic rounding to bf16, fp16 and fp8 (e4m3fn): the fused kernels equal offload.low_bit's
+# rule on the reference uniforms, bit for bit (values spread over the format's binades and
+# below its subnormals, both signs and zeros, exact values, saturation)
+from distzo.offload.low_bit import round_keyed_, round_stochastic_  # noqa: E402
 
 rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
-for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)] + [(a, b - a) for a, b in LARGE]:
-    values = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n).to(torch.float32)
-    values[:3] = torch.tensor([3.4e38, -3.4e38, 0.0])[: min(3, n)]
-    key = rounding.key(7, 1 << 40)
-    dst = torch.empty(n, dtype=torch.bfloat16)
-    triton_noise.round_bf16(dst, values, start, key)
-    expected = torch.empty(n, dtype=torch.bfloat16)
-    round_stochastic_(expected, values, rounding.reference(start, start + n, key))
-    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16)), (start, n)
+SPREAD = {torch.bfloat16: (-30, 30), torch.float16: (-9, 6), torch.float8_e4m3fn: (-4, 3)}
+for dtype, (low, high) in SPREAD.items():
+    limit = torch.finfo(dtype).max
+    for start, n in [(0, 1), (0, 2048), (5, 3000), (2047, 4100)] + [(a, b - a) for a, b in LARGE]:
+        values = torch.randn(n, generator=gen) * torch.logspace(low, high, n).to(torch.float32)
+        values[:6] = torch.tensor([2 * limit, -2 * limit, 0.0, -0.0, limit, -1.5])[: min(6, n)]
+        key = rounding.key(7, 1 << 40)
+        dst = torch.empty(n, dtype=dtype)
+        triton_noise.round_stochastic(dst, values, start, key)
+        expected = torch.empty(n, dtype=dtype)
+        round_stochastic_(expected, values, rounding.reference(start, start + n, key))
+        as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        assert torch.equal(dst.view(as_int), expected.view(as_int)), (dtype, start, n)
+    if dtype != torch.bfloat16:  # every value of the format and each tie between two
+        as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
+        codes = torch.arange(0, int(torch.tensor(limit, dtype=dtype).view(as_int)) + 1)
+        exact = codes.to(as_int).view(dtype).float()
+        ties = (exact[:-1] + exact[1:]) / 2
+        values = torch.cat([exact, ties, -exact, -ties])
+        dst, expected = torch.empty(len(values), dtype=dtype), torch.empty(len(values), dtype=dtype)
+        triton_noise.round_stochastic(dst, values, 0, key)
+        round_stochastic_(expected, values, rounding.reference(0, len(values), key))
+        assert torch.equal(dst.view(as_int), expected.view(as_int)), dtype
+    # the wiring: round_keyed_ on a source that takes the Triton path launches one kernel
+    wire, wire_cpu = torch.empty(5000, dtype=dtype), torch.empty(5000, dtype=dtype)
+    values = torch.randn(5000, generator=gen)
+    name = "round_bf16" if dtype == torch.bfloat16 else "round_low_bit"
+    with Launches(name) as launches:
+        fused_rounding = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, "uniform")
+        round_keyed_(wire, values, on_triton(fused_rounding), 100, 5100, 7, 1 << 40)
+    round_keyed_(wire_cpu, values, rounding, 100, 5100, 7, 1 << 40)
+    assert launches.count == 1, (dtype, launches.count)
+    assert torch.equal(wire.view(as_int), wire_cpu.view(as_int)), dtype
 print("triton kernels == reference")
