@@ -106,7 +106,7 @@ class BucketReader:
                                 e,
                                 bucket[e.offset : e.offset + e.numel]
                                 .view(e.shape)
-                                .to("cpu", copy=True),
+                                .to("cpu", dtype=layout.dtype, copy=True),
                             )
                             for e in layout.entries
                         ]

@@ -257,8 +257,12 @@ class FrozenBase(Tuning):
         # The frozen base of each block is copied into its own scratch once per visit, in
         # the compute dtype, and every pass reads it; the resident base never changes.
         self.base_scratch = bound_scratch(model, self.base_layouts, device, dtype)
-        # the same tensor when the dtypes agree
+        # the same tensor when the dtypes agree; otherwise the passes read the compute copy
+        # and the master, read only by an export, waits on the host (not a second copy of
+        # the embeddings and head on the device)
         self.resident_base_compute = self.resident_base.to(dtype)
+        if self.resident_base_compute is not self.resident_base:
+            self.resident_base = self.resident_base.to("cpu")
         bind(model, self.resident_base_layout, self.resident_base_compute)
 
     def streamed(self, trained: Streamed) -> Streamed:
@@ -272,7 +276,10 @@ class FrozenBase(Tuning):
 
     @property
     def host_bytes(self) -> int:
-        return self._base.host_bytes
+        """The base's host copy, and the resident base's master where it waits there."""
+        resident = self.resident_base
+        on_host = resident is not None and resident is not self.resident_base_compute
+        return self._base.host_bytes + (resident.nbytes if on_host and resident is not None else 0)
 
     @property
     def device_bytes(self) -> int:

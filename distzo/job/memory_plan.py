@@ -242,7 +242,10 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     master, compute, wire = b.master, b.compute, b.wire
     if config.mode == "offload":
         host = sum(b.padded) // b.owners * wire
-        blocks = config.num_slots * max(b.padded) * (master + (wire if wire != master else 0))
+        # a trained low-bit block is rebuilt in a master slot beside its wire slot; a frozen
+        # base's stays in the wire format (read, upcast into its compute scratch)
+        slot = wire if b.resident_base is not None else master + (wire if wire != master else 0)
+        blocks = config.num_slots * max(b.padded) * slot
     else:
         host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
     scratch = max(layout.numel for layout in b.trained) * compute
@@ -251,7 +254,9 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
         blocks += sum(layout.numel for layout in b.trained) * master  # the adapter's blocks
         # the base's copy in the compute dtype
         scratch += max(layout.numel for layout in b.streamed) * compute
-        resident_bytes += b.resident_base.numel * (master + (compute if compute != master else 0))
+        # the passes' copy on the device; a master in another dtype waits on the host
+        resident_bytes += b.resident_base.numel * compute
+        host += b.resident_base.numel * master if compute != master else 0
     return host, blocks, scratch, resident_bytes
 
 

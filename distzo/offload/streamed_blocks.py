@@ -105,10 +105,18 @@ class StreamedBlocks:
             offset += length
 
         biggest = max(self.padded)
-        self.slots = DeviceSlots(num_slots, biggest, device, master_dtype)
-        self.staging = (
-            DeviceSlots(num_slots, biggest, device, self.transfer_dtype) if self.low_bit else None
-        )
+        if self.low_bit and read_only:
+            # A frozen base is read, never updated: its blocks stay in the wire format on the
+            # device too, and the reader upcasts them (into its compute scratch) as it copies.
+            self.slots = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
+            self.staging = None
+        else:
+            self.slots = DeviceSlots(num_slots, biggest, device, master_dtype)
+            self.staging = (
+                DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
+                if self.low_bit
+                else None
+            )
         self.num_slots = num_slots
         self._non_blocking = pin
 
@@ -150,7 +158,7 @@ class StreamedBlocks:
         for work in gathers:
             # on CUDA: the current (upload) stream waits, the host does not
             self._comm.wait(work)
-        if self.low_bit:
+        if self.staging is not None:  # the master slot rebuilt from the low-bit wire
             self.slots.for_block(index, self.padded[index]).copy_(wire)
 
     def offload(self, index: int) -> None:

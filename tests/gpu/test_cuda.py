@@ -486,3 +486,21 @@ def test_an_asynchronous_save_of_the_rank_on_gpu_1_opens_no_context_on_gpu_0(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     *listing, pid = proc.stdout.strip().splitlines()
     assert f"process {pid.split()[1]:>10s}" not in "\n".join(listing), proc.stdout
+
+
+def test_an_adapters_frozen_resident_base_is_on_the_device_once():
+    """bf16 passes over an fp32 base: the device holds the passes' bf16 copy of the frozen
+    embeddings and head, the fp32 master (read by an export) waits on the host; a bf16
+    wire leaves the base's slots in bf16 (no float32 slots beside them)."""
+    from tests.helpers.models import adapted
+
+    config = ZOConfig(
+        device="cuda", mode="offload", transfer_dtype="bf16", compute_dtype="bf16", seed=0
+    )
+    engine = ZOEngine(adapted("llama", "lora-fa"), config)
+    assert engine._resident_base_compute.device.type == "cuda"
+    assert engine._resident_base_compute.dtype == torch.bfloat16
+    assert engine.resident_base.device.type == "cpu" and engine.resident_base.dtype == torch.float32
+    assert engine.base_store.slots.buffers[0].dtype == torch.bfloat16
+    assert engine.base_store.staging is None
+    engine.step(random_batch(64, seed=0))

@@ -96,6 +96,10 @@ def test_the_base_goes_up_once_per_step_and_never_back(transfer_dtype):
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
     full = engine_for(adapted("opt", "lora-fa"), mode="offload")
     assert engine.host_bytes * {"fp32": 1, "bf16": 2, "fp8": 4}[transfer_dtype] == full.host_bytes
+    # read-only, a low-bit base stays in its wire format in the slots too (no float32 slots
+    # beside them): the passes' scratch upcasts it
+    store = engine.base_store
+    assert store.staging is None and store.slots.buffers[0].dtype == store.transfer_dtype
 
 
 def test_a_low_bit_base_is_rounded_once_to_nearest():
@@ -179,19 +183,31 @@ def test_bad_adapter_options_are_one_line_errors():
 
 
 @pytest.mark.parametrize(
-    "mode, transfer_dtype", [("offload", "fp32"), ("offload", "bf16"), ("resident", "fp32")]
+    "mode, transfer_dtype, compute_dtype",
+    [
+        ("offload", "fp32", "fp32"),
+        ("offload", "bf16", "fp32"),
+        ("offload", "bf16", "bf16"),
+        ("resident", "fp32", "fp32"),
+        ("resident", "fp32", "bf16"),
+    ],
 )
-def test_the_memory_plan_counts_what_an_adapter_engine_allocates(mode, transfer_dtype):
+def test_the_memory_plan_counts_what_an_adapter_engine_allocates(
+    mode, transfer_dtype, compute_dtype
+):
     from distzo.job.memory_plan import plan_memory
 
-    config = ZOConfig(device="cpu", mode=mode, transfer_dtype=transfer_dtype, num_slots=2)
+    config = ZOConfig(
+        device="cpu",
+        mode=mode,
+        transfer_dtype=transfer_dtype,
+        compute_dtype=compute_dtype,
+        num_slots=2,
+    )
     plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8, signs=2)
     engine = ZOEngine(adapted("llama", "lora-fa"), config)
-    resident_base = engine.resident_base.nbytes + (
-        0
-        if engine._resident_base_compute is engine.resident_base
-        else engine._resident_base_compute.nbytes
-    )
+    # the passes' copy of the frozen resident modules; a master in another dtype is on the host
+    resident_base = engine._resident_base_compute.nbytes
     allocated = (
         engine.resident_master.nbytes
         + engine.resident_scratch.nbytes
