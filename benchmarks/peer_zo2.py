@@ -1,0 +1,206 @@
+"""The ZO2 peer of ``benchmarks/peers.py``: ZO2's own code, timed the way the harness times
+every system.
+
+    ZO2_PYTHON benchmarks/peer_zo2.py --zo2 PATH --system zo2-mezo --shape opt-1.3b \\
+        --batch 1 --seq 2048 --dtype fp16 --device cuda
+
+Runs under ZO2's interpreter (``--zo2-python`` of the harness: ZO2 needs transformers 4.51),
+so it imports neither distzo nor anything outside the standard library, torch, transformers
+and the ZO2 checkout at ``--zo2`` (a clone of liangyuwang/zo2, never vendored here).
+
+It builds the model as ZO2's speed test does (``test/mezo_sgd/hf_opt/test_speed.py``): an
+``OPTConfig`` of the shape with ``tie_word_embeddings=False`` and
+``max_position_embeddings = seq``, built under ``torch.set_default_dtype(dtype)``, then
+``model.zo_init(MeZOSGDConfig(...))`` with that test's defaults (lr 1e-3, weight decay 0.1,
+eps 1e-3). ``zo2-mezo`` is ZO2's ``zo2=False`` model (MeZO-SGD, the whole model on the
+device), ``zo2-offload`` its ``zo2=True`` model (blocks in host memory on three CUDA
+streams; CUDA only). A step is ``model(input_ids=ids, labels=ids)`` in ``zo_train`` mode,
+which runs ZO2's whole step (two perturbed passes and the update) and returns the loss.
+
+The protocol (benchmarks/peers.py): one JSON line ``{"ready": ...}`` once built, then one
+JSON line per request line ``{"steps": k}`` read from stdin; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# The OPT shapes of ZO2's speed test (its OPTConfigs): hidden, layers, heads, ffn.
+OPT_SHAPES = {
+    "opt-125m": (768, 12, 12, 3072),
+    "opt-350m": (1024, 24, 16, 4096),
+    "opt-1.3b": (2048, 24, 32, 8192),
+    "opt-2.7b": (2560, 32, 32, 10240),
+    "opt-6.7b": (4096, 32, 32, 16384),
+    "opt-13b": (5120, 40, 40, 20480),
+    "opt-30b": (7168, 48, 56, 28672),
+    "opt-66b": (9216, 64, 72, 36864),
+    "opt-175b": (12288, 96, 96, 49152),
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SYSTEMS = ("zo2-mezo", "zo2-offload")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--zo2", required=True, help="a clone of liangyuwang/zo2")
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--shape", required=True, choices=sorted(OPT_SHAPES))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def reply(message: dict[str, Any]) -> None:
+    """One protocol line on stdout, flushed: the harness waits for it."""
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def fail(message: str) -> None:
+    reply({"error": message})
+    raise SystemExit(1)
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM of this process (the harness compares every peer by the same figure)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def shape_dims(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    hidden, layers, heads, ffn = OPT_SHAPES[args.shape]
+    if args.hidden is not None:  # the harness's override: ffn 4 x hidden, 64-wide heads
+        hidden, ffn, heads = args.hidden, 4 * args.hidden, max(1, args.hidden // 64)
+    return hidden, args.layers or layers, heads, ffn
+
+
+def build(args: argparse.Namespace) -> tuple[Any, int, int]:
+    """ZO2's model of the shape, random init, as its speed test builds it."""
+    if not os.path.isdir(os.path.join(args.zo2, "zo2")):
+        fail(
+            f"--zo2 {args.zo2}: not a ZO2 checkout (no zo2/ package inside); clone liangyuwang/zo2"
+        )
+    sys.path.insert(0, os.path.abspath(args.zo2))
+    from transformers import OPTConfig
+    from zo2.config.mezo_sgd import MeZOSGDConfig  # type: ignore[import-not-found]
+    from zo2.model.huggingface.opt.mezo_sgd import zo, zo2  # type: ignore[import-not-found]
+
+    hidden, layers, heads, ffn = shape_dims(args)
+    config = OPTConfig(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        hidden_size=hidden,
+        ffn_dim=ffn,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    offload = args.system == "zo2-offload"
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    zo_config = MeZOSGDConfig(lr=1e-3, weight_decay=1e-1, eps=1e-3, working_device=device)
+    zo_config.zo2 = offload
+    if offload:
+        zo_config.offloading_device = "cpu"
+    torch.manual_seed(args.seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[args.dtype])
+    try:
+        model = zo2.OPTForCausalLM(config) if offload else zo.OPTForCausalLM(config).to(device)
+        model.zo_init(zo_config)
+    finally:
+        torch.set_default_dtype(default)
+    model.zo_train()
+    return model, sum(p.numel() for p in model.parameters()), config.vocab_size
+
+
+def timed_steps(
+    step: Callable[[], torch.Tensor], steps: int, device: str
+) -> tuple[list[float], float]:
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    samples, loss = [], float("nan")
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        out = step()
+        sync()
+        samples.append(time.perf_counter() - start)
+        loss = float(out)
+    return samples, loss
+
+
+def serve(args: argparse.Namespace) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device here")
+    if args.system == "zo2-offload" and args.device != "cuda":
+        fail("zo2-offload needs CUDA (ZO2's offload runs on three CUDA streams)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, parameters, vocab = build(args)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    ids = ids.to("cuda:0" if args.device == "cuda" else "cpu")
+    reply(
+        {
+            "ready": True,
+            "system": args.system,
+            "parameters": parameters,
+            "build_s": time.perf_counter() - started,
+        }
+    )
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        steps = int(json.loads(line)["steps"])
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        samples, loss = timed_steps(lambda: model(input_ids=ids, labels=ids), steps, args.device)
+        used = peak = None
+        if args.device == "cuda":
+            peak = torch.cuda.max_memory_allocated()
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+        reply(
+            {
+                "step_s": samples,
+                "loss": loss,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "peak_device_bytes": peak,
+                "device_used_bytes": used,
+            }
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        serve(args)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the harness needs one line, not a traceback
+        print(f"peer_zo2: {type(exc).__name__}: {exc}", file=sys.stderr)
+        fail(f"{args.system}: {type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()
