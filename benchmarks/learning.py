@@ -3,6 +3,19 @@
     python benchmarks/learning.py            # classification, lm, accuracy; 400 steps
     python benchmarks/learning.py --objectives classification --steps 200 --eval-steps 50
     python benchmarks/learning.py --quick    # 4 steps, 32 held-out rows (CI)
+    python benchmarks/learning.py --time-to-accuracy --recipes spsa,fzoo,lozo,lora-fa
+
+``--time-to-accuracy`` races training recipes (an estimator, full tuning or an adapter) to
+held-out accuracy thresholds (``--thresholds``, default 0.60 and 0.65) on the same recipe
+(SmolLM2-135M, SST-2 rows, the classification objective): each recipe's lr is swept on the
+first seed (the lr reaching the highest threshold in the fewest forward passes wins; then
+the best final accuracy), the winner runs on every other seed, and the report gives, per
+recipe, the forward passes and the wall time to each threshold (median over the seeds
+that reach it, and how many did), the final accuracy, a PNG of held-out accuracy against
+forward passes (one line per recipe, the band spans its seeds) and every run of the sweep.
+A forward pass is one pass over the step's batch (SPSA: 2 per query, FZOO: N + 1); the
+evaluations are not counted. Runs whose directory already holds a finished job are read,
+not re-run, so an interrupted race continues where it stopped.
 
 Each objective is one ordinary training job (``python -m distzo.train``, the command is
 printed and recorded) with MeZO's hyperparameters: lr 1e-5, eps 1e-3, batch 16,
@@ -26,7 +39,11 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
+from typing import Any
 
 from distzo.bench import BenchReport, Measurement
 from distzo.models.gguf import gguf_to_hf
@@ -97,6 +114,123 @@ def train_command(
     ]
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """A way to train, as the job's flags, with its eps and the lrs its sweep tries."""
+
+    flags: tuple[str, ...]
+    eps: float
+    lrs: tuple[float, ...]
+
+
+# MeZO's eps 1e-3 for full tuning and P-RGE's 1e-2 for LoRA-FA; the lrs bracket each method's
+# published setting at this batch (MeZO 1e-5..1e-6; FZOO's script 1e-5, its 13B example 5e-5;
+# LOZO 1e-6..1e-7 at 13B, larger on a small model; LoRA-FA 1e-2 learned here before).
+RECIPES = {
+    "spsa": Recipe((), 1e-3, (1e-5, 3e-5)),
+    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (1e-5, 3e-5, 1e-4)),
+    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (3e-6, 1e-5, 3e-5)),
+    "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (3e-3, 1e-2)),
+    "lora-fa-fzoo": Recipe(("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (1e-3, 3e-3, 1e-2)),
+}
+
+
+def passes_per_step(config: dict[str, Any]) -> int:
+    """Forward passes over the batch in one step of a run, from its config.toml."""
+    optim = config.get("optim", {})
+    estimator, queries = optim.get("estimator", "spsa"), int(optim.get("num_queries", 1))
+    if estimator in ("spsa", "lozo"):
+        return 2 * queries
+    if estimator == "fzoo":
+        return queries + 1
+    raise SystemExit(f"learning.py: unknown estimator {estimator!r} in a run's config.toml")
+
+
+def race_curve(run_dir: Path) -> list[dict[str, float]]:
+    """Per evaluation of a finished run: step, forward passes and training seconds so far,
+    held-out accuracy."""
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    per_step = passes_per_step(config)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    seconds = [float(m.get("step_s", 0.0)) for m in metrics]
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return [
+        {
+            "step": e["step"],
+            "forward_passes": e["step"] * per_step,
+            "wall_s": sum(seconds[: e["step"]]),
+            "eval_accuracy": e["eval_accuracy"],
+        }
+        for e in evals
+    ]
+
+
+def first_reaching(points: list[dict[str, float]], threshold: float) -> dict[str, float] | None:
+    """The first evaluation at or above ``threshold``, or None."""
+    return next((p for p in points if p["eval_accuracy"] >= threshold), None)
+
+
+def sweep_winner(curves: dict[float, list[dict[str, float]]], thresholds: list[float]) -> float:
+    """The lr whose run reached the highest threshold in the fewest forward passes; where
+    none reached any, the best final accuracy."""
+
+    def merit(lr: float) -> tuple[float, float, float]:
+        points = curves[lr]
+        for rank, threshold in enumerate(sorted(thresholds, reverse=True)):
+            hit = first_reaching(points, threshold)
+            if hit is not None:
+                return (-rank, -hit["forward_passes"], points[-1]["eval_accuracy"])
+        return (-len(thresholds), float("-inf"), points[-1]["eval_accuracy"])
+
+    return max(curves, key=merit)
+
+
+def race_summary(
+    runs: dict[int, list[dict[str, float]]], thresholds: list[float]
+) -> dict[str, float]:
+    """One recipe over its seeds: per threshold the median forward passes and wall time of
+    the seeds that reached it and how many did; the mean final accuracy."""
+    out: dict[str, float] = {
+        "seeds": len(runs),
+        "final_accuracy": sum(p[-1]["eval_accuracy"] for p in runs.values()) / len(runs),
+    }
+    for threshold in thresholds:
+        hits = [h for h in (first_reaching(p, threshold) for p in runs.values()) if h]
+        out[f"reached_{threshold:.2f}"] = len(hits)
+        if hits:
+            out[f"passes_to_{threshold:.2f}"] = median(h["forward_passes"] for h in hits)
+            out[f"wall_s_to_{threshold:.2f}"] = median(h["wall_s"] for h in hits)
+    return out
+
+
+def plot_race(
+    path: Path, curves: dict[str, dict[int, list[dict[str, float]]]], thresholds: list[float]
+) -> None:
+    """Held-out accuracy against forward passes: a line per recipe (the mean over its seeds
+    at each evaluation), the band from its lowest to its highest seed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    for i, (name, runs) in enumerate(curves.items()):
+        length = min(len(p) for p in runs.values())
+        x = [runs[next(iter(runs))][k]["forward_passes"] for k in range(length)]
+        acc = [[p[k]["eval_accuracy"] for p in runs.values()] for k in range(length)]
+        mean = [sum(a) / len(a) for a in acc]
+        ax.plot(x, mean, color=f"C{i}", label=f"{name} ({len(runs)} seeds)")
+        ax.fill_between(x, [min(a) for a in acc], [max(a) for a in acc], color=f"C{i}", alpha=0.2)
+    for threshold in thresholds:
+        ax.axhline(threshold, color="grey", linewidth=0.6, linestyle="--")
+    ax.set_xlabel("forward passes (over the batch)")
+    ax.set_ylabel("held-out accuracy")
+    ax.legend(loc="lower right", fontsize="small")
+    tmp = path.with_suffix(".tmp.png")
+    figure.savefig(tmp, dpi=120)
+    tmp.replace(path)
+
+
 def curve(run_dir: Path) -> list[dict]:
     """Per evaluation: step, held-out accuracy, mean training loss since the last one."""
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
@@ -114,7 +248,80 @@ def curve(run_dir: Path) -> list[dict]:
     return points
 
 
-def main() -> None:
+def run_job(command: list[str], run_dir: Path, steps: int) -> float:
+    """Run one training job (or read it: a directory holding the finished job is reused);
+    its wall time in seconds (0 when reused)."""
+    summary = run_dir / "summary.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("steps") == steps:
+        print(f"= {run_dir.name}: finished before, read", flush=True)
+        return 0.0
+    if run_dir.exists():
+        command = [*command, "--overwrite"]  # the benchmark's own unfinished run
+    print("+", " ".join(command), flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"learning.py: the run {run_dir.name} failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchReport) -> None:
+    """--time-to-accuracy: sweep each recipe's lr on the first seed, run the winner on the
+    others, and report forward passes and wall time to each threshold."""
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    names = args.recipes.split(",")
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(
+            f"learning.py: unknown recipe {unknown[0]!r}; choose from {', '.join(RECIPES)}"
+        )
+    best: dict[str, dict[int, list[dict[str, float]]]] = {}
+    for name in names:
+        recipe = RECIPES[name]
+        lrs = recipe.lrs if args.sweep else (recipe.lrs[0],)
+
+        def one(lr: float, seed: int) -> list[dict[str, float]]:
+            run_dir = work / f"race-{name}-lr{lr:g}-seed{seed}"
+            job = argparse.Namespace(**{**vars(args), "lr": lr, "eps": recipe.eps, "seed": seed})
+            command = train_command(job, "classification", run_dir, eval_file) + list(recipe.flags)
+            run_job(command, run_dir, args.steps)
+            points = race_curve(run_dir)
+            for point in points:
+                report.measurements.append(
+                    Measurement(
+                        name,
+                        {"recipe": name, "lr": lr, "eps": recipe.eps, "seed": seed,
+                         "step": point["step"], "command": " ".join(command[1:])},
+                        1, point["wall_s"], point["wall_s"], point["wall_s"], 0.0,
+                        {k: v for k, v in point.items() if k != "step"},
+                    )
+                )  # fmt: skip
+            print(
+                f"{name:13s} lr {lr:<8g} seed {seed}: held-out accuracy "
+                + " ".join(f"{p['eval_accuracy']:.3f}" for p in points),
+                flush=True,
+            )
+            return points
+
+        sweep = {lr: one(lr, seeds[0]) for lr in lrs}
+        lr = sweep_winner(sweep, thresholds)
+        best[name] = {seeds[0]: sweep[lr], **{s: one(lr, s) for s in seeds[1:]}}
+        report.derived[f"lr[{name}]"] = lr
+        for key, value in race_summary(best[name], thresholds).items():
+            report.derived[f"{key}[{name}]"] = value
+    if "spsa" in best:
+        for name in best:
+            for threshold in thresholds:
+                key = f"passes_to_{threshold:.2f}"
+                if f"{key}[spsa]" in report.derived and f"{key}[{name}]" in report.derived:
+                    report.derived[f"spsa_over_{name}_{key}"] = (
+                        report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
+                    )
+    plot_race(args.out.with_suffix(".png"), best, thresholds)
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -158,8 +365,26 @@ def main() -> None:
     p.add_argument(
         "--quick", action="store_true", help="4 steps of 8 rows, 16 held-out rows: a smoke run"
     )
+    p.add_argument(
+        "--time-to-accuracy",
+        action="store_true",
+        help="race --recipes to --thresholds (see the docstring); --objectives is ignored",
+    )
+    p.add_argument("--recipes", default="spsa,fzoo,lozo,lora-fa", help=", ".join(RECIPES))
+    p.add_argument("--seeds", default="0,1,2", help="the lr sweep runs on the first")
+    p.add_argument("--thresholds", default="0.60,0.65")
+    p.add_argument(
+        "--no-sweep",
+        dest="sweep",
+        action="store_false",
+        help="each recipe at the first lr of its sweep only",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.quick:
         args.steps, args.eval_steps, args.eval_rows, args.batch_size = 4, 2, 16, 8
     if not args.gguf or not Path(args.gguf).is_file():
@@ -183,6 +408,12 @@ def main() -> None:
         eval_file.write_text("".join(lines[: args.eval_rows + 1]))
 
     report = BenchReport("learning", "", 1)
+    if args.time_to_accuracy:
+        race(args, work, eval_file, report)
+        report.device = json.loads(next(work.glob("race-*/rank0.json")).read_text())["device"]
+        report.write(args.out, ["recipe", "lr", "seed", "forward_passes", "eval_accuracy"])
+        print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
+        return
     for objective in args.objectives.split(","):
         run_dir = work / "-".join(
             [objective] + [x for x in (args.peft, args.optimizer) if x not in ("none", "sgd")]

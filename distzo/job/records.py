@@ -52,6 +52,7 @@ class StepMeter:
             "projected_grad": result.projected_grad,
             "lr": result.lr,
             "tokens_per_s": self.tokens_per_s,
+            "step_s": seconds,  # the step's wall time: what time-to-accuracy adds up
             "link_gb_per_s": self.link_bytes
             / seconds
             / 1e9,  # uploaded by rank 0 (offloaded alike)

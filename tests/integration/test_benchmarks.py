@@ -302,3 +302,41 @@ def test_compare_adapters_refuses_layout_flags_of_its_own(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0 and "--compare-adapters runs its own layouts" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample"
+)
+def test_the_time_to_accuracy_race_reports_and_continues(tmp_path, smollm2_dir):
+    out = tmp_path / "race.json"
+    command = [
+        "benchmarks/learning.py",
+        "--quick",
+        "--time-to-accuracy",
+        "--recipes",
+        "lora-fa",
+        "--seeds",
+        "0",
+        "--no-sweep",
+        "--thresholds",
+        "0.0,1.01",
+        "--model-dir",
+        str(smollm2_dir),
+        "--out",
+        str(out),
+    ]
+    run(command, timeout=600)
+    data = load(out)
+    assert [m["params"]["step"] for m in data["measurements"]] == [0, 2, 4]
+    assert [m["metrics"]["forward_passes"] for m in data["measurements"]] == [0, 4, 8]
+    assert "--peft lora-fa" in data["measurements"][0]["params"]["command"]
+    derived = data["derived"]
+    # every accuracy is >= 0.0, none is >= 1.01: reached at step 0 by the one seed, never
+    assert derived["reached_0.00[lora-fa]"] == 1 and derived["passes_to_0.00[lora-fa]"] == 0
+    assert derived["reached_1.01[lora-fa]"] == 0 and "passes_to_1.01[lora-fa]" not in derived
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    # a second race reads the finished run instead of training again
+    again = run(command, timeout=120)
+    assert "finished before, read" in again.stdout and "+ " not in again.stdout
+    assert load(out)["derived"] == derived

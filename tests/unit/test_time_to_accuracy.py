@@ -1,0 +1,104 @@
+"""The time-to-accuracy race of benchmarks/learning.py: forward passes per step from a run's
+config, the first evaluation over a threshold, the sweep's winner, the summary over seeds
+and the plot, on run directories written here (the real race needs SmolLM2 and hours)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+LEARNING = Path(__file__).resolve().parents[2] / "benchmarks" / "learning.py"
+
+
+@pytest.fixture(scope="module")
+def learning():
+    spec = importlib.util.spec_from_file_location("learning", LEARNING)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["learning"]
+
+
+def write_run(path: Path, optim: str, accuracies: list[float], step_s: float, every: int) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(f"[optim]\n{optim}\n")
+    steps = every * (len(accuracies) - 1)
+    (path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "loss": 1.0, "step_s": step_s}) + "\n" for i in range(steps))
+    )
+    (path / "eval.jsonl").write_text(
+        "".join(
+            json.dumps({"step": k * every, "eval_accuracy": a}) + "\n"
+            for k, a in enumerate(accuracies)
+        )
+    )
+    return path
+
+
+def test_forward_passes_per_step_follow_the_estimator(learning):
+    assert learning.passes_per_step({"optim": {"num_queries": 1}}) == 2  # MeZO
+    assert learning.passes_per_step({"optim": {"estimator": "spsa", "num_queries": 4}}) == 8
+    assert learning.passes_per_step({"optim": {"estimator": "fzoo", "num_queries": 8}}) == 9
+    assert learning.passes_per_step({"optim": {"estimator": "lozo", "num_queries": 1}}) == 2
+    with pytest.raises(SystemExit, match="unknown estimator 'adam2'"):
+        learning.passes_per_step({"optim": {"estimator": "adam2"}})
+
+
+def test_a_curve_counts_passes_and_seconds_up_to_each_evaluation(learning, tmp_path):
+    run = write_run(
+        tmp_path / "r", 'estimator = "fzoo"\nnum_queries = 8', [0.5, 0.61, 0.7], 0.5, 10
+    )
+    points = learning.race_curve(run)
+    assert [p["step"] for p in points] == [0, 10, 20]
+    assert [p["forward_passes"] for p in points] == [0, 90, 180]
+    assert [p["wall_s"] for p in points] == [0.0, 5.0, 10.0]
+    assert learning.first_reaching(points, 0.65)["step"] == 20
+    assert learning.first_reaching(points, 0.8) is None
+
+
+def test_the_sweep_picks_the_fewest_passes_to_the_highest_threshold_reached(learning):
+    def curve(accs, per_eval=100):
+        return [
+            {"forward_passes": k * per_eval, "wall_s": k, "eval_accuracy": a}
+            for k, a in enumerate(accs)
+        ]
+
+    sweep = {
+        1e-5: curve([0.5, 0.62, 0.63, 0.64]),  # 0.60 only, early; best final of the misses
+        3e-5: curve([0.5, 0.55, 0.66, 0.60]),  # 0.65 at 200 passes
+        1e-4: curve([0.5, 0.58, 0.61, 0.67]),  # 0.65 at 300 passes
+    }
+    assert learning.sweep_winner(sweep, [0.60, 0.65]) == 3e-5
+    misses = {1e-5: curve([0.5, 0.52]), 3e-5: curve([0.5, 0.55])}
+    assert learning.sweep_winner(misses, [0.60, 0.65]) == 3e-5
+
+
+def test_the_summary_takes_the_median_of_the_seeds_that_reach(learning):
+    def curve(accs):
+        return [
+            {"forward_passes": 10 * k, "wall_s": 2.0 * k, "eval_accuracy": a}
+            for k, a in enumerate(accs)
+        ]
+
+    runs = {0: curve([0.5, 0.6, 0.66]), 1: curve([0.5, 0.65, 0.7]), 2: curve([0.5, 0.52, 0.55])}
+    out = learning.race_summary(runs, [0.60, 0.65])
+    assert out["reached_0.60"] == 2 and out["passes_to_0.60"] == 10
+    assert out["reached_0.65"] == 2 and out["passes_to_0.65"] == 15 and out["wall_s_to_0.65"] == 3
+    assert out["final_accuracy"] == pytest.approx((0.66 + 0.7 + 0.55) / 3)
+
+
+def test_the_plot_is_written(learning, tmp_path):
+    def curve(accs):
+        return [
+            {"forward_passes": 10 * k, "wall_s": k, "eval_accuracy": a} for k, a in enumerate(accs)
+        ]
+
+    path = tmp_path / "race.png"
+    curves = {"spsa": {0: curve([0.5, 0.6]), 1: curve([0.5, 0.62])}, "fzoo": {0: curve([0.7])}}
+    learning.plot_race(path, curves, [0.6, 0.65])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*"))
