@@ -47,6 +47,7 @@ import shutil
 import signal
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,8 +357,12 @@ def measure_interleaved(args: argparse.Namespace, systems: list[System]) -> list
             peer.kill()
 
 
-def measure_one_at_a_time(args: argparse.Namespace, systems: list[System]) -> list[Run]:
-    runs = []
+def measure_one_at_a_time(
+    args: argparse.Namespace, systems: list[System], done: Callable[[list[Run]], object]
+) -> list[Run]:
+    """One peer after another; ``done`` gets the runs so far after each (a partial report
+    survives a run stopped at its time limit)."""
+    runs: list[Run] = []
     for system in systems:
         peer = launch(args, system)
         try:
@@ -370,6 +375,7 @@ def measure_one_at_a_time(args: argparse.Namespace, systems: list[System]) -> li
             runs.append(run)
         finally:
             peer.kill()
+        done(runs)
     return runs
 
 
@@ -454,7 +460,12 @@ def device_label(args: argparse.Namespace) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads per peer)"
 
 
-def run_peers(args: argparse.Namespace, systems: list[System], notes: list[str]) -> list[Run]:
+def run_peers(
+    args: argparse.Namespace,
+    systems: list[System],
+    notes: list[str],
+    done: Callable[[list[Run]], object],
+) -> list[Run]:
     """Every peer's runs; a broken peer ends them all with one line (SystemExit)."""
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
@@ -463,7 +474,7 @@ def run_peers(args: argparse.Namespace, systems: list[System], notes: list[str])
                 "The peers ran one at a time (--one-at-a-time): their steps did not "
                 "interleave, so a drift of the machine's speed does not hit them alike"
             )
-            return measure_one_at_a_time(args, systems)
+            return measure_one_at_a_time(args, systems, done)
         return measure_interleaved(args, systems)
     except PeerError as exc:
         raise SystemExit(f"peers.py: {' '.join(str(exc).split())}") from None
@@ -471,22 +482,34 @@ def run_peers(args: argparse.Namespace, systems: list[System], notes: list[str])
         signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    systems, notes = choose_systems(args)
-    runs = run_peers(args, systems, notes)
+def write_report(
+    args: argparse.Namespace, systems: list[System], notes: list[str], runs: list[Run]
+) -> Path:
+    """The report of ``runs`` (a partial one, said so in its notes, while systems remain)."""
+    missing = [s.name for s in systems[len(runs) :]]
+    if missing:
+        notes = [*notes, f"Partial report: {', '.join(missing)} not measured yet"]
     report = BenchReport("peers", device_label(args), max(s.ranks for s in systems), notes=notes)
     report.measurements = [measurement(args, run) for run in runs]
     pairs = list(PAIRS) + [(a, b) for a, _, b in (r.partition("/") for r in args.ratio)]
     ratios(report, pairs)
-    for m in report.measurements:
+    out = Path(args.out) if args.out else default_out(args)
+    report.write(out, COLUMNS, METHOD)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    systems, notes = choose_systems(args)
+    runs = run_peers(args, systems, notes, lambda runs: write_report(args, systems, notes, runs))
+    out = write_report(args, systems, notes, runs)
+    for run in runs:
+        m = measurement(args, run)
         print(
             f"{m.name:16} {m.metrics['tokens_per_s']:10.1f} tokens/s  "
             f"{m.metrics['s_per_step'] * 1e3:9.1f} ms/step",
             file=sys.stderr,
         )
-    out = Path(args.out) if args.out else default_out(args)
-    report.write(out, COLUMNS, METHOD)
     print(f"peers.py: wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
 
 

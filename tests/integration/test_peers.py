@@ -172,6 +172,34 @@ def test_a_broken_peer_stops_every_peer_with_one_line(tmp_path, flag, says):
     assert_gone([e["pid"] for e in events(log, "start")])
 
 
+def test_one_at_a_time_measures_each_peer_alone_and_keeps_a_partial_report(tmp_path):
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    args = [
+        *TINY,
+        "--peer",
+        stand_in("fast", log, 1),
+        "--peer",
+        stand_in("slow", log, 1, "--die-at", "3"),
+    ]
+    with pytest.raises(SystemExit, match="peer slow closed its stdout"):
+        peers.main(
+            [*args, "--systems", "fast,slow", "--one-at-a-time", "--rounds", "4", "--warmup", "1"]
+            + ["--out", str(out)]
+        )
+    starts = [e["system"] for e in events(log, "start")]
+    assert starts == ["fast", "slow"]  # slow started once fast had ended
+    fast = [e for e in events(log, "request") if e["system"] == "fast"]
+    slow = [e for e in events(log, "request") if e["system"] == "slow"]
+    assert len(fast) == 5 and max(e["t"] for e in fast) < min(e["t"] for e in slow)
+    # what fast measured is on disk, said to be partial
+    data = json.loads(out.read_text())
+    validate_report(data)
+    assert [m["name"] for m in data["measurements"]] == ["fast"]
+    assert not data["measurements"][0]["params"]["interleaved"]
+    assert any("one at a time" in note for note in data["notes"])
+    assert any(note == "Partial report: slow not measured yet" for note in data["notes"])
+
+
 def test_a_bad_zo2_checkout_is_one_line_before_any_peer_starts(tmp_path):
     log = tmp_path / "requests.log"
     proc = harness(*TINY, "--peer", stand_in("fast", log, 1), "--zo2", str(tmp_path))
