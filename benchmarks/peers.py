@@ -95,7 +95,8 @@ the last half of the timed steps); tokens/s median is B x T over the median step
 half. Peak device memory is the CUDA allocator's peak of the peer's process; device used is
 total - free of the whole device at the end of each request (what nvidia-smi shows, ZO2's
 README's figure), the most over the run; peak host RSS is the peer's VmHWM (rank 0's for a
-launch of several ranks).
+launch of several ranks), the build included: ZO2 builds its MeZO model in host memory
+before moving it to the device, distzo fills its buckets one at a time.
 
 Where this differs from ZO2's own harness (test_speed.py): (1) every step is timed with
 perf_counter between two device syncs; ZO2's check_throughput reads time.time() around
