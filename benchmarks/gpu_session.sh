@@ -3,28 +3,43 @@
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
 #   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise optimizers adapters
-#                                                  (default: the first four)
+#                                                  peers (= peers-1.3b peers-6.7b peers-13b peers-30b), or one of those
+#                                                  all1 all2 all3: the stages that never ran on a GPU, one device command each
+#                                                  (default: tests bandwidth throughput big)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
 # stage and results-<stages>.tgz holding every JSON/Markdown/PNG report, so that a
 # single file comes back whatever the number of reports. Each run is bounded by
 # `timeout`, so a stuck run costs its own stage and the archive is still written.
+# DEADLINE_S (default 540 for all1, all2, all3) bounds the whole command: a run is cut
+# to the seconds left before it (30 kept for packing) and skipped when under 30 are
+# left, so the archive comes back inside the device tool's 600 s.
 #
 # The machine's image has torch, accelerate, safetensors and pytest but an older
 # transformers than setup.cfg asks for: carry the wheel (see benchmarks/README.md,
-# "On a lent GPU") in .whl/ and it is put first on PYTHONPATH here.
+# "On a lent GPU") in .whl/ and it is put first on PYTHONPATH here. The peers stages
+# also want ZO2: a checkout in .peers/zo2 and transformers 4.51's wheels in
+# .peers/whl451, installed into /tmp/site451, the ZO2 peer's PYTHONPATH alone; without
+# them they measure distzo alone.
 set -uo pipefail
 
 OUT=${OUT:-benchmarks/out/gpu}
 WORK=$(mktemp -d)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
+RUN=()  # the stages to run, the lists expanded
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
-        tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers or adapters" >&2; exit 2 ;;
+        tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) RUN+=("$stage") ;;
+        peers-1.3b|peers-6.7b|peers-13b|peers-30b) RUN+=("$stage") ;;
+        peers) RUN+=(peers-1.3b peers-6.7b peers-13b peers-30b) ;;
+        all1) RUN+=(noise adapters); DEADLINE_S=${DEADLINE_S:-540} ;;
+        all2) RUN+=(optimizers peers-1.3b); DEADLINE_S=${DEADLINE_S:-540} ;;
+        all3) RUN+=(peers-6.7b peers-13b); DEADLINE_S=${DEADLINE_S:-540} ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, all1, all2 or all3" >&2; exit 2 ;;
     esac
 done
+DEADLINE_S=${DEADLINE_S:-}
 mkdir -p "$OUT"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -38,10 +53,23 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
 git rev-parse --short HEAD 2>/dev/null || true
+free -g | head -2 || true
+
+ZO2_ARGS=()  # the ZO2 peer of benchmarks/peers.py, where it was carried
+if [[ " ${RUN[*]} " == *" peers-"* ]]; then
+    if [ -f .peers/zo2/zo2/optimizer/mezo_sgd/zo2.py ] && compgen -G ".peers/whl451/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site451 \
+            .peers/whl451/*.whl && ZO2_ARGS=(--zo2 .peers/zo2 --zo2-python python3 --zo2-pythonpath /tmp/site451)
+        PYTHONPATH=/tmp/site451 python3 -c "import transformers; print('ZO2 peer: transformers', transformers.__version__)"
+    else
+        echo "!! no .peers/zo2 checkout or .peers/whl451 wheels: the peers stages measure distzo alone"
+    fi
+fi
 
 pack() {
     local name
     name="results-$(IFS=-; echo "${STAGES[*]}").tgz"
+    cp "$WORK"/*.log "$OUT"/ 2>/dev/null
     tar czf "$OUT/$name" -C "$WORK" . && echo "packed $OUT/$name"
 }
 trap pack EXIT
@@ -49,15 +77,30 @@ trap pack EXIT
 bounded() {  # bounded SECONDS LOG COMMAND...: one run, its output kept in the stage's log
     local limit=$1 log=$2
     shift 2
-    echo "+ $*" | tee -a "$WORK/$log"
+    if [ -n "$DEADLINE_S" ]; then  # the command's own limit: keep 30 s for packing
+        local left=$((DEADLINE_S - SECONDS - 30))
+        if [ "$left" -lt 30 ]; then
+            echo "!! skipped, ${DEADLINE_S} s of this command spent: $*" | tee -a "$WORK/$log"
+            return 0
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    echo "+ $*  (at most $limit s)" | tee -a "$WORK/$log"
     timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$WORK/$log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && echo "!! exit $rc: $*" | tee -a "$WORK/$log"
     return 0
 }
 
+peers_at() {  # peers_at SHAPE SECONDS [ARGS...]: ZO2's speed test's point, batch 1 x 2048 in fp16
+    local shape=$1 limit=$2
+    shift 2
+    bounded "$limit" peers.log python3 benchmarks/peers.py --shape "$shape" --batch 1 --seq 2048 --dtype fp16 \
+        --device cuda "${ZO2_ARGS[@]}" "$@" --out "$WORK/peers-$shape-1x2048-fp16.json"
+}
+
 sweep=1x128,2x256,4x512,8x512,16x512
-for stage in "${STAGES[@]}"; do
+for stage in "${RUN[@]}"; do
     case $stage in
     tests)
         bounded 500 tests.log python3 -m pytest -m cuda -q -p no:cacheprovider --junitxml "$WORK/cuda-tests.xml"
@@ -112,10 +155,19 @@ for stage in "${STAGES[@]}"; do
         bounded 400 adapters.log python3 benchmarks/throughput.py --compare-adapters --shape llama-2-7b --layers 8 \
             --compute-dtype bf16 --sweep 1x64,8x64,16x256 --steps 5 --out "$WORK/throughput-llama-2-7b-adapters.json"
         ;;
+    peers-1.3b|peers-6.7b)  # issue 30: ZO2's MeZO and offload against distzo's resident and offload, steps interleaved
+        peers_at "opt-${stage#peers-}" "$([ "$stage" = peers-1.3b ] && echo 240 || echo 300)"
+        ;;
+    peers-13b|peers-30b)  # two copies do not fit: one system after another, offloads first, 16 timed steps each.
+        # distzo-resident's float32 masters of OPT-30B (120 GB) fit no lent GPU.
+        big=zo2-offload,distzo-offload,zo2-mezo
+        [ "$stage" = peers-13b ] && big=$big,distzo-resident
+        [ ${#ZO2_ARGS[@]} -eq 0 ] && big=distzo-offload$([ "$stage" = peers-13b ] && echo ,distzo-resident)
+        peers_at "opt-${stage#peers-}" 560 --one-at-a-time --warmup 1 --rounds 16 --systems "$big"
+        ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
             --sweep 1x128,2x256,4x512 --num-queries 4 --steps 3 --out "$WORK/throughput-opt-1.3b-bf16-q4.json"
         ;;
     esac
 done
-cp "$WORK"/*.log "$OUT"/ 2>/dev/null || true

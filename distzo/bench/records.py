@@ -4,7 +4,7 @@ Schema (version 1), checked by ``validate_report``::
 
     {
       "schema_version": 1,
-      "benchmark": "bandwidth" | "throughput" | "learning" | "memory",
+      "benchmark": "bandwidth" | "throughput" | "learning" | "memory" | "peers",
       "created": ISO-8601 time, "commit": git hash or "unknown",
       "device": "NVIDIA H100 80GB HBM3" | "cpu (N threads)", "torch": version,
       "world_size": int, "command": the command line,
@@ -13,7 +13,8 @@ Schema (version 1), checked by ``validate_report``::
          "repeats": int, "median_s": float, "min_s": float, "max_s": float, "spread": float,
          "metrics": {str: float}}          # e.g. gb_per_s, gparams_per_s, tokens_per_s
       ],
-      "derived": {str: float}             # ratios computed in the same run
+      "derived": {str: float},            # ratios computed in the same run
+      "notes": [str]                      # optional: what the run left out or did otherwise
     }
 """
 
@@ -33,7 +34,7 @@ import torch
 from distzo.bench.timing import Timer
 
 SCHEMA_VERSION = 1
-BENCHMARKS = ("bandwidth", "throughput", "learning", "memory")
+BENCHMARKS = ("bandwidth", "throughput", "learning", "memory", "peers")
 _SCALAR = (str, int, float, bool, type(None))
 
 
@@ -88,6 +89,7 @@ class BenchReport:
     world_size: int
     measurements: list[Measurement] = field(default_factory=list)
     derived: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -101,17 +103,21 @@ class BenchReport:
             "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
             "measurements": [asdict(m) for m in self.measurements],
             "derived": self.derived,
+            **({"notes": self.notes} if self.notes else {}),
         }
 
-    def write(self, json_path: Path, columns: list[str]) -> dict[str, Any]:
-        """Write the JSON (atomically) and a Markdown table beside it; return the JSON."""
+    def write(self, json_path: Path, columns: list[str], appendix: str = "") -> dict[str, Any]:
+        """Write the JSON (atomically) and a Markdown table beside it (``appendix``, e.g. the
+        method, after it); return the JSON."""
         data = self.to_json()
         validate_report(data)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = json_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(json_path)
-        json_path.with_suffix(".md").write_text(markdown_table(data, columns))
+        json_path.with_suffix(".md").write_text(
+            markdown_table(data, columns) + (f"\n{appendix.strip()}\n" if appendix else "")
+        )
         return data
 
 
@@ -135,6 +141,8 @@ def markdown_table(data: dict[str, Any], columns: list[str]) -> str:
     if data["derived"]:
         lines += ["", "| derived | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" for k, v in data["derived"].items()]
+    if data.get("notes"):
+        lines += ["", *(f"* {note}" for note in data["notes"])]
     return "\n".join(lines) + "\n"
 
 
@@ -188,4 +196,9 @@ def validate_report(data: dict[str, Any]) -> None:
     need(
         all(isinstance(v, (int, float)) for v in data["derived"].values()),
         "derived values must be numbers",
+    )
+    notes = data.get("notes", [])
+    need(
+        isinstance(notes, list) and all(isinstance(n, str) for n in notes),
+        "notes, where present, must be a list of strings",
     )

@@ -3,9 +3,11 @@
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from distzo.bench import validate_report
 from tests.helpers.launch import child_env, free_port
@@ -138,6 +140,24 @@ def test_the_gpu_session_script_refuses_an_unknown_stage_before_running_any(tmp_
     )
     assert proc.returncode == 2 and "unknown stage throughpt" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was packed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here the stage would run for real")
+def test_the_gpu_session_script_packs_its_archive_when_a_stage_fails(tmp_path):
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_session.sh", "peers-1.3b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env({"OUT": str(tmp_path)}),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with tarfile.open(tmp_path / "results-peers-1.3b.tgz") as archive:
+        member = archive.extractfile("./peers.log")
+        assert member is not None
+        log = member.read().decode()
+    assert "--device cuda, but torch sees no CUDA device" in log and "!! exit 1" in log
+    assert (tmp_path / "peers.log").read_text() == log  # the log comes back beside it
 
 
 def test_schema_rejects_a_broken_report(tmp_path):

@@ -34,7 +34,7 @@ LAYERS = (
     ("engine", "the step: `ZOEngine` and what it is built from"),
     ("export", "the Hugging Face directory and the `torch.export` training step"),
     ("job", "the training job: checkpoints, evaluation, seed log, memory plan, reporting"),
-    ("bench", "timing and the report schema of the scripts in `benchmarks/`"),
+    ("bench", "timing, the report schema and the peer protocol of the scripts in `benchmarks/`"),
     (ROOT, "`__init__.py` (the public names), `train.py` and `replay.py` (the commands)"),
 )
 

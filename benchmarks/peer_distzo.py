@@ -1,0 +1,155 @@
+"""The distzo peer of ``benchmarks/peers.py``: one distzo engine, timed by the protocol.
+
+    python benchmarks/peer_distzo.py --system distzo-offload --shape opt-1.3b --batch 1 \\
+        --seq 2048 --dtype fp16 --device cuda
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/peer_distzo.py \\
+        --system distzo-sliced ...        # rank 0 speaks the protocol
+
+Systems: ``distzo-resident`` (MeZO: every weight on the device), ``distzo-offload``
+(blocks in host memory, streamed through the default slots) and, on 2 ranks,
+``distzo-sliced`` (PertP over the 2 ranks, each uploading its half of every block and
+all-gathering the rest: the trainer's layout at 2 ranks of a node). The model is the
+shape's OPT, built as ZO2's speed test builds it (``OPTConfig`` defaults but for the
+shape, ``tie_word_embeddings=False``, ``max_position_embeddings = seq``), as a meta
+skeleton filled by ``RandomWeights``. The step is ZO2's speed test's: lr 1e-3, eps 1e-3,
+weight decay 0.1, the causal-LM loss on one fixed random batch (labels = the input ids).
+
+Masters are float32 (distzo's design); ``--dtype`` is the compute dtype, and under
+offload also the host copy's and the link's (``--transfer-dtype`` overrides), so that
+the bytes at rest and on the link are ZO2's for its model in that dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+
+import torch
+from transformers import OPTConfig
+
+from distzo import ZOConfig, ZOEngine
+from distzo.bench.peer_protocol import protocol_parser, serve
+from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
+from distzo.dist import process_group as pg
+from distzo.models.shapes import OPT_SHAPES
+from distzo.models.weights import RandomWeights, skeleton
+
+SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-sliced")
+# A rank other than 0 waits in a broadcast while the other peers of an interleaved run
+# take their steps: hours at the largest shapes.
+IDLE_TIMEOUT = timedelta(hours=6)
+
+
+def opt_config(shape: str, layers: int | None, hidden: int | None, seq: int) -> OPTConfig:
+    """The OPT config of ZO2's speed test for ``shape`` (its widths; every other field
+    OPTConfig's default), with the protocol's overrides."""
+    width, depth, heads, ffn = OPT_SHAPES[shape]
+    if hidden is not None:
+        if hidden < 64 or hidden % 64:
+            raise ValueError(f"--hidden {hidden}: must be a multiple of 64 (64-wide heads)")
+        width, heads, ffn = hidden, hidden // 64, 4 * hidden
+    return OPTConfig(
+        hidden_size=width,
+        num_hidden_layers=layers or depth,
+        num_attention_heads=heads,
+        ffn_dim=ffn,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
+
+
+class DistzoSystem:
+    """An engine and its fixed batch (this rank's share of it)."""
+
+    def __init__(self, engine: ZOEngine, batch: dict[str, torch.Tensor]) -> None:
+        self.engine, self.batch = engine, batch
+        self.parameters = engine.num_parameters
+
+    def step(self) -> float:
+        return self.engine.step(self.batch).loss
+
+
+def parallel_for(system: str, device: torch.device) -> ParallelContext:
+    """One process, or the 2 ranks of ``distzo-sliced`` (as the trainer builds them)."""
+    env = LaunchEnv.from_environ()
+    if system != "distzo-sliced":
+        if env.world_size > 1:
+            raise ValueError(f"{system} runs in one process; launch it with python, not torchrun")
+        return ParallelContext.single(device)
+    if env.world_size != 2:
+        raise ValueError(
+            "distzo-sliced runs on 2 ranks: launch it with torchrun --nproc_per_node 2"
+        )
+    pg.init_process_group(env, pg.resolve_backend("auto", device), IDLE_TIMEOUT.total_seconds())
+    comm = Collectives.for_job(device, IDLE_TIMEOUT)
+    dims = ParallelDims(1, 2)
+    mesh = pg.build_mesh(dims, device, IDLE_TIMEOUT)
+    group, members = pg.node_groups(env, comm)
+    return ParallelContext(env, dims, mesh, ShardGroup.of(group, members, env.rank), comm)
+
+
+def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
+    if args.system not in SYSTEMS:
+        raise ValueError(f"--system {args.system}: the distzo peer runs {', '.join(SYSTEMS)}")
+    if args.shape not in OPT_SHAPES:
+        raise ValueError(f"--shape {args.shape}: choose one of {', '.join(OPT_SHAPES)}")
+    env = LaunchEnv.from_environ()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here")
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    config = opt_config(args.shape, args.layers, args.hidden, args.seq)
+    parallel = parallel_for(args.system, device)
+    mode = "resident" if args.system == "distzo-resident" else "offload"
+    transfer_dtype = args.transfer_dtype or args.dtype
+    zo = ZOConfig(
+        lr=1e-3,
+        eps=1e-3,
+        weight_decay=0.1,
+        seed=args.seed,
+        device=str(device),
+        mode=mode,
+        compute_dtype=args.dtype,
+        transfer="sliced" if args.system == "distzo-sliced" else "auto",
+        transfer_dtype=transfer_dtype if mode == "offload" else "fp32",
+    )
+    model = skeleton(config, torch.float32)
+    engine = ZOEngine(model, zo, parallel=parallel, weights=RandomWeights(args.seed))
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
+    return DistzoSystem(engine, parallel.shard_batch({"input_ids": ids})), device
+
+
+def main() -> int:
+    p = protocol_parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--transfer-dtype",
+        choices=("fp32", "fp16", "bf16"),
+        default=None,
+        help="offload: the host copy's and the link's dtype (default: --dtype)",
+    )
+    args = p.parse_args()
+    env = LaunchEnv.from_environ()
+    built: list[DistzoSystem] = []
+
+    def build_here(a: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
+        system, device = build(a)
+        built.append(system)
+        return system, device
+
+    def share(steps: int) -> int:
+        """Rank 0's request, on every rank of a launch (the other ranks never read stdin)."""
+        return int(built[0].engine.parallel.comm.broadcast_object(steps)) if built else steps
+
+    try:
+        return serve(build_here, args, speaks=env.rank == 0, share=share)
+    finally:
+        pg.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""distzo against ZO2 on the same machine: every system in a process of its own (a peer),
+the same model, batch and dtype, steps interleaved between them.
+
+    python benchmarks/peers.py --shape opt-1.3b --batch 1 --seq 2048 --dtype fp16 \\
+        --zo2 .peers/zo2 --zo2-python python3 --zo2-pythonpath /tmp/site451
+    python benchmarks/peers.py --shape opt-125m --layers 4 --hidden 256 --batch 4 --seq 128 \\
+        --device cpu --threads 1 --zo2 ../zo2 --zo2-python ../zo2-venv/bin/python
+    python benchmarks/peers.py --shape opt-13b ... --one-at-a-time   # two copies do not fit
+
+Systems: ``zo2-mezo`` (ZO2's ``zo2=False``: its MeZO-SGD step, the model on the device),
+``zo2-offload`` (``zo2=True``: its CPU offload on three CUDA streams; CUDA only), both
+from the ZO2 checkout given by ``--zo2`` and run by ``benchmarks/peer_zo2.py`` under
+``--zo2-python`` (ZO2 needs transformers 4.51); ``distzo-resident``, ``distzo-offload``
+and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks under torchrun), run by
+``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD`` speaking the protocol.
+
+The protocol (the harness's contract with a peer; ``distzo/bench/peer_protocol.py``
+holds it in full): the peer is launched as ``CMD --system NAME --shape SHAPE [--layers L]
+[--hidden H] --batch B --seq T --dtype {fp32,fp16,bf16} --device {cpu,cuda} --seed S
+--threads K``, builds its model (random init, the OPT shape with
+``tie_word_embeddings=False`` and ``max_position_embeddings = T``; ``--hidden`` sets
+ffn = 4 H and H / 64 heads) and writes one JSON line ``{"ready": true, "system",
+"parameters", "build_s"}``. For each stdin line ``{"steps": k}`` it runs k steps on one
+fixed B x T batch of token ids (labels = the ids: the causal-LM loss) and writes one line
+``{"step_s": [k wall times, device synced before and after each], "loss",
+"peak_rss_bytes" (VmHWM), "peak_device_bytes" (the CUDA allocator's peak since the
+request began, else null), "device_used_bytes" (total - free at the request's end, else
+null)}``. An error is ``{"error": "one line"}`` and exit 1; EOF on stdin: exit 0. Logs go
+to stderr, which the harness echoes with the peer's name.
+
+Method: every peer is built, takes ``--warmup`` untimed steps, then ``--rounds`` rounds in
+which each peer in turn takes ``--steps-per-round`` steps (``--one-at-a-time``: one peer
+after another, started, measured and stopped). The statistic is ZO2's
+(``record_zo2_speed.sh``): the mean of the per-step tokens/s (B x T / step time) over
+the last half of the timed steps (30 by default); the median is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distzo.bench import BenchReport, Measurement, Timer
+from distzo.bench.peer_process import PeerError, PeerProcess
+from distzo.models.shapes import OPT_SHAPES
+from distzo.runtime.devices import device_name
+
+HERE = Path(__file__).resolve().parent
+ZO2_SYSTEMS = ("zo2-mezo", "zo2-offload")
+DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-sliced")
+BUILTIN = ZO2_SYSTEMS + DISTZO_SYSTEMS
+# (numerator, denominator) of every ratio reported when both systems ran
+PAIRS = (
+    ("distzo-offload", "zo2-mezo"),
+    ("distzo-offload", "zo2-offload"),
+    ("distzo-resident", "zo2-mezo"),
+    ("distzo-offload", "distzo-resident"),
+    ("zo2-offload", "zo2-mezo"),
+    ("distzo-sliced", "distzo-offload"),
+)
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+COLUMNS = [
+    "tokens_per_s",
+    "tokens_per_s_median",
+    "s_per_step",
+    "peak_device_gb",
+    "device_used_gb",
+    "peak_host_rss_gb",
+    "parameters",
+    "loss",
+]
+
+METHOD = """\
+Method. Each system runs in a process of its own (a peer) on the same random-init model of
+the shape, the same fixed batch of token ids (labels = the ids) and the same compute dtype.
+After every peer is built it takes the warm-up steps untimed; then, in each round, every
+peer in turn takes its steps, so that drift of the machine's speed hits all of them alike
+(unless the notes say the peers ran one at a time). tokens/s is ZO2's statistic
+(test/mezo_sgd/hf_opt/record_zo2_speed.sh: the mean of the per-step B x T / step time over
+the last half of the timed steps); tokens/s median is B x T over the median step of that
+half. Peak device memory is the CUDA allocator's peak of the peer's process; device used is
+total - free of the whole device at the end of each request (what nvidia-smi shows, ZO2's
+README's figure), the most over the run; peak host RSS is the peer's VmHWM (rank 0's for a
+launch of several ranks), the build included: ZO2 builds its MeZO model in host memory
+before moving it to the device, distzo fills its buckets one at a time.
+
+Where this differs from ZO2's own harness (test_speed.py): (1) every step is timed with
+perf_counter between two device syncs; ZO2's check_throughput reads time.time() around
+model(...) without a sync. Its offload step (zo2=True, optimizer/mezo_sgd/zo2.py) syncs the
+device before and after its passes and ends in a .item() read, so its own timing is
+synchronous too; its MeZO step (zo2=False, zo.py) ends its timed region at the .item() of
+the projected gradient, and the kernels it queues after that read (restoring the weights,
+the update) run into the next step's time: synced here, they count in the step that queued
+them (the mean over many steps is the same but for one step's tail). (2) ZO2 times 30 steps
+from a cold start and averages the last 15; here the warm-up steps run first, then the
+timed steps, and the mean is over the last half of those. (3) ZO2's script measures one
+system per process run; here the systems' steps interleave. (4) In an interleaved run the
+device used memory counts every peer on the device: compare it with ZO2's README only from
+a run with --one-at-a-time. (5) distzo keeps float32 masters (on the device when resident)
+and, offloaded, a host copy in the compute dtype (stochastically rounded), where ZO2 keeps
+the whole model in the compute dtype; ZO2's weight decay spares biases and layer norms,
+distzo's applies to matrices: both 0.1, as ZO2's speed test.
+"""
+
+
+@dataclass
+class System:
+    """How to launch one peer: ``command``, then the protocol's arguments, then ``extra``."""
+
+    name: str
+    command: list[str]
+    extra: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    ranks: int = 1
+
+
+@dataclass
+class Run:
+    """What one peer reported: its ready line, its timed steps in order, every reply."""
+
+    system: System
+    ready: dict[str, Any]
+    samples: list[float] = field(default_factory=list)
+    replies: list[dict[str, Any]] = field(default_factory=list)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", default="opt-1.3b", choices=sorted(OPT_SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    p.add_argument(
+        "--hidden", type=int, default=None, help="override the width: ffn 4 H, H / 64 heads"
+    )
+    p.add_argument("--batch", type=int, default=1, help="batch (default 1, ZO2's)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048, ZO2's)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "fp16", "bf16"),
+        default=None,
+        help="compute dtype (default fp16 on CUDA, ZO2's; fp32 on CPU)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--seed", type=int, default=42, help="weights and batch (ZO2's test: 42)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per peer (CPU)")
+    p.add_argument("--systems", default=None, help="comma-separated (default: all that can run)")
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=CMD",
+        help="another peer speaking the protocol (repeatable)",
+    )
+    p.add_argument(
+        "--ratio",
+        action="append",
+        default=[],
+        metavar="A/B",
+        help="also report A's tokens/s and memory over B's (repeatable)",
+    )
+    p.add_argument("--zo2", default=None, help="a clone of liangyuwang/zo2 (never vendored)")
+    p.add_argument("--zo2-python", default=None, help="ZO2's interpreter (transformers 4.51)")
+    p.add_argument(
+        "--zo2-pythonpath",
+        default=None,
+        help="PYTHONPATH of the ZO2 peer alone (e.g. a --target dir of transformers 4.51 "
+        "wheels); the harness's own PYTHONPATH is not passed on to it",
+    )
+    p.add_argument(
+        "--distzo-transfer-dtype",
+        choices=("fp32", "fp16", "bf16"),
+        default=None,
+        help="distzo offload's host copy and link dtype (default: --dtype)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first")
+    p.add_argument("--rounds", type=int, default=30, help="rounds of timed steps")
+    p.add_argument("--steps-per-round", type=int, default=1, help="each peer's steps per round")
+    p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="start, measure and stop the peers one after another (no interleaving)",
+    )
+    p.add_argument("--out", default=None, help="JSON report (default benchmarks/results/...)")
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every option, before any peer starts: one line naming the problem and the fix."""
+    cuda = torch.cuda.is_available()
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    if args.device == "cuda" and not cuda:
+        raise SystemExit("peers.py: --device cuda, but torch sees no CUDA device here")
+    args.dtype = args.dtype or ("fp16" if args.device == "cuda" else "fp32")
+    for name in ("batch", "threads", "rounds", "steps_per_round"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"peers.py: --{name.replace('_', '-')} must be >= 1")
+    if args.seq < 2:
+        raise SystemExit("peers.py: --seq must be >= 2 (the loss predicts token t+1 from t)")
+    if args.warmup < 0:
+        raise SystemExit("peers.py: --warmup must be >= 0")
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit("peers.py: --layers must be >= 1")
+    if args.hidden is not None and (args.hidden < 64 or args.hidden % 64):
+        raise SystemExit(
+            f"peers.py: --hidden {args.hidden} must be a multiple of 64 (64-wide heads)"
+        )
+    if args.zo2 is not None:
+        marker = Path(args.zo2) / "zo2" / "optimizer" / "mezo_sgd" / "zo2.py"
+        if not marker.is_file():
+            raise SystemExit(
+                f"peers.py: --zo2 {args.zo2} is not a ZO2 checkout (no {marker}); clone "
+                "liangyuwang/zo2 and pass its folder"
+            )
+        args.zo2_python = args.zo2_python or sys.executable
+        if shutil.which(args.zo2_python) is None:
+            raise SystemExit(
+                f"peers.py: --zo2-python {args.zo2_python} is not an executable interpreter"
+            )
+        if not (HERE / "peer_zo2.py").is_file():
+            raise SystemExit(f"peers.py: {HERE / 'peer_zo2.py'} (the ZO2 peer) is missing")
+    elif args.zo2_python or args.zo2_pythonpath:
+        raise SystemExit("peers.py: --zo2-python and --zo2-pythonpath need --zo2 PATH")
+
+
+def protocol_args(args: argparse.Namespace, name: str) -> list[str]:
+    out = ["--system", name, "--shape", args.shape]
+    out += ["--layers", str(args.layers)] if args.layers else []
+    out += ["--hidden", str(args.hidden)] if args.hidden else []
+    out += ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype]
+    out += ["--device", args.device, "--seed", str(args.seed), "--threads", str(args.threads)]
+    return out
+
+
+def builtin_system(args: argparse.Namespace, name: str) -> System:
+    if name in ZO2_SYSTEMS:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if args.zo2_pythonpath:
+            env["PYTHONPATH"] = args.zo2_pythonpath
+        command = [args.zo2_python, str(HERE / "peer_zo2.py"), "--zo2", args.zo2]
+        return System(name, command, env=env)
+    extra = ["--transfer-dtype", args.distzo_transfer_dtype] if args.distzo_transfer_dtype else []
+    runner = str(HERE / "peer_distzo.py")
+    if name == "distzo-sliced":
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        return System(name, [sys.executable, *launch, runner], extra, ranks=2)
+    return System(name, [sys.executable, runner], extra)
+
+
+def parse_peers(specs: list[str]) -> dict[str, list[str]]:
+    peers: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, command = spec.partition("=")
+        if not sep or not NAME.match(name) or not command.strip():
+            raise SystemExit(
+                f"peers.py: --peer {spec!r} is not NAME=CMD (NAME in lower-case letters, digits, "
+                "'.', '_', '-')"
+            )
+        if name in BUILTIN or name in peers:
+            raise SystemExit(f"peers.py: --peer {name}: that system is already defined")
+        peers[name] = shlex.split(command)
+    return peers
+
+
+def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
+    """The systems to run, in round order, and the notes on those left out."""
+    peers = parse_peers(args.peer)
+    notes: list[str] = []
+    cuda_devices = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.systems is None:
+        names = list(ZO2_SYSTEMS if args.zo2 else ()) + ["distzo-resident", "distzo-offload"]
+        if cuda_devices >= 2:
+            names.append("distzo-sliced")
+        else:
+            notes.append(
+                "distzo-sliced did not run: it needs 2 CUDA devices "
+                f"({'found ' + str(cuda_devices) if args.device == 'cuda' else 'a CPU run'})"
+            )
+        names += list(peers)
+    else:
+        names = [n.strip() for n in args.systems.split(",") if n.strip()]
+        for name in names:
+            if name not in BUILTIN and name not in peers:
+                known = ", ".join([*BUILTIN, *peers])
+                raise SystemExit(f"peers.py: --systems: unknown system {name!r}; known: {known}")
+            if name in ZO2_SYSTEMS and not args.zo2:
+                raise SystemExit(
+                    f"peers.py: --systems {name} needs --zo2 PATH (a clone of liangyuwang/zo2)"
+                )
+        if len(set(names)) != len(names):
+            raise SystemExit(f"peers.py: --systems names a system twice: {args.systems}")
+        if "distzo-sliced" in names and args.device == "cuda" and cuda_devices < 2:
+            names.remove("distzo-sliced")
+            notes.append(
+                f"distzo-sliced did not run: it needs 2 CUDA devices (found {cuda_devices})"
+            )
+    if not args.zo2:
+        notes.append("ZO2 was not given (--zo2): only the other systems ran")
+    if "zo2-offload" in names and args.device != "cuda":
+        names.remove("zo2-offload")
+        notes.append("zo2-offload did not run: ZO2's offload needs CUDA (three CUDA streams)")
+    if not names:
+        raise SystemExit("peers.py: no system left to run; name some with --systems or --peer")
+    for ratio in args.ratio:
+        a, sep, b = ratio.partition("/")
+        if not sep or a not in names or b not in names or a == b:
+            raise SystemExit(f"peers.py: --ratio {ratio!r} is not A/B of two systems that run")
+    systems = [System(n, peers[n]) if n in peers else builtin_system(args, n) for n in names]
+    return systems, notes
+
+
+def launch(args: argparse.Namespace, system: System) -> PeerProcess:
+    command = system.command + protocol_args(args, system.name) + system.extra
+    print(f"peers.py: starting {system.name}: {shlex.join(command)}", file=sys.stderr)
+    return PeerProcess(system.name, command, system.env)
+
+
+def measure(peer: PeerProcess, run: Run, steps: int, timed: bool) -> None:
+    reply = peer.request(steps)
+    run.replies.append(reply)
+    if timed:
+        run.samples += reply["step_s"]
+
+
+def measure_interleaved(args: argparse.Namespace, systems: list[System]) -> list[Run]:
+    peers: list[PeerProcess] = []
+    try:
+        for system in systems:  # all build at once
+            peers.append(launch(args, system))
+        runs = [Run(system, peer.ready()) for system, peer in zip(systems, peers)]
+        if args.warmup:
+            for peer, run in zip(peers, runs):
+                measure(peer, run, args.warmup, timed=False)
+        for _ in range(args.rounds):
+            for peer, run in zip(peers, runs):
+                measure(peer, run, args.steps_per_round, timed=True)
+        for peer in peers:
+            peer.close()
+        return runs
+    finally:
+        for peer in peers:
+            peer.kill()
+
+
+def measure_one_at_a_time(
+    args: argparse.Namespace, systems: list[System], done: Callable[[list[Run]], object]
+) -> list[Run]:
+    """One peer after another; ``done`` gets the runs so far after each (a partial report
+    survives a run stopped at its time limit)."""
+    runs: list[Run] = []
+    for system in systems:
+        peer = launch(args, system)
+        try:
+            run = Run(system, peer.ready())
+            if args.warmup:
+                measure(peer, run, args.warmup, timed=False)
+            for _ in range(args.rounds):
+                measure(peer, run, args.steps_per_round, timed=True)
+            peer.close()
+            runs.append(run)
+        finally:
+            peer.kill()
+        done(runs)
+    return runs
+
+
+def most(replies: list[dict[str, Any]], key: str) -> int | None:
+    values = [r[key] for r in replies if r[key] is not None]
+    return max(values) if values else None
+
+
+def measurement(args: argparse.Namespace, run: Run) -> Measurement:
+    """ZO2's statistic over the last half of the timed steps, and the memory maxima."""
+    last = run.samples[len(run.samples) // 2 :]
+    tokens = args.batch * args.seq
+    timer = Timer(last)
+    metrics: dict[str, float] = {
+        "tokens_per_s": statistics.fmean(tokens / s for s in last),
+        "tokens_per_s_median": tokens / timer.median,
+        "s_per_step": statistics.fmean(last),
+        "peak_host_rss_gb": (most(run.replies, "peak_rss_bytes") or 0) / 1e9,
+        "parameters": float(run.ready["parameters"]),
+        "build_s": float(run.ready["build_s"]),
+    }
+    for key, metric in (
+        ("peak_device_bytes", "peak_device_gb"),
+        ("device_used_bytes", "device_used_gb"),
+    ):
+        value = most(run.replies, key)
+        if value is not None:
+            metrics[metric] = value / 1e9
+    loss = run.replies[-1]["loss"]
+    if math.isfinite(loss):
+        metrics["loss"] = float(loss)
+    hidden, layers, _, _ = OPT_SHAPES[args.shape]
+    params = {
+        "system": run.system.name,
+        "shape": args.shape,
+        "layers": args.layers or layers,
+        "hidden": args.hidden or hidden,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": args.threads,
+        "ranks": run.system.ranks,
+        "interleaved": not args.one_at_a_time,
+        "warmup": args.warmup,
+        "timed_steps": len(run.samples),
+        "statistic_steps": len(last),
+    }
+    return Measurement.from_timer(run.system.name, params, timer, metrics)
+
+
+def ratios(report: BenchReport, pairs: list[tuple[str, str]]) -> None:
+    """``A_vs_B``: A's tokens/s over B's; ``A_vs_B_peak_device``/``_peak_rss``: memory."""
+    by_name = {m.name: m.metrics for m in report.measurements}
+    for a, b in pairs:
+        if a not in by_name or b not in by_name:
+            continue
+        for suffix, metric in (
+            ("", "tokens_per_s"),
+            ("_peak_device", "peak_device_gb"),
+            ("_peak_rss", "peak_host_rss_gb"),
+        ):
+            if metric in by_name[a] and by_name[b].get(metric):
+                report.derived[f"{a}_vs_{b}{suffix}"] = by_name[a][metric] / by_name[b][metric]
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    shape = args.shape + (f"-{args.layers}l" if args.layers else "")
+    shape += f"-h{args.hidden}" if args.hidden else ""
+    name = f"peers-{shape}-{args.batch}x{args.seq}-{args.dtype}-{args.device}.json"
+    return HERE / "results" / name
+
+
+def terminate(signum: int, _frame: object) -> None:
+    """SIGTERM as an exit, so that every peer is killed on the way out."""
+    raise SystemExit(f"peers.py: stopped by signal {signum}; every peer was ended")
+
+
+def device_label(args: argparse.Namespace) -> str:
+    if args.device == "cuda":
+        return device_name(torch.device("cuda", 0))
+    return f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads per peer)"
+
+
+def run_peers(
+    args: argparse.Namespace,
+    systems: list[System],
+    notes: list[str],
+    done: Callable[[list[Run]], object],
+) -> list[Run]:
+    """Every peer's runs; a broken peer ends them all with one line (SystemExit)."""
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        if args.one_at_a_time:
+            notes.append(
+                "The peers ran one at a time (--one-at-a-time): their steps did not "
+                "interleave, so a drift of the machine's speed does not hit them alike"
+            )
+            return measure_one_at_a_time(args, systems, done)
+        return measure_interleaved(args, systems)
+    except PeerError as exc:
+        raise SystemExit(f"peers.py: {' '.join(str(exc).split())}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_report(
+    args: argparse.Namespace, systems: list[System], notes: list[str], runs: list[Run]
+) -> Path:
+    """The report of ``runs`` (a partial one, said so in its notes, while systems remain)."""
+    missing = [s.name for s in systems[len(runs) :]]
+    if missing:
+        notes = [*notes, f"Partial report: {', '.join(missing)} not measured yet"]
+    report = BenchReport("peers", device_label(args), max(s.ranks for s in systems), notes=notes)
+    report.measurements = [measurement(args, run) for run in runs]
+    pairs = list(PAIRS) + [(a, b) for a, _, b in (r.partition("/") for r in args.ratio)]
+    ratios(report, pairs)
+    out = Path(args.out) if args.out else default_out(args)
+    report.write(out, COLUMNS, METHOD)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    systems, notes = choose_systems(args)
+    runs = run_peers(args, systems, notes, lambda runs: write_report(args, systems, notes, runs))
+    out = write_report(args, systems, notes, runs)
+    for run in runs:
+        m = measurement(args, run)
+        print(
+            f"{m.name:16} {m.metrics['tokens_per_s']:10.1f} tokens/s  "
+            f"{m.metrics['s_per_step'] * 1e3:9.1f} ms/step",
+            file=sys.stderr,
+        )
+    print(f"peers.py: wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""benchmarks/peers.py without ZO2: distzo's peers and two stand-ins speaking the protocol.
+
+The stand-ins (tests/helpers/stand_in_peer.py) log every request on arrival and every
+reply's step times, so the order the harness asked in and its statistics are checked
+against what the peers actually did."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, OPTConfig
+
+from benchmarks import peers
+from distzo.bench import validate_report
+from distzo.bench.peer_protocol import END, read_request
+from tests.helpers.launch import child_env
+
+BATCH, SEQ = 1, 8
+TINY = ["--shape", "opt-125m", "--layers", "1", "--hidden", "64", "--batch", str(BATCH)]
+TINY += ["--seq", str(SEQ), "--device", "cpu", "--threads", "1"]
+
+
+def stand_in(name: str, log: Path, step_ms: float, *flags: str) -> str:
+    command = [sys.executable, "-m", "tests.helpers.stand_in_peer", "--step-ms", str(step_ms)]
+    return f"{name}=" + " ".join([*command, "--log", str(log), *flags])
+
+
+def harness(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "benchmarks/peers.py", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
+
+
+def events(log: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == kind]
+
+
+def assert_gone(pids: list[int]) -> None:
+    """Every process ended (reaped, or at worst a zombie awaiting its parent)."""
+    deadline = time.monotonic() + 10
+    for pid in pids:
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            assert not Path(f"/proc/{pid}").exists(), f"process {pid} outlived the harness"
+
+
+def test_peers_interleave_and_report_zo2s_statistic(tmp_path):
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    rounds, per_round = 3, 2
+    proc = harness(
+        *TINY,
+        "--systems",
+        "distzo-resident,distzo-offload,fast,slow",
+        "--peer",
+        stand_in("fast", log, 1),
+        "--peer",
+        stand_in("slow", log, 20),
+        "--ratio",
+        "fast/slow",
+        "--warmup",
+        "1",
+        "--rounds",
+        str(rounds),
+        "--steps-per-round",
+        str(per_round),
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    validate_report(data)
+    assert data["benchmark"] == "peers"
+    assert [m["name"] for m in data["measurements"]] == [
+        "distzo-resident",
+        "distzo-offload",
+        "fast",
+        "slow",
+    ]
+    assert any("ZO2 was not given" in note for note in data["notes"])
+    assert "Where this differs from ZO2's own harness" in out.with_suffix(".md").read_text()
+
+    # The rounds alternate: warm-up fast, slow, then each round fast, slow (k steps each).
+    requests = sorted(events(log, "request"), key=lambda e: e["t"])
+    assert [(e["system"], e["steps"]) for e in requests] == [("fast", 1), ("slow", 1)] + [
+        ("fast", per_round),
+        ("slow", per_round),
+    ] * rounds
+
+    # ZO2's statistic: the mean of the per-step tokens/s over the last half of the timed steps.
+    by_name = {m["name"]: m for m in data["measurements"]}
+    speed = {}
+    for name in ("fast", "slow"):
+        timed = [
+            s
+            for e in events(log, "reply")
+            if e["system"] == name and e["n"] > 1
+            for s in e["step_s"]
+        ]
+        assert len(timed) == rounds * per_round
+        last = timed[len(timed) // 2 :]
+        speed[name] = statistics.fmean(BATCH * SEQ / s for s in last)
+        m = by_name[name]
+        assert m["metrics"]["tokens_per_s"] == pytest.approx(speed[name], rel=1e-12)
+        assert m["metrics"]["s_per_step"] == pytest.approx(statistics.fmean(last), rel=1e-12)
+        assert m["median_s"] == pytest.approx(statistics.median(last), rel=1e-12)
+        assert m["params"]["statistic_steps"] == len(last) and m["params"]["interleaved"]
+    assert data["derived"]["fast_vs_slow"] == pytest.approx(speed["fast"] / speed["slow"])
+    assert data["derived"]["fast_vs_slow"] > 1  # 1 ms of sleep against 20
+
+    resident, offload = by_name["distzo-resident"], by_name["distzo-offload"]
+    assert data["derived"]["distzo-offload_vs_distzo-resident"] == pytest.approx(
+        offload["metrics"]["tokens_per_s"] / resident["metrics"]["tokens_per_s"]
+    )
+    # both built ZO2's model of the shape: untied head, positions for the sequence alone
+    config = OPTConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        ffn_dim=256,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert resident["metrics"]["parameters"] == offload["metrics"]["parameters"] == expected
+    assert all(0 < m["metrics"]["loss"] < 20 for m in (resident, offload))
+    assert_gone([e["pid"] for e in events(log, "start")])
+    assert {e["system"] for e in events(log, "exit")} == {"fast", "slow"}  # EOF ended them
+
+
+@pytest.mark.parametrize(
+    "flag, says",
+    [
+        (
+            "--die-at",
+            "closed its stdout (exit code 3) before answering; its last stderr line: "
+            "stand-in slow: dying at request 2",
+        ),
+        ("--garbage-at", 'printed a non-protocol line: "this line is not the protocol\'s"'),
+    ],
+)
+def test_a_broken_peer_stops_every_peer_with_one_line(tmp_path, flag, says):
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    args = [
+        *TINY,
+        "--peer",
+        stand_in("fast", log, 1),
+        "--peer",
+        stand_in("slow", log, 1, flag, "2"),
+    ]
+    with pytest.raises(SystemExit) as stopped:  # the harness in this process: one import less
+        peers.main([*args, "--systems", "fast,slow", "--rounds", "3", "--out", str(out)])
+    line = str(stopped.value.code)
+    assert line.startswith("peers.py: peer slow ") and says in line and "\n" not in line, line
+    assert not out.exists()
+    assert_gone([e["pid"] for e in events(log, "start")])
+
+
+def test_one_at_a_time_measures_each_peer_alone_and_keeps_a_partial_report(tmp_path):
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    args = [
+        *TINY,
+        "--peer",
+        stand_in("fast", log, 1),
+        "--peer",
+        stand_in("slow", log, 1, "--die-at", "3"),
+    ]
+    with pytest.raises(SystemExit, match="peer slow closed its stdout"):
+        peers.main(
+            [*args, "--systems", "fast,slow", "--one-at-a-time", "--rounds", "4", "--warmup", "1"]
+            + ["--out", str(out)]
+        )
+    starts = [e["system"] for e in events(log, "start")]
+    assert starts == ["fast", "slow"]  # slow started once fast had ended
+    fast = [e for e in events(log, "request") if e["system"] == "fast"]
+    slow = [e for e in events(log, "request") if e["system"] == "slow"]
+    assert len(fast) == 5 and max(e["t"] for e in fast) < min(e["t"] for e in slow)
+    # what fast measured is on disk, said to be partial
+    data = json.loads(out.read_text())
+    validate_report(data)
+    assert [m["name"] for m in data["measurements"]] == ["fast"]
+    assert not data["measurements"][0]["params"]["interleaved"]
+    assert any("one at a time" in note for note in data["notes"])
+    assert any(note == "Partial report: slow not measured yet" for note in data["notes"])
+
+
+def test_a_bad_zo2_checkout_is_one_line_before_any_peer_starts(tmp_path):
+    log = tmp_path / "requests.log"
+    proc = harness(*TINY, "--peer", stand_in("fast", log, 1), "--zo2", str(tmp_path))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"peers.py: --zo2 {tmp_path} is not a ZO2 checkout (no "
+        f"{tmp_path}/zo2/optimizer/mezo_sgd/zo2.py); clone liangyuwang/zo2 and pass its folder"
+    )
+    assert not log.exists()  # no peer started
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--systems", "zo2-mezo"], "--systems zo2-mezo needs --zo2 PATH"),
+        (["--systems", "fast,nope"], "unknown system 'nope'"),
+        (["--systems", "fast,fast"], "names a system twice"),
+        (["--ratio", "fast/nope"], "--ratio 'fast/nope' is not A/B of two systems that run"),
+        (["--hidden", "100"], "--hidden 100 must be a multiple of 64"),
+        (["--zo2-python", "python3"], "--zo2-python and --zo2-pythonpath need --zo2 PATH"),
+    ],
+)
+def test_bad_input_stops_before_any_peer_starts(tmp_path, args, says):
+    log = tmp_path / "requests.log"
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        peers.main([*TINY, "--peer", stand_in("fast", log, 1), *args])
+    assert not log.exists()
+
+
+def test_the_protocol_reader_refuses_a_malformed_request():
+    assert read_request(io.StringIO('\n{"steps": 3}\n')) == 3
+    assert read_request(io.StringIO("")) == END
+    with pytest.raises(ValueError, match="is not"):
+        read_request(io.StringIO("steps 3\n"))
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        read_request(io.StringIO('{"steps": 0}\n'))
