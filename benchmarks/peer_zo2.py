@@ -65,10 +65,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class _Protocol:
+    """The protocol's stream: the process's real stdout, taken before anything is imported.
+    File descriptor 1 and ``sys.stdout`` then point at stderr, so that ZO2's own prints
+    ("Upload head and tail to cuda.") cannot break the stream."""
+
+    stream: Any = None
+
+    @classmethod
+    def take_stdout(cls) -> None:
+        sys.stdout.flush()
+        cls.stream = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+
 def reply(message: dict[str, Any]) -> None:
-    """One protocol line on stdout, flushed: the harness waits for it."""
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    """One protocol line on the real stdout, flushed: the harness waits for it."""
+    stream = _Protocol.stream if _Protocol.stream is not None else sys.stdout
+    stream.write(json.dumps(message) + "\n")
+    stream.flush()
 
 
 def fail(message: str) -> None:
@@ -193,6 +209,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    _Protocol.take_stdout()
     try:
         serve(args)
     except SystemExit:

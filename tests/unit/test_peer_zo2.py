@@ -58,3 +58,22 @@ def test_offload_on_cpu_is_refused_in_one_line(tmp_path):
     )  # fmt: skip
     assert out.returncode == 1
     assert "needs CUDA" in json.loads(out.stdout)["error"]
+
+
+def test_a_print_of_zo2s_goes_to_stderr_not_into_the_protocol(tmp_path):
+    # a stand-in checkout whose import prints, as ZO2's offload set-up does
+    package = tmp_path / "zo2"
+    (package / "config").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "config" / "__init__.py").write_text("")
+    (package / "config" / "mezo_sgd.py").write_text(
+        "print('Upload head and tail to cuda.')\nraise RuntimeError('stand-in stops here')\n"
+    )
+    out = run_peer(
+        "--zo2", str(tmp_path), "--system", "zo2-mezo", "--shape", "opt-125m",
+        "--device", "cpu", "--dtype", "fp32",
+    )  # fmt: skip
+    assert out.returncode == 1
+    (line,) = out.stdout.splitlines()  # the error line only
+    assert "stand-in stops here" in json.loads(line)["error"]
+    assert "Upload head and tail to cuda." in out.stderr
