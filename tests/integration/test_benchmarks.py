@@ -192,11 +192,12 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
     run(["benchmarks/noise.py", "--quick", "--out", str(out)])
     data = load(out)
     names = {m["name"] for m in data["measurements"]}
-    assert names == {
-        f"{op}_{path}"
-        for op in ("perturb", "update", "rounding")
-        for path in ("old", "new", "torch")
-    } | {"step_old", "step_new"}
+    ops = ("perturb", "update", "window", "momentum", "adam")
+    ops += ("rounding", "rounding-fp16", "rounding-fp8")
+    assert names == {f"{op}_{path}" for op in ops for path in ("old", "new", "torch")} | {
+        "step_old",
+        "step_new",
+    }
     assert all(
         m["metrics"]["elements_per_s"] > 0 for m in data["measurements"] if "op" in m["params"]
     )
@@ -206,7 +207,7 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
         if m["name"].startswith("step")
     }
     assert backends["step_old"] == "legacy" and backends["step_new"] in ("c", "torch")
-    assert {"perturb_new_over_old_speed", "step_new_over_old_speed"} <= data["derived"].keys()
+    assert {f"{op}_new_over_old_speed" for op in (*ops, "step")} == data["derived"].keys()
 
 
 SST2_SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2-sample"
