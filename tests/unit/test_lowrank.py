@@ -221,6 +221,19 @@ def test_momentum_and_adam_offload_equal_resident(optimizer):
     assert_same_trajectory(run("offload", **options), run("resident", **options))
 
 
+def test_a_low_bit_transfer_rounds_with_its_own_uniforms():
+    """bf16 at rest: the rounding draws uniforms from its own source, whatever the
+    perturbation's kind, so low-rank noise runs there too, reproducibly, near fp32's."""
+    options = dict(noise="lowrank", lozo_interval=2, steps=4)
+    bf16 = run("offload", transfer_dtype="bf16", **options)
+    assert_same_trajectory(run("offload", transfer_dtype="bf16", **options), bf16)
+    fp32 = run("offload", **options)
+    for a, b in zip(bf16[0], fp32[0], strict=True):
+        assert a.loss_plus == pytest.approx(b.loss_plus, rel=1e-2)
+    engine = engine_for(tiny_opt(), noise="lowrank", mode="offload", transfer_dtype="bf16")
+    assert engine.rounding_noise is not None and engine.rounding_noise.distribution == "uniform"
+
+
 @pytest.mark.parametrize("method", ["lora", "lora-fa"])
 def test_an_adapter_trains_with_low_rank_noise_offload_equal_resident(method):
     def adapter_run(mode, **flags):
