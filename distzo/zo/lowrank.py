@@ -218,7 +218,8 @@ class LowRankNoise(NoiseSource):
         self, step: int, block_id: int, offset: int, query: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(U, V) of the matrix entry at bucket ``offset`` (copies): its z is ``U @ V.T``."""
-        segment = self._matrices[block_id].get(offset)
+        matrices = self._matrices[block_id] if 0 <= block_id < len(self._matrices) else {}
+        segment = matrices.get(offset)
         if segment is None:
             raise ValueError(f"bucket {block_id} has no matrix entry at offset {offset}")
         keys, r = self.keys(step, block_id, query), self.rank
@@ -230,7 +231,7 @@ class LowRankNoise(NoiseSource):
     def _fill_range(self, z: torch.Tensor, lo: int, block_id: int, keys: Keys) -> None:
         """z <- elements [lo, lo + len(z)) of the bucket's z, segment by segment."""
         segs, hi = self._segments[block_id], lo + z.numel()
-        i, at = bisect.bisect_right(self._starts[block_id], lo) - 1, lo
+        i, at = max(0, bisect.bisect_right(self._starts[block_id], lo) - 1), lo
         while at < hi:
             if i >= len(segs):  # past the layout
                 z[at - lo :].zero_()

@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 def layout_of(*shapes):
     """A bucket of tensors of ``shapes`` (matrices first, padding between entries)."""
     params = [((f"p{i}",), nn.Parameter(torch.zeros(shape))) for i, shape in enumerate(shapes)]
-    return BucketLayout.build(params)[0]
+    return BucketLayout.build(params, empty_dtype=torch.float32)[0]
 
 
 # a matrix, a 1-D tensor, a matrix of three dimensions (its first by the rest), a wide one
@@ -132,6 +132,9 @@ def test_bad_sources_are_refused_in_one_line():
         NoiseSource(3, 16, CPU, torch.float32, kind="lowrank")
     with pytest.raises(ValueError, match="block id 2 has no layout"):
         source(16).full(LAYOUT.numel, 0, 2)
+    # an empty bucket (a LoRA run's resident modules) has nothing to draw; a padded one zeros
+    empty = LowRankNoise(3, 16, CPU, torch.float32, [layout_of()], 2, 5)
+    assert not empty.full(0, 0, 0).numel() and not empty.full(70, 0, 0).any()
 
 
 @pytest.mark.parametrize(
