@@ -4,12 +4,16 @@ step they dominate.
     python benchmarks/noise.py                      # 16 M elements per op, opt-125m 4-layer step
     python benchmarks/noise.py --quick              # 64 k elements, tiny step (CI)
     python benchmarks/noise.py --threads 1          # the CPU paths on one thread
+    python benchmarks/noise.py --lowrank            # and LOZO's low-rank noise beside them
 
 Paths: ``old`` is the noise of earlier versions (``--noise legacy``: a reseeded
 ``torch.Generator`` fills a workspace chunk by chunk, a separate op consumes it); ``new``
 is the portable Gaussian noise on its fastest backend (the C kernel on CPU, one fused
 Triton kernel per op on CUDA); ``torch`` is the portable noise's torch implementation
-(the same bits, for reference). Ops on one float32 bucket of ``--elements``:
+(the same bits, for reference); ``lowrank`` (with ``--lowrank``) is LOZO's noise
+(``--noise lowrank``, rank ``--lozo-rank``) over the bucket laid out as matrices
+``--lowrank-cols`` wide, its U V^T formed by torch ops on the factors' portable draws.
+Ops on one float32 bucket of ``--elements``:
 
 * ``perturb``: out = theta + eps * z (reads theta, writes out: 8 bytes per element)
 * ``update``: theta -= lr * (g * z + wd * theta) (reads and writes theta: 8)
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement, time_repeated
@@ -39,9 +44,11 @@ from distzo.bench.timing import Timer, synchronize
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, skeleton
+from distzo.offload.bucket import BucketLayout
 from distzo.offload.low_bit import round_keyed_
 from distzo.runtime.devices import device_name
 from distzo.zo import NoiseSource
+from distzo.zo.lowrank import LowRankNoise
 from distzo.zo.moments import MomentRule, MomentUpdater
 
 BYTES = {
@@ -59,12 +66,27 @@ WIRE = {
     "rounding-fp16": torch.float16,
     "rounding-fp8": torch.float8_e4m3fn,
 }
-PATHS = {"old": "legacy", "new": "gaussian", "torch": "gaussian"}
+PATHS = {"old": "legacy", "new": "gaussian", "torch": "gaussian", "lowrank": "lowrank"}
+LOWRANK_OPS = ("perturb", "update", "window")  # the ops the low-rank path is measured on
+LOWRANK = {"rank": 2, "cols": 768}  # set from --lozo-rank and --lowrank-cols
+
+
+def matrices(n: int, cols: int) -> BucketLayout:
+    """A bucket of ``n`` elements as matrices ``cols`` wide (the last one shorter)."""
+    rows, rest = divmod(n, cols)
+    shapes = [(rows, cols)] + ([(1, rest)] if rest else [])
+    params = [
+        ((f"w{i}",), nn.Parameter(torch.empty(s, device="meta"))) for i, s in enumerate(shapes)
+    ]
+    return BucketLayout.build(params)[0]
 
 
 def source(
-    path: str, device: torch.device, chunk: int, distribution: str = "normal"
+    path: str, device: torch.device, chunk: int, distribution: str = "normal", n: int = 0
 ) -> NoiseSource:
+    if path == "lowrank":
+        layout = matrices(n, LOWRANK["cols"])
+        return LowRankNoise(0, chunk, device, torch.float32, [layout, layout], LOWRANK["rank"], 50)
     src = NoiseSource(0, chunk, device, torch.float32, distribution, kind=PATHS[path])
     if path == "torch":  # the portable bits from the torch implementation
         src._c = src._triton = False
@@ -74,13 +96,13 @@ def source(
 def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
     theta = torch.randn(n, device=device)
     if op == "perturb":
-        src, out = source(path, device, chunk), torch.empty_like(theta)
+        src, out = source(path, device, chunk, n=n), torch.empty_like(theta)
         return lambda: src.perturb_into(out, theta, 1e-3, 3, 1)
     if op == "update":
-        src = source(path, device, chunk)
+        src = source(path, device, chunk, n=n)
         return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
     if op == "window":  # a recomputed momentum: 32 steps' terms
-        src, terms = source(path, device, chunk), [(99 - s, 0, 1e-9) for s in range(32)]
+        src, terms = source(path, device, chunk, n=n), [(99 - s, 0, 1e-9) for s in range(32)]
         return lambda: src.apply_terms(theta, n, 1.0, terms, 1)
     if op in ("momentum", "adam"):  # stored moments, updated beside theta
         src, rule = source(path, device, chunk), MomentRule(op, 0.9)
@@ -105,7 +127,7 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
         print(f"device copy {copy_gbs:8.1f} GB/s (read + write)")
     for op in BYTES:
         medians = {}
-        for path in paths:
+        for path in paths + (["lowrank"] if args.lowrank and op in LOWRANK_OPS else []):
             run = op_runner(op, path, device, args.elements, args.chunk)
             timer = time_repeated(run, device, args.repeats)
             per_s = args.elements / timer.median
@@ -133,6 +155,8 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
                 f"GB/s{extra}"
             )
         report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]
+        if "lowrank" in medians:
+            report.derived[f"{op}_lowrank_over_new_time"] = medians["lowrank"] / medians["new"]
 
 
 def step_model(args: argparse.Namespace):
@@ -163,10 +187,11 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
                 mode=args.mode,
                 noise=PATHS[path],
                 lr_schedule="constant",
+                **({"lozo_rank": args.lozo_rank} if path == "lowrank" else {}),
             ),
             weights=RandomWeights(0),
         )
-        for path in ("old", "new")
+        for path in ("old", "new") + (("lowrank",) if args.lowrank else ())
     }
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(3, config.vocab_size, (args.batch, args.seq), generator=g)}
@@ -205,6 +230,10 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
     report.derived["step_new_over_old_speed"] = (
         Timer(samples["old"]).median / Timer(samples["new"]).median
     )
+    if "lowrank" in samples:
+        report.derived["step_lowrank_over_new_time"] = (
+            Timer(samples["lowrank"]).median / Timer(samples["new"]).median
+        )
 
 
 def main() -> None:
@@ -235,6 +264,11 @@ def main() -> None:
     )
     p.add_argument("--mode", default="resident", choices=["resident", "offload"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument(
+        "--lowrank", action="store_true", help="also time LOZO's low-rank noise (path lowrank)"
+    )
+    p.add_argument("--lozo-rank", type=int, default=2, help="the low-rank noise's rank")
+    p.add_argument("--lowrank-cols", type=int, default=768, help="the width of the ops' matrices")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/noise.json"))
     args = p.parse_args()
@@ -246,6 +280,7 @@ def main() -> None:
         args.batch = min(args.batch, 2)
     if args.threads:
         torch.set_num_threads(args.threads)
+    LOWRANK.update(rank=args.lozo_rank, cols=args.lowrank_cols)
     device = torch.device(
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()

@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.config.cli import fail, program, write_failure
-from distzo.config.engine_options import ZOConfig, optimizer_options
+from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.job.build import local_model_dir
@@ -115,6 +115,7 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
         noise_chunk=header["noise_chunk"],
         seed=header["run_seed"],
         noise=kind,
+        **lowrank_options(header.get("lowrank")),
         **optimizer_options(header.get("optimizer")),
     )
     if kind == "legacy" and config.torch_device().type != header["device_type"]:

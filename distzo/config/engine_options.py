@@ -32,7 +32,9 @@ class ZOConfig:
     from Philox keyed by its coordinates, the same on every device (``noise_chunk`` is
     then only the workspace size); ``legacy`` is the ``torch.Generator`` noise of earlier
     versions, for their checkpoints and seed logs (its z depends on ``noise_chunk`` and
-    on the device type). ``transfer`` picks how blocks
+    on the device type); ``lowrank`` is LOZO's: ``U V^T`` per weight matrix, U of rank
+    ``lozo_rank`` redrawn every step, V every ``lozo_interval`` steps (1-D tensors take
+    Gaussian z; ``distzo.zo.lowrank``). ``transfer`` picks how blocks
     cross the link (``auto``: sliced on CUDA+NCCL with several local ranks, else naive);
     ``transfer_dtype`` is their format in host memory and on the wire (fp32 masters stay
     on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
@@ -84,6 +86,8 @@ class ZOConfig:
     transfer_chunks: int = 4
     num_queries: int = 1
     noise: str = "gaussian"
+    lozo_rank: int = 2
+    lozo_interval: int = 50
     dual_forward: bool = False
     batch_queries: bool = False
     grad_accum: int = 1
@@ -151,6 +155,7 @@ class ZOConfig:
                 f"noise must be one of {', '.join(NOISE_KINDS)}, got {self.noise!r}; gaussian is "
                 "MeZO's z, rademacher SPSA's +-1"
             )
+        self._check_lowrank()
         if self.transfer not in TRANSFERS:
             raise ValueError(
                 f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}"
@@ -172,6 +177,28 @@ class ZOConfig:
             )
         if self.transfer_chunks < 1:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+
+    def _check_lowrank(self) -> None:
+        """LOZO's rank and interval: positive, and set only for the noise that uses them."""
+        if self.lozo_rank < 1:
+            raise ValueError(
+                f"lozo_rank must be >= 1, got {self.lozo_rank}; LOZO uses 1 or 2 (default 2)"
+            )
+        if self.lozo_interval < 1:
+            raise ValueError(
+                f"lozo_interval must be >= 1 step, got {self.lozo_interval}; LOZO keeps V for 50 "
+                "or 100 steps (default 50)"
+            )
+        changed = [
+            f"{name} {getattr(self, name)}"
+            for name in ("lozo_rank", "lozo_interval")
+            if getattr(self, name) != engine_default(name)
+        ]
+        if changed and self.noise != "lowrank":
+            raise ValueError(
+                f"{' and '.join(changed)} only apply to noise lowrank (LOZO), the run draws "
+                f"{self.noise}; set noise lowrank or drop them"
+            )
 
     def _check_optimizer(self) -> None:
         """The update rule and its state."""
@@ -288,6 +315,21 @@ def optimizer_record(config: ZOConfig) -> dict:
         else "none",
         "state_dtype": config.state_dtype,
     }
+
+
+def lowrank_record(config: ZOConfig) -> dict | None:
+    """What a seed log, a checkpoint or a state records of the low-rank noise's shape (its
+    z depends on it): the rank and V's interval, or None for the other kinds."""
+    if config.noise != "lowrank":
+        return None
+    return {"rank": config.lozo_rank, "interval": config.lozo_interval}
+
+
+def lowrank_options(record: dict | None) -> dict:
+    """The ``ZOConfig`` fields of a recorded ``lowrank_record`` (none for the other kinds)."""
+    if not record:
+        return {}
+    return {"lozo_rank": record["rank"], "lozo_interval": record["interval"]}
 
 
 def optimizer_options(record: dict | None) -> dict:

@@ -42,6 +42,7 @@ from distzo.config.engine_options import (
     engine_default,
 )
 from distzo.dist import LaunchEnv
+from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
 logger = logging.getLogger("distzo.train")
@@ -176,10 +177,21 @@ class OptimOptions:
     noise: str | None = engine_option(
         "noise",
         "the random directions z: gaussian (MeZO's, default) or rademacher (+-1, SPSA's), both "
-        "drawn per element from Philox and the same on every device; legacy (torch.Generator, "
-        "earlier versions' runs). A resumed run keeps its checkpoint's",
-        ("gaussian", "rademacher", "legacy"),
+        "drawn per element from Philox and the same on every device; lowrank (LOZO's: U V^T per "
+        "weight matrix, see --lozo-rank, --lozo-interval); legacy (torch.Generator, earlier "
+        "versions' runs). A resumed run keeps its checkpoint's",
+        NOISE_KINDS,
         default=None,
+    )
+    lozo_rank: int = engine_option(
+        "lozo_rank",
+        "--noise lowrank: the rank r of each weight matrix's z = U V^T (U: rows x r, V: columns "
+        "x r; LOZO uses 1 or 2)",
+    )
+    lozo_interval: int = engine_option(
+        "lozo_interval",
+        "--noise lowrank: steps V is kept before it is redrawn (LOZO's nu, 50 or 100); U is "
+        "redrawn every step",
     )
     num_queries: int = engine_option(
         "num_queries",

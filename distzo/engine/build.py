@@ -24,6 +24,7 @@ from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.offload.streamed_blocks import ROUNDING_STREAM
 from distzo.zo import NoiseSource
+from distzo.zo.lowrank import LowRankNoise
 
 # Makes the store of the blocks that stream, from their layouts (read_only: never written back).
 StoreMaker = Callable[[list[BucketLayout], bool], BlockStore]
@@ -60,15 +61,29 @@ def compute_dtype(config: ZOConfig, master: torch.dtype) -> torch.dtype:
 
 
 def make_noise(
-    config: ZOConfig, run_seed: int, device: torch.device, dtype: torch.dtype, rounds: bool
+    config: ZOConfig,
+    run_seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    rounds: bool,
+    layouts: list[BucketLayout],
 ) -> tuple[NoiseSource, NoiseSource | None]:
     """The perturbation noise, and with ``rounds`` (low-bit state written back to the
     host) a separate source for stochastic rounding: it has its own stream and workspace
-    and runs on the offload stream, concurrently with the compute stream's perturbations."""
-    kind = config.noise
-    noise = NoiseSource(run_seed, config.noise_chunk, device, dtype, kind=kind)
+    and runs on the offload stream, concurrently with the compute stream's perturbations.
+    ``layouts``: the trained buckets by noise id (the resident bucket's first), which the
+    low-rank kind cuts into its matrices."""
+    kind, chunk = config.noise, config.noise_chunk
+    noise: NoiseSource
+    if kind == "lowrank":
+        rank, interval = config.lozo_rank, config.lozo_interval
+        noise = LowRankNoise(run_seed, chunk, device, dtype, layouts, rank, interval)
+    else:
+        noise = NoiseSource(run_seed, chunk, device, dtype, kind=kind)
+    # rounding draws uniforms: any portable kind draws the same ones
+    rounding_kind = "gaussian" if kind == "lowrank" else kind
     rounding = (
-        NoiseSource(run_seed, config.noise_chunk, device, torch.float32, "uniform", kind=kind)
+        NoiseSource(run_seed, chunk, device, torch.float32, "uniform", kind=rounding_kind)
         if rounds
         else None
     )

@@ -376,9 +376,11 @@ class ZOEngine:
         """Restore a ``state_dict``; the continued trajectory equals the uninterrupted one."""
         state.load_state_dict(self, saved)
 
-    def check_noise(self, identity: str, chunk: int, source: str) -> None:
+    def check_noise(
+        self, identity: str, chunk: int, source: str, lowrank: dict | None = None
+    ) -> None:
         """Refuse a state drawn with other noise than this engine's (``state.check_noise``)."""
-        state.check_noise(self.config, identity, chunk, source)
+        state.check_noise(self.config, identity, chunk, source, lowrank)
 
     def restore(
         self, step: int, run_seed: int, pending: PendingUpdate | None, recent_steps: Any = ()
@@ -390,7 +392,12 @@ class ZOEngine:
         # the noise is keyed by the run seed; the stores that round draw from the new source
         rounds, dtype = self.tuning.rounds(self.config), self.resident_master.dtype
         self.noise, self.rounding_noise = make_noise(
-            self.config, run_seed, self.device, dtype, rounds
+            self.config,
+            run_seed,
+            self.device,
+            dtype,
+            rounds,
+            [self.resident_layout, *self.block_layouts],
         )
         for store in (self.store, *self.moments.blocks):
             if isinstance(store, StreamedBlocks):

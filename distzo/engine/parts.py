@@ -93,7 +93,9 @@ def build_parts(
     layouts = [layout for layout, _ in built]
     tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
     dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
-    noise, rounding_noise = make_noise(config, at.run_seed, device, dtype, tuning.rounds(config))
+    noise, rounding_noise = make_noise(
+        config, at.run_seed, device, dtype, tuning.rounds(config), [resident_layout, *layouts]
+    )
     shard = make_shard(at.transfer, at.parallel)
     store = tuning.make_store(store_maker(config, device, shard, rounding_noise), layouts, device)
     fill_store(store, built, weights, sliced=at.transfer == "sliced" and tuning.streams_trained)

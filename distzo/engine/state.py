@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distzo.config.engine_options import ZOConfig
+from distzo.config.engine_options import ZOConfig, lowrank_record
 from distzo.dist import ParallelContext
 from distzo.engine.updates import PendingUpdate
 from distzo.offload import BlockStore, BucketLayout, Streams
@@ -173,10 +173,13 @@ class BucketReader:
             self.parallel.comm.host_sync()
 
 
-def check_noise(config: ZOConfig, identity: str, chunk: int, source: str) -> None:
+def check_noise(
+    config: ZOConfig, identity: str, chunk: int, source: str, lowrank: dict | None = None
+) -> None:
     """A state continues its run only with the same z: the same noise kind and version
-    (``noise_identity``; a state from before noise kinds is ``legacy``), and for the
-    legacy kind the same chunk size, which its z depends on."""
+    (``noise_identity``; a state from before noise kinds is ``legacy``), for the legacy
+    kind the same chunk size, and for the low-rank kind the same rank and interval
+    (``lowrank``, the state's ``lowrank_record``), which its z depends on."""
     ours = noise_identity(config.noise)
     if identity != ours:
         kind = identity_kind(identity)
@@ -188,6 +191,14 @@ def check_noise(config: ZOConfig, identity: str, chunk: int, source: str) -> Non
         raise ValueError(
             f"{source} was trained with noise_chunk {chunk}, the engine has {config.noise_chunk}; "
             "set noise_chunk to match (legacy noise depends on it)"
+        )
+    ours_lowrank = lowrank_record(config)
+    if ours_lowrank is not None and lowrank != ours_lowrank:
+        drawn = f"rank {lowrank['rank']}, interval {lowrank['interval']}" if lowrank else "?"
+        raise ValueError(
+            f"{source} was trained with lowrank noise of {drawn}, the engine draws rank "
+            f"{config.lozo_rank}, interval {config.lozo_interval}; set lozo_rank and "
+            "lozo_interval to the run's"
         )
 
 
@@ -201,6 +212,7 @@ def state_dict(engine: ZOEngine) -> dict[str, Any]:
         "run_seed": engine.run_seed,
         "noise_chunk": engine.config.noise_chunk,
         "noise": noise_identity(engine.config.noise),
+        "lowrank": lowrank_record(engine.config),
         "pending": dataclasses.asdict(pending) if pending is not None else None,
         "recent_steps": [[step, list(grads)] for step, grads in engine.recent_steps],
         "params": {name: params[name] for name in engine.canonical_names},
@@ -224,7 +236,13 @@ def _moment_values(engine: ZOEngine) -> dict[str, dict[str, torch.Tensor]]:
 def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
     """Restore a ``state_dict`` into ``engine``; the continued trajectory equals the
     uninterrupted one."""
-    check_noise(engine.config, state.get("noise", "legacy"), int(state["noise_chunk"]), "the state")
+    check_noise(
+        engine.config,
+        state.get("noise", "legacy"),
+        int(state["noise_chunk"]),
+        "the state",
+        state.get("lowrank"),
+    )
     params = state["params"]
     expected = set(engine.canonical_names)
     if set(params) != expected:

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from distzo.config.engine_options import OPTIMIZERS
+from distzo.config.engine_options import OPTIMIZERS, ZOConfig, lowrank_record
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.job.dcp_ranges import load_ranges
@@ -176,6 +176,17 @@ def _noise_identity(vector: torch.Tensor) -> str:
     return kind if version == 0 else f"{kind}-v{version}"
 
 
+def _lowrank_vector(config: ZOConfig) -> torch.Tensor:
+    """[rank, interval] of low-rank noise (``lowrank_record``), [0, 0] for the other kinds."""
+    record = lowrank_record(config) or {"rank": 0, "interval": 0}
+    return torch.tensor([record["rank"], record["interval"]], dtype=torch.int64)
+
+
+def _lowrank_of(vector: torch.Tensor) -> dict | None:
+    rank, interval = (int(v) for v in vector.tolist())
+    return {"rank": rank, "interval": interval} if rank else None
+
+
 def _optimizer_vector(engine: ZOEngine) -> torch.Tensor:
     """[optimizer index, moments stored, beta1, beta2, adam eps]: what a resumed run checks."""
     cfg = engine.config
@@ -196,6 +207,7 @@ def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
         "meta/run_seed": torch.tensor([engine.run_seed], dtype=torch.int64),
         "meta/noise_chunk": torch.tensor([engine.config.noise_chunk], dtype=torch.int64),
         "meta/noise": _noise_vector(engine.config.noise),
+        "meta/lowrank": _lowrank_vector(engine.config),
         "meta/pending": _pending_vector(engine.pending),
         "meta/recent_steps": _recent_vector(engine.recent_steps),
         "meta/optimizer": _optimizer_vector(engine),
@@ -517,10 +529,13 @@ class Checkpointer:
         del meta["meta/optimizer"]
         if "meta/noise" not in saved:  # written before noise kinds: legacy noise
             del meta["meta/noise"]
+        if "meta/lowrank" not in saved:  # written before the low-rank kind
+            del meta["meta/lowrank"]
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
         dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
         identity = _noise_identity(meta["meta/noise"]) if "meta/noise" in meta else "legacy"
-        engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path))
+        lowrank = _lowrank_of(meta["meta/lowrank"]) if "meta/lowrank" in meta else None
+        engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path), lowrank)
         self._load_blocks(path, "block", engine.store)
         for k, name in enumerate(engine.moments.names):
             resident = {

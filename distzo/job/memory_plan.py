@@ -33,6 +33,7 @@ from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.runtime.host_memory import available_host_bytes
 from distzo.runtime.units import format_bytes, format_count
+from distzo.zo.lowrank import planned_lowrank_bytes
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
@@ -262,7 +263,12 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
 
 def _noise_bytes(b: _Buckets, config: ZOConfig, device_type: str) -> int:
     """The noise workspaces, and stochastic rounding's float32 uniforms for a low-bit rest."""
-    noise = planned_noise_bytes(config.noise_chunk, b.master, device_type, config.noise)
+    if config.noise == "lowrank":  # its factors' buffers depend on the matrices' shapes
+        noise = planned_lowrank_bytes(
+            [b.resident, *b.trained], config.lozo_rank, config.noise_chunk, b.master, device_type
+        )
+    else:
+        noise = planned_noise_bytes(config.noise_chunk, b.master, device_type, config.noise)
     if (b.wire != b.master or b.state_wire != b.master) and not b.frozen:
         noise += planned_noise_bytes(config.noise_chunk, 4, device_type, config.noise)
     return noise

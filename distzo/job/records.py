@@ -12,7 +12,7 @@ import torch
 from transformers import PretrainedConfig
 
 from distzo.adapters.peft_adapters import AdapterSpec
-from distzo.config.engine_options import ZOConfig, optimizer_record
+from distzo.config.engine_options import ZOConfig, lowrank_record, optimizer_record
 from distzo.config.job import JobConfig
 from distzo.dist import ParallelContext
 from distzo.engine import StepResult, ZOEngine
@@ -94,6 +94,7 @@ def run_header(
         "run_seed": run_seed,
         "noise_chunk": config.noise_chunk,
         "noise": noise_identity(config.noise),
+        "lowrank": lowrank_record(config),
         "weight_decay": config.weight_decay,
         "device_type": device.type,
         "dtype": model.dtype,

@@ -26,6 +26,7 @@ SEED_LOG = "seedlog.jsonl"  # its name in the run directory
 TRAJECTORY_FIELDS = (
     "run_seed",
     "noise",
+    "lowrank",
     "noise_chunk",
     "weight_decay",
     "dtype",

@@ -11,6 +11,8 @@ z for (step, query, block) is never stored: any rank regenerates any piece of it
   On CUDA with Triton the ops below draw z inside one kernel each
   (``triton_noise``); on CPU a C kernel (``fast_noise``) fills a cache-sized chunk at a
   time; elsewhere the torch implementation does, slower, with the same bits.
+* ``lowrank``: LOZO's perturbation, ``U V^T`` per weight matrix from the portable draws
+  (``distzo.zo.lowrank``, ``LowRankNoise``: the same ops on the generic path).
 * ``legacy``: the ``torch.Generator`` draws of earlier versions, chunk by chunk
   (``noise_chunk`` is then part of the run's identity, and CPU and CUDA draw different
   z): kept so that older checkpoints and seed logs resume and replay.
@@ -29,7 +31,9 @@ from distzo.zo import fast_noise, philox, triton_noise
 from distzo.zo.gaussian_table import gaussian_table
 from distzo.zo.seeds import noise_seed  # noqa: F401  (re-exported: data keys its batches with it)
 
-NOISE_KINDS = ("gaussian", "rademacher", "legacy")
+NOISE_KINDS = ("gaussian", "rademacher", "legacy", "lowrank")
+# the kinds a NoiseSource draws element by element; lowrank is LowRankNoise's
+ELEMENTWISE_KINDS = NOISE_KINDS[:3]
 NOISE_VERSION = 1
 
 
@@ -103,8 +107,11 @@ class NoiseSource:
             raise ValueError(f"distribution must be normal or uniform, got {distribution!r}")
         if chunk <= 0:
             raise ValueError(f"noise chunk must be > 0 elements, got {chunk}")
-        if kind not in NOISE_KINDS:
-            raise ValueError(f"noise kind must be one of {', '.join(NOISE_KINDS)}, got {kind!r}")
+        if kind not in ELEMENTWISE_KINDS:
+            raise ValueError(
+                f"noise kind must be one of {', '.join(ELEMENTWISE_KINDS)}, got {kind!r}"
+                + ("; lowrank noise is distzo.zo.lowrank.LowRankNoise" if kind == "lowrank" else "")
+            )
         self.run_seed = int(run_seed)
         self.chunk = int(chunk)
         self.device = torch.device(device)

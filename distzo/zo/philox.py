@@ -37,6 +37,8 @@ LANES16, LANES32 = 8, 4  # lanes per counter: 16-bit (z), 32-bit (uniform draws)
 _MASK32 = 0xFFFFFFFF
 
 STREAM_NOISE, STREAM_ROUNDING = 0, 1  # what a key draws: the perturbation z, or rounding's uniforms
+# the factors of the low-rank kind (``distzo.zo.lowrank``): U per step, V per window of steps
+STREAM_LOWRANK_U, STREAM_LOWRANK_V = 2, 3
 
 
 def noise_key(run_seed: int, step: int, block_id: int, query: int, stream: int) -> tuple[int, int]:

@@ -335,3 +335,21 @@ def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
     config.write_text("[optim]\nlrr = 0.1\n")
     line = one_line(train_in_process(["--config", str(config)]))
     assert "did you mean 'lr'" in line
+
+
+# -- LOZO's noise options
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--noise", "lowrank", "--lozo-rank", "0"], "lozo_rank must be >= 1, got 0"),
+        (["--noise", "lowrank", "--lozo-interval", "0"], "lozo_interval must be >= 1 step"),
+        (["--lozo-rank", "1"], "lozo_rank 1 only apply to noise lowrank (LOZO), the run draws"),
+    ],
+)
+def test_lozo_options_it_cannot_honour_are_one_line_before_any_run(tmp_path, flags, message):
+    out = tmp_path / "out"
+    line = one_line(train_in_process(flags + ["--output-dir", str(out)]))
+    assert message in line
+    assert not out.exists()

@@ -350,3 +350,36 @@ def test_noise_kinds_resume_and_replay_with_the_noise_they_were_drawn_with(tmp_p
         else:
             assert proc.returncode == 2 and "drew gaussian-v99 noise" in proc.stderr
             assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_lowrank_run_resumes_on_another_world_size_catches_up_and_replays(tmp_path):
+    """LOZO's noise (V kept for 3 steps): cut at step 6, its step-6 checkpoint lost, the
+    run resumes on two ranks from step 3's and the seed log's steps 3..5 (crossing into a
+    new V window), onto the uninterrupted run; its seed log replays onto its export."""
+    import json
+
+    flags = COMMON + ["--dtype", "fp64", "--weight-decay", "0.1", "--noise", "lowrank"]
+    flags += ["--lozo-rank", "1", "--lozo-interval", "3"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
+    proc = launch(1, flags + ["--max-steps", "6", "--save-steps", "3", "--output-dir", str(cut)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shutil.rmtree(cut / "checkpoints" / "step-6")
+    wrong = launch(1, flags + ["--lozo-rank", "2", "--output-dir", str(cut), "--resume"])
+    assert wrong.returncode == 2 and "--lozo-rank 1 -> 2 would change" in wrong.stderr
+    proc = launch(2, flags + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Run(cut).grads == Run(full).grads  # steps 3..5 caught up, not trained again
+    assert_same_params(Run(cut), Run(full))
+    header = json.loads((full / "seedlog.jsonl").read_text().splitlines()[0])
+    assert header["noise"] == "lowrank-v1" and header["lowrank"] == {"rank": 1, "interval": 3}
+
+    out = tmp_path / "replayed"
+    proc = python_replay(
+        ["--base", str(full / "base"), "--log", str(full / "seedlog.jsonl"), "--out", str(out)],
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = load_file(str(full / "export" / "model.safetensors"))
+    replayed = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], replayed[k]) for k in exported)

@@ -25,6 +25,7 @@ from tests.helpers.launch import (
 
 COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "3"]
 FP64 = COMMON + ["--dtype", "fp64"]
+LOWRANK = ["--noise", "lowrank", "--lozo-interval", "4"]
 
 LAUNCHES = {
     # name: (processes, flags)
@@ -36,6 +37,12 @@ LAUNCHES = {
     "2d_sliced_q3": (
         4,
         FP64 + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--num-queries", "3"],
+    ),
+    # LOZO's noise, its V kept for 4 steps of the 10
+    "single_lowrank": (1, FP64 + LOWRANK),
+    "2d_sliced_lowrank": (
+        4,
+        FP64 + LOWRANK + ["--dp", "2", "--pert", "2", "--transfer", "sliced"],
     ),
 }
 
@@ -76,6 +83,14 @@ def test_multi_query_2d_sliced_follows_the_single_process_trajectory(runs):
     assert (
         max_relative_difference(single, runs["single"])[1] > 1e-3
     )  # three queries took another path
+
+
+def test_low_rank_noise_on_a_2d_sliced_mesh_follows_the_single_process_trajectory(runs):
+    """Each rank draws its passes' and its share's U V^T from the keys alone."""
+    g_diff, param_diff = max_relative_difference(runs["2d_sliced_lowrank"], runs["single_lowrank"])
+    assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
+    assert runs["single_lowrank"].ranks[0]["noise"] == "lowrank-v1"
+    assert max_relative_difference(runs["single_lowrank"], runs["single"])[1] > 1e-3
 
 
 def test_device_mesh_places_ranks_row_major(runs):

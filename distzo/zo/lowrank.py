@@ -1,0 +1,304 @@
+"""LOZO's low-rank perturbations: the z of each weight matrix is ``U V^T``.
+
+LOZO (Chen et al., "Enhancing Zeroth-order Fine-tuning for Language Models with Low-rank
+Structures", ICLR 2025) keeps SPSA, ``g = (L+ - L-) / (2 eps)`` and
+``theta -= lr (g z + wd theta)``, but perturbs each weight matrix W (m x n) by
+``Z = U V^T`` with U (m x r) and V (n x r) standard Gaussian: U is drawn every step, V
+once per ``interval`` steps (its nu; windows start at steps 0, nu, 2 nu, ...) and kept
+in between (its "lazy sampling"). Tensors of fewer than two dimensions (biases, norm
+scales) take ordinary Gaussian z. A tensor of more than two dimensions is a matrix of
+its first dimension by the product of the others.
+
+**Keys.** U of step t, and V of its window's first step ``t - t % interval``, come from
+the portable keyed noise (Philox by element, ``distzo.zo.philox``), each from a stream
+of its own keyed by (run seed, step, block, query): the U rows of a bucket's matrices
+one matrix after another in one stream, their V rows in another. Nothing is stored: any
+rank regenerates any piece, and a resumed run or a replay needs only the step. The 1-D
+entries take the ``gaussian`` kind's z at their elements (the same values); padding
+between entries is 0. With several queries (n-SPSA) each query has its own U and V.
+
+**Ranges.** z of elements [lo, hi) of a bucket is computed from the U rows those elements
+touch (a range may cut rows) and the matrix's whole V, so any range of z equals that
+range of the whole bucket's z, bit for bit, whatever the chunking or slicing. Each
+element is ``sum_k U[i,k] V[j,k]`` formed by separate multiplies and adds in k order (no
+fused multiply-add, no matmul whose summation order depends on the shape), so the CPU
+and a GPU form the same z from the same U and V. Memory: a piece of z, a product buffer
+of the same size, the U rows of one piece and one matrix's V: ``U V^T`` of a whole matrix
+never exists.
+
+**Expectation.** For iid standard Gaussian U and V, ``E[Z_ab Z_ij] = r`` when (a, b) =
+(i, j) and 0 otherwise, so ``E[Z <Z, G>] = r G``: on matrices the estimate ``g Z`` is r
+times the gradient in expectation, on 1-D tensors the gradient itself. LOZO does not
+rescale, nor does this (its learning rates absorb r). Within a window the expectation
+over U alone is ``G V V^T``: the steps move in the subspace V spans.
+
+**One difference from LOZO's code.** There, on a step where V is redrawn, the update
+regenerates U from another position of torch's generator than the perturbation drew it
+from, so that step moves along another direction than the one it measured. Here the
+perturbation and the update draw the same U (from its key): the method as the paper
+states it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from distzo.zo import philox
+from distzo.zo.noise import NoiseSource, planned_noise_bytes, workspace_elements
+
+
+class EntryShape(Protocol):
+    """Where a tensor lies in a bucket (``distzo.offload.bucket.Entry`` is one)."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def numel(self) -> int: ...
+
+
+class BucketShape(Protocol):
+    """A bucket's entries and length (``distzo.offload.bucket.BucketLayout`` is one)."""
+
+    @property
+    def entries(self) -> Sequence[EntryShape]: ...
+    @property
+    def numel(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of a bucket that draw alike: a matrix (``cols`` > 0, its U
+    rows from ``u_offset`` and V rows from ``v_offset`` of the factors' streams), a 1-D
+    entry (Gaussian) or padding (zero)."""
+
+    start: int
+    stop: int
+    cols: int = 0
+    rows: int = 0
+    u_offset: int = 0
+    v_offset: int = 0
+    gaussian: bool = True
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The Philox keys of one (step, block, query): z of the 1-D entries, U, V."""
+
+    z: tuple[int, int]
+    u: tuple[int, int]
+    v: tuple[int, int]
+
+
+def segments(layout: BucketShape, rank: int) -> tuple[Segment, ...]:
+    """The bucket cut into segments, in element order, covering [0, layout.numel)."""
+    out, at, u, v = [], 0, 0, 0
+    for e in sorted(layout.entries, key=lambda e: e.offset):
+        if e.offset > at:
+            out.append(Segment(at, e.offset, gaussian=False))
+        if len(e.shape) >= 2 and e.numel:
+            rows = e.shape[0]
+            cols = e.numel // rows
+            out.append(Segment(e.offset, e.offset + e.numel, cols, rows, u, v))
+            u, v = u + rows * rank, v + cols * rank
+        elif e.numel:
+            out.append(Segment(e.offset, e.offset + e.numel))
+        at = max(at, e.offset + e.numel)
+    if at < layout.numel:
+        out.append(Segment(at, layout.numel, gaussian=False))
+    return tuple(out)
+
+
+def factor_elements(layouts: Sequence[BucketShape], rank: int, piece: int) -> tuple[int, int]:
+    """The elements of the U buffer (the rows one piece of z touches) and of the V buffer
+    (the widest matrix's V) a source over ``layouts`` holds."""
+    u = v = 0
+    for layout in layouts:
+        for s in segments(layout, rank):
+            if s.cols:
+                u = max(u, min(s.rows, max(1, piece // s.cols)) * rank)
+                v = max(v, s.cols * rank)
+    return u, v
+
+
+def planned_lowrank_bytes(
+    layouts: Sequence[BucketShape],
+    rank: int,
+    chunk: int,
+    itemsize: int,
+    device_type: str,
+) -> int:
+    """What a ``LowRankNoise`` of ``chunk`` elements over ``layouts`` allocates: a portable
+    source's workspace, the product buffer (rank > 1) and the factor buffers."""
+    piece = workspace_elements(chunk, device_type, "lowrank")
+    u, v = factor_elements(layouts, rank, piece)
+    product = piece if rank > 1 else 0
+    base = planned_noise_bytes(chunk, itemsize, device_type, "lowrank")
+    return base + (product + u + v) * itemsize
+
+
+class LowRankNoise(NoiseSource):
+    """The ``lowrank`` kind: z of every matrix entry of a bucket is ``U V^T``, of every
+    1-D entry Gaussian. ``layouts[block_id]`` is the layout of the bucket a block id
+    names (the resident bucket's first). Every op of ``NoiseSource`` runs on its generic
+    path over ``chunks`` (``fuses`` is False): perturb, update, moments, ``full``."""
+
+    def __init__(
+        self,
+        run_seed: int,
+        chunk: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        layouts: Sequence[BucketShape],
+        rank: int,
+        interval: int,
+    ) -> None:
+        if rank < 1:
+            raise ValueError(f"lozo_rank must be >= 1, got {rank}")
+        if interval < 1:
+            raise ValueError(f"lozo_interval must be >= 1 step, got {interval}")
+        super().__init__(run_seed, chunk, device, dtype, "normal", kind="gaussian")
+        self.kind = "lowrank"
+        self.rank, self.interval = int(rank), int(interval)
+        self._segments = [segments(layout, self.rank) for layout in layouts]
+        self._starts = [[s.start for s in segs] for segs in self._segments]
+        # matrix entries by their offset, for ``factors``
+        self._matrices = [{s.start: s for s in segs if s.cols} for segs in self._segments]
+        u, v = factor_elements(layouts, self.rank, self.piece)
+        self._u = torch.empty(u, device=self.device, dtype=dtype)
+        self._v = torch.empty(v, device=self.device, dtype=dtype)
+        self._v_holds: tuple | None = None  # (key, v_offset, cols) of the V in self._v
+        product = self.piece if self.rank > 1 else 0
+        self._product = torch.empty(product, device=self.device, dtype=dtype)
+
+    @property
+    def device_bytes(self) -> int:
+        """A portable source's, and the product and factor buffers."""
+        return super().device_bytes + self._u.nbytes + self._v.nbytes + self._product.nbytes
+
+    def fuses(self, *tensors: torch.Tensor) -> bool:
+        """Never: the low-rank z is formed by torch ops, chunk by chunk."""
+        return False
+
+    def keys(self, step: int, block_id: int, query: int = 0) -> Keys:
+        """The keys of a draw: V's is its window's first step's."""
+        window = step - step % self.interval
+        return Keys(
+            self.key(step, block_id, query),
+            philox.noise_key(self.run_seed, step, block_id, query, philox.STREAM_LOWRANK_U),
+            philox.noise_key(self.run_seed, window, block_id, query, philox.STREAM_LOWRANK_V),
+        )
+
+    def chunks(
+        self, start: int, stop: int, total: int, step: int, block_id: int, query: int = 0
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Yield ``(lo, hi, z)`` as ``NoiseSource.chunks`` does; elements past the bucket's
+        layout (a padded slot) are 0."""
+        if not 0 <= start <= stop <= total:
+            raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
+        if not 0 <= block_id < len(self._segments):
+            raise ValueError(
+                f"block id {block_id} has no layout in this low-rank noise source "
+                f"({len(self._segments)} buckets)"
+            )
+        keys, c = self.keys(step, block_id, query), self.piece
+        for lo in range(start - start % c, stop, c):
+            lo, hi = max(lo, start), min(lo + c, stop)
+            z = self._workspace[: hi - lo]
+            self._fill_range(z, lo, block_id, keys)
+            yield lo, hi, z
+
+    def factors(
+        self, step: int, block_id: int, offset: int, query: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(U, V) of the matrix entry at bucket ``offset`` (copies): its z is ``U @ V.T``."""
+        matrices = self._matrices[block_id] if 0 <= block_id < len(self._matrices) else {}
+        segment = matrices.get(offset)
+        if segment is None:
+            raise ValueError(f"bucket {block_id} has no matrix entry at offset {offset}")
+        keys, r = self.keys(step, block_id, query), self.rank
+        u = torch.empty(segment.rows * r, device=self.device, dtype=self.dtype)
+        self._draw_range(u, segment.u_offset, keys.u)
+        v = self._v_of(segment, keys.v).clone()
+        return u.view(segment.rows, r), v
+
+    def _fill_range(self, z: torch.Tensor, lo: int, block_id: int, keys: Keys) -> None:
+        """z <- elements [lo, lo + len(z)) of the bucket's z, segment by segment."""
+        segs, hi = self._segments[block_id], lo + z.numel()
+        i, at = max(0, bisect.bisect_right(self._starts[block_id], lo) - 1), lo
+        while at < hi:
+            if i >= len(segs):  # past the layout
+                z[at - lo :].zero_()
+                return
+            s = segs[i]
+            end = min(s.stop, hi)
+            out = z[at - lo : end - lo]
+            if s.cols:
+                self._matrix_into(out, at - s.start, s, keys)
+            elif s.gaussian:
+                self._fill(out, at, keys.z)
+            else:
+                out.zero_()
+            at, i = end, i + 1
+
+    def _matrix_into(self, out: torch.Tensor, first: int, s: Segment, keys: Keys) -> None:
+        """out <- elements [first, first + len(out)) of a matrix's ``U V^T`` (row-major):
+        a partial first row, whole rows a U buffer at a time, a partial last row."""
+        n, count = s.cols, out.numel()
+        v = self._v_of(s, keys.v)
+        row, col, done = first // n, first % n, 0
+        if col:
+            width = min(n - col, count)
+            self._rows_into(out[:width].view(1, width), row, col, s, v, keys.u)
+            done, row = width, row + 1
+        batch = max(1, self._u.numel() // self.rank)
+        while count - done >= n:
+            k = min(batch, (count - done) // n)
+            self._rows_into(out[done : done + k * n].view(k, n), row, 0, s, v, keys.u)
+            done, row = done + k * n, row + k
+        if done < count:
+            width = count - done
+            self._rows_into(out[done:].view(1, width), row, 0, s, v, keys.u)
+
+    def _rows_into(
+        self,
+        dst: torch.Tensor,
+        row: int,
+        col: int,
+        s: Segment,
+        v: torch.Tensor,
+        u_key: tuple[int, int],
+    ) -> None:
+        """dst (k x w) <- rows [row, row + k), columns [col, col + w) of ``U V^T``, summed
+        over the rank in order by separate multiplies and adds."""
+        k, w = dst.shape
+        r = self.rank
+        u = self._u[: k * r]
+        self._draw_range(u, s.u_offset + row * r, u_key)
+        u, cols = u.view(k, r), v[col : col + w]
+        torch.mul(u[:, :1], cols[:, 0], out=dst)
+        if r > 1:
+            term = self._product[: k * w].view(k, w)
+            for j in range(1, r):
+                torch.mul(u[:, j : j + 1], cols[:, j], out=term)
+                dst.add_(term)
+
+    def _v_of(self, s: Segment, key: tuple[int, int]) -> torch.Tensor:
+        """The matrix's V (cols x r) in the V buffer, drawn unless it already holds it."""
+        size = s.cols * self.rank
+        held = (key, s.v_offset, s.cols)
+        if self._v_holds != held:
+            self._draw_range(self._v[:size], s.v_offset, key)
+            self._v_holds = held
+        return self._v[:size].view(s.cols, self.rank)
+
+    def _draw_range(self, out: torch.Tensor, start: int, key: tuple[int, int]) -> None:
+        """out <- Gaussian draws [start, start + len) of ``key``, a workspace piece at a time."""
+        for at in range(0, out.numel(), self.piece):
+            self._fill(out[at : at + self.piece], start + at, key)
