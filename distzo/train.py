@@ -119,6 +119,7 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
         )
     except Exception as err:
         if env.world_size == 1 or not is_peer_failure(err):
+            trainer.close()  # a save in flight completed: the run keeps its last checkpoint
             raise  # this rank's own failure: its traceback, in torchrun's error file too
         # A peer died (its own error is the root cause) or was stopped by torchrun's SIGTERM.
         grace = 0.0 if signals.requested else PEER_REPORT_GRACE_S

@@ -410,16 +410,23 @@ class Checkpointer:
         if self._pending_save is not None and self._pending_save[0].done():
             self.wait()
 
-    def wait(self) -> None:
-        """Complete the save in flight, if any (its errors raised here)."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Complete the save in flight, if any (its errors raised here). ``timeout``: give up
+        after that many seconds (``TimeoutError``), leaving only its temporary directory,
+        which no resume reads."""
         if self._pending_save is None:
             self._quiet.close()  # an asynchronous save that failed to start
             return
         future, tmp, final = self._pending_save
         self._pending_save = None
         with _write_failure(tmp), self._quiet:
-            future.result()
+            future.result(timeout)
         self._finalize(tmp, final)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous save is still to be completed."""
+        return self._pending_save is not None
 
     def discard_after(self, steps: int) -> list[Path]:
         """Drop every checkpoint of more than ``steps`` steps (a diverged run's, which holds

@@ -61,6 +61,9 @@ from distzo.models.hub import quiet_hub_retries
 from distzo.models.weights import WeightSource
 from distzo.objectives import Objective
 
+# How long closing a trainer waits for an asynchronous save still in flight.
+CLOSE_SAVE_TIMEOUT_S = 120.0
+
 logger = logging.getLogger("distzo.train")
 
 
@@ -451,7 +454,17 @@ class Trainer:
         return write_summary(self.run_dir / SUMMARY, record)
 
     def close(self) -> None:
-        """Close the logs (the seed log synced); the trainer's state stays readable."""
+        """Complete an asynchronous save still in flight, then close the logs (the seed log
+        synced); the trainer's state stays readable. A run that fails mid-way so keeps the
+        checkpoint it had started: the state was copied when the save began. The wait is
+        bounded, so a failure that took a peer's process (whose part of the save will never
+        come) cannot hang the job."""
+        checkpointer = getattr(self, "checkpointer", None)  # None before build
+        if checkpointer is not None and checkpointer.in_flight:
+            try:
+                checkpointer.wait(timeout=CLOSE_SAVE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the failure already under way wins
+                logger.warning("the checkpoint being written could not be completed: %s", exc)
         if self.logs is not None:
             self.logs.close()
 

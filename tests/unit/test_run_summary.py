@@ -6,12 +6,14 @@ save or a load, and ``--overwrite`` deletes both."""
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
 from matplotlib import image
 
 from distzo.config.job import resolve
+from distzo.job.checkpoint import HostStateWriter
 from distzo.job.run_dir import check_fresh, clear_run
 from distzo.job.run_logs import read_records
 from distzo.job.trainer import Trainer, TrainerCallback
@@ -86,7 +88,28 @@ def test_a_run_writes_its_summary_and_its_curves(tmp_path, caplog, capsys, recwa
     assert "Writing model shards" not in capsys.readouterr().err  # the base/ save's bar
 
 
-def test_a_resumed_runs_summary_and_curves_cover_the_whole_run(tmp_path, recwarn):
+@pytest.fixture
+def slow_async_save(monkeypatch):
+    """The asynchronous save of step 4 still writing when the run fails at step 6, as on a
+    loaded machine (the race that made the resumed-run test flaky, made certain)."""
+    write_data = HostStateWriter.write_data
+
+    def slowly(self, plan, planner):
+        time.sleep(1.0)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(HostStateWriter, "write_data", slowly)
+
+
+def test_a_failed_run_completes_the_save_it_had_started(tmp_path, slow_async_save):
+    out = tmp_path / "run"
+    first = Trainer(job(out, "--save-steps", "4"), callbacks=[Watch(stop_at=6)])
+    with first, pytest.raises(RuntimeError, match="stopped at step 6"):
+        first.train()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
+
+
+def test_a_resumed_runs_summary_and_curves_cover_the_whole_run(tmp_path, recwarn, slow_async_save):
     out = tmp_path / "run"
     first = Trainer(job(out, "--save-steps", "4"), callbacks=[Watch(stop_at=6)])
     with first, pytest.raises(RuntimeError, match="stopped at step 6"):
