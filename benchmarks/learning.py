@@ -116,22 +116,26 @@ def train_command(
 
 @dataclass(frozen=True)
 class Recipe:
-    """A way to train, as the job's flags, with its eps and the lrs its sweep tries."""
+    """A way to train, as the job's flags, with its eps, the lrs its sweep tries and the
+    forward passes one of its steps takes (checked against each run's config)."""
 
     flags: tuple[str, ...]
     eps: float
     lrs: tuple[float, ...]
+    passes: int
 
 
 # MeZO's eps 1e-3 for full tuning and P-RGE's 1e-2 for LoRA-FA; the lrs bracket each method's
 # published setting at this batch (MeZO 1e-5..1e-6; FZOO's script 1e-5, its 13B example 5e-5;
 # LOZO 1e-6..1e-7 at 13B, larger on a small model; LoRA-FA 1e-2 learned here before).
 RECIPES = {
-    "spsa": Recipe((), 1e-3, (1e-5, 3e-5)),
-    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (1e-5, 3e-5, 1e-4)),
-    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (3e-6, 1e-5, 3e-5)),
-    "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (3e-3, 1e-2)),
-    "lora-fa-fzoo": Recipe(("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (1e-3, 3e-3, 1e-2)),
+    "spsa": Recipe((), 1e-3, (1e-5, 3e-5), 2),
+    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (1e-5, 3e-5, 1e-4), 9),  # N = 8, and L(theta)
+    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (3e-6, 1e-5, 3e-5), 2),
+    "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (3e-3, 1e-2), 2),
+    "lora-fa-fzoo": Recipe(
+        ("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (1e-3, 3e-3, 1e-2), 9
+    ),
 }
 
 
@@ -284,9 +288,14 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
         def one(lr: float, seed: int) -> list[dict[str, float]]:
             run_dir = work / f"race-{name}-lr{lr:g}-seed{seed}"
             job = argparse.Namespace(**{**vars(args), "lr": lr, "eps": recipe.eps, "seed": seed})
+            if args.forward_passes:  # an equal budget of forward passes for every recipe
+                job.steps = max(1, args.forward_passes // recipe.passes)
+                job.eval_steps = max(1, job.steps // args.evaluations)
             command = train_command(job, "classification", run_dir, eval_file) + list(recipe.flags)
-            run_job(command, run_dir, args.steps)
+            run_job(command, run_dir, job.steps)
             points = race_curve(run_dir)
+            if len(points) > 1 and points[1]["forward_passes"] != points[1]["step"] * recipe.passes:
+                raise SystemExit(f"learning.py: {name} ran another number of passes per step")
             for point in points:
                 report.measurements.append(
                     Measurement(
@@ -373,6 +382,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--recipes", default="spsa,fzoo,lozo,lora-fa", help=", ".join(RECIPES))
     p.add_argument("--seeds", default="0,1,2", help="the lr sweep runs on the first")
     p.add_argument("--thresholds", default="0.60,0.65")
+    p.add_argument(
+        "--forward-passes",
+        type=int,
+        default=0,
+        help="give every recipe this many forward passes (its steps: the budget over its "
+        "passes per step) instead of --steps",
+    )
+    p.add_argument(
+        "--evaluations",
+        type=int,
+        default=8,
+        help="with --forward-passes: evaluations per run, evenly spaced",
+    )
     p.add_argument(
         "--no-sweep",
         dest="sweep",
