@@ -8,6 +8,7 @@ from distzo.config.engine_options import engine_default
 from distzo.config.job import JobConfig
 from distzo.data.task_data import TASK_NAMES, check_objective, default_objective
 from distzo.dist import LaunchEnv, ParallelDims
+from distzo.zo.estimators import ESTIMATORS
 
 
 def default_lr(job: JobConfig) -> float:
@@ -21,10 +22,13 @@ def default_lr(job: JobConfig) -> float:
 
 
 def resolve_defaults(job: JobConfig) -> None:
-    """Fill in the options whose default depends on another section (the lr on the model
-    and task, the objective on the task), so that the run's config.toml records them."""
+    """Fill in the options whose default depends on another (the lr on the model and
+    task, the objective on the task, the number of queries on the estimator), so that the
+    run's config.toml records them."""
     if job.optim.lr is None:
         job.optim.lr = default_lr(job)
+    if job.optim.num_queries is None and job.optim.estimator in ESTIMATORS:
+        job.optim.num_queries = ESTIMATORS[job.optim.estimator].default_queries
     if job.data.task in TASK_NAMES and job.optim.objective is None:
         job.optim.objective = default_objective(job.data.task)
 

@@ -55,6 +55,11 @@ class TrainingStep(nn.Module):
             raise ValueError(
                 "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"
             )
+        if engine.config.estimator != "spsa":
+            raise ValueError(
+                f"the exportable step is SPSA's two passes (P-RGE's on-device step); the engine "
+                f"runs estimator {engine.config.estimator}"
+            )
         if engine.config.num_queries != 1 or engine.parallel.is_distributed:
             raise ValueError(
                 "the exportable step runs one query in one process (P-RGE's on-device step)"

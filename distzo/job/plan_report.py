@@ -61,7 +61,7 @@ def report(args: argparse.Namespace) -> str:
         sliced,
         rows,
         args.seq_len,
-        2 // args.pert,
+        pert=args.pert,
         world=args.nproc,
         local_ranks=args.nproc,
         device_type="cuda",

@@ -95,9 +95,7 @@ def test_more_micro_batches_than_rows_is_a_one_line_error():
 def test_the_memory_plan_counts_one_micro_batchs_activations():
     model = base_model("llama")
     plans = {
-        n: plan_memory(
-            model, ZOConfig(device="cpu", grad_accum=n), 1, False, batch=16, seq=32, signs=2
-        )
+        n: plan_memory(model, ZOConfig(device="cpu", grad_accum=n), 1, False, batch=16, seq=32)
         for n in (1, 4)
     }
     assert plans[4].activations < plans[1].activations

@@ -204,7 +204,7 @@ def test_the_memory_plan_counts_what_an_adapter_engine_allocates(
         compute_dtype=compute_dtype,
         num_slots=2,
     )
-    plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8, signs=2)
+    plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8)
     engine = ZOEngine(adapted("llama", "lora-fa"), config)
     # the passes' copy of the frozen resident modules; a master in another dtype is on the host
     resident_base = engine._resident_base_compute.nbytes

@@ -11,10 +11,11 @@ from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
 from distzo.job.divergence import diverged, is_finite, steps_kept
 from distzo.job.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.zo.estimators import SPSA
 
 
 def result(losses: list[float], grads: tuple[float, ...], step: int = 3) -> StepResult:
-    return StepResult.of(step, 1e-3, 16, losses, grads, 0.0)
+    return StepResult.of(step, 1e-3, 16, losses, SPSA().step_losses(losses), grads, 0.0)
 
 
 @pytest.mark.parametrize(

@@ -232,9 +232,9 @@ def test_the_plan_counts_the_state_the_engine_allocates():
         config = ZOConfig(device="cpu", num_slots=2, **options)
         model = base_model("llama")
         sgd = plan_memory(
-            model, ZOConfig(device="cpu", num_slots=2, mode=options["mode"]), 1, False, 2, 8, 2
+            model, ZOConfig(device="cpu", num_slots=2, mode=options["mode"]), 1, False, 2, 8
         )
-        plan = plan_memory(model, config, 1, False, 2, 8, 2)
+        plan = plan_memory(model, config, 1, False, 2, 8)
         engine = ZOEngine(base_model("llama"), config)
         assert plan.state_host_bytes == engine.state_host_bytes
         rounding = engine.rounding_noise.device_bytes if options.get("state_dtype") == "bf16" else 0
