@@ -49,8 +49,9 @@ def counted_uploads(engine):
         dict(),
         dict(num_queries=2, optimizer="momentum", momentum_window=4),
         dict(optimizer="adam", lr=1e-3),
+        dict(estimator="fzoo", num_queries=3, optimizer="momentum", momentum_window=4),
     ],
-    ids=["sgd", "momentum", "adam"],
+    ids=["sgd", "momentum", "adam", "fzoo"],
 )
 def test_catching_up_with_logged_steps_is_the_uninterrupted_trajectory_in_one_pass(options):
     def build():

@@ -242,6 +242,27 @@ def test_batched_passes_equal_the_sequential_passes(family, batching, method, dt
         assert torch.allclose(params_a[name], params_b[name], rtol=1e4 * rel, atol=1e4 * rel), name
 
 
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_fzoos_perturbed_passes_batched_equal_them_one_by_one(family):
+    # --batch-queries: FZOO's N perturbed LoRA-FA passes in one forward, the unperturbed one
+    # alone; fp64, so batched and sequential agree to rounding
+    runs = []
+    for flags in ({}, dict(batch_queries=True)):
+        model = adapted(family, "lora-fa", dtype=torch.float64)
+        engine = engine_for(
+            model, mode="offload", estimator="fzoo", num_queries=4, noise="rademacher", **flags
+        )
+        if flags:
+            assert [len(g) for g in engine.pass_groups_of(engine.passes)] == [4, 1]
+        runs.append((train(engine, model.config.vocab_size, steps=3), engine.named_parameters()))
+    (sequential, params_a), (batched, params_b) = runs
+    for a, b in zip(sequential, batched):
+        assert a.losses == pytest.approx(b.losses, rel=1e-12)
+        assert a.projected_grads == pytest.approx(b.projected_grads, rel=1e-8, abs=1e-8)
+    for name in params_a:
+        assert torch.allclose(params_a[name], params_b[name], rtol=1e-10, atol=1e-12), name
+
+
 def test_batched_passes_need_an_adapter():
     with pytest.raises(ValueError, match="--dual-forward and --batch-queries need an adapter"):
         engine_for(base_model("opt"), dual_forward=True)

@@ -77,15 +77,24 @@ def assert_follows(engine, initial, expected):
         ), name
 
 
-@pytest.mark.parametrize("family", ["opt", "llama"])
-@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
-def test_stored_state_follows_a_dense_reference(family, optimizer):
+@pytest.mark.parametrize(
+    "family, optimizer, estimator",
+    [
+        ("opt", "adam", "spsa"),
+        ("llama", "adam", "spsa"),
+        ("opt", "momentum", "spsa"),
+        ("llama", "momentum", "spsa"),
+        ("llama", "adam", "fzoo"),
+    ],
+)
+def test_stored_state_follows_a_dense_reference(family, optimizer, estimator):
     engine = engine_for(
         base_model(family, dtype=torch.float64),
         optimizer=optimizer,
         optimizer_state="stored",
         beta1=0.9,
         num_queries=2,
+        estimator=estimator,
         lr=1e-3,
         weight_decay=0.1,
         mode="offload",
