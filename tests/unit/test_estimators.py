@@ -11,9 +11,10 @@ from distzo import ZOConfig, ZOEngine
 from distzo.config.checks import check_job
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
+from distzo.job.memory_plan import plan_memory
 from distzo.zo import NoiseSource
 from distzo.zo.estimators import ESTIMATORS, FZOO
-from tests.helpers.engines import buckets_of
+from tests.helpers.engines import Counting, buckets_of
 from tests.helpers.models import FLOAT64_TINY, random_batch, tiny_opt
 
 # A tiny model as a function of one flat parameter vector, evaluated for many parameter
@@ -212,3 +213,27 @@ def test_the_job_refuses_them_before_building_anything(flags, message):
     check_job(job, LaunchEnv())
     with pytest.raises(ValueError, match=message):
         job.engine_config("cpu")
+
+
+@pytest.mark.parametrize("queries", [2, 8])
+def test_fzoo_moves_each_block_once_per_step_and_plans_a_hidden_state_per_pass(queries):
+    model = tiny_opt(seed=0, num_hidden_layers=3)
+    options = dict(device="cpu", mode="offload", num_slots=2, noise="rademacher")
+    fzoo = ZOConfig(estimator="fzoo", num_queries=queries, **options)
+    engine = ZOEngine(model, fzoo)
+    moved = Counting(engine.store)
+    for seed in range(2):
+        engine.step(random_batch(model.config.vocab_size, seed=seed))
+    assert moved.uploads == {0: 2, 1: 2, 2: 2}  # one upload per block per step, whatever N
+    # N + 1 hidden states cross the blocks where SPSA's one query has 2; a pert pair
+    # splits them (rank 0 takes the larger share)
+    spsa = ZOConfig(**options)
+    hidden = model.config.hidden_size * 4 * 12 * 4  # rows x tokens x fp32 bytes
+    plan = {
+        (name, pert): plan_memory(model, config, 1, False, batch=4, seq=12, pert=pert)
+        for name, config in (("fzoo", fzoo), ("spsa", spsa))
+        for pert in (1, 2)
+    }
+    assert plan["fzoo", 1].activations - plan["spsa", 1].activations == (queries - 1) * hidden
+    rank0 = (queries + 2) // 2  # of N + 1 passes, dealt round-robin
+    assert plan["fzoo", 2].activations - plan["spsa", 2].activations == (rank0 - 1) * hidden
