@@ -330,6 +330,19 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
             assert held.abs().sum() > 0
 
 
+def test_the_exported_training_step_refuses_another_estimator():
+    from distzo.export.training_step import TrainingStep
+
+    model = adapted("opt", "lora-fa")
+    engine = engine_for(model, estimator="fzoo", num_queries=2, noise="rademacher")
+    with pytest.raises(ValueError) as refused:
+        TrainingStep(engine)
+    assert str(refused.value) == (
+        "the exportable step is SPSA's two passes (P-RGE's on-device step); the engine runs "
+        "estimator fzoo"
+    )
+
+
 def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):
     pytest.importorskip("executorch")
     from executorch.runtime import Runtime
