@@ -14,9 +14,12 @@ from distzo.zo.estimators import ESTIMATORS
 def default_lr(job: JobConfig) -> float:
     """The lr when --lr is not given. ZO steps scale with sqrt(parameters) and a
     pretrained model sits in a narrow basin: MeZO tuned full-parameter OPT with 1e-6 to
-    1e-7 (the engine's default), where the tiny random-init model needs 1e-2 to learn
-    (1e-3 on real text, where 1e-2 diverged)."""
+    1e-7 (the engine's default), FZOO's script uses 1e-5 (its steps are normalised), where
+    the tiny random-init model needs 1e-2 to learn (1e-3 on real text, where 1e-2
+    diverged)."""
     if job.model.model or job.model.model_config:
+        if job.optim.estimator in ESTIMATORS:
+            return ESTIMATORS[job.optim.estimator].pretrained_lr
         return float(engine_default("lr"))
     return 1e-2 if job.data.task == "counting" else 1e-3
 

@@ -156,8 +156,9 @@ class OptimOptions:
     max_steps: int = engine_option("max_steps", "ZO steps to take", default=2000)
     lr: float | None = engine_option(
         "lr",
-        "learning rate (default: 1e-6, MeZO's, for --model and --model-config; 1e-2 for the "
-        "built-in tiny model on counting, 1e-3 on the other tasks)",
+        "learning rate (default: 1e-6, MeZO's, for --model and --model-config, 1e-5 with "
+        "--estimator fzoo, FZOO's; 1e-2 for the built-in tiny model on counting, 1e-3 on the "
+        "other tasks)",
         default=None,
     )
     eps: float = engine_option("eps", "perturbation scale")

@@ -49,6 +49,7 @@ class FZOO:
     default_noise = "rademacher"
     default_queries = 8
     min_queries = 2
+    pretrained_lr = 1e-5  # FZOO's script's default (with eps 1e-3, N 8)
 
     def passes(self, num_queries: int) -> tuple[Pass, ...]:
         """(j, +1) for each query j, then the unperturbed pass."""

@@ -42,6 +42,7 @@ class Estimator(Protocol):
     default_noise: str  # the z it draws unless told otherwise
     default_queries: int  # its directions per step when --num-queries is not given
     min_queries: int  # the fewest directions its estimate is defined for
+    pretrained_lr: float  # its authors' lr for full tuning of a pretrained model
 
     def passes(self, num_queries: int) -> tuple[Pass, ...]:
         """Every pass of a step with ``num_queries`` directions, in loss-vector order."""

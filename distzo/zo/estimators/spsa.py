@@ -31,6 +31,7 @@ class SPSA:
     default_noise = "gaussian"
     default_queries = 1
     min_queries = 1
+    pretrained_lr = 1e-6  # MeZO's, for full-parameter OPT
 
     def passes(self, num_queries: int) -> tuple[Pass, ...]:
         """(j, +1), (j, -1) for each query j."""
