@@ -36,7 +36,7 @@ TRAJECTORY_FIELDS = (
     "optimizer",
     "estimator",
 )
-# What a header from before a field existed meant by its absence.
+# What a header without a field (one from before it existed) means.
 HEADER_DEFAULTS = {"estimator": "spsa"}
 
 
@@ -161,10 +161,10 @@ def check_same_run(path: Path, logged: dict, ours: dict) -> None:
     """Refuse, in one line, a log whose header differs from this run's where the trajectory
     depends on it (another run seed, noise, decay, dtype, adapter, optimizer or estimator)."""
     for name in TRAJECTORY_FIELDS:
-        theirs = logged.get(name, HEADER_DEFAULTS.get(name))
-        if theirs != ours.get(name):
+        theirs, mine = (header.get(name, HEADER_DEFAULTS.get(name)) for header in (logged, ours))
+        if theirs != mine:
             raise ValueError(
                 f"{path} is the log of another run ({name} {theirs!r}, this run has "
-                f"{ours.get(name)!r}); resume with the options it was written with, or use a fresh "
+                f"{mine!r}); resume with the options it was written with, or use a fresh "
                 "--output-dir"
             )
