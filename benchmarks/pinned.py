@@ -75,7 +75,7 @@ def main() -> None:
     model = skeleton(config, torch.float32)
     built, _ = bucket_layouts(model, family_for(model).blocks())
     layouts = [layout for layout, _ in built]
-    plan = plan_memory(model, ZOConfig(device="cuda"), 1, False, batch=1, seq=8, signs=2)
+    plan = plan_memory(model, ZOConfig(device="cuda"), 1, False, batch=1, seq=8)
     params = {
         "shape": args.shape,
         "layers": config.num_hidden_layers,

@@ -8,23 +8,30 @@ from distzo.config.engine_options import engine_default
 from distzo.config.job import JobConfig
 from distzo.data.task_data import TASK_NAMES, check_objective, default_objective
 from distzo.dist import LaunchEnv, ParallelDims
+from distzo.zo.estimators import ESTIMATORS
 
 
 def default_lr(job: JobConfig) -> float:
     """The lr when --lr is not given. ZO steps scale with sqrt(parameters) and a
     pretrained model sits in a narrow basin: MeZO tuned full-parameter OPT with 1e-6 to
-    1e-7 (the engine's default), where the tiny random-init model needs 1e-2 to learn
-    (1e-3 on real text, where 1e-2 diverged)."""
+    1e-7 (the engine's default), FZOO's script uses 1e-5 (its steps are normalised), where
+    the tiny random-init model needs 1e-2 to learn (1e-3 on real text, where 1e-2
+    diverged)."""
     if job.model.model or job.model.model_config:
+        if job.optim.estimator in ESTIMATORS:
+            return ESTIMATORS[job.optim.estimator].pretrained_lr
         return float(engine_default("lr"))
     return 1e-2 if job.data.task == "counting" else 1e-3
 
 
 def resolve_defaults(job: JobConfig) -> None:
-    """Fill in the options whose default depends on another section (the lr on the model
-    and task, the objective on the task), so that the run's config.toml records them."""
+    """Fill in the options whose default depends on another (the lr on the model and
+    task, the objective on the task, the number of queries on the estimator), so that the
+    run's config.toml records them."""
     if job.optim.lr is None:
         job.optim.lr = default_lr(job)
+    if job.optim.num_queries is None and job.optim.estimator in ESTIMATORS:
+        job.optim.num_queries = ESTIMATORS[job.optim.estimator].default_queries
     if job.data.task in TASK_NAMES and job.optim.objective is None:
         job.optim.objective = default_objective(job.data.task)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from distzo.zo.estimators import ESTIMATORS, Estimator, Pass, estimator_for
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
@@ -17,6 +18,7 @@ TRANSFER_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8")
 COMPUTE_DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 
+ESTIMATOR_NAMES = tuple(ESTIMATORS)
 OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIMIZER_STATES = ("auto", "recomputed", "stored")
 STATE_DTYPES = ("fp32", "bf16")
@@ -40,8 +42,14 @@ class ZOConfig:
     on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
     perturbed weights and activations use (AMP); ``transfer_chunks`` pieces of each
     rank's share pipeline the sliced upload's copy with its all-gather.
-    ``num_queries`` directions per step (n-SPSA) average their estimates: each adds two
-    forward passes per block but no transfer, since a block is uploaded once per step.
+    ``estimator`` turns a step's forward passes into its update (``distzo.zo.estimators``):
+    ``spsa`` (MeZO's two-sided differences, n-SPSA with several queries) or ``fzoo``
+    (FZOO: ``num_queries`` one-sided differences plus the unperturbed loss, normalised
+    by the spread of the losses; it needs ``num_queries`` >= 2, FZOO's own is 8, and
+    draws Rademacher z in its paper, which a job gives it unless told otherwise).
+    ``num_queries`` directions per step average their estimates: each adds two forward
+    passes per block under SPSA, one under FZOO, but no transfer, since a block is
+    uploaded once per step.
     ``dual_forward`` / ``batch_queries`` (adapters only): the +eps and -eps passes of a
     query, and the passes of the several queries, run as one forward over a duplicated
     batch, each slice with its own adapter weights (P-RGE).
@@ -85,6 +93,7 @@ class ZOConfig:
     compute_dtype: str = "auto"
     transfer_chunks: int = 4
     num_queries: int = 1
+    estimator: str = "spsa"
     noise: str = "gaussian"
     lozo_rank: int = 2
     lozo_interval: int = 50
@@ -108,6 +117,7 @@ class ZOConfig:
         self._check_layout()
         self._check_optimizer()
         self._check_batching()
+        self._check_estimator()
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError(
                 "transfer sliced only applies to mode offload (resident blocks never travel)"
@@ -251,6 +261,45 @@ class ZOConfig:
                 f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to "
                 "average directions"
             )
+
+    def _check_estimator(self) -> None:
+        """The estimator, and the options it cannot honour."""
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(
+                f"estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}"
+            )
+        rule = self.estimator_rule
+        if self.num_queries < rule.min_queries:
+            raise ValueError(
+                f"estimator {self.estimator} needs num_queries >= {rule.min_queries}, got "
+                f"{self.num_queries}: sigma, the spread of its perturbed losses, is 0 for one; "
+                f"its default is {rule.default_queries}"
+            )
+        if self.estimator == "fzoo" and self.dual_forward:
+            raise ValueError(
+                "dual_forward batches each query's +eps and -eps passes, and fzoo's passes are "
+                "one-sided; drop dual_forward (batch_queries batches fzoo's perturbed passes)"
+            )
+        if self.estimator == "lozo" and self.noise != "lowrank":
+            raise ValueError(
+                f"estimator lozo perturbs along low-rank z, got noise {self.noise}: set noise "
+                f"lowrank (the default of --estimator lozo: drop --noise), or use estimator spsa "
+                f"for {self.noise} z"
+            )
+        if self.estimator == "fzoo" and self.noise == "legacy":
+            raise ValueError(
+                "noise legacy replays earlier versions' SPSA runs; fzoo draws rademacher "
+                "(its default) or gaussian"
+            )
+
+    @property
+    def estimator_rule(self) -> Estimator:
+        """The estimator's passes and update coefficients (``distzo.zo.estimators``)."""
+        return estimator_for(self.estimator)
+
+    def step_passes(self) -> tuple[Pass, ...]:
+        """Every pass of a step, in the order of its loss vector (a rank runs its share)."""
+        return self.estimator_rule.passes(self.num_queries)
 
     @property
     def stored_state(self) -> bool:

@@ -32,6 +32,7 @@ from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpe
 from distzo.config.cli import program
 from distzo.config.engine_options import (
     COMPUTE_DTYPE_NAMES,
+    ESTIMATOR_NAMES,
     MODES,
     OPTIMIZER_STATES,
     OPTIMIZERS,
@@ -42,6 +43,7 @@ from distzo.config.engine_options import (
     engine_default,
 )
 from distzo.dist import LaunchEnv
+from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
@@ -155,8 +157,9 @@ class OptimOptions:
     max_steps: int = engine_option("max_steps", "ZO steps to take", default=2000)
     lr: float | None = engine_option(
         "lr",
-        "learning rate (default: 1e-6, MeZO's, for --model and --model-config; 1e-2 for the "
-        "built-in tiny model on counting, 1e-3 on the other tasks)",
+        "learning rate (default: 1e-6, MeZO's, for --model and --model-config, 1e-5 with "
+        "--estimator fzoo, FZOO's; 1e-2 for the built-in tiny model on counting, 1e-3 on the "
+        "other tasks)",
         default=None,
     )
     eps: float = engine_option("eps", "perturbation scale")
@@ -174,11 +177,21 @@ class OptimOptions:
         "boolq, wic, multirc and lm for copa, squad, text, counting",
         ("lm", "classification", "accuracy", "f1"),
     )
+    estimator: str = engine_option(
+        "estimator",
+        "how a step's forward passes become its update: spsa (MeZO's two-sided differences, "
+        "n-SPSA with --num-queries), fzoo (FZOO: N one-sided differences plus the unperturbed "
+        "loss, normalised by the spread of the N losses; N is --num-queries, 8 by default) or "
+        "lozo (LOZO: SPSA along low-rank z = U V^T per weight matrix, --noise lowrank; see "
+        "--lozo-rank, --lozo-interval)",
+        ESTIMATOR_NAMES,
+    )
     noise: str | None = engine_option(
         "noise",
-        "the random directions z: gaussian (MeZO's, default) or rademacher (+-1, SPSA's), both "
-        "drawn per element from Philox and the same on every device; lowrank (LOZO's: U V^T per "
-        "weight matrix, see --lozo-rank, --lozo-interval); legacy (torch.Generator, earlier "
+        "the random directions z: gaussian (MeZO's, the default for spsa) or rademacher (+-1, "
+        "SPSA's and FZOO's, the default for fzoo), both drawn per element from Philox and the "
+        "same on every device; lowrank (LOZO's: U V^T per weight matrix, the default and only "
+        "choice for lozo; see --lozo-rank, --lozo-interval); legacy (torch.Generator, earlier "
         "versions' runs). A resumed run keeps its checkpoint's",
         NOISE_KINDS,
         default=None,
@@ -193,10 +206,12 @@ class OptimOptions:
         "--noise lowrank: steps V is kept before it is redrawn (LOZO's nu, 50 or 100); U is "
         "redrawn every step",
     )
-    num_queries: int = engine_option(
+    num_queries: int | None = engine_option(
         "num_queries",
-        "random directions per step, their estimates averaged (n-SPSA): each adds two forward "
-        "passes per block, no transfer",
+        "random directions per step (default: 1 for spsa, 8 for fzoo), their estimates "
+        "averaged: each adds two forward passes per block under spsa, one under fzoo, no "
+        "transfer",
+        default=None,
     )
     optimizer: str = engine_option(
         "optimizer",
@@ -485,6 +500,12 @@ class JobConfig:
                 value = getattr(getattr(self, owners[f.name]), f.name)
                 if value is not None:
                     values[f.name] = value
+        if self.optim.estimator in ESTIMATOR_NAMES:  # else ZOConfig names the bad one
+            # unset: the estimator's own z (FZOO's Rademacher; a resume takes the drawn
+            # one) and number of directions (FZOO's 8)
+            rule = estimator_for(self.optim.estimator)
+            values.setdefault("noise", rule.default_noise)
+            values.setdefault("num_queries", rule.default_queries)
         return ZOConfig(**values)
 
 

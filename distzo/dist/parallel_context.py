@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from distzo.dist.collectives import Collectives
 from distzo.dist.launch_env import LaunchEnv
 from distzo.dist.parallel_dims import ParallelDims
+from distzo.zo.estimators import Pass, rank_share
 
 
 @dataclass
@@ -87,12 +88,10 @@ class ParallelContext:
     def is_distributed(self) -> bool:
         return self.env.world_size > 1
 
-    @property
-    def signs(self) -> tuple[int, ...]:
-        """The perturbed passes this rank runs: both, or its half of a pert pair."""
-        if self.dims.pert == 1:
-            return (1, -1)
-        return ((1,), (-1,))[self.pert_rank]
+    def own_passes(self, step_passes: tuple[Pass, ...]) -> tuple[Pass, ...]:
+        """The passes of a step (in loss-vector order) this rank runs: all of them, or its
+        share in a pert group (SPSA's +eps passes on one rank of a pair, -eps on the other)."""
+        return rank_share(step_passes, self.dims.pert, self.pert_rank)
 
     def sum_to_host(self, values: torch.Tensor | list) -> list[float]:
         """Sum over this context's ranks, read on the host (a 1-rank context inside a job

@@ -1,15 +1,17 @@
 """One ZO step over embed -> streamed blocks -> head.
 
-Per step t, with the pending update (t-1, g_0..g_{q-1}, lr) of the previous step:
+Per step t, with the pending update (t-1, c_0..c_{q-1}, lr) of the previous step:
 
 * the resident bucket (embeddings, head, final norm) gets the pending update, then
   is perturbed out of place into its scratch bucket for each pass;
 * each block is uploaded into a device slot, gets the pending update right there (so
   it crosses the link once per step), is perturbed out of place into the one block
   scratch bucket for each pass (query j, sign) and run on that pass's hidden states,
-  then offloaded: q queries (n-SPSA) cost 2q forward passes but one transfer;
-* the head gives L+_j and L-_j; one all-reduce of ``[L+_0, L-_0, ...]`` (identity in
-  one process) gives every rank the same g_j, which become the new pending update.
+  then offloaded: q queries cost 2q forward passes under SPSA (N + 1 under FZOO) but
+  one transfer;
+* the head gives each pass's loss; one all-reduce of the step's loss vector (identity
+  in one process) gives every rank the same losses, which the estimator turns into the
+  update coefficients c_j of the new pending update (SPSA's g_j; ``distzo.zo.estimators``).
 
 The module parameters are bound once to the scratch buckets, so the model's own
 layers compute with whatever perturbation the scratch currently holds.
@@ -44,7 +46,8 @@ from distzo.models.prefix import BlockPrefix
 from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
 from distzo.offload import BlockScheduler, BlockStore, BucketLayout, StreamedBlocks, Streams
-from distzo.zo import Pass, learning_rate, loss_contribution, passes, projected_gradients
+from distzo.zo import Pass, learning_rate, loss_contribution
+from distzo.zo.estimators import StepLosses
 from distzo.zo.moments import MomentRule, MomentUpdater
 
 __all__ = ["StepResult", "ZOEngine", "count_tokens"]
@@ -57,17 +60,21 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StepResult:
-    """One step's losses and estimate; with several queries, means over the queries."""
+    """One step's losses and estimate; with several queries, means over the queries.
+
+    ``projected_grads`` are the update coefficients c_j (the update moves along
+    ``mean_j c_j z_j``): SPSA's projected gradients g_j, FZOO's N g_j."""
 
     step: int  # 0-based index of the step just taken
-    loss: float  # mean of (L+ + L-) / 2, the loss at theta to first order
-    loss_plus: float
-    loss_minus: float
+    loss: float  # SPSA: mean of (L+ + L-) / 2, the loss at theta to first order; FZOO: L(theta)
+    loss_plus: float  # the mean loss along +z
+    loss_minus: float  # the other ends: SPSA's mean L-, FZOO's L(theta)
     projected_grad: float  # mean of projected_grads
     lr: float
     num_tokens: int  # input tokens this rank processed (all passes count once)
-    projected_grads: tuple[float, ...]  # g_j of each query j
+    projected_grads: tuple[float, ...]  # c_j of each query j
     stop: bool = False  # some rank asked to stop after this step (a preemption notice)
+    losses: tuple[float, ...] = ()  # the step's reduced loss vector, in the estimator's order
 
     @classmethod
     def of(
@@ -76,15 +83,25 @@ class StepResult:
         lr: float,
         num_tokens: int,
         losses: Sequence[float],
+        reported: StepLosses,
         grads: tuple[float, ...],
         votes: float,
     ) -> StepResult:
-        """The result from the reduced ``[L+_0, L-_0, ...]`` and the g_j made of them."""
-        q = len(grads)
-        loss_plus, loss_minus = sum(losses[0::2]) / q, sum(losses[1::2]) / q
-        mean_grad = sum(grads) / q
-        loss = (loss_plus + loss_minus) / 2
-        return cls(step, loss, loss_plus, loss_minus, mean_grad, lr, num_tokens, grads, votes > 0)
+        """The result from the reduced loss vector, what the estimator reports of it and
+        the coefficients it made of it."""
+        mean_grad = sum(grads) / len(grads)
+        return cls(
+            step,
+            reported.loss,
+            reported.loss_plus,
+            reported.loss_minus,
+            mean_grad,
+            lr,
+            num_tokens,
+            grads,
+            votes > 0,
+            tuple(losses),
+        )
 
 
 class Delegate(Generic[T]):
@@ -177,8 +194,9 @@ class ZOEngine:
         self.config, self.model = config, model
         self.device = config.torch_device()
         self.parallel = parallel if parallel is not None else ParallelContext.single(self.device)
-        self.signs = self.parallel.signs
-        self.passes = passes(config.num_queries, self.signs)  # (query, sign) this rank runs
+        self.estimator = config.estimator_rule
+        self.step_passes = config.step_passes()  # every pass of a step, in loss-vector order
+        self.passes = self.parallel.own_passes(self.step_passes)  # (query, sign) this rank runs
         self.transfer = resolve_transfer(config, self.device, self.parallel)
         if run_seed is None:
             run_seed = config.seed if config.seed is not None else secrets.randbits(63)
@@ -247,7 +265,7 @@ class ZOEngine:
             with self.streams.compute_scope():
                 runner = StepRunner(self, t, self.passes, cfg.grad_accum)
                 losses = self.objective.losses(runner, prepared, self.passes, num_items)
-                vector = loss_contribution(losses, cfg.num_queries)
+                vector = loss_contribution(losses, self.step_passes)
                 # the stop vote rides on the losses' all-reduce: filled on the device, no copy
                 vote = torch.full((1,), float(stop), dtype=vector.dtype, device=vector.device)
                 vector = torch.cat([vector, vote])
@@ -262,10 +280,11 @@ class ZOEngine:
         with self._guard():
             # the step's one host sync: waits for the compute stream's losses only
             *reduced, votes = read()
-        grads = projected_gradients(reduced, self.config.eps)
+        grads = self.estimator.update_coefficients(reduced, self.config.eps)
         self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
         self.step_index += 1
-        return StepResult.of(t, lr, num_tokens, reduced, grads, votes)
+        reported = self.estimator.step_losses(reduced)
+        return StepResult.of(t, lr, num_tokens, reduced, reported, grads, votes)
 
     def _stream_pass(
         self,

@@ -152,5 +152,5 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
         f"{len(engine.blocks)} blocks, {engine.streamed_store.num_slots} slots, "
         f"{format_count(engine.num_parameters)} trained parameters"
         f"{of_all if engine.frozen_base else ''}, {format_bytes(engine.host_bytes)} host, "
-        f"{queries} quer{'y' if queries == 1 else 'ies'} per step"
+        f"{config.estimator}, {queries} quer{'y' if queries == 1 else 'ies'} per step"
     )

@@ -47,6 +47,11 @@ class TrainingStep(nn.Module):
 
     def __init__(self, engine: ZOEngine) -> None:
         super().__init__()
+        if engine.config.estimator != "spsa":
+            raise ValueError(
+                f"the exportable step is SPSA's two passes (P-RGE's on-device step); the engine "
+                f"runs estimator {engine.config.estimator}"
+            )
         if (
             engine.peft_model is None
             or engine.resident_layout.numel

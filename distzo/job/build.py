@@ -175,9 +175,10 @@ def memory_plan(
         sliced,
         batch,
         data.longest,
-        len(parallel.signs),
-        env.world_size,
-        env.local_world_size,
+        pert=parallel.dims.pert,
+        pert_rank=parallel.pert_rank,
+        world=env.world_size,
+        local_ranks=env.local_world_size,
         async_save=job.run.save_async and job.run.save_steps > 0,
     )
 

@@ -74,14 +74,20 @@ def diverged(result: StepResult, config: ZOConfig, checkpoint: str | None) -> Di
         if result.step
         else "the initial weights give it"
     )
+    # FZOO's other end is the unperturbed loss, and its coefficients are not gradients
+    sides, coefficients = (
+        (("L+", "L-"), "projected gradient")
+        if config.estimator == "spsa"
+        else (("mean L(theta + eps z)", "L(theta)"), "update coefficients")
+    )
     return Diverged(
         result.step,
         kept,
         f"training diverged at step {result.step}: loss {result.loss:.4g} "
-        f"(L+ {result.loss_plus:.4g}, L- {result.loss_minus:.4g}), projected gradient "
-        f"{grads} at lr {result.lr:.3g}; {dropped}; {_resumes(kept, checkpoint)}, with a "
-        f"lower --lr ({config.lr:g} in this run) or a larger --eps ({config.eps:g}); if it "
-        "persists, check the data",
+        f"({sides[0]} {result.loss_plus:.4g}, {sides[1]} {result.loss_minus:.4g}), "
+        f"{coefficients} {grads} at lr {result.lr:.3g}; {dropped}; "
+        f"{_resumes(kept, checkpoint)}, with a lower --lr ({config.lr:g} in this run) "
+        f"or a larger --eps ({config.eps:g}); if it persists, check the data",
     )
 
 

@@ -27,12 +27,14 @@ from torch import nn
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
+from distzo.engine.passes import pass_grouping
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.runtime.host_memory import available_host_bytes
 from distzo.runtime.units import format_bytes, format_count
+from distzo.zo.estimators import Pass, rank_share
 from distzo.zo.lowrank import planned_lowrank_bytes
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
@@ -185,7 +187,9 @@ def plan_memory(
     sliced: bool,
     batch: int,
     seq: int,
-    signs: int,
+    *,
+    pert: int = 1,
+    pert_rank: int = 0,
     world: int = 1,
     local_ranks: int = 1,
     async_save: bool = True,
@@ -193,6 +197,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
 
+    ``pert`` ranks share each step's passes, this rank running its ``pert_rank`` share
+    (``ParallelContext.own_passes``): one hidden state per pass crosses the blocks.
     ``world`` and ``local_ranks`` place the rank in the job, for the checkpoint's copies:
     block i is copied by one rank (i % world, or under the sliced transfer a member of
     node i % nodes), plus the resident bucket on rank 0. A synchronous save
@@ -201,6 +207,7 @@ def plan_memory(
     when None): "cuda" plans a GPU job from a machine without one.
     """
     on = device_type or config.torch_device().type
+    passes = rank_share(config.step_passes(), pert, pert_rank)
     model, _ = unwrap_peft(model)
     b = _buckets(model, config, shard_size, sliced)
     host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
@@ -226,14 +233,14 @@ def plan_memory(
         device_resident=resident_bytes,
         device_blocks=blocks,
         device_scratch=scratch + _noise_bytes(b, config, on),
-        activations=_activation_bytes(model.config, config, b.compute, batch, seq, signs),
+        activations=_activation_bytes(model.config, config, b.compute, batch, seq, passes),
         checkpoint_bytes=_checkpoint_bytes(
             b, config, sliced, shard_size, world, local_ranks, async_save, on
         ),
         frozen_parameters=frozen_parameters,
         state_host_bytes=state_host,
         state_device_bytes=state_device,
-        device_masks=_mask_bytes(model.config, config, b.compute, batch, seq, signs),
+        device_masks=_mask_bytes(model.config, config, b.compute, batch, seq, passes),
         device_comm=nccl_buffer_bytes(_nccl_groups(on, world, local_ranks, shard_size, sliced)),
     )
 
@@ -275,7 +282,7 @@ def _noise_bytes(b: _Buckets, config: ZOConfig, device_type: str) -> int:
 
 
 def _activation_bytes(
-    cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, signs: int
+    cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, passes: tuple[Pass, ...]
 ) -> int:
     """An estimate of the largest transient: the live hidden states, plus the bigger of one
     block's intermediates (one micro-batch) and the LM head's logits of one chunk."""
@@ -289,12 +296,15 @@ def _activation_bytes(
     # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and
     # log-softmax
     logits = min(tokens, HEAD_CHUNK) * vocab * (compute + 2 * 4)
-    # one hidden state per pass (all its micro-batches) crosses the blocks
-    live_hiddens = signs * config.num_queries
+    # one hidden state per pass (all its micro-batches) crosses the blocks: 2q for SPSA,
+    # N + 1 for FZOO, a pert rank's share of them
+    live_hiddens = len(passes)
     return live_hiddens * tokens * hidden * compute + max(block_tmp, logits)
 
 
-def _mask_bytes(cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, signs: int) -> int:
+def _mask_bytes(
+    cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, passes: tuple[Pass, ...]
+) -> int:
     """The attention masks a forward keeps on the device: the model's builders make one
     (rows, 1, L, L) mask per kind of layer (full, sliding) for every micro-batch, for
     passes alone and again for the largest group of passes batched together; boolean
@@ -305,9 +315,8 @@ def _mask_bytes(cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, 
         return 0  # flash attention reads the (rows, L) padding mask itself
     itemsize = compute if implementation == "eager" else 1
     kinds = len(set(getattr(cfg, "layer_types", None) or ["full"]))
-    largest = (signs if config.dual_forward else 1) * (
-        config.num_queries if config.batch_queries else 1
-    )
+    groups_of = pass_grouping(config.dual_forward, config.batch_queries)
+    largest = max(len(group) for group in groups_of(passes))
     groups = 1 + (largest if largest > 1 else 0)
     return kinds * groups * batch * seq * seq * itemsize
 

@@ -15,12 +15,18 @@ import sys
 
 import torch
 
-from distzo.config.engine_options import COMPUTE_DTYPE_NAMES, TRANSFER_DTYPE_NAMES, ZOConfig
+from distzo.config.engine_options import (
+    COMPUTE_DTYPE_NAMES,
+    ESTIMATOR_NAMES,
+    TRANSFER_DTYPE_NAMES,
+    ZOConfig,
+)
 from distzo.job.evaluation import rows_per_call
 from distzo.job.memory_plan import MemoryPlan, host_terms, plan_memory
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
 from distzo.runtime.units import format_bytes
+from distzo.zo.estimators import estimator_for
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--transfer-dtype", default="bf16", choices=TRANSFER_DTYPE_NAMES)
     parser.add_argument("--compute-dtype", default="bf16", choices=COMPUTE_DTYPE_NAMES)
     parser.add_argument("--num-slots", type=int, default=3)
+    parser.add_argument("--estimator", default="spsa", choices=ESTIMATOR_NAMES)
+    parser.add_argument(
+        "--num-queries", type=int, default=None, help="default: the estimator's (spsa 1, fzoo 8)"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -44,12 +54,17 @@ def report(args: argparse.Namespace) -> str:
     dp = args.dp or args.nproc // args.pert
     if dp * args.pert != args.nproc:
         raise ValueError(f"--dp {dp} x --pert {args.pert} is not --nproc {args.nproc}")
+    rule = estimator_for(args.estimator)
+    queries = args.num_queries if args.num_queries is not None else rule.default_queries
     config = ZOConfig(
         device="cpu",
         mode="offload",
         num_slots=args.num_slots,
         transfer_dtype=args.transfer_dtype,
         compute_dtype=args.compute_dtype,
+        estimator=args.estimator,
+        num_queries=queries,
+        noise=rule.default_noise,
     )
     model = skeleton(shape_config(args.model_config), torch.float32)
     rows = max(args.batch_size // dp, rows_per_call(args.eval_batch_size, args.nproc))
@@ -61,21 +76,24 @@ def report(args: argparse.Namespace) -> str:
         sliced,
         rows,
         args.seq_len,
-        2 // args.pert,
+        pert=args.pert,
         world=args.nproc,
         local_ranks=args.nproc,
         device_type="cuda",
     )
-    return _lines(plan, args, dp, rows)
+    return _lines(plan, args, dp, rows, config)
 
 
-def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int) -> str:
+def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int, config: ZOConfig) -> str:
     b = format_bytes
     host = host_terms(plan, True, args.nproc)
+    # a step's passes, named where they are not MeZO's two (one hidden state each)
+    passes = len(config.step_passes())
+    step = "" if passes == 2 else f"{config.estimator} with {passes} passes per step, "
     out = [
         f"{args.model_config}, {args.nproc} GPUs on one node, dp {dp} x pert {args.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
-        f"{args.num_slots} slots, {rows} rows x {args.seq_len} tokens per forward",
+        f"{args.num_slots} slots, {step}{rows} rows x {args.seq_len} tokens per forward",
         f"memory plan: {plan.describe()}",
         "device, per rank:",
         *(f"  {name:<24} {b(size):>10}" for name, size in plan.device_terms().items()),

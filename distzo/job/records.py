@@ -106,6 +106,7 @@ def run_header(
         "objective": objective,
         "peft": spec.record() if spec.enabled else None,
         "optimizer": optimizer_record(config),
+        "estimator": config.estimator,
         # what a replay checks its --base against (None: a caller without the model's config)
         **({"model": signature(model_config)} if model_config is not None else {}),
     }

@@ -1,7 +1,9 @@
 """The seed log, ``seedlog.jsonl``: the run's header, then one record per step.
 
-A ZO run is its starting weights plus, per step, ``(step, g per query, lr)``: the noise
-is regenerated from the run seed. So the log is both what ``distzo.replay`` rebuilds a
+A ZO run is its starting weights plus, per step, ``(step, c per query, lr)``: the noise
+is regenerated from the run seed, and the c_j are the update's coefficients of z_j
+(``projected_grads``: SPSA's projected gradients, FZOO's normalised differences), so a
+log replays whatever estimator made them. So the log is both what ``distzo.replay`` rebuilds a
 model from and what a restarted run catches up with after its last checkpoint, with no
 forward pass and no data. It is written so that a crash cannot leave a half-written
 record that reads as a step: each record is one line appended and flushed, and synced to
@@ -33,7 +35,10 @@ TRAJECTORY_FIELDS = (
     "transfer_dtype",
     "peft",
     "optimizer",
+    "estimator",
 )
+# What a header without a field (one from before it existed) means.
+HEADER_DEFAULTS = {"estimator": "spsa"}
 
 
 class SeedLogWriter:
@@ -155,11 +160,12 @@ def step_grads(record: dict) -> tuple[float, ...]:
 
 def check_same_run(path: Path, logged: dict, ours: dict) -> None:
     """Refuse, in one line, a log whose header differs from this run's where the trajectory
-    depends on it (another run seed, noise, decay, dtype, adapter or optimizer)."""
+    depends on it (another run seed, noise, decay, dtype, adapter, optimizer or estimator)."""
     for name in TRAJECTORY_FIELDS:
-        if logged.get(name) != ours.get(name):
+        theirs, mine = (header.get(name, HEADER_DEFAULTS.get(name)) for header in (logged, ours))
+        if theirs != mine:
             raise ValueError(
-                f"{path} is the log of another run ({name} {logged.get(name)!r}, this run has "
-                f"{ours.get(name)!r}); resume with the options it was written with, or use a fresh "
+                f"{path} is the log of another run ({name} {theirs!r}, this run has "
+                f"{mine!r}); resume with the options it was written with, or use a fresh "
                 "--output-dir"
             )

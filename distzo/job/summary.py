@@ -38,6 +38,7 @@ def key_options(
         "lr_schedule": config.lr_schedule,
         "eps": config.eps,
         "optimizer": config.optimizer,
+        "estimator": config.estimator,
         "num_queries": config.num_queries,
         "mode": config.mode,
         "transfer": transfer,

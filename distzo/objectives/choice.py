@@ -25,7 +25,7 @@ import torch
 from distzo.objectives.protocol import PassRunner
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
 from distzo.runtime.devices import to_device
-from distzo.zo.estimator import Pass
+from distzo.zo.estimators import Pass
 
 # input_ids / attention_mask [E, R, L]; per scored token s of example e: score_position
 # [E, S] (flat r * L + t of the position whose logits predict it, -1 = none), score_token,

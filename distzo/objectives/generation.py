@@ -19,7 +19,7 @@ import torch
 from distzo.objectives.metrics import answer_text, f1_score
 from distzo.objectives.protocol import PassRunner
 from distzo.runtime.devices import to_device
-from distzo.zo.estimator import Pass
+from distzo.zo.estimators import Pass
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "prompt_length", "example")
 

@@ -10,7 +10,7 @@ import torch
 from distzo.objectives.protocol import PassRunner
 from distzo.objectives.scoring import HeadTargets, picked_log_probs
 from distzo.runtime.devices import to_device
-from distzo.zo.estimator import Pass
+from distzo.zo.estimators import Pass
 
 
 def default_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from distzo.zo.estimator import Pass
+from distzo.zo.estimators import Pass
 
 
 class PassRunner(Protocol):

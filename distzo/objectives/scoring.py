@@ -18,7 +18,7 @@ import torch
 
 from distzo.objectives.protocol import PassRunner
 from distzo.runtime.devices import to_device
-from distzo.zo.estimator import Pass
+from distzo.zo.estimators import Pass
 
 HEAD_CHUNK = 1024  # positions per head call: bounds the float32 logits at HEAD_CHUNK x vocab
 

@@ -1,11 +1,13 @@
-"""Zeroth-order pieces: counter-based noise, the (n-)SPSA estimator, lr schedules."""
+"""Zeroth-order pieces: counter-based noise, the estimators (SPSA, FZOO), lr schedules."""
 
-from distzo.zo.estimator import (
+from distzo.zo.estimators import (
+    ESTIMATORS,
+    Estimator,
     Pass,
+    estimator_for,
     loss_contribution,
-    passes,
     projected_gradient,
-    projected_gradients,
+    rank_share,
 )
 from distzo.zo.noise import (
     NOISE_KINDS,
@@ -26,11 +28,13 @@ __all__ = [
     "identity_kind",
     "noise_identity",
     "noise_seed",
+    "ESTIMATORS",
+    "Estimator",
     "Pass",
+    "estimator_for",
     "loss_contribution",
-    "passes",
     "projected_gradient",
-    "projected_gradients",
+    "rank_share",
     "learning_rate",
     "SCHEDULES",
 ]

@@ -168,7 +168,7 @@ def test_memory_plan_matches_what_cuda_allocates():
         ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16"),
     ):
         model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
-        plan = plan_memory(model, config, 1, False, batch=1, seq=8, signs=2)
+        plan = plan_memory(model, config, 1, False, batch=1, seq=8)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         engine = ZOEngine(model, config, weights=RandomWeights(0))
@@ -242,7 +242,7 @@ def test_host_blocks_are_pinned_at_exactly_the_planned_size():
 
     # 4 OPT-1.3B layers: 805.7 MB, which the caching host allocator would round to 1073.7 MB (2^30)
     model = skeleton(shape_config("opt-1.3b", layers=4), torch.float32)
-    plan = plan_memory(model, ZOConfig(device="cuda", seed=0), 1, False, batch=1, seq=8, signs=2)
+    plan = plan_memory(model, ZOConfig(device="cuda", seed=0), 1, False, batch=1, seq=8)
     layouts = [layout for layout, _ in bucket_layouts(model, family_for(model).blocks())[0]]
     torch.cuda.synchronize()
     gc.collect()

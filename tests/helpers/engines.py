@@ -5,6 +5,7 @@ import collections
 import torch
 
 from distzo import ZOConfig, ZOEngine
+from distzo.engine import RESIDENT_BLOCK_ID
 from tests.helpers.models import random_batch
 
 
@@ -16,6 +17,12 @@ def engine_for(model, weights=None, **overrides):
 
 def train(engine, vocab, steps=4, seed=0):
     return [engine.step(random_batch(vocab, pad="left", seed=seed + i)) for i in range(steps)]
+
+
+def buckets_of(engine):
+    return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [
+        (layout, i + 1) for i, layout in enumerate(engine.block_layouts)
+    ]
 
 
 def frozen_values(engine):

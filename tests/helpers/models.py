@@ -23,6 +23,22 @@ def tiny_opt(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     return model_from_config(tiny_opt_config(**overrides), dtype=dtype)
 
 
+# Few parameters: the step length is eps * |z| ~ eps * sqrt(#params), and the central
+# difference's curvature error grows with its square. GELU, not OPT's ReLU: a central
+# difference across a ReLU kink is not the derivative, and with thousands of
+# pre-activations some always lie within eps of a kink.
+FLOAT64_TINY = dict(
+    dtype=torch.float64,
+    num_hidden_layers=2,
+    hidden_size=16,
+    ffn_dim=32,
+    num_attention_heads=2,
+    word_embed_proj_dim=8,
+    max_position_embeddings=16,
+    activation_function="gelu",
+)
+
+
 def random_batch(
     vocab_size: int, batch: int = 4, seq: int = 12, seed: int = 0, pad: str | None = None
 ):

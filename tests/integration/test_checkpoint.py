@@ -1,5 +1,6 @@
 """Resume, crash during an asynchronous save, export and replay, through the real CLI."""
 
+import json
 import shutil
 
 import pytest
@@ -94,6 +95,39 @@ def test_resume_is_exact_and_independent_of_world_size(tmp_path):
             "optimizer it was trained with"
         )
     )
+
+
+def test_fzoo_resumes_exactly_on_other_world_sizes_and_replays_to_its_export(tmp_path):
+    # The checkpoint holds FZOO's pending coefficients c_j = N g_j, the seed log every
+    # step's: a resume on 2 or 1 ranks goes on along the 4-rank trajectory, and a replay
+    # of the log rebuilds the export bit for bit.
+    flags = COMMON + ["--dtype", "fp64", "--estimator", "fzoo", "--num-queries", "3"]
+    full = tmp_path / "full"
+    proc = launch(4, flags + ["--save-steps", "5", "--output-dir", str(full)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reference = Run(full)
+    header = json.loads((full / "seedlog.jsonl").read_text().splitlines()[0])
+    assert (header["estimator"], header["noise"]) == ("fzoo", "rademacher-v1")
+    for nproc in (2, 1):
+        resumed = tmp_path / f"resumed{nproc}"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints" / "step-5", resumed / "checkpoints" / "step-5")
+        proc = launch(nproc, flags + ["--output-dir", str(resumed), "--resume"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        for ours, theirs in zip(Run(resumed).metrics, reference.metrics[5:], strict=True):
+            assert ours["projected_grads"] == pytest.approx(theirs["projected_grads"], rel=1e-9)
+        assert_same_params(Run(resumed), reference, rel=1e-9)
+    out = tmp_path / "replayed"
+    proc = python_replay(["--log", str(full / "seedlog.jsonl"), "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = load_file(str(full / "export" / "model.safetensors"))
+    replayed = load_file(str(out / "model.safetensors"))
+    assert exported.keys() == replayed.keys()
+    assert all(torch.equal(exported[k], replayed[k]) for k in exported)
+    # resuming it as an SPSA run is refused in one line, before any model
+    proc = launch(1, COMMON + ["--dtype", "fp64", "--output-dir", str(full), "--resume"])
+    assert proc.returncode == 2
+    assert "--estimator fzoo -> spsa" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
 def test_each_block_is_written_once_by_one_rank_and_a_sliced_checkpoint_reshards(tmp_path):

@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from tests.helpers.launch import (
     Run,
@@ -26,6 +27,7 @@ from tests.helpers.launch import (
 COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "3"]
 FP64 = COMMON + ["--dtype", "fp64"]
 LOWRANK = ["--noise", "lowrank", "--lozo-interval", "4"]
+FZOO = ["--estimator", "fzoo", "--num-queries", "3"]
 
 LAUNCHES = {
     # name: (processes, flags)
@@ -43,6 +45,13 @@ LAUNCHES = {
     "2d_sliced_lowrank": (
         4,
         FP64 + LOWRANK + ["--dp", "2", "--pert", "2", "--transfer", "sliced"],
+    ),
+    # FZOO's 3 one-sided passes and its unperturbed one: 2 + 2 over a pert pair
+    "single_fzoo": (1, FP64 + FZOO),
+    "pertp_fzoo": (2, FP64 + FZOO + ["--pert", "2"]),
+    "2d_sliced_fzoo": (
+        4,
+        FP64 + FZOO + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--grad-accum", "2"],
     ),
 }
 
@@ -91,6 +100,27 @@ def test_low_rank_noise_on_a_2d_sliced_mesh_follows_the_single_process_trajector
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
     assert runs["single_lowrank"].ranks[0]["noise"] == "lowrank-v1"
     assert max_relative_difference(runs["single_lowrank"], runs["single"])[1] > 1e-3
+
+
+def test_fzoo_splits_its_passes_over_the_pert_ranks_and_follows_one_process(runs):
+    single, pertp, mesh = runs["single_fzoo"], runs["pertp_fzoo"], runs["2d_sliced_fzoo"]
+    # PertP splits the passes, nothing else: bitwise
+    assert [m["projected_grads"] for m in pertp.metrics] == [
+        m["projected_grads"] for m in single.metrics
+    ]
+    assert all(torch.equal(pertp.params[k], v) for k, v in single.params.items())
+    # DDP x PertP, sliced, micro-batches: the loss sums reassociate, to 1e-9 in fp64
+    per_query = [
+        (a, b)
+        for m, s in zip(mesh.metrics, single.metrics, strict=True)
+        for a, b in zip(m["projected_grads"], s["projected_grads"], strict=True)
+    ]
+    assert len(per_query) == 30
+    assert all(abs(a - b) <= 1e-9 * max(abs(b), 1e-12) for a, b in per_query)
+    assert max_relative_difference(mesh, single)[1] <= 1e-9
+    # FZOO reports L(theta), the loss its differences start from
+    assert all(m["loss"] == m["loss_minus"] for m in single.metrics)
+    assert max_relative_difference(single, runs["single_q3"])[1] > 1e-3  # not SPSA's path
 
 
 def test_device_mesh_places_ranks_row_major(runs):

@@ -49,8 +49,9 @@ def counted_uploads(engine):
         dict(),
         dict(num_queries=2, optimizer="momentum", momentum_window=4),
         dict(optimizer="adam", lr=1e-3),
+        dict(estimator="fzoo", num_queries=3, optimizer="momentum", momentum_window=4),
     ],
-    ids=["sgd", "momentum", "adam"],
+    ids=["sgd", "momentum", "adam", "fzoo"],
 )
 def test_catching_up_with_logged_steps_is_the_uninterrupted_trajectory_in_one_pass(options):
     def build():
@@ -121,6 +122,11 @@ def test_a_log_of_another_run_is_refused_in_one_line(tmp_path):
         check_same_run(path, header, {"run_seed": 8, "optimizer": {"name": "sgd"}})
     assert "\n" not in str(info.value)
     assert json.loads(path.read_text().splitlines()[0])["kind"] == "header"
+    # a header from before estimators is SPSA's: an FZOO run does not go on from it
+    with pytest.raises(ValueError, match=r"another run \(estimator 'spsa', this run has 'fzoo'\)"):
+        check_same_run(
+            path, header, {"run_seed": 7, "optimizer": {"name": "sgd"}, "estimator": "fzoo"}
+        )
 
 
 def test_a_killed_rank_restarts_the_job_which_catches_up_from_the_seed_log(tmp_path):

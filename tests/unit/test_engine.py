@@ -3,8 +3,9 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data import CountingTask
-from distzo.engine import RESIDENT_BLOCK_ID, PendingUpdate
-from tests.helpers.models import random_batch, tiny_opt
+from distzo.engine import PendingUpdate
+from tests.helpers.engines import buckets_of
+from tests.helpers.models import FLOAT64_TINY, random_batch, tiny_opt
 
 
 def batches(vocab_size, n, seed=0):
@@ -75,22 +76,6 @@ def test_every_noise_kind_keeps_offload_equal_to_resident(kind):
         assert_same_trajectory(resident, run("resident", steps=4))
 
 
-# Few parameters: the step length is eps * |z| ~ eps * sqrt(#params), and the central
-# difference's curvature error grows with its square. GELU, not OPT's ReLU: a central
-# difference across a ReLU kink is not the derivative, and with thousands of
-# pre-activations some always lie within eps of a kink.
-FLOAT64_TINY = dict(
-    dtype=torch.float64,
-    num_hidden_layers=2,
-    hidden_size=16,
-    ffn_dim=32,
-    num_attention_heads=2,
-    word_embed_proj_dim=8,
-    max_position_embeddings=16,
-    activation_function="gelu",
-)
-
-
 def zo_and_autograd_gradient(seed, eps, num_queries=1, lr=0.0):
     """(engine after one step, its g per query, z_j . autograd gradient per query)."""
     model = tiny_opt(seed=seed, **FLOAT64_TINY)
@@ -114,12 +99,6 @@ def zo_and_autograd_gradient(seed, eps, num_queries=1, lr=0.0):
                 z_param = z[entry.offset : entry.offset + entry.numel].view(entry.shape)
                 dots[query] += (z_param * autograd[entry.names[0]]).sum().item()
     return engine, grads, dots
-
-
-def buckets_of(engine):
-    return [(engine.resident_layout, RESIDENT_BLOCK_ID)] + [
-        (layout, i + 1) for i, layout in enumerate(engine.block_layouts)
-    ]
 
 
 @pytest.mark.parametrize("seed", [2, 3, 8])  # |g| >= 0.1: a relative bound means something
@@ -170,6 +149,21 @@ def test_multi_query_offload_equals_resident_bitwise(num_queries):
     single = run("resident", steps=5)  # the extra queries really change the step
     assert not torch.equal(
         single[1]["model.decoder.layers.0.fc1.weight"],
+        resident[1]["model.decoder.layers.0.fc1.weight"],
+    )
+
+
+FZOO = dict(estimator="fzoo", num_queries=4, noise="rademacher")
+
+
+def test_fzoo_offload_equals_resident_bitwise_whatever_the_slots_and_flushes():
+    resident = run("resident", steps=5, **FZOO)
+    assert_same_trajectory(run("offload", steps=5, **FZOO), resident)
+    assert_same_trajectory(run("offload", steps=5, num_slots=1, flush_at=(1, 3), **FZOO), resident)
+    assert all(len(r.projected_grads) == 4 and len(r.losses) == 5 for r in resident[0])
+    spsa = run("resident", steps=5, num_queries=4, noise="rademacher")
+    assert not torch.equal(  # FZOO really took another step
+        spsa[1]["model.decoder.layers.0.fc1.weight"],
         resident[1]["model.decoder.layers.0.fc1.weight"],
     )
 

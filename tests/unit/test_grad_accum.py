@@ -70,6 +70,33 @@ def test_micro_batches_of_batched_passes_give_the_whole_batchs_trajectory(method
     assert_same_run(*runs, rel=1e-9)
 
 
+@pytest.mark.parametrize("peft", ["none", "lora-fa"])
+def test_fzoo_micro_batches_give_the_whole_batchs_trajectory(peft):
+    # FZOO's N perturbed passes and its unperturbed one, each over 3 micro-batches (2, 1, 1)
+    def model():
+        base = base_model("llama", dtype=torch.float64)
+        spec = AdapterSpec(peft, r=4, alpha=8)
+        return attach_adapter(base, spec, seed=5) if spec.enabled else base
+
+    flags = dict(batch_queries=True) if peft != "none" else {}
+    runs = [
+        trajectory(
+            engine_for(
+                model(),
+                mode="offload",
+                num_slots=2,
+                estimator="fzoo",
+                num_queries=3,
+                noise="rademacher",
+                grad_accum=n,
+                **flags,
+            )
+        )
+        for n in (1, 3)
+    ]
+    assert_same_run(*runs, rel=1e-9)
+
+
 def test_each_block_goes_up_once_per_step_whatever_the_micro_batches():
     engine = engine_for(base_model("opt"), mode="offload", num_slots=2, grad_accum=4)
     counts = Counting(engine.store)
@@ -95,9 +122,7 @@ def test_more_micro_batches_than_rows_is_a_one_line_error():
 def test_the_memory_plan_counts_one_micro_batchs_activations():
     model = base_model("llama")
     plans = {
-        n: plan_memory(
-            model, ZOConfig(device="cpu", grad_accum=n), 1, False, batch=16, seq=32, signs=2
-        )
+        n: plan_memory(model, ZOConfig(device="cpu", grad_accum=n), 1, False, batch=16, seq=32)
         for n in (1, 4)
     }
     assert plans[4].activations < plans[1].activations

@@ -185,7 +185,7 @@ def test_an_engine_option_defaults_to_the_engine_or_to_none_that_the_job_resolve
 def test_the_engine_config_is_taken_from_the_sections():
     job = resolve(
         "--eps 0.01 --lr 0.5 --num-slots 2 --mode resident --peft lora --dual-forward "
-        "--optimizer momentum --noise rademacher --seed -1 --grad-accum 2".split()
+        "--optimizer momentum --noise rademacher --seed -1 --grad-accum 2 --num-queries 3".split()
     )
     config = job.engine_config("cpu")
     for name, section in engine_owners().items():
@@ -196,7 +196,29 @@ def test_the_engine_config_is_taken_from_the_sections():
         engine_default("noise_chunk"),
     )
     unset = JobConfig().engine_config("cpu")  # None options keep the engine's defaults
-    assert (unset.num_slots, unset.noise) == (engine_default("num_slots"), "gaussian")
+    assert (unset.num_slots, unset.noise, unset.num_queries) == (
+        engine_default("num_slots"),
+        "gaussian",
+        1,
+    )
+
+
+def test_fzoo_takes_its_own_noise_and_queries_unless_told_otherwise():
+    fzoo = resolve(["--estimator", "fzoo"])
+    config = fzoo.engine_config("cpu")
+    assert (config.estimator, config.noise, config.num_queries) == ("fzoo", "rademacher", 8)
+    resolve_defaults(fzoo)  # config.toml records the resolved N
+    assert fzoo.optim.num_queries == 8 and fzoo.optim.noise is None  # noise: at validation
+    told = resolve("--estimator fzoo --noise gaussian --num-queries 4".split())
+    config = told.engine_config("cpu")
+    assert (config.noise, config.num_queries) == ("gaussian", 4)
+    spsa = resolve([])
+    resolve_defaults(spsa)
+    assert spsa.optim.num_queries == 1 and spsa.engine_config("cpu").noise == "gaussian"
+    # a pretrained model's lr: FZOO's script's 1e-5, MeZO's 1e-6 for SPSA
+    shape = ["--model-config", "opt-13b"]
+    assert default_lr(resolve([*shape, "--estimator", "fzoo"])) == 1e-5
+    assert default_lr(resolve(shape)) == 1e-6
 
 
 @pytest.mark.parametrize(

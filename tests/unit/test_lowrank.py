@@ -312,7 +312,7 @@ def test_the_memory_plan_counts_what_the_low_rank_source_allocates():
         gaussian = ZOConfig(device="cpu", mode="offload", noise_chunk=chunk)
         model = tiny_opt(seed=0, num_hidden_layers=2)
         engine = ZOEngine(model, config)
-        planned = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
-        plain = plan_memory(model, gaussian, 1, False, batch=2, seq=8, signs=2)
+        planned = plan_memory(model, config, 1, False, batch=2, seq=8)
+        plain = plan_memory(model, gaussian, 1, False, batch=2, seq=8)
         extra = engine.noise.device_bytes - NoiseSource(0, chunk, CPU, torch.float32).device_bytes
         assert extra > 0 and planned.device_scratch - plain.device_scratch == extra

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from distzo import ZOConfig
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
 
@@ -51,16 +52,24 @@ def test_row_major_mesh_coordinates_pair_neighbours():
     assert [dims.coordinates(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_signs_and_batch_shares_per_rank():
+def test_pass_and_batch_shares_per_rank():
     batch = {"input_ids": torch.arange(8).view(8, 1)}
-    seen = {}
+    spsa = ZOConfig(device="cpu", num_queries=2).step_passes()
+    fzoo = ZOConfig(device="cpu", estimator="fzoo", num_queries=8, noise="rademacher")
+    seen, fzoo_shares = {}, {}
     for rank in range(4):
         ctx = ParallelContext(LaunchEnv(rank=rank, world_size=4, launched=True), ParallelDims(2, 2))
-        seen[rank] = (ctx.signs, ctx.shard_batch(batch)["input_ids"].view(-1).tolist())
-    # a pert pair: same rows
-    assert seen[0] == ((1,), [0, 1, 2, 3]) and seen[1] == ((-1,), [0, 1, 2, 3])
-    assert seen[2] == ((1,), [4, 5, 6, 7]) and seen[3] == ((-1,), [4, 5, 6, 7])
-    assert ParallelContext.single().signs == (1, -1)
+        seen[rank] = (ctx.own_passes(spsa), ctx.shard_batch(batch)["input_ids"].view(-1).tolist())
+        fzoo_shares[rank] = ctx.own_passes(fzoo.step_passes())
+    # a pert pair: same rows; SPSA's +eps passes on one rank, its -eps passes on the other
+    plus, minus = ((0, 1), (1, 1)), ((0, -1), (1, -1))
+    assert seen[0] == (plus, [0, 1, 2, 3]) and seen[1] == (minus, [0, 1, 2, 3])
+    assert seen[2] == (plus, [4, 5, 6, 7]) and seen[3] == (minus, [4, 5, 6, 7])
+    assert ParallelContext.single().own_passes(spsa) == ((0, 1), (0, -1), (1, 1), (1, -1))
+    # FZOO's 8 one-sided passes and the unperturbed one: 5 and 4, each pass on one rank
+    assert fzoo_shares[0] == ((0, 1), (2, 1), (4, 1), (6, 1), (0, 0))
+    assert fzoo_shares[1] == ((1, 1), (3, 1), (5, 1), (7, 1))
+    assert fzoo_shares[2] == fzoo_shares[0] and fzoo_shares[3] == fzoo_shares[1]
 
 
 def test_launch_env_reads_torchrun_variables():

@@ -204,7 +204,7 @@ def test_the_memory_plan_counts_what_an_adapter_engine_allocates(
         compute_dtype=compute_dtype,
         num_slots=2,
     )
-    plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8, signs=2)
+    plan = plan_memory(adapted("llama", "lora-fa"), config, 1, False, batch=2, seq=8)
     engine = ZOEngine(adapted("llama", "lora-fa"), config)
     # the passes' copy of the frozen resident modules; a master in another dtype is on the host
     resident_base = engine._resident_base_compute.nbytes
@@ -240,6 +240,27 @@ def test_batched_passes_equal_the_sequential_passes(family, batching, method, dt
         assert a.projected_grads == pytest.approx(b.projected_grads, rel=1e4 * rel, abs=1e4 * rel)
     for name in params_a:
         assert torch.allclose(params_a[name], params_b[name], rtol=1e4 * rel, atol=1e4 * rel), name
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_fzoos_perturbed_passes_batched_equal_them_one_by_one(family):
+    # --batch-queries: FZOO's N perturbed LoRA-FA passes in one forward, the unperturbed one
+    # alone; fp64, so batched and sequential agree to rounding
+    runs = []
+    for flags in ({}, dict(batch_queries=True)):
+        model = adapted(family, "lora-fa", dtype=torch.float64)
+        engine = engine_for(
+            model, mode="offload", estimator="fzoo", num_queries=4, noise="rademacher", **flags
+        )
+        if flags:
+            assert [len(g) for g in engine.pass_groups_of(engine.passes)] == [4, 1]
+        runs.append((train(engine, model.config.vocab_size, steps=3), engine.named_parameters()))
+    (sequential, params_a), (batched, params_b) = runs
+    for a, b in zip(sequential, batched):
+        assert a.losses == pytest.approx(b.losses, rel=1e-12)
+        assert a.projected_grads == pytest.approx(b.projected_grads, rel=1e-8, abs=1e-8)
+    for name in params_a:
+        assert torch.allclose(params_a[name], params_b[name], rtol=1e-10, atol=1e-12), name
 
 
 def test_batched_passes_need_an_adapter():
@@ -307,6 +328,19 @@ def test_the_exported_training_step_equals_the_engines_steps(family, tmp_path):
         for held in (program.get_buffer(f"adapter_{i}"), step_module.get_buffer(f"adapter_{i}")):
             assert torch.allclose(held, engine.store.device_bucket(i), rtol=1e-5, atol=1e-7)
             assert held.abs().sum() > 0
+
+
+def test_the_exported_training_step_refuses_another_estimator():
+    from distzo.export.training_step import TrainingStep
+
+    model = adapted("opt", "lora-fa")
+    engine = engine_for(model, estimator="fzoo", num_queries=2, noise="rademacher")
+    with pytest.raises(ValueError) as refused:
+        TrainingStep(engine)
+    assert str(refused.value) == (
+        "the exportable step is SPSA's two passes (P-RGE's on-device step); the engine runs "
+        "estimator fzoo"
+    )
 
 
 def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):

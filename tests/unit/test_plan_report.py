@@ -39,6 +39,24 @@ def test_a_layout_that_is_not_the_node_is_refused_in_one_line(capsys):
     assert err == "error: --dp 3 x --pert 2 is not --nproc 8"
 
 
+def test_the_report_plans_fzoos_hidden_states():
+    def report(*flags):
+        argv = ["--model-config", "opt-125m", "--pert", "2", *flags]
+        return plan_report.report(plan_report._parser().parse_args(argv))
+
+    spsa, fzoo = report(), report("--estimator", "fzoo")
+    assert "passes per step" not in spsa
+    assert "fzoo with 9 passes per step, 8 rows x 512 tokens" in fzoo
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9}
+    activations = [
+        float(line.split()[-2]) * units[line.split()[-1]]
+        for text in (spsa, fzoo)
+        for line in text.splitlines()
+        if line.strip().startswith("activations")
+    ]
+    assert activations[1] > activations[0]  # 5 hidden states on pert rank 0, not 1
+
+
 @pytest.mark.parametrize("pert", [1, 2])
 def test_the_report_plans_the_rows_a_rank_forwards(pert):
     args = plan_report._parser().parse_args(

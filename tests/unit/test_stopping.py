@@ -11,10 +11,11 @@ from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
 from distzo.job.divergence import diverged, is_finite, steps_kept
 from distzo.job.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.zo.estimators import FZOO, SPSA
 
 
 def result(losses: list[float], grads: tuple[float, ...], step: int = 3) -> StepResult:
-    return StepResult.of(step, 1e-3, 16, losses, grads, 0.0)
+    return StepResult.of(step, 1e-3, 16, losses, SPSA().step_losses(losses), grads, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -89,3 +90,14 @@ def test_a_divergence_keeps_the_steps_before_the_update_that_led_to_it(
     error = diverged(result(*NAN, step=step), ZOConfig(lr=1e-3, eps=1e-3), checkpoint)
     assert (error.step, error.kept) == (step, kept)
     assert str(error) == f"training diverged at step {step}: {VALUES}; {says}, {TRY}"
+
+
+def test_an_fzoo_divergence_names_its_own_losses_and_coefficients():
+    losses = [math.nan, 1.0, 2.0]  # L_1, L_2, then L_0 = L(theta)
+    step = StepResult.of(3, 1e-3, 16, losses, FZOO().step_losses(losses), (math.nan, 0.5), 0.0)
+    config = ZOConfig(lr=1e-3, eps=1e-3, estimator="fzoo", num_queries=2, noise="rademacher")
+    assert not is_finite(step)
+    assert str(diverged(step, config, None)).startswith(
+        "training diverged at step 3: loss 2 (mean L(theta + eps z) nan, L(theta) 2), update "
+        "coefficients nan, 0.5 at lr 0.001; "
+    )

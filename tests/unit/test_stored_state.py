@@ -77,15 +77,24 @@ def assert_follows(engine, initial, expected):
         ), name
 
 
-@pytest.mark.parametrize("family", ["opt", "llama"])
-@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
-def test_stored_state_follows_a_dense_reference(family, optimizer):
+@pytest.mark.parametrize(
+    "family, optimizer, estimator",
+    [
+        ("opt", "adam", "spsa"),
+        ("llama", "adam", "spsa"),
+        ("opt", "momentum", "spsa"),
+        ("llama", "momentum", "spsa"),
+        ("llama", "adam", "fzoo"),
+    ],
+)
+def test_stored_state_follows_a_dense_reference(family, optimizer, estimator):
     engine = engine_for(
         base_model(family, dtype=torch.float64),
         optimizer=optimizer,
         optimizer_state="stored",
         beta1=0.9,
         num_queries=2,
+        estimator=estimator,
         lr=1e-3,
         weight_decay=0.1,
         mode="offload",
@@ -232,9 +241,9 @@ def test_the_plan_counts_the_state_the_engine_allocates():
         config = ZOConfig(device="cpu", num_slots=2, **options)
         model = base_model("llama")
         sgd = plan_memory(
-            model, ZOConfig(device="cpu", num_slots=2, mode=options["mode"]), 1, False, 2, 8, 2
+            model, ZOConfig(device="cpu", num_slots=2, mode=options["mode"]), 1, False, 2, 8
         )
-        plan = plan_memory(model, config, 1, False, 2, 8, 2)
+        plan = plan_memory(model, config, 1, False, 2, 8)
         engine = ZOEngine(base_model("llama"), config)
         assert plan.state_host_bytes == engine.state_host_bytes
         rounding = engine.rounding_noise.device_bytes if options.get("state_dtype") == "bf16" else 0

@@ -61,7 +61,7 @@ def test_random_weights_are_the_same_on_every_rank_and_shaped_by_role():
 @pytest.mark.parametrize("name", SHAPES)
 def test_every_named_shape_builds_as_a_skeleton(name):
     model = skeleton(shape_config(name, layers=1), torch.float32)
-    plan = plan_memory(model, ZOConfig(device="cpu"), 1, False, batch=1, seq=8, signs=2)
+    plan = plan_memory(model, ZOConfig(device="cpu"), 1, False, batch=1, seq=8)
     assert plan.parameters > 1e7 and plan.host_bytes > 0
 
 
@@ -73,7 +73,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path):
         ZOConfig(device="cpu", noise="legacy"),
     )
     for config in configs:
-        plan = plan_memory(model, config, 1, False, batch=2, seq=8, signs=2)
+        plan = plan_memory(model, config, 1, False, batch=2, seq=8)
         engine = ZOEngine(build("llama", seed=0), config)
         allocated = (
             engine.resident_master.nbytes
@@ -95,9 +95,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path):
             state = Checkpointer(tmp_path, engine)._state(private=async_save)
             copied = [v for k, v in state.items() if not k.startswith("meta/")]
             copied = [v for v in copied if v.untyped_storage().data_ptr() not in live]
-            planned = plan_memory(
-                model, config, 1, False, batch=2, seq=8, signs=2, async_save=async_save
-            )
+            planned = plan_memory(model, config, 1, False, batch=2, seq=8, async_save=async_save)
             assert (
                 planned.checkpoint_bytes
                 == sum(v.nbytes for v in copied)

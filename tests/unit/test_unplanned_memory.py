@@ -84,7 +84,7 @@ def test_the_plan_counts_the_attention_masks_a_step_builds(monkeypatch, name, ov
         model = build(name)
     config = ZOConfig(device="cpu", seed=0, grad_accum=2, **flags)
     rows, length = 4, 12
-    plan = plan_memory(model, config, 1, False, batch=rows, seq=length, signs=2)
+    plan = plan_memory(model, config, 1, False, batch=rows, seq=length)
     engine = ZOEngine(model, config)
     built = []
     context = engine.family.context
@@ -119,7 +119,16 @@ def test_the_plan_counts_nccl_buffers_for_the_job_and_the_shard_group(monkeypatc
 
     def comm(device, sliced, world=8):
         plan = plan_memory(
-            model, ZOConfig(device="cpu"), 8, sliced, 2, 8, 1, world, 8, device_type=device
+            model,
+            ZOConfig(device="cpu"),
+            8,
+            sliced,
+            2,
+            8,
+            pert=2,
+            world=world,
+            local_ranks=8,
+            device_type=device,
         )
         return plan.device_comm
 
@@ -132,7 +141,9 @@ def test_the_plan_counts_nccl_buffers_for_the_job_and_the_shard_group(monkeypatc
 def test_a_refusal_names_the_largest_term(monkeypatch):
     monkeypatch.setenv("NCCL_BUFFSIZE", str(64 * MIB))
     model, config = build("llama"), ZOConfig(device="cpu")
-    plan = plan_memory(model, config, 8, True, 2, 8, 1, world=8, local_ranks=8, device_type="cuda")
+    plan = plan_memory(
+        model, config, 8, True, 2, 8, pert=2, world=8, local_ranks=8, device_type="cuda"
+    )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (MIB, 80 << 30))
     monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1 << 40)
     with pytest.raises(ValueError) as refused:
@@ -140,6 +151,6 @@ def test_a_refusal_names_the_largest_term(monkeypatch):
     message = str(refused.value)
     assert "free on cuda:0 (largest: NCCL buffers " in message and "host memory" not in message
     monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1000)
-    cpu_plan = plan_memory(build("llama"), ZOConfig(device="cpu"), 1, False, 2, 8, 2)
+    cpu_plan = plan_memory(build("llama"), ZOConfig(device="cpu"), 1, False, 2, 8)
     with pytest.raises(ValueError, match=r"1\.00 KB available \(largest: scratch "):
         check_fits(cpu_plan, torch.device("cpu"), 1, force=False)
