@@ -126,12 +126,14 @@ class Recipe:
 
 
 # MeZO's eps 1e-3 for full tuning and P-RGE's 1e-2 for LoRA-FA; the lrs bracket each method's
-# published setting at this batch (MeZO 1e-5..1e-6; FZOO's script 1e-5, its 13B example 5e-5;
-# LOZO 1e-6..1e-7 at 13B, larger on a small model; LoRA-FA 1e-2 learned here before).
+# setting, the first the likeliest (--no-sweep runs it alone): MeZO's 1e-5 learned on this
+# recipe; FZOO's normalised step wants about 10x SPSA's lr (its script 1e-5 and 13B example
+# 5e-5 against MeZO's 1e-6..1e-7; 10x on the default task too); LOZO's rank-2 z has twice
+# the variance, so half SPSA's; LoRA-FA 1e-2 learned here before.
 RECIPES = {
     "spsa": Recipe((), 1e-3, (1e-5, 3e-5), 2),
-    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (1e-5, 3e-5, 1e-4), 9),  # N = 8, and L(theta)
-    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (3e-6, 1e-5, 3e-5), 2),
+    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (1e-4, 3e-5, 3e-4), 9),  # N = 8, and L(theta)
+    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (5e-6, 2e-6, 1e-5), 2),
     "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (3e-3, 1e-2), 2),
     "lora-fa-fzoo": Recipe(
         ("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (1e-3, 3e-3, 1e-2), 9
