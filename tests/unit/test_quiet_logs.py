@@ -40,11 +40,21 @@ def test_parameter_counts_take_the_unit_that_fits(n, text):
 
 
 @pytest.fixture
-def hub_logger():
+def hub_logger(caplog):
+    """The hub's HTTP logger without the filter an earlier trainer of this process installed,
+    its records caught here whatever earlier tests did to its ancestors (a library's
+    verbosity raised to ERROR, its propagation off)."""
     logger = logging.getLogger(HUB_HTTP_LOGGER)
-    kept = list(logger.filters)
+    kept = list(logger.filters), logger.level, logger.propagate
+    # a trainer built earlier in this process installed its own filter (with what it saw)
+    logger.filters[:] = [f for f in kept[0] if not isinstance(f, OnceOnFirstLocalRank)]
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False  # caught once, by caplog's handler here
+    logger.addHandler(caplog.handler)
     yield logger
-    logger.filters[:] = kept
+    logger.removeHandler(caplog.handler)
+    logger.filters[:], level, logger.propagate = kept
+    logger.setLevel(level)
 
 
 def test_a_hub_retry_warning_is_said_once_and_only_on_the_first_local_rank(hub_logger, caplog):
