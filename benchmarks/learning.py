@@ -254,6 +254,22 @@ def curve(run_dir: Path) -> list[dict]:
     return points
 
 
+def parse_lrs(text: str) -> dict[str, tuple[float, ...]]:
+    """``"fzoo=1e-3:1e-4,spsa=1e-5"`` -> each named recipe's lrs, in place of its sweep."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, values = item.partition("=")
+        try:
+            out[name] = tuple(float(v) for v in values.split(":"))
+        except ValueError:
+            raise SystemExit(
+                f"learning.py: --lrs {item!r} is not RECIPE=LR[:LR...]; e.g. --lrs fzoo=1e-3:1e-4"
+            ) from None
+        if name not in RECIPES:
+            raise SystemExit(f"learning.py: --lrs names {name!r}; recipes: {', '.join(RECIPES)}")
+    return out
+
+
 def run_job(command: list[str], run_dir: Path, steps: int) -> float:
     """Run one training job (or read it: a directory holding the finished job is reused);
     its wall time in seconds (0 when reused)."""
@@ -282,10 +298,11 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
         raise SystemExit(
             f"learning.py: unknown recipe {unknown[0]!r}; choose from {', '.join(RECIPES)}"
         )
+    given_lrs = parse_lrs(args.lrs)
     best: dict[str, dict[int, list[dict[str, float]]]] = {}
     for name in names:
         recipe = RECIPES[name]
-        lrs = recipe.lrs if args.sweep else (recipe.lrs[0],)
+        lrs = given_lrs.get(name) or (recipe.lrs if args.sweep else (recipe.lrs[0],))
 
         def one(lr: float, seed: int) -> list[dict[str, float]]:
             run_dir = work / f"race-{name}-lr{lr:g}-seed{seed}"
@@ -396,6 +413,11 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=8,
         help="with --forward-passes: evaluations per run, evenly spaced",
+    )
+    p.add_argument(
+        "--lrs",
+        default="",
+        help="RECIPE=LR[:LR...],...: these lrs for these recipes instead of their sweep",
     )
     p.add_argument(
         "--no-sweep",

@@ -102,3 +102,12 @@ def test_the_plot_is_written(learning, tmp_path):
     learning.plot_race(path, curves, [0.6, 0.65])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_given_lrs_replace_a_recipes_sweep(learning):
+    assert learning.parse_lrs("fzoo=1e-3:1e-4,spsa=1e-5") == {"fzoo": (1e-3, 1e-4), "spsa": (1e-5,)}
+    assert learning.parse_lrs("") == {}
+    with pytest.raises(SystemExit, match="not RECIPE=LR"):
+        learning.parse_lrs("fzoo=fast")
+    with pytest.raises(SystemExit, match="names 'adam'"):
+        learning.parse_lrs("adam=1e-3")
