@@ -47,6 +47,7 @@ from typing import Any
 
 from distzo.bench import BenchReport, Measurement
 from distzo.models.gguf import gguf_to_hf
+from distzo.zo.estimators import ESTIMATORS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sst2-sample"
@@ -145,11 +146,9 @@ def passes_per_step(config: dict[str, Any]) -> int:
     """Forward passes over the batch in one step of a run, from its config.toml."""
     optim = config.get("optim", {})
     estimator, queries = optim.get("estimator", "spsa"), int(optim.get("num_queries", 1))
-    if estimator in ("spsa", "lozo"):
-        return 2 * queries
-    if estimator == "fzoo":
-        return queries + 1
-    raise SystemExit(f"learning.py: unknown estimator {estimator!r} in a run's config.toml")
+    if estimator not in ESTIMATORS:
+        raise SystemExit(f"learning.py: unknown estimator {estimator!r} in a run's config.toml")
+    return len(ESTIMATORS[estimator].passes(queries))  # the passes the engine runs
 
 
 def race_curve(run_dir: Path) -> list[dict[str, float]]:
