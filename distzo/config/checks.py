@@ -43,6 +43,11 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
     data, optim = job.data, job.optim
     dims = ParallelDims.resolve(env.world_size, job.parallel.dp, job.parallel.pert)
     dims.check_batch(data.batch_size)
+    if optim.estimator in ESTIMATORS and optim.num_queries is not None:
+        passes = len(ESTIMATORS[optim.estimator].passes(optim.num_queries))
+        dims.check_passes(
+            passes, f"--estimator {optim.estimator}, --num-queries {optim.num_queries}"
+        )
     if job.offload.transfer == "sliced" and not env.launched:
         raise ValueError(
             "--transfer sliced needs a torchrun launch (a process group); use --transfer naive "

@@ -365,7 +365,9 @@ class ParallelOptions:
     device: str = option("auto", "auto (cuda:LOCAL_RANK if CUDA, else cpu), cpu, cuda or cuda:N")
     dp: int | None = option(None, "data-parallel size (default auto: world / pert)")
     pert: int | None = option(
-        None, "perturbation-parallel size, 1 or 2 (default auto: 2 if the world is even)"
+        None,
+        "perturbation-parallel size: ranks sharing a step's forward passes, at most the "
+        "step's passes (default auto: 2 if the world is even, else 1)",
     )
     backend: str = option(
         "auto", "process-group backend (auto: nccl on CUDA, gloo on CPU)", ("auto", "nccl", "gloo")

@@ -101,7 +101,7 @@ class ParallelContext:
         return self.comm.sum_to_host(values)
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This dp group's contiguous share of a global batch; both ranks of a pert pair
+        """This dp group's contiguous share of a global batch; the ranks of a pert group
         get the same rows."""
         size = next(iter(batch.values())).shape[0]
         self.dims.check_batch(size)

@@ -1,15 +1,14 @@
 """The 2D layout of the ranks, validated in one place (torchtitan's ParallelDims).
 
-``world = dp x pert``: ``pert`` = 2 puts the +eps and -eps passes on two ranks,
-``dp`` splits the global batch. Ranks are laid out row-major on the mesh, so the
-two ranks of a pert pair are neighbours (the same node in any usual launch).
+``world = dp x pert``: the ``pert`` ranks of a group share each step's forward passes
+(``pert`` = 2 puts SPSA's +eps and -eps passes on two ranks; FZOO's N + 1 passes split
+over up to N + 1), ``dp`` splits the global batch. Ranks are laid out row-major on the
+mesh, so the ranks of a pert group are neighbours (the same node in any usual launch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-PERT_SIZES = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -28,35 +27,29 @@ class ParallelDims:
         """Fill in ``auto`` (None) sizes and check the layout against the launched ranks.
 
         auto: pert = 2 when the world is even (two ranks per step halve the passes per
-        rank), else 1; dp takes the rest.
+        rank), else 1; dp takes the rest. Any pert dividing the world is valid here;
+        ``check_passes`` holds it to the step's passes.
         """
-        if pert is not None and pert not in PERT_SIZES:
-            raise ValueError(f"--pert must be 1 or 2, got {pert}")
+        if pert is not None and pert < 1:
+            raise ValueError(f"--pert must be >= 1, got {pert}")
         if dp is not None and dp < 1:
             raise ValueError(f"--dp must be >= 1, got {dp}")
         if pert is None:
             if dp is not None:
-                pert = (
-                    world_size // dp
-                    if world_size % dp == 0 and world_size // dp in PERT_SIZES
-                    else 0
-                )
-                if pert == 0:
-                    # the dp of each valid pert, each once (1 rank: only --dp 1)
-                    valid = dict.fromkeys(
-                        f"--dp {world_size // p}" for p in PERT_SIZES if world_size % p == 0
-                    )
+                if world_size % dp:
                     raise ValueError(
-                        f"--dp {dp} leaves no valid --pert for {world_size} ranks; "
-                        f"use {' or '.join(valid)}"
+                        f"--dp {dp} does not divide the {world_size} launched ranks, so no "
+                        f"--pert fills the rest; use a --dp that divides {world_size}"
                     )
+                pert = world_size // dp
             else:
                 pert = 2 if world_size % 2 == 0 else 1
         if dp is None:
             dp = world_size // pert if world_size % pert == 0 else 0
             if dp == 0:
                 raise ValueError(
-                    f"--pert {pert} does not divide the {world_size} launched ranks; use --pert 1"
+                    f"--pert {pert} does not divide the {world_size} launched ranks; use a "
+                    f"--pert that divides {world_size} (--pert 1: every rank data-parallel)"
                 )
         if dp * pert != world_size:
             raise ValueError(
@@ -65,6 +58,15 @@ class ParallelDims:
                 "make dp * pert equal nproc_per_node x nodes"
             )
         return cls(dp, pert)
+
+    def check_passes(self, step_passes: int, how: str) -> None:
+        """Every rank of a pert group must run at least one of the step's passes: a rank
+        with none would idle through every step."""
+        if self.pert > step_passes:
+            raise ValueError(
+                f"--pert {self.pert} is more ranks than the {step_passes} forward passes of a "
+                f"step ({how}); use --pert {step_passes} or fewer, or more --num-queries"
+            )
 
     def check_batch(self, global_batch_size: int) -> None:
         if global_batch_size % self.dp:

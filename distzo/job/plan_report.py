@@ -21,6 +21,7 @@ from distzo.config.engine_options import (
     TRANSFER_DTYPE_NAMES,
     ZOConfig,
 )
+from distzo.dist.parallel_dims import ParallelDims
 from distzo.job.evaluation import rows_per_call
 from distzo.job.memory_plan import MemoryPlan, host_terms, plan_memory
 from distzo.models.shapes import SHAPES, shape_config
@@ -34,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-config", required=True, choices=sorted(SHAPES))
     parser.add_argument("--nproc", type=int, default=8, help="ranks on the node (one node)")
     parser.add_argument("--dp", type=int, default=None, help="default: nproc / pert")
-    parser.add_argument("--pert", type=int, default=1, choices=(1, 2))
+    parser.add_argument(
+        "--pert", type=int, default=1, help="ranks sharing a step's passes (at most the passes)"
+    )
     parser.add_argument("--transfer", default="sliced", choices=("naive", "sliced"))
     parser.add_argument("--transfer-dtype", default="bf16", choices=TRANSFER_DTYPE_NAMES)
     parser.add_argument("--compute-dtype", default="bf16", choices=COMPUTE_DTYPE_NAMES)
@@ -51,11 +54,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def report(args: argparse.Namespace) -> str:
     """The plan's lines for ``args`` (the command line, parsed)."""
-    dp = args.dp or args.nproc // args.pert
-    if dp * args.pert != args.nproc:
-        raise ValueError(f"--dp {dp} x --pert {args.pert} is not --nproc {args.nproc}")
+    dims = ParallelDims.resolve(args.nproc, args.dp, args.pert)
+    dp = dims.dp
     rule = estimator_for(args.estimator)
     queries = args.num_queries if args.num_queries is not None else rule.default_queries
+    dims.check_passes(len(rule.passes(queries)), f"--estimator {args.estimator}")
     config = ZOConfig(
         device="cpu",
         mode="offload",

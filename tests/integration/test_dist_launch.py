@@ -49,6 +49,9 @@ LAUNCHES = {
     # FZOO's 3 one-sided passes and its unperturbed one: 2 + 2 over a pert pair
     "single_fzoo": (1, FP64 + FZOO),
     "pertp_fzoo": (2, FP64 + FZOO + ["--pert", "2"]),
+    # pert groups past a pair: FZOO's 4 passes one per rank; n-SPSA's 6 passes two per rank
+    "pertp4_fzoo": (4, FP64 + FZOO + ["--pert", "4"]),
+    "pertp3_q3": (3, FP64 + ["--num-queries", "3", "--pert", "3"]),
     "2d_sliced_fzoo": (
         4,
         FP64 + FZOO + ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--grad-accum", "2"],
@@ -121,6 +124,17 @@ def test_fzoo_splits_its_passes_over_the_pert_ranks_and_follows_one_process(runs
     # FZOO reports L(theta), the loss its differences start from
     assert all(m["loss"] == m["loss_minus"] for m in single.metrics)
     assert max_relative_difference(single, runs["single_q3"])[1] > 1e-3  # not SPSA's path
+
+
+def test_a_pert_group_of_any_size_is_bitwise_one_process(runs):
+    for wide, single in (("pertp4_fzoo", "single_fzoo"), ("pertp3_q3", "single_q3")):
+        wide, single = runs[wide], runs[single]
+        assert [m["projected_grads"] for m in wide.metrics] == [
+            m["projected_grads"] for m in single.metrics
+        ]
+        assert all(torch.equal(wide.params[k], v) for k, v in single.params.items())
+    ranks = runs["pertp4_fzoo"].ranks
+    assert [ranks[r]["mesh_coordinates"] for r in range(4)] == [[0, 0], [0, 1], [0, 2], [0, 3]]
 
 
 def test_device_mesh_places_ranks_row_major(runs):
@@ -209,7 +223,7 @@ def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):
     "flags, message",
     [
         (["--dp", "3", "--pert", "2"], "--dp 3 x --pert 2 = 6 does not match the 2 launched ranks"),
-        (["--pert", "3"], "--pert must be 1 or 2, got 3"),
+        (["--pert", "3"], "--pert 3 does not divide the 2 launched ranks"),
         (["--pert", "1", "--batch-size", "7"], "--batch-size 7 is not divisible by --dp 2"),
     ],
 )
@@ -228,6 +242,22 @@ def test_invalid_layouts_are_rejected_on_every_rank_before_any_model(flags, mess
     launched = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     proc = train_in_process(["--max-steps", "1"] + flags, env=launched)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(f"error: {message}"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, passes",
+    [
+        ([], "the 2 forward passes of a step (--estimator spsa, --num-queries 1)"),
+        (["--estimator", "fzoo", "--num-queries", "2"], "the 3 forward passes of a step"),
+    ],
+)
+def test_a_pert_group_wider_than_a_steps_passes_is_refused(flags, passes):
+    launched = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}
+    proc = train_in_process(["--max-steps", "1", "--pert", "4", *flags], env=launched)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert line.startswith(f"error: --pert 4 is more ranks than {passes}") and "\n" not in line
+    assert line.endswith("or more --num-queries")
 
 
 def test_sliced_without_a_process_group_is_rejected():

@@ -17,6 +17,9 @@ from distzo.dist import process_group as pg
         (4, 4, None, (4, 1)),
         (4, 2, None, (2, 2)),
         (2, 1, 2, (1, 2)),
+        (8, 2, None, (2, 4)),  # a pert group of 4: FZOO's or n-SPSA's passes over 4 ranks
+        (9, None, 9, (1, 9)),
+        (6, 2, 3, (2, 3)),
     ],
 )
 def test_auto_and_explicit_layouts(world, dp, pert, expected):
@@ -29,9 +32,10 @@ def test_auto_and_explicit_layouts(world, dp, pert, expected):
     "world, dp, pert, message",
     [
         (4, 3, 2, "does not match the 4 launched ranks"),
-        (4, None, 3, "--pert must be 1 or 2"),
+        (4, None, 3, "--pert 3 does not divide the 4 launched ranks"),
         (3, None, 2, "does not divide"),
-        (8, 2, None, "leaves no valid --pert"),
+        (8, 3, None, "--dp 3 does not divide the 8 launched ranks"),
+        (4, None, 0, "--pert must be >= 1"),
         (2, 0, None, "--dp must be >= 1"),
     ],
 )
@@ -39,6 +43,12 @@ def test_invalid_layouts_are_one_line_errors(world, dp, pert, message):
     with pytest.raises(ValueError, match=message) as info:
         ParallelDims.resolve(world, dp, pert)
     assert "\n" not in str(info.value)
+
+
+def test_a_pert_group_needs_a_pass_for_every_rank():
+    ParallelDims(1, 9).check_passes(9, "fzoo")
+    with pytest.raises(ValueError, match="--pert 3 is more ranks than the 2 forward passes"):
+        ParallelDims(1, 3).check_passes(2, "spsa")
 
 
 def test_batch_must_split_over_dp():

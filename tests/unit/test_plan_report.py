@@ -36,7 +36,10 @@ def test_the_documented_llama_70b_plan_is_what_the_command_prints(monkeypatch, c
 def test_a_layout_that_is_not_the_node_is_refused_in_one_line(capsys):
     assert plan_report.main(["--model-config", "opt-125m", "--dp", "3", "--pert", "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: --dp 3 x --pert 2 is not --nproc 8"
+    assert err.startswith("error: --dp 3 x --pert 2 = 6 does not match the 8 launched ranks")
+    assert plan_report.main(["--model-config", "opt-125m", "--pert", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --pert 4 is more ranks than the 2 forward passes of a step")
 
 
 def test_the_report_plans_fzoos_hidden_states():
@@ -55,6 +58,8 @@ def test_the_report_plans_fzoos_hidden_states():
         if line.strip().startswith("activations")
     ]
     assert activations[1] > activations[0]  # 5 hidden states on pert rank 0, not 1
+    wide = report("--estimator", "fzoo", "--pert", "8", "--dp", "1")  # a pass or two per rank
+    assert "dp 1 x pert 8" in wide
 
 
 @pytest.mark.parametrize("pert", [1, 2])
