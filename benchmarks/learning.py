@@ -46,6 +46,7 @@ from statistics import median
 from typing import Any
 
 from distzo.bench import BenchReport, Measurement
+from distzo.job.divergence import EXIT_DIVERGED
 from distzo.models.gguf import gguf_to_hf
 from distzo.zo.estimators import ESTIMATORS
 
@@ -158,7 +159,8 @@ def race_curve(run_dir: Path) -> list[dict[str, float]]:
     per_step = passes_per_step(config)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     seconds = [float(m.get("step_s", 0.0)) for m in metrics]
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    eval_log = run_dir / "eval.jsonl"  # absent where a run diverged before evaluating
+    evals = [json.loads(x) for x in eval_log.read_text().splitlines()] if eval_log.is_file() else []
     return [
         {
             "step": e["step"],
@@ -181,6 +183,8 @@ def sweep_winner(curves: dict[float, list[dict[str, float]]], thresholds: list[f
 
     def merit(lr: float) -> tuple[float, float, float]:
         points = curves[lr]
+        if not points:  # diverged before its first evaluation
+            return (-len(thresholds) - 1, float("-inf"), float("-inf"))
         for rank, threshold in enumerate(sorted(thresholds, reverse=True)):
             hit = first_reaching(points, threshold)
             if hit is not None:
@@ -195,9 +199,10 @@ def race_summary(
 ) -> dict[str, float]:
     """One recipe over its seeds: per threshold the median forward passes and wall time of
     the seeds that reached it and how many did; the mean final accuracy."""
+    finals = [p[-1]["eval_accuracy"] for p in runs.values() if p]  # [] where it diverged at once
     out: dict[str, float] = {
         "seeds": len(runs),
-        "final_accuracy": sum(p[-1]["eval_accuracy"] for p in runs.values()) / len(runs),
+        "final_accuracy": sum(finals) / len(finals) if finals else float("nan"),
     }
     for threshold in thresholds:
         hits = [h for h in (first_reaching(p, threshold) for p in runs.values()) if h]
@@ -269,19 +274,31 @@ def parse_lrs(text: str) -> dict[str, tuple[float, ...]]:
     return out
 
 
-def run_job(command: list[str], run_dir: Path, steps: int) -> float:
+DIVERGED_MARK = "diverged.txt"  # a run that diverged: its message, so a rerun reads it
+
+
+def run_job(command: list[str], run_dir: Path, steps: int, may_diverge: bool = False) -> float:
     """Run one training job (or read it: a directory holding the finished job is reused);
-    its wall time in seconds (0 when reused)."""
+    its wall time in seconds (0 when reused). With ``may_diverge`` (an lr of a sweep), a
+    run that diverged is kept as such (its curve ends where it stopped) instead of ending
+    the race: a too-large lr losing its sweep is a result."""
     summary = run_dir / "summary.json"
     if summary.is_file() and json.loads(summary.read_text()).get("steps") == steps:
         print(f"= {run_dir.name}: finished before, read", flush=True)
+        return 0.0
+    if may_diverge and (run_dir / DIVERGED_MARK).is_file():
+        print(f"= {run_dir.name}: diverged before, read", flush=True)
         return 0.0
     if run_dir.exists():
         command = [*command, "--overwrite"]  # the benchmark's own unfinished run
     print("+", " ".join(command), flush=True)
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
+    if proc.returncode == EXIT_DIVERGED and may_diverge and "diverged" in proc.stderr:
+        message = next(x for x in proc.stderr.splitlines()[::-1] if "diverged" in x)
+        (run_dir / DIVERGED_MARK).write_text(message + "\n")
+        print(f"! {run_dir.name}: {message.strip()}", flush=True)
+    elif proc.returncode != 0:
         raise SystemExit(f"learning.py: the run {run_dir.name} failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - started
 
@@ -310,7 +327,7 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                 job.steps = max(1, args.forward_passes // recipe.passes)
                 job.eval_steps = max(1, job.steps // args.evaluations)
             command = train_command(job, "classification", run_dir, eval_file) + list(recipe.flags)
-            run_job(command, run_dir, job.steps)
+            run_job(command, run_dir, job.steps, may_diverge=len(lrs) > 1)
             points = race_curve(run_dir)
             if len(points) > 1 and points[1]["forward_passes"] != points[1]["step"] * recipe.passes:
                 raise SystemExit(f"learning.py: {name} ran another number of passes per step")
@@ -450,7 +467,11 @@ def main() -> None:
     if args.eval_rows:
         lines = eval_file.read_text().splitlines(keepends=True)
         eval_file = work / "heldout.tsv"
-        eval_file.write_text("".join(lines[: args.eval_rows + 1]))
+        rows = "".join(lines[: args.eval_rows + 1])
+        if not eval_file.is_file() or eval_file.read_text() != rows:
+            tmp = eval_file.with_suffix(f".tmp{os.getpid()}")  # a race beside may be reading it
+            tmp.write_text(rows)
+            tmp.replace(eval_file)
 
     report = BenchReport("learning", "", 1)
     if args.time_to_accuracy:

@@ -111,3 +111,26 @@ def test_given_lrs_replace_a_recipes_sweep(learning):
         learning.parse_lrs("fzoo=fast")
     with pytest.raises(SystemExit, match="names 'adam'"):
         learning.parse_lrs("adam=1e-3")
+
+
+def test_a_sweep_run_that_diverges_loses_its_sweep_instead_of_ending_the_race(learning, tmp_path):
+    run = tmp_path / "race-spsa-lr0.1-seed0"
+    run.mkdir()
+    (run / "config.toml").write_text("[optim]\nnum_queries = 1\n")
+    (run / "metrics.jsonl").write_text("")
+    job = [
+        sys.executable,
+        "-c",
+        "import sys; print('error: training diverged at step 0: loss nan', file=sys.stderr); "
+        f"sys.exit({learning.EXIT_DIVERGED})",
+    ]
+    with pytest.raises(SystemExit, match="the run race-spsa-lr0.1-seed0 failed"):
+        learning.run_job(job, run, 10)  # one lr: a failure is the race's failure
+    learning.run_job(job, run, 10, may_diverge=True)
+    assert (run / learning.DIVERGED_MARK).read_text().startswith("error: training diverged")
+    # read, not re-run: a command that would fail otherwise
+    learning.run_job([sys.executable, "-c", "raise SystemExit(3)"], run, 10, may_diverge=True)
+    points = learning.race_curve(run)  # it never evaluated
+    assert points == []
+    fine = [{"forward_passes": 0, "wall_s": 0, "eval_accuracy": 0.5}]
+    assert learning.sweep_winner({0.1: points, 1e-5: fine}, [0.6]) == 1e-5
