@@ -277,17 +277,25 @@ def parse_lrs(text: str) -> dict[str, tuple[float, ...]]:
 DIVERGED_MARK = "diverged.txt"  # a run that diverged: its message, so a rerun reads it
 
 
+def finished(run_dir: Path, steps: int, may_diverge: bool) -> str | None:
+    """How a run directory ended, when it did: "finished" (all ``steps``) or, for an lr of
+    a sweep, "diverged"; None for a run still to do."""
+    summary = run_dir / "summary.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("steps") == steps:
+        return "finished"
+    if may_diverge and (run_dir / DIVERGED_MARK).is_file():
+        return "diverged"
+    return None
+
+
 def run_job(command: list[str], run_dir: Path, steps: int, may_diverge: bool = False) -> float:
     """Run one training job (or read it: a directory holding the finished job is reused);
     its wall time in seconds (0 when reused). With ``may_diverge`` (an lr of a sweep), a
     run that diverged is kept as such (its curve ends where it stopped) instead of ending
     the race: a too-large lr losing its sweep is a result."""
-    summary = run_dir / "summary.json"
-    if summary.is_file() and json.loads(summary.read_text()).get("steps") == steps:
-        print(f"= {run_dir.name}: finished before, read", flush=True)
-        return 0.0
-    if may_diverge and (run_dir / DIVERGED_MARK).is_file():
-        print(f"= {run_dir.name}: diverged before, read", flush=True)
+    ended = finished(run_dir, steps, may_diverge)
+    if ended:
+        print(f"= {run_dir.name}: {ended} before, read", flush=True)
         return 0.0
     if run_dir.exists():
         command = [*command, "--overwrite"]  # the benchmark's own unfinished run
@@ -303,6 +311,51 @@ def run_job(command: list[str], run_dir: Path, steps: int, may_diverge: bool = F
     return time.perf_counter() - started
 
 
+@dataclass
+class Race:
+    """One race's settings and its report: runs a recipe at an lr and a seed (or reads it)."""
+
+    args: argparse.Namespace
+    work: Path
+    eval_file: Path
+    report: BenchReport
+
+    def run(self, name: str, lr: float, seed: int, in_sweep: bool) -> list[dict[str, float]] | None:
+        """The run's curve, its points added to the report; None where ``--report-only``
+        finds it not run."""
+        recipe, args = RECIPES[name], self.args
+        run_dir = self.work / f"race-{name}-lr{lr:g}-seed{seed}"
+        job = argparse.Namespace(**{**vars(args), "lr": lr, "eps": recipe.eps, "seed": seed})
+        if args.forward_passes:  # an equal budget of forward passes for every recipe
+            job.steps = max(1, args.forward_passes // recipe.passes)
+            job.eval_steps = max(1, job.steps // args.evaluations)
+        command = train_command(job, "classification", run_dir, self.eval_file)
+        command += list(recipe.flags)
+        if args.report_only and not finished(run_dir, job.steps, in_sweep):
+            print(f"- {run_dir.name}: not run, left out (--report-only)", flush=True)
+            return None
+        run_job(command, run_dir, job.steps, may_diverge=in_sweep)
+        points = race_curve(run_dir)
+        if len(points) > 1 and points[1]["forward_passes"] != points[1]["step"] * recipe.passes:
+            raise SystemExit(f"learning.py: {name} ran another number of passes per step")
+        for point in points:
+            self.report.measurements.append(
+                Measurement(
+                    name,
+                    {"recipe": name, "lr": lr, "eps": recipe.eps, "seed": seed,
+                     "step": point["step"], "command": " ".join(command[1:])},
+                    1, point["wall_s"], point["wall_s"], point["wall_s"], 0.0,
+                    {k: v for k, v in point.items() if k != "step"},
+                )
+            )  # fmt: skip
+        print(
+            f"{name:13s} lr {lr:<8g} seed {seed}: held-out accuracy "
+            + " ".join(f"{p['eval_accuracy']:.3f}" for p in points),
+            flush=True,
+        )
+        return points
+
+
 def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchReport) -> None:
     """--time-to-accuracy: sweep each recipe's lr on the first seed, run the winner on the
     others, and report forward passes and wall time to each threshold."""
@@ -315,42 +368,18 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
             f"learning.py: unknown recipe {unknown[0]!r}; choose from {', '.join(RECIPES)}"
         )
     given_lrs = parse_lrs(args.lrs)
+    runner = Race(args, work, eval_file, report)
     best: dict[str, dict[int, list[dict[str, float]]]] = {}
     for name in names:
         recipe = RECIPES[name]
         lrs = given_lrs.get(name) or (recipe.lrs if args.sweep else (recipe.lrs[0],))
-
-        def one(lr: float, seed: int) -> list[dict[str, float]]:
-            run_dir = work / f"race-{name}-lr{lr:g}-seed{seed}"
-            job = argparse.Namespace(**{**vars(args), "lr": lr, "eps": recipe.eps, "seed": seed})
-            if args.forward_passes:  # an equal budget of forward passes for every recipe
-                job.steps = max(1, args.forward_passes // recipe.passes)
-                job.eval_steps = max(1, job.steps // args.evaluations)
-            command = train_command(job, "classification", run_dir, eval_file) + list(recipe.flags)
-            run_job(command, run_dir, job.steps, may_diverge=len(lrs) > 1)
-            points = race_curve(run_dir)
-            if len(points) > 1 and points[1]["forward_passes"] != points[1]["step"] * recipe.passes:
-                raise SystemExit(f"learning.py: {name} ran another number of passes per step")
-            for point in points:
-                report.measurements.append(
-                    Measurement(
-                        name,
-                        {"recipe": name, "lr": lr, "eps": recipe.eps, "seed": seed,
-                         "step": point["step"], "command": " ".join(command[1:])},
-                        1, point["wall_s"], point["wall_s"], point["wall_s"], 0.0,
-                        {k: v for k, v in point.items() if k != "step"},
-                    )
-                )  # fmt: skip
-            print(
-                f"{name:13s} lr {lr:<8g} seed {seed}: held-out accuracy "
-                + " ".join(f"{p['eval_accuracy']:.3f}" for p in points),
-                flush=True,
-            )
-            return points
-
-        sweep = {lr: one(lr, seeds[0]) for lr in lrs}
-        lr = sweep_winner(sweep, thresholds)
-        best[name] = {seeds[0]: sweep[lr], **{s: one(lr, s) for s in seeds[1:]}}
+        sweep = {lr: runner.run(name, lr, seeds[0], len(lrs) > 1) for lr in lrs}
+        done = {lr: points for lr, points in sweep.items() if points is not None}
+        if not done:
+            continue
+        lr = sweep_winner(done, thresholds)
+        others = {s: runner.run(name, lr, s, len(lrs) > 1) for s in seeds[1:]}
+        best[name] = {seeds[0]: done[lr], **{s: p for s, p in others.items() if p is not None}}
         report.derived[f"lr[{name}]"] = lr
         for key, value in race_summary(best[name], thresholds).items():
             report.derived[f"{key}[{name}]"] = value
@@ -362,6 +391,8 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                     report.derived[f"spsa_over_{name}_{key}"] = (
                         report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
                     )
+    if not best:
+        raise SystemExit("learning.py: --report-only found no finished run of these recipes")
     plot_race(args.out.with_suffix(".png"), best, thresholds)
 
 
@@ -440,6 +471,12 @@ def parse_args() -> argparse.Namespace:
         dest="sweep",
         action="store_false",
         help="each recipe at the first lr of its sweep only",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="with --time-to-accuracy: report the runs already finished, start none (seeds "
+        "or lrs not run are left out and the report says how many seeds each recipe had)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
     return p.parse_args()

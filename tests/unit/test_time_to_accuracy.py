@@ -134,3 +134,31 @@ def test_a_sweep_run_that_diverges_loses_its_sweep_instead_of_ending_the_race(le
     assert points == []
     fine = [{"forward_passes": 0, "wall_s": 0, "eval_accuracy": 0.5}]
     assert learning.sweep_winner({0.1: points, 1e-5: fine}, [0.6]) == 1e-5
+
+
+def test_report_only_reads_the_finished_runs_and_starts_none(learning, tmp_path, monkeypatch):
+    out = tmp_path / "race.json"
+    work = tmp_path / "race-runs"
+    fzoo = 'estimator = "fzoo"\nnum_queries = 8'
+    # a budget of 90 forward passes is 10 FZOO steps of 9
+    write_run(work / "race-fzoo-lr0.001-seed0", fzoo, [0.5, 0.62, 0.66], 1.0, 5)
+    write_run(work / "race-fzoo-lr0.001-seed2", fzoo, [0.5, 0.58, 0.61], 1.0, 5)
+    for run, steps in (("race-fzoo-lr0.001-seed0", 10), ("race-fzoo-lr0.001-seed2", 10)):
+        (work / run / "summary.json").write_text(json.dumps({"steps": steps}))
+    write_run(work / "race-fzoo-lr0.001-seed1", fzoo, [0.5], 1.0, 5)  # unfinished: left out
+    argv = ["learning.py", "--time-to-accuracy", "--report-only", "--recipes", "fzoo,spsa",
+            "--seeds", "0,1,2", "--lrs", "fzoo=1e-3", "--forward-passes", "90",
+            "--evaluations", "2", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(learning.subprocess, "run", None)  # nothing may be launched
+    args = learning.parse_args()
+    report = learning.BenchReport("learning", "", 1)
+    learning.race(args, work, tmp_path / "heldout.tsv", report)
+    assert report.derived["seeds[fzoo]"] == 2  # seeds 0 and 2; spsa has no run at all
+    assert report.derived["passes_to_0.60[fzoo]"] == (45 + 90) / 2  # the median of 2 seeds
+    assert report.derived["reached_0.65[fzoo]"] == 1
+    assert not any(key.endswith("[spsa]") for key in report.derived)
+    assert out.with_suffix(".png").is_file()
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "spsa", *argv[5:]])
+    with pytest.raises(SystemExit, match="found no finished run"):
+        learning.race(learning.parse_args(), work, tmp_path / "heldout.tsv", report)
