@@ -3,8 +3,9 @@
 # 10-minute command on a lent H100/H200, with every result packed into one archive.
 #
 #   bash benchmarks/gpu_session.sh [STAGE ...]     STAGE: tests bandwidth throughput big queries head pinned noise optimizers adapters
-#                                                  peers (= peers-1.3b peers-6.7b peers-13b peers-30b), or one of those
+#                                                  peers (= peers-1.3b peers-6.7b peers-13b peers-30b peers-qwen3), or one of those
 #                                                  all1 all2 all3: the stages that never ran on a GPU, one device command each
+#                                                  (peers-qwen3 alone is a fourth: Qwen3-1.7B and 8B, its own deadline)
 #                                                  (default: tests bandwidth throughput big)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -32,11 +33,12 @@ for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages befor
     case $stage in
         tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) RUN+=("$stage") ;;
         peers-1.3b|peers-6.7b|peers-13b|peers-30b) RUN+=("$stage") ;;
-        peers) RUN+=(peers-1.3b peers-6.7b peers-13b peers-30b) ;;
+        peers-qwen3) RUN+=("$stage"); DEADLINE_S=${DEADLINE_S:-540} ;;
+        peers) RUN+=(peers-1.3b peers-6.7b peers-13b peers-30b peers-qwen3) ;;
         all1) RUN+=(noise adapters); DEADLINE_S=${DEADLINE_S:-540} ;;
         all2) RUN+=(optimizers peers-1.3b); DEADLINE_S=${DEADLINE_S:-540} ;;
         all3) RUN+=(peers-6.7b peers-13b); DEADLINE_S=${DEADLINE_S:-540} ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, all1, all2 or all3" >&2; exit 2 ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2 or all3" >&2; exit 2 ;;
     esac
 done
 DEADLINE_S=${DEADLINE_S:-}
@@ -92,7 +94,7 @@ bounded() {  # bounded SECONDS LOG COMMAND...: one run, its output kept in the s
     return 0
 }
 
-peers_at() {  # peers_at SHAPE SECONDS [ARGS...]: ZO2's speed test's point, batch 1 x 2048 in fp16
+peers_at() {  # peers_at SHAPE SECONDS [ARGS...]: ZO2's speed tests' point (OPT and Qwen3), batch 1 x 2048 in fp16
     local shape=$1 limit=$2
     shift 2
     bounded "$limit" peers.log python3 benchmarks/peers.py --shape "$shape" --batch 1 --seq 2048 --dtype fp16 \
@@ -164,6 +166,20 @@ for stage in "${RUN[@]}"; do
         [ "$stage" = peers-13b ] && big=$big,distzo-resident
         [ ${#ZO2_ARGS[@]} -eq 0 ] && big=distzo-offload$([ "$stage" = peers-13b ] && echo ,distzo-resident)
         peers_at "opt-${stage#peers-}" 560 --one-at-a-time --warmup 1 --rounds 16 --systems "$big"
+        ;;
+    peers-qwen3)  # issue 30, Qwen3 where ZO2 supports it: its Qwen3 speed test's point (1 x 2048, fp16) at 1.7B and 8B.
+        # At 8B distzo-resident plans 35.7 GB of device memory and zo2-mezo holds 16.4 GB of fp16 weights: the four
+        # peers together fill an 80 GB card, so they interleave on a card of 100 GB or more (H200), else they run one
+        # at a time, the offloads first, one warm-up and 16 timed steps each (as peers-13b).
+        peers_at qwen3-1.7b 200
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+        if [ "${mib:-0}" -ge 100000 ] 2>/dev/null; then
+            peers_at qwen3-8b 300
+        else
+            eight=zo2-offload,distzo-offload,zo2-mezo,distzo-resident
+            [ ${#ZO2_ARGS[@]} -eq 0 ] && eight=distzo-offload,distzo-resident
+            peers_at qwen3-8b 300 --one-at-a-time --warmup 1 --rounds 16 --systems "$eight"
+        fi
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \

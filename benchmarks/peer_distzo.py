@@ -9,10 +9,11 @@ Systems: ``distzo-resident`` (MeZO: every weight on the device), ``distzo-offloa
 (blocks in host memory, streamed through the default slots) and, on 2 ranks,
 ``distzo-sliced`` (PertP over the 2 ranks, each uploading its half of every block and
 all-gathering the rest: the trainer's layout at 2 ranks of a node). The model is the
-shape's OPT, built as ZO2's speed test builds it (``OPTConfig`` defaults but for the
-shape, ``tie_word_embeddings=False``, ``max_position_embeddings = seq``), as a meta
-skeleton filled by ``RandomWeights``. The step is ZO2's speed test's: lr 1e-3, eps 1e-3,
-weight decay 0.1, the causal-LM loss on one fixed random batch (labels = the input ids).
+shape's OPT or Qwen3, built as ZO2's speed test builds it (``distzo.bench.peer_models``:
+the config's defaults but for the shape, ``tie_word_embeddings=False``,
+``max_position_embeddings = seq``), as a meta skeleton filled by ``RandomWeights``. The
+step is ZO2's speed test's: lr 1e-3, eps 1e-3, weight decay 0.1, the causal-LM loss on
+one fixed random batch (labels = the input ids).
 
 Masters are float32 (distzo's design); ``--dtype`` is the compute dtype, and under
 offload also the host copy's and the link's (``--transfer-dtype`` overrides), so that
@@ -26,37 +27,18 @@ import sys
 from datetime import timedelta
 
 import torch
-from transformers import OPTConfig
 
 from distzo import ZOConfig, ZOEngine
+from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.bench.peer_protocol import protocol_parser, serve
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
-from distzo.models.shapes import OPT_SHAPES
 from distzo.models.weights import RandomWeights, skeleton
 
 SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-sliced")
 # A rank other than 0 waits in a broadcast while the other peers of an interleaved run
 # take their steps: hours at the largest shapes.
 IDLE_TIMEOUT = timedelta(hours=6)
-
-
-def opt_config(shape: str, layers: int | None, hidden: int | None, seq: int) -> OPTConfig:
-    """The OPT config of ZO2's speed test for ``shape`` (its widths; every other field
-    OPTConfig's default), with the protocol's overrides."""
-    width, depth, heads, ffn = OPT_SHAPES[shape]
-    if hidden is not None:
-        if hidden < 64 or hidden % 64:
-            raise ValueError(f"--hidden {hidden}: must be a multiple of 64 (64-wide heads)")
-        width, heads, ffn = hidden, hidden // 64, 4 * hidden
-    return OPTConfig(
-        hidden_size=width,
-        num_hidden_layers=layers or depth,
-        num_attention_heads=heads,
-        ffn_dim=ffn,
-        max_position_embeddings=seq,
-        tie_word_embeddings=False,
-    )
 
 
 class DistzoSystem:
@@ -92,8 +74,8 @@ def parallel_for(system: str, device: torch.device) -> ParallelContext:
 def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
     if args.system not in SYSTEMS:
         raise ValueError(f"--system {args.system}: the distzo peer runs {', '.join(SYSTEMS)}")
-    if args.shape not in OPT_SHAPES:
-        raise ValueError(f"--shape {args.shape}: choose one of {', '.join(OPT_SHAPES)}")
+    if args.shape not in PEER_SHAPES:
+        raise ValueError(f"--shape {args.shape}: choose one of {', '.join(PEER_SHAPES)}")
     env = LaunchEnv.from_environ()
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -102,7 +84,7 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    config = opt_config(args.shape, args.layers, args.hidden, args.seq)
+    config = peer_config(args.shape, args.layers, args.hidden, args.seq)
     parallel = parallel_for(args.system, device)
     mode = "resident" if args.system == "distzo-resident" else "offload"
     transfer_dtype = args.transfer_dtype or args.dtype

@@ -3,19 +3,25 @@ every system.
 
     ZO2_PYTHON benchmarks/peer_zo2.py --zo2 PATH --system zo2-mezo --shape opt-1.3b \\
         --batch 1 --seq 2048 --dtype fp16 --device cuda
+    ZO2_PYTHON benchmarks/peer_zo2.py --zo2 PATH --system zo2-offload --shape qwen3-8b ...
 
 Runs under ZO2's interpreter (``--zo2-python`` of the harness: ZO2 needs transformers 4.51),
 so it imports neither distzo nor anything outside the standard library, torch, transformers
 and the ZO2 checkout at ``--zo2`` (a clone of liangyuwang/zo2, never vendored here).
 
-It builds the model as ZO2's speed test does (``test/mezo_sgd/hf_opt/test_speed.py``): an
-``OPTConfig`` of the shape with ``tie_word_embeddings=False`` and
+It builds the model as ZO2's speed tests do (``test/mezo_sgd/hf_opt/test_speed.py``,
+``hf_qwen3/test_speed.py``): an ``OPTConfig`` or a ``Qwen3Config`` of the shape (the
+values of that test's ``Qwen3Configs``, built here with transformers' class, since its
+test utils start NVML on import) with ``tie_word_embeddings=False`` and
 ``max_position_embeddings = seq``, built under ``torch.set_default_dtype(dtype)``, then
 ``model.zo_init(MeZOSGDConfig(...))`` with that test's defaults (lr 1e-3, weight decay 0.1,
 eps 1e-3). ``zo2-mezo`` is ZO2's ``zo2=False`` model (MeZO-SGD, the whole model on the
 device), ``zo2-offload`` its ``zo2=True`` model (blocks in host memory on three CUDA
-streams; CUDA only). A step is ``model(input_ids=ids, labels=ids)`` in ``zo_train`` mode,
-which runs ZO2's whole step (two perturbed passes and the update) and returns the loss.
+streams; CUDA only). The shapes, and ``--hidden``'s rule, are distzo's
+(``distzo/bench/peer_models.py``), copied here since this file runs without distzo;
+tests/unit/test_peer_zo2.py holds the two equal. A step is
+``model(input_ids=ids, labels=ids)`` in ``zo_train`` mode, which runs ZO2's whole step
+(two perturbed passes and the update) and returns the loss.
 
 The protocol (benchmarks/peers.py): one JSON line ``{"ready": ...}`` once built, then one
 JSON line per request line ``{"steps": k}`` read from stdin; logs go to stderr.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -45,6 +52,18 @@ OPT_SHAPES = {
     "opt-66b": (9216, 64, 72, 36864),
     "opt-175b": (12288, 96, 96, 49152),
 }
+# The Qwen3 sizes of ZO2's Qwen3 speed test (its Qwen3Configs): hidden, layers, heads, kv
+# heads, ffn; head_dim 128 and the 151,936-token vocabulary, Qwen3Config's defaults.
+QWEN3_SHAPES = {
+    "qwen3-0.6b": (1024, 28, 16, 8, 3072),
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144),
+    "qwen3-4b": (2560, 36, 32, 8, 9728),
+    "qwen3-8b": (4096, 36, 32, 8, 12288),
+    "qwen3-14b": (5120, 40, 40, 8, 17408),
+    "qwen3-32b": (5120, 64, 64, 8, 25600),
+}
+QWEN3_HEAD_DIM = 128
+SHAPES = sorted(OPT_SHAPES) + sorted(QWEN3_SHAPES)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SYSTEMS = ("zo2-mezo", "zo2-offload")
 
@@ -53,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zo2", required=True, help="a clone of liangyuwang/zo2")
     p.add_argument("--system", required=True, choices=SYSTEMS)
-    p.add_argument("--shape", required=True, choices=sorted(OPT_SHAPES))
+    p.add_argument("--shape", required=True, choices=SHAPES)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--batch", type=int, default=1)
@@ -101,33 +120,63 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def shape_dims(args: argparse.Namespace) -> tuple[int, int, int, int]:
-    hidden, layers, heads, ffn = OPT_SHAPES[args.shape]
-    if args.hidden is not None:  # the harness's override: ffn 4 x hidden, 64-wide heads
-        hidden, ffn, heads = args.hidden, 4 * args.hidden, max(1, args.hidden // 64)
-    return hidden, args.layers or layers, heads, ffn
+def model_config(args: argparse.Namespace) -> Any:
+    """The config ZO2's speed test builds for the shape, with the harness's overrides:
+    ``--layers``; ``--hidden`` H: OPT ffn 4 H and H / 64 heads; Qwen3 ffn 3 H, H / 128
+    heads of head_dim 128, kv heads gcd(H / 128, the shape's)."""
+    from transformers import OPTConfig, Qwen3Config
+
+    if args.shape in OPT_SHAPES:
+        hidden, layers, heads, ffn = OPT_SHAPES[args.shape]
+        if args.hidden is not None:
+            hidden, ffn, heads = args.hidden, 4 * args.hidden, max(1, args.hidden // 64)
+        return OPTConfig(
+            num_hidden_layers=args.layers or layers,
+            num_attention_heads=heads,
+            hidden_size=hidden,
+            ffn_dim=ffn,
+            max_position_embeddings=args.seq,
+            tie_word_embeddings=False,
+        )
+    hidden, layers, heads, kv, ffn = QWEN3_SHAPES[args.shape]
+    if args.hidden is not None:
+        if args.hidden < QWEN3_HEAD_DIM or args.hidden % QWEN3_HEAD_DIM:
+            fail(f"--hidden {args.hidden} must be a multiple of {QWEN3_HEAD_DIM} for Qwen3")
+        hidden, ffn, heads = args.hidden, 3 * args.hidden, args.hidden // QWEN3_HEAD_DIM
+        kv = math.gcd(heads, kv)
+    layers = args.layers or layers
+    return Qwen3Config(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_window_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        head_dim=QWEN3_HEAD_DIM,
+        max_position_embeddings=args.seq,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    )
 
 
 def build(args: argparse.Namespace) -> tuple[Any, int, int]:
     """ZO2's model of the shape, random init, as its speed test builds it."""
+    config = model_config(args)  # bad widths first: one line, before ZO2 is imported
     if not os.path.isdir(os.path.join(args.zo2, "zo2")):
         fail(
             f"--zo2 {args.zo2}: not a ZO2 checkout (no zo2/ package inside); clone liangyuwang/zo2"
         )
     sys.path.insert(0, os.path.abspath(args.zo2))
-    from transformers import OPTConfig
     from zo2.config.mezo_sgd import MeZOSGDConfig  # type: ignore[import-not-found]
-    from zo2.model.huggingface.opt.mezo_sgd import zo, zo2  # type: ignore[import-not-found]
 
-    hidden, layers, heads, ffn = shape_dims(args)
-    config = OPTConfig(
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        hidden_size=hidden,
-        ffn_dim=ffn,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
-    )
+    if args.shape in OPT_SHAPES:
+        from zo2.model.huggingface.opt.mezo_sgd import zo, zo2  # type: ignore[import-not-found]
+
+        name = "OPTForCausalLM"
+    else:
+        from zo2.model.huggingface.qwen3.mezo_sgd import zo, zo2  # type: ignore[import-not-found]
+
+        name = "Qwen3ForCausalLM"
     offload = args.system == "zo2-offload"
     device = "cuda:0" if args.device == "cuda" else "cpu"
     zo_config = MeZOSGDConfig(lr=1e-3, weight_decay=1e-1, eps=1e-3, working_device=device)
@@ -138,7 +187,10 @@ def build(args: argparse.Namespace) -> tuple[Any, int, int]:
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[args.dtype])
     try:
-        model = zo2.OPTForCausalLM(config) if offload else zo.OPTForCausalLM(config).to(device)
+        if offload:
+            model = getattr(zo2, name)(config)
+        else:
+            model = getattr(zo, name)(config).to(device)
         model.zo_init(zo_config)
     finally:
         torch.set_default_dtype(default)

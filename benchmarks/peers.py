@@ -6,6 +6,7 @@ the same model, batch and dtype, steps interleaved between them.
     python benchmarks/peers.py --shape opt-125m --layers 4 --hidden 256 --batch 4 --seq 128 \\
         --device cpu --threads 1 --zo2 ../zo2 --zo2-python ../zo2-venv/bin/python
     python benchmarks/peers.py --shape opt-13b ... --one-at-a-time   # two copies do not fit
+    python benchmarks/peers.py --shape qwen3-8b --batch 1 --seq 2048 --dtype fp16 --zo2 ...
 
 Systems: ``zo2-mezo`` (ZO2's ``zo2=False``: its MeZO-SGD step, the model on the device),
 ``zo2-offload`` (``zo2=True``: its CPU offload on three CUDA streams; CUDA only), both
@@ -17,9 +18,11 @@ and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks under torchrun),
 The protocol (the harness's contract with a peer; ``distzo/bench/peer_protocol.py``
 holds it in full): the peer is launched as ``CMD --system NAME --shape SHAPE [--layers L]
 [--hidden H] --batch B --seq T --dtype {fp32,fp16,bf16} --device {cpu,cuda} --seed S
---threads K``, builds its model (random init, the OPT shape with
-``tie_word_embeddings=False`` and ``max_position_embeddings = T``; ``--hidden`` sets
-ffn = 4 H and H / 64 heads) and writes one JSON line ``{"ready": true, "system",
+--threads K``, builds its model (random init, the OPT or Qwen3 shape as ZO2's speed
+tests build it, ``distzo/bench/peer_models.py``: ``tie_word_embeddings=False`` and
+``max_position_embeddings = T``; ``--hidden`` sets OPT's ffn to 4 H and its heads to
+H / 64, Qwen3's ffn to 3 H and its heads to H / 128 of head_dim 128, kv heads
+gcd(H / 128, the shape's)) and writes one JSON line ``{"ready": true, "system",
 "parameters", "build_s"}``. For each stdin line ``{"steps": k}`` it runs k steps on one
 fixed B x T batch of token ids (labels = the ids: the causal-LM loss) and writes one line
 ``{"step_s": [k wall times, device synced before and after each], "loss",
@@ -55,8 +58,8 @@ from typing import Any
 import torch
 
 from distzo.bench import BenchReport, Measurement, Timer
+from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
 from distzo.bench.peer_process import PeerError, PeerProcess
-from distzo.models.shapes import OPT_SHAPES
 from distzo.runtime.devices import device_name
 
 HERE = Path(__file__).resolve().parent
@@ -86,17 +89,19 @@ COLUMNS = [
 
 METHOD = """\
 Method. Each system runs in a process of its own (a peer) on the same random-init model of
-the shape, the same fixed batch of token ids (labels = the ids) and the same compute dtype.
-After every peer is built it takes the warm-up steps untimed; then, in each round, every
-peer in turn takes its steps, so that drift of the machine's speed hits all of them alike
-(unless the notes say the peers ran one at a time). tokens/s is ZO2's statistic
-(test/mezo_sgd/hf_opt/record_zo2_speed.sh: the mean of the per-step B x T / step time over
-the last half of the timed steps); tokens/s median is B x T over the median step of that
-half. Peak device memory is the CUDA allocator's peak of the peer's process; device used is
-total - free of the whole device at the end of each request (what nvidia-smi shows, ZO2's
-README's figure), the most over the run; peak host RSS is the peer's VmHWM (rank 0's for a
-launch of several ranks), the build included: ZO2 builds its MeZO model in host memory
-before moving it to the device, distzo fills its buckets one at a time.
+the shape (the config ZO2's speed test builds, OPT or Qwen3: its widths, the head untied,
+positions = the sequence length), the same fixed batch of token ids (labels = the ids) and
+the same compute dtype. After every peer is built it takes the warm-up steps untimed;
+then, in each round, every peer in turn takes its steps, so that drift of the machine's
+speed hits all of them alike (unless the notes say the peers ran one at a time). tokens/s
+is ZO2's statistic (test/mezo_sgd/hf_opt/record_zo2_speed.sh, hf_qwen3's the same: the
+mean of the per-step B x T / step time over the last half of the timed steps); tokens/s
+median is B x T over the median step of that half. Peak device memory is the CUDA
+allocator's peak of the peer's process; device used is total - free of the whole device at
+the end of each request (what nvidia-smi shows, ZO2's README's figure), the most over the
+run; peak host RSS is the peer's VmHWM (rank 0's for a launch of several ranks), the build
+included: ZO2 builds its MeZO model in host memory before moving it to the device, distzo
+fills its buckets one at a time.
 
 Where this differs from ZO2's own harness (test_speed.py): (1) every step is timed with
 perf_counter between two device syncs; ZO2's check_throughput reads time.time() around
@@ -112,8 +117,10 @@ system per process run; here the systems' steps interleave. (4) In an interleave
 device used memory counts every peer on the device: compare it with ZO2's README only from
 a run with --one-at-a-time. (5) distzo keeps float32 masters (on the device when resident)
 and, offloaded, a host copy in the compute dtype (stochastically rounded), where ZO2 keeps
-the whole model in the compute dtype; ZO2's weight decay spares biases and layer norms,
-distzo's applies to matrices: both 0.1, as ZO2's speed test.
+the whole model in the compute dtype; ZO2's weight decay spares the parameters whose names
+hold bias, layer_norm, layernorm or ln (OPT's biases and layer norms; Qwen3's two norms of
+each layer, not its q_norm, k_norm or final norm), distzo's applies to matrices: both 0.1,
+as ZO2's speed test.
 """
 
 
@@ -142,10 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--shape", default="opt-1.3b", choices=sorted(OPT_SHAPES))
+    p.add_argument("--shape", default="opt-1.3b", choices=PEER_SHAPES)
     p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument(
-        "--hidden", type=int, default=None, help="override the width: ffn 4 H, H / 64 heads"
+        "--hidden",
+        type=int,
+        default=None,
+        help="override the width: OPT ffn 4 H, H / 64 heads; Qwen3 ffn 3 H, H / 128 heads",
     )
     p.add_argument("--batch", type=int, default=1, help="batch (default 1, ZO2's)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048, ZO2's)")
@@ -217,10 +227,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("peers.py: --warmup must be >= 0")
     if args.layers is not None and args.layers < 1:
         raise SystemExit("peers.py: --layers must be >= 1")
-    if args.hidden is not None and (args.hidden < 64 or args.hidden % 64):
-        raise SystemExit(
-            f"peers.py: --hidden {args.hidden} must be a multiple of 64 (64-wide heads)"
-        )
+    if args.hidden is not None:
+        try:
+            check_hidden(args.shape, args.hidden)
+        except ValueError as exc:
+            raise SystemExit(f"peers.py: {exc}") from None
     if args.zo2 is not None:
         marker = Path(args.zo2) / "zo2" / "optimizer" / "mezo_sgd" / "zo2.py"
         if not marker.is_file():
@@ -408,12 +419,14 @@ def measurement(args: argparse.Namespace, run: Run) -> Measurement:
     loss = run.replies[-1]["loss"]
     if math.isfinite(loss):
         metrics["loss"] = float(loss)
-    hidden, layers, _, _ = OPT_SHAPES[args.shape]
+    dims = peer_dims(args.shape, args.layers, args.hidden)
     params = {
         "system": run.system.name,
         "shape": args.shape,
-        "layers": args.layers or layers,
-        "hidden": args.hidden or hidden,
+        "layers": dims.layers,
+        "hidden": dims.hidden,
+        "heads": dims.heads,
+        "kv_heads": dims.kv_heads,
         "batch": args.batch,
         "seq": args.seq,
         "dtype": args.dtype,

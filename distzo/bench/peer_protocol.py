@@ -3,8 +3,8 @@
 A peer is one system under test in a process of its own, so that its memory is its own
 and it can run under another interpreter. It is launched as ``PYTHON RUNNER ARGS...``
 with the arguments of ``protocol_parser`` (``--system --shape --layers --hidden --batch
---seq --dtype --device --seed --threads``), builds its model, and writes one JSON line
-to stdout::
+--seq --dtype --device --seed --threads``), builds its model (``peer_models``: the
+shape's config as ZO2's speed test builds it), and writes one JSON line to stdout::
 
     {"ready": true, "system": str, "parameters": int, "build_s": float}
 
@@ -53,13 +53,14 @@ def protocol_parser(description: str) -> argparse.ArgumentParser:
     """The arguments every peer takes (a peer may add its own)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--system", required=True, help="the system's name in the report")
-    p.add_argument("--shape", required=True, help="an OPT shape, e.g. opt-1.3b")
+    p.add_argument("--shape", required=True, help="an OPT or Qwen3 shape: opt-1.3b, qwen3-8b")
     p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument(
         "--hidden",
         type=int,
         default=None,
-        help="override the width: ffn 4 x hidden, hidden / 64 heads",
+        help="override the width (distzo.bench.peer_models): OPT ffn 4 x hidden and "
+        "hidden / 64 heads; Qwen3 ffn 3 x hidden and hidden / 128 heads of 128",
     )
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--seq", type=int, required=True)

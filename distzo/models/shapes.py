@@ -1,13 +1,16 @@
 """Named model shapes for random init without a checkpoint (``--model-config``).
 
-The OPT sizes of the ZO2 paper's Table 4 and a few Llama/Qwen shapes, with the
-published widths, depths, heads and vocabularies; ``layers`` shortens the stack so a
-machine without the memory (or the weights) can still build and step the shape.
+The OPT sizes of the ZO2 paper's Table 4, a few Llama/Qwen2 shapes and the Qwen3 sizes
+of ZO2's Qwen3 speed test, with the published widths, depths, heads, head widths,
+vocabularies and head ties; ``layers`` shortens the stack so a machine without the
+memory (or the weights) can still build and step the shape.
 """
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, OPTConfig, PretrainedConfig, Qwen2Config
+from typing import Any, NamedTuple
+
+from transformers import LlamaConfig, OPTConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 # name: (hidden, layers, heads, ffn) for OPT (vocab 50272, 2048 positions)
 OPT_SHAPES = {
@@ -21,15 +24,38 @@ OPT_SHAPES = {
     "opt-66b": (9216, 64, 72, 36864),
     "opt-175b": (12288, 96, 96, 49152),
 }
-# name: (config class, hidden, layers, heads, kv heads, ffn, vocab, tied)
+
+
+class Shape(NamedTuple):
+    """A rotary-family shape; ``head_dim`` None: hidden / heads (the config's default)."""
+
+    cls: type[PretrainedConfig]
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    head_dim: int | None = None
+
+
 OTHER_SHAPES = {
-    "llama-2-7b": (LlamaConfig, 4096, 32, 32, 32, 11008, 32000, False),
-    "llama-2-13b": (LlamaConfig, 5120, 40, 40, 40, 13824, 32000, False),
-    "llama-3-8b": (LlamaConfig, 4096, 32, 32, 8, 14336, 128256, False),
-    "llama-2-70b": (LlamaConfig, 8192, 80, 64, 8, 28672, 32000, False),
-    "qwen2.5-7b": (Qwen2Config, 3584, 28, 28, 4, 18944, 152064, False),
-    "qwen2.5-0.5b": (Qwen2Config, 896, 24, 14, 2, 4864, 151936, True),
-    "smollm2-135m": (LlamaConfig, 576, 30, 9, 3, 1536, 49152, True),
+    "llama-2-7b": Shape(LlamaConfig, 4096, 32, 32, 32, 11008, 32000, False),
+    "llama-2-13b": Shape(LlamaConfig, 5120, 40, 40, 40, 13824, 32000, False),
+    "llama-3-8b": Shape(LlamaConfig, 4096, 32, 32, 8, 14336, 128256, False),
+    "llama-2-70b": Shape(LlamaConfig, 8192, 80, 64, 8, 28672, 32000, False),
+    "qwen2.5-7b": Shape(Qwen2Config, 3584, 28, 28, 4, 18944, 152064, False),
+    "qwen2.5-0.5b": Shape(Qwen2Config, 896, 24, 14, 2, 4864, 151936, True),
+    "smollm2-135m": Shape(LlamaConfig, 576, 30, 9, 3, 1536, 49152, True),
+    # Qwen3: 128-wide heads at every size (so hidden / heads is not the head width of
+    # 0.6B, 4B and 32B); the three smallest tie the head to the embedding.
+    "qwen3-0.6b": Shape(Qwen3Config, 1024, 28, 16, 8, 3072, 151936, True, 128),
+    "qwen3-1.7b": Shape(Qwen3Config, 2048, 28, 16, 8, 6144, 151936, True, 128),
+    "qwen3-4b": Shape(Qwen3Config, 2560, 36, 32, 8, 9728, 151936, True, 128),
+    "qwen3-8b": Shape(Qwen3Config, 4096, 36, 32, 8, 12288, 151936, False, 128),
+    "qwen3-14b": Shape(Qwen3Config, 5120, 40, 40, 8, 17408, 151936, False, 128),
+    "qwen3-32b": Shape(Qwen3Config, 5120, 64, 64, 8, 25600, 151936, False, 128),
 }
 SHAPES = sorted(OPT_SHAPES) + sorted(OTHER_SHAPES)
 
@@ -50,17 +76,20 @@ def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
             do_layer_norm_before=name != "opt-350m",
         )
     if name in OTHER_SHAPES:
-        cls, hidden, depth, heads, kv, ffn, vocab, tied = OTHER_SHAPES[name]
-        return cls(
-            hidden_size=hidden,
-            num_hidden_layers=layers or depth,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            intermediate_size=ffn,
-            vocab_size=vocab,
-            tie_word_embeddings=tied,
-            max_position_embeddings=4096,
-        )
+        shape = OTHER_SHAPES[name]
+        fields: dict[str, Any] = {
+            "hidden_size": shape.hidden,
+            "num_hidden_layers": layers or shape.layers,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads,
+            "intermediate_size": shape.ffn,
+            "vocab_size": shape.vocab,
+            "tie_word_embeddings": shape.tied,
+            "max_position_embeddings": 4096,
+        }
+        if shape.head_dim is not None:
+            fields["head_dim"] = shape.head_dim
+        return shape.cls(**fields)
     raise ValueError(f"unknown --model-config {name!r}; choose one of {', '.join(SHAPES)}")
 
 

@@ -4,10 +4,11 @@
         [--garbage-at N] --system NAME ...the protocol's arguments
 
 A step sleeps ``--step-ms`` and multiplies two small matrices. Every event (start with the
-pid, each request on arrival, each reply with the step times sent, exit) is appended to
-``--log`` as a JSON line, so a test can check the order the harness asked in and recompute
-its statistics. ``--die-at N``: exit 3 on the N-th request, after a last stderr line;
-``--garbage-at N``: answer the N-th request with a line that is not the protocol's.
+pid and the shape arguments it was given, each request on arrival, each reply with the
+step times sent, exit) is appended to ``--log`` as a JSON line, so a test can check what
+the harness passed on, the order it asked in, and recompute its statistics.
+``--die-at N``: exit 3 on the N-th request, after a last stderr line; ``--garbage-at N``:
+answer the N-th request with a line that is not the protocol's.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> int:
         with open(args.log, "a") as fh:
             fh.write(json.dumps({"event": event, "system": args.system, **fields}) + "\n")
 
-    log("start", pid=os.getpid())
+    log("start", pid=os.getpid(), shape=args.shape, layers=args.layers, hidden=args.hidden)
     system = FakeStep(args.step_ms)
     out.send(
         {"ready": True, "system": args.system, "parameters": system.parameters, "build_s": 0.0}

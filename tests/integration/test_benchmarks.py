@@ -1,6 +1,7 @@
 """The benchmarks run in their --quick form and write reports that match the schema."""
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -158,6 +159,36 @@ def test_the_gpu_session_script_packs_its_archive_when_a_stage_fails(tmp_path):
         log = member.read().decode()
     assert "--device cuda, but torch sees no CUDA device" in log and "!! exit 1" in log
     assert (tmp_path / "peers.log").read_text() == log  # the log comes back beside it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here the stage would run for real")
+@pytest.mark.parametrize("card_mib", [None, 143771])
+def test_the_qwen3_peers_stage_interleaves_8b_only_on_a_card_that_holds_it(tmp_path, card_mib):
+    """Without nvidia-smi (or on an 80 GB card) the 8B peers run one at a time; on a card
+    of 100 GB or more (an H200's 143771 MiB, from a stand-in nvidia-smi) they interleave."""
+    env = {"OUT": str(tmp_path / "out")}
+    if card_mib is not None:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {card_mib}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_session.sh", "peers-qwen3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(env),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("+ python3")]
+    assert len(runs) == 2, proc.stdout[-2000:]
+    small, eight = runs
+    assert "--shape qwen3-1.7b --batch 1 --seq 2048 --dtype fp16" in small
+    assert "--one-at-a-time" not in small
+    assert "--shape qwen3-8b --batch 1 --seq 2048 --dtype fp16" in eight
+    assert ("--one-at-a-time" in eight) == (card_mib is None)
+    assert (tmp_path / "out" / "results-peers-qwen3.tgz").is_file()
 
 
 def test_schema_rejects_a_broken_report(tmp_path):

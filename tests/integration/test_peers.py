@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import os
 import re
 import statistics
 import subprocess
@@ -17,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, OPTConfig
+from transformers import AutoModelForCausalLM, OPTConfig, Qwen3Config
 
 from benchmarks import peers
 from distzo.bench import validate_report
 from distzo.bench.peer_protocol import END, read_request
 from tests.helpers.launch import child_env
 
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, SEQ = 1, 8
 TINY = ["--shape", "opt-125m", "--layers", "1", "--hidden", "64", "--batch", str(BATCH)]
 TINY += ["--seq", str(SEQ), "--device", "cpu", "--threads", "1"]
@@ -219,6 +222,10 @@ def test_a_bad_zo2_checkout_is_one_line_before_any_peer_starts(tmp_path):
         (["--systems", "fast,fast"], "names a system twice"),
         (["--ratio", "fast/nope"], "--ratio 'fast/nope' is not A/B of two systems that run"),
         (["--hidden", "100"], "--hidden 100 must be a multiple of 64"),
+        (
+            ["--shape", "qwen3-0.6b", "--hidden", "192"],
+            "--hidden 192 must be a multiple of 128 (qwen3: 128-wide heads)",
+        ),
         (["--zo2-python", "python3"], "--zo2-python and --zo2-pythonpath need --zo2 PATH"),
     ],
 )
@@ -236,3 +243,82 @@ def test_the_protocol_reader_refuses_a_malformed_request():
         read_request(io.StringIO("steps 3\n"))
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
         read_request(io.StringIO('{"steps": 0}\n'))
+
+
+def qwen3_parameters(hidden: int, layers: int, seq: int) -> int:
+    """ZO2's Qwen3 speed-test model at the harness's --hidden override, counted on meta."""
+    config = Qwen3Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
+        head_dim=128,
+        intermediate_size=3 * hidden,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_a_qwen3_shape_reaches_every_peer_and_its_report(tmp_path):
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    args = ["--shape", "qwen3-0.6b", "--layers", "1", "--hidden", "128", "--batch", "1"]
+    args += ["--seq", str(SEQ), "--device", "cpu", "--threads", "1", "--warmup", "0"]
+    proc = harness(
+        *args,
+        "--rounds",
+        "2",
+        "--systems",
+        "distzo-offload,fast",
+        "--peer",
+        stand_in("fast", log, 1),
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (start,) = events(log, "start")
+    assert (start["shape"], start["layers"], start["hidden"]) == ("qwen3-0.6b", 1, 128)
+    data = json.loads(out.read_text())
+    validate_report(data)
+    by_name = {m["name"]: m for m in data["measurements"]}
+    offload = by_name["distzo-offload"]
+    # one 128-wide head (kv too), ffn 3 x 128, the 151,936-token vocabulary, untied
+    assert offload["metrics"]["parameters"] == qwen3_parameters(128, 1, SEQ)
+    assert abs(offload["metrics"]["loss"] - math.log(151936)) < 0.5  # near-uniform at init
+    for m in by_name.values():
+        assert m["params"]["shape"] == "qwen3-0.6b" and m["params"]["hidden"] == 128
+        assert (m["params"]["layers"], m["params"]["heads"], m["params"]["kv_heads"]) == (1, 1, 1)
+    assert "fast" in by_name and data["derived"] == {}  # no built-in pair ran both sides
+
+
+ZO2 = Path(os.environ.get("ZO2_CHECKOUT", ROOT / ".peers" / "zo2"))
+ZO2_PYTHON = Path(os.environ.get("ZO2_PYTHON", ROOT / ".peers" / "venv" / "bin" / "python"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (ZO2 / "zo2" / "model" / "huggingface" / "qwen3").is_dir() or not ZO2_PYTHON.is_file(),
+    reason="no ZO2 checkout with Qwen3 and its interpreter (ZO2_CHECKOUT, ZO2_PYTHON; "
+    "default .peers/zo2 and .peers/venv, benchmarks/README.md)",
+)
+def test_zo2s_own_qwen3_runs_through_the_harness(tmp_path):
+    """ZO2's MeZO step on its Qwen3 model, under its own interpreter, beside distzo's."""
+    out = tmp_path / "peers.json"
+    proc = harness(
+        "--shape", "qwen3-0.6b", "--layers", "2", "--hidden", "128", "--batch", "1",
+        "--seq", "32", "--device", "cpu", "--threads", "1", "--warmup", "0", "--rounds", "2",
+        "--systems", "zo2-mezo,distzo-offload", "--zo2", str(ZO2),
+        "--zo2-python", str(ZO2_PYTHON), "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    validate_report(data)
+    by_name = {m["name"]: m for m in data["measurements"]}
+    expected = qwen3_parameters(128, 2, 32)  # both built the same model
+    for name in ("zo2-mezo", "distzo-offload"):
+        m = by_name[name]
+        assert m["metrics"]["parameters"] == expected, name
+        assert m["params"]["timed_steps"] == 2, name
+        assert abs(m["metrics"]["loss"] - math.log(151936)) < 0.5, name
+    assert data["derived"]["distzo-offload_vs_zo2-mezo"] > 0

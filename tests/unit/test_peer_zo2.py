@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from distzo.models.shapes import OPT_SHAPES
+import pytest
+
+from distzo.bench.peer_models import PEER_SHAPES, peer_config
+from distzo.models.shapes import OPT_SHAPES, OTHER_SHAPES
 
 PEER = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_zo2.py"
 
@@ -21,18 +24,57 @@ def load_peer():
 
 
 def test_zo2_peer_builds_the_shapes_distzo_builds():
-    assert load_peer().OPT_SHAPES == OPT_SHAPES
+    peer = load_peer()
+    assert peer.OPT_SHAPES == OPT_SHAPES
+    qwen3 = {n: s for n, s in OTHER_SHAPES.items() if n.startswith("qwen3-")}
+    assert peer.QWEN3_SHAPES == {
+        n: (s.hidden, s.layers, s.heads, s.kv_heads, s.ffn) for n, s in qwen3.items()
+    }
+    assert {s.head_dim for s in qwen3.values()} == {peer.QWEN3_HEAD_DIM}
+    assert peer.SHAPES == list(PEER_SHAPES)
+
+
+def peer_args(peer, shape: str, *overrides: str):
+    return peer.parse_args(
+        ["--zo2", "x", "--system", "zo2-mezo", "--shape", shape, "--seq", "64", *overrides]
+    )
+
+
+@pytest.mark.parametrize("overrides", [(), ("--layers", "4", "--hidden", "256")])
+@pytest.mark.parametrize("shape", PEER_SHAPES)
+def test_both_peers_build_the_same_config(shape, overrides):
+    """Field by field (under this interpreter's transformers): ZO2's peer and distzo's."""
+    peer = load_peer()
+    ours = peer_config(shape, 4 if overrides else None, 256 if overrides else None, 64)
+    assert peer.model_config(peer_args(peer, shape, *overrides)).to_dict() == ours.to_dict()
 
 
 def test_hidden_override_sets_ffn_and_heads_as_the_harness_does():
     peer = load_peer()
-    args = peer.parse_args(["--zo2", "x", "--system", "zo2-mezo", "--shape", "opt-125m"])
-    assert peer.shape_dims(args) == (768, 12, 12, 3072)
-    args = peer.parse_args(
-        ["--zo2", "x", "--system", "zo2-mezo", "--shape", "opt-125m", "--layers", "4",
-         "--hidden", "256"]
+    c = peer.model_config(peer_args(peer, "opt-125m"))
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.ffn_dim) == (
+        768, 12, 12, 3072,
     )  # fmt: skip
-    assert peer.shape_dims(args) == (256, 4, 4, 1024)
+    c = peer.model_config(peer_args(peer, "opt-125m", "--layers", "4", "--hidden", "256"))
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.ffn_dim) == (
+        256, 4, 4, 1024,
+    )  # fmt: skip
+    # Qwen3: 128-wide heads, ffn 3 H, kv heads gcd(H / 128, 8), untied, positions = seq
+    c = peer.model_config(peer_args(peer, "qwen3-8b", "--layers", "2", "--hidden", "768"))
+    assert (c.hidden_size, c.num_hidden_layers, c.intermediate_size) == (768, 2, 2304)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (6, 2, 128)
+    assert not c.tie_word_embeddings and c.max_position_embeddings == 64
+    assert c.vocab_size == 151936 and c.max_window_layers == 2 and not c.use_sliding_window
+
+
+def test_a_qwen3_width_off_the_head_width_is_one_error_line(tmp_path):
+    out = run_peer(
+        "--zo2", str(tmp_path), "--system", "zo2-mezo", "--shape", "qwen3-0.6b",
+        "--hidden", "192", "--device", "cpu", "--dtype", "fp32",
+    )  # fmt: skip
+    assert out.returncode == 1
+    (line,) = out.stdout.splitlines()
+    assert json.loads(line)["error"] == "--hidden 192 must be a multiple of 128 for Qwen3"
 
 
 def run_peer(*argv: str) -> subprocess.CompletedProcess:
