@@ -9,9 +9,11 @@
 held-out accuracy thresholds (``--thresholds``, default 0.60 and 0.65) on the same recipe
 (SmolLM2-135M, SST-2 rows, the classification objective): each recipe's lr is swept on the
 first seed (the lr reaching the highest threshold in the fewest forward passes wins; then
-the best final accuracy), the winner runs on every other seed, and the report gives, per
-recipe, the forward passes and the wall time to each threshold (median over the seeds
-that reach it, and how many did), the final accuracy, a PNG of held-out accuracy against
+the best final accuracy; a threshold counts as reached at the first evaluation from which
+accuracy stays at or above it to the end of the budget, so a lucky evaluation of an lr
+that then falls back does not count), the winner runs on every other seed, and the report
+gives, per recipe, the forward passes and the wall time to each threshold (median over the
+seeds that reach it, and how many did), the final accuracy, a PNG of held-out accuracy against
 forward passes (one line per recipe, the band spans its seeds) and every run of the sweep.
 A forward pass is one pass over the step's batch (SPSA: 2 per query, FZOO: N + 1); the
 evaluations are not counted. Runs whose directory already holds a finished job are read,
@@ -177,16 +179,29 @@ def first_reaching(points: list[dict[str, float]], threshold: float) -> dict[str
     return next((p for p in points if p["eval_accuracy"] >= threshold), None)
 
 
+def first_holding(points: list[dict[str, float]], threshold: float) -> dict[str, float] | None:
+    """The first evaluation from which held-out accuracy stays at or above ``threshold`` to
+    the end of the run, or None: what the race counts, so that one lucky evaluation of an
+    lr that then falls back (a ZO run at too large an lr does) is not a time to accuracy."""
+    held = None
+    for point in points:
+        if point["eval_accuracy"] < threshold:
+            held = None
+        elif held is None:
+            held = point
+    return held
+
+
 def sweep_winner(curves: dict[float, list[dict[str, float]]], thresholds: list[float]) -> float:
-    """The lr whose run reached the highest threshold in the fewest forward passes; where
-    none reached any, the best final accuracy."""
+    """The lr whose run reached (and held, ``first_holding``) the highest threshold in the
+    fewest forward passes; where none reached any, the best final accuracy."""
 
     def merit(lr: float) -> tuple[float, float, float]:
         points = curves[lr]
         if not points:  # diverged before its first evaluation
             return (-len(thresholds) - 1, float("-inf"), float("-inf"))
         for rank, threshold in enumerate(sorted(thresholds, reverse=True)):
-            hit = first_reaching(points, threshold)
+            hit = first_holding(points, threshold)
             if hit is not None:
                 return (-rank, -hit["forward_passes"], points[-1]["eval_accuracy"])
         return (-len(thresholds), float("-inf"), points[-1]["eval_accuracy"])
@@ -198,18 +213,22 @@ def race_summary(
     runs: dict[int, list[dict[str, float]]], thresholds: list[float]
 ) -> dict[str, float]:
     """One recipe over its seeds: per threshold the median forward passes and wall time of
-    the seeds that reached it and how many did; the mean final accuracy."""
+    the seeds that reached and held it and how many did, and the median passes to the
+    first evaluation at it; the mean final accuracy."""
     finals = [p[-1]["eval_accuracy"] for p in runs.values() if p]  # [] where it diverged at once
     out: dict[str, float] = {
         "seeds": len(runs),
         "final_accuracy": sum(finals) / len(finals) if finals else float("nan"),
     }
     for threshold in thresholds:
-        hits = [h for h in (first_reaching(p, threshold) for p in runs.values()) if h]
+        hits = [h for h in (first_holding(p, threshold) for p in runs.values()) if h]
         out[f"reached_{threshold:.2f}"] = len(hits)
         if hits:
             out[f"passes_to_{threshold:.2f}"] = median(h["forward_passes"] for h in hits)
             out[f"wall_s_to_{threshold:.2f}"] = median(h["wall_s"] for h in hits)
+        touched = [h for h in (first_reaching(p, threshold) for p in runs.values()) if h]
+        if touched:  # the first evaluation at the threshold, held or not: for reference
+            out[f"first_passes_to_{threshold:.2f}"] = median(h["forward_passes"] for h in touched)
     return out
 
 

@@ -60,6 +60,14 @@ def test_a_curve_counts_passes_and_seconds_up_to_each_evaluation(learning, tmp_p
     assert learning.first_reaching(points, 0.8) is None
 
 
+def test_a_threshold_counts_from_where_accuracy_stays_above_it(learning):
+    points = [{"step": k, "eval_accuracy": a} for k, a in enumerate([0.5, 0.67, 0.62, 0.66, 0.7])]
+    assert learning.first_reaching(points, 0.65)["step"] == 1
+    assert learning.first_holding(points, 0.65)["step"] == 3  # 0.67 fell back to 0.62
+    assert learning.first_holding(points, 0.60)["step"] == 1
+    assert learning.first_holding(points[:3], 0.65) is None  # ends below: never held
+
+
 def test_the_sweep_picks_the_fewest_passes_to_the_highest_threshold_reached(learning):
     def curve(accs, per_eval=100):
         return [
@@ -69,8 +77,9 @@ def test_the_sweep_picks_the_fewest_passes_to_the_highest_threshold_reached(lear
 
     sweep = {
         1e-5: curve([0.5, 0.62, 0.63, 0.64]),  # 0.60 only, early; best final of the misses
-        3e-5: curve([0.5, 0.55, 0.66, 0.60]),  # 0.65 at 200 passes
+        3e-5: curve([0.5, 0.55, 0.66, 0.67]),  # 0.65 at 200 passes
         1e-4: curve([0.5, 0.58, 0.61, 0.67]),  # 0.65 at 300 passes
+        3e-4: curve([0.5, 0.68, 0.55, 0.52]),  # 0.65 at 100 passes, then lost: not reached
     }
     assert learning.sweep_winner(sweep, [0.60, 0.65]) == 3e-5
     misses = {1e-5: curve([0.5, 0.52]), 3e-5: curve([0.5, 0.55])}
@@ -84,10 +93,11 @@ def test_the_summary_takes_the_median_of_the_seeds_that_reach(learning):
             for k, a in enumerate(accs)
         ]
 
-    runs = {0: curve([0.5, 0.6, 0.66]), 1: curve([0.5, 0.65, 0.7]), 2: curve([0.5, 0.52, 0.55])}
+    runs = {0: curve([0.5, 0.6, 0.66]), 1: curve([0.5, 0.65, 0.7]), 2: curve([0.5, 0.66, 0.55])}
     out = learning.race_summary(runs, [0.60, 0.65])
-    assert out["reached_0.60"] == 2 and out["passes_to_0.60"] == 10
+    assert out["reached_0.60"] == 2 and out["passes_to_0.60"] == 10  # seed 2 fell back
     assert out["reached_0.65"] == 2 and out["passes_to_0.65"] == 15 and out["wall_s_to_0.65"] == 3
+    assert out["first_passes_to_0.65"] == 10  # seeds 0, 1, 2 touched it at 20, 10, 10
     assert out["final_accuracy"] == pytest.approx((0.66 + 0.7 + 0.55) / 3)
 
 
