@@ -129,18 +129,20 @@ class Recipe:
     passes: int
 
 
-# MeZO's eps 1e-3 for full tuning and P-RGE's 1e-2 for LoRA-FA; the lrs bracket each method's
-# setting, the first the likeliest (--no-sweep runs it alone): MeZO's 1e-5 learned on this
-# recipe; FZOO's normalised step wants about 10x SPSA's lr (its script 1e-5 and 13B example
-# 5e-5 against MeZO's 1e-6..1e-7; 10x on the default task too); LOZO's rank-2 z has twice
-# the variance, so half SPSA's; LoRA-FA 1e-2 learned here before.
+# MeZO's eps 1e-3 for full tuning and P-RGE's 1e-2 for LoRA-FA; each sweep brackets the lr
+# that won the race on this recipe (seed 0, 800 passes, benchmarks/RESULTS.md), the winner
+# first (--no-sweep runs it alone): SPSA 3e-5 (1e-5 slower, 1e-4 touched 0.67 and fell to
+# 0.5); FZOO 3e-3 (1e-3 slower, 1e-2 unstable: its normalised step does not shrink with the
+# gradient, so its lr is about 100x SPSA's here); LOZO half SPSA's (its rank-2 z doubles
+# the estimate); LoRA-FA 1e-2 (1e-3 barely moved in 300 steps). LoRA-FA with FZOO: FZOO's lr
+# over SPSA's scales with |g| (about 16 for full tuning here, 0.7 for LoRA-FA), so 3e-2.
 RECIPES = {
-    "spsa": Recipe((), 1e-3, (1e-5, 3e-5), 2),
-    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (1e-4, 3e-5, 3e-4), 9),  # N = 8, and L(theta)
-    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (5e-6, 2e-6, 1e-5), 2),
-    "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (3e-3, 1e-2), 2),
+    "spsa": Recipe((), 1e-3, (3e-5, 1e-5, 1e-4), 2),
+    "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (3e-3, 1e-3, 1e-2), 9),  # N = 8, and L(theta)
+    "lozo": Recipe(("--estimator", "lozo"), 1e-3, (1.5e-5, 5e-6, 5e-5), 2),
+    "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (1e-2, 3e-3, 3e-2), 2),
     "lora-fa-fzoo": Recipe(
-        ("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (1e-3, 3e-3, 1e-2), 9
+        ("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (3e-2, 1e-2, 1e-1), 9
     ),
 }
 
