@@ -43,7 +43,8 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
     data, optim = job.data, job.optim
     dims = ParallelDims.resolve(env.world_size, job.parallel.dp, job.parallel.pert)
     dims.check_batch(data.batch_size)
-    if optim.estimator in ESTIMATORS and optim.num_queries is not None:
+    # (a count below 1 is the engine options' own one-line error, raised later)
+    if optim.estimator in ESTIMATORS and optim.num_queries is not None and optim.num_queries >= 1:
         passes = len(ESTIMATORS[optim.estimator].passes(optim.num_queries))
         dims.check_passes(
             passes, f"--estimator {optim.estimator}, --num-queries {optim.num_queries}"
