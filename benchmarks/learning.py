@@ -250,7 +250,8 @@ def plot_race(
         x = [runs[next(iter(runs))][k]["forward_passes"] for k in range(length)]
         acc = [[p[k]["eval_accuracy"] for p in runs.values()] for k in range(length)]
         mean = [sum(a) / len(a) for a in acc]
-        ax.plot(x, mean, color=f"C{i}", label=f"{name} ({len(runs)} seeds)")
+        seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+        ax.plot(x, mean, color=f"C{i}", label=f"{name} ({seeds})")
         ax.fill_between(x, [min(a) for a in acc], [max(a) for a in acc], color=f"C{i}", alpha=0.2)
     for threshold in thresholds:
         ax.axhline(threshold, color="grey", linewidth=0.6, linestyle="--")
@@ -414,7 +415,9 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                     )
     if not best:
         raise SystemExit("learning.py: --report-only found no finished run of these recipes")
-    plot_race(args.out.with_suffix(".png"), best, thresholds)
+    lrs = {name: report.derived[f"lr[{name}]"] for name in best}
+    labelled = {f"{name}, lr {lrs[name]:g}": runs for name, runs in best.items()}
+    plot_race(args.out.with_suffix(".png"), labelled, thresholds)
 
 
 def parse_args() -> argparse.Namespace:
