@@ -415,8 +415,8 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                     )
     if not best:
         raise SystemExit("learning.py: --report-only found no finished run of these recipes")
-    lrs = {name: report.derived[f"lr[{name}]"] for name in best}
-    labelled = {f"{name}, lr {lrs[name]:g}": runs for name, runs in best.items()}
+    chosen = {name: report.derived[f"lr[{name}]"] for name in best}
+    labelled = {f"{name}, lr {chosen[name]:g}": runs for name, runs in best.items()}
     plot_race(args.out.with_suffix(".png"), labelled, thresholds)
 
 
