@@ -39,7 +39,7 @@ class ParallelDims:
                 if world_size % dp:
                     raise ValueError(
                         f"--dp {dp} does not divide the {world_size} launched ranks, so no "
-                        f"--pert fills the rest; use a --dp that divides {world_size}"
+                        f"--pert fills the rest; use {_choices('--dp', world_size)}"
                     )
                 pert = world_size // dp
             else:
@@ -48,8 +48,8 @@ class ParallelDims:
             dp = world_size // pert if world_size % pert == 0 else 0
             if dp == 0:
                 raise ValueError(
-                    f"--pert {pert} does not divide the {world_size} launched ranks; use a "
-                    f"--pert that divides {world_size} (--pert 1: every rank data-parallel)"
+                    f"--pert {pert} does not divide the {world_size} launched ranks; use "
+                    f"{_choices('--pert', world_size)} (--pert 1: every rank data-parallel)"
                 )
         if dp * pert != world_size:
             raise ValueError(
@@ -78,3 +78,9 @@ class ParallelDims:
     def coordinates(self, rank: int) -> tuple[int, int]:
         """(dp index, pert index) of a global rank on the row-major mesh."""
         return divmod(rank, self.pert)
+
+
+def _choices(flag: str, world_size: int) -> str:
+    """``--dp 1, --dp 2 or --dp 4``: every size that divides the world, once each."""
+    sizes = [f"{flag} {k}" for k in range(1, world_size + 1) if world_size % k == 0]
+    return sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"

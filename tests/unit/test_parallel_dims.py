@@ -32,9 +32,9 @@ def test_auto_and_explicit_layouts(world, dp, pert, expected):
     "world, dp, pert, message",
     [
         (4, 3, 2, "does not match the 4 launched ranks"),
-        (4, None, 3, "--pert 3 does not divide the 4 launched ranks"),
+        (4, None, 3, "--pert 3 does not divide the 4 launched ranks; use --pert 1, --pert 2 or "),
         (3, None, 2, "does not divide"),
-        (8, 3, None, "--dp 3 does not divide the 8 launched ranks"),
+        (8, 3, None, "--dp 3 does not divide .*; use --dp 1, --dp 2, --dp 4 or --dp 8$"),
         (4, None, 0, "--pert must be >= 1"),
         (2, 0, None, "--dp must be >= 1"),
     ],
