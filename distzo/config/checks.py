@@ -45,10 +45,7 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
     dims.check_batch(data.batch_size)
     # (a count below 1 is the engine options' own one-line error, raised later)
     if optim.estimator in ESTIMATORS and optim.num_queries is not None and optim.num_queries >= 1:
-        passes = len(ESTIMATORS[optim.estimator].passes(optim.num_queries))
-        dims.check_passes(
-            passes, f"--estimator {optim.estimator}, --num-queries {optim.num_queries}"
-        )
+        dims.check_passes(optim.estimator, optim.num_queries)
     if job.offload.transfer == "sliced" and not env.launched:
         raise ValueError(
             "--transfer sliced needs a torchrun launch (a process group); use --transfer naive "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distzo.zo.estimators import estimator_for
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -59,13 +61,15 @@ class ParallelDims:
             )
         return cls(dp, pert)
 
-    def check_passes(self, step_passes: int, how: str) -> None:
-        """Every rank of a pert group must run at least one of the step's passes: a rank
-        with none would idle through every step."""
+    def check_passes(self, estimator: str, queries: int) -> None:
+        """Every rank of a pert group must run at least one of the step's passes (the
+        estimator's for ``queries``): a rank with none would idle through every step."""
+        step_passes = len(estimator_for(estimator).passes(queries))
         if self.pert > step_passes:
             raise ValueError(
                 f"--pert {self.pert} is more ranks than the {step_passes} forward passes of a "
-                f"step ({how}); use --pert {step_passes} or fewer, or more --num-queries"
+                f"step (--estimator {estimator}, --num-queries {queries}); use --pert "
+                f"{step_passes} or fewer, or more --num-queries"
             )
 
     def check_batch(self, global_batch_size: int) -> None:

@@ -58,7 +58,7 @@ def report(args: argparse.Namespace) -> str:
     dp = dims.dp
     rule = estimator_for(args.estimator)
     queries = args.num_queries if args.num_queries is not None else rule.default_queries
-    dims.check_passes(len(rule.passes(queries)), f"--estimator {args.estimator}")
+    dims.check_passes(args.estimator, queries)
     config = ZOConfig(
         device="cpu",
         mode="offload",

@@ -46,9 +46,12 @@ def test_invalid_layouts_are_one_line_errors(world, dp, pert, message):
 
 
 def test_a_pert_group_needs_a_pass_for_every_rank():
-    ParallelDims(1, 9).check_passes(9, "fzoo")
+    ParallelDims(1, 9).check_passes("fzoo", 8)  # N + 1 passes
+    ParallelDims(1, 6).check_passes("spsa", 3)  # 2q passes
     with pytest.raises(ValueError, match="--pert 3 is more ranks than the 2 forward passes"):
-        ParallelDims(1, 3).check_passes(2, "spsa")
+        ParallelDims(1, 3).check_passes("spsa", 1)
+    with pytest.raises(ValueError, match=r"the 9 forward passes of a step \(--estimator fzoo, "):
+        ParallelDims(1, 10).check_passes("fzoo", 8)
 
 
 def test_batch_must_split_over_dp():

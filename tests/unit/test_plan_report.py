@@ -39,7 +39,10 @@ def test_a_layout_that_is_not_the_node_is_refused_in_one_line(capsys):
     assert err.startswith("error: --dp 3 x --pert 2 = 6 does not match the 8 launched ranks")
     assert plan_report.main(["--model-config", "opt-125m", "--pert", "4"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --pert 4 is more ranks than the 2 forward passes of a step")
+    assert err.startswith(
+        "error: --pert 4 is more ranks than the 2 forward passes of a step (--estimator spsa, "
+        "--num-queries 1)"
+    )
 
 
 def test_the_report_plans_fzoos_hidden_states():
