@@ -31,6 +31,7 @@ import torch
 from distzo import ZOConfig, ZOEngine
 from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.bench.peer_protocol import protocol_parser, serve
+from distzo.bench.phases import step_phases
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
 from distzo.models.weights import RandomWeights, skeleton
@@ -50,6 +51,10 @@ class DistzoSystem:
 
     def step(self) -> float:
         return self.engine.step(self.batch).loss
+
+    def phases(self) -> dict[str, float]:
+        """Where a step's time goes, from two more steps (``distzo.bench.phases``)."""
+        return step_phases(self.engine, self.batch)
 
 
 def parallel_for(system: str, device: torch.device) -> ParallelContext:

@@ -50,6 +50,7 @@ from transformers import PretrainedConfig
 from distzo import ZOConfig, ZOEngine
 from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.bench import BenchReport, Measurement
+from distzo.bench.phases import block_phases
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
@@ -59,7 +60,6 @@ from distzo.models.tiny import tiny_opt_config
 from distzo.models.weights import RandomWeights, WeightSource, skeleton
 from distzo.objectives import ChoiceEncoding, Classification, candidate_scores, collate_choices
 from distzo.objectives.choice import prepare_choices
-from distzo.offload import Timeline
 from distzo.runtime.devices import device_name
 from distzo.runtime.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
@@ -232,7 +232,7 @@ class Bench:
             metrics["step_extra_rss_gb"] = (peak_rss_bytes() - rss_before) / 1e9
         if self.device.type == "cuda":
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
-        metrics.update(self.block_times(engine, local))
+        metrics.update(block_phases(engine, local))
         params = {
             "shape": self.args.shape,
             "layers": self.config.num_hidden_layers,
@@ -252,30 +252,6 @@ class Bench:
             "state_dtype": engine.config.state_dtype,
         }
         return Measurement.from_timer(name, params, timer, metrics)
-
-    def block_times(self, engine: ZOEngine, batch) -> dict[str, float]:
-        """Mean upload/compute/offload per block from one step's timeline, and eta."""
-        engine.scheduler.timeline = Timeline(engine.streams)
-        engine.step(batch)
-        spans = engine.scheduler.timeline.spans()
-        engine.scheduler.timeline = None
-        n = engine.scheduler.num_blocks
-        mean = {
-            p: sum(s.ms for s in spans if s.phase == p) / n
-            for p in ("upload", "compute", "offload")
-        }
-        pipelined = (max(s.end_ms for s in spans) - min(s.start_ms for s in spans)) / n
-        slots = engine.streamed_store.num_slots
-        return {
-            "upload_ms_per_block": mean["upload"],
-            "compute_ms_per_block": mean["compute"],
-            "offload_ms_per_block": mean["offload"],
-            "pipelined_ms_per_block": pipelined,
-            # The stream model's steady state with K slots (docs/ARCHITECTURE.md, section 5):
-            # upload(i) waits offload(i - K), so K periods hold one upload, compute and offload.
-            "model_ms_per_block": max(*mean.values(), sum(mean.values()) / slots),
-            "eta": max(mean.values()) / pipelined if pipelined > 0 else 0.0,
-        }
 
     def ratio_key(self, name: str, point: tuple[int, int]) -> str:
         """``offload_vs_resident`` for one point, ``offload_vs_resident[8x512]`` in a sweep."""

@@ -126,14 +126,17 @@ class PeerProcess:
             raise self._fail(f"announced {message['system']!r}, not itself, as ready")
         return message
 
-    def request(self, steps: int) -> dict[str, Any]:
-        """Ask for ``steps`` steps and wait for their reply."""
+    def _send(self, request: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps({"steps": steps}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._fail("stopped reading its requests") from None
+
+    def request(self, steps: int) -> dict[str, Any]:
+        """Ask for ``steps`` steps and wait for their reply."""
+        self._send({"steps": steps})
         reply = self._receive(REPLY_KEYS)
         samples = reply["step_s"]
         if len(samples) != steps or not all(
@@ -141,6 +144,14 @@ class PeerProcess:
         ):
             raise self._fail(f"answered {steps} steps with step_s {samples!r:.200}")
         return reply
+
+    def phases(self) -> dict[str, float]:
+        """Ask where a step's time goes (``distzo.bench.phases``) and wait for the reply."""
+        self._send({"phases": True})
+        phases = self._receive({"phases": dict})["phases"]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in phases.values()):
+            raise self._fail(f"answered phases {phases!r:.200}")
+        return phases
 
     def close(self, grace_s: float = 60.0) -> None:
         """EOF on its stdin, then its exit (killed past ``grace_s``)."""

@@ -17,7 +17,10 @@ batch and writes exactly one line::
 ``step_s``: each step's wall time with a device sync before and after it; ``loss``: the
 last step's; ``peak_rss_bytes``: the process's VmHWM; ``peak_device_bytes``: the CUDA
 allocator's peak since the request began; ``device_used_bytes``: total - free of the
-device at the request's end (what nvidia-smi shows, the whole device). A failure is
+device at the request's end (what nvidia-smi shows, the whole device). A peer whose
+system can say where its step's time goes also answers ``{"phases": true}`` with one line
+``{"phases": {name: float}}`` (``distzo.bench.phases``: per block upload, compute, noise,
+offload, the stream model's period); the harness asks distzo's peers only. A failure is
 ``{"error": "one line"}`` and exit 1; EOF on stdin is exit 0. Logs go to stderr only:
 ``ProtocolOut`` takes stdout for the protocol and points file descriptor 1 at stderr, so
 a library's stray ``print`` cannot break the stream.
@@ -45,6 +48,7 @@ from distzo.runtime.host_memory import peak_rss_bytes
 
 DTYPES = ("fp32", "fp16", "bf16")
 END = -1  # the step count that stands for EOF when rank 0 shares it with the other ranks
+PHASES = -2  # ... and for a phases request
 
 logger = logging.getLogger("peer")
 
@@ -72,7 +76,9 @@ def protocol_parser(description: str) -> argparse.ArgumentParser:
 
 
 class PeerSystem(Protocol):
-    """What a peer measures: its trained parameter count and one training step."""
+    """What a peer measures: its trained parameter count and one training step (and,
+    where it can say where a step's time goes, a ``phases()`` method: ``serve`` answers
+    a phases request with it)."""
 
     parameters: int
 
@@ -96,14 +102,20 @@ class ProtocolOut:
 
 
 def read_request(stream: IO[str]) -> int:
-    """The next request's step count; ``END`` at EOF. A malformed line raises."""
+    """The next request's step count; ``PHASES`` for a phases request, ``END`` at EOF. A
+    malformed line raises."""
     for line in stream:
         if not line.strip():
             continue
         try:
-            steps = json.loads(line)["steps"]
+            request = json.loads(line)
+            if request == {"phases": True}:
+                return PHASES
+            steps = request["steps"]
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f'request {line.strip()[:80]!r} is not {{"steps": k}}') from None
+            raise ValueError(
+                f'request {line.strip()[:80]!r} is not {{"steps": k}} or {{"phases": true}}'
+            ) from None
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"request asks for {steps!r} steps; k must be an integer >= 1")
         return steps
@@ -171,7 +183,13 @@ def serve(
             steps = share(read_request(sys.stdin) if speaks else END)
             if steps == END:
                 return 0
-            reply = run_request(system, steps, device)
+            if steps == PHASES:
+                phases = getattr(system, "phases", None)
+                if phases is None:
+                    raise ValueError("this peer does not report phases")
+                reply = {"phases": phases()}
+            else:
+                reply = run_request(system, steps, device)
             if speaks:
                 out.send(reply)
     except Exception as exc:  # noqa: BLE001 - the harness reads one line, the log the rest

@@ -21,7 +21,7 @@ import torch
 
 from distzo.offload.block_store import BlockStore
 from distzo.offload.streams import Streams
-from distzo.offload.timeline import Timeline
+from distzo.offload.timeline import PROLOGUE, Timeline
 
 
 class BlockScheduler:
@@ -67,7 +67,7 @@ class BlockScheduler:
             upload(j)
         if prologue is not None:
             with s.on("compute"):
-                prologue()
+                self._phase("compute", PROLOGUE, prologue)
         for i in range(n):
             with s.on("compute"):
                 s.wait("compute", uploaded[i % k])

@@ -14,6 +14,9 @@ import torch
 
 from distzo.offload.streams import Streams
 
+PROLOGUE = -1  # the block of the compute span before block 0's (the embedding, the resident
+# bucket's perturbation), on the compute stream while the first uploads run
+
 
 @dataclass
 class Span:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, OPTConfig, Qwen3Config
 
 from benchmarks import peers
 from distzo.bench import validate_report
-from distzo.bench.peer_protocol import END, read_request
+from distzo.bench.peer_protocol import END, PHASES, read_request
 from tests.helpers.launch import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +130,15 @@ def test_peers_interleave_and_report_zo2s_statistic(tmp_path):
     assert data["derived"]["distzo-offload_vs_distzo-resident"] == pytest.approx(
         offload["metrics"]["tokens_per_s"] / resident["metrics"]["tokens_per_s"]
     )
+    # distzo's peers said where their step goes (the stand-ins were never asked: the
+    # request log above holds step requests only); MeZO's step: 2 perturbations, 1 update
+    for name in ("distzo-resident", "distzo-offload"):
+        metrics = by_name[name]["metrics"]
+        assert metrics["perturbs_per_block"] == 2 and metrics["updates_per_block"] == 1
+        assert 0 < metrics["noise_ms_per_block"] < metrics["compute_ms_per_block"]
+        assert metrics["model_ms_per_block"] >= metrics["compute_ms_per_block"]
+        assert any(note.startswith(f"{name} per block: upload") for note in data["notes"])
+    assert "perturbs_per_block" not in by_name["fast"]["metrics"]
     # both built ZO2's model of the shape: untied head, positions for the sequence alone
     config = OPTConfig(
         hidden_size=64,
@@ -239,6 +248,7 @@ def test_bad_input_stops_before_any_peer_starts(tmp_path, args, says):
 def test_the_protocol_reader_refuses_a_malformed_request():
     assert read_request(io.StringIO('\n{"steps": 3}\n')) == 3
     assert read_request(io.StringIO("")) == END
+    assert read_request(io.StringIO('{"phases": true}\n')) == PHASES
     with pytest.raises(ValueError, match="is not"):
         read_request(io.StringIO("steps 3\n"))
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
@@ -322,3 +332,19 @@ def test_zo2s_own_qwen3_runs_through_the_harness(tmp_path):
         assert m["params"]["timed_steps"] == 2, name
         assert abs(m["metrics"]["loss"] - math.log(151936)) < 0.5, name
     assert data["derived"]["distzo-offload_vs_zo2-mezo"] > 0
+
+
+def test_a_missed_target_names_the_phase_that_bounds_the_offloaded_step():
+    from tests.unit.test_phases import phases
+
+    def run(name: str, p: dict | None) -> peers.Run:
+        return peers.Run(peers.System(name, []), {}, phases=p)
+
+    runs = [run("zo2-mezo", None), run("distzo-offload", phases(1, 5, 1, 3))]
+    notes = peers.phase_notes(runs, {"distzo-offload_vs_zo2-mezo": 1.5})
+    assert notes[0].startswith("distzo-offload per block: upload 1 ms, compute 5 ms (noise 3")
+    assert notes[1] == (
+        "distzo-offload runs at 1.50x zo2-mezo's tokens/s, below the 2x target: its period "
+        "per block is bound by noise (the phases above)"
+    )
+    assert peers.phase_notes(runs, {"distzo-offload_vs_zo2-mezo": 2.3}) == notes[:1]

@@ -1,0 +1,135 @@
+"""distzo.bench.phases: where a step's time goes, counted on the engine's own calls."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import OPTForCausalLM
+
+from distzo import ZOConfig, ZOEngine
+from distzo.bench.phases import bound_by, describe_phases, step_phases
+from distzo.models.tiny import tiny_opt_config
+from tests.helpers.launch import child_env
+
+
+def engine(mode: str, queries: int) -> ZOEngine:
+    torch.manual_seed(0)
+    config = ZOConfig(mode=mode, device="cpu", num_queries=queries, lr=1e-3, eps=1e-3, seed=0)
+    return ZOEngine(OPTForCausalLM(tiny_opt_config()), config)
+
+
+@pytest.mark.parametrize("mode", ["offload", "resident"])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_the_noise_calls_of_a_step_are_counted_per_block(mode, queries):
+    e = engine(mode, queries)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
+    e.step(batch)  # the next step carries this one's update into each block
+    phases = step_phases(e, batch)
+    # n-SPSA: each of the 2q passes perturbs every block once; the pending update is one
+    # call carrying the q directions
+    assert phases["perturbs_per_block"] == 2 * queries
+    assert phases["updates_per_block"] == 1
+    assert phases["noise_ms_per_block"] == pytest.approx(
+        phases["perturb_ms_per_block"] + phases["update_ms_per_block"]
+    )
+    assert 0 < phases["noise_ms_per_block"] < phases["compute_ms_per_block"]
+    assert phases["resident_noise_ms"] > 0  # the embedding and the head, apart
+    assert phases["model_ms_per_block"] >= max(
+        phases[f"{p}_ms_per_block"] for p in ("upload", "compute", "offload")
+    )
+    # the instruments are gone: the next step runs the engine's own methods
+    assert "perturb_into" not in vars(e.noise) and "apply" not in vars(e.update_rule)
+    assert e.scheduler.timeline is None
+    # the step: the prologue (embedding), the blocks, then the head; on CPU in sequence
+    assert phases["blocks"] == 2 and phases["prologue_ms"] > 0
+    assert phases["outside_blocks_ms"] > 0
+    # on CPU the phases run one after another: the measured period is at least their sum
+    in_sequence = sum(phases[f"{p}_ms_per_block"] for p in ("upload", "compute", "offload"))
+    assert in_sequence <= phases["pipelined_ms_per_block"]
+    assert phases["step_ms"] > phases["prologue_ms"] + phases["outside_blocks_ms"]
+
+
+def test_the_measured_steps_train_like_any_other():
+    """Phases are two real steps: the trajectory is the one of two plain steps."""
+    batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
+    measured, plain = engine("offload", 1), engine("offload", 1)
+    step_phases(measured, batch)
+    plain.step(batch)
+    plain.step(batch)
+    assert measured.step(batch).loss == plain.step(batch).loss
+
+
+def phases(upload: float, compute: float, offload: float, noise: float, slots: int = 3):
+    return {
+        "upload_ms_per_block": upload,
+        "compute_ms_per_block": compute,
+        "offload_ms_per_block": offload,
+        "noise_ms_per_block": noise,
+        "model_ms_per_block": max(upload, compute, offload, (upload + compute + offload) / slots),
+        "pipelined_ms_per_block": 1.1 * max(upload, compute, offload),
+        "eta": 0.9,
+        "perturbs_per_block": 2,
+        "updates_per_block": 1,
+        "step_ms": 100.0,
+        "blocks": 4,
+        "prologue_ms": 3.0,
+        "outside_blocks_ms": 20.0,
+        "resident_noise_ms": 6.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "given, bound",
+    [
+        (phases(5, 2, 1, 0.5), "upload"),
+        (phases(1, 2, 5, 0.5), "offload"),
+        (phases(1, 5, 1, 1), "compute"),
+        (phases(1, 5, 1, 3), "noise"),  # most of the compute draws z
+        (phases(4, 4, 4, 1, slots=2), "slots"),  # 12 ms over 2 slots: 6 > 4
+    ],
+)
+def test_the_bound_names_the_phase_that_sets_the_period(given, bound):
+    assert bound_by(given) == bound
+    line = describe_phases("distzo-offload", given)
+    assert f"bound by {bound}. Of the step's 100 ms, the 4 blocks take" in line
+    assert "2 perturbations and 1 update)" in line
+    assert line.endswith(
+        "the prologue 3 (the resident bucket's noise 6, over the step), the head and the rest 20"
+    )
+
+
+def test_a_peer_without_phases_refuses_the_request_in_one_line():
+    peer = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from distzo.bench.peer_protocol import protocol_parser, serve
+
+        class Plain:
+            parameters = 1
+            def step(self):
+                return 0.0
+
+        args = protocol_parser("plain").parse_args(sys.argv[1:])
+        sys.exit(serve(lambda a: (Plain(), torch.device("cpu")), args))
+        """
+    )
+    flags = ["--system", "plain", "--shape", "opt-125m", "--batch", "1", "--seq", "8"]
+    flags += ["--dtype", "fp32", "--device", "cpu"]
+    proc = subprocess.run(
+        [sys.executable, "-c", peer, *flags],
+        input='{"steps": 1}\n{"phases": true}\n',
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 1
+    assert lines[0]["ready"] and len(lines[1]["step_s"]) == 1
+    assert lines[2] == {"error": "plain: ValueError: this peer does not report phases"}
