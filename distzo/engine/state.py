@@ -99,6 +99,7 @@ class BucketReader:
                         bucket = stored.resident
                     else:
                         stored.store.upload(index)
+                        stored.store.unpack(index)
                         bucket = stored.store.device_bucket(index)
                     if materialize:  # to pageable host memory: the host waits for this stream
                         values = [

@@ -250,10 +250,11 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     master, compute, wire = b.master, b.compute, b.wire
     if config.mode == "offload":
         host = sum(b.padded) // b.owners * wire
-        # a trained low-bit block is rebuilt in a master slot beside its wire slot; a frozen
-        # base's stays in the wire format (read, upcast into its compute scratch)
-        slot = wire if b.resident_base is not None else master + (wire if wire != master else 0)
-        blocks = config.num_slots * max(b.padded) * slot
+        # K slots in the wire format; a trained low-bit block is rebuilt in the one master
+        # buffer while it computes; a frozen base's stays in the wire format (read, upcast
+        # into its compute scratch)
+        rebuilt = master if b.resident_base is None and wire != master else 0
+        blocks = max(b.padded) * (config.num_slots * wire + rebuilt)
     else:
         host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
     scratch = max(layout.numel for layout in b.trained) * compute
@@ -401,20 +402,18 @@ def _state_bytes(
 ) -> tuple[int, int]:
     """(host, device) bytes of a stored optimizer's moments, as the engine allocates them:
     beside the resident bucket on the device; beside streamed blocks as host shards in
-    the state dtype with K slots of their own (+ bf16 staging), else on the device; plus
-    the update's scratch (one noise piece for ghat, one more for Adam's denominator)."""
+    the state dtype with K slots of their own (+ one float32 buffer when low-bit), else on
+    the device; plus the update's scratch (one noise piece for ghat, one more for Adam's
+    denominator)."""
     moments = config.num_moments
     rule = MomentRule.of(config)
     if not moments or rule is None:
         return 0, 0
     if streams:
         host = moments * (sum(padded) // owners) * state_wire
-        blocks = (
-            moments
-            * config.num_slots
-            * max(padded)
-            * (master + (state_wire if state_wire != master else 0))
-        )
+        # K slots in the state dtype, and a low-bit moment's one master buffer
+        rebuilt = master if state_wire != master else 0
+        blocks = moments * max(padded) * (config.num_slots * state_wire + rebuilt)
     else:
         host, blocks = 0, moments * sum(layout.numel for layout in layouts) * master
     scratch = (

@@ -1,9 +1,12 @@
 """Where the master copies of the streamed blocks live, and how they reach the device.
 
-The engine sees one interface: ``upload(i)`` makes block i's master available on the
-device, ``device_bucket(i)`` is that device buffer (updated in place by the fused
-update), ``offload(i)`` writes it back. Resident mode (MeZO) keeps every master on the
-device and its copies are no-ops, so both modes share every op but the copies.
+The engine sees one interface: ``upload(i)`` brings block i to the device, ``unpack(i)``
+makes its master available there as ``device_bucket(i)`` (updated in place by the fused
+update), ``pack(i)`` turns the updated master back into what is stored, ``offload(i)``
+writes that back. ``unpack`` and ``pack`` run on the compute stream, around the block's
+compute (a low-bit store rebuilds its masters in one buffer there). Resident mode (MeZO)
+keeps every master on the device and its copies are no-ops, so both modes share every op
+but the copies.
 ``StreamedBlocks`` (streamed_blocks.py) is the host-memory implementation.
 """
 
@@ -21,6 +24,10 @@ class BlockStore(Protocol):
     step: int  # the step of the pass under way (keys any rounding noise)
 
     def upload(self, index: int) -> None: ...
+
+    def unpack(self, index: int) -> None: ...
+
+    def pack(self, index: int) -> None: ...
 
     def offload(self, index: int) -> None: ...
 
@@ -59,6 +66,12 @@ class ResidentBlocks:
         self.step = 0
 
     def upload(self, index: int) -> None:
+        pass
+
+    def unpack(self, index: int) -> None:
+        pass
+
+    def pack(self, index: int) -> None:
         pass
 
     def offload(self, index: int) -> None:

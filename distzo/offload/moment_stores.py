@@ -72,6 +72,18 @@ class CarriedStore:
             for store in self.moments:
                 store.upload(index)
 
+    def unpack(self, index: int) -> None:
+        self.weights.unpack(index)
+        if self.carry:
+            for store in self.moments:
+                store.unpack(index)
+
+    def pack(self, index: int) -> None:
+        self.weights.pack(index)
+        if self.carry:
+            for store in self.moments:
+                store.pack(index)
+
     def offload(self, index: int) -> None:
         self.weights.offload(index)
         if self.carry:

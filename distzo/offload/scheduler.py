@@ -8,6 +8,10 @@ and each stream is FIFO. The last rule also orders a block's offload at step t
 before its upload at step t+1, because that upload waits for a later offload on
 the same FIFO stream.
 
+Around each compute, on the compute stream, the store unpacks block i's master from its
+slot and packs it back when the block is done (a low-bit store's one float32 buffer,
+reused by the next block only after the pack, by the stream's order).
+
 A pass that changes no block (an evaluation forward, a decoding step: no pending
 update) skips the offloads, whose host copies are already right: then a slot is free
 again once its compute has read it, upload(j) waits compute(j - K).
@@ -68,10 +72,18 @@ class BlockScheduler:
         if prologue is not None:
             with s.on("compute"):
                 self._phase("compute", PROLOGUE, prologue)
+
+        def compute_block(i: int) -> None:
+            # the master exists on the device from unpack to pack, on this stream alone
+            self.store.unpack(i)
+            compute(i, self.store.device_bucket(i))
+            if offload:
+                self.store.pack(i)
+
         for i in range(n):
             with s.on("compute"):
                 s.wait("compute", uploaded[i % k])
-                self._phase("compute", i, lambda: compute(i, self.store.device_bucket(i)))
+                self._phase("compute", i, lambda: compute_block(i))
                 computed = s.record("compute")
             if offload:
                 with s.on("offload"):

@@ -119,3 +119,24 @@ def test_low_bit_transfer_trains_and_halves_or_quarters_the_host_copy(name):
 def test_low_bit_needs_offload_mode():
     with pytest.raises(ValueError, match="transfer_dtype bf16 only applies to mode offload"):
         ZOConfig(mode="resident", transfer_dtype="bf16")
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_one_master_buffer_serves_every_low_bit_slot(name):
+    """K slots in the wire format and one float32 master, rebuilt per block while it
+    computes: the trajectory is the same for any K, and only one block takes fp32 bytes."""
+    runs = {}
+    for slots in (1, 3):
+        model = tiny_opt(seed=0)
+        task = CountingTask(model.config.vocab_size, seed=0)
+        config = ZOConfig(
+            lr=1e-2, eps=1e-2, seed=0, device="cpu", transfer_dtype=name, num_slots=slots
+        )
+        engine = ZOEngine(model, config)
+        losses = [engine.step(task.batch(8)).loss for _ in range(4)]
+        store = engine.store
+        biggest = max(store.padded)
+        assert store.device_bytes == biggest * (slots * TRANSFER_DTYPES[name].itemsize + 4)
+        runs[slots] = (losses, store.host_storage.clone())
+    assert runs[1][0] == runs[3][0]
+    assert torch.equal(runs[1][1].view(torch.uint8), runs[3][1].view(torch.uint8))

@@ -12,6 +12,12 @@ class RecordingStore:
     def upload(self, i):
         self.log.append(("up", i))
 
+    def unpack(self, i):
+        self.log.append(("unpack", i))
+
+    def pack(self, i):
+        self.log.append(("pack", i))
+
     def offload(self, i):
         self.log.append(("off", i))
 
@@ -29,15 +35,19 @@ def test_schedule_obeys_the_slot_rules(slots):
     for _ in range(2):  # two steps: the rules hold across the step boundary too
         scheduler.run(lambda i, bucket: store.log.append(("compute", i)))
     log = store.log
-    pos = {event: idx for idx, event in enumerate(log[: 3 * n])}
+    pos = {event: idx for idx, event in enumerate(log[: 5 * n])}
     for i in range(n):
         assert pos[("up", i)] < pos[("compute", i)] < pos[("off", i)]
+        # the master exists from unpack to pack, around the compute alone: the one master
+        # buffer of a low-bit store is free again before the next block unpacks
+        assert pos[("unpack", i)] == pos[("compute", i)] - 1
+        assert pos[("pack", i)] == pos[("compute", i)] + 1
         if i >= slots:
             assert pos[("off", i - slots)] < pos[("up", i)]  # slot i % K was free
         if i + 1 < n and slots > 1:
             # look-ahead: i+1 is queued before i computes
             assert pos[("up", i + 1)] < pos[("compute", i)]
-    assert log[3 * n :] == log[: 3 * n]
+    assert log[5 * n :] == log[: 5 * n]
 
 
 def test_timeline_records_every_phase_of_every_block():
