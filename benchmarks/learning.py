@@ -211,23 +211,49 @@ def sweep_winner(curves: dict[float, list[dict[str, float]]], thresholds: list[f
     return max(curves, key=merit)
 
 
+def seed_mean(runs: dict[int, list[dict[str, float]]]) -> list[dict[str, float]]:
+    """A recipe's curve averaged over its seeds at each evaluation (to the shortest run; a
+    run that diverged before evaluating left out): forward passes, the mean held-out
+    accuracy, and the lowest and the highest seed's."""
+    curves = [points for points in runs.values() if points]
+    if not curves:
+        return []
+    mean = []
+    for k in range(min(len(points) for points in curves)):
+        accuracy = [points[k]["eval_accuracy"] for points in curves]
+        mean.append(
+            {
+                "forward_passes": curves[0][k]["forward_passes"],
+                "eval_accuracy": sum(accuracy) / len(accuracy),
+                "low": min(accuracy),
+                "high": max(accuracy),
+            }
+        )
+    return mean
+
+
 def race_summary(
     runs: dict[int, list[dict[str, float]]], thresholds: list[float]
 ) -> dict[str, float]:
     """One recipe over its seeds: per threshold the median forward passes and wall time of
-    the seeds that reached and held it and how many did, and the median passes to the
-    first evaluation at it; the mean final accuracy."""
+    the seeds that reached and held it and how many did, the passes after which the seeds'
+    mean curve held it (averaging the seeds averages out some of the evaluation's noise),
+    and the median passes to the first evaluation at it; the mean final accuracy."""
     finals = [p[-1]["eval_accuracy"] for p in runs.values() if p]  # [] where it diverged at once
     out: dict[str, float] = {
         "seeds": len(runs),
         "final_accuracy": sum(finals) / len(finals) if finals else float("nan"),
     }
+    mean = seed_mean(runs)
     for threshold in thresholds:
         hits = [h for h in (first_holding(p, threshold) for p in runs.values()) if h]
         out[f"reached_{threshold:.2f}"] = len(hits)
         if hits:
             out[f"passes_to_{threshold:.2f}"] = median(h["forward_passes"] for h in hits)
             out[f"wall_s_to_{threshold:.2f}"] = median(h["wall_s"] for h in hits)
+        held = first_holding(mean, threshold)
+        if held is not None:
+            out[f"mean_curve_passes_to_{threshold:.2f}"] = held["forward_passes"]
         touched = [h for h in (first_reaching(p, threshold) for p in runs.values()) if h]
         if touched:  # the first evaluation at the threshold, held or not: for reference
             out[f"first_passes_to_{threshold:.2f}"] = median(h["forward_passes"] for h in touched)
@@ -246,13 +272,12 @@ def plot_race(
     FigureCanvasAgg(figure)
     ax = figure.subplots()
     for i, (name, runs) in enumerate(curves.items()):
-        length = min(len(p) for p in runs.values())
-        x = [runs[next(iter(runs))][k]["forward_passes"] for k in range(length)]
-        acc = [[p[k]["eval_accuracy"] for p in runs.values()] for k in range(length)]
-        mean = [sum(a) / len(a) for a in acc]
+        mean = seed_mean(runs)
+        x = [point["forward_passes"] for point in mean]
         seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
-        ax.plot(x, mean, color=f"C{i}", label=f"{name} ({seeds})")
-        ax.fill_between(x, [min(a) for a in acc], [max(a) for a in acc], color=f"C{i}", alpha=0.2)
+        ax.plot(x, [p["eval_accuracy"] for p in mean], color=f"C{i}", label=f"{name} ({seeds})")
+        low, high = [p["low"] for p in mean], [p["high"] for p in mean]
+        ax.fill_between(x, low, high, color=f"C{i}", alpha=0.2)
     for threshold in thresholds:
         ax.axhline(threshold, color="grey", linewidth=0.6, linestyle="--")
     ax.set_xlabel("forward passes (over the batch)")
@@ -408,11 +433,12 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
     if "spsa" in best:
         for name in best:
             for threshold in thresholds:
-                key = f"passes_to_{threshold:.2f}"
-                if f"{key}[spsa]" in report.derived and f"{key}[{name}]" in report.derived:
-                    report.derived[f"spsa_over_{name}_{key}"] = (
-                        report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
-                    )
+                for kind in ("passes_to", "mean_curve_passes_to"):
+                    key = f"{kind}_{threshold:.2f}"
+                    if f"{key}[spsa]" in report.derived and f"{key}[{name}]" in report.derived:
+                        report.derived[f"spsa_over_{name}_{key}"] = (
+                            report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
+                        )
     if not best:
         raise SystemExit("learning.py: --report-only found no finished run of these recipes")
     chosen = {name: report.derived[f"lr[{name}]"] for name in best}

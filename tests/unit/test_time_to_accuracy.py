@@ -98,6 +98,8 @@ def test_the_summary_takes_the_median_of_the_seeds_that_reach(learning):
     assert out["reached_0.60"] == 2 and out["passes_to_0.60"] == 10  # seed 2 fell back
     assert out["reached_0.65"] == 2 and out["passes_to_0.65"] == 15 and out["wall_s_to_0.65"] == 3
     assert out["first_passes_to_0.65"] == 10  # seeds 0, 1, 2 touched it at 20, 10, 10
+    # the seeds' mean curve: 0.5, 0.6367, 0.6367: holds 0.60 from 10 passes, never 0.65
+    assert out["mean_curve_passes_to_0.60"] == 10 and "mean_curve_passes_to_0.65" not in out
     assert out["final_accuracy"] == pytest.approx((0.66 + 0.7 + 0.55) / 3)
 
 
@@ -172,3 +174,16 @@ def test_report_only_reads_the_finished_runs_and_starts_none(learning, tmp_path,
     monkeypatch.setattr(sys, "argv", [*argv[:4], "spsa", *argv[5:]])
     with pytest.raises(SystemExit, match="found no finished run"):
         learning.race(learning.parse_args(), work, tmp_path / "heldout.tsv", report)
+
+
+def test_the_seed_mean_leaves_out_a_run_that_diverged_before_evaluating(learning):
+    def curve(accs):
+        return [
+            {"forward_passes": 10 * k, "wall_s": k, "eval_accuracy": a} for k, a in enumerate(accs)
+        ]
+
+    mean = learning.seed_mean({0: curve([0.5, 0.6, 0.7]), 1: [], 2: curve([0.5, 0.7])})
+    assert [p["forward_passes"] for p in mean] == [0, 10]  # to the shortest evaluated run
+    assert [p["eval_accuracy"] for p in mean] == pytest.approx([0.5, 0.65])
+    assert [(p["low"], p["high"]) for p in mean] == [(0.5, 0.5), (0.6, 0.7)]
+    assert learning.seed_mean({0: []}) == []
