@@ -141,7 +141,8 @@ class StreamedBlocks:
         return self.shard.comm
 
     def _wire(self, index: int) -> torch.Tensor:
-        # the low-bit staging slots (a low-bit transfer has them), else the masters' slots
+        # a trained low-bit store's K slots are ``staging`` (``slots`` is its one master
+        # buffer); every other store's K slots are ``slots`` (masters, or a frozen base's wire)
         buffers = self.staging if self.staging is not None else self.slots
         return buffers.for_block(index, self.padded[index])
 
