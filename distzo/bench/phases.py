@@ -10,6 +10,7 @@ scratch, and the updates, z redrawn and applied, momentum and Adam included).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -68,10 +69,10 @@ def _timed_calls(obj: object, name: str, device: torch.device, into: list[tuple[
     """Replace ``obj.name`` by a wrapper that syncs the device around each call and
     records (block id, ms); the block id is the call's ``block_id`` argument."""
     original: Callable[..., Any] = getattr(obj, name)
-    position = list(original.__code__.co_varnames).index("block_id") - 1  # without self
+    signature = inspect.signature(original)  # bound: without self
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        block_id = kwargs["block_id"] if "block_id" in kwargs else args[position]
+        block_id = signature.bind(*args, **kwargs).arguments["block_id"]
         synchronize(device)
         start = time.perf_counter()
         out = original(*args, **kwargs)

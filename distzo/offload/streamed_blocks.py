@@ -109,17 +109,16 @@ class StreamedBlocks:
             offset += length
 
         biggest = max(self.padded)
-        if self.low_bit and read_only:
-            # A frozen base is read, never updated: its blocks stay in the wire format on the
-            # device too, and the reader upcasts them (into its compute scratch) as it copies.
-            self.slots = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
-            self.staging = None
-        elif self.low_bit:
-            self.slots = DeviceSlots(1, biggest, device, master_dtype)  # the block computing
-            self.staging = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
-        else:
-            self.slots = DeviceSlots(num_slots, biggest, device, master_dtype)
-            self.staging = None
+        # The K slots hold what crosses the link: uploads land there, offloads leave from
+        # there. Where that is a low-bit wire of a trained store, the block computes in
+        # ``unpacked``, one buffer of the master dtype for all K slots; otherwise (full
+        # precision, or a frozen base whose reader upcasts) the slot is what computes.
+        self.slots = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
+        self.unpacked = (
+            DeviceSlots(1, biggest, device, master_dtype)
+            if self.low_bit and not read_only
+            else None
+        )
         self.num_slots = num_slots
         self._non_blocking = pin
 
@@ -141,10 +140,11 @@ class StreamedBlocks:
         return self.shard.comm
 
     def _wire(self, index: int) -> torch.Tensor:
-        # a trained low-bit store's K slots are ``staging`` (``slots`` is its one master
-        # buffer); every other store's K slots are ``slots`` (masters, or a frozen base's wire)
-        buffers = self.staging if self.staging is not None else self.slots
-        return buffers.for_block(index, self.padded[index])
+        return self.slots.for_block(index, self.padded[index])
+
+    def _unpacked(self, index: int) -> torch.Tensor:
+        assert self.unpacked is not None  # a trained low-bit store's
+        return self.unpacked.for_block(index, self.padded[index])
 
     def upload(self, index: int) -> None:
         wire, host = self._wire(index), self.host_slices[index]
@@ -166,16 +166,16 @@ class StreamedBlocks:
     def unpack(self, index: int) -> None:
         """Block ``index``'s master in ``device_bucket``, from its uploaded slot: a low-bit
         wire upcast into the one master buffer (a no-op where the slot is the master)."""
-        if self.staging is not None:
-            self.slots.for_block(index, self.padded[index]).copy_(self._wire(index))
+        if self.unpacked is not None:
+            self._unpacked(index).copy_(self._wire(index))
 
     def pack(self, index: int) -> None:
         """The updated master back into the wire format, this rank's pieces (what
         ``offload`` copies): rounded stochastically, keyed by the element's place in the
         block, while the master buffer still holds this block."""
-        if self.staging is None:
+        if self.unpacked is None:
             return
-        master, wire = self.slots.for_block(index, self.padded[index]), self._wire(index)
+        master, wire = self._unpacked(index), self._wire(index)
         for _, (s_lo, s_hi) in self._pieces(index):
             self._round_into(wire[s_lo:s_hi], master[s_lo:s_hi], index, s_lo)
 
@@ -188,7 +188,8 @@ class StreamedBlocks:
             host[h_lo:h_hi].copy_(slot[s_lo:s_hi], non_blocking=self._non_blocking)
 
     def device_bucket(self, index: int) -> torch.Tensor:
-        return self.slots.for_block(index, self.layouts[index].numel)
+        buffers = self.unpacked if self.unpacked is not None else self.slots
+        return buffers.for_block(index, self.layouts[index].numel)
 
     def block_at_rest(self, index: int) -> torch.Tensor:
         """The whole block in its host format (the transfer dtype), exactly as stored: what
@@ -242,7 +243,7 @@ class StreamedBlocks:
 
     @property
     def device_bytes(self) -> int:
-        return self.slots.nbytes + (self.staging.nbytes if self.staging is not None else 0)
+        return self.slots.nbytes + (self.unpacked.nbytes if self.unpacked is not None else 0)
 
     # -------------------------------------------------------------- rounding
 

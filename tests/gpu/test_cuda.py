@@ -502,7 +502,7 @@ def test_an_adapters_frozen_resident_base_is_on_the_device_once():
     assert engine._resident_base_compute.dtype == torch.bfloat16
     assert engine.resident_base.device.type == "cpu" and engine.resident_base.dtype == torch.float32
     assert engine.base_store.slots.buffers[0].dtype == torch.bfloat16
-    assert engine.base_store.staging is None
+    assert engine.base_store.unpacked is None
     engine.step(random_batch(64, seed=0))
 
 

@@ -99,7 +99,7 @@ def test_the_base_goes_up_once_per_step_and_never_back(transfer_dtype):
     # read-only, a low-bit base stays in its wire format in the slots too (no float32 slots
     # beside them): the passes' scratch upcasts it
     store = engine.base_store
-    assert store.staging is None and store.slots.buffers[0].dtype == store.transfer_dtype
+    assert store.unpacked is None and store.slots.buffers[0].dtype == store.transfer_dtype
 
 
 def test_a_low_bit_base_is_rounded_once_to_nearest():
