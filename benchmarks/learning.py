@@ -15,6 +15,9 @@ that then falls back does not count), the winner runs on every other seed, and t
 gives, per recipe, the forward passes and the wall time to each threshold (median over the
 seeds that reach it, and how many did), the final accuracy, a PNG of held-out accuracy against
 forward passes (one line per recipe, the band spans its seeds) and every run of the sweep.
+Each recipe's ratio to ZO-SGD (``spsa``) is given by both statistics, and the mean curve's
+ratio with a bootstrap interval over the seeds (``_p05`` / ``_p95``, and the share of
+resamples at 2x or more): whether the seeds run can tell a 2x from noise.
 A forward pass is one pass over the step's batch (SPSA: 2 per query, FZOO: N + 1); the
 evaluations are not counted. Runs whose directory already holds a finished job are read,
 not re-run, so an interrupted race continues where it stopped.
@@ -37,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -260,6 +265,44 @@ def race_summary(
     return out
 
 
+def mean_curve_passes(runs: list[list[dict[str, float]]], threshold: float) -> float:
+    """Forward passes after which the mean of ``runs`` holds ``threshold`` (inf: never)."""
+    held = first_holding(seed_mean(dict(enumerate(runs))), threshold)
+    return held["forward_passes"] if held is not None else math.inf
+
+
+def bootstrap_ratio(
+    reference: dict[int, list[dict[str, float]]],
+    other: dict[int, list[dict[str, float]]],
+    threshold: float,
+    draws: int = 2000,
+    seed: int = 0,
+) -> dict[str, float] | None:
+    """How far the seeds let one trust ``reference``'s mean-curve passes over ``other``'s:
+    the seeds both ran are resampled with replacement (the same draw for both, since a
+    seed fixes the data order of either), and the ratio recomputed on each resample; the
+    5th and 95th percentiles and the share of resamples where ``other`` needs at least 2x
+    fewer passes. None with fewer than 3 shared seeds (too few to resample)."""
+    shared = sorted(s for s in reference.keys() & other.keys() if reference[s] and other[s])
+    if len(shared) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        picked = [rng.choice(shared) for _ in shared]
+        ref = mean_curve_passes([reference[s] for s in picked], threshold)
+        oth = mean_curve_passes([other[s] for s in picked], threshold)
+        # equal (both never, both from the start) is 1; a side that never holds it, 0 or inf
+        ratios.append(1.0 if ref == oth else math.inf if oth == 0 else ref / oth)
+    ratios.sort()
+    return {
+        "p05": ratios[int(0.05 * (draws - 1))],
+        "p95": ratios[int(0.95 * (draws - 1))],
+        "share_2x": sum(r >= 2.0 for r in ratios) / draws,
+        "seeds": len(shared),
+    }
+
+
 def plot_race(
     path: Path, curves: dict[str, dict[int, list[dict[str, float]]]], thresholds: list[float]
 ) -> None:
@@ -439,6 +482,11 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                         report.derived[f"spsa_over_{name}_{key}"] = (
                             report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
                         )
+                interval = bootstrap_ratio(best["spsa"], best[name], threshold)
+                if name != "spsa" and interval is not None:
+                    for stat, value in interval.items():
+                        key = f"spsa_over_{name}_mean_curve_passes_to_{threshold:.2f}_{stat}"
+                        report.derived[key] = value
     if not best:
         raise SystemExit("learning.py: --report-only found no finished run of these recipes")
     chosen = {name: report.derived[f"lr[{name}]"] for name in best}

@@ -187,3 +187,50 @@ def test_the_seed_mean_leaves_out_a_run_that_diverged_before_evaluating(learning
     assert [p["eval_accuracy"] for p in mean] == pytest.approx([0.5, 0.65])
     assert [(p["low"], p["high"]) for p in mean] == [(0.5, 0.5), (0.6, 0.7)]
     assert learning.seed_mean({0: []}) == []
+
+
+def test_the_bootstrap_bounds_the_ratio_by_resampling_shared_seeds(learning):
+    def curve(accs):
+        return [
+            {"forward_passes": 50 * k, "wall_s": k, "eval_accuracy": a} for k, a in enumerate(accs)
+        ]
+
+    spsa = {s: curve([0.5, 0.6, 0.66, 0.67]) for s in range(5)}  # holds 0.65 from 100
+    twice = {s: curve([0.5, 0.66, 0.67, 0.68]) for s in range(5)}  # from 50: 2x, every draw
+    out = learning.bootstrap_ratio(spsa, twice, 0.65)
+    assert out == {"p05": 2.0, "p95": 2.0, "share_2x": 1.0, "seeds": 5}
+    # one seed of five that falls back to 0.40 at the end: a draw with it at all puts the
+    # mean's end below 0.65 (ratio 0); (4/5)^5 = a third of the draws leave it out (ratio 2)
+    mixed = {**twice, 4: curve([0.5, 0.66, 0.67, 0.40])}
+    out = learning.bootstrap_ratio(spsa, mixed, 0.65)
+    assert out["p05"] == 0.0 and out["p95"] == 2.0 and 0.28 < out["share_2x"] < 0.38
+    assert out == learning.bootstrap_ratio(spsa, mixed, 0.65)  # seeded: the same each time
+    # seeds not run by both are not resampled; fewer than 3 shared ones give no interval
+    assert learning.bootstrap_ratio(spsa, {0: twice[0], 1: twice[1], 7: twice[2]}, 0.65) is None
+    assert learning.bootstrap_ratio(spsa, {**twice, 2: []}, 0.65)["seeds"] == 4
+    # neither holding it is no evidence either way: 1
+    never = {s: curve([0.5, 0.55]) for s in range(3)}
+    assert learning.bootstrap_ratio(never, never, 0.65)["p05"] == 1.0
+
+
+def test_the_race_reports_the_interval_of_each_ratio_to_spsa(learning, tmp_path, monkeypatch):
+    work = tmp_path / "race-runs"
+    for seed in range(3):
+        for name, optim, accuracies in (
+            ("spsa", "num_queries = 1", [0.5, 0.6, 0.66, 0.67]),
+            ("lozo", 'estimator = "lozo"', [0.5, 0.66, 0.67, 0.68]),
+        ):
+            run = write_run(work / f"race-{name}-lr1e-05-seed{seed}", optim, accuracies, 1.0, 5)
+            (run / "summary.json").write_text(json.dumps({"steps": 15}))
+    argv = ["learning.py", "--time-to-accuracy", "--report-only", "--recipes", "spsa,lozo",
+            "--seeds", "0,1,2", "--lrs", "spsa=1e-5,lozo=1e-5", "--forward-passes", "30",
+            "--evaluations", "3", "--out", str(tmp_path / "race.json")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(learning.subprocess, "run", None)
+    report = learning.BenchReport("learning", "", 1)
+    learning.race(learning.parse_args(), work, tmp_path / "heldout.tsv", report)
+    key = "spsa_over_lozo_mean_curve_passes_to_0.65"
+    assert report.derived[key] == 2.0  # 20 passes against 10
+    assert report.derived[f"{key}_p05"] == report.derived[f"{key}_p95"] == 2.0
+    assert report.derived[f"{key}_share_2x"] == 1.0 and report.derived[f"{key}_seeds"] == 3
+    assert not any(k.startswith("spsa_over_spsa") and k.endswith("_p05") for k in report.derived)
