@@ -482,8 +482,10 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                         report.derived[f"spsa_over_{name}_{key}"] = (
                             report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
                         )
+                if name == "spsa":
+                    continue
                 interval = bootstrap_ratio(best["spsa"], best[name], threshold)
-                if name != "spsa" and interval is not None:
+                if interval is not None:
                     for stat, value in interval.items():
                         key = f"spsa_over_{name}_mean_curve_passes_to_{threshold:.2f}_{stat}"
                         report.derived[key] = value
