@@ -3,15 +3,14 @@
 ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator,
 which rounds every allocation up to a power of two: 50 GB of OPT-13B blocks would pin
 64 GB per rank, 14 GB the memory plan never sees. Here the memory is an ordinary host
-tensor registered in place with ``cudaHostRegister`` (what PyTorch's own checkpoint
-stager does), so exactly its bytes are locked, and it is unregistered when the tensor
-is freed.
+mapping registered in place with ``cudaHostRegister`` (what PyTorch's own checkpoint
+stager does), so exactly its pages are locked, and they are unregistered when the
+tensor is freed.
 """
 
 from __future__ import annotations
 
 import mmap
-import weakref
 
 import torch
 
@@ -21,35 +20,44 @@ PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the p
 PAGE = mmap.PAGESIZE
 
 
-def _unregister(pointer: int) -> None:
-    # A copy from or to these pages may still be in flight on a stream when the tensor is
-    # freed; unregistering under it is undefined behaviour, so the device finishes first.
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+class _LockedPages(mmap.mmap):
+    """Anonymous pages of this store alone, registered with CUDA by ``pinned_zeros``.
+
+    An mmap starts on a page boundary, so the tensor's storage begins exactly where the
+    registration does: ``Tensor.is_pinned`` asks CUDA about the storage's first byte, and a
+    view into a larger malloc'd buffer would start in an unregistered page. ``__del__`` runs
+    when the last tensor viewing these pages is freed, before the pages are unmapped."""
+
+    address = 0  # set once registered
+
+    def __del__(self) -> None:
+        if self.address:
+            # A copy from or to these pages may still be in flight on a stream;
+            # unregistering under it is undefined behaviour, so the device finishes first.
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.address)
 
 
 def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed host tensor of exactly ``numel`` elements, page-locked for async copies.
 
-    The registered range is whole pages that belong to this tensor alone: a small tensor
-    from the malloc heap would share its first or last page with its neighbour, and
-    registering a page twice fails (``cudaErrorHostMemoryAlreadyRegistered``, 712). So
-    the memory is a byte buffer one page longer than the rounded size, registered from its
-    first page boundary; the tensor is a view at that boundary. Keep the tensor (or a view
-    of it) alive while it is used: the pages are unregistered when it is collected."""
+    The registered range is whole pages that belong to this tensor alone (registering a
+    page twice fails, ``cudaErrorHostMemoryAlreadyRegistered``, 712, so a small tensor
+    must not share a malloc page with its neighbour): an anonymous mapping of the rounded
+    size, whose first byte is the tensor's storage. The pages stay registered while any
+    view of the tensor lives."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(0, dtype=dtype)
     span = -(-nbytes // PAGE) * PAGE  # whole pages
-    raw = torch.zeros(span + PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % PAGE
-    tensor = raw[offset : offset + nbytes].view(dtype)
-    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), span, PORTABLE))
+    pages = _LockedPages(-1, span)  # zero-filled by the kernel
+    raw = torch.frombuffer(pages, dtype=torch.uint8)  # the storage holds ``pages``
+    error = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), span, PORTABLE))
     if error != 0:
         raise RuntimeError(
             f"could not pin {format_bytes(nbytes)} of host memory "
             f"(cudaHostRegister error {error}); "
             "raise the locked-memory limit (ulimit -l) or use a low-bit --transfer-dtype"
         )
-    weakref.finalize(tensor, _unregister, tensor.data_ptr())
-    return tensor
+    pages.address = raw.data_ptr()
+    return raw[:nbytes].view(dtype)

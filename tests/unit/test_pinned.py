@@ -43,6 +43,8 @@ def test_small_stores_side_by_side_each_pin_whole_pages_of_their_own(monkeypatch
     for store, (_, pointer, nbytes), (numel, dtype) in zip(stores, events, shapes):
         assert store.numel() == numel and store.dtype == dtype and not store.any()
         assert pointer == store.data_ptr() and pointer % pinned.PAGE == 0
+        # Tensor.is_pinned asks CUDA about the storage's first byte: it must be registered
+        assert store.untyped_storage().data_ptr() == pointer
         assert nbytes % pinned.PAGE == 0 and nbytes >= numel * store.element_size()
     assert pinned.pinned_zeros(0, torch.float32).numel() == 0 and len(events) == 4
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -60,5 +62,22 @@ def test_the_device_finishes_before_a_freed_store_is_unregistered(monkeypatch):
     store = pinned.pinned_zeros(100, torch.float32)
     pointer = store.data_ptr()
     del store
+    gc.collect()
+    assert events[1:] == [("sync",), ("unregister", pointer)]
+
+
+def test_a_view_that_outlives_its_store_keeps_the_pages_registered(monkeypatch):
+    events: list = []
+    runtime = Runtime(events)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync",)))
+    store = pinned.pinned_zeros(5000, torch.float32)
+    pointer = store.data_ptr()
+    tail = store[4000:]
+    del store
+    gc.collect()
+    assert [e[0] for e in events] == ["register"]
+    tail += 1  # the pages are still mapped
+    del tail
     gc.collect()
     assert events[1:] == [("sync",), ("unregister", pointer)]
