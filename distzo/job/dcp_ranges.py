@@ -14,10 +14,12 @@ written so far reads this way.
 
 from __future__ import annotations
 
+import io
 import sys
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,6 +34,52 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.futures import Future
 
 Range = tuple[int, int]
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of a seekable stream as a file of their own, for
+    ``zipfile``, which reads to the end with ``read()`` (DCP's own file view passes the -1
+    on as a negative length)."""
+
+    def __init__(self, stream: IO[bytes], start: int, length: int) -> None:
+        super().__init__()
+        self.stream, self.start, self.length, self.pos = stream, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self.length - self.pos)
+        if want <= 0:
+            return 0
+        self.stream.seek(self.start + self.pos)
+        data = self.stream.read(want)
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _stored_size(archive: io.RawIOBase, record: str) -> int | None:
+    """The byte length of ``record`` in a ``torch.save`` zip, None if it is compressed.
+
+    Read from the zip's central directory: ``PyTorchFileReader.get_record_size`` exists
+    only in recent torch (2.11 lacks it), and reading the record itself would read it all."""
+    with zipfile.ZipFile(archive) as names:
+        for entry in names.infolist():
+            if entry.filename.split("/", 1)[-1] == record:
+                return entry.file_size if entry.compress_type == zipfile.ZIP_STORED else None
+    return None
 
 
 class RangePlanner(dcp.DefaultLoadPlanner):
@@ -105,7 +153,8 @@ class RangeReader(dcp.FileSystemReader):
         itemsize = torch.empty(0, dtype=saved.properties.dtype).element_size()
         if (
             storages != ["data/0"]
-            or archive.get_record_size("data/0") != chunk.sizes[0] * itemsize
+            or _stored_size(_Window(stream, info.offset, info.length), "data/0")
+            != chunk.sizes[0] * itemsize
             or "byteorder" not in records
             or bytes(archive.get_record("byteorder")).decode() != sys.byteorder
         ):
