@@ -6,6 +6,8 @@
 #                                                  peers (= peers-1.3b peers-6.7b peers-13b peers-30b peers-qwen3), or one of those
 #                                                  all1 all2 all3: the stages that never ran on a GPU, one device command each
 #                                                  (peers-qwen3 alone is a fourth: Qwen3-1.7B and 8B, its own deadline)
+#                                                  brief: a 15-minute lease's one command: every CUDA test, then
+#                                                  noise, adapters and optimizers at smaller sizes (brief-*)
 #                                                  (default: tests bandwidth throughput big)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -25,7 +27,6 @@
 set -uo pipefail
 
 OUT=${OUT:-benchmarks/out/gpu}
-WORK=$(mktemp -d)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests bandwidth throughput big)
 RUN=()  # the stages to run, the lists expanded
@@ -38,11 +39,13 @@ for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages befor
         all1) RUN+=(noise adapters); DEADLINE_S=${DEADLINE_S:-540} ;;
         all2) RUN+=(optimizers peers-1.3b); DEADLINE_S=${DEADLINE_S:-540} ;;
         all3) RUN+=(peers-6.7b peers-13b); DEADLINE_S=${DEADLINE_S:-540} ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2 or all3" >&2; exit 2 ;;
+        brief) RUN+=(tests-brief noise-brief adapters-brief optimizers-brief); DEADLINE_S=${DEADLINE_S:-540} ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3 or brief" >&2; exit 2 ;;
     esac
 done
 DEADLINE_S=${DEADLINE_S:-}
 mkdir -p "$OUT"
+WORK=$(mktemp -d)  # after the stage check, so a typo leaves nothing behind; pack removes it
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -73,6 +76,7 @@ pack() {
     name="results-$(IFS=-; echo "${STAGES[*]}").tgz"
     cp "$WORK"/*.log "$OUT"/ 2>/dev/null
     tar czf "$OUT/$name" -C "$WORK" . && echo "packed $OUT/$name"
+    rm -rf "$WORK"
 }
 trap pack EXIT
 
@@ -180,6 +184,23 @@ for stage in "${RUN[@]}"; do
             [ ${#ZO2_ARGS[@]} -eq 0 ] && eight=distzo-offload,distzo-resident
             peers_at qwen3-8b 300 --one-at-a-time --warmup 1 --rounds 16 --systems "$eight"
         fi
+        ;;
+    tests-brief)  # brief: each CUDA test at most 60 s, the ten slowest named
+        bounded 200 tests.log python3 -m pytest -m cuda -q -p no:cacheprovider --timeout 60 --durations 10 \
+            --junitxml "$WORK/cuda-tests.xml"
+        ;;
+    noise-brief)  # brief: noise.py at 64 M elements (the kernels' tests ran in tests-brief)
+        bounded 90 noise.log python3 benchmarks/noise.py --elements 67108864 --skip-torch --repeats 3 --batch 8 \
+            --seq 512 --steps 3 --out "$WORK/noise.json"
+        ;;
+    adapters-brief)  # brief: 4 layers of the Llama-2-7B shape, two points
+        bounded 110 adapters.log python3 benchmarks/throughput.py --compare-adapters --shape llama-2-7b --layers 4 \
+            --compute-dtype bf16 --sweep 1x64,16x256 --steps 3 --out "$WORK/throughput-llama-2-7b-adapters.json"
+        ;;
+    optimizers-brief)  # brief: OPT-1.3B offload, SGD vs streamed fp32 momentum and Adam moments at 8 x 512
+        bounded 110 optimizers.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
+            --sweep 8x512 --optimizers sgd,momentum,adam --state-dtype fp32 --steps 3 --skip-resident \
+            --out "$WORK/throughput-opt-1.3b-optimizers-fp32.json"
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
