@@ -349,4 +349,35 @@ def test_a_missed_target_names_the_phase_that_bounds_the_offloaded_step():
         "distzo-offload runs at 1.50x zo2-mezo's tokens/s, below the 2x target: its period "
         "per block is bound by noise (the phases above)"
     )
-    assert peers.phase_notes(runs, {"distzo-offload_vs_zo2-mezo": 2.3}) == notes[:1]
+    assert peers.phase_notes(runs, {"distzo-offload_vs_zo2-mezo": 2.3}) == [
+        notes[0],
+        "distzo-offload runs at 2.30x zo2-mezo's tokens/s: the 2x target is met",
+    ]
+
+
+def test_gpu_targets_are_zo2_offloads_speed_and_memory_and_resident():
+    # the figures of the H100 run at OPT-1.3B, 1 x 2048, fp16
+    from tests.unit.test_phases import phases
+
+    offload = peers.Run(peers.System("distzo-offload", []), {}, phases=phases(2, 2.7, 1.9, 2))
+    derived = {
+        "distzo-offload_vs_zo2-mezo": 1.27,
+        "distzo-offload_vs_zo2-offload": 2.07,
+        "distzo-offload_vs_zo2-offload_peak_device": 1.78,
+        "distzo-offload_vs_distzo-resident": 0.86,
+    }
+    notes = peers.phase_notes([offload], derived, "cuda")
+    assert notes[1:] == [
+        "distzo-offload runs at 2.07x zo2-offload's tokens/s: the 1.2x target is met",
+        "distzo-offload runs at 0.86x distzo-resident's tokens/s, below the 0.97x target: its "
+        "period per block is bound by noise (the phases above)",
+        "distzo-offload's peak device memory is 1.78x zo2-offload's: above the target (1x)",
+    ]
+    transfer_bound = peers.Run(offload.system, {}, phases=phases(4, 2.7, 1.9, 1))
+    derived["distzo-offload_vs_zo2-offload_peak_device"] = 0.9
+    notes = peers.phase_notes([transfer_bound], derived, "cuda")
+    assert notes[2].endswith(
+        "bound by upload (the phases above); the target holds where compute >= transfer, "
+        "which it is not here"
+    )
+    assert notes[3].endswith("0.90x zo2-offload's: the target (at most 1x) is met")
