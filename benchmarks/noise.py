@@ -47,7 +47,7 @@ from distzo.models.weights import RandomWeights, skeleton
 from distzo.offload.bucket import BucketLayout
 from distzo.offload.low_bit import round_keyed_
 from distzo.runtime.devices import device_name
-from distzo.zo import NoiseSource
+from distzo.zo import NoiseSource, triton_noise
 from distzo.zo.lowrank import LowRankNoise
 from distzo.zo.moments import MomentRule, MomentUpdater
 
@@ -127,9 +127,22 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
         print(f"device copy {copy_gbs:8.1f} GB/s (read + write)")
     for op in BYTES:
         medians = {}
-        for path in paths + (["lowrank"] if args.lowrank and op in LOWRANK_OPS else []):
+        variants = [(path, None) for path in paths]
+        variants += [("new", warps) for warps in args.warps]
+        variants += [("lowrank", None)] if args.lowrank and op in LOWRANK_OPS else []
+        for path, warps in variants:
             run = op_runner(op, path, device, args.elements, args.chunk)
-            timer = time_repeated(run, device, args.repeats)
+            engine_options = dict(triton_noise.LAUNCH_OPTIONS)
+            if warps is not None:  # every kernel launched with this many warps
+                triton_noise.LAUNCH_OPTIONS.update(
+                    {name: {"num_warps": warps} for name in triton_noise.KERNEL_NAMES}
+                )
+            try:
+                timer = time_repeated(run, device, args.repeats)
+            finally:
+                triton_noise.LAUNCH_OPTIONS.clear()
+                triton_noise.LAUNCH_OPTIONS.update(engine_options)
+            label = path if warps is None else f"new_w{warps}"
             per_s = args.elements / timer.median
             metrics = {
                 "elements_per_s": per_s,
@@ -140,21 +153,26 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
                 metrics["of_copy"] = metrics["gb_per_s"] / copy_gbs
             params = {
                 "op": op,
-                "path": path,
+                "path": label,
+                "num_warps": warps or "engine",
                 "elements": args.elements,
                 "chunk": args.chunk,
                 "threads": torch.get_num_threads(),
             }
             report.measurements.append(
-                Measurement.from_timer(f"{op}_{path}", params, timer, metrics)
+                Measurement.from_timer(f"{op}_{label}", params, timer, metrics)
             )
-            medians[path] = timer.median
+            medians[label] = timer.median
             extra = f"  {metrics['of_copy']:.2f} of copy" if copy_gbs else ""
             print(
-                f"{op:13s} {path:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
+                f"{op:13s} {label:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
                 f"GB/s{extra}"
             )
         report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]
+        for warps in args.warps:
+            report.derived[f"{op}_new_w{warps}_over_new_speed"] = (
+                medians["new"] / medians[f"new_w{warps}"]
+            )
         if "lowrank" in medians:
             report.derived[f"{op}_lowrank_over_new_time"] = medians["lowrank"] / medians["new"]
 
@@ -269,9 +287,17 @@ def main() -> None:
     )
     p.add_argument("--lozo-rank", type=int, default=2, help="the low-rank noise's rank")
     p.add_argument("--lowrank-cols", type=int, default=768, help="the width of the ops' matrices")
+    p.add_argument(
+        "--warps",
+        default="",
+        help="comma-separated num_warps to time every fused kernel with too, beside the "
+        "engine's launch options (triton_noise.LAUNCH_OPTIONS): path new_w<N> (CUDA; the same "
+        "bits, another launch shape)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/noise.json"))
     args = p.parse_args()
+    args.warps = [int(w) for w in args.warps.split(",") if w]
     args.elements = args.elements or (1 << 16 if args.quick else 1 << 24)
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.steps = args.steps or (2 if args.quick else 5)
@@ -288,6 +314,8 @@ def main() -> None:
         if args.device == "auto"
         else args.device
     )
+    if args.warps and device.type != "cuda":
+        p.error("--warps times the Triton kernels' launches on a GPU: run it with CUDA")
     report = BenchReport("throughput", device_name(device), 1)
     measure_ops(args, device, report)
     measure_steps(args, device, report)

@@ -64,6 +64,23 @@ KINDS = {"gaussian": 0, "rademacher": 1, "uniform": 2}
 # theta + a * z as one fused multiply-add, as torch's CPU kernels compute add(..., alpha=a):
 # the CPU and the GPU then round the perturbation and the update alike.
 FUSED_MULTIPLY_ADD = {"enable_fp_fusion": True}
+# Launch options by kernel name (Triton's default otherwise: 4 warps). The kernels that hold
+# a whole [8, 512] tile in registers need more threads to spread it over: compiled for sm_90
+# with 4 warps, ptxas gives update 168 registers a thread, momentum 247 and Adam 255 with a
+# 776-byte spill, so 2-3 programs (8-12 of an SM's 64 warps) fit an SM, too few to hide
+# the table reads and memory latency (the H100 measured the update at 0.13 of a copy's
+# bandwidth, the perturb kernel, 48 registers, at 0.36). With these, every kernel keeps
+# at least half an SM's warps resident and spills nothing (tests/helpers/
+# triton_compile_probe.py checks it on every CI run). The options change how a tile is
+# spread over threads, not the arithmetic: the results are the same bits.
+# benchmarks/noise.py --warps times other choices side by side.
+LAUNCH_OPTIONS: dict[str, dict[str, int]] = {
+    "update": {"num_warps": 16},  # 32 registers: 4 programs, 64 warps per SM
+    "momentum": {"num_warps": 16},  # 32 registers: 64 warps per SM
+    "adam": {"num_warps": 32},  # 58 registers: 1 program, 32 warps per SM
+    "round_low_bit": {"num_warps": 8},  # 48 registers: 5 programs, 40 warps per SM
+}
+KERNEL_NAMES = ("fill", "perturb", "update", "momentum", "adam", "round_bf16", "round_low_bit")
 
 
 def _grid(start: int, n: int, lanes: int) -> tuple[int]:
@@ -86,6 +103,7 @@ def fill(
         KIND=KINDS[kind],
         BLOCKS=TILE_BLOCKS,
         **FUSED_MULTIPLY_ADD,
+        **LAUNCH_OPTIONS.get("fill", {}),
     )
 
 
@@ -111,6 +129,7 @@ def perturb(
         KIND=KINDS[kind],
         BLOCKS=TILE_BLOCKS,
         **FUSED_MULTIPLY_ADD,
+        **LAUNCH_OPTIONS.get("perturb", {}),
     )
 
 
@@ -158,6 +177,7 @@ def update(
         KIND=KINDS[kind],
         BLOCKS=TILE_BLOCKS,
         **EXACT,
+        **LAUNCH_OPTIONS.get("update", {}),
     )
 
 
@@ -191,6 +211,7 @@ def momentum(
         KIND=KINDS[kind],
         BLOCKS=TILE_BLOCKS,
         **EXACT,
+        **LAUNCH_OPTIONS.get("momentum", {}),
     )
 
 
@@ -230,6 +251,7 @@ def adam(
         KIND=KINDS[kind],
         BLOCKS=TILE_BLOCKS,
         **EXACT,
+        **LAUNCH_OPTIONS.get("adam", {}),
     )
 
 
@@ -238,7 +260,15 @@ def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int,
     bucket elements [start, start + n): one read of src, one write of dst."""
     n = src.numel()
     _kernels()["round_bf16"][_grid(start, n, 4)](
-        dst, src, start, n, key[0], key[1], BLOCKS=TILE_BLOCKS, **FUSED_MULTIPLY_ADD
+        dst,
+        src,
+        start,
+        n,
+        key[0],
+        key[1],
+        BLOCKS=TILE_BLOCKS,
+        **FUSED_MULTIPLY_ADD,
+        **LAUNCH_OPTIONS.get("round_bf16", {}),
     )
 
 
@@ -276,4 +306,5 @@ def round_stochastic(
         LIMIT=limit,
         BLOCKS=TILE_BLOCKS,
         **EXACT,
+        **LAUNCH_OPTIONS.get("round_low_bit", {}),
     )

@@ -1,10 +1,16 @@
 """Run by tests/unit/test_noise.py without TRITON_INTERPRET: compile every Triton noise kernel
 for NVIDIA GPUs (PTX and cubin, with the ptxas that Triton ships) on a machine with no
-GPU, so code the interpreter accepts but the compiler refuses fails on every CI run; and
-check, with the binder Triton's launcher uses to pick a compiled variant, that the keys and
-offsets of 50 steps select one variant per kernel (no recompile as they change)."""
+GPU, so code the interpreter accepts but the compiler refuses fails on every CI run; check,
+with the cuobjdump Triton ships, that each kernel launched with the engine's options
+(``triton_noise.LAUNCH_OPTIONS``) spills nothing and leaves at least half of an SM's warps
+resident; and check, with the binder Triton's launcher uses to pick a compiled variant, that
+the keys and offsets of 50 steps select one variant per kernel (no recompile as they
+change)."""
 
+import os
 import random
+import re
+import subprocess
 import sys
 from typing import Any
 
@@ -15,6 +21,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from distzo.zo import triton_kernels as k
+from distzo.zo import triton_noise
 
 RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
 TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas, on the device
@@ -46,8 +53,8 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
             "KIND": "constexpr",
             "BLOCKS": "constexpr",
         },
-        [{"KIND": 1, "BLOCKS": 512}],
-    ),  # Rademacher
+        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
+    ),  # Gaussian and Rademacher
     (
         k.update_kernel,
         {
@@ -58,8 +65,8 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
             "KIND": "constexpr",
             "BLOCKS": "constexpr",
         },
-        [{"KIND": 0, "BLOCKS": 512}],
-    ),  # Gaussian
+        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
+    ),  # Gaussian and Rademacher
     (
         k.momentum_kernel,
         {
@@ -73,7 +80,7 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
             "KIND": "constexpr",
             "BLOCKS": "constexpr",
         },
-        [{"KIND": 0, "BLOCKS": 512}],
+        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
     ),
     (
         k.adam_kernel,
@@ -88,7 +95,7 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
             "KIND": "constexpr",
             "BLOCKS": "constexpr",
         },
-        [{"KIND": 1, "BLOCKS": 512}],
+        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
     ),
     (
         k.round_bf16_kernel,
@@ -106,18 +113,48 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         [dict(zip(LOW_BIT, (3, 7, 448.0, 512)))],
     ),  # fp8 e4m3fn (integer and float ops only: any GPU)
 ]
+NAMES = {getattr(k, f"{name}_kernel"): name for name in triton_noise.KERNEL_NAMES}
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+SM_REGISTERS, SM_WARPS, SM_PROGRAMS = 65536, 64, 32  # per SM, sm_80 to sm_120
+
+
+def resident_warps(cubin: bytes, warps: int, name: str) -> tuple[int, int]:
+    """(registers per thread, warps resident per SM) of a compiled kernel, from cuobjdump's
+    resource usage; fails if the kernel spills to local memory."""
+    path = f"/tmp/distzo-probe-{os.getpid()}-{name}.cubin"
+    with open(path, "wb") as f:
+        f.write(cubin)
+    try:
+        usage = subprocess.run(
+            [CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        os.remove(path)
+    fields = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+    assert fields.get("STACK") == "0" and fields.get("LOCAL") == "0", (name, usage)
+    registers = int(fields["REG"])
+    per_warp = -(-registers * 32 // 256) * 256  # allocated per warp in units of 256
+    programs = min(SM_PROGRAMS, SM_REGISTERS // (per_warp * warps))
+    return registers, min(SM_WARPS, programs * warps)
+
+
 targets = [GPUTarget("cuda", arch, 32) for arch in (int(a) for a in sys.argv[1:] or ["90"])]
 for target in targets:
     for fn, signature, variants in KERNELS:
         for constexprs in variants:
             source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-            options = {"enable_fp_fusion": fn not in EXACT}
+            launch = triton_noise.LAUNCH_OPTIONS.get(NAMES[fn], {})
+            options = {"enable_fp_fusion": fn not in EXACT, **launch}
             compiled = triton.compile(source, target=target, options=options)
             assert compiled.asm.get("cubin"), (fn.__name__, constexprs)
             if fn in EXACT:  # torch's rounding: no approximate division or square root
                 assert ".approx" not in compiled.asm["ptx"], fn.__name__
+            warps = launch.get("num_warps", 4)
+            registers, resident = resident_warps(compiled.asm["cubin"], warps, fn.__name__)
+            assert resident >= SM_WARPS // 2, (fn.__name__, constexprs, registers, resident)
             print(
-                f"sm_{target.arch} {fn.__name__} {constexprs}: {len(compiled.asm['cubin'])} bytes"
+                f"sm_{target.arch} {fn.__name__} {constexprs}: {len(compiled.asm['cubin'])} "
+                f"bytes, {warps} warps, {registers} registers, {resident} warps per SM"
             )
 
 # What a run passes: keys that change every step (any 32-bit values), chunk offsets and

@@ -241,6 +241,16 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
     assert {f"{op}_new_over_old_speed" for op in (*ops, "step")} == data["derived"].keys()
 
 
+def test_noise_benchmark_times_launch_shapes_only_on_a_gpu(tmp_path):
+    # --warps times the Triton kernels' launches: on a CPU it is refused before any work
+    command = [sys.executable, "benchmarks/noise.py", "--quick", "--warps", "8,16"]
+    command += ["--device", "cpu", "--out", str(tmp_path / "noise.json")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    assert proc.returncode == 2
+    assert "--warps times the Triton kernels' launches on a GPU" in proc.stderr
+    assert not (tmp_path / "noise.json").exists()
+
+
 SST2_SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2-sample"
 
 
