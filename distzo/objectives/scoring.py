@@ -20,7 +20,7 @@ from distzo.objectives.protocol import PassRunner
 from distzo.runtime.devices import to_device
 from distzo.zo.estimators import Pass
 
-HEAD_CHUNK = 1024  # positions per head call: bounds the float32 logits at HEAD_CHUNK x vocab
+HEAD_CHUNK = 256  # positions per head call: bounds the float32 logits at HEAD_CHUNK x vocab
 
 
 @dataclass
