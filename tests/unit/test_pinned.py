@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from distzo.offload import pinned
@@ -54,11 +55,18 @@ def test_small_stores_side_by_side_each_pin_whole_pages_of_their_own(monkeypatch
     assert sorted(e[1] for e in events[4:] if e[0] == "unregister") == registered
 
 
-def test_the_device_finishes_before_a_freed_store_is_unregistered(monkeypatch):
+@pytest.fixture
+def recorded(monkeypatch) -> list:
+    """The events of a recording runtime whose synchronize is recorded too."""
     events: list = []
     runtime = Runtime(events)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync",)))
+    return events
+
+
+def test_the_device_finishes_before_a_freed_store_is_unregistered(recorded):
+    events = recorded
     store = pinned.pinned_zeros(100, torch.float32)
     pointer = store.data_ptr()
     del store
@@ -66,11 +74,8 @@ def test_the_device_finishes_before_a_freed_store_is_unregistered(monkeypatch):
     assert events[1:] == [("sync",), ("unregister", pointer)]
 
 
-def test_a_view_that_outlives_its_store_keeps_the_pages_registered(monkeypatch):
-    events: list = []
-    runtime = Runtime(events)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync",)))
+def test_a_view_that_outlives_its_store_keeps_the_pages_registered(recorded):
+    events = recorded
     store = pinned.pinned_zeros(5000, torch.float32)
     pointer = store.data_ptr()
     tail = store[4000:]
