@@ -30,6 +30,7 @@ JSON line per request line ``{"steps": k}`` read from stdin; logs go to stderr.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -118,6 +119,17 @@ def peak_rss_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def process_device_bytes() -> int | None:
+    """NVML's figure for this process (distzo/bench/process_device.py, loaded by its path:
+    this interpreter cannot import distzo, and the harness compares every peer by it)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "distzo", "bench", "process_device.py")
+    spec = importlib.util.spec_from_file_location("process_device", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.process_device_bytes()
 
 
 def model_config(args: argparse.Namespace) -> Any:
@@ -243,11 +255,12 @@ def serve(args: argparse.Namespace) -> None:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         samples, loss = timed_steps(lambda: model(input_ids=ids, labels=ids), steps, args.device)
-        used = peak = None
+        used = peak = process = None
         if args.device == "cuda":
             peak = torch.cuda.max_memory_allocated()
             free, total = torch.cuda.mem_get_info()
             used = total - free
+            process = process_device_bytes()
         reply(
             {
                 "step_s": samples,
@@ -255,6 +268,7 @@ def serve(args: argparse.Namespace) -> None:
                 "peak_rss_bytes": peak_rss_bytes(),
                 "peak_device_bytes": peak,
                 "device_used_bytes": used,
+                "process_device_bytes": process,
             }
         )
 

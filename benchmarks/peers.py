@@ -92,6 +92,7 @@ COLUMNS = [
     "s_per_step",
     "peak_device_gb",
     "device_used_gb",
+    "process_device_gb",
     "peak_host_rss_gb",
     "parameters",
     "loss",
@@ -109,28 +110,31 @@ mean of the per-step B x T / step time over the last half of the timed steps); t
 median is B x T over the median step of that half. Peak device memory is the CUDA
 allocator's peak of the peer's process; device used is total - free of the whole device at
 the end of each request (what nvidia-smi shows, ZO2's README's figure), the most over the
-run; peak host RSS is the peer's VmHWM (rank 0's for a launch of several ranks), the build
-included: ZO2 builds its MeZO model in host memory before moving it to the device, distzo
-fills its buckets one at a time.
+run; process device memory is what NVML lists for the peer's own process at the end of
+each request (nvidia-smi's per-process figure: its CUDA context and allocator reserve),
+the most over the run, comparable with ZO2's README in an interleaved run too; peak host
+RSS is the peer's VmHWM (rank 0's for a launch of several ranks), the build included: ZO2
+builds its MeZO model in host memory before moving it to the device, distzo fills its
+buckets one at a time.
 
 Where this differs from ZO2's own harness (test_speed.py): (1) every step is timed with
 perf_counter between two device syncs; ZO2's check_throughput reads time.time() around
-model(...) without a sync. Its offload step (zo2=True, optimizer/mezo_sgd/zo2.py) syncs the
-device before and after its passes and ends in a .item() read, so its own timing is
+model(...) without a sync. Its offload step (zo2=True, optimizer/mezo_sgd/zo2.py) syncs
+the device before and after its passes and ends in a .item() read, so its own timing is
 synchronous too; its MeZO step (zo2=False, zo.py) ends its timed region at the .item() of
 the projected gradient, and the kernels it queues after that read (restoring the weights,
 the update) run into the next step's time: synced here, they count in the step that queued
-them (the mean over many steps is the same but for one step's tail). (2) ZO2 times 30 steps
-from a cold start and averages the last 15; here the warm-up steps run first, then the
-timed steps, and the mean is over the last half of those. (3) ZO2's script measures one
-system per process run; here the systems' steps interleave. (4) In an interleaved run the
-device used memory counts every peer on the device: compare it with ZO2's README only from
-a run with --one-at-a-time. (5) distzo keeps float32 masters (on the device when resident)
-and, offloaded, a host copy in the compute dtype (stochastically rounded), where ZO2 keeps
-the whole model in the compute dtype; ZO2's weight decay spares the parameters whose names
-hold bias, layer_norm, layernorm or ln (OPT's biases and layer norms; Qwen3's two norms of
-each layer, not its q_norm, k_norm or final norm), distzo's applies to matrices: both 0.1,
-as ZO2's speed test.
+them (the mean over many steps is the same but for one step's tail). (2) ZO2 times 30
+steps from a cold start and averages the last 15; here the warm-up steps run first, then
+the timed steps, and the mean is over the last half of those. (3) ZO2's script measures
+one system per process run; here the systems' steps interleave. (4) In an interleaved run
+the device used memory counts every peer on the device: compare it with ZO2's README only
+from a run with --one-at-a-time, or compare the process device memory. (5) distzo keeps
+float32 masters (on the device when resident) and, offloaded, a host copy in the compute
+dtype (stochastically rounded), where ZO2 keeps the whole model in the compute dtype;
+ZO2's weight decay spares the parameters whose names hold bias, layer_norm, layernorm or
+ln (OPT's biases and layer norms; Qwen3's two norms of each layer, not its q_norm, k_norm
+or final norm), distzo's applies to matrices: both 0.1, as ZO2's speed test.
 """
 
 
@@ -432,6 +436,7 @@ def measurement(args: argparse.Namespace, run: Run) -> Measurement:
     for key, metric in (
         ("peak_device_bytes", "peak_device_gb"),
         ("device_used_bytes", "device_used_gb"),
+        ("process_device_bytes", "process_device_gb"),
     ):
         value = most(run.replies, key)
         if value is not None:
@@ -471,6 +476,7 @@ def ratios(report: BenchReport, pairs: list[tuple[str, str]]) -> None:
         for suffix, metric in (
             ("", "tokens_per_s"),
             ("_peak_device", "peak_device_gb"),
+            ("_process_device", "process_device_gb"),
             ("_peak_rss", "peak_host_rss_gb"),
         ):
             if metric in by_name[a] and by_name[b].get(metric):

@@ -26,6 +26,7 @@ REPLY_KEYS = {
     "peak_rss_bytes": int,
     "peak_device_bytes": (int, type(None)),
     "device_used_bytes": (int, type(None)),
+    "process_device_bytes": (int, type(None)),
 }
 
 

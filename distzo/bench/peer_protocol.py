@@ -12,18 +12,21 @@ Then, for each line ``{"steps": k}`` on stdin, it runs k training steps on its o
 batch and writes exactly one line::
 
     {"step_s": [k floats], "loss": float, "peak_rss_bytes": int,
-     "peak_device_bytes": int | null, "device_used_bytes": int | null}
+     "peak_device_bytes": int | null, "device_used_bytes": int | null,
+     "process_device_bytes": int | null}
 
 ``step_s``: each step's wall time with a device sync before and after it; ``loss``: the
 last step's; ``peak_rss_bytes``: the process's VmHWM; ``peak_device_bytes``: the CUDA
 allocator's peak since the request began; ``device_used_bytes``: total - free of the
-device at the request's end (what nvidia-smi shows, the whole device). A peer whose
-system can say where its step's time goes also answers ``{"phases": true}`` with one line
-``{"phases": {name: float}}`` (``distzo.bench.phases``: per block upload, compute, noise,
-offload, the stream model's period); the harness asks distzo's peers only. A failure is
-``{"error": "one line"}`` and exit 1; EOF on stdin is exit 0. Logs go to stderr only:
-``ProtocolOut`` takes stdout for the protocol and points file descriptor 1 at stderr, so
-a library's stray ``print`` cannot break the stream.
+device at the request's end (what nvidia-smi shows, the whole device);
+``process_device_bytes``: what NVML lists for the peer's process at the request's end
+(nvidia-smi's per-process figure: its context and allocator reserve; null without NVML).
+A peer whose system can say where its step's time goes also answers ``{"phases": true}``
+with one line ``{"phases": {name: float}}`` (``distzo.bench.phases``: per block upload,
+compute, noise, offload, the stream model's period); the harness asks distzo's peers
+only. A failure is ``{"error": "one line"}`` and exit 1; EOF on stdin is exit 0. Logs go
+to stderr only: ``ProtocolOut`` takes stdout for the protocol and points file descriptor
+1 at stderr, so a library's stray ``print`` cannot break the stream.
 
 This module serves distzo's peer and the tests' stand-in; the ZO2 peer speaks the same
 lines with code of its own, since it runs under an interpreter without distzo.
@@ -43,6 +46,7 @@ from typing import IO, Any, Protocol
 
 import torch
 
+from distzo.bench.process_device import process_device_bytes
 from distzo.bench.timing import synchronize
 from distzo.runtime.host_memory import peak_rss_bytes
 
@@ -145,6 +149,7 @@ def run_request(system: PeerSystem, steps: int, device: torch.device) -> dict[st
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "device_used_bytes": used,
+        "process_device_bytes": process_device_bytes() if cuda else None,
     }
 
 
