@@ -11,6 +11,7 @@ tensor is freed.
 from __future__ import annotations
 
 import mmap
+import sys
 
 import torch
 
@@ -31,7 +32,8 @@ class _LockedPages(mmap.mmap):
     address = 0  # set once registered
 
     def __del__(self) -> None:
-        if self.address:
+        # at interpreter exit the process and its pages go anyway, and torch may be half gone
+        if self.address and not sys.is_finalizing():
             # A copy from or to these pages may still be in flight on a stream;
             # unregistering under it is undefined behaviour, so the device finishes first.
             torch.cuda.synchronize()
