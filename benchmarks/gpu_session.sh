@@ -7,7 +7,8 @@
 #                                                  all1 all2 all3: the stages that never ran on a GPU, one device command each
 #                                                  (peers-qwen3 alone is a fourth: Qwen3-1.7B and 8B, its own deadline)
 #                                                  brief: a 15-minute lease's one command: every CUDA test, then
-#                                                  noise, adapters and optimizers at smaller sizes (brief-*)
+#                                                  noise, adapters and optimizers at smaller sizes (tests-brief
+#                                                  noise-brief adapters-brief optimizers-brief, each a stage too)
 #                                                  (default: tests bandwidth throughput big)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -16,7 +17,8 @@
 # `timeout`, so a stuck run costs its own stage and the archive is still written.
 # DEADLINE_S (default 540 for all1, all2, all3) bounds the whole command: a run is cut
 # to the seconds left before it (30 kept for packing) and skipped when under 30 are
-# left, so the archive comes back inside the device tool's 600 s.
+# left, so the archive comes back inside the device tool's 600 s. DRY_RUN=1 prints each
+# run's command and limit instead of running it (what a lease would run, at no device time).
 #
 # The machine's image has torch, accelerate, safetensors and pytest but an older
 # transformers than setup.cfg asks for: carry the wheel (see benchmarks/README.md,
@@ -33,6 +35,7 @@ RUN=()  # the stages to run, the lists expanded
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
         tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) RUN+=("$stage") ;;
+        tests-brief|noise-brief|adapters-brief|optimizers-brief) RUN+=("$stage") ;;
         peers-1.3b|peers-6.7b|peers-13b|peers-30b) RUN+=("$stage") ;;
         peers-qwen3) RUN+=("$stage"); DEADLINE_S=${DEADLINE_S:-540} ;;
         peers) RUN+=(peers-1.3b peers-6.7b peers-13b peers-30b peers-qwen3) ;;
@@ -40,7 +43,7 @@ for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages befor
         all2) RUN+=(optimizers peers-1.3b); DEADLINE_S=${DEADLINE_S:-540} ;;
         all3) RUN+=(peers-6.7b peers-13b); DEADLINE_S=${DEADLINE_S:-540} ;;
         brief) RUN+=(tests-brief noise-brief adapters-brief optimizers-brief); DEADLINE_S=${DEADLINE_S:-540} ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3 or brief" >&2; exit 2 ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3, brief or one of its stages (tests-brief noise-brief adapters-brief optimizers-brief)" >&2; exit 2 ;;
     esac
 done
 DEADLINE_S=${DEADLINE_S:-}
@@ -90,6 +93,10 @@ bounded() {  # bounded SECONDS LOG COMMAND...: one run, its output kept in the s
             return 0
         fi
         [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    if [ -n "${DRY_RUN:-}" ]; then
+        echo "+ $*  (at most $limit s; dry run)" | tee -a "$WORK/$log"
+        return 0
     fi
     echo "+ $*  (at most $limit s)" | tee -a "$WORK/$log"
     timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$WORK/$log"

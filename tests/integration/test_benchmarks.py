@@ -143,6 +143,26 @@ def test_the_gpu_session_script_refuses_an_unknown_stage_before_running_any(tmp_
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was packed
 
 
+def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path):
+    # what a lease would run, at no device time: brief's stages one by one, then a peers stage
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_session.sh", "tests-brief", "noise-brief", "peers-1.3b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env({"OUT": str(tmp_path), "DRY_RUN": "1"}),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("+ python3")]
+    assert len(runs) == 3, proc.stdout[-2000:]
+    assert runs[0].startswith("+ python3 -m pytest -m cuda")
+    assert runs[0].endswith("(at most 200 s; dry run)")
+    assert "benchmarks/noise.py" in runs[1] and "--warps 4,8,16,32" in runs[1]
+    assert "benchmarks/peers.py --shape opt-1.3b --batch 1 --seq 2048" in runs[2]
+    assert (tmp_path / "results-tests-brief-noise-brief-peers-1.3b.tgz").is_file()
+    assert not (tmp_path / "noise.json").exists()  # nothing ran
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here the stage would run for real")
 def test_the_gpu_session_script_packs_its_archive_when_a_stage_fails(tmp_path):
     proc = subprocess.run(
