@@ -153,7 +153,7 @@ for stage in "${RUN[@]}"; do
         # 32 terms in one pass; momentum/adam: the stored moments) as GB/s and as a fraction of a copy.
         bounded 180 noise.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda.py -k noise
         bounded 400 noise.log python3 benchmarks/noise.py --elements 268435456 --skip-torch --batch 8 --seq 512 \
-            --warps 4,8,16,32 --out "$WORK/noise.json"
+            --warps 4,8,16,32 --lowrank --out "$WORK/noise.json"
         ;;
     optimizers)  # issue 15: --grad-accum's peak device memory, and streamed Adam/momentum moments (fp32, bf16) vs SGD
         bounded 270 optimizers.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 --batch 16 \
@@ -197,9 +197,10 @@ for stage in "${RUN[@]}"; do
             --junitxml "$WORK/cuda-tests.xml"
         ;;
     noise-brief)  # brief: noise.py at 64 M elements (the kernels' tests ran in tests-brief), every kernel
-        # also launched with 4 (Triton's default), 8, 16 and 32 warps beside the engine's choice
+        # also launched with 4 (Triton's default), 8, 16 and 32 warps beside the engine's choice, and
+        # LOZO's low-rank noise (torch ops on CUDA: never timed on a GPU)
         bounded 100 noise.log python3 benchmarks/noise.py --elements 67108864 --skip-torch --repeats 3 --batch 8 \
-            --seq 512 --steps 3 --warps 4,8,16,32 --out "$WORK/noise.json"
+            --seq 512 --steps 3 --warps 4,8,16,32 --lowrank --out "$WORK/noise.json"
         ;;
     adapters-brief)  # brief: 4 layers of the Llama-2-7B shape, two points
         bounded 110 adapters.log python3 benchmarks/throughput.py --compare-adapters --shape llama-2-7b --layers 4 \
