@@ -475,6 +475,8 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
             report.derived[f"{key}[{name}]"] = value
     if "spsa" in best:
         for name in best:
+            if name == "spsa":  # ZO-SGD against itself: 1 by construction
+                continue
             for threshold in thresholds:
                 for kind in ("passes_to", "mean_curve_passes_to"):
                     key = f"{kind}_{threshold:.2f}"
@@ -482,8 +484,6 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
                         report.derived[f"spsa_over_{name}_{key}"] = (
                             report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
                         )
-                if name == "spsa":
-                    continue
                 interval = bootstrap_ratio(best["spsa"], best[name], threshold)
                 if interval is not None:
                     for stat, value in interval.items():
