@@ -133,3 +133,32 @@ def test_ranges_of_saved_tensors_are_read_alone_and_exactly(tmp_path):
             assert value.dtype == saved.dtype and torch.equal(value, saved[lo:hi]), (key, lo)
     data = (16 + 20_000 + 10) * 4 + 4000 * 2
     assert data <= counter[0] <= data + 2 * 16384  # not the 800 kB + 60 kB saved
+
+
+def test_a_records_size_is_read_from_the_zip_directory_of_its_window_zip64_too():
+    # DCP's files hold several torch.save archives back to back; a window over one of them
+    # reads its directory alone. An archive over 4 GB (a 70B model's block) is ZIP64: forced
+    # here on a small record, so the large case's layout is tested without its bytes.
+    import io
+    import zipfile
+
+    from distzo.job.dcp_ranges import _stored_size, _Window
+
+    def archive(payload: bytes, zip64: bool, compress: int = zipfile.ZIP_STORED) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", compression=compress) as z:
+            z.writestr("archive/byteorder", b"little")
+            with z.open("archive/data/0", "w", force_zip64=zip64) as f:
+                f.write(payload)
+        return out.getvalue()
+
+    first, second = archive(b"\1" * 1000, False), archive(b"\2" * 24, True)
+    third = archive(b"\3" * 4096, False, zipfile.ZIP_DEFLATED)
+    stream = io.BytesIO(b"head" + first + second + third)
+    offsets = [4, 4 + len(first), 4 + len(first) + len(second)]
+    sizes = [
+        _stored_size(_Window(stream, start, len(blob)), "data/0")
+        for start, blob in zip(offsets, (first, second, third))
+    ]
+    assert sizes == [1000, 24, None]  # a compressed record has no range in place
+    assert _stored_size(_Window(stream, offsets[0], len(first)), "data/1") is None
