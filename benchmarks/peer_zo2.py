@@ -30,6 +30,7 @@ JSON line per request line ``{"steps": k}`` read from stdin; logs go to stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -121,15 +122,21 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def process_device_bytes() -> int | None:
-    """NVML's figure for this process (distzo/bench/process_device.py, loaded by its path:
-    this interpreter cannot import distzo, and the harness compares every peer by it)."""
+@functools.cache
+def _process_device() -> Any:
+    """distzo/bench/process_device.py, loaded once by its path: this interpreter cannot
+    import distzo, and the harness compares every peer by the same figure."""
     path = os.path.join(os.path.dirname(__file__), "..", "distzo", "bench", "process_device.py")
     spec = importlib.util.spec_from_file_location("process_device", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.process_device_bytes()
+    return module
+
+
+def process_device_bytes() -> int | None:
+    """NVML's figure for this process (the device memory nvidia-smi lists for it)."""
+    return _process_device().process_device_bytes()
 
 
 def model_config(args: argparse.Namespace) -> Any:

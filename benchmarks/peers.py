@@ -498,8 +498,9 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
             continue
         note = f"{a} runs at {ratio:.2f}x {b}'s tokens/s, below the {target:g}x target"
         if offload is not None:
-            note += f": its period per block is bound by {bound_by(offload)} (the phases above)"
-            if b == "distzo-resident" and bound_by(offload) in ("upload", "offload"):
+            bound = bound_by(offload)
+            note += f": its period per block is bound by {bound} (the phases above)"
+            if b == "distzo-resident" and bound in ("upload", "offload"):
                 note += "; the target holds where compute >= transfer, which it is not here"
         notes.append(note)
     for (a, b), most in MEMORY_TARGETS.get(device, {}).items():
