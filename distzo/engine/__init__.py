@@ -2,7 +2,8 @@
 
 ``engine`` holds ``ZOEngine`` (the step and the forward); ``parts`` assembles it from
 ``layouts`` (which parameter goes into which bucket), ``build`` (transfer, noise, stores,
-moments), ``scratch`` (the buffers the model computes with) and ``tuning`` (full tuning
+moments), ``scratch`` (the buffers the model computes with; ``resident_sides``: the
+embedding and an untied head taking turns in the resident one) and ``tuning`` (full tuning
 or an adapter on a frozen base). ``updates`` holds the update not yet applied and the
 momentum, ``passes`` one pass over the blocks, ``state`` reading back, saving and
 loading, ``batches`` what the engine reads of a batch.

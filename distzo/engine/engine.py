@@ -38,6 +38,7 @@ from distzo.engine.build import make_noise, resolve_transfer
 from distzo.engine.layouts import unwrap_peft
 from distzo.engine.parts import Placement, build_parts, describe
 from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner
+from distzo.engine.resident_sides import HEAD
 from distzo.engine.state import BucketReader, StoredBuckets
 from distzo.engine.tuning import Streamed
 from distzo.engine.updates import History, PendingUpdate, UpdateQueue
@@ -300,8 +301,9 @@ class ZOEngine:
         updates = self.updates.take()
         return BlockPass(self, step, updates, micro_batches).run(passes, input_ids, attention_mask)
 
-    def _perturb_resident(self, p: Pass, step: int) -> None:
-        self.resident.perturb(self.noise, self.resident_master, self.config.eps, p, step)
+    def _perturb_resident(self, side: str, p: Pass, step: int) -> None:
+        """The resident scratch holds ``side`` (``EMBEDDING`` or ``HEAD``) for pass ``p``."""
+        self.resident.perturb(side, self.noise, self.resident_master, self.config.eps, p, step)
 
     # ------------------------------------------------------------------ other passes
 
@@ -319,7 +321,7 @@ class ZOEngine:
             hidden = self._stream_pass(
                 (UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask
             )
-            self._perturb_resident(UNPERTURBED, self.step_index)
+            self._perturb_resident(HEAD, UNPERTURBED, self.step_index)
             logits = self.family.logits(hidden[UNPERTURBED])
             loss = self.family.loss(logits, labels, None) if labels is not None else None
         self._hand_to_caller((logits, loss))

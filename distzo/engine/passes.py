@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
+from distzo.engine.resident_sides import EMBEDDING, HEAD
 from distzo.engine.updates import PendingUpdate
 from distzo.zo import Pass
 
@@ -133,7 +134,7 @@ class BlockPass:
         self._make_contexts(bounds, length, attention_mask)
         own = {}
         for p in self.order:
-            engine._perturb_resident(p, self.step)
+            engine._perturb_resident(EMBEDDING, p, self.step)
             own[p] = [
                 engine.family.embed(input_ids[p][lo:hi], ctx)
                 for (lo, hi), ctx in zip(bounds, self.contexts[1])
@@ -242,5 +243,5 @@ class StepRunner:
 
     def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
         """Logits under pass ``p``'s perturbation of the resident bucket."""
-        self.engine._perturb_resident(p, self.step)
+        self.engine._perturb_resident(HEAD, p, self.step)
         return self.engine.family.logits(hidden)

@@ -13,7 +13,9 @@ from torch import nn
 
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
 from distzo.engine.passes import UNPERTURBED
+from distzo.engine.resident_sides import EMBEDDING, ResidentSide, scratch_numel
 from distzo.offload import BucketLayout, bind
+from distzo.offload.bucket import bind_entries
 from distzo.zo import NoiseSource, Pass
 
 
@@ -29,36 +31,66 @@ def bound_scratch(
 
 
 class ResidentScratch:
-    """The resident bucket's scratch, and which pass's perturbation it holds: the head
+    """The resident bucket's scratch, and which side and pass's perturbation it holds.
+
+    The embedding and an untied head take turns in it (``resident_sides``), each side
+    perturbed when a pass reads it; a tied head shares the embedding's side, so the head
     read for the pass the embedding already perturbed for costs no second perturbation."""
 
     def __init__(
-        self, model: nn.Module, layout: BucketLayout, device: torch.device, dtype: torch.dtype
+        self,
+        model: nn.Module,
+        sides: dict[str, ResidentSide],
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
-        self.values = torch.zeros(layout.numel, device=device, dtype=dtype)
-        bind(model, layout, self.values)
-        self.holds: tuple[int, int, int] | None = None  # (query, sign, step) now in values
+        self.sides = sides
+        self.values = torch.zeros(scratch_numel(sides), device=device, dtype=dtype)
+        for side in {id(s): s for s in sides.values()}.values():
+            bind_entries(model, side.entries, self.values)
+        # (side, query, sign, step) whose perturbation ``values`` holds now
+        self.holds: tuple[str, int, int, int] | None = None
 
     def perturb(
-        self, noise: NoiseSource, master: torch.Tensor, eps: float, p: Pass, step: int
+        self,
+        side: str,
+        noise: NoiseSource,
+        master: torch.Tensor,
+        eps: float,
+        p: Pass,
+        step: int,
     ) -> None:
-        """Make the scratch hold ``master`` perturbed for pass ``p`` of ``step``, unless it
-        already does (an unperturbed copy serves every step)."""
+        """Make the scratch hold ``side`` of ``master`` perturbed for pass ``p`` of
+        ``step``, unless it already does (an unperturbed copy serves every step)."""
         query, sign = p
-        key = (query, sign, step) if sign else (0, 0, -1)
-        if self.holds != key and master.numel():
-            noise.perturb_into(self.values, master, sign * eps, step, RESIDENT_BLOCK_ID, query)
-            self.holds = key
+        read = self.sides[side]
+        key = (read.name, query, sign, step) if sign else (read.name, 0, 0, -1)
+        if self.holds == key:
+            return
+        for run in read.runs:
+            noise.perturb_into(
+                self.values[run.at : run.at + run.numel],
+                master[run.start : run.stop],
+                sign * eps,
+                step,
+                RESIDENT_BLOCK_ID,
+                query,
+                start=run.start,
+                total=master.numel(),
+            )
+        self.holds = key
 
     def forget(self) -> None:
         """The master changed (an update, a restore): what the scratch holds is stale."""
         self.holds = None
 
     def held_pass(self, step: int) -> Pass | None:
-        """The pass of ``step`` whose perturbation the scratch holds now, if any."""
+        """The pass of ``step`` whose perturbation the embedding's side holds now, if any."""
         if self.holds is None:
             return None
-        query, sign, held_step = self.holds
+        name, query, sign, held_step = self.holds
+        if name != self.sides[EMBEDDING].name:
+            return None
         if sign == 0:
             return UNPERTURBED
         return (query, sign) if held_step == step else None

@@ -28,6 +28,7 @@ from torch import nn
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
 from distzo.engine.passes import pass_grouping
+from distzo.engine.resident_sides import resident_sides, scratch_numel
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
@@ -131,6 +132,7 @@ class _Buckets:
 
     trained: list[BucketLayout]  # the block buckets of what a step trains
     resident: BucketLayout  # the resident bucket of what a step trains
+    resident_scratch: int  # its scratch's elements (the larger side: resident_sides)
     streamed: list[BucketLayout]  # what streams: the blocks, or an adapter's frozen base
     resident_base: BucketLayout | None  # an adapter's frozen resident modules
     master: int
@@ -147,7 +149,8 @@ class _Buckets:
 
 def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) -> _Buckets:
     """The engine's bucket layouts of ``model`` (already unwrapped from peft)."""
-    (built, (resident, _)), frozen_layouts = split_layouts(model, family_for(model).blocks())
+    family = family_for(model)
+    (built, (resident, _)), frozen_layouts = split_layouts(model, family.blocks())
     trained = [layout for layout, _ in built]
     streamed, resident_base = trained, None
     if frozen_layouts is not None:
@@ -169,6 +172,7 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     return _Buckets(
         trained,
         resident,
+        scratch_numel(resident_sides(resident, model, family.head_modules())),
         streamed,
         resident_base,
         master,
@@ -258,7 +262,7 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     else:
         host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
     scratch = max(layout.numel for layout in b.trained) * compute
-    resident_bytes = b.resident.numel * (master + compute)
+    resident_bytes = b.resident.numel * master + b.resident_scratch * compute
     if b.resident_base is not None:
         blocks += sum(layout.numel for layout in b.trained) * master  # the adapter's blocks
         # the base's copy in the compute dtype

@@ -78,6 +78,12 @@ class ModelFamily(ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Last block's output -> vocabulary logits (final norm, projections, lm head)."""
 
+    @abstractmethod
+    def head_modules(self) -> list[nn.Module]:
+        """Every module outside the blocks that ``logits`` reads (and only those): where
+        none of their weights is tied to the embedding's, the embedding and the head can
+        take turns in one scratch (``distzo.engine.resident_sides``)."""
+
     def block_cache(self, block: nn.Module, rows: int) -> Any:
         """What a block gets as ``past_key_values``: its prefix as a one-layer cache, or None."""
         prefix = getattr(block, "prefix_tuning", None)

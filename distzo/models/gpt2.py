@@ -64,3 +64,6 @@ class GPT2Family(ModelFamily):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self._body.ln_f(hidden))
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self._body.ln_f, self.model.lm_head]

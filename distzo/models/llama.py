@@ -112,3 +112,6 @@ class LlamaFamily(ModelFamily):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self._body.norm(hidden))
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self._body.norm, self.model.lm_head]

@@ -71,3 +71,8 @@ class OPTFamily(ModelFamily):
         if decoder.project_out is not None:
             hidden = decoder.project_out(hidden)
         return self.model.lm_head(hidden)
+
+    def head_modules(self) -> list[nn.Module]:
+        decoder = self._decoder
+        extra = [decoder.final_layer_norm, decoder.project_out]
+        return [m for m in extra if m is not None] + [self.model.lm_head]

@@ -104,7 +104,13 @@ def bind(model: nn.Module, layout: BucketLayout, flat: torch.Tensor) -> None:
     Each parameter is replaced (at every name it is reachable by, so tied weights stay one
     object) rather than re-pointed, which also works for a skeleton on the meta device.
     """
-    for e in layout.entries:
+    bind_entries(model, layout.entries, flat)
+
+
+def bind_entries(model: nn.Module, entries: Iterable[Entry], flat: torch.Tensor) -> None:
+    """``bind`` for entries placed at offsets of their own (a scratch packing some of a
+    bucket's runs)."""
+    for e in entries:
         param = nn.Parameter(flat[e.offset : e.offset + e.numel].view(e.shape), requires_grad=False)
         for name in e.names:
             owner, _, attr = name.rpartition(".")

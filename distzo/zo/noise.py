@@ -252,19 +252,28 @@ class NoiseSource:
         step: int,
         block_id: int,
         query: int = 0,
+        start: int = 0,
+        total: int | None = None,
     ) -> None:
-        """out = theta + scale * z_query, out of place, so theta is never perturbed."""
+        """out = theta + scale * z_query, out of place, so theta is never perturbed.
+
+        ``theta`` holds elements ``[start, start + n)`` of a bucket of ``total`` elements
+        (the whole bucket by default), and takes their z."""
         n = theta.numel()
         if scale == 0.0:
             out[:n].copy_(theta)
             return
         if self.fuses(theta):
-            triton_noise.perturb(
-                out[:n], theta, scale, self.key(step, block_id, query), self.kind, self.kind_table
-            )
+            key = self.key(step, block_id, query)
+            triton_noise.perturb(out[:n], theta, scale, key, self.kind, self.kind_table, start)
             return
-        for lo, hi, z in self.chunks(0, n, n, step, block_id, query):
-            torch.add(theta[lo:hi], z, alpha=scale, out=out[lo:hi])
+        stop = start + n
+        for lo, hi, z in self.chunks(
+            start, stop, stop if total is None else total, step, block_id, query
+        ):
+            torch.add(
+                theta[lo - start : hi - start], z, alpha=scale, out=out[lo - start : hi - start]
+            )
 
     def apply_update(
         self,

@@ -114,14 +114,16 @@ def perturb(
     key: tuple[int, int],
     kind: str,
     table: torch.Tensor,
+    start: int = 0,
 ) -> None:
-    """out[0:n] <- theta[0:n] + scale * z of elements [0, n) (one pass, z never stored)."""
+    """out[0:n] <- theta[0:n] + scale * z of elements [start, start + n) (one pass, z never
+    stored)."""
     n = theta.numel()
-    _kernels()["perturb"][_grid(0, n, 8)](
+    _kernels()["perturb"][_grid(start, n, 8)](
         out,
         theta,
         table,
-        0,
+        start,
         n,
         key[0],
         key[1],

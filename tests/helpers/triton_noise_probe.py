@@ -64,6 +64,22 @@ for kind in ("gaussian", "rademacher"):
         triton_noise.perturb(out[:n], theta, -1e-3, key, kind, table)
         assert ulps(out[:n], torch.add(theta, z, alpha=-1e-3)) <= 1, (kind, n)
         assert out[n:].isnan().all()  # nothing past the bucket is written
+        # a run of a bucket at an offset takes the z of its places there (a resident side):
+        # the same bits as those elements of the whole bucket's perturbation, and past 2^31
+        # the reference's z
+        whole = torch.randn(4090 + n, generator=torch.Generator().manual_seed(n))
+        perturbed = torch.empty_like(whole)
+        triton_noise.perturb(perturbed, whole, 1e-3, key, kind, table)
+        for start in (37, 4090, 2**31 - 100):
+            out = torch.full((n + 7,), float("nan"))
+            run = whole[start : start + n] if start < len(whole) else theta
+            triton_noise.perturb(out[:n], run, 1e-3, key, kind, table, start)
+            if start < len(whole):
+                assert torch.equal(out[:n], perturbed[start : start + n]), (kind, n, start)
+            else:
+                z = src.reference(start, start + n, key)
+                torch.testing.assert_close(out[:n], theta + 1e-3 * z, rtol=0, atol=1e-6)
+            assert out[n:].isnan().all()
 
         # every term in one launch (a step's 3 queries; a recomputed momentum's 4 steps x
         # 3 queries): NoiseSource.apply_terms's CPU path, which defines the trajectory,
