@@ -6,7 +6,9 @@
         --system distzo-sliced ...        # rank 0 speaks the protocol
 
 Systems: ``distzo-resident`` (MeZO: every weight on the device), ``distzo-offload``
-(blocks in host memory, streamed through the default slots) and, on 2 ranks,
+(blocks in host memory, streamed through the default slots), ``distzo-offload-half``
+(the same with the model held in ``--dtype``, fp16 or bf16, as ZO2 holds its model: no
+float32 masters, each update rounded to nearest in that dtype as ZO2's) and, on 2 ranks,
 ``distzo-sliced`` (PertP over the 2 ranks, each uploading its half of every block and
 all-gathering the rest: the trainer's layout at 2 ranks of a node). The model is the
 shape's OPT or Qwen3, built as ZO2's speed test builds it (``distzo.bench.peer_models``:
@@ -15,9 +17,10 @@ the config's defaults but for the shape, ``tie_word_embeddings=False``,
 step is ZO2's speed test's: lr 1e-3, eps 1e-3, weight decay 0.1, the causal-LM loss on
 one fixed random batch (labels = the input ids).
 
-Masters are float32 (distzo's design); ``--dtype`` is the compute dtype, and under
-offload also the host copy's and the link's (``--transfer-dtype`` overrides), so that
-the bytes at rest and on the link are ZO2's for its model in that dtype.
+Masters are float32 (distzo's design) but for ``distzo-offload-half``; ``--dtype`` is the
+compute dtype, and under offload also the host copy's and the link's
+(``--transfer-dtype`` overrides), so that the bytes at rest and on the link are ZO2's for
+its model in that dtype.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, S
 from distzo.dist import process_group as pg
 from distzo.models.weights import RandomWeights, skeleton
 
-SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-sliced")
+SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-offload-half", "distzo-sliced")
+HALF_MASTERS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # A rank other than 0 waits in a broadcast while the other peers of an interleaved run
 # take their steps: hours at the largest shapes.
 IDLE_TIMEOUT = timedelta(hours=6)
@@ -89,10 +93,17 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    half = args.system == "distzo-offload-half"
+    if half and args.dtype not in HALF_MASTERS:
+        raise ValueError(
+            f"--system {args.system} holds the masters in --dtype: use fp16 or bf16 (at "
+            f"{args.dtype} it is distzo-offload)"
+        )
     config = peer_config(args.shape, args.layers, args.hidden, args.seq)
     parallel = parallel_for(args.system, device)
     mode = "resident" if args.system == "distzo-resident" else "offload"
-    transfer_dtype = args.transfer_dtype or args.dtype
+    # a half run's blocks travel in their masters' dtype ("fp32": no conversion)
+    transfer_dtype = "fp32" if half else args.transfer_dtype or args.dtype
     zo = ZOConfig(
         lr=1e-3,
         eps=1e-3,
@@ -104,7 +115,7 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         transfer="sliced" if args.system == "distzo-sliced" else "auto",
         transfer_dtype=transfer_dtype if mode == "offload" else "fp32",
     )
-    model = skeleton(config, torch.float32)
+    model = skeleton(config, HALF_MASTERS[args.dtype] if half else torch.float32)
     engine = ZOEngine(model, zo, parallel=parallel, weights=RandomWeights(args.seed))
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)

@@ -12,8 +12,10 @@ Systems: ``zo2-mezo`` (ZO2's ``zo2=False``: its MeZO-SGD step, the model on the 
 ``zo2-offload`` (``zo2=True``: its CPU offload on three CUDA streams; CUDA only), both
 from the ZO2 checkout given by ``--zo2`` and run by ``benchmarks/peer_zo2.py`` under
 ``--zo2-python`` (ZO2 needs transformers 4.51); ``distzo-resident``, ``distzo-offload``
-and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks under torchrun), run by
-``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD`` speaking the protocol.
+(float32 masters), ``distzo-offload-half`` (with a 16-bit ``--dtype``: the masters in it,
+as ZO2 holds its model) and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks
+under torchrun), run by ``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD``
+speaking the protocol.
 
 The protocol (the harness's contract with a peer; ``distzo/bench/peer_protocol.py``
 holds it in full): the peer is launched as ``CMD --system NAME --shape SHAPE [--layers L]
@@ -65,7 +67,9 @@ from distzo.runtime.devices import device_name
 
 HERE = Path(__file__).resolve().parent
 ZO2_SYSTEMS = ("zo2-mezo", "zo2-offload")
-DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-sliced")
+DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-offload-half", "distzo-sliced")
+# masters in --dtype, as ZO2 holds its model: only a 16-bit --dtype makes it another system
+HALF = "distzo-offload-half"
 BUILTIN = ZO2_SYSTEMS + DISTZO_SYSTEMS
 # (numerator, denominator) of every ratio reported when both systems ran
 PAIRS = (
@@ -75,6 +79,8 @@ PAIRS = (
     ("distzo-offload", "distzo-resident"),
     ("zo2-offload", "zo2-mezo"),
     ("distzo-sliced", "distzo-offload"),
+    (HALF, "zo2-offload"),
+    (HALF, "distzo-offload"),
 )
 # The targets of distzo's offloaded step, by device: on CPU 2x ZO2's MeZO step; on a GPU
 # 1.2x ZO2's offload and 0.97x resident (ZO2's paper's overlap, where compute >= transfer),
@@ -84,7 +90,8 @@ TARGETS = {
     "cpu": {("distzo-offload", "zo2-mezo"): 2.0},
     "cuda": {("distzo-offload", "zo2-offload"): 1.2, ("distzo-offload", "distzo-resident"): 0.97},
 }
-MEMORY_TARGETS = {"cuda": {("distzo-offload", "zo2-offload"): 1.0}}  # peak device, at most
+# peak device memory, at most; distzo-offload-half is the comparison at ZO2's precision
+MEMORY_TARGETS = {"cuda": {("distzo-offload", "zo2-offload"): 1.0, (HALF, "zo2-offload"): 1.0}}
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 COLUMNS = [
     "tokens_per_s",
@@ -311,6 +318,10 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
     cuda_devices = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.systems is None:
         names = list(ZO2_SYSTEMS if args.zo2 else ()) + ["distzo-resident", "distzo-offload"]
+        if args.dtype != "fp32":
+            names.append(HALF)
+        else:
+            notes.append(f"{HALF} did not run: at fp32 its masters are distzo-offload's")
         if cuda_devices >= 2:
             names.append("distzo-sliced")
         else:
@@ -331,6 +342,11 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
                 )
         if len(set(names)) != len(names):
             raise SystemExit(f"peers.py: --systems names a system twice: {args.systems}")
+        if HALF in names and args.dtype == "fp32":
+            raise SystemExit(
+                f"peers.py: --systems {HALF} keeps the masters in --dtype, and at fp32 it is "
+                "distzo-offload: use --dtype fp16 or bf16, or drop it"
+            )
         if "distzo-sliced" in names and args.device == "cuda" and cuda_devices < 2:
             names.remove("distzo-sliced")
             notes.append(

@@ -68,14 +68,15 @@ def workspace_elements(chunk: int, device_type: str, kind: str) -> int:
 
 def planned_noise_bytes(chunk: int, itemsize: int, device_type: str, kind: str) -> int:
     """What a ``NoiseSource`` of ``chunk`` elements allocates: its workspace, the
-    float32 staging of the C kernel for other master dtypes, the table (portable kinds;
-    shared by every source on a device, counted with each here, an upper bound)."""
+    float32 staging of the C (CPU) or Triton (CUDA) kernel for other master dtypes, the
+    table (portable kinds; shared by every source on a device, counted with each here, an
+    upper bound)."""
     if kind == "legacy":
         return chunk * itemsize
     elements = workspace_elements(chunk, device_type, kind)
-    staging = (
-        elements * 4 if device_type == "cpu" and fast_noise.available() and itemsize != 4 else 0
-    )
+    # planned for CUDA from any machine: Triton is assumed there
+    kernel = fast_noise.available() if device_type == "cpu" else device_type == "cuda"
+    staging = elements * 4 if kernel and itemsize != 4 else 0
     return elements * itemsize + staging + TABLE_BYTES
 
 
@@ -131,9 +132,14 @@ class NoiseSource:
         self._table = _table(self.device)
         self._triton = self.device.type == "cuda" and triton_noise.available()
         self._c = self.device.type == "cpu" and fast_noise.available()
-        # the C kernel writes float32; another master dtype takes the exact copy
-        needs_float32 = self._c and dtype != torch.float32
-        self._float32 = torch.empty(self.piece, dtype=torch.float32) if needs_float32 else None
+        # the C and Triton kernels write float32; another master dtype takes the copy (exact
+        # for float64, rounded to nearest for a 16-bit one, as the torch draws are)
+        needs_float32 = (self._c or self._triton) and dtype != torch.float32
+        self._float32 = (
+            torch.empty(self.piece, dtype=torch.float32, device=self.device)
+            if needs_float32
+            else None
+        )
 
     @property
     def device_bytes(self) -> int:
@@ -159,15 +165,14 @@ class NoiseSource:
 
     def _fill(self, out: torch.Tensor, start: int, key: tuple[int, int]) -> None:
         """out <- the draws of elements [start, start + len(out)) of the keyed bucket."""
-        if self._triton and out.dtype == torch.float32:
-            triton_noise.fill(out, start, key, self._draw, self.kind_table)
-        elif self._c:
+        if self._triton or self._c:
             if out.dtype == torch.float32:
                 staging = out
             else:
                 assert self._float32 is not None  # allocated for a non-float32 master
                 staging = self._float32[: out.numel()]
-            fast_noise.fill(staging, start, key, self._draw, self._table)
+            fill = triton_noise.fill if self._triton else fast_noise.fill
+            fill(staging, start, key, self._draw, self.kind_table)
             if staging is not out:
                 out.copy_(staging)
         else:

@@ -272,6 +272,25 @@ def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
         assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32)), n
 
 
+def test_a_16_bit_master_draws_through_the_kernel_on_cuda():
+    """A master of another dtype draws z with the Triton kernel into float32 staging (not
+    torch's lanes, element by element): the CPU's draws in its dtype, and a resident side's
+    run at an offset takes the z of its places."""
+    from distzo.zo import NoiseSource
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), dtype)
+        cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), dtype)
+        assert gpu.backend == "triton" and gpu.device_bytes > (1 << 20) * (dtype.itemsize + 4)
+        on_gpu, on_cpu = gpu.full(3_000_001, 5, 7), cpu.full(3_000_001, 5, 7)
+        assert torch.equal(on_gpu.cpu(), on_cpu), dtype
+        theta = torch.randn(1000, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        out_gpu, out_cpu = torch.empty_like(theta, device="cuda"), torch.empty_like(theta)
+        gpu.perturb_into(out_gpu, theta.cuda(), 1e-2, 5, 7, start=2_999_000, total=3_000_001)
+        cpu.perturb_into(out_cpu, theta, 1e-2, 5, 7, start=2_999_000, total=3_000_001)
+        torch.testing.assert_close(out_gpu.cpu(), out_cpu)
+
+
 def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     """perturb and update in one kernel each: the same z; perturb within an ulp of the CPU's
     arithmetic, the update and bf16/fp16/fp8 stochastic rounding bit for bit."""

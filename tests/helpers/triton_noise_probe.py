@@ -49,6 +49,17 @@ for kind, distribution in [
             )
 
 
+# A master of another dtype (16-bit, float64) on CUDA draws through the fill kernel into
+# float32 staging, then takes the copy: the reference's draws in its dtype. (On the CPU
+# the source would use the C kernel; here it is made to take the CUDA path.)
+for dtype in (torch.float16, torch.bfloat16, torch.float64):
+    src = NoiseSource(3, 1000, torch.device("cpu"), dtype)
+    src._triton, src._c, src._float32 = True, False, torch.empty(src.piece)
+    z = src.full(2500, 4, 9)
+    assert z.dtype == dtype
+    assert torch.equal(z, src.reference(0, 2500, src.key(4, 9)).to(dtype)), dtype
+
+
 def ulps(a, b):
     return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
 

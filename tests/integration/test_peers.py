@@ -6,6 +6,7 @@ against what the peers actually did."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -381,3 +382,32 @@ def test_gpu_targets_are_zo2_offloads_speed_and_memory_and_resident():
         "which it is not here"
     )
     assert notes[3].endswith("0.90x zo2-offload's: the target (at most 1x) is met")
+
+
+def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
+    """distzo-offload-half: the model in --dtype as ZO2 holds it (no float32 masters), beside
+    distzo-offload in one interleaved run; refused in one line where it would be the same."""
+    from benchmarks import peer_distzo
+
+    def built(system: str) -> peer_distzo.DistzoSystem:
+        args = dict(shape="opt-125m", layers=1, hidden=64, batch=1, seq=SEQ, dtype="bf16")
+        args.update(system=system, device="cpu", seed=0, threads=1, transfer_dtype=None)
+        return peer_distzo.build(argparse.Namespace(**args))[0]
+
+    half, full = built("distzo-offload-half"), built("distzo-offload")
+    assert half.engine.resident_master.dtype == torch.bfloat16
+    assert full.engine.resident_master.dtype == torch.float32
+    assert half.engine.store.host_bytes == full.engine.store.host_bytes  # bf16 at rest in both
+    assert half.engine.resident_master.nbytes * 2 == full.engine.resident_master.nbytes
+    assert math.isfinite(half.step())
+
+    out = tmp_path / "peers.json"
+    bf16 = [*TINY, "--dtype", "bf16", "--warmup", "0"]
+    systems = ["--systems", "distzo-offload,distzo-offload-half", "--rounds", "2"]
+    proc = harness(*bf16, *systems, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    validate_report(data)
+    assert data["derived"]["distzo-offload-half_vs_distzo-offload"] > 0
+    with pytest.raises(SystemExit, match="distzo-offload-half keeps the masters in --dtype"):
+        peers.main([*TINY, "--systems", "distzo-offload-half", "--out", str(out)])

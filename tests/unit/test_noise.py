@@ -279,3 +279,17 @@ def test_the_triton_kernels_compile_for_a_hopper_gpu():
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "triton kernels compile" in done.stdout
+
+
+def test_the_plan_counts_the_float32_staging_of_another_master_dtype():
+    """The C kernel (CPU) and the Triton kernel (CUDA) draw float32; a 16-bit or float64
+    master's source keeps a float32 staging piece beside its workspace, and the plan
+    counts it (for CUDA, from this machine)."""
+    from distzo.zo.noise import TABLE_BYTES, planned_noise_bytes
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.float32):
+        source = NoiseSource(3, 5000, torch.device("cpu"), dtype)
+        assert planned_noise_bytes(5000, dtype.itemsize, "cpu", "gaussian") == source.device_bytes
+        staging = 0 if dtype == torch.float32 else (1 << 20) * 4
+        planned = (1 << 20) * dtype.itemsize + staging + TABLE_BYTES
+        assert planned_noise_bytes(1 << 20, dtype.itemsize, "cuda", "gaussian") == planned
