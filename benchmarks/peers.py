@@ -67,9 +67,9 @@ from distzo.runtime.devices import device_name
 
 HERE = Path(__file__).resolve().parent
 ZO2_SYSTEMS = ("zo2-mezo", "zo2-offload")
-DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-offload-half", "distzo-sliced")
 # masters in --dtype, as ZO2 holds its model: only a 16-bit --dtype makes it another system
 HALF = "distzo-offload-half"
+DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", HALF, "distzo-sliced")
 BUILTIN = ZO2_SYSTEMS + DISTZO_SYSTEMS
 # (numerator, denominator) of every ratio reported when both systems ran
 PAIRS = (

@@ -34,7 +34,6 @@ from distzo.engine.scratch import ResidentScratch, bound_scratch
 from distzo.engine.state import StoredBuckets
 from distzo.engine.tuning import Tuning, make_tuning
 from distzo.engine.updates import UpdateRule
-from distzo.models import family_for
 from distzo.models.weights import WeightSource
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.runtime.units import format_bytes, format_count
@@ -134,9 +133,7 @@ def _bind_scratch(
     # One scratch bucket serves every block: blocks compute one after another on one
     # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
     block_scratch = bound_scratch(model, layouts, device, dtype)
-    heads = family_for(model).head_modules()
-    sides = resident_sides(trained.resident_layout, model, heads)
-    resident = ResidentScratch(model, sides, device, dtype)
+    resident = ResidentScratch(model, resident_sides(trained.resident_layout, model), device, dtype)
     tuning.bind_base(model, device, dtype)
     groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)
     largest = max(len(g) for g in groups(at.passes))

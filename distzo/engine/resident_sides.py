@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from distzo.models import family_for
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, Entry, round_up
 
 EMBEDDING, HEAD = "embedding", "head"
@@ -51,13 +52,12 @@ def whole_side(layout: BucketLayout) -> ResidentSide:
     return ResidentSide(WHOLE, runs, layout.entries, layout.numel)
 
 
-def resident_sides(
-    layout: BucketLayout, model: nn.Module, head_modules: list[nn.Module]
-) -> dict[str, ResidentSide]:
+def resident_sides(layout: BucketLayout, model: nn.Module) -> dict[str, ResidentSide]:
     """The side each of ``EMBEDDING`` and ``HEAD`` reads: two sides where every entry of
-    ``layout`` (names relative to ``model``) lies under a head module or under none, at
-    all of its names, and both sides have entries; otherwise one ``WHOLE`` side for both."""
-    heads = {id(m) for m in head_modules}
+    ``layout`` (names relative to ``model``) lies under one of the family's head modules
+    (``ModelFamily.head_modules``) or under none, at all of its names, and both sides have
+    entries; otherwise one ``WHOLE`` side for both."""
+    heads = {id(m) for m in family_for(model).head_modules()}
     prefixes = tuple(f"{name}." for name, m in model.named_modules() if id(m) in heads)
     is_head = [[name.startswith(prefixes) for name in e.names] for e in layout.entries]
     if any(len(set(flags)) > 1 for flags in is_head):  # a tied weight: read by both

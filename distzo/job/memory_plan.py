@@ -149,8 +149,7 @@ class _Buckets:
 
 def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) -> _Buckets:
     """The engine's bucket layouts of ``model`` (already unwrapped from peft)."""
-    family = family_for(model)
-    (built, (resident, _)), frozen_layouts = split_layouts(model, family.blocks())
+    (built, (resident, _)), frozen_layouts = split_layouts(model, family_for(model).blocks())
     trained = [layout for layout, _ in built]
     streamed, resident_base = trained, None
     if frozen_layouts is not None:
@@ -172,7 +171,7 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     return _Buckets(
         trained,
         resident,
-        scratch_numel(resident_sides(resident, model, family.head_modules())),
+        scratch_numel(resident_sides(resident, model)),
         streamed,
         resident_base,
         master,

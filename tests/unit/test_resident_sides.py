@@ -16,9 +16,8 @@ from tests.helpers.models import build, random_batch, tiny_opt
 
 
 def sides_of(model):
-    family = family_for(model)
-    (_, (layout, _)), _ = split_layouts(model, family.blocks())
-    return layout, resident_sides(layout, model, family.head_modules())
+    (_, (layout, _)), _ = split_layouts(model, family_for(model).blocks())
+    return layout, resident_sides(layout, model)
 
 
 def names(side):
