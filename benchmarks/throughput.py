@@ -621,7 +621,9 @@ class HeadBench:
         return self.report
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, its defaults settled by the kind of comparison (``--quick``,
+    ``--compare-head``, ``--compare-adapters``) and refused in one line where they clash."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -657,18 +659,6 @@ def main() -> None:
         "so transfers weigh less (default 1; 4 with --compare-adapters)",
     )
     p.add_argument(
-        "--peft",
-        default="none",
-        choices=["none", "lora", "lora-fa", "prefix"],
-        help="train an adapter: the base is uploaded only (no offload), "
-        "the adapter stays on the device",
-    )
-    p.add_argument(
-        "--dual-forward",
-        action="store_true",
-        help="with --peft: both signs of a query in one forward",
-    )
-    p.add_argument(
         "--grad-accum",
         default="1",
         help="micro-batches per step to compare, e.g. 1,2,4: offload at each "
@@ -694,6 +684,26 @@ def main() -> None:
     p.add_argument(
         "--skip-resident", action="store_true", help="when the model does not fit the device"
     )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="benchmarks/out/throughput.json")
+    add_comparison_arguments(p)
+    return settle(p.parse_args())
+
+
+def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
+    """The adapter and head comparisons' own options."""
+    p.add_argument(
+        "--peft",
+        default="none",
+        choices=["none", "lora", "lora-fa", "prefix"],
+        help="train an adapter: the base is uploaded only (no offload), "
+        "the adapter stays on the device",
+    )
+    p.add_argument(
+        "--dual-forward",
+        action="store_true",
+        help="with --peft: both signs of a query in one forward",
+    )
     p.add_argument(
         "--compare-adapters",
         action="store_true",
@@ -718,9 +728,10 @@ def main() -> None:
         choices=["resident", "offload"],
         help="--compare-head, --compare-adapters: engine mode",
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="benchmarks/out/throughput.json")
-    args = p.parse_args()
+
+
+def settle(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on the comparison and check the counts."""
     if args.compare_head:
         args.shape = args.shape or ("tiny" if args.quick else "smollm2-135m")
         args.batch = args.batch or (4 if args.quick else 16)
@@ -754,7 +765,12 @@ def main() -> None:
         raise SystemExit(
             f"--grad-accum counts must be between 1 and the batch, got {args.grad_accum}"
         )
-    env = LaunchEnv.from_environ()
+    return args
+
+
+def open_device(args: argparse.Namespace, env: LaunchEnv) -> torch.device:
+    """This rank's device (its GPU, or the CPU at ``--threads`` threads), logging set up
+    for rank 0 and the process group joined under torchrun."""
     logging.basicConfig(
         level=logging.INFO if env.rank == 0 else logging.WARNING, format="%(message)s"
     )
@@ -772,11 +788,49 @@ def main() -> None:
         return_large_blocks()
     if env.launched:
         pg.init_process_group(env, pg.resolve_backend("auto", device), timeout_s=1800)
+    return device
+
+
+def report_columns(args: argparse.Namespace) -> list[str]:
+    """The Markdown table's columns of the comparison run."""
+    if args.compare_head:
+        return ["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"]
+    if args.compare_adapters:
+        return [
+            "peft",
+            "dual_forward",
+            "batch_queries",
+            "queries",
+            "batch",
+            "seq",
+            "tokens_per_s",
+            "step_extra_memory_gb",
+        ]
+    return [
+        "mode",
+        "slots",
+        "dp",
+        "pert",
+        "queries",
+        "grad_accum",
+        "batch",
+        "seq",
+        "tokens_per_s",
+        "peak_device_gb",
+        "step_extra_rss_gb",
+        "eta",
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    env = LaunchEnv.from_environ()
     if (args.compare_head or args.compare_adapters) and env.world_size > 1:
         raise SystemExit(
             "--compare-head and --compare-adapters run in one process; "
             "launch them with python, not torchrun"
         )
+    device = open_device(args, env)
     if args.compare_head:
         report = HeadBench(args, device).run()
     elif args.compare_adapters:
@@ -785,34 +839,7 @@ def main() -> None:
         report = Bench(args, env, device).run()
     if env.rank == 0:
         out = Path(args.out)
-        if args.compare_head:
-            columns = ["head", "mode", "batch", "tokens_per_s", "eval_peak_extra_gb"]
-        elif args.compare_adapters:
-            columns = [
-                "peft",
-                "dual_forward",
-                "batch_queries",
-                "queries",
-                "batch",
-                "seq",
-                "tokens_per_s",
-                "step_extra_memory_gb",
-            ]
-        else:
-            columns = [
-                "mode",
-                "slots",
-                "dp",
-                "pert",
-                "queries",
-                "grad_accum",
-                "batch",
-                "seq",
-                "tokens_per_s",
-                "peak_device_gb",
-                "step_extra_rss_gb",
-                "eta",
-            ]
+        columns = report_columns(args)
         report.write(out, columns)
         logger.info("wrote %s, %s", out, out.with_suffix(".md"))
     pg.shutdown()
