@@ -243,7 +243,10 @@ def race_summary(
     """One recipe over its seeds: per threshold the median forward passes and wall time of
     the seeds that reached and held it and how many did, the passes after which the seeds'
     mean curve held it (averaging the seeds averages out some of the evaluation's noise),
-    and the median passes to the first evaluation at it; the mean final accuracy."""
+    and the median passes to the first evaluation at it; the mean final accuracy. The
+    median over every seed, one that never held the threshold counting as beyond the budget
+    (inf), is the fair figure between recipes that reach it on different numbers of seeds:
+    the median of the seeds that held it alone flatters the recipe that held it less often."""
     finals = [p[-1]["eval_accuracy"] for p in runs.values() if p]  # [] where it diverged at once
     out: dict[str, float] = {
         "seeds": len(runs),
@@ -251,8 +254,12 @@ def race_summary(
     }
     mean = seed_mean(runs)
     for threshold in thresholds:
-        hits = [h for h in (first_holding(p, threshold) for p in runs.values()) if h]
+        holding = [first_holding(p, threshold) for p in runs.values()]
+        hits = [h for h in holding if h]
         out[f"reached_{threshold:.2f}"] = len(hits)
+        out[f"seed_median_passes_to_{threshold:.2f}"] = median(
+            h["forward_passes"] if h else math.inf for h in holding
+        )
         if hits:
             out[f"passes_to_{threshold:.2f}"] = median(h["forward_passes"] for h in hits)
             out[f"wall_s_to_{threshold:.2f}"] = median(h["wall_s"] for h in hits)
@@ -269,6 +276,16 @@ def mean_curve_passes(runs: list[list[dict[str, float]]], threshold: float) -> f
     """Forward passes after which the mean of ``runs`` holds ``threshold`` (inf: never)."""
     held = first_holding(seed_mean(dict(enumerate(runs))), threshold)
     return held["forward_passes"] if held is not None else math.inf
+
+
+def passes_ratio(reference: float, other: float) -> float | None:
+    """``reference``'s passes over ``other``'s, where either may be inf (never held within
+    the budget): inf when only ``other`` held it, None when neither did."""
+    if math.isinf(reference) and math.isinf(other):
+        return None
+    if reference == other:  # both from the start, too
+        return 1.0
+    return math.inf if math.isinf(reference) or other == 0 else reference / other
 
 
 def bootstrap_ratio(
@@ -478,12 +495,14 @@ def race(args: argparse.Namespace, work: Path, eval_file: Path, report: BenchRep
             if name == "spsa":  # ZO-SGD against itself: 1 by construction
                 continue
             for threshold in thresholds:
-                for kind in ("passes_to", "mean_curve_passes_to"):
+                for kind in ("passes_to", "seed_median_passes_to", "mean_curve_passes_to"):
                     key = f"{kind}_{threshold:.2f}"
                     if f"{key}[spsa]" in report.derived and f"{key}[{name}]" in report.derived:
-                        report.derived[f"spsa_over_{name}_{key}"] = (
-                            report.derived[f"{key}[spsa]"] / report.derived[f"{key}[{name}]"]
+                        ratio = passes_ratio(
+                            report.derived[f"{key}[spsa]"], report.derived[f"{key}[{name}]"]
                         )
+                        if ratio is not None:
+                            report.derived[f"spsa_over_{name}_{key}"] = ratio
                 interval = bootstrap_ratio(best["spsa"], best[name], threshold)
                 if interval is not None:
                     for stat, value in interval.items():

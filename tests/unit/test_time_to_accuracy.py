@@ -98,9 +98,23 @@ def test_the_summary_takes_the_median_of_the_seeds_that_reach(learning):
     assert out["reached_0.60"] == 2 and out["passes_to_0.60"] == 10  # seed 2 fell back
     assert out["reached_0.65"] == 2 and out["passes_to_0.65"] == 15 and out["wall_s_to_0.65"] == 3
     assert out["first_passes_to_0.65"] == 10  # seeds 0, 1, 2 touched it at 20, 10, 10
+    # over every seed, seed 2 (never held) counting as beyond the budget: 10, 20, inf
+    assert out["seed_median_passes_to_0.60"] == 10 and out["seed_median_passes_to_0.65"] == 20
+    assert learning.race_summary({0: runs[2], 1: runs[2]}, [0.65])[
+        "seed_median_passes_to_0.65"
+    ] == float("inf")
     # the seeds' mean curve: 0.5, 0.6367, 0.6367: holds 0.60 from 10 passes, never 0.65
     assert out["mean_curve_passes_to_0.60"] == 10 and "mean_curve_passes_to_0.65" not in out
     assert out["final_accuracy"] == pytest.approx((0.66 + 0.7 + 0.55) / 3)
+
+
+def test_a_ratio_of_passes_bounds_a_recipe_that_never_held(learning):
+    inf = float("inf")
+    assert learning.passes_ratio(300, 150) == 2.0
+    assert learning.passes_ratio(inf, 150) == inf  # only the other held it in the budget
+    assert learning.passes_ratio(150, inf) == 0.0
+    assert learning.passes_ratio(inf, inf) is None  # neither: no ratio
+    assert learning.passes_ratio(0, 0) == 1.0  # both from the start
 
 
 def test_the_plot_is_written(learning, tmp_path):
