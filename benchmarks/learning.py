@@ -559,6 +559,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="4 steps of 8 rows, 16 held-out rows: a smoke run"
     )
+    add_race_arguments(p)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
+    return p.parse_args()
+
+
+def add_race_arguments(p: argparse.ArgumentParser) -> None:
+    """--time-to-accuracy and the race's own options."""
     p.add_argument(
         "--time-to-accuracy",
         action="store_true",
@@ -597,14 +604,10 @@ def parse_args() -> argparse.Namespace:
         help="with --time-to-accuracy: report the runs already finished, start none (seeds "
         "or lrs not run are left out and the report says how many seeds each recipe had)",
     )
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "learning.json")
-    return p.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    if args.quick:
-        args.steps, args.eval_steps, args.eval_rows, args.batch_size = 4, 2, 16, 8
+def check_inputs(args: argparse.Namespace) -> None:
+    """Refuse a missing model file or data folder in one line, before any conversion."""
     if not args.gguf or not Path(args.gguf).is_file():
         raise SystemExit(
             "learning.py: give --gguf (or DISTZO_SMOLLM2_GGUF): the SmolLM2 GGUF file, see this "
@@ -616,26 +619,28 @@ def main() -> None:
                 f"learning.py: {args.data / name} is missing; --data names a folder with train.tsv "
                 "and heldout.tsv"
             )
-    gguf_to_hf(args.gguf, args.model_dir)
-    work = args.out.parent / (args.out.stem + "-runs")
-    work.mkdir(parents=True, exist_ok=True)
-    eval_file = args.data / "heldout.tsv"
-    if args.eval_rows:
-        lines = eval_file.read_text().splitlines(keepends=True)
-        eval_file = work / "heldout.tsv"
-        rows = "".join(lines[: args.eval_rows + 1])
-        if not eval_file.is_file() or eval_file.read_text() != rows:
-            tmp = eval_file.with_suffix(f".tmp{os.getpid()}")  # a race beside may be reading it
-            tmp.write_text(rows)
-            tmp.replace(eval_file)
 
-    report = BenchReport("learning", "", 1)
-    if args.time_to_accuracy:
-        race(args, work, eval_file, report)
-        report.device = json.loads(next(work.glob("race-*/rank0.json")).read_text())["device"]
-        report.write(args.out, ["recipe", "lr", "seed", "forward_passes", "eval_accuracy"])
-        print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
-        return
+
+def held_out_file(args: argparse.Namespace, work: Path) -> Path:
+    """The held-out file the runs evaluate on: the data's, or its first --eval-rows rows
+    written once into the run folder (atomically: a race beside may be reading it)."""
+    eval_file = args.data / "heldout.tsv"
+    if not args.eval_rows:
+        return eval_file
+    lines = eval_file.read_text().splitlines(keepends=True)
+    trimmed = work / "heldout.tsv"
+    rows = "".join(lines[: args.eval_rows + 1])
+    if not trimmed.is_file() or trimmed.read_text() != rows:
+        tmp = trimmed.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(rows)
+        tmp.replace(trimmed)
+    return trimmed
+
+
+def run_objectives(
+    args: argparse.Namespace, work: Path, eval_file: Path, report: BenchReport
+) -> None:
+    """One run per --objectives entry, each one's held-out curve into ``report``."""
     for objective in args.objectives.split(","):
         run_dir = work / "-".join(
             [objective] + [x for x in (args.peft, args.optimizer) if x not in ("none", "sgd")]
@@ -674,6 +679,25 @@ def main() -> None:
                 flush=True,
             )
         report.derived[f"seconds[{objective}]"] = elapsed
+
+
+def main() -> None:
+    args = parse_args()
+    if args.quick:
+        args.steps, args.eval_steps, args.eval_rows, args.batch_size = 4, 2, 16, 8
+    check_inputs(args)
+    gguf_to_hf(args.gguf, args.model_dir)
+    work = args.out.parent / (args.out.stem + "-runs")
+    work.mkdir(parents=True, exist_ok=True)
+    eval_file = held_out_file(args, work)
+    report = BenchReport("learning", "", 1)
+    if args.time_to_accuracy:
+        race(args, work, eval_file, report)
+        report.device = json.loads(next(work.glob("race-*/rank0.json")).read_text())["device"]
+        report.write(args.out, ["recipe", "lr", "seed", "forward_passes", "eval_accuracy"])
+        print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}")
+        return
+    run_objectives(args, work, eval_file, report)
     report.write(args.out, ["step", "eval_accuracy", "train_loss"])
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}")
 
