@@ -40,13 +40,18 @@ def tsv(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def refuse_existing(out: Path) -> None:
+    """A user's folder is never overwritten."""
+    if out.exists():
+        raise SystemExit(f"sst2_sample.py: {out} exists; remove it or give another --out")
+
+
 def write_sample(
     rows: Sequence[dict[str, Any]], out: Path, train: int, heldout: int, seed: int
 ) -> None:
     """Draw ``train`` + ``heldout`` distinct rows of ``rows`` and write the folder ``out``
     (refused if it exists; written whole beside it, then renamed)."""
-    if out.exists():
-        raise SystemExit(f"sst2_sample.py: {out} exists; remove it or give another --out")
+    refuse_existing(out)
     if train < 1 or heldout < 1:
         raise SystemExit(
             f"sst2_sample.py: --train and --heldout must be >= 1, got {train} and {heldout}"
@@ -81,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heldout", type=int, default=500)
     p.add_argument("--seed", type=int, default=20261123)
     args = p.parse_args(argv)
-    if args.out.exists():  # before the download
-        raise SystemExit(f"sst2_sample.py: {args.out} exists; remove it or give another --out")
+    refuse_existing(args.out)  # before the download
     sys.path.insert(0, str(ROOT))
     from distzo.data.loaders import load_rows
 

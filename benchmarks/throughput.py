@@ -691,7 +691,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
-    """The adapter and head comparisons' own options."""
+    """The adapter options (a run with --peft, and --compare-adapters' layouts) and the two
+    comparisons' own."""
     p.add_argument(
         "--peft",
         default="none",

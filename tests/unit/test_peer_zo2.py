@@ -1,30 +1,26 @@
 """The ZO2 peer's parts that need no ZO2: its shapes are distzo's, and bad input is one
 protocol line (the harness prints it) before anything is built."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.models.shapes import OPT_SHAPES, OTHER_SHAPES
+from tests.helpers.scripts import BENCHMARKS, benchmark_script
 
-PEER = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_zo2.py"
-
-
-def load_peer():
-    spec = importlib.util.spec_from_file_location("peer_zo2", PEER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+PEER = BENCHMARKS / "peer_zo2.py"
 
 
-def test_zo2_peer_builds_the_shapes_distzo_builds():
-    peer = load_peer()
+@pytest.fixture(scope="module")
+def peer():
+    with benchmark_script("peer_zo2") as module:
+        yield module
+
+
+def test_zo2_peer_builds_the_shapes_distzo_builds(peer):
     assert peer.OPT_SHAPES == OPT_SHAPES
     qwen3 = {n: s for n, s in OTHER_SHAPES.items() if n.startswith("qwen3-")}
     assert peer.QWEN3_SHAPES == {
@@ -42,15 +38,13 @@ def peer_args(peer, shape: str, *overrides: str):
 
 @pytest.mark.parametrize("overrides", [(), ("--layers", "4", "--hidden", "256")])
 @pytest.mark.parametrize("shape", PEER_SHAPES)
-def test_both_peers_build_the_same_config(shape, overrides):
+def test_both_peers_build_the_same_config(peer, shape, overrides):
     """Field by field (under this interpreter's transformers): ZO2's peer and distzo's."""
-    peer = load_peer()
     ours = peer_config(shape, 4 if overrides else None, 256 if overrides else None, 64)
     assert peer.model_config(peer_args(peer, shape, *overrides)).to_dict() == ours.to_dict()
 
 
-def test_hidden_override_sets_ffn_and_heads_as_the_harness_does():
-    peer = load_peer()
+def test_hidden_override_sets_ffn_and_heads_as_the_harness_does(peer):
     c = peer.model_config(peer_args(peer, "opt-125m"))
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.ffn_dim) == (
         768, 12, 12, 3072,

@@ -1,26 +1,16 @@
 """benchmarks/sst2_sample.py: the SST-2 sample a user writes for learning.py, here from a
 local file standing in for the hub's split (the hub is not reachable in CI)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from distzo.data.loaders import load_rows
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sst2_sample.py"
+from tests.helpers.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def sample():
-    spec = importlib.util.spec_from_file_location("sst2_sample", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sst2_sample"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["sst2_sample"]
+    with benchmark_script("sst2_sample") as module:
+        yield module
 
 
 @pytest.fixture

@@ -2,25 +2,19 @@
 config, the first evaluation over a threshold, the sweep's winner, the summary over seeds
 and the plot, on run directories written here (the real race needs SmolLM2 and hours)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-LEARNING = Path(__file__).resolve().parents[2] / "benchmarks" / "learning.py"
+from tests.helpers.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def learning():
-    spec = importlib.util.spec_from_file_location("learning", LEARNING)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["learning"]
+    with benchmark_script("learning") as module:
+        yield module
 
 
 def write_run(path: Path, optim: str, accuracies: list[float], step_s: float, every: int) -> Path:
