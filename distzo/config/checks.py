@@ -51,6 +51,11 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
             "--transfer sliced needs a torchrun launch (a process group); use --transfer naive "
             "or auto"
         )
+    if job.offload.low_bit_master == "recompute" and job.peft.peft != "none":
+        raise ValueError(
+            "--low-bit-master recompute rebuilds the masters of trained blocks that stream; an "
+            "adapter's stay on the device and its base is never updated: drop it"
+        )
     if data.task in TASK_NAMES and optim.objective is not None:  # an unknown task: the job's
         check_objective(data.task, optim.objective)
     if optim.grad_accum < 1 or optim.grad_accum > data.batch_size // dims.dp:

@@ -22,6 +22,7 @@ ESTIMATOR_NAMES = tuple(ESTIMATORS)
 OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIMIZER_STATES = ("auto", "recomputed", "stored")
 STATE_DTYPES = ("fp32", "bf16")
+LOW_BIT_MASTERS = ("buffer", "recompute")
 MAX_MOMENTUM_WINDOW = 256  # noise draws per block per update
 
 
@@ -42,6 +43,12 @@ class ZOConfig:
     on the device); ``compute_dtype`` (``auto``: the model's dtype) is what the
     perturbed weights and activations use (AMP); ``transfer_chunks`` pieces of each
     rank's share pipeline the sliced upload's copy with its all-gather.
+    ``low_bit_master`` says where a trained block that crosses the link in a low-bit
+    ``transfer_dtype`` keeps its float32 master while it computes: ``buffer`` (one
+    buffer the size of the largest block, the update applied once) or ``recompute`` (no
+    buffer: the master rebuilt ``noise_chunk`` elements at a time from the block's low-bit
+    copy for each pass and for the write-back, the update's noise drawn again each time;
+    the same trajectory bit for bit, one float32 block less device memory).
     ``estimator`` turns a step's forward passes into its update (``distzo.zo.estimators``):
     ``spsa`` (MeZO's two-sided differences, n-SPSA with several queries) or ``fzoo``
     (FZOO: ``num_queries`` one-sided differences plus the unperturbed loss, normalised
@@ -92,6 +99,7 @@ class ZOConfig:
     transfer_dtype: str = "fp32"
     compute_dtype: str = "auto"
     transfer_chunks: int = 4
+    low_bit_master: str = "buffer"
     num_queries: int = 1
     estimator: str = "spsa"
     noise: str = "gaussian"
@@ -118,6 +126,7 @@ class ZOConfig:
         self._check_optimizer()
         self._check_batching()
         self._check_estimator()
+        self._check_low_bit_master()
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError(
                 "transfer sliced only applies to mode offload (resident blocks never travel)"
@@ -187,6 +196,28 @@ class ZOConfig:
             )
         if self.transfer_chunks < 1:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+
+    def _check_low_bit_master(self) -> None:
+        """A master rebuilt for each pass needs a low-bit transfer and a stateless update."""
+        if self.low_bit_master not in LOW_BIT_MASTERS:
+            raise ValueError(
+                f"low_bit_master must be one of {', '.join(LOW_BIT_MASTERS)}, got "
+                f"{self.low_bit_master!r}"
+            )
+        if self.low_bit_master == "buffer":
+            return
+        if self.mode != "offload" or self.transfer_dtype == "fp32":
+            raise ValueError(
+                "low_bit_master recompute rebuilds the float32 master of a block that travels in "
+                "a low-bit transfer_dtype; use mode offload with transfer_dtype bf16, fp16 or "
+                "fp8, or low_bit_master buffer"
+            )
+        if self.stored_state:
+            raise ValueError(
+                "low_bit_master recompute applies the update again for each pass, which stored "
+                "moments (Adam, optimizer_state stored) cannot take twice; use low_bit_master "
+                "buffer"
+            )
 
     def _check_lowrank(self) -> None:
         """LOZO's rank and interval: positive, and set only for the noise that uses them."""

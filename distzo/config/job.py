@@ -33,6 +33,7 @@ from distzo.config.cli import program
 from distzo.config.engine_options import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
+    LOW_BIT_MASTERS,
     MODES,
     OPTIMIZER_STATES,
     OPTIMIZERS,
@@ -353,6 +354,13 @@ class OffloadOptions:
     transfer_chunks: int = engine_option(
         "transfer_chunks",
         "pieces of each rank's share, pipelining the sliced upload's copy and all-gather",
+    )
+    low_bit_master: str = engine_option(
+        "low_bit_master",
+        "a block's float32 master under a low-bit --transfer-dtype: buffer (one float32 block "
+        "on the device) or recompute (none: rebuilt a noise chunk at a time for each pass; the "
+        "same steps bit for bit, one float32 block less device memory, more noise work)",
+        LOW_BIT_MASTERS,
     )
 
     def validate(self) -> None:

@@ -122,6 +122,7 @@ def store_maker(
             rounding_noise,
             config.transfer_chunks,
             read_only=read_only,
+            master_buffer=config.low_bit_master == "buffer",
         )
 
     return streamed

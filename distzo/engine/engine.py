@@ -219,6 +219,7 @@ class ZOEngine:
         self.moments, self.carried = parts.moments, parts.carried
         self.block_scratch, self.resident = parts.block_scratch, parts.resident
         self.pass_groups_of = parts.pass_groups_of
+        self.rebuilt = parts.rebuilt
         model.to(self.device)  # parameters already live on the device; this moves buffers only
         if self.device.type == "cuda":
             # The buffers were filled on the default stream; the three streams start after that.

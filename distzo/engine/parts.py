@@ -29,12 +29,14 @@ from distzo.engine.build import (
 )
 from distzo.engine.layouts import device_bucket, split_layouts
 from distzo.engine.passes import Group, pass_grouping
+from distzo.engine.rebuilt_master import RebuiltMaster
 from distzo.engine.resident_sides import resident_sides
 from distzo.engine.scratch import ResidentScratch, bound_scratch
 from distzo.engine.state import StoredBuckets
 from distzo.engine.tuning import Tuning, make_tuning
 from distzo.engine.updates import UpdateRule
 from distzo.models.weights import WeightSource
+from distzo.offload import StreamedBlocks
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.runtime.units import format_bytes, format_count
 from distzo.zo import NoiseSource, Pass
@@ -71,6 +73,7 @@ class Parts:
     resident: ResidentScratch
     pass_groups_of: Callable[[tuple[Pass, ...]], list[Group]]
     compute_dtype: torch.dtype
+    rebuilt: RebuiltMaster | None  # a low-bit block's master without the buffer
 
 
 def build_parts(
@@ -110,6 +113,11 @@ def build_parts(
     )
     scratch_dtype = compute_dtype(config, dtype)
     block_scratch, resident, groups = _bind_scratch(model, tuning, trained, at, scratch_dtype)
+    rebuilt = (
+        RebuiltMaster(store, config.noise_chunk, device, dtype)
+        if isinstance(store, StreamedBlocks) and store.rebuilds
+        else None
+    )
     return Parts(
         tuning,
         trained,
@@ -122,6 +130,7 @@ def build_parts(
         resident,
         groups,
         scratch_dtype,
+        rebuilt,
     )
 
 

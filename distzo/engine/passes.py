@@ -10,7 +10,7 @@ of every micro-batch carried between blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,31 +164,63 @@ class BlockPass:
             ]
 
     def compute(self, i: int, bucket: torch.Tensor) -> None:
-        """Block ``i`` on the device: take the updates, then run every group through it."""
+        """Block ``i`` on the device: take the updates, then run every group through it.
+        A master rebuilt per read (``engine.rebuilt``) takes them wherever it is read,
+        and is written back once every group has run."""
         engine = self.engine
         bucket = engine.tuning.visit(i, bucket)
-        for update in self.updates:
-            engine.update_rule.apply(
-                engine.noise,
-                update,
-                bucket,
-                engine.block_layouts[i],
-                i + 1,
-                engine.moments.device_buckets(i),
-            )
+        if engine.rebuilt is None:
+            for update in self.updates:
+                engine.update_rule.apply(
+                    engine.noise,
+                    update,
+                    bucket,
+                    engine.block_layouts[i],
+                    i + 1,
+                    engine.moments.device_buckets(i),
+                )
         for group in self.groups:
             if len(group) == 1:
                 self._alone(i, bucket, group)
             else:
                 self._batched(i, bucket, group)
+        if engine.rebuilt is not None and self.updates:
+            engine.rebuilt.write_back(i, lambda lo, hi: self._master(i, bucket, lo, hi))
+
+    def _master(
+        self, i: int, at_rest: torch.Tensor, lo: int, hi: int
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Pieces of block ``i``'s master over ``[lo, hi)``, rebuilt from its values at rest."""
+        engine = self.engine
+        assert engine.rebuilt is not None
+        return engine.rebuilt.pieces(
+            at_rest,
+            lo,
+            hi,
+            self.updates,
+            engine.update_rule,
+            engine.noise,
+            engine.block_layouts[i],
+            i + 1,
+        )
+
+    def _perturb(
+        self, out: torch.Tensor, i: int, bucket: torch.Tensor, sign: int, query: int
+    ) -> None:
+        """``out`` <- block ``i``'s master perturbed for the pass ``(query, sign)``."""
+        engine = self.engine
+        scale, n = sign * engine.config.eps, bucket.numel()
+        if engine.rebuilt is None:
+            engine.noise.perturb_into(out, bucket, scale, self.step, i + 1, query)
+            return
+        for a, b, master in self._master(i, bucket, 0, n):
+            engine.noise.perturb_into(out[a:b], master, scale, self.step, i + 1, query, a, n)
 
     def _alone(self, i: int, bucket: torch.Tensor, group: Group) -> None:
         engine = self.engine
         ((query, sign),) = group
         if bucket.numel():
-            engine.noise.perturb_into(
-                engine.block_scratch, bucket, sign * engine.config.eps, self.step, i + 1, query
-            )
+            self._perturb(engine.block_scratch, i, bucket, sign, query)
         self.hiddens[group] = [
             engine.family.block_forward(engine.blocks[i], h, ctx)
             for h, ctx in zip(self.hiddens[group], self.contexts[1])
@@ -198,9 +230,7 @@ class BlockPass:
         engine = self.engine
         with engine.tuning.stacked(i, len(group)) as rows:
             for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
-                engine.noise.perturb_into(
-                    rows[k], bucket, sign * engine.config.eps, self.step, i + 1, query
-                )
+                self._perturb(rows[k], i, bucket, sign, query)
             self.hiddens[group] = [
                 engine.family.block_forward(engine.blocks[i], h, ctx)
                 for h, ctx in zip(self.hiddens[group], self.contexts[len(group)])

@@ -164,12 +164,17 @@ class UpdateRule:
         layout: BucketLayout,
         block_id: int,
         moments: list[torch.Tensor],
+        start: int = 0,
     ) -> None:
-        """theta of ``bucket`` (and its ``moments``) after ``update``; z drawn by ``noise``."""
+        """theta of ``bucket`` (and its ``moments``) after ``update``; z drawn by ``noise``.
+        ``bucket`` may be elements ``[start, start + n)`` of the layout's bucket where no
+        moments are stored (a master rebuilt a piece at a time)."""
         if not layout.numel:
             return
         wd = self.weight_decay
         if self.moment_updater is not None:
+            if start or bucket.numel() != layout.numel:
+                raise ValueError("stored moments update whole buckets, not a piece of one")
             self.moment_updater.apply(
                 noise,
                 bucket,
@@ -184,5 +189,11 @@ class UpdateRule:
             return
         terms = [(step, query, update.lr * c) for step, query, c in update.terms()]
         noise.apply_terms(
-            bucket, layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms, block_id
+            bucket,
+            layout.decay_end if wd else 0,
+            1.0 - update.lr * wd,
+            terms,
+            block_id,
+            start,
+            layout.numel,
         )

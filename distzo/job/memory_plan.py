@@ -254,10 +254,14 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     if config.mode == "offload":
         host = sum(b.padded) // b.owners * wire
         # K slots in the wire format; a trained low-bit block is rebuilt in the one master
-        # buffer while it computes; a frozen base's stays in the wire format (read, upcast
-        # into its compute scratch)
-        rebuilt = master if b.resident_base is None and wire != master else 0
-        blocks = max(b.padded) * (config.num_slots * wire + rebuilt)
+        # buffer while it computes (or a noise chunk of it at a time, without the buffer);
+        # a frozen base's stays in the wire format (read, upcast into its compute scratch)
+        biggest = max(b.padded)
+        rebuilt = 0
+        if b.resident_base is None and wire != master:
+            whole = config.low_bit_master == "buffer"
+            rebuilt = (biggest if whole else min(config.noise_chunk, biggest)) * master
+        blocks = biggest * config.num_slots * wire + rebuilt
     else:
         host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
     scratch = max(layout.numel for layout in b.trained) * compute

@@ -18,6 +18,7 @@ import torch
 from distzo.config.engine_options import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
+    LOW_BIT_MASTERS,
     TRANSFER_DTYPE_NAMES,
     ZOConfig,
 )
@@ -42,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--transfer-dtype", default="bf16", choices=TRANSFER_DTYPE_NAMES)
     parser.add_argument("--compute-dtype", default="bf16", choices=COMPUTE_DTYPE_NAMES)
     parser.add_argument("--num-slots", type=int, default=3)
+    parser.add_argument(
+        "--low-bit-master",
+        default="buffer",
+        choices=LOW_BIT_MASTERS,
+        help="a low-bit block's float32 master: one buffer, or rebuilt a chunk at a time",
+    )
     parser.add_argument("--estimator", default="spsa", choices=ESTIMATOR_NAMES)
     parser.add_argument(
         "--num-queries", type=int, default=None, help="default: the estimator's (spsa 1, fzoo 8)"
@@ -64,6 +71,7 @@ def report(args: argparse.Namespace) -> str:
         mode="offload",
         num_slots=args.num_slots,
         transfer_dtype=args.transfer_dtype,
+        low_bit_master=args.low_bit_master,
         compute_dtype=args.compute_dtype,
         estimator=args.estimator,
         num_queries=queries,
@@ -93,10 +101,11 @@ def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int, confi
     # a step's passes, named where they are not MeZO's two (one hidden state each)
     passes = len(config.step_passes())
     step = "" if passes == 2 else f"{config.estimator} with {passes} passes per step, "
+    master = "" if config.low_bit_master == "buffer" else "block masters recomputed, "
     out = [
         f"{args.model_config}, {args.nproc} GPUs on one node, dp {dp} x pert {args.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
-        f"{args.num_slots} slots, {step}{rows} rows x {args.seq_len} tokens per forward",
+        f"{args.num_slots} slots, {master}{step}{rows} rows x {args.seq_len} tokens per forward",
         f"memory plan: {plan.describe()}",
         "device, per rank:",
         *(f"  {name:<24} {b(size):>10}" for name, size in plan.device_terms().items()),

@@ -60,6 +60,7 @@ RESUME_MAY_CHANGE = (
     "num_slots",
     "transfer",
     "transfer_chunks",
+    "low_bit_master",
     "device",
     "dp",
     "pert",

@@ -18,7 +18,10 @@ lives only while its block computes: ``unpack`` rebuilds it from the wire slot (
 on the compute stream before the update, ``pack`` rounds it stochastically back into the
 wire slot (see ``low_bit``) before the next block's ``unpack``, and ``offload`` copies the
 wire slot to the host. K fp32 slots would cost K - 1 more blocks of device memory (3 x
-2.4 GB at OPT-30B) for the same arithmetic.
+2.4 GB at OPT-30B) for the same arithmetic. Without the master buffer
+(``master_buffer=False``), the block computes from its wire slot, which keeps the values
+at rest until the block is done: whoever computes rebuilds the master a piece at a time
+where it reads it, and ``pack_rebuilt`` rounds the rebuilt pieces back into the slot.
 
 ``read_only``: the frozen base of an adapter run. Blocks only go up; nothing is ever
 written back, so a low-bit host copy is rounded once, to nearest, when it is loaded.
@@ -26,6 +29,7 @@ written back, so a low-bit host copy is rounded once, to nearest, when it is loa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +73,7 @@ class StreamedBlocks:
         chunks: int = 1,
         read_only: bool = False,
         rounding_stream: int = ROUNDING_STREAM,
+        master_buffer: bool = True,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"transfer chunks must be >= 1, got {chunks}")
@@ -114,9 +119,11 @@ class StreamedBlocks:
         # ``unpacked``, one buffer of the master dtype for all K slots; otherwise (full
         # precision, or a frozen base whose reader upcasts) the slot is what computes.
         self.slots = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
+        # A trained low-bit store without the buffer has its master rebuilt by the caller.
+        self.rebuilds = self.low_bit and not read_only and not master_buffer
         self.unpacked = (
             DeviceSlots(1, biggest, device, master_dtype)
-            if self.low_bit and not read_only
+            if self.low_bit and not read_only and master_buffer
             else None
         )
         self.num_slots = num_slots
@@ -178,6 +185,18 @@ class StreamedBlocks:
         master, wire = self._unpacked(index), self._wire(index)
         for _, (s_lo, s_hi) in self._pieces(index):
             self._round_into(wire[s_lo:s_hi], master[s_lo:s_hi], index, s_lo)
+
+    def pack_rebuilt(
+        self, index: int, masters: Callable[[int, int], Iterator[tuple[int, int, torch.Tensor]]]
+    ) -> None:
+        """``pack`` for a store without the master buffer: ``masters(lo, hi)`` yields the
+        rebuilt master of block elements ``[lo, hi)`` a piece ``(a, b, values)`` at a time,
+        each rounded into this rank's pieces of the wire slot as ``pack`` rounds it (the
+        padding, zeros, stays as it is)."""
+        wire = self._wire(index)
+        for lo, hi in self.share_ranges(index):
+            for a, b, master in masters(lo, hi):
+                self._round_into(wire[a:b], master, index, a)
 
     def offload(self, index: int) -> None:
         """This rank's pieces of the slot to the host (a low-bit slot was ``pack``ed)."""

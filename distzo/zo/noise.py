@@ -308,11 +308,20 @@ class NoiseSource:
         shrink: float,
         terms: Sequence[tuple[int, int, float]],
         block_id: int,
+        start: int = 0,
+        total: int | None = None,
     ) -> None:
         """theta <- theta * shrink on ``[0, decay_end)``, then + sum alpha * z over the
         ``(step, query, alpha)`` terms (one step's queries, or a momentum's recent steps).
         Chunk by chunk, so each piece of theta is read and written while it is hot, whatever
-        the number of terms (on CUDA: one kernel, one pass per term)."""
+        the number of terms (on CUDA: one kernel, one pass per term).
+
+        ``theta`` holds elements ``[start, start + n)`` of a bucket of ``total`` elements
+        (the whole bucket by default; ``decay_end`` counts from the bucket's start): an
+        element takes the same operations in whichever piece of the bucket it is updated."""
+        n = theta.numel()
+        stop = start + n
+        total = stop if total is None else total
         if self.fuses(theta):
             keys = [self.key(step, block_id, query) for step, query, _ in terms]
             triton_noise.update(
@@ -323,14 +332,15 @@ class NoiseSource:
                 [a for _, _, a in terms],
                 self.kind,
                 self.kind_table,
+                start,
             )
             return
-        n, c = theta.numel(), self.piece
-        for lo in range(0, n, c):
-            hi = min(lo + c, n)
-            piece = theta[lo:hi]
+        c = self.piece
+        for lo in range(start - start % c, stop, c):  # the pieces ``chunks`` draws
+            lo, hi = max(lo, start), min(lo + c, stop)
+            piece = theta[lo - start : hi - start]
             if lo < decay_end:
                 piece[: min(hi, decay_end) - lo].mul_(shrink)
             for step, query, alpha in terms:
-                for _, _, z in self.chunks(lo, hi, n, step, block_id, query):
+                for _, _, z in self.chunks(lo, hi, total, step, block_id, query):
                     piece.add_(z, alpha=alpha)

@@ -162,17 +162,19 @@ def update(
     alphas: Sequence[float],
     kind: str,
     table: torch.Tensor,
+    start: int = 0,
 ) -> None:
     """theta <- theta * shrink on [0, decay_end), then + sum_j alpha_j z_j: one launch,
     one read and one write of theta for all the terms (their keys and alphas in a tiny
-    table on the device)."""
+    table on the device). ``theta`` holds bucket elements [start, start + n);
+    ``decay_end`` counts from the bucket's start."""
     n = theta.numel()
-    _kernels()["update"][_grid(0, n, 8)](
+    _kernels()["update"][_grid(start, n, 8)](
         theta,
         table,
         packed_terms(keys, alphas, theta.device),
         len(keys),
-        0,
+        start,
         n,
         decay_end,
         shrink,

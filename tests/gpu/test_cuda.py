@@ -157,6 +157,31 @@ def test_low_bit_transfer_with_amp_compute_on_gpu():
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
 
 
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
+    """The Triton update, perturbation and rounding of a master rebuilt a chunk at a time
+    (chunks of 1,000: pieces start off every tile), bit for bit the buffered steps."""
+    runs = {}
+    for master in ("buffer", "recompute"):
+        model = tiny_opt(seed=0, num_hidden_layers=4)
+        config = ZOConfig(
+            device="cuda",
+            transfer_dtype=wire,
+            low_bit_master=master,
+            weight_decay=0.1,
+            noise_chunk=1000,
+            eps=1e-2,
+            lr=1e-3,
+            seed=0,
+        )
+        engine = ZOEngine(model, config)
+        losses = [engine.step(random_batch(64, seed=i)).loss for i in range(4)]
+        engine.flush()
+        runs[master] = (losses, engine.store.host_storage.view(torch.uint8).clone())
+    assert runs["recompute"][0] == runs["buffer"][0]
+    assert torch.equal(runs["recompute"][1], runs["buffer"][1])
+
+
 def test_memory_plan_matches_what_cuda_allocates():
     from distzo.job.memory_plan import plan_memory
     from distzo.models.shapes import shape_config
@@ -165,6 +190,13 @@ def test_memory_plan_matches_what_cuda_allocates():
     for config in (
         ZOConfig(device="cuda", seed=0),
         ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
+        ZOConfig(
+            device="cuda",
+            seed=0,
+            transfer_dtype="bf16",
+            compute_dtype="bf16",
+            low_bit_master="recompute",
+        ),
         ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16"),
     ):
         model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)

@@ -115,6 +115,30 @@ for kind in ("gaussian", "rademacher"):
                 n,
                 steps,
             )
+            # a piece of a bucket at an offset (a master rebuilt a chunk at a time) takes
+            # the operations of its places there: the bits of the whole bucket's update,
+            # the decay ending inside the piece; past 2^31, the CPU path's at that offset
+            bucket = 4090 + n
+            decay_end = 4090 + n // 2
+            whole = torch.randn(bucket, generator=gen)
+            updated = whole.clone()
+            triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
+            for start in (37, 4090, 2**31 - 100):
+                inside = start < bucket
+                piece = whole[start : start + n].clone() if inside else theta.clone()
+                ends = decay_end if inside else start + n // 2
+                triton_noise.update(piece, ends, shrink, keys, alphas, kind, table, start)
+                if inside:
+                    expected = updated[start : start + n]
+                else:
+                    expected = theta.clone()
+                    src.apply_terms(expected, ends, shrink, terms, 9, start, start + n)
+                assert torch.equal(piece.view(torch.int32), expected.view(torch.int32)), (
+                    kind,
+                    n,
+                    steps,
+                    start,
+                )
 
 
 class Launches:

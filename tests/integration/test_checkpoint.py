@@ -272,14 +272,17 @@ def test_replay_rejects_a_malformed_log(tmp_path, log, message):
     )
 
 
-def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path):
+@pytest.mark.parametrize("resumed_master", ["buffer", "recompute"])
+def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path, resumed_master):
     # A flush moves a stochastic-rounding point, so the resumed leg must flush (evaluate)
-    # exactly where the uninterrupted run does: it does not evaluate where it resumes.
+    # exactly where the uninterrupted run does: it does not evaluate where it resumes. The
+    # resumed leg may rebuild its block masters without the buffer: the same steps.
     flags = COMMON + ["--transfer-dtype", "bf16", "--compute-dtype", "fp32", "--eval-steps", "3"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
     assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
-    proc = launch(1, flags + ["--output-dir", str(cut), "--resume"])
+    resumed = ["--low-bit-master", resumed_master, "--output-dir", str(cut), "--resume"]
+    proc = launch(1, flags + resumed)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Run(cut).grads == Run(full).grads
     assert_same_params(Run(cut), Run(full))

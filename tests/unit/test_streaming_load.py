@@ -70,6 +70,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path):
     configs = (
         ZOConfig(device="cpu", num_slots=3),
         ZOConfig(device="cpu", transfer_dtype="bf16"),
+        ZOConfig(device="cpu", transfer_dtype="bf16", low_bit_master="recompute", noise_chunk=999),
         ZOConfig(device="cpu", noise="legacy"),
     )
     for config in configs:
@@ -82,6 +83,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path):
             + engine.store.device_bytes
             + engine.noise.device_bytes
             + (engine.rounding_noise.device_bytes if engine.rounding_noise else 0)
+            + (engine.rebuilt.device_bytes if engine.rebuilt else 0)
         )
         assert plan.device_bytes == allocated
         assert plan.host_bytes == engine.store.host_bytes

@@ -1,0 +1,163 @@
+"""A low-bit block's master rebuilt a chunk at a time (``low_bit_master="recompute"``):
+the buffered trajectory bit for bit, without the float32 block on the device."""
+
+import pytest
+import torch
+
+from distzo import ZOConfig, ZOEngine
+from distzo.data import CountingTask
+from distzo.offload import BucketLayout, Shard, StreamedBlocks
+from distzo.offload.low_bit import TRANSFER_DTYPES
+from distzo.zo import NoiseSource
+from tests.helpers.launch import train_in_process
+from tests.helpers.models import tiny_opt
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "rademacher", "legacy"])
+def test_a_piece_of_a_bucket_takes_the_update_of_its_places(kind):
+    """apply_terms on elements [start, stop) of a bucket: the bits of those elements of the
+    whole bucket's update, the decay ending inside a piece, pieces not aligned to the
+    noise's own."""
+    noise = NoiseSource(5, 64, torch.device("cpu"), torch.float32, kind=kind)
+    total, decay_end = 1000, 410
+    terms = [(3, 0, -0.3), (3, 1, 0.2), (2, 0, 0.05)]
+    whole = torch.randn(total, generator=torch.Generator().manual_seed(0))
+    expected = whole.clone()
+    noise.apply_terms(expected, decay_end, 0.99, terms, 7)
+    for size in (100, 37, 1000):
+        rebuilt = whole.clone()
+        for start in range(0, total, size):
+            piece = rebuilt[start : start + size]
+            noise.apply_terms(piece, decay_end, 0.99, terms, 7, start, total)
+        assert torch.equal(rebuilt.view(torch.int32), expected.view(torch.int32)), size
+
+
+def trajectory(master, steps=4, **options):
+    """Each step's loss, an evaluation with the update pending (applied on the way, not
+    written back), one more step; then the blocks at rest and the resident master."""
+    model = tiny_opt(seed=0)
+    task = CountingTask(model.config.vocab_size, seed=0)
+    config = ZOConfig(lr=1e-2, eps=1e-2, seed=0, device="cpu", low_bit_master=master, **options)
+    engine = ZOEngine(model, config)
+    losses = [engine.step(task.batch(8)).loss for _ in range(steps)]
+    evaluation = task.batch(8)
+    evaluation["labels"] = evaluation["input_ids"]
+    losses.append(engine.forward(evaluation)[1].item())
+    losses.append(engine.step(task.batch(8)).loss)
+    engine.flush()
+    return engine, losses
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"transfer_dtype": "bf16"},
+        {"transfer_dtype": "fp8", "weight_decay": 0.1, "noise_chunk": 1000},
+        {
+            "transfer_dtype": "fp16",
+            "compute_dtype": "fp16",
+            "optimizer": "momentum",
+            "num_queries": 2,
+            "noise_chunk": 777,
+        },
+        {"transfer_dtype": "bf16", "estimator": "fzoo", "num_queries": 3, "noise_chunk": 999},
+        {"transfer_dtype": "bf16", "noise": "lowrank", "weight_decay": 0.5, "noise_chunk": 1001},
+        {"transfer_dtype": "bf16", "noise": "legacy", "noise_chunk": 1001},
+    ],
+    ids=["bf16", "fp8-decay", "fp16-momentum-q2", "fzoo", "lozo-decay", "legacy"],
+)
+def test_recomputed_masters_follow_the_buffered_trajectory_bit_for_bit(options):
+    buffered, losses = trajectory("buffer", **options)
+    rebuilt, rebuilt_losses = trajectory("recompute", **options)
+    assert rebuilt_losses == losses
+    assert len(set(losses)) == len(losses)  # the steps moved the weights
+    at_rest = buffered.store.host_storage.view(torch.uint8)
+    assert torch.equal(rebuilt.store.host_storage.view(torch.uint8), at_rest)
+    assert torch.equal(rebuilt.resident_master, buffered.resident_master)
+    # K slots of the wire format and a noise chunk of float32, where the buffer held a block
+    store, wire = rebuilt.store, TRANSFER_DTYPES[options["transfer_dtype"]].itemsize
+    biggest = max(store.padded)
+    assert buffered.store.device_bytes == biggest * (3 * wire + 4)
+    assert store.device_bytes == biggest * 3 * wire
+    assert rebuilt.rebuilt.device_bytes == min(rebuilt.config.noise_chunk, biggest) * 4
+    assert buffered.rebuilt is None
+
+
+def test_pack_rebuilt_rounds_the_pieces_a_rank_owns_as_pack_does():
+    """A sliced rank's write-back from rebuilt pieces: its own pieces of the slot rounded
+    bit for bit as from the buffer, the other rank's pieces left as they arrived."""
+    layouts = [BucketLayout((), 5000, 0, torch.float32)]  # one block of 5,000 elements
+    rounding = NoiseSource(9, 1 << 12, torch.device("cpu"), torch.float32, "uniform")
+    made = {}
+    for buffer in (True, False):
+        store = StreamedBlocks(
+            layouts,
+            torch.device("cpu"),
+            2,
+            torch.bfloat16,
+            Shard(None, 1, 2),
+            rounding,
+            chunks=2,
+            master_buffer=buffer,
+        )
+        store.step = 4
+        wire = store._wire(0)
+        wire.copy_(torch.randn(wire.numel(), generator=torch.Generator().manual_seed(1)))
+        made[buffer] = (store, wire.clone())
+    (buffered, arrived), (rebuilding, _) = made[True], made[False]
+    assert rebuilding.rebuilds and rebuilding.unpacked is None and not buffered.rebuilds
+
+    def moved(values):
+        return values.float() * 1.001 + 1e-3
+
+    buffered.unpack(0)
+    master = buffered.device_bucket(0)
+    master.copy_(moved(master))
+    buffered.pack(0)
+
+    def masters(lo, hi):
+        for a in range(lo, hi, 300):
+            b = min(a + 300, hi)
+            yield a, b, moved(rebuilding._wire(0)[a:b])
+
+    rebuilding.pack(0)  # without the buffer, pack leaves the slot to pack_rebuilt
+    assert torch.equal(rebuilding._wire(0).view(torch.int16), arrived.view(torch.int16))
+    rebuilding.pack_rebuilt(0, masters)
+    after = rebuilding._wire(0).view(torch.int16)
+    assert torch.equal(after, buffered._wire(0).view(torch.int16))
+    owned = torch.zeros(after.numel(), dtype=torch.bool)
+    for lo, hi in rebuilding.share_ranges(0):
+        owned[lo:hi] = True
+    assert 0 < owned.sum() < 5000
+    assert torch.equal(after[~owned], arrived.view(torch.int16)[~owned])
+    assert not torch.equal(after[owned], arrived.view(torch.int16)[owned])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"low_bit_master": "none"}, "low_bit_master must be one of buffer, recompute"),
+        ({"low_bit_master": "recompute"}, "use mode offload with transfer_dtype bf16"),
+        (
+            {"low_bit_master": "recompute", "mode": "resident", "transfer_dtype": "fp32"},
+            "use mode offload with transfer_dtype bf16",
+        ),
+        (
+            {"low_bit_master": "recompute", "transfer_dtype": "bf16", "optimizer": "adam"},
+            "stored moments",
+        ),
+    ],
+)
+def test_a_recomputed_master_needs_a_low_bit_transfer_and_a_stateless_update(options, message):
+    with pytest.raises(ValueError, match=message) as info:
+        ZOConfig(**options)
+    assert "\n" not in str(info.value)
+
+
+def test_an_adapter_run_refuses_recomputed_masters():
+    proc = train_in_process(
+        ["--peft", "lora", "--transfer-dtype", "bf16", "--low-bit-master", "recompute"]
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--low-bit-master recompute" in lines[0], proc.stderr
