@@ -6,7 +6,9 @@
         --system distzo-sliced ...        # rank 0 speaks the protocol
 
 Systems: ``distzo-resident`` (MeZO: every weight on the device), ``distzo-offload``
-(blocks in host memory, streamed through the default slots), ``distzo-offload-half``
+(blocks in host memory, streamed through the default slots), ``distzo-offload-recompute``
+(the same steps, the block's float32 master rebuilt a chunk at a time from its low-bit
+copy instead of held in a buffer the size of a block), ``distzo-offload-half``
 (the same with the model held in ``--dtype``, fp16 or bf16, as ZO2 holds its model: no
 float32 masters, each update rounded to nearest in that dtype as ZO2's) and, on 2 ranks,
 ``distzo-sliced`` (PertP over the 2 ranks, each uploading its half of every block and
@@ -39,7 +41,13 @@ from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, S
 from distzo.dist import process_group as pg
 from distzo.models.weights import RandomWeights, skeleton
 
-SYSTEMS = ("distzo-resident", "distzo-offload", "distzo-offload-half", "distzo-sliced")
+SYSTEMS = (
+    "distzo-resident",
+    "distzo-offload",
+    "distzo-offload-recompute",
+    "distzo-offload-half",
+    "distzo-sliced",
+)
 HALF_MASTERS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # A rank other than 0 waits in a broadcast while the other peers of an interleaved run
 # take their steps: hours at the largest shapes.
@@ -114,6 +122,7 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         compute_dtype=args.dtype,
         transfer="sliced" if args.system == "distzo-sliced" else "auto",
         transfer_dtype=transfer_dtype if mode == "offload" else "fp32",
+        low_bit_master="recompute" if args.system == "distzo-offload-recompute" else "buffer",
     )
     model = skeleton(config, HALF_MASTERS[args.dtype] if half else torch.float32)
     engine = ZOEngine(model, zo, parallel=parallel, weights=RandomWeights(args.seed))

@@ -12,10 +12,11 @@ Systems: ``zo2-mezo`` (ZO2's ``zo2=False``: its MeZO-SGD step, the model on the 
 ``zo2-offload`` (``zo2=True``: its CPU offload on three CUDA streams; CUDA only), both
 from the ZO2 checkout given by ``--zo2`` and run by ``benchmarks/peer_zo2.py`` under
 ``--zo2-python`` (ZO2 needs transformers 4.51); ``distzo-resident``, ``distzo-offload``
-(float32 masters), ``distzo-offload-half`` (with a 16-bit ``--dtype``: the masters in it,
-as ZO2 holds its model) and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks
-under torchrun), run by ``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD``
-speaking the protocol.
+(float32 masters), ``distzo-offload-recompute`` (the same steps with a low-bit link, the
+block's float32 master rebuilt a chunk at a time instead of held in a block-sized buffer),
+``distzo-offload-half`` (with a 16-bit ``--dtype``: the masters in it, as ZO2 holds its
+model) and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks under torchrun), run
+by ``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD`` speaking the protocol.
 
 The protocol (the harness's contract with a peer; ``distzo/bench/peer_protocol.py``
 holds it in full): the peer is launched as ``CMD --system NAME --shape SHAPE [--layers L]
@@ -69,7 +70,9 @@ HERE = Path(__file__).resolve().parent
 ZO2_SYSTEMS = ("zo2-mezo", "zo2-offload")
 # masters in --dtype, as ZO2 holds its model: only a 16-bit --dtype makes it another system
 HALF = "distzo-offload-half"
-DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", HALF, "distzo-sliced")
+# distzo-offload without the block-sized float32 master (a low-bit link only)
+RECOMPUTE = "distzo-offload-recompute"
+DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", RECOMPUTE, HALF, "distzo-sliced")
 BUILTIN = ZO2_SYSTEMS + DISTZO_SYSTEMS
 # (numerator, denominator) of every ratio reported when both systems ran
 PAIRS = (
@@ -79,6 +82,8 @@ PAIRS = (
     ("distzo-offload", "distzo-resident"),
     ("zo2-offload", "zo2-mezo"),
     ("distzo-sliced", "distzo-offload"),
+    (RECOMPUTE, "zo2-offload"),
+    (RECOMPUTE, "distzo-offload"),
     (HALF, "zo2-offload"),
     (HALF, "distzo-offload"),
 )
@@ -88,10 +93,20 @@ PAIRS = (
 # speed target names the phase that bounds the offloaded step.
 TARGETS = {
     "cpu": {("distzo-offload", "zo2-mezo"): 2.0},
-    "cuda": {("distzo-offload", "zo2-offload"): 1.2, ("distzo-offload", "distzo-resident"): 0.97},
+    "cuda": {
+        ("distzo-offload", "zo2-offload"): 1.2,
+        (RECOMPUTE, "zo2-offload"): 1.2,
+        ("distzo-offload", "distzo-resident"): 0.97,
+    },
 }
 # peak device memory, at most; distzo-offload-half is the comparison at ZO2's precision
-MEMORY_TARGETS = {"cuda": {("distzo-offload", "zo2-offload"): 1.0, (HALF, "zo2-offload"): 1.0}}
+MEMORY_TARGETS = {
+    "cuda": {
+        ("distzo-offload", "zo2-offload"): 1.0,
+        (RECOMPUTE, "zo2-offload"): 1.0,
+        (HALF, "zo2-offload"): 1.0,
+    }
+}
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 COLUMNS = [
     "tokens_per_s",
@@ -311,6 +326,11 @@ def parse_peers(specs: list[str]) -> dict[str, list[str]]:
     return peers
 
 
+def distzo_wire(args: argparse.Namespace) -> str:
+    """The dtype distzo's offloaded blocks rest and travel in."""
+    return str(args.distzo_transfer_dtype or args.dtype)
+
+
 def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
     """The systems to run, in round order, and the notes on those left out."""
     peers = parse_peers(args.peer)
@@ -318,6 +338,10 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
     cuda_devices = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.systems is None:
         names = list(ZO2_SYSTEMS if args.zo2 else ()) + ["distzo-resident", "distzo-offload"]
+        if distzo_wire(args) != "fp32":
+            names.append(RECOMPUTE)
+        else:
+            notes.append(f"{RECOMPUTE} did not run: an fp32 link has no low-bit master to rebuild")
         if args.dtype != "fp32":
             names.append(HALF)
         else:
@@ -346,6 +370,11 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
             raise SystemExit(
                 f"peers.py: --systems {HALF} keeps the masters in --dtype, and at fp32 it is "
                 "distzo-offload: use --dtype fp16 or bf16, or drop it"
+            )
+        if RECOMPUTE in names and distzo_wire(args) == "fp32":
+            raise SystemExit(
+                f"peers.py: --systems {RECOMPUTE} rebuilds the master of a block that travels "
+                "in 16 bits: use --dtype fp16 or bf16 (or --distzo-transfer-dtype), or drop it"
             )
         if "distzo-sliced" in names and args.device == "cuda" and cuda_devices < 2:
             names.remove("distzo-sliced")
@@ -513,8 +542,9 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
             notes.append(f"{a} runs at {ratio:.2f}x {b}'s tokens/s: the {target:g}x target is met")
             continue
         note = f"{a} runs at {ratio:.2f}x {b}'s tokens/s, below the {target:g}x target"
-        if offload is not None:
-            bound = bound_by(offload)
+        measured = phases.get(a, offload)
+        if measured is not None:
+            bound = bound_by(measured)
             note += f": its period per block is bound by {bound} (the phases above)"
             if b == "distzo-resident" and bound in ("upload", "offload"):
                 note += "; the target holds where compute >= transfer, which it is not here"

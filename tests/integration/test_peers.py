@@ -385,8 +385,10 @@ def test_gpu_targets_are_zo2_offloads_speed_and_memory_and_resident():
 
 
 def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
-    """distzo-offload-half: the model in --dtype as ZO2 holds it (no float32 masters), beside
-    distzo-offload in one interleaved run; refused in one line where it would be the same."""
+    """distzo-offload-half: the model in --dtype as ZO2 holds it (no float32 masters), and
+    distzo-offload-recompute: distzo-offload's steps without the block-sized master, beside
+    distzo-offload in one interleaved run; each refused in one line where it would be the
+    same as distzo-offload."""
     from benchmarks import peer_distzo
 
     def built(system: str) -> peer_distzo.DistzoSystem:
@@ -401,13 +403,24 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     assert half.engine.resident_master.nbytes * 2 == full.engine.resident_master.nbytes
     assert math.isfinite(half.step())
 
+    # the block's float32 master rebuilt a chunk at a time: the same steps, one float32
+    # block less on the device
+    rebuilt = built("distzo-offload-recompute")
+    assert rebuilt.engine.rebuilt is not None and full.engine.rebuilt is None
+    biggest = max(full.engine.store.padded)
+    assert full.engine.store.device_bytes - rebuilt.engine.store.device_bytes == biggest * 4
+    assert [rebuilt.step() for _ in range(2)] == [full.step() for _ in range(2)]
+
     out = tmp_path / "peers.json"
     bf16 = [*TINY, "--dtype", "bf16", "--warmup", "0"]
-    systems = ["--systems", "distzo-offload,distzo-offload-half", "--rounds", "2"]
-    proc = harness(*bf16, *systems, "--out", str(out))
+    names = "distzo-offload,distzo-offload-recompute,distzo-offload-half"
+    proc = harness(*bf16, "--systems", names, "--rounds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     validate_report(data)
     assert data["derived"]["distzo-offload-half_vs_distzo-offload"] > 0
+    assert data["derived"]["distzo-offload-recompute_vs_distzo-offload"] > 0
     with pytest.raises(SystemExit, match="distzo-offload-half keeps the masters in --dtype"):
         peers.main([*TINY, "--systems", "distzo-offload-half", "--out", str(out)])
+    with pytest.raises(SystemExit, match="distzo-offload-recompute rebuilds the master of a"):
+        peers.main([*TINY, "--systems", "distzo-offload-recompute", "--out", str(out)])
