@@ -355,12 +355,14 @@ class OffloadOptions:
         "transfer_chunks",
         "pieces of each rank's share, pipelining the sliced upload's copy and all-gather",
     )
-    low_bit_master: str = engine_option(
+    low_bit_master: str | None = engine_option(
         "low_bit_master",
         "a block's float32 master under a low-bit --transfer-dtype: buffer (one float32 block "
         "on the device) or recompute (none: rebuilt a noise chunk at a time for each pass; the "
-        "same steps bit for bit, one float32 block less device memory, more noise work)",
+        "same steps bit for bit, one float32 block less device memory, more noise work); by "
+        "default buffer, recompute when the memory plan does not fit the buffer but fits that",
         LOW_BIT_MASTERS,
+        default=None,
     )
 
     def validate(self) -> None:

@@ -183,6 +183,35 @@ def memory_plan(
     )
 
 
+SLOTS_FALLBACK = (
+    "3 device slots do not fit; using 2 (upload then waits for the offload two blocks back)"
+)
+RECOMPUTE_FALLBACK = (
+    "the low-bit blocks' float32 master buffer does not fit; rebuilding each block's master a "
+    "noise chunk at a time instead (--low-bit-master recompute: the same steps, more noise work)"
+)
+
+
+def device_fallbacks(job: JobConfig, config: ZOConfig) -> list[tuple[ZOConfig, list[str]]]:
+    """The layouts to try in turn until one fits, each with the log lines saying what it
+    gave up: ``config`` first; then, where the job was left to choose, the low-bit blocks'
+    masters rebuilt without their buffer (the same steps), then 2 slots (less overlap)."""
+    tries: list[tuple[ZOConfig, list[str]]] = [(config, [])]
+    if config.mode != "offload":
+        return tries
+    if (
+        job.offload.low_bit_master is None
+        and config.transfer_dtype != "fp32"
+        and not config.stored_state
+        and job.peft.peft == "none"
+    ):
+        recompute = dataclasses.replace(config, low_bit_master="recompute")
+        tries.append((recompute, [RECOMPUTE_FALLBACK]))
+    if job.offload.num_slots is None:
+        tries += [(dataclasses.replace(c, num_slots=2), [*why, SLOTS_FALLBACK]) for c, why in tries]
+    return tries
+
+
 def choose_slots(
     job: JobConfig,
     model: nn.Module,
@@ -191,26 +220,25 @@ def choose_slots(
     parallel: ParallelContext,
     device: torch.device,
 ) -> MemoryPlan:
-    """The memory plan, with the slot count resolved: the engine's default (3) unless
-    --num-slots says otherwise or 3 do not fit where 2 do (then 2, said in the log).
-    Recorded in config.toml."""
-    plan = memory_plan(job, model, data, config, parallel, device)
-    if job.offload.num_slots is None and config.mode == "offload":
+    """The memory plan, with what the job resolves itself where no option says: the
+    engine's 3 slots and buffered low-bit masters, unless they do not fit where a fallback
+    does (``device_fallbacks``, said in the log). Recorded in config.toml; where nothing
+    fits, the first plan's refusal (or --force) decides."""
+    first = memory_plan(job, model, data, config, parallel, device)
+    plan = first
+    for candidate, gave_up in device_fallbacks(job, config):
+        if candidate is not config:
+            plan = memory_plan(job, model, data, candidate, parallel, device)
         try:
             check_fits(plan, device, parallel.env.local_world_size, force=False)
         except ValueError:
-            two = memory_plan(
-                job, model, data, dataclasses.replace(config, num_slots=2), parallel, device
-            )
-            try:
-                check_fits(two, device, parallel.env.local_world_size, force=False)
-            except ValueError:
-                pass  # neither fits: the 3-slot plan's refusal (or --force) decides
-            else:
-                logger.info(
-                    "3 device slots do not fit; using 2 (upload then waits for the offload two "
-                    "blocks back)"
-                )
-                config.num_slots, plan = 2, two
+            continue
+        for line in gave_up:
+            logger.info(line)
+        config.num_slots, config.low_bit_master = candidate.num_slots, candidate.low_bit_master
+        break
+    else:
+        plan = first
     job.offload.num_slots = config.num_slots
+    job.offload.low_bit_master = config.low_bit_master
     return plan

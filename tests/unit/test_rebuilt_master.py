@@ -161,3 +161,79 @@ def test_an_adapter_run_refuses_recomputed_masters():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--low-bit-master recompute" in lines[0], proc.stderr
+
+
+def fallbacks_of(*flags):
+    from distzo.config.job import resolve
+    from distzo.job.build import device_fallbacks
+
+    job = resolve(list(flags))
+    return [
+        (c.num_slots, c.low_bit_master, why)
+        for c, why in device_fallbacks(job, job.engine_config("cpu"))
+    ]
+
+
+def test_the_job_drops_the_master_buffer_before_a_slot():
+    from distzo.job.build import RECOMPUTE_FALLBACK, SLOTS_FALLBACK
+
+    assert fallbacks_of("--transfer-dtype", "bf16") == [
+        (3, "buffer", []),
+        (3, "recompute", [RECOMPUTE_FALLBACK]),
+        (2, "buffer", [SLOTS_FALLBACK]),
+        (2, "recompute", [RECOMPUTE_FALLBACK, SLOTS_FALLBACK]),
+    ]
+    # what an option settles, or what cannot rebuild, is never tried
+    assert fallbacks_of("--transfer-dtype", "bf16", "--low-bit-master", "buffer") == [
+        (3, "buffer", []),
+        (2, "buffer", [SLOTS_FALLBACK]),
+    ]
+    assert fallbacks_of("--transfer-dtype", "bf16", "--num-slots", "3") == [
+        (3, "buffer", []),
+        (3, "recompute", [RECOMPUTE_FALLBACK]),
+    ]
+    assert [m for _, m, _ in fallbacks_of()] == ["buffer", "buffer"]  # an fp32 link
+    adam = fallbacks_of("--transfer-dtype", "bf16", "--optimizer", "adam")
+    lora = fallbacks_of("--transfer-dtype", "bf16", "--peft", "lora")
+    assert [m for _, m, _ in adam] == [m for _, m, _ in lora] == ["buffer", "buffer"]
+    assert fallbacks_of("--mode", "resident") == [(3, "buffer", [])]
+
+
+def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
+    """choose_slots takes the first fallback whose plan fits, records it in the job (its
+    config.toml) and says in the log what it gave up; where none fits, the first plan."""
+    from types import SimpleNamespace
+
+    from distzo.config.job import resolve
+    from distzo.job import build
+
+    def plan_of(job, model, data, config, parallel, device):
+        need = config.num_slots * 2 + (4 if config.low_bit_master == "buffer" else 0)
+        return SimpleNamespace(need=need, config=config)
+
+    def fits_under(budget):
+        def check(plan, device, local_ranks, force):
+            if plan.need > budget:
+                raise ValueError("the run does not fit")
+
+        return check
+
+    parallel = SimpleNamespace(env=SimpleNamespace(local_world_size=1))
+    monkeypatch.setattr(build, "memory_plan", plan_of)
+    for budget, chosen in [(10, (3, "buffer")), (6, (3, "recompute")), (5, (2, "recompute"))]:
+        monkeypatch.setattr(build, "check_fits", fits_under(budget))
+        job = resolve(["--transfer-dtype", "bf16"])
+        config = job.engine_config("cpu")
+        with caplog.at_level("INFO", logger="distzo.train"):
+            caplog.clear()
+            plan = build.choose_slots(job, None, None, config, parallel, None)
+        assert (config.num_slots, config.low_bit_master) == chosen
+        assert (job.offload.num_slots, job.offload.low_bit_master) == chosen
+        assert plan.config.num_slots == chosen[0] and plan.need <= budget
+        assert (build.RECOMPUTE_FALLBACK in caplog.text) == (chosen[1] == "recompute")
+        assert (build.SLOTS_FALLBACK in caplog.text) == (chosen[0] == 2)
+    monkeypatch.setattr(build, "check_fits", fits_under(1))
+    job = resolve(["--transfer-dtype", "bf16"])
+    config = job.engine_config("cpu")
+    plan = build.choose_slots(job, None, None, config, parallel, None)
+    assert plan.need == 10 and (config.num_slots, config.low_bit_master) == (3, "buffer")
