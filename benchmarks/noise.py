@@ -19,6 +19,9 @@ Ops on one float32 bucket of ``--elements``:
 * ``update``: theta -= lr * (g * z + wd * theta) (reads and writes theta: 8)
 * ``window``: a recomputed momentum's update, 32 steps' terms (reads and writes theta: 8)
 * ``momentum``, ``adam``: the stored moments' update (theta and 1 or 2 moments: 16, 24)
+* ``rebuild-perturb``: a pass's bf16 scratch from a bf16 block at rest and the step's
+  update, the master never stored (``--low-bit-master recompute``: reads 2, writes 2: 4;
+  one fused kernel on CUDA, else the upcast, the update and the perturbation in turn)
 * ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6);
   ``rounding-fp16`` (6) and ``rounding-fp8`` (5) likewise
 
@@ -57,6 +60,7 @@ BYTES = {
     "window": 8,
     "momentum": 16,
     "adam": 24,
+    "rebuild-perturb": 4,
     "rounding": 6,
     "rounding-fp16": 6,
     "rounding-fp8": 5,
@@ -104,6 +108,17 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
     if op == "window":  # a recomputed momentum: 32 steps' terms
         src, terms = source(path, device, chunk, n=n), [(99 - s, 0, 1e-9) for s in range(32)]
         return lambda: src.apply_terms(theta, n, 1.0, terms, 1)
+    if op == "rebuild-perturb":  # a bf16 block at rest, its master rebuilt for one pass
+        src, rest, terms = source(path, device, chunk, n=n), theta.bfloat16(), [(2, 0, -1e-7)]
+        out, master = torch.empty_like(rest), torch.empty_like(theta)
+
+        def rebuild_perturb() -> None:
+            if not src.rebuild_perturb_into(out, rest, n, 1.0, terms, 1, 1e-3, 3):
+                master.copy_(rest)
+                src.apply_terms(master, n, 1.0, terms, 1)
+                src.perturb_into(out, master, 1e-3, 3, 1)
+
+        return rebuild_perturb
     if op in ("momentum", "adam"):  # stored moments, updated beside theta
         src, rule = source(path, device, chunk), MomentRule(op, 0.9)
         moments = [torch.zeros_like(theta) for _ in range(rule.num_moments)]

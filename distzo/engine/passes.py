@@ -209,12 +209,22 @@ class BlockPass:
     ) -> None:
         """``out`` <- block ``i``'s master perturbed for the pass ``(query, sign)``."""
         engine = self.engine
-        scale, n = sign * engine.config.eps, bucket.numel()
+        scale = sign * engine.config.eps
         if engine.rebuilt is None:
             engine.noise.perturb_into(out, bucket, scale, self.step, i + 1, query)
             return
-        for a, b, master in self._master(i, bucket, 0, n):
-            engine.noise.perturb_into(out[a:b], master, scale, self.step, i + 1, query, a, n)
+        engine.rebuilt.perturb_into(
+            out,
+            bucket,
+            self.updates,
+            engine.update_rule,
+            engine.noise,
+            engine.block_layouts[i],
+            i + 1,
+            scale,
+            self.step,
+            query,
+        )
 
     def _alone(self, i: int, bucket: torch.Tensor, group: Group) -> None:
         engine = self.engine

@@ -70,6 +70,35 @@ class RebuiltMaster:
                 rule.apply(noise, update, master, layout, block_id, [], start=a)
             yield a, b, master
 
+    def perturb_into(
+        self,
+        out: torch.Tensor,
+        at_rest: torch.Tensor,
+        updates: Sequence[PendingUpdate],
+        rule: UpdateRule,
+        noise: NoiseSource,
+        layout: BucketLayout,
+        block_id: int,
+        scale: float,
+        step: int,
+        query: int,
+    ) -> None:
+        """``out`` <- the block's master after ``updates``, + scale * z of the pass: in one
+        fused kernel where the noise has one (CUDA; a 16-bit block, a float32 master and at
+        most one update, the step's), else piece by piece."""
+        n = at_rest.numel()
+        if self.stage.dtype == torch.float32 and len(updates) <= 1:
+            decay_end, shrink, terms = (
+                rule.noise_terms(updates[0], layout) if updates else (0, 1.0, [])
+            )
+            fused = noise.rebuild_perturb_into(
+                out, at_rest, decay_end, shrink, terms, block_id, scale, step, query
+            )
+            if fused:
+                return
+        for a, b, master in self.pieces(at_rest, 0, n, updates, rule, noise, layout, block_id):
+            noise.perturb_into(out[a:b], master, scale, step, block_id, query, a, n)
+
     def write_back(
         self, index: int, masters: Callable[[int, int], Iterator[tuple[int, int, torch.Tensor]]]
     ) -> None:

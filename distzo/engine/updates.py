@@ -187,13 +187,14 @@ class UpdateRule:
                 block_id,
             )
             return
+        decay_end, shrink, terms = self.noise_terms(update, layout)
+        noise.apply_terms(bucket, decay_end, shrink, terms, block_id, start, layout.numel)
+
+    def noise_terms(
+        self, update: PendingUpdate, layout: BucketLayout
+    ) -> tuple[int, float, list[tuple[int, int, float]]]:
+        """ZO-SGD's update of a bucket as ``NoiseSource.apply_terms`` takes it: where the
+        decay ends, the shrink it applies, and each noise draw's ``(step, query, alpha)``."""
+        wd = self.weight_decay
         terms = [(step, query, update.lr * c) for step, query, c in update.terms()]
-        noise.apply_terms(
-            bucket,
-            layout.decay_end if wd else 0,
-            1.0 - update.lr * wd,
-            terms,
-            block_id,
-            start,
-            layout.numel,
-        )
+        return layout.decay_end if wd else 0, 1.0 - update.lr * wd, terms

@@ -280,6 +280,43 @@ class NoiseSource:
                 theta[lo - start : hi - start], z, alpha=scale, out=out[lo - start : hi - start]
             )
 
+    def rebuild_perturb_into(
+        self,
+        out: torch.Tensor,
+        at_rest: torch.Tensor,
+        decay_end: int,
+        shrink: float,
+        terms: Sequence[tuple[int, int, float]],
+        block_id: int,
+        scale: float,
+        step: int,
+        query: int = 0,
+    ) -> bool:
+        """out = (float32(at_rest) after ``apply_terms(.., decay_end, shrink, terms, ..)``)
+        + scale * z_query, the master never stored: one fused kernel where there is one
+        (CUDA with Triton, a portable kind, a bf16 or fp16 block at rest): True if it ran.
+        Otherwise the caller rebuilds the master and perturbs it (the same result)."""
+        fused = (
+            self.fuses()  # CUDA, Triton, a kind drawn element by element
+            and at_rest.dtype in triton_noise.REBUILDS_FROM
+            and at_rest.is_contiguous()
+            and out.is_contiguous()
+        )
+        if fused:
+            triton_noise.rebuild_perturb(
+                out[: at_rest.numel()],
+                at_rest,
+                decay_end,
+                shrink,
+                [self.key(s, block_id, q) for s, q, _ in terms],
+                [a for _, _, a in terms],
+                self.key(step, block_id, query),
+                scale,
+                self.kind,
+                self.kind_table,
+            )
+        return fused
+
     def apply_update(
         self,
         theta: torch.Tensor,

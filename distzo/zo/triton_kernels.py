@@ -150,7 +150,7 @@ def perturb_kernel(
         inside = (e >= start) & (e - start < n)
         theta = tl.load(theta_ptr + (e - start), mask=inside)
         z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
-        out = theta + scale * z
+        out = tl.fma(z, scale, theta)  # one rounding, as torch's add(theta, z, alpha=scale)
         tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -209,11 +209,48 @@ def update_kernel(
     counters, e = tile_elements(start, BLOCKS)
     inside = (e >= start) & (e - start < n)
     theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
+    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    tl.store(theta_ptr + (e - start), theta, mask=inside)
+
+
+@triton.jit
+def updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND):
+    """A tile of theta after an update: the decay on [0, decay_end), then each term's
+    fused multiply-add in order (``update_kernel``'s arithmetic, wherever it runs)."""
     theta = tl.where(e < decay_end, theta * shrink, theta)
     for j in range(num_terms):
         k0, k1, alpha = term(terms_ptr, j)
         theta = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, theta)
-    tl.store(theta_ptr + (e - start), theta, mask=inside)
+    return theta
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def rebuild_perturb_kernel(
+    out_ptr,
+    rest_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    scale: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """out <- upcast(rest) after the update, + scale * z: a low-bit block's master rebuilt
+    from its values at rest and perturbed in registers, one read of the 16-bit values and
+    one write of the pass's scratch. Op for op the buffered path (the upcast copy,
+    ``update_kernel``, ``perturb_kernel``), so the same bits."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    out = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), scale, theta)
+    tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -11,6 +11,9 @@ contiguous elements: z is never written to memory.
 * ``update``: ``theta = theta * shrink (on the decayed prefix) + sum_j alpha_j z_j``, one
   launch, one read and one write of the bucket for all the terms (a step's queries, or a
   recomputed momentum's window of steps), decay included;
+* ``rebuild_perturb``: ``update`` then ``perturb`` of a 16-bit block's values at rest, in
+  registers: a pass's scratch from a master that is never stored
+  (``low_bit_master="recompute"``);
 * ``momentum`` and ``adam``: the stored moments' rules (``distzo.zo.moments``), theta and
   its moments read once and written once, the step's estimate formed in registers.
 
@@ -53,6 +56,7 @@ def _kernels():
         "fill": triton_kernels.fill_kernel,
         "perturb": triton_kernels.perturb_kernel,
         "update": triton_kernels.update_kernel,
+        "rebuild_perturb": triton_kernels.rebuild_perturb_kernel,
         "momentum": triton_kernels.momentum_kernel,
         "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
@@ -76,11 +80,24 @@ FUSED_MULTIPLY_ADD = {"enable_fp_fusion": True}
 # benchmarks/noise.py --warps times other choices side by side.
 LAUNCH_OPTIONS: dict[str, dict[str, int]] = {
     "update": {"num_warps": 16},  # 32 registers: 4 programs, 64 warps per SM
+    "rebuild_perturb": {"num_warps": 16},  # the update's [8, 512] tile, and one more z
     "momentum": {"num_warps": 16},  # 32 registers: 64 warps per SM
     "adam": {"num_warps": 32},  # 58 registers: 1 program, 32 warps per SM
     "round_low_bit": {"num_warps": 8},  # 48 registers: 5 programs, 40 warps per SM
 }
-KERNEL_NAMES = ("fill", "perturb", "update", "momentum", "adam", "round_bf16", "round_low_bit")
+KERNEL_NAMES = (
+    "fill",
+    "perturb",
+    "update",
+    "rebuild_perturb",
+    "momentum",
+    "adam",
+    "round_bf16",
+    "round_low_bit",
+)
+# the at-rest formats rebuild_perturb upcasts (fp8 takes the buffered ops: no load of it
+# below compute capability 8.9)
+REBUILDS_FROM = (torch.bfloat16, torch.float16)
 
 
 def _grid(start: int, n: int, lanes: int) -> tuple[int]:
@@ -182,6 +199,43 @@ def update(
         BLOCKS=TILE_BLOCKS,
         **EXACT,
         **LAUNCH_OPTIONS.get("update", {}),
+    )
+
+
+def rebuild_perturb(
+    out: torch.Tensor,
+    rest: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    key: tuple[int, int],
+    scale: float,
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """out[0:n] <- (rest[0:n] upcast, then ``update``'s decay and terms) + scale * z_key: a
+    whole block's pass scratch from its 16-bit values at rest, one launch."""
+    n = rest.numel()
+    # a table of one unused row where there are no terms (a pointer to no memory is refused)
+    terms = packed_terms(keys or [(0, 0)], alphas or [0.0], rest.device)
+    _kernels()["rebuild_perturb"][_grid(0, n, 8)](
+        out,
+        rest,
+        table,
+        terms,
+        len(keys),
+        0,
+        n,
+        decay_end,
+        shrink,
+        key[0],
+        key[1],
+        scale,
+        KIND=KINDS[kind],
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+        **LAUNCH_OPTIONS.get("rebuild_perturb", {}),
     )
 
 

@@ -28,7 +28,13 @@ TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas,
 UPDATE = {"start": "i64", "n": "i64", "decay_end": "i64", "shrink": "fp32"}
 ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step_size"]
 # the kernels that spell out their fused multiply-adds compile without fp fusion
-EXACT = {k.update_kernel, k.momentum_kernel, k.adam_kernel, k.round_low_bit_kernel}
+EXACT = {
+    k.update_kernel,
+    k.rebuild_perturb_kernel,
+    k.momentum_kernel,
+    k.adam_kernel,
+    k.round_low_bit_kernel,
+}
 LOW_BIT = ["MANTISSA", "BIAS", "LIMIT", "BLOCKS"]
 KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
     (
@@ -67,6 +73,25 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         },
         [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
     ),  # Gaussian and Rademacher
+    *(
+        (
+            k.rebuild_perturb_kernel,
+            {
+                "out_ptr": out,
+                "rest_ptr": rest,
+                "table_ptr": "*fp32",
+                **TERMS,
+                **UPDATE,
+                "k0": "u32",
+                "k1": "u32",
+                "scale": "fp32",
+                "KIND": "constexpr",
+                "BLOCKS": "constexpr",
+            },
+            [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
+        )
+        for rest, out in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp32"))
+    ),  # at rest in bf16 or fp16, the scratch in the compute dtype (or float32)
     (
         k.momentum_kernel,
         {
@@ -174,6 +199,10 @@ CALLS = {
     k.fill_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1),
     k.perturb_kernel: lambda s, n, k0, k1: (buffer, buffer, table, s, n, k0, k1, -1e-3),
     k.update_kernel: lambda s, n, k0, k1: (buffer, table, terms, many(k0), s, n, s // 2, 1.0),
+    k.rebuild_perturb_kernel: lambda s, n, k0, k1: (
+        *(bf16, bf16, table, terms, many(k0)),
+        *(s, n, s // 2, 1.0, k0, k1, -1e-3),
+    ),
     k.momentum_kernel: lambda s, n, k0, k1: (
         *(buffer, buffer, table, terms, many(k0)),
         *(s, n, s // 2, 1.0, 0.9, -1e-3),

@@ -8,8 +8,10 @@ import os
 import numpy as np
 import torch
 
+from distzo.offload import BucketLayout
 from distzo.zo import NoiseSource, triton_noise
 from distzo.zo.gaussian_table import gaussian_table
+from distzo.zo.lowrank import LowRankNoise
 from distzo.zo.philox import TILE_BLOCKS
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
@@ -370,4 +372,46 @@ for dtype, (low, high) in SPREAD.items():
     round_keyed_(wire_cpu, values, rounding, 100, 5100, 7, 1 << 40)
     assert launches.count == 1, (dtype, launches.count)
     assert torch.equal(wire.view(as_int), wire_cpu.view(as_int)), dtype
+# rebuild_perturb: a 16-bit block at rest upcast, updated and perturbed in registers, the
+# master never stored: the bits of the ops it stands for (the upcast copy, update, perturb),
+# from bf16 and fp16, into every scratch format, the decay ending inside the block, with the
+# step's update (two queries), with none, and from NoiseSource's wiring; a LOZO source, whose
+# z is no kernel's, declines it.
+for kind in ("gaussian", "rademacher"):
+    src = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind))
+    values = torch.randn(9000, generator=gen) * 0.05
+    for rest_dtype in triton_noise.REBUILDS_FROM:
+        rest = values.to(rest_dtype)
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for terms in ([(6, 0, -2e-3), (6, 1, 1e-3)], []):
+                keys, alphas = [src.key(s, 5, q) for s, q, _ in terms], [a for *_, a in terms]
+                master = rest.float()
+                triton_noise.update(master, 4321, 0.999, keys, alphas, kind, table)
+                expected = torch.empty(9000, dtype=out_dtype)
+                triton_noise.perturb(expected, master, -1e-3, src.key(7, 5, 1), kind, table)
+                out = torch.full((9000,), float("nan"), dtype=out_dtype)
+                triton_noise.rebuild_perturb(
+                    out, rest, 4321, 0.999, keys, alphas, src.key(7, 5, 1), -1e-3, kind, table
+                )
+                word = torch.int32 if out_dtype == torch.float32 else torch.int16
+                assert torch.equal(out.view(word), expected.view(word)), (kind, rest_dtype, terms)
+                wired = torch.full((9000,), float("nan"), dtype=out_dtype)
+                assert src.rebuild_perturb_into(wired, rest, 4321, 0.999, terms, 5, -1e-3, 7, 1)
+                assert torch.equal(wired.view(word), expected.view(word))
+    rest32 = values.clone()  # a float32 block at rest has no low-bit copy to rebuild from
+    assert not src.rebuild_perturb_into(values.clone(), rest32, 0, 1.0, [], 5, 1e-3, 7)
+lowrank = on_triton(
+    LowRankNoise(
+        3,
+        1000,
+        torch.device("cpu"),
+        torch.float32,
+        [BucketLayout((), 9000, 0, torch.float32)],
+        2,
+        5,
+    )
+)
+bf16_rest = torch.zeros(9000, dtype=torch.bfloat16)
+assert not lowrank.rebuild_perturb_into(torch.empty(9000), bf16_rest, 0, 1.0, [], 0, 1e-3, 7)
+
 print("triton kernels == reference")
