@@ -156,9 +156,10 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
     config, frozen = engine.config, engine.num_frozen
     queries = config.num_queries
     of_all = f" (of {format_count(engine.num_parameters + frozen)}: a frozen base)"
+    rebuilt = ", masters rebuilt per pass" if engine.rebuilt is not None else ""
     return (
         f"ZO engine: {config.mode} mode ({engine.transfer} transfer, {config.transfer_dtype} "
-        f"on the wire, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "
+        f"on the wire{rebuilt}, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "
         f"{len(engine.blocks)} blocks, {engine.streamed_store.num_slots} slots, "
         f"{format_count(engine.num_parameters)} trained parameters"
         f"{of_all if engine.frozen_base else ''}, {format_bytes(engine.host_bytes)} host, "

@@ -10,12 +10,13 @@ of every micro-batch carried between blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
+from distzo.engine.rebuilt_master import BlockVisit
 from distzo.engine.resident_sides import EMBEDDING, HEAD
 from distzo.engine.updates import PendingUpdate
 from distzo.zo import Pass
@@ -185,24 +186,13 @@ class BlockPass:
             else:
                 self._batched(i, bucket, group)
         if engine.rebuilt is not None and self.updates:
-            engine.rebuilt.write_back(i, lambda lo, hi: self._master(i, bucket, lo, hi))
+            engine.rebuilt.write_back(i, self._visit(i, bucket))
 
-    def _master(
-        self, i: int, at_rest: torch.Tensor, lo: int, hi: int
-    ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Pieces of block ``i``'s master over ``[lo, hi)``, rebuilt from its values at rest."""
+    def _visit(self, i: int, at_rest: torch.Tensor) -> BlockVisit:
+        """What rebuilding block ``i``'s master from ``at_rest`` takes in this pass."""
         engine = self.engine
-        assert engine.rebuilt is not None
-        return engine.rebuilt.pieces(
-            at_rest,
-            lo,
-            hi,
-            self.updates,
-            engine.update_rule,
-            engine.noise,
-            engine.block_layouts[i],
-            i + 1,
-        )
+        layout = engine.block_layouts[i]
+        return BlockVisit(at_rest, self.updates, engine.update_rule, engine.noise, layout, i + 1)
 
     def _perturb(
         self, out: torch.Tensor, i: int, bucket: torch.Tensor, sign: int, query: int
@@ -212,19 +202,8 @@ class BlockPass:
         scale = sign * engine.config.eps
         if engine.rebuilt is None:
             engine.noise.perturb_into(out, bucket, scale, self.step, i + 1, query)
-            return
-        engine.rebuilt.perturb_into(
-            out,
-            bucket,
-            self.updates,
-            engine.update_rule,
-            engine.noise,
-            engine.block_layouts[i],
-            i + 1,
-            scale,
-            self.step,
-            query,
-        )
+        else:
+            engine.rebuilt.perturb_into(out, self._visit(i, bucket), scale, self.step, query)
 
     def _alone(self, i: int, bucket: torch.Tensor, group: Group) -> None:
         engine = self.engine

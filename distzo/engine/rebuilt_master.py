@@ -20,7 +20,8 @@ the slowest of upload, compute and offload) and a compute-bound one pays.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,20 @@ from distzo.offload import BucketLayout, StreamedBlocks
 if TYPE_CHECKING:
     from distzo.engine.updates import PendingUpdate, UpdateRule
     from distzo.zo import NoiseSource
+
+
+@dataclass(frozen=True)
+class BlockVisit:
+    """What rebuilding a block's master takes while the block is on the device: its values
+    at rest (its slot), the updates it has not taken, the rule and noise that apply them,
+    its layout and its block id (its noise's key)."""
+
+    at_rest: torch.Tensor
+    updates: Sequence[PendingUpdate]
+    rule: UpdateRule
+    noise: NoiseSource
+    layout: BucketLayout
+    block_id: int
 
 
 class RebuiltMaster:
@@ -47,60 +62,40 @@ class RebuiltMaster:
         return self.stage.numel() * self.stage.element_size()
 
     def pieces(
-        self,
-        at_rest: torch.Tensor,
-        lo: int,
-        hi: int,
-        updates: Sequence[PendingUpdate],
-        rule: UpdateRule,
-        noise: NoiseSource,
-        layout: BucketLayout,
-        block_id: int,
+        self, visit: BlockVisit, lo: int, hi: int
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """``(a, b, master)``: elements ``[a, b)`` of the block's master after ``updates``,
-        covering ``[lo, hi)`` of ``at_rest`` (the block in its slot, as it rests). Each
-        piece is a view of the staging buffer, valid until the next is made (work queued
-        on one stream runs in order)."""
+        """``(a, b, master)``: elements ``[a, b)`` of the block's master after its updates,
+        covering ``[lo, hi)``. Each piece is a view of the staging buffer, valid until the
+        next is made (work queued on one stream runs in order)."""
         size = self.stage.numel()
         for a in range(lo, hi, size):
             b = min(a + size, hi)
             master = self.stage[: b - a]
-            master.copy_(at_rest[a:b])
-            for update in updates:
-                rule.apply(noise, update, master, layout, block_id, [], start=a)
+            master.copy_(visit.at_rest[a:b])
+            for update in visit.updates:
+                visit.rule.apply(visit.noise, update, master, visit.layout, visit.block_id, [], a)
             yield a, b, master
 
     def perturb_into(
-        self,
-        out: torch.Tensor,
-        at_rest: torch.Tensor,
-        updates: Sequence[PendingUpdate],
-        rule: UpdateRule,
-        noise: NoiseSource,
-        layout: BucketLayout,
-        block_id: int,
-        scale: float,
-        step: int,
-        query: int,
+        self, out: torch.Tensor, visit: BlockVisit, scale: float, step: int, query: int
     ) -> None:
-        """``out`` <- the block's master after ``updates``, + scale * z of the pass: in one
+        """``out`` <- the block's master after its updates, + scale * z of the pass: in one
         fused kernel where the noise has one (CUDA; a 16-bit block, a float32 master and at
         most one update, the step's), else piece by piece."""
-        n = at_rest.numel()
+        n, noise, updates = visit.at_rest.numel(), visit.noise, visit.updates
         if self.stage.dtype == torch.float32 and len(updates) <= 1:
             decay_end, shrink, terms = (
-                rule.noise_terms(updates[0], layout) if updates else (0, 1.0, [])
+                visit.rule.noise_terms(updates[0], visit.layout) if updates else (0, 1.0, [])
             )
             fused = noise.rebuild_perturb_into(
-                out, at_rest, decay_end, shrink, terms, block_id, scale, step, query
+                out, visit.at_rest, decay_end, shrink, terms, visit.block_id, scale, step, query
             )
             if fused:
                 return
-        for a, b, master in self.pieces(at_rest, 0, n, updates, rule, noise, layout, block_id):
-            noise.perturb_into(out[a:b], master, scale, step, block_id, query, a, n)
+        for a, b, master in self.pieces(visit, 0, n):
+            noise.perturb_into(out[a:b], master, scale, step, visit.block_id, query, a, n)
 
-    def write_back(
-        self, index: int, masters: Callable[[int, int], Iterator[tuple[int, int, torch.Tensor]]]
-    ) -> None:
-        """Block ``index``'s rebuilt master rounded into its slot, for the offload."""
-        self.store.pack_rebuilt(index, masters)
+    def write_back(self, index: int, visit: BlockVisit) -> None:
+        """Block ``index``'s rebuilt master rounded into this rank's pieces of its slot, for
+        the offload."""
+        self.store.pack_rebuilt(index, lambda lo, hi: self.pieces(visit, lo, hi))

@@ -6,6 +6,7 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data import CountingTask
+from distzo.engine.parts import describe
 from distzo.offload import BucketLayout, Shard, StreamedBlocks
 from distzo.offload.low_bit import TRANSFER_DTYPES
 from distzo.zo import NoiseSource
@@ -81,6 +82,9 @@ def test_recomputed_masters_follow_the_buffered_trajectory_bit_for_bit(options):
     assert store.device_bytes == biggest * 3 * wire
     assert rebuilt.rebuilt.device_bytes == min(rebuilt.config.noise_chunk, biggest) * 4
     assert buffered.rebuilt is None
+    # the engine's log line says which
+    assert "masters rebuilt per pass" in describe(rebuilt, torch.float32)
+    assert "masters rebuilt" not in describe(buffered, torch.float32)
 
 
 def test_pack_rebuilt_rounds_the_pieces_a_rank_owns_as_pack_does():
