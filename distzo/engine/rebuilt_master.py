@@ -81,9 +81,11 @@ class RebuiltMaster:
     ) -> None:
         """``out`` <- the block's master after its updates, + scale * z of the pass: in one
         fused kernel where the noise has one (CUDA; a 16-bit block, a float32 master and at
-        most one update, the step's), else piece by piece."""
+        most one update, the step's), else piece by piece. An unperturbed pass (scale 0, an
+        evaluation's, FZOO's) is a copy of the master, as ``perturb_into`` makes it: the
+        fused kernel's ``theta + 0 * z`` would turn a -0.0 into +0.0."""
         n, noise, updates = visit.at_rest.numel(), visit.noise, visit.updates
-        if self.stage.dtype == torch.float32 and len(updates) <= 1:
+        if scale != 0.0 and self.stage.dtype == torch.float32 and len(updates) <= 1:
             decay_end, shrink, terms = (
                 visit.rule.noise_terms(updates[0], visit.layout) if updates else (0, 1.0, [])
             )

@@ -241,3 +241,39 @@ def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
     config = job.engine_config("cpu")
     plan = build.choose_slots(job, None, None, config, parallel, None)
     assert plan.need == 10 and (config.num_slots, config.low_bit_master) == (3, "buffer")
+
+
+def test_a_pass_takes_the_fused_kernel_only_where_it_gives_the_same_bits():
+    """RebuiltMaster.perturb_into asks the noise for its fused kernel (CUDA's
+    rebuild_perturb, here a spy that declines after noting the call) for a perturbed pass
+    with at most one update; an unperturbed pass (a copy, -0.0 kept) and a catch-up's
+    several updates go piece by piece."""
+    from distzo.engine.rebuilt_master import BlockVisit, RebuiltMaster
+    from distzo.engine.updates import PendingUpdate, UpdateRule
+
+    class Spy(NoiseSource):
+        asked: list[float] = []
+
+        def rebuild_perturb_into(self, out, at_rest, *args, **kwargs):
+            self.asked.append(args[-3])  # the scale
+            return False
+
+    layout = BucketLayout((), 3000, 1000, torch.float32)
+    noise = Spy(1, 1000, torch.device("cpu"), torch.float32)
+    store = StreamedBlocks([layout], torch.device("cpu"), 1, torch.bfloat16, rounding_noise=noise)
+    rebuilt = RebuiltMaster(store, 700, torch.device("cpu"), torch.float32)
+    rule = UpdateRule(ZOConfig(device="cpu", weight_decay=0.1), noise)
+    at_rest = torch.randn(3000).bfloat16()
+    one, two = [PendingUpdate(4, (0.3,), 1e-2)], [PendingUpdate(3, (0.2,), 1e-2)] * 2
+    out = torch.empty(3000)
+    for updates, scale in [(one, 1e-3), ([], -1e-3), (one, 0.0), (two, 1e-3)]:
+        visit = BlockVisit(at_rest, updates, rule, noise, layout, 1)
+        rebuilt.perturb_into(out, visit, scale, 5, 0)
+    assert Spy.asked == [1e-3, -1e-3]
+    # declined, the pieces gave the master's perturbation: the composed ops on the whole
+    master = at_rest.float()
+    for update in two:
+        rule.apply(noise, update, master, layout, 1, [])
+    expected = torch.empty(3000)
+    noise.perturb_into(expected, master, 1e-3, 5, 1, 0)
+    assert torch.equal(out, expected)
