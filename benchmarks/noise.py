@@ -22,6 +22,9 @@ Ops on one float32 bucket of ``--elements``:
 * ``rebuild-perturb``: a pass's bf16 scratch from a bf16 block at rest and the step's
   update, the master never stored (``--low-bit-master recompute``: reads 2, writes 2: 4;
   one fused kernel on CUDA, else the upcast, the update and the perturbation in turn)
+* ``rebuild-round``: that block's write-back, the update applied to its values at rest
+  and rounded stochastically back in place (reads 2, writes 2: 4; one fused kernel on
+  CUDA, else the upcast, the update and the rounding in turn)
 * ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6);
   ``rounding-fp16`` (6) and ``rounding-fp8`` (5) likewise
 
@@ -61,6 +64,7 @@ BYTES = {
     "momentum": 16,
     "adam": 24,
     "rebuild-perturb": 4,
+    "rebuild-round": 4,
     "rounding": 6,
     "rounding-fp16": 6,
     "rounding-fp8": 5,
@@ -119,6 +123,17 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
                 src.perturb_into(out, master, 1e-3, 3, 1)
 
         return rebuild_perturb
+    if op == "rebuild-round":  # its write-back, in place
+        src, rest, terms = source(path, device, chunk, n=n), theta.bfloat16(), [(2, 0, -1e-7)]
+        rounding, master = source(path, device, chunk, "uniform"), torch.empty_like(theta)
+
+        def rebuild_round() -> None:
+            if not src.rebuild_round_into(rest, 0, n, 1.0, terms, 1, rounding, 3, 1 << 40):
+                master.copy_(rest)
+                src.apply_terms(master, n, 1.0, terms, 1)
+                round_keyed_(rest, master, rounding, 0, n, 3, 1 << 40)
+
+        return rebuild_round
     if op in ("momentum", "adam"):  # stored moments, updated beside theta
         src, rule = source(path, device, chunk), MomentRule(op, 0.9)
         moments = [torch.zeros_like(theta) for _ in range(rule.num_moments)]

@@ -99,5 +99,21 @@ class RebuiltMaster:
 
     def write_back(self, index: int, visit: BlockVisit) -> None:
         """Block ``index``'s rebuilt master rounded into this rank's pieces of its slot, for
-        the offload."""
-        self.store.pack_rebuilt(index, lambda lo, hi: self.pieces(visit, lo, hi))
+        the offload: in place, one fused kernel per piece where the noise has one (CUDA; a
+        16-bit block, a float32 master, the step's one update), else piece by piece."""
+        if not self._write_back_fused(index, visit):
+            self.store.pack_rebuilt(index, lambda lo, hi: self.pieces(visit, lo, hi))
+
+    def _write_back_fused(self, index: int, visit: BlockVisit) -> bool:
+        if self.stage.dtype != torch.float32 or len(visit.updates) != 1:
+            return False
+        decay_end, shrink, terms = visit.rule.noise_terms(visit.updates[0], visit.layout)
+        rounding, step, stream = self.store.rounding(index)
+        wire = self.store.wire(index)
+        for lo, hi in self.store.share_ranges(index):
+            # the same checks for every piece: only the first can decline, writing nothing
+            if not visit.noise.rebuild_round_into(
+                wire[lo:hi], lo, decay_end, shrink, terms, visit.block_id, rounding, step, stream
+            ):
+                return False
+        return True

@@ -146,15 +146,22 @@ class StreamedBlocks:
             raise ValueError("a sliced host copy is gathered by the job's collectives: Shard.comm")
         return self.shard.comm
 
-    def _wire(self, index: int) -> torch.Tensor:
+    def wire(self, index: int) -> torch.Tensor:
+        """Block ``index``'s slot in the wire format (padded)."""
         return self.slots.for_block(index, self.padded[index])
+
+    def rounding(self, index: int) -> tuple[NoiseSource, int, int]:
+        """How block ``index`` is rounded on its way back: the rounding's noise source, and
+        the step and stream that key its uniforms."""
+        assert self.rounding_noise is not None  # a low-bit store that writes back has one
+        return self.rounding_noise, self.step, self.rounding_stream + index
 
     def _unpacked(self, index: int) -> torch.Tensor:
         assert self.unpacked is not None  # a trained low-bit store's
         return self.unpacked.for_block(index, self.padded[index])
 
     def upload(self, index: int) -> None:
-        wire, host = self._wire(index), self.host_slices[index]
+        wire, host = self.wire(index), self.host_slices[index]
         gathers = []
         piece_len = self.slice_len[index] // self.chunks * self.shard.size
         for j, ((h_lo, h_hi), (s_lo, s_hi)) in enumerate(self._pieces(index)):
@@ -174,7 +181,7 @@ class StreamedBlocks:
         """Block ``index``'s master in ``device_bucket``, from its uploaded slot: a low-bit
         wire upcast into the one master buffer (a no-op where the slot is the master)."""
         if self.unpacked is not None:
-            self._unpacked(index).copy_(self._wire(index))
+            self._unpacked(index).copy_(self.wire(index))
 
     def pack(self, index: int) -> None:
         """The updated master back into the wire format, this rank's pieces (what
@@ -182,7 +189,7 @@ class StreamedBlocks:
         block, while the master buffer still holds this block."""
         if self.unpacked is None:
             return
-        master, wire = self._unpacked(index), self._wire(index)
+        master, wire = self._unpacked(index), self.wire(index)
         for _, (s_lo, s_hi) in self._pieces(index):
             self._round_into(wire[s_lo:s_hi], master[s_lo:s_hi], index, s_lo)
 
@@ -193,7 +200,7 @@ class StreamedBlocks:
         rebuilt master of block elements ``[lo, hi)`` a piece ``(a, b, values)`` at a time,
         each rounded into this rank's pieces of the wire slot as ``pack`` rounds it (the
         padding, zeros, stays as it is)."""
-        wire = self._wire(index)
+        wire = self.wire(index)
         for lo, hi in self.share_ranges(index):
             for a, b, master in masters(lo, hi):
                 self._round_into(wire[a:b], master, index, a)
@@ -202,7 +209,7 @@ class StreamedBlocks:
         """This rank's pieces of the slot to the host (a low-bit slot was ``pack``ed)."""
         if self.read_only:
             raise RuntimeError("a read-only block store (a frozen base) is never written back")
-        slot, host = self._wire(index), self.host_slices[index]
+        slot, host = self.wire(index), self.host_slices[index]
         for (h_lo, h_hi), (s_lo, s_hi) in self._pieces(index):
             host[h_lo:h_hi].copy_(slot[s_lo:s_hi], non_blocking=self._non_blocking)
 
@@ -218,7 +225,7 @@ class StreamedBlocks:
         if self.shard.size == 1:
             return self.host_slices[index][:numel]  # one piece, in block order
         self.upload(index)
-        return self._wire(index)[:numel]
+        return self.wire(index)[:numel]
 
     @property
     def rest_dtype(self) -> torch.dtype:

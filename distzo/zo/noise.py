@@ -317,6 +317,44 @@ class NoiseSource:
             )
         return fused
 
+    def rebuild_round_into(
+        self,
+        at_rest: torch.Tensor,
+        start: int,
+        decay_end: int,
+        shrink: float,
+        terms: Sequence[tuple[int, int, float]],
+        block_id: int,
+        rounding: NoiseSource,
+        step: int,
+        stream: int,
+    ) -> bool:
+        """at_rest (bucket elements [start, start + n) of a 16-bit block) <- itself upcast,
+        after ``apply_terms(.., decay_end, shrink, terms, ..)``, rounded back as
+        ``round_keyed_`` rounds with ``rounding``'s uniforms of ``(step, stream)``: in place,
+        the master never stored, in one fused kernel where both sources have theirs (CUDA
+        with Triton, portable kinds, bf16 or fp16): True if it ran."""
+        fused = (
+            self.fuses()
+            and rounding.distribution == "uniform"
+            and rounding.fuses()
+            and at_rest.dtype in triton_noise.REBUILDS_FROM
+            and at_rest.is_contiguous()
+        )
+        if fused:
+            triton_noise.rebuild_round(
+                at_rest,
+                start,
+                decay_end,
+                shrink,
+                [self.key(s, block_id, q) for s, q, _ in terms],
+                [a for _, _, a in terms],
+                rounding.key(step, stream),
+                self.kind,
+                self.kind_table,
+            )
+        return fused
+
     def apply_update(
         self,
         theta: torch.Tensor,

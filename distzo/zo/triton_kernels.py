@@ -355,12 +355,80 @@ def round_bf16_kernel(
         e = first + lane * BLOCKS
         inside = (e >= start) & (e - start < n)
         x = tl.load(src_ptr + (e - start), mask=inside).to(tl.float32)
-        x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
-        noise = (pick(w0, w1, w2, w3, lane) >> 16).to(tl.int32)
-        bits = (x.to(tl.int32, bitcast=True) + noise) & -65536
-        rounded = bits.to(tl.float32, bitcast=True)
-        rounded = tl.minimum(tl.maximum(rounded, -BF16_MAX), BF16_MAX)
-        tl.store(dst_ptr + (e - start), rounded.to(tl.bfloat16), mask=inside)
+        rounded = rounded_bf16(x, pick(w0, w1, w2, w3, lane))
+        tl.store(dst_ptr + (e - start), rounded, mask=inside)
+
+
+@triton.jit
+def rounded_bf16(x, word):
+    """x (float32) rounded stochastically to bfloat16 with its 32-bit uniform lane ``word``:
+    the top 16 bits added to the float's pattern, the low 16 cut (saturating)."""
+    x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
+    bits = (x.to(tl.int32, bitcast=True) + (word >> 16).to(tl.int32)) & -65536
+    rounded = bits.to(tl.float32, bitcast=True)
+    return tl.minimum(tl.maximum(rounded, -BF16_MAX), BF16_MAX).to(tl.bfloat16)
+
+
+@triton.jit
+def tile_uniform_words(start, k0, k1, BLOCKS: tl.constexpr):
+    """The 32-bit uniform lanes of this program's [8, BLOCKS] tile of elements
+    (``tile_elements``'), as the round kernels draw them four lanes to a counter: lanes 0-3
+    are the four words of the 4-lane tile 2t's counters, lanes 4-7 those of tile 2t + 1."""
+    tile = (start // (BLOCKS * 8) + tl.program_id(0)).to(tl.int64)
+    b = tl.arange(0, BLOCKS)
+    k0, k1 = keys(k0, k1)
+    a0, a1, a2, a3 = philox_block(2 * tile * BLOCKS + b, k0, k1)
+    c0, c1, c2, c3 = philox_block((2 * tile + 1) * BLOCKS + b, k0, k1)
+    lane = tl.arange(0, 8)[:, None] % 4
+    first = tl.where(
+        lane < 2,
+        tl.where(lane == 0, a0[None, :], a1[None, :]),
+        tl.where(lane == 2, a2[None, :], a3[None, :]),
+    )
+    second = tl.where(
+        lane < 2,
+        tl.where(lane == 0, c0[None, :], c1[None, :]),
+        tl.where(lane == 2, c2[None, :], c3[None, :]),
+    )
+    return tl.where(tl.arange(0, 8)[:, None] < 4, first, second)
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def rebuild_round_kernel(
+    dst_ptr,
+    rest_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms: tl.int32,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    KIND: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """dst <- upcast(rest) after the update, rounded stochastically back into the 16-bit
+    format (MANTISSA 7: bfloat16, else ``round_low_bit_kernel``'s formats, dst as their
+    integer bits): a low-bit block's write-back from its values at rest, the master never
+    stored; ``rest`` and ``dst`` may be one buffer (each element is read before it is
+    written, by the program that writes it). Op for op the upcast copy, ``update_kernel``
+    and the round kernels, keyed (k0, k1) by the rounding's own key."""
+    SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    word = tile_uniform_words(start, k0, k1, BLOCKS)
+    if MANTISSA == 7:
+        out = rounded_bf16(theta, word)
+    else:
+        out = rounded_low_bit(theta, word, MANTISSA, BIAS, LIMIT, SIGN)
+    tl.store(dst_ptr + (e - start), out.to(dst_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -409,21 +477,35 @@ def round_low_bit_kernel(
         e = first + lane * BLOCKS
         inside = (e >= start) & (e - start < n)
         x = tl.load(src_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
-        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
-        negative = x.to(tl.int32, bitcast=True) < 0  # -0.0 too: its nearest is -0
-        code = low_bit_code(tl.abs(x), MANTISSA, BIAS)
-        nearest = low_bit_magnitude(code, MANTISSA, BIAS)
-        nearest = tl.where(negative, -nearest, nearest)
-        direction = tl.where(x > nearest, 1, tl.where(x < nearest, -1, 0))
-        key = tl.where(negative, -code, code) + direction  # the other neighbour's
-        other = low_bit_magnitude(tl.abs(key), MANTISSA, BIAS)
-        other = tl.where(key < 0, -other, other)
-        gap = tl.where(direction == 0, 1.0, tl.abs(other - nearest))  # else 0 / 0, unused
-        p_other = tl.where(direction == 0, 0.0, tl.div_rn(tl.abs(x - nearest), gap))
-        u = (pick(w0, w1, w2, w3, lane) >> 8).to(tl.float32) * (1.0 / 16777216.0)
-        bits = tl.where(
-            u < p_other,
-            tl.where(key < 0, -key - SIGN, key),
-            tl.where(negative, code - SIGN, code),
-        )
+        bits = rounded_low_bit(x, pick(w0, w1, w2, w3, lane), MANTISSA, BIAS, LIMIT, SIGN)
         tl.store(dst_ptr + (e - start), bits.to(dst_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def rounded_low_bit(
+    x,
+    word,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    SIGN: tl.constexpr,
+):
+    """The bits of x (float32) rounded stochastically to a low-bit format with its 32-bit
+    uniform lane ``word`` (``round_low_bit_kernel``'s rule)."""
+    x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+    negative = x.to(tl.int32, bitcast=True) < 0  # -0.0 too: its nearest is -0
+    code = low_bit_code(tl.abs(x), MANTISSA, BIAS)
+    nearest = low_bit_magnitude(code, MANTISSA, BIAS)
+    nearest = tl.where(negative, -nearest, nearest)
+    direction = tl.where(x > nearest, 1, tl.where(x < nearest, -1, 0))
+    key = tl.where(negative, -code, code) + direction  # the other neighbour's
+    other = low_bit_magnitude(tl.abs(key), MANTISSA, BIAS)
+    other = tl.where(key < 0, -other, other)
+    gap = tl.where(direction == 0, 1.0, tl.abs(other - nearest))  # else 0 / 0, unused
+    p_other = tl.where(direction == 0, 0.0, tl.div_rn(tl.abs(x - nearest), gap))
+    u = (word >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return tl.where(
+        u < p_other,
+        tl.where(key < 0, -key - SIGN, key),
+        tl.where(negative, code - SIGN, code),
+    )

@@ -13,7 +13,8 @@ contiguous elements: z is never written to memory.
   recomputed momentum's window of steps), decay included;
 * ``rebuild_perturb``: ``update`` then ``perturb`` of a 16-bit block's values at rest, in
   registers: a pass's scratch from a master that is never stored
-  (``low_bit_master="recompute"``);
+  (``low_bit_master="recompute"``); ``rebuild_round``: ``update`` then the stochastic
+  rounding, in place: that block's write-back;
 * ``momentum`` and ``adam``: the stored moments' rules (``distzo.zo.moments``), theta and
   its moments read once and written once, the step's estimate formed in registers.
 
@@ -57,6 +58,7 @@ def _kernels():
         "perturb": triton_kernels.perturb_kernel,
         "update": triton_kernels.update_kernel,
         "rebuild_perturb": triton_kernels.rebuild_perturb_kernel,
+        "rebuild_round": triton_kernels.rebuild_round_kernel,
         "momentum": triton_kernels.momentum_kernel,
         "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
@@ -81,6 +83,9 @@ FUSED_MULTIPLY_ADD = {"enable_fp_fusion": True}
 LAUNCH_OPTIONS: dict[str, dict[str, int]] = {
     "update": {"num_warps": 16},  # 32 registers: 4 programs, 64 warps per SM
     "rebuild_perturb": {"num_warps": 16},  # the update's [8, 512] tile, and one more z
+    # fp16's rounding rule took 87 registers a thread at 16 warps (16 warps per SM); at 32,
+    # 55: one program, 32 warps per SM
+    "rebuild_round": {"num_warps": 32},
     "momentum": {"num_warps": 16},  # 32 registers: 64 warps per SM
     "adam": {"num_warps": 32},  # 58 registers: 1 program, 32 warps per SM
     "round_low_bit": {"num_warps": 8},  # 48 registers: 5 programs, 40 warps per SM
@@ -90,6 +95,7 @@ KERNEL_NAMES = (
     "perturb",
     "update",
     "rebuild_perturb",
+    "rebuild_round",
     "momentum",
     "adam",
     "round_bf16",
@@ -236,6 +242,49 @@ def rebuild_perturb(
         BLOCKS=TILE_BLOCKS,
         **EXACT,
         **LAUNCH_OPTIONS.get("rebuild_perturb", {}),
+    )
+
+
+def rebuild_round(
+    rest: torch.Tensor,
+    start: int,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    round_key: tuple[int, int],
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """rest[0:n] (bucket elements [start, start + n) of a bf16 or fp16 block at rest) <-
+    itself upcast, then ``update``'s decay and terms, rounded stochastically back with the
+    uniforms ``round_stochastic`` draws for ``round_key``: one launch, in place."""
+    n = rest.numel()
+    if rest.dtype == torch.bfloat16:
+        dst, (mantissa, bias, limit) = rest, (7, 127, 0.0)  # bf16's rule takes no limit
+    else:
+        mantissa, bias, limit, as_int = LOW_BIT[rest.dtype]
+        dst = rest.view(as_int)
+    terms = packed_terms(keys or [(0, 0)], alphas or [0.0], rest.device)
+    _kernels()["rebuild_round"][_grid(start, n, 8)](
+        dst,
+        rest,
+        table,
+        terms,
+        len(keys),
+        start,
+        n,
+        decay_end,
+        shrink,
+        round_key[0],
+        round_key[1],
+        KIND=KINDS[kind],
+        MANTISSA=mantissa,
+        BIAS=bias,
+        LIMIT=limit,
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+        **LAUNCH_OPTIONS.get("rebuild_round", {}),
     )
 
 

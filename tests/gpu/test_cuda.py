@@ -157,10 +157,12 @@ def test_low_bit_transfer_with_amp_compute_on_gpu():
     assert all(torch.isfinite(torch.tensor(r.loss)) for r in results)
 
 
-@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "fp8"])
 def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
-    """The Triton update, perturbation and rounding of a master rebuilt a chunk at a time
-    (chunks of 1,000: pieces start off every tile), bit for bit the buffered steps."""
+    """Masters rebuilt per pass, bit for bit the buffered steps: bf16 and fp16 through the
+    fused rebuild_perturb and rebuild_round kernels, fp8 through the update, perturbation
+    and rounding kernels a chunk at a time (chunks of 1,000: pieces start off every tile);
+    evaluations (unperturbed passes) through the pieces for all three."""
     runs = {}
     for master in ("buffer", "recompute"):
         model = tiny_opt(seed=0, num_hidden_layers=4)
@@ -176,6 +178,8 @@ def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
         )
         engine = ZOEngine(model, config)
         losses = [engine.step(random_batch(64, seed=i)).loss for i in range(4)]
+        losses.append(engine.forward(random_batch(64, seed=9))[1].item())
+        losses.append(engine.step(random_batch(64, seed=10)).loss)
         engine.flush()
         runs[master] = (losses, engine.store.host_storage.view(torch.uint8).clone())
     assert runs["recompute"][0] == runs["buffer"][0]

@@ -31,6 +31,7 @@ ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step
 EXACT = {
     k.update_kernel,
     k.rebuild_perturb_kernel,
+    k.rebuild_round_kernel,
     k.momentum_kernel,
     k.adam_kernel,
     k.round_low_bit_kernel,
@@ -92,6 +93,26 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         )
         for rest, out in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp32"))
     ),  # at rest in bf16 or fp16, the scratch in the compute dtype (or float32)
+    *(
+        (
+            k.rebuild_round_kernel,
+            {
+                "dst_ptr": dst,
+                "rest_ptr": rest,
+                "table_ptr": "*fp32",
+                **TERMS,
+                **UPDATE,
+                "k0": "u32",
+                "k1": "u32",
+                **{c: "constexpr" for c in ("KIND", *LOW_BIT)},
+            },
+            [{"KIND": kind, **dict(zip(LOW_BIT, fmt))} for kind in (0, 1)],
+        )
+        for dst, rest, fmt in (
+            ("*bf16", "*bf16", (7, 127, 0.0, 512)),
+            ("*i16", "*fp16", (10, 15, 65504.0, 512)),
+        )
+    ),  # the write-back in place: bf16, and fp16 as its integer bits
     (
         k.momentum_kernel,
         {
@@ -212,10 +233,15 @@ CALLS = {
         *(s, n, s // 2, 1.0),
         *[1e-3] * 6,
     ),
+    k.rebuild_round_kernel: lambda s, n, k0, k1: (
+        *(bf16, bf16, table, terms, many(k0)),
+        *(s, n, s // 2, 1.0, k0, k1),
+    ),
     k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
     k.round_low_bit_kernel: lambda s, n, k0, k1: (bf16.view(torch.int16), buffer, s, n, k0, k1),
 }
 CONSTEXPRS: dict[Any, dict[str, Any]] = {
+    k.rebuild_round_kernel: {"KIND": 0, **dict(zip(LOW_BIT, (7, 127, 0.0, 512)))},
     k.round_bf16_kernel: {"BLOCKS": 512},
     k.round_low_bit_kernel: dict(zip(LOW_BIT, (10, 15, 65504.0, 512))),
 }

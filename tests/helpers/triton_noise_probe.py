@@ -400,6 +400,48 @@ for kind in ("gaussian", "rademacher"):
                 assert torch.equal(wired.view(word), expected.view(word))
     rest32 = values.clone()  # a float32 block at rest has no low-bit copy to rebuild from
     assert not src.rebuild_perturb_into(values.clone(), rest32, 0, 1.0, [], 5, 1e-3, 7)
+
+# rebuild_round: the write-back of such a block, in place: the bits of the upcast copy, the
+# update and the stochastic rounding, at offsets inside a tile, on a tile's edge and past
+# 2^31 (its uniforms drawn four lanes to a counter, the update's z eight), with and without
+# the decay inside the piece; through NoiseSource's wiring too, with the rounding's source.
+rounding_src = on_triton(NoiseSource(8, 1000, torch.device("cpu"), torch.float32, "uniform"))
+for kind in ("gaussian", "rademacher"):
+    src = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind))
+    terms = [(6, 0, -2e-3), (6, 1, 1e-3)]
+    keys, alphas = [src.key(s, 5, q) for s, q, _ in terms], [a for *_, a in terms]
+    values = torch.randn(6000, generator=gen) * 0.05
+    for rest_dtype in triton_noise.REBUILDS_FROM:
+        rest = values.to(rest_dtype)
+        for start in (0, 37, 4096, 2**31 - 100):
+            for decay_end in (start + 2500, 0):
+                round_key = rounding_src.key(7, 2**40 + 5)
+                master = rest.float()
+                triton_noise.update(master, decay_end, 0.999, keys, alphas, kind, table, start)
+                expected = torch.empty_like(rest)
+                triton_noise.round_stochastic(expected, master, start, round_key)
+                piece = rest.clone()
+                triton_noise.rebuild_round(
+                    piece, start, decay_end, 0.999, keys, alphas, round_key, kind, table
+                )
+                assert torch.equal(piece.view(torch.int16), expected.view(torch.int16)), (
+                    kind,
+                    rest_dtype,
+                    start,
+                    decay_end,
+                )
+                assert not torch.equal(piece.view(torch.int16), rest.view(torch.int16))
+        wired = rest.clone()
+        args = (4096, 6596, 0.999, terms, 5, rounding_src, 7, 2**40 + 5)
+        assert src.rebuild_round_into(wired, *args)
+        master = rest.float()
+        src.apply_terms(master, 6596, 0.999, terms, 5, 4096, 4096 + 6000)
+        expected = torch.empty_like(rest)
+        round_keyed_(expected, master, rounding_src, 4096, 4096 + 6000, 7, 2**40 + 5)
+        assert torch.equal(wired.view(torch.int16), expected.view(torch.int16))
+legacy = NoiseSource(8, 1000, torch.device("cpu"), torch.float32, "uniform", kind="legacy")
+assert not src.rebuild_round_into(rest.clone(), 0, 0, 1.0, [], 5, legacy, 7, 2**40)
+
 lowrank = on_triton(
     LowRankNoise(
         3,

@@ -105,7 +105,7 @@ def test_pack_rebuilt_rounds_the_pieces_a_rank_owns_as_pack_does():
             master_buffer=buffer,
         )
         store.step = 4
-        wire = store._wire(0)
+        wire = store.wire(0)
         wire.copy_(torch.randn(wire.numel(), generator=torch.Generator().manual_seed(1)))
         made[buffer] = (store, wire.clone())
     (buffered, arrived), (rebuilding, _) = made[True], made[False]
@@ -122,13 +122,13 @@ def test_pack_rebuilt_rounds_the_pieces_a_rank_owns_as_pack_does():
     def masters(lo, hi):
         for a in range(lo, hi, 300):
             b = min(a + 300, hi)
-            yield a, b, moved(rebuilding._wire(0)[a:b])
+            yield a, b, moved(rebuilding.wire(0)[a:b])
 
     rebuilding.pack(0)  # without the buffer, pack leaves the slot to pack_rebuilt
-    assert torch.equal(rebuilding._wire(0).view(torch.int16), arrived.view(torch.int16))
+    assert torch.equal(rebuilding.wire(0).view(torch.int16), arrived.view(torch.int16))
     rebuilding.pack_rebuilt(0, masters)
-    after = rebuilding._wire(0).view(torch.int16)
-    assert torch.equal(after, buffered._wire(0).view(torch.int16))
+    after = rebuilding.wire(0).view(torch.int16)
+    assert torch.equal(after, buffered.wire(0).view(torch.int16))
     owned = torch.zeros(after.numel(), dtype=torch.bool)
     for lo, hi in rebuilding.share_ranges(0):
         owned[lo:hi] = True
