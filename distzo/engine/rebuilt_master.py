@@ -8,7 +8,9 @@ no such buffer: the block's slot keeps the values at rest until the block is don
 whoever reads the master rebuilds it here, ``chunk`` elements at a time in one small
 staging buffer: the piece upcast, then every queued update applied to it. Each pass
 perturbs the rebuilt pieces into its scratch, and the write-back rounds them into the
-slot (``StreamedBlocks.pack_rebuilt``).
+slot (``StreamedBlocks.pack_rebuilt``). On CUDA a bf16 or fp16 block skips the staging:
+one kernel per pass rebuilds and perturbs (``rebuild_perturb``), one per owned piece
+rebuilds and rounds in place (``rebuild_round``).
 
 Every element takes the operations it takes in the buffer, in the same order (the
 upcast, each update's decay and noise terms, then the perturbation or the rounding), and
