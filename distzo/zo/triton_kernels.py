@@ -224,6 +224,28 @@ def updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shri
     return theta
 
 
+@triton.jit
+def rebuilt_tile(
+    rest_ptr,
+    table_ptr,
+    terms_ptr,
+    num_terms,
+    start,
+    n,
+    decay_end,
+    shrink,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """This program's tile of a 16-bit block's master, rebuilt from its values at rest:
+    upcast, then ``updated``. Its counters, element indices and mask, and the values."""
+    counters, e = tile_elements(start, BLOCKS)
+    inside = (e >= start) & (e - start < n)
+    theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    return counters, e, inside, theta
+
+
 @triton.jit(do_not_specialize=SCALARS)
 def rebuild_perturb_kernel(
     out_ptr,
@@ -245,10 +267,9 @@ def rebuild_perturb_kernel(
     from its values at rest and perturbed in registers, one read of the 16-bit values and
     one write of the pass's scratch. Op for op the buffered path (the upcast copy,
     ``update_kernel``, ``perturb_kernel``), so the same bits."""
-    counters, e = tile_elements(start, BLOCKS)
-    inside = (e >= start) & (e - start < n)
-    theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
-    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    counters, e, inside, theta = rebuilt_tile(
+        rest_ptr, table_ptr, terms_ptr, num_terms, start, n, decay_end, shrink, KIND, BLOCKS
+    )
     out = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), scale, theta)
     tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -419,10 +440,9 @@ def rebuild_round_kernel(
     written, by the program that writes it). Op for op the upcast copy, ``update_kernel``
     and the round kernels, keyed (k0, k1) by the rounding's own key."""
     SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
-    counters, e = tile_elements(start, BLOCKS)
-    inside = (e >= start) & (e - start < n)
-    theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
-    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    counters, e, inside, theta = rebuilt_tile(
+        rest_ptr, table_ptr, terms_ptr, num_terms, start, n, decay_end, shrink, KIND, BLOCKS
+    )
     word = tile_uniform_words(start, k0, k1, BLOCKS)
     if MANTISSA == 7:
         out = rounded_bf16(theta, word)
