@@ -280,6 +280,13 @@ class NoiseSource:
                 theta[lo - start : hi - start], z, alpha=scale, out=out[lo - start : hi - start]
             )
 
+    def term_keys(
+        self, terms: Sequence[tuple[int, int, float]], block_id: int
+    ) -> tuple[list[tuple[int, int]], list[float]]:
+        """The keys and the alphas of ``(step, query, alpha)`` terms: what a fused kernel
+        takes for them."""
+        return [self.key(s, block_id, q) for s, q, _ in terms], [a for _, _, a in terms]
+
     def rebuild_perturb_into(
         self,
         out: torch.Tensor,
@@ -308,8 +315,7 @@ class NoiseSource:
                 at_rest,
                 decay_end,
                 shrink,
-                [self.key(s, block_id, q) for s, q, _ in terms],
-                [a for _, _, a in terms],
+                *self.term_keys(terms, block_id),
                 self.key(step, block_id, query),
                 scale,
                 self.kind,
@@ -347,8 +353,7 @@ class NoiseSource:
                 start,
                 decay_end,
                 shrink,
-                [self.key(s, block_id, q) for s, q, _ in terms],
-                [a for _, _, a in terms],
+                *self.term_keys(terms, block_id),
                 rounding.key(step, stream),
                 self.kind,
                 self.kind_table,
@@ -398,13 +403,11 @@ class NoiseSource:
         stop = start + n
         total = stop if total is None else total
         if self.fuses(theta):
-            keys = [self.key(step, block_id, query) for step, query, _ in terms]
             triton_noise.update(
                 theta,
                 decay_end,
                 shrink,
-                keys,
-                [a for _, _, a in terms],
+                *self.term_keys(terms, block_id),
                 self.kind,
                 self.kind_table,
                 start,

@@ -164,11 +164,13 @@ def packed_terms(
     """A launch's terms as one [K, 3] int32 table on ``device``: each key's two 32-bit
     words and its alpha's float32 bits (alpha rounded to float32, as torch rounds a
     scalar for a float32 op). One copy, from pinned memory and without a host sync on
-    CUDA (the caching host allocator keeps the page until the copy has run)."""
-    host = torch.empty((len(keys), 3), dtype=torch.int32, pin_memory=device.type == "cuda")
+    CUDA (the caching host allocator keeps the page until the copy has run). No terms
+    still make one (unused) row: a kernel is refused a pointer to no memory."""
+    rows = max(len(keys), 1)
+    host = torch.zeros((rows, 3), dtype=torch.int32, pin_memory=device.type == "cuda")
     words = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
-    host[:, :2] = words.to(torch.uint32).view(torch.int32)
-    host[:, 2] = torch.tensor(alphas, dtype=torch.float32).view(torch.int32)
+    host[: len(keys), :2] = words.to(torch.uint32).view(torch.int32)
+    host[: len(keys), 2] = torch.tensor(alphas, dtype=torch.float32).view(torch.int32)
     return host.to(device, non_blocking=True)
 
 
@@ -223,13 +225,11 @@ def rebuild_perturb(
     """out[0:n] <- (rest[0:n] upcast, then ``update``'s decay and terms) + scale * z_key: a
     whole block's pass scratch from its 16-bit values at rest, one launch."""
     n = rest.numel()
-    # a table of one unused row where there are no terms (a pointer to no memory is refused)
-    terms = packed_terms(keys or [(0, 0)], alphas or [0.0], rest.device)
     _kernels()["rebuild_perturb"][_grid(0, n, 8)](
         out,
         rest,
         table,
-        terms,
+        packed_terms(keys, alphas, rest.device),
         len(keys),
         0,
         n,
@@ -265,12 +265,11 @@ def rebuild_round(
     else:
         mantissa, bias, limit, as_int = LOW_BIT[rest.dtype]
         dst = rest.view(as_int)
-    terms = packed_terms(keys or [(0, 0)], alphas or [0.0], rest.device)
     _kernels()["rebuild_round"][_grid(start, n, 8)](
         dst,
         rest,
         table,
-        terms,
+        packed_terms(keys, alphas, rest.device),
         len(keys),
         start,
         n,
