@@ -8,7 +8,7 @@ no such buffer: the block's slot keeps the values at rest until the block is don
 whoever reads the master rebuilds it here, ``chunk`` elements at a time in one small
 staging buffer: the piece upcast, then every queued update applied to it. Each pass
 perturbs the rebuilt pieces into its scratch, and the write-back rounds them into the
-slot (``StreamedBlocks.pack_rebuilt``). On CUDA a bf16 or fp16 block skips the staging:
+slot (``StreamedBlocks.round_piece``). On CUDA a bf16 or fp16 block skips the staging:
 one kernel per pass rebuilds and perturbs (``rebuild_perturb``), one per owned piece
 rebuilds and rounds in place (``rebuild_round``).
 
@@ -86,15 +86,13 @@ class RebuiltMaster:
         most one update, the step's), else piece by piece. An unperturbed pass (scale 0, an
         evaluation's, FZOO's) is a copy of the master, as ``perturb_into`` makes it: the
         fused kernel's ``theta + 0 * z`` would turn a -0.0 into +0.0."""
-        n, noise, updates = visit.at_rest.numel(), visit.noise, visit.updates
-        if scale != 0.0 and self.stage.dtype == torch.float32 and len(updates) <= 1:
-            decay_end, shrink, terms = (
-                visit.rule.noise_terms(updates[0], visit.layout) if updates else (0, 1.0, [])
-            )
-            fused = noise.rebuild_perturb_into(
+        n, noise = visit.at_rest.numel(), visit.noise
+        update = self._fusable_update(visit)
+        if scale != 0.0 and update is not None:
+            decay_end, shrink, terms = update
+            if noise.rebuild_perturb_into(
                 out, visit.at_rest, decay_end, shrink, terms, visit.block_id, scale, step, query
-            )
-            if fused:
+            ):
                 return
         for a, b, master in self.pieces(visit, 0, n):
             noise.perturb_into(out[a:b], master, scale, step, visit.block_id, query, a, n)
@@ -103,19 +101,22 @@ class RebuiltMaster:
         """Block ``index``'s rebuilt master rounded into this rank's pieces of its slot, for
         the offload: in place, one fused kernel per piece where the noise has one (CUDA; a
         16-bit block, a float32 master, the step's one update), else piece by piece."""
-        if not self._write_back_fused(index, visit):
-            self.store.pack_rebuilt(index, lambda lo, hi: self.pieces(visit, lo, hi))
-
-    def _write_back_fused(self, index: int, visit: BlockVisit) -> bool:
-        if self.stage.dtype != torch.float32 or len(visit.updates) != 1:
-            return False
-        decay_end, shrink, terms = visit.rule.noise_terms(visit.updates[0], visit.layout)
-        rounding, step, stream = self.store.rounding(index)
-        wire = self.store.wire(index)
-        for lo, hi in self.store.share_ranges(index):
-            # the same checks for every piece: only the first can decline, writing nothing
-            if not visit.noise.rebuild_round_into(
-                wire[lo:hi], lo, decay_end, shrink, terms, visit.block_id, rounding, step, stream
+        store, update = self.store, self._fusable_update(visit)
+        rounding, step, stream = store.rounding(index)
+        wire = store.wire(index)
+        for lo, hi in store.share_ranges(index):
+            if update is not None and visit.noise.rebuild_round_into(
+                wire[lo:hi], lo, *update, visit.block_id, rounding, step, stream
             ):
-                return False
-        return True
+                continue
+            for a, _, master in self.pieces(visit, lo, hi):
+                store.round_piece(index, a, master)
+
+    def _fusable_update(self, visit: BlockVisit) -> tuple[int, float, list] | None:
+        """The update as a fused kernel takes it (``UpdateRule.noise_terms``; none: no
+        decay, no terms), where one could: a float32 master and at most one update."""
+        if self.stage.dtype != torch.float32 or len(visit.updates) > 1:
+            return None
+        if not visit.updates:
+            return 0, 1.0, []
+        return visit.rule.noise_terms(visit.updates[0], visit.layout)

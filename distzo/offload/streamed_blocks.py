@@ -21,7 +21,7 @@ wire slot to the host. K fp32 slots would cost K - 1 more blocks of device memor
 2.4 GB at OPT-30B) for the same arithmetic. Without the master buffer
 (``master_buffer=False``), the block computes from its wire slot, which keeps the values
 at rest until the block is done: whoever computes rebuilds the master a piece at a time
-where it reads it, and ``pack_rebuilt`` rounds the rebuilt pieces back into the slot.
+where it reads it, and hands the rebuilt pieces to ``round_piece`` for the way back.
 
 ``read_only``: the frozen base of an adapter run. Blocks only go up; nothing is ever
 written back, so a low-bit host copy is rounded once, to nearest, when it is loaded.
@@ -29,7 +29,6 @@ written back, so a low-bit host copy is rounded once, to nearest, when it is loa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -193,17 +192,11 @@ class StreamedBlocks:
         for _, (s_lo, s_hi) in self._pieces(index):
             self._round_into(wire[s_lo:s_hi], master[s_lo:s_hi], index, s_lo)
 
-    def pack_rebuilt(
-        self, index: int, masters: Callable[[int, int], Iterator[tuple[int, int, torch.Tensor]]]
-    ) -> None:
-        """``pack`` for a store without the master buffer: ``masters(lo, hi)`` yields the
-        rebuilt master of block elements ``[lo, hi)`` a piece ``(a, b, values)`` at a time,
-        each rounded into this rank's pieces of the wire slot as ``pack`` rounds it (the
-        padding, zeros, stays as it is)."""
-        wire = self.wire(index)
-        for lo, hi in self.share_ranges(index):
-            for a, b, master in masters(lo, hi):
-                self._round_into(wire[a:b], master, index, a)
+    def round_piece(self, index: int, lo: int, master: torch.Tensor) -> None:
+        """``pack`` for a store without the master buffer, a piece at a time: elements
+        ``[lo, lo + n)`` of block ``index``'s rebuilt master rounded into its wire slot as
+        ``pack`` rounds them (the caller covers this rank's ``share_ranges``)."""
+        self._round_into(self.wire(index)[lo : lo + master.numel()], master, index, lo)
 
     def offload(self, index: int) -> None:
         """This rank's pieces of the slot to the host (a low-bit slot was ``pack``ed)."""

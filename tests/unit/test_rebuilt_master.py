@@ -87,7 +87,7 @@ def test_recomputed_masters_follow_the_buffered_trajectory_bit_for_bit(options):
     assert "masters rebuilt" not in describe(buffered, torch.float32)
 
 
-def test_pack_rebuilt_rounds_the_pieces_a_rank_owns_as_pack_does():
+def test_round_piece_rounds_the_pieces_a_rank_owns_as_pack_does():
     """A sliced rank's write-back from rebuilt pieces: its own pieces of the slot rounded
     bit for bit as from the buffer, the other rank's pieces left as they arrived."""
     layouts = [BucketLayout((), 5000, 0, torch.float32)]  # one block of 5,000 elements
@@ -119,14 +119,11 @@ def test_pack_rebuilt_rounds_the_pieces_a_rank_owns_as_pack_does():
     master.copy_(moved(master))
     buffered.pack(0)
 
-    def masters(lo, hi):
-        for a in range(lo, hi, 300):
-            b = min(a + 300, hi)
-            yield a, b, moved(rebuilding.wire(0)[a:b])
-
-    rebuilding.pack(0)  # without the buffer, pack leaves the slot to pack_rebuilt
+    rebuilding.pack(0)  # without the buffer, pack leaves the slot to round_piece
     assert torch.equal(rebuilding.wire(0).view(torch.int16), arrived.view(torch.int16))
-    rebuilding.pack_rebuilt(0, masters)
+    for lo, hi in rebuilding.share_ranges(0):  # this rank's pieces, 300 elements at a time
+        for a in range(lo, hi, 300):
+            rebuilding.round_piece(0, a, moved(rebuilding.wire(0)[a : min(a + 300, hi)]))
     after = rebuilding.wire(0).view(torch.int16)
     assert torch.equal(after, buffered.wire(0).view(torch.int16))
     owned = torch.zeros(after.numel(), dtype=torch.bool)
