@@ -15,7 +15,15 @@ values of that test's ``Qwen3Configs``, built here with transformers' class, sin
 test utils start NVML on import) with ``tie_word_embeddings=False`` and
 ``max_position_embeddings = seq``, built under ``torch.set_default_dtype(dtype)``, then
 ``model.zo_init(MeZOSGDConfig(...))`` with that test's defaults (lr 1e-3, weight decay 0.1,
-eps 1e-3). ``zo2-mezo`` is ZO2's ``zo2=False`` model (MeZO-SGD, the whole model on the
+eps 1e-3). One difference, in how the random values are drawn, not in what is built: the
+model's own initialisation is skipped (transformers' ``no_init_weights``) and its
+parameters are then filled as OPT's and Qwen3's ``_init_weights`` fill them (matrices and
+embeddings ~ N(0, 0.02), biases 0, norm scales 1), the Gaussians drawn in float32 a chunk
+at a time and rounded to the model's dtype. The default initialisation draws in the
+default dtype, fp16 here, on the host: built that way, ZO2's peers took 88 s at OPT-1.3B
+on the H100 machine (2026-11-27), distzo's, drawing in float32, 22 s, and OPT-6.7B's six
+peers were not all built after the 340 s its device command allowed.
+``zo2-mezo`` is ZO2's ``zo2=False`` model (MeZO-SGD, the whole model on the
 device), ``zo2-offload`` its ``zo2=True`` model (blocks in host memory on three CUDA
 streams; CUDA only). The shapes, and ``--hidden``'s rule, are distzo's
 (``distzo/bench/peer_models.py``), copied here since this file runs without distzo;
@@ -178,6 +186,27 @@ def model_config(args: argparse.Namespace) -> Any:
     )
 
 
+FILL_CHUNK = 1 << 24  # float32 draws at a time: 64 MB of staging, whatever the model
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """The values ``_init_weights`` of OPT and Qwen3 give (matrices and embeddings ~
+    N(0, std), biases 0, norm scales 1), the Gaussians drawn in float32 and rounded to each
+    parameter's dtype a chunk at a time (torch's float32 normal_ is the vectorised one)."""
+    g = torch.Generator().manual_seed(seed)
+    staging = torch.empty(0, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
+            continue
+        flat = p.view(-1)
+        for lo in range(0, flat.numel(), FILL_CHUNK):
+            hi = min(lo + FILL_CHUNK, flat.numel())
+            staging = staging if staging.numel() >= hi - lo else torch.empty(hi - lo)
+            flat[lo:hi].copy_(staging[: hi - lo].normal_(0.0, std, generator=g))
+
+
 def build(args: argparse.Namespace) -> tuple[Any, int, int]:
     """ZO2's model of the shape, random init, as its speed test builds it."""
     config = model_config(args)  # bad widths first: one line, before ZO2 is imported
@@ -202,14 +231,18 @@ def build(args: argparse.Namespace) -> tuple[Any, int, int]:
     zo_config.zo2 = offload
     if offload:
         zo_config.offloading_device = "cpu"
+    # ZO2's interpreter has transformers 4.51 (5.x moved it)
+    from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined]
+
     torch.manual_seed(args.seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[args.dtype])
     try:
-        if offload:
-            model = getattr(zo2, name)(config)
-        else:
-            model = getattr(zo, name)(config).to(device)
+        with no_init_weights():
+            model = getattr(zo2 if offload else zo, name)(config)
+        fill_random(model, args.seed)
+        if not offload:
+            model = model.to(device)
         model.zo_init(zo_config)
     finally:
         torch.set_default_dtype(default)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.models.shapes import OPT_SHAPES, OTHER_SHAPES
@@ -113,3 +114,35 @@ def test_a_print_of_zo2s_goes_to_stderr_not_into_the_protocol(tmp_path):
     (line,) = out.stdout.splitlines()  # the error line only
     assert "stand-in stops here" in json.loads(line)["error"]
     assert "Upload head and tail to cuda." in out.stderr
+
+
+def test_the_random_fill_is_opts_init_drawn_in_float32_chunk_by_chunk(peer, monkeypatch):
+    """Matrices ~ N(0, 0.02) drawn in float32 then rounded (one generator, the parameters
+    in order, a chunk at a time), biases 0, norm scales 1: the init ZO2's speed test gets,
+    without drawing fp16 Gaussians on the host."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    monkeypatch.setattr(peer, "FILL_CHUNK", 1000)  # several chunks per matrix
+    config = OPTConfig(
+        num_hidden_layers=1, hidden_size=32, ffn_dim=64, num_attention_heads=2,
+        vocab_size=96, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = OPTForCausalLM(config).to(torch.float16)
+    for p in model.parameters():
+        p.data.fill_(7.0)  # nothing of the previous values may survive
+    peer.fill_random(model, seed=3)
+    g = torch.Generator().manual_seed(3)
+    matrices = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            assert torch.equal(p, torch.full_like(p, 0.0 if name.endswith("bias") else 1.0))
+            continue
+        matrices += 1
+        expected = torch.cat(
+            [
+                torch.empty(min(1000, p.numel() - lo)).normal_(0.0, 0.02, generator=g)
+                for lo in range(0, p.numel(), 1000)
+            ]
+        )
+        assert torch.equal(p.view(-1), expected.to(torch.float16)), name
+    assert matrices == 9  # tokens, positions, q, k, v, out, fc1, fc2, the untied head

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,15 @@ def test_a_sliced_rank_reads_only_the_pieces_it_owns(tmp_path):
             for (h_lo, h_hi), (s_lo, s_hi) in sliced._pieces(i):
                 sliced_full[s_lo:s_hi] = sliced.master(i)[h_lo:h_hi]
                 assert torch.equal(sliced_full[s_lo:s_hi], naive_full[s_lo:s_hi])
+
+
+def test_random_weights_drawn_in_float32_are_its_draws_rounded():
+    """A benchmark's 16-bit model draws in float32 (the vectorised path); by default a
+    tensor's draws stay in its own dtype, as a recorded run's replay expects."""
+    name, shape = ("model.layers.0.mlp.up_proj.weight",), (8, 40)
+    wide = RandomWeights(3).tensor(name, shape, torch.float32)
+    fast = RandomWeights(3, draw_dtype=torch.float32).tensor(name, shape, torch.float16)
+    assert fast.dtype == torch.float16 and torch.equal(fast, wide.to(torch.float16))
+    g = torch.Generator().manual_seed(3 * 1_000_003 + zlib.crc32(name[0].encode()))
+    own = torch.empty(shape, dtype=torch.float16).normal_(0.0, 0.02, generator=g)
+    assert torch.equal(RandomWeights(3).tensor(name, shape, torch.float16), own)
