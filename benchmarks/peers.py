@@ -63,6 +63,7 @@ import torch
 from distzo.bench import BenchReport, Measurement, Timer
 from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
 from distzo.bench.peer_process import PeerError, PeerProcess
+from distzo.bench.peer_progress import PeerProgress, await_ready
 from distzo.bench.phases import bound_by, describe_phases
 from distzo.runtime.devices import device_name
 
@@ -415,18 +416,25 @@ def ask_phases(peer: PeerProcess, run: Run) -> None:
         run.phases = peer.phases()
 
 
-def measure_interleaved(args: argparse.Namespace, systems: list[System]) -> list[Run]:
+def measure_interleaved(
+    args: argparse.Namespace, systems: list[System], runs: list[Run], progress: PeerProgress
+) -> list[Run]:
+    """Every peer built at once, then their steps in turns; ``runs`` fills as they run
+    (what a run stopped at its limit had measured)."""
     peers: list[PeerProcess] = []
     try:
         for system in systems:  # all build at once
             peers.append(launch(args, system))
-        runs = [Run(system, peer.ready()) for system, peer in zip(systems, peers)]
+        ready = await_ready(peers, progress)
+        runs += [Run(system, ready[system.name]) for system in systems]
+        progress.stepping = [s.name for s in systems]
         if args.warmup:
             for peer, run in zip(peers, runs):
                 measure(peer, run, args.warmup, timed=False)
         for _ in range(args.rounds):
             for peer, run in zip(peers, runs):
                 measure(peer, run, args.steps_per_round, timed=True)
+        progress.measured = [s.name for s in systems]
         for peer, run in zip(peers, runs):
             ask_phases(peer, run)
         for peer in peers:
@@ -438,15 +446,20 @@ def measure_interleaved(args: argparse.Namespace, systems: list[System]) -> list
 
 
 def measure_one_at_a_time(
-    args: argparse.Namespace, systems: list[System], done: Callable[[list[Run]], object]
+    args: argparse.Namespace,
+    systems: list[System],
+    runs: list[Run],
+    progress: PeerProgress,
+    done: Callable[[list[Run]], object],
 ) -> list[Run]:
     """One peer after another; ``done`` gets the runs so far after each (a partial report
     survives a run stopped at its time limit)."""
-    runs: list[Run] = []
     for system in systems:
         peer = launch(args, system)
         try:
-            run = Run(system, peer.ready())
+            ready = await_ready([peer], progress)[system.name]
+            run = Run(system, ready)
+            progress.stepping.append(system.name)
             if args.warmup:
                 measure(peer, run, args.warmup, timed=False)
             for _ in range(args.rounds):
@@ -454,6 +467,7 @@ def measure_one_at_a_time(
             ask_phases(peer, run)
             peer.close()
             runs.append(run)
+            progress.measured.append(system.name)
         finally:
             peer.kill()
         done(runs)
@@ -564,9 +578,13 @@ def default_out(args: argparse.Namespace) -> Path:
     return HERE / "results" / name
 
 
+class Stopped(Exception):
+    """The run was stopped from outside (SIGTERM, or SIGINT: ``timeout``'s signal)."""
+
+
 def terminate(signum: int, _frame: object) -> None:
-    """SIGTERM as an exit, so that every peer is killed on the way out."""
-    raise SystemExit(f"peers.py: stopped by signal {signum}; every peer was ended")
+    """SIGTERM as a stop, so that every peer is killed and the partial report written."""
+    raise Stopped(signal.Signals(signum).name)
 
 
 def device_label(args: argparse.Namespace) -> str:
@@ -581,18 +599,28 @@ def run_peers(
     notes: list[str],
     done: Callable[[list[Run]], object],
 ) -> list[Run]:
-    """Every peer's runs; a broken peer ends them all with one line (SystemExit)."""
+    """Every peer's runs; a broken peer ends them all with one line (SystemExit). A stop
+    from outside (SIGTERM, or SIGINT: ``timeout``'s signal) ends every peer too, after
+    ``done`` has written what was measured and a note of what was built and what was not."""
     previous = signal.signal(signal.SIGTERM, terminate)
+    progress = PeerProgress([s.name for s in systems])
+    runs: list[Run] = []
     try:
         if args.one_at_a_time:
             notes.append(
                 "The peers ran one at a time (--one-at-a-time): their steps did not "
                 "interleave, so a drift of the machine's speed does not hit them alike"
             )
-            return measure_one_at_a_time(args, systems, done)
-        return measure_interleaved(args, systems)
+            return measure_one_at_a_time(args, systems, runs, progress, done)
+        return measure_interleaved(args, systems, runs, progress)
     except PeerError as exc:
         raise SystemExit(f"peers.py: {' '.join(str(exc).split())}") from None
+    except (KeyboardInterrupt, Stopped) as exc:
+        why = str(exc) if isinstance(exc, Stopped) else "SIGINT"
+        notes.append(progress.stop_note(why))
+        measured = [run for run in runs if len(run.samples) >= 2]
+        saved = f"the partial report: {done(measured)}" if measured else "nothing measured"
+        raise SystemExit(f"peers.py: {notes[-1]}; {saved}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -601,7 +629,8 @@ def write_report(
     args: argparse.Namespace, systems: list[System], notes: list[str], runs: list[Run]
 ) -> Path:
     """The report of ``runs`` (a partial one, said so in its notes, while systems remain)."""
-    missing = [s.name for s in systems[len(runs) :]]
+    measured = {run.system.name for run in runs}
+    missing = [s.name for s in systems if s.name not in measured]
     if missing:
         notes = [*notes, f"Partial report: {', '.join(missing)} not measured yet"]
     report = BenchReport("peers", device_label(args), max(s.ranks for s in systems), notes=notes)

@@ -99,8 +99,9 @@ class PeerProcess:
             f"peer {self.name} {what}; its last stderr line: {self.last_stderr_line()}"
         )
 
-    def _receive(self, keys: dict[str, Any]) -> dict[str, Any]:
-        line = self.lines.get()
+    def _receive(self, keys: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """The next protocol line; ``queue.Empty`` if none came within ``timeout`` s."""
+        line = self.lines.get(timeout=timeout)
         if line is None:
             try:
                 code = self.proc.wait(timeout=30)
@@ -120,9 +121,13 @@ class PeerProcess:
             raise self._fail(f"printed a non-protocol line: {line.strip()[:200]!r}")
         return message
 
-    def ready(self) -> dict[str, Any]:
-        """Wait for the ready line (the build may take minutes)."""
-        message = self._receive(READY_KEYS)
+    def ready(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Wait for the ready line (the build may take minutes): None if it did not come
+        within ``timeout`` seconds (then ask again)."""
+        try:
+            message = self._receive(READY_KEYS, timeout)
+        except queue.Empty:
+            return None
         if message["system"] != self.name or not message["ready"]:
             raise self._fail(f"announced {message['system']!r}, not itself, as ready")
         return message

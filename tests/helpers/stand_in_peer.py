@@ -1,14 +1,15 @@
 """A stand-in peer for benchmarks/peers.py: the protocol with a tiny step of known cost.
 
     python -m tests.helpers.stand_in_peer --step-ms 5 --log FILE [--die-at N] \\
-        [--garbage-at N] --system NAME ...the protocol's arguments
+        [--garbage-at N] [--build-s S] --system NAME ...the protocol's arguments
 
 A step sleeps ``--step-ms`` and multiplies two small matrices. Every event (start with the
 pid and the shape arguments it was given, each request on arrival, each reply with the
 step times sent, exit) is appended to ``--log`` as a JSON line, so a test can check what
 the harness passed on, the order it asked in, and recompute its statistics.
 ``--die-at N``: exit 3 on the N-th request, after a last stderr line; ``--garbage-at N``:
-answer the N-th request with a line that is not the protocol's.
+answer the N-th request with a line that is not the protocol's; ``--build-s S``: take S
+seconds to build (a large model's peer).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
     p.add_argument("--log", required=True)
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--garbage-at", type=int, default=None)
+    p.add_argument("--build-s", type=float, default=0.0)
     args = p.parse_args()
     out = ProtocolOut()
     torch.set_num_threads(args.threads)
@@ -52,8 +54,14 @@ def main() -> int:
 
     log("start", pid=os.getpid(), shape=args.shape, layers=args.layers, hidden=args.hidden)
     system = FakeStep(args.step_ms)
+    time.sleep(args.build_s)
     out.send(
-        {"ready": True, "system": args.system, "parameters": system.parameters, "build_s": 0.0}
+        {
+            "ready": True,
+            "system": args.system,
+            "parameters": system.parameters,
+            "build_s": args.build_s,
+        }
     )
     request = 0
     while True:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -213,6 +214,75 @@ def test_one_at_a_time_measures_each_peer_alone_and_keeps_a_partial_report(tmp_p
     assert not data["measurements"][0]["params"]["interleaved"]
     assert any("one at a time" in note for note in data["notes"])
     assert any(note == "Partial report: slow not measured yet" for note in data["notes"])
+
+
+def stop_when(proc: subprocess.Popen, says: str, timeout: float = 120) -> str:
+    """The harness's stderr up to the line that holds ``says``; then SIGINT, as
+    ``timeout --signal=INT`` stops a device command's run at its limit."""
+    assert proc.stderr is not None
+    seen, deadline = [], time.monotonic() + timeout
+    for line in proc.stderr:
+        seen.append(line)
+        if says in line or time.monotonic() > deadline:
+            break
+    assert says in seen[-1], "".join(seen)[-3000:]
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[1]
+    return "".join(seen) + rest
+
+
+def popen_harness(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "benchmarks/peers.py", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+
+
+def test_a_run_stopped_while_peers_build_says_which_were_built(tmp_path):
+    """A large model's run cut at its device command's limit says in its last line which
+    peers were built (and in how long) and which were still building, and ends them all."""
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    proc = popen_harness(
+        *TINY,
+        "--peer", stand_in("quick", log, 1, "--build-s", "0.5"),
+        "--peer", stand_in("huge", log, 1, "--build-s", "600"),
+        "--systems", "quick,huge", "--out", str(out),
+    )  # fmt: skip
+    stderr = stop_when(proc, "quick is ready (built in 0.5 s")
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"peers\.py: Stopped \(SIGINT\) \d+ s into the run\. Built: quick in 0 s; still "
+        r"building: huge; nothing measured",
+        last,
+    ), last
+    assert not out.exists()  # a report holds measurements: the log's last line is the record
+    assert_gone([e["pid"] for e in events(log, "start")])
+    assert not events(log, "request")  # the built peer never stepped alone
+
+
+def test_a_run_stopped_while_peers_step_keeps_what_they_measured(tmp_path):
+    log, out = tmp_path / "requests.log", tmp_path / "peers.json"
+    proc = popen_harness(
+        *TINY,
+        "--peer", stand_in("fast", log, 1),
+        "--peer", stand_in("slow", log, 300),
+        "--systems", "fast,slow", "--warmup", "0", "--rounds", "100", "--out", str(out),
+    )  # fmt: skip
+    assert proc.stderr is not None
+    while len(events(log, "reply") if log.exists() else []) < 5:  # two rounds and more
+        time.sleep(0.1)
+    stderr = stop_when(proc, "", timeout=1)
+    assert proc.returncode == 1, stderr[-2000:]
+    data = json.loads(out.read_text())
+    validate_report(data)
+    assert {m["name"] for m in data["measurements"]} == {"fast", "slow"}
+    assert all(m["params"]["timed_steps"] >= 2 for m in data["measurements"])
+    stop = [n for n in data["notes"] if n.startswith("Stopped (SIGINT)")]
+    assert stop and "Built: fast in 0 s, slow in 0 s; steps not finished: fast, slow" in stop[0]
+    assert_gone([e["pid"] for e in events(log, "start")])
 
 
 def test_a_bad_zo2_checkout_is_one_line_before_any_peer_starts(tmp_path):
