@@ -5,7 +5,10 @@ Two instrumented steps, each apart from the timed ones so that neither instrumen
 what it does not measure: one records the scheduler's timeline (on CUDA, events on each
 phase's stream: when the device ran the work), the other times each of the engine's own
 noise calls between two device syncs (the perturbations, ``theta + eps z`` into the
-scratch, and the updates, z redrawn and applied, momentum and Adam included).
+scratch, and the updates, z redrawn and applied, momentum and Adam included). A master
+rebuilt from its 16-bit copy (``--low-bit-master recompute``) counts its fused kernels:
+each pass's rebuild and perturbation as a perturbation, the write-back's rebuild, update
+and rounding as an update.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def block_phases(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, fl
 @contextmanager
 def _timed_calls(obj: object, name: str, device: torch.device, into: list[tuple[int, float]]):
     """Replace ``obj.name`` by a wrapper that syncs the device around each call and
-    records (block id, ms); the block id is the call's ``block_id`` argument."""
+    records (block id, ms); the block id is the call's ``block_id`` argument. A call that
+    returns False did nothing (a fused kernel that does not apply): not recorded."""
     original: Callable[..., Any] = getattr(obj, name)
     signature = inspect.signature(original)  # bound: without self
 
@@ -77,7 +81,8 @@ def _timed_calls(obj: object, name: str, device: torch.device, into: list[tuple[
         start = time.perf_counter()
         out = original(*args, **kwargs)
         synchronize(device)
-        into.append((int(block_id), (time.perf_counter() - start) * 1e3))
+        if out is not False:
+            into.append((int(block_id), (time.perf_counter() - start) * 1e3))
         return out
 
     setattr(obj, name, wrapper)
@@ -95,7 +100,9 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
     updates: list[tuple[int, float]] = []
     with (
         _timed_calls(engine.noise, "perturb_into", engine.device, perturbs),
+        _timed_calls(engine.noise, "rebuild_perturb_into", engine.device, perturbs),
         _timed_calls(engine.update_rule, "apply", engine.device, updates),
+        _timed_calls(engine.noise, "rebuild_round_into", engine.device, updates),
     ):
         engine.step(batch)
     n = len(engine.blocks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -52,6 +53,40 @@ def test_the_noise_calls_of_a_step_are_counted_per_block(mode, queries):
     in_sequence = sum(phases[f"{p}_ms_per_block"] for p in ("upload", "compute", "offload"))
     assert in_sequence <= phases["pipelined_ms_per_block"]
     assert phases["step_ms"] > phases["prologue_ms"] + phases["outside_blocks_ms"]
+
+
+def test_a_rebuilt_masters_fused_kernels_are_its_noise(monkeypatch):
+    """--low-bit-master recompute on CUDA: each pass's rebuild_perturb kernel is a
+    perturbation and the write-back's rebuild_round kernel the update; a fused call that
+    does not apply (returns False) is not counted. Stood in here: the kernels' calls,
+    which on the CPU fall back to the pieces."""
+    torch.manual_seed(0)
+    config = ZOConfig(
+        mode="offload", device="cpu", lr=1e-3, eps=1e-3, seed=0, transfer_dtype="bf16",
+        low_bit_master="recompute",
+    )  # fmt: skip
+    e = ZOEngine(OPTForCausalLM(tiny_opt_config()), config)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
+    e.step(batch)
+    cls = type(e.noise)
+    fused = {"rebuild_perturb_into": 0, "rebuild_round_into": 0}
+
+    def stand_in(name):
+        @functools.wraps(getattr(cls, name))  # its signature: the instrument reads block_id
+        def call(self, *args, **kwargs):
+            fused[name] += 1
+            return fused[name] % 2 == 1  # every other call "runs", the rest fall back
+
+        return call
+
+    for name in fused:
+        monkeypatch.setattr(cls, name, stand_in(name))
+    phases = step_phases(e, batch)
+    assert fused["rebuild_perturb_into"] > 0 and fused["rebuild_round_into"] > 0
+    # block 1's calls that ran, plus those that fell back to the pieces (one piece each)
+    assert phases["perturbs_per_block"] == 2
+    assert phases["updates_per_block"] >= 1
+    assert phases["noise_ms_per_block"] > 0
 
 
 def test_the_measured_steps_train_like_any_other():
