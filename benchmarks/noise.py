@@ -17,6 +17,9 @@ Ops on one float32 bucket of ``--elements``:
 
 * ``perturb``: out = theta + eps * z (reads theta, writes out: 8 bytes per element)
 * ``update``: theta -= lr * (g * z + wd * theta) (reads and writes theta: 8)
+* ``update-tiled``: that one-term update through the tiled kernel that takes any number
+  of terms from a table (``triton_noise.update_table``; CUDA, path ``new``; elsewhere it
+  is ``update``): side by side with ``update``'s own kernel for one term
 * ``window``: a recomputed momentum's update, 32 steps' terms (reads and writes theta: 8)
 * ``momentum``, ``adam``: the stored moments' update (theta and 1 or 2 moments: 16, 24)
 * ``rebuild-perturb``: a pass's bf16 scratch from a bf16 block at rest and the step's
@@ -60,6 +63,7 @@ from distzo.zo.moments import MomentRule, MomentUpdater
 BYTES = {
     "perturb": 8,
     "update": 8,
+    "update-tiled": 8,
     "window": 8,
     "momentum": 16,
     "adam": 24,
@@ -109,6 +113,14 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
     if op == "update":
         src = source(path, device, chunk, n=n)
         return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
+    if op == "update-tiled":
+        src = source(path, device, chunk, n=n)
+        if path != "new" or not src.fuses(theta):
+            return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
+        keys, alphas = src.term_keys([(3, 0, -5e-5)], 1)
+        return lambda: triton_noise.update_table(
+            theta, n, 1.0 - 1e-11, keys, alphas, src.kind, src.kind_table
+        )
     if op == "window":  # a recomputed momentum: 32 steps' terms
         src, terms = source(path, device, chunk, n=n), [(99 - s, 0, 1e-9) for s in range(32)]
         return lambda: src.apply_terms(theta, n, 1.0, terms, 1)

@@ -213,6 +213,34 @@ def update_kernel(
     tl.store(theta_ptr + (e - start), theta, mask=inside)
 
 
+@triton.jit(do_not_specialize=SCALARS)
+def update_one_kernel(
+    theta_ptr,
+    table_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    alpha: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """``update_kernel`` with one term (ZO-SGD's step: one query, nothing pending), in the
+    perturbation's shape: lane by lane, each lane's z drawn from its counter's words
+    (``draw16``), no [8, BLOCKS] tile held and no table of terms read. The same operations
+    on each element (the decay, then one fused multiply-add): the same bits."""
+    first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
+    for lane in tl.static_range(8):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e - start < n)
+        theta = tl.load(theta_ptr + (e - start), mask=inside)
+        theta = tl.where(e < decay_end, theta * shrink, theta)
+        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND)
+        tl.store(theta_ptr + (e - start), tl.fma(z, alpha, theta), mask=inside)
+
+
 @triton.jit
 def updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND):
     """A tile of theta after an update: the decay on [0, decay_end), then each term's

@@ -474,7 +474,8 @@ def test_each_triton_noise_kernel_compiles_once_over_fifty_steps():
     if not triton_noise.available():
         pytest.skip("Triton is not installed")
     device = torch.cuda.current_device()
-    kernels = (triton_kernels.perturb_kernel, triton_kernels.update_kernel)
+    # ZO-SGD's one query: its update is update_one_kernel's one term
+    kernels = (triton_kernels.perturb_kernel, triton_kernels.update_one_kernel)
     for kernel in kernels:  # forget the variants earlier tests in this process compiled
         kernel.device_caches.pop(device, None)
     model = tiny_opt(seed=0, num_hidden_layers=4, word_embed_proj_dim=16)

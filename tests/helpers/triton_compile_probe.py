@@ -30,6 +30,7 @@ ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step
 # the kernels that spell out their fused multiply-adds compile without fp fusion
 EXACT = {
     k.update_kernel,
+    k.update_one_kernel,
     k.rebuild_perturb_kernel,
     k.rebuild_round_kernel,
     k.momentum_kernel,
@@ -74,6 +75,20 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         },
         [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
     ),  # Gaussian and Rademacher
+    (
+        k.update_one_kernel,
+        {
+            "theta_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            **UPDATE,
+            "k0": "u32",
+            "k1": "u32",
+            "alpha": "fp32",
+            "KIND": "constexpr",
+            "BLOCKS": "constexpr",
+        },
+        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
+    ),  # ZO-SGD's one term, lane by lane
     *(
         (
             k.rebuild_perturb_kernel,
@@ -220,6 +235,7 @@ CALLS = {
     k.fill_kernel: lambda s, n, k0, k1: (buffer, table, s, n, k0, k1),
     k.perturb_kernel: lambda s, n, k0, k1: (buffer, buffer, table, s, n, k0, k1, -1e-3),
     k.update_kernel: lambda s, n, k0, k1: (buffer, table, terms, many(k0), s, n, s // 2, 1.0),
+    k.update_one_kernel: lambda s, n, k0, k1: (buffer, table, s, n, s // 2, 1.0, k0, k1, -1e-3),
     k.rebuild_perturb_kernel: lambda s, n, k0, k1: (
         *(bf16, bf16, table, terms, many(k0)),
         *(s, n, s // 2, 1.0, k0, k1, -1e-3),

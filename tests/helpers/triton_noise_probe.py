@@ -71,6 +71,24 @@ def within_one_rounding(out, theta, z, scale):
     return bool(((out.double() - exact).abs() <= bound).all())
 
 
+class Launches:
+    """Counts the launches of a kernel (``kernel[grid](...)``) in ``triton_noise``."""
+
+    def __init__(self, name):
+        self.name, self.kernel, self.count = name, triton_noise._kernels()[name], 0
+
+    def __enter__(self):
+        triton_noise._kernels()[self.name] = self
+        return self
+
+    def __exit__(self, *exc):
+        triton_noise._kernels()[self.name] = self.kernel
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
 gen = torch.Generator().manual_seed(0)
 for kind in ("gaussian", "rademacher"):
     src = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
@@ -99,24 +117,33 @@ for kind in ("gaussian", "rademacher"):
                 torch.testing.assert_close(out[:n], theta + 1e-3 * z, rtol=0, atol=1e-6)
             assert out[n:].isnan().all()
 
-        # every term in one launch (a step's 3 queries; a recomputed momentum's 4 steps x
-        # 3 queries): NoiseSource.apply_terms's CPU path, which defines the trajectory,
-        # bit for bit (alphas that are not float32 values: rounded as torch rounds them)
-        for steps in (1, 4):
+        # every term in one launch (ZO-SGD's one term, through update_one_kernel; a step's
+        # 3 queries; a recomputed momentum's 4 steps x 3 queries): NoiseSource.apply_terms's
+        # CPU path, which defines the trajectory, bit for bit (alphas that are not float32
+        # values: rounded as torch rounds them)
+        for steps, queries in ((1, 1), (1, 3), (4, 3)):
             terms = [
-                (4 - s, q, (-1) ** q * 0.3 / (s + q + 1)) for s in range(steps) for q in range(3)
+                (4 - s, q, (-1) ** q * 0.3 / (s + q + 1))
+                for s in range(steps)
+                for q in range(queries)
             ]
             keys = [src.key(step, 9, q) for step, q, _ in terms]
             alphas, shrink, decay_end = [a for _, _, a in terms], 0.999, n // 2
             updated = theta.clone()
-            triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
+            with Launches("update_one") as one:
+                triton_noise.update(updated, decay_end, shrink, keys, alphas, kind, table)
+            assert one.count == (len(terms) == 1), (one.count, len(terms))
             expected = theta.clone()
             src.apply_terms(expected, decay_end, shrink, terms, 9)
             assert torch.equal(updated.view(torch.int32), expected.view(torch.int32)), (
                 kind,
                 n,
                 steps,
+                queries,
             )
+            tiled = theta.clone()  # the tiled kernel with the same terms: the same bits
+            triton_noise.update_table(tiled, decay_end, shrink, keys, alphas, kind, table)
+            assert torch.equal(tiled.view(torch.int32), updated.view(torch.int32))
             # a piece of a bucket at an offset (a master rebuilt a chunk at a time) takes
             # the operations of its places there: the bits of the whole bucket's update,
             # the decay ending inside the piece; past 2^31, the CPU path's at that offset
@@ -141,24 +168,6 @@ for kind in ("gaussian", "rademacher"):
                     steps,
                     start,
                 )
-
-
-class Launches:
-    """Counts the launches of a kernel (``kernel[grid](...)``) in ``triton_noise``."""
-
-    def __init__(self, name):
-        self.name, self.kernel, self.count = name, triton_noise._kernels()[name], 0
-
-    def __enter__(self):
-        triton_noise._kernels()[self.name] = self
-        return self
-
-    def __exit__(self, *exc):
-        triton_noise._kernels()[self.name] = self.kernel
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
 
 
 def on_triton(source):
@@ -210,6 +219,14 @@ for kind in ("gaussian", "rademacher"):
         expected[: n // 2] = 1.0
         expected = expected + z - 2 * src.reference(start, stop, second)
         assert torch.equal(theta, expected), ("update", kind, start)
+        theta = torch.full((n,), 2.0)  # one term: update_one_kernel, lane by lane
+        kernels["update_one"][triton_noise._grid(start, n, 8)](
+            theta, table, start, n, decay_end, 0.5, key[0], key[1], -2.0,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
+        )  # fmt: skip
+        expected = torch.full((n,), 2.0)
+        expected[: n // 2] = 1.0
+        assert torch.equal(theta, expected - 2 * z), ("update_one", kind, start)
 
 # The stored moments' rules, one kernel per bucket: MomentUpdater's CPU path (chunk by chunk,
 # 1000-element pieces) bit for bit, with the square root correctly rounded, as CUDA's and the
