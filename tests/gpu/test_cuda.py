@@ -329,7 +329,8 @@ def test_a_16_bit_master_draws_through_the_kernel_on_cuda():
 
 def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     """perturb and update in one kernel each: the same z; perturb within an ulp of the CPU's
-    arithmetic, the update and bf16/fp16/fp8 stochastic rounding bit for bit."""
+    arithmetic, the update (two queries: the tiled kernel; one: update_one) and
+    bf16/fp16/fp8 stochastic rounding bit for bit."""
     from distzo.offload.low_bit import round_keyed_
     from distzo.zo import NoiseSource
 
@@ -345,6 +346,10 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
     gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
     cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.5, -1.5), 0.1, 4, 9)
     # both queries in one kernel, each a fused multiply-add as torch's add_(z, alpha=a)
+    assert torch.equal(updated_gpu.cpu().view(torch.int32), updated_cpu.view(torch.int32))
+    updated_gpu, updated_cpu = theta.cuda(), theta.clone()  # ZO-SGD's one term: update_one
+    gpu.apply_update(updated_gpu, 500_000, 1e-2, (0.7,), 0.1, 5, 9)
+    cpu.apply_update(updated_cpu, 500_000, 1e-2, (0.7,), 0.1, 5, 9)
     assert torch.equal(updated_gpu.cpu().view(torch.int32), updated_cpu.view(torch.int32))
     rounding_gpu = NoiseSource(11, 1 << 20, torch.device("cuda"), torch.float32, "uniform")
     rounding_cpu = NoiseSource(11, 1 << 20, torch.device("cpu"), torch.float32, "uniform")
