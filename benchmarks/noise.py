@@ -25,6 +25,9 @@ Ops on one float32 bucket of ``--elements``:
 * ``rebuild-perturb``: a pass's bf16 scratch from a bf16 block at rest and the step's
   update, the master never stored (``--low-bit-master recompute``: reads 2, writes 2: 4;
   one fused kernel on CUDA, else the upcast, the update and the perturbation in turn)
+* ``rebuild-perturb-tiled``: that pass through the tiled kernel and its table of terms
+  (``triton_noise.rebuild_perturb_table``; CUDA, path ``new``; elsewhere it is
+  ``rebuild-perturb``), beside the one-term kernel the engine launches
 * ``rebuild-round``: that block's write-back, the update applied to its values at rest
   and rounded stochastically back in place (reads 2, writes 2: 4; one fused kernel on
   CUDA, else the upcast, the update and the rounding in turn)
@@ -68,6 +71,7 @@ BYTES = {
     "momentum": 16,
     "adam": 24,
     "rebuild-perturb": 4,
+    "rebuild-perturb-tiled": 4,
     "rebuild-round": 4,
     "rounding": 6,
     "rounding-fp16": 6,
@@ -113,13 +117,19 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
     if op == "update":
         src = source(path, device, chunk, n=n)
         return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
-    if op == "update-tiled":
+    if op.endswith("-tiled"):  # the one-term op through the tiled kernel (CUDA's new path)
         src = source(path, device, chunk, n=n)
         if path != "new" or not src.fuses(theta):
-            return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
-        keys, alphas = src.term_keys([(3, 0, -5e-5)], 1)
-        return lambda: triton_noise.update_table(
-            theta, n, 1.0 - 1e-11, keys, alphas, src.kind, src.kind_table
+            return op_runner(op.removesuffix("-tiled"), path, device, n, chunk)
+        keys, alphas = src.term_keys([(2, 0, -1e-7)], 1)
+        if op == "update-tiled":
+            return lambda: triton_noise.update_table(
+                theta, n, 1.0 - 1e-11, keys, alphas, src.kind, src.kind_table
+            )
+        rest = theta.bfloat16()
+        out, key = torch.empty_like(rest), src.key(3, 1)
+        return lambda: triton_noise.rebuild_perturb_table(
+            out, rest, n, 1.0, keys, alphas, key, 1e-3, src.kind, src.kind_table
         )
     if op == "window":  # a recomputed momentum: 32 steps' terms
         src, terms = source(path, device, chunk, n=n), [(99 - s, 0, 1e-9) for s in range(32)]

@@ -36,6 +36,8 @@ SCALARS = [
     "n",
     "k0",
     "k1",
+    "uk0",
+    "uk1",
     "scale",
     "alpha",
     "decay_end",
@@ -300,6 +302,44 @@ def rebuild_perturb_kernel(
     )
     out = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), scale, theta)
     tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def rebuild_perturb_one_kernel(
+    out_ptr,
+    rest_ptr,
+    table_ptr,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    uk0: tl.uint32,
+    uk1: tl.uint32,
+    alpha: tl.float32,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    scale: tl.float32,
+    KIND: tl.constexpr,
+    TERM: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """``rebuild_perturb_kernel`` with at most one pending term (ZO-SGD's step: ``TERM``
+    1, the term's key ``uk0, uk1`` and ``alpha``; 0 before the first update), in the
+    perturbation's shape: lane by lane, each lane's two z drawn from its counter's words,
+    no [8, BLOCKS] tile held and no table of terms read. The same operations on each
+    element (the upcast, the decay, the term's fused multiply-add, the perturbation's):
+    the same bits."""
+    first, w0, w1, w2, w3 = tile_words(0, k0, k1, 8, BLOCKS)
+    if TERM:
+        _, u0, u1, u2, u3 = tile_words(0, uk0, uk1, 8, BLOCKS)
+    for lane in tl.static_range(8):
+        e = first + lane * BLOCKS
+        inside = e < n
+        theta = tl.load(rest_ptr + e, mask=inside, other=0.0).to(tl.float32)
+        theta = tl.where(e < decay_end, theta * shrink, theta)
+        if TERM:
+            theta = tl.fma(draw16(u0, u1, u2, u3, lane, table_ptr, KIND), alpha, theta)
+        out = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), scale, theta)
+        tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -59,6 +59,7 @@ def _kernels():
         "update": triton_kernels.update_kernel,
         "update_one": triton_kernels.update_one_kernel,
         "rebuild_perturb": triton_kernels.rebuild_perturb_kernel,
+        "rebuild_perturb_one": triton_kernels.rebuild_perturb_one_kernel,
         "rebuild_round": triton_kernels.rebuild_round_kernel,
         "momentum": triton_kernels.momentum_kernel,
         "adam": triton_kernels.adam_kernel,
@@ -97,6 +98,7 @@ KERNEL_NAMES = (
     "update",
     "update_one",
     "rebuild_perturb",
+    "rebuild_perturb_one",
     "rebuild_round",
     "momentum",
     "adam",
@@ -262,7 +264,48 @@ def rebuild_perturb(
     table: torch.Tensor,
 ) -> None:
     """out[0:n] <- (rest[0:n] upcast, then ``update``'s decay and terms) + scale * z_key: a
-    whole block's pass scratch from its 16-bit values at rest, one launch."""
+    whole block's pass scratch from its 16-bit values at rest, one launch. At most one
+    term (ZO-SGD's) takes ``rebuild_perturb_one_kernel``, lane by lane as ``update_one``."""
+    n = rest.numel()
+    if len(keys) <= 1:
+        (uk0, uk1), alpha = keys[0] if keys else (0, 0), alphas[0] if keys else 0.0
+        _kernels()["rebuild_perturb_one"][_grid(0, n, 8)](
+            out,
+            rest,
+            table,
+            n,
+            decay_end,
+            shrink,
+            uk0,
+            uk1,
+            alpha,
+            key[0],
+            key[1],
+            scale,
+            KIND=KINDS[kind],
+            TERM=len(keys),
+            BLOCKS=TILE_BLOCKS,
+            **EXACT,
+            **LAUNCH_OPTIONS.get("rebuild_perturb_one", {}),
+        )
+        return
+    rebuild_perturb_table(out, rest, decay_end, shrink, keys, alphas, key, scale, kind, table)
+
+
+def rebuild_perturb_table(
+    out: torch.Tensor,
+    rest: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    key: tuple[int, int],
+    scale: float,
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """``rebuild_perturb`` through the tiled kernel and its table of terms, whatever their
+    number (benchmarks/noise.py times it beside the one-term kernel)."""
     n = rest.numel()
     _kernels()["rebuild_perturb"][_grid(0, n, 8)](
         out,

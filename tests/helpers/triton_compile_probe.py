@@ -31,6 +31,7 @@ ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step
 EXACT = {
     k.update_kernel,
     k.update_one_kernel,
+    k.rebuild_perturb_one_kernel,
     k.rebuild_perturb_kernel,
     k.rebuild_round_kernel,
     k.momentum_kernel,
@@ -108,6 +109,30 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         )
         for rest, out in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp32"))
     ),  # at rest in bf16 or fp16, the scratch in the compute dtype (or float32)
+    *(
+        (
+            k.rebuild_perturb_one_kernel,
+            {
+                "out_ptr": out,
+                "rest_ptr": rest,
+                "table_ptr": "*fp32",
+                "n": "i64",
+                "decay_end": "i64",
+                "shrink": "fp32",
+                "uk0": "u32",
+                "uk1": "u32",
+                "alpha": "fp32",
+                "k0": "u32",
+                "k1": "u32",
+                "scale": "fp32",
+                "KIND": "constexpr",
+                "TERM": "constexpr",
+                "BLOCKS": "constexpr",
+            },
+            [{"KIND": kind, "TERM": term, "BLOCKS": 512} for kind in (0, 1) for term in (0, 1)],
+        )
+        for rest, out in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp32"))
+    ),  # at most one pending term, lane by lane
     *(
         (
             k.rebuild_round_kernel,
@@ -240,6 +265,9 @@ CALLS = {
         *(bf16, bf16, table, terms, many(k0)),
         *(s, n, s // 2, 1.0, k0, k1, -1e-3),
     ),
+    k.rebuild_perturb_one_kernel: lambda s, n, k0, k1: (
+        *(bf16, bf16, table, n, s // 2, 1.0, k1, k0, -1e-3, k0, k1, -1e-3),
+    ),
     k.momentum_kernel: lambda s, n, k0, k1: (
         *(buffer, buffer, table, terms, many(k0)),
         *(s, n, s // 2, 1.0, 0.9, -1e-3),
@@ -257,6 +285,7 @@ CALLS = {
     k.round_low_bit_kernel: lambda s, n, k0, k1: (bf16.view(torch.int16), buffer, s, n, k0, k1),
 }
 CONSTEXPRS: dict[Any, dict[str, Any]] = {
+    k.rebuild_perturb_one_kernel: {"KIND": 0, "TERM": 1, "BLOCKS": 512},
     k.rebuild_round_kernel: {"KIND": 0, **dict(zip(LOW_BIT, (7, 127, 0.0, 512)))},
     k.round_bf16_kernel: {"BLOCKS": 512},
     k.round_low_bit_kernel: dict(zip(LOW_BIT, (10, 15, 65504.0, 512))),

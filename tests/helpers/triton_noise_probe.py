@@ -392,26 +392,34 @@ for dtype, (low, high) in SPREAD.items():
 # rebuild_perturb: a 16-bit block at rest upcast, updated and perturbed in registers, the
 # master never stored: the bits of the ops it stands for (the upcast copy, update, perturb),
 # from bf16 and fp16, into every scratch format, the decay ending inside the block, with the
-# step's update (two queries), with none, and from NoiseSource's wiring; a LOZO source, whose
-# z is no kernel's, declines it.
+# step's update (two queries: the tiled kernel; one, and none: the lane-by-lane kernel, the
+# tiled one's bits too), and from NoiseSource's wiring; a LOZO source, whose z is no
+# kernel's, declines it.
 for kind in ("gaussian", "rademacher"):
     src = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind))
     values = torch.randn(9000, generator=gen) * 0.05
     for rest_dtype in triton_noise.REBUILDS_FROM:
         rest = values.to(rest_dtype)
         for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for terms in ([(6, 0, -2e-3), (6, 1, 1e-3)], []):
+            for terms in ([(6, 0, -2e-3), (6, 1, 1e-3)], [(6, 0, -2e-3)], []):
                 keys, alphas = [src.key(s, 5, q) for s, q, _ in terms], [a for *_, a in terms]
                 master = rest.float()
                 triton_noise.update(master, 4321, 0.999, keys, alphas, kind, table)
                 expected = torch.empty(9000, dtype=out_dtype)
                 triton_noise.perturb(expected, master, -1e-3, src.key(7, 5, 1), kind, table)
                 out = torch.full((9000,), float("nan"), dtype=out_dtype)
-                triton_noise.rebuild_perturb(
-                    out, rest, 4321, 0.999, keys, alphas, src.key(7, 5, 1), -1e-3, kind, table
-                )
+                with Launches("rebuild_perturb_one") as one:
+                    triton_noise.rebuild_perturb(
+                        out, rest, 4321, 0.999, keys, alphas, src.key(7, 5, 1), -1e-3, kind, table
+                    )
+                assert one.count == (len(terms) <= 1), (one.count, terms)
                 word = torch.int32 if out_dtype == torch.float32 else torch.int16
                 assert torch.equal(out.view(word), expected.view(word)), (kind, rest_dtype, terms)
+                tiled = torch.full((9000,), float("nan"), dtype=out_dtype)
+                triton_noise.rebuild_perturb_table(
+                    tiled, rest, 4321, 0.999, keys, alphas, src.key(7, 5, 1), -1e-3, kind, table
+                )
+                assert torch.equal(tiled.view(word), out.view(word)), (kind, rest_dtype, terms)
                 wired = torch.full((9000,), float("nan"), dtype=out_dtype)
                 assert src.rebuild_perturb_into(wired, rest, 4321, 0.999, terms, 5, -1e-3, 7, 1)
                 assert torch.equal(wired.view(word), expected.view(word))
