@@ -31,6 +31,8 @@ Ops on one float32 bucket of ``--elements``:
 * ``rebuild-round``: that block's write-back, the update applied to its values at rest
   and rounded stochastically back in place (reads 2, writes 2: 4; one fused kernel on
   CUDA, else the upcast, the update and the rounding in turn)
+* ``rebuild-round-tiled``: that write-back through the tiled kernel
+  (``triton_noise.rebuild_round_table``), as ``rebuild-perturb-tiled``
 * ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6);
   ``rounding-fp16`` (6) and ``rounding-fp8`` (5) likewise
 
@@ -73,6 +75,7 @@ BYTES = {
     "rebuild-perturb": 4,
     "rebuild-perturb-tiled": 4,
     "rebuild-round": 4,
+    "rebuild-round-tiled": 4,
     "rounding": 6,
     "rounding-fp16": 6,
     "rounding-fp8": 5,
@@ -127,6 +130,11 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
                 theta, n, 1.0 - 1e-11, keys, alphas, src.kind, src.kind_table
             )
         rest = theta.bfloat16()
+        if op == "rebuild-round-tiled":
+            round_key = source(path, device, chunk, "uniform").key(3, 1 << 40)
+            return lambda: triton_noise.rebuild_round_table(
+                rest, 0, n, 1.0, keys, alphas, round_key, src.kind, src.kind_table
+            )
         out, key = torch.empty_like(rest), src.key(3, 1)
         return lambda: triton_noise.rebuild_perturb_table(
             out, rest, n, 1.0, keys, alphas, key, 1e-3, src.kind, src.kind_table

@@ -519,6 +519,59 @@ def rebuild_round_kernel(
     tl.store(dst_ptr + (e - start), out.to(dst_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit(do_not_specialize=SCALARS)
+def rebuild_round_one_kernel(
+    dst_ptr,
+    rest_ptr,
+    table_ptr,
+    start: tl.int64,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    uk0: tl.uint32,
+    uk1: tl.uint32,
+    alpha: tl.float32,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    KIND: tl.constexpr,
+    TERM: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """``rebuild_round_kernel`` with at most one term (``TERM`` 1: its key ``uk0, uk1``
+    and ``alpha``), lane by lane as ``rebuild_perturb_one_kernel``: each of the tile's 8
+    lanes takes its z from its counter's words and its uniform from the words of the
+    4-lane tiles 2t (lanes 0-3) and 2t + 1 (lanes 4-7), as ``tile_uniform_words`` lays
+    them out. The same operations on each element: the same bits."""
+    SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
+    tile = (start // (BLOCKS * 8) + tl.program_id(0)).to(tl.int64)
+    b = tl.arange(0, BLOCKS)
+    first = tile * (BLOCKS * 8) + b
+    if TERM:
+        _, w0, w1, w2, w3 = tile_words(start, uk0, uk1, 8, BLOCKS)
+    r0, r1 = keys(k0, k1)
+    a0, a1, a2, a3 = philox_block(2 * tile * BLOCKS + b, r0, r1)
+    c0, c1, c2, c3 = philox_block((2 * tile + 1) * BLOCKS + b, r0, r1)
+    for lane in tl.static_range(8):
+        e = first + lane * BLOCKS
+        inside = (e >= start) & (e - start < n)
+        theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+        theta = tl.where(e < decay_end, theta * shrink, theta)
+        if TERM:
+            theta = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), alpha, theta)
+        if lane < 4:
+            word = pick(a0, a1, a2, a3, lane)
+        else:
+            word = pick(c0, c1, c2, c3, lane - 4)
+        if MANTISSA == 7:
+            out = rounded_bf16(theta, word)
+        else:
+            out = rounded_low_bit(theta, word, MANTISSA, BIAS, LIMIT, SIGN)
+        tl.store(dst_ptr + (e - start), out.to(dst_ptr.dtype.element_ty), mask=inside)
+
+
 @triton.jit
 def low_bit_code(a, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     """The magnitude code of the value of a low-bit format (MANTISSA bits, exponent BIAS)

@@ -61,6 +61,7 @@ def _kernels():
         "rebuild_perturb": triton_kernels.rebuild_perturb_kernel,
         "rebuild_perturb_one": triton_kernels.rebuild_perturb_one_kernel,
         "rebuild_round": triton_kernels.rebuild_round_kernel,
+        "rebuild_round_one": triton_kernels.rebuild_round_one_kernel,
         "momentum": triton_kernels.momentum_kernel,
         "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
@@ -88,6 +89,8 @@ LAUNCH_OPTIONS: dict[str, dict[str, int]] = {
     # fp16's rounding rule took 87 registers a thread at 16 warps (16 warps per SM); at 32,
     # 55: one program, 32 warps per SM
     "rebuild_round": {"num_warps": 32},
+    # lane by lane, fp16's rule took 90 registers a thread at 4 warps (20 warps per SM)
+    "rebuild_round_one": {"num_warps": 8},
     "momentum": {"num_warps": 16},  # 32 registers: 64 warps per SM
     "adam": {"num_warps": 32},  # 58 registers: 1 program, 32 warps per SM
     "round_low_bit": {"num_warps": 8},  # 48 registers: 5 programs, 40 warps per SM
@@ -100,6 +103,7 @@ KERNEL_NAMES = (
     "rebuild_perturb",
     "rebuild_perturb_one",
     "rebuild_round",
+    "rebuild_round_one",
     "momentum",
     "adam",
     "round_bf16",
@@ -340,13 +344,62 @@ def rebuild_round(
 ) -> None:
     """rest[0:n] (bucket elements [start, start + n) of a bf16 or fp16 block at rest) <-
     itself upcast, then ``update``'s decay and terms, rounded stochastically back with the
-    uniforms ``round_stochastic`` draws for ``round_key``: one launch, in place."""
+    uniforms ``round_stochastic`` draws for ``round_key``: one launch, in place. At most
+    one term (ZO-SGD's) takes ``rebuild_round_one_kernel``, lane by lane."""
+    if len(keys) > 1:
+        rebuild_round_table(rest, start, decay_end, shrink, keys, alphas, round_key, kind, table)
+        return
     n = rest.numel()
+    dst, (mantissa, bias, limit) = _round_target(rest)
+    (uk0, uk1), alpha = keys[0] if keys else (0, 0), alphas[0] if keys else 0.0
+    _kernels()["rebuild_round_one"][_grid(start, n, 8)](
+        dst,
+        rest,
+        table,
+        start,
+        n,
+        decay_end,
+        shrink,
+        uk0,
+        uk1,
+        alpha,
+        round_key[0],
+        round_key[1],
+        KIND=KINDS[kind],
+        TERM=len(keys),
+        MANTISSA=mantissa,
+        BIAS=bias,
+        LIMIT=limit,
+        BLOCKS=TILE_BLOCKS,
+        **EXACT,
+        **LAUNCH_OPTIONS.get("rebuild_round_one", {}),
+    )
+
+
+def _round_target(rest: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, float]]:
+    """What a round kernel writes for a 16-bit block (bf16 itself, fp16 as its integer
+    bits) and the format's mantissa bits, exponent bias and largest value."""
     if rest.dtype == torch.bfloat16:
-        dst, (mantissa, bias, limit) = rest, (7, 127, 0.0)  # bf16's rule takes no limit
-    else:
-        mantissa, bias, limit, as_int = LOW_BIT[rest.dtype]
-        dst = rest.view(as_int)
+        return rest, (7, 127, 0.0)  # bf16's rule takes no limit
+    mantissa, bias, limit, as_int = LOW_BIT[rest.dtype]
+    return rest.view(as_int), (mantissa, bias, limit)
+
+
+def rebuild_round_table(
+    rest: torch.Tensor,
+    start: int,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    round_key: tuple[int, int],
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """``rebuild_round`` through the tiled kernel and its table of terms, whatever their
+    number (benchmarks/noise.py times it beside the one-term kernel)."""
+    n = rest.numel()
+    dst, (mantissa, bias, limit) = _round_target(rest)
     _kernels()["rebuild_round"][_grid(start, n, 8)](
         dst,
         rest,

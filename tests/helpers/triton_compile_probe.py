@@ -32,6 +32,7 @@ EXACT = {
     k.update_kernel,
     k.update_one_kernel,
     k.rebuild_perturb_one_kernel,
+    k.rebuild_round_one_kernel,
     k.rebuild_perturb_kernel,
     k.rebuild_round_kernel,
     k.momentum_kernel,
@@ -153,6 +154,32 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
             ("*i16", "*fp16", (10, 15, 65504.0, 512)),
         )
     ),  # the write-back in place: bf16, and fp16 as its integer bits
+    *(
+        (
+            k.rebuild_round_one_kernel,
+            {
+                "dst_ptr": dst,
+                "rest_ptr": rest,
+                "table_ptr": "*fp32",
+                **UPDATE,
+                "uk0": "u32",
+                "uk1": "u32",
+                "alpha": "fp32",
+                "k0": "u32",
+                "k1": "u32",
+                **{c: "constexpr" for c in ("KIND", "TERM", *LOW_BIT)},
+            },
+            [
+                {"KIND": kind, "TERM": term, **dict(zip(LOW_BIT, fmt))}
+                for kind in (0, 1)
+                for term in (0, 1)
+            ],
+        )
+        for dst, rest, fmt in (
+            ("*bf16", "*bf16", (7, 127, 0.0, 512)),
+            ("*i16", "*fp16", (10, 15, 65504.0, 512)),
+        )
+    ),  # the same with at most one term, lane by lane
     (
         k.momentum_kernel,
         {
@@ -281,11 +308,15 @@ CALLS = {
         *(bf16, bf16, table, terms, many(k0)),
         *(s, n, s // 2, 1.0, k0, k1),
     ),
+    k.rebuild_round_one_kernel: lambda s, n, k0, k1: (
+        *(bf16, bf16, table, s, n, s // 2, 1.0, k1, k0, -1e-3, k0, k1),
+    ),
     k.round_bf16_kernel: lambda s, n, k0, k1: (bf16, buffer, s, n, k0, k1),
     k.round_low_bit_kernel: lambda s, n, k0, k1: (bf16.view(torch.int16), buffer, s, n, k0, k1),
 }
 CONSTEXPRS: dict[Any, dict[str, Any]] = {
     k.rebuild_perturb_one_kernel: {"KIND": 0, "TERM": 1, "BLOCKS": 512},
+    k.rebuild_round_one_kernel: {"KIND": 0, "TERM": 1, **dict(zip(LOW_BIT, (7, 127, 0.0, 512)))},
     k.rebuild_round_kernel: {"KIND": 0, **dict(zip(LOW_BIT, (7, 127, 0.0, 512)))},
     k.round_bf16_kernel: {"BLOCKS": 512},
     k.round_low_bit_kernel: dict(zip(LOW_BIT, (10, 15, 65504.0, 512))),

@@ -2,6 +2,7 @@
 CPU against the reference generator. Exits non-zero (an assertion) on any difference."""
 
 import contextlib
+import itertools
 import math
 import os
 
@@ -429,33 +430,41 @@ for kind in ("gaussian", "rademacher"):
 # rebuild_round: the write-back of such a block, in place: the bits of the upcast copy, the
 # update and the stochastic rounding, at offsets inside a tile, on a tile's edge and past
 # 2^31 (its uniforms drawn four lanes to a counter, the update's z eight), with and without
-# the decay inside the piece; through NoiseSource's wiring too, with the rounding's source.
+# the decay inside the piece, with two terms (the tiled kernel), one and none (the lane-by-lane
+# kernel, the tiled one's bits too); through NoiseSource's wiring too, with the rounding's
+# source.
 rounding_src = on_triton(NoiseSource(8, 1000, torch.device("cpu"), torch.float32, "uniform"))
 for kind in ("gaussian", "rademacher"):
     src = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind))
     terms = [(6, 0, -2e-3), (6, 1, 1e-3)]
-    keys, alphas = [src.key(s, 5, q) for s, q, _ in terms], [a for *_, a in terms]
     values = torch.randn(6000, generator=gen) * 0.05
     for rest_dtype in triton_noise.REBUILDS_FROM:
         rest = values.to(rest_dtype)
-        for start in (0, 37, 4096, 2**31 - 100):
-            for decay_end in (start + 2500, 0):
-                round_key = rounding_src.key(7, 2**40 + 5)
-                master = rest.float()
-                triton_noise.update(master, decay_end, 0.999, keys, alphas, kind, table, start)
-                expected = torch.empty_like(rest)
-                triton_noise.round_stochastic(expected, master, start, round_key)
-                piece = rest.clone()
+        for start, decay_end, used in itertools.product(
+            (0, 37, 4096, 2**31 - 100), (2500, None), (terms, terms[:1], [])
+        ):
+            decay_end = 0 if decay_end is None else start + decay_end
+            keys, alphas = [src.key(s, 5, q) for s, q, _ in used], [a for *_, a in used]
+            round_key = rounding_src.key(7, 2**40 + 5)
+            master = rest.float()
+            triton_noise.update(master, decay_end, 0.999, keys, alphas, kind, table, start)
+            expected = torch.empty_like(rest)
+            triton_noise.round_stochastic(expected, master, start, round_key)
+            piece = rest.clone()
+            with Launches("rebuild_round_one") as one:
                 triton_noise.rebuild_round(
                     piece, start, decay_end, 0.999, keys, alphas, round_key, kind, table
                 )
-                assert torch.equal(piece.view(torch.int16), expected.view(torch.int16)), (
-                    kind,
-                    rest_dtype,
-                    start,
-                    decay_end,
-                )
-                assert not torch.equal(piece.view(torch.int16), rest.view(torch.int16))
+            assert one.count == (len(used) <= 1), (one.count, used)
+            where = (kind, rest_dtype, start, decay_end, len(used))
+            assert torch.equal(piece.view(torch.int16), expected.view(torch.int16)), where
+            if used or decay_end:  # else the values at rest may all round back to themselves
+                assert not torch.equal(piece.view(torch.int16), rest.view(torch.int16)), where
+            tiled = rest.clone()
+            triton_noise.rebuild_round_table(
+                tiled, start, decay_end, 0.999, keys, alphas, round_key, kind, table
+            )
+            assert torch.equal(tiled.view(torch.int16), piece.view(torch.int16)), where
         wired = rest.clone()
         args = (4096, 6596, 0.999, terms, 5, rounding_src, 7, 2**40 + 5)
         assert src.rebuild_round_into(wired, *args)
