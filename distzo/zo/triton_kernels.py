@@ -238,9 +238,35 @@ def update_one_kernel(
         e = first + lane * BLOCKS
         inside = (e >= start) & (e - start < n)
         theta = tl.load(theta_ptr + (e - start), mask=inside)
-        theta = tl.where(e < decay_end, theta * shrink, theta)
-        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND)
-        tl.store(theta_ptr + (e - start), tl.fma(z, alpha, theta), mask=inside)
+        theta = lane_updated(
+            theta, e, decay_end, shrink, w0, w1, w2, w3, alpha, lane, table_ptr, KIND, 1
+        )
+        tl.store(theta_ptr + (e - start), theta, mask=inside)
+
+
+@triton.jit
+def lane_updated(
+    theta,
+    e,
+    decay_end,
+    shrink,
+    w0,
+    w1,
+    w2,
+    w3,
+    alpha,
+    lane: tl.constexpr,
+    table_ptr,
+    KIND: tl.constexpr,
+    TERM: tl.constexpr,
+):
+    """One lane of a tile after an update of at most one term (``TERM``): the decay on
+    [0, decay_end), then the term's fused multiply-add, its z from the counter's words
+    ``w0..w3`` (``updated``'s arithmetic, lane by lane, for the one-term kernels)."""
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    if TERM:
+        theta = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), alpha, theta)
+    return theta
 
 
 @triton.jit
@@ -329,15 +355,14 @@ def rebuild_perturb_one_kernel(
     element (the upcast, the decay, the term's fused multiply-add, the perturbation's):
     the same bits."""
     first, w0, w1, w2, w3 = tile_words(0, k0, k1, 8, BLOCKS)
-    if TERM:
-        _, u0, u1, u2, u3 = tile_words(0, uk0, uk1, 8, BLOCKS)
+    _, u0, u1, u2, u3 = tile_words(0, uk0, uk1, 8, BLOCKS)  # unused (compiled out): TERM 0
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
         inside = e < n
         theta = tl.load(rest_ptr + e, mask=inside, other=0.0).to(tl.float32)
-        theta = tl.where(e < decay_end, theta * shrink, theta)
-        if TERM:
-            theta = tl.fma(draw16(u0, u1, u2, u3, lane, table_ptr, KIND), alpha, theta)
+        theta = lane_updated(
+            theta, e, decay_end, shrink, u0, u1, u2, u3, alpha, lane, table_ptr, KIND, TERM
+        )
         out = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), scale, theta)
         tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -546,11 +571,10 @@ def rebuild_round_one_kernel(
     4-lane tiles 2t (lanes 0-3) and 2t + 1 (lanes 4-7), as ``tile_uniform_words`` lays
     them out. The same operations on each element: the same bits."""
     SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
+    # the term's words, unused (compiled out) at TERM 0; the tile's first element index
+    first, w0, w1, w2, w3 = tile_words(start, uk0, uk1, 8, BLOCKS)
     tile = (start // (BLOCKS * 8) + tl.program_id(0)).to(tl.int64)
     b = tl.arange(0, BLOCKS)
-    first = tile * (BLOCKS * 8) + b
-    if TERM:
-        _, w0, w1, w2, w3 = tile_words(start, uk0, uk1, 8, BLOCKS)
     r0, r1 = keys(k0, k1)
     a0, a1, a2, a3 = philox_block(2 * tile * BLOCKS + b, r0, r1)
     c0, c1, c2, c3 = philox_block((2 * tile + 1) * BLOCKS + b, r0, r1)
@@ -558,9 +582,9 @@ def rebuild_round_one_kernel(
         e = first + lane * BLOCKS
         inside = (e >= start) & (e - start < n)
         theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
-        theta = tl.where(e < decay_end, theta * shrink, theta)
-        if TERM:
-            theta = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), alpha, theta)
+        theta = lane_updated(
+            theta, e, decay_end, shrink, w0, w1, w2, w3, alpha, lane, table_ptr, KIND, TERM
+        )
         if lane < 4:
             word = pick(a0, a1, a2, a3, lane)
         else:

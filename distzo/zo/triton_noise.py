@@ -272,7 +272,7 @@ def rebuild_perturb(
     term (ZO-SGD's) takes ``rebuild_perturb_one_kernel``, lane by lane as ``update_one``."""
     n = rest.numel()
     if len(keys) <= 1:
-        (uk0, uk1), alpha = keys[0] if keys else (0, 0), alphas[0] if keys else 0.0
+        uk0, uk1, alpha = _at_most_one(keys, alphas)
         _kernels()["rebuild_perturb_one"][_grid(0, n, 8)](
             out,
             rest,
@@ -294,6 +294,14 @@ def rebuild_perturb(
         )
         return
     rebuild_perturb_table(out, rest, decay_end, shrink, keys, alphas, key, scale, kind, table)
+
+
+def _at_most_one(
+    keys: Sequence[tuple[int, int]], alphas: Sequence[float]
+) -> tuple[int, int, float]:
+    """The one term's key words and alpha, as a one-term kernel takes them (zeros, unused,
+    where there is none)."""
+    return (*keys[0], alphas[0]) if keys else (0, 0, 0.0)
 
 
 def rebuild_perturb_table(
@@ -351,7 +359,7 @@ def rebuild_round(
         return
     n = rest.numel()
     dst, (mantissa, bias, limit) = _round_target(rest)
-    (uk0, uk1), alpha = keys[0] if keys else (0, 0), alphas[0] if keys else 0.0
+    uk0, uk1, alpha = _at_most_one(keys, alphas)
     _kernels()["rebuild_round_one"][_grid(start, n, 8)](
         dst,
         rest,
