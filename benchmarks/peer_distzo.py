@@ -125,10 +125,17 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         low_bit_master="recompute" if args.system == "distzo-offload-recompute" else "buffer",
     )
     model = skeleton(config, HALF_MASTERS[args.dtype] if half else torch.float32)
-    # float32 draws rounded to a half run's masters: the scalar 16-bit path would take most
-    # of the build (the values do not matter to a speed test)
-    weights = RandomWeights(args.seed, draw_dtype=torch.float32)
+    # float32 draws rounded to a half run's masters, drawn on the GPU where there is one:
+    # the host's generator (the scalar 16-bit path, or one thread's float32 draws) would
+    # take most of the build (the values do not matter to a speed test)
+    weights = RandomWeights(
+        args.seed,
+        draw_dtype=torch.float32,
+        draw_device=device if device.type == "cuda" else None,
+    )
     engine = ZOEngine(model, zo, parallel=parallel, weights=weights)
+    if device.type == "cuda":  # the draws' staging, out of the process's device figure
+        torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
     return DistzoSystem(engine, parallel.shard_batch({"input_ids": ids})), device

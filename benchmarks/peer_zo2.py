@@ -19,10 +19,14 @@ eps 1e-3). One difference, in how the random values are drawn, not in what is bu
 model's own initialisation is skipped (transformers' ``no_init_weights``) and its
 parameters are then filled as OPT's and Qwen3's ``_init_weights`` fill them (matrices and
 embeddings ~ N(0, 0.02), biases 0, norm scales 1), the Gaussians drawn in float32 a chunk
-at a time and rounded to the model's dtype. The default initialisation draws in the
-default dtype, fp16 here, on the host: built that way, ZO2's peers took 88 s at OPT-1.3B
-on the H100 machine (2026-11-27), distzo's, drawing in float32, 22 s, and OPT-6.7B's six
-peers were not all built after the 340 s its device command allowed.
+at a time, on the GPU in a CUDA run, and rounded to the model's dtype (``zo2-mezo``'s
+model is moved to the GPU first and filled there). The default initialisation draws in
+the default dtype, fp16 here, on the host: built that way, ZO2's peers took 88 s at
+OPT-1.3B on the H100 machine (2026-11-27), distzo's, drawing in float32, 22 s, and
+OPT-6.7B's six peers were not all built after the 340 s its device command allowed; one
+host thread draws ~2e8 float32 Gaussians a second, 2.5 minutes for OPT-30B's.
+``--threads`` sets a CPU run's torch threads; a CUDA run keeps torch's default, as
+ZO2's speed test and distzo's peers do.
 ``zo2-mezo`` is ZO2's ``zo2=False`` model (MeZO-SGD, the whole model on the
 device), ``zo2-offload`` its ``zo2=True`` model (blocks in host memory on three CUDA
 streams; CUDA only). The shapes, and ``--hidden``'s rule, are distzo's
@@ -190,12 +194,14 @@ FILL_CHUNK = 1 << 24  # float32 draws at a time: 64 MB of staging, whatever the 
 
 
 @torch.no_grad()
-def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, device: str = "cpu") -> None:
     """The values ``_init_weights`` of OPT and Qwen3 give (matrices and embeddings ~
-    N(0, std), biases 0, norm scales 1), the Gaussians drawn in float32 and rounded to each
-    parameter's dtype a chunk at a time (torch's float32 normal_ is the vectorised one)."""
-    g = torch.Generator().manual_seed(seed)
-    staging = torch.empty(0, dtype=torch.float32)
+    N(0, std), biases 0, norm scales 1), the Gaussians drawn in float32 on ``device`` and
+    rounded there to each parameter's dtype a chunk at a time (the host's float32
+    normal_ is its vectorised one; a GPU draws OPT-30B's 30e9 in well under a second,
+    where one host thread takes minutes)."""
+    g = torch.Generator(device).manual_seed(seed)
+    staging = torch.empty(0, dtype=torch.float32, device=device)
     for name, p in model.named_parameters():
         if p.dim() < 2:
             p.fill_(0.0 if name.endswith("bias") else 1.0)
@@ -203,8 +209,10 @@ def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
         flat = p.view(-1)
         for lo in range(0, flat.numel(), FILL_CHUNK):
             hi = min(lo + FILL_CHUNK, flat.numel())
-            staging = staging if staging.numel() >= hi - lo else torch.empty(hi - lo)
-            flat[lo:hi].copy_(staging[: hi - lo].normal_(0.0, std, generator=g))
+            if staging.numel() < hi - lo:
+                staging = torch.empty(hi - lo, device=device)
+            drawn = staging[: hi - lo].normal_(0.0, std, generator=g)
+            flat[lo:hi].copy_(drawn.to(p.dtype))
 
 
 def build(args: argparse.Namespace) -> tuple[Any, int, int]:
@@ -240,9 +248,11 @@ def build(args: argparse.Namespace) -> tuple[Any, int, int]:
     try:
         with no_init_weights():
             model = getattr(zo2 if offload else zo, name)(config)
-        fill_random(model, args.seed)
-        if not offload:
+        if not offload:  # its values never touched on the host: filled where they live
             model = model.to(device)
+        fill_random(model, args.seed, device=device)
+        if args.device == "cuda":  # the draws' staging, out of the process's device figure
+            torch.cuda.empty_cache()
         model.zo_init(zo_config)
     finally:
         torch.set_default_dtype(default)
@@ -273,7 +283,7 @@ def serve(args: argparse.Namespace) -> None:
         fail("--device cuda: no CUDA device here")
     if args.system == "zo2-offload" and args.device != "cuda":
         fail("zo2-offload needs CUDA (ZO2's offload runs on three CUDA streams)")
-    if args.threads:
+    if args.threads and args.device == "cpu":  # as distzo's peers: a CPU step's threads
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, parameters, vocab = build(args)

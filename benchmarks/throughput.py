@@ -101,6 +101,12 @@ def point_name(batch: int, seq: int) -> str:
     return f"{batch}x{seq}"
 
 
+def random_weights(device: torch.device) -> RandomWeights:
+    """The benchmark's random model; on a GPU its Gaussians are drawn there (the host's
+    generator would take most of a large shape's build)."""
+    return RandomWeights(0, draw_device=device if device.type == "cuda" else None)
+
+
 def model_config(shape: str, layers: int | None, seq: int) -> PretrainedConfig:
     if shape not in SMALL_SHAPES:
         config = shape_config(shape, layers)
@@ -162,7 +168,7 @@ class Bench:
             optimizer_state="stored" if optimizer == "momentum" else "auto",
         )
         model = skeleton(self.config, torch.float32)
-        weights: WeightSource = RandomWeights(0)
+        weights: WeightSource = random_weights(self.device)
         # an adapter: the base streams up only, the adapter stays on the device
         if self.args.peft != "none":
             model = attach_adapter(model, AdapterSpec(self.args.peft), seed=0)
@@ -439,7 +445,7 @@ class AdapterBench:
             lr_schedule="constant",
         )
         model = skeleton(self.config, torch.float32)
-        weights: WeightSource = RandomWeights(0)
+        weights: WeightSource = random_weights(self.device)
         if peft != "none":
             model = attach_adapter(model, AdapterSpec(peft), seed=0)
             weights = AdapterWeights(weights, model)
@@ -517,7 +523,10 @@ class HeadBench:
         )
         model = skeleton(self.config, torch.float32)
         return ZOEngine(
-            model, config, weights=RandomWeights(0), objective=Classification(full_head=full_head)
+            model,
+            config,
+            weights=random_weights(self.device),
+            objective=Classification(full_head=full_head),
         )
 
     def params(self, head: str, batch: int) -> dict:

@@ -606,3 +606,30 @@ def test_cuda_low_rank_noise_equals_cpu_noise_bit_for_bit(dtype):
     (g_offload, offload), (g_resident, resident) = lowrank("offload"), lowrank("resident")
     assert g_offload == g_resident
     assert all(torch.equal(offload[name], value) for name, value in resident.items())
+
+
+def test_benchmark_weights_drawn_on_the_gpu_land_whole_on_the_host():
+    """The peers' and throughput's random models draw their Gaussians on the GPU: every
+    element of the host tensor written (a chunk edge inside it), N(0, std), rounded to
+    its dtype, and nothing left allocated on the device."""
+    from distzo.models import weights
+    from tests.helpers.scripts import benchmark_script
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    shape = (weights.DEVICE_DRAW_CHUNK // 1024 + 3, 1024)  # one chunk and 3 rows
+    source = weights.RandomWeights(5, draw_dtype=torch.float32, draw_device="cuda")
+    drawn = source.tensor(("model.layers.0.fc1.weight",), shape, torch.float16)
+    assert drawn.device.type == "cpu" and drawn.dtype == torch.float16
+    assert torch.isfinite(drawn).all() and abs(drawn.float().std().item() - 0.02) < 1e-3
+    tail = drawn.view(-1)[weights.DEVICE_DRAW_CHUNK :]
+    assert abs(tail.float().std().item() - 0.02) < 2e-3
+    with benchmark_script("peer_zo2") as peer:
+        for where in ("cpu", "cuda"):
+            layer = torch.nn.Linear(4096, 4100, dtype=torch.float16, device=where)
+            layer.weight.data.fill_(float("nan"))
+            peer.fill_random(layer, seed=1, device="cuda")
+            assert torch.isfinite(layer.weight).all() and not layer.bias.any()
+            assert abs(layer.weight.float().std().item() - 0.02) < 1e-3
+    del drawn, tail, layer
+    assert torch.cuda.memory_allocated() == before

@@ -317,3 +317,39 @@ def test_random_weights_drawn_in_float32_are_its_draws_rounded():
     g = torch.Generator().manual_seed(3 * 1_000_003 + zlib.crc32(name[0].encode()))
     own = torch.empty(shape, dtype=torch.float16).normal_(0.0, 0.02, generator=g)
     assert torch.equal(RandomWeights(3).tensor(name, shape, torch.float16), own)
+
+
+def test_random_weights_drawn_on_a_device_fill_every_element_chunk_by_chunk(monkeypatch):
+    """A device draw (the CPU standing in for a GPU) fills the host tensor a chunk at a
+    time from one generator: every element written, each chunk its own draws, the
+    tensor's dtype, N(0, std), the same tensor again for the same name."""
+    from distzo.models import weights
+
+    monkeypatch.setattr(weights, "DEVICE_DRAW_CHUNK", 1000)
+    monkeypatch.setattr(weights.torch, "empty", _nan_filled(torch.empty))
+    name, shape = ("model.layers.0.mlp.up_proj.weight",), (50, 90)  # 4.5 chunks
+    source = RandomWeights(3, std=0.5, draw_dtype=torch.float32, draw_device="cpu")
+    drawn = source.tensor(name, shape, torch.float16)
+    assert drawn.dtype == torch.float16 and drawn.shape == shape and drawn.device.type == "cpu"
+    flat = drawn.float().view(-1)
+    assert torch.isfinite(flat).all()
+    chunks = flat.split(1000)
+    assert len(chunks) == 5 and all(
+        not torch.equal(chunks[i][:500], chunks[j][:500]) for i in range(5) for j in range(i + 1, 5)
+    )
+    assert abs(flat.std().item() - 0.5) < 0.03 and abs(flat.mean().item()) < 0.03
+    assert torch.equal(
+        drawn, RandomWeights(3, 0.5, torch.float32, "cpu").tensor(name, shape, torch.float16)
+    )
+    other = ("model.layers.1.mlp.up_proj.weight",)
+    assert not torch.equal(drawn, source.tensor(other, shape, torch.float16))
+
+
+def _nan_filled(empty):
+    """torch.empty whose floating tensors start as NaN: an element left unwritten shows."""
+
+    def filled(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    return filled
