@@ -33,6 +33,11 @@ Ops on one float32 bucket of ``--elements``:
   CUDA, else the upcast, the update and the rounding in turn)
 * ``rebuild-round-tiled``: that write-back through the tiled kernel
   (``triton_noise.rebuild_round_table``), as ``rebuild-perturb-tiled``
+* ``perturb-fp16``, ``update-fp16``: those ops on a bucket held in fp16 (a model held
+  in its compute dtype, as ZO2 holds it: reads 2, writes 2: 4; one fused kernel each on
+  CUDA); ``perturb-fp16-chunked``, ``update-fp16-chunked``: the same through the draws'
+  float32 staging and torch's ops, chunk by chunk (CUDA's path before those kernels;
+  elsewhere the same as the fused names)
 * ``rounding``: theta rounded stochastically to bfloat16 (reads 4, writes 2: 6);
   ``rounding-fp16`` (6) and ``rounding-fp8`` (5) likewise
 
@@ -76,6 +81,10 @@ BYTES = {
     "rebuild-perturb-tiled": 4,
     "rebuild-round": 4,
     "rebuild-round-tiled": 4,
+    "perturb-fp16": 4,
+    "perturb-fp16-chunked": 4,
+    "update-fp16": 4,
+    "update-fp16-chunked": 4,
     "rounding": 6,
     "rounding-fp16": 6,
     "rounding-fp8": 5,
@@ -101,18 +110,25 @@ def matrices(n: int, cols: int) -> BucketLayout:
 
 
 def source(
-    path: str, device: torch.device, chunk: int, distribution: str = "normal", n: int = 0
+    path: str,
+    device: torch.device,
+    chunk: int,
+    distribution: str = "normal",
+    n: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> NoiseSource:
     if path == "lowrank":
         layout = matrices(n, LOWRANK["cols"])
-        return LowRankNoise(0, chunk, device, torch.float32, [layout, layout], LOWRANK["rank"], 50)
-    src = NoiseSource(0, chunk, device, torch.float32, distribution, kind=PATHS[path])
+        return LowRankNoise(0, chunk, device, dtype, [layout, layout], LOWRANK["rank"], 50)
+    src = NoiseSource(0, chunk, device, dtype, distribution, kind=PATHS[path])
     if path == "torch":  # the portable bits from the torch implementation
         src._c = src._triton = False
     return src
 
 
 def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
+    if "-fp16" in op:  # a bucket held in fp16
+        return held_in_fp16(op, path, device, n, chunk)
     theta = torch.randn(n, device=device)
     if op == "perturb":
         src, out = source(path, device, chunk, n=n), torch.empty_like(theta)
@@ -174,6 +190,19 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
         torch.empty(n, device=device, dtype=WIRE[op]),
     )
     return lambda: round_keyed_(wire, theta, src, 0, n, 3, 1 << 40)
+
+
+def held_in_fp16(op: str, path: str, device: torch.device, n: int, chunk: int):
+    """``perturb`` or ``update`` of a bucket held in fp16; ``-chunked``: with the fused
+    kernels turned off (the draws' staging, then torch's ops)."""
+    theta = (torch.randn(n, device=device) * 0.05).half()
+    src = source(path, device, chunk, n=n, dtype=torch.float16)
+    if op.endswith("-chunked"):
+        src.fuses_master = lambda theta, out=None: False  # type: ignore[method-assign]
+    if op.startswith("perturb"):
+        out = torch.empty_like(theta)
+        return lambda: src.perturb_into(out, theta, 1e-3, 3, 1)
+    return lambda: src.apply_update(theta, n, 1e-7, (0.5,), 1e-4, 3, 1)
 
 
 def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchReport) -> None:

@@ -86,6 +86,20 @@ def _table(device: torch.device) -> torch.Tensor:
     return _TABLES[device]
 
 
+def add_scaled(out: torch.Tensor, x: torch.Tensor, z: torch.Tensor, alpha: float) -> None:
+    """out <- x + alpha * z, torch's ``add`` (one rounding: a fused multiply-add). A 16-bit
+    x (a model held in fp16 or bf16) is the one exception: torch's CPU kernel forms its
+    sum in float32 with alpha rounded to x's dtype in its vectorised body but in 16-bit
+    arithmetic (the product rounded) in a tail, and CUDA's keeps alpha in float32, so
+    the bits would depend on the machine and on where a chunk ends. Here alpha is rounded
+    to x's dtype, the sum (of an exact product) formed in float32 and rounded to nearest:
+    the Triton kernels' rule, on every device."""
+    if x.dtype not in triton_noise.LOW_BIT_MASTERS:
+        torch.add(x, z, alpha=alpha, out=out)
+        return
+    out.copy_(torch.add(x.float(), z.float(), alpha=triton_noise.as_operand(alpha, x.dtype)))
+
+
 class NoiseSource:
     """Fills chunks of z (or of uniform draws) on one device, reusing one workspace.
 
@@ -230,6 +244,18 @@ class NoiseSource:
         (a float64 master keeps torch's double-precision arithmetic)."""
         return self._triton and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
+    def fuses_master(self, theta: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        """The perturbation and the update as one kernel each for this master: ``fuses``,
+        or a model held in fp16 or bf16 (its out of its dtype), whose kernels round as
+        torch's ops on that dtype round (z and alpha in it, each op's result rounded to
+        it): the CPU path's bits."""
+        return self.fuses(theta) or (
+            self._triton
+            and theta.dtype in triton_noise.LOW_BIT_MASTERS
+            and theta.is_contiguous()
+            and (out is None or out.dtype == theta.dtype)
+        )
+
     def round_into(
         self, dst: torch.Tensor, src: torch.Tensor, start: int, step: int, block_id: int
     ) -> bool:
@@ -268,7 +294,7 @@ class NoiseSource:
         if scale == 0.0:
             out[:n].copy_(theta)
             return
-        if self.fuses(theta):
+        if self.fuses_master(theta, out):
             key = self.key(step, block_id, query)
             triton_noise.perturb(out[:n], theta, scale, key, self.kind, self.kind_table, start)
             return
@@ -276,9 +302,7 @@ class NoiseSource:
         for lo, hi, z in self.chunks(
             start, stop, stop if total is None else total, step, block_id, query
         ):
-            torch.add(
-                theta[lo - start : hi - start], z, alpha=scale, out=out[lo - start : hi - start]
-            )
+            add_scaled(out[lo - start : hi - start], theta[lo - start : hi - start], z, scale)
 
     def term_keys(
         self, terms: Sequence[tuple[int, int, float]], block_id: int
@@ -402,7 +426,7 @@ class NoiseSource:
         n = theta.numel()
         stop = start + n
         total = stop if total is None else total
-        if self.fuses(theta):
+        if self.fuses_master(theta):
             triton_noise.update(
                 theta,
                 decay_end,
@@ -418,7 +442,11 @@ class NoiseSource:
             lo, hi = max(lo, start), min(lo + c, stop)
             piece = theta[lo - start : hi - start]
             if lo < decay_end:
-                piece[: min(hi, decay_end) - lo].mul_(shrink)
+                decayed = piece[: min(hi, decay_end) - lo]
+                if decayed.dtype in triton_noise.LOW_BIT_MASTERS:  # formed in float32
+                    decayed.copy_(decayed.float().mul_(shrink))
+                else:
+                    decayed.mul_(shrink)
             for step, query, alpha in terms:
                 for _, _, z in self.chunks(lo, hi, total, step, block_id, query):
-                    piece.add_(z, alpha=alpha)
+                    add_scaled(piece, piece, z, alpha)

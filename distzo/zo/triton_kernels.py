@@ -146,14 +146,34 @@ def perturb_kernel(
     KIND: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
+    """out <- theta + scale * z, one fused multiply-add (one rounding, as torch's
+    ``add(theta, z, alpha=scale)``). A 16-bit theta (a model held in fp16 or bf16, its out
+    of its dtype) takes torch's rule for a tensor of that dtype: z and ``scale`` (the
+    wrapper's) rounded to it, the sum formed in float32 and rounded to nearest even."""
+    DT: tl.constexpr = theta_ptr.dtype.element_ty
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
         inside = (e >= start) & (e - start < n)
-        theta = tl.load(theta_ptr + (e - start), mask=inside)
-        z = draw16(w0, w1, w2, w3, lane, table_ptr, KIND).to(theta.dtype)
-        out = tl.fma(z, scale, theta)  # one rounding, as torch's add(theta, z, alpha=scale)
+        theta = tl.load(theta_ptr + (e - start), mask=inside).to(tl.float32)
+        z = nearest(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), DT)
+        out = nearest(tl.fma(z, scale, theta), DT)
         tl.store(out_ptr + (e - start), out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def nearest(x, DT: tl.constexpr):
+    """float32 x rounded to nearest even in ``DT`` and back (exact; x itself for float32):
+    a 16-bit master's value after each of torch's ops on it. bf16 by its bits (a correctly
+    rounded conversion that the interpreter, which truncates, computes alike), NaN kept."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    elif DT == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
@@ -208,11 +228,14 @@ def update_kernel(
     ``num_terms`` terms in order (one fused multiply-add each, as torch's ``add_(z,
     alpha=a)``): one read and one write of theta whatever the number of terms (a step's
     queries, or a recomputed momentum's window of steps times queries)."""
+    DT: tl.constexpr = theta_ptr.dtype.element_ty
     counters, e = tile_elements(start, BLOCKS)
     inside = (e >= start) & (e - start < n)
-    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
-    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
-    tl.store(theta_ptr + (e - start), theta, mask=inside)
+    theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
+    theta = updated(
+        theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND, DT
+    )
+    tl.store(theta_ptr + (e - start), theta.to(DT), mask=inside)
 
 
 @triton.jit(do_not_specialize=SCALARS)
@@ -233,15 +256,16 @@ def update_one_kernel(
     perturbation's shape: lane by lane, each lane's z drawn from its counter's words
     (``draw16``), no [8, BLOCKS] tile held and no table of terms read. The same operations
     on each element (the decay, then one fused multiply-add): the same bits."""
+    DT: tl.constexpr = theta_ptr.dtype.element_ty
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
         inside = (e >= start) & (e - start < n)
-        theta = tl.load(theta_ptr + (e - start), mask=inside)
+        theta = tl.load(theta_ptr + (e - start), mask=inside).to(tl.float32)
         theta = lane_updated(
-            theta, e, decay_end, shrink, w0, w1, w2, w3, alpha, lane, table_ptr, KIND, 1
+            theta, e, decay_end, shrink, w0, w1, w2, w3, alpha, lane, table_ptr, KIND, 1, DT
         )
-        tl.store(theta_ptr + (e - start), theta, mask=inside)
+        tl.store(theta_ptr + (e - start), theta.to(DT), mask=inside)
 
 
 @triton.jit
@@ -259,24 +283,30 @@ def lane_updated(
     table_ptr,
     KIND: tl.constexpr,
     TERM: tl.constexpr,
+    DT: tl.constexpr,
 ):
     """One lane of a tile after an update of at most one term (``TERM``): the decay on
     [0, decay_end), then the term's fused multiply-add, its z from the counter's words
     ``w0..w3`` (``updated``'s arithmetic, lane by lane, for the one-term kernels)."""
-    theta = tl.where(e < decay_end, theta * shrink, theta)
+    theta = tl.where(e < decay_end, nearest(theta * shrink, DT), theta)
     if TERM:
-        theta = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), alpha, theta)
+        z = nearest(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), DT)
+        theta = nearest(tl.fma(z, alpha, theta), DT)
     return theta
 
 
 @triton.jit
-def updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND):
-    """A tile of theta after an update: the decay on [0, decay_end), then each term's
-    fused multiply-add in order (``update_kernel``'s arithmetic, wherever it runs)."""
-    theta = tl.where(e < decay_end, theta * shrink, theta)
+def updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND, DT):
+    """A tile of theta (float32 values) after an update: the decay on [0, decay_end), then
+    each term's fused multiply-add in order (``update_kernel``'s arithmetic, wherever it
+    runs). A master held in a 16-bit ``DT`` is rounded to it after each op, with z in it
+    (torch's ``mul_`` and ``add_(z, alpha=a)`` on a tensor of that dtype, ``a`` the
+    wrapper's, rounded to it)."""
+    theta = tl.where(e < decay_end, nearest(theta * shrink, DT), theta)
     for j in range(num_terms):
         k0, k1, alpha = term(terms_ptr, j)
-        theta = tl.fma(tile_z(counters, k0, k1, table_ptr, KIND), alpha, theta)
+        z = nearest(tile_z(counters, k0, k1, table_ptr, KIND), DT)
+        theta = nearest(tl.fma(z, alpha, theta), DT)
     return theta
 
 
@@ -298,7 +328,9 @@ def rebuilt_tile(
     counters, e = tile_elements(start, BLOCKS)
     inside = (e >= start) & (e - start < n)
     theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
-    theta = updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND)
+    theta = updated(
+        theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND, tl.float32
+    )
     return counters, e, inside, theta
 
 
@@ -361,7 +393,20 @@ def rebuild_perturb_one_kernel(
         inside = e < n
         theta = tl.load(rest_ptr + e, mask=inside, other=0.0).to(tl.float32)
         theta = lane_updated(
-            theta, e, decay_end, shrink, u0, u1, u2, u3, alpha, lane, table_ptr, KIND, TERM
+            theta,
+            e,
+            decay_end,
+            shrink,
+            u0,
+            u1,
+            u2,
+            u3,
+            alpha,
+            lane,
+            table_ptr,
+            KIND,
+            TERM,
+            tl.float32,
         )
         out = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), scale, theta)
         tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=inside)
@@ -583,7 +628,20 @@ def rebuild_round_one_kernel(
         inside = (e >= start) & (e - start < n)
         theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
         theta = lane_updated(
-            theta, e, decay_end, shrink, w0, w1, w2, w3, alpha, lane, table_ptr, KIND, TERM
+            theta,
+            e,
+            decay_end,
+            shrink,
+            w0,
+            w1,
+            w2,
+            w3,
+            alpha,
+            lane,
+            table_ptr,
+            KIND,
+            TERM,
+            tl.float32,
         )
         if lane < 4:
             word = pick(a0, a1, a2, a3, lane)

@@ -11,6 +11,9 @@ contiguous elements: z is never written to memory.
 * ``update``: ``theta = theta * shrink (on the decayed prefix) + sum_j alpha_j z_j``, one
   launch, one read and one write of the bucket for all the terms (a step's queries, or a
   recomputed momentum's window of steps), decay included;
+* ``perturb`` and ``update`` of a model held in fp16 or bf16 (no float32 masters): z
+  and alpha rounded to its dtype and each op's float32 result rounded to nearest even
+  in it, as ``NoiseSource``'s chunked path computes them on every device;
 * ``rebuild_perturb``: ``update`` then ``perturb`` of a 16-bit block's values at rest, in
   registers: a pass's scratch from a master that is never stored
   (``low_bit_master="recompute"``); ``rebuild_round``: ``update`` then the stochastic
@@ -148,8 +151,9 @@ def perturb(
     start: int = 0,
 ) -> None:
     """out[0:n] <- theta[0:n] + scale * z of elements [start, start + n) (one pass, z never
-    stored)."""
+    stored). A 16-bit theta (``out`` of its dtype) rounds as torch's ``add`` rounds for it."""
     n = theta.numel()
+    scale = as_operand(scale, theta.dtype)
     _kernels()["perturb"][_grid(start, n, 8)](
         out,
         theta,
@@ -182,6 +186,18 @@ def packed_terms(
     return host.to(device, non_blocking=True)
 
 
+LOW_BIT_MASTERS = (torch.float16, torch.bfloat16)
+
+
+def as_operand(alpha: float, dtype: torch.dtype) -> float:
+    """``alpha`` as torch's CPU kernels take a scalar for an op on a ``dtype`` tensor: a
+    16-bit master's ``add(.., alpha=a)`` rounds ``a`` to that dtype (its sum is then
+    formed in float32); float32 and wider keep it (the kernel rounds it to float32)."""
+    if dtype not in LOW_BIT_MASTERS:
+        return alpha
+    return torch.full((), alpha, dtype=dtype).item()
+
+
 # The kernels that spell out each fused multiply-add (tl.fma) compile without fp fusion:
 # no other product and sum of theirs may fuse, or they would round unlike torch.
 EXACT = {"enable_fp_fusion": False}
@@ -203,8 +219,10 @@ def update(
     step) takes ``update_one_kernel``, shaped as the perturbation (the H100 ran the
     tiled kernel's one-term update at 0.68x the legacy path's speed, where the
     perturbation, the same bytes, ran at 1.07x); more take the tiled kernel, their keys
-    and alphas in a tiny table on the device."""
+    and alphas in a tiny table on the device. A 16-bit theta is rounded to its dtype after
+    the decay and after each term, as torch's ops on it round (``as_operand``)."""
     n = theta.numel()
+    alphas = [as_operand(a, theta.dtype) for a in alphas]
     if len(keys) == 1:
         _kernels()["update_one"][_grid(start, n, 8)](
             theta,
@@ -239,6 +257,7 @@ def update_table(
     (what ``update`` launches for other than one term; benchmarks/noise.py times its
     one-term launch beside ``update_one_kernel``)."""
     n = theta.numel()
+    alphas = [as_operand(a, theta.dtype) for a in alphas]
     _kernels()["update"][_grid(start, n, 8)](
         theta,
         table,

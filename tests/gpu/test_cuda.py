@@ -186,6 +186,43 @@ def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
     assert torch.equal(runs["recompute"][1], runs["buffer"][1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_model_held_in_16_bits_steps_alike_fused_or_chunked_on_gpu(dtype, monkeypatch):
+    """A model held in fp16 or bf16 (ZO2's precision, the peers' distzo-offload-half):
+    its perturbations and updates in one kernel each take the chunked path's steps bit for
+    bit (the draws' staging, then torch's ops under the same rounding rule), resident
+    bucket and blocks, with weight decay and two queries (the tiled update) or one."""
+    from distzo.zo import NoiseSource
+
+    runs = {}
+    for path in ("fused", "chunked"):
+        if path == "chunked":
+            monkeypatch.setattr(NoiseSource, "fuses_master", lambda self, theta, out=None: False)
+        for queries in (1, 2):
+            model = tiny_opt(seed=0, dtype=dtype, num_hidden_layers=4)
+            config = ZOConfig(
+                device="cuda",
+                transfer_dtype="fp32",  # no conversion: blocks travel in their dtype
+                compute_dtype="fp16" if dtype == torch.float16 else "bf16",
+                weight_decay=0.1,
+                num_queries=queries,
+                noise_chunk=1000,
+                eps=1e-2,
+                lr=1e-3,
+                seed=0,
+            )
+            engine = ZOEngine(model, config)
+            losses = [engine.step(random_batch(64, seed=i)).loss for i in range(4)]
+            engine.flush()
+            weights = {k: v.view(torch.int16).clone() for k, v in engine.named_parameters().items()}
+            runs[path, queries] = (losses, weights)
+    for queries in (1, 2):
+        fused, chunked = runs["fused", queries], runs["chunked", queries]
+        assert fused[0] == chunked[0], queries
+        for name, value in fused[1].items():
+            assert torch.equal(value, chunked[1][name]), (queries, name)
+
+
 def test_memory_plan_matches_what_cuda_allocates():
     from distzo.job.memory_plan import plan_memory
     from distzo.models.shapes import shape_config
@@ -311,7 +348,8 @@ def test_cuda_noise_equals_cpu_noise_bit_for_bit(kind, distribution):
 def test_a_16_bit_master_draws_through_the_kernel_on_cuda():
     """A master of another dtype draws z with the Triton kernel into float32 staging (not
     torch's lanes, element by element): the CPU's draws in its dtype, and a resident side's
-    run at an offset takes the z of its places."""
+    run at an offset takes the z of its places. A model held in fp16 or bf16 perturbs and
+    updates in one kernel each, bit for bit the CPU path (each op rounded to its dtype)."""
     from distzo.zo import NoiseSource
 
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
@@ -324,7 +362,19 @@ def test_a_16_bit_master_draws_through_the_kernel_on_cuda():
         out_gpu, out_cpu = torch.empty_like(theta, device="cuda"), torch.empty_like(theta)
         gpu.perturb_into(out_gpu, theta.cuda(), 1e-2, 5, 7, start=2_999_000, total=3_000_001)
         cpu.perturb_into(out_cpu, theta, 1e-2, 5, 7, start=2_999_000, total=3_000_001)
-        torch.testing.assert_close(out_gpu.cpu(), out_cpu)
+        if dtype == torch.float64:
+            torch.testing.assert_close(out_gpu.cpu(), out_cpu)
+            continue
+        assert gpu.fuses_master(theta.cuda(), out_gpu)
+        assert torch.equal(out_gpu.cpu().view(torch.int16), out_cpu.view(torch.int16)), dtype
+        held = torch.randn(1_000_003, generator=torch.Generator().manual_seed(1)).to(dtype)
+        for grads in ((0.7,), (0.5, -1.5)):  # update_one; the tiled kernel
+            updated_gpu, updated_cpu = held.cuda(), held.clone()
+            gpu.apply_update(updated_gpu, 500_000, 1e-2, grads, 0.1, 4, 9)
+            cpu.apply_update(updated_cpu, 500_000, 1e-2, grads, 0.1, 4, 9)
+            assert torch.equal(
+                updated_gpu.cpu().view(torch.int16), updated_cpu.view(torch.int16)
+            ), (dtype, grads)
 
 
 def test_cuda_fused_noise_ops_follow_the_cpu_ops():

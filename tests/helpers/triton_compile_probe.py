@@ -92,6 +92,51 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
     ),  # ZO-SGD's one term, lane by lane
     *(
+        variant
+        for held in ("*fp16", "*bf16")  # a model held in a 16-bit dtype: its own rounding
+        for variant in (
+            (
+                k.perturb_kernel,
+                {
+                    "out_ptr": held,
+                    "theta_ptr": held,
+                    "table_ptr": "*fp32",
+                    **RANGE,
+                    "scale": "fp32",
+                    "KIND": "constexpr",
+                    "BLOCKS": "constexpr",
+                },
+                [{"KIND": 0, "BLOCKS": 512}],
+            ),
+            (
+                k.update_kernel,
+                {
+                    "theta_ptr": held,
+                    "table_ptr": "*fp32",
+                    **TERMS,
+                    **UPDATE,
+                    "KIND": "constexpr",
+                    "BLOCKS": "constexpr",
+                },
+                [{"KIND": 0, "BLOCKS": 512}],
+            ),
+            (
+                k.update_one_kernel,
+                {
+                    "theta_ptr": held,
+                    "table_ptr": "*fp32",
+                    **UPDATE,
+                    "k0": "u32",
+                    "k1": "u32",
+                    "alpha": "fp32",
+                    "KIND": "constexpr",
+                    "BLOCKS": "constexpr",
+                },
+                [{"KIND": 0, "BLOCKS": 512}],
+            ),
+        )
+    ),
+    *(
         (
             k.rebuild_perturb_kernel,
             {

@@ -177,6 +177,48 @@ def on_triton(source):
     return source
 
 
+# A model held in fp16 or bf16 (ZO2's precision): its perturbation and its update are one
+# kernel each (the perturb kernel, update_one_kernel for one term, the tiled kernel for
+# more), bit for bit the CPU path's rule (NoiseSource's add_scaled: z and alpha rounded to
+# the dtype, each op's float32 result rounded to nearest even in it), here and past 2^31.
+# A shrink of 1.5 puts many products exactly halfway between two 16-bit values: a
+# truncating or ties-away conversion fails.
+for dtype, kind in itertools.product((torch.float16, torch.bfloat16), ("gaussian", "rademacher")):
+    reference = NoiseSource(3, 1000, torch.device("cpu"), dtype, kind=kind)
+    fused = on_triton(NoiseSource(3, 1000, torch.device("cpu"), dtype, kind=kind))
+    for n, start in ((1, 0), (4095, 0), (9000, 0), (4100, 2**31 - 100)):
+        theta = (torch.randn(n, generator=gen) * 0.05).to(dtype)
+        total = start + n
+        expected, out = torch.empty_like(theta), torch.full_like(theta, float("nan"))
+        reference.perturb_into(expected, theta, -1e-3, 4, 9, 0, start, total)
+        with Launches("perturb") as launches:
+            fused.perturb_into(out, theta, -1e-3, 4, 9, 0, start, total)
+        assert launches.count == 1
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), (dtype, kind, n)
+        for terms, shrink, name in (
+            ([(4, 0, -3e-4)], 0.999, "update_one"),
+            ([(4, 0, -3e-4)], 1.5, "update_one"),
+            ([(4, 0, -3e-4), (4, 1, 2e-4), (3, 0, 1e-5)], 0.99, "update"),
+        ):
+            decay_end = start + n // 2
+            expected, updated = theta.clone(), theta.clone()
+            reference.apply_terms(expected, decay_end, shrink, terms, 9, start, total)
+            with Launches(name) as launches:
+                fused.apply_terms(updated, decay_end, shrink, terms, 9, start, total)
+            assert launches.count == 1, (name, launches.count)
+            assert torch.equal(updated.view(torch.int16), expected.view(torch.int16)), (
+                dtype,
+                kind,
+                n,
+                shrink,
+                len(terms),
+            )
+    # an out of another dtype keeps the chunked path (the kernel rounds to theta's dtype)
+    with Launches("perturb") as launches:
+        fused.perturb_into(torch.empty(8), theta[:8], 1e-3, 4, 9)
+    assert launches.count == 0
+
+
 # NoiseSource's wiring: a recomputed momentum's 4 steps x 2 queries, decay included, are one
 # launch over the bucket (not one per term), bit for bit the CPU path's result
 cpu_source = NoiseSource(3, 1000, torch.device("cpu"), torch.float32)
