@@ -28,6 +28,7 @@ M1 = tl.constexpr(definition.M1)
 W0 = tl.constexpr(definition.W0)
 W1 = tl.constexpr(definition.W1)
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # bfloat16's largest finite value
+F32 = tl.constexpr(tl.float32)  # a float32 master's dtype: ``nearest`` leaves its values be
 # The kernels' scalar arguments change every step (keys) or every chunk (offsets): typed by
 # annotation and never specialized, each kernel compiles once (per constexpr and pointer
 # alignment), not once per key parity, divisibility by 16 or int32/int64 range.
@@ -329,7 +330,7 @@ def rebuilt_tile(
     inside = (e >= start) & (e - start < n)
     theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
     theta = updated(
-        theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND, tl.float32
+        theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND, F32
     )
     return counters, e, inside, theta
 
@@ -393,20 +394,7 @@ def rebuild_perturb_one_kernel(
         inside = e < n
         theta = tl.load(rest_ptr + e, mask=inside, other=0.0).to(tl.float32)
         theta = lane_updated(
-            theta,
-            e,
-            decay_end,
-            shrink,
-            u0,
-            u1,
-            u2,
-            u3,
-            alpha,
-            lane,
-            table_ptr,
-            KIND,
-            TERM,
-            tl.float32,
+            theta, e, decay_end, shrink, u0, u1, u2, u3, alpha, lane, table_ptr, KIND, TERM, F32
         )
         out = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), scale, theta)
         tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=inside)
@@ -628,20 +616,7 @@ def rebuild_round_one_kernel(
         inside = (e >= start) & (e - start < n)
         theta = tl.load(rest_ptr + (e - start), mask=inside, other=0.0).to(tl.float32)
         theta = lane_updated(
-            theta,
-            e,
-            decay_end,
-            shrink,
-            w0,
-            w1,
-            w2,
-            w3,
-            alpha,
-            lane,
-            table_ptr,
-            KIND,
-            TERM,
-            tl.float32,
+            theta, e, decay_end, shrink, w0, w1, w2, w3, alpha, lane, table_ptr, KIND, TERM, F32
         )
         if lane < 4:
             word = pick(a0, a1, a2, a3, lane)

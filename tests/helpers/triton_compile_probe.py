@@ -40,6 +40,43 @@ EXACT = {
     k.round_low_bit_kernel,
 }
 LOW_BIT = ["MANTISSA", "BIAS", "LIMIT", "BLOCKS"]
+# The ops on a master (theta_ptr; out_ptr of its dtype), float32 or a 16-bit model's
+MASTER_OPS = {
+    k.perturb_kernel: {
+        "out_ptr": "*fp32",
+        "theta_ptr": "*fp32",
+        "table_ptr": "*fp32",
+        **RANGE,
+        "scale": "fp32",
+        "KIND": "constexpr",
+        "BLOCKS": "constexpr",
+    },
+    k.update_kernel: {
+        "theta_ptr": "*fp32",
+        "table_ptr": "*fp32",
+        **TERMS,
+        **UPDATE,
+        "KIND": "constexpr",
+        "BLOCKS": "constexpr",
+    },
+    k.update_one_kernel: {
+        "theta_ptr": "*fp32",
+        "table_ptr": "*fp32",
+        **UPDATE,
+        "k0": "u32",
+        "k1": "u32",
+        "alpha": "fp32",
+        "KIND": "constexpr",
+        "BLOCKS": "constexpr",
+    },
+}
+
+
+def master_signature(signature: dict[str, str], held: str) -> dict[str, str]:
+    """``signature`` with the master and its out in the pointer type ``held``."""
+    return {name: held if name in ("theta_ptr", "out_ptr") else t for name, t in signature.items()}
+
+
 KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
     (
         k.fill_kernel,
@@ -52,90 +89,12 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         },
         [{"KIND": kind, "BLOCKS": 512} for kind in (0, 2)],
     ),  # 16-bit lanes through the table; 32-bit uniforms
-    (
-        k.perturb_kernel,
-        {
-            "out_ptr": "*fp32",
-            "theta_ptr": "*fp32",
-            "table_ptr": "*fp32",
-            **RANGE,
-            "scale": "fp32",
-            "KIND": "constexpr",
-            "BLOCKS": "constexpr",
-        },
-        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
-    ),  # Gaussian and Rademacher
-    (
-        k.update_kernel,
-        {
-            "theta_ptr": "*fp32",
-            "table_ptr": "*fp32",
-            **TERMS,
-            **UPDATE,
-            "KIND": "constexpr",
-            "BLOCKS": "constexpr",
-        },
-        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
-    ),  # Gaussian and Rademacher
-    (
-        k.update_one_kernel,
-        {
-            "theta_ptr": "*fp32",
-            "table_ptr": "*fp32",
-            **UPDATE,
-            "k0": "u32",
-            "k1": "u32",
-            "alpha": "fp32",
-            "KIND": "constexpr",
-            "BLOCKS": "constexpr",
-        },
-        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
-    ),  # ZO-SGD's one term, lane by lane
     *(
-        variant
-        for held in ("*fp16", "*bf16")  # a model held in a 16-bit dtype: its own rounding
-        for variant in (
-            (
-                k.perturb_kernel,
-                {
-                    "out_ptr": held,
-                    "theta_ptr": held,
-                    "table_ptr": "*fp32",
-                    **RANGE,
-                    "scale": "fp32",
-                    "KIND": "constexpr",
-                    "BLOCKS": "constexpr",
-                },
-                [{"KIND": 0, "BLOCKS": 512}],
-            ),
-            (
-                k.update_kernel,
-                {
-                    "theta_ptr": held,
-                    "table_ptr": "*fp32",
-                    **TERMS,
-                    **UPDATE,
-                    "KIND": "constexpr",
-                    "BLOCKS": "constexpr",
-                },
-                [{"KIND": 0, "BLOCKS": 512}],
-            ),
-            (
-                k.update_one_kernel,
-                {
-                    "theta_ptr": held,
-                    "table_ptr": "*fp32",
-                    **UPDATE,
-                    "k0": "u32",
-                    "k1": "u32",
-                    "alpha": "fp32",
-                    "KIND": "constexpr",
-                    "BLOCKS": "constexpr",
-                },
-                [{"KIND": 0, "BLOCKS": 512}],
-            ),
-        )
-    ),
+        (fn, master_signature(signature, held), [{"KIND": kind, "BLOCKS": 512} for kind in kinds])
+        for held, kinds in (("*fp32", (0, 1)), ("*fp16", (0,)), ("*bf16", (0,)))
+        for fn, signature in MASTER_OPS.items()
+    ),  # Gaussian and Rademacher (update_one: ZO-SGD's one term, lane by lane); a model held
+    # in a 16-bit dtype, rounded to it after each op
     *(
         (
             k.rebuild_perturb_kernel,
