@@ -149,8 +149,8 @@ def perturb_kernel(
 ):
     """out <- theta + scale * z, one fused multiply-add (one rounding, as torch's
     ``add(theta, z, alpha=scale)``). A 16-bit theta (a model held in fp16 or bf16, its out
-    of its dtype) takes torch's rule for a tensor of that dtype: z and ``scale`` (the
-    wrapper's) rounded to it, the sum formed in float32 and rounded to nearest even."""
+    of its dtype) takes ``noise.add_scaled``'s rule: z and ``scale`` (the wrapper's)
+    rounded to its dtype, the sum formed in float32 and rounded to nearest even."""
     DT: tl.constexpr = theta_ptr.dtype.element_ty
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 8, BLOCKS)
     for lane in tl.static_range(8):
@@ -300,9 +300,8 @@ def lane_updated(
 def updated(theta, counters, e, table_ptr, terms_ptr, num_terms, decay_end, shrink, KIND, DT):
     """A tile of theta (float32 values) after an update: the decay on [0, decay_end), then
     each term's fused multiply-add in order (``update_kernel``'s arithmetic, wherever it
-    runs). A master held in a 16-bit ``DT`` is rounded to it after each op, with z in it
-    (torch's ``mul_`` and ``add_(z, alpha=a)`` on a tensor of that dtype, ``a`` the
-    wrapper's, rounded to it)."""
+    runs). A master held in a 16-bit ``DT`` is rounded to it after each op, with z and
+    alpha (the wrapper's) in it: ``NoiseSource.apply_terms``'s chunked path."""
     theta = tl.where(e < decay_end, nearest(theta * shrink, DT), theta)
     for j in range(num_terms):
         k0, k1, alpha = term(terms_ptr, j)

@@ -151,7 +151,7 @@ def perturb(
     start: int = 0,
 ) -> None:
     """out[0:n] <- theta[0:n] + scale * z of elements [start, start + n) (one pass, z never
-    stored). A 16-bit theta (``out`` of its dtype) rounds as torch's ``add`` rounds for it."""
+    stored). A 16-bit theta (``out`` of its dtype) rounds as ``noise.add_scaled`` does."""
     n = theta.numel()
     scale = as_operand(scale, theta.dtype)
     _kernels()["perturb"][_grid(start, n, 8)](
@@ -190,9 +190,9 @@ LOW_BIT_MASTERS = (torch.float16, torch.bfloat16)
 
 
 def as_operand(alpha: float, dtype: torch.dtype) -> float:
-    """``alpha`` as torch's CPU kernels take a scalar for an op on a ``dtype`` tensor: a
-    16-bit master's ``add(.., alpha=a)`` rounds ``a`` to that dtype (its sum is then
-    formed in float32); float32 and wider keep it (the kernel rounds it to float32)."""
+    """``alpha`` as an op on a ``dtype`` master takes it: rounded to a 16-bit dtype (as
+    torch's vectorised CPU ``add`` rounds it; its sum is then formed in float32), kept for
+    float32 and wider (the kernel rounds it to float32)."""
     if dtype not in LOW_BIT_MASTERS:
         return alpha
     return torch.full((), alpha, dtype=dtype).item()
@@ -220,7 +220,7 @@ def update(
     tiled kernel's one-term update at 0.68x the legacy path's speed, where the
     perturbation, the same bytes, ran at 1.07x); more take the tiled kernel, their keys
     and alphas in a tiny table on the device. A 16-bit theta is rounded to its dtype after
-    the decay and after each term, as torch's ops on it round (``as_operand``)."""
+    the decay and after each term, as ``NoiseSource.apply_terms``'s chunked path rounds it."""
     n = theta.numel()
     alphas = [as_operand(a, theta.dtype) for a in alphas]
     if len(keys) == 1:

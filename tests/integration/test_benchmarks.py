@@ -245,6 +245,7 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
     names = {m["name"] for m in data["measurements"]}
     ops = ("perturb", "update", "update-tiled", "window", "momentum", "adam", "rebuild-perturb")
     ops += ("rebuild-perturb-tiled", "rebuild-round", "rebuild-round-tiled")
+    ops += ("perturb-fp16", "perturb-fp16-chunked", "update-fp16", "update-fp16-chunked")
     ops += ("rounding", "rounding-fp16", "rounding-fp8")
     assert names == {f"{op}_{path}" for op in ops for path in ("old", "new", "torch")} | {
         "step_old",
