@@ -22,6 +22,9 @@ Ops on one float32 bucket of ``--elements``:
   is ``update``): side by side with ``update``'s own kernel for one term
 * ``window``: a recomputed momentum's update, 32 steps' terms (reads and writes theta: 8)
 * ``momentum``, ``adam``: the stored moments' update (theta and 1 or 2 moments: 16, 24)
+* ``momentum-tiled``: that one-query momentum through the tiled kernel
+  (``triton_noise.momentum_table``; CUDA, path ``new``; elsewhere it is ``momentum``),
+  beside the lane-by-lane kernel the engine launches
 * ``rebuild-perturb``: a pass's bf16 scratch from a bf16 block at rest and the step's
   update, the master never stored (``--low-bit-master recompute``: reads 2, writes 2: 4;
   one fused kernel on CUDA, else the upcast, the update and the perturbation in turn)
@@ -76,6 +79,7 @@ BYTES = {
     "update-tiled": 8,
     "window": 8,
     "momentum": 16,
+    "momentum-tiled": 16,
     "adam": 24,
     "rebuild-perturb": 4,
     "rebuild-perturb-tiled": 4,
@@ -144,6 +148,11 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
         if op == "update-tiled":
             return lambda: triton_noise.update_table(
                 theta, n, 1.0 - 1e-11, keys, alphas, src.kind, src.kind_table
+            )
+        if op == "momentum-tiled":
+            m, draws = torch.zeros_like(theta), (src.kind, src.kind_table)
+            return lambda: triton_noise.momentum_table(
+                theta, m, n, 1.0 - 1e-11, keys, alphas, 0.9, 1e-7, *draws
             )
         rest = theta.bfloat16()
         if op == "rebuild-round-tiled":

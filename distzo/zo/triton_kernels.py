@@ -433,11 +433,49 @@ def momentum_kernel(
     inside = (e >= start) & (e - start < n)
     ghat = tile_ghat(counters, table_ptr, terms_ptr, num_terms, KIND)
     m = tl.load(m_ptr + (e - start), mask=inside, other=0.0)
-    m = m * beta1 + ghat
     theta = tl.load(theta_ptr + (e - start), mask=inside, other=0.0)
-    theta = tl.where(e < decay_end, theta * shrink, theta)
+    theta, m = momentum_rule(theta, m, ghat, e, decay_end, shrink, beta1, neg_lr)
     tl.store(m_ptr + (e - start), m, mask=inside)
-    tl.store(theta_ptr + (e - start), tl.fma(m, neg_lr, theta), mask=inside)
+    tl.store(theta_ptr + (e - start), theta, mask=inside)
+
+
+@triton.jit
+def momentum_rule(theta, m, ghat, e, decay_end, shrink, beta1, neg_lr):
+    """Stored momentum's arithmetic (``MomentUpdater``'s ops): theta and m after a step."""
+    m = m * beta1 + ghat
+    theta = tl.where(e < decay_end, theta * shrink, theta)
+    return tl.fma(m, neg_lr, theta), m
+
+
+@triton.jit(do_not_specialize=SCALARS)
+def momentum_one_kernel(
+    theta_ptr,
+    m_ptr,
+    table_ptr,
+    n: tl.int64,
+    decay_end: tl.int64,
+    shrink: tl.float32,
+    k0: tl.uint32,
+    k1: tl.uint32,
+    alpha: tl.float32,
+    beta1: tl.float32,
+    neg_lr: tl.float32,
+    KIND: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """``momentum_kernel`` for one query (ghat = alpha z), in the perturbation's shape:
+    lane by lane, z from the counter's words, no [8, BLOCKS] tile and no table of terms.
+    The same operations on each element: the same bits."""
+    first, w0, w1, w2, w3 = tile_words(0, k0, k1, 8, BLOCKS)
+    for lane in tl.static_range(8):
+        e = first + lane * BLOCKS
+        inside = e < n
+        ghat = draw16(w0, w1, w2, w3, lane, table_ptr, KIND) * alpha
+        m = tl.load(m_ptr + e, mask=inside, other=0.0)
+        theta = tl.load(theta_ptr + e, mask=inside, other=0.0)
+        theta, m = momentum_rule(theta, m, ghat, e, decay_end, shrink, beta1, neg_lr)
+        tl.store(m_ptr + e, m, mask=inside)
+        tl.store(theta_ptr + e, theta, mask=inside)
 
 
 @triton.jit(do_not_specialize=SCALARS)

@@ -19,7 +19,8 @@ contiguous elements: z is never written to memory.
   (``low_bit_master="recompute"``); ``rebuild_round``: ``update`` then the stochastic
   rounding, in place: that block's write-back;
 * ``momentum`` and ``adam``: the stored moments' rules (``distzo.zo.moments``), theta and
-  its moments read once and written once, the step's estimate formed in registers.
+  its moments read once and written once, the step's estimate formed in registers
+  (momentum's one query lane by lane, as ``update``'s one term).
 
 * ``round_bf16`` and ``round_low_bit``: stochastic rounding of a float32 range into
   bfloat16, float16 or float8 e4m3fn (the AMP wire formats), its uniforms drawn in
@@ -66,6 +67,7 @@ def _kernels():
         "rebuild_round": triton_kernels.rebuild_round_kernel,
         "rebuild_round_one": triton_kernels.rebuild_round_one_kernel,
         "momentum": triton_kernels.momentum_kernel,
+        "momentum_one": triton_kernels.momentum_one_kernel,
         "adam": triton_kernels.adam_kernel,
         "round_bf16": triton_kernels.round_bf16_kernel,
         "round_low_bit": triton_kernels.round_low_bit_kernel,
@@ -108,6 +110,7 @@ KERNEL_NAMES = (
     "rebuild_round",
     "rebuild_round_one",
     "momentum",
+    "momentum_one",
     "adam",
     "round_bf16",
     "round_low_bit",
@@ -462,7 +465,47 @@ def momentum(
     table: torch.Tensor,
 ) -> None:
     """Stored momentum in one launch: m <- beta1 m + sum_j alpha_j z_j, theta <- theta *
-    shrink on [0, decay_end), then - lr m (``MomentUpdater``'s arithmetic)."""
+    shrink on [0, decay_end), then - lr m (``MomentUpdater``'s arithmetic). One query
+    takes ``momentum_one_kernel`` (lane by lane, as ``update`` takes ``update_one``: every
+    tiled kernel ran at 5.5-9.8e10 elements/s on the H100 whatever its bytes, the
+    lane-by-lane perturbation at 1.4-1.6e11); more, the tiled kernel."""
+    n = theta.numel()
+    if len(keys) == 1:
+        _kernels()["momentum_one"][_grid(0, n, 8)](
+            theta,
+            m,
+            table,
+            n,
+            decay_end,
+            shrink,
+            keys[0][0],
+            keys[0][1],
+            alphas[0],
+            beta1,
+            -lr,
+            KIND=KINDS[kind],
+            BLOCKS=TILE_BLOCKS,
+            **EXACT,
+            **LAUNCH_OPTIONS.get("momentum_one", {}),
+        )
+        return
+    momentum_table(theta, m, decay_end, shrink, keys, alphas, beta1, lr, kind, table)
+
+
+def momentum_table(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    decay_end: int,
+    shrink: float,
+    keys: Sequence[tuple[int, int]],
+    alphas: Sequence[float],
+    beta1: float,
+    lr: float,
+    kind: str,
+    table: torch.Tensor,
+) -> None:
+    """``momentum`` through the tiled kernel and its table of terms, whatever their number
+    (benchmarks/noise.py times its one-query launch beside ``momentum_one_kernel``)."""
     n = theta.numel()
     _kernels()["momentum"][_grid(0, n, 8)](
         theta,
@@ -496,7 +539,9 @@ def adam(
     table: torch.Tensor,
 ) -> None:
     """MeZO-Adam in one launch, ghat = sum_j alpha_j z_j; ``coefficients`` are
-    (beta1, beta2, eps, step_size) (``MomentUpdater``'s arithmetic)."""
+    (beta1, beta2, eps, step_size) (``MomentUpdater``'s arithmetic). The tiled kernel
+    whatever the number of queries: lane by lane, Adam's one query took 72 registers a
+    thread on sm_90 (Rademacher), too many for half an SM's warps."""
     beta1, beta2, eps, step_size = coefficients
     n = theta.numel()
     _kernels()["adam"][_grid(0, n, 8)](

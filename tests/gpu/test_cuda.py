@@ -417,9 +417,11 @@ def test_cuda_fused_noise_ops_follow_the_cpu_ops():
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_cuda_fused_moment_kernels_follow_the_cpu_noise_ops(optimizer, monkeypatch):
+@pytest.mark.parametrize("grads", [(0.5, -1.5, 2.0), (0.7,)])
+def test_cuda_fused_moment_kernels_follow_the_cpu_noise_ops(optimizer, grads, monkeypatch):
     """Stored momentum and Adam in one kernel per bucket: the CPU's MomentUpdater bit for
-    bit (Adam's square root correctly rounded on the CPU too, as CUDA's is), 3 queries."""
+    bit (Adam's square root correctly rounded on the CPU too, as CUDA's is), 3 queries
+    (the tiled kernels) and 1 (momentum's lane-by-lane kernel)."""
     import numpy as np
 
     from distzo.zo import NoiseSource
@@ -441,7 +443,7 @@ def test_cuda_fused_moment_kernels_follow_the_cpu_noise_ops(optimizer, monkeypat
         assert device == "cpu" or noise.backend == "triton"
         for step in (4, 5):
             MomentUpdater(rule, noise).apply(
-                noise, state[0], state[1:], 500_000, 1e-2, 0.1, step, (0.5, -1.5, 2.0), 9
+                noise, state[0], state[1:], 500_000, 1e-2, 0.1, step, grads, 9
             )
     for on_gpu, on_cpu in zip(state_gpu, state_cpu):
         assert torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32))

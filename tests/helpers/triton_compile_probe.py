@@ -26,6 +26,15 @@ from distzo.zo import triton_noise
 RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
 TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas, on the device
 UPDATE = {"start": "i64", "n": "i64", "decay_end": "i64", "shrink": "fp32"}
+# a one-term kernel's range, decay and term (no start: a bucket's moments from element 0)
+ONE_TERM = {
+    "n": "i64",
+    "decay_end": "i64",
+    "shrink": "fp32",
+    "k0": "u32",
+    "k1": "u32",
+    "alpha": "fp32",
+}
 ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step_size"]
 # the kernels that spell out their fused multiply-adds compile without fp fusion
 EXACT = {
@@ -36,6 +45,7 @@ EXACT = {
     k.rebuild_perturb_kernel,
     k.rebuild_round_kernel,
     k.momentum_kernel,
+    k.momentum_one_kernel,
     k.adam_kernel,
     k.round_low_bit_kernel,
 }
@@ -215,6 +225,20 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
         [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
     ),
     (
+        k.momentum_one_kernel,
+        {
+            "theta_ptr": "*fp32",
+            "m_ptr": "*fp32",
+            "table_ptr": "*fp32",
+            **ONE_TERM,
+            "beta1": "fp32",
+            "neg_lr": "fp32",
+            "KIND": "constexpr",
+            "BLOCKS": "constexpr",
+        },
+        [{"KIND": kind, "BLOCKS": 512} for kind in (0, 1)],
+    ),  # one query, lane by lane
+    (
         k.round_bf16_kernel,
         {"dst_ptr": "*bf16", "src_ptr": "*fp32", **RANGE, "BLOCKS": "constexpr"},
         [{"BLOCKS": 512}],
@@ -307,6 +331,9 @@ CALLS = {
         *(buffer, buffer, buffer, table, terms, many(k0)),
         *(s, n, s // 2, 1.0),
         *[1e-3] * 6,
+    ),
+    k.momentum_one_kernel: lambda s, n, k0, k1: (
+        *(buffer, buffer, table, n, s // 2, 1.0, k0, k1, -1e-3, 0.9, -1e-3),
     ),
     k.rebuild_round_kernel: lambda s, n, k0, k1: (
         *(bf16, bf16, table, terms, many(k0)),

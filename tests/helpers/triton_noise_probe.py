@@ -323,13 +323,21 @@ for rule in RULES:
         triton_source = on_triton(
             NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
         )
-        for n, grads in [(1, (0.7,)), (4097, (0.5, -1.5, 0.25)), (9000, (-0.3, 2.0))]:
+        for n, grads in [
+            (1, (0.7,)),
+            (4097, (0.5, -1.5, 0.25)),
+            (9000, (-0.3, 2.0)),
+            (9000, (0.9,)),
+        ]:
+            # momentum's one query: the lane-by-lane kernel; more, and Adam: the tiled one
+            one = len(grads) == 1 and rule.optimizer == "momentum"
+            name = rule.optimizer + ("_one" if one else "")
             theta, moments = moment_state(rule, n)
             exact_state = [t.clone() for t in (theta, *moments)]
             fused_state = [t.clone() for t in (theta, *moments)]
             plain_state = [t.clone() for t in (theta, *moments)]
             for step in (6, 7):  # two steps: the second from the first's moments
-                with Launches(rule.optimizer) as launches:
+                with Launches(name) as launches:
                     MomentUpdater(rule, triton_source).apply(
                         triton_source,
                         fused_state[0],
@@ -341,7 +349,7 @@ for rule in RULES:
                         grads,
                         4,
                     )
-                assert launches.count == 1, (rule.optimizer, launches.count)
+                assert launches.count == 1, (name, launches.count)
                 with correctly_rounded_sqrt():
                     MomentUpdater(rule, cpu_source).apply(
                         cpu_source,

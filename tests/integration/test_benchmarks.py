@@ -243,7 +243,8 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
     run(["benchmarks/noise.py", "--quick", "--out", str(out)])
     data = load(out)
     names = {m["name"] for m in data["measurements"]}
-    ops = ("perturb", "update", "update-tiled", "window", "momentum", "adam", "rebuild-perturb")
+    ops = ("perturb", "update", "update-tiled", "window", "momentum", "momentum-tiled", "adam")
+    ops += ("rebuild-perturb",)
     ops += ("rebuild-perturb-tiled", "rebuild-round", "rebuild-round-tiled")
     ops += ("perturb-fp16", "perturb-fp16-chunked", "update-fp16", "update-fp16-chunked")
     ops += ("rounding", "rounding-fp16", "rounding-fp8")
