@@ -210,7 +210,7 @@ def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, device: st
         for lo in range(0, flat.numel(), FILL_CHUNK):
             hi = min(lo + FILL_CHUNK, flat.numel())
             if staging.numel() < hi - lo:
-                staging = torch.empty(hi - lo, device=device)
+                staging = torch.empty(hi - lo, dtype=torch.float32, device=device)
             drawn = staging[: hi - lo].normal_(0.0, std, generator=g)
             flat[lo:hi].copy_(drawn.to(p.dtype))
 

@@ -130,7 +130,12 @@ def test_the_random_fill_is_opts_init_drawn_in_float32_chunk_by_chunk(peer, monk
     model = OPTForCausalLM(config).to(torch.float16)
     for p in model.parameters():
         p.data.fill_(7.0)  # nothing of the previous values may survive
-    peer.fill_random(model, seed=3)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)  # as the peer builds: the draws stay float32
+    try:
+        peer.fill_random(model, seed=3)
+    finally:
+        torch.set_default_dtype(default)
     g = torch.Generator().manual_seed(3)
     matrices = 0
     for name, p in model.named_parameters():
