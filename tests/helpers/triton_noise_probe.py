@@ -186,7 +186,7 @@ def on_triton(source):
 for dtype, kind in itertools.product((torch.float16, torch.bfloat16), ("gaussian", "rademacher")):
     reference = NoiseSource(3, 1000, torch.device("cpu"), dtype, kind=kind)
     fused = on_triton(NoiseSource(3, 1000, torch.device("cpu"), dtype, kind=kind))
-    for n, start in ((1, 0), (4095, 0), (9000, 0), (4100, 2**31 - 100)):
+    for n, start in ((1, 0), (9000, 0), (4100, 2**31 - 100)):
         theta = (torch.randn(n, generator=gen) * 0.05).to(dtype)
         total = start + n
         expected, out = torch.empty_like(theta), torch.full_like(theta, float("nan"))
@@ -327,7 +327,7 @@ for rule in RULES:
             (1, (0.7,)),
             (4097, (0.5, -1.5, 0.25)),
             (9000, (-0.3, 2.0)),
-            (9000, (0.9,)),
+            (4097, (0.9,)),
         ]:
             # momentum's one query: the lane-by-lane kernel; more, and Adam: the tiled one
             one = len(grads) == 1 and rule.optimizer == "momentum"
