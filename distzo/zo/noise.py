@@ -247,8 +247,8 @@ class NoiseSource:
     def fuses_master(self, theta: torch.Tensor, out: torch.Tensor | None = None) -> bool:
         """The perturbation and the update as one kernel each for this master: ``fuses``,
         or a model held in fp16 or bf16 (its out of its dtype), whose kernels round as
-        torch's ops on that dtype round (z and alpha in it, each op's result rounded to
-        it): the CPU path's bits."""
+        the chunked path does (``add_scaled``'s rule: z and alpha in its dtype, each op's
+        float32 result rounded to it): the same bits."""
         return self.fuses(theta) or (
             self._triton
             and theta.dtype in triton_noise.LOW_BIT_MASTERS
@@ -442,11 +442,9 @@ class NoiseSource:
             lo, hi = max(lo, start), min(lo + c, stop)
             piece = theta[lo - start : hi - start]
             if lo < decay_end:
-                decayed = piece[: min(hi, decay_end) - lo]
-                if decayed.dtype in triton_noise.LOW_BIT_MASTERS:  # formed in float32
-                    decayed.copy_(decayed.float().mul_(shrink))
-                else:
-                    decayed.mul_(shrink)
+                # a 16-bit piece's product with the scalar is formed in float32 and rounded
+                # once, on the CPU (tails included) and on CUDA: the kernels' rule already
+                piece[: min(hi, decay_end) - lo].mul_(shrink)
             for step, query, alpha in terms:
                 for _, _, z in self.chunks(lo, hi, total, step, block_id, query):
                     add_scaled(piece, piece, z, alpha)

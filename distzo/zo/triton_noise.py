@@ -225,7 +225,6 @@ def update(
     and alphas in a tiny table on the device. A 16-bit theta is rounded to its dtype after
     the decay and after each term, as ``NoiseSource.apply_terms``'s chunked path rounds it."""
     n = theta.numel()
-    alphas = [as_operand(a, theta.dtype) for a in alphas]
     if len(keys) == 1:
         _kernels()["update_one"][_grid(start, n, 8)](
             theta,
@@ -236,7 +235,7 @@ def update(
             shrink,
             keys[0][0],
             keys[0][1],
-            alphas[0],
+            as_operand(alphas[0], theta.dtype),
             KIND=KINDS[kind],
             BLOCKS=TILE_BLOCKS,
             **EXACT,
