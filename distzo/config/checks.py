@@ -56,6 +56,11 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
             "--low-bit-master recompute rebuilds the masters of trained blocks that stream; an "
             "adapter's stay on the device and its base is never updated: drop it"
         )
+    if job.offload.perturb_scope == "module" and job.peft.peft != "none":
+        raise ValueError(
+            "--perturb-scope module perturbs the modules of trained blocks; an adapter's base "
+            "is never perturbed and its blocks are small: drop it"
+        )
     if data.task in TASK_NAMES and optim.objective is not None:  # an unknown task: the job's
         check_objective(data.task, optim.objective)
     if optim.grad_accum < 1 or optim.grad_accum > data.batch_size // dims.dp:

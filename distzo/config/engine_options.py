@@ -23,6 +23,7 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIMIZER_STATES = ("auto", "recomputed", "stored")
 STATE_DTYPES = ("fp32", "bf16")
 LOW_BIT_MASTERS = ("buffer", "recompute")
+PERTURB_SCOPES = ("block", "module")
 MAX_MOMENTUM_WINDOW = 256  # noise draws per block per update
 
 
@@ -49,6 +50,11 @@ class ZOConfig:
     buffer: the master rebuilt ``noise_chunk`` elements at a time from the block's low-bit
     copy for each pass and for the write-back, the update's noise drawn again each time;
     the same trajectory bit for bit, one float32 block less device memory).
+    ``perturb_scope`` says how much of a block the passes hold perturbed at once:
+    ``block`` (a scratch the size of the largest block, perturbed in one launch) or
+    ``module`` (a scratch the size of its largest module, each module perturbed just
+    before it runs: the same trajectory bit for bit, a dozen launches a block instead of
+    one; full fine-tuning only, ``distzo.engine.module_scratch``).
     ``estimator`` turns a step's forward passes into its update (``distzo.zo.estimators``):
     ``spsa`` (MeZO's two-sided differences, n-SPSA with several queries) or ``fzoo``
     (FZOO: ``num_queries`` one-sided differences plus the unperturbed loss, normalised
@@ -100,6 +106,7 @@ class ZOConfig:
     compute_dtype: str = "auto"
     transfer_chunks: int = 4
     low_bit_master: str = "buffer"
+    perturb_scope: str = "block"
     num_queries: int = 1
     estimator: str = "spsa"
     noise: str = "gaussian"
@@ -127,6 +134,7 @@ class ZOConfig:
         self._check_batching()
         self._check_estimator()
         self._check_low_bit_master()
+        self._check_perturb_scope()
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError(
                 "transfer sliced only applies to mode offload (resident blocks never travel)"
@@ -217,6 +225,20 @@ class ZOConfig:
                 "low_bit_master recompute applies the update again for each pass, which stored "
                 "moments (Adam, optimizer_state stored) cannot take twice; use low_bit_master "
                 "buffer"
+            )
+
+    def _check_perturb_scope(self) -> None:
+        """A module-wise scratch serves passes that run alone (no batched adapters)."""
+        if self.perturb_scope not in PERTURB_SCOPES:
+            raise ValueError(
+                f"perturb_scope must be one of {', '.join(PERTURB_SCOPES)}, got "
+                f"{self.perturb_scope!r}"
+            )
+        if self.perturb_scope == "module" and (self.dual_forward or self.batch_queries):
+            raise ValueError(
+                "perturb_scope module perturbs a trained block's modules one pass at a time; "
+                "batched passes (dual_forward, batch_queries) train adapters: use "
+                "perturb_scope block"
             )
 
     def _check_lowrank(self) -> None:

@@ -37,6 +37,7 @@ from distzo.config.engine_options import (
     MODES,
     OPTIMIZER_STATES,
     OPTIMIZERS,
+    PERTURB_SCOPES,
     STATE_DTYPES,
     TRANSFER_DTYPE_NAMES,
     TRANSFERS,
@@ -362,6 +363,15 @@ class OffloadOptions:
         "same steps bit for bit, one float32 block less device memory, more noise work); by "
         "default buffer, recompute when the memory plan does not fit the buffer but fits that",
         LOW_BIT_MASTERS,
+        default=None,
+    )
+    perturb_scope: str | None = engine_option(
+        "perturb_scope",
+        "how much of a block the passes hold perturbed at once: block (a scratch the size of the "
+        "largest block) or module (one the size of its largest module, each module perturbed "
+        "just before it runs: the same steps bit for bit, more kernel launches); by default "
+        "block, module when the memory plan does not fit the block's scratch but fits that",
+        PERTURB_SCOPES,
         default=None,
     )
 

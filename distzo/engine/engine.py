@@ -218,6 +218,7 @@ class ZOEngine:
         self.noise, self.rounding_noise = parts.noise, parts.rounding_noise
         self.moments, self.carried = parts.moments, parts.carried
         self.block_scratch, self.resident = parts.block_scratch, parts.resident
+        self.module_scratch = parts.module_scratch
         self.pass_groups_of = parts.pass_groups_of
         self.rebuilt = parts.rebuilt
         model.to(self.device)  # parameters already live on the device; this moves buffers only

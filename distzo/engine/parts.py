@@ -28,6 +28,7 @@ from distzo.engine.build import (
     store_maker,
 )
 from distzo.engine.layouts import device_bucket, split_layouts
+from distzo.engine.module_scratch import ModuleScratch
 from distzo.engine.passes import Group, pass_grouping
 from distzo.engine.rebuilt_master import RebuiltMaster
 from distzo.engine.resident_sides import resident_sides
@@ -70,6 +71,7 @@ class Parts:
     moments: Moments
     carried: CarriedStore | None  # the blocks' store that carries their moments, if they travel
     block_scratch: torch.Tensor
+    module_scratch: ModuleScratch | None  # the block scratch bound module by module, if so
     resident: ResidentScratch
     pass_groups_of: Callable[[tuple[Pass, ...]], list[Group]]
     compute_dtype: torch.dtype
@@ -112,7 +114,9 @@ def build_parts(
         update_rule.moment_names, config, trained, streams_trained, device, shard, rounding_noise
     )
     scratch_dtype = compute_dtype(config, dtype)
-    block_scratch, resident, groups = _bind_scratch(model, tuning, trained, at, scratch_dtype)
+    scratch, resident, groups = _bind_scratch(model, tuning, trained, at, scratch_dtype)
+    module_scratch = scratch if isinstance(scratch, ModuleScratch) else None
+    block_scratch = scratch.values if isinstance(scratch, ModuleScratch) else scratch
     rebuilt = (
         RebuiltMaster(store, config.noise_chunk, device, dtype)
         if isinstance(store, StreamedBlocks) and store.rebuilds
@@ -127,6 +131,7 @@ def build_parts(
         moments,
         carried,
         block_scratch,
+        module_scratch,
         resident,
         groups,
         scratch_dtype,
@@ -136,12 +141,22 @@ def build_parts(
 
 def _bind_scratch(
     model: nn.Module, tuning: Tuning, trained: StoredBuckets, at: Placement, dtype: torch.dtype
-) -> tuple[torch.Tensor, ResidentScratch, Callable[[tuple[Pass, ...]], list[Group]]]:
+) -> tuple[
+    torch.Tensor | ModuleScratch, ResidentScratch, Callable[[tuple[Pass, ...]], list[Group]]
+]:
     """The scratch buckets, the model bound to them, and how passes group into forwards."""
     device, layouts = at.device, trained.block_layouts
     # One scratch bucket serves every block: blocks compute one after another on one
     # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
-    block_scratch = bound_scratch(model, layouts, device, dtype)
+    if at.config.perturb_scope == "module":
+        if tuning.base_layouts:
+            raise ValueError(
+                "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
+                "is never perturbed: use perturb_scope block"
+            )
+        block_scratch: torch.Tensor | ModuleScratch = ModuleScratch(model, layouts, device, dtype)
+    else:
+        block_scratch = bound_scratch(model, layouts, device, dtype)
     resident = ResidentScratch(model, resident_sides(trained.resident_layout, model), device, dtype)
     tuning.bind_base(model, device, dtype)
     groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)

@@ -11,11 +11,13 @@ of every micro-batch carried between blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
+from distzo.engine.module_scratch import Fill
 from distzo.engine.rebuilt_master import BlockVisit
 from distzo.engine.resident_sides import EMBEDDING, HEAD
 from distzo.engine.updates import PendingUpdate
@@ -205,15 +207,38 @@ class BlockPass:
         else:
             engine.rebuilt.perturb_into(out, self._visit(i, bucket), scale, self.step, query)
 
+    def _fill(self, i: int, bucket: torch.Tensor, sign: int, query: int) -> Fill:
+        """What perturbs elements ``[lo, hi)`` of block ``i`` for the pass into ``out``,
+        one module's weights at a time (``ModuleScratch``): the same values as ``_perturb``
+        makes of the whole block."""
+        engine, step = self.engine, self.step
+        scale, n = sign * engine.config.eps, bucket.numel()
+        rebuilt = engine.rebuilt
+        if rebuilt is None:
+
+            def fill(out: torch.Tensor, lo: int, hi: int) -> None:
+                engine.noise.perturb_into(out, bucket[lo:hi], scale, step, i + 1, query, lo, n)
+
+            return fill
+        visit = self._visit(i, bucket)
+        return lambda out, lo, hi: rebuilt.perturb_range(out, visit, scale, step, query, lo, hi)
+
     def _alone(self, i: int, bucket: torch.Tensor, group: Group) -> None:
         engine = self.engine
         ((query, sign),) = group
-        if bucket.numel():
-            self._perturb(engine.block_scratch, i, bucket, sign, query)
-        self.hiddens[group] = [
-            engine.family.block_forward(engine.blocks[i], h, ctx)
-            for h, ctx in zip(self.hiddens[group], self.contexts[1])
-        ]
+        by_module = engine.module_scratch
+        reading: AbstractContextManager[None]
+        if by_module is not None:
+            reading = by_module.reading(i, self._fill(i, bucket, sign, query))
+        else:
+            reading = nullcontext()
+            if bucket.numel():
+                self._perturb(engine.block_scratch, i, bucket, sign, query)
+        with reading:
+            self.hiddens[group] = [
+                engine.family.block_forward(engine.blocks[i], h, ctx)
+                for h, ctx in zip(self.hiddens[group], self.contexts[1])
+            ]
 
     def _batched(self, i: int, bucket: torch.Tensor, group: Group) -> None:
         engine = self.engine

@@ -97,6 +97,28 @@ class RebuiltMaster:
         for a, b, master in self.pieces(visit, 0, n):
             noise.perturb_into(out[a:b], master, scale, step, visit.block_id, query, a, n)
 
+    def perturb_range(
+        self,
+        out: torch.Tensor,
+        visit: BlockVisit,
+        scale: float,
+        step: int,
+        query: int,
+        lo: int,
+        hi: int,
+    ) -> None:
+        """``perturb_into`` of elements ``[lo, hi)`` alone, into ``out`` (``hi - lo``
+        elements): one module's weights (``perturb_scope="module"``). The fused kernel
+        takes a whole block, so a part is rebuilt piece by piece (the same values)."""
+        n = visit.at_rest.numel()
+        if (lo, hi) == (0, n):
+            self.perturb_into(out, visit, scale, step, query)
+            return
+        for a, b, master in self.pieces(visit, lo, hi):
+            visit.noise.perturb_into(
+                out[a - lo : b - lo], master, scale, step, visit.block_id, query, a, n
+            )
+
     def write_back(self, index: int, visit: BlockVisit) -> None:
         """Block ``index``'s rebuilt master rounded into this rank's pieces of its slot, for
         the offload: in place, one fused kernel per piece where the noise has one (CUDA; a

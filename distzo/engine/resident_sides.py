@@ -66,12 +66,12 @@ def resident_sides(layout: BucketLayout, model: nn.Module) -> dict[str, Resident
     if all(side_of) or not any(side_of):
         return dict.fromkeys((EMBEDDING, HEAD), whole_side(layout))
     return {
-        name: _packed(name, [e for e, head in zip(layout.entries, side_of) if head == wanted])
+        name: packed(name, [e for e, head in zip(layout.entries, side_of) if head == wanted])
         for name, wanted in ((EMBEDDING, False), (HEAD, True))
     }
 
 
-def _packed(name: str, entries: list[Entry]) -> ResidentSide:
+def packed(name: str, entries: list[Entry]) -> ResidentSide:
     """Consecutive entries (in layout order) as runs, each run aligned in the scratch, so
     every parameter's view keeps its alignment."""
     runs: list[Run] = []

@@ -186,6 +186,11 @@ def memory_plan(
 SLOTS_FALLBACK = (
     "3 device slots do not fit; using 2 (upload then waits for the offload two blocks back)"
 )
+MODULE_FALLBACK = (
+    "a block's perturbed scratch does not fit; perturbing each block module by module in a "
+    "scratch the size of its largest module instead (--perturb-scope module: the same steps, "
+    "more kernel launches)"
+)
 RECOMPUTE_FALLBACK = (
     "the low-bit blocks' float32 master buffer does not fit; rebuilding each block's master a "
     "noise chunk at a time instead (--low-bit-master recompute: the same steps, more noise work)"
@@ -194,19 +199,29 @@ RECOMPUTE_FALLBACK = (
 
 def device_fallbacks(job: JobConfig, config: ZOConfig) -> list[tuple[ZOConfig, list[str]]]:
     """The layouts to try in turn until one fits, each with the log lines saying what it
-    gave up: ``config`` first; then, where the job was left to choose, the low-bit blocks'
-    masters rebuilt without their buffer (the same steps), then 2 slots (less overlap)."""
+    gave up: ``config`` first; then, where the job was left to choose, the blocks perturbed
+    module by module (the same steps), the low-bit blocks' masters rebuilt without their
+    buffer (the same steps, more noise work), both, and then each of those with 2 slots
+    (less overlap)."""
     tries: list[tuple[ZOConfig, list[str]]] = [(config, [])]
+    full = job.peft.peft == "none"
+    if job.offload.perturb_scope is None and full:
+        tries += [
+            (dataclasses.replace(c, perturb_scope="module"), [*why, MODULE_FALLBACK])
+            for c, why in tries
+        ]
     if config.mode != "offload":
         return tries
     if (
         job.offload.low_bit_master is None
         and config.transfer_dtype != "fp32"
         and not config.stored_state
-        and job.peft.peft == "none"
+        and full
     ):
-        recompute = dataclasses.replace(config, low_bit_master="recompute")
-        tries.append((recompute, [RECOMPUTE_FALLBACK]))
+        tries += [
+            (dataclasses.replace(c, low_bit_master="recompute"), [*why, RECOMPUTE_FALLBACK])
+            for c, why in tries
+        ]
     if job.offload.num_slots is None:
         tries += [(dataclasses.replace(c, num_slots=2), [*why, SLOTS_FALLBACK]) for c, why in tries]
     return tries
@@ -236,9 +251,11 @@ def choose_slots(
         for line in gave_up:
             logger.info(line)
         config.num_slots, config.low_bit_master = candidate.num_slots, candidate.low_bit_master
+        config.perturb_scope = candidate.perturb_scope
         break
     else:
         plan = first
     job.offload.num_slots = config.num_slots
     job.offload.low_bit_master = config.low_bit_master
+    job.offload.perturb_scope = config.perturb_scope
     return plan

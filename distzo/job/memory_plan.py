@@ -27,6 +27,7 @@ from torch import nn
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
+from distzo.engine.module_scratch import module_scratch_numel
 from distzo.engine.passes import pass_grouping
 from distzo.engine.resident_sides import resident_sides, scratch_numel
 from distzo.models import family_for
@@ -133,6 +134,7 @@ class _Buckets:
     trained: list[BucketLayout]  # the block buckets of what a step trains
     resident: BucketLayout  # the resident bucket of what a step trains
     resident_scratch: int  # its scratch's elements (the larger side: resident_sides)
+    block_scratch: int  # the block scratch's elements (the largest block, or module)
     streamed: list[BucketLayout]  # what streams: the blocks, or an adapter's frozen base
     resident_base: BucketLayout | None  # an adapter's frozen resident modules
     master: int
@@ -168,10 +170,14 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     chunks = config.transfer_chunks if owners > 1 else 1
     padded = [round_up(b.numel, owners * chunks * ALIGN_ELEMENTS) for b in streamed]
     state_wire = 2 if config.state_dtype == "bf16" else master
+    by_module = config.perturb_scope == "module" and resident_base is None
     return _Buckets(
         trained,
         resident,
         scratch_numel(resident_sides(resident, model)),
+        module_scratch_numel(model, trained)
+        if by_module
+        else max(layout.numel for layout in trained),
         streamed,
         resident_base,
         master,
@@ -264,7 +270,7 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
         blocks = biggest * config.num_slots * wire + rebuilt
     else:
         host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
-    scratch = max(layout.numel for layout in b.trained) * compute
+    scratch = b.block_scratch * compute
     resident_bytes = b.resident.numel * master + b.resident_scratch * compute
     if b.resident_base is not None:
         blocks += sum(layout.numel for layout in b.trained) * master  # the adapter's blocks

@@ -19,6 +19,7 @@ from distzo.config.engine_options import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
     LOW_BIT_MASTERS,
+    PERTURB_SCOPES,
     TRANSFER_DTYPE_NAMES,
     ZOConfig,
 )
@@ -49,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=LOW_BIT_MASTERS,
         help="a low-bit block's float32 master: one buffer, or rebuilt a chunk at a time",
     )
+    parser.add_argument(
+        "--perturb-scope",
+        default="block",
+        choices=PERTURB_SCOPES,
+        help="a block perturbed whole, or module by module in a scratch the size of one",
+    )
     parser.add_argument("--estimator", default="spsa", choices=ESTIMATOR_NAMES)
     parser.add_argument(
         "--num-queries", type=int, default=None, help="default: the estimator's (spsa 1, fzoo 8)"
@@ -72,6 +79,7 @@ def report(args: argparse.Namespace) -> str:
         num_slots=args.num_slots,
         transfer_dtype=args.transfer_dtype,
         low_bit_master=args.low_bit_master,
+        perturb_scope=args.perturb_scope,
         compute_dtype=args.compute_dtype,
         estimator=args.estimator,
         num_queries=queries,
@@ -102,6 +110,7 @@ def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int, confi
     passes = len(config.step_passes())
     step = "" if passes == 2 else f"{config.estimator} with {passes} passes per step, "
     master = "" if config.low_bit_master == "buffer" else "block masters recomputed, "
+    master += "" if config.perturb_scope == "block" else "perturbed module by module, "
     out = [
         f"{args.model_config}, {args.nproc} GPUs on one node, dp {dp} x pert {args.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "

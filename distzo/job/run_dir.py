@@ -61,6 +61,7 @@ RESUME_MAY_CHANGE = (
     "transfer",
     "transfer_chunks",
     "low_bit_master",
+    "perturb_scope",
     "device",
     "dp",
     "pert",

@@ -186,7 +186,7 @@ def test_the_engine_config_is_taken_from_the_sections():
     job = resolve(
         "--eps 0.01 --lr 0.5 --num-slots 2 --mode resident --peft lora --dual-forward "
         "--optimizer momentum --noise rademacher --seed -1 --grad-accum 2 --num-queries 3 "
-        "--low-bit-master buffer".split()
+        "--low-bit-master buffer --perturb-scope block".split()
     )
     config = job.engine_config("cpu")
     for name, section in engine_owners().items():

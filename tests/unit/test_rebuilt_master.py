@@ -170,34 +170,49 @@ def fallbacks_of(*flags):
 
     job = resolve(list(flags))
     return [
-        (c.num_slots, c.low_bit_master, why)
+        (c.num_slots, c.low_bit_master, c.perturb_scope, why)
         for c, why in device_fallbacks(job, job.engine_config("cpu"))
     ]
 
 
-def test_the_job_drops_the_master_buffer_before_a_slot():
-    from distzo.job.build import RECOMPUTE_FALLBACK, SLOTS_FALLBACK
+def test_the_job_perturbs_by_module_then_drops_the_master_buffer_before_a_slot():
+    from distzo.job.build import MODULE_FALLBACK, RECOMPUTE_FALLBACK, SLOTS_FALLBACK
 
+    m, r, s = MODULE_FALLBACK, RECOMPUTE_FALLBACK, SLOTS_FALLBACK
     assert fallbacks_of("--transfer-dtype", "bf16") == [
-        (3, "buffer", []),
-        (3, "recompute", [RECOMPUTE_FALLBACK]),
-        (2, "buffer", [SLOTS_FALLBACK]),
-        (2, "recompute", [RECOMPUTE_FALLBACK, SLOTS_FALLBACK]),
+        (3, "buffer", "block", []),
+        (3, "buffer", "module", [m]),
+        (3, "recompute", "block", [r]),
+        (3, "recompute", "module", [m, r]),
+        (2, "buffer", "block", [s]),
+        (2, "buffer", "module", [m, s]),
+        (2, "recompute", "block", [r, s]),
+        (2, "recompute", "module", [m, r, s]),
     ]
     # what an option settles, or what cannot rebuild, is never tried
-    assert fallbacks_of("--transfer-dtype", "bf16", "--low-bit-master", "buffer") == [
-        (3, "buffer", []),
-        (2, "buffer", [SLOTS_FALLBACK]),
+    assert fallbacks_of(
+        "--transfer-dtype", "bf16", "--low-bit-master", "buffer", "--perturb-scope", "block"
+    ) == [(3, "buffer", "block", []), (2, "buffer", "block", [s])]
+    assert fallbacks_of(
+        "--transfer-dtype", "bf16", "--num-slots", "3", "--perturb-scope", "module"
+    ) == [
+        (3, "buffer", "module", []),
+        (3, "recompute", "module", [r]),
     ]
-    assert fallbacks_of("--transfer-dtype", "bf16", "--num-slots", "3") == [
-        (3, "buffer", []),
-        (3, "recompute", [RECOMPUTE_FALLBACK]),
+    assert [(b, p) for _, b, p, _ in fallbacks_of()] == [  # an fp32 link
+        ("buffer", "block"),
+        ("buffer", "module"),
+        ("buffer", "block"),
+        ("buffer", "module"),
     ]
-    assert [m for _, m, _ in fallbacks_of()] == ["buffer", "buffer"]  # an fp32 link
     adam = fallbacks_of("--transfer-dtype", "bf16", "--optimizer", "adam")
+    assert [b for _, b, _, _ in adam] == ["buffer"] * 4
     lora = fallbacks_of("--transfer-dtype", "bf16", "--peft", "lora")
-    assert [m for _, m, _ in adam] == [m for _, m, _ in lora] == ["buffer", "buffer"]
-    assert fallbacks_of("--mode", "resident") == [(3, "buffer", [])]
+    assert [(b, p) for _, b, p, _ in lora] == [("buffer", "block")] * 2
+    assert fallbacks_of("--mode", "resident") == [
+        (3, "buffer", "block", []),
+        (3, "buffer", "module", [m]),
+    ]
 
 
 def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
@@ -210,6 +225,7 @@ def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
 
     def plan_of(job, model, data, config, parallel, device):
         need = config.num_slots * 2 + (4 if config.low_bit_master == "buffer" else 0)
+        need -= config.perturb_scope == "module"
         return SimpleNamespace(need=need, config=config)
 
     def fits_under(budget):
@@ -221,23 +237,32 @@ def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
 
     parallel = SimpleNamespace(env=SimpleNamespace(local_world_size=1))
     monkeypatch.setattr(build, "memory_plan", plan_of)
-    for budget, chosen in [(10, (3, "buffer")), (6, (3, "recompute")), (5, (2, "recompute"))]:
+    for budget, chosen in [
+        (10, (3, "buffer", "block")),
+        (9, (3, "buffer", "module")),
+        (6, (3, "recompute", "block")),
+        (5, (3, "recompute", "module")),
+        (4, (2, "recompute", "block")),
+    ]:
         monkeypatch.setattr(build, "check_fits", fits_under(budget))
         job = resolve(["--transfer-dtype", "bf16"])
         config = job.engine_config("cpu")
         with caplog.at_level("INFO", logger="distzo.train"):
             caplog.clear()
             plan = build.choose_slots(job, None, None, config, parallel, None)
-        assert (config.num_slots, config.low_bit_master) == chosen
-        assert (job.offload.num_slots, job.offload.low_bit_master) == chosen
+        assert (config.num_slots, config.low_bit_master, config.perturb_scope) == chosen
+        offload = job.offload
+        assert (offload.num_slots, offload.low_bit_master, offload.perturb_scope) == chosen
         assert plan.config.num_slots == chosen[0] and plan.need <= budget
+        assert (build.MODULE_FALLBACK in caplog.text) == (chosen[2] == "module")
         assert (build.RECOMPUTE_FALLBACK in caplog.text) == (chosen[1] == "recompute")
         assert (build.SLOTS_FALLBACK in caplog.text) == (chosen[0] == 2)
     monkeypatch.setattr(build, "check_fits", fits_under(1))
     job = resolve(["--transfer-dtype", "bf16"])
     config = job.engine_config("cpu")
     plan = build.choose_slots(job, None, None, config, parallel, None)
-    assert plan.need == 10 and (config.num_slots, config.low_bit_master) == (3, "buffer")
+    assert plan.need == 10
+    assert (config.num_slots, config.low_bit_master, config.perturb_scope) == (3, "buffer", "block")
 
 
 def test_a_pass_takes_the_fused_kernel_only_where_it_gives_the_same_bits():
