@@ -242,6 +242,14 @@ def test_memory_plan_matches_what_cuda_allocates():
             low_bit_master="recompute",
         ),
         ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16"),
+        ZOConfig(
+            device="cuda",
+            seed=0,
+            transfer_dtype="bf16",
+            compute_dtype="bf16",
+            low_bit_master="recompute",
+            perturb_scope="module",
+        ),
     ):
         model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
         plan = plan_memory(model, config, 1, False, batch=1, seq=8)
@@ -255,6 +263,50 @@ def test_memory_plan_matches_what_cuda_allocates():
             plan.device_bytes,
         )
         del engine, model
+
+
+MODULE_LAYOUTS = {
+    "fp32": ({}, torch.float32),
+    "bf16-link": ({"transfer_dtype": "bf16", "compute_dtype": "bf16"}, torch.float32),
+    "fp16-recompute": (
+        {"transfer_dtype": "fp16", "compute_dtype": "fp16", "low_bit_master": "recompute"},
+        torch.float32,
+    ),
+    "fp16-model": ({"compute_dtype": "fp16"}, torch.float16),
+    "resident-q2": ({"mode": "resident", "num_queries": 2}, torch.float32),
+}
+
+
+@pytest.mark.parametrize("layout", list(MODULE_LAYOUTS))
+def test_a_block_perturbed_module_by_module_steps_alike_on_gpu(layout):
+    """``perturb_scope="module"`` on CUDA: each module's runs through the fused kernels
+    (their offsets into the block), the hooks queued on the compute stream, take the whole
+    block's steps bit for bit; and the steady-state step still reads the device once."""
+    options, dtype = MODULE_LAYOUTS[layout]
+    runs = {}
+    for scope in ("block", "module"):
+        model = tiny_opt(seed=0, dtype=dtype, num_hidden_layers=4)
+        config = ZOConfig(
+            device="cuda",
+            weight_decay=0.1,
+            eps=1e-2,
+            lr=1e-3,
+            seed=0,
+            perturb_scope=scope,
+            **options,
+        )
+        engine = ZOEngine(model, config)
+        losses = [engine.step(random_batch(64, seed=i)).loss for i in range(4)]
+        if scope == "module":
+            engine._finish_step(*queued_without_a_sync(engine, random_batch(64, seed=4)))
+        else:
+            engine.step(random_batch(64, seed=4))
+        engine.flush()
+        runs[scope] = (losses, engine.named_parameters(), engine.block_scratch.numel())
+    assert runs["module"][0] == runs["block"][0]
+    for name, value in runs["block"][1].items():
+        assert torch.equal(runs["module"][1][name].view(torch.uint8), value.view(torch.uint8)), name
+    assert runs["module"][2] < runs["block"][2] / 2
 
 
 def resident_bytes() -> int:
