@@ -19,6 +19,7 @@
 # to the seconds left before it (30 kept for packing) and skipped when under 30 are
 # left, so the archive comes back inside the device tool's 600 s. DRY_RUN=1 prints each
 # run's command and limit instead of running it (what a lease would run, at no device time).
+# PEERS_ARGS adds flags to every peers.py run (e.g. "--distzo-perturb-scope module").
 #
 # The machine's image has torch, accelerate, safetensors and pytest but an older
 # transformers than setup.cfg asks for: carry the wheel (see benchmarks/README.md,
@@ -27,6 +28,7 @@
 # .peers/whl451, installed into /tmp/site451, the ZO2 peer's PYTHONPATH alone; without
 # them they measure distzo alone.
 set -uo pipefail
+PEERS_ARGS=${PEERS_ARGS:-}
 
 OUT=${OUT:-benchmarks/out/gpu}
 STAGES=("$@")
@@ -109,7 +111,7 @@ peers_at() {  # peers_at SHAPE SECONDS [ARGS...]: ZO2's speed tests' point (OPT 
     local shape=$1 limit=$2
     shift 2
     bounded "$limit" peers.log python3 benchmarks/peers.py --shape "$shape" --batch 1 --seq 2048 --dtype fp16 \
-        --device cuda "${ZO2_ARGS[@]}" "$@" --out "$WORK/peers-$shape-1x2048-fp16.json"
+        --device cuda "${ZO2_ARGS[@]}" "$@" $PEERS_ARGS --out "$WORK/peers-$shape-1x2048-fp16.json"
 }
 
 sweep=1x128,2x256,4x512,8x512,16x512

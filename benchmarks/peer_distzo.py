@@ -89,8 +89,12 @@ def parallel_for(system: str, device: torch.device) -> ParallelContext:
 
 
 def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
-    if args.system not in SYSTEMS:
-        raise ValueError(f"--system {args.system}: the distzo peer runs {', '.join(SYSTEMS)}")
+    system = getattr(args, "like", None) or args.system  # what to build; --system names it
+    if system not in SYSTEMS:
+        raise ValueError(
+            f"--system {system}: the distzo peer runs {', '.join(SYSTEMS)} (a variant of "
+            "yours: --system NAME --like one of those)"
+        )
     if args.shape not in PEER_SHAPES:
         raise ValueError(f"--shape {args.shape}: choose one of {', '.join(PEER_SHAPES)}")
     env = LaunchEnv.from_environ()
@@ -101,15 +105,15 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    half = args.system == "distzo-offload-half"
+    half = system == "distzo-offload-half"
     if half and args.dtype not in HALF_MASTERS:
         raise ValueError(
-            f"--system {args.system} holds the masters in --dtype: use fp16 or bf16 (at "
+            f"--system {system} holds the masters in --dtype: use fp16 or bf16 (at "
             f"{args.dtype} it is distzo-offload)"
         )
     config = peer_config(args.shape, args.layers, args.hidden, args.seq)
-    parallel = parallel_for(args.system, device)
-    mode = "resident" if args.system == "distzo-resident" else "offload"
+    parallel = parallel_for(system, device)
+    mode = "resident" if system == "distzo-resident" else "offload"
     # a half run's blocks travel in their masters' dtype ("fp32": no conversion)
     transfer_dtype = "fp32" if half else args.transfer_dtype or args.dtype
     zo = ZOConfig(
@@ -120,9 +124,10 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         device=str(device),
         mode=mode,
         compute_dtype=args.dtype,
-        transfer="sliced" if args.system == "distzo-sliced" else "auto",
+        transfer="sliced" if system == "distzo-sliced" else "auto",
         transfer_dtype=transfer_dtype if mode == "offload" else "fp32",
-        low_bit_master="recompute" if args.system == "distzo-offload-recompute" else "buffer",
+        low_bit_master="recompute" if system == "distzo-offload-recompute" else "buffer",
+        perturb_scope=args.perturb_scope,
     )
     model = skeleton(config, HALF_MASTERS[args.dtype] if half else torch.float32)
     # float32 draws rounded to a half run's masters, drawn on the GPU where there is one:
@@ -148,6 +153,19 @@ def main() -> int:
         choices=("fp32", "fp16", "bf16"),
         default=None,
         help="offload: the host copy's and the link's dtype (default: --dtype)",
+    )
+    p.add_argument(
+        "--like",
+        choices=SYSTEMS,
+        default=None,
+        help="build as this system, reported under --system (a --peer of the harness: a "
+        "variant of a built-in system side by side with it, e.g. --perturb-scope module)",
+    )
+    p.add_argument(
+        "--perturb-scope",
+        choices=("block", "module"),
+        default="block",
+        help="a block perturbed whole, or module by module (the same steps, a smaller scratch)",
     )
     args = p.parse_args()
     env = LaunchEnv.from_environ()

@@ -235,6 +235,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="distzo offload's host copy and link dtype (default: --dtype)",
     )
+    p.add_argument(
+        "--distzo-perturb-scope",
+        choices=("block", "module"),
+        default="block",
+        help="distzo's passes hold a block perturbed whole, or one module at a time (the same "
+        "steps, a scratch the size of the largest module)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first")
     p.add_argument("--rounds", type=int, default=30, help="rounds of timed steps")
     p.add_argument("--steps-per-round", type=int, default=1, help="each peer's steps per round")
@@ -305,6 +312,7 @@ def builtin_system(args: argparse.Namespace, name: str) -> System:
         command = [args.zo2_python, str(HERE / "peer_zo2.py"), "--zo2", args.zo2]
         return System(name, command, env=env)
     extra = ["--transfer-dtype", args.distzo_transfer_dtype] if args.distzo_transfer_dtype else []
+    extra += ["--perturb-scope", args.distzo_perturb_scope]
     runner = str(HERE / "peer_distzo.py")
     if name == "distzo-sliced":
         launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -387,6 +395,13 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
     if "zo2-offload" in names and args.device != "cuda":
         names.remove("zo2-offload")
         notes.append("zo2-offload did not run: ZO2's offload needs CUDA (three CUDA streams)")
+    if args.distzo_perturb_scope == "module" and any(
+        n in BUILTIN and n.startswith("distzo") for n in names
+    ):
+        notes.append(
+            "distzo's passes perturbed each block module by module (--distzo-perturb-scope "
+            "module): the same steps, a scratch the size of the largest module"
+        )
     if not names:
         raise SystemExit("peers.py: no system left to run; name some with --systems or --peer")
     for ratio in args.ratio:
@@ -523,6 +538,8 @@ def measurement(args: argparse.Namespace, run: Run) -> Measurement:
         "timed_steps": len(run.samples),
         "statistic_steps": len(last),
     }
+    if run.system.name in BUILTIN and run.system.name.startswith("distzo"):
+        params["perturb_scope"] = args.distzo_perturb_scope
     return Measurement.from_timer(run.system.name, params, timer, metrics)
 
 

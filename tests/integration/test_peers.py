@@ -466,9 +466,10 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     same as distzo-offload."""
     from benchmarks import peer_distzo
 
-    def built(system: str) -> peer_distzo.DistzoSystem:
+    def built(system: str, scope: str = "block", like=None) -> peer_distzo.DistzoSystem:
         args = dict(shape="opt-125m", layers=1, hidden=64, batch=1, seq=SEQ, dtype="bf16")
         args.update(system=system, device="cpu", seed=0, threads=1, transfer_dtype=None)
+        args.update(perturb_scope=scope, like=like)
         return peer_distzo.build(argparse.Namespace(**args))[0]
 
     half, full = built("distzo-offload-half"), built("distzo-offload")
@@ -485,14 +486,27 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     biggest = max(full.engine.store.padded)
     assert full.engine.store.device_bytes - rebuilt.engine.store.device_bytes == biggest * 4
     assert [rebuilt.step() for _ in range(2)] == [full.step() for _ in range(2)]
+    # each block perturbed module by module: the same steps, a smaller scratch
+    by_module, whole = built("distzo-offload-half", "module"), built("distzo-offload-half")
+    assert by_module.engine.config.perturb_scope == "module"
+    assert by_module.engine.block_scratch.numel() < whole.engine.block_scratch.numel()
+    assert [by_module.step() for _ in range(2)] == [whole.step() for _ in range(2)]
+    # a variant of a built-in system under a name of its own (a --peer beside it)
+    variant = built("distzo-offload-module", "module", like="distzo-offload-half")
+    assert variant.engine.resident_master.dtype == torch.bfloat16
+    assert variant.engine.config.perturb_scope == "module"
+    with pytest.raises(ValueError, match="--system NAME --like one of those"):
+        built("distzo-offload-module", "module")
 
     out = tmp_path / "peers.json"
-    bf16 = [*TINY, "--dtype", "bf16", "--warmup", "0"]
+    bf16 = [*TINY, "--dtype", "bf16", "--warmup", "0", "--distzo-perturb-scope", "module"]
     names = "distzo-offload,distzo-offload-recompute,distzo-offload-half"
     proc = harness(*bf16, "--systems", names, "--rounds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     validate_report(data)
+    assert {m["params"]["perturb_scope"] for m in data["measurements"]} == {"module"}
+    assert any("--distzo-perturb-scope module" in note for note in data.get("notes", [])), data
     assert data["derived"]["distzo-offload-half_vs_distzo-offload"] > 0
     assert data["derived"]["distzo-offload-recompute_vs_distzo-offload"] > 0
     with pytest.raises(SystemExit, match="distzo-offload-half keeps the masters in --dtype"):
