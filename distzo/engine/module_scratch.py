@@ -13,7 +13,8 @@ plus those (OPT-6.7B: ``fc1``, 0.13 GB in fp16; OPT-30B: 0.41 GB).
 Every element is perturbed with the noise of its place in the block, by the same
 ``NoiseSource.perturb_into`` as the whole block's, so the passes read the same values
 and the trajectory is the same bit for bit. The price is a kernel launch per module and
-per pass (a dozen a block), queued on the compute stream in the order the modules run:
+per pass (a dozen a block, and again for each micro-batch of ``grad_accum``), queued on
+the compute stream in the order the modules run:
 a module's weights are overwritten only after the work that read the last module's was
 queued, and work on one stream runs in order.
 """

@@ -172,6 +172,12 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
     queries = config.num_queries
     of_all = f" (of {format_count(engine.num_parameters + frozen)}: a frozen base)"
     rebuilt = ", masters rebuilt per pass" if engine.rebuilt is not None else ""
+    if engine.module_scratch is not None:
+        scratch = engine.block_scratch
+        rebuilt += (
+            f", blocks perturbed module by module "
+            f"({format_bytes(scratch.numel() * scratch.element_size())} scratch)"
+        )
     return (
         f"ZO engine: {config.mode} mode ({engine.transfer} transfer, {config.transfer_dtype} "
         f"on the wire{rebuilt}, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "

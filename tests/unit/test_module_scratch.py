@@ -6,10 +6,12 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.engine.module_scratch import block_pieces, module_scratch_numel
+from distzo.engine.parts import describe
 from distzo.job.memory_plan import plan_memory
 from distzo.models import family_for
 from distzo.models.shapes import shape_config
 from distzo.models.weights import skeleton
+from distzo.runtime.units import format_bytes
 from tests.helpers.launch import train_in_process
 from tests.helpers.models import build, random_batch, tiny_opt
 
@@ -65,6 +67,11 @@ def test_a_block_perturbed_module_by_module_steps_as_the_whole_block(name, optio
     assert_same(module_weights, weights)
     # the scratch holds the largest module (and what no hook reaches), not a block
     assert by_module.block_scratch.numel() < whole.block_scratch.numel() / 2
+    said = describe(by_module, by_module.block_scratch.dtype)
+    scratch = by_module.block_scratch
+    size = format_bytes(scratch.numel() * scratch.element_size())
+    assert f"blocks perturbed module by module ({size} scratch)" in said
+    assert "module by module" not in describe(whole, whole.block_scratch.dtype)
 
 
 def test_every_weight_of_a_block_has_one_place_and_the_modules_share_theirs():
