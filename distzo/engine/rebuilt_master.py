@@ -86,16 +86,7 @@ class RebuiltMaster:
         most one update, the step's), else piece by piece. An unperturbed pass (scale 0, an
         evaluation's, FZOO's) is a copy of the master, as ``perturb_into`` makes it: the
         fused kernel's ``theta + 0 * z`` would turn a -0.0 into +0.0."""
-        n, noise = visit.at_rest.numel(), visit.noise
-        update = self._fusable_update(visit)
-        if scale != 0.0 and update is not None:
-            decay_end, shrink, terms = update
-            if noise.rebuild_perturb_into(
-                out, visit.at_rest, decay_end, shrink, terms, visit.block_id, scale, step, query
-            ):
-                return
-        for a, b, master in self.pieces(visit, 0, n):
-            noise.perturb_into(out[a:b], master, scale, step, visit.block_id, query, a, n)
+        self.perturb_range(out, visit, scale, step, query, 0, visit.at_rest.numel())
 
     def perturb_range(
         self,
@@ -108,14 +99,19 @@ class RebuiltMaster:
         hi: int,
     ) -> None:
         """``perturb_into`` of elements ``[lo, hi)`` alone, into ``out`` (``hi - lo``
-        elements): one module's weights (``perturb_scope="module"``). The fused kernel
-        takes a whole block, so a part is rebuilt piece by piece (the same values)."""
-        n = visit.at_rest.numel()
-        if (lo, hi) == (0, n):
-            self.perturb_into(out, visit, scale, step, query)
-            return
+        elements): the whole block, or one module's weights (``perturb_scope="module"``),
+        the fused kernel taking the part at its offset."""
+        n, noise = visit.at_rest.numel(), visit.noise
+        update = self._fusable_update(visit)
+        if scale != 0.0 and update is not None:
+            decay_end, shrink, terms = update
+            rest = visit.at_rest[lo:hi]
+            if noise.rebuild_perturb_into(
+                out, rest, decay_end, shrink, terms, visit.block_id, scale, step, query, lo
+            ):
+                return
         for a, b, master in self.pieces(visit, lo, hi):
-            visit.noise.perturb_into(
+            noise.perturb_into(
                 out[a - lo : b - lo], master, scale, step, visit.block_id, query, a, n
             )
 

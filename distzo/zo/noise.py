@@ -322,11 +322,13 @@ class NoiseSource:
         scale: float,
         step: int,
         query: int = 0,
+        start: int = 0,
     ) -> bool:
         """out = (float32(at_rest) after ``apply_terms(.., decay_end, shrink, terms, ..)``)
         + scale * z_query, the master never stored: one fused kernel where there is one
         (CUDA with Triton, a portable kind, a bf16 or fp16 block at rest): True if it ran.
-        Otherwise the caller rebuilds the master and perturbs it (the same result)."""
+        Otherwise the caller rebuilds the master and perturbs it (the same result).
+        ``at_rest`` holds the block's elements [start, start + n) and takes their z."""
         fused = (
             self.fuses()  # CUDA, Triton, a kind drawn element by element
             and at_rest.dtype in triton_noise.REBUILDS_FROM
@@ -344,6 +346,7 @@ class NoiseSource:
                 scale,
                 self.kind,
                 self.kind_table,
+                start,
             )
         return fused
 

@@ -367,6 +367,7 @@ def rebuild_perturb_one_kernel(
     out_ptr,
     rest_ptr,
     table_ptr,
+    start: tl.int64,
     n: tl.int64,
     decay_end: tl.int64,
     shrink: tl.float32,
@@ -378,6 +379,7 @@ def rebuild_perturb_one_kernel(
     scale: tl.float32,
     KIND: tl.constexpr,
     TERM: tl.constexpr,
+    PART: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
     """``rebuild_perturb_kernel`` with at most one pending term (ZO-SGD's step: ``TERM``
@@ -385,18 +387,26 @@ def rebuild_perturb_one_kernel(
     perturbation's shape: lane by lane, each lane's two z drawn from its counter's words,
     no [8, BLOCKS] tile held and no table of terms read. The same operations on each
     element (the upcast, the decay, the term's fused multiply-add, the perturbation's):
-    the same bits."""
-    first, w0, w1, w2, w3 = tile_words(0, k0, k1, 8, BLOCKS)
-    _, u0, u1, u2, u3 = tile_words(0, uk0, uk1, 8, BLOCKS)  # unused (compiled out): TERM 0
+    the same bits. ``PART`` 1: ``rest`` and ``out`` hold elements [start, start + n) of
+    the block (one module's, ``perturb_scope="module"``) and take those places' z; 0: the
+    whole block from element 0 (``start`` unread: the index arithmetic and its registers
+    compiled out of the pass the engine launches most)."""
+    first, w0, w1, w2, w3 = tile_words(start * PART, k0, k1, 8, BLOCKS)
+    _, u0, u1, u2, u3 = tile_words(start * PART, uk0, uk1, 8, BLOCKS)  # unused: TERM 0
     for lane in tl.static_range(8):
         e = first + lane * BLOCKS
-        inside = e < n
-        theta = tl.load(rest_ptr + e, mask=inside, other=0.0).to(tl.float32)
+        if PART:
+            inside = (e >= start) & (e - start < n)
+            at = e - start
+        else:
+            inside = e < n
+            at = e
+        theta = tl.load(rest_ptr + at, mask=inside, other=0.0).to(tl.float32)
         theta = lane_updated(
             theta, e, decay_end, shrink, u0, u1, u2, u3, alpha, lane, table_ptr, KIND, TERM, F32
         )
         out = tl.fma(draw16(w0, w1, w2, w3, lane, table_ptr, KIND), scale, theta)
-        tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -287,17 +287,21 @@ def rebuild_perturb(
     scale: float,
     kind: str,
     table: torch.Tensor,
+    start: int = 0,
 ) -> None:
     """out[0:n] <- (rest[0:n] upcast, then ``update``'s decay and terms) + scale * z_key: a
-    whole block's pass scratch from its 16-bit values at rest, one launch. At most one
-    term (ZO-SGD's) takes ``rebuild_perturb_one_kernel``, lane by lane as ``update_one``."""
+    block's pass scratch from its 16-bit values at rest, one launch; ``rest`` holds the
+    block's elements [start, start + n) (a module's, or the whole block at 0) and takes
+    their z. At most one term (ZO-SGD's) takes ``rebuild_perturb_one_kernel``, lane by lane
+    as ``update_one``."""
     n = rest.numel()
     if len(keys) <= 1:
         uk0, uk1, alpha = _at_most_one(keys, alphas)
-        _kernels()["rebuild_perturb_one"][_grid(0, n, 8)](
+        _kernels()["rebuild_perturb_one"][_grid(start, n, 8)](
             out,
             rest,
             table,
+            start,
             n,
             decay_end,
             shrink,
@@ -309,12 +313,15 @@ def rebuild_perturb(
             scale,
             KIND=KINDS[kind],
             TERM=len(keys),
+            PART=int(start != 0),
             BLOCKS=TILE_BLOCKS,
             **EXACT,
             **LAUNCH_OPTIONS.get("rebuild_perturb_one", {}),
         )
         return
-    rebuild_perturb_table(out, rest, decay_end, shrink, keys, alphas, key, scale, kind, table)
+    rebuild_perturb_table(
+        out, rest, decay_end, shrink, keys, alphas, key, scale, kind, table, start
+    )
 
 
 def _at_most_one(
@@ -336,17 +343,18 @@ def rebuild_perturb_table(
     scale: float,
     kind: str,
     table: torch.Tensor,
+    start: int = 0,
 ) -> None:
     """``rebuild_perturb`` through the tiled kernel and its table of terms, whatever their
     number (benchmarks/noise.py times it beside the one-term kernel)."""
     n = rest.numel()
-    _kernels()["rebuild_perturb"][_grid(0, n, 8)](
+    _kernels()["rebuild_perturb"][_grid(start, n, 8)](
         out,
         rest,
         table,
         packed_terms(keys, alphas, rest.device),
         len(keys),
-        0,
+        start,
         n,
         decay_end,
         shrink,

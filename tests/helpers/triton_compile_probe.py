@@ -131,6 +131,7 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
                 "out_ptr": out,
                 "rest_ptr": rest,
                 "table_ptr": "*fp32",
+                "start": "i64",
                 "n": "i64",
                 "decay_end": "i64",
                 "shrink": "fp32",
@@ -142,12 +143,18 @@ KERNELS: list[tuple[Any, dict[str, str], list[dict[str, Any]]]] = [
                 "scale": "fp32",
                 "KIND": "constexpr",
                 "TERM": "constexpr",
+                "PART": "constexpr",
                 "BLOCKS": "constexpr",
             },
-            [{"KIND": kind, "TERM": term, "BLOCKS": 512} for kind in (0, 1) for term in (0, 1)],
+            [
+                {"KIND": kind, "TERM": term, "PART": part, "BLOCKS": 512}
+                for kind in (0, 1)
+                for term in (0, 1)
+                for part in (0, 1)
+            ],
         )
         for rest, out in (("*bf16", "*bf16"), ("*fp16", "*fp16"), ("*bf16", "*fp32"))
-    ),  # at most one pending term, lane by lane
+    ),  # at most one pending term, lane by lane; a whole block, or a module's part of it
     *(
         (
             k.rebuild_round_kernel,
@@ -321,7 +328,7 @@ CALLS = {
         *(s, n, s // 2, 1.0, k0, k1, -1e-3),
     ),
     k.rebuild_perturb_one_kernel: lambda s, n, k0, k1: (
-        *(bf16, bf16, table, n, s // 2, 1.0, k1, k0, -1e-3, k0, k1, -1e-3),
+        *(bf16, bf16, table, s, n, s // 2, 1.0, k1, k0, -1e-3, k0, k1, -1e-3),
     ),
     k.momentum_kernel: lambda s, n, k0, k1: (
         *(buffer, buffer, table, terms, many(k0)),
@@ -346,7 +353,7 @@ CALLS = {
     k.round_low_bit_kernel: lambda s, n, k0, k1: (bf16.view(torch.int16), buffer, s, n, k0, k1),
 }
 CONSTEXPRS: dict[Any, dict[str, Any]] = {
-    k.rebuild_perturb_one_kernel: {"KIND": 0, "TERM": 1, "BLOCKS": 512},
+    k.rebuild_perturb_one_kernel: {"KIND": 0, "TERM": 1, "PART": 1, "BLOCKS": 512},
     k.rebuild_round_one_kernel: {"KIND": 0, "TERM": 1, **dict(zip(LOW_BIT, (7, 127, 0.0, 512)))},
     k.rebuild_round_kernel: {"KIND": 0, **dict(zip(LOW_BIT, (7, 127, 0.0, 512)))},
     k.round_bf16_kernel: {"BLOCKS": 512},

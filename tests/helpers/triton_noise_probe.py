@@ -474,6 +474,37 @@ for kind in ("gaussian", "rademacher"):
                 wired = torch.full((9000,), float("nan"), dtype=out_dtype)
                 assert src.rebuild_perturb_into(wired, rest, 4321, 0.999, terms, 5, -1e-3, 7, 1)
                 assert torch.equal(wired.view(word), expected.view(word))
+        # one module's part of the block (perturb_scope="module"), at an offset inside a
+        # tile, on a tile's edge and past 2^31: the z and the decay of its places
+        for start, used in itertools.product((37, 4096, 2**31 - 100), ([(6, 0, -2e-3)], [])):
+            keys, alphas = [src.key(s, 5, q) for s, q, _ in used], [a for *_, a in used]
+            part = rest[:5000]
+            master = part.float()
+            triton_noise.update(master, start + 2500, 0.999, keys, alphas, kind, table, start)
+            expected = torch.empty(5000)
+            triton_noise.perturb(expected, master, 1e-3, src.key(7, 5, 0), kind, table, start)
+            out = torch.full((5000,), float("nan"))
+            with Launches("rebuild_perturb_one") as one:
+                assert src.rebuild_perturb_into(
+                    out, part, start + 2500, 0.999, used, 5, 1e-3, 7, 0, start
+                )
+            assert one.count == 1
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (start, used)
+            tiled = torch.full((5000,), float("nan"))
+            triton_noise.rebuild_perturb_table(
+                tiled,
+                part,
+                start + 2500,
+                0.999,
+                keys,
+                alphas,
+                src.key(7, 5, 0),
+                1e-3,
+                kind,
+                table,
+                start,
+            )
+            assert torch.equal(tiled.view(torch.int32), out.view(torch.int32)), (start, used)
     rest32 = values.clone()  # a float32 block at rest has no low-bit copy to rebuild from
     assert not src.rebuild_perturb_into(values.clone(), rest32, 0, 1.0, [], 5, 1e-3, 7)
 

@@ -277,8 +277,12 @@ def test_a_pass_takes_the_fused_kernel_only_where_it_gives_the_same_bits():
         asked: list[float] = []
 
         def rebuild_perturb_into(self, out, at_rest, *args, **kwargs):
-            self.asked.append(args[-3])  # the scale
+            decay_end, shrink, terms, block_id, scale, step, query, start = args
+            self.asked.append(scale)
+            self.parts.append((start, at_rest.numel()))
             return False
+
+        parts: list[tuple[int, int]] = []
 
     layout = BucketLayout((), 3000, 1000, torch.float32)
     noise = Spy(1, 1000, torch.device("cpu"), torch.float32)
@@ -299,3 +303,14 @@ def test_a_pass_takes_the_fused_kernel_only_where_it_gives_the_same_bits():
     expected = torch.empty(3000)
     noise.perturb_into(expected, master, 1e-3, 5, 1, 0)
     assert torch.equal(out, expected)
+    # one module's part (perturb_scope="module"): asked at its offset, and declined, the
+    # pieces of that part give the whole block's values there
+    Spy.asked.clear()
+    Spy.parts.clear()
+    visit = BlockVisit(at_rest, one, rule, noise, layout, 1)
+    part = torch.empty(1234)
+    rebuilt.perturb_range(part, visit, 1e-3, 5, 0, 1500, 2734)
+    assert (Spy.asked, Spy.parts) == ([1e-3], [(1500, 1234)])
+    whole = torch.empty(3000)
+    rebuilt.perturb_into(whole, visit, 1e-3, 5, 0)
+    assert torch.equal(part, whole[1500:2734])
