@@ -236,9 +236,9 @@ def choose_slots(
     device: torch.device,
 ) -> MemoryPlan:
     """The memory plan, with what the job resolves itself where no option says: the
-    engine's 3 slots and buffered low-bit masters, unless they do not fit where a fallback
-    does (``device_fallbacks``, said in the log). Recorded in config.toml; where nothing
-    fits, the first plan's refusal (or --force) decides."""
+    engine's 3 slots, whole-block perturbation and buffered low-bit masters, unless they
+    do not fit where a fallback does (``device_fallbacks``, said in the log). Recorded in
+    config.toml; where nothing fits, the first plan's refusal (or --force) decides."""
     first = memory_plan(job, model, data, config, parallel, device)
     plan = first
     for candidate, gave_up in device_fallbacks(job, config):
