@@ -72,3 +72,33 @@ def test_the_report_plans_the_rows_a_rank_forwards(pert):
     )
     # a step's 16 // dp rows against an evaluation call's ceil(8 / 8) = 1
     assert f"{16 // (8 // pert)} rows x 512 tokens" in plan_report.report(args)
+
+
+def test_the_documented_opt_175b_plans_are_what_the_command_prints():
+    """docs/distributed.md and the README quote OPT-175B on one GPU at 1 x 2048 in fp16,
+    masters rebuilt, by perturb scope and slots: those are the command's device totals."""
+    base = "--model-config opt-175b --nproc 1 --transfer naive --transfer-dtype fp16"
+    base += " --compute-dtype fp16 --batch-size 1 --eval-batch-size 1 --seq-len 2048"
+    base += " --low-bit-master recompute"
+
+    def total(*flags):
+        text = plan_report.report(plan_report._parser().parse_args([*base.split(), *flags]))
+        (line,) = [line for line in text.splitlines() if "device total" in line]
+        return " ".join(line.split()[-2:])
+
+    plans = {
+        (scope, slots): total("--perturb-scope", scope, "--num-slots", slots)
+        for scope in ("block", "module")
+        for slots in ("3", "2")
+    }
+    assert plans == {
+        ("block", "3"): "19.92 GB",
+        ("block", "2"): "16.30 GB",
+        ("module", "3"): "17.50 GB",
+        ("module", "2"): "13.88 GB",
+    }
+    guide = (DOC.parent / "distributed.md").read_text()
+    assert "plans 19.92 GB of device memory" in guide and "`--num-slots 2` 16.30 GB" in guide
+    assert "17.50 GB with 3 slots and 13.88 GB with 2" in guide
+    readme = (DOC.parents[1] / "README.md").read_text()
+    assert "17.5 GB of GPU memory for OPT-175B" in readme and "(13.9 GB with\ntwo" in readme
