@@ -39,6 +39,7 @@ from distzo.bench.peer_protocol import protocol_parser, serve
 from distzo.bench.phases import step_phases
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
+from distzo.job.memory_plan import plan_memory
 from distzo.models.weights import RandomWeights, skeleton
 
 SYSTEMS = (
@@ -54,19 +55,58 @@ HALF_MASTERS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 IDLE_TIMEOUT = timedelta(hours=6)
 
 
-class DistzoSystem:
-    """An engine and its fixed batch (this rank's share of it)."""
+# the memory plan's device terms (``MemoryPlan.device_terms``) as a report's metrics
+PLAN_METRICS = {
+    "resident": "plan_resident_gb",
+    "blocks/slots": "plan_slots_gb",
+    "scratch": "plan_scratch_gb",
+    "optimizer state": "plan_state_gb",
+    "attention masks": "plan_masks_gb",
+    "NCCL buffers": "plan_nccl_gb",
+    "activations": "plan_activations_gb",
+}
 
-    def __init__(self, engine: ZOEngine, batch: dict[str, torch.Tensor]) -> None:
-        self.engine, self.batch = engine, batch
+
+class DistzoSystem:
+    """An engine and its fixed batch (this rank's share of it), and the engine's memory
+    plan of that batch (``plan_memory``'s device terms, in GB)."""
+
+    def __init__(
+        self, engine: ZOEngine, batch: dict[str, torch.Tensor], plan: dict[str, float]
+    ) -> None:
+        self.engine, self.batch, self.plan = engine, batch, plan
         self.parameters = engine.num_parameters
 
     def step(self) -> float:
         return self.engine.step(self.batch).loss
 
     def phases(self) -> dict[str, float]:
-        """Where a step's time goes, from two more steps (``distzo.bench.phases``)."""
-        return step_phases(self.engine, self.batch)
+        """Where a step's time goes, from two more steps (``distzo.bench.phases``), and
+        where its device memory goes by the plan: what a missed memory target names."""
+        return step_phases(self.engine, self.batch) | self.plan
+
+
+def planned_terms(
+    model: torch.nn.Module, zo: ZOConfig, parallel: ParallelContext, rows: int, seq: int
+) -> dict[str, float]:
+    """The plan of ``ZOEngine(model, zo)`` on this rank at ``rows`` x ``seq``, by term."""
+    sliced = zo.transfer == "sliced"
+    shard = parallel.shard_group.size if parallel.shard_group else 1
+    plan = plan_memory(
+        model,
+        zo,
+        shard,
+        sliced,
+        rows,
+        seq,
+        pert=parallel.dims.pert,
+        pert_rank=parallel.pert_rank,
+        world=parallel.env.world_size,
+        local_ranks=parallel.env.local_world_size,
+        device_type=zo.torch_device().type,
+    )
+    terms = {PLAN_METRICS[name]: size / 1e9 for name, size in plan.device_terms().items()}
+    return terms | {"plan_gb": plan.device_need / 1e9}
 
 
 def parallel_for(system: str, device: torch.device) -> ParallelContext:
@@ -143,7 +183,9 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
-    return DistzoSystem(engine, parallel.shard_batch({"input_ids": ids})), device
+    batch = parallel.shard_batch({"input_ids": ids})
+    plan = planned_terms(model, zo, parallel, batch["input_ids"].shape[0], args.seq)
+    return DistzoSystem(engine, batch, plan), device
 
 
 def main() -> int:

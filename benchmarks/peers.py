@@ -580,12 +580,40 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
             if b == "distzo-resident" and bound in ("upload", "offload"):
                 note += "; the target holds where compute >= transfer, which it is not here"
         notes.append(note)
+    by_name = {run.system.name: run for run in runs}
     for (a, b), most in MEMORY_TARGETS.get(device, {}).items():
         ratio = derived.get(f"{a}_vs_{b}_peak_device")
         if ratio is not None:
             verdict = "the target (at most 1x) is met" if ratio <= most else "above the target (1x)"
-            notes.append(f"{a}'s peak device memory is {ratio:.2f}x {b}'s: {verdict}")
+            note = f"{a}'s peak device memory is {ratio:.2f}x {b}'s: {verdict}"
+            where = planned_terms(by_name[a]) if ratio > most and a in by_name else None
+            notes.append(note + (f"; {where}" if where else ""))
     return notes
+
+
+PLAN_TERMS = {  # the peer's plan metrics (peer_distzo.PLAN_METRICS), as a note names them
+    "plan_resident_gb": "resident",
+    "plan_slots_gb": "slots",
+    "plan_scratch_gb": "scratch",
+    "plan_state_gb": "optimizer state",
+    "plan_activations_gb": "activations",
+}
+
+
+def planned_terms(run: Run) -> str | None:
+    """Where a distzo peer's device memory goes by its plan (the terms its phases reply
+    carries), beside its measured peak: what a missed memory target comes down to."""
+    plan = run.phases or {}
+    if "plan_gb" not in plan:
+        return None
+    terms = ", ".join(
+        f"{name} {plan[key]:.2f}" for key, name in PLAN_TERMS.items() if plan.get(key)
+    )
+    text = f"its plan {plan['plan_gb']:.2f} GB ({terms} GB)"
+    peak = most(run.replies, "peak_device_bytes") if run.replies else None
+    if peak:
+        text += f", its measured peak {peak / 1e9:.2f} GB ({peak / 1e9 / plan['plan_gb']:.2f}x)"
+    return text
 
 
 def default_out(args: argparse.Namespace) -> Path:

@@ -457,6 +457,21 @@ def test_gpu_targets_are_zo2_offloads_speed_and_memory_and_resident():
         "which it is not here"
     )
     assert notes[3].endswith("0.90x zo2-offload's: the target (at most 1x) is met")
+    # a missed memory target names where the peer's plan puts its memory (the H200 run at
+    # OPT-6.7B, fp16 masters), beside the measured peak
+    plan = {"plan_resident_gb": 1.27, "plan_slots_gb": 1.21, "plan_scratch_gb": 0.43}
+    plan |= {"plan_masks_gb": 0.001, "plan_activations_gb": 0.50, "plan_gb": 3.411}
+    replies = [{"peak_device_bytes": 3.1e9}, {"peak_device_bytes": 3.16e9}]
+    half = peers.Run(peers.System("distzo-offload-half", []), {}, [], replies)
+    half.phases = phases(8.62, 5.09, 7.82, 3.44) | plan
+    derived = {"distzo-offload-half_vs_zo2-offload_peak_device": 1.23}
+    assert peers.phase_notes([half], derived, "cuda")[1] == (
+        "distzo-offload-half's peak device memory is 1.23x zo2-offload's: above the target "
+        "(1x); its plan 3.41 GB (resident 1.27, slots 1.21, scratch 0.43, activations 0.50 GB), "
+        "its measured peak 3.16 GB (0.93x)"
+    )
+    half.phases = phases(8.62, 5.09, 7.82, 3.44)  # a peer that reports no plan: the verdict
+    assert peers.phase_notes([half], derived, "cuda")[1].endswith("above the target (1x)")
 
 
 def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
