@@ -395,9 +395,7 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
     if "zo2-offload" in names and args.device != "cuda":
         names.remove("zo2-offload")
         notes.append("zo2-offload did not run: ZO2's offload needs CUDA (three CUDA streams)")
-    if args.distzo_perturb_scope == "module" and any(
-        n in BUILTIN and n.startswith("distzo") for n in names
-    ):
+    if args.distzo_perturb_scope == "module" and any(n in DISTZO_SYSTEMS for n in names):
         notes.append(
             "distzo's passes perturbed each block module by module (--distzo-perturb-scope "
             "module): the same steps, a scratch the size of the largest module"
@@ -538,7 +536,7 @@ def measurement(args: argparse.Namespace, run: Run) -> Measurement:
         "timed_steps": len(run.samples),
         "statistic_steps": len(last),
     }
-    if run.system.name in BUILTIN and run.system.name.startswith("distzo"):
+    if run.system.name in DISTZO_SYSTEMS:
         params["perturb_scope"] = args.distzo_perturb_scope
     return Measurement.from_timer(run.system.name, params, timer, metrics)
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from distzo.engine.resident_sides import ResidentSide, Run, packed
 from distzo.offload import BucketLayout
-from distzo.offload.bucket import ALIGN_ELEMENTS, Entry, bind_entries, round_up
+from distzo.offload.bucket import Entry, bind_entries
 
 # Fills ``out`` with elements [lo, hi) of the block being read, perturbed for the pass.
 Fill = Callable[[torch.Tensor, int, int], None]
@@ -78,12 +78,12 @@ def block_pieces(model: nn.Module, layout: BucketLayout) -> BlockPieces:
             fixed.append(e)
         else:
             by_module.setdefault(owner, []).append(e)
-    front = packed("fixed", fixed)
-    at = round_up(front.numel, ALIGN_ELEMENTS)
+    front = packed("fixed", fixed)  # its length a multiple of ALIGN_ELEMENTS, as each run's
     modules = tuple(
-        (owner, _shifted(packed(owner, entries), at)) for owner, entries in by_module.items()
+        (owner, _shifted(packed(owner, entries), front.numel))
+        for owner, entries in by_module.items()
     )
-    return BlockPieces(replace(front, numel=at), modules)
+    return BlockPieces(front, modules)
 
 
 def module_scratch_numel(model: nn.Module, layouts: list[BucketLayout]) -> int:

@@ -114,9 +114,9 @@ def build_parts(
         update_rule.moment_names, config, trained, streams_trained, device, shard, rounding_noise
     )
     scratch_dtype = compute_dtype(config, dtype)
-    scratch, resident, groups = _bind_scratch(model, tuning, trained, at, scratch_dtype)
-    module_scratch = scratch if isinstance(scratch, ModuleScratch) else None
-    block_scratch = scratch.values if isinstance(scratch, ModuleScratch) else scratch
+    block_scratch, module_scratch, resident, groups = _bind_scratch(
+        model, tuning, trained, at, scratch_dtype
+    )
     rebuilt = (
         RebuiltMaster(store, config.noise_chunk, device, dtype)
         if isinstance(store, StreamedBlocks) and store.rebuilds
@@ -142,19 +142,25 @@ def build_parts(
 def _bind_scratch(
     model: nn.Module, tuning: Tuning, trained: StoredBuckets, at: Placement, dtype: torch.dtype
 ) -> tuple[
-    torch.Tensor | ModuleScratch, ResidentScratch, Callable[[tuple[Pass, ...]], list[Group]]
+    torch.Tensor,
+    ModuleScratch | None,
+    ResidentScratch,
+    Callable[[tuple[Pass, ...]], list[Group]],
 ]:
-    """The scratch buckets, the model bound to them, and how passes group into forwards."""
+    """The scratch buckets (the block's bound module by module, if so), the model bound to
+    them, and how passes group into forwards."""
     device, layouts = at.device, trained.block_layouts
     # One scratch bucket serves every block: blocks compute one after another on one
     # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
+    module_scratch = None
     if at.config.perturb_scope == "module":
         if tuning.base_layouts:
             raise ValueError(
                 "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
                 "is never perturbed: use perturb_scope block"
             )
-        block_scratch: torch.Tensor | ModuleScratch = ModuleScratch(model, layouts, device, dtype)
+        module_scratch = ModuleScratch(model, layouts, device, dtype)
+        block_scratch = module_scratch.values
     else:
         block_scratch = bound_scratch(model, layouts, device, dtype)
     resident = ResidentScratch(model, resident_sides(trained.resident_layout, model), device, dtype)
@@ -163,7 +169,7 @@ def _bind_scratch(
     largest = max(len(g) for g in groups(at.passes))
     if largest > 1:
         tuning.setup_batched(model, layouts, trained.resident_layout, largest, device, dtype)
-    return block_scratch, resident, groups
+    return block_scratch, module_scratch, resident, groups
 
 
 def describe(engine: ZOEngine, dtype: torch.dtype) -> str:

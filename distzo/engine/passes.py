@@ -196,21 +196,10 @@ class BlockPass:
         layout = engine.block_layouts[i]
         return BlockVisit(at_rest, self.updates, engine.update_rule, engine.noise, layout, i + 1)
 
-    def _perturb(
-        self, out: torch.Tensor, i: int, bucket: torch.Tensor, sign: int, query: int
-    ) -> None:
-        """``out`` <- block ``i``'s master perturbed for the pass ``(query, sign)``."""
-        engine = self.engine
-        scale = sign * engine.config.eps
-        if engine.rebuilt is None:
-            engine.noise.perturb_into(out, bucket, scale, self.step, i + 1, query)
-        else:
-            engine.rebuilt.perturb_into(out, self._visit(i, bucket), scale, self.step, query)
-
     def _fill(self, i: int, bucket: torch.Tensor, sign: int, query: int) -> Fill:
-        """What perturbs elements ``[lo, hi)`` of block ``i`` for the pass into ``out``,
-        one module's weights at a time (``ModuleScratch``): the same values as ``_perturb``
-        makes of the whole block."""
+        """What writes elements ``[lo, hi)`` of block ``i``'s master, perturbed for the pass
+        ``(query, sign)``, into ``out``: the whole block (``[0, n)``), or one module's
+        weights at a time (``ModuleScratch``), the same values either way."""
         engine, step = self.engine, self.step
         scale, n = sign * engine.config.eps, bucket.numel()
         rebuilt = engine.rebuilt
@@ -226,14 +215,14 @@ class BlockPass:
     def _alone(self, i: int, bucket: torch.Tensor, group: Group) -> None:
         engine = self.engine
         ((query, sign),) = group
-        by_module = engine.module_scratch
+        fill = self._fill(i, bucket, sign, query)
         reading: AbstractContextManager[None]
-        if by_module is not None:
-            reading = by_module.reading(i, self._fill(i, bucket, sign, query))
+        if engine.module_scratch is not None:
+            reading = engine.module_scratch.reading(i, fill)
         else:
             reading = nullcontext()
             if bucket.numel():
-                self._perturb(engine.block_scratch, i, bucket, sign, query)
+                fill(engine.block_scratch, 0, bucket.numel())
         with reading:
             self.hiddens[group] = [
                 engine.family.block_forward(engine.blocks[i], h, ctx)
@@ -244,7 +233,7 @@ class BlockPass:
         engine = self.engine
         with engine.tuning.stacked(i, len(group)) as rows:
             for k, (query, sign) in enumerate(group):  # each pass's adapter, side by side
-                self._perturb(rows[k], i, bucket, sign, query)
+                self._fill(i, bucket, sign, query)(rows[k], 0, bucket.numel())
             self.hiddens[group] = [
                 engine.family.block_forward(engine.blocks[i], h, ctx)
                 for h, ctx in zip(self.hiddens[group], self.contexts[len(group)])

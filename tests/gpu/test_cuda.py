@@ -231,25 +231,13 @@ def test_memory_plan_matches_what_cuda_allocates():
     from distzo.models.shapes import shape_config
     from distzo.models.weights import RandomWeights, skeleton
 
+    rebuilt = dict(transfer_dtype="bf16", compute_dtype="bf16", low_bit_master="recompute")
     for config in (
         ZOConfig(device="cuda", seed=0),
         ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
-        ZOConfig(
-            device="cuda",
-            seed=0,
-            transfer_dtype="bf16",
-            compute_dtype="bf16",
-            low_bit_master="recompute",
-        ),
+        ZOConfig(device="cuda", seed=0, **rebuilt),
         ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16"),
-        ZOConfig(
-            device="cuda",
-            seed=0,
-            transfer_dtype="bf16",
-            compute_dtype="bf16",
-            low_bit_master="recompute",
-            perturb_scope="module",
-        ),
+        ZOConfig(device="cuda", seed=0, perturb_scope="module", **rebuilt),
     ):
         model = skeleton(shape_config("opt-1.3b", layers=2), torch.float32)
         plan = plan_memory(model, config, 1, False, batch=1, seq=8)
