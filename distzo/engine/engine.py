@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -303,9 +303,12 @@ class ZOEngine:
         updates = self.updates.take()
         return BlockPass(self, step, updates, micro_batches).run(passes, input_ids, attention_mask)
 
-    def _perturb_resident(self, side: str, p: Pass, step: int) -> None:
-        """The resident scratch holds ``side`` (``EMBEDDING`` or ``HEAD``) for pass ``p``."""
-        self.resident.perturb(side, self.noise, self.resident_master, self.config.eps, p, step)
+    def _reading_resident(self, side: str, p: Pass, step: int) -> AbstractContextManager[None]:
+        """While the body reads ``side`` (``EMBEDDING`` or ``HEAD``) of the resident bucket,
+        the scratch holds it perturbed for pass ``p``."""
+        return self.resident.reading(
+            side, self.noise, self.resident_master, self.config.eps, p, step
+        )
 
     # ------------------------------------------------------------------ other passes
 
@@ -323,8 +326,8 @@ class ZOEngine:
             hidden = self._stream_pass(
                 (UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask
             )
-            self._perturb_resident(HEAD, UNPERTURBED, self.step_index)
-            logits = self.family.logits(hidden[UNPERTURBED])
+            with self._reading_resident(HEAD, UNPERTURBED, self.step_index):
+                logits = self.family.logits(hidden[UNPERTURBED])
             loss = self.family.loss(logits, labels, None) if labels is not None else None
         self._hand_to_caller((logits, loss))
         return logits, loss

@@ -12,7 +12,8 @@ plus those (OPT-6.7B: ``fc1``, 0.13 GB in fp16; OPT-30B: 0.41 GB).
 
 Every element is perturbed with the noise of its place in the block, by the same
 ``NoiseSource.perturb_into`` as the whole block's, so the passes read the same values
-and the trajectory is the same bit for bit. The price is a kernel launch per module and
+and the trajectory is the same bit for bit (the resident sides share this scratch:
+``vocab_slices``). The price is a kernel launch per module and
 per pass (a dozen a block, and again for each micro-batch of ``grad_accum``), queued on
 the compute stream in the order the modules run:
 a module's weights are overwritten only after the work that read the last module's was
@@ -92,20 +93,19 @@ def module_scratch_numel(model: nn.Module, layouts: list[BucketLayout]) -> int:
 
 
 class ModuleScratch:
-    """The block scratch of ``perturb_scope="module"``: each block's modules bound to it,
-    and a pre-hook on each that perturbs its piece for the pass being read."""
+    """The block scratch of ``perturb_scope="module"`` (``values``, at least
+    ``module_scratch_numel``): each block's modules bound to it, and a pre-hook on each
+    that perturbs its piece for the pass being read."""
 
     def __init__(
         self,
         model: nn.Module,
         layouts: list[BucketLayout],
-        device: torch.device,
-        dtype: torch.dtype,
+        values: torch.Tensor,
     ) -> None:
         self.pieces = [block_pieces(model, layout) for layout in layouts]
-        self.values = torch.zeros(
-            max((p.numel for p in self.pieces), default=0), device=device, dtype=dtype
-        )
+        assert values.numel() >= max((p.numel for p in self.pieces), default=0)
+        self.values = values
         self._fill: Fill | None = None
         self._block: int | None = None
         for i, block in enumerate(self.pieces):

@@ -36,6 +36,7 @@ from distzo.engine.scratch import ResidentScratch, bound_scratch
 from distzo.engine.state import StoredBuckets
 from distzo.engine.tuning import Tuning, make_tuning
 from distzo.engine.updates import UpdateRule
+from distzo.engine.vocab_slices import SlicedResident, shared_scratch_numel, sliced_sides
 from distzo.models.weights import WeightSource
 from distzo.offload import StreamedBlocks
 from distzo.offload.moment_stores import CarriedStore, Moments
@@ -72,7 +73,7 @@ class Parts:
     carried: CarriedStore | None  # the blocks' store that carries their moments, if they travel
     block_scratch: torch.Tensor
     module_scratch: ModuleScratch | None  # the block scratch bound module by module, if so
-    resident: ResidentScratch
+    resident: ResidentScratch | SlicedResident  # sliced, in the module scratch, if so
     pass_groups_of: Callable[[tuple[Pass, ...]], list[Group]]
     compute_dtype: torch.dtype
     rebuilt: RebuiltMaster | None  # a low-bit block's master without the buffer
@@ -144,7 +145,7 @@ def _bind_scratch(
 ) -> tuple[
     torch.Tensor,
     ModuleScratch | None,
-    ResidentScratch,
+    ResidentScratch | SlicedResident,
     Callable[[tuple[Pass, ...]], list[Group]],
 ]:
     """The scratch buckets (the block's bound module by module, if so), the model bound to
@@ -153,17 +154,24 @@ def _bind_scratch(
     # One scratch bucket serves every block: blocks compute one after another on one
     # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
     module_scratch = None
+    resident: ResidentScratch | SlicedResident
     if at.config.perturb_scope == "module":
         if tuning.base_layouts:
             raise ValueError(
                 "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
                 "is never perturbed: use perturb_scope block"
             )
-        module_scratch = ModuleScratch(model, layouts, device, dtype)
-        block_scratch = module_scratch.values
+        # the blocks' modules and the resident sides take turns in one scratch
+        numel = shared_scratch_numel(model, layouts, trained.resident_layout)
+        block_scratch = torch.zeros(numel, device=device, dtype=dtype)
+        module_scratch = ModuleScratch(model, layouts, block_scratch)
+        sides = sliced_sides(trained.resident_layout, model)
+        resident = SlicedResident(model, sides, block_scratch)
     else:
         block_scratch = bound_scratch(model, layouts, device, dtype)
-    resident = ResidentScratch(model, resident_sides(trained.resident_layout, model), device, dtype)
+        resident = ResidentScratch(
+            model, resident_sides(trained.resident_layout, model), device, dtype
+        )
     tuning.bind_base(model, device, dtype)
     groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)
     largest = max(len(g) for g in groups(at.passes))
@@ -184,6 +192,9 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
             f", blocks perturbed module by module "
             f"({format_bytes(scratch.numel() * scratch.element_size())} scratch)"
         )
+        slices = engine.resident.num_slices if isinstance(engine.resident, SlicedResident) else 0
+        if slices:
+            rebuilt += f", the vocabulary in {slices} slice{'s' if slices > 1 else ''}"
     return (
         f"ZO engine: {config.mode} mode ({engine.transfer} transfer, {config.transfer_dtype} "
         f"on the wire{rebuilt}, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "

@@ -137,11 +137,11 @@ class BlockPass:
         self._make_contexts(bounds, length, attention_mask)
         own = {}
         for p in self.order:
-            engine._perturb_resident(EMBEDDING, p, self.step)
-            own[p] = [
-                engine.family.embed(input_ids[p][lo:hi], ctx)
-                for (lo, hi), ctx in zip(bounds, self.contexts[1])
-            ]
+            with engine._reading_resident(EMBEDDING, p, self.step):
+                own[p] = [
+                    engine.family.embed(input_ids[p][lo:hi], ctx)
+                    for (lo, hi), ctx in zip(bounds, self.contexts[1])
+                ]
         for group in self.groups:
             parts = [own.pop(p) for p in group]
             self.hiddens[group] = (
@@ -218,6 +218,7 @@ class BlockPass:
         fill = self._fill(i, bucket, sign, query)
         reading: AbstractContextManager[None]
         if engine.module_scratch is not None:
+            engine.resident.forget()  # the block overwrites the scratch the sides share
             reading = engine.module_scratch.reading(i, fill)
         else:
             reading = nullcontext()
@@ -276,5 +277,5 @@ class StepRunner:
 
     def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:
         """Logits under pass ``p``'s perturbation of the resident bucket."""
-        self.engine._perturb_resident(HEAD, p, self.step)
-        return self.engine.family.logits(hidden)
+        with self.engine._reading_resident(HEAD, p, self.step):
+            return self.engine.family.logits(hidden)

@@ -52,23 +52,33 @@ def whole_side(layout: BucketLayout) -> ResidentSide:
     return ResidentSide(WHOLE, runs, layout.entries, layout.numel)
 
 
-def resident_sides(layout: BucketLayout, model: nn.Module) -> dict[str, ResidentSide]:
-    """The side each of ``EMBEDDING`` and ``HEAD`` reads: two sides where every entry of
-    ``layout`` (names relative to ``model``) lies under one of the family's head modules
-    (``ModelFamily.head_modules``) or under none, at all of its names, and both sides have
-    entries; otherwise one ``WHOLE`` side for both."""
+def side_entries(layout: BucketLayout, model: nn.Module) -> dict[str, list[Entry]]:
+    """The entries (at their places in the bucket) of each side: ``EMBEDDING`` and ``HEAD``
+    where every entry of ``layout`` (names relative to ``model``) lies under one of the
+    family's head modules (``ModelFamily.head_modules``) or under none, at all of its
+    names, and both sides have entries; otherwise every entry in one ``WHOLE`` side."""
     heads = {id(m) for m in family_for(model).head_modules()}
     prefixes = tuple(f"{name}." for name, m in model.named_modules() if id(m) in heads)
     is_head = [[name.startswith(prefixes) for name in e.names] for e in layout.entries]
+    whole = {WHOLE: list(layout.entries)}
     if any(len(set(flags)) > 1 for flags in is_head):  # a tied weight: read by both
-        return dict.fromkeys((EMBEDDING, HEAD), whole_side(layout))
+        return whole
     side_of = [all(flags) for flags in is_head]
     if all(side_of) or not any(side_of):
-        return dict.fromkeys((EMBEDDING, HEAD), whole_side(layout))
+        return whole
     return {
-        name: packed(name, [e for e, head in zip(layout.entries, side_of) if head == wanted])
+        name: [e for e, head in zip(layout.entries, side_of) if head == wanted]
         for name, wanted in ((EMBEDDING, False), (HEAD, True))
     }
+
+
+def resident_sides(layout: BucketLayout, model: nn.Module) -> dict[str, ResidentSide]:
+    """The side each of ``EMBEDDING`` and ``HEAD`` reads (``side_entries``): two packed
+    sides, or one ``WHOLE`` side for both."""
+    sides = side_entries(layout, model)
+    if WHOLE in sides:
+        return dict.fromkeys((EMBEDDING, HEAD), whole_side(layout))
+    return {name: packed(name, entries) for name, entries in sides.items()}
 
 
 def packed(name: str, entries: list[Entry]) -> ResidentSide:

@@ -8,6 +8,9 @@ compute dtype (AMP): the masters keep theirs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -50,6 +53,20 @@ class ResidentScratch:
             bind_entries(model, side.entries, self.values)
         # (side, query, sign, step) whose perturbation ``values`` holds now
         self.holds: tuple[str, int, int, int] | None = None
+
+    @contextmanager
+    def reading(
+        self,
+        side: str,
+        noise: NoiseSource,
+        master: torch.Tensor,
+        eps: float,
+        p: Pass,
+        step: int,
+    ) -> Iterator[None]:
+        """While the body reads ``side``, the scratch holds it perturbed for pass ``p``."""
+        self.perturb(side, noise, master, eps, p, step)
+        yield
 
     def perturb(
         self,

@@ -188,8 +188,8 @@ SLOTS_FALLBACK = (
 )
 MODULE_FALLBACK = (
     "a block's perturbed scratch does not fit; perturbing each block module by module in a "
-    "scratch the size of its largest module instead (--perturb-scope module: the same steps, "
-    "more kernel launches)"
+    "scratch the size of its largest module, shared by the embedding and head a vocabulary "
+    "slice at a time, instead (--perturb-scope module: the same steps, more kernel launches)"
 )
 RECOMPUTE_FALLBACK = (
     "the low-bit blocks' float32 master buffer does not fit; rebuilding each block's master a "

@@ -27,9 +27,9 @@ from torch import nn
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
-from distzo.engine.module_scratch import module_scratch_numel
 from distzo.engine.passes import pass_grouping
 from distzo.engine.resident_sides import resident_sides, scratch_numel
+from distzo.engine.vocab_slices import shared_scratch_numel
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 class MemoryPlan:
     parameters: int
     host_bytes: int  # this rank's host copy of the blocks
-    device_resident: int  # the resident bucket and its scratch
+    device_resident: int  # the resident bucket and its scratch (module scope: in device_scratch)
     device_blocks: int  # resident-mode block masters, or the K slots (+ staging)
     device_scratch: int  # the block scratch bucket and the noise workspaces
     activations: int  # estimate of the largest transient
@@ -133,8 +133,9 @@ class _Buckets:
 
     trained: list[BucketLayout]  # the block buckets of what a step trains
     resident: BucketLayout  # the resident bucket of what a step trains
-    resident_scratch: int  # its scratch's elements (the larger side: resident_sides)
-    block_scratch: int  # the block scratch's elements (the largest block, or module)
+    resident_scratch: int  # its scratch's elements (the larger side: resident_sides; 0: shared)
+    block_scratch: int  # the block scratch's elements (the largest block, or the module
+    # scratch the resident sides share: vocab_slices)
     streamed: list[BucketLayout]  # what streams: the blocks, or an adapter's frozen base
     resident_base: BucketLayout | None  # an adapter's frozen resident modules
     master: int
@@ -174,8 +175,8 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     return _Buckets(
         trained,
         resident,
-        scratch_numel(resident_sides(resident, model)),
-        module_scratch_numel(model, trained)
+        0 if by_module else scratch_numel(resident_sides(resident, model)),
+        shared_scratch_numel(model, trained, resident)
         if by_module
         else max(layout.numel for layout in trained),
         streamed,

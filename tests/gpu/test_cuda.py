@@ -297,6 +297,30 @@ def test_a_block_perturbed_module_by_module_steps_alike_on_gpu(layout):
     assert runs["module"][2] < runs["block"][2] / 2
 
 
+@pytest.mark.parametrize("name", ["opt", "llama-bias"])
+def test_a_vocabulary_read_in_slices_steps_alike_on_gpu(name):
+    """The resident sides in the module scratch, their vocabulary in slices, on CUDA: the
+    embedding's rows are copies and a slice's logits the whole head's dot products, so the
+    steps are the block scope's (bit for bit on CPU; here to the GEMM's rounding, which a
+    cuBLAS kernel chosen for a slice's shape may sum in another order)."""
+    from tests.unit.test_vocab_slices import VOCAB, batches, model_of
+
+    runs = {}
+    for scope in ("block", "module"):
+        model = model_of(name)
+        config = ZOConfig(device="cuda", eps=1e-2, lr=1e-2, seed=0, perturb_scope=scope)
+        engine = ZOEngine(model, config)
+        losses = [engine.step(batch).loss for batch in batches()]
+        logits, _ = engine.forward(random_batch(VOCAB, seed=9))
+        engine.flush()
+        runs[scope] = (losses, logits.cpu(), engine.named_parameters(), engine.resident)
+    assert runs["module"][3].num_slices > 2
+    assert runs["module"][0] == pytest.approx(runs["block"][0], rel=1e-5)
+    torch.testing.assert_close(runs["module"][1], runs["block"][1], rtol=1e-5, atol=1e-5)
+    for key, value in runs["block"][2].items():
+        torch.testing.assert_close(runs["module"][2][key], value, rtol=1e-4, atol=1e-6)
+
+
 def resident_bytes() -> int:
     """This process's resident memory (VmRSS). Pinned pages are resident by definition;
     VmLck and VmPin stay 0 for CUDA-pinned memory on the lent H100 (driver 580, measured

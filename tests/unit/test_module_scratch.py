@@ -5,8 +5,11 @@ import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine
+from distzo.engine import split_layouts
 from distzo.engine.module_scratch import block_pieces, module_scratch_numel
 from distzo.engine.parts import describe
+from distzo.engine.resident_sides import resident_sides, scratch_numel
+from distzo.engine.vocab_slices import shared_scratch_numel
 from distzo.job.memory_plan import plan_memory
 from distzo.models import family_for
 from distzo.models.shapes import shape_config
@@ -100,9 +103,10 @@ def test_every_weight_of_a_block_has_one_place_and_the_modules_share_theirs():
         assert mlp.untyped_storage().data_ptr() == engine.block_scratch.untyped_storage().data_ptr()
         assert mlp.data_ptr() == block.self_attn.q_proj.weight.data_ptr()
     biggest = max(block_pieces(model, layout).numel for layout in engine.block_layouts)
-    assert (
-        engine.block_scratch.numel() == biggest == module_scratch_numel(model, engine.block_layouts)
-    )
+    assert biggest == module_scratch_numel(model, engine.block_layouts)
+    # the resident sides share it (tests/unit/test_vocab_slices.py)
+    shared = shared_scratch_numel(model, engine.block_layouts, engine.resident_layout)
+    assert engine.block_scratch.numel() == shared >= biggest
 
 
 def gated_opt():
@@ -162,7 +166,9 @@ def test_bad_scopes_are_refused_before_anything_is_built():
 @pytest.mark.parametrize("shape", ["opt-6.7b", "opt-175b", "qwen3-8b"])
 def test_the_plan_counts_the_largest_module(shape):
     """The plan's scratch is the largest module in the compute dtype (OPT: fc1, its weight
-    and bias), what the engine allocates; everything else is the block plan's."""
+    and bias), what the engine allocates, shared by the resident sides (whose own scratch
+    goes: their vocabulary read in slices, tests/unit/test_vocab_slices.py); everything
+    else is the block plan's."""
     model = skeleton(shape_config(shape), torch.float32)
     plans = {
         scope: plan_memory(
@@ -188,5 +194,9 @@ def test_the_plan_counts_the_largest_module(shape):
     block = sum(p.numel() for p in blocks[0].parameters())
     noise = plans["block"].device_scratch - plans["module"].device_scratch
     assert noise == pytest.approx((block - largest) * 2, rel=0.01)
-    assert plans["module"].device_resident == plans["block"].device_resident
+    resident_layout = split_layouts(model, blocks)[0][1][0]
+    own_scratch = scratch_numel(resident_sides(resident_layout, model)) * 2
+    vocab = model.get_output_embeddings().weight.numel()
+    assert own_scratch >= vocab * 2  # the head's, or the embedding's, whole
+    assert plans["module"].device_resident == plans["block"].device_resident - own_scratch
     assert plans["module"].device_blocks == plans["block"].device_blocks
