@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
+from distzo.engine.module_scratch import Fill
 from distzo.engine.passes import UNPERTURBED
 from distzo.engine.resident_sides import EMBEDDING, ResidentSide, scratch_numel
 from distzo.offload import BucketLayout, bind
@@ -31,6 +32,33 @@ def bound_scratch(
     for layout in layouts:
         bind(model, layout, scratch)
     return scratch
+
+
+def held_key(side: str, p: Pass, step: int) -> tuple[str, int, int, int]:
+    """What a resident scratch holds: ``side`` perturbed for pass ``p`` of ``step``, or
+    unperturbed at any step."""
+    query, sign = p
+    return (side, query, sign, step) if sign else (side, 0, 0, -1)
+
+
+def resident_fill(noise: NoiseSource, master: torch.Tensor, eps: float, p: Pass, step: int) -> Fill:
+    """What writes elements ``[lo, hi)`` of the resident ``master``, perturbed for pass
+    ``p`` of ``step`` with the z of their places in the bucket, into ``out``."""
+    query, sign = p
+
+    def fill(out: torch.Tensor, lo: int, hi: int) -> None:
+        noise.perturb_into(
+            out,
+            master[lo:hi],
+            sign * eps,
+            step,
+            RESIDENT_BLOCK_ID,
+            query,
+            start=lo,
+            total=master.numel(),
+        )
+
+    return fill
 
 
 class ResidentScratch:
@@ -64,38 +92,17 @@ class ResidentScratch:
         p: Pass,
         step: int,
     ) -> Iterator[None]:
-        """While the body reads ``side``, the scratch holds it perturbed for pass ``p``."""
-        self.perturb(side, noise, master, eps, p, step)
-        yield
-
-    def perturb(
-        self,
-        side: str,
-        noise: NoiseSource,
-        master: torch.Tensor,
-        eps: float,
-        p: Pass,
-        step: int,
-    ) -> None:
-        """Make the scratch hold ``side`` of ``master`` perturbed for pass ``p`` of
-        ``step``, unless it already does (an unperturbed copy serves every step)."""
-        query, sign = p
+        """While the body reads ``side``, the scratch holds it of ``master`` perturbed for
+        pass ``p`` of ``step`` (perturbed now unless it already does: an unperturbed copy
+        serves every step)."""
         read = self.sides[side]
-        key = (read.name, query, sign, step) if sign else (read.name, 0, 0, -1)
-        if self.holds == key:
-            return
-        for run in read.runs:
-            noise.perturb_into(
-                self.values[run.at : run.at + run.numel],
-                master[run.start : run.stop],
-                sign * eps,
-                step,
-                RESIDENT_BLOCK_ID,
-                query,
-                start=run.start,
-                total=master.numel(),
-            )
-        self.holds = key
+        key = held_key(read.name, p, step)
+        if self.holds != key:
+            fill = resident_fill(noise, master, eps, p, step)
+            for run in read.runs:
+                fill(self.values[run.at : run.at + run.numel], run.start, run.stop)
+            self.holds = key
+        yield
 
     def forget(self) -> None:
         """The master changed (an update, a restore): what the scratch holds is stale."""

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from distzo.engine.layouts import RESIDENT_BLOCK_ID
 from distzo.engine.module_scratch import Fill, module_scratch_numel
 from distzo.engine.resident_sides import EMBEDDING, HEAD, WHOLE, ResidentSide, packed, side_entries
+from distzo.engine.scratch import held_key, resident_fill
 from distzo.offload import BucketLayout
 from distzo.offload.bucket import ALIGN_ELEMENTS, Entry, bind_entries, round_up
 from distzo.zo import NoiseSource, Pass
@@ -127,7 +127,7 @@ class SlicedResident:
 
     def __init__(self, model: nn.Module, sides: dict[str, SlicedSide], values: torch.Tensor):
         self.sides, self.values = sides, values
-        self.holds: tuple[str, int, int, int] | None = None  # as ResidentScratch.holds
+        self.holds: tuple[str, int, int, int] | None = None  # a held_key
         self._reading: tuple[SlicedSide, Fill] | None = None
         self._slice: tuple[object, ...] | None = None  # which rows of which matrix it holds
         distinct = list({id(s): s for s in sides.values()}.values())
@@ -173,22 +173,9 @@ class SlicedResident:
     ) -> Fill:
         """The fixed places hold ``side`` perturbed for pass ``p`` (unless they already do);
         what perturbs its slices alike."""
-        query, sign = p
         read = self.sides[side]
-        key = (read.name, query, sign, step) if sign else (read.name, 0, 0, -1)
-
-        def fill(out: torch.Tensor, lo: int, hi: int) -> None:
-            noise.perturb_into(
-                out,
-                master[lo:hi],
-                sign * eps,
-                step,
-                RESIDENT_BLOCK_ID,
-                query,
-                start=lo,
-                total=master.numel(),
-            )
-
+        key = held_key(read.name, p, step)
+        fill = resident_fill(noise, master, eps, p, step)
         if self.holds != key:
             for run in read.fixed.runs:
                 fill(self.values[run.at : run.at + run.numel], run.start, run.stop)
