@@ -22,13 +22,25 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
 
 
-def check_batch(batch: Mapping[str, torch.Tensor], limit: int | None, prefix: int) -> None:
-    """Refuse a batch without token ids, or with sequences longer than the model's
-    ``limit`` of positions once a ``prefix``-token prefix takes the first ones: caught
-    here, before any block has been updated."""
+def check_batch(
+    batch: Mapping[str, torch.Tensor], limit: int | None, prefix: int, vocab: int | None = None
+) -> None:
+    """Refuse a batch without token ids, with sequences longer than the model's ``limit``
+    of positions once a ``prefix``-token prefix takes the first ones, or (ids on the host:
+    no device read) with ids outside a ``vocab``-row embedding, which a lookup in
+    vocabulary slices would not catch: caught here, before any block has been updated."""
     if "input_ids" not in batch:
         raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
-    length = batch["input_ids"].shape[-1]
+    ids = batch["input_ids"]
+    if vocab is not None and ids.device.type == "cpu" and ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary of {vocab}; "
+                "tokenize with the model's own tokenizer"
+            )
+    length = ids.shape[-1]
     if limit is not None and length + prefix > limit:
         after = f" after a {prefix}-token prefix" if prefix else ""
         raise ValueError(

@@ -376,7 +376,9 @@ class ZOEngine:
 
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        check_batch(batch, limit, self.family.prefix_length)  # the prefix's positions come first
+        vocab = self.family.model.get_input_embeddings().weight.shape[0]
+        # the prefix's positions come first
+        check_batch(batch, limit, self.family.prefix_length, vocab)
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

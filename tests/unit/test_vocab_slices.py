@@ -168,3 +168,20 @@ def test_a_module_scratch_smaller_than_a_slice_grows_to_one():
     engine = ZOEngine(model, ZOConfig(seed=0, device="cpu", perturb_scope="module"))
     assert engine.block_scratch.numel() == 64 + MIN_ROWS * 64  # the norm, then the rows
     assert engine.resident.num_slices == -(-300 // MIN_ROWS)
+
+
+@pytest.mark.parametrize("scope", ["block", "module"])
+def test_a_token_outside_the_vocabulary_is_refused_before_a_step(scope):
+    """A lookup in slices clamps what a whole embedding's would reject: the engine checks
+    a host batch's ids itself, in either scope, before any block is updated."""
+    model = model_of("llama")
+    engine = ZOEngine(model, ZOConfig(seed=0, device="cpu", perturb_scope=scope))
+    for bad in (VOCAB, -1):
+        batch = random_batch(VOCAB)
+        batch["input_ids"][1, 3] = bad
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary"):
+            engine.step(batch)
+        with pytest.raises(ValueError, match="tokenize with the model's own tokenizer"):
+            engine.forward(batch)
+    assert engine.step_index == 0
+    engine.step(random_batch(VOCAB))  # nothing was left half-done
