@@ -57,6 +57,8 @@ OPTIONS = {
         "num_queries": 2,
     },
     "fzoo-bf16-compute": {"estimator": "fzoo", "num_queries": 3, "compute_dtype": "bf16"},
+    # micro-batches: each embeds and reads the head on its own
+    "grad-accum": {"grad_accum": 2, "transfer_dtype": "bf16"},
 }
 
 
