@@ -31,7 +31,7 @@ from distzo.engine.layouts import device_bucket, split_layouts
 from distzo.engine.module_scratch import ModuleScratch
 from distzo.engine.passes import Group, pass_grouping
 from distzo.engine.rebuilt_master import RebuiltMaster
-from distzo.engine.resident_sides import resident_sides
+from distzo.engine.resident_sides import resident_sides, scratch_numel, share_block_scratch
 from distzo.engine.scratch import ResidentScratch, bound_scratch
 from distzo.engine.state import StoredBuckets
 from distzo.engine.tuning import Tuning, make_tuning
@@ -165,13 +165,17 @@ def _bind_scratch(
         numel = shared_scratch_numel(model, layouts, trained.resident_layout)
         block_scratch = torch.zeros(numel, device=device, dtype=dtype)
         module_scratch = ModuleScratch(model, layouts, block_scratch)
-        sides = sliced_sides(trained.resident_layout, model)
-        resident = SlicedResident(model, sides, block_scratch)
-    else:
-        block_scratch = bound_scratch(model, layouts, device, dtype)
-        resident = ResidentScratch(
-            model, resident_sides(trained.resident_layout, model), device, dtype
+        resident = SlicedResident(
+            model, sliced_sides(trained.resident_layout, model), block_scratch
         )
+    else:
+        sides = resident_sides(trained.resident_layout, model)
+        if share_block_scratch(sides, full_tuning=not tuning.base_layouts):
+            block_scratch = bound_scratch(model, layouts, device, dtype, scratch_numel(sides))
+            resident = ResidentScratch(model, sides, device, dtype, block_scratch)
+        else:
+            block_scratch = bound_scratch(model, layouts, device, dtype)
+            resident = ResidentScratch(model, sides, device, dtype)
     tuning.bind_base(model, device, dtype)
     groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)
     largest = max(len(g) for g in groups(at.passes))

@@ -171,6 +171,8 @@ class BlockPass:
         A master rebuilt per read (``engine.rebuilt``) takes them wherever it is read,
         and is written back once every group has run."""
         engine = self.engine
+        if engine.resident.shares_blocks:
+            engine.resident.forget()  # the block overwrites the scratch the sides take turns in
         bucket = engine.tuning.visit(i, bucket)
         if engine.rebuilt is None:
             for update in self.updates:
@@ -218,7 +220,6 @@ class BlockPass:
         fill = self._fill(i, bucket, sign, query)
         reading: AbstractContextManager[None]
         if engine.module_scratch is not None:
-            engine.resident.forget()  # the block overwrites the scratch the sides share
             reading = engine.module_scratch.reading(i, fill)
         else:
             reading = nullcontext()

@@ -6,7 +6,8 @@ take turns in one scratch the size of the larger, each perturbed when it is read
 the z of its elements' places in the resident bucket: the same values as a scratch of
 the whole bucket, in half the memory or less (OPT-30B with ZO2's untied head: 0.72 GB of
 fp16 fewer), and each side perturbed once per pass, where a whole scratch is perturbed
-for the embedding and again for the head. A tied head reads the embedding's weights, so
+for the embedding and again for the head. Under full tuning that scratch is the block
+scratch too (``share_block_scratch``). A tied head reads the embedding's weights, so
 its bucket stays one side, perturbed once for both.
 """
 
@@ -100,6 +101,16 @@ def packed(name: str, entries: list[Entry]) -> ResidentSide:
         placed += [Entry(e.names, e.shape, at + e.offset - start, e.numel) for e in group]
         at = round_up(at + stop - start, ALIGN_ELEMENTS)
     return ResidentSide(name, tuple(runs), tuple(placed), at)
+
+
+def share_block_scratch(sides: dict[str, ResidentSide], full_tuning: bool) -> bool:
+    """Whether the sides take turns in the block scratch as well: an untied head's, under
+    full tuning. The sides are read when no block is (the embedding before the first, the
+    head after the last, on the compute stream), and each side of an untied head is
+    perturbed whenever a pass reads it, so the blocks writing between costs no
+    perturbation; a tied head's one side would lose the embedding's perturbation that
+    its head reuses, and an adapter's batched passes bind the resident bucket apart."""
+    return full_tuning and sides[EMBEDDING] is not sides[HEAD]
 
 
 def scratch_numel(sides: dict[str, ResidentSide]) -> int:

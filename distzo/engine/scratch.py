@@ -24,11 +24,17 @@ from distzo.zo import NoiseSource, Pass
 
 
 def bound_scratch(
-    model: nn.Module, layouts: list[BucketLayout], device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    layouts: list[BucketLayout],
+    device: torch.device,
+    dtype: torch.dtype,
+    at_least: int = 0,
 ) -> torch.Tensor:
     """One scratch bucket that serves every block of ``layouts`` (blocks compute one after
-    another on one stream), with each block's parameters bound to it."""
-    scratch = torch.zeros(max(layout.numel for layout in layouts), device=device, dtype=dtype)
+    another on one stream), with each block's parameters bound to it; ``at_least``
+    elements where the resident sides share it."""
+    numel = max(at_least, *(layout.numel for layout in layouts))
+    scratch = torch.zeros(numel, device=device, dtype=dtype)
     for layout in layouts:
         bind(model, layout, scratch)
     return scratch
@@ -74,9 +80,16 @@ class ResidentScratch:
         sides: dict[str, ResidentSide],
         device: torch.device,
         dtype: torch.dtype,
+        block_scratch: torch.Tensor | None = None,
     ) -> None:
         self.sides = sides
-        self.values = torch.zeros(scratch_numel(sides), device=device, dtype=dtype)
+        # in the block scratch, if given (``share_block_scratch``): a block's fill forgets
+        self.shares_blocks = block_scratch is not None
+        self.values = (
+            block_scratch
+            if block_scratch is not None
+            else torch.zeros(scratch_numel(sides), device=device, dtype=dtype)
+        )
         for side in {id(s): s for s in sides.values()}.values():
             bind_entries(model, side.entries, self.values)
         # (side, query, sign, step) whose perturbation ``values`` holds now
@@ -105,7 +118,8 @@ class ResidentScratch:
         yield
 
     def forget(self) -> None:
-        """The master changed (an update, a restore): what the scratch holds is stale."""
+        """The master changed (an update, a restore), or a block wrote the scratch the
+        sides share: what it holds is stale."""
         self.holds = None
 
     def held_pass(self, step: int) -> Pass | None:

@@ -2,7 +2,7 @@
 
 With ``perturb_scope="module"`` a block's perturbed copy is the size of its largest
 module (``module_scratch``), but the resident side's would still hold a whole embedding
-or head in a scratch of its own: 0.41 GB of fp16 at OPT-6.7B, 1.24 GB at OPT-175B. The
+or head, larger than that module: 0.41 GB of fp16 at OPT-6.7B, 1.24 GB at OPT-175B. The
 embedding is read before the first block and the head after the last, on the one
 compute stream, so both sides use the block's scratch; and the two vocabulary matrices
 (the token embedding, a plain ``nn.Embedding``, and the LM head, a plain ``nn.Linear``)
@@ -127,6 +127,7 @@ class SlicedResident:
 
     def __init__(self, model: nn.Module, sides: dict[str, SlicedSide], values: torch.Tensor):
         self.sides, self.values = sides, values
+        self.shares_blocks = True  # the module scratch: a block's fill forgets
         self.holds: tuple[str, int, int, int] | None = None  # a held_key
         self._reading: tuple[SlicedSide, Fill] | None = None
         self._slice: tuple[object, ...] | None = None  # which rows of which matrix it holds

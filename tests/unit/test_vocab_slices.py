@@ -91,10 +91,12 @@ def test_the_sides_share_the_module_scratch_and_the_plan_counts_it_once():
         for scope in ("block", "module")
     }
     master = engine.resident_master.nbytes
-    assert plans["module"].device_resident == master
-    assert plans["block"].device_resident == master + block.resident_scratch.nbytes
+    # both scopes hold the untied head's sides in the block's scratch: the block scope
+    # whole (each side as large as the vocabulary), the module scope in slices
+    assert plans["module"].device_resident == plans["block"].device_resident == master
+    assert block.block_scratch.numel() >= VOCAB * 32
     moved = plans["block"].device_scratch - plans["module"].device_scratch
-    assert moved == block.block_scratch.nbytes - scratch.nbytes
+    assert moved == block.block_scratch.nbytes - scratch.nbytes > 0
 
 
 def test_which_weights_are_sliced():
