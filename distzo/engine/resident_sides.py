@@ -109,7 +109,8 @@ def share_block_scratch(sides: dict[str, ResidentSide], full_tuning: bool) -> bo
     head after the last, on the compute stream), and each side of an untied head is
     perturbed whenever a pass reads it, so the blocks writing between costs no
     perturbation; a tied head's one side would lose the embedding's perturbation that
-    its head reuses, and an adapter's batched passes bind the resident bucket apart."""
+    its head reuses, and an adapter run keeps its scratches as they were (its batched
+    passes stack the blocks' own)."""
     return full_tuning and sides[EMBEDDING] is not sides[HEAD]
 
 
