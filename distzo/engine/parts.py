@@ -38,7 +38,7 @@ from distzo.engine.tuning import Tuning, make_tuning
 from distzo.engine.updates import UpdateRule
 from distzo.engine.vocab_slices import SlicedResident, shared_scratch_numel, sliced_sides
 from distzo.models.weights import WeightSource
-from distzo.offload import StreamedBlocks
+from distzo.offload import BucketLayout, StreamedBlocks
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.runtime.units import format_bytes, format_count
 from distzo.zo import NoiseSource, Pass
@@ -140,6 +140,27 @@ def build_parts(
     )
 
 
+def scratch_sizes(
+    model: nn.Module,
+    layouts: list[BucketLayout],
+    resident_layout: BucketLayout,
+    perturb_scope: str,
+    full_tuning: bool,
+) -> tuple[int, int]:
+    """(the block scratch's elements, the resident scratch's own; 0 where its sides take
+    turns in the block's): what ``_bind_scratch`` allocates and the memory plan counts.
+    The module scope's scratch holds the largest module and the sides in vocabulary
+    slices (``vocab_slices``); an untied head's sides share a whole-block scratch under
+    full tuning (``share_block_scratch``); otherwise each has its own."""
+    if perturb_scope == "module" and full_tuning:
+        return shared_scratch_numel(model, layouts, resident_layout), 0
+    sides = resident_sides(resident_layout, model)
+    largest = max(layout.numel for layout in layouts)
+    if share_block_scratch(sides, full_tuning):
+        return max(largest, scratch_numel(sides)), 0
+    return largest, scratch_numel(sides)
+
+
 def _bind_scratch(
     model: nn.Module, tuning: Tuning, trained: StoredBuckets, at: Placement, dtype: torch.dtype
 ) -> tuple[
@@ -155,27 +176,25 @@ def _bind_scratch(
     # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
     module_scratch = None
     resident: ResidentScratch | SlicedResident
-    if at.config.perturb_scope == "module":
-        if tuning.base_layouts:
-            raise ValueError(
-                "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
-                "is never perturbed: use perturb_scope block"
-            )
+    scope, full_tuning = at.config.perturb_scope, not tuning.base_layouts
+    if scope == "module" and not full_tuning:
+        raise ValueError(
+            "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
+            "is never perturbed: use perturb_scope block"
+        )
+    numel, _ = scratch_sizes(model, layouts, trained.resident_layout, scope, full_tuning)
+    if scope == "module":
         # the blocks' modules and the resident sides take turns in one scratch
-        numel = shared_scratch_numel(model, layouts, trained.resident_layout)
         block_scratch = torch.zeros(numel, device=device, dtype=dtype)
         module_scratch = ModuleScratch(model, layouts, block_scratch)
         resident = SlicedResident(
             model, sliced_sides(trained.resident_layout, model), block_scratch
         )
     else:
+        block_scratch = bound_scratch(model, layouts, device, dtype, numel)
         sides = resident_sides(trained.resident_layout, model)
-        if share_block_scratch(sides, full_tuning=not tuning.base_layouts):
-            block_scratch = bound_scratch(model, layouts, device, dtype, scratch_numel(sides))
-            resident = ResidentScratch(model, sides, device, dtype, block_scratch)
-        else:
-            block_scratch = bound_scratch(model, layouts, device, dtype)
-            resident = ResidentScratch(model, sides, device, dtype)
+        shared = share_block_scratch(sides, full_tuning)
+        resident = ResidentScratch(model, sides, device, dtype, block_scratch if shared else None)
     tuning.bind_base(model, device, dtype)
     groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)
     largest = max(len(g) for g in groups(at.passes))

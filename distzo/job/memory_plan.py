@@ -27,9 +27,8 @@ from torch import nn
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
+from distzo.engine.parts import scratch_sizes
 from distzo.engine.passes import pass_grouping
-from distzo.engine.resident_sides import resident_sides, scratch_numel, share_block_scratch
-from distzo.engine.vocab_slices import shared_scratch_numel
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
@@ -48,7 +47,7 @@ logger = logging.getLogger(__name__)
 class MemoryPlan:
     parameters: int
     host_bytes: int  # this rank's host copy of the blocks
-    device_resident: int  # the resident bucket and its scratch (module scope: in device_scratch)
+    device_resident: int  # the resident bucket and its scratch, unless it shares the block's
     device_blocks: int  # resident-mode block masters, or the K slots (+ staging)
     device_scratch: int  # the block scratch bucket and the noise workspaces
     activations: int  # estimate of the largest transient
@@ -133,9 +132,8 @@ class _Buckets:
 
     trained: list[BucketLayout]  # the block buckets of what a step trains
     resident: BucketLayout  # the resident bucket of what a step trains
-    resident_scratch: int  # its scratch's elements (the larger side: resident_sides; 0: shared)
-    block_scratch: int  # the block scratch's elements (the largest block, or module), and
-    # the resident sides' where they share it (share_block_scratch, vocab_slices)
+    resident_scratch: int  # its scratch's elements (the larger side; 0: in the block's)
+    block_scratch: int  # the block scratch's elements (``parts.scratch_sizes``)
     streamed: list[BucketLayout]  # what streams: the blocks, or an adapter's frozen base
     resident_base: BucketLayout | None  # an adapter's frozen resident modules
     master: int
@@ -171,16 +169,9 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     chunks = config.transfer_chunks if owners > 1 else 1
     padded = [round_up(b.numel, owners * chunks * ALIGN_ELEMENTS) for b in streamed]
     state_wire = 2 if config.state_dtype == "bf16" else master
-    sides = resident_sides(resident, model)
-    if config.perturb_scope == "module" and resident_base is None:
-        # the sides in the module scratch, their vocabulary in slices
-        resident_scratch, block_scratch = 0, shared_scratch_numel(model, trained, resident)
-    elif share_block_scratch(sides, full_tuning=resident_base is None):
-        resident_scratch = 0
-        block_scratch = max(scratch_numel(sides), *(layout.numel for layout in trained))
-    else:
-        resident_scratch = scratch_numel(sides)
-        block_scratch = max(layout.numel for layout in trained)
+    block_scratch, resident_scratch = scratch_sizes(
+        model, trained, resident, config.perturb_scope, full_tuning=resident_base is None
+    )
     return _Buckets(
         trained,
         resident,
