@@ -37,6 +37,7 @@ from distzo import ZOConfig, ZOEngine
 from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.bench.peer_protocol import protocol_parser, serve
 from distzo.bench.phases import step_phases
+from distzo.config.engine_options import PERTURB_SCOPES
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
 from distzo.job.memory_plan import plan_memory
@@ -205,7 +206,7 @@ def main() -> int:
     )
     p.add_argument(
         "--perturb-scope",
-        choices=("block", "module"),
+        choices=PERTURB_SCOPES,
         default="block",
         help="a block perturbed whole, or module by module (the same steps, a smaller scratch)",
     )

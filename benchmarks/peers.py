@@ -65,6 +65,7 @@ from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
 from distzo.bench.peer_process import PeerError, PeerProcess
 from distzo.bench.peer_progress import PeerProgress, await_ready
 from distzo.bench.phases import bound_by, describe_phases
+from distzo.config.engine_options import PERTURB_SCOPES
 from distzo.runtime.devices import device_name
 
 HERE = Path(__file__).resolve().parent
@@ -237,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--distzo-perturb-scope",
-        choices=("block", "module"),
+        choices=PERTURB_SCOPES,
         default="block",
         help="distzo's passes hold a block perturbed whole, or one module at a time (the same "
         "steps, a scratch the size of the largest module)",

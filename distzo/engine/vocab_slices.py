@@ -162,19 +162,24 @@ class SlicedResident:
         """While the body reads ``side``, the scratch holds its fixed weights perturbed for
         pass ``p`` of ``step``, and its vocabulary modules read their slices perturbed
         alike (outside such a body they refuse to run)."""
-        read, fill = self.sides[side], self._perturb(side, noise, master, eps, p, step)
-        self._reading = (read, fill)
+        read = self.sides[side]
+        self._reading = (read, self._perturb(read, noise, master, eps, p, step))
         try:
             yield
         finally:
             self._reading = None
 
     def _perturb(
-        self, side: str, noise: NoiseSource, master: torch.Tensor, eps: float, p: Pass, step: int
+        self,
+        read: SlicedSide,
+        noise: NoiseSource,
+        master: torch.Tensor,
+        eps: float,
+        p: Pass,
+        step: int,
     ) -> Fill:
-        """The fixed places hold ``side`` perturbed for pass ``p`` (unless they already do);
-        what perturbs its slices alike."""
-        read = self.sides[side]
+        """The fixed places hold side ``read`` perturbed for pass ``p`` (unless they already
+        do); what perturbs its slices alike."""
         key = held_key(read.name, p, step)
         fill = resident_fill(noise, master, eps, p, step)
         if self.holds != key:
