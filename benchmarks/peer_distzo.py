@@ -51,6 +51,9 @@ SYSTEMS = (
     "distzo-sliced",
 )
 HALF_MASTERS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The timeline steps a phases request takes, the median kept: one step of a busy machine
+# can be an outlier (the noise is timed over one more step).
+PHASE_STEPS = 3
 # A rank other than 0 waits in a broadcast while the other peers of an interleaved run
 # take their steps: hours at the largest shapes.
 IDLE_TIMEOUT = timedelta(hours=6)
@@ -82,9 +85,10 @@ class DistzoSystem:
         return self.engine.step(self.batch).loss
 
     def phases(self) -> dict[str, float]:
-        """Where a step's time goes, from two more steps (``distzo.bench.phases``), and
-        where its device memory goes by the plan: what a missed memory target names."""
-        return step_phases(self.engine, self.batch) | self.plan
+        """Where a step's time goes, from ``PHASE_STEPS`` + 1 more steps
+        (``distzo.bench.phases``), and where its device memory goes by the plan: what a
+        missed memory target names."""
+        return step_phases(self.engine, self.batch, PHASE_STEPS) | self.plan
 
 
 def planned_terms(

@@ -425,7 +425,7 @@ def measure(peer: PeerProcess, run: Run, steps: int, timed: bool) -> None:
 
 
 def ask_phases(peer: PeerProcess, run: Run) -> None:
-    """distzo's peers say where their step's time goes (two more steps, untimed)."""
+    """distzo's peers say where their step's time goes (four more steps, untimed)."""
     if run.system.name in DISTZO_SYSTEMS:
         run.phases = peer.phases()
 
@@ -563,6 +563,7 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
     (a missed speed target with the phase that bounds distzo's offloaded step)."""
     phases = {run.system.name: run.phases for run in runs if run.phases}
     notes = [describe_phases(name, p) for name, p in phases.items()]
+    notes += [note for run in runs if (note := profile_disagrees(run))]
     offload = phases.get("distzo-offload")
     for (a, b), target in TARGETS.get(device, {}).items():
         ratio = derived.get(f"{a}_vs_{b}")
@@ -578,6 +579,8 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
             note += f": its period per block is bound by {bound} (the phases above)"
             if b == "distzo-resident" and bound in ("upload", "offload"):
                 note += "; the target holds where compute >= transfer, which it is not here"
+            elif b in phases and bound not in ("upload", "offload", "slots"):
+                note += "; " + compute_against(measured, b, phases[b])
         notes.append(note)
     by_name = {run.system.name: run for run in runs}
     for (a, b), most in MEMORY_TARGETS.get(device, {}).items():
@@ -588,6 +591,43 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
             where = planned_terms(by_name[a]) if ratio > most and a in by_name else None
             notes.append(note + (f"; {where}" if where else ""))
     return notes
+
+
+# How far a profiled step may stray from the timed steps' mean and still stand for them.
+PROFILE_TOLERANCE = 0.15
+
+
+def profile_disagrees(run: Run) -> str | None:
+    """A note where the profiled step's time is not the timed steps' (a busy machine's
+    outlier, or a step the instruments slowed): its phases then describe that one step."""
+    if not run.phases or not run.samples:
+        return None
+    timed = statistics.fmean(run.samples[len(run.samples) // 2 :]) * 1e3
+    profiled = run.phases["step_ms"]
+    if abs(profiled / timed - 1) <= PROFILE_TOLERANCE:
+        return None
+    return (
+        f"{run.system.name}'s profiled step took {profiled:.3g} ms against its timed steps' "
+        f"mean of {timed:.3g} ms: its phases describe that step, not the table's"
+    )
+
+
+def compute_against(measured: dict[str, float], name: str, other: dict[str, float]) -> str:
+    """A compute-bound block's compute beside ``name``'s, and the parts that differ: the
+    noise, the master's upcast and rounding, the rest (the forwards)."""
+
+    def parts(p: dict[str, float]) -> tuple[float, float, float, float]:
+        compute, noise = p["compute_ms_per_block"], p["noise_ms_per_block"]
+        master = p.get("master_ms_per_block", 0.0)
+        return compute, noise, master, compute - noise - master
+
+    mine, theirs = parts(measured), parts(other)
+    diff = [f"{a - b:+.3g}" for a, b in zip(mine, theirs)]
+    return (
+        f"its compute per block {mine[0]:.3g} ms against {name}'s {theirs[0]:.3g} ({diff[0]} "
+        f"ms: noise {diff[1]}, the master's upcast and rounding {diff[2]}, the forwards and "
+        f"the rest {diff[3]})"
+    )
 
 
 PLAN_TERMS = {  # the peer's plan metrics (peer_distzo.PLAN_METRICS), as a note names them

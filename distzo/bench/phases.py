@@ -1,14 +1,18 @@
-"""Where a step's time goes, per streamed block: upload, compute (and the noise inside
-it), offload, and the period the stream model predicts from them.
+"""Where a step's time goes, per streamed block: upload, compute (and the noise and the
+master's upcast and rounding inside it), offload, the host's time queueing the compute,
+and the period the stream model predicts from them.
 
-Two instrumented steps, each apart from the timed ones so that neither instrument slows
-what it does not measure: one records the scheduler's timeline (on CUDA, events on each
-phase's stream: when the device ran the work), the other times each of the engine's own
-noise calls between two device syncs (the perturbations, ``theta + eps z`` into the
-scratch, and the updates, z redrawn and applied, momentum and Adam included). A master
-rebuilt from its 16-bit copy (``--low-bit-master recompute``) counts its fused kernels:
-each pass's rebuild and perturbation as a perturbation, the write-back's rebuild, update
-and rounding as an update.
+Instrumented steps apart from the timed ones, so that neither instrument slows what it
+does not measure: the timeline's (on CUDA, events on each phase's stream: when the device
+ran the work, and the host's clock around each call: how long it took to queue it), taken
+``repeats`` times and the median step kept, since one step of a busy machine can be an
+outlier; and one that times each of the engine's own noise calls between two device syncs
+(the perturbations, ``theta + eps z`` into the scratch, and the updates, z redrawn and
+applied, momentum and Adam included), and the low-bit store's ``unpack`` and ``pack`` (the
+master buffer's upcast from the wire and its rounding back). A master rebuilt from its
+16-bit copy (``--low-bit-master recompute``) counts its fused kernels: each pass's rebuild
+and perturbation as a perturbation, the write-back's rebuild, update and rounding as an
+update.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -27,12 +31,26 @@ from distzo.offload.timeline import PROLOGUE, Timeline
 PHASES = ("upload", "compute", "offload")
 
 
-def block_phases(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """One step's mean upload, compute and offload per block (ms), the stream model's
-    period per block and the measured one, eta = the longest phase / the measured period
-    (1: the longest phase hides the other two), and the step's time outside the blocks:
-    the prologue (embedding, the resident bucket's perturbation) and the rest (the head,
-    the loss, the host's bookkeeping)."""
+def block_phases(
+    engine: Any, batch: Mapping[str, torch.Tensor], repeats: int = 1
+) -> dict[str, float]:
+    """One step's mean upload, compute and offload per block (ms), the least time the host
+    took to queue a block's compute (its launches), the stream model's period per block
+    and the measured one, eta = the longest phase / the measured period (1: the longest
+    phase hides the other two), and the step's time outside the blocks: the prologue
+    (embedding, the resident bucket's perturbation) and the rest (the head, the loss, the
+    host's bookkeeping). Of ``repeats`` steps, the one of the median step time."""
+    if repeats < 1:
+        raise ValueError(f"phases need at least one step, got repeats={repeats}")
+    measured = sorted((_timeline_step(engine, batch) for _ in range(repeats)), key=_step_ms)
+    return measured[(len(measured) - 1) // 2]
+
+
+def _step_ms(phases: Mapping[str, float]) -> float:
+    return phases["step_ms"]
+
+
+def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
     scheduler = engine.scheduler
     scheduler.timeline = Timeline(engine.streams)
     try:
@@ -48,6 +66,9 @@ def block_phases(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, fl
     blocks = [s for s in spans if s.block != PROLOGUE]
     prologue = sum(s.ms for s in spans if s.block == PROLOGUE)
     mean = {p: sum(s.ms for s in blocks if s.phase == p) / n for p in PHASES}
+    # The least, not the mean: once the device's launch queue is full, a host that runs
+    # ahead waits as long as the device takes, and its time says nothing of its launches.
+    host = min((s.host_ms for s in blocks if s.phase == "compute"), default=0.0)
     streamed = max(s.end_ms for s in spans) - min(s.start_ms for s in spans)
     pipelined = (streamed - prologue) / n
     slots = engine.streamed_store.num_slots
@@ -55,6 +76,9 @@ def block_phases(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, fl
         "upload_ms_per_block": mean["upload"],
         "compute_ms_per_block": mean["compute"],
         "offload_ms_per_block": mean["offload"],
+        "host_ms_per_block": host,
+        # 1: the phases ran on the device's streams, the host only queued them (CUDA)
+        "async_streams": float(engine.streams.is_async),
         "pipelined_ms_per_block": pipelined,
         # The stream model's steady state with K slots (docs/ARCHITECTURE.md, section 5):
         # upload(i) waits offload(i - K), so K periods hold one upload, compute and offload.
@@ -68,15 +92,22 @@ def block_phases(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, fl
 
 
 @contextmanager
-def _timed_calls(obj: object, name: str, device: torch.device, into: list[tuple[int, float]]):
+def _timed_calls(
+    obj: object,
+    name: str,
+    device: torch.device,
+    into: list[tuple[int, float]],
+    block_of: Callable[[Mapping[str, Any]], int] = lambda call: call["block_id"],
+):
     """Replace ``obj.name`` by a wrapper that syncs the device around each call and
-    records (block id, ms); the block id is the call's ``block_id`` argument. A call that
-    returns False did nothing (a fused kernel that does not apply): not recorded."""
+    records (block id, ms); ``block_of`` reads the block id from the call's arguments (by
+    default its ``block_id``). A call that returns False did nothing (a fused kernel that
+    does not apply): not recorded."""
     original: Callable[..., Any] = getattr(obj, name)
     signature = inspect.signature(original)  # bound: without self
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        block_id = signature.bind(*args, **kwargs).arguments["block_id"]
+        block_id = block_of(signature.bind(*args, **kwargs).arguments)
         synchronize(device)
         start = time.perf_counter()
         out = original(*args, **kwargs)
@@ -92,18 +123,34 @@ def _timed_calls(obj: object, name: str, device: torch.device, into: list[tuple[
         delattr(obj, name)  # the class's method again
 
 
+def _store_block(call: Mapping[str, Any]) -> int:
+    """The block id of a store call's ``index`` (block ids count from 1: 0 is resident)."""
+    return call["index"] + 1
+
+
 def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """One step's noise per block (ms): its perturbations and its updates, each the
     engine's own call timed alone, and how many calls of each a block takes; the resident
-    bucket's noise (embedding, head) apart."""
+    bucket's noise (embedding, head) apart; and the store's unpack and pack per block (a
+    low-bit wire's master buffer: the upcast and the rounding back; nothing elsewhere)."""
     perturbs: list[tuple[int, float]] = []
     updates: list[tuple[int, float]] = []
-    with (
-        _timed_calls(engine.noise, "perturb_into", engine.device, perturbs),
-        _timed_calls(engine.noise, "rebuild_perturb_into", engine.device, perturbs),
-        _timed_calls(engine.update_rule, "apply", engine.device, updates),
-        _timed_calls(engine.noise, "rebuild_round_into", engine.device, updates),
-    ):
+    master: list[tuple[int, float]] = []
+    device = engine.device
+    with ExitStack() as timed:
+        for obj, name, calls in (
+            (engine.noise, "perturb_into", perturbs),
+            (engine.noise, "rebuild_perturb_into", perturbs),
+            (engine.update_rule, "apply", updates),
+            (engine.noise, "rebuild_round_into", updates),
+        ):
+            timed.enter_context(_timed_calls(obj, name, device, calls))
+        # only where the blocks' store holds a master buffer: elsewhere both are no-ops
+        if getattr(engine.store, "unpacked", None) is not None:
+            for name in ("unpack", "pack"):
+                timed.enter_context(
+                    _timed_calls(engine.scheduler.store, name, device, master, _store_block)
+                )
         engine.step(batch)
     n = len(engine.blocks)
 
@@ -117,39 +164,60 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
         "perturb_ms_per_block": perturb_ms,
         "update_ms_per_block": update_ms,
         "noise_ms_per_block": perturb_ms + update_ms,
+        "master_ms_per_block": per_block(master)[0],
         "perturbs_per_block": perturb_calls,
         "updates_per_block": update_calls,
         "resident_noise_ms": sum(t for b, t in perturbs + updates if not 1 <= b <= n),
     }
 
 
-def step_phases(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """``block_phases`` and ``noise_phase`` of two more steps on ``batch``."""
-    return block_phases(engine, batch) | noise_phase(engine, batch)
+def step_phases(
+    engine: Any, batch: Mapping[str, torch.Tensor], repeats: int = 1
+) -> dict[str, float]:
+    """``block_phases`` of ``repeats`` more steps on ``batch`` and ``noise_phase`` of one."""
+    return block_phases(engine, batch, repeats) | noise_phase(engine, batch)
+
+
+# The host's launches bound a block's compute where queueing it takes nearly as long as
+# the device takes to run it: the device then waits for the next kernel.
+HOST_BOUND = 0.9
 
 
 def bound_by(phases: Mapping[str, float]) -> str:
     """The phase that sets the stream model's period: ``upload``, ``offload``, ``compute``
-    (``noise`` when the noise is at least half of it) or ``slots`` (the three phases in
-    sequence over the K slots take longer than any one of them)."""
+    (``host`` when, on the device's streams, the host takes at least ``HOST_BOUND`` of a
+    block's compute to queue it; ``noise`` when the noise is at least half of it) or
+    ``slots`` (the three phases in sequence over the K slots take longer than any one of
+    them)."""
     longest = max(PHASES, key=lambda p: phases[f"{p}_ms_per_block"])
     if phases["model_ms_per_block"] > phases[f"{longest}_ms_per_block"]:
         return "slots"
+    compute = phases["compute_ms_per_block"]
     if (
         longest == "compute"
-        and phases["noise_ms_per_block"] >= 0.5 * phases["compute_ms_per_block"]
+        and phases.get("async_streams")
+        and phases.get("host_ms_per_block", 0.0) >= HOST_BOUND * compute
     ):
+        return "host"
+    if longest == "compute" and phases["noise_ms_per_block"] >= 0.5 * compute:
         return "noise"
     return longest
 
 
 def describe_phases(name: str, phases: Mapping[str, float]) -> str:
     """One line for a report: the phases per block, the period and what bounds it."""
+    master = phases.get("master_ms_per_block", 0.0)
+    inside = f"noise {phases['noise_ms_per_block']:.3g} ms of it: " + (
+        f"{_count(phases['perturbs_per_block'], 'perturbation')} and "
+        f"{_count(phases['updates_per_block'], 'update')}"
+    )
+    if master > 0:
+        inside += f"; the master's upcast and rounding {master:.3g} ms"
+    if phases.get("async_streams"):
+        inside += f"; queued by the host in {phases.get('host_ms_per_block', 0.0):.3g} ms"
     return (
         f"{name} per block: upload {phases['upload_ms_per_block']:.3g} ms, compute "
-        f"{phases['compute_ms_per_block']:.3g} ms (noise {phases['noise_ms_per_block']:.3g} ms "
-        f"of it: {_count(phases['perturbs_per_block'], 'perturbation')} and "
-        f"{_count(phases['updates_per_block'], 'update')}), offload "
+        f"{phases['compute_ms_per_block']:.3g} ms ({inside}), offload "
         f"{phases['offload_ms_per_block']:.3g} ms; the stream model's period "
         f"{phases['model_ms_per_block']:.3g} ms, measured {phases['pipelined_ms_per_block']:.3g} "
         f"ms (eta {phases['eta']:.2f}): bound by {bound_by(phases)}. Of the step's "

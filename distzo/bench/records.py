@@ -11,7 +11,8 @@ Schema (version 1), checked by ``validate_report``::
       "measurements": [
         {"name": str, "params": {str: str|int|float|bool|null},
          "repeats": int, "median_s": float, "min_s": float, "max_s": float, "spread": float,
-         "metrics": {str: float}}          # e.g. gb_per_s, gparams_per_s, tokens_per_s
+         "metrics": {str: float},          # e.g. gb_per_s, gparams_per_s, tokens_per_s
+         "samples_s": [float]}             # optional: the repeats' times, in the order run
       ],
       "derived": {str: float},            # ratios computed in the same run
       "notes": [str]                      # optional: what the run left out or did otherwise
@@ -48,6 +49,8 @@ class Measurement:
     max_s: float
     spread: float
     metrics: dict[str, float] = field(default_factory=dict)
+    # every repeat's time in the order run: the distribution the median and spread summarise
+    samples_s: list[float] = field(default_factory=list)
 
     @classmethod
     def from_timer(
@@ -62,6 +65,7 @@ class Measurement:
             max(timer.samples),
             timer.spread,
             metrics,
+            list(timer.samples),
         )
 
 
@@ -191,6 +195,13 @@ def validate_report(data: dict[str, Any]) -> None:
         need(
             all(isinstance(v, (int, float)) for v in m["metrics"].values()),
             f"measurements[{i}].metrics must be numbers",
+        )
+        samples = m.get("samples_s", [])
+        need(
+            isinstance(samples, list)
+            and all(isinstance(v, (int, float)) and v >= 0 for v in samples)
+            and len(samples) in (0, m["repeats"]),
+            f"measurements[{i}].samples_s must be one time >= 0 per repeat",
         )
     need(isinstance(data.get("derived"), dict), "derived must be an object")
     need(

@@ -220,6 +220,13 @@ def test_schema_rejects_a_broken_report(tmp_path):
         validate_report(data)
     with pytest.raises(ValueError, match="schema_version"):
         validate_report(dict(data, schema_version=0))
+    first = data["measurements"][0]
+    first["median_s"] = first["min_s"]
+    assert len(first["samples_s"]) == first["repeats"]  # every repeat's time, kept
+    validate_report(data)
+    first["samples_s"] = first["samples_s"][1:]
+    with pytest.raises(ValueError, match=r"samples_s must be one time >= 0 per repeat"):
+        validate_report(data)
 
 
 def test_throughput_compares_the_head_at_labels_with_the_full_head(tmp_path):

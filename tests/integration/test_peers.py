@@ -124,6 +124,7 @@ def test_peers_interleave_and_report_zo2s_statistic(tmp_path):
         assert m["metrics"]["tokens_per_s"] == pytest.approx(speed[name], rel=1e-12)
         assert m["metrics"]["s_per_step"] == pytest.approx(statistics.fmean(last), rel=1e-12)
         assert m["median_s"] == pytest.approx(statistics.median(last), rel=1e-12)
+        assert m["samples_s"] == pytest.approx(last, rel=1e-12)  # each, in the order run
         assert m["params"]["statistic_steps"] == len(last) and m["params"]["interleaved"]
     assert data["derived"]["fast_vs_slow"] == pytest.approx(speed["fast"] / speed["slow"])
     assert data["derived"]["fast_vs_slow"] > 1  # 1 ms of sleep against 20
@@ -429,6 +430,42 @@ def test_a_missed_target_names_the_phase_that_bounds_the_offloaded_step():
         notes[0],
         "distzo-offload runs at 2.30x zo2-mezo's tokens/s: the 2x target is met",
     ]
+
+
+def test_a_compute_bound_miss_against_resident_says_what_the_compute_adds():
+    """Offload below 0.97x resident with both compute-bound: the note puts the two
+    computes per block side by side, split into the noise, the master buffer's upcast and
+    rounding, and the rest (the H200 run at Qwen3-1.7B, 2026-11-27)."""
+    from tests.unit.test_phases import phases
+
+    def run(name: str, p: dict) -> peers.Run:
+        return peers.Run(peers.System(name, []), {}, phases=p)
+
+    offload = run("distzo-offload", phases(1.99, 2.63, 1.91, 0.925) | {"master_ms_per_block": 0.3})
+    resident = run("distzo-resident", phases(0.01, 2.2, 0.01, 1.04))
+    derived = {"distzo-offload_vs_distzo-resident": 0.87}
+    assert peers.phase_notes([resident, offload], derived, "cuda")[-1] == (
+        "distzo-offload runs at 0.87x distzo-resident's tokens/s, below the 0.97x target: its "
+        "period per block is bound by compute (the phases above); its compute per block 2.63 "
+        "ms against distzo-resident's 2.2 (+0.43 ms: noise -0.115, the master's upcast and "
+        "rounding +0.3, the forwards and the rest +0.245)"
+    )
+
+
+def test_a_profile_unlike_the_timed_steps_is_said_so():
+    """The phases come from a step apart from the timed ones; where its time strays more
+    than 15 % from the timed steps' mean, a note says they describe that step alone."""
+    from tests.unit.test_phases import phases
+
+    timed = [0.200, 0.200, 0.095, 0.095]  # the statistic's half: 95 ms
+    run = peers.Run(peers.System("distzo-resident", []), {}, timed, phases=phases(0, 4, 0, 1))
+    run.phases["step_ms"] = 142.0
+    assert (
+        "distzo-resident's profiled step took 142 ms against its timed steps' mean of 95 ms: "
+        "its phases describe that step, not the table's"
+    ) in peers.phase_notes([run], {}, "cuda")
+    run.phases["step_ms"] = 100.0  # within 15 %
+    assert not any("profiled step" in note for note in peers.phase_notes([run], {}, "cuda"))
 
 
 def test_gpu_targets_are_zo2_offloads_speed_and_memory_and_resident():

@@ -13,7 +13,8 @@ import torch
 from transformers import OPTForCausalLM
 
 from distzo import ZOConfig, ZOEngine
-from distzo.bench.phases import bound_by, describe_phases, step_phases
+from distzo.bench import phases as phases_module
+from distzo.bench.phases import block_phases, bound_by, describe_phases, step_phases
 from distzo.models.tiny import tiny_opt_config
 from tests.helpers.launch import child_env
 
@@ -89,14 +90,51 @@ def test_a_rebuilt_masters_fused_kernels_are_its_noise(monkeypatch):
     assert phases["noise_ms_per_block"] > 0
 
 
-def test_the_measured_steps_train_like_any_other():
-    """Phases are two real steps: the trajectory is the one of two plain steps."""
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_the_measured_steps_train_like_any_other(repeats):
+    """Phases are real steps (``repeats`` on the timeline, one for the noise): the
+    trajectory is the one of as many plain steps."""
     batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
     measured, plain = engine("offload", 1), engine("offload", 1)
-    step_phases(measured, batch)
-    plain.step(batch)
-    plain.step(batch)
+    step_phases(measured, batch, repeats)
+    for _ in range(repeats + 1):
+        plain.step(batch)
     assert measured.step(batch).loss == plain.step(batch).loss
+
+
+def test_of_several_timeline_steps_the_median_one_is_kept(monkeypatch):
+    """A busy machine's outlier step does not become the profile: the step of the median
+    time is, whole (its phases are one step's, not a mix)."""
+    taken = iter([{"step_ms": 30.0, "n": 0}, {"step_ms": 10.0, "n": 1}, {"step_ms": 20.0, "n": 2}])
+    monkeypatch.setattr(phases_module, "_timeline_step", lambda engine, batch: next(taken))
+    assert block_phases(None, {}, repeats=3) == {"step_ms": 20.0, "n": 2}
+    with pytest.raises(ValueError, match="at least one step, got repeats=0"):
+        block_phases(None, {}, repeats=0)
+
+
+@pytest.mark.parametrize(
+    "transfer, moves", [("bf16", True), ("fp32", False)], ids=["bf16-wire", "fp32-wire"]
+)
+def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(transfer, moves):
+    """A low-bit wire's master buffer is upcast before a block computes and rounded back
+    after (the store's unpack and pack, once a step): timed per block apart from the
+    noise; a store without the buffer reports none."""
+    torch.manual_seed(0)
+    config = ZOConfig(
+        mode="offload", device="cpu", lr=1e-3, eps=1e-3, seed=0, transfer_dtype=transfer
+    )
+    e = ZOEngine(OPTForCausalLM(tiny_opt_config()), config)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
+    e.step(batch)
+    measured = step_phases(e, batch)
+    assert (measured["master_ms_per_block"] > 0) == moves
+    assert "unpack" not in vars(e.scheduler.store) and "pack" not in vars(e.scheduler.store)
+    line = describe_phases("distzo-offload", measured)
+    assert ("the master's upcast and rounding" in line) == moves
+    # on CPU nothing is queued: the host's time is the compute's, and never "host"-bound
+    assert measured["async_streams"] == 0.0
+    assert 0 < measured["host_ms_per_block"] <= measured["compute_ms_per_block"]
+    assert "queued by the host" not in line and bound_by(measured) != "host"
 
 
 def phases(upload: float, compute: float, offload: float, noise: float, slots: int = 3):
@@ -116,6 +154,20 @@ def phases(upload: float, compute: float, offload: float, noise: float, slots: i
         "outside_blocks_ms": 20.0,
         "resident_noise_ms": 6.0,
     }
+
+
+def test_a_block_the_host_queues_no_faster_than_the_device_runs_it_is_host_bound():
+    """On a device's streams: where queueing a block's compute takes 90 % or more of the
+    device's compute span, the device waited for the host's launches."""
+    queued = phases(1, 5, 1, 1) | {"async_streams": 1.0, "host_ms_per_block": 4.6}
+    assert bound_by(queued) == "host"
+    assert "; queued by the host in 4.6 ms), offload 1 ms" in describe_phases("x", queued)
+    assert bound_by(queued | {"host_ms_per_block": 4.0}) == "compute"  # the host ran ahead
+    assert bound_by(queued | {"async_streams": 0.0}) == "compute"  # CPU: nothing queued
+    # the host only bounds a compute-bound block: an upload-bound one stays so
+    assert bound_by(phases(6, 5, 1, 1) | {"async_streams": 1.0, "host_ms_per_block": 5}) == (
+        "upload"
+    )
 
 
 @pytest.mark.parametrize(
