@@ -692,10 +692,19 @@ def low_bit_code(a, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def low_bit_magnitude(code, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """The float32 value of a magnitude code (exact)."""
+    """The float32 value of a magnitude code (exact). A subnormal is the code in units of
+    2^-(BIAS - 1 + MANTISSA): scaling by a power of two is exact, as the reference's
+    division by it is, without a division's instructions."""
     normal = ((code << (23 - MANTISSA)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
-    subnormal = tl.div_rn(code.to(tl.float32), (1 << (BIAS - 1 + MANTISSA)) * 1.0)
+    unit: tl.constexpr = 1.0 / (1 << (BIAS - 1 + MANTISSA))
+    subnormal = code.to(tl.float32) * unit
     return tl.where(code >= (1 << MANTISSA), normal, subnormal)
+
+
+@triton.jit
+def power_of_two_reciprocal(x):
+    """1 / x for x a positive normal power of two, exact: the exponent negated in the bits."""
+    return ((254 << 23) - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=SCALARS)
@@ -746,8 +755,10 @@ def rounded_low_bit(
     key = tl.where(negative, -code, code) + direction  # the other neighbour's
     other = low_bit_magnitude(tl.abs(key), MANTISSA, BIAS)
     other = tl.where(key < 0, -other, other)
+    # Two neighbours of a binary format lie one ulp apart, the ulp of the smaller: the gap is
+    # a power of two, so the reference's |x - nearest| / gap is this exact product.
     gap = tl.where(direction == 0, 1.0, tl.abs(other - nearest))  # else 0 / 0, unused
-    p_other = tl.where(direction == 0, 0.0, tl.div_rn(tl.abs(x - nearest), gap))
+    p_other = tl.where(direction == 0, 0.0, tl.abs(x - nearest) * power_of_two_reciprocal(gap))
     u = (word >> 8).to(tl.float32) * (1.0 / 16777216.0)
     return tl.where(
         u < p_other,
