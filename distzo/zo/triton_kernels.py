@@ -676,37 +676,6 @@ def rebuild_round_one_kernel(
         tl.store(dst_ptr + (e - start), out.to(dst_ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit
-def low_bit_code(a, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """The magnitude code of the value of a low-bit format (MANTISSA bits, exponent BIAS)
-    nearest to a = |x| (float32, within the format's range), ties to even, in integer and
-    exact float ops (no float conversion: Triton's to fp8 needs compute capability 8.9)."""
-    SHIFT: tl.constexpr = 23 - MANTISSA
-    c = a.to(tl.int32, bitcast=True) - ((127 - BIAS) << 23)  # the format's exponent bias
-    normal = (c + ((1 << (SHIFT - 1)) - 1) + ((c >> SHIFT) & 1)) >> SHIFT
-    # subnormal: in units of the smallest, y < 2^MANTISSA (exact; capped where unused)
-    y = tl.minimum(a * (1 << (BIAS - 1 + MANTISSA)), 1 << MANTISSA)
-    subnormal = ((y + 8388608.0) - 8388608.0).to(tl.int32)  # to the integer nearest, even
-    return tl.where(c >= (1 << 23), normal, subnormal)
-
-
-@triton.jit
-def low_bit_magnitude(code, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
-    """The float32 value of a magnitude code (exact). A subnormal is the code in units of
-    2^-(BIAS - 1 + MANTISSA): scaling by a power of two is exact, as the reference's
-    division by it is, without a division's instructions."""
-    normal = ((code << (23 - MANTISSA)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
-    unit: tl.constexpr = 1.0 / (1 << (BIAS - 1 + MANTISSA))
-    subnormal = code.to(tl.float32) * unit
-    return tl.where(code >= (1 << MANTISSA), normal, subnormal)
-
-
-@triton.jit
-def power_of_two_reciprocal(x):
-    """1 / x for x a positive normal power of two, exact: the exponent negated in the bits."""
-    return ((254 << 23) - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-
-
 @triton.jit(do_not_specialize=SCALARS)
 def round_low_bit_kernel(
     dst_ptr,
@@ -745,23 +714,42 @@ def rounded_low_bit(
     SIGN: tl.constexpr,
 ):
     """The bits of x (float32) rounded stochastically to a low-bit format with its 32-bit
-    uniform lane ``word`` (``round_low_bit_kernel``'s rule)."""
+    uniform lane ``word``: ``offload.low_bit.round_stochastic_``'s rule (the nearest value,
+    ties to even; its neighbour on x's side; that one when u < |x - nearest| / gap) in
+    integer and exact float ops on the magnitude (no conversion to the format: Triton's to
+    fp8 needs compute capability 8.9; no division: the gap is a power of two).
+
+    A normal magnitude's float32 bits, less the formats' exponent difference, are the code
+    with SHIFT more bits below: the code truncated and the fraction ``low`` of an ulp. The
+    nearest is the truncation or the next code up; x lies ``low`` (or ulp - ``low``) units
+    of 2^-SHIFT ulp from it, so p = dist / 2^SHIFT exactly and u < p, with u = (word >> 8)
+    / 2^24, is (word >> 8) < dist * 2^(24 - SHIFT) in integers. A subnormal one, in units
+    of the smallest subnormal, is y exactly: its nearest integer (ties to even) and p =
+    |y - nearest| exactly. The neighbour's sign is x's unless it is 0, which the rule's
+    order key makes +0 (a nearest 0 keeps x's sign)."""
+    SHIFT: tl.constexpr = 23 - MANTISSA
     x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
     negative = x.to(tl.int32, bitcast=True) < 0  # -0.0 too: its nearest is -0
-    code = low_bit_code(tl.abs(x), MANTISSA, BIAS)
-    nearest = low_bit_magnitude(code, MANTISSA, BIAS)
-    nearest = tl.where(negative, -nearest, nearest)
-    direction = tl.where(x > nearest, 1, tl.where(x < nearest, -1, 0))
-    key = tl.where(negative, -code, code) + direction  # the other neighbour's
-    other = low_bit_magnitude(tl.abs(key), MANTISSA, BIAS)
-    other = tl.where(key < 0, -other, other)
-    # Two neighbours of a binary format lie one ulp apart, the ulp of the smaller: the gap is
-    # a power of two, so the reference's |x - nearest| / gap is this exact product.
-    gap = tl.where(direction == 0, 1.0, tl.abs(other - nearest))  # else 0 / 0, unused
-    p_other = tl.where(direction == 0, 0.0, tl.abs(x - nearest) * power_of_two_reciprocal(gap))
+    a = tl.abs(x)
+    c = a.to(tl.int32, bitcast=True) - ((127 - BIAS) << 23)  # the format's exponent bias
+    normal = c >= (1 << 23)
+    truncated = c >> SHIFT
+    low = c & ((1 << SHIFT) - 1)
+    rounded = (c + ((1 << (SHIFT - 1)) - 1) + (truncated & 1)) >> SHIFT  # ties to even
+    down = rounded != truncated  # the nearest is above x: its neighbour on x's side below
+    dist = tl.where(down, (1 << SHIFT) - low, low)
+    picked = (word >> 8).to(tl.int32) < (dist << (24 - SHIFT))
+    # subnormal: in units of the smallest, y < 2^MANTISSA (exact; capped where unused)
+    y = tl.minimum(a * (1 << (BIAS - 1 + MANTISSA)), 1 << MANTISSA)
+    nearest_y = (y + 8388608.0) - 8388608.0  # the integer nearest, ties to even
+    off = y - nearest_y  # exact
     u = (word >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    code = tl.where(normal, rounded, nearest_y.to(tl.int32))
+    step = tl.where(normal, tl.where(down, -1, 1), tl.where(off < 0, -1, 1))
+    picked = tl.where(normal, picked, u < tl.abs(off))
+    other = code + step
     return tl.where(
-        u < p_other,
-        tl.where(key < 0, -key - SIGN, key),
+        picked,
+        tl.where(negative & (other > 0), other - SIGN, other),
         tl.where(negative, code - SIGN, code),
     )

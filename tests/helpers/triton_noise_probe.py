@@ -420,12 +420,15 @@ for dtype, (low, high) in SPREAD.items():
         round_stochastic_(expected, values, rounding.reference(start, start + n, key))
         as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
         assert torch.equal(dst.view(as_int), expected.view(as_int)), (dtype, start, n)
-    if dtype != torch.bfloat16:  # every value of the format and each tie between two
+    if dtype != torch.bfloat16:  # every value of the format, each tie, a float32 ulp off each
         as_int = torch.int8 if dtype == torch.float8_e4m3fn else torch.int16
         codes = torch.arange(0, int(torch.tensor(limit, dtype=dtype).view(as_int)) + 1)
         exact = codes.to(as_int).view(dtype).float()
         ties = (exact[:-1] + exact[1:]) / 2
-        values = torch.cat([exact, ties, -exact, -ties])
+        # a float32 ulp either side of each: an ulp's fraction at its least and its most
+        above = torch.nextafter(exact, torch.full_like(exact, float("inf")))
+        below = torch.nextafter(exact, torch.zeros_like(exact))
+        values = torch.cat([exact, ties, -exact, -ties, above, -above, below, -below])
         dst, expected = torch.empty(len(values), dtype=dtype), torch.empty(len(values), dtype=dtype)
         triton_noise.round_stochastic(dst, values, 0, key)
         round_stochastic_(expected, values, rounding.reference(0, len(values), key))
