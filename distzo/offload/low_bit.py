@@ -79,11 +79,11 @@ def _round_stochastic_bf16_(dst: torch.Tensor, x: torch.Tensor, uniform: torch.T
     """bf16 is fp32 with the low 16 bits cut: adding 16 random bits to the bit pattern
     and cutting them carries into the kept bits with probability equal to the cut
     fraction (on the magnitude, so for either sign), which is exactly stochastic rounding."""
-    noise = (uniform * 65536.0).to(torch.int32)  # uniform in [0, 2^16)
-    bits = (x.view(torch.int32) + noise) & -65536  # clear the low 16 bits (0xFFFF0000)
-    rounded = bits.view(torch.float32)
+    bits = (uniform * 65536.0).to(torch.int32)  # uniform in [0, 2^16)
+    # in place from here: a chunk's fresh temporaries cost page faults, not arithmetic
+    bits.add_(x.view(torch.int32)).bitwise_and_(-65536)  # clear the low 16 bits (0xFFFF0000)
     limit = torch.finfo(torch.bfloat16).max
-    dst.copy_(rounded.clamp(-limit, limit))  # exact: the low bits are zero
+    dst.copy_(bits.view(torch.float32).clamp_(-limit, limit))  # exact: the low bits are zero
 
 
 def round_keyed_(
