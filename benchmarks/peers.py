@@ -493,9 +493,14 @@ def most(replies: list[dict[str, Any]], key: str) -> int | None:
     return max(values) if values else None
 
 
+def statistic_steps(run: Run) -> list[float]:
+    """The timed steps ZO2's statistic is over: the last half (record_zo2_speed.sh)."""
+    return run.samples[len(run.samples) // 2 :]
+
+
 def measurement(args: argparse.Namespace, run: Run) -> Measurement:
     """ZO2's statistic over the last half of the timed steps, and the memory maxima."""
-    last = run.samples[len(run.samples) // 2 :]
+    last = statistic_steps(run)
     tokens = args.batch * args.seq
     timer = Timer(last)
     metrics: dict[str, float] = {
@@ -602,7 +607,7 @@ def profile_disagrees(run: Run) -> str | None:
     outlier, or a step the instruments slowed): its phases then describe that one step."""
     if not run.phases or not run.samples:
         return None
-    timed = statistics.fmean(run.samples[len(run.samples) // 2 :]) * 1e3
+    timed = statistics.fmean(statistic_steps(run)) * 1e3
     profiled = run.phases["step_ms"]
     if abs(profiled / timed - 1) <= PROFILE_TOLERANCE:
         return None
