@@ -691,9 +691,10 @@ def round_low_bit_kernel(
 ):
     """dst (the bits of float16 or float8 e4m3fn, as int16 or int8) <- src (float32)
     rounded stochastically, elements [start, start + n) of the bucket:
-    ``offload.low_bit.round_stochastic_``'s rule op for op (the nearest value, its
+    ``offload.low_bit.round_stochastic_``'s rule, bit for bit (the nearest value, its
     neighbour on x's side by order key, that one when the uniform u < |x - nearest| /
-    gap), u drawn in place: one read of src, one write of dst."""
+    gap), in ``rounded_low_bit``'s integer form, u drawn in place: one read of src, one
+    write of dst."""
     SIGN: tl.constexpr = 1 << (dst_ptr.dtype.element_ty.primitive_bitwidth - 1)
     first, w0, w1, w2, w3 = tile_words(start, k0, k1, 4, BLOCKS)
     for lane in tl.static_range(4):
