@@ -51,10 +51,11 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
             "--transfer sliced needs a torchrun launch (a process group); use --transfer naive "
             "or auto"
         )
-    if job.offload.low_bit_master == "recompute" and job.peft.peft != "none":
+    if job.offload.low_bit_master in ("recompute", "double") and job.peft.peft != "none":
         raise ValueError(
-            "--low-bit-master recompute rebuilds the masters of trained blocks that stream; an "
-            "adapter's stay on the device and its base is never updated: drop it"
+            f"--low-bit-master {job.offload.low_bit_master} places the masters of trained "
+            "blocks that stream; an adapter's stay on the device and its base is never "
+            "updated: drop it"
         )
     if job.offload.perturb_scope == "module" and job.peft.peft != "none":
         raise ValueError(

@@ -22,7 +22,7 @@ ESTIMATOR_NAMES = tuple(ESTIMATORS)
 OPTIMIZERS = ("sgd", "momentum", "adam")
 OPTIMIZER_STATES = ("auto", "recomputed", "stored")
 STATE_DTYPES = ("fp32", "bf16")
-LOW_BIT_MASTERS = ("buffer", "recompute")
+LOW_BIT_MASTERS = ("buffer", "double", "recompute")
 PERTURB_SCOPES = ("block", "module")
 MAX_MOMENTUM_WINDOW = 256  # noise draws per block per update
 
@@ -46,10 +46,13 @@ class ZOConfig:
     rank's share pipeline the sliced upload's copy with its all-gather.
     ``low_bit_master`` says where a trained block that crosses the link in a low-bit
     ``transfer_dtype`` keeps its float32 master while it computes: ``buffer`` (one
-    buffer the size of the largest block, the update applied once) or ``recompute`` (no
-    buffer: the master rebuilt ``noise_chunk`` elements at a time from the block's low-bit
-    copy for each pass and for the write-back, the update's noise drawn again each time;
-    the same trajectory bit for bit, one float32 block less device memory).
+    buffer the size of the largest block, the update applied once), ``double`` (two such
+    buffers: a block's stochastic rounding for its way back runs on the offload stream
+    while the next block computes, one float32 block more device memory) or
+    ``recompute`` (no buffer: the master rebuilt ``noise_chunk`` elements at a time from
+    the block's low-bit copy for each pass and for the write-back, the update's noise
+    drawn again each time; one float32 block less device memory). All three take the
+    same trajectory bit for bit.
     ``perturb_scope`` says how much of a block the passes hold perturbed at once:
     ``block`` (a scratch the size of the largest block, perturbed in one launch) or
     ``module`` (a scratch the size of its largest module, each module perturbed just
@@ -206,7 +209,8 @@ class ZOConfig:
             raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
 
     def _check_low_bit_master(self) -> None:
-        """A master rebuilt for each pass needs a low-bit transfer and a stateless update."""
+        """A master placed otherwise than in one buffer needs a low-bit transfer, and one
+        rebuilt for each pass a stateless update."""
         if self.low_bit_master not in LOW_BIT_MASTERS:
             raise ValueError(
                 f"low_bit_master must be one of {', '.join(LOW_BIT_MASTERS)}, got "
@@ -216,11 +220,11 @@ class ZOConfig:
             return
         if self.mode != "offload" or self.transfer_dtype == "fp32":
             raise ValueError(
-                "low_bit_master recompute rebuilds the float32 master of a block that travels in "
-                "a low-bit transfer_dtype; use mode offload with transfer_dtype bf16, fp16 or "
-                "fp8, or low_bit_master buffer"
+                f"low_bit_master {self.low_bit_master} places the float32 master of a block "
+                "that travels in a low-bit transfer_dtype; use mode offload with "
+                "transfer_dtype bf16, fp16 or fp8, or low_bit_master buffer"
             )
-        if self.stored_state:
+        if self.low_bit_master == "recompute" and self.stored_state:
             raise ValueError(
                 "low_bit_master recompute applies the update again for each pass, which stored "
                 "moments (Adam, optimizer_state stored) cannot take twice; use low_bit_master "
@@ -367,6 +371,12 @@ class ZOConfig:
         every offload (a low-bit transfer, bf16 moments): a step's result then depends on
         when it went back, so logged steps cannot be applied in one catch-up pass."""
         return self.transfer_dtype != "fp32" or self.state_dtype != "fp32"
+
+    @property
+    def master_buffers(self) -> int:
+        """The float32 buffers a low-bit block's master is rebuilt in while it computes
+        (``low_bit_master``): two where its rounding runs on the offload stream."""
+        return {"buffer": 1, "double": 2, "recompute": 0}[self.low_bit_master]
 
     @property
     def num_moments(self) -> int:

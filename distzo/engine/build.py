@@ -122,7 +122,7 @@ def store_maker(
             rounding_noise,
             config.transfer_chunks,
             read_only=read_only,
-            master_buffer=config.low_bit_master == "buffer",
+            master_buffers=config.master_buffers,
         )
 
     return streamed
@@ -169,6 +169,9 @@ def make_moments(
             rounding_noise,
             config.transfer_chunks,
             rounding_stream=ROUNDING_STREAM * (2 + k),
+            # a bf16 moment packs where its block does: as many buffers (never 0: stored
+            # moments refuse recompute)
+            master_buffers=config.master_buffers,
         )
         for k in range(len(names))
     ]

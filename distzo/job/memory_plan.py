@@ -258,14 +258,15 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     master, compute, wire = b.master, b.compute, b.wire
     if config.mode == "offload":
         host = sum(b.padded) // b.owners * wire
-        # K slots in the wire format; a trained low-bit block is rebuilt in the one master
-        # buffer while it computes (or a noise chunk of it at a time, without the buffer);
-        # a frozen base's stays in the wire format (read, upcast into its compute scratch)
+        # K slots in the wire format; a trained low-bit block is rebuilt in a master
+        # buffer while it computes (two where it packs on the offload stream; a noise chunk
+        # of it at a time, without one); a frozen base's stays in the wire format (read,
+        # upcast into its compute scratch)
         biggest = max(b.padded)
         rebuilt = 0
         if b.resident_base is None and wire != master:
-            whole = config.low_bit_master == "buffer"
-            rebuilt = (biggest if whole else min(config.noise_chunk, biggest)) * master
+            buffers = config.master_buffers
+            rebuilt = (buffers * biggest if buffers else min(config.noise_chunk, biggest)) * master
         blocks = biggest * config.num_slots * wire + rebuilt
     else:
         host, blocks = 0, sum(layout.numel for layout in b.streamed) * master
@@ -423,8 +424,8 @@ def _state_bytes(
         return 0, 0
     if streams:
         host = moments * (sum(padded) // owners) * state_wire
-        # K slots in the state dtype, and a low-bit moment's one master buffer
-        rebuilt = master if state_wire != master else 0
+        # K slots in the state dtype, and a low-bit moment's master buffers (its blocks')
+        rebuilt = config.master_buffers * master if state_wire != master else 0
         blocks = moments * max(padded) * (config.num_slots * state_wire + rebuilt)
     else:
         host, blocks = 0, moments * sum(layout.numel for layout in layouts) * master

@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
         "--low-bit-master",
         default="buffer",
         choices=LOW_BIT_MASTERS,
-        help="a low-bit block's float32 master: one buffer, or rebuilt a chunk at a time",
+        help="a low-bit block's float32 master: one buffer, two (rounded on the offload "
+        "stream), or rebuilt a chunk at a time",
     )
     parser.add_argument(
         "--perturb-scope",
@@ -109,7 +110,11 @@ def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int, confi
     # a step's passes, named where they are not MeZO's two (one hidden state each)
     passes = len(config.step_passes())
     step = "" if passes == 2 else f"{config.estimator} with {passes} passes per step, "
-    master = "" if config.low_bit_master == "buffer" else "block masters recomputed, "
+    master = {
+        "buffer": "",
+        "double": "block masters double-buffered, ",
+        "recompute": "block masters recomputed, ",
+    }[config.low_bit_master]
     master += "" if config.perturb_scope == "block" else "perturbed module by module, "
     out = [
         f"{args.model_config}, {args.nproc} GPUs on one node, dp {dp} x pert {args.pert}, "

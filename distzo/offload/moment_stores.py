@@ -66,6 +66,12 @@ class CarriedStore:
     def num_slots(self) -> int:
         return self.weights.num_slots
 
+    @property
+    def packs_on_offload(self) -> bool:
+        """Where the weights pack, the moments do too: a low-bit moment is made with as many
+        master buffers as its blocks (``engine.build.make_moments``)."""
+        return self.weights.packs_on_offload
+
     def upload(self, index: int) -> None:
         self.weights.upload(index)
         if self.carry:

@@ -10,7 +10,10 @@ the same FIFO stream.
 
 Around each compute, on the compute stream, the store unpacks block i's master from its
 slot and packs it back when the block is done (a low-bit store's one float32 buffer,
-reused by the next block only after the pack, by the stream's order).
+reused by the next block only after the pack, by the stream's order). A store that
+``packs_on_offload`` has two buffers and packs block i on the offload stream, before its
+copy, while block i + 1 computes in the other buffer; then a fourth rule:
+  unpack(i)   waits pack(i - 2)       -- master buffer i % 2 is free again
 
 A pass that changes no block (an evaluation forward, a decoding step: no pending
 update) skips the offloads, whose host copies are already right: then a slot is free
@@ -36,6 +39,9 @@ class BlockScheduler:
         # Per slot: the event after which the slot's last block has been offloaded.
         # Kept across steps so step t+1's first uploads wait for step t's last offloads.
         self._slot_free: list[torch.cuda.Event | None] = [None] * store.num_slots
+        # Per master buffer (a store that packs on the offload stream has two): the event
+        # after which its last block was packed, kept across steps like the slots'.
+        self._master_free: list[torch.cuda.Event | None] = [None, None]
         self.timeline: Timeline | None = None
 
     def _phase(self, phase: str, block: int, work: Callable[[], None]) -> None:
@@ -73,12 +79,23 @@ class BlockScheduler:
             with s.on("compute"):
                 self._phase("compute", PROLOGUE, prologue)
 
+        # the master exists on the device from unpack to pack: on the compute stream alone,
+        # or handed to the offload stream for its pack while the next block computes
+        apart = self.store.packs_on_offload
+
         def compute_block(i: int) -> None:
-            # the master exists on the device from unpack to pack, on this stream alone
+            if apart:
+                s.wait("compute", self._master_free[i % 2])
             self.store.unpack(i)
             compute(i, self.store.device_bucket(i))
-            if offload:
+            if offload and not apart:
                 self.store.pack(i)
+
+        def offload_block(i: int) -> None:
+            if apart:
+                self.store.pack(i)
+                self._master_free[i % 2] = s.record("offload")
+            self.store.offload(i)
 
         for i in range(n):
             with s.on("compute"):
@@ -88,7 +105,7 @@ class BlockScheduler:
             if offload:
                 with s.on("offload"):
                     s.wait("offload", computed)
-                    self._phase("offload", i, lambda: self.store.offload(i))
+                    self._phase("offload", i, lambda: offload_block(i))
                     self._slot_free[i % k] = s.record("offload")
             else:
                 self._slot_free[i % k] = computed

@@ -18,10 +18,14 @@ lives only while its block computes: ``unpack`` rebuilds it from the wire slot (
 on the compute stream before the update, ``pack`` rounds it stochastically back into the
 wire slot (see ``low_bit``) before the next block's ``unpack``, and ``offload`` copies the
 wire slot to the host. K fp32 slots would cost K - 1 more blocks of device memory (3 x
-2.4 GB at OPT-30B) for the same arithmetic. Without the master buffer
-(``master_buffer=False``), the block computes from its wire slot, which keeps the values
-at rest until the block is done: whoever computes rebuilds the master a piece at a time
-where it reads it, and hands the rebuilt pieces to ``round_piece`` for the way back.
+2.4 GB at OPT-30B) for the same arithmetic. With two master buffers
+(``master_buffers=2``, ``packs_on_offload``) block i's ``pack`` runs on the offload
+stream instead, while block i + 1 computes in the other buffer (where ZO2 compresses a
+block for its way back): one fp32 block more for the rounding off the compute stream.
+Without a master buffer (``master_buffers=0``), the block computes from its wire slot,
+which keeps the values at rest until the block is done: whoever computes rebuilds the
+master a piece at a time where it reads it, and hands the rebuilt pieces to
+``round_piece`` for the way back.
 
 ``read_only``: the frozen base of an adapter run. Blocks only go up; nothing is ever
 written back, so a low-bit host copy is rounded once, to nearest, when it is loaded.
@@ -72,10 +76,12 @@ class StreamedBlocks:
         chunks: int = 1,
         read_only: bool = False,
         rounding_stream: int = ROUNDING_STREAM,
-        master_buffer: bool = True,
+        master_buffers: int = 1,
     ) -> None:
         if chunks < 1:
             raise ValueError(f"transfer chunks must be >= 1, got {chunks}")
+        if master_buffers not in (0, 1, 2):
+            raise ValueError(f"master_buffers must be 0, 1 or 2, got {master_buffers}")
         device = torch.device(device)
         self.layouts = layouts
         self.shard = shard if shard is not None else Shard(None, 0, 1)
@@ -115,16 +121,21 @@ class StreamedBlocks:
         biggest = max(self.padded)
         # The K slots hold what crosses the link: uploads land there, offloads leave from
         # there. Where that is a low-bit wire of a trained store, the block computes in
-        # ``unpacked``, one buffer of the master dtype for all K slots; otherwise (full
-        # precision, or a frozen base whose reader upcasts) the slot is what computes.
+        # ``unpacked``, one buffer of the master dtype for all K slots (two where the
+        # rounding runs on the offload stream); otherwise (full precision, or a frozen base
+        # whose reader upcasts) the slot is what computes.
         self.slots = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
+        trained_low_bit = self.low_bit and not read_only
         # A trained low-bit store without the buffer has its master rebuilt by the caller.
-        self.rebuilds = self.low_bit and not read_only and not master_buffer
+        self.rebuilds = trained_low_bit and master_buffers == 0
         self.unpacked = (
-            DeviceSlots(1, biggest, device, master_dtype)
-            if self.low_bit and not read_only and master_buffer
+            DeviceSlots(master_buffers, biggest, device, master_dtype)
+            if trained_low_bit and master_buffers
             else None
         )
+        # Two buffers: block i's pack runs on the offload stream while block i + 1
+        # computes in the other one (the scheduler orders both uses of each buffer).
+        self.packs_on_offload = self.unpacked is not None and len(self.unpacked) == 2
         self.num_slots = num_slots
         self._non_blocking = pin
 
@@ -185,7 +196,8 @@ class StreamedBlocks:
     def pack(self, index: int) -> None:
         """The updated master back into the wire format, this rank's pieces (what
         ``offload`` copies): rounded stochastically, keyed by the element's place in the
-        block, while the master buffer still holds this block."""
+        block, while the master buffer still holds this block (on the compute stream, or
+        the offload stream where ``packs_on_offload``)."""
         if self.unpacked is None:
             return
         master, wire = self._unpacked(index), self.wire(index)

@@ -164,9 +164,11 @@ def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
     """Masters rebuilt per pass, bit for bit the buffered steps: bf16 and fp16 through the
     fused rebuild_perturb and rebuild_round kernels, fp8 through the update, perturbation
     and rounding kernels a chunk at a time (chunks of 1,000: pieces start off every tile);
-    evaluations (unperturbed passes) through the pieces for all three."""
+    evaluations (unperturbed passes) through the pieces for all three. And masters in two
+    buffers, each block's rounding on the offload stream while the next computes: the
+    same bits, so no block read a buffer the other stream was still writing."""
     runs = {}
-    for master in ("buffer", "recompute"):
+    for master in ("buffer", "recompute", "double"):
         model = tiny_opt(seed=0, num_hidden_layers=4)
         config = ZOConfig(
             device="cuda",
@@ -184,8 +186,9 @@ def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
         losses.append(engine.step(random_batch(64, seed=10)).loss)
         engine.flush()
         runs[master] = (losses, engine.store.host_storage.view(torch.uint8).clone())
-    assert runs["recompute"][0] == runs["buffer"][0]
-    assert torch.equal(runs["recompute"][1], runs["buffer"][1])
+    for master in ("recompute", "double"):
+        assert runs[master][0] == runs["buffer"][0], master
+        assert torch.equal(runs[master][1], runs["buffer"][1]), master
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -238,6 +241,7 @@ def test_memory_plan_matches_what_cuda_allocates():
         ZOConfig(device="cuda", seed=0),
         ZOConfig(device="cuda", seed=0, transfer_dtype="bf16", compute_dtype="bf16"),
         ZOConfig(device="cuda", seed=0, **rebuilt),
+        ZOConfig(device="cuda", seed=0, **(rebuilt | {"low_bit_master": "double"})),
         ZOConfig(device="cuda", seed=0, optimizer="adam", state_dtype="bf16"),
         ZOConfig(device="cuda", seed=0, perturb_scope="module", **rebuilt),
     ):
@@ -569,6 +573,37 @@ def follows_the_cpu_and_never_syncs_early(build, steps):
     gpu.step(batch)
     gpu._finish_step(*queued_without_a_sync(gpu, batch))
     return gpu
+
+
+def test_blocks_rounded_on_the_offload_stream_race_with_nothing_on_gpu():
+    """Blocks wide enough for a rounding to overlap the next block's compute (6 layers of
+    width 1024: 12.6 M elements a block), fp16 on the wire, Adam with bf16 moments: the
+    double-buffered masters' steps and bits at rest are the one buffer's, weights and
+    moments alike, so no buffer was rewritten while its pack still read it."""
+    runs = {}
+    for master in ("buffer", "double"):
+        model = tiny_opt(
+            seed=0, num_hidden_layers=6, hidden_size=1024, ffn_dim=4096, word_embed_proj_dim=1024
+        )
+        config = ZOConfig(
+            device="cuda",
+            transfer_dtype="fp16",
+            compute_dtype="fp16",
+            low_bit_master=master,
+            optimizer="adam",
+            state_dtype="bf16",
+            lr=1e-4,
+            eps=1e-3,
+            seed=0,
+        )
+        engine = ZOEngine(model, config)
+        losses = [engine.step(random_batch(64, batch=8, seq=64, seed=i)).loss for i in range(4)]
+        engine.flush()
+        stores = [engine.store, *engine.moments.blocks]
+        runs[master] = (losses, [s.host_storage.view(torch.uint8).clone() for s in stores])
+        del engine, model
+    assert runs["double"][0] == runs["buffer"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["double"][1], runs["buffer"][1]))
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])

@@ -1,5 +1,6 @@
 """A low-bit block's master rebuilt a chunk at a time (``low_bit_master="recompute"``):
-the buffered trajectory bit for bit, without the float32 block on the device."""
+the buffered trajectory bit for bit, without the float32 block on the device; and in two
+buffers, rounded on the offload stream (``"double"``): the same trajectory again."""
 
 import pytest
 import torch
@@ -87,6 +88,46 @@ def test_recomputed_masters_follow_the_buffered_trajectory_bit_for_bit(options):
     assert "masters rebuilt" not in describe(buffered, torch.float32)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"transfer_dtype": "fp16", "weight_decay": 0.1, "noise_chunk": 1000},
+        {"transfer_dtype": "bf16", "optimizer": "adam", "state_dtype": "bf16", "num_slots": 2},
+    ],
+    ids=["fp16-decay", "adam-bf16-moments-2-slots"],
+)
+def test_double_buffered_masters_follow_the_buffered_trajectory_bit_for_bit(options):
+    """The rounding moved to the offload stream changes where it runs, not what it
+    rounds: the same losses and the same bits at rest, bf16 moments included (they pack
+    where their blocks pack, in two buffers of their own), for one float32 block more."""
+    buffered, losses = trajectory("buffer", **options)
+    double, double_losses = trajectory("double", **options)
+    assert double_losses == losses
+    assert len(set(losses)) == len(losses)
+    at_rest = buffered.store.host_storage.view(torch.uint8)
+    assert torch.equal(double.store.host_storage.view(torch.uint8), at_rest)
+    assert torch.equal(double.resident_master, buffered.resident_master)
+    store = double.store
+    assert store.packs_on_offload and not buffered.store.packs_on_offload
+    assert double.scheduler.store.packs_on_offload
+    biggest = max(store.padded)
+    assert store.device_bytes - buffered.store.device_bytes == biggest * 4
+    for moment, reference in zip(double.moments.blocks, buffered.moments.blocks):
+        assert moment.packs_on_offload and len(moment.unpacked) == 2
+        bits = reference.host_storage.view(torch.uint8)
+        assert torch.equal(moment.host_storage.view(torch.uint8), bits)
+    assert "rounded on the offload stream" in describe(double, torch.float32)
+    # the memory plan counts the second buffer of the weights and of each bf16 moment
+    from distzo.job.memory_plan import plan_memory
+
+    plans = [
+        plan_memory(tiny_opt(seed=0), engine.config, 1, False, batch=8, seq=8)
+        for engine in (buffered, double)
+    ]
+    moments = len(double.moments.blocks)
+    assert plans[1].device_bytes - plans[0].device_bytes == (1 + moments) * biggest * 4
+
+
 def test_round_piece_rounds_the_pieces_a_rank_owns_as_pack_does():
     """A sliced rank's write-back from rebuilt pieces: its own pieces of the slot rounded
     bit for bit as from the buffer, the other rank's pieces left as they arrived."""
@@ -102,7 +143,7 @@ def test_round_piece_rounds_the_pieces_a_rank_owns_as_pack_does():
             Shard(None, 1, 2),
             rounding,
             chunks=2,
-            master_buffer=buffer,
+            master_buffers=1 if buffer else 0,
         )
         store.step = 4
         wire = store.wire(0)
@@ -137,7 +178,7 @@ def test_round_piece_rounds_the_pieces_a_rank_owns_as_pack_does():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"low_bit_master": "none"}, "low_bit_master must be one of buffer, recompute"),
+        ({"low_bit_master": "none"}, "must be one of buffer, double, recompute"),
         ({"low_bit_master": "recompute"}, "use mode offload with transfer_dtype bf16"),
         (
             {"low_bit_master": "recompute", "mode": "resident", "transfer_dtype": "fp32"},
@@ -147,6 +188,7 @@ def test_round_piece_rounds_the_pieces_a_rank_owns_as_pack_does():
             {"low_bit_master": "recompute", "transfer_dtype": "bf16", "optimizer": "adam"},
             "stored moments",
         ),
+        ({"low_bit_master": "double"}, "low_bit_master double places the float32 master"),
     ],
 )
 def test_a_recomputed_master_needs_a_low_bit_transfer_and_a_stateless_update(options, message):
@@ -155,13 +197,14 @@ def test_a_recomputed_master_needs_a_low_bit_transfer_and_a_stateless_update(opt
     assert "\n" not in str(info.value)
 
 
-def test_an_adapter_run_refuses_recomputed_masters():
+@pytest.mark.parametrize("master", ["recompute", "double"])
+def test_an_adapter_run_refuses_a_master_placed_otherwise(master):
     proc = train_in_process(
-        ["--peft", "lora", "--transfer-dtype", "bf16", "--low-bit-master", "recompute"]
+        ["--peft", "lora", "--transfer-dtype", "bf16", "--low-bit-master", master]
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--low-bit-master recompute" in lines[0], proc.stderr
+    assert len(lines) == 1 and f"--low-bit-master {master} places" in lines[0], proc.stderr
 
 
 def fallbacks_of(*flags):

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -5,8 +7,9 @@ from distzo.offload import BlockScheduler, Streams, Timeline
 
 
 class RecordingStore:
-    def __init__(self, num_slots):
+    def __init__(self, num_slots, packs_on_offload=False):
         self.num_slots = num_slots
+        self.packs_on_offload = packs_on_offload
         self.log = []
 
     def upload(self, i):
@@ -63,3 +66,101 @@ def test_timeline_records_every_phase_of_every_block():
     assert all(s.ms >= 0 for s in spans)
     # on CPU the phase runs in the call: the host's time in it is the span
     assert all(s.host_ms == pytest.approx(s.ms, abs=1e-5) for s in spans)
+
+
+class StandInStreams(Streams):
+    """CUDA's stream rules kept on the host: each phase a FIFO queue of the ops queued on it,
+    an event a position in one queue, a wait an op that holds its queue until everything
+    before the event's position has run. The work itself runs at once; ``before`` says
+    what the queues and waits guarantee to run first on a device."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.is_async = True
+        self.queues = {phase: [] for phase in ("upload", "compute", "offload")}
+        self.current = "compute"
+
+    @contextlib.contextmanager
+    def on(self, phase):
+        outer, self.current = self.current, phase
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def record(self, phase, timing=False):
+        return (phase, len(self.queues[phase]))
+
+    def wait(self, phase, event):
+        if event is not None:
+            self.queues[phase].append(("wait", event))
+
+    def queue(self, op):
+        self.queues[self.current].append(op)
+
+    def where(self, op):
+        (place,) = [(p, i) for p, ops in self.queues.items() for i, o in enumerate(ops) if o == op]
+        return place
+
+    def before(self, a, b):
+        """Whether op ``a`` must have run before op ``b`` starts, on any device."""
+        target, seen, todo = self.where(a), set(), [self.where(b)]
+        while todo:  # walk back from b along its queue and across every wait
+            phase, i = todo.pop()
+            for j in range(i - 1, -1, -1):
+                if (phase, j) == target:
+                    return True
+                op = self.queues[phase][j]
+                if op[0] == "wait" and op[1] not in seen:
+                    seen.add(op[1])
+                    src, n = op[1]
+                    todo.append((src, n))
+        return False
+
+
+class QueuedStore(RecordingStore):
+    """A store whose ops land on the stand-in stream they were queued on, one name per
+    (op, block, step)."""
+
+    def __init__(self, streams, num_slots, packs_on_offload):
+        super().__init__(num_slots, packs_on_offload)
+        self.streams, self.step = streams, 0
+        for op in ("upload", "unpack", "pack", "offload"):
+            setattr(self, op, lambda i, op=op: streams.queue((op, i, self.step)))
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("apart", [False, True])
+def test_each_master_buffer_is_packed_before_the_block_after_next_unpacks_into_it(slots, apart):
+    """A low-bit store's master buffers, on CUDA's rules: with one, pack(i) precedes
+    unpack(i + 1) on the compute stream; with two (``packs_on_offload``), pack(i) runs on
+    the offload stream, after block i's compute and before its copy, and unpack(i + 2)
+    waits for it, across the step's end too (where an odd count of blocks gives block 0
+    the last block's buffer), while block i + 1 computes without waiting."""
+    streams, n = StandInStreams(), 5
+    store = QueuedStore(streams, slots, apart)
+    scheduler = BlockScheduler(store, streams, n)
+
+    def compute(i, bucket):
+        streams.queue(("compute", i, store.step))
+
+    for step in range(2):
+        store.step = step
+        scheduler.run(compute)
+    order = [(i, step) for step in range(2) for i in range(n)]  # the blocks' visits in turn
+    for k, (i, step) in enumerate(order):
+        pack = ("pack", i, step)
+        assert streams.where(pack)[0] == ("offload" if apart else "compute")
+        assert streams.before(("compute", i, step), pack)
+        assert streams.before(pack, ("offload", i, step))
+        buffers = 2 if apart else 1  # block i computes in buffer i % buffers
+        after = [(j, t) for j, t in order[k + 1 :] if j % buffers == i % buffers]
+        if after:  # the next visit to the same master buffer
+            assert streams.before(pack, ("unpack", *after[0]))
+        if apart and slots > 1 and k + 1 < len(order) and order[k + 1][0] % 2 != i % 2:
+            # the rounding overlaps the next block's compute, in the other buffer (one slot
+            # overlaps nothing: block i + 1's upload waits for block i's offload)
+            assert not streams.before(pack, ("compute", *order[k + 1]))
+        if k >= slots:  # the slot holds block i only after block k - K has left it
+            j, earlier = order[k - slots]
+            assert streams.before(("offload", j, earlier), ("upload", i, step))

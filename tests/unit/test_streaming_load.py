@@ -72,6 +72,7 @@ def test_the_plan_counts_what_the_engine_allocates(tmp_path):
         ZOConfig(device="cpu", num_slots=3),
         ZOConfig(device="cpu", transfer_dtype="bf16"),
         ZOConfig(device="cpu", transfer_dtype="bf16", low_bit_master="recompute", noise_chunk=999),
+        ZOConfig(device="cpu", transfer_dtype="bf16", low_bit_master="double"),
         ZOConfig(device="cpu", noise="legacy"),
     )
     for config in configs:
