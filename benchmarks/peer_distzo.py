@@ -8,7 +8,9 @@
 Systems: ``distzo-resident`` (MeZO: every weight on the device), ``distzo-offload``
 (blocks in host memory, streamed through the default slots), ``distzo-offload-recompute``
 (the same steps, the block's float32 master rebuilt a chunk at a time from its low-bit
-copy instead of held in a buffer the size of a block), ``distzo-offload-half``
+copy instead of held in a buffer the size of a block), ``distzo-offload-double`` (the
+same steps, the master's rounding for the way back on the offload stream while the next
+block computes, in a second such buffer), ``distzo-offload-half``
 (the same with the model held in ``--dtype``, fp16 or bf16, as ZO2 holds its model: no
 float32 masters, each update rounded to nearest in that dtype as ZO2's) and, on 2 ranks,
 ``distzo-sliced`` (PertP over the 2 ranks, each uploading its half of every block and
@@ -47,10 +49,13 @@ SYSTEMS = (
     "distzo-resident",
     "distzo-offload",
     "distzo-offload-recompute",
+    "distzo-offload-double",
     "distzo-offload-half",
     "distzo-sliced",
 )
 HALF_MASTERS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# the systems that place a low-bit block's float32 master otherwise than in one buffer
+LOW_BIT_MASTER = {"distzo-offload-recompute": "recompute", "distzo-offload-double": "double"}
 # The timeline steps a phases request takes, the median kept: one step of a busy machine
 # can be an outlier (the noise is timed over one more step).
 PHASE_STEPS = 3
@@ -171,7 +176,7 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         compute_dtype=args.dtype,
         transfer="sliced" if system == "distzo-sliced" else "auto",
         transfer_dtype=transfer_dtype if mode == "offload" else "fp32",
-        low_bit_master="recompute" if system == "distzo-offload-recompute" else "buffer",
+        low_bit_master=LOW_BIT_MASTER.get(system, "buffer"),
         perturb_scope=args.perturb_scope,
     )
     model = skeleton(config, HALF_MASTERS[args.dtype] if half else torch.float32)

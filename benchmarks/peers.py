@@ -14,6 +14,8 @@ from the ZO2 checkout given by ``--zo2`` and run by ``benchmarks/peer_zo2.py`` u
 ``--zo2-python`` (ZO2 needs transformers 4.51); ``distzo-resident``, ``distzo-offload``
 (float32 masters), ``distzo-offload-recompute`` (the same steps with a low-bit link, the
 block's float32 master rebuilt a chunk at a time instead of held in a block-sized buffer),
+``distzo-offload-double`` (the same steps, the master's rounding on the offload stream
+while the next block computes in a second buffer; asked for by ``--systems`` only),
 ``distzo-offload-half`` (with a 16-bit ``--dtype``: the masters in it, as ZO2 holds its
 model) and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks under torchrun), run
 by ``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD`` speaking the protocol.
@@ -74,7 +76,11 @@ ZO2_SYSTEMS = ("zo2-mezo", "zo2-offload")
 HALF = "distzo-offload-half"
 # distzo-offload without the block-sized float32 master (a low-bit link only)
 RECOMPUTE = "distzo-offload-recompute"
-DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", RECOMPUTE, HALF, "distzo-sliced")
+# distzo-offload with the master's rounding on the offload stream (a low-bit link only)
+DOUBLE = "distzo-offload-double"
+# the systems whose low-bit link has a float32 master to place otherwise
+LOW_BIT_ONLY = (RECOMPUTE, DOUBLE)
+DISTZO_SYSTEMS = ("distzo-resident", "distzo-offload", RECOMPUTE, DOUBLE, HALF, "distzo-sliced")
 BUILTIN = ZO2_SYSTEMS + DISTZO_SYSTEMS
 # (numerator, denominator) of every ratio reported when both systems ran
 PAIRS = (
@@ -86,6 +92,9 @@ PAIRS = (
     ("distzo-sliced", "distzo-offload"),
     (RECOMPUTE, "zo2-offload"),
     (RECOMPUTE, "distzo-offload"),
+    (DOUBLE, "zo2-offload"),
+    (DOUBLE, "distzo-offload"),
+    (DOUBLE, "distzo-resident"),
     (HALF, "zo2-offload"),
     (HALF, "distzo-offload"),
 )
@@ -98,7 +107,9 @@ TARGETS = {
     "cuda": {
         ("distzo-offload", "zo2-offload"): 1.2,
         (RECOMPUTE, "zo2-offload"): 1.2,
+        (DOUBLE, "zo2-offload"): 1.2,
         ("distzo-offload", "distzo-resident"): 0.97,
+        (DOUBLE, "distzo-resident"): 0.97,
     },
 }
 # peak device memory, at most; distzo-offload-half is the comparison at ZO2's precision
@@ -106,6 +117,7 @@ MEMORY_TARGETS = {
     "cuda": {
         ("distzo-offload", "zo2-offload"): 1.0,
         (RECOMPUTE, "zo2-offload"): 1.0,
+        (DOUBLE, "zo2-offload"): 1.0,
         (HALF, "zo2-offload"): 1.0,
     }
 }
@@ -381,10 +393,12 @@ def choose_systems(args: argparse.Namespace) -> tuple[list[System], list[str]]:
                 f"peers.py: --systems {HALF} keeps the masters in --dtype, and at fp32 it is "
                 "distzo-offload: use --dtype fp16 or bf16, or drop it"
             )
-        if RECOMPUTE in names and distzo_wire(args) == "fp32":
+        low_bit_only = [n for n in names if n in LOW_BIT_ONLY]
+        if low_bit_only and distzo_wire(args) == "fp32":
             raise SystemExit(
-                f"peers.py: --systems {RECOMPUTE} rebuilds the master of a block that travels "
-                "in 16 bits: use --dtype fp16 or bf16 (or --distzo-transfer-dtype), or drop it"
+                f"peers.py: --systems {low_bit_only[0]} places the master of a block that "
+                "travels in 16 bits: use --dtype fp16 or bf16 (or --distzo-transfer-dtype), or "
+                "drop it"
             )
         if "distzo-sliced" in names and args.device == "cuda" and cuda_devices < 2:
             names.remove("distzo-sliced")
@@ -619,7 +633,8 @@ def profile_disagrees(run: Run) -> str | None:
 
 def compute_against(measured: dict[str, float], name: str, other: dict[str, float]) -> str:
     """A compute-bound block's compute beside ``name``'s, and the parts that differ: the
-    noise, the master's upcast and rounding, the rest (the forwards)."""
+    noise, the master's upcast and rounding (the upcast alone where the rounding runs on
+    the offload stream), the rest (the forwards)."""
 
     def parts(p: dict[str, float]) -> tuple[float, float, float, float]:
         compute, noise = p["compute_ms_per_block"], p["noise_ms_per_block"]
@@ -627,10 +642,12 @@ def compute_against(measured: dict[str, float], name: str, other: dict[str, floa
         return compute, noise, master, compute - noise - master
 
     mine, theirs = parts(measured), parts(other)
+    # the compute's part of the master: its rounding too, unless the offload stream's
+    master = "upcast" if measured.get("offload_rounding_ms") else "upcast and rounding"
     diff = [f"{a - b:+.3g}" for a, b in zip(mine, theirs)]
     return (
         f"its compute per block {mine[0]:.3g} ms against {name}'s {theirs[0]:.3g} ({diff[0]} "
-        f"ms: noise {diff[1]}, the master's upcast and rounding {diff[2]}, the forwards and "
+        f"ms: noise {diff[1]}, the master's {master} {diff[2]}, the forwards and "
         f"the rest {diff[3]})"
     )
 

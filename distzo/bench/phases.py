@@ -9,7 +9,9 @@ ran the work, and the host's clock around each call: how long it took to queue i
 outlier; and one that times each of the engine's own noise calls between two device syncs
 (the perturbations, ``theta + eps z`` into the scratch, and the updates, z redrawn and
 applied, momentum and Adam included), and the low-bit store's ``unpack`` and ``pack`` (the
-master buffer's upcast from the wire and its rounding back). A master rebuilt from its
+master buffer's upcast from the wire and its rounding back: part of the compute, or the
+rounding part of the offload where the store packs on the offload stream,
+``--low-bit-master double``). A master rebuilt from its
 16-bit copy (``--low-bit-master recompute``) counts its fused kernels: each pass's rebuild
 and perturbation as a perturbation, the write-back's rebuild, update and rounding as an
 update.
@@ -132,10 +134,13 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
     """One step's noise per block (ms): its perturbations and its updates, each the
     engine's own call timed alone, and how many calls of each a block takes; the resident
     bucket's noise (embedding, head) apart; and the store's unpack and pack per block (a
-    low-bit wire's master buffer: the upcast and the rounding back; nothing elsewhere)."""
+    low-bit wire's master buffer: the upcast and the rounding back; nothing elsewhere):
+    ``master_ms_per_block`` what of them the compute stream runs, ``offload_rounding_ms``
+    the rounding a store that packs on the offload stream runs there."""
     perturbs: list[tuple[int, float]] = []
     updates: list[tuple[int, float]] = []
-    master: list[tuple[int, float]] = []
+    unpacks: list[tuple[int, float]] = []
+    packs: list[tuple[int, float]] = []
     device = engine.device
     with ExitStack() as timed:
         for obj, name, calls in (
@@ -147,11 +152,12 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
             timed.enter_context(_timed_calls(obj, name, device, calls))
         # only where the blocks' store holds a master buffer: elsewhere both are no-ops
         if getattr(engine.store, "unpacked", None) is not None:
-            for name in ("unpack", "pack"):
+            for name, calls in (("unpack", unpacks), ("pack", packs)):
                 timed.enter_context(
-                    _timed_calls(engine.scheduler.store, name, device, master, _store_block)
+                    _timed_calls(engine.scheduler.store, name, device, calls, _store_block)
                 )
         engine.step(batch)
+    apart = engine.scheduler.store.packs_on_offload
     n = len(engine.blocks)
 
     def per_block(calls: list[tuple[int, float]]) -> tuple[float, float]:
@@ -160,11 +166,13 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
 
     perturb_ms, perturb_calls = per_block(perturbs)
     update_ms, update_calls = per_block(updates)
+    unpack_ms, pack_ms = per_block(unpacks)[0], per_block(packs)[0]
     return {
         "perturb_ms_per_block": perturb_ms,
         "update_ms_per_block": update_ms,
         "noise_ms_per_block": perturb_ms + update_ms,
-        "master_ms_per_block": per_block(master)[0],
+        "master_ms_per_block": unpack_ms + (0.0 if apart else pack_ms),
+        "offload_rounding_ms": pack_ms if apart else 0.0,
         "perturbs_per_block": perturb_calls,
         "updates_per_block": update_calls,
         "resident_noise_ms": sum(t for b, t in perturbs + updates if not 1 <= b <= n),
@@ -207,18 +215,23 @@ def bound_by(phases: Mapping[str, float]) -> str:
 def describe_phases(name: str, phases: Mapping[str, float]) -> str:
     """One line for a report: the phases per block, the period and what bounds it."""
     master = phases.get("master_ms_per_block", 0.0)
+    rounding = phases.get("offload_rounding_ms", 0.0)
     inside = f"noise {phases['noise_ms_per_block']:.3g} ms of it: " + (
         f"{_count(phases['perturbs_per_block'], 'perturbation')} and "
         f"{_count(phases['updates_per_block'], 'update')}"
     )
     if master > 0:
-        inside += f"; the master's upcast and rounding {master:.3g} ms"
+        what = "upcast" if rounding > 0 else "upcast and rounding"
+        inside += f"; the master's {what} {master:.3g} ms"
     if phases.get("async_streams"):
         inside += f"; queued by the host in {phases.get('host_ms_per_block', 0.0):.3g} ms"
+    offload = f"{phases['offload_ms_per_block']:.3g} ms"
+    if rounding > 0:
+        offload += f" (the master's rounding {rounding:.3g} ms of it)"
     return (
         f"{name} per block: upload {phases['upload_ms_per_block']:.3g} ms, compute "
         f"{phases['compute_ms_per_block']:.3g} ms ({inside}), offload "
-        f"{phases['offload_ms_per_block']:.3g} ms; the stream model's period "
+        f"{offload}; the stream model's period "
         f"{phases['model_ms_per_block']:.3g} ms, measured {phases['pipelined_ms_per_block']:.3g} "
         f"ms (eta {phases['eta']:.2f}): bound by {bound_by(phases)}. Of the step's "
         f"{phases['step_ms']:.3g} ms, the {phases['blocks']:g} blocks take "

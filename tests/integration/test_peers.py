@@ -450,6 +450,15 @@ def test_a_compute_bound_miss_against_resident_says_what_the_compute_adds():
         "ms against distzo-resident's 2.2 (+0.43 ms: noise -0.115, the master's upcast and "
         "rounding +0.3, the forwards and the rest +0.245)"
     )
+    # double-buffered, the compute keeps the upcast alone: the note names that part so
+    double = run(
+        "distzo-offload-double",
+        phases(1.99, 2.4, 2.2, 0.925) | {"master_ms_per_block": 0.1, "offload_rounding_ms": 0.2},
+    )
+    derived = {"distzo-offload-double_vs_distzo-resident": 0.92}
+    assert peers.phase_notes([resident, double], derived, "cuda")[-1].endswith(
+        "(+0.2 ms: noise -0.115, the master's upcast +0.1, the forwards and the rest +0.215)"
+    )
 
 
 def test_a_profile_unlike_the_timed_steps_is_said_so():
@@ -537,7 +546,14 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     assert rebuilt.engine.rebuilt is not None and full.engine.rebuilt is None
     biggest = max(full.engine.store.padded)
     assert full.engine.store.device_bytes - rebuilt.engine.store.device_bytes == biggest * 4
-    assert [rebuilt.step() for _ in range(2)] == [full.step() for _ in range(2)]
+    # (the third step's losses read the rounding of the second's update)
+    reference = [full.step() for _ in range(3)]
+    assert [rebuilt.step() for _ in range(3)] == reference
+    # the rounding on the offload stream: the same steps, one float32 block more
+    double = built("distzo-offload-double")
+    assert double.engine.store.packs_on_offload and not full.engine.store.packs_on_offload
+    assert double.engine.store.device_bytes - full.engine.store.device_bytes == biggest * 4
+    assert [double.step() for _ in range(3)] == reference
     # each block perturbed module by module: the same steps, a smaller scratch
     by_module, whole = built("distzo-offload-half", "module"), built("distzo-offload-half")
     assert by_module.engine.config.perturb_scope == "module"
@@ -552,7 +568,7 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
 
     out = tmp_path / "peers.json"
     bf16 = [*TINY, "--dtype", "bf16", "--warmup", "0", "--distzo-perturb-scope", "module"]
-    names = "distzo-offload,distzo-offload-recompute,distzo-offload-half"
+    names = "distzo-offload,distzo-offload-recompute,distzo-offload-double,distzo-offload-half"
     proc = harness(*bf16, "--systems", names, "--rounds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -561,7 +577,12 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     assert any("--distzo-perturb-scope module" in note for note in data.get("notes", [])), data
     assert data["derived"]["distzo-offload-half_vs_distzo-offload"] > 0
     assert data["derived"]["distzo-offload-recompute_vs_distzo-offload"] > 0
+    assert data["derived"]["distzo-offload-double_vs_distzo-offload"] > 0
+    # the double-buffered master's rounding is timed on the offload stream, not the compute
+    double = next(n for n in data["notes"] if n.startswith("distzo-offload-double per block"))
+    assert "the master's upcast " in double and "the master's rounding " in double, double
     with pytest.raises(SystemExit, match="distzo-offload-half keeps the masters in --dtype"):
         peers.main([*TINY, "--systems", "distzo-offload-half", "--out", str(out)])
-    with pytest.raises(SystemExit, match="distzo-offload-recompute rebuilds the master of a"):
-        peers.main([*TINY, "--systems", "distzo-offload-recompute", "--out", str(out)])
+    for system in ("distzo-offload-recompute", "distzo-offload-double"):
+        with pytest.raises(SystemExit, match=f"{system} places the master of a block"):
+            peers.main([*TINY, "--systems", system, "--out", str(out)])

@@ -113,15 +113,26 @@ def test_of_several_timeline_steps_the_median_one_is_kept(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "transfer, moves", [("bf16", True), ("fp32", False)], ids=["bf16-wire", "fp32-wire"]
+    "transfer, moves, master",
+    [("bf16", True, "buffer"), ("fp32", False, "buffer"), ("bf16", True, "double")],
+    ids=["bf16-wire", "fp32-wire", "bf16-double"],
 )
-def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(transfer, moves):
+def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(
+    transfer, moves, master
+):
     """A low-bit wire's master buffer is upcast before a block computes and rounded back
     after (the store's unpack and pack, once a step): timed per block apart from the
-    noise; a store without the buffer reports none."""
+    noise; a store without the buffer reports none. Double-buffered, the rounding is the
+    offload's, not the compute's."""
     torch.manual_seed(0)
     config = ZOConfig(
-        mode="offload", device="cpu", lr=1e-3, eps=1e-3, seed=0, transfer_dtype=transfer
+        mode="offload",
+        device="cpu",
+        lr=1e-3,
+        eps=1e-3,
+        seed=0,
+        transfer_dtype=transfer,
+        low_bit_master=master,
     )
     e = ZOEngine(OPTForCausalLM(tiny_opt_config()), config)
     batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
@@ -130,7 +141,10 @@ def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(tra
     assert (measured["master_ms_per_block"] > 0) == moves
     assert "unpack" not in vars(e.scheduler.store) and "pack" not in vars(e.scheduler.store)
     line = describe_phases("distzo-offload", measured)
-    assert ("the master's upcast and rounding" in line) == moves
+    double = master == "double"
+    assert ("the master's upcast and rounding" in line) == (moves and not double)
+    assert (measured["offload_rounding_ms"] > 0) == double
+    assert ("(the master's rounding " in line) == double
     # on CPU nothing is queued: the host's time is the compute's, and never "host"-bound
     assert measured["async_streams"] == 0.0
     assert 0 < measured["host_ms_per_block"] <= measured["compute_ms_per_block"]
