@@ -272,17 +272,28 @@ def test_replay_rejects_a_malformed_log(tmp_path, log, message):
     )
 
 
-@pytest.mark.parametrize("resumed_master", ["buffer", "recompute"])
-def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path, resumed_master):
+LOW_BIT = COMMON + ["--transfer-dtype", "bf16", "--compute-dtype", "fp32", "--eval-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def low_bit_legs(tmp_path_factory):
+    """A low-bit run whole, and its first 4 steps (one buffer): each resume copies these."""
+    full, cut = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("cut")
+    assert launch(1, LOW_BIT + ["--output-dir", str(full)]).returncode == 0
+    assert launch(1, LOW_BIT + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    return full, cut
+
+
+@pytest.mark.parametrize("resumed_master", ["buffer", "double", "recompute"])
+def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path, low_bit_legs, resumed_master):
     # A flush moves a stochastic-rounding point, so the resumed leg must flush (evaluate)
     # exactly where the uninterrupted run does: it does not evaluate where it resumes. The
-    # resumed leg may rebuild its block masters without the buffer: the same steps.
-    flags = COMMON + ["--transfer-dtype", "bf16", "--compute-dtype", "fp32", "--eval-steps", "3"]
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
-    assert launch(1, flags + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    # resumed leg may hold its block masters in two buffers, rounded on the offload stream,
+    # or rebuild them without a buffer: the same steps.
+    full, cut = low_bit_legs[0], tmp_path / "cut"
+    shutil.copytree(low_bit_legs[1], cut)
     resumed = ["--low-bit-master", resumed_master, "--output-dir", str(cut), "--resume"]
-    proc = launch(1, flags + resumed)
+    proc = launch(1, LOW_BIT + resumed)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Run(cut).grads == Run(full).grads
     assert_same_params(Run(cut), Run(full))
