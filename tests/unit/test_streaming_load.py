@@ -245,11 +245,17 @@ def test_a_hub_name_streams_its_snapshot_like_a_local_directory(tmp_path):
 
 
 def test_a_missing_hub_model_is_one_line(tmp_path):
+    from huggingface_hub import constants
+
     from distzo.models.hub import snapshot
 
     with pytest.MonkeyPatch.context() as patch:
+        # huggingface_hub reads both variables once, when it is imported (already, here):
+        # its constants too, or the call goes to the network and retries for 20 s
         patch.setenv("HF_HUB_CACHE", str(tmp_path))
         patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+        patch.setattr(constants, "HF_HUB_OFFLINE", True)
         with pytest.raises(ValueError, match="cannot download --model 'org/none'") as info:
             snapshot("org/none", download=True)
     assert "\n" not in str(info.value)
