@@ -188,7 +188,7 @@ for stage in "${RUN[@]}"; do
         # peers together fill an 80 GB card, so they interleave on a card of 100 GB or more (H200), else they run one
         # at a time, the offloads first, one warm-up and 16 timed steps each (as peers-13b).
         # At 1.7B (the one shape where compute >= transfer) distzo-offload-double stands where
-        # distzo-offload-recompute would: the master's rounding on the offload stream against the 0.97x target.
+        # distzo-offload-recompute would: the master's upcast and rounding off the compute stream, against the 0.97x target.
         small=zo2-mezo,zo2-offload,distzo-resident,distzo-offload,distzo-offload-double,distzo-offload-half
         [ ${#ZO2_ARGS[@]} -eq 0 ] && small=distzo-resident,distzo-offload,distzo-offload-double,distzo-offload-half
         peers_at qwen3-1.7b 200 --systems "$small"

@@ -9,8 +9,8 @@ Systems: ``distzo-resident`` (MeZO: every weight on the device), ``distzo-offloa
 (blocks in host memory, streamed through the default slots), ``distzo-offload-recompute``
 (the same steps, the block's float32 master rebuilt a chunk at a time from its low-bit
 copy instead of held in a buffer the size of a block), ``distzo-offload-double`` (the
-same steps, the master's rounding for the way back on the offload stream while the next
-block computes, in a second such buffer), ``distzo-offload-half``
+same steps, the master's upcast and its rounding for the way back on the upload and
+offload streams, in two such buffers, beside the compute), ``distzo-offload-half``
 (the same with the model held in ``--dtype``, fp16 or bf16, as ZO2 holds its model: no
 float32 masters, each update rounded to nearest in that dtype as ZO2's) and, on 2 ranks,
 ``distzo-sliced`` (PertP over the 2 ranks, each uploading its half of every block and

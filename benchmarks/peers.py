@@ -14,8 +14,8 @@ from the ZO2 checkout given by ``--zo2`` and run by ``benchmarks/peer_zo2.py`` u
 ``--zo2-python`` (ZO2 needs transformers 4.51); ``distzo-resident``, ``distzo-offload``
 (float32 masters), ``distzo-offload-recompute`` (the same steps with a low-bit link, the
 block's float32 master rebuilt a chunk at a time instead of held in a block-sized buffer),
-``distzo-offload-double`` (the same steps, the master's rounding on the offload stream
-while the next block computes in a second buffer; asked for by ``--systems`` only),
+``distzo-offload-double`` (the same steps, the master's upcast and rounding on the
+upload and offload streams, in two buffers; asked for by ``--systems`` only),
 ``distzo-offload-half`` (with a 16-bit ``--dtype``: the masters in it, as ZO2 holds its
 model) and, where there are 2 CUDA devices, ``distzo-sliced`` (2 ranks under torchrun), run
 by ``benchmarks/peer_distzo.py``; and any ``--peer NAME=CMD`` speaking the protocol.
@@ -76,7 +76,7 @@ ZO2_SYSTEMS = ("zo2-mezo", "zo2-offload")
 HALF = "distzo-offload-half"
 # distzo-offload without the block-sized float32 master (a low-bit link only)
 RECOMPUTE = "distzo-offload-recompute"
-# distzo-offload with the master's rounding on the offload stream (a low-bit link only)
+# distzo-offload with the master's upcast and rounding off the compute stream (a low-bit link only)
 DOUBLE = "distzo-offload-double"
 # the systems whose low-bit link has a float32 master to place otherwise
 LOW_BIT_ONLY = (RECOMPUTE, DOUBLE)
@@ -633,8 +633,8 @@ def profile_disagrees(run: Run) -> str | None:
 
 def compute_against(measured: dict[str, float], name: str, other: dict[str, float]) -> str:
     """A compute-bound block's compute beside ``name``'s, and the parts that differ: the
-    noise, the master's upcast and rounding (the upcast alone where the rounding runs on
-    the offload stream), the rest (the forwards)."""
+    noise, the master's upcast and rounding (where the compute runs them), the rest (the
+    forwards)."""
 
     def parts(p: dict[str, float]) -> tuple[float, float, float, float]:
         compute, noise = p["compute_ms_per_block"], p["noise_ms_per_block"]
@@ -642,13 +642,16 @@ def compute_against(measured: dict[str, float], name: str, other: dict[str, floa
         return compute, noise, master, compute - noise - master
 
     mine, theirs = parts(measured), parts(other)
-    # the compute's part of the master: its rounding too, unless the offload stream's
-    master = "upcast" if measured.get("offload_rounding_ms") else "upcast and rounding"
     diff = [f"{a - b:+.3g}" for a, b in zip(mine, theirs)]
+    # two master buffers: the upcast and the rounding are the upload's and the offload's
+    master = (
+        ""
+        if measured.get("offload_rounding_ms")
+        else f", the master's upcast and rounding {diff[2]}"
+    )
     return (
         f"its compute per block {mine[0]:.3g} ms against {name}'s {theirs[0]:.3g} ({diff[0]} "
-        f"ms: noise {diff[1]}, the master's {master} {diff[2]}, the forwards and "
-        f"the rest {diff[3]})"
+        f"ms: noise {diff[1]}{master}, the forwards and the rest {diff[3]})"
     )
 
 

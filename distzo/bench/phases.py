@@ -9,9 +9,9 @@ ran the work, and the host's clock around each call: how long it took to queue i
 outlier; and one that times each of the engine's own noise calls between two device syncs
 (the perturbations, ``theta + eps z`` into the scratch, and the updates, z redrawn and
 applied, momentum and Adam included), and the low-bit store's ``unpack`` and ``pack`` (the
-master buffer's upcast from the wire and its rounding back: part of the compute, or the
-rounding part of the offload where the store packs on the offload stream,
-``--low-bit-master double``). A master rebuilt from its
+master buffer's upcast from the wire and its rounding back: part of the compute, or of
+the upload and the offload where the store keeps two buffers, ``--low-bit-master
+double``). A master rebuilt from its
 16-bit copy (``--low-bit-master recompute``) counts its fused kernels: each pass's rebuild
 and perturbation as a perturbation, the write-back's rebuild, update and rounding as an
 update.
@@ -135,8 +135,8 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
     engine's own call timed alone, and how many calls of each a block takes; the resident
     bucket's noise (embedding, head) apart; and the store's unpack and pack per block (a
     low-bit wire's master buffer: the upcast and the rounding back; nothing elsewhere):
-    ``master_ms_per_block`` what of them the compute stream runs, ``offload_rounding_ms``
-    the rounding a store that packs on the offload stream runs there."""
+    ``master_ms_per_block`` where the compute stream runs them, else (two buffers)
+    ``upload_upcast_ms`` and ``offload_rounding_ms``, parts of those phases."""
     perturbs: list[tuple[int, float]] = []
     updates: list[tuple[int, float]] = []
     unpacks: list[tuple[int, float]] = []
@@ -157,7 +157,7 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
                     _timed_calls(engine.scheduler.store, name, device, calls, _store_block)
                 )
         engine.step(batch)
-    apart = engine.scheduler.store.packs_on_offload
+    apart = engine.scheduler.store.double_buffered
     n = len(engine.blocks)
 
     def per_block(calls: list[tuple[int, float]]) -> tuple[float, float]:
@@ -171,7 +171,8 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
         "perturb_ms_per_block": perturb_ms,
         "update_ms_per_block": update_ms,
         "noise_ms_per_block": perturb_ms + update_ms,
-        "master_ms_per_block": unpack_ms + (0.0 if apart else pack_ms),
+        "master_ms_per_block": 0.0 if apart else unpack_ms + pack_ms,
+        "upload_upcast_ms": unpack_ms if apart else 0.0,
         "offload_rounding_ms": pack_ms if apart else 0.0,
         "perturbs_per_block": perturb_calls,
         "updates_per_block": update_calls,
@@ -215,21 +216,23 @@ def bound_by(phases: Mapping[str, float]) -> str:
 def describe_phases(name: str, phases: Mapping[str, float]) -> str:
     """One line for a report: the phases per block, the period and what bounds it."""
     master = phases.get("master_ms_per_block", 0.0)
-    rounding = phases.get("offload_rounding_ms", 0.0)
+    upcast, rounding = phases.get("upload_upcast_ms", 0.0), phases.get("offload_rounding_ms", 0.0)
     inside = f"noise {phases['noise_ms_per_block']:.3g} ms of it: " + (
         f"{_count(phases['perturbs_per_block'], 'perturbation')} and "
         f"{_count(phases['updates_per_block'], 'update')}"
     )
     if master > 0:
-        what = "upcast" if rounding > 0 else "upcast and rounding"
-        inside += f"; the master's {what} {master:.3g} ms"
+        inside += f"; the master's upcast and rounding {master:.3g} ms"
     if phases.get("async_streams"):
         inside += f"; queued by the host in {phases.get('host_ms_per_block', 0.0):.3g} ms"
+    upload = f"{phases['upload_ms_per_block']:.3g} ms"
+    if upcast > 0:
+        upload += f" (the master's upcast {upcast:.3g} ms of it)"
     offload = f"{phases['offload_ms_per_block']:.3g} ms"
     if rounding > 0:
         offload += f" (the master's rounding {rounding:.3g} ms of it)"
     return (
-        f"{name} per block: upload {phases['upload_ms_per_block']:.3g} ms, compute "
+        f"{name} per block: upload {upload}, compute "
         f"{phases['compute_ms_per_block']:.3g} ms ({inside}), offload "
         f"{offload}; the stream model's period "
         f"{phases['model_ms_per_block']:.3g} ms, measured {phases['pipelined_ms_per_block']:.3g} "

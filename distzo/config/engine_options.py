@@ -47,8 +47,9 @@ class ZOConfig:
     ``low_bit_master`` says where a trained block that crosses the link in a low-bit
     ``transfer_dtype`` keeps its float32 master while it computes: ``buffer`` (one
     buffer the size of the largest block, the update applied once), ``double`` (two such
-    buffers: a block's stochastic rounding for its way back runs on the offload stream
-    while the next block computes, one float32 block more device memory) or
+    buffers: a block's upcast runs on the upload stream and its stochastic rounding for
+    the way back on the offload stream, while the compute stream runs the passes of
+    another block; one float32 block more device memory) or
     ``recompute`` (no buffer: the master rebuilt ``noise_chunk`` elements at a time from
     the block's low-bit copy for each pass and for the write-back, the update's noise
     drawn again each time; one float32 block less device memory). All three take the
@@ -375,7 +376,7 @@ class ZOConfig:
     @property
     def master_buffers(self) -> int:
         """The float32 buffers a low-bit block's master is rebuilt in while it computes
-        (``low_bit_master``): two where its rounding runs on the offload stream."""
+        (``low_bit_master``): two where the upload and offload streams upcast and round it."""
         return {"buffer": 1, "double": 2, "recompute": 0}[self.low_bit_master]
 
     @property

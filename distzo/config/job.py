@@ -359,11 +359,11 @@ class OffloadOptions:
     low_bit_master: str | None = engine_option(
         "low_bit_master",
         "a block's float32 master under a low-bit --transfer-dtype: buffer (one float32 block "
-        "on the device), double (two: a block's rounding for its way back runs on the offload "
-        "stream while the next block computes; one float32 block more) or recompute (none: "
-        "rebuilt a noise chunk at a time for each pass; one float32 block less device memory, "
-        "more noise work); the same steps bit for bit; by default buffer, recompute when the "
-        "memory plan does not fit the buffer but fits that",
+        "on the device), double (two: a block's upcast and its rounding for the way back run "
+        "on the upload and offload streams, beside the compute; one float32 block more) or "
+        "recompute (none: rebuilt a noise chunk at a time for each pass; one float32 block "
+        "less device memory, more noise work); the same steps bit for bit; by default buffer, "
+        "recompute when the memory plan does not fit the buffer but fits that",
         LOW_BIT_MASTERS,
         default=None,
     )

@@ -209,8 +209,8 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
     queries = config.num_queries
     of_all = f" (of {format_count(engine.num_parameters + frozen)}: a frozen base)"
     rebuilt = ", masters rebuilt per pass" if engine.rebuilt is not None else ""
-    if engine.streamed_store.packs_on_offload:
-        rebuilt = ", masters in two buffers, rounded on the offload stream"
+    if engine.streamed_store.double_buffered:
+        rebuilt = ", masters in two buffers, upcast and rounded beside the compute"
     if engine.module_scratch is not None:
         scratch = engine.block_scratch
         rebuilt += (

@@ -259,9 +259,9 @@ def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
     if config.mode == "offload":
         host = sum(b.padded) // b.owners * wire
         # K slots in the wire format; a trained low-bit block is rebuilt in a master
-        # buffer while it computes (two where it packs on the offload stream; a noise chunk
-        # of it at a time, without one); a frozen base's stays in the wire format (read,
-        # upcast into its compute scratch)
+        # buffer while it computes (two where the upload and offload streams fill and empty
+        # them; a noise chunk of it at a time, without one); a frozen base's stays in the
+        # wire format (read, upcast into its compute scratch)
         biggest = max(b.padded)
         rebuilt = 0
         if b.resident_base is None and wire != master:

@@ -5,8 +5,9 @@ makes its master available there as ``device_bucket(i)`` (updated in place by th
 update), ``pack(i)`` turns the updated master back into what is stored, ``offload(i)``
 writes that back. ``unpack`` and ``pack`` run on the compute stream, around the block's
 compute (a low-bit store rebuilds its masters in one buffer there), unless the store
-``packs_on_offload``: then ``pack`` runs on the offload stream before the copy, and the
-next block computes in a second buffer meanwhile. Resident mode (MeZO)
+``double_buffered``: then ``unpack`` runs on the upload stream after the upload and
+``pack`` on the offload stream before the copy, in two buffers that the compute stream
+takes in turn. Resident mode (MeZO)
 keeps every master on the device and its copies are no-ops, so both modes share every op
 but the copies.
 ``StreamedBlocks`` (streamed_blocks.py) is the host-memory implementation.
@@ -24,8 +25,8 @@ from distzo.offload.bucket import BucketLayout
 class BlockStore(Protocol):
     num_slots: int
     step: int  # the step of the pass under way (keys any rounding noise)
-    # pack on the offload stream, the masters alternating between two buffers
-    packs_on_offload: bool
+    # unpack on the upload stream and pack on the offload stream, in two buffers in turn
+    double_buffered: bool
 
     def upload(self, index: int) -> None: ...
 
@@ -68,7 +69,7 @@ class ResidentBlocks:
         # No slot reuse: every block has its own buffer, so any look-ahead is safe.
         self.num_slots = len(layouts)
         self.step = 0
-        self.packs_on_offload = False  # nothing to pack
+        self.double_buffered = False  # nothing to pack
 
     def upload(self, index: int) -> None:
         pass

@@ -67,10 +67,10 @@ class CarriedStore:
         return self.weights.num_slots
 
     @property
-    def packs_on_offload(self) -> bool:
+    def double_buffered(self) -> bool:
         """Where the weights pack, the moments do too: a low-bit moment is made with as many
         master buffers as its blocks (``engine.build.make_moments``)."""
-        return self.weights.packs_on_offload
+        return self.weights.double_buffered
 
     def upload(self, index: int) -> None:
         self.weights.upload(index)

@@ -11,9 +11,12 @@ the same FIFO stream.
 Around each compute, on the compute stream, the store unpacks block i's master from its
 slot and packs it back when the block is done (a low-bit store's one float32 buffer,
 reused by the next block only after the pack, by the stream's order). A store that
-``packs_on_offload`` has two buffers and packs block i on the offload stream, before its
-copy, while block i + 1 computes in the other buffer; then a fourth rule:
+``double_buffered`` has two buffers: it unpacks block i on the upload stream, after its
+upload, and packs it on the offload stream, before its copy, so that the compute stream
+runs nothing but the passes (ZO2's placement of its decompression and compression); then
+  compute(i)  waits unpack(i)         -- the buffer holds block i's master
   unpack(i)   waits pack(i - 2)       -- master buffer i % 2 is free again
+(compute(i - 2) in a pass that offloads nothing).
 
 A pass that changes no block (an evaluation forward, a decoding step: no pending
 update) skips the offloads, whose host copies are already right: then a slot is free
@@ -39,8 +42,9 @@ class BlockScheduler:
         # Per slot: the event after which the slot's last block has been offloaded.
         # Kept across steps so step t+1's first uploads wait for step t's last offloads.
         self._slot_free: list[torch.cuda.Event | None] = [None] * store.num_slots
-        # Per master buffer (a store that packs on the offload stream has two): the event
-        # after which its last block was packed, kept across steps like the slots'.
+        # Per master buffer (a double-buffered store has two): the event after which its
+        # last block was packed (or computed, in a pass that offloads nothing), kept across
+        # steps like the slots'.
         self._master_free: list[torch.cuda.Event | None] = [None, None]
         self.timeline: Timeline | None = None
 
@@ -66,6 +70,13 @@ class BlockScheduler:
         n, k = self.num_blocks, self.store.num_slots
         s = self.streams
         uploaded: list[torch.cuda.Event | None] = [None] * k
+        # Two master buffers (a double-buffered store): block j's upcast
+        # runs on the upload stream, queued as soon as the host has queued both its upload
+        # and the release of its buffer by block j - 2 (``ahead`` blocks before its compute),
+        # and its rounding on the offload stream: the compute stream runs the passes alone.
+        apart = self.store.double_buffered
+        ahead = min(k, 2)
+        unpacked: list[torch.cuda.Event | None] = [None, None]
 
         def upload(j: int) -> None:
             with s.on("upload"):
@@ -73,20 +84,24 @@ class BlockScheduler:
                 self._phase("upload", j, lambda: self.store.upload(j))
                 uploaded[j % k] = s.record("upload")
 
+        def unpack(j: int) -> None:  # after upload(j) on the same stream
+            with s.on("upload"):
+                s.wait("upload", self._master_free[j % 2])
+                self._phase("upload", j, lambda: self.store.unpack(j))
+                unpacked[j % 2] = s.record("upload")
+
         for j in range(min(k, n)):
             upload(j)
+        for j in range(min(ahead, n) if apart else 0):
+            unpack(j)
         if prologue is not None:
             with s.on("compute"):
                 self._phase("compute", PROLOGUE, prologue)
 
-        # the master exists on the device from unpack to pack: on the compute stream alone,
-        # or handed to the offload stream for its pack while the next block computes
-        apart = self.store.packs_on_offload
-
         def compute_block(i: int) -> None:
-            if apart:
-                s.wait("compute", self._master_free[i % 2])
-            self.store.unpack(i)
+            # one buffer: the master exists from unpack to pack, on this stream alone
+            if not apart:
+                self.store.unpack(i)
             compute(i, self.store.device_bucket(i))
             if offload and not apart:
                 self.store.pack(i)
@@ -99,7 +114,7 @@ class BlockScheduler:
 
         for i in range(n):
             with s.on("compute"):
-                s.wait("compute", uploaded[i % k])
+                s.wait("compute", unpacked[i % 2] if apart else uploaded[i % k])
                 self._phase("compute", i, lambda: compute_block(i))
                 computed = s.record("compute")
             if offload:
@@ -109,5 +124,9 @@ class BlockScheduler:
                     self._slot_free[i % k] = s.record("offload")
             else:
                 self._slot_free[i % k] = computed
+                if apart:  # read only: the buffer is free once the compute is done
+                    self._master_free[i % 2] = computed
             if i + k < n:
                 upload(i + k)
+            if apart and i + ahead < n:
+                unpack(i + ahead)

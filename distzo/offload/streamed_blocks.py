@@ -19,9 +19,10 @@ on the compute stream before the update, ``pack`` rounds it stochastically back 
 wire slot (see ``low_bit``) before the next block's ``unpack``, and ``offload`` copies the
 wire slot to the host. K fp32 slots would cost K - 1 more blocks of device memory (3 x
 2.4 GB at OPT-30B) for the same arithmetic. With two master buffers
-(``master_buffers=2``, ``packs_on_offload``) block i's ``pack`` runs on the offload
-stream instead, while block i + 1 computes in the other buffer (where ZO2 compresses a
-block for its way back): one fp32 block more for the rounding off the compute stream.
+(``master_buffers=2``, ``double_buffered``) the scheduler runs ``unpack`` on the upload
+stream and ``pack`` on the offload stream instead, while the compute stream runs another
+block in the other buffer (where ZO2 decompresses and compresses a block): one fp32
+block more for a compute stream that runs the passes alone.
 Without a master buffer (``master_buffers=0``), the block computes from its wire slot,
 which keeps the values at rest until the block is done: whoever computes rebuilds the
 master a piece at a time where it reads it, and hands the rebuilt pieces to
@@ -122,7 +123,7 @@ class StreamedBlocks:
         # The K slots hold what crosses the link: uploads land there, offloads leave from
         # there. Where that is a low-bit wire of a trained store, the block computes in
         # ``unpacked``, one buffer of the master dtype for all K slots (two where the
-        # rounding runs on the offload stream); otherwise (full precision, or a frozen base
+        # upload and offload streams upcast and round); otherwise (full precision, or a frozen base
         # whose reader upcasts) the slot is what computes.
         self.slots = DeviceSlots(num_slots, biggest, device, self.transfer_dtype)
         trained_low_bit = self.low_bit and not read_only
@@ -133,9 +134,9 @@ class StreamedBlocks:
             if trained_low_bit and master_buffers
             else None
         )
-        # Two buffers: block i's pack runs on the offload stream while block i + 1
-        # computes in the other one (the scheduler orders both uses of each buffer).
-        self.packs_on_offload = self.unpacked is not None and len(self.unpacked) == 2
+        # Two buffers: block i is upcast and rounded on the upload and offload streams
+        # while another computes in the other one (the scheduler orders every use).
+        self.double_buffered = self.unpacked is not None and len(self.unpacked) == 2
         self.num_slots = num_slots
         self._non_blocking = pin
 
@@ -197,7 +198,7 @@ class StreamedBlocks:
         """The updated master back into the wire format, this rank's pieces (what
         ``offload`` copies): rounded stochastically, keyed by the element's place in the
         block, while the master buffer still holds this block (on the compute stream, or
-        the offload stream where ``packs_on_offload``)."""
+        the offload stream where ``double_buffered``)."""
         if self.unpacked is None:
             return
         master, wire = self._unpacked(index), self.wire(index)

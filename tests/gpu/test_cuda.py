@@ -165,8 +165,9 @@ def test_recomputed_block_masters_follow_the_buffered_ones_on_gpu(wire):
     fused rebuild_perturb and rebuild_round kernels, fp8 through the update, perturbation
     and rounding kernels a chunk at a time (chunks of 1,000: pieces start off every tile);
     evaluations (unperturbed passes) through the pieces for all three. And masters in two
-    buffers, each block's rounding on the offload stream while the next computes: the
-    same bits, so no block read a buffer the other stream was still writing."""
+    buffers, each block upcast on the upload stream and rounded on the offload stream
+    while another computes: the same bits, so no stream read a buffer another was still
+    writing."""
     runs = {}
     for master in ("buffer", "recompute", "double"):
         model = tiny_opt(seed=0, num_hidden_layers=4)
@@ -575,11 +576,12 @@ def follows_the_cpu_and_never_syncs_early(build, steps):
     return gpu
 
 
-def test_blocks_rounded_on_the_offload_stream_race_with_nothing_on_gpu():
-    """Blocks wide enough for a rounding to overlap the next block's compute (6 layers of
-    width 1024: 12.6 M elements a block), fp16 on the wire, Adam with bf16 moments: the
-    double-buffered masters' steps and bits at rest are the one buffer's, weights and
-    moments alike, so no buffer was rewritten while its pack still read it."""
+def test_double_buffered_masters_race_with_nothing_on_gpu():
+    """Blocks wide enough for an upcast and a rounding to overlap another block's compute
+    (6 layers of width 1024: 12.6 M elements a block), fp16 on the wire, Adam with bf16
+    moments, an evaluation between steps: the double-buffered masters' losses and bits at
+    rest are the one buffer's, weights and moments alike, so no buffer was rewritten while
+    a pass or a pack still read it."""
     runs = {}
     for master in ("buffer", "double"):
         model = tiny_opt(
@@ -597,7 +599,11 @@ def test_blocks_rounded_on_the_offload_stream_race_with_nothing_on_gpu():
             seed=0,
         )
         engine = ZOEngine(model, config)
-        losses = [engine.step(random_batch(64, batch=8, seq=64, seed=i)).loss for i in range(4)]
+        losses = [engine.step(random_batch(64, batch=8, seq=64, seed=i)).loss for i in range(3)]
+        # an evaluation reads every block with the update pending (the buffers freed by the
+        # compute alone, no pack), then the steps go on
+        losses.append(engine.forward(random_batch(64, batch=8, seq=64, seed=9))[1].item())
+        losses += [engine.step(random_batch(64, batch=8, seq=64, seed=i)).loss for i in (3, 4)]
         engine.flush()
         stores = [engine.store, *engine.moments.blocks]
         runs[master] = (losses, [s.host_storage.view(torch.uint8).clone() for s in stores])

@@ -206,7 +206,7 @@ def test_the_qwen3_peers_stage_interleaves_8b_only_on_a_card_that_holds_it(tmp_p
     small, eight = runs
     assert "--shape qwen3-1.7b --batch 1 --seq 2048 --dtype fp16" in small
     assert "--one-at-a-time" not in small
-    # where compute >= transfer, the rounding on the offload stream against resident
+    # where compute >= transfer, the master's upcast and rounding off the compute stream
     assert "distzo-resident,distzo-offload,distzo-offload-double" in small
     assert "--shape qwen3-8b --batch 1 --seq 2048 --dtype fp16" in eight
     assert ("--one-at-a-time" in eight) == (card_mib is None)

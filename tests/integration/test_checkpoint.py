@@ -288,8 +288,8 @@ def low_bit_legs(tmp_path_factory):
 def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path, low_bit_legs, resumed_master):
     # A flush moves a stochastic-rounding point, so the resumed leg must flush (evaluate)
     # exactly where the uninterrupted run does: it does not evaluate where it resumes. The
-    # resumed leg may hold its block masters in two buffers, rounded on the offload stream,
-    # or rebuild them without a buffer: the same steps.
+    # resumed leg may hold its block masters in two buffers, upcast and rounded beside the
+    # compute, or rebuild them without a buffer: the same steps.
     full, cut = low_bit_legs[0], tmp_path / "cut"
     shutil.copytree(low_bit_legs[1], cut)
     resumed = ["--low-bit-master", resumed_master, "--output-dir", str(cut), "--resume"]

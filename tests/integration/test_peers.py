@@ -450,14 +450,12 @@ def test_a_compute_bound_miss_against_resident_says_what_the_compute_adds():
         "ms against distzo-resident's 2.2 (+0.43 ms: noise -0.115, the master's upcast and "
         "rounding +0.3, the forwards and the rest +0.245)"
     )
-    # double-buffered, the compute keeps the upcast alone: the note names that part so
-    double = run(
-        "distzo-offload-double",
-        phases(1.99, 2.4, 2.2, 0.925) | {"master_ms_per_block": 0.1, "offload_rounding_ms": 0.2},
-    )
-    derived = {"distzo-offload-double_vs_distzo-resident": 0.92}
+    # double-buffered, the compute runs neither the upcast nor the rounding: not named
+    master = {"master_ms_per_block": 0.0, "upload_upcast_ms": 0.1, "offload_rounding_ms": 0.2}
+    double = run("distzo-offload-double", phases(2.1, 2.3, 2.2, 0.925) | master)
+    derived = {"distzo-offload-double_vs_distzo-resident": 0.94}
     assert peers.phase_notes([resident, double], derived, "cuda")[-1].endswith(
-        "(+0.2 ms: noise -0.115, the master's upcast +0.1, the forwards and the rest +0.215)"
+        "(+0.1 ms: noise -0.115, the forwards and the rest +0.215)"
     )
 
 
@@ -549,9 +547,9 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     # (the third step's losses read the rounding of the second's update)
     reference = [full.step() for _ in range(3)]
     assert [rebuilt.step() for _ in range(3)] == reference
-    # the rounding on the offload stream: the same steps, one float32 block more
+    # the upcast and rounding off the compute stream: the same steps, one float32 block more
     double = built("distzo-offload-double")
-    assert double.engine.store.packs_on_offload and not full.engine.store.packs_on_offload
+    assert double.engine.store.double_buffered and not full.engine.store.double_buffered
     assert double.engine.store.device_bytes - full.engine.store.device_bytes == biggest * 4
     assert [double.step() for _ in range(3)] == reference
     # each block perturbed module by module: the same steps, a smaller scratch
@@ -578,9 +576,10 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     assert data["derived"]["distzo-offload-half_vs_distzo-offload"] > 0
     assert data["derived"]["distzo-offload-recompute_vs_distzo-offload"] > 0
     assert data["derived"]["distzo-offload-double_vs_distzo-offload"] > 0
-    # the double-buffered master's rounding is timed on the offload stream, not the compute
+    # the double-buffered master's upcast and rounding are the upload's and the offload's
     double = next(n for n in data["notes"] if n.startswith("distzo-offload-double per block"))
-    assert "the master's upcast " in double and "the master's rounding " in double, double
+    assert "(the master's upcast " in double and "(the master's rounding " in double, double
+    assert "the master's upcast and rounding" not in double, double
     with pytest.raises(SystemExit, match="distzo-offload-half keeps the masters in --dtype"):
         peers.main([*TINY, "--systems", "distzo-offload-half", "--out", str(out)])
     for system in ("distzo-offload-recompute", "distzo-offload-double"):

@@ -122,8 +122,8 @@ def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(
 ):
     """A low-bit wire's master buffer is upcast before a block computes and rounded back
     after (the store's unpack and pack, once a step): timed per block apart from the
-    noise; a store without the buffer reports none. Double-buffered, the rounding is the
-    offload's, not the compute's."""
+    noise; a store without the buffer reports none. Double-buffered, the upcast is the
+    upload's and the rounding the offload's, not the compute's."""
     torch.manual_seed(0)
     config = ZOConfig(
         mode="offload",
@@ -138,13 +138,13 @@ def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(
     batch = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
     e.step(batch)
     measured = step_phases(e, batch)
-    assert (measured["master_ms_per_block"] > 0) == moves
     assert "unpack" not in vars(e.scheduler.store) and "pack" not in vars(e.scheduler.store)
     line = describe_phases("distzo-offload", measured)
     double = master == "double"
     assert ("the master's upcast and rounding" in line) == (moves and not double)
-    assert (measured["offload_rounding_ms"] > 0) == double
-    assert ("(the master's rounding " in line) == double
+    assert (measured["master_ms_per_block"] > 0) == (moves and not double)
+    assert (measured["upload_upcast_ms"] > 0) == (measured["offload_rounding_ms"] > 0) == double
+    assert ("(the master's upcast " in line) == ("(the master's rounding " in line) == double
     # on CPU nothing is queued: the host's time is the compute's, and never "host"-bound
     assert measured["async_streams"] == 0.0
     assert 0 < measured["host_ms_per_block"] <= measured["compute_ms_per_block"]

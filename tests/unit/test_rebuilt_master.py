@@ -1,6 +1,6 @@
 """A low-bit block's master rebuilt a chunk at a time (``low_bit_master="recompute"``):
 the buffered trajectory bit for bit, without the float32 block on the device; and in two
-buffers, rounded on the offload stream (``"double"``): the same trajectory again."""
+buffers, upcast and rounded beside the compute (``"double"``): the same trajectory again."""
 
 import pytest
 import torch
@@ -97,9 +97,10 @@ def test_recomputed_masters_follow_the_buffered_trajectory_bit_for_bit(options):
     ids=["fp16-decay", "adam-bf16-moments-2-slots"],
 )
 def test_double_buffered_masters_follow_the_buffered_trajectory_bit_for_bit(options):
-    """The rounding moved to the offload stream changes where it runs, not what it
-    rounds: the same losses and the same bits at rest, bf16 moments included (they pack
-    where their blocks pack, in two buffers of their own), for one float32 block more."""
+    """The upcast moved to the upload stream and the rounding to the offload stream
+    change where they run, not what they compute: the same losses and the same bits at
+    rest, bf16 moments included (they travel with their blocks, in two buffers of their
+    own), for one float32 block more."""
     buffered, losses = trajectory("buffer", **options)
     double, double_losses = trajectory("double", **options)
     assert double_losses == losses
@@ -108,15 +109,15 @@ def test_double_buffered_masters_follow_the_buffered_trajectory_bit_for_bit(opti
     assert torch.equal(double.store.host_storage.view(torch.uint8), at_rest)
     assert torch.equal(double.resident_master, buffered.resident_master)
     store = double.store
-    assert store.packs_on_offload and not buffered.store.packs_on_offload
-    assert double.scheduler.store.packs_on_offload
+    assert store.double_buffered and not buffered.store.double_buffered
+    assert double.scheduler.store.double_buffered
     biggest = max(store.padded)
     assert store.device_bytes - buffered.store.device_bytes == biggest * 4
     for moment, reference in zip(double.moments.blocks, buffered.moments.blocks):
-        assert moment.packs_on_offload and len(moment.unpacked) == 2
+        assert moment.double_buffered and len(moment.unpacked) == 2
         bits = reference.host_storage.view(torch.uint8)
         assert torch.equal(moment.host_storage.view(torch.uint8), bits)
-    assert "rounded on the offload stream" in describe(double, torch.float32)
+    assert "upcast and rounded beside the compute" in describe(double, torch.float32)
     # the memory plan counts the second buffer of the weights and of each bf16 moment
     from distzo.job.memory_plan import plan_memory
 

@@ -7,9 +7,9 @@ from distzo.offload import BlockScheduler, Streams, Timeline
 
 
 class RecordingStore:
-    def __init__(self, num_slots, packs_on_offload=False):
+    def __init__(self, num_slots, double_buffered=False):
         self.num_slots = num_slots
-        self.packs_on_offload = packs_on_offload
+        self.double_buffered = double_buffered
         self.log = []
 
     def upload(self, i):
@@ -122,8 +122,8 @@ class QueuedStore(RecordingStore):
     """A store whose ops land on the stand-in stream they were queued on, one name per
     (op, block, step)."""
 
-    def __init__(self, streams, num_slots, packs_on_offload):
-        super().__init__(num_slots, packs_on_offload)
+    def __init__(self, streams, num_slots, double_buffered):
+        super().__init__(num_slots, double_buffered)
         self.streams, self.step = streams, 0
         for op in ("upload", "unpack", "pack", "offload"):
             setattr(self, op, lambda i, op=op: streams.queue((op, i, self.step)))
@@ -131,12 +131,15 @@ class QueuedStore(RecordingStore):
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
 @pytest.mark.parametrize("apart", [False, True])
-def test_each_master_buffer_is_packed_before_the_block_after_next_unpacks_into_it(slots, apart):
-    """A low-bit store's master buffers, on CUDA's rules: with one, pack(i) precedes
-    unpack(i + 1) on the compute stream; with two (``packs_on_offload``), pack(i) runs on
-    the offload stream, after block i's compute and before its copy, and unpack(i + 2)
-    waits for it, across the step's end too (where an odd count of blocks gives block 0
-    the last block's buffer), while block i + 1 computes without waiting."""
+def test_each_master_buffer_is_released_before_the_block_after_next_unpacks_into_it(slots, apart):
+    """A low-bit store's master buffers, on CUDA's rules, over a training pass, a pass
+    that only reads (an evaluation: no pack, no offload) and another training pass. With
+    one buffer, unpack(i) and pack(i) surround compute(i) on the compute stream. With two
+    (``double_buffered``), unpack(i) runs on the upload stream after upload(i) and pack(i)
+    on the offload stream after compute(i) and before the copy; unpack(i + 2) waits for
+    the buffer's release (pack(i), or compute(i) in the evaluation), across the passes'
+    ends too (where an odd count of blocks gives block 0 the last block's buffer), while
+    neither the upcast of block i + 1 nor the rounding of block i holds up the compute."""
     streams, n = StandInStreams(), 5
     store = QueuedStore(streams, slots, apart)
     scheduler = BlockScheduler(store, streams, n)
@@ -144,23 +147,34 @@ def test_each_master_buffer_is_packed_before_the_block_after_next_unpacks_into_i
     def compute(i, bucket):
         streams.queue(("compute", i, store.step))
 
-    for step in range(2):
+    passes = [True, False, True]  # whether each pass offloads
+    for step, offload in enumerate(passes):
         store.step = step
-        scheduler.run(compute)
-    order = [(i, step) for step in range(2) for i in range(n)]  # the blocks' visits in turn
+        scheduler.run(compute, offload=offload)
+    order = [(i, t) for t in range(len(passes)) for i in range(n)]  # the visits in turn
+    buffers = 2 if apart else 1  # block i computes in buffer i % buffers
     for k, (i, step) in enumerate(order):
-        pack = ("pack", i, step)
-        assert streams.where(pack)[0] == ("offload" if apart else "compute")
-        assert streams.before(("compute", i, step), pack)
-        assert streams.before(pack, ("offload", i, step))
-        buffers = 2 if apart else 1  # block i computes in buffer i % buffers
+        unpack, compute_i = ("unpack", i, step), ("compute", i, step)
+        assert streams.where(unpack)[0] == ("upload" if apart else "compute")
+        assert streams.before(("upload", i, step), unpack)
+        assert streams.before(unpack, compute_i)
+        released = compute_i
+        if passes[step]:
+            pack = ("pack", i, step)
+            assert streams.where(pack)[0] == ("offload" if apart else "compute")
+            assert streams.before(compute_i, pack)
+            assert streams.before(pack, ("offload", i, step))
+            released = pack
         after = [(j, t) for j, t in order[k + 1 :] if j % buffers == i % buffers]
         if after:  # the next visit to the same master buffer
-            assert streams.before(pack, ("unpack", *after[0]))
+            assert streams.before(released, ("unpack", *after[0]))
         if apart and slots > 1 and k + 1 < len(order) and order[k + 1][0] % 2 != i % 2:
-            # the rounding overlaps the next block's compute, in the other buffer (one slot
-            # overlaps nothing: block i + 1's upload waits for block i's offload)
-            assert not streams.before(pack, ("compute", *order[k + 1]))
-        if k >= slots:  # the slot holds block i only after block k - K has left it
+            # the next upcast and the rounding overlap the compute, in the other buffer
+            # (one slot overlaps nothing: block i + 1's upload waits for block i's offload)
+            assert not streams.before(compute_i, ("unpack", *order[k + 1]))
+            if passes[step]:
+                assert not streams.before(released, ("compute", *order[k + 1]))
+        if k >= slots and passes[step]:  # the slot holds block i once block k - K left it
             j, earlier = order[k - slots]
-            assert streams.before(("offload", j, earlier), ("upload", i, step))
+            left = ("offload" if passes[earlier] else "compute", j, earlier)
+            assert streams.before(left, ("upload", i, step))
