@@ -48,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
         "--low-bit-master",
         default="buffer",
         choices=LOW_BIT_MASTERS,
-        help="a low-bit block's float32 master: one buffer, two (rounded on the offload "
-        "stream), or rebuilt a chunk at a time",
+        help="a low-bit block's float32 master: one buffer, two (upcast and rounded beside "
+        "the compute), or rebuilt a chunk at a time",
     )
     parser.add_argument(
         "--perturb-scope",

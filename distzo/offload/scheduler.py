@@ -70,10 +70,10 @@ class BlockScheduler:
         n, k = self.num_blocks, self.store.num_slots
         s = self.streams
         uploaded: list[torch.cuda.Event | None] = [None] * k
-        # Two master buffers (a double-buffered store): block j's upcast
-        # runs on the upload stream, queued as soon as the host has queued both its upload
-        # and the release of its buffer by block j - 2 (``ahead`` blocks before its compute),
-        # and its rounding on the offload stream: the compute stream runs the passes alone.
+        # Two master buffers (a double-buffered store): block j's upcast runs on the upload
+        # stream, queued as soon as the host has queued both its upload and the release of
+        # its buffer by block j - 2 (``ahead`` blocks before its compute), and its rounding
+        # on the offload stream: the compute stream runs the passes alone.
         apart = self.store.double_buffered
         ahead = min(k, 2)
         unpacked: list[torch.cuda.Event | None] = [None, None]
