@@ -282,16 +282,21 @@ def test_low_bit_sliced_equals_low_bit_naive_bitwise(tmp_path, wire, compute):
         "1e-2",
     ]
     runs = {}
-    # the last: each rank rebuilds the masters of its own pieces, no float32 block
+    # sliced at bf16 with two master buffers (each block upcast on the upload stream after
+    # its gather, its own pieces rounded on the offload stream), at fp8 with one; the
+    # last: each rank rebuilds the masters of its own pieces, no float32 block
+    masters = ["--low-bit-master", "double"] if wire == "bf16" else []
     for name, extra in [
         ("naive", ["--transfer", "naive"]),
-        ("sliced", ["--transfer", "sliced"]),
+        ("sliced", ["--transfer", "sliced", *masters]),
         ("sliced-recomputed", ["--transfer", "sliced", "--low-bit-master", "recompute"]),
     ]:
         out = tmp_path / name
         proc = torchrun(2, flags + extra + ["--output-dir", str(out)])
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = Run(out)
+    chosen = 'low_bit_master = "double"' in (tmp_path / "sliced" / "config.toml").read_text()
+    assert chosen == bool(masters)
     for layout in ("sliced", "sliced-recomputed"):
         assert runs[layout].grads == runs["naive"].grads
         for name, value in runs["naive"].params.items():
