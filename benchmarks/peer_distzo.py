@@ -180,6 +180,12 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
         perturb_scope=args.perturb_scope,
     )
     model = skeleton(config, HALF_MASTERS[args.dtype] if half else torch.float32)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
+    batch = parallel.shard_batch({"input_ids": ids})
+    # planned from the skeleton: once built, the engine's modules hold views in the
+    # compute dtype, which a plan would take for the masters' dtype
+    plan = planned_terms(model, zo, parallel, batch["input_ids"].shape[0], args.seq)
     # float32 draws rounded to a half run's masters, drawn on the GPU where there is one:
     # the host's generator (the scalar 16-bit path, or one thread's float32 draws) would
     # take most of the build (the values do not matter to a speed test)
@@ -191,10 +197,6 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
     engine = ZOEngine(model, zo, parallel=parallel, weights=weights)
     if device.type == "cuda":  # the draws' staging, out of the process's device figure
         torch.cuda.empty_cache()
-    g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
-    batch = parallel.shard_batch({"input_ids": ids})
-    plan = planned_terms(model, zo, parallel, batch["input_ids"].shape[0], args.seq)
     return DistzoSystem(engine, batch, plan), device
 
 

@@ -552,6 +552,13 @@ def test_distzo_at_zo2s_precision_holds_its_masters_in_the_dtype(tmp_path):
     assert double.engine.store.double_buffered and not full.engine.store.double_buffered
     assert double.engine.store.device_bytes - full.engine.store.device_bytes == biggest * 4
     assert [double.step() for _ in range(3)] == reference
+    # each peer's plan is its own system's (taken from the skeleton: a built engine's
+    # modules hold compute-dtype views that a plan would read as bf16 masters)
+    assert full.plan["plan_resident_gb"] == 2 * half.plan["plan_resident_gb"]
+    for system in (full, double):  # K slots and one or two float32 master buffers
+        assert system.plan["plan_slots_gb"] * 1e9 == pytest.approx(
+            system.engine.store.device_bytes, rel=1e-9
+        )
     # each block perturbed module by module: the same steps, a smaller scratch
     by_module, whole = built("distzo-offload-half", "module"), built("distzo-offload-half")
     assert by_module.engine.config.perturb_scope == "module"
