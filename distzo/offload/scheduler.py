@@ -16,7 +16,9 @@ upload, and packs it on the offload stream, before its copy, so that the compute
 runs nothing but the passes (ZO2's placement of its decompression and compression); then
   compute(i)  waits unpack(i)         -- the buffer holds block i's master
   unpack(i)   waits pack(i - 2)       -- master buffer i % 2 is free again
-(compute(i - 2) in a pass that offloads nothing).
+(compute(i - 2) in a pass that offloads nothing), and unpack(i) is queued on the upload
+stream before the upload that waits for offload(i - 2) wherever upload(i) is already
+queued, so that the upcast waits for the rounding alone, never for a copy.
 
 A pass that changes no block (an evaluation forward, a decoding step: no pending
 update) skips the offloads, whose host copies are already right: then a slot is free
@@ -92,8 +94,8 @@ class BlockScheduler:
 
         for j in range(min(k, n)):
             upload(j)
-        for j in range(min(ahead, n) if apart else 0):
-            unpack(j)
+            if apart and j < ahead:  # block 0's upcast waits for no later upload
+                unpack(j)
         if prologue is not None:
             with s.on("compute"):
                 self._phase("compute", PROLOGUE, prologue)
@@ -126,7 +128,13 @@ class BlockScheduler:
                 self._slot_free[i % k] = computed
                 if apart:  # read only: the buffer is free once the compute is done
                     self._master_free[i % 2] = computed
+            # each queue is FIFO: an upcast waiting for pack(i) must not sit behind the
+            # upload waiting for offload(i)'s copy, or compute(i + 2) waits for that copy.
+            # Block i + ahead's upload is already queued unless the slots are that few.
+            early = apart and i + ahead < n and ahead < k
+            if early:
+                unpack(i + ahead)
             if i + k < n:
                 upload(i + k)
-            if apart and i + ahead < n:
+            if apart and i + ahead < n and not early:
                 unpack(i + ahead)

@@ -178,3 +178,59 @@ def test_each_master_buffer_is_released_before_the_block_after_next_unpacks_into
             j, earlier = order[k - slots]
             left = ("offload" if passes[earlier] else "compute", j, earlier)
             assert streams.before(left, ("upload", i, step))
+
+
+def device_times(streams, took):
+    """Each op's (start, end) on a device that runs the three queues side by side, an op
+    taking ``took[name]`` and a wait nothing but its event: CUDA's rules, the H100's
+    clock."""
+    ends = {}
+
+    def end(phase, i):  # when the queue's i-th op is done (-1: the queue's start)
+        if i < 0:
+            return 0.0
+        if (phase, i) not in ends:
+            op, ready = streams.queues[phase][i], end(phase, i - 1)
+            if op[0] == "wait":
+                src, n = op[1]
+                ends[phase, i] = max(ready, end(src, n - 1))
+            else:
+                ends[phase, i] = ready + took[op[0]]
+        return ends[phase, i]
+
+    return {
+        op: (end(phase, i) - took[op[0]], end(phase, i))
+        for phase, ops in streams.queues.items()
+        for i, op in enumerate(ops)
+        if op[0] != "wait"
+    }
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_with_three_slots_the_compute_stream_never_waits_inside_a_pass(apart):
+    """Where the compute takes longer than a block's upload or offload (Qwen3-1.7B at
+    1 x 2048 on the H100: per block, ms), the compute stream runs each pass back to back
+    from its first block. With two master buffers a FIFO upload stream once held block
+    i + 2's upcast behind the upload that waits for block i's copy (4.0 ms a block where
+    the compute took 3.12), and block 0's behind the uploads of blocks 1 and 2."""
+    took = {"upload": 2.26, "unpack": 0.22, "compute": 3.12, "pack": 0.31, "offload": 2.13}
+    streams, n, slots = StandInStreams(), 8, 3
+    store = QueuedStore(streams, slots, apart)
+    scheduler = BlockScheduler(store, streams, n)
+    for step in range(2):
+        store.step = step
+        scheduler.run(lambda i, bucket: streams.queue(("compute", i, store.step)))
+    times = device_times(streams, took)
+    on_compute = [op for op in streams.queues["compute"] if op[0] != "wait"]
+    for step in range(2):
+        ops = [op for op in on_compute if op[2] == step]
+        for a, b in zip(ops, ops[1:]):
+            assert times[b][0] == pytest.approx(times[a][1]), (a, b)
+    # the first pass starts as soon as block 0 is on the device and upcast (on either
+    # stream), not after the uploads of blocks 1 and 2
+    first = took["upload"] + took["unpack"]
+    assert times[("compute", 0, 0)][0] == pytest.approx(first)
+    # the period is the compute stream's work per block: with two buffers, the passes alone
+    per_block = took["compute"] + (0 if apart else took["unpack"] + took["pack"])
+    start = [times[("compute", i, 0)][0] for i in range(n)]
+    assert (start[-1] - start[0]) / (n - 1) == pytest.approx(per_block)
