@@ -66,7 +66,7 @@ from distzo.bench import BenchReport, Measurement, Timer
 from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
 from distzo.bench.peer_process import PeerError, PeerProcess
 from distzo.bench.peer_progress import PeerProgress, await_ready
-from distzo.bench.phases import bound_by, describe_phases
+from distzo.bench.phases import BOUND_WORDS, bound_by, describe_phases
 from distzo.config.engine_options import PERTURB_SCOPES
 from distzo.runtime.devices import device_name
 
@@ -595,10 +595,13 @@ def phase_notes(runs: list[Run], derived: dict[str, float], device: str = "cpu")
         measured = phases.get(a, offload)
         if measured is not None:
             bound = bound_by(measured)
-            note += f": its period per block is bound by {bound} (the phases above)"
+            note += (
+                f": its period per block is bound by {BOUND_WORDS.get(bound, bound)} "
+                "(the phases above)"
+            )
             if b == "distzo-resident" and bound in ("upload", "offload"):
                 note += "; the target holds where compute >= transfer, which it is not here"
-            elif b in phases and bound not in ("upload", "offload", "slots"):
+            elif b in phases and bound not in ("upload", "offload", "waits"):
                 note += "; " + compute_against(measured, b, phases[b])
         notes.append(note)
     by_name = {run.system.name: run for run in runs}

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from distzo.bench.timing import synchronize
+from distzo.offload.queue_model import modelled_period
 from distzo.offload.timeline import PROLOGUE, Timeline
 
 PHASES = ("upload", "compute", "offload")
@@ -74,6 +75,7 @@ def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, 
     streamed = max(s.end_ms for s in spans) - min(s.start_ms for s in spans)
     pipelined = (streamed - prologue) / n
     slots = engine.streamed_store.num_slots
+    apart = engine.scheduler.store.double_buffered
     return {
         "upload_ms_per_block": mean["upload"],
         "compute_ms_per_block": mean["compute"],
@@ -82,9 +84,11 @@ def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, 
         # 1: the phases ran on the device's streams, the host only queued them (CUDA)
         "async_streams": float(engine.streams.is_async),
         "pipelined_ms_per_block": pipelined,
-        # The stream model's steady state with K slots (docs/ARCHITECTURE.md, section 5):
-        # upload(i) waits offload(i - K), so K periods hold one upload, compute and offload.
-        "model_ms_per_block": max(*mean.values(), sum(mean.values()) / slots),
+        # The stream model's steady state: the scheduler's own queues replayed with these
+        # times (one master buffer: max(U, C, O, (U + C + O) / K), docs/ARCHITECTURE.md)
+        "model_ms_per_block": modelled_period(slots, apart, mean),
+        "slots": slots,
+        "double_buffered": float(apart),
         "eta": max(mean.values()) / pipelined if pipelined > 0 else 0.0,
         "step_ms": step_ms,
         "prologue_ms": prologue,
@@ -183,9 +187,25 @@ def noise_phase(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, flo
 def step_phases(
     engine: Any, batch: Mapping[str, torch.Tensor], repeats: int = 1
 ) -> dict[str, float]:
-    """``block_phases`` of ``repeats`` more steps on ``batch`` and ``noise_phase`` of one."""
-    return block_phases(engine, batch, repeats) | noise_phase(engine, batch)
+    """``block_phases`` of ``repeats`` more steps on ``batch`` and ``noise_phase`` of one;
+    with two master buffers, the stream model takes the upcast and the rounding apart
+    from the upload and the offload they are queued beside."""
+    phases = block_phases(engine, batch, repeats) | noise_phase(engine, batch)
+    if phases["double_buffered"]:
+        upcast, rounding = phases["upload_upcast_ms"], phases["offload_rounding_ms"]
+        took = {
+            "upload": max(0.0, phases["upload_ms_per_block"] - upcast),
+            "unpack": upcast,
+            "compute": phases["compute_ms_per_block"],
+            "pack": rounding,
+            "offload": max(0.0, phases["offload_ms_per_block"] - rounding),
+        }
+        phases["model_ms_per_block"] = modelled_period(int(phases["slots"]), True, took)
+    return phases
 
+
+# what a report says for a bound that is not a phase's name
+BOUND_WORDS = {"waits": "the streams' waits on one another (slots, master buffers)"}
 
 # The host's launches bound a block's compute where queueing it takes nearly as long as
 # the device takes to run it: the device then waits for the next kernel.
@@ -196,11 +216,13 @@ def bound_by(phases: Mapping[str, float]) -> str:
     """The phase that sets the stream model's period: ``upload``, ``offload``, ``compute``
     (``host`` when, on the device's streams, the host takes at least ``HOST_BOUND`` of a
     block's compute to queue it; ``noise`` when the noise is at least half of it) or
-    ``slots`` (the three phases in sequence over the K slots take longer than any one of
-    them)."""
+    ``waits`` (the streams' waits on one another make the period longer than any one
+    phase: too few slots for the three phases, or an op queued behind a wait it does not
+    need)."""
     longest = max(PHASES, key=lambda p: phases[f"{p}_ms_per_block"])
-    if phases["model_ms_per_block"] > phases[f"{longest}_ms_per_block"]:
-        return "slots"
+    # (a replayed model's float sums may exceed the longest phase by a rounding)
+    if phases["model_ms_per_block"] > phases[f"{longest}_ms_per_block"] * (1 + 1e-9):
+        return "waits"
     compute = phases["compute_ms_per_block"]
     if (
         longest == "compute"
@@ -231,12 +253,13 @@ def describe_phases(name: str, phases: Mapping[str, float]) -> str:
     offload = f"{phases['offload_ms_per_block']:.3g} ms"
     if rounding > 0:
         offload += f" (the master's rounding {rounding:.3g} ms of it)"
+    bound = bound_by(phases)
     return (
         f"{name} per block: upload {upload}, compute "
         f"{phases['compute_ms_per_block']:.3g} ms ({inside}), offload "
         f"{offload}; the stream model's period "
         f"{phases['model_ms_per_block']:.3g} ms, measured {phases['pipelined_ms_per_block']:.3g} "
-        f"ms (eta {phases['eta']:.2f}): bound by {bound_by(phases)}. Of the step's "
+        f"ms (eta {phases['eta']:.2f}): bound by {BOUND_WORDS.get(bound, bound)}. Of the step's "
         f"{phases['step_ms']:.3g} ms, the {phases['blocks']:g} blocks take "
         f"{phases['pipelined_ms_per_block'] * phases['blocks']:.3g}, the prologue "
         f"{phases['prologue_ms']:.3g} (the resident bucket's noise "

@@ -14,8 +14,15 @@ from transformers import OPTForCausalLM
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import phases as phases_module
-from distzo.bench.phases import block_phases, bound_by, describe_phases, step_phases
+from distzo.bench.phases import (
+    BOUND_WORDS,
+    block_phases,
+    bound_by,
+    describe_phases,
+    step_phases,
+)
 from distzo.models.tiny import tiny_opt_config
+from distzo.offload.queue_model import modelled_period
 from tests.helpers.launch import child_env
 
 
@@ -149,6 +156,18 @@ def test_the_master_buffers_upcast_and_rounding_are_timed_where_there_is_one(
     assert measured["async_streams"] == 0.0
     assert 0 < measured["host_ms_per_block"] <= measured["compute_ms_per_block"]
     assert "queued by the host" not in line and bound_by(measured) != "host"
+    # the stream model replays the scheduler's queues with these times, the upcast and
+    # the rounding apart from the copies beside them where two buffers hold the masters
+    assert measured["double_buffered"] == float(double)
+    phase = {p: measured[f"{p}_ms_per_block"] for p in ("upload", "compute", "offload")}
+    if double:
+        upcast, rounding = measured["upload_upcast_ms"], measured["offload_rounding_ms"]
+        phase |= {"unpack": upcast, "pack": rounding}
+        phase["upload"] = max(0.0, phase["upload"] - upcast)
+        phase["offload"] = max(0.0, phase["offload"] - rounding)
+    period = modelled_period(e.streamed_store.num_slots, double, phase)
+    assert measured["model_ms_per_block"] == pytest.approx(period)
+    assert period >= max(measured[f"{p}_ms_per_block"] for p in ("compute", "offload"))
 
 
 def phases(upload: float, compute: float, offload: float, noise: float, slots: int = 3):
@@ -191,13 +210,14 @@ def test_a_block_the_host_queues_no_faster_than_the_device_runs_it_is_host_bound
         (phases(1, 2, 5, 0.5), "offload"),
         (phases(1, 5, 1, 1), "compute"),
         (phases(1, 5, 1, 3), "noise"),  # most of the compute draws z
-        (phases(4, 4, 4, 1, slots=2), "slots"),  # 12 ms over 2 slots: 6 > 4
+        (phases(4, 4, 4, 1, slots=2), "waits"),  # 12 ms over 2 slots: 6 > 4
     ],
 )
 def test_the_bound_names_the_phase_that_sets_the_period(given, bound):
     assert bound_by(given) == bound
     line = describe_phases("distzo-offload", given)
-    assert f"bound by {bound}. Of the step's 100 ms, the 4 blocks take" in line
+    words = BOUND_WORDS.get(bound, bound)
+    assert f"bound by {words}. Of the step's 100 ms, the 4 blocks take" in line
     assert "2 perturbations and 1 update)" in line
     assert line.endswith(
         "the prologue 3 (the resident bucket's noise 6, over the step), the head and the rest 20"

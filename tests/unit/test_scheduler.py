@@ -1,9 +1,8 @@
-import contextlib
-
 import pytest
 import torch
 
 from distzo.offload import BlockScheduler, Streams, Timeline
+from distzo.offload.queue_model import modelled_period, queued_passes
 
 
 class RecordingStore:
@@ -68,67 +67,6 @@ def test_timeline_records_every_phase_of_every_block():
     assert all(s.host_ms == pytest.approx(s.ms, abs=1e-5) for s in spans)
 
 
-class StandInStreams(Streams):
-    """CUDA's stream rules kept on the host: each phase a FIFO queue of the ops queued on it,
-    an event a position in one queue, a wait an op that holds its queue until everything
-    before the event's position has run. The work itself runs at once; ``before`` says
-    what the queues and waits guarantee to run first on a device."""
-
-    def __init__(self):
-        super().__init__(torch.device("cpu"))
-        self.is_async = True
-        self.queues = {phase: [] for phase in ("upload", "compute", "offload")}
-        self.current = "compute"
-
-    @contextlib.contextmanager
-    def on(self, phase):
-        outer, self.current = self.current, phase
-        try:
-            yield
-        finally:
-            self.current = outer
-
-    def record(self, phase, timing=False):
-        return (phase, len(self.queues[phase]))
-
-    def wait(self, phase, event):
-        if event is not None:
-            self.queues[phase].append(("wait", event))
-
-    def queue(self, op):
-        self.queues[self.current].append(op)
-
-    def where(self, op):
-        (place,) = [(p, i) for p, ops in self.queues.items() for i, o in enumerate(ops) if o == op]
-        return place
-
-    def before(self, a, b):
-        """Whether op ``a`` must have run before op ``b`` starts, on any device."""
-        target, seen, todo = self.where(a), set(), [self.where(b)]
-        while todo:  # walk back from b along its queue and across every wait
-            phase, i = todo.pop()
-            for j in range(i - 1, -1, -1):
-                if (phase, j) == target:
-                    return True
-                op = self.queues[phase][j]
-                if op[0] == "wait" and op[1] not in seen:
-                    seen.add(op[1])
-                    src, n = op[1]
-                    todo.append((src, n))
-        return False
-
-
-class QueuedStore(RecordingStore):
-    """A store whose ops land on the stand-in stream they were queued on, one name per
-    (op, block, step)."""
-
-    def __init__(self, streams, num_slots, double_buffered):
-        super().__init__(num_slots, double_buffered)
-        self.streams, self.step = streams, 0
-        for op in ("upload", "unpack", "pack", "offload"):
-            setattr(self, op, lambda i, op=op: streams.queue((op, i, self.step)))
-
-
 @pytest.mark.parametrize("slots", [1, 2, 3])
 @pytest.mark.parametrize("apart", [False, True])
 def test_each_master_buffer_is_released_before_the_block_after_next_unpacks_into_it(slots, apart):
@@ -140,17 +78,8 @@ def test_each_master_buffer_is_released_before_the_block_after_next_unpacks_into
     the buffer's release (pack(i), or compute(i) in the evaluation), across the passes'
     ends too (where an odd count of blocks gives block 0 the last block's buffer), while
     neither the upcast of block i + 1 nor the rounding of block i holds up the compute."""
-    streams, n = StandInStreams(), 5
-    store = QueuedStore(streams, slots, apart)
-    scheduler = BlockScheduler(store, streams, n)
-
-    def compute(i, bucket):
-        streams.queue(("compute", i, store.step))
-
-    passes = [True, False, True]  # whether each pass offloads
-    for step, offload in enumerate(passes):
-        store.step = step
-        scheduler.run(compute, offload=offload)
+    n, passes = 5, (True, False, True)  # whether each pass offloads
+    streams = queued_passes(n, slots, apart, passes)
     order = [(i, t) for t in range(len(passes)) for i in range(n)]  # the visits in turn
     buffers = 2 if apart else 1  # block i computes in buffer i % buffers
     for k, (i, step) in enumerate(order):
@@ -180,32 +109,6 @@ def test_each_master_buffer_is_released_before_the_block_after_next_unpacks_into
             assert streams.before(left, ("upload", i, step))
 
 
-def device_times(streams, took):
-    """Each op's (start, end) on a device that runs the three queues side by side, an op
-    taking ``took[name]`` and a wait nothing but its event: CUDA's rules, the H100's
-    clock."""
-    ends = {}
-
-    def end(phase, i):  # when the queue's i-th op is done (-1: the queue's start)
-        if i < 0:
-            return 0.0
-        if (phase, i) not in ends:
-            op, ready = streams.queues[phase][i], end(phase, i - 1)
-            if op[0] == "wait":
-                src, n = op[1]
-                ends[phase, i] = max(ready, end(src, n - 1))
-            else:
-                ends[phase, i] = ready + took[op[0]]
-        return ends[phase, i]
-
-    return {
-        op: (end(phase, i) - took[op[0]], end(phase, i))
-        for phase, ops in streams.queues.items()
-        for i, op in enumerate(ops)
-        if op[0] != "wait"
-    }
-
-
 @pytest.mark.parametrize("apart", [False, True])
 def test_with_three_slots_the_compute_stream_never_waits_inside_a_pass(apart):
     """Where the compute takes longer than a block's upload or offload (Qwen3-1.7B at
@@ -214,13 +117,9 @@ def test_with_three_slots_the_compute_stream_never_waits_inside_a_pass(apart):
     i + 2's upcast behind the upload that waits for block i's copy (4.0 ms a block where
     the compute took 3.12), and block 0's behind the uploads of blocks 1 and 2."""
     took = {"upload": 2.26, "unpack": 0.22, "compute": 3.12, "pack": 0.31, "offload": 2.13}
-    streams, n, slots = StandInStreams(), 8, 3
-    store = QueuedStore(streams, slots, apart)
-    scheduler = BlockScheduler(store, streams, n)
-    for step in range(2):
-        store.step = step
-        scheduler.run(lambda i, bucket: streams.queue(("compute", i, store.step)))
-    times = device_times(streams, took)
+    n, slots = 8, 3
+    streams = queued_passes(n, slots, apart, (True, True))
+    times = streams.device_times(took)
     on_compute = [op for op in streams.queues["compute"] if op[0] != "wait"]
     for step in range(2):
         ops = [op for op in on_compute if op[2] == step]
@@ -234,3 +133,43 @@ def test_with_three_slots_the_compute_stream_never_waits_inside_a_pass(apart):
     per_block = took["compute"] + (0 if apart else took["unpack"] + took["pack"])
     start = [times[("compute", i, 0)][0] for i in range(n)]
     assert (start[-1] - start[0]) / (n - 1) == pytest.approx(per_block)
+    assert modelled_period(slots, apart, took) == pytest.approx(per_block)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "upload, compute, offload",
+    [(5, 2, 1), (1, 2, 5), (1, 5, 1), (4, 4, 4), (3, 1, 3), (2.26, 3.12, 2.13)],
+)
+def test_the_modelled_period_of_one_buffer_is_the_stream_models_formula(
+    slots, upload, compute, offload
+):
+    """The scheduler's queues replayed with one master buffer: upload(i) waits offload(i -
+    K) and each stream is FIFO, so the period is the longest phase or the three in sequence
+    over the K slots (docs/ARCHITECTURE.md)."""
+    took = {"upload": upload, "compute": compute, "offload": offload}
+    expected = max(upload, compute, offload, (upload + compute + offload) / slots)
+    assert modelled_period(slots, False, took) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_modelled_period_of_two_buffers_names_what_the_old_queue_order_cost():
+    """Two master buffers at the H100's op times (Qwen3-1.7B): 3.12 ms a block, the
+    compute alone; an upcast on the upload stream that takes longer than the compute
+    leaves slack, and its time shows in the period once the upload stream is the longest."""
+    took = {"upload": 2.26, "unpack": 0.22, "compute": 3.12, "pack": 0.31, "offload": 2.13}
+    assert modelled_period(3, True, took) == pytest.approx(3.12)
+    assert modelled_period(3, False, took) == pytest.approx(3.12 + 0.22 + 0.31)
+    # the upload stream's work per block (upload + upcast) sets the period when longest
+    slow = took | {"upload": 3.0, "unpack": 0.5}
+    assert modelled_period(3, True, slow) == pytest.approx(3.5)
+    # one slot: nothing overlaps (block i + 1's upload waits for block i's offload)
+    assert modelled_period(1, True, took) == pytest.approx(sum(took.values()))
+
+
+def test_a_replay_of_thousands_of_queued_ops_needs_no_recursion():
+    """OPT-175B streams 96 blocks a pass: the model walks its queues without recursing."""
+    streams = queued_passes(2000, 3, True, (True, True))
+    times = streams.device_times({"upload": 1, "unpack": 0, "compute": 1, "pack": 0, "offload": 1})
+    # the link bounds both passes: 2000 uploads, then the second pass's 2000
+    assert times[("compute", 1999, 0)][1] == pytest.approx(2001)
+    assert times[("compute", 1999, 1)][1] > times[("upload", 1999, 0)][1] + 1999
