@@ -176,11 +176,12 @@ for stage in "${RUN[@]}"; do
         ;;
     peers-13b|peers-30b)  # two copies do not fit: one system after another, offloads first, 16 timed steps each.
         # distzo-resident's float32 masters of OPT-30B (120 GB) fit no lent GPU.
-        # Right after distzo's offload: the same steps without the block-sized float32 master
-        # (distzo-offload-recompute), then distzo-offload-half (the masters in fp16, as ZO2 holds its model).
-        big=zo2-offload,distzo-offload,distzo-offload-recompute,distzo-offload-half,zo2-mezo
+        # Right after distzo's offload: distzo-offload-half (the masters in fp16, as ZO2 holds its model: the
+        # memory target's system, before a deadline can cut it), then the same steps without the block-sized
+        # float32 master (distzo-offload-recompute).
+        big=zo2-offload,distzo-offload,distzo-offload-half,distzo-offload-recompute,zo2-mezo
         [ "$stage" = peers-13b ] && big=$big,distzo-resident
-        [ ${#ZO2_ARGS[@]} -eq 0 ] && big=distzo-offload,distzo-offload-recompute,distzo-offload-half$([ "$stage" = peers-13b ] && echo ,distzo-resident)
+        [ ${#ZO2_ARGS[@]} -eq 0 ] && big=distzo-offload,distzo-offload-half,distzo-offload-recompute$([ "$stage" = peers-13b ] && echo ,distzo-resident)
         peers_at "opt-${stage#peers-}" 560 --one-at-a-time --warmup 1 --rounds 16 --systems "$big"
         ;;
     peers-qwen3)  # issue 30, Qwen3 where ZO2 supports it: its Qwen3 speed test's point (1 x 2048, fp16) at 1.7B and 8B.
@@ -196,8 +197,8 @@ for stage in "${RUN[@]}"; do
         if [ "${mib:-0}" -ge 100000 ] 2>/dev/null; then
             peers_at qwen3-8b 300
         else
-            eight=zo2-offload,distzo-offload,distzo-offload-recompute,distzo-offload-half,zo2-mezo,distzo-resident
-            [ ${#ZO2_ARGS[@]} -eq 0 ] && eight=distzo-offload,distzo-offload-recompute,distzo-offload-half,distzo-resident
+            eight=zo2-offload,distzo-offload,distzo-offload-half,distzo-offload-recompute,zo2-mezo,distzo-resident
+            [ ${#ZO2_ARGS[@]} -eq 0 ] && eight=distzo-offload,distzo-offload-half,distzo-offload-recompute,distzo-resident
             peers_at qwen3-8b 300 --one-at-a-time --warmup 1 --rounds 16 --systems "$eight"
         fi
         ;;
