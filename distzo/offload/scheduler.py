@@ -71,70 +71,81 @@ class BlockScheduler:
         """
         n, k = self.num_blocks, self.store.num_slots
         s = self.streams
-        uploaded: list[torch.cuda.Event | None] = [None] * k
+        # this pass's events: block j's upload (per slot) and upcast (per master buffer)
+        self._uploaded: list[torch.cuda.Event | None] = [None] * k
+        self._unpacked: list[torch.cuda.Event | None] = [None, None]
         # Two master buffers (a double-buffered store): block j's upcast runs on the upload
         # stream, queued as soon as the host has queued both its upload and the release of
         # its buffer by block j - 2 (``ahead`` blocks before its compute), and its rounding
         # on the offload stream: the compute stream runs the passes alone.
         apart = self.store.double_buffered
         ahead = min(k, 2)
-        unpacked: list[torch.cuda.Event | None] = [None, None]
-
-        def upload(j: int) -> None:
-            with s.on("upload"):
-                s.wait("upload", self._slot_free[j % k])
-                self._phase("upload", j, lambda: self.store.upload(j))
-                uploaded[j % k] = s.record("upload")
-
-        def unpack(j: int) -> None:  # after upload(j) on the same stream
-            with s.on("upload"):
-                s.wait("upload", self._master_free[j % 2])
-                self._phase("upload", j, lambda: self.store.unpack(j))
-                unpacked[j % 2] = s.record("upload")
-
         for j in range(min(k, n)):
-            upload(j)
+            self._upload(j)
             if apart and j < ahead:  # block 0's upcast waits for no later upload
-                unpack(j)
+                self._unpack(j)
         if prologue is not None:
             with s.on("compute"):
                 self._phase("compute", PROLOGUE, prologue)
-
-        def compute_block(i: int) -> None:
-            # one buffer: the master exists from unpack to pack, on this stream alone
-            if not apart:
-                self.store.unpack(i)
-            compute(i, self.store.device_bucket(i))
-            if offload and not apart:
-                self.store.pack(i)
-
-        def offload_block(i: int) -> None:
-            if apart:
-                self.store.pack(i)
-                self._master_free[i % 2] = s.record("offload")
-            self.store.offload(i)
-
         for i in range(n):
             with s.on("compute"):
-                s.wait("compute", unpacked[i % 2] if apart else uploaded[i % k])
-                self._phase("compute", i, lambda: compute_block(i))
+                s.wait("compute", self._unpacked[i % 2] if apart else self._uploaded[i % k])
+                self._phase("compute", i, lambda: self._compute_block(i, compute, offload))
                 computed = s.record("compute")
             if offload:
                 with s.on("offload"):
                     s.wait("offload", computed)
-                    self._phase("offload", i, lambda: offload_block(i))
+                    self._phase("offload", i, lambda: self._offload_block(i))
                     self._slot_free[i % k] = s.record("offload")
             else:
                 self._slot_free[i % k] = computed
                 if apart:  # read only: the buffer is free once the compute is done
                     self._master_free[i % 2] = computed
-            # each queue is FIFO: an upcast waiting for pack(i) must not sit behind the
-            # upload waiting for offload(i)'s copy, or compute(i + 2) waits for that copy.
-            # Block i + ahead's upload is already queued unless the slots are that few.
-            early = apart and i + ahead < n and ahead < k
-            if early:
-                unpack(i + ahead)
-            if i + k < n:
-                upload(i + k)
-            if apart and i + ahead < n and not early:
-                unpack(i + ahead)
+            self._queue_ahead(i, apart, ahead)
+
+    def _upload(self, j: int) -> None:
+        s, k = self.streams, self.store.num_slots
+        with s.on("upload"):
+            s.wait("upload", self._slot_free[j % k])
+            self._phase("upload", j, lambda: self.store.upload(j))
+            self._uploaded[j % k] = s.record("upload")
+
+    def _unpack(self, j: int) -> None:
+        """Block j's upcast into master buffer j % 2, after upload(j) on the same stream."""
+        s = self.streams
+        with s.on("upload"):
+            s.wait("upload", self._master_free[j % 2])
+            self._phase("upload", j, lambda: self.store.unpack(j))
+            self._unpacked[j % 2] = s.record("upload")
+
+    def _compute_block(
+        self, i: int, compute: Callable[[int, torch.Tensor], None], offload: bool
+    ) -> None:
+        # one buffer: the master exists from unpack to pack, on this stream alone
+        apart = self.store.double_buffered
+        if not apart:
+            self.store.unpack(i)
+        compute(i, self.store.device_bucket(i))
+        if offload and not apart:
+            self.store.pack(i)
+
+    def _offload_block(self, i: int) -> None:
+        if self.store.double_buffered:
+            self.store.pack(i)
+            self._master_free[i % 2] = self.streams.record("offload")
+        self.store.offload(i)
+
+    def _queue_ahead(self, i: int, apart: bool, ahead: int) -> None:
+        """After block i: the upload into its slot (block i + K) and, with two buffers,
+        block i + ahead's upcast. Each queue is FIFO: an upcast waiting for pack(i) must not
+        sit behind the upload waiting for offload(i)'s copy, or compute(i + 2) waits for
+        that copy; so it goes first wherever its own upload is already queued (K > ahead)."""
+        n, k = self.num_blocks, self.store.num_slots
+        unpack_next = apart and i + ahead < n
+        if unpack_next and ahead < k:
+            self._unpack(i + ahead)
+            unpack_next = False
+        if i + k < n:
+            self._upload(i + k)
+        if unpack_next:
+            self._unpack(i + ahead)
