@@ -76,7 +76,7 @@ def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, 
     pipelined = (streamed - prologue) / n
     slots = engine.streamed_store.num_slots
     apart = engine.scheduler.store.double_buffered
-    return {
+    phases = {
         "upload_ms_per_block": mean["upload"],
         "compute_ms_per_block": mean["compute"],
         "offload_ms_per_block": mean["offload"],
@@ -84,9 +84,7 @@ def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, 
         # 1: the phases ran on the device's streams, the host only queued them (CUDA)
         "async_streams": float(engine.streams.is_async),
         "pipelined_ms_per_block": pipelined,
-        # The stream model's steady state: the scheduler's own queues replayed with these
-        # times (one master buffer: max(U, C, O, (U + C + O) / K), docs/ARCHITECTURE.md)
-        "model_ms_per_block": modelled_period(slots, apart, mean),
+        # what the stream model (``stream_model``) replays besides the phases' times
         "slots": slots,
         "double_buffered": float(apart),
         "eta": max(mean.values()) / pipelined if pipelined > 0 else 0.0,
@@ -95,6 +93,24 @@ def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, 
         "outside_blocks_ms": max(0.0, step_ms - streamed),
         "blocks": n,
     }
+    return phases | {"model_ms_per_block": stream_model(phases)}
+
+
+def stream_model(phases: Mapping[str, float]) -> float:
+    """The stream model's steady-state period per block: the scheduler's own queues
+    replayed with these phase times (one master buffer: max(U, C, O, (U + C + O) / K),
+    docs/ARCHITECTURE.md); with two, the upcast and the rounding (where timed) apart
+    from the upload and the offload they are queued beside."""
+    upcast = phases.get("upload_upcast_ms", 0.0)
+    rounding = phases.get("offload_rounding_ms", 0.0)
+    took = {
+        "upload": max(0.0, phases["upload_ms_per_block"] - upcast),
+        "unpack": upcast,
+        "compute": phases["compute_ms_per_block"],
+        "pack": rounding,
+        "offload": max(0.0, phases["offload_ms_per_block"] - rounding),
+    }
+    return modelled_period(int(phases["slots"]), bool(phases["double_buffered"]), took)
 
 
 @contextmanager
@@ -191,16 +207,8 @@ def step_phases(
     with two master buffers, the stream model takes the upcast and the rounding apart
     from the upload and the offload they are queued beside."""
     phases = block_phases(engine, batch, repeats) | noise_phase(engine, batch)
-    if phases["double_buffered"]:
-        upcast, rounding = phases["upload_upcast_ms"], phases["offload_rounding_ms"]
-        took = {
-            "upload": max(0.0, phases["upload_ms_per_block"] - upcast),
-            "unpack": upcast,
-            "compute": phases["compute_ms_per_block"],
-            "pack": rounding,
-            "offload": max(0.0, phases["offload_ms_per_block"] - rounding),
-        }
-        phases["model_ms_per_block"] = modelled_period(int(phases["slots"]), True, took)
+    if phases["double_buffered"]:  # now that the upcast and the rounding are timed
+        phases["model_ms_per_block"] = stream_model(phases)
     return phases
 
 
