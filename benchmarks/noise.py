@@ -93,6 +93,9 @@ BYTES = {
     "rounding-fp16": 6,
     "rounding-fp8": 5,
 }
+# the ops on a bucket held in fp16 (``held_in_fp16``), named in full: ``rounding-fp16``
+# rounds a float32 bucket into fp16 and is not one of them
+HELD_IN_FP16 = ("perturb-fp16", "perturb-fp16-chunked", "update-fp16", "update-fp16-chunked")
 WIRE = {
     "rounding": torch.bfloat16,
     "rounding-fp16": torch.float16,
@@ -131,7 +134,7 @@ def source(
 
 
 def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
-    if "-fp16" in op:  # a bucket held in fp16
+    if op in HELD_IN_FP16:
         return held_in_fp16(op, path, device, n, chunk)
     theta = torch.randn(n, device=device)
     if op == "perturb":
@@ -194,6 +197,8 @@ def op_runner(op: str, path: str, device: torch.device, n: int, chunk: int):
         moments = [torch.zeros_like(theta) for _ in range(rule.num_moments)]
         updater = MomentUpdater(rule, src)
         return lambda: updater.apply(src, theta, moments, n, 1e-7, 1e-4, 3, (0.5,), 1)
+    if op not in WIRE:
+        raise ValueError(f"noise.py has no runner for op {op!r}")
     src, wire = (
         source(path, device, chunk, "uniform"),
         torch.empty(n, device=device, dtype=WIRE[op]),

@@ -273,6 +273,35 @@ def test_noise_benchmark_compares_old_and_new_paths(tmp_path):
     assert {f"{op}_new_over_old_speed" for op in (*ops, "step")} == data["derived"].keys()
 
 
+def test_each_noise_op_times_what_its_name_says(monkeypatch):
+    """``rounding-fp16`` once timed the update of a model held in fp16 (its name holds
+    "-fp16"): each rounding op rounds a float32 bucket into its own format, the write-backs
+    round into their bf16 blocks, and no other op rounds; an op without a runner is refused."""
+    from benchmarks import noise
+
+    rounded = []
+    real = noise.round_keyed_
+
+    def spy(dst, src, *args):
+        rounded.append((dst.dtype, src.dtype, src.numel()))
+        return real(dst, src, *args)
+
+    monkeypatch.setattr(noise, "round_keyed_", spy)
+    n = 4096
+    for op in noise.BYTES:
+        rounded.clear()
+        noise.op_runner(op, "new", torch.device("cpu"), n, 1000)()
+        if op in noise.WIRE:
+            expected = [(noise.WIRE[op], torch.float32, n)]
+        elif op.startswith("rebuild-round"):  # the CPU's write-back: upcast, update, round
+            expected = [(torch.bfloat16, torch.float32, n)]
+        else:
+            expected = []
+        assert rounded == expected, op
+    with pytest.raises(ValueError, match="no runner for op 'rounding-fp32'"):
+        noise.op_runner("rounding-fp32", "new", torch.device("cpu"), n, 1000)
+
+
 def test_noise_benchmark_times_launch_shapes_only_on_a_gpu(tmp_path):
     # --warps times the Triton kernels' launches: on a CPU it is refused before any work
     command = [sys.executable, "benchmarks/noise.py", "--quick", "--warps", "8,16"]
