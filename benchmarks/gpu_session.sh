@@ -9,6 +9,7 @@
 #                                                  brief: a 15-minute lease's one command: every CUDA test, then
 #                                                  noise, adapters and optimizers at smaller sizes (tests-brief
 #                                                  noise-brief adapters-brief optimizers-brief, each a stage too)
+#                                                  noise-rounding: the rounding kernels alone (about a minute)
 #                                                  (default: tests bandwidth throughput big)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -37,7 +38,7 @@ RUN=()  # the stages to run, the lists expanded
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
         tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) RUN+=("$stage") ;;
-        tests-brief|noise-brief|adapters-brief|optimizers-brief) RUN+=("$stage") ;;
+        tests-brief|noise-brief|adapters-brief|optimizers-brief|noise-rounding) RUN+=("$stage") ;;
         peers-1.3b|peers-6.7b|peers-13b|peers-30b) RUN+=("$stage") ;;
         peers-qwen3) RUN+=("$stage"); DEADLINE_S=${DEADLINE_S:-540} ;;
         peers) RUN+=(peers-1.3b peers-6.7b peers-13b peers-30b peers-qwen3) ;;
@@ -45,7 +46,7 @@ for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages befor
         all2) RUN+=(optimizers peers-1.3b); DEADLINE_S=${DEADLINE_S:-540} ;;
         all3) RUN+=(peers-6.7b peers-13b); DEADLINE_S=${DEADLINE_S:-540} ;;
         brief) RUN+=(tests-brief noise-brief adapters-brief optimizers-brief); DEADLINE_S=${DEADLINE_S:-540} ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3, brief or one of its stages (tests-brief noise-brief adapters-brief optimizers-brief)" >&2; exit 2 ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3, brief or one of its stages (tests-brief noise-brief adapters-brief optimizers-brief), noise-rounding" >&2; exit 2 ;;
     esac
 done
 DEADLINE_S=${DEADLINE_S:-}
@@ -211,6 +212,11 @@ for stage in "${RUN[@]}"; do
         # LOZO's low-rank noise (torch ops on CUDA: never timed on a GPU)
         bounded 100 noise.log python3 benchmarks/noise.py --elements 67108864 --skip-torch --repeats 3 --batch 8 \
             --seq 512 --steps 3 --warps 4,8,16,32 --lowrank --out "$WORK/noise.json"
+        ;;
+    noise-rounding)  # the stochastic rounding kernels alone (bf16, fp16, fp8; a rebuilt master's write-back) beside
+        # the fp16 model's update (what `rounding-fp16` timed by mistake until 2026-11-28), at 4, 8 and 16 warps too
+        bounded 90 noise.log python3 benchmarks/noise.py --ops rounding,rounding-fp16,rounding-fp8,rebuild-round,update-fp16 \
+            --elements 67108864 --skip-torch --repeats 5 --warps 4,8,16 --out "$WORK/noise-rounding.json"
         ;;
     adapters-brief)  # brief: 4 layers of the Llama-2-7B shape, two points
         bounded 110 adapters.log python3 benchmarks/throughput.py --compare-adapters --shape llama-2-7b --layers 4 \

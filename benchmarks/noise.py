@@ -5,6 +5,7 @@ step they dominate.
     python benchmarks/noise.py --quick              # 64 k elements, tiny step (CI)
     python benchmarks/noise.py --threads 1          # the CPU paths on one thread
     python benchmarks/noise.py --lowrank            # and LOZO's low-rank noise beside them
+    python benchmarks/noise.py --ops rounding,rounding-fp16   # those ops alone, no step
 
 Paths: ``old`` is the noise of earlier versions (``--noise legacy``: a reseeded
 ``torch.Generator`` fills a workspace chunk by chunk, a separate op consumes it); ``new``
@@ -228,7 +229,7 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
         copy_gbs = 8 * args.elements / t.median / 1e9
         report.derived["device_copy_gb_per_s"] = copy_gbs
         print(f"device copy {copy_gbs:8.1f} GB/s (read + write)")
-    for op in BYTES:
+    for op in args.ops:
         medians = {}
         variants = [(path, None) for path in paths]
         variants += [("new", warps) for warps in args.warps]
@@ -397,9 +398,21 @@ def main() -> None:
         "engine's launch options (triton_noise.LAUNCH_OPTIONS): path new_w<N> (CUDA; the same "
         "bits, another launch shape)",
     )
+    p.add_argument(
+        "--ops",
+        default="",
+        help="comma-separated ops to time (default: every op, then the step; name `step` "
+        f"for the step): {', '.join(BYTES)}",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/noise.json"))
     args = p.parse_args()
+    args.ops = [op for op in args.ops.split(",") if op] or [*BYTES, "step"]
+    unknown = [op for op in args.ops if op not in BYTES and op != "step"]
+    if unknown:
+        p.error(f"--ops: no op {', '.join(unknown)}; pick from {', '.join(BYTES)} or step")
+    args.with_step = "step" in args.ops
+    args.ops = [op for op in args.ops if op != "step"]
     args.warps = [int(w) for w in args.warps.split(",") if w]
     args.elements = args.elements or (1 << 16 if args.quick else 1 << 24)
     args.repeats = args.repeats or (2 if args.quick else 5)
@@ -421,7 +434,8 @@ def main() -> None:
         p.error("--warps times the Triton kernels' launches on a GPU: run it with CUDA")
     report = BenchReport("throughput", device_name(device), 1)
     measure_ops(args, device, report)
-    measure_steps(args, device, report)
+    if args.with_step:
+        measure_steps(args, device, report)
     report.write(
         args.out,
         ["op", "path", "elements", "elements_per_s", "gb_per_s", "of_copy", "tokens_per_s"],

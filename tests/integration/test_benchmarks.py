@@ -146,7 +146,8 @@ def test_the_gpu_session_script_refuses_an_unknown_stage_before_running_any(tmp_
 def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path):
     # what a lease would run, at no device time: brief's stages one by one, then a peers stage
     proc = subprocess.run(
-        ["bash", "benchmarks/gpu_session.sh", "tests-brief", "noise-brief", "peers-1.3b"],
+        ["bash", "benchmarks/gpu_session.sh", "tests-brief", "noise-brief", "noise-rounding"]
+        + ["peers-1.3b"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -154,12 +155,14 @@ def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [line for line in proc.stdout.splitlines() if line.startswith("+ python3")]
-    assert len(runs) == 3, proc.stdout[-2000:]
+    assert len(runs) == 4, proc.stdout[-2000:]
     assert runs[0].startswith("+ python3 -m pytest -m cuda")
     assert runs[0].endswith("(at most 200 s; dry run)")
     assert "benchmarks/noise.py" in runs[1] and "--warps 4,8,16,32" in runs[1]
-    assert "benchmarks/peers.py --shape opt-1.3b --batch 1 --seq 2048" in runs[2]
-    assert (tmp_path / "results-tests-brief-noise-brief-peers-1.3b.tgz").is_file()
+    assert "--ops rounding,rounding-fp16,rounding-fp8,rebuild-round,update-fp16" in runs[2]
+    assert "benchmarks/peers.py --shape opt-1.3b --batch 1 --seq 2048" in runs[3]
+    archive = tmp_path / "results-tests-brief-noise-brief-noise-rounding-peers-1.3b.tgz"
+    assert archive.is_file()
     assert not (tmp_path / "noise.json").exists()  # nothing ran
 
 
@@ -300,6 +303,21 @@ def test_each_noise_op_times_what_its_name_says(monkeypatch):
         assert rounded == expected, op
     with pytest.raises(ValueError, match="no runner for op 'rounding-fp32'"):
         noise.op_runner("rounding-fp32", "new", torch.device("cpu"), n, 1000)
+
+
+def test_noise_benchmark_times_the_named_ops_alone(tmp_path):
+    # --ops: those ops and no step (a lease's minute for the rounding kernels); a name that
+    # is no op is refused before any work, nothing written
+    out = tmp_path / "noise.json"
+    run(["benchmarks/noise.py", "--quick", "--ops", "rounding-fp16", "--out", str(out)])
+    names = {m["name"] for m in load(out)["measurements"]}
+    assert names == {f"rounding-fp16_{path}" for path in ("old", "new", "torch")}
+    command = [sys.executable, "benchmarks/noise.py", "--quick", "--ops", "rounding,roundng"]
+    command += ["--out", str(tmp_path / "bad.json")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    assert proc.returncode == 2
+    assert "--ops: no op roundng; pick from perturb, update" in proc.stderr
+    assert not (tmp_path / "bad.json").exists()
 
 
 def test_noise_benchmark_times_launch_shapes_only_on_a_gpu(tmp_path):
