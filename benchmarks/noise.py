@@ -358,7 +358,9 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
         )
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the quick run's and the ops' defaults resolved; a bad op or a
+    ``--warps`` without CUDA is refused here, before any work."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -406,7 +408,7 @@ def main() -> None:
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/noise.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.ops = [op for op in args.ops.split(",") if op] or [*BYTES, "step"]
     unknown = [op for op in args.ops if op not in BYTES and op != "step"]
     if unknown:
@@ -420,18 +422,24 @@ def main() -> None:
     args.seq = args.seq or (16 if args.quick else 128)
     if args.quick:
         args.batch = min(args.batch, 2)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    LOWRANK.update(rank=args.lozo_rank, cols=args.lowrank_cols)
-    device = torch.device(
+    args.device = torch.device(
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()
         else "cpu"
         if args.device == "auto"
         else args.device
     )
-    if args.warps and device.type != "cuda":
+    if args.warps and args.device.type != "cuda":
         p.error("--warps times the Triton kernels' launches on a GPU: run it with CUDA")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    LOWRANK.update(rank=args.lozo_rank, cols=args.lowrank_cols)
     report = BenchReport("throughput", device_name(device), 1)
     measure_ops(args, device, report)
     if args.with_step:
