@@ -16,7 +16,13 @@ import torch.distributed as dist
 
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
-from distzo.engine.layouts import LaidOut, bucket_range, bucket_values
+from distzo.engine.layouts import (
+    LOAD_CHUNK,
+    LaidOut,
+    bucket_range,
+    bucket_values,
+    copy_in_chunks,
+)
 from distzo.engine.state import StoredBuckets
 from distzo.models.weights import WeightSource
 from distzo.offload import BlockStore, BucketLayout, ResidentBlocks, Shard, StreamedBlocks
@@ -128,16 +134,20 @@ def store_maker(
     return streamed
 
 
-def fill_store(
-    store: BlockStore, built: list[LaidOut], weights: WeightSource | None, sliced: bool
-) -> None:
-    """Each block's initial values into ``store``, one block in memory at a time."""
+def fill_store(store: BlockStore, built: list[LaidOut], weights: WeightSource | None) -> None:
+    """Each block's initial values into ``store``, one block in memory at a time; from a
+    source, ``LOAD_CHUNK`` elements at a time (a sliced rank reads only its share)."""
     for i, (layout, ordered) in enumerate(built):
-        if weights is not None and sliced and isinstance(store, StreamedBlocks):
-            # Read only this rank's share of the block from the checkpoint.
-            store.load_block_ranges(i, functools.partial(bucket_range, layout, weights))
+        if weights is None:
+            store.load_block(i, bucket_values(layout, ordered, None))
+            continue
+        read = functools.partial(bucket_range, layout, weights)
+        if isinstance(store, StreamedBlocks):
+            store.load_block_ranges(i, read, chunk=LOAD_CHUNK)
+        elif isinstance(store, ResidentBlocks):
+            copy_in_chunks(store.device_bucket(i), read)
         else:
-            store.load_block(i, bucket_values(layout, ordered, weights))
+            store.load_block(i, read(0, layout.numel))
 
 
 def make_moments(

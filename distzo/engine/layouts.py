@@ -95,7 +95,9 @@ def bucket_values(
     return flat
 
 
-LOAD_CHUNK = 1 << 24  # elements a start-up read brings to the host at once (64 MiB in fp32)
+# elements a start-up read brings to the host at once: 16 MiB in fp32, small enough for the
+# host's allocator to reuse (a larger piece is fresh pages each time)
+LOAD_CHUNK = 1 << 22
 
 
 def device_bucket(
@@ -110,23 +112,34 @@ def device_bucket(
     with values of its own is already in memory whole."""
     if weights is None:
         return bucket_values(layout, ordered, None).to(device)
-    out = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
-    for lo in range(0, layout.numel, LOAD_CHUNK):
-        hi = min(lo + LOAD_CHUNK, layout.numel)
-        out[lo:hi].copy_(bucket_range(layout, weights, lo, hi))
+    out = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    copy_in_chunks(out, functools.partial(bucket_range, layout, weights))
     return out
+
+
+def copy_in_chunks(out: torch.Tensor, read: Callable[[int, int], torch.Tensor]) -> None:
+    """``out[lo:hi] = read(lo, hi)``, ``LOAD_CHUNK`` elements at a time: a resident
+    bucket (or a resident block) filled with one chunk on the host at once."""
+    for lo in range(0, out.numel(), LOAD_CHUNK):
+        hi = min(lo + LOAD_CHUNK, out.numel())
+        out[lo:hi].copy_(read(lo, hi))
 
 
 def bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int) -> torch.Tensor:
     """Elements [lo, hi) of a bucket, read from the source tensor by tensor (alignment gaps
-    0): a sliced rank reads only its share of a block from the checkpoint."""
-    out = torch.zeros(hi - lo, dtype=layout.dtype)
-    for e in layout.entries:
+    0): a sliced rank reads only its share of a block from the checkpoint. Each element
+    is written once (the gaps zeroed, not the whole range first)."""
+    out = torch.empty(hi - lo, dtype=layout.dtype)
+    written = lo  # elements before this one are written
+    for e in sorted(layout.entries, key=lambda e: e.offset):
         a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
         if a < b:
+            out[written - lo : a - lo].zero_()
             out[a - lo : b - lo] = weights.tensor_range(
                 e.names, e.shape, layout.dtype, a - e.offset, b - e.offset
             )
+            written = b
+    out[written - lo :].zero_()
     return out
 
 

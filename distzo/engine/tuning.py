@@ -62,8 +62,8 @@ class Tuning(ABC):
         blocks that cross the link."""
 
     @abstractmethod
-    def load_base(self, weights: WeightSource | None, sliced: bool, device: torch.device) -> None:
-        """Fill what is read but never trained (``sliced``: each rank reads its share)."""
+    def load_base(self, weights: WeightSource | None, device: torch.device) -> None:
+        """Fill what is read but never trained (a sliced rank reads only its share)."""
 
     @abstractmethod
     def bind_base(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -175,7 +175,7 @@ class FullTuning(Tuning):
         self._trained = streamed(layouts, False)
         return self._trained
 
-    def load_base(self, weights: WeightSource | None, sliced: bool, device: torch.device) -> None:
+    def load_base(self, weights: WeightSource | None, device: torch.device) -> None:
         return  # there is no base
 
     def bind_base(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -244,11 +244,11 @@ class FrozenBase(Tuning):
         self._trained = ResidentBlocks(layouts, device)
         return self._trained
 
-    def load_base(self, weights: WeightSource | None, sliced: bool, device: torch.device) -> None:
+    def load_base(self, weights: WeightSource | None, device: torch.device) -> None:
         if self._frozen is None or self.base_store is None or self.resident_base_layout is None:
             raise RuntimeError("load_base runs once, after make_store")
         (built, (layout, ordered)), self._frozen = self._frozen, None
-        fill_store(self.base_store, built, weights, sliced)
+        fill_store(self.base_store, built, weights)
         self.resident_base = device_bucket(layout, ordered, weights, device)
 
     def bind_base(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

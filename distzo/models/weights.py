@@ -227,10 +227,13 @@ class RandomWeights:
     on an H100 machine's host; in float32, 22 s).
 
     ``draw_device``: draw there instead, ``DEVICE_DRAW_CHUNK`` at a time with that device's
-    generator, each chunk rounded there and copied into the host tensor (other values
-    than the host's draw, for a benchmark). The host's generator draws ~2e8 float32
-    Gaussians a second on one thread: OPT-30B's 30e9 would be 2.5 minutes of every build;
-    a GPU draws them in well under a second and leaves the build the copies."""
+    generator, each chunk rounded there (other values than the host's draw, for a
+    benchmark). The host's generator draws ~2e8 float32 Gaussians a second on one thread:
+    OPT-30B's 30e9 would be 2.5 minutes of every build; a GPU draws them in well under a
+    second. A range read (``tensor_range``) keeps the tensor on the device while its
+    ranges are read, so that only those cross to the host, into the reader's reused
+    buffer: drawn into a fresh host tensor, every element cost the host a new page as
+    well as the copy. ``tensor`` returns it on the host."""
 
     def __init__(
         self,
@@ -245,6 +248,10 @@ class RandomWeights:
         self._last: tuple[tuple[str, torch.dtype], torch.Tensor] | None = None
 
     def tensor(self, names, shape, dtype):
+        return self._drawn(names, shape, dtype).cpu()
+
+    def _drawn(self, names, shape, dtype) -> torch.Tensor:
+        """The tensor, where it is drawn (the draw device, or the host)."""
         name = names[0]
         if len(shape) < 2:
             return (torch.zeros if name.endswith("bias") else torch.ones)(shape, dtype=dtype)
@@ -257,7 +264,7 @@ class RandomWeights:
 
     def _drawn_on_device(self, seed: int, shape, dtype: torch.dtype) -> torch.Tensor:
         assert self.draw_device is not None
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.draw_device)
         flat = out.view(-1)
         generator = torch.Generator(self.draw_device).manual_seed(seed)
         size = min(DEVICE_DRAW_CHUNK, flat.numel())
@@ -265,15 +272,19 @@ class RandomWeights:
         for lo in range(0, flat.numel(), size):
             chunk = staging[: min(size, flat.numel() - lo)]
             chunk.normal_(0.0, self.std, generator=generator)
-            flat[lo : lo + chunk.numel()].copy_(chunk.to(dtype))
+            flat[lo : lo + chunk.numel()].copy_(chunk)
         return out
 
     def tensor_range(self, names, shape, dtype, start, stop):
-        # drawn whole (the same on every rank), and kept while its ranges are read in turn
+        # drawn whole (the same on every rank), kept while its ranges are read in turn, and
+        # let go once its last element is read (nothing stays on a draw device)
         if self._last is None or self._last[0] != (names[0], dtype):
             self._last = None  # drawn anew: the previous one goes first
-            self._last = ((names[0], dtype), self.tensor(names, shape, dtype))
-        return _flat_range(self._last[1], start, stop)
+            self._last = ((names[0], dtype), self._drawn(names, shape, dtype))
+        full = self._last[1]
+        if stop >= full.numel():
+            self._last = None
+        return _flat_range(full, start, stop)
 
 
 def open_checkpoint(directory: str | Path) -> WeightSource:

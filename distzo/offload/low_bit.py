@@ -48,10 +48,20 @@ def _from_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.to(_INT_VIEW[size]).view(dtype)
 
 
+HOST_ROUND_CHUNK = 1 << 22  # elements the host clamps at a time: a 16 MB float32 scratch
+
+
 def round_nearest_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Round-to-nearest into ``dst``'s format, saturating instead of overflowing."""
+    """Round-to-nearest into ``dst``'s format, saturating instead of overflowing. On the
+    host a piece at a time: the clamp's scratch stays small enough for the allocator to
+    reuse, where a whole block's (1.3 GB at OPT-13B's width) is fresh pages every time."""
     limit = torch.finfo(dst.dtype).max
-    dst.copy_(src.clamp(-limit, limit))
+    if src.device.type != "cpu" or src.dim() != 1 or src.numel() <= HOST_ROUND_CHUNK:
+        dst.copy_(src.clamp(-limit, limit))
+        return
+    for lo in range(0, src.numel(), HOST_ROUND_CHUNK):
+        hi = lo + HOST_ROUND_CHUNK
+        dst[lo:hi].copy_(src[lo:hi].clamp(-limit, limit))
 
 
 def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, uniform: torch.Tensor) -> None:

@@ -791,6 +791,15 @@ def test_benchmark_weights_drawn_on_the_gpu_land_whole_on_the_host():
     assert torch.isfinite(drawn).all() and abs(drawn.float().std().item() - 0.02) < 1e-3
     tail = drawn.view(-1)[weights.DEVICE_DRAW_CHUNK :]
     assert abs(tail.float().std().item() - 0.02) < 2e-3
+    # read by ranges (a build's reads), the draw stays on the device until its last one
+    name, numel = ("model.layers.0.fc1.weight",), drawn.numel()
+    bounds = [0, numel // 3, numel - 5, numel]
+    ranges = [
+        source.tensor_range(name, shape, torch.float16, a, b) for a, b in zip(bounds, bounds[1:])
+    ]
+    assert all(r.device.type == "cuda" for r in ranges)
+    assert torch.equal(torch.cat(ranges).cpu(), drawn.view(-1))
+    del ranges
     with benchmark_script("peer_zo2") as peer:
         for where in ("cpu", "cuda"):
             layer = torch.nn.Linear(4096, 4100, dtype=torch.float16, device=where)

@@ -140,3 +140,24 @@ def test_one_master_buffer_serves_every_low_bit_slot(name):
         runs[slots] = (losses, store.host_storage.clone())
     assert runs[1][0] == runs[3][0]
     assert torch.equal(runs[1][1].view(torch.uint8), runs[3][1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", LOW_BIT)
+def test_rounding_to_nearest_on_the_host_a_piece_at_a_time_is_the_whole_clamp(monkeypatch, name):
+    """The host rounds a block's load a piece at a time (a small scratch the allocator
+    reuses): the same bits as clamping the whole tensor at once, saturation included,
+    over pieces that end inside the tensor and at its last element."""
+    from distzo.offload import low_bit
+
+    dtype = LOW_BIT[name]
+    limit = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1003, generator=g) * limit * 0.6  # about a tenth beyond the range
+    x[[0, 500, 1002]] = torch.tensor([3 * limit, -3 * limit, 2 * limit])
+    whole = torch.empty(1003, dtype=dtype)
+    whole.copy_(x.clamp(-limit, limit))
+    monkeypatch.setattr(low_bit, "HOST_ROUND_CHUNK", 100)
+    pieces = torch.empty(1003, dtype=dtype)
+    round_nearest_(pieces, x)
+    assert torch.equal(pieces.view(torch.uint8), whole.view(torch.uint8))
+    assert pieces.float().abs().max().item() == limit

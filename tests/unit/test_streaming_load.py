@@ -362,3 +362,134 @@ def _nan_filled(empty):
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
     return filled
+
+
+@pytest.mark.parametrize("ranks,chunks", [(1, 1), (2, 3)])
+def test_a_block_read_in_chunks_is_the_block_read_whole(tmp_path, ranks, chunks):
+    """A start-up read asks for ``chunk`` elements at a time (never a block of float32
+    on the host at once): each ask at most ``chunk`` long and inside a piece the rank
+    owns, the asks covering its share exactly once, and what the rank holds, padding
+    (0) included, is what one read of its whole share gives."""
+    from distzo.engine import bucket_layouts, bucket_range
+    from distzo.models import family_for
+    from distzo.offload import Shard, StreamedBlocks
+
+    original = build("llama", seed=2)
+    original.save_pretrained(tmp_path)
+    source = open_checkpoint(tmp_path)
+    model = skeleton(original.config, torch.float32)
+    built, _ = bucket_layouts(model, family_for(model).blocks())
+    layouts = [layout for layout, _ in built]
+    for rank in range(ranks):
+
+        def store() -> StreamedBlocks:
+            made = StreamedBlocks(
+                layouts,
+                torch.device("cpu"),
+                1,
+                torch.float16,
+                Shard(None, rank, ranks),
+                chunks=chunks,
+                read_only=True,
+            )
+            made.host_storage.fill_(7.0)  # padding left unwritten shows
+            return made
+
+        whole, pieces = store(), store()
+        for i, layout in enumerate(layouts):
+            asked: list[tuple[int, int]] = []
+
+            def read(lo, hi, layout=layout):
+                asked.append((lo, hi))
+                return bucket_range(layout, source, lo, hi)
+
+            whole.load_block_ranges(i, read)
+            assert asked == whole.share_ranges(i)
+            asked.clear()
+            pieces.load_block_ranges(i, read, chunk=37)
+            assert all(hi - lo <= 37 for lo, hi in asked)
+            covered = sorted(k for lo, hi in asked for k in range(lo, hi))
+            share = sorted(k for lo, hi in whole.share_ranges(i) for k in range(lo, hi))
+            assert covered == share
+        assert torch.equal(pieces.host_storage, whole.host_storage)
+        assert (pieces.host_storage == 7.0).sum() == 0
+
+
+def test_a_bucket_range_zeroes_its_gaps_and_writes_every_element(monkeypatch):
+    """``bucket_range`` writes each element once, starting from torch.empty: the
+    alignment gaps come out 0 and every element its tensor's, for ranges that start and
+    end inside entries and gaps."""
+    from distzo.engine import bucket_layouts, bucket_range
+    from distzo.models import family_for
+
+    model = skeleton(build("llama", seed=2).config, torch.float32)
+    built, (resident, _) = bucket_layouts(model, family_for(model).blocks())
+    source = RandomWeights(5)
+    for layout in [resident, *(layout for layout, _ in built)]:
+        expected = torch.zeros(layout.numel)
+        for e in layout.entries:
+            expected[e.offset : e.offset + e.numel] = source.tensor(
+                e.names, e.shape, torch.float32
+            ).reshape(-1)
+        gaps = layout.numel - sum(e.numel for e in layout.entries)
+        edges = sorted({0, layout.numel, *(e.offset + e.numel + 1 for e in layout.entries)})
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", _nan_filled(torch.empty))
+            got = [bucket_range(layout, source, lo, hi) for lo, hi in zip(edges, edges[1:])]
+        assert torch.equal(torch.cat(got), expected), f"gaps: {gaps}"
+
+
+def test_a_device_draw_read_by_ranges_is_its_tensor_and_is_let_go_at_the_end():
+    """A range read of a device draw (the CPU standing in) keeps the tensor where it was
+    drawn only while its ranges are read: the ranges are the tensor's, and once the last
+    element is read the source holds nothing (on a GPU: no device memory after a build)."""
+    name, shape = ("model.layers.0.mlp.up_proj.weight",), (50, 90)
+    source = RandomWeights(3, std=0.5, draw_dtype=torch.float32, draw_device="cpu")
+    whole = source.tensor(name, shape, torch.float16)
+    ranges = [
+        source.tensor_range(name, shape, torch.float16, lo, lo + 1000)
+        for lo in range(0, 4000, 1000)
+    ]
+    assert source._last is not None  # 500 elements left to read
+    ranges.append(source.tensor_range(name, shape, torch.float16, 4000, 4500))
+    assert source._last is None
+    assert torch.equal(torch.cat(ranges), whole.view(-1))
+
+
+@pytest.mark.parametrize("mode", ["offload", "resident"])
+def test_an_engine_built_from_a_source_reads_it_a_chunk_at_a_time(monkeypatch, mode):
+    """The engine fills every block (host copy or device master) ``LOAD_CHUNK`` elements
+    at a time, never a block of float32 on the host at once: each read at most a chunk,
+    and the built weights those of a build that read each block whole."""
+    from distzo.engine import build as engine_build
+    from distzo.engine import layouts
+
+    def load_chunk(elements: int) -> None:  # the stores' and the device buckets' reads
+        monkeypatch.setattr(engine_build, "LOAD_CHUNK", elements)
+        monkeypatch.setattr(layouts, "LOAD_CHUNK", elements)
+
+    config = build("llama", seed=2).config
+    low_bit = "bf16" if mode == "offload" else "fp32"  # a bf16 host copy, rounded on load
+    zo = ZOConfig(device="cpu", seed=0, mode=mode, transfer_dtype=low_bit)
+
+    def weights() -> dict[str, torch.Tensor]:
+        model = skeleton(config, torch.float32)
+        return ZOEngine(model, zo, weights=RandomWeights(4)).named_parameters()
+
+    load_chunk(1 << 30)
+    whole = weights()
+    asked: list[int] = []
+
+    read = layouts.bucket_range
+
+    def spy(layout, source, lo, hi):
+        asked.append(hi - lo)
+        return read(layout, source, lo, hi)
+
+    monkeypatch.setattr(engine_build, "bucket_range", spy)
+    monkeypatch.setattr(layouts, "bucket_range", spy)
+    load_chunk(1000)
+    chunked = weights()
+    assert asked and max(asked) <= 1000 and sum(asked) > 10_000
+    assert whole.keys() == chunked.keys()
+    assert all(torch.equal(whole[k], chunked[k]) for k in whole)
