@@ -16,13 +16,8 @@ import torch.distributed as dist
 
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
-from distzo.engine.layouts import (
-    LOAD_CHUNK,
-    LaidOut,
-    bucket_range,
-    bucket_values,
-    copy_in_chunks,
-)
+from distzo.engine import layouts as engine_layouts
+from distzo.engine.layouts import LaidOut, bucket_range, bucket_values, copy_in_chunks
 from distzo.engine.state import StoredBuckets
 from distzo.models.weights import WeightSource
 from distzo.offload import BlockStore, BucketLayout, ResidentBlocks, Shard, StreamedBlocks
@@ -139,11 +134,11 @@ def fill_store(store: BlockStore, built: list[LaidOut], weights: WeightSource | 
     source, ``LOAD_CHUNK`` elements at a time (a sliced rank reads only its share)."""
     for i, (layout, ordered) in enumerate(built):
         if weights is None:
-            store.load_block(i, bucket_values(layout, ordered, None))
+            store.load_block(i, bucket_values(layout, ordered))
             continue
         read = functools.partial(bucket_range, layout, weights)
         if isinstance(store, StreamedBlocks):
-            store.load_block_ranges(i, read, chunk=LOAD_CHUNK)
+            store.load_block_ranges(i, read, chunk=engine_layouts.LOAD_CHUNK)
         elif isinstance(store, ResidentBlocks):
             copy_in_chunks(store.device_bucket(i), read)
         else:

@@ -82,13 +82,9 @@ def trainable_selector(model: nn.Module) -> Callable[[nn.Parameter], bool] | Non
     return None
 
 
-def bucket_values(
-    layout: BucketLayout, ordered: list[nn.Parameter], weights: WeightSource | None
-) -> torch.Tensor:
-    """One bucket's initial values on the host: the parameters' own, or the source's (a
-    model still on the meta device has no values of its own)."""
-    if weights is not None:
-        return bucket_range(layout, weights, 0, layout.numel)
+def bucket_values(layout: BucketLayout, ordered: list[nn.Parameter]) -> torch.Tensor:
+    """One bucket's initial values on the host, from a model with values of its own (one
+    still on the meta device is read from its source: ``bucket_range``)."""
     flat = torch.zeros(layout.numel, dtype=layout.dtype)
     params: list[torch.Tensor] = list(ordered)
     layout.pack(params, flat)
@@ -111,7 +107,7 @@ def device_bucket(
     8.4 GB in fp32 for a 128k vocabulary at width 8192, on every rank of a node). A model
     with values of its own is already in memory whole."""
     if weights is None:
-        return bucket_values(layout, ordered, None).to(device)
+        return bucket_values(layout, ordered).to(device)
     out = torch.empty(layout.numel, dtype=layout.dtype, device=device)
     copy_in_chunks(out, functools.partial(bucket_range, layout, weights))
     return out
@@ -130,8 +126,8 @@ def bucket_range(layout: BucketLayout, weights: WeightSource, lo: int, hi: int) 
     0): a sliced rank reads only its share of a block from the checkpoint. Each element
     is written once (the gaps zeroed, not the whole range first)."""
     out = torch.empty(hi - lo, dtype=layout.dtype)
-    written = lo  # elements before this one are written
-    for e in sorted(layout.entries, key=lambda e: e.offset):
+    written = lo  # elements before this one are written (entries are in offset order)
+    for e in layout.entries:
         a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
         if a < b:
             out[written - lo : a - lo].zero_()

@@ -464,10 +464,6 @@ def test_an_engine_built_from_a_source_reads_it_a_chunk_at_a_time(monkeypatch, m
     from distzo.engine import build as engine_build
     from distzo.engine import layouts
 
-    def load_chunk(elements: int) -> None:  # the stores' and the device buckets' reads
-        monkeypatch.setattr(engine_build, "LOAD_CHUNK", elements)
-        monkeypatch.setattr(layouts, "LOAD_CHUNK", elements)
-
     config = build("llama", seed=2).config
     low_bit = "bf16" if mode == "offload" else "fp32"  # a bf16 host copy, rounded on load
     zo = ZOConfig(device="cpu", seed=0, mode=mode, transfer_dtype=low_bit)
@@ -476,7 +472,7 @@ def test_an_engine_built_from_a_source_reads_it_a_chunk_at_a_time(monkeypatch, m
         model = skeleton(config, torch.float32)
         return ZOEngine(model, zo, weights=RandomWeights(4)).named_parameters()
 
-    load_chunk(1 << 30)
+    monkeypatch.setattr(layouts, "LOAD_CHUNK", 1 << 30)  # the stores' and the sides' reads
     whole = weights()
     asked: list[int] = []
 
@@ -488,7 +484,7 @@ def test_an_engine_built_from_a_source_reads_it_a_chunk_at_a_time(monkeypatch, m
 
     monkeypatch.setattr(engine_build, "bucket_range", spy)
     monkeypatch.setattr(layouts, "bucket_range", spy)
-    load_chunk(1000)
+    monkeypatch.setattr(layouts, "LOAD_CHUNK", 1000)
     chunked = weights()
     assert asked and max(asked) <= 1000 and sum(asked) > 10_000
     assert whole.keys() == chunked.keys()
