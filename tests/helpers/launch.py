@@ -18,10 +18,47 @@ TRAIN = "distzo.train"
 FAULTY_TRAIN = "tests.helpers.faulty_train"  # the same entry point, with injected failures
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_POOL = 8192  # ports below the ephemeral range, shared out among the xdist workers
+_next_port: dict[str, int] = {}
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _worker_slice() -> range:
+    """This xdist worker's own ports, below the kernel's ephemeral range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    top = _ephemeral_low()
+    bottom = max(1024, top - PORT_POOL)
+    width = (top - bottom) // count
+    return range(bottom + index * width, bottom + (index + 1) * width)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no one holds, for torchrun's store or a rendezvous, chosen where nothing else will
+    take it before the launch binds it: a port the kernel hands out (bind to 0) is in its
+    ephemeral range, from which every client socket and gloo listener of a concurrent test
+    also draws, and CI lost a launch to EADDRINUSE that way. Ports below that range are given
+    only to who asks for them by number, and each xdist worker asks only in its own slice."""
+    ports = _worker_slice()
+    start = _next_port.get("at", ports.start + os.getpid() % max(len(ports), 1))
+    for step in range(len(ports)):
+        port = ports.start + (start - ports.start + step) % len(ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _next_port["at"] = port + 1
+        return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} for a test launch")
 
 
 def torchrun_command(
