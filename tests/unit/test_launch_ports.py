@@ -7,14 +7,20 @@ import pytest
 from tests.helpers import launch
 
 
+@pytest.fixture(autouse=True)
+def fresh_port_counter(monkeypatch):
+    """Each test starts its own count; the worker's launches keep theirs."""
+    monkeypatch.setattr(launch, "_next_port", {})
+
+
 def test_a_launch_port_is_below_the_ephemeral_range_and_in_this_workers_slice(monkeypatch):
     # A port bound to 0 comes out of the ephemeral range, where any concurrent test's client
     # socket or gloo listener can take it before torchrun binds it (CI's EADDRINUSE).
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-    low = launch._ephemeral_low()
+    low, mine = launch._ephemeral_low(), launch._worker_slice()
     ports = [launch.free_port() for _ in range(20)]
-    assert all(launch._worker_slice().start <= p < launch._worker_slice().stop for p in ports)
+    assert all(p in mine for p in ports)
     assert all(p < low for p in ports)
     assert len(set(ports)) == 20  # each call moves on, a port just used is not handed out again
 
