@@ -448,9 +448,11 @@ for dtype, (low, high) in SPREAD.items():
 # from bf16 and fp16, into every scratch format, the decay ending inside the block, with the
 # step's update (two queries: the tiled kernel; one, and none: the lane-by-lane kernel, the
 # tiled one's bits too), and from NoiseSource's wiring; a LOZO source, whose z is no
-# kernel's, declines it.
+# kernel's, declines it. The update it stands for is the CPU path's (apply_terms, the update
+# kernels' bits above); the perturbation, a fused multiply-add, the perturb kernel's.
 for kind in ("gaussian", "rademacher"):
     src = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind))
+    src_cpu = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
     values = torch.randn(9000, generator=gen) * 0.05
     for rest_dtype in triton_noise.REBUILDS_FROM:
         rest = values.to(rest_dtype)
@@ -458,7 +460,7 @@ for kind in ("gaussian", "rademacher"):
             for terms in ([(6, 0, -2e-3), (6, 1, 1e-3)], [(6, 0, -2e-3)], []):
                 keys, alphas = [src.key(s, 5, q) for s, q, _ in terms], [a for *_, a in terms]
                 master = rest.float()
-                triton_noise.update(master, 4321, 0.999, keys, alphas, kind, table)
+                src_cpu.apply_terms(master, 4321, 0.999, terms, 5)
                 expected = torch.empty(9000, dtype=out_dtype)
                 triton_noise.perturb(expected, master, -1e-3, src.key(7, 5, 1), kind, table)
                 out = torch.full((9000,), float("nan"), dtype=out_dtype)
@@ -483,7 +485,7 @@ for kind in ("gaussian", "rademacher"):
             keys, alphas = [src.key(s, 5, q) for s, q, _ in used], [a for *_, a in used]
             part = rest[:5000]
             master = part.float()
-            triton_noise.update(master, start + 2500, 0.999, keys, alphas, kind, table, start)
+            src_cpu.apply_terms(master, start + 2500, 0.999, used, 5, start, start + 5000)
             expected = torch.empty(5000)
             triton_noise.perturb(expected, master, 1e-3, src.key(7, 5, 0), kind, table, start)
             out = torch.full((5000,), float("nan"))
@@ -516,10 +518,14 @@ for kind in ("gaussian", "rademacher"):
 # 2^31 (its uniforms drawn four lanes to a counter, the update's z eight), with and without
 # the decay inside the piece, with two terms (the tiled kernel), one and none (the lane-by-lane
 # kernel, the tiled one's bits too); through NoiseSource's wiring too, with the rounding's
-# source.
+# source. The ops it stands for are the CPU path's (apply_terms, round_keyed_), which the
+# sections above find equal to the update and rounding kernels bit for bit: the expectation
+# costs no interpreted launch.
 rounding_src = on_triton(NoiseSource(8, 1000, torch.device("cpu"), torch.float32, "uniform"))
+rounding_cpu = NoiseSource(8, 1000, torch.device("cpu"), torch.float32, "uniform")
 for kind in ("gaussian", "rademacher"):
     src = on_triton(NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind))
+    src_cpu = NoiseSource(3, 1000, torch.device("cpu"), torch.float32, kind=kind)
     terms = [(6, 0, -2e-3), (6, 1, 1e-3)]
     values = torch.randn(6000, generator=gen) * 0.05
     for rest_dtype in triton_noise.REBUILDS_FROM:
@@ -531,9 +537,9 @@ for kind in ("gaussian", "rademacher"):
             keys, alphas = [src.key(s, 5, q) for s, q, _ in used], [a for *_, a in used]
             round_key = rounding_src.key(7, 2**40 + 5)
             master = rest.float()
-            triton_noise.update(master, decay_end, 0.999, keys, alphas, kind, table, start)
+            src_cpu.apply_terms(master, decay_end, 0.999, used, 5, start, start + len(rest))
             expected = torch.empty_like(rest)
-            triton_noise.round_stochastic(expected, master, start, round_key)
+            round_keyed_(expected, master, rounding_cpu, start, start + len(rest), 7, 2**40 + 5)
             piece = rest.clone()
             with Launches("rebuild_round_one") as one:
                 triton_noise.rebuild_round(
@@ -553,9 +559,9 @@ for kind in ("gaussian", "rademacher"):
         args = (4096, 6596, 0.999, terms, 5, rounding_src, 7, 2**40 + 5)
         assert src.rebuild_round_into(wired, *args)
         master = rest.float()
-        src.apply_terms(master, 6596, 0.999, terms, 5, 4096, 4096 + 6000)
+        src_cpu.apply_terms(master, 6596, 0.999, terms, 5, 4096, 4096 + 6000)
         expected = torch.empty_like(rest)
-        round_keyed_(expected, master, rounding_src, 4096, 4096 + 6000, 7, 2**40 + 5)
+        round_keyed_(expected, master, rounding_cpu, 4096, 4096 + 6000, 7, 2**40 + 5)
         assert torch.equal(wired.view(torch.int16), expected.view(torch.int16))
 legacy = NoiseSource(8, 1000, torch.device("cpu"), torch.float32, "uniform", kind="legacy")
 assert not src.rebuild_round_into(rest.clone(), 0, 0, 1.0, [], 5, legacy, 7, 2**40)
