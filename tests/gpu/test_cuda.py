@@ -88,6 +88,28 @@ def test_upload_of_the_next_block_overlaps_the_current_compute():
         assert spans[("compute", i)].end_ms <= spans[("offload", i)].start_ms + 1e-3
 
 
+def test_a_profiled_step_names_the_engines_streams_and_their_kernels(tmp_path):
+    """The markers name the three streams: the blocks' copies to the device on upload, the
+    forwards' matrix products on compute, the copies back on offload; the upload of the
+    next block runs beside the compute; the trace is kept."""
+    from distzo.bench.kernel_profile import profile_step
+
+    model = tiny_opt(seed=0, num_hidden_layers=4, hidden_size=256, ffn_dim=1024)
+    engine = ZOEngine(model, ZOConfig(mode="offload", device="cuda", num_slots=3, seed=0))
+    batch = random_batch(64, batch=8, seq=256, seed=0)
+    engine.step(batch)  # warm-up
+    record = profile_step(engine, batch, tmp_path / "trace.json")
+    assert {"upload", "compute", "offload"} <= set(record["streams"]), record["streams"]
+    on = {}
+    for row in record["kernels"]:
+        on.setdefault(row["stream"], []).append(row["name"])
+    assert any("HtoD" in name for name in on["upload"]), on["upload"]
+    assert any("DtoH" in name for name in on["offload"]), on["offload"]
+    assert any("gemm" in name.lower() for name in on["compute"]), on["compute"]
+    assert record["streams"]["compute"]["beside_ms"] > 0
+    assert (tmp_path / "trace.json").stat().st_size > 0
+
+
 def test_single_rank_nccl_launch_runs(tmp_path):
     from tests.helpers.launch import Run, torchrun
 
