@@ -10,6 +10,8 @@
 #                                                  noise, adapters and optimizers at smaller sizes (tests-brief
 #                                                  noise-brief adapters-brief optimizers-brief, each a stage too)
 #                                                  noise-rounding: the rounding kernels alone (about a minute)
+#                                                  profile-qwen3: one profiled step of distzo resident, offload and
+#                                                  offload-double at Qwen3-1.7B, their kernels per stream side by side
 #                                                  (default: tests bandwidth throughput big)
 #
 # Results go to $OUT (the device tool's folder; else benchmarks/out/gpu): a log per
@@ -38,7 +40,7 @@ RUN=()  # the stages to run, the lists expanded
 for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages before it spent device time
     case $stage in
         tests|bandwidth|throughput|big|queries|head|pinned|noise|optimizers|adapters) RUN+=("$stage") ;;
-        tests-brief|noise-brief|adapters-brief|optimizers-brief|noise-rounding) RUN+=("$stage") ;;
+        tests-brief|noise-brief|adapters-brief|optimizers-brief|noise-rounding|profile-qwen3) RUN+=("$stage") ;;
         peers-1.3b|peers-6.7b|peers-13b|peers-30b) RUN+=("$stage") ;;
         peers-qwen3) RUN+=("$stage"); DEADLINE_S=${DEADLINE_S:-540} ;;
         peers) RUN+=(peers-1.3b peers-6.7b peers-13b peers-30b peers-qwen3) ;;
@@ -46,7 +48,7 @@ for stage in "${STAGES[@]}"; do  # a typo fails here, not after the stages befor
         all2) RUN+=(optimizers peers-1.3b); DEADLINE_S=${DEADLINE_S:-540} ;;
         all3) RUN+=(peers-6.7b peers-13b); DEADLINE_S=${DEADLINE_S:-540} ;;
         brief) RUN+=(tests-brief noise-brief adapters-brief optimizers-brief); DEADLINE_S=${DEADLINE_S:-540} ;;
-        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3, brief or one of its stages (tests-brief noise-brief adapters-brief optimizers-brief), noise-rounding" >&2; exit 2 ;;
+        *) echo "unknown stage $stage: use tests, bandwidth, throughput, big, queries, head, pinned, noise, optimizers, adapters, peers, peers-1.3b, peers-6.7b, peers-13b, peers-30b, peers-qwen3, all1, all2, all3, brief or one of its stages (tests-brief noise-brief adapters-brief optimizers-brief), noise-rounding, profile-qwen3" >&2; exit 2 ;;
     esac
 done
 DEADLINE_S=${DEADLINE_S:-}
@@ -202,6 +204,14 @@ for stage in "${RUN[@]}"; do
             [ ${#ZO2_ARGS[@]} -eq 0 ] && eight=distzo-offload,distzo-offload-half,distzo-offload-recompute,distzo-resident
             peers_at qwen3-8b 300 --one-at-a-time --warmup 1 --rounds 16 --systems "$eight"
         fi
+        ;;
+    profile-qwen3)  # issue 30's 0.97x-of-resident at Qwen3-1.7B (1 x 2048, fp16, where compute >= transfer): after
+        # a few timed steps each, one profiled step of each system: per stream its kernels, its busy time and the part
+        # of it beside another stream's kernels (the upcast, the rounding), side by side in
+        # profiles-qwen3-1.7b/kernels.md, each step's Chrome trace beside it
+        bounded 180 profile.log python3 benchmarks/peers.py --shape qwen3-1.7b --batch 1 --seq 2048 --dtype fp16 \
+            --device cuda --systems distzo-resident,distzo-offload,distzo-offload-double --warmup 1 --rounds 4 \
+            $PEERS_ARGS --distzo-profile-dir "$WORK/profiles-qwen3-1.7b" --out "$WORK/profile-qwen3-1.7b-1x2048-fp16.json"
         ;;
     tests-brief)  # brief: each CUDA test at most 60 s, the ten slowest named
         bounded 200 tests.log python3 -m pytest -m cuda -q -p no:cacheprovider --timeout 60 --durations 10 \

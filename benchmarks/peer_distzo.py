@@ -32,10 +32,12 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from distzo import ZOConfig, ZOEngine
+from distzo.bench.kernel_profile import TRACE_SUFFIX, profile_step, write_profile
 from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.bench.peer_protocol import protocol_parser, serve
 from distzo.bench.phases import step_phases
@@ -78,12 +80,20 @@ PLAN_METRICS = {
 
 class DistzoSystem:
     """An engine and its fixed batch (this rank's share of it), and the engine's memory
-    plan of that batch (``plan_memory``'s device terms, in GB)."""
+    plan of that batch (``plan_memory``'s device terms, in GB); ``profile_dir``: where a
+    phases request also leaves one profiled step's kernels (``distzo.bench.kernel_profile``)
+    under the system's ``name``."""
 
     def __init__(
-        self, engine: ZOEngine, batch: dict[str, torch.Tensor], plan: dict[str, float]
+        self,
+        engine: ZOEngine,
+        batch: dict[str, torch.Tensor],
+        plan: dict[str, float],
+        name: str = "distzo",
+        profile_dir: Path | None = None,
     ) -> None:
         self.engine, self.batch, self.plan = engine, batch, plan
+        self.name, self.profile_dir = name, profile_dir
         self.parameters = engine.num_parameters
 
     def step(self) -> float:
@@ -93,7 +103,21 @@ class DistzoSystem:
         """Where a step's time goes, from ``PHASE_STEPS`` + 1 more steps
         (``distzo.bench.phases``), and where its device memory goes by the plan: what a
         missed memory target names."""
-        return step_phases(self.engine, self.batch, PHASE_STEPS) | self.plan
+        phases = step_phases(self.engine, self.batch, PHASE_STEPS) | self.plan
+        if self.profile_dir is not None:
+            self.profile_kernels(self.profile_dir)
+        return phases
+
+    def profile_kernels(self, directory: Path) -> None:
+        """One more step, profiled (every rank steps: its collectives need them all);
+        rank 0 writes its kernels and its trace."""
+        speaks = self.engine.parallel.env.rank == 0
+        trace = directory / f"{self.name}{TRACE_SUFFIX}" if speaks else None
+        if speaks:
+            directory.mkdir(parents=True, exist_ok=True)
+        record = profile_step(self.engine, self.batch, trace)
+        if speaks:
+            write_profile(directory, self.name, record)
 
 
 def planned_terms(
@@ -197,7 +221,8 @@ def build(args: argparse.Namespace) -> tuple[DistzoSystem, torch.device]:
     engine = ZOEngine(model, zo, parallel=parallel, weights=weights)
     if device.type == "cuda":  # the draws' staging, out of the process's device figure
         torch.cuda.empty_cache()
-    return DistzoSystem(engine, batch, plan), device
+    profile_dir = Path(args.profile_dir) if getattr(args, "profile_dir", None) else None
+    return DistzoSystem(engine, batch, plan, args.system, profile_dir), device
 
 
 def main() -> int:
@@ -220,6 +245,12 @@ def main() -> int:
         choices=PERTURB_SCOPES,
         default="block",
         help="a block perturbed whole, or module by module (the same steps, a smaller scratch)",
+    )
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="a phases request also profiles one step: its kernels per stream "
+        "(DIR/SYSTEM.kernels.json) and its Chrome trace (DIR/SYSTEM.trace.json)",
     )
     args = p.parse_args()
     env = LaunchEnv.from_environ()

@@ -63,6 +63,8 @@ from typing import Any
 import torch
 
 from distzo.bench import BenchReport, Measurement, Timer
+from distzo.bench.kernel_profile import SUFFIX as PROFILE_SUFFIX
+from distzo.bench.kernel_profile import write_comparison
 from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
 from distzo.bench.peer_process import PeerError, PeerProcess
 from distzo.bench.peer_progress import PeerProgress, await_ready
@@ -255,6 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="distzo's passes hold a block perturbed whole, or one module at a time (the same "
         "steps, a scratch the size of the largest module)",
     )
+    p.add_argument(
+        "--distzo-profile-dir",
+        default=None,
+        help="each distzo peer also profiles one step after its phases: its kernels per "
+        "stream and its Chrome trace there, and the systems side by side in kernels.md",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first")
     p.add_argument("--rounds", type=int, default=30, help="rounds of timed steps")
     p.add_argument("--steps-per-round", type=int, default=1, help="each peer's steps per round")
@@ -306,6 +314,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"peers.py: {HERE / 'peer_zo2.py'} (the ZO2 peer) is missing")
     elif args.zo2_python or args.zo2_pythonpath:
         raise SystemExit("peers.py: --zo2-python and --zo2-pythonpath need --zo2 PATH")
+    if args.distzo_profile_dir and any(Path(args.distzo_profile_dir).glob(f"*{PROFILE_SUFFIX}")):
+        raise SystemExit(
+            f"peers.py: --distzo-profile-dir {args.distzo_profile_dir} already holds profiles "
+            "of another run: name a new directory"
+        )
 
 
 def protocol_args(args: argparse.Namespace, name: str) -> list[str]:
@@ -326,6 +339,8 @@ def builtin_system(args: argparse.Namespace, name: str) -> System:
         return System(name, command, env=env)
     extra = ["--transfer-dtype", args.distzo_transfer_dtype] if args.distzo_transfer_dtype else []
     extra += ["--perturb-scope", args.distzo_perturb_scope]
+    if args.distzo_profile_dir:
+        extra += ["--profile-dir", str(Path(args.distzo_profile_dir).resolve())]
     runner = str(HERE / "peer_distzo.py")
     if name == "distzo-sliced":
         launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -750,6 +765,11 @@ def write_report(
     pairs = list(PAIRS) + [(a, b) for a, _, b in (r.partition("/") for r in args.ratio)]
     ratios(report, pairs)
     report.notes = [*report.notes, *phase_notes(runs, report.derived, args.device)]
+    if args.distzo_profile_dir and (kernels := write_comparison(Path(args.distzo_profile_dir))):
+        report.notes.append(
+            f"One profiled step of each distzo peer, its kernels per stream side by side: "
+            f"{kernels} (each step's Chrome trace beside it)"
+        )
     out = Path(args.out) if args.out else default_out(args)
     report.write(out, COLUMNS, METHOD)
     return out

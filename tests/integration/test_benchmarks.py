@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -147,7 +148,7 @@ def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path
     # what a lease would run, at no device time: brief's stages one by one, then a peers stage
     proc = subprocess.run(
         ["bash", "benchmarks/gpu_session.sh", "tests-brief", "noise-brief", "noise-rounding"]
-        + ["peers-1.3b"],
+        + ["peers-1.3b", "profile-qwen3"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -155,13 +156,18 @@ def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [line for line in proc.stdout.splitlines() if line.startswith("+ python3")]
-    assert len(runs) == 4, proc.stdout[-2000:]
+    assert len(runs) == 5, proc.stdout[-2000:]
     assert runs[0].startswith("+ python3 -m pytest -m cuda")
     assert runs[0].endswith("(at most 200 s; dry run)")
     assert "benchmarks/noise.py" in runs[1] and "--warps 4,8,16,32" in runs[1]
     assert "--ops rounding,rounding-fp16,rounding-fp8,rebuild-round,update-fp16" in runs[2]
     assert "benchmarks/peers.py --shape opt-1.3b --batch 1 --seq 2048" in runs[3]
-    archive = tmp_path / "results-tests-brief-noise-brief-noise-rounding-peers-1.3b.tgz"
+    # the kernels of the 0.97x-of-resident miss: into the archive's profiles folder
+    assert "benchmarks/peers.py --shape qwen3-1.7b --batch 1 --seq 2048 --dtype fp16" in runs[4]
+    assert "--systems distzo-resident,distzo-offload,distzo-offload-double" in runs[4]
+    assert re.search(r"--distzo-profile-dir \S+/profiles-qwen3-1\.7b ", runs[4]), runs[4]
+    stages = "tests-brief-noise-brief-noise-rounding-peers-1.3b-profile-qwen3"
+    archive = tmp_path / f"results-{stages}.tgz"
     assert archive.is_file()
     assert not (tmp_path / "noise.json").exists()  # nothing ran
 

@@ -86,6 +86,8 @@ def test_peers_interleave_and_report_zo2s_statistic(tmp_path):
         str(per_round),
         "--out",
         str(out),
+        "--distzo-profile-dir",
+        str(tmp_path / "profiles"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -144,6 +146,21 @@ def test_peers_interleave_and_report_zo2s_statistic(tmp_path):
         assert metrics["model_ms_per_block"] >= metrics["compute_ms_per_block"]
         assert any(note.startswith(f"{name} per block: upload") for note in data["notes"])
     assert "perturbs_per_block" not in by_name["fast"]["metrics"]
+    # ... and, asked to, profiled one more step each: their kernels side by side
+    profiles = tmp_path / "profiles"
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        "distzo-offload.kernels.json",
+        "distzo-offload.trace.json",
+        "distzo-resident.kernels.json",
+        "distzo-resident.trace.json",
+        "kernels.md",
+    ]
+    kernels = (profiles / "kernels.md").read_text()
+    assert "| stream | kernel | distzo-offload ms (count) | distzo-resident ms (count) |" in kernels
+    assert "| cpu | `aten::linear` |" in kernels
+    assert f"its kernels per stream side by side: {profiles / 'kernels.md'}" in "".join(
+        data["notes"]
+    )
     # both built ZO2's model of the shape: untied head, positions for the sequence alone
     config = OPTConfig(
         hidden_size=64,
@@ -322,6 +339,18 @@ def test_bad_input_stops_before_any_peer_starts(tmp_path, args, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
         peers.main([*TINY, "--peer", stand_in("fast", log, 1), *args])
     assert not log.exists()
+
+
+def test_a_profile_directory_of_another_run_is_refused_before_any_peer_starts(tmp_path):
+    log, profiles = tmp_path / "requests.log", tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "distzo-offload.kernels.json").write_text("{}")
+    with pytest.raises(SystemExit, match="already holds profiles of another run: name a new"):
+        peers.main(
+            [*TINY, "--peer", stand_in("fast", log, 1), "--distzo-profile-dir", f"{profiles}"]
+        )
+    assert not log.exists()
+    assert (profiles / "distzo-offload.kernels.json").read_text() == "{}"
 
 
 def test_the_protocol_reader_refuses_a_malformed_request():
