@@ -39,7 +39,7 @@ TRACE_SUFFIX = ".trace.json"
 
 @dataclass(frozen=True)
 class Span:
-    """One kernel (or, on CPU, one leaf operator): where it ran and when (microseconds)."""
+    """One kernel (on CPU, one outermost operator): where it ran and when (microseconds)."""
 
     stream: str
     name: str
