@@ -89,7 +89,7 @@ class DistzoSystem:
         engine: ZOEngine,
         batch: dict[str, torch.Tensor],
         plan: dict[str, float],
-        name: str = "distzo",
+        name: str,
         profile_dir: Path | None = None,
     ) -> None:
         self.engine, self.batch, self.plan = engine, batch, plan
@@ -113,8 +113,6 @@ class DistzoSystem:
         rank 0 writes its kernels and its trace."""
         speaks = self.engine.parallel.env.rank == 0
         trace = directory / f"{self.name}{TRACE_SUFFIX}" if speaks else None
-        if speaks:
-            directory.mkdir(parents=True, exist_ok=True)
         record = profile_step(self.engine, self.batch, trace)
         if speaks:
             write_profile(directory, self.name, record)

@@ -64,6 +64,7 @@ def profile_step(
         synchronize(engine.device)
         step_ms = (time.perf_counter() - start) * 1e3
     if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
         tmp = trace.with_name(trace.name + ".tmp")
         prof.export_chrome_trace(str(tmp))
         tmp.replace(trace)
@@ -184,9 +185,13 @@ def _length(intervals: Iterable[tuple[float, float]]) -> float:
 def write_profile(directory: Path, system: str, record: Mapping[str, Any]) -> Path:
     """``directory/<system>.kernels.json``, through a temporary file."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{system}{SUFFIX}"
+    return _replace_text(directory / f"{system}{SUFFIX}", json.dumps(record, indent=1) + "\n")
+
+
+def _replace_text(path: Path, text: str) -> Path:
+    """``path`` holds ``text``, written to a temporary file and renamed: never half written."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
     return path
 
@@ -242,8 +247,4 @@ def write_comparison(directory: Path) -> Path | None:
     profiles = read_profiles(directory)
     if not profiles:
         return None
-    path = directory / KERNELS
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(compare_markdown(profiles))
-    tmp.replace(path)
-    return path
+    return _replace_text(directory / KERNELS, compare_markdown(profiles))
