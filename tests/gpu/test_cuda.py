@@ -125,6 +125,7 @@ def test_single_rank_nccl_launch_runs(tmp_path):
             "--output-dir",
             str(tmp_path),
         ],
+        preload=False,  # a CUDA launch: ranks in fresh interpreters, as users launch them
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Run(tmp_path)
@@ -154,6 +155,7 @@ def test_sliced_transfer_with_two_ranks_sharing_one_gpu(tmp_path):
                 "--output-dir",
                 str(out),
             ],
+            preload=False,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[transfer] = Run(out)

@@ -69,21 +69,36 @@ def torchrun_command(
     node_rank: int = 0,
     max_restarts: int = 0,
     module: str = TRAIN,
+    preload: bool = False,
 ) -> list[str]:
+    """torchrun's command line for ``-m MODULE ARGS``; with ``preload`` the ranks are forked
+    from a launcher that imported MODULE (``tests.helpers.preloaded_torchrun``)."""
+    if preload:
+        launcher = ["-m", "tests.helpers.preloaded_torchrun", module]
+        script = ["--start-method=fork", "--run-path", _module_file(module)]
+    else:
+        launcher = ["-m", "torch.distributed.run"]
+        script = ["-m", module]
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *launcher,
         f"--nnodes={nnodes}",
         f"--node_rank={node_rank}",
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={port}",
         f"--max-restarts={max_restarts}",
-        "-m",
-        module,
+        *script,
         *args,
     ]
+
+
+def _module_file(module: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return spec.origin
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -98,12 +113,18 @@ def torchrun(
     timeout: float = 180,
     env: dict[str, str] | None = None,
     max_restarts: int = 0,
+    preload: bool = True,
 ):
     """torchrun over the training job; an ``env`` that names a fault (``tests.helpers.faults``)
-    runs the faulty entry point, which injects it."""
+    runs the faulty entry point, which injects it. The ranks are forked from a launcher that
+    has imported the entry point (``preload``, see ``tests.helpers.preloaded_torchrun``)
+    unless told otherwise: fresh interpreters cost each rank seconds of imports."""
     module = FAULTY_TRAIN if faults.injects(env) else TRAIN
+    command = torchrun_command(
+        nproc, args, free_port(), max_restarts=max_restarts, module=module, preload=preload
+    )
     return subprocess.run(
-        torchrun_command(nproc, args, free_port(), max_restarts=max_restarts, module=module),
+        command,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -175,7 +175,7 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
     ]
     agents = [
         subprocess.Popen(
-            torchrun_command(2, args, port, nnodes=2, node_rank=node),
+            torchrun_command(2, args, port, nnodes=2, node_rank=node, preload=True),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -211,6 +211,7 @@ def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):
         COMMON + ["--max-steps", "1000", "--output-dir", str(tmp_path)],
         env={"DISTZO_FAIL_AT": "1:3"},
         timeout=120,
+        preload=False,
     )
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
@@ -229,7 +230,7 @@ def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):
 )
 def test_invalid_layouts_are_rejected_on_every_rank_before_any_model(flags, message):
     if flags[0] == "--dp":  # through torchrun: rank 0 prints the line and nothing is built
-        proc = torchrun(2, ["--max-steps", "1"] + flags, timeout=120)
+        proc = torchrun(2, ["--max-steps", "1"] + flags, timeout=120, preload=False)
         assert proc.returncode != 0
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and errors[0].startswith(f"error: {message}"), proc.stderr[-2000:]

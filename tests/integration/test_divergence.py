@@ -99,7 +99,7 @@ def test_with_no_checkpoint_kept_the_seed_log_alone_goes_on(tmp_path):
 
 def test_every_rank_stops_at_the_same_nan_step_and_exits_non_zero(tmp_path):
     out = tmp_path / "diverged"
-    proc = torchrun(2, DIVERGING + ["--dp", "2", "--output-dir", str(out)])
+    proc = torchrun(2, DIVERGING + ["--dp", "2", "--output-dir", str(out)], preload=False)
     assert proc.returncode != 0
     # said once, by rank 0; each rank's error file carries it into torchrun's summary
     assert proc.stderr.count("ERROR distzo.train: training diverged at step 2: ") == 1

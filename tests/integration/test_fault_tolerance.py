@@ -208,6 +208,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_the_run_r
         2,
         flags + ["--output-dir", str(stopped), "--save-on-signal"],
         env={"DISTZO_SIGNAL_AT": "1:5"},
+        preload=False,
     )
     assert proc.returncode != 0
     assert "SIGTERM received: stopping after the step under way" in proc.stderr

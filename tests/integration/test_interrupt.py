@@ -39,6 +39,7 @@ def test_ctrl_c_on_both_ranks_stops_after_the_same_step_and_the_run_resumes_exac
         2,
         flags + ["--output-dir", str(stopped), "--save-on-signal"],
         env={"DISTZO_SIGNAL_AT": "0:5:SIGINT,1:5:SIGINT"},
+        preload=False,
     )
     assert proc.returncode != 0
     for rank in (0, 1):
@@ -96,6 +97,7 @@ def test_a_second_ctrl_c_on_one_of_two_ranks_ends_the_job_without_a_hang(tmp_pat
         FLAGS + ["--dp", "2", "--save-on-signal", "--output-dir", str(out)],
         env={"DISTZO_SIGNAL_AT": "0:3:SIGINT,0:3:SIGINT,1:3:SIGINT"},
         timeout=120,
+        preload=False,
     )
     assert proc.returncode != 0
     assert "[rank0] ERROR distzo.train: interrupted at once by SIGINT" in proc.stderr

@@ -16,7 +16,10 @@ FLAGS = ["--max-steps", "10", "--log-every", "1", "--dp", "2"]
 @pytest.mark.parametrize("failing, peer", [(1, 0), (0, 1)])
 def test_the_failed_rank_is_the_root_cause_and_its_peer_stays_quiet(tmp_path, failing, peer):
     proc = torchrun(
-        2, FLAGS + ["--output-dir", str(tmp_path / "run")], env={"DISTZO_FAIL_AT": f"{failing}:3"}
+        2,
+        FLAGS + ["--output-dir", str(tmp_path / "run")],
+        env={"DISTZO_FAIL_AT": f"{failing}:3"},
+        preload=False,
     )
     assert proc.returncode != 0
     stderr = proc.stderr
@@ -41,7 +44,7 @@ def test_a_check_one_rank_fails_after_the_groups_exist_ends_every_rank_with_it(t
     log.write_text(header.replace('"noise_chunk": 4194304', '"noise_chunk": 4194305') + "\n" + rest)
     shutil.rmtree(out / "checkpoints" / "step-4")  # resume at step 2: the log is read
     started = time.monotonic()
-    proc = torchrun(3, flags + ["--max-steps", "6", "--resume"])
+    proc = torchrun(3, flags + ["--max-steps", "6", "--resume"], preload=False)
     assert proc.returncode != 0 and time.monotonic() - started < 60
     said = "error: rank 0: " + str(log) + " is the log of another run (noise_chunk 4194305"
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -1,0 +1,21 @@
+"""A rank that prints how it starts out handling the signals torchrun's agent handles, one
+line: the same for a rank forked by ``tests.helpers.preloaded_torchrun`` as for a fresh one."""
+
+import os
+import signal
+
+
+def disposition(handler: object) -> str:
+    if handler is signal.default_int_handler:
+        return "default_int_handler"
+    if isinstance(handler, int):
+        return signal.Handlers(handler).name
+    return getattr(handler, "__qualname__", repr(handler))
+
+
+if __name__ == "__main__":
+    said = " ".join(
+        f"{sig.name}={disposition(signal.getsignal(sig))}"
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    )
+    print(f"rank {os.environ['RANK']}: {said}", flush=True)

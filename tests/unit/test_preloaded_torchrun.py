@@ -1,0 +1,28 @@
+"""The tests' preloaded launcher (``tests.helpers.preloaded_torchrun``) starts its forked
+ranks as torchrun starts fresh ones, as far as the ranks can tell."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.helpers.launch import child_env, free_port, torchrun_command
+
+REPORT = "tests.helpers.signal_dispositions"
+
+
+def rank_lines(preload: bool) -> list[str]:
+    command = torchrun_command(2, [], free_port(), module=REPORT, preload=preload)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+
+
+def test_forked_ranks_start_with_a_fresh_interpreters_signal_handling():
+    # The agent handles SIGTERM, SIGINT, SIGHUP and SIGQUIT itself before it starts the ranks;
+    # a forked rank that kept those handlers would die of a SIGTERM by an exception instead.
+    fresh = rank_lines(preload=False)
+    assert fresh == [
+        f"rank {rank}: SIGTERM=SIG_DFL SIGINT=default_int_handler SIGHUP=SIG_DFL SIGQUIT=SIG_DFL"
+        for rank in (0, 1)
+    ]
+    assert rank_lines(preload=True) == fresh
