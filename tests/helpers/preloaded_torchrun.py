@@ -27,28 +27,22 @@ import importlib
 import os
 import signal
 import sys
-from collections.abc import Callable
 
 from torch.distributed import run
 
-
-def _restore_signals(initial: dict[signal.Signals, Callable | int]) -> Callable[[], None]:
-    def restore() -> None:
-        for sig, handler in initial.items():
-            if signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-
-    return restore
+from tests.helpers.signal_dispositions import AGENT_SIGNALS
 
 
 def main(argv: list[str]) -> None:
     module, torchrun_args = argv[0], argv[1:]
-    initial = {}
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        handler = signal.getsignal(sig)
-        if handler is not None:  # None: set outside Python, which cannot be put back
-            initial[sig] = handler
-    os.register_at_fork(after_in_child=_restore_signals(initial))
+    initial = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+
+    def restore_signals() -> None:
+        for sig, handler in initial.items():
+            if handler is not None:  # None: set outside Python, which cannot be put back
+                signal.signal(sig, handler)
+
+    os.register_at_fork(after_in_child=restore_signals)
     importlib.import_module(module)
     run.main(torchrun_args)
 

@@ -4,6 +4,9 @@ line: the same for a rank forked by ``tests.helpers.preloaded_torchrun`` as for 
 import os
 import signal
 
+# what torchrun's agent handles itself unless TORCHELASTIC_SIGNALS_TO_HANDLE says otherwise
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
 
 def disposition(handler: object) -> str:
     if handler is signal.default_int_handler:
@@ -14,8 +17,5 @@ def disposition(handler: object) -> str:
 
 
 if __name__ == "__main__":
-    said = " ".join(
-        f"{sig.name}={disposition(signal.getsignal(sig))}"
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-    )
+    said = " ".join(f"{sig.name}={disposition(signal.getsignal(sig))}" for sig in AGENT_SIGNALS)
     print(f"rank {os.environ['RANK']}: {said}", flush=True)
