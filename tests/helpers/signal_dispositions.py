@@ -3,6 +3,7 @@ line: the same for a rank forked by ``tests.helpers.preloaded_torchrun`` as for 
 
 import os
 import signal
+import sys
 
 # what torchrun's agent handles itself unless TORCHELASTIC_SIGNALS_TO_HANDLE says otherwise
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -18,4 +19,6 @@ def disposition(handler: object) -> str:
 
 if __name__ == "__main__":
     said = " ".join(f"{sig.name}={disposition(signal.getsignal(sig))}" for sig in AGENT_SIGNALS)
-    print(f"rank {os.environ['RANK']}: {said}", flush=True)
+    # one write per line: print writes the line and its end apart, and two ranks share stdout
+    sys.stdout.write(f"rank {os.environ['RANK']}: {said}\n")
+    sys.stdout.flush()
