@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import faults
+from tests.helpers import faults, fork_server
 
 TRAIN = "distzo.train"
 FAULTY_TRAIN = "tests.helpers.faulty_train"  # the same entry point, with injected failures
@@ -117,30 +117,35 @@ def torchrun(
 ):
     """torchrun over the training job; an ``env`` that names a fault (``tests.helpers.faults``)
     runs the faulty entry point, which injects it. The ranks are forked from a launcher that
-    has imported the entry point (``preload``, see ``tests.helpers.preloaded_torchrun``)
-    unless told otherwise: fresh interpreters cost each rank seconds of imports."""
+    has imported the entry point (``preload``, see ``tests.helpers.preloaded_torchrun``),
+    itself a child of the fork server (``run_python``), unless told otherwise: fresh
+    interpreters cost each rank seconds of imports."""
     module = FAULTY_TRAIN if faults.injects(env) else TRAIN
     command = torchrun_command(
         nproc, args, free_port(), max_restarts=max_restarts, module=module, preload=preload
     )
+    if preload:
+        return run_python(command, child_env(env), timeout)
     return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(env),
+        command, capture_output=True, text=True, timeout=timeout, env=child_env(env)
     )
+
+
+def run_python(
+    command: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, ...)`` for a ``python -m``
+    command meant to succeed: a child of the fork server (``tests.helpers.fork_server``) where
+    it can stand for a fresh interpreter, a fresh one otherwise."""
+    served = fork_server.run(command, env, timeout, standard=child_env())
+    if served is not None:
+        return served
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def python_module(program: str, args: list[str], timeout: float = 120):
-    """``python -m PROGRAM ARGS`` in a fresh interpreter, its output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", program, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-    )
+    """``python -m PROGRAM ARGS`` as a fresh interpreter runs it, its output captured."""
+    return run_python([sys.executable, "-m", program, *args], child_env(), timeout)
 
 
 def python_train(args: list[str], timeout: float = 120):

@@ -1,18 +1,24 @@
 """The tests' preloaded launcher (``tests.helpers.preloaded_torchrun``) starts its forked
-ranks as torchrun starts fresh ones, as far as the ranks can tell."""
+ranks as torchrun starts fresh ones, as far as the ranks can tell, run fresh or by the fork
+server (``tests.helpers.fork_server``)."""
 
 from __future__ import annotations
 
 import subprocess
 
+from tests.helpers import fork_server
 from tests.helpers.launch import child_env, free_port, torchrun_command
 
 REPORT = "tests.helpers.signal_dispositions"
 
 
-def rank_lines(preload: bool) -> list[str]:
+def rank_lines(preload: bool, served: bool = False) -> list[str]:
     command = torchrun_command(2, [], free_port(), module=REPORT, preload=preload)
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    if served:
+        proc = fork_server.run(command, child_env(), 120, standard=child_env())
+        assert proc is not None, "the fork server did not take the launch"
+    else:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
 
@@ -26,3 +32,4 @@ def test_forked_ranks_start_with_a_fresh_interpreters_signal_handling():
         for rank in (0, 1)
     ]
     assert rank_lines(preload=True) == fresh
+    assert rank_lines(preload=True, served=True) == fresh

@@ -1,0 +1,62 @@
+"""The fork server's children (tests.helpers.fork_server) stand for fresh interpreters: what a
+program sees and what its caller gets back are the same, a timeout kills the child as
+``subprocess.run`` does, and a command it cannot stand for runs fresh."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import fork_server
+from tests.helpers.launch import child_env
+
+REPORT = [sys.executable, "-m", "tests.helpers.interpreter_report"]
+
+
+def served(command: list[str], env: dict[str, str], timeout: float = 60):
+    proc = fork_server.run(command, env, timeout, child_env())
+    assert proc is not None, "the fork server did not take the command"
+    return proc
+
+
+def fresh(command: list[str], env: dict[str, str]):
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize("args", [["3"], ["0"], []])
+def test_a_served_command_sees_and_returns_what_a_fresh_interpreter_does(args):
+    env = child_env({"DISTZO_REPORT_VARIABLE": "set for this command"})
+    expected, got = fresh(REPORT + args, env), served(REPORT + args, env)
+    assert (got.returncode, got.stdout, got.stderr) == (
+        expected.returncode,
+        expected.stdout,
+        expected.stderr,
+    )
+    seen = json.loads(got.stdout.splitlines()[0])
+    assert seen["variable"] == "set for this command" and not seen["imported as itself"]
+    assert seen["descriptors"][:3] == [0, 1, 2]
+    assert got.stdout.splitlines()[1:] == ["thread finished", "exit handler ran"]
+    assert got.stderr == "to stderr\n"  # universal newlines, as text=True gives
+
+
+def test_a_served_command_past_its_timeout_is_killed_with_what_it_printed():
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        served(REPORT + ["--hang"], child_env(), timeout=5)
+    assert '"name": "__main__"' in timed_out.value.stdout
+    # the server is free again, and serves the next command
+    assert served(REPORT + ["4"], child_env()).returncode == 4
+
+
+def test_what_an_import_may_have_read_runs_in_a_fresh_interpreter():
+    fork_server.stop()
+    standard = child_env()
+    # the first command of a test process, with a variable its imports read: run fresh, and
+    # the server it starts runs with the standard environment
+    assert fork_server.run(REPORT, child_env({"HF_HOME": "/elsewhere"}), 60, standard) is None
+    assert served(REPORT, child_env()).returncode == 0
+    assert fork_server.run(REPORT, child_env({fork_server.SWITCH: "0"}), 60, standard) is None
+    python3 = ["python3", "-m", "tests.helpers.interpreter_report"]
+    assert fork_server.run(python3, standard, 60, standard) is None
