@@ -135,8 +135,8 @@ def run_python(
     command: list[str], env: dict[str, str], timeout: float
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, ...)`` for a ``python -m``
-    command meant to succeed: a child of the fork server (``tests.helpers.fork_server``) where
-    it can stand for a fresh interpreter, a fresh one otherwise."""
+    command: a child of the fork server (``tests.helpers.fork_server``) where it can stand for
+    a fresh interpreter, a fresh one otherwise."""
     served = fork_server.run(command, env, timeout, standard=child_env())
     if served is not None:
         return served
