@@ -199,7 +199,7 @@ def _kill_group(pid: int) -> None:
 
 
 class _Server:
-    """One server per test process, started with the environment of its first request."""
+    """One server per test process, started with the standard environment of its commands."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
