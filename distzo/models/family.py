@@ -11,6 +11,7 @@ would make the host wait for the GPU before a step could queue its work.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,9 +19,17 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers.masking_utils import create_causal_mask
 
 from distzo.models.prefix import host_prefix_cache
 from distzo.runtime.devices import to_device
+
+# The keyword under which the installed transformers' layers and mask builders take a cache:
+# 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works there, with a
+# FutureWarning on every run, until 5.40); the versions before know only the old name.
+CACHE_KEYWORD = (
+    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+)
 
 
 @dataclass
@@ -85,7 +94,8 @@ class ModelFamily(ABC):
         take turns in one scratch (``distzo.engine.resident_sides``)."""
 
     def block_cache(self, block: nn.Module, rows: int) -> Any:
-        """What a block gets as ``past_key_values``: its prefix as a one-layer cache, or None."""
+        """What a block gets as its cache (``CACHE_KEYWORD``): its prefix as a one-layer
+        cache, or None."""
         prefix = getattr(block, "prefix_tuning", None)
         return prefix.cache(rows) if prefix is not None else None
 
@@ -148,11 +158,11 @@ def host_built_mask(
     shape: tuple[int, int],
     device: torch.device,
     dtype: torch.dtype,
-    past_key_values: Any = None,
+    cache: Any = None,
     **kwargs: Any,
 ) -> Any:
     """The model's own mask builder run on the host (a stand-in ``inputs_embeds`` carries
-    only shape and dtype; ``past_key_values`` a prefix's length), its result moved to
+    only shape and dtype; ``cache`` a prefix's length), its result moved to
     ``device``: None when the builder finds the mask unnecessary, a tensor (or a BlockMask)
     otherwise."""
     stand_in = torch.empty((*shape, 1), dtype=dtype)
@@ -160,7 +170,7 @@ def host_built_mask(
         config=config,
         inputs_embeds=stand_in,
         attention_mask=attention_mask,
-        past_key_values=past_key_values,
+        **{CACHE_KEYWORD: cache},
         **kwargs,
     )
     if mask is None:

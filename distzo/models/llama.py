@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from distzo.models.family import BatchContext, ModelFamily, host_built_mask
+from distzo.models.family import CACHE_KEYWORD, BatchContext, ModelFamily, host_built_mask
 from distzo.runtime.devices import to_device
 
 # Rotary types whose frequencies depend on the longest position (transformers'
@@ -107,7 +107,7 @@ class LlamaFamily(ModelFamily):
             attention_mask=ctx.attention_mask[self._layer_type(block)],
             position_ids=ctx.position_ids,
             position_embeddings=ctx.extras["position_embeddings"],
-            past_key_values=self.block_cache(block, hidden.shape[0]),
+            **{CACHE_KEYWORD: self.block_cache(block, hidden.shape[0])},
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from distzo.models.family import BatchContext, ModelFamily, host_built_mask
+from distzo.models.family import CACHE_KEYWORD, BatchContext, ModelFamily, host_built_mask
 from distzo.runtime.devices import to_device
 
 
@@ -61,7 +61,7 @@ class OPTFamily(ModelFamily):
             hidden,
             attention_mask=ctx.attention_mask,
             position_ids=ctx.position_ids,
-            past_key_values=self.block_cache(block, hidden.shape[0]),
+            **{CACHE_KEYWORD: self.block_cache(block, hidden.shape[0])},
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

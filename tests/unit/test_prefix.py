@@ -2,6 +2,8 @@
 table, the blockwise forward equals peft's own, g is the prefix's directional derivative,
 the init is MeZO's (the model's keys and values of random tokens) and the export is peft's."""
 
+import warnings
+
 import pytest
 import torch
 from peft import PeftModel, PrefixTuningConfig, get_peft_model
@@ -9,6 +11,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from distzo.adapters.peft_adapters import ADAPTER_NAME, AdapterSpec, AdapterWeights, attach_adapter
 from distzo.export.hf_model import export_model
+from distzo.models.family import CACHE_KEYWORD
 from distzo.models.registry import family_for
 from distzo.models.weights import SafetensorsWeights, skeleton
 from tests.helpers.engines import BATCHINGS, FLOAT64, engine_for, frozen_values, train
@@ -51,9 +54,10 @@ def test_the_blockwise_forward_with_a_prefix_is_pefts_forward(family, pad):
     model.eval()
     batch = random_batch(64, pad=pad, seed=1) if pad else random_batch(64, seed=1)
     mask = batch["attention_mask"] if pad else None
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
         theirs = model(input_ids=batch["input_ids"], attention_mask=mask).logits
         plain = model.get_base_model()(input_ids=batch["input_ids"], attention_mask=mask).logits
+        warnings.simplefilter("error", FutureWarning)  # the prefix's cache: no deprecated keyword
         ours, _ = family_for(model.get_base_model()).forward(batch["input_ids"], mask)
     assert torch.equal(ours, theirs)
     assert not torch.allclose(plain, theirs, atol=1e-2)  # the prefix does change the function
@@ -112,7 +116,7 @@ def test_the_real_init_is_each_layers_keys_and_values_of_random_tokens():
     tokens = model.get_base_model().model.layers[0].prefix_tuning.init_tokens
     engine = engine_for(model, mode="offload")
     with torch.no_grad():
-        cache = base_model("llama")(input_ids=tokens, use_cache=True).past_key_values
+        cache = getattr(base_model("llama")(input_ids=tokens, use_cache=True), CACHE_KEYWORD)
     values = engine.named_parameters()
     # MeZO: model(random tokens, use_cache=True).past_key_values
     for i, layer in enumerate(cache.layers):
