@@ -16,7 +16,10 @@ by ``os._exit`` after its ``__main__``, without the interpreter's exit handlers.
 
 What a forked rank would otherwise inherit and a fresh one does not is put back: the agent
 installs its own handlers for SIGTERM, SIGINT, SIGHUP and SIGQUIT before it starts the ranks,
-and a forked rank gets the dispositions this interpreter had when it started instead. The
+and a forked rank's signals are left as exec leaves a fresh rank's: a caught signal back to
+the default, an ignored one still ignored, and SIGINT then raising KeyboardInterrupt as a new
+interpreter sets it. (Not the launcher's own dispositions at its start: under ``nohup`` they
+ignore SIGHUP, which a fresh rank, started after the agent caught SIGHUP, does not.) The
 launcher imports only: no tensor work before the fork, so no intra-op thread pool is
 inherited (and the launch sets ``OMP_NUM_THREADS=1``).
 """
@@ -33,16 +36,18 @@ from torch.distributed import run
 from tests.helpers.signal_dispositions import AGENT_SIGNALS
 
 
+def signals_as_after_exec() -> None:
+    """Leave the agent's signals as a fresh interpreter started by exec would find them."""
+    for sig in AGENT_SIGNALS:
+        if callable(signal.getsignal(sig)):  # a Python handler: exec resets it, SIG_IGN it keeps
+            signal.signal(sig, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # what Python does as it starts
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str]) -> None:
     module, torchrun_args = argv[0], argv[1:]
-    initial = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
-
-    def restore_signals() -> None:
-        for sig, handler in initial.items():
-            if handler is not None:  # None: set outside Python, which cannot be put back
-                signal.signal(sig, handler)
-
-    os.register_at_fork(after_in_child=restore_signals)
+    os.register_at_fork(after_in_child=signals_as_after_exec)
     importlib.import_module(module)
     run.main(torchrun_args)
 
