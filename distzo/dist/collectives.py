@@ -45,6 +45,12 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def member_group(group: object) -> dist.ProcessGroup | None:
+    """What ``dist.new_group`` made, on a rank of the group; None on the others, which
+    torch hands ``GroupMember.NON_GROUP_MEMBER`` (a sentinel, not a group)."""
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
 def world_rank() -> tuple[int, int]:
     """(rank, world size) of the job, (0, 1) outside one."""
     return (dist.get_rank(), dist.get_world_size()) if initialized() else (0, 1)
@@ -81,17 +87,19 @@ class Collectives:
             return cls(device, timeout=timeout)
         gloo = dist.get_backend() == "gloo"
         host = dist.group.WORLD if gloo else dist.new_group(backend="gloo", timeout=timeout)
-        return cls(device, host, timeout)
+        return cls(device, member_group(host), timeout)
 
-    def new_group(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
-        """A subgroup with the job's timeout (every rank must call this, in the same order,
-        for every subgroup)."""
-        return dist.new_group(ranks, backend=backend, timeout=self.timeout)
+    def new_group(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup | None:
+        """A subgroup with the job's timeout; None on a rank outside ``ranks`` (every rank
+        must call this, in the same order, for every subgroup)."""
+        return member_group(dist.new_group(ranks, backend=backend, timeout=self.timeout))
 
     def new_host_group(self) -> dist.ProcessGroup | None:
         """A gloo group of its own over every rank, with the job's timeout (DCP's background
         writer: its collectives never interleave with the training's)."""
-        return dist.new_group(backend="gloo", timeout=self.timeout) if initialized() else None
+        if not initialized():
+            return None
+        return member_group(dist.new_group(backend="gloo", timeout=self.timeout))
 
     @property
     def distributed(self) -> bool:

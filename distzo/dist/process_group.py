@@ -93,6 +93,7 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
         members = sorted(rank for _, rank in by_node[node])  # the group's own rank order
         group = comm.new_group(members)
         if node == env.node_rank:
+            assert group is not None, "new_group left out one of its own ranks"
             mine = (group, members)
     assert mine is not None
     return mine

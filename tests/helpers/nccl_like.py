@@ -47,9 +47,9 @@ class NcclLike(dist.ProcessGroup):
     instances: list[NcclLike] = []
 
     def __init__(self, store, rank: int, size: int, timeout) -> None:
-        # torch's stub lists only the (store, rank, size) constructor; the binding also has
-        # (rank, size), which a backend that wraps another group uses
-        super().__init__(rank, size)  # type: ignore[call-arg]
+        # torch's stub before 2.15 lists only the (store, rank, size) constructor; the binding
+        # also has (rank, size), which a backend that wraps another group uses
+        super().__init__(rank, size)  # type: ignore[call-arg, unused-ignore]
         self.inner = dist.ProcessGroupGloo(
             dist.PrefixStore(f"nccl_like/{len(self.instances)}", store), rank, size, timeout
         )
