@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from distzo.job.preemption import Handler
+
 # What the server imports before it forks: every entry point a test runs as a child.
 PRELOAD = (
     "distzo.train",
@@ -60,6 +62,9 @@ SETUP_FAILED = 70  # EX_SOFTWARE: the child failed before it could run the comma
 
 
 def serve() -> None:
+    # what exec gave this interpreter, and gives a fresh one the test process starts:
+    # default_int_handler, or SIG_IGN where the test run ignores SIGINT (a background job)
+    fresh_sigint = signal.getsignal(signal.SIGINT)
     requests, replies = _Lines(os.dup(0)), os.dup(1)  # the protocol's own descriptors
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
@@ -77,7 +82,7 @@ def serve() -> None:
             stream.flush()
         pid = os.fork()
         if pid == 0:
-            _child(request, (requests.fd, replies, devnull))
+            _child(request, (requests.fd, replies, devnull), fresh_sigint)
         reply.write(json.dumps({"pid": pid}) + "\n")
         status = _wait(pid, requests)
         if status is None:  # the test process is gone
@@ -118,11 +123,11 @@ class _Lines:
         return line + b"\n"
 
 
-def _child(request: dict, inherited: tuple[int, ...]) -> None:
+def _child(request: dict, inherited: tuple[int, ...], sigint: Handler) -> None:
     """Run the request as a fresh ``python -m`` would, then leave without returning."""
     code = SETUP_FAILED
     try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, sigint)
         os.setpgid(0, 0)
         for fd in inherited:
             os.close(fd)
