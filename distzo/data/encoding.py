@@ -1,8 +1,11 @@
 """Token batches for prompt tasks and raw text, drawn as a pure function of the step.
 
-A prompt and its continuation are tokenized separately and concatenated, so the
-continuation's tokens (the only ones with labels) are exactly known; a sequence
-longer than ``max_length`` loses prompt tokens from the left, never its answer.
+A prompt and its continuation are tokenized together, as MeZO does, so the tokens a
+model is scored on are the ones the joint text has (a BPE's leading-space token, a
+SentencePiece word after a newline); the continuation's tokens are those that differ
+from the prompt's own tokenization. A sequence longer than ``max_length`` loses prompt
+tokens from the left, never its answer nor the tokenizer's leading special token (OPT's
+``</s>``, Llama's ``<s>``).
 The batch of step t takes positions [t*B, (t+1)*B) of an endless run of per-epoch
 permutations seeded by (seed, epoch): a resumed run needs only its step.
 
@@ -29,46 +32,68 @@ class PromptEncoder:
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
+        self.lead = _leading_special_tokens(tokenizer)
+        if max_length <= self.lead:
+            raise ValueError(
+                f"max length {max_length} leaves no room after the tokenizer's "
+                f"{self.lead} leading special token(s); raise --max-length"
+            )
+        self._choices: dict[Example, ChoiceEncoding] = {}
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _keep(self, ids: list[int], budget: int) -> list[int]:
+        """At most ``budget`` tokens: the leading special ones and the last of the rest."""
+        if len(ids) <= budget:
+            return ids
+        return ids[: self.lead] + ids[len(ids) - (budget - self.lead) :]
 
     def encode(self, prompt: str, continuation: str) -> tuple[list[int], int]:
         """(token ids, number of continuation tokens at the end)."""
-        head = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        tail = (
-            self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
-            if continuation
-            else []
-        )
-        tail = tail[: self.max_length - 1]
-        ids = (head + tail)[-self.max_length :]
-        return ids, len(tail)
-
-    def _tail(self, continuation: str) -> list[int]:
-        return self.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        ids = self._ids(prompt + continuation)
+        answer = 0
+        if continuation:
+            head = self._ids(prompt)
+            shared = next(
+                (i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))
+            )
+            answer = len(ids) - shared
+        room = self.max_length - max(self.lead, 1)  # a scored token needs one before it
+        if answer > room:  # an answer longer than the window keeps its start
+            ids, answer = ids[: len(ids) - (answer - room)], room
+        return self._keep(ids, self.max_length), answer
 
     def shares_prompt(self, example: Example) -> bool:
-        """Every candidate is one token: one row (the prompt) scores them all."""
-        return all(len(self._tail(c)) == 1 for c in example.continuations)
+        """Every candidate is one token after the same prompt tokens: one row (the prompt)
+        scores them all."""
+        return len(self.encode_choices(example).rows) == 1
 
     def choice_rows(self, example: Example) -> int:
-        return 1 if self.shares_prompt(example) else len(example.continuations)
+        return len(self.encode_choices(example).rows)
 
     def encode_choices(self, example: Example) -> ChoiceEncoding:
         """The example's rows and scored tokens: the prompt alone when every candidate is
-        one token (scored at the prompt's last position), else prompt + candidate per row,
-        each scored on its candidate's tokens, exactly as ``encode`` lays them out."""
-        ids, _ = self.encode(example.prompt, example.continuations[0])
-        if self.shares_prompt(example) and len(ids) > 1:
-            prompt = ids[:-1]
+        one token after the same prompt tokens (scored at the prompt's last position), else
+        prompt + candidate per row, each scored on its candidate's tokens, exactly as
+        ``encode`` lays them out."""
+        if example not in self._choices:
+            self._choices[example] = self._encode_choices(example)
+        return self._choices[example]
+
+    def _encode_choices(self, example: Example) -> ChoiceEncoding:
+        encoded = [self.encode(example.prompt, c) for c in example.continuations]
+        for continuation, (_, answer) in zip(example.continuations, encoded):
+            if answer == 0:
+                raise ValueError(f"candidate {continuation!r} has no tokens to score")
+        prompt = encoded[0][0][:-1]
+        if prompt and all(answer == 1 and ids[:-1] == prompt for ids, answer in encoded):
             scored = [
-                (0, len(prompt) - 1, self._tail(c)[0], c_index)
-                for c_index, c in enumerate(example.continuations)
+                (0, len(prompt) - 1, ids[-1], c_index) for c_index, (ids, _) in enumerate(encoded)
             ]
             return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label)
         rows, scored = [], []
-        for c_index, continuation in enumerate(example.continuations):
-            ids, answer = self.encode(example.prompt, continuation)
-            if answer == 0:
-                raise ValueError(f"candidate {continuation!r} has no tokens to score")
+        for c_index, (ids, answer) in enumerate(encoded):
             scored += [
                 (c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))
             ]
@@ -77,8 +102,16 @@ class PromptEncoder:
 
     def encode_prompt(self, prompt: str, room: int) -> list[int]:
         """A prompt to decode from, cut from the left to leave ``room`` new tokens."""
-        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        return ids[-max(self.max_length - room, 1) :]
+        return self._keep(self._ids(prompt), max(self.max_length - room, self.lead + 1))
+
+    def answer(self, ids: Sequence[int]) -> str:
+        """Generated tokens as text, up to the first end-of-sequence token (where MeZO's
+        decoding stops; the metric then cuts at the first newline)."""
+        eos = self.tokenizer.eos_token_id
+        ids = list(ids)
+        if eos is not None and eos in ids:
+            ids = ids[: ids.index(eos)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def collate(self, sequences: Sequence[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
         """Right-padded ids, mask, and labels on the continuation tokens only."""
@@ -94,6 +127,15 @@ class PromptEncoder:
                     row, len(ids) - answer : len(ids)
                 ]
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _leading_special_tokens(tokenizer) -> int:
+    """How many special tokens the tokenizer puts before a text's own (OPT's ``</s>``,
+    Llama's ``<s>``): kept when a long sequence is cut from the left, as MeZO does."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    lead = len(special) - len(plain)
+    return lead if lead > 0 and list(special[lead:]) == list(plain) else 0
 
 
 def step_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:

@@ -3,7 +3,10 @@
 ``hf:PATH[:CONFIG]:SPLIT`` names a hub dataset (needs network access), e.g.
 ``hf:nyu-mll/glue:sst2:train``; anything else is a local file chosen by its extension.
 A ``.txt`` file gives one ``{"text": line}`` row per non-empty line (the plain
-causal-LM task). Errors are one line naming the file and the row.
+causal-LM task). Lines end at ``\n`` (or ``\r\n``) only: a JSON string may hold U+2028
+and a text line a form feed. A ``.tsv`` file is read as GLUE writes it: no quoting, so a
+``"`` is text (a field cannot hold a tab or a newline). A UTF-8 byte-order mark is
+skipped. Errors are one line naming the file and the row.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def load_rows(source: str) -> list[dict[str, Any]]:
     text = _utf8(path, source, header=suffix in (".csv", ".tsv"))
     if suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(_lines(text), 1):
             if not line.strip():
                 continue
             try:
@@ -61,7 +64,16 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         return rows
     if suffix in (".csv", ".tsv"):
         return _csv_rows(text, source, "\t" if suffix == ".tsv" else ",")
-    return [{"text": line} for line in text.splitlines() if line.strip()]
+    return [{"text": line} for line in _lines(text) if line.strip()]
+
+
+def _lines(text: str) -> list[str]:
+    """A file's lines, split at ``\n`` alone (``str.splitlines`` also splits at U+2028,
+    U+0085, form feeds and other characters a line may hold)."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def _utf8(path: Path, source: str, header: bool) -> str:
@@ -69,7 +81,7 @@ def _utf8(path: Path, source: str, header: bool) -> str:
     (the line; a CSV's header line is not a row) rather than the codec's byte offset."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         where = "the header" if header and line == 1 else f"row {line - 1 if header else line}"
@@ -81,7 +93,12 @@ def _utf8(path: Path, source: str, header: bool) -> str:
 def _csv_rows(text: str, source: str, delimiter: str) -> list[dict[str, Any]]:
     """CSV/TSV rows; a malformed row (a field over ``csv.field_size_limit``, the wrong number
     of fields) is one line naming it."""
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    stream = io.StringIO(text, newline="")
+    reader = (
+        csv.DictReader(stream, delimiter=delimiter, quoting=csv.QUOTE_NONE)  # GLUE's TSVs
+        if delimiter == "\t"
+        else csv.DictReader(stream, delimiter=delimiter)
+    )
     rows = []
     number = 0
     try:

@@ -47,6 +47,13 @@ def default_model_config(task: str) -> PretrainedConfig:
     return tiny_opt_config(vocab_size=len(byte_tokenizer()), max_position_embeddings=512)
 
 
+def token_positions(job: JobConfig, model_config: PretrainedConfig) -> int:
+    """The positions a sequence's own tokens may take: the model's, less a prefix adapter's
+    virtual tokens (they come first; a learned position table has no row past its end)."""
+    prefix = job.peft.prefix_length if job.peft.peft == "prefix" else 0
+    return int(model_config.max_position_embeddings) - prefix
+
+
 def build_parallel(
     job: JobConfig, env: LaunchEnv, dims: ParallelDims, device: torch.device
 ) -> ParallelContext:
@@ -133,7 +140,7 @@ def build_task_data(
         return CountingData(
             model_config.vocab_size, data.seq_len, data.eval_batch_size, seed, data.eval_batch_size
         )
-    encoder = PromptEncoder(tokenizer, data.max_length or model_config.max_position_embeddings)
+    encoder = PromptEncoder(tokenizer, data.max_length or token_positions(job, model_config))
     if data.task == "text":
         return TextData(rows, encoder, seed, data.eval_batch_size)
     return PromptData(
@@ -141,7 +148,7 @@ def build_task_data(
     )
 
 
-def build_objective(name: str, data: TaskData, tokenizer: Any) -> Objective:
+def build_objective(name: str, data: TaskData) -> Objective:
     """What the engine's steps minimise (the pairing with the task was checked up front)."""
     if name == "classification":
         return Classification()
@@ -149,7 +156,7 @@ def build_objective(name: str, data: TaskData, tokenizer: Any) -> Objective:
         return Accuracy()
     if name == "f1":
         answers = [e.answers for e in data.train_examples]  # type: ignore[union-attr]
-        return F1(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), answers)
+        return F1(data.encoder.answer, answers)  # type: ignore[union-attr]
     return LanguageModeling()
 
 

@@ -160,7 +160,6 @@ def evaluate_generation(
     together."""
     share = _share(len(examples), parallel)
     batch_size = rows_per_call(batch_size, parallel.env.world_size)
-    decode = _decoder(encoder)
     f1 = em = 0.0
     for call in range(_calls(len(examples), batch_size, parallel)):
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
@@ -173,18 +172,11 @@ def evaluate_generation(
             lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED]
         )
         for i, ids in zip(chunk, tokens.tolist()):  # one read per batch
-            prediction = answer_text(decode, ids)
+            prediction = answer_text(encoder.answer, ids)
             f1 += max(f1_score(prediction, gold) for gold in examples[i].answers)
             em += max(exact_match(prediction, gold) for gold in examples[i].answers)
     f1_sum, em_sum, total = _reduce([f1, em, len(share)], parallel)
     return {"eval_f1": f1_sum / total, "eval_exact_match": em_sum / total}
-
-
-def _decoder(encoder: PromptEncoder):
-    def decode(ids: Sequence[int]) -> str:
-        return encoder.tokenizer.decode(ids, skip_special_tokens=True)
-
-    return decode
 
 
 def evaluate_lm(

@@ -150,9 +150,7 @@ class Trainer:
         self.data = build_task_data(self.job, self.rows, self.tokenizer, model.config, self.seed)
         self._plan_memory(model)
         agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
-        self.objective = build_objective(
-            self.job.optim.objective or "lm", self.data, self.tokenizer
-        )
+        self.objective = build_objective(self.job.optim.objective or "lm", self.data)
         self.engine = ZOEngine(
             model,
             self.config,

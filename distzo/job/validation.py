@@ -21,7 +21,7 @@ from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.export.hf_model import check_shard_size
-from distzo.job.build import default_model_config, local_model_dir
+from distzo.job.build import default_model_config, local_model_dir, token_positions
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
@@ -79,12 +79,19 @@ def check_model(job: JobConfig) -> None:
             f"--max-length {data.max_length} leaves no token of a candidate or answer to score "
             "after its prompt; raise --max-length (at least 2, or 0: the model's limit)"
         )
+    positions = token_positions(job, model_config)
+    prefix = f" less the {job.peft.prefix_length}-token prefix" if job.peft.peft == "prefix" else ""
+    if positions < 2:
+        raise ValueError(
+            f"the model's max_position_embeddings {model_config.max_position_embeddings}{prefix} "
+            "leaves no room for a sequence; lower --prefix-length"
+        )
     longest = data.seq_len if data.task == "counting" else data.max_length
-    if longest > model_config.max_position_embeddings:
+    if longest > positions:
         flag = "--seq-len" if data.task == "counting" else "--max-length"
         raise ValueError(
             f"{flag} {longest} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}; lower {flag}"
+            f"{model_config.max_position_embeddings}{prefix}; lower {flag}"
         )
 
 

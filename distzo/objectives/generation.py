@@ -103,8 +103,8 @@ def greedy_decode(
 
 class F1:
     """MeZO's non-differentiable objective for SQuAD: minus the F1 of each perturbed model's
-    greedy answer (to the first newline) against the best gold answer, summed over the
-    examples and divided by the global example count.
+    greedy answer (to the end-of-sequence token or the first newline) against the best gold
+    answer, summed over the examples and divided by the global example count.
 
     The metric is text, so each step reads the decoded tokens back once: an F1 step has a
     host sync besides the step's all-reduce.

@@ -1,5 +1,6 @@
 """SQuAD's answer metrics (the official script's normalisation), and the answer a
-generation stands for: its text up to the first newline (MeZO stops decoding there)."""
+generation stands for: its text up to the first newline (MeZO stops decoding there, and at
+the end-of-sequence token, which the ``decode`` it is given cuts at)."""
 
 from __future__ import annotations
 

@@ -164,6 +164,31 @@ def test_text_files_give_one_row_per_line(tmp_path):
     assert load_task_rows("text", str(path), str(path)).train == ["first line", "second line"]
 
 
+def test_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path):
+    odd = "a\u2028b\x85c\x0cd"  # str.splitlines would cut at each of these
+    jsonl = tmp_path / "data.jsonl"
+    row = json.dumps({"sentence": odd, "label": 1}, ensure_ascii=False)
+    jsonl.write_bytes(("\ufeff" + row + "\r\n" + row + "\n").encode())
+    assert load_rows(str(jsonl)) == [{"sentence": odd, "label": 1}] * 2
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(f"\ufeff{odd}\r\nsecond\n".encode())
+    assert load_rows(str(text)) == [{"text": odd}, {"text": "second"}]
+    table = tmp_path / "data.csv"
+    table.write_bytes("\ufeffsentence,label\ngood,1\n".encode())
+    assert load_rows(str(table)) == [{"sentence": "good", "label": "1"}]
+
+
+def test_a_tsv_is_read_as_glue_writes_it_quotes_and_all(tmp_path):
+    sentences = ['" the film is a mess', 'a "gripping" film', "plain", 'ends with "']
+    path = tmp_path / "train.tsv"
+    path.write_text(
+        "sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences))
+    )
+    assert load_rows(str(path)) == [
+        {"sentence": s, "label": str(i % 2)} for i, s in enumerate(sentences)
+    ]
+
+
 @pytest.mark.parametrize(
     "content, suffix, message",
     [
@@ -357,6 +382,11 @@ def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):
             "error: --task counting generates its data",
         ),
         (["--task", "mnli"], "error: unknown --task 'mnli'"),
+        (
+            ["--peft", "prefix", "--prefix-length", "50"],
+            "error: --seq-len 16 exceeds the model's max_position_embeddings 64 less the "
+            "50-token prefix; lower --seq-len",
+        ),
     ],
 )
 def test_task_input_errors_are_one_line_before_any_model(args, message):
@@ -378,3 +408,26 @@ def test_a_malformed_row_stops_the_cli_with_file_and_row(tmp_path):
     assert proc.stderr.strip() == (
         f"error: {bad}, row 2: missing column 'label' (task sst2 needs sentence, label)"
     )
+
+
+def test_a_prefix_adapters_virtual_tokens_leave_room_in_the_models_positions(tmp_path):
+    from distzo.config.job import JobConfig
+    from distzo.job.build import build_task_data, default_model_config
+    from tests.helpers.launch import train_in_process
+
+    rows = [{"sentence": "a long review " * 60, "label": 1}, {"sentence": "short", "label": 0}]
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    job = JobConfig()
+    job.data.task, job.peft.peft = "sst2", "prefix"
+    loaded = load_task_rows("sst2", data, data)
+    built = build_task_data(job, loaded, byte_tokenizer(), default_model_config("sst2"), 0)
+    assert built.encoder.max_length == 512 - 5 and built.longest == 507  # the long row, cut
+    proc = train_in_process(
+        ["--task", "sst2", "--train-file", data, "--eval-file", data, "--peft", "prefix"]
+        + ["--max-length", "512", "--output-dir", str(tmp_path / "run")]
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --max-length 512 exceeds the model's max_position_embeddings 512 less the "
+        "5-token prefix; lower --max-length"
+    )
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,133 @@
+"""The tokens a prompt task scores are the joint text's, as MeZO's: a BPE's space-word token
+after a prompt that ends in a space, a SentencePiece word after a newline; a long sequence
+keeps its leading special token; a generated answer ends at the end-of-sequence token.
+
+Tokenizers with real merges are trained in code on a few sentences (no download): one
+byte-level BPE (GPT-2, OPT, SmolLM2, Qwen) and one SentencePiece-style BPE (Llama-2,
+Mistral: words marked by a leading "▁")."""
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from distzo.data.encoding import PromptEncoder
+from distzo.data.templates import TASKS, Example, build_examples
+from distzo.models.tiny import byte_tokenizer
+from distzo.objectives import answer_text
+
+CORPUS = [
+    "The man fell because he tripped. I laughed so he cried.",
+    "a gripping film It was great",
+    "a dull film It was terrible",
+    "Cats purr.\nDoes this mean that it is true? Yes or No?\nYes\nNo",
+] * 20
+
+
+def byte_level_bpe() -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's regex
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    core.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="</s>", eos_token="</s>")
+
+
+def sentencepiece_bpe() -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.BPE(byte_fallback=True))
+    core.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]  # Llama-2's tokenizer.json
+    )
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"])
+    core.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>")
+
+
+def tokens(tokenizer, ids):
+    return tokenizer.convert_ids_to_tokens(list(ids))
+
+
+def test_a_prompt_ending_in_a_space_scores_the_joint_space_word_tokens():
+    tokenizer = byte_level_bpe()
+    (copa,) = build_examples(
+        TASKS["copa"],
+        [
+            {
+                "premise": "The man fell.",
+                "question": "cause",
+                "choice1": "He tripped.",
+                "choice2": "I laughed.",
+                "label": 0,
+            }
+        ],  # fmt: skip
+        "x",
+    )
+    assert copa.prompt.endswith("because ")  # alone, that space is a token of its own
+    encoder = PromptEncoder(tokenizer, max_length=64)
+    ids, answer = encoder.encode(copa.prompt, copa.continuations[0])
+    assert ids == tokenizer(copa.prompt + copa.continuations[0])["input_ids"]
+    assert tokens(tokenizer, ids[-answer:]) == ["Ġhe", "Ġtripped", "."]
+    rows = encoder.encode_choices(copa)
+    first = [token for row, _, token, choice in rows.scored if choice == 0]
+    assert tokens(tokenizer, first) == ["Ġhe", "Ġtripped", "."]
+    assert list(rows.rows[0]) == ids
+
+
+def test_sentencepiece_candidates_are_the_joint_texts_words():
+    tokenizer = sentencepiece_bpe()
+    encoder = PromptEncoder(tokenizer, max_length=64)
+    (sst2,) = build_examples(TASKS["sst2"], [{"sentence": "a gripping film", "label": 1}], "x")
+    # " great" alone is ["▁", "▁great"]; after "It was" it is one word: one shared row
+    assert tokens(tokenizer, tokenizer(" great", add_special_tokens=False)["input_ids"]) == [
+        "▁",
+        "▁great",
+    ]
+    rows = encoder.encode_choices(sst2)
+    assert len(rows.rows) == 1 and encoder.shares_prompt(sst2)
+    assert tokens(tokenizer, [token for *_, token, _ in rows.scored]) == ["▁terrible", "▁great"]
+    joint = tokenizer(sst2.prompt + " great")["input_ids"]
+    assert list(rows.rows[0]) == joint[:-1]
+    (rte,) = build_examples(
+        TASKS["rte"], [{"premise": "Cats purr.", "hypothesis": "it is", "label": 0}], "x"
+    )
+    ids, answer = encoder.encode(rte.prompt, "Yes")
+    # alone, "Yes" is "▁Yes"; after "\n" the joint text has no word marker there
+    assert tokens(tokenizer, tokenizer("Yes", add_special_tokens=False)["input_ids"]) == ["▁Yes"]
+    assert ids == tokenizer(rte.prompt + "Yes")["input_ids"]
+    scored = tokens(tokenizer, ids[-answer:])
+    assert "▁Yes" not in scored and "".join(scored).endswith("Yes")
+
+
+def test_a_cut_sequence_keeps_its_leading_special_token_and_its_answer():
+    tokenizer = byte_tokenizer()  # puts </s> first, as OPT's does
+    bos = tokenizer.bos_token_id
+    encoder = PromptEncoder(tokenizer, max_length=8)
+    ids, answer = encoder.encode("a very long prompt indeed", " yes")
+    assert len(ids) == 8 and ids[0] == bos and tokenizer.decode(ids[-answer:]) == " yes"
+    assert tokenizer.decode(ids[1:-answer]) == "eed"
+    ids, answer = encoder.encode("p", " an answer longer than the window")
+    assert len(ids) == 8 and ids[0] == bos and tokenizer.decode(ids[1:]) == " an ans"
+    prompt = encoder.encode_prompt("a very long prompt indeed", 3)
+    assert prompt[0] == bos and tokenizer.decode(prompt[1:]) == "deed"
+    example = Example("a very long prompt indeed", (" yes", " no"), 0)
+    assert all(row[0] == bos and len(row) == 8 for row in encoder.encode_choices(example).rows)
+    with pytest.raises(ValueError, match="max length 1 leaves no room"):
+        PromptEncoder(tokenizer, max_length=1)
+
+
+def test_a_generated_answer_ends_at_the_end_of_sequence_token():
+    tokenizer = byte_tokenizer()
+    encoder = PromptEncoder(tokenizer, max_length=64)
+    paris = tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    after = tokenizer(" QQQ\nmore", add_special_tokens=False)["input_ids"]
+    generated = paris + [tokenizer.eos_token_id] + after
+    assert encoder.answer(generated) == " Paris"
+    assert answer_text(encoder.answer, generated) == "Paris"
+    assert answer_text(encoder.answer, paris + after) == "Paris QQQ"  # the newline cuts
