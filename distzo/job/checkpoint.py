@@ -1,7 +1,8 @@
 """Resumable training state with torch.distributed.checkpoint (the export is
 ``distzo.export.hf_model``).
 
-A checkpoint holds tensors only (never pickles): ``meta/*`` scalars (step, run seed,
+A checkpoint holds tensors only (never pickles), and is read so (``dcp_safe``: a
+checkpoint's metadata is unpickled from an allowlist): ``meta/*`` scalars (step, run seed,
 noise chunk, the pending update, the optimizer), the resident bucket, every block in its
 at-rest format (the transfer dtype) and a stored optimizer's moments beside them
 (``<moment>/resident``, ``<moment>/block/i``, in the state dtype), so that a resumed run,
@@ -40,6 +41,7 @@ from distzo.config.engine_options import OPTIMIZERS, ZOConfig, lowrank_record
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.job.dcp_ranges import load_ranges
+from distzo.job.dcp_safe import TensorOnlyReader, load_tensors
 from distzo.offload import StreamedBlocks
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
@@ -89,7 +91,7 @@ def _damage(path: Path) -> str | None:
     if not metadata.is_file():
         return f"{metadata} is missing (the save did not finish)"
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        storage = TensorOnlyReader(str(path)).read_metadata().storage_data
     except Exception as err:  # pickle, EOF or DCP errors: a damaged file, whichever
         return f"{metadata} is unreadable ({(str(err) or type(err).__name__).splitlines()[0]})"
     needed: dict[str, int] = {}
@@ -219,11 +221,11 @@ def checkpoint_noise(path: Path) -> str:
     """The noise kind a checkpoint was drawn with (a checkpoint from before noise kinds: legacy),
     read on the host without a process group, so a resumed run can pick it before building."""
     check_complete(path)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = TensorOnlyReader(str(path)).read_metadata().state_dict_metadata
     if "meta/noise" not in saved:
         return "legacy"
     meta = {"meta/noise": torch.zeros(2, dtype=torch.int64)}
-    dcp.load(meta, checkpoint_id=str(path), no_dist=True)
+    load_tensors(meta, path, no_dist=True)
     return identity_kind(_noise_identity(meta["meta/noise"]))
 
 
@@ -474,7 +476,7 @@ class Checkpointer:
                 store.load_block_ranges(i, lambda lo, hi, got=values: got[(lo, hi)])
                 continue
             buffer = {key: torch.empty(layout.numel, dtype=store.rest_dtype)}
-            dcp.load(buffer, checkpoint_id=str(path), process_group=self._group)
+            load_tensors(buffer, path, process_group=self._group)
             store.load_block(i, buffer[key])
 
     def _check_optimizer(self, path: Path, saved) -> None:
@@ -486,7 +488,7 @@ class Checkpointer:
                     _saved_size(saved, "meta/optimizer"), dtype=torch.float64
                 )
             }
-            dcp.load(vector, checkpoint_id=str(path), process_group=self._group)
+            load_tensors(vector, path, process_group=self._group)
             optimizer, moments = _optimizer_of(vector["meta/optimizer"])
         else:  # written before stored optimizer state: no moments, whichever optimizer
             optimizer, moments = (
@@ -515,7 +517,7 @@ class Checkpointer:
         engine.streams.synchronize()
         meta = {k: torch.zeros_like(v) for k, v in _meta(engine).items()}
         # The pending update has as many g as the saving run had queries, whatever this one has.
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = TensorOnlyReader(str(path)).read_metadata().state_dict_metadata
         meta["meta/pending"] = torch.zeros(_saved_size(saved, "meta/pending"), dtype=torch.float64)
         if "meta/recent_steps" in saved:  # a momentum's history (absent before optimizers)
             meta["meta/recent_steps"] = torch.zeros(
@@ -539,7 +541,7 @@ class Checkpointer:
         if "meta/lowrank" not in saved:  # written before the low-rank kind
             del meta["meta/lowrank"]
         meta["resident"] = torch.empty_like(engine.resident_master, device="cpu")
-        dcp.load(meta, checkpoint_id=str(path), process_group=self._group)
+        load_tensors(meta, path, process_group=self._group)
         identity = _noise_identity(meta["meta/noise"]) if "meta/noise" in meta else "legacy"
         lowrank = _lowrank_of(meta["meta/lowrank"]) if "meta/lowrank" in meta else None
         engine.check_noise(identity, int(meta["meta/noise_chunk"]), str(path), lowrank)
@@ -548,7 +550,7 @@ class Checkpointer:
             resident = {
                 f"{name}/resident": torch.empty_like(engine.moments.resident[k], device="cpu")
             }
-            dcp.load(resident, checkpoint_id=str(path), process_group=self._group)
+            load_tensors(resident, path, process_group=self._group)
             engine.moments.resident[k].copy_(resident[f"{name}/resident"])
             self._load_blocks(path, f"{name}/block", engine.moments.blocks[k])
         with torch.no_grad():

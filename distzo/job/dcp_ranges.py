@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
+from distzo.job.dcp_safe import TensorOnlyReader
+
 Range = tuple[int, int]
 
 
@@ -117,7 +119,7 @@ class RangePlanner(dcp.DefaultLoadPlanner):
         return dest.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
 
 
-class RangeReader(dcp.FileSystemReader):
+class RangeReader(TensorOnlyReader):
     """DCP's file reader, reading of each stored tensor only the bytes of the elements
     a read item asks for (see the module's docstring); the rest as DCP does."""
 

@@ -1,0 +1,75 @@
+"""Reading a checkpoint without running code from it.
+
+DCP's ``FileSystemReader`` unpickles a checkpoint's ``.metadata`` with plain
+``pickle.load``, and its default planner loads an entry the metadata calls bytes with
+``torch.load(weights_only=False)``: a checkpoint someone hands a user could run code on
+``--resume``. ``TensorOnlyReader`` unpickles the metadata with an allowlist (DCP's own
+metadata dataclasses and enums, torch's sizes, dtypes and layouts, paths) and refuses
+metadata with an entry that is not a tensor, which no distzo checkpoint has; the tensors
+themselves DCP already reads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+FUNCTIONS = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module in DCP_MODULES:
+        found = getattr(importlib.import_module(module), name, None)
+        return isinstance(found, type) and (
+            dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
+        )
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    if module == "pathlib" or module.startswith("pathlib."):
+        return name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+    return (module, name) in FUNCTIONS
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed(module, name):
+            raise pickle.UnpicklingError(
+                f"it asks for {module}.{name}, which checkpoint metadata never holds"
+            )
+        return super().find_class(module, name)
+
+
+class TensorOnlyReader(dcp.FileSystemReader):
+    """A ``FileSystemReader`` whose metadata is unpickled from an allowlist and holds
+    tensors only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        with path.open("rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+        for key, entry in metadata.state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                raise pickle.UnpicklingError(
+                    f"its entry {key!r} is not a tensor (distzo checkpoints hold tensors only)"
+                )
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+def load_tensors(state: dict[str, torch.Tensor], path: Path, **kwargs: Any) -> None:
+    """``dcp.load`` of ``state`` (in place) from checkpoint ``path`` through
+    ``TensorOnlyReader``."""
+    dcp.load(state, storage_reader=TensorOnlyReader(str(path)), **kwargs)
