@@ -102,15 +102,29 @@ def run_contents(run_dir: Path, log_dir: Path | None = None) -> list[Path]:
     found = []
     if run_dir.is_dir():
         found = [p for p in run_dir.iterdir() if p.name in names or _RANK_SUMMARY.match(p.name)]
-    if log_dir is not None and log_dir.is_dir() and log_dir.resolve() != run_dir.resolve():
-        logs = {*LOG_FILES, *(f"{name}.tmp" for name in LOG_FILES)}
-        found += [p for p in log_dir.iterdir() if p.name in logs]
+    if log_dir is not None and log_dir.resolve() != run_dir.resolve():
+        found += _log_files(log_dir)
     return sorted(found)
+
+
+def _log_files(log_dir: Path) -> list[Path]:
+    logs = {*LOG_FILES, *(f"{name}.tmp" for name in LOG_FILES)}
+    return [p for p in log_dir.iterdir() if p.name in logs] if log_dir.is_dir() else []
 
 
 def _dirs(job: JobConfig) -> tuple[Path, Path | None]:
     run = job.run
     return Path(run.output_dir or "."), Path(run.log_dir) if run.log_dir else None
+
+
+def _existing_run(job: JobConfig) -> list[Path]:
+    """What of an earlier run a fresh start would overwrite: the run directory's own files
+    and the --log-dir's logs; without --output-dir the run goes to a new directory, so only
+    a --log-dir can hold one."""
+    run_dir, log_dir = _dirs(job)
+    if job.run.output_dir is None:
+        return sorted(_log_files(log_dir)) if log_dir is not None else []
+    return run_contents(run_dir, log_dir)
 
 
 def _names(paths: list[Path]) -> str:
@@ -122,14 +136,13 @@ def check_fresh(job: JobConfig) -> None:
     """A run that starts afresh (no resume) into a directory holding a run would overwrite
     its logs and export and leave its checkpoints for a later resume to mix in: refused
     unless ``--overwrite`` (which deletes the old run's files first)."""
-    if job.run.output_dir is None or job.run.overwrite:
+    if job.run.overwrite:
         return
-    run_dir, log_dir = _dirs(job)
-    found = run_contents(run_dir, log_dir)
+    found = _existing_run(job)
     if found:
         where = (
             f"--output-dir {job.run.output_dir}"
-            if any(p.parent == run_dir for p in found)
+            if job.run.output_dir is not None and any(p.parent == _dirs(job)[0] for p in found)
             else f"--log-dir {job.run.log_dir}"
         )
         raise ValueError(
@@ -142,11 +155,8 @@ def check_fresh(job: JobConfig) -> None:
 def clear_run(job: JobConfig) -> None:
     """``--overwrite``: delete the old run's own files and folders (see ``run_contents``),
     nothing else. Rank 0 only, before any rank writes into the directory. Without
-    --output-dir the run goes to a new directory: nothing to delete."""
-    if job.run.output_dir is None:
-        return
-    run_dir, log_dir = _dirs(job)
-    found = run_contents(run_dir, log_dir)
+    --output-dir the run goes to a new directory: only a --log-dir's logs to delete."""
+    found = _existing_run(job)
     names = _names(found)
     for path in found:
         if path.is_dir() and not path.is_symlink():
@@ -154,7 +164,8 @@ def clear_run(job: JobConfig) -> None:
         else:
             path.unlink(missing_ok=True)
     if found:
-        logger.warning("--overwrite: deleted the old run in %s (%s)", run_dir, names)
+        where = job.run.output_dir if job.run.output_dir is not None else job.run.log_dir
+        logger.warning("--overwrite: deleted the old run in %s (%s)", where, names)
 
 
 def logged_steps_of(path: Path) -> list[int]:

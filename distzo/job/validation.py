@@ -95,22 +95,21 @@ def check_model(job: JobConfig) -> None:
         )
 
 
-def check_output_dir(output_dir: str | None) -> None:
-    """A run directory that can be made: refused before any run directory exists when a
-    path component is a file, or the nearest existing folder is not writable."""
+def check_output_dir(output_dir: str | None, flag: str = "--output-dir") -> None:
+    """A run (or log) directory that can be made: refused before any run directory exists
+    when a path component is a file, or the nearest existing folder is not writable."""
     path = Path(output_dir or "runs").absolute()
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(
-            f"--output-dir {output_dir}: {existing} is a file, not a directory; give another "
-            "--output-dir"
+            f"{flag} {output_dir}: {existing} is a file, not a directory; give another {flag}"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(
-            f"--output-dir {output_dir or 'runs/'}: {existing} is not writable (permission "
-            "denied); give another --output-dir"
+            f"{flag} {output_dir or 'runs/'}: {existing} is not writable (permission "
+            f"denied); give another {flag}"
         )
 
 
@@ -136,6 +135,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
     check_model(job)
     check_output_dir(job.run.output_dir)
+    if job.run.log_dir:
+        check_output_dir(job.run.log_dir, "--log-dir")
     # every row checked, before any model
     rows = load_task_rows(job.data.task, job.data.train_file, job.data.eval_file)
     check_shard_size(job.run.export_shard_size)

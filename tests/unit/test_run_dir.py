@@ -242,6 +242,35 @@ def test_a_log_dir_holding_a_runs_logs_is_refused_too(run, tmp_path):
     assert line.startswith(f"error: --log-dir {logs} already holds a run (metrics.jsonl): add")
 
 
+def test_a_log_dir_is_refused_without_an_output_dir_and_cleared_only_on_overwrite(
+    run, tmp_path, monkeypatch
+):
+    # Without --output-dir the run goes to a new runs/<timestamp>, but its logs to --log-dir.
+    monkeypatch.chdir(tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    shutil.copy(run / "metrics.jsonl", logs / "metrics.jsonl")
+    (logs / "notes.txt").write_text("mine")
+    before = hashes(logs)
+    line = error_line(train_in_process([*SMALL, "--max-steps", "1", "--log-dir", str(logs)]))
+    assert line.startswith(f"error: --log-dir {logs} already holds a run (metrics.jsonl): add")
+    assert hashes(logs) == before and not (tmp_path / "runs").exists()
+    clear_run(resolve(["--log-dir", str(logs), "--overwrite"]))
+    assert sorted(p.name for p in logs.iterdir()) == ["notes.txt"]
+
+
+def test_a_log_dir_that_cannot_be_made_is_refused_before_the_run(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("")
+    argv = ["--output-dir", str(tmp_path / "run"), "--log-dir", str(file / "logs")]
+    line = error_line(train_in_process(argv))
+    assert line == (
+        f"error: --log-dir {file / 'logs'}: {file} is a file, not a directory; give another "
+        "--log-dir"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_may_lower_the_lr_and_says_the_steps_from_there_differ(run, caplog):
     # How a diverged run is retried from its last good checkpoint.
     proc = train_in_process([*SMALL, "--output-dir", str(run), "--resume", "--lr", "0.005"])
