@@ -28,6 +28,7 @@ from distzo.config.cli import fail, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
+from distzo.export.out_dir import check_out
 from distzo.job.build import local_model_dir
 from distzo.job.seed_log import read_seed_log, step_grads
 from distzo.models import load_model
@@ -67,21 +68,6 @@ def logged_base_signature(header: dict) -> dict:
     if logged and Path(logged).is_dir() and (Path(logged) / "config.json").is_file():
         return signature(AutoConfig.from_pretrained(logged))
     return {}
-
-
-def check_out(out: Path, overwrite: bool) -> None:
-    """An existing --out (a folder or a file) is replaced only when asked: a replay must
-    not silently destroy a model someone wrote there."""
-    if (out.exists() or out.is_symlink()) and not overwrite:
-        kind = "folder" if out.is_dir() else "file"
-        raise ValueError(
-            f"--out {out}: the {kind} exists; add --overwrite to replace it, or give another --out"
-        )
-    existing = out.absolute().parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
 
 
 def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path | None:

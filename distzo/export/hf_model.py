@@ -39,6 +39,7 @@ from distzo.adapters.peft_adapters import (
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
+from distzo.export.out_dir import publish, staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def export_hf(
     plan = shard_plan(engine, max_shard_size, merged)
     file_of = {name: file for file, names in plan.filename_to_tensors.items() for name in names}
     missing = {file: set(names) for file, names in plan.filename_to_tensors.items()}
-    tmp = directory.with_name(directory.name + ".tmp")
+    tmp = staging_dir(directory)
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -195,7 +196,7 @@ def export_hf(
             }
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_configs(engine, tmp, tokenizer)
-        return _publish(tmp, directory)
+        return publish(tmp, directory)
 
 
 @contextlib.contextmanager
@@ -226,7 +227,7 @@ def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | 
     if not rank0:
         return None
     peft_model = as_peft_model(engine.peft_model)
-    tmp = directory.with_name(directory.name + ".tmp")
+    tmp = staging_dir(directory)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with _removed_on_failure(tmp, True):
@@ -260,7 +261,7 @@ def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, token
     peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    return _publish(tmp, directory)
+    return publish(tmp, directory)
 
 
 def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
@@ -277,12 +278,3 @@ def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-
-
-def _publish(tmp: Path, directory: Path) -> Path:
-    """The finished ``<name>.tmp`` becomes ``<name>``: never a half-written export."""
-    if directory.is_file() or directory.is_symlink():  # a replay's --out with --overwrite
-        directory.unlink()
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
-    return directory

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -223,6 +224,11 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="also write step.pte for the ExecuTorch runtime (where executorch is installed)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out (without it, an existing one is refused)",
+    )
     return p
 
 
@@ -262,34 +268,44 @@ def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m distzo.export.training_step``: the LoRA-FA training step of a model, for a
-    runtime."""
+def _write(engine: ZOEngine, args: argparse.Namespace, directory: Path) -> list[Path]:
+    """The command's files into ``directory``: the step program(s) and the steps' keys."""
     from safetensors.torch import save_file
 
+    ids = torch.ones(args.batch, args.seq, dtype=torch.int64)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    files = save_training_step(engine, batch, directory, pte=args.pte)
+    keys = torch.stack([step_keys(engine, t) for t in range(args.steps)])
+    files.append(directory / "keys.safetensors")
+    save_file({"keys": keys}, str(files[-1]), metadata={"eps": str(args.eps)})
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distzo.export.training_step``: the LoRA-FA training step of a model, for a
+    runtime, written under ``<out>.tmp`` and renamed (an existing --out only with
+    --overwrite)."""
     from distzo.config.cli import fail
+    from distzo.export.out_dir import check_out, publish, staging_dir
 
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        check_out(args.out, args.overwrite)
         engine = _lora_fa_engine(args)
-        ids = torch.ones(args.batch, args.seq, dtype=torch.int64)
-        files = save_training_step(
-            engine,
-            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids},
-            args.out,
-            pte=args.pte,
-        )
-        keys = torch.stack([step_keys(engine, t) for t in range(args.steps)])
-        save_file(
-            {"keys": keys}, str(args.out / "keys.safetensors"), metadata={"eps": str(args.eps)}
-        )
+        tmp = staging_dir(args.out)
+        try:
+            files = _write(engine, args, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-written output left behind
+            raise
+        publish(tmp, args.out)
     except (ValueError, OSError) as err:
         return fail(str(err).splitlines()[0])
-    for f in [*files, args.out / "keys.safetensors"]:
-        logging.getLogger("distzo.export.training_step").info("wrote %s", f)
+    for f in files:
+        logging.getLogger("distzo.export.training_step").info("wrote %s", args.out / f.name)
     return 0
 
 

@@ -98,6 +98,21 @@ def test_replay_refuses_an_existing_out_without_overwrite(run, tmp_path):
     assert (tmp_path / "dir" / "model.safetensors").is_file()
 
 
+def test_replay_leaves_a_users_folder_named_like_its_staging_folder(run, tmp_path):
+    out = tmp_path / "mine"
+    (tmp_path / "mine.tmp").mkdir()
+    (tmp_path / "mine.tmp" / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        proc = main_in_process(
+            "distzo.replay", ["--log", str(run / "seedlog.jsonl"), "--out", str(out), *extra]
+        )
+        assert one_line(proc) == (
+            f"error: --out {out}: {out}.tmp exists (the output is written there first, then "
+            "renamed); move it aside or give another --out"
+        )
+    assert (tmp_path / "mine.tmp" / "notes.txt").read_text() == "mine" and not out.exists()
+
+
 def test_replay_over_a_file_with_overwrite_leaves_no_tmp(run, tmp_path):
     out = tmp_path / "model"
     out.write_text("x")

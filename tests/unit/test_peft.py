@@ -405,12 +405,13 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
 
     from tests.helpers.launch import child_env, main_in_process
 
+    out = tmp_path / "step"
     cmd = [
         sys.executable,
         "-m",
         "distzo.export.training_step",
         "--out",
-        str(tmp_path),
+        str(out),
         "--batch",
         "2",
         "--seq",
@@ -421,9 +422,9 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
-    keys = load_file(str(tmp_path / "keys.safetensors"))["keys"]
+    keys = load_file(str(out / "keys.safetensors"))["keys"]
     assert keys.shape == (3, 2, 2)  # steps x blocks of the tiny OPT x key words
-    step = torch.export.load(tmp_path / "step.pt2").module()
+    step = torch.export.load(out / "step.pt2").module()
     batch = random_batch(64, batch=2, seq=8, seed=1)
     plus, minus = step(
         batch["input_ids"],
@@ -435,9 +436,22 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
         keys[0],
     )
     assert torch.isfinite(plus) and plus != minus
-    assert not (tmp_path / "step.pte").exists()
-    bad = main_in_process("distzo.export.training_step", cmd[3:-1] + ["0"])
+    assert sorted(p.name for p in out.iterdir()) == ["keys.safetensors", "step.pt2"]
+    bad_args = [str(tmp_path / "bad") if a == str(out) else a for a in cmd[3:-1]]
+    bad = main_in_process("distzo.export.training_step", [*bad_args, "0"])
     assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr
+    # an existing --out is replaced only when asked, and its staging folder is nobody's
+    again = main_in_process("distzo.export.training_step", cmd[3:])
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"error: --out {out}: the folder exists; add --overwrite to replace it, or give "
+        "another --out"
+    )
+    (out / "stale.pte").write_text("old")
+    replaced = main_in_process("distzo.export.training_step", [*cmd[3:], "--overwrite"])
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["keys.safetensors", "step.pt2"]
+    assert torch.equal(load_file(str(out / "keys.safetensors"))["keys"], keys)
+    assert not (tmp_path / "step.tmp").exists()
 
 
 def test_lora_fa_with_batched_queries_lowers_the_default_tasks_loss():

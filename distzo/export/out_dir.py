@@ -1,0 +1,43 @@
+"""A command's output folder (``--out``): refused when it exists unless replacing it was
+asked for, written under ``<out>.tmp`` and renamed when complete, so a reader never sees
+a half-written folder and nothing a user already has is destroyed unasked."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def staging_dir(out: Path) -> Path:
+    """Where ``out`` is written before it is published."""
+    return out.with_name(out.name + ".tmp")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """An existing --out (a folder or a file) is replaced only when asked, and its staging
+    folder must not be someone's: the command deletes and renames it."""
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        kind = "folder" if out.is_dir() else "file"
+        raise ValueError(
+            f"--out {out}: the {kind} exists; add --overwrite to replace it, or give another --out"
+        )
+    staging = staging_dir(out)
+    if staging.exists() or staging.is_symlink():
+        raise ValueError(
+            f"--out {out}: {staging} exists (the output is written there first, then renamed); "
+            "move it aside or give another --out"
+        )
+    existing = out.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+
+
+def publish(tmp: Path, directory: Path) -> Path:
+    """The finished ``<name>.tmp`` becomes ``<name>``: never a half-written output."""
+    if directory.is_file() or directory.is_symlink():  # an --out replaced with --overwrite
+        directory.unlink()
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory
