@@ -182,17 +182,18 @@ def logged_steps_of(path: Path) -> list[int]:
     return steps
 
 
-def check_log_leads_to_checkpoint(run_dir: Path) -> None:
+def check_log_leads_to_checkpoint(run_dir: Path) -> int:
     """A resume loads the latest checkpoint and catches up with the seed log's later steps:
     that is the run only if the log holds every step 0..N-1 before a checkpoint of N steps
     (a checkpoint ahead of the log, or a log with a gap, is of another run in the same
     directory). Refused in one line naming both. A directory with no seed log (a checkpoint
-    copied there to resume) has nothing to check."""
+    copied there to resume) has nothing to check. Returns the steps the resume goes on
+    from."""
     log = run_dir / SEED_LOG
-    if not log.is_file():
-        return
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     done = int(checkpoint.name.removeprefix("step-")) if checkpoint is not None else 0
+    if not log.is_file():
+        return done
     start = f"{checkpoint} ({done} steps)" if checkpoint is not None else "the initial weights"
     fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
     steps = logged_steps_of(log)
@@ -208,6 +209,7 @@ def check_log_leads_to_checkpoint(run_dir: Path) -> None:
         raise ValueError(
             f"--resume: {checkpoint} holds {done} steps but {log} ends at {last}; {fix}"
         )
+    return len(steps)
 
 
 def _recorded(job: JobConfig, path: Path) -> dict[str, Any]:
@@ -255,7 +257,10 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
             if name in INVOCATION or _same(recorded[name], new) or (name, new) == ("noise", None):
                 continue
             change = f"{_flag(name)} {recorded[name]} -> {new}"
-            if name in RESUME_MAY_RETUNE:
+            if name in RESUME_MAY_RETUNE or (name, job.optim.lr_schedule) == (
+                "max_steps",
+                "linear",
+            ):  # the linear schedule decays the lr to 0 at --max-steps
                 retuned.append(change)
             elif name not in RESUME_MAY_CHANGE:
                 refused.append(change)

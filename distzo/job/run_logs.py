@@ -70,6 +70,9 @@ class RunLogs:
         else:
             for path in self.paths.values():
                 path.unlink(missing_ok=True)
+        # A resumed run evaluates the state it starts from again where the uninterrupted run
+        # evaluated it (for the flush): a record the log already holds is not repeated.
+        self.kept_evals = {r["step"] for r in read_records(self.paths["eval"]) if "step" in r}
         self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
         self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
         self.closed = False
@@ -93,8 +96,10 @@ class RunLogs:
             self.reporter.log(scalars, record["step"])
 
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """An evaluation of the state after ``step`` steps."""
-        self.write("eval", {"step": step, **metrics})
+        """An evaluation of the state after ``step`` steps (once: not one the resumed log
+        already holds)."""
+        if step not in self.kept_evals:
+            self.write("eval", {"step": step, **metrics})
 
     def _keep(self, steps: int) -> None:
         """Cut every log back to the state after ``steps`` steps. Step records are 0-based

@@ -264,14 +264,17 @@ class Trainer:
         self.build()
         if self.env.rank == 0:
             warn_if_nothing_learns(self.config)
-        # A resumed run does not evaluate where it starts: an evaluation applies the pending
-        # update (a flush), and with a low-bit transfer a flush moves a rounding point, so an
-        # extra one would part the resumed trajectory from the uninterrupted run's.
+        # An evaluation applies the pending update (a flush), and with a low-bit transfer a
+        # flush moves a rounding point: a resumed run evaluates where it starts only where the
+        # uninterrupted run did (a periodic evaluation a preemption or the end of a shorter
+        # run came before), so its trajectory stays that run's.
         if self.start_step == 0:
             self.eval_before = evaluate(self.engine, self.data, self.parallel)
             logger.info("eval before training: %s", describe(self.eval_before))
             if self.logs:
                 self.logs.write_eval(0, self.eval_before)
+        elif self._evaluates_at(self.start_step):
+            self._periodic_eval(self.start_step)
         started = time.perf_counter()
         max_steps = self.job.optim.max_steps
         self.progress = Progress(self.start_step, max_steps, show=self.env.rank == 0)
@@ -326,15 +329,23 @@ class Trainer:
                 result.lr,
                 self.progress.describe(done),
             )
-        if run.eval_steps and done % run.eval_steps == 0 and done < max_steps:
-            metrics = evaluate(self.engine, self.data, self.parallel)
-            logger.info("eval at step %d: %s", done, describe(metrics))
-            if self.logs:
-                self.logs.write_eval(done, metrics)
-                self._draw_curves()
+        if self._evaluates_at(done):
+            self._periodic_eval(done)
         if run.save_steps and done % run.save_steps == 0 and done < max_steps:
             self.save(asynchronous=run.save_async)
         self.checkpointer.poll()
+
+    def _evaluates_at(self, done: int) -> bool:
+        """Whether the run evaluates the state after ``done`` steps before going on."""
+        every, max_steps = self.job.run.eval_steps, self.job.optim.max_steps
+        return bool(every) and done % every == 0 and 0 < done < max_steps
+
+    def _periodic_eval(self, done: int) -> None:
+        metrics = evaluate(self.engine, self.data, self.parallel)
+        logger.info("eval at step %d: %s", done, describe(metrics))
+        if self.logs:
+            self.logs.write_eval(done, metrics)
+            self._draw_curves()
 
     def save(self, asynchronous: bool = False) -> None:
         """Checkpoint the state after ``step`` steps (``asynchronous``: written by a thread

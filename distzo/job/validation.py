@@ -143,7 +143,12 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env)
     if job.run.resume == "yes":  # the run directory's own checks, before reading a checkpoint
-        check_log_leads_to_checkpoint(Path(job.run.output_dir or "."))
+        done = check_log_leads_to_checkpoint(Path(job.run.output_dir or "."))
+        if job.optim.max_steps < done:
+            raise ValueError(
+                f"--resume: the run in {job.run.output_dir} has done {done} steps, more than "
+                f"--max-steps {job.optim.max_steps}; give --max-steps {done} or more"
+            )
         check_resumed_options(job, env)  # may take the run's seed for -1
         config = dataclasses.replace(config, seed=job.run.engine_seed)
     else:

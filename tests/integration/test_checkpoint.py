@@ -287,7 +287,7 @@ def low_bit_legs(tmp_path_factory):
 @pytest.mark.parametrize("resumed_master", ["buffer", "double", "recompute"])
 def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path, low_bit_legs, resumed_master):
     # A flush moves a stochastic-rounding point, so the resumed leg must flush (evaluate)
-    # exactly where the uninterrupted run does: it does not evaluate where it resumes. The
+    # exactly where the uninterrupted run does: not at step 4, where none is due. The
     # resumed leg may hold its block masters in two buffers, upcast and rounded beside the
     # compute, or rebuild them without a buffer: the same steps.
     full, cut = low_bit_legs[0], tmp_path / "cut"
@@ -297,6 +297,26 @@ def test_low_bit_resume_through_the_cli_is_bitwise(tmp_path, low_bit_legs, resum
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Run(cut).grads == Run(full).grads
     assert_same_params(Run(cut), Run(full))
+
+
+def test_a_low_bit_run_stopped_where_it_evaluates_resumes_bitwise(tmp_path):
+    # A run's last checkpoint is saved before the evaluation at its step (the final one of a
+    # shorter run, or the periodic one a preemption comes before): the resumed leg makes that
+    # evaluation's flush, as the uninterrupted run does there, and logs it once.
+    args = LOW_BIT + ["--eval-steps", "2"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert launch(1, args + ["--output-dir", str(full)]).returncode == 0
+    assert launch(1, args + ["--max-steps", "4", "--output-dir", str(cut)]).returncode == 0
+    proc = launch(1, args + ["--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Run(cut).grads == Run(full).grads
+    assert_same_params(Run(cut), Run(full))
+
+    def evaluations(run):
+        return [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+
+    assert [e["step"] for e in evaluations(cut)] == [0, 2, 4, 6, 8, 10]
+    assert evaluations(cut) == evaluations(full)
 
 
 def test_a_model_config_run_replays_without_a_base(tmp_path):

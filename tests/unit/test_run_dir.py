@@ -201,12 +201,32 @@ def test_resume_accepts_options_that_keep_the_trajectory_naming_them_in_one_warn
     assert proc.returncode == 0, proc.stderr[-2000:]
     (warning,) = [line for line in proc.stderr.splitlines() if "changed since" in line]
     assert warning.endswith(
-        "--resume: changed since the run started: --max-steps 4 -> 6, --mode offload -> "
+        "--resume: changed since the run started: --mode offload -> "
         "resident, --eval-steps 0 -> 3, --save-steps 2 -> 0, "
         "--keep-checkpoints 2 -> 0"
     )
+    # the linear schedule decays the lr to 0 at --max-steps: the steps from 4 on differ
+    assert (
+        "--resume: --max-steps 4 -> 6: the steps from here on differ from the run's (the "
+        "logged ones stay)" in proc.stderr
+    )
     steps = [json.loads(line) for line in (run / "seedlog.jsonl").read_text().splitlines()][1:]
     assert [r["step"] for r in steps] == list(range(6))
+
+
+def test_a_resume_short_of_the_runs_steps_is_refused_and_a_finished_one_logs_once(run):
+    before, evaluations = hashes(run), (run / "eval.jsonl").read_text()
+    line = error_line(
+        train_in_process([*SMALL, "--output-dir", str(run), "--resume", "--max-steps", "3"])
+    )
+    assert line == (
+        f"error: --resume: the run in {run} has done 4 steps, more than --max-steps 3; give "
+        "--max-steps 4 or more"
+    )
+    assert hashes(run) == before
+    proc = train_in_process([*SMALL, "--output-dir", str(run), "--resume", "--max-steps", "4"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "eval.jsonl").read_text() == evaluations  # the final one not repeated
 
 
 def test_a_resume_with_seed_minus_1_takes_the_runs_seed(run):
@@ -273,7 +293,8 @@ def test_a_log_dir_that_cannot_be_made_is_refused_before_the_run(tmp_path):
 
 def test_resume_may_lower_the_lr_and_says_the_steps_from_there_differ(run, caplog):
     # How a diverged run is retried from its last good checkpoint.
-    proc = train_in_process([*SMALL, "--output-dir", str(run), "--resume", "--lr", "0.005"])
+    argv = [*SMALL, "--output-dir", str(run), "--resume", "--max-steps", "4", "--lr", "0.005"]
+    proc = train_in_process(argv)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (
         "--resume: --lr 0.01 -> 0.005: the steps from here on differ from the run's "
