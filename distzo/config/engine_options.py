@@ -12,6 +12,8 @@ from distzo.zo.estimators import ESTIMATORS, Estimator, Pass, estimator_for
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 MODES = ("offload", "resident")
 TRANSFERS = ("auto", "naive", "sliced")
 TRANSFER_DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp8")
@@ -147,6 +149,13 @@ class ZOConfig:
 
     def _check_step_rule(self) -> None:
         """The step's size and schedule."""
+        for name in ("eps", "lr", "weight_decay", "adam_eps"):
+            value = getattr(self, name)
+            if value is not None and not abs(value) <= FLOAT32_MAX:  # inf, nan, past float32
+                raise ValueError(
+                    f"{name} must be a finite number a float32 holds, got {value}; give a "
+                    "value such as 1e-3"
+                )
         if not self.eps > 0:
             raise ValueError(
                 f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3"
@@ -385,7 +394,8 @@ class ZOConfig:
         return {"adam": 2, "momentum": 1}.get(self.optimizer, 0) if self.stored_state else 0
 
     def torch_device(self) -> torch.device:
-        """The compute device: ``auto`` is the local CUDA device when present, else the CPU."""
+        """The compute device: ``auto`` is the local CUDA device when present, else the CPU
+        (any other device type is refused: the engine runs on CUDA or the CPU)."""
         if self.device == "auto":
             return (
                 torch.device("cuda", torch.cuda.current_device())
@@ -398,6 +408,11 @@ class ZOConfig:
             raise ValueError(
                 f"device {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N"
             ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"device {self.device!r}: distzo runs on CUDA or the CPU; use auto, cpu, cuda or "
+                "cuda:N"
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device {self.device!r} asked for, but CUDA is not available; use device cpu"

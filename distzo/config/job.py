@@ -151,6 +151,8 @@ class DataOptions:
             )
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seq_len < 2:  # a token and the next one it is trained to predict
+            raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
 
 
 @dataclass
@@ -406,6 +408,10 @@ class ParallelOptions:
         (``ParallelDims.resolve``), the device and backend against this machine."""
         if self.threads is not None and self.threads < 0:
             raise ValueError(f"--threads must be >= 0 (0: cores / local ranks), got {self.threads}")
+        if not 0 < self.dist_timeout < 1e9:  # nan and inf too
+            raise ValueError(
+                f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}"
+            )
 
 
 @dataclass
@@ -481,6 +487,8 @@ class RunOptions:
         """Intervals and retention. Whether the export's shard size parses and the
         dashboard's package is installed are the job's checks (``distzo.job.validation``),
         as is whether a resume has something to resume (it reads the run directory)."""
+        if not -1 <= self.seed < 2**63:  # a checkpoint holds it as an int64
+            raise ValueError(f"--seed must be -1 (draw one) or in [0, 2^63), got {self.seed}")
         if self.log_every < 0 or self.eval_steps < 0 or self.save_steps < 0:
             raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
         if self.keep_checkpoints < 0:
@@ -625,6 +633,8 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ValueError(f"--config {path}: no such file") from None
+    except OSError as err:  # a folder, a file it may not read
+        raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"--config {path}: not valid TOML ({err})") from None
     known = {
@@ -657,6 +667,11 @@ def _toml_value(section: str, f: dataclasses.Field, value: Any) -> Any:
         value = bare if value else "no"
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"--config: [{section}] {f.name} must be a {kind.__name__}, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:  # what the flag's own choices refuse
+        raise ValueError(
+            f"--config: [{section}] {f.name} must be one of {', '.join(choices)}, got {value!r}"
+        )
     return value
 
 

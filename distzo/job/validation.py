@@ -73,11 +73,16 @@ def check_model(job: JobConfig) -> None:
     model_config = model_config_of(job)
     check_supported(model_config.model_type)
     data = job.data
-    if data.task not in ("counting", "text") and 0 < data.max_length < 2:
+    if data.task != "counting" and 0 < data.max_length < 2:
         # a prompt keeps one token at least, so a candidate or answer gets max_length - 1
+        scored = (
+            "next token to predict"
+            if data.task == "text"
+            else ("token of a candidate or answer to score after its prompt")
+        )
         raise ValueError(
-            f"--max-length {data.max_length} leaves no token of a candidate or answer to score "
-            "after its prompt; raise --max-length (at least 2, or 0: the model's limit)"
+            f"--max-length {data.max_length} leaves no {scored}; raise --max-length (at least "
+            "2, or 0: the model's limit)"
         )
     positions = token_positions(job, model_config)
     prefix = f" less the {job.peft.prefix_length}-token prefix" if job.peft.peft == "prefix" else ""

@@ -92,6 +92,32 @@ def run_cli(*args):
         (["--model", "/no/such/model"], "--model"),
         (["--export-shard-size", "big"], "--export-shard-size"),
         (["--num-queries", "0"], "num_queries"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
+        (["--seq-len", "-3"], "--seq-len must be >= 2"),
+        (["--lr", "inf"], "lr must be a finite number"),
+        (["--lr", "1e300"], "lr must be a finite number"),
+        (["--weight-decay", "inf"], "weight_decay must be a finite number"),
+        (["--eps", "nan"], "eps must be a finite number"),
+        (["--adam-eps", "inf"], "adam_eps must be a finite number"),
+        (["--seed", str(2**64)], "--seed must be -1 (draw one) or in [0, 2^63)"),
+        (["--seed", "-2"], "--seed must be -1"),
+        (["--dist-timeout", "0"], "--dist-timeout must be a positive number"),
+        (["--dist-timeout", "nan"], "--dist-timeout must be a positive number"),
+        (["--device", "mps"], "distzo runs on CUDA or the CPU"),
+        (["--device", "meta"], "distzo runs on CUDA or the CPU"),
+        (
+            [
+                "--task",
+                "text",
+                "--train-file",
+                __file__,
+                "--eval-file",
+                __file__,
+                "--max-length",
+                "1",
+            ],
+            "--max-length 1 leaves no next token to predict",
+        ),  # fmt: skip
     ],
 )
 def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):

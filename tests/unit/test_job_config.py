@@ -72,6 +72,8 @@ def test_a_file_never_resumes_or_overwrites_a_run_directory(tmp_path, caplog, te
         ("[optimiser]\nlr = 1\n", "unknown section \\[optimiser\\]"),
         ("[optim]\nmax_steps = 'ten'\n", "max_steps must be a int"),
         ("[optim\nlr = 1\n", "not valid TOML"),
+        ('[model]\ndtype = "fp16"\n', "\\[model\\] dtype must be one of fp32, fp64, got 'fp16'"),
+        ('[run]\nreport_to = "mlflow"\n', "report_to must be one of none, tensorboard, wandb"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path, text, message):
@@ -79,6 +81,12 @@ def test_bad_files_are_one_line_errors(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message) as info:
         resolve(["--config", str(path)])
+    assert "\n" not in str(info.value)
+
+
+def test_a_config_that_is_a_folder_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=f"--config {tmp_path}: cannot read it") as info:
+        resolve(["--config", str(tmp_path)])
     assert "\n" not in str(info.value)
 
 
