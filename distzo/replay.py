@@ -30,7 +30,7 @@ from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
 from distzo.job.build import local_model_dir
-from distzo.job.seed_log import read_seed_log, step_grads
+from distzo.job.seed_log import first_step, read_seed_log, step_grads
 from distzo.models import load_model
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
@@ -74,6 +74,11 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
     """Rebuild the run that ``log`` records onto its base, written to ``out``; returns the
     directory (a replay is one process, so rank 0's: never None there)."""
     header, steps = read_seed_log(log)
+    if first_step(header):
+        raise ValueError(
+            f"--log {log} begins at step {first_step(header)} (its run went on from a copied "
+            "checkpoint): a replay needs every step from 0; use the run's export/ instead"
+        )
     if header.get("transfer_dtype", "fp32") != "fp32":
         raise ValueError(
             f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the "

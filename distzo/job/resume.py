@@ -97,7 +97,7 @@ def catch_up_from_log(
             return None
         logged_header, steps = read_seed_log_once(path)
         check_same_run(path, logged_header, header)
-        return [(r["step"], step_grads(r), r["lr"]) for r in steps[start:]]
+        return [(r["step"], step_grads(r), r["lr"]) for r in steps if r["step"] >= start]
 
     records = agreed(parallel.comm, read)  # a refusal by rank 0 ends every rank with it
     records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records

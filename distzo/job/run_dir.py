@@ -10,6 +10,7 @@ peer waiting in a collective). A run's own files are the names below and nothing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -25,7 +26,7 @@ from distzo.config.job import RUN_ACTIONS, JobConfig
 from distzo.dist import LaunchEnv
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
-from distzo.job.seed_log import SEED_LOG
+from distzo.job.seed_log import SEED_LOG, logged_first_step
 from distzo.job.summary import SUMMARY
 
 logger = logging.getLogger("distzo.train")
@@ -168,6 +169,21 @@ def clear_run(job: JobConfig) -> None:
         logger.warning("--overwrite: deleted the old run in %s (%s)", where, names)
 
 
+def discard_unstarted_run(run_dir: Path, made: bool) -> None:
+    """Rank 0, a fresh run that failed before its first step: delete what it wrote (its
+    directory held no run's files when it started, ``check_fresh``), so that the corrected
+    command is not refused as a run to resume or overwrite; the directory itself too when
+    the run ``made`` it (``runs/<timestamp>``) and that leaves it empty."""
+    for path in run_contents(run_dir):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if made:
+        with contextlib.suppress(OSError):  # not empty: someone's files stay with it
+            run_dir.rmdir()
+
+
 def logged_steps_of(path: Path) -> list[int]:
     """The step of each complete record of a seed log, as written (gaps kept; a torn last
     line, a header or a line that is not a step record skipped)."""
@@ -196,20 +212,20 @@ def check_log_leads_to_checkpoint(run_dir: Path) -> int:
         return done
     start = f"{checkpoint} ({done} steps)" if checkpoint is not None else "the initial weights"
     fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
-    steps = logged_steps_of(log)
-    gap = next((i for i, step in enumerate(steps) if step != i), None)
+    steps, first = logged_steps_of(log), logged_first_step(log)
+    gap = next((i for i, step in enumerate(steps) if step != first + i), None)
     if gap is not None:
-        after = f"step {gap - 1}" if gap else "its header"
+        after = f"step {first + gap - 1}" if gap else "its header"
         raise ValueError(
             f"--resume: {log} jumps from {after} to step {steps[gap]}, so it does not go on "
             f"from {start}; {fix}"
         )
-    if len(steps) < done:
-        last = f"step {len(steps) - 1}" if steps else "its header"
+    if first + len(steps) < done or done < first:
+        last = f"step {first + len(steps) - 1}" if steps else "its header"
         raise ValueError(
             f"--resume: {checkpoint} holds {done} steps but {log} ends at {last}; {fix}"
         )
-    return len(steps)
+    return first + len(steps)
 
 
 def _recorded(job: JobConfig, path: Path) -> dict[str, Any]:

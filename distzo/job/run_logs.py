@@ -65,6 +65,10 @@ class RunLogs:
             "eval": log_dir / "eval.jsonl",
             "seeds": run_dir / SEED_LOG,
         }
+        # A resume from a checkpoint copied into a directory without its run's seed log
+        # starts a log of its own, whose header says the step it begins at.
+        seeds = self.paths["seeds"]
+        headerless = not resume_step or not seeds.is_file() or not seeds.stat().st_size
         if resume_step:
             self._keep(resume_step)
         else:
@@ -76,8 +80,9 @@ class RunLogs:
         self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
         self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
         self.closed = False
-        if not resume_step:
-            self.write("seeds", {"kind": "header", **header})
+        if headerless:
+            first = {"first_step": resume_step} if resume_step else {}
+            self.write("seeds", {"kind": "header", **header, **first})
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         """Append ``record`` to the log ``name`` (metrics, eval or seeds)."""

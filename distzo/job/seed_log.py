@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ TRAJECTORY_FIELDS = (
     "optimizer",
     "estimator",
 )
-# What a header without a field (one from before it existed) means.
-HEADER_DEFAULTS = {"estimator": "spsa"}
+# What a header without a field (one from before it existed) means. ``first_step``: the
+# step the log's records begin at, past 0 when the run went on from a checkpoint copied into
+# a directory without the log of the steps before it.
+HEADER_DEFAULTS: dict[str, Any] = {"estimator": "spsa", "first_step": 0}
 
 
 class SeedLogWriter:
@@ -124,16 +127,33 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
             f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?"
         )
     header, steps = records[0], records[1:]
-    for expected, record in enumerate(steps):
+    for expected, record in enumerate(steps, first_step(header)):
         if (
             record.get("step") != expected
             or "lr" not in record
             or not {"projected_grads", "projected_grad"} & record.keys()
         ):
             raise ValueError(
-                f"--log {path}, line {expected + 2}: expected the record of step {expected}"
+                f"--log {path}, line {expected - first_step(header) + 2}: expected the record "
+                f"of step {expected}"
             )
     return header, steps
+
+
+def first_step(header: dict) -> int:
+    """The step a log's records begin at (``HEADER_DEFAULTS``)."""
+    return int(header.get("first_step", HEADER_DEFAULTS["first_step"]))
+
+
+def logged_first_step(path: Path) -> int:
+    """``first_step`` of the log at ``path``, from its header line alone (0 without one)."""
+    with open(path) as stream:
+        line = stream.readline()
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        return 0
+    return first_step(header) if isinstance(header, dict) and header.get("kind") == "header" else 0
 
 
 def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:

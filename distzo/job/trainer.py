@@ -53,7 +53,7 @@ from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import make_reporter
 from distzo.job.resume import catch_up_from_log
-from distzo.job.run_dir import clear_run, new_run_dir
+from distzo.job.run_dir import clear_run, discard_unstarted_run, new_run_dir
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, key_options, run_summary, write_summary
 from distzo.job.validation import validate
@@ -138,6 +138,20 @@ class Trainer:
         output_dir = self.job.run.output_dir
         self.run_dir = Path(output_dir) if output_dir else self._new_run_dir()
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
+        try:
+            self._build_parts()
+        except BaseException:
+            # A fresh run that fails before its first step (a memory plan that refuses it, a
+            # checkpoint that does not fit) leaves nothing a retry would take for a run.
+            if self.env.rank == 0 and self.job.run.resume == "no":
+                discard_unstarted_run(self.run_dir, made=output_dir is None)
+            raise
+        self.built = True
+
+    def _build_parts(self) -> None:
+        """The model and its data, the engine, a resumed run's state, the logs; the
+        resolved config.toml once a resume's checkpoint has been accepted (a refused resume
+        leaves the run's own as it was)."""
         logger.info(
             "run %s: seed %d; %d ranks as dp %d x pert %d",
             self.run_dir,
@@ -149,7 +163,6 @@ class Trainer:
         model, weights = self._build_model()
         self.data = build_task_data(self.job, self.rows, self.tokenizer, model.config, self.seed)
         self._plan_memory(model)
-        agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
         self.objective = build_objective(self.job.optim.objective or "lm", self.data)
         self.engine = ZOEngine(
             model,
@@ -160,9 +173,9 @@ class Trainer:
             objective=self.objective,
         )
         self._restore()
+        agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
         self.logs = agreed(self.parallel.comm, self._open_logs)  # rank 0 opens them
         self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
-        self.built = True
 
     def _new_run_dir(self) -> Path:
         """The default run directory, made by rank 0 (``new_run_dir``: unique, even for runs

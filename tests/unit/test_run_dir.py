@@ -20,7 +20,7 @@ from distzo.job import run_dir as run_dir_module
 from distzo.job.resume import resume_mode
 from distzo.job.run_dir import check_resumed_options, clear_run, new_run_dir
 from distzo.job.trainer import Trainer
-from tests.helpers.launch import python_train, train_in_process
+from tests.helpers.launch import main_in_process, python_train, train_in_process
 
 SMALL = ["--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0"]
 
@@ -227,6 +227,52 @@ def test_a_resume_short_of_the_runs_steps_is_refused_and_a_finished_one_logs_onc
     proc = train_in_process([*SMALL, "--output-dir", str(run), "--resume", "--max-steps", "4"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run / "eval.jsonl").read_text() == evaluations  # the final one not repeated
+
+
+def test_a_fresh_run_refused_while_building_leaves_nothing_behind(tmp_path):
+    # The memory plan refuses it after base/ (the initial weights) was written.
+    out = tmp_path / "run"
+    proc = train_in_process([*SMALL, "--batch-size", "100000000", "--output-dir", str(out)])
+    assert proc.returncode == 2 and "the run does not fit" in proc.stderr, proc.stderr[-2000:]
+    assert out.is_dir() and not list(out.iterdir())
+    proc = train_in_process([*SMALL, "--max-steps", "1", "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_refused_resume_of_a_copied_checkpoint_leaves_the_directory_as_it_was(run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    before = hashes(copy)
+    argv = [*SMALL, "--max-steps", "6", "--output-dir", str(copy), "--resume"]
+    proc = train_in_process([*argv, "--optimizer", "momentum"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "was trained with --optimizer sgd, this run has --optimizer momentum" in last
+    assert hashes(copy) == before  # no config.toml naming the refused option
+    proc = train_in_process(argv)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_copied_checkpoints_run_resumes_again_and_its_log_says_where_it_begins(run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")  # step-2 and step-4, no log
+    argv = [*SMALL, "--save-steps", "2", "--output-dir", str(copy), "--resume"]
+    for steps in ("6", "8"):
+        proc = train_in_process([*argv, "--max-steps", steps])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    header, *records = [
+        json.loads(line) for line in (copy / "seedlog.jsonl").read_text().splitlines()
+    ]
+    assert header["kind"] == "header" and header["first_step"] == 4
+    assert [r["step"] for r in records] == [4, 5, 6, 7]
+    out = tmp_path / "replayed"
+    replay = main_in_process(
+        "distzo.replay", ["--log", str(copy / "seedlog.jsonl"), "--out", str(out)]
+    )
+    assert replay.returncode == 2 and replay.stderr.strip() == (
+        f"error: --log {copy / 'seedlog.jsonl'} begins at step 4 (its run went on from a "
+        "copied checkpoint): a replay needs every step from 0; use the run's export/ instead"
+    )
 
 
 def test_a_resume_with_seed_minus_1_takes_the_runs_seed(run):
