@@ -44,6 +44,7 @@ from distzo.config.engine_options import (
     ZOConfig,
     engine_default,
 )
+from distzo.config.inapplicable import inapplicable
 from distzo.dist import LaunchEnv
 from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS
@@ -696,11 +697,18 @@ def _drop_actions(path: str, data: dict[str, Any]) -> None:
         )
 
 
+# Options naming a file or folder, whose empty value would silently read as unset.
+PATH_FLAGS = ("config", "output_dir", "log_dir", "model", "train_file", "eval_file")
+
+
 def resolve(argv: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file (its one-off actions dropped), then the flags given on
     the command line."""
     args = vars(build_parser().parse_args(argv))
     config = JobConfig()
+    empty = [flag for flag, value in args.items() if value == "" and flag in PATH_FLAGS]
+    if empty:  # "" would read as unset: the default, where the user named something
+        raise ValueError(f"--{empty[0].replace('_', '-')} is empty; give a path or leave it out")
     if args.get("config"):
         data = load_toml(args["config"])
         _drop_actions(args["config"], data)
@@ -712,6 +720,9 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
     for section, f in _options():
         if f.name in args:
             setattr(getattr(config, section), f.name, args[f.name])
+    ignored = inapplicable(config, [f.name for _, f in _options() if f.name in args])
+    if ignored and LaunchEnv.from_environ().rank == 0:
+        logger.warning("ignored: %s", ", ".join(ignored))
     return config
 
 

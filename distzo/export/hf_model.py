@@ -53,13 +53,14 @@ def _is_rank0() -> bool:
 
 
 def check_shard_size(size: str) -> None:
-    """A one-line error, before any work, for a size Hugging Face's shard planner cannot read."""
+    """A one-line error, before any work, for a size Hugging Face's shard planner cannot read,
+    or one of no bytes (which it takes as a shard per tensor)."""
+    probes = {name: torch.empty(1, device="meta") for name in ("a", "b")}  # 4 bytes each
     try:
         if size.strip().startswith("-"):
             raise ValueError(size)
-        split_torch_state_dict_into_shards(
-            {"probe": torch.empty(1, device="meta")}, max_shard_size=size
-        )
+        if split_torch_state_dict_into_shards(probes, max_shard_size=size).is_sharded:
+            raise ValueError(size)  # under 8 bytes: 0GB, the smallest a unit can write but 0
     except (ValueError, TypeError):
         raise ValueError(
             f"--export-shard-size {size!r} is not a size; write e.g. 5GB or 500MB"

@@ -91,6 +91,9 @@ def run_cli(*args):
         (["--seq-len", "100"], "--seq-len"),
         (["--model", "/no/such/model"], "--model"),
         (["--export-shard-size", "big"], "--export-shard-size"),
+        (["--export-shard-size", "0GB"], "--export-shard-size '0GB' is not a size"),
+        (["--output-dir", ""], "--output-dir is empty; give a path or leave it out"),
+        (["--config", ""], "--config is empty"),
         (["--num-queries", "0"], "num_queries"),
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--seq-len", "-3"], "--seq-len must be >= 2"),
@@ -98,7 +101,7 @@ def run_cli(*args):
         (["--lr", "1e300"], "lr must be a finite number"),
         (["--weight-decay", "inf"], "weight_decay must be a finite number"),
         (["--eps", "nan"], "eps must be a finite number"),
-        (["--adam-eps", "inf"], "adam_eps must be a finite number"),
+        (["--optimizer", "adam", "--adam-eps", "inf"], "adam_eps must be a finite number"),
         (["--seed", str(2**64)], "--seed must be -1 (draw one) or in [0, 2^63)"),
         (["--seed", "-2"], "--seed must be -1"),
         (["--dist-timeout", "0"], "--dist-timeout must be a positive number"),
@@ -131,3 +134,21 @@ def test_engine_refuses_sequences_longer_than_the_model_allows():
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         engine.step({"input_ids": torch.randint(3, 64, (1, 65))})
+
+
+def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
+    from distzo.config.job import resolve
+
+    argv = ["--beta2", "0.9", "--lora-r", "4", "--mode", "resident", "--num-slots", "2"]
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        resolve([*argv, "--max-new-tokens", "4", "--optimizer", "momentum"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (  # in --help's order
+        "ignored: --max-new-tokens (it applies only with --task squad), --beta2 (it applies "
+        "only with --optimizer adam), --lora-r (it applies only with --peft lora or lora-fa), "
+        "--num-slots (it applies only with --mode offload)"
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        resolve(["--optimizer", "adam", "--beta2", "0.99", "--peft", "lora", "--lora-r", "4"])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -1,0 +1,42 @@
+"""Options given on the command line that the rest of the command makes meaningless
+(``--beta2`` with ZO-SGD, ``--lora-r`` without LoRA): named in one warning line with what
+each needs, rather than ignored silently. Not refused: a sweep script passes one set of
+flags to every run, whichever optimizer or adapter it picks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# option -> (whether it applies to the resolved options, what it needs)
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "beta1": (lambda j: j.optim.optimizer != "sgd", "--optimizer momentum or adam"),
+    "beta2": (lambda j: j.optim.optimizer == "adam", "--optimizer adam"),
+    "adam_eps": (lambda j: j.optim.optimizer == "adam", "--optimizer adam"),
+    "momentum_window": (
+        lambda j: j.optim.optimizer == "momentum" and j.optim.optimizer_state != "stored",
+        "--optimizer momentum with its state recomputed",
+    ),
+    "lora_r": (lambda j: j.peft.peft in ("lora", "lora-fa"), "--peft lora or lora-fa"),
+    "lora_alpha": (lambda j: j.peft.peft in ("lora", "lora-fa"), "--peft lora or lora-fa"),
+    "lora_targets": (lambda j: j.peft.peft in ("lora", "lora-fa"), "--peft lora or lora-fa"),
+    "prefix_length": (lambda j: j.peft.peft == "prefix", "--peft prefix"),
+    "prefix_init": (lambda j: j.peft.peft == "prefix", "--peft prefix"),
+    "num_slots": (lambda j: j.offload.mode != "resident", "--mode offload"),
+    "transfer": (lambda j: j.offload.mode != "resident", "--mode offload"),
+    "transfer_chunks": (lambda j: j.offload.mode != "resident", "--mode offload"),
+    "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
+    "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
+    "max_new_tokens": (lambda j: j.data.task == "squad", "--task squad"),
+}
+
+
+def inapplicable(job: Any, given: Iterable[str]) -> list[str]:
+    """What is said of each option of ``given`` (names set on the command line) that
+    ``job``, resolved from the defaults, the file and the flags, makes meaningless."""
+    said = []
+    for name in given:
+        rule = RULES.get(name)
+        if rule is not None and not rule[0](job):
+            said.append(f"--{name.replace('_', '-')} (it applies only with {rule[1]})")
+    return said
