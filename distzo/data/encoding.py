@@ -52,13 +52,14 @@ class PromptEncoder:
     def encode(self, prompt: str, continuation: str) -> tuple[list[int], int]:
         """(token ids, number of continuation tokens at the end)."""
         ids = self._ids(prompt + continuation)
-        answer = 0
-        if continuation:
-            head = self._ids(prompt)
-            shared = next(
-                (i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))
-            )
-            answer = len(ids) - shared
+        return self._fit(ids, self._ids(prompt) if continuation else ids)
+
+    def _fit(self, ids: list[int], head: list[int]) -> tuple[list[int], int]:
+        """``encode`` of the joint text's ``ids``, given its prompt's own tokens ``head``."""
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))
+        )
+        answer = len(ids) - shared
         room = self.max_length - max(self.lead, 1)  # a scored token needs one before it
         if answer > room:  # an answer longer than the window keeps its start
             ids, answer = ids[: len(ids) - (answer - room)], room
@@ -82,7 +83,8 @@ class PromptEncoder:
         return self._choices[example]
 
     def _encode_choices(self, example: Example) -> ChoiceEncoding:
-        encoded = [self.encode(example.prompt, c) for c in example.continuations]
+        head = self._ids(example.prompt)  # once for all the candidates
+        encoded = [self._fit(self._ids(example.prompt + c), head) for c in example.continuations]
         for continuation, (_, answer) in zip(example.continuations, encoded):
             if answer == 0:
                 raise ValueError(f"candidate {continuation!r} has no tokens to score")

@@ -13,6 +13,14 @@ def staging_dir(out: Path) -> Path:
     return out.with_name(out.name + ".tmp")
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (what a mkdir of ``path`` would need to
+    be a writable folder)."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def check_out(out: Path, overwrite: bool) -> None:
     """An existing --out (a folder or a file) is replaced only when asked, and its staging
     folder must not be someone's: the command deletes and renames it."""
@@ -27,9 +35,7 @@ def check_out(out: Path, overwrite: bool) -> None:
             f"--out {out}: {staging} exists (the output is written there first, then renamed); "
             "move it aside or give another --out"
         )
-    existing = out.absolute().parent
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(out.absolute().parent)
     if not existing.is_dir():
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
 

@@ -159,14 +159,19 @@ def clear_run(job: JobConfig) -> None:
     --output-dir the run goes to a new directory: only a --log-dir's logs to delete."""
     found = _existing_run(job)
     names = _names(found)
-    for path in found:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+    _delete(found)
     if found:
         where = job.run.output_dir if job.run.output_dir is not None else job.run.log_dir
         logger.warning("--overwrite: deleted the old run in %s (%s)", where, names)
+
+
+def _delete(paths: list[Path], ignore_errors: bool = False) -> None:
+    """A run's files and folders (a link to a folder is removed, not followed)."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=ignore_errors)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def discard_unstarted_run(run_dir: Path, made: bool) -> None:
@@ -174,11 +179,7 @@ def discard_unstarted_run(run_dir: Path, made: bool) -> None:
     directory held no run's files when it started, ``check_fresh``), so that the corrected
     command is not refused as a run to resume or overwrite; the directory itself too when
     the run ``made`` it (``runs/<timestamp>``) and that leaves it empty."""
-    for path in run_contents(run_dir):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+    _delete(run_contents(run_dir), ignore_errors=True)  # never hides the build's failure
     if made:
         with contextlib.suppress(OSError):  # not empty: someone's files stay with it
             run_dir.rmdir()
@@ -273,10 +274,9 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
             if name in INVOCATION or _same(recorded[name], new) or (name, new) == ("noise", None):
                 continue
             change = f"{_flag(name)} {recorded[name]} -> {new}"
-            if name in RESUME_MAY_RETUNE or (name, job.optim.lr_schedule) == (
-                "max_steps",
-                "linear",
-            ):  # the linear schedule decays the lr to 0 at --max-steps
+            # the linear schedule decays the lr to 0 at --max-steps
+            decays_to = name == "max_steps" and job.optim.lr_schedule == "linear"
+            if name in RESUME_MAY_RETUNE or decays_to:
                 retuned.append(change)
             elif name not in RESUME_MAY_CHANGE:
                 refused.append(change)

@@ -21,6 +21,7 @@ from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.export.hf_model import check_shard_size
+from distzo.export.out_dir import nearest_existing
 from distzo.job.build import default_model_config, local_model_dir, token_positions
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
@@ -103,10 +104,7 @@ def check_model(job: JobConfig) -> None:
 def check_output_dir(output_dir: str | None, flag: str = "--output-dir") -> None:
     """A run (or log) directory that can be made: refused before any run directory exists
     when a path component is a file, or the nearest existing folder is not writable."""
-    path = Path(output_dir or "runs").absolute()
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(Path(output_dir or "runs").absolute())
     if not existing.is_dir():
         raise ValueError(
             f"{flag} {output_dir}: {existing} is a file, not a directory; give another {flag}"
