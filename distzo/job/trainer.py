@@ -44,7 +44,6 @@ from distzo.job.build import (
     model_source,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
-from distzo.job.curves import CURVES, write_curves
 from distzo.job.divergence import diverged, is_finite, steps_kept, warn_if_nothing_learns
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
@@ -54,8 +53,9 @@ from distzo.job.records import StepMeter, describe, rank_summary, run_header, se
 from distzo.job.reporting import make_reporter
 from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import clear_run, discard_unstarted_run, new_run_dir
-from distzo.job.run_logs import RunLogs, read_records
-from distzo.job.summary import SUMMARY, key_options, run_summary, write_summary
+from distzo.job.run_end import Session, draw_run_curves, report_run_end
+from distzo.job.run_logs import RunLogs
+from distzo.job.summary import key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
 from distzo.models.weights import WeightSource
@@ -358,7 +358,7 @@ class Trainer:
         logger.info("eval at step %d: %s", done, describe(metrics))
         if self.logs:
             self.logs.write_eval(done, metrics)
-            self._draw_curves()
+            draw_run_curves(self.run_dir, self.logs)
 
     def save(self, asynchronous: bool = False) -> None:
         """Checkpoint the state after ``step`` steps (``asynchronous``: written by a thread
@@ -414,66 +414,21 @@ class Trainer:
         (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
         if self.logs:
             self.close()
-            curves = self._draw_curves()
-            written = self._write_summary(elapsed, export, curves)
-            logger.info(
-                "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s; "
-                "summary %s, curves %s",
-                self.job.optim.max_steps - self.start_step,
-                elapsed,
-                self.meter.tokens / max(elapsed, 1e-9),
-                f"{describe(self.eval_before)} -> "
-                if self.eval_before
-                else f"(resumed at step {self.start_step}) ",
-                describe(after),
-                export,
-                written,
-                curves,
+            session = Session(
+                self.start_step, self.step - self.start_step, elapsed, self.meter.tokens
+            )
+            options = key_options(
+                self.job,
+                self.config,
+                self.objective.name,
+                self.engine.transfer,
+                str(self.device),
+                self.env.world_size,
+            )
+            report_run_end(
+                self.run_dir, self.logs, options, session, (self.eval_before, after), export
             )
         return after
-
-    def _draw_curves(self) -> Path:
-        """Rank 0: ``curves.png`` from the whole run's logs (metrics.jsonl, eval.jsonl)."""
-        assert self.logs is not None
-        paths = self.logs.paths
-        return write_curves(
-            self.run_dir / CURVES, read_records(paths["metrics"]), read_records(paths["eval"])
-        )
-
-    def _write_summary(self, elapsed: float, export: Path | None, curves: Path) -> Path:
-        """Rank 0: ``summary.json``, the whole run's figures and this session's time."""
-        assert self.logs is not None
-        options = key_options(
-            self.job,
-            self.config,
-            self.objective.name,
-            self.engine.transfer,
-            str(self.device),
-            self.env.world_size,
-        )
-        session = {
-            "start_step": self.start_step,
-            "steps": self.step - self.start_step,
-            "seconds": elapsed,
-            "tokens_per_s": self.meter.tokens / max(elapsed, 1e-9),
-        }
-        paths = {
-            "checkpoint": latest_checkpoint(self.run_dir / "checkpoints"),
-            "export": export,
-            "curves": curves,
-            "config": self.run_dir / "config.toml",
-            "metrics": self.logs.paths["metrics"],
-            "eval_log": self.logs.paths["eval"],
-        }
-        record = run_summary(
-            options,
-            self.step,
-            session,
-            read_records(self.logs.paths["metrics"]),
-            read_records(self.logs.paths["eval"]),
-            paths,
-        )
-        return write_summary(self.run_dir / SUMMARY, record)
 
     def close(self) -> None:
         """Complete an asynchronous save still in flight, then close the logs (the seed log

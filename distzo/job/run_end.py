@@ -1,0 +1,93 @@
+"""The end of a run, on rank 0: the training curves drawn from the whole run's logs,
+``summary.json``, and the one line that says what the run did and where its files are.
+
+The trainer hands over what it measured (``Session``) and where the files went; what is
+read back (every step's loss, every evaluation) comes from the logs, so a resumed run's
+curves and summary cover the whole run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from distzo.job.checkpoint import latest_checkpoint
+from distzo.job.curves import CURVES, write_curves
+from distzo.job.records import describe
+from distzo.job.run_logs import RunLogs, read_records
+from distzo.job.summary import SUMMARY, run_summary, write_summary
+
+logger = logging.getLogger("distzo.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """This process's share of the run: the step it started from, the steps it took, its
+    time and the tokens its steps read."""
+
+    start_step: int
+    steps: int
+    seconds: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def record(self) -> dict[str, Any]:
+        """The summary's ``session`` entry."""
+        return {
+            "start_step": self.start_step,
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def draw_run_curves(run_dir: Path, logs: RunLogs) -> Path:
+    """``curves.png`` in ``run_dir`` from the whole run's metrics and evaluations."""
+    paths = logs.paths
+    return write_curves(
+        run_dir / CURVES, read_records(paths["metrics"]), read_records(paths["eval"])
+    )
+
+
+def report_run_end(
+    run_dir: Path,
+    logs: RunLogs,
+    options: dict[str, Any],
+    session: Session,
+    evals: tuple[dict[str, float] | None, dict[str, float]],
+    export: Path | None,
+) -> None:
+    """The closed run's curves and summary, and its last log line. ``options``: the
+    summary's key options; ``evals``: the evaluation before this session's training (none
+    on a resume) and the final one."""
+    curves = draw_run_curves(run_dir, logs)
+    steps = session.start_step + session.steps
+    files = {
+        "checkpoint": latest_checkpoint(run_dir / "checkpoints"),
+        "export": export,
+        "curves": curves,
+        "config": run_dir / "config.toml",
+        "metrics": logs.paths["metrics"],
+        "eval_log": logs.paths["eval"],
+    }
+    metrics, eval_records = read_records(logs.paths["metrics"]), read_records(logs.paths["eval"])
+    record = run_summary(options, steps, session.record(), metrics, eval_records, files)
+    summary = write_summary(run_dir / SUMMARY, record)
+    before, after = evals
+    logger.info(
+        "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s; "
+        "summary %s, curves %s",
+        session.steps,
+        session.seconds,
+        session.tokens_per_s,
+        f"{describe(before)} -> " if before else f"(resumed at step {session.start_step}) ",
+        describe(after),
+        export,
+        summary,
+        curves,
+    )
