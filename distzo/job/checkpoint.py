@@ -26,7 +26,7 @@ import logging
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -314,6 +314,10 @@ class Checkpointer:
         self.directory = directory
         self.engine = engine
         self.keep = keep  # complete checkpoints kept on disk (0: all)
+        # Called by rank 0 before a complete checkpoint is renamed into place: the trainer
+        # syncs the seed log there, so that no checkpoint on disk holds a step the log on
+        # disk lacks (after a power loss, a resume refuses a checkpoint ahead of its log).
+        self.before_publish: Callable[[], None] | None = None
         self._pending_save: tuple[Future, Path, Path] | None = None
         # An asynchronous save's thread warns after ``dcp.async_save`` returns: in a single
         # process the note stays ignored until the save is waited for.
@@ -459,6 +463,8 @@ class Checkpointer:
         # Each rank's future resolves only after the metadata is written, which needs every
         # rank's data: once rank 0 sees its own, the checkpoint is complete.
         if world_rank()[0] == 0:
+            if self.before_publish is not None:
+                self.before_publish()
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             logger.info("checkpoint %s written", final)

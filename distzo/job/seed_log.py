@@ -89,7 +89,9 @@ class SeedLogWriter:
             raise error
 
     def sync(self) -> None:
-        """Everything written so far on disk, now (the caller waits)."""
+        """Everything written so far on disk, now (the caller waits); closed, it already is."""
+        if self._file.closed:
+            return
         os.fsync(self._file.fileno())
         self._unsynced = 0
 

@@ -175,6 +175,8 @@ class Trainer:
         self._restore()
         agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
         self.logs = agreed(self.parallel.comm, self._open_logs)  # rank 0 opens them
+        if self.logs is not None:
+            self.checkpointer.before_publish = self.logs.seeds.sync
         self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
 
     def _new_run_dir(self) -> Path:

@@ -2,6 +2,7 @@
 a run stopped by a callback that a second Trainer resumes onto the uninterrupted run's
 weights, bit for bit."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,39 @@ def test_a_cpu_run_takes_one_thread_unless_told(
         torch.set_num_threads(before)
     logged = [r.getMessage() for r in caplog.records if "CPU threads" in r.getMessage()]
     assert len(logged) == 1 and logged[0].startswith(f"CPU threads per rank: {threads} (")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_checkpoint_is_published_only_after_the_seed_log_reaches_it(
+    tmp_path, monkeypatch, asynchronous
+):
+    """A power loss keeps what was synced: a checkpoint renamed into place before the seed
+    log on disk held its steps would be refused by every resume (a checkpoint ahead of its
+    log). With the log synced only at close, each rename must still find it synced."""
+    from distzo.job import seed_log
+
+    synced_steps = [0]
+    real_fsync = seed_log.os.fsync
+
+    def fsync(fd: int) -> None:  # os.fsync itself: DCP's writer syncs its files too
+        real_fsync(fd)
+        log = tmp_path / "run" / "seedlog.jsonl"
+        if log.exists() and os.fstat(fd).st_ino == log.stat().st_ino:
+            synced_steps.append(sum('"step"' in line for line in log.read_text().splitlines()))
+
+    published: list[tuple[int, int]] = []
+    real_rename = Path.rename
+
+    def rename(self: Path, target):
+        if self.name.startswith("step-") and self.name.endswith(".tmp"):
+            published.append((int(Path(target).name.removeprefix("step-")), max(synced_steps)))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(seed_log.os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    save = ["--save-steps", "3", "--log-sync-steps", "1000"]
+    save += [] if asynchronous else ["--no-save-async"]
+    with Trainer(job(tmp_path / "run", *save)) as trainer:
+        trainer.train()
+    assert [steps for steps, _ in published] == [3, 6, STEPS]
+    assert all(synced >= steps for steps, synced in published), published
