@@ -6,6 +6,7 @@ package knows no engine.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -114,10 +115,15 @@ class CountingData:
         self, vocab_size: int, seq_len: int, eval_size: int, seed: int, eval_batch_size: int
     ) -> None:
         self.task = CountingTask(vocab_size, seq_len=seq_len, seed=seed)
-        self.eval_set = self.task.eval_set(eval_size)
+        self.eval_size = eval_size
         self.longest = seq_len
         self.eval_batch_size = eval_batch_size
         self.rows_per_example = 1
+
+    @functools.cached_property
+    def eval_set(self) -> dict[str, torch.Tensor]:
+        """Drawn on the first evaluation: the memory plan, which sizes it, comes first."""
+        return self.task.eval_set(self.eval_size)
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.task.batch(batch_size, step)

@@ -477,9 +477,9 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
         )
     if problems and not force:
         raise ValueError(
-            f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots or the "
-            "batch, use a low-bit --transfer-dtype or --transfer sliced, fewer --model-layers, or "
-            "pass --force to start anyway"
+            f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots, "
+            "--batch-size or --eval-batch-size, use a low-bit --transfer-dtype or --transfer "
+            "sliced, fewer --model-layers, or pass --force to start anyway"
         )
     for problem in problems:
         logger.warning("starting anyway (--force): the plan needs %s", problem)

@@ -329,6 +329,23 @@ def test_a_batch_size_message_names_only_its_flag():
     assert "--batch-size" in line and "--max-steps" not in line and "--eval-batch-size" not in line
 
 
+def test_an_evaluation_set_too_large_is_refused_by_the_plan_before_it_is_drawn(
+    tmp_path, monkeypatch
+):
+    """The counting task's --eval-batch-size is its evaluation set: 10^8 sequences once
+    took every byte of host memory before the memory plan could speak."""
+    from distzo.data.synthetic import CountingTask
+
+    def drawn(self, size):
+        raise AssertionError(f"an evaluation set of {size} sequences was drawn")
+
+    monkeypatch.setattr(CountingTask, "eval_set", drawn)
+    out = tmp_path / "run"
+    line = one_line(train_in_process(["--eval-batch-size", "100000000", "--output-dir", str(out)]))
+    assert "does not fit" in line and "--eval-batch-size" in line, line
+    assert not out.exists() or not any(out.iterdir())  # nothing a retry takes for a run
+
+
 def test_a_bad_thread_count_in_the_environment_is_one_line_before_any_run(tmp_path):
     out = tmp_path / "run"
     proc = train_in_process(["--output-dir", str(out)], env={"OMP_NUM_THREADS": "lots"})
