@@ -13,6 +13,7 @@ from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 MODES = ("offload", "resident")
 TRANSFERS = ("auto", "naive", "sliced")
@@ -159,6 +160,11 @@ class ZOConfig:
         if not self.eps > 0:
             raise ValueError(
                 f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3"
+            )
+        if self.eps < FLOAT32_TINY:  # eps * z would be 0 in float32: every g 0, nothing learns
+            raise ValueError(
+                f"eps must be at least {FLOAT32_TINY:.3g} (float32's smallest normal number), got "
+                f"{self.eps}; set eps to a small positive value such as 1e-3"
             )
         if not self.lr >= 0:
             raise ValueError(

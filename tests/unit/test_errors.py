@@ -101,6 +101,7 @@ def run_cli(*args):
         (["--lr", "1e300"], "lr must be a finite number"),
         (["--weight-decay", "inf"], "weight_decay must be a finite number"),
         (["--eps", "nan"], "eps must be a finite number"),
+        (["--eps", "1e-300"], "eps must be at least 1.18e-38 (float32's smallest normal"),
         (["--optimizer", "adam", "--adam-eps", "inf"], "adam_eps must be a finite number"),
         (["--seed", str(2**64)], "--seed must be -1 (draw one) or in [0, 2^63)"),
         (["--seed", "-2"], "--seed must be -1"),
