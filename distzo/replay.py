@@ -19,6 +19,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -29,11 +30,16 @@ from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_op
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
-from distzo.job.build import local_model_dir
+from distzo.job.build import local_model_dir, source_tokenizer
 from distzo.job.seed_log import first_step, read_seed_log, step_grads
 from distzo.models import load_model
 from distzo.models.shapes import check_signature, shape_config, signature
-from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.models.weights import (
+    RandomWeights,
+    open_checkpoint,
+    skeleton,
+    with_generation_config,
+)
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
@@ -55,7 +61,7 @@ def base_model(base: str | None, header: dict, dtype: torch.dtype):
     if local is not None:
         config = AutoConfig.from_pretrained(local)
         check_signature(recorded, config, base)  # before any weight is read
-        return skeleton(config, dtype), open_checkpoint(local)
+        return with_generation_config(skeleton(config, dtype), local), open_checkpoint(local)
     model = load_model(base, dtype)
     check_signature(recorded, model.config, base)
     return model, None
@@ -70,9 +76,17 @@ def logged_base_signature(header: dict) -> dict:
     return {}
 
 
-def replay(base: str | None, log: Path, out: Path, device: str | None = None) -> Path | None:
-    """Rebuild the run that ``log`` records onto its base, written to ``out``; returns the
-    directory (a replay is one process, so rank 0's: never None there)."""
+def replay(
+    base: str | None,
+    log: Path,
+    out: Path,
+    device: str | None = None,
+    merge_adapter: bool = False,
+) -> Path | None:
+    """Rebuild the run that ``log`` records onto its base, written to ``out`` as the run's
+    own export is (``merge_adapter``, or the run's: an adapter merged into its base; the
+    base's tokenizer beside the weights); returns the directory (a replay is one process,
+    so rank 0's: never None there)."""
     header, steps = read_seed_log(log)
     if first_step(header):
         raise ValueError(
@@ -126,7 +140,18 @@ def replay(base: str | None, log: Path, out: Path, device: str | None = None) ->
         len(steps),
         base or header.get("base") or header.get("model_config"),
     )
-    return export_model(engine, out)
+    merge = merge_adapter or bool(header.get("merge_adapter"))
+    return export_model(engine, out, _base_tokenizer(base, header), merge_adapter=merge)
+
+
+def _base_tokenizer(base: str | None, header: dict) -> Any:
+    """The tokenizer of a local base folder (None for a shape, a hub name or a folder
+    without one)."""
+    if base is None and header.get("model_config"):
+        return None
+    name = base or header.get("base")
+    local = local_model_dir(name) if name else None
+    return source_tokenizer(local) if local is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default=None, help="default: the device type the run trained on")
     p.add_argument(
+        "--merge-adapter",
+        action="store_true",
+        help="write an adapter run's base with the adapter merged in (default: as the run's "
+        "export, which its --merge-adapter decided)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace an existing --out (without it, an existing one is refused)",
@@ -160,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         check_out(args.out, args.overwrite)
-        out = replay(args.base, args.log, args.out, args.device)
+        out = replay(args.base, args.log, args.out, args.device, args.merge_adapter)
     except ValueError as err:
         return fail(str(err).splitlines()[0])
     except OSError as err:  # a full disk, an unwritable --out: a failure, one line

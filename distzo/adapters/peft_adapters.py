@@ -140,6 +140,7 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
             raise ValueError(
                 f"--peft {spec.method}: {str(err).splitlines()[0]} (set --lora-targets)"
             ) from None
+        _check_linear_targets(peft_model, spec.method)
         torch.manual_seed(seed)
         for module in peft_model.modules():
             if isinstance(module, LoraLayer):
@@ -154,6 +155,62 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
             if "lora_A" in name:
                 param.requires_grad_(False)
     return peft_model
+
+
+def _check_linear_targets(peft_model: nn.Module, method: str) -> None:
+    """LoRA on a linear layer only: peft keeps an embedding's factors elsewhere
+    (``lora_embedding_A``), which neither the init nor the merge here reads."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
+            kind = type(module.get_base_layer()).__name__
+            raise ValueError(
+                f"--lora-targets: {name.removeprefix('base_model.model.')} ({kind}) is not a "
+                f"linear layer; --peft {method} trains LoRA on linear layers only (such as "
+                "q_proj,v_proj)"
+            )
+
+
+def merge_problem(peft_model: nn.Module) -> str | None:
+    """Why the adapter cannot be merged into the base's weights here, with what else to do
+    (None: it can be): the merge adds ``scaling * B @ A`` to each LoRA linear's own weight,
+    and nothing else."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    instead = "export the adapter itself (drop --merge-adapter)"
+    config = getattr(peft_model, "peft_config", {}).get(ADAPTER_NAME)
+    for option in ("use_dora", "lora_bias", "modules_to_save"):
+        if getattr(config, option, None):
+            return f"the adapter's {option} is not merged here; {instead}"
+    owners: dict[int, list[str]] = {}
+    for name, param in peft_model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.removeprefix("base_model.model."))
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        name = name.removeprefix("base_model.model.")
+        leave_out = f"leave {name} out of --lora-targets, or {instead}"
+        if not isinstance(module, LoraLinear):
+            kind = type(module.get_base_layer()).__name__
+            return f"the LoRA on {name} ({kind}) does not merge; {leave_out}"
+        shared = [n for n in owners[id(module.get_base_layer().weight)] if not n.startswith(name)]
+        if shared:
+            return (
+                f"the LoRA on {name} would change {shared[0]} too, which shares its weight "
+                f"(tied embeddings); {leave_out}"
+            )
+    return None
+
+
+def check_mergeable(peft_model: nn.Module) -> None:
+    """A one-line error, before training or an export starts, for an adapter that does not
+    merge (``merge_problem``)."""
+    problem = merge_problem(peft_model)
+    if problem is not None:
+        raise ValueError(f"--merge-adapter: {problem}")
 
 
 def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:

@@ -32,6 +32,7 @@ from distzo.adapters.peft_adapters import (
     ADAPTER_NAME,
     as_peft_model,
     base_name,
+    check_mergeable,
     is_adapter_name,
     prefix_embedding,
     prefix_table,
@@ -83,12 +84,10 @@ def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
     return shapes
 
 
-def shard_plan(
-    engine: ZOEngine, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, merged: bool = False
-):
+def shard_plan(shapes: dict[str, torch.Tensor], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
     """Hugging Face's split of the model's tensors into files, from shapes alone."""
     return split_torch_state_dict_into_shards(
-        _shapes(engine, merged), filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
+        shapes, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
     )
 
 
@@ -110,6 +109,7 @@ def export_model(
             "(merge_adapter=False)"
         )
     if merge_adapter:
+        check_mergeable(engine.peft_model)
         return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
     return export_adapter(engine, directory, tokenizer)
 
@@ -165,7 +165,8 @@ def export_hf(
     base with the adapter merged in."""
     directory = Path(directory)
     rank0 = _is_rank0()
-    plan = shard_plan(engine, max_shard_size, merged)
+    shapes = _shapes(engine, merged)
+    plan = shard_plan(shapes, max_shard_size)
     file_of = {name: file for file, names in plan.filename_to_tensors.items() for name in names}
     missing = {file: set(names) for file, names in plan.filename_to_tensors.items()}
     tmp = staging_dir(directory)
@@ -190,7 +191,7 @@ def export_hf(
         assert not collected, f"shards left unwritten: {sorted(collected)}"
 
         if plan.is_sharded:
-            total = engine.num_parameters + (engine.num_frozen if merged else 0)
+            total = sum(t.numel() for t in shapes.values())  # a merge leaves the adapter out
             index = {
                 "metadata": {**plan.metadata, "total_parameters": total},
                 "weight_map": file_of,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from distzo.engine import ZOEngine
 from distzo.models.batched_linear import make_pass_batched
@@ -53,13 +54,15 @@ class TrainingStep(nn.Module):
                 f"the exportable step is SPSA's two passes (P-RGE's on-device step); the engine "
                 f"runs estimator {engine.config.estimator}"
             )
-        if (
-            engine.peft_model is None
-            or engine.resident_layout.numel
-            or engine.config.noise != "gaussian"
-        ):
+        if engine.peft_model is None or engine.config.noise != "gaussian":
             raise ValueError(
                 "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"
+            )
+        if engine.resident_layout.numel:
+            trained = ", ".join(e.names[0] for e in engine.resident_layout.entries)
+            raise ValueError(
+                f"the exportable step trains adapters inside the blocks only, not on the "
+                f"embeddings or the head ({trained}); leave those out of --lora-targets"
             )
         if engine.config.num_queries != 1 or engine.parallel.is_distributed:
             raise ValueError(
@@ -72,6 +75,13 @@ class TrainingStep(nn.Module):
         # scratch buckets): the frozen base becomes the program's constants, the adapter
         # its mutable buffers.
         model = copy.deepcopy(engine.model)
+        # the eager attention: a lowered SDPA hands GPT-2's Conv1D a strided input it cannot
+        # view (``to_edge``'s decomposition); eager computes the same function
+        from peft import PeftModel
+
+        base = model.get_base_model() if isinstance(model, PeftModel) else model
+        if isinstance(base, PreTrainedModel):
+            base.set_attn_implementation("eager")
         with torch.no_grad():
             for name, _ in list(model.named_parameters()):
                 owner, _, attr = name.rpartition(".")
@@ -235,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
 def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
     """The command's engine: a LoRA-FA adapter on ``--model`` (or the tiny OPT), checked
     against the program's fixed shape before anything is traced."""
-    from transformers import AutoModelForCausalLM, PreTrainedModel
+    from transformers import AutoModelForCausalLM
 
     from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
     from distzo.config.engine_options import ZOConfig

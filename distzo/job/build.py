@@ -26,7 +26,13 @@ from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import hub, model_from_config
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
-from distzo.models.weights import RandomWeights, WeightSource, open_checkpoint, skeleton
+from distzo.models.weights import (
+    RandomWeights,
+    WeightSource,
+    open_checkpoint,
+    skeleton,
+    with_generation_config,
+)
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
 
 logger = logging.getLogger("distzo.train")
@@ -98,10 +104,22 @@ def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | 
     return path if path is not None else hub.snapshot(name, download=False)
 
 
-def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
-    """The model's own tokenizer, or the built-in byte tokenizer of a random-init model."""
-    if job.data.task == "counting":
+def source_tokenizer(source: Path) -> Any:
+    """The tokenizer a model folder holds, or None where it holds none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
         return None
+
+
+def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
+    """The model's own tokenizer, or the built-in byte tokenizer of a random-init model. The
+    counting task reads no text: a model's own tokenizer, where it has one, is still what
+    the export carries beside the weights."""
+    if job.data.task == "counting":
+        return source_tokenizer(source) if source is not None else None
     if source is None:  # the default tiny model or a --model-config shape
         return byte_tokenizer()
     from transformers import AutoTokenizer
@@ -126,7 +144,8 @@ def build_model(
         shape = shape_config(job.model.model_config, job.model.model_layers)
         return skeleton(shape, dtype), RandomWeights(seed)
     if source is not None:
-        return skeleton(AutoConfig.from_pretrained(source), dtype), open_checkpoint(source)
+        model = skeleton(AutoConfig.from_pretrained(source), dtype)
+        return with_generation_config(model, source), open_checkpoint(source)
     return model_from_config(default_model_config(job.data.task), dtype), None
 
 

@@ -105,6 +105,7 @@ def run_header(
         "init_seed": init_seed,
         "objective": objective,
         "peft": spec.record() if spec.enabled else None,
+        "merge_adapter": job.peft.merge_adapter,  # how a replay writes the adapter
         "optimizer": optimizer_record(config),
         "estimator": config.estimator,
         # what a replay checks its --base against (None: a caller without the model's config)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter
+from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter, check_mergeable
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, write_resolved
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
@@ -212,15 +212,20 @@ class Trainer:
         self.tokenizer = load_tokenizer(job, source)
         model, weights = build_model(job, self.seed, source)
         fresh = job.run.resume == "no"
-        if self.env.rank == 0 and weights is None and not job.model.model and fresh:
-            assert isinstance(model, PreTrainedModel)  # the default model, built whole
-            with no_library_bars():
-                model.save_pretrained(self.run_dir / "base")
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(self.run_dir / "base")
+        if weights is None and not job.model.model:  # the default model, built whole
+            assert isinstance(model, PreTrainedModel)
+            if self.env.rank == 0 and fresh:
+                with no_library_bars():
+                    model.save_pretrained(self.run_dir / "base")
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(self.run_dir / "base")
+            # what an exported adapter names as its base (peft reads it when attaching)
+            model.name_or_path = str((self.run_dir / "base").absolute())
         spec = job.peft.adapter_spec()
         if spec.enabled:  # the same adapter init on every rank, on resume and in a replay
             model = attach_adapter(model, spec, self.seed)
+            if job.peft.merge_adapter:  # refused now, not after training
+                check_mergeable(model)
             weights = AdapterWeights(weights, model) if weights is not None else None
         return model, weights
 

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.utils import GENERATION_CONFIG_NAME
 
 
 class WeightSource(Protocol):
@@ -60,6 +61,16 @@ def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # the meta registration leaves tied heads as separate parameters
+    return model
+
+
+def with_generation_config(model: nn.Module, source: Path) -> nn.Module:
+    """``model`` (a skeleton of ``source``'s config) with ``source``'s own generation config,
+    where it has one: a skeleton derives one from config.json, which loses the sampling
+    settings and a list of end-of-sequence tokens (Llama 3's ``<|eot_id|>``), and the
+    export writes what the model holds."""
+    if isinstance(model, PreTrainedModel) and (Path(source) / GENERATION_CONFIG_NAME).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source)
     return model
 
 

@@ -6,9 +6,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from distzo.models.tiny import byte_tokenizer
 from tests.helpers.launch import python_replay, python_train, torchrun
+from tests.helpers.models import LLAMA
 
 COMMON = [
     "--max-steps",
@@ -60,6 +62,7 @@ def test_a_lora_fa_run_resumes_and_replays_exactly(tmp_path):
         and config["r"] == 4
         and set(config["target_modules"]) == {"q_proj", "v_proj"}
     )
+    assert config["base_model_name_or_path"] == str(full / "base")  # what peft loads it onto
     header = json.loads((full / "seedlog.jsonl").read_text().splitlines()[0])
     assert header["peft"]["method"] == "lora-fa"
     assert "trained on a frozen base" in proc.stderr
@@ -167,6 +170,39 @@ def test_merge_adapter_exports_a_plain_model(tmp_path):
     assert names == {n for n, _ in base.named_parameters()}
     moved = [n for n, p in merged.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in moved)
+
+
+def test_a_merged_model_run_keeps_its_generation_config_tokenizer_and_replays_merged(tmp_path):
+    """The export (and a replay of the log) carries the source's generation config (an
+    end-of-sequence list, sampling) and its tokenizer; a sharded export's index counts what
+    it holds; a replay of a --merge-adapter run writes the merged model, as the run did."""
+    source = tmp_path / "model"
+    config = LlamaConfig(**{**LLAMA, "num_hidden_layers": 2})
+    LlamaForCausalLM(config).save_pretrained(source)
+    GenerationConfig(eos_token_id=[1, 5], do_sample=True, temperature=0.6).save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    run = tmp_path / "run"
+    flags = ["--model", str(source), "--peft", "lora", "--merge-adapter"]
+    flags += ["--export-shard-size", "20KB", "--max-steps", "2", "--output-dir", str(run)]
+    proc = python_train(flags)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    replayed = tmp_path / "replayed"
+    proc = python_replay(["--log", str(run / "seedlog.jsonl"), "--out", str(replayed)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for out in (run / "export", replayed):
+        generation = GenerationConfig.from_pretrained(out)
+        assert generation.eos_token_id == [1, 5] and generation.temperature == 0.6
+        assert (out / "tokenizer_config.json").is_file()
+        tensors = {}
+        for name in out.glob("model*.safetensors"):
+            tensors.update(load_file(str(name)))
+        assert tensors and not any("lora" in n for n in tensors)
+    index = json.loads((run / "export" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == sum(t.numel() for t in tensors.values())
+    assert_same(
+        AutoModelForCausalLM.from_pretrained(replayed).state_dict(),
+        AutoModelForCausalLM.from_pretrained(run / "export").state_dict(),
+    )
 
 
 @pytest.mark.parametrize(

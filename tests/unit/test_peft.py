@@ -7,12 +7,18 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distzo import ZOConfig, ZOEngine
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
+from distzo.adapters.peft_adapters import (
+    AdapterSpec,
+    AdapterWeights,
+    attach_adapter,
+    merge_problem,
+)
 from distzo.data import CountingTask
 from distzo.export.hf_model import export_model
 from distzo.models.weights import SafetensorsWeights, skeleton
 from tests.helpers.engines import BATCHINGS, FLOAT64, Counting, engine_for, frozen_values, train
-from tests.helpers.models import adapted, base_model, random_batch, tiny_opt
+from tests.helpers.launch import train_in_process
+from tests.helpers.models import adapted, base_model, build, random_batch, tiny_opt
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
@@ -182,6 +188,46 @@ def test_bad_adapter_options_are_one_line_errors():
         attach_adapter(base_model("opt"), AdapterSpec("lora", targets=("no_such_proj",)), seed=0)
 
 
+def test_lora_on_an_embedding_is_refused_in_one_line():
+    # peft keeps an embedding's factors in lora_embedding_A/B: once a bare KeyError
+    with pytest.raises(ValueError, match=r"embed_tokens \(Embedding\) is not a linear layer"):
+        attach_adapter(base_model("llama"), AdapterSpec("lora", targets=("embed_tokens",)), 0)
+
+
+def test_a_lora_on_a_tied_head_is_refused_before_training_not_merged_away(tmp_path):
+    """A tied export holds one table for the embedding and the head: the head's delta was
+    dropped, and the merged model gave the untrained logits."""
+    spec = AdapterSpec("lora", r=4, alpha=8, targets=("q_proj", "lm_head"))
+    model = attach_adapter(base_model("llama", tie_word_embeddings=True), spec, seed=5)
+    assert merge_problem(model) is not None
+    engine = engine_for(model, mode="resident")
+    with pytest.raises(ValueError, match="lm_head would change model.embed_tokens.weight too"):
+        export_model(engine, tmp_path / "merged", merge_adapter=True)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "merged.tmp").exists()
+    untied = attach_adapter(base_model("llama"), spec, seed=5)
+    assert merge_problem(untied) is None
+    line = train_in_process(
+        ["--peft", "lora", "--lora-targets", "q_proj,lm_head", "--merge-adapter"]
+        + ["--max-steps", "1", "--output-dir", str(tmp_path / "run")]
+    )
+    assert line.returncode == 2 and "lm_head would change" in line.stderr.splitlines()[-1]
+    assert not (tmp_path / "run" / "seedlog.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "option", [{"use_dora": True}, {"lora_bias": True}, {"modules_to_save": ["lm_head"]}]
+)
+def test_an_adapter_the_merge_cannot_fold_is_refused(tmp_path, option):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], **option)
+    engine = engine_for(get_peft_model(base_model("llama"), config), mode="resident")
+    with pytest.raises(ValueError, match=f"the adapter's {next(iter(option))} is not merged"):
+        export_model(engine, tmp_path / "merged", merge_adapter=True)
+    export_model(engine, tmp_path / "adapter")  # the adapter itself exports
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(
     "mode, transfer_dtype, compute_dtype",
     [
@@ -341,6 +387,28 @@ def test_the_exported_training_step_refuses_another_estimator():
         "the exportable step is SPSA's two passes (P-RGE's on-device step); the engine runs "
         "estimator fzoo"
     )
+
+
+def test_a_gpt2_training_step_lowers_for_the_edge(tmp_path):
+    """GPT-2's Conv1D views its input: a lowered SDPA once handed it a strided one."""
+    pytest.importorskip("executorch")
+    from executorch.exir import to_edge
+
+    from distzo.export.training_step import export_training_step
+
+    model = attach_adapter(build("gpt2"), AdapterSpec("lora-fa", r=4, alpha=8), seed=5)
+    engine = engine_for(model, mode="resident")
+    program = export_training_step(engine, random_batch(64, batch=1, seq=8))
+    assert to_edge(program).exported_program() is not None
+
+
+def test_the_training_step_names_an_adapter_outside_the_blocks():
+    from distzo.export.training_step import TrainingStep
+
+    spec = AdapterSpec("lora-fa", r=4, alpha=8, targets=("q_proj", "lm_head"))
+    engine = engine_for(attach_adapter(base_model("llama"), spec, seed=5), mode="resident")
+    with pytest.raises(ValueError, match=r"inside the blocks only.*\(lm_head\.lora_B"):
+        TrainingStep(engine)
 
 
 def test_the_training_step_runs_under_the_executorch_runtime(tmp_path):
