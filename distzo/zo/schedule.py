@@ -8,13 +8,15 @@ SCHEDULES = ("constant", "linear")
 def learning_rate(
     base_lr: float, step: int, schedule: str, warmup_steps: int = 0, max_steps: int | None = None
 ) -> float:
-    """The lr of 0-based ``step``: linear warm-up, then constant or linear decay to 0 at
-    ``max_steps``.
+    """The lr of 0-based ``step``: linear warm-up from 0, then constant or linear decay to 0
+    at ``max_steps``; the lr transformers' ``get_constant_schedule_with_warmup`` and
+    ``get_linear_schedule_with_warmup`` give the step, as MeZO's runs read it (step 0 of a
+    warm-up moves nothing).
 
     A pure function of the step, so a resumed run sees the same lr as an uninterrupted one.
     """
     if warmup_steps > 0 and step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
+        return base_lr * step / warmup_steps
     if schedule == "constant":
         return base_lr
     if schedule == "linear":
