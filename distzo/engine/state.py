@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distzo.config.engine_options import ZOConfig, lowrank_record
+from distzo.config.engine_options import ZOConfig, lowrank_record, optimizer_record
 from distzo.dist import ParallelContext
 from distzo.engine.updates import PendingUpdate
 from distzo.offload import BlockStore, BucketLayout, Streams
@@ -218,6 +218,7 @@ def state_dict(engine: ZOEngine) -> dict[str, Any]:
         "recent_steps": [[step, list(grads)] for step, grads in engine.recent_steps],
         "params": {name: params[name] for name in engine.canonical_names},
         "optimizer_state": _moment_values(engine),
+        "optimizer": optimizer_record(engine.config),
     }
 
 
@@ -232,6 +233,30 @@ def _moment_values(engine: ZOEngine) -> dict[str, dict[str, torch.Tensor]]:
         }
         out[state_name] = {name: values[name] for name in engine.canonical_names}
     return out
+
+
+# The options each optimizer's update depends on (ZO-SGD: none of them).
+OPTIMIZER_FIELDS = {
+    "momentum": ("beta1", "momentum_window", "state", "state_dtype"),
+    "adam": ("beta1", "beta2", "adam_eps", "state_dtype"),
+}
+
+
+def _check_optimizer(config: ZOConfig, saved: Mapping[str, Any] | None) -> None:
+    """A state continues under the optimizer that wrote it: another one, or other betas,
+    would apply its pending update and history with rules they were not made by (a state
+    from before the record: its moments are checked alone)."""
+    if saved is None:
+        return
+    ours = optimizer_record(config)
+    for name in ("name", *OPTIMIZER_FIELDS.get(config.optimizer, ())):
+        value = ours[name]
+        if saved.get(name, value) != value:
+            raise ValueError(
+                f"the state was trained with {'optimizer' if name == 'name' else name} "
+                f"{saved[name]!r}, the engine has {value!r}; load it with the optimizer options "
+                "it was trained with"
+            )
 
 
 def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
@@ -251,6 +276,7 @@ def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
         raise ValueError(
             f"state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
         )
+    _check_optimizer(engine.config, state.get("optimizer"))
     moments = state.get("optimizer_state") or {}
     names = engine.moments.names
     if set(moments) != set(names):

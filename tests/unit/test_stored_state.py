@@ -176,11 +176,32 @@ def test_adam_offload_equals_resident_and_a_state_dict_resumes_it():
     assert all(torch.equal(values[n], runs["resident"][1][n]) for n in values)
 
     sgd = engine_for(base_model("opt"), mode="offload", num_slots=2)
+    with pytest.raises(ValueError, match="trained with optimizer 'adam', the engine has 'sgd'"):
+        sgd.load_state_dict(state)
+    del state["optimizer"]  # a state from before the record: its moments are what tell
     with pytest.raises(
         ValueError,
         match=r"holds optimizer state \['exp_avg', 'exp_avg_sq'\], the engine keeps none",
     ):
         sgd.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        (dict(optimizer="sgd"), "optimizer 'momentum', the engine has 'sgd'"),
+        (dict(optimizer="momentum", beta1=0.5), "beta1 0.9, the engine has 0.5"),
+    ],
+)
+def test_a_recomputed_momentum_state_needs_its_own_optimizer(other, message):
+    """Recomputed momentum stores no moments: only the record tells its state from SGD's
+    (loaded into SGD, the next steps moved by 0.14 without a word)."""
+    first = engine_for(base_model("opt"), optimizer="momentum", beta1=0.9, lr=1e-3)
+    train(first, 64, steps=3)
+    state = first.state_dict()
+    with pytest.raises(ValueError, match=message):
+        engine_for(base_model("opt"), lr=1e-3, **other).load_state_dict(state)
+    engine_for(base_model("opt"), optimizer="momentum", beta1=0.9, lr=1e-3).load_state_dict(state)
 
 
 def test_moments_travel_only_with_an_update():
