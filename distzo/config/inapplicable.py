@@ -28,7 +28,18 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task == "squad", "--task squad"),
+    "lozo_rank": (lambda j: _noise(j) == "lowrank", "--noise lowrank (--estimator lozo)"),
+    "lozo_interval": (lambda j: _noise(j) == "lowrank", "--noise lowrank (--estimator lozo)"),
 }
+
+
+def _noise(job: Any) -> str | None:
+    """The noise the run draws: the one given, else its estimator's own."""
+    from distzo.zo.estimators import ESTIMATORS, estimator_for
+
+    if job.optim.noise is not None or job.optim.estimator not in ESTIMATORS:
+        return job.optim.noise
+    return estimator_for(job.optim.estimator).default_noise
 
 
 def inapplicable(job: Any, given: Iterable[str]) -> list[str]:

@@ -54,6 +54,11 @@ class TrainingStep(nn.Module):
                 f"the exportable step is SPSA's two passes (P-RGE's on-device step); the engine "
                 f"runs estimator {engine.config.estimator}"
             )
+        if engine.config.optimizer != "sgd":
+            raise ValueError(
+                f"the exportable step is ZO-SGD's update (P-RGE's on-device step); the engine "
+                f"runs optimizer {engine.config.optimizer}"
+            )
         if engine.peft_model is None or engine.config.noise != "gaussian":
             raise ValueError(
                 "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"

@@ -77,7 +77,7 @@ def diverged(result: StepResult, config: ZOConfig, checkpoint: str | None) -> Di
     # FZOO's other end is the unperturbed loss, and its coefficients are not gradients
     sides, coefficients = (
         (("L+", "L-"), "projected gradient")
-        if config.estimator == "spsa"
+        if config.estimator != "fzoo"  # lozo's passes are SPSA's
         else (("mean L(theta + eps z)", "L(theta)"), "update coefficients")
     )
     return Diverged(

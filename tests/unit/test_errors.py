@@ -152,4 +152,11 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="distzo.train"):
         resolve(["--optimizer", "adam", "--beta2", "0.99", "--peft", "lora", "--lora-r", "4"])
+        resolve(["--estimator", "lozo", "--lozo-rank", "2", "--lozo-interval", "50"])
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # the defaults' own values, which the engine's check cannot tell from unset
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        resolve(["--lozo-rank", "2", "--lozo-interval", "50"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "--lozo-rank (it applies only with --noise lowrank (--estimator lozo))" in warning
+    assert "--lozo-interval" in warning

@@ -263,3 +263,18 @@ def test_lozo_is_spsa_along_low_rank_z_and_takes_that_noise_by_default():
     assert g_lozo == g_spsa and all(torch.equal(p_lozo[k], v) for k, v in p_spsa.items())
     with pytest.raises(ValueError, match="estimator lozo perturbs along low-rank z"):
         resolve(["--estimator", "lozo", "--noise", "rademacher"]).engine_config("cpu")
+
+
+def test_a_diverged_lozo_step_is_described_by_spsas_two_sides():
+    from distzo.engine import StepResult
+    from distzo.job.divergence import diverged
+
+    nan = float("nan")
+    result = StepResult(5, nan, nan, 3.0, nan, 1e-3, 10, (nan,))
+    for estimator, noise in (("spsa", "gaussian"), ("lozo", "lowrank")):
+        message = str(diverged(result, ZOConfig(estimator=estimator, noise=noise), None))
+        assert "(L+ nan, L- 3)" in message and "projected gradient nan" in message, message
+    fzoo = str(
+        diverged(result, ZOConfig(estimator="fzoo", noise="rademacher", num_queries=2), None)
+    )
+    assert "L(theta) 3" in fzoo and "update coefficients" in fzoo

@@ -387,6 +387,10 @@ def test_the_exported_training_step_refuses_another_estimator():
         "the exportable step is SPSA's two passes (P-RGE's on-device step); the engine runs "
         "estimator fzoo"
     )
+    for optimizer in ("momentum", "adam"):  # its moments would be dropped without a word
+        engine = engine_for(adapted("opt", "lora-fa"), optimizer=optimizer)
+        with pytest.raises(ValueError, match=f"ZO-SGD's update .* runs optimizer {optimizer}"):
+            TrainingStep(engine)
 
 
 def test_a_gpt2_training_step_lowers_for_the_edge(tmp_path):
