@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = (
 
 
 def _main(argv: list[str] | None, callbacks: Iterable[TrainerCallback]) -> int:
-    env = LaunchEnv.from_environ()
+    try:
+        env = LaunchEnv.from_environ()
+    except ValueError as err:  # each process says it: none knows its place to defer to rank 0
+        return fail(str(err))
     configure_logging(env)
     try:
         return _run(argv, env, callbacks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -19,18 +20,50 @@ class LaunchEnv:
     restart_count: int = 0  # which restart this is (0: the first attempt)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
-        """Read torchrun's variables; a plain ``python -m`` run is one process of one."""
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        """Read torchrun's variables; a plain ``python -m`` run is one process of one. A
+        value no launcher writes (not a number, a rank outside the world) is refused in one
+        line: it would otherwise wait out --dist-timeout for ranks that never come."""
         env = os.environ if environ is None else environ
         if "RANK" not in env or "WORLD_SIZE" not in env:
             return cls()
-        return cls(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-            node_rank=int(env.get("GROUP_RANK", 0)),
+        world_size = _count(env, "WORLD_SIZE", None)
+        local_world_size = _count(env, "LOCAL_WORLD_SIZE", world_size)
+        if world_size < 1 or not 1 <= local_world_size <= world_size:
+            raise ValueError(
+                f"the launcher's WORLD_SIZE={world_size} and LOCAL_WORLD_SIZE="
+                f"{local_world_size} make no job; launch with torchrun, which sets them"
+            )
+        launched = cls(
+            rank=_count(env, "RANK", None),
+            world_size=world_size,
+            local_rank=_count(env, "LOCAL_RANK", 0),
+            local_world_size=local_world_size,
+            node_rank=_count(env, "GROUP_RANK", 0),
             launched=True,
-            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)),
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            max_restarts=_count(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+            restart_count=_count(env, "TORCHELASTIC_RESTART_COUNT", 0),
         )
+        for name, value, bound, of in (
+            ("RANK", launched.rank, world_size, "WORLD_SIZE"),
+            ("LOCAL_RANK", launched.local_rank, local_world_size, "LOCAL_WORLD_SIZE"),
+        ):
+            if not 0 <= value < bound:
+                raise ValueError(
+                    f"the launcher's {name}={value} is not below {of}={bound}; launch with "
+                    "torchrun, which sets them"
+                )
+        return launched
+
+
+def _count(env: Mapping[str, str], name: str, default: int | None) -> int:
+    """The launcher's variable ``name`` as a whole number (``default`` when unset)."""
+    if name not in env and default is not None:
+        return default
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(
+            f"the launcher's {name}={env[name]!r} is not a whole number; launch with torchrun, "
+            "which sets it"
+        ) from None

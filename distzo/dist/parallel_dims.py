@@ -32,6 +32,8 @@ class ParallelDims:
         rank), else 1; dp takes the rest. Any pert dividing the world is valid here;
         ``check_passes`` holds it to the step's passes.
         """
+        if world_size < 1:
+            raise ValueError(f"a job needs at least one rank, got {world_size}")
         if pert is not None and pert < 1:
             raise ValueError(f"--pert must be >= 1, got {pert}")
         if dp is not None and dp < 1:

@@ -38,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=8, help="ranks on the node (one node)")
     parser.add_argument("--dp", type=int, default=None, help="default: nproc / pert")
     parser.add_argument(
-        "--pert", type=int, default=1, help="ranks sharing a step's passes (at most the passes)"
+        "--pert",
+        type=int,
+        default=None,
+        help="ranks sharing a step's passes (at most the passes); default: nproc / dp, or 1 "
+        "without --dp",
     )
     parser.add_argument("--transfer", default="sliced", choices=("naive", "sliced"))
     parser.add_argument("--transfer-dtype", default="bf16", choices=TRANSFER_DTYPE_NAMES)
@@ -69,11 +73,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def report(args: argparse.Namespace) -> str:
     """The plan's lines for ``args`` (the command line, parsed)."""
-    dims = ParallelDims.resolve(args.nproc, args.dp, args.pert)
+    pert = 1 if args.pert is None and args.dp is None else args.pert
+    dims = ParallelDims.resolve(args.nproc, args.dp, pert)
     dp = dims.dp
     rule = estimator_for(args.estimator)
     queries = args.num_queries if args.num_queries is not None else rule.default_queries
     dims.check_passes(args.estimator, queries)
+    dims.check_batch(args.batch_size)  # what distzo.train refuses, refused here too
+    if args.eval_batch_size < args.nproc:
+        raise ValueError(
+            f"--eval-batch-size {args.eval_batch_size} is smaller than the {args.nproc} "
+            "ranks; raise it"
+        )
     config = ZOConfig(
         device="cpu",
         mode="offload",
@@ -96,15 +107,17 @@ def report(args: argparse.Namespace) -> str:
         sliced,
         rows,
         args.seq_len,
-        pert=args.pert,
+        pert=dims.pert,
         world=args.nproc,
         local_ranks=args.nproc,
         device_type="cuda",
     )
-    return _lines(plan, args, dp, rows, config)
+    return _lines(plan, args, dims, rows, config)
 
 
-def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int, config: ZOConfig) -> str:
+def _lines(
+    plan: MemoryPlan, args: argparse.Namespace, dims: ParallelDims, rows: int, config: ZOConfig
+) -> str:
     b = format_bytes
     host = host_terms(plan, True, args.nproc)
     # a step's passes, named where they are not MeZO's two (one hidden state each)
@@ -117,7 +130,7 @@ def _lines(plan: MemoryPlan, args: argparse.Namespace, dp: int, rows: int, confi
     }[config.low_bit_master]
     master += "" if config.perturb_scope == "block" else "perturbed module by module, "
     out = [
-        f"{args.model_config}, {args.nproc} GPUs on one node, dp {dp} x pert {args.pert}, "
+        f"{args.model_config}, {args.nproc} GPUs on one node, dp {dims.dp} x pert {dims.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
         f"{args.num_slots} slots, {master}{step}{rows} rows x {args.seq_len} tokens per forward",
         f"memory plan: {plan.describe()}",

@@ -1,9 +1,12 @@
+import re
+
 import pytest
 import torch
 
 from distzo import ZOConfig
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
+from tests.helpers.launch import main_in_process
 
 
 @pytest.mark.parametrize(
@@ -99,6 +102,35 @@ def test_launch_env_reads_torchrun_variables():
         rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, launched=True
     )
     assert LaunchEnv.from_environ({}) == LaunchEnv()
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "the launcher's RANK='x' is not a whole number"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 and LOCAL_WORLD_SIZE=0 make no job"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not below WORLD_SIZE=2"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, "make no job"),
+    ],
+)
+def test_launcher_variables_no_launcher_writes_are_one_line_at_once(environ, message):
+    """Once a traceback, or a rank past the world waiting out --dist-timeout for peers
+    that never come and then blaming them."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LaunchEnv.from_environ(environ)
+    proc = main_in_process("distzo.train", ["--max-steps", "1"], env=environ)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-1000:]
+    assert lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_a_world_of_no_ranks_is_refused():
+    with pytest.raises(ValueError, match="a job needs at least one rank, got 0"):
+        ParallelDims.resolve(0)
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,16 @@ def test_a_layout_that_is_not_the_node_is_refused_in_one_line(capsys):
     )
 
 
+def test_the_report_accepts_what_training_accepts_and_refuses_what_it_refuses(capsys):
+    argv = ["--model-config", "opt-125m", "--nproc", "8"]
+    assert plan_report.main([*argv, "--dp", "4"]) == 0  # pert = 8 / 4, as distzo.train takes it
+    assert "dp 4 x pert 2" in capsys.readouterr().out
+    assert plan_report.main([*argv, "--nproc", "2", "--batch-size", "7"]) == 2
+    assert "--batch-size 7 is not divisible by --dp 2" in capsys.readouterr().err
+    assert plan_report.main([*argv, "--eval-batch-size", "4"]) == 2
+    assert "--eval-batch-size 4 is smaller than the 8 ranks" in capsys.readouterr().err
+
+
 def test_the_report_plans_fzoos_hidden_states():
     def report(*flags):
         argv = ["--model-config", "opt-125m", "--pert", "2", *flags]
