@@ -173,7 +173,9 @@ class OptimOptions:
     lr_schedule: str = engine_option(
         "lr_schedule", "learning-rate schedule", SCHEDULES, default="linear"
     )
-    warmup_steps: int = engine_option("warmup_steps", "linear warm-up steps")
+    warmup_steps: int = engine_option(
+        "warmup_steps", "linear warm-up steps, from an lr of 0 (as transformers' schedules)"
+    )
     objective: str | None = option(
         None,
         "what a step minimises on prompt tasks: classification (cross-entropy over the "
