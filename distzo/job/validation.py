@@ -28,7 +28,7 @@ from distzo.job.resume import drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.models import check_supported
 from distzo.models.shapes import shape_config
-from distzo.models.weights import check_readable
+from distzo.models.weights import check_float_weights, check_readable
 
 logger = logging.getLogger("distzo.train")
 
@@ -73,6 +73,9 @@ def check_model(job: JobConfig) -> None:
     """A supported family, with room for the task's longest sequence."""
     model_config = model_config_of(job)
     check_supported(model_config.model_type)
+    check_float_weights(
+        getattr(model_config, "quantization_config", None), f"--model {job.model.model}"
+    )
     data = job.data
     if data.task != "counting" and 0 < data.max_length < 2:
         # a prompt keeps one token at least, so a candidate or answer gets max_length - 1

@@ -30,13 +30,17 @@ class LlamaFamily(ModelFamily):
         return list(self._body.layers[: self.model.config.num_hidden_layers])
 
     def _layer_type(self, block: nn.Module) -> str:
-        """Which mask a layer uses: Qwen2/3 name it per layer; Mistral one for all."""
+        """Which mask a layer uses: Qwen2/3 name it per layer; Mistral one for all, sliding
+        where its config sets a window; Llama always full (its attention ignores a
+        ``sliding_window`` a converted config may carry)."""
         config = self.model.config
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
             attention: Any = block.self_attn  # the model's own attention class
             return layer_types[attention.layer_idx]
-        return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        mistral = config.model_type == "mistral"
+        window = getattr(config, "sliding_window", None)
+        return "sliding_attention" if mistral and window is not None else "full_attention"
 
     def context(
         self,

@@ -75,10 +75,17 @@ def with_generation_config(model: nn.Module, source: Path) -> nn.Module:
 
 
 def _pick(names: tuple[str, ...], available) -> str:
-    """The alias under which a (possibly tied) parameter was saved."""
+    """The alias under which a (possibly tied) parameter was saved: by its own name, or as
+    a base model saved it (without the ``model.`` or ``transformer.`` prefix, as
+    ``facebook/opt-*`` and ``openai-community/gpt2`` ship theirs; transformers strips the
+    prefix when it loads them too)."""
     for name in names:
         if name in available:
             return name
+    for name in names:
+        _, _, unprefixed = name.partition(".")
+        if unprefixed in available:
+            return unprefixed
     raise ValueError(
         f"the checkpoint has no tensor for {names[0]} (nor its aliases {list(names[1:])})"
     )
@@ -135,9 +142,18 @@ def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
 
 def _weight_files(directory: Path, index: str, single: str) -> list[str] | None:
     """The files of a model's weights in one format: those its index names, or the single
-    file (None: the directory has neither)."""
+    file (None: the directory has neither). A file the index names that is not there is
+    one line (an interrupted download), not a traceback or a "damaged" file."""
     if (directory / index).exists():
-        return sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
+        files = sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
+        missing = [file for file in files if not (directory / file).is_file()]
+        if missing:
+            raise ValueError(
+                f"{directory}: {index} names {missing[0]}"
+                f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which is "
+                "missing; download or copy the model again"
+            )
+        return files
     return [single] if (directory / single).exists() else None
 
 
@@ -298,9 +314,31 @@ class RandomWeights:
         return _flat_range(full, start, stop)
 
 
+def check_float_weights(quantization: Any, name: str) -> None:
+    """Refuse a quantized checkpoint (FP8, GPTQ, AWQ, bitsandbytes) in one line: its tensors
+    are codes that only their scales turn into weights, which a streamed read does not
+    apply (an FP8 model trained on its raw codes, without a word). ``quantization``: the
+    config's ``quantization_config``, a dict or transformers' object, or None."""
+    if quantization is None:
+        return
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    raise ValueError(
+        f"{name}: its weights are quantized ({method or 'quantization_config'}); distzo trains "
+        "float weights: give a float16, bfloat16 or float32 checkpoint of the model"
+    )
+
+
 def open_checkpoint(directory: str | Path) -> WeightSource:
-    """The weight source of a local Hugging Face directory (safetensors preferred)."""
+    """The weight source of a local Hugging Face directory (safetensors preferred); a
+    quantized one refused (``check_float_weights``)."""
     directory = Path(directory)
+    if (directory / "config.json").is_file():
+        config = json.loads((directory / "config.json").read_text())
+        check_float_weights(config.get("quantization_config"), str(directory))
     if (directory / "model.safetensors").exists() or (
         directory / "model.safetensors.index.json"
     ).exists():

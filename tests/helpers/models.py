@@ -109,6 +109,10 @@ CONFIGS = {
     ),
     "qwen3": lambda: Qwen3Config(num_hidden_layers=3, head_dim=8, **COMMON),
     "mistral": lambda: MistralConfig(num_hidden_layers=3, sliding_window=4, **COMMON),
+    # a window a converted config carries, which Llama's attention ignores
+    "llama_window_field": lambda: LlamaConfig(
+        num_hidden_layers=2, **{**COMMON, "sliding_window": 4}
+    ),
     "gpt2": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64),
 }
 

@@ -8,25 +8,46 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distzo import ZOConfig, ZOEngine
 from distzo.job.checkpoint import Checkpointer
 from distzo.job.memory_plan import plan_memory
 from distzo.models.shapes import SHAPES, shape_config
-from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.models.weights import RandomWeights, TorchBinWeights, open_checkpoint, skeleton
 from tests.helpers.launch import child_env, train_in_process
-from tests.helpers.models import build, random_batch
+from tests.helpers.models import build, random_batch, tiny_opt
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2"])
-@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin"])
+def save(model, path: Path, fmt: str) -> None:
+    """``model`` as a checkpoint of format ``fmt``: safetensors, sharded, bin (written by
+    hand: transformers 5 writes safetensors whatever it is asked), or base: the keys a base
+    model saves, without ``model.``/``transformer.`` and the tied head (facebook/opt-*,
+    openai-community/gpt2 on the hub)."""
+    model.save_pretrained(path, max_shard_size="20KB" if fmt == "sharded" else "5GB")
+    if fmt in ("bin", "base"):
+        state = load_file(str(path / "model.safetensors"))
+        (path / "model.safetensors").unlink()
+        if fmt == "base":
+            prefix = model.base_model_prefix + "."
+            state = {k.removeprefix(prefix): v for k, v in state.items() if k != "lm_head.weight"}
+            save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            torch.save(state, path / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2", "opt"])
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin", "base"])
 def test_streamed_parameters_equal_from_pretrained(tmp_path, name, fmt):
-    original = build(name, seed=5)
-    kwargs = {"max_shard_size": "20KB"} if fmt == "sharded" else {}
-    original.save_pretrained(tmp_path, safe_serialization=fmt != "bin", **kwargs)
+    original = tiny_opt(seed=5) if name == "opt" else build(name, seed=5)
+    if fmt == "base" and not original.config.tie_word_embeddings:
+        pytest.skip("a base model's checkpoint holds no head: only a tied one is in it")
+    save(original, tmp_path, fmt)
     if fmt == "sharded":
         assert (tmp_path / "model.safetensors.index.json").exists()
+    if fmt == "bin":
+        assert isinstance(open_checkpoint(tmp_path), TorchBinWeights)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     model = skeleton(reference.config, torch.float32)
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -41,6 +62,30 @@ def test_streamed_parameters_equal_from_pretrained(tmp_path, name, fmt):
     logits, _ = engine.forward(batch)
     keep = batch["attention_mask"].bool()
     assert (logits - expected)[keep].abs().max().item() <= 1e-5
+
+
+def test_a_quantized_checkpoint_is_refused_not_trained_on_its_codes(tmp_path):
+    build("qwen3").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"its weights are quantized \(fp8\)"):
+        open_checkpoint(tmp_path)
+    proc = train_in_process(["--model", str(tmp_path), "--output-dir", str(tmp_path / "run")])
+    assert proc.returncode == 2 and "its weights are quantized (fp8)" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_shard_the_index_names_but_lacks_is_one_line(tmp_path):
+    build("llama").save_pretrained(tmp_path, max_shard_size="20KB")
+    last = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    proc = train_in_process(["--model", str(tmp_path), "--output-dir", str(tmp_path / "run")])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1] == (
+        f"error: {tmp_path}: model.safetensors.index.json names {last.name}, which is missing; "
+        "download or copy the model again"
+    ), proc.stderr[-1500:]
 
 
 def test_a_directory_without_weights_is_a_clear_error(tmp_path):
