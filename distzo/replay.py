@@ -141,7 +141,10 @@ def replay(
         base or header.get("base") or header.get("model_config"),
     )
     merge = merge_adapter or bool(header.get("merge_adapter"))
-    return export_model(engine, out, _base_tokenizer(base, header), merge_adapter=merge)
+    # the command checked --out (an existing one only with --overwrite)
+    return export_model(
+        engine, out, _base_tokenizer(base, header), merge_adapter=merge, overwrite=True
+    )
 
 
 def _base_tokenizer(base: str | None, header: dict) -> Any:

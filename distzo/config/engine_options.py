@@ -14,6 +14,12 @@ from distzo.zo.schedule import SCHEDULES
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
+_KIND_NAMES = {
+    "int": "a whole number",
+    "float": "a number",
+    "str": "a string",
+    "bool": "True or False",
+}
 
 MODES = ("offload", "resident")
 TRANSFERS = ("auto", "naive", "sliced")
@@ -135,6 +141,7 @@ class ZOConfig:
 
     def validate(self) -> None:
         """Every option, each check naming its option and the fix, in a fixed order."""
+        self._check_types()
         self._check_step_rule()
         self._check_layout()
         self._check_optimizer()
@@ -147,6 +154,23 @@ class ZOConfig:
                 "transfer sliced only applies to mode offload (resident blocks never travel)"
             )
         self.torch_device()  # a malformed device string fails here, not mid-build
+
+    def _check_types(self) -> None:
+        """Each option of the kind it takes: a number read as text (YAML's ``1e-3``) or a
+        count given as a fraction fails here by name, not deep inside the engine."""
+        kinds: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
+        kinds["bool"] = (bool,)
+        for f in dataclasses.fields(self):
+            kind = str(f.type).removesuffix(" | None")
+            value = getattr(self, f.name)
+            if value is None and str(f.type).endswith("| None"):
+                continue
+            expected = kinds.get(kind)
+            wrong_bool = isinstance(value, bool) and kind in ("int", "float")
+            if expected is not None and (not isinstance(value, expected) or wrong_bool):
+                raise ValueError(f"{f.name} must be {_KIND_NAMES[kind]}, got {value!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:  # a checkpoint's int64
+            raise ValueError(f"seed must be in [0, 2^63) or None (draw one), got {self.seed}")
 
     def _check_step_rule(self) -> None:
         """The step's size and schedule."""

@@ -492,8 +492,10 @@ class RunOptions:
         as is whether a resume has something to resume (it reads the run directory)."""
         if not -1 <= self.seed < 2**63:  # a checkpoint holds it as an int64
             raise ValueError(f"--seed must be -1 (draw one) or in [0, 2^63), got {self.seed}")
-        if self.log_every < 0 or self.eval_steps < 0 or self.save_steps < 0:
-            raise ValueError("--log-every, --eval-steps and --save-steps must be >= 0 (0: off)")
+        for name in ("log_every", "eval_steps", "save_steps"):
+            if getattr(self, name) < 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.keep_checkpoints < 0:
             raise ValueError(
                 f"--keep-checkpoints must be >= 0 (0: keep all), got {self.keep_checkpoints}"

@@ -32,6 +32,24 @@ def check_batch(
     if "input_ids" not in batch:
         raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
     ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        described = f"{ids.dim()}-D {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids)
+        raise ValueError(
+            f"input_ids must be a 2-D tensor of token ids (batch x sequence), got {described}"
+        )
+    for name in ("attention_mask", "labels"):
+        other = batch.get(name)
+        if other is not None and (not isinstance(other, torch.Tensor) or other.shape != ids.shape):
+            shape = tuple(other.shape) if isinstance(other, torch.Tensor) else type(other)
+            hint = (
+                "; labels are the input ids themselves (-100 where no loss is taken), which "
+                "the model shifts"
+                if name == "labels"
+                else ""
+            )
+            raise ValueError(
+                f"{name} must have input_ids' shape {tuple(ids.shape)}, got {shape}{hint}"
+            )
     if vocab is not None and ids.device.type == "cpu" and ids.numel():
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:

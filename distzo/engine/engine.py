@@ -189,6 +189,11 @@ class ZOEngine:
         objective: Objective | None = None,
     ) -> None:
         config.validate()
+        if weights is None and any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                "the model's parameters are on the meta device (a skeleton): pass weights= "
+                "(open_checkpoint(path), or RandomWeights(seed) for a random init)"
+            )
         model, self.peft_model = unwrap_peft(model)
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.family = family if family is not None else family_for(model)
@@ -202,6 +207,8 @@ class ZOEngine:
         if run_seed is None:
             run_seed = config.seed if config.seed is not None else secrets.randbits(63)
         self.run_seed = int(run_seed)
+        if not 0 <= self.run_seed < 2**63:  # a checkpoint holds it as an int64
+            raise ValueError(f"run_seed must be in [0, 2^63), got {self.run_seed}")
         self.step_index = 0
         self.updates = UpdateQueue(config)
         self._broken: str | None = None
@@ -336,6 +343,7 @@ class ZOEngine:
         """``measure(runner)`` on the model at its current parameters (the pending update
         applied first, as a flush would): the one pass is ``UNPERTURBED``. Whatever tensors
         it returns are safe to use on the caller's stream."""
+        self._in_eval_mode()
         with self._guard(), torch.no_grad(), self.streams.compute_scope():
             result = measure(StepRunner(self, self.step_index, (UNPERTURBED,)))
         self._hand_to_caller(result)
@@ -374,7 +382,18 @@ class ZOEngine:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
                     leaf.record_stream(caller)
 
+    def _in_eval_mode(self) -> None:
+        """Back in eval mode after a ``model.train()`` since the engine was made: dropout
+        would make the two perturbed passes two functions, and ``g`` noise."""
+        if self.model.training:
+            logger.warning(
+                "the model was in training mode: put back in eval mode (dropout would make "
+                "each pass a different function)"
+            )
+            self.model.eval()
+
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        self._in_eval_mode()
         limit = getattr(self.model.config, "max_position_embeddings", None)
         vocab = self.family.model.get_input_embeddings().weight.shape[0]
         # the prefix's positions come first

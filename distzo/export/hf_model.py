@@ -40,7 +40,7 @@ from distzo.adapters.peft_adapters import (
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
-from distzo.export.out_dir import publish, staging_dir
+from distzo.export.out_dir import check_replaceable, publish, staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +97,17 @@ def export_model(
     tokenizer=None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     merge_adapter: bool = False,
+    overwrite: bool = False,
 ) -> Path | None:
     """The run's ``export/``: the model in the Hugging Face format, or for an adapter run
     the peft adapter (``merge_adapter``: the base with the adapter merged in, a plain
-    model). Collective: call on every rank; returns the directory on rank 0."""
+    model). An existing ``directory`` with files in it is replaced only with ``overwrite``.
+    Collective: call on every rank; returns the directory on rank 0."""
+    check_replaceable(Path(directory), overwrite)
     if engine.peft_model is None:  # a plain model, some of it perhaps frozen: every parameter
-        return export_hf(engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base)
+        return export_hf(
+            engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base, overwrite=True
+        )
     if merge_adapter and engine.prefixes:
         raise ValueError(
             "a prefix cannot be merged into the weights; export the peft adapter "
@@ -110,8 +115,8 @@ def export_model(
         )
     if merge_adapter:
         check_mergeable(engine.peft_model)
-        return export_hf(engine, directory, tokenizer, max_shard_size, merged=True)
-    return export_adapter(engine, directory, tokenizer)
+        return export_hf(engine, directory, tokenizer, max_shard_size, merged=True, overwrite=True)
+    return export_adapter(engine, directory, tokenizer, overwrite=True)
 
 
 def _merged_parameters(engine: ZOEngine, materialize: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,11 +164,14 @@ def export_hf(
     tokenizer=None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     merged: bool = False,
+    overwrite: bool = False,
 ) -> Path | None:
     """Write the flushed model to ``directory`` in the Hugging Face format; returns it on
     rank 0 (None elsewhere). Collective: call on every rank. ``merged``: an adapter run's
-    base with the adapter merged in."""
+    base with the adapter merged in. An existing ``directory`` with files in it is replaced
+    only with ``overwrite``."""
     directory = Path(directory)
+    check_replaceable(directory, overwrite)
     rank0 = _is_rank0()
     shapes = _shapes(engine, merged)
     plan = shard_plan(shapes, max_shard_size)
@@ -213,11 +221,15 @@ def _removed_on_failure(tmp: Path, owner: bool) -> Iterator[None]:
         raise
 
 
-def export_adapter(engine: ZOEngine, directory: Path, tokenizer=None) -> Path | None:
+def export_adapter(
+    engine: ZOEngine, directory: Path, tokenizer=None, overwrite: bool = False
+) -> Path | None:
     """Write the flushed adapter in peft's format (``adapter_config.json`` and
     ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads onto
-    the base model. Collective: call on every rank; returns the directory on rank 0."""
+    the base model (an existing ``directory`` with files in it replaced only with
+    ``overwrite``). Collective: call on every rank; returns the directory on rank 0."""
     directory = Path(directory)
+    check_replaceable(directory, overwrite)
     rank0 = _is_rank0()
     values = dict(engine.stream_parameters(materialize=rank0))
     # A frozen lora_A (lora-fa) is part of the adapter too; it rests with the base.

@@ -40,6 +40,20 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
 
 
+def check_replaceable(directory: Path, overwrite: bool) -> None:
+    """An export from Python replaces an empty folder, or anything with ``overwrite``; a
+    file or a folder with files in it is someone's, refused before any work."""
+    if overwrite or not (directory.exists() or directory.is_symlink()):
+        return
+    if directory.is_dir() and not directory.is_symlink() and not any(directory.iterdir()):
+        return
+    kind = "folder holds files" if directory.is_dir() else "file exists"
+    raise ValueError(
+        f"{directory}: the {kind}; pass overwrite=True to replace it, or export to another "
+        "directory"
+    )
+
+
 def publish(tmp: Path, directory: Path) -> Path:
     """The finished ``<name>.tmp`` becomes ``<name>``: never a half-written output."""
     if directory.is_file() or directory.is_symlink():  # an --out replaced with --overwrite

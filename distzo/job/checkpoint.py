@@ -72,9 +72,10 @@ def _complete(directory: Path) -> list[tuple[int, Path]]:
     ]
 
 
-def latest_checkpoint(directory: Path, most_steps: int | None = None) -> Path | None:
+def latest_checkpoint(directory: str | Path, most_steps: int | None = None) -> Path | None:
     """The completed checkpoint with the highest step (of at most ``most_steps`` steps)."""
-    steps = [(n, p) for n, p in _complete(directory) if most_steps is None or n <= most_steps]
+    complete = _complete(Path(directory))
+    steps = [(n, p) for n, p in complete if most_steps is None or n <= most_steps]
     return max(steps)[1] if steps else None
 
 
@@ -310,8 +311,8 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, engine: ZOEngine, keep: int = 0) -> None:
-        self.directory = directory
+    def __init__(self, directory: str | Path, engine: ZOEngine, keep: int = 0) -> None:
+        self.directory = Path(directory)
         self.engine = engine
         self.keep = keep  # complete checkpoints kept on disk (0: all)
         # Called by rank 0 before a complete checkpoint is renamed into place: the trainer
@@ -374,8 +375,10 @@ class Checkpointer:
                 state[f"{name}/block/{i}"] = block
         return state
 
-    def save(self, asynchronous: bool = True) -> None:
-        """Checkpoint the engine's current state as ``step-<step>``; at most one save in flight."""
+    def save(self, asynchronous: bool = False) -> None:
+        """Checkpoint the engine's current state as ``step-<step>``; at most one save in flight.
+        ``asynchronous``: written by a thread while training goes on, and complete (renamed
+        into place) once ``poll`` finds it done or ``wait`` is called."""
         self.wait()
         step = self.engine.step_index
         final = self.directory / f"step-{step}"

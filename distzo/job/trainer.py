@@ -119,6 +119,7 @@ class Trainer:
         self.eval_after: dict[str, float] | None = None
         self.logs: RunLogs | None = None  # rank 0's
         self.built = False
+        self.closed = False  # its logs closed: a finished or failed run, or close()
 
     # -- building
 
@@ -281,6 +282,11 @@ class Trainer:
         evaluation. ``signals``: a preemption notice or Ctrl-C stops every rank after the
         same step (``Preempted``); a non-finite loss or ``g`` stops every rank at that step,
         which is not kept (``Diverged``)."""
+        if self.closed:
+            raise RuntimeError(
+                f"this Trainer's run is closed after {self.step} steps; make a new Trainer "
+                "(resume=yes goes on from its checkpoint)"
+            )
         self.build()
         if self.env.rank == 0:
             warn_if_nothing_learns(self.config)
@@ -414,13 +420,14 @@ class Trainer:
             self.tokenizer,
             self.job.run.export_shard_size,
             self.job.peft.merge_adapter,
+            overwrite=True,  # the run's own export/, written again by a resumed run
         )
         summary = rank_summary(
             self.engine, self.parallel, self.device, self.job.peft.peft, self.eval_before, after
         )
         (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
+        self.close()
         if self.logs:
-            self.close()
             session = Session(
                 self.start_step, self.step - self.start_step, elapsed, self.meter.tokens
             )
@@ -451,6 +458,7 @@ class Trainer:
                 logger.warning("the checkpoint being written could not be completed: %s", exc)
         if self.logs is not None:
             self.logs.close()
+        self.closed = True
 
     def __enter__(self) -> Trainer:
         return self

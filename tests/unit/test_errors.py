@@ -6,7 +6,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from distzo import ZOConfig, ZOEngine, load_model
 from tests.helpers.launch import train_in_process
-from tests.helpers.models import tiny_opt
+from tests.helpers.models import random_batch, tiny_opt
 
 
 @pytest.mark.parametrize(
@@ -27,6 +27,10 @@ from tests.helpers.models import tiny_opt
         ({"transfer_dtype": "int4"}, "transfer_dtype"),
         ({"compute_dtype": "fp8"}, "compute_dtype"),
         ({"num_queries": 0}, "num_queries"),
+        ({"lr": "1e-3"}, "lr must be a number, got '1e-3'"),  # YAML reads 1e-3 as text
+        ({"num_slots": 2.5}, "num_slots must be a whole number, got 2.5"),
+        ({"dual_forward": 1}, "dual_forward must be True or False"),
+        ({"seed": 2**64 + 5}, "seed must be in \\[0, 2\\^63\\)"),  # once seed 5's noise
     ],
 )
 def test_invalid_options_name_themselves(options, option_named):
@@ -129,6 +133,45 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda b: {**b, "labels": b["input_ids"][:, 1:]}, "labels must have input_ids' shape"),
+        (lambda b: {**b, "labels": b["labels"][:3]}, "labels must have input_ids' shape"),
+        (lambda b: {**b, "attention_mask": b["attention_mask"][:, :-1]}, "attention_mask must"),
+        (lambda b: {"input_ids": b["input_ids"][0]}, "input_ids must be a 2-D tensor"),
+        (lambda b: {"input_ids": b["input_ids"].float()}, "input_ids must be a 2-D tensor"),
+    ],
+)
+def test_a_malformed_batch_is_refused_and_leaves_the_engine_usable(change, message):
+    """Labels of another shape trained silently (or failed inside, leaving the engine
+    unusable, as a 1-D or float input_ids did): refused before anything runs."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0, mode="resident"))
+    batch = random_batch(64, batch=4, pad="left", seed=0)
+    for run in (engine.step, engine.forward):
+        with pytest.raises(ValueError, match=message):
+            run(change(batch))
+    assert engine.step(batch).step == 0
+
+
+def test_a_model_put_in_training_mode_is_stepped_in_eval_mode(caplog):
+    """Dropout (OPT's 0.1) made the two passes two functions: g was noise."""
+    engines = [ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0)) for _ in range(2)]
+    engines[1].model.train()
+    batch = random_batch(64, seed=1)
+    with caplog.at_level("WARNING"):
+        results = [engine.step(batch) for engine in engines]
+    assert results[0].projected_grads == results[1].projected_grads
+    assert not engines[1].model.training and "put back in eval mode" in caplog.text
+
+
+def test_a_meta_model_without_weights_is_one_line():
+    from distzo.models.weights import skeleton
+
+    with pytest.raises(ValueError, match="on the meta device .* pass weights="):
+        ZOEngine(skeleton(tiny_opt().config, torch.float32), ZOConfig(device="cpu", seed=0))
 
 
 def test_engine_refuses_sequences_longer_than_the_model_allows():

@@ -131,3 +131,25 @@ def test_a_checkpoint_and_the_export_round_trip_on_the_device(tmp_path, device):
 def test_an_unreadable_shard_size_is_a_clear_error(size):
     with pytest.raises(ValueError, match="is not a size; write e.g. 5GB"):
         check_shard_size(size)
+
+
+def test_an_export_leaves_a_folder_with_files_unless_asked_to_replace_it(tmp_path):
+    engine = trained(tiny_opt(), steps=1)
+    folder = tmp_path / "my-models"
+    (folder / "other-model").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="the folder holds files; pass overwrite=True"):
+        export_hf(engine, folder)
+    assert (folder / "notes.txt").read_text() == "mine" and not (
+        tmp_path / "my-models.tmp"
+    ).exists()
+    export_hf(engine, folder, overwrite=True)
+    assert (folder / "model.safetensors").is_file() and not (folder / "notes.txt").exists()
+
+
+def test_a_checkpointer_from_python_saves_a_complete_checkpoint_at_once(tmp_path):
+    """save() once left only step-N.tmp unless the caller knew to wait(); a str directory
+    failed inside."""
+    engine = trained(tiny_opt(), mode="resident", steps=2)
+    Checkpointer(str(tmp_path), engine).save()
+    assert latest_checkpoint(str(tmp_path)) == tmp_path / "step-2"

@@ -246,7 +246,8 @@ def test_fzoo_takes_its_own_noise_and_queries_unless_told_otherwise():
             {"threads": -1},
             "--threads must be >= 0 \\(0: cores / local ranks\\), got -1",
         ),
-        ("run", {"save_steps": -1}, "--save-steps must be >= 0"),
+        ("run", {"save_steps": -1}, "^--save-steps must be >= 0 \\(0: off\\), got -1$"),
+        ("run", {"eval_steps": -2}, "^--eval-steps must be >= 0 \\(0: off\\), got -2$"),
         ("run", {"log_sync_steps": 0}, "--log-sync-steps must be >= 1"),
     ],
 )

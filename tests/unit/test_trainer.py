@@ -129,3 +129,10 @@ def test_a_checkpoint_is_published_only_after_the_seed_log_reaches_it(
         trainer.train()
     assert [steps for steps, _ in published] == [3, 6, STEPS]
     assert all(synced >= steps for steps, synced in published), published
+
+
+def test_a_closed_trainer_says_so_when_trained_again(tmp_path):
+    with Trainer(job(tmp_path / "run", "--max-steps", "1")) as trainer:
+        trainer.train()
+    with pytest.raises(RuntimeError, match="run is closed after 1 steps; make a new Trainer"):
+        trainer.train()
