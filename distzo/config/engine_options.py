@@ -14,11 +14,12 @@ from distzo.zo.schedule import SCHEDULES
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
-_KIND_NAMES = {
-    "int": "a whole number",
-    "float": "a number",
-    "str": "a string",
-    "bool": "True or False",
+# an option's annotation -> the Python types it takes, and how an error names them
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "a whole number"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+    "bool": ((bool,), "True or False"),
 }
 
 MODES = ("offload", "resident")
@@ -158,17 +159,15 @@ class ZOConfig:
     def _check_types(self) -> None:
         """Each option of the kind it takes: a number read as text (YAML's ``1e-3``) or a
         count given as a fraction fails here by name, not deep inside the engine."""
-        kinds: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
-        kinds["bool"] = (bool,)
         for f in dataclasses.fields(self):
-            kind = str(f.type).removesuffix(" | None")
+            kind, optional = str(f.type).removesuffix(" | None"), str(f.type).endswith(" | None")
             value = getattr(self, f.name)
-            if value is None and str(f.type).endswith("| None"):
+            if kind not in _KINDS or (value is None and optional):
                 continue
-            expected = kinds.get(kind)
-            wrong_bool = isinstance(value, bool) and kind in ("int", "float")
-            if expected is not None and (not isinstance(value, expected) or wrong_bool):
-                raise ValueError(f"{f.name} must be {_KIND_NAMES[kind]}, got {value!r}")
+            types, named = _KINDS[kind]
+            wrong_bool = isinstance(value, bool) and bool not in types  # True is an int too
+            if not isinstance(value, types) or wrong_bool:
+                raise ValueError(f"{f.name} must be {named}, got {value!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:  # a checkpoint's int64
             raise ValueError(f"seed must be in [0, 2^63) or None (draw one), got {self.seed}")
 

@@ -40,7 +40,9 @@ class LaunchEnv:
             local_rank=_count(env, "LOCAL_RANK", 0),
             local_world_size=local_world_size,
             node_rank=_count(env, "GROUP_RANK", 0),
-            launched=True,
+            # a world of one with no rendezvous address (RANK=0 WORLD_SIZE=1 left in a
+            # shell) is a plain run: it has no group to form
+            launched=world_size > 1 or "MASTER_ADDR" in env,
             max_restarts=_count(env, "TORCHELASTIC_MAX_RESTARTS", 0),
             restart_count=_count(env, "TORCHELASTIC_RESTART_COUNT", 0),
         )

@@ -23,19 +23,26 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def check_batch(
-    batch: Mapping[str, torch.Tensor], limit: int | None, prefix: int, vocab: int | None = None
+    batch: Mapping[str, torch.Tensor],
+    limit: int | None,
+    prefix: int,
+    vocab: int | None = None,
+    dims: int = 2,
 ) -> None:
     """Refuse a batch without token ids, with sequences longer than the model's ``limit``
     of positions once a ``prefix``-token prefix takes the first ones, or (ids on the host:
     no device read) with ids outside a ``vocab``-row embedding, which a lookup in
-    vocabulary slices would not catch: caught here, before any block has been updated."""
+    vocabulary slices would not catch: caught here, before any block has been updated.
+    ``dims``: the objective's ``input_ids`` dimensions (2, batch x sequence; a choice
+    objective's 3, examples x candidate rows x sequence), which its mask and labels share."""
     if "input_ids" not in batch:
         raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
     ids = batch["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+    if not isinstance(ids, torch.Tensor) or ids.dim() != dims or ids.is_floating_point():
         described = f"{ids.dim()}-D {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids)
+        layout = "batch x sequence" if dims == 2 else "examples x candidates x sequence"
         raise ValueError(
-            f"input_ids must be a 2-D tensor of token ids (batch x sequence), got {described}"
+            f"input_ids must be a {dims}-D tensor of token ids ({layout}), got {described}"
         )
     for name in ("attention_mask", "labels"):
         other = batch.get(name)

@@ -264,7 +264,10 @@ class ZOEngine:
         (the CUDA tests hold it to that with the sync debug mode set to "error")."""
         t, cfg = self.step_index, self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
-        self._check_batch(batch)
+        check_objective_batch = getattr(self.objective, "check_batch", None)
+        if check_objective_batch is not None:  # its own keys first (a choice objective's)
+            check_objective_batch(batch)
+        self._check_batch(batch, getattr(self.objective, "batch_dims", 2))  # a choice one's: 3
         num_tokens, _ = count_tokens(batch)
         num_items = self.objective.num_items(batch) if num_items is None else num_items
         if num_items <= 0:
@@ -392,12 +395,13 @@ class ZOEngine:
             )
             self.model.eval()
 
-    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+    def _check_batch(self, batch: Mapping[str, torch.Tensor], dims: int = 2) -> None:
+        """``dims``: ``input_ids``' dimensions (a step's batch: its objective's)."""
         self._in_eval_mode()
         limit = getattr(self.model.config, "max_position_embeddings", None)
         vocab = self.family.model.get_input_embeddings().weight.shape[0]
         # the prefix's positions come first
-        check_batch(batch, limit, self.family.prefix_length, vocab)
+        check_batch(batch, limit, self.family.prefix_length, vocab, dims)
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

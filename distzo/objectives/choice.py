@@ -143,9 +143,14 @@ class _ChoiceObjective(ABC):
     """Scores every candidate of each example, then reads one number off the scores."""
 
     name = ""
+    batch_dims = 3  # input_ids: examples x candidate rows x tokens
 
     def __init__(self, full_head: bool = False) -> None:
         self.full_head = full_head
+
+    def check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """The batch's keys, checked before its shapes (a plain LM batch is named as such)."""
+        check_choice_batch(batch)
 
     def num_items(self, batch: Mapping[str, torch.Tensor]) -> int:
         check_choice_batch(batch)

@@ -102,6 +102,9 @@ def test_launch_env_reads_torchrun_variables():
         rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, launched=True
     )
     assert LaunchEnv.from_environ({}) == LaunchEnv()
+    assert not LaunchEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1"}).launched
+    one = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}  # torchrun's world of one
+    assert LaunchEnv.from_environ(one).launched
 
 
 @pytest.mark.parametrize(
