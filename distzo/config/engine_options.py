@@ -8,19 +8,16 @@ from typing import Any
 
 import torch
 
+from distzo.config.field_types import field_types, is_of_type
 from distzo.zo.estimators import ESTIMATORS, Estimator, Pass, estimator_for
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
-# an option's annotation -> the Python types it takes, and how an error names them
-_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "int": ((int,), "a whole number"),
-    "float": ((int, float), "a number"),
-    "str": ((str,), "a string"),
-    "bool": ((bool,), "True or False"),
-}
+SEED_LIMIT = 2**63  # a checkpoint holds the run seed as an int64
+# how an error names the value type an option takes
+_TYPE_NAMES = {int: "a whole number", float: "a number", str: "a string", bool: "True or False"}
 
 MODES = ("offload", "resident")
 TRANSFERS = ("auto", "naive", "sliced")
@@ -142,7 +139,9 @@ class ZOConfig:
 
     def validate(self) -> None:
         """Every option, each check naming its option and the fix, in a fixed order."""
-        self._check_types()
+        _check_types(self)
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2^63) or None (draw one), got {self.seed}")
         self._check_step_rule()
         self._check_layout()
         self._check_optimizer()
@@ -155,21 +154,6 @@ class ZOConfig:
                 "transfer sliced only applies to mode offload (resident blocks never travel)"
             )
         self.torch_device()  # a malformed device string fails here, not mid-build
-
-    def _check_types(self) -> None:
-        """Each option of the kind it takes: a number read as text (YAML's ``1e-3``) or a
-        count given as a fraction fails here by name, not deep inside the engine."""
-        for f in dataclasses.fields(self):
-            kind, optional = str(f.type).removesuffix(" | None"), str(f.type).endswith(" | None")
-            value = getattr(self, f.name)
-            if kind not in _KINDS or (value is None and optional):
-                continue
-            types, named = _KINDS[kind]
-            wrong_bool = isinstance(value, bool) and bool not in types  # True is an int too
-            if not isinstance(value, types) or wrong_bool:
-                raise ValueError(f"{f.name} must be {named}, got {value!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:  # a checkpoint's int64
-            raise ValueError(f"seed must be in [0, 2^63) or None (draw one), got {self.seed}")
 
     def _check_step_rule(self) -> None:
         """The step's size and schedule."""
@@ -455,6 +439,15 @@ def engine_default(name: str) -> Any:
     """ZOConfig's default of the option ``name``: what a job option the engine shares
     defaults to, so that the default is written once."""
     return next(f.default for f in dataclasses.fields(ZOConfig) if f.name == name)
+
+
+def _check_types(config: ZOConfig) -> None:
+    """Each option of the type it takes: a number read as text (YAML's ``1e-3``) or a count
+    given as a fraction fails here by name, not deep inside the engine."""
+    for name, (kind, optional) in field_types(ZOConfig).items():
+        value = getattr(config, name)
+        if kind in _TYPE_NAMES and not (value is None and optional) and not is_of_type(value, kind):
+            raise ValueError(f"{name} must be {_TYPE_NAMES[kind]}, got {value!r}")
 
 
 def optimizer_record(config: ZOConfig) -> dict:

@@ -21,8 +21,6 @@ import dataclasses
 import difflib
 import logging
 import tomllib
-import types
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,12 +36,14 @@ from distzo.config.engine_options import (
     OPTIMIZER_STATES,
     OPTIMIZERS,
     PERTURB_SCOPES,
+    SEED_LIMIT,
     STATE_DTYPES,
     TRANSFER_DTYPE_NAMES,
     TRANSFERS,
     ZOConfig,
     engine_default,
 )
+from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import inapplicable
 from distzo.dist import LaunchEnv
 from distzo.zo.estimators import estimator_for
@@ -490,7 +490,7 @@ class RunOptions:
         """Intervals and retention. Whether the export's shard size parses and the
         dashboard's package is installed are the job's checks (``distzo.job.validation``),
         as is whether a resume has something to resume (it reads the run directory)."""
-        if not -1 <= self.seed < 2**63:  # a checkpoint holds it as an int64
+        if not -1 <= self.seed < SEED_LIMIT:
             raise ValueError(f"--seed must be -1 (draw one) or in [0, 2^63), got {self.seed}")
         for name in ("log_every", "eval_steps", "save_steps"):
             if getattr(self, name) < 0:
@@ -563,13 +563,9 @@ def _field_types() -> dict[str, type]:
     since each is also a flag."""
     out: dict[str, type] = {}
     for values in JobConfig().sections().values():
-        hints = typing.get_type_hints(type(values))
-        for f in dataclasses.fields(values):
-            hint = hints[f.name]
-            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-                hint = next(a for a in typing.get_args(hint) if a is not type(None))
-            assert f.name not in out, f"option {f.name} appears in two sections"
-            out[f.name] = hint
+        for name, (kind, _) in field_types(type(values)).items():
+            assert name not in out, f"option {name} appears in two sections"
+            out[name] = kind
     return out
 
 
@@ -670,7 +666,7 @@ def _toml_value(section: str, f: dataclasses.Field, value: Any) -> Any:
     bare = f.metadata.get("bare")
     if bare is not None and isinstance(value, bool):
         value = bare if value else "no"
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    if not is_of_type(value, kind):
         raise ValueError(f"--config: [{section}] {f.name} must be a {kind.__name__}, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:  # what the flag's own choices refuse

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from distzo.config.engine_options import ZOConfig
+from distzo.config.engine_options import SEED_LIMIT, ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine import state
 from distzo.engine.batches import check_batch, count_tokens, on_device
@@ -207,7 +207,7 @@ class ZOEngine:
         if run_seed is None:
             run_seed = config.seed if config.seed is not None else secrets.randbits(63)
         self.run_seed = int(run_seed)
-        if not 0 <= self.run_seed < 2**63:  # a checkpoint holds it as an int64
+        if not 0 <= self.run_seed < SEED_LIMIT:
             raise ValueError(f"run_seed must be in [0, 2^63), got {self.run_seed}")
         self.step_index = 0
         self.updates = UpdateQueue(config)
