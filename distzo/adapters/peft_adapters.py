@@ -24,6 +24,7 @@ base never exists whole in memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,19 +158,27 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     return peft_model
 
 
-def _check_linear_targets(peft_model: nn.Module, method: str) -> None:
-    """LoRA on a linear layer only: peft keeps an embedding's factors elsewhere
-    (``lora_embedding_A``), which neither the init nor the merge here reads."""
+def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module, str | None]]:
+    """Each LoRA layer of ``peft_model``: its module name in the base model, the layer it
+    adapts, and that layer's kind when it is not linear (peft keeps an embedding's factors
+    elsewhere, ``lora_embedding_A``, which neither the init nor the merge here reads)."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
     for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer) and not isinstance(module, LoraLinear):
-            kind = type(module.get_base_layer()).__name__
+        if isinstance(module, LoraLayer):
+            base: nn.Module = module.get_base_layer()
+            not_linear = None if isinstance(module, LoraLinear) else type(base).__name__
+            yield name.removeprefix("base_model.model."), base, not_linear
+
+
+def _check_linear_targets(peft_model: nn.Module, method: str) -> None:
+    """LoRA on a linear layer only (``_lora_layers``)."""
+    for name, _, not_linear in _lora_layers(peft_model):
+        if not_linear is not None:
             raise ValueError(
-                f"--lora-targets: {name.removeprefix('base_model.model.')} ({kind}) is not a "
-                f"linear layer; --peft {method} trains LoRA on linear layers only (such as "
-                "q_proj,v_proj)"
+                f"--lora-targets: {name} ({not_linear}) is not a linear layer; --peft {method} "
+                "trains LoRA on linear layers only (such as q_proj,v_proj)"
             )
 
 
@@ -177,9 +186,6 @@ def merge_problem(peft_model: nn.Module) -> str | None:
     """Why the adapter cannot be merged into the base's weights here, with what else to do
     (None: it can be): the merge adds ``scaling * B @ A`` to each LoRA linear's own weight,
     and nothing else."""
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
-
     instead = "export the adapter itself (drop --merge-adapter)"
     config = getattr(peft_model, "peft_config", {}).get(ADAPTER_NAME)
     for option in ("use_dora", "lora_bias", "modules_to_save"):
@@ -188,15 +194,11 @@ def merge_problem(peft_model: nn.Module) -> str | None:
     owners: dict[int, list[str]] = {}
     for name, param in peft_model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name.removeprefix("base_model.model."))
-    for name, module in peft_model.named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        name = name.removeprefix("base_model.model.")
+    for name, base, not_linear in _lora_layers(peft_model):
         leave_out = f"leave {name} out of --lora-targets, or {instead}"
-        if not isinstance(module, LoraLinear):
-            kind = type(module.get_base_layer()).__name__
-            return f"the LoRA on {name} ({kind}) does not merge; {leave_out}"
-        shared = [n for n in owners[id(module.get_base_layer().weight)] if not n.startswith(name)]
+        if not_linear is not None:
+            return f"the LoRA on {name} ({not_linear}) does not merge; {leave_out}"
+        shared = [n for n in owners[id(base.weight)] if not n.startswith(name)]
         if shared:
             return (
                 f"the LoRA on {name} would change {shared[0]} too, which shares its weight "

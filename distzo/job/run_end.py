@@ -65,7 +65,9 @@ def report_run_end(
     """The closed run's curves and summary, and its last log line. ``options``: the
     summary's key options; ``evals``: the evaluation before this session's training (none
     on a resume) and the final one."""
-    curves = draw_run_curves(run_dir, logs)
+    # the whole run's records, read once for the picture and the summary
+    metrics, eval_records = read_records(logs.paths["metrics"]), read_records(logs.paths["eval"])
+    curves = write_curves(run_dir / CURVES, metrics, eval_records)
     steps = session.start_step + session.steps
     files = {
         "checkpoint": latest_checkpoint(run_dir / "checkpoints"),
@@ -75,7 +77,6 @@ def report_run_end(
         "metrics": logs.paths["metrics"],
         "eval_log": logs.paths["eval"],
     }
-    metrics, eval_records = read_records(logs.paths["metrics"]), read_records(logs.paths["eval"])
     record = run_summary(options, steps, session.record(), metrics, eval_records, files)
     summary = write_summary(run_dir / SUMMARY, record)
     before, after = evals
