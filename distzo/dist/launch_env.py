@@ -25,6 +25,8 @@ class LaunchEnv:
         value no launcher writes (not a number, a rank outside the world) is refused in one
         line: it would otherwise wait out --dist-timeout for ranks that never come."""
         env = os.environ if environ is None else environ
+        if "RANK" not in env:
+            _refuse_task_launchers(env)
         if "RANK" not in env or "WORLD_SIZE" not in env:
             return cls()
         world_size = _count(env, "WORLD_SIZE", None)
@@ -56,6 +58,28 @@ class LaunchEnv:
                     "torchrun, which sets them"
                 )
         return launched
+
+
+# Launchers that start the tasks of a job themselves, and the variable holding how many.
+TASK_LAUNCHERS = (
+    ("srun", "SLURM_STEP_NUM_TASKS"),
+    ("mpirun", "OMPI_COMM_WORLD_SIZE"),
+    ("mpirun", "PMI_SIZE"),
+)
+
+
+def _refuse_task_launchers(env: Mapping[str, str]) -> None:
+    """Refuse several tasks started without torchrun (``srun -n 2 python -m distzo.train``):
+    with no RANK each would be a job of one, training alone into the same output."""
+    for launcher, variable in TASK_LAUNCHERS:
+        tasks = env.get(variable, "1")
+        if tasks.isdigit() and int(tasks) > 1:
+            raise ValueError(
+                f"{launcher} started {tasks} tasks ({variable}={tasks}) without torchrun, so "
+                "each would train alone into the same output; start one torchrun agent per "
+                "node (srun --ntasks-per-node=1 torchrun --nproc_per_node=GPUS ..., as "
+                "launch/slurm.sbatch does)"
+            )
 
 
 def _count(env: Mapping[str, str], name: str, default: int | None) -> int:

@@ -131,6 +131,33 @@ def test_launcher_variables_no_launcher_writes_are_one_line_at_once(environ, mes
     assert lines[0].startswith("error: ") and message in lines[0]
 
 
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "srun started 2 tasks"),
+        ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0"}, "mpirun started 4 tasks"),
+        ({"PMI_SIZE": "8", "PMI_RANK": "3"}, "mpirun started 8 tasks"),
+    ],
+)
+def test_tasks_started_without_torchrun_are_refused(environ, message):
+    """Once each task of ``srun -n 2 python -m distzo.train`` trained alone, all writing
+    the same run directory."""
+    with pytest.raises(ValueError, match=message + ".*without torchrun"):
+        LaunchEnv.from_environ(environ)
+    proc = main_in_process("distzo.train", ["--max-steps", "1"], env=environ)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-1000:]
+    assert "torchrun --nproc_per_node" in lines[0]
+
+
+def test_one_task_or_torchrun_under_a_task_launcher_is_a_job():
+    # srun -n 1, or a batch script's own step: one task
+    assert LaunchEnv.from_environ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "8"}) == LaunchEnv()
+    # torchrun started by srun (one agent per node) sets RANK: its ranks are the job's
+    torchrun = {"SLURM_STEP_NUM_TASKS": "2", "RANK": "5", "WORLD_SIZE": "8"}
+    assert LaunchEnv.from_environ(torchrun).rank == 5
+
+
 def test_a_world_of_no_ranks_is_refused():
     with pytest.raises(ValueError, match="a job needs at least one rank, got 0"):
         ParallelDims.resolve(0)
