@@ -263,25 +263,31 @@ def choose_slots(
 ) -> MemoryPlan:
     """The memory plan, with what the job resolves itself where no option says: the
     engine's 3 slots, whole-block perturbation and buffered low-bit masters, unless they
-    do not fit where a fallback does (``device_fallbacks``, said in the log). Recorded in
-    config.toml; where nothing fits, the first plan's refusal (or --force) decides."""
-    first = memory_plan(job, model, data, config, parallel, device)
-    plan = first
-    for candidate, gave_up in device_fallbacks(job, config):
-        if candidate is not config:
-            plan = memory_plan(job, model, data, candidate, parallel, device)
-        try:
-            check_fits(plan, device, parallel.env.local_world_size, force=False)
-        except ValueError:
-            continue
-        for line in gave_up:
-            logger.info(line)
-        config.num_slots, config.low_bit_master = candidate.num_slots, candidate.low_bit_master
-        config.perturb_scope = candidate.perturb_scope
-        break
-    else:
-        plan = first
+    do not fit where a fallback does (``device_fallbacks``, said in the log). Every rank
+    takes the first layout that fits on all of them, so that a GPU with less free memory
+    never leaves its peers on another layout. Recorded in config.toml; where nothing fits,
+    the first plan's refusal (or --force) decides."""
+    tries = device_fallbacks(job, config)
+    plans = [memory_plan(job, model, data, candidate, parallel, device) for candidate, _ in tries]
+    fits = [_fits(plan, device, parallel.env.local_world_size) for plan in plans]
+    if parallel.comm.distributed:
+        fits = [all(each) for each in zip(*parallel.comm.all_gather_object(fits), strict=True)]
+    chosen = fits.index(True) if any(fits) else 0
+    candidate, gave_up = tries[chosen]
+    for line in gave_up:
+        logger.info(line)
+    config.num_slots, config.low_bit_master = candidate.num_slots, candidate.low_bit_master
+    config.perturb_scope = candidate.perturb_scope
     job.offload.num_slots = config.num_slots
     job.offload.low_bit_master = config.low_bit_master
     job.offload.perturb_scope = config.perturb_scope
-    return plan
+    return plans[chosen]
+
+
+def _fits(plan: MemoryPlan, device: torch.device, local_ranks: int) -> bool:
+    """Whether ``plan`` fits this rank's device and its node's host memory."""
+    try:
+        check_fits(plan, device, local_ranks, force=False)
+    except ValueError:
+        return False
+    return True

@@ -279,7 +279,9 @@ def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
 
         return check
 
-    parallel = SimpleNamespace(env=SimpleNamespace(local_world_size=1))
+    parallel = SimpleNamespace(
+        env=SimpleNamespace(local_world_size=1), comm=SimpleNamespace(distributed=False)
+    )
     monkeypatch.setattr(build, "memory_plan", plan_of)
     for budget, chosen in [
         (10, (3, "buffer", "block")),
@@ -307,6 +309,49 @@ def test_the_first_layout_that_fits_is_the_runs(monkeypatch, caplog):
     plan = build.choose_slots(job, None, None, config, parallel, None)
     assert plan.need == 10
     assert (config.num_slots, config.low_bit_master, config.perturb_scope) == (3, "buffer", "block")
+
+
+def test_every_rank_takes_the_first_layout_that_fits_on_all_of_them(monkeypatch):
+    """Once each rank took the first layout fitting its own GPU: a GPU with less free
+    memory ran 2 slots where its peers ran 3, and rank 0 recorded its own choice."""
+    from types import SimpleNamespace
+
+    from distzo.config.job import resolve
+    from distzo.job import build
+
+    def plan_of(job, model, data, config, parallel, device):
+        return SimpleNamespace(
+            need=config.num_slots * 2 + (4 if config.low_bit_master == "buffer" else 0)
+        )
+
+    def fits_under(plan, device, local_ranks, force):
+        if plan.need > 10:  # this rank: everything fits
+            raise ValueError("the run does not fit")
+
+    class PeerLowOnMemory:
+        distributed = True
+
+        def all_gather_object(self, fits):
+            # the peer's GPU fits only the plans of 4 or less: masters rebuilt, 2 slots
+            peer = [plan_need <= 4 for plan_need in needs]
+            return [fits, peer]
+
+    job = resolve(["--transfer-dtype", "bf16"])
+    config = job.engine_config("cpu")
+    needs = [
+        plan_of(None, None, None, c, None, None).need
+        for c, _ in build.device_fallbacks(job, config)
+    ]
+    monkeypatch.setattr(build, "memory_plan", plan_of)
+    monkeypatch.setattr(build, "check_fits", fits_under)
+    parallel = SimpleNamespace(env=SimpleNamespace(local_world_size=1), comm=PeerLowOnMemory())
+    plan = build.choose_slots(job, None, None, config, parallel, None)
+    assert (config.num_slots, config.low_bit_master, config.perturb_scope) == (
+        2,
+        "recompute",
+        "block",
+    )
+    assert job.offload.num_slots == 2 and plan.need == 4
 
 
 def test_a_pass_takes_the_fused_kernel_only_where_it_gives_the_same_bits():
