@@ -11,7 +11,8 @@ block per GPU at that rate):
     naive:     T_up = M / B_h2d                                (every GPU moves the whole block)
     sliced:    T_up(n) = M / (n B_h2d) + (n-1) M / (n B_ag)
     pipelined: T_up(n) = max(a, b) + min(a, b) / c,  a = M/(n B_h2d), b = (n-1)M/(n B_ag)
-               (the slice in c chunks: chunk j's all-gather overlaps chunk j+1's copy)
+               (the slice in c chunks: chunk j's all-gather overlaps chunk j+1's copy;
+               c defaults to the engine's --transfer-chunks, ZOConfig.transfer_chunks)
     offload:   T_off(n) = M / (n B_d2h)
 
 The default B_ag = 360 GB/s is NCCL's all-gather bus bandwidth on 8x H100 with
@@ -24,9 +25,13 @@ import argparse
 import json
 from pathlib import Path
 
+from distzo.bench.arguments import at_least, positive_float
+from distzo.config.engine_options import ZOConfig
 from distzo.models.shapes import OPT_SHAPES
 
 LAYER_WIDTHS = {name: shape[0] for name, shape in OPT_SHAPES.items()}
+# the pieces the engine stripes each rank's slice into (--transfer-chunks): what "pipelined" models
+ENGINE_CHUNKS = ZOConfig.transfer_chunks
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -87,13 +92,22 @@ def main() -> None:
         "--bandwidth", type=Path, default=None, help="a bandwidth.py JSON to take B_h2d/B_d2h from"
     )
     p.add_argument(
-        "--b-h2d", type=float, default=None, help="host->device GB/s (instead of --bandwidth)"
+        "--b-h2d",
+        type=positive_float,
+        default=None,
+        help="host->device GB/s (instead of --bandwidth)",
     )
     p.add_argument(
-        "--b-d2h", type=float, default=None, help="device->host GB/s (instead of --bandwidth)"
+        "--b-d2h",
+        type=positive_float,
+        default=None,
+        help="device->host GB/s (instead of --bandwidth)",
     )
     p.add_argument(
-        "--b-allgather", type=float, default=360.0, help="all-gather bus bandwidth, GB/s"
+        "--b-allgather",
+        type=positive_float,
+        default=360.0,
+        help="all-gather bus bandwidth, GB/s",
     )
     p.add_argument(
         "--shape",
@@ -103,9 +117,13 @@ def main() -> None:
     )
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_BYTES))
     p.add_argument(
-        "--chunks", type=int, default=8, help="chunks of the slice in the pipelined variant"
+        "--chunks",
+        type=at_least(1),
+        default=ENGINE_CHUNKS,
+        help="chunks of the slice in the pipelined variant (default "
+        f"{ENGINE_CHUNKS}: the engine's --transfer-chunks)",
     )
-    p.add_argument("--max-n", type=int, default=8)
+    p.add_argument("--max-n", type=at_least(1), default=8)
     p.add_argument(
         "--out", type=Path, default=None, help="also write the table (Markdown) and JSON here"
     )
