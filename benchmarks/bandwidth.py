@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distzo.bench import BenchReport, Measurement, time_repeated
+from distzo.bench.arguments import at_least, byte_size
 from distzo.dist import Collectives, LaunchEnv
 from distzo.dist import process_group as pg
 from distzo.models.shapes import OPT_SHAPES
@@ -36,14 +37,18 @@ logger = logging.getLogger("bandwidth")
 
 # Hidden sizes d of the models whose layer (12*d^2 parameters) is a default block size.
 LAYER_WIDTHS = {"tiny": 128, **{name: shape[0] for name, shape in OPT_SHAPES.items()}}
-UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 def parse_bytes(text: str) -> int:
-    for unit, scale in UNITS.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
+    """A ``--bytes`` size (``64MB``, ``1GiB``), refused in one line where it is none or
+    holds no fp32 element."""
+    try:
+        size = byte_size(text)
+    except ValueError as exc:
+        raise SystemExit(f"error: --bytes: {exc}") from None
+    if size < 4:
+        raise SystemExit(f"error: --bytes: {text!r} holds no fp32 element (4 bytes)")
+    return size
 
 
 def block_sizes(args: argparse.Namespace, device: torch.device) -> list[tuple[str, int]]:
@@ -251,13 +256,13 @@ def main() -> None:
     p.add_argument(
         "--shapes", default=None, help=f"layer shapes, comma-separated: {', '.join(LAYER_WIDTHS)}"
     )
-    p.add_argument("--bytes", default=None, help="raw fp32 block sizes instead, e.g. 64MB,1GB")
+    p.add_argument("--bytes", default=None, help="raw fp32 block sizes instead, e.g. 64MB,1GB,1GiB")
     p.add_argument(
         "--dtypes", default=None, help="transfer dtypes (default fp32,bf16; quick: fp32,bf16)"
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=at_least(1),
         default=None,
         help="timed repeats per measurement (default 10; quick 3)",
     )
@@ -266,6 +271,9 @@ def main() -> None:
         "--out", default="benchmarks/out/bandwidth.json", help="JSON path; .md and .png beside it"
     )
     args = p.parse_args()
+    if args.bytes:  # before the process group and the first copy
+        for size in args.bytes.split(","):
+            parse_bytes(size)
     args.repeats = args.repeats or (3 if args.quick else 10)
     args.dtypes = args.dtypes or "fp32,bf16"
     env = LaunchEnv.from_environ()

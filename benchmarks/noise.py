@@ -63,6 +63,7 @@ from torch import nn
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement, time_repeated
+from distzo.bench.arguments import at_least
 from distzo.bench.timing import Timer, synchronize
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import tiny_opt_config
@@ -366,33 +367,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="small sizes, 2 repeats: seconds (CI)")
     p.add_argument(
-        "--elements", type=int, default=None, help="bucket size per op (default 16 M; quick 64 k)"
+        "--elements",
+        type=at_least(1),
+        default=None,
+        help="bucket size per op (default 16 M; quick 64 k)",
     )
     p.add_argument(
         "--chunk",
-        type=int,
+        type=at_least(1),
         default=1 << 22,
         help="noise_chunk (the engine default; legacy draws chunks this long)",
     )
     p.add_argument(
-        "--repeats", type=int, default=None, help="timed repeats per op (default 5; quick 2)"
+        "--repeats",
+        type=at_least(1),
+        default=None,
+        help="timed repeats per op (default 5; quick 2)",
     )
     p.add_argument(
         "--skip-torch", action="store_true", help="leave out the torch implementation (slow on CPU)"
     )
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None, help="default 128; quick 16")
+    p.add_argument("--layers", type=at_least(1), default=4)
+    p.add_argument("--batch", type=at_least(1), default=8)
+    p.add_argument("--seq", type=at_least(2), default=None, help="default 128; quick 16")
     p.add_argument(
-        "--steps", type=int, default=None, help="timed steps per path (default 5; quick 2)"
+        "--steps", type=at_least(1), default=None, help="timed steps per path (default 5; quick 2)"
     )
     p.add_argument("--mode", default="resident", choices=["resident", "offload"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument(
+        "--threads", type=at_least(1), default=None, help="CPU threads (default: torch's)"
+    )
     p.add_argument(
         "--lowrank", action="store_true", help="also time LOZO's low-rank noise (path lowrank)"
     )
-    p.add_argument("--lozo-rank", type=int, default=2, help="the low-rank noise's rank")
-    p.add_argument("--lowrank-cols", type=int, default=768, help="the width of the ops' matrices")
+    p.add_argument("--lozo-rank", type=at_least(1), default=2, help="the low-rank noise's rank")
+    p.add_argument(
+        "--lowrank-cols", type=at_least(1), default=768, help="the width of the ops' matrices"
+    )
     p.add_argument(
         "--warps",
         default="",
@@ -415,7 +426,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ops: no op {', '.join(unknown)}; pick from {', '.join(BYTES)} or step")
     args.with_step = "step" in args.ops
     args.ops = [op for op in args.ops if op != "step"]
-    args.warps = [int(w) for w in args.warps.split(",") if w]
+    try:
+        args.warps = [at_least(1)(w) for w in args.warps.split(",") if w]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--warps: {exc}")
     args.elements = args.elements or (1 << 16 if args.quick else 1 << 24)
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.steps = args.steps or (2 if args.quick else 5)

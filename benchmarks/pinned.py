@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from distzo.bench import BenchReport, Measurement
+from distzo.bench.arguments import at_least
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import bucket_layouts
 from distzo.job.memory_plan import plan_memory
@@ -65,7 +66,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shape", default="opt-13b", choices=SHAPES)
-    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--layers", type=at_least(1), default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/pinned.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -50,6 +50,7 @@ from transformers import PretrainedConfig
 from distzo import ZOConfig, ZOEngine
 from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.bench import BenchReport, Measurement
+from distzo.bench.arguments import at_least
 from distzo.bench.phases import block_phases
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
@@ -643,18 +644,27 @@ def parse_args() -> argparse.Namespace:
         choices=SHAPE_NAMES,
         help="model shape (default tiny if --quick, else opt-1.3b)",
     )
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (memory)")
-    p.add_argument("--batch", type=int, default=None, help="global batch (default 8; quick 4)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 512; quick 32)")
+    p.add_argument(
+        "--layers", type=at_least(1), default=None, help="override the layer count (memory)"
+    )
+    p.add_argument(
+        "--batch", type=at_least(1), default=None, help="global batch (default 8; quick 4)"
+    )
+    p.add_argument(
+        "--seq", type=at_least(2), default=None, help="sequence length (default 512; quick 32)"
+    )
     p.add_argument(
         "--sweep", default=None, help="batch x seq points instead, e.g. 1x128,4x512,16x512"
     )
     p.add_argument(
-        "--steps", type=int, default=None, help="timed steps per layout (default 5; quick 2)"
+        "--steps",
+        type=at_least(1),
+        default=None,
+        help="timed steps per layout (default 5; quick 2)",
     )
     p.add_argument(
         "--slots",
-        type=int,
+        type=at_least(1),
         default=3,
         help="device slots of the overlapped offload "
         "(default 3, the engine's; 2 is measured beside it)",
@@ -662,7 +672,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument(
         "--num-queries",
-        type=int,
+        type=at_least(1),
         default=None,
         help="directions per step (n-SPSA): 2 passes each per uploaded block, "
         "so transfers weigh less (default 1; 4 with --compare-adapters)",
@@ -688,7 +698,10 @@ def parse_args() -> argparse.Namespace:
         help="--optimizers: the stored moments' format at rest and on the link",
     )
     p.add_argument(
-        "--threads", type=int, default=1, help="CPU threads per rank (the same for every layout)"
+        "--threads",
+        type=at_least(1),
+        default=1,
+        help="CPU threads per rank (the same for every layout)",
     )
     p.add_argument(
         "--skip-resident", action="store_true", help="when the model does not fit the device"
@@ -728,7 +741,7 @@ def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--eval-batch",
-        type=int,
+        type=at_least(1),
         default=None,
         help="--compare-head: evaluation rows (default 64; quick 8)",
     )

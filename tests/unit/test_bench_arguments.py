@@ -35,3 +35,49 @@ def test_the_projection_refuses_a_count_or_rate_out_of_range(monkeypatch, capsys
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"model.py: error: argument {flag.split()[0]}: must be")
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        ("bandwidth", ["--quick", "--repeats", "-1"], "argument --repeats: must be >= 1, got -1"),
+        ("bandwidth", ["--quick", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        ("bandwidth", ["--quick", "--bytes", "64M"], "--bytes: '64M' is not a size"),
+        ("bandwidth", ["--quick", "--bytes", "2"], "--bytes: '2' holds no fp32 element"),
+        ("throughput", ["--quick", "--steps", "-1"], "argument --steps: must be >= 1, got -1"),
+        ("throughput", ["--quick", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        ("throughput", ["--quick", "--slots", "0"], "argument --slots: must be >= 1, got 0"),
+        ("throughput", ["--quick", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
+        ("throughput", ["--quick", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        ("noise", ["--quick", "--repeats", "-1"], "argument --repeats: must be >= 1, got -1"),
+        ("noise", ["--quick", "--elements", "-5"], "argument --elements: must be >= 1, got -5"),
+        ("noise", ["--quick", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        ("noise", ["--quick", "--warps", "4,x"], "--warps: 'x' is not an integer"),
+    ],
+)
+def test_a_bad_count_is_one_line_before_any_measurement(monkeypatch, capsys, script, argv, message):
+    """A count of 0 or less was taken for the default (0) or failed after the first
+    measurements with a traceback (-1: no median of no samples)."""
+    with benchmark_script(script) as module, pytest.raises(SystemExit) as exit_info:
+        entry = module.parse_args if hasattr(module, "parse_args") else module.main
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+        entry()
+    assert exit_info.value.code not in (0, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    text = str(exit_info.value.code) if isinstance(exit_info.value.code, str) else err[-1]
+    assert message in text and "Traceback" not in "\n".join(err)
+
+
+def test_sizes_read_decimal_and_binary_units():
+    from distzo.bench.arguments import byte_size
+
+    assert [byte_size(t) for t in ("64MB", "1GB", "1GiB", "4096", "1.5kb")] == [
+        64 * 10**6,
+        10**9,
+        2**30,
+        4096,
+        1500,
+    ]
+    for bad in ("64M", "1 TB", "-3MB", "", "GB"):
+        with pytest.raises(ValueError, match="is not a size"):
+            byte_size(bad)
