@@ -5,9 +5,10 @@ against what PyTorch's caching host allocator (``pin_memory=True``) would lock.
     python benchmarks/pinned.py --shape opt-1.3b --layers 4
 
 The engine's host store (``StreamedBlocks``, fp32 on the wire, one rank) is built for
-the shape's layouts and the process's locked memory is read before and after
-(``VmLck + VmPin`` from /proc/self/status), then the same byte count is allocated with
-``torch.empty(..., pin_memory=True)`` and read again. Report: benchmark "memory".
+the shape's layouts and the process's resident memory (``VmRSS`` from /proc/self/status:
+pinned pages are resident) is read before and after, then the same byte count is
+allocated with ``torch.empty(..., pin_memory=True)`` and read again; the rise of
+``VmLck`` and ``VmPin`` is reported beside it. Report: benchmark "memory".
 """
 
 from __future__ import annotations

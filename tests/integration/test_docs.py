@@ -154,3 +154,15 @@ def test_the_quoted_figures_of_the_default_job_start_where_a_real_run_starts(tmp
     assert {before for pairs in quoted.values() for before, _ in pairs} == {start}
     end = quoted["README.md"][0][1]
     assert all(end in (ROOT / name).read_text() for name in QUOTING[1:]), end
+
+
+@pytest.mark.parametrize("script", ["pinned", "noise"])
+def test_the_benchmark_readme_names_each_fixed_derived_figure_a_script_writes(script):
+    """The derived names a script writes under a fixed key are the ones its section of
+    benchmarks/README.md gives (pinned.py's were renamed and the README kept the old)."""
+    source = (ROOT / "benchmarks" / f"{script}.py").read_text()
+    written = set(re.findall(r'derived\[\s*"([a-z_0-9]+)"\s*\]', source))
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    section = readme.split(f"## {script}.py", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z0-9]+(?:_[a-z0-9]+)+_over_[a-z_0-9]+)`", section))
+    assert named <= written, f"{script}.py writes none of {sorted(named - written)}"
