@@ -65,7 +65,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
-git rev-parse --short HEAD 2>/dev/null || true
+git rev-parse --short HEAD 2>/dev/null && git status --short 2>/dev/null | head -20 || true  # the changes HEAD lacks
 free -g | head -2 || true
 
 ZO2_ARGS=()  # the ZO2 peer of benchmarks/peers.py, where it was carried

@@ -5,7 +5,8 @@ Schema (version 1), checked by ``validate_report``::
     {
       "schema_version": 1,
       "benchmark": "bandwidth" | "throughput" | "learning" | "memory" | "peers",
-      "created": ISO-8601 time, "commit": git hash or "unknown",
+      "created": ISO-8601 time,
+      "commit": git hash ("-dirty" after it: the tree differed from it) or "unknown",
       "device": "NVIDIA H100 80GB HBM3" | "cpu (N threads)", "torch": version,
       "world_size": int, "command": the command line,
       "measurements": [
@@ -69,21 +70,26 @@ class Measurement:
         )
 
 
-def git_commit() -> str:
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """``git args`` in ``root``: its output, stripped; None where git fails or is missing."""
     try:
-        root = Path(__file__).resolve().parents[2]
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=root,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or "unknown"
-        )
+        proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def git_commit(root: Path = ROOT) -> str:
+    """HEAD's short hash, with ``-dirty`` where the tree that ran is not HEAD's (changes
+    to tracked files, or files git does not ignore): a copied working tree that kept an
+    older HEAD must not pass its figures off as that commit's; "unknown" outside git."""
+    head = _git(root, "rev-parse", "--short", "HEAD")
+    if not head:
         return "unknown"
+    return head + ("-dirty" if _git(root, "status", "--porcelain") else "")
 
 
 @dataclass
