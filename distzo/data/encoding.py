@@ -102,9 +102,22 @@ class PromptEncoder:
             rows.append(tuple(ids))
         return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
 
+    def check_room(self, room: int) -> None:
+        """A prompt to decode from keeps its leading special tokens and one token of its
+        own, so ``room`` new tokens fit only below ``max_length`` less those: past it the
+        slots would run off the model's positions, mid-run."""
+        most = self.max_length - self.lead - 1
+        if room > most:
+            raise ValueError(
+                f"--max-new-tokens {room} leaves no room for a prompt in {self.max_length} "
+                f"token positions (--max-length, or the model's); give --max-new-tokens "
+                f"{most} or less, or raise --max-length"
+            )
+
     def encode_prompt(self, prompt: str, room: int) -> list[int]:
         """A prompt to decode from, cut from the left to leave ``room`` new tokens."""
-        return self._keep(self._ids(prompt), max(self.max_length - room, self.lead + 1))
+        self.check_room(room)
+        return self._keep(self._ids(prompt), self.max_length - room)
 
     def answer(self, ids: Sequence[int]) -> str:
         """Generated tokens as text, up to the first end-of-sequence token (where MeZO's

@@ -163,6 +163,8 @@ class PromptData:
         self.kind = TASKS[rows.task].kind
         self.objective = objective or default_objective(rows.task)
         check_objective(rows.task, self.objective)
+        if self.kind == "generation":  # before any prompt is encoded or model run
+            encoder.check_room(max_new_tokens)
         self.train_examples: list[Example] = rows.train
         self.eval_examples: list[Example] = rows.eval
         self.encoder, self.eval_batch_size, self.max_new_tokens = (

@@ -431,3 +431,25 @@ def test_a_prefix_adapters_virtual_tokens_leave_room_in_the_models_positions(tmp
         "5-token prefix; lower --max-length"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_answer_room_past_the_positions_is_refused_before_any_decoding(tmp_path):
+    """A prompt to decode from keeps its leading </s> and one token: 32 positions leave
+    room for 30 new tokens, and 31 would have run off the model's positions mid-run."""
+    from distzo.data.task_data import PromptData
+    from distzo.job.evaluation import evaluate_generation
+
+    row = {"title": "T", "context": "a long context " * 5, "question": "Q?", "answers": ["x"]}
+    data = write_jsonl(tmp_path / "squad.jsonl", [row, row])
+    loaded = load_task_rows("squad", data, data)
+    encoder = PromptEncoder(byte_tokenizer(), max_length=32)
+    with pytest.raises(
+        ValueError, match="--max-new-tokens 31 leaves no room .* give --max-new-tokens 30 or less"
+    ):
+        PromptData(loaded, encoder, seed=0, eval_batch_size=2, max_new_tokens=31)
+    PromptData(loaded, encoder, seed=0, eval_batch_size=2, max_new_tokens=30)
+    assert len(encoder.encode_prompt(loaded.eval[0].prompt, 30)) == 2
+    model = tiny_opt(seed=3, vocab_size=len(encoder.tokenizer), max_position_embeddings=32)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0))
+    metrics = evaluate_generation(engine, loaded.eval, encoder, ParallelContext.single(), 2, 30)
+    assert set(metrics) == {"eval_f1", "eval_exact_match"}
