@@ -137,6 +137,11 @@ class TextData:
         self.eval_set = encoder.collate(
             [(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)]
         )
+        if not (self.eval_set["labels"][:, 1:] != -100).any():  # the metrics' denominator
+            raise ValueError(
+                "--eval-file: no row has a next token to predict (a row needs two tokens or "
+                "more after tokenization); give longer rows"
+            )
         self.eval_batch_size = eval_batch_size
         self.longest = max(
             max(len(ids) for ids, _ in self.train.sequences), self.eval_set["input_ids"].shape[1]

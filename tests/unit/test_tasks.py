@@ -453,3 +453,15 @@ def test_answer_room_past_the_positions_is_refused_before_any_decoding(tmp_path)
     engine = ZOEngine(model, ZOConfig(device="cpu", seed=0))
     metrics = evaluate_generation(engine, loaded.eval, encoder, ParallelContext.single(), 2, 30)
     assert set(metrics) == {"eval_f1", "eval_exact_match"}
+
+
+def test_a_text_evaluation_file_with_no_token_to_predict_is_a_clear_error(tmp_path):
+    """Empty rows (or one-token rows) leave the metrics nothing to average over: the
+    evaluation divided by zero after the model was built."""
+    from distzo.data.task_data import TextData
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": "some words"}])
+    empty = write_jsonl(tmp_path / "eval.jsonl", [{"text": ""}, {"text": ""}])
+    encoder = PromptEncoder(byte_tokenizer(), max_length=32)
+    with pytest.raises(ValueError, match="--eval-file: no row has a next token to predict"):
+        TextData(load_task_rows("text", train, empty), encoder, seed=0, eval_batch_size=2)
