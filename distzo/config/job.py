@@ -136,7 +136,11 @@ class DataOptions:
     max_new_tokens: int = option(
         16, "greedy decoding length when evaluating generation tasks (squad)"
     )
-    eval_batch_size: int = option(64, "sequences in the evaluation set")
+    eval_batch_size: int = option(
+        64,
+        "sequences per evaluation forward call over all ranks; the whole --eval-file is "
+        "evaluated (counting: also the size of its generated evaluation set)",
+    )
 
     def validate(self) -> None:
         """Sizes only: the task and its files are checked when the job loads the rows."""

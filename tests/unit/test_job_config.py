@@ -109,6 +109,13 @@ def test_help_documents_every_option_with_its_default():
     assert "(default: None)" not in flat  # a None default is explained by the option's own text
 
 
+def test_eval_batch_size_help_says_it_sizes_a_call_not_the_evaluation_set():
+    """It read "sequences in the evaluation set": true of counting only; a file task
+    evaluates every row of its --eval-file, this many per forward call."""
+    flat = " ".join(build_parser().format_help().split())
+    assert "sequences per evaluation forward call over all ranks; the whole --eval-file" in flat
+
+
 EXAMPLES = sorted(Path(__file__).parents[2].joinpath("launch", "configs").glob("*.toml"))
 KEY_LINE = re.compile(r"^(\w+) = [^#]*?(#.*)?$")
 
