@@ -187,14 +187,15 @@ def evaluate_lm(
     full_head: bool = False,
 ) -> dict[str, float]:
     """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded over the
-    ranks and scored ``batch_size`` rows per forward call over all of them (this rank's
-    whole share in one call when None)."""
-    rows = list(_share(batch["input_ids"].shape[0], parallel))
-    world = parallel.env.world_size
-    batch_size = rows_per_call(batch_size, world) if batch_size else max(len(rows), 1)
+    ranks and scored ``batch_size`` rows per forward call over all of them (the whole batch
+    in one call when None: one call per rank, the largest share's rows, so that a rank with
+    a smaller share does not make a second call its peers do not)."""
+    sequences = batch["input_ids"].shape[0]
+    rows = list(_share(sequences, parallel))
+    batch_size = rows_per_call(batch_size or sequences, parallel.env.world_size)
     loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
     count = 0
-    for call in range(_calls(batch["input_ids"].shape[0], batch_size, parallel)):
+    for call in range(_calls(sequences, batch_size, parallel)):
         chunk = rows[call * batch_size : (call + 1) * batch_size]
         shard = {
             k: v[chunk or rows[:1] or [0]] for k, v in batch.items()

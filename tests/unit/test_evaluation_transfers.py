@@ -10,7 +10,7 @@ import pytest
 from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder, PromptTrainData
 from distzo.data.templates import TASKS, build_examples
-from distzo.dist import ParallelContext
+from distzo.dist import LaunchEnv, ParallelContext
 from distzo.job.evaluation import evaluate_choices, evaluate_generation, evaluate_lm
 from distzo.models.tiny import byte_tokenizer
 from tests.helpers.models import tiny_opt
@@ -86,3 +86,31 @@ def test_choice_and_lm_evaluation_upload_once_per_call_and_offload_only_a_pendin
     assert set(counts.offloads.values()) == {
         1
     }  # the first call applies the update and writes it back, once
+
+
+class RankOf:
+    """Rank ``rank`` of ``world`` as the evaluation sees it, its sums not reduced (a
+    stand-in: no process group)."""
+
+    def __init__(self, rank, world):
+        self.env = LaunchEnv(rank=rank, world_size=world)
+
+    def sum_to_host(self, values):
+        return [float(v) for v in values]
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_every_rank_makes_as_many_lm_forward_calls_as_its_peers(batch_size):
+    """Each forward under the sliced transfer is a collective: with 3 rows over 2 ranks
+    and no batch size, the rank of one row made a second call (2 against 1) and hung."""
+    engine, encoder = engine_and_encoder()
+    examples = build_examples(
+        TASKS["sst2"], [{"sentence": f"s {i}", "label": 1} for i in range(3)], "x"
+    )
+    batch = PromptTrainData(examples, encoder, seed=0).batch(3, 0)
+    counts, calls = Counting(engine), []
+    for rank in (0, 1):  # shares of 2 rows and 1
+        counts.uploads.clear()
+        evaluate_lm(engine, batch, RankOf(rank, 2), batch_size=batch_size)
+        calls.append(counts.uploads[0])
+    assert calls == ([1, 1] if batch_size is None else [2, 2])  # 2 rows: 1 per rank per call
