@@ -18,10 +18,10 @@ def normalize_answer(text: str) -> str:
 
 
 def f1_score(prediction: str, gold: str) -> float:
+    """Token F1 as SQuAD v1.1's script and MeZO score it: no token in common is 0, also
+    where both sides normalise to nothing (v2.0 would give 1 there, as exact match does)."""
     predicted, truth = normalize_answer(prediction).split(), normalize_answer(gold).split()
     common = sum((collections.Counter(predicted) & collections.Counter(truth)).values())
-    if not predicted or not truth:
-        return float(predicted == truth)
     if common == 0:
         return 0.0
     precision, recall = common / len(predicted), common / len(truth)

@@ -272,6 +272,10 @@ def test_squad_metrics():
     assert exact_match("The Dog!", "dog") == 1.0
     assert f1_score("a big dog", "the dog") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
     assert f1_score("cat", "dog") == 0.0
+    # SQuAD v1.1's script and MeZO: nothing in common is 0, also when both normalise to
+    # nothing; exact match still counts them equal
+    assert f1_score("", "the") == f1_score("a", "The.") == 0.0
+    assert exact_match("a", "The.") == 1.0
 
 
 def write_jsonl(path, rows):
