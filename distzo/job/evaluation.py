@@ -6,7 +6,8 @@ examples and the sums are added up, so the metric covers the whole set once.
 candidate set under a choice task), the rows the memory plan counts (``planned_rows``).
 Every rank makes the same number of forward calls (a rank short of work repeats a
 spare batch): under the sliced transfer each forward's uploads are collectives.
-Results stay on the device until the end of the evaluation; the LM head runs only at
+Scores and sums stay on the device until the end of the evaluation (a generation task
+reads its tokens back once per batch, to decode and score them); the LM head runs only at
 the positions a metric reads.
 
 * classification / multiple choice: each candidate continuation scored by its mean
