@@ -556,11 +556,13 @@ def round_bf16_kernel(
 @triton.jit
 def rounded_bf16(x, word):
     """x (float32) rounded stochastically to bfloat16 with its 32-bit uniform lane ``word``:
-    the top 16 bits added to the float's pattern, the low 16 cut (saturating)."""
-    x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
-    bits = (x.to(tl.int32, bitcast=True) + (word >> 16).to(tl.int32)) & -65536
-    rounded = bits.to(tl.float32, bitcast=True)
-    return tl.minimum(tl.maximum(rounded, -BF16_MAX), BF16_MAX).to(tl.bfloat16)
+    the top 16 bits added to the float's pattern, the low 16 cut (saturating). A NaN stays
+    NaN, as in the reference (Triton's min and max return the operand that is not NaN: the
+    clamps alone would make it the largest finite value)."""
+    clamped = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
+    bits = (clamped.to(tl.int32, bitcast=True) + (word >> 16).to(tl.int32)) & -65536
+    rounded = tl.minimum(tl.maximum(bits.to(tl.float32, bitcast=True), -BF16_MAX), BF16_MAX)
+    return tl.where(x != x, x, rounded).to(tl.bfloat16)
 
 
 @triton.jit
@@ -727,8 +729,10 @@ def rounded_low_bit(
     / 2^24, is (word >> 8) < dist * 2^(24 - SHIFT) in integers. A subnormal one, in units
     of the smallest subnormal, is y exactly: its nearest integer (ties to even) and p =
     |y - nearest| exactly. The neighbour's sign is x's unless it is 0, which the rule's
-    order key makes +0 (a nearest 0 keeps x's sign)."""
+    order key makes +0 (a nearest 0 keeps x's sign). A NaN is the format's NaN ``SIGN - 1``
+    (all exponent and mantissa bits set), as in the reference, not the clamp's -LIMIT."""
     SHIFT: tl.constexpr = 23 - MANTISSA
+    nan = x != x
     x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
     negative = x.to(tl.int32, bitcast=True) < 0  # -0.0 too: its nearest is -0
     a = tl.abs(x)
@@ -749,8 +753,9 @@ def rounded_low_bit(
     step = tl.where(normal, tl.where(down, -1, 1), tl.where(off < 0, -1, 1))
     picked = tl.where(normal, picked, u < tl.abs(off))
     other = code + step
-    return tl.where(
+    rounded = tl.where(
         picked,
         tl.where(negative & (other > 0), other - SIGN, other),
         tl.where(negative, code - SIGN, code),
     )
+    return tl.where(nan, SIGN - 1, rounded)

@@ -443,6 +443,25 @@ for dtype, (low, high) in SPREAD.items():
     round_keyed_(wire_cpu, values, rounding, 100, 5100, 7, 1 << 40)
     assert launches.count == 1, (dtype, launches.count)
     assert torch.equal(wire.view(as_int), wire_cpu.view(as_int)), dtype
+# A NaN (a diverged master) rounds to NaN, as in the reference, through the round kernels
+# and the write-back of a block at rest (one term and two: both kernels): Triton's min and
+# max return the operand that is not NaN, so a bare clamp writes the format's -max instead.
+nan_values = torch.tensor([float("nan"), -float("nan"), 1.5, -float("inf"), 0.0])
+nan_key = rounding.key(7, 1 << 40)
+for dtype in SPREAD:
+    dst, expected = torch.empty(5, dtype=dtype), torch.empty(5, dtype=dtype)
+    triton_noise.round_stochastic(dst, nan_values, 3, nan_key)
+    round_stochastic_(expected, nan_values, rounding.reference(3, 8, nan_key))
+    torch.testing.assert_close(dst.float(), expected.float(), rtol=0, atol=0, equal_nan=True)
+nan_source = NoiseSource(3, 1000, torch.device("cpu"), torch.float32)
+for rest_dtype, queries in itertools.product(triton_noise.REBUILDS_FROM, (1, 2)):
+    piece = nan_values.to(rest_dtype)
+    nan_keys = [nan_source.key(6, 5, q) for q in range(queries)]
+    triton_noise.rebuild_round(
+        piece, 0, 5, 0.999, nan_keys, [1e-3] * queries, nan_key, "gaussian", table
+    )
+    assert piece.isnan().tolist() == [True, True, False, False, False], (rest_dtype, queries)
+
 # rebuild_perturb: a 16-bit block at rest upcast, updated and perturbed in registers, the
 # master never stored: the bits of the ops it stands for (the upcast copy, update, perturb),
 # from bf16 and fp16, into every scratch format, the decay ending inside the block, with the
