@@ -14,6 +14,8 @@ import importlib.util
 
 import torch
 
+from distzo.zo.gaussian_table import TABLE_SIZE
+
 KINDS = {"gaussian": 0, "rademacher": 1, "uniform": 2}
 
 
@@ -40,16 +42,31 @@ def available() -> bool:
     return _library() is not None
 
 
+def _is_float32_on_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 def fill(
     out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor | None
 ) -> None:
-    """``out`` (contiguous float32 on the CPU) <- the draws of elements [start, start + len)."""
-    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+    """``out`` (contiguous float32 on the CPU) <- the draws of elements [start, start + len).
+    ``table`` (the Gaussian table, read by C through a bare pointer) only for ``gaussian``:
+    refused here, not dereferenced there, where it is missing or not the table's shape."""
+    if not _is_float32_on_cpu(out):
         raise ValueError("the C noise kernel fills contiguous float32 CPU tensors")
+    if kind not in KINDS:
+        raise ValueError(f"noise draw must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "gaussian" and (
+        table is None or not _is_float32_on_cpu(table) or table.numel() != TABLE_SIZE
+    ):
+        raise ValueError(
+            f"gaussian draws read the Gaussian table: pass gaussian_table() ({TABLE_SIZE} "
+            "contiguous float32 values on the CPU)"
+        )
     library = _library()
     if library is None:
         raise RuntimeError("the C noise kernel was not built (see available())")
-    table_pointer = table.data_ptr() if table is not None else None
+    table_pointer = table.data_ptr() if table is not None and kind == "gaussian" else None
     library.distzo_philox_fill(
         out.data_ptr(), start, out.numel(), key[0], key[1], KINDS[kind], table_pointer
     )

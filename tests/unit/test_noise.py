@@ -164,6 +164,19 @@ def test_the_c_kernel_equals_the_torch_implementation_bit_for_bit(kind, distribu
             ), (start, stop)
 
 
+@pytest.mark.skipif(not fast_noise.available(), reason="the C noise kernel was not built")
+def test_the_c_kernel_refuses_a_gaussian_fill_without_the_table():
+    # C reads the table through a bare pointer: a short one read past its end, None crashed
+    out = torch.empty(8)
+    for table in (torch.zeros(4), gaussian_table().double(), None):
+        with pytest.raises(ValueError, match="gaussian draws read the Gaussian table"):
+            fast_noise.fill(out, 0, (1, 2), "gaussian", table)
+    with pytest.raises(ValueError, match="noise draw must be one of"):
+        fast_noise.fill(out, 0, (1, 2), "normal", gaussian_table())
+    fast_noise.fill(out, 0, (1, 2), "rademacher", None)  # +-1 and uniforms need no table
+    assert set(out.tolist()) <= {-1.0, 1.0}
+
+
 def test_the_definition_of_z_is_the_table_at_the_reference_bits():
     src = NoiseSource(3, 333, torch.device("cpu"), torch.float32)
     key = src.key(2, 5)
