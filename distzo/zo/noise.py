@@ -100,6 +100,13 @@ def add_scaled(out: torch.Tensor, x: torch.Tensor, z: torch.Tensor, alpha: float
     out.copy_(torch.add(x.float(), z.float(), alpha=triton_noise.as_operand(alpha, x.dtype)))
 
 
+def _refuse_short(out: torch.Tensor, n: int, what: str) -> None:
+    """Refuse an output of fewer than ``n`` elements before any work: a fused kernel would
+    write past its end (torch's chunked ops would resize a view over what follows)."""
+    if out.numel() < n:
+        raise ValueError(f"{what} holds {out.numel()} elements, fewer than the {n} it is given")
+
+
 class NoiseSource:
     """Fills chunks of z (or of uniform draws) on one device, reusing one workspace.
 
@@ -248,7 +255,10 @@ class NoiseSource:
         """The perturbation and the update as one kernel each for this master: ``fuses``,
         or a model held in fp16 or bf16 (its out of its dtype), whose kernels round as
         the chunked path does (``add_scaled``'s rule: z and alpha in its dtype, each op's
-        float32 result rounded to it): the same bits."""
+        float32 result rounded to it): the same bits. ``out`` contiguous (the kernel
+        writes its elements in order)."""
+        if out is not None and not out.is_contiguous():
+            return False
         return self.fuses(theta) or (
             self._triton
             and theta.dtype in triton_noise.LOW_BIT_MASTERS
@@ -263,6 +273,7 @@ class NoiseSource:
         format (bf16, fp16, fp8) in one fused kernel, where there is one (CUDA with Triton,
         uniform draws of a portable kind, float32 source): True if it ran. Otherwise the
         caller rounds chunk by chunk with ``chunks`` (the same result, bit for bit)."""
+        _refuse_short(dst, src.numel(), "the rounding's destination")
         fused = (
             self.distribution == "uniform"
             and self._triton
@@ -291,6 +302,7 @@ class NoiseSource:
         ``theta`` holds elements ``[start, start + n)`` of a bucket of ``total`` elements
         (the whole bucket by default), and takes their z."""
         n = theta.numel()
+        _refuse_short(out, n, "the perturbation's out")
         if scale == 0.0:
             out[:n].copy_(theta)
             return
@@ -329,6 +341,7 @@ class NoiseSource:
         (CUDA with Triton, a portable kind, a bf16 or fp16 block at rest): True if it ran.
         Otherwise the caller rebuilds the master and perturbs it (the same result).
         ``at_rest`` holds the block's elements [start, start + n) and takes their z."""
+        _refuse_short(out, at_rest.numel(), "the rebuilt perturbation's out")
         fused = (
             self.fuses()  # CUDA, Triton, a kind drawn element by element
             and at_rest.dtype in triton_noise.REBUILDS_FROM

@@ -77,6 +77,29 @@ def test_bad_ranges_and_chunks_are_refused():
         list(src.chunks(0, 9, 8, 0, 0))
 
 
+def test_an_output_shorter_than_its_input_is_refused_before_any_write():
+    from distzo.offload.low_bit import round_keyed_
+
+    src = NoiseSource(0, 4, torch.device("cpu"), torch.float32)
+    buffer = torch.zeros(8)
+    with pytest.raises(ValueError, match="out holds 4 elements, fewer than the 8"):
+        src.perturb_into(buffer[:4], torch.ones(8), 1e-3, 0, 0)
+    assert not buffer[4:].any()  # nothing written past the out it was given
+    rounding = NoiseSource(0, 4, torch.device("cpu"), torch.float32, "uniform")
+    with pytest.raises(ValueError, match="destination holds 4 elements, fewer than the 8"):
+        round_keyed_(torch.empty(4, dtype=torch.bfloat16), torch.ones(8), rounding, 0, 8, 0, 0)
+
+
+def test_a_strided_out_keeps_the_chunked_path():
+    # the fused kernels write out's elements in order: a view with gaps is not theirs
+    src = NoiseSource(0, 4, torch.device("cpu"), torch.float32)
+    src._triton = True  # as on CUDA with Triton (no kernel runs here)
+    theta = torch.ones(8)
+    assert src.fuses_master(theta, torch.empty(8))
+    assert not src.fuses_master(theta, torch.empty(16)[::2])
+    assert not src.fuses_master(theta.bfloat16(), torch.empty(16, dtype=torch.bfloat16)[::2])
+
+
 # ---- the portable generator: one definition, several implementations, the same bits ----
 
 import os  # noqa: E402
