@@ -107,6 +107,13 @@ def _refuse_short(out: torch.Tensor, n: int, what: str) -> None:
         raise ValueError(f"{what} holds {out.numel()} elements, fewer than the {n} it is given")
 
 
+def _refuse_outside(start: int, stop: int, total: int) -> None:
+    """Refuse a range of elements outside its bucket, before any element is drawn or
+    changed (on every path: the fused kernels would draw it, the chunked ops stop midway)."""
+    if not 0 <= start <= stop <= total:
+        raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
+
+
 class NoiseSource:
     """Fills chunks of z (or of uniform draws) on one device, reusing one workspace.
 
@@ -217,8 +224,7 @@ class NoiseSource:
         drawn. Portable kinds: a pure function of each element, so the chunking changes
         nothing. Legacy: each chunk is drawn whole from its own seed.
         """
-        if not 0 <= start <= stop <= total:
-            raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
+        _refuse_outside(start, stop, total)
         c = self.piece
         if self.kind != "legacy":
             key = self.key(step, block_id, query)
@@ -302,7 +308,9 @@ class NoiseSource:
         ``theta`` holds elements ``[start, start + n)`` of a bucket of ``total`` elements
         (the whole bucket by default), and takes their z."""
         n = theta.numel()
+        stop = start + n
         _refuse_short(out, n, "the perturbation's out")
+        _refuse_outside(start, stop, stop if total is None else total)
         if scale == 0.0:
             out[:n].copy_(theta)
             return
@@ -310,7 +318,6 @@ class NoiseSource:
             key = self.key(step, block_id, query)
             triton_noise.perturb(out[:n], theta, scale, key, self.kind, self.kind_table, start)
             return
-        stop = start + n
         for lo, hi, z in self.chunks(
             start, stop, stop if total is None else total, step, block_id, query
         ):
@@ -442,6 +449,7 @@ class NoiseSource:
         n = theta.numel()
         stop = start + n
         total = stop if total is None else total
+        _refuse_outside(start, stop, total)
         if self.fuses_master(theta):
             triton_noise.update(
                 theta,

@@ -77,6 +77,18 @@ def test_bad_ranges_and_chunks_are_refused():
         list(src.chunks(0, 9, 8, 0, 0))
 
 
+def test_a_range_outside_its_bucket_is_refused_before_any_change_on_every_path():
+    for fused in (False, True):  # the chunked ops; the fused kernels' wiring (none runs)
+        src = NoiseSource(0, 4, torch.device("cpu"), torch.float32)
+        src._triton = fused
+        theta = torch.ones(8)
+        with pytest.raises(ValueError, match=r"noise range \[5, 13\) is outside a bucket of 10"):
+            src.apply_terms(theta, 13, 0.5, [(0, 0, 1e-3)], 0, 5, 10)
+        assert torch.equal(theta, torch.ones(8))  # not decayed before the refusal
+        with pytest.raises(ValueError, match=r"noise range \[-3, 5\) is outside"):
+            src.perturb_into(torch.empty(8), theta, 1e-3, 0, 0, 0, -3)
+
+
 def test_an_output_shorter_than_its_input_is_refused_before_any_write():
     from distzo.offload.low_bit import round_keyed_
 
