@@ -9,8 +9,9 @@ noise draws the same z everywhere; the update's arithmetic may round differently
 fused multiply-add on a GPU, so the weights agree to float rounding). Logs from before
 noise kinds carry ``legacy`` noise, whose z differs between CPU and CUDA: they replay
 only on the device type that trained them. The log is kilobytes where a checkpoint is the
-model's size, so it is also a cheap checkpoint between full saves. Runs with a low-bit
-transfer round stochastically on the host and cannot be replayed from the log.
+model's size, so it is also a cheap checkpoint between full saves. Full-tuning runs with a
+low-bit transfer round stochastically on the host and cannot be replayed from the log; an
+adapter run's low-bit base was rounded to nearest once, which the replay repeats.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def logged_base_signature(header: dict) -> dict:
     return {}
 
 
+def replay_mode(transfer_dtype: str) -> str:
+    """Where the replay keeps the blocks: resident, unless the run's frozen base rested in
+    a low-bit format (an adapter run: its trained tensors never leave the device, but the
+    base it computed with, and an export merges into, was rounded to nearest once); then
+    streamed in that format, so the base is rounded as the run rounded it."""
+    return "resident" if transfer_dtype == "fp32" else "offload"
+
+
 def replay(
     base: str | None,
     log: Path,
@@ -93,9 +102,11 @@ def replay(
             f"--log {log} begins at step {first_step(header)} (its run went on from a copied "
             "checkpoint): a replay needs every step from 0; use the run's export/ instead"
         )
-    if header.get("transfer_dtype", "fp32") != "fp32":
+    spec = AdapterSpec.from_record(header.get("peft"))
+    transfer_dtype = header.get("transfer_dtype", "fp32")
+    if transfer_dtype != "fp32" and not spec.enabled:
         raise ValueError(
-            f"--log {log}: a {header['transfer_dtype']} transfer rounds stochastically on the "
+            f"--log {log}: a {transfer_dtype} transfer rounds stochastically on the "
             "host, so its weights are not a function of the log; use the run's export/ instead"
         )
     if (header.get("optimizer") or {}).get("state_dtype", "fp32") != "fp32":
@@ -114,7 +125,8 @@ def replay(
         )
     config = ZOConfig(
         lr=0.0,
-        mode="resident",
+        mode=replay_mode(transfer_dtype),
+        transfer_dtype=transfer_dtype,
         device=device,
         weight_decay=header["weight_decay"],
         noise_chunk=header["noise_chunk"],
@@ -128,7 +140,6 @@ def replay(
             f"the run drew legacy noise on {header['device_type']}; replay it on that device type"
         )
     model, weights = base_model(base, header, DTYPES[header["dtype"]])
-    spec = AdapterSpec.from_record(header.get("peft"))
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
         weights = AdapterWeights(weights, model) if weights is not None else None

@@ -223,3 +223,17 @@ def test_bad_adapter_flags_are_one_line(tmp_path, capsys, flags, message):
     assert main(COMMON + flags + ["--output-dir", str(tmp_path)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0]
+
+
+def test_an_adapter_run_over_a_low_bit_base_replays_exactly(tmp_path):
+    """Only the frozen base rests low-bit (rounded once, to nearest); the adapter never
+    rounds, so the log replays, and the merged export is the run's: the adapter merged into
+    the base as the run held it, which the replay rounds as the run did."""
+    run, replayed = tmp_path / "run", tmp_path / "replayed"
+    flags = COMMON + ["--max-steps", "3", "--peft", "lora", "--merge-adapter"]
+    proc = python_train(flags + ["--transfer-dtype", "fp8", "--output-dir", str(run)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = python_replay(["--log", str(run / "seedlog.jsonl"), "--out", str(replayed)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = load_file(str(run / "export" / "model.safetensors"))
+    assert_same(load_file(str(replayed / "model.safetensors")), exported)
