@@ -127,6 +127,8 @@ def replay(
         lr=0.0,
         mode=replay_mode(transfer_dtype),
         transfer_dtype=transfer_dtype,
+        # a prefix's init by real activations ran in it (logs from before the record: auto)
+        compute_dtype=header.get("compute_dtype", "auto"),
         device=device,
         weight_decay=header["weight_decay"],
         noise_chunk=header["noise_chunk"],

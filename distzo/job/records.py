@@ -99,6 +99,8 @@ def run_header(
         "device_type": device.type,
         "dtype": model.dtype,
         "transfer_dtype": config.transfer_dtype,
+        # a prefix initialised from real activations takes them in this dtype
+        "compute_dtype": config.compute_dtype,
         "base": None if model.model_config else _base(model.model, run_dir),
         "model_config": model.model_config,
         "model_layers": model.model_layers,

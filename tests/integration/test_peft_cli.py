@@ -237,3 +237,15 @@ def test_an_adapter_run_over_a_low_bit_base_replays_exactly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported = load_file(str(run / "export" / "model.safetensors"))
     assert_same(load_file(str(replayed / "model.safetensors")), exported)
+
+
+def test_a_prefix_initialised_in_bf16_compute_replays_exactly(tmp_path):
+    """A prefix's init by real activations runs in the compute dtype, which the replay takes
+    from the log's header (in fp32 its prefix would start elsewhere)."""
+    run, replayed = tmp_path / "run", tmp_path / "replayed"
+    flags = COMMON + ["--max-steps", "2", "--peft", "prefix", "--compute-dtype", "bf16"]
+    proc = python_train(flags + ["--output-dir", str(run)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = python_replay(["--log", str(run / "seedlog.jsonl"), "--out", str(replayed)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same(load_file(str(replayed / "adapter_model.safetensors")), adapter(run))
