@@ -69,18 +69,22 @@ def round_stochastic_(dst: torch.Tensor, src: torch.Tensor, uniform: torch.Tenso
     (src - below) / (above - below), driven by ``uniform`` draws in [0, 1).
 
     Exactly representable values stay as they are; values beyond the format's range
-    saturate. Works for any IEEE-like low-bit format (bf16, fp16, fp8 e4m3/e5m2).
+    saturate. Works for any IEEE-like low-bit format (bf16, fp16, fp8 e4m3/e5m2). A float64
+    ``src`` (an fp64 master) is rounded from its own value: through float32 the part below
+    half a float32 ulp would be rounded to nearest first, lost every time.
     """
     limit = torch.finfo(dst.dtype).max
-    x = src.float().clamp(-limit, limit)
-    if dst.dtype == torch.bfloat16:
+    x = (src if src.dtype == torch.float64 else src.float()).clamp(-limit, limit)
+    if dst.dtype == torch.bfloat16 and x.dtype == torch.float32:
         _round_stochastic_bf16_(dst, x, uniform)
         return
+    # x's format's nearest (float64 may take a second rounding, yet lands on a neighbour:
+    # the rule below holds for either)
     nearest = x.to(dst.dtype)
-    nearest_value = nearest.float()
+    nearest_value = nearest.to(x.dtype)
     direction = torch.sign(x - nearest_value).to(torch.int32)  # towards the other neighbour
     other = _from_key(_order_key(nearest) + direction, dst.dtype)
-    gap = (other.float() - nearest_value).abs()
+    gap = (other.to(x.dtype) - nearest_value).abs()
     p_other = torch.where(direction == 0, torch.zeros_like(x), (x - nearest_value).abs() / gap)
     dst.copy_(torch.where(uniform < p_other, other, nearest))
 

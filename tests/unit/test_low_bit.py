@@ -86,6 +86,19 @@ def test_two_hundred_tiny_updates_survive_only_stochastic_rounding(name):
     assert abs(drift) < 0.02 * updates * delta, (drift, updates * delta)  # mean drift ~0
 
 
+@pytest.mark.parametrize("name", LOW_BIT)
+def test_a_float64_master_rounds_unbiased_below_a_float32_ulp(name):
+    """An fp64 master's update a quarter of a float32 ulp above 1.0 (lost to round-to-
+    nearest into float32) keeps its expected value: over uniforms spread evenly on [0, 1),
+    the mean of the roundings is the float64 value exactly, on either sign."""
+    dtype, n = LOW_BIT[name], 1 << 22
+    uniform = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    for x in (1.0 + 2.0**-25, -(1.0 + 2.0**-25)):
+        out = torch.empty(n, dtype=dtype)
+        round_stochastic_(out, torch.full((n,), x, dtype=torch.float64), uniform)
+        assert out.double().mean().item() == x, name
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16", "fp8"])
 def test_low_bit_transfer_trains_and_halves_or_quarters_the_host_copy(name):
     model, reference = tiny_opt(seed=0), tiny_opt(seed=0)
