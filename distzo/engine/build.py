@@ -56,6 +56,23 @@ def master_dtype(layouts: list[BucketLayout]) -> torch.dtype:
     return dtype
 
 
+def check_transfer_dtype(config: ZOConfig, master: torch.dtype) -> None:
+    """A low-bit transfer must be narrower than the masters it carries: one as wide in
+    another format saves no byte, only trades precision for range (and fp16 masters could
+    not be rounded into bf16's wider range)."""
+    if config.mode != "offload" or config.transfer_dtype == "fp32":
+        return
+    wire = TRANSFER_DTYPES[config.transfer_dtype]
+    if wire != master and wire.itemsize >= master.itemsize:
+        narrower = " or fp8" if master.itemsize > 1 else ""
+        raise ValueError(
+            f"transfer_dtype {config.transfer_dtype} is as wide as the model's "
+            f"{str(master).removeprefix('torch.')} "
+            f"({master.itemsize} bytes an element), so it saves nothing; use transfer_dtype "
+            f"fp32 (the blocks travel in their own dtype){narrower}"
+        )
+
+
 def compute_dtype(config: ZOConfig, master: torch.dtype) -> torch.dtype:
     """The dtype of the scratch the model computes with: the masters' unless AMP is asked."""
     return master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]

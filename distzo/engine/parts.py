@@ -19,6 +19,7 @@ from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tune
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine.build import (
+    check_transfer_dtype,
     compute_dtype,
     fill_store,
     make_moments,
@@ -100,6 +101,7 @@ def build_parts(
     layouts = [layout for layout, _ in built]
     tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
     dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
+    check_transfer_dtype(config, dtype)  # before any bucket is allocated
     noise, rounding_noise = make_noise(
         config, at.run_seed, device, dtype, tuning.rounds(config), [resident_layout, *layouts]
     )

@@ -129,6 +129,23 @@ def test_low_bit_transfer_trains_and_halves_or_quarters_the_host_copy(name):
     assert after < before - 0.3, (before, after)
 
 
+@pytest.mark.parametrize("master, wire", [(torch.float16, "bf16"), (torch.bfloat16, "fp16")])
+def test_a_transfer_as_wide_as_a_16_bit_model_is_refused_in_one_line(master, wire):
+    """A 16-bit model's blocks would rest in another 16-bit format: no byte saved (fp16
+    masters did not even fit bf16's range: a torch overflow error at the load)."""
+    with pytest.raises(ValueError, match=f"transfer_dtype {wire} is as wide as") as refused:
+        ZOEngine(tiny_opt(dtype=master), ZOConfig(seed=0, device="cpu", transfer_dtype=wire))
+    assert "\n" not in str(refused.value) and str(refused.value).endswith("or fp8")
+    # fp8 is narrower: half the bytes of the blocks in their own dtype
+    hosts = [
+        ZOEngine(
+            tiny_opt(dtype=master), ZOConfig(seed=0, device="cpu", transfer_dtype=name)
+        ).store.host_bytes
+        for name in ("fp8", "fp32")
+    ]
+    assert hosts[0] * 2 == hosts[1]
+
+
 def test_low_bit_needs_offload_mode():
     with pytest.raises(ValueError, match="transfer_dtype bf16 only applies to mode offload"):
         ZOConfig(mode="resident", transfer_dtype="bf16")
