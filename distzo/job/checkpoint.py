@@ -276,8 +276,28 @@ class HostStateWriter(dcp.FileSystemWriter):
         super().reset(checkpoint_id)
 
     def write_data(self, plan, planner):
+        """DCP's write; a full disk raised as the ``OSError`` it is (torch.save's zip writer
+        reports a failed write as a ``RuntimeError``, "unexpected pos", the ``OSError`` only
+        its context, which the exception's way to rank 0 would drop)."""
         self._on_rank_device()
-        return super().write_data(plan, planner)
+        try:
+            return super().write_data(plan, planner)
+        except RuntimeError as err:
+            cause = _os_error_behind(err)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename) from err
+
+
+def _os_error_behind(err: BaseException | None) -> OSError | None:
+    """The ``OSError`` that ``err`` is or was raised while handling (its cause or context)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 @contextlib.contextmanager
@@ -291,7 +311,7 @@ def _write_failure(tmp: Path) -> Iterator[None]:
         if world_rank()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         failures = err.failures.values() if isinstance(err, CheckpointException) else ()
-        cause = next((e for e, _ in failures if isinstance(e, OSError)), None)
+        cause = next((c for e, _ in failures if (c := _os_error_behind(e)) is not None), None)
         if cause is None:
             raise
         raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from err

@@ -4,6 +4,7 @@ bad input (1 for a failure), and no run directory or ``*.tmp`` left where none s
 from __future__ import annotations
 
 import errno
+import io
 import json
 import shutil
 import subprocess
@@ -277,6 +278,38 @@ def test_a_full_disk_during_a_checkpoint_save_leaves_no_tmp(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(filesystem, "_write_item", full)
+    out = tmp_path / "out"
+    proc = train_in_process(["--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)])
+    line = one_line(proc, code=1)
+    assert "no space left on device" in line and str(out / "checkpoints" / "step-1") in line
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+
+class _FillingDisk(io.RawIOBase):
+    """A file on a disk that fills after its first bytes."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.written += len(data)
+        if self.written > 600:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return len(data)
+
+
+def test_a_disk_filling_inside_torch_save_says_so_in_one_line(tmp_path, monkeypatch):
+    # A real full disk: torch.save's zip writer reports the failed write as a RuntimeError
+    # ("unexpected pos"), the OSError only its context; it was a traceback.
+    from torch.distributed.checkpoint import filesystem
+
+    def filling(*args, **kwargs):
+        torch.save(torch.zeros(10_000), io.BufferedWriter(_FillingDisk()))
+
+    monkeypatch.setattr(filesystem, "_write_item", filling)
     out = tmp_path / "out"
     proc = train_in_process(["--max-steps", "2", "--save-steps", "1", "--output-dir", str(out)])
     line = one_line(proc, code=1)
