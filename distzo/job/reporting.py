@@ -20,6 +20,10 @@ _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 class Reporter(Protocol):
+    # Whether a resumed run's earlier reports of its steps from the resumed one on are
+    # dropped (the run reports them again; what it keeps from there is reported again).
+    purges: bool
+
     def log(self, scalars: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
@@ -36,10 +40,17 @@ def check_reporter(kind: str) -> None:
 
 
 class TensorBoardReporter:
-    def __init__(self, run_dir: Path) -> None:
+    purges = True
+
+    def __init__(self, run_dir: Path, resume_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # A resumed run's events of its steps from ``resume_step`` on, which it writes
+        # again (a diverged run's cut-back steps with another lr, say), are dropped by
+        # TensorBoard's readers (purge_step), so that no step is drawn twice.
+        self.writer = SummaryWriter(
+            log_dir=str(run_dir / "tensorboard"), purge_step=resume_step or None
+        )
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
@@ -50,6 +61,8 @@ class TensorBoardReporter:
 
 
 class WandbReporter:
+    purges = False  # wandb ignores a step below its last one
+
     def __init__(self, run_dir: Path, config: dict) -> None:
         import wandb
 
@@ -71,9 +84,10 @@ class WandbReporter:
         self.run.finish()
 
 
-def make_reporter(kind: str, run_dir: Path, config: dict) -> Reporter | None:
+def make_reporter(kind: str, run_dir: Path, config: dict, resume_step: int = 0) -> Reporter | None:
+    """The dashboard ``--report-to`` names, for a run going on after ``resume_step`` steps."""
     if kind == "tensorboard":
-        return TensorBoardReporter(run_dir)
+        return TensorBoardReporter(run_dir, resume_step)
     if kind == "wandb":
         return WandbReporter(run_dir, config)
     return None

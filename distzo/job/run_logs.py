@@ -76,13 +76,18 @@ class RunLogs:
                 path.unlink(missing_ok=True)
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
-        self.kept_evals = {r["step"] for r in read_records(self.paths["eval"]) if "step" in r}
+        evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
+        self.kept_evals = {r["step"] for r in evals}
         self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
         self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
         self.closed = False
         if headerless:
             first = {"first_step": resume_step} if resume_step else {}
             self.write("seeds", {"kind": "header", **header, **first})
+        if reporter is not None and reporter.purges and resume_step:
+            for record in evals:  # the purge took the kept evaluation of the resumed step too
+                if record["step"] >= resume_step:
+                    self._report("eval", record)
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         """Append ``record`` to the log ``name`` (metrics, eval or seeds)."""
@@ -91,14 +96,19 @@ class RunLogs:
             return
         self.files[name].write(json.dumps(record) + "\n")
         self.files[name].flush()
-        if self.reporter is not None:
-            prefix = "train" if name == "metrics" else "eval"
-            scalars = {
-                f"{prefix}/{key.removeprefix('eval_')}": float(value)
-                for key, value in record.items()
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
-            }
-            self.reporter.log(scalars, record["step"])
+        self._report(name, record)
+
+    def _report(self, name: str, record: dict[str, Any]) -> None:
+        """``record``'s numbers to the dashboard, if any, as ``train/*`` or ``eval/*``."""
+        if self.reporter is None:
+            return
+        prefix = "train" if name == "metrics" else "eval"
+        scalars = {
+            f"{prefix}/{key.removeprefix('eval_')}": float(value)
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        self.reporter.log(scalars, record["step"])
 
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation of the state after ``step`` steps (once: not one the resumed log

@@ -269,7 +269,9 @@ class Trainer:
         if self.env.rank != 0:
             return None
         run = self.job.run
-        reporter = make_reporter(run.report_to, self.run_dir, dataclasses.asdict(self.job))
+        reporter = make_reporter(
+            run.report_to, self.run_dir, dataclasses.asdict(self.job), self.start_step
+        )
         log_dir = Path(run.log_dir) if run.log_dir else self.run_dir
         return RunLogs(
             self.run_dir, log_dir, self.start_step, self.header, run.log_sync_steps, reporter

@@ -1,0 +1,34 @@
+"""Rank 0's logs and the dashboard they feed: a resumed run's TensorBoard holds each step
+once, as metrics.jsonl does, with the values of the run that went on."""
+
+import pytest
+
+from distzo.job.reporting import make_reporter
+from distzo.job.run_logs import RunLogs, read_records
+
+
+def session(run_dir, resume_step, steps, lr, eval_at):
+    reporter = make_reporter("tensorboard", run_dir, {}, resume_step)
+    logs = RunLogs(run_dir, run_dir, resume_step, {"seed": 0}, reporter=reporter)
+    for step in steps:
+        logs.write("metrics", {"step": step, "loss": 1.0 / (step + 1), "lr": lr})
+        logs.write("seeds", {"step": step})
+        if step + 1 in eval_at:
+            logs.write_eval(step + 1, {"eval_loss": 0.5})
+    logs.close()
+
+
+def test_a_resumed_run_reports_each_step_once_with_the_values_it_kept(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # Logged steps 0..3 and an evaluation after 2 (a run diverged at step 4 keeps 2 steps,
+    # the logs cut back), then resumed after 2 steps with another lr.
+    session(tmp_path, 0, range(4), lr=1.0, eval_at={2})
+    session(tmp_path, 2, range(2, 5), lr=0.5, eval_at=set())
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    lrs = [(e.step, e.value) for e in events.Scalars("train/lr")]
+    assert lrs == [(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.5), (4, 0.5)]  # steps 2, 3 were twice
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == list(range(5))
+    assert [e.step for e in events.Scalars("eval/loss")] == [2]  # the kept one, not purged
