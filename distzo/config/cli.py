@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -27,9 +30,23 @@ def write_failure(err: OSError, where: Path | str) -> str:
     """One line for a write that failed under ``where`` (a run directory, a replay's --out):
     a full disk said in words and where, rather than a traceback ending in errno 28."""
     path = err.filename or where
+    under = f" (under {where})" if Path(where) in Path(os.fsdecode(path)).parents else ""
     if err.errno == errno.ENOSPC:
         return (
-            f"no space left on device writing {path} (under {where}); free space there or "
-            "use another directory"
+            f"no space left on device writing {path}{under}; free space there or use another "
+            "directory"
         )
-    return f"cannot write {path} (under {where}): {err.strerror or err}"
+    return f"cannot write {path}{under}: {err.strerror or err}"
+
+
+@contextlib.contextmanager
+def names_file(path: Path | str) -> Iterator[None]:
+    """An ``OSError`` raised inside, named after ``path`` when it names no file (a write or
+    an fsync on an open file names none), so that ``write_failure`` says which file it was
+    rather than the run directory, whose disk may not be the full one (``--log-dir``)."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err

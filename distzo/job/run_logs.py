@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from distzo.config.cli import names_file
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter
 
@@ -94,8 +95,9 @@ class RunLogs:
         if name == "seeds":
             self.seeds.write(record)
             return
-        self.files[name].write(json.dumps(record) + "\n")
-        self.files[name].flush()
+        with names_file(self.paths[name]):
+            self.files[name].write(json.dumps(record) + "\n")
+            self.files[name].flush()
         self._report(name, record)
 
     def _report(self, name: str, record: dict[str, Any]) -> None:

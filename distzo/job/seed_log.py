@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from distzo.config.cli import names_file
+
 logger = logging.getLogger(__name__)
 
 SEED_LOG = "seedlog.jsonl"  # its name in the run directory
@@ -64,9 +66,10 @@ class SeedLogWriter:
         self._syncer.start()
 
     def write(self, record: dict) -> None:
-        self._raise_failed_sync()
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with names_file(self.path):
+            self._raise_failed_sync()
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         self._unsynced += 1
         if self._unsynced >= self.sync_every:
             self._unsynced = 0
@@ -92,14 +95,16 @@ class SeedLogWriter:
         """Everything written so far on disk, now (the caller waits); closed, it already is."""
         if self._file.closed:
             return
-        os.fsync(self._file.fileno())
+        with names_file(self.path):
+            os.fsync(self._file.fileno())
         self._unsynced = 0
 
     def close(self) -> None:
         self._closing = True
         self._due.set()
         self._syncer.join()
-        self._raise_failed_sync()
+        with names_file(self.path):
+            self._raise_failed_sync()
         self.sync()
         self._file.close()
 

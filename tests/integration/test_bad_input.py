@@ -285,6 +285,25 @@ def test_a_full_disk_during_a_checkpoint_save_leaves_no_tmp(tmp_path, monkeypatc
     assert not list((out / "checkpoints").glob("*.tmp"))
 
 
+def test_a_full_log_dir_names_its_file_not_the_run_directory(tmp_path, monkeypatch):
+    # A write to an open file names no file: the line named the run directory, whose disk
+    # was not the full one.
+    import distzo.job.run_logs as run_logs
+
+    def full_metrics(path, mode="r"):  # the kernel's full disk
+        return open("/dev/full" if path.name == "metrics.jsonl" else path, mode)
+
+    monkeypatch.setattr(run_logs, "open", full_metrics, raising=False)
+    logs = tmp_path / "logs"
+    proc = train_in_process(
+        ["--max-steps", "2", "--output-dir", str(tmp_path / "out"), "--log-dir", str(logs)]
+    )
+    assert one_line(proc, code=1) == (
+        f"error: no space left on device writing {logs / 'metrics.jsonl'}; free space there "
+        "or use another directory"
+    )
+
+
 class _FillingDisk(io.RawIOBase):
     """A file on a disk that fills after its first bytes."""
 
