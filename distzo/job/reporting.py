@@ -6,7 +6,8 @@ GB/s) and every evaluation. TensorBoard writes event files through
 whatever mode the environment sets (``WANDB_MODE=offline`` included), one wandb run per
 distzo run directory, resumed with it. Each is an optional extra
 (``pip install 'distzo[tensorboard]'`` / ``'distzo[wandb]'``); asking for one that is
-not installed is a one-line error before any model is built.
+not installed, or a wandb run that cannot start (not logged in), is a one-line error
+before any model is built.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -23,6 +24,9 @@ class Reporter(Protocol):
     # Whether a resumed run's earlier reports of its steps from the resumed one on are
     # dropped (the run reports them again; what it keeps from there is reported again).
     purges: bool
+
+    def start(self, resume_step: int) -> None:
+        """Begin reporting a run that goes on after ``resume_step`` steps."""
 
     def log(self, scalars: dict[str, float], step: int) -> None: ...
 
@@ -42,40 +46,54 @@ def check_reporter(kind: str) -> None:
 class TensorBoardReporter:
     purges = True
 
-    def __init__(self, run_dir: Path, resume_step: int = 0) -> None:
+    def __init__(self, run_dir: Path) -> None:
+        self.log_dir = run_dir / "tensorboard"
+        self.writer: Any = None
+
+    def start(self, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # A resumed run's events of its steps from ``resume_step`` on, which it writes
         # again (a diverged run's cut-back steps with another lr, say), are dropped by
         # TensorBoard's readers (purge_step), so that no step is drawn twice.
-        self.writer = SummaryWriter(
-            log_dir=str(run_dir / "tensorboard"), purge_step=resume_step or None
-        )
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=resume_step or None)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, step)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class WandbReporter:
     purges = False  # wandb ignores a step below its last one
 
     def __init__(self, run_dir: Path, config: dict) -> None:
+        """The wandb run, started now: one that cannot start (not logged in, no network)
+        is a one-line error, and the trainer makes its reporter before any model."""
         import wandb
 
         # One wandb run per run directory: a resumed or restarted run appends to it.
         run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        self.run = wandb.init(
-            project="distzo",
-            name=run_dir.name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
-        )
+        try:
+            self.run = wandb.init(
+                project="distzo",
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+            )
+        except wandb.errors.Error as err:
+            raise ValueError(
+                f"--report-to wandb could not start its run ({err}): log in (wandb login), "
+                "set WANDB_MODE=offline, or drop --report-to"
+            ) from None
+
+    def start(self, resume_step: int) -> None:
+        """Nothing to do: the run resumes by its id."""
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -84,10 +102,10 @@ class WandbReporter:
         self.run.finish()
 
 
-def make_reporter(kind: str, run_dir: Path, config: dict, resume_step: int = 0) -> Reporter | None:
-    """The dashboard ``--report-to`` names, for a run going on after ``resume_step`` steps."""
+def make_reporter(kind: str, run_dir: Path, config: dict) -> Reporter | None:
+    """The dashboard ``--report-to`` names (``start`` it once the resumed step is known)."""
     if kind == "tensorboard":
-        return TensorBoardReporter(run_dir, resume_step)
+        return TensorBoardReporter(run_dir)
     if kind == "wandb":
         return WandbReporter(run_dir, config)
     return None

@@ -60,6 +60,8 @@ class RunLogs:
         reporter: Reporter | None = None,
     ) -> None:
         self.reporter = reporter  # the dashboard: every metrics and eval record's numbers
+        if reporter is not None:
+            reporter.start(resume_step)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.paths = {
             "metrics": log_dir / "metrics.jsonl",

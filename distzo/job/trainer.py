@@ -50,7 +50,7 @@ from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
 from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
-from distzo.job.reporting import make_reporter
+from distzo.job.reporting import Reporter, make_reporter
 from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import clear_run, discard_unstarted_run, new_run_dir
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
@@ -118,6 +118,7 @@ class Trainer:
         self.eval_before: dict[str, float] | None = None
         self.eval_after: dict[str, float] | None = None
         self.logs: RunLogs | None = None  # rank 0's
+        self.reporter: Reporter | None = None  # rank 0's dashboard, which its logs feed
         self.built = False
         self.closed = False  # its logs closed: a finished or failed run, or close()
 
@@ -139,9 +140,13 @@ class Trainer:
         output_dir = self.job.run.output_dir
         self.run_dir = Path(output_dir) if output_dir else self._new_run_dir()
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
+        # A dashboard that cannot start (wandb not logged in) fails every rank before any model.
+        self.reporter = agreed(self.parallel.comm, self._make_reporter)
         try:
             self._build_parts()
         except BaseException:
+            if self.reporter is not None:
+                self.reporter.close()
             # A fresh run that fails before its first step (a memory plan that refuses it, a
             # checkpoint that does not fit) leaves nothing a retry would take for a run.
             if self.env.rank == 0 and self.job.run.resume == "no":
@@ -264,17 +269,20 @@ class Trainer:
             self.step = catch_up_from_log(self.engine, self.run_dir, self.header, self.parallel)
         self.start_step = self.step
 
+    def _make_reporter(self) -> Reporter | None:
+        """Rank 0's dashboard, if ``--report-to`` names one."""
+        if self.env.rank != 0:
+            return None
+        return make_reporter(self.job.run.report_to, self.run_dir, dataclasses.asdict(self.job))
+
     def _open_logs(self) -> RunLogs | None:
         """Rank 0's logs, cut back to the step a resumed run goes on from."""
         if self.env.rank != 0:
             return None
         run = self.job.run
-        reporter = make_reporter(
-            run.report_to, self.run_dir, dataclasses.asdict(self.job), self.start_step
-        )
         log_dir = Path(run.log_dir) if run.log_dir else self.run_dir
         return RunLogs(
-            self.run_dir, log_dir, self.start_step, self.header, run.log_sync_steps, reporter
+            self.run_dir, log_dir, self.start_step, self.header, run.log_sync_steps, self.reporter
         )
 
     # -- training

@@ -484,3 +484,28 @@ def test_wandb_gets_every_step_and_evaluation_and_a_resumed_run_continues_its_wa
     eval_steps = [r["step"] for r in records if r["call"] == "log" and "eval/accuracy" in r["data"]]
     assert train_steps == [0, 1, 2, 3, 4, 5] and eval_steps == [0, 2, 4, 6]
     assert [r["call"] for r in records].count("finish") == 2
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line_before_any_model(tmp_path):
+    # wandb installed but not logged in: wandb.init's UsageError was a traceback, raised
+    # after the model and the engine were built.
+    env = {
+        "PYTHONPATH": str(Path(__file__).parents[1] / "helpers" / "fake_wandb"),
+        "FAKE_WANDB_LOG": str(tmp_path / "wandb-calls.jsonl"),
+        "FAKE_WANDB_NO_KEY": "1",
+    }
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.train", "--report-to", "wandb", "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(env),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "error: --report-to wandb could not start its run (No API key configured. Use `wandb "
+        "login` to log in.): log in (wandb login), set WANDB_MODE=offline, or drop --report-to"
+    )
+    assert "memory plan" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()  # a fresh run that never started leaves nothing to resume

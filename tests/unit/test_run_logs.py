@@ -8,7 +8,7 @@ from distzo.job.run_logs import RunLogs, read_records
 
 
 def session(run_dir, resume_step, steps, lr, eval_at):
-    reporter = make_reporter("tensorboard", run_dir, {}, resume_step)
+    reporter = make_reporter("tensorboard", run_dir, {})
     logs = RunLogs(run_dir, run_dir, resume_step, {"seed": 0}, reporter=reporter)
     for step in steps:
         logs.write("metrics", {"step": step, "loss": 1.0 / (step + 1), "lr": lr})
