@@ -104,8 +104,10 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
         with signals:
             trainer.train(signals)
     except ValueError as err:
+        _close_failed(trainer)
         return _failed(env, str(err))
     except OSError as err:  # a full disk, a directory made unwritable: a failure, one line
+        _close_failed(trainer)  # a save in flight elsewhere completed, as after any failure
         return _failed(env, write_failure(err, getattr(trainer, "run_dir", "the run directory")), 1)
     except Diverged as err:
         pg.shutdown()  # every rank saw the same non-finite value: no collective is pending
@@ -122,7 +124,7 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
         )
     except Exception as err:
         if env.world_size == 1 or not is_peer_failure(err):
-            trainer.close()  # a save in flight completed: the run keeps its last checkpoint
+            _close_failed(trainer)  # a save in flight completed: the run keeps its checkpoint
             raise  # this rank's own failure: its traceback, in torchrun's error file too
         # A peer died (its own error is the root cause) or was stopped by torchrun's SIGTERM.
         grace = 0.0 if signals.requested else PEER_REPORT_GRACE_S
@@ -133,6 +135,16 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     # that a dead peer will never join can hang.
     pg.shutdown()
     return 0
+
+
+def _close_failed(trainer: Trainer) -> None:
+    """Close a failing run (``Trainer.close``: a save in flight completed, the logs closed);
+    closing may fail again (the same full disk), which is said but never hides the first
+    failure, the one the run reports."""
+    try:
+        trainer.close()
+    except Exception as err:  # noqa: BLE001 - the failure under way is the one to report
+        logger.warning("closing the failed run: %s", err)
 
 
 def _failed(env: LaunchEnv, message: str, code: int = 2) -> int:

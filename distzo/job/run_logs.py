@@ -3,6 +3,7 @@ seed log, kept consistent with the step a resumed run goes on from."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,9 @@ class RunLogs:
         if self.closed:
             return
         self.closed = True
-        for f in self.files.values():
-            f.close()
-        self.seeds.close()
-        if self.reporter is not None:
-            self.reporter.close()
+        with contextlib.ExitStack() as closing:  # each closed, even after one that failed
+            for f in self.files.values():
+                closing.callback(f.close)
+            closing.callback(self.seeds.close)
+            if self.reporter is not None:
+                closing.callback(self.reporter.close)

@@ -304,6 +304,49 @@ def test_a_full_log_dir_names_its_file_not_the_run_directory(tmp_path, monkeypat
     )
 
 
+class _FullAfter:
+    """An open log on a disk that fills after its first ``records`` writes."""
+
+    def __init__(self, file, records: int) -> None:
+        self.file, self.left = file, records
+
+    def write(self, text: str) -> int:
+        self.left -= 1
+        if self.left < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def test_a_full_log_dir_still_completes_the_checkpoint_being_written(tmp_path, monkeypatch):
+    # The step-2 checkpoint (another disk) is in flight when metrics.jsonl's disk fills at
+    # step 2: it was left as step-2.tmp, while any other failure completes it.
+    import time
+
+    import distzo.job.checkpoint as checkpoint
+    import distzo.job.run_logs as run_logs
+
+    def two_records(path, mode="r"):
+        file = open(path, mode)
+        return _FullAfter(file, 2) if path.name == "metrics.jsonl" else file
+
+    write_data = checkpoint.HostStateWriter.write_data
+
+    def slow(self, plan, planner):  # a large model, or a network disk
+        time.sleep(1)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(run_logs, "open", two_records, raising=False)
+    monkeypatch.setattr(checkpoint.HostStateWriter, "write_data", slow)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    args = ["--max-steps", "4", "--save-steps", "2", "--output-dir", str(out)]
+    line = one_line(train_in_process([*args, "--log-dir", str(logs)]), code=1)
+    assert line.startswith(f"error: no space left on device writing {logs / 'metrics.jsonl'}")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+
+
 class _FillingDisk(io.RawIOBase):
     """A file on a disk that fills after its first bytes."""
 
