@@ -66,7 +66,7 @@ from distzo.bench import BenchReport, Measurement, Timer
 from distzo.bench.kernel_profile import SUFFIX as PROFILE_SUFFIX
 from distzo.bench.kernel_profile import write_comparison
 from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
-from distzo.bench.peer_process import PeerError, PeerProcess
+from distzo.bench.peer_process import PeerError, PeerProcess, kill_all
 from distzo.bench.peer_progress import PeerProgress, await_ready
 from distzo.bench.phases import BOUND_WORDS, bound_by, describe_phases
 from distzo.config.engine_options import PERTURB_SCOPES
@@ -460,32 +460,32 @@ def ask_phases(peer: PeerProcess, run: Run) -> None:
 
 
 def measure_interleaved(
-    args: argparse.Namespace, systems: list[System], runs: list[Run], progress: PeerProgress
+    args: argparse.Namespace,
+    systems: list[System],
+    runs: list[Run],
+    progress: PeerProgress,
+    live: list[PeerProcess],
 ) -> list[Run]:
     """Every peer built at once, then their steps in turns; ``runs`` fills as they run
-    (what a run stopped at its limit had measured)."""
-    peers: list[PeerProcess] = []
-    try:
-        for system in systems:  # all build at once
-            peers.append(launch(args, system))
-        ready = await_ready(peers, progress)
-        runs += [Run(system, ready[system.name]) for system in systems]
-        progress.stepping = [s.name for s in systems]
-        if args.warmup:
-            for peer, run in zip(peers, runs):
-                measure(peer, run, args.warmup, timed=False)
-        for _ in range(args.rounds):
-            for peer, run in zip(peers, runs):
-                measure(peer, run, args.steps_per_round, timed=True)
-        progress.measured = [s.name for s in systems]
-        for peer, run in zip(peers, runs):
-            ask_phases(peer, run)
-        for peer in peers:
-            peer.close()
-        return runs
-    finally:
-        for peer in peers:
-            peer.kill()
+    (what a run stopped at its limit had measured) and ``live`` holds the peers started,
+    which the caller ends."""
+    for system in systems:  # all build at once
+        live.append(launch(args, system))
+    ready = await_ready(live, progress)
+    runs += [Run(system, ready[system.name]) for system in systems]
+    progress.stepping = [s.name for s in systems]
+    if args.warmup:
+        for peer, run in zip(live, runs):
+            measure(peer, run, args.warmup, timed=False)
+    for _ in range(args.rounds):
+        for peer, run in zip(live, runs):
+            measure(peer, run, args.steps_per_round, timed=True)
+    progress.measured = [s.name for s in systems]
+    for peer, run in zip(live, runs):
+        ask_phases(peer, run)
+    for peer in live:
+        peer.close()
+    return runs
 
 
 def measure_one_at_a_time(
@@ -494,25 +494,26 @@ def measure_one_at_a_time(
     runs: list[Run],
     progress: PeerProgress,
     done: Callable[[list[Run]], object],
+    live: list[PeerProcess],
 ) -> list[Run]:
     """One peer after another; ``done`` gets the runs so far after each (a partial report
-    survives a run stopped at its time limit)."""
+    survives a run stopped at its time limit). ``live`` holds the peer under way, which
+    the caller ends if it fails or the run is stopped."""
     for system in systems:
         peer = launch(args, system)
-        try:
-            ready = await_ready([peer], progress)[system.name]
-            run = Run(system, ready)
-            progress.stepping.append(system.name)
-            if args.warmup:
-                measure(peer, run, args.warmup, timed=False)
-            for _ in range(args.rounds):
-                measure(peer, run, args.steps_per_round, timed=True)
-            ask_phases(peer, run)
-            peer.close()
-            runs.append(run)
-            progress.measured.append(system.name)
-        finally:
-            peer.kill()
+        live.append(peer)
+        ready = await_ready([peer], progress)[system.name]
+        run = Run(system, ready)
+        progress.stepping.append(system.name)
+        if args.warmup:
+            measure(peer, run, args.warmup, timed=False)
+        for _ in range(args.rounds):
+            measure(peer, run, args.steps_per_round, timed=True)
+        ask_phases(peer, run)
+        peer.close()
+        live.remove(peer)
+        runs.append(run)
+        progress.measured.append(system.name)
         done(runs)
     return runs
 
@@ -732,23 +733,27 @@ def run_peers(
     previous = signal.signal(signal.SIGTERM, terminate)
     progress = PeerProgress([s.name for s in systems])
     runs: list[Run] = []
+    live: list[PeerProcess] = []
     try:
         if args.one_at_a_time:
             notes.append(
                 "The peers ran one at a time (--one-at-a-time): their steps did not "
                 "interleave, so a drift of the machine's speed does not hit them alike"
             )
-            return measure_one_at_a_time(args, systems, runs, progress, done)
-        return measure_interleaved(args, systems, runs, progress)
+            return measure_one_at_a_time(args, systems, runs, progress, done, live)
+        return measure_interleaved(args, systems, runs, progress, live)
     except PeerError as exc:
         raise SystemExit(f"peers.py: {' '.join(str(exc).split())}") from None
     except (KeyboardInterrupt, Stopped) as exc:
+        # the report first, the peers after: ending them may take seconds each that a run
+        # cut by `timeout --kill-after` does not have
         why = str(exc) if isinstance(exc, Stopped) else "SIGINT"
         notes.append(progress.stop_note(why))
         measured = [run for run in runs if len(run.samples) >= 2]
         saved = f"the partial report: {done(measured)}" if measured else "nothing measured"
         raise SystemExit(f"peers.py: {notes[-1]}; {saved}") from None
     finally:
+        kill_all(live)
         signal.signal(signal.SIGTERM, previous)
 
 

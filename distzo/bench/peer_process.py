@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -174,25 +175,38 @@ class PeerProcess:
 
     def kill(self) -> None:
         """End the peer and whatever is left in its session (torchrun's ranks)."""
-        if self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self.proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        else:
-            # the peer is gone; its session (torchrun's ranks) may not be
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_all([self])
+
+    def _signal_session(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the session is empty
+            pass
+
+    def _close_stdin(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
             except OSError:  # a broken pipe: the peer is gone
                 pass
+
+
+def kill_all(peers: list[PeerProcess], term_s: float = 5.0, kill_s: float = 10.0) -> None:
+    """End every peer and its session (torchrun's ranks) together: SIGTERM to all, one
+    shared wait, SIGKILL to those left. Ending N peers so takes at most ``term_s + kill_s``,
+    not N times that: a run cut by ``timeout --kill-after`` must still write its report."""
+    for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
+        running = [peer for peer in peers if peer.proc.poll() is None]
+        if not running:
+            break
+        for peer in running:
+            peer._signal_session(sig)
+        deadline = time.monotonic() + wait_s
+        for peer in running:
+            try:
+                peer.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    for peer in peers:
+        peer._signal_session(signal.SIGKILL)  # what its leader left behind, if anything
+        peer._close_stdin()
