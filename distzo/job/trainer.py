@@ -55,7 +55,7 @@ from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import clear_run, discard_unstarted_run, new_run_dir
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
 from distzo.job.run_logs import RunLogs
-from distzo.job.summary import key_options
+from distzo.job.summary import SUMMARY, key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
 from distzo.models.weights import WeightSource
@@ -280,6 +280,10 @@ class Trainer:
         if self.env.rank != 0:
             return None
         run = self.job.run
+        if self.start_step < self.job.optim.max_steps:
+            # an earlier session's summary says the run ended there: it goes on, and this
+            # session writes its own at the end (a stopped one, none, as a first would)
+            (self.run_dir / SUMMARY).unlink(missing_ok=True)
         log_dir = Path(run.log_dir) if run.log_dir else self.run_dir
         return RunLogs(
             self.run_dir, log_dir, self.start_step, self.header, run.log_sync_steps, self.reporter

@@ -129,6 +129,21 @@ def test_a_resumed_runs_summary_and_curves_cover_the_whole_run(tmp_path, recwarn
     assert not [w for w in recwarn if DCP_NOTE in str(w.message)]
 
 
+def test_a_session_that_goes_on_drops_the_summary_of_the_one_before(tmp_path):
+    """Once a finished run resumed with more steps and stopped kept the first session's
+    summary.json, which said the run had ended at its steps."""
+    out = tmp_path / "run"
+    Trainer(job(out, "--max-steps", "4")).train()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    going_on = Trainer(job(out, "--resume", "--max-steps", "8"), callbacks=[Watch(stop_at=6)])
+    with going_on, pytest.raises(RuntimeError, match="stopped at step 6"):
+        going_on.train()
+    assert not (out / "summary.json").exists()
+    done = Trainer(job(out, "--resume", "--max-steps", "8"))
+    done.train()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+
+
 def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
