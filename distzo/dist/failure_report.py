@@ -97,12 +97,14 @@ def report_peer_failure(err: BaseException, rank: int, step: int, grace_s: float
     torchrun to end this process (it observes the peer's failure first, the root cause), and
     if it does not, record this rank's line and return the exit code (1)."""
     cause = _first_sentence(err)
+    under_torchrun = bool(os.environ.get(ERROR_FILE))
+    where = "above and in torchrun's summary" if under_torchrun else "in its own output"
     message = (
         f"rank {rank} stopped in step {step}: another rank failed or went silent ({cause}); "
-        "that rank's error, above and in torchrun's summary, is the cause"
+        f"that rank's error, {where}, is the cause"
     )
     logger.error("%s", message)
-    if os.environ.get(ERROR_FILE):  # torchrun is watching: let it see the peer's exit first
+    if under_torchrun:  # torchrun is watching: let it see the peer's exit first
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(grace_s)
     ERRORS.record_message(message)

@@ -83,4 +83,8 @@ def test_a_rank_stopped_by_a_peer_says_one_line_and_records_nothing_while_torchr
 def test_without_torchrun_a_rank_stopped_by_a_peer_does_not_wait(monkeypatch, caplog):
     monkeypatch.delenv(ERROR_FILE, raising=False)
     monkeypatch.setattr("distzo.dist.failure_report.time.sleep", pytest.fail)
-    assert report_peer_failure(dist.DistBackendError("aborted"), 1, 0, grace_s=7.0) == 1
+    with caplog.at_level(logging.ERROR, logger="distzo.train"):
+        assert report_peer_failure(dist.DistBackendError("aborted"), 1, 0, grace_s=7.0) == 1
+    # ranks started by hand: no torchrun summary to point at
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.endswith("that rank's error, in its own output, is the cause")
