@@ -117,9 +117,11 @@ class RunLogs:
 
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation of the state after ``step`` steps (once: not one the resumed log
-        already holds)."""
+        already holds, nor a second of the same state: --max-steps 0 evaluates step 0
+        before and after training)."""
         if step not in self.kept_evals:
             self.write("eval", {"step": step, **metrics})
+            self.kept_evals.add(step)
 
     def _keep(self, steps: int) -> None:
         """Cut every log back to the state after ``steps`` steps. Step records are 0-based

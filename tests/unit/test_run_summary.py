@@ -144,6 +144,12 @@ def test_a_session_that_goes_on_drops_the_summary_of_the_one_before(tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
 
 
+def test_a_run_of_no_steps_records_its_one_evaluation_once(tmp_path):
+    out = tmp_path / "run"
+    Trainer(job(out, "--max-steps", "0")).train()
+    assert [e["step"] for e in read_records(out / "eval.jsonl")] == [0]
+
+
 def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
