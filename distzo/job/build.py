@@ -109,9 +109,17 @@ def source_tokenizer(source: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
+    return tokenizer if has_vocabulary(tokenizer) else None
+
+
+def has_vocabulary(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` has a token that is not special: for a folder with no tokenizer
+    files, transformers builds its model type's tokenizer class with an empty vocabulary
+    (special tokens alone) instead of failing, and such a tokenizer turns text into nothing."""
+    return bool(set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens))
 
 
 def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
@@ -125,12 +133,18 @@ def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"--model {job.model.model}: no tokenizer to read the task's text "
             f"({str(err).splitlines()[0]})"
         ) from None
+    if not has_vocabulary(tokenizer):
+        raise ValueError(
+            f"--model {job.model.model}: no tokenizer to read the task's text (the folder "
+            "holds no tokenizer files); copy the model's tokenizer files into it"
+        )
+    return tokenizer
 
 
 def build_model(

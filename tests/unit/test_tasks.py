@@ -469,3 +469,19 @@ def test_a_text_evaluation_file_with_no_token_to_predict_is_a_clear_error(tmp_pa
     encoder = PromptEncoder(byte_tokenizer(), max_length=32)
     with pytest.raises(ValueError, match="--eval-file: no row has a next token to predict"):
         TextData(load_task_rows("text", train, empty), encoder, seed=0, eval_batch_size=2)
+
+
+def test_a_model_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
+    """transformers builds an OPT folder's tokenizer class with an empty vocabulary when the
+    folder holds no tokenizer files: a prompt task is the documented input error, and a
+    counting run's export or replay carries no empty tokenizer beside the weights."""
+    from distzo.config.job import resolve
+    from distzo.job.build import load_tokenizer, source_tokenizer
+
+    tiny_opt().save_pretrained(tmp_path)  # config.json and the weights, no tokenizer files
+    assert source_tokenizer(tmp_path) is None
+    job = resolve(["--model", str(tmp_path), "--task", "sst2", "--train-file", "t.tsv"])
+    with pytest.raises(ValueError, match="no tokenizer to read the task's text"):
+        load_tokenizer(job, tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    assert source_tokenizer(tmp_path) is not None
