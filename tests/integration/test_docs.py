@@ -1,6 +1,7 @@
 """The documentation is checked: README.md and docs/*.md run their CPU blocks, name only
 flags that exist, and link only to files and headings that exist."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -8,22 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from distzo.config.job import build_parser
-from tests.helpers.launch import child_env
+from distzo.config.job import JobConfig, build_parser, resolve
+from tests.helpers.launch import child_env, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUNNABLE = "<!-- runnable on CPU -->"
+RUNNABLE_TORCHRUN = "<!-- runnable on CPU under torchrun -->"
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
-def runnable_blocks(path: Path) -> list[tuple[str, str]]:
+def runnable_blocks(path: Path, marker: str = RUNNABLE) -> list[tuple[str, str]]:
     """(language, code) of every fenced block right after the runnable marker."""
     lines = path.read_text().splitlines()
     blocks = []
     for i, line in enumerate(lines):
-        if line.strip() == RUNNABLE:
+        if line.strip() == marker:
             fence = FENCE.match(lines[i + 1])
             assert fence is not None, f"{path}:{i + 2}: the runnable marker is not above a fence"
             language = fence.group(1)
@@ -166,3 +168,90 @@ def test_the_benchmark_readme_names_each_fixed_derived_figure_a_script_writes(sc
     section = readme.split(f"## {script}.py", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z0-9]+(?:_[a-z0-9]+)+_over_[a-z_0-9]+)`", section))
     assert named <= written, f"{script}.py writes none of {sorted(named - written)}"
+
+
+def test_the_torchrun_examples_run_on_two_cpu_ranks(tmp_path):
+    """The Python API's torchrun example is a script the reader runs under torchrun; it
+    called process-group helpers with arguments they no longer took."""
+    blocks = [block for page in PAGES for block in runnable_blocks(page, RUNNABLE_TORCHRUN)]
+    assert blocks and all(language == "python" for language, _ in blocks)
+    for i, (_, code) in enumerate(blocks):
+        script = tmp_path / f"script{i}.py"
+        script.write_text(code)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+        command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)]
+        proc = subprocess.run(
+            command,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=child_env({"CUDA_VISIBLE_DEVICES": ""}),
+        )
+        assert proc.returncode == 0, f"{code}\n{proc.stderr[-3000:]}"
+
+
+def documented_defaults(table: str, column: int) -> dict[str, str]:
+    """Name -> default of an options table: the names backticked in cell ``column`` of a
+    row (``| `beta1`, `momentum_window` | `0.9`, `32` |``), each with the backticked value
+    at its place in the next cell, or the whole cell where the two counts differ."""
+    defaults = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or len(cells) <= column + 1:
+            continue
+        names = re.findall(r"`(-*[a-z][a-z0-9_-]*)`|`(--[a-z][a-z0-9-]*) \[", cells[column])
+        names = [a or b for a, b in names]
+        values = [v.strip('"') for v in re.findall(r"`([^`]+)`", cells[column + 1])]
+        for j, name in enumerate(names):
+            defaults[name] = values[j] if len(values) == len(names) else cells[column + 1]
+    return defaults
+
+
+def same_value(shown: str, value: object) -> bool:
+    """A table's ``0.001``, ``1e-3``, ``on`` or ``"gaussian"`` for the code's value."""
+    if isinstance(value, bool):
+        return shown in ("on" if value else "off", str(value))
+    if isinstance(value, (int, float)):
+        try:
+            return float(shown) == float(value)
+        except ValueError:
+            return False
+    return shown == str(value)
+
+
+def test_the_python_api_table_gives_every_zoconfig_field_its_default():
+    """The table says it lists ZOConfig's fields; three were missing from it."""
+    from distzo import ZOConfig
+
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    shown = documented_defaults(text.split("`ZOConfig` fields and their defaults:", 1)[1], 0)
+    wrong = [
+        f"{field.name}: {shown.get(field.name, 'no row')} in the table, {field.default!r} in code"
+        for field in dataclasses.fields(ZOConfig)
+        if not same_value(shown.get(field.name, "no row"), field.default)
+        and not (field.default is None and shown.get(field.name) == "None")
+    ]
+    assert not wrong, wrong
+
+
+def test_the_training_page_gives_every_flag_with_its_default():
+    """README.md sends the reader to training.md for every option: each flag of --help has a
+    row there, and a row that shows one literal default shows the parser's."""
+    shown = documented_defaults((ROOT / "docs" / "training.md").read_text(), 1)
+    defaults = {
+        "--" + key.replace("_", "-"): value
+        for section in JobConfig().sections()
+        for key, value in vars(getattr(JobConfig(), section)).items()
+    }
+    flags = {o for action in build_parser()._actions for o in action.option_strings}
+    flags = {f for f in flags if f.startswith("--") and not f.startswith("--no-")} - {"--help"}
+    assert not flags - set(shown), sorted(flags - set(shown))
+    wrong = [
+        f"{flag}: {shown[flag]} in the table, {defaults[flag]!r} in JobConfig"
+        for flag in sorted(flags & set(defaults))
+        if defaults[flag] is not None
+        and re.fullmatch(r"[^ ]+", shown[flag])
+        and not same_value(shown[flag], defaults[flag])
+    ]
+    assert not wrong, wrong
