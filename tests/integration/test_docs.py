@@ -18,6 +18,8 @@ RUNNABLE = "<!-- runnable on CPU -->"
 RUNNABLE_TORCHRUN = "<!-- runnable on CPU under torchrun -->"
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```(\w*)\s*$")
+LAUNCH_FILES = sorted(p for p in (ROOT / "launch").rglob("*") if p.is_file())
+CONFIGS = sorted((ROOT / "launch" / "configs").glob("*.toml"))
 
 
 def runnable_blocks(path: Path, marker: str = RUNNABLE) -> list[tuple[str, str]]:
@@ -95,7 +97,7 @@ def test_every_flag_the_docs_give_the_training_job_exists():
     known |= {"--no-" + o[2:] for o in known}
     missing = {
         f"{page.name}: {flag}"
-        for page in PAGES
+        for page in [*PAGES, *LAUNCH_FILES]
         for flag in train_flags_named(page)
         if flag not in known
     }
@@ -255,3 +257,44 @@ def test_the_training_page_gives_every_flag_with_its_default():
         and not same_value(shown[flag], defaults[flag])
     ]
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_launch_config_resolves(config):
+    """A recipe the docs hand out parses and passes the options' own checks."""
+    job = resolve(["--config", str(config), "--output-dir", "run"])
+    assert job.optim.max_steps > 0
+
+
+def test_the_default_config_is_the_default_run_with_periodic_evaluations():
+    """default.toml says every option in it is the default but its evaluations."""
+    spelled = dataclasses.asdict(
+        resolve(["--config", str(ROOT / "launch/configs/default.toml"), "--output-dir", "r"])
+    )
+    plain = dataclasses.asdict(resolve(["--output-dir", "r"]))
+    differ = {
+        f"{section}.{key}"
+        for section in plain
+        for key in plain[section]
+        if spelled[section][key] != plain[section][key]
+    }
+    assert differ == {"run.eval_steps", "optim.lr"}  # lr: 1e-2, the tiny model's default
+    assert spelled["optim"]["lr"] == 1e-2
+
+
+# what the scripts write, not files of the repository
+OUTPUTS = ("benchmarks/out", "benchmarks/data", "benchmarks/results")
+
+
+def test_every_repository_path_the_docs_and_scripts_name_exists():
+    """A path into the repository (``tests/...``, ``distzo/...``) in a page or a launch
+    script's comments is one the reader can open: slurm.sbatch named its test where it
+    was before tests/ was split into unit/ and integration/."""
+    pattern = re.compile(r"(?<![\w./-])((?:distzo|tests|benchmarks|launch|docs|\.ci)/[\w./-]*\w)")
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in [*PAGES, *LAUNCH_FILES, ROOT / "benchmarks" / "README.md"]
+        for path in pattern.findall(page.read_text())
+        if not path.startswith(OUTPUTS) and not (ROOT / path).exists()
+    ]
+    assert not missing, missing
