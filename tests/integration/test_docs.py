@@ -298,3 +298,28 @@ def test_every_repository_path_the_docs_and_scripts_name_exists():
         if not path.startswith(OUTPUTS) and not (ROOT / path).exists()
     ]
     assert not missing, missing
+
+
+class Planned(Exception):
+    """The memory plan was made: stop before anything is allocated."""
+
+
+def test_a_memory_plan_the_pages_quote_is_what_the_job_plans_on_cpu(tmp_path, monkeypatch):
+    """A ``$ python -m distzo.train ...`` block that quotes its ``memory plan:`` line shows
+    the plan the job makes for those options on a CPU (docs/models.md's OPT-175B plan kept
+    an activation figure of an older estimate)."""
+    from distzo.job import trainer as trainer_module
+
+    pattern = re.compile(r"^\$ python -m distzo\.train ([^\n]*)\n.*?memory plan: ([^\n]*)", re.M)
+    quoted = [m.groups() for page in PAGES for m in pattern.finditer(page.read_text())]
+    assert quoted
+
+    def planned(plan, *_args):
+        raise Planned(plan.describe())
+
+    monkeypatch.setattr(trainer_module, "check_fits", planned)
+    for i, (args, line) in enumerate(quoted):
+        argv = [*args.split(), "--device", "cpu", "--output-dir", str(tmp_path / str(i))]
+        with pytest.raises(Planned) as plan:
+            trainer_module.Trainer(resolve(argv)).build()
+        assert str(plan.value) == line, args
