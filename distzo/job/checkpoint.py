@@ -330,6 +330,17 @@ def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def _stale_saves(directory: Path) -> list[Path]:
+    """Delete the ``step-N.tmp`` folders of saves a dead process left behind (killed mid
+    save); called once a save completes, when no other save is in flight (one is at a
+    time), so that a resumed run whose saves fall on other steps does not keep them, each
+    as large as a checkpoint, for ever."""
+    stale = sorted(directory.glob("step-*.tmp"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, engine: ZOEngine, keep: int = 0) -> None:
         self.directory = Path(directory)
@@ -491,6 +502,8 @@ class Checkpointer:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             logger.info("checkpoint %s written", final)
+            for stale in _stale_saves(self.directory):
+                logger.info("checkpoint %s deleted: a save that never completed", stale)
             for path in prune_checkpoints(self.directory, self.keep):
                 logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
 

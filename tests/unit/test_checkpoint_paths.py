@@ -162,3 +162,14 @@ def test_a_records_size_is_read_from_the_zip_directory_of_its_window_zip64_too()
     ]
     assert sizes == [1000, 24, None]  # a compressed record has no range in place
     assert _stored_size(_Window(stream, offsets[0], len(first)), "data/1") is None
+
+
+def test_a_completed_save_deletes_the_saves_a_dead_process_left(tmp_path):
+    """Once a save killed mid-way (its process dead) left step-N.tmp for good when the
+    resumed run saved at other steps: a checkpoint's size of disk each."""
+    engine = engine_for(tiny_opt(seed=1), num_slots=2)
+    train(engine, vocab=64, steps=1)
+    (tmp_path / "step-3.tmp" / "dcp").mkdir(parents=True)
+    (tmp_path / "step-3.tmp" / "dcp" / "__0_0.distcp").write_bytes(b"half")
+    Checkpointer(tmp_path, engine).save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
