@@ -237,6 +237,21 @@ def _saved_size(saved: Mapping[str, Any], key: str) -> torch.Size:
     return entry.size
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` over a storage of exactly its bytes, sharing its memory (the storage's
+    slice keeps the whole alive). DCP's writer clones a tensor whose storage is larger
+    (a block's view of its padded host copy) and holds every clone until the rank's file
+    is written: a synchronous save would copy every block it writes, which the memory
+    plan counts as read in place."""
+    storage = tensor.untyped_storage()
+    exact = storage.nbytes() == tensor.nbytes
+    if exact or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor  # a device tensor is copied to the host anyway (planned)
+    start = tensor.storage_offset() * tensor.element_size()
+    own = storage[start : start + tensor.nbytes]
+    return torch.empty(0, dtype=tensor.dtype).set_(own, 0, tensor.shape, tensor.stride())
+
+
 class PrivateCopies(AsyncStager):
     """Staging for a state that is already made of copies no one else writes to."""
 
@@ -400,10 +415,10 @@ class Checkpointer:
             )
 
         for i, block in engine.blocks_at_rest(mine, private):
-            state[f"block/{i}"] = block
+            state[f"block/{i}"] = own_storage(block)
         for k, name in enumerate(engine.moments.names):
             for i, block in engine.blocks_at_rest(mine, private, moment=k):
-                state[f"{name}/block/{i}"] = block
+                state[f"{name}/block/{i}"] = own_storage(block)
         return state
 
     def save(self, asynchronous: bool = False) -> None:
