@@ -5,7 +5,8 @@ fit the free device memory or the host memory it sees, unless ``--force``. The
 figures are the engine's own allocations (buckets, slots, staging, scratch, the noise
 workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocated``;
 the activation figure is an estimate of the largest transient (the bigger of one
-block's intermediates, for one micro-batch under --grad-accum, and the fp32 logits of one
+block's intermediates, for one micro-batch under --grad-accum times the passes batched
+together, and the fp32 logits of one
 head chunk: the head runs at most
 ``HEAD_CHUNK`` positions at a time). Beside the engine's own: the attention masks a
 forward keeps, and on a CUDA job of several ranks NCCL's buffers (from the NCCL
@@ -299,13 +300,17 @@ def _activation_bytes(
     cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, passes: tuple[Pass, ...]
 ) -> int:
     """An estimate of the largest transient: the live hidden states, plus the bigger of one
-    block's intermediates (one micro-batch) and the LM head's logits of one chunk."""
+    block's intermediates (one micro-batch, times the passes batched together) and the LM
+    head's logits of one chunk."""
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
     heads = _width(cfg, "num_attention_heads", "n_head", default=1)
     vocab = _width(cfg, "vocab_size")
     tokens = batch * seq
     micro = -(-batch // config.grad_accum)  # a block runs one micro-batch at a time (the largest)
+    # a group of batched passes (--dual-forward, --batch-queries) runs its micro-batch
+    # once per pass in one forward
+    micro *= _largest_group(config, passes)
     block_tmp = micro * seq * (4 * hidden + 2 * ffn) * compute + micro * heads * seq * seq * compute
     # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and
     # log-softmax
@@ -329,10 +334,15 @@ def _mask_bytes(
         return 0  # flash attention reads the (rows, L) padding mask itself
     itemsize = compute if implementation == "eager" else 1
     kinds = len(set(getattr(cfg, "layer_types", None) or ["full"]))
-    groups_of = pass_grouping(config.dual_forward, config.batch_queries)
-    largest = max(len(group) for group in groups_of(passes))
+    largest = _largest_group(config, passes)
     groups = 1 + (largest if largest > 1 else 0)
     return kinds * groups * batch * seq * seq * itemsize
+
+
+def _largest_group(config: ZOConfig, passes: tuple[Pass, ...]) -> int:
+    """The most passes one batched forward runs together (1: each pass alone)."""
+    groups_of = pass_grouping(config.dual_forward, config.batch_queries)
+    return max((len(group) for group in groups_of(passes)), default=1)
 
 
 NCCL_BUFFSIZE = 4 << 20  # NCCL's default NCCL_BUFFSIZE: one channel's buffer to one peer

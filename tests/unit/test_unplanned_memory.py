@@ -154,3 +154,19 @@ def test_a_refusal_names_the_largest_term(monkeypatch):
     cpu_plan = plan_memory(build("llama"), ZOConfig(device="cpu"), 1, False, 2, 8)
     with pytest.raises(ValueError, match=r"1\.00 KB available \(largest: scratch "):
         check_fits(cpu_plan, torch.device("cpu"), 1, force=False)
+
+
+def test_the_plan_counts_a_batched_groups_block_activations():
+    # --dual-forward --batch-queries run the 2q passes' rows through a block in one forward:
+    # the MLP's gate, activation and up outputs of every pass's rows live together
+    model = adapted("llama", "lora")
+    config = ZOConfig(device="cpu", seed=0, dual_forward=True, batch_queries=True, num_queries=4)
+    rows, length = 2, 12
+    plan = plan_memory(model, config, 1, False, batch=rows, seq=length)
+    engine = ZOEngine(model, config)
+    widest = []
+    mlp = engine.blocks[0].mlp
+    mlp.up_proj.register_forward_hook(lambda module, args, out: widest.append(out.nbytes))
+    engine.step(random_batch(64, rows, length))
+    hiddens = 2 * config.num_queries * rows * length * model.config.hidden_size * 4
+    assert plan.activations >= hiddens + 3 * max(widest), (plan.activations, max(widest))
