@@ -41,6 +41,7 @@ from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
+from distzo.offload.bucket import BucketLayout
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,14 @@ def check_shard_size(size: str) -> None:
 def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
     """Meta tensors of what the export holds, by name: the trained parameters, or for a
     merged adapter the base model's own parameters (adapter folded in)."""
-    layouts = [engine.resident_layout, *engine.block_layouts]
-    if merged:
-        layouts += [engine.resident_base_layout, *engine.base_layouts]
+    base = [engine.resident_base_layout, *engine.base_layouts] if merged else []
+    return export_shapes([engine.resident_layout, *engine.block_layouts, *base], merged)
+
+
+def export_shapes(layouts: list[BucketLayout], merged: bool) -> dict[str, torch.Tensor]:
+    """Meta tensors of the parameters of ``layouts`` as an export names them (``merged``:
+    the adapter's own left out, the base's under their original names); the memory plan
+    sizes the export's largest shard from them."""
     shapes = {}
     for layout in layouts:
         for e in layout.entries:

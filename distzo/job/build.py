@@ -220,6 +220,8 @@ def memory_plan(
         world=env.world_size,
         local_ranks=env.local_world_size,
         async_save=job.run.save_async and job.run.save_steps > 0,
+        export_shard_size=job.run.export_shard_size,
+        merge_adapter=job.peft.merge_adapter,
     )
 
 

@@ -30,6 +30,7 @@ from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
 from distzo.engine.parts import scratch_sizes
 from distzo.engine.passes import pass_grouping
+from distzo.export.hf_model import export_shapes, shard_plan
 from distzo.models import family_for
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
@@ -64,6 +65,7 @@ class MemoryPlan:
     )
     device_masks: int = 0  # the attention masks a forward keeps (per micro-batch, group size)
     device_comm: int = 0  # NCCL's buffers (and NVLS's) for the communicators the job uses
+    export_bytes: int = 0  # rank 0's host copies while the export writes its largest shard
 
     @property
     def device_bytes(self) -> int:
@@ -116,6 +118,7 @@ class MemoryPlan:
                 else ""
             )
             + f"; a checkpoint save +{b(self.checkpoint_bytes)} host per node"
+            + (f"; the export +{b(self.export_bytes)} host on rank 0" if self.export_bytes else "")
         )
 
 
@@ -203,6 +206,8 @@ def plan_memory(
     local_ranks: int = 1,
     async_save: bool = True,
     device_type: str | None = None,
+    export_shard_size: int | str | None = None,
+    merge_adapter: bool = False,
 ) -> MemoryPlan:
     """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
 
@@ -213,11 +218,13 @@ def plan_memory(
     node i % nodes), plus the resident bucket on rank 0. A synchronous save
     (``async_save`` False; the final save always is) copies only what does not already
     rest in host memory. ``device_type`` is where the engine runs (the config's device
-    when None): "cuda" plans a GPU job from a machine without one.
+    when None): "cuda" plans a GPU job from a machine without one. ``export_shard_size``
+    (``--export-shard-size``; None: no export planned) and ``merge_adapter`` size the
+    run's final export on rank 0.
     """
     on = device_type or config.torch_device().type
     passes = rank_share(config.step_passes(), pert, pert_rank)
-    model, _ = unwrap_peft(model)
+    model, peft_model = unwrap_peft(model)
     b = _buckets(model, config, shard_size, sliced)
     host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
     state_host, state_device = _state_bytes(
@@ -251,7 +258,25 @@ def plan_memory(
         state_device_bytes=state_device,
         device_masks=_mask_bytes(model.config, config, b.compute, batch, seq, passes),
         device_comm=nccl_buffer_bytes(_nccl_groups(on, world, local_ranks, shard_size, sliced)),
+        export_bytes=0
+        if export_shard_size is None
+        else _export_bytes(b, export_shard_size, peft_model is None or merge_adapter),
     )
+
+
+def _export_bytes(b: _Buckets, max_shard_size: int | str, whole: bool) -> int:
+    """Rank 0's host copies while the export writes: the tensors of its largest shard
+    (Hugging Face's split of what it holds, from shapes) and the bucket read beside them,
+    in the master dtype. ``whole``: the model (an adapter merged in, or none); otherwise
+    the adapter alone."""
+    trained = [b.resident, *b.trained]
+    if not whole:
+        return sum(layout.numel for layout in trained) * b.master
+    layouts = trained + ([b.resident_base, *b.streamed] if b.resident_base is not None else [])
+    shapes = export_shapes(layouts, merged=b.frozen)
+    files = shard_plan(shapes, max_shard_size).filename_to_tensors.values()
+    largest = max(sum(shapes[name].nbytes for name in names) for names in files)
+    return largest + max(layout.numel for layout in layouts) * b.master
 
 
 def _weight_bytes(b: _Buckets, config: ZOConfig) -> tuple[int, int, int, int]:
@@ -455,11 +480,14 @@ def _largest(terms: dict[str, int]) -> str:
 
 def host_terms(plan: MemoryPlan, on_device: bool, local_ranks: int) -> dict[str, int]:
     """The host memory of a node by term: each local rank's copies (and, on CPU, its
-    "device" terms, which are host memory too) and a checkpoint save's copies."""
+    "device" terms, which are host memory too), and the larger of a checkpoint save's
+    copies and the final export's (the export starts once the final save is written)."""
+    copies = {"a checkpoint save": plan.checkpoint_bytes, "the export": plan.export_bytes}
+    larger = max(copies, key=lambda name: copies[name])
     terms = {
         "host copy of the blocks": plan.host_bytes * local_ranks,
         "optimizer state": plan.state_host_bytes * local_ranks,
-        "a checkpoint save": plan.checkpoint_bytes,
+        larger: copies[larger],
     }
     if not on_device:
         terms.update({name: size * local_ranks for name, size in plan.device_terms().items()})
@@ -483,13 +511,15 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
     if available is not None and sum(host.values()) > available:
         problems.append(
             f"{format_bytes(sum(host.values()))} of host memory for {local_ranks} local ranks "
-            f"and a checkpoint save, {format_bytes(available)} available ({_largest(host)})"
+            f"and a checkpoint save or the export, {format_bytes(available)} available "
+            f"({_largest(host)})"
         )
     if problems and not force:
         raise ValueError(
             f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots, "
-            "--batch-size or --eval-batch-size, use a low-bit --transfer-dtype or --transfer "
-            "sliced, fewer --model-layers, or pass --force to start anyway"
+            "--batch-size, --eval-batch-size or --export-shard-size, use a low-bit "
+            "--transfer-dtype or --transfer sliced, fewer --model-layers, or pass --force to "
+            "start anyway"
         )
     for problem in problems:
         logger.warning("starting anyway (--force): the plan needs %s", problem)

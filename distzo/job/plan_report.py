@@ -23,7 +23,9 @@ from distzo.config.engine_options import (
     TRANSFER_DTYPE_NAMES,
     ZOConfig,
 )
+from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.parallel_dims import ParallelDims
+from distzo.export.hf_model import check_shard_size
 from distzo.job.evaluation import rows_per_call
 from distzo.job.memory_plan import MemoryPlan, host_terms, plan_memory
 from distzo.models.shapes import SHAPES, shape_config
@@ -68,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    parser.add_argument(
+        "--export-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest safetensors file of the final export (rank 0 holds one while writing)",
+    )
     return parser
 
 
@@ -80,6 +87,7 @@ def report(args: argparse.Namespace) -> str:
     queries = args.num_queries if args.num_queries is not None else rule.default_queries
     dims.check_passes(args.estimator, queries)
     dims.check_batch(args.batch_size)  # what distzo.train refuses, refused here too
+    check_shard_size(args.export_shard_size)
     if args.eval_batch_size < args.nproc:
         raise ValueError(
             f"--eval-batch-size {args.eval_batch_size} is smaller than the {args.nproc} "
@@ -111,6 +119,7 @@ def report(args: argparse.Namespace) -> str:
         world=args.nproc,
         local_ranks=args.nproc,
         device_type="cuda",
+        export_shard_size=args.export_shard_size,
     )
     return _lines(plan, args, dims, rows, config)
 

@@ -170,3 +170,32 @@ def test_the_plan_counts_a_batched_groups_block_activations():
     engine.step(random_batch(64, rows, length))
     hiddens = 2 * config.num_queries * rows * length * model.config.hidden_size * 4
     assert plan.activations >= hiddens + 3 * max(widest), (plan.activations, max(widest))
+
+
+@pytest.mark.parametrize("shard", ["2KB", "5GB"])
+def test_the_plan_counts_the_shard_the_export_holds(tmp_path, monkeypatch, shard):
+    # rank 0 collects each safetensors file's tensors before writing it: the whole model
+    # under the default 5GB, at the end of the run
+    from distzo.export import hf_model
+
+    model = build("llama")
+    config = ZOConfig(device="cpu", seed=0)
+    plan = plan_memory(model, config, 1, False, 2, 8, async_save=False, export_shard_size=shard)
+    engine = ZOEngine(build("llama"), config)
+    held = []
+    save_file = hf_model.save_file
+
+    def spied(tensors, path, metadata=None):
+        held.append(sum(t.nbytes for t in tensors.values()))
+        return save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(hf_model, "save_file", spied)
+    hf_model.export_model(engine, tmp_path / "export", max_shard_size=shard)
+    block = max(layout.numel for layout in engine.block_layouts) * 4
+    assert max(held) <= plan.export_bytes - block <= max(held) + 4 * block
+    assert (len(held) > 1) == (shard == "2KB")
+    terms = memory_plan.host_terms(plan, False, 1)
+    assert terms["the export"] == plan.export_bytes and "a checkpoint save" not in terms
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match="--export-shard-size"):
+        check_fits(plan, torch.device("cpu"), 1, force=False)
