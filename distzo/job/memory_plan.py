@@ -489,8 +489,9 @@ def host_terms(plan: MemoryPlan, on_device: bool, local_ranks: int) -> dict[str,
         "optimizer state": plan.state_host_bytes * local_ranks,
         larger: copies[larger],
     }
-    if not on_device:
-        terms.update({name: size * local_ranks for name, size in plan.device_terms().items()})
+    if not on_device:  # added to the host's: the moments' host shards and "device" ones
+        for name, size in plan.device_terms().items():
+            terms[name] = terms.get(name, 0) + size * local_ranks
     return {name: size for name, size in terms.items() if size}
 
 

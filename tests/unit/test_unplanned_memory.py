@@ -199,3 +199,15 @@ def test_the_plan_counts_the_shard_the_export_holds(tmp_path, monkeypatch, shard
     monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1000)
     with pytest.raises(ValueError, match="--export-shard-size"):
         check_fits(plan, torch.device("cpu"), 1, force=False)
+
+
+def test_a_cpu_plan_counts_the_moments_host_shards_and_their_device_side():
+    # on CPU the "device" is host memory too: both sides of an offloaded Adam's moments
+    model = build("llama")
+    plan = plan_memory(model, ZOConfig(device="cpu", optimizer="adam"), 1, False, 2, 8)
+    assert plan.state_host_bytes > 0 and plan.state_device_bytes > 0
+    for ranks in (1, 3):
+        terms = memory_plan.host_terms(plan, False, ranks)
+        assert terms["optimizer state"] == (plan.state_host_bytes + plan.state_device_bytes) * ranks
+        everything = plan.host_bytes + plan.state_host_bytes + plan.device_need
+        assert sum(terms.values()) == everything * ranks + plan.checkpoint_bytes
