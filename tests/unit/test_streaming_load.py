@@ -159,14 +159,16 @@ def inside(tensor: torch.Tensor, whole: torch.Tensor) -> bool:
     )
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_a_synchronous_save_writes_the_blocks_host_copy_itself(tmp_path, monkeypatch, optimizer):
+@pytest.mark.parametrize("optimizer, wire", [("sgd", "fp32"), ("adam", "bf16")])
+def test_a_synchronous_save_writes_the_blocks_host_copy_itself(
+    tmp_path, monkeypatch, optimizer, wire
+):
     # DCP's writer clones a tensor whose storage is larger than it (a block's view of the
     # padded host copy) and holds every clone until the file is written: the blocks twice
     # in host memory, where the plan counts no copy.
     from torch.distributed.checkpoint import filesystem
 
-    config = ZOConfig(device="cpu", optimizer=optimizer)
+    config = ZOConfig(device="cpu", optimizer=optimizer, transfer_dtype=wire)
     engine = ZOEngine(build("llama", seed=0), config)
     written = {}
     write_item = filesystem._write_item
@@ -181,6 +183,15 @@ def test_a_synchronous_save_writes_the_blocks_host_copy_itself(tmp_path, monkeyp
     blocks = {k: v for k, v in written.items() if "block/" in k}
     assert len(blocks) == len(engine.blocks) * (1 + config.num_moments)
     assert all(any(inside(v, h) for h in host) for v in blocks.values()), "blocks were copied"
+    # and it reads back as the blocks it wrote
+    (saved,) = tmp_path.glob("step-*")
+    fresh = ZOEngine(build("llama", seed=1), config)
+    Checkpointer(tmp_path, fresh).load(saved)
+    for k in range(1 + config.num_moments):
+        moment = None if k == 0 else k - 1
+        ours = dict(engine.blocks_at_rest(lambda i: True, True, moment=moment))
+        theirs = dict(fresh.blocks_at_rest(lambda i: True, True, moment=moment))
+        assert all(torch.equal(ours[i], theirs[i]) for i in ours)
 
 
 def test_opt_13b_shape_with_one_layer_builds_and_steps():
