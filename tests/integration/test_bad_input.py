@@ -132,6 +132,33 @@ def test_replay_onto_a_missing_local_base_says_no_such_directory(run, tmp_path):
     assert "no such directory" in one_line(proc) and "Repo id" not in proc.stderr
 
 
+def test_replay_writes_the_files_of_the_runs_export(run, tmp_path):
+    """The default run's base folder holds no tokenizer; transformers would build OPT's
+    with an empty vocabulary from its config, which the replay then wrote beside the
+    weights."""
+    out = tmp_path / "out"
+    proc = main_in_process(
+        "distzo.replay", ["--log", str(run / "seedlog.jsonl"), "--out", str(out)]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = [sorted(p.name for p in folder.iterdir()) for folder in (out, run / "export")]
+    assert names[0] == names[1]
+
+
+def test_a_text_task_on_a_model_folder_without_a_tokenizer_names_the_missing_files(tmp_path):
+    model = tmp_path / "opt"
+    tiny_opt().save_pretrained(model)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    proc = train_in_process(
+        ["--model", str(model), "--task", "sst2", "--train-file", str(data), "--eval-file"]
+        + [str(data), "--output-dir", str(tmp_path / "run")]
+    )
+    line = one_line(proc)
+    assert line.startswith(f"error: --model {model}: no tokenizer to read the task's text")
+    assert "holds no tokenizer files" in line
+
+
 def test_replay_on_a_full_disk_says_so_and_leaves_no_tmp(run, tmp_path, monkeypatch):
     import distzo.export.hf_model as hf_model
 
