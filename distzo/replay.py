@@ -77,6 +77,26 @@ def logged_base_signature(header: dict) -> dict:
     return {}
 
 
+# What every header distzo has written records (seed logs of all versions), and the replay reads.
+REQUIRED_FIELDS = ("run_seed", "noise_chunk", "weight_decay", "dtype", "device_type")
+
+
+def check_header(log: Path, header: dict) -> None:
+    """Refuse, in one line and before any model is built, a header without the fields
+    every distzo version writes (a damaged log, or one some other tool wrote)."""
+    missing = [name for name in REQUIRED_FIELDS if header.get(name) is None]
+    if missing:
+        raise ValueError(
+            f"--log {log}: its header has no {', '.join(missing)} (every distzo seed log "
+            "records them); is the log damaged, or written by another tool?"
+        )
+    if header["dtype"] not in DTYPES:
+        raise ValueError(
+            f"--log {log}: its header's dtype {header['dtype']!r} is not one of "
+            f"{', '.join(DTYPES)}; is the log damaged?"
+        )
+
+
 def replay_mode(transfer_dtype: str) -> str:
     """Where the replay keeps the blocks: resident, unless the run's frozen base rested in
     a low-bit format (an adapter run: its trained tensors never leave the device, but the
@@ -97,6 +117,7 @@ def replay(
     base's tokenizer beside the weights); returns the directory (a replay is one process,
     so rank 0's: never None there)."""
     header, steps = read_seed_log(log)
+    check_header(log, header)
     if first_step(header):
         raise ValueError(
             f"--log {log} begins at step {first_step(header)} (its run went on from a copied "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -117,6 +118,8 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
         text = path.read_text()
     except OSError as err:
         raise ValueError(f"--log {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--log {path}: not text (byte {err.start} is not UTF-8)") from None
     lines = text.split("\n")
     complete, tail = lines[:-1], lines[-1]  # tail: what follows the last newline ("" when whole)
     records = []
@@ -129,22 +132,34 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
         logger.warning(
             "%s: dropped a torn last line (line %d, no newline)", path, len(complete) + 1
         )
-    if not records or records[0].get("kind") != "header":
+    if not records or not isinstance(records[0], dict) or records[0].get("kind") != "header":
         raise ValueError(
             f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?"
         )
     header, steps = records[0], records[1:]
     for expected, record in enumerate(steps, first_step(header)):
-        if (
-            record.get("step") != expected
-            or "lr" not in record
-            or not {"projected_grads", "projected_grad"} & record.keys()
-        ):
+        if not _is_step_record(record, expected):
             raise ValueError(
                 f"--log {path}, line {expected - first_step(header) + 2}: expected the record "
                 f"of step {expected}"
             )
     return header, steps
+
+
+def _is_step_record(record: Any, step: int) -> bool:
+    """Whether a line is the record of ``step``: its finite lr and g per query (one at
+    least). A run never logs a step whose g is not finite (it drops the step), so such a
+    line is a damaged one, whose replay would make every weight NaN."""
+    if not isinstance(record, dict) or record.get("step") != step:
+        return False
+    grads = record.get("projected_grads", [record.get("projected_grad")])
+    if not isinstance(grads, list) or not grads:
+        return False
+    return all(_finite_number(value) for value in (record.get("lr"), *grads))
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def first_step(header: dict) -> int:

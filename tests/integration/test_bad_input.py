@@ -159,6 +159,52 @@ def test_a_text_task_on_a_model_folder_without_a_tokenizer_names_the_missing_fil
     assert "holds no tokenizer files" in line
 
 
+def damaged_log(run: Path, tmp_path: Path, header=None, record=None) -> Path:
+    """The run's seed log with its header, or its first step's record, replaced."""
+    first, *steps = (run / "seedlog.jsonl").read_text().splitlines()
+    lines = [header if header is not None else first, record if record is not None else steps[0]]
+    log = tmp_path / "seedlog.jsonl"
+    log.write_text("\n".join([*lines, *steps[1:]]) + "\n")
+    return log
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        "[0]",
+        '{"step": 0, "projected_grads": [NaN], "lr": 0.01}',
+        '{"step": 0, "projected_grads": [1.0], "lr": null}',
+        '{"step": 0, "projected_grads": [], "lr": 0.01}',
+        '{"step": 0, "projected_grads": "1.0", "lr": 0.01}',
+    ],
+)
+def test_replay_names_a_damaged_step_record(run, tmp_path, record):
+    """A run never logs a step whose g is not finite: such a record would replay into NaN
+    weights without a word; the others were tracebacks."""
+    log = damaged_log(run, tmp_path, record=record)
+    proc = main_in_process("distzo.replay", ["--log", str(log), "--out", str(tmp_path / "o")])
+    assert one_line(proc) == f"error: --log {log}, line 2: expected the record of step 0"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field", ["run_seed", "weight_decay", "dtype"])
+def test_replay_names_what_a_damaged_header_lacks(run, tmp_path, field):
+    header = json.loads((run / "seedlog.jsonl").read_text().splitlines()[0])
+    del header[field]
+    log = damaged_log(run, tmp_path, header=json.dumps(header))
+    proc = main_in_process("distzo.replay", ["--log", str(log), "--out", str(tmp_path / "o")])
+    assert one_line(proc).startswith(f"error: --log {log}: its header has no {field} ")
+
+
+def test_replay_names_a_log_that_is_not_a_header_or_not_text(run, tmp_path):
+    log = damaged_log(run, tmp_path, header="[1, 2]")
+    proc = main_in_process("distzo.replay", ["--log", str(log), "--out", str(tmp_path / "o")])
+    assert "the first line must be the run's header" in one_line(proc)
+    log.write_bytes(b"\x80\x81\n")
+    proc = main_in_process("distzo.replay", ["--log", str(log), "--out", str(tmp_path / "o")])
+    assert one_line(proc) == f"error: --log {log}: not text (byte 0 is not UTF-8)"
+
+
 def test_replay_on_a_full_disk_says_so_and_leaves_no_tmp(run, tmp_path, monkeypatch):
     import distzo.export.hf_model as hf_model
 
