@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from distzo.engine import ZOEngine
+from distzo.engine.build import compute_dtype
 from distzo.models.batched_linear import make_pass_batched
 from distzo.zo import philox
 from distzo.zo.gaussian_table import gaussian_table
@@ -72,6 +73,12 @@ class TrainingStep(nn.Module):
         if engine.config.num_queries != 1 or engine.parallel.is_distributed:
             raise ValueError(
                 "the exportable step runs one query in one process (P-RGE's on-device step)"
+            )
+        master = engine.block_layouts[0].dtype
+        if compute_dtype(engine.config, master) != master:
+            raise ValueError(
+                f"the exportable step computes in the model's dtype ({master}); the engine "
+                f"computes in {engine.config.compute_dtype}: build it with compute_dtype auto"
             )
         self.eps = engine.config.eps
         self.layouts = engine.block_layouts

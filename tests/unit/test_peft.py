@@ -393,6 +393,21 @@ def test_the_exported_training_step_refuses_another_estimator():
             TrainingStep(engine)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_exported_training_step_refuses_a_low_precision_compute(dtype):
+    """The program computes in the model's dtype: a bf16 engine's step was accepted, then
+    its first call died inside the model (float != BFloat16)."""
+    from distzo.export.training_step import TrainingStep
+
+    engine = engine_for(adapted("opt", "lora-fa"), mode="resident", compute_dtype=dtype)
+    with pytest.raises(ValueError) as refused:
+        TrainingStep(engine)
+    assert str(refused.value) == (
+        f"the exportable step computes in the model's dtype (torch.float32); the engine "
+        f"computes in {dtype}: build it with compute_dtype auto"
+    )
+
+
 def test_a_gpt2_training_step_lowers_for_the_edge(tmp_path):
     """GPT-2's Conv1D views its input: a lowered SDPA once handed it a strided one."""
     pytest.importorskip("executorch")
