@@ -20,7 +20,6 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -33,7 +32,7 @@ from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
 from distzo.job.build import local_model_dir, source_tokenizer
 from distzo.job.seed_log import first_step, read_seed_log, step_grads
-from distzo.models import load_model
+from distzo.models import hub
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.weights import (
     RandomWeights,
@@ -47,25 +46,33 @@ logger = logging.getLogger("distzo.replay")
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-def base_model(base: str | None, header: dict, dtype: torch.dtype):
-    """(model, weight source) of the run's starting point, streamed where it can be: a
-    --model-config shape is rebuilt from its init seed, a local directory read bucket by
-    bucket; a hub name loads through transformers."""
+def base_folder(base: str | None, header: dict) -> Path | None:
+    """The local folder of the run's base, as the run read it (a hub name's snapshot, fetched
+    where the cache lacks it); None for a --model-config shape, rebuilt from its seed.
+    Errors name where the base came from: ``--base`` or the log's header."""
     if base is None and header.get("model_config"):
+        return None
+    name = base or header.get("base")
+    if not name:
+        raise ValueError("the log names no base model; pass --base")
+    option = "--base" if base else "the log's base"
+    try:
+        local = local_model_dir(name, option)
+        return local if local is not None else hub.snapshot(name, True, option=option)
+    except ValueError as err:
+        raise ValueError(str(err) if base else f"{err}; pass --base") from None
+
+
+def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype):
+    """(model, weight source) of the run's starting point, streamed: a --model-config shape
+    (``folder`` None) is rebuilt from its init seed, a folder read bucket by bucket."""
+    if folder is None:
         config = shape_config(header["model_config"], header.get("model_layers"))
         return skeleton(config, dtype), RandomWeights(header["init_seed"])
-    base = base or header.get("base")
-    if not base:
-        raise ValueError("the log names no base model; pass --base")
     recorded = header.get("model") or logged_base_signature(header)
-    local = local_model_dir(base)
-    if local is not None:
-        config = AutoConfig.from_pretrained(local)
-        check_signature(recorded, config, base)  # before any weight is read
-        return with_generation_config(skeleton(config, dtype), local), open_checkpoint(local)
-    model = load_model(base, dtype)
-    check_signature(recorded, model.config, base)
-    return model, None
+    config = AutoConfig.from_pretrained(folder)
+    check_signature(recorded, config, name)  # before any weight is read
+    return with_generation_config(skeleton(config, dtype), folder), open_checkpoint(folder)
 
 
 def logged_base_signature(header: dict) -> dict:
@@ -162,33 +169,20 @@ def replay(
         raise ValueError(
             f"the run drew legacy noise on {header['device_type']}; replay it on that device type"
         )
-    model, weights = base_model(base, header, DTYPES[header["dtype"]])
+    folder = base_folder(base, header)
+    name = base or header.get("base") or header["model_config"]
+    model, weights = base_model(folder, name, header, DTYPES[header["dtype"]])
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
         weights = AdapterWeights(weights, model) if weights is not None else None
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     # every logged update in one pass over the blocks, in order: the run's trajectory
     engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
-    logger.info(
-        "replayed %d steps onto %s",
-        len(steps),
-        base or header.get("base") or header.get("model_config"),
-    )
+    logger.info("replayed %d steps onto %s", len(steps), name)
     merge = merge_adapter or bool(header.get("merge_adapter"))
     # the command checked --out (an existing one only with --overwrite)
-    return export_model(
-        engine, out, _base_tokenizer(base, header), merge_adapter=merge, overwrite=True
-    )
-
-
-def _base_tokenizer(base: str | None, header: dict) -> Any:
-    """The tokenizer of a local base folder (None for a shape, a hub name or a folder
-    without one)."""
-    if base is None and header.get("model_config"):
-        return None
-    name = base or header.get("base")
-    local = local_model_dir(name) if name else None
-    return source_tokenizer(local) if local is not None else None
+    tokenizer = source_tokenizer(folder) if folder is not None else None
+    return export_model(engine, out, tokenizer, merge_adapter=merge, overwrite=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,17 +77,18 @@ def build_parallel(
     return ParallelContext(env, dims, mesh, ShardGroup.of(group, members, env.rank), comm)
 
 
-def local_model_dir(name: str) -> Path | None:
+def local_model_dir(name: str, option: str = "--model") -> Path | None:
     """The directory a --model names when it is a path (one that exists, or one that looks
     like a path: absolute, ``./``, ``../``, ``~``); None for a hub name. A path that is not a
-    directory is refused here: hub name parsing would call it a malformed repo id."""
+    directory is refused here: hub name parsing would call it a malformed repo id. ``option``:
+    what the error calls the name (replay's ``--base``)."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
     looks_local = path.is_absolute() or name.startswith(("./", "../", "~", ".\\", "..\\"))
     if path.exists() or looks_local or name in (".", ".."):
         kind = "not a directory" if path.exists() else "no such directory"
-        raise ValueError(f"--model {name}: {kind} (a local model is a Hugging Face folder)")
+        raise ValueError(f"{option} {name}: {kind} (a local model is a Hugging Face folder)")
     return None
 
 

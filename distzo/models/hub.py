@@ -35,10 +35,12 @@ def weight_patterns(files: list[str]) -> list[str]:
     return METADATA + ["*.bin"]
 
 
-def snapshot(name: str, download: bool, revision: str | None = None) -> Path:
+def snapshot(
+    name: str, download: bool, revision: str | None = None, option: str = "--model"
+) -> Path:
     """The local directory of hub model ``name``. ``download``: fetch what is missing (one
     rank per node); otherwise the cached snapshot that rank made (the node's other ranks,
-    after it), with no network access."""
+    after it), with no network access. ``option``: what the error calls the name."""
     from huggingface_hub import list_repo_files, snapshot_download
 
     try:
@@ -50,7 +52,7 @@ def snapshot(name: str, download: bool, revision: str | None = None) -> Path:
             patterns = None
         return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
     except Exception as err:  # network, authentication, a name that is not a repository
-        raise ValueError(f"cannot download --model {name!r}: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"cannot download {option} {name!r}: {str(err).splitlines()[0]}") from None
 
 
 class OnceOnFirstLocalRank(logging.Filter):

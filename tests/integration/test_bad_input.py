@@ -205,6 +205,26 @@ def test_replay_names_a_log_that_is_not_a_header_or_not_text(run, tmp_path):
     assert one_line(proc) == f"error: --log {log}: not text (byte 0 is not UTF-8)"
 
 
+def test_replay_names_where_a_missing_base_came_from(run, tmp_path):
+    """A base the user did not pass was called --model; a hub name that could not be
+    fetched was 'cannot write OUT' (an OSError from transformers taken for a failed write)."""
+    log = tmp_path / "seedlog.jsonl"
+    moved = (run / "seedlog.jsonl").read_text().replace(str(run / "base"), str(tmp_path / "gone"))
+    log.write_text(moved)
+    out = str(tmp_path / "o")
+    proc = main_in_process("distzo.replay", ["--log", str(log), "--out", out])
+    assert one_line(proc) == (
+        f"error: the log's base {tmp_path / 'gone'}: no such directory (a local model is a "
+        "Hugging Face folder); pass --base"
+    )
+    proc = main_in_process(
+        "distzo.replay",
+        ["--base", "org/none", "--log", str(run / "seedlog.jsonl"), "--out", out],
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert one_line(proc).startswith("error: cannot download --base 'org/none': ")
+
+
 def test_replay_on_a_full_disk_says_so_and_leaves_no_tmp(run, tmp_path, monkeypatch):
     import distzo.export.hf_model as hf_model
 
