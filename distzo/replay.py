@@ -24,7 +24,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
+from distzo.adapters.peft_adapters import (
+    AdapterSpec,
+    AdapterWeights,
+    attach_adapter,
+    check_mergeable,
+)
 from distzo.config.cli import fail, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.engine import ZOEngine
@@ -175,11 +180,18 @@ def replay(
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
         weights = AdapterWeights(weights, model) if weights is not None else None
+    merge = merge_adapter or bool(header.get("merge_adapter"))
+    if merge and spec.method == "prefix":  # before the steps: the export would refuse it
+        raise ValueError(
+            "--merge-adapter: the run trained a prefix, which cannot be merged into the "
+            "weights; replay without --merge-adapter (the peft adapter)"
+        )
+    if merge and spec.enabled:
+        check_mergeable(model)
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     # every logged update in one pass over the blocks, in order: the run's trajectory
     engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
     logger.info("replayed %d steps onto %s", len(steps), name)
-    merge = merge_adapter or bool(header.get("merge_adapter"))
     # the command checked --out (an existing one only with --overwrite)
     tokenizer = source_tokenizer(folder) if folder is not None else None
     return export_model(engine, out, tokenizer, merge_adapter=merge, overwrite=True)

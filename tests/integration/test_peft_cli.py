@@ -249,3 +249,25 @@ def test_a_prefix_initialised_in_bf16_compute_replays_exactly(tmp_path):
     proc = python_replay(["--log", str(run / "seedlog.jsonl"), "--out", str(replayed)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same(load_file(str(replayed / "adapter_model.safetensors")), adapter(run))
+
+
+def test_replay_refuses_to_merge_a_prefix_before_replaying_a_step(tmp_path, monkeypatch):
+    """The export refused it, but only once every logged step had been replayed."""
+    from distzo.engine import ZOEngine
+    from tests.helpers.launch import main_in_process
+
+    run = tmp_path / "run"
+    flags = ["--max-steps", "1", "--batch-size", "4", "--peft", "prefix", "--prefix-length", "2"]
+    proc = python_train(flags + ["--log-every", "0", "--output-dir", str(run)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    replayed = []
+    monkeypatch.setattr(ZOEngine, "catch_up", lambda engine, steps: replayed.append(steps))
+    out = tmp_path / "out"
+    proc = main_in_process(
+        "distzo.replay", ["--log", str(run / "seedlog.jsonl"), "--out", str(out), "--merge-adapter"]
+    )
+    assert proc.returncode == 2 and not replayed and not out.exists()
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --merge-adapter: the run trained a prefix, which cannot be merged into the "
+        "weights; replay without --merge-adapter (the peft adapter)"
+    )
