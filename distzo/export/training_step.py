@@ -261,6 +261,7 @@ def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
 
     from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
     from distzo.config.engine_options import ZOConfig
+    from distzo.job.build import local_model_dir
     from distzo.models import model_from_config
     from distzo.models.tiny import tiny_opt_config
 
@@ -271,6 +272,7 @@ def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
     spec.validate()
     base: PreTrainedModel
     if args.model:
+        local_model_dir(args.model)  # a missing folder is one, not a malformed hub name
         try:
             base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         except (OSError, ValueError) as err:

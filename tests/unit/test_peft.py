@@ -541,6 +541,19 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     assert not (tmp_path / "step.tmp").exists()
 
 
+def test_export_step_command_says_a_missing_model_folder_is_missing(tmp_path):
+    """It was transformers' 'Repo id must be in the form ...' (a path taken for a hub name)."""
+    from tests.helpers.launch import main_in_process
+
+    missing = tmp_path / "nope"
+    proc = main_in_process(
+        "distzo.export.training_step", ["--model", str(missing), "--out", str(tmp_path / "o")]
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: --model {missing}: no such directory (a local model is a Hugging Face folder)"
+    )
+
+
 def test_lora_fa_with_batched_queries_lowers_the_default_tasks_loss():
     """The default task (tiny random OPT, counting) with LoRA-FA at 4 queries, all 8 passes
     of a step as one: benchmarks/RESULTS.md records 4.18 -> 3.97 in 900 steps, the time
