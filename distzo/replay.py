@@ -117,25 +117,16 @@ def replay_mode(transfer_dtype: str) -> str:
     return "resident" if transfer_dtype == "fp32" else "offload"
 
 
-def replay(
-    base: str | None,
-    log: Path,
-    out: Path,
-    device: str | None = None,
-    merge_adapter: bool = False,
-) -> Path | None:
-    """Rebuild the run that ``log`` records onto its base, written to ``out`` as the run's
-    own export is (``merge_adapter``, or the run's: an adapter merged into its base; the
-    base's tokenizer beside the weights); returns the directory (a replay is one process,
-    so rank 0's: never None there)."""
-    header, steps = read_seed_log(log)
+def check_replayable(log: Path, header: dict, spec: AdapterSpec) -> None:
+    """Refuse, before any model is built, a log whose weights are not a function of it (or
+    not of every step from 0): a copied start, stochastic rounding on the host, noise this
+    version does not draw."""
     check_header(log, header)
     if first_step(header):
         raise ValueError(
             f"--log {log} begins at step {first_step(header)} (its run went on from a copied "
             "checkpoint): a replay needs every step from 0; use the run's export/ instead"
         )
-    spec = AdapterSpec.from_record(header.get("peft"))
     transfer_dtype = header.get("transfer_dtype", "fp32")
     if transfer_dtype != "fp32" and not spec.enabled:
         raise ValueError(
@@ -148,21 +139,26 @@ def replay(
             "stochastically on the host, so its weights are not a function of the log; use the "
             "run's export/ instead"
         )
-    device = device or header["device_type"]
     identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator
-    kind = identity_kind(identity)
     if not drawable(identity):
         raise ValueError(
             f"--log {log}: the run drew {identity} noise, which this distzo does not draw; "
             "replay it with the version that wrote it"
         )
+
+
+def replay_config(header: dict, device: str | None) -> ZOConfig:
+    """The engine the run had, as far as its trajectory goes (lr 0: the logged steps carry
+    their own), on ``device`` (the run's device type by default)."""
+    transfer_dtype = header.get("transfer_dtype", "fp32")
+    kind = identity_kind(header.get("noise", "legacy"))
     config = ZOConfig(
         lr=0.0,
         mode=replay_mode(transfer_dtype),
         transfer_dtype=transfer_dtype,
         # a prefix's init by real activations ran in it (logs from before the record: auto)
         compute_dtype=header.get("compute_dtype", "auto"),
-        device=device,
+        device=device or header["device_type"],
         weight_decay=header["weight_decay"],
         noise_chunk=header["noise_chunk"],
         seed=header["run_seed"],
@@ -174,6 +170,24 @@ def replay(
         raise ValueError(
             f"the run drew legacy noise on {header['device_type']}; replay it on that device type"
         )
+    return config
+
+
+def replay(
+    base: str | None,
+    log: Path,
+    out: Path,
+    device: str | None = None,
+    merge_adapter: bool = False,
+) -> Path | None:
+    """Rebuild the run that ``log`` records onto its base, written to ``out`` as the run's
+    own export is (``merge_adapter``, or the run's: an adapter merged into its base; the
+    base's tokenizer beside the weights); returns the directory (a replay is one process,
+    so rank 0's: never None there)."""
+    header, steps = read_seed_log(log)
+    spec = AdapterSpec.from_record(header.get("peft"))
+    check_replayable(log, header, spec)
+    config = replay_config(header, device)
     folder = base_folder(base, header)
     name = base or header.get("base") or header["model_config"]
     model, weights = base_model(folder, name, header, DTYPES[header["dtype"]])
