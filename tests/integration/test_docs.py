@@ -65,15 +65,20 @@ def test_every_runnable_block_runs_on_cpu(tmp_path, page):
             if language == "bash"
             else [sys.executable, "-c", code]
         )
-        proc = subprocess.run(
-            command,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=child_env({"CUDA_VISIBLE_DEVICES": ""}),
-        )
-        assert proc.returncode == 0, f"{page.name}:\n{code}\n{proc.stderr[-3000:]}"
+        run_block(command, tmp_path, f"{page.name}:\n{code}")
+
+
+def run_block(command: list[str], cwd: Path, what: str) -> None:
+    """A documented block's command, on the CPU, that must succeed (``what`` names it)."""
+    proc = subprocess.run(
+        command,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env({"CUDA_VISIBLE_DEVICES": ""}),
+    )
+    assert proc.returncode == 0, f"{what}\n{proc.stderr[-3000:]}"
 
 
 def train_flags_named(path: Path) -> set[str]:
@@ -182,15 +187,7 @@ def test_the_torchrun_examples_run_on_two_cpu_ranks(tmp_path):
         script.write_text(code)
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
         command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)]
-        proc = subprocess.run(
-            command,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=child_env({"CUDA_VISIBLE_DEVICES": ""}),
-        )
-        assert proc.returncode == 0, f"{code}\n{proc.stderr[-3000:]}"
+        run_block(command, tmp_path, code)
 
 
 def documented_defaults(table: str, column: int) -> dict[str, str]:
