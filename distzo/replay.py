@@ -35,7 +35,7 @@ from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_op
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
-from distzo.job.build import local_model_dir, source_tokenizer
+from distzo.job.build import source_tokenizer
 from distzo.job.seed_log import first_step, read_seed_log, step_grads
 from distzo.models import hub
 from distzo.models.shapes import check_signature, shape_config, signature
@@ -62,7 +62,7 @@ def base_folder(base: str | None, header: dict) -> Path | None:
         raise ValueError("the log names no base model; pass --base")
     option = "--base" if base else "the log's base"
     try:
-        local = local_model_dir(name, option)
+        local = hub.local_model_dir(name, option)
         return local if local is not None else hub.snapshot(name, True, option=option)
     except ValueError as err:
         raise ValueError(str(err) if base else f"{err}; pass --base") from None

@@ -261,8 +261,8 @@ def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
 
     from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
     from distzo.config.engine_options import ZOConfig
-    from distzo.job.build import local_model_dir
     from distzo.models import model_from_config
+    from distzo.models.hub import local_model_dir
     from distzo.models.tiny import tiny_opt_config
 
     if args.batch < 1 or args.seq < 2 or args.steps < 1:

@@ -77,27 +77,12 @@ def build_parallel(
     return ParallelContext(env, dims, mesh, ShardGroup.of(group, members, env.rank), comm)
 
 
-def local_model_dir(name: str, option: str = "--model") -> Path | None:
-    """The directory a --model names when it is a path (one that exists, or one that looks
-    like a path: absolute, ``./``, ``../``, ``~``); None for a hub name. A path that is not a
-    directory is refused here: hub name parsing would call it a malformed repo id. ``option``:
-    what the error calls the name (replay's ``--base``)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    looks_local = path.is_absolute() or name.startswith(("./", "../", "~", ".\\", "..\\"))
-    if path.exists() or looks_local or name in (".", ".."):
-        kind = "not a directory" if path.exists() else "no such directory"
-        raise ValueError(f"{option} {name}: {kind} (a local model is a Hugging Face folder)")
-    return None
-
-
 def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
     """The local directory a --model streams from: the path itself, or a hub name's
     snapshot, downloaded once per node by its first local rank while the others wait."""
     if not name:
         return None
-    local = local_model_dir(name)
+    local = hub.local_model_dir(name)
     if local is not None:
         return local
     path = hub.snapshot(name, download=True) if env.local_rank == 0 else None

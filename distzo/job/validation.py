@@ -22,11 +22,11 @@ from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.export.hf_model import check_shard_size
 from distzo.export.out_dir import nearest_existing
-from distzo.job.build import default_model_config, local_model_dir, token_positions
+from distzo.job.build import default_model_config, token_positions
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
-from distzo.models import check_supported
+from distzo.models import check_supported, hub
 from distzo.models.shapes import shape_config
 from distzo.models.weights import check_float_weights, check_readable
 
@@ -60,7 +60,7 @@ def model_config_of(job: JobConfig) -> PretrainedConfig:
     name = job.model.model
     if name is None:
         return default_model_config(job.data.task)
-    local = local_model_dir(name)
+    local = hub.local_model_dir(name)
     if local is not None:
         check_readable(local)
     try:

@@ -35,6 +35,21 @@ def weight_patterns(files: list[str]) -> list[str]:
     return METADATA + ["*.bin"]
 
 
+def local_model_dir(name: str, option: str = "--model") -> Path | None:
+    """The directory a --model names when it is a path (one that exists, or one that looks
+    like a path: absolute, ``./``, ``../``, ``~``); None for a hub name. A path that is not a
+    directory is refused here: hub name parsing would call it a malformed repo id. ``option``:
+    what the error calls the name (replay's ``--base``)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    looks_local = path.is_absolute() or name.startswith(("./", "../", "~", ".\\", "..\\"))
+    if path.exists() or looks_local or name in (".", ".."):
+        kind = "not a directory" if path.exists() else "no such directory"
+        raise ValueError(f"{option} {name}: {kind} (a local model is a Hugging Face folder)")
+    return None
+
+
 def snapshot(
     name: str, download: bool, revision: str | None = None, option: str = "--model"
 ) -> Path:
