@@ -6,6 +6,7 @@ the ranks' values add up in the step's one all-reduce to the single process's me
 """
 
 import json
+import string
 
 import pytest
 
@@ -57,13 +58,17 @@ def task_files(tmp_path, task):
             for i in range(16)
         ]
     else:
-        # Answers drawn from the byte alphabet's printable range: a random model emits some of it.
+        # Every one-character word the byte tokenizer decodes to (punctuation normalises to
+        # nothing, which SQuAD's F1 scores 0; bytes past ASCII decode to U+FFFD): a random
+        # model's answer of a letter or digit among punctuation scores 1, others 0, and a
+        # perturbation flips some of them.
+        words = [c for c in map(chr, range(33, 127)) if c not in string.punctuation]
         rows = [
             {
                 "title": "T",
                 "context": f"Code {i}.",
                 "question": "Which?",
-                "answers": [chr(40 + i) * 2, chr(40 + i)],
+                "answers": [*words, "\ufffd"],
             }
             for i in range(16)
         ]
