@@ -31,6 +31,7 @@ from distzo.dist.failure_report import (
     ERROR_FILE,
     ERRORS,
     PEER_REPORT_GRACE_S,
+    await_rank_zero,
     is_peer_failure,
     recorded,
     report_peer_failure,
@@ -151,7 +152,10 @@ def _failed(env: LaunchEnv, message: str, code: int = 2) -> int:
     """``fail``'s ``error: message`` line (bad input: 2; a failure: 1), recorded for torchrun
     and written once under it (rank 0), by every rank otherwise."""
     ERRORS.record_message(f"error: {message}")
-    return fail(message, code) if _speaks(env) else code
+    if _speaks(env):
+        return fail(message, code)
+    await_rank_zero()
+    return code
 
 
 if __name__ == "__main__":

@@ -109,3 +109,13 @@ def report_peer_failure(err: BaseException, rank: int, step: int, grace_s: float
         time.sleep(grace_s)
     ERRORS.record_message(message)
     return 1
+
+
+def await_rank_zero(grace_s: float = PEER_REPORT_GRACE_S) -> None:
+    """Under torchrun, a rank that leaves a shared failure's line to rank 0 waits for rank
+    0's exit (torchrun then ends this one) up to ``grace_s``: exiting first, it would have
+    torchrun end rank 0 before rank 0 printed the line, and the run would stop with no
+    ``error:`` line at all. Without torchrun every rank prints its own: no wait."""
+    if os.environ.get(ERROR_FILE):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(grace_s)
