@@ -31,7 +31,7 @@ from distzo.dist.failure_report import (
     ERROR_FILE,
     ERRORS,
     PEER_REPORT_GRACE_S,
-    await_rank_zero,
+    await_torchrun,
     is_peer_failure,
     recorded,
     report_peer_failure,
@@ -154,7 +154,7 @@ def _failed(env: LaunchEnv, message: str, code: int = 2) -> int:
     ERRORS.record_message(f"error: {message}")
     if _speaks(env):
         return fail(message, code)
-    await_rank_zero()
+    await_torchrun()  # rank 0 says the line; its exit ends this one
     return code
 
 

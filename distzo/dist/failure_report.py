@@ -104,18 +104,17 @@ def report_peer_failure(err: BaseException, rank: int, step: int, grace_s: float
         f"that rank's error, {where}, is the cause"
     )
     logger.error("%s", message)
-    if under_torchrun:  # torchrun is watching: let it see the peer's exit first
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(grace_s)
+    await_torchrun(grace_s)  # let torchrun see the peer's exit first
     ERRORS.record_message(message)
     return 1
 
 
-def await_rank_zero(grace_s: float = PEER_REPORT_GRACE_S) -> None:
-    """Under torchrun, a rank that leaves a shared failure's line to rank 0 waits for rank
-    0's exit (torchrun then ends this one) up to ``grace_s``: exiting first, it would have
-    torchrun end rank 0 before rank 0 printed the line, and the run would stop with no
-    ``error:`` line at all. Without torchrun every rank prints its own: no wait."""
+def await_torchrun(grace_s: float = PEER_REPORT_GRACE_S) -> None:
+    """Under torchrun, wait up to ``grace_s`` for torchrun to end this process once another
+    rank has exited: the peer whose failure stopped this rank (the root cause torchrun
+    should observe first), or rank 0 with the line of a failure every rank shares (exiting
+    first, this rank would have torchrun end rank 0 before it printed the line). Without
+    torchrun no one ends this process: no wait."""
     if os.environ.get(ERROR_FILE):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(grace_s)
