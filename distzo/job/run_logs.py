@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.config.cli import names_file
+from distzo.config.field_types import is_of_type
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter
 
@@ -111,7 +112,7 @@ class RunLogs:
         scalars = {
             f"{prefix}/{key.removeprefix('eval_')}": float(value)
             for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key != "step" and is_of_type(value, float)
         }
         self.reporter.log(scalars, record["step"])
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.config.cli import names_file
+from distzo.config.field_types import is_of_type
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +156,8 @@ def _is_step_record(record: Any, step: int) -> bool:
     grads = record.get("projected_grads", [record.get("projected_grad")])
     if not isinstance(grads, list) or not grads:
         return False
-    return all(_finite_number(value) for value in (record.get("lr"), *grads))
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    values = (record.get("lr"), *grads)
+    return all(is_of_type(value, float) and math.isfinite(value) for value in values)
 
 
 def first_step(header: dict) -> int:
