@@ -194,6 +194,11 @@ def replay(
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
         weights = AdapterWeights(weights, model) if weights is not None else None
+    if merge_adapter and not spec.enabled:  # as training refuses it, before the steps
+        raise ValueError(
+            "--merge-adapter: the run tuned the full model, with no adapter to merge; "
+            "drop --merge-adapter"
+        )
     merge = merge_adapter or bool(header.get("merge_adapter"))
     if merge and spec.method == "prefix":  # before the steps: the export would refuse it
         raise ValueError(

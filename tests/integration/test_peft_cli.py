@@ -251,13 +251,28 @@ def test_a_prefix_initialised_in_bf16_compute_replays_exactly(tmp_path):
     assert_same(load_file(str(replayed / "adapter_model.safetensors")), adapter(run))
 
 
-def test_replay_refuses_to_merge_a_prefix_before_replaying_a_step(tmp_path, monkeypatch):
-    """The export refused it, but only once every logged step had been replayed."""
+@pytest.mark.parametrize(
+    "tuning, refusal",
+    [
+        (
+            ["--peft", "prefix", "--prefix-length", "2"],
+            "the run trained a prefix, which cannot be merged into the weights; replay without "
+            "--merge-adapter (the peft adapter)",
+        ),
+        ([], "the run tuned the full model, with no adapter to merge; drop --merge-adapter"),
+    ],
+    ids=["prefix", "full"],
+)
+def test_replay_refuses_a_merge_it_cannot_do_before_replaying_a_step(
+    tmp_path, monkeypatch, tuning, refusal
+):
+    """The export refused a prefix's merge only once every logged step had been replayed, and
+    a full run's --merge-adapter was silently ignored (training refuses it)."""
     from distzo.engine import ZOEngine
     from tests.helpers.launch import main_in_process
 
     run = tmp_path / "run"
-    flags = ["--max-steps", "1", "--batch-size", "4", "--peft", "prefix", "--prefix-length", "2"]
+    flags = ["--max-steps", "1", "--batch-size", "4", *tuning]
     proc = python_train(flags + ["--log-every", "0", "--output-dir", str(run)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     replayed = []
@@ -267,7 +282,4 @@ def test_replay_refuses_to_merge_a_prefix_before_replaying_a_step(tmp_path, monk
         "distzo.replay", ["--log", str(run / "seedlog.jsonl"), "--out", str(out), "--merge-adapter"]
     )
     assert proc.returncode == 2 and not replayed and not out.exists()
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: --merge-adapter: the run trained a prefix, which cannot be merged into the "
-        "weights; replay without --merge-adapter (the peft adapter)"
-    )
+    assert proc.stderr.strip().splitlines()[-1] == f"error: --merge-adapter: {refusal}"
