@@ -16,7 +16,7 @@ candidate of each example, ``f1`` the prompt with room for the answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -26,9 +26,14 @@ from distzo.zo.noise import noise_seed
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer, max_length: int) -> None:
+    def __init__(self, tokenizer, max_length: int, stop_ids: Iterable[int] = ()) -> None:
+        """``stop_ids``: end-of-sequence tokens besides the tokenizer's own (a generation
+        config's list: Llama 3 Instruct's ``<|eot_id|>``), where a greedy answer ends."""
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.stop_ids = frozenset(
+            [*stop_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
+        )
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
@@ -121,12 +126,10 @@ class PromptEncoder:
 
     def answer(self, ids: Sequence[int]) -> str:
         """Generated tokens as text, up to the first end-of-sequence token (where MeZO's
-        decoding stops; the metric then cuts at the first newline)."""
-        eos = self.tokenizer.eos_token_id
+        decoding, and ``generate``, stop; the metric then cuts at the first newline)."""
         ids = list(ids)
-        if eos is not None and eos in ids:
-            ids = ids[: ids.index(eos)]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        end = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
+        return self.tokenizer.decode(ids[:end], skip_special_tokens=True)
 
     def collate(self, sequences: Sequence[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
         """Right-padded ids, mask, and labels on the continuation tokens only."""

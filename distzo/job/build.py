@@ -150,16 +150,24 @@ def build_model(
 
 
 def build_task_data(
-    job: JobConfig, rows: LoadedRows | None, tokenizer: Any, model_config: Any, seed: int
+    job: JobConfig,
+    rows: LoadedRows | None,
+    tokenizer: Any,
+    model_config: Any,
+    seed: int,
+    stop_ids: tuple[int, ...] = (),
 ) -> TaskData:
-    """Needs the model's config only (vocabulary, positions): built before the model, so
-    the memory plan knows the real longest sequence."""
+    """Needs the model's config (vocabulary, positions) and the end-of-sequence tokens its
+    generation config lists, not its weights: built before the memory plan, so the plan
+    knows the real longest sequence."""
     data = job.data
     if rows is None:
         return CountingData(
             model_config.vocab_size, data.seq_len, data.eval_batch_size, seed, data.eval_batch_size
         )
-    encoder = PromptEncoder(tokenizer, data.max_length or token_positions(job, model_config))
+    encoder = PromptEncoder(
+        tokenizer, data.max_length or token_positions(job, model_config), stop_ids
+    )
     if data.task == "text":
         return TextData(rows, encoder, seed, data.eval_batch_size)
     return PromptData(

@@ -58,7 +58,7 @@ from distzo.job.run_logs import RunLogs
 from distzo.job.summary import SUMMARY, key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
-from distzo.models.weights import WeightSource
+from distzo.models.weights import WeightSource, declared_stop_ids
 from distzo.objectives import Objective
 
 # How long closing a trainer waits for an asynchronous save still in flight.
@@ -167,7 +167,9 @@ class Trainer:
             self.dims.pert,
         )
         model, weights = self._build_model()
-        self.data = build_task_data(self.job, self.rows, self.tokenizer, model.config, self.seed)
+        self.data = build_task_data(
+            self.job, self.rows, self.tokenizer, model.config, self.seed, declared_stop_ids(model)
+        )
         self._plan_memory(model)
         self.objective = build_objective(self.job.optim.objective or "lm", self.data)
         self.engine = ZOEngine(

@@ -74,6 +74,17 @@ def with_generation_config(model: nn.Module, source: Path) -> nn.Module:
     return model
 
 
+def declared_stop_ids(model: nn.Module) -> tuple[int, ...]:
+    """The end-of-sequence tokens ``model``'s own generation config lists (where
+    ``generate`` stops), or none where its config was derived from config.json, whose
+    ``eos_token_id`` a random-init shape takes from the architecture's defaults."""
+    config = getattr(model, "generation_config", None)
+    if config is None or getattr(config, "_from_model_config", False):
+        return ()
+    eos = config.eos_token_id
+    return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+
+
 def _pick(names: tuple[str, ...], available) -> str:
     """The alias under which a (possibly tied) parameter was saved: by its own name, or as
     a base model saved it (without the ``model.`` or ``transformer.`` prefix, as

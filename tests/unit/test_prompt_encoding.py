@@ -131,3 +131,49 @@ def test_a_generated_answer_ends_at_the_end_of_sequence_token():
     assert encoder.answer(generated) == " Paris"
     assert answer_text(encoder.answer, generated) == "Paris"
     assert answer_text(encoder.answer, paris + after) == "Paris QQQ"  # the newline cuts
+
+
+def test_a_generated_answer_ends_at_any_end_of_sequence_token_the_model_lists():
+    """A generation config's list (Llama 3 Instruct's ``<|eot_id|>`` beside the tokenizer's
+    ``<|end_of_text|>``) ends an answer where ``generate`` stops: an instruct model's answer
+    ran on past its end-of-turn token."""
+    tokenizer = byte_tokenizer()
+    (turn_end,) = tokenizer("|", add_special_tokens=False)["input_ids"]
+    encoder = PromptEncoder(tokenizer, max_length=64, stop_ids=(turn_end,))
+    paris = tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    after = tokenizer(" QQQ", add_special_tokens=False)["input_ids"]
+    assert encoder.answer(paris + [turn_end] + after) == " Paris"
+    assert encoder.answer(paris + [tokenizer.eos_token_id] + after) == " Paris"
+    assert PromptEncoder(tokenizer, max_length=64).answer(paris + [turn_end]) == " Paris|"
+
+
+def test_the_trainer_ends_answers_where_the_models_own_generation_config_says(tmp_path):
+    """The list comes from the model folder's generation_config.json; a config derived from
+    config.json (a random-init shape's defaults: eos 2 is a byte of the tiny tokenizer) adds
+    nothing."""
+    import json
+
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from distzo.config.job import resolve
+    from distzo.job.trainer import Trainer
+    from tests.helpers.models import LLAMA
+
+    row = {"title": "T", "context": "The code is 4.", "question": "Code?", "answers": ["4"]}
+    data = tmp_path / "squad.jsonl"
+    data.write_text((json.dumps(row) + "\n") * 4)
+    source = tmp_path / "model"
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    flags = ["--task", "squad", "--train-file", str(data), "--eval-file", str(data)]
+    flags += ["--max-steps", "1", "--batch-size", "2", "--max-new-tokens", "3", "--device", "cpu"]
+    stops = {}
+    for listed in ([], [7, 9]):
+        if listed:
+            GenerationConfig(eos_token_id=listed).save_pretrained(source)
+        out = tmp_path / f"run{len(listed)}"
+        with Trainer(resolve([*flags, "--model", str(source), "--output-dir", str(out)])) as t:
+            t.build()
+            stops[len(listed)] = t.data.encoder.stop_ids
+    eos = byte_tokenizer().eos_token_id
+    assert stops == {0: {eos}, 2: {eos, 7, 9}}
