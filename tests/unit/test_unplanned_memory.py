@@ -100,6 +100,24 @@ def test_the_plan_counts_the_attention_masks_a_step_builds(monkeypatch, name, ov
     assert plan.device_masks == sum(built) > 0, (plan.device_masks, built)
 
 
+def test_the_plan_counts_a_layers_attention_scores_as_its_implementation_keeps_them():
+    """Eager attention holds a (L, L) plane of scores per head; sdpa's kernels keep them in
+    tiles and hold one plane (its boolean mask made a float bias); flash attention none.
+    The plan had counted eager's planes under sdpa: 0.26 GB above every peak an H100
+    measured at OPT-6.7B (1 x 2048 in fp16, 32 heads: 32 x 2048^2 x 2 bytes)."""
+    rows, length = 2, 512
+    planned = {}
+    for implementation in ("eager", "sdpa", "flash_attention_2"):
+        model = base_model("llama")
+        model.config._attn_implementation = implementation
+        plan = plan_memory(model, ZOConfig(device="cpu", seed=0), 1, False, rows, length)
+        planned[implementation] = plan.activations
+    heads, plane = model.config.num_attention_heads, rows * length * length * 4
+    assert heads > 1
+    assert planned["eager"] - planned["sdpa"] == (heads - 1) * plane
+    assert planned["sdpa"] - planned["flash_attention_2"] == plane
+
+
 MIB = 1 << 20
 
 
