@@ -19,6 +19,12 @@ class LaunchEnv:
     max_restarts: int = 0
     restart_count: int = 0  # which restart this is (0: the first attempt)
 
+    @property
+    def on_rank_zeros_node(self) -> bool:
+        """Whether rank 0 runs on this node (torchrun numbers a node's ranks in a row from
+        its local rank 0): where the work rank 0 does alone, the export, takes memory."""
+        return self.rank == self.local_rank
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
         """Read torchrun's variables; a plain ``python -m`` run is one process of one. A

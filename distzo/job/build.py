@@ -214,7 +214,8 @@ def memory_plan(
         world=env.world_size,
         local_ranks=env.local_world_size,
         async_save=job.run.save_async and job.run.save_steps > 0,
-        export_shard_size=job.run.export_shard_size,
+        # only rank 0 exports: another node's host holds none of it
+        export_shard_size=job.run.export_shard_size if env.on_rank_zeros_node else None,
         merge_adapter=job.peft.merge_adapter,
     )
 

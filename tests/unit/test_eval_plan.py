@@ -80,3 +80,20 @@ def test_evaluation_forwards_the_rows_the_plan_counts(monkeypatch, kind, eval_ba
     # 200 examples over 8 ranks: each call forwards at most the rank's share of the
     # call's rows (choices: whole candidate sets of 2 rows)
     assert planned[-1] == -(-eval_batch_size // 8)
+
+
+def test_only_the_node_of_rank_0_plans_the_export():
+    """Rank 0 alone gathers the export's shards: a node of ranks 8-15 counted them too, and
+    could refuse a job its memory holds."""
+    data = task_data("rte", 16)
+    job = JobConfig()
+    job.data.batch_size, job.data.eval_batch_size = 16, 16
+    model = tiny_opt(seed=1, vocab_size=len(TOKENIZER), max_position_embeddings=256)
+    config = ZOConfig(device="cpu", seed=0, mode="offload", num_slots=2)
+    exports = {}
+    for rank in (0, 3, 8, 11):  # two nodes of 8 ranks, dp 8 x pert 2
+        env = LaunchEnv(rank=rank, world_size=16, local_rank=rank % 8, local_world_size=8)
+        parallel = ParallelContext(env, ParallelDims(8, 2), comm=Collectives(torch.device("cpu")))
+        plan = build.memory_plan(job, model, data, config, parallel, torch.device("cpu"))
+        exports[rank] = plan.export_bytes
+    assert exports[0] == exports[3] > 0 and exports[8] == exports[11] == 0
