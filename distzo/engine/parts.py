@@ -100,6 +100,10 @@ def build_parts(
     model.requires_grad_(False)
     layouts = [layout for layout, _ in built]
     tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
+    groups = pass_grouping(config.dual_forward, config.batch_queries)
+    largest = max(len(g) for g in groups(at.passes))
+    if largest > 1:  # refused, if at all, before any bucket is allocated
+        tuning.batch_factors(model, layouts, resident_layout)
     dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
     check_transfer_dtype(config, dtype)  # before any bucket is allocated
     noise, rounding_noise = make_noise(
@@ -117,9 +121,11 @@ def build_parts(
         update_rule.moment_names, config, trained, streams_trained, device, shard, rounding_noise
     )
     scratch_dtype = compute_dtype(config, dtype)
-    block_scratch, module_scratch, resident, groups = _bind_scratch(
+    block_scratch, module_scratch, resident = _bind_scratch(
         model, tuning, trained, at, scratch_dtype
     )
+    if largest > 1:
+        tuning.setup_batched(layouts, largest, device, scratch_dtype)
     rebuilt = (
         RebuiltMaster(store, config.noise_chunk, device, dtype)
         if isinstance(store, StreamedBlocks) and store.rebuilds
@@ -165,14 +171,9 @@ def scratch_sizes(
 
 def _bind_scratch(
     model: nn.Module, tuning: Tuning, trained: StoredBuckets, at: Placement, dtype: torch.dtype
-) -> tuple[
-    torch.Tensor,
-    ModuleScratch | None,
-    ResidentScratch | SlicedResident,
-    Callable[[tuple[Pass, ...]], list[Group]],
-]:
-    """The scratch buckets (the block's bound module by module, if so), the model bound to
-    them, and how passes group into forwards."""
+) -> tuple[torch.Tensor, ModuleScratch | None, ResidentScratch | SlicedResident]:
+    """The scratch buckets (the block's bound module by module, if so) and the model bound
+    to them."""
     device, layouts = at.device, trained.block_layouts
     # One scratch bucket serves every block: blocks compute one after another on one
     # stream. Scratch holds the perturbed weights in the compute dtype (AMP).
@@ -198,11 +199,7 @@ def _bind_scratch(
         shared = share_block_scratch(sides, full_tuning)
         resident = ResidentScratch(model, sides, device, dtype, block_scratch if shared else None)
     tuning.bind_base(model, device, dtype)
-    groups = pass_grouping(at.config.dual_forward, at.config.batch_queries)
-    largest = max(len(g) for g in groups(at.passes))
-    if largest > 1:
-        tuning.setup_batched(model, layouts, trained.resident_layout, largest, device, dtype)
-    return block_scratch, module_scratch, resident, groups
+    return block_scratch, module_scratch, resident
 
 
 def describe(engine: ZOEngine, dtype: torch.dtype) -> str:

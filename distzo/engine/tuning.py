@@ -90,16 +90,18 @@ class Tuning(ABC):
         """Block masters or slots on the device, and whatever the strategy adds."""
 
     @abstractmethod
-    def setup_batched(
-        self,
-        model: nn.Module,
-        layouts: list[BucketLayout],
-        resident_layout: BucketLayout,
-        largest: int,
-        device: torch.device,
-        compute_dtype: torch.dtype,
+    def batch_factors(
+        self, model: nn.Module, layouts: list[BucketLayout], resident_layout: BucketLayout
     ) -> None:
-        """Prepare batched forwards of up to ``largest`` passes (P-RGE), or refuse them."""
+        """Make the trained tensors of every block (``layouts``) take one value per pass of
+        a batched forward (P-RGE), or refuse them in one line: called before any bucket is
+        allocated or filled, so a refusal reads nothing of the checkpoint."""
+
+    @abstractmethod
+    def setup_batched(
+        self, layouts: list[BucketLayout], largest: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """Allocate the scratch of batched forwards of up to ``largest`` passes."""
 
     @abstractmethod
     def stacked(self, i: int, passes: int) -> AbstractContextManager[torch.Tensor]:
@@ -195,14 +197,13 @@ class FullTuning(Tuning):
     def device_bytes(self) -> int:
         return self.trained_store.device_bytes
 
+    def batch_factors(
+        self, model: nn.Module, layouts: list[BucketLayout], resident_layout: BucketLayout
+    ) -> None:
+        _refuse_batched()
+
     def setup_batched(
-        self,
-        model: nn.Module,
-        layouts: list[BucketLayout],
-        resident_layout: BucketLayout,
-        largest: int,
-        device: torch.device,
-        compute_dtype: torch.dtype,
+        self, layouts: list[BucketLayout], largest: int, device: torch.device, dtype: torch.dtype
     ) -> None:
         _refuse_batched()
 
@@ -291,33 +292,33 @@ class FrozenBase(Tuning):
             + scratch.numel() * scratch.element_size()
         )
 
-    def setup_batched(
-        self,
-        model: nn.Module,
-        layouts: list[BucketLayout],
-        resident_layout: BucketLayout,
-        largest: int,
-        device: torch.device,
-        compute_dtype: torch.dtype,
+    def batch_factors(
+        self, model: nn.Module, layouts: list[BucketLayout], resident_layout: BucketLayout
     ) -> None:
         """P-RGE's batched passes: the passes of a group share one forward, the batch
         duplicated per pass, and every trained LoRA factor computes its slice of the batch
         with that pass's perturbed weights (``PassBatchedLinear``), held side by side in
         ``pass_scratch``; the frozen base is read once for the whole group."""
-        if resident_layout.numel:
-            _refuse_batched()
+        if resident_layout.entries:
+            _refuse_outside_blocks(resident_layout.entries[0].names[0])
         for layout in layouts:
             factors: list[tuple[BlockPrefix | PassBatchedLinear, Entry]] = []
             for e in layout.entries:
                 owner, _, attr = e.names[0].rpartition(".")
                 module = model.get_submodule(owner)  # a prefix reads ``stacked`` itself
                 batched = (
-                    module if isinstance(module, BlockPrefix) else make_pass_batched(module, attr)
+                    module
+                    if isinstance(module, BlockPrefix)
+                    else make_pass_batched(module, attr, e.names[0])
                 )
                 factors.append((batched, e))
             self._factors.append(factors)
+
+    def setup_batched(
+        self, layouts: list[BucketLayout], largest: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
         width = max(layout.numel for layout in layouts)
-        self.pass_scratch = torch.zeros(largest, width, device=device, dtype=compute_dtype)
+        self.pass_scratch = torch.zeros(largest, width, device=device, dtype=dtype)
 
     @contextmanager
     def stacked(self, i: int, passes: int) -> Iterator[torch.Tensor]:
@@ -359,6 +360,15 @@ def make_tuning(
     if frozen is None:
         return FullTuning(prefixes)
     return FrozenBase(frozen, layouts, resident_layout, prefixes)
+
+
+def _refuse_outside_blocks(name: str) -> NoReturn:
+    """A batched forward gives each pass its own weights inside the blocks only."""
+    raise ValueError(
+        f"--dual-forward and --batch-queries batch the adapter inside the blocks, but {name} "
+        "is trained outside them; leave its module out of --lora-targets, or drop "
+        "--dual-forward and --batch-queries"
+    )
 
 
 def _refuse_batched() -> NoReturn:

@@ -28,16 +28,18 @@ class PassBatchedLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], out_features)
 
 
-def make_pass_batched(module: nn.Module, attr: str = "weight") -> PassBatchedLinear:
+def make_pass_batched(module: nn.Module, attr: str = "weight", name: str = "") -> PassBatchedLinear:
     """Turn a bias-free ``nn.Linear`` whose trained tensor is ``attr`` into a
-    ``PassBatchedLinear`` (the same object, the same parameters); anything else is refused."""
+    ``PassBatchedLinear`` (the same object, the same parameters); anything else is refused,
+    naming the trained tensor ``name``."""
     if type(module) is PassBatchedLinear and attr == "weight":
         return module
     if type(module) is not nn.Linear or module.bias is not None or attr != "weight":
+        kind = type(module).__name__ + (" with a bias" if isinstance(module, nn.Linear) else "")
         raise ValueError(
             "batched passes need the trained tensors to be bias-free linear factors "
-            f"(LoRA's A and B), got a {type(module).__name__}; use --peft lora or lora-fa "
-            "without them, or drop --dual-forward/--batch-queries"
+            f"(LoRA's A and B), got {name or attr} of a {kind}; train --peft lora, lora-fa "
+            "or prefix without such tensors, or drop --dual-forward and --batch-queries"
         )
     module.__class__ = PassBatchedLinear
     return module

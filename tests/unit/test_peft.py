@@ -314,6 +314,60 @@ def test_batched_passes_need_an_adapter():
         engine_for(base_model("opt"), dual_forward=True)
 
 
+class ReadCounting:
+    """A weight source that counts the bytes read from it."""
+
+    def __init__(self, inner):
+        self.inner, self.read = inner, 0
+
+    def tensor(self, names, shape, dtype):
+        out = self.inner.tensor(names, shape, dtype)
+        self.read += out.nbytes
+        return out
+
+    def tensor_range(self, names, shape, dtype, start, stop):
+        out = self.inner.tensor_range(names, shape, dtype, start, stop)
+        self.read += out.nbytes
+        return out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            AdapterSpec("lora", r=4, targets=("q_proj", "lm_head")),
+            "lm_head.lora_A.default.weight is trained outside them; leave its module out of "
+            "--lora-targets",
+        ),
+        (None, "need an adapter that trains only inside the blocks"),
+    ],
+    ids=["lora_on_the_head", "full_tuning"],
+)
+def test_batched_passes_are_refused_before_the_checkpoint_is_read(tmp_path, spec, message):
+    # the refusal names what cannot be batched, before a byte of a large base is read
+    base_model("llama").save_pretrained(tmp_path)
+    shell = skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32)
+    if spec is None:
+        weights = ReadCounting(SafetensorsWeights(tmp_path))
+    else:
+        shell = attach_adapter(shell, spec, seed=5)
+        weights = ReadCounting(AdapterWeights(SafetensorsWeights(tmp_path), shell))
+    with pytest.raises(ValueError, match=message):
+        engine_for(shell, weights, dual_forward=True)
+    assert weights.read == 0
+
+
+def test_a_lora_bias_is_named_when_batched_passes_refuse_it():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        base_model("opt"),
+        LoraConfig(r=4, lora_bias=True, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
+    with pytest.raises(ValueError, match=r"lora_B\.default\.weight of a Linear with a bias"):
+        engine_for(model, dual_forward=True)
+
+
 def test_a_partly_frozen_plain_model_trains_the_rest_and_exports_everything(tmp_path):
     model = base_model("opt")
     model.model.decoder.embed_tokens.requires_grad_(False)  # tied with the head: both stay
