@@ -284,12 +284,15 @@ class FrozenBase(Tuning):
 
     @property
     def device_bytes(self) -> int:
-        # the base's masters or slots, the adapter's buckets and the base scratch
+        # the base's masters or slots, the adapter's buckets, the base scratch and the
+        # batched passes' adapters side by side
         scratch = self._scratch
+        batched = self.pass_scratch.nbytes if self.pass_scratch is not None else 0
         return (
             self._base.device_bytes
             + self.trained_store.device_bytes
             + scratch.numel() * scratch.element_size()
+            + batched
         )
 
     def batch_factors(

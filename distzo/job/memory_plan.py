@@ -227,6 +227,7 @@ def plan_memory(
     model, peft_model = unwrap_peft(model)
     b = _buckets(model, config, shard_size, sliced)
     host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
+    scratch += _pass_scratch_bytes(b, config, passes)
     state_host, state_device = _state_bytes(
         config,
         b.resident.numel,
@@ -379,6 +380,15 @@ def _mask_bytes(
     largest = _largest_group(config, passes)
     groups = 1 + (largest if largest > 1 else 0)
     return kinds * groups * batch * seq * seq * itemsize
+
+
+def _pass_scratch_bytes(b: _Buckets, config: ZOConfig, passes: tuple[Pass, ...]) -> int:
+    """The batched passes' scratch (``Tuning.setup_batched``): one row per pass of the
+    largest group, each as wide as the largest block's adapter, in the compute dtype."""
+    largest = _largest_group(config, passes)
+    if largest < 2 or not b.frozen:  # full tuning refuses batched passes
+        return 0
+    return largest * max(layout.numel for layout in b.trained) * b.compute
 
 
 def _largest_group(config: ZOConfig, passes: tuple[Pass, ...]) -> int:

@@ -368,6 +368,36 @@ def test_a_lora_bias_is_named_when_batched_passes_refuse_it():
         engine_for(model, dual_forward=True)
 
 
+@pytest.mark.parametrize("flags", [dict(dual_forward=True), dict(batch_queries=True)])
+def test_the_memory_plan_counts_the_batched_passes_scratch(flags):
+    from distzo.job.memory_plan import plan_memory
+
+    config = ZOConfig(device="cpu", mode="offload", num_slots=2, num_queries=3, **flags)
+    plan = plan_memory(adapted("llama", "lora"), config, 1, False, batch=2, seq=8)
+    engine = ZOEngine(adapted("llama", "lora"), config)
+    tuning = engine.tuning
+    assert tuning.pass_scratch is not None and tuning.base_scratch is not None
+    allocated = (
+        engine.resident_master.nbytes
+        + engine.resident_scratch.nbytes
+        + engine.block_scratch.nbytes
+        + tuning.base_store.device_bytes
+        + tuning.trained_store.device_bytes
+        + tuning.base_scratch.nbytes
+        + tuning.pass_scratch.nbytes  # the passes' adapters side by side
+        + engine._resident_base_compute.nbytes
+        + engine.noise.device_bytes
+    )
+    assert engine.device_bytes == allocated - (
+        engine.resident_master.nbytes
+        + engine.resident_scratch.nbytes
+        + engine.block_scratch.nbytes
+        + engine._resident_base_compute.nbytes
+        + engine.noise.device_bytes
+    )
+    assert plan.device_bytes == allocated
+
+
 def test_a_partly_frozen_plain_model_trains_the_rest_and_exports_everything(tmp_path):
     model = base_model("opt")
     model.model.decoder.embed_tokens.requires_grad_(False)  # tied with the head: both stay
