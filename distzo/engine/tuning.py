@@ -329,9 +329,11 @@ class FrozenBase(Tuning):
         factors = self._factors[i]
         for module, e in factors:
             module.stacked = rows[:passes, e.offset : e.offset + e.numel].unflatten(1, e.shape)
-        yield rows[:passes]
-        for module, _ in factors:
-            module.stacked = None
+        try:
+            yield rows[:passes]
+        finally:  # a forward that failed half-way leaves no factor reading the passes' rows
+            for module, _ in factors:
+                module.stacked = None
 
     @property
     def _base(self) -> BlockStore:

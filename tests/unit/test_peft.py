@@ -398,6 +398,34 @@ def test_the_memory_plan_counts_the_batched_passes_scratch(flags):
     assert plan.device_bytes == allocated
 
 
+@pytest.mark.parametrize("method", ["lora-fa", "prefix"])
+def test_a_batched_forward_stopped_half_way_leaves_no_pass_weights_behind(method, monkeypatch):
+    # Ctrl-C (or a caught out-of-memory) inside a batched group, then the documented
+    # recovery, load_state_dict: the next forward reads the adapter, not a pass's weights
+    def made():
+        model = attach_adapter(
+            base_model("opt"), AdapterSpec(method, r=4, alpha=8, prefix_init="random"), seed=5
+        )
+        return engine_for(model, dual_forward=True, batch_queries=True, num_queries=2)
+
+    vocab = base_model("opt").config.vocab_size
+    batch = random_batch(vocab, pad="left", seed=1)
+    a, b = made(), made()
+    for engine in (a, b):
+        engine.step(random_batch(vocab, pad="left", seed=0))
+    saved = a.state_dict()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(b.blocks[1], "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        b.step(random_batch(vocab, pad="left", seed=5))
+    monkeypatch.undo()
+    b.load_state_dict(saved)
+    assert torch.equal(b.forward(batch)[0], a.forward(batch)[0])
+
+
 def test_a_partly_frozen_plain_model_trains_the_rest_and_exports_everything(tmp_path):
     model = base_model("opt")
     model.model.decoder.embed_tokens.requires_grad_(False)  # tied with the head: both stay
