@@ -222,12 +222,15 @@ def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
 
     config = PrefixTuningConfig(num_virtual_tokens=spec.prefix_length, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
         table = prefix_embedding(peft_model)
-        if table.weight.is_meta:  # a skeleton's table: memory and peft's own init (N(0, 1)), on CPU
+        if table.weight.is_meta:  # a skeleton's table: give it memory, on CPU
             table.to_empty(device="cpu")
-            table.reset_parameters()
+        # peft's own init (N(0, 1)), drawn here from the seed alone: peft draws it before it
+        # moves the table to a skeleton's meta device, so redrawing only a skeleton's would
+        # give a streamed --model and its replay another prefix than a model built whole
+        torch.manual_seed(seed)
+        table.reset_parameters()
     family = family_for(model)
     prefixes = install_block_prefixes(peft_model, family.blocks())
     # MeZO: the keys and values of random tokens, computed by the engine

@@ -167,10 +167,12 @@ def test_batched_passes_with_a_prefix_equal_the_sequential_passes(batching):
         assert torch.allclose(params_a[name], params_b[name], rtol=1e-8, atol=1e-8), name
 
 
-def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path):
+@pytest.mark.parametrize("init", ["real", "random"])
+def test_a_skeleton_streamed_from_safetensors_equals_the_materialised_model(tmp_path, init):
     base_model("llama", seed=1).save_pretrained(tmp_path)
-    # the real init: one pass over the streamed blocks
-    spec = AdapterSpec("prefix", prefix_length=3)
+    # real: one pass over the streamed blocks; random: peft's N(0, 1), from the run seed
+    # on a skeleton as on the whole model (a run on the default model and its replay)
+    spec = AdapterSpec("prefix", prefix_length=3, prefix_init=init)
     whole = attach_adapter(AutoModelForCausalLM.from_pretrained(tmp_path), spec, seed=5)
     shell = attach_adapter(
         skeleton(LlamaConfig.from_pretrained(tmp_path), torch.float32), spec, seed=5
