@@ -36,7 +36,7 @@ from distzo.engine import state
 from distzo.engine.batches import check_batch, count_tokens, on_device
 from distzo.engine.build import make_noise, resolve_transfer
 from distzo.engine.layouts import unwrap_peft
-from distzo.engine.parts import Placement, build_parts, describe
+from distzo.engine.parts import Placement, build_parts, check_unbound, describe
 from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner
 from distzo.engine.resident_sides import HEAD
 from distzo.engine.state import BucketReader, StoredBuckets
@@ -195,6 +195,7 @@ class ZOEngine:
                 "(open_checkpoint(path), or RandomWeights(seed) for a random init)"
             )
         model, self.peft_model = unwrap_peft(model)
+        check_unbound(model)
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.family = family if family is not None else family_for(model)
         self.config, self.model = config, model

@@ -100,6 +100,11 @@ def build_parts(
     model.requires_grad_(False)
     layouts = [layout for layout, _ in built]
     tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
+    if config.perturb_scope == "module" and tuning.base_layouts:  # before any bucket is read
+        raise ValueError(
+            "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
+            "is never perturbed: use perturb_scope block"
+        )
     groups = pass_grouping(config.dual_forward, config.batch_queries)
     largest = max(len(g) for g in groups(at.passes))
     if largest > 1:  # refused, if at all, before any bucket is allocated
@@ -121,6 +126,7 @@ def build_parts(
         update_rule.moment_names, config, trained, streams_trained, device, shard, rounding_noise
     )
     scratch_dtype = compute_dtype(config, dtype)
+    setattr(model, BOUND, True)  # from here on its parameters are the engine's views
     block_scratch, module_scratch, resident = _bind_scratch(
         model, tuning, trained, at, scratch_dtype
     )
@@ -169,6 +175,22 @@ def scratch_sizes(
     return largest, scratch_numel(sides)
 
 
+# Set on a model once an engine binds its parameters to that engine's scratch buckets.
+BOUND = "_distzo_bound_to_an_engine"
+
+
+def check_unbound(model: nn.Module) -> None:
+    """Refuse a model whose parameters another engine bound: they are views of that
+    engine's scratch (the last perturbed block's values, or a slice of a module), not the
+    model's weights, so a second engine would pack garbage without a word."""
+    if getattr(model, BOUND, False):
+        raise ValueError(
+            "this model is already bound to a ZOEngine (its parameters are views of that "
+            "engine's scratch, not its weights); build the new engine on a freshly loaded "
+            "model (from_pretrained, or a run's export), or keep using the first engine"
+        )
+
+
 def _bind_scratch(
     model: nn.Module, tuning: Tuning, trained: StoredBuckets, at: Placement, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ModuleScratch | None, ResidentScratch | SlicedResident]:
@@ -180,11 +202,6 @@ def _bind_scratch(
     module_scratch = None
     resident: ResidentScratch | SlicedResident
     scope, full_tuning = at.config.perturb_scope, not tuning.base_layouts
-    if scope == "module" and not full_tuning:
-        raise ValueError(
-            "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
-            "is never perturbed: use perturb_scope block"
-        )
     numel, _ = scratch_sizes(model, layouts, trained.resident_layout, scope, full_tuning)
     if scope == "module":
         # the blocks' modules and the resident sides take turns in one scratch

@@ -174,6 +174,39 @@ def test_a_meta_model_without_weights_is_one_line():
         ZOEngine(skeleton(tiny_opt().config, torch.float32), ZOConfig(device="cpu", seed=0))
 
 
+@pytest.mark.parametrize("scope, adapter", [("block", False), ("module", False), ("block", True)])
+def test_a_second_engine_on_a_model_an_engine_bound_is_one_line(scope, adapter):
+    """The first engine's binding left the model's parameters views of its scratch: a second
+    engine packed them (the last perturbed block's values) and evaluated 4.1225 where the
+    first stood at 4.1548 and a fresh model at 4.1442, without a word; under the module
+    scope it failed at its first forward with advice about the first engine's pass."""
+    from tests.helpers.models import adapted
+
+    model = adapted("opt", "lora") if adapter else tiny_opt()
+    first = ZOEngine(model, ZOConfig(device="cpu", seed=0, perturb_scope=scope))
+    first.step(random_batch(64, seed=1))
+    with pytest.raises(ValueError, match="^this model is already bound to a ZOEngine .* fresh"):
+        ZOEngine(model, ZOConfig(device="cpu", seed=0))
+    first.step(random_batch(64, seed=1))  # the first engine is untouched by the refusal
+
+
+def test_an_engine_refused_before_binding_leaves_the_model_to_the_next(monkeypatch):
+    """An adapter under perturb_scope module was refused only after every bucket had been
+    filled (a checkpoint read whole) and, once refusals marked a bound model, left it
+    marked; it is refused before any bucket now, and the model stays the user's."""
+    from distzo.engine import parts
+    from tests.helpers.models import adapted
+
+    model = adapted("opt", "lora")
+    filled = []
+    fill = parts.fill_store
+    monkeypatch.setattr(parts, "fill_store", lambda *args: filled.append(args) or fill(*args))
+    with pytest.raises(ValueError, match="an adapter's base is never perturbed"):
+        ZOEngine(model, ZOConfig(device="cpu", seed=0, perturb_scope="module"))
+    assert not filled
+    ZOEngine(model, ZOConfig(device="cpu", seed=0)).step(random_batch(64, seed=1))
+
+
 def test_engine_refuses_sequences_longer_than_the_model_allows():
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
     with pytest.raises(ValueError, match="max_position_embeddings"):
