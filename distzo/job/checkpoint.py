@@ -190,18 +190,48 @@ def _lowrank_of(vector: torch.Tensor) -> dict | None:
     return {"rank": rank, "interval": interval} if rank else None
 
 
+# The options the optimizer vector holds after [optimizer index, moments stored], in order
+# (a checkpoint from before momentum_window was recorded holds the first three).
+_OPTIMIZER_OPTIONS = ("beta1", "beta2", "adam_eps", "momentum_window")
+
+
 def _optimizer_vector(engine: ZOEngine) -> torch.Tensor:
-    """[optimizer index, moments stored, beta1, beta2, adam eps]: what a resumed run checks."""
+    """[optimizer index, moments stored, beta1, beta2, adam eps, momentum window]: what a
+    resumed run checks."""
     cfg = engine.config
+    options = [float(getattr(cfg, name)) for name in _OPTIMIZER_OPTIONS]
     return torch.tensor(
-        [OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, cfg.beta1, cfg.beta2, cfg.adam_eps],
-        dtype=torch.float64,
+        [OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, *options], dtype=torch.float64
     )
 
 
-def _optimizer_of(vector: torch.Tensor) -> tuple[str, int]:
-    index, moments, *_ = vector.tolist()
-    return OPTIMIZERS[int(index)], int(moments)
+def _optimizer_of(vector: torch.Tensor) -> tuple[str, int, dict[str, float]]:
+    """The optimizer, its moment count and the options the vector records."""
+    index, moments, *options = vector.tolist()
+    return OPTIMIZERS[int(index)], int(moments), dict(zip(_OPTIMIZER_OPTIONS, options))
+
+
+def _update_options(config: ZOConfig) -> tuple[str, ...]:
+    """The recorded options the optimizer's update depends on (ZO-SGD: none; the window only
+    where the momentum is regenerated from it)."""
+    if config.optimizer == "adam":
+        return ("beta1", "beta2", "adam_eps")
+    if config.optimizer == "momentum":
+        return ("beta1",) if config.stored_state else ("beta1", "momentum_window")
+    return ()
+
+
+def _check_update_options(path: Path, config: ZOConfig, saved: Mapping[str, float]) -> None:
+    """The moments and the momentum history of a checkpoint go on under the betas, Adam's
+    eps and the window that made them: another value would apply them by another rule."""
+    for name in _update_options(config):
+        ours = float(getattr(config, name))
+        if name in saved and saved[name] != ours:
+            flag, show = name.replace("_", "-"), int if name == "momentum_window" else float
+            raise ValueError(
+                f"{path} was trained with --{flag} {show(saved[name])}, this run has --{flag} "
+                f"{show(ours)}; resume with the optimizer options it was trained with"
+            )
 
 
 def _meta(engine: ZOEngine) -> dict[str, torch.Tensor]:
@@ -538,7 +568,8 @@ class Checkpointer:
 
     def _check_optimizer(self, path: Path, saved) -> None:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its
-        moments stored or not alike (a checkpoint from before optimizers: ZO-SGD)."""
+        moments stored or not alike, the same betas, Adam eps and momentum window (a
+        checkpoint from before optimizers: ZO-SGD)."""
         if "meta/optimizer" in saved:
             vector = {
                 "meta/optimizer": torch.zeros(
@@ -546,11 +577,12 @@ class Checkpointer:
                 )
             }
             load_tensors(vector, path, process_group=self._group)
-            optimizer, moments = _optimizer_of(vector["meta/optimizer"])
+            optimizer, moments, options = _optimizer_of(vector["meta/optimizer"])
         else:  # written before stored optimizer state: no moments, whichever optimizer
-            optimizer, moments = (
+            optimizer, moments, options = (
                 self.engine.config.optimizer if not self.engine.config.num_moments else "sgd",
                 0,
+                {},
             )
         cfg = self.engine.config
         if (optimizer, moments) != (cfg.optimizer, cfg.num_moments):
@@ -565,6 +597,7 @@ class Checkpointer:
                 f"{says(cfg.optimizer, cfg.num_moments)}; resume with the optimizer it was trained "
                 "with"
             )
+        _check_update_options(path, cfg, options)
 
     @_without_single_process_note()
     def load(self, path: Path) -> int:

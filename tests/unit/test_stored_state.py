@@ -10,6 +10,7 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.engine import PendingUpdate
+from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.memory_plan import plan_memory
 from tests.helpers.engines import engine_for, reference_momentum, train
 from tests.helpers.models import adapted, base_model, random_batch
@@ -202,6 +203,36 @@ def test_a_recomputed_momentum_state_needs_its_own_optimizer(other, message):
     with pytest.raises(ValueError, match=message):
         engine_for(base_model("opt"), lr=1e-3, **other).load_state_dict(state)
     engine_for(base_model("opt"), optimizer="momentum", beta1=0.9, lr=1e-3).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "saved, other, message",
+    [
+        (dict(optimizer="adam"), dict(beta1=0.5), "--beta1 0.9, this run has --beta1 0.5"),
+        (dict(optimizer="adam"), dict(adam_eps=1e-3), "--adam-eps 1e-08, this run has"),
+        (
+            dict(optimizer="momentum"),
+            dict(momentum_window=4),
+            "--momentum-window 32, this run has --momentum-window 4",
+        ),
+    ],
+)
+def test_a_checkpoint_resumes_only_under_the_betas_and_window_it_was_saved_with(
+    tmp_path, saved, other, message
+):
+    """The checkpoint records them, as a state dict does: a run resumed from it with others
+    applied its moments (or its history) by another rule without a word."""
+    first = engine_for(base_model("opt"), lr=1e-3, **saved)
+    train(first, 64, steps=2)
+    Checkpointer(tmp_path, first).save()
+    path = latest_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        Checkpointer(tmp_path, engine_for(base_model("opt"), lr=1e-3, **saved, **other)).load(path)
+    same = engine_for(base_model("opt"), lr=1e-3, **saved)
+    assert Checkpointer(tmp_path, same).load(path) == 2
+    # options the optimizer does not use are not compared
+    sgd_like = dict(beta2=0.5) if saved["optimizer"] == "momentum" else dict(momentum_window=4)
+    Checkpointer(tmp_path, engine_for(base_model("opt"), lr=1e-3, **saved, **sgd_like)).load(path)
 
 
 def test_moments_travel_only_with_an_update():
