@@ -243,8 +243,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pte",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also write step.pte for the ExecuTorch runtime (where executorch is installed)",
+        default=None,
+        help="also write step.pte for the ExecuTorch runtime (default: where executorch is "
+        "installed; --pte without it is an error)",
     )
     p.add_argument(
         "--overwrite",
@@ -252,6 +253,28 @@ def _parser() -> argparse.ArgumentParser:
         help="replace an existing --out (without it, an existing one is refused)",
     )
     return p
+
+
+def _pte_wanted(asked: bool | None) -> bool:
+    """Whether the command writes ``step.pte``. ``executorch`` is an extra: ``--pte`` without
+    it is refused before any model is built (not a run that ends without the file asked
+    for), and the default skips the file where it is missing, saying so."""
+    try:
+        import executorch.exir  # noqa: F401
+    except ImportError as err:
+        if asked:
+            raise ValueError(
+                f"--pte needs the executorch package ({err}): pip install "
+                "'distzo[executorch]', or pass --no-pte"
+            ) from None
+        if asked is None:
+            logging.getLogger("distzo.export.training_step").warning(
+                "step.pte not written: the executorch package is not installed (%s); "
+                "pip install 'distzo[executorch]' writes it, --no-pte skips it quietly",
+                err,
+            )
+        return False
+    return asked is not False
 
 
 def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
@@ -317,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        args.pte = _pte_wanted(args.pte)
         check_out(args.out, args.overwrite)
         engine = _lora_fa_engine(args)
         tmp = staging_dir(args.out)

@@ -653,6 +653,31 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     assert not (tmp_path / "step.tmp").exists()
 
 
+def test_export_step_command_refuses_pte_without_executorch(tmp_path, monkeypatch, caplog):
+    """``--pte`` with executorch missing exited 0 with no step.pte and not a word said; the
+    default skipped it as silently, though docs/peft.md says the command writes it."""
+    import sys
+
+    from tests.helpers.launch import main_in_process
+
+    for name in ("executorch", "executorch.exir"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    out = tmp_path / "step"
+    proc = main_in_process("distzo.export.training_step", ["--out", str(out), "--pte"])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: --pte needs the executorch package ("
+    )
+    assert "pip install 'distzo[executorch]', or pass --no-pte" in proc.stderr
+    assert not out.exists() and not (tmp_path / "step.tmp").exists()
+    from distzo.export.training_step import _pte_wanted
+
+    with caplog.at_level("WARNING", logger="distzo.export.training_step"):
+        assert _pte_wanted(None) is False
+    assert "step.pte not written: the executorch package is not installed" in caplog.text
+    caplog.clear()
+    assert _pte_wanted(False) is False and not caplog.text
+
+
 def test_export_step_command_says_a_missing_model_folder_is_missing(tmp_path):
     """It was transformers' 'Repo id must be in the form ...' (a path taken for a hub name)."""
     from tests.helpers.launch import main_in_process
