@@ -1,0 +1,26 @@
+"""What setup.cfg declares about the distribution holds in the repository it is built from."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _metadata() -> configparser.SectionProxy:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    return parser["metadata"]
+
+
+def test_the_declared_licence_ships_its_text():
+    """setup.cfg said Apache-2.0 while the repository, and so the wheel and the sdist, held
+    no licence text at all (0 files), which the licence requires with every copy."""
+    metadata = _metadata()
+    assert metadata["license"] == "Apache-2.0"
+    files = metadata.get("license_files", "").split()
+    assert files, "setup.cfg names no license_files: the wheel and the sdist carry no text"
+    for name in files:
+        text = (ROOT / name).read_text()
+        assert "Apache License" in text and "Version 2.0, January 2004" in text, name
