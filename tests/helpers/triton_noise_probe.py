@@ -172,8 +172,12 @@ for kind in ("gaussian", "rademacher"):
 
 
 def on_triton(source):
-    """``source`` taking its CUDA path: the Triton kernels, here on CPU tensors (interpreted)."""
+    """``source`` taking its CUDA path: the Triton kernels, here on CPU tensors (interpreted),
+    with the float32 staging its constructor gives a 16-bit source on CUDA (on a CPU it had
+    one only where the optional C kernel was built: without it the chunked path failed)."""
     source._triton = True
+    if source._workspace.dtype != torch.float32 and source._float32 is None:
+        source._float32 = torch.empty(source.piece, dtype=torch.float32)
     return source
 
 
