@@ -243,4 +243,22 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
         f"{format_count(engine.num_parameters)} trained parameters"
         f"{of_all if engine.frozen_base else ''}, {format_bytes(engine.host_bytes)} host, "
         f"{config.estimator}, {queries} quer{'y' if queries == 1 else 'ies'} per step"
+        f"{noise_note(engine)}"
     )
+
+
+def noise_note(engine: ZOEngine) -> str:
+    """Where the noise comes from torch ops though a kernel draws it faster: the C kernel
+    not built (an install without a C compiler, whose warning pip hides) or Triton not
+    installed. The same bits, several times slower: said in the run's log, not left for a
+    slow run to be puzzled over."""
+    if engine.noise.backend != "torch":
+        return ""
+    if engine.device.type == "cpu":
+        return (
+            ", noise from torch ops (the C kernel was not built: reinstall distzo where a C "
+            "compiler is found, for noise about 10x faster)"
+        )
+    if engine.device.type == "cuda":
+        return ", noise from torch ops (Triton is not installed: pip install 'distzo[cuda]')"
+    return ""
