@@ -28,6 +28,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task == "squad", "--task squad"),
+    "batch_queries": (
+        lambda j: _queries(j) > 1,
+        "several queries a step (--num-queries 2 or more)",
+    ),
     "lozo_rank": (lambda j: _noise(j) == "lowrank", "--noise lowrank (--estimator lozo)"),
     "lozo_interval": (lambda j: _noise(j) == "lowrank", "--noise lowrank (--estimator lozo)"),
 }
@@ -40,6 +44,15 @@ def _noise(job: Any) -> str | None:
     if job.optim.noise is not None or job.optim.estimator not in ESTIMATORS:
         return job.optim.noise
     return estimator_for(job.optim.estimator).default_noise
+
+
+def _queries(job: Any) -> int:
+    """The queries a step draws: the number given, else its estimator's own (FZOO's 8)."""
+    from distzo.zo.estimators import ESTIMATORS, estimator_for
+
+    if job.optim.num_queries is not None or job.optim.estimator not in ESTIMATORS:
+        return job.optim.num_queries or 1
+    return estimator_for(job.optim.estimator).default_queries
 
 
 def inapplicable(job: Any, given: Iterable[str]) -> list[str]:

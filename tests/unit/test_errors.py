@@ -236,3 +236,13 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "--lozo-rank (it applies only with --noise lowrank (--estimator lozo))" in warning
     assert "--lozo-interval" in warning
+    caplog.clear()  # one query has nothing to batch with (FZOO's 8 and --num-queries 2 have)
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        resolve(["--peft", "lora-fa", "--batch-queries"])
+        resolve(["--peft", "lora-fa", "--batch-queries", "--estimator", "fzoo"])
+        resolve(["--peft", "lora-fa", "--batch-queries", "--num-queries", "2"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (
+        "ignored: --batch-queries (it applies only with several queries a step (--num-queries "
+        "2 or more))"
+    )
