@@ -192,7 +192,7 @@ def save_training_step(
     directory.mkdir(parents=True, exist_ok=True)
     program = export_training_step(engine, batch)
     written = [directory / "step.pt2"]
-    tmp = written[0].with_suffix(".pt2.tmp")
+    tmp = written[0].with_suffix(".tmp.pt2")  # torch.export.save wants the .pt2 suffix
     torch.export.save(program, tmp)
     tmp.replace(written[0])
     try:
