@@ -24,3 +24,14 @@ def test_the_declared_licence_ships_its_text():
     for name in files:
         text = (ROOT / name).read_text()
         assert "Apache License" in text and "Version 2.0, January 2004" in text, name
+
+
+def test_the_version_has_one_source():
+    """setup.cfg and distzo.__version__ each spelled 0.1.0, and nothing kept them alike: the
+    distribution's version is read from the package."""
+    from importlib.metadata import version
+
+    import distzo
+
+    assert _metadata()["version"] == "attr: distzo.__version__"
+    assert version("distzo") == distzo.__version__
