@@ -85,9 +85,12 @@ def _git(root: Path, *args: str) -> str | None:
 def git_commit(root: Path = ROOT) -> str:
     """HEAD's short hash, with ``-dirty`` where the tree that ran is not HEAD's (changes
     to tracked files, or files git does not ignore): a copied working tree that kept an
-    older HEAD must not pass its figures off as that commit's; "unknown" outside git."""
+    older HEAD must not pass its figures off as that commit's; "unknown" outside git, and
+    where ``root`` is not the work tree's top (an installed copy in a virtualenv kept inside
+    a checkout: the checkout's HEAD is not the code that ran)."""
+    top = _git(root, "rev-parse", "--show-toplevel")
     head = _git(root, "rev-parse", "--short", "HEAD")
-    if not head:
+    if not head or top is None or Path(top).resolve() != root.resolve():
         return "unknown"
     return head + ("-dirty" if _git(root, "status", "--porcelain") else "")
 

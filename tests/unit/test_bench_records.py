@@ -30,3 +30,17 @@ def test_the_commit_says_dirty_when_the_tree_that_ran_is_not_heads(tmp_path):
 
 def test_outside_git_the_commit_is_unknown(tmp_path):
     assert git_commit(tmp_path / "nowhere") == "unknown"
+
+
+def test_an_installed_copy_inside_a_checkout_names_no_commit(tmp_path):
+    """A non-editable install in a virtualenv kept in the checkout (.venv/lib/python3.11/
+    site-packages/distzo) reported the checkout's HEAD, though the installed code may be
+    another commit's."""
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    git(tmp_path, "add", ".gitignore")
+    git(tmp_path, "commit", "-q", "-m", "one")
+    installed = tmp_path / ".venv" / "lib" / "python3.11"
+    installed.mkdir(parents=True)
+    assert git_commit(tmp_path) != "unknown"
+    assert git_commit(installed) == "unknown"
