@@ -8,6 +8,7 @@ takes the finished parts; a restore only remakes the noise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +47,8 @@ from distzo.zo import NoiseSource, Pass
 
 if TYPE_CHECKING:
     from distzo.engine.engine import ZOEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,14 @@ def build_parts(
     largest = max(len(g) for g in groups(at.passes))
     if largest > 1:  # refused, if at all, before any bucket is allocated
         tuning.batch_factors(model, layouts, resident_layout)
+    elif (config.dual_forward or config.batch_queries) and at.parallel.dims.pert > 1:
+        logger.warning(
+            "dual_forward/batch_queries batch nothing: the %d pert ranks split a step's "
+            "passes so that each runs %d, none of them batchable together; use fewer pert "
+            "ranks (more dp) to batch them",
+            at.parallel.dims.pert,
+            len(at.passes),
+        )
     dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
     check_transfer_dtype(config, dtype)  # before any bucket is allocated
     noise, rounding_noise = make_noise(

@@ -718,3 +718,30 @@ def test_lora_fa_with_batched_queries_lowers_the_default_tasks_loss():
         engine.step(task.batch(16))
     after = engine.forward(evaluation)[1].item()
     assert after < before - 0.1, (before, after)  # without learning it stays at log(64) = 4.16
+
+
+@pytest.mark.parametrize("pert, warned", [(2, True), (1, False)])
+def test_batched_passes_that_pert_ranks_split_apart_are_said_to_batch_nothing(caplog, pert, warned):
+    """With 2 pert ranks each runs one of a query's two passes: --dual-forward batched
+    nothing, and the run did not say so."""
+    from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
+
+    parallel = ParallelContext(
+        LaunchEnv(rank=pert - 1, world_size=pert, local_world_size=pert),
+        ParallelDims(1, pert),
+        comm=Collectives(torch.device("cpu")),
+    )
+    config = ZOConfig(device="cpu", seed=0, dual_forward=True)
+    with caplog.at_level("WARNING", logger="distzo.engine.parts"):
+        engine = ZOEngine(adapted("llama", "lora-fa"), config, parallel=parallel)
+    assert len(engine.passes) == 2 // pert
+    said = [r.getMessage() for r in caplog.records if "batch nothing" in r.getMessage()]
+    assert said == (
+        [
+            "dual_forward/batch_queries batch nothing: the 2 pert ranks split a step's passes "
+            "so that each runs 1, none of them batchable together; use fewer pert ranks (more "
+            "dp) to batch them"
+        ]
+        if warned
+        else []
+    )
