@@ -24,7 +24,9 @@ names as the Hugging Face datasets):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import reprlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +52,16 @@ def _label(row: dict[str, Any], count: int) -> int:
     value = row["label"]
     if isinstance(value, bool):
         value = int(value)
+    if isinstance(value, float) and not value.is_integer():  # int() would truncate 1.5 to 1
+        raise ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}")
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         value = int(value.strip().lower() == "true")
     try:
         label = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"label {value!r} is not an integer") from None
+        raise ValueError(
+            f"label {value!r} is not an integer; write one of 0..{count - 1}"
+        ) from None
     if not 0 <= label < count:
         raise ValueError(f"label {label} is outside 0..{count - 1}")
     return label
@@ -127,8 +133,22 @@ def _multirc(row):
     return _verbalized(prompt, ("No", "Yes"), row)
 
 
+def _decoded(answers: Any) -> Any:
+    """A CSV cell holding a JSON list (or ``{"text": [...]}``) as its list; a bracketed cell
+    that is not JSON (pandas writes Python's repr) is refused, not taken as one answer."""
+    if not (isinstance(answers, str) and answers.strip()[:1] in ("[", "{")):
+        return answers
+    try:
+        return json.loads(answers)
+    except json.JSONDecodeError:
+        raise ValueError(
+            f"answers {reprlib.repr(answers)} is a list written as text but not as JSON; "
+            'write it as JSON (["...", "..."]) or use a .jsonl or .parquet file'
+        ) from None
+
+
 def _squad(row):
-    answers = row["answers"]
+    answers = _decoded(row["answers"])
     if isinstance(answers, dict):
         answers = answers.get("text", [])
     if isinstance(answers, str):
@@ -174,15 +194,28 @@ def get_task(name: str) -> Task:
         ) from None
 
 
-def build_examples(task: Task, rows: list[dict[str, Any]], source: str) -> list[Example]:
-    """Every row as an Example; a bad row is a one-line error naming the file and the row."""
+NOT_TEXT = ("label", "answers")  # the columns a template reads as something else
+
+
+def build_examples(
+    task: Task, rows: list[dict[str, Any]], source: str, numbers: Sequence[int] | None = None
+) -> list[Example]:
+    """Every row as an Example; a bad row is a one-line error naming the file and the row
+    (``numbers``: each row's number in its file, where blank lines make it differ)."""
     examples = []
-    for number, row in enumerate(rows, 1):
+    for number, row in zip(numbers or range(1, len(rows) + 1), rows):
         missing = [c for c in task.columns if c not in row or row[c] is None]
         if missing:
             raise ValueError(
                 f"{source}, row {number}: missing column {missing[0]!r} (task {task.name} needs "
                 f"{', '.join(task.columns)})"
+            )
+        wrong = [c for c in task.columns if c not in NOT_TEXT and not isinstance(row[c], str)]
+        if wrong:  # a number or a list would be formatted into the prompt as its repr
+            value = row[wrong[0]]
+            raise ValueError(
+                f"{source}, row {number}: column {wrong[0]!r} holds {reprlib.repr(value)} "
+                f"({type(value).__name__}), not text; write it as a string"
             )
         try:
             examples.append(task.build(row))
