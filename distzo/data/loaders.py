@@ -6,7 +6,9 @@ A ``.txt`` file gives one ``{"text": line}`` row per non-empty line (the plain
 causal-LM task). Lines end at ``\n`` (or ``\r\n``) only: a JSON string may hold U+2028
 and a text line a form feed. A ``.tsv`` file is read as GLUE writes it: no quoting, so a
 ``"`` is text (a field cannot hold a tab or a newline). A UTF-8 byte-order mark is
-skipped. Errors are one line naming the file and the row.
+skipped. A ``.json`` file is a list of objects or JSON Lines (``datasets``' ``to_json``
+writes those by default). Errors are one line naming the file and the row, by the
+number ``load_numbered_rows`` gives it.
 """
 
 from __future__ import annotations
@@ -14,16 +16,31 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 
 
-def load_rows(source: str) -> list[dict[str, Any]]:
+Row = dict[str, Any]
+
+
+def load_rows(source: str) -> list[Row]:
+    return [row for _, row in load_numbered_rows(source)]
+
+
+def load_numbered_rows(source: str) -> list[tuple[int, Row]]:
+    """Each row with the number an error names it by: a JSONL or text file's line, a CSV's
+    line less the header's (blank lines count), a JSON list's or parquet table's index."""
     if source.startswith("hf:"):
-        return _hub_rows(source)
+        return list(enumerate(_hub_rows(source), 1))
     path = Path(source)
+    if path.is_dir():
+        raise ValueError(
+            f"{source} is a folder; give a data file ({', '.join(FORMATS)}) (a datasets "
+            "save_to_disk folder: write its split out with Dataset.to_json(...))"
+        )
     if not path.is_file():
         raise ValueError(f"data file {source} does not exist")
     suffix = path.suffix.lower()
@@ -35,36 +52,48 @@ def load_rows(source: str) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq  # a dependency of datasets
 
         try:
-            return pq.read_table(path).to_pylist()
+            return list(enumerate(pq.read_table(path).to_pylist(), 1))
         except Exception as err:  # pyarrow raises several kinds for a damaged file
             raise ValueError(
                 f"{source}: not a readable parquet file ({str(err).splitlines()[0]})"
             ) from None
     text = _utf8(path, source, header=suffix in (".csv", ".tsv"))
     if suffix == ".jsonl":
-        rows = []
-        for number, line in enumerate(_lines(text), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{source}, row {number}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{source}, row {number}: expected a JSON object")
-            rows.append(row)
-        return rows
+        return _jsonl_rows(text, source)
     if suffix == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: not valid JSON ({err.msg}, line {err.lineno})") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise ValueError(f"{source}: expected a JSON list of objects")
-        return rows
+        return _json_rows(text, source)
     if suffix in (".csv", ".tsv"):
         return _csv_rows(text, source, "\t" if suffix == ".tsv" else ",")
-    return [{"text": line} for line in _lines(text) if line.strip()]
+    return [(n, {"text": line}) for n, line in enumerate(_lines(text), 1) if line.strip()]
+
+
+def _jsonl_rows(text: str, source: str) -> list[tuple[int, Row]]:
+    rows = []
+    for number, line in enumerate(_lines(text), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source}, row {number}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}, row {number}: expected a JSON object")
+        rows.append((number, row))
+    return rows
+
+
+def _json_rows(text: str, source: str) -> list[tuple[int, Row]]:
+    """A list of objects, or JSON Lines in a ``.json`` file as ``datasets``' ``to_json``
+    writes them by default (and its ``json`` loader reads)."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _jsonl_rows(text, source)
+        raise ValueError(f"{source}: not valid JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{source}: expected a JSON list of objects")
+    return list(enumerate(rows, 1))
 
 
 def _lines(text: str) -> list[str]:
@@ -90,9 +119,10 @@ def _utf8(path: Path, source: str, header: bool) -> str:
         ) from None
 
 
-def _csv_rows(text: str, source: str, delimiter: str) -> list[dict[str, Any]]:
-    """CSV/TSV rows; a malformed row (a field over ``csv.field_size_limit``, the wrong number
-    of fields) is one line naming it."""
+def _csv_rows(text: str, source: str, delimiter: str) -> list[tuple[int, Row]]:
+    """CSV/TSV rows numbered by the line they start on, less the header's (as a non-UTF-8
+    byte is); a malformed row (a field over ``csv.field_size_limit``, the wrong number of
+    fields) is one line naming it."""
     stream = io.StringIO(text, newline="")
     reader = (
         csv.DictReader(stream, delimiter=delimiter, quoting=csv.QUOTE_NONE)  # GLUE's TSVs
@@ -100,27 +130,38 @@ def _csv_rows(text: str, source: str, delimiter: str) -> list[dict[str, Any]]:
         else csv.DictReader(stream, delimiter=delimiter)
     )
     rows = []
-    number = 0
     try:
-        for number, row in enumerate(reader, 1):
+        for row in reader:
+            # line_num is the row's last line; a quoted field may span lines of its own
+            number = reader.line_num - 1 - sum(_breaks(v) for v in row.values())
             if None in row or None in row.values():
                 raise ValueError(
                     f"{source}, row {number}: wrong number of fields for the header "
                     f"{reader.fieldnames}"
                 )
-            rows.append(row)
+            rows.append((number, row))
     except csv.Error as err:
+        number = reader.line_num - 1
         if "field limit" in str(err):
             raise ValueError(
-                f"{source}, row {number + 1}: a field is larger than the CSV field limit "
+                f"{source}, row {number}: a field is larger than the CSV field limit "
                 f"({csv.field_size_limit()} characters); shorten it or use a .jsonl file"
             ) from None
-        raise ValueError(f"{source}, row {number + 1}: not valid CSV ({err})") from None
+        raise ValueError(f"{source}, row {number}: not valid CSV ({err})") from None
     return rows
+
+
+def _breaks(value: Any) -> int:
+    """Line breaks in a field as the csv reader counts lines (``\r\n``, ``\r``, ``\n``)."""
+    if isinstance(value, list):  # a row's extra fields
+        return sum(_breaks(v) for v in value)
+    return len(re.findall(r"\r\n|\r|\n", value)) if isinstance(value, str) else 0
 
 
 def parse_hub_spec(source: str) -> tuple[str, str | None, str]:
     parts = source[3:].split(":")
+    if "" in parts:
+        parts = []  # an empty name would reach the hub, or be taken for no config
     if len(parts) == 2:
         return parts[0], None, parts[1]
     if len(parts) == 3:

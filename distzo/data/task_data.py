@@ -19,7 +19,7 @@ from distzo.data.encoding import (
     PromptTrainData,
     TextTrainData,
 )
-from distzo.data.loaders import load_rows
+from distzo.data.loaders import load_numbered_rows
 from distzo.data.synthetic import CountingTask
 from distzo.data.templates import TASKS, Example, build_examples, get_task
 from distzo.objectives import OBJECTIVES
@@ -95,18 +95,19 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
         raise ValueError(f"--task {task} reads its data: give --train-file and --eval-file")
     loaded = []
     for source in (train_file, eval_file):
-        rows = load_rows(source)
-        if not rows:
+        numbered = load_numbered_rows(source)
+        if not numbered:
             raise ValueError(f"{source}: no rows")
+        numbers, rows = [n for n, _ in numbered], [row for _, row in numbered]
         if task in TEXT:
-            for number, row in enumerate(rows, 1):
+            for number, row in numbered:
                 if not isinstance(row.get("text"), str):
                     raise ValueError(
                         f"{source}, row {number}: missing column 'text' (task text needs text)"
                     )
             loaded.append([row["text"] for row in rows])
         else:
-            loaded.append(build_examples(get_task(task), rows, source))
+            loaded.append(build_examples(get_task(task), rows, source, numbers))
     return LoadedRows(task, loaded[0], loaded[1])
 
 

@@ -485,3 +485,72 @@ def test_a_model_folder_without_tokenizer_files_has_no_tokenizer(tmp_path):
         load_tokenizer(job, tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
     assert source_tokenizer(tmp_path) is not None
+
+
+@pytest.mark.parametrize(
+    "name, row, message",
+    [
+        ("sst2", {"sentence": "s", "label": 1.5}, "label 1.5 is not an integer; write one of 0..1"),
+        ("sst2", {"sentence": "s", "label": float("inf")}, "label inf is not an integer"),
+        ("sst2", {"sentence": 5, "label": 1}, "column 'sentence' holds 5 \\(int\\), not text"),
+        (
+            "rte",
+            {"premise": ["a", "b"], "hypothesis": "h", "label": 0},
+            "column 'premise' holds \\['a', 'b'\\] \\(list\\), not text",
+        ),
+        (
+            "squad",
+            {"title": "t", "context": "c", "question": "q", "answers": "['a dog']"},
+            "answers \"\\['a dog'\\]\" is a list written as text but not as JSON",
+        ),
+    ],
+)
+def test_values_a_template_would_misread_are_one_line_errors(name, row, message):
+    """int(1.5) is 1 and f"{['a', 'b']}" a prompt of its repr: refused, not trained on."""
+    with pytest.raises(ValueError, match="data.jsonl, row 1: " + message) as info:
+        build_examples(TASKS[name], [row], "data.jsonl")
+    assert "\n" not in str(info.value)
+
+
+def test_squad_answers_written_as_json_in_a_csv_cell_are_a_list(tmp_path):
+    path = tmp_path / "squad.csv"
+    path.write_text('title,context,question,answers\nT,C,Q,"[""a dog"", ""dog""]"\n')
+    (example,) = load_task_rows("squad", str(path), str(path)).train
+    assert example.answers == ("a dog", "dog")
+    assert example.continuations == (" a dog\n",)
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("data.jsonl", '\n\n{"sentence": "a", "label": 0}\n{"sentence": "b", "label": 7}\n'),
+        ("data.csv", 'sentence,label\n"a\nb",0\n\nc,7\n'),
+    ],
+)
+def test_row_numbers_are_the_files_own_across_blank_lines(tmp_path, name, content):
+    """The loader names a JSONL row by its line (a CSV's by its line less the header);
+    a template's error must use the same number, not the index among non-blank rows."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{name}, row 4: label 7 is outside"):
+        load_task_rows("sst2", str(path), str(path))
+
+
+def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
+    """datasets' Dataset.to_json writes JSON Lines by default, to a .json name."""
+    path = tmp_path / "data.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert load_rows(str(path)) == ROWS
+    path.write_text(json.dumps(ROWS[0]) + "\n{broken\n")
+    with pytest.raises(ValueError, match="data.json, row 2: not valid JSON"):
+        load_rows(str(path))
+
+
+def test_a_folder_and_empty_hub_names_are_one_line_errors(tmp_path):
+    folder = tmp_path / "saved.jsonl"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="saved.jsonl is a folder; give a data file"):
+        load_rows(str(folder))
+    for spec in ("hf::train", "hf:glue:sst2:", "hf:glue::train"):
+        with pytest.raises(ValueError, match="hf:PATH"):
+            parse_hub_spec(spec)
