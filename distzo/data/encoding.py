@@ -238,10 +238,18 @@ class TextTrainData:
     """Plain causal LM on raw text rows: every token of a row (up to max_length) is a label."""
 
     def __init__(self, texts: list[str], encoder: PromptEncoder, seed: int) -> None:
+        """A row of fewer than two tokens (an empty one: wikitext has many) has no next
+        token to predict and is left out: a batch of only such rows stopped the run."""
         self.sequences = []
         for text in texts:
             ids, _ = encoder.encode(text, "")
-            self.sequences.append((ids, len(ids)))
+            if len(ids) > 1:
+                self.sequences.append((ids, len(ids)))
+        if not self.sequences:
+            raise ValueError(
+                "--train-file: no row has a next token to predict (a row needs two tokens or "
+                "more after tokenization); give longer rows"
+            )
         self.encoder, self.seed = encoder, seed
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:

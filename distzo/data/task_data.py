@@ -7,6 +7,7 @@ package knows no engine.
 from __future__ import annotations
 
 import functools
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,9 +102,14 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
         numbers, rows = [n for n, _ in numbered], [row for _, row in numbered]
         if task in TEXT:
             for number, row in numbered:
-                if not isinstance(row.get("text"), str):
+                if row.get("text") is None:
                     raise ValueError(
                         f"{source}, row {number}: missing column 'text' (task text needs text)"
+                    )
+                if not isinstance(row["text"], str):
+                    raise ValueError(
+                        f"{source}, row {number}: column 'text' holds {reprlib.repr(row['text'])} "
+                        f"({type(row['text']).__name__}), not text; write it as a string"
                     )
             loaded.append([row["text"] for row in rows])
         else:

@@ -554,3 +554,24 @@ def test_a_folder_and_empty_hub_names_are_one_line_errors(tmp_path):
     for spec in ("hf::train", "hf:glue:sst2:", "hf:glue::train"):
         with pytest.raises(ValueError, match="hf:PATH"):
             parse_hub_spec(spec)
+
+
+def test_text_training_rows_with_no_token_to_predict_are_left_out(tmp_path):
+    """A batch drawn only from empty rows has no label token: the step raised mid-run,
+    after the model was built; the rows add nothing to the loss, so they are left out."""
+    from distzo.data.task_data import TextData
+
+    rows = [{"text": ""}] * 6 + [{"text": "some words"}]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    encoder = PromptEncoder(byte_tokenizer(), max_length=32)
+    data = TextData(load_task_rows("text", train, train), encoder, seed=0, eval_batch_size=2)
+    assert all((data.batch(2, step)["labels"][:, 1:] != -100).any() for step in range(20))
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}])
+    with pytest.raises(ValueError, match="--train-file: no row has a next token to predict"):
+        TextData(load_task_rows("text", empty, train), encoder, seed=0, eval_batch_size=2)
+
+
+def test_a_text_row_that_is_not_a_string_is_named_as_such(tmp_path):
+    path = write_jsonl(tmp_path / "num.jsonl", [{"text": 5}])
+    with pytest.raises(ValueError, match="row 1: column 'text' holds 5 \\(int\\), not text"):
+        load_task_rows("text", path, path)
