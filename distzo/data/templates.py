@@ -52,10 +52,15 @@ def _label(row: dict[str, Any], count: int) -> int:
     value = row["label"]
     if isinstance(value, bool):
         value = int(value)
-    if isinstance(value, float) and not value.is_integer():  # int() would truncate 1.5 to 1
-        raise ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}")
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         value = int(value.strip().lower() == "true")
+    if isinstance(value, str) and "." in value:  # "1.0": pandas writes a float column so
+        try:
+            value = float(value)  # and datasets' csv loader reads it back as 1.0
+        except ValueError:
+            pass
+    if isinstance(value, float) and not value.is_integer():  # int() would truncate 1.5 to 1
+        raise ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}")
     try:
         label = int(value)
     except (TypeError, ValueError):

@@ -575,3 +575,14 @@ def test_a_text_row_that_is_not_a_string_is_named_as_such(tmp_path):
     path = write_jsonl(tmp_path / "num.jsonl", [{"text": 5}])
     with pytest.raises(ValueError, match="row 1: column 'text' holds 5 \\(int\\), not text"):
         load_task_rows("text", path, path)
+
+
+def test_a_csv_label_written_as_a_whole_float_is_read_as_datasets_reads_it(tmp_path):
+    """pandas writes an int column holding a missing value as floats ("1.0"); datasets'
+    csv loader reads 1.0 back, which is label 1; "1.5" stays refused."""
+    path = tmp_path / "data.csv"
+    path.write_text("sentence,label\ngood,1.0\nbad,0.0\n")
+    assert [e.label for e in load_task_rows("sst2", str(path), str(path)).train] == [1, 0]
+    path.write_text("sentence,label\ngood,1.5\n")
+    with pytest.raises(ValueError, match="data.csv, row 1: label 1.5 is not an integer"):
+        load_task_rows("sst2", str(path), str(path))
