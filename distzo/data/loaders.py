@@ -130,10 +130,12 @@ def _csv_rows(text: str, source: str, delimiter: str) -> list[tuple[int, Row]]:
         else csv.DictReader(stream, delimiter=delimiter)
     )
     rows = []
+    ended = 1  # the line the last row read (or the header) ends on
     try:
         for row in reader:
             # line_num is the row's last line; a quoted field may span lines of its own
             number = reader.line_num - 1 - sum(_breaks(v) for v in row.values())
+            ended = reader.line_num
             if None in row or None in row.values():
                 raise ValueError(
                     f"{source}, row {number}: wrong number of fields for the header "
@@ -141,7 +143,9 @@ def _csv_rows(text: str, source: str, delimiter: str) -> list[tuple[int, Row]]:
                 )
             rows.append((number, row))
     except csv.Error as err:
-        number = reader.line_num - 1
+        # the reader's line_num stops short of a row it fails on: that row is the next
+        # non-blank line after the last row read
+        number = _next_row_line(text, ended) - 1
         if "field limit" in str(err):
             raise ValueError(
                 f"{source}, row {number}: a field is larger than the CSV field limit "
@@ -149,6 +153,15 @@ def _csv_rows(text: str, source: str, delimiter: str) -> list[tuple[int, Row]]:
             ) from None
         raise ValueError(f"{source}, row {number}: not valid CSV ({err})") from None
     return rows
+
+
+def _next_row_line(text: str, ended: int) -> int:
+    """The line, counted as the csv reader counts them, of the first non-blank line after
+    line ``ended``."""
+    for number, line in enumerate(io.StringIO(text, newline=""), 1):
+        if number > ended and line.strip("\r\n"):
+            return number
+    return ended + 1
 
 
 def _breaks(value: Any) -> int:

@@ -536,6 +536,16 @@ def test_row_numbers_are_the_files_own_across_blank_lines(tmp_path, name, conten
         load_task_rows("sst2", str(path), str(path))
 
 
+@pytest.mark.parametrize("before, row", [("ok,1\n", 2), ("ok,1\n\n\n", 4), ('"a\nb",1\n', 3)])
+def test_a_csv_row_the_reader_fails_on_is_numbered_as_a_row_it_reads(tmp_path, before, row):
+    """The csv reader's line count stops short of a row it fails on (after blank lines it
+    named row 1 for row 4's oversized field): the row is the next non-blank line."""
+    path = tmp_path / "big.csv"
+    path.write_text("sentence,label\n" + before + "x" * 200_000 + ",1\n")
+    with pytest.raises(ValueError, match=f"big.csv, row {row}: a field is larger"):
+        load_rows(str(path))
+
+
 def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
     """datasets' Dataset.to_json writes JSON Lines by default, to a .json name."""
     path = tmp_path / "data.json"
