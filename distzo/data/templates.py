@@ -200,6 +200,20 @@ def get_task(name: str) -> Task:
 
 
 NOT_TEXT = ("label", "answers")  # the columns a template reads as something else
+# Other datasets' names for a task's columns: (task, theirs) -> (ours, whose names they are)
+OTHER_NAMES = {
+    ("rte", "sentence1"): ("premise", "GLUE's rte (nyu-mll/glue)"),
+    ("rte", "sentence2"): ("hypothesis", "GLUE's rte (nyu-mll/glue)"),
+    ("boolq", "answer"): ("label", "google/boolq"),
+}
+
+
+def _renaming(task: str, row: dict[str, Any], column: str) -> str:
+    """A hint where ``row`` has ``column`` under another dataset's name."""
+    for (name, theirs), (ours, whose) in OTHER_NAMES.items():
+        if name == task and ours == column and theirs in row:
+            return f"; the file has {theirs!r}, as {whose} names it: rename it {column!r}"
+    return ""
 
 
 def build_examples(
@@ -213,7 +227,7 @@ def build_examples(
         if missing:
             raise ValueError(
                 f"{source}, row {number}: missing column {missing[0]!r} (task {task.name} needs "
-                f"{', '.join(task.columns)})"
+                f"{', '.join(task.columns)}){_renaming(task.name, row, missing[0])}"
             )
         wrong = [c for c in task.columns if c not in NOT_TEXT and not isinstance(row[c], str)]
         if wrong:  # a number or a list would be formatted into the prompt as its repr

@@ -596,3 +596,27 @@ def test_a_csv_label_written_as_a_whole_float_is_read_as_datasets_reads_it(tmp_p
     path.write_text("sentence,label\ngood,1.5\n")
     with pytest.raises(ValueError, match="data.csv, row 1: label 1.5 is not an integer"):
         load_task_rows("sst2", str(path), str(path))
+
+
+@pytest.mark.parametrize(
+    "name, row, hint",
+    [
+        (
+            "rte",
+            {"sentence1": "p", "sentence2": "h", "label": 0},
+            "missing column 'premise' .*; the file has 'sentence1', as GLUE's rte "
+            r"\(nyu-mll/glue\) names it: rename it 'premise'",
+        ),
+        (
+            "boolq",
+            {"passage": "p", "question": "q", "answer": True},
+            "missing column 'label' .*; the file has 'answer', as google/boolq names it: rename "
+            "it 'label'",
+        ),
+    ],
+)
+def test_another_datasets_column_names_are_named_with_the_rename(name, row, hint):
+    """GLUE's RTE rows (sentence1, sentence2) were refused for a missing 'premise' with no
+    word that the file has it under another name."""
+    with pytest.raises(ValueError, match="data.jsonl, row 1: " + hint):
+        build_examples(TASKS[name], [row], "data.jsonl")
