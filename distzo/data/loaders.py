@@ -108,7 +108,10 @@ def _lines(text: str) -> list[str]:
 def _utf8(path: Path, source: str, header: bool) -> str:
     """The file as text, or a one-line error at its first non-UTF-8 byte naming the row
     (the line; a CSV's header line is not a row) rather than the codec's byte offset."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as err:  # unreadable (permissions, an I/O error): one line, not a traceback
+        raise ValueError(f"{source}: cannot read the file ({err.strerror or err})") from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
