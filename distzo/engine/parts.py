@@ -103,23 +103,7 @@ def build_parts(
     model.requires_grad_(False)
     layouts = [layout for layout, _ in built]
     tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
-    if config.perturb_scope == "module" and tuning.base_layouts:  # before any bucket is read
-        raise ValueError(
-            "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
-            "is never perturbed: use perturb_scope block"
-        )
-    groups = pass_grouping(config.dual_forward, config.batch_queries)
-    largest = max(len(g) for g in groups(at.passes))
-    if largest > 1:  # refused, if at all, before any bucket is allocated
-        tuning.batch_factors(model, layouts, resident_layout)
-    elif (config.dual_forward or config.batch_queries) and at.parallel.dims.pert > 1:
-        logger.warning(
-            "dual_forward/batch_queries batch nothing: the %d pert ranks split a step's "
-            "passes so that each runs %d, none of them batchable together; use fewer pert "
-            "ranks (more dp) to batch them",
-            at.parallel.dims.pert,
-            len(at.passes),
-        )
+    groups, largest = _check_tuning(model, tuning, layouts, resident_layout, at)
     dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
     check_transfer_dtype(config, dtype)  # before any bucket is allocated
     noise, rounding_noise = make_noise(
@@ -163,6 +147,36 @@ def build_parts(
         scratch_dtype,
         rebuilt,
     )
+
+
+def _check_tuning(
+    model: nn.Module,
+    tuning: Tuning,
+    layouts: list[BucketLayout],
+    resident_layout: BucketLayout,
+    at: Placement,
+) -> tuple[Callable[[tuple[Pass, ...]], list[Group]], int]:
+    """How passes group into forwards, and the largest group; refuses what the tuning
+    cannot do before any bucket is allocated or a byte of the checkpoint read."""
+    config = at.config
+    if config.perturb_scope == "module" and tuning.base_layouts:
+        raise ValueError(
+            "perturb_scope module perturbs the modules of trained blocks; an adapter's base "
+            "is never perturbed: use perturb_scope block"
+        )
+    groups = pass_grouping(config.dual_forward, config.batch_queries)
+    largest = max(len(g) for g in groups(at.passes))
+    if largest > 1:
+        tuning.batch_factors(model, layouts, resident_layout)
+    elif (config.dual_forward or config.batch_queries) and at.parallel.dims.pert > 1:
+        logger.warning(
+            "dual_forward/batch_queries batch nothing: the %d pert ranks split a step's "
+            "passes so that each runs %d, none of them batchable together; use fewer pert "
+            "ranks (more dp) to batch them",
+            at.parallel.dims.pert,
+            len(at.passes),
+        )
+    return groups, largest
 
 
 def scratch_sizes(
