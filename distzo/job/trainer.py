@@ -55,6 +55,7 @@ from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import clear_run, discard_unstarted_run, new_run_dir
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
 from distzo.job.run_logs import RunLogs
+from distzo.job.same_job import check_same_options, check_shared_run_dir
 from distzo.job.summary import SUMMARY, key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
@@ -132,13 +133,19 @@ class Trainer:
         self.device = self.config.torch_device()
         self._use_device()
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
+        self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
+        output_dir = self.job.run.output_dir
+        self.run_dir = Path(output_dir) if output_dir else self._new_run_dir()
+        # Each node's ranks were started from that node's own command line: one directory
+        # (first: a node that cannot see it also resolves --resume auto its own way) and
+        # one set of options, or nothing.
+        several_nodes = self.env.local_world_size < self.env.world_size
+        check_shared_run_dir(self.run_dir, self.parallel.comm, self.env.rank, several_nodes)
+        check_same_options(self.job, self.parallel.comm)
         if self.job.run.overwrite:  # the old run goes before any rank writes into its directory
             if self.env.rank == 0:
                 clear_run(self.job)
             self.parallel.comm.barrier()
-        self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
-        output_dir = self.job.run.output_dir
-        self.run_dir = Path(output_dir) if output_dir else self._new_run_dir()
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
         # A dashboard that cannot start (wandb not logged in) fails every rank before any model.
         self.reporter = agreed(self.parallel.comm, self._make_reporter)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from distzo.job.run_dir import run_contents
 from tests.helpers.launch import (
     Run,
     checkpoint_writers,
@@ -202,6 +203,40 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
     assert all(abs(r["host_bytes"] - half) / half < 0.05 for r in two_nodes.ranks.values())
     g_diff, param_diff = max_relative_difference(two_nodes, runs["single"])
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
+
+
+@pytest.mark.parametrize(
+    "node1_flags, message",
+    [
+        # a node's own disk: each rank's part of every checkpoint would land apart
+        (["--output-dir", "{tmp}/node1"], "must be on a filesystem every node shares"),
+        # a node's own options: it would wait for steps node 0 never takes
+        (["--max-steps", "6"], "rank 1 was started with --max-steps 6 where rank 0 has 3"),
+    ],
+)
+def test_a_node_with_its_own_run_directory_or_options_is_refused_at_once(
+    tmp_path, node1_flags, message
+):
+    port, started = free_port(), time.monotonic()
+    args = COMMON + ["--max-steps", "3", "--save-steps", "2", "--output-dir", str(tmp_path / "a")]
+    own = [flag.format(tmp=tmp_path) for flag in node1_flags]
+    agents = [
+        subprocess.Popen(
+            torchrun_command(
+                1, args + (own if node else []), port, nnodes=2, node_rank=node, preload=True
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for node in (0, 1)
+    ]
+    errors = [agent.communicate(timeout=100)[1] for agent in agents]
+    assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
+    assert all(message in err for err in errors), [e[-2000:] for e in errors]
+    assert time.monotonic() - started < 60
+    assert not run_contents(tmp_path / "a") and not (tmp_path / "node1").exists()
 
 
 def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):

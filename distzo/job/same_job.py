@@ -1,0 +1,100 @@
+"""Checks that every rank of a launch runs one job, in one run directory.
+
+torchrun starts the ranks of each node from that node's own command line, so on several
+nodes nothing makes the nodes' options equal, nor their run directories one. A node with
+another ``--lr`` or ``--max-steps`` would train other weights, or wait for steps its peers
+never take (until --dist-timeout), with no error; a node whose ``--output-dir`` is not the
+directory rank 0 writes (another path, or a local disk) would leave every checkpoint
+missing its files. Both are refused once the process group exists, in one line on every
+rank, before any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from pathlib import Path
+
+from distzo.config.job import JobConfig
+from distzo.dist.agreement import agreed
+from distzo.dist.collectives import Collectives
+
+# Options a node may set its own way: paths that may be spelled differently on another
+# node (the run directory itself is checked by ``check_shared_run_dir``; the logs are rank
+# 0's), and the CPU threads of a node's ranks.
+PER_NODE_OPTIONS = ("output_dir", "log_dir", "threads")
+# How long a rank looks for rank 0's probe: a network filesystem may show a new file to
+# another node a moment late.
+PROBE_WAIT_S = 5.0
+PROBE_PREFIX = ".distzo-shared-"
+
+
+def _values(job: JobConfig) -> dict[str, str]:
+    """Every option that must be equal on every rank, as ``--flag`` -> its value's repr
+    (repr: a nan reads as equal to a nan)."""
+    return {
+        f"--{f.name.replace('_', '-')}": repr(getattr(section, f.name))
+        for section in job.sections().values()
+        for f in dataclasses.fields(section)
+        if f.name not in PER_NODE_OPTIONS
+    }
+
+
+def check_same_options(job: JobConfig, comm: Collectives) -> None:
+    """Refuse a launch whose ranks were started with different options; every rank sees
+    every rank's options and raises the same line."""
+    if not comm.distributed:
+        return
+    everyone: list[dict[str, str]] = comm.all_gather_object(_values(job))
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differ = [flag for flag in first if theirs.get(flag) != first[flag]]
+        if differ:
+            flag = differ[0]
+            more = f" (and {len(differ) - 1} more options)" if len(differ) > 1 else ""
+            raise ValueError(
+                f"rank {rank} was started with {flag} {theirs.get(flag)} where rank 0 has "
+                f"{first[flag]}{more}; start every node with the same options"
+            )
+
+
+def check_shared_run_dir(run_dir: Path, comm: Collectives, rank: int, several_nodes: bool) -> None:
+    """On several nodes, refuse a run directory that is not one directory for every rank:
+    rank 0 writes a probe file into it and every rank must read it back. Each rank writes
+    its part of every checkpoint there, and rank 0 publishes them; a node that cannot see
+    rank 0's files would leave every checkpoint without its part."""
+    if not (comm.distributed and several_nodes):
+        return
+    name = comm.broadcast_object(PROBE_PREFIX + secrets.token_hex(8) if rank == 0 else None)
+    probe = run_dir / name
+
+    def write() -> None:
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe.write_text(name)
+
+    try:
+        agreed(comm, write)
+        agreed(comm, lambda: _find_probe(probe, name))
+    finally:
+        if rank == 0:  # every rank has looked: agreed gathered every verdict
+            probe.unlink(missing_ok=True)
+
+
+def _find_probe(probe: Path, name: str) -> None:
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while True:
+        try:
+            if probe.read_text() == name:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(
+                f"the run directory {probe.parent} does not hold the file rank 0 just wrote "
+                "there: on several nodes every rank writes its part of each checkpoint "
+                "into rank 0's run directory, so it must be on a filesystem every node "
+                "shares, at a path (--output-dir) that names it on every node"
+            )
+        time.sleep(0.2)

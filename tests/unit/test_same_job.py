@@ -1,0 +1,69 @@
+"""Every rank of a launch runs one job in one run directory: the nodes' own command lines
+may differ, and their disks (the integration test: tests/integration/test_dist_launch.py,
+two torchrun agents)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+
+from distzo.config.job import resolve
+from distzo.job import same_job
+from distzo.job.same_job import _values, check_same_options, check_shared_run_dir
+
+
+class Ranks:
+    """A host group of two ranks seen from ``rank``: the other's gathered value is given,
+    and a broadcast hands every rank rank 0's value (``sent`` stands in for it on rank 1)."""
+
+    distributed = True
+
+    def __init__(self, rank: int, other=None, sent=None) -> None:
+        self.rank, self.other, self.sent = rank, other, sent
+
+    def all_gather_object(self, mine):
+        return [mine, self.other] if self.rank == 0 else [self.other, mine]
+
+    def broadcast_object(self, value, src: int = 0):
+        return value if self.rank == 0 else self.sent
+
+
+def test_a_node_started_with_another_lr_is_refused_naming_the_option():
+    node0, node1 = resolve(["--max-steps", "3"]), resolve(["--max-steps", "3", "--lr", "0.5"])
+    message = r"^rank 1 was started with --lr 0.5 where rank 0 has None; start every node"
+    for rank, mine, theirs in ((0, node0, node1), (1, node1, node0)):
+        with pytest.raises(ValueError, match=message):  # the same line on either node
+            check_same_options(mine, Ranks(rank, _values(theirs)))
+
+
+def test_several_differences_are_counted_and_paths_and_threads_may_differ():
+    node0 = resolve(["--output-dir", "/mnt/a/run", "--threads", "4"])
+    node1 = resolve(["--output-dir", "/shared/run", "--threads", "8"])
+    check_same_options(node0, Ranks(0, _values(node1)))  # one directory, mounted elsewhere
+    other = resolve(["--max-steps", "6", "--seed", "1"])
+    with pytest.raises(ValueError, match=r"--max-steps 6 where rank 0 has 2000 \(and 1 more"):
+        check_same_options(node0, Ranks(0, _values(other)))
+
+
+def test_a_node_that_cannot_see_rank_0s_run_directory_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(same_job, "PROBE_WAIT_S", 0.05)
+    local = tmp_path / "node1-disk"  # rank 1's --output-dir: not where rank 0 wrote
+    name = same_job.PROBE_PREFIX + "0123"
+    with pytest.raises(ValueError, match=r"^rank 1: the run directory .* every node shares"):
+        check_shared_run_dir(local, Ranks(1, other=None, sent=name), 1, several_nodes=True)
+    assert not local.exists()  # rank 1 writes nothing there
+
+
+def test_rank_0_removes_its_probe_whatever_the_verdict(tmp_path):
+    run_dir = tmp_path / "run"
+    refused = ("ValueError", "no probe", None, None)
+    for other in (refused, None):
+        with pytest.raises(ValueError, match="rank 1: no probe") if other else nullcontext():
+            check_shared_run_dir(run_dir, Ranks(0, other=other), 0, several_nodes=True)
+        assert list(run_dir.iterdir()) == []
+
+
+def test_one_node_writes_no_probe(tmp_path):
+    check_shared_run_dir(tmp_path / "run", Ranks(0), 0, several_nodes=False)
+    assert not (tmp_path / "run").exists()
