@@ -82,12 +82,9 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
     """
     places = comm.all_gather_object((env.node_rank, env.local_rank, env.local_world_size))
     by_node: dict[int, list[tuple[int, int]]] = {}
-    for rank, (node, local_rank, local_world) in enumerate(places):
+    for rank, (node, local_rank, _) in enumerate(places):
         by_node.setdefault(node, []).append((local_rank, rank))
-        if local_world != env.local_world_size:
-            raise ValueError(
-                "every node must run the same number of ranks (LOCAL_WORLD_SIZE differs)"
-            )
+    _check_even_nodes({node: local_world for node, _, local_world in places})
     mine = None
     for node in sorted(by_node):
         members = sorted(rank for _, rank in by_node[node])  # the group's own rank order
@@ -97,6 +94,19 @@ def node_groups(env: LaunchEnv, comm: Collectives) -> tuple[dist.ProcessGroup, l
             mine = (group, members)
     assert mine is not None
     return mine
+
+
+def _check_even_nodes(ranks_per_node: dict[int, int]) -> None:
+    """Refuse nodes that run different numbers of ranks, naming them (every rank sees the
+    same counts, so every rank raises the same line)."""
+    counts = sorted(ranks_per_node.items())
+    if len({count for _, count in counts}) > 1:
+        said = ", ".join(f"node {node} runs {count}" for node, count in counts)
+        raise ValueError(
+            f"every node must run the same number of ranks, but {said} (torchrun's "
+            "--nproc_per_node, LOCAL_WORLD_SIZE); start every node's torchrun with the same "
+            "--nproc_per_node"
+        )
 
 
 def cpu_threads(

@@ -37,3 +37,17 @@ def test_a_slice_order_that_differs_from_the_group_rank_is_refused(monkeypatch):
     assert ShardGroup.of("g", [3, 5], 5).rank == 1
     with pytest.raises(RuntimeError, match="rank 3 is rank 1 of its shard group but owns slice 0"):
         ShardGroup.of("g", [3, 5], 3)
+
+
+class UnevenNodes(TwoRanksOneNode):
+    """Three ranks: node 0 started two, node 1 one."""
+
+    def all_gather_object(self, value):
+        return [(0, 0, 2), (0, 1, 2), (1, 0, 1)]
+
+
+def test_nodes_with_different_rank_counts_are_refused_naming_them_and_the_fix():
+    env = LaunchEnv(rank=2, world_size=3, local_rank=0, local_world_size=1, launched=True)
+    message = r"node 0 runs 2, node 1 runs 1 .* same --nproc_per_node$"
+    with pytest.raises(ValueError, match=message):
+        pg.node_groups(env, UnevenNodes())
