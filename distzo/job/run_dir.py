@@ -24,6 +24,7 @@ from typing import Any
 
 from distzo.config.job import RUN_ACTIONS, JobConfig
 from distzo.dist import LaunchEnv
+from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
 from distzo.job.seed_log import SEED_LOG, logged_first_step
@@ -94,6 +95,23 @@ def new_run_dir(root: Path = Path("runs")) -> Path:
             continue
         return path
     raise AssertionError("unreachable")
+
+
+def shared_run_dir(comm: Collectives, rank: int) -> Path:
+    """The default run directory, made by rank 0 (``new_run_dir``: unique, even for runs
+    started in the same second) and handed to every rank; a failure to make it, too, so
+    that every rank fails alike and none waits."""
+    made: str | OSError | None = None
+    if rank == 0:
+        try:
+            made = str(new_run_dir())
+        except OSError as err:
+            made = err
+    made = comm.broadcast_object(made)
+    if isinstance(made, OSError):
+        raise made
+    assert made is not None
+    return Path(made)
 
 
 def run_contents(run_dir: Path, log_dir: Path | None = None) -> list[Path]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from distzo.config.job import JobConfig
 from distzo.dist.agreement import agreed
 from distzo.dist.collectives import Collectives
+from distzo.dist.launch_env import LaunchEnv
 
 # Options a node may set its own way: paths that may be spelled differently on another
 # node (the run directory itself is checked by ``check_shared_run_dir``; the logs are rank
@@ -39,6 +40,15 @@ def _values(job: JobConfig) -> dict[str, str]:
         for f in dataclasses.fields(section)
         if f.name not in PER_NODE_OPTIONS
     }
+
+
+def check_one_job(job: JobConfig, run_dir: Path, comm: Collectives, env: LaunchEnv) -> None:
+    """Each node's ranks were started from that node's own command line: one run directory
+    (first: a node that cannot see it also resolves --resume auto its own way) and one set
+    of options, or a one-line refusal on every rank."""
+    several_nodes = env.local_world_size < env.world_size
+    check_shared_run_dir(run_dir, comm, env.rank, several_nodes)
+    check_same_options(job, comm)
 
 
 def check_same_options(job: JobConfig, comm: Collectives) -> None:

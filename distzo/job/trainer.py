@@ -52,10 +52,10 @@ from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import Reporter, make_reporter
 from distzo.job.resume import catch_up_from_log
-from distzo.job.run_dir import clear_run, discard_unstarted_run, new_run_dir
+from distzo.job.run_dir import clear_run, discard_unstarted_run, shared_run_dir
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
 from distzo.job.run_logs import RunLogs
-from distzo.job.same_job import check_same_options, check_shared_run_dir
+from distzo.job.same_job import check_one_job
 from distzo.job.summary import SUMMARY, key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
@@ -135,13 +135,10 @@ class Trainer:
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
         self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
         output_dir = self.job.run.output_dir
-        self.run_dir = Path(output_dir) if output_dir else self._new_run_dir()
-        # Each node's ranks were started from that node's own command line: one directory
-        # (first: a node that cannot see it also resolves --resume auto its own way) and
-        # one set of options, or nothing.
-        several_nodes = self.env.local_world_size < self.env.world_size
-        check_shared_run_dir(self.run_dir, self.parallel.comm, self.env.rank, several_nodes)
-        check_same_options(self.job, self.parallel.comm)
+        self.run_dir = (
+            Path(output_dir) if output_dir else shared_run_dir(self.parallel.comm, self.env.rank)
+        )
+        check_one_job(self.job, self.run_dir, self.parallel.comm, self.env)
         if self.job.run.overwrite:  # the old run goes before any rank writes into its directory
             if self.env.rank == 0:
                 clear_run(self.job)
@@ -193,22 +190,6 @@ class Trainer:
         if self.logs is not None:
             self.checkpointer.before_publish = self.logs.seeds.sync
         self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
-
-    def _new_run_dir(self) -> Path:
-        """The default run directory, made by rank 0 (``new_run_dir``: unique, even for runs
-        started in the same second) and handed to every rank; a failure to make it, too,
-        so that every rank fails alike and none waits."""
-        made: str | OSError | None = None
-        if self.env.rank == 0:
-            try:
-                made = str(new_run_dir())
-            except OSError as err:
-                made = err
-        made = self.parallel.comm.broadcast_object(made)
-        if isinstance(made, OSError):
-            raise made
-        assert made is not None
-        return Path(made)
 
     def _use_device(self) -> None:
         if self.device.type == "cuda":
