@@ -64,9 +64,14 @@ def check_same_options(job: JobConfig, comm: Collectives) -> None:
             flag = differ[0]
             more = f" (and {len(differ) - 1} more options)" if len(differ) > 1 else ""
             raise ValueError(
-                f"rank {rank} was started with {flag} {theirs.get(flag)} where rank 0 has "
-                f"{first[flag]}{more}; start every node with the same options"
+                f"rank {rank} was started with {_shown(flag, theirs.get(flag))}, rank 0 with "
+                f"{_shown(flag, first[flag])}{more}; start every node with the same options"
             )
+
+
+def _shown(flag: str, value: str | None) -> str:
+    """An option as a command line gives it; unset (None) as the default it stands for."""
+    return f"{flag} unset (its default)" if value in (None, "None") else f"{flag} {value}"
 
 
 def check_shared_run_dir(run_dir: Path, comm: Collectives, rank: int, several_nodes: bool) -> None:

@@ -211,7 +211,7 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
         # a node's own disk: each rank's part of every checkpoint would land apart
         (["--output-dir", "{tmp}/node1"], "must be on a filesystem every node shares"),
         # a node's own options: it would wait for steps node 0 never takes
-        (["--max-steps", "6"], "rank 1 was started with --max-steps 6 where rank 0 has 3"),
+        (["--max-steps", "6"], "rank 1 was started with --max-steps 6, rank 0 with --max-steps 3"),
     ],
 )
 def test_a_node_with_its_own_run_directory_or_options_is_refused_at_once(

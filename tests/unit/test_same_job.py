@@ -31,7 +31,10 @@ class Ranks:
 
 def test_a_node_started_with_another_lr_is_refused_naming_the_option():
     node0, node1 = resolve(["--max-steps", "3"]), resolve(["--max-steps", "3", "--lr", "0.5"])
-    message = r"^rank 1 was started with --lr 0.5 where rank 0 has None; start every node"
+    message = (
+        r"^rank 1 was started with --lr 0.5, rank 0 with --lr unset \(its default\); start "
+        "every node"
+    )
     for rank, mine, theirs in ((0, node0, node1), (1, node1, node0)):
         with pytest.raises(ValueError, match=message):  # the same line on either node
             check_same_options(mine, Ranks(rank, _values(theirs)))
@@ -42,7 +45,7 @@ def test_several_differences_are_counted_and_paths_and_threads_may_differ():
     node1 = resolve(["--output-dir", "/shared/run", "--threads", "8"])
     check_same_options(node0, Ranks(0, _values(node1)))  # one directory, mounted elsewhere
     other = resolve(["--max-steps", "6", "--seed", "1"])
-    with pytest.raises(ValueError, match=r"--max-steps 6 where rank 0 has 2000 \(and 1 more"):
+    with pytest.raises(ValueError, match=r"6, rank 0 with --max-steps 2000 \(and 1 more"):
         check_same_options(node0, Ranks(0, _values(other)))
 
 
