@@ -39,20 +39,23 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _noise(job: Any) -> str | None:
     """The noise the run draws: the one given, else its estimator's own."""
-    from distzo.zo.estimators import ESTIMATORS, estimator_for
-
-    if job.optim.noise is not None or job.optim.estimator not in ESTIMATORS:
-        return job.optim.noise
-    return estimator_for(job.optim.estimator).default_noise
+    return _given_or_estimators(job, "noise", "default_noise")
 
 
 def _queries(job: Any) -> int:
     """The queries a step draws: the number given, else its estimator's own (FZOO's 8)."""
+    return _given_or_estimators(job, "num_queries", "default_queries") or 1
+
+
+def _given_or_estimators(job: Any, option: str, default: str) -> Any:
+    """``job.optim``'s ``option`` where given, else the estimator's ``default`` (as
+    ``JobConfig.engine_config`` fills it in); an unknown estimator adds nothing."""
     from distzo.zo.estimators import ESTIMATORS, estimator_for
 
-    if job.optim.num_queries is not None or job.optim.estimator not in ESTIMATORS:
-        return job.optim.num_queries or 1
-    return estimator_for(job.optim.estimator).default_queries
+    given = getattr(job.optim, option)
+    if given is not None or job.optim.estimator not in ESTIMATORS:
+        return given
+    return getattr(estimator_for(job.optim.estimator), default)
 
 
 def inapplicable(job: Any, given: Iterable[str]) -> list[str]:
