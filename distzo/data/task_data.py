@@ -7,7 +7,6 @@ package knows no engine.
 from __future__ import annotations
 
 import functools
-import reprlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,7 +21,7 @@ from distzo.data.encoding import (
 )
 from distzo.data.loaders import load_numbered_rows
 from distzo.data.synthetic import CountingTask
-from distzo.data.templates import TASKS, Example, build_examples, get_task
+from distzo.data.templates import TASKS, Example, build_examples, get_task, not_text
 from distzo.objectives import OBJECTIVES
 
 GENERATED = ("counting",)
@@ -107,10 +106,7 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
                         f"{source}, row {number}: missing column 'text' (task text needs text)"
                     )
                 if not isinstance(row["text"], str):
-                    raise ValueError(
-                        f"{source}, row {number}: column 'text' holds {reprlib.repr(row['text'])} "
-                        f"({type(row['text']).__name__}), not text; write it as a string"
-                    )
+                    raise not_text(source, number, "text", row["text"])
             loaded.append([row["text"] for row in rows])
         else:
             loaded.append(build_examples(get_task(task), rows, source, numbers))

@@ -216,6 +216,14 @@ def _renaming(task: str, row: dict[str, Any], column: str) -> str:
     return ""
 
 
+def not_text(source: str, number: int, column: str, value: Any) -> ValueError:
+    """The error for a cell that should hold text and holds ``value`` (a number, a list)."""
+    return ValueError(
+        f"{source}, row {number}: column {column!r} holds {reprlib.repr(value)} "
+        f"({type(value).__name__}), not text; write it as a string"
+    )
+
+
 def build_examples(
     task: Task, rows: list[dict[str, Any]], source: str, numbers: Sequence[int] | None = None
 ) -> list[Example]:
@@ -231,11 +239,7 @@ def build_examples(
             )
         wrong = [c for c in task.columns if c not in NOT_TEXT and not isinstance(row[c], str)]
         if wrong:  # a number or a list would be formatted into the prompt as its repr
-            value = row[wrong[0]]
-            raise ValueError(
-                f"{source}, row {number}: column {wrong[0]!r} holds {reprlib.repr(value)} "
-                f"({type(value).__name__}), not text; write it as a string"
-            )
+            raise not_text(source, number, wrong[0], row[wrong[0]])
         try:
             examples.append(task.build(row))
         except (ValueError, AttributeError, TypeError) as err:
