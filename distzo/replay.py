@@ -173,6 +173,24 @@ def replay_config(header: dict, device: str | None) -> ZOConfig:
     return config
 
 
+def merged_export(spec: AdapterSpec, header: dict, merge_adapter: bool) -> bool:
+    """Whether the export merges the adapter into its base (``--merge-adapter``, or the
+    run's choice); refused in one line before the base is fetched or a step replayed where
+    there is nothing to merge (training refuses it) or a prefix (the export would)."""
+    if merge_adapter and not spec.enabled:
+        raise ValueError(
+            "--merge-adapter: the run tuned the full model, with no adapter to merge; "
+            "drop --merge-adapter"
+        )
+    merge = merge_adapter or bool(header.get("merge_adapter"))
+    if merge and spec.method == "prefix":
+        raise ValueError(
+            "--merge-adapter: the run trained a prefix, which cannot be merged into the "
+            "weights; replay without --merge-adapter (the peft adapter)"
+        )
+    return merge and spec.enabled
+
+
 def replay(
     base: str | None,
     log: Path,
@@ -187,6 +205,7 @@ def replay(
     header, steps = read_seed_log(log)
     spec = AdapterSpec.from_record(header.get("peft"))
     check_replayable(log, header, spec)
+    merge = merged_export(spec, header, merge_adapter)
     config = replay_config(header, device)
     folder = base_folder(base, header)
     name = base or header.get("base") or header["model_config"]
@@ -194,18 +213,7 @@ def replay(
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
         weights = AdapterWeights(weights, model) if weights is not None else None
-    if merge_adapter and not spec.enabled:  # as training refuses it, before the steps
-        raise ValueError(
-            "--merge-adapter: the run tuned the full model, with no adapter to merge; "
-            "drop --merge-adapter"
-        )
-    merge = merge_adapter or bool(header.get("merge_adapter"))
-    if merge and spec.method == "prefix":  # before the steps: the export would refuse it
-        raise ValueError(
-            "--merge-adapter: the run trained a prefix, which cannot be merged into the "
-            "weights; replay without --merge-adapter (the peft adapter)"
-        )
-    if merge and spec.enabled:
+    if merge:
         check_mergeable(model)
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     # every logged update in one pass over the blocks, in order: the run's trajectory
