@@ -13,13 +13,16 @@ names as the Hugging Face datasets):
 | task | columns | label |
 |---|---|---|
 | sst2 | sentence, label | 0 negative, 1 positive |
-| rte | premise, hypothesis, label | 0 entailment, 1 not entailment |
+| rte | premise, hypothesis, label | 0 entailment, 1 not_entailment |
 | cb | premise, hypothesis, label | 0 entailment, 1 contradiction, 2 neutral |
 | boolq | passage, question, label | 0 false, 1 true (or true/false) |
 | wic | word, sentence1, sentence2, label | 0 different, 1 same meaning |
 | copa | premise, question, choice1, choice2, label | 0 choice1, 1 choice2; question: cause/effect |
 | multirc | paragraph, question, answer, label | 0 wrong, 1 right answer |
 | squad | title, context, question, answers | answers: a list of strings, or {"text": [...]} |
+
+A label is its index or, for sst2, rte and cb, its name as above: SuperGLUE's own RTE
+and CB files and GLUE's RTE TSV write the names.
 """
 
 from __future__ import annotations
@@ -48,8 +51,32 @@ class Task:
     num_labels: int = 0
 
 
-def _label(row: dict[str, Any], count: int) -> int:
-    value = row["label"]
+# The names a dataset's own files write for a label, in index order (SuperGLUE's RTE and
+# CB .jsonl, GLUE's RTE TSV): read as the index the Hugging Face datasets give them.
+LABEL_NAMES = {
+    "sst2": ("negative", "positive"),
+    "rte": ("entailment", "not_entailment"),
+    "cb": ("entailment", "contradiction", "neutral"),
+}
+
+
+def _named(value: Any, names: tuple[str, ...]) -> Any:
+    """``value``'s index where it is one of ``names`` (any case, a space for the
+    underscore), else ``value`` as it was."""
+    if isinstance(value, str):
+        key = value.strip().lower().replace(" ", "_")
+        if key in names:
+            return names.index(key)
+    return value
+
+
+def _not_a_label(value: Any, count: int, names: tuple[str, ...]) -> ValueError:
+    named = f" or a name: {', '.join(names)}" if names else ""
+    return ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}{named}")
+
+
+def _label(row: dict[str, Any], count: int, names: tuple[str, ...] = ()) -> int:
+    value = _named(row["label"], names)
     if isinstance(value, bool):
         value = int(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -60,38 +87,43 @@ def _label(row: dict[str, Any], count: int) -> int:
         except ValueError:
             pass
     if isinstance(value, float) and not value.is_integer():  # int() would truncate 1.5 to 1
-        raise ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}")
+        raise _not_a_label(value, count, names)
     try:
         label = int(value)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"label {value!r} is not an integer; write one of 0..{count - 1}"
-        ) from None
+        raise _not_a_label(value, count, names) from None
     if not 0 <= label < count:
         raise ValueError(f"label {label} is outside 0..{count - 1}")
     return label
 
 
 def _verbalized(
-    prompt: str, words: tuple[str, ...], row: dict[str, Any], separator: str = ""
+    prompt: str,
+    words: tuple[str, ...],
+    row: dict[str, Any],
+    separator: str = "",
+    names: tuple[str, ...] = (),
 ) -> Example:
-    return Example(prompt, tuple(separator + w for w in words), _label(row, len(words)))
+    label = _label(row, len(words), names)
+    return Example(prompt, tuple(separator + w for w in words), label)
 
 
 def _sst2(row):
-    return _verbalized(f"{row['sentence'].strip()} It was", ("terrible", "great"), row, " ")
+    return _verbalized(
+        f"{row['sentence'].strip()} It was", ("terrible", "great"), row, " ", LABEL_NAMES["sst2"]
+    )
 
 
 def _rte(row):
     prompt = f'{row["premise"]}\nDoes this mean that "{row["hypothesis"]}" is true? Yes or No?\n'
-    return _verbalized(prompt, ("Yes", "No"), row)
+    return _verbalized(prompt, ("Yes", "No"), row, names=LABEL_NAMES["rte"])
 
 
 def _cb(row):
     prompt = (
         f'Suppose {row["premise"]} Can we infer that "{row["hypothesis"]}"? Yes, No, or Maybe?\n'
     )
-    return _verbalized(prompt, ("Yes", "No", "Maybe"), row)
+    return _verbalized(prompt, ("Yes", "No", "Maybe"), row, names=LABEL_NAMES["cb"])
 
 
 def _boolq(row):

@@ -124,6 +124,32 @@ def test_malformed_rows_name_the_file_and_row(name, row, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "name, names",
+    [
+        ("sst2", ["negative", "Positive"]),
+        ("rte", ["entailment", "not_entailment"]),
+        ("rte", ["Entailment", "not entailment"]),
+        ("cb", ["entailment", "contradiction", " neutral"]),
+    ],
+)
+def test_labels_written_as_their_names_read_as_their_index(name, names):
+    """SuperGLUE's RTE and CB files and GLUE's RTE TSV write "not_entailment", not 1."""
+    columns = [c for c in TASKS[name].columns if c != "label"]
+    rows = [dict({c: "x" for c in columns}, label=label) for label in names]
+    assert [e.label for e in build_examples(TASKS[name], rows, "x")] == list(range(len(names)))
+
+
+def test_a_label_name_of_no_class_lists_the_names():
+    row = {"premise": "p", "hypothesis": "h", "label": "maybe"}
+    with pytest.raises(ValueError) as info:
+        build_examples(TASKS["cb"], [row], "cb.jsonl")
+    assert str(info.value) == (
+        "cb.jsonl, row 1: label 'maybe' is not an integer; write one of 0..2 or a name: "
+        "entailment, contradiction, neutral"
+    )
+
+
 ROWS = [{"sentence": "good", "label": 1}, {"sentence": "bad, really", "label": 0}]
 
 
