@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,17 @@ def program(module: str) -> str:
     user ran that, else ``python -m distzo.train``."""
     script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     return script if script.startswith("distzo-") else f"python -m {module}"
+
+
+# Python 3.11's argparse reads only "-1" and "-.5" as negative numbers, so "--lr -1e-3" was
+# "expected one argument" rather than the option's own range check.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def takes_negative_exponents(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser``, reading "-1e-3" as a value: none of its options looks like a number."""
+    parser._negative_number_matcher = NEGATIVE_NUMBER
+    return parser
 
 
 def fail(message: str, code: int = 2) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpec
-from distzo.config.cli import program
+from distzo.config.cli import program, takes_negative_exponents
 from distzo.config.engine_options import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
@@ -590,6 +590,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "on a generated counting task. Launch with torchrun for several ranks. Every option can "
         "also be set in a TOML file (--config), as [section] key = value; flags override the file.",
     )
+    takes_negative_exponents(p)
     p.add_argument("--config", default=None, help="a TOML file of options (flags override it)")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, f in _options():

@@ -210,13 +210,14 @@ def save_training_step(
 
 
 def _parser() -> argparse.ArgumentParser:
-    from distzo.config.cli import program
+    from distzo.config.cli import program, takes_negative_exponents
 
     p = argparse.ArgumentParser(
         prog=program("distzo.export.training_step"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    takes_negative_exponents(p)
     p.add_argument(
         "--model",
         default=None,

@@ -92,6 +92,8 @@ def run_cli(*args):
         (["--eps", "0"], "eps"),
         (["--num-slots", "0"], "num_slots"),
         (["--lr", "-1"], "lr"),
+        (["--lr", "-1e-3"], "lr must be >= 0, got -0.001"),  # not "expected one argument"
+        (["--eps", "-.5E2"], "eps must be > 0"),
         (["--seq-len", "100"], "--seq-len"),
         (["--model", "/no/such/model"], "--model"),
         (["--export-shard-size", "big"], "--export-shard-size"),
