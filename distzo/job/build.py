@@ -213,6 +213,7 @@ def memory_plan(
         pert_rank=parallel.pert_rank,
         world=env.world_size,
         local_ranks=env.local_world_size,
+        node=env.node_rank,
         async_save=job.run.save_async and job.run.save_steps > 0,
         # only rank 0 exports: another node's host holds none of it
         export_shard_size=job.run.export_shard_size if env.on_rank_zeros_node else None,

@@ -204,6 +204,7 @@ def plan_memory(
     pert_rank: int = 0,
     world: int = 1,
     local_ranks: int = 1,
+    node: int = 0,
     async_save: bool = True,
     device_type: str | None = None,
     export_shard_size: int | str | None = None,
@@ -213,9 +214,10 @@ def plan_memory(
 
     ``pert`` ranks share each step's passes, this rank running its ``pert_rank`` share
     (``ParallelContext.own_passes``): one hidden state per pass crosses the blocks.
-    ``world`` and ``local_ranks`` place the rank in the job, for the checkpoint's copies:
-    block i is copied by one rank (i % world, or under the sliced transfer a member of
-    node i % nodes), plus the resident bucket on rank 0. A synchronous save
+    ``world``, ``local_ranks`` and ``node`` (torchrun's GROUP_RANK) place the rank in the
+    job, for the checkpoint's copies on its node: block i is copied by one rank (i % world,
+    or under the sliced transfer a member of node i % nodes), plus the resident bucket on
+    rank 0, whose node is node 0. A synchronous save
     (``async_save`` False; the final save always is) copies only what does not already
     rest in host memory. ``device_type`` is where the engine runs (the config's device
     when None): "cuda" plans a GPU job from a machine without one. ``export_shard_size``
@@ -252,7 +254,12 @@ def plan_memory(
         device_scratch=scratch + _noise_bytes(b, config, on),
         activations=_activation_bytes(model.config, config, b.compute, batch, seq, passes),
         checkpoint_bytes=_checkpoint_bytes(
-            b, config, sliced, shard_size, world, local_ranks, async_save, on
+            b,
+            config,
+            sliced and not b.frozen,
+            _Place(world, local_ranks, shard_size, node),
+            async_save,
+            on,
         ),
         frozen_parameters=frozen_parameters,
         state_host_bytes=state_host,
@@ -432,36 +439,47 @@ def nccl_buffer_bytes(groups: list[int], environ: Mapping[str, str] | None = Non
     return total
 
 
+@dataclass(frozen=True)
+class _Place:
+    """A rank's node in the job: the world, its ranks per node, its shard group's size and
+    the node's index (torchrun's GROUP_RANK; rank 0 is on node 0)."""
+
+    world: int
+    local_ranks: int
+    shard_size: int
+    node: int
+
+    def saved_blocks(self, count: int, sliced: bool) -> list[int]:
+        """The blocks a save copies on this node, as ``Checkpointer._state`` shares them
+        out: block i from rank i % world (torchrun numbers a node's ranks in a row), or
+        under the sliced transfer from node i % nodes."""
+        if sliced:
+            nodes = max(self.world // self.shard_size, 1)
+            return [i for i in range(count) if i % nodes == self.node]
+        return [i for i in range(count) if (i % self.world) // self.local_ranks == self.node]
+
+
 def _checkpoint_bytes(
     b: _Buckets,
     config: ZOConfig,
     sliced: bool,
-    shard_size: int,
-    world: int,
-    local_ranks: int,
+    place: _Place,
     async_save: bool,
     device_type: str,
 ) -> int:
-    """The host copies a save makes on this node: its writers' blocks (and moments), and
-    the resident bucket; a synchronous save reads what already rests on the host."""
+    """The host copies a save makes on ``place``'s node: the blocks its ranks write and
+    their moments, and on rank 0's node, node 0, the resident bucket; a synchronous save
+    reads what already rests on the host. ``sliced``: the blocks are sliced over a shard
+    group (an adapter's state is whole on every rank)."""
+    numel = sum(b.trained[i].numel for i in place.saved_blocks(len(b.trained), sliced))
     offloaded = config.mode == "offload" and not b.frozen
-    at_rest = [layout.numel * (b.wire if offloaded else b.master) for layout in b.trained]
-    # a stored optimizer's moments are saved beside the weights, in their at-rest dtype
-    state_rest = [layout.numel * (b.state_wire if offloaded else b.master) for layout in b.trained]
-    count = len(b.trained)
-    sliced = sliced and not b.frozen  # an adapter's state is whole on every rank
-    if sliced:  # each node's shard group writes every (world / n)-th block
-        node_blocks = -(-count // max(world // shard_size, 1))
-    else:
-        node_blocks = min(count, -(-count // world) * local_ranks)
     on_device = device_type != "cpu"
     copies_blocks = async_save or sliced or ((config.mode == "resident" or b.frozen) and on_device)
-    resident = b.resident.numel * b.master if async_save or on_device else 0
-
-    def node_share(sizes: list[int]) -> int:
-        return sum(sorted(sizes, reverse=True)[:node_blocks]) if copies_blocks else 0
-
-    return node_share(at_rest) + resident + config.num_moments * (node_share(state_rest) + resident)
+    # a stored optimizer's moments are saved beside the weights, in their at-rest dtype
+    at_rest = numel * (b.wire if offloaded else b.master) if copies_blocks else 0
+    state_rest = numel * (b.state_wire if offloaded else b.master) if copies_blocks else 0
+    resident = b.resident.numel * b.master if place.node == 0 and (async_save or on_device) else 0
+    return at_rest + resident + config.num_moments * (state_rest + resident)
 
 
 def _state_bytes(

@@ -229,3 +229,31 @@ def test_a_cpu_plan_counts_the_moments_host_shards_and_their_device_side():
         assert terms["optimizer state"] == (plan.state_host_bytes + plan.state_device_bytes) * ranks
         everything = plan.host_bytes + plan.state_host_bytes + plan.device_need
         assert sum(terms.values()) == everything * ranks + plan.checkpoint_bytes
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    "nodes, local_ranks, sliced",
+    [(2, 1, False), (2, 2, False), (3, 2, False), (2, 2, True)],
+)
+def test_each_node_plans_the_checkpoint_copies_its_own_ranks_make(
+    optimizer, nodes, local_ranks, sliced
+):
+    # Block i is saved by one rank (rank i % world, or node i % nodes when sliced) and the
+    # resident bucket by rank 0 alone: the nodes' copies add up to one model, as one
+    # process's do, and a node whose ranks save nothing plans nothing.
+    model = build("llama")  # 3 blocks
+    config = ZOConfig(device="cpu", optimizer=optimizer)
+    world = nodes * local_ranks
+
+    def copies(node: int, world: int, local: int) -> int:
+        shard = local if sliced else 1
+        plan = plan_memory(
+            model, config, shard, sliced, 2, 8, world=world, local_ranks=local, node=node
+        )
+        return plan.checkpoint_bytes
+
+    per_node = [copies(node, world, local_ranks) for node in range(nodes)]
+    assert sum(per_node) == copies(0, 1, 1)
+    if nodes == 3:  # 6 ranks, 3 blocks: node 2's ranks 4 and 5 save none
+        assert per_node[2] == 0
