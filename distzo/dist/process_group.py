@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distzo.dist.collectives import Collectives
 from distzo.dist.launch_env import LaunchEnv
+from distzo.dist.launch_gate import await_every_rank
 from distzo.dist.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
-    """Join the job's process group. A collective stuck past ``timeout_s`` (a dead peer)
-    raises instead of hanging, so the whole job exits.
+    """Join the job's process group, once every rank has passed its own checks
+    (``launch_gate``: a rank that refused its input ends the wait at once, on every
+    node). A collective stuck past ``timeout_s`` (a dead peer) raises instead of hanging,
+    so the whole job exits.
 
     torchrun's store outlives a restart (``--max-restarts``) and still holds the failed
     attempt's keys, among them the dead ranks' addresses, which gloo would try to reach:
@@ -41,6 +44,8 @@ def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
     store.set_timeout(timeout)
+    if env.world_size > 1:
+        await_every_rank(store, env, timeout_s)
     dist.init_process_group(
         backend=backend,
         store=dist.PrefixStore(f"distzo/attempt-{env.restart_count}", store),

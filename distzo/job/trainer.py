@@ -31,6 +31,7 @@ from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, write_resolved
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
 from distzo.dist.agreement import agreed
+from distzo.dist.launch_gate import report_refusal
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.job.build import (
@@ -108,7 +109,11 @@ class Trainer:
         self.env = env if env is not None else LaunchEnv.from_environ()
         self.callbacks = list(callbacks)
         quiet_hub_retries(self.env.local_rank)  # validation may reach the hub, on every rank
-        checked = validate(job, self.env)  # bad input fails here, one line, on every rank
+        try:
+            checked = validate(job, self.env)  # bad input fails here, one line, on every rank
+        except Exception as err:
+            report_refusal(self.env, err)  # another node's ranks learn it at once
+            raise
         self.config: ZOConfig = checked.config
         self.dims = checked.dims
         self.rows = checked.rows

@@ -239,6 +239,36 @@ def test_a_node_with_its_own_run_directory_or_options_is_refused_at_once(
     assert not run_contents(tmp_path / "a") and not (tmp_path / "node1").exists()
 
 
+def test_a_node_that_refuses_its_own_input_ends_the_other_nodes_at_once(tmp_path):
+    # Node 1 alone names a model folder it does not have: it refuses before the process
+    # group forms, which node 0's ranks used to wait for the whole --dist-timeout (300 s).
+    port, started = free_port(), time.monotonic()
+    args = COMMON + ["--output-dir", str(tmp_path / "a")]
+    missing = ["--model", str(tmp_path / "no-model")]
+    agents = [
+        subprocess.Popen(
+            torchrun_command(
+                1, args + (missing if node else []), port, nnodes=2, node_rank=node, preload=True
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for node in (0, 1)
+    ]
+    try:
+        errors = [agent.communicate(timeout=90)[1] for agent in agents]
+    finally:  # torchrun passes SIGTERM on to its ranks
+        for agent in agents:
+            agent.terminate()
+            agent.wait(30)
+    assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
+    assert f"error: rank 1 on node 1 refused its input: --model {missing[1]}: no such " in errors[0]
+    assert time.monotonic() - started < 60
+    assert not run_contents(tmp_path / "a")
+
+
 def test_a_rank_that_raises_makes_every_rank_exit_within_a_minute(tmp_path):
     started = time.monotonic()
     proc = torchrun(
