@@ -45,8 +45,10 @@ from distzo.objectives import (
     lm_sums,
 )
 from distzo.objectives.choice import prepare_choices
-from distzo.objectives.generation import prepare_prompts
+from distzo.objectives.generation import PromptBatch, flagged, prepare_prompts
 from distzo.objectives.lm import prepare_lm
+from distzo.objectives.scoring import broken_rows
+from distzo.zo.estimators import Pass
 
 
 def evaluate(
@@ -131,7 +133,7 @@ def evaluate_choices(
     per_call = _choices_per_call(batch_size, rows, parallel.env.world_size)
     encodings = [encoder.encode_choices(e) for e in mine]
     spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
-    correct = torch.zeros((), dtype=torch.long, device=engine.device)
+    correct = broken = torch.zeros((), dtype=torch.long, device=engine.device)
     for call in range(_calls(len(examples), per_call, parallel)):
         chunk = encodings[call * per_call : (call + 1) * per_call]
         prepared = prepare_choices(
@@ -142,11 +144,18 @@ def evaluate_choices(
             hidden = _hidden(runner, prepared.input_ids, prepared.attention_mask)
             return candidate_scores(runner, prepared, UNPERTURBED, hidden)
 
-        best = engine.evaluate(scores).argmax(dim=1)
+        scored = engine.evaluate(scores)
         if chunk:
-            correct = correct + (best == prepared.labels).sum()
-    hits, total = _reduce([correct, len(mine)], parallel)
-    return {"eval_accuracy": hits / total}
+            correct = correct + (scored.argmax(dim=1) == prepared.labels).sum()
+            broken = broken + broken_rows(scored).sum()
+    hits, bad, total = _reduce([correct, broken, len(mine)], parallel)
+    return {"eval_accuracy": _unless_broken(hits / total, bad)}
+
+
+def _unless_broken(metric: float, broken: float) -> float:
+    """``metric``, or NaN where ``broken`` examples scored NaN or +inf: a metric read off
+    their argmax would look like a result of broken weights (the trainer stops at it)."""
+    return math.nan if broken else metric
 
 
 def evaluate_generation(
@@ -162,6 +171,7 @@ def evaluate_generation(
     share = _share(len(examples), parallel)
     batch_size = rows_per_call(batch_size, parallel.env.world_size)
     f1 = em = 0.0
+    broken = 0
     for call in range(_calls(len(examples), batch_size, parallel)):
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
         indices = chunk or [0]
@@ -169,15 +179,24 @@ def evaluate_generation(
         prepared = prepare_prompts(
             collate_prompts(prompts, indices, max_new_tokens, encoder.pad_id), engine.device
         )
-        tokens = engine.evaluate(
-            lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED]
-        )
-        for i, ids in zip(chunk, tokens.tolist()):  # one read per batch
-            prediction = answer_text(encoder.answer, ids)
+        decoded = engine.evaluate(lambda runner: _decode(runner, prepared))
+        for i, row in zip(chunk, decoded.tolist()):  # one read per batch
+            prediction = answer_text(encoder.answer, row[:-1])
+            broken += row[-1]
             f1 += max(f1_score(prediction, gold) for gold in examples[i].answers)
             em += max(exact_match(prediction, gold) for gold in examples[i].answers)
-    f1_sum, em_sum, total = _reduce([f1, em, len(share)], parallel)
-    return {"eval_f1": f1_sum / total, "eval_exact_match": em_sum / total}
+    f1_sum, em_sum, bad, total = _reduce([f1, em, broken, len(share)], parallel)
+    return {
+        "eval_f1": _unless_broken(f1_sum / total, bad),
+        "eval_exact_match": _unless_broken(em_sum / total, bad),
+    }
+
+
+def _decode(runner: PassRunner, prepared: PromptBatch) -> torch.Tensor:
+    """The greedy tokens of the unperturbed pass, each row's broken flag as a last column."""
+    broken: dict[Pass, torch.Tensor] = {}
+    tokens = greedy_decode(runner, prepared, (UNPERTURBED,), broken)[UNPERTURBED]
+    return flagged(tokens, broken[UNPERTURBED])
 
 
 def evaluate_lm(
@@ -215,4 +234,6 @@ def evaluate_lm(
         if chunk:
             loss, hits, count = loss + nll, hits + right, count + prepared.targets.num_entries
     loss_sum, hit_sum, total = _reduce([loss, hits, count], parallel)
-    return {"eval_loss": loss_sum / total, "eval_accuracy": hit_sum / total}
+    # a NaN loss's argmax hits are picks among NaN logits
+    accuracy = hit_sum / total if math.isfinite(loss_sum) else math.nan
+    return {"eval_loss": loss_sum / total, "eval_accuracy": accuracy}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from distzo.objectives.protocol import PassRunner
-from distzo.objectives.scoring import HeadTargets, picked_log_probs
+from distzo.objectives.scoring import HeadTargets, broken_rows, picked_log_probs
 from distzo.runtime.devices import to_device
 from distzo.zo.estimators import Pass
 
@@ -193,5 +193,7 @@ class Accuracy(_ChoiceObjective):
     name = "accuracy"
 
     def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # a count: exact in float64
-        return -(scores.argmax(dim=1) == labels).sum().to(torch.float64)
+        """NaN where a score is: argmax would count a pick among NaNs as a hit or a miss,
+        and the loss of broken weights would stay finite (no divergence stops the run)."""
+        hits = -(scores.argmax(dim=1) == labels).sum().to(torch.float64)  # exact in float64
+        return torch.where(broken_rows(scores).any(), torch.nan, hits)

@@ -11,6 +11,7 @@ device until the caller takes the finished tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 
 from distzo.objectives.metrics import answer_text, f1_score
 from distzo.objectives.protocol import PassRunner
+from distzo.objectives.scoring import broken_rows
 from distzo.runtime.devices import to_device
 from distzo.zo.estimators import Pass
 
@@ -78,15 +80,22 @@ def prepare_prompts(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
 
 
 def greedy_decode(
-    runner: PassRunner, prepared: PromptBatch, passes: tuple[Pass, ...]
+    runner: PassRunner,
+    prepared: PromptBatch,
+    passes: tuple[Pass, ...],
+    broken: dict[Pass, torch.Tensor] | None = None,
 ) -> dict[Pass, torch.Tensor]:
-    """Each pass's ``[rows, T]`` greedy tokens, left on the device."""
+    """Each pass's ``[rows, T]`` greedy tokens, left on the device. ``broken``, if given,
+    gets each pass's ``[rows]`` flags of the rows whose logits held a NaN or +inf at some
+    decoding step (``broken_rows``: their tokens are picks among NaNs)."""
     rows = torch.arange(prepared.input_ids.shape[0], device=prepared.input_ids.device)
     ids = {p: prepared.input_ids.clone() for p in passes}
     out = {
         p: torch.empty((len(rows), prepared.max_new_tokens), dtype=torch.long, device=rows.device)
         for p in passes
     }
+    if broken is not None:
+        broken.update({p: torch.zeros_like(rows, dtype=torch.bool) for p in passes})
     for k in range(prepared.max_new_tokens):
         width = prepared.longest_prompt + k  # the columns that can matter at this decoding step
         hiddens = runner.hidden_states(
@@ -94,7 +103,10 @@ def greedy_decode(
         )
         last = prepared.prompt_length - 1 + k
         for p, hidden in hiddens.items():
-            token = runner.head(p, hidden[rows, last]).argmax(-1)
+            logits = runner.head(p, hidden[rows, last])
+            if broken is not None:
+                broken[p] |= broken_rows(logits)
+            token = logits.argmax(-1)
             out[p][:, k] = token
             if k + 1 < prepared.max_new_tokens:
                 ids[p][rows, last + 1] = token
@@ -133,13 +145,23 @@ class F1:
     def losses(
         self, runner: PassRunner, prepared: PromptBatch, passes: tuple[Pass, ...], num_items: int
     ) -> dict[Pass, torch.Tensor]:
-        generated = greedy_decode(runner, prepared, passes)
-        host = torch.stack([generated[p] for p in passes]).cpu()  # the metric's one read-back
+        broken: dict[Pass, torch.Tensor] = {}
+        generated = greedy_decode(runner, prepared, passes, broken)
+        # the metric's one read-back: each pass's tokens, its broken flags as a last column
+        host = torch.stack([flagged(generated[p], broken[p]) for p in passes]).cpu()
         return {
             p: torch.tensor(
-                -self.score(host[i], prepared.examples) / num_items,
+                math.nan  # picks among NaN logits: broken weights, which must not look fine
+                if host[i, :, -1].any()
+                else -self.score(host[i, :, :-1], prepared.examples) / num_items,
                 dtype=torch.float64,
                 device=runner.device,
             )
             for i, p in enumerate(passes)
         }
+
+
+def flagged(tokens: torch.Tensor, broken: torch.Tensor) -> torch.Tensor:
+    """``[rows, T]`` tokens and ``[rows]`` broken flags as one ``[rows, T + 1]`` tensor, so
+    that one device read brings both back."""
+    return torch.cat([tokens, broken.to(tokens.dtype).unsqueeze(1)], dim=1)

@@ -73,6 +73,14 @@ class HeadTargets:
         return self.chunks[-1][3] if self.chunks else 0
 
 
+def broken_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Per row of ``[..., n]`` scores or logits, whether it holds a NaN or +inf: what broken
+    weights or an overflowing forward give, never finite ones (a -inf marks an absent
+    candidate). An argmax over such a row still picks something, so an accuracy, an F1 or
+    a greedy answer read off it would look like a result; callers turn it into a NaN."""
+    return (scores.isnan() | scores.isposinf()).any(dim=-1)
+
+
 def picked_log_probs(
     runner: PassRunner, p: Pass, hidden: torch.Tensor, targets: HeadTargets, with_hits: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
