@@ -13,13 +13,17 @@ weights: neither step N nor step N-1 is kept. The run keeps N-1 steps: a checkpo
 more steps is dropped (it carries step N-1's update, and a resume from it diverges at
 once, whatever its --lr) and the logs end at step N-2, so ``--resume`` (with a lower
 --lr) trains step N-1 again from the weights whose loss was finite. At step 0 nothing
-was applied: nothing is kept.
+was applied: nothing is kept. An evaluation reads the weights the next step would train
+from, so a non-finite one after N steps is step N's divergence by the same rule: the
+final evaluation is what checks the last step's update, and a run whose last update
+broke the weights neither keeps its final checkpoint nor exports them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
@@ -64,6 +68,12 @@ def _resumes(kept: int, checkpoint: str | None) -> str:
     return f"the run keeps {checkpoint} and {log}: --resume goes on from step {kept}"
 
 
+def is_finite_eval(metrics: Mapping[str, float]) -> bool:
+    """Whether every metric of an evaluation is finite (a metric read off NaN scores is
+    NaN: ``distzo.job.evaluation``)."""
+    return all(math.isfinite(v) for v in metrics.values())
+
+
 def diverged(result: StepResult, config: ZOConfig, checkpoint: str | None) -> Diverged:
     """The error of a non-finite step: the step, its values, what is kept and what to try.
     ``checkpoint``: the latest one of at most ``steps_kept`` steps, if any."""
@@ -80,14 +90,43 @@ def diverged(result: StepResult, config: ZOConfig, checkpoint: str | None) -> Di
         if config.estimator != "fzoo"  # lozo's passes are SPSA's
         else (("mean L(theta + eps z)", "L(theta)"), "update coefficients")
     )
+    values = (
+        f"loss {result.loss:.4g} ({sides[0]} {result.loss_plus:.4g}, {sides[1]} "
+        f"{result.loss_minus:.4g}), {coefficients} {grads} at lr {result.lr:.3g}"
+    )
+    return _diverged(result.step, f"{values}; {dropped}", config, checkpoint)
+
+
+def eval_diverged(
+    done: int, metrics: Mapping[str, float], config: ZOConfig, checkpoint: str | None
+) -> Diverged:
+    """The error of a non-finite evaluation of the weights after ``done`` steps: those step
+    ``done`` would train from, so it is that step's divergence (step ``done - 1``'s update
+    led to it; the last step's is checked by the final evaluation alone). Before training
+    it is the initial weights' or the forward's, which no --lr changes."""
+    values = ", ".join(f"{name.removeprefix('eval_')} {v:.4g}" for name, v in metrics.items())
+    if done == 0:
+        return Diverged(
+            0,
+            0,
+            f"the evaluation before training is not finite ({values}): the initial weights "
+            "give NaN or infinite scores; check the model's weights, and use --compute-dtype "
+            "fp32 if a half-precision forward overflows",
+        )
+    what = f"the evaluation of the weights after {done} steps gives {values}"
+    dropped = f"step {done - 1}'s update, which led to it, is not kept"
+    return _diverged(done, f"{what}; {dropped}", config, checkpoint)
+
+
+def _diverged(step: int, what: str, config: ZOConfig, checkpoint: str | None) -> Diverged:
+    """A divergence at ``step``: ``what`` went wrong, what is kept and what to try."""
+    kept = steps_kept(step)
     return Diverged(
-        result.step,
+        step,
         kept,
-        f"training diverged at step {result.step}: loss {result.loss:.4g} "
-        f"({sides[0]} {result.loss_plus:.4g}, {sides[1]} {result.loss_minus:.4g}), "
-        f"{coefficients} {grads} at lr {result.lr:.3g}; {dropped}; "
-        f"{_resumes(kept, checkpoint)}, with a lower --lr ({config.lr:g} in this run) "
-        f"or a larger --eps ({config.eps:g}); if it persists, check the data",
+        f"training diverged at step {step}: {what}; {_resumes(kept, checkpoint)}, with a "
+        f"lower --lr ({config.lr:g} in this run) or a larger --eps ({config.eps:g}); if it "
+        "persists, check the data",
     )
 
 

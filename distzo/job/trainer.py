@@ -18,9 +18,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -45,7 +45,15 @@ from distzo.job.build import (
     model_source,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
-from distzo.job.divergence import diverged, is_finite, steps_kept, warn_if_nothing_learns
+from distzo.job.divergence import (
+    Diverged,
+    diverged,
+    eval_diverged,
+    is_finite,
+    is_finite_eval,
+    steps_kept,
+    warn_if_nothing_learns,
+)
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
@@ -304,7 +312,7 @@ class Trainer:
         # uninterrupted run did (a periodic evaluation a preemption or the end of a shorter
         # run came before), so its trajectory stays that run's.
         if self.start_step == 0:
-            self.eval_before = evaluate(self.engine, self.data, self.parallel)
+            self.eval_before = self._evaluate(0)
             logger.info("eval before training: %s", describe(self.eval_before))
             if self.logs:
                 self.logs.write_eval(0, self.eval_before)
@@ -339,7 +347,7 @@ class Trainer:
             stop=signals is not None and signals.requested,
         )
         if not is_finite(result):  # the same reduced values on every rank: all stop here
-            self._diverge(result)
+            self._diverge(step, lambda last: diverged(result, self.config, last))
         self.last_metrics = self.meter.record(step, result, batch["input_ids"].numel())
         self.step = step + 1
         if self.logs:
@@ -375,8 +383,16 @@ class Trainer:
         every, max_steps = self.job.run.eval_steps, self.job.optim.max_steps
         return bool(every) and done % every == 0 and 0 < done < max_steps
 
-    def _periodic_eval(self, done: int) -> None:
+    def _evaluate(self, done: int) -> dict[str, float]:
+        """The evaluation of the weights after ``done`` steps; a non-finite one (reduced:
+        the same on every rank) is step ``done``'s divergence, before it is logged."""
         metrics = evaluate(self.engine, self.data, self.parallel)
+        if not is_finite_eval(metrics):
+            self._diverge(done, lambda last: eval_diverged(done, metrics, self.config, last))
+        return metrics
+
+    def _periodic_eval(self, done: int) -> None:
+        metrics = self._evaluate(done)
         logger.info("eval at step %d: %s", done, describe(metrics))
         if self.logs:
             self.logs.write_eval(done, metrics)
@@ -400,26 +416,26 @@ class Trainer:
         self.close()  # syncs the seed log
         raise Preempted(self.step, received or "a signal to another rank")
 
-    def _diverge(self, result: StepResult) -> None:
+    def _diverge(self, step: int, error: Callable[[str | None], Diverged]) -> NoReturn:
         """End a run at its first non-finite step, keeping the state before the update that
         led to it (``distzo.job.divergence``): neither that step's pending update nor the
         one before it is applied again (no flush, evaluation, save or export follows), a
         checkpoint of more steps (in flight or complete) is dropped, the logs are cut back
-        and closed; then ``Diverged``."""
-        kept = steps_kept(result.step)
+        and closed; then ``error`` of the latest checkpoint kept, if any."""
+        kept = steps_kept(step)
         for path in self.checkpointer.discard_after(kept):
             logger.warning("checkpoint %s dropped: it holds the update that diverged", path)
         if self.logs is not None:
             self.logs.close_at(kept)  # the seed log synced, ending at step kept - 1
         self.step = kept
         last = latest_checkpoint(self.run_dir / "checkpoints", most_steps=kept)
-        raise diverged(result, self.config, str(last) if last is not None else None)
+        raise error(str(last) if last is not None else None)
 
     def _finish(self, elapsed: float) -> dict[str, float]:
         """The final checkpoint, evaluation and export, and this rank's summary."""
         # Saved before the final evaluation, whose flush a longer run would not make here.
         self.save(asynchronous=False)
-        after = evaluate(self.engine, self.data, self.parallel)
+        after = self._evaluate(self.job.optim.max_steps)  # the last step's update checked
         self.eval_after = after
         if self.logs:
             self.logs.write_eval(self.job.optim.max_steps, after)

@@ -80,6 +80,25 @@ def test_a_nan_loss_stops_the_run_keeping_the_state_before_the_update_that_broke
     assert_trains_on_with_finite_losses(out, "--resume")
 
 
+def test_a_last_update_that_breaks_the_weights_is_caught_by_the_final_evaluation(tmp_path):
+    # Two steps: step 1's update, the last, breaks the weights and no step 2 measures it.
+    # The final evaluation does: its loss is NaN. The final checkpoint (step-2, holding
+    # that update) is dropped, nothing is exported and the run exits 1.
+    out = tmp_path / "diverged"
+    proc = train_in_process(DIVERGING + ["--max-steps", "2", "--output-dir", str(out)])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"checkpoint {out / 'checkpoints' / 'step-2'} dropped" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert (
+        "training diverged at step 2: the evaluation of the weights after 2 steps gives loss "
+        "nan, accuracy nan; step 1's update, which led to it, is not kept; the run keeps "
+        f"{out / 'checkpoints' / 'step-1'} and the seed log up to step 0: --resume goes on "
+        "from step 1, with a lower --lr"
+    ) in last
+    assert_kept_one_step(out, ["step-1"])
+    assert_trains_on_with_finite_losses(out, "--resume")
+
+
 def test_with_no_checkpoint_kept_the_seed_log_alone_goes_on(tmp_path):
     # Saving every 2 steps, the only checkpoint (step-2, complete: written synchronously)
     # holds step 1's update: deleted.

@@ -9,7 +9,7 @@ import pytest
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
-from distzo.job.divergence import diverged, is_finite, steps_kept
+from distzo.job.divergence import diverged, eval_diverged, is_finite, is_finite_eval, steps_kept
 from distzo.job.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals
 from distzo.zo.estimators import FZOO, SPSA
 
@@ -100,4 +100,27 @@ def test_an_fzoo_divergence_names_its_own_losses_and_coefficients():
     assert str(diverged(step, config, None)).startswith(
         "training diverged at step 3: loss 2 (mean L(theta + eps z) nan, L(theta) 2), update "
         "coefficients nan, 0.5 at lr 0.001; "
+    )
+
+
+def test_a_nan_evaluation_names_the_update_that_led_to_it_or_the_initial_weights():
+    """An evaluation after N steps reads the weights step N would train from."""
+    assert is_finite_eval({"eval_loss": 1.0, "eval_accuracy": 0.5})
+    assert not is_finite_eval({"eval_loss": 1.0, "eval_accuracy": math.nan})
+    config = ZOConfig(lr=1e-3, eps=1e-3)
+    after = eval_diverged(2, {"eval_accuracy": math.nan}, config, "runs/a/checkpoints/step-1")
+    assert (after.step, after.kept) == (2, 1)
+    assert str(after) == (
+        "training diverged at step 2: the evaluation of the weights after 2 steps gives "
+        "accuracy nan; step 1's update, which led to it, is not kept; the run keeps "
+        "runs/a/checkpoints/step-1 and the seed log up to step 0: --resume goes on from step "
+        "1, with a lower --lr (0.001 in this run) or a larger --eps (0.001); if it persists, "
+        "check the data"
+    )
+    before = eval_diverged(0, {"eval_loss": math.inf, "eval_accuracy": math.nan}, config, None)
+    assert (before.step, before.kept) == (0, 0)
+    assert str(before) == (
+        "the evaluation before training is not finite (loss inf, accuracy nan): the initial "
+        "weights give NaN or infinite scores; check the model's weights, and use "
+        "--compute-dtype fp32 if a half-precision forward overflows"
     )
