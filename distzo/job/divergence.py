@@ -25,12 +25,17 @@ import logging
 import math
 from collections.abc import Mapping
 
+import torch
+
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
 
 logger = logging.getLogger("distzo.train")
 
 EXIT_DIVERGED = 1  # a failure of the run, not bad input (2)
+# The size of a weight an eps must be able to move: pretrained LLMs' matrices hold most of
+# their entries below 0.1 (initialised at std 0.02), so a 0.05 ulp is a typical one.
+TYPICAL_WEIGHT = 0.05
 
 
 class Diverged(Exception):
@@ -130,7 +135,28 @@ def _diverged(step: int, what: str, config: ZOConfig, checkpoint: str | None) ->
     )
 
 
-def warn_if_nothing_learns(config: ZOConfig) -> None:
-    """One warning line for ``--lr 0``: every step is taken and logged, and nothing moves."""
+def warn_if_nothing_learns(config: ZOConfig, dtype: torch.dtype) -> None:
+    """One warning line for ``--lr 0``: every step is taken and logged, and nothing moves;
+    and one for an --eps the perturbed weights' ``dtype`` cannot resolve."""
     if config.lr == 0:
         logger.warning("--lr is 0: the parameters will not change, nothing learns")
+    floor = eps_floor(dtype)
+    if config.eps < floor:
+        logger.warning(
+            "--eps %g is below half a unit in the last place of a weight of %g in %s "
+            "(%.2g), the dtype the perturbed weights are computed in: theta +- eps z rounds "
+            "back to theta (or to its neighbours) for most weights, so g measures rounding, "
+            "or is 0, and training learns nothing or goes astray; use a larger --eps "
+            "(MeZO's 1e-3; 1e-2 with bf16 or fp16 compute)",
+            config.eps,
+            TYPICAL_WEIGHT,
+            str(dtype).removeprefix("torch."),
+            floor,
+        )
+
+
+def eps_floor(dtype: torch.dtype) -> float:
+    """Half a unit in the last place of a ``TYPICAL_WEIGHT`` in ``dtype``: an eps z below
+    it rounds away (fp32: 3e-9, which --eps 1e-12 is far below: g exactly 0; bf16: 2e-4,
+    where --eps 1e-5 gave a g of noise that took the tiny job's loss from 4.2 to 4e7)."""
+    return TYPICAL_WEIGHT * torch.finfo(dtype).eps / 2

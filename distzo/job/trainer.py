@@ -306,7 +306,7 @@ class Trainer:
             )
         self.build()
         if self.env.rank == 0:
-            warn_if_nothing_learns(self.config)
+            warn_if_nothing_learns(self.config, self.engine.block_scratch.dtype)
         # An evaluation applies the pending update (a flush), and with a low-bit transfer a
         # flush moves a rounding point: a resumed run evaluates where it starts only where the
         # uninterrupted run did (a periodic evaluation a preemption or the end of a shorter

@@ -138,3 +138,11 @@ def test_a_zero_learning_rate_warns_in_one_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("nothing learns") == 1
     assert "WARNING distzo.train: --lr is 0: the parameters will not change" in proc.stderr
+
+
+def test_an_eps_below_the_weights_resolution_warns_in_one_line(tmp_path):
+    # fp32 weights: theta + 1e-12 z is theta, so every g is 0
+    proc = train_in_process(["--eps", "1e-12", "--max-steps", "1", "--output-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("WARNING distzo.train: --eps 1e-12 is below half a unit") == 1
+    assert "of a weight of 0.05 in float32 (3e-09)" in proc.stderr

@@ -2,14 +2,23 @@
 keeps the steps before the update that led to it, and SIGINT sets the stop vote once, then
 raises ``KeyboardInterrupt``."""
 
+import logging
 import math
 import signal
 
 import pytest
+import torch
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
-from distzo.job.divergence import diverged, eval_diverged, is_finite, is_finite_eval, steps_kept
+from distzo.job.divergence import (
+    diverged,
+    eval_diverged,
+    is_finite,
+    is_finite_eval,
+    steps_kept,
+    warn_if_nothing_learns,
+)
 from distzo.job.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals
 from distzo.zo.estimators import FZOO, SPSA
 
@@ -124,3 +133,25 @@ def test_a_nan_evaluation_names_the_update_that_led_to_it_or_the_initial_weights
         "weights give NaN or infinite scores; check the model's weights, and use "
         "--compute-dtype fp32 if a half-precision forward overflows"
     )
+
+
+@pytest.mark.parametrize(
+    "eps, dtype, warns",
+    [
+        (1e-12, torch.float32, True),  # theta + eps z == theta: g exactly 0
+        (1e-8, torch.float32, False),
+        (1e-5, torch.bfloat16, True),  # g is rounding noise
+        (1e-3, torch.bfloat16, False),  # the docs' measured 2% error of g
+        (1e-5, torch.float16, True),
+        (1e-4, torch.float16, False),
+        (1e-12, torch.float64, False),
+    ],
+)
+def test_an_eps_the_perturbed_weights_cannot_resolve_warns_in_one_line(eps, dtype, warns, caplog):
+    with caplog.at_level(logging.WARNING, logger="distzo.train"):
+        warn_if_nothing_learns(ZOConfig(lr=1e-3, eps=eps), dtype)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == warns
+    if warns:
+        assert said[0].startswith(f"--eps {eps:g} is below half a unit in the last place of ")
+        assert "use a larger --eps" in said[0]
