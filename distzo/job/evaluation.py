@@ -17,6 +17,10 @@ the positions a metric reads.
   answer (the best one counts).
 * language modelling: next-token loss and accuracy over the label tokens.
 
+A metric read off a score or logit that is NaN or +inf (``broken_rows``) is NaN: an
+argmax over them still picks a candidate or a token, and the accuracy or F1 of broken
+weights would look like a result. The trainer stops at a non-finite evaluation.
+
 Imports run one way: train -> evaluation -> {engine, data}; ``evaluate`` picks the
 evaluation for a task's data.
 """
