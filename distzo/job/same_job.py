@@ -5,16 +5,23 @@ nodes nothing makes the nodes' options equal, nor their run directories one. A n
 another ``--lr`` or ``--max-steps`` would train other weights, or wait for steps its peers
 never take (until --dist-timeout), with no error; a node whose ``--output-dir`` is not the
 directory rank 0 writes (another path, or a local disk) would leave every checkpoint
-missing its files. Both are refused once the process group exists, in one line on every
-rank, before any model is built.
+missing its files; a node with another distzo (another commit's noise or update) or
+another torch would train other weights. All are refused once the process group exists,
+in one line on every rank, before any model is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import importlib.metadata
 import secrets
 import time
 from pathlib import Path
+
+import torch
+import transformers
 
 from distzo.config.job import JobConfig
 from distzo.dist.agreement import agreed
@@ -29,6 +36,7 @@ PER_NODE_OPTIONS = ("output_dir", "log_dir", "threads")
 # another node a moment late.
 PROBE_WAIT_S = 5.0
 PROBE_PREFIX = ".distzo-shared-"
+PACKAGE = Path(__file__).resolve().parents[1]  # distzo's own source, digested
 
 
 def _values(job: JobConfig) -> dict[str, str]:
@@ -47,8 +55,43 @@ def check_one_job(job: JobConfig, run_dir: Path, comm: Collectives, env: LaunchE
     (first: a node that cannot see it also resolves --resume auto its own way) and one set
     of options, or a one-line refusal on every rank."""
     several_nodes = env.local_world_size < env.world_size
+    if several_nodes:  # one node's ranks share one install
+        check_same_software(comm)
     check_shared_run_dir(run_dir, comm, env.rank, several_nodes)
     check_same_options(job, comm)
+
+
+def software() -> dict[str, str]:
+    """What this rank runs: the packages whose code decides the weights, distzo by its
+    source's digest too (two commits share a version number)."""
+    return {
+        "distzo": f"{importlib.metadata.version('distzo')} (source {source_digest()})",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+@functools.cache
+def source_digest() -> str:
+    """The first 12 hex digits of the SHA-256 of distzo's own source files."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c")):
+        digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def check_same_software(comm: Collectives) -> None:
+    """Refuse a launch whose nodes run other versions of distzo, torch or transformers."""
+    if not comm.distributed:
+        return
+    everyone: list[dict[str, str]] = comm.all_gather_object(software())
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for name, version in everyone[0].items():
+            if theirs.get(name) != version:
+                raise ValueError(
+                    f"rank {rank} runs {name} {theirs.get(name)}, rank 0 {name} {version}; "
+                    f"install the same {name} on every node"
+                )
 
 
 def check_same_options(job: JobConfig, comm: Collectives) -> None:

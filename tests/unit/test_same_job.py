@@ -70,3 +70,32 @@ def test_rank_0_removes_its_probe_whatever_the_verdict(tmp_path):
 def test_one_node_writes_no_probe(tmp_path):
     check_shared_run_dir(tmp_path / "run", Ranks(0), 0, several_nodes=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_node_with_another_distzo_or_torch_is_refused_naming_it(monkeypatch):
+    mine = same_job.software()
+    assert mine["distzo"].endswith(f"(source {same_job.source_digest()})")
+    same_job.check_same_software(Ranks(1, dict(mine)))  # the same install: no error
+    other = dict(mine, distzo="0.1.0 (source 000000000000)")
+    message = (
+        r"^rank 1 runs distzo 0\.1\.0 \(source 000000000000\), rank 0 distzo .+; install the "
+        "same distzo on every node$"
+    )
+    with pytest.raises(ValueError, match=message):
+        same_job.check_same_software(Ranks(0, other))
+    with pytest.raises(ValueError, match=r"^rank 1 runs torch 2\.0\.0, rank 0 torch "):
+        same_job.check_same_software(Ranks(0, dict(mine, torch="2.0.0")))
+
+
+def test_the_source_digest_changes_with_any_source_file(tmp_path, monkeypatch):
+    package = tmp_path / "distzo"
+    (package / "zo").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "zo" / "noise.py").write_text("A = 1\n")
+    monkeypatch.setattr(same_job, "PACKAGE", package)
+    same_job.source_digest.cache_clear()
+    before = same_job.source_digest()
+    (package / "zo" / "noise.py").write_text("A = 2\n")
+    same_job.source_digest.cache_clear()
+    assert same_job.source_digest() != before
+    same_job.source_digest.cache_clear()
