@@ -73,9 +73,10 @@ def software() -> dict[str, str]:
 
 @functools.cache
 def source_digest() -> str:
-    """The first 12 hex digits of the SHA-256 of distzo's own source files."""
+    """The first 12 hex digits of the SHA-256 of distzo's Python files (a wheel holds no C
+    source: its compiled noise kernel has no file to digest)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c")):
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix == ".py"):
         digest.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
