@@ -27,6 +27,7 @@ from distzo.dist import LaunchEnv
 from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
+from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import SEED_LOG, logged_first_step
 from distzo.job.summary import SUMMARY
 
@@ -192,12 +193,15 @@ def _delete(paths: list[Path], ignore_errors: bool = False) -> None:
             path.unlink(missing_ok=True)
 
 
-def discard_unstarted_run(run_dir: Path, made: bool) -> None:
+def discard_unstarted_run(run_dir: Path, made: bool, lock: RunLock | None = None) -> None:
     """Rank 0, a fresh run that failed before its first step: delete what it wrote (its
     directory held no run's files when it started, ``check_fresh``), so that the corrected
     command is not refused as a run to resume or overwrite; the directory itself too when
-    the run ``made`` it (``runs/<timestamp>``) and that leaves it empty."""
+    the run ``made`` it (``runs/<timestamp>``) and that leaves it empty (``lock``, the run's
+    lock, let go first: its file goes with it)."""
     _delete(run_contents(run_dir), ignore_errors=True)  # never hides the build's failure
+    if lock is not None:
+        lock.release()
     if made:
         with contextlib.suppress(OSError):  # not empty: someone's files stay with it
             run_dir.rmdir()

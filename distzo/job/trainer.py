@@ -61,8 +61,9 @@ from distzo.job.progress import Progress, no_library_bars
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import Reporter, make_reporter
 from distzo.job.resume import catch_up_from_log
-from distzo.job.run_dir import clear_run, discard_unstarted_run, shared_run_dir
+from distzo.job.run_dir import check_fresh, clear_run, discard_unstarted_run, shared_run_dir
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
+from distzo.job.run_lock import RunLock
 from distzo.job.run_logs import RunLogs
 from distzo.job.same_job import check_one_job
 from distzo.job.summary import SUMMARY, key_options
@@ -133,6 +134,7 @@ class Trainer:
         self.eval_after: dict[str, float] | None = None
         self.logs: RunLogs | None = None  # rank 0's
         self.reporter: Reporter | None = None  # rank 0's dashboard, which its logs feed
+        self.run_lock: RunLock | None = None  # rank 0's, from build() to close()
         self.built = False
         self.closed = False  # its logs closed: a finished or failed run, or close()
 
@@ -152,6 +154,9 @@ class Trainer:
             Path(output_dir) if output_dir else shared_run_dir(self.parallel.comm, self.env.rank)
         )
         check_one_job(self.job, self.run_dir, self.parallel.comm, self.env)
+        flag = "--output-dir" if output_dir else "the run directory"
+        self.run_lock = RunLock(self.run_dir, flag) if self.env.rank == 0 else None
+        agreed(self.parallel.comm, self._lock_run_dir)  # a second job refused on every rank
         if self.job.run.overwrite:  # the old run goes before any rank writes into its directory
             if self.env.rank == 0:
                 clear_run(self.job)
@@ -167,9 +172,28 @@ class Trainer:
             # A fresh run that fails before its first step (a memory plan that refuses it, a
             # checkpoint that does not fit) leaves nothing a retry would take for a run.
             if self.env.rank == 0 and self.job.run.resume == "no":
-                discard_unstarted_run(self.run_dir, made=output_dir is None)
+                discard_unstarted_run(self.run_dir, output_dir is None, self.run_lock)
+            self._release_run_dir()
             raise
         self.built = True
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 locks the run directory (``distzo.job.run_lock``) before any rank writes
+        there; a fresh run checks it again under the lock, since a job that ended after
+        this one's checks may have left a run in it."""
+        if self.run_lock is None:
+            return
+        self.run_lock.acquire()
+        if self.job.run.resume == "no":
+            try:
+                check_fresh(self.job)
+            except ValueError:
+                self.run_lock.release()
+                raise
+
+    def _release_run_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _build_parts(self) -> None:
         """The model and its data, the engine, a resumed run's state, the logs; the
@@ -305,6 +329,16 @@ class Trainer:
                 "(resume=yes goes on from its checkpoint)"
             )
         self.build()
+        try:
+            return self._train(signals)
+        except BaseException:
+            # A failed run's directory is the next job's to resume; with a save still being
+            # written, once close() has completed it.
+            if not self.checkpointer.in_flight:
+                self._release_run_dir()
+            raise
+
+    def _train(self, signals: StopSignals | None) -> dict[str, float]:
         if self.env.rank == 0:
             warn_if_nothing_learns(self.config, self.engine.block_scratch.dtype)
         # An evaluation applies the pending update (a flush), and with a low-bit transfer a
@@ -451,7 +485,7 @@ class Trainer:
             self.engine, self.parallel, self.device, self.job.peft.peft, self.eval_before, after
         )
         (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
-        self.close()
+        self._close_run()  # the run directory stays locked until its summary is written
         if self.logs:
             session = Session(
                 self.start_step, self.step - self.start_step, elapsed, self.meter.tokens
@@ -467,6 +501,7 @@ class Trainer:
             report_run_end(
                 self.run_dir, self.logs, options, session, (self.eval_before, after), export
             )
+        self._release_run_dir()
         return after
 
     def close(self) -> None:
@@ -474,7 +509,11 @@ class Trainer:
         synced); the trainer's state stays readable. A run that fails mid-way so keeps the
         checkpoint it had started: the state was copied when the save began. The wait is
         bounded, so a failure that took a peer's process (whose part of the save will never
-        come) cannot hang the job."""
+        come) cannot hang the job. The run directory is unlocked for the next job."""
+        self._close_run()
+        self._release_run_dir()
+
+    def _close_run(self) -> None:
         checkpointer = getattr(self, "checkpointer", None)  # None before build
         if checkpointer is not None and checkpointer.in_flight:
             try:

@@ -346,3 +346,35 @@ def test_resume_may_lower_the_lr_and_says_the_steps_from_there_differ(run, caplo
         "--resume: --lr 0.01 -> 0.005: the steps from here on differ from the run's "
         "(the logged ones stay)" in proc.stderr
     )
+
+
+def test_a_second_job_in_a_running_jobs_directory_is_refused(run):
+    """Once two jobs in one directory both ran, the second's seed log rewrite sending the
+    first's later steps to a deleted file: a checkpoint ahead of its log, never resumable."""
+    argv = [*SMALL, "--max-steps", "6", "--output-dir", str(run), "--resume"]
+    running = Trainer(resolve(argv), LaunchEnv())
+    running.build()  # holds the directory until closed
+    try:
+        before = hashes(run)
+        for extra in ([], ["--overwrite"]):
+            flags = [a for a in argv if a != "--resume" or extra == []] + extra
+            proc = train_in_process(flags)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            line = proc.stderr.strip().splitlines()[-1]  # after the lines of its build
+            assert line.startswith(f"error: --output-dir {run}: another job is running in it")
+            assert "wait for it to end or stop it, or give another --output-dir" in line
+            assert hashes(run) == before  # --overwrite deleted nothing of the running job's
+    finally:
+        running.close()
+    proc = train_in_process(argv)  # a closed trainer lets the next job in
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_failed_build_unlocks_the_directory_and_leaves_no_lock_file(tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(resolve([*SMALL, "--batch-size", "100000000", "--output-dir", str(out)]))
+    with pytest.raises(ValueError, match="the run does not fit"):
+        trainer.build()
+    assert not list(out.iterdir())
+    proc = train_in_process([*SMALL, "--max-steps", "1", "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,0 +1,104 @@
+"""One job at a time in a run directory.
+
+Two jobs in one directory (a job requeued while the old one still runs, a command started
+twice) would each pass the run directory's checks, then write one seed log, one
+``checkpoints/`` and one ``export/`` between them: a resume rewrites the seed log by a
+rename, so the other job's later steps go to a deleted file while its checkpoints land,
+and the directory ends with a checkpoint ahead of its log, which no resume accepts. Rank
+0 therefore holds an exclusive ``flock`` on ``.distzo.lock`` in the run directory while
+its job runs, and deletes the file before it lets go (a lock taken on a file deleted
+meanwhile is let go and taken again on the new one, so no two jobs ever hold two files of
+one name). The kernel drops the lock when the process ends, however it ends, so a killed
+job never leaves a stale one, only the file, which the next job locks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import TextIO
+
+logger = logging.getLogger("distzo.train")
+
+LOCK_FILE = ".distzo.lock"
+# What a filesystem without locks (some network mounts) answers: the job runs unlocked.
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class RunLock:
+    """Rank 0's lock on a run directory, from ``acquire`` to ``release`` (or its exit)."""
+
+    def __init__(self, run_dir: Path, flag: str = "--output-dir") -> None:
+        self.run_dir = run_dir
+        self.flag = flag  # how the user named the directory, for the refusal
+        self._file: TextIO | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / LOCK_FILE
+
+    def acquire(self) -> None:
+        """Take the lock, or refuse in one line naming the job that holds it."""
+        if self._file is not None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        while self._file is None:
+            handle = open(self.path, "a+")
+            if not self._lock(handle):
+                return  # a filesystem without locks: said once, the job runs unlocked
+            if _same_file(handle, self.path):
+                handle.truncate(0)
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                handle.flush()
+                self._file = handle
+            else:  # its holder deleted it as it let go: lock the file that is there now
+                handle.close()
+
+    def _lock(self, handle: TextIO) -> bool:
+        """Whether ``handle`` is locked now (False: locks are not supported there)."""
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process"
+            handle.close()
+            raise ValueError(
+                f"{self.flag} {self.run_dir}: another job is running in it ({holder}); wait "
+                f"for it to end or stop it, or give another {self.flag}"
+            ) from None
+        except OSError as err:
+            handle.close()
+            if err.errno not in _NO_LOCKS:
+                raise
+            logger.warning(
+                "%s cannot be locked (%s): a second job started in it would not be refused",
+                self.run_dir,
+                err.strerror,
+            )
+            return False
+        return True
+
+    def release(self) -> None:
+        """Delete the lock file, then let go (once; a lock not held is a no-op)."""
+        if self._file is not None:
+            self.path.unlink(missing_ok=True)
+            self._file.close()  # closing the file drops its flock
+            self._file = None
+
+
+def _same_file(handle: TextIO, path: Path) -> bool:
+    """Whether ``handle`` is still the file at ``path`` (not one deleted since it opened)."""
+    try:
+        named = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(handle.fileno())
+    return (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino)
