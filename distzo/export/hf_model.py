@@ -41,6 +41,7 @@ from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
+from distzo.export.write_errors import safetensors_os_errors
 from distzo.offload.bucket import BucketLayout
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,8 @@ def export_hf(
             collected.setdefault(file, {})[name] = value
             missing[file].discard(name)
             if not missing[file]:
-                save_file(collected.pop(file), str(tmp / file), metadata={"format": "pt"})
+                with safetensors_os_errors(tmp / file):
+                    save_file(collected.pop(file), str(tmp / file), metadata={"format": "pt"})
                 logger.info("export: wrote %s", file)
         if not rank0:
             return None
@@ -273,11 +275,12 @@ def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, token
             {"base_model.model." + n: v for n, v in values.items()},
             adapter_name=ADAPTER_NAME,
         )
-    save_file(
-        {k: v.contiguous() for k, v in state.items()},
-        str(tmp / ADAPTER_WEIGHTS),
-        metadata={"format": "pt"},
-    )
+    with safetensors_os_errors(tmp / ADAPTER_WEIGHTS):
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            str(tmp / ADAPTER_WEIGHTS),
+            metadata={"format": "pt"},
+        )
     peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

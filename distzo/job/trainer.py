@@ -34,6 +34,7 @@ from distzo.dist.agreement import agreed
 from distzo.dist.launch_gate import report_refusal
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
+from distzo.export.write_errors import safetensors_os_errors
 from distzo.job.build import (
     TaskData,
     build_model,
@@ -248,7 +249,7 @@ class Trainer:
         if weights is None and not job.model.model:  # the default model, built whole
             assert isinstance(model, PreTrainedModel)
             if self.env.rank == 0 and fresh:
-                with no_library_bars():
+                with no_library_bars(), safetensors_os_errors(self.run_dir / "base"):
                     model.save_pretrained(self.run_dir / "base")
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(self.run_dir / "base")

@@ -351,17 +351,34 @@ def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def full_disk(*args, **kwargs):
+    """What safetensors raises on a full disk (a ``SafetensorError``, no ``OSError``: seen
+    on a full tmpfs)."""
+    from safetensors import SafetensorError
+
+    raise SafetensorError(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
+    )
+
+
 def test_a_full_disk_says_so_and_where(tmp_path, monkeypatch):
     import distzo.export.hf_model as hf_model
 
-    def full(tensors, filename, metadata=None):
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
-
-    monkeypatch.setattr(hf_model, "save_file", full)
+    monkeypatch.setattr(hf_model, "save_file", full_disk)
     out = tmp_path / "out"
     line = one_line(train_in_process(["--max-steps", "1", "--output-dir", str(out)]), code=1)
-    assert "no space left on device" in line and str(out / "export") in line
+    assert "no space left on device" in line and str(out / "export.tmp") in line
     assert not (out / "export.tmp").exists()
+
+
+def test_a_full_disk_writing_the_initial_weights_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    out = tmp_path / "out"
+    line = one_line(train_in_process(["--max-steps", "1", "--output-dir", str(out)]), code=1)
+    assert line.startswith(f"error: no space left on device writing {out / 'base'}"), line
+    assert not list(out.iterdir())
 
 
 def test_a_full_disk_during_a_checkpoint_save_leaves_no_tmp(tmp_path, monkeypatch):
