@@ -151,12 +151,29 @@ def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
+def weight_map(index: Path) -> dict[str, str]:
+    """A sharded model's index: each tensor's file. A torn or foreign index (not JSON, no
+    ``weight_map`` of names to files) is one line naming it, not a bare JSON error or a
+    ``KeyError`` traceback."""
+    fix = "download or copy the model again"
+    try:
+        data = json.loads(index.read_text())
+    except OSError as err:  # a folder of that name, a file it may not read
+        raise ValueError(f"{index}: cannot read it ({err.strerror}); {fix}") from None
+    except ValueError as err:  # not UTF-8, not JSON
+        raise ValueError(f"{index}: not a model index (not JSON: {err}); {fix}") from None
+    found = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(found, dict) or not all(isinstance(f, str) for f in found.values()):
+        raise ValueError(f"{index}: holds no weight_map of tensor names to files; {fix}")
+    return found
+
+
 def _weight_files(directory: Path, index: str, single: str) -> list[str] | None:
     """The files of a model's weights in one format: those its index names, or the single
     file (None: the directory has neither). A file the index names that is not there is
     one line (an interrupted download), not a traceback or a "damaged" file."""
     if (directory / index).exists():
-        files = sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
+        files = sorted(set(weight_map(directory / index).values()))
         missing = [file for file in files if not (directory / file).is_file()]
         if missing:
             raise ValueError(
@@ -186,12 +203,12 @@ class SafetensorsWeights:
     def __init__(self, directory: Path) -> None:
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            names = weight_map(index)
         else:
             single = directory / "model.safetensors"
             with safetensors_file(single) as handle:
-                weight_map = {name: single.name for name in handle.keys()}
-        self.directory, self.weight_map = directory, weight_map
+                names = {name: single.name for name in handle.keys()}
+        self.directory, self.weight_map = directory, names
         self._open = safetensors_file
 
     def tensor(self, names, shape, dtype):
@@ -222,10 +239,7 @@ class SafetensorsWeights:
 class TorchBinWeights:
     def __init__(self, directory: Path) -> None:
         index = directory / "pytorch_model.bin.index.json"
-        if index.exists():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            self.weight_map = None
+        self.weight_map = weight_map(index) if index.exists() else None  # None: one file
         self.directory = directory
         self._open: tuple[str, dict[str, torch.Tensor]] | None = None  # the one mapped shard
 

@@ -88,6 +88,28 @@ def test_a_shard_the_index_names_but_lacks_is_one_line(tmp_path):
     ), proc.stderr[-1500:]
 
 
+@pytest.mark.parametrize(
+    ("index", "says"),
+    [
+        ('{"metadata": {}, "weight_map": {"model.embed', "not a model index (not JSON: "),
+        ('{"metadata": {}}', "holds no weight_map of tensor names to files"),
+        ("[]", "holds no weight_map of tensor names to files"),
+    ],
+    ids=["torn", "no-weight-map", "a-list"],
+)
+def test_a_damaged_shard_index_is_one_line_naming_it(tmp_path, index, says):
+    """Once a bare "Expecting value: line 1 column 1" or a KeyError traceback."""
+    build("llama").save_pretrained(tmp_path, max_shard_size="20KB")
+    path = tmp_path / "model.safetensors.index.json"
+    path.write_text(index)
+    proc = train_in_process(["--model", str(tmp_path), "--output-dir", str(tmp_path / "run")])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith(f"error: {path}: {says}"), proc.stderr[
+        -1500:
+    ]
+    assert lines[-1].endswith("; download or copy the model again")
+
+
 def test_a_directory_without_weights_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="holds no model.safetensors"):
         open_checkpoint(tmp_path)
