@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from distzo.adapters.peft_adapters import (
     attach_adapter,
     check_mergeable,
 )
-from distzo.config.cli import fail, program, write_failure
+from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
@@ -233,14 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--base",
         default=None,
+        type=os.path.expanduser,
         help="the base model (hub name or local path) the run started from; "
         "default: the one its log names (or the --model-config shape it was drawn from)",
     )
-    p.add_argument("--log", required=True, type=Path, help="the run's seedlog.jsonl")
+    p.add_argument("--log", required=True, type=home_path, help="the run's seedlog.jsonl")
     p.add_argument(
         "--out",
         required=True,
-        type=Path,
+        type=home_path,
         help="where to write the rebuilt model (Hugging Face format)",
     )
     p.add_argument("--device", default=None, help="default: the device type the run trained on")

@@ -30,6 +30,12 @@ def takes_negative_exponents(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
+def home_path(value: str) -> Path:
+    """A command's path argument with a leading ``~`` read as the home folder, as a shell
+    reads it (``--out=~/x`` reaches the command as written)."""
+    return Path(value).expanduser()
+
+
 def fail(message: str, code: int = 2) -> int:
     """Write ``error: message`` in a single write: ranks failing at once share stderr, and a
     line split into two writes (print's text, then its newline) can interleave with theirs.

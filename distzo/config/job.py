@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import difflib
 import logging
+import os
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -706,6 +707,18 @@ def _drop_actions(path: str, data: dict[str, Any]) -> None:
 PATH_FLAGS = ("config", "output_dir", "log_dir", "model", "train_file", "eval_file")
 
 
+def expand_home(job: JobConfig) -> None:
+    """A path option's leading ``~`` is the home folder, as a shell reads it. A TOML file,
+    ``--flag=~/x`` (which the shell leaves as it is) and Python pass it on as written: the
+    run went into a folder named ``~`` under the working directory, and a ``--model`` there
+    was taken for a hub name."""
+    for section, f in _options():
+        values = getattr(job, section)
+        value = getattr(values, f.name)
+        if f.name in PATH_FLAGS and isinstance(value, str):
+            setattr(values, f.name, os.path.expanduser(value))
+
+
 def resolve(argv: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file (its one-off actions dropped), then the flags given on
     the command line."""
@@ -715,6 +728,7 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
     if empty:  # "" would read as unset: the default, where the user named something
         raise ValueError(f"--{empty[0].replace('_', '-')} is empty; give a path or leave it out")
     if args.get("config"):
+        args["config"] = os.path.expanduser(args["config"])
         data = load_toml(args["config"])
         _drop_actions(args["config"], data)
         for section, values in data.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def save_training_step(
 
 
 def _parser() -> argparse.ArgumentParser:
-    from distzo.config.cli import program, takes_negative_exponents
+    from distzo.config.cli import home_path, program, takes_negative_exponents
 
     p = argparse.ArgumentParser(
         prog=program("distzo.export.training_step"),
@@ -221,12 +222,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
+        type=os.path.expanduser,
         help="local path or hub name of the base model (default: the tiny OPT)",
     )
     p.add_argument(
         "--out",
         required=True,
-        type=Path,
+        type=home_path,
         help="folder for step.pt2 (and step.pte), keys.safetensors",
     )
     p.add_argument("--batch", type=int, default=1, help="rows per step (the program's fixed shape)")

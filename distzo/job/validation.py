@@ -16,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
-from distzo.config.job import JobConfig
+from distzo.config.job import JobConfig, expand_home
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
@@ -133,6 +133,7 @@ def resumed_noise(job: JobConfig, config: ZOConfig) -> ZOConfig:
 def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     """Check and resolve ``job`` in place (its config.toml records the resolved values)."""
     lr_defaulted = job.optim.lr is None
+    expand_home(job)
     resolve_defaults(job)
     dims = check_job(job, env)
     config = job.engine_config(resolve_device(job.parallel.device, env))

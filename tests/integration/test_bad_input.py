@@ -590,3 +590,12 @@ def test_lozo_options_it_cannot_honour_are_one_line_before_any_run(tmp_path, fla
     line = one_line(train_in_process(flags + ["--output-dir", str(out)]))
     assert message in line
     assert not out.exists()
+
+
+def test_replay_reads_a_leading_tilde_as_the_home_folder(run, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(run / "seedlog.jsonl", tmp_path / "seedlog.jsonl")
+    proc = main_in_process("distzo.replay", ["--log=~/seedlog.jsonl", "--out=~/out"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "config.json").is_file() and not (tmp_path / "~").exists()

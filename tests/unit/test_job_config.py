@@ -313,3 +313,20 @@ def test_the_export_shard_size_is_checked_before_any_model(tmp_path):
     assert proc.returncode == 2
     assert "--export-shard-size 'big' is not a size" in proc.stderr.splitlines()[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_leading_tilde_in_a_path_option_is_the_home_folder(tmp_path, monkeypatch):
+    """A TOML file or ``--flag=~/x`` passes ``~`` on unexpanded: the run once went into a
+    folder named ``~`` under the working directory, and a ``--model`` there was refused as
+    a hub name."""
+    from tests.helpers.models import tiny_opt
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    tiny_opt().save_pretrained(tmp_path / "model")
+    (tmp_path / "job.toml").write_text('[run]\noutput_dir = "~/runs/a"\n')
+    job = resolve(["--config=~/job.toml", "--model=~/model", "--log-dir=~/logs"])
+    validate(job, LaunchEnv())  # loads the model's config from the folder
+    assert job.run.output_dir == str(tmp_path / "runs" / "a")
+    assert (job.model.model, job.run.log_dir) == (str(tmp_path / "model"), str(tmp_path / "logs"))
+    assert not (tmp_path / "~").exists()
