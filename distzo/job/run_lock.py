@@ -14,6 +14,7 @@ job never leaves a stale one, only the file, which the next job locks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -36,6 +37,7 @@ class RunLock:
         self.run_dir = run_dir
         self.flag = flag  # how the user named the directory, for the refusal
         self._file: TextIO | None = None
+        self._made = False  # whether acquire made the directory (removed again if left empty)
 
     @property
     def held(self) -> bool:
@@ -49,6 +51,7 @@ class RunLock:
         """Take the lock, or refuse in one line naming the job that holds it."""
         if self._file is not None:
             return
+        self._made = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while self._file is None:
             handle = open(self.path, "a+")
@@ -87,11 +90,17 @@ class RunLock:
         return True
 
     def release(self) -> None:
-        """Delete the lock file, then let go (once; a lock not held is a no-op)."""
-        if self._file is not None:
-            self.path.unlink(missing_ok=True)
-            self._file.close()  # closing the file drops its flock
-            self._file = None
+        """Delete the lock file, then let go (once; a lock not held is a no-op); the
+        directory too where ``acquire`` made it and the job wrote nothing there (it failed
+        before), so that a failed start leaves no trace."""
+        if self._file is None:
+            return
+        self.path.unlink(missing_ok=True)
+        self._file.close()  # closing the file drops its flock
+        self._file = None
+        if self._made:
+            with contextlib.suppress(OSError):  # not empty: the run's files
+                self.run_dir.rmdir()
 
 
 def _same_file(handle: TextIO, path: Path) -> bool:

@@ -234,7 +234,7 @@ def test_a_fresh_run_refused_while_building_leaves_nothing_behind(tmp_path):
     out = tmp_path / "run"
     proc = train_in_process([*SMALL, "--batch-size", "100000000", "--output-dir", str(out)])
     assert proc.returncode == 2 and "the run does not fit" in proc.stderr, proc.stderr[-2000:]
-    assert out.is_dir() and not list(out.iterdir())
+    assert not out.exists()  # the run made it: nothing left
     proc = train_in_process([*SMALL, "--max-steps", "1", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -375,6 +375,10 @@ def test_a_failed_build_unlocks_the_directory_and_leaves_no_lock_file(tmp_path):
     trainer = Trainer(resolve([*SMALL, "--batch-size", "100000000", "--output-dir", str(out)]))
     with pytest.raises(ValueError, match="the run does not fit"):
         trainer.build()
-    assert not list(out.iterdir())
+    assert not out.exists()
+    out.mkdir()
+    with pytest.raises(ValueError, match="the run does not fit"):
+        Trainer(resolve([*SMALL, "--batch-size", "100000000", "--output-dir", str(out)])).build()
+    assert out.is_dir() and not list(out.iterdir())  # the user's folder stays, empty
     proc = train_in_process([*SMALL, "--max-steps", "1", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
