@@ -24,9 +24,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
-from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter, check_mergeable
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, write_resolved
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
@@ -34,16 +32,12 @@ from distzo.dist.agreement import agreed
 from distzo.dist.launch_gate import report_refusal
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
-from distzo.export.write_errors import safetensors_os_errors
 from distzo.job.build import (
     TaskData,
-    build_model,
     build_objective,
     build_parallel,
     build_task_data,
     choose_slots,
-    load_tokenizer,
-    model_source,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.divergence import (
@@ -58,19 +52,18 @@ from distzo.job.divergence import (
 from distzo.job.evaluation import evaluate
 from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
-from distzo.job.progress import Progress, no_library_bars
+from distzo.job.progress import Progress
 from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
 from distzo.job.reporting import Reporter, make_reporter
 from distzo.job.resume import catch_up_from_log
-from distzo.job.run_dir import check_fresh, clear_run, discard_unstarted_run, shared_run_dir
+from distzo.job.run_claim import RunClaim
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
-from distzo.job.run_lock import RunLock
 from distzo.job.run_logs import RunLogs
-from distzo.job.same_job import check_one_job
+from distzo.job.run_model import run_model
 from distzo.job.summary import SUMMARY, key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
-from distzo.models.weights import WeightSource, declared_stop_ids
+from distzo.models.weights import declared_stop_ids
 from distzo.objectives import Objective
 
 # How long closing a trainer waits for an asynchronous save still in flight.
@@ -135,7 +128,7 @@ class Trainer:
         self.eval_after: dict[str, float] | None = None
         self.logs: RunLogs | None = None  # rank 0's
         self.reporter: Reporter | None = None  # rank 0's dashboard, which its logs feed
-        self.run_lock: RunLock | None = None  # rank 0's, from build() to close()
+        self.claim: RunClaim | None = None  # the run directory, from build() to close()
         self.built = False
         self.closed = False  # its logs closed: a finished or failed run, or close()
 
@@ -150,18 +143,8 @@ class Trainer:
         self._use_device()
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
         self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
-        output_dir = self.job.run.output_dir
-        self.run_dir = (
-            Path(output_dir) if output_dir else shared_run_dir(self.parallel.comm, self.env.rank)
-        )
-        check_one_job(self.job, self.run_dir, self.parallel.comm, self.env)
-        flag = "--output-dir" if output_dir else "the run directory"
-        self.run_lock = RunLock(self.run_dir, flag) if self.env.rank == 0 else None
-        agreed(self.parallel.comm, self._lock_run_dir)  # a second job refused on every rank
-        if self.job.run.overwrite:  # the old run goes before any rank writes into its directory
-            if self.env.rank == 0:
-                clear_run(self.job)
-            self.parallel.comm.barrier()
+        self.claim = RunClaim.take(self.job, self.parallel, self.env)
+        self.run_dir = self.claim.path
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
         # A dashboard that cannot start (wandb not logged in) fails every rank before any model.
         self.reporter = agreed(self.parallel.comm, self._make_reporter)
@@ -172,29 +155,13 @@ class Trainer:
                 self.reporter.close()
             # A fresh run that fails before its first step (a memory plan that refuses it, a
             # checkpoint that does not fit) leaves nothing a retry would take for a run.
-            if self.env.rank == 0 and self.job.run.resume == "no":
-                discard_unstarted_run(self.run_dir, output_dir is None, self.run_lock)
-            self._release_run_dir()
+            self.claim.abandon()
             raise
         self.built = True
 
-    def _lock_run_dir(self) -> None:
-        """Rank 0 locks the run directory (``distzo.job.run_lock``) before any rank writes
-        there; a fresh run checks it again under the lock, since a job that ended after
-        this one's checks may have left a run in it."""
-        if self.run_lock is None:
-            return
-        self.run_lock.acquire()
-        if self.job.run.resume == "no":
-            try:
-                check_fresh(self.job)
-            except ValueError:
-                self.run_lock.release()
-                raise
-
     def _release_run_dir(self) -> None:
-        if self.run_lock is not None:
-            self.run_lock.release()
+        if self.claim is not None:
+            self.claim.release()
 
     def _build_parts(self) -> None:
         """The model and its data, the engine, a resumed run's state, the logs; the
@@ -208,7 +175,9 @@ class Trainer:
             self.dims.dp,
             self.dims.pert,
         )
-        model, weights = self._build_model()
+        model, weights, self.tokenizer = run_model(
+            self.job, self.seed, self.env, self.parallel.comm, self.run_dir
+        )
         self.data = build_task_data(
             self.job, self.rows, self.tokenizer, model.config, self.seed, declared_stop_ids(model)
         )
@@ -236,32 +205,6 @@ class Trainer:
             count, why = self.threads
             torch.set_num_threads(count)
             logger.info("CPU threads per rank: %d (%s)", count, why)
-
-    def _build_model(self) -> tuple[nn.Module, WeightSource | None]:
-        """The model (with its adapter) and its weight source; a random-init model's initial
-        weights saved as ``base/``, which a replay starts from."""
-        job = self.job
-        torch.manual_seed(self.seed)  # the random init of the default model: equal everywhere
-        source = model_source(job.model.model, self.env, self.parallel.comm)
-        self.tokenizer = load_tokenizer(job, source)
-        model, weights = build_model(job, self.seed, source)
-        fresh = job.run.resume == "no"
-        if weights is None and not job.model.model:  # the default model, built whole
-            assert isinstance(model, PreTrainedModel)
-            if self.env.rank == 0 and fresh:
-                with no_library_bars(), safetensors_os_errors(self.run_dir / "base"):
-                    model.save_pretrained(self.run_dir / "base")
-                if self.tokenizer is not None:
-                    self.tokenizer.save_pretrained(self.run_dir / "base")
-            # what an exported adapter names as its base (peft reads it when attaching)
-            model.name_or_path = str((self.run_dir / "base").absolute())
-        spec = job.peft.adapter_spec()
-        if spec.enabled:  # the same adapter init on every rank, on resume and in a replay
-            model = attach_adapter(model, spec, self.seed)
-            if job.peft.merge_adapter:  # refused now, not after training
-                check_mergeable(model)
-            weights = AdapterWeights(weights, model) if weights is not None else None
-        return model, weights
 
     def _write_config(self) -> None:
         if self.env.rank == 0:

@@ -1,0 +1,46 @@
+"""The model a run trains: its weights' source, its tokenizer, the default model's initial
+weights saved as ``base/`` (which a replay starts from), and its adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter, check_mergeable
+from distzo.config.job import JobConfig
+from distzo.dist import Collectives, LaunchEnv
+from distzo.export.write_errors import safetensors_os_errors
+from distzo.job.build import build_model, load_tokenizer, model_source
+from distzo.job.progress import no_library_bars
+from distzo.models.weights import WeightSource
+
+
+def run_model(
+    job: JobConfig, seed: int, env: LaunchEnv, comm: Collectives, run_dir: Path
+) -> tuple[nn.Module, WeightSource | None, Any]:
+    """The model (with its adapter), its weight source and its tokenizer; a random-init
+    model's initial weights saved as ``run_dir/base``, by rank 0 of a fresh run."""
+    torch.manual_seed(seed)  # the random init of the default model: equal everywhere
+    source = model_source(job.model.model, env, comm)
+    tokenizer = load_tokenizer(job, source)
+    model, weights = build_model(job, seed, source)
+    if weights is None and not job.model.model:  # the default model, built whole
+        assert isinstance(model, PreTrainedModel)
+        if env.rank == 0 and job.run.resume == "no":
+            with no_library_bars(), safetensors_os_errors(run_dir / "base"):
+                model.save_pretrained(run_dir / "base")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(run_dir / "base")
+        # what an exported adapter names as its base (peft reads it when attaching)
+        model.name_or_path = str((run_dir / "base").absolute())
+    spec = job.peft.adapter_spec()
+    if spec.enabled:  # the same adapter init on every rank, on resume and in a replay
+        model = attach_adapter(model, spec, seed)
+        if job.peft.merge_adapter:  # refused now, not after training
+            check_mergeable(model)
+        weights = AdapterWeights(weights, model) if weights is not None else None
+    return model, weights, tokenizer
