@@ -41,8 +41,13 @@ def load_numbered_rows(source: str) -> list[tuple[int, Row]]:
             f"{source} is a folder; give a data file ({', '.join(FORMATS)}) (a datasets "
             "save_to_disk folder: write its split out with Dataset.to_json(...))"
         )
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"data file {source} does not exist")
+    if not path.is_file():  # read once per rank and per check: a pipe would be empty after
+        raise ValueError(
+            f"data file {source} is not a regular file (a device or a pipe); write the rows "
+            "to a file and give its path"
+        )
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(

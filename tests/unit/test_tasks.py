@@ -236,6 +236,8 @@ def test_malformed_files_are_one_line_errors(tmp_path, content, suffix, message)
 def test_missing_files_and_hub_specs():
     with pytest.raises(ValueError, match="does not exist"):
         load_rows("/no/such/file.jsonl")
+    with pytest.raises(ValueError, match="^data file /dev/null is not a regular file"):
+        load_rows("/dev/null")  # it exists: "does not exist" sent the user looking for it
     assert parse_hub_spec("hf:nyu-mll/glue:sst2:train") == ("nyu-mll/glue", "sst2", "train")
     assert parse_hub_spec("hf:imdb:test") == ("imdb", None, "test")
     with pytest.raises(ValueError, match="hf:PATH"):
