@@ -205,6 +205,21 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
 
 
+def start_two_nodes(node0: list[str], node1: list[str], port: int) -> list[subprocess.Popen]:
+    """Two torchrun agents of one rank each, as nodes 0 and 1 of one job on this machine,
+    each started with its own command line."""
+    return [
+        subprocess.Popen(
+            torchrun_command(1, args, port, nnodes=2, node_rank=node, preload=True),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for node, args in enumerate((node0, node1))
+    ]
+
+
 @pytest.mark.parametrize(
     "node1_flags, message",
     [
@@ -220,18 +235,7 @@ def test_a_node_with_its_own_run_directory_or_options_is_refused_at_once(
     port, started = free_port(), time.monotonic()
     args = COMMON + ["--max-steps", "3", "--save-steps", "2", "--output-dir", str(tmp_path / "a")]
     own = [flag.format(tmp=tmp_path) for flag in node1_flags]
-    agents = [
-        subprocess.Popen(
-            torchrun_command(
-                1, args + (own if node else []), port, nnodes=2, node_rank=node, preload=True
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        for node in (0, 1)
-    ]
+    agents = start_two_nodes(args, args + own, port)
     errors = [agent.communicate(timeout=100)[1] for agent in agents]
     assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
     assert all(message in err for err in errors), [e[-2000:] for e in errors]
@@ -245,18 +249,7 @@ def test_a_node_that_refuses_its_own_input_ends_the_other_nodes_at_once(tmp_path
     port, started = free_port(), time.monotonic()
     args = COMMON + ["--output-dir", str(tmp_path / "a")]
     missing = ["--model", str(tmp_path / "no-model")]
-    agents = [
-        subprocess.Popen(
-            torchrun_command(
-                1, args + (missing if node else []), port, nnodes=2, node_rank=node, preload=True
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        for node in (0, 1)
-    ]
+    agents = start_two_nodes(args, args + missing, port)
     try:
         errors = [agent.communicate(timeout=90)[1] for agent in agents]
     finally:  # torchrun passes SIGTERM on to its ranks
