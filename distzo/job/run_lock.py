@@ -59,7 +59,7 @@ class RunLock:
                 return  # a filesystem without locks: said once, the job runs unlocked
             if _same_file(handle, self.path):
                 handle.truncate(0)
-                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                handle.write(_holder() + "\n")
                 handle.flush()
                 self._file = handle
             else:  # its holder deleted it as it let go: lock the file that is there now
@@ -73,6 +73,11 @@ class RunLock:
             handle.seek(0)
             holder = handle.read().strip() or "a process"
             handle.close()
+            if holder == _holder():  # a notebook's earlier Trainer, built and never closed
+                raise ValueError(
+                    f"{self.flag} {self.run_dir}: another Trainer of this process holds it "
+                    f"(built, not closed); call its close(), or give another {self.flag}"
+                ) from None
             raise ValueError(
                 f"{self.flag} {self.run_dir}: another job is running in it ({holder}); wait "
                 f"for it to end or stop it, or give another {self.flag}"
@@ -101,6 +106,11 @@ class RunLock:
         if self._made:
             with contextlib.suppress(OSError):  # not empty: the run's files
                 self.run_dir.rmdir()
+
+
+def _holder() -> str:
+    """What the lock file says of the job holding it: this process."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
 def _same_file(handle: TextIO, path: Path) -> bool:

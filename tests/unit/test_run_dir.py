@@ -361,9 +361,19 @@ def test_a_second_job_in_a_running_jobs_directory_is_refused(run):
             proc = train_in_process(flags)
             assert proc.returncode == 2, proc.stderr[-2000:]
             line = proc.stderr.strip().splitlines()[-1]  # after the lines of its build
-            assert line.startswith(f"error: --output-dir {run}: another job is running in it")
-            assert "wait for it to end or stop it, or give another --output-dir" in line
+            # the same process here: the holder is named as this process's Trainer
+            assert line == (
+                f"error: --output-dir {run}: another Trainer of this process holds it (built, "
+                "not closed); call its close(), or give another --output-dir"
+            )
             assert hashes(run) == before  # --overwrite deleted nothing of the running job's
+        lock_file = run / ".distzo.lock"  # as another process's job writes it
+        lock_file.write_text("pid 1 on elsewhere\n")
+        proc = train_in_process(argv)
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: --output-dir {run}: another job is running in it (pid 1 on elsewhere); "
+            "wait for it to end or stop it, or give another --output-dir"
+        )
     finally:
         running.close()
     proc = train_in_process(argv)  # a closed trainer lets the next job in
