@@ -285,9 +285,10 @@ class ZOConfig:
             if getattr(self, name) != engine_default(name)
         ]
         if changed and self.noise != "lowrank":
+            verb, them = ("applies", "it") if len(changed) == 1 else ("apply", "them")
             raise ValueError(
-                f"{' and '.join(changed)} only apply to noise lowrank (LOZO), the run draws "
-                f"{self.noise}; set noise lowrank or drop them"
+                f"{' and '.join(changed)} only {verb} to noise lowrank (LOZO), the run draws "
+                f"{self.noise}; set noise lowrank or drop {them}"
             )
 
     def _check_optimizer(self) -> None:

@@ -582,7 +582,7 @@ def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
     [
         (["--noise", "lowrank", "--lozo-rank", "0"], "lozo_rank must be >= 1, got 0"),
         (["--noise", "lowrank", "--lozo-interval", "0"], "lozo_interval must be >= 1 step"),
-        (["--lozo-rank", "1"], "lozo_rank 1 only apply to noise lowrank (LOZO), the run draws"),
+        (["--lozo-rank", "1"], "lozo_rank 1 only applies to noise lowrank (LOZO), the run draws"),
     ],
 )
 def test_lozo_options_it_cannot_honour_are_one_line_before_any_run(tmp_path, flags, message):

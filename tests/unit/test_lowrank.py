@@ -142,7 +142,7 @@ def test_bad_sources_are_refused_in_one_line():
     [
         (dict(noise="lowrank", lozo_rank=0), "lozo_rank must be >= 1, got 0"),
         (dict(noise="lowrank", lozo_interval=0), "lozo_interval must be >= 1 step, got 0"),
-        (dict(lozo_rank=1), "lozo_rank 1 only apply to noise lowrank"),
+        (dict(lozo_rank=1), "lozo_rank 1 only applies to noise lowrank"),
         (
             dict(noise="rademacher", lozo_rank=4, lozo_interval=100),
             "lozo_rank 4 and lozo_interval 100 only apply to noise lowrank",
