@@ -5,7 +5,7 @@ model is scored on are the ones the joint text has (a BPE's leading-space token,
 SentencePiece word after a newline); the continuation's tokens are those that differ
 from the prompt's own tokenization. A sequence longer than ``max_length`` loses prompt
 tokens from the left, never its answer nor the tokenizer's leading special token (OPT's
-``</s>``, Llama's ``<s>``).
+``</s>``, Llama's ``<s>``); a special token the tokenizer appends is left off.
 The batch of step t takes positions [t*B, (t+1)*B) of an endless run of per-epoch
 permutations seeded by (seed, epoch): a resumed run needs only its step.
 
@@ -37,7 +37,7 @@ class PromptEncoder:
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
-        self.lead = _leading_special_tokens(tokenizer)
+        self.lead, self.trail = _special_tokens(tokenizer)
         if max_length <= self.lead:
             raise ValueError(
                 f"max length {max_length} leaves no room after the tokenizer's "
@@ -46,7 +46,11 @@ class PromptEncoder:
         self._choices: dict[Example, ChoiceEncoding] = {}
 
     def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        """``text``'s tokens with the tokenizer's leading special ones, less its trailing
+        ones (Llama's ``</s>`` with ``add_eos_token``): a prompt ends where its continuation
+        or its decoding starts, and a candidate is scored on its own tokens."""
+        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return ids[: len(ids) - self.trail]
 
     def _keep(self, ids: list[int], budget: int) -> list[int]:
         """At most ``budget`` tokens: the leading special ones and the last of the rest."""
@@ -147,13 +151,15 @@ class PromptEncoder:
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
-def _leading_special_tokens(tokenizer) -> int:
+def _special_tokens(tokenizer) -> tuple[int, int]:
     """How many special tokens the tokenizer puts before a text's own (OPT's ``</s>``,
-    Llama's ``<s>``): kept when a long sequence is cut from the left, as MeZO does."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    lead = len(special) - len(plain)
-    return lead if lead > 0 and list(special[lead:]) == list(plain) else 0
+    Llama's ``<s>``: kept when a long sequence is cut from the left, as MeZO does) and
+    after them (Llama's ``</s>`` with ``add_eos_token``: left off)."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    extra = len(special) - len(plain)
+    lead = next((k for k in range(extra + 1) if special[k : k + len(plain)] == plain), None)
+    return (0, 0) if lead is None or extra <= 0 else (lead, extra - lead)
 
 
 def step_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:

@@ -122,6 +122,23 @@ def test_a_cut_sequence_keeps_its_leading_special_token_and_its_answer():
         PromptEncoder(tokenizer, max_length=1)
 
 
+def test_a_tokenizer_that_appends_its_end_token_keeps_its_start_token_and_drops_the_end():
+    """Llama's tokenizer with ``add_eos_token`` writes ``<s> text </s>``: a cut sequence lost
+    its ``<s>``, every candidate was scored on the ``</s>`` after it, and a SQuAD prompt to
+    decode from ended in ``</s>`` (the model answered after an end of sequence)."""
+    tokenizer = sentencepiece_bpe()
+    tokenizer.add_bos_token = tokenizer.add_eos_token = True
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    encoder = PromptEncoder(tokenizer, max_length=8)
+    ids, answer = encoder.encode("Cats purr. Cats purr. Cats purr.", "\nYes")
+    assert len(ids) == 8 and ids[0] == bos and eos not in ids
+    assert tokenizer.decode(ids[-answer:]).endswith("Yes")
+    prompt = encoder.encode_prompt("Cats purr. Cats purr. Cats purr.\nAnswer:", 3)
+    assert prompt[0] == bos and prompt[-1] != eos and len(prompt) == 5
+    rows = encoder.encode_choices(Example("It was", (" great", " terrible"), 0))
+    assert eos not in [token for *_, token, _ in rows.scored]
+
+
 def test_a_generated_answer_ends_at_the_end_of_sequence_token():
     tokenizer = byte_tokenizer()
     encoder = PromptEncoder(tokenizer, max_length=64)
