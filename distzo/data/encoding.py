@@ -58,18 +58,47 @@ class PromptEncoder:
             return ids
         return ids[: self.lead] + ids[len(ids) - (budget - self.lead) :]
 
+    @property
+    def answer_room(self) -> int:
+        """The most continuation tokens a sequence keeps: a scored token needs one before it."""
+        return self.max_length - max(self.lead, 1)
+
     def encode(self, prompt: str, continuation: str) -> tuple[list[int], int]:
         """(token ids, number of continuation tokens at the end)."""
-        ids = self._ids(prompt + continuation)
-        return self._fit(ids, self._ids(prompt) if continuation else ids)
+        return self._fit(*self._joint(prompt, continuation))
 
-    def _fit(self, ids: list[int], head: list[int]) -> tuple[list[int], int]:
-        """``encode`` of the joint text's ``ids``, given its prompt's own tokens ``head``."""
+    def measure(self, prompt: str, continuation: str) -> tuple[int, int]:
+        """(tokens, continuation tokens) of the joint text before any cut: what
+        ``max_length`` and ``answer_room`` cut."""
+        ids, answer = self._joint(prompt, continuation)
+        return len(ids), answer
+
+    def encode_text(self, text: str) -> tuple[list[int], bool]:
+        """A raw text row's tokens (``encode(text, "")``), and whether the cut lost some."""
+        ids = self._ids(text)
+        return self._keep(ids, self.max_length), len(ids) > self.max_length
+
+    def prompt_tokens(self, prompt: str) -> int:
+        """A prompt's tokens before any cut (``encode_prompt`` keeps ``max_length - room``)."""
+        return len(self._ids(prompt))
+
+    def _joint(
+        self, prompt: str, continuation: str, head: list[int] | None = None
+    ) -> tuple[list[int], int]:
+        """The joint text's ids and its continuation's token count: the tokens that differ
+        from the prompt's own (``head``, tokenized here unless given)."""
+        ids = self._ids(prompt + continuation)
+        if not continuation:
+            return ids, 0
+        head = self._ids(prompt) if head is None else head
         shared = next(
             (i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))
         )
-        answer = len(ids) - shared
-        room = self.max_length - max(self.lead, 1)  # a scored token needs one before it
+        return ids, len(ids) - shared
+
+    def _fit(self, ids: list[int], answer: int) -> tuple[list[int], int]:
+        """``ids`` with their last ``answer`` tokens the continuation, cut to ``max_length``."""
+        room = self.answer_room
         if answer > room:  # an answer longer than the window keeps its start
             ids, answer = ids[: len(ids) - (answer - room)], room
         return self._keep(ids, self.max_length), answer
@@ -93,7 +122,7 @@ class PromptEncoder:
 
     def _encode_choices(self, example: Example) -> ChoiceEncoding:
         head = self._ids(example.prompt)  # once for all the candidates
-        encoded = [self._fit(self._ids(example.prompt + c), head) for c in example.continuations]
+        encoded = [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
         for continuation, (_, answer) in zip(example.continuations, encoded):
             if answer == 0:
                 raise ValueError(f"candidate {continuation!r} has no tokens to score")
@@ -247,8 +276,10 @@ class TextTrainData:
         """A row of fewer than two tokens (an empty one: wikitext has many) has no next
         token to predict and is left out: a batch of only such rows stopped the run."""
         self.sequences = []
+        self.cut = 0  # rows longer than max_length
         for text in texts:
-            ids, _ = encoder.encode(text, "")
+            ids, cut = encoder.encode_text(text)
+            self.cut += cut
             if len(ids) > 1:
                 self.sequences.append((ids, len(ids)))
         if not self.sequences:

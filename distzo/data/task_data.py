@@ -7,6 +7,7 @@ package knows no engine.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,8 +59,41 @@ def check_objective(task: str, objective: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Cuts:
+    """What the token limit cuts in one file: rows whose sequences lose tokens from the
+    left (MeZO's cut), and those of them whose answer (a candidate, SQuAD's answer), longer
+    than the limit alone, loses its end too."""
+
+    file: str  # --train-file or --eval-file
+    rows: int
+    cut: int = 0
+    answers: int = 0
+
+    def notice(self, limit: str) -> str | None:
+        """One warning line, or None where nothing is cut (``limit``: the tokens, named)."""
+        if not self.cut:
+            return None
+        answers = (
+            f"; {self.answers} of them lose the end of their answer too" if self.answers else ""
+        )
+        return (
+            f"{self.file}: {self.cut} of {self.rows} rows are longer than {limit}: they lose "
+            f"tokens from the left{answers}; raise --max-length or shorten the rows"
+        )
+
+
+def token_limit(tokens: int) -> str:
+    return f"{tokens} tokens (--max-length, or the model's positions)"
+
+
 class TaskData(Protocol):
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def cut_notices(self) -> tuple[str, ...]:
+        """One warning line per file whose rows the token limit cuts (rank 0 logs them)."""
+        ...
 
     @property
     def longest(self) -> int:
@@ -122,6 +156,7 @@ class CountingData:
         self.longest = seq_len
         self.eval_batch_size = eval_batch_size
         self.rows_per_example = 1
+        self.cut_notices: tuple[str, ...] = ()
 
     @functools.cached_property
     def eval_set(self) -> dict[str, torch.Tensor]:
@@ -137,9 +172,8 @@ class TextData:
         self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int
     ) -> None:
         self.train = TextTrainData(rows.train, encoder, seed)
-        self.eval_set = encoder.collate(
-            [(ids, len(ids)) for ids, _ in (encoder.encode(t, "") for t in rows.eval)]
-        )
+        encoded = [encoder.encode_text(t) for t in rows.eval]
+        self.eval_set = encoder.collate([(ids, len(ids)) for ids, _ in encoded])
         if not (self.eval_set["labels"][:, 1:] != -100).any():  # the metrics' denominator
             raise ValueError(
                 "--eval-file: no row has a next token to predict (a row needs two tokens or "
@@ -150,9 +184,20 @@ class TextData:
             max(len(ids) for ids, _ in self.train.sequences), self.eval_set["input_ids"].shape[1]
         )
         self.rows_per_example = 1
+        limit = token_limit(encoder.max_length)
+        self.cut_notices = _notices(
+            [
+                Cuts("--train-file", len(rows.train), self.train.cut).notice(limit),
+                Cuts("--eval-file", len(rows.eval), sum(cut for _, cut in encoded)).notice(limit),
+            ]
+        )
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)
+
+
+def _notices(lines: Iterable[str | None]) -> tuple[str, ...]:
+    return tuple(line for line in lines if line)
 
 
 class PromptData:
@@ -187,15 +232,46 @@ class PromptData:
             self.train = PromptOnlyTrainData(rows.train, encoder, seed, max_new_tokens)
         else:
             self.train = PromptTrainData(rows.train, encoder, seed)
-        lengths = [
-            len(encoder.encode(e.prompt, c)[0])
-            for e in rows.train + rows.eval
-            for c in e.continuations
-        ]
+        train, train_longest = self._cuts("--train-file", rows.train, trained=True)
+        evals, eval_longest = self._cuts("--eval-file", rows.eval, trained=False)
         extra = max_new_tokens if self.kind == "generation" else 0
-        self.longest = min(max(lengths) + extra, encoder.max_length)
+        self.longest = min(max(train_longest, eval_longest) + extra, encoder.max_length)
+        self.cut_notices = _notices(
+            [train.notice(self._limit(trained=True)), evals.notice(self._limit(trained=False))]
+        )
         choices = self.objective in ("classification", "accuracy")
         self.rows_per_example = max(encoder.choice_rows(e) for e in rows.train) if choices else 1
+
+    def _decodes(self, trained: bool) -> bool:
+        """Whether the file's prompts are decoded from (room kept for the answer)."""
+        return self.kind == "generation" and (self.objective == "f1" or not trained)
+
+    def _limit(self, trained: bool) -> str:
+        limit = self.encoder.max_length
+        if not self._decodes(trained):
+            return token_limit(limit)
+        room = self.max_new_tokens
+        return (
+            f"{limit - room} tokens (--max-length, or the model's positions, less "
+            f"--max-new-tokens {room})"
+        )
+
+    def _cuts(self, file: str, examples: list[Example], trained: bool) -> tuple[Cuts, int]:
+        """The rows of ``file`` the token limit cuts, in the sequences training (or
+        evaluation) runs, and the file's longest joint sequence before any cut."""
+        encoder, longest, cut, answers = self.encoder, 0, 0, 0
+        only_right = trained and self.objective == "lm"
+        for e in examples:
+            sizes = [encoder.measure(e.prompt, c) for c in e.continuations]
+            longest = max(longest, *(tokens for tokens, _ in sizes))
+            if self._decodes(trained):
+                room = encoder.max_length - self.max_new_tokens
+                cut += encoder.prompt_tokens(e.prompt) > room
+                continue
+            used = [sizes[e.label]] if only_right else sizes
+            cut += any(tokens > encoder.max_length for tokens, _ in used)
+            answers += any(answer > encoder.answer_room for _, answer in used)
+        return Cuts(file, len(examples), cut, answers), longest
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)

@@ -181,6 +181,9 @@ class Trainer:
         self.data = build_task_data(
             self.job, self.rows, self.tokenizer, model.config, self.seed, declared_stop_ids(model)
         )
+        if self.env.rank == 0:  # MeZO warns of a cut too ("Exceed max length")
+            for line in self.data.cut_notices:
+                logger.warning(line)
         self._plan_memory(model)
         self.objective = build_objective(self.job.optim.objective or "lm", self.data)
         self.engine = ZOEngine(

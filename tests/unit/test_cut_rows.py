@@ -1,0 +1,80 @@
+"""Rows longer than the token limit: cut from the left as MeZO cuts them, and counted in one
+warning line per file (MeZO warns "Exceed max length"); the run cut them silently."""
+
+import json
+
+from distzo.data.encoding import PromptEncoder
+from distzo.data.task_data import PromptData, TextData, load_task_rows
+from distzo.models.tiny import byte_tokenizer
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def prompt_data(
+    tmp_path, task, train, evals, objective=None, max_new_tokens=4, max_length=24
+) -> PromptData:
+    loaded = load_task_rows(
+        task, write_jsonl(tmp_path / "t.jsonl", train), write_jsonl(tmp_path / "e.jsonl", evals)
+    )
+    assert loaded is not None
+    encoder = PromptEncoder(byte_tokenizer(), max_length)
+    return PromptData(loaded, encoder, 0, 2, max_new_tokens, objective)
+
+
+def test_each_file_names_how_many_of_its_rows_the_limit_cuts(tmp_path):
+    long, short = {"sentence": "x" * 30, "label": 1}, {"sentence": "ok", "label": 0}
+    data = prompt_data(tmp_path, "sst2", [long, short, long], [short])
+    assert data.cut_notices == (
+        "--train-file: 2 of 3 rows are longer than 24 tokens (--max-length, or the model's "
+        "positions): they lose tokens from the left; raise --max-length or shorten the rows",
+    )
+    assert prompt_data(tmp_path, "sst2", [short], [short]).cut_notices == ()
+
+
+def test_an_answer_longer_than_the_limit_is_said_to_lose_its_end(tmp_path):
+    row = {"premise": "It fell.", "question": "cause", "choice1": "a" * 40, "choice2": "b"}
+    rows = [{**row, "label": 1}, {**row, "label": 0}]
+    (train, evals) = prompt_data(tmp_path, "copa", rows, rows).cut_notices
+    assert train.startswith("--train-file: 1 of 2 rows") and "1 of them lose the end" in train
+    assert evals.startswith("--eval-file: 2 of 2 rows") and "2 of them lose the end" in evals
+
+
+def test_a_squad_evaluation_counts_its_prompts_against_the_room_left_to_decode(tmp_path):
+    """A SQuAD prompt of 40 tokens fits 64 with its answer to train on, and not 64 less the
+    30 to decode."""
+    row = {"title": "T", "context": "ctx", "question": "Q?", "answers": ["x"]}
+    (evals,) = prompt_data(tmp_path, "squad", [row], [row], None, 30, 64).cut_notices
+    assert evals.startswith("--eval-file: 1 of 1 rows are longer than 34 tokens (")
+    assert "less --max-new-tokens 30)" in evals
+    (train, _) = prompt_data(tmp_path, "squad", [row], [row], "f1", 30, 64).cut_notices
+    assert train.startswith("--train-file: 1 of 1 rows are longer than 34 tokens")
+
+
+def test_text_rows_longer_than_the_limit_are_counted(tmp_path):
+    rows = [{"text": "y" * 40}, {"text": "short row"}]
+    loaded = load_task_rows(
+        "text", write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows)
+    )
+    assert loaded is not None
+    data = TextData(loaded, PromptEncoder(byte_tokenizer(), max_length=24), 0, 2)
+    assert [line[:36] for line in data.cut_notices] == [
+        "--train-file: 1 of 2 rows are longer",
+        "--eval-file: 1 of 2 rows are longer ",
+    ]
+
+
+def test_the_run_warns_of_the_cut_rows_before_it_trains(tmp_path, caplog):
+    from distzo.config.job import resolve
+    from distzo.job.trainer import Trainer
+
+    rows = [{"sentence": "a long review " * 4, "label": 1}, {"sentence": "ok", "label": 0}]
+    data = write_jsonl(tmp_path / "sst2.jsonl", rows)
+    argv = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--max-length", "24"]
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        with Trainer(resolve([*argv, "--output-dir", str(tmp_path / "run")])) as trainer:
+            trainer.build()
+    warned = [r.getMessage()[:35] for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["--train-file: 1 of 2 rows are longe", "--eval-file: 1 of 2 rows are longer"]
