@@ -146,6 +146,9 @@ def _copa(row):
     conjunctions = {"cause": " because ", "effect": " so "}
     if row["question"] not in conjunctions:
         raise ValueError(f"question {row['question']!r} must be cause or effect")
+    for column in ("choice1", "choice2"):  # a blank candidate has no tokens of its own to score
+        if not row[column].strip():
+            raise ValueError(f"{column} is empty; write the choice's text")
     premise = row["premise"].rstrip()
     premise = premise[:-1] if premise.endswith(".") else premise
 
@@ -192,6 +195,8 @@ def _squad(row):
         answers = [answers]
     if not answers or not all(isinstance(a, str) for a in answers):
         raise ValueError('answers must be a non-empty list of strings (or {"text": [...]})')
+    if not all(a.strip() for a in answers):  # trained on nothing, matched by any empty answer
+        raise ValueError(f"answers {reprlib.repr(answers)} hold an empty one; remove it")
     prompt = (
         f"Title: {row['title']}\nContext: {row['context']}\n"
         f"Question: {row['question'].strip()}\nAnswer:"

@@ -116,6 +116,16 @@ def test_squad_keeps_every_gold_answer():
             {"title": "t", "context": "c", "question": "q", "answers": []},
             "row 1: answers must be a non-empty list",
         ),
+        (  # was "candidate '' has no tokens to score", named by neither file nor row
+            "copa",
+            {"premise": "p", "question": "cause", "choice1": "a", "choice2": " ", "label": 0},
+            "row 1: choice2 is empty; write the choice's text",
+        ),
+        (  # was trained on " \n", and any answer of articles matched it exactly
+            "squad",
+            {"title": "t", "context": "c", "question": "q", "answers": ["c", ""]},
+            "row 1: answers \\['c', ''\\] hold an empty one; remove it",
+        ),
     ],
 )
 def test_malformed_rows_name_the_file_and_row(name, row, message):
