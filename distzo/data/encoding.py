@@ -34,9 +34,7 @@ class PromptEncoder:
         self.stop_ids = frozenset(
             [*stop_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
         )
-        self.pad_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
+        self.pad_id = _pad_id(tokenizer)
         self.lead, self.trail = _special_tokens(tokenizer)
         if max_length <= self.lead:
             raise ValueError(
@@ -178,6 +176,16 @@ class PromptEncoder:
                     row, len(ids) - answer : len(ids)
                 ]
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _pad_id(tokenizer) -> int:
+    """The id padding fills with: the pad token, else the end-of-sequence one, else 0 (a
+    tokenizer with neither stopped the first batch with a TypeError). Any id will do:
+    padding is masked out and never scored."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return int(token)
+    return 0
 
 
 def _special_tokens(tokenizer) -> tuple[int, int]:

@@ -139,6 +139,21 @@ def test_a_tokenizer_that_appends_its_end_token_keeps_its_start_token_and_drops_
     assert eos not in [token for *_, token, _ in rows.scored]
 
 
+def test_a_tokenizer_with_neither_a_pad_nor_an_end_token_pads_its_batches():
+    """Padding is masked out and never scored, so any id fills it: the first batch stopped
+    with a TypeError (torch.full of None) after the run directory was written."""
+    from distzo.objectives import collate_choices
+
+    tokenizer = byte_level_bpe()
+    tokenizer.bos_token = tokenizer.eos_token = None
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id is None
+    encoder = PromptEncoder(tokenizer, max_length=64)
+    batch = encoder.collate([encoder.encode("It was", " great"), encoder.encode("I", " cried")])
+    assert batch["input_ids"][1, -1] == 0 and batch["attention_mask"][1, -1] == 0
+    rows = encoder.encode_choices(Example("He fell because", (" he tripped.", " I cried."), 0))
+    assert collate_choices([rows], encoder.pad_id)["input_ids"].shape[0] == 1
+
+
 def test_a_generated_answer_ends_at_the_end_of_sequence_token():
     tokenizer = byte_tokenizer()
     encoder = PromptEncoder(tokenizer, max_length=64)
