@@ -46,8 +46,10 @@ class PromptEncoder:
     def _ids(self, text: str) -> list[int]:
         """``text``'s tokens with the tokenizer's leading special ones, less its trailing
         ones (Llama's ``</s>`` with ``add_eos_token``): a prompt ends where its continuation
-        or its decoding starts, and a candidate is scored on its own tokens."""
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        or its decoding starts, and a candidate is scored on its own tokens. Quiet about
+        the tokenizer's ``model_max_length``: its warning of "indexing errors" is false
+        here, where ``max_length`` cuts (and the run counts the rows it cuts)."""
+        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
         return ids[: len(ids) - self.trail]
 
     def _keep(self, ids: list[int], budget: int) -> list[int]:

@@ -78,3 +78,15 @@ def test_the_run_warns_of_the_cut_rows_before_it_trains(tmp_path, caplog):
             trainer.build()
     warned = [r.getMessage()[:35] for r in caplog.records if r.levelname == "WARNING"]
     assert warned == ["--train-file: 1 of 2 rows are longe", "--eval-file: 1 of 2 rows are longer"]
+
+
+def test_the_tokenizers_own_length_warning_stays_quiet(capfd, caplog):
+    """Past ``model_max_length`` transformers warns that the sequence "will result in
+    indexing errors": false where the encoder cuts it (and the run counts the cut rows)."""
+    tokenizer = byte_tokenizer()
+    tokenizer.model_max_length = 16
+    encoder = PromptEncoder(tokenizer, max_length=16)
+    with caplog.at_level("WARNING"):
+        ids, answer = encoder.encode("a prompt well past the limit", " great")
+    assert len(ids) == 16 and answer == 6
+    assert "indexing errors" not in capfd.readouterr().err + caplog.text
