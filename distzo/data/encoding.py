@@ -46,11 +46,15 @@ class PromptEncoder:
     def _ids(self, text: str) -> list[int]:
         """``text``'s tokens with the tokenizer's leading special ones, less its trailing
         ones (Llama's ``</s>`` with ``add_eos_token``): a prompt ends where its continuation
-        or its decoding starts, and a candidate is scored on its own tokens. Quiet about
-        the tokenizer's ``model_max_length``: its warning of "indexing errors" is false
-        here, where ``max_length`` cuts (and the run counts the rows it cuts)."""
-        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        or its decoding starts, and a candidate is scored on its own tokens."""
+        ids = self._all_ids(text)
         return ids[: len(ids) - self.trail]
+
+    def _all_ids(self, text: str) -> list[int]:
+        """``text``'s tokens with every special token the tokenizer adds. Quiet about the
+        tokenizer's ``model_max_length``: its warning of "indexing errors" is false here,
+        where ``max_length`` cuts (and the run counts the rows it cuts)."""
+        return list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
 
     def _keep(self, ids: list[int], budget: int) -> list[int]:
         """At most ``budget`` tokens: the leading special ones and the last of the rest."""
@@ -74,8 +78,10 @@ class PromptEncoder:
         return len(ids), answer
 
     def encode_text(self, text: str) -> tuple[list[int], bool]:
-        """A raw text row's tokens (``encode(text, "")``), and whether the cut lost some."""
-        ids = self._ids(text)
+        """A raw text row's tokens, and whether the cut lost some: with the end token a
+        tokenizer appends (``add_eos_token``), which a causal LM learns to predict after a
+        document, as a plain causal-LM recipe (transformers' ``run_clm``) trains it."""
+        ids = self._all_ids(text)
         return self._keep(ids, self.max_length), len(ids) > self.max_length
 
     def prompt_tokens(self, prompt: str) -> int:

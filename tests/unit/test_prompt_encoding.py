@@ -137,6 +137,10 @@ def test_a_tokenizer_that_appends_its_end_token_keeps_its_start_token_and_drops_
     assert prompt[0] == bos and prompt[-1] != eos and len(prompt) == 5
     rows = encoder.encode_choices(Example("It was", (" great", " terrible"), 0))
     assert eos not in [token for *_, token, _ in rows.scored]
+    text, _ = encoder.encode_text("Cats purr.")  # a raw text row ends where its document does
+    assert text[0] == bos and text[-1] == eos
+    cut, was_cut = encoder.encode_text("Cats purr. Cats purr. Cats purr.")
+    assert was_cut and len(cut) == 8 and cut[0] == bos and cut[-1] == eos
 
 
 def test_a_tokenizer_with_neither_a_pad_nor_an_end_token_pads_its_batches():
