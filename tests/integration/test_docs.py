@@ -320,3 +320,33 @@ def test_a_memory_plan_the_pages_quote_is_what_the_job_plans_on_cpu(tmp_path, mo
         with pytest.raises(Planned) as plan:
             trainer_module.Trainer(resolve(argv)).build()
         assert str(plan.value) == line, args
+
+
+# a page's inline plan_report command and the first figure after it in its paragraph
+INLINE_PLAN = re.compile(
+    r"`python -m distzo\.job\.plan_report ([^`]+)`((?:(?!\n\n).)*?)(\d+\.\d+ [KMG]B)", re.S
+)
+
+
+def test_a_plan_report_command_in_the_prose_gives_the_device_total_it_prints(monkeypatch):
+    """A page that names a plan_report command in a sentence and then a figure quotes the
+    device total it prints (training.md's OPT-13B recipe kept 11.93 GB, an activation
+    estimate of before; the command prints 9.31 GB)."""
+    from distzo.job import plan_report
+
+    for name in ("NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_NVLS_NCHANNELS"):
+        monkeypatch.delenv(name, raising=False)  # the pages' figures are NCCL's defaults
+    quoted = [
+        (page.name, *m.group(1, 3))
+        for page in PAGES
+        for m in INLINE_PLAN.finditer(page.read_text())
+    ]
+    assert len(quoted) >= 2, quoted
+    wrong = []
+    for name, args, figure in quoted:
+        text = plan_report.report(plan_report._parser().parse_args(args.split()))
+        (line,) = [line for line in text.splitlines() if "device total" in line]
+        total = " ".join(line.split()[-2:])
+        if total != figure:
+            wrong.append(f"{name}: {figure} quoted, {total} printed by: {' '.join(args.split())}")
+    assert not wrong, wrong
