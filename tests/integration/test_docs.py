@@ -2,6 +2,7 @@
 flags that exist, and link only to files and headings that exist."""
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -350,3 +351,23 @@ def test_a_plan_report_command_in_the_prose_gives_the_device_total_it_prints(mon
         if total != figure:
             wrong.append(f"{name}: {figure} quoted, {total} printed by: {' '.join(args.split())}")
     assert not wrong, wrong
+
+
+def test_the_run_directory_names_every_field_a_step_record_holds(tmp_path):
+    """training.md lists metrics.jsonl's fields and the dashboard's ``train/*`` numbers: a
+    real record holds no field the list lacks (it lacked ``link_gb_per_s`` and
+    ``objective``, and the dashboard's list ``train/step_s``)."""
+    from distzo.job.trainer import Trainer
+
+    flags = ["--max-steps", "1", "--device", "cpu", "--log-every", "0"]
+    with Trainer(resolve([*flags, "--output-dir", str(tmp_path / "run")])) as trainer:
+        trainer.train()
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    text = (ROOT / "docs" / "training.md").read_text()
+    listed = text.split("* `metrics.jsonl`:", 1)[1].split("\n* ", 1)[0]
+    unlisted = set(record) - set(re.findall(r"`([a-z_]+)`", listed))
+    assert not unlisted, f"metrics.jsonl fields training.md does not list: {sorted(unlisted)}"
+    dashboard = text.split("## The run's dashboard", 1)[1].split("\n\n")[1]  # its first paragraph
+    numbers = {key for key, value in record.items() if isinstance(value, float)}
+    unsent = numbers - set(re.findall(r"`train/([a-z_]+)`", dashboard))
+    assert not unsent, f"train/* numbers training.md does not list: {sorted(unsent)}"
