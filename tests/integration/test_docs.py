@@ -371,3 +371,15 @@ def test_the_run_directory_names_every_field_a_step_record_holds(tmp_path):
     numbers = {key for key, value in record.items() if isinstance(value, float)}
     unsent = numbers - set(re.findall(r"`train/([a-z_]+)`", dashboard))
     assert not unsent, f"train/* numbers training.md does not list: {sorted(unsent)}"
+
+
+def test_the_python_api_names_every_field_of_a_step_result():
+    """python-api.md spells out ``StepResult(...)``: the fields the engine returns, in their
+    order (it left out ``stop``, the vote a torchrun loop stops on, and ``losses``)."""
+    from distzo.engine.engine import StepResult
+
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    (spelled,) = re.findall(r"`StepResult\(([^)]*)\)`", text)
+    assert [name.strip() for name in spelled.split(",")] == [
+        field.name for field in dataclasses.fields(StepResult)
+    ]
