@@ -383,3 +383,14 @@ def test_the_python_api_names_every_field_of_a_step_result():
     assert [name.strip() for name in spelled.split(",")] == [
         field.name for field in dataclasses.fields(StepResult)
     ]
+
+
+@pytest.mark.parametrize("page", ["docs/benchmarks.md", "benchmarks/README.md"])
+def test_the_scripts_said_to_take_quick_are_those_that_do(page):
+    """The sentence on ``--quick`` names the scripts that take it, and only those: it said
+    ``--quick`` runs each script, and model.py, pinned.py and peers.py refuse it."""
+    text = (ROOT / page).read_text().replace("\n", " ")
+    (sentence,) = [s for s in text.split(". ") if s.startswith("`--quick` runs ")]
+    named = set(re.findall(r"`(\w+\.py)`", sentence.split(";")[0]))  # those before "take no"
+    taking = {p.name for p in (ROOT / "benchmarks").glob("*.py") if '"--quick"' in p.read_text()}
+    assert named == taking, sentence
