@@ -730,7 +730,10 @@ def run_peers(
     """Every peer's runs; a broken peer ends them all with one line (SystemExit). A stop
     from outside (SIGTERM, or SIGINT: ``timeout``'s signal) ends every peer too, after
     ``done`` has written what was measured and a note of what was built and what was not."""
-    previous = signal.signal(signal.SIGTERM, terminate)
+    # SIGINT too: a shell starts a background command (`cmd &` in a script) with SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt, so `timeout --signal=INT`
+    # went unheard until its SIGKILL, which leaves no report
+    previous = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
     progress = PeerProgress([s.name for s in systems])
     runs: list[Run] = []
     live: list[PeerProcess] = []
@@ -754,7 +757,8 @@ def run_peers(
         raise SystemExit(f"peers.py: {notes[-1]}; {saved}") from None
     finally:
         kill_all(live)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def write_report(

@@ -249,12 +249,16 @@ def stop_when(proc: subprocess.Popen, says: str, timeout: float = 120) -> str:
     return "".join(seen) + rest
 
 
-def popen_harness(*args: str) -> subprocess.Popen:
+def popen_harness(*args: str, ignore_sigint: bool = False) -> subprocess.Popen:
+    """The harness; ``ignore_sigint``: started with SIGINT ignored, as a background command
+    of a script is (pytest run that way starts it so too)."""
+    handler = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
     return subprocess.Popen(
         [sys.executable, "benchmarks/peers.py", *args],
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, handler),
     )
 
 
@@ -281,13 +285,17 @@ def test_a_run_stopped_while_peers_build_says_which_were_built(tmp_path):
     assert not events(log, "request")  # the built peer never stepped alone
 
 
-def test_a_run_stopped_while_peers_step_keeps_what_they_measured(tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_run_stopped_while_peers_step_keeps_what_they_measured(tmp_path, sigint):
+    # "ignored": as a script's background command (`cmd &`) starts, where Python raises no
+    # KeyboardInterrupt; the harness then ran all 100 rounds past `timeout --signal=INT`
     log, out = tmp_path / "requests.log", tmp_path / "peers.json"
     proc = popen_harness(
         *TINY,
         "--peer", stand_in("fast", log, 1),
         "--peer", stand_in("slow", log, 300),
         "--systems", "fast,slow", "--warmup", "0", "--rounds", "100", "--out", str(out),
+        ignore_sigint=sigint == "ignored",
     )  # fmt: skip
     assert proc.stderr is not None
     while len(events(log, "reply") if log.exists() else []) < 5:  # two rounds and more
