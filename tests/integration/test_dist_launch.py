@@ -162,6 +162,23 @@ def test_sliced_equals_naive_and_holds_a_quarter_of_the_host_copy(runs):
         )  # 1/4, plus padding that aligns each of the 4 pieces per rank
 
 
+def start_two_nodes(
+    node0: list[str], node1: list[str], port: int, nproc: int = 1
+) -> list[subprocess.Popen]:
+    """Two torchrun agents of ``nproc`` ranks each, as nodes 0 and 1 of one job on this
+    machine, each started with its own command line."""
+    return [
+        subprocess.Popen(
+            torchrun_command(nproc, args, port, nnodes=2, node_rank=node, preload=True),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for node, args in enumerate((node0, node1))
+    ]
+
+
 def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tmp_path):
     port = free_port()
     args = FP64 + [
@@ -174,16 +191,7 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
         "--output-dir",
         str(tmp_path),
     ]
-    agents = [
-        subprocess.Popen(
-            torchrun_command(2, args, port, nnodes=2, node_rank=node, preload=True),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        for node in (0, 1)
-    ]
+    agents = start_two_nodes(args, args, port, nproc=2)
     outputs = [agent.communicate(timeout=180) for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in outputs]
     two_nodes = Run(tmp_path)
@@ -203,21 +211,6 @@ def test_two_nodes_form_two_shard_groups_and_follow_the_same_trajectory(runs, tm
     assert all(abs(r["host_bytes"] - half) / half < 0.05 for r in two_nodes.ranks.values())
     g_diff, param_diff = max_relative_difference(two_nodes, runs["single"])
     assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
-
-
-def start_two_nodes(node0: list[str], node1: list[str], port: int) -> list[subprocess.Popen]:
-    """Two torchrun agents of one rank each, as nodes 0 and 1 of one job on this machine,
-    each started with its own command line."""
-    return [
-        subprocess.Popen(
-            torchrun_command(1, args, port, nnodes=2, node_rank=node, preload=True),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        for node, args in enumerate((node0, node1))
-    ]
 
 
 @pytest.mark.parametrize(
