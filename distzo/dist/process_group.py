@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distzo.dist.collectives import Collectives
 from distzo.dist.launch_env import LaunchEnv
-from distzo.dist.launch_gate import await_every_rank
+from distzo.dist.launch_gate import await_every_rank, rendezvous_store
 from distzo.dist.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ def init_process_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
     attempt's keys, among them the dead ranks' addresses, which gloo would try to reach:
     each attempt's groups live under a prefix of their own in it."""
     timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = rendezvous_store(env, timeout)
     if env.world_size > 1:
         await_every_rank(store, env, timeout_s)
     dist.init_process_group(
