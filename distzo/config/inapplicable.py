@@ -1,7 +1,9 @@
 """Options given on the command line that the rest of the command makes meaningless
 (``--beta2`` with ZO-SGD, ``--lora-r`` without LoRA): named in one warning line with what
-each needs, rather than ignored silently. Not refused: a sweep script passes one set of
-flags to every run, whichever optimizer or adapter it picks."""
+each needs, rather than ignored silently, and then truly ignored (set back to their
+defaults, so no later check refuses what the warning said it ignored). Not refused: a
+sweep script passes one set of flags to every run, whichever optimizer or adapter it
+picks."""
 
 from __future__ import annotations
 
@@ -58,12 +60,15 @@ def _given_or_estimators(job: Any, option: str, default: str) -> Any:
     return getattr(estimator_for(job.optim.estimator), default)
 
 
-def inapplicable(job: Any, given: Iterable[str]) -> list[str]:
-    """What is said of each option of ``given`` (names set on the command line) that
-    ``job``, resolved from the defaults, the file and the flags, makes meaningless."""
-    said = []
-    for name in given:
-        rule = RULES.get(name)
-        if rule is not None and not rule[0](job):
-            said.append(f"--{name.replace('_', '-')} (it applies only with {rule[1]})")
-    return said
+def inapplicable(job: Any, given: Iterable[str]) -> dict[str, str]:
+    """Each option of ``given`` (names set on the command line) that ``job``, resolved from
+    the defaults, the file and the flags, makes meaningless -> what it needs."""
+    return {name: RULES[name][1] for name in given if name in RULES and not RULES[name][0](job)}
+
+
+def ignored_warning(ignored: dict[str, str]) -> str:
+    """The one warning line naming the options ``inapplicable`` found."""
+    return "ignored: " + ", ".join(
+        f"--{name.replace('_', '-')} (it applies only with {needs})"
+        for name, needs in ignored.items()
+    )

@@ -45,7 +45,7 @@ from distzo.config.engine_options import (
     engine_default,
 )
 from distzo.config.field_types import field_types, is_of_type
-from distzo.config.inapplicable import inapplicable
+from distzo.config.inapplicable import ignored_warning, inapplicable
 from distzo.dist import LaunchEnv
 from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS
@@ -741,7 +741,10 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
             setattr(getattr(config, section), f.name, args[f.name])
     ignored = inapplicable(config, [f.name for _, f in _options() if f.name in args])
     if ignored and LaunchEnv.from_environ().rank == 0:
-        logger.warning("ignored: %s", ", ".join(ignored))
+        logger.warning(ignored_warning(ignored))
+    for section, f in _options():  # ignored means ignored: no later check sees them
+        if f.name in ignored:
+            setattr(getattr(config, section), f.name, f.default)
     return config
 
 

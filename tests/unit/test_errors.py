@@ -215,6 +215,25 @@ def test_engine_refuses_sequences_longer_than_the_model_allows():
         engine.step({"input_ids": torch.randint(3, 64, (1, 65))})
 
 
+def test_a_flag_warned_as_ignored_is_not_refused_after_the_warning(caplog):
+    """The warning says the flag is ignored: the engine's own checks (LOZO's options only
+    with low-rank noise, the sliced transfer only offloaded) must not refuse it next."""
+    from distzo.config.job import resolve
+
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        argv = ["--mode", "resident", "--transfer", "sliced"]
+        job = resolve([*argv, "--lozo-rank", "3", "--lozo-interval", "7"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "--lozo-rank" in warning and "--lozo-interval" in warning
+    job.validate()
+    config = job.engine_config("cpu")
+    assert (config.lozo_rank, config.lozo_interval) == (2, 50)
+    assert job.offload.transfer == config.transfer == "auto"
+    # applicable, they are kept and reach the engine
+    config = resolve(["--estimator", "lozo", "--lozo-rank", "3"]).engine_config("cpu")
+    assert config.lozo_rank == 3
+
+
 def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
     from distzo.config.job import resolve
 

@@ -199,7 +199,7 @@ def test_an_engine_option_defaults_to_the_engine_or_to_none_that_the_job_resolve
 
 def test_the_engine_config_is_taken_from_the_sections():
     job = resolve(
-        "--eps 0.01 --lr 0.5 --num-slots 2 --mode resident --peft lora --dual-forward "
+        "--eps 0.01 --lr 0.5 --num-slots 2 --mode offload --peft lora --dual-forward "
         "--optimizer momentum --noise rademacher --seed -1 --grad-accum 2 --num-queries 3 "
         "--low-bit-master buffer --perturb-scope block".split()
     )
