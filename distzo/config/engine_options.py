@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from distzo.config.field_types import field_types, is_of_type
+from distzo.config.option_names import option_name as _n
 from distzo.zo.estimators import ESTIMATORS, Estimator, Pass, estimator_for
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
@@ -151,7 +152,8 @@ class ZOConfig:
         self._check_perturb_scope()
         if self.transfer == "sliced" and self.mode != "offload":
             raise ValueError(
-                "transfer sliced only applies to mode offload (resident blocks never travel)"
+                f"{_n('transfer')} sliced only applies to {_n('mode')} offload (resident blocks "
+                "never travel)"
             )
         self.torch_device()  # a malformed device string fails here, not mid-build
 
@@ -161,215 +163,226 @@ class ZOConfig:
             value = getattr(self, name)
             if value is not None and not abs(value) <= FLOAT32_MAX:  # inf, nan, past float32
                 raise ValueError(
-                    f"{name} must be a finite number a float32 holds, got {value}; give a "
+                    f"{_n(name)} must be a finite number a float32 holds, got {value}; give a "
                     "value such as 1e-3"
                 )
         if not self.eps > 0:
             raise ValueError(
-                f"eps must be > 0, got {self.eps}; set eps to a small positive value such as 1e-3"
+                f"{_n('eps')} must be > 0, got {self.eps}; set {_n('eps')} to a small positive "
+                "value such as 1e-3"
             )
         if self.eps < FLOAT32_TINY:  # eps * z would be 0 in float32: every g 0, nothing learns
             raise ValueError(
-                f"eps must be at least {FLOAT32_TINY:.3g} (float32's smallest normal number), got "
-                f"{self.eps}; set eps to a small positive value such as 1e-3"
+                f"{_n('eps')} must be at least {FLOAT32_TINY:.3g} (float32's smallest normal "
+                f"number), got {self.eps}; set {_n('eps')} to a small positive value such as 1e-3"
             )
         if not self.lr >= 0:
             raise ValueError(
-                f"lr must be >= 0, got {self.lr}; set lr to a non-negative value such as 1e-6"
+                f"{_n('lr')} must be >= 0, got {self.lr}; set {_n('lr')} to a non-negative value "
+                "such as 1e-6"
             )
         if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+            raise ValueError(f"{_n('weight_decay')} must be >= 0, got {self.weight_decay}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(
-                f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}"
+                f"{_n('lr_schedule')} must be one of {', '.join(SCHEDULES)}, got "
+                f"{self.lr_schedule!r}"
             )
         if self.lr_schedule == "linear" and self.max_steps is None:
             raise ValueError(
-                "lr_schedule 'linear' needs max_steps; set max_steps or use lr_schedule 'constant'"
+                f"{_n('lr_schedule')} linear needs {_n('max_steps')}; set {_n('max_steps')} or use "
+                f"{_n('lr_schedule')} constant"
             )
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ValueError(f"{_n('warmup_steps')} must be >= 0, got {self.warmup_steps}")
         if self.max_steps is not None and self.max_steps < 0:
-            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+            raise ValueError(f"{_n('max_steps')} must be >= 0, got {self.max_steps}")
 
     def _check_layout(self) -> None:
         """Where blocks live and how they travel, and the noise they draw."""
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise ValueError(f"{_n('mode')} must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.num_slots < 1:
             raise ValueError(
-                f"num_slots must be >= 1, got {self.num_slots}; use 2 or 3 to overlap transfers, 1 "
-                "for least memory"
+                f"{_n('num_slots')} must be >= 1, got {self.num_slots}; use 2 or 3 to overlap "
+                "transfers, 1 for least memory"
             )
         if self.noise_chunk < 1:
             raise ValueError(f"noise_chunk must be >= 1 element, got {self.noise_chunk}")
         if self.noise not in NOISE_KINDS:
             raise ValueError(
-                f"noise must be one of {', '.join(NOISE_KINDS)}, got {self.noise!r}; gaussian is "
-                "MeZO's z, rademacher SPSA's +-1"
+                f"{_n('noise')} must be one of {', '.join(NOISE_KINDS)}, got {self.noise!r}; "
+                "gaussian is MeZO's z, rademacher SPSA's +-1"
             )
         self._check_lowrank()
         if self.transfer not in TRANSFERS:
             raise ValueError(
-                f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}"
+                f"{_n('transfer')} must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}"
             )
         if self.transfer_dtype not in TRANSFER_DTYPE_NAMES:
             raise ValueError(
-                f"transfer_dtype must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got "
+                f"{_n('transfer_dtype')} must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got "
                 f"{self.transfer_dtype!r}"
             )
         if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
             raise ValueError(
-                f"compute_dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got "
+                f"{_n('compute_dtype')} must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got "
                 f"{self.compute_dtype!r}"
             )
         if self.transfer_dtype != "fp32" and self.mode != "offload":
             raise ValueError(
-                f"transfer_dtype {self.transfer_dtype} only applies to mode offload (resident "
-                "blocks never travel); use transfer_dtype fp32 or mode offload"
+                f"{_n('transfer_dtype')} {self.transfer_dtype} only applies to {_n('mode')} "
+                f"offload (resident blocks never travel); use {_n('transfer_dtype')} fp32 or "
+                f"{_n('mode')} offload"
             )
         if self.transfer_chunks < 1:
-            raise ValueError(f"transfer_chunks must be >= 1, got {self.transfer_chunks}")
+            raise ValueError(f"{_n('transfer_chunks')} must be >= 1, got {self.transfer_chunks}")
 
     def _check_low_bit_master(self) -> None:
         """A master placed otherwise than in one buffer needs a low-bit transfer, and one
         rebuilt for each pass a stateless update."""
         if self.low_bit_master not in LOW_BIT_MASTERS:
             raise ValueError(
-                f"low_bit_master must be one of {', '.join(LOW_BIT_MASTERS)}, got "
+                f"{_n('low_bit_master')} must be one of {', '.join(LOW_BIT_MASTERS)}, got "
                 f"{self.low_bit_master!r}"
             )
         if self.low_bit_master == "buffer":
             return
         if self.mode != "offload" or self.transfer_dtype == "fp32":
             raise ValueError(
-                f"low_bit_master {self.low_bit_master} places the float32 master of a block "
-                "that travels in a low-bit transfer_dtype; use mode offload with "
-                "transfer_dtype bf16, fp16 or fp8, or low_bit_master buffer"
+                f"{_n('low_bit_master')} {self.low_bit_master} places the float32 master of a "
+                f"block that travels in a low-bit {_n('transfer_dtype')}; use {_n('mode')} offload "
+                f"with {_n('transfer_dtype')} bf16, fp16 or fp8, or {_n('low_bit_master')} buffer"
             )
         if self.low_bit_master == "recompute" and self.stored_state:
             raise ValueError(
-                "low_bit_master recompute applies the update again for each pass, which stored "
-                "moments (Adam, optimizer_state stored) cannot take twice; use low_bit_master "
-                "buffer"
+                f"{_n('low_bit_master')} recompute applies the update again for each pass, which "
+                f"stored moments (Adam, {_n('optimizer_state')} stored) cannot take twice; use "
+                f"{_n('low_bit_master')} buffer"
             )
 
     def _check_perturb_scope(self) -> None:
         """A module-wise scratch serves passes that run alone (no batched adapters)."""
         if self.perturb_scope not in PERTURB_SCOPES:
             raise ValueError(
-                f"perturb_scope must be one of {', '.join(PERTURB_SCOPES)}, got "
+                f"{_n('perturb_scope')} must be one of {', '.join(PERTURB_SCOPES)}, got "
                 f"{self.perturb_scope!r}"
             )
         if self.perturb_scope == "module" and (self.dual_forward or self.batch_queries):
             raise ValueError(
-                "perturb_scope module perturbs a trained block's modules one pass at a time; "
-                "batched passes (dual_forward, batch_queries) train adapters: use "
-                "perturb_scope block"
+                f"{_n('perturb_scope')} module perturbs a trained block's modules one pass at a "
+                f"time; batched passes ({_n('dual_forward')}, {_n('batch_queries')}) train "
+                f"adapters: use {_n('perturb_scope')} block"
             )
 
     def _check_lowrank(self) -> None:
         """LOZO's rank and interval: positive, and set only for the noise that uses them."""
         if self.lozo_rank < 1:
             raise ValueError(
-                f"lozo_rank must be >= 1, got {self.lozo_rank}; LOZO uses 1 or 2 (default 2)"
+                f"{_n('lozo_rank')} must be >= 1, got {self.lozo_rank}; LOZO uses 1 or 2 "
+                "(default 2)"
             )
         if self.lozo_interval < 1:
             raise ValueError(
-                f"lozo_interval must be >= 1 step, got {self.lozo_interval}; LOZO keeps V for 50 "
-                "or 100 steps (default 50)"
+                f"{_n('lozo_interval')} must be >= 1 step, got {self.lozo_interval}; LOZO keeps V "
+                "for 50 or 100 steps (default 50)"
             )
         changed = [
-            f"{name} {getattr(self, name)}"
+            f"{_n(name)} {getattr(self, name)}"
             for name in ("lozo_rank", "lozo_interval")
             if getattr(self, name) != engine_default(name)
         ]
         if changed and self.noise != "lowrank":
             verb, them = ("applies", "it") if len(changed) == 1 else ("apply", "them")
             raise ValueError(
-                f"{' and '.join(changed)} only {verb} to noise lowrank (LOZO), the run draws "
-                f"{self.noise}; set noise lowrank or drop {them}"
+                f"{' and '.join(changed)} only {verb} to {_n('noise')} lowrank (LOZO), the run "
+                f"draws {self.noise}; set {_n('noise')} lowrank or drop {them}"
             )
 
     def _check_optimizer(self) -> None:
         """The update rule and its state."""
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+            raise ValueError(
+                f"{_n('optimizer')} {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}"
+            )
         if not 0 <= self.beta1 < 1:
-            raise ValueError(f"beta1 must be in [0, 1), got {self.beta1}")
+            raise ValueError(f"{_n('beta1')} must be in [0, 1), got {self.beta1}")
         if not 1 <= self.momentum_window <= MAX_MOMENTUM_WINDOW:
             raise ValueError(
-                f"momentum_window must be in [1, {MAX_MOMENTUM_WINDOW}], got "
+                f"{_n('momentum_window')} must be in [1, {MAX_MOMENTUM_WINDOW}], got "
                 f"{self.momentum_window}: each step regenerates that many steps' noise per block"
             )
         if not 0 <= self.beta2 < 1:
-            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
+            raise ValueError(f"{_n('beta2')} must be in [0, 1), got {self.beta2}")
         if not self.adam_eps > 0:
-            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}; MeZO's is 1e-8")
+            raise ValueError(f"{_n('adam_eps')} must be > 0, got {self.adam_eps}; MeZO's is 1e-8")
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
-                f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, got "
+                f"{_n('optimizer_state')} must be one of {', '.join(OPTIMIZER_STATES)}, got "
                 f"{self.optimizer_state!r}"
             )
         if self.optimizer_state == "recomputed" and self.optimizer == "adam":
             raise ValueError(
-                "optimizer_state recomputed applies to momentum only (Adam's second moment is not "
-                "linear in the noise); use optimizer_state stored for adam"
+                f"{_n('optimizer_state')} recomputed applies to momentum only (Adam's second "
+                f"moment is not linear in the noise); use {_n('optimizer_state')} stored for adam"
             )
         if self.optimizer_state == "stored" and self.optimizer == "sgd":
             raise ValueError(
-                "ZO-SGD has no optimizer state to store; choose optimizer momentum or adam"
+                f"ZO-SGD has no optimizer state to store; choose {_n('optimizer')} momentum or adam"
             )
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(
-                f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}"
+                f"{_n('state_dtype')} must be one of {', '.join(STATE_DTYPES)}, got "
+                f"{self.state_dtype!r}"
             )
         if self.state_dtype != "fp32" and not (self.stored_state and self.mode == "offload"):
             raise ValueError(
-                f"state_dtype {self.state_dtype} applies to stored optimizer state at rest in host "
-                "memory (optimizer adam, or momentum with optimizer_state stored, in mode "
-                "offload); use state_dtype fp32"
+                f"{_n('state_dtype')} {self.state_dtype} applies to stored optimizer state at rest "
+                f"in host memory ({_n('optimizer')} adam, or momentum with {_n('optimizer_state')} "
+                f"stored, in {_n('mode')} offload); use {_n('state_dtype')} fp32"
             )
 
     def _check_batching(self) -> None:
         """How a step's passes split the batch and the directions."""
         if self.grad_accum < 1:
             raise ValueError(
-                f"grad_accum must be >= 1, got {self.grad_accum}; 1 runs the whole batch at once"
+                f"{_n('grad_accum')} must be >= 1, got {self.grad_accum}; 1 runs the whole batch "
+                "at once"
             )
         if self.num_queries < 1:
             raise ValueError(
-                f"num_queries must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, more to "
-                "average directions"
+                f"{_n('num_queries')} must be >= 1, got {self.num_queries}; use 1 for MeZO's SPSA, "
+                "more to average directions"
             )
 
     def _check_estimator(self) -> None:
         """The estimator, and the options it cannot honour."""
         if self.estimator not in ESTIMATORS:
             raise ValueError(
-                f"estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}"
+                f"{_n('estimator')} must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}"
             )
         rule = self.estimator_rule
         if self.num_queries < rule.min_queries:
             raise ValueError(
-                f"estimator {self.estimator} needs num_queries >= {rule.min_queries}, got "
-                f"{self.num_queries}: sigma, the spread of its perturbed losses, is 0 for one; "
-                f"its default is {rule.default_queries}"
+                f"{_n('estimator')} {self.estimator} needs {_n('num_queries')} >= "
+                f"{rule.min_queries}, got {self.num_queries}: sigma, the spread of its perturbed "
+                f"losses, is 0 for one; its default is {rule.default_queries}"
             )
         if self.estimator == "fzoo" and self.dual_forward:
             raise ValueError(
-                "dual_forward batches each query's +eps and -eps passes, and fzoo's passes are "
-                "one-sided; drop dual_forward (batch_queries batches fzoo's perturbed passes)"
+                f"{_n('dual_forward')} batches each query's +eps and -eps passes, and fzoo's "
+                f"passes are one-sided; drop {_n('dual_forward')} ({_n('batch_queries')} batches "
+                "fzoo's perturbed passes)"
             )
         if self.estimator == "lozo" and self.noise != "lowrank":
             raise ValueError(
-                f"estimator lozo perturbs along low-rank z, got noise {self.noise}: set noise "
-                f"lowrank (the default of --estimator lozo: drop --noise), or use estimator spsa "
-                f"for {self.noise} z"
+                f"{_n('estimator')} lozo perturbs along low-rank z, got {_n('noise')} "
+                f"{self.noise}: set {_n('noise')} lowrank (the default of {_n('estimator')} lozo), "
+                f"or use {_n('estimator')} spsa for {self.noise} z"
             )
         if self.estimator == "fzoo" and self.noise == "legacy":
             raise ValueError(
-                "noise legacy replays earlier versions' SPSA runs; fzoo draws rademacher "
+                f"{_n('noise')} legacy replays earlier versions' SPSA runs; fzoo draws rademacher "
                 "(its default) or gaussian"
             )
 
@@ -420,16 +433,18 @@ class ZOConfig:
             device = torch.device(self.device)
         except RuntimeError:
             raise ValueError(
-                f"device {self.device!r} is not a torch device; use auto, cpu, cuda or cuda:N"
+                f"{_n('device')} {self.device!r} is not a torch device; use auto, cpu, cuda or "
+                "cuda:N"
             ) from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(
-                f"device {self.device!r}: distzo runs on CUDA or the CPU; use auto, cpu, cuda or "
-                "cuda:N"
+                f"{_n('device')} {self.device!r}: distzo runs on CUDA or the CPU; use auto, cpu, "
+                "cuda or cuda:N"
             )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
-                f"device {self.device!r} asked for, but CUDA is not available; use device cpu"
+                f"{_n('device')} {self.device!r} asked for, but CUDA is not available; use "
+                f"{_n('device')} cpu"
             )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -448,7 +463,7 @@ def _check_types(config: ZOConfig) -> None:
     for name, (kind, optional) in field_types(ZOConfig).items():
         value = getattr(config, name)
         if kind in _TYPE_NAMES and not (value is None and optional) and not is_of_type(value, kind):
-            raise ValueError(f"{name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+            raise ValueError(f"{_n(name)} must be {_TYPE_NAMES[kind]}, got {value!r}")
 
 
 def optimizer_record(config: ZOConfig) -> dict:

@@ -46,6 +46,7 @@ from distzo.config.engine_options import (
 )
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import ignored_warning, inapplicable
+from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv
 from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS
@@ -531,7 +532,7 @@ class JobConfig:
         """The engine's options, each taken from the one section that declares it (an unset
         one, None, keeps the engine's default), and those the job resolves from options of
         its own (``JOB_RESOLVED``): ``device``, this rank's, and the seed. ZOConfig checks
-        them all, with its own messages."""
+        them all, with its own messages, naming each option by its flag."""
         resolved: dict[str, Any] = {"device": device, "seed": self.run.engine_seed}
         owners = engine_owners()
         values = {}
@@ -548,7 +549,8 @@ class JobConfig:
             rule = estimator_for(self.optim.estimator)
             values.setdefault("noise", rule.default_noise)
             values.setdefault("num_queries", rule.default_queries)
-        return ZOConfig(**values)
+        with named_as_flags():  # its checks name --state-dtype, not state_dtype
+            return ZOConfig(**values)
 
 
 def engine_owners() -> dict[str, str]:

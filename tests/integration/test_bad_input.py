@@ -580,9 +580,12 @@ def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--noise", "lowrank", "--lozo-rank", "0"], "lozo_rank must be >= 1, got 0"),
-        (["--noise", "lowrank", "--lozo-interval", "0"], "lozo_interval must be >= 1 step"),
-        (["--lozo-rank", "1"], "lozo_rank 1 only applies to noise lowrank (LOZO), the run draws"),
+        (["--noise", "lowrank", "--lozo-rank", "0"], "--lozo-rank must be >= 1, got 0"),
+        (["--noise", "lowrank", "--lozo-interval", "0"], "--lozo-interval must be >= 1 step"),
+        (
+            ["--estimator", "lozo", "--noise", "gaussian"],
+            "--estimator lozo perturbs along low-rank z, got --noise gaussian: set --noise lowrank",
+        ),
     ],
 )
 def test_lozo_options_it_cannot_honour_are_one_line_before_any_run(tmp_path, flags, message):

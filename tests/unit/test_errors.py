@@ -90,7 +90,7 @@ def run_cli(*args):
     "args, named",
     [
         (["--eps", "0"], "eps"),
-        (["--num-slots", "0"], "num_slots"),
+        (["--num-slots", "0"], "--num-slots must be >= 1"),
         (["--lr", "-1"], "lr"),
         (["--lr", "-1e-3"], "lr must be >= 0, got -0.001"),  # not "expected one argument"
         (["--eps", "-.5E2"], "eps must be > 0"),
@@ -100,15 +100,15 @@ def run_cli(*args):
         (["--export-shard-size", "0GB"], "--export-shard-size '0GB' is not a size"),
         (["--output-dir", ""], "--output-dir is empty; give a path or leave it out"),
         (["--config", ""], "--config is empty"),
-        (["--num-queries", "0"], "num_queries"),
+        (["--num-queries", "0"], "--num-queries must be >= 1"),
         (["--seq-len", "1"], "--seq-len must be >= 2"),
         (["--seq-len", "-3"], "--seq-len must be >= 2"),
-        (["--lr", "inf"], "lr must be a finite number"),
-        (["--lr", "1e300"], "lr must be a finite number"),
-        (["--weight-decay", "inf"], "weight_decay must be a finite number"),
-        (["--eps", "nan"], "eps must be a finite number"),
+        (["--lr", "inf"], "--lr must be a finite number"),
+        (["--lr", "1e300"], "--lr must be a finite number"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+        (["--eps", "nan"], "--eps must be a finite number"),
         (["--eps", "1e-300"], "eps must be at least 1.18e-38 (float32's smallest normal"),
-        (["--optimizer", "adam", "--adam-eps", "inf"], "adam_eps must be a finite number"),
+        (["--optimizer", "adam", "--adam-eps", "inf"], "--adam-eps must be a finite number"),
         (["--seed", str(2**64)], "--seed must be -1 (draw one) or in [0, 2^63)"),
         (["--seed", "-2"], "--seed must be -1"),
         (["--dist-timeout", "0"], "--dist-timeout must be a positive number"),
@@ -267,3 +267,21 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
         "ignored: --batch-queries (it applies only with several queries a step (--num-queries "
         "2 or more))"
     )
+
+
+def test_the_engine_names_a_field_for_the_api_and_a_flag_for_the_command_line():
+    from distzo.config.job import resolve
+
+    api = "state_dtype bf16 applies to stored optimizer state at rest in host memory"
+    with pytest.raises(ValueError, match=api):
+        ZOConfig(device="cpu", state_dtype="bf16")
+    job = resolve(["--state-dtype", "bf16", "--optimizer", "momentum"])
+    with pytest.raises(ValueError) as refused:
+        job.engine_config("cpu")
+    assert str(refused.value) == (
+        "--state-dtype bf16 applies to stored optimizer state at rest in host memory "
+        "(--optimizer adam, or momentum with --optimizer-state stored, in --mode offload); "
+        "use --state-dtype fp32"
+    )
+    with pytest.raises(ValueError, match=api):  # the API's names again after the job's build
+        ZOConfig(device="cpu", state_dtype="bf16")

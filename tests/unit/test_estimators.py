@@ -195,8 +195,7 @@ def test_a_fzoo_step_runs_its_passes_and_moves_theta_by_fzoos_update():
         (
             dict(estimator="lozo", noise="gaussian"),
             "estimator lozo perturbs along low-rank z, got noise gaussian: set noise lowrank "
-            "(the default of --estimator lozo: drop --noise), or use estimator spsa for "
-            "gaussian z",
+            "(the default of estimator lozo), or use estimator spsa for gaussian z",
         ),
     ],
 )
@@ -209,8 +208,8 @@ def test_a_pairing_an_estimator_cannot_honour_is_one_line(options, message):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--num-queries", "1"], "estimator fzoo needs num_queries >= 2, got 1"),
-        (["--peft", "lora-fa", "--dual-forward"], "drop dual_forward"),
+        (["--num-queries", "1"], "--estimator fzoo needs --num-queries >= 2, got 1"),
+        (["--peft", "lora-fa", "--dual-forward"], "drop --dual-forward"),
         (["--noise", "legacy"], "noise legacy replays earlier versions' SPSA runs"),
     ],
 )
