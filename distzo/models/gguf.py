@@ -23,6 +23,8 @@ def gguf_to_hf(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from distzo.export.write_errors import safetensors_os_errors
+
     gguf_file, directory = Path(gguf_file), Path(directory)
     if (directory / "model.safetensors").is_file():
         return directory
@@ -38,7 +40,9 @@ def gguf_to_hf(
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # stored once, as the model's own save would
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        weights = staging / "model.safetensors"
+        with safetensors_os_errors(weights):  # a full disk is an OSError, as for any file
+            save_file(state, str(weights), metadata={"format": "pt"})
         if getattr(model.config, "quantization_config", None) is not None:
             # the weights written are plain floats, not GGUF blocks
             del model.config.quantization_config

@@ -96,3 +96,29 @@ def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(smollm2
         engine.step(data.batch(8, step))
     after = loss()
     assert after < before - 0.1, (before, after)
+
+
+def test_a_full_disk_converting_a_gguf_file_is_an_oserror_and_leaves_nothing(tmp_path, monkeypatch):
+    """Needs no GGUF file: the reader is a stand-in, the writer is the one that fails."""
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from distzo.models.gguf import gguf_to_hf
+    from tests.helpers.models import tiny_opt
+
+    def full_disk(*args, **kwargs):  # what safetensors raises on a full tmpfs
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny_opt())
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(OSError) as raised:
+        gguf_to_hf(gguf, tmp_path / "hf")
+    assert raised.value.errno == errno.ENOSPC
+    assert raised.value.filename.endswith("model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
