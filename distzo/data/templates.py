@@ -158,11 +158,13 @@ def _copa(row):
             words[0] = words[0].lower()
         return " ".join(words)
 
-    return _verbalized(
-        premise + conjunctions[row["question"]],
-        (lower_first(row["choice1"]), lower_first(row["choice2"])),
-        row,
-    )
+    choices = (lower_first(row["choice1"]), lower_first(row["choice2"]))
+    if choices[0].strip() == choices[1].strip():  # scored alike: the "prediction" is a tie's
+        raise ValueError(
+            f"choice1 and choice2 are the same text ({reprlib.repr(row['choice1'].strip())}); "
+            "a row needs two choices a model can tell apart"
+        )
+    return _verbalized(premise + conjunctions[row["question"]], choices, row)
 
 
 def _multirc(row):

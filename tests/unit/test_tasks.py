@@ -121,6 +121,17 @@ def test_squad_keeps_every_gold_answer():
             {"premise": "p", "question": "cause", "choice1": "a", "choice2": " ", "label": 0},
             "row 1: choice2 is empty; write the choice's text",
         ),
+        (  # was accepted: the two scored alike, the row's "prediction" was the tie's pick
+            "copa",
+            {
+                "premise": "p",
+                "question": "cause",
+                "choice1": "It rained",
+                "choice2": "it rained",
+                "label": 0,
+            },
+            "row 1: choice1 and choice2 are the same text \\('It rained'\\); a row needs two",
+        ),
         (  # was trained on " \n", and any answer of articles matched it exactly
             "squad",
             {"title": "t", "context": "c", "question": "q", "answers": ["c", ""]},
