@@ -109,6 +109,13 @@ class PromptEncoder:
             ids, answer = ids[: len(ids) - (answer - room)], room
         return self._keep(ids, self.max_length), answer
 
+    def tells_apart(self, example: Example) -> bool:
+        """Whether the candidates stay different sequences once cut to ``max_length``: two
+        whose ends the cut drops can become the same tokens, scored alike."""
+        head = self._ids(example.prompt)
+        encoded = [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
+        return len({(tuple(ids), answer) for ids, answer in encoded}) == len(encoded)
+
     def shares_prompt(self, example: Example) -> bool:
         """Every candidate is one token after the same prompt tokens: one row (the prompt)
         scores them all."""

@@ -69,6 +69,7 @@ class Cuts:
     rows: int
     cut: int = 0
     answers: int = 0
+    alike: int = 0  # of ``answers``: rows whose candidates the cut makes the same tokens
 
     def notice(self, limit: str) -> str | None:
         """One warning line, or None where nothing is cut (``limit``: the tokens, named)."""
@@ -77,6 +78,11 @@ class Cuts:
         answers = (
             f"; {self.answers} of them lose the end of their answer too" if self.answers else ""
         )
+        if self.alike:
+            answers += (
+                f", and in {self.alike} the candidates become the same tokens, which no model "
+                "can tell apart"
+            )
         return (
             f"{self.file}: {self.cut} of {self.rows} rows are longer than {limit}: they lose "
             f"tokens from the left{answers}; raise --max-length or shorten the rows"
@@ -259,7 +265,7 @@ class PromptData:
     def _cuts(self, file: str, examples: list[Example], trained: bool) -> tuple[Cuts, int]:
         """The rows of ``file`` the token limit cuts, in the sequences training (or
         evaluation) runs, and the file's longest joint sequence before any cut."""
-        encoder, longest, cut, answers = self.encoder, 0, 0, 0
+        encoder, longest, cut, answers, alike = self.encoder, 0, 0, 0, 0
         only_right = trained and self.objective == "lm"
         for e in examples:
             sizes = [encoder.measure(e.prompt, c) for c in e.continuations]
@@ -270,8 +276,10 @@ class PromptData:
                 continue
             used = [sizes[e.label]] if only_right else sizes
             cut += any(tokens > encoder.max_length for tokens, _ in used)
-            answers += any(answer > encoder.answer_room for _, answer in used)
-        return Cuts(file, len(examples), cut, answers), longest
+            lost = any(answer > encoder.answer_room for _, answer in used)
+            answers += lost
+            alike += lost and not only_right and not encoder.tells_apart(e)
+        return Cuts(file, len(examples), cut, answers, alike), longest
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)

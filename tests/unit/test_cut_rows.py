@@ -90,3 +90,18 @@ def test_the_tokenizers_own_length_warning_stays_quiet(capfd, caplog):
         ids, answer = encoder.encode("a prompt well past the limit", " great")
     assert len(ids) == 16 and answer == 6
     assert "indexing errors" not in capfd.readouterr().err + caplog.text
+
+
+def test_candidates_the_cut_makes_the_same_tokens_are_counted(tmp_path):
+    """Two COPA choices that differ only past the room left for an answer are cut to the
+    same tokens: scored alike, the row can only be a tie's pick."""
+    same_start = "the wind blew the door open and "
+    row = {"premise": "It fell.", "question": "cause", "label": 0}
+    alike = {**row, "choice1": same_start + "shut", "choice2": same_start + "stuck"}
+    apart = {**row, "choice1": "x" * 40, "choice2": "y" * 40}
+    (_, evals) = prompt_data(tmp_path, "copa", [alike], [alike, apart]).cut_notices
+    assert "2 of them lose the end of their answer too, and in 1 the candidates become the " in (
+        evals
+    )
+    assert "same tokens, which no model can tell apart; raise --max-length" in evals
+    assert prompt_data(tmp_path, "copa", [alike], [alike], max_length=80).cut_notices == ()
