@@ -41,7 +41,7 @@ from distzo.bench.kernel_profile import TRACE_SUFFIX, profile_step, write_profil
 from distzo.bench.peer_models import PEER_SHAPES, peer_config
 from distzo.bench.peer_protocol import protocol_parser, serve
 from distzo.bench.phases import step_phases
-from distzo.config.engine_options import PERTURB_SCOPES
+from distzo.config.engine_checks import PERTURB_SCOPES
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
 from distzo.job.memory_plan import plan_memory

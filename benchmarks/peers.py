@@ -69,7 +69,7 @@ from distzo.bench.peer_models import PEER_SHAPES, check_hidden, peer_dims
 from distzo.bench.peer_process import PeerError, PeerProcess, kill_all
 from distzo.bench.peer_progress import PeerProgress, await_ready
 from distzo.bench.phases import BOUND_WORDS, bound_by, describe_phases
-from distzo.config.engine_options import PERTURB_SCOPES
+from distzo.config.engine_checks import PERTURB_SCOPES
 from distzo.runtime.devices import device_name
 
 HERE = Path(__file__).resolve().parent

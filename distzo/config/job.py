@@ -29,7 +29,7 @@ from typing import Any
 
 from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpec
 from distzo.config.cli import program, takes_negative_exponents
-from distzo.config.engine_options import (
+from distzo.config.engine_checks import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
     LOW_BIT_MASTERS,
@@ -41,9 +41,8 @@ from distzo.config.engine_options import (
     STATE_DTYPES,
     TRANSFER_DTYPE_NAMES,
     TRANSFERS,
-    ZOConfig,
-    engine_default,
 )
+from distzo.config.engine_options import ZOConfig, engine_default
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import ignored_warning, inapplicable
 from distzo.config.option_names import named_as_flags

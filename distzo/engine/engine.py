@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from distzo.config.engine_options import SEED_LIMIT, ZOConfig
+from distzo.config.engine_checks import SEED_LIMIT
+from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine import state
 from distzo.engine.batches import check_batch, count_tokens, on_device

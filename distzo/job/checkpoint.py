@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from distzo.config.engine_options import OPTIMIZERS, ZOConfig, lowrank_record
+from distzo.config.engine_checks import OPTIMIZERS
+from distzo.config.engine_options import ZOConfig, lowrank_record
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.job.dcp_ranges import load_ranges

@@ -15,14 +15,14 @@ import sys
 
 import torch
 
-from distzo.config.engine_options import (
+from distzo.config.engine_checks import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
     LOW_BIT_MASTERS,
     PERTURB_SCOPES,
     TRANSFER_DTYPE_NAMES,
-    ZOConfig,
 )
+from distzo.config.engine_options import ZOConfig
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.parallel_dims import ParallelDims
 from distzo.export.hf_model import check_shard_size
