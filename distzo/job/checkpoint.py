@@ -496,17 +496,19 @@ class Checkpointer:
         if self._pending_save is not None and self._pending_save[0].done():
             self.wait()
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Complete the save in flight, if any (its errors raised here). ``timeout``: give up
-        after that many seconds (``TimeoutError``), leaving only its temporary directory,
-        which no resume reads."""
+    def wait(self) -> None:
+        """Complete the save in flight, if any (its errors raised here). Unbounded: a rank's
+        writer only writes, and its collectives run on a group with the job's timeout, so
+        a peer that died ends the wait; a bound of its own would give up (and delete) a
+        save a slow disk was completing, and the process would wait for the thread at exit
+        all the same."""
         if self._pending_save is None:
             self._quiet.close()  # an asynchronous save that failed to start
             return
         future, tmp, final = self._pending_save
         self._pending_save = None
         with _write_failure(tmp), self._quiet:
-            future.result(timeout)
+            future.result()
         self._finalize(tmp, final)
 
     @property

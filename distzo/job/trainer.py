@@ -66,9 +66,6 @@ from distzo.models.hub import quiet_hub_retries
 from distzo.models.weights import declared_stop_ids
 from distzo.objectives import Objective
 
-# How long closing a trainer waits for an asynchronous save still in flight.
-CLOSE_SAVE_TIMEOUT_S = 120.0
-
 logger = logging.getLogger("distzo.train")
 
 
@@ -454,9 +451,9 @@ class Trainer:
     def close(self) -> None:
         """Complete an asynchronous save still in flight, then close the logs (the seed log
         synced); the trainer's state stays readable. A run that fails mid-way so keeps the
-        checkpoint it had started: the state was copied when the save began. The wait is
-        bounded, so a failure that took a peer's process (whose part of the save will never
-        come) cannot hang the job. The run directory is unlocked for the next job."""
+        checkpoint it had started: the state was copied when the save began. The wait has no
+        bound of its own (``Checkpointer.wait``): a failure that took a peer's process ends
+        it within --dist-timeout. The run directory is unlocked for the next job."""
         self._close_run()
         self._release_run_dir()
 
@@ -464,7 +461,7 @@ class Trainer:
         checkpointer = getattr(self, "checkpointer", None)  # None before build
         if checkpointer is not None and checkpointer.in_flight:
             try:
-                checkpointer.wait(timeout=CLOSE_SAVE_TIMEOUT_S)
+                checkpointer.wait()
             except Exception as exc:  # noqa: BLE001 - the failure already under way wins
                 logger.warning("the checkpoint being written could not be completed: %s", exc)
         if self.logs is not None:

@@ -136,3 +136,29 @@ def test_a_closed_trainer_says_so_when_trained_again(tmp_path):
         trainer.train()
     with pytest.raises(RuntimeError, match="run is closed after 1 steps; make a new Trainer"):
         trainer.train()
+
+
+def test_a_failed_run_completes_a_save_however_long_its_write_takes(tmp_path, monkeypatch):
+    """Closing a failed run waited 120 s for the save in flight, then deleted its
+    ``step-N.tmp`` while the writer was still in it: a large model on a slow disk lost the
+    checkpoint, and the process waited for the writer's thread at exit all the same. Here
+    the bound (where it still exists) is cut to a fraction of the write."""
+    import time
+
+    from distzo.job import checkpoint
+    from distzo.job import trainer as trainer_module
+
+    write_data = checkpoint.HostStateWriter.write_data
+
+    def slow(self, plan, planner):  # a write longer than the old bound
+        time.sleep(1.0)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(checkpoint.HostStateWriter, "write_data", slow)
+    monkeypatch.setattr(trainer_module, "CLOSE_SAVE_TIMEOUT_S", 0.1, raising=False)
+    run = tmp_path / "run"
+    failing = Trainer(job(run, "--save-steps", "4"), callbacks=[StopAt(5)])
+    with failing, pytest.raises(RuntimeError, match="stopped at step 5"):
+        failing.train()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
+    assert not (run / ".distzo.lock").exists()
