@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
+from typing import NoReturn
 
 from distzo.config.cli import fail, write_failure
 from distzo.config.job import resolve
@@ -36,6 +37,7 @@ from distzo.dist.failure_report import (
     recorded,
     report_peer_failure,
 )
+from distzo.job.checkpoint import saves_being_written
 from distzo.job.divergence import EXIT_DIVERGED, Diverged
 from distzo.job.preemption import EXIT_INTERRUPTED, Preempted, StopSignals
 from distzo.job.trainer import Trainer, TrainerCallback
@@ -55,10 +57,24 @@ def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = (
     """Run the job the command line describes; the process's exit code: 0, 2 for bad input
     (one line on stderr), ``EXIT_DIVERGED`` (1) at a non-finite loss, ``EXIT_PREEMPTED``
     after a preemption notice, ``EXIT_INTERRUPTED`` after Ctrl-C (a second one included,
-    reported in one line rather than a traceback). Under torchrun every non-zero exit leaves
-    its reason in torchrun's error file (``distzo.dist.failure_report``)."""
+    reported in one line rather than a traceback, and ending the process at once even while a
+    checkpoint is being written). Under torchrun every non-zero exit leaves its reason in
+    torchrun's error file (``distzo.dist.failure_report``)."""
     code = recorded(_main)(argv, callbacks)
-    return 0 if code is None else code
+    code = 0 if code is None else code
+    if saves_being_written():  # abandoned by a second Ctrl-C: its step-N.tmp never counts
+        _exit_at_once(code)
+    return code
+
+
+def _exit_at_once(code: int) -> NoReturn:
+    """End the process with ``code`` without waiting for a checkpoint's writer thread, which
+    the interpreter joins at exit (minutes for a large model) though no one completes its
+    save: a second Ctrl-C promised to stop at once. Logs and streams are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _main(argv: list[str] | None, callbacks: Iterable[TrainerCallback]) -> int:

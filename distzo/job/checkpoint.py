@@ -26,6 +26,7 @@ import logging
 import re
 import shutil
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -60,6 +61,17 @@ def _without_single_process_note() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE, category=UserWarning)
         yield
+
+
+# Every asynchronous save's future, while anything holds it (its writer thread does until
+# it ends): what ``saves_being_written`` asks.
+_ASYNC_SAVES: weakref.WeakSet[Future] = weakref.WeakSet()
+
+
+def saves_being_written() -> bool:
+    """Whether a writer thread of this process is still writing an asynchronous save: one
+    left behind by a second Ctrl-C, which no ``Checkpointer`` will complete."""
+    return any(not future.done() for future in _ASYNC_SAVES)
 
 
 def _complete(directory: Path) -> list[tuple[int, Path]]:
@@ -480,6 +492,7 @@ class Checkpointer:
                 )
             # A stager that returns the state itself (no future) gets the upload's future.
             assert isinstance(future, Future)
+            _ASYNC_SAVES.add(future)
             self._pending_save = (future, tmp, final)
         else:
             with _write_failure(tmp), _without_single_process_note():

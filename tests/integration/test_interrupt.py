@@ -103,3 +103,60 @@ def test_a_second_ctrl_c_on_one_of_two_ranks_ends_the_job_without_a_hang(tmp_pat
     assert "[rank0] ERROR distzo.train: interrupted at once by SIGINT" in proc.stderr
     assert "exitcode: 130) local_rank: 0" in proc.stderr
     assert not (out / "checkpoints").exists() and not (out / "export").exists()
+
+
+# The job of ``python -m distzo.train ARGS`` whose asynchronous save of step 2 takes a minute
+# to write, with Ctrl-C pressed twice meanwhile: once as the save starts, once while the
+# stopping run waits for it. It prints when it sent the second.
+_CTRL_C_TWICE_IN_A_SAVE = """
+import os, signal, sys, threading, time
+from distzo.job import checkpoint
+from distzo.job.trainer import TrainerCallback
+from distzo.train import main
+
+write_data = checkpoint.HostStateWriter.write_data
+def slow(self, plan, planner):
+    time.sleep(60)
+    return write_data(self, plan, planner)
+checkpoint.HostStateWriter.write_data = slow
+
+def second():
+    print("second Ctrl-C", time.monotonic(), flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+
+class CtrlCTwice(TrainerCallback):
+    def on_save(self, trainer, step, asynchronous):
+        signal.raise_signal(signal.SIGINT)
+        threading.Timer(0.5, second).start()
+
+sys.exit(main(sys.argv[1:], callbacks=[CtrlCTwice()]))
+"""
+
+
+def test_a_second_ctrl_c_while_a_save_is_written_ends_the_process_at_once(tmp_path):
+    # The interpreter joined the writer's thread at exit: after the one line saying it
+    # stopped at once, the process went on for as long as the write took.
+    import time
+
+    out = tmp_path / "run"
+    flags = ["--max-steps", "6", "--save-steps", "2", "--log-every", "0", "--output-dir"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_TWICE_IN_A_SAVE, *flags, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "interrupted at once by SIGINT: "
+            "nothing saved since the last checkpoint; --resume goes on from it and the seed log"
+        )
+    )
+    sent = float(proc.stdout.split("second Ctrl-C ")[1].split()[0])
+    assert ended - sent < 20, f"the process ended {ended - sent:.0f} s after the second Ctrl-C"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-2.tmp"]  # never counts
