@@ -48,6 +48,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _close_quietly(seeds: SeedLogWriter) -> None:
+    """Close the seed log of logs that failed to open: the failure under way is the one to
+    report, not a second one of the same disk."""
+    with contextlib.suppress(OSError):
+        seeds.close()
+
+
 class RunLogs:
     """metrics.jsonl, eval.jsonl (in ``log_dir``) and the seed log (in ``run_dir``), each
     record also sent to the dashboard (``reporter``) when there is one."""
@@ -83,16 +90,25 @@ class RunLogs:
         # evaluated it (for the flush): a record the log already holds is not repeated.
         evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
         self.kept_evals = {r["step"] for r in evals}
-        self.files = {name: open(path, "a") for name, path in self.paths.items() if name != "seeds"}
-        self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
         self.closed = False
-        if headerless:
-            first = {"first_step": resume_step} if resume_step else {}
-            self.write("seeds", {"kind": "header", **header, **first})
-        if reporter is not None and reporter.purges and resume_step:
-            for record in evals:  # the purge took the kept evaluation of the resumed step too
-                if record["step"] >= resume_step:
-                    self._report("eval", record)
+        # A failure from here (the header on a full disk) closes what was opened: the seed
+        # log's syncer thread holds its file, and a Trainer retried in process kept both.
+        with contextlib.ExitStack() as opened:
+            self.files = {}
+            for name, path in self.paths.items():
+                if name != "seeds":
+                    self.files[name] = open(path, "a")
+                    opened.callback(self.files[name].close)
+            self.seeds = SeedLogWriter(self.paths["seeds"], sync_every)
+            opened.callback(_close_quietly, self.seeds)
+            if headerless:
+                first = {"first_step": resume_step} if resume_step else {}
+                self.write("seeds", {"kind": "header", **header, **first})
+            if reporter is not None and reporter.purges and resume_step:
+                for record in evals:  # the purge took the kept evaluation of the resumed step
+                    if record["step"] >= resume_step:
+                        self._report("eval", record)
+            opened.pop_all()  # open until close()
 
     def write(self, name: str, record: dict[str, Any]) -> None:
         """Append ``record`` to the log ``name`` (metrics, eval or seeds)."""

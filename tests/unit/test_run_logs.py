@@ -32,3 +32,32 @@ def test_a_resumed_run_reports_each_step_once_with_the_values_it_kept(tmp_path):
     assert lrs == [(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.5), (4, 0.5)]  # steps 2, 3 were twice
     assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == list(range(5))
     assert [e.step for e in events.Scalars("eval/loss")] == [2]  # the kept one, not purged
+
+
+def test_logs_that_fail_to_open_leave_no_thread_nor_file_open(tmp_path, monkeypatch):
+    # The seed log's header on a full disk: its syncer thread, which holds the file, was
+    # left running, one more with each Trainer retried in the same process.
+    import os
+    import threading
+    from pathlib import Path
+
+    from distzo.job import seed_log
+
+    def full(path, mode="r"):  # the kernel's full disk
+        return open("/dev/full" if Path(path).name == "seedlog.jsonl" else path, mode)
+
+    def open_files() -> list[str]:
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor
+                pass
+        return [n for n in names if n == "/dev/full" or n.startswith(str(tmp_path))]
+
+    monkeypatch.setattr(seed_log, "open", full, raising=False)
+    threads, files = set(threading.enumerate()), open_files()
+    with pytest.raises(OSError, match="No space left on device"):
+        RunLogs(tmp_path, tmp_path, 0, {"seed": 0})
+    assert [t.name for t in set(threading.enumerate()) - threads] == []
+    assert open_files() == files
