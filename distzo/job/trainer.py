@@ -128,6 +128,7 @@ class Trainer:
         self.claim: RunClaim | None = None  # the run directory, from build() to close()
         self.built = False
         self.closed = False  # its logs closed: a finished or failed run, or close()
+        self._caller_threads: int | None = None  # torch's CPU threads before the run set them
 
     # -- building
 
@@ -203,6 +204,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         elif self.threads is not None:  # resolved by validate: --threads, OMP_NUM_THREADS or 1
             count, why = self.threads
+            self._caller_threads = torch.get_num_threads()  # given back when the run closes
             torch.set_num_threads(count)
             logger.info("CPU threads per rank: %d (%s)", count, why)
 
@@ -453,7 +455,8 @@ class Trainer:
         synced); the trainer's state stays readable. A run that fails mid-way so keeps the
         checkpoint it had started: the state was copied when the save began. The wait has no
         bound of its own (``Checkpointer.wait``): a failure that took a peer's process ends
-        it within --dist-timeout. The run directory is unlocked for the next job."""
+        it within --dist-timeout. The run directory is unlocked for the next job, and
+        torch's CPU thread count (``--threads``) is the caller's again."""
         self._close_run()
         self._release_run_dir()
 
@@ -466,6 +469,9 @@ class Trainer:
                 logger.warning("the checkpoint being written could not be completed: %s", exc)
         if self.logs is not None:
             self.logs.close()
+        if self._caller_threads is not None:  # the process's count is the caller's again
+            torch.set_num_threads(self._caller_threads)
+            self._caller_threads = None
         self.closed = True
 
     def __enter__(self) -> Trainer:

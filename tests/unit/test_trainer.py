@@ -76,7 +76,8 @@ def test_a_trainer_runs_in_process_and_resumes_onto_the_uninterrupted_weights(tm
 def test_a_cpu_run_takes_one_thread_unless_told(
     tmp_path, monkeypatch, caplog, flags, environ, threads
 ):
-    # PyTorch's own default is every core; a CPU run sets its count before any model.
+    # PyTorch's own default is every core; a CPU run sets its count before any model, and
+    # gives the caller's back when it closes (a notebook's later work ran on one thread).
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
@@ -89,6 +90,7 @@ def test_a_cpu_run_takes_one_thread_unless_told(
         ):
             trainer.build()
             assert torch.get_num_threads() == threads
+        assert torch.get_num_threads() == 4  # the caller's count again once closed
     finally:
         torch.set_num_threads(before)
     logged = [r.getMessage() for r in caplog.records if "CPU threads" in r.getMessage()]
