@@ -128,6 +128,7 @@ class Trainer:
         self.claim: RunClaim | None = None  # the run directory, from build() to close()
         self.built = False
         self.closed = False  # its logs closed: a finished or failed run, or close()
+        self.failed = False  # train() raised: a new Trainer goes on (resume=yes)
         self._caller_threads: int | None = None  # torch's CPU threads before the run set them
 
     # -- building
@@ -269,15 +270,19 @@ class Trainer:
         evaluation. ``signals``: a preemption notice or Ctrl-C stops every rank after the
         same step (``Preempted``); a non-finite loss or ``g`` stops every rank at that step,
         which is not kept (``Diverged``)."""
-        if self.closed:
+        if self.closed or self.failed:
+            # A run that failed mid-way would go on from its first step with the engine
+            # where it stopped: every step logged twice, the weights trained further.
+            state = "is closed" if self.closed else "failed"
             raise RuntimeError(
-                f"this Trainer's run is closed after {self.step} steps; make a new Trainer "
+                f"this Trainer's run {state} after {self.step} steps; make a new Trainer "
                 "(resume=yes goes on from its checkpoint)"
             )
         self.build()
         try:
             return self._train(signals)
         except BaseException:
+            self.failed = True
             # A failed run's directory is the next job's to resume; with a save still being
             # written, once close() has completed it.
             if not self.checkpointer.in_flight:

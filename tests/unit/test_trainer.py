@@ -133,6 +133,18 @@ def test_a_checkpoint_is_published_only_after_the_seed_log_reaches_it(
     assert all(synced >= steps for steps, synced in published), published
 
 
+def test_a_failed_trainer_says_so_when_trained_again(tmp_path):
+    # It trained again from its first step with the engine where it had stopped: the seed
+    # log held steps 0-1 twice and the engine ended 2 steps past --max-steps.
+    failing = Trainer(job(tmp_path / "run", "--max-steps", "3"), callbacks=[StopAt(2)])
+    with failing:
+        with pytest.raises(RuntimeError, match="stopped at step 2"):
+            failing.train()
+        with pytest.raises(RuntimeError, match="run failed after 2 steps; make a new Trainer"):
+            failing.train()
+    assert failing.engine.step_index == 2
+
+
 def test_a_closed_trainer_says_so_when_trained_again(tmp_path):
     with Trainer(job(tmp_path / "run", "--max-steps", "1")) as trainer:
         trainer.train()
