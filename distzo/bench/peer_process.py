@@ -54,6 +54,11 @@ class PeerProcess:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                # A byte that is not UTF-8 (a library's message, a path) must not end a
+                # reader thread: the replies would never come, or a full stderr pipe
+                # would block the peer.
+                encoding="utf-8",
+                errors="replace",
                 bufsize=1,
                 env=env,
                 start_new_session=True,
