@@ -102,13 +102,17 @@ class SeedLogWriter:
         self._unsynced = 0
 
     def close(self) -> None:
+        """Stop the syncer, sync, close; a failed sync is raised with the file closed all
+        the same (the run's logs are closed once, so it would stay open)."""
         self._closing = True
         self._due.set()
         self._syncer.join()
-        with names_file(self.path):
-            self._raise_failed_sync()
-        self.sync()
-        self._file.close()
+        try:
+            with names_file(self.path):
+                self._raise_failed_sync()
+            self.sync()
+        finally:
+            self._file.close()
 
 
 def read_seed_log(path: Path) -> tuple[dict, list[dict]]:

@@ -58,3 +58,22 @@ def test_a_failed_sync_is_raised_by_the_next_write(tmp_path, monkeypatch):
     writer._syncer.join(timeout=0.5)  # give the syncer time to record its failure
     with pytest.raises(OSError, match="No space left"):
         writer.write({"step": 0, "projected_grads": [0.0], "lr": 1e-3})
+
+
+def test_close_raises_a_failed_sync_with_the_file_closed(tmp_path, monkeypatch):
+    # The failure was raised before the file was closed, and the run's logs close once.
+    failed = threading.Event()
+
+    def failing_syncer(fd: int) -> None:
+        if threading.current_thread().name == "seedlog-fsync":
+            failed.set()
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(seed_log.os, "fsync", failing_syncer)
+    writer = SeedLogWriter(tmp_path / "seedlog.jsonl", sync_every=1)
+    writer.write({"kind": "header"})
+    assert failed.wait(timeout=10)
+    writer._syncer.join(timeout=0.5)  # give the syncer time to record its failure
+    with pytest.raises(OSError, match="Input/output error"):
+        writer.close()
+    assert writer._file.closed
