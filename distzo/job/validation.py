@@ -20,6 +20,7 @@ from distzo.config.job import JobConfig, expand_home
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
+from distzo.dist.collectives import initialized
 from distzo.export.hf_model import check_shard_size
 from distzo.export.out_dir import nearest_existing
 from distzo.job.build import default_model_config, token_positions
@@ -130,8 +131,22 @@ def resumed_noise(job: JobConfig, config: ZOConfig) -> ZOConfig:
     return dataclasses.replace(config, noise=drawn)
 
 
+def check_one_group(env: LaunchEnv) -> None:
+    """A launched process trains one job: the process group is the job's, and a second
+    group of the same torchrun attempt would meet the first one's keys in its store. A
+    second Trainer there (a sweep under torchrun) failed in build, in torch's words
+    ("trying to initialize the default process group twice!")."""
+    if env.launched and initialized():
+        raise ValueError(
+            "this process already joined a process group (an earlier Trainer's, or the "
+            "script's own): under torchrun a process trains one job; launch each run with "
+            "a torchrun of its own"
+        )
+
+
 def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     """Check and resolve ``job`` in place (its config.toml records the resolved values)."""
+    check_one_group(env)
     lr_defaulted = job.optim.lr is None
     expand_home(job)
     resolve_defaults(job)

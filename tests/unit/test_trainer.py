@@ -176,3 +176,19 @@ def test_a_failed_run_completes_a_save_however_long_its_write_takes(tmp_path, mo
         failing.train()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
     assert not (run / ".distzo.lock").exists()
+
+
+def test_a_second_trainer_in_a_launched_process_is_refused_in_one_line(tmp_path):
+    # Under torchrun, a second Trainer in the same process failed in build, with torch's
+    # "trying to initialize the default process group twice!".
+    import torch.distributed as dist
+
+    from distzo.dist import LaunchEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="under torchrun a process trains one job"):
+            Trainer(job(tmp_path / "run"), env=LaunchEnv(launched=True))
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "run").exists()
