@@ -215,7 +215,8 @@ class Bench:
         batch = self.batches[point]
         local = parallel.shard_batch(batch)
         tokens = batch["input_ids"].numel()  # the global batch: every layout does the same work
-        engine.step(local)  # warm-up (allocator, first uploads)
+        items = engine.objective.num_items(batch)  # a dp share's losses divide by the global count
+        engine.step(local, num_items=items)  # warm-up (allocator, first uploads)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         # On CPU the activations are host memory: the growth of RSS over the timed steps.
@@ -224,7 +225,7 @@ class Bench:
         for _ in range(self.args.steps):
             synchronize(self.device)
             start = time.perf_counter()
-            engine.step(local)
+            engine.step(local, num_items=items)
             synchronize(self.device)
             samples.append(time.perf_counter() - start)
         timer = Timer(samples)
@@ -239,7 +240,7 @@ class Bench:
             metrics["step_extra_rss_gb"] = (peak_rss_bytes() - rss_before) / 1e9
         if self.device.type == "cuda":
             metrics["peak_device_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
-        metrics.update(block_phases(engine, local))
+        metrics.update(block_phases(engine, local, num_items=items))
         params = {
             "shape": self.args.shape,
             "layers": self.config.num_hidden_layers,

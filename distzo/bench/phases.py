@@ -35,17 +35,22 @@ PHASES = ("upload", "compute", "offload")
 
 
 def block_phases(
-    engine: Any, batch: Mapping[str, torch.Tensor], repeats: int = 1
+    engine: Any,
+    batch: Mapping[str, torch.Tensor],
+    repeats: int = 1,
+    num_items: int | None = None,
 ) -> dict[str, float]:
     """One step's mean upload, compute and offload per block (ms), the least time the host
     took to queue a block's compute (its launches), the stream model's period per block
     and the measured one, eta = the longest phase / the measured period (1: the longest
     phase hides the other two), and the step's time outside the blocks: the prologue
     (embedding, the resident bucket's perturbation) and the rest (the head, the loss, the
-    host's bookkeeping). Of ``repeats`` steps, the one of the median step time."""
+    host's bookkeeping). Of ``repeats`` steps, the one of the median step time.
+    ``num_items``: the global batch's count, for a data-parallel share (``engine.step``)."""
     if repeats < 1:
         raise ValueError(f"phases need at least one step, got repeats={repeats}")
-    measured = sorted((_timeline_step(engine, batch) for _ in range(repeats)), key=_step_ms)
+    steps = (_timeline_step(engine, batch, num_items) for _ in range(repeats))
+    measured = sorted(steps, key=_step_ms)
     return measured[(len(measured) - 1) // 2]
 
 
@@ -53,13 +58,15 @@ def _step_ms(phases: Mapping[str, float]) -> float:
     return phases["step_ms"]
 
 
-def _timeline_step(engine: Any, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def _timeline_step(
+    engine: Any, batch: Mapping[str, torch.Tensor], num_items: int | None
+) -> dict[str, float]:
     scheduler = engine.scheduler
     scheduler.timeline = Timeline(engine.streams)
     try:
         synchronize(engine.device)
         start = time.perf_counter()
-        engine.step(batch)
+        engine.step(batch, num_items=num_items)
         synchronize(engine.device)
         step_ms = (time.perf_counter() - start) * 1e3
         spans = scheduler.timeline.spans()

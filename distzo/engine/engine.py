@@ -252,10 +252,11 @@ class ZOEngine:
         ``lm``: ``input_ids``, optional ``attention_mask``/``labels``).
 
         ``num_items`` is what the objective averages over (label tokens, examples) in the
-        *global* batch; it defaults to this batch's, which is right in one process.
-        ``stop``: this rank's vote to stop after this step, carried by the step's one
-        all-reduce, so every rank learns in the same step whether any rank voted
-        (``StepResult.stop``): ranks that got a signal at different moments stop together.
+        *global* batch; it defaults to this batch's, which is right without data
+        parallelism, and must be given under it (dp > 1: refused otherwise). ``stop``:
+        this rank's vote to stop after this step, carried by the step's one all-reduce,
+        so every rank learns in the same step whether any rank voted (``StepResult.stop``):
+        ranks that got a signal at different moments stop together.
         """
         return self._finish_step(*self._queue_step(batch, num_items, stop))
 
@@ -271,7 +272,7 @@ class ZOEngine:
             check_objective_batch(batch)
         self._check_batch(batch, getattr(self.objective, "batch_dims", 2))  # a choice one's: 3
         num_tokens, _ = count_tokens(batch)
-        num_items = self.objective.num_items(batch) if num_items is None else num_items
+        num_items = self._global_items(batch, num_items)
         if num_items <= 0:
             raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
         with self._guard(), torch.no_grad():
@@ -288,6 +289,22 @@ class ZOEngine:
                     vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
                 read = self.parallel.comm.read_later(vector)  # queued on the compute stream
         return t, lr, num_tokens, read
+
+    def _global_items(self, batch: Mapping[str, torch.Tensor], num_items: int | None) -> int:
+        """What the losses are divided by: ``num_items`` as given, else this batch's count,
+        which is the global batch's only without data parallelism. Under ``dp`` ranks each
+        share divided by its own count would add up to ``dp`` times the mean in the
+        all-reduce, a silently larger loss and ``g``, so the count must be given."""
+        if num_items is not None:
+            return num_items
+        dp = self.parallel.dims.dp
+        if dp > 1:
+            raise ValueError(
+                f"step: under data parallelism (dp {dp}) each rank holds a share of the "
+                "batch; pass num_items, the global batch's count (label tokens or examples: "
+                "engine.objective.num_items(global_batch))"
+            )
+        return self.objective.num_items(batch)
 
     def _finish_step(
         self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]

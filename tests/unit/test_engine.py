@@ -282,3 +282,21 @@ def test_a_failed_pass_makes_the_engine_refuse_to_continue(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="unusable"):
         engine.step(random_batch(64))
+
+
+def test_a_data_parallel_step_without_the_global_count_is_refused():
+    """Under dp ranks each share divided by its own count would add up to dp times the
+    global mean in the all-reduce: the default count is one process's only."""
+    from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
+
+    parallel = ParallelContext(
+        LaunchEnv(rank=0, world_size=2, local_world_size=2),
+        ParallelDims(2, 1),
+        comm=Collectives(torch.device("cpu")),
+    )
+    model = tiny_opt(seed=0)
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0), parallel=parallel)
+    batch = parallel.shard_batch(random_batch(model.config.vocab_size, batch=4))
+    with pytest.raises(ValueError, match=r"^step: under data parallelism \(dp 2\).*num_items"):
+        engine.step(batch)
+    assert engine.step_index == 0
