@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
-from distzo.dist import ParallelContext
+from distzo.dist import ParallelContext, broadcast_seed
 from distzo.engine import state
 from distzo.engine.batches import check_batch, count_tokens, on_device
 from distzo.engine.build import make_noise, resolve_transfer
@@ -136,7 +136,8 @@ class ZOEngine:
     ``parallel`` places this rank in a torchrun job (DistZO2): which perturbed passes it
     runs, the all-reduce that gives every rank the same g, and the node-local group that
     shares one host copy of the blocks. ``run_seed`` must be equal on every rank (the
-    trainer broadcasts it); it defaults to ``config.seed``, else a random draw.
+    trainer broadcasts it); it defaults to ``config.seed``, else a random draw (rank 0's,
+    broadcast to every rank under torchrun).
     ``weights`` fills the buckets, one at a time, for a model whose parameters are still on
     the meta device (streaming load, random init of large shapes); without it the model's
     own parameter values are packed. ``objective`` is what a step minimises (default: the
@@ -206,9 +207,7 @@ class ZOEngine:
         self.step_passes = config.step_passes()  # every pass of a step, in loss-vector order
         self.passes = self.parallel.own_passes(self.step_passes)  # (query, sign) this rank runs
         self.transfer = resolve_transfer(config, self.device, self.parallel)
-        if run_seed is None:
-            run_seed = config.seed if config.seed is not None else secrets.randbits(63)
-        self.run_seed = int(run_seed)
+        self.run_seed = self._run_seed(run_seed, config.seed)
         if not 0 <= self.run_seed < SEED_LIMIT:
             raise ValueError(f"run_seed must be in [0, 2^63), got {self.run_seed}")
         self.step_index = 0
@@ -242,6 +241,17 @@ class ZOEngine:
         self.reader = BucketReader(self.streams, self.parallel)
         self.tuning.init_prefixes(self.forward, self.streams, self.store, self.block_layouts)
         logger.info(describe(self, parts.compute_dtype))
+
+    def _run_seed(self, run_seed: int | None, config_seed: int | None) -> int:
+        """``run_seed``, else ``config.seed``, else a random draw: rank 0's, broadcast
+        under torchrun. Ranks drawing their own would perturb along different ``z`` (a
+        PertP pair's ``L+`` and ``L-`` of two directions) and their weights would part."""
+        seed = run_seed if run_seed is not None else config_seed
+        if seed is not None:
+            return int(seed)
+        if self.parallel.is_distributed:
+            return broadcast_seed(None, self.parallel.comm)
+        return secrets.randbits(63)
 
     # ------------------------------------------------------------------ the step
 

@@ -1,0 +1,32 @@
+"""A ZOEngine built under torchrun without a seed draws one seed for the whole job."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from tests.helpers.launch import child_env, free_port
+
+
+def test_an_engine_without_a_seed_takes_rank_0s_draw_on_every_rank(tmp_path):
+    # Each rank drawing its own would perturb along its own z: a PertP pair's L+ and L-
+    # of two directions (a g of 1e4) and weights that part after the first update.
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "tests.helpers.engine_seed_probe",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert records[0]["run_seed"] == records[1]["run_seed"]
+    assert abs(records[0]["g"]) < 100, records  # a directional derivative, not noise
+    weights = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
