@@ -205,6 +205,8 @@ class ZOEngine:
         self.parallel = parallel if parallel is not None else ParallelContext.single(self.device)
         self.estimator = config.estimator_rule
         self.step_passes = config.step_passes()  # every pass of a step, in loss-vector order
+        # a pert rank with none of them would fail deep in the build: refused in one line
+        self.parallel.dims.check_passes(config.estimator, config.num_queries)
         self.passes = self.parallel.own_passes(self.step_passes)  # (query, sign) this rank runs
         self.transfer = resolve_transfer(config, self.device, self.parallel)
         self.run_seed = self._run_seed(run_seed, config.seed)
