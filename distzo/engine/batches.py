@@ -4,6 +4,7 @@ tensors on the device."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -20,6 +21,25 @@ def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     if labels is not None:
         return tokens, int((labels[..., 1:] != -100).sum())
     return tokens, int(mask[..., 1:].sum()) if mask is not None else input_ids[..., 1:].numel()
+
+
+def global_items(
+    objective: Any, batch: Mapping[str, torch.Tensor], num_items: int | None, dp: int
+) -> int:
+    """What a step's losses are divided by: ``num_items`` as given, else this batch's count
+    (``objective.num_items``), which is the global batch's only without data parallelism.
+    Under ``dp`` ranks each share divided by its own count would add up to ``dp`` times
+    the mean in the all-reduce, a silently larger loss and ``g``, so the count must be
+    given."""
+    if num_items is not None:
+        return num_items
+    if dp > 1:
+        raise ValueError(
+            f"step: under data parallelism (dp {dp}) each rank holds a share of the "
+            "batch; pass num_items, the global batch's count (label tokens or examples: "
+            "engine.objective.num_items(global_batch))"
+        )
+    return objective.num_items(batch)
 
 
 def check_batch(

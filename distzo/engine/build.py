@@ -9,13 +9,14 @@ decided in ``distzo.engine.tuning``.
 from __future__ import annotations
 
 import functools
+import secrets
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from distzo.config.engine_options import ZOConfig
-from distzo.dist import ParallelContext
+from distzo.dist import ParallelContext, broadcast_seed
 from distzo.engine import layouts as engine_layouts
 from distzo.engine.layouts import LaidOut, bucket_range, bucket_values, copy_in_chunks
 from distzo.engine.state import StoredBuckets
@@ -29,6 +30,20 @@ from distzo.zo.lowrank import LowRankNoise
 
 # Makes the store of the blocks that stream, from their layouts (read_only: never written back).
 StoreMaker = Callable[[list[BucketLayout], bool], BlockStore]
+
+
+def resolve_run_seed(
+    run_seed: int | None, config_seed: int | None, parallel: ParallelContext
+) -> int:
+    """``run_seed``, else ``config.seed``, else a random draw: rank 0's, broadcast under
+    torchrun. Ranks drawing their own would perturb along different ``z`` (a PertP pair's
+    ``L+`` and ``L-`` of two directions) and their weights would part."""
+    seed = run_seed if run_seed is not None else config_seed
+    if seed is not None:
+        return int(seed)
+    if parallel.is_distributed:
+        return broadcast_seed(None, parallel.comm)
+    return secrets.randbits(63)
 
 
 def resolve_transfer(config: ZOConfig, device: torch.device, parallel: ParallelContext) -> str:

@@ -20,7 +20,6 @@ layers compute with whatever perturbation the scratch currently holds.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -32,10 +31,10 @@ from torch.utils._pytree import tree_leaves
 
 from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
-from distzo.dist import ParallelContext, broadcast_seed
+from distzo.dist import ParallelContext
 from distzo.engine import state
-from distzo.engine.batches import check_batch, count_tokens, on_device
-from distzo.engine.build import make_noise, resolve_transfer
+from distzo.engine.batches import check_batch, count_tokens, global_items, on_device
+from distzo.engine.build import make_noise, resolve_run_seed, resolve_transfer
 from distzo.engine.layouts import unwrap_peft
 from distzo.engine.parts import Placement, build_parts, check_unbound, describe
 from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner
@@ -209,7 +208,7 @@ class ZOEngine:
         self.parallel.dims.check_passes(config.estimator, config.num_queries)
         self.passes = self.parallel.own_passes(self.step_passes)  # (query, sign) this rank runs
         self.transfer = resolve_transfer(config, self.device, self.parallel)
-        self.run_seed = self._run_seed(run_seed, config.seed)
+        self.run_seed = resolve_run_seed(run_seed, config.seed, self.parallel)
         if not 0 <= self.run_seed < SEED_LIMIT:
             raise ValueError(f"run_seed must be in [0, 2^63), got {self.run_seed}")
         self.step_index = 0
@@ -244,17 +243,6 @@ class ZOEngine:
         self.tuning.init_prefixes(self.forward, self.streams, self.store, self.block_layouts)
         logger.info(describe(self, parts.compute_dtype))
 
-    def _run_seed(self, run_seed: int | None, config_seed: int | None) -> int:
-        """``run_seed``, else ``config.seed``, else a random draw: rank 0's, broadcast
-        under torchrun. Ranks drawing their own would perturb along different ``z`` (a
-        PertP pair's ``L+`` and ``L-`` of two directions) and their weights would part."""
-        seed = run_seed if run_seed is not None else config_seed
-        if seed is not None:
-            return int(seed)
-        if self.parallel.is_distributed:
-            return broadcast_seed(None, self.parallel.comm)
-        return secrets.randbits(63)
-
     # ------------------------------------------------------------------ the step
 
     def step(
@@ -284,7 +272,7 @@ class ZOEngine:
             check_objective_batch(batch)
         self._check_batch(batch, getattr(self.objective, "batch_dims", 2))  # a choice one's: 3
         num_tokens, _ = count_tokens(batch)
-        num_items = self._global_items(batch, num_items)
+        num_items = global_items(self.objective, batch, num_items, self.parallel.dims.dp)
         if num_items <= 0:
             raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
         with self._guard(), torch.no_grad():
@@ -301,22 +289,6 @@ class ZOEngine:
                     vector = self.parallel.comm.all_reduce_sum(vector)  # the step's one collective
                 read = self.parallel.comm.read_later(vector)  # queued on the compute stream
         return t, lr, num_tokens, read
-
-    def _global_items(self, batch: Mapping[str, torch.Tensor], num_items: int | None) -> int:
-        """What the losses are divided by: ``num_items`` as given, else this batch's count,
-        which is the global batch's only without data parallelism. Under ``dp`` ranks each
-        share divided by its own count would add up to ``dp`` times the mean in the
-        all-reduce, a silently larger loss and ``g``, so the count must be given."""
-        if num_items is not None:
-            return num_items
-        dp = self.parallel.dims.dp
-        if dp > 1:
-            raise ValueError(
-                f"step: under data parallelism (dp {dp}) each rank holds a share of the "
-                "batch; pass num_items, the global batch's count (label tokens or examples: "
-                "engine.objective.num_items(global_batch))"
-            )
-        return self.objective.num_items(batch)
 
     def _finish_step(
         self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]

@@ -113,7 +113,7 @@ def test_of_several_timeline_steps_the_median_one_is_kept(monkeypatch):
     """A busy machine's outlier step does not become the profile: the step of the median
     time is, whole (its phases are one step's, not a mix)."""
     taken = iter([{"step_ms": 30.0, "n": 0}, {"step_ms": 10.0, "n": 1}, {"step_ms": 20.0, "n": 2}])
-    monkeypatch.setattr(phases_module, "_timeline_step", lambda engine, batch: next(taken))
+    monkeypatch.setattr(phases_module, "_timeline_step", lambda engine, batch, items: next(taken))
     assert block_phases(None, {}, repeats=3) == {"step_ms": 20.0, "n": 2}
     with pytest.raises(ValueError, match="at least one step, got repeats=0"):
         block_phases(None, {}, repeats=0)
