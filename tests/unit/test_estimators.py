@@ -118,6 +118,15 @@ def test_fzoo_coefficients_are_its_normalised_one_sided_differences():
     assert fzoo.update_coefficients([1.0, 1.0, 1.0, 0.5], eps=1e-3) == (0.0, 0.0, 0.0)
 
 
+def test_spsa_reports_each_sides_mean_and_their_mean_as_the_loss():
+    """The loss a step logs is (L+ + L-)/2, L(theta) to first order, not one side's."""
+    spsa = ESTIMATORS["spsa"]
+    losses = [2.0, 1.0, 4.0, 3.5]  # L+_0, L-_0, L+_1, L-_1
+    reported = spsa.step_losses(losses)
+    assert (reported.loss, reported.loss_plus, reported.loss_minus) == (2.625, 3.0, 2.25)
+    assert spsa.update_coefficients(losses, eps=0.25) == (2.0, 1.0)
+
+
 def test_a_fzoo_step_runs_its_passes_and_moves_theta_by_fzoos_update():
     lr, eps, n = 1e-3, 1e-4, 3
     before = tiny_opt(seed=2, **FLOAT64_TINY)
