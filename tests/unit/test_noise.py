@@ -15,6 +15,30 @@ def test_seed_is_a_pure_function_of_its_coordinates():
     assert len(queries | seeds) == 64 + 7
 
 
+def _splitmix64_chain(parts):
+    """splitmix64 (Steele et al.'s constants) over the run seed, then each coordinate."""
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    h = mix(parts[0])
+    for part in parts[1:]:
+        h = mix(h ^ part)
+    return h >> 1
+
+
+def test_query_zero_draws_the_noise_of_runs_before_queries_existed():
+    """Query 0 chains no query coordinate: a MeZO run's noise, checkpoints and seed logs
+    stay those of the single-query code (pinned by value, as those runs drew it)."""
+    assert noise_seed(7, 3, 2, 1) == _splitmix64_chain([7, 3, 2, 1]) == 5962782553682375558
+    assert noise_seed(7, 3, 2, 1, query=2) == _splitmix64_chain([7, 3, 2, 1, 2])
+    assert noise_seed(7, 3, 2, 1, query=2) == 4425561553327678617
+
+
 def test_a_chunk_does_not_depend_on_the_range_asked_for():
     src = NoiseSource(run_seed=5, chunk=10, device=torch.device("cpu"), dtype=torch.float32)
     full = src.full(35, step=2, block_id=1)
