@@ -32,7 +32,7 @@ from distzo.objectives import (
 )
 from distzo.objectives.choice import prepare_choices
 from distzo.objectives.generation import prepare_prompts
-from tests.helpers.models import tiny_opt
+from tests.helpers.models import random_batch, tiny_opt
 
 TOKENIZER = byte_tokenizer()
 SINGLE = ParallelContext.single()
@@ -205,6 +205,39 @@ def test_f1_objective_equals_the_evaluation_of_each_perturbed_model():
     assert -result.loss_plus == pytest.approx(expected_plus)
     assert -result.loss_minus == pytest.approx(expected_minus)
     assert 0 < expected_plus < 1 and expected_plus != expected_minus
+
+
+def test_greedy_decoding_equals_the_models_own_forward_token_by_token():
+    """Each row of a right-padded batch of prompts of several lengths decodes what the
+    model's own forward picks, one argmax at a time, for its prompt alone."""
+    encoder, new_tokens = PromptEncoder(TOKENIZER, max_length=256), 4
+    prompts = [encoder.encode_prompt(f"Q{i}: {'word ' * i}?", new_tokens) for i in range(3)]
+    engine = ZOEngine(model(dtype=torch.float64), ZOConfig(device="cpu", seed=7, lr=0.0))
+    prepared = prepare_prompts(
+        collate_prompts(prompts, range(len(prompts)), new_tokens, encoder.pad_id), engine.device
+    )
+    tokens = engine.evaluate(
+        lambda runner: greedy_decode(runner, prepared, (UNPERTURBED,))[UNPERTURBED]
+    )
+    reference = model(dtype=torch.float64).eval()
+    for row, prompt in zip(tokens.tolist(), prompts):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids.append(int(reference(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        assert row == ids[len(prompt) :]
+
+
+def test_a_batch_without_labels_is_scored_on_its_real_tokens_only():
+    """``lm`` with no labels is a plain causal LM: every visible token, never padding, as
+    if the labels were the ids with -100 on the padding."""
+    labelled = random_batch(len(TOKENIZER), pad="right", seed=1)
+    plain = {k: labelled[k] for k in ("input_ids", "attention_mask")}
+    objective = LanguageModeling()
+    assert objective.num_items(plain) == objective.num_items(labelled) == 35
+    config = ZOConfig(device="cpu", seed=1, lr=1e-3, eps=1e-3)
+    steps = [ZOEngine(model(), config).step(batch) for batch in (labelled, plain)]
+    assert steps[0].losses == steps[1].losses
 
 
 def step_results(objective, batches, dtype=torch.float64):
