@@ -105,6 +105,9 @@ def test_squad_keeps_every_gold_answer():
             "row 1: missing column 'hypothesis' \\(task rte needs premise, hypothesis, label\\)",
         ),
         ("sst2", {"sentence": "s", "label": 5}, "row 1: label 5 is outside 0..1"),
+        # one past the last class: the first index without a candidate
+        ("cb", {"premise": "p", "hypothesis": "h", "label": 3}, "row 1: label 3 is outside 0..2"),
+        ("sst2", {"sentence": "s", "label": -1}, "row 1: label -1 is outside 0..1"),
         ("sst2", {"sentence": "s", "label": "pos"}, "row 1: label 'pos' is not an integer"),
         (
             "copa",
@@ -287,6 +290,16 @@ def test_step_batches_are_a_pure_function_of_the_step():
     assert step_indices(10, 4, 3, seed=1) == step_indices(10, 4, 3, seed=1)
     epoch = [i for step in range(5) for i in step_indices(10, 2, step, seed=1)]
     assert sorted(epoch) == list(range(10))  # one epoch covers every item once
+
+
+def test_each_epoch_draws_its_own_order():
+    """Epochs are permutations seeded by (seed, epoch), as MeZO reshuffles each one: a
+    second epoch covers every item again in another order, not the first one's."""
+    epochs = [
+        [i for step in range(5) for i in step_indices(10, 2, step + 5 * e, 1)] for e in (0, 1)
+    ]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(10))
+    assert epochs[0] != epochs[1]
 
 
 def test_choice_evaluation_matches_a_plain_per_candidate_loop():
