@@ -2,27 +2,18 @@
 
 import json
 import subprocess
-import sys
 
 import torch
 
-from tests.helpers.launch import child_env, free_port
+from tests.helpers.launch import child_env, free_port, torchrun_command
 
 
 def test_an_engine_without_a_seed_takes_rank_0s_draw_on_every_rank(tmp_path):
     # Each rank drawing its own would perturb along its own z: a PertP pair's L+ and L-
     # of two directions (a g of 1e4) and weights that part after the first update.
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "tests.helpers.engine_seed_probe",
-        str(tmp_path),
-    ]
+    command = torchrun_command(
+        2, [str(tmp_path)], free_port(), module="tests.helpers.engine_seed_probe"
+    )
     proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
