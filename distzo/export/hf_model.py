@@ -41,8 +41,8 @@ from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
-from distzo.export.write_errors import safetensors_os_errors
 from distzo.offload.bucket import BucketLayout
+from distzo.runtime.write_errors import safetensors_os_errors
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from transformers import PreTrainedModel
 from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter, check_mergeable
 from distzo.config.job import JobConfig
 from distzo.dist import Collectives, LaunchEnv
-from distzo.export.write_errors import safetensors_os_errors
 from distzo.job.build import build_model, load_tokenizer, model_source
 from distzo.job.progress import no_library_bars
 from distzo.models.weights import WeightSource
+from distzo.runtime.write_errors import safetensors_os_errors
 
 
 def run_model(

@@ -23,7 +23,7 @@ def gguf_to_hf(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distzo.export.write_errors import safetensors_os_errors
+    from distzo.runtime.write_errors import safetensors_os_errors
 
     gguf_file, directory = Path(gguf_file), Path(directory)
     if (directory / "model.safetensors").is_file():
