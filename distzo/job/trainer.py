@@ -40,6 +40,7 @@ from distzo.job.build import (
     choose_slots,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.cpu_threads import CpuThreads
 from distzo.job.divergence import (
     Diverged,
     diverged,
@@ -129,7 +130,7 @@ class Trainer:
         self.built = False
         self.closed = False  # its logs closed: a finished or failed run, or close()
         self.failed = False  # train() raised: a new Trainer goes on (resume=yes)
-        self._caller_threads: int | None = None  # torch's CPU threads before the run set them
+        self.cpu_threads = CpuThreads()  # --threads for the run, the caller's after it
 
     # -- building
 
@@ -204,10 +205,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         elif self.threads is not None:  # resolved by validate: --threads, OMP_NUM_THREADS or 1
-            count, why = self.threads
-            self._caller_threads = torch.get_num_threads()  # given back when the run closes
-            torch.set_num_threads(count)
-            logger.info("CPU threads per rank: %d (%s)", count, why)
+            self.cpu_threads.use(*self.threads)
 
     def _write_config(self) -> None:
         if self.env.rank == 0:
@@ -474,9 +472,7 @@ class Trainer:
                 logger.warning("the checkpoint being written could not be completed: %s", exc)
         if self.logs is not None:
             self.logs.close()
-        if self._caller_threads is not None:  # the process's count is the caller's again
-            torch.set_num_threads(self._caller_threads)
-            self._caller_threads = None
+        self.cpu_threads.give_back()
         self.closed = True
 
     def __enter__(self) -> Trainer:
