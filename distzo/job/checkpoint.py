@@ -375,13 +375,15 @@ def _write_failure(tmp: Path) -> Iterator[None]:
         raise OSError(cause.errno, cause.strerror, cause.filename or str(tmp)) from err
 
 
-def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+def prune_checkpoints(directory: Path, keep: int, confirmed: int | None = None) -> list[Path]:
     """Delete complete checkpoints beyond the ``keep`` newest, oldest first (``keep`` 0:
     keep all). Only complete ``step-N`` directories count: a save in flight is a
-    ``.tmp`` one, and the latest complete checkpoint is always among those kept."""
+    ``.tmp`` one, and the latest complete checkpoint is always among those kept.
+    ``confirmed``: only checkpoints of that many steps or fewer count (and go); a newer
+    one, whose last update no finite loss has measured yet, is kept besides."""
     if keep <= 0 or not directory.is_dir():
         return []
-    steps = sorted(_complete(directory))
+    steps = sorted((n, p) for n, p in _complete(directory) if confirmed is None or n <= confirmed)
     doomed = [p for _, p in steps[: max(len(steps) - keep, 0)]]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
@@ -404,6 +406,11 @@ class Checkpointer:
         self.directory = Path(directory)
         self.engine = engine
         self.keep = keep  # complete checkpoints kept on disk (0: all)
+        # The most steps of a checkpoint whose last update a finite loss has measured
+        # (``confirm``): only those count towards ``keep``, so that a divergence right after
+        # a save, which drops that save, still finds the one before it on disk.
+        self.confirmed = -1
+        self._prune_due = True  # a checkpoint on disk may be newer than ``confirmed``
         # Called by rank 0 before a complete checkpoint is renamed into place: the trainer
         # syncs the seed log there, so that no checkpoint on disk holds a step the log on
         # disk lacks (after a power loss, a resume refuses a checkpoint ahead of its log).
@@ -565,8 +572,26 @@ class Checkpointer:
             logger.info("checkpoint %s written", final)
             for stale in _stale_saves(self.directory):
                 logger.info("checkpoint %s deleted: a save that never completed", stale)
-            for path in prune_checkpoints(self.directory, self.keep):
-                logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
+        self._prune_due = True
+        self._prune()
+
+    def confirm(self, steps: int) -> None:
+        """Step ``steps``'s loss (or the evaluation after ``steps`` steps) was finite: the
+        checkpoint of ``steps`` steps holds no update that broke the weights, and older ones
+        beyond ``keep`` may go. Peak disk use is unchanged: the older one also stood beside
+        the newer one's ``.tmp`` while it was written."""
+        if steps > self.confirmed:
+            self.confirmed = steps
+            if self._prune_due:  # else nothing new to count: no listing at every step
+                self._prune()
+
+    def _prune(self) -> None:
+        if not self.keep or world_rank()[0] != 0:
+            self._prune_due = False
+            return
+        for path in prune_checkpoints(self.directory, self.keep, self.confirmed):
+            logger.info("checkpoint %s deleted (--keep-checkpoints %d)", path, self.keep)
+        self._prune_due = any(n > self.confirmed for n, _ in _complete(self.directory))
 
     def _load_blocks(self, path: Path, prefix: str, store) -> None:
         """``<prefix>/i`` of every block into ``store``, one block in memory at a time. A

@@ -331,6 +331,7 @@ class Trainer:
         )
         if not is_finite(result):  # the same reduced values on every rank: all stop here
             self._diverge(step, lambda last: diverged(result, self.config, last))
+        self.checkpointer.confirm(step)  # a checkpoint of ``step`` steps did not diverge
         self.last_metrics = self.meter.record(step, result, batch["input_ids"].numel())
         self.step = step + 1
         if self.logs:
@@ -372,6 +373,7 @@ class Trainer:
         metrics = evaluate(self.engine, self.data, self.parallel)
         if not is_finite_eval(metrics):
             self._diverge(done, lambda last: eval_diverged(done, metrics, self.config, last))
+        self.checkpointer.confirm(done)
         return metrics
 
     def _periodic_eval(self, done: int) -> None:

@@ -116,6 +116,29 @@ def test_with_no_checkpoint_kept_the_seed_log_alone_goes_on(tmp_path):
     assert_trains_on_with_finite_losses(out, "--resume=auto")
 
 
+def test_keeping_one_checkpoint_still_keeps_the_one_before_a_save_that_diverged(tmp_path):
+    # --keep-checkpoints 1 counts only checkpoints whose last update a finite loss measured:
+    # step-1 stays beside step-2 until step 2's loss is known, which is NaN, so step-2 is
+    # dropped and step-1 is what the run keeps (step-1 used to be deleted when step-2 was
+    # written, and a resume had to catch up from the initial weights).
+    out = tmp_path / "diverged"
+    keep_one = ["--keep-checkpoints", "1", "--no-save-async"]
+    proc = train_in_process(DIVERGING + keep_one + ["--output-dir", str(out)])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert (
+        f"the run keeps {out / 'checkpoints' / 'step-1'} and the seed log up to step 0"
+        in (proc.stderr.strip().splitlines()[-1])
+    )
+    assert_kept_one_step(out, ["step-1"])
+    # a run that does not diverge still ends with one checkpoint
+    fine = tmp_path / "fine"
+    proc = train_in_process(
+        DIVERGING + keep_one + ["--lr", "1e-3", "--max-steps", "3", "--output-dir", str(fine)]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in (fine / "checkpoints").iterdir()] == ["step-3"]
+
+
 def test_every_rank_stops_at_the_same_nan_step_and_exits_non_zero(tmp_path):
     out = tmp_path / "diverged"
     proc = torchrun(2, DIVERGING + ["--dp", "2", "--output-dir", str(out)], preload=False)
