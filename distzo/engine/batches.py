@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+# the dtypes an embedding looks token ids up with
+ID_DTYPES = (torch.int64, torch.int32)
+
 
 def count_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """(input tokens, label tokens) of a batch, counted where it lies (no device sync for
@@ -58,11 +61,14 @@ def check_batch(
     if "input_ids" not in batch:
         raise ValueError("a batch needs 'input_ids' (and optionally 'attention_mask', 'labels')")
     ids = batch["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != dims or ids.is_floating_point():
+    # an embedding looks up int64 or int32 ids only: another dtype (uint8, bool) would fail
+    # inside the pass, where the engine counts it as a half-applied update
+    if not isinstance(ids, torch.Tensor) or ids.dim() != dims or ids.dtype not in ID_DTYPES:
         described = f"{ids.dim()}-D {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids)
         layout = "batch x sequence" if dims == 2 else "examples x candidates x sequence"
         raise ValueError(
-            f"input_ids must be a {dims}-D tensor of token ids ({layout}), got {described}"
+            f"input_ids must be a {dims}-D tensor of int64 or int32 token ids ({layout}), "
+            f"got {described}"
         )
     for name in ("attention_mask", "labels"):
         other = batch.get(name)

@@ -145,11 +145,14 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(args, named):
         (lambda b: {**b, "attention_mask": b["attention_mask"][:, :-1]}, "attention_mask must"),
         (lambda b: {"input_ids": b["input_ids"][0]}, "input_ids must be a 2-D tensor"),
         (lambda b: {"input_ids": b["input_ids"].float()}, "input_ids must be a 2-D tensor"),
+        (lambda b: {**b, "input_ids": b["input_ids"].to(torch.uint8)}, "int64 or int32 token"),
+        (lambda b: {**b, "input_ids": b["input_ids"].bool()}, "int64 or int32 token"),
     ],
 )
 def test_a_malformed_batch_is_refused_and_leaves_the_engine_usable(change, message):
     """Labels of another shape trained silently (or failed inside, leaving the engine
-    unusable, as a 1-D or float input_ids did): refused before anything runs."""
+    unusable, as a 1-D or float input_ids did, and uint8 or bool ids, which the embedding
+    does not look up): refused before anything runs."""
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0, mode="resident"))
     batch = random_batch(64, batch=4, pad="left", seed=0)
     for run in (engine.step, engine.forward):
