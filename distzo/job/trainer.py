@@ -385,7 +385,17 @@ class Trainer:
 
     def save(self, asynchronous: bool = False) -> None:
         """Checkpoint the state after ``step`` steps (``asynchronous``: written by a thread
-        while training goes on)."""
+        while training goes on). Refused before ``build()`` (nothing to save) and after the
+        run failed or closed: its directory is released to the next job, and after
+        ``Diverged`` the engine holds the update that diverged, whose checkpoint a resume
+        would take as the latest (and refuse, the seed log ending before it)."""
+        if not self.built or self.failed or self.closed:
+            state = "is not built" if not self.built else "failed" if self.failed else "is closed"
+            raise RuntimeError(
+                f"Trainer.save(): the run {state} (after {self.step} steps); save while "
+                "it trains (a callback), and resume a failed run from its checkpoint with "
+                "a new Trainer"
+            )
         self.checkpointer.save(asynchronous=asynchronous)
         for callback in self.callbacks:
             callback.on_save(self, self.engine.step_index, asynchronous)

@@ -152,6 +152,39 @@ def test_a_closed_trainer_says_so_when_trained_again(tmp_path):
         trainer.train()
 
 
+class SaveAt(TrainerCallback):
+    """Saves from inside the run, after ``step``: what a tool steering a run does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+        if step == self.step:
+            trainer.save()
+
+
+def test_save_outside_a_running_trainer_is_one_line(tmp_path):
+    """save() before build() was an AttributeError; after Diverged it wrote a checkpoint of
+    the update that diverged, which the seed log (cut back) ends before: --resume then
+    refused the run directory. Both refused; a callback's save inside the run still works."""
+    from distzo.job.divergence import Diverged
+
+    trainer = Trainer(job(tmp_path / "run", "--lr", "1e12", "--batch-size", "4"))
+    with pytest.raises(RuntimeError, match=r"save\(\): the run is not built"):
+        trainer.save()
+    with trainer, pytest.raises(Diverged):
+        trainer.train()
+    with pytest.raises(RuntimeError, match=r"save\(\): the run failed \(after 0 steps\)"):
+        trainer.save()
+    assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
+    steered = Trainer(job(tmp_path / "steered", "--max-steps", "2"), callbacks=[SaveAt(0)])
+    with steered:
+        steered.train()
+    assert (tmp_path / "steered" / "checkpoints" / "step-1").is_dir()
+    with pytest.raises(RuntimeError, match="the run is closed"):
+        steered.save()
+
+
 def test_a_failed_run_completes_a_save_however_long_its_write_takes(tmp_path, monkeypatch):
     """Closing a failed run waited 120 s for the save in flight, then deleted its
     ``step-N.tmp`` while the writer was still in it: a large model on a slow disk lost the
