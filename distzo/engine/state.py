@@ -61,6 +61,22 @@ class StoredBuckets:
         """Buckets of the same layouts in other storage: an optimizer moment of these."""
         return dataclasses.replace(self, resident=resident, store=store)
 
+    def check_shapes(self, values: Mapping[str, torch.Tensor], what: str) -> None:
+        """Refuse ``values`` (``what`` names them) where a tensor's shape is not its
+        parameter's: a state of another model of the same names. Checked before ``load``
+        writes anything, which would fail part-way, some buckets already overwritten."""
+        for e in self.entries():
+            value = values.get(e.names[0])
+            if value is None:
+                raise ValueError(f"{what} {e.names[0]} is missing from the state")
+            shape = tuple(value.shape)
+            if shape != e.shape:
+                raise ValueError(
+                    f"{what} {e.names[0]} has shape {shape}, the engine's model "
+                    f"{e.shape}; the state is of another model: load it into one built "
+                    "from the same config"
+                )
+
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
         """Values by canonical name into the resident bucket and every block."""
         for e in self.resident_layout.entries:
@@ -284,6 +300,9 @@ def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
             f"the state holds optimizer state {sorted(moments) or 'none'}, the engine keeps "
             f"{list(names) or 'none'}; load it with the optimizer it was trained with"
         )
+    engine.trained.check_shapes(params, "the state's parameter")
+    for k, name in enumerate(names):
+        engine.moment_buckets(k).check_shapes(moments[name], f"the state's {name} of")
     engine.streams.synchronize()
     with torch.no_grad():
         engine.trained.load(params)

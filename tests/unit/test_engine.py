@@ -314,3 +314,23 @@ def test_a_pert_group_wider_than_a_steps_passes_is_refused_in_one_line():
     )
     with pytest.raises(ValueError, match=r"^--pert 4 is more ranks than the 2 forward passes"):
         ZOEngine(tiny_opt(seed=0), ZOConfig(device="cpu", seed=0), parallel=parallel)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_state_of_other_shapes_is_refused_before_any_bucket_is_written(optimizer):
+    """A state of a wider model under the same names failed part-way through the copy
+    (a torch size error), the embeddings already overwritten, and the engine stepped on
+    from the half-loaded weights."""
+    config = ZOConfig(device="cpu", seed=0, optimizer=optimizer)
+    engine = ZOEngine(tiny_opt(seed=0), config)
+    before = engine.named_parameters()
+    wider = ZOEngine(tiny_opt(seed=1, ffn_dim=128), config).state_dict()
+    with pytest.raises(ValueError, match=r"fc1.weight has shape \(128, 32\).*\(64, 32\)"):
+        engine.load_state_dict(wider)
+    if optimizer == "adam":  # the parameters fit, one moment does not
+        state = engine.state_dict()
+        state["optimizer_state"]["exp_avg"] = wider["optimizer_state"]["exp_avg"]
+        with pytest.raises(ValueError, match="exp_avg of .*fc1.weight has shape"):
+            engine.load_state_dict(state)
+    after = engine.named_parameters()
+    assert all(torch.equal(before[name], after[name]) for name in before)
