@@ -10,6 +10,7 @@ while distzo saves, the user's setting restored afterwards.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+logger = logging.getLogger("distzo.train")
 
 
 class Progress:
@@ -49,6 +52,20 @@ class Progress:
         rate = self.steps_per_s(done)
         left = (self.total - done) / rate if rate > 0 else 0.0
         return f"{rate:.3g} steps/s, ETA {tqdm.format_interval(left)}"
+
+    def log_step(self, step: int, result: Any, every: int) -> None:
+        """The ``--log-every`` line of step ``step`` (every ``every`` steps, and the last):
+        its loss, g and lr, and how far the run is."""
+        if every and (step % every == 0 or step == self.total - 1):
+            logger.info(
+                "step %d/%d loss %.4f g %+.4g lr %.3g (%s)",
+                step,
+                self.total,
+                result.loss,
+                result.projected_grad,
+                result.lr,
+                self.describe(step + 1),
+            )
 
     def close(self) -> None:
         """Remove the bar and give logging its handlers back; once is enough, twice harmless."""

@@ -268,14 +268,9 @@ class Trainer:
         evaluation. ``signals``: a preemption notice or Ctrl-C stops every rank after the
         same step (``Preempted``); a non-finite loss or ``g`` stops every rank at that step,
         which is not kept (``Diverged``)."""
-        if self.closed or self.failed:
-            # A run that failed mid-way would go on from its first step with the engine
-            # where it stopped: every step logged twice, the weights trained further.
-            state = "is closed" if self.closed else "failed"
-            raise RuntimeError(
-                f"this Trainer's run {state} after {self.step} steps; make a new Trainer "
-                "(resume=yes goes on from its checkpoint)"
-            )
+        # A run that failed mid-way would go on from its first step with the engine where it
+        # stopped: every step logged twice, the weights trained further.
+        self._refuse_when_over("train()", built=True)
         self.build()
         try:
             return self._train(signals)
@@ -346,16 +341,7 @@ class Trainer:
         if result.stop:  # a rank was signalled: every rank stops here, after this step's records
             self._stop(signals.received if signals else None)
         run, max_steps, done = self.job.run, self.job.optim.max_steps, step + 1
-        if run.log_every and (step % run.log_every == 0 or step == max_steps - 1):
-            logger.info(
-                "step %d/%d loss %.4f g %+.4g lr %.3g (%s)",
-                step,
-                max_steps,
-                result.loss,
-                result.projected_grad,
-                result.lr,
-                self.progress.describe(done),
-            )
+        self.progress.log_step(step, result, run.log_every)
         if self._evaluates_at(done):
             self._periodic_eval(done)
         if run.save_steps and done % run.save_steps == 0 and done < max_steps:
@@ -389,16 +375,20 @@ class Trainer:
         run failed or closed: its directory is released to the next job, and after
         ``Diverged`` the engine holds the update that diverged, whose checkpoint a resume
         would take as the latest (and refuse, the seed log ending before it)."""
-        if not self.built or self.failed or self.closed:
-            state = "is not built" if not self.built else "failed" if self.failed else "is closed"
-            raise RuntimeError(
-                f"Trainer.save(): the run {state} (after {self.step} steps); save while "
-                "it trains (a callback), and resume a failed run from its checkpoint with "
-                "a new Trainer"
-            )
+        self._refuse_when_over("save()", built=self.built)
         self.checkpointer.save(asynchronous=asynchronous)
         for callback in self.callbacks:
             callback.on_save(self, self.engine.step_index, asynchronous)
+
+    def _refuse_when_over(self, call: str, built: bool) -> None:
+        """One line for ``call`` on a run that failed or closed (or is not ``built``)."""
+        state = "is not built" if not built else "failed" if self.failed else "is closed"
+        if not built or self.failed or self.closed:
+            raise RuntimeError(
+                f"Trainer.{call}: this Trainer's run {state} after {self.step} steps; make a "
+                "new Trainer to go on (resume=yes goes on from its checkpoint); save() runs "
+                "while it trains (from a callback)"
+            )
 
     def _stop(self, received: str | None) -> None:
         """End a preempted run at a step boundary: a checkpoint of the steps done with

@@ -170,18 +170,18 @@ def test_save_outside_a_running_trainer_is_one_line(tmp_path):
     from distzo.job.divergence import Diverged
 
     trainer = Trainer(job(tmp_path / "run", "--lr", "1e12", "--batch-size", "4"))
-    with pytest.raises(RuntimeError, match=r"save\(\): the run is not built"):
+    with pytest.raises(RuntimeError, match=r"save\(\): this Trainer's run is not built"):
         trainer.save()
     with trainer, pytest.raises(Diverged):
         trainer.train()
-    with pytest.raises(RuntimeError, match=r"save\(\): the run failed \(after 0 steps\)"):
+    with pytest.raises(RuntimeError, match=r"save\(\): this Trainer's run failed after 0 steps"):
         trainer.save()
     assert not list((tmp_path / "run" / "checkpoints").glob("step-*"))
     steered = Trainer(job(tmp_path / "steered", "--max-steps", "2"), callbacks=[SaveAt(0)])
     with steered:
         steered.train()
     assert (tmp_path / "steered" / "checkpoints" / "step-1").is_dir()
-    with pytest.raises(RuntimeError, match="the run is closed"):
+    with pytest.raises(RuntimeError, match="run is closed after 2 steps; make a new Trainer"):
         steered.save()
 
 
