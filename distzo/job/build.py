@@ -47,10 +47,18 @@ TaskData = CountingData | TextData | PromptData
 
 def default_model_config(task: str) -> PretrainedConfig:
     """The random-init model of a run without --model: the tiny OPT, sized for the byte
-    tokenizer and prompt lengths when the task reads text."""
+    tokenizer and prompt lengths when the task reads text, with that tokenizer's special
+    ids (the export's generation config stops ``generate`` at its ``</s>``, not at a byte)."""
     if task == "counting":
         return tiny_opt_config()
-    return tiny_opt_config(vocab_size=len(byte_tokenizer()), max_position_embeddings=512)
+    tokenizer = byte_tokenizer()
+    return tiny_opt_config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def token_positions(job: JobConfig, model_config: PretrainedConfig) -> int:

@@ -698,3 +698,17 @@ def test_an_unreadable_data_file_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_bytes", denied)
     with pytest.raises(ValueError, match=r"data.jsonl: cannot read the file \(Permission denied"):
         load_rows(str(path))
+
+
+def test_the_default_text_models_generate_stops_at_the_byte_tokenizers_end_token():
+    """The export's generation config (derived from the model's config) once stopped at
+    id 2, the byte ``!``, and ran on past ``</s>``."""
+    from transformers import GenerationConfig
+
+    from distzo.job.build import default_model_config
+
+    tokenizer = byte_tokenizer()
+    generation = GenerationConfig.from_model_config(default_model_config("sst2"))
+    assert generation.eos_token_id == tokenizer.eos_token_id == 1  # </s>
+    assert generation.bos_token_id == tokenizer.bos_token_id
+    assert generation.pad_token_id == tokenizer.pad_token_id == 0  # OPT's padding_idx: unchanged
