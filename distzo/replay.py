@@ -78,6 +78,7 @@ def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype)
     recorded = header.get("model") or logged_base_signature(header)
     config = AutoConfig.from_pretrained(folder)
     check_signature(recorded, config, name)  # before any weight is read
+    config.name_or_path = hub.base_reference(name)  # as the run's adapter names its base
     return with_generation_config(skeleton(config, dtype), folder), open_checkpoint(folder)
 
 

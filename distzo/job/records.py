@@ -16,6 +16,7 @@ from distzo.config.engine_options import ZOConfig, lowrank_record, optimizer_rec
 from distzo.config.job import JobConfig
 from distzo.dist import ParallelContext
 from distzo.engine import StepResult, ZOEngine
+from distzo.models import hub
 from distzo.models.shapes import signature
 from distzo.runtime.devices import device_name
 from distzo.runtime.host_memory import peak_rss_bytes, rss_bytes
@@ -120,7 +121,7 @@ def _base(name: str | None, run_dir: Path) -> str | None:
     ``base/``) as an absolute path, so the log replays from any working directory."""
     if name is None:
         return str((run_dir / "base").absolute())
-    return str(Path(name).expanduser().absolute()) if Path(name).expanduser().is_dir() else name
+    return hub.base_reference(name)
 
 
 def rank_summary(

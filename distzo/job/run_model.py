@@ -15,6 +15,7 @@ from distzo.config.job import JobConfig
 from distzo.dist import Collectives, LaunchEnv
 from distzo.job.build import build_model, load_tokenizer, model_source
 from distzo.job.progress import no_library_bars
+from distzo.models import hub
 from distzo.models.weights import WeightSource
 from distzo.runtime.write_errors import safetensors_os_errors
 
@@ -37,6 +38,9 @@ def run_model(
                 tokenizer.save_pretrained(run_dir / "base")
         # what an exported adapter names as its base (peft reads it when attaching)
         model.name_or_path = str((run_dir / "base").absolute())
+    elif job.model.model and isinstance(model, PreTrainedModel):
+        # not the folder it streams from: a relative path, a hub cache
+        model.name_or_path = hub.base_reference(job.model.model)
     spec = job.peft.adapter_spec()
     if spec.enabled:  # the same adapter init on every rank, on resume and in a replay
         model = attach_adapter(model, spec, seed)

@@ -50,6 +50,15 @@ def local_model_dir(name: str, option: str = "--model") -> Path | None:
     return None
 
 
+def base_reference(name: str) -> str:
+    """How a run names its ``--model`` to others (the seed log's base, an exported
+    adapter's ``base_model_name_or_path``): a hub name as given, which loads on any machine,
+    not the cache folder it was fetched into; a local folder as an absolute path, which
+    loads from any working directory."""
+    path = Path(name).expanduser()
+    return str(path.absolute()) if path.is_dir() else name
+
+
 def snapshot(
     name: str, download: bool, revision: str | None = None, option: str = "--model"
 ) -> Path:

@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from distzo.models.tiny import byte_tokenizer
-from tests.helpers.launch import python_replay, python_train, torchrun
+from tests.helpers.launch import child_env, python_replay, python_train, run_python, torchrun
 from tests.helpers.models import LLAMA
 
 COMMON = [
@@ -283,3 +285,31 @@ def test_replay_refuses_a_merge_it_cannot_do_before_replaying_a_step(
     )
     assert proc.returncode == 2 and not replayed and not out.exists()
     assert proc.stderr.strip().splitlines()[-1] == f"error: --merge-adapter: {refusal}"
+
+
+def test_an_exported_adapter_names_its_base_so_that_it_loads_anywhere(tmp_path, monkeypatch):
+    """``AutoPeftModelForCausalLM`` loads the base its adapter names: a relative --model was
+    named as given (no base from another directory), a hub model by its cache folder (no
+    base on another machine); a replay names the run's base too."""
+    source = tmp_path / "models" / "llama"
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 2})).save_pretrained(source)
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--tiny--llama"
+    shutil.copytree(source, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    env = child_env({"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    monkeypatch.chdir(tmp_path)
+    flags = ["--peft", "lora", "--max-steps", "1", "--batch-size", "2", "--eval-batch-size", "2"]
+    for model, base in (("models/llama", source.resolve()), ("tiny/llama", Path("tiny/llama"))):
+        run = tmp_path / model.replace("/", "-")
+        command = [sys.executable, "-m", "distzo.train", "--model", model, "--output-dir", str(run)]
+        proc = run_python(command + flags, env, 120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        config = json.loads((run / "export" / "adapter_config.json").read_text())
+        assert Path(config["base_model_name_or_path"]) == base
+    replay = [sys.executable, "-m", "distzo.replay", "--log", str(run / "seedlog.jsonl")]
+    proc = run_python(replay + ["--out", str(tmp_path / "replayed")], env, 120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads((tmp_path / "replayed" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny/llama"
