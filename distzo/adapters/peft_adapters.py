@@ -207,6 +207,19 @@ def merge_problem(peft_model: nn.Module) -> str | None:
     return None
 
 
+def check_adapter_name(peft_model: nn.Module) -> None:
+    """A one-line error, before any step, for a peft model whose adapters are not one named
+    ``default``: distzo trains, merges and exports that one (under another name the export
+    was a bare ``KeyError`` and the merge silently left the adapter out)."""
+    names = sorted(getattr(peft_model, "peft_config", {}))
+    if names != [ADAPTER_NAME]:
+        raise ValueError(
+            f"the peft model's adapters are {names}; distzo trains one adapter named "
+            f"{ADAPTER_NAME!r}: wrap the model with get_peft_model(model, config), leaving "
+            "adapter_name at its default"
+        )
+
+
 def check_mergeable(peft_model: nn.Module) -> None:
     """A one-line error, before training or an export starts, for an adapter that does not
     merge (``merge_problem``)."""

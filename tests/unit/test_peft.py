@@ -596,6 +596,20 @@ def test_a_model_wrapped_by_the_user_with_get_peft_model_trains_through_the_pyth
     assert torch.allclose(theirs[mask], logits[mask], atol=1e-5)
 
 
+def test_an_adapter_under_another_name_than_default_is_refused_before_a_step():
+    """Under adapter_name="mine" the export was a bare KeyError after training, and the
+    merged export silently left the trained adapter out (logits 0.49 off)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])
+    model = get_peft_model(base_model("llama"), config, adapter_name="mine")
+    with pytest.raises(ValueError, match=r"adapters are \['mine'\]; .* named 'default'"):
+        engine_for(model, mode="offload")
+    model.add_adapter("default", config)  # a second adapter: which one trains is ambiguous
+    with pytest.raises(ValueError, match=r"adapters are \['default', 'mine'\]"):
+        engine_for(model, mode="offload")
+
+
 def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     import subprocess
     import sys
