@@ -24,6 +24,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lora_targets": (lambda j: j.peft.peft in ("lora", "lora-fa"), "--peft lora or lora-fa"),
     "prefix_length": (lambda j: j.peft.peft == "prefix", "--peft prefix"),
     "prefix_init": (lambda j: j.peft.peft == "prefix", "--peft prefix"),
+    "export_shard_size": (
+        lambda j: j.peft.peft == "none" or j.peft.merge_adapter,
+        "--peft none or --merge-adapter (an adapter exports as one file)",
+    ),
     "num_slots": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "transfer": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "transfer_chunks": (lambda j: j.offload.mode != "resident", "--mode offload"),

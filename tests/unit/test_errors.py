@@ -270,6 +270,17 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
         "ignored: --batch-queries (it applies only with several queries a step (--num-queries "
         "2 or more))"
     )
+    caplog.clear()  # an adapter's export is adapter_model.safetensors, never sharded
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        resolve(["--peft", "lora", "--merge-adapter", "--export-shard-size", "1GB"])
+        resolve(["--export-shard-size", "1GB"])
+        job = resolve(["--peft", "prefix", "--export-shard-size", "1GB"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (
+        "ignored: --export-shard-size (it applies only with --peft none or --merge-adapter "
+        "(an adapter exports as one file))"
+    )
+    assert job.run.export_shard_size == "5GB"
 
 
 def test_the_engine_names_a_field_for_the_api_and_a_flag_for_the_command_line():
