@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from distzo.adapters.peft_adapters import check_adapter_name
 from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
@@ -196,9 +195,7 @@ class ZOEngine:
                 "the model's parameters are on the meta device (a skeleton): pass weights= "
                 "(open_checkpoint(path), or RandomWeights(seed) for a random init)"
             )
-        model, self.peft_model = unwrap_peft(model)
-        if self.peft_model is not None:
-            check_adapter_name(self.peft_model)
+        model, self.peft_model = unwrap_peft(model)  # a peft model of one adapter, default
         check_unbound(model)
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.family = family if family is not None else family_for(model)

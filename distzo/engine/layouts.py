@@ -15,6 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from distzo.adapters.peft_adapters import check_adapter_name
 from distzo.models.weights import WeightSource
 from distzo.offload import BucketLayout
 
@@ -49,8 +50,10 @@ def bucket_layouts(
 
 def unwrap_peft(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
     """(the transformers model, the ``peft.PeftModel`` around it or None). The engine runs
-    the model's own modules, into which peft injected its adapter layers."""
+    the model's own modules, into which peft injected its adapter layers; a peft model of
+    another adapter than one named ``default`` is refused (``check_adapter_name``)."""
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        check_adapter_name(model)
         # nn.Module types an attribute it does not declare as a tensor or a submodule
         get_base_model = cast(Callable[[], nn.Module], model.get_base_model)
         return get_base_model(), model
