@@ -40,3 +40,22 @@ def test_mixed_dtypes_are_refused():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="one dtype"):
         BucketLayout.build([(("a",), a), (("b",), b)])
+
+
+def test_an_aligned_parameter_takes_exactly_its_own_elements():
+    """A parameter whose size is a multiple of the alignment is followed by no padding: the
+    next one starts right after it (the layout, its noise and a checkpoint's flat blocks
+    depend on these offsets), and padding never exceeds one alignment short."""
+    lin = nn.Linear(ALIGN_ELEMENTS, 2)  # weight: 2 x 64, a multiple of the alignment
+    norm = nn.LayerNorm(ALIGN_ELEMENTS)
+    layout, _ = BucketLayout.build(
+        [(("w",), lin.weight), (("b",), lin.bias), (("ln",), norm.weight), (("lnb",), norm.bias)]
+    )
+    assert [(e.names[0], e.offset) for e in layout.entries] == [
+        ("w", 0),
+        ("b", 2 * ALIGN_ELEMENTS),
+        ("ln", 3 * ALIGN_ELEMENTS),
+        ("lnb", 4 * ALIGN_ELEMENTS),
+    ]
+    assert layout.decay_end == 2 * ALIGN_ELEMENTS
+    assert layout.numel == 5 * ALIGN_ELEMENTS
