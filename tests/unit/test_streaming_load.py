@@ -596,3 +596,100 @@ def test_an_engine_built_from_a_source_reads_it_a_chunk_at_a_time(monkeypatch, m
     assert asked and max(asked) <= 1000 and sum(asked) > 10_000
     assert whole.keys() == chunked.keys()
     assert all(torch.equal(whole[k], chunked[k]) for k in whole)
+
+
+class ThreadGather:
+    """The node's all-gather for ranks run as threads of one process: each rank posts its
+    piece, and every rank copies every piece, in rank order, into its output (what a
+    process group's gather does), so the sliced stores' gathers can be checked in seconds."""
+
+    def __init__(self, ranks: int) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(ranks, timeout=30)
+        self.posted: dict[int, torch.Tensor] = {}
+
+    def of(self, rank: int):
+        gather = self
+
+        class Comm:
+            def all_gather_into(self, output, own, group):
+                gather.posted[rank] = own.clone()
+                gather.barrier.wait()
+                pieces = [gather.posted[m] for m in range(len(gather.posted))]
+                gather.barrier.wait()  # every rank has read the pieces before the next posts
+                output.copy_(torch.cat(pieces))
+
+            def wait(self, work):
+                pass
+
+        return Comm()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_a_sliced_upload_gathers_each_rank_s_pieces_back_into_the_whole_block(chunks):
+    """Every rank holds only its pieces of a block; after the upload's gathers each holds
+    the whole block in order, and a changed block offloaded and uploaded again is the
+    changed block: the pieces a rank stores are the pieces the gather puts in its place."""
+    import threading
+
+    from distzo.offload import BucketLayout, Shard, StreamedBlocks
+
+    layout, _ = BucketLayout.build([(("w",), torch.nn.Parameter(torch.zeros(10, 100)))])
+    block = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    gather = ThreadGather(2)
+    stores = [
+        StreamedBlocks(
+            [layout],
+            torch.device("cpu"),
+            1,
+            shard=Shard(None, rank, 2, gather.of(rank)),  # type: ignore[arg-type]
+            chunks=chunks,
+        )
+        for rank in range(2)
+    ]
+
+    def on_every_rank(work) -> None:
+        threads = [threading.Thread(target=work, args=(s,)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    for store in stores:
+        store.load_block(0, block)
+    on_every_rank(lambda s: s.upload(0))
+    for store in stores:
+        assert torch.equal(store.device_bucket(0), block)
+    for store in stores:
+        store.device_bucket(0).mul_(2)  # every rank applies the same update
+        store.offload(0)
+        store.slots.buffers[0].zero_()
+    on_every_rank(lambda s: s.upload(0))
+    for store in stores:
+        assert torch.equal(store.device_bucket(0), 2 * block)
+
+
+@pytest.mark.parametrize("ranks, chunks", [(1, 1), (2, 3), (4, 2)])
+def test_a_rank_s_link_bytes_are_the_bytes_its_upload_copies_from_the_host(ranks, chunks):
+    """``link_bytes`` (the metrics' link rate, the benchmarks' bytes per step) counts what
+    this rank copies over the host link: its own pieces, so the ranks of a sliced node
+    add up to the padded block once, not once each."""
+    from distzo.offload import BucketLayout, Shard, StreamedBlocks
+
+    layout, _ = BucketLayout.build([(("w",), torch.nn.Parameter(torch.zeros(7, 100)))])
+    copied = []
+    for rank in range(ranks):
+        store = StreamedBlocks(
+            [layout],
+            torch.device("cpu"),
+            1,
+            transfer_dtype=torch.bfloat16,
+            shard=Shard(None, rank, ranks),
+            chunks=chunks,
+            read_only=True,
+        )
+        host_bytes = sum(h_hi - h_lo for (h_lo, h_hi), _ in store._pieces(0)) * 2  # bf16
+        assert store.link_bytes(0) == host_bytes
+        copied.append(host_bytes)
+    assert sum(copied) == store.padded[0] * 2
