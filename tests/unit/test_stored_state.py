@@ -317,3 +317,30 @@ def test_bad_optimizer_state_options_are_one_line_errors():
         ZOConfig(optimizer="adam", beta2=1.0)
     with pytest.raises(ValueError, match="adam_eps must be > 0"):
         ZOConfig(optimizer="adam", adam_eps=0.0)
+
+
+def test_a_step_moves_each_blocks_moments_over_the_link_beside_its_weights():
+    """The link rate the metrics report counts what a step moves: Adam's two fp32 moments
+    triple SGD's bytes per step; at rest in bf16 they add half as much each."""
+    sgd = engine_for(base_model("opt"), mode="offload", num_slots=2)
+    adam = {
+        dtype: engine_for(
+            base_model("opt"), mode="offload", num_slots=2, optimizer="adam", state_dtype=dtype
+        )
+        for dtype in ("fp32", "bf16")
+    }
+    assert sgd.link_bytes_per_step > 0
+    assert adam["fp32"].link_bytes_per_step == 3 * sgd.link_bytes_per_step
+    assert adam["bf16"].link_bytes_per_step == 2 * sgd.link_bytes_per_step
+
+
+def test_bf16_moments_are_rounded_with_the_steps_own_noise_keys():
+    """A bf16 moment rounded on its way back draws the uniforms of the step under way, as
+    the blocks do: with one step's draws every step, an element between two bf16 values
+    would round the same way each time, a bias that stochastic rounding exists to avoid."""
+    engine = engine_for(
+        base_model("opt"), mode="offload", num_slots=2, optimizer="adam", state_dtype="bf16"
+    )
+    train(engine, 64, steps=3)
+    assert engine.store.step == 2
+    assert [store.step for store in engine.moments.blocks] == [2, 2]
