@@ -59,6 +59,8 @@ def test_a_pert_group_needs_a_pass_for_every_rank():
 
 def test_batch_must_split_over_dp():
     ParallelDims(2, 2).check_batch(8)
+    ParallelDims(2, 2).check_batch(6)  # 3 rows per dp group: a pert pair shares its rows
+    ParallelDims(1, 4).check_batch(3)
     with pytest.raises(ValueError, match="--batch-size 7 is not divisible by --dp 2"):
         ParallelDims(2, 2).check_batch(7)
 
@@ -66,6 +68,15 @@ def test_batch_must_split_over_dp():
 def test_row_major_mesh_coordinates_pair_neighbours():
     dims = ParallelDims(2, 2)
     assert [dims.coordinates(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("dp, pert", [(4, 2), (2, 3), (1, 3), (3, 1)])
+def test_coordinates_of_a_non_square_mesh_are_the_row_major_meshs(dp, pert):
+    """The mesh-less coordinates (a context without a DeviceMesh, the rank summary's
+    formula) are where each rank sits in ``init_device_mesh``'s row-major (dp, pert) grid."""
+    grid = torch.arange(dp * pert).view(dp, pert)
+    expected = [tuple(int(i) for i in (grid == r).nonzero()[0]) for r in range(dp * pert)]
+    assert [ParallelDims(dp, pert).coordinates(r) for r in range(dp * pert)] == expected
 
 
 def test_pass_and_batch_shares_per_rank():
