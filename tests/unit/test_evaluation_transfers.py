@@ -3,9 +3,11 @@ pending update changes no block, so nothing is offloaded (issue: evaluation stre
 every block twice)."""
 
 import collections
+import copy
 import math
 
 import pytest
+import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder, PromptTrainData
@@ -114,3 +116,73 @@ def test_every_rank_makes_as_many_lm_forward_calls_as_its_peers(batch_size):
         evaluate_lm(engine, batch, RankOf(rank, 2), batch_size=batch_size)
         calls.append(counts.uploads[0])
     assert calls == ([1, 1] if batch_size is None else [2, 2])  # 2 rows: 1 per rank per call
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 7, 12])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_ranks_shares_cover_the_evaluation_set_once(count, world):
+    """The metric covers the whole set once: the ranks' shares, in rank order, are every
+    example exactly once, and no share is more than one example larger than another."""
+    from distzo.job.evaluation import _share
+
+    shares = [list(_share(count, RankOf(rank, world))) for rank in range(world)]
+    assert [i for share in shares for i in share] == list(range(count))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+class SumsOf(RankOf):
+    """``RankOf`` that keeps the sums it was asked to reduce, for the test to add up."""
+
+    def __init__(self, rank, world, sums):
+        super().__init__(rank, world)
+        self.sums = sums
+
+    def sum_to_host(self, values):
+        self.sums.append([float(v) for v in values])
+        return super().sum_to_host(values)
+
+
+def test_the_ranks_sums_add_up_to_the_one_process_metric():
+    """Each rank's sums count its own examples: added over the ranks (the all-reduce),
+    they are the one-process metric's, over the set once."""
+    engine, encoder = engine_and_encoder()
+    rte = build_examples(
+        TASKS["rte"],
+        [{"premise": f"P{i}.", "hypothesis": "H.", "label": i % 2} for i in range(7)],
+        "x",
+    )
+    runs = [
+        (lambda p: evaluate_choices(engine, rte, encoder, p, batch_size=4), "eval_accuracy", 7),
+        (lambda p: evaluate_generation(engine, squad(5), encoder, p, 2, 2), "eval_f1", 5),
+    ]
+    for evaluate, metric, count in runs:
+        whole = evaluate(ParallelContext.single())[metric]
+        for world in (2, 3):
+            sums: list[list[float]] = []
+            for rank in range(world):
+                evaluate(SumsOf(rank, world, sums))
+            added = [sum(column) for column in zip(*sums)]
+            assert added[-1] == count  # every example counted once
+            assert added[0] / added[-1] == pytest.approx(whole)
+
+
+def test_lm_evaluation_is_the_mean_next_token_loss_over_the_label_tokens():
+    """``eval_loss`` is the mean next-token loss per label token and ``eval_accuracy`` the
+    share of label tokens predicted, as computed from the model's own logits."""
+    model = tiny_opt(seed=1, vocab_size=len(TOKENIZER), max_position_embeddings=256)
+    reference = copy.deepcopy(model).eval()  # no dropout, as the engine runs it
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0))
+    examples = build_examples(
+        TASKS["sst2"], [{"sentence": "s " + "x" * i, "label": i % 2} for i in range(5)], "x"
+    )
+    batch = PromptTrainData(examples, PromptEncoder(TOKENIZER, max_length=256), seed=0).batch(5, 0)
+    with torch.no_grad():
+        logits = reference(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels, logits = batch["labels"][:, 1:], logits[:, :-1].double()
+    scored = labels != -100
+    nll = -logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    for batch_size in (None, 2):
+        metrics = evaluate_lm(engine, batch, ParallelContext.single(), batch_size=batch_size)
+        assert metrics["eval_loss"] == pytest.approx(nll[scored].mean().item(), rel=1e-5)
+        hits = (logits.argmax(-1) == labels)[scored].double().mean().item()
+        assert metrics["eval_accuracy"] == pytest.approx(hits)
