@@ -16,6 +16,7 @@ from distzo.job import memory_plan
 from distzo.job.memory_plan import check_fits, nccl_buffer_bytes, plan_memory
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
+from distzo.offload.low_bit import TRANSFER_DTYPES
 from tests.helpers.models import adapted, base_model, build, random_batch
 
 
@@ -257,3 +258,26 @@ def test_each_node_plans_the_checkpoint_copies_its_own_ranks_make(
     assert sum(per_node) == copies(0, 1, 1)
     if nodes == 3:  # 6 ranks, 3 blocks: node 2's ranks 4 and 5 save none
         assert per_node[2] == 0
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_a_save_plans_the_moments_at_rest_in_their_own_dtype(state_dtype):
+    """A checkpoint copies each moment as it rests (bf16 host shards stay bf16): the plan's
+    copies beyond SGD's are the engine's moments, block by block and beside the resident
+    bucket, at their own size."""
+    options = dict(device="cpu", mode="offload", num_slots=2)
+    adam = ZOConfig(**options, optimizer="adam", state_dtype=state_dtype)
+
+    def copies(config: ZOConfig) -> int:
+        return plan_memory(build("llama"), config, 1, False, 2, 8).checkpoint_bytes
+
+    engine = ZOEngine(build("llama"), adam)
+    moments = engine.moments
+    at_rest = sum(
+        store.block_at_rest(i).nbytes
+        for store in moments.blocks
+        for i in range(len(engine.block_layouts))
+    )
+    assert moments.blocks[0].block_at_rest(0).dtype == TRANSFER_DTYPES[state_dtype]
+    resident = sum(t.nbytes for t in moments.resident)
+    assert copies(adam) - copies(ZOConfig(**options)) == at_rest + resident
