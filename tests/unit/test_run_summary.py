@@ -160,3 +160,29 @@ def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
         check_fresh(resolve(["--output-dir", str(out)]))
     clear_run(resolve(["--output-dir", str(out), "--overwrite"]))
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_long_runs_curves_draw_the_loss_s_moving_mean_at_each_window_s_last_step(tmp_path):
+    """From 100 steps on the loss panel adds a moving mean, each value drawn at the last
+    step of its window: a run of 250 steps draws its 50-step means from step 4 on."""
+    from matplotlib.figure import Figure
+
+    from distzo.job import curves
+
+    drawn = []
+    original = Figure.subplots
+
+    def keep_axes(self, *args, **kwargs):
+        axes = original(self, *args, **kwargs)
+        drawn.append(axes)
+        return axes
+
+    metrics = [{"step": s, "loss": float(s % 7)} for s in range(250)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "subplots", keep_axes)
+        curves.write_curves(tmp_path / "curves.png", metrics, [])
+    assert image.imread(tmp_path / "curves.png").shape[0] > 0
+    mean = drawn[0][0][0].get_lines()[1]
+    window = 250 // curves.SMOOTH_POINTS
+    assert list(mean.get_xdata()) == [float(s) for s in range(window - 1, 250)]
+    assert mean.get_ydata()[0] == pytest.approx(sum(s % 7 for s in range(window)) / window)
