@@ -61,3 +61,22 @@ def test_logs_that_fail_to_open_leave_no_thread_nor_file_open(tmp_path, monkeypa
         RunLogs(tmp_path, tmp_path, 0, {"seed": 0})
     assert [t.name for t in set(threading.enumerate()) - threads] == []
     assert open_files() == files
+
+
+def test_a_steps_metrics_rate_its_tokens_and_link_bytes_by_its_wall_time(monkeypatch):
+    """``tokens_per_s`` and ``link_gb_per_s`` are the step's tokens and the bytes it moved
+    over the host link, each divided by the step's seconds (``step_s``)."""
+    import torch
+
+    from distzo.engine import StepResult
+    from distzo.job import records
+
+    meter = records.StepMeter("sft", link_bytes=5 * 10**9, device=torch.device("cpu"))
+    clock = iter([100.0, 102.5])  # the step starts at 100 s and ends at 102.5 s
+    monkeypatch.setattr(records.time, "perf_counter", lambda: next(clock))
+    meter.start()
+    result = StepResult(3, 1.0, 1.1, 0.9, 0.5, 1e-3, 640, (0.5,))
+    record = meter.record(3, result, tokens=1000)
+    assert record["step_s"] == 2.5
+    assert record["tokens_per_s"] == pytest.approx(400.0)
+    assert record["link_gb_per_s"] == pytest.approx(2.0)
