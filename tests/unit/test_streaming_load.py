@@ -643,7 +643,7 @@ def test_a_sliced_upload_gathers_each_rank_s_pieces_back_into_the_whole_block(ch
             [layout],
             torch.device("cpu"),
             1,
-            shard=Shard(None, rank, 2, gather.of(rank)),  # type: ignore[arg-type]
+            shard=Shard(None, rank, 2, gather.of(rank)),
             chunks=chunks,
         )
         for rank in range(2)
