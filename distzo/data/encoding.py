@@ -109,11 +109,15 @@ class PromptEncoder:
             ids, answer = ids[: len(ids) - (answer - room)], room
         return self._keep(ids, self.max_length), answer
 
+    def _candidates(self, example: Example) -> list[tuple[list[int], int]]:
+        """``encode`` of prompt + each candidate, the prompt tokenized once for them all."""
+        head = self._ids(example.prompt)
+        return [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
+
     def tells_apart(self, example: Example) -> bool:
         """Whether the candidates stay different sequences once cut to ``max_length``: two
         whose ends the cut drops can become the same tokens, scored alike."""
-        head = self._ids(example.prompt)
-        encoded = [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
+        encoded = self._candidates(example)
         return len({(tuple(ids), answer) for ids, answer in encoded}) == len(encoded)
 
     def shares_prompt(self, example: Example) -> bool:
@@ -134,8 +138,7 @@ class PromptEncoder:
         return self._choices[example]
 
     def _encode_choices(self, example: Example) -> ChoiceEncoding:
-        head = self._ids(example.prompt)  # once for all the candidates
-        encoded = [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
+        encoded = self._candidates(example)
         for continuation, (_, answer) in zip(example.continuations, encoded):
             if answer == 0:
                 raise ValueError(f"candidate {continuation!r} has no tokens to score")
