@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from distzo.config.cli import fail, write_failure
 from distzo.config.job import resolve
@@ -37,10 +37,10 @@ from distzo.dist.failure_report import (
     recorded,
     report_peer_failure,
 )
-from distzo.job.checkpoint import saves_being_written
-from distzo.job.divergence import EXIT_DIVERGED, Diverged
 from distzo.job.preemption import EXIT_INTERRUPTED, Preempted, StopSignals
-from distzo.job.trainer import Trainer, TrainerCallback
+
+if TYPE_CHECKING:  # the trainer imports transformers: loaded once the options parse
+    from distzo.job.trainer import Trainer, TrainerCallback
 
 logger = logging.getLogger("distzo.train")
 
@@ -62,9 +62,17 @@ def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = (
     torchrun's error file (``distzo.dist.failure_report``)."""
     code = recorded(_main)(argv, callbacks)
     code = 0 if code is None else code
-    if saves_being_written():  # abandoned by a second Ctrl-C: its step-N.tmp never counts
+    if _saves_being_written():  # abandoned by a second Ctrl-C: its step-N.tmp never counts
         _exit_at_once(code)
     return code
+
+
+def _saves_being_written() -> bool:
+    """``checkpoint.saves_being_written``, without importing the checkpoints (and with them
+    the engine and transformers) to answer for a run that never reached them: ``--help``, a
+    mistyped flag, a rejected option."""
+    checkpoint = sys.modules.get("distzo.job.checkpoint")
+    return checkpoint is not None and checkpoint.saves_being_written()
 
 
 def _exit_at_once(code: int) -> NoReturn:
@@ -113,7 +121,11 @@ def _speaks(env: LaunchEnv) -> bool:
 def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCallback]) -> int:
     """``main`` but for an interrupt at once."""
     try:
-        trainer = Trainer(resolve(argv), env, callbacks)
+        config = resolve(argv)  # --help and bad flags end here, before the heavy imports
+        from distzo.job.divergence import EXIT_DIVERGED, Diverged
+        from distzo.job.trainer import Trainer
+
+        trainer = Trainer(config, env, callbacks)
     except ValueError as err:
         return _failed(env, str(err))  # every rank, the same line, before any model
     signals = StopSignals()
