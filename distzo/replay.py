@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig
@@ -36,10 +37,11 @@ from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_op
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
-from distzo.job.build import source_tokenizer
+from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.seed_log import first_step, read_seed_log, step_grads
 from distzo.models import hub
 from distzo.models.shapes import check_signature, shape_config, signature
+from distzo.models.tiny import byte_tokenizer
 from distzo.models.weights import (
     RandomWeights,
     open_checkpoint,
@@ -74,6 +76,8 @@ def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype)
     (``folder`` None) is rebuilt from its init seed, a folder read bucket by bucket."""
     if folder is None:
         config = shape_config(header["model_config"], header.get("model_layers"))
+        if header.get("byte_tokenizer"):  # the run read text through it: its special ids
+            config = with_byte_tokenizer_ids(config)
         return skeleton(config, dtype), RandomWeights(header["init_seed"])
     recorded = header.get("model") or logged_base_signature(header)
     config = AutoConfig.from_pretrained(folder)
@@ -222,8 +226,16 @@ def replay(
     engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
     logger.info("replayed %d steps onto %s", len(steps), name)
     # the command checked --out (an existing one only with --overwrite)
-    tokenizer = source_tokenizer(folder) if folder is not None else None
+    tokenizer = run_tokenizer(folder, header)
     return export_model(engine, out, tokenizer, merge_adapter=merge, overwrite=True)
+
+
+def run_tokenizer(folder: Path | None, header: dict) -> Any:
+    """The tokenizer the run's export carried: the base's own, or the byte tokenizer a
+    --model-config shape read text through (none for one that read no text)."""
+    if folder is not None:
+        return source_tokenizer(folder)
+    return byte_tokenizer() if header.get("byte_tokenizer") else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,18 +47,30 @@ TaskData = CountingData | TextData | PromptData
 
 def default_model_config(task: str) -> PretrainedConfig:
     """The random-init model of a run without --model: the tiny OPT, sized for the byte
-    tokenizer and prompt lengths when the task reads text, with that tokenizer's special
-    ids (the export's generation config stops ``generate`` at its ``</s>``, not at a byte)."""
+    tokenizer and prompt lengths when the task reads text."""
     if task == "counting":
         return tiny_opt_config()
-    tokenizer = byte_tokenizer()
-    return tiny_opt_config(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    return with_byte_tokenizer_ids(
+        tiny_opt_config(vocab_size=len(byte_tokenizer()), max_position_embeddings=512)
     )
+
+
+def random_shape_config(job: JobConfig) -> PretrainedConfig:
+    """The config of a --model-config shape, with the byte tokenizer's special ids when the
+    task reads text through it."""
+    shape = shape_config(job.model.model_config or "", job.model.model_layers)
+    return shape if job.data.task == "counting" else with_byte_tokenizer_ids(shape)
+
+
+def with_byte_tokenizer_ids(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` with the byte tokenizer's bos/eos/pad ids, for a random-init model that
+    reads text through it: the export's generation config, derived from these, stops
+    ``generate`` at its ``</s>``; the architecture's defaults (OPT's eos 2) name a byte."""
+    tokenizer = byte_tokenizer()
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
 
 
 def token_positions(job: JobConfig, model_config: PretrainedConfig) -> int:
@@ -149,8 +161,7 @@ def build_model(
     otherwise the default tiny model, built whole."""
     dtype = MASTER_DTYPES[job.model.dtype]
     if job.model.model_config:
-        shape = shape_config(job.model.model_config, job.model.model_layers)
-        return skeleton(shape, dtype), RandomWeights(seed)
+        return skeleton(random_shape_config(job), dtype), RandomWeights(seed)
     if source is not None:
         model = skeleton(AutoConfig.from_pretrained(source), dtype)
         return with_generation_config(model, source), open_checkpoint(source)

@@ -105,6 +105,8 @@ def run_header(
         "base": None if model.model_config else _base(model.model, run_dir),
         "model_config": model.model_config,
         "model_layers": model.model_layers,
+        # a shape reading text takes the byte tokenizer's special ids, and exports it
+        "byte_tokenizer": bool(model.model_config) and job.data.task != "counting",
         "init_seed": init_seed,
         "objective": objective,
         "peft": spec.record() if spec.enabled else None,

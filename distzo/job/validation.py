@@ -23,12 +23,11 @@ from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
 from distzo.export.hf_model import check_shard_size
 from distzo.export.out_dir import nearest_existing
-from distzo.job.build import default_model_config, token_positions
+from distzo.job.build import default_model_config, random_shape_config, token_positions
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.models import check_supported, hub
-from distzo.models.shapes import shape_config
 from distzo.models.weights import check_float_weights, check_readable
 
 logger = logging.getLogger("distzo.train")
@@ -57,7 +56,7 @@ def resolve_device(name: str, env: LaunchEnv) -> str:
 def model_config_of(job: JobConfig) -> PretrainedConfig:
     """The model's config alone (a small file): enough to reject bad input before loading."""
     if job.model.model_config:
-        return shape_config(job.model.model_config, job.model.model_layers)
+        return random_shape_config(job)
     name = job.model.model
     if name is None:
         return default_model_config(job.data.task)

@@ -2,11 +2,12 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data import CountingTask
@@ -319,9 +320,20 @@ def test_a_low_bit_run_stopped_where_it_evaluates_resumes_bitwise(tmp_path):
     assert evaluations(cut) == evaluations(full)
 
 
-def test_a_model_config_run_replays_without_a_base(tmp_path):
+def _sst2_rows(path: Path) -> Path:
+    rows = ["a fine film\t1", "dull and long\t0", "warm and funny\t1", "a mess\t0"]
+    path.write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("task", ["counting", "sst2"])
+def test_a_model_config_run_replays_without_a_base(tmp_path, task):
+    """A shape reading text once exported OPT's special ids (eos 2, a byte of the byte
+    tokenizer, where its ``</s>`` is 1) and its replay no tokenizer at all."""
     run = tmp_path / "run"
-    args = [
+    rows = str(_sst2_rows(tmp_path / "rows.tsv"))
+    text = ["--task", "sst2", "--train-file", rows, "--eval-file", rows] if task == "sst2" else []
+    args = text + [
         "--model-config",
         "opt-125m",
         "--model-layers",
@@ -352,6 +364,18 @@ def test_a_model_config_run_replays_without_a_base(tmp_path):
     assert exported.keys() == replayed.keys() and all(
         torch.equal(exported[k], replayed[k]) for k in exported
     )
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    for folder in (run / "export", out):
+        config = json.loads((folder / "config.json").read_text())
+        generation = json.loads((folder / "generation_config.json").read_text())
+        if task == "counting":  # no tokenizer: the shape's own ids
+            assert [config[k] for k in ids] == [2, 2, 1]
+            assert not (folder / "tokenizer.json").exists()
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            assert tokenizer.eos_token == "</s>"
+            expected = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+            assert [config[k] for k in ids] == [generation[k] for k in ids] == expected
 
 
 def test_a_resumed_run_keeps_the_evaluation_at_its_resume_step(tmp_path):
