@@ -650,7 +650,9 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
         for section, obj in JobConfig().sections().items()
     }
     for section, values in data.items():
-        if section not in known or not isinstance(values, dict):
+        if not isinstance(values, dict):
+            raise ValueError(f"--config {path}: {_outside_sections(section, known)}")
+        if section not in known:
             raise ValueError(
                 f"--config {path}: unknown section [{section}]; sections are {', '.join(known)}"
             )
@@ -661,6 +663,19 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
                     + _closest(key, known[section])
                 )
     return data
+
+
+def _outside_sections(key: str, known: dict[str, set[str]]) -> str:
+    """What a key written before any ``[section]`` header is: an option in the wrong place
+    (named with its section), or a name no section has."""
+    homes = [section for section, keys in known.items() if key in keys]
+    if homes:
+        return f"{key} is outside any section; write it under [{homes[0]}]"
+    return f"{key!r} is outside any section, and no section has such a key"
+
+
+# How an error names the type a TOML value must have.
+_TOML_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _toml_value(section: str, f: dataclasses.Field, value: Any) -> Any:
@@ -674,7 +689,8 @@ def _toml_value(section: str, f: dataclasses.Field, value: Any) -> Any:
     if bare is not None and isinstance(value, bool):
         value = bare if value else "no"
     if not is_of_type(value, kind):
-        raise ValueError(f"--config: [{section}] {f.name} must be a {kind.__name__}, got {value!r}")
+        want = _TOML_KINDS.get(kind, kind.__name__)
+        raise ValueError(f"--config: [{section}] {f.name} must be {want}, got {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:  # what the flag's own choices refuse
         raise ValueError(

@@ -70,7 +70,13 @@ def test_a_file_never_resumes_or_overwrites_a_run_directory(tmp_path, caplog, te
     [
         ("[optim]\nlearning_rate = 1\n", "unknown key 'learning_rate' in \\[optim\\]"),
         ("[optimiser]\nlr = 1\n", "unknown section \\[optimiser\\]"),
-        ("[optim]\nmax_steps = 'ten'\n", "max_steps must be a int"),
+        ("[optim]\nmax_steps = 'ten'\n", "max_steps must be an integer, got 'ten'"),
+        ("[optim]\nlr = '1e-3'\n", "lr must be a number, got '1e-3'"),
+        (
+            "max_steps = 3\n[optim]\nlr = 1\n",
+            "max_steps is outside any section; write it under \\[optim\\]",
+        ),
+        ("steps = 3\n", "'steps' is outside any section, and no section has such a key"),
         ("[optim\nlr = 1\n", "not valid TOML"),
         ('[model]\ndtype = "fp16"\n', "\\[model\\] dtype must be one of fp32, fp64, got 'fp16'"),
         ('[run]\nreport_to = "mlflow"\n', "report_to must be one of none, tensorboard, wandb"),
