@@ -307,8 +307,9 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
     if refused:
         raise ValueError(
             f"--resume: {', '.join(refused)} would change the trajectory of the run in "
-            f"{path.parent} (its config.toml); resume with its values, or start afresh with "
-            "--overwrite or another --output-dir"
+            f"{path.parent} (its config.toml); resume with its values (--config {path} "
+            "--resume gives all of them), or start afresh with --overwrite or another "
+            "--output-dir"
         )
     if allowed and env.rank == 0:
         logger.warning("--resume: changed since the run started: %s", ", ".join(allowed))

@@ -190,9 +190,11 @@ def test_resume_refuses_options_that_change_the_trajectory_naming_each(run):
     assert line == (  # lr and eps may be retuned: they are not named
         "error: --resume: --batch-size 8 -> 4, "
         f"--optimizer sgd -> momentum would change the trajectory of the run in {run} (its "
-        "config.toml); resume with its values, or start afresh with --overwrite or another "
-        "--output-dir"
+        f"config.toml); resume with its values (--config {run / 'config.toml'} --resume gives "
+        "all of them), or start afresh with --overwrite or another --output-dir"
     )
+    # what the line suggests resumes the run, with no other option
+    assert train_in_process(["--config", str(run / "config.toml"), "--resume"]).returncode == 0
 
 
 def test_resume_accepts_options_that_keep_the_trajectory_naming_them_in_one_warning(run):
