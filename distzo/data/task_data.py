@@ -6,7 +6,10 @@ package knows no engine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -119,6 +122,20 @@ class LoadedRows:
     task: str
     train: list[Any]  # Examples for prompt tasks, texts for the text task
     eval: list[Any]
+
+    @functools.cached_property
+    def digests(self) -> dict[str, str]:
+        """Each file's rows as read, by its flag: a rank (another node's copy of the file)
+        or a resumed session (a file rewritten since) that read other rows trains on other
+        batches under the same options, so these are compared."""
+        return {"--train-file": rows_digest(self.train), "--eval-file": rows_digest(self.eval)}
+
+
+def rows_digest(rows: list[Any]) -> str:
+    """The first 16 hex digits of the SHA-256 of ``rows`` (texts or Examples) in order:
+    what the step's indices pick from."""
+    plain = [dataclasses.astuple(r) if isinstance(r, Example) else r for r in rows]
+    return hashlib.sha256(json.dumps(plain).encode()).hexdigest()[:16]
 
 
 def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> LoadedRows | None:

@@ -11,6 +11,7 @@ refused as a run to resume or overwrite.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +32,19 @@ class RunClaim:
     lock: RunLock | None  # rank 0's
 
     @classmethod
-    def take(cls, job: JobConfig, parallel: ParallelContext, env: LaunchEnv) -> RunClaim:
+    def take(
+        cls,
+        job: JobConfig,
+        parallel: ParallelContext,
+        env: LaunchEnv,
+        data: Mapping[str, str] | None = None,
+    ) -> RunClaim:
         """Choose, check, lock and (``--overwrite``) clear the run directory; a refusal is
-        one line on every rank."""
+        one line on every rank. ``data``: the rows digest of each data file, by its flag
+        (every node must have read the same rows)."""
         output_dir = job.run.output_dir
         path = Path(output_dir) if output_dir else shared_run_dir(parallel.comm, env.rank)
-        check_one_job(job, path, parallel.comm, env)
+        check_one_job(job, path, parallel.comm, env, data)
         flag = "--output-dir" if output_dir else "the run directory"
         lock = RunLock(path, flag) if env.rank == 0 else None
         claim = cls(path, job, env.rank, output_dir is None, lock)

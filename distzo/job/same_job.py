@@ -18,6 +18,7 @@ import hashlib
 import importlib.metadata
 import secrets
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -50,15 +51,24 @@ def _values(job: JobConfig) -> dict[str, str]:
     }
 
 
-def check_one_job(job: JobConfig, run_dir: Path, comm: Collectives, env: LaunchEnv) -> None:
+def check_one_job(
+    job: JobConfig,
+    run_dir: Path,
+    comm: Collectives,
+    env: LaunchEnv,
+    data: Mapping[str, str] | None = None,
+) -> None:
     """Each node's ranks were started from that node's own command line: one run directory
-    (first: a node that cannot see it also resolves --resume auto its own way) and one set
-    of options, or a one-line refusal on every rank."""
+    (first: a node that cannot see it also resolves --resume auto its own way), one set
+    of options and the same rows in its data files (``data``: each file's rows digest, by
+    its flag), or a one-line refusal on every rank."""
     several_nodes = env.local_world_size < env.world_size
-    if several_nodes:  # one node's ranks share one install
+    if several_nodes:  # one node's ranks share one install, and read one copy of the files
         check_same_software(comm)
     check_shared_run_dir(run_dir, comm, env.rank, several_nodes)
     check_same_options(job, comm)
+    if several_nodes and data:
+        check_same_rows(job, data, comm)
 
 
 def software() -> dict[str, str]:
@@ -111,6 +121,22 @@ def check_same_options(job: JobConfig, comm: Collectives) -> None:
                 f"rank {rank} was started with {_shown(flag, theirs.get(flag))}, rank 0 with "
                 f"{_shown(flag, first[flag])}{more}; start every node with the same options"
             )
+
+
+def check_same_rows(job: JobConfig, data: Mapping[str, str], comm: Collectives) -> None:
+    """Refuse a launch whose nodes read other rows from the same data file (a node-local
+    copy that is stale or another version): each rank would take its share of another
+    global batch, and score its share of another evaluation set, without a word."""
+    everyone: list[dict[str, str]] = comm.all_gather_object(dict(data))
+    paths = {"--train-file": job.data.train_file, "--eval-file": job.data.eval_file}
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for flag, digest in everyone[0].items():
+            if theirs.get(flag) != digest:
+                raise ValueError(
+                    f"rank {rank} read other rows from {flag} {paths.get(flag)} than rank 0 "
+                    f"(rows digest {theirs.get(flag)}, rank 0's {digest}); give every node the "
+                    "same file"
+                )
 
 
 def _shown(flag: str, value: str | None) -> str:

@@ -143,7 +143,8 @@ class Trainer:
         self._use_device()
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
         self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
-        self.claim = RunClaim.take(self.job, self.parallel, self.env)
+        digests = self.rows.digests if self.rows is not None else None
+        self.claim = RunClaim.take(self.job, self.parallel, self.env, digests)
         self.run_dir = self.claim.path
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
         # A dashboard that cannot start (wandb not logged in) fails every rank before any model.

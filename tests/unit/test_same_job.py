@@ -9,6 +9,8 @@ from contextlib import nullcontext
 import pytest
 
 from distzo.config.job import resolve
+from distzo.data.task_data import LoadedRows, rows_digest
+from distzo.data.templates import Example
 from distzo.job import same_job
 from distzo.job.same_job import _values, check_same_options, check_shared_run_dir
 
@@ -99,3 +101,29 @@ def test_the_source_digest_changes_with_any_source_file(tmp_path, monkeypatch):
     same_job.source_digest.cache_clear()
     assert same_job.source_digest() != before
     same_job.source_digest.cache_clear()
+
+
+def test_a_node_whose_copy_of_a_data_file_holds_other_rows_is_refused_naming_it():
+    # Each rank reads the files itself: a node's stale copy at the same path made its ranks
+    # shard another global batch and score another evaluation set, with no error.
+    job = resolve(["--task", "sst2", "--train-file", "data.jsonl", "--eval-file", "eval.jsonl"])
+    rows = LoadedRows("sst2", ["a", "b"], ["c"])
+    stale = LoadedRows("sst2", ["a", "B"], ["c"])
+    same_job.check_same_rows(job, rows.digests, Ranks(1, dict(rows.digests)))
+    message = (
+        r"^rank 1 read other rows from --train-file data\.jsonl than rank 0 \(rows digest "
+        r"[0-9a-f]{16}, rank 0's [0-9a-f]{16}\); give every node the same file$"
+    )
+    for rank, mine, theirs in ((0, rows, stale), (1, stale, rows)):  # one line on either node
+        with pytest.raises(ValueError, match=message):
+            same_job.check_same_rows(job, mine.digests, Ranks(rank, dict(theirs.digests)))
+    other_eval = LoadedRows("sst2", ["a", "b"], ["d"])
+    with pytest.raises(ValueError, match=r"^rank 1 read other rows from --eval-file eval\.jsonl"):
+        same_job.check_same_rows(job, rows.digests, Ranks(0, dict(other_eval.digests)))
+
+
+def test_the_rows_digest_follows_every_field_and_the_order_of_the_rows():
+    a, b = Example("p", ("x", "y"), 0), Example("p", ("x", "y"), 1)
+    digests = {rows_digest(r) for r in ([a, b], [b, a], [a, a], [a], ["p"], ["p", "q"])}
+    assert len(digests) == 6
+    assert rows_digest([a, b]) == rows_digest([Example("p", ("x", "y"), 0), b])
