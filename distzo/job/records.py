@@ -86,9 +86,11 @@ def run_header(
     device: torch.device,
     run_dir: Path,
     model_config: PretrainedConfig | None = None,
+    train_rows: str | None = None,
 ) -> dict[str, Any]:
     """The seed log's header: what a replay rebuilds the run from, and what a resumed run
-    must share with it (``seed_log.TRAJECTORY_FIELDS``)."""
+    must share with it (``seed_log.TRAJECTORY_FIELDS``; ``train_rows``, the digest of the
+    rows the steps draw from, is checked before any model: ``resume.check_resumed_rows``)."""
     model = job.model
     spec: AdapterSpec = job.peft.adapter_spec()
     return {
@@ -113,6 +115,7 @@ def run_header(
         "merge_adapter": job.peft.merge_adapter,  # how a replay writes the adapter
         "optimizer": optimizer_record(config),
         "estimator": config.estimator,
+        "train_rows": train_rows,  # None: generated data
         # what a replay checks its --base against (None: a caller without the model's config)
         **({"model": signature(model_config)} if model_config is not None else {}),
     }

@@ -8,12 +8,19 @@ import logging
 from pathlib import Path
 
 from distzo.config.job import RunOptions
+from distzo.data.task_data import LoadedRows
 from distzo.dist import LaunchEnv, ParallelContext
 from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
 from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
 from distzo.job.run_dir import logged_steps_of, run_contents
-from distzo.job.seed_log import SEED_LOG, check_same_run, read_seed_log_once, step_grads
+from distzo.job.seed_log import (
+    SEED_LOG,
+    check_same_run,
+    logged_header,
+    read_seed_log_once,
+    step_grads,
+)
 from distzo.zo import identity_kind
 
 logger = logging.getLogger("distzo.train")
@@ -71,6 +78,24 @@ def logged_steps(path: Path) -> int:
     """How many step records a seed log holds (0: none, or no log); whether they run
     0..n-1 is ``check_log_leads_to_checkpoint``'s to say."""
     return len(logged_steps_of(path)) if path.is_file() else 0
+
+
+def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str | None) -> None:
+    """Refuse a resume whose --train-file holds other rows than the run started with (its
+    seed log's ``train_rows``): the same path, rewritten since, would give the steps from
+    the resume on other batches than the run's (the batch of a step is a function of the
+    rows and the step). A log from before the digest existed has nothing to compare."""
+    log = run_dir / SEED_LOG
+    header = logged_header(log) if rows is not None and log.is_file() else None
+    logged = header.get("train_rows") if header is not None else None
+    if rows is None or logged is None or logged == rows.digests["--train-file"]:
+        return
+    raise ValueError(
+        f"--resume: --train-file {train_file} holds other rows than the run in {run_dir} "
+        f"trained on (rows digest {rows.digests['--train-file']}, its seed log's {logged}); "
+        "restore the file the run started with, or start afresh with --overwrite or another "
+        "--output-dir"
+    )
 
 
 def drawn_noise(run_dir: Path) -> str:

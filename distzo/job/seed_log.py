@@ -171,13 +171,19 @@ def first_step(header: dict) -> int:
 
 def logged_first_step(path: Path) -> int:
     """``first_step`` of the log at ``path``, from its header line alone (0 without one)."""
+    header = logged_header(path)
+    return first_step(header) if header is not None else 0
+
+
+def logged_header(path: Path) -> dict | None:
+    """The header of the log at ``path``, from its first line alone (None without one)."""
     with open(path) as stream:
         line = stream.readline()
     try:
         header = json.loads(line)
     except json.JSONDecodeError:
-        return 0
-    return first_step(header) if isinstance(header, dict) and header.get("kind") == "header" else 0
+        return None
+    return header if isinstance(header, dict) and header.get("kind") == "header" else None
 
 
 def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:

@@ -237,6 +237,7 @@ class Trainer:
             self.device,
             self.run_dir,
             getattr(self.engine.model, "config", None),
+            self.rows.digests["--train-file"] if self.rows is not None else None,
         )
         if resuming:
             self.step = catch_up_from_log(self.engine, self.run_dir, self.header, self.parallel)

@@ -25,7 +25,7 @@ from distzo.export.hf_model import check_shard_size
 from distzo.export.out_dir import nearest_existing
 from distzo.job.build import default_model_config, random_shape_config, token_positions
 from distzo.job.reporting import check_reporter
-from distzo.job.resume import drawn_noise, resume_mode
+from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.models import check_supported, hub
 from distzo.models.weights import check_float_weights, check_readable
@@ -171,6 +171,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
                 f"--max-steps {job.optim.max_steps}; give --max-steps {done} or more"
             )
         check_resumed_options(job, env)  # may take the run's seed for -1
+        check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
         config = dataclasses.replace(config, seed=job.run.engine_seed)
     else:
         check_fresh(job)

@@ -15,9 +15,10 @@ import pytest
 
 from distzo.config.checks import resolve_defaults
 from distzo.config.job import resolve
+from distzo.data.task_data import LoadedRows, rows_digest
 from distzo.dist import LaunchEnv
 from distzo.job import run_dir as run_dir_module
-from distzo.job.resume import resume_mode
+from distzo.job.resume import check_resumed_rows, resume_mode
 from distzo.job.run_dir import check_resumed_options, clear_run, new_run_dir
 from distzo.job.trainer import Trainer
 from tests.helpers.launch import main_in_process, python_train, train_in_process
@@ -394,3 +395,34 @@ def test_a_failed_build_unlocks_the_directory_and_leaves_no_lock_file(tmp_path):
     assert out.is_dir() and not list(out.iterdir())  # the user's folder stays, empty
     proc = train_in_process([*SMALL, "--max-steps", "1", "--output-dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_resume_from_a_train_file_whose_rows_changed_is_refused(tmp_path):
+    # A step's batch is drawn from the file's rows by index: the same path rewritten since
+    # the run started gave the steps after the resume other rows than the run's, silently.
+    corpus = tmp_path / "corpus.txt"
+    rows = [f"row {i} of the corpus" for i in range(8)]
+    corpus.write_text("".join(row + "\n" for row in rows))
+    run = tmp_path / "run"
+    argv = ["--task", "text", "--train-file", str(corpus), "--eval-file", str(corpus)]
+    argv += ["--batch-size", "4", "--eval-batch-size", "4", "--log-every", "0"]
+    argv += ["--max-steps", "1", "--output-dir", str(run)]
+    assert train_in_process(argv).returncode == 0
+    header = json.loads((run / "seedlog.jsonl").read_text().splitlines()[0])
+    assert header["train_rows"] == rows_digest(rows)
+    corpus.write_text("".join(row + "\n" for row in [*rows, "a row added since"]))
+    line = error_line(train_in_process([*argv, "--resume"]))
+    assert line == (
+        f"error: --resume: --train-file {corpus} holds other rows than the run in {run} "
+        f"trained on (rows digest {rows_digest([*rows, 'a row added since'])}, its seed "
+        f"log's {rows_digest(rows)}); restore the file the run started with, or start "
+        "afresh with --overwrite or another --output-dir"
+    )
+    corpus.write_text("".join(row + "\n" for row in rows))  # the run's own rows
+    assert train_in_process([*argv, "--resume"]).returncode == 0
+
+
+def test_a_seed_log_from_before_the_rows_digest_resumes(tmp_path):
+    header = {"kind": "header", "run_seed": 0}  # no train_rows: nothing to compare
+    (tmp_path / "seedlog.jsonl").write_text(json.dumps(header) + "\n")
+    check_resumed_rows(tmp_path, LoadedRows("text", ["a b"], ["a b"]), "corpus.txt")
