@@ -593,7 +593,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "also be set in a TOML file (--config), as [section] key = value; flags override the file.",
     )
     takes_negative_exponents(p)
-    p.add_argument("--config", default=None, help="a TOML file of options (flags override it)")
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="a TOML file of options (flags override it)"
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, f in _options():
         group = groups.setdefault(section, p.add_argument_group(f"[{section}]"))
@@ -621,10 +623,29 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                 choices=f.metadata["choices"],
                 default=argparse.SUPPRESS,
                 help=text,
-                metavar=None if f.metadata["choices"] else kind.__name__.upper(),
+                metavar=None if f.metadata["choices"] else _metavar(f.name, kind),
                 **bare,
             )
     return p
+
+
+# What --help shows a string option takes, where "STR" would say nothing.
+_METAVARS = {
+    "model": "NAME_OR_DIR",
+    "model_config": "SHAPE",
+    "task": "TASK",
+    "train_file": "FILE",
+    "eval_file": "FILE",
+    "lora_targets": "MODULES",
+    "device": "DEVICE",
+    "output_dir": "DIR",
+    "log_dir": "DIR",
+    "export_shard_size": "SIZE",
+}
+
+
+def _metavar(name: str, kind: type) -> str:
+    return _METAVARS.get(name, kind.__name__.upper())
 
 
 def _closest(key: str, keys: set[str]) -> str:

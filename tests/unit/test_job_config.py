@@ -336,3 +336,13 @@ def test_a_leading_tilde_in_a_path_option_is_the_home_folder(tmp_path, monkeypat
     assert job.run.output_dir == str(tmp_path / "runs" / "a")
     assert (job.model.model, job.run.log_dir) == (str(tmp_path / "model"), str(tmp_path / "logs"))
     assert not (tmp_path / "~").exists()
+
+
+def test_help_says_what_each_string_option_takes():
+    """Every string option showed ``STR`` (``--output-dir STR``, ``--config CONFIG``)."""
+    from distzo.config.job import build_parser
+
+    text = build_parser().format_help()
+    assert " STR" not in text and "CONFIG" not in text
+    for shown in ("--config FILE", "--train-file FILE", "--output-dir DIR", "--model NAME_OR_DIR"):
+        assert shown in text, shown
