@@ -186,3 +186,24 @@ def test_a_long_runs_curves_draw_the_loss_s_moving_mean_at_each_window_s_last_st
     window = 250 // curves.SMOOTH_POINTS
     assert list(mean.get_xdata()) == [float(s) for s in range(window - 1, 250)]
     assert mean.get_ydata()[0] == pytest.approx(sum(s % 7 for s in range(window)) / window)
+
+
+def test_the_moving_mean_of_half_a_million_steps_takes_linear_time():
+    """The loss's moving mean spans 1/50 of the steps: a convolution's steps x window
+    (5e9 products for half a million steps, 2e10 and minutes for a million, at each
+    evaluation's redraw) is what a long run paid; running sums give the same means at once."""
+    import numpy as np
+
+    from distzo.job import curves
+
+    losses = np.random.default_rng(0).random(500_000) * 4
+    window = len(losses) // curves.SMOOTH_POINTS
+    started = time.perf_counter()
+    mean = curves._moving_mean(losses, window)
+    assert time.perf_counter() - started < 2.0
+    assert mean.shape == (len(losses) - window + 1,)
+    assert mean[0] == pytest.approx(losses[:window].mean(), rel=1e-9)
+    assert mean[-1] == pytest.approx(losses[-window:].mean(), rel=1e-9)
+    small = np.arange(10, dtype=float) % 3
+    expected = np.convolve(small, np.ones(4) / 4, mode="valid")
+    assert np.allclose(curves._moving_mean(small, 4), expected, rtol=0, atol=1e-12)
