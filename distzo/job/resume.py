@@ -17,6 +17,7 @@ from distzo.job.run_dir import logged_steps_of, run_contents
 from distzo.job.seed_log import (
     SEED_LOG,
     check_same_run,
+    forget_seed_log_reads,
     logged_header,
     read_seed_log_once,
     step_grads,
@@ -113,7 +114,8 @@ def catch_up_from_log(
     or a preemption), in one pass over the blocks; returns the step to train from.
     Rank 0 reads the log and hands the records to every rank. A low-bit transfer or state
     rounds on the host at each step, which a catch-up cannot repeat: those steps are
-    trained again instead (the same result)."""
+    trained again instead (the same result). The log's parse is then forgotten: only the
+    records beyond the checkpoint are kept."""
     path = run_dir / SEED_LOG
     start = engine.step_index
 
@@ -124,7 +126,10 @@ def catch_up_from_log(
         check_same_run(path, logged_header, header)
         return [(r["step"], step_grads(r), r["lr"]) for r in steps if r["step"] >= start]
 
-    records = agreed(parallel.comm, read)  # a refusal by rank 0 ends every rank with it
+    try:
+        records = agreed(parallel.comm, read)  # a refusal by rank 0 ends every rank with it
+    finally:
+        forget_seed_log_reads()  # the resume's last read of the log (every rank's)
     records = parallel.comm.broadcast_object(records) if parallel.is_distributed else records
     if not records:
         return start

@@ -202,6 +202,13 @@ def _read_seed_log_cached(path: str, mtime_ns: int, size: int) -> tuple[dict, li
     return read_seed_log(Path(path))
 
 
+def forget_seed_log_reads() -> None:
+    """Drop what ``read_seed_log_once`` keeps: once a resume has caught up, every record
+    of the log would stay in memory for the rest of the run (a dict per step: 330 MB of
+    host memory for half a million steps), the log grown past the state it was read in."""
+    _read_seed_log_cached.cache_clear()
+
+
 def step_grads(record: dict) -> tuple[float, ...]:
     """A record's g per query (logs from before n-SPSA hold one ``projected_grad``)."""
     grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]
