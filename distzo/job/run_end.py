@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.job.checkpoint import latest_checkpoint
-from distzo.job.curves import CURVES, write_curves
+from distzo.job.curves import CURVES, draw_curves, write_curves
 from distzo.job.records import describe
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, run_summary, write_summary
@@ -47,10 +47,11 @@ class Session:
 
 
 def draw_run_curves(run_dir: Path, logs: RunLogs) -> Path:
-    """``curves.png`` in ``run_dir`` from the whole run's metrics and evaluations."""
-    paths = logs.paths
-    return write_curves(
-        run_dir / CURVES, read_records(paths["metrics"]), read_records(paths["eval"])
+    """``curves.png`` in ``run_dir`` from the whole run's loss (the logs keep it: no
+    metrics.jsonl read back at each evaluation) and evaluations."""
+    curve = logs.loss_curve
+    return draw_curves(
+        run_dir / CURVES, curve.steps, curve.losses, read_records(logs.paths["eval"])
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from distzo.config.cli import names_file
 from distzo.config.field_types import is_of_type
+from distzo.job.curves import LossCurve
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter
 
@@ -88,6 +89,8 @@ class RunLogs:
                 path.unlink(missing_ok=True)
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
+        # the training loss the curves redraw at each evaluation, kept from here on
+        self.loss_curve = LossCurve.read(self.paths["metrics"])
         evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
         self.kept_evals = {r["step"] for r in evals}
         self.closed = False
@@ -118,6 +121,8 @@ class RunLogs:
         with names_file(self.paths[name]):
             self.files[name].write(json.dumps(record) + "\n")
             self.files[name].flush()
+        if name == "metrics":
+            self.loss_curve.add(record)
         self._report(name, record)
 
     def _report(self, name: str, record: dict[str, Any]) -> None:
