@@ -24,6 +24,7 @@ from distzo.config.engine_checks import (
 )
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
+from distzo.config.option_names import named_as_flags
 from distzo.dist.parallel_dims import ParallelDims
 from distzo.export.hf_model import check_shard_size
 from distzo.job.evaluation import rows_per_call
@@ -78,14 +79,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """The counts ``distzo.train`` refuses, refused here in its words: a plan for a batch of
+    0 or a sequence of -5 tokens printed negative activations, and one past the shape's
+    positions a plan no run of it can reach."""
+    for flag, value in (
+        ("--nproc", args.nproc),
+        ("--batch-size", args.batch_size),
+        ("--eval-batch-size", args.eval_batch_size),
+        ("--seq-len", args.seq_len),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    positions = shape_config(args.model_config).max_position_embeddings
+    if args.seq_len > positions:
+        raise ValueError(
+            f"--seq-len {args.seq_len} exceeds {args.model_config}'s max_position_embeddings "
+            f"{positions}; lower --seq-len"
+        )
+
+
 def report(args: argparse.Namespace) -> str:
     """The plan's lines for ``args`` (the command line, parsed)."""
+    check_sizes(args)
     pert = 1 if args.pert is None and args.dp is None else args.pert
     dims = ParallelDims.resolve(args.nproc, args.dp, pert)
     dp = dims.dp
     rule = estimator_for(args.estimator)
     queries = args.num_queries if args.num_queries is not None else rule.default_queries
-    dims.check_passes(args.estimator, queries)
+    with named_as_flags():  # its checks name --num-slots, as typed here, not num_slots
+        config = ZOConfig(
+            device="cpu",
+            mode="offload",
+            num_slots=args.num_slots,
+            transfer_dtype=args.transfer_dtype,
+            low_bit_master=args.low_bit_master,
+            perturb_scope=args.perturb_scope,
+            compute_dtype=args.compute_dtype,
+            estimator=args.estimator,
+            num_queries=queries,
+            noise=rule.default_noise,
+        )
+    dims.check_passes(args.estimator, queries)  # after --num-queries >= 1, as in training
     dims.check_batch(args.batch_size)  # what distzo.train refuses, refused here too
     check_shard_size(args.export_shard_size)
     if args.eval_batch_size < args.nproc:
@@ -93,18 +128,6 @@ def report(args: argparse.Namespace) -> str:
             f"--eval-batch-size {args.eval_batch_size} is smaller than the {args.nproc} "
             "ranks; raise it"
         )
-    config = ZOConfig(
-        device="cpu",
-        mode="offload",
-        num_slots=args.num_slots,
-        transfer_dtype=args.transfer_dtype,
-        low_bit_master=args.low_bit_master,
-        perturb_scope=args.perturb_scope,
-        compute_dtype=args.compute_dtype,
-        estimator=args.estimator,
-        num_queries=queries,
-        noise=rule.default_noise,
-    )
     model = skeleton(shape_config(args.model_config), torch.float32)
     rows = max(args.batch_size // dp, rows_per_call(args.eval_batch_size, args.nproc))
     sliced = args.transfer == "sliced"

@@ -112,3 +112,38 @@ def test_the_documented_opt_175b_plans_are_what_the_command_prints():
     assert "15.42 GB with 3 slots and 11.80 GB with 2" in guide
     readme = (DOC.parents[1] / "README.md").read_text()
     assert "15.4 GB of GPU memory for OPT-175B" in readme and "(11.8 GB with\ntwo" in readme
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--seq-len", "-5"], "error: --seq-len must be >= 1, got -5"),
+        (
+            ["--seq-len", "4096"],
+            "error: --seq-len 4096 exceeds opt-125m's max_position_embeddings 2048; lower "
+            "--seq-len",
+        ),
+        (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
+        (["--nproc", "0"], "error: --nproc must be >= 1, got 0"),
+        (
+            ["--num-queries", "0"],
+            "error: --num-queries must be >= 1, got 0; use 1 for MeZO's SPSA, more to average "
+            "directions",
+        ),
+        (
+            ["--num-slots", "0"],
+            "error: --num-slots must be >= 1, got 0; use 2 or 3 to overlap transfers, 1 for "
+            "least memory",
+        ),
+        (
+            ["--estimator", "fzoo", "--num-queries", "1"],
+            "error: --estimator fzoo needs --num-queries >= 2, got 1: sigma, the spread of its "
+            "perturbed losses, is 0 for one; its default is 8",
+        ),
+    ],
+)
+def test_sizes_training_refuses_are_one_line_naming_the_flag(flags, line, capsys):
+    """A plan of a batch of 0 or -5 tokens printed negative activations; the engine's checks
+    named num_slots where the user typed --num-slots."""
+    assert plan_report.main(["--model-config", "opt-125m", *flags]) == 2
+    assert capsys.readouterr().err == line + "\n"
