@@ -745,6 +745,18 @@ def _drop_actions(path: str, data: dict[str, Any]) -> None:
 PATH_FLAGS = ("config", "output_dir", "log_dir", "model", "train_file", "eval_file")
 
 
+def _refuse_empty_paths(path: str, data: dict[str, dict[str, Any]]) -> None:
+    """A file's empty path, refused as the flag's is: ``output_dir = ""`` trained into a
+    new ./runs/<timestamp>, ``log_dir = ""`` logged into the run directory, and
+    ``model = ""`` failed as a malformed hub name."""
+    for section, values in data.items():
+        for key, value in values.items():
+            if key in PATH_FLAGS and value == "":
+                raise ValueError(
+                    f"--config {path}: [{section}] {key} is empty; give a path or remove the key"
+                )
+
+
 def expand_home(job: JobConfig) -> None:
     """A path option's leading ``~`` is the home folder, as a shell reads it. A TOML file,
     ``--flag=~/x`` (which the shell leaves as it is) and Python pass it on as written: the
@@ -769,6 +781,7 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
         args["config"] = os.path.expanduser(args["config"])
         data = load_toml(args["config"])
         _drop_actions(args["config"], data)
+        _refuse_empty_paths(args["config"], data)
         for section, values in data.items():
             target = getattr(config, section)
             fields = {f.name: f for f in dataclasses.fields(target)}

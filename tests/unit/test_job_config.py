@@ -90,6 +90,23 @@ def test_bad_files_are_one_line_errors(tmp_path, text, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "section, key", [("run", "output_dir"), ("run", "log_dir"), ("model", "model")]
+)
+def test_an_empty_path_in_a_file_is_refused_as_the_flags_is(tmp_path, monkeypatch, section, key):
+    """``output_dir = ""`` trained into a new ./runs/<timestamp> where ``--output-dir ""``
+    is refused; ``log_dir = ""`` logged into the run directory; ``model = ""`` was a hub
+    error about repository names."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.toml").write_text(f'[{section}]\n{key} = ""\n')
+    proc = train_in_process(["--config", "job.toml", "--max-steps", "1"])
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"error: --config job.toml: [{section}] {key} is empty; give a path or remove the key\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_config_that_is_a_folder_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=f"--config {tmp_path}: cannot read it") as info:
         resolve(["--config", str(tmp_path)])
