@@ -275,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        check_out(args.out, args.overwrite)
-        out = replay(args.base, args.log, args.out, args.device, args.merge_adapter)
+        target = check_out(args.out, args.overwrite)
+        out = replay(args.base, args.log, target, args.device, args.merge_adapter)
     except ValueError as err:
         return fail(str(err).splitlines()[0])
     except OSError as err:  # a full disk, an unwritable --out: a failure, one line

@@ -4,6 +4,7 @@ a half-written folder and nothing a user already has is destroyed unasked."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -21,23 +22,34 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_out(out: Path, overwrite: bool) -> None:
+def check_out(out: Path, overwrite: bool) -> Path:
     """An existing --out (a folder or a file) is replaced only when asked, and its staging
-    folder must not be someone's: the command deletes and renames it."""
+    folder must not be someone's: the command deletes and renames it. Returns ``out``
+    normalised (``x/..`` is ``.``), the path to write: ``--out .. --overwrite`` deleted the
+    working directory's parent, then staged into ``...tmp`` inside it and failed."""
+    full = Path(os.path.abspath(out))
+    here = Path.cwd()
+    if full == here or full in here.parents:
+        raise ValueError(
+            f"--out {out}: {full} {'is' if full == here else 'holds'} the working directory, "
+            f"which replacing it would delete; give a folder of its own, such as --out "
+            f"{Path(out) / 'model'}"
+        )
     if (out.exists() or out.is_symlink()) and not overwrite:
         kind = "folder" if out.is_dir() else "file"
         raise ValueError(
             f"--out {out}: the {kind} exists; add --overwrite to replace it, or give another --out"
         )
-    staging = staging_dir(out)
+    staging = staging_dir(full)
     if staging.exists() or staging.is_symlink():
         raise ValueError(
             f"--out {out}: {staging} exists (the output is written there first, then renamed); "
             "move it aside or give another --out"
         )
-    existing = nearest_existing(out.absolute().parent)
+    existing = nearest_existing(full.parent)
     if not existing.is_dir():
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+    return full
 
 
 def check_replaceable(directory: Path, overwrite: bool) -> None:

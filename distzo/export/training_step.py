@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         args.pte = _pte_wanted(args.pte)
-        check_out(args.out, args.overwrite)
+        args.out = check_out(args.out, args.overwrite)
         engine = _lora_fa_engine(args)
         tmp = staging_dir(args.out)
         try:

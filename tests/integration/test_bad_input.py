@@ -114,6 +114,28 @@ def test_replay_leaves_a_users_folder_named_like_its_staging_folder(run, tmp_pat
     assert (tmp_path / "mine.tmp" / "notes.txt").read_text() == "mine" and not out.exists()
 
 
+def test_replay_refuses_an_out_holding_the_working_directory(run, tmp_path, monkeypatch):
+    """``--out .. --overwrite`` deleted the working directory's parent, then staged into
+    ``...tmp`` inside it and failed: the user's files gone, no model written."""
+    here = tmp_path / "a" / "b"
+    here.mkdir(parents=True)
+    (tmp_path / "a" / "keep.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    log = str(run / "seedlog.jsonl")
+    for out, full, verb, example in (
+        ("..", tmp_path / "a", "holds", "../model"),
+        (".", here, "is", "model"),
+    ):
+        proc = main_in_process("distzo.replay", ["--log", log, "--out", out, "--overwrite"])
+        assert one_line(proc) == (
+            f"error: --out {out}: {full} {verb} the working directory, which replacing it would "
+            f"delete; give a folder of its own, such as --out {example}"
+        )
+    assert (tmp_path / "a" / "keep.txt").read_text() == "mine" and here.is_dir()
+    proc = main_in_process("distzo.replay", ["--log", log, "--out", "x/..", "--overwrite"])
+    assert "x/..: " in one_line(proc) and not list(tmp_path.rglob("*.tmp"))
+
+
 def test_replay_over_a_file_with_overwrite_leaves_no_tmp(run, tmp_path):
     out = tmp_path / "model"
     out.write_text("x")
