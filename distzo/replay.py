@@ -34,6 +34,7 @@ from distzo.adapters.peft_adapters import (
 )
 from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
+from distzo.config.option_names import named_as_flags
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
@@ -158,20 +159,21 @@ def replay_config(header: dict, device: str | None) -> ZOConfig:
     their own), on ``device`` (the run's device type by default)."""
     transfer_dtype = header.get("transfer_dtype", "fp32")
     kind = identity_kind(header.get("noise", "legacy"))
-    config = ZOConfig(
-        lr=0.0,
-        mode=replay_mode(transfer_dtype),
-        transfer_dtype=transfer_dtype,
-        # a prefix's init by real activations ran in it (logs from before the record: auto)
-        compute_dtype=header.get("compute_dtype", "auto"),
-        device=device or header["device_type"],
-        weight_decay=header["weight_decay"],
-        noise_chunk=header["noise_chunk"],
-        seed=header["run_seed"],
-        noise=kind,
-        **lowrank_options(header.get("lowrank")),
-        **optimizer_options(header.get("optimizer")),
-    )
+    with named_as_flags():  # the one option typed here is --device: named as the flag
+        config = ZOConfig(
+            lr=0.0,
+            mode=replay_mode(transfer_dtype),
+            transfer_dtype=transfer_dtype,
+            # a prefix's init by real activations ran in it (logs from before the record: auto)
+            compute_dtype=header.get("compute_dtype", "auto"),
+            device=device or header["device_type"],
+            weight_decay=header["weight_decay"],
+            noise_chunk=header["noise_chunk"],
+            seed=header["run_seed"],
+            noise=kind,
+            **lowrank_options(header.get("lowrank")),
+            **optimizer_options(header.get("optimizer")),
+        )
     if kind == "legacy" and config.torch_device().type != header["device_type"]:
         raise ValueError(
             f"the run drew legacy noise on {header['device_type']}; replay it on that device type"

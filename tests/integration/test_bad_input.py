@@ -136,6 +136,17 @@ def test_replay_refuses_an_out_holding_the_working_directory(run, tmp_path, monk
     assert "x/..: " in one_line(proc) and not list(tmp_path.rglob("*.tmp"))
 
 
+def test_replay_names_its_device_flag(run, tmp_path):
+    """The engine's check named the field ``device`` where the user typed --device."""
+    log = str(run / "seedlog.jsonl")
+    proc = main_in_process(
+        "distzo.replay", ["--log", log, "--out", str(tmp_path / "o"), "--device", "tpu"]
+    )
+    assert one_line(proc) == (
+        "error: --device 'tpu' is not a torch device; use auto, cpu, cuda or cuda:N"
+    )
+
+
 def test_replay_over_a_file_with_overwrite_leaves_no_tmp(run, tmp_path):
     out = tmp_path / "model"
     out.write_text("x")
