@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if args.base == "":  # "" would read as unset: the log's base, where one was named
+            raise ValueError("--base is empty; give the base's hub name or folder, or leave it out")
         target = check_out(args.out, args.overwrite)
         out = replay(args.base, args.log, target, args.device, args.merge_adapter)
     except ValueError as err:

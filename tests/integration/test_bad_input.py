@@ -147,6 +147,16 @@ def test_replay_names_its_device_flag(run, tmp_path):
     )
 
 
+def test_replay_refuses_an_empty_base(run, tmp_path):
+    """``--base ""`` replayed onto the log's own base, as if it were not given."""
+    args = ["--log", str(run / "seedlog.jsonl"), "--out", str(tmp_path / "o"), "--base", ""]
+    proc = main_in_process("distzo.replay", args)
+    assert one_line(proc) == (
+        "error: --base is empty; give the base's hub name or folder, or leave it out"
+    )
+    assert not (tmp_path / "o").exists()
+
+
 def test_replay_over_a_file_with_overwrite_leaves_no_tmp(run, tmp_path):
     out = tmp_path / "model"
     out.write_text("x")
