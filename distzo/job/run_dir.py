@@ -28,7 +28,7 @@ from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
 from distzo.job.run_lock import RunLock
-from distzo.job.seed_log import SEED_LOG, logged_first_step
+from distzo.job.seed_log import SEED_LOG, logged_first_step, logged_header
 from distzo.job.summary import SUMMARY
 
 logger = logging.getLogger("distzo.train")
@@ -211,7 +211,7 @@ def logged_steps_of(path: Path) -> list[int]:
     """The step of each complete record of a seed log, as written (gaps kept; a torn last
     line, a header or a line that is not a step record skipped)."""
     steps = []
-    for line in path.read_text().split("\n")[:-1]:
+    for line in path.read_text(encoding="utf-8", errors="replace").split("\n")[:-1]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -235,6 +235,13 @@ def check_log_leads_to_checkpoint(run_dir: Path) -> int:
         return done
     start = f"{checkpoint} ({done} steps)" if checkpoint is not None else "the initial weights"
     fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
+    if log.stat().st_size and logged_header(log) is None:
+        raise ValueError(
+            f"--resume: {log} does not begin with a seed log's header (damaged, or not "
+            f"distzo's); restore it, move it aside to resume from {start} alone (a replay "
+            "then cannot rebuild the run), or start afresh with --overwrite or another "
+            "--output-dir"
+        )
     steps, first = logged_steps_of(log), logged_first_step(log)
     gap = next((i for i, step in enumerate(steps) if step != first + i), None)
     if gap is not None:

@@ -176,8 +176,9 @@ def logged_first_step(path: Path) -> int:
 
 
 def logged_header(path: Path) -> dict | None:
-    """The header of the log at ``path``, from its first line alone (None without one)."""
-    with open(path) as stream:
+    """The header of the log at ``path``, from its first line alone (None without one, or
+    where the file is not text)."""
+    with open(path, encoding="utf-8", errors="replace") as stream:
         line = stream.readline()
     try:
         header = json.loads(line)

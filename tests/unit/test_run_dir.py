@@ -171,6 +171,34 @@ def test_a_checkpoint_ahead_of_the_seed_log_is_refused_naming_both(run):
     )
 
 
+@pytest.mark.parametrize("garbage", [b"not json at all\n{}\n", b"\xff\xfe\x00binary"])
+def test_a_seed_log_without_its_header_is_refused_as_damaged(run, garbage):
+    """A damaged log was said to 'end at its header', which it did not hold (and a binary
+    one raised UnicodeDecodeError's traceback)."""
+    log = run / "seedlog.jsonl"
+    log.write_bytes(garbage)
+    line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
+    assert line == (
+        f"error: --resume: {log} does not begin with a seed log's header (damaged, or not "
+        f"distzo's); restore it, move it aside to resume from {run}/checkpoints/step-4 (4 "
+        "steps) alone (a replay then cannot rebuild the run), or start afresh with "
+        "--overwrite or another --output-dir"
+    )
+    log.unlink()  # moved aside: the checkpoint resumes alone, as the line says
+    assert train_in_process([*SMALL, "--output-dir", str(run), "--resume"]).returncode == 0
+
+
+def test_a_seed_log_whose_records_are_not_text_is_read_as_holding_none(run):
+    """Its steps were read as UTF-8 and the resume failed on the decoder's message."""
+    log = run / "seedlog.jsonl"
+    log.write_bytes(log.read_bytes().split(b"\n")[0] + b"\n\xff\xfe binary\n")
+    line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
+    assert line == (
+        f"error: --resume: {run}/checkpoints/step-4 holds 4 steps but {log} ends at its "
+        "header; the two are not one run; start afresh with --overwrite or another --output-dir"
+    )
+
+
 def test_a_seed_log_with_a_gap_is_refused_naming_both(run):
     # The old failure: a re-run overwrote the log (steps 0-1), a later --resume loaded the
     # old step-4 checkpoint and appended steps 4-5.
