@@ -278,6 +278,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _shown(value: Any) -> str:
+    """An option's value as a resume's line names it: an unset one (None) as unset, which is
+    what the user did (no flag), not Python's None."""
+    return "unset" if value is None else str(value)
+
+
 def _same(old: Any, new: Any) -> bool:
     if isinstance(new, float) and isinstance(old, int) and not isinstance(old, bool):
         old = float(old)
@@ -302,7 +308,7 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
             name, new = f.name, getattr(values, f.name)
             if name in INVOCATION or _same(recorded[name], new) or (name, new) == ("noise", None):
                 continue
-            change = f"{_flag(name)} {recorded[name]} -> {new}"
+            change = f"{_flag(name)} {_shown(recorded[name])} -> {_shown(new)}"
             # the linear schedule decays the lr to 0 at --max-steps
             decays_to = name == "max_steps" and job.optim.lr_schedule == "linear"
             if name in RESUME_MAY_RETUNE or decays_to:

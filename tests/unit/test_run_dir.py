@@ -226,6 +226,16 @@ def test_resume_refuses_options_that_change_the_trajectory_naming_each(run):
     assert train_in_process(["--config", str(run / "config.toml"), "--resume"]).returncode == 0
 
 
+def test_a_resume_names_an_option_the_run_left_unset_as_unset(run):
+    """The line quoted Python's None (``--model-config None -> opt-125m``), which no one
+    typed."""
+    argv = [*SMALL, "--output-dir", str(run), "--resume", "--model-config", "opt-125m"]
+    line = error_line(train_in_process([*argv, "--model-layers", "1"]))
+    assert line.startswith(
+        "error: --resume: --model-config unset -> opt-125m, --model-layers unset -> 1 would "
+    )
+
+
 def test_resume_accepts_options_that_keep_the_trajectory_naming_them_in_one_warning(run):
     argv = [*SMALL, "--output-dir", str(run), "--resume", "--max-steps", "6", "--eval-steps"]
     proc = python_train([*argv, "3", "--keep-checkpoints", "0", "--mode", "resident"])
