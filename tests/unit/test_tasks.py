@@ -444,6 +444,10 @@ def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):
             "error: --task sst2 reads its data: give --train-file and --eval-file",
         ),
         (
+            ["--task", "sst2", "--train-file", "rows.tsv"],
+            "error: --task sst2 reads its data: give --eval-file",
+        ),
+        (
             ["--task", "counting", "--train-file", "x.jsonl"],
             "error: --task counting generates its data",
         ),
