@@ -148,9 +148,9 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
         return None
     if task not in TASK_NAMES:
         raise ValueError(f"unknown --task {task!r}; choose one of {', '.join(TASK_NAMES)}")
-    given = {"--train-file": train_file, "--eval-file": eval_file}
-    missing = [flag for flag, path in given.items() if not path]
-    if missing:
+    if not train_file or not eval_file:
+        given = {"--train-file": train_file, "--eval-file": eval_file}
+        missing = [flag for flag, path in given.items() if not path]
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
     loaded = []
     for source in (train_file, eval_file):
