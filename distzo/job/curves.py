@@ -10,9 +10,8 @@ were. It is imported on the first drawing, so ``import distzo`` does not pay for
 
 from __future__ import annotations
 
-import json
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +48,12 @@ class LossCurve:
             self.losses.append(float(record["loss"]))
 
     @classmethod
-    def read(cls, path: Path) -> LossCurve:
-        """The curve of a metrics log, read one line at a time (a torn last line, or any
-        line that is not a record, skipped as ``read_records`` skips it)."""
+    def of(cls, records: Iterable[dict[str, Any]]) -> LossCurve:
+        """The curve of a metrics log's records (``run_logs.iter_records``: one line at a
+        time, never the whole file's dicts at once)."""
         curve = cls()
-        if not path.is_file():
-            return curve
-        with open(path) as stream:
-            for line in stream:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict):
-                    curve.add(record)
+        for record in records:
+            curve.add(record)
         return curve
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +37,21 @@ def truncate_jsonl(path: Path, keep_below: int) -> None:
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The complete records of a JSON-lines log (none when it does not exist; a torn last
     line skipped), for what is drawn or summed up from the whole run."""
+    return list(iter_records(path))
+
+
+def iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """``read_records``, one line at a time."""
     if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+        return
+    with open(path) as stream:
+        for line in stream:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield record
 
 
 def _close_quietly(seeds: SeedLogWriter) -> None:
@@ -90,7 +95,7 @@ class RunLogs:
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
         # the training loss the curves redraw at each evaluation, kept from here on
-        self.loss_curve = LossCurve.read(self.paths["metrics"])
+        self.loss_curve = LossCurve.of(iter_records(self.paths["metrics"]))
         evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
         self.kept_evals = {r["step"] for r in evals}
         self.closed = False
