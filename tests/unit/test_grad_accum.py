@@ -130,6 +130,16 @@ def test_the_memory_plan_counts_one_micro_batchs_activations():
     assert plans[4].device_bytes == plans[1].device_bytes
 
 
+def test_a_batch_that_does_not_split_evenly_plans_its_largest_micro_batch():
+    # 5 rows in 2 micro-batches run 3 rows, then 2: a block's intermediates are 3 rows',
+    # as for 6 rows, whose plan differs only by the sixth row's hidden states (SPSA's 2)
+    model = base_model("llama")
+    config = ZOConfig(device="cpu", grad_accum=2)
+    plans = {rows: plan_memory(model, config, 1, False, batch=rows, seq=64) for rows in (5, 6)}
+    row_of_hidden_states = 2 * 64 * model.config.hidden_size * 4
+    assert plans[6].activations - plans[5].activations == row_of_hidden_states
+
+
 def test_a_grad_accum_beyond_a_ranks_batch_is_one_line_before_any_work(tmp_path, capsys):
     from distzo.train import main  # in process: the entry point's own error path
 

@@ -191,6 +191,33 @@ def test_the_plan_counts_a_batched_groups_block_activations():
     assert plan.activations >= hiddens + 3 * max(widest), (plan.activations, max(widest))
 
 
+def test_the_plan_counts_a_head_chunks_logits_and_their_log_softmax():
+    # the LM head runs on a chunk of positions at a time; beside its logits, a float32
+    # log-softmax of the same shape lives while the chunk is scored
+    model = base_model("llama", vocab_size=8192, num_hidden_layers=1)
+    config = ZOConfig(device="cpu", seed=0, mode="resident")
+    rows, length = 2, 8
+    plan = plan_memory(model, config, 1, False, batch=rows, seq=length)
+    engine = ZOEngine(model, config)
+    logits = []
+    model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.nbytes))
+    engine.step(random_batch(8192, rows, length))
+    hiddens = 2 * rows * length * model.config.hidden_size * 4
+    assert plan.activations >= hiddens + 2 * max(logits), (plan.activations, max(logits))
+
+
+def test_the_host_check_adds_up_its_terms(monkeypatch):
+    # a job needs every term at once: each one fitting alone is not enough
+    plan = plan_memory(build("llama"), ZOConfig(device="cpu", optimizer="adam"), 1, False, 2, 8)
+    terms = memory_plan.host_terms(plan, False, 1)
+    assert len(terms) > 1
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: sum(terms.values()) - 1)
+    with pytest.raises(ValueError, match="of host memory for 1 local ranks"):
+        check_fits(plan, torch.device("cpu"), 1, force=False)
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: sum(terms.values()))
+    check_fits(plan, torch.device("cpu"), 1, force=False)
+
+
 @pytest.mark.parametrize("shard", ["2KB", "5GB"])
 def test_the_plan_counts_the_shard_the_export_holds(tmp_path, monkeypatch, shard):
     # rank 0 collects each safetensors file's tensors before writing it: the whole model
