@@ -273,6 +273,32 @@ def test_replay_rejects_a_malformed_log(tmp_path, log, message):
     )
 
 
+HEADER = '"kind": "header", "run_seed": 1, "noise_chunk": 1024, "weight_decay": 0, "dtype": "fp32"'
+
+
+@pytest.mark.parametrize(
+    "field, message",
+    [
+        ('"transfer_dtype": "bf16"', "a bf16 transfer rounds stochastically on the host"),
+        (
+            '"optimizer": {"name": "adam", "state_dtype": "bf16"}',
+            "the run's bf16 optimizer state rounds stochastically on the host",
+        ),
+    ],
+)
+def test_replay_refuses_a_log_whose_run_rounded_stochastically(tmp_path, field, message):
+    # such a run's weights are not a function of its log: the export is the result
+    path = tmp_path / "seedlog.jsonl"
+    path.write_text(f'{{{HEADER}, "device_type": "cpu", {field}}}\n')
+    proc = main_in_process(
+        "distzo.replay", ["--base", "x", "--log", str(path), "--out", str(tmp_path / "o")]
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: --log {path}: {message}, so its weights are not a function of the log; use "
+        "the run's export/ instead\n"
+    )
+
+
 LOW_BIT = COMMON + ["--transfer-dtype", "bf16", "--compute-dtype", "fp32", "--eval-steps", "3"]
 
 
