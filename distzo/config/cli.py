@@ -32,8 +32,9 @@ def takes_negative_exponents(parser: argparse.ArgumentParser) -> argparse.Argume
 
 def home_path(value: str) -> Path:
     """A command's path argument with a leading ``~`` read as the home folder, as a shell
-    reads it (``--out=~/x`` reaches the command as written)."""
-    return Path(value).expanduser()
+    reads it (``--out=~/x`` reaches the command as written); ``~name`` of no such user stays
+    as written, as in a shell, where ``Path.expanduser`` raises a RuntimeError."""
+    return Path(os.path.expanduser(value))
 
 
 def fail(message: str, code: int = 2) -> int:

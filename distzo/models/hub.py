@@ -12,6 +12,7 @@ configs, the tokenizer, and the weights in safetensors when the repository has t
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 # huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
@@ -40,7 +41,7 @@ def local_model_dir(name: str, option: str = "--model") -> Path | None:
     like a path: absolute, ``./``, ``../``, ``~``); None for a hub name. A path that is not a
     directory is refused here: hub name parsing would call it a malformed repo id. ``option``:
     what the error calls the name (replay's ``--base``)."""
-    path = Path(name).expanduser()
+    path = Path(os.path.expanduser(name))  # ~user of no user stays as written, as in a shell
     if path.is_dir():
         return path
     looks_local = path.is_absolute() or name.startswith(("./", "../", "~", ".\\", "..\\"))
@@ -55,7 +56,7 @@ def base_reference(name: str) -> str:
     adapter's ``base_model_name_or_path``): a hub name as given, which loads on any machine,
     not the cache folder it was fetched into; a local folder as an absolute path, which
     loads from any working directory."""
-    path = Path(name).expanduser()
+    path = Path(os.path.expanduser(name))
     return str(path.absolute()) if path.is_dir() else name
 
 

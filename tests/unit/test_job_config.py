@@ -363,3 +363,16 @@ def test_help_says_what_each_string_option_takes():
     assert " STR" not in text and "CONFIG" not in text
     for shown in ("--config FILE", "--train-file FILE", "--output-dir DIR", "--model NAME_OR_DIR"):
         assert shown in text, shown
+
+
+def test_a_tilde_naming_no_user_stays_as_written_as_in_a_shell():
+    """``~name`` of a user the machine does not know: a shell leaves it as it is, where
+    ``Path.expanduser`` raises a RuntimeError (a traceback, not the one-line refusal)."""
+    from distzo.config.cli import home_path
+    from distzo.models.hub import base_reference, local_model_dir
+
+    name = "~no-such-user-of-distzo/model"
+    assert home_path(name) == Path(name)
+    assert base_reference(name) == name
+    with pytest.raises(ValueError, match=f"--model {name}: no such directory"):
+        local_model_dir(name)
