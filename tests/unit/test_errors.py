@@ -40,6 +40,36 @@ def test_invalid_options_name_themselves(options, option_named):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"seed": 2**63}, "seed must be in \\[0, 2\\^63\\)"),
+        ({"optimizer": "momentum", "momentum_window": 257}, "momentum_window must be in"),
+        (
+            {
+                "optimizer": "momentum",
+                "optimizer_state": "stored",
+                "transfer_dtype": "bf16",
+                "low_bit_master": "recompute",
+            },
+            "low_bit_master recompute applies the update again for each pass",
+        ),
+        (
+            {"perturb_scope": "module", "batch_queries": True, "num_queries": 2},
+            "perturb_scope module perturbs a trained block's modules one pass at a time",
+        ),
+    ],
+)
+def test_options_just_past_what_the_engine_takes_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        ZOConfig(device="cpu", **options)
+
+
+def test_the_engines_bounds_themselves_are_taken():
+    ZOConfig(device="cpu", seed=2**63 - 1)
+    ZOConfig(device="cpu", optimizer="momentum", momentum_window=256)
+
+
 def test_cuda_without_cuda_is_refused():
     with pytest.raises(ValueError, match="CUDA is not available"):
         ZOConfig(device="cuda")

@@ -376,3 +376,10 @@ def test_a_tilde_naming_no_user_stays_as_written_as_in_a_shell():
     assert base_reference(name) == name
     with pytest.raises(ValueError, match=f"--model {name}: no such directory"):
         local_model_dir(name)
+
+
+def test_momentums_beta1_is_kept_without_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        job = resolve(["--optimizer", "momentum", "--beta1", "0.8"])
+    assert job.optim.beta1 == 0.8
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
