@@ -28,6 +28,11 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+class RunsTorch:
+    def __reduce__(self):
+        return (torch.set_default_dtype, (torch.float64,))
+
+
 def test_a_checkpoints_tensors_load_through_the_allowlist(tmp_path):
     state = {
         "meta/step": torch.tensor([7], dtype=torch.int64),
@@ -64,3 +69,17 @@ def test_an_entry_that_is_not_a_tensor_is_refused(tmp_path):
     save(path, {"meta/step": torch.tensor([1]), "extra": {"any": "object"}})
     with pytest.raises(pickle.UnpicklingError, match="entry 'extra.any' is not a tensor"):
         TensorOnlyReader(str(path)).read_metadata()
+
+
+def test_metadata_calling_a_torch_function_is_refused_unrun(tmp_path):
+    # the allowlist takes torch's sizes and dtypes, not every name under torch
+    path = tmp_path / "step-6"
+    save(path, {"meta/step": torch.tensor([6])})
+    (path / ".metadata").write_bytes(pickle.dumps(RunsTorch()))
+    before = torch.get_default_dtype()
+    try:
+        with pytest.raises(pickle.UnpicklingError, match="torch.set_default_dtype, which"):
+            TensorOnlyReader(str(path)).read_metadata()
+        assert torch.get_default_dtype() == before
+    finally:
+        torch.set_default_dtype(before)
