@@ -40,6 +40,16 @@ def test_a_waiting_rank_raises_another_nodes_refusal_at_once(monkeypatch):
     )
 
 
+def test_the_first_refusal_is_the_one_every_rank_raises(monkeypatch):
+    # ranks refusing one after another: the first line stands, not the last written
+    store = dist.HashStore()
+    monkeypatch.setattr(launch_gate, "rendezvous_store", lambda env, timeout: store)
+    report_refusal(place(1, node=1), ValueError("data file /x/train.tsv does not exist"))
+    report_refusal(place(1, node=2), ValueError("--model /m: no such directory"))
+    with pytest.raises(ValueError, match="^rank 1 on node 1 refused its input: data file"):
+        await_every_rank(store, place(0), timeout_s=5)
+
+
 def test_every_rank_passed_lets_them_form_the_group():
     store = dist.HashStore()
     passed = threading.Thread(target=await_every_rank, args=(store, place(1), 300))
