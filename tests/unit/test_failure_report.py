@@ -11,7 +11,13 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from distzo.dist.failure_report import ERROR_FILE, ERRORS, is_peer_failure, report_peer_failure
+from distzo.dist.failure_report import (
+    ERROR_FILE,
+    ERRORS,
+    _first_sentence,
+    is_peer_failure,
+    report_peer_failure,
+)
 
 GLOO_PEER_GONE = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
@@ -108,3 +114,10 @@ def test_a_quiet_rank_leaves_the_line_to_rank_zero_under_torchrun(monkeypatch, t
     monkeypatch.delenv(ERROR_FILE)  # ranks started by hand: each says it, none waits
     assert _failed(quiet, "said by rank 1 too") == 2
     assert waits == [10.0] and "said by rank 1 too" in capsys.readouterr().err
+
+
+def test_a_backends_long_error_is_cut_to_its_gist():
+    # gloo's and NCCL's errors run to many lines and kilobytes; the line names the cause
+    err = RuntimeError("[gloo/transport.cc:12] Connection closed by peer " + "x" * 500)
+    message = _first_sentence(err)
+    assert message.startswith("Connection closed by peer x") and len(message) == 160

@@ -52,3 +52,14 @@ def test_layers_shorten_a_qwen3_shape():
     full, short = shape_config("qwen3-8b"), shape_config("qwen3-8b", layers=2)
     assert short.num_hidden_layers == 2 and full.num_hidden_layers == 36
     assert short.head_dim == full.head_dim == 128
+
+
+def test_opt_350m_is_the_released_config():
+    """Unlike every other OPT size, 350m embeds in 512 and projects to its 1024 width (and
+    normalises after attention, not before), as facebook/opt-350m's config.json says."""
+    config = shape_config("opt-350m")
+    assert (config.word_embed_proj_dim, config.do_layer_norm_before) == (512, False)
+    params = dict(skeleton(config, torch.float32).named_parameters())
+    assert tuple(params["model.decoder.embed_tokens.weight"].shape) == (50272, 512)
+    assert tuple(params["model.decoder.project_in.weight"].shape) == (1024, 512)
+    assert shape_config("opt-1.3b").word_embed_proj_dim == 2048
