@@ -693,3 +693,13 @@ def test_a_rank_s_link_bytes_are_the_bytes_its_upload_copies_from_the_host(ranks
         assert store.link_bytes(0) == host_bytes
         copied.append(host_bytes)
     assert sum(copied) == store.padded[0] * 2
+
+
+@pytest.mark.parametrize("start, stop", [(0, 35), (3, 17), (7, 8), (20, 35), (5, 5)])
+def test_a_safetensors_range_read_mid_row_is_that_range_of_the_tensor(tmp_path, start, stop):
+    # a sliced rank's share starts and ends wherever the block's pieces fall, mid-row too
+    full = torch.arange(35, dtype=torch.float32).reshape(5, 7)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    source = open_checkpoint(tmp_path)
+    got = source.tensor_range(("w",), (5, 7), torch.float32, start, stop)
+    assert torch.equal(got, full.reshape(-1)[start:stop])
