@@ -199,6 +199,24 @@ def test_a_seed_log_whose_records_are_not_text_is_read_as_holding_none(run):
     )
 
 
+def test_a_seed_log_that_begins_after_the_checkpoint_is_refused_naming_both(run):
+    """A log that starts at step 6 (its run resumed from a copied checkpoint of 6 steps)
+    cannot bring a checkpoint of 4 steps to step 6: steps 4 and 5 are in neither."""
+    import json
+
+    log = run / "seedlog.jsonl"
+    header, *records = [json.loads(line) for line in log.read_text().splitlines()]
+    header["first_step"] = 6
+    for offset, record in enumerate(records):
+        record["step"] = 6 + offset
+    log.write_text("".join(json.dumps(r) + "\n" for r in [header, *records]))
+    line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
+    assert line == (
+        f"error: --resume: {run}/checkpoints/step-4 holds 4 steps but {log} ends at step 9; "
+        "the two are not one run; start afresh with --overwrite or another --output-dir"
+    )
+
+
 def test_a_seed_log_with_a_gap_is_refused_naming_both(run):
     # The old failure: a re-run overwrote the log (steps 0-1), a later --resume loaded the
     # old step-4 checkpoint and appended steps 4-5.
