@@ -249,14 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--base",
         default=None,
+        metavar="MODEL",
         type=os.path.expanduser,
         help="the base model (hub name or local path) the run started from; "
         "default: the one its log names (or the --model-config shape it was drawn from)",
     )
-    p.add_argument("--log", required=True, type=home_path, help="the run's seedlog.jsonl")
+    p.add_argument(
+        "--log", required=True, metavar="SEEDLOG", type=home_path, help="the run's seedlog.jsonl"
+    )
     p.add_argument(
         "--out",
         required=True,
+        metavar="DIR",
         type=home_path,
         help="where to write the rebuilt model (Hugging Face format)",
     )
