@@ -258,20 +258,29 @@ def check_log_leads_to_checkpoint(run_dir: Path) -> int:
     return first + len(steps)
 
 
-def _recorded(job: JobConfig, path: Path) -> dict[str, Any]:
-    """The options ``config.toml`` records, by name; an option it does not name ran with
-    its default (a file from an earlier version) or was unset (None)."""
+# What a config.toml without an option that every run now records meant, where that is
+# not the option's default: before --objective, every task trained on teacher forcing.
+RECORDED_BEFORE: dict[str, Any] = {"objective": "lm"}
+
+
+def _recorded(job: JobConfig, path: Path) -> tuple[dict[str, Any], set[str]]:
+    """The options ``config.toml`` records, by name, and those it does not name: each ran
+    with its default (a file from an earlier version: ``RECORDED_BEFORE``) or was unset
+    (None)."""
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise ValueError(f"--resume: cannot read {path} ({err}); repair or remove it") from None
-    recorded = {}
+    recorded, absent = {}, set()
     for section, values in JobConfig().sections().items():
         saved = data.get(section, {})
         for f in dataclasses.fields(values):
-            recorded[f.name] = saved.get(f.name, getattr(values, f.name))
-    return recorded
+            before = RECORDED_BEFORE.get(f.name, getattr(values, f.name))
+            recorded[f.name] = saved.get(f.name, before)
+            if f.name not in saved:
+                absent.add(f.name)
+    return recorded, absent
 
 
 def _flag(name: str) -> str:
@@ -299,10 +308,10 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
     path = Path(job.run.output_dir or ".") / "config.toml"
     if not path.is_file():
         return
-    recorded = _recorded(job, path)
+    recorded, absent = _recorded(job, path)
     if job.run.seed == -1 and isinstance(recorded["seed"], int):
         job.run.seed = recorded["seed"]  # the seed that run drew
-    refused, allowed, retuned = [], [], []
+    refused, allowed, retuned, unwritten = [], [], [], []
     for values in job.sections().values():
         for f in dataclasses.fields(values):
             name, new = f.name, getattr(values, f.name)
@@ -315,14 +324,16 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
                 retuned.append(change)
             elif name not in RESUME_MAY_CHANGE:
                 refused.append(change)
+                if name in absent and name in RECORDED_BEFORE:  # --config cannot give it
+                    unwritten.append(f"{_flag(name)} {recorded[name]} ")
             elif new is not None:  # None: resolved again as the run did (num_slots)
                 allowed.append(change)
     if refused:
         raise ValueError(
             f"--resume: {', '.join(refused)} would change the trajectory of the run in "
             f"{path.parent} (its config.toml); resume with its values (--config {path} "
-            "--resume gives all of them), or start afresh with --overwrite or another "
-            "--output-dir"
+            f"{''.join(unwritten)}--resume gives all of them), or start afresh with "
+            "--overwrite or another --output-dir"
         )
     if allowed and env.rank == 0:
         logger.warning("--resume: changed since the run started: %s", ", ".join(allowed))

@@ -341,6 +341,22 @@ def test_a_resume_with_seed_minus_1_takes_the_runs_seed(run):
     assert job.run.seed == 0
 
 
+def test_a_config_from_before_objectives_resumes_as_teacher_forcing(run):
+    """Before --objective (2026-11-23) every task trained on teacher forcing, and config.toml
+    named no objective: that is the run's, and the refusal of another names the flag that
+    --config cannot give."""
+    config = run / "config.toml"
+    config.write_text(config.read_text().replace('objective = "lm"\n', ""))
+    job = resolve([*SMALL, "--output-dir", str(run)])
+    resolve_defaults(job)
+    check_resumed_options(job, LaunchEnv())  # counting's default, lm: the run's
+    job.optim.objective = "classification"  # a prompt task's default today
+    with pytest.raises(ValueError) as info:
+        check_resumed_options(job, LaunchEnv())
+    assert str(info.value).startswith("--resume: --objective lm -> classification would change")
+    assert f"(--config {config} --objective lm --resume gives all of them)" in str(info.value)
+
+
 def test_resume_without_a_checkpoint_but_with_logged_steps_points_to_resume_auto(run):
     shutil.rmtree(run / "checkpoints")
     line = error_line(train_in_process([*SMALL, "--output-dir", str(run), "--resume"]))
