@@ -22,7 +22,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.cli import names_file
+from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.field_types import is_of_type
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,10 @@ TRAJECTORY_FIELDS = (
 )
 # What a header without a field (one from before it existed) means. ``first_step``: the
 # step the log's records begin at, past 0 when the run went on from a checkpoint copied into
-# a directory without the log of the steps before it.
-HEADER_DEFAULTS: dict[str, Any] = {"estimator": "spsa", "first_step": 0}
+# a directory without the log of the steps before it. A log from before noise kinds was
+# drawn by the legacy generator (as its checkpoints, ``checkpoint_noise``), one from before
+# optimizers by ZO-SGD (``optimizer_record`` fills in what an older record lacks).
+HEADER_DEFAULTS: dict[str, Any] = {"estimator": "spsa", "first_step": 0, "noise": "legacy"}
 
 
 class SeedLogWriter:
@@ -220,10 +224,25 @@ def check_same_run(path: Path, logged: dict, ours: dict) -> None:
     """Refuse, in one line, a log whose header differs from this run's where the trajectory
     depends on it (another run seed, noise, decay, dtype, adapter, optimizer or estimator)."""
     for name in TRAJECTORY_FIELDS:
-        theirs, mine = (header.get(name, HEADER_DEFAULTS.get(name)) for header in (logged, ours))
+        theirs, mine = (_header_field(header, name) for header in (logged, ours))
         if theirs != mine:
             raise ValueError(
                 f"{path} is the log of another run ({name} {theirs!r}, this run has "
                 f"{mine!r}); resume with the options it was written with, or use a fresh "
                 "--output-dir"
             )
+
+
+def _header_field(header: dict, name: str) -> Any:
+    """A header's field as this version writes it: ``HEADER_DEFAULTS`` for one the log's
+    version did not write, and an optimizer's or adapter's record completed with the
+    fields added to it since, as a replay reads them (a log from before optimizers ran
+    ZO-SGD; from before Adam, a recomputed momentum; from before prefix tuning, an adapter
+    with no prefix), so that an earlier version's log compares equal to the run it is."""
+    value = header.get(name, HEADER_DEFAULTS.get(name))
+    if name == "optimizer":
+        value = value or {}
+        return {**optimizer_record(ZOConfig(optimizer=value.get("name", "sgd"))), **value}
+    if name == "peft" and value:
+        return {**AdapterSpec.from_record(value).record(), **value}
+    return value

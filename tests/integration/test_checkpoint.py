@@ -470,6 +470,27 @@ def test_noise_kinds_resume_and_replay_with_the_noise_they_were_drawn_with(tmp_p
             assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_run_of_the_first_version_resumes_onto_its_uninterrupted_trajectory(tmp_path):
+    """The first versions (2026-11-22) wrote no objective in config.toml and no noise,
+    optimizer, adapter or estimator in the seed log's header; their checkpoints hold the
+    legacy noise. Such a run, cut after step 4 with its step-4 checkpoint, resumes with
+    the options it started with, catches up with step 4 and ends on the uninterrupted run."""
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    flags = COMMON + ["--noise", "legacy", "--save-steps", "4", "--keep-checkpoints", "0"]
+    assert launch(1, flags + ["--output-dir", str(full)]).returncode == 0
+    shutil.copytree(full, cut, ignore=shutil.ignore_patterns("export", "step-8", "step-10"))
+    config = (cut / "config.toml").read_text().replace(str(full), str(cut))
+    (cut / "config.toml").write_text(config.replace('objective = "lm"\n', ""))
+    header, *records = (full / "seedlog.jsonl").read_text().splitlines()
+    first = {"run_seed", "noise_chunk", "weight_decay", "device_type", "dtype", "transfer_dtype"}
+    old = {k: v for k, v in json.loads(header).items() if k in first | {"kind", "base"}}
+    (cut / "seedlog.jsonl").write_text("\n".join([json.dumps(old), *records[:5]]) + "\n")
+    proc = launch(1, COMMON + ["--save-steps", "4", "--output-dir", str(cut), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Run(cut).grads == Run(full).grads
+    assert_same_params(Run(cut), Run(full))
+
+
 def test_a_lowrank_run_resumes_on_another_world_size_catches_up_and_replays(tmp_path):
     """LOZO's noise (V kept for 3 steps): cut at step 6, its step-6 checkpoint lost, the
     run resumes on two ranks from step 3's and the seed log's steps 3..5 (crossing into a

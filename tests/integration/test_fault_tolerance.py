@@ -129,6 +129,37 @@ def test_a_log_of_another_run_is_refused_in_one_line(tmp_path):
         )
 
 
+def test_a_header_from_an_earlier_version_is_the_run_it_was(tmp_path):
+    """Headers written before noise kinds, optimizers, Adam or prefix tuning lack fields
+    (or fields of the optimizer's and adapter's records): each means what that version
+    ran, so the log goes on with today's record of the same run, and not with another."""
+    from distzo.adapters.peft_adapters import AdapterSpec
+    from distzo.config.engine_options import ZOConfig, optimizer_record
+
+    sgd = optimizer_record(ZOConfig())
+    ours = {"run_seed": 7, "noise": "legacy", "optimizer": sgd, "peft": None}
+    path = tmp_path / "first.jsonl"
+    write_log(path)  # the first version's: no noise, optimizer or adapter
+    check_same_run(path, read_seed_log(path)[0], ours)
+    with pytest.raises(ValueError, match=r"noise 'legacy', this run has 'gaussian-v1'"):
+        check_same_run(path, read_seed_log(path)[0], ours | {"noise": "gaussian-v1"})
+    momentum = {"name": "momentum", "beta1": 0.9, "momentum_window": 8}  # before Adam
+    path = tmp_path / "momentum.jsonl"
+    write_log(path, noise="legacy", optimizer=momentum)
+    recomputed = optimizer_record(ZOConfig(optimizer="momentum", momentum_window=8))
+    check_same_run(path, read_seed_log(path)[0], ours | {"optimizer": recomputed})
+    stored = optimizer_record(ZOConfig(optimizer="momentum", optimizer_state="stored"))
+    with pytest.raises(ValueError, match=r"another run \(optimizer"):
+        check_same_run(path, read_seed_log(path)[0], ours | {"optimizer": stored})
+    lora = {"method": "lora", "r": 8, "alpha": 16.0, "targets": None}  # before prefix tuning
+    path = tmp_path / "lora.jsonl"
+    write_log(path, noise="legacy", peft=lora)
+    spec = AdapterSpec.from_record(lora).record()
+    check_same_run(path, read_seed_log(path)[0], ours | {"peft": spec})
+    with pytest.raises(ValueError, match=r"another run \(peft"):
+        check_same_run(path, read_seed_log(path)[0], ours | {"peft": spec | {"r": 4}})
+
+
 def test_a_killed_rank_restarts_the_job_which_catches_up_from_the_seed_log(tmp_path):
     # Rank 2 of 4 dies (SIGKILL) at step 37 of 45; torchrun restarts the job, which loads
     # the step-20 checkpoint, applies steps 20-36 from the seed log in one pass and trains
