@@ -394,3 +394,32 @@ def test_the_scripts_said_to_take_quick_are_those_that_do(page):
     named = set(re.findall(r"`(\w+\.py)`", sentence.split(";")[0]))  # those before "take no"
     taking = {p.name for p in (ROOT / "benchmarks").glob("*.py") if '"--quick"' in p.read_text()}
     assert named == taking, sentence
+
+
+def flags_in(text: str) -> set[str]:
+    """The backticked flags a passage names (``--seed -1`` as ``--seed``)."""
+    return set(re.findall(r"`(--[a-z][a-z0-9-]*)", text))
+
+
+def test_the_resume_lists_name_every_option_of_the_run_once():
+    """checkpoints.md lists the options a resume refuses a change to, those it accepts and
+    those it retunes: together every option, each once, as run_dir decides (the refused
+    list lacked --lozo-rank and --lozo-interval, which a resume refuses)."""
+    from distzo.job.run_dir import INVOCATION, RESUME_MAY_CHANGE, RESUME_MAY_RETUNE
+
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    refused_text = text.split("Those are every option of the model", 1)[1]
+    refused_text, allowed_text = refused_text.split("The options that\n  leave", 1)
+    allowed_text = allowed_text.split("`--lr` and `--eps` may change too", 1)[0]
+    invocation = {"--" + name.replace("_", "-") for name in INVOCATION}
+    options = {
+        "--" + f.name.replace("_", "-")
+        for section in JobConfig().sections().values()
+        for f in dataclasses.fields(section)
+    } - invocation
+    allowed = {"--" + name.replace("_", "-") for name in RESUME_MAY_CHANGE}
+    retuned = {"--" + name.replace("_", "-") for name in RESUME_MAY_RETUNE}
+    assert flags_in(refused_text) - invocation == options - allowed - retuned
+    assert flags_in(allowed_text) - invocation == allowed
+    assert retuned == {"--lr", "--eps"}  # the sentence the allowed list ends at names them
+
