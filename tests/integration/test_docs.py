@@ -423,3 +423,19 @@ def test_the_resume_lists_name_every_option_of_the_run_once():
     assert flags_in(allowed_text) - invocation == allowed
     assert retuned == {"--lr", "--eps"}  # the sentence the allowed list ends at names them
 
+
+def test_a_quoted_ignored_flag_warning_is_the_line_the_job_writes():
+    """A page that quotes the warning on a flag the command makes meaningless quotes the
+    job's own line (optimizers.md said such a LOZO flag was refused; it is ignored)."""
+    from distzo.config.inapplicable import RULES, ignored_warning
+
+    quoted = [
+        line.split("WARNING distzo.train: ", 1)[1]
+        for page in PAGES
+        for line in page.read_text().splitlines()
+        if "WARNING distzo.train: ignored: --" in line
+    ]
+    assert len(quoted) >= 2, quoted
+    for line in quoted:
+        names = [n.replace("-", "_") for n in re.findall(r"--([a-z0-9-]+) \(it applies", line)]
+        assert line == ignored_warning({name: RULES[name][1] for name in names})
