@@ -439,3 +439,38 @@ def test_a_quoted_ignored_flag_warning_is_the_line_the_job_writes():
     for line in quoted:
         names = [n.replace("-", "_") for n in re.findall(r"--([a-z0-9-]+) \(it applies", line)]
         assert line == ignored_warning({name: RULES[name][1] for name in names})
+
+
+def spelled_parameters(spelled: str) -> list[tuple[str, str | None]]:
+    """(name, default as written, or None) of a call a page spells, ``f(a, b=None)``."""
+    parts = [part.partition("=") for part in " ".join(spelled.split()).split(",")]
+    return [(name.strip(), default.strip() or None) for name, _, default in parts]
+
+
+@pytest.mark.parametrize("call", ["ZOEngine", "engine.step", "export_hf", "Checkpointer"])
+def test_a_signature_the_python_api_spells_is_the_codes(call):
+    """python-api.md spells some calls with their parameters: they are the code's, in its
+    order and with its defaults (a trailing optional one may be left out). export_hf's
+    left out ``merged``, so a positional ``overwrite`` the page showed set it instead."""
+    import inspect
+
+    from distzo import ZOEngine
+    from distzo.export.hf_model import export_hf
+    from distzo.job.checkpoint import Checkpointer
+
+    code = {
+        "ZOEngine": ZOEngine.__init__,
+        "engine.step": ZOEngine.step,
+        "export_hf": export_hf,
+        "Checkpointer": Checkpointer.__init__,
+    }[call]
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    (spelled,) = re.findall(rf"`(?:[\w.]*\.)?{re.escape(call)}\(([^`]*)\)`", text)
+    shown = spelled_parameters(spelled)
+    params = [p for p in inspect.signature(code).parameters.values() if p.name != "self"]
+    actual = [
+        (p.name, None if p.default is inspect.Parameter.empty else repr(p.default)) for p in params
+    ]
+    normalized = [(name, d.replace('"', "'") if d else d) for name, d in shown]
+    assert normalized == actual[: len(shown)], (normalized, actual)
+    assert all(default is not None for _, default in actual[len(shown) :]), actual
