@@ -474,3 +474,14 @@ def test_a_signature_the_python_api_spells_is_the_codes(call):
     normalized = [(name, d.replace('"', "'") if d else d) for name, d in shown]
     assert normalized == actual[: len(shown)], (normalized, actual)
     assert all(default is not None for _, default in actual[len(shown) :]), actual
+
+
+def test_the_overwrite_sentence_names_what_a_run_writes():
+    """training.md names what ``--overwrite`` deletes: the run's own files and folders,
+    run_dir's lists (what a fresh start is refused over and what --overwrite removes)."""
+    from distzo.job.run_dir import RUN_FILES, RUN_FOLDERS
+
+    text = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    sentence = text.split("`--overwrite` deletes the old run first", 1)[1].split("; anything", 1)[0]
+    named = set(re.findall(r"`([\w.]+/?)`", sentence.split("(and their", 1)[0]))
+    assert named == {*RUN_FILES, "rankN.json", *(f"{folder}/" for folder in RUN_FOLDERS)}
