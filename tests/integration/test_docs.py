@@ -485,3 +485,18 @@ def test_the_overwrite_sentence_names_what_a_run_writes():
     sentence = text.split("`--overwrite` deletes the old run first", 1)[1].split("; anything", 1)[0]
     named = set(re.findall(r"`([\w.]+/?)`", sentence.split("(and their", 1)[0]))
     assert named == {*RUN_FILES, "rankN.json", *(f"{folder}/" for folder in RUN_FOLDERS)}
+
+
+def test_the_models_page_names_every_shape_and_family_the_code_has():
+    """models.md lists the named shapes and quotes the error listing the families: both
+    are the code's lists, which grow (a shape or family added would go unnamed)."""
+    from distzo.models.registry import check_supported
+    from distzo.models.shapes import SHAPES
+
+    text = " ".join((ROOT / "docs" / "models.md").read_text().split())
+    names = text.split("The names (`distzo/models/shapes.py`) are", 1)[1].split(". Each", 1)[0]
+    assert set(re.findall(r"`([a-z0-9.-]+)`", names)) == set(SHAPES)
+    (quoted,) = re.findall(r"error: (unsupported model type 'gpt_neox': [^\n]*?families)", text)
+    with pytest.raises(ValueError) as refused:
+        check_supported("gpt_neox")
+    assert str(refused.value) == quoted
