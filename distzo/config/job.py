@@ -648,12 +648,24 @@ def _metavar(name: str, kind: type) -> str:
     return _METAVARS.get(name, kind.__name__.upper())
 
 
-def _closest(key: str, keys: set[str]) -> str:
-    """A typo's likely fix first (difflib), else the keys to choose from."""
-    close = difflib.get_close_matches(key, keys, n=1)
+def _closest(key: str, section: str, known: dict[str, set[str]]) -> str:
+    """Where an unknown key of ``section`` belongs: the section that has it (a key in the
+    wrong section would otherwise be offered a neighbour's name, ``max_steps`` in [run]
+    ``save_steps``), else a typo's likely fix (difflib), else the keys to choose from."""
+    homes = [name for name, keys in known.items() if key in keys]
+    if homes:
+        return f"it is an option of [{homes[0]}]: move it there"
+    close = difflib.get_close_matches(key, known[section], n=1)
     if close:
         return f"did you mean {close[0]!r}?"
-    return f"keys are {', '.join(sorted(keys))}"
+    return f"keys are {', '.join(sorted(known[section]))}"
+
+
+def _unknown_section(section: str, known: dict[str, set[str]]) -> str:
+    """An unknown ``[section]``: a typo's likely fix, as for a key, and the sections."""
+    close = difflib.get_close_matches(section, known, n=1)
+    hint = f"did you mean [{close[0]}]? " if close else ""
+    return f"unknown section [{section}]; {hint}sections are {', '.join(known)}"
 
 
 def load_toml(path: str) -> dict[str, dict[str, Any]]:
@@ -674,14 +686,12 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
         if not isinstance(values, dict):
             raise ValueError(f"--config {path}: {_outside_sections(section, known)}")
         if section not in known:
-            raise ValueError(
-                f"--config {path}: unknown section [{section}]; sections are {', '.join(known)}"
-            )
+            raise ValueError(f"--config {path}: {_unknown_section(section, known)}")
         for key in values:
             if key not in known[section]:
                 raise ValueError(
                     f"--config {path}: unknown key {key!r} in [{section}]; "
-                    + _closest(key, known[section])
+                    + _closest(key, section, known)
                 )
     return data
 

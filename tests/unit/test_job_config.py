@@ -69,7 +69,10 @@ def test_a_file_never_resumes_or_overwrites_a_run_directory(tmp_path, caplog, te
     "text, message",
     [
         ("[optim]\nlearning_rate = 1\n", "unknown key 'learning_rate' in \\[optim\\]"),
-        ("[optimiser]\nlr = 1\n", "unknown section \\[optimiser\\]"),
+        ("[optimiser]\nlr = 1\n", "unknown section \\[optimiser\\]; did you mean \\[optim\\]\\?"),
+        ("[zzz]\nlr = 1\n", "unknown section \\[zzz\\]; sections are model, data, optim"),
+        # a key of another section: its home, not a neighbour's name (save_steps)
+        ("[run]\nmax_steps = 3\n", "'max_steps' in \\[run\\]; it is an option of \\[optim\\]"),
         ("[optim]\nmax_steps = 'ten'\n", "max_steps must be an integer, got 'ten'"),
         ("[optim]\nlr = '1e-3'\n", "lr must be a number, got '1e-3'"),
         (
