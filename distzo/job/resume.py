@@ -72,6 +72,12 @@ def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
     if steps:
         return "yes"
     run.overwrite = bool(run_contents(directory, logs))  # no step to go on from: start afresh
+    if run.overwrite and env.rank == 0:  # said before the deletion's line, which names no flag
+        logger.warning(
+            "--resume auto: %s holds no checkpoint and no logged step to go on from; its old "
+            "run's files go, as with --overwrite",
+            run.output_dir,
+        )
     return "no"
 
 

@@ -181,7 +181,7 @@ def clear_run(job: JobConfig) -> None:
     _delete(found)
     if found:
         where = job.run.output_dir if job.run.output_dir is not None else job.run.log_dir
-        logger.warning("--overwrite: deleted the old run in %s (%s)", where, names)
+        logger.warning("deleted the old run in %s (%s) to start afresh", where, names)
 
 
 def _delete(paths: list[Path], ignore_errors: bool = False) -> None:

@@ -125,7 +125,7 @@ def test_overwrite_deletes_the_runs_own_files_and_nothing_else(run):
     (run / "checkpoints" / "step-9").mkdir()  # a stale checkpoint a resume would have taken
     proc = python_train([*SMALL, "--max-steps", "3", "--output-dir", str(run), "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "--overwrite: deleted the old run in" in proc.stderr
+    assert f"deleted the old run in {run} (" in proc.stderr and "--resume auto" not in proc.stderr
     assert (run / "notes.txt").read_text() == "mine" and (run / "mine" / "data.jsonl").exists()
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-3"]
     steps = [json.loads(line) for line in (run / "seedlog.jsonl").read_text().splitlines()][1:]
@@ -355,6 +355,24 @@ def test_a_config_from_before_objectives_resumes_as_teacher_forcing(run):
         check_resumed_options(job, LaunchEnv())
     assert str(info.value).startswith("--resume: --objective lm -> classification would change")
     assert f"(--config {config} --objective lm --resume gives all of them)" in str(info.value)
+
+
+def test_resume_auto_with_nothing_to_go_on_from_says_so_before_deleting(tmp_path):
+    """Its deletion was announced as '--overwrite: deleted the old run', a flag the user
+    never gave."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[run]\n")  # a run that stopped before its first step
+    proc = train_in_process(
+        [*SMALL, "--max-steps", "1", "--output-dir", str(run), "--resume", "auto"]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line.split(": ", 1)[1] for line in proc.stderr.splitlines() if "WARNING" in line]
+    assert said == [
+        f"--resume auto: {run} holds no checkpoint and no logged step to go on from; its old "
+        "run's files go, as with --overwrite",
+        f"deleted the old run in {run} (config.toml) to start afresh",
+    ]
 
 
 def test_resume_without_a_checkpoint_but_with_logged_steps_points_to_resume_auto(run):
