@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from distzo.runtime import json_text
+
 FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 
 
@@ -78,7 +80,7 @@ def _jsonl_rows(text: str, source: str) -> list[tuple[int, Row]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json_text.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{source}, row {number}: not valid JSON ({err.msg})") from None
         if not isinstance(row, dict):
@@ -91,7 +93,7 @@ def _json_rows(text: str, source: str) -> list[tuple[int, Row]]:
     """A list of objects, or JSON Lines in a ``.json`` file as ``datasets``' ``to_json``
     writes them by default (and its ``json`` loader reads)."""
     try:
-        rows = json.loads(text)
+        rows = json_text.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
             return _jsonl_rows(text, source)

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from distzo.runtime import json_text
+
 
 @dataclass(frozen=True)
 class Example:
@@ -181,7 +183,7 @@ def _decoded(answers: Any) -> Any:
     if not (isinstance(answers, str) and answers.strip()[:1] in ("[", "{")):
         return answers
     try:
-        return json.loads(answers)
+        return json_text.loads(answers)
     except json.JSONDecodeError:
         raise ValueError(
             f"answers {reprlib.repr(answers)} is a list written as text but not as JSON; "

@@ -30,6 +30,7 @@ from distzo.job.curves import CURVES
 from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import SEED_LOG, logged_first_step, logged_header
 from distzo.job.summary import SUMMARY
+from distzo.runtime import json_text
 
 logger = logging.getLogger("distzo.train")
 
@@ -213,7 +214,7 @@ def logged_steps_of(path: Path) -> list[int]:
     steps = []
     for line in path.read_text(encoding="utf-8", errors="replace").split("\n")[:-1]:
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):

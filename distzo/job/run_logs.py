@@ -14,20 +14,25 @@ from distzo.config.field_types import is_of_type
 from distzo.job.curves import LossCurve
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter
+from distzo.runtime import json_text
 
 
 def truncate_jsonl(path: Path, keep_below: int) -> None:
     """Drop the records a resumed run will write again (those of step >= ``keep_below``),
-    and a last line a crash tore (not JSON), through a temporary file and a rename."""
+    and a last line a crash tore (not JSON) or any other line that is not a record (a
+    hostile or damaged file's), through a temporary file and a rename."""
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except json.JSONDecodeError:
             continue
-        if "step" not in record or record["step"] < keep_below:
+        if not isinstance(record, dict):
+            continue
+        step = record.get("step", -1)
+        if is_of_type(step, int) and step < keep_below:
             kept.append(line)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
@@ -47,7 +52,7 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
     with open(path) as stream:
         for line in stream:
             try:
-                record = json.loads(line)
+                record = json_text.loads(line)
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict):

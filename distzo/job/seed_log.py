@@ -26,6 +26,7 @@ from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.cli import names_file
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.field_types import is_of_type
+from distzo.runtime import json_text
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
     records = []
     for number, line in enumerate(complete, 1):
         try:
-            records.append(json.loads(line))
+            records.append(json_text.loads(line))
         except json.JSONDecodeError:
             raise ValueError(f"--log {path}, line {number}: not JSON") from None
     if tail:
@@ -185,7 +186,7 @@ def logged_header(path: Path) -> dict | None:
     with open(path, encoding="utf-8", errors="replace") as stream:
         line = stream.readline()
     try:
-        header = json.loads(line)
+        header = json_text.loads(line)
     except json.JSONDecodeError:
         return None
     return header if isinstance(header, dict) and header.get("kind") == "header" else None

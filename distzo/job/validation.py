@@ -65,7 +65,9 @@ def model_config_of(job: JobConfig) -> PretrainedConfig:
         check_readable(local)
     try:
         return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as err:  # a missing path, a malformed name, no hub access
+    # a missing path, a malformed name, no hub access; a config.json nested past the
+    # recursion limit of transformers' json.load
+    except (OSError, ValueError, RecursionError) as err:
         raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
 
 

@@ -19,7 +19,6 @@ one block, never the model twice.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import zipfile
 import zlib
@@ -31,6 +30,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import GENERATION_CONFIG_NAME
+
+from distzo.runtime import json_text
 
 
 class WeightSource(Protocol):
@@ -157,7 +158,7 @@ def weight_map(index: Path) -> dict[str, str]:
     ``KeyError`` traceback."""
     fix = "download or copy the model again"
     try:
-        data = json.loads(index.read_text())
+        data = json_text.loads(index.read_text())
     except OSError as err:  # a folder of that name, a file it may not read
         raise ValueError(f"{index}: cannot read it ({err.strerror}); {fix}") from None
     except ValueError as err:  # not UTF-8, not JSON
@@ -362,7 +363,7 @@ def open_checkpoint(directory: str | Path) -> WeightSource:
     quantized one refused (``check_float_weights``)."""
     directory = Path(directory)
     if (directory / "config.json").is_file():
-        config = json.loads((directory / "config.json").read_text())
+        config = json_text.loads((directory / "config.json").read_text())
         check_float_weights(config.get("quantization_config"), str(directory))
     if (directory / "model.safetensors").exists() or (
         directory / "model.safetensors.index.json"

@@ -1,0 +1,56 @@
+"""Files a user is handed by someone else (data, seed logs, model folders): a hostile or
+corrupt one is a one-line ``ValueError`` naming it, never a traceback of another kind."""
+
+import json
+
+import pytest
+
+from distzo.data.loaders import load_rows
+from distzo.job.run_logs import iter_records, truncate_jsonl
+from distzo.job.seed_log import read_seed_log
+from distzo.models.weights import weight_map
+from distzo.runtime import json_text
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit, 200 kB
+
+
+def test_json_nested_too_deeply_is_a_decode_error():
+    with pytest.raises(json.JSONDecodeError, match=json_text.NESTED_TOO_DEEPLY):
+        json_text.loads(DEEP)
+    assert json_text.loads(b'{"a": [[1]]}') == {"a": [[1]]}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("rows.jsonl", '{"text": "ok"}\n{"text": ' + DEEP + "}\n", "rows.jsonl, row 2: not valid"),
+        ("rows.json", '[{"text": ' + DEEP + "}]", "rows.json: not valid JSON"),
+    ],
+)
+def test_a_data_file_nested_too_deeply_is_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_rows(str(path))
+
+
+def test_a_seed_log_line_nested_too_deeply_is_one_line(tmp_path):
+    log = tmp_path / "seedlog.jsonl"
+    log.write_text('{"kind": "header", "run_seed": 0}\n{"step": ' + DEEP + "}\n")
+    with pytest.raises(ValueError, match="line 2: not JSON"):
+        read_seed_log(log)
+
+
+def test_a_model_index_nested_too_deeply_is_one_line(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ' + DEEP + "}")
+    with pytest.raises(ValueError, match="not a model index"):
+        weight_map(index)
+
+
+def test_run_logs_skip_lines_nested_too_deeply_or_not_records(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0}\n' + DEEP + '\n5\n["step"]\n{"step": "x"}\n{"step": 3}\n')
+    assert list(iter_records(metrics)) == [{"step": 0}, {"step": "x"}, {"step": 3}]
+    truncate_jsonl(metrics, keep_below=2)
+    assert metrics.read_text() == '{"step": 0}\n'
