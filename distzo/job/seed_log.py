@@ -51,6 +51,18 @@ TRAJECTORY_FIELDS = (
 # drawn by the legacy generator (as its checkpoints, ``checkpoint_noise``), one from before
 # optimizers by ZO-SGD (``optimizer_record`` fills in what an older record lacks).
 HEADER_DEFAULTS: dict[str, Any] = {"estimator": "spsa", "first_step": 0, "noise": "legacy"}
+# The type of each header field a reader takes apart (None: not recorded), so that a
+# hostile or damaged header is one line rather than a traceback deep in a replay or resume.
+HEADER_TYPES: dict[str, type] = {
+    "first_step": int,
+    "base": str,
+    "model_config": str,
+    "model": dict,
+    "optimizer": dict,
+    "peft": dict,
+    "lowrank": dict,
+}
+TYPE_NAMES = {int: "a whole number", str: "a string", dict: "a JSON object"}
 
 
 class SeedLogWriter:
@@ -147,6 +159,7 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
             f"--log {path}: the first line must be the run's header; is this a seedlog.jsonl?"
         )
     header, steps = records[0], records[1:]
+    check_header_types(path, header)
     for expected, record in enumerate(steps, first_step(header)):
         if not _is_step_record(record, expected):
             raise ValueError(
@@ -169,9 +182,28 @@ def _is_step_record(record: Any, step: int) -> bool:
     return all(is_of_type(value, float) and math.isfinite(value) for value in values)
 
 
+def check_header_types(path: Path, header: dict) -> None:
+    """Refuse, in one line naming the field, a header whose field is not of the type
+    distzo writes (``HEADER_TYPES``) or whose ``first_step`` is negative."""
+    for name, kind in HEADER_TYPES.items():
+        value = header.get(name)
+        if value is not None and not is_of_type(value, kind):
+            raise ValueError(
+                f"--log {path}: its header's {name} is {value!r}, not {TYPE_NAMES[kind]}; "
+                "is the log damaged, or written by another tool?"
+            )
+    first_step(header)
+
+
 def first_step(header: dict) -> int:
-    """The step a log's records begin at (``HEADER_DEFAULTS``)."""
-    return int(header.get("first_step", HEADER_DEFAULTS["first_step"]))
+    """The step a log's records begin at (``HEADER_DEFAULTS``); a damaged value (not a
+    whole number >= 0) is one line."""
+    step = header.get("first_step", HEADER_DEFAULTS["first_step"])
+    if not is_of_type(step, int) or step < 0:
+        raise ValueError(
+            f"the seed log's header has first_step {step!r}, not a step number; is the log damaged?"
+        )
+    return step
 
 
 def logged_first_step(path: Path) -> int:

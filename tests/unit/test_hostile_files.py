@@ -54,3 +54,33 @@ def test_run_logs_skip_lines_nested_too_deeply_or_not_records(tmp_path):
     assert list(iter_records(metrics)) == [{"step": 0}, {"step": "x"}, {"step": 3}]
     truncate_jsonl(metrics, keep_below=2)
     assert metrics.read_text() == '{"step": 0}\n'
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("optimizer", "sgd", "header's optimizer is 'sgd', not a JSON object"),
+        ("peft", "lora", "header's peft is 'lora', not a JSON object"),
+        ("lowrank", "x", "header's lowrank is 'x', not a JSON object"),
+        ("model", ["opt"], r"header's model is \['opt'\], not a JSON object"),
+        ("base", 5, "header's base is 5, not a string"),
+        ("first_step", [1], r"header's first_step is \[1\], not a whole number"),
+        ("first_step", "abc", "header's first_step is 'abc', not a whole number"),
+        ("first_step", -2, "header has first_step -2, not a step number"),
+        ("first_step", 1.5, "header's first_step is 1.5, not a whole number"),
+    ],
+)
+def test_a_seed_log_header_field_of_the_wrong_type_is_one_line(tmp_path, field, value, message):
+    log = tmp_path / "seedlog.jsonl"
+    header = {"kind": "header", "run_seed": 0, field: value}
+    log.write_text(json.dumps(header) + "\n")
+    with pytest.raises(ValueError, match=message):
+        read_seed_log(log)
+
+
+def test_a_seed_log_header_as_distzo_writes_it_reads(tmp_path):
+    log = tmp_path / "seedlog.jsonl"
+    header = {"kind": "header", "first_step": 2, "base": "b", "model": {}, "peft": None}
+    record = {"step": 2, "projected_grads": [0.5], "lr": 0.1}
+    log.write_text(json.dumps(header) + "\n" + json.dumps(record) + "\n")
+    assert read_seed_log(log) == (header, [record])
