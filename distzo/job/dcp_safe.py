@@ -15,11 +15,12 @@ import dataclasses
 import enum
 import importlib
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -58,15 +59,48 @@ class TensorOnlyReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(stream).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
-        for key, entry in metadata.state_dict_metadata.items():
+        entries = metadata.state_dict_metadata
+        if not isinstance(entries, dict):
+            raise pickle.UnpicklingError(
+                f"its entries are of type {type(entries).__name__}, not a dict"
+            )
+        for key, entry in entries.items():
             if not isinstance(entry, TensorStorageMetadata):
                 raise pickle.UnpicklingError(
                     f"its entry {key!r} is not a tensor (distzo checkpoints hold tensors only)"
                 )
+        _check_storage(metadata.storage_data)
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def _check_storage(storage: Any) -> None:
+    """Each stored item a byte range of a file in the checkpoint's own folder: a field of
+    another type would be a traceback inside DCP's reader, and a path with ``..`` or an
+    absolute one a read of a file elsewhere, which DCP opens without a question."""
+    if not isinstance(storage, dict):
+        raise pickle.UnpicklingError(
+            f"its storage_data is of type {type(storage).__name__}, not a dict"
+        )
+    for info in storage.values():
+        if not (
+            isinstance(info, _StorageInfo)
+            and isinstance(info.relative_path, str)
+            and all(_count(value) for value in (info.offset, info.length))
+        ):
+            raise pickle.UnpicklingError(f"it places an item at {info!r}, not a file's byte range")
+        path = PurePosixPath(info.relative_path.replace("\\", "/"))
+        if path.is_absolute() or ".." in path.parts or not path.parts:
+            raise pickle.UnpicklingError(
+                f"it places an item in {info.relative_path!r}, outside the checkpoint's folder"
+            )
+
+
+def _count(value: Any) -> bool:
+    """Whether ``value`` is a whole number >= 0 (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def load_tensors(state: dict[str, torch.Tensor], path: Path, **kwargs: Any) -> None:

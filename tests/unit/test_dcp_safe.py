@@ -83,3 +83,45 @@ def test_metadata_calling_a_torch_function_is_refused_unrun(tmp_path):
         assert torch.get_default_dtype() == before
     finally:
         torch.set_default_dtype(before)
+
+
+def _tampered(path, change):
+    """Checkpoint ``path``'s metadata rewritten by ``change(metadata)``."""
+    metadata = TensorOnlyReader(str(path)).read_metadata()
+    metadata.storage_meta = None
+    change(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _place(relative_path=None, offset=None):
+    def change(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = relative_path or info.relative_path
+            info.offset = info.offset if offset is None else offset
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: setattr(m, "storage_data", 5), "its storage_data is of type int, not a dict"),
+        (
+            lambda m: setattr(m, "state_dict_metadata", [1]),
+            "its entries are of type list, not a dict",
+        ),
+        (lambda m: m.storage_data.update({k: 7 for k in m.storage_data}), "places an item at 7"),
+        (_place(offset=-1), "not a file's byte range"),
+        (_place(offset="0"), "not a file's byte range"),
+        (_place("../step-2/__0_0.distcp"), "outside the checkpoint's folder"),
+        (_place("/etc/passwd"), "outside the checkpoint's folder"),
+    ],
+)
+def test_metadata_placing_items_oddly_or_outside_is_one_line(tmp_path, change, message):
+    path = tmp_path / "step-3"
+    save(path, {"meta/step": torch.tensor([3])})
+    _tampered(path, change)
+    with pytest.raises(pickle.UnpicklingError, match=message):
+        TensorOnlyReader(str(path)).read_metadata()
+    with pytest.raises(ValueError, match=r"step-3 is damaged: .*\.metadata is unreadable"):
+        check_complete(path)
