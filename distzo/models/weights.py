@@ -23,7 +23,7 @@ import re
 import zipfile
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
@@ -166,7 +166,20 @@ def weight_map(index: Path) -> dict[str, str]:
     found = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(found, dict) or not all(isinstance(f, str) for f in found.values()):
         raise ValueError(f"{index}: holds no weight_map of tensor names to files; {fix}")
+    outside = next((file for file in found.values() if _outside(file)), None)
+    if outside is not None:  # an index someone handed the user, reading a file elsewhere
+        raise ValueError(
+            f"{index}: names {outside!r}, a file outside the model's folder (an index "
+            f"names its folder's own shards); {fix}"
+        )
     return found
+
+
+def _outside(file: str) -> bool:
+    """Whether a shard name an index gives leads out of the index's folder (absolute, or
+    through ``..``); the files themselves may be links (the hub cache's are)."""
+    path = PurePosixPath(file.replace("\\", "/"))
+    return path.is_absolute() or ".." in path.parts
 
 
 def _weight_files(directory: Path, index: str, single: str) -> list[str] | None:

@@ -84,3 +84,21 @@ def test_a_seed_log_header_as_distzo_writes_it_reads(tmp_path):
     record = {"step": 2, "projected_grads": [0.5], "lr": 0.1}
     log.write_text(json.dumps(header) + "\n" + json.dumps(record) + "\n")
     assert read_seed_log(log) == (header, [record])
+
+
+@pytest.mark.parametrize(
+    "shard", ["../other/model.safetensors", "/etc/passwd", "sub/../../model.safetensors"]
+)
+def test_a_model_index_naming_a_file_outside_its_folder_is_one_line(tmp_path, shard):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors", "b": shard}}))
+    with pytest.raises(ValueError, match="a file outside the model's folder"):
+        weight_map(index)
+
+
+def test_a_model_index_naming_its_own_files_reads(tmp_path):
+    # (the hub cache's files are links out of the folder: a name is checked, not its target)
+    names = {"a": "model-1.safetensors", "b": "sub/model-2.safetensors"}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": names}))
+    assert weight_map(index) == names
