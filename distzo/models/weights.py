@@ -56,11 +56,23 @@ def _flat_range(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """The model with its parameters on the meta device (no memory) and buffers real."""
+    """The model with its parameters on the meta device (no memory) and buffers real.
+
+    Each parameter is reserved on the host (never touched) before it moves to the meta
+    device, so a config.json whose sizes the host cannot even reserve (a vocabulary of
+    2^40), or no tensor has (negative, overflowing), fails here: one line naming the
+    config, not the allocator's traceback."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (RuntimeError, AssertionError) as err:  # torch's allocator or size checks
+        where = getattr(config, "name_or_path", "") or config.model_type
+        raise ValueError(
+            f"{where}: its config's sizes make a tensor no host can hold "
+            f"({str(err).splitlines()[0]}); is its config.json damaged?"
+        ) from None
     model.tie_weights()  # the meta registration leaves tied heads as separate parameters
     return model
 

@@ -4,11 +4,13 @@ corrupt one is a one-line ``ValueError`` naming it, never a traceback of another
 import json
 
 import pytest
+import torch
+from transformers import OPTConfig
 
 from distzo.data.loaders import load_rows
 from distzo.job.run_logs import iter_records, truncate_jsonl
 from distzo.job.seed_log import read_seed_log
-from distzo.models.weights import weight_map
+from distzo.models.weights import skeleton, weight_map
 from distzo.runtime import json_text
 
 DEEP = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit, 200 kB
@@ -102,3 +104,14 @@ def test_a_model_index_naming_its_own_files_reads(tmp_path):
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": names}))
     assert weight_map(index) == names
+
+
+@pytest.mark.parametrize(
+    ("vocab", "reason"),
+    [(2**62, "Storage size calculation overflowed"), (-5, "Padding_idx must be within")],
+)
+def test_a_config_whose_sizes_no_tensor_has_is_one_line(vocab, reason):
+    config = OPTConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=1, ffn_dim=8)
+    config.name_or_path = "handed/model"
+    with pytest.raises(ValueError, match=rf"handed/model: its config's sizes .*\({reason}"):
+        skeleton(config, torch.float32)
