@@ -678,6 +678,8 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"--config {path}: not valid TOML ({err})") from None
+    except RecursionError:  # tomllib recurses once per level of nesting
+        raise ValueError(f"--config {path}: not valid TOML (nested too deeply)") from None
     known = {
         section: {f.name for f in dataclasses.fields(type(obj))}
         for section, obj in JobConfig().sections().items()

@@ -271,11 +271,16 @@ def _recorded(job: JobConfig, path: Path) -> tuple[dict[str, Any], set[str]]:
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as err:
+    except (OSError, tomllib.TOMLDecodeError, RecursionError) as err:  # nested too deeply
         raise ValueError(f"--resume: cannot read {path} ({err}); repair or remove it") from None
     recorded, absent = {}, set()
     for section, values in JobConfig().sections().items():
         saved = data.get(section, {})
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"--resume: {path} records {section} = {saved!r}, not a [{section}] table; "
+                "repair or remove it"
+            )
         for f in dataclasses.fields(values):
             before = RECORDED_BEFORE.get(f.name, getattr(values, f.name))
             recorded[f.name] = saved.get(f.name, before)

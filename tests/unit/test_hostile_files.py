@@ -7,7 +7,9 @@ import pytest
 import torch
 from transformers import OPTConfig
 
+from distzo.config.job import JobConfig, load_toml
 from distzo.data.loaders import load_rows
+from distzo.job.run_dir import _recorded
 from distzo.job.run_logs import iter_records, truncate_jsonl
 from distzo.job.seed_log import read_seed_log
 from distzo.models.weights import skeleton, weight_map
@@ -115,3 +117,24 @@ def test_a_config_whose_sizes_no_tensor_has_is_one_line(vocab, reason):
     config.name_or_path = "handed/model"
     with pytest.raises(ValueError, match=rf"handed/model: its config's sizes .*\({reason}"):
         skeleton(config, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("data = 5\n", r"records data = 5, not a \[data\] table"),
+        ("a = " + "[" * 5000 + "]" * 5000 + "\n", "maximum recursion depth"),
+    ],
+)
+def test_a_runs_config_toml_of_the_wrong_shape_is_one_line_on_resume(tmp_path, text, message):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"--resume: .*{message}"):
+        _recorded(JobConfig(), path)
+
+
+def test_a_config_file_nested_too_deeply_is_one_line(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ValueError, match="not valid TOML .nested too deeply"):
+        load_toml(str(path))
