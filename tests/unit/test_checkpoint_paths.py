@@ -135,6 +135,16 @@ def test_ranges_of_saved_tensors_are_read_alone_and_exactly(tmp_path):
     assert data <= counter[0] <= data + 2 * 16384  # not the 800 kB + 60 kB saved
 
 
+def test_an_empty_range_is_left_out_of_what_is_read(tmp_path):
+    """``load_ranges`` drops a range of no elements: handed to the reader, one beside a
+    real range failed the whole load (``torch.frombuffer`` of no bytes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+        got = load_ranges(tmp_path, {"w": [(5, 8), (10, 10)]})
+    assert list(got["w"]) == [(5, 8)] and got["w"][(5, 8)].tolist() == [5.0, 6.0, 7.0]
+
+
 def test_a_records_size_is_read_from_the_zip_directory_of_its_window_zip64_too():
     # DCP's files hold several torch.save archives back to back; a window over one of them
     # reads its directory alone. An archive over 4 GB (a 70B model's block) is ZIP64: forced
