@@ -313,6 +313,23 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
     assert job.run.export_shard_size == "5GB"
 
 
+def test_a_momentum_window_with_stored_momentum_is_named_as_ignored(caplog):
+    """A stored momentum is one buffer, not a window of recomputed steps: --momentum-window
+    does nothing there, so it is warned about and set back (recomputed, it is kept)."""
+    from distzo.config.job import resolve
+
+    momentum = ["--optimizer", "momentum", "--momentum-window", "5"]
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        assert resolve(momentum).optim.momentum_window == 5
+        job = resolve([*momentum, "--optimizer-state", "stored"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (
+        "ignored: --momentum-window (it applies only with --optimizer momentum with its state "
+        "recomputed)"
+    )
+    assert job.optim.momentum_window == 32
+
+
 def test_the_engine_names_a_field_for_the_api_and_a_flag_for_the_command_line():
     from distzo.config.job import resolve
 
