@@ -7,6 +7,7 @@ finite losses, exactly as a run that stopped there. ``--lr 0`` warns."""
 
 import json
 import math
+import time
 from pathlib import Path
 
 from tests.helpers.launch import torchrun, train_in_process
@@ -137,6 +138,31 @@ def test_keeping_one_checkpoint_still_keeps_the_one_before_a_save_that_diverged(
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [p.name for p in (fine / "checkpoints").iterdir()] == ["step-3"]
+
+
+def test_a_save_of_the_steps_kept_still_in_flight_is_completed_not_dropped(tmp_path, monkeypatch):
+    # A warm-up step 0 moves nothing, so the run diverges at step 3 and keeps 2 steps: the
+    # step-2 save, still being written (slowed here, as on a busy disk) when step 3's NaN
+    # is measured, holds no bad update and is completed, not dropped with the bad ones.
+    from distzo.job.checkpoint import HostStateWriter
+
+    write_data = HostStateWriter.write_data
+
+    def slowly(self, plan, planner):
+        time.sleep(1.0)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(HostStateWriter, "write_data", slowly)
+    out = tmp_path / "diverged"
+    later = ["--warmup-steps", "1", "--save-steps", "2", "--output-dir", str(out)]
+    proc = train_in_process(DIVERGING + later)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "dropped" not in proc.stderr
+    assert (
+        f"the run keeps {out / 'checkpoints' / 'step-2'} and the seed log up to step 1"
+        in (proc.stderr.strip().splitlines()[-1])
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
 
 
 def test_every_rank_stops_at_the_same_nan_step_and_exits_non_zero(tmp_path):
