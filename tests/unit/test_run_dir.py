@@ -6,6 +6,7 @@ checkpoint its seed log leads up to, with options that keep its trajectory."""
 import datetime
 import hashlib
 import json
+import os
 import shutil
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -516,3 +517,75 @@ def test_a_seed_log_from_before_the_rows_digest_resumes(tmp_path):
     header = {"kind": "header", "run_seed": 0}  # no train_rows: nothing to compare
     (tmp_path / "seedlog.jsonl").write_text(json.dumps(header) + "\n")
     check_resumed_rows(tmp_path, LoadedRows("text", ["a b"], ["a b"]), "corpus.txt")
+
+
+def test_a_log_dir_that_is_the_output_dir_names_each_file_once(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.toml", "metrics.jsonl", "eval.jsonl"):
+        (run / name).write_text("")
+    job = resolve(["--output-dir", str(run), "--log-dir", str(run / ".")])
+    with pytest.raises(ValueError) as info:
+        run_dir_module.check_fresh(job)
+    assert "already holds a run (config.toml, eval.jsonl, metrics.jsonl): add" in str(info.value)
+
+
+def test_a_filesystem_without_locks_runs_the_job_unlocked_and_says_so(
+    tmp_path, monkeypatch, caplog
+):
+    """Some network mounts answer flock with ENOLCK: the job runs, warned that a second one
+    would not be refused; any other error of the lock is raised."""
+    import errno
+    import fcntl
+
+    from distzo.job.run_lock import RunLock
+
+    def fails(code: int):
+        def flock(handle, operation):
+            raise OSError(code, os.strerror(code))
+
+        return flock
+
+    monkeypatch.setattr(fcntl, "flock", fails(errno.ENOLCK))
+    lock = RunLock(tmp_path / "run")
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        lock.acquire()
+    assert not lock.held
+    assert "cannot be locked (No locks available): a second job started in it" in caplog.text
+    monkeypatch.setattr(fcntl, "flock", fails(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        RunLock(tmp_path / "run").acquire()
+
+
+def test_a_run_that_ended_in_the_directory_since_the_checks_is_refused_under_the_lock(
+    tmp_path, monkeypatch
+):
+    """Two jobs started into one directory: the second's checks ran before the first wrote
+    anything, and it takes the lock once the first has ended. Checked again under the
+    lock, it is refused rather than starting afresh over the first one's run."""
+    from distzo.job.run_lock import RunLock
+
+    out = tmp_path / "run"
+    acquire = RunLock.acquire
+
+    def after_a_run_ended(self):
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text("the other job's\n")
+        acquire(self)
+
+    monkeypatch.setattr(RunLock, "acquire", after_a_run_ended)
+    trainer = Trainer(resolve([*SMALL, "--max-steps", "1", "--output-dir", str(out)]))
+    with pytest.raises(ValueError, match=r"already holds a run \(config.toml\)"):
+        trainer.build()
+    assert (out / "config.toml").read_text() == "the other job's\n"
+    assert not (out / ".distzo.lock").exists()
+
+
+def test_a_default_directory_a_failed_build_made_is_removed(tmp_path, monkeypatch):
+    """Without --output-dir the run makes runs/<time>: a build that fails leaves no empty
+    one behind (a folder the user has to clean up for each failed attempt)."""
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(resolve([*SMALL, "--batch-size", "100000000"]))
+    with pytest.raises(ValueError, match="the run does not fit"):
+        trainer.build()
+    assert not list((tmp_path / "runs").iterdir())
