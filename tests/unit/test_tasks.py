@@ -14,7 +14,7 @@ from distzo.data.templates import TASKS, build_examples
 from distzo.dist import ParallelContext
 from distzo.job.evaluation import evaluate_choices
 from distzo.models.tiny import byte_tokenizer
-from distzo.objectives import exact_match, f1_score
+from distzo.objectives import answer_text, exact_match, f1_score
 from tests.helpers.models import tiny_opt
 
 KNOWN = {
@@ -338,6 +338,17 @@ def test_squad_metrics():
     # nothing; exact match still counts them equal
     assert f1_score("", "the") == f1_score("a", "The.") == 0.0
     assert exact_match("a", "The.") == 1.0
+    assert exact_match("An apple", "apple") == 1.0  # "an" is an article too
+    # tokens in common count as often as both sides hold them: 2 of 2 and 2 of 3
+    assert f1_score("cat cat", "cat cat dog") == pytest.approx(2 * 1.0 * (2 / 3) / (1 + 2 / 3))
+
+
+def test_an_answer_ends_at_the_first_newline_even_a_leading_one():
+    """MeZO stops decoding at the newline token, so a generation that begins with one
+    answers nothing, whatever follows it."""
+    text = {(1,): " \nParis\n", (2,): "Paris \nLyon"}
+    assert answer_text(lambda ids: text[tuple(ids)], [1]) == ""
+    assert answer_text(lambda ids: text[tuple(ids)], [2]) == "Paris"
 
 
 def write_jsonl(path, rows):
@@ -716,3 +727,15 @@ def test_the_default_text_models_generate_stops_at_the_byte_tokenizers_end_token
     assert generation.eos_token_id == tokenizer.eos_token_id == 1  # </s>
     assert generation.bos_token_id == tokenizer.bos_token_id
     assert generation.pad_token_id == tokenizer.pad_token_id == 0  # OPT's padding_idx: unchanged
+
+
+def test_a_non_utf8_byte_in_a_csv_names_the_row_under_its_header(tmp_path):
+    """A CSV's rows are numbered from the line after the header, as its other errors
+    number them: line 3 is row 2."""
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"sentence,label\nok,1\n\xff bad,0\n")
+    with pytest.raises(ValueError, match=r"bad.csv, row 2: not UTF-8 \(byte 0xff\)"):
+        load_rows(str(bad))
+    bad.write_bytes(b"sentence\xff,label\nok,1\n")
+    with pytest.raises(ValueError, match=r"bad.csv, the header: not UTF-8"):
+        load_rows(str(bad))
