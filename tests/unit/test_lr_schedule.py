@@ -36,6 +36,14 @@ def test_each_steps_lr_is_transformers(schedule, warmup):
     assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("warmup", [0, 4, 12])
+def test_a_step_past_max_steps_has_lr_0_as_transformers(warmup):
+    """An engine stepped past ``max_steps`` through the Python API decays no further:
+    transformers clamps the linear schedule at 0, where a negative lr would climb the loss."""
+    lrs = [learning_rate(0.5, step, "linear", warmup, 10) for step in range(12, 16)]
+    assert lrs == [0.0] * 4
+
+
 def test_the_engine_steps_with_its_steps_lr_so_warm_up_step_0_moves_nothing():
     """Step t runs with the schedule's lr of t, not of t + 1: the first step of a warm-up
     leaves the weights as they were, bit for bit."""
