@@ -111,3 +111,29 @@ def test_a_bar_is_drawn_only_on_a_terminal_and_only_where_asked(monkeypatch):
     progress.close()
     assert "train:  50%" in terminal.getvalue() and "5/10" in terminal.getvalue()
     assert "loss=1.2345" in terminal.getvalue()
+
+
+def test_the_hubs_bars_stay_off_after_a_save_where_the_user_turned_them_off():
+    from huggingface_hub import utils as hub_utils
+
+    hub_utils.disable_progress_bars()  # the hub's off, transformers' on
+    try:
+        with no_library_bars():
+            pass
+        assert hub_utils.are_progress_bars_disabled() and hf_logging.is_progress_bar_enabled()
+    finally:
+        hub_utils.enable_progress_bars()
+
+
+class Result:
+    loss, projected_grad, lr = 1.25, 0.5, 1e-3
+
+
+def test_the_step_line_is_logged_every_log_every_steps_and_at_the_last(caplog):
+    caplog.set_level(logging.INFO, logger="distzo.train")
+    progress = Progress(start=0, total=8, show=False)
+    for step in range(8):
+        progress.log_step(step, Result(), every=3)
+    logged = [r.getMessage().split(" loss")[0] for r in caplog.records]
+    assert logged == ["step 0/8", "step 3/8", "step 6/8", "step 7/8"]
+    progress.close()

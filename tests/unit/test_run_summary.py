@@ -235,3 +235,37 @@ def test_each_evaluation_redraws_the_curves_without_reading_metrics_back(tmp_pat
     metrics = read_records(out / "metrics.jsonl")
     assert list(logs.loss_curve.steps) == [0, 1, 2, 3, 4]
     assert list(logs.loss_curve.losses) == [r["loss"] for r in metrics]
+
+
+def test_the_best_evaluation_is_the_highest_accuracy_and_the_lowest_loss():
+    """A choice or generation task's best evaluation is its highest metric (only a loss is
+    best lowest); of equals, the earliest."""
+    from distzo.job.summary import best_eval
+
+    accuracies = [{"step": 0, "eval_accuracy": 0.5}, {"step": 4, "eval_accuracy": 0.75}]
+    accuracies.append({"step": 8, "eval_accuracy": 0.75})
+    assert best_eval(accuracies) == {"by": "eval_accuracy", "step": 4, "eval_accuracy": 0.75}
+    losses = [{"step": 0, "eval_loss": 2.0}, {"step": 4, "eval_loss": 1.5}]
+    assert best_eval(losses) == {"by": "eval_loss", "step": 4, "eval_loss": 1.5}
+
+
+def test_the_summary_names_its_files_by_absolute_path_and_its_resolved_lr(tmp_path, monkeypatch):
+    """A relative --output-dir still gives paths that read from anywhere; the lr is the
+    one the run used, also where a default gave it (``--lr`` not passed)."""
+    from distzo.config.engine_options import ZOConfig
+    from distzo.job.summary import key_options, run_summary
+
+    monkeypatch.chdir(tmp_path)
+    record = run_summary({}, 0, {}, [], [], {"export": Path("run/export"), "curves": None})
+    assert record["export"] == str(tmp_path / "run" / "export") and record["curves"] is None
+    flags = resolve(["--max-steps", "1", "--device", "cpu"])
+    assert flags.optim.lr is None  # the engine's default decides it
+    options = key_options(flags, ZOConfig(lr=3e-4), "loss", "whole", "cpu", 1)
+    assert options["lr"] == 3e-4
+
+
+def test_the_curves_draw_a_panel_per_metric_and_none_for_the_step():
+    from distzo.job.curves import eval_metric_names
+
+    evals = [{"step": 0, "eval_loss": 2.0}, {"step": 4, "eval_loss": 1.5, "eval_accuracy": 0.5}]
+    assert eval_metric_names(evals) == ["eval_loss", "eval_accuracy"]
