@@ -92,3 +92,28 @@ def test_every_evaluation_of_nan_scores_is_nan(broken):
 def lm_rows() -> dict[str, torch.Tensor]:
     ids = torch.randint(1, 200, (2, 10), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_the_f1_objective_is_nan_where_any_row_is_broken():
+    """One row's logits NaN (a token whose input embedding broke, only in the second prompt):
+    the batch's F1 is NaN, not the F1 of the rows that look fine."""
+    from distzo.objectives import collate_prompts
+
+    rows = [
+        {"title": "T", "context": context, "question": "What?", "answers": ["code"]}
+        for context in ("Code a.", "Code ~.")
+    ]
+    examples = build_examples(TASKS["squad"], rows, "x")
+    model = tiny_opt(
+        seed=3, vocab_size=len(TOKENIZER), max_position_embeddings=256, tie_word_embeddings=False
+    )  # untied: the head's own row for the token stays finite
+    (poisoned,) = TOKENIZER("~", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        model.model.decoder.embed_tokens.weight[poisoned] = math.nan
+    e = ZOEngine(model, ZOConfig(device="cpu", seed=0))
+    prompts = [ENCODER.encode_prompt(x.prompt, NEW_TOKENS) for x in examples]
+    batch = collate_prompts(prompts, [0, 1], NEW_TOKENS, ENCODER.pad_id)
+    objective = F1(TOKENIZER.decode, [x.answers for x in examples])
+    assert math.isnan(objective_loss(e, objective, batch))
+    healthy = collate_prompts(prompts[:1], [0], NEW_TOKENS, ENCODER.pad_id)
+    assert -1 <= objective_loss(e, objective, healthy) <= 0

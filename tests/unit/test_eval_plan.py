@@ -97,3 +97,12 @@ def test_only_the_node_of_rank_0_plans_the_export():
         plan = build.memory_plan(job, model, data, config, parallel, torch.device("cpu"))
         exports[rank] = plan.export_bytes
     assert exports[0] == exports[3] > 0 and exports[8] == exports[11] == 0
+
+
+@pytest.mark.parametrize("eval_batch_size", [8, 24])
+def test_a_call_plans_whole_candidate_sets_whatever_its_share_of_rows(eval_batch_size):
+    """Over 8 ranks, 8 rows a call leave each rank 1 row, and 24 leave 3: a choice task
+    still forwards whole sets of 2 candidates (2 rows), which is what the plan counts."""
+    from distzo.job.evaluation import planned_rows
+
+    assert planned_rows(task_data("rte", eval_batch_size), 8) == 2

@@ -338,3 +338,43 @@ def test_each_head_chunk_is_freed_before_the_next_chunk_runs(monkeypatch):
     full = log_softmax(hidden[0] @ weight.T, dim=-1)  # (one matmul: rounded otherwise)
     torch.testing.assert_close(picked, full[torch.arange(n), tokens])
     assert torch.equal(hits, full.argmax(-1) == tokens)
+
+
+class MatrixHead:
+    """A pass runner's LM head alone: ``hidden @ weight.T``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def head(self, p, hidden):
+        return hidden @ self.weight.T
+
+
+def test_a_float64_models_picked_log_probs_stay_float64():
+    """A ZO step differences two nearly equal losses: a float64 model's log-probabilities
+    are not rounded to float32 on the way (g would lose half its digits)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, dtype=torch.float64, generator=generator)
+    hidden = torch.randn(2, 3, 8, dtype=torch.float64, generator=generator)
+    positions, tokens = torch.tensor([0, 4, 5]), torch.tensor([7, 1, 30])
+    targets = HeadTargets.build(positions, tokens, None, torch.device("cpu"))
+    picked, _ = picked_log_probs(MatrixHead(weight), UNPERTURBED, hidden, targets)
+    expected = torch.log_softmax(hidden.reshape(6, 8) @ weight.T, -1)[positions, tokens]
+    assert picked.dtype == torch.float64
+    assert torch.allclose(picked, expected, rtol=1e-14, atol=0)
+
+
+def test_an_answer_scores_against_its_best_gold_answer_not_the_first(monkeypatch):
+    """SQuAD lists several gold answers; the F1 objective and the evaluation (F1 and exact
+    match) take the best of them."""
+    from distzo.job import evaluation
+
+    f1 = F1(lambda ids: "Paris", [["Lyon", "the city of Paris"]])
+    assert f1.score(torch.tensor([[1, 2]]), [0]) == pytest.approx(0.5)  # 1 of 3 tokens
+    rows = [{"title": "T", "context": "C.", "question": "Q?", "answers": ["Lyon", "Paris"]}]
+    examples = build_examples(TASKS["squad"], rows, "x")
+    monkeypatch.setattr(evaluation, "answer_text", lambda decode, ids: "Paris")
+    engine = ZOEngine(model(), ZOConfig(device="cpu", seed=0))
+    encoder = PromptEncoder(TOKENIZER, max_length=256)
+    metrics = evaluate_generation(engine, examples, encoder, SINGLE, 1, 2)
+    assert metrics == {"eval_f1": 1.0, "eval_exact_match": 1.0}
