@@ -153,3 +153,35 @@ def test_a_checkpointer_from_python_saves_a_complete_checkpoint_at_once(tmp_path
     engine = trained(tiny_opt(), mode="resident", steps=2)
     Checkpointer(str(tmp_path), engine).save()
     assert latest_checkpoint(str(tmp_path)) == tmp_path / "step-2"
+
+
+def test_an_out_that_is_a_dangling_link_or_under_a_file_is_refused(tmp_path, monkeypatch):
+    """``--out``: a link is someone's (replaced only with --overwrite, even one that points
+    nowhere); a path under a file is named before any model is built."""
+    from distzo.export.out_dir import check_out
+
+    monkeypatch.chdir(tmp_path)
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match="the file exists; add --overwrite"):
+        check_out(link, overwrite=False)
+    assert check_out(link, overwrite=True) == link
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="notes.txt is a file, not a directory"):
+        check_out(tmp_path / "notes.txt" / "model", overwrite=False)
+
+
+def test_publishing_over_a_link_replaces_the_link_and_keeps_what_it_pointed_to(tmp_path):
+    from distzo.export.out_dir import publish
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    link = tmp_path / "latest"
+    link.symlink_to(mine)
+    staged = tmp_path / "latest.tmp"
+    staged.mkdir()
+    (staged / "model.safetensors").write_text("weights")
+    publish(staged, link)
+    assert not link.is_symlink() and (link / "model.safetensors").read_text() == "weights"
+    assert (mine / "notes.txt").read_text() == "mine"
