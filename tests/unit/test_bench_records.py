@@ -44,3 +44,13 @@ def test_an_installed_copy_inside_a_checkout_names_no_commit(tmp_path):
     installed.mkdir(parents=True)
     assert git_commit(tmp_path) != "unknown"
     assert git_commit(installed) == "unknown"
+
+
+def test_a_timer_leaves_its_warmup_calls_untimed():
+    import torch
+
+    from distzo.bench.timing import time_repeated
+
+    calls = []
+    timer = time_repeated(lambda: calls.append(1), torch.device("cpu"), repeats=3, warmup=2)
+    assert len(calls) == 5 and len(timer.samples) == 3
