@@ -184,6 +184,13 @@ def test_a_state_dict_holds_the_adapter_only_and_resumes_the_same_trajectory():
 def test_bad_adapter_options_are_one_line_errors():
     with pytest.raises(ValueError, match="drop --lora-dropout"):
         AdapterSpec("lora", dropout=0.1).validate()
+    for alpha in (0.0, -1.0, float("nan")):  # scaling alpha / r: 0 trains an adapter of no effect
+        with pytest.raises(ValueError, match="--lora-alpha must be > 0"):
+            AdapterSpec("lora", alpha=alpha).validate()
+    # a stray comma names no module of its own; commas alone name none at all
+    assert AdapterSpec.parse_targets(" q_proj,,v_proj, ") == ("q_proj", "v_proj")
+    with pytest.raises(ValueError, match="--lora-targets names no module"):
+        AdapterSpec("lora", targets=AdapterSpec.parse_targets(" , ")).validate()
     with pytest.raises(ValueError, match="--lora-targets"):
         attach_adapter(base_model("opt"), AdapterSpec("lora", targets=("no_such_proj",)), seed=0)
 

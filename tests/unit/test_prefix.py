@@ -190,3 +190,12 @@ def test_a_prefix_counts_in_the_position_limit():
         ValueError, match="after a 4-token prefix exceed the model's max_position_embeddings 16"
     ):
         engine.step(random_batch(64, seq=14, seed=0))
+
+
+def test_a_prefix_of_other_layers_than_the_models_blocks_is_refused():
+    """A user's PrefixTuningConfig(num_layers=5) on a model of 3 blocks: peft sizes its
+    table for 5, and the blocks would train the first 3 layers' columns of it silently."""
+    config = PrefixTuningConfig(num_virtual_tokens=3, task_type="CAUSAL_LM", num_layers=5)
+    model = get_peft_model(base_model("opt"), config)
+    with pytest.raises(ValueError, match="the prefix has 5 layers but the model streams 3 blocks"):
+        engine_for(model)
