@@ -171,15 +171,20 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
 
 def _is_step_record(record: Any, step: int) -> bool:
     """Whether a line is the record of ``step``: its finite lr and g per query (one at
-    least). A run never logs a step whose g is not finite (it drops the step), so such a
-    line is a damaged one, whose replay would make every weight NaN."""
+    least), whose products are finite too. A run never logs a step whose g is not finite
+    (it drops the step), nor one whose lr x g overflows (its update would have made the
+    weights infinite, and the next loss would have stopped the run before the step was
+    kept), so such a line is a damaged one, whose replay would make every weight NaN."""
     if not isinstance(record, dict) or record.get("step") != step:
         return False
     grads = record.get("projected_grads", [record.get("projected_grad")])
     if not isinstance(grads, list) or not grads:
         return False
-    values = (record.get("lr"), *grads)
-    return all(is_of_type(value, float) and math.isfinite(value) for value in values)
+    lr = record.get("lr")
+    values = (lr, *grads)
+    if not all(is_of_type(value, float) and math.isfinite(value) for value in values):
+        return False
+    return all(math.isfinite(lr * g) for g in grads)
 
 
 def check_header_types(path: Path, header: dict) -> None:

@@ -219,6 +219,8 @@ def damaged_log(run: Path, tmp_path: Path, header=None, record=None) -> Path:
         '{"step": 0, "projected_grads": [1.0], "lr": null}',
         '{"step": 0, "projected_grads": [], "lr": 0.01}',
         '{"step": 0, "projected_grads": "1.0", "lr": 0.01}',
+        # each finite, their product not: the replay wrote non-finite weights with exit 0
+        '{"step": 0, "projected_grads": [1e308], "lr": 1e308}',
     ],
 )
 def test_replay_names_a_damaged_step_record(run, tmp_path, record):
