@@ -39,7 +39,7 @@ from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
-from distzo.job.seed_log import first_step, read_seed_log, step_grads
+from distzo.job.seed_log import first_step, logged_noise, read_seed_log, step_grads
 from distzo.models import hub
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.tiny import byte_tokenizer
@@ -146,7 +146,7 @@ def check_replayable(log: Path, header: dict, spec: AdapterSpec) -> None:
             "stochastically on the host, so its weights are not a function of the log; use the "
             "run's export/ instead"
         )
-    identity = header.get("noise", "legacy")  # logs from before noise kinds: the legacy generator
+    identity = logged_noise(header)
     if not drawable(identity):
         raise ValueError(
             f"--log {log}: the run drew {identity} noise, which this distzo does not draw; "
@@ -158,7 +158,7 @@ def replay_config(header: dict, device: str | None) -> ZOConfig:
     """The engine the run had, as far as its trajectory goes (lr 0: the logged steps carry
     their own), on ``device`` (the run's device type by default)."""
     transfer_dtype = header.get("transfer_dtype", "fp32")
-    kind = identity_kind(header.get("noise", "legacy"))
+    kind = identity_kind(logged_noise(header))
     with named_as_flags():  # the one option typed here is --device: named as the flag
         config = ZOConfig(
             lr=0.0,

@@ -19,6 +19,7 @@ from distzo.job.seed_log import (
     check_same_run,
     forget_seed_log_reads,
     logged_header,
+    logged_noise,
     read_seed_log_once,
     step_grads,
 )
@@ -110,7 +111,7 @@ def drawn_noise(run_dir: Path) -> str:
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is not None:
         return checkpoint_noise(checkpoint)
-    return identity_kind(read_seed_log_once(run_dir / SEED_LOG)[0].get("noise", "legacy"))
+    return identity_kind(logged_noise(read_seed_log_once(run_dir / SEED_LOG)[0]))
 
 
 def catch_up_from_log(

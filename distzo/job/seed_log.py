@@ -252,6 +252,12 @@ def forget_seed_log_reads() -> None:
     _read_seed_log_cached.cache_clear()
 
 
+def logged_noise(header: dict) -> str:
+    """The noise identity a header records (``HEADER_DEFAULTS``: a log from before noise
+    kinds was drawn by the legacy generator)."""
+    return header.get("noise", HEADER_DEFAULTS["noise"])
+
+
 def step_grads(record: dict) -> tuple[float, ...]:
     """A record's g per query (logs from before n-SPSA hold one ``projected_grad``)."""
     grads = record["projected_grads"] if "projected_grads" in record else [record["projected_grad"]]
