@@ -652,13 +652,18 @@ def _closest(key: str, section: str, known: dict[str, set[str]]) -> str:
     """Where an unknown key of ``section`` belongs: the section that has it (a key in the
     wrong section would otherwise be offered a neighbour's name, ``max_steps`` in [run]
     ``save_steps``), else a typo's likely fix (difflib), else the keys to choose from."""
-    homes = [name for name, keys in known.items() if key in keys]
-    if homes:
-        return f"it is an option of [{homes[0]}]: move it there"
+    home = _section_of(key, known)
+    if home is not None:
+        return f"it is an option of [{home}]: move it there"
     close = difflib.get_close_matches(key, known[section], n=1)
     if close:
         return f"did you mean {close[0]!r}?"
     return f"keys are {', '.join(sorted(known[section]))}"
+
+
+def _section_of(key: str, known: dict[str, set[str]]) -> str | None:
+    """The section whose option ``key`` is (None: no section has it)."""
+    return next((section for section, keys in known.items() if key in keys), None)
 
 
 def _unknown_section(section: str, known: dict[str, set[str]]) -> str:
@@ -701,9 +706,9 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
 def _outside_sections(key: str, known: dict[str, set[str]]) -> str:
     """What a key written before any ``[section]`` header is: an option in the wrong place
     (named with its section), or a name no section has."""
-    homes = [section for section, keys in known.items() if key in keys]
-    if homes:
-        return f"{key} is outside any section; write it under [{homes[0]}]"
+    home = _section_of(key, known)
+    if home is not None:
+        return f"{key} is outside any section; write it under [{home}]"
     return f"{key!r} is outside any section, and no section has such a key"
 
 
