@@ -59,7 +59,14 @@ def random_shape_config(job: JobConfig) -> PretrainedConfig:
     """The config of a --model-config shape, with the byte tokenizer's special ids when the
     task reads text through it."""
     shape = shape_config(job.model.model_config or "", job.model.model_layers)
-    return shape if job.data.task == "counting" else with_byte_tokenizer_ids(shape)
+    return with_byte_tokenizer_ids(shape) if shape_reads_bytes(job) else shape
+
+
+def shape_reads_bytes(job: JobConfig) -> bool:
+    """Whether the run is a --model-config shape reading its task's text through the byte
+    tokenizer: its config takes that tokenizer's ids, and its seed log says so, for the
+    replay to rebuild the same config and export the same tokenizer."""
+    return bool(job.model.model_config) and job.data.task != "counting"
 
 
 def with_byte_tokenizer_ids(config: PretrainedConfig) -> PretrainedConfig:

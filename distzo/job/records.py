@@ -16,6 +16,7 @@ from distzo.config.engine_options import ZOConfig, lowrank_record, optimizer_rec
 from distzo.config.job import JobConfig
 from distzo.dist import ParallelContext
 from distzo.engine import StepResult, ZOEngine
+from distzo.job.build import shape_reads_bytes
 from distzo.models import hub
 from distzo.models.shapes import signature
 from distzo.runtime.devices import device_name
@@ -107,8 +108,7 @@ def run_header(
         "base": None if model.model_config else _base(model.model, run_dir),
         "model_config": model.model_config,
         "model_layers": model.model_layers,
-        # a shape reading text takes the byte tokenizer's special ids, and exports it
-        "byte_tokenizer": bool(model.model_config) and job.data.task != "counting",
+        "byte_tokenizer": shape_reads_bytes(job),
         "init_seed": init_seed,
         "objective": objective,
         "peft": spec.record() if spec.enabled else None,
