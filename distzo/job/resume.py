@@ -13,11 +13,14 @@ from distzo.dist import LaunchEnv, ParallelContext
 from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
 from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
-from distzo.job.run_dir import logged_steps_of, run_contents
+from distzo.job.run_dir import run_contents
 from distzo.job.seed_log import (
     SEED_LOG,
+    check_header_types,
     check_same_run,
     forget_seed_log_reads,
+    last_logged_step,
+    logged_first_step,
     logged_header,
     logged_noise,
     read_seed_log_once,
@@ -83,9 +86,11 @@ def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
 
 
 def logged_steps(path: Path) -> int:
-    """How many step records a seed log holds (0: none, or no log); whether they run
-    0..n-1 is ``check_log_leads_to_checkpoint``'s to say."""
-    return len(logged_steps_of(path)) if path.is_file() else 0
+    """How many steps a seed log holds (0: none, or no log), from its header and its last
+    record alone (every rank asks, and parsing a long log took seconds per rank); whether
+    they run without a gap is ``check_log_leads_to_checkpoint``'s to say."""
+    last = last_logged_step(path) if path.is_file() else None
+    return 0 if last is None else max(1, last + 1 - logged_first_step(path))
 
 
 def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str | None) -> None:
@@ -106,12 +111,20 @@ def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str |
     )
 
 
-def drawn_noise(run_dir: Path) -> str:
-    """The noise kind a resumed run was drawn with: its checkpoint's, else its seed log's."""
+def drawn_noise(run_dir: Path, rank: int = 0) -> str:
+    """The noise kind a resumed run was drawn with: its checkpoint's, else its seed log's.
+    Rank 0 reads (and checks) the whole log, which its catch-up then goes on with; the
+    others take the header alone, and learn a refusal of the log through the launch gate."""
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is not None:
         return checkpoint_noise(checkpoint)
-    return identity_kind(logged_noise(read_seed_log_once(run_dir / SEED_LOG)[0]))
+    path = run_dir / SEED_LOG
+    header = logged_header(path) if rank != 0 else None
+    if header is None:
+        header = read_seed_log_once(path)[0]  # rank 0's read, or the one-line refusal
+    else:
+        check_header_types(path, header)
+    return identity_kind(logged_noise(header))
 
 
 def catch_up_from_log(

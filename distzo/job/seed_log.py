@@ -19,8 +19,9 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.cli import names_file
@@ -227,6 +228,46 @@ def logged_header(path: Path) -> dict | None:
     except json.JSONDecodeError:
         return None
     return header if isinstance(header, dict) and header.get("kind") == "header" else None
+
+
+TAIL_BLOCK = 1 << 16  # bytes read at a time from a log's end
+
+
+def last_logged_step(path: Path) -> int | None:
+    """The step of the log's last complete step record (None: it holds none), read from
+    its end: a resume's every rank asks where the log ends, and parsing a log of a million
+    steps to learn it took seconds per rank. A torn last line, the header or a line that
+    is not a step record is skipped, as ``run_dir.logged_steps_of`` skips it."""
+    with open(path, "rb") as stream:
+        lines = _complete_lines_backwards(stream, stream.seek(0, os.SEEK_END))
+        for line in lines:
+            try:
+                record = json_text.loads(line.decode("utf-8", errors="replace"))
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                return int(record["step"])
+    return None
+
+
+def _complete_lines_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
+    """The newline-ended lines of a binary file, last first (what follows the last
+    newline, a torn line, is not one), reading ``TAIL_BLOCK`` bytes at a time."""
+    end, carry, torn = size, b"", True
+    while end > 0:
+        start = max(0, end - TAIL_BLOCK)
+        stream.seek(start)
+        carry = stream.read(end - start) + carry
+        end = start
+        first, *lines = carry.split(b"\n")
+        carry = first  # its beginning may lie in an earlier block
+        for line in reversed(lines):
+            if torn:  # what follows the file's last newline
+                torn = False
+                continue
+            yield line
+    if not torn:
+        yield carry  # the file's first line
 
 
 def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:

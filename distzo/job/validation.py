@@ -121,9 +121,9 @@ def check_output_dir(output_dir: str | None, flag: str = "--output-dir") -> None
         )
 
 
-def resumed_noise(job: JobConfig, config: ZOConfig) -> ZOConfig:
+def resumed_noise(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> ZOConfig:
     """A resumed run goes on with the z it was drawn with (its checkpoint's or log's)."""
-    drawn = drawn_noise(Path(job.run.output_dir or "."))
+    drawn = drawn_noise(Path(job.run.output_dir or "."), env.rank)
     if job.optim.noise not in (None, drawn):
         raise ValueError(
             f"--resume: the run was drawn with {drawn} noise; drop --noise {job.optim.noise} "
@@ -166,7 +166,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env)
     if job.run.resume == "yes":  # the run directory's own checks, before reading a checkpoint
-        done = check_log_leads_to_checkpoint(Path(job.run.output_dir or "."))
+        done = check_log_leads_to_checkpoint(Path(job.run.output_dir or "."), env.rank == 0)
         if job.optim.max_steps < done:
             raise ValueError(
                 f"--resume: the run in {job.run.output_dir} has done {done} steps, more than "
@@ -178,7 +178,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     else:
         check_fresh(job)
     if job.run.resume != "no":
-        config = resumed_noise(job, config)
+        config = resumed_noise(job, config, env)
     job.optim.noise = config.noise  # resolved: config.toml records it
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", job.optim.lr)

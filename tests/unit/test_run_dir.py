@@ -589,3 +589,52 @@ def test_a_default_directory_a_failed_build_made_is_removed(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="the run does not fit"):
         trainer.build()
     assert not list((tmp_path / "runs").iterdir())
+
+
+def whole_log_reads(monkeypatch, log: Path) -> list[str]:
+    """Each read of the whole of ``log`` (a parse of every record), by who read it."""
+    reads: list[str] = []
+    read_text = Path.read_text
+
+    def counted(path: Path, *args, **kwargs) -> str:
+        if path == log:
+            reads.append("read_text")
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    return reads
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_only_rank_0_parses_the_whole_seed_log_of_a_resume(run, monkeypatch, checkpoint):
+    """Every rank parsed every record of the log to validate a resume, once or (resuming
+    from the log alone) three times: 4.4 s per parse and rank at a million steps. The
+    others read its header and its end; rank 0's full check refuses for all of them."""
+    from distzo.job.validation import validate
+
+    if not checkpoint:
+        shutil.rmtree(run / "checkpoints")
+    log = run / "seedlog.jsonl"
+    reads = whole_log_reads(monkeypatch, log)
+    for rank, parses in [(1, 0), (0, 2 if not checkpoint else 1)]:
+        reads.clear()
+        job = resolve([*SMALL, "--max-steps", "6", "--output-dir", str(run), "--resume", "auto"])
+        checked = validate(job, LaunchEnv(rank=rank, world_size=2, local_world_size=2))
+        assert checked.job.run.resume == "yes"
+        assert len(reads) == parses, (rank, reads)
+
+
+def test_a_long_seed_log_ends_where_its_last_record_says(tmp_path):
+    """The end read from a log's tail, across blocks: a torn last line and lines that are
+    not step records skipped, as the whole read skips them."""
+    from distzo.job import seed_log
+
+    log = tmp_path / "seedlog.jsonl"
+    header = json.dumps({"kind": "header", "first_step": 3})
+    records = [json.dumps({"step": s, "projected_grads": [0.5], "lr": 0.1}) for s in range(3, 9000)]
+    log.write_text("\n".join([header, *records, "not json", "[1]", ""]) + '{"step": 9000')
+    assert seed_log.last_logged_step(log) == 8999 == run_dir_module.logged_steps_of(log)[-1]
+    log.write_text(header + "\n\xff\xfe binary\n")
+    assert seed_log.last_logged_step(log) is None
+    log.write_text('{"step": 4}')  # no complete line
+    assert seed_log.last_logged_step(log) is None
