@@ -37,7 +37,7 @@ from distzo.engine.batches import check_batch, count_tokens, global_items, on_de
 from distzo.engine.build import make_noise, resolve_run_seed, resolve_transfer
 from distzo.engine.layouts import unwrap_peft
 from distzo.engine.parts import Placement, build_parts, check_unbound, describe
-from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner
+from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner, micro_batch_bounds
 from distzo.engine.resident_sides import HEAD
 from distzo.engine.state import BucketReader, StoredBuckets
 from distzo.engine.tuning import Streamed
@@ -293,8 +293,8 @@ class ZOEngine:
     def _finish_step(
         self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]
     ) -> StepResult:
-        with self._guard():
-            # the step's one host sync: waits for the compute stream's losses only
+        # the step's one host sync, where the device's errors in its queued pass surface
+        with self._guard(), self._writing():
             *reduced, votes = read()
         grads = self.estimator.update_coefficients(reduced, self.config.eps)
         self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
@@ -313,8 +313,12 @@ class ZOEngine:
         """Apply the queued updates everywhere and run the blocks once for each pass, each
         on its own token ids (one shared host mask; None: every position is real), in
         ``micro_batches`` micro-batches. With no passes (flush) it only updates."""
+        if input_ids:  # a batch too short to split is refused before any update is taken
+            micro_batch_bounds(next(iter(input_ids.values())).shape[0], micro_batches)
         updates = self.updates.take()
-        return BlockPass(self, step, updates, micro_batches).run(passes, input_ids, attention_mask)
+        with self._writing(bool(updates)):
+            block_pass = BlockPass(self, step, updates, micro_batches)
+            return block_pass.run(passes, input_ids, attention_mask)
 
     def _reading_resident(self, side: str, p: Pass, step: int) -> AbstractContextManager[None]:
         """While the body reads ``side`` (``EMBEDDING`` or ``HEAD``) of the resident bucket,
@@ -408,16 +412,25 @@ class ZOEngine:
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
-        """Refuse to continue after a pass failed half-way: its buckets are half-updated."""
+        """Refuse to continue after a pass failed half-way: its buckets are half-updated.
+        A failure in the body alone (a measure's bug, a refused batch) leaves every bucket
+        as it was: only a pass that writes them (``_writing``) marks the engine broken."""
         if self._broken is not None:
             raise RuntimeError(
                 f"the engine is unusable after an earlier failure ({self._broken}); "
                 "reload a checkpoint with load_state_dict"
             )
+        yield
+
+    @contextmanager
+    def _writing(self, writes: bool = True) -> Iterator[None]:
+        """Mark the engine broken if the body fails while it ``writes`` the buckets (some
+        updated, others not); a body that only reads them leaves them whole."""
         try:
             yield
         except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {exc}"
+            if writes:
+                self._broken = f"{type(exc).__name__}: {exc}"
             raise
 
     # ------------------------------------------------------------------ state

@@ -284,6 +284,41 @@ def test_a_failed_pass_makes_the_engine_refuse_to_continue(monkeypatch):
         engine.step(random_batch(64))
 
 
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_measure_that_fails_before_the_blocks_leaves_the_engine_usable(pending):
+    """A measure's own bug (before or after its pass) wrote no bucket: the engine was
+    marked unusable all the same, and a notebook had to reload its state."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    reference = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    for e in (engine, reference):
+        if pending:
+            e.step(random_batch(64))
+
+    def fails_before(runner):
+        raise KeyError("a typo in the measure")
+
+    def fails_after(runner):
+        ids = random_batch(64)["input_ids"]
+        runner.hidden_states({(0, 0): ids}, None)
+        raise KeyError("a typo after the pass")
+
+    for measure in (fails_before, fails_after):
+        with pytest.raises(KeyError, match="typo"):
+            engine.evaluate(measure)
+    assert engine.step(random_batch(64, seed=1)) == reference.step(random_batch(64, seed=1))
+
+
+def test_a_batch_too_short_for_grad_accum_is_refused_before_the_pending_update():
+    """The rows were checked in the pass, after the resident bucket took the pending
+    update: the refusal left the engine half-updated and unusable."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0, grad_accum=4))
+    engine.step(random_batch(64))
+    with pytest.raises(ValueError, match="grad-accum 4 needs at least 4 rows"):
+        engine.step(random_batch(64, batch=2))
+    assert engine.pending is not None and engine.pending.step == 0
+    assert engine.step(random_batch(64)).step == 1
+
+
 def test_a_data_parallel_step_without_the_global_count_is_refused():
     """Under dp ranks each share divided by its own count would add up to dp times the
     global mean in the all-reduce: the default count is one process's only."""
