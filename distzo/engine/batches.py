@@ -45,6 +45,16 @@ def global_items(
     return objective.num_items(batch)
 
 
+def check_mapping(batch: object) -> None:
+    """Refuse a batch that is not a mapping of tensors (a bare ``input_ids`` tensor failed
+    deep in torch's ``Tensor.__contains__``)."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"a batch is a mapping of tensors, {{'input_ids': ids, ...}}; got a "
+            f"{type(batch).__name__}: pass {{'input_ids': ...}}"
+        )
+
+
 def check_batch(
     batch: Mapping[str, torch.Tensor],
     limit: int | None,

@@ -33,7 +33,13 @@ from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine import state
-from distzo.engine.batches import check_batch, count_tokens, global_items, on_device
+from distzo.engine.batches import (
+    check_batch,
+    check_mapping,
+    count_tokens,
+    global_items,
+    on_device,
+)
 from distzo.engine.build import make_noise, resolve_run_seed, resolve_transfer
 from distzo.engine.layouts import unwrap_peft
 from distzo.engine.parts import Placement, build_parts, check_unbound, describe
@@ -46,6 +52,7 @@ from distzo.models import ModelFamily, family_for
 from distzo.models.prefix import BlockPrefix
 from distzo.models.weights import WeightSource
 from distzo.objectives import LanguageModeling, Objective, PassRunner
+from distzo.objectives.lm import check_lm_keys
 from distzo.offload import BlockScheduler, BlockStore, BucketLayout, StreamedBlocks, Streams
 from distzo.zo import Pass, learning_rate, loss_contribution
 from distzo.zo.estimators import StepLosses
@@ -265,6 +272,7 @@ class ZOEngine:
     ) -> tuple[int, float, int, Callable[[], list[float]]]:
         """Everything of a step up to its one host read, queued without reading the device
         (the CUDA tests hold it to that with the sync debug mode set to "error")."""
+        check_mapping(batch)
         t, cfg = self.step_index, self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
         check_objective_batch = getattr(self.objective, "check_batch", None)
@@ -335,6 +343,8 @@ class ZOEngine:
         """Logits of every position (and mean loss, if the batch has labels) at the current,
         unperturbed parameters: the model's own forward, for inspection and tests.
         Evaluation uses ``evaluate``, which reads the head only where it is needed."""
+        check_mapping(batch)
+        check_lm_keys(batch)  # the model's own forward: a causal-LM batch, whatever objective
         self._check_batch(batch)
         mask = batch.get("attention_mask")
         host_mask = mask.cpu() if mask is not None else None

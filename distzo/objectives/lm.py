@@ -22,6 +22,21 @@ def default_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, -100)
 
 
+LM_KEYS = ("input_ids", "attention_mask", "labels")  # what a plain causal-LM batch holds
+
+
+def check_lm_keys(batch: Mapping[str, torch.Tensor]) -> None:
+    """Refuse keys a causal-LM batch does not have: a mistyped ``label`` was ignored, and
+    the step trained on every token instead of the labels given."""
+    unknown = [k for k in batch if k not in LM_KEYS]
+    if unknown:
+        raise ValueError(
+            f"the batch has keys a language-modeling batch does not read: "
+            f"{', '.join(map(repr, unknown))} (it reads {', '.join(LM_KEYS)}); rename or "
+            "drop them"
+        )
+
+
 @dataclass
 class LMBatch:
     input_ids: torch.Tensor  # on the device
@@ -62,6 +77,10 @@ class LanguageModeling:
 
     def __init__(self, full_head: bool = False) -> None:
         self.full_head = full_head
+
+    def check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """Refuse keys the loss does not read (a mistyped ``label`` trained on every token)."""
+        check_lm_keys(batch)
 
     def num_items(self, batch: Mapping[str, torch.Tensor]) -> int:
         return int((default_labels(batch)[..., 1:] != -100).sum())

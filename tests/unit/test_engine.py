@@ -369,3 +369,22 @@ def test_a_state_of_other_shapes_is_refused_before_any_bucket_is_written(optimiz
             engine.load_state_dict(state)
     after = engine.named_parameters()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("call", ["step", "forward"])
+def test_a_mistyped_batch_key_is_refused_not_ignored(call):
+    """``label`` for ``labels`` was ignored: the step trained on every token instead of
+    the labels given, with no word said."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    batch = random_batch(64)
+    with pytest.raises(ValueError, match=r"^the batch has keys .* 'label' \(it reads input_ids"):
+        getattr(engine, call)({"input_ids": batch["input_ids"], "label": batch["labels"]})
+    assert engine.step_index == 0 and engine.pending is None
+
+
+@pytest.mark.parametrize("call", ["step", "forward"])
+def test_a_bare_tensor_for_a_batch_is_refused_in_one_line(call):
+    """It failed inside torch's ``Tensor.__contains__``, naming no batch."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    with pytest.raises(ValueError, match=r"^a batch is a mapping of tensors.*got a Tensor"):
+        getattr(engine, call)(random_batch(64)["input_ids"])
