@@ -3,6 +3,7 @@ tensors on the device."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +36,13 @@ def global_items(
     the mean in the all-reduce, a silently larger loss and ``g``, so the count must be
     given."""
     if num_items is not None:
-        return num_items
+        # a float (a count divided by dp) or a bool scaled the loss and g without a word
+        if isinstance(num_items, bool) or not hasattr(type(num_items), "__index__"):
+            raise ValueError(
+                f"num_items must be a whole count of label tokens or examples, got "
+                f"{num_items!r}; pass an int"
+            )
+        return operator.index(num_items)
     if dp > 1:
         raise ValueError(
             f"step: under data parallelism (dp {dp}) each rank holds a share of the "

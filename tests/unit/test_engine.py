@@ -388,3 +388,13 @@ def test_a_bare_tensor_for_a_batch_is_refused_in_one_line(call):
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
     with pytest.raises(ValueError, match=r"^a batch is a mapping of tensors.*got a Tensor"):
         getattr(engine, call)(random_batch(64)["input_ids"])
+
+
+@pytest.mark.parametrize("num_items", [2.5, 40.0, True])
+def test_a_count_that_is_no_whole_number_is_refused(num_items):
+    """``num_items`` is typed int: 2.5 or True divided the losses and scaled g silently
+    (True: the summed loss of 44 tokens, 116 where the mean is 4.2)."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    with pytest.raises(ValueError, match=r"^num_items must be a whole count"):
+        engine.step(random_batch(64), num_items=num_items)
+    assert engine.step(random_batch(64), num_items=torch.tensor(44)).step == 0
