@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig, lowrank_record, optimizer_record
 from distzo.dist import ParallelContext
 from distzo.engine.updates import PendingUpdate
@@ -275,9 +277,42 @@ def _check_optimizer(config: ZOConfig, saved: Mapping[str, Any] | None) -> None:
             )
 
 
+# What every ``state_dict`` has held (the others came later, and have defaults).
+STATE_KEYS = ("step", "run_seed", "noise_chunk", "pending", "params")
+
+
+def _check_counters(state: Mapping[str, Any]) -> PendingUpdate | None:
+    """Refuse a state that is no ``state_dict`` (a bare ``KeyError`` was all a missing key
+    got) or whose step or run seed no run reaches (a step of -3 was taken, and the next
+    step was -2), before any bucket is written; returns its pending update, built here so
+    that a malformed one is refused before the parameters are loaded too."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a state is what state_dict() returned, got a {type(state).__name__}")
+    missing = [key for key in STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(
+            f"the state lacks {', '.join(missing)}: load what ZOEngine.state_dict() returned"
+        )
+    for key in ("step", "run_seed"):
+        value = state[key]
+        whole = not isinstance(value, bool) and hasattr(type(value), "__index__")
+        if not whole or not 0 <= operator.index(value) < SEED_LIMIT:
+            raise ValueError(
+                f"the state's {key} must be a whole number in [0, 2^63), got {value!r}"
+            )
+    pending = state["pending"]
+    if pending is None:
+        return None
+    try:
+        return PendingUpdate(**pending)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the state's pending update is malformed: {exc}") from None
+
+
 def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
     """Restore a ``state_dict`` into ``engine``; the continued trajectory equals the
     uninterrupted one."""
+    pending = _check_counters(state)
     check_noise(
         engine.config,
         state.get("noise", "legacy"),
@@ -308,7 +343,5 @@ def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
         engine.trained.load(params)
         for k, name in enumerate(names):
             engine.moment_buckets(k).load(moments[name])
-    pending = PendingUpdate(**state["pending"]) if state["pending"] is not None else None
-    engine.restore(
-        int(state["step"]), int(state["run_seed"]), pending, state.get("recent_steps", ())
-    )
+    step, run_seed = operator.index(state["step"]), operator.index(state["run_seed"])
+    engine.restore(step, run_seed, pending, state.get("recent_steps", ()))

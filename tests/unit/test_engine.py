@@ -398,3 +398,32 @@ def test_a_count_that_is_no_whole_number_is_refused(num_items):
     with pytest.raises(ValueError, match=r"^num_items must be a whole count"):
         engine.step(random_batch(64), num_items=num_items)
     assert engine.step(random_batch(64), num_items=torch.tensor(44)).step == 0
+
+
+def test_load_state_dict_refuses_what_is_no_state_before_writing():
+    """A state missing a key, with a step no run reaches, or with a malformed pending
+    update is refused in one line, and the engine keeps its own parameters."""
+    model = tiny_opt()
+    engine = ZOEngine(model, ZOConfig(device="cpu", seed=0))
+    batch = random_batch(model.config.vocab_size, seed=0)
+    engine.step(batch)
+    before = engine.named_parameters()
+    state = engine.state_dict()
+    zeroed = {name: torch.zeros_like(value) for name, value in state["params"].items()}
+    bad = {
+        "lacks noise_chunk: load what ZOEngine.state_dict": {
+            k: v for k, v in state.items() if k != "noise_chunk"
+        },
+        r"step must be a whole number in \[0, 2\^63\), got -3": state | {"step": -3},
+        "step must be a whole number.*got 1.5": state | {"step": 1.5},
+        "run_seed must be a whole number.*got True": state | {"run_seed": True},
+        "pending update is malformed": state | {"params": zeroed, "pending": {"step": 1}},
+        "got a list": [],
+    }
+    for message, saved in bad.items():
+        with pytest.raises(ValueError, match=message):
+            engine.load_state_dict(saved)
+    after = engine.named_parameters()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    engine.load_state_dict(state | {"step": torch.tensor(1)})  # a 0-dim integer tensor is a count
+    assert engine.step(batch).step == 1
