@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -41,6 +41,7 @@ from distzo.engine.batches import (
     on_device,
 )
 from distzo.engine.build import make_noise, resolve_run_seed, resolve_transfer
+from distzo.engine.failures import FailureLatch
 from distzo.engine.layouts import unwrap_peft
 from distzo.engine.parts import Placement, build_parts, check_unbound, describe
 from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner, micro_batch_bounds
@@ -220,7 +221,7 @@ class ZOEngine:
             raise ValueError(f"run_seed must be in [0, 2^63), got {self.run_seed}")
         self.step_index = 0
         self.updates = UpdateQueue(config)
-        self._broken: str | None = None
+        self.failures = FailureLatch()  # closed by a pass that fails half-written
         # ZO takes two forward passes of one function: dropout would make them two functions.
         model.eval()
         self.blocks = self.family.blocks()
@@ -283,7 +284,7 @@ class ZOEngine:
         num_items = global_items(self.objective, batch, num_items, self.parallel.dims.dp)
         if num_items <= 0:
             raise ValueError("the batch has nothing to train on (no label tokens, or no examples)")
-        with self._guard(), torch.no_grad():
+        with self.failures.guard(), torch.no_grad():
             # host work and copies, queued before any kernel
             prepared = self.objective.prepare(batch, self.device)
             with self.streams.compute_scope():
@@ -302,7 +303,7 @@ class ZOEngine:
         self, t: int, lr: float, num_tokens: int, read: Callable[[], list[float]]
     ) -> StepResult:
         # the step's one host sync, where the device's errors in its queued pass surface
-        with self._guard(), self._writing():
+        with self.failures.guard(), self.failures.writing():
             *reduced, votes = read()
         grads = self.estimator.update_coefficients(reduced, self.config.eps)
         self.pending = self.momentum_update(PendingUpdate(t, grads, lr))
@@ -324,7 +325,7 @@ class ZOEngine:
         if input_ids:  # a batch too short to split is refused before any update is taken
             micro_batch_bounds(next(iter(input_ids.values())).shape[0], micro_batches)
         updates = self.updates.take()
-        with self._writing(bool(updates)):
+        with self.failures.writing(bool(updates)):
             block_pass = BlockPass(self, step, updates, micro_batches)
             return block_pass.run(passes, input_ids, attention_mask)
 
@@ -348,7 +349,7 @@ class ZOEngine:
         self._check_batch(batch)
         mask = batch.get("attention_mask")
         host_mask = mask.cpu() if mask is not None else None
-        with self._guard(), torch.no_grad(), self.streams.compute_scope():
+        with self.failures.guard(), torch.no_grad(), self.streams.compute_scope():
             input_ids, _, labels = on_device(batch, self.device)
             hidden = self._stream_pass(
                 (UNPERTURBED,), self.step_index, {UNPERTURBED: input_ids}, host_mask
@@ -364,7 +365,7 @@ class ZOEngine:
         applied first, as a flush would): the one pass is ``UNPERTURBED``. Whatever tensors
         it returns are safe to use on the caller's stream."""
         self._in_eval_mode()
-        with self._guard(), torch.no_grad(), self.streams.compute_scope():
+        with self.failures.guard(), torch.no_grad(), self.streams.compute_scope():
             result = measure(StepRunner(self, self.step_index, (UNPERTURBED,)))
         self._hand_to_caller(result)
         return result
@@ -376,7 +377,7 @@ class ZOEngine:
         """
         if not self.updates:
             return
-        with self._guard(), torch.no_grad(), self.streams.compute_scope():
+        with self.failures.guard(), torch.no_grad(), self.streams.compute_scope():
             self._stream_pass((), self.step_index, None, None)
         self.streams.synchronize()
 
@@ -420,29 +421,6 @@ class ZOEngine:
         # the prefix's positions come first
         check_batch(batch, limit, self.family.prefix_length, vocab, dims)
 
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """Refuse to continue after a pass failed half-way: its buckets are half-updated.
-        A failure in the body alone (a measure's bug, a refused batch) leaves every bucket
-        as it was: only a pass that writes them (``_writing``) marks the engine broken."""
-        if self._broken is not None:
-            raise RuntimeError(
-                f"the engine is unusable after an earlier failure ({self._broken}); "
-                "reload a checkpoint with load_state_dict"
-            )
-        yield
-
-    @contextmanager
-    def _writing(self, writes: bool = True) -> Iterator[None]:
-        """Mark the engine broken if the body fails while it ``writes`` the buckets (some
-        updated, others not); a body that only reads them leaves them whole."""
-        try:
-            yield
-        except BaseException as exc:
-            if writes:
-                self._broken = f"{type(exc).__name__}: {exc}"
-            raise
-
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -480,7 +458,7 @@ class ZOEngine:
             if isinstance(store, StreamedBlocks):
                 store.rounding_noise = self.rounding_noise
         self.resident.forget()
-        self._broken = None
+        self.failures.reset()
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Flushed values by Hugging Face name (aliases of tied weights included), as CPU
