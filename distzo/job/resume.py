@@ -19,11 +19,13 @@ from distzo.job.seed_log import (
     check_header_types,
     check_same_run,
     forget_seed_log_reads,
+    in_order_end,
     last_logged_step,
     logged_first_step,
     logged_header,
     logged_noise,
     read_seed_log_once,
+    records_from,
     step_grads,
 )
 from distzo.zo import identity_kind
@@ -113,13 +115,15 @@ def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str |
 
 def drawn_noise(run_dir: Path, rank: int = 0) -> str:
     """The noise kind a resumed run was drawn with: its checkpoint's, else its seed log's.
-    Rank 0 reads (and checks) the whole log, which its catch-up then goes on with; the
-    others take the header alone, and learn a refusal of the log through the launch gate."""
+    Rank 0 reads (and checks) the whole log, which its catch-up then goes on with, unless
+    its validation did (``in_order_end``); the others take the header alone, and learn a
+    refusal of the log through the launch gate."""
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is not None:
         return checkpoint_noise(checkpoint)
     path = run_dir / SEED_LOG
-    header = logged_header(path) if rank != 0 else None
+    header_alone = rank != 0 or in_order_end(path) is not None
+    header = logged_header(path) if header_alone else None
     if header is None:
         header = read_seed_log_once(path)[0]  # rank 0's read, or the one-line refusal
     else:
@@ -132,19 +136,23 @@ def catch_up_from_log(
 ) -> int:
     """Apply every step the seed log holds beyond the engine's (a restart after a crash
     or a preemption), in one pass over the blocks; returns the step to train from.
-    Rank 0 reads the log and hands the records to every rank. A low-bit transfer or state
-    rounds on the host at each step, which a catch-up cannot repeat: those steps are
-    trained again instead (the same result). The log's parse is then forgotten: only the
-    records beyond the checkpoint are kept."""
+    Rank 0 reads the records beyond the checkpoint from the log's end where its validation
+    found the log in order (``records_from``), else the whole log, and hands them to every
+    rank. A low-bit transfer or state rounds on the host at each step, which a catch-up
+    cannot repeat: those steps are trained again instead (the same result). A whole parse
+    is then forgotten: only the records beyond the checkpoint are kept."""
     path = run_dir / SEED_LOG
     start = engine.step_index
 
     def read() -> list[tuple[int, tuple[float, ...], float]] | None:
         if parallel.env.rank != 0 or not path.is_file():
             return None
-        logged_header, steps = read_seed_log_once(path)
-        check_same_run(path, logged_header, header)
-        return [(r["step"], step_grads(r), r["lr"]) for r in steps if r["step"] >= start]
+        tail = records_from(path, start)
+        theirs = logged_header(path) if tail is not None else None
+        if theirs is None or tail is None:
+            theirs, tail = read_seed_log_once(path)
+        check_same_run(path, theirs, header)
+        return [(r["step"], step_grads(r), r["lr"]) for r in tail if r["step"] >= start]
 
     try:
         records = agreed(parallel.comm, read)  # a refusal by rank 0 ends every rank with it

@@ -30,7 +30,13 @@ from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
 from distzo.job.run_lock import RunLock
-from distzo.job.seed_log import SEED_LOG, last_logged_step, logged_first_step, logged_header
+from distzo.job.seed_log import (
+    SEED_LOG,
+    checked_log_end,
+    last_logged_step,
+    logged_first_step,
+    logged_header,
+)
 from distzo.job.summary import SUMMARY
 from distzo.runtime import json_text
 
@@ -232,7 +238,8 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     copied there to resume) has nothing to check. Returns the steps the resume goes on
     from. Where the log ends is read from its tail; ``every_record`` (rank 0's check)
     also reads every record for a gap, which the other ranks, that learn a refusal through
-    the launch gate, need not parse again (seconds per rank at a million steps)."""
+    the launch gate, need not parse again (seconds per rank at a million steps); rank 0's
+    one parse, ``checked_log_end``, also serves its catch-up and truncation."""
     log = run_dir / SEED_LOG
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     done = int(checkpoint.name.removeprefix("step-")) if checkpoint is not None else 0
@@ -248,7 +255,7 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
             "--output-dir"
         )
     first = logged_first_step(log)
-    if every_record:
+    if every_record and checked_log_end(log) is None:  # not whole and in order: say where
         steps = logged_steps_of(log)
         gap = next((i for i, step in enumerate(steps) if step != first + i), None)
         if gap is not None:

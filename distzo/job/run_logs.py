@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import locale
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +15,24 @@ from distzo.config.cli import names_file
 from distzo.config.field_types import is_of_type
 from distzo.job.curves import LossCurve
 from distzo.job.reporting import Reporter
-from distzo.job.seed_log import SEED_LOG, SeedLogWriter
+from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_end
 from distzo.runtime import json_text
 
+# What ``open`` reads and writes a text file in, without an encoding named.
+TEXT_ENCODING = locale.getpreferredencoding(False)
+# The line breaks ``str.splitlines`` cuts at besides "\n" (universal newlines read "\r" too).
+OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
-def truncate_jsonl(path: Path, keep_below: int) -> None:
+
+def truncate_jsonl(
+    path: Path, keep_below: int, each_kept: Callable[[dict[str, Any]], object] | None = None
+) -> None:
     """Drop the records a resumed run will write again (those of step >= ``keep_below``),
     and a last line a crash tore (not JSON) or any other line that is not a record (a
-    hostile or damaged file's), through a temporary file and a rename."""
+    hostile or damaged file's), through a temporary file and a rename; ``each_kept`` is
+    handed each record kept, in order (the loss curve, from this one parse). The file is
+    rewritten only where that changes it: a resume that drops nothing (one from the step
+    the logs end at) rewrote a long run's 100 MB at every restart."""
     if not path.exists():
         return
     kept = []
@@ -34,9 +46,37 @@ def truncate_jsonl(path: Path, keep_below: int) -> None:
         step = record.get("step", -1)
         if is_of_type(step, int) and step < keep_below:
             kept.append(line)
+            if each_kept is not None:
+                each_kept(record)
+    _rewrite(path, "".join(line + "\n" for line in kept))
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """``path`` holding ``text``, as ``write_text`` writes it: through a temporary file and a
+    rename, unless it already does (then a temporary file a crash left is removed)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    if text.encode(TEXT_ENCODING) == path.read_bytes():
+        tmp.unlink(missing_ok=True)
+        return
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def written_as_kept(path: Path, end: int | None, keep_below: int) -> bool:
+    """Whether ``truncate_jsonl(path, keep_below)`` would leave the file as it is, known
+    without a parse: ``end``, the step after its last record where every line is known to
+    be a record of a whole-number step (or none: the header), is at most ``keep_below``,
+    and the file is its lines each ended by a newline, which that rewrite writes (a torn
+    last line, a carriage return or another line break ``splitlines`` cuts at: not so)."""
+    if end is None or end > keep_below:
+        return False
+    raw = path.read_bytes()
+    try:
+        text = raw.decode(TEXT_ENCODING)
+    except UnicodeDecodeError:
+        return False
+    whole = not text or text.endswith("\n")
+    return whole and not OTHER_BREAKS.search(text) and text.encode(TEXT_ENCODING) == raw
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -92,15 +132,15 @@ class RunLogs:
         # starts a log of its own, whose header says the step it begins at.
         seeds = self.paths["seeds"]
         headerless = not resume_step or not seeds.is_file() or not seeds.stat().st_size
+        # the training loss the curves redraw at each evaluation, kept from here on
+        self.loss_curve = LossCurve()
         if resume_step:
-            self._keep(resume_step)
+            self._keep(resume_step, self.loss_curve.add)
         else:
             for path in self.paths.values():
                 path.unlink(missing_ok=True)
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
-        # the training loss the curves redraw at each evaluation, kept from here on
-        self.loss_curve = LossCurve.of(iter_records(self.paths["metrics"]))
         evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
         self.kept_evals = {r["step"] for r in evals}
         self.closed = False
@@ -155,11 +195,20 @@ class RunLogs:
             self.write("eval", {"step": step, **metrics})
             self.kept_evals.add(step)
 
-    def _keep(self, steps: int) -> None:
+    def _keep(self, steps: int, loss: Callable[[dict[str, Any]], object] | None = None) -> None:
         """Cut every log back to the state after ``steps`` steps. Step records are 0-based
-        steps taken; an evaluation "at step N" saw the state after N steps: it stays."""
+        steps taken; an evaluation "at step N" saw the state after N steps: it stays.
+        ``loss`` is handed each metrics record kept. A seed log the resume found in order
+        and ending there (``in_order_end``) is left unread."""
         for name, path in self.paths.items():
-            truncate_jsonl(path, steps + 1 if name == "eval" else steps)
+            below = steps + 1 if name == "eval" else steps
+            if (
+                name == "seeds"
+                and path.is_file()
+                and written_as_kept(path, in_order_end(path), below)
+            ):
+                continue
+            truncate_jsonl(path, below, loss if name == "metrics" else None)
 
     def close_at(self, steps: int) -> None:
         """Close the logs cut back to the state after ``steps`` steps (a diverged run keeps

@@ -270,6 +270,74 @@ def _complete_lines_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
         yield carry  # the file's first line
 
 
+# The log last found whole and in order by ``checked_log_end``: its path, its state
+# (mtime_ns, size) then, and the step after its last record.
+_in_order: tuple[str, int, int, int] | None = None
+
+
+def _state(path: Path) -> tuple[int, int] | None:
+    """The file's (mtime_ns, size), which change with every write (None: no file)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+def checked_log_end(path: Path) -> int | None:
+    """The step after the log's last record, where ``read_seed_log`` accepts it whole and
+    every record's step is a plain whole number (so ``run_dir.logged_steps_of`` reads the
+    same steps, without a gap); None otherwise, for the caller's own scan to name what is
+    wrong. Rank 0 of a resume checks the log so, once: the answer is remembered for the
+    file's state (``in_order_end``), and the catch-up and the logs' truncation then read
+    only the records they need, where each parsed all of a long log (seconds a restart).
+    The parse is not kept: it is a dict per step, and the model is built after this."""
+    before = _state(path)
+    try:
+        header, steps = read_seed_log(path)
+    except ValueError:
+        return None
+    if "step" in header or any(type(record["step"]) is not int for record in steps):
+        return None
+    end = steps[-1]["step"] + 1 if steps else first_step(header)
+    if before is not None and _state(path) == before:
+        global _in_order
+        _in_order = (str(path), *before, end)
+    return end
+
+
+def in_order_end(path: Path) -> int | None:
+    """``checked_log_end``'s answer for the log as it is now, read from nothing (None: not
+    checked so, or written since)."""
+    state = _state(path)
+    if _in_order is None or state is None or _in_order[:3] != (str(path), *state):
+        return None
+    return _in_order[3]
+
+
+def records_from(path: Path, start: int) -> list[dict] | None:
+    """The records of steps ``start``.. of a log ``in_order_end`` vouches for, read from
+    its end (a catch-up after a checkpoint needs the last few of a million); None where
+    it does not vouch, or the tail is not those records in order (the caller reads the
+    log whole, and refuses it in the words of ``read_seed_log``)."""
+    end = in_order_end(path)
+    if end is None:
+        return None
+    records: list[dict] = []
+    with open(path, "rb") as stream:
+        lines = _complete_lines_backwards(stream, stream.seek(0, os.SEEK_END))
+        for step in range(end - 1, start - 1, -1):
+            line = next(lines, None)
+            try:
+                record = json_text.loads(line) if line is not None else None
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(record, dict) or not _is_step_record(record, step):
+                return None
+            records.append(record)
+    return records[::-1]
+
+
 def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:
     """``read_seed_log``, read once per state of the file: a resume asks the log whether
     it holds steps, which noise drew them and which to catch up with, and should read it

@@ -1,0 +1,134 @@
+"""What rank 0 reads to resume a long run, at each restart: the seed log parsed once (the
+gap check's parse serving the catch-up, which reads only the records past the checkpoint),
+the logs rewritten only where the resume drops something, metrics.jsonl parsed once for
+both its truncation and the loss curve. Each of these read or rewrote a million-step
+run's files whole (seconds each) before."""
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+
+from distzo.dist import ParallelContext
+from distzo.engine import ZOEngine
+from distzo.job import run_logs, seed_log
+from distzo.job.resume import catch_up_from_log
+from distzo.job.run_dir import check_log_leads_to_checkpoint
+from distzo.job.run_logs import RunLogs, truncate_jsonl
+
+HEADER = {"kind": "header", "run_seed": 0}
+OLD = 1_000_000_000  # an mtime (ns) no write leaves
+
+
+def write_run(run: Path, steps: int, checkpoint: int) -> None:
+    """A run directory: a seed log and metrics of ``steps`` steps, a checkpoint folder."""
+    (run / "checkpoints" / f"step-{checkpoint}").mkdir(parents=True)
+    (run / "checkpoints" / f"step-{checkpoint}" / ".metadata").write_bytes(b"")
+    records = [{"step": s, "projected_grads": [0.5 + s], "lr": 0.1} for s in range(steps)]
+    lines = [json.dumps(HEADER), *(json.dumps(r) for r in records)]
+    (run / "seedlog.jsonl").write_text("".join(line + "\n" for line in lines))
+    metrics = [json.dumps({"step": s, "loss": 2.0 + s}) for s in range(steps)]
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+    for name in ("seedlog.jsonl", "metrics.jsonl"):
+        os.utime(run / name, ns=(OLD, OLD))
+
+
+def whole_reads(monkeypatch) -> list[str]:
+    """The names of the files read whole (``Path.read_text``) from here on."""
+    reads: list[str] = []
+    read_text = Path.read_text
+
+    def counted(self, *args, **kwargs):
+        reads.append(self.name)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    return reads
+
+
+def catch_up(run: Path, at: int) -> list:
+    """Rank 0's catch-up from a checkpoint of ``at`` steps: the records it applies."""
+    applied: list = []
+
+    def apply(records: list) -> None:
+        applied.extend(records)
+        engine.step_index = records[-1][0] + 1
+
+    engine = SimpleNamespace(
+        step_index=at, config=SimpleNamespace(rounds_on_host=False), catch_up=apply
+    )
+    catch_up_from_log(cast(ZOEngine, engine), run, {**HEADER}, ParallelContext.single())
+    return applied
+
+
+def test_a_resume_parses_the_seed_log_once_and_rewrites_no_log(tmp_path, monkeypatch):
+    write_run(tmp_path, steps=50, checkpoint=40)
+    reads = whole_reads(monkeypatch)
+    assert check_log_leads_to_checkpoint(tmp_path) == 50
+    applied = catch_up(tmp_path, 40)
+    assert applied == [(s, (0.5 + s,), 0.1) for s in range(40, 50)]
+    logs = RunLogs(tmp_path, tmp_path, 50, HEADER)
+    logs.close()
+    assert reads.count("seedlog.jsonl") == 1  # before: the gap scan, the catch-up, the cut
+    assert reads.count("metrics.jsonl") == 1
+    for name in ("seedlog.jsonl", "metrics.jsonl"):
+        assert (tmp_path / name).stat().st_mtime_ns == OLD, name  # not rewritten
+        assert not (tmp_path / f"{name}.tmp").exists()
+    assert list(logs.loss_curve.steps) == list(range(50))
+    assert list(logs.loss_curve.losses) == [2.0 + s for s in range(50)]
+
+
+def test_metrics_are_parsed_once_for_the_cut_and_the_loss_curve(tmp_path, monkeypatch):
+    write_run(tmp_path, steps=20, checkpoint=10)
+    parses = []
+    loads = run_logs.json_text.loads
+    monkeypatch.setattr(run_logs.json_text, "loads", lambda line: parses.append(1) or loads(line))
+    logs = RunLogs(tmp_path, tmp_path, 12, HEADER)  # resumed after 12 steps: 8 dropped
+    logs.close()
+    assert len(parses) == 20 + 21  # metrics.jsonl once (before: twice), the seed log once
+    assert list(logs.loss_curve.steps) == list(range(12))
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 12
+    assert seed_log.last_logged_step(tmp_path / "seedlog.jsonl") == 11
+
+
+@pytest.mark.parametrize(
+    ("tail", "kept"),
+    [
+        ('{"step": 2', '{"step": 0}\n'),  # a torn last line
+        ('{"step": 1}\r\n', '{"step": 0}\n{"step": 1}\n'),  # another line end
+        ('{"step": 1}\n{"step": 2}\n', '{"step": 0}\n{"step": 1}\n'),  # past the resume
+        ('{"step": 1}', '{"step": 0}\n{"step": 1}\n'),  # no newline: the next write joins it
+    ],
+)
+def test_a_cut_that_changes_the_file_still_rewrites_it(tmp_path, tail, kept):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(('{"step": 0}\n' + tail).encode())
+    truncate_jsonl(path, keep_below=2)
+    assert path.read_bytes() == kept.encode()
+
+
+def test_a_seed_log_changed_after_its_check_is_read_whole_again(tmp_path, monkeypatch):
+    """The check vouches for the file's state: a write since (another step logged) sends
+    the catch-up and the cut back to reading it whole."""
+    write_run(tmp_path, steps=30, checkpoint=20)
+    assert check_log_leads_to_checkpoint(tmp_path) == 30
+    with open(tmp_path / "seedlog.jsonl", "a") as log:
+        log.write(json.dumps({"step": 30, "projected_grads": [1.0], "lr": 0.1}) + "\n")
+    reads = whole_reads(monkeypatch)
+    assert catch_up(tmp_path, 20)[-1] == (30, (1.0,), 0.1)
+    RunLogs(tmp_path, tmp_path, 25, HEADER).close()
+    assert reads.count("seedlog.jsonl") == 2  # the catch-up, the cut of steps 25..30
+    assert seed_log.last_logged_step(tmp_path / "seedlog.jsonl") == 24
+
+
+def test_a_record_whose_step_is_not_a_plain_number_keeps_the_scans_words(tmp_path):
+    """A step of 3.0 passes the checked read but not the gap scan: the scan's refusal."""
+    write_run(tmp_path, steps=6, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    log.write_text(log.read_text().replace('{"step": 3,', '{"step": 3.0,'))
+    assert seed_log.checked_log_end(log) is None
+    with pytest.raises(ValueError, match="jumps from step 2 to step 4"):
+        check_log_leads_to_checkpoint(tmp_path)
