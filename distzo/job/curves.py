@@ -13,7 +13,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -31,6 +31,11 @@ def eval_metric_names(evals: list[dict[str, Any]]) -> list[str]:
     return names
 
 
+def _is_number(value: Any) -> TypeGuard[int | float]:
+    """A JSON number (true and false are not one, though Python's bool is an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class LossCurve:
     """The training loss by step as metrics.jsonl holds it, kept as its records are
     written: each evaluation redraws the curves, and reading the file back each time cost
@@ -42,10 +47,12 @@ class LossCurve:
         self.losses = array("d")
 
     def add(self, record: dict[str, Any]) -> None:
-        """A metrics record's loss (one without a loss adds nothing, as it draws nothing)."""
-        if "loss" in record:
-            self.steps.append(float(record["step"]))
-            self.losses.append(float(record["loss"]))
+        """A metrics record's loss (one without a number for its loss and its step adds
+        nothing: it draws nothing, and a damaged file's stopped a resume with a KeyError)."""
+        step, loss = record.get("step"), record.get("loss")
+        if _is_number(step) and _is_number(loss):
+            self.steps.append(float(step))
+            self.losses.append(float(loss))
 
     @classmethod
     def of(cls, records: Iterable[dict[str, Any]]) -> LossCurve:
@@ -65,17 +72,11 @@ def _moving_mean(values: np.ndarray, window: int) -> np.ndarray:
     return (sums[window:] - sums[:-window]) / window
 
 
-def write_curves(path: Path, metrics: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Path:
-    """Draw the records into ``path`` (PNG), through a temporary file and a rename."""
-    steps = [r["step"] for r in metrics if "loss" in r]
-    return draw_curves(path, steps, [r["loss"] for r in metrics if "loss" in r], evals)
-
-
 def draw_curves(
     path: Path, steps: Sequence[float], losses: Sequence[float], evals: list[dict[str, Any]]
 ) -> Path:
-    """``write_curves`` from the training loss by step (``LossCurve``'s) and the
-    evaluation records."""
+    """Draw the training loss by step (``LossCurve``'s) and the evaluation records into
+    ``path`` (PNG), through a temporary file and a rename."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.job.checkpoint import latest_checkpoint
-from distzo.job.curves import CURVES, draw_curves, write_curves
+from distzo.job.curves import CURVES, draw_curves
 from distzo.job.records import describe
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, run_summary, write_summary
@@ -66,9 +66,10 @@ def report_run_end(
     """The closed run's curves and summary, and its last log line. ``options``: the
     summary's key options; ``evals``: the evaluation before this session's training (none
     on a resume) and the final one."""
-    # the whole run's records, read once for the picture and the summary
-    metrics, eval_records = read_records(logs.paths["metrics"]), read_records(logs.paths["eval"])
-    curves = write_curves(run_dir / CURVES, metrics, eval_records)
+    # the whole run's loss, kept by the logs (a million steps' metrics.jsonl read back as
+    # dicts was a gigabyte), and its evaluations, read once for the picture and the summary
+    loss, eval_records = logs.loss_curve, read_records(logs.paths["eval"])
+    curves = draw_curves(run_dir / CURVES, loss.steps, loss.losses, eval_records)
     steps = session.start_step + session.steps
     files = {
         "checkpoint": latest_checkpoint(run_dir / "checkpoints"),
@@ -78,7 +79,7 @@ def report_run_end(
         "metrics": logs.paths["metrics"],
         "eval_log": logs.paths["eval"],
     }
-    record = run_summary(options, steps, session.record(), metrics, eval_records, files)
+    record = run_summary(options, steps, session.record(), loss.losses, eval_records, files)
     summary = write_summary(run_dir / SUMMARY, record)
     before, after = evals
     logger.info(

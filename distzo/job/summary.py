@@ -11,6 +11,7 @@ finished it (an interrupted session's are not recorded anywhere).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,14 +69,14 @@ def run_summary(
     options: dict[str, Any],
     steps: int,
     session: dict[str, Any],
-    metrics: list[dict[str, Any]],
+    losses: Sequence[float],
     evals: list[dict[str, Any]],
     paths: dict[str, Path | None],
 ) -> dict[str, Any]:
     """The summary's record. ``steps``: the run's, all sessions; ``session``: this
-    process's ``start_step``, ``steps``, ``seconds``, ``tokens_per_s``; ``paths``: the
-    checkpoint, export, curves... (absolute in the file, so it reads from anywhere)."""
-    losses = [r["loss"] for r in metrics if isinstance(r.get("loss"), (int, float))]
+    process's ``start_step``, ``steps``, ``seconds``, ``tokens_per_s``; ``losses``: the
+    training loss of every step metrics.jsonl holds, in order; ``paths``: the checkpoint,
+    export, curves... (absolute in the file, so it reads from anywhere)."""
     return {
         "options": options,
         "steps": steps,

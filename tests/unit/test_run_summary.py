@@ -180,7 +180,8 @@ def test_a_long_runs_curves_draw_the_loss_s_moving_mean_at_each_window_s_last_st
     metrics = [{"step": s, "loss": float(s % 7)} for s in range(250)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Figure, "subplots", keep_axes)
-        curves.write_curves(tmp_path / "curves.png", metrics, [])
+        loss = curves.LossCurve.of(metrics)
+        curves.draw_curves(tmp_path / "curves.png", loss.steps, loss.losses, [])
     assert image.imread(tmp_path / "curves.png").shape[0] > 0
     mean = drawn[0][0][0].get_lines()[1]
     window = 250 // curves.SMOOTH_POINTS
@@ -211,8 +212,9 @@ def test_the_moving_mean_from_running_sums_is_the_windows_mean():
 def test_each_evaluation_redraws_the_curves_without_reading_metrics_back(tmp_path, monkeypatch):
     """A periodic evaluation redraws curves.png from the loss the logs keep as they write
     it: reading metrics.jsonl back at each one cost a dict per step (1 GB and 13 s at
-    each evaluation of a run of a million steps). The run's end reads it once (its
-    summary); a resumed run's logs start from the steps the file keeps."""
+    each evaluation of a run of a million steps). The run's end draws and sums up that
+    loss too, without reading the file back; a resumed run's logs start from the steps
+    the file keeps."""
     from distzo.job import run_logs
     from distzo.job.run_logs import RunLogs
 
@@ -229,7 +231,10 @@ def test_each_evaluation_redraws_the_curves_without_reading_metrics_back(tmp_pat
     with Trainer(job(out, "--eval-steps", "2")) as trainer:
         trainer.train()
     assert [e["step"] for e in read_records(out / "eval.jsonl")] == [0, 2, 4, 6, 8]
-    assert len(reads) == 1  # the summary's, at the end
+    assert reads == []  # the summary's losses are the logs' too
+    summary = json.loads((out / "summary.json").read_text())
+    losses = [r["loss"] for r in read_records(out / "metrics.jsonl")]
+    assert summary["train_loss"] == {"first": losses[0], "last": losses[-1], "min": min(losses)}
     logs = RunLogs(out, out, 5, {"kind": "header"})
     logs.close()
     metrics = read_records(out / "metrics.jsonl")
@@ -269,3 +274,23 @@ def test_the_curves_draw_a_panel_per_metric_and_none_for_the_step():
 
     evals = [{"step": 0, "eval_loss": 2.0}, {"step": 4, "eval_loss": 1.5, "eval_accuracy": 0.5}]
     assert eval_metric_names(evals) == ["eval_loss", "eval_accuracy"]
+
+
+def test_a_metrics_record_without_a_numeric_step_or_loss_draws_nothing(tmp_path):
+    """A damaged metrics.jsonl (a loss without a step, a step or loss that is no number)
+    stopped a resume with KeyError 'step'; such a record draws nothing, the others do."""
+    from distzo.job.run_logs import RunLogs
+
+    lines = [
+        {"loss": 1.0},
+        {"step": 0, "loss": 2.0},
+        {"step": True, "loss": 3.0},
+        {"step": 1, "loss": "4"},
+        {"step": 2, "loss": False},
+        {"step": 3, "loss": 5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    logs = RunLogs(tmp_path, tmp_path, 9, {"kind": "header"})
+    logs.close()
+    assert list(logs.loss_curve.steps) == [0.0, 3.0]
+    assert list(logs.loss_curve.losses) == [2.0, 5.0]
