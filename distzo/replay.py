@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig
 
 from distzo.adapters.peft_adapters import (
     AdapterSpec,
@@ -41,6 +40,7 @@ from distzo.export.out_dir import check_out
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.seed_log import first_step, logged_noise, read_seed_log, step_grads
 from distzo.models import hub
+from distzo.models.config_file import read_config
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.tiny import byte_tokenizer
 from distzo.models.weights import (
@@ -81,7 +81,7 @@ def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype)
             config = with_byte_tokenizer_ids(config)
         return skeleton(config, dtype), RandomWeights(header["init_seed"])
     recorded = header.get("model") or logged_base_signature(header)
-    config = AutoConfig.from_pretrained(folder)
+    config = read_config(folder, "--base")
     check_signature(recorded, config, name)  # before any weight is read
     config.name_or_path = hub.base_reference(name)  # as the run's adapter names its base
     return with_generation_config(skeleton(config, dtype), folder), open_checkpoint(folder)
@@ -92,7 +92,7 @@ def logged_base_signature(header: dict) -> dict:
     folder's config where that folder still exists; else nothing to check."""
     logged = header.get("base")
     if logged and Path(logged).is_dir() and (Path(logged) / "config.json").is_file():
-        return signature(AutoConfig.from_pretrained(logged))
+        return signature(read_config(logged, "the log's base"))
     return {}
 
 

@@ -32,6 +32,7 @@ from distzo.engine.parts import scratch_sizes
 from distzo.engine.passes import pass_grouping
 from distzo.export.hf_model import export_shapes, shard_plan
 from distzo.models import family_for
+from distzo.models.config_file import ModelSize
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
@@ -569,3 +570,57 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
         )
     for problem in problems:
         logger.warning("starting anyway (--force): the plan needs %s", problem)
+
+
+# Host memory a module of a skeleton takes (a Python object and its dicts): 2.9-3.4 KB
+# measured for OPT, Llama and GPT-2 layers; the lower figure, as the check is a floor.
+SKELETON_MODULE_BYTES = 2500
+
+
+def fewest_bytes_a_parameter(config: ZOConfig, master: torch.dtype) -> int:
+    """The fewest bytes a parameter takes wherever ``config``'s layouts keep it: its
+    master's, its rest (low-bit transfer) or its compute copy's, whichever is least."""
+    sizes = [master.itemsize]
+    if config.transfer_dtype != "fp32":
+        sizes.append(TRANSFER_DTYPES[config.transfer_dtype].itemsize)
+    if config.compute_dtype != "auto":
+        sizes.append(COMPUTE_DTYPES[config.compute_dtype].itemsize)
+    return min(sizes)
+
+
+def node_memory_bytes(device: torch.device) -> tuple[int | None, int]:
+    """(host memory available, the node's devices' total memory: 0 on CPU)."""
+    on_device = device.type == "cuda"
+    count = torch.cuda.device_count() if on_device else 0
+    devices = sum(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+    return available_host_bytes(), devices
+
+
+def check_weights_fit(
+    size: ModelSize, each: int, device: torch.device, force: bool, where: str
+) -> None:
+    """Refuse, before its skeleton is built, a model whose weights alone (at ``each`` bytes
+    a parameter) and skeleton outgrow the node's host and device memory together: no layout
+    of the run needs less, and a config.json of absurd sizes (10**6 layers) built for an
+    hour and took the host's memory before the plan (``check_fits``) could say so.
+    ``force`` starts anyway, as it does for the plan."""
+    host, devices = node_memory_bytes(device)
+    need = size.parameters * each + size.modules * SKELETON_MODULE_BYTES
+    if host is None or need <= host + devices:
+        return
+    on = f" and {format_bytes(devices)} on its devices" if devices else ""
+    unit = "bytes" if each > 1 else "byte"
+    problem = (
+        f"{where}: its config.json describes {format_count(size.parameters)} parameters in "
+        f"{format_count(size.modules)} modules, at least {format_bytes(need)} ({each} {unit} a "
+        f"parameter, {format_bytes(SKELETON_MODULE_BYTES)} a module's skeleton); the host has "
+        f"{format_bytes(host)} available{on}"
+    )
+    if force:
+        logger.warning("starting anyway (--force): %s", problem)
+        return
+    low_bit = " or a low-bit --transfer-dtype" if each > 1 else ""
+    raise ValueError(
+        f"{problem}. Is its config.json damaged? A model this large needs a larger "
+        f"machine{low_bit}; --force starts anyway"
+    )

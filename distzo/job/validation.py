@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
@@ -23,11 +23,18 @@ from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
 from distzo.export.hf_model import check_shard_size
 from distzo.export.out_dir import nearest_existing
-from distzo.job.build import default_model_config, random_shape_config, token_positions
+from distzo.job.build import (
+    MASTER_DTYPES,
+    default_model_config,
+    random_shape_config,
+    token_positions,
+)
+from distzo.job.memory_plan import check_weights_fit, fewest_bytes_a_parameter
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.models import check_supported, hub
+from distzo.models.config_file import model_size, read_config
 from distzo.models.weights import check_float_weights, check_readable
 
 logger = logging.getLogger("distzo.train")
@@ -63,21 +70,20 @@ def model_config_of(job: JobConfig) -> PretrainedConfig:
     local = hub.local_model_dir(name)
     if local is not None:
         check_readable(local)
-    try:
-        return AutoConfig.from_pretrained(name)
-    # a missing path, a malformed name, no hub access; a config.json nested past the
-    # recursion limit of transformers' json.load
-    except (OSError, ValueError, RecursionError) as err:
-        raise ValueError(f"cannot load --model {name!r}: {str(err).splitlines()[0]}") from None
+    return read_config(name)
 
 
-def check_model(job: JobConfig) -> None:
-    """A supported family, with room for the task's longest sequence."""
+def check_model(job: JobConfig, config: ZOConfig) -> None:
+    """A supported family whose weights the node can hold, with room for the task's
+    longest sequence."""
     model_config = model_config_of(job)
     check_supported(model_config.model_type)
-    check_float_weights(
-        getattr(model_config, "quantization_config", None), f"--model {job.model.model}"
-    )
+    where = f"--model {job.model.model}"
+    check_float_weights(getattr(model_config, "quantization_config", None), where)
+    if job.model.model:  # a folder's or the hub's config.json (the built-in shapes are sane)
+        each = fewest_bytes_a_parameter(config, MASTER_DTYPES[job.model.dtype])
+        size = model_size(model_config, where)
+        check_weights_fit(size, each, config.torch_device(), job.run.force, where)
     data = job.data
     if data.task != "counting" and 0 < data.max_length < 2:
         # a prompt keeps one token at least, so a candidate or answer gets max_length - 1
@@ -156,7 +162,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     pg.resolve_backend(job.parallel.backend, config.torch_device())
     cpu = config.torch_device().type == "cpu"
     threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
-    check_model(job)
+    check_model(job, config)
     check_output_dir(job.run.output_dir)
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")

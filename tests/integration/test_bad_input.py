@@ -647,3 +647,30 @@ def test_replay_reads_a_leading_tilde_as_the_home_folder(run, tmp_path, monkeypa
     proc = main_in_process("distzo.replay", ["--log=~/seedlog.jsonl", "--out=~/out"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "out" / "config.json").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_model_folder_of_a_million_layers_is_one_line_before_its_skeleton(tmp_path):
+    # its skeleton built for an hour and took the host's memory before the plan could run
+    model = tmp_path / "big"
+    model.mkdir()
+    config = tiny_opt().config.to_dict() | {"num_hidden_layers": 10**6}
+    (model / "config.json").write_text(json.dumps(config))
+    proc = train_in_process(["--model", str(model), "--output-dir", str(tmp_path / "run")])
+    line = one_line(proc)
+    assert line.startswith(f"error: --model {model}: its config.json describes "), line
+    assert "M modules, at least" in line and "--force starts anyway" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("null", "config.json holds null, not a model's config"), ("PATCH", "expected int, got str")],
+)
+def test_replay_onto_a_base_whose_config_is_damaged_is_one_line(run, tmp_path, text, message):
+    base = tmp_path / "base"
+    shutil.copytree(run / "base", base)
+    config = json.loads((base / "config.json").read_text()) | {"num_hidden_layers": "2"}
+    (base / "config.json").write_text(json.dumps(config) if text == "PATCH" else text)
+    args = ["--base", str(base), "--log", str(run / "seedlog.jsonl"), "--out", str(tmp_path / "o")]
+    line = one_line(main_in_process("distzo.replay", args))
+    assert line.startswith("error: --base") and message in line, line

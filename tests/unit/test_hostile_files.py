@@ -5,13 +5,15 @@ import json
 
 import pytest
 import torch
-from transformers import OPTConfig
+from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
 from distzo.config.job import JobConfig, load_toml
 from distzo.data.loaders import load_rows
+from distzo.job import memory_plan
 from distzo.job.run_dir import _recorded
 from distzo.job.run_logs import iter_records, truncate_jsonl
 from distzo.job.seed_log import read_seed_log
+from distzo.models.config_file import model_size, read_config
 from distzo.models.weights import skeleton, weight_map
 from distzo.runtime import json_text
 
@@ -138,3 +140,96 @@ def test_a_config_file_nested_too_deeply_is_one_line(tmp_path):
     path.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(ValueError, match="not valid TOML .nested too deeply"):
         load_toml(str(path))
+
+
+def model_folder(path, **config):
+    """A folder holding only a config.json: ``config`` over a tiny OPT's."""
+    path.mkdir()
+    base = OPTConfig(
+        vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2
+    ).to_dict()
+    (path / "config.json").write_text(json.dumps({**base, **config}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("null", "null"), ("[1, 2]", "an array"), ('"opt"', "a string")]
+)
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path, text, kind):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"--model: .*config.json holds {kind}, not a model's"):
+        read_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("12", "expected int, got str"), (2.5, "expected int, got float"), (None, "got NoneType")],
+)
+def test_a_config_json_field_of_the_wrong_type_is_one_line(tmp_path, value, message):
+    folder = model_folder(tmp_path / "m", num_hidden_layers=value)
+    with pytest.raises(ValueError, match=rf"--base {folder}: its config.json: .*{message}"):
+        read_config(folder, "--base")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(num_hidden_layers=0), "num_hidden_layers 0; a model has one layer at least"),
+        (dict(num_hidden_layers=-3), "num_hidden_layers -3; a model has one layer at least"),
+        (dict(vocab_size=0), r"sizes build no model \(Padding_idx must be within"),
+        (dict(num_attention_heads=5), r"sizes build no model \(embed_dim must be divisible"),
+    ],
+)
+def test_config_sizes_that_build_no_model_are_one_line(tmp_path, sizes, message):
+    config = read_config(model_folder(tmp_path / "m", **sizes))
+    with pytest.raises(ValueError, match=rf"^--model m: its config.json.*{message}"):
+        model_size(config, "--model m")
+
+
+@pytest.mark.parametrize("family", ["opt", "llama", "gpt2", "qwen2"])
+def test_model_size_counts_what_the_skeleton_holds(family):
+    kinds = {
+        "opt": OPTConfig(
+            vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=5, num_attention_heads=2
+        ),
+        "llama": LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=5,
+            num_attention_heads=2,
+            tie_word_embeddings=False,
+        ),
+        "gpt2": GPT2Config(vocab_size=64, n_embd=16, n_layer=5, n_head=2),
+        "qwen2": Qwen2Config(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=5,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+    }
+    model = skeleton(kinds[family], torch.float32)
+    size = model_size(kinds[family], family)
+    assert size.parameters == sum(p.numel() for p in model.parameters())
+    assert size.modules == sum(1 for _ in model.modules())
+
+
+def test_a_config_of_a_million_layers_is_refused_before_its_skeleton(monkeypatch, caplog):
+    # its skeleton built for an hour and took the host's memory before the plan could run
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 16 * 10**9)
+    config = OPTConfig(
+        vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=10**6, num_attention_heads=4
+    )
+    size = model_size(config, "--model big")
+    assert size.modules == 11 * 10**6 + 8  # 11 a layer, and 8 of the model's own
+    with pytest.raises(
+        ValueError,
+        match=r"^--model big: its config.json describes 8.54 B par.*"
+        r"in 11.00 M modules, at least 36.04 GB \(1 byte a parameter.*the host "
+        r"has 16.00 GB available\. Is its config.json damaged\?.*--force",
+    ):
+        memory_plan.check_weights_fit(size, 1, torch.device("cpu"), False, "--model big")
+    memory_plan.check_weights_fit(size, 1, torch.device("cpu"), True, "--model big")
+    assert "starting anyway (--force): --model big" in caplog.text

@@ -1,0 +1,106 @@
+"""A model folder's config.json, read and checked before anything is built from it.
+
+A downloaded or handed-over folder may hold a config.json that is not a config (``null``,
+a list), one whose fields have the wrong type (``"num_hidden_layers": "12"``), sizes no
+model has (0 layers, a vocabulary of 0), or sizes no machine holds (10**6 layers): each
+is one line naming the option and the file, before the skeleton is built. A skeleton of
+10**6 layers built for an hour and took all the host's memory before any memory check
+could run; here its size is counted from two models of one and two layers on the meta
+device (no memory, milliseconds), whatever the family.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.utils import CONFIG_NAME
+
+from distzo.runtime import json_text
+
+JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}
+FIX = "is its config.json damaged? download or copy the model again"
+
+
+def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
+    """The config of model ``name`` (a folder or a hub name); a config.json that is not a
+    JSON object, or whose fields have the wrong type, is one line naming it. ``option``:
+    what the error calls the model (replay's ``--base``)."""
+    path = Path(name)
+    if (path / CONFIG_NAME).is_file():
+        _check_object(path / CONFIG_NAME, option)
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except StrictDataclassError as err:  # a field of the wrong type: its own line says which
+        reason = str(err).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
+        raise ValueError(f"{option} {name}: its {CONFIG_NAME}: {reason}; {FIX}") from None
+    # a missing path, a malformed name, no hub access; a config.json nested past the
+    # recursion limit of transformers' json.load
+    except (OSError, ValueError, RecursionError) as err:
+        reason = str(err).splitlines()[0]
+        raise ValueError(f"cannot load {option} {str(name)!r}: {reason}") from None
+
+
+def _check_object(file: Path, option: str) -> None:
+    """``file`` is a JSON object (transformers takes ``null`` into a TypeError traceback
+    and a list or a string for a config without a ``model_type``)."""
+    try:
+        data = json_text.loads(file.read_text())
+    except OSError as err:
+        raise ValueError(f"{option}: cannot read {file} ({err.strerror}); {FIX}") from None
+    except ValueError as err:  # not UTF-8, not JSON, nested too deeply
+        raise ValueError(f"{option}: {file} is not JSON ({err}); {FIX}") from None
+    if not isinstance(data, dict):
+        kind = JSON_KINDS.get(type(data), "a number")
+        raise ValueError(f"{option}: {file} holds {kind}, not a model's config (an object); {FIX}")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What a model of a config holds: its parameters (tied ones once) and its modules
+    (each a Python object of some kilobytes in the skeleton, whatever its width)."""
+
+    parameters: int
+    modules: int
+
+
+def model_size(config: PretrainedConfig, where: str) -> ModelSize:
+    """The size of a model of ``config``, counted from models of one and two layers built on
+    the meta device: the layers of a supported family are all alike. Sizes that build no
+    model (a layer count under 1, a vocabulary of 0, a width its heads do not divide) are
+    one line naming ``where`` (the option and its model)."""
+    layers = config.num_hidden_layers
+    if layers < 1:
+        raise ValueError(
+            f"{where}: its {CONFIG_NAME} gives num_hidden_layers {layers}; a model has one "
+            f"layer at least; {FIX}"
+        )
+    one, two = (_meta_size(config, count, where) for count in (1, 2))
+    return ModelSize(
+        one.parameters + (layers - 1) * (two.parameters - one.parameters),
+        one.modules + (layers - 1) * (two.modules - one.modules),
+    )
+
+
+def _meta_size(config: PretrainedConfig, layers: int, where: str) -> ModelSize:
+    """The size of ``config``'s model cut to ``layers`` layers, built on meta."""
+    cut = copy.deepcopy(config)
+    cut.num_hidden_layers = layers
+    if getattr(cut, "layer_types", None):  # one attention kind a layer (Qwen): as many
+        cut.layer_types = [cut.layer_types[min(i, len(cut.layer_types) - 1)] for i in range(layers)]
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cut)
+    except (RuntimeError, ValueError, IndexError, AssertionError, TypeError) as err:
+        raise ValueError(
+            f"{where}: its {CONFIG_NAME}'s sizes build no model "
+            f"({str(err).strip().splitlines()[0]}); {FIX}"
+        ) from None
+    model.tie_weights()
+    parameters = sum(p.numel() for p in model.parameters())
+    return ModelSize(parameters, sum(1 for _ in model.modules()))
