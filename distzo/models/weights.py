@@ -115,13 +115,15 @@ def _pick(names: tuple[str, ...], available) -> str:
     )
 
 
-def _check(name: str, value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if tuple(value.shape) != tuple(shape):
+def _check(name: str, got: tuple[int, ...], shape: tuple[int, ...], file: Path) -> None:
+    """A tensor of ``file`` has the shape the model (built from config.json) expects: one
+    that disagrees means the weights and the config are of different models."""
+    if tuple(got) != tuple(shape):
         raise ValueError(
-            f"checkpoint tensor {name} has shape {tuple(value.shape)}, the model expects "
-            f"{tuple(shape)}"
+            f"{file}: checkpoint tensor {name} has shape {tuple(got)}, the model expects "
+            f"{tuple(shape)} from {file.parent / 'config.json'}: the weights and config.json "
+            "are of different models; download or copy the model again"
         )
-    return value
 
 
 @contextlib.contextmanager
@@ -241,8 +243,11 @@ class SafetensorsWeights:
         # One mapping per tensor, closed at once: pages read from a file mapping that stays
         # open count as this process's memory, which would add up to the whole checkpoint.
         name = _pick(names, self.weight_map)
-        with self._open(self.directory / self.weight_map[name]) as handle:
-            return _check(name, handle.get_tensor(name), shape).to(dtype=dtype, copy=True)
+        file = self.directory / self.weight_map[name]
+        with self._open(file) as handle:
+            value = handle.get_tensor(name)
+            _check(name, tuple(value.shape), shape, file)
+            return value.to(dtype=dtype, copy=True)
 
     def tensor_range(self, names, shape, dtype, start, stop):
         """Reads only the rows that hold elements [start, stop)."""
@@ -251,13 +256,10 @@ class SafetensorsWeights:
         for size in shape[1:]:
             row *= size
         first, last = start // row, -(-stop // row)
-        with self._open(self.directory / self.weight_map[name]) as handle:
+        file = self.directory / self.weight_map[name]
+        with self._open(file) as handle:
             piece = handle.get_slice(name)
-            if tuple(piece.get_shape()) != tuple(shape):
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {tuple(piece.get_shape())}, the model "
-                    f"expects {tuple(shape)}"
-                )
+            _check(name, tuple(piece.get_shape()), shape, file)
             rows = piece[first:last].reshape(-1)
             return rows[start - first * row : stop - first * row].to(dtype=dtype, copy=True)
 
@@ -280,12 +282,15 @@ class TorchBinWeights:
 
     def tensor(self, names, shape, dtype):
         if self.weight_map is None:
-            state = self._shard("pytorch_model.bin")
+            file = "pytorch_model.bin"
+            state = self._shard(file)
             name = _pick(names, state)
         else:
             name = _pick(names, self.weight_map)
-            state = self._shard(self.weight_map[name])
-        return _check(name, state[name], shape).to(dtype)
+            file = self.weight_map[name]
+            state = self._shard(file)
+        _check(name, tuple(state[name].shape), shape, self.directory / file)
+        return state[name].to(dtype)
 
     def tensor_range(self, names, shape, dtype, start, stop):
         return _flat_range(self.tensor(names, shape, dtype), start, stop)

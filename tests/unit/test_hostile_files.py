@@ -14,7 +14,7 @@ from distzo.job.run_dir import _recorded
 from distzo.job.run_logs import iter_records, truncate_jsonl
 from distzo.job.seed_log import read_seed_log
 from distzo.models.config_file import model_size, read_config
-from distzo.models.weights import skeleton, weight_map
+from distzo.models.weights import SafetensorsWeights, TorchBinWeights, skeleton, weight_map
 from distzo.runtime import json_text
 
 DEEP = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit, 200 kB
@@ -233,3 +233,23 @@ def test_a_config_of_a_million_layers_is_refused_before_its_skeleton(monkeypatch
         memory_plan.check_weights_fit(size, 1, torch.device("cpu"), False, "--model big")
     memory_plan.check_weights_fit(size, 1, torch.device("cpu"), True, "--model big")
     assert "starting anyway (--force): --model big" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "range", "bin"])
+def test_weights_of_other_shapes_than_the_config_name_the_file_and_the_fix(tmp_path, kind):
+    from safetensors.torch import save_file
+
+    state = {"model.decoder.layers.0.fc1.weight": torch.zeros(64, 32)}
+    file = tmp_path / ("pytorch_model.bin" if kind == "bin" else "model.safetensors")
+    torch.save(state, file) if kind == "bin" else save_file(state, str(file))
+    source = (TorchBinWeights if kind == "bin" else SafetensorsWeights)(tmp_path)
+    names, shape = ("model.decoder.layers.0.fc1.weight",), (128, 32)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{file}: checkpoint tensor .*fc1.weight has shape \(64, 32\), the model expects "
+        rf"\(128, 32\) from {tmp_path}/config.json: the weights and config.json are of different",
+    ):
+        if kind == "range":
+            source.tensor_range(names, shape, torch.float32, 0, 10)
+        else:
+            source.tensor(names, shape, torch.float32)
