@@ -139,6 +139,17 @@ class Trainer:
         restored state of a resumed run, the logs. Once; ``train`` calls it."""
         if self.built:
             return
+        try:
+            self._build()
+        except BaseException:
+            # A start that failed leaves the process as it found it: a retried train()
+            # would otherwise take the run's count for the caller's and give that back.
+            self.cpu_threads.give_back()
+            raise
+        self.built = True
+
+    def _build(self) -> None:
+        """``build``'s parts, in order (a failure gives the thread count back there)."""
         self.device = self.config.torch_device()
         self._use_device()
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
@@ -158,7 +169,6 @@ class Trainer:
             # checkpoint that does not fit) leaves nothing a retry would take for a run.
             self.claim.abandon()
             raise
-        self.built = True
 
     def _release_run_dir(self) -> None:
         if self.claim is not None:
@@ -278,11 +288,26 @@ class Trainer:
             return self._train(signals)
         except BaseException:
             self.failed = True
-            # A failed run's directory is the next job's to resume; with a save still being
-            # written, once close() has completed it.
-            if not self.checkpointer.in_flight:
-                self._release_run_dir()
+            self._end_failed_run()
             raise
+
+    def _end_failed_run(self) -> None:
+        """A failed run (a Ctrl-C, a callback that raised, ``Diverged``) gives the process
+        back what it took, as ``close()`` would: a notebook or a sweep that goes on without
+        closing it kept its logs' files and the seed log's thread, and torch's CPU thread
+        count stayed the run's for every later run. Its directory is the next job's to
+        resume; with a save still being written, only once ``close()`` has completed it
+        (the logs stay open for it). Closing may fail again (the same full disk): said,
+        never hiding the failure under way."""
+        self.cpu_threads.give_back()
+        if self.checkpointer.in_flight:
+            return
+        try:
+            self._close_run()
+        except Exception as exc:  # noqa: BLE001 - the failure under way is the one to report
+            logger.warning("closing the failed run: %s", exc)
+        finally:
+            self._release_run_dir()
 
     def _train(self, signals: StopSignals | None) -> dict[str, float]:
         if self.env.rank == 0:

@@ -243,3 +243,61 @@ def test_a_second_trainer_in_a_launched_process_is_refused_in_one_line(tmp_path)
     finally:
         dist.destroy_process_group()
     assert not (tmp_path / "run").exists()
+
+
+def _seed_log_threads() -> int:
+    import threading
+
+    return sum(thread.name == "seedlog-fsync" for thread in threading.enumerate())
+
+
+def test_a_failed_run_gives_the_process_back_without_close(tmp_path):
+    """A notebook's Ctrl-C (or a sweep's diverged lr) left the trainer's logs open, the seed
+    log's thread running and torch's CPU thread count at the run's 1 until close(): a sweep
+    that went on ran every later cell on one thread, even after closing later trainers."""
+    from distzo.job.divergence import Diverged
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+            raise KeyboardInterrupt
+
+    before, threads = torch.get_num_threads(), _seed_log_threads()
+    torch.set_num_threads(3)
+    try:
+        interrupted = Trainer(job(tmp_path / "interrupted"), callbacks=[Interrupt()])
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.train()
+        assert torch.get_num_threads() == 3
+        assert interrupted.logs is not None and interrupted.logs.closed
+        assert _seed_log_threads() == threads
+        assert not (tmp_path / "interrupted" / ".distzo.lock").exists()
+        diverging = Trainer(job(tmp_path / "diverged", "--lr", "1e12", "--batch-size", "4"))
+        with pytest.raises(Diverged):
+            diverging.train()
+        assert torch.get_num_threads() == 3
+        with Trainer(job(tmp_path / "next", "--max-steps", "1")) as trainer:
+            trainer.train()
+        assert torch.get_num_threads() == 3  # the caller's, not the diverged run's 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_trainer_retried_after_a_refused_start_gives_the_callers_threads_back(tmp_path):
+    """A start refused in build() (the directory held by an earlier Trainer of this process)
+    kept the run's count: retried once the holder closed, it took that count for the
+    caller's, and the notebook ran on one thread after both were closed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        holder = Trainer(job(tmp_path / "run"))
+        holder.build()
+        second = Trainer(job(tmp_path / "run", "--resume", "auto", "--max-steps", "1"))
+        with pytest.raises(ValueError, match="another Trainer of this process holds it"):
+            second.train()
+        holder.close()
+        assert torch.get_num_threads() == 3
+        with second:
+            second.train()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
