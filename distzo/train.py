@@ -142,12 +142,16 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
         pg.shutdown()  # every rank saw the same non-finite value: no collective is pending
         return _stopped(env, str(err), EXIT_DIVERGED)
     except Preempted as stopped:
-        pg.shutdown()  # every rank stopped after the same step: no collective is pending
         what = "interrupted" if stopped.exit_code == EXIT_INTERRUPTED else "preempted"
+        if stopped.before_training:  # a peer may wait in the build's collectives still
+            _close_failed(trainer)  # a fresh run's directory discarded, a resumed one's kept
+            done = "no step was trained in this session; the same command starts it again"
+        else:
+            pg.shutdown()  # every rank stopped after the same step: no collective is pending
+            done = f"{stopped.step} steps done, --resume (or a restart) goes on from there"
         return _stopped(
             env,
-            f"{what}: {stopped}; {stopped.step} steps done, --resume (or a restart) goes on "
-            "from there",
+            f"{what}: {stopped}; {done}",
             stopped.exit_code,
             logging.WARNING,  # asked for: not an error, though the exit code says it stopped
         )

@@ -9,6 +9,11 @@ a moment apart never wait for each other in a collective. The job then saves (wi
 (non-zero, so torchrun and SLURM treat it as a failure to requeue), or ``EXIT_INTERRUPTED``
 after a Ctrl-C. A second SIGINT while stopping raises ``KeyboardInterrupt`` at once: the
 user asked again, so the step, the save and every wait are abandoned.
+
+Before the steps start (the build, which loads a large model for minutes, and the
+evaluation before training) there is no step to stop after: a signal raises ``Preempted``
+at once, and a job preempted while loading its weights exits then, not when the loading
+and a first step are done.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 class Preempted(Exception):
     """The job stopped at a step boundary on a signal; ``step`` steps are done."""
 
-    def __init__(self, step: int, signal_name: str) -> None:
-        super().__init__(f"stopped after step {step - 1} on {signal_name}")
+    def __init__(self, step: int, signal_name: str, before_training: bool = False) -> None:
+        where = "before training" if before_training else f"after step {step - 1}"
+        super().__init__(f"stopped {where} on {signal_name}")
         self.step = step
         self.signal_name = signal_name
+        self.before_training = before_training  # in the build: no step ran, none was kept
 
     @property
     def exit_code(self) -> int:
@@ -47,17 +54,27 @@ class Preempted(Exception):
 class StopSignals:
     """While entered, SIGTERM, SIGUSR1 and SIGINT set ``requested`` instead of killing the
     process (the main thread only: Python delivers signals there), and a SIGINT after the
-    first signal raises ``KeyboardInterrupt``; the old handlers come back on exit."""
+    first signal raises ``KeyboardInterrupt``; the old handlers come back on exit. Until
+    ``defer`` (the steps under way), a signal raises ``Preempted`` at once instead."""
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.deferred = False  # a signal waits for the step under way (once steps run)
         self._previous: dict[int, Handler] = {}
 
     @property
     def requested(self) -> bool:
         return self.received is not None
 
+    def defer(self) -> None:
+        """From here on a signal stops the job after the step under way (the steps' stop
+        vote); before, nothing is trained that a step boundary would keep."""
+        self.deferred = True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.deferred:
+            self.received = signal.Signals(signum).name
+            raise Preempted(0, self.received, before_training=True)
         if self.received is None:
             self.received = signal.Signals(signum).name
             again = " (Ctrl-C again stops at once, unsaved)" if signum == signal.SIGINT else ""

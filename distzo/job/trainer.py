@@ -286,19 +286,21 @@ class Trainer:
         self.build()
         try:
             return self._train(signals)
-        except BaseException:
+        except BaseException as exc:
             self.failed = True
-            self._end_failed_run()
+            self._end_failed_run(isinstance(exc, Preempted) and exc.before_training)
             raise
 
-    def _end_failed_run(self) -> None:
+    def _end_failed_run(self, unstarted: bool) -> None:
         """A failed run (a Ctrl-C, a callback that raised, ``Diverged``) gives the process
         back what it took, as ``close()`` would: a notebook or a sweep that goes on without
         closing it kept its logs' files and the seed log's thread, and torch's CPU thread
         count stayed the run's for every later run. Its directory is the next job's to
         resume; with a save still being written, only once ``close()`` has completed it
-        (the logs stay open for it). Closing may fail again (the same full disk): said,
-        never hiding the failure under way."""
+        (the logs stay open for it). A fresh run stopped before training (``unstarted``)
+        leaves nothing the same command would take for a run, as a failed build does.
+        Closing may fail again (the same full disk): said, never hiding the failure under
+        way."""
         self.cpu_threads.give_back()
         if self.checkpointer.in_flight:
             return
@@ -307,7 +309,10 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - the failure under way is the one to report
             logger.warning("closing the failed run: %s", exc)
         finally:
-            self._release_run_dir()
+            if unstarted and self.claim is not None:
+                self.claim.abandon()
+            else:
+                self._release_run_dir()
 
     def _train(self, signals: StopSignals | None) -> dict[str, float]:
         if self.env.rank == 0:
@@ -323,6 +328,8 @@ class Trainer:
                 self.logs.write_eval(0, self.eval_before)
         elif self._evaluates_at(self.start_step):
             self._periodic_eval(self.start_step)
+        if signals is not None:
+            signals.defer()  # a stop waits for the step under way from here on
         started = time.perf_counter()
         max_steps = self.job.optim.max_steps
         self.progress = Progress(self.start_step, max_steps, show=self.env.rank == 0)

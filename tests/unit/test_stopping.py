@@ -40,9 +40,23 @@ def test_a_step_is_finite_only_if_its_losses_and_every_g_are(losses, grads, fini
     assert is_finite(result(losses, grads)) is finite
 
 
+def test_a_signal_before_the_steps_stops_at_once_and_after_them_waits_for_the_step():
+    """The build loads a model for minutes and no step is under way: a preemption notice
+    there stops the job at once; once the steps run, it waits for the step under way."""
+    with StopSignals() as signals:
+        with pytest.raises(Preempted, match="^stopped before training on SIGTERM$") as stopped:
+            signal.raise_signal(signal.SIGTERM)
+        assert stopped.value.before_training and stopped.value.exit_code == EXIT_PREEMPTED
+        signals.received = None
+        signals.defer()
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.received == "SIGTERM"
+
+
 def test_a_first_sigint_asks_for_a_stop_and_a_second_stops_at_once():
     before = signal.getsignal(signal.SIGINT)
     with StopSignals() as signals:
+        signals.defer()
         signal.raise_signal(signal.SIGINT)
         assert signals.received == "SIGINT"
         with pytest.raises(KeyboardInterrupt):

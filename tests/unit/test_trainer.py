@@ -301,3 +301,35 @@ def test_a_trainer_retried_after_a_refused_start_gives_the_callers_threads_back(
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("phase", ["_plan_memory", "_evaluate"])
+def test_a_preemption_before_the_first_step_stops_at_once(tmp_path, monkeypatch, caplog, phase):
+    """SIGTERM while the model is built (or evaluated before training) stopped the job only
+    after the build, the evaluation and a first step; it now stops it there, and a fresh
+    run leaves no directory that the same command would be refused for."""
+    import signal
+
+    from distzo.job.preemption import EXIT_PREEMPTED
+    from distzo.train import main
+
+    original = getattr(Trainer, phase)
+    reached = []
+
+    def signalled(self, *args):
+        signal.raise_signal(signal.SIGTERM)
+        reached.append("after the signal")  # what a deferred stop would go on to
+        return original(self, *args)
+
+    monkeypatch.setattr(Trainer, phase, signalled)
+    out = tmp_path / "run"
+    flags = ["--max-steps", "2", "--device", "cpu", "--output-dir", str(out)]
+    assert main(flags) == EXIT_PREEMPTED
+    assert reached == []
+    assert (
+        "preempted: stopped before training on SIGTERM; no step was trained in this "
+        "session; the same command starts it again" in caplog.text
+    )
+    assert not out.exists()
+    monkeypatch.setattr(Trainer, phase, original)
+    assert main(flags) == 0  # the same command
