@@ -24,11 +24,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
+from distzo.job.checkpoint import latest_checkpoint
+
+if TYPE_CHECKING:
+    from distzo.job.checkpoint import Checkpointer
+    from distzo.job.run_logs import RunLogs
 
 logger = logging.getLogger("distzo.train")
 
@@ -58,6 +65,20 @@ def steps_kept(step: int) -> int:
     """The steps a run that diverged at step ``step`` keeps: all before the update that led
     to the non-finite loss (step ``step - 1``'s), none at step 0."""
     return max(step - 1, 0)
+
+
+def cut_back(
+    step: int, checkpointer: Checkpointer, logs: RunLogs | None, run_dir: Path
+) -> tuple[int, Path | None]:
+    """Keep a run that diverged at ``step`` as it was before the update that led to it: a
+    checkpoint of more steps (in flight or complete) dropped, the logs (rank 0's) cut back
+    and closed. Returns the steps kept and the latest checkpoint kept, if any."""
+    kept = steps_kept(step)
+    for path in checkpointer.discard_after(kept):
+        logger.warning("checkpoint %s dropped: it holds the update that diverged", path)
+    if logs is not None:
+        logs.close_at(kept)  # the seed log synced, ending at step kept - 1
+    return kept, latest_checkpoint(run_dir / "checkpoints", most_steps=kept)
 
 
 def _resumes(kept: int, checkpoint: str | None) -> str:

@@ -43,11 +43,11 @@ from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.cpu_threads import CpuThreads
 from distzo.job.divergence import (
     Diverged,
+    cut_back,
     diverged,
     eval_diverged,
     is_finite,
     is_finite_eval,
-    steps_kept,
     warn_if_nothing_learns,
 )
 from distzo.job.evaluation import evaluate
@@ -440,14 +440,8 @@ class Trainer:
         led to it (``distzo.job.divergence``): neither that step's pending update nor the
         one before it is applied again (no flush, evaluation, save or export follows), a
         checkpoint of more steps (in flight or complete) is dropped, the logs are cut back
-        and closed; then ``error`` of the latest checkpoint kept, if any."""
-        kept = steps_kept(step)
-        for path in self.checkpointer.discard_after(kept):
-            logger.warning("checkpoint %s dropped: it holds the update that diverged", path)
-        if self.logs is not None:
-            self.logs.close_at(kept)  # the seed log synced, ending at step kept - 1
-        self.step = kept
-        last = latest_checkpoint(self.run_dir / "checkpoints", most_steps=kept)
+        and closed (``cut_back``); then ``error`` of the latest checkpoint kept, if any."""
+        self.step, last = cut_back(step, self.checkpointer, self.logs, self.run_dir)
         raise error(str(last) if last is not None else None)
 
     def _finish(self, elapsed: float) -> dict[str, float]:
