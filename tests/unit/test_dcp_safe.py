@@ -93,11 +93,12 @@ def _tampered(path, change):
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def _place(relative_path=None, offset=None):
+def _place(relative_path=None, offset=None, length=None):
     def change(metadata):
         for info in metadata.storage_data.values():
-            info.relative_path = relative_path or info.relative_path
+            info.relative_path = info.relative_path if relative_path is None else relative_path
             info.offset = info.offset if offset is None else offset
+            info.length = info.length if length is None else length
 
     return change
 
@@ -115,6 +116,12 @@ def _place(relative_path=None, offset=None):
         (_place(offset="0"), "not a file's byte range"),
         (_place("../step-2/__0_0.distcp"), "outside the checkpoint's folder"),
         (_place("/etc/passwd"), "outside the checkpoint's folder"),
+        # a negative length, the folder itself, a Windows-style climb: each a traceback
+        # inside DCP's reader (or a read elsewhere) unless refused here
+        (_place(length=-1), "not a file's byte range"),
+        (_place(length=True), "not a file's byte range"),
+        (_place(""), "outside the checkpoint's folder"),
+        (_place("..\\step-2\\__0_0.distcp"), "outside the checkpoint's folder"),
     ],
 )
 def test_metadata_placing_items_oddly_or_outside_is_one_line(tmp_path, change, message):

@@ -24,6 +24,8 @@ def test_json_nested_too_deeply_is_a_decode_error():
     with pytest.raises(json.JSONDecodeError, match=json_text.NESTED_TOO_DEEPLY):
         json_text.loads(DEEP)
     assert json_text.loads(b'{"a": [[1]]}') == {"a": [[1]]}
+    with pytest.raises(json.JSONDecodeError, match=json_text.NESTED_TOO_DEEPLY):
+        json_text.loads(DEEP.encode())  # bytes too, as json.loads takes them
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,13 @@ def test_a_seed_log_header_as_distzo_writes_it_reads(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "shard", ["../other/model.safetensors", "/etc/passwd", "sub/../../model.safetensors"]
+    "shard",
+    [
+        "../other/model.safetensors",
+        "/etc/passwd",
+        "sub/../../model.safetensors",
+        "..\\other\\model.safetensors",  # an index written on Windows
+    ],
 )
 def test_a_model_index_naming_a_file_outside_its_folder_is_one_line(tmp_path, shard):
     index = tmp_path / "model.safetensors.index.json"
