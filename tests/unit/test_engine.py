@@ -308,6 +308,46 @@ def test_a_measure_that_fails_before_the_blocks_leaves_the_engine_usable(pending
     assert engine.step(random_batch(64, seed=1)) == reference.step(random_batch(64, seed=1))
 
 
+def test_a_pass_that_fails_with_no_update_to_take_leaves_the_engine_usable(monkeypatch):
+    """The first step's pass has no pending update to write into the buckets: a failure in
+    its last block leaves every bucket as it was, and the step taken again is the
+    reference's first step."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    reference = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    forward = engine.family.block_forward
+
+    def fails_in_the_last_block(block, hidden, ctx):
+        if block is engine.blocks[-1]:
+            raise IndexError("a failure inside the pass")
+        return forward(block, hidden, ctx)
+
+    monkeypatch.setattr(engine.family, "block_forward", fails_in_the_last_block)
+    with pytest.raises(IndexError, match="inside the pass"):
+        engine.step(random_batch(64))
+    monkeypatch.undo()
+    assert engine.step(random_batch(64)) == reference.step(random_batch(64))
+
+
+def test_a_failure_at_the_steps_read_makes_the_engine_refuse_to_continue(monkeypatch):
+    """A device reports an error in a queued pass (which took the last step's update) at the
+    step's one read: the buckets may be half-updated, so the engine refuses to go on."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    engine.step(random_batch(64))
+
+    def read_later(vector):
+        def read():
+            raise RuntimeError("device-side assert triggered")
+
+        return read
+
+    monkeypatch.setattr(engine.parallel.comm, "read_later", read_later)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        engine.step(random_batch(64))
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="unusable"):
+        engine.step(random_batch(64))
+
+
 def test_a_batch_too_short_for_grad_accum_is_refused_before_the_pending_update():
     """The rows were checked in the pass, after the resident bucket took the pending
     update: the refusal left the engine half-updated and unusable."""
@@ -418,6 +458,9 @@ def test_load_state_dict_refuses_what_is_no_state_before_writing():
         "step must be a whole number.*got 1.5": state | {"step": 1.5},
         "run_seed must be a whole number.*got True": state | {"run_seed": True},
         "pending update is malformed": state | {"params": zeroed, "pending": {"step": 1}},
+        r"run_seed must be a whole number.*got 9223372036854775808": state | {"run_seed": 2**63},
+        "pending update is malformed: a pending update needs one projected gradient": state
+        | {"params": zeroed, "pending": {"step": 1, "projected_grads": [], "lr": 0.1}},
         "got a list": [],
     }
     for message, saved in bad.items():
