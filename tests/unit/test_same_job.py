@@ -5,13 +5,16 @@ two torchrun agents)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 
 from distzo.config.job import resolve
 from distzo.data.task_data import LoadedRows, rows_digest
 from distzo.data.templates import Example
+from distzo.dist import LaunchEnv
 from distzo.job import same_job
+from distzo.job.run_claim import RunClaim
 from distzo.job.same_job import _values, check_same_options, check_shared_run_dir
 
 
@@ -120,6 +123,31 @@ def test_a_node_whose_copy_of_a_data_file_holds_other_rows_is_refused_naming_it(
     other_eval = LoadedRows("sst2", ["a", "b"], ["d"])
     with pytest.raises(ValueError, match=r"^rank 1 read other rows from --eval-file eval\.jsonl"):
         same_job.check_same_rows(job, rows.digests, Ranks(0, dict(other_eval.digests)))
+
+
+class Gathers:
+    """Rank 1 of two nodes: each gather hands it rank 0's next value beside its own."""
+
+    distributed = True
+
+    def __init__(self, *rank0s) -> None:
+        self.rank0s = list(rank0s)
+
+    def all_gather_object(self, mine):
+        return [self.rank0s.pop(0), mine]
+
+
+def test_claiming_a_run_across_nodes_refuses_a_nodes_stale_data_file(tmp_path, monkeypatch):
+    """The check of each node's rows runs where a launch claims its run directory: the
+    rows digests the trainer hands ``RunClaim.take`` reach it, across nodes."""
+    monkeypatch.setattr(same_job, "check_same_software", lambda comm: None)
+    monkeypatch.setattr(same_job, "check_shared_run_dir", lambda *args: None)
+    job = resolve(["--task", "sst2", "--train-file", "d.jsonl", "--output-dir", str(tmp_path)])
+    rows, stale = LoadedRows("sst2", ["a", "b"], ["c"]), LoadedRows("sst2", ["a", "B"], ["c"])
+    comm = Gathers(_values(job), dict(rows.digests))
+    env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
+    with pytest.raises(ValueError, match=r"^rank 1 read other rows from --train-file d\.jsonl"):
+        RunClaim.take(job, SimpleNamespace(comm=comm), env, stale.digests)
 
 
 def test_the_rows_digest_follows_every_field_and_the_order_of_the_rows():
