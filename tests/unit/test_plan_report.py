@@ -125,6 +125,7 @@ def test_the_documented_opt_175b_plans_are_what_the_command_prints():
         ),
         (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
         (["--nproc", "0"], "error: --nproc must be >= 1, got 0"),
+        (["--eval-batch-size", "0"], "error: --eval-batch-size must be >= 1, got 0"),
         (
             ["--num-queries", "0"],
             "error: --num-queries must be >= 1, got 0; use 1 for MeZO's SPSA, more to average "

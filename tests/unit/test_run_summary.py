@@ -236,10 +236,14 @@ def test_each_evaluation_redraws_the_curves_without_reading_metrics_back(tmp_pat
     losses = [r["loss"] for r in read_records(out / "metrics.jsonl")]
     assert summary["train_loss"] == {"first": losses[0], "last": losses[-1], "min": min(losses)}
     logs = RunLogs(out, out, 5, {"kind": "header"})
+    # each record written from here on joins the curve the next evaluation draws; a loss
+    # of 0.0 is a point like any other
+    logs.write("metrics", {"step": 5, "loss": 0.0})
     logs.close()
     metrics = read_records(out / "metrics.jsonl")
-    assert list(logs.loss_curve.steps) == [0, 1, 2, 3, 4]
+    assert list(logs.loss_curve.steps) == [0, 1, 2, 3, 4, 5]
     assert list(logs.loss_curve.losses) == [r["loss"] for r in metrics]
+    assert logs.loss_curve.losses[-1] == 0.0
 
 
 def test_the_best_evaluation_is_the_highest_accuracy_and_the_lowest_loss():
