@@ -347,6 +347,11 @@ def test_a_config_from_before_objectives_resumes_as_teacher_forcing(run):
     named no objective: that is the run's, and the refusal of another names the flag that
     --config cannot give."""
     config = run / "config.toml"
+    recorded = resolve([*SMALL, "--output-dir", str(run), "--objective", "classification"])
+    resolve_defaults(recorded)
+    with pytest.raises(ValueError) as info:  # a config.toml that names it gives it
+        check_resumed_options(recorded, LaunchEnv())
+    assert f"(--config {config} --resume gives all of them)" in str(info.value)
     config.write_text(config.read_text().replace('objective = "lm"\n', ""))
     job = resolve([*SMALL, "--output-dir", str(run)])
     resolve_defaults(job)
@@ -374,6 +379,20 @@ def test_resume_auto_with_nothing_to_go_on_from_says_so_before_deleting(tmp_path
         "run's files go, as with --overwrite",
         f"deleted the old run in {run} (config.toml) to start afresh",
     ]
+
+
+def test_resume_auto_starting_afresh_is_said_once_by_rank_0(tmp_path, caplog):
+    """Each rank decides the resume mode; only rank 0 says that the old run goes (eight
+    ranks said it eight times)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[run]\n")
+    for rank, said in ((1, 0), (0, 1)):
+        job = resolve([*SMALL, "--output-dir", str(run), "--resume", "auto"])
+        caplog.clear()
+        env = LaunchEnv(rank=rank, world_size=2, local_world_size=2)
+        assert resume_mode(job.run, env) == "no" and job.run.overwrite
+        assert len([r for r in caplog.records if "as with --overwrite" in r.message]) == said
 
 
 def test_resume_without_a_checkpoint_but_with_logged_steps_points_to_resume_auto(run):
@@ -633,9 +652,26 @@ def test_a_long_seed_log_ends_where_its_last_record_says(tmp_path):
     log = tmp_path / "seedlog.jsonl"
     header = json.dumps({"kind": "header", "first_step": 3})
     records = [json.dumps({"step": s, "projected_grads": [0.5], "lr": 0.1}) for s in range(3, 9000)]
-    log.write_text("\n".join([header, *records, "not json", "[1]", ""]) + '{"step": 9000')
+    others = ["not json", "[1]", '{"step": null}', '{"step": "9001"}', ""]  # no step records
+    log.write_text("\n".join([header, *records, *others]) + '{"step": 9000')
     assert seed_log.last_logged_step(log) == 8999 == run_dir_module.logged_steps_of(log)[-1]
     log.write_text(header + "\n\xff\xfe binary\n")
     assert seed_log.last_logged_step(log) is None
     log.write_text('{"step": 4}')  # no complete line
     assert seed_log.last_logged_step(log) is None
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 16])
+def test_a_seed_logs_lines_read_backwards_are_its_lines_whatever_the_block(tmp_path, block):
+    """The tail read joins a line that blocks split: each complete line once, last first,
+    and a torn last line left out (a line cut at a block's edge read as two)."""
+    from distzo.job import seed_log
+
+    log = tmp_path / "seedlog.jsonl"
+    lines = [json.dumps({"kind": "header"}), *(json.dumps({"step": s}) for s in range(40))]
+    log.write_text("\n".join([*lines, ""]) + '{"step": 4')
+    with open(log, "rb") as stream, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(seed_log, "TAIL_BLOCK", block)
+        size = log.stat().st_size
+        read = [line.decode() for line in seed_log._complete_lines_backwards(stream, size)]
+    assert read == lines[::-1]
