@@ -13,13 +13,14 @@ from distzo.dist import LaunchEnv, ParallelContext
 from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
 from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
-from distzo.job.run_dir import run_contents
+from distzo.job.run_dir import check_log_leads_to_checkpoint, run_contents
 from distzo.job.seed_log import (
     SEED_LOG,
     check_header_types,
     check_same_run,
     forget_seed_log_reads,
     in_order_end,
+    is_begun_log,
     last_logged_step,
     logged_first_step,
     logged_header,
@@ -66,6 +67,7 @@ def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
     steps = logged_steps(directory / SEED_LOG)
     if mode == "yes":
         if steps:  # dropping --resume would overwrite them
+            check_log_leads_to_checkpoint(directory, every_record=False)  # one from step 0?
             raise ValueError(
                 f"--resume: no checkpoint in {run.output_dir}/checkpoints, but its seed log holds "
                 f"{steps} steps: --resume auto catches up with them from the initial weights"
@@ -145,7 +147,7 @@ def catch_up_from_log(
     start = engine.step_index
 
     def read() -> list[tuple[int, tuple[float, ...], float]] | None:
-        if parallel.env.rank != 0 or not path.is_file():
+        if parallel.env.rank != 0 or not is_begun_log(path):
             return None
         tail = records_from(path, start)
         theirs = logged_header(path) if tail is not None else None

@@ -33,6 +33,7 @@ from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
     checked_log_end,
+    is_begun_log,
     last_logged_step,
     logged_first_step,
     logged_header,
@@ -235,7 +236,8 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     that is the run only if the log holds every step 0..N-1 before a checkpoint of N steps
     (a checkpoint ahead of the log, or a log with a gap, is of another run in the same
     directory). Refused in one line naming both. A directory with no seed log (a checkpoint
-    copied there to resume) has nothing to check. Returns the steps the resume goes on
+    copied there to resume), or an empty one (``is_begun_log``), has nothing to check: the
+    run starts a log of its own. Returns the steps the resume goes on
     from. Where the log ends is read from its tail; ``every_record`` (rank 0's check)
     also reads every record for a gap, which the other ranks, that learn a refusal through
     the launch gate, need not parse again (seconds per rank at a million steps); rank 0's
@@ -243,11 +245,11 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     log = run_dir / SEED_LOG
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     done = int(checkpoint.name.removeprefix("step-")) if checkpoint is not None else 0
-    if not log.is_file():
+    if not is_begun_log(log):
         return done
     start = f"{checkpoint} ({done} steps)" if checkpoint is not None else "the initial weights"
     fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
-    if log.stat().st_size and logged_header(log) is None:
+    if logged_header(log) is None:
         raise ValueError(
             f"--resume: {log} does not begin with a seed log's header (damaged, or not "
             f"distzo's); restore it, move it aside to resume from {start} alone (a replay "
@@ -264,6 +266,12 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
                 f"--resume: {log} jumps from {after} to step {steps[gap]}, so it does not go "
                 f"on from {start}; {fix}"
             )
+    if checkpoint is None and first > 0:  # "None holds 0 steps" was all it said
+        raise ValueError(
+            f"--resume: {log} begins at step {first} (its run went on from a checkpoint), but "
+            f"{run_dir / 'checkpoints'} holds none to go on from; restore the run's "
+            "checkpoints, or start afresh with --overwrite or another --output-dir"
+        )
     last = last_logged_step(log)
     end = first if last is None else last + 1
     if end < done or done < first:

@@ -15,7 +15,7 @@ from distzo.config.cli import names_file
 from distzo.config.field_types import is_of_type
 from distzo.job.curves import LossCurve
 from distzo.job.reporting import Reporter
-from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_end
+from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_end, is_begun_log
 from distzo.runtime import json_text
 
 # What ``open`` reads and writes a text file in, without an encoding named.
@@ -131,7 +131,7 @@ class RunLogs:
         # A resume from a checkpoint copied into a directory without its run's seed log
         # starts a log of its own, whose header says the step it begins at.
         seeds = self.paths["seeds"]
-        headerless = not resume_step or not seeds.is_file() or not seeds.stat().st_size
+        headerless = not resume_step or not is_begun_log(seeds)
         # the training loss the curves redraw at each evaluation, kept from here on
         self.loss_curve = LossCurve()
         if resume_step:

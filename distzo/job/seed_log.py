@@ -212,6 +212,13 @@ def first_step(header: dict) -> int:
     return step
 
 
+def is_begun_log(path: Path) -> bool:
+    """Whether ``path`` is a seed log a run began: a file with something in it. An empty
+    one lost its header (a machine that went down before the header reached the disk) and
+    holds no step: it is no log, as a missing one is, and the run starts a log of its own."""
+    return path.is_file() and path.stat().st_size > 0
+
+
 def logged_first_step(path: Path) -> int:
     """``first_step`` of the log at ``path``, from its header line alone (0 without one)."""
     header = logged_header(path)

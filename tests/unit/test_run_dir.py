@@ -335,6 +335,36 @@ def test_a_copied_checkpoints_run_resumes_again_and_its_log_says_where_it_begins
     )
 
 
+def test_an_empty_seed_log_beside_a_checkpoint_is_no_log(run, tmp_path):
+    """A resume of a copied checkpoint that stopped (or whose machine went down) before its
+    log's header reached the disk left an empty log: the next resume was refused, as a log
+    that "ends at its header", where a missing log resumes."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    (copy / "seedlog.jsonl").touch()
+    proc = train_in_process([*SMALL, "--max-steps", "6", "--output-dir", str(copy), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = json.loads((copy / "seedlog.jsonl").read_text().splitlines()[0])
+    assert header["kind"] == "header" and header["first_step"] == 4
+
+
+def test_a_log_that_goes_on_from_a_checkpoint_no_longer_there_is_refused_naming_it(run, tmp_path):
+    """A copied checkpoint's run (its log begins at step 4) whose checkpoints went: --resume
+    pointed to --resume auto, which said "None holds 0 steps"."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    argv = [*SMALL, "--max-steps", "6", "--output-dir", str(copy), "--resume"]
+    assert train_in_process(argv).returncode == 0
+    shutil.rmtree(copy / "checkpoints")
+    for mode in ("yes", "auto"):
+        assert error_line(train_in_process([*argv, mode])) == (
+            f"error: --resume: {copy / 'seedlog.jsonl'} begins at step 4 (its run went on "
+            f"from a checkpoint), but {copy / 'checkpoints'} holds none to go on from; "
+            "restore the run's checkpoints, or start afresh with --overwrite or another "
+            "--output-dir"
+        )
+
+
 def test_a_resume_with_seed_minus_1_takes_the_runs_seed(run):
     job = resolve([*SMALL, "--output-dir", str(run), "--seed", "-1"])
     resolve_defaults(job)  # as validate does first
