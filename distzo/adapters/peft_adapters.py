@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distzo.models.weights import Expected, check_weights
+
 if TYPE_CHECKING:  # peft is imported where an adapter is used (its import is heavy)
     from peft import PeftModel
 
@@ -364,3 +366,15 @@ class AdapterWeights:
         if own is not None:
             return own.to(dtype).reshape(-1)[start:stop]
         return self.base.tensor_range(tuple(base_name(n) for n in names), shape, dtype, start, stop)
+
+    def check_shapes(self, expected: Expected) -> None:
+        """The base's tensors checked against its checkpoint (``check_weights``) under their
+        original names; the adapter's own come from the model, which has their shapes."""
+        check_weights(
+            self.base,
+            [
+                (tuple(base_name(n) for n in names), shape)
+                for names, shape in expected
+                if self._own(names) is None
+            ],
+        )

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distzo.adapters.peft_adapters import check_adapter_name
-from distzo.models.weights import WeightSource
+from distzo.models.weights import WeightSource, parameter_names
 from distzo.offload import BucketLayout
 
 RESIDENT_BLOCK_ID = 0  # noise id of the resident bucket; block i has id i + 1
@@ -35,7 +35,7 @@ def bucket_layouts(
 
     ``select`` keeps only some parameters (an adapter's trainable ones, or the frozen
     base); a bucket may then be empty."""
-    names = _aliases(model)
+    names = parameter_names(model)  # a tied weight: one bucket entry with all its names
     keep: Callable[[nn.Parameter], bool] = select if select is not None else _everything
     dtype = next(model.parameters()).dtype
     block_params = [_unique(b.parameters()) for b in blocks]
@@ -148,14 +148,6 @@ def _everything(p: nn.Parameter) -> bool:
 
 def _not(select: Callable[[nn.Parameter], bool], p: nn.Parameter) -> bool:
     return not select(p)
-
-
-def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    """Every name of each parameter: a tied weight is one bucket entry with all its names."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {k: tuple(v) for k, v in names.items()}
 
 
 def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

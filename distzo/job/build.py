@@ -29,6 +29,8 @@ from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (
     RandomWeights,
     WeightSource,
+    check_weights,
+    expected_tensors,
     open_checkpoint,
     skeleton,
     with_generation_config,
@@ -171,7 +173,10 @@ def build_model(
         return skeleton(random_shape_config(job), dtype), RandomWeights(seed)
     if source is not None:
         model = skeleton(AutoConfig.from_pretrained(source), dtype)
-        return with_generation_config(model, source), open_checkpoint(source)
+        weights = open_checkpoint(source)
+        # before the memory plan, which would size (and maybe refuse) the config's model
+        check_weights(weights, expected_tensors(model))
+        return with_generation_config(model, source), weights
     return model_from_config(default_model_config(job.data.task), dtype), None
 
 

@@ -22,7 +22,7 @@ import contextlib
 import re
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
@@ -49,6 +49,39 @@ class WeightSource(Protocol):
     ) -> torch.Tensor:
         """Elements [start, stop) of the flattened tensor (a sliced rank's own piece)."""
         ...
+
+
+# What a model reads from its source: each distinct parameter's names (a tied weight's
+# aliases together, as the engine's buckets name it) and shape.
+Expected = Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
+
+
+def parameter_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Every name of each parameter, by ``id``: a tied weight is one entry with all its
+    names (the embedding's first, as ``named_parameters`` meets it)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {k: tuple(v) for k, v in names.items()}
+
+
+def expected_tensors(model: nn.Module) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Each distinct parameter of ``model`` (a skeleton) as its source is asked for it."""
+    names = parameter_names(model)
+    unique = {id(p): p for p in model.parameters()}
+    return [(names[key], tuple(p.shape)) for key, p in unique.items()]
+
+
+def check_weights(weights: WeightSource | None, expected: Expected) -> None:
+    """Refuse a source whose tensors are not the model's, before any is read: a source
+    that can tell from its files' headers (``check_shapes``: safetensors) does; others
+    (``.bin``, which only unpickling reads, random weights) are checked as each tensor is
+    read. A checkpoint of another model than its config.json's (an edited or swapped
+    config, a shard of another model) then fails in a second, not after the memory plan
+    and every block but the last were read (minutes for a large model)."""
+    check = getattr(weights, "check_shapes", None)
+    if check is not None:
+        check(expected)
 
 
 def _flat_range(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -110,9 +143,11 @@ def _pick(names: tuple[str, ...], available) -> str:
         _, _, unprefixed = name.partition(".")
         if unprefixed in available:
             return unprefixed
-    raise ValueError(
-        f"the checkpoint has no tensor for {names[0]} (nor its aliases {list(names[1:])})"
-    )
+    aliases = f" (nor its aliases {list(names[1:])})" if len(names) > 1 else ""
+    raise ValueError(f"the checkpoint has no tensor for {names[0]}{aliases}")
+
+
+_FIX = "the weights and config.json are of different models; download or copy the model again"
 
 
 def _check(name: str, got: tuple[int, ...], shape: tuple[int, ...], file: Path) -> None:
@@ -121,8 +156,7 @@ def _check(name: str, got: tuple[int, ...], shape: tuple[int, ...], file: Path) 
     if tuple(got) != tuple(shape):
         raise ValueError(
             f"{file}: checkpoint tensor {name} has shape {tuple(got)}, the model expects "
-            f"{tuple(shape)} from {file.parent / 'config.json'}: the weights and config.json "
-            "are of different models; download or copy the model again"
+            f"{tuple(shape)} from {file.parent / 'config.json'}: {_FIX}"
         )
 
 
@@ -238,6 +272,40 @@ class SafetensorsWeights:
                 names = {name: single.name for name in handle.keys()}
         self.directory, self.weight_map = directory, names
         self._open = safetensors_file
+
+    def check_shapes(self, expected: Expected) -> None:
+        """Every tensor ``expected`` names is in a file, with the shape expected: each
+        file's header read once (``get_slice``: names, dtypes and shapes, no data), through
+        the names ``tensor`` resolves (aliases, tied heads, a base model's unprefixed keys).
+        The first tensor that disagrees or is missing is named, with its file."""
+        by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for names, shape in expected:
+            name = self._held(names)
+            by_file.setdefault(self.weight_map[name], []).append((name, shape))
+        for file, wanted in by_file.items():
+            self._check_file(self.directory / file, wanted)
+
+    def _check_file(self, path: Path, wanted: list[tuple[str, tuple[int, ...]]]) -> None:
+        """The tensors ``wanted`` of one file, checked against its header."""
+        with self._open(path) as handle:
+            held = set(handle.keys())
+            for name, shape in wanted:
+                if name not in held:  # an index that places it in a shard without it
+                    raise ValueError(
+                        f"{path}: holds no tensor {name}, which model.safetensors.index.json "
+                        "places there; download or copy the model again"
+                    )
+                _check(name, tuple(handle.get_slice(name).get_shape()), shape, path)
+
+    def _held(self, names: tuple[str, ...]) -> str:
+        """``_pick``, its error naming the folder, the config.json and the fix."""
+        try:
+            return _pick(names, self.weight_map)
+        except ValueError as err:
+            raise ValueError(
+                f"{self.directory}: {err}, which the model built from "
+                f"{self.directory / 'config.json'} has: {_FIX}"
+            ) from None
 
     def tensor(self, names, shape, dtype):
         # One mapping per tensor, closed at once: pages read from a file mapping that stays
