@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distzo.models.weights import Expected, check_weights
-
 if TYPE_CHECKING:  # peft is imported where an adapter is used (its import is heavy)
     from peft import PeftModel
+
+    from distzo.models.weights import Expected
 
 PEFT_METHODS = ("none", "lora", "lora-fa", "prefix")
 PREFIX_INITS = ("real", "random")
@@ -370,6 +370,10 @@ class AdapterWeights:
     def check_shapes(self, expected: Expected) -> None:
         """The base's tensors checked against its checkpoint (``check_weights``) under their
         original names; the adapter's own come from the model, which has their shapes."""
+        # imported here: the options import this module, and --help answers before
+        # transformers (which distzo.models imports) is loaded
+        from distzo.models.weights import check_weights
+
         check_weights(
             self.base,
             [
