@@ -12,6 +12,18 @@ def batches(vocab_size, n, seed=0):
     return [random_batch(vocab_size, pad="left", seed=seed + i) for i in range(n)]
 
 
+def fail_in_the_last_block(engine, monkeypatch):
+    """The engine's passes fail inside their last block, after the first blocks ran."""
+    forward = engine.family.block_forward
+
+    def fails_in_the_last_block(block, hidden, ctx):
+        if block is engine.blocks[-1]:
+            raise IndexError("a failure inside the pass")
+        return forward(block, hidden, ctx)
+
+    monkeypatch.setattr(engine.family, "block_forward", fails_in_the_last_block)
+
+
 def run(mode, steps=20, num_slots=2, flush_at=(), **overrides):
     model = tiny_opt(seed=0, num_hidden_layers=3, word_embed_proj_dim=16)
     options = dict(lr=1e-3, eps=1e-3, weight_decay=0.1, seed=11, device="cpu", noise_chunk=1000)
@@ -269,14 +281,7 @@ def test_an_empty_label_batch_is_refused():
 def test_a_failed_pass_makes_the_engine_refuse_to_continue(monkeypatch):
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
     engine.step(random_batch(64))
-    forward = engine.family.block_forward
-
-    def fails_in_the_last_block(block, hidden, ctx):
-        if block is engine.blocks[-1]:  # the first blocks already took the update
-            raise IndexError("a failure inside the pass")
-        return forward(block, hidden, ctx)
-
-    monkeypatch.setattr(engine.family, "block_forward", fails_in_the_last_block)
+    fail_in_the_last_block(engine, monkeypatch)  # the first blocks already took the update
     with pytest.raises(IndexError, match="inside the pass"):
         engine.step(random_batch(64))
     monkeypatch.undo()
@@ -314,14 +319,7 @@ def test_a_pass_that_fails_with_no_update_to_take_leaves_the_engine_usable(monke
     reference's first step."""
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
     reference = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
-    forward = engine.family.block_forward
-
-    def fails_in_the_last_block(block, hidden, ctx):
-        if block is engine.blocks[-1]:
-            raise IndexError("a failure inside the pass")
-        return forward(block, hidden, ctx)
-
-    monkeypatch.setattr(engine.family, "block_forward", fails_in_the_last_block)
+    fail_in_the_last_block(engine, monkeypatch)
     with pytest.raises(IndexError, match="inside the pass"):
         engine.step(random_batch(64))
     monkeypatch.undo()
