@@ -5,6 +5,7 @@ command line's parser, the TOML reader and ``ZOConfig``'s own check."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from typing import Any
@@ -35,3 +36,15 @@ def is_of_type(value: Any, kind: type) -> bool:
     if isinstance(value, bool) and kind is not bool:
         return False
     return isinstance(value, (int, float) if kind is float else kind)
+
+
+def whole_number(value: Any) -> int | None:
+    """``value`` as an int where it is a whole number without rounding (an int, a numpy
+    integer, a 0-dim integer tensor), else None: a bool is no count, a float not a whole
+    one (``operator.index`` takes exactly these)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

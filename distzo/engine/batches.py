@@ -3,11 +3,12 @@ tensors on the device."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from distzo.config.field_types import whole_number
 
 # the dtypes an embedding looks token ids up with
 ID_DTYPES = (torch.int64, torch.int32)
@@ -37,12 +38,13 @@ def global_items(
     given."""
     if num_items is not None:
         # a float (a count divided by dp) or a bool scaled the loss and g without a word
-        if isinstance(num_items, bool) or not hasattr(type(num_items), "__index__"):
+        count = whole_number(num_items)
+        if count is None:
             raise ValueError(
                 f"num_items must be a whole count of label tokens or examples, got "
                 f"{num_items!r}; pass an int"
             )
-        return operator.index(num_items)
+        return count
     if dp > 1:
         raise ValueError(
             f"step: under data parallelism (dp {dp}) each rank holds a share of the "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ import torch
 
 from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig, lowrank_record, optimizer_record
+from distzo.config.field_types import whole_number
 from distzo.dist import ParallelContext
 from distzo.engine.updates import PendingUpdate
 from distzo.offload import BlockStore, BucketLayout, Streams
@@ -281,11 +281,12 @@ def _check_optimizer(config: ZOConfig, saved: Mapping[str, Any] | None) -> None:
 STATE_KEYS = ("step", "run_seed", "noise_chunk", "pending", "params")
 
 
-def _check_counters(state: Mapping[str, Any]) -> PendingUpdate | None:
+def _check_counters(state: Mapping[str, Any]) -> tuple[int, int, PendingUpdate | None]:
     """Refuse a state that is no ``state_dict`` (a bare ``KeyError`` was all a missing key
     got) or whose step or run seed no run reaches (a step of -3 was taken, and the next
-    step was -2), before any bucket is written; returns its pending update, built here so
-    that a malformed one is refused before the parameters are loaded too."""
+    step was -2), before any bucket is written; returns its step, run seed and pending
+    update, built here so that a malformed one is refused before the parameters are
+    loaded too."""
     if not isinstance(state, Mapping):
         raise ValueError(f"a state is what state_dict() returned, got a {type(state).__name__}")
     missing = [key for key in STATE_KEYS if key not in state]
@@ -293,18 +294,19 @@ def _check_counters(state: Mapping[str, Any]) -> PendingUpdate | None:
         raise ValueError(
             f"the state lacks {', '.join(missing)}: load what ZOEngine.state_dict() returned"
         )
+    counters = []
     for key in ("step", "run_seed"):
-        value = state[key]
-        whole = not isinstance(value, bool) and hasattr(type(value), "__index__")
-        if not whole or not 0 <= operator.index(value) < SEED_LIMIT:
+        whole = whole_number(state[key])
+        if whole is None or not 0 <= whole < SEED_LIMIT:
             raise ValueError(
-                f"the state's {key} must be a whole number in [0, 2^63), got {value!r}"
+                f"the state's {key} must be a whole number in [0, 2^63), got {state[key]!r}"
             )
-    pending = state["pending"]
-    if pending is None:
-        return None
+        counters.append(whole)
+    step, run_seed = counters
+    if state["pending"] is None:
+        return step, run_seed, None
     try:
-        return PendingUpdate(**pending)
+        return step, run_seed, PendingUpdate(**state["pending"])
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the state's pending update is malformed: {exc}") from None
 
@@ -312,7 +314,7 @@ def _check_counters(state: Mapping[str, Any]) -> PendingUpdate | None:
 def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
     """Restore a ``state_dict`` into ``engine``; the continued trajectory equals the
     uninterrupted one."""
-    pending = _check_counters(state)
+    step, run_seed, pending = _check_counters(state)
     check_noise(
         engine.config,
         state.get("noise", "legacy"),
@@ -343,5 +345,4 @@ def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
         engine.trained.load(params)
         for k, name in enumerate(names):
             engine.moment_buckets(k).load(moments[name])
-    step, run_seed = operator.index(state["step"]), operator.index(state["run_seed"])
     engine.restore(step, run_seed, pending, state.get("recent_steps", ()))
