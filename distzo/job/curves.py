@@ -13,9 +13,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
+
+from distzo.config.field_types import is_of_type
 
 CURVES = "curves.png"
 SMOOTH_POINTS = 50  # the training loss's moving mean spans 1/50 of the steps drawn
@@ -31,11 +33,6 @@ def eval_metric_names(evals: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def _is_number(value: Any) -> TypeGuard[int | float]:
-    """A JSON number (true and false are not one, though Python's bool is an int)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 class LossCurve:
     """The training loss by step as metrics.jsonl holds it, kept as its records are
     written: each evaluation redraws the curves, and reading the file back each time cost
@@ -49,10 +46,9 @@ class LossCurve:
     def add(self, record: dict[str, Any]) -> None:
         """A metrics record's loss (one without a number for its loss and its step adds
         nothing: it draws nothing, and a damaged file's stopped a resume with a KeyError)."""
-        step, loss = record.get("step"), record.get("loss")
-        if _is_number(step) and _is_number(loss):
-            self.steps.append(float(step))
-            self.losses.append(float(loss))
+        if is_of_type(record.get("step"), float) and is_of_type(record.get("loss"), float):
+            self.steps.append(float(record["step"]))
+            self.losses.append(float(record["loss"]))
 
     @classmethod
     def of(cls, records: Iterable[dict[str, Any]]) -> LossCurve:

@@ -349,11 +349,10 @@ def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:
     """``read_seed_log``, read once per state of the file: a resume asks the log whether
     it holds steps, which noise drew them and which to catch up with, and should read it
     (and warn of a torn line) once. The records are shared: read them, do not change them."""
-    try:
-        stat = path.stat()
-    except OSError:
+    state = _state(path)
+    if state is None:
         return read_seed_log(path)  # its one-line error
-    return _read_seed_log_cached(str(path), stat.st_mtime_ns, stat.st_size)
+    return _read_seed_log_cached(str(path), *state)
 
 
 @functools.lru_cache(maxsize=2)
