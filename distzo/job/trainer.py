@@ -40,7 +40,6 @@ from distzo.job.build import (
     choose_slots,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
-from distzo.job.cpu_threads import CpuThreads
 from distzo.job.divergence import (
     Diverged,
     cut_back,
@@ -61,6 +60,7 @@ from distzo.job.run_claim import RunClaim
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
 from distzo.job.run_logs import RunLogs
 from distzo.job.run_model import run_model
+from distzo.job.run_resources import RunResources
 from distzo.job.summary import SUMMARY, key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
@@ -95,7 +95,6 @@ class Trainer:
     data: TaskData
     objective: Objective
     engine: ZOEngine
-    checkpointer: Checkpointer
     header: dict[str, Any]  # the seed log's
     meter: StepMeter
     progress: Progress  # the current train()'s
@@ -124,13 +123,27 @@ class Trainer:
         self.last_metrics: dict[str, Any] | None = None
         self.eval_before: dict[str, float] | None = None
         self.eval_after: dict[str, float] | None = None
-        self.logs: RunLogs | None = None  # rank 0's
         self.reporter: Reporter | None = None  # rank 0's dashboard, which its logs feed
-        self.claim: RunClaim | None = None  # the run directory, from build() to close()
+        self.held = RunResources()  # what the run takes and gives back when it ends
         self.built = False
-        self.closed = False  # its logs closed: a finished or failed run, or close()
         self.failed = False  # train() raised: a new Trainer goes on (resume=yes)
-        self.cpu_threads = CpuThreads()  # --threads for the run, the caller's after it
+
+    @property
+    def logs(self) -> RunLogs | None:
+        """Rank 0's logs, from ``build()`` (None on the other ranks)."""
+        return self.held.logs
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The run's checkpoints, from ``build()``."""
+        if self.held.checkpointer is None:
+            raise AttributeError("Trainer.checkpointer: build() makes it")
+        return self.held.checkpointer
+
+    @property
+    def closed(self) -> bool:
+        """Whether the run's logs are closed: a finished or failed run, or ``close()``."""
+        return self.held.closed
 
     # -- building
 
@@ -144,7 +157,7 @@ class Trainer:
         except BaseException:
             # A start that failed leaves the process as it found it: a retried train()
             # would otherwise take the run's count for the caller's and give that back.
-            self.cpu_threads.give_back()
+            self.held.cpu_threads.give_back()
             raise
         self.built = True
 
@@ -155,8 +168,8 @@ class Trainer:
         self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
         self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
         digests = self.rows.digests if self.rows is not None else None
-        self.claim = RunClaim.take(self.job, self.parallel, self.env, digests)
-        self.run_dir = self.claim.path
+        claim = self.held.claim = RunClaim.take(self.job, self.parallel, self.env, digests)
+        self.run_dir = claim.path
         self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
         # A dashboard that cannot start (wandb not logged in) fails every rank before any model.
         self.reporter = agreed(self.parallel.comm, self._make_reporter)
@@ -167,12 +180,8 @@ class Trainer:
                 self.reporter.close()
             # A fresh run that fails before its first step (a memory plan that refuses it, a
             # checkpoint that does not fit) leaves nothing a retry would take for a run.
-            self.claim.abandon()
+            claim.abandon()
             raise
-
-    def _release_run_dir(self) -> None:
-        if self.claim is not None:
-            self.claim.release()
 
     def _build_parts(self) -> None:
         """The model and its data, the engine, a resumed run's state, the logs; the
@@ -207,7 +216,7 @@ class Trainer:
         )
         self._restore()
         agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
-        self.logs = agreed(self.parallel.comm, self._open_logs)  # rank 0 opens them
+        self.held.logs = agreed(self.parallel.comm, self._open_logs)  # rank 0 opens them
         if self.logs is not None:
             self.checkpointer.before_publish = self.logs.seeds.sync
         self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
@@ -216,7 +225,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         elif self.threads is not None:  # resolved by validate: --threads, OMP_NUM_THREADS or 1
-            self.cpu_threads.use(*self.threads)
+            self.held.cpu_threads.use(*self.threads)
 
     def _write_config(self) -> None:
         if self.env.rank == 0:
@@ -233,7 +242,7 @@ class Trainer:
     def _restore(self) -> None:
         """A resumed run: its latest checkpoint, then the steps its seed log holds after it."""
         resuming = self.job.run.resume == "yes"
-        self.checkpointer = Checkpointer(
+        self.held.checkpointer = Checkpointer(
             self.run_dir / "checkpoints", self.engine, self.job.run.keep_checkpoints
         )
         checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if resuming else None
@@ -288,31 +297,8 @@ class Trainer:
             return self._train(signals)
         except BaseException as exc:
             self.failed = True
-            self._end_failed_run(isinstance(exc, Preempted) and exc.before_training)
+            self.held.end_failed(isinstance(exc, Preempted) and exc.before_training)
             raise
-
-    def _end_failed_run(self, unstarted: bool) -> None:
-        """A failed run (a Ctrl-C, a callback that raised, ``Diverged``) gives the process
-        back what it took, as ``close()`` would: a notebook or a sweep that goes on without
-        closing it kept its logs' files and the seed log's thread, and torch's CPU thread
-        count stayed the run's for every later run. Its directory is the next job's to
-        resume; with a save still being written, only once ``close()`` has completed it
-        (the logs stay open for it). A fresh run stopped before training (``unstarted``)
-        leaves nothing the same command would take for a run, as a failed build does.
-        Closing may fail again (the same full disk): said, never hiding the failure under
-        way."""
-        self.cpu_threads.give_back()
-        if self.checkpointer.in_flight:
-            return
-        try:
-            self._close_run()
-        except Exception as exc:  # noqa: BLE001 - the failure under way is the one to report
-            logger.warning("closing the failed run: %s", exc)
-        finally:
-            if unstarted and self.claim is not None:
-                self.claim.abandon()
-            else:
-                self._release_run_dir()
 
     def _train(self, signals: StopSignals | None) -> dict[str, float]:
         if self.env.rank == 0:
@@ -464,7 +450,7 @@ class Trainer:
             self.engine, self.parallel, self.device, self.job.peft.peft, self.eval_before, after
         )
         (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
-        self._close_run()  # the run directory stays locked until its summary is written
+        self.held.close_logs()  # the run directory stays locked until its summary is written
         if self.logs:
             session = Session(
                 self.start_step, self.step - self.start_step, elapsed, self.meter.tokens
@@ -480,7 +466,7 @@ class Trainer:
             report_run_end(
                 self.run_dir, self.logs, options, session, (self.eval_before, after), export
             )
-        self._release_run_dir()
+        self.held.release()
         return after
 
     def close(self) -> None:
@@ -488,22 +474,10 @@ class Trainer:
         synced); the trainer's state stays readable. A run that fails mid-way so keeps the
         checkpoint it had started: the state was copied when the save began. The wait has no
         bound of its own (``Checkpointer.wait``): a failure that took a peer's process ends
-        it within --dist-timeout. The run directory is unlocked for the next job, and
-        torch's CPU thread count (``--threads``) is the caller's again."""
-        self._close_run()
-        self._release_run_dir()
-
-    def _close_run(self) -> None:
-        checkpointer = getattr(self, "checkpointer", None)  # None before build
-        if checkpointer is not None and checkpointer.in_flight:
-            try:
-                checkpointer.wait()
-            except Exception as exc:  # noqa: BLE001 - the failure already under way wins
-                logger.warning("the checkpoint being written could not be completed: %s", exc)
-        if self.logs is not None:
-            self.logs.close()
-        self.cpu_threads.give_back()
-        self.closed = True
+        it within --dist-timeout, and a Ctrl-C abandons the save. The run directory is
+        unlocked for the next job, and torch's CPU thread count (``--threads``) is the
+        caller's again."""
+        self.held.close()
 
     def __enter__(self) -> Trainer:
         return self
