@@ -333,3 +333,56 @@ def test_a_preemption_before_the_first_step_stops_at_once(tmp_path, monkeypatch,
     assert not out.exists()
     monkeypatch.setattr(Trainer, phase, original)
     assert main(flags) == 0  # the same command
+
+
+def test_a_ctrl_c_while_close_waits_for_a_save_still_gives_the_run_back(tmp_path, monkeypatch):
+    """In a notebook, a run stopped by Ctrl-C leaves its asynchronous save for close(); a
+    second Ctrl-C during that wait left the seed log open (unsynced), the directory locked
+    and torch's thread count at the run's. The save is abandoned (its step-N.tmp never
+    counts), the rest given back, and a new Trainer resumes from the seed log."""
+    import signal
+    import threading
+    import time
+
+    from distzo.job import checkpoint
+
+    write_data = checkpoint.HostStateWriter.write_data
+
+    def slow(self, plan, planner):  # a large model's write, longer than the user's patience
+        time.sleep(2.0)
+        return write_data(self, plan, planner)
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+            if step == 5:
+                raise KeyboardInterrupt
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.HostStateWriter, "write_data", slow)
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    run = tmp_path / "run"
+    try:
+        stopped = Trainer(job(run, "--save-steps", "4"), callbacks=[Interrupt()])
+        with pytest.raises(KeyboardInterrupt):
+            stopped.train()
+        assert stopped.checkpointer.in_flight and not stopped.closed  # left for close()
+        main = threading.main_thread().ident
+        assert main is not None
+        threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGUSR2)).start()
+        with pytest.raises(KeyboardInterrupt):
+            stopped.close()
+        assert stopped.logs is not None and stopped.logs.closed
+        assert not (run / ".distzo.lock").exists()
+        assert torch.get_num_threads() == 3
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    resumed = Trainer(job(run, "--resume", "auto"))
+    with resumed:
+        resumed.train()
+    assert resumed.start_step == 6  # the seed log's six steps, no checkpoint completed
