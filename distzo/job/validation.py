@@ -77,7 +77,7 @@ def check_model(job: JobConfig, config: ZOConfig) -> None:
     """A supported family whose weights the node can hold, with room for the task's
     longest sequence."""
     model_config = model_config_of(job)
-    check_supported(model_config.model_type)
+    check_supported(model_config.model_type).check_config(model_config)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)
     if job.model.model:  # a folder's or the hub's config.json (the built-in shapes are sane)

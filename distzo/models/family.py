@@ -49,6 +49,13 @@ class ModelFamily(ABC):
         # config fields a model has is its family's to know, and nn.Module.__getattr__ would
         # type every one of them ``Tensor | Module``.
         self.model: Any = model
+        self.check_config(model.config)
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse, in one line, a config of the family's model types that is no causal LM
+        the adapter runs; the checks read the config alone, before any weights load."""
+        return None  # every config of most families
 
     @property
     def prefix_length(self) -> int:

@@ -8,13 +8,17 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from distzo.models.family import ModelFamily
+from distzo.models.gemma import GemmaFamily
 from distzo.models.gpt2 import GPT2Family
+from distzo.models.granite import GraniteFamily
 from distzo.models.llama import LlamaFamily
 from distzo.models.opt import OPTFamily
 
 # Adding a family: one adapter file, its class here, and a blockwise == forward test.
 ADAPTERS: dict[str, type[ModelFamily]] = {
-    t: cls for cls in (OPTFamily, LlamaFamily, GPT2Family) for t in cls.model_types
+    t: cls
+    for cls in (OPTFamily, LlamaFamily, GemmaFamily, GraniteFamily, GPT2Family)
+    for t in cls.model_types
 }
 
 

@@ -5,9 +5,15 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     GPT2Config,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -114,6 +120,37 @@ CONFIGS = {
         num_hidden_layers=2, **{**COMMON, "sliding_window": 4}
     ),
     "gpt2": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64),
+    "phi3": lambda: Phi3Config(num_hidden_layers=2, sliding_window=4, **COMMON),
+    "olmo2": lambda: Olmo2Config(num_hidden_layers=2, **COMMON),
+    "gemma": lambda: GemmaConfig(num_hidden_layers=2, head_dim=8, **COMMON),
+    # soft caps small enough to bend the logits and scores of a random model
+    "gemma2": lambda: Gemma2Config(
+        num_hidden_layers=3,
+        head_dim=8,
+        sliding_window=4,
+        query_pre_attn_scalar=8,
+        final_logit_softcapping=2.0,
+        attn_logit_softcapping=3.0,
+        **COMMON,
+    ),
+    # sliding and full layers, each kind with its own rotary base
+    "gemma3": lambda: Gemma3TextConfig(
+        num_hidden_layers=3,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=8,
+        final_logit_softcapping=2.0,
+        **COMMON,
+    ),
+    "granite": lambda: GraniteConfig(
+        num_hidden_layers=2,
+        embedding_multiplier=3.0,
+        logits_scaling=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.3,
+        **COMMON,
+    ),
 }
 
 

@@ -97,8 +97,8 @@ def tiny_neox():
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(
         ValueError,
-        match=r"unsupported model type 'gpt_neox': distzo supports gpt2, llama, mistral, opt, "
-        r"qwen2, qwen3",
+        match=r"unsupported model type 'gpt_neox': distzo supports gemma, gemma2, gemma3_text, "
+        r"gpt2, granite, llama, mistral, olmo2, opt, phi3, qwen2, qwen3;",
     ) as info:
         ZOEngine(tiny_neox(), ZOConfig(device="cpu"))
     assert "\n" not in str(info.value)

@@ -23,7 +23,9 @@ def trained(model, mode="offload", steps=3):
     return engine
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3", "gpt2"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama_tied", "qwen3", "gpt2", "phi3", "gemma3", "granite"]
+)
 def test_a_sharded_export_loads_back_exactly(tmp_path, name):
     engine = trained(build(name))
     expected = engine.named_parameters()

@@ -62,7 +62,7 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", ["opt", "llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("name", ["opt", "llama", "qwen3", "gpt2", "gemma3", "granite"])
 @pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
 def test_a_block_perturbed_module_by_module_steps_as_the_whole_block(name, options):
     whole, losses, weights = trajectory(model_of(name), "block", **options)

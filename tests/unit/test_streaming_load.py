@@ -37,7 +37,9 @@ def save(model, path: Path, fmt: str) -> None:
             torch.save(state, path / "pytorch_model.bin")
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "gpt2", "opt"])
+@pytest.mark.parametrize(
+    "name", ["llama_tied", "qwen2", "mistral", "gpt2", "opt", "gemma3", "granite", "phi3"]
+)
 @pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin", "base"])
 def test_streamed_parameters_equal_from_pretrained(tmp_path, name, fmt):
     original = tiny_opt(seed=5) if name == "opt" else build(name, seed=5)

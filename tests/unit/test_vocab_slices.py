@@ -48,7 +48,16 @@ def trajectory(model, scope, **options):
     return engine, losses + [loss.item()], logits, engine.named_parameters()
 
 
-MODELS = ["opt", "opt-projected", "llama", "llama_tied", "qwen3", "gpt2", "llama-bias"]
+MODELS = [
+    "opt",
+    "opt-projected",
+    "llama",
+    "llama_tied",
+    "qwen3",
+    "gpt2",
+    "llama-bias",
+    "granite",
+]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -64,6 +73,21 @@ def test_a_sliced_vocabulary_steps_as_the_whole_side(name, options):
     assert len(set(losses)) == len(losses)
     assert torch.equal(sliced_logits, logits)
     assert_same(sliced_weights, weights)
+
+
+def test_an_embedding_of_the_models_own_kind_is_read_whole_with_its_tied_head():
+    """Gemma scales what its embedding looks up, in its own module: a slice of rows would
+    skip that, so the embedding and the head tied to it are perturbed whole, and the run is
+    the block scope's all the same."""
+    whole, losses, logits, weights = trajectory(model_of("gemma3"), "block")
+    by_module, module_losses, module_logits, module_weights = trajectory(
+        model_of("gemma3"), "module"
+    )
+    assert by_module.resident.num_slices == 0
+    assert by_module.block_scratch.numel() >= by_module.resident_layout.numel  # the side whole
+    assert module_losses == losses and len(set(losses)) == len(losses)
+    assert torch.equal(module_logits, logits)
+    assert_same(module_weights, weights)
 
 
 def test_the_sides_share_the_module_scratch_and_the_plan_counts_it_once():
