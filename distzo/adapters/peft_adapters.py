@@ -83,6 +83,21 @@ class AdapterSpec:
     def enabled(self) -> bool:
         return self.method != "none"
 
+    def check_default_targets(self, model_type: str) -> None:
+        """A LoRA run without ``--lora-targets`` on a family that peft has no default
+        targets for is refused in one line before any model is built (peft says so only
+        once the adapter is attached, after the model's skeleton)."""
+        if self.method not in ("lora", "lora-fa") or self.targets:
+            return
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+        if model_type not in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
+            raise ValueError(
+                f"--peft {self.method}: peft has no default target modules for model type "
+                f"{model_type!r}; name them with --lora-targets (the attention projections, "
+                "such as q_proj,v_proj, or Phi-3's qkv_proj)"
+            )
+
     @classmethod
     def parse_targets(cls, text: str | None) -> tuple[str, ...] | None:
         """``q_proj,v_proj`` -> ("q_proj", "v_proj"); None or empty: the family's default."""

@@ -78,6 +78,7 @@ def check_model(job: JobConfig, config: ZOConfig) -> None:
     longest sequence."""
     model_config = model_config_of(job)
     check_supported(model_config.model_type).check_config(model_config)
+    job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)
     if job.model.model:  # a folder's or the hub's config.json (the built-in shapes are sane)

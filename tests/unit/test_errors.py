@@ -346,3 +346,28 @@ def test_the_engine_names_a_field_for_the_api_and_a_flag_for_the_command_line():
     )
     with pytest.raises(ValueError, match=api):  # the API's names again after the job's build
         ZOConfig(device="cpu", state_dtype="bf16")
+
+
+@pytest.mark.parametrize("method", ["lora", "lora-fa"])
+def test_lora_on_a_family_peft_has_no_default_for_needs_targets_up_front(tmp_path, method):
+    """peft has no default LoRA targets for Granite (nor Phi-3, OLMo 2): the run built the
+    model's skeleton before peft said so; it is now refused from the config alone, and the
+    same run with --lora-targets is taken."""
+    from tests.helpers.models import build
+
+    build("granite").config.save_pretrained(tmp_path / "model")  # a config, no weights
+    run = tmp_path / "run"
+    flags = ["--model", str(tmp_path / "model"), "--peft", method, "--output-dir", str(run)]
+    proc = run_cli(*flags)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: --peft {method}: peft has no default target modules for model type "
+        "'granite'; name them with --lora-targets (the attention projections, such as "
+        "q_proj,v_proj, or Phi-3's qkv_proj)"
+    )
+    assert not run.exists()
+    from distzo.adapters.peft_adapters import AdapterSpec
+
+    AdapterSpec(method, targets=("q_proj",)).check_default_targets("granite")
+    AdapterSpec(method).check_default_targets("llama")  # peft's q_proj,v_proj
+    AdapterSpec("prefix").check_default_targets("granite")
