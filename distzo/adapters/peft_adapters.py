@@ -34,7 +34,7 @@ from torch import nn
 if TYPE_CHECKING:  # peft is imported where an adapter is used (its import is heavy)
     from peft import PeftModel
 
-    from distzo.models.weights import Expected
+    from distzo.models.weights import Expected, Unexpected
 
 PEFT_METHODS = ("none", "lora", "lora-fa", "prefix")
 PREFIX_INITS = ("real", "random")
@@ -382,18 +382,16 @@ class AdapterWeights:
             return own.to(dtype).reshape(-1)[start:stop]
         return self.base.tensor_range(tuple(base_name(n) for n in names), shape, dtype, start, stop)
 
-    def check_shapes(self, expected: Expected) -> None:
+    def check_shapes(self, expected: Expected, unexpected: Unexpected | None = None) -> None:
         """The base's tensors checked against its checkpoint (``check_weights``) under their
-        original names; the adapter's own come from the model, which has their shapes."""
-        # imported here: the options import this module, and --help answers before
-        # transformers (which distzo.models imports) is loaded
-        from distzo.models.weights import check_weights
-
-        check_weights(
-            self.base,
-            [
-                (tuple(base_name(n) for n in names), shape)
-                for names, shape in expected
-                if self._own(names) is None
-            ],
-        )
+        original names, and what else it holds with them; the adapter's own come from the
+        model, which has their shapes."""
+        check = getattr(self.base, "check_shapes", None)
+        if check is None:  # a source that cannot tell from headers (.bin, random weights)
+            return
+        base = [
+            (tuple(base_name(n) for n in names), shape)
+            for names, shape in expected
+            if self._own(names) is None
+        ]
+        check(base, unexpected)

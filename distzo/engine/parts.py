@@ -39,7 +39,7 @@ from distzo.engine.state import StoredBuckets
 from distzo.engine.tuning import Tuning, make_tuning
 from distzo.engine.updates import UpdateRule
 from distzo.engine.vocab_slices import SlicedResident, shared_scratch_numel, sliced_sides
-from distzo.models.weights import WeightSource, check_weights, expected_tensors
+from distzo.models.weights import WeightSource, check_weights
 from distzo.offload import BucketLayout, StreamedBlocks
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.runtime.units import format_bytes, format_count
@@ -104,7 +104,7 @@ def build_parts(
     layouts = [layout for layout, _ in built]
     tuning = make_tuning(frozen, layouts, resident_layout, prefixes)
     groups, largest = _check_tuning(model, tuning, layouts, resident_layout, at)
-    check_weights(weights, expected_tensors(model))  # from the files' headers, if it can
+    check_weights(weights, model)  # from the files' headers, if it can
     dtype = master_dtype([resident_layout, *layouts, *tuning.base_layouts])
     check_transfer_dtype(config, dtype)  # before any bucket is allocated
     noise, rounding_noise = make_noise(

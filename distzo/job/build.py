@@ -30,7 +30,6 @@ from distzo.models.weights import (
     RandomWeights,
     WeightSource,
     check_weights,
-    expected_tensors,
     open_checkpoint,
     skeleton,
     with_generation_config,
@@ -175,7 +174,7 @@ def build_model(
         model = skeleton(AutoConfig.from_pretrained(source), dtype)
         weights = open_checkpoint(source)
         # before the memory plan, which would size (and maybe refuse) the config's model
-        check_weights(weights, expected_tensors(model))
+        check_weights(weights, model)
         return with_generation_config(model, source), weights
     return model_from_config(default_model_config(job.data.task), dtype), None
 

@@ -19,11 +19,13 @@ one block, never the model twice.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +56,9 @@ class WeightSource(Protocol):
 # What a model reads from its source: each distinct parameter's names (a tied weight's
 # aliases together, as the engine's buckets name it) and shape.
 Expected = Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
+# Of a checkpoint's tensors that no parameter takes, those that are not the model's
+# (``unexpected_keys``): what a checkpoint of a larger model holds beyond its config.json.
+Unexpected = Callable[[set[str]], set[str]]
 
 
 def parameter_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
@@ -72,16 +77,34 @@ def expected_tensors(model: nn.Module) -> list[tuple[tuple[str, ...], tuple[int,
     return [(names[key], tuple(p.shape)) for key, p in unique.items()]
 
 
-def check_weights(weights: WeightSource | None, expected: Expected) -> None:
-    """Refuse a source whose tensors are not the model's, before any is read: a source
+def check_weights(weights: WeightSource | None, model: nn.Module) -> None:
+    """Refuse a source whose tensors are not ``model``'s, before any is read: a source
     that can tell from its files' headers (``check_shapes``: safetensors) does; others
     (``.bin``, which only unpickling reads, random weights) are checked as each tensor is
     read. A checkpoint of another model than its config.json's (an edited or swapped
     config, a shard of another model) then fails in a second, not after the memory plan
-    and every block but the last were read (minutes for a large model)."""
+    and every block but the last were read (minutes for a large model); so does one that
+    holds more than the model takes (more layers than config.json's), which would
+    otherwise train the model config.json describes and drop the rest without a word."""
     check = getattr(weights, "check_shapes", None)
     if check is not None:
-        check(expected)
+        check(expected_tensors(model), functools.partial(unexpected_keys, model))
+
+
+def unexpected_keys(model: nn.Module, names: set[str]) -> set[str]:
+    """Those of ``names`` (a checkpoint's tensors that no parameter of ``model`` takes)
+    that a transformers load reports as unexpected: not a persistent buffer of the model
+    (under its name or a base model's, as ``_pick`` reads), nor a key the model's class
+    ignores, by transformers' own rule (``_keys_to_ignore_on_load_unexpected``, such as
+    GPT-2's ``attn.bias``, and the ``rotary_emb.inv_freq`` of old Llama checkpoints)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = set(model.state_dict()) - params
+    buffers |= {name.partition(".")[2] for name in buffers}
+    info = SimpleNamespace(missing_keys=set(), unexpected_keys=names - buffers)
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if adjust is not None:  # a transformers model: its class's patterns, filtered in place
+        adjust(info)
+    return set(info.unexpected_keys)
 
 
 def _flat_range(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -150,6 +173,17 @@ def _pick(names: tuple[str, ...], available) -> str:
 _FIX = "the weights and config.json are of different models; download or copy the model again"
 
 
+def _forms(name: str) -> tuple[str, str]:
+    """The keys a checkpoint may hold a parameter under (``_pick``): its name, or a base
+    model's (without the ``model.`` or ``transformer.`` prefix)."""
+    return name, name.partition(".")[2]
+
+
+def _natural(name: str) -> list[Any]:
+    """A sort key that puts layer 2 before layer 10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def _check(name: str, got: tuple[int, ...], shape: tuple[int, ...], file: Path) -> None:
     """A tensor of ``file`` has the shape the model (built from config.json) expects: one
     that disagrees means the weights and the config are of different models."""
@@ -174,6 +208,24 @@ def safetensors_file(path: Path) -> Iterator[Any]:
         ) from None
     with handle:
         yield handle
+
+
+def safetensors_header(path: Path) -> Mapping[str, tuple[int, ...]]:
+    """The tensors of a safetensors file and their shapes, from its header (no data), read
+    once per state of the file in a process: a job checks a checkpoint when it starts (each
+    file opens), builds the model (the shapes are config.json's) and builds the engine
+    (the same, with an adapter), and each of those read every shard's header again. A
+    damaged file is ``safetensors_file``'s one line."""
+    state = path.stat()
+    return _header(str(path), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)  # files: a 405B model has 191; a header is kilobytes
+def _header(path: str, *state: int) -> Mapping[str, tuple[int, ...]]:
+    """``safetensors_header`` for the file in ``state`` (device, inode, size, mtime)."""
+    with safetensors_file(Path(path)) as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    return MappingProxyType(shapes)
 
 
 def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
@@ -254,8 +306,7 @@ def check_readable(directory: Path) -> None:
     files = _weight_files(directory, "model.safetensors.index.json", "model.safetensors")
     if files is not None:
         for file in files:
-            with safetensors_file(directory / file):
-                pass
+            safetensors_header(directory / file)  # kept: the later checks read no header
         return
     for file in _weight_files(directory, "pytorch_model.bin.index.json", "pytorch_model.bin") or ():
         torch_bin_file(directory / file)  # none: open_checkpoint says so
@@ -268,34 +319,59 @@ class SafetensorsWeights:
             names = weight_map(index)
         else:
             single = directory / "model.safetensors"
-            with safetensors_file(single) as handle:
-                names = {name: single.name for name in handle.keys()}
+            names = dict.fromkeys(safetensors_header(single), single.name)
         self.directory, self.weight_map = directory, names
         self._open = safetensors_file
 
-    def check_shapes(self, expected: Expected) -> None:
-        """Every tensor ``expected`` names is in a file, with the shape expected: each
-        file's header read once (``get_slice``: names, dtypes and shapes, no data), through
-        the names ``tensor`` resolves (aliases, tied heads, a base model's unprefixed keys).
-        The first tensor that disagrees or is missing is named, with its file."""
+    def check_shapes(self, expected: Expected, unexpected: Unexpected | None = None) -> None:
+        """Every tensor ``expected`` names is in a file, with the shape expected, through
+        the names ``tensor`` resolves (aliases, tied heads, a base model's unprefixed keys);
+        the first tensor that disagrees or is missing is named, with its file. Then the
+        tensors none of those names takes, where ``unexpected`` keeps any (a checkpoint of
+        more layers than config.json's), are refused. Each header is read once a process
+        (``safetensors_header``: names and shapes, no data)."""
         by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         for names, shape in expected:
             name = self._held(names)
             by_file.setdefault(self.weight_map[name], []).append((name, shape))
+        held = dict(self.weight_map)  # each tensor's file: the index's, and the headers'
         for file, wanted in by_file.items():
-            self._check_file(self.directory / file, wanted)
+            held.update(dict.fromkeys(self._check_file(self.directory / file, wanted), file))
+        if unexpected is not None:
+            self._check_nothing_more(held, expected, unexpected)
 
-    def _check_file(self, path: Path, wanted: list[tuple[str, tuple[int, ...]]]) -> None:
-        """The tensors ``wanted`` of one file, checked against its header."""
-        with self._open(path) as handle:
-            held = set(handle.keys())
-            for name, shape in wanted:
-                if name not in held:  # an index that places it in a shard without it
-                    raise ValueError(
-                        f"{path}: holds no tensor {name}, which model.safetensors.index.json "
-                        "places there; download or copy the model again"
-                    )
-                _check(name, tuple(handle.get_slice(name).get_shape()), shape, path)
+    def _check_file(
+        self, path: Path, wanted: list[tuple[str, tuple[int, ...]]]
+    ) -> Mapping[str, tuple[int, ...]]:
+        """The tensors ``wanted`` of one file, checked against its header (returned)."""
+        header = safetensors_header(path)
+        for name, shape in wanted:
+            if name not in header:  # an index that places it in a shard without it
+                raise ValueError(
+                    f"{path}: holds no tensor {name}, which model.safetensors.index.json "
+                    "places there; download or copy the model again"
+                )
+            _check(name, header[name], shape, path)
+        return header
+
+    def _check_nothing_more(
+        self, held: dict[str, str], expected: Expected, unexpected: Unexpected
+    ) -> None:
+        """Refuse the checkpoint's tensors (``held``: name -> file) that no parameter takes
+        and ``unexpected`` keeps, naming a few, their count and the fix: a model built from
+        config.json would train without them, and its export would lack them."""
+        taken = {form for names, _ in expected for name in names for form in _forms(name)}
+        extra = sorted(unexpected({name for name in held if name not in taken}), key=_natural)
+        if not extra:
+            return
+        shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise ValueError(
+            f"{self.directory / held[extra[0]]}: holds {len(extra)} tensor"
+            f"{'s' if len(extra) > 1 else ''} the model built from "
+            f"{self.directory / 'config.json'} has no place for ({shown}), which training "
+            "would drop: the weights are of a larger model than config.json describes (more "
+            "layers?); give the folder the config.json of the model the weights are"
+        )
 
     def _held(self, names: tuple[str, ...]) -> str:
         """``_pick``, its error naming the folder, the config.json and the fix."""

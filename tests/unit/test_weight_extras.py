@@ -1,0 +1,104 @@
+"""A checkpoint that holds more than the model config.json describes (its layers past
+config.json's count) is refused before any tensor is read, as transformers reports such
+keys unexpected: before, the job trained the smaller model and dropped the rest silently.
+The keys a model's class ignores (transformers' own rule) still pass."""
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from distzo.models.weights import SafetensorsWeights
+from tests.helpers.launch import train_in_process
+from tests.helpers.models import build, tiny_opt
+from tests.unit.test_weight_shapes import engine_of, family, no_reads, saved
+
+__all__ = ["no_reads"]  # the fixture, used by name
+
+MESSAGE = (
+    r"{file}: holds {count} tensors the model built from {folder}/config\.json has no place "
+    r"for \({first}, \S+, \S+ and \d+ more\), which training would drop: the weights are of a "
+    r"larger model than config\.json describes \(more layers\?\); give the folder the "
+    r"config\.json of the model the weights are"
+)
+
+
+def one_layer_less(folder: Path) -> Path:
+    """``folder``'s config.json edited to say one layer less than its weights hold."""
+    config = json.loads((folder / "config.json").read_text())
+    key = "n_layer" if "n_layer" in config else "num_hidden_layers"
+    config[key] -= 1
+    if "layer_types" in config:  # Qwen2's, one per layer
+        config["layer_types"] = config["layer_types"][: config[key]]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def natural(key: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def transformers_unexpected(folder: Path) -> list[str]:
+    """The keys ``from_pretrained`` reports unexpected for ``folder``: the reference."""
+    loaded: Any = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    return sorted(loaded[1]["unexpected_keys"])
+
+
+@pytest.mark.parametrize("name", ["opt", "llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_of_more_layers_is_refused_before_any_read(tmp_path, no_reads, name, sharded):
+    folder = one_layer_less(saved(family(name), tmp_path, sharded))
+    unexpected = transformers_unexpected(folder)
+    last = AutoModelForCausalLM.from_pretrained(folder).config.num_hidden_layers
+    assert unexpected and all(f".{last}." in key for key in unexpected)  # the last layer's
+    first = min(unexpected, key=natural)
+    with pytest.raises(ValueError) as err:
+        engine_of(folder)
+    assert re.fullmatch(
+        MESSAGE.format(
+            file=re.escape(str(folder / SafetensorsWeights(folder).weight_map[first])),
+            count=len(unexpected),  # the same keys as transformers, its ignored ones passed
+            folder=re.escape(str(folder)),
+            first=re.escape(first),
+        ),
+        str(err.value),
+    ), str(err.value)
+
+
+def test_an_adapter_s_base_of_more_layers_is_refused(tmp_path, no_reads):
+    folder = one_layer_less(saved(build("llama", seed=1), tmp_path, True))
+    with pytest.raises(ValueError, match=r"holds 9 tensors the model built from "):
+        engine_of(folder, adapter=True)
+
+
+def extra(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    file = folder / "model.safetensors"
+    save_file({**load_file(str(file)), **tensors}, str(file), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [  # GPT-2's causal masks (openai-community/gpt2 holds them); old Llamas' rotary tables
+        ("gpt2", "transformer.h.{}.attn.bias", torch.ones(1, 1, 64, 64, dtype=torch.bool)),
+        ("llama", "model.layers.{}.self_attn.rotary_emb.inv_freq", torch.ones(4)),
+    ],
+)
+def test_keys_the_model_class_ignores_pass(tmp_path, name, key, value):
+    folder = saved(family(name), tmp_path, False)
+    extra(folder, {key.format(i): value.clone() for i in range(3)})
+    assert transformers_unexpected(folder) == []
+    engine_of(folder)  # no error
+
+
+def test_the_job_refuses_a_checkpoint_of_more_layers_before_its_memory_plan(tmp_path, no_reads):
+    folder = one_layer_less(saved(tiny_opt(seed=1), tmp_path / "model", False))
+    done = train_in_process(["--model", str(folder), "--output-dir", str(tmp_path / "run")])
+    assert done.returncode != 0
+    assert "memory plan" not in done.stderr
+    assert f"{folder}/model.safetensors: holds 16 tensors the model built from " in done.stderr
+    assert "Traceback" not in done.stderr
