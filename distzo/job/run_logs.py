@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import locale
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,14 +12,10 @@ from typing import Any
 from distzo.config.cli import names_file
 from distzo.config.field_types import is_of_type
 from distzo.job.curves import LossCurve
+from distzo.job.jsonl_text import TEXT_ENCODING, as_read_text
 from distzo.job.reporting import Reporter
-from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_end, is_begun_log
+from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_as_kept, is_begun_log
 from distzo.runtime import json_text
-
-# What ``open`` reads and writes a text file in, without an encoding named.
-TEXT_ENCODING = locale.getpreferredencoding(False)
-# The line breaks ``str.splitlines`` cuts at besides "\n" (universal newlines read "\r" too).
-OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 def truncate_jsonl(
@@ -35,8 +29,9 @@ def truncate_jsonl(
     the logs end at) rewrote a long run's 100 MB at every restart."""
     if not path.exists():
         return
+    raw = path.read_bytes()  # read once: the parse and the comparison that may skip the write
     kept = []
-    for line in path.read_text().splitlines():
+    for line in as_read_text(raw).splitlines():
         try:
             record = json_text.loads(line)
         except json.JSONDecodeError:
@@ -48,35 +43,19 @@ def truncate_jsonl(
             kept.append(line)
             if each_kept is not None:
                 each_kept(record)
-    _rewrite(path, "".join(line + "\n" for line in kept))
+    _rewrite(path, "".join(line + "\n" for line in kept), raw)
 
 
-def _rewrite(path: Path, text: str) -> None:
+def _rewrite(path: Path, text: str, raw: bytes) -> None:
     """``path`` holding ``text``, as ``write_text`` writes it: through a temporary file and a
-    rename, unless it already does (then a temporary file a crash left is removed)."""
+    rename, unless it already does (its bytes are ``raw``; then a temporary file a crash
+    left is removed)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    if text.encode(TEXT_ENCODING) == path.read_bytes():
+    if text.encode(TEXT_ENCODING) == raw:
         tmp.unlink(missing_ok=True)
         return
     tmp.write_text(text)
     tmp.replace(path)
-
-
-def written_as_kept(path: Path, end: int | None, keep_below: int) -> bool:
-    """Whether ``truncate_jsonl(path, keep_below)`` would leave the file as it is, known
-    without a parse: ``end``, the step after its last record where every line is known to
-    be a record of a whole-number step (or none: the header), is at most ``keep_below``,
-    and the file is its lines each ended by a newline, which that rewrite writes (a torn
-    last line, a carriage return or another line break ``splitlines`` cuts at: not so)."""
-    if end is None or end > keep_below:
-        return False
-    raw = path.read_bytes()
-    try:
-        text = raw.decode(TEXT_ENCODING)
-    except UnicodeDecodeError:
-        return False
-    whole = not text or text.endswith("\n")
-    return whole and not OTHER_BREAKS.search(text) and text.encode(TEXT_ENCODING) == raw
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -202,11 +181,7 @@ class RunLogs:
         and ending there (``in_order_end``) is left unread."""
         for name, path in self.paths.items():
             below = steps + 1 if name == "eval" else steps
-            if (
-                name == "seeds"
-                and path.is_file()
-                and written_as_kept(path, in_order_end(path), below)
-            ):
+            if name == "seeds" and in_order_as_kept(path, below):
                 continue
             truncate_jsonl(path, below, loss if name == "metrics" else None)
 

@@ -27,6 +27,7 @@ from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.cli import names_file
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.field_types import is_of_type
+from distzo.job.jsonl_text import as_read_text, as_rewritten
 from distzo.runtime import json_text
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,21 @@ def read_seed_log(path: Path) -> tuple[dict, list[dict]]:
     """The header and the step records, checked: one record per step, 0..n-1 in order.
     A last line without its newline is a record torn by a crash (each is written with its
     newline in one write): dropped, with a warning; a line that is not JSON is an error."""
+    return _parsed(path, _log_bytes(path))
+
+
+def _log_bytes(path: Path) -> bytes:
+    """The log's bytes, read whole once; a file it cannot read is one line."""
     try:
-        text = path.read_text()
+        return path.read_bytes()
     except OSError as err:
         raise ValueError(f"--log {path}: {err.strerror}") from None
+
+
+def _parsed(path: Path, raw: bytes) -> tuple[dict, list[dict]]:
+    """``read_seed_log`` of the log at ``path`` whose bytes are ``raw``."""
+    try:
+        text = as_read_text(raw)
     except UnicodeDecodeError as err:
         raise ValueError(f"--log {path}: not text (byte {err.start} is not UTF-8)") from None
     lines = text.split("\n")
@@ -278,8 +290,9 @@ def _complete_lines_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
 
 
 # The log last found whole and in order by ``checked_log_end``: its path, its state
-# (mtime_ns, size) then, and the step after its last record.
-_in_order: tuple[str, int, int, int] | None = None
+# (mtime_ns, size) then, the step after its last record, and whether its bytes are what a
+# rewrite of its lines writes (``jsonl_text.as_rewritten``).
+_in_order: tuple[str, int, int, int, bool] | None = None
 
 
 def _state(path: Path) -> tuple[int, int] | None:
@@ -296,12 +309,14 @@ def checked_log_end(path: Path) -> int | None:
     every record's step is a plain whole number (so ``run_dir.logged_steps_of`` reads the
     same steps, without a gap); None otherwise, for the caller's own scan to name what is
     wrong. Rank 0 of a resume checks the log so, once: the answer is remembered for the
-    file's state (``in_order_end``), and the catch-up and the logs' truncation then read
-    only the records they need, where each parsed all of a long log (seconds a restart).
-    The parse is not kept: it is a dict per step, and the model is built after this."""
+    file's state (``in_order_end``, ``in_order_as_kept``), and the catch-up and the logs'
+    truncation then read only the records they need, where each read all of a long log
+    (seconds a restart). The parse is not kept: it is a dict per step, and the model is
+    built after this."""
     before = _state(path)
     try:
-        header, steps = read_seed_log(path)
+        raw = _log_bytes(path)
+        header, steps = _parsed(path, raw)
     except ValueError:
         return None
     if "step" in header or any(type(record["step"]) is not int for record in steps):
@@ -309,17 +324,32 @@ def checked_log_end(path: Path) -> int | None:
     end = steps[-1]["step"] + 1 if steps else first_step(header)
     if before is not None and _state(path) == before:
         global _in_order
-        _in_order = (str(path), *before, end)
+        _in_order = (str(path), *before, end, as_rewritten(raw))
     return end
+
+
+def _vouched(path: Path) -> tuple[int, bool] | None:
+    """What ``checked_log_end`` found of the log as it is now (its end, and whether it is
+    as rewritten), read from nothing (None: not checked so, or written since)."""
+    state = _state(path)
+    if _in_order is None or state is None or _in_order[:3] != (str(path), *state):
+        return None
+    return _in_order[3], _in_order[4]
 
 
 def in_order_end(path: Path) -> int | None:
     """``checked_log_end``'s answer for the log as it is now, read from nothing (None: not
     checked so, or written since)."""
-    state = _state(path)
-    if _in_order is None or state is None or _in_order[:3] != (str(path), *state):
-        return None
-    return _in_order[3]
+    vouched = _vouched(path)
+    return vouched[0] if vouched is not None else None
+
+
+def in_order_as_kept(path: Path, keep_below: int) -> bool:
+    """Whether cutting the log back to the steps below ``keep_below`` would leave it as it
+    is, known without reading it: ``checked_log_end`` found it ending there at most, each
+    line a record (or the header) ended by a newline, and it is unchanged since."""
+    vouched = _vouched(path)
+    return vouched is not None and vouched[0] <= keep_below and vouched[1]
 
 
 def records_from(path: Path, start: int) -> list[dict] | None:

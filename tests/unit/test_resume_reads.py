@@ -37,16 +37,21 @@ def write_run(run: Path, steps: int, checkpoint: int) -> None:
 
 
 def whole_reads(monkeypatch) -> list[str]:
-    """The names of the files read whole (``Path.read_text``) from here on."""
+    """The names of the files read whole (``Path.read_text`` or ``read_bytes``) from here on."""
     reads: list[str] = []
-    read_text = Path.read_text
-
-    def counted(self, *args, **kwargs):
-        reads.append(self.name)
-        return read_text(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "read_text", counted)
+    for method in ("read_text", "read_bytes"):
+        monkeypatch.setattr(Path, method, counted(getattr(Path, method), reads))
     return reads
+
+
+def counted(read, reads: list[str]):
+    """``read``, each call's file name added to ``reads``."""
+
+    def counting(self, *args, **kwargs):
+        reads.append(self.name)
+        return read(self, *args, **kwargs)
+
+    return counting
 
 
 def catch_up(run: Path, at: int) -> list:

@@ -641,17 +641,22 @@ def test_a_default_directory_a_failed_build_made_is_removed(tmp_path, monkeypatc
 
 
 def whole_log_reads(monkeypatch, log: Path) -> list[str]:
-    """Each read of the whole of ``log`` (a parse of every record), by who read it."""
+    """Each read of the whole of ``log`` (a parse of every record), by what read it."""
     reads: list[str] = []
-    read_text = Path.read_text
-
-    def counted(path: Path, *args, **kwargs) -> str:
-        if path == log:
-            reads.append("read_text")
-        return read_text(path, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "read_text", counted)
+    for method in ("read_text", "read_bytes"):
+        monkeypatch.setattr(Path, method, counted_reads(getattr(Path, method), log, reads))
     return reads
+
+
+def counted_reads(read, log: Path, reads: list[str]):
+    """``read`` (a ``Path`` method), its name added to ``reads`` for each read of ``log``."""
+
+    def counting(path: Path, *args, **kwargs):
+        if path == log:
+            reads.append(read.__name__)
+        return read(path, *args, **kwargs)
+
+    return counting
 
 
 @pytest.mark.parametrize("checkpoint", [True, False])

@@ -1,0 +1,31 @@
+"""The run's JSON-lines logs as bytes read once: the text ``Path.read_text`` would give,
+and whether a rewrite through ``write_text`` would leave the file as it is, both from
+the one read (a resume of a million-step run read its logs whole twice for these)."""
+
+from __future__ import annotations
+
+import locale
+import re
+
+# What ``open`` reads and writes a text file in, without an encoding named.
+TEXT_ENCODING = locale.getpreferredencoding(False)
+# The line breaks ``str.splitlines`` cuts at besides "\n" (universal newlines read "\r" too).
+OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def as_read_text(raw: bytes) -> str:
+    """``raw`` as ``read_text`` reads it: decoded (a ``UnicodeDecodeError`` where it is not
+    text), with universal newlines ("\\r\\n" and "\\r" read as "\\n")."""
+    return raw.decode(TEXT_ENCODING).replace("\r\n", "\n").replace("\r", "\n")
+
+
+def as_rewritten(raw: bytes) -> bool:
+    """Whether ``raw`` is what writing its lines back, each ended by a newline, writes: no
+    torn last line, carriage return or other line break ``splitlines`` cuts at, and text
+    that encodes back to the same bytes."""
+    try:
+        text = raw.decode(TEXT_ENCODING)
+    except UnicodeDecodeError:
+        return False
+    whole = not text or text.endswith("\n")
+    return whole and not OTHER_BREAKS.search(text) and text.encode(TEXT_ENCODING) == raw
