@@ -23,6 +23,7 @@ import functools
 import re
 import zipfile
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType, SimpleNamespace
@@ -78,10 +79,10 @@ def expected_tensors(model: nn.Module) -> list[tuple[tuple[str, ...], tuple[int,
 
 
 def check_weights(weights: WeightSource | None, model: nn.Module) -> None:
-    """Refuse a source whose tensors are not ``model``'s, before any is read: a source
-    that can tell from its files' headers (``check_shapes``: safetensors) does; others
-    (``.bin``, which only unpickling reads, random weights) are checked as each tensor is
-    read. A checkpoint of another model than its config.json's (an edited or swapped
+    """Refuse a source whose tensors are not ``model``'s, before any is read: a checkpoint
+    tells from its files' headers (``HeaderChecked.check_shapes``: a safetensors header, a
+    ``.bin``'s pickle, mapped without its data); random weights are checked as each
+    tensor is drawn. A checkpoint of another model than its config.json's (an edited or swapped
     config, a shard of another model) then fails in a second, not after the memory plan
     and every block but the last were read (minutes for a large model); so does one that
     holds more than the model takes (more layers than config.json's), which would
@@ -252,6 +253,21 @@ def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
+def torch_bin_header(path: Path) -> Mapping[str, tuple[int, ...]]:
+    """The tensors of a ``.bin`` file and their shapes, from its mapping (``torch_bin_file``:
+    the pickle read, no tensor data), once per state of the file in a process, as
+    ``safetensors_header``."""
+    state = path.stat()
+    return _bin_header(str(path), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bin_header(path: str, *state: int) -> Mapping[str, tuple[int, ...]]:
+    """``torch_bin_header`` for the file in ``state`` (device, inode, size, mtime)."""
+    mapped = torch_bin_file(Path(path))
+    return MappingProxyType({name: tuple(tensor.shape) for name, tensor in mapped.items()})
+
+
 def weight_map(index: Path) -> dict[str, str]:
     """A sharded model's index: each tensor's file. A torn or foreign index (not JSON, no
     ``weight_map`` of names to files) is one line naming it, not a bare JSON error or a
@@ -309,19 +325,20 @@ def check_readable(directory: Path) -> None:
             safetensors_header(directory / file)  # kept: the later checks read no header
         return
     for file in _weight_files(directory, "pytorch_model.bin.index.json", "pytorch_model.bin") or ():
-        torch_bin_file(directory / file)  # none: open_checkpoint says so
+        torch_bin_header(directory / file)  # none: open_checkpoint says so
 
 
-class SafetensorsWeights:
-    def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            names = weight_map(index)
-        else:
-            single = directory / "model.safetensors"
-            names = dict.fromkeys(safetensors_header(single), single.name)
-        self.directory, self.weight_map = directory, names
-        self._open = safetensors_file
+class HeaderChecked(ABC):
+    """A checkpoint whose tensors' names and shapes are known before any is read (a
+    safetensors header, a ``.bin``'s pickle): ``check_shapes`` against the model's."""
+
+    directory: Path
+    weight_map: dict[str, str]  # every tensor's file
+    index_name: str  # the sharded form's index
+
+    @abstractmethod
+    def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:
+        """The names and shapes of the tensors of one of the checkpoint's files."""
 
     def check_shapes(self, expected: Expected, unexpected: Unexpected | None = None) -> None:
         """Every tensor ``expected`` names is in a file, with the shape expected, through
@@ -329,7 +346,7 @@ class SafetensorsWeights:
         the first tensor that disagrees or is missing is named, with its file. Then the
         tensors none of those names takes, where ``unexpected`` keeps any (a checkpoint of
         more layers than config.json's), are refused. Each header is read once a process
-        (``safetensors_header``: names and shapes, no data)."""
+        (names and shapes, no data)."""
         by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         for names, shape in expected:
             name = self._held(names)
@@ -344,11 +361,11 @@ class SafetensorsWeights:
         self, path: Path, wanted: list[tuple[str, tuple[int, ...]]]
     ) -> Mapping[str, tuple[int, ...]]:
         """The tensors ``wanted`` of one file, checked against its header (returned)."""
-        header = safetensors_header(path)
+        header = self._header(path)
         for name, shape in wanted:
             if name not in header:  # an index that places it in a shard without it
                 raise ValueError(
-                    f"{path}: holds no tensor {name}, which model.safetensors.index.json "
+                    f"{path}: holds no tensor {name}, which {self.index_name} "
                     "places there; download or copy the model again"
                 )
             _check(name, header[name], shape, path)
@@ -383,6 +400,23 @@ class SafetensorsWeights:
                 f"{self.directory / 'config.json'} has: {_FIX}"
             ) from None
 
+
+class SafetensorsWeights(HeaderChecked):
+    index_name = "model.safetensors.index.json"
+
+    def __init__(self, directory: Path) -> None:
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            names = weight_map(index)
+        else:
+            single = directory / "model.safetensors"
+            names = dict.fromkeys(safetensors_header(single), single.name)
+        self.directory, self.weight_map = directory, names
+        self._open = safetensors_file
+
+    def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:
+        return safetensors_header(path)
+
     def tensor(self, names, shape, dtype):
         # One mapping per tensor, closed at once: pages read from a file mapping that stays
         # open count as this process's memory, which would add up to the whole checkpoint.
@@ -408,12 +442,21 @@ class SafetensorsWeights:
             return rows[start - first * row : stop - first * row].to(dtype=dtype, copy=True)
 
 
-class TorchBinWeights:
+class TorchBinWeights(HeaderChecked):
+    index_name = "pytorch_model.bin.index.json"
+
     def __init__(self, directory: Path) -> None:
-        index = directory / "pytorch_model.bin.index.json"
-        self.weight_map = weight_map(index) if index.exists() else None  # None: one file
-        self.directory = directory
+        index = directory / self.index_name
+        if index.exists():
+            names = weight_map(index)
+        else:
+            single = directory / "pytorch_model.bin"
+            names = dict.fromkeys(torch_bin_header(single), single.name)
+        self.directory, self.weight_map = directory, names
         self._open: tuple[str, dict[str, torch.Tensor]] | None = None  # the one mapped shard
+
+    def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:
+        return torch_bin_header(path)
 
     def _shard(self, file: str) -> dict[str, torch.Tensor]:
         """``file`` mapped, and the shard mapped before released: buckets are read in the
@@ -425,14 +468,9 @@ class TorchBinWeights:
         return self._open[1]
 
     def tensor(self, names, shape, dtype):
-        if self.weight_map is None:
-            file = "pytorch_model.bin"
-            state = self._shard(file)
-            name = _pick(names, state)
-        else:
-            name = _pick(names, self.weight_map)
-            file = self.weight_map[name]
-            state = self._shard(file)
+        name = _pick(names, self.weight_map)
+        file = self.weight_map[name]
+        state = self._shard(file)
         _check(name, tuple(state[name].shape), shape, self.directory / file)
         return state[name].to(dtype)
 

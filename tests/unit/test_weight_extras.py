@@ -102,3 +102,57 @@ def test_the_job_refuses_a_checkpoint_of_more_layers_before_its_memory_plan(tmp_
     assert "memory plan" not in done.stderr
     assert f"{folder}/model.safetensors: holds 16 tensors the model built from " in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def as_bin(folder: Path) -> Path:
+    """``folder``'s safetensors checkpoint rewritten as ``.bin`` files (and their index), as
+    older hub models ship (facebook/opt-30b): transformers 5 writes safetensors only."""
+    from tests.unit.test_weight_shapes import INDEX
+
+    index = folder / INDEX
+    for file in sorted(folder.glob("*.safetensors")):
+        torch.save(
+            load_file(str(file)),
+            file.with_name(file.stem.replace("model", "pytorch_model") + ".bin"),
+        )
+        file.unlink()
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {
+            key: value.replace("model", "pytorch_model").replace(".safetensors", ".bin")
+            for key, value in data["weight_map"].items()
+        }
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps(data))
+        index.unlink()
+    return folder
+
+
+@pytest.fixture
+def no_bin_reads(monkeypatch):
+    """A ``.bin`` source whose every tensor read fails the test."""
+    from distzo.models.weights import TorchBinWeights
+
+    def read(*args, **kwargs):
+        raise AssertionError("a tensor was read before the disagreement was found")
+
+    monkeypatch.setattr(TorchBinWeights, "tensor", read)
+    monkeypatch.setattr(TorchBinWeights, "tensor_range", read)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_bin_checkpoint_is_checked_as_a_safetensors_one(tmp_path, no_bin_reads, sharded):
+    """A ``.bin`` checkpoint of more layers than config.json trained the smaller model
+    silently, and one of other shapes failed only when its tensor was read (after the
+    memory plan and every block before it): both are refused from the files' pickles."""
+    from distzo.models.weights import TorchBinWeights, open_checkpoint
+
+    bigger = as_bin(one_layer_less(saved(family("llama"), tmp_path / "bigger", sharded)))
+    assert isinstance(open_checkpoint(bigger), TorchBinWeights)
+    with pytest.raises(ValueError, match=r"\.bin: holds 9 tensors the model built from "):
+        engine_of(bigger)
+    other = saved(family("llama"), tmp_path / "other", sharded)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    as_bin(other)
+    with pytest.raises(ValueError, match=r"\.bin: checkpoint tensor model\.layers\.0\.mlp\."):
+        engine_of(other)
