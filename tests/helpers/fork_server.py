@@ -19,11 +19,19 @@ and answers on stdout with the child's pid, then its wait status. The child is t
 new process group, so that a timeout kills it and whatever it started (a launch's ranks). When
 the server's stdin closes (the test process ended, by a Ctrl-C say), it kills a child still
 running and exits.
+
+A command past its timeout is first asked for its stacks: the child (and every process it
+forks, a launch's agent and ranks) dumps every thread's Python stack to its stderr on
+``DUMP_SIGNAL`` (``faulthandler``), and the ``TimeoutExpired`` raised says the end of that
+stderr. A CI run once lost a 4-rank launch to its 180 s timeout with nothing to tell what
+any rank was doing. This is the one way a child differs from a fresh interpreter: SIGUSR2
+dumps the stacks instead of ending it.
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import json
 import os
@@ -56,6 +64,13 @@ RUN_TIME_PREFIXES = ("DISTZO_",)
 SWITCH = "DISTZO_TEST_FORK_SERVER"
 POLL_S = 0.02
 SETUP_FAILED = 70  # EX_SOFTWARE: the child failed before it could run the command
+# Past its timeout, a command's processes dump their stacks on this signal (no one else here
+# uses it: distzo stops on SIGUSR1, torchrun's agent handles SIGTERM, SIGINT, SIGHUP, SIGQUIT),
+# and get this long to write them before they are killed.
+DUMP_SIGNAL = signal.SIGUSR2
+DUMP_WAIT_S = 2.0
+# How much of the stderr the TimeoutExpired's message says (an agent and 4 ranks: ~25 KB)
+REPORTED_CHARS = 40_000
 
 
 # The server side.
@@ -146,6 +161,8 @@ def _run_module(request: dict) -> int:
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(opened, fd)
         os.close(opened)
+    # to the captured stderr (fd 2), inherited by every process the command forks
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     sys.path[0] = os.getcwd()  # as ``python -m`` puts it
     sys.argv = [request["module"], *request["args"]]
     # A fresh ``python -m MODULE`` has no module of that name (its code runs as __main__)
@@ -230,15 +247,27 @@ class _Server:
         self.requests.flush()
         pid = json.loads(self._reply())["pid"]
         reply = self.replies.readline(timeout)
-        if reply is None:  # as subprocess.run does: kill it, then say what it printed
-            _kill_group(pid)
+        timed_out = reply is None
+        if timed_out:  # as subprocess.run does: kill it (its stacks dumped first)
+            reply = self._dump_stacks(pid)
+            if reply is None:
+                _kill_group(pid)
         status = json.loads(reply or self._reply())["status"]
         outputs = [_read_text(path) for path in (stdout, stderr)]
         command = [sys.executable, "-m", module, *args]
-        if reply is None:
-            raise subprocess.TimeoutExpired(command, timeout, *outputs)
+        if timed_out:
+            raise Timeout(command, timeout, *outputs)
         code = os.waitstatus_to_exitcode(status)
         return subprocess.CompletedProcess(command, code, *outputs)
+
+    def _dump_stacks(self, pid: int) -> bytes | None:
+        """Ask every process of the command's group for its stacks, and give them
+        ``DUMP_WAIT_S`` to write them; the command's status if it ended meanwhile."""
+        try:
+            os.killpg(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+        return self.replies.readline(DUMP_WAIT_S)
 
     def _reply(self) -> bytes:
         reply = self.replies.readline()
@@ -253,6 +282,16 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.folder.cleanup()
+
+
+class Timeout(subprocess.TimeoutExpired):
+    """A served command past its timeout, whose message ends with the end of its stderr:
+    the stacks its processes dumped, which pytest shows where it shows the failure."""
+
+    def __str__(self) -> str:
+        err = self.stderr if isinstance(self.stderr, str) else ""
+        tail = err[-REPORTED_CHARS:]
+        return f"{super().__str__()}; the end of its stderr, the stacks of its processes:\n{tail}"
 
 
 def _import_time(env: Mapping[str, str]) -> dict[str, str]:

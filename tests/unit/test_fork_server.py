@@ -46,6 +46,11 @@ def test_a_served_command_past_its_timeout_is_killed_with_what_it_printed():
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         served(REPORT + ["--hang"], child_env(), timeout=5)
     assert '"name": "__main__"' in timed_out.value.stdout
+    # what it was doing when it was stopped: its stack, in the message pytest shows
+    said = str(timed_out.value)
+    assert "timed out after 5 seconds" in said
+    assert "(most recent call first)" in said
+    assert 'interpreter_report.py", line' in said and "in <module>" in said
     # the server is free again, and serves the next command
     assert served(REPORT + ["4"], child_env()).returncode == 4
 
