@@ -101,8 +101,8 @@ def engine_option(
 class ModelOptions:
     model: str | None = option(
         None,
-        "hub name or local path of a model (opt, llama, qwen2, qwen3, mistral, gpt2); default: a "
-        "tiny random-init OPT",
+        "hub name or local path of a model (gemma, gemma2, gemma3_text, gpt2, granite, llama, "
+        "mistral, olmo2, opt, phi3, qwen2, qwen3); default: a tiny random-init OPT",
     )
     model_config: str | None = option(
         None, "a named shape with random weights, no checkpoint (e.g. opt-13b, llama-2-7b)"

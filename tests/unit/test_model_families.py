@@ -18,6 +18,18 @@ def test_every_family_is_registered():
     }
 
 
+def test_the_model_options_help_names_every_family():
+    """``--help`` said --model takes opt, llama, qwen2, qwen3, mistral and gpt2 after Gemma,
+    Granite, Phi-3 and OLMo 2 were added (the help is text: --help loads no registry)."""
+    import dataclasses
+
+    from distzo.config.job import ModelOptions
+
+    (model,) = [f for f in dataclasses.fields(ModelOptions) if f.name == "model"]
+    named = model.metadata["help"].partition("(")[2].partition(")")[0].split(", ")
+    assert sorted(named) == supported_model_types()
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("pad", [None, "left", "right"])
 def test_blockwise_forward_equals_the_model_forward(name, pad):
