@@ -22,6 +22,11 @@ ADAPTERS: dict[str, type[ModelFamily]] = {
 }
 
 
+# Multimodal models whose language model is a supported family's, under a type of its own:
+# what the refusal tells their users.
+TEXT_MODELS = {"gemma3": "Gemma 3's text-only models (1B, model type gemma3_text)"}
+
+
 def supported_model_types() -> list[str]:
     return sorted(ADAPTERS)
 
@@ -31,8 +36,10 @@ def check_supported(model_type: str) -> type[ModelFamily]:
     try:
         return ADAPTERS[model_type]
     except KeyError:
+        text = TEXT_MODELS.get(model_type)
+        hint = f" (a multimodal model: distzo trains {text})" if text else ""
         raise ValueError(
-            f"unsupported model type {model_type!r}: distzo supports "
+            f"unsupported model type {model_type!r}{hint}: distzo supports "
             f"{', '.join(supported_model_types())}; pick a model of one of these families"
         ) from None
 

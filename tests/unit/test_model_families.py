@@ -122,3 +122,16 @@ def test_strategy_invariance_for_a_tiny_llama(tmp_path):
     assert max(abs(x - y) / abs(y) for x, y in zip(a.grads, reference.grads)) <= 1e-5
     for key, value in reference.params.items():
         assert ((a.params[key] - value).norm() / value.norm()).item() <= 1e-5, key
+
+
+def test_a_multimodal_gemma_3_is_refused_naming_the_text_models():
+    """Gemma 3 4B and larger are multimodal (model type gemma3): the refusal listed the
+    families without a word of which Gemma 3 models distzo does train."""
+    from distzo.models import check_supported
+
+    with pytest.raises(ValueError) as err:
+        check_supported("gemma3")
+    assert str(err.value).startswith(
+        "unsupported model type 'gemma3' (a multimodal model: distzo trains Gemma 3's "
+        "text-only models (1B, model type gemma3_text)): distzo supports gemma, "
+    )
