@@ -7,13 +7,14 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
+from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, load_toml
 from distzo.data.loaders import load_rows
 from distzo.job import memory_plan
 from distzo.job.run_dir import _recorded
 from distzo.job.run_logs import iter_records, truncate_jsonl
 from distzo.job.seed_log import read_seed_log
-from distzo.models.config_file import model_size, read_config
+from distzo.models.config_file import ModelSize, model_size, read_config
 from distzo.models.weights import SafetensorsWeights, TorchBinWeights, skeleton, weight_map
 from distzo.runtime import json_text
 
@@ -150,6 +151,14 @@ def test_a_config_file_nested_too_deeply_is_one_line(tmp_path):
         load_toml(str(path))
 
 
+def test_a_config_json_transformers_reads_itself_nested_too_deeply_is_one_line(tmp_path):
+    # a hub name's cached snapshot, or the file's own path, is read by transformers alone
+    file = tmp_path / "config.json"
+    file.write_text('{"model_type": "opt", "a": ' + DEEP + "}")
+    with pytest.raises(ValueError, match=r"^cannot load --model .*config.json'?: maximum recurs"):
+        read_config(file)
+
+
 def model_folder(path, **config):
     """A folder holding only a config.json: ``config`` over a tiny OPT's."""
     path.mkdir()
@@ -222,6 +231,27 @@ def test_model_size_counts_what_the_skeleton_holds(family):
     size = model_size(kinds[family], family)
     assert size.parameters == sum(p.numel() for p in model.parameters())
     assert size.modules == sum(1 for _ in model.modules())
+    assert kinds[family].num_hidden_layers == 5  # its cut models are copies
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_model_size_counts_a_qwen_of_fewer_layer_kinds_than_it_cuts(layers):
+    # one entry of layer_types a layer: a one-layer model's is too short for the two-layer cut
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    model = skeleton(config, torch.float32)
+    size = model_size(config, "--model q")
+    assert size.parameters == sum(p.numel() for p in model.parameters())
+    assert size.modules == sum(1 for _ in model.modules())
 
 
 def test_a_config_of_a_million_layers_is_refused_before_its_skeleton(monkeypatch, caplog):
@@ -241,6 +271,37 @@ def test_a_config_of_a_million_layers_is_refused_before_its_skeleton(monkeypatch
         memory_plan.check_weights_fit(size, 1, torch.device("cpu"), False, "--model big")
     memory_plan.check_weights_fit(size, 1, torch.device("cpu"), True, "--model big")
     assert "starting anyway (--force): --model big" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("master", "options", "each"),
+    [
+        (torch.float32, {}, 4),
+        (torch.bfloat16, {}, 2),
+        (torch.float32, {"transfer_dtype": "fp8"}, 1),
+        (torch.float32, {"compute_dtype": "fp16"}, 2),
+        (torch.float32, {"transfer_dtype": "bf16", "compute_dtype": "fp32"}, 2),
+    ],
+)
+def test_the_weights_check_counts_the_fewest_bytes_any_copy_of_a_parameter_takes(
+    master, options, each
+):
+    assert memory_plan.fewest_bytes_a_parameter(ZOConfig(**options), master) == each
+
+
+def test_a_model_the_hosts_and_devices_memory_hold_together_is_not_refused(monkeypatch):
+    # 36 GB of weights: more than the host's 16 GB, less than it and two 40 GB devices
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 16 * 10**9)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    props = type("Props", (), {"total_memory": 40 * 10**9})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    cuda = torch.device("cuda")
+    assert memory_plan.node_memory_bytes(cuda) == (16 * 10**9, 80 * 10**9)
+    assert memory_plan.node_memory_bytes(torch.device("cpu")) == (16 * 10**9, 0)
+    size = ModelSize(parameters=36 * 10**9, modules=10)
+    memory_plan.check_weights_fit(size, 1, cuda, False, "--model big")
+    with pytest.raises(ValueError, match=r"the host has 16.00 GB available and 80.00 GB on its d"):
+        memory_plan.check_weights_fit(size, 4, cuda, False, "--model big")
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "range", "bin"])
