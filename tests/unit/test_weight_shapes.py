@@ -155,6 +155,21 @@ def test_every_family_s_own_checkpoint_passes_tied_heads_absent_or_not(tmp_path,
     assert ("lm_head.weight" in dict(shaped.named_parameters())) != tied
 
 
+def test_a_tied_weight_saved_under_the_head_s_name_alone_loads(tmp_path):
+    """safetensors' ``save_model`` keeps one name of a shared tensor, the first sorted:
+    ``lm_head.weight``, not the embedding's. Every name of a tied weight is one it may be
+    read under, in the check and in the load."""
+    from safetensors.torch import save_model
+
+    model = tiny_opt(seed=1)
+    model.config.save_pretrained(tmp_path)
+    save_model(model, str(tmp_path / "model.safetensors"))
+    assert "model.decoder.embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
+    engine = engine_of(tmp_path)
+    embed = model.get_input_embeddings().weight
+    assert torch.equal(engine.named_parameters()["model.decoder.embed_tokens.weight"], embed)
+
+
 def test_an_adapted_model_s_own_checkpoint_passes(tmp_path):
     from distzo.adapters.peft_adapters import AdapterWeights
 
