@@ -137,3 +137,68 @@ def test_a_record_whose_step_is_not_a_plain_number_keeps_the_scans_words(tmp_pat
     assert seed_log.checked_log_end(log) is None
     with pytest.raises(ValueError, match="jumps from step 2 to step 4"):
         check_log_leads_to_checkpoint(tmp_path)
+
+
+def test_a_header_that_holds_a_step_is_refused_as_the_scan_refuses_it(tmp_path):
+    """A header with a ``step`` field is a step record to the scan and to the log's tail
+    read (a header alone "ended" at its step): the checked read sends it to the scan."""
+    write_run(tmp_path, steps=6, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    log.write_text(log.read_text().replace('"run_seed": 0}', '"run_seed": 0, "step": 9}', 1))
+    assert seed_log.checked_log_end(log) is None
+    with pytest.raises(ValueError, match="jumps from its header to step 9"):
+        check_log_leads_to_checkpoint(tmp_path)
+
+
+def test_a_line_added_after_the_check_is_cut_though_the_log_ends_where_it_did(tmp_path):
+    """The check vouches for the file's state, not its name: a damaged line appended
+    since (the log still ends at the resume's step) is dropped by the cut, not kept under
+    the records the resume appends."""
+    write_run(tmp_path, steps=30, checkpoint=30)
+    assert check_log_leads_to_checkpoint(tmp_path) == 30
+    log = tmp_path / "seedlog.jsonl"
+    with open(log, "a") as stream:
+        stream.write("damaged\n")
+    RunLogs(tmp_path, tmp_path, 30, HEADER).close()
+    assert log.read_text().splitlines()[-1] == json.dumps(
+        {"step": 29, "projected_grads": [29.5], "lr": 0.1}
+    )
+
+
+def test_a_resume_before_the_logs_end_cuts_a_checked_seed_log(tmp_path):
+    """A low-bit transfer trains the steps past its checkpoint again instead of catching
+    up: the seed log checked whole still loses them, or they would be logged twice."""
+    write_run(tmp_path, steps=30, checkpoint=20)
+    assert check_log_leads_to_checkpoint(tmp_path) == 30
+    RunLogs(tmp_path, tmp_path, 20, HEADER).close()
+    assert seed_log.last_logged_step(tmp_path / "seedlog.jsonl") == 19
+
+
+def test_a_checked_seed_log_loses_its_torn_last_line_on_a_resume(tmp_path):
+    """A crash tore the last record: the read drops it, so the cut must too, or the next
+    record would be appended to its half."""
+    write_run(tmp_path, steps=30, checkpoint=30)
+    log = tmp_path / "seedlog.jsonl"
+    with open(log, "a") as stream:
+        stream.write('{"step": 30, "projected_gra')
+    assert check_log_leads_to_checkpoint(tmp_path) == 30
+    RunLogs(tmp_path, tmp_path, 30, HEADER).close()
+    assert log.read_text().endswith('"lr": 0.1}\n')
+
+
+def test_a_resume_that_drops_nothing_removes_a_temporary_file_a_crash_left(tmp_path):
+    write_run(tmp_path, steps=10, checkpoint=10)
+    stale = tmp_path / "metrics.jsonl.tmp"
+    stale.write_text('{"step": 0, "loss": 5.0}\n')  # a crash between the write and the rename
+    RunLogs(tmp_path, tmp_path, 10, HEADER).close()
+    assert not stale.exists()
+    assert (tmp_path / "metrics.jsonl").stat().st_mtime_ns == OLD
+
+
+def test_the_loss_curve_of_a_resume_holds_the_training_losses_alone(tmp_path):
+    """The evaluations' records hold a loss too: not the training curve's."""
+    write_run(tmp_path, steps=10, checkpoint=10)
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 10, "loss": 99.0}) + "\n")
+    logs = RunLogs(tmp_path, tmp_path, 10, HEADER)
+    logs.close()
+    assert list(logs.loss_curve.losses) == [2.0 + s for s in range(10)]
