@@ -12,13 +12,13 @@ def batches(vocab_size, n, seed=0):
     return [random_batch(vocab_size, pad="left", seed=seed + i) for i in range(n)]
 
 
-def fail_in_the_last_block(engine, monkeypatch):
+def fail_in_the_last_block(engine, monkeypatch, error: type[BaseException] = IndexError):
     """The engine's passes fail inside their last block, after the first blocks ran."""
     forward = engine.family.block_forward
 
     def fails_in_the_last_block(block, hidden, ctx):
         if block is engine.blocks[-1]:
-            raise IndexError("a failure inside the pass")
+            raise error("a failure inside the pass")
         return forward(block, hidden, ctx)
 
     monkeypatch.setattr(engine.family, "block_forward", fails_in_the_last_block)
@@ -278,15 +278,23 @@ def test_an_empty_label_batch_is_refused():
         engine.step(batch)
 
 
-def test_a_failed_pass_makes_the_engine_refuse_to_continue(monkeypatch):
+@pytest.mark.parametrize("error", [IndexError, KeyboardInterrupt])
+def test_a_failed_pass_makes_the_engine_refuse_to_continue(monkeypatch, error):
+    """A Ctrl-C half-way leaves the buckets as half-written as an error; a loaded state
+    makes the engine whole again."""
     engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    reference = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
     engine.step(random_batch(64))
-    fail_in_the_last_block(engine, monkeypatch)  # the first blocks already took the update
-    with pytest.raises(IndexError, match="inside the pass"):
+    state = engine.state_dict()
+    fail_in_the_last_block(engine, monkeypatch, error)  # the first blocks took the update
+    with pytest.raises(error, match="inside the pass"):
         engine.step(random_batch(64))
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="unusable"):
         engine.step(random_batch(64))
+    engine.load_state_dict(state)
+    reference.step(random_batch(64))
+    assert engine.step(random_batch(64)) == reference.step(random_batch(64))
 
 
 @pytest.mark.parametrize("pending", [False, True])
@@ -456,6 +464,7 @@ def test_load_state_dict_refuses_what_is_no_state_before_writing():
         "step must be a whole number.*got 1.5": state | {"step": 1.5},
         "run_seed must be a whole number.*got True": state | {"run_seed": True},
         "pending update is malformed": state | {"params": zeroed, "pending": {"step": 1}},
+        "pending update is malformed: .*missing": state | {"params": zeroed, "pending": {}},
         r"run_seed must be a whole number.*got 9223372036854775808": state | {"run_seed": 2**63},
         "pending update is malformed: a pending update needs one projected gradient": state
         | {"params": zeroed, "pending": {"step": 1, "projected_grads": [], "lr": 0.1}},

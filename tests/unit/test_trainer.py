@@ -223,10 +223,32 @@ def test_a_failed_run_completes_a_save_however_long_its_write_takes(tmp_path, mo
     monkeypatch.setattr(trainer_module, "CLOSE_SAVE_TIMEOUT_S", 0.1, raising=False)
     run = tmp_path / "run"
     failing = Trainer(job(run, "--save-steps", "4"), callbacks=[StopAt(5)])
-    with failing, pytest.raises(RuntimeError, match="stopped at step 5"):
-        failing.train()
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with failing:
+            with pytest.raises(RuntimeError, match="stopped at step 5"):
+                failing.train()
+            assert failing.checkpointer.in_flight  # the save is still being written
+            assert torch.get_num_threads() == 3  # the caller's threads back all the same
+    finally:
+        torch.set_num_threads(before)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]
     assert not (run / ".distzo.lock").exists()
+
+
+def test_a_failed_run_whose_closing_fails_too_raises_its_own_failure(tmp_path, caplog):
+    """The same full disk may fail the logs' close: said, not raised over the failure
+    that stopped the run (which the caller must see)."""
+    from distzo.job.run_logs import RunLogs
+
+    failing = Trainer(job(tmp_path / "run"), callbacks=[StopAt(2)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RunLogs, "close", lambda self: (_ for _ in ()).throw(OSError("disk full")))
+        with pytest.raises(RuntimeError, match="stopped at step 2"):
+            failing.train()
+    assert "closing the failed run: disk full" in caplog.text
+    failing.close()
 
 
 def test_a_second_trainer_in_a_launched_process_is_refused_in_one_line(tmp_path):
