@@ -9,6 +9,7 @@ a notebook or a sweep that goes on after a run keeps none of them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from distzo.job.checkpoint import Checkpointer
@@ -39,14 +40,14 @@ class RunResources:
         synced) and give the thread count back. A failure to complete the save is said, not
         raised: the failure under way, if any, is the one to report. An interrupt of the
         wait (a second Ctrl-C) abandons the save (its ``step-N.tmp`` never counts, as on the
-        command line) and still closes the logs, the rest of what a resume goes on from."""
-        try:
-            self._complete_save()
-        finally:
+        command line) and still closes the logs, the rest of what a resume goes on from; logs
+        that fail to close (a full disk) still give the thread count back."""
+        with contextlib.ExitStack() as closing:  # its callbacks run last first, each of them
+            closing.callback(setattr, self, "closed", True)
+            closing.callback(self.cpu_threads.give_back)
             if self.logs is not None:
-                self.logs.close()
-            self.cpu_threads.give_back()
-            self.closed = True
+                closing.callback(self.logs.close)
+            self._complete_save()
 
     def _complete_save(self) -> None:
         if self.checkpointer is not None and self.checkpointer.in_flight:

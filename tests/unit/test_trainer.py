@@ -408,3 +408,23 @@ def test_a_ctrl_c_while_close_waits_for_a_save_still_gives_the_run_back(tmp_path
     with resumed:
         resumed.train()
     assert resumed.start_step == 6  # the seed log's six steps, no checkpoint completed
+
+
+def test_logs_that_fail_to_close_still_give_the_callers_threads_back(tmp_path):
+    """close() on a full disk: the logs' close raised, and torch's thread count stayed the
+    run's for everything the notebook ran after."""
+    from distzo.job.run_logs import RunLogs
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        trainer = Trainer(job(tmp_path / "run"))
+        trainer.build()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(RunLogs, "close", lambda self: (_ for _ in ()).throw(OSError("full")))
+            with pytest.raises(OSError, match="full"):
+                trainer.close()
+        assert torch.get_num_threads() == 3 and trainer.closed
+        assert not (tmp_path / "run" / ".distzo.lock").exists()
+    finally:
+        torch.set_num_threads(before)
