@@ -84,17 +84,29 @@ class SlicedSide:
 
 def vocab_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The vocabulary modules a slice of rows can stand in for, by name: the input
-    embedding if a plain ``nn.Embedding`` (no ``max_norm``: a lookup is a copy of a row),
-    the output embedding if a plain ``nn.Linear`` (a slice's logits are its columns)."""
+    embedding if a plain ``nn.Embedding`` (no ``max_norm``: a lookup is a copy of a row) or
+    transformers' scaled one (``embed_scale``), the output embedding if a plain
+    ``nn.Linear`` (a slice's logits are its columns)."""
     names = {id(m): name for name, m in model.named_modules()}
     found: dict[str, nn.Module] = {}
     embedding = model.get_input_embeddings()  # type: ignore[operator]
-    if type(embedding) is nn.Embedding and embedding.max_norm is None:
+    if _looks_up_rows(embedding):
         found[names[id(embedding)]] = embedding
     head = model.get_output_embeddings()  # type: ignore[operator]
     if type(head) is nn.Linear and id(head) in names:
         found[names[id(head)]] = head
     return found
+
+
+def _looks_up_rows(embedding: nn.Module) -> bool:
+    """Whether ``embedding`` is a lookup of rows (no ``max_norm``), times ``embed_scale``
+    where it is transformers' ``*ScaledWordEmbedding`` (Gemma's: its forward is the plain
+    lookup times that scale, which a slice's lookup multiplies alike)."""
+    if not isinstance(embedding, nn.Embedding) or embedding.max_norm is not None:
+        return False
+    kind = type(embedding)
+    scaled = kind.__name__.endswith("ScaledWordEmbedding") and hasattr(embedding, "embed_scale")
+    return kind is nn.Embedding or scaled
 
 
 def sliced_sides(layout: BucketLayout, model: nn.Module) -> dict[str, SlicedSide]:
@@ -144,7 +156,7 @@ class SlicedResident:
             for matrix in side.matrices:
                 module = model.get_submodule(matrix.module)
                 if isinstance(module, nn.Embedding):
-                    module.forward = partial(self._lookup, matrix)  # type: ignore[method-assign]
+                    module.forward = partial(self._lookup, matrix, module)  # type: ignore[method-assign]
                 else:
                     assert isinstance(module, nn.Linear)
                     module.forward = partial(self._logits, matrix, module)  # type: ignore[method-assign]
@@ -222,9 +234,10 @@ class SlicedResident:
                 self._slice = (self.holds, offset, lo)
             yield lo, flat.view(hi - lo, width)
 
-    def _lookup(self, matrix: VocabMatrix, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, matrix: VocabMatrix, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         """The embedding of ``ids``: each id's row from the slice that holds it (a copy, without
-        the gradient options a no-grad lookup never uses)."""
+        the gradient options a no-grad lookup never uses), scaled as the module's own
+        forward scales it (``embed_scale``: Gemma's)."""
         out: torch.Tensor | None = None
         for lo, rows in self._slices(matrix):
             looked_up = F.embedding((ids - lo).clamp(0, rows.shape[0] - 1), rows)
@@ -234,7 +247,10 @@ class SlicedResident:
                 inside = ((ids >= lo) & (ids < lo + rows.shape[0])).unsqueeze(-1)
                 out = torch.where(inside, looked_up, out)
         assert out is not None  # a vocabulary has rows
-        return out
+        scale = getattr(module, "embed_scale", None)
+        if scale is None:
+            return out
+        return out * (scale.to(out.dtype) if isinstance(scale, torch.Tensor) else scale)
 
     def _logits(self, matrix: VocabMatrix, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``module(x)``: each slice's logits into their columns."""

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from distzo import ZOConfig, ZOEngine
 from distzo.engine.parts import describe
 from distzo.engine.resident_sides import EMBEDDING, HEAD, WHOLE
-from distzo.engine.vocab_slices import MIN_ROWS, shared_scratch_numel, sliced_sides
+from distzo.engine.vocab_slices import MIN_ROWS, shared_scratch_numel, sliced_sides, vocab_modules
 from distzo.job.memory_plan import plan_memory
 from tests.helpers.models import CONFIGS, random_batch, tiny_opt
 from tests.unit.test_module_scratch import OPTIONS, assert_same
@@ -57,6 +57,7 @@ MODELS = [
     "gpt2",
     "llama-bias",
     "granite",
+    "gemma3",
 ]
 
 
@@ -75,19 +76,12 @@ def test_a_sliced_vocabulary_steps_as_the_whole_side(name, options):
     assert_same(sliced_weights, weights)
 
 
-def test_an_embedding_of_the_models_own_kind_is_read_whole_with_its_tied_head():
-    """Gemma scales what its embedding looks up, in its own module: a slice of rows would
-    skip that, so the embedding and the head tied to it are perturbed whole, and the run is
-    the block scope's all the same."""
-    whole, losses, logits, weights = trajectory(model_of("gemma3"), "block")
-    by_module, module_losses, module_logits, module_weights = trajectory(
-        model_of("gemma3"), "module"
-    )
-    assert by_module.resident.num_slices == 0
-    assert by_module.block_scratch.numel() >= by_module.resident_layout.numel  # the side whole
-    assert module_losses == losses and len(set(losses)) == len(losses)
-    assert torch.equal(module_logits, logits)
-    assert_same(module_weights, weights)
+def test_gemma_s_scaled_embedding_is_read_in_slices_scaled_as_its_own_forward():
+    """Gemma scales what its embedding looks up, in its own module: a slice's lookup
+    scales it alike, so its vocabulary (262k words) never needs a scratch of its size."""
+    model = model_of("gemma3")
+    assert set(vocab_modules(model)) == {"model.embed_tokens", "lm_head"}
+    assert model.model.embed_tokens.embed_scale.item() != 1.0  # the scale matters here
 
 
 def test_the_sides_share_the_module_scratch_and_the_plan_counts_it_once():
