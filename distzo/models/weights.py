@@ -332,9 +332,18 @@ class HeaderChecked(ABC):
     """A checkpoint whose tensors' names and shapes are known before any is read (a
     safetensors header, a ``.bin``'s pickle): ``check_shapes`` against the model's."""
 
-    directory: Path
-    weight_map: dict[str, str]  # every tensor's file
     index_name: str  # the sharded form's index
+    single_name: str  # the one file of the unsharded form
+
+    def __init__(self, directory: Path) -> None:
+        index = directory / self.index_name
+        if index.exists():
+            names = weight_map(index)
+        else:
+            single = directory / self.single_name
+            names = dict.fromkeys(self._header(single), single.name)
+        self.directory = directory
+        self.weight_map = names  # every tensor's file
 
     @abstractmethod
     def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:
@@ -403,15 +412,10 @@ class HeaderChecked(ABC):
 
 class SafetensorsWeights(HeaderChecked):
     index_name = "model.safetensors.index.json"
+    single_name = "model.safetensors"
 
     def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            names = weight_map(index)
-        else:
-            single = directory / "model.safetensors"
-            names = dict.fromkeys(safetensors_header(single), single.name)
-        self.directory, self.weight_map = directory, names
+        super().__init__(directory)
         self._open = safetensors_file
 
     def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:
@@ -444,15 +448,10 @@ class SafetensorsWeights(HeaderChecked):
 
 class TorchBinWeights(HeaderChecked):
     index_name = "pytorch_model.bin.index.json"
+    single_name = "pytorch_model.bin"
 
     def __init__(self, directory: Path) -> None:
-        index = directory / self.index_name
-        if index.exists():
-            names = weight_map(index)
-        else:
-            single = directory / "pytorch_model.bin"
-            names = dict.fromkeys(torch_bin_header(single), single.name)
-        self.directory, self.weight_map = directory, names
+        super().__init__(directory)
         self._open: tuple[str, dict[str, torch.Tensor]] | None = None  # the one mapped shard
 
     def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:

@@ -127,20 +127,8 @@ def as_bin(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture
-def no_bin_reads(monkeypatch):
-    """A ``.bin`` source whose every tensor read fails the test."""
-    from distzo.models.weights import TorchBinWeights
-
-    def read(*args, **kwargs):
-        raise AssertionError("a tensor was read before the disagreement was found")
-
-    monkeypatch.setattr(TorchBinWeights, "tensor", read)
-    monkeypatch.setattr(TorchBinWeights, "tensor_range", read)
-
-
 @pytest.mark.parametrize("sharded", [False, True])
-def test_a_bin_checkpoint_is_checked_as_a_safetensors_one(tmp_path, no_bin_reads, sharded):
+def test_a_bin_checkpoint_is_checked_as_a_safetensors_one(tmp_path, no_reads, sharded):
     """A ``.bin`` checkpoint of more layers than config.json trained the smaller model
     silently, and one of other shapes failed only when its tensor was read (after the
     memory plan and every block before it): both are refused from the files' pickles."""

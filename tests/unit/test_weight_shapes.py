@@ -13,6 +13,7 @@ from transformers import AutoConfig, Qwen2Config
 from distzo import ZOConfig, ZOEngine
 from distzo.models.weights import (
     SafetensorsWeights,
+    TorchBinWeights,
     check_weights,
     open_checkpoint,
     skeleton,
@@ -65,8 +66,9 @@ def no_reads(monkeypatch):
     def read(*args, **kwargs):
         raise AssertionError("a tensor was read before the disagreement was found")
 
-    monkeypatch.setattr(SafetensorsWeights, "tensor", read)
-    monkeypatch.setattr(SafetensorsWeights, "tensor_range", read)
+    for source in (SafetensorsWeights, TorchBinWeights):
+        monkeypatch.setattr(source, "tensor", read)
+        monkeypatch.setattr(source, "tensor_range", read)
 
 
 def engine_of(folder: Path, adapter: bool = False) -> ZOEngine:
