@@ -5,7 +5,8 @@ module (``module_scratch``), but the resident side's would still hold a whole em
 or head, larger than that module: 0.41 GB of fp16 at OPT-6.7B, 1.24 GB at OPT-175B. The
 embedding is read before the first block and the head after the last, on the one
 compute stream, so both sides use the block's scratch; and the two vocabulary matrices
-(the token embedding, a plain ``nn.Embedding``, and the LM head, a plain ``nn.Linear``)
+(the token embedding, an ``nn.Embedding`` or Gemma's scaled one, and the LM head, a
+plain ``nn.Linear``)
 are perturbed there a slice of rows at a time, as many rows as the scratch holds: the
 embedding looks each token up in the slice holding its row, the head writes each slice's
 logits into their columns. The side's other weights (positions, norms, a head's bias)
