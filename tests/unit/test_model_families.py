@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine, family_for
 from distzo.models import supported_model_types
@@ -135,3 +136,26 @@ def test_a_multimodal_gemma_3_is_refused_naming_the_text_models():
         "unsupported model type 'gemma3' (a multimodal model: distzo trains Gemma 3's "
         "text-only models (1B, model type gemma3_text)): distzo supports gemma, "
     )
+
+
+def test_a_bidirectional_gemma_is_refused_from_its_config_and_its_model(tmp_path):
+    """EmbeddingGemma's config (use_bidirectional_attention) is a Gemma 3 model type whose
+    layers attend both ways: the engine's causal masks would train another model than the
+    one saved. The job refuses it from config.json alone (before any weights are looked
+    for), and the Python API as its family wraps the model."""
+    from tests.helpers.launch import train_in_process
+
+    config = CONFIGS["gemma3"]()
+    config.use_bidirectional_attention = True
+    message = (
+        "this Gemma config sets use_bidirectional_attention (an embedding model, "
+        "not a causal LM); pick a causal Gemma model"
+    )
+    with pytest.raises(ValueError) as err:
+        family_for(AutoModelForCausalLM.from_config(config))
+    assert str(err.value) == message
+    config.save_pretrained(tmp_path / "model")  # a config, no weights
+    run = tmp_path / "run"
+    proc = train_in_process(["--model", str(tmp_path / "model"), "--output-dir", str(run)])
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {message}")
+    assert not run.exists()
