@@ -115,6 +115,8 @@ CONFIGS = {
     ),
     "qwen3": lambda: Qwen3Config(num_hidden_layers=3, head_dim=8, **COMMON),
     "mistral": lambda: MistralConfig(num_hidden_layers=3, sliding_window=4, **COMMON),
+    # Mistral 7B v0.2 and later: no window (``"sliding_window": null``), full attention
+    "mistral_no_window": lambda: MistralConfig(num_hidden_layers=2, sliding_window=None, **COMMON),
     # a window a converted config carries, which Llama's attention ignores
     "llama_window_field": lambda: LlamaConfig(
         num_hidden_layers=2, **{**COMMON, "sliding_window": 4}
