@@ -44,3 +44,27 @@ def test_default_rope_stays_on_the_device():
     on_device = family.context(None, (2, 8), torch.device("meta"), torch.float32)
     assert on_device.extras["position_embeddings"][0].device.type == "meta"
     assert "_host_rotary" not in vars(family)  # no host copy was made
+
+
+def test_gemma_3_s_dynamic_tables_come_from_the_host_for_each_kind_of_layer():
+    """Gemma 3 keeps rotary frequencies for each kind of layer (sliding, full): a dynamic
+    type on the device builds each kind's tables on the host copy, asked for that kind."""
+    from tests.helpers.models import CONFIGS
+
+    config = CONFIGS["gemma3"]()
+    config.max_position_embeddings = 16
+    config.rope_parameters = {
+        "full_attention": DYNAMIC,
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    family = family_for(model)
+    tables = family.context(None, (2, 40), torch.device("meta"), torch.float32).extras
+    positions = torch.arange(40).unsqueeze(0)
+    for kind in ("full_attention", "sliding_attention"):
+        cos, sin = tables["position_embeddings"][kind]
+        assert cos.device.type == "meta" and cos.shape == (1, 40, 8) == sin.shape
+        expected = model.model.rotary_emb(torch.empty(0), positions, layer_type=kind)
+        host = family._host_rotary(torch.empty(0), position_ids=positions, layer_type=kind)
+        assert all(torch.equal(a, b) for a, b in zip(host, expected))
