@@ -141,7 +141,10 @@ def test_which_weights_are_sliced():
 
 
 class Doubled(nn.Embedding):
-    """An embedding whose forward is its own: not a plain lookup, so never sliced."""
+    """An embedding whose forward is its own: not a plain lookup, so never sliced, though
+    it holds an ``embed_scale`` as transformers' scaled embeddings do (not one of them)."""
+
+    embed_scale = 1.0
 
     def forward(self, ids):
         return super().forward(ids) * 2
