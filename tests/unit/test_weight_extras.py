@@ -95,6 +95,38 @@ def test_keys_the_model_class_ignores_pass(tmp_path, name, key, value):
     engine_of(folder)  # no error
 
 
+@pytest.mark.parametrize(
+    ("layers", "said"),
+    [
+        ([9], "1 tensor the model built from {config} has no place for ({names})"),
+        ([10, 2, 9], "3 tensors the model built from {config} has no place for ({names})"),
+    ],
+    ids=["one", "three"],
+)
+def test_a_few_extra_tensors_are_counted_and_named_in_layer_order(tmp_path, layers, said):
+    """The refusal names up to three of the tensors, layer 2 before layer 10, and says
+    "and N more" only where there are more: a user looks for the first layer too many."""
+    folder = saved(family("llama"), tmp_path, False)
+    extra(folder, {f"model.layers.{i}.extra.weight": torch.ones(4) for i in layers})
+    names = ", ".join(f"model.layers.{i}.extra.weight" for i in sorted(layers))
+    with pytest.raises(ValueError) as err:
+        engine_of(folder)
+    text = said.format(config=folder / "config.json", names=names)
+    assert f"{folder / 'model.safetensors'}: holds {text}, which training " in str(err.value)
+
+
+def test_a_shard_s_tensor_its_index_does_not_list_is_refused(tmp_path):
+    """transformers loads every tensor of the shards its index names, listed or not: one a
+    shard holds beyond the index is as unexpected as one the index lists."""
+    folder = saved(family("llama"), tmp_path, True)
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    tensors = {**load_file(str(shard)), "model.layers.7.extra.weight": torch.ones(4)}
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert transformers_unexpected(folder) == ["model.layers.7.extra.weight"]
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(shard))}: holds 1 tensor the "):
+        engine_of(folder)
+
+
 def test_the_job_refuses_a_checkpoint_of_more_layers_before_its_memory_plan(tmp_path, no_reads):
     folder = one_layer_less(saved(tiny_opt(seed=1), tmp_path / "model", False))
     done = train_in_process(["--model", str(folder), "--output-dir", str(tmp_path / "run")])
