@@ -79,3 +79,37 @@ def test_a_job_reads_each_safetensors_header_once(tmp_path, monkeypatch, sharded
     assert done.returncode == 0, done.stderr
     assert dict(counts.headers) == dict.fromkeys(files, 1)
     assert sorted(counts.tensors) == files  # each tensor's own read still opens its file
+
+
+@pytest.mark.parametrize("form", ["safetensors", "bin"])
+def test_a_file_rewritten_in_place_is_read_again(tmp_path, form):
+    """The headers are kept per state of a file: one rewritten in place (``cp`` keeps the
+    inode), in a notebook that goes on, is read anew, never checked by its old shapes."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from distzo.models.weights import safetensors_header, torch_bin_header
+
+    path = tmp_path / f"model.{form}"
+    header = safetensors_header if form == "safetensors" else torch_bin_header
+
+    def write(shape: tuple[int, ...], mtime_ns: int) -> None:
+        tensors = {"w": torch.zeros(shape)}
+        if form == "safetensors":
+            data = tmp_path / "new"
+            save_file(tensors, str(data))
+        else:
+            torch.save(tensors, data := tmp_path / "new")
+        with open(path, "r+b" if path.exists() else "wb") as out:  # the same inode
+            out.write(data.read_bytes())
+            out.truncate()
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+    write((2, 3), 10**18)
+    inode = path.stat().st_ino
+    assert dict(header(path)) == {"w": (2, 3)}
+    write((3, 2), 10**18 + 10**9)  # the same size, a second later
+    assert path.stat().st_ino == inode
+    assert dict(header(path)) == {"w": (3, 2)}
