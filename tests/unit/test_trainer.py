@@ -428,3 +428,22 @@ def test_logs_that_fail_to_close_still_give_the_callers_threads_back(tmp_path):
         assert not (tmp_path / "run" / ".distzo.lock").exists()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_save_that_fails_to_complete_on_close_is_said_not_raised(caplog):
+    """A save whose write fails as close() completes it (a full disk: an OSError) is said;
+    the logs still close and the run is given back, the failure under way (if any) the one
+    raised."""
+    from types import SimpleNamespace
+
+    from distzo.job.run_resources import RunResources
+
+    def wait() -> None:
+        raise OSError(28, "No space left on device")
+
+    held = RunResources()
+    held.checkpointer = SimpleNamespace(in_flight=True, wait=wait)
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        held.close()
+    assert held.closed
+    assert "could not be completed: [Errno 28] No space left on device" in caplog.text
