@@ -447,3 +447,22 @@ def test_a_save_that_fails_to_complete_on_close_is_said_not_raised(caplog):
         held.close()
     assert held.closed
     assert "could not be completed: [Errno 28] No space left on device" in caplog.text
+
+
+def test_the_run_directory_stays_locked_until_its_summary_is_written(tmp_path, monkeypatch):
+    """A finished run unlocked its directory only after its summary and curves: another job
+    taking it sooner would find a run without them (or race their write)."""
+    from distzo.job import trainer as trainer_module
+
+    run, seen = tmp_path / "run", []
+    report = trainer_module.report_run_end
+
+    def spying(*args, **kwargs):
+        seen.append(((run / ".distzo.lock").exists(), (run / "rank0.json").exists()))
+        return report(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "report_run_end", spying)
+    with Trainer(job(run, "--max-steps", "2")) as trainer:
+        trainer.train()
+        assert seen == [(True, True)]
+        assert not (run / ".distzo.lock").exists() and (run / "summary.json").exists()
