@@ -113,3 +113,31 @@ def test_a_file_rewritten_in_place_is_read_again(tmp_path, form):
     write((3, 2), 10**18 + 10**9)  # the same size, a second later
     assert path.stat().st_ino == inode
     assert dict(header(path)) == {"w": (3, 2)}
+
+
+def test_a_job_maps_each_bin_file_for_its_checks_once(tmp_path, monkeypatch):
+    """The same for ``.bin`` shards: the start checks, the model's build and the engine's
+    check would each map every file (its pickle read) again; once is enough. (The stream
+    maps each shard again as its tensors are read, one shard at a time.)"""
+    import sys
+
+    from distzo.models import weights
+    from tests.unit.test_weight_extras import as_bin
+
+    folder = tmp_path / "model"
+    tiny_opt(seed=1).save_pretrained(folder, max_shard_size="20KB")
+    files = sorted(file.name for file in as_bin(folder).glob("*.bin"))
+    assert len(files) == 5
+    for_checks: collections.Counter[str] = collections.Counter()
+    torch_bin_file = weights.torch_bin_file
+
+    def counting(path: Path):
+        if sys._getframe(1).f_code.co_name == "_bin_header":  # a check's, not the stream's
+            for_checks[Path(path).name] += 1
+        return torch_bin_file(path)
+
+    monkeypatch.setattr(weights, "torch_bin_file", counting)
+    args = ["--model", str(folder), "--max-steps", "0", "--output-dir", str(tmp_path / "run")]
+    done = train_in_process(args)
+    assert done.returncode == 0, done.stderr
+    assert dict(for_checks) == dict.fromkeys(files, 1)
