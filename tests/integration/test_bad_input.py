@@ -655,7 +655,10 @@ def test_a_model_folder_of_a_million_layers_is_one_line_before_its_skeleton(tmp_
     model.mkdir()
     config = tiny_opt().config.to_dict() | {"num_hidden_layers": 10**6}
     (model / "config.json").write_text(json.dumps(config))
-    proc = train_in_process(["--model", str(model), "--output-dir", str(tmp_path / "run")])
+    # a process of its own, cut at a minute: without the check it would build for an hour,
+    # taking the memory of the test process that runs it (and its neighbours')
+    args = ["--model", str(model), "--output-dir", str(tmp_path / "run")]
+    proc = python_train(args, timeout=60)
     line = one_line(proc)
     assert line.startswith(f"error: --model {model}: its config.json describes "), line
     assert "M modules, at least" in line and "--force starts anyway" in line, line
