@@ -500,3 +500,13 @@ def test_the_models_page_names_every_shape_and_family_the_code_has():
     with pytest.raises(ValueError) as refused:
         check_supported("gpt_neox")
     assert str(refused.value) == quoted
+
+
+def test_the_python_api_names_every_supported_model_type():
+    """python-api.md lists the model types ``load_model`` and ``model_from_config`` take:
+    the registry's (it kept the six of before Phi-3, OLMo 2, Gemma and Granite)."""
+    from distzo.models.registry import supported_model_types
+
+    text = " ".join((ROOT / "docs" / "python-api.md").read_text().split())
+    listed = text.split("The supported `model_type`s are", 1)[1].split("(", 1)[0]
+    assert re.findall(r"`([a-z0-9_]+)`", listed) == list(supported_model_types())
