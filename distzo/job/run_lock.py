@@ -71,17 +71,9 @@ class RunLock:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            holder = handle.read().strip() or "a process"
+            holder = handle.read()
             handle.close()
-            if holder == _holder():  # a notebook's earlier Trainer, built and never closed
-                raise ValueError(
-                    f"{self.flag} {self.run_dir}: another Trainer of this process holds it "
-                    f"(built, not closed); call its close(), or give another {self.flag}"
-                ) from None
-            raise ValueError(
-                f"{self.flag} {self.run_dir}: another job is running in it ({holder}); wait "
-                f"for it to end or stop it, or give another {self.flag}"
-            ) from None
+            raise ValueError(_refusal(holder, self.run_dir, self.flag)) from None
         except OSError as err:
             handle.close()
             if err.errno not in _NO_LOCKS:
@@ -106,6 +98,41 @@ class RunLock:
         if self._made:
             with contextlib.suppress(OSError):  # not empty: the run's files
                 self.run_dir.rmdir()
+
+
+def check_not_running(run_dir: Path, flag: str = "--output-dir") -> None:
+    """Refuse a directory another job's rank 0 (or an unclosed Trainer of this process)
+    holds, before the run directory's checks read that job's files half-written and
+    answer with advice for a run at rest (``--resume``, ``--resume auto``). Takes and drops
+    a shared lock and writes nothing. Rank 0's check only: another rank could find its own
+    job's rank 0 already holding the lock."""
+    try:
+        handle = open(run_dir / LOCK_FILE)
+    except OSError:  # no lock file, nothing runs there (or acquire says why later)
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(_refusal(handle.read(), run_dir, flag)) from None
+        except OSError:  # a filesystem without locks: acquire warns
+            return
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _refusal(holder: str, run_dir: Path, flag: str) -> str:
+    """The one line that refuses a directory whose lock ``holder`` (the lock file's text)
+    holds."""
+    holder = holder.strip() or "a process"
+    if holder == _holder():  # a notebook's earlier Trainer, built and never closed
+        return (
+            f"{flag} {run_dir}: another Trainer of this process holds it (built, not closed); "
+            f"call its close(), or give another {flag}"
+        )
+    return (
+        f"{flag} {run_dir}: another job is running in it ({holder}); wait for it to end or "
+        f"stop it, or give another {flag}"
+    )
 
 
 def _holder() -> str:

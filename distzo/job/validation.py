@@ -33,6 +33,7 @@ from distzo.job.memory_plan import check_weights_fit, fewest_bytes_a_parameter
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
+from distzo.job.run_lock import check_not_running
 from distzo.models import check_supported, hub
 from distzo.models.config_file import model_size, read_config
 from distzo.models.weights import check_float_weights, check_readable
@@ -165,6 +166,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
     check_model(job, config)
     check_output_dir(job.run.output_dir)
+    if env.rank == 0 and job.run.output_dir is not None:  # a live job's files mislead the rest
+        check_not_running(Path(job.run.output_dir))
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")
     # every row checked, before any model

@@ -523,6 +523,27 @@ def test_a_second_job_in_a_running_jobs_directory_is_refused(run):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_a_running_jobs_directory_is_refused_before_the_checks_that_read_its_files(run):
+    """A second job with neither flag was told to add --resume, and with --resume before
+    the first job's first save, to use --resume auto: advice for a run at rest, where one
+    runs. Both are told that the directory is in use, as training.md says."""
+    shutil.rmtree(run / "checkpoints")  # the running job has not saved yet
+    argv = [*SMALL, "--max-steps", "6", "--output-dir", str(run)]
+    running = Trainer(resolve([*argv, "--resume", "auto"]), LaunchEnv())
+    running.build()  # holds the directory until closed
+    try:
+        for extra in ([], ["--resume"]):
+            proc = train_in_process([*argv, *extra])
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert proc.stderr.strip().splitlines()[-1] == (
+                f"error: --output-dir {run}: another Trainer of this process holds it (built, "
+                "not closed); call its close(), or give another --output-dir"
+            ), extra
+    finally:
+        running.close()
+    assert not (run / ".distzo.lock").exists()  # the check took no lock and left no file
+
+
 def test_a_failed_build_unlocks_the_directory_and_leaves_no_lock_file(tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(resolve([*SMALL, "--batch-size", "100000000", "--output-dir", str(out)]))
