@@ -402,8 +402,14 @@ class Trainer:
 
     def _refuse_when_over(self, call: str, built: bool) -> None:
         """One line for ``call`` on a run that failed or closed (or is not ``built``)."""
-        state = "is not built" if not built else "failed" if self.failed else "is closed"
-        if not built or self.failed or self.closed:
+        if not built:  # a fresh Trainer: nothing to save yet, and nothing over
+            raise RuntimeError(
+                f"Trainer.{call}: this Trainer's run is not built yet, nothing to save; "
+                "save() runs while it trains (from a callback given to Trainer, after train() "
+                "starts)"
+            )
+        state = "failed" if self.failed else "is closed"
+        if self.failed or self.closed:
             raise RuntimeError(
                 f"Trainer.{call}: this Trainer's run {state} after {self.step} steps; make a "
                 "new Trainer to go on (resume=yes goes on from its checkpoint); save() runs "

@@ -188,8 +188,10 @@ def test_save_outside_a_running_trainer_is_one_line(tmp_path):
     from distzo.job.divergence import Diverged
 
     trainer = Trainer(job(tmp_path / "run", "--lr", "1e12", "--batch-size", "4"))
-    with pytest.raises(RuntimeError, match=r"save\(\): this Trainer's run is not built"):
+    with pytest.raises(RuntimeError, match=r"save\(\): this Trainer's run is not built") as early:
         trainer.save()
+    # a fresh Trainer goes on with train(), not with a new Trainer (its advice once)
+    assert "new Trainer" not in str(early.value) and "after train()" in str(early.value)
     with trainer, pytest.raises(Diverged):
         trainer.train()
     with pytest.raises(RuntimeError, match=r"save\(\): this Trainer's run failed after 0 steps"):
