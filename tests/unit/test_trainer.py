@@ -314,8 +314,10 @@ def test_a_trainer_retried_after_a_refused_start_gives_the_callers_threads_back(
     torch.set_num_threads(3)
     try:
         holder = Trainer(job(tmp_path / "run"))
+        # made before the holder builds: its validation, which refuses a held directory at
+        # once, passes, and the build finds the directory taken
+        second = Trainer(job(tmp_path / "run", "--overwrite", "--max-steps", "1"))
         holder.build()
-        second = Trainer(job(tmp_path / "run", "--resume", "auto", "--max-steps", "1"))
         with pytest.raises(ValueError, match="another Trainer of this process holds it"):
             second.train()
         holder.close()
