@@ -104,8 +104,9 @@ def check_not_running(run_dir: Path, flag: str = "--output-dir") -> None:
     """Refuse a directory another job's rank 0 (or an unclosed Trainer of this process)
     holds, before the run directory's checks read that job's files half-written and
     answer with advice for a run at rest (``--resume``, ``--resume auto``). Takes and drops
-    a shared lock and writes nothing. Rank 0's check only: another rank could find its own
-    job's rank 0 already holding the lock."""
+    a shared lock and writes nothing. Every rank's validation makes it: a job's rank 0
+    locks only after the all-gather of every rank's options, so no rank finds its own
+    job's lock."""
     try:
         handle = open(run_dir / LOCK_FILE)
     except OSError:  # no lock file, nothing runs there (or acquire says why later)

@@ -166,7 +166,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
     check_model(job, config)
     check_output_dir(job.run.output_dir)
-    if env.rank == 0 and job.run.output_dir is not None:  # a live job's files mislead the rest
+    if job.run.output_dir is not None:  # a live job's files would mislead the checks below
         check_not_running(Path(job.run.output_dir))
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")
