@@ -13,8 +13,10 @@ from transformers import PreTrainedModel
 from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter, check_mergeable
 from distzo.config.job import JobConfig
 from distzo.dist import Collectives, LaunchEnv
+from distzo.dist.agreement import agreed
 from distzo.job.build import build_model, load_tokenizer, model_source
 from distzo.job.progress import no_library_bars
+from distzo.job.same_job import check_same_model
 from distzo.models import hub
 from distzo.models.weights import WeightSource
 from distzo.runtime.write_errors import safetensors_os_errors
@@ -24,9 +26,21 @@ def run_model(
     job: JobConfig, seed: int, env: LaunchEnv, comm: Collectives, run_dir: Path
 ) -> tuple[nn.Module, WeightSource | None, Any]:
     """The model (with its adapter), its weight source and its tokenizer; a random-init
-    model's initial weights saved as ``run_dir/base``, by rank 0 of a fresh run."""
-    torch.manual_seed(seed)  # the random init of the default model: equal everywhere
+    model's initial weights saved as ``run_dir/base``, by rank 0 of a fresh run. The same
+    model folder on every node, and a refusal on one rank (a checkpoint that disagrees
+    with its config.json, rank 0's write of ``base/``) ends every rank with its line, not
+    the others in their next collective, after a wait, with no word of the cause."""
     source = model_source(job.model.model, env, comm)
+    if job.model.model and source is not None:
+        check_same_model(job.model.model, source, comm, env)
+    return agreed(comm, lambda: _built(job, seed, env, source, run_dir))
+
+
+def _built(
+    job: JobConfig, seed: int, env: LaunchEnv, source: Path | None, run_dir: Path
+) -> tuple[nn.Module, WeightSource | None, Any]:
+    """``run_model``'s model, built on this rank alone (no collective)."""
+    torch.manual_seed(seed)  # the random init of the default model: equal everywhere
     tokenizer = load_tokenizer(job, source)
     model, weights = build_model(job, seed, source)
     if weights is None and not job.model.model:  # the default model, built whole

@@ -7,7 +7,10 @@ never take (until --dist-timeout), with no error; a node whose ``--output-dir`` 
 directory rank 0 writes (another path, or a local disk) would leave every checkpoint
 missing its files; a node with another distzo (another commit's noise or update) or
 another torch would train other weights. All are refused once the process group exists,
-in one line on every rank, before any model is built.
+in one line on every rank, before any model is built. So is a node whose copy of the
+``--model`` folder is another model (another config.json, tokenizer or checkpoint): its
+ranks would tokenize the rows into other ids, or compute with other weights, without a
+word.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ PER_NODE_OPTIONS = ("output_dir", "log_dir", "threads")
 PROBE_WAIT_S = 5.0
 PROBE_PREFIX = ".distzo-shared-"
 PACKAGE = Path(__file__).resolve().parents[1]  # distzo's own source, digested
+# A model folder's files up to this size are digested whole (configs, tokenizers, a small
+# checkpoint); a larger one (a checkpoint shard) by its size and SAMPLES pieces of SAMPLE
+# bytes spread evenly from its start (a safetensors header) to its end: reading a whole
+# checkpoint on every rank would cost as much as a pass over the model.
+WHOLE_BYTES = 64 << 20
+SAMPLES, SAMPLE = 32, 64 << 10
 
 
 def _values(job: JobConfig) -> dict[str, str]:
@@ -183,3 +192,54 @@ def _find_probe(probe: Path, name: str) -> None:
                 "shares, at a path (--output-dir) that names it on every node"
             )
         time.sleep(0.2)
+
+
+def check_same_model(name: str, source: Path, comm: Collectives, env: LaunchEnv) -> None:
+    """On several nodes, refuse a ``--model`` folder (``source``, where ``name`` resolved)
+    whose files differ from rank 0's, naming the first that differs; every rank raises the
+    same line. A folder one rank cannot read ends every rank (``agreed``)."""
+    if not (comm.distributed and env.local_world_size < env.world_size):
+        return
+    everyone: list[dict[str, str]] = comm.all_gather_object(
+        agreed(comm, lambda: folder_digests(source))
+    )
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        files = sorted(set(theirs) | set(everyone[0]))
+        differ = [f for f in files if theirs.get(f) != everyone[0].get(f)]
+        if differ:
+            more = f" (and {len(differ) - 1} more files)" if len(differ) > 1 else ""
+            raise ValueError(
+                f"rank {rank} read another model from --model {name} than rank 0: its "
+                f"{differ[0]} {_file_state(differ[0], theirs, everyone[0])}{more}; give every "
+                "node the same model folder"
+            )
+
+
+def _file_state(name: str, theirs: Mapping[str, str], rank0s: Mapping[str, str]) -> str:
+    if name not in theirs:
+        return "is missing"
+    return "is not in rank 0's folder" if name not in rank0s else "differs from rank 0's"
+
+
+def folder_digests(folder: Path) -> dict[str, str]:
+    """Each file of a model folder (hidden ones aside: a download's cache) by its path
+    in the folder -> its digest (``file_digest``)."""
+    return {
+        path.relative_to(folder).as_posix(): file_digest(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and not any(p.startswith(".") for p in path.relative_to(folder).parts)
+    }
+
+
+def file_digest(path: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a file, or for one over ``WHOLE_BYTES``
+    of its size and ``SAMPLES`` evenly spread pieces."""
+    size = path.stat().st_size
+    if size <= WHOLE_BYTES:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for i in range(SAMPLES):
+            f.seek(i * (size - SAMPLE) // (SAMPLES - 1))
+            digest.update(f.read(SAMPLE))
+    return digest.hexdigest()[:16]

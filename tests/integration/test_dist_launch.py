@@ -8,6 +8,7 @@ reassociation is ~1e-12. PertP splits nothing and is checked bitwise in float32 
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from tests.helpers.launch import (
     torchrun_command,
     train_in_process,
 )
+from tests.helpers.models import tiny_opt
 
 COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "3"]
 FP64 = COMMON + ["--dtype", "fp64"]
@@ -163,10 +165,15 @@ def test_sliced_equals_naive_and_holds_a_quarter_of_the_host_copy(runs):
 
 
 def start_two_nodes(
-    node0: list[str], node1: list[str], port: int, nproc: int = 1
+    node0: list[str],
+    node1: list[str],
+    port: int,
+    nproc: int = 1,
+    cwds: tuple[Path | None, Path | None] = (None, None),
 ) -> list[subprocess.Popen]:
     """Two torchrun agents of ``nproc`` ranks each, as nodes 0 and 1 of one job on this
-    machine, each started with its own command line."""
+    machine, each started with its own command line (in its own directory, ``cwds``: a
+    relative path names each node's own copy of a file)."""
     return [
         subprocess.Popen(
             torchrun_command(nproc, args, port, nnodes=2, node_rank=node, preload=True),
@@ -174,8 +181,9 @@ def start_two_nodes(
             stderr=subprocess.PIPE,
             text=True,
             env=child_env(),
+            cwd=cwd,
         )
-        for node, args in enumerate((node0, node1))
+        for node, (args, cwd) in enumerate(zip((node0, node1), cwds, strict=True))
     ]
 
 
@@ -251,6 +259,30 @@ def test_a_node_that_refuses_its_own_input_ends_the_other_nodes_at_once(tmp_path
             agent.wait(30)
     assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
     assert f"error: rank 1 on node 1 refused its input: --model {missing[1]}: no such " in errors[0]
+    assert time.monotonic() - started < 60
+    assert not run_contents(tmp_path / "a")
+
+
+def test_a_node_whose_model_folder_is_another_model_ends_every_node_at_once(tmp_path):
+    # Node 1's copy of --model holds a config.json its weights disagree with: its rank
+    # refused it after the process group formed, and node 0's rank said only "another rank
+    # failed or went silent", 10 s later, with nothing of the cause.
+    for node in ("node0", "node1"):
+        tiny_opt().save_pretrained(tmp_path / node / "model")
+    config = tmp_path / "node1" / "model" / "config.json"
+    config.write_text(config.read_text().replace('"ffn_dim": 64', '"ffn_dim": 48'))
+    port, started = free_port(), time.monotonic()
+    args = COMMON + ["--model", "model", "--output-dir", str(tmp_path / "a")]
+    agents = start_two_nodes(args, args, port, cwds=(tmp_path / "node0", tmp_path / "node1"))
+    try:
+        errors = [agent.communicate(timeout=90)[1] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.terminate()
+            agent.wait(30)
+    assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
+    line = "rank 1 read another model from --model model than rank 0: its config.json differs"
+    assert all(line in err for err in errors), [e[-2000:] for e in errors]
     assert time.monotonic() - started < 60
     assert not run_contents(tmp_path / "a")
 

@@ -15,6 +15,7 @@ from distzo.data.templates import Example
 from distzo.dist import LaunchEnv
 from distzo.job import same_job
 from distzo.job.run_claim import RunClaim
+from distzo.job.run_model import run_model
 from distzo.job.same_job import _values, check_same_options, check_shared_run_dir
 
 
@@ -155,3 +156,62 @@ def test_the_rows_digest_follows_every_field_and_the_order_of_the_rows():
     digests = {rows_digest(r) for r in ([a, b], [b, a], [a, a], [a], ["p"], ["p", "q"])}
     assert len(digests) == 6
     assert rows_digest([a, b]) == rows_digest([Example("p", ("x", "y"), 0), b])
+
+
+def _model_folder(path, tokenizer: str = "{}", weights: bytes = b"w" * 100):
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "opt"}')
+    (path / "tokenizer.json").write_text(tokenizer)
+    (path / "model.safetensors").write_bytes(weights)
+    (path / ".cache").mkdir()
+    (path / ".cache" / "download.lock").write_text("a node's own")
+    return path
+
+
+def test_a_node_whose_model_folder_holds_another_tokenizer_is_refused_naming_it(tmp_path):
+    # Each node reads its own copy of --model: node 1's other tokenizer turned the same rows
+    # into other token ids (step 0's g 9.23 where both nodes alike gave -0.348), no error.
+    node0 = _model_folder(tmp_path / "node0")
+    node1 = _model_folder(tmp_path / "node1", tokenizer='{"a": 1}')
+    env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
+    rank0s = same_job.folder_digests(node0)
+    same_job.check_same_model("m", node0, Gathers(None, rank0s), env)  # a node's cache aside
+    message = (
+        r"^rank 1 read another model from --model m than rank 0: its tokenizer\.json differs "
+        "from rank 0's; give every node the same model folder$"
+    )
+    with pytest.raises(ValueError, match=message):
+        same_job.check_same_model("m", node1, Gathers(None, rank0s), env)
+    (node1 / "tokenizer.json").unlink()
+    (node1 / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"its config\.json differs from rank 0's \(and 1 more"):
+        same_job.check_same_model("m", node1, Gathers(None, rank0s), env)
+    one_node = LaunchEnv(rank=1, world_size=2, local_world_size=2, node_rank=0)
+    same_job.check_same_model("m", node1, Gathers(None, rank0s), one_node)  # one folder
+
+
+def test_a_large_checkpoint_is_digested_by_its_size_and_pieces_across_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(same_job, "WHOLE_BYTES", 1000)
+    monkeypatch.setattr(same_job, "SAMPLE", 10)
+    weights = bytes(range(256)) * 40  # 10240 bytes: 32 pieces of 10, one every ~330
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(weights)
+    digest = same_job.file_digest(path)
+    path.write_bytes(weights[:5000] + b"x" + weights[5001:])  # between two pieces
+    assert same_job.file_digest(path) == digest
+    for at in (0, 4950, len(weights) - 1):  # the header, a piece inside, the last byte
+        path.write_bytes(weights[:at] + b"x" + weights[at + 1 :])
+        assert same_job.file_digest(path) != digest, at
+    path.write_bytes(weights + b"x")
+    assert same_job.file_digest(path) != digest
+
+
+def test_a_model_one_rank_fails_to_build_or_save_fails_every_rank(tmp_path):
+    # Rank 0 alone writes the default model's base/: its full disk ended rank 0, and node
+    # 1's ranks learned of it only from their next collective, with no word of the cause.
+    job = resolve(["--max-steps", "1", "--output-dir", str(tmp_path)])
+    env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
+    full = ("OSError", "No space left on device", 28, str(tmp_path / "base"))
+    with pytest.raises(OSError, match=r"^\[Errno 28\] rank 0: No space left on device") as err:
+        run_model(job, 0, env, Gathers(full), tmp_path)
+    assert err.value.filename == str(tmp_path / "base")
