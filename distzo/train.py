@@ -103,9 +103,10 @@ def _main(argv: list[str] | None, callbacks: Iterable[TrainerCallback]) -> int:
 
 
 def _stopped(env: LaunchEnv, message: str, code: int, level: int = logging.ERROR) -> int:
-    """A failure every rank reaches alike (bad input, a divergence, a stop): said once, by
-    rank 0, and by each rank in torchrun's error file (so that its summary shows the line
-    rather than "To enable traceback see ..."); without torchrun every rank says it."""
+    """A failure every rank reaches alike (bad input, a divergence, a stop): said once per
+    node, by its first rank, and by each rank in torchrun's error file (so that its summary
+    shows the line rather than "To enable traceback see ..."); without torchrun every rank
+    says it."""
     ERRORS.record_message(message)
     if _speaks(env):
         logger.log(level, "%s", message)
@@ -113,9 +114,12 @@ def _stopped(env: LaunchEnv, message: str, code: int, level: int = logging.ERROR
 
 
 def _speaks(env: LaunchEnv) -> bool:
-    """Whether this rank writes a failure every rank shares: rank 0 under torchrun (the
-    others' error files carry it to the summary), every rank otherwise."""
-    return env.rank == 0 or not os.environ.get(ERROR_FILE)
+    """Whether this rank writes a failure every rank shares: each node's first rank under
+    torchrun (the others' error files carry it to the summary), every rank otherwise. Not
+    rank 0 alone: another node's log would lack the line, and its ranks, waiting for their
+    torchrun to end them once rank 0 exits (``await_torchrun``), would wait in vain (that
+    node's torchrun never learns of rank 0's exit)."""
+    return env.local_rank == 0 or not os.environ.get(ERROR_FILE)
 
 
 def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCallback]) -> int:
@@ -186,7 +190,7 @@ def _failed(env: LaunchEnv, message: str, code: int = 2) -> int:
     ERRORS.record_message(f"error: {message}")
     if _speaks(env):
         return fail(message, code)
-    await_torchrun()  # rank 0 says the line; its exit ends this one
+    await_torchrun()  # the node's first rank says the line; its exit ends this one
     return code
 
 

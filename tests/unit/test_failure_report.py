@@ -96,7 +96,7 @@ def test_without_torchrun_a_rank_stopped_by_a_peer_does_not_wait(monkeypatch, ca
     assert line.endswith("that rank's error, in its own output, is the cause")
 
 
-def test_a_quiet_rank_leaves_the_line_to_rank_zero_under_torchrun(monkeypatch, tmp_path, capsys):
+def test_a_quiet_rank_leaves_the_line_to_its_nodes_first_rank(monkeypatch, tmp_path, capsys):
     """Once a rank other than 0 exited at once on bad input every rank shares, and torchrun
     could end rank 0 before rank 0 printed it: the run stopped with no error line at all."""
     from distzo.dist import LaunchEnv
@@ -105,12 +105,17 @@ def test_a_quiet_rank_leaves_the_line_to_rank_zero_under_torchrun(monkeypatch, t
     monkeypatch.setenv(ERROR_FILE, str(tmp_path / "error.json"))
     waits: list[float] = []
     monkeypatch.setattr("distzo.dist.failure_report.time.sleep", waits.append)
-    quiet = LaunchEnv(rank=1, world_size=2, launched=True)
+    quiet = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launched=True)
     assert _failed(quiet, "--dp 3 x --pert 2 = 6 does not match the 2 launched ranks") == 2
     assert waits == [10.0] and capsys.readouterr().err == ""
     speaker = LaunchEnv(rank=0, world_size=2, launched=True)
     assert _failed(speaker, "the same line") == 2
     assert waits == [10.0] and capsys.readouterr().err.startswith("error: the same line")
+    # node 1's first rank: its torchrun never learns that rank 0 exited, so it says the line
+    # to its node's log and exits, rather than waiting 10 s in vain
+    node1 = LaunchEnv(rank=1, world_size=2, node_rank=1, launched=True)
+    assert _failed(node1, "another model on node 1") == 2
+    assert waits == [10.0] and capsys.readouterr().err == "error: another model on node 1\n"
     monkeypatch.delenv(ERROR_FILE)  # ranks started by hand: each says it, none waits
     assert _failed(quiet, "said by rank 1 too") == 2
     assert waits == [10.0] and "said by rank 1 too" in capsys.readouterr().err
