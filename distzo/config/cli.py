@@ -51,12 +51,20 @@ def write_failure(err: OSError, where: Path | str) -> str:
     a full disk said in words and where, rather than a traceback ending in errno 28."""
     path = err.filename or where
     under = f" (under {where})" if Path(where) in Path(os.fsdecode(path)).parents else ""
+    # a failure of one rank's that every rank raises (``distzo.dist.agreement``) names it
+    rank, said = _rank_said(err.strerror or str(err))
     if err.errno == errno.ENOSPC:
         return (
-            f"no space left on device writing {path}{under}; free space there or use another "
-            "directory"
+            f"{rank}no space left on device writing {path}{under}; free space there or use "
+            "another directory"
         )
-    return f"cannot write {path}{under}: {err.strerror or err}"
+    return f"{rank}cannot write {path}{under}: {said}"
+
+
+def _rank_said(strerror: str) -> tuple[str, str]:
+    """(``"rank N: "`` or "", the rest) of an ``OSError``'s text."""
+    named = re.match(r"rank \d+: ", strerror)
+    return (named.group(), strerror[named.end() :]) if named else ("", strerror)
 
 
 @contextlib.contextmanager

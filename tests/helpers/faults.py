@@ -10,6 +10,8 @@ trainer's callbacks: the product itself reads none of these variables.
   attempt only (torchrun's restarts then go on).
 * ``DISTZO_CRASH_IN_SAVE=STEP``: the process exits abruptly right after launching that
   step's asynchronous checkpoint.
+* ``DISTZO_UNWRITABLE_SUMMARY=RANK``: after its last step that rank finds a directory
+  where its ``rankN.json`` goes (its node cannot write it, as a full disk would not let it).
 
 A launched job loads them with ``python -m tests.helpers.faulty_train`` in place of
 ``python -m distzo.train``.
@@ -21,6 +23,7 @@ import logging
 import os
 import signal
 from collections.abc import Mapping
+from typing import Any
 
 from distzo.job.trainer import Trainer, TrainerCallback
 
@@ -28,7 +31,8 @@ FAIL_AT = "DISTZO_FAIL_AT"
 SIGNAL_AT = "DISTZO_SIGNAL_AT"
 KILL_AT = "DISTZO_KILL_AT"
 CRASH_IN_SAVE = "DISTZO_CRASH_IN_SAVE"
-VARIABLES = (FAIL_AT, SIGNAL_AT, KILL_AT, CRASH_IN_SAVE)
+UNWRITABLE_SUMMARY = "DISTZO_UNWRITABLE_SUMMARY"
+VARIABLES = (FAIL_AT, SIGNAL_AT, KILL_AT, CRASH_IN_SAVE, UNWRITABLE_SUMMARY)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,12 @@ class Faults(TrainerCallback):
         if step == _step_of(self.environ.get(KILL_AT), rank) and trainer.env.restart_count == 0:
             logger.error("killing rank %d at step %d (%s)", rank, step, KILL_AT)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
+        rank = trainer.env.rank
+        last = step == trainer.job.optim.max_steps - 1
+        if last and self.environ.get(UNWRITABLE_SUMMARY) == str(rank):
+            (trainer.run_dir / f"rank{rank}.json").mkdir()
 
     def on_save(self, trainer: Trainer, step: int, asynchronous: bool) -> None:
         if asynchronous and self.environ.get(CRASH_IN_SAVE) == str(step):

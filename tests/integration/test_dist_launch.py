@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from distzo.job.run_dir import run_contents
+from tests.helpers import faults
 from tests.helpers.launch import (
+    FAULTY_TRAIN,
+    TRAIN,
     Run,
     checkpoint_writers,
     child_env,
@@ -170,17 +173,22 @@ def start_two_nodes(
     port: int,
     nproc: int = 1,
     cwds: tuple[Path | None, Path | None] = (None, None),
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     """Two torchrun agents of ``nproc`` ranks each, as nodes 0 and 1 of one job on this
     machine, each started with its own command line (in its own directory, ``cwds``: a
-    relative path names each node's own copy of a file)."""
+    relative path names each node's own copy of a file; ``env``: a fault to inject,
+    ``tests.helpers.faults``)."""
+    module = FAULTY_TRAIN if faults.injects(env) else TRAIN
     return [
         subprocess.Popen(
-            torchrun_command(nproc, args, port, nnodes=2, node_rank=node, preload=True),
+            torchrun_command(
+                nproc, args, port, nnodes=2, node_rank=node, module=module, preload=True
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=child_env(),
+            env=child_env(env),
             cwd=cwd,
         )
         for node, (args, cwd) in enumerate(zip((node0, node1), cwds, strict=True))
@@ -278,9 +286,7 @@ def test_a_node_whose_model_folder_is_another_model_ends_every_node_at_once(tmp_
         ended = exit_times(agents, started + 90)
         errors = [agent.communicate(timeout=30)[1] for agent in agents]
     finally:
-        for agent in agents:
-            agent.terminate()
-            agent.wait(30)
+        stop(agents)
     assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
     line = "error: rank 1 read another model from --model model than rank 0: its config.json"
     # each node's log says it, and node 1's ranks do not wait 10 s for a torchrun that
@@ -289,6 +295,38 @@ def test_a_node_whose_model_folder_is_another_model_ends_every_node_at_once(tmp_
     assert said == [True, True], [e[-2000:] for e in errors]
     assert max(ended) - started < 60 and abs(ended[0] - ended[1]) < 5, ended
     assert not run_contents(tmp_path / "a")
+
+
+def test_a_node_that_cannot_write_its_summary_fails_every_node_before_the_export(tmp_path):
+    # Node 1's rank could not write its rank1.json: node 0's rank published the export and
+    # summary.json of a finished run, and node 0's torchrun then waited in its exit barrier
+    # (5 minutes) for node 1's, which had failed.
+    port, started = free_port(), time.monotonic()
+    args = COMMON + ["--max-steps", "2", "--output-dir", str(tmp_path)]
+    agents = start_two_nodes(args, args, port, env={faults.UNWRITABLE_SUMMARY: "1"})
+    try:
+        ended = exit_times(agents, started + 90)
+        errors = [agent.communicate(timeout=30)[1] for agent in agents]
+    finally:
+        stop(agents)
+    assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
+    line = f"error: rank 1: cannot write {tmp_path}/rank1.json (under {tmp_path}): Is a dir"
+    said = [any(each.startswith(line) for each in err.splitlines()) for err in errors]
+    assert said == [True, True], [e[-2000:] for e in errors]
+    assert max(ended) - started < 60, ended
+    assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
+
+
+def stop(agents: list[subprocess.Popen]) -> None:
+    """End the agents still running: torchrun passes SIGTERM on to its ranks, but one
+    waiting in its exit barrier ignores it."""
+    for agent in agents:
+        agent.terminate()
+        try:
+            agent.wait(30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait(30)
 
 
 def exit_times(agents: list[subprocess.Popen], deadline: float) -> list[float]:
