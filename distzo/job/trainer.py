@@ -446,7 +446,9 @@ class Trainer:
             self.logs.write_eval(self.job.optim.max_steps, after)
         # Before the export, and agreed on: a rank whose disk is full (another node's, say)
         # ends every rank with its line, and no export stands for a run that failed.
-        agreed(self.parallel.comm, lambda: self._write_rank_summary(after))
+        peft, summary = self.job.peft.peft, self.run_dir / f"rank{self.env.rank}.json"
+        own = rank_summary(self.engine, self.parallel, self.device, peft, self.eval_before, after)
+        agreed(self.parallel.comm, lambda: summary.write_text(json.dumps(own)))
         export = export_model(
             self.engine,
             self.run_dir / "export",
@@ -473,18 +475,6 @@ class Trainer:
             )
         self.held.release()
         return after
-
-    def _write_rank_summary(self, after: dict[str, float]) -> None:
-        """This rank's ``rankN.json`` (``after``: the final evaluation)."""
-        summary = rank_summary(
-            self.engine,
-            self.parallel,
-            self.device,
-            self.job.peft.peft,
-            self.eval_before,
-            after,
-        )
-        (self.run_dir / f"rank{self.env.rank}.json").write_text(json.dumps(summary))
 
     def close(self) -> None:
         """Complete an asynchronous save still in flight, then close the logs (the seed log

@@ -6,6 +6,7 @@ float32 DDP and single agree only to ~1e-4 relative in g, while in float64 the s
 reassociation is ~1e-12. PertP splits nothing and is checked bitwise in float32 too.
 """
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from tests.helpers.launch import (
     train_in_process,
 )
 from tests.helpers.models import tiny_opt
+
+REPO = Path(__file__).resolve().parents[2]  # where ``tests`` is a package
 
 COMMON = ["--max-steps", "10", "--batch-size", "8", "--log-every", "0", "--seed", "3"]
 FP64 = COMMON + ["--dtype", "fp64"]
@@ -180,6 +183,8 @@ def start_two_nodes(
     relative path names each node's own copy of a file; ``env``: a fault to inject,
     ``tests.helpers.faults``)."""
     module = FAULTY_TRAIN if faults.injects(env) else TRAIN
+    # ``python -m tests.helpers...`` from another directory finds the tests through the path
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return [
         subprocess.Popen(
             torchrun_command(
@@ -188,7 +193,7 @@ def start_two_nodes(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=child_env(env),
+            env=child_env({**(env or {}), "PYTHONPATH": path}),
             cwd=cwd,
         )
         for node, (args, cwd) in enumerate(zip((node0, node1), cwds, strict=True))
