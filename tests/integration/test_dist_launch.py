@@ -287,18 +287,11 @@ def test_a_node_whose_model_folder_is_another_model_ends_every_node_at_once(tmp_
     port, started = free_port(), time.monotonic()
     args = COMMON + ["--model", "model", "--output-dir", str(tmp_path / "a")]
     agents = start_two_nodes(args, args, port, cwds=(tmp_path / "node0", tmp_path / "node1"))
-    try:
-        ended = exit_times(agents, started + 90)
-        errors = [agent.communicate(timeout=30)[1] for agent in agents]
-    finally:
-        stop(agents)
-    assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
     line = "error: rank 1 read another model from --model model than rank 0: its config.json"
     # each node's log says it, and node 1's ranks do not wait 10 s for a torchrun that
     # never learns of rank 0's exit
-    said = [any(each.startswith(line) for each in err.splitlines()) for err in errors]
-    assert said == [True, True], [e[-2000:] for e in errors]
-    assert max(ended) - started < 60 and abs(ended[0] - ended[1]) < 5, ended
+    ended = both_fail_saying(agents, started, line)
+    assert abs(ended[0] - ended[1]) < 5, ended
     assert not run_contents(tmp_path / "a")
 
 
@@ -309,17 +302,24 @@ def test_a_node_that_cannot_write_its_summary_fails_every_node_before_the_export
     port, started = free_port(), time.monotonic()
     args = COMMON + ["--max-steps", "2", "--output-dir", str(tmp_path)]
     agents = start_two_nodes(args, args, port, env={faults.UNWRITABLE_SUMMARY: "1"})
+    line = f"error: rank 1: cannot write {tmp_path}/rank1.json (under {tmp_path}): Is a dir"
+    both_fail_saying(agents, started, line)
+    assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
+
+
+def both_fail_saying(agents: list[subprocess.Popen], started: float, line: str) -> list[float]:
+    """Both nodes' agents exit 1 within a minute of ``started``, each node's log saying the
+    error ``line`` (its start); their exit times."""
     try:
         ended = exit_times(agents, started + 90)
         errors = [agent.communicate(timeout=30)[1] for agent in agents]
     finally:
         stop(agents)
     assert [agent.returncode for agent in agents] == [1, 1], [e[-2000:] for e in errors]
-    line = f"error: rank 1: cannot write {tmp_path}/rank1.json (under {tmp_path}): Is a dir"
     said = [any(each.startswith(line) for each in err.splitlines()) for err in errors]
     assert said == [True, True], [e[-2000:] for e in errors]
     assert max(ended) - started < 60, ended
-    assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
+    return ended
 
 
 def stop(agents: list[subprocess.Popen]) -> None:
