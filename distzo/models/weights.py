@@ -60,6 +60,8 @@ Expected = Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
 # Of a checkpoint's tensors that no parameter takes, those that are not the model's
 # (``unexpected_keys``): what a checkpoint of a larger model holds beyond its config.json.
 Unexpected = Callable[[set[str]], set[str]]
+# Reads a checkpoint file's tensors' names and shapes (no data).
+Header = Callable[[Path], dict[str, tuple[int, ...]]]
 
 
 def parameter_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
@@ -100,7 +102,7 @@ def unexpected_keys(model: nn.Module, names: set[str]) -> set[str]:
     GPT-2's ``attn.bias``, and the ``rotary_emb.inv_freq`` of old Llama checkpoints)."""
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = set(model.state_dict()) - params
-    buffers |= {name.partition(".")[2] for name in buffers}
+    buffers = {form for name in buffers for form in _forms(name)}
     info = SimpleNamespace(missing_keys=set(), unexpected_keys=names - buffers)
     adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
     if adjust is not None:  # a transformers model: its class's patterns, filtered in place
@@ -160,13 +162,10 @@ def _pick(names: tuple[str, ...], available) -> str:
     a base model saved it (without the ``model.`` or ``transformer.`` prefix, as
     ``facebook/opt-*`` and ``openai-community/gpt2`` ship theirs; transformers strips the
     prefix when it loads them too)."""
-    for name in names:
-        if name in available:
-            return name
-    for name in names:
-        _, _, unprefixed = name.partition(".")
-        if unprefixed in available:
-            return unprefixed
+    for keys in zip(*map(_forms, names), strict=True):  # own names first, then unprefixed
+        for key in keys:
+            if key in available:
+                return key
     aliases = f" (nor its aliases {list(names[1:])})" if len(names) > 1 else ""
     raise ValueError(f"the checkpoint has no tensor for {names[0]}{aliases}")
 
@@ -217,16 +216,25 @@ def safetensors_header(path: Path) -> Mapping[str, tuple[int, ...]]:
     file opens), builds the model (the shapes are config.json's) and builds the engine
     (the same, with an adapter), and each of those read every shard's header again. A
     damaged file is ``safetensors_file``'s one line."""
+    return _once_per_state(_safetensors_header, path)
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+    with safetensors_file(path) as handle:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+
+
+def _once_per_state(read: Header, path: Path) -> Mapping[str, tuple[int, ...]]:
+    """``read(path)``, read once per state of the file (device, inode, size, mtime): a
+    file rewritten in place, even under its inode, is read again."""
     state = path.stat()
-    return _header(str(path), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
+    return _cached(read, str(path), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4096)  # files: a 405B model has 191; a header is kilobytes
-def _header(path: str, *state: int) -> Mapping[str, tuple[int, ...]]:
-    """``safetensors_header`` for the file in ``state`` (device, inode, size, mtime)."""
-    with safetensors_file(Path(path)) as handle:
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-    return MappingProxyType(shapes)
+def _cached(read: Header, path: str, *state: int) -> Mapping[str, tuple[int, ...]]:
+    """``_once_per_state`` for the file in ``state``."""
+    return MappingProxyType(read(Path(path)))
 
 
 def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
@@ -257,15 +265,11 @@ def torch_bin_header(path: Path) -> Mapping[str, tuple[int, ...]]:
     """The tensors of a ``.bin`` file and their shapes, from its mapping (``torch_bin_file``:
     the pickle read, no tensor data), once per state of the file in a process, as
     ``safetensors_header``."""
-    state = path.stat()
-    return _bin_header(str(path), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
+    return _once_per_state(_bin_header, path)
 
 
-@functools.lru_cache(maxsize=4096)
-def _bin_header(path: str, *state: int) -> Mapping[str, tuple[int, ...]]:
-    """``torch_bin_header`` for the file in ``state`` (device, inode, size, mtime)."""
-    mapped = torch_bin_file(Path(path))
-    return MappingProxyType({name: tuple(tensor.shape) for name, tensor in mapped.items()})
+def _bin_header(path: Path) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in torch_bin_file(path).items()}
 
 
 def weight_map(index: Path) -> dict[str, str]:
