@@ -9,6 +9,7 @@ forward calls it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -30,17 +31,20 @@ class GemmaFamily(LlamaFamily):
                 "not a causal LM); pick a causal Gemma model"
             )
 
-    @property
+    @functools.cached_property
     def _tables_by_kind(self) -> bool:
         """Whether the rotary module computes tables for a kind of layer (Gemma 3)."""
         return "layer_type" in inspect.signature(self._body.rotary_emb.forward).parameters
 
     def _position_tables(
-        self, host_positions: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+        self,
+        kinds: set[str],
+        host_positions: torch.Tensor,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
     ) -> Any:
         if not self._tables_by_kind:
-            return super()._position_tables(host_positions, position_ids, dtype)
-        kinds = {self._layer_type(block) for block in self.blocks()}
+            return super()._position_tables(kinds, host_positions, position_ids, dtype)
         return {
             kind: self._rotary_tables(host_positions, position_ids, dtype, layer_type=kind)
             for kind in kinds

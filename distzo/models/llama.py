@@ -80,13 +80,18 @@ class LlamaFamily(ModelFamily):
             for kind in kinds
         }
         position_ids = to_device(host_positions, device)
-        position_embeddings = self._position_tables(host_positions, position_ids, dtype)
+        position_embeddings = self._position_tables(kinds, host_positions, position_ids, dtype)
         return BatchContext(masks, position_ids, {"position_embeddings": position_embeddings})
 
     def _position_tables(
-        self, host_positions: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+        self,
+        kinds: set[str],
+        host_positions: torch.Tensor,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
     ) -> Any:
-        """What every layer gets as ``position_embeddings``: one pair of rotary tables."""
+        """What the layers (of ``kinds``) get as ``position_embeddings``: one pair of rotary
+        tables for all."""
         return self._rotary_tables(host_positions, position_ids, dtype)
 
     def _layer_tables(self, block: nn.Module, ctx: BatchContext) -> Any:
