@@ -100,6 +100,11 @@ COMMON: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+# Gemma 2 and 3: a window shorter than the sequence, and their soft-capped head
+GEMMA: dict[str, Any] = dict(
+    head_dim=8, sliding_window=4, query_pre_attn_scalar=8, final_logit_softcapping=2.0, **COMMON
+)
+
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(num_hidden_layers=3, **COMMON),
@@ -126,24 +131,12 @@ CONFIGS = {
     "olmo2": lambda: Olmo2Config(num_hidden_layers=2, **COMMON),
     "gemma": lambda: GemmaConfig(num_hidden_layers=2, head_dim=8, **COMMON),
     # soft caps small enough to bend the logits and scores of a random model
-    "gemma2": lambda: Gemma2Config(
-        num_hidden_layers=3,
-        head_dim=8,
-        sliding_window=4,
-        query_pre_attn_scalar=8,
-        final_logit_softcapping=2.0,
-        attn_logit_softcapping=3.0,
-        **COMMON,
-    ),
+    "gemma2": lambda: Gemma2Config(num_hidden_layers=3, attn_logit_softcapping=3.0, **GEMMA),
     # sliding and full layers, each kind with its own rotary base
     "gemma3": lambda: Gemma3TextConfig(
         num_hidden_layers=3,
-        head_dim=8,
-        sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=8,
-        final_logit_softcapping=2.0,
-        **COMMON,
+        **GEMMA,
     ),
     "granite": lambda: GraniteConfig(
         num_hidden_layers=2,
