@@ -23,23 +23,18 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from torch import nn
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.job import JobConfig, write_resolved
-from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
+from distzo.config.job import JobConfig
+from distzo.dist import LaunchEnv, ParallelContext
 from distzo.dist.agreement import agreed
 from distzo.dist.launch_gate import report_refusal
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.job.build import (
     TaskData,
-    build_objective,
-    build_parallel,
-    build_task_data,
-    choose_slots,
 )
-from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.checkpoint import Checkpointer
 from distzo.job.divergence import (
     Diverged,
     cut_back,
@@ -50,21 +45,17 @@ from distzo.job.divergence import (
     warn_if_nothing_learns,
 )
 from distzo.job.evaluation import evaluate
-from distzo.job.memory_plan import check_fits
 from distzo.job.preemption import Preempted, StopSignals
 from distzo.job.progress import Progress
-from distzo.job.records import StepMeter, describe, rank_summary, run_header, seed_record
-from distzo.job.reporting import Reporter, make_reporter
-from distzo.job.resume import catch_up_from_log
-from distzo.job.run_claim import RunClaim
+from distzo.job.records import StepMeter, describe, rank_summary, seed_record
+from distzo.job.reporting import Reporter
+from distzo.job.run_build import build_run
 from distzo.job.run_end import Session, draw_run_curves, report_run_end
 from distzo.job.run_logs import RunLogs
-from distzo.job.run_model import run_model
 from distzo.job.run_resources import RunResources
-from distzo.job.summary import SUMMARY, key_options
+from distzo.job.summary import key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
-from distzo.models.weights import declared_stop_ids
 from distzo.objectives import Objective
 
 logger = logging.getLogger("distzo.train")
@@ -85,17 +76,20 @@ class TrainerCallback:
 
 
 class Trainer:
-    """One training job (see the module's docstring). The parts exist after ``build()``."""
+    """One training job (see the module's docstring). The parts (``RunParts``'s fields)
+    exist after ``build()``."""
 
     device: torch.device
     parallel: ParallelContext
     seed: int  # the run seed, drawn by rank 0 when the options asked for a random one
     run_dir: Path
+    reporter: Reporter | None  # rank 0's dashboard, which its logs feed
     tokenizer: Any
     data: TaskData
     objective: Objective
     engine: ZOEngine
     header: dict[str, Any]  # the seed log's
+    start_step: int  # where this process's training began (a resume: after 0)
     meter: StepMeter
     progress: Progress  # the current train()'s
 
@@ -114,16 +108,12 @@ class Trainer:
         except Exception as err:
             report_refusal(self.env, err)  # another node's ranks learn it at once
             raise
+        self.checked = checked
         self.config: ZOConfig = checked.config
-        self.dims = checked.dims
-        self.rows = checked.rows
-        self.threads = checked.threads
-        self.start_step = 0  # where this process's training began (a resume: after 0)
         self.step = 0  # steps done
         self.last_metrics: dict[str, Any] | None = None
         self.eval_before: dict[str, float] | None = None
         self.eval_after: dict[str, float] | None = None
-        self.reporter: Reporter | None = None  # rank 0's dashboard, which its logs feed
         self.held = RunResources()  # what the run takes and gives back when it ends
         self.built = False
         self.failed = False  # train() raised: a new Trainer goes on (resume=yes)
@@ -148,139 +138,22 @@ class Trainer:
     # -- building
 
     def build(self) -> None:
-        """Make every part: the process group, the model and its data, the engine, the
-        restored state of a resumed run, the logs. Once; ``train`` calls it."""
+        """Make every part (``distzo.job.run_build``): the process group, the model and its
+        data, the engine, the restored state of a resumed run, the logs. Once; ``train``
+        calls it."""
         if self.built:
             return
         try:
-            self._build()
+            parts = build_run(self.checked, self.env, self.held)
         except BaseException:
             # A start that failed leaves the process as it found it: a retried train()
             # would otherwise take the run's count for the caller's and give that back.
             self.held.cpu_threads.give_back()
             raise
+        for field in dataclasses.fields(parts):  # trainer.engine, trainer.run_dir, ...
+            setattr(self, field.name, getattr(parts, field.name))
+        self.step = self.start_step
         self.built = True
-
-    def _build(self) -> None:
-        """``build``'s parts, in order (a failure gives the thread count back there)."""
-        self.device = self.config.torch_device()
-        self._use_device()
-        self.parallel = build_parallel(self.job, self.env, self.dims, self.device)
-        self.seed = broadcast_seed(self.config.seed, self.parallel.comm)
-        digests = self.rows.digests if self.rows is not None else None
-        claim = self.held.claim = RunClaim.take(self.job, self.parallel, self.env, digests)
-        self.run_dir = claim.path
-        self.job.run.seed = self.seed  # the resolved config repeats the run, even when drawn
-        # A dashboard that cannot start (wandb not logged in) fails every rank before any model.
-        self.reporter = agreed(self.parallel.comm, self._make_reporter)
-        try:
-            self._build_parts()
-        except BaseException:
-            if self.reporter is not None:
-                self.reporter.close()
-            # A fresh run that fails before its first step (a memory plan that refuses it, a
-            # checkpoint that does not fit) leaves nothing a retry would take for a run.
-            claim.abandon()
-            raise
-
-    def _build_parts(self) -> None:
-        """The model and its data, the engine, a resumed run's state, the logs; the
-        resolved config.toml once a resume's checkpoint has been accepted (a refused resume
-        leaves the run's own as it was)."""
-        logger.info(
-            "run %s: seed %d; %d ranks as dp %d x pert %d",
-            self.run_dir,
-            self.seed,
-            self.env.world_size,
-            self.dims.dp,
-            self.dims.pert,
-        )
-        model, weights, self.tokenizer = run_model(
-            self.job, self.seed, self.env, self.parallel.comm, self.run_dir
-        )
-        self.data = build_task_data(
-            self.job, self.rows, self.tokenizer, model.config, self.seed, declared_stop_ids(model)
-        )
-        if self.env.rank == 0:  # MeZO warns of a cut too ("Exceed max length")
-            for line in self.data.cut_notices:
-                logger.warning(line)
-        self._plan_memory(model)
-        self.objective = build_objective(self.job.optim.objective or "lm", self.data)
-        self.engine = ZOEngine(
-            model,
-            self.config,
-            parallel=self.parallel,
-            run_seed=self.seed,
-            weights=weights,
-            objective=self.objective,
-        )
-        self._restore()
-        agreed(self.parallel.comm, self._write_config)  # rank 0's write: every rank's verdict
-        self.held.logs = agreed(self.parallel.comm, self._open_logs)  # rank 0 opens them
-        if self.logs is not None:
-            self.checkpointer.before_publish = self.logs.seeds.sync
-        self.meter = StepMeter(self.objective.name, self.engine.link_bytes_per_step, self.device)
-
-    def _use_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        elif self.threads is not None:  # resolved by validate: --threads, OMP_NUM_THREADS or 1
-            self.held.cpu_threads.use(*self.threads)
-
-    def _write_config(self) -> None:
-        if self.env.rank == 0:
-            write_resolved(self.job, self.run_dir)
-
-    def _plan_memory(self, model: nn.Module) -> None:
-        """Settle the slot count and refuse a run that cannot fit (unless --force)."""
-        plan = choose_slots(self.job, model, self.data, self.config, self.parallel, self.device)
-        logger.info("memory plan: %s", plan.describe())
-        local_ranks, force = self.env.local_world_size, self.job.run.force
-        # one GPU short of memory ends every rank, not that one alone
-        agreed(self.parallel.comm, lambda: check_fits(plan, self.device, local_ranks, force))
-
-    def _restore(self) -> None:
-        """A resumed run: its latest checkpoint, then the steps its seed log holds after it."""
-        resuming = self.job.run.resume == "yes"
-        self.held.checkpointer = Checkpointer(
-            self.run_dir / "checkpoints", self.engine, self.job.run.keep_checkpoints
-        )
-        checkpoint = latest_checkpoint(self.run_dir / "checkpoints") if resuming else None
-        self.step = self.checkpointer.load(checkpoint) if checkpoint is not None else 0
-        self.header = run_header(
-            self.job,
-            self.config,
-            self.engine.run_seed,
-            self.seed,
-            self.objective.name,
-            self.device,
-            self.run_dir,
-            getattr(self.engine.model, "config", None),
-            self.rows.digests["--train-file"] if self.rows is not None else None,
-        )
-        if resuming:
-            self.step = catch_up_from_log(self.engine, self.run_dir, self.header, self.parallel)
-        self.start_step = self.step
-
-    def _make_reporter(self) -> Reporter | None:
-        """Rank 0's dashboard, if ``--report-to`` names one."""
-        if self.env.rank != 0:
-            return None
-        return make_reporter(self.job.run.report_to, self.run_dir, dataclasses.asdict(self.job))
-
-    def _open_logs(self) -> RunLogs | None:
-        """Rank 0's logs, cut back to the step a resumed run goes on from."""
-        if self.env.rank != 0:
-            return None
-        run = self.job.run
-        if self.start_step < self.job.optim.max_steps:
-            # an earlier session's summary says the run ended there: it goes on, and this
-            # session writes its own at the end (a stopped one, none, as a first would)
-            (self.run_dir / SUMMARY).unlink(missing_ok=True)
-        log_dir = Path(run.log_dir) if run.log_dir else self.run_dir
-        return RunLogs(
-            self.run_dir, log_dir, self.start_step, self.header, run.log_sync_steps, self.reporter
-        )
 
     # -- training
 

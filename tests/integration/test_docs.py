@@ -306,7 +306,8 @@ def test_a_memory_plan_the_pages_quote_is_what_the_job_plans_on_cpu(tmp_path, mo
     """A ``$ python -m distzo.train ...`` block that quotes its ``memory plan:`` line shows
     the plan the job makes for those options on a CPU (docs/models.md's OPT-175B plan kept
     an activation figure of an older estimate)."""
-    from distzo.job import trainer as trainer_module
+    from distzo.job import run_build
+    from distzo.job.trainer import Trainer
 
     pattern = re.compile(r"^\$ python -m distzo\.train ([^\n]*)\n.*?memory plan: ([^\n]*)", re.M)
     quoted = [m.groups() for page in PAGES for m in pattern.finditer(page.read_text())]
@@ -315,11 +316,11 @@ def test_a_memory_plan_the_pages_quote_is_what_the_job_plans_on_cpu(tmp_path, mo
     def planned(plan, *_args):
         raise Planned(plan.describe())
 
-    monkeypatch.setattr(trainer_module, "check_fits", planned)
+    monkeypatch.setattr(run_build, "check_fits", planned)
     for i, (args, line) in enumerate(quoted):
         argv = [*args.split(), "--device", "cpu", "--output-dir", str(tmp_path / str(i))]
         with pytest.raises(Planned) as plan:
-            trainer_module.Trainer(resolve(argv)).build()
+            Trainer(resolve(argv)).build()
         assert str(plan.value) == line, args
 
 

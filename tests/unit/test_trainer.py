@@ -337,9 +337,11 @@ def test_a_preemption_before_the_first_step_stops_at_once(tmp_path, monkeypatch,
     import signal
 
     from distzo.job.preemption import EXIT_PREEMPTED
+    from distzo.job.run_build import _Build
     from distzo.train import main
 
-    original = getattr(Trainer, phase)
+    owner = _Build if phase == "_plan_memory" else Trainer  # the build's, or the trainer's
+    original = getattr(owner, phase)
     reached = []
 
     def signalled(self, *args):
@@ -347,7 +349,7 @@ def test_a_preemption_before_the_first_step_stops_at_once(tmp_path, monkeypatch,
         reached.append("after the signal")  # what a deferred stop would go on to
         return original(self, *args)
 
-    monkeypatch.setattr(Trainer, phase, signalled)
+    monkeypatch.setattr(owner, phase, signalled)
     out = tmp_path / "run"
     flags = ["--max-steps", "2", "--device", "cpu", "--output-dir", str(out)]
     assert main(flags) == EXIT_PREEMPTED
@@ -357,7 +359,7 @@ def test_a_preemption_before_the_first_step_stops_at_once(tmp_path, monkeypatch,
         "session; the same command starts it again" in caplog.text
     )
     assert not out.exists()
-    monkeypatch.setattr(Trainer, phase, original)
+    monkeypatch.setattr(owner, phase, original)
     assert main(flags) == 0  # the same command
 
 
