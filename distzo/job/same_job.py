@@ -21,7 +21,7 @@ import hashlib
 import importlib.metadata
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -105,13 +105,12 @@ def check_same_software(comm: Collectives) -> None:
     if not comm.distributed:
         return
     everyone: list[dict[str, str]] = comm.all_gather_object(software())
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        for name, version in everyone[0].items():
-            if theirs.get(name) != version:
-                raise ValueError(
-                    f"rank {rank} runs {name} {theirs.get(name)}, rank 0 {name} {version}; "
-                    f"install the same {name} on every node"
-                )
+    for rank, differ in _differences(everyone):
+        name = differ[0]
+        raise ValueError(
+            f"rank {rank} runs {name} {everyone[rank].get(name)}, rank 0 {name} "
+            f"{everyone[0].get(name)}; install the same {name} on every node"
+        )
 
 
 def check_same_options(job: JobConfig, comm: Collectives) -> None:
@@ -120,16 +119,13 @@ def check_same_options(job: JobConfig, comm: Collectives) -> None:
     if not comm.distributed:
         return
     everyone: list[dict[str, str]] = comm.all_gather_object(_values(job))
-    first = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        differ = [flag for flag in first if theirs.get(flag) != first[flag]]
-        if differ:
-            flag = differ[0]
-            more = f" (and {len(differ) - 1} more options)" if len(differ) > 1 else ""
-            raise ValueError(
-                f"rank {rank} was started with {_shown(flag, theirs.get(flag))}, rank 0 with "
-                f"{_shown(flag, first[flag])}{more}; start every node with the same options"
-            )
+    for rank, differ in _differences(everyone):
+        flag, theirs, first = differ[0], everyone[rank], everyone[0]
+        raise ValueError(
+            f"rank {rank} was started with {_shown(flag, theirs.get(flag))}, rank 0 with "
+            f"{_shown(flag, first[flag])}{_more(differ, 'options')}; start every node with "
+            "the same options"
+        )
 
 
 def check_same_rows(job: JobConfig, data: Mapping[str, str], comm: Collectives) -> None:
@@ -138,14 +134,28 @@ def check_same_rows(job: JobConfig, data: Mapping[str, str], comm: Collectives) 
     global batch, and score its share of another evaluation set, without a word."""
     everyone: list[dict[str, str]] = comm.all_gather_object(dict(data))
     paths = {"--train-file": job.data.train_file, "--eval-file": job.data.eval_file}
+    for rank, differ in _differences(everyone):
+        flag, digest = differ[0], everyone[0].get(differ[0])
+        raise ValueError(
+            f"rank {rank} read other rows from {flag} {paths.get(flag)} than rank 0 "
+            f"(rows digest {everyone[rank].get(flag)}, rank 0's {digest}); give every node "
+            "the same file"
+        )
+
+
+def _differences(everyone: Sequence[Mapping[str, object]]) -> Iterator[tuple[int, list[str]]]:
+    """Each rank whose entries are not rank 0's, with the keys that differ: rank 0's in its
+    order, then those that rank alone has."""
+    first = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
-        for flag, digest in everyone[0].items():
-            if theirs.get(flag) != digest:
-                raise ValueError(
-                    f"rank {rank} read other rows from {flag} {paths.get(flag)} than rank 0 "
-                    f"(rows digest {theirs.get(flag)}, rank 0's {digest}); give every node the "
-                    "same file"
-                )
+        keys = [*first, *(key for key in theirs if key not in first)]
+        differ = [key for key in keys if theirs.get(key) != first.get(key)]
+        if differ:
+            yield rank, differ
+
+
+def _more(differ: list[str], what: str) -> str:
+    return f" (and {len(differ) - 1} more {what})" if len(differ) > 1 else ""
 
 
 def _shown(flag: str, value: str | None) -> str:
@@ -203,16 +213,13 @@ def check_same_model(name: str, source: Path, comm: Collectives, env: LaunchEnv)
     everyone: list[dict[str, str]] = comm.all_gather_object(
         agreed(comm, lambda: folder_digests(source))
     )
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        files = sorted(set(theirs) | set(everyone[0]))
-        differ = [f for f in files if theirs.get(f) != everyone[0].get(f)]
-        if differ:
-            more = f" (and {len(differ) - 1} more files)" if len(differ) > 1 else ""
-            raise ValueError(
-                f"rank {rank} read another model from --model {name} than rank 0: its "
-                f"{differ[0]} {_file_state(differ[0], theirs, everyone[0])}{more}; give every "
-                "node the same model folder"
-            )
+    for rank, differ in _differences(everyone):
+        state = _file_state(differ[0], everyone[rank], everyone[0])
+        raise ValueError(
+            f"rank {rank} read another model from --model {name} than rank 0: its "
+            f"{differ[0]} {state}{_more(differ, 'files')}; give every node the same model "
+            "folder"
+        )
 
 
 def _file_state(name: str, theirs: Mapping[str, str], rank0s: Mapping[str, str]) -> str:
