@@ -9,6 +9,7 @@ the new block with ``python tests/unit/test_layering.py`` and put it in the docu
 """
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "distzo"
@@ -41,11 +42,8 @@ LAYERS = (
 # Folders under distzo/ that hold no Python and so no imports.
 NOT_PYTHON = {"csrc": "the C source of the CPU noise kernel, built into `distzo.zo._philox_noise`"}
 
-# (importing module, imported module of a higher layer): why. None can go without moving
-# code: MomentRule.of could take the fields it reads instead of a ZOConfig; the job's option
-# tree (config/job.py) checks options against what the job and the export accept, so either
-# it moves above them or those names move into config. Each must still be needed (the test
-# fails once one is gone), so the list only shrinks.
+# (importing module, imported module of a higher layer): why. Empty today; an entry must
+# still be needed (the test fails once one is gone), so the list only shrinks.
 UPWARD: dict[tuple[str, str], str] = {}
 
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
@@ -171,6 +169,32 @@ def test_the_architecture_document_states_these_rules():
         "docs/ARCHITECTURE.md does not hold the rules of tests/unit/test_layering.py: "
         "replace its generated block with the output of `python tests/unit/test_layering.py`"
     )
+
+
+def map_sections() -> dict[str, str]:
+    """docs/ARCHITECTURE.md's paragraph on each package (``**`distzo/zo/`**, ...``), by
+    layer name; the root's is ``**The root**``."""
+    text = ARCHITECTURE.read_text().split("## Packages and modules", 1)[1]
+    text = text.split("\n## ", 1)[0]
+    sections: dict[str, str] = {}
+    for part in re.split(r"^\*\*", text, flags=re.M)[1:]:
+        head = re.match(r"`distzo/(\w+)/`\*\*|The root\*\*", part)
+        if head:
+            sections[head.group(1) or ROOT] = part
+    return sections
+
+
+def test_the_architecture_map_names_every_module_under_its_package():
+    """The map lists every module in its package's paragraph, so a new module comes with
+    its line and a moved one is not left under its old package."""
+    sections = map_sections()
+    unnamed = [
+        module
+        for module in python_modules()
+        if not module.endswith("__init__.py") or layer_of_module(module) == ROOT
+        if f"`{Path(module).name}`" not in sections.get(layer_of_module(module), "")
+    ]
+    assert not unnamed, f"name these in docs/ARCHITECTURE.md's packages and modules: {unnamed}"
 
 
 def test_every_import_is_absolute():
