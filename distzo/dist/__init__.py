@@ -1,4 +1,6 @@
-"""Process group, named 2D mesh (dp x pert), and every collective (``collectives``)."""
+"""Ranks: the launch (``launch_env``, ``launch_gate``), the dp x pert layout, the process
+group and mesh, every collective (``collectives``), checks every rank agrees on
+(``agreement``) and how a failure reaches torchrun (``failure_report``)."""
 
 from distzo.dist.collectives import Collectives, broadcast_seed
 from distzo.dist.launch_env import LaunchEnv

@@ -1,2 +1,3 @@
-"""What leaves a run: the model as a Hugging Face directory (``hf_model``) and the training
-step as a ``torch.export`` program (``training_step``)."""
+"""What leaves a run: the model as a Hugging Face directory (``hf_model``), the training
+step as a ``torch.export`` program (``training_step``), and a command's ``--out`` folder,
+written whole or not at all (``out_dir``)."""

@@ -1,4 +1,5 @@
-"""Model adapters: split a Hugging Face causal LM into resident embed/head and streamed blocks."""
+"""Model families: a Hugging Face causal LM split into resident embed/head and streamed
+blocks; and where its weights come from (checkpoints, named shapes, the hub, GGUF)."""
 
 from distzo.models.family import BatchContext, ModelFamily
 from distzo.models.opt import OPTFamily

@@ -1,5 +1,5 @@
-"""Moving blocks between host and device: bucket layout, host buckets, device slots,
-streams and the block pipeline."""
+"""Moving blocks between host and device: bucket layout, host buckets (pinned, low-bit,
+with their moments), device slots, streams, the block pipeline and its stream model."""
 
 from distzo.offload.block_store import BlockStore, ResidentBlocks
 from distzo.offload.bucket import BucketLayout, bind

@@ -1,4 +1,5 @@
-"""Zeroth-order pieces: counter-based noise, the estimators (SPSA, FZOO), lr schedules."""
+"""Zeroth-order pieces: counter-based noise (and LOZO's low-rank kind), the estimators
+(SPSA, FZOO, LOZO), lr schedules and the stored-moment rules (momentum, MeZO-Adam)."""
 
 from distzo.zo.estimators import (
     ESTIMATORS,
