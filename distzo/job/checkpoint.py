@@ -97,7 +97,7 @@ def _steps_of(path: Path) -> int:
     return int(path.name.removeprefix("step-").removesuffix(".tmp"))
 
 
-def _damage(path: Path) -> str | None:
+def checkpoint_damage(path: Path) -> str | None:
     """What makes checkpoint ``path`` unloadable, named by its file (no ``.metadata``: the
     save never finished; a ``.distcp`` shorter than the entries its metadata places in it:
     truncated); None for a complete one. Sizes only: nothing is read but the metadata."""
@@ -126,7 +126,7 @@ def _damage(path: Path) -> str | None:
 def check_complete(path: Path) -> None:
     """Refuse a damaged checkpoint in one line naming the file, and offer the previous
     complete one (or the seed log alone): a resume must not die inside DCP's reader."""
-    damage = _damage(path)
+    damage = checkpoint_damage(path)
     if damage is None:
         return
     earlier = sorted(
@@ -139,7 +139,7 @@ def check_complete(path: Path) -> None:
     )
     step = int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else None
     previous = next(
-        (p for n, p in earlier if (step is None or n < step) and _damage(p) is None), None
+        (p for n, p in earlier if (step is None or n < step) and checkpoint_damage(p) is None), None
     )
     offer = (
         f"the previous complete checkpoint is {previous}: move {path} aside to resume from it"

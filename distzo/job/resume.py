@@ -11,8 +11,14 @@ from distzo.config.job import RunOptions
 from distzo.data.task_data import LoadedRows
 from distzo.dist import LaunchEnv, ParallelContext
 from distzo.dist.agreement import agreed
+from distzo.dist.collectives import Collectives
 from distzo.engine import ZOEngine
-from distzo.job.checkpoint import checkpoint_noise, latest_checkpoint
+from distzo.job.checkpoint import (
+    check_complete,
+    checkpoint_damage,
+    checkpoint_noise,
+    latest_checkpoint,
+)
 from distzo.job.run_dir import check_log_leads_to_checkpoint, run_contents
 from distzo.job.seed_log import (
     SEED_LOG,
@@ -113,6 +119,36 @@ def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str |
         "restore the file the run started with, or start afresh with --overwrite or another "
         "--output-dir"
     )
+
+
+def agreed_checkpoint(run_dir: Path, comm: Collectives, rank: int) -> Path | None:
+    """The checkpoint a resumed run loads: rank 0's latest, taken by every rank. Each rank
+    listing its own would load other steps where a shared file system shows one node a
+    new checkpoint later than another (NFS): the ranks' collectives then pair up wrongly,
+    a hang or a run of mixed weights. A rank whose node does not show the checkpoint
+    whole refuses it, in one line on every rank, before anything is read."""
+    chosen = latest_checkpoint(run_dir / "checkpoints") if rank == 0 else None
+    name = comm.broadcast_object(chosen.name if chosen is not None else None)
+    if name is None:
+        return None
+    path = run_dir / "checkpoints" / name  # this node's spelling of the run directory
+    agreed(comm, lambda: check_as_chosen(path, rank))
+    return path
+
+
+def check_as_chosen(path: Path, rank: int) -> None:
+    """Rank 0 refuses a damaged checkpoint it chose (``check_complete``, the previous one
+    offered); another rank, one its node does not show whole yet: rank 0's does."""
+    if rank == 0:
+        check_complete(path)
+        return
+    damage = f"{path} does not exist" if not path.is_dir() else checkpoint_damage(path)
+    if damage is not None:
+        raise ValueError(
+            f"--resume: rank 0 resumes from checkpoint {path.name}, complete on its node, but "
+            f"on this rank's node {damage}: a shared file system that has not caught up "
+            "(NFS); launch again once every node shows it whole"
+        )
 
 
 def drawn_noise(run_dir: Path, rank: int = 0) -> str:

@@ -31,11 +31,11 @@ from distzo.job.build import (
     build_task_data,
     choose_slots,
 )
-from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+from distzo.job.checkpoint import Checkpointer
 from distzo.job.memory_plan import check_fits
 from distzo.job.records import StepMeter, run_header
 from distzo.job.reporting import Reporter, make_reporter
-from distzo.job.resume import catch_up_from_log
+from distzo.job.resume import agreed_checkpoint, catch_up_from_log
 from distzo.job.run_claim import RunClaim
 from distzo.job.run_logs import RunLogs
 from distzo.job.run_model import run_model
@@ -184,7 +184,9 @@ class _Build:
         checkpoint, then the steps its seed log holds after it."""
         job = self.checked.job
         resuming = job.run.resume == "yes"
-        checkpoint = latest_checkpoint(checkpointer.directory) if resuming else None
+        # rank 0's choice, on every rank: a lagging file system may list others (NFS)
+        comm, rank = self.parallel.comm, self.env.rank
+        checkpoint = agreed_checkpoint(self.run_dir, comm, rank) if resuming else None
         step = checkpointer.load(checkpoint) if checkpoint is not None else 0
         rows = self.checked.rows
         header = run_header(

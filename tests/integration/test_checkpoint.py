@@ -16,10 +16,14 @@ from distzo.job.checkpoint import latest_checkpoint
 from tests.helpers.launch import (
     Run,
     checkpoint_writers,
+    child_env,
+    free_port,
     main_in_process,
     python_replay,
     python_train,
+    run_python,
     torchrun,
+    torchrun_command,
 )
 from tests.helpers.models import random_batch, tiny_opt
 
@@ -38,6 +42,8 @@ COMMON = [
     "--lr-schedule",
     "constant",
 ]
+# ``distzo.train`` with one rank's listing of the checkpoints late (``DISTZO_LAG``).
+LAGGING_TRAIN = "tests.helpers.lagging_train"
 
 
 def launch(nproc, args, env=None):
@@ -199,6 +205,23 @@ def test_a_crash_during_an_asynchronous_save_leaves_the_previous_checkpoint(tmp_
     )
     assert Run(tmp_path).grads == Run(uninterrupted).grads
     assert_same_params(Run(tmp_path), Run(uninterrupted))
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint_where_a_node_lists_late(tmp_path):
+    # A shared file system that shows rank 1's node the step-8 checkpoint late: each rank
+    # listing its own, rank 0 loaded step 8 and rank 1 step 4, their collectives paired up
+    # wrongly, and rank 0 published a step-12 checkpoint without rank 1's file. Rank 0's
+    # choice is every rank's: both go on from step 8 and write step 12 together.
+    run = tmp_path / "run"
+    flags = COMMON[2:] + ["--dp", "2", "--save-steps", "4", "--no-save-async"]
+    flags += ["--output-dir", str(run)]
+    assert torchrun(2, flags + ["--max-steps", "8"]).returncode == 0
+    resume = flags + ["--max-steps", "12", "--resume"]
+    command = torchrun_command(2, resume, free_port(), module=LAGGING_TRAIN, preload=True)
+    proc = run_python(command, child_env({"DISTZO_LAG": "1:4"}), 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step-8'} at step 8" in proc.stderr
+    assert set(checkpoint_writers(run / "checkpoints" / "step-12").values()) == {0, 1}
 
 
 def test_export_loads_in_transformers_and_matches_the_engine(tmp_path):
