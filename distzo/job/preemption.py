@@ -10,6 +10,12 @@ a moment apart never wait for each other in a collective. The job then saves (wi
 after a Ctrl-C. A second SIGINT while stopping raises ``KeyboardInterrupt`` at once: the
 user asked again, so the step, the save and every wait are abandoned.
 
+After the last step (the run's final checkpoint, evaluation and export) there is no step's
+all-reduce to carry the vote: ``stop_voted`` gathers it after the final checkpoint and
+after the final evaluation, and a run signalled by then stops there (that checkpoint holds
+every step: a resume evaluates and exports), rather than spending a cluster's grace period
+on an evaluation and an export that a kill at its deadline would cut off, unrequeued.
+
 Before the steps start (the build, which loads a large model for minutes, and the
 evaluation before training) there is no step to stop after: a signal raises ``Preempted``
 at once, and a job preempted while loading its weights exits then, not when the loading
@@ -24,6 +30,8 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from distzo.dist.collectives import Collectives
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +100,14 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def stop_voted(signals: StopSignals | None, comm: Collectives) -> str | None:
+    """Whether a rank was signalled, agreed on every rank (one gather): a vote outside the
+    steps, at the end of a run. This rank's signal's name, or "a signal to another rank"
+    when only another was signalled; None when none was."""
+    mine = signals.received if signals is not None else None
+    votes = comm.all_gather_object(mine)
+    if mine is not None or not any(votes):
+        return mine
+    return "a signal to another rank"

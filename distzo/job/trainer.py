@@ -45,7 +45,7 @@ from distzo.job.divergence import (
     warn_if_nothing_learns,
 )
 from distzo.job.evaluation import evaluate
-from distzo.job.preemption import Preempted, StopSignals
+from distzo.job.preemption import Preempted, StopSignals, stop_voted
 from distzo.job.progress import Progress
 from distzo.job.records import StepMeter, describe, rank_summary, seed_record
 from distzo.job.reporting import Reporter
@@ -204,7 +204,7 @@ class Trainer:
                 self._after_step(step, result, signals)
         finally:
             self.progress.close()
-        return self._finish(time.perf_counter() - started)
+        return self._finish(time.perf_counter() - started, signals)
 
     def _train_step(self, step: int, signals: StopSignals | None) -> StepResult:
         """One ZO step on the global batch (the same rows on every rank), and its records."""
@@ -300,6 +300,14 @@ class Trainer:
         self.close()  # syncs the seed log
         raise Preempted(self.step, received or "a signal to another rank")
 
+    def _stop_if_voted(self, signals: StopSignals | None) -> None:
+        """End the run here if any rank was signalled since its last step: its checkpoint
+        holds every step, so a resume only evaluates and exports (``stop_voted``)."""
+        received = stop_voted(signals, self.parallel.comm)
+        if received is not None:
+            self.close()  # syncs the seed log
+            raise Preempted(self.step, received)
+
     def _diverge(self, step: int, error: Callable[[str | None], Diverged]) -> NoReturn:
         """End a run at its first non-finite step, keeping the state before the update that
         led to it (``distzo.job.divergence``): neither that step's pending update nor the
@@ -309,14 +317,17 @@ class Trainer:
         self.step, last = cut_back(step, self.checkpointer, self.logs, self.run_dir)
         raise error(str(last) if last is not None else None)
 
-    def _finish(self, elapsed: float) -> dict[str, float]:
-        """The final checkpoint, evaluation and export, and this rank's summary."""
+    def _finish(self, elapsed: float, signals: StopSignals | None = None) -> dict[str, float]:
+        """The final checkpoint, evaluation and export, and this rank's summary; a stop
+        asked for by then ends the run after the checkpoint or the evaluation."""
         # Saved before the final evaluation, whose flush a longer run would not make here.
         self.save(asynchronous=False)
+        self._stop_if_voted(signals)
         after = self._evaluate(self.job.optim.max_steps)  # the last step's update checked
         self.eval_after = after
         if self.logs:
             self.logs.write_eval(self.job.optim.max_steps, after)
+        self._stop_if_voted(signals)
         # Before the export, and agreed on: a rank whose disk is full (another node's, say)
         # ends every rank with its line, and no export stands for a run that failed.
         peft, summary = self.job.peft.peft, self.run_dir / f"rank{self.env.rank}.json"

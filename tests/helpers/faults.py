@@ -10,6 +10,9 @@ trainer's callbacks: the product itself reads none of these variables.
   attempt only (torchrun's restarts then go on).
 * ``DISTZO_CRASH_IN_SAVE=STEP``: the process exits abruptly right after launching that
   step's asynchronous checkpoint.
+* ``DISTZO_SIGNAL_AFTER_SAVE=RANK:STEPS``: that rank sends itself SIGTERM once its
+  synchronous checkpoint of STEPS steps is written (the final one: a notice arriving in
+  the run's last phase, before its evaluation and export).
 * ``DISTZO_UNWRITABLE_SUMMARY=RANK``: after its last step that rank finds a directory
   where its ``rankN.json`` goes (its node cannot write it, as a full disk would not let it).
 
@@ -32,7 +35,8 @@ SIGNAL_AT = "DISTZO_SIGNAL_AT"
 KILL_AT = "DISTZO_KILL_AT"
 CRASH_IN_SAVE = "DISTZO_CRASH_IN_SAVE"
 UNWRITABLE_SUMMARY = "DISTZO_UNWRITABLE_SUMMARY"
-VARIABLES = (FAIL_AT, SIGNAL_AT, KILL_AT, CRASH_IN_SAVE, UNWRITABLE_SUMMARY)
+SIGNAL_AFTER_SAVE = "DISTZO_SIGNAL_AFTER_SAVE"
+VARIABLES = (FAIL_AT, SIGNAL_AT, KILL_AT, CRASH_IN_SAVE, UNWRITABLE_SUMMARY, SIGNAL_AFTER_SAVE)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,9 @@ class Faults(TrainerCallback):
             (trainer.run_dir / f"rank{rank}.json").mkdir()
 
     def on_save(self, trainer: Trainer, step: int, asynchronous: bool) -> None:
+        signalled = step == _step_of(self.environ.get(SIGNAL_AFTER_SAVE), trainer.env.rank)
+        if signalled and not asynchronous and trainer.job.run.resume != "yes":
+            signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
         if asynchronous and self.environ.get(CRASH_IN_SAVE) == str(step):
             logger.error(
                 "crashing during the asynchronous save of step %d (%s)", step, CRASH_IN_SAVE

@@ -258,6 +258,29 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_the_run_r
     assert all(torch.equal(Run(stopped).params[k], v) for k, v in Run(full).params.items())
 
 
+def test_a_signal_after_the_final_checkpoint_stops_before_the_evaluation_and_the_export(
+    tmp_path,
+):
+    # Rank 1 gets SIGTERM once the final checkpoint is written: every rank stops there (the
+    # vote is gathered after it), exits 143 with no export, and the resume evaluates and
+    # exports. The stop was ignored until the run's end: the evaluation and the export ran
+    # on into the cluster's kill deadline, and the job exited 0, never requeued.
+    flags = ["--max-steps", "8", "--batch-size", "8", "--eval-batch-size", "8", "--dp", "2"]
+    flags += ["--log-every", "0", "--seed", "5", "--output-dir", str(tmp_path)]
+    proc = torchrun(2, flags, env={"DISTZO_SIGNAL_AFTER_SAVE": "1:8"})
+    assert proc.returncode != 0
+    assert "stopped after step 7 on a signal to another rank; 8 steps done" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-8"]
+    assert not (tmp_path / "export").exists() and not (tmp_path / "summary.json").exists()
+    proc = torchrun(2, flags + ["--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 0 steps" in proc.stderr and (tmp_path / "export").is_dir()
+    evals = [
+        json.loads(line)["step"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()
+    ]
+    assert evals == [0, 8]
+
+
 def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_alone(tmp_path):
     # SIGTERM before step 6 of 10, no --save-on-signal and no --save-steps: the run stops
     # after step 6 (exit 143) with its seed log alone. Its last record is then torn (as a
