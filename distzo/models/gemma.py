@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -18,6 +19,19 @@ from torch import nn
 
 from distzo.models.family import BatchContext
 from distzo.models.llama import LlamaFamily
+
+
+def _check_logit_cap(cap: Any) -> None:
+    """Refuse a logit cap (``tanh(logits / cap) * cap``) no forward computes: 0 or an
+    infinite one makes every logit 0 or NaN, a loss the job then failed on only at the
+    first evaluation, after the weights loaded, blaming them. (The attention's cap is the
+    model's own attention's to apply, or ignore, as it does.)"""
+    if cap is None or (isinstance(cap, (int, float)) and math.isfinite(cap) and cap != 0):
+        return
+    raise ValueError(
+        f"this Gemma config sets final_logit_softcapping to {cap!r}, which makes every "
+        "logit 0 or NaN; set it to a positive number, or to null for no cap"
+    )
 
 
 class GemmaFamily(LlamaFamily):
@@ -30,6 +44,7 @@ class GemmaFamily(LlamaFamily):
                 "this Gemma config sets use_bidirectional_attention (an embedding model, "
                 "not a causal LM); pick a causal Gemma model"
             )
+        _check_logit_cap(getattr(config, "final_logit_softcapping", None))
 
     @functools.cached_property
     def _tables_by_kind(self) -> bool:

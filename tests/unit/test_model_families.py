@@ -159,3 +159,26 @@ def test_a_bidirectional_gemma_is_refused_from_its_config_and_its_model(tmp_path
     proc = train_in_process(["--model", str(tmp_path / "model"), "--output-dir", str(run)])
     assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {message}")
     assert not run.exists()
+
+
+@pytest.mark.parametrize("cap", [0.0, float("inf")])
+def test_a_gemma_logit_cap_of_zero_or_infinity_is_refused_from_its_config(tmp_path, cap):
+    """A config.json setting final_logit_softcapping to 0 (meant as "no cap", which is
+    null) makes every logit 0 or NaN: the job loaded the weights, then failed at its first
+    evaluation blaming them. Refused from config.json alone, and as the family wraps it."""
+    from tests.helpers.launch import train_in_process
+
+    config = CONFIGS["gemma2"]()
+    config.final_logit_softcapping = cap
+    message = (
+        f"this Gemma config sets final_logit_softcapping to {cap!r}, which makes every "
+        "logit 0 or NaN; set it to a positive number, or to null for no cap"
+    )
+    with pytest.raises(ValueError) as err:
+        family_for(AutoModelForCausalLM.from_config(config))
+    assert str(err.value) == message
+    config.save_pretrained(tmp_path / "model")  # a config, no weights
+    run = tmp_path / "run"
+    proc = train_in_process(["--model", str(tmp_path / "model"), "--output-dir", str(run)])
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {message}")
+    assert not run.exists()
