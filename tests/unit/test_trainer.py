@@ -192,6 +192,8 @@ def test_save_outside_a_running_trainer_is_one_line(tmp_path):
         trainer.save()
     # a fresh Trainer goes on with train(), not with a new Trainer (its advice once)
     assert "new Trainer" not in str(early.value) and "after train()" in str(early.value)
+    with pytest.raises(AttributeError, match=r"Trainer.checkpointer: build\(\) makes it"):
+        trainer.checkpointer.wait()  # not None's "has no attribute 'wait'"
     with trainer, pytest.raises(Diverged):
         trainer.train()
     with pytest.raises(RuntimeError, match=r"save\(\): this Trainer's run failed after 0 steps"):
@@ -453,6 +455,28 @@ def test_a_save_that_fails_to_complete_on_close_is_said_not_raised(caplog):
         held.close()
     assert held.closed
     assert "could not be completed: [Errno 28] No space left on device" in caplog.text
+
+
+def test_logs_that_fail_to_close_still_follow_the_save_they_wait_for():
+    """close() on a full disk: the save in flight is completed before the logs close, so
+    logs whose close raises still leave the checkpoint renamed into place, not its
+    ``step-N.tmp`` with a writer still in it."""
+    from types import SimpleNamespace
+
+    from distzo.job.run_resources import RunResources
+
+    done: list[str] = []
+
+    def close() -> None:
+        done.append("logs")
+        raise OSError(28, "No space left on device")
+
+    held = RunResources()
+    held.checkpointer = SimpleNamespace(in_flight=True, wait=lambda: done.append("save"))
+    held.logs = SimpleNamespace(close=close)
+    with pytest.raises(OSError, match="No space left"):
+        held.close()
+    assert done == ["save", "logs"] and held.closed
 
 
 def test_the_run_directory_stays_locked_until_its_summary_is_written(tmp_path, monkeypatch):
