@@ -186,6 +186,30 @@ def test_a_checked_seed_log_loses_its_torn_last_line_on_a_resume(tmp_path):
     assert log.read_text().endswith('"lr": 0.1}\n')
 
 
+@pytest.mark.parametrize("end", ["\r\n", "\r"])
+def test_a_seed_log_of_other_line_ends_reads_as_read_text_reads_it(tmp_path, end):
+    """A seed log saved by an editor with Windows ("\\r\\n") or old Mac ("\\r") line ends
+    reads with universal newlines, as ``read_text`` reads it (the replay's read)."""
+    write_run(tmp_path, steps=5, checkpoint=5)
+    log = tmp_path / "seedlog.jsonl"
+    plain = seed_log.read_seed_log(log)
+    log.write_bytes(log.read_bytes().replace(b"\n", end.encode()))
+    assert seed_log.read_seed_log(log) == plain
+
+
+def test_a_resume_rewrites_a_seed_log_of_windows_line_ends_with_its_own(tmp_path):
+    """Though the resume drops no record, the log is rewritten with the "\\n" its new
+    records are appended with: the check that may skip the rewrite vouches only for a
+    log a rewrite would leave as it is."""
+    write_run(tmp_path, steps=30, checkpoint=30)
+    log = tmp_path / "seedlog.jsonl"
+    log.write_bytes(log.read_bytes().replace(b"\n", b"\r\n"))
+    assert check_log_leads_to_checkpoint(tmp_path) == 30
+    RunLogs(tmp_path, tmp_path, 30, HEADER).close()
+    text = log.read_bytes().decode()
+    assert "\r" not in text and text.count("\n") == 31
+
+
 def test_a_resume_that_drops_nothing_removes_a_temporary_file_a_crash_left(tmp_path):
     write_run(tmp_path, steps=10, checkpoint=10)
     stale = tmp_path / "metrics.jsonl.tmp"
