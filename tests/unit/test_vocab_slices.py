@@ -168,6 +168,16 @@ def test_an_embedding_with_a_forward_of_its_own_keeps_its_whole_weight():
     assert_same(sliced_weights, weights)
 
 
+def test_an_embedding_with_a_max_norm_keeps_its_whole_weight():
+    """``max_norm`` renormalises the rows a lookup reads (in place, as its forward runs):
+    a slice's plain lookup would skip that, so such an embedding is read whole."""
+    model = model_of("llama")
+    model.model.embed_tokens.max_norm = 1.0
+    sides = ZOEngine(model, ZOConfig(seed=0, device="cpu", perturb_scope="module")).resident.sides
+    assert not sides[EMBEDDING].matrices and sides[EMBEDDING].fixed.numel >= VOCAB * 32
+    assert sides[HEAD].matrices  # the head still is
+
+
 def test_a_vocabulary_module_run_outside_the_engines_pass_is_refused():
     model = model_of("llama")
     engine = ZOEngine(model, ZOConfig(seed=0, device="cpu", perturb_scope="module"))
