@@ -65,3 +65,12 @@ def test_what_an_import_may_have_read_runs_in_a_fresh_interpreter():
     assert fork_server.run(REPORT, child_env({fork_server.SWITCH: "0"}), 60, standard) is None
     python3 = ["python3", "-m", "tests.helpers.interpreter_report"]
     assert fork_server.run(python3, standard, 60, standard) is None
+
+
+def test_a_timeout_of_long_stderr_reports_its_end_where_the_stacks_are():
+    """The stacks a timed-out command's processes dump come last: a stderr past the
+    reported length is cut from its beginning, not its end."""
+    err = "x" * fork_server.REPORTED_CHARS + "the stacks\n"
+    message = str(fork_server.Timeout(["cmd"], 5, "", err))
+    assert message.endswith(err[-fork_server.REPORTED_CHARS :])
+    assert "the stacks" in message and message.count("x") < fork_server.REPORTED_CHARS
