@@ -5,12 +5,9 @@ the one read (a resume of a million-step run read its logs whole twice for these
 from __future__ import annotations
 
 import locale
-import re
 
 # What ``open`` reads and writes a text file in, without an encoding named.
 TEXT_ENCODING = locale.getpreferredencoding(False)
-# The line breaks ``str.splitlines`` cuts at besides "\n" (universal newlines read "\r" too).
-OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
 
 
 def as_read_text(raw: bytes) -> str:
@@ -20,12 +17,12 @@ def as_read_text(raw: bytes) -> str:
 
 
 def as_rewritten(raw: bytes) -> bool:
-    """Whether ``raw`` is what writing its lines back, each ended by a newline, writes: no
-    torn last line, carriage return or other line break ``splitlines`` cuts at, and text
-    that encodes back to the same bytes."""
+    """Whether ``raw`` is what writing its lines (cut at "\\n", as ``as_read_text`` gives
+    them) back, each ended by a newline, writes: no torn last line, no carriage return
+    (which the read turns into a newline), and text that encodes back to the same bytes."""
     try:
         text = raw.decode(TEXT_ENCODING)
     except UnicodeDecodeError:
         return False
     whole = not text or text.endswith("\n")
-    return whole and not OTHER_BREAKS.search(text) and text.encode(TEXT_ENCODING) == raw
+    return whole and "\r" not in text and text.encode(TEXT_ENCODING) == raw

@@ -31,7 +31,8 @@ def truncate_jsonl(
         return
     raw = path.read_bytes()  # read once: the parse and the comparison that may skip the write
     kept = []
-    for line in as_read_text(raw).splitlines():
+    # cut at "\n" as every reader of these logs cuts them (not at U+2028, as splitlines)
+    for line in filter(None, as_read_text(raw).split("\n")):
         try:
             record = json_text.loads(line)
         except json.JSONDecodeError:

@@ -210,6 +210,23 @@ def test_a_resume_rewrites_a_seed_log_of_windows_line_ends_with_its_own(tmp_path
     assert "\r" not in text and text.count("\n") == 31
 
 
+@pytest.mark.parametrize("cut", [20, 30])
+def test_a_resume_keeps_a_record_whose_string_holds_a_line_separator(tmp_path, cut):
+    """A header written with its text as is (``ensure_ascii=False``: another tool's, a
+    hand edit) may hold U+2028 in a string, which the read keeps within its line: the
+    cut split lines there too (``str.splitlines``) and dropped both halves, the header
+    with them, leaving a seed log no resume reads."""
+    write_run(tmp_path, steps=30, checkpoint=cut)
+    log = tmp_path / "seedlog.jsonl"
+    header = {**HEADER, "note": "a\u2028b\x85c"}
+    lines = log.read_text().split("\n")
+    log.write_text("\n".join([json.dumps(header, ensure_ascii=False), *lines[1:]]))
+    assert check_log_leads_to_checkpoint(tmp_path) == 30
+    RunLogs(tmp_path, tmp_path, cut, HEADER).close()
+    read, steps = seed_log.read_seed_log(log)
+    assert read == header and [record["step"] for record in steps] == list(range(cut))
+
+
 def test_a_resume_that_drops_nothing_removes_a_temporary_file_a_crash_left(tmp_path):
     write_run(tmp_path, steps=10, checkpoint=10)
     stale = tmp_path / "metrics.jsonl.tmp"
