@@ -496,3 +496,42 @@ def test_the_run_directory_stays_locked_until_its_summary_is_written(tmp_path, m
         trainer.train()
         assert seen == [(True, True)]
         assert not (run / ".distzo.lock").exists() and (run / "summary.json").exists()
+
+
+def test_a_build_that_fails_closes_the_dashboard_it_started(tmp_path, monkeypatch):
+    """A run whose memory plan refuses it (after rank 0's dashboard started) closes the
+    dashboard: a wandb run left open would show a live run that never logs, and the next
+    Trainer in the process would log into it."""
+    from distzo.job import run_build
+
+    closed = []
+
+    class Dashboard:
+        def start(self, resume_step: int) -> None: ...
+
+        def log(self, scalars: dict, step: int) -> None: ...
+
+        def close(self) -> None:
+            closed.append(True)
+
+    def refused(*_args):
+        raise ValueError("does not fit")
+
+    monkeypatch.setattr(run_build, "make_reporter", lambda *_args: Dashboard())
+    monkeypatch.setattr(run_build, "check_fits", refused)
+    trainer = Trainer(job(tmp_path / "run", "--report-to", "tensorboard"))
+    with pytest.raises(ValueError, match="does not fit"):
+        trainer.build()
+    assert closed == [True]
+    assert not (tmp_path / "run").exists()  # a fresh run's directory is given back
+
+
+def test_a_drawn_seed_is_the_one_config_toml_records(tmp_path):
+    """``--seed -1`` has rank 0 draw the run seed; config.toml, which ``--config`` repeats a
+    run from, records the seed drawn, not -1 (which would draw another)."""
+    run = tmp_path / "run"
+    trainer = Trainer(job(run, "--seed", "-1", "--max-steps", "1"))
+    with trainer:
+        trainer.build()
+    assert trainer.seed != -1
+    assert f"\nseed = {trainer.seed}\n" in (run / "config.toml").read_text()
