@@ -41,11 +41,11 @@ from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.seed_log import first_step, logged_noise, read_seed_log, step_grads
 from distzo.models import hub
 from distzo.models.config_file import read_config
+from distzo.models.multimodal import checkpoint_model, trained_config
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.tiny import byte_tokenizer
 from distzo.models.weights import (
     RandomWeights,
-    open_checkpoint,
     skeleton,
     with_generation_config,
 )
@@ -82,9 +82,10 @@ def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype)
         return skeleton(config, dtype), RandomWeights(header["init_seed"])
     recorded = header.get("model") or logged_base_signature(header)
     config = read_config(folder, "--base")
-    check_signature(recorded, config, name)  # before any weight is read
+    check_signature(recorded, trained_config(config), name)  # before any weight is read
     config.name_or_path = hub.base_reference(name)  # as the run's adapter names its base
-    return with_generation_config(skeleton(config, dtype), folder), open_checkpoint(folder)
+    model, weights = checkpoint_model(folder, config, dtype)
+    return with_generation_config(model, folder), weights
 
 
 def logged_base_signature(header: dict) -> dict:
@@ -92,7 +93,7 @@ def logged_base_signature(header: dict) -> dict:
     folder's config where that folder still exists; else nothing to check."""
     logged = header.get("base")
     if logged and Path(logged).is_dir() and (Path(logged) / "config.json").is_file():
-        return signature(read_config(logged, "the log's base"))
+        return signature(trained_config(read_config(logged, "the log's base")))
     return {}
 
 

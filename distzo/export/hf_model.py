@@ -40,7 +40,13 @@ from distzo.adapters.peft_adapters import (
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
+from distzo.export.multimodal import (
+    multimodal_adapter,
+    multimodal_shapes,
+    multimodal_tensors,
+)
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
+from distzo.models.multimodal import origin_of
 from distzo.offload.bucket import BucketLayout
 from distzo.runtime.write_errors import safetensors_os_errors
 
@@ -74,7 +80,9 @@ def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
     """Meta tensors of what the export holds, by name: the trained parameters, or for a
     merged adapter the base model's own parameters (adapter folded in)."""
     base = [engine.resident_base_layout, *engine.base_layouts] if merged else []
-    return export_shapes([engine.resident_layout, *engine.block_layouts, *base], merged)
+    shapes = export_shapes([engine.resident_layout, *engine.block_layouts, *base], merged)
+    origin = origin_of(engine.model)
+    return shapes if origin is None else multimodal_shapes(origin, shapes)
 
 
 def export_shapes(layouts: list[BucketLayout], merged: bool) -> dict[str, torch.Tensor]:
@@ -193,6 +201,9 @@ def export_hf(
     tensors = (
         _merged_parameters(engine, rank0) if merged else engine.stream_parameters(materialize=rank0)
     )
+    origin = origin_of(engine.model)
+    if origin is not None:  # the text model's tensors under the checkpoint's keys, and the rest
+        tensors = multimodal_tensors(origin, tensors, rank0)
     with _removed_on_failure(tmp, rank0):
         for name, value in tensors:
             file = file_of[name]
@@ -275,13 +286,17 @@ def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, token
             {"base_model.model." + n: v for n, v in values.items()},
             adapter_name=ADAPTER_NAME,
         )
+    config = peft_model.peft_config[ADAPTER_NAME]
+    origin = origin_of(engine.model)
+    if origin is not None:  # named as on the multimodal base, where peft attaches it
+        state, config = multimodal_adapter(origin, state, config)
     with safetensors_os_errors(tmp / ADAPTER_WEIGHTS):
         save_file(
             {k: v.contiguous() for k, v in state.items()},
             str(tmp / ADAPTER_WEIGHTS),
             metadata={"format": "pt"},
         )
-    peft_model.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
+    config.save_pretrained(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     return publish(tmp, directory)
@@ -293,9 +308,12 @@ def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
         raise TypeError(
             f"a Hugging Face export needs a transformers model, not a {type(model).__name__}"
         )
-    config = copy.deepcopy(model.config)  # the live model's config stays as it is
+    origin = origin_of(model)
+    # the live model's config stays as it is; a multimodal checkpoint's text model is
+    # written back as the multimodal model
+    config = copy.deepcopy(model.config if origin is None else origin.config)
     config.dtype = str(engine.resident_layout.dtype).removeprefix("torch.")
-    config.architectures = [type(model).__name__]
+    config.architectures = [type(model).__name__ if origin is None else origin.architecture]
     config.save_pretrained(directory)
     if model.can_generate():
         model.generation_config.save_pretrained(directory)

@@ -24,13 +24,13 @@ from distzo.engine import resolve_transfer
 from distzo.job.evaluation import planned_rows
 from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import hub, model_from_config
+from distzo.models.multimodal import checkpoint_model
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (
     RandomWeights,
     WeightSource,
     check_weights,
-    open_checkpoint,
     skeleton,
     with_generation_config,
 )
@@ -171,8 +171,8 @@ def build_model(
     if job.model.model_config:
         return skeleton(random_shape_config(job), dtype), RandomWeights(seed)
     if source is not None:
-        model = skeleton(AutoConfig.from_pretrained(source), dtype)
-        weights = open_checkpoint(source)
+        # a multimodal checkpoint: its text model, reading only its tensors
+        model, weights = checkpoint_model(source, AutoConfig.from_pretrained(source), dtype)
         # before the memory plan, which would size (and maybe refuse) the config's model
         check_weights(weights, model)
         return with_generation_config(model, source), weights

@@ -23,8 +23,12 @@ ADAPTERS: dict[str, type[ModelFamily]] = {
 
 
 # Multimodal models whose language model is a supported family's, under a type of its own:
-# what the refusal tells their users.
-TEXT_MODELS = {"gemma3": "Gemma 3's text-only models (1B, model type gemma3_text)"}
+# what the refusal tells a user who hands one to a text-model API (``--model`` trains the
+# language model of such a checkpoint: ``distzo.models.multimodal``).
+TEXT_MODELS = {
+    "gemma3": "the language model of such a checkpoint given as --model, and Gemma 3's "
+    "text-only models (1B, model type gemma3_text)"
+}
 
 
 def supported_model_types() -> list[str]:

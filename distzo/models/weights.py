@@ -347,11 +347,36 @@ class HeaderChecked(ABC):
             single = directory / self.single_name
             names = dict.fromkeys(self._header(single), single.name)
         self.directory = directory
+        self.files = dict(names)  # every key's file, as stored
         self.weight_map = names  # every tensor's file
+        # a parameter's key in the files where it differs from its name (``language_model``)
+        self.stored: dict[str, str] = {}
+        self.left_alone: frozenset[str] = frozenset()  # the files' keys no parameter reads
+
+    def language_model(self, stored: Mapping[str, str], left_alone: set[str]) -> None:
+        """Read the text model of a multimodal checkpoint (``distzo.models.multimodal``):
+        each of its parameters under the key ``stored`` gives, and the keys ``left_alone``
+        (the vision tower, the projector) neither read nor counted as unexpected."""
+        renamed = {key: name for name, key in stored.items()}
+        self.weight_map = {
+            renamed.get(key, key): file
+            for key, file in self.weight_map.items()
+            if key not in left_alone
+        }
+        self.stored, self.left_alone = dict(stored), frozenset(left_alone)
+
+    def _key(self, name: str) -> str:
+        """The key under which parameter ``name`` is stored."""
+        return self.stored.get(name, name)
 
     @abstractmethod
     def _header(self, path: Path) -> Mapping[str, tuple[int, ...]]:
         """The names and shapes of the tensors of one of the checkpoint's files."""
+
+    @abstractmethod
+    def stored_tensor(self, key: str) -> torch.Tensor:
+        """The tensor stored under ``key``, in its own dtype (what an export copies as it is:
+        a multimodal checkpoint's vision tower)."""
 
     def check_shapes(self, expected: Expected, unexpected: Unexpected | None = None) -> None:
         """Every tensor ``expected`` names is in a file, with the shape expected, through
@@ -365,8 +390,12 @@ class HeaderChecked(ABC):
             name = self._held(names)
             by_file.setdefault(self.weight_map[name], []).append((name, shape))
         held = dict(self.weight_map)  # each tensor's file: the index's, and the headers'
+        renamed = {key: name for name, key in self.stored.items()}
         for file, wanted in by_file.items():
-            held.update(dict.fromkeys(self._check_file(self.directory / file, wanted), file))
+            header = self._check_file(self.directory / file, wanted)
+            held.update(
+                (renamed.get(key, key), file) for key in header if key not in self.left_alone
+            )
         if unexpected is not None:
             self._check_nothing_more(held, expected, unexpected)
 
@@ -376,12 +405,13 @@ class HeaderChecked(ABC):
         """The tensors ``wanted`` of one file, checked against its header (returned)."""
         header = self._header(path)
         for name, shape in wanted:
-            if name not in header:  # an index that places it in a shard without it
+            key = self._key(name)
+            if key not in header:  # an index that places it in a shard without it
                 raise ValueError(
-                    f"{path}: holds no tensor {name}, which {self.index_name} "
+                    f"{path}: holds no tensor {key}, which {self.index_name} "
                     "places there; download or copy the model again"
                 )
-            _check(name, header[name], shape, path)
+            _check(key, header[key], shape, path)
         return header
 
     def _check_nothing_more(
@@ -429,11 +459,15 @@ class SafetensorsWeights(HeaderChecked):
         # One mapping per tensor, closed at once: pages read from a file mapping that stays
         # open count as this process's memory, which would add up to the whole checkpoint.
         name = _pick(names, self.weight_map)
-        file = self.directory / self.weight_map[name]
+        file, key = self.directory / self.weight_map[name], self._key(name)
         with self._open(file) as handle:
-            value = handle.get_tensor(name)
-            _check(name, tuple(value.shape), shape, file)
+            value = handle.get_tensor(key)
+            _check(key, tuple(value.shape), shape, file)
             return value.to(dtype=dtype, copy=True)
+
+    def stored_tensor(self, key: str) -> torch.Tensor:
+        with self._open(self.directory / self.files[key]) as handle:
+            return handle.get_tensor(key)
 
     def tensor_range(self, names, shape, dtype, start, stop):
         """Reads only the rows that hold elements [start, stop)."""
@@ -442,10 +476,10 @@ class SafetensorsWeights(HeaderChecked):
         for size in shape[1:]:
             row *= size
         first, last = start // row, -(-stop // row)
-        file = self.directory / self.weight_map[name]
+        file, key = self.directory / self.weight_map[name], self._key(name)
         with self._open(file) as handle:
-            piece = handle.get_slice(name)
-            _check(name, tuple(piece.get_shape()), shape, file)
+            piece = handle.get_slice(key)
+            _check(key, tuple(piece.get_shape()), shape, file)
             rows = piece[first:last].reshape(-1)
             return rows[start - first * row : stop - first * row].to(dtype=dtype, copy=True)
 
@@ -472,10 +506,13 @@ class TorchBinWeights(HeaderChecked):
 
     def tensor(self, names, shape, dtype):
         name = _pick(names, self.weight_map)
-        file = self.weight_map[name]
+        file, key = self.weight_map[name], self._key(name)
         state = self._shard(file)
-        _check(name, tuple(state[name].shape), shape, self.directory / file)
-        return state[name].to(dtype)
+        _check(key, tuple(state[key].shape), shape, self.directory / file)
+        return state[key].to(dtype)
+
+    def stored_tensor(self, key: str) -> torch.Tensor:
+        return self._shard(self.files[key])[key].clone()
 
     def tensor_range(self, names, shape, dtype, start, stop):
         return _flat_range(self.tensor(names, shape, dtype), start, stop)

@@ -125,16 +125,18 @@ def test_strategy_invariance_for_a_tiny_llama(tmp_path):
         assert ((a.params[key] - value).norm() / value.norm()).item() <= 1e-5, key
 
 
-def test_a_multimodal_gemma_3_is_refused_naming_the_text_models():
-    """Gemma 3 4B and larger are multimodal (model type gemma3): the refusal listed the
-    families without a word of which Gemma 3 models distzo does train."""
+def test_a_multimodal_gemma_3_in_a_text_model_api_names_what_distzo_trains():
+    """Gemma 3 4B and larger are multimodal (model type gemma3): a text-model API
+    (``model_from_config``, ``load_model``) says that --model trains such a checkpoint's
+    language model, and which Gemma 3 models are text models."""
     from distzo.models import check_supported
 
     with pytest.raises(ValueError) as err:
         check_supported("gemma3")
     assert str(err.value).startswith(
-        "unsupported model type 'gemma3' (a multimodal model: distzo trains Gemma 3's "
-        "text-only models (1B, model type gemma3_text)): distzo supports gemma, "
+        "unsupported model type 'gemma3' (a multimodal model: distzo trains the language "
+        "model of such a checkpoint given as --model, and Gemma 3's text-only models (1B, "
+        "model type gemma3_text)): distzo supports gemma, "
     )
 
 

@@ -1,0 +1,70 @@
+"""The export of a multimodal checkpoint's text model (``distzo.models.multimodal``) as the
+multimodal model it came from: the trained text weights under the checkpoint's own keys,
+the vision tower and projector copied from the checkpoint as they are stored (dtype and
+bits), so that transformers loads the export as the checkpoint's own class; an adapter
+named as peft finds its modules on the multimodal base."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from distzo.models.multimodal import MultimodalOrigin
+from distzo.models.weights import HeaderChecked, open_checkpoint
+
+PEFT_PREFIX = "base_model.model."  # what peft's state dict keys start with
+
+
+def _source(origin: MultimodalOrigin) -> HeaderChecked:
+    """The checkpoint the text model was read from, to copy the rest of it."""
+    source = open_checkpoint(origin.directory)
+    assert isinstance(source, HeaderChecked)  # checkpoint_model read its keys from files
+    return source
+
+
+def multimodal_shapes(
+    origin: MultimodalOrigin, shapes: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The export's tensors by key (meta): the text model's renamed, and the left-alone
+    ones in their stored shape and dtype (read one at a time, not kept)."""
+    out = {origin.exported(name): value for name, value in shapes.items()}
+    source = _source(origin)
+    for key in origin.left_alone:
+        out[key] = torch.empty_like(source.stored_tensor(key), device="meta")
+    return out
+
+
+def multimodal_tensors(
+    origin: MultimodalOrigin, tensors: Iterator[tuple[str, torch.Tensor]], materialize: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` (the text model's) under the checkpoint's keys, then, where this rank
+    writes (``materialize``), the checkpoint's other tensors as they are stored."""
+    for name, value in tensors:
+        yield origin.exported(name), value
+    if materialize:
+        source = _source(origin)
+        for key in origin.left_alone:
+            yield key, source.stored_tensor(key)
+
+
+def multimodal_adapter(
+    origin: MultimodalOrigin, state: dict[str, torch.Tensor], config: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """A LoRA adapter's state and config as on the multimodal base: its keys renamed, and
+    its targets the exact modules it adapts (a name such as ``q_proj`` would match the
+    vision tower's projections too)."""
+    renamed = {_canonical(origin, key): value for key, value in state.items()}
+    config = copy.deepcopy(config)
+    config.target_modules = sorted(
+        {key[len(PEFT_PREFIX) :].partition(".lora_")[0] for key in renamed if ".lora_" in key}
+    )
+    return renamed, config
+
+
+def _canonical(origin: MultimodalOrigin, key: str) -> str:
+    if not key.startswith(PEFT_PREFIX):
+        return key
+    return PEFT_PREFIX + origin.canonical(key[len(PEFT_PREFIX) :])

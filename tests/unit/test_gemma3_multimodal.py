@@ -1,0 +1,207 @@
+"""Gemma 3 4B and larger (model type gemma3: a vision tower, a projector and a text model):
+``--model`` trains the text model, equal to transformers' multimodal class on text, and the
+export is that class again, its vision tower the checkpoint's bit for bit."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    SiglipVisionConfig,
+)
+
+from distzo.config.job import resolve
+from distzo.job.trainer import Trainer, TrainerCallback
+from distzo.job.validation import check_model
+from distzo.models import family_for
+from distzo.models.multimodal import checkpoint_model, origin_of
+from distzo.models.weights import check_weights, expected_tensors
+from tests.helpers.models import CONFIGS
+
+STEPS = 6
+
+
+def save_multimodal(folder: Path, layout: str = "legacy") -> Path:
+    """A random tiny Gemma 3 multimodal checkpoint, its text model soft-capped (which the
+    multimodal class ignores): ``legacy`` as save_pretrained writes it (transformers 4.x
+    keys, ``language_model.model.*``), ``current`` under the 5.x module names."""
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=7,
+    )
+    config = Gemma3Config(
+        text_config=CONFIGS["gemma3"]().to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=63,
+        boi_token_index=61,
+        eoi_token_index=62,
+    )
+    torch.manual_seed(0)
+    model: Any = Gemma3ForConditionalGeneration(config)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(folder)
+    if layout == "current":
+        file = folder / "model.safetensors"
+        with safe_open(str(file), "pt") as handle:
+            keys = list(handle.keys())
+        state = model.state_dict()
+        # the module names; the tied head is the embedding, as transformers saves it
+        save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, file)
+        assert set(keys) != set(state) - {"lm_head.weight"}  # the layouts differ
+    return folder
+
+
+def reference(folder: Path) -> Gemma3ForConditionalGeneration:
+    return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def loaded_text_model(folder: Path):
+    """The text model distzo trains, its weights read through the streamed source."""
+    config = AutoConfig.from_pretrained(folder)
+    built, weights = checkpoint_model(folder, config, torch.float32)
+    model: Any = built
+    check_weights(weights, model)
+    values = {}
+    for names, shape in expected_tensors(model):
+        for name in names:
+            values[name] = weights.tensor(names, shape, torch.float32)
+    model.load_state_dict(values, assign=True, strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("layout", ["legacy", "current"])
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+def test_the_blockwise_forward_equals_the_multimodal_model_on_text(tmp_path, layout, pad):
+    folder = save_multimodal(tmp_path / "mm", layout)
+    model = loaded_text_model(folder)
+    assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
+    torch.manual_seed(1)
+    ids = torch.randint(1, 60, (2, 9))
+    mask = torch.ones_like(ids)
+    if pad == "left":
+        mask[0, :3] = 0
+    elif pad == "right":
+        mask[0, -3:] = 0
+    with torch.no_grad():
+        ours, _ = family_for(model).forward(ids, mask)
+        theirs = reference(folder)(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
+
+
+def test_the_streamed_load_reads_only_the_language_model(tmp_path):
+    folder = save_multimodal(tmp_path / "mm")
+    config = AutoConfig.from_pretrained(folder)
+    model, weights = checkpoint_model(folder, config, torch.float32)
+    read: list[str] = []
+    tensor = weights.tensor
+    weights.tensor = lambda names, *a: read.append(weights._key(names[0])) or tensor(names, *a)
+    for names, shape in expected_tensors(model):
+        weights.tensor(names, shape, torch.float32)
+    assert read and all(key.startswith("language_model.") for key in read)
+    origin = origin_of(model)
+    assert origin is not None and origin.left_alone
+    assert all(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in origin.left_alone)
+
+
+def job(folder: Path, out: Path, *flags: str):
+    return resolve(
+        ["--model", str(folder), "--task", "counting", "--seq-len", "8", "--lr", "1e-3"]
+        + ["--max-steps", str(STEPS), "--device", "cpu", "--log-every", "0"]
+        + ["--output-dir", str(out), "--dtype", "fp64", *flags]
+    )
+
+
+def check_export(export: Path, folder: Path, trained: dict[str, torch.Tensor], origin) -> None:
+    """The export is the multimodal class: its vision tower and projector the checkpoint's
+    own tensors (dtype and bits), its text weights the engine's."""
+    with safe_open(str(export / "model.safetensors"), "pt") as out:
+        with safe_open(str(folder / "model.safetensors"), "pt") as source:
+            for key in origin.left_alone:
+                assert out.get_tensor(key).dtype == source.get_tensor(key).dtype
+                assert torch.equal(out.get_tensor(key), source.get_tensor(key))
+    loaded = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float64)
+    assert type(loaded) is Gemma3ForConditionalGeneration
+    state = loaded.state_dict()
+    for name, value in trained.items():
+        torch.testing.assert_close(state[origin.canonical(name)], value, rtol=0, atol=0)
+
+
+def text_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_full_tuning_exports_the_multimodal_model_and_resumes_exactly(tmp_path):
+    folder = save_multimodal(tmp_path / "mm")
+    with Trainer(job(folder, tmp_path / "full")) as full:
+        full.train()
+        trained = full.engine.named_parameters()
+        origin = origin_of(full.engine.model)
+    start = loaded_text_model(folder).double().state_dict()
+    assert any(not torch.equal(trained[n], start[n]) for n in trained)  # it trained
+    export = tmp_path / "full" / "export"
+    check_export(export, folder, trained, origin)
+    exported = (export / "model.safetensors").read_bytes()
+
+    class StopAt(TrainerCallback):
+        def on_step_start(self, trainer: Trainer, step: int) -> None:
+            if step == 4:
+                raise RuntimeError("stopped")
+
+    stopped = tmp_path / "stopped"
+    first = Trainer(
+        job(folder, stopped, "--save-steps", "3", "--no-save-async"), callbacks=[StopAt()]
+    )
+    with first, pytest.raises(RuntimeError, match="stopped"):
+        first.train()
+    with Trainer(job(folder, stopped, "--resume")) as second:
+        second.train()
+    assert (stopped / "export" / "model.safetensors").read_bytes() == exported
+
+
+def test_lora_exports_load_on_the_multimodal_base(tmp_path):
+    from peft import PeftModel
+
+    folder = save_multimodal(tmp_path / "mm")
+    lora = ("--peft", "lora", "--lora-r", "2")
+    with Trainer(job(folder, tmp_path / "adapter", *lora)) as run:
+        run.train()
+    with Trainer(job(folder, tmp_path / "merged", *lora, "--merge-adapter")) as merged_run:
+        merged_run.train()
+    ids = torch.randint(1, 60, (2, 7))
+    base = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter" / "export").eval()
+    targets = adapted.peft_config["default"].target_modules
+    assert targets and all(t.startswith("model.language_model.layers.") for t in targets)
+    adapted_modules = [n for n, m in adapted.named_modules() if hasattr(m, "lora_A")]
+    assert adapted_modules and not any("vision" in n for n in adapted_modules)
+    merged = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "merged" / "export", dtype=torch.float64
+    ).eval()
+    torch.testing.assert_close(text_logits(adapted, ids), text_logits(merged, ids))
+    fresh = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).eval()
+    assert not torch.equal(text_logits(merged, ids), text_logits(fresh, ids))  # it trained
+    state, start = merged.state_dict(), fresh.state_dict()
+    untouched = [n for n in start if "vision_tower" in n or "multi_modal_projector" in n]
+    assert untouched and all(torch.equal(state[n], start[n]) for n in untouched)
+
+
+def test_a_prefix_on_a_multimodal_checkpoint_is_one_line(tmp_path):
+    folder = save_multimodal(tmp_path / "mm")
+    prefix = job(folder, tmp_path / "run", "--peft", "prefix")
+    with pytest.raises(ValueError, match="not a prefix; pick one of those"):
+        check_model(prefix, prefix.engine_config("cpu"))
