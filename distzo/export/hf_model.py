@@ -41,6 +41,7 @@ from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
 from distzo.export.multimodal import (
+    copy_processor_files,
     multimodal_adapter,
     multimodal_shapes,
     multimodal_tensors,
@@ -319,3 +320,5 @@ def _write_configs(engine: ZOEngine, directory: Path, tokenizer) -> None:
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    if origin is not None:
+        copy_processor_files(origin, directory)

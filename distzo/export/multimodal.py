@@ -7,7 +7,9 @@ named as peft finds its modules on the multimodal base."""
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,14 @@ from distzo.models.multimodal import MultimodalOrigin
 from distzo.models.weights import HeaderChecked, open_checkpoint
 
 PEFT_PREFIX = "base_model.model."  # what peft's state dict keys start with
+# What a multimodal checkpoint holds for its processor beside the tokenizer's files: the
+# image processor's settings, the processor's and its chat template.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 
 def _source(origin: MultimodalOrigin) -> HeaderChecked:
@@ -29,11 +39,11 @@ def multimodal_shapes(
     origin: MultimodalOrigin, shapes: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The export's tensors by key (meta): the text model's renamed, and the left-alone
-    ones in their stored shape and dtype (read one at a time, not kept)."""
+    ones in their stored shape and dtype (from the files' headers)."""
     out = {origin.exported(name): value for name, value in shapes.items()}
     source = _source(origin)
     for key in origin.left_alone:
-        out[key] = torch.empty_like(source.stored_tensor(key), device="meta")
+        out[key] = source.stored_meta(key)
     return out
 
 
@@ -68,3 +78,13 @@ def _canonical(origin: MultimodalOrigin, key: str) -> str:
     if not key.startswith(PEFT_PREFIX):
         return key
     return PEFT_PREFIX + origin.canonical(key[len(PEFT_PREFIX) :])
+
+
+def copy_processor_files(origin: MultimodalOrigin, directory: Path) -> None:
+    """The checkpoint's processor files the export's tokenizer did not write: with them,
+    ``AutoProcessor`` loads the export as it loaded the checkpoint, and the fine-tuned
+    model takes images as the original did."""
+    for name in PROCESSOR_FILES:
+        source = origin.directory / name
+        if source.is_file() and not (directory / name).exists():
+            shutil.copyfile(source, directory / name)

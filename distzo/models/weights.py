@@ -171,6 +171,19 @@ def _pick(names: tuple[str, ...], available) -> str:
 
 
 _FIX = "the weights and config.json are of different models; download or copy the model again"
+# The dtypes a safetensors header names, as torch's (the floating ones a checkpoint holds).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _forms(name: str) -> tuple[str, str]:
@@ -378,6 +391,11 @@ class HeaderChecked(ABC):
         """The tensor stored under ``key``, in its own dtype (what an export copies as it is:
         a multimodal checkpoint's vision tower)."""
 
+    def stored_meta(self, key: str) -> torch.Tensor:
+        """A meta tensor of the shape and dtype stored under ``key``: what an export plans
+        its shards by, the data left unread where the format allows."""
+        return torch.empty_like(self.stored_tensor(key), device="meta")
+
     def check_shapes(self, expected: Expected, unexpected: Unexpected | None = None) -> None:
         """Every tensor ``expected`` names is in a file, with the shape expected, through
         the names ``tensor`` resolves (aliases, tied heads, a base model's unprefixed keys);
@@ -468,6 +486,15 @@ class SafetensorsWeights(HeaderChecked):
     def stored_tensor(self, key: str) -> torch.Tensor:
         with self._open(self.directory / self.files[key]) as handle:
             return handle.get_tensor(key)
+
+    def stored_meta(self, key: str) -> torch.Tensor:
+        """From the file's header alone (a dtype safetensors names that torch lacks: read)."""
+        with self._open(self.directory / self.files[key]) as handle:
+            piece = handle.get_slice(key)
+            dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
+            if dtype is not None:
+                return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+        return super().stored_meta(key)
 
     def tensor_range(self, names, shape, dtype, start, stop):
         """Reads only the rows that hold elements [start, stop)."""

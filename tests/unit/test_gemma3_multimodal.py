@@ -145,8 +145,34 @@ def text_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-def test_full_tuning_exports_the_multimodal_model_and_resumes_exactly(tmp_path):
+def test_the_export_plans_the_vision_tower_from_the_headers(tmp_path, monkeypatch):
+    """The export sizes its shards by the tensors it copies without reading them: a 27B
+    checkpoint's vision tower was read once to plan and again to write, on every rank."""
+    from distzo.export.multimodal import multimodal_shapes
+    from distzo.models.weights import SafetensorsWeights
+
     folder = save_multimodal(tmp_path / "mm")
+    model, _ = checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
+    origin = origin_of(model)
+    assert origin is not None
+
+    def unread(self, key):
+        raise AssertionError(f"{key} was read to plan the export")
+
+    monkeypatch.setattr(SafetensorsWeights, "stored_tensor", unread)
+    planned = multimodal_shapes(origin, {})
+    with safe_open(str(folder / "model.safetensors"), "pt") as source:
+        for key in origin.left_alone:
+            stored = source.get_tensor(key)
+            assert planned[key].is_meta and planned[key].dtype == stored.dtype == torch.bfloat16
+            assert planned[key].shape == stored.shape
+
+
+def test_full_tuning_exports_the_multimodal_model_and_resumes_exactly(tmp_path):
+    from transformers import AutoImageProcessor, Gemma3ImageProcessorPil
+
+    folder = save_multimodal(tmp_path / "mm")
+    Gemma3ImageProcessorPil(size={"height": 28, "width": 28}).save_pretrained(folder)
     with Trainer(job(folder, tmp_path / "full")) as full:
         full.train()
         trained = full.engine.named_parameters()
@@ -155,6 +181,9 @@ def test_full_tuning_exports_the_multimodal_model_and_resumes_exactly(tmp_path):
     assert any(not torch.equal(trained[n], start[n]) for n in trained)  # it trained
     export = tmp_path / "full" / "export"
     check_export(export, folder, trained, origin)
+    processor = "preprocessor_config.json"  # the checkpoint's, which takes the images
+    assert (export / processor).read_bytes() == (folder / processor).read_bytes()
+    assert AutoImageProcessor.from_pretrained(export).size == {"height": 28, "width": 28}
     exported = (export / "model.safetensors").read_bytes()
 
     class StopAt(TrainerCallback):
