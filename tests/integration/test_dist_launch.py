@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from distzo.job.run_dir import run_contents
 from tests.helpers import faults
@@ -29,7 +30,7 @@ from tests.helpers.launch import (
     torchrun_command,
     train_in_process,
 )
-from tests.helpers.models import tiny_opt
+from tests.helpers.models import save_multimodal, tiny_opt
 
 REPO = Path(__file__).resolve().parents[2]  # where ``tests`` is a package
 
@@ -489,3 +490,20 @@ def test_pipelined_pieces_do_not_change_the_trajectory(runs, tmp_path, chunks):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert Run(tmp_path).grads == runs["2d_sliced"].grads  # default: 4 pieces
+
+
+def test_a_multimodal_gemma_3_on_two_sliced_ranks_exports_one_process_bytes(tmp_path):
+    """Gemma 3 4B+ (a vision tower beside the text model that trains): on 2 ranks with the
+    sliced transfer, the export (written by rank 0, the vision tower copied from the
+    checkpoint) is the one process's, byte for byte."""
+    folder = save_multimodal(tmp_path / "mm")
+    args = ["--model", str(folder), "--task", "counting", "--seq-len", "8", "--dtype", "fp64"]
+    args += ["--lr", "1e-3", "--max-steps", "4", "--log-every", "0"]
+    one = python_train([*args, "--output-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, [*args, "--transfer", "sliced", "--output-dir", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    exported = [tmp_path / run / "export" / "model.safetensors" for run in ("one", "two")]
+    assert exported[0].read_bytes() == exported[1].read_bytes()
+    with safe_open(str(exported[1]), "pt") as export:
+        assert any(key.startswith("vision_tower.") for key in export.keys())

@@ -8,13 +8,10 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForImageTextToText,
-    Gemma3Config,
     Gemma3ForConditionalGeneration,
-    SiglipVisionConfig,
 )
 
 from distzo.config.job import resolve
@@ -23,44 +20,9 @@ from distzo.job.validation import check_model
 from distzo.models import family_for
 from distzo.models.multimodal import checkpoint_model, origin_of
 from distzo.models.weights import check_weights, expected_tensors
-from tests.helpers.models import CONFIGS
+from tests.helpers.models import save_multimodal
 
 STEPS = 6
-
-
-def save_multimodal(folder: Path, layout: str = "legacy") -> Path:
-    """A random tiny Gemma 3 multimodal checkpoint, its text model soft-capped (which the
-    multimodal class ignores): ``legacy`` as save_pretrained writes it (transformers 4.x
-    keys, ``language_model.model.*``), ``current`` under the 5.x module names."""
-    vision = SiglipVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=7,
-    )
-    config = Gemma3Config(
-        text_config=CONFIGS["gemma3"]().to_dict(),
-        vision_config=vision.to_dict(),
-        mm_tokens_per_image=4,
-        image_token_index=63,
-        boi_token_index=61,
-        eoi_token_index=62,
-    )
-    torch.manual_seed(0)
-    model: Any = Gemma3ForConditionalGeneration(config)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(folder)
-    if layout == "current":
-        file = folder / "model.safetensors"
-        with safe_open(str(file), "pt") as handle:
-            keys = list(handle.keys())
-        state = model.state_dict()
-        # the module names; the tied head is the embedding, as transformers saves it
-        save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, file)
-        assert set(keys) != set(state) - {"lm_head.weight"}  # the layouts differ
-    return folder
 
 
 def reference(folder: Path) -> Gemma3ForConditionalGeneration:
