@@ -163,7 +163,8 @@ def build(name, seed=0, dtype=torch.float32):
 def save_multimodal(folder: Path, layout: str = "legacy") -> Path:
     """A random tiny Gemma 3 multimodal checkpoint, its text model soft-capped (which the
     multimodal class ignores): ``legacy`` as save_pretrained writes it (transformers 4.x
-    keys, ``language_model.model.*``), ``current`` under the 5.x module names."""
+    keys, ``language_model.model.*``), ``current`` under the 5.x module names, ``untied``
+    as ``legacy`` with a head of its own (the text config still says tied)."""
     vision = SiglipVisionConfig(
         hidden_size=16,
         intermediate_size=32,
@@ -179,6 +180,7 @@ def save_multimodal(folder: Path, layout: str = "legacy") -> Path:
         image_token_index=63,
         boi_token_index=61,
         eoi_token_index=62,
+        tie_word_embeddings=layout != "untied",
     )
     torch.manual_seed(0)
     model: Any = Gemma3ForConditionalGeneration(config)

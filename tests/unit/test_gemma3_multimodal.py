@@ -44,7 +44,7 @@ def loaded_text_model(folder: Path):
     return model.eval()
 
 
-@pytest.mark.parametrize("layout", ["legacy", "current"])
+@pytest.mark.parametrize("layout", ["legacy", "current", "untied"])
 @pytest.mark.parametrize("pad", ["none", "left", "right"])
 def test_the_blockwise_forward_equals_the_multimodal_model_on_text(tmp_path, layout, pad):
     folder = save_multimodal(tmp_path / "mm", layout)
@@ -162,6 +162,19 @@ def test_full_tuning_exports_the_multimodal_model_and_resumes_exactly(tmp_path):
     with Trainer(job(folder, stopped, "--resume")) as second:
         second.train()
     assert (stopped / "export" / "model.safetensors").read_bytes() == exported
+
+
+def test_an_untied_head_trains_and_exports_as_its_own(tmp_path):
+    """A checkpoint whose multimodal config unties the head (its text config says tied):
+    the head trains apart from the embedding and is exported under the checkpoint's key."""
+    folder = save_multimodal(tmp_path / "mm", "untied")
+    with Trainer(job(folder, tmp_path / "run")) as run:
+        run.train()
+        trained = run.engine.named_parameters()
+        origin = origin_of(run.engine.model)
+    assert "lm_head.weight" in trained and origin is not None
+    assert origin.exported("lm_head.weight") == "language_model.lm_head.weight"
+    check_export(tmp_path / "run" / "export", folder, trained, origin)
 
 
 def test_lora_exports_load_on_the_multimodal_base(tmp_path):
