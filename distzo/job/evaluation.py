@@ -17,6 +17,11 @@ the positions a metric reads.
   answer (the best one counts).
 * language modelling: next-token loss and accuracy over the label tokens.
 
+A stop vote (``stop``: a preemption notice to any rank, agreed on by every rank) is taken
+before each forward call, so that an evaluation of minutes does not outlast a cluster's
+grace period: the evaluation then raises ``EvaluationStopped`` and reports nothing (a
+resume runs it again). Every rank votes before the same calls, its collectives kept in step.
+
 A metric read off a score or logit that is NaN or +inf (``broken_rows``) is NaN: an
 argmax over them still picks a candidate or a token, and the accuracy or F1 of broken
 weights would look like a result. The trainer stops at a non-finite evaluation.
@@ -28,7 +33,7 @@ evaluation for a task's data.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -54,11 +59,33 @@ from distzo.objectives.lm import prepare_lm
 from distzo.objectives.scoring import broken_rows
 from distzo.zo.estimators import Pass
 
+# Before each forward call of an evaluation: the name of a stop signal some rank got, agreed
+# on by every rank (``distzo.job.preemption.stop_voted``), or None to go on.
+StopVote = Callable[[], str | None]
+
+
+class EvaluationStopped(Exception):
+    """A stop vote ended an evaluation between two forward calls; nothing was reported."""
+
+    def __init__(self, received: str) -> None:
+        super().__init__(f"evaluation stopped on {received}")
+        self.received = received
+
+
+def _check(stop: StopVote | None) -> None:
+    """Raise ``EvaluationStopped`` when ``stop`` says some rank was signalled."""
+    received = stop() if stop is not None else None
+    if received is not None:
+        raise EvaluationStopped(received)
+
 
 def evaluate(
-    engine: ZOEngine, data: CountingData | TextData | PromptData, parallel: ParallelContext
+    engine: ZOEngine,
+    data: CountingData | TextData | PromptData,
+    parallel: ParallelContext,
+    stop: StopVote | None = None,
 ) -> dict[str, float]:
-    """The evaluation that fits ``data``'s task."""
+    """The evaluation that fits ``data``'s task; ``stop``: voted on before each forward call."""
     if isinstance(data, PromptData):
         if data.kind == "generation":
             return evaluate_generation(
@@ -68,11 +95,12 @@ def evaluate(
                 parallel,
                 data.eval_batch_size,
                 data.max_new_tokens,
+                stop,
             )
         return evaluate_choices(
-            engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size
+            engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size, stop=stop
         )
-    return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size)
+    return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size, stop=stop)
 
 
 def rows_per_call(batch_size: int, world: int) -> int:
@@ -129,6 +157,7 @@ def evaluate_choices(
     parallel: ParallelContext,
     batch_size: int,
     full_head: bool = False,
+    stop: StopVote | None = None,
 ) -> dict[str, float]:
     """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call
     over all the ranks."""
@@ -139,6 +168,7 @@ def evaluate_choices(
     spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
     correct = broken = torch.zeros((), dtype=torch.long, device=engine.device)
     for call in range(_calls(len(examples), per_call, parallel)):
+        _check(stop)
         chunk = encodings[call * per_call : (call + 1) * per_call]
         prepared = prepare_choices(
             collate_choices(chunk or spare, encoder.pad_id), engine.device, full_head
@@ -169,6 +199,7 @@ def evaluate_generation(
     parallel: ParallelContext,
     batch_size: int,
     max_new_tokens: int = 16,
+    stop: StopVote | None = None,
 ) -> dict[str, float]:
     """Greedy answers of ``batch_size`` examples at a time over all the ranks, decoded
     together."""
@@ -177,6 +208,7 @@ def evaluate_generation(
     f1 = em = 0.0
     broken = 0
     for call in range(_calls(len(examples), batch_size, parallel)):
+        _check(stop)
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
         indices = chunk or [0]
         prompts = [encoder.encode_prompt(examples[i].prompt, max_new_tokens) for i in indices]
@@ -209,6 +241,7 @@ def evaluate_lm(
     parallel: ParallelContext,
     batch_size: int | None = None,
     full_head: bool = False,
+    stop: StopVote | None = None,
 ) -> dict[str, float]:
     """Next-token loss and accuracy on the label tokens of ``batch``, rows sharded over the
     ranks and scored ``batch_size`` rows per forward call over all of them (the whole batch
@@ -220,6 +253,7 @@ def evaluate_lm(
     loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
     count = 0
     for call in range(_calls(sequences, batch_size, parallel)):
+        _check(stop)
         chunk = rows[call * batch_size : (call + 1) * batch_size]
         shard = {
             k: v[chunk or rows[:1] or [0]] for k, v in batch.items()

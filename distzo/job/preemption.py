@@ -10,11 +10,13 @@ a moment apart never wait for each other in a collective. The job then saves (wi
 after a Ctrl-C. A second SIGINT while stopping raises ``KeyboardInterrupt`` at once: the
 user asked again, so the step, the save and every wait are abandoned.
 
-After the last step (the run's final checkpoint, evaluation and export) there is no step's
-all-reduce to carry the vote: ``stop_voted`` gathers it after the final checkpoint and
-after the final evaluation, and a run signalled by then stops there (that checkpoint holds
-every step: a resume evaluates and exports), rather than spending a cluster's grace period
-on an evaluation and an export that a kill at its deadline would cut off, unrequeued.
+Outside the steps there is no step's all-reduce to carry the vote: ``stop_voted`` gathers
+it before each forward call of an evaluation (minutes on a large eval set, a grace period's
+length), after a periodic checkpoint, and after the final checkpoint and evaluation; a run
+signalled by then stops there (a checkpoint or the seed log holds every step: a resume runs
+the abandoned evaluation again), rather than spending a cluster's grace period on work that
+a kill at its deadline would cut off, unrequeued. ``StopSignals.expect`` keeps the signal's
+log line true to the phase.
 
 Before the steps start (the build, which loads a large model for minutes, and the
 evaluation before training) there is no step to stop after: a signal raises ``Preempted``
@@ -38,6 +40,15 @@ logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # the code a process killed by SIGTERM reports
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a shell's code for Ctrl-C
+# What a deferred signal does, by the phase it comes in (``StopSignals.expect``).
+AFTER_STEP = "stopping after the step under way"
+IN_EVALUATION = "stopping the evaluation under way before its next batch (a resume runs it again)"
+AFTER_SAVE = "stopping once the checkpoint under way is written"
+AFTER_FINAL_SAVE = "stopping once the final checkpoint is written (a resume evaluates and exports)"
+IN_FINAL_EVALUATION = (
+    "stopping the final evaluation before its next batch (a resume evaluates and exports)"
+)
+IN_EXPORT = "the run ends once its export is written (nothing is left to resume)"
 # What signal.signal installs and returns: a function, SIG_DFL/SIG_IGN, or None (not Python's).
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -68,6 +79,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: str | None = None
         self.deferred = False  # a signal waits for the step under way (once steps run)
+        self.stopping = AFTER_STEP  # what a deferred signal does now, as its log line says
         self._previous: dict[int, Handler] = {}
 
     @property
@@ -79,6 +91,11 @@ class StopSignals:
         vote); before, nothing is trained that a step boundary would keep."""
         self.deferred = True
 
+    def expect(self, stopping: str) -> None:
+        """Say what a signal from here on does (``stopping ...``, its log line): the run's
+        phase decides, the step, an evaluation, a save or the final export."""
+        self.stopping = stopping
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.deferred:
             self.received = signal.Signals(signum).name
@@ -86,7 +103,7 @@ class StopSignals:
         if self.received is None:
             self.received = signal.Signals(signum).name
             again = " (Ctrl-C again stops at once, unsaved)" if signum == signal.SIGINT else ""
-            logger.warning("%s received: stopping after the step under way%s", self.received, again)
+            logger.warning("%s received: %s%s", self.received, self.stopping, again)
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: main reports it in one line
 

@@ -31,6 +31,7 @@ from distzo.dist.agreement import agreed
 from distzo.dist.launch_gate import report_refusal
 from distzo.engine import StepResult, ZOEngine
 from distzo.export.hf_model import export_model
+from distzo.job import preemption
 from distzo.job.build import (
     TaskData,
 )
@@ -44,7 +45,7 @@ from distzo.job.divergence import (
     is_finite_eval,
     warn_if_nothing_learns,
 )
-from distzo.job.evaluation import evaluate
+from distzo.job.evaluation import EvaluationStopped, StopVote, evaluate
 from distzo.job.preemption import Preempted, StopSignals, stop_voted
 from distzo.job.progress import Progress
 from distzo.job.records import StepMeter, describe, rank_summary, seed_record
@@ -236,9 +237,14 @@ class Trainer:
         run, max_steps, done = self.job.run, self.job.optim.max_steps, step + 1
         self.progress.log_step(step, result, run.log_every)
         if self._evaluates_at(done):
-            self._periodic_eval(done)
+            self._periodic_eval(done, signals)
         if run.save_steps and done % run.save_steps == 0 and done < max_steps:
+            _expect(signals, preemption.AFTER_SAVE)
             self.save(asynchronous=run.save_async)
+            # A signal during a save of minutes stops the run here, rather than after one
+            # more step and, with --save-on-signal, a second save: this one holds every step.
+            self._stop_if_voted(signals)
+            _expect(signals, preemption.AFTER_STEP)
         self.checkpointer.poll()
 
     def _evaluates_at(self, done: int) -> bool:
@@ -246,17 +252,25 @@ class Trainer:
         every, max_steps = self.job.run.eval_steps, self.job.optim.max_steps
         return bool(every) and done % every == 0 and 0 < done < max_steps
 
-    def _evaluate(self, done: int) -> dict[str, float]:
+    def _evaluate(self, done: int, stop: StopVote | None = None) -> dict[str, float]:
         """The evaluation of the weights after ``done`` steps; a non-finite one (reduced:
-        the same on every rank) is step ``done``'s divergence, before it is logged."""
-        metrics = evaluate(self.engine, self.data, self.parallel)
+        the same on every rank) is step ``done``'s divergence, before it is logged.
+        ``stop``: voted on before each forward call (``EvaluationStopped``)."""
+        metrics = evaluate(self.engine, self.data, self.parallel, stop)
         if not is_finite_eval(metrics):
             self._diverge(done, lambda last: eval_diverged(done, metrics, self.config, last))
         self.checkpointer.confirm(done)
         return metrics
 
-    def _periodic_eval(self, done: int) -> None:
-        metrics = self._evaluate(done)
+    def _periodic_eval(self, done: int, signals: StopSignals | None = None) -> None:
+        """The evaluation every --eval-steps; a signal stops it (and the run) between two
+        forward calls, as the kill at a grace period's end would not wait for its end."""
+        _expect(signals, preemption.IN_EVALUATION)
+        try:
+            metrics = self._evaluate(done, self._stop_vote(signals))
+        except EvaluationStopped as stopped:
+            self._stop(stopped.received)  # nothing logged: a resume evaluates here again
+        _expect(signals, preemption.AFTER_STEP)
         logger.info("eval at step %d: %s", done, describe(metrics))
         if self.logs:
             self.logs.write_eval(done, metrics)
@@ -289,7 +303,7 @@ class Trainer:
                 "while it trains (from a callback)"
             )
 
-    def _stop(self, received: str | None) -> None:
+    def _stop(self, received: str | None) -> NoReturn:
         """End a preempted run at a step boundary: a checkpoint of the steps done with
         ``--save-on-signal`` (else the synced seed log is what a restart catches up from),
         an asynchronous save in flight completed, the logs closed; then ``Preempted``."""
@@ -299,6 +313,13 @@ class Trainer:
             self.checkpointer.wait()
         self.close()  # syncs the seed log
         raise Preempted(self.step, received or "a signal to another rank")
+
+    def _stop_vote(self, signals: StopSignals | None) -> StopVote | None:
+        """The vote an evaluation under way takes before each forward call (one gather on
+        every rank alike), or None where no signal can stop the run (no ``signals``)."""
+        if signals is None:
+            return None
+        return lambda: stop_voted(signals, self.parallel.comm)
 
     def _stop_if_voted(self, signals: StopSignals | None) -> None:
         """End the run here if any rank was signalled since its last step: its checkpoint
@@ -321,13 +342,20 @@ class Trainer:
         """The final checkpoint, evaluation and export, and this rank's summary; a stop
         asked for by then ends the run after the checkpoint or the evaluation."""
         # Saved before the final evaluation, whose flush a longer run would not make here.
+        _expect(signals, preemption.AFTER_FINAL_SAVE)
         self.save(asynchronous=False)
         self._stop_if_voted(signals)
-        after = self._evaluate(self.job.optim.max_steps)  # the last step's update checked
+        _expect(signals, preemption.IN_FINAL_EVALUATION)
+        try:  # the last step's update checked
+            after = self._evaluate(self.job.optim.max_steps, self._stop_vote(signals))
+        except EvaluationStopped as stopped:  # the checkpoint holds every step
+            self.close()  # syncs the seed log
+            raise Preempted(self.step, stopped.received) from None
         self.eval_after = after
         if self.logs:
             self.logs.write_eval(self.job.optim.max_steps, after)
         self._stop_if_voted(signals)
+        _expect(signals, preemption.IN_EXPORT)
         # Before the export, and agreed on: a rank whose disk is full (another node's, say)
         # ends every rank with its line, and no export stands for a run that failed.
         peft, summary = self.job.peft.peft, self.run_dir / f"rank{self.env.rank}.json"
@@ -375,3 +403,9 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _expect(signals: StopSignals | None, stopping: str) -> None:
+    """Tell ``signals`` (if any) what a signal does in the phase that starts."""
+    if signals is not None:
+        signals.expect(stopping)

@@ -535,3 +535,90 @@ def test_a_drawn_seed_is_the_one_config_toml_records(tmp_path):
         trainer.build()
     assert trainer.seed != -1
     assert f"\nseed = {trainer.seed}\n" in (run / "config.toml").read_text()
+
+
+def _sst2_rows(path: Path, count: int) -> str:
+    """A small SST-2-like file: ``count`` rows, each one forward call of a 2-row evaluation."""
+    import json
+
+    rows = [
+        {"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}", "label": int(i % 3 > 0)}
+        for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("at", [2, 4], ids=["periodic", "final"])
+def test_a_signal_during_an_evaluation_stops_it_at_its_next_batch_and_the_run_resumes_exactly(
+    tmp_path, monkeypatch, caplog, at
+):
+    """An evaluation of a long eval set (minutes at scale) ran to its end after a SIGTERM,
+    past a cluster's grace period, so the kill cut the run off unrequeued; it now stops
+    before its next forward call, logs nothing, and a resume evaluates there again and
+    reaches the uninterrupted run's evaluations and weights bit for bit."""
+    import json
+    import signal
+
+    from distzo.engine import ZOEngine
+    from distzo.job.preemption import EXIT_PREEMPTED
+    from distzo.train import main
+
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    common = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--eval-batch-size", "2"]
+    common += ["--batch-size", "4", "--max-steps", "4", "--eval-steps", "2", "--device", "cpu"]
+    common += ["--log-every", "0", "--save-on-signal"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    assert main([*common, "--output-dir", str(full)]) == 0
+    original, calls = ZOEngine.evaluate, []
+
+    def signalled(self, measure):
+        if self.step_index == at:
+            calls.append(self.step_index)
+            if len(calls) == 1:
+                signal.raise_signal(signal.SIGTERM)
+        return original(self, measure)
+
+    monkeypatch.setattr(ZOEngine, "evaluate", signalled)
+    assert main([*common, "--output-dir", str(stopped)]) == EXIT_PREEMPTED
+    assert len(calls) == 1  # the call under way; the old code made all 12
+    assert "SIGTERM received: stopping the " in caplog.text
+    assert "before its next batch" in caplog.text
+
+    def evals(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+
+    assert [e["step"] for e in evals(stopped)] == [0, 2][: 1 + (at == 4)]
+    monkeypatch.setattr(ZOEngine, "evaluate", original)
+    assert main([*common, "--output-dir", str(stopped), "--resume", "yes"]) == 0
+    assert evals(stopped) == evals(full)
+    exported = (full / "export" / "model.safetensors").read_bytes()
+    assert (stopped / "export" / "model.safetensors").read_bytes() == exported
+
+
+def test_a_signal_during_a_save_stops_after_it_without_another_step_or_save(
+    tmp_path, monkeypatch, caplog
+):
+    """A SIGTERM while a checkpoint of minutes was written let the run take one more step
+    and, with --save-on-signal, write a second checkpoint: twice the write in the grace
+    period. The save under way holds every step done: the run now stops right after it."""
+    import signal
+
+    from distzo.job import checkpoint
+    from distzo.job.preemption import EXIT_PREEMPTED
+    from distzo.train import main
+
+    write_data = checkpoint.HostStateWriter.write_data
+
+    def signalled(self, plan, planner):
+        signal.raise_signal(signal.SIGTERM)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(checkpoint.HostStateWriter, "write_data", signalled)
+    out = tmp_path / "run"
+    flags = ["--max-steps", "6", "--save-steps", "2", "--no-save-async", "--save-on-signal"]
+    flags += ["--device", "cpu", "--log-every", "0", "--output-dir", str(out)]
+    assert main(flags) == EXIT_PREEMPTED
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    assert "SIGTERM received: stopping once the checkpoint under way is written" in caplog.text
+    assert "stopped after step 1 on SIGTERM; 2 steps done" in caplog.text
