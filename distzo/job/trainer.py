@@ -3,8 +3,8 @@
 ``python -m distzo.train`` is ``Trainer(job).train()`` with the command line's options;
 from Python the same job runs in process. The trainer checks the options when it is
 made (every rank alike, before any process group or model), builds the parts on
-``build()`` (``distzo.job.run_build``; the first ``train()`` does), runs the loop, evaluates, checkpoints and
-exports, and keeps its state readable: ``step`` (steps done), ``engine``,
+``build()`` (``distzo.job.run_build``; the first ``train()`` does), runs the loop,
+evaluates, checkpoints and exports, and keeps its state readable: ``step`` (steps done), ``engine``,
 ``last_metrics`` (the last step's record), ``eval_before``/``eval_after``.
 
 Callbacks (``TrainerCallback``) see each step start and end and each checkpoint save;
