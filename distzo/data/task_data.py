@@ -18,6 +18,7 @@ import torch
 
 from distzo.data.encoding import (
     ChoiceTrainData,
+    PaddedRows,
     PromptEncoder,
     PromptOnlyTrainData,
     PromptTrainData,
@@ -215,16 +216,14 @@ class TextData:
     ) -> None:
         self.train = TextTrainData(rows.train, encoder, seed)
         encoded = [encoder.encode_text(t) for t in rows.eval]
-        self.eval_set = encoder.collate([(ids, len(ids)) for ids, _ in encoded])
-        if not (self.eval_set["labels"][:, 1:] != -100).any():  # the metrics' denominator
+        self.eval_set = PaddedRows((ids for ids, _ in encoded), encoder)
+        if self.eval_set.width < 2:  # a next token to predict: the metrics' denominator
             raise ValueError(
                 "--eval-file: no row has a next token to predict (a row needs two tokens or "
                 "more after tokenization); give longer rows"
             )
         self.eval_batch_size = eval_batch_size
-        self.longest = max(
-            max(len(ids) for ids, _ in self.train.sequences), self.eval_set["input_ids"].shape[1]
-        )
+        self.longest = max(max(len(ids) for ids, _ in self.train.sequences), self.eval_set.width)
         self.rows_per_example = 1
         limit = token_limit(encoder.max_length)
         self.cut_notices = _notices(

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from distzo.data.encoding import PromptEncoder
+from distzo.data.encoding import PaddedRows, PromptEncoder
 from distzo.data.task_data import CountingData, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist import ParallelContext
@@ -235,9 +235,17 @@ def _decode(runner: PassRunner, prepared: PromptBatch) -> torch.Tensor:
     return flagged(tokens, broken[UNPERTURBED])
 
 
+def _take(
+    batch: Mapping[str, torch.Tensor] | PaddedRows, indices: list[int]
+) -> dict[str, torch.Tensor]:
+    if isinstance(batch, PaddedRows):
+        return batch.take(indices)
+    return {k: v[indices] for k, v in batch.items()}
+
+
 def evaluate_lm(
     engine: ZOEngine,
-    batch: Mapping[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor] | PaddedRows,
     parallel: ParallelContext,
     batch_size: int | None = None,
     full_head: bool = False,
@@ -247,7 +255,7 @@ def evaluate_lm(
     ranks and scored ``batch_size`` rows per forward call over all of them (the whole batch
     in one call when None: one call per rank, the largest share's rows, so that a rank with
     a smaller share does not make a second call its peers do not)."""
-    sequences = batch["input_ids"].shape[0]
+    sequences = len(batch) if isinstance(batch, PaddedRows) else batch["input_ids"].shape[0]
     rows = list(_share(sequences, parallel))
     batch_size = rows_per_call(batch_size or sequences, parallel.env.world_size)
     loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -255,9 +263,7 @@ def evaluate_lm(
     for call in range(_calls(sequences, batch_size, parallel)):
         _check(stop)
         chunk = rows[call * batch_size : (call + 1) * batch_size]
-        shard = {
-            k: v[chunk or rows[:1] or [0]] for k, v in batch.items()
-        }  # a spare call repeats a row
+        shard = _take(batch, chunk or rows[:1] or [0])  # a spare call repeats a row
         prepared = prepare_lm(shard, engine.device, full_head)
 
         def sums(runner: PassRunner) -> tuple[torch.Tensor, torch.Tensor]:

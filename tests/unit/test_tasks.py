@@ -9,10 +9,10 @@ import torch
 from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder, epoch_order, step_indices
 from distzo.data.loaders import load_rows, parse_hub_spec
-from distzo.data.task_data import load_task_rows
+from distzo.data.task_data import LoadedRows, TextData, load_task_rows
 from distzo.data.templates import TASKS, build_examples
 from distzo.dist import ParallelContext
-from distzo.job.evaluation import evaluate_choices
+from distzo.job.evaluation import evaluate_choices, evaluate_lm
 from distzo.models.tiny import byte_tokenizer
 from distzo.objectives import answer_text, exact_match, f1_score
 from distzo.zo.noise import noise_seed
@@ -322,6 +322,26 @@ def test_an_epoch_draws_its_permutation_once(monkeypatch):
     taken = [i for step in range(10) for i in step_indices(7, 3, step, seed=3)]
     assert taken == expected  # a batch spanning an epoch's end included
     assert len(draws) == 5  # epochs 0 to 4, once each
+
+
+def test_a_text_evaluation_set_is_padded_a_call_at_a_time():
+    """The text task's evaluation set is not one tensor of every row padded to the longest
+    (24 bytes a position: 6 GB per rank for a million-row --eval-file): each call collates
+    its rows to that width, the tensors it took from the padded set, so the metrics stay."""
+    tokenizer = byte_tokenizer()
+    encoder = PromptEncoder(tokenizer, max_length=12)
+    texts = ["a", "a fine film", "slow", "much too long for the limit here", "ok then"]
+    data = TextData(LoadedRows("text", ["some text"], texts), encoder, 0, 2)
+    padded = encoder.collate([(ids, len(ids)) for ids, _ in map(encoder.encode_text, texts)])
+    held = data.eval_set if isinstance(data.eval_set, dict) else vars(data.eval_set)
+    assert not any(isinstance(v, torch.Tensor) for v in held.values())
+    for indices in ([0], [3, 1], [4, 4, 2]):
+        taken = data.eval_set.take(indices)
+        assert all(torch.equal(taken[k], v[indices]) for k, v in padded.items())
+    assert data.longest == padded["input_ids"].shape[1] == 12
+    engine = ZOEngine(tiny_opt(seed=3, vocab_size=len(tokenizer)), ZOConfig(device="cpu", seed=0))
+    single = ParallelContext.single()
+    assert evaluate_lm(engine, data.eval_set, single, 2) == evaluate_lm(engine, padded, single, 2)
 
 
 def test_choice_evaluation_matches_a_plain_per_candidate_loop():
