@@ -145,7 +145,6 @@ def test_a_bidirectional_gemma_is_refused_from_its_config_and_its_model(tmp_path
     layers attend both ways: the engine's causal masks would train another model than the
     one saved. The job refuses it from config.json alone (before any weights are looked
     for), and the Python API as its family wraps the model."""
-    from tests.helpers.launch import train_in_process
 
     config = CONFIGS["gemma3"]()
     config.use_bidirectional_attention = True
@@ -153,6 +152,14 @@ def test_a_bidirectional_gemma_is_refused_from_its_config_and_its_model(tmp_path
         "this Gemma config sets use_bidirectional_attention (an embedding model, "
         "not a causal LM); pick a causal Gemma model"
     )
+    refused_as_wrapped_and_from_its_config(config, message, tmp_path)
+
+
+def refused_as_wrapped_and_from_its_config(config, message: str, tmp_path) -> None:
+    """``config`` is refused with ``message`` as the family wraps its model, and as a
+    --model folder holding it alone, in one line before any run directory is made."""
+    from tests.helpers.launch import train_in_process
+
     with pytest.raises(ValueError) as err:
         family_for(AutoModelForCausalLM.from_config(config))
     assert str(err.value) == message
@@ -168,7 +175,6 @@ def test_a_gemma_logit_cap_of_zero_or_infinity_is_refused_from_its_config(tmp_pa
     """A config.json setting final_logit_softcapping to 0 (meant as "no cap", which is
     null) makes every logit 0 or NaN: the job loaded the weights, then failed at its first
     evaluation blaming them. Refused from config.json alone, and as the family wraps it."""
-    from tests.helpers.launch import train_in_process
 
     config = CONFIGS["gemma2"]()
     config.final_logit_softcapping = cap
@@ -176,11 +182,4 @@ def test_a_gemma_logit_cap_of_zero_or_infinity_is_refused_from_its_config(tmp_pa
         f"this Gemma config sets final_logit_softcapping to {cap!r}, which makes every "
         "logit 0 or NaN; set it to a positive number, or to null for no cap"
     )
-    with pytest.raises(ValueError) as err:
-        family_for(AutoModelForCausalLM.from_config(config))
-    assert str(err.value) == message
-    config.save_pretrained(tmp_path / "model")  # a config, no weights
-    run = tmp_path / "run"
-    proc = train_in_process(["--model", str(tmp_path / "model"), "--output-dir", str(run)])
-    assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {message}")
-    assert not run.exists()
+    refused_as_wrapped_and_from_its_config(config, message, tmp_path)
