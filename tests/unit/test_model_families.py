@@ -145,7 +145,6 @@ def test_a_bidirectional_gemma_is_refused_from_its_config_and_its_model(tmp_path
     layers attend both ways: the engine's causal masks would train another model than the
     one saved. The job refuses it from config.json alone (before any weights are looked
     for), and the Python API as its family wraps the model."""
-
     config = CONFIGS["gemma3"]()
     config.use_bidirectional_attention = True
     message = (
