@@ -1,5 +1,6 @@
 import fcntl
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_save_left_writing():
+    """Fail a test that leaves an asynchronous save's writer thread writing (one abandoned by
+    a second Ctrl-C): a later test's in-process ``main()`` that returned while it wrote ended
+    the whole pytest process at once (``_exit_at_once``) with its own code, 0, so every later
+    test, failures included, went unreported. A test that abandons a save waits for it."""
+    yield
+    checkpoint = sys.modules.get("distzo.job.checkpoint")
+    if checkpoint is not None and checkpoint.saves_being_written():
+        pytest.fail("this test left a save being written; wait for it (saves_being_written)")
 
 
 @pytest.fixture(scope="session")

@@ -365,6 +365,18 @@ def test_a_preemption_before_the_first_step_stops_at_once(tmp_path, monkeypatch,
     assert main(flags) == 0  # the same command
 
 
+def _wait_for_abandoned_saves(timeout: float = 60.0) -> None:
+    """Let a save abandoned by a second Ctrl-C finish writing: a later test's in-process
+    ``main()`` would otherwise exit the test process at once (tests/conftest.py)."""
+    import time
+
+    from distzo.job import checkpoint
+
+    deadline = time.monotonic() + timeout
+    while checkpoint.saves_being_written() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_ctrl_c_while_close_waits_for_a_save_still_gives_the_run_back(tmp_path, monkeypatch):
     """In a notebook, a run stopped by Ctrl-C leaves its asynchronous save for close(); a
     second Ctrl-C during that wait left the seed log open (unsynced), the directory locked
@@ -411,6 +423,7 @@ def test_a_ctrl_c_while_close_waits_for_a_save_still_gives_the_run_back(tmp_path
     finally:
         signal.signal(signal.SIGUSR2, previous)
         torch.set_num_threads(before)
+        _wait_for_abandoned_saves()
     monkeypatch.undo()
     resumed = Trainer(job(run, "--resume", "auto"))
     with resumed:
