@@ -222,6 +222,30 @@ def test_a_node_whose_model_folder_holds_another_tokenizer_is_refused_naming_it(
     same_job.check_same_model("m", node1, Gathers(None, rank0s), one_node)  # one folder
 
 
+def test_a_file_one_node_lacks_or_alone_holds_is_named_from_either_side(tmp_path):
+    """A file only rank 1's folder holds counts as much as one it lacks: each is named, as
+    missing or as not in rank 0's folder, whichever file rank 0 lists first."""
+    node0 = _model_folder(tmp_path / "node0")
+    node1 = _model_folder(tmp_path / "node1")
+    (node1 / "added.json").write_text("{}")
+    env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
+    rank0s = same_job.folder_digests(node0)
+    with pytest.raises(ValueError, match=r"its added\.json is not in rank 0's folder; give"):
+        same_job.check_same_model("m", node1, Gathers(None, rank0s), env)
+    (node1 / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"its tokenizer\.json is missing \(and 1 more files\)"):
+        same_job.check_same_model("m", node1, Gathers(None, rank0s), env)
+
+
+def test_a_stale_data_file_is_refused_with_each_ranks_own_digest():
+    job = resolve(["--task", "sst2", "--train-file", "data.jsonl"])
+    rows, stale = LoadedRows("sst2", ["a", "b"], []), LoadedRows("sst2", ["a", "B"], [])
+    ours, theirs = rows.digests["--train-file"], stale.digests["--train-file"]
+    message = rf"\(rows digest {theirs}, rank 0's {ours}\)"
+    with pytest.raises(ValueError, match=message):  # rank 0 holds rows, rank 1 the stale copy
+        same_job.check_same_rows(job, rows.digests, Ranks(0, dict(stale.digests)))
+
+
 def test_a_large_checkpoint_is_digested_by_its_size_and_pieces_across_it(tmp_path, monkeypatch):
     monkeypatch.setattr(same_job, "WHOLE_BYTES", 1000)
     monkeypatch.setattr(same_job, "SAMPLE", 10)
