@@ -609,6 +609,35 @@ def test_a_signal_during_an_evaluation_stops_it_at_its_next_batch_and_the_run_re
     assert (stopped / "export" / "model.safetensors").read_bytes() == exported
 
 
+def test_a_signal_during_the_final_evaluations_last_batch_stops_before_the_export(
+    tmp_path, monkeypatch
+):
+    """A signal in the last forward call of the final evaluation, past every vote the
+    evaluation takes: the vote after it stops the run before the export (minutes at scale),
+    which a resume writes."""
+    import signal
+
+    from distzo.engine import ZOEngine
+    from distzo.job.preemption import EXIT_PREEMPTED
+    from distzo.train import main
+
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)  # an evaluation of 12 engine calls
+    flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--eval-batch-size"]
+    flags += ["2", "--batch-size", "4", "--max-steps", "2", "--device", "cpu", "--log-every"]
+    flags += ["0", "--output-dir", str(tmp_path / "run")]
+    original, calls = ZOEngine.evaluate, []
+
+    def signalled(self, measure):
+        calls.extend([self.step_index] if self.step_index == 2 else [])
+        if len(calls) == 12:  # the last
+            signal.raise_signal(signal.SIGTERM)
+        return original(self, measure)
+
+    monkeypatch.setattr(ZOEngine, "evaluate", signalled)
+    assert main(flags) == EXIT_PREEMPTED
+    assert len(calls) == 12 and not (tmp_path / "run" / "export").exists()
+
+
 def test_a_signal_during_a_save_stops_after_it_without_another_step_or_save(
     tmp_path, monkeypatch, caplog
 ):
