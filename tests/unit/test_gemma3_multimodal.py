@@ -97,6 +97,8 @@ def check_export(export: Path, folder: Path, trained: dict[str, torch.Tensor], o
                 assert torch.equal(out.get_tensor(key), source.get_tensor(key))
     loaded = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float64)
     assert type(loaded) is Gemma3ForConditionalGeneration
+    # what loaders that pick the class by config.json's architectures (not model_type) read
+    assert AutoConfig.from_pretrained(export).architectures == ["Gemma3ForConditionalGeneration"]
     state = loaded.state_dict()
     for name, value in trained.items():
         torch.testing.assert_close(state[origin.canonical(name)], value, rtol=0, atol=0)
