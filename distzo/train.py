@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from distzo.config.cli import fail, write_failure
 from distzo.config.job import resolve
@@ -60,19 +60,21 @@ def main(argv: list[str] | None = None, callbacks: Iterable[TrainerCallback] = (
     reported in one line rather than a traceback, and ending the process at once even while a
     checkpoint is being written). Under torchrun every non-zero exit leaves its reason in
     torchrun's error file (``distzo.dist.failure_report``)."""
+    earlier = _saves_being_written()  # an earlier main()'s in this process (Python's)
     code = recorded(_main)(argv, callbacks)
     code = 0 if code is None else code
-    if _saves_being_written():  # abandoned by a second Ctrl-C: its step-N.tmp never counts
+    # abandoned by a second Ctrl-C to this run: its step-N.tmp never counts
+    if _saves_being_written() - earlier:
         _exit_at_once(code)
     return code
 
 
-def _saves_being_written() -> bool:
+def _saves_being_written() -> frozenset[Any]:
     """``checkpoint.saves_being_written``, without importing the checkpoints (and with them
     the engine and transformers) to answer for a run that never reached them: ``--help``, a
     mistyped flag, a rejected option."""
     checkpoint = sys.modules.get("distzo.job.checkpoint")
-    return checkpoint is not None and checkpoint.saves_being_written()
+    return checkpoint.saves_being_written() if checkpoint is not None else frozenset()
 
 
 def _exit_at_once(code: int) -> NoReturn:

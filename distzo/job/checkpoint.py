@@ -68,10 +68,11 @@ def _without_single_process_note() -> Iterator[None]:
 _ASYNC_SAVES: weakref.WeakSet[Future] = weakref.WeakSet()
 
 
-def saves_being_written() -> bool:
-    """Whether a writer thread of this process is still writing an asynchronous save: one
-    left behind by a second Ctrl-C, which no ``Checkpointer`` will complete."""
-    return any(not future.done() for future in _ASYNC_SAVES)
+def saves_being_written() -> frozenset[Future]:
+    """The asynchronous saves a writer thread of this process is still writing (empty,
+    false, when none): ones left behind by a second Ctrl-C, which no ``Checkpointer`` will
+    complete."""
+    return frozenset(future for future in _ASYNC_SAVES if not future.done())
 
 
 def _complete(directory: Path) -> list[tuple[int, Path]]:

@@ -664,3 +664,25 @@ def test_a_signal_during_a_save_stops_after_it_without_another_step_or_save(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
     assert "SIGTERM received: stopping once the checkpoint under way is written" in caplog.text
     assert "stopped after step 1 on SIGTERM; 2 steps done" in caplog.text
+
+
+def test_main_ends_the_process_only_for_a_save_its_own_run_abandoned(monkeypatch):
+    """``main()`` ends the process at once when its run left a save being written (a second
+    Ctrl-C): the interpreter would otherwise join the writer at exit. Called again from
+    Python, a later ``main()`` (here one refused at once) took an earlier run's save for its
+    own and ended the process (a notebook's kernel, pytest) with its exit code."""
+    from concurrent.futures import Future
+
+    from distzo import train
+    from distzo.job import checkpoint
+
+    def ended(code):
+        raise AssertionError(f"main() ended the process with {code}")
+
+    monkeypatch.setattr(train, "_exit_at_once", ended)
+    earlier = Future()  # an earlier run's save, still being written
+    checkpoint._ASYNC_SAVES.add(earlier)
+    try:
+        assert train.main(["--lr", "-1"]) == 2  # bad input: one line, exit code 2
+    finally:
+        earlier.set_result(None)
