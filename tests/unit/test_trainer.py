@@ -686,3 +686,46 @@ def test_main_ends_the_process_only_for_a_save_its_own_run_abandoned(monkeypatch
         assert train.main(["--lr", "-1"]) == 2  # bad input: one line, exit code 2
     finally:
         earlier.set_result(None)
+
+
+@pytest.mark.parametrize("task", ["text", "squad"])
+def test_a_signal_stops_a_text_or_generation_evaluation_at_its_next_batch(
+    tmp_path, monkeypatch, task
+):
+    """The language-model and the generation evaluations take the stop vote too, not only
+    the multiple-choice one: a signal in the final evaluation's first call stops it there."""
+    import json
+    import signal
+
+    from distzo.engine import ZOEngine
+    from distzo.job.preemption import EXIT_PREEMPTED
+    from distzo.train import main
+
+    if task == "text":
+        rows = [{"text": f"row {i} says {'yes' if i % 2 else 'no'} to it"} for i in range(12)]
+    else:
+        rows = [
+            {"title": "T", "context": f"Code {i}.", "question": "What?", "answers": [f"code {i}"]}
+            for i in range(12)
+        ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--task", task, "--train-file", str(data), "--eval-file", str(data)]
+    flags += ["--eval-batch-size", "2", "--batch-size", "4", "--max-steps", "2"]
+    flags += ["--device", "cpu", "--log-every", "0"]
+    original, calls = ZOEngine.evaluate, []
+
+    def counted(self, measure):
+        if self.step_index == 2:  # the final evaluation's
+            calls.append(1)
+            if signalled and len(calls) == 1:
+                signal.raise_signal(signal.SIGTERM)
+        return original(self, measure)
+
+    monkeypatch.setattr(ZOEngine, "evaluate", counted)
+    signalled = False
+    assert main([*flags, "--output-dir", str(tmp_path / "full")]) == 0
+    whole, calls[:] = len(calls), []
+    signalled = True
+    assert main([*flags, "--output-dir", str(tmp_path / "stopped")]) == EXIT_PREEMPTED
+    assert whole >= 6 and len(calls) < whole / 2, (whole, len(calls))
