@@ -41,12 +41,28 @@ def trained_config(config: PretrainedConfig) -> PretrainedConfig:
     ties its head as the multimodal model does."""
     if not is_multimodal(config):
         return config
+    check_text_config(config)
     text = copy.deepcopy(config.text_config)
     if hasattr(text, "final_logit_softcapping"):
         text.final_logit_softcapping = None
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
     text.name_or_path = config.name_or_path
     return text
+
+
+def check_text_config(config: PretrainedConfig) -> None:
+    """Refuse, in one line, a multimodal config whose text_config names another family:
+    transformers builds the multimodal class's own text model of it all the same, and the
+    engine, which picks its family by model type, would run it as that other family's."""
+    expected = type(config).sub_configs["text_config"].model_type
+    found = getattr(config.text_config, "model_type", None)
+    if found != expected:
+        raise ValueError(
+            f"{config.name_or_path or 'the model'}: config.json is a {config.model_type} "
+            f"model whose text_config says model_type {found!r}, where a {config.model_type} "
+            f"checkpoint's language model is {expected!r}: the config is damaged or of "
+            "another model; download or copy the model again"
+        )
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,21 @@ def test_a_prefix_on_a_multimodal_checkpoint_is_one_line(tmp_path):
     prefix = job(folder, tmp_path / "run", "--peft", "prefix")
     with pytest.raises(ValueError, match="not a prefix; pick one of those"):
         check_model(prefix, prefix.engine_config("cpu"))
+
+
+def edit_config(folder: Path, edit) -> None:
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_text_config_of_another_family_is_one_line(tmp_path):
+    """transformers builds Gemma 3's text model of a text_config that says llama; the llama
+    adapter would run it, and the first forward died in a traceback."""
+    folder = save_multimodal(tmp_path / "mm")
+    edit_config(folder, lambda c: c["text_config"].update(model_type="llama"))
+    run = job(folder, tmp_path / "run")
+    with pytest.raises(ValueError, match="text_config says model_type 'llama', where a gemma3"):
+        check_model(run, run.engine_config("cpu"))
