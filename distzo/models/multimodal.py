@@ -115,17 +115,21 @@ def checkpoint_model(
     model = skeleton(trained_config(config), dtype)
     if not isinstance(weights, HeaderChecked):
         raise TypeError(f"{source}: a multimodal checkpoint's keys are read from its files")
-    origin = _origin(source, config, model, weights.files)
+    origin, shapes = _origin(source, config, model, weights.files)
     weights.language_model(origin.stored, set(origin.left_alone))
+    # the vision tower and projector, which only the export reads: checked now, not after
+    # training (transformers refuses to load tensors whose shapes disagree with config.json)
+    weights.check_stored(shapes)
     setattr(model, ORIGIN_ATTRIBUTE, origin)
     return model, weights
 
 
 def _origin(
     source: Path, config: PretrainedConfig, text_model: Any, keys: dict[str, str]
-) -> MultimodalOrigin:
+) -> tuple[MultimodalOrigin, dict[str, tuple[int, ...]]]:
     """Each checkpoint key's place: renamed by transformers' own mapping (as
-    ``from_pretrained`` loads it) onto the multimodal model, then the text model's."""
+    ``from_pretrained`` loads it) onto the multimodal model, then the text model's; with
+    the shape the multimodal model built from ``config`` has for each key left alone."""
     from accelerate import init_empty_weights
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -145,7 +149,7 @@ def _origin(
         for n in text_model.state_dict()
     }
     stored: dict[str, str] = {}
-    left_alone = []
+    left_alone: dict[str, tuple[int, ...]] = {}
     for key in keys:
         name, _ = rename_source_key(key, renamings, converters, prefix, names)
         if name not in names and key in names:  # as transformers: a key already in place
@@ -153,11 +157,12 @@ def _origin(
         if name in canonical_of_text:
             stored[canonical_of_text[name]] = key
         elif name in names and not name.startswith(language_prefix + "."):
-            left_alone.append(key)  # the vision tower, the projector
+            left_alone[key] = tuple(names[name].shape)  # the vision tower, the projector
     architecture = type(multimodal).__name__
-    return MultimodalOrigin(
+    origin = MultimodalOrigin(
         source, config, architecture, language_prefix, body_prefix, stored, tuple(left_alone)
     )
+    return origin, left_alone
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:

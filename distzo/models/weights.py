@@ -396,6 +396,17 @@ class HeaderChecked(ABC):
         its shards by, the data left unread where the format allows."""
         return torch.empty_like(self.stored_tensor(key), device="meta")
 
+    def check_stored(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """The tensors stored under ``shapes``' keys, which no parameter reads (a multimodal
+        checkpoint's vision tower, which its export copies), are where the index places
+        them, with those shapes, from their files' headers: else the export would fail, or
+        write a model transformers refuses to load, after the training."""
+        by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for key, shape in shapes.items():
+            by_file.setdefault(self.files[key], []).append((key, shape))
+        for file, wanted in by_file.items():
+            self._check_file(self.directory / file, wanted)
+
     def check_shapes(self, expected: Expected, unexpected: Unexpected | None = None) -> None:
         """Every tensor ``expected`` names is in a file, with the shape expected, through
         the names ``tensor`` resolves (aliases, tied heads, a base model's unprefixed keys);

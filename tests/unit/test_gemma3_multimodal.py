@@ -229,3 +229,41 @@ def test_a_text_config_of_another_family_is_one_line(tmp_path):
     run = job(folder, tmp_path / "run")
     with pytest.raises(ValueError, match="text_config says model_type 'llama', where a gemma3"):
         check_model(run, run.engine_config("cpu"))
+
+
+def sharded(folder: Path) -> Path:
+    """``folder``'s single file as two shards and an index, the vision tower's apart."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    text = {k: v for k, v in state.items() if k.startswith("language_model.")}
+    rest = {k: v for k, v in state.items() if k not in text}
+    files = {"model-00001-of-00002.safetensors": text, "model-00002-of-00002.safetensors": rest}
+    weight_map = {}
+    for name, part in files.items():
+        save_file(part, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_the_vision_tower_is_checked_before_training(tmp_path):
+    """The tensors only the export copies are checked at the build: a vision_config that
+    disagrees with them trained and wrote an export transformers refuses to load, and an
+    index placing one in a shard without it failed the export after the training."""
+    import json
+
+    folder = save_multimodal(tmp_path / "mm")
+    edit_config(folder, lambda c: c["vision_config"].update(hidden_size=32))
+    with pytest.raises(ValueError, match=r"has shape \(.*config.json: the weights and config"):
+        checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
+    folder = sharded(save_multimodal(tmp_path / "lies"))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["vision_tower.post_layernorm.weight"] = "model-00001-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="holds no tensor vision_tower.post_layernorm.weight"):
+        checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
