@@ -29,8 +29,17 @@ PROCESSOR_FILES = (
 
 
 def _source(origin: MultimodalOrigin) -> HeaderChecked:
-    """The checkpoint the text model was read from, to copy the rest of it."""
-    source = open_checkpoint(origin.directory)
+    """The checkpoint the text model was read from, to copy the rest of it: where it is
+    no longer there (moved or deleted during a run of hours), one line saying so and how
+    to write the export still, not the bare "holds no model" of a folder that is gone."""
+    try:
+        source = open_checkpoint(origin.directory)
+    except ValueError as err:
+        raise ValueError(
+            f"the export copies the vision tower and projector from {origin.directory}, "
+            f"which no longer holds the checkpoint ({err}): put it back there and resume "
+            "the run (--resume) to write the export"
+        ) from None
     assert isinstance(source, HeaderChecked)  # checkpoint_model read its keys from files
     return source
 

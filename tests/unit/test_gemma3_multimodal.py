@@ -267,3 +267,17 @@ def test_the_vision_tower_is_checked_before_training(tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="holds no tensor vision_tower.post_layernorm.weight"):
         checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
+
+
+def test_an_export_whose_checkpoint_moved_says_how_to_write_it(tmp_path):
+    """A run of hours whose checkpoint folder moved failed its export with "<folder> holds
+    no model.safetensors", naming neither the vision tower it copies nor the way back."""
+    from distzo.export.multimodal import multimodal_shapes
+
+    folder = save_multimodal(tmp_path / "mm")
+    model, _ = checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
+    origin = origin_of(model)
+    assert origin is not None
+    folder.rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="copies the vision tower .* put it back there and resume"):
+        multimodal_shapes(origin, {})
