@@ -269,6 +269,24 @@ def test_the_vision_tower_is_checked_before_training(tmp_path):
         checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
 
 
+def test_a_sharded_checkpoint_trains_and_exports(tmp_path):
+    folder = sharded(save_multimodal(tmp_path / "mm"))
+    with Trainer(job(folder, tmp_path / "run", "--export-shard-size", "20KB")) as run:
+        run.train()
+        trained = run.engine.named_parameters()
+        origin = origin_of(run.engine.model)
+    export = tmp_path / "run" / "export"
+    assert len(list(export.glob("*.safetensors"))) > 2
+    loaded = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float64).state_dict()
+    source = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64).state_dict()
+    assert origin is not None and origin.left_alone
+    for name in loaded:
+        if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+            assert torch.equal(loaded[name], source[name])
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[origin.canonical(name)], value, rtol=0, atol=0)
+
+
 def test_an_export_whose_checkpoint_moved_says_how_to_write_it(tmp_path):
     """A run of hours whose checkpoint folder moved failed its export with "<folder> holds
     no model.safetensors", naming neither the vision tower it copies nor the way back."""
