@@ -84,7 +84,8 @@ def check_model(job: JobConfig, config: ZOConfig) -> None:
     model_config = trained_config(model_config)
     check_supported(model_config.model_type).check_config(model_config)
     if multimodal:
-        check_multimodal_adapter(job.peft.peft, job.model.model)
+        targets = job.peft.adapter_spec().targets
+        check_multimodal_adapter(job.peft.peft, job.model.model, targets)
     job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)

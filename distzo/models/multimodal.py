@@ -88,13 +88,31 @@ class MultimodalOrigin:
         return self.stored.get(name, name)
 
 
-def check_multimodal_adapter(method: str, name: str | None) -> None:
+# How the multimodal model names its text model's modules, which the text model that trains
+# names without (an exported adapter_config.json lists them so, for peft on the multimodal base).
+MULTIMODAL_NAMES = ("model.language_model.", "language_model.")
+
+
+def check_multimodal_adapter(
+    method: str, name: str | None, targets: tuple[str, ...] | None = None
+) -> None:
     """Refuse, in one line before anything is built, an adapter the export could not write
-    for the multimodal model: a prefix (peft sizes its table from the multimodal config)."""
+    for the multimodal model: a prefix (peft sizes its table from the multimodal config);
+    and LoRA targets named as in the multimodal model, which the text model that trains
+    does not hold (peft's own refusal says only that they were not found)."""
     if method == "prefix":
         raise ValueError(
             f"--model {name}: a multimodal checkpoint's text model trains in full or with "
             "--peft lora or lora-fa, not a prefix; pick one of those"
+        )
+    multimodal = [t for t in targets or () if t.startswith(MULTIMODAL_NAMES)]
+    if multimodal:
+        first = multimodal[0]
+        inner = first.removeprefix("model.").removeprefix("language_model.")
+        raise ValueError(
+            f"--lora-targets {first}: the multimodal model's name of a text-model module; "
+            f"name it as the text model that trains does ({inner}, or a suffix such as "
+            f"{inner.rsplit('.', 1)[-1]}): the export names it as the multimodal model does"
         )
 
 
