@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from distzo.data.templates import Example
 from distzo.objectives import ChoiceEncoding, collate_choices, collate_prompts
 from distzo.zo.noise import noise_seed
+
+ENCODE_CHUNK = 1024  # examples whose texts go through one tokenizer call
+
+Joint = tuple[list[int], int]  # a joint text's ids, and its continuation's token count
 
 
 class PromptEncoder:
@@ -51,6 +55,14 @@ class PromptEncoder:
         or its decoding starts, and a candidate is scored on its own tokens."""
         ids = self._all_ids(text)
         return ids[: len(ids) - self.trail]
+
+    def _ids_many(self, texts: list[str]) -> list[list[int]]:
+        """``_ids`` of each text through one tokenizer call: a fast tokenizer runs the
+        batch in Rust, and the call's own cost (most of a short text's) is paid once."""
+        if not texts:
+            return []
+        batch = self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
+        return [list(ids)[: len(ids) - self.trail] for ids in batch]
 
     def _all_ids(self, text: str) -> list[int]:
         """``text``'s tokens with every special token the tokenizer adds. Quiet about the
@@ -90,19 +102,26 @@ class PromptEncoder:
         """A prompt's tokens before any cut (``encode_prompt`` keeps ``max_length - room``)."""
         return len(self._ids(prompt))
 
-    def _joint(
-        self, prompt: str, continuation: str, head: list[int] | None = None
-    ) -> tuple[list[int], int]:
+    def _joint(self, prompt: str, continuation: str, head: list[int] | None = None) -> Joint:
         """The joint text's ids and its continuation's token count: the tokens that differ
         from the prompt's own (``head``, tokenized here unless given)."""
         ids = self._ids(prompt + continuation)
         if not continuation:
             return ids, 0
-        head = self._ids(prompt) if head is None else head
-        shared = next(
-            (i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))
-        )
-        return ids, len(ids) - shared
+        return _answer(self._ids(prompt) if head is None else head, ids)
+
+    def joints(self, examples: Sequence[Example]) -> Iterator[tuple[list[int], list[Joint]]]:
+        """Each example's prompt ids and ``_joint`` of each of its candidates, the texts
+        of ``ENCODE_CHUNK`` examples tokenized by one call: a million rows' build made
+        seven calls a row, each paying the call's own cost."""
+        for start in range(0, len(examples), ENCODE_CHUNK):
+            chunk = examples[start : start + ENCODE_CHUNK]
+            texts = [t for e in chunk for t in (e.prompt, *(e.prompt + c for c in e.continuations))]
+            encoded = iter(self._ids_many(texts))
+            for e in chunk:
+                head = next(encoded)
+                pairs = [(c, next(encoded)) for c in e.continuations]
+                yield head, [_answer(head, ids) if c else (ids, 0) for c, ids in pairs]
 
     def _fit(self, ids: list[int], answer: int) -> tuple[list[int], int]:
         """``ids`` with their last ``answer`` tokens the continuation, cut to ``max_length``."""
@@ -116,11 +135,14 @@ class PromptEncoder:
         head = self._ids(example.prompt)
         return [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
 
+    def fitted(self, joints: list[Joint]) -> list[tuple[list[int], int]]:
+        """``joints`` (of ``joints``) as ``encode`` cuts them."""
+        return [self._fit(ids, answer) for ids, answer in joints]
+
     def tells_apart(self, example: Example) -> bool:
         """Whether the candidates stay different sequences once cut to ``max_length``: two
         whose ends the cut drops can become the same tokens, scored alike."""
-        encoded = self._candidates(example)
-        return len({(tuple(ids), answer) for ids, answer in encoded}) == len(encoded)
+        return distinct(self._candidates(example))
 
     def shares_prompt(self, example: Example) -> bool:
         """Every candidate is one token after the same prompt tokens: one row (the prompt)
@@ -134,29 +156,24 @@ class PromptEncoder:
         """The example's rows and scored tokens: the prompt alone when every candidate is
         one token after the same prompt tokens (scored at the prompt's last position), else
         prompt + candidate per row, each scored on its candidate's tokens, exactly as
-        ``encode`` lays them out."""
+        ``encode`` lays them out. Kept for the next call (an evaluation set's)."""
         if example not in self._choices:
-            self._choices[example] = self._encode_choices(example)
+            self._choices[example] = choice_encoding(example, self._candidates(example))
         return self._choices[example]
 
-    def _encode_choices(self, example: Example) -> ChoiceEncoding:
-        encoded = self._candidates(example)
-        for continuation, (_, answer) in zip(example.continuations, encoded):
-            if answer == 0:
-                raise ValueError(f"candidate {continuation!r} has no tokens to score")
-        prompt = encoded[0][0][:-1]
-        if prompt and all(answer == 1 and ids[:-1] == prompt for ids, answer in encoded):
-            scored = [
-                (0, len(prompt) - 1, ids[-1], c_index) for c_index, (ids, _) in enumerate(encoded)
-            ]
-            return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label)
-        rows, scored = [], []
-        for c_index, (ids, answer) in enumerate(encoded):
-            scored += [
-                (c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))
-            ]
-            rows.append(tuple(ids))
-        return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
+    def choices_many(self, examples: Sequence[Example]) -> list[ChoiceEncoding]:
+        """``encode_choices`` of each example, through one tokenizer call a chunk and kept
+        nowhere: a training batch's, which an epoch of a million rows would pile up."""
+        return [
+            choice_encoding(e, self.fitted(joints))
+            for e, (_, joints) in zip(examples, self.joints(examples))
+        ]
+
+    def encode_many(self, examples: Sequence[Example]) -> list[tuple[list[int], int]]:
+        """``encode`` of each example's prompt and right continuation, batched as
+        ``joints`` batches them."""
+        right = [Example(e.prompt, (e.continuations[e.label],), 0) for e in examples]
+        return [self._fit(*joints[0]) for _, joints in self.joints(right)]
 
     def check_room(self, room: int) -> None:
         """A prompt to decode from keeps its leading special tokens and one token of its
@@ -172,8 +189,12 @@ class PromptEncoder:
 
     def encode_prompt(self, prompt: str, room: int) -> list[int]:
         """A prompt to decode from, cut from the left to leave ``room`` new tokens."""
+        return self.encode_prompts([prompt], room)[0]
+
+    def encode_prompts(self, prompts: list[str], room: int) -> list[list[int]]:
+        """``encode_prompt`` of each prompt, through one tokenizer call."""
         self.check_room(room)
-        return self._keep(self._ids(prompt), self.max_length - room)
+        return [self._keep(ids, self.max_length - room) for ids in self._ids_many(prompts)]
 
     def answer(self, ids: Sequence[int]) -> str:
         """Generated tokens as text, up to the first end-of-sequence token (where MeZO's
@@ -199,6 +220,41 @@ class PromptEncoder:
                     row, len(ids) - answer : len(ids)
                 ]
         return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _answer(head: list[int], ids: list[int]) -> Joint:
+    """``ids`` and the count of its last tokens that differ from ``head``'s: the
+    continuation's tokens in the joint text."""
+    if ids[: len(head)] == head:  # the usual case, compared at C speed
+        return ids, len(ids) - len(head)
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids))
+    )
+    return ids, len(ids) - shared
+
+
+def distinct(encoded: list[tuple[list[int], int]]) -> bool:
+    """Whether fitted candidates (``PromptEncoder.fitted``) are different sequences."""
+    return len({(tuple(ids), answer) for ids, answer in encoded}) == len(encoded)
+
+
+def choice_encoding(example: Example, encoded: list[tuple[list[int], int]]) -> ChoiceEncoding:
+    """The example's rows and scored tokens from its fitted candidates
+    (``PromptEncoder.encode_choices``)."""
+    for continuation, (_, answer) in zip(example.continuations, encoded):
+        if answer == 0:
+            raise ValueError(f"candidate {continuation!r} has no tokens to score")
+    prompt = encoded[0][0][:-1]
+    if prompt and all(answer == 1 and ids[:-1] == prompt for ids, answer in encoded):
+        scored = [
+            (0, len(prompt) - 1, ids[-1], c_index) for c_index, (ids, _) in enumerate(encoded)
+        ]
+        return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label)
+    rows, scored = [], []
+    for c_index, (ids, answer) in enumerate(encoded):
+        scored += [(c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))]
+        rows.append(tuple(ids))
+    return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
 
 
 class PaddedRows:
@@ -270,45 +326,34 @@ def epoch_order(num_items: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class PromptTrainData:
-    """Training batches of a prompt task: each example with its right continuation."""
+    """Training batches of a prompt task: each example with its right continuation,
+    tokenized when a step takes it (kept, an epoch of a million rows held gigabytes)."""
 
     def __init__(self, examples: list[Example], encoder: PromptEncoder, seed: int) -> None:
         self.examples, self.encoder, self.seed = examples, encoder, seed
-        self._cache: dict[int, tuple[list[int], int]] = {}
-
-    def _sequence(self, index: int) -> tuple[list[int], int]:
-        if index not in self._cache:
-            example = self.examples[index]
-            self._cache[index] = self.encoder.encode(
-                example.prompt, example.continuations[example.label]
-            )
-        return self._cache[index]
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         indices = step_indices(len(self.examples), batch_size, step, self.seed)
-        return self.encoder.collate([self._sequence(i) for i in indices])
+        return self.encoder.collate(self.encoder.encode_many([self.examples[i] for i in indices]))
 
 
 class ChoiceTrainData:
-    """Training batches that score every candidate (``classification``, ``accuracy``)."""
+    """Training batches that score every candidate (``classification``, ``accuracy``),
+    tokenized when a step takes them, as ``PromptTrainData``'s."""
 
     def __init__(self, examples: list[Example], encoder: PromptEncoder, seed: int) -> None:
         self.examples, self.encoder, self.seed = examples, encoder, seed
-        self._cache: dict[int, ChoiceEncoding] = {}
-
-    def _encoding(self, index: int) -> ChoiceEncoding:
-        if index not in self._cache:
-            self._cache[index] = self.encoder.encode_choices(self.examples[index])
-        return self._cache[index]
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         indices = step_indices(len(self.examples), batch_size, step, self.seed)
-        return collate_choices([self._encoding(i) for i in indices], self.encoder.pad_id)
+        encodings = self.encoder.choices_many([self.examples[i] for i in indices])
+        return collate_choices(encodings, self.encoder.pad_id)
 
 
 class PromptOnlyTrainData:
     """Training batches to decode from (``f1``): each row a prompt with room for the answer,
-    and its example's index (where the objective finds the gold answers)."""
+    and its example's index (where the objective finds the gold answers); tokenized when a
+    step takes it, as ``PromptTrainData``'s."""
 
     def __init__(
         self, examples: list[Example], encoder: PromptEncoder, seed: int, max_new_tokens: int
@@ -319,19 +364,15 @@ class PromptOnlyTrainData:
             seed,
             max_new_tokens,
         )
-        self._cache: dict[int, list[int]] = {}
-
-    def _prompt(self, index: int) -> list[int]:
-        if index not in self._cache:
-            self._cache[index] = self.encoder.encode_prompt(
-                self.examples[index].prompt, self.max_new_tokens
-            )
-        return self._cache[index]
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         indices = step_indices(len(self.examples), batch_size, step, self.seed)
+        prompts = [self.examples[i].prompt for i in indices]
         return collate_prompts(
-            [self._prompt(i) for i in indices], indices, self.max_new_tokens, self.encoder.pad_id
+            self.encoder.encode_prompts(prompts, self.max_new_tokens),
+            indices,
+            self.max_new_tokens,
+            self.encoder.pad_id,
         )
 
 

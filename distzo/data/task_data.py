@@ -23,6 +23,8 @@ from distzo.data.encoding import (
     PromptOnlyTrainData,
     PromptTrainData,
     TextTrainData,
+    choice_encoding,
+    distinct,
 )
 from distzo.data.loaders import load_numbered_rows
 from distzo.data.synthetic import CountingTask
@@ -273,15 +275,16 @@ class PromptData:
             self.train = PromptOnlyTrainData(rows.train, encoder, seed, max_new_tokens)
         else:
             self.train = PromptTrainData(rows.train, encoder, seed)
-        train, train_longest = self._cuts("--train-file", rows.train, trained=True)
-        evals, eval_longest = self._cuts("--eval-file", rows.eval, trained=False)
+        train, train_longest, rows_per_example = self._cuts(
+            "--train-file", rows.train, trained=True
+        )
+        evals, eval_longest, _ = self._cuts("--eval-file", rows.eval, trained=False)
         extra = max_new_tokens if self.kind == "generation" else 0
         self.longest = min(max(train_longest, eval_longest) + extra, encoder.max_length)
         self.cut_notices = _notices(
             [train.notice(self._limit(trained=True)), evals.notice(self._limit(trained=False))]
         )
-        choices = self.objective in ("classification", "accuracy")
-        self.rows_per_example = max(encoder.choice_rows(e) for e in rows.train) if choices else 1
+        self.rows_per_example = rows_per_example
 
     def _decodes(self, trained: bool) -> bool:
         """Whether the file's prompts are decoded from (room kept for the answer)."""
@@ -297,24 +300,30 @@ class PromptData:
             f"--max-new-tokens {room})"
         )
 
-    def _cuts(self, file: str, examples: list[Example], trained: bool) -> tuple[Cuts, int]:
+    def _cuts(self, file: str, examples: list[Example], trained: bool) -> tuple[Cuts, int, int]:
         """The rows of ``file`` the token limit cuts, in the sequences training (or
-        evaluation) runs, and the file's longest joint sequence before any cut."""
+        evaluation) runs, the file's longest joint sequence before any cut, and the most
+        rows a trained example becomes: one pass, each text tokenized once (batched), the
+        encodings dropped (a million rows' were gigabytes, on every rank)."""
         encoder, longest, cut, answers, alike = self.encoder, 0, 0, 0, 0
         only_right = trained and self.objective == "lm"
-        for e in examples:
-            sizes = [encoder.measure(e.prompt, c) for c in e.continuations]
+        choices = trained and self.objective in ("classification", "accuracy")
+        rows = 1
+        for e, (head, joints) in zip(examples, encoder.joints(examples)):
+            sizes = [(len(ids), answer) for ids, answer in joints]
             longest = max(longest, *(tokens for tokens, _ in sizes))
+            if choices:
+                rows = max(rows, len(choice_encoding(e, encoder.fitted(joints)).rows))
             if self._decodes(trained):
                 room = encoder.max_length - self.max_new_tokens
-                cut += encoder.prompt_tokens(e.prompt) > room
+                cut += len(head) > room
                 continue
             used = [sizes[e.label]] if only_right else sizes
             cut += any(tokens > encoder.max_length for tokens, _ in used)
             lost = any(answer > encoder.answer_room for _, answer in used)
             answers += lost
-            alike += lost and not only_right and not encoder.tells_apart(e)
-        return Cuts(file, len(examples), cut, answers, alike), longest
+            alike += lost and not only_right and not distinct(encoder.fitted(joints))
+        return Cuts(file, len(examples), cut, answers, alike), longest, rows
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)

@@ -1,0 +1,93 @@
+"""A prompt task's build tokenizes each text once, batched, and keeps no encodings: on a
+million SST-2 rows it made seven tokenizer calls a row (888 s) and kept every training
+example's encodings (+3 GB), on every rank; the training steps kept an epoch's more."""
+
+import gc
+import json
+import tracemalloc
+
+import pytest
+
+from distzo.data.encoding import PromptEncoder
+from distzo.data.task_data import PromptData, load_task_rows
+from distzo.data.templates import Example
+from distzo.models.tiny import byte_tokenizer
+from tests.unit.test_prompt_encoding import byte_level_bpe, sentencepiece_bpe
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its calls and the texts they carry."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls, self.texts = tokenizer, 0, 0
+
+    def __call__(self, text, **kwargs):
+        self.calls += 1
+        self.texts += len(text) if isinstance(text, list) else 1
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def sst2_data(tmp_path, rows: int, objective: str, tokenizer=None) -> PromptData:
+    lines = [json.dumps({"sentence": f"film {i} was", "label": i % 2}) for i in range(rows)]
+    for name in ("t.jsonl", "e.jsonl"):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    loaded = load_task_rows("sst2", str(tmp_path / "t.jsonl"), str(tmp_path / "e.jsonl"))
+    assert loaded is not None
+    encoder = PromptEncoder(tokenizer or byte_tokenizer(), 64)
+    return PromptData(loaded, encoder, 0, 4, objective=objective)
+
+
+def test_the_build_tokenizes_each_text_once_in_few_calls(tmp_path):
+    counting = CountingTokenizer(byte_tokenizer())
+    data = sst2_data(tmp_path, 3000, "classification", counting)
+    # 3000 rows a file, each a prompt and two prompt + candidate texts (less the 2 calls
+    # PromptEncoder makes to find the special tokens)
+    assert counting.texts - 2 == 2 * 3000 * 3
+    assert counting.calls - 2 <= 2 * 3
+    assert data.rows_per_example == 2
+    assert data.encoder._choices == {}  # nothing kept for the evaluation to reuse either
+
+
+def test_an_epoch_of_training_batches_keeps_no_encodings(tmp_path):
+    for objective in ("classification", "lm"):
+        data = sst2_data(tmp_path, 1000, objective)
+        data.batch(4, 0)
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for step in range(250):  # an epoch
+            data.batch(4, step)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert kept < 100_000, (objective, kept)  # an epoch's encodings held a megabyte
+
+
+EXAMPLES = [
+    Example("a gripping film It was", (" great", " terrible"), 1),
+    Example("Cats purr.\nDoes this mean that it is true? Yes or No?\n", ("Yes", "No"), 0),
+    Example("x" * 80, (" great", " terrible" * 20), 0),
+    Example("It was", ("", " ok"), 1),
+]
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, byte_level_bpe, sentencepiece_bpe])
+@pytest.mark.parametrize("max_length", [8, 64])
+def test_batched_encodings_are_the_single_calls(make, max_length):
+    encoder = PromptEncoder(make(), max_length)
+    assert encoder.encode_many(EXAMPLES) == [
+        encoder.encode(e.prompt, e.continuations[e.label]) for e in EXAMPLES
+    ]
+    assert encoder.encode_prompts([e.prompt for e in EXAMPLES], 3) == [
+        encoder.encode_prompt(e.prompt, 3) for e in EXAMPLES
+    ]
+    usable = [e for e in EXAMPLES if "" not in e.continuations]
+    assert encoder.choices_many(usable) == [encoder.encode_choices(e) for e in usable]
+    for (head, joints), e in zip(encoder.joints(EXAMPLES), EXAMPLES):
+        assert len(head) == encoder.prompt_tokens(e.prompt)
+        assert [(len(ids), n) for ids, n in joints] == [
+            encoder.measure(e.prompt, c) for c in e.continuations
+        ]
