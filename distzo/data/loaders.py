@@ -17,6 +17,7 @@ import csv
 import io
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,18 @@ def load_rows(source: str) -> list[Row]:
 def load_numbered_rows(source: str) -> list[tuple[int, Row]]:
     """Each row with the number an error names it by: a JSONL or text file's line, a CSV's
     line less the header's (blank lines count), a JSON list's or parquet table's index."""
+    return list(iter_numbered_rows(source))
+
+
+def iter_numbered_rows(source: str) -> Iterator[tuple[int, Row]]:
+    """``load_numbered_rows``'s rows one at a time, a JSONL or text file's read a line at
+    a time (a reader that keeps what it needs of a row holds no file's worth of dicts).
+    An error comes where its row does; a bad JSONL row's after the rest is decoded, where a
+    non-UTF-8 byte further on is named instead, as when the file was decoded whole."""
+    yield from _numbered_rows(source)
+
+
+def _numbered_rows(source: str) -> Iterable[tuple[int, Row]]:
     if source.startswith("hf:"):
         return list(enumerate(_hub_rows(source), 1))
     path = Path(source)
@@ -64,29 +77,34 @@ def load_numbered_rows(source: str) -> list[tuple[int, Row]]:
             raise ValueError(
                 f"{source}: not a readable parquet file ({str(err).splitlines()[0]})"
             ) from None
-    text = _utf8(path, source, header=suffix in (".csv", ".tsv"))
     if suffix == ".jsonl":
-        return _jsonl_rows(text, source)
+        return _jsonl_rows(_file_lines(path, source), source)
+    if suffix == ".txt":
+        return ((n, {"text": line}) for n, line in _file_lines(path, source) if line.strip())
+    text = _utf8(path, source, header=suffix in (".csv", ".tsv"))
     if suffix == ".json":
         return _json_rows(text, source)
-    if suffix in (".csv", ".tsv"):
-        return _csv_rows(text, source, "\t" if suffix == ".tsv" else ",")
-    return [(n, {"text": line}) for n, line in enumerate(_lines(text), 1) if line.strip()]
+    return _csv_rows(text, source, "\t" if suffix == ".tsv" else ",")
 
 
-def _jsonl_rows(text: str, source: str) -> list[tuple[int, Row]]:
-    rows = []
-    for number, line in enumerate(_lines(text), 1):
+def _jsonl_rows(lines: Iterator[tuple[int, str]], source: str) -> Iterator[tuple[int, Row]]:
+    """Each line's object; a bad line is a one-line error, unless a non-UTF-8 byte comes
+    further on: that one is named, as when the file was decoded whole before parsing."""
+    for number, line in lines:
         if not line.strip():
             continue
         try:
             row = json_text.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}, row {number}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{source}, row {number}: expected a JSON object")
-        rows.append((number, row))
-    return rows
+            problem = f"{source}, row {number}: not valid JSON ({err.msg})"
+        else:
+            if isinstance(row, dict):
+                yield number, row
+                continue
+            problem = f"{source}, row {number}: expected a JSON object"
+        for _ in lines:  # decodes the rest: raises at a non-UTF-8 byte
+            pass
+        raise ValueError(problem)
 
 
 def _json_rows(text: str, source: str) -> list[tuple[int, Row]]:
@@ -96,7 +114,7 @@ def _json_rows(text: str, source: str) -> list[tuple[int, Row]]:
         rows = json_text.loads(text)
     except json.JSONDecodeError as err:
         if err.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _jsonl_rows(text, source)
+            return list(_jsonl_rows(enumerate(_lines(text), 1), source))
         raise ValueError(f"{source}: not valid JSON ({err.msg}, line {err.lineno})") from None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{source}: expected a JSON list of objects")
@@ -110,6 +128,26 @@ def _lines(text: str) -> list[str]:
     if lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def _file_lines(path: Path, source: str) -> Iterator[tuple[int, str]]:
+    """The file's lines as ``_lines`` splits its text, numbered from 1, read and decoded
+    one at a time: the whole file's bytes, its text and its list of lines, held at once,
+    peaked at twelve times a JSONL file's size. Errors are ``_utf8``'s."""
+    try:
+        with path.open("rb") as stream:
+            for number, data in enumerate(stream, 1):
+                data = data[:-1] if data.endswith(b"\n") else data
+                data = data[:-1] if data.endswith(b"\r") else data
+                try:
+                    yield number, data.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"{source}, row {number}: not UTF-8 (byte 0x{data[err.start]:02x}); "
+                        "save the file as UTF-8"
+                    ) from None
+    except OSError as err:  # unreadable (permissions, an I/O error): one line, not a traceback
+        raise ValueError(f"{source}: cannot read the file ({err.strerror or err})") from None
 
 
 def _utf8(path: Path, source: str, header: bool) -> str:

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,9 +26,9 @@ from distzo.data.encoding import (
     choice_encoding,
     distinct,
 )
-from distzo.data.loaders import load_numbered_rows
+from distzo.data.loaders import iter_numbered_rows
 from distzo.data.synthetic import CountingTask
-from distzo.data.templates import TASKS, Example, build_examples, get_task, not_text
+from distzo.data.templates import TASKS, Example, build_numbered, get_task, not_text
 from distzo.objectives import OBJECTIVES
 
 GENERATED = ("counting",)
@@ -172,24 +172,36 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
         given = {"--train-file": train_file, "--eval-file": eval_file}
         missing = [flag for flag, path in given.items() if not path]
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
-    loaded = []
+    loaded: list[list[Any]] = []
     for source in (train_file, eval_file):
-        numbered = load_numbered_rows(source)
-        if not numbered:
-            raise ValueError(f"{source}: no rows")
-        numbers, rows = [n for n, _ in numbered], [row for _, row in numbered]
+        numbered = iter_numbered_rows(source)
         if task in TEXT:
-            for number, row in numbered:
-                if row.get("text") is None:
-                    raise ValueError(
-                        f"{source}, row {number}: missing column 'text' (task text needs text)"
-                    )
-                if not isinstance(row["text"], str):
-                    raise not_text(source, number, "text", row["text"])
-            loaded.append([row["text"] for row in rows])
+            loaded.append(_texts(numbered, source))
         else:
-            loaded.append(build_examples(get_task(task), rows, source, numbers))
+            loaded.append(build_numbered(get_task(task), numbered, source))
+        if not loaded[-1]:
+            raise ValueError(f"{source}: no rows")
     return LoadedRows(task, loaded[0], loaded[1])
+
+
+def _texts(numbered: Iterator[tuple[int, dict[str, Any]]], source: str) -> list[str]:
+    """The text task's rows as they come; a bad row's error waits for the rest to be read,
+    as ``build_numbered``'s does."""
+    texts = []
+    try:
+        for number, row in numbered:
+            if row.get("text") is None:
+                raise ValueError(
+                    f"{source}, row {number}: missing column 'text' (task text needs text)"
+                )
+            if not isinstance(row["text"], str):
+                raise not_text(source, number, "text", row["text"])
+            texts.append(row["text"])
+    except ValueError:
+        for _ in numbered:
+            pass
+        raise
+    return texts
 
 
 class CountingData:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,8 +270,30 @@ def build_examples(
 ) -> list[Example]:
     """Every row as an Example; a bad row is a one-line error naming the file and the row
     (``numbers``: each row's number in its file, where blank lines make it differ)."""
+    return build_numbered(task, zip(numbers or range(1, len(rows) + 1), rows), source)
+
+
+def build_numbered(
+    task: Task, numbered: Iterable[tuple[int, dict[str, Any]]], source: str
+) -> list[Example]:
+    """``build_examples`` of (number, row) pairs as they come (a file's, read a row at a
+    time: no list of a million dicts beside their Examples). A bad row's error waits for
+    the rest to be read, where a file's own error (bad JSON, a non-UTF-8 byte) comes first,
+    as it did when the file was read whole before any row was built."""
+    numbered = iter(numbered)
+    try:
+        return _build(task, numbered, source)
+    except ValueError:
+        for _ in numbered:
+            pass
+        raise
+
+
+def _build(
+    task: Task, numbered: Iterator[tuple[int, dict[str, Any]]], source: str
+) -> list[Example]:
     examples = []
-    for number, row in zip(numbers or range(1, len(rows) + 1), rows):
+    for number, row in numbered:
         missing = [c for c in task.columns if c not in row or row[c] is None]
         if missing:
             raise ValueError(

@@ -741,19 +741,23 @@ def test_another_datasets_column_names_are_named_with_the_rename(name, row, hint
         build_examples(TASKS[name], [row], "data.jsonl")
 
 
-def test_an_unreadable_data_file_is_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".csv"])
+def test_an_unreadable_data_file_is_one_line(tmp_path, monkeypatch, suffix):
     """A file the user may not read raised PermissionError's traceback (the tests run as
     root, where chmod 000 still reads: the read is made to fail as it would)."""
     from pathlib import Path
 
-    path = tmp_path / "data.jsonl"
+    path = tmp_path / f"data{suffix}"
     path.write_text(json.dumps(ROWS[0]) + "\n")
 
-    def denied(self):
+    def denied(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(Path, "read_bytes", denied)
-    with pytest.raises(ValueError, match=r"data.jsonl: cannot read the file \(Permission denied"):
+    monkeypatch.setattr(Path, "open", denied)  # JSONL and text files are read a line at a time
+    with pytest.raises(
+        ValueError, match=rf"data{suffix}: cannot read the file \(Permission denied"
+    ):
         load_rows(str(path))
 
 
