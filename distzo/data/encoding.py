@@ -59,10 +59,14 @@ class PromptEncoder:
     def _ids_many(self, texts: list[str]) -> list[list[int]]:
         """``_ids`` of each text through one tokenizer call: a fast tokenizer runs the
         batch in Rust, and the call's own cost (most of a short text's) is paid once."""
+        return [ids[: len(ids) - self.trail] for ids in self._all_ids_many(texts)]
+
+    def _all_ids_many(self, texts: list[str]) -> list[list[int]]:
+        """``_all_ids`` of each text through one tokenizer call."""
         if not texts:
             return []
         batch = self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
-        return [list(ids)[: len(ids) - self.trail] for ids in batch]
+        return [list(ids) for ids in batch]
 
     def _all_ids(self, text: str) -> list[int]:
         """``text``'s tokens with every special token the tokenizer adds. Quiet about the
@@ -95,8 +99,13 @@ class PromptEncoder:
         """A raw text row's tokens, and whether the cut lost some: with the end token a
         tokenizer appends (``add_eos_token``), which a causal LM learns to predict after a
         document, as a plain causal-LM recipe (transformers' ``run_clm``) trains it."""
-        ids = self._all_ids(text)
-        return self._keep(ids, self.max_length), len(ids) > self.max_length
+        return next(self.encode_texts([text]))
+
+    def encode_texts(self, texts: Sequence[str]) -> Iterator[tuple[list[int], bool]]:
+        """``encode_text`` of each text, ``ENCODE_CHUNK`` texts a tokenizer call."""
+        for start in range(0, len(texts), ENCODE_CHUNK):
+            for ids in self._all_ids_many(list(texts[start : start + ENCODE_CHUNK])):
+                yield self._keep(ids, self.max_length), len(ids) > self.max_length
 
     def prompt_tokens(self, prompt: str) -> int:
         """A prompt's tokens before any cut (``encode_prompt`` keeps ``max_length - room``)."""
@@ -136,7 +145,7 @@ class PromptEncoder:
         return [self._fit(*self._joint(example.prompt, c, head)) for c in example.continuations]
 
     def fitted(self, joints: list[Joint]) -> list[tuple[list[int], int]]:
-        """``joints`` (of ``joints``) as ``encode`` cuts them."""
+        """An example's candidates (from ``joints``) cut as ``encode`` cuts them."""
         return [self._fit(ids, answer) for ids, answer in joints]
 
     def tells_apart(self, example: Example) -> bool:
@@ -257,18 +266,15 @@ def choice_encoding(example: Example, encoded: list[tuple[list[int], int]]) -> C
     return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
 
 
-class PaddedRows:
-    """Text rows to evaluate, every token a label, collated a call's rows at a time to the
-    width of the longest row of all: the tensors a call took from the whole set padded at
-    once, which cost 24 bytes a position of the longest row (6 GB a million rows, on each
-    rank). The tokens rest in one array, 4 bytes each."""
+class TokenRows:
+    """Rows of tokens in one array, 4 bytes a token: a Python list of ints costs 8 bytes a
+    token at best, 36 for an id over 256 (gigabytes a million rows, on each rank)."""
 
-    def __init__(self, sequences: Iterable[list[int]], encoder: PromptEncoder) -> None:
+    def __init__(self, sequences: Iterable[list[int]]) -> None:
         self.tokens, self.ends = array("i"), array("q")  # ids under 2**31
         for ids in sequences:
             self.tokens.extend(ids)
             self.ends.append(len(self.tokens))
-        self.encoder = encoder
         self.width = max((len(self[i]) for i in range(len(self))), default=0)
 
     def __len__(self) -> int:
@@ -277,6 +283,17 @@ class PaddedRows:
     def __getitem__(self, index: int) -> list[int]:
         start = self.ends[index - 1] if index else 0
         return self.tokens[start : self.ends[index]].tolist()
+
+
+class PaddedRows(TokenRows):
+    """Text rows to evaluate, every token a label, collated a call's rows at a time to the
+    width of the longest row of all: the tensors a call took from the whole set padded at
+    once, which cost 24 bytes a position of the longest row (6 GB a million rows, on each
+    rank)."""
+
+    def __init__(self, sequences: Iterable[list[int]], encoder: PromptEncoder) -> None:
+        super().__init__(sequences)
+        self.encoder = encoder
 
     def take(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows ``indices`` collated, each row a label on every token."""
@@ -382,20 +399,23 @@ class TextTrainData:
     def __init__(self, texts: list[str], encoder: PromptEncoder, seed: int) -> None:
         """A row of fewer than two tokens (an empty one: wikitext has many) has no next
         token to predict and is left out: a batch of only such rows stopped the run."""
-        self.sequences = []
         self.cut = 0  # rows longer than max_length
-        for text in texts:
-            ids, cut = encoder.encode_text(text)
-            self.cut += cut
-            if len(ids) > 1:
-                self.sequences.append((ids, len(ids)))
-        if not self.sequences:
+        self.sequences = TokenRows(self._kept(encoder.encode_texts(texts)))
+        if not len(self.sequences):
             raise ValueError(
                 "--train-file: no row has a next token to predict (a row needs two tokens or "
                 "more after tokenization); give longer rows"
             )
         self.encoder, self.seed = encoder, seed
 
+    def _kept(self, encoded: Iterable[tuple[list[int], bool]]) -> Iterator[list[int]]:
+        """The rows of two tokens or more, counting the cut ones."""
+        for ids, cut in encoded:
+            self.cut += cut
+            if len(ids) > 1:
+                yield ids
+
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         indices = step_indices(len(self.sequences), batch_size, step, self.seed)
-        return self.encoder.collate([self.sequences[i] for i in indices])
+        rows = [self.sequences[i] for i in indices]
+        return self.encoder.collate([(ids, len(ids)) for ids in rows])

@@ -229,7 +229,7 @@ class TextData:
         self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int
     ) -> None:
         self.train = TextTrainData(rows.train, encoder, seed)
-        encoded = [encoder.encode_text(t) for t in rows.eval]
+        encoded = list(encoder.encode_texts(rows.eval))
         self.eval_set = PaddedRows((ids for ids, _ in encoded), encoder)
         if self.eval_set.width < 2:  # a next token to predict: the metrics' denominator
             raise ValueError(
@@ -237,7 +237,7 @@ class TextData:
                 "more after tokenization); give longer rows"
             )
         self.eval_batch_size = eval_batch_size
-        self.longest = max(max(len(ids) for ids, _ in self.train.sequences), self.eval_set.width)
+        self.longest = max(self.train.sequences.width, self.eval_set.width)
         self.rows_per_example = 1
         limit = token_limit(encoder.max_length)
         self.cut_notices = _notices(
