@@ -89,12 +89,6 @@ class PromptEncoder:
         """(token ids, number of continuation tokens at the end)."""
         return self._fit(*self._joint(prompt, continuation))
 
-    def measure(self, prompt: str, continuation: str) -> tuple[int, int]:
-        """(tokens, continuation tokens) of the joint text before any cut: what
-        ``max_length`` and ``answer_room`` cut."""
-        ids, answer = self._joint(prompt, continuation)
-        return len(ids), answer
-
     def encode_text(self, text: str) -> tuple[list[int], bool]:
         """A raw text row's tokens, and whether the cut lost some: with the end token a
         tokenizer appends (``add_eos_token``), which a causal LM learns to predict after a
@@ -106,10 +100,6 @@ class PromptEncoder:
         for start in range(0, len(texts), ENCODE_CHUNK):
             for ids in self._all_ids_many(list(texts[start : start + ENCODE_CHUNK])):
                 yield self._keep(ids, self.max_length), len(ids) > self.max_length
-
-    def prompt_tokens(self, prompt: str) -> int:
-        """A prompt's tokens before any cut (``encode_prompt`` keeps ``max_length - room``)."""
-        return len(self._ids(prompt))
 
     def _joint(self, prompt: str, continuation: str, head: list[int] | None = None) -> Joint:
         """The joint text's ids and its continuation's token count: the tokens that differ
@@ -147,11 +137,6 @@ class PromptEncoder:
     def fitted(self, joints: list[Joint]) -> list[tuple[list[int], int]]:
         """An example's candidates (from ``joints``) cut as ``encode`` cuts them."""
         return [self._fit(ids, answer) for ids, answer in joints]
-
-    def tells_apart(self, example: Example) -> bool:
-        """Whether the candidates stay different sequences once cut to ``max_length``: two
-        whose ends the cut drops can become the same tokens, scored alike."""
-        return distinct(self._candidates(example))
 
     def shares_prompt(self, example: Example) -> bool:
         """Every candidate is one token after the same prompt tokens: one row (the prompt)
@@ -243,7 +228,8 @@ def _answer(head: list[int], ids: list[int]) -> Joint:
 
 
 def distinct(encoded: list[tuple[list[int], int]]) -> bool:
-    """Whether fitted candidates (``PromptEncoder.fitted``) are different sequences."""
+    """Whether fitted candidates (``PromptEncoder.fitted``) stay different sequences: two
+    whose ends the cut to ``max_length`` drops can become the same tokens, scored alike."""
     return len({(tuple(ids), answer) for ids, answer in encoded}) == len(encoded)
 
 

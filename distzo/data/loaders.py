@@ -17,9 +17,9 @@ import csv
 import io
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from distzo.runtime import json_text
 
@@ -27,6 +27,7 @@ FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 
 
 Row = dict[str, Any]
+T = TypeVar("T")
 
 
 def load_rows(source: str) -> list[Row]:
@@ -45,6 +46,20 @@ def iter_numbered_rows(source: str) -> Iterator[tuple[int, Row]]:
     An error comes where its row does; a bad JSONL row's after the rest is decoded, where a
     non-UTF-8 byte further on is named instead, as when the file was decoded whole."""
     yield from _numbered_rows(source)
+
+
+def read_whole(
+    numbered: Iterator[tuple[int, Row]], build: Callable[[Iterator[tuple[int, Row]]], T]
+) -> T:
+    """``build(numbered)``; a bad row's ``ValueError`` waits for the rest of the rows to be
+    read, where the file's own error (bad JSON, a non-UTF-8 byte) further on comes first, as
+    it did when the file was read whole before any row was built."""
+    try:
+        return build(numbered)
+    except ValueError:
+        for _ in numbered:
+            pass
+        raise
 
 
 def _numbered_rows(source: str) -> Iterable[tuple[int, Row]]:

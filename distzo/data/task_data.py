@@ -26,7 +26,7 @@ from distzo.data.encoding import (
     choice_encoding,
     distinct,
 )
-from distzo.data.loaders import iter_numbered_rows
+from distzo.data.loaders import iter_numbered_rows, read_whole
 from distzo.data.synthetic import CountingTask
 from distzo.data.templates import TASKS, Example, build_numbered, get_task, not_text
 from distzo.objectives import OBJECTIVES
@@ -185,22 +185,21 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
 
 
 def _texts(numbered: Iterator[tuple[int, dict[str, Any]]], source: str) -> list[str]:
-    """The text task's rows as they come; a bad row's error waits for the rest to be read,
-    as ``build_numbered``'s does."""
+    """The text task's rows as they come; a bad row's error comes once the rest is read
+    (``read_whole``), as ``build_numbered``'s does."""
+    return read_whole(numbered, lambda rows: _text_column(rows, source))
+
+
+def _text_column(rows: Iterator[tuple[int, dict[str, Any]]], source: str) -> list[str]:
     texts = []
-    try:
-        for number, row in numbered:
-            if row.get("text") is None:
-                raise ValueError(
-                    f"{source}, row {number}: missing column 'text' (task text needs text)"
-                )
-            if not isinstance(row["text"], str):
-                raise not_text(source, number, "text", row["text"])
-            texts.append(row["text"])
-    except ValueError:
-        for _ in numbered:
-            pass
-        raise
+    for number, row in rows:
+        if row.get("text") is None:
+            raise ValueError(
+                f"{source}, row {number}: missing column 'text' (task text needs text)"
+            )
+        if not isinstance(row["text"], str):
+            raise not_text(source, number, "text", row["text"])
+        texts.append(row["text"])
     return texts
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from distzo.data.loaders import read_whole
 from distzo.runtime import json_text
 
 
@@ -277,16 +278,9 @@ def build_numbered(
     task: Task, numbered: Iterable[tuple[int, dict[str, Any]]], source: str
 ) -> list[Example]:
     """``build_examples`` of (number, row) pairs as they come (a file's, read a row at a
-    time: no list of a million dicts beside their Examples). A bad row's error waits for
-    the rest to be read, where a file's own error (bad JSON, a non-UTF-8 byte) comes first,
-    as it did when the file was read whole before any row was built."""
-    numbered = iter(numbered)
-    try:
-        return _build(task, numbered, source)
-    except ValueError:
-        for _ in numbered:
-            pass
-        raise
+    time: no list of a million dicts beside their Examples); a bad row's error comes once
+    the rest is read (``read_whole``)."""
+    return read_whole(iter(numbered), lambda rows: _build(task, rows, source))
 
 
 def _build(

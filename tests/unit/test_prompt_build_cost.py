@@ -87,10 +87,8 @@ def test_batched_encodings_are_the_single_calls(make, max_length):
     usable = [e for e in EXAMPLES if "" not in e.continuations]
     assert encoder.choices_many(usable) == [encoder.encode_choices(e) for e in usable]
     for (head, joints), e in zip(encoder.joints(EXAMPLES), EXAMPLES):
-        assert len(head) == encoder.prompt_tokens(e.prompt)
-        assert [(len(ids), n) for ids, n in joints] == [
-            encoder.measure(e.prompt, c) for c in e.continuations
-        ]
+        assert head == encoder._ids(e.prompt)  # the single calls ``encode`` makes
+        assert joints == [encoder._joint(e.prompt, c) for c in e.continuations]
 
 
 @pytest.mark.parametrize("task", ["sst2", "text"])
