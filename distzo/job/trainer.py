@@ -311,8 +311,12 @@ class Trainer:
             self.save(asynchronous=False)
         else:
             self.checkpointer.wait()
-        self.close()  # syncs the seed log
-        raise Preempted(self.step, received or "a signal to another rank")
+        self._preempted(received or "a signal to another rank")
+
+    def _preempted(self, received: str) -> NoReturn:
+        """Close the run (the seed log synced) and raise ``Preempted`` after its steps."""
+        self.close()
+        raise Preempted(self.step, received)
 
     def _stop_vote(self, signals: StopSignals | None) -> StopVote | None:
         """The vote an evaluation under way takes before each forward call (one gather on
@@ -323,11 +327,11 @@ class Trainer:
 
     def _stop_if_voted(self, signals: StopSignals | None) -> None:
         """End the run here if any rank was signalled since its last step: its checkpoint
-        holds every step, so a resume only evaluates and exports (``stop_voted``)."""
-        received = stop_voted(signals, self.parallel.comm)
+        holds every step, so a resume only evaluates and exports (``stop_voted``). No
+        vote without ``signals``: no rank can be stopped."""
+        received = stop_voted(signals, self.parallel.comm) if signals is not None else None
         if received is not None:
-            self.close()  # syncs the seed log
-            raise Preempted(self.step, received)
+            self._preempted(received)
 
     def _diverge(self, step: int, error: Callable[[str | None], Diverged]) -> NoReturn:
         """End a run at its first non-finite step, keeping the state before the update that
@@ -349,8 +353,7 @@ class Trainer:
         try:  # the last step's update checked
             after = self._evaluate(self.job.optim.max_steps, self._stop_vote(signals))
         except EvaluationStopped as stopped:  # the checkpoint holds every step
-            self.close()  # syncs the seed log
-            raise Preempted(self.step, stopped.received) from None
+            self._preempted(stopped.received)
         self.eval_after = after
         if self.logs:
             self.logs.write_eval(self.job.optim.max_steps, after)
