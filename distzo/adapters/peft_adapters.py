@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # peft is imported where an adapter is used (its import is he
 PEFT_METHODS = ("none", "lora", "lora-fa", "prefix")
 PREFIX_INITS = ("real", "random")
 ADAPTER_NAME = "default"  # peft's name of a model's one adapter
+PEFT_PREFIX = "base_model.model."  # what a peft model's names (and its state's keys) start with
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module, str | 
         if isinstance(module, LoraLayer):
             base: nn.Module = module.get_base_layer()
             not_linear = None if isinstance(module, LoraLinear) else type(base).__name__
-            yield name.removeprefix("base_model.model."), base, not_linear
+            yield name.removeprefix(PEFT_PREFIX), base, not_linear
 
 
 def _check_linear_targets(peft_model: nn.Module, method: str) -> None:
@@ -210,7 +211,7 @@ def merge_problem(peft_model: nn.Module) -> str | None:
             return f"the adapter's {option} is not merged here; {instead}"
     owners: dict[int, list[str]] = {}
     for name, param in peft_model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name.removeprefix("base_model.model."))
+        owners.setdefault(id(param), []).append(name.removeprefix(PEFT_PREFIX))
     for name, base, not_linear in _lora_layers(peft_model):
         leave_out = f"leave {name} out of --lora-targets, or {instead}"
         if not_linear is not None:
@@ -365,7 +366,7 @@ class AdapterWeights:
 
     def _own(self, names: tuple[str, ...]) -> torch.Tensor | None:
         for name in names:
-            for key in (name, "base_model.model." + name):
+            for key in (name, PEFT_PREFIX + name):
                 if key in self.adapter:
                     return self.adapter[key]
         return None

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from distzo.adapters.peft_adapters import (
     ADAPTER_NAME,
+    PEFT_PREFIX,
     as_peft_model,
     base_name,
     check_mergeable,
@@ -284,7 +285,7 @@ def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, token
     else:
         state = get_peft_model_state_dict(
             peft_model,
-            {"base_model.model." + n: v for n, v in values.items()},
+            {PEFT_PREFIX + n: v for n, v in values.items()},
             adapter_name=ADAPTER_NAME,
         )
     config = peft_model.peft_config[ADAPTER_NAME]

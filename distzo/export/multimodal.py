@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from distzo.adapters.peft_adapters import PEFT_PREFIX
 from distzo.models.multimodal import MultimodalOrigin
 from distzo.models.weights import HeaderChecked, open_checkpoint
 
-PEFT_PREFIX = "base_model.model."  # what peft's state dict keys start with
 # What a multimodal checkpoint holds for its processor beside the tokenizer's files: the
 # image processor's settings, the processor's and its chat template.
 PROCESSOR_FILES = (

@@ -211,7 +211,7 @@ def evaluate_generation(
         _check(stop)
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
         indices = chunk or [0]
-        prompts = [encoder.encode_prompt(examples[i].prompt, max_new_tokens) for i in indices]
+        prompts = encoder.encode_prompts([examples[i].prompt for i in indices], max_new_tokens)
         prepared = prepare_prompts(
             collate_prompts(prompts, indices, max_new_tokens, encoder.pad_id), engine.device
         )
