@@ -31,8 +31,10 @@ from distzo.engine import split_layouts, unwrap_peft
 from distzo.engine.parts import scratch_sizes
 from distzo.engine.passes import pass_grouping
 from distzo.export.hf_model import export_shapes, shard_plan
+from distzo.export.multimodal import multimodal_shapes
 from distzo.models import family_for
 from distzo.models.config_file import ModelSize
+from distzo.models.multimodal import MultimodalOrigin, origin_of
 from distzo.objectives import HEAD_CHUNK
 from distzo.offload.bucket import ALIGN_ELEMENTS, BucketLayout, round_up
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
@@ -269,20 +271,27 @@ def plan_memory(
         device_comm=nccl_buffer_bytes(_nccl_groups(on, world, local_ranks, shard_size, sliced)),
         export_bytes=0
         if export_shard_size is None
-        else _export_bytes(b, export_shard_size, peft_model is None or merge_adapter),
+        else _export_bytes(
+            b, export_shard_size, peft_model is None or merge_adapter, origin_of(model)
+        ),
     )
 
 
-def _export_bytes(b: _Buckets, max_shard_size: int | str, whole: bool) -> int:
+def _export_bytes(
+    b: _Buckets, max_shard_size: int | str, whole: bool, origin: MultimodalOrigin | None
+) -> int:
     """Rank 0's host copies while the export writes: the tensors of its largest shard
     (Hugging Face's split of what it holds, from shapes) and the bucket read beside them,
     in the master dtype. ``whole``: the model (an adapter merged in, or none); otherwise
-    the adapter alone."""
+    the adapter alone. A multimodal checkpoint's (``origin``) export holds its vision
+    tower and projector too, as stored."""
     trained = [b.resident, *b.trained]
     if not whole:
         return sum(layout.numel for layout in trained) * b.master
     layouts = trained + ([b.resident_base, *b.streamed] if b.resident_base is not None else [])
     shapes = export_shapes(layouts, merged=b.frozen)
+    if origin is not None:
+        shapes = multimodal_shapes(origin, shapes)
     files = shard_plan(shapes, max_shard_size).filename_to_tensors.values()
     largest = max(sum(shapes[name].nbytes for name in names) for names in files)
     return largest + max(layout.numel for layout in layouts) * b.master
