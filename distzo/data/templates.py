@@ -138,9 +138,12 @@ def _boolq(row):
 
 
 def _wic(row):
+    # A sentence's surrounding whitespace is not part of it: sentence2's trailing space and
+    # the newline after it were one token alone and two in the joint text, so each candidate
+    # was scored on the prompt's whitespace as well as its own word.
     prompt = (
         f'Does the word "{row["word"]}" have the same meaning in these two sentences? Yes, No?\n'
-        f"{row['sentence1']}\n{row['sentence2']}\n"
+        f"{row['sentence1'].strip()}\n{row['sentence2'].strip()}\n"
     )
     return _verbalized(prompt, ("No", "Yes"), row)
 
@@ -161,8 +164,10 @@ def _copa(row):
             words[0] = words[0].lower()
         return " ".join(words)
 
-    choices = (lower_first(row["choice1"]), lower_first(row["choice2"]))
-    if choices[0].strip() == choices[1].strip():  # scored alike: the "prediction" is a tie's
+    # A choice's surrounding whitespace is not part of it: a leading space doubled the one
+    # after the conjunction and kept the capital, a trailing one was a scored token.
+    choices = (lower_first(row["choice1"].strip()), lower_first(row["choice2"].strip()))
+    if choices[0] == choices[1]:  # scored alike: the "prediction" is a tie's
         raise ValueError(
             f"choice1 and choice2 are the same text ({reprlib.repr(row['choice1'].strip())}); "
             "a row needs two choices a model can tell apart"
@@ -206,7 +211,8 @@ def _squad(row):
         f"Title: {row['title']}\nContext: {row['context']}\n"
         f"Question: {row['question'].strip()}\nAnswer:"
     )
-    return Example(prompt, (f" {answers[0]}\n",), 0, tuple(answers))
+    # trained on the answer's own words: its surrounding whitespace would be label tokens
+    return Example(prompt, (f" {answers[0].strip()}\n",), 0, tuple(answers))
 
 
 TASKS: dict[str, Task] = {

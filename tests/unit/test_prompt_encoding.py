@@ -213,3 +213,36 @@ def test_the_trainer_ends_answers_where_the_models_own_generation_config_says(tm
             stops[len(listed)] = t.data.encoder.stop_ids
     eos = byte_tokenizer().eos_token_id
     assert stops == {0: {eos}, 2: {eos, 7, 9}}
+
+
+def test_whitespace_around_a_field_next_to_the_candidates_changes_nothing_scored():
+    """A WiC sentence2 with a trailing space ended the prompt in " \\n", one token alone and
+    two in the joint text: each candidate was scored on both whitespace tokens as well as
+    its word (SmolLM2: three tokens, not one). A COPA choice's leading space doubled the one
+    after "because" and kept its capital (SmolLM2's pick flipped); a trailing one was a
+    scored token, as a SQuAD answer's was a label token."""
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = ["The bank. \n", "The bank.\nNo", "The bank.\nYes", "He fell because he tripped. "]
+    core.train_from_iterator(corpus * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
+    assert tokens(tokenizer, tokenizer(". \n")["input_ids"]) == [".", "Ġ\u010a"]  # one alone
+    encoder = PromptEncoder(tokenizer, max_length=64)
+    wic = {"word": "bank", "sentence1": "The bank.", "sentence2": "The bank.", "label": 0}
+    copa = {"premise": "He fell.", "question": "cause", "choice2": "I cried.", "label": 0}
+    squad = {"title": "T", "context": "C", "question": "Q?", "answers": ["Paris"]}
+    padded = [
+        ("wic", wic, {"sentence1": " The bank. ", "sentence2": "The bank. "}),
+        ("copa", {**copa, "choice1": "He tripped."}, {"choice1": " He tripped. "}),
+        ("squad", squad, {"answers": [" Paris "]}),
+    ]
+    for task, clean, spaced in padded:
+        (want,) = build_examples(TASKS[task], [clean], "x")
+        (got,) = build_examples(TASKS[task], [{**clean, **spaced}], "x")
+        assert (got.prompt, got.continuations) == (want.prompt, want.continuations), task
+    (example,) = build_examples(TASKS["wic"], [{**wic, "sentence2": "The bank. "}], "x")
+    scored = [token for *_, token, _ in encoder.encode_choices(example).scored]
+    assert tokens(tokenizer, scored) == ["No", "Yes"]  # not ["Ġ", "Ċ", "No", "Ġ", "Ċ", "Yes"]
