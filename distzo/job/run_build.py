@@ -42,7 +42,7 @@ from distzo.job.run_model import run_model
 from distzo.job.run_resources import RunResources
 from distzo.job.summary import SUMMARY
 from distzo.job.validation import CheckedJob
-from distzo.models.weights import declared_stop_ids
+from distzo.models.weights import declared_stop_ids, special_ids
 from distzo.objectives import Objective
 
 logger = logging.getLogger("distzo.train")
@@ -128,9 +128,8 @@ class _Build:
         )
         model, weights, tokenizer = run_model(job, self.seed, env, comm, self.run_dir)
         rows = self.checked.rows
-        data = build_task_data(
-            job, rows, tokenizer, model.config, self.seed, declared_stop_ids(model)
-        )
+        stop_ids = declared_stop_ids(model, special_ids(tokenizer))
+        data = build_task_data(job, rows, tokenizer, model.config, self.seed, stop_ids)
         if env.rank == 0:  # MeZO warns of a cut too ("Exceed max length")
             for line in data.cut_notices:
                 logger.warning(line)

@@ -24,7 +24,7 @@ import re
 import zipfile
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType, SimpleNamespace
 from typing import Any, Protocol
@@ -146,15 +146,30 @@ def with_generation_config(model: nn.Module, source: Path) -> nn.Module:
     return model
 
 
-def declared_stop_ids(model: nn.Module) -> tuple[int, ...]:
-    """The end-of-sequence tokens ``model``'s own generation config lists (where
-    ``generate`` stops), or none where its config was derived from config.json, whose
-    ``eos_token_id`` a random-init shape takes from the architecture's defaults."""
+def declared_stop_ids(model: nn.Module, special: Collection[int] = ()) -> tuple[int, ...]:
+    """The end-of-sequence tokens ``model``'s generation config lists (where ``generate``
+    stops). Where that config was derived from config.json, only those of them that are
+    ``special`` tokens of the tokenizer: a checkpoint without generation_config.json stops
+    ``generate`` at its config.json's list (Gemma 3's ``<eos>`` and ``<end_of_turn>``), but
+    an architecture's default ``eos_token_id`` read through another tokenizer (a random-init
+    shape's) is a plain character there, where no answer should end."""
     config = getattr(model, "generation_config", None)
-    if config is None or getattr(config, "_from_model_config", False):
+    if config is None:
         return ()
     eos = config.eos_token_id
-    return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    listed = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    if getattr(config, "_from_model_config", False):
+        return tuple(token for token in listed if token in special)
+    return listed
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of ``tokenizer``'s special tokens, its added ones included (an instruct
+    model's end-of-turn token), or none without a tokenizer."""
+    if tokenizer is None:
+        return frozenset()
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
 
 
 def _pick(names: tuple[str, ...], available) -> str:

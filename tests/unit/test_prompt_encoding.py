@@ -246,3 +246,39 @@ def test_whitespace_around_a_field_next_to_the_candidates_changes_nothing_scored
     (example,) = build_examples(TASKS["wic"], [{**wic, "sentence2": "The bank. "}], "x")
     scored = [token for *_, token, _ in encoder.encode_choices(example).scored]
     assert tokens(tokenizer, scored) == ["No", "Yes"]  # not ["Ġ", "Ċ", "No", "Ġ", "Ċ", "Yes"]
+
+
+def test_a_folder_without_a_generation_config_ends_answers_at_its_config_end_tokens(tmp_path):
+    """Without generation_config.json, ``generate`` stops at config.json's list (Gemma 3's
+    ``<eos>`` and ``<end_of_turn>``): an answer ran on past the end-of-turn token, which the
+    decoding dropped as a special token ("Paris and more" for "Paris"). An id of that list
+    that is a plain character of the tokenizer still ends nothing."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distzo.config.job import resolve
+    from distzo.job.trainer import Trainer
+    from tests.helpers.models import LLAMA
+
+    row = {"title": "T", "context": "The code is 4.", "question": "Code?", "answers": ["4"]}
+    data = tmp_path / "squad.jsonl"
+    data.write_text((json.dumps(row) + "\n") * 4)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<end_of_turn>"]})
+    turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    source = tmp_path / "model"
+    config = LlamaConfig(**{**LLAMA, "vocab_size": len(tokenizer), "eos_token_id": [1, 7, turn]})
+    LlamaForCausalLM(config).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    (source / "generation_config.json").unlink()
+    flags = ["--task", "squad", "--train-file", str(data), "--eval-file", str(data)]
+    flags += ["--max-steps", "1", "--batch-size", "2", "--max-new-tokens", "3", "--device", "cpu"]
+    flags += ["--model", str(source), "--output-dir", str(tmp_path / "run")]
+    with Trainer(resolve(flags)) as t:
+        t.build()
+        encoder = t.data.encoder
+    assert encoder.stop_ids == {tokenizer.eos_token_id, turn}  # 7 is a byte
+    paris = tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    more = tokenizer(" and more", add_special_tokens=False)["input_ids"]
+    assert encoder.answer(paris + [turn] + more) == " Paris"
