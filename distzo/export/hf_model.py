@@ -290,7 +290,7 @@ def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, token
         )
     config = peft_model.peft_config[ADAPTER_NAME]
     origin = origin_of(engine.model)
-    if origin is not None:  # named as on the multimodal base, where peft attaches it
+    if origin is not None and not engine.prefixes:  # LoRA: named as on the multimodal base
         state, config = multimodal_adapter(origin, state, config)
     with safetensors_os_errors(tmp / ADAPTER_WEIGHTS):
         save_file(

@@ -36,7 +36,7 @@ from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check
 from distzo.job.run_lock import check_not_running
 from distzo.models import check_supported, hub
 from distzo.models.config_file import model_size, read_config
-from distzo.models.multimodal import check_multimodal_adapter, is_multimodal, trained_config
+from distzo.models.multimodal import check_multimodal_targets, is_multimodal, trained_config
 from distzo.models.weights import check_float_weights, check_readable
 
 logger = logging.getLogger("distzo.train")
@@ -84,8 +84,7 @@ def check_model(job: JobConfig, config: ZOConfig) -> None:
     model_config = trained_config(model_config)
     check_supported(model_config.model_type).check_config(model_config)
     if multimodal:
-        targets = job.peft.adapter_spec().targets
-        check_multimodal_adapter(job.peft.peft, job.model.model, targets)
+        check_multimodal_targets(job.peft.adapter_spec().targets)
     job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)

@@ -93,18 +93,11 @@ class MultimodalOrigin:
 MULTIMODAL_NAMES = ("model.language_model.", "language_model.")
 
 
-def check_multimodal_adapter(
-    method: str, name: str | None, targets: tuple[str, ...] | None = None
-) -> None:
-    """Refuse, in one line before anything is built, an adapter the export could not write
-    for the multimodal model: a prefix (peft sizes its table from the multimodal config);
-    and LoRA targets named as in the multimodal model, which the text model that trains
-    does not hold (peft's own refusal says only that they were not found)."""
-    if method == "prefix":
-        raise ValueError(
-            f"--model {name}: a multimodal checkpoint's text model trains in full or with "
-            "--peft lora or lora-fa, not a prefix; pick one of those"
-        )
+def check_multimodal_targets(targets: tuple[str, ...] | None) -> None:
+    """Refuse, in one line before anything is built, LoRA targets named as in the
+    multimodal model, which the text model that trains does not hold (peft's own refusal
+    says only that they were not found). A prefix needs nothing of the kind: peft sizes
+    its table from the multimodal config's text config, the text model's own."""
     multimodal = [t for t in targets or () if t.startswith(MULTIMODAL_NAMES)]
     if multimodal:
         first = multimodal[0]

@@ -206,11 +206,28 @@ def test_lora_exports_load_on_the_multimodal_base(tmp_path):
     assert untouched and all(torch.equal(state[n], start[n]) for n in untouched)
 
 
-def test_a_prefix_on_a_multimodal_checkpoint_is_one_line(tmp_path):
+def test_a_prefix_exports_and_loads_on_the_multimodal_base(tmp_path):
+    # peft sizes a prefix table from the multimodal config's text_config: the text model's
+    # table, whose layers are the language model's
+    from peft import PeftModel
+
     folder = save_multimodal(tmp_path / "mm")
-    prefix = job(folder, tmp_path / "run", "--peft", "prefix")
-    with pytest.raises(ValueError, match="not a prefix; pick one of those"):
-        check_model(prefix, prefix.engine_config("cpu"))
+    prefix = ("--peft", "prefix", "--prefix-length", "3")
+    with Trainer(job(folder, tmp_path / "run", *prefix)) as run:
+        run.train()
+        ids = torch.randint(1, 60, (2, 7))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        ours, _ = run.engine.forward({"input_ids": ids, "attention_mask": mask})
+    base = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float64)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "run" / "export").eval()
+    assert adapted.peft_config["default"].peft_type == "PREFIX_TUNING"
+    with torch.no_grad():
+        theirs = adapted(input_ids=ids, attention_mask=mask).logits
+        plain = base(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(plain[real], theirs[real], atol=1e-3)  # the prefix counts
 
 
 def edit_config(folder: Path, edit) -> None:
