@@ -86,3 +86,31 @@ def test_a_view_that_outlives_its_store_keeps_the_pages_registered(recorded):
     del tail
     gc.collect()
     assert events[1:] == [("sync",), ("unregister", pointer)]
+
+
+def test_a_store_pins_exactly_the_pages_its_bytes_need(recorded):
+    """A store that fills whole pages pins those and no more (the memory plan counts them)."""
+    events = recorded
+    numels = (pinned.PAGE // 4, 2 * pinned.PAGE // 4, 2 * pinned.PAGE // 4 + 1)
+    stores = [pinned.pinned_zeros(numel, torch.float32) for numel in numels]
+    assert events == [
+        ("register", store.data_ptr(), -(-numel * 4 // pinned.PAGE) * pinned.PAGE)
+        for store, numel in zip(stores, numels)
+    ]
+
+
+def test_a_refused_registration_is_one_line_naming_the_fix_and_unregisters_nothing(
+    recorded, monkeypatch
+):
+    events = recorded
+
+    class Refusing(Runtime):
+        def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:
+            return 2  # cudaErrorMemoryAllocation: the locked-memory limit reached
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing(events))
+    fix = r"\(cudaHostRegister error 2\); raise the locked-memory limit \(ulimit -l\)"
+    with pytest.raises(RuntimeError, match=r"^could not pin 40 B of host memory " + fix):
+        pinned.pinned_zeros(10, torch.float32)
+    gc.collect()  # the refused pages are freed: never registered, so nothing to unregister
+    assert events == []
