@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from distzo.offload import BlockScheduler, Streams, Timeline
-from distzo.offload.queue_model import modelled_period, queued_passes
+from distzo.offload.queue_model import ModelStreams, modelled_period, queued_passes
 
 
 class RecordingStore:
@@ -65,6 +65,69 @@ def test_timeline_records_every_phase_of_every_block():
     assert all(s.ms >= 0 for s in spans)
     # on CPU the phase runs in the call: the host's time in it is the span
     assert all(s.host_ms == pytest.approx(s.ms, abs=1e-5) for s in spans)
+
+
+def test_a_timeline_with_nothing_recorded_has_no_spans():
+    assert Timeline(Streams(torch.device("cpu"))).spans() == []
+
+
+class DeviceMark:
+    """A CUDA timing event's stand-in: the device time (ms) at which its stream reached it."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def elapsed_time(self, end: "DeviceMark") -> float:
+        return end.at - self.at
+
+
+def test_device_spans_start_at_the_earliest_one_whichever_the_host_queued_first(monkeypatch):
+    # On CUDA the host queues an offload first that its stream runs after a compute queued
+    # later on another stream: the origin is the earliest start, not the first mark's.
+    streams = Streams(torch.device("cpu"))
+    streams.is_async = True
+    times = iter([5.0, 7.0, 1.0, 4.0])  # offload 5..7 queued first, compute 1..4 after it
+    monkeypatch.setattr(streams, "record", lambda phase, timing=False: DeviceMark(next(times)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    timeline = Timeline(streams)
+    for phase in ("offload", "compute"):
+        timeline.end(phase, 0, timeline.start(phase))
+    spans = {s.phase: (s.start_ms, s.end_ms) for s in timeline.spans()}
+    assert spans == {"offload": (4.0, 6.0), "compute": (0.0, 3.0)}
+
+
+class SpyStream:
+    def __init__(self) -> None:
+        self.waited: list = []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+def test_a_stream_waits_for_no_event_where_none_was_recorded_yet():
+    # the scheduler's first waits (a slot never used, a master buffer never released)
+    # are for None: on CUDA the stream must not be handed it
+    streams = Streams(torch.device("cpu"))
+    streams.is_async, spy = True, SpyStream()
+    streams._streams = {"upload": spy}
+    streams.wait("upload", None)
+    streams.wait("upload", mark := DeviceMark(1.0))
+    assert spy.waited == [mark]
+
+
+def test_the_stream_models_current_stream_comes_back_after_a_nested_one():
+    # as torch.cuda.stream restores the stream it replaced
+    streams = ModelStreams()
+    with streams.on("upload"):
+        with streams.on("offload"):
+            streams.queue(("offload", 0, 0))
+        streams.queue(("upload", 1, 0))
+    streams.queue(("compute", 0, 0))
+    assert streams.queues == {
+        "upload": [("upload", 1, 0)],
+        "compute": [("compute", 0, 0)],
+        "offload": [("offload", 0, 0)],
+    }
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
