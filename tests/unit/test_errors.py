@@ -145,6 +145,7 @@ def run_cli(*args):
         (["--dist-timeout", "nan"], "--dist-timeout must be a positive number"),
         (["--device", "mps"], "distzo runs on CUDA or the CPU"),
         (["--device", "meta"], "distzo runs on CUDA or the CPU"),
+        (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs CUDA devices; use "),
         (
             [
                 "--task",

@@ -91,3 +91,23 @@ def test_an_unexpected_failure_is_named_by_its_type():
         "PermissionError: [Errno 13] Permission denied"
     )
     assert refusal_line(RuntimeError()) == "RuntimeError"
+
+
+def test_the_group_forms_behind_the_gate_under_its_attempts_own_prefix(monkeypatch):
+    """Several ranks wait at the gate (one has nothing to wait for), and each torchrun
+    restart's group keys live apart from the failed attempt's in the surviving store."""
+    from distzo.dist import process_group as pg
+
+    store = dist.HashStore()
+    gated: list[int] = []
+    formed: list[dict] = []
+    monkeypatch.setattr(pg, "rendezvous_store", lambda env, timeout: store)
+    monkeypatch.setattr(pg, "await_every_rank", lambda _s, env, _t: gated.append(env.world_size))
+    monkeypatch.setattr(pg.dist, "init_process_group", lambda **options: formed.append(options))
+    for world, attempt in ((1, 0), (2, 0), (2, 3)):
+        env = LaunchEnv(rank=0, world_size=world, launched=True, restart_count=attempt)
+        pg.init_process_group(env, "gloo", 60.0)
+    assert gated == [2, 2]
+    formed[2]["store"].set("rank0", "here")
+    assert store.check(["distzo/attempt-3/rank0"])  # (a get would wait for a missing key)
+    assert not store.check(["distzo/attempt-0/rank0"])
