@@ -132,6 +132,11 @@ CONFIGS = {
     "llama_window_field": lambda: LlamaConfig(
         num_hidden_layers=2, **{**COMMON, "sliding_window": 4}
     ),
+    # opt-350m's shape: embeddings narrower than the blocks (project_in/out), the layer norm
+    # after each sublayer and so no final one, an untied head
+    "opt_projected": lambda: tiny_opt_config(
+        word_embed_proj_dim=16, do_layer_norm_before=False, tie_word_embeddings=False
+    ),
     "gpt2": lambda: GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=64),
     "phi3": lambda: Phi3Config(num_hidden_layers=2, sliding_window=4, **COMMON),
     "olmo2": lambda: Olmo2Config(num_hidden_layers=2, **COMMON),
