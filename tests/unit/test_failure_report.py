@@ -126,3 +126,92 @@ def test_a_backends_long_error_is_cut_to_its_gist():
     err = RuntimeError("[gloo/transport.cc:12] Connection closed by peer " + "x" * 500)
     message = _first_sentence(err)
     assert message.startswith("Connection closed by peer x") and len(message) == 160
+
+
+class FailingTrainer:
+    """A ``Trainer`` stand-in for ``main``'s failure paths: ``train`` raises ``raised``
+    (after a SIGTERM of its own where ``signalled``); ``close`` is counted."""
+
+    raised: BaseException = ValueError("unset")
+    signalled = False
+
+    def __init__(self, config, env, callbacks) -> None:
+        self.closed, self.step, self.run_dir = 0, 3, "the run"
+        FailingTrainer.last = self
+
+    def train(self, signals) -> None:
+        if self.signalled:
+            import signal
+
+            signals.defer()  # in the steps: StopSignals only notes a signal
+            signal.raise_signal(signal.SIGTERM)
+        raise self.raised
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def failing_main(monkeypatch, raised: BaseException, world: int = 1, signalled: bool = False):
+    """``train.main([])`` of a ``world``-rank job whose training raises ``raised``."""
+    from types import SimpleNamespace
+
+    from distzo import train
+    from distzo.dist import LaunchEnv
+    from distzo.job import trainer
+
+    env = LaunchEnv(rank=0, world_size=world, launched=world > 1)
+    monkeypatch.setattr(train, "LaunchEnv", SimpleNamespace(from_environ=lambda: env))
+    monkeypatch.setattr(trainer, "Trainer", FailingTrainer)
+    monkeypatch.setattr(FailingTrainer, "raised", raised)
+    monkeypatch.setattr(FailingTrainer, "signalled", signalled)
+    monkeypatch.delenv(ERROR_FILE, raising=False)
+    return train.main([])
+
+
+def test_a_failed_training_closes_its_run_and_exits_by_the_kind_of_failure(monkeypatch, capsys):
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert failing_main(monkeypatch, full) == 1  # a failure, not bad input
+    assert FailingTrainer.last.closed == 1
+    assert capsys.readouterr().err.startswith("error: ")
+    assert failing_main(monkeypatch, ValueError("--lr is refused")) == 2
+    assert FailingTrainer.last.closed == 1
+    assert capsys.readouterr().err == "error: --lr is refused\n"
+
+
+def test_a_backend_error_of_a_lone_rank_is_its_own_not_a_peers(monkeypatch):
+    # no peer to blame: the traceback, after the run is closed
+    with pytest.raises(dist.DistBackendError, match="aborted"):
+        failing_main(monkeypatch, dist.DistBackendError("aborted"))
+    assert FailingTrainer.last.closed == 1
+
+
+@pytest.mark.parametrize("signalled, grace", [(False, 10.0), (True, 0.0)])
+def test_a_rank_stopped_by_a_signal_reports_a_peers_failure_without_waiting(
+    monkeypatch, signalled, grace
+):
+    """torchrun's SIGTERM to the survivors of a dead peer: no grace for the peer's report,
+    which would be killed by torchrun mid-wait."""
+    from distzo import train
+
+    graces: list[float] = []
+    monkeypatch.setattr(
+        train, "report_peer_failure", lambda err, rank, step, g: graces.append(g) or 1
+    )
+    assert failing_main(monkeypatch, dist.DistBackendError("aborted"), 2, signalled) == 1
+    assert graces == [grace] and train.PEER_REPORT_GRACE_S == 10.0
+
+
+def test_only_rank_0_logs_below_warnings(monkeypatch):
+    from distzo.dist import LaunchEnv
+    from distzo.train import configure_logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # basicConfig configures a bare root only
+    monkeypatch.setattr(root, "level", root.level)
+    configure_logging(LaunchEnv(rank=1, world_size=2, launched=True))
+    assert root.level == logging.WARNING
+    monkeypatch.setattr(root, "handlers", [])
+    configure_logging(LaunchEnv(rank=0, world_size=2, launched=True))
+    assert root.level == logging.INFO
