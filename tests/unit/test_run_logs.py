@@ -1,6 +1,8 @@
 """Rank 0's logs and the dashboard they feed: a resumed run's TensorBoard holds each step
 once, as metrics.jsonl does, with the values of the run that went on."""
 
+import sys
+
 import pytest
 
 from distzo.job.reporting import make_reporter
@@ -80,3 +82,29 @@ def test_a_steps_metrics_rate_its_tokens_and_link_bytes_by_its_wall_time(monkeyp
     assert record["step_s"] == 2.5
     assert record["tokens_per_s"] == pytest.approx(400.0)
     assert record["link_gb_per_s"] == pytest.approx(2.0)
+
+
+def test_a_dashboard_closed_before_it_started_closes_quietly(tmp_path):
+    pytest.importorskip("tensorboard")
+    make_reporter("tensorboard", tmp_path, {}).close()  # a build failed before start
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_a_wandb_run_is_the_run_directorys_however_named_and_logs_each_step(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "helpers" / "fake_wandb"))
+    monkeypatch.setenv("FAKE_WANDB_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    try:
+        for named in (Path("run"), tmp_path / "run"):  # a resume may name it either way
+            make_reporter("wandb", named, {}).log({"loss": 1.5}, step=7)
+    finally:  # the stand-in leaves no module a later test would import as wandb
+        for name in [n for n in sys.modules if n.partition(".")[0] == "wandb"]:
+            del sys.modules[name]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    inits = [c["id"] for c in calls if c["call"] == "init"]
+    assert len(inits) == 2 and inits[0] == inits[1]
+    assert [c["step"] for c in calls if c["call"] == "log"] == [7, 7]
