@@ -134,6 +134,7 @@ class FailingTrainer:
 
     raised: BaseException = ValueError("unset")
     signalled = False
+    last: FailingTrainer  # the one main built last
 
     def __init__(self, config, env, callbacks) -> None:
         self.closed, self.step, self.run_dir = 0, 3, "the run"
