@@ -122,6 +122,38 @@ def test_a_cut_sequence_keeps_its_leading_special_token_and_its_answer():
         PromptEncoder(tokenizer, max_length=1)
 
 
+def test_without_a_leading_special_token_a_cut_answer_keeps_one_prompt_token_before_it():
+    """A token is scored from the position before it: an answer filling every position
+    (a BPE with no leading special token, GPT-2's) left its first token never scored."""
+    tokenizer = byte_level_bpe()
+    encoder = PromptEncoder(tokenizer, max_length=4)
+    assert (encoder.lead, encoder.answer_room) == (0, 3)
+    ids, answer = encoder.encode("It was", " great film It was terrible")
+    assert (len(ids), answer) == (4, 3)
+    assert tokens(tokenizer, ids) == ["Ġwas", "Ġgreat", "Ġfilm", "ĠIt"]
+
+
+def test_candidates_sharing_their_first_tokens_are_scored_on_each_of_their_tokens():
+    """The prompt alone scores candidates that are one token each; two of several tokens
+    that end alike but for their last took one row, scored on their last token only, so
+    their mean log-likelihoods left out the tokens they share."""
+    encoder = PromptEncoder(byte_tokenizer(), max_length=64)
+    encoding = encoder.encode_choices(Example("It was", (" ab", " ac"), 0))
+    assert len(encoding.rows) == 2 and len(encoding.scored) == 6
+    assert [c for *_, c in encoding.scored] == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_candidate_with_no_tokens_of_its_own_is_refused():
+    """Scored on no token, its mean log-likelihood is no score: refused in one line
+    (the templates refuse an empty candidate in a file; an Example built in code reaches
+    the encoder as it is)."""
+    encoder = PromptEncoder(byte_tokenizer(), max_length=64)
+    example = Example("It was", ("", " ok"), 1)
+    for encode in (encoder.encode_choices, lambda e: encoder.choices_many([e])[0]):
+        with pytest.raises(ValueError, match="candidate '' has no tokens to score"):
+            encode(example)
+
+
 def test_a_tokenizer_that_appends_its_end_token_keeps_its_start_token_and_drops_the_end():
     """Llama's tokenizer with ``add_eos_token`` writes ``<s> text </s>``: a cut sequence lost
     its ``<s>``, every candidate was scored on the ``</s>`` after it, and a SQuAD prompt to
