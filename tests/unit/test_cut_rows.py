@@ -4,7 +4,8 @@ warning line per file (MeZO warns "Exceed max length"); the run cut them silentl
 import json
 
 from distzo.data.encoding import PromptEncoder
-from distzo.data.task_data import PromptData, TextData, load_task_rows
+from distzo.data.task_data import LoadedRows, PromptData, TextData, load_task_rows
+from distzo.data.templates import Example
 from distzo.models.tiny import byte_tokenizer
 
 
@@ -66,6 +67,54 @@ def test_text_rows_longer_than_the_limit_are_counted(tmp_path):
     ]
 
 
+def test_a_text_row_of_exactly_the_limit_is_not_counted(tmp_path):
+    rows = [{"text": "y" * 23}]  # 23 bytes after the leading </s>: 24 tokens, all kept
+    loaded = load_task_rows(
+        "text", write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows)
+    )
+    assert loaded is not None
+    data = TextData(loaded, PromptEncoder(byte_tokenizer(), max_length=24), 0, 2)
+    assert data.train.sequences.width == 24 and data.cut_notices == ()
+
+
+def test_a_squad_plan_holds_the_answer_decoded_after_the_longest_prompt(tmp_path):
+    """The memory plan's longest sequence: an evaluation decodes ``--max-new-tokens``
+    after its prompt, within the token limit."""
+    row = {"title": "T", "context": "ctx", "question": "Q?", "answers": ["x"]}
+    joint = prompt_data(tmp_path, "squad", [row], [row], None, 4, 256).longest - 4
+    assert joint > 4
+    assert prompt_data(tmp_path, "squad", [row], [row], None, 9, 256).longest == joint + 9
+    assert prompt_data(tmp_path, "squad", [row], [row], None, 9, joint + 5).longest == joint + 5
+
+
+def test_the_plan_holds_the_longest_candidate_whichever_its_place():
+    example = Example("p", (" a", " bbbb"), 0)  # joints of 4 and 7 tokens
+    encoder = PromptEncoder(byte_tokenizer(), 64)
+    assert PromptData(LoadedRows("sst2", [example], [example]), encoder, 0, 2).longest == 7
+
+
+def test_sequences_of_exactly_the_limit_lose_nothing_and_are_not_counted():
+    """The limits are inclusive: a joint sequence of ``max_length`` tokens, an answer of
+    ``answer_room`` and a prompt of ``max_length`` less ``--max-new-tokens`` keep every
+    token, so no warning counts them; one token more does."""
+    tokenizer = byte_tokenizer()  # a byte a token, after a leading </s>
+
+    def notices(task, example, max_length, objective=None):
+        encoder = PromptEncoder(tokenizer, max_length)
+        loaded = LoadedRows(task, [example], [example])
+        return PromptData(loaded, encoder, 0, 2, 4, objective).cut_notices
+
+    longest = Example("p" * 10, (" a", " bb"), 1)  # joints of 13 and 14 tokens
+    assert notices("sst2", longest, 14) == () and len(notices("sst2", longest, 13)) == 2
+    answer = Example("p", (" " + "a" * 12, " b"), 0)  # a 13-token answer, 15 in all
+    (train, evals) = notices("sst2", answer, 14)
+    assert "lose the end" not in train + evals
+    assert "lose the end" in notices("sst2", answer, 13)[0]
+    prompt = Example("Q: " + "q" * 10, (" y",), 0)  # 14 tokens, 4 more decoded
+    assert notices("squad", prompt, 18, "f1") == ()
+    assert len(notices("squad", prompt, 17, "f1")) == 2
+
+
 def test_the_run_warns_of_the_cut_rows_before_it_trains(tmp_path, caplog):
     from distzo.config.job import resolve
     from distzo.job.trainer import Trainer
@@ -99,7 +148,9 @@ def test_candidates_the_cut_makes_the_same_tokens_are_counted(tmp_path):
     row = {"premise": "It fell.", "question": "cause", "label": 0}
     alike = {**row, "choice1": same_start + "shut", "choice2": same_start + "stuck"}
     apart = {**row, "choice1": "x" * 40, "choice2": "y" * 40}
-    (_, evals) = prompt_data(tmp_path, "copa", [alike], [alike, apart]).cut_notices
+    (train, evals) = prompt_data(tmp_path, "copa", [alike], [alike, apart]).cut_notices
+    # COPA trains LM-style, on the right choice alone: no other candidate is scored there
+    assert "1 of them lose the end" in train and "same tokens" not in train
     assert "2 of them lose the end of their answer too, and in 1 the candidates become the " in (
         evals
     )
