@@ -287,10 +287,34 @@ def test_training_labels_cover_the_answer_tokens_only():
     assert len(ids) == 8 and tokenizer.decode(ids[-answer:]) == " yes"
 
 
+def test_the_counting_task_draws_by_step_and_evaluates_on_a_stream_of_its_own():
+    """The generated task: a window that exactly fits the vocabulary is allowed; a batch
+    asked without a step is the step after the last drawn (each call a new batch); the
+    evaluation set is no training step's batch, and is scored on every token."""
+    from distzo.data import CountingTask
+
+    with pytest.raises(ValueError, match=r"counting window \[16, 32\) does not fit"):
+        CountingTask(31)
+    task = CountingTask(32, seed=3)
+    drawn = [task.batch(8)["input_ids"] for _ in range(3)]
+    assert all(torch.equal(d, task.batch(8, step)["input_ids"]) for step, d in enumerate(drawn))
+    assert not torch.equal(drawn[0], drawn[1])
+    task.batch(8, 7)
+    assert torch.equal(task.batch(8)["input_ids"], task.batch(8, 8)["input_ids"])
+    evals = task.eval_set(8)
+    assert torch.equal(evals["labels"], evals["input_ids"])
+    assert not any(torch.equal(evals["input_ids"], d) for d in drawn)
+
+
 def test_step_batches_are_a_pure_function_of_the_step():
     assert step_indices(10, 4, 3, seed=1) == step_indices(10, 4, 3, seed=1)
     epoch = [i for step in range(5) for i in step_indices(10, 2, step, seed=1)]
     assert sorted(epoch) == list(range(10))  # one epoch covers every item once
+
+
+def test_an_empty_training_set_has_no_batch_in_one_line():
+    with pytest.raises(ValueError, match="the training set is empty"):
+        step_indices(0, 4, 0, seed=1)
 
 
 def test_each_epoch_draws_its_own_order():
@@ -487,6 +511,25 @@ def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):
         ]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("task", ["sst2", "text"])
+def test_a_file_without_rows_is_named_before_any_model(tmp_path, task):
+    """An empty file (or one of blank lines) is refused when read, whichever of the two it
+    is: an empty training set stopped the run at its first step, after the model's build."""
+    row = {"sentence": "a film", "label": 1, "text": "a film"}
+    full, empty = tmp_path / "full.jsonl", tmp_path / "empty.jsonl"
+    full.write_text(json.dumps(row) + "\n")
+    empty.write_text("\n\n")
+    for train, evals in ((empty, full), (full, empty)):
+        with pytest.raises(ValueError, match=f"^{empty}: no rows$"):
+            load_task_rows(task, str(train), str(evals))
+
+
+def test_a_generated_task_refuses_either_data_file():
+    for files in (("t.jsonl", None), (None, "e.jsonl")):
+        with pytest.raises(ValueError, match="--task counting generates its data"):
+            load_task_rows("counting", *files)
 
 
 @pytest.mark.parametrize(
