@@ -39,6 +39,24 @@ def test_query_zero_draws_the_noise_of_runs_before_queries_existed():
     assert noise_seed(7, 3, 2, 1, query=2) == 4425561553327678617
 
 
+def test_a_portable_z_is_pinned_by_value_from_its_seed_to_the_table():
+    """Every implementation takes the same key, so a change to the key's words (or to any
+    later stage) would agree with itself and differ from what earlier runs drew: their
+    checkpoints, seed logs and replays. Pinned as they drew it."""
+    from distzo.zo import philox
+
+    assert philox.noise_key(7, 3, 2, 1, philox.STREAM_NOISE) == (0xF768DD17, 0x6B45BA4B)
+    z = NoiseSource(7, 1000, torch.device("cpu"), torch.float32).full(6, step=3, block_id=2)
+    assert z.tolist() == [
+        -0.39631006121635437,
+        -0.09048540145158768,
+        -0.20559050142765045,
+        0.5352901220321655,
+        0.4604203402996063,
+        0.5236730575561523,
+    ]
+
+
 def test_a_chunk_does_not_depend_on_the_range_asked_for():
     src = NoiseSource(run_seed=5, chunk=10, device=torch.device("cpu"), dtype=torch.float32)
     full = src.full(35, step=2, block_id=1)
@@ -232,6 +250,9 @@ def test_the_c_kernel_refuses_a_gaussian_fill_without_the_table():
             fast_noise.fill(out, 0, (1, 2), "gaussian", table)
     with pytest.raises(ValueError, match="noise draw must be one of"):
         fast_noise.fill(out, 0, (1, 2), "normal", gaussian_table())
+    with pytest.raises(ValueError, match="fills contiguous float32 CPU tensors"):
+        # C writes numel floats on from the first element: a strided view's neighbours
+        fast_noise.fill(torch.zeros(16)[::2], 0, (1, 2), "rademacher", None)
     fast_noise.fill(out, 0, (1, 2), "rademacher", None)  # +-1 and uniforms need no table
     assert set(out.tolist()) <= {-1.0, 1.0}
 
@@ -272,6 +293,20 @@ def test_the_gaussian_table_is_symmetric_with_unit_variance():
     assert abs(table.pow(2).mean().item() - 1) < 1e-9
     assert table.min().item() == pytest.approx(-4.325, abs=1e-3)
     assert bool((table[1:] > table[:-1]).all())  # quantiles: increasing, no repeated value
+
+
+def test_a_table_other_than_the_pinned_one_is_refused(monkeypatch):
+    """A platform whose inverse normal CDF rounds one value differently would draw other z
+    than every other machine: it refuses to build the table instead."""
+    from distzo.zo import gaussian_table as module
+
+    monkeypatch.setattr(module, "TABLE_SHA256", "0" * 64)
+    gaussian_table.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="inverse normal CDF rounds differently"):
+            gaussian_table()
+    finally:
+        gaussian_table.cache_clear()
 
 
 def moments_sample(kind, n, step=0, block=0, query=0):
