@@ -257,10 +257,12 @@ def test_fzoo_takes_its_own_noise_and_queries_unless_told_otherwise():
     spsa = resolve([])
     resolve_defaults(spsa)
     assert spsa.optim.num_queries == 1 and spsa.engine_config("cpu").noise == "gaussian"
-    # a pretrained model's lr: FZOO's script's 1e-5, MeZO's 1e-6 for SPSA
+    # a pretrained model's lr: FZOO's script's 1e-5, MeZO's 1e-6 for SPSA and for LOZO
+    # (its README's 1e-6 or 1e-7; docs/training.md says 1e-6 but for FZOO)
     shape = ["--model-config", "opt-13b"]
     assert default_lr(resolve([*shape, "--estimator", "fzoo"])) == 1e-5
     assert default_lr(resolve(shape)) == 1e-6
+    assert default_lr(resolve([*shape, "--estimator", "lozo"])) == 1e-6
 
 
 @pytest.mark.parametrize(
