@@ -766,3 +766,13 @@ def test_batched_passes_that_pert_ranks_split_apart_are_said_to_batch_nothing(ca
         if warned
         else []
     )
+
+
+def test_an_adapter_with_no_trained_elements_is_refused_before_a_step():
+    """A frozen model whose only trainable tensor is empty trained nothing, each step's
+    projected gradient 0, without a word: refused when the engine is built."""
+    model = tiny_opt()
+    model.requires_grad_(False)
+    model.model.decoder.layers[0].self_attn.q_proj.empty = torch.nn.Parameter(torch.zeros(0))
+    with pytest.raises(ValueError, match="the adapter has no trainable parameters"):
+        ZOEngine(model, ZOConfig(device="cpu"))
