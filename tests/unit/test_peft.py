@@ -776,3 +776,18 @@ def test_an_adapter_with_no_trained_elements_is_refused_before_a_step():
     model.model.decoder.layers[0].self_attn.q_proj.empty = torch.nn.Parameter(torch.zeros(0))
     with pytest.raises(ValueError, match="the adapter has no trainable parameters"):
         ZOEngine(model, ZOConfig(device="cpu"))
+
+
+def test_batched_passes_fit_the_widest_blocks_adapter_not_the_first():
+    """peft's ``layers_to_transform`` leaves block 0 without an adapter: the passes'
+    scratch sized by the first block's held none of the others' factors."""
+    from peft import LoraConfig, get_peft_model
+
+    losses = []
+    for dual in (False, True):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], layers_to_transform=[1])
+        model = get_peft_model(base_model("llama", 0, torch.float32), lora)
+        engine = ZOEngine(model, ZOConfig(device="cpu", seed=0, dual_forward=dual))
+        assert [layout.numel for layout in engine.block_layouts] == [0, 256, 0]
+        losses.append(engine.step(random_batch(64)).losses)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
