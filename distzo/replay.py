@@ -30,6 +30,7 @@ from distzo.adapters.peft_adapters import (
     AdapterWeights,
     attach_adapter,
     check_mergeable,
+    name_base_revision,
 )
 from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
@@ -67,9 +68,21 @@ def base_folder(base: str | None, header: dict) -> Path | None:
     option = "--base" if base else "the log's base"
     try:
         local = hub.local_model_dir(name, option)
-        return local if local is not None else hub.snapshot(name, True, option=option)
+        if local is not None:
+            return local
+        return hub.snapshot(name, True, logged_revision(base, header), option=option)
     except ValueError as err:
         raise ValueError(str(err) if base else f"{err}; pass --base") from None
+
+
+def logged_revision(base: str | None, header: dict) -> str | None:
+    """The hub commit the run read its base at, where the replay reads that base (no
+    ``--base``, or the log's own name): the same weights after the cache's ``main`` moved
+    on. None for a log from before it was recorded, or another ``--base``."""
+    revision = header.get("base_revision")
+    if revision is None or (base is not None and base != header.get("base")):
+        return None
+    return hub.check_commit(revision, "the log's header")
 
 
 def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype):
@@ -221,6 +234,7 @@ def replay(
     model, weights = base_model(folder, name, header, DTYPES[header["dtype"]])
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
+        name_base_revision(model, logged_revision(base, header))  # as the run's adapter
         weights = AdapterWeights(weights, model) if weights is not None else None
     if merge:
         check_mergeable(model)

@@ -176,6 +176,14 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     return peft_model
 
 
+def name_base_revision(peft_model: nn.Module, revision: str | None) -> None:
+    """Record the hub commit the base was read at as the adapter's ``revision``, which
+    ``AutoPeftModelForCausalLM`` loads the base at (else the hub's newest ``main``, maybe
+    other weights than the adapter was trained on)."""
+    for config in getattr(peft_model, "peft_config", {}).values():
+        config.revision = revision
+
+
 def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module, str | None]]:
     """Each LoRA layer of ``peft_model``: its module name in the base model, the layer it
     adapts, and that layer's kind when it is not linear (peft keeps an embedding's factors

@@ -105,17 +105,20 @@ def build_parallel(
     return ParallelContext(env, dims, mesh, ShardGroup.of(group, members, env.rank), comm)
 
 
-def model_source(name: str | None, env: LaunchEnv, comm: Collectives) -> Path | None:
+def model_source(
+    name: str | None, env: LaunchEnv, comm: Collectives, revision: str | None = None
+) -> Path | None:
     """The local directory a --model streams from: the path itself, or a hub name's
-    snapshot, downloaded once per node by its first local rank while the others wait."""
+    snapshot (at commit ``revision`` where given: a resumed run's), downloaded once per
+    node by its first local rank while the others wait."""
     if not name:
         return None
     local = hub.local_model_dir(name)
     if local is not None:
         return local
-    path = hub.snapshot(name, download=True) if env.local_rank == 0 else None
+    path = hub.snapshot(name, True, revision) if env.local_rank == 0 else None
     comm.barrier(DOWNLOAD_TIMEOUT)  # the node's download is complete (not --dist-timeout's wait)
-    return path if path is not None else hub.snapshot(name, download=False)
+    return path if path is not None else hub.snapshot(name, False, revision)
 
 
 def source_tokenizer(source: Path) -> Any:

@@ -88,6 +88,7 @@ def run_header(
     run_dir: Path,
     model_config: PretrainedConfig | None = None,
     train_rows: str | None = None,
+    base_revision: str | None = None,
 ) -> dict[str, Any]:
     """The seed log's header: what a replay rebuilds the run from, and what a resumed run
     must share with it (``seed_log.TRAJECTORY_FIELDS``; ``train_rows``, the digest of the
@@ -106,6 +107,8 @@ def run_header(
         # a prefix initialised from real activations takes them in this dtype
         "compute_dtype": config.compute_dtype,
         "base": None if model.model_config else _base(model.model, run_dir),
+        # a hub base's commit: a resume and a replay read it, not the cache's newer main
+        "base_revision": base_revision,
         "model_config": model.model_config,
         "model_layers": model.model_layers,
         "byte_tokenizer": shape_reads_bytes(job),

@@ -126,7 +126,7 @@ class _Build:
             dims.dp,
             dims.pert,
         )
-        model, weights, tokenizer = run_model(job, self.seed, env, comm, self.run_dir)
+        model, weights, tokenizer, revision = run_model(job, self.seed, env, comm, self.run_dir)
         rows = self.checked.rows
         stop_ids = declared_stop_ids(model, special_ids(tokenizer))
         data = build_task_data(job, rows, tokenizer, model.config, self.seed, stop_ids)
@@ -146,7 +146,7 @@ class _Build:
         checkpoints = self.run_dir / "checkpoints"
         checkpointer = Checkpointer(checkpoints, engine, job.run.keep_checkpoints)
         self.held.checkpointer = checkpointer
-        header, start_step = self._restore(engine, objective, checkpointer)
+        header, start_step = self._restore(engine, objective, checkpointer, revision)
         agreed(comm, self._write_config)  # rank 0's write: every rank's verdict
         logs = self.held.logs = agreed(comm, lambda: self._open_logs(start_step, header))
         if logs is not None:
@@ -177,10 +177,15 @@ class _Build:
         agreed(self.parallel.comm, lambda: check_fits(plan, self.device, local_ranks, force))
 
     def _restore(
-        self, engine: ZOEngine, objective: Objective, checkpointer: Checkpointer
+        self,
+        engine: ZOEngine,
+        objective: Objective,
+        checkpointer: Checkpointer,
+        revision: str | None,
     ) -> tuple[dict[str, Any], int]:
-        """The seed log's header and the steps done: for a resumed run, its latest
-        checkpoint, then the steps its seed log holds after it."""
+        """The seed log's header (with ``revision``, the hub commit of the base) and the
+        steps done: for a resumed run, its latest checkpoint, then the steps its seed log
+        holds after it."""
         job = self.checked.job
         resuming = job.run.resume == "yes"
         # rank 0's choice, on every rank: a lagging file system may list others (NFS)
@@ -198,6 +203,7 @@ class _Build:
             self.run_dir,
             getattr(engine.model, "config", None),
             rows.digests["--train-file"] if rows is not None else None,
+            revision,
         )
         if resuming:
             step = catch_up_from_log(engine, self.run_dir, header, self.parallel)

@@ -10,13 +10,19 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from distzo.adapters.peft_adapters import AdapterWeights, attach_adapter, check_mergeable
+from distzo.adapters.peft_adapters import (
+    AdapterWeights,
+    attach_adapter,
+    check_mergeable,
+    name_base_revision,
+)
 from distzo.config.job import JobConfig
 from distzo.dist import Collectives, LaunchEnv
 from distzo.dist.agreement import agreed
 from distzo.job.build import build_model, load_tokenizer, model_source
 from distzo.job.progress import no_library_bars
 from distzo.job.same_job import check_same_model
+from distzo.job.seed_log import SEED_LOG, logged_header
 from distzo.models import hub
 from distzo.models.weights import WeightSource
 from distzo.runtime.write_errors import safetensors_os_errors
@@ -24,20 +30,49 @@ from distzo.runtime.write_errors import safetensors_os_errors
 
 def run_model(
     job: JobConfig, seed: int, env: LaunchEnv, comm: Collectives, run_dir: Path
-) -> tuple[nn.Module, WeightSource | None, Any]:
-    """The model (with its adapter), its weight source and its tokenizer; a random-init
-    model's initial weights saved as ``run_dir/base``, by rank 0 of a fresh run. The same
-    model folder on every node, and a refusal on one rank (a checkpoint that disagrees
-    with its config.json, rank 0's write of ``base/``) ends every rank with its line, not
-    the others in their next collective, after a wait, with no word of the cause."""
-    source = model_source(job.model.model, env, comm)
+) -> tuple[nn.Module, WeightSource | None, Any, str | None]:
+    """The model (with its adapter), its weight source, its tokenizer and, for a hub name,
+    the commit its snapshot is (a resumed run's: the one its seed log records, not the
+    cache's newer ``main``); a random-init model's initial weights saved as
+    ``run_dir/base``, by rank 0 of a fresh run. The same model folder on every node, and
+    a refusal on one rank (a checkpoint that disagrees with its config.json, rank 0's
+    write of ``base/``) ends every rank with its line, not the others in their next
+    collective, after a wait, with no word of the cause."""
+    revision = logged_revision(run_dir) if job.run.resume != "no" else None
+    source = model_source(job.model.model, env, comm, revision)
     if job.model.model and source is not None:
         check_same_model(job.model.model, source, comm, env)
-    return agreed(comm, lambda: _built(job, seed, env, source, run_dir))
+    revision = hub_commit(job.model.model, source)
+    model, weights, tokenizer = agreed(
+        comm, lambda: _built(job, seed, env, source, run_dir, revision)
+    )
+    return model, weights, tokenizer, revision
+
+
+def hub_commit(name: str | None, source: Path | None) -> str | None:
+    """The commit a hub name's snapshot is; None for a folder given by its path (named by
+    that path) or a random-init model."""
+    if not name or source is None or hub.local_model_dir(name) is not None:
+        return None
+    return hub.snapshot_commit(source)
+
+
+def logged_revision(run_dir: Path) -> str | None:
+    """The hub commit a resumed run's seed log says it trained on (None: a fresh log, a
+    local or random-init model, a log from before the commit was recorded)."""
+    path = run_dir / SEED_LOG
+    header = logged_header(path) if path.is_file() else None
+    revision = header.get("base_revision") if header is not None else None
+    return None if revision is None else hub.check_commit(revision, f"{path}'s header")
 
 
 def _built(
-    job: JobConfig, seed: int, env: LaunchEnv, source: Path | None, run_dir: Path
+    job: JobConfig,
+    seed: int,
+    env: LaunchEnv,
+    source: Path | None,
+    run_dir: Path,
+    revision: str | None,
 ) -> tuple[nn.Module, WeightSource | None, Any]:
     """``run_model``'s model, built on this rank alone (no collective)."""
     torch.manual_seed(seed)  # the random init of the default model: equal everywhere
@@ -58,6 +93,7 @@ def _built(
     spec = job.peft.adapter_spec()
     if spec.enabled:  # the same adapter init on every rank, on resume and in a replay
         model = attach_adapter(model, spec, seed)
+        name_base_revision(model, revision)  # an exported adapter loads the same base
         if job.peft.merge_adapter:  # refused now, not after training
             check_mergeable(model)
         weights = AdapterWeights(weights, model) if weights is not None else None

@@ -58,6 +58,7 @@ HEADER_DEFAULTS: dict[str, Any] = {"estimator": "spsa", "first_step": 0, "noise"
 HEADER_TYPES: dict[str, type] = {
     "first_step": int,
     "base": str,
+    "base_revision": str,
     "model_config": str,
     "model": dict,
     "optimizer": dict,

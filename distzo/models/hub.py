@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 # huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
@@ -60,12 +61,34 @@ def base_reference(name: str) -> str:
     return str(path.absolute()) if path.is_dir() else name
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub commit hash: a snapshot folder's name
+
+
+def snapshot_commit(folder: Path) -> str | None:
+    """The commit a hub snapshot folder holds (``.../snapshots/<commit>``), which a run
+    records so that its resume and replay read the same weights after the cache's
+    ``main`` moved on; None for any other folder."""
+    name = folder.name
+    return name if folder.parent.name == "snapshots" and COMMIT.fullmatch(name) else None
+
+
+def check_commit(revision: object, where: str) -> str:
+    """``revision`` as a commit hash, or one line naming ``where`` it came from."""
+    if not isinstance(revision, str) or not COMMIT.fullmatch(revision):
+        raise ValueError(
+            f"{where}: base_revision {revision!r} is not a commit hash (40 hex digits); is "
+            "the log damaged?"
+        )
+    return revision
+
+
 def snapshot(
     name: str, download: bool, revision: str | None = None, option: str = "--model"
 ) -> Path:
-    """The local directory of hub model ``name``. ``download``: fetch what is missing (one
-    rank per node); otherwise the cached snapshot that rank made (the node's other ranks,
-    after it), with no network access. ``option``: what the error calls the name."""
+    """The local directory of hub model ``name`` (at commit ``revision``: a resumed or
+    replayed run's, else the repository's ``main``). ``download``: fetch what is missing
+    (one rank per node); otherwise the cached snapshot that rank made (the node's other
+    ranks, after it), with no network access. ``option``: what the error calls the name."""
     from huggingface_hub import list_repo_files, snapshot_download
 
     try:
@@ -77,7 +100,14 @@ def snapshot(
             patterns = None
         return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
     except Exception as err:  # network, authentication, a name that is not a repository
-        raise ValueError(f"cannot download {option} {name!r}: {str(err).splitlines()[0]}") from None
+        reason = str(err).splitlines()[0]
+        if revision is None:
+            raise ValueError(f"cannot download {option} {name!r}: {reason}") from None
+        raise ValueError(
+            f"cannot download {option} {name!r} at commit {revision}, the one the run trained "
+            f"on ({reason}); fetch it into this cache where the hub is reachable: hf download "
+            f"{name} --revision {revision}"
+        ) from None
 
 
 class OnceOnFirstLocalRank(logging.Filter):
