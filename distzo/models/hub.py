@@ -14,12 +14,16 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 # huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
 # while requesting ..."): every rank validates --model against the hub, so each would say
 # each retry.
 HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
+logger = logging.getLogger(__name__)
+SILENT_HUB_S = 300.0  # how long a hub that did not answer is taken as unreachable
+SILENT_SINCE: dict[str, float] = {}  # endpoint -> when it last did not answer
 
 METADATA = [
     "*.json",
@@ -82,6 +86,35 @@ def check_commit(revision: object, where: str) -> str:
     return revision
 
 
+def hub_answers() -> bool:
+    """Whether the hub answers a request within ``HF_HUB_ETAG_TIMEOUT`` (10 s by default).
+    huggingface_hub waits for an API answer without a time limit, so on a compute node
+    whose route out accepts and never answers (a proxy, a firewall) a hub name hung the run
+    before its first line; a node that cannot reach the hub reads its cache instead. A hub
+    that did not answer is not asked again for ``SILENT_HUB_S`` (the run's config, then its
+    snapshot). Offline (``HF_HUB_OFFLINE=1``): False, with no request."""
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint, timeout = constants.ENDPOINT, constants.HF_HUB_ETAG_TIMEOUT
+    if time.monotonic() - SILENT_SINCE.get(endpoint, -SILENT_HUB_S) < SILENT_HUB_S:
+        return False
+    try:
+        get_session().head(endpoint, timeout=timeout)
+    except Exception as err:  # no route, no name, no answer in time: httpx's kinds
+        SILENT_SINCE[endpoint] = time.monotonic()
+        logger.warning(
+            "the hub (%s) did not answer within %s s (%s): hub names are read from the Hugging "
+            "Face cache; HF_HUB_OFFLINE=1 skips this wait",
+            endpoint,
+            timeout,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        return False
+    return True
+
+
 def snapshot(
     name: str, download: bool, revision: str | None = None, option: str = "--model"
 ) -> Path:
@@ -92,7 +125,7 @@ def snapshot(
     from huggingface_hub import list_repo_files, snapshot_download
 
     try:
-        if not download:
+        if not download or not hub_answers():
             return Path(snapshot_download(name, revision=revision, local_files_only=True))
         try:
             patterns = weight_patterns(list_repo_files(name, revision=revision))
