@@ -30,6 +30,7 @@ from distzo.models.tiny import byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (
     RandomWeights,
     WeightSource,
+    check_readable,
     check_weights,
     skeleton,
     with_generation_config,
@@ -118,7 +119,11 @@ def model_source(
         return local
     path = hub.snapshot(name, True, revision) if env.local_rank == 0 else None
     comm.barrier(DOWNLOAD_TIMEOUT)  # the node's download is complete (not --dist-timeout's wait)
-    return path if path is not None else hub.snapshot(name, False, revision)
+    path = path if path is not None else hub.snapshot(name, False, revision)
+    # as a local folder's, before anything is built: a shard an interrupted download left
+    # out was read at its first bucket, and said as "cannot write" it
+    check_readable(path)
+    return path
 
 
 def source_tokenizer(source: Path) -> Any:

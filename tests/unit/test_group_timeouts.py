@@ -5,6 +5,7 @@ wait for a node's hub download has its own, long one."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def test_the_other_ranks_wait_hours_for_a_nodes_hub_download(monkeypatch):
         def barrier(self, timeout=None):
             waits.append(timeout)
 
-    monkeypatch.setattr(build.hub, "snapshot", lambda name, *_: f"/snapshots/{name}")
+    monkeypatch.setattr(build.hub, "snapshot", lambda name, *_: Path(f"/snapshots/{name}"))
     env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launched=True)
     assert str(build.model_source("org/model", env, Recorder())) == "/snapshots/org/model"
     assert waits == [build.DOWNLOAD_TIMEOUT] and build.DOWNLOAD_TIMEOUT >= timedelta(hours=6)

@@ -353,6 +353,24 @@ def test_a_hub_name_streams_its_snapshot_like_a_local_directory(tmp_path):
     )
 
 
+def test_a_hub_snapshot_missing_a_shard_is_named_before_anything_is_built(tmp_path):
+    """An interrupted download: the index lists a shard whose blob the cache never got
+    (its link dangles). Checked as a local folder is, not read at its first bucket and
+    said as "cannot write" the shard."""
+    from tests.helpers.launch import run_python
+
+    build("llama_tied").save_pretrained(tmp_path / "files", max_shard_size="20KB")
+    cache = fake_hub_cache(tmp_path / "hub", "org/tiny", tmp_path / "files")
+    shard = sorted((tmp_path / "files").glob("model-*.safetensors"))[1]
+    shard.unlink()  # the snapshot's link to it dangles
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "distzo.train", "--model", "org/tiny"]
+    proc = run_python(command + ["--output-dir", str(run)], child_env(hub_env(cache)), 120)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and f"names {shard.name}, which is missing" in line, line
+    assert line.endswith("download or copy the model again") and not run.exists()
+
+
 def test_a_missing_hub_model_is_one_line(tmp_path):
     from huggingface_hub import constants
 
