@@ -251,8 +251,11 @@ def _hub_rows(source: str) -> list[dict[str, Any]]:
     path, config, split = parse_hub_spec(source)
     import datasets
 
+    from distzo.models.hub import offline_unless_answered
+
     try:
-        return list(datasets.load_dataset(path, config, split=split))
+        with offline_unless_answered():  # a hub that never answers: the datasets cache
+            return list(datasets.load_dataset(path, config, split=split))
     except Exception as err:  # offline, unknown name, unknown split: all one message
         raise ValueError(
             f"{source}: cannot load from the hub ({str(err).splitlines()[0]}); use a local file"

@@ -11,10 +11,12 @@ configs, the tokenizer, and the weights in safetensors when the repository has t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
@@ -113,6 +115,25 @@ def hub_answers() -> bool:
         )
         return False
     return True
+
+
+@contextlib.contextmanager
+def offline_unless_answered() -> Iterator[None]:
+    """Offline, as ``HF_HUB_OFFLINE=1`` makes huggingface_hub and datasets (which read it
+    once, when imported), while the hub does not answer (``hub_answers``): a library whose
+    calls have no time limit of their own reads its cache, not a silent route forever."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    if hub_answers():
+        yield
+        return
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def snapshot(

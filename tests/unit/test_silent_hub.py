@@ -1,7 +1,7 @@
 """A compute node whose route to the hub accepts connections and never answers (a proxy, a
 firewall): huggingface_hub waits for an API answer without a time limit, so a hub
 ``--model`` hung the run, silently, before its first line. The hub gets one bounded try,
-then the Hugging Face cache is read."""
+then the Hugging Face cache is read (a model's snapshot, an ``hf:`` dataset)."""
 
 import socket
 import subprocess
@@ -15,9 +15,14 @@ from tests.helpers.launch import child_env
 from tests.helpers.models import LLAMA
 
 PROBE = """
+from distzo.data.loaders import load_rows
 from distzo.models.config_file import read_config
 from distzo.models.hub import snapshot
 print(read_config("tiny/llama").num_hidden_layers, snapshot("tiny/llama", True).name)
+try:
+    load_rows("hf:org/none:train")  # datasets waits on the hub without a limit too
+except ValueError as err:
+    print(err)
 """
 
 
@@ -63,6 +68,10 @@ def test_a_hub_that_never_answers_is_read_from_the_cache(tmp_path: Path):
         for connection in accepted:
             connection.close()
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["2", commit]
+    config, data = proc.stdout.splitlines()
+    assert config.split() == ["2", commit]
+    assert data.startswith("hf:org/none:train: cannot load from the hub (") and data.endswith(
+        "; use a local file"
+    )
     warnings = [line for line in proc.stderr.splitlines() if "did not answer within 1 s" in line]
-    assert len(warnings) == 1, proc.stderr[-2000:]  # asked once, not again for the snapshot
+    assert len(warnings) == 1, proc.stderr[-2000:]  # asked once, not again for the rest
