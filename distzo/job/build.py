@@ -154,19 +154,31 @@ def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
+    name = str(job.model.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         raise ValueError(
-            f"--model {job.model.model}: no tokenizer to read the task's text "
-            f"({str(err).splitlines()[0]})"
+            f"--model {name}: no tokenizer to read the task's text "
+            f"({str(err).splitlines()[0]}); {tokenizer_fix(name)}"
         ) from None
     if not has_vocabulary(tokenizer):
         raise ValueError(
-            f"--model {job.model.model}: no tokenizer to read the task's text (the folder "
-            "holds no tokenizer files); copy the model's tokenizer files into it"
+            f"--model {name}: no tokenizer to read the task's text (the folder "
+            f"holds no tokenizer files); {tokenizer_fix(name)}"
         )
     return tokenizer
+
+
+def tokenizer_fix(name: str) -> str:
+    """What gives ``--model name`` its tokenizer: a hub name's cache is filled by a download
+    (an ``hf download --include`` that left the tokenizer out), a folder by a copy."""
+    if hub.local_model_dir(name) is None:
+        return (
+            "download the model's tokenizer files into the Hugging Face cache where the hub "
+            f"is reachable: hf download {name}"
+        )
+    return "copy the model's tokenizer files into it"
 
 
 def build_model(

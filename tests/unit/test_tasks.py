@@ -828,3 +828,24 @@ def test_a_non_utf8_byte_in_a_csv_names_the_row_under_its_header(tmp_path):
     bad.write_bytes(b"sentence\xff,label\nok,1\n")
     with pytest.raises(ValueError, match=r"bad.csv, the header: not UTF-8"):
         load_rows(str(bad))
+
+
+def test_a_missing_tokenizer_names_how_to_get_it_for_a_folder_and_a_hub_name(tmp_path):
+    """A Llama folder without tokenizer files fails in transformers (no empty tokenizer as
+    OPT's): the line said transformers' reason alone, no fix; a hub name's snapshot gets
+    its files by a download (an ``hf download --include`` that left them out), not a copy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distzo.config.job import resolve
+    from distzo.job.build import load_tokenizer
+    from tests.helpers.models import LLAMA
+
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA, "num_hidden_layers": 1})).save_pretrained(tmp_path)
+    for model, fix in (
+        (str(tmp_path), "copy the model's tokenizer files into it"),
+        ("org/tiny", "where the hub is reachable: hf download org/tiny"),
+    ):
+        job = resolve(["--model", model, "--task", "sst2", "--train-file", "t.tsv"])
+        with pytest.raises(ValueError, match="no tokenizer to read the task's text") as err:
+            load_tokenizer(job, tmp_path)
+        assert str(err.value).endswith(fix), str(err.value)
