@@ -115,9 +115,10 @@ def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str |
         return
     raise ValueError(
         f"--resume: --train-file {train_file} holds other rows than the run in {run_dir} "
-        f"trained on (rows digest {rows.digests['--train-file']}, its seed log's {logged}); "
-        "restore the file the run started with, or start afresh with --overwrite or another "
-        "--output-dir"
+        f"trained on (rows digest {rows.digests['--train-file']} of the task's examples, its "
+        f"seed log's {logged}); restore the file the run started with (or the distzo: "
+        "another version may build the examples otherwise), or start afresh with --overwrite "
+        "or another --output-dir"
     )
 
 

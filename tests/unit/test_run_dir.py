@@ -575,8 +575,9 @@ def test_a_resume_from_a_train_file_whose_rows_changed_is_refused(tmp_path):
     line = error_line(train_in_process([*argv, "--resume"]))
     assert line == (
         f"error: --resume: --train-file {corpus} holds other rows than the run in {run} "
-        f"trained on (rows digest {rows_digest([*rows, 'a row added since'])}, its seed "
-        f"log's {rows_digest(rows)}); restore the file the run started with, or start "
+        f"trained on (rows digest {rows_digest([*rows, 'a row added since'])} of the task's "
+        f"examples, its seed log's {rows_digest(rows)}); restore the file the run started "
+        "with (or the distzo: another version may build the examples otherwise), or start "
         "afresh with --overwrite or another --output-dir"
     )
     corpus.write_text("".join(row + "\n" for row in rows))  # the run's own rows
