@@ -216,3 +216,18 @@ def test_only_rank_0_logs_below_warnings(monkeypatch):
     monkeypatch.setattr(root, "handlers", [])
     configure_logging(LaunchEnv(rank=0, world_size=2, launched=True))
     assert root.level == logging.INFO
+
+
+@pytest.mark.parametrize("before_training", [False, True])
+def test_a_preemption_is_said_as_a_warning_not_an_error(monkeypatch, caplog, before_training):
+    """A stop that was asked for: logged at WARNING (log scanners alert on ERROR), with the
+    preemption's exit code and the run closed only where no step ran."""
+    from distzo.job.preemption import EXIT_PREEMPTED, Preempted
+
+    stopped = Preempted(5, "SIGTERM", before_training=before_training)
+    with caplog.at_level(logging.INFO, logger="distzo.train"):
+        assert failing_main(monkeypatch, stopped) == EXIT_PREEMPTED
+    [record] = [r for r in caplog.records if r.name == "distzo.train"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("preempted: stopped ")
+    assert FailingTrainer.last.closed == int(before_training)
