@@ -122,3 +122,69 @@ def test_a_full_disk_converting_a_gguf_file_is_an_oserror_and_leaves_nothing(tmp
     assert raised.value.errno == errno.ENOSPC
     assert raised.value.filename.endswith("model.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+class _Tokenizer:
+    """What ``gguf_to_hf`` needs of the tokenizer it reads: a save."""
+
+    def save_pretrained(self, directory) -> None:
+        (Path(directory) / "tokenizer.json").write_text("{}")
+
+
+def fake_gguf_reader(monkeypatch, model) -> list[str]:
+    """transformers' GGUF reader replaced by one returning ``model``: the names it was asked
+    for, one per read (a real read dequantises the whole file, ~30 s for SmolLM2)."""
+    reads: list[str] = []
+
+    def read(path, gguf_file, **kwargs):
+        reads.append(gguf_file)
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: _Tokenizer())
+    return reads
+
+
+def test_a_tied_gguf_model_converts_to_a_folder_that_loads_as_the_same_plain_model(
+    tmp_path, monkeypatch
+):
+    """SmolLM2 ties its head: the head is stored once (safetensors refuses two names for one
+    tensor), and the GGUF quantisation is no longer what the folder holds."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from distzo.models.gguf import gguf_to_hf
+    from tests.helpers.models import CONFIGS, random_batch
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama_tied"]()).eval()
+    model.config.quantization_config = {"quant_method": "gguf"}  # what the GGUF load sets
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with monkeypatch.context() as patched:
+        fake_gguf_reader(patched, model)
+        directory = gguf_to_hf(gguf, tmp_path / "hf")
+    with safe_open(directory / "model.safetensors", "pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+    assert not hasattr(AutoConfig.from_pretrained(directory), "quantization_config")
+    loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    batch = random_batch(model.config.vocab_size, batch=2, seq=6)
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+
+
+def test_a_finished_gguf_conversion_is_reused_and_a_missing_file_is_one_line(tmp_path, monkeypatch):
+    from distzo.models.gguf import gguf_to_hf
+    from tests.helpers.models import tiny_opt
+
+    reads = fake_gguf_reader(monkeypatch, tiny_opt(tie_word_embeddings=False))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    directory = gguf_to_hf(gguf, tmp_path / "hf")
+    written = (directory / "model.safetensors").stat().st_mtime_ns
+    assert gguf_to_hf(gguf, tmp_path / "hf") == directory  # a second run: not read again
+    assert reads == ["m.gguf"]
+    assert (directory / "model.safetensors").stat().st_mtime_ns == written
+    with pytest.raises(ValueError, match=r"gone\.gguf: no such GGUF file$"):
+        gguf_to_hf(tmp_path / "gone.gguf", tmp_path / "out" / "hf")
+    assert reads == ["m.gguf"] and not (tmp_path / "out").exists()  # refused before anything
