@@ -183,6 +183,19 @@ def inside(tensor: torch.Tensor, whole: torch.Tensor) -> bool:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resident_engines_masters_are_counted_in_bytes_of_their_dtype(dtype):
+    """rankN.json's device_bytes and the plan agree on resident (MeZO) masters, in bytes not
+    elements; a resume reads each block into a buffer of the dtype it rests in."""
+    config = ZOConfig(device="cpu", mode="resident")
+    plan = plan_memory(build("llama", seed=0).to(dtype), config, 1, False, batch=2, seq=8)
+    engine = ZOEngine(build("llama", seed=0).to(dtype), config)
+    store = engine.store
+    padded = sum(layout.numel for layout in engine.block_layouts)  # each block's padded bucket
+    assert store.device_bytes == plan.device_blocks == padded * dtype.itemsize
+    assert store.rest_dtype == store.block_at_rest(0).dtype == dtype
+
+
 @pytest.mark.parametrize("optimizer, wire", [("sgd", "fp32"), ("adam", "bf16")])
 def test_a_synchronous_save_writes_the_blocks_host_copy_itself(
     tmp_path, monkeypatch, optimizer, wire
