@@ -271,3 +271,30 @@ def test_a_model_one_rank_fails_to_build_or_save_fails_every_rank(tmp_path):
     with pytest.raises(OSError, match=r"^\[Errno 28\] rank 0: No space left on device") as err:
         run_model(job, 0, env, Gathers(full), tmp_path)
     assert err.value.filename == str(tmp_path / "base")
+
+
+def test_a_run_names_its_base_by_an_absolute_path_and_a_resume_leaves_base_as_it_is(
+    tmp_path, monkeypatch
+):
+    """An exported adapter names the model's name_or_path as its base: relative, it loads
+    only from the directory the run started in. A resume must not write base/ again (the
+    replay starts from it; a resume killed mid-write would leave it half-written)."""
+    from pathlib import Path
+
+    from tests.helpers.models import build
+
+    monkeypatch.chdir(tmp_path)
+    alone, env = SimpleNamespace(distributed=False), LaunchEnv(rank=0, world_size=1)
+
+    def model(*args: str, resume: str = "no"):
+        job = resolve(["--max-steps", "1", "--output-dir", "run", *args])
+        job.run.resume = resume  # as the launch's checks resolve it
+        return run_model(job, 0, env, alone, Path("run"))[0]
+
+    assert model().name_or_path == str(tmp_path / "run" / "base")
+    weights = tmp_path / "run" / "base" / "model.safetensors"
+    weights.write_bytes(b"as the first session left it")  # a rewrite would replace it
+    assert model(resume="yes").name_or_path == str(tmp_path / "run" / "base")
+    assert weights.read_bytes() == b"as the first session left it"
+    build("llama", seed=0).save_pretrained("local")  # --model given relative to the cwd
+    assert model("--model", "local").name_or_path == str(tmp_path / "local")
