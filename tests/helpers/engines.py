@@ -134,3 +134,23 @@ class LateOffloads:
         for host, value in self.pending:
             host.copy_(value)
         self.pending.clear()
+
+
+def replayed_config(config: ZOConfig, **header) -> ZOConfig:
+    """The engine ``distzo.replay`` rebuilds from a seed log header of a run of ``config``
+    (the fields it reads, as ``run_header`` writes them; ``header`` overrides them)."""
+    from distzo.config.engine_options import lowrank_record, optimizer_record
+    from distzo.replay import replay_config
+    from distzo.zo.noise import noise_identity
+
+    logged = {
+        "run_seed": config.seed,
+        "noise_chunk": config.noise_chunk,
+        "noise": noise_identity(config.noise),
+        "lowrank": lowrank_record(config),
+        "weight_decay": config.weight_decay,
+        "device_type": "cpu",
+        "transfer_dtype": config.transfer_dtype,
+        "optimizer": optimizer_record(config),
+    }
+    return replay_config({**logged, **header}, None)

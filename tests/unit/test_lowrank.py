@@ -11,7 +11,7 @@ from distzo import ZOConfig, ZOEngine
 from distzo.offload.bucket import BucketLayout
 from distzo.zo import NoiseSource
 from distzo.zo.lowrank import LowRankNoise
-from tests.helpers.engines import BATCHINGS, engine_for, train
+from tests.helpers.engines import BATCHINGS, engine_for, replayed_config, train
 from tests.helpers.models import adapted, random_batch, tiny_opt
 from tests.unit.test_engine import FLOAT64_TINY, assert_same_trajectory, buckets_of, run
 
@@ -316,3 +316,9 @@ def test_the_memory_plan_counts_what_the_low_rank_source_allocates():
         plain = plan_memory(model, gaussian, 1, False, batch=2, seq=8)
         extra = engine.noise.device_bytes - NoiseSource(0, chunk, CPU, torch.float32).device_bytes
         assert extra > 0 and planned.device_scratch - plain.device_scratch == extra
+
+
+def test_a_replay_draws_the_runs_low_rank_noise_rank_and_interval():
+    config = ZOConfig(noise="lowrank", lozo_rank=3, lozo_interval=7)
+    again = replayed_config(config)
+    assert (again.noise, again.lozo_rank, again.lozo_interval) == ("lowrank", 3, 7)

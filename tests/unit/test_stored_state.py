@@ -12,7 +12,7 @@ from distzo import ZOConfig, ZOEngine
 from distzo.engine import PendingUpdate
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.memory_plan import plan_memory
-from tests.helpers.engines import engine_for, reference_momentum, train
+from tests.helpers.engines import engine_for, reference_momentum, replayed_config, train
 from tests.helpers.models import adapted, base_model, random_batch
 
 
@@ -344,3 +344,17 @@ def test_bf16_moments_are_rounded_with_the_steps_own_noise_keys():
     train(engine, 64, steps=3)
     assert engine.store.step == 2
     assert [store.step for store in engine.moments.blocks] == [2, 2]
+
+
+def test_a_replay_rebuilds_the_runs_optimizer_from_its_log():
+    """A stored momentum replayed as a recomputed one, or Adam's betas as the defaults, is
+    another trajectory; a log from before Adam (no beta2 in its record) still replays."""
+    stored = ZOConfig(optimizer="momentum", optimizer_state="stored", beta1=0.8)
+    assert replayed_config(stored).stored_state
+    adam = ZOConfig(optimizer="adam", beta1=0.7, beta2=0.95, adam_eps=1e-6)
+    again = replayed_config(adam)
+    assert (again.beta1, again.beta2, again.adam_eps) == (0.7, 0.95, 1e-6)
+    before_adam = {"name": "momentum", "beta1": 0.8, "momentum_window": 3}
+    old = replayed_config(ZOConfig(), optimizer=before_adam)
+    assert (old.optimizer, old.beta1, old.momentum_window) == ("momentum", 0.8, 3)
+    assert not old.stored_state and old.beta2 == ZOConfig().beta2
