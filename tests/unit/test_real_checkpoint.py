@@ -136,9 +136,9 @@ def fake_gguf_reader(monkeypatch, model) -> list[str]:
     for, one per read (a real read dequantises the whole file, ~30 s for SmolLM2)."""
     reads: list[str] = []
 
-    def read(path, gguf_file, **kwargs):
+    def read(path, gguf_file, dtype=torch.float32, **kwargs):
         reads.append(gguf_file)
-        return model
+        return model.to(dtype)  # dequantised to the dtype asked for
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: _Tokenizer())
@@ -173,16 +173,25 @@ def test_a_tied_gguf_model_converts_to_a_folder_that_loads_as_the_same_plain_mod
         assert torch.equal(loaded(**batch).logits, model(**batch).logits)
 
 
-def test_a_finished_gguf_conversion_is_reused_and_a_missing_file_is_one_line(tmp_path, monkeypatch):
+def test_a_gguf_conversion_is_an_ordinary_folder_reused_and_a_missing_file_is_one_line(
+    tmp_path, monkeypatch
+):
+    from safetensors.torch import load_file
+
     from distzo.models.gguf import gguf_to_hf
     from tests.helpers.models import tiny_opt
 
     reads = fake_gguf_reader(monkeypatch, tiny_opt(tie_word_embeddings=False))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    directory = gguf_to_hf(gguf, tmp_path / "hf")
+    target = tmp_path / "models" / "hf"  # its parent made too
+    directory = gguf_to_hf(gguf, target, dtype=torch.bfloat16)
+    assert directory == target and directory.stat().st_mode & 0o777 == 0o755  # not mkdtemp's
+    assert {t.dtype for t in load_file(directory / "model.safetensors").values()} == {
+        torch.bfloat16
+    }
     written = (directory / "model.safetensors").stat().st_mtime_ns
-    assert gguf_to_hf(gguf, tmp_path / "hf") == directory  # a second run: not read again
+    assert gguf_to_hf(gguf, target) == directory  # a second run: not read again
     assert reads == ["m.gguf"]
     assert (directory / "model.safetensors").stat().st_mtime_ns == written
     with pytest.raises(ValueError, match=r"gone\.gguf: no such GGUF file$"):
