@@ -278,8 +278,11 @@ def test_a_run_names_its_base_by_an_absolute_path_and_a_resume_leaves_base_as_it
 ):
     """An exported adapter names the model's name_or_path as its base: relative, it loads
     only from the directory the run started in. A resume must not write base/ again (the
-    replay starts from it; a resume killed mid-write would leave it half-written)."""
+    replay starts from it; a resume killed mid-write would leave it half-written). base/
+    holds the byte tokenizer a text task read with."""
     from pathlib import Path
+
+    from transformers import AutoTokenizer
 
     from tests.helpers.models import build
 
@@ -291,10 +294,32 @@ def test_a_run_names_its_base_by_an_absolute_path_and_a_resume_leaves_base_as_it
         job.run.resume = resume  # as the launch's checks resolve it
         return run_model(job, 0, env, alone, Path("run"))[0]
 
-    assert model().name_or_path == str(tmp_path / "run" / "base")
+    assert model("--task", "sst2").name_or_path == str(tmp_path / "run" / "base")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "base")
+    assert tokenizer.decode(tokenizer.encode("hi", add_special_tokens=False)) == "hi"
     weights = tmp_path / "run" / "base" / "model.safetensors"
     weights.write_bytes(b"as the first session left it")  # a rewrite would replace it
     assert model(resume="yes").name_or_path == str(tmp_path / "run" / "base")
     assert weights.read_bytes() == b"as the first session left it"
     build("llama", seed=0).save_pretrained("local")  # --model given relative to the cwd
     assert model("--model", "local").name_or_path == str(tmp_path / "local")
+
+
+def test_the_default_models_init_follows_the_seed_alone_not_the_processs_draws(tmp_path):
+    """Every rank builds the default model itself: its init must agree across ranks (and
+    with the run's base/) whatever each process drew from torch's generator before."""
+    import torch
+
+    env = LaunchEnv(rank=1, world_size=2, launched=True)  # writes no base/
+
+    def init(seed: int) -> dict:
+        torch.rand(7)  # a process's own earlier draws
+        job = resolve(["--max-steps", "1", "--output-dir", str(tmp_path)])
+        job.run.resume = "no"
+        return run_model(job, seed, env, SimpleNamespace(distributed=False), tmp_path)[
+            0
+        ].state_dict()
+
+    first, again, other = init(5), init(5), init(6)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
