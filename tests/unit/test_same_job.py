@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -311,14 +312,13 @@ def test_the_default_models_init_follows_the_seed_alone_not_the_processs_draws(t
     import torch
 
     env = LaunchEnv(rank=1, world_size=2, launched=True)  # writes no base/
+    alone: Any = SimpleNamespace(distributed=False)  # one rank's collectives
 
     def init(seed: int) -> dict:
         torch.rand(7)  # a process's own earlier draws
         job = resolve(["--max-steps", "1", "--output-dir", str(tmp_path)])
         job.run.resume = "no"
-        return run_model(job, seed, env, SimpleNamespace(distributed=False), tmp_path)[
-            0
-        ].state_dict()
+        return run_model(job, seed, env, alone, tmp_path)[0].state_dict()
 
     first, again, other = init(5), init(5), init(6)
     assert all(torch.equal(first[k], again[k]) for k in first)
