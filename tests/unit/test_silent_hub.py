@@ -9,8 +9,10 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from distzo.models import hub
 from tests.helpers.launch import child_env
 from tests.helpers.models import LLAMA
 
@@ -75,3 +77,78 @@ def test_a_hub_that_never_answers_is_read_from_the_cache(tmp_path: Path):
     )
     warnings = [line for line in proc.stderr.splitlines() if "did not answer within 1 s" in line]
     assert len(warnings) == 1, proc.stderr[-2000:]  # asked once, not again for the rest
+
+
+class Session:
+    """huggingface_hub's HTTP session as a hub that answers, or one that never does."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+
+    def head(self, url: str, timeout: float) -> None:
+        self.asked.append(url)
+        if not self.answers:
+            raise TimeoutError("timed out")
+
+
+def patch_hub(monkeypatch: pytest.MonkeyPatch, answers: bool, offline: bool) -> Session:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    session = Session(answers)
+    monkeypatch.setattr(huggingface_hub, "get_session", lambda: session)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(hub, "SILENT_SINCE", {})
+    return session
+
+
+def test_the_hub_is_asked_once_and_only_where_it_may_answer(monkeypatch, caplog):
+    """Offline: no request at all (no wait, no warning); a hub that answers is read from; one
+    that did not is not asked again within ``SILENT_HUB_S``."""
+    session = patch_hub(monkeypatch, answers=True, offline=True)
+    assert not hub.hub_answers() and session.asked == []
+    session = patch_hub(monkeypatch, answers=True, offline=False)
+    assert hub.hub_answers() and hub.hub_answers() and len(session.asked) == 2
+    assert hub.SILENT_SINCE == {} and "did not answer" not in caplog.text
+    session = patch_hub(monkeypatch, answers=False, offline=False)
+    assert not hub.hub_answers() and not hub.hub_answers() and len(session.asked) == 1
+
+
+def test_offline_while_silent_restores_both_libraries_flags(monkeypatch):
+    """huggingface_hub and datasets each keep their own copy of ``HF_HUB_OFFLINE``: both are
+    offline in the block and back as they were after it, so a hub that answers later (after
+    ``SILENT_HUB_S``) is asked again."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    patch_hub(monkeypatch, answers=False, offline=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with hub.offline_unless_answered():
+        assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert not constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
+    patch_hub(monkeypatch, answers=True, offline=False)
+    with hub.offline_unless_answered():
+        assert not constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
+
+
+def test_a_local_model_folder_never_asks_the_hub(tmp_path, monkeypatch):
+    """Its config is read from the folder: a node without a route would wait out the
+    request's time limit, and warn about hub names, for a model that is no hub name."""
+    from distzo.models import config_file
+
+    LlamaConfig(**LLAMA).save_pretrained(tmp_path)
+    session = patch_hub(monkeypatch, answers=False, offline=False)
+    assert config_file.read_config(str(tmp_path)).model_type == "llama"
+    assert session.asked == []
+
+
+def test_only_a_snapshot_folder_names_a_commit_and_only_a_hash_is_one(tmp_path):
+    commit = "0123456789abcdef" * 2 + "01234567"
+    assert hub.snapshot_commit(tmp_path / "snapshots" / commit) == commit
+    for other in (tmp_path / "models" / commit, tmp_path / "snapshots" / "main"):
+        assert hub.snapshot_commit(other) is None
+    assert hub.check_commit(commit, "log") == commit
+    for damaged in ("main", commit[:7], commit + "0", commit.upper(), 7, None):
+        with pytest.raises(ValueError, match=r"^log: base_revision .* is not a commit hash"):
+            hub.check_commit(damaged, "log")
