@@ -68,3 +68,25 @@ def test_the_other_ranks_wait_hours_for_a_nodes_hub_download(monkeypatch):
     env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launched=True)
     assert str(build.model_source("org/model", env, Recorder())) == "/snapshots/org/model"
     assert waits == [build.DOWNLOAD_TIMEOUT] and build.DOWNLOAD_TIMEOUT >= timedelta(hours=6)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_every_rank_of_a_resumed_run_reads_the_logged_commit(monkeypatch, local_rank):
+    """The node's first rank downloads the commit the seed log names, the others read it
+    from the cache: a node's other ranks on the cache's newer ``main`` would stream other
+    weights than their first rank."""
+    asked = []
+
+    def snapshot(name: str, download: bool, revision: str | None = None) -> Path | None:
+        asked.append((download, revision))
+        return Path(f"/snapshots/{revision}")
+
+    class Barrier:
+        def barrier(self, timeout=None):
+            pass
+
+    monkeypatch.setattr(build.hub, "snapshot", snapshot)
+    commit = "c" * 40
+    env = LaunchEnv(rank=local_rank, world_size=2, local_rank=local_rank, local_world_size=2)
+    assert build.model_source("org/model", env, Barrier(), commit) == Path(f"/snapshots/{commit}")
+    assert asked == [(local_rank == 0, commit)]
