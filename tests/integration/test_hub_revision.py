@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,8 +53,35 @@ def test_a_resume_and_a_replay_read_the_commit_the_run_trained_on(tmp_path):
         load_file(d / "adapter_model.safetensors") for d in (run / "export", tmp_path / "replayed")
     )
     assert all(torch.equal(exported[k], replayed[k]) for k in exported)
+    adapter = json.loads((tmp_path / "replayed" / "adapter_config.json").read_text())
+    assert adapter["revision"] == OLD  # the replayed adapter loads the same base too
     shutil.rmtree(cache / "models--tiny--llama" / "snapshots" / OLD)  # the old commit gone
     proc = run_python(replay + ["--out", str(tmp_path / "again")], env, 120)
     assert proc.returncode == 2 and not (tmp_path / "again").exists()
     assert f"at commit {OLD}, the one the run trained on" in proc.stderr
     assert f"hf download tiny/llama --revision {OLD}" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_replay_pins_the_logged_commit_only_for_the_logged_base():
+    """``--base`` naming the log's own base keeps its commit; another base is read at its
+    own ``main`` (the log's commit is no commit of that repository); a damaged header's
+    revision is one line."""
+    from distzo.replay import logged_revision
+
+    header = {"base": "tiny/llama", "base_revision": OLD}
+    assert logged_revision(None, header) == logged_revision("tiny/llama", header) == OLD
+    assert logged_revision("other/llama", header) is None
+    assert logged_revision(None, {"base": "tiny/llama"}) is None
+    with pytest.raises(ValueError, match="the log's header: base_revision 'main' is not a"):
+        logged_revision(None, {**header, "base_revision": "main"})
+
+
+def test_only_a_hub_name_records_its_snapshots_commit(tmp_path):
+    """A folder given by its path is named by that path, even one inside the cache."""
+    from distzo.job.run_model import hub_commit
+
+    snapshot = tmp_path / "models--tiny--llama" / "snapshots" / OLD
+    snapshot.mkdir(parents=True)
+    assert hub_commit("tiny/llama", snapshot) == OLD
+    assert hub_commit(str(snapshot), snapshot) is None
+    assert hub_commit(None, None) is None
