@@ -269,6 +269,7 @@ def test_whitespace_around_a_field_next_to_the_candidates_changes_nothing_scored
     padded = [
         ("wic", wic, {"sentence1": " The bank. ", "sentence2": "The bank. "}),
         ("copa", {**copa, "choice1": "He tripped."}, {"choice1": " He tripped. "}),
+        ("copa", {**copa, "choice1": "He tripped."}, {"choice2": " I cried. "}),
         ("squad", squad, {"answers": [" Paris "]}),
     ]
     for task, clean, spaced in padded:
@@ -314,3 +315,19 @@ def test_a_folder_without_a_generation_config_ends_answers_at_its_config_end_tok
     paris = tokenizer(" Paris", add_special_tokens=False)["input_ids"]
     more = tokenizer(" and more", add_special_tokens=False)["input_ids"]
     assert encoder.answer(paris + [turn] + more) == " Paris"
+
+
+def test_an_added_special_token_is_special_and_an_added_plain_one_is_not():
+    """An instruct model's end-of-turn token is an added token marked special, which the
+    tokenizer's ``all_special_ids`` leaves out (Gemma's ``<end_of_turn>``): it ends answers
+    where config.json lists it; an added token not marked special is text, and ends none."""
+    from tokenizers import AddedToken
+
+    from distzo.models.weights import special_ids
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([AddedToken("<end_of_turn>", special=True), AddedToken("<b>")])
+    turn, plain = tokenizer.convert_tokens_to_ids(["<end_of_turn>", "<b>"])
+    assert turn not in tokenizer.all_special_ids
+    assert special_ids(tokenizer) == {*tokenizer.all_special_ids, turn}
+    assert plain not in special_ids(tokenizer) and special_ids(None) == frozenset()
