@@ -318,14 +318,16 @@ def test_an_export_whose_checkpoint_moved_says_how_to_write_it(tmp_path):
         multimodal_shapes(origin, {})
 
 
-def test_lora_targets_named_as_in_the_multimodal_model_are_one_line(tmp_path):
+@pytest.mark.parametrize("outer", ["model.language_model.", "language_model."])
+def test_lora_targets_named_as_in_the_multimodal_model_are_one_line(tmp_path, outer):
     """The exported adapter_config.json names its modules as the multimodal model does; the
-    same names given as --lora-targets were refused by peft with only "not found"."""
+    same names given as --lora-targets were refused by peft with only "not found". Older
+    transformers named the language model ``language_model.`` at the top."""
     folder = save_multimodal(tmp_path / "mm")
-    flags = ("--peft", "lora", "--lora-targets", "model.language_model.layers.0.self_attn.q_proj")
-    named = job(folder, tmp_path / "run", *flags)
+    target = f"{outer}layers.0.self_attn.q_proj"
+    named = job(folder, tmp_path / "run", "--peft", "lora", "--lora-targets", target)
     message = (
-        "--lora-targets model.language_model.layers.0.self_attn.q_proj: the multimodal "
+        f"--lora-targets {target}: the multimodal "
         "model's name of a text-model module; name it as the text model that trains does "
         "(layers.0.self_attn.q_proj, or a suffix such as q_proj): the export names it as the "
         "multimodal model does"
