@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from distzo.engine import ZOEngine
@@ -88,13 +89,11 @@ class TrainingStep(nn.Module):
         # scratch buckets): the frozen base becomes the program's constants, the adapter
         # its mutable buffers.
         model = copy.deepcopy(engine.model)
-        # the eager attention: a lowered SDPA hands GPT-2's Conv1D a strided input it cannot
-        # view (``to_edge``'s decomposition); eager computes the same function
         from peft import PeftModel
 
         base = model.get_base_model() if isinstance(model, PeftModel) else model
         if isinstance(base, PreTrainedModel):
-            base.set_attn_implementation("eager")
+            base.set_attn_implementation(_engines_attention(base))
         with torch.no_grad():
             for name, _ in list(model.named_parameters()):
                 owner, _, attr = name.rpartition(".")
@@ -164,10 +163,21 @@ class TrainingStep(nn.Module):
         return halves[0], halves[1]
 
 
+def _engines_attention(model: PreTrainedModel) -> str:
+    """The attention the program computes: the engine's own. Eager and sdpa differ on a
+    left-padded row's pad positions (every key masked: eager's softmax spreads over all
+    keys, the future ones too, sdpa's gives 0), and the loss reads the last pad position's
+    logits (they predict the first real token), so another attention is another step's
+    losses. Kernels other than these two (flash, flex) compute sdpa's function."""
+    return "eager" if model.config._attn_implementation == "eager" else "sdpa"
+
+
 def export_training_step(
     engine: ZOEngine, batch: dict[str, torch.Tensor]
 ) -> torch.export.ExportedProgram:
-    """``torch.export`` of the engine's step for batches shaped like ``batch``."""
+    """``torch.export`` of the engine's step for batches shaped like ``batch``. Traced with
+    sdpa's math kernel: the CPU's fused kernel returns a layout whose ``.contiguous()`` the
+    trace drops, and once ``to_edge`` decomposes sdpa, GPT-2's Conv1D cannot view its input."""
     step = TrainingStep(engine).eval()
     keys = step_keys(engine, 0)
     # distinct tensors: inputs that alias while tracing are traced as one
@@ -180,7 +190,8 @@ def export_training_step(
         torch.tensor(1.0),
         keys.clone(),
     )
-    return torch.export.export(step, args)
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.export.export(step, args)
 
 
 def save_training_step(
