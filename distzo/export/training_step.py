@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
+from distzo.adapters.peft_adapters import is_prefix_tuned
 from distzo.engine import ZOEngine
 from distzo.engine.build import compute_dtype
 from distzo.models.batched_linear import make_pass_batched
@@ -65,6 +66,11 @@ class TrainingStep(nn.Module):
         if engine.peft_model is None or engine.config.noise != "gaussian":
             raise ValueError(
                 "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"
+            )
+        if is_prefix_tuned(engine.peft_model):
+            raise ValueError(
+                "the exportable step trains a LoRA adapter's factors (P-RGE's on-device "
+                "step), not a prefix: attach --peft lora-fa (or lora)"
             )
         if engine.resident_layout.numel:
             trained = ", ".join(e.names[0] for e in engine.resident_layout.entries)

@@ -532,6 +532,21 @@ def test_the_exported_training_step_refuses_another_estimator():
             TrainingStep(engine)
 
 
+def test_the_exported_training_step_refuses_a_prefix_naming_the_fix():
+    """It was the batched passes' error, telling a prefix engine to train a prefix or to
+    drop --dual-forward, an option the step does not have."""
+    from distzo.export.training_step import TrainingStep
+
+    spec = AdapterSpec("prefix", r=4, alpha=8, prefix_init="random")
+    engine = engine_for(attach_adapter(base_model("llama"), spec, seed=5), mode="resident")
+    with pytest.raises(ValueError) as refused:
+        TrainingStep(engine)
+    assert str(refused.value) == (
+        "the exportable step trains a LoRA adapter's factors (P-RGE's on-device step), not "
+        "a prefix: attach --peft lora-fa (or lora)"
+    )
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_the_exported_training_step_refuses_a_low_precision_compute(dtype):
     """The program computes in the model's dtype: a bf16 engine's step was accepted, then
