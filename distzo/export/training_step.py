@@ -24,16 +24,18 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from distzo.adapters.peft_adapters import is_prefix_tuned
 from distzo.engine import ZOEngine
 from distzo.engine.build import compute_dtype
 from distzo.models.batched_linear import make_pass_batched
+from distzo.models.weights import WeightSource
 from distzo.zo import philox
 from distzo.zo.gaussian_table import gaussian_table
 
@@ -300,12 +302,9 @@ def _pte_wanted(asked: bool | None) -> bool:
 def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
     """The command's engine: a LoRA-FA adapter on ``--model`` (or the tiny OPT), checked
     against the program's fixed shape before anything is traced."""
-    from transformers import AutoModelForCausalLM
-
-    from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+    from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
     from distzo.config.engine_options import ZOConfig
     from distzo.models import model_from_config
-    from distzo.models.hub import local_model_dir
     from distzo.models.tiny import tiny_opt_config
 
     if args.batch < 1 or args.seq < 2 or args.steps < 1:
@@ -313,26 +312,49 @@ def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
     targets = AdapterSpec.parse_targets(args.lora_targets)
     spec = AdapterSpec("lora-fa", args.lora_r, args.lora_alpha, 0.0, targets)
     spec.validate()
-    base: PreTrainedModel
+    base: nn.Module
+    weights: WeightSource | None = None
     if args.model:
-        local_model_dir(args.model)  # a missing folder is one, not a malformed hub name
-        try:
-            base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        except (OSError, ValueError) as err:
-            raise ValueError(
-                f"cannot load --model {args.model!r}: {str(err).splitlines()[0]}"
-            ) from None
+        base, weights = _checkpoint(args.model, targets)
     else:
         torch.manual_seed(args.seed)
         base = model_from_config(tiny_opt_config(), torch.float32)
-    if args.seq > base.config.max_position_embeddings:
-        raise ValueError(
-            f"--seq {args.seq} exceeds the model's {base.config.max_position_embeddings} positions"
-        )
+    positions = cast(PretrainedConfig, base.config).max_position_embeddings
+    if args.seq > positions:
+        raise ValueError(f"--seq {args.seq} exceeds the model's {positions} positions")
+    model = attach_adapter(base, spec, args.seed)
     return ZOEngine(
-        attach_adapter(base, spec, args.seed),
+        model,
         ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps),
+        weights=AdapterWeights(weights, model) if weights is not None else None,
     )
+
+
+def _checkpoint(name: str, targets: tuple[str, ...] | None) -> tuple[nn.Module, WeightSource]:
+    """(skeleton, weight source) of ``--model`` as a training run reads it: a folder or a
+    hub snapshot, its family checked from config.json before any weight is read, and a
+    multimodal checkpoint's text model (what trains). transformers' own loader read a
+    multimodal one as a model without positions (an AttributeError), and took a folder
+    holding only an adapter for a hub name (a minute of retries)."""
+    from distzo.models.config_file import read_config
+    from distzo.models.hub import local_model_dir, snapshot
+    from distzo.models.multimodal import (
+        check_multimodal_targets,
+        checkpoint_model,
+        is_multimodal,
+        trained_config,
+    )
+    from distzo.models.registry import check_supported
+    from distzo.models.weights import check_weights
+
+    source = local_model_dir(name) or snapshot(name, True)
+    config = read_config(source)
+    check_supported(trained_config(config).model_type).check_config(trained_config(config))
+    if is_multimodal(config):
+        check_multimodal_targets(targets)
+    model, weights = checkpoint_model(source, config, torch.float32)
+    check_weights(weights, model)
+    return model, weights
 
 
 def _write(engine: ZOEngine, args: argparse.Namespace, directory: Path) -> list[Path]:

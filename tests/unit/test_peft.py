@@ -737,6 +737,27 @@ def test_export_step_command_refuses_pte_without_executorch(tmp_path, monkeypatc
     assert _pte_wanted(False) is False and not caplog.text
 
 
+def test_export_step_command_reads_a_multimodal_checkpoints_text_model(tmp_path):
+    """transformers' own loader read a Gemma 3 multimodal checkpoint as a config without
+    positions (an AttributeError's traceback); the command now reads --model as a training
+    run does: the text model, its frozen weights the checkpoint's."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.launch import main_in_process
+    from tests.helpers.models import save_multimodal
+
+    source = save_multimodal(tmp_path / "mm")
+    out = tmp_path / "step"
+    args = ["--model", str(source), "--out", str(out), "--seq", "8", "--no-pte", "--steps", "2"]
+    proc = main_in_process("distzo.export.training_step", args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    held = torch.export.load(out / "step.pt2").state_dict
+    stored = load_file(str(source / "model.safetensors"))
+    for name in ("embed_tokens.weight", "layers.1.self_attn.q_proj.base_layer.weight"):
+        checkpoint_name = "language_model.model." + name.replace(".base_layer", "")
+        assert torch.equal(held["model.model." + name], stored[checkpoint_name]), name
+
+
 def test_export_step_command_says_a_missing_model_folder_is_missing(tmp_path):
     """It was transformers' 'Repo id must be in the form ...' (a path taken for a hub name)."""
     from tests.helpers.launch import main_in_process
