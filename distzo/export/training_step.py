@@ -207,7 +207,10 @@ def save_training_step(
 ) -> list[Path]:
     """Write the exported step into ``directory``: ``step.pt2`` (``torch.export.save``;
     ``torch.export.load`` reads it back without unpickling code) and, where ``executorch``
-    is installed, ``step.pte`` for the ExecuTorch runtime. Returns the files written."""
+    is installed, ``step.pte`` for the ExecuTorch runtime. Returns the files written.
+
+    The program's adapter is the engine's flushed one (the last step's update applied): its
+    first call takes ``update_scale`` 0 and ``shrink`` 1, after any number of steps."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     program = export_training_step(engine, batch)

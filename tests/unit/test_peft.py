@@ -515,6 +515,28 @@ def test_the_exported_training_step_equals_the_engines_steps(family, pad, tmp_pa
             assert held.abs().sum() > 0
 
 
+def test_a_step_exported_after_training_continues_the_engines_run():
+    """The export flushes the pending update into the program's adapter: the first call
+    takes update_scale 0 (the engine's last g there applied it twice: losses 2e-4 off)."""
+    from distzo.export.training_step import export_training_step, step_keys
+
+    model = adapted("llama", "lora-fa")
+    engine = engine_for(model, mode="resident", weight_decay=0.1, lr=1e-2)
+    batches = [random_batch(model.config.vocab_size, pad="left", seed=40 + i) for i in range(4)]
+    for batch in batches[:2]:
+        engine.step(batch)
+    program = export_training_step(engine, batches[0]).module()
+    previous, scale, shrink = step_keys(engine, 1), torch.tensor(0.0), torch.tensor(1.0)
+    for t, batch in enumerate(batches[2:], start=2):
+        result, keys = engine.step(batch), step_keys(engine, t)
+        plus, minus = program(*batch.values(), previous, scale, shrink, keys)
+        assert (plus.item(), minus.item()) == pytest.approx(
+            (result.loss_plus, result.loss_minus), rel=1e-6
+        ), t
+        previous, scale = keys, torch.tensor(-result.lr * result.projected_grad)
+        shrink = torch.tensor(1 - result.lr * engine.config.weight_decay)
+
+
 def test_the_exported_training_step_refuses_another_estimator():
     from distzo.export.training_step import TrainingStep
 
