@@ -188,11 +188,13 @@ def export_training_step(
     trace drops, and once ``to_edge`` decomposes sdpa, GPT-2's Conv1D cannot view its input."""
     step = TrainingStep(engine).eval()
     keys = step_keys(engine, 0)
-    # distinct tensors: inputs that alias while tracing are traced as one
+    # distinct tensors: inputs that alias while tracing are traced as one (labels that are
+    # the input_ids tensor, as a language-modelling batch often has them, made a program
+    # that embedded its labels and ignored its input_ids)
     args = (
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["labels"],
+        batch["input_ids"].clone(),
+        batch["attention_mask"].clone(),
+        batch["labels"].clone(),
         keys.clone(),
         torch.tensor(0.0),
         torch.tensor(1.0),

@@ -515,6 +515,27 @@ def test_the_exported_training_step_equals_the_engines_steps(family, pad, tmp_pa
             assert held.abs().sum() > 0
 
 
+def test_a_step_exported_from_labels_that_are_the_input_ids_reads_both():
+    """A batch whose labels are its input_ids tensor (the command's own example batch)
+    was traced as one input: the program embedded its labels and ignored its input_ids,
+    and a label of -100 was an IndexError."""
+    from distzo.export.training_step import export_training_step, step_keys
+
+    model = adapted("llama", "lora-fa")
+    engine = engine_for(model, mode="resident")
+    ids = torch.ones(4, 12, dtype=torch.int64)
+    example = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    program = export_training_step(engine, example).module()
+    batch = random_batch(model.config.vocab_size, pad="left", seed=50)
+    batch["labels"][:, :6] = -100  # a prompt left out of the loss
+    keys = step_keys(engine, 0)
+    plus, minus = program(*batch.values(), keys, torch.tensor(0.0), torch.tensor(1.0), keys)
+    result = engine.step(batch)
+    assert (plus.item(), minus.item()) == pytest.approx(
+        (result.loss_plus, result.loss_minus), rel=1e-6
+    )
+
+
 def test_a_step_exported_after_training_continues_the_engines_run():
     """The export flushes the pending update into the program's adapter: the first call
     takes update_scale 0 (the engine's last g there applied it twice: losses 2e-4 off)."""
@@ -716,6 +737,18 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
         keys[0],
     )
     assert torch.isfinite(plus) and plus != minus
+    # the program reads its input_ids (traced from labels that were the same tensor, it
+    # read the labels in their place)
+    rolled, _ = step(
+        batch["input_ids"].roll(1, dims=1),
+        batch["attention_mask"],
+        batch["labels"],
+        keys[0],
+        torch.tensor(0.0),
+        torch.tensor(1.0),
+        keys[0],
+    )
+    assert rolled != plus
     assert sorted(p.name for p in out.iterdir()) == ["keys.safetensors", "step.pt2"]
     bad_args = [str(tmp_path / "bad") if a == str(out) else a for a in cmd[3:-1]]
     bad = main_in_process("distzo.export.training_step", [*bad_args, "0"])
