@@ -90,6 +90,14 @@ class TrainingStep(nn.Module):
                 f"the exportable step computes in the model's dtype ({master}); the engine "
                 f"computes in {engine.config.compute_dtype}: build it with compute_dtype auto"
             )
+        if master in (torch.bfloat16, torch.float16):
+            # a 16-bit adapter's perturbation and update round as the engine's kernels do
+            # (add_scaled), which the program's float32 arithmetic does not: its B, float32,
+            # then met 16-bit activations (a bmm's dtype error deep inside torch.export)
+            raise ValueError(
+                f"the exportable step trains a float32 adapter; the engine's is {master}: "
+                "load the model in float32"
+            )
         self.eps = engine.config.eps
         self.layouts = engine.block_layouts
         values = dict(engine.stream_parameters()) | dict(engine.stream_parameters(frozen=True))

@@ -605,6 +605,21 @@ def test_the_exported_training_step_refuses_a_low_precision_compute(dtype):
     )
 
 
+def test_the_exported_training_step_refuses_a_16_bit_adapter():
+    """A bf16 model (compute auto: bf16) passed the compute check, then its export died
+    in a bmm's dtype error (a float32 B against bf16 activations) deep inside torch.export."""
+    from distzo.export.training_step import TrainingStep
+
+    model = attach_adapter(base_model("llama"), AdapterSpec("lora-fa", r=4, alpha=8), seed=5)
+    engine = engine_for(model.to(torch.bfloat16), mode="resident")
+    with pytest.raises(ValueError) as refused:
+        TrainingStep(engine)
+    assert str(refused.value) == (
+        "the exportable step trains a float32 adapter; the engine's is torch.bfloat16: load "
+        "the model in float32"
+    )
+
+
 def test_a_gpt2_training_step_lowers_for_the_edge(tmp_path):
     """GPT-2's Conv1D views its input: a lowered SDPA once handed it a strided one."""
     pytest.importorskip("executorch")
