@@ -26,7 +26,7 @@ from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
 from distzo.models import hub, model_from_config
 from distzo.models.multimodal import checkpoint_model
 from distzo.models.shapes import shape_config
-from distzo.models.tiny import byte_tokenizer, tiny_opt_config
+from distzo.models.tiny import byte_tokenizer, shared_byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (
     RandomWeights,
     WeightSource,
@@ -151,7 +151,7 @@ def load_tokenizer(job: JobConfig, source: Path | None) -> Any:
     if job.data.task == "counting":
         return source_tokenizer(source) if source is not None else None
     if source is None:  # the default tiny model or a --model-config shape
-        return byte_tokenizer()
+        return shared_byte_tokenizer()
     from transformers import AutoTokenizer
 
     name = str(job.model.model)
