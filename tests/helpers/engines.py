@@ -154,3 +154,20 @@ def replayed_config(config: ZOConfig, **header) -> ZOConfig:
         "optimizer": optimizer_record(config),
     }
     return replay_config({**logged, **header}, None)
+
+
+def export_shard_bytes(monkeypatch, engine, directory, max_shard_size) -> list[int]:
+    """The bytes of each safetensors file the export of ``engine`` held before writing it
+    (rank 0 collects a file's tensors first): what the memory plan sizes."""
+    from distzo.export import hf_model
+
+    held: list[int] = []
+    save_file = hf_model.save_file
+
+    def spied(tensors, path, metadata=None):
+        held.append(sum(t.nbytes for t in tensors.values()))
+        return save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(hf_model, "save_file", spied)
+    hf_model.export_model(engine, directory, max_shard_size=max_shard_size)
+    return held

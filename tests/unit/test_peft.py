@@ -742,27 +742,16 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     assert keys.shape == (3, 2, 2)  # steps x blocks of the tiny OPT x key words
     step = torch.export.load(out / "step.pt2").module()
     batch = random_batch(64, batch=2, seq=8, seed=1)
-    plus, minus = step(
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["labels"],
-        keys[0],
-        torch.tensor(0.0),
-        torch.tensor(1.0),
-        keys[0],
-    )
+
+    def losses(ids):
+        mask, labels, zero, one = batch["attention_mask"], batch["labels"], 0.0, 1.0
+        return step(ids, mask, labels, keys[0], torch.tensor(zero), torch.tensor(one), keys[0])
+
+    plus, minus = losses(batch["input_ids"])
     assert torch.isfinite(plus) and plus != minus
     # the program reads its input_ids (traced from labels that were the same tensor, it
     # read the labels in their place)
-    rolled, _ = step(
-        batch["input_ids"].roll(1, dims=1),
-        batch["attention_mask"],
-        batch["labels"],
-        keys[0],
-        torch.tensor(0.0),
-        torch.tensor(1.0),
-        keys[0],
-    )
+    rolled, _ = losses(batch["input_ids"].roll(1, dims=1))
     assert rolled != plus
     assert sorted(p.name for p in out.iterdir()) == ["keys.safetensors", "step.pt2"]
     bad_args = [str(tmp_path / "bad") if a == str(out) else a for a in cmd[3:-1]]

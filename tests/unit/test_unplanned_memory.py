@@ -222,21 +222,13 @@ def test_the_host_check_adds_up_its_terms(monkeypatch):
 def test_the_plan_counts_the_shard_the_export_holds(tmp_path, monkeypatch, shard):
     # rank 0 collects each safetensors file's tensors before writing it: the whole model
     # under the default 5GB, at the end of the run
-    from distzo.export import hf_model
+    from tests.helpers.engines import export_shard_bytes
 
     model = build("llama")
     config = ZOConfig(device="cpu", seed=0)
     plan = plan_memory(model, config, 1, False, 2, 8, async_save=False, export_shard_size=shard)
     engine = ZOEngine(build("llama"), config)
-    held = []
-    save_file = hf_model.save_file
-
-    def spied(tensors, path, metadata=None):
-        held.append(sum(t.nbytes for t in tensors.values()))
-        return save_file(tensors, path, metadata=metadata)
-
-    monkeypatch.setattr(hf_model, "save_file", spied)
-    hf_model.export_model(engine, tmp_path / "export", max_shard_size=shard)
+    held = export_shard_bytes(monkeypatch, engine, tmp_path / "export", shard)
     block = max(layout.numel for layout in engine.block_layouts) * 4
     assert max(held) <= plan.export_bytes - block <= max(held) + 4 * block
     assert (len(held) > 1) == (shard == "2KB")
