@@ -55,70 +55,11 @@ class TrainingStep(nn.Module):
 
     def __init__(self, engine: ZOEngine) -> None:
         super().__init__()
-        if engine.config.estimator != "spsa":
-            raise ValueError(
-                f"the exportable step is SPSA's two passes (P-RGE's on-device step); the engine "
-                f"runs estimator {engine.config.estimator}"
-            )
-        if engine.config.optimizer != "sgd":
-            raise ValueError(
-                f"the exportable step is ZO-SGD's update (P-RGE's on-device step); the engine "
-                f"runs optimizer {engine.config.optimizer}"
-            )
-        if engine.peft_model is None or engine.config.noise != "gaussian":
-            raise ValueError(
-                "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"
-            )
-        if is_prefix_tuned(engine.peft_model):
-            raise ValueError(
-                "the exportable step trains a LoRA adapter's factors (P-RGE's on-device "
-                "step), not a prefix: attach --peft lora-fa (or lora)"
-            )
-        if engine.resident_layout.numel:
-            trained = ", ".join(e.names[0] for e in engine.resident_layout.entries)
-            raise ValueError(
-                f"the exportable step trains adapters inside the blocks only, not on the "
-                f"embeddings or the head ({trained}); leave those out of --lora-targets"
-            )
-        if engine.config.num_queries != 1 or engine.parallel.is_distributed:
-            raise ValueError(
-                "the exportable step runs one query in one process (P-RGE's on-device step)"
-            )
-        master = engine.block_layouts[0].dtype
-        if compute_dtype(engine.config, master) != master:
-            raise ValueError(
-                f"the exportable step computes in the model's dtype ({master}); the engine "
-                f"computes in {engine.config.compute_dtype}: build it with compute_dtype auto"
-            )
-        if master in (torch.bfloat16, torch.float16):
-            # a 16-bit adapter's perturbation and update round as the engine's kernels do
-            # (add_scaled), which the program's float32 arithmetic does not: its B, float32,
-            # then met 16-bit activations (a bmm's dtype error deep inside torch.export)
-            raise ValueError(
-                f"the exportable step trains a float32 adapter; the engine's is {master}: "
-                "load the model in float32"
-            )
+        check_exportable(engine)
         self.eps = engine.config.eps
         self.layouts = engine.block_layouts
         values = dict(engine.stream_parameters()) | dict(engine.stream_parameters(frozen=True))
-        # A copy of the model with parameters of its own (the engine's are views of its
-        # scratch buckets): the frozen base becomes the program's constants, the adapter
-        # its mutable buffers.
-        model = copy.deepcopy(engine.model)
-        from peft import PeftModel
-
-        base = model.get_base_model() if isinstance(model, PeftModel) else model
-        if isinstance(base, PreTrainedModel):
-            base.set_attn_implementation(_engines_attention(base))
-        with torch.no_grad():
-            for name, _ in list(model.named_parameters()):
-                owner, _, attr = name.rpartition(".")
-                setattr(
-                    model.get_submodule(owner),
-                    attr,
-                    nn.Parameter(values[name].clone(), requires_grad=False),
-                )
-        self.model = model
+        self.model = model = _program_model(engine, values)
         for i, layout in enumerate(self.layouts):
             flat = torch.zeros(layout.numel, dtype=layout.dtype)
             for e in layout.entries:
@@ -177,6 +118,76 @@ class TrainingStep(nn.Module):
         picked = shifted.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1) * real
         halves = picked.view(2, -1).sum(1) / -real[: labels.shape[0]].sum()
         return halves[0], halves[1]
+
+
+def check_exportable(engine: ZOEngine) -> None:
+    """Refuse, in one line before anything is traced, an engine whose step the program
+    does not compute: P-RGE's on-device step is SPSA and ZO-SGD on a float32 LoRA
+    adapter inside the blocks, one query, one process, in the model's dtype."""
+    if engine.config.estimator != "spsa":
+        raise ValueError(
+            f"the exportable step is SPSA's two passes (P-RGE's on-device step); the engine "
+            f"runs estimator {engine.config.estimator}"
+        )
+    if engine.config.optimizer != "sgd":
+        raise ValueError(
+            f"the exportable step is ZO-SGD's update (P-RGE's on-device step); the engine "
+            f"runs optimizer {engine.config.optimizer}"
+        )
+    if engine.peft_model is None or engine.config.noise != "gaussian":
+        raise ValueError(
+            "the exportable step needs a lora-fa (or lora) adapter engine with gaussian noise"
+        )
+    if is_prefix_tuned(engine.peft_model):
+        raise ValueError(
+            "the exportable step trains a LoRA adapter's factors (P-RGE's on-device "
+            "step), not a prefix: attach --peft lora-fa (or lora)"
+        )
+    if engine.resident_layout.numel:
+        trained = ", ".join(e.names[0] for e in engine.resident_layout.entries)
+        raise ValueError(
+            f"the exportable step trains adapters inside the blocks only, not on the "
+            f"embeddings or the head ({trained}); leave those out of --lora-targets"
+        )
+    if engine.config.num_queries != 1 or engine.parallel.is_distributed:
+        raise ValueError(
+            "the exportable step runs one query in one process (P-RGE's on-device step)"
+        )
+    master = engine.block_layouts[0].dtype
+    if compute_dtype(engine.config, master) != master:
+        raise ValueError(
+            f"the exportable step computes in the model's dtype ({master}); the engine "
+            f"computes in {engine.config.compute_dtype}: build it with compute_dtype auto"
+        )
+    if master in (torch.bfloat16, torch.float16):
+        # a 16-bit adapter's perturbation and update round as the engine's kernels do
+        # (add_scaled), which the program's float32 arithmetic does not: its B, float32,
+        # then met 16-bit activations (a bmm's dtype error deep inside torch.export)
+        raise ValueError(
+            f"the exportable step trains a float32 adapter; the engine's is {master}: "
+            "load the model in float32"
+        )
+
+
+def _program_model(engine: ZOEngine, values: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of the engine's model holding ``values`` as parameters of its own (the
+    engine's are views of its scratch buckets): the frozen base becomes the program's
+    constants, the adapter its mutable buffers."""
+    model = copy.deepcopy(engine.model)
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if isinstance(base, PreTrainedModel):
+        base.set_attn_implementation(_engines_attention(base))
+    with torch.no_grad():
+        for name, _ in list(model.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            setattr(
+                model.get_submodule(owner),
+                attr,
+                nn.Parameter(values[name].clone(), requires_grad=False),
+            )
+    return model
 
 
 def _engines_attention(model: PreTrainedModel) -> str:
