@@ -362,20 +362,12 @@ def _checkpoint(name: str, targets: tuple[str, ...] | None) -> tuple[nn.Module, 
     holding only an adapter for a hub name (a minute of retries)."""
     from distzo.models.config_file import read_config
     from distzo.models.hub import local_model_dir, snapshot
-    from distzo.models.multimodal import (
-        check_multimodal_targets,
-        checkpoint_model,
-        is_multimodal,
-        trained_config,
-    )
-    from distzo.models.registry import check_supported
+    from distzo.models.multimodal import checked_trained_config, checkpoint_model
     from distzo.models.weights import check_weights
 
     source = local_model_dir(name) or snapshot(name, True)
     config = read_config(source)
-    check_supported(trained_config(config).model_type).check_config(trained_config(config))
-    if is_multimodal(config):
-        check_multimodal_targets(targets)
+    checked_trained_config(config, targets)
     model, weights = checkpoint_model(source, config, torch.float32)
     check_weights(weights, model)
     return model, weights

@@ -34,9 +34,9 @@ from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.job.run_lock import check_not_running
-from distzo.models import check_supported, hub
+from distzo.models import hub
 from distzo.models.config_file import model_size, read_config
-from distzo.models.multimodal import check_multimodal_targets, is_multimodal, trained_config
+from distzo.models.multimodal import checked_trained_config
 from distzo.models.weights import check_float_weights, check_readable
 
 logger = logging.getLogger("distzo.train")
@@ -79,12 +79,7 @@ def check_model(job: JobConfig, config: ZOConfig) -> None:
     """A supported family whose weights the node can hold, with room for the task's
     longest sequence."""
     # a multimodal checkpoint: its text model, which is what trains and what the host holds
-    model_config = model_config_of(job)
-    multimodal = is_multimodal(model_config)
-    model_config = trained_config(model_config)
-    check_supported(model_config.model_type).check_config(model_config)
-    if multimodal:
-        check_multimodal_targets(job.peft.adapter_spec().targets)
+    model_config = checked_trained_config(model_config_of(job), job.peft.adapter_spec().targets)
     job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)

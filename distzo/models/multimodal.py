@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForImageTextToText, PretrainedConfig
 
+from distzo.models.registry import check_supported
 from distzo.models.weights import HeaderChecked, WeightSource, open_checkpoint, skeleton
 
 # Multimodal model types whose language model is a supported text family's.
@@ -91,6 +92,19 @@ class MultimodalOrigin:
 # How the multimodal model names its text model's modules, which the text model that trains
 # names without (an exported adapter_config.json lists them so, for peft on the multimodal base).
 MULTIMODAL_NAMES = ("model.language_model.", "language_model.")
+
+
+def checked_trained_config(
+    config: PretrainedConfig, targets: tuple[str, ...] | None
+) -> PretrainedConfig:
+    """The config of the model that trains (a multimodal checkpoint's text model), its
+    family supported and its config sane, and LoRA ``targets`` named as that model names
+    its modules: what a training run and the exported step check before reading weights."""
+    trained = trained_config(config)
+    check_supported(trained.model_type).check_config(trained)
+    if is_multimodal(config):
+        check_multimodal_targets(targets)
+    return trained
 
 
 def check_multimodal_targets(targets: tuple[str, ...] | None) -> None:
