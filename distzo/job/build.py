@@ -20,6 +20,7 @@ from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
+from distzo.dist.agreement import agreed
 from distzo.engine import resolve_transfer
 from distzo.job.evaluation import planned_rows
 from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
@@ -110,20 +111,44 @@ def model_source(
     name: str | None, env: LaunchEnv, comm: Collectives, revision: str | None = None
 ) -> Path | None:
     """The local directory a --model streams from: the path itself, or a hub name's
-    snapshot (at commit ``revision`` where given: a resumed run's), downloaded once per
-    node by its first local rank while the others wait."""
+    snapshot at one commit for every node (``revision``, a resumed run's; else, on several
+    nodes, the one rank 0 reads as ``main``), downloaded once per node by its first local
+    rank while the others wait. A node that cannot fetch it fails every rank with its line."""
     if not name:
         return None
     local = hub.local_model_dir(name)
     if local is not None:
         return local
-    path = hub.snapshot(name, True, revision) if env.local_rank == 0 else None
+    pinned_by = "the one the run trained on"
+    if revision is None and env.local_world_size < env.world_size:
+        # each node's own main may be another commit (a cache filled last week)
+        revision, pinned_by = ranks_commit(name, env, comm), "the one rank 0 reads as main"
+    failure: ValueError | None = None
+    path = None
+    if env.local_rank == 0:
+        try:
+            path = hub.snapshot(name, True, revision, pinned_by=pinned_by)
+        except ValueError as err:  # said by every rank, after the node's wait
+            failure = err
     comm.barrier(DOWNLOAD_TIMEOUT)  # the node's download is complete (not --dist-timeout's wait)
-    path = path if path is not None else hub.snapshot(name, False, revision)
-    # as a local folder's, before anything is built: a shard an interrupted download left
-    # out was read at its first bucket, and said as "cannot write" it
-    check_readable(path)
-    return path
+
+    def read() -> Path:
+        if failure is not None:
+            raise failure
+        found = path or hub.snapshot(name, False, revision, pinned_by=pinned_by)
+        # as a local folder's, before anything is built: a shard an interrupted download
+        # left out was read at its first bucket, and said as "cannot write" it
+        check_readable(found)
+        return found
+
+    return agreed(comm, read)
+
+
+def ranks_commit(name: str, env: LaunchEnv, comm: Collectives) -> str:
+    """The commit rank 0 reads hub model ``name``'s ``main`` as, on every rank; a name rank
+    0 cannot resolve fails every rank with its line."""
+    commit = agreed(comm, lambda: hub.main_commit(name) if env.rank == 0 else None)
+    return str(comm.broadcast_object(commit))
 
 
 def source_tokenizer(source: Path) -> Any:

@@ -137,12 +137,17 @@ def offline_unless_answered() -> Iterator[None]:
 
 
 def snapshot(
-    name: str, download: bool, revision: str | None = None, option: str = "--model"
+    name: str,
+    download: bool,
+    revision: str | None = None,
+    option: str = "--model",
+    pinned_by: str = "the one the run trained on",
 ) -> Path:
     """The local directory of hub model ``name`` (at commit ``revision``: a resumed or
-    replayed run's, else the repository's ``main``). ``download``: fetch what is missing
-    (one rank per node); otherwise the cached snapshot that rank made (the node's other
-    ranks, after it), with no network access. ``option``: what the error calls the name."""
+    replayed run's, or rank 0's on several nodes; else the repository's ``main``).
+    ``download``: fetch what is missing (one rank per node); otherwise the cached snapshot
+    that rank made (the node's other ranks, after it), with no network access. ``option``:
+    what the error calls the name; ``pinned_by``: why it is read at ``revision``."""
     from huggingface_hub import list_repo_files, snapshot_download
 
     try:
@@ -158,10 +163,28 @@ def snapshot(
         if revision is None:
             raise ValueError(f"cannot download {option} {name!r}: {reason}") from None
         raise ValueError(
-            f"cannot download {option} {name!r} at commit {revision}, the one the run trained "
-            f"on ({reason}); fetch it into this cache where the hub is reachable: hf download "
+            f"cannot download {option} {name!r} at commit {revision}, {pinned_by} ({reason}); "
+            "fetch it into this cache where the hub is reachable: hf download "
             f"{name} --revision {revision}"
         ) from None
+
+
+def main_commit(name: str, option: str = "--model") -> str:
+    """The commit hub model ``name``'s ``main`` is now: the hub's answer, or where the hub
+    does not answer, the cache's. On several nodes rank 0's is the one every node reads:
+    each node's own cache may hold another ``main`` (one filled last week, one today)."""
+    from huggingface_hub import repo_info, snapshot_download
+
+    try:
+        if hub_answers():
+            commit = repo_info(name).sha
+        else:
+            commit = Path(snapshot_download(name, local_files_only=True)).name
+    except Exception as err:  # network, authentication, a name that is not a repository
+        raise ValueError(f"cannot download {option} {name!r}: {str(err).splitlines()[0]}") from None
+    if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
+        raise ValueError(f"cannot download {option} {name!r}: its main names no commit")
+    return commit
 
 
 class OnceOnFirstLocalRank(logging.Filter):
