@@ -271,22 +271,29 @@ def last_logged_step(path: Path) -> int | None:
 
 
 def _complete_lines_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
-    """The newline-ended lines of a binary file, last first (what follows the last
-    newline, a torn line, is not one), reading ``TAIL_BLOCK`` bytes at a time."""
-    end, carry, torn = size, b"", True
+    """The complete lines of a binary file, last first, without their ends: "\\n", "\\r\\n"
+    or "\\r", as ``read_seed_log`` reads them (an old Mac editor's log was whole there and
+    had no line here). What follows the last line end, a torn line, is not one."""
+    pieces = _pieces_backwards(stream, size)
+    last = next(pieces, b"")  # the only one that may be torn
+    if last.endswith((b"\n", b"\r")):
+        yield last.rstrip(b"\r\n")
+    yield from (piece.rstrip(b"\r\n") for piece in pieces)
+
+
+def _pieces_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
+    """A binary file's lines with their ends (the last one may have none), last first,
+    reading ``TAIL_BLOCK`` bytes at a time."""
+    end, carry = size, b""
     while end > 0:
         start = max(0, end - TAIL_BLOCK)
         stream.seek(start)
         carry = stream.read(end - start) + carry
         end = start
-        first, *lines = carry.split(b"\n")
-        carry = first  # its beginning may lie in an earlier block
-        for line in reversed(lines):
-            if torn:  # what follows the file's last newline
-                torn = False
-                continue
-            yield line
-    if not torn:
+        # the first may begin in an earlier block (or be the "\n" of a "\r\n" split)
+        carry, *pieces = carry.splitlines(keepends=True)
+        yield from reversed(pieces)
+    if carry:
         yield carry  # the file's first line
 
 

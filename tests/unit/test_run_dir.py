@@ -718,15 +718,18 @@ def test_a_long_seed_log_ends_where_its_last_record_says(tmp_path):
     assert seed_log.last_logged_step(log) is None
 
 
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
 @pytest.mark.parametrize("block", [1, 7, 64, 1 << 16])
-def test_a_seed_logs_lines_read_backwards_are_its_lines_whatever_the_block(tmp_path, block):
+def test_a_seed_logs_lines_read_backwards_are_its_lines_whatever_the_block(tmp_path, block, end):
     """The tail read joins a line that blocks split: each complete line once, last first,
-    and a torn last line left out (a line cut at a block's edge read as two)."""
+    and a torn last line left out (a line cut at a block's edge read as two); its lines
+    end as ``read_seed_log``'s do (universal newlines), a "\\r\\n" split by a block's edge
+    too."""
     from distzo.job import seed_log
 
     log = tmp_path / "seedlog.jsonl"
     lines = [json.dumps({"kind": "header"}), *(json.dumps({"step": s}) for s in range(40))]
-    log.write_text("\n".join([*lines, ""]) + '{"step": 4')
+    log.write_bytes((end.join([*lines, ""]) + '{"step": 4').encode())
     with open(log, "rb") as stream, pytest.MonkeyPatch.context() as patch:
         patch.setattr(seed_log, "TAIL_BLOCK", block)
         size = log.stat().st_size
