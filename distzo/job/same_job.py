@@ -31,6 +31,7 @@ from distzo.config.job import JobConfig
 from distzo.dist.agreement import agreed
 from distzo.dist.collectives import Collectives
 from distzo.dist.launch_env import LaunchEnv
+from distzo.models import hub
 
 # Options a node may set its own way: paths that may be spelled differently on another
 # node (the run directory itself is checked by ``check_shared_run_dir``; the logs are rank
@@ -217,9 +218,21 @@ def check_same_model(name: str, source: Path, comm: Collectives, env: LaunchEnv)
         state = _file_state(differ[0], everyone[rank], everyone[0])
         raise ValueError(
             f"rank {rank} read another model from --model {name} than rank 0: its "
-            f"{differ[0]} {state}{_more(differ, 'files')}; give every node the same model "
-            "folder"
+            f"{differ[0]} {state}{_more(differ, 'files')}; {_same_model_fix(name, source)}"
         )
+
+
+def _same_model_fix(name: str, source: Path) -> str:
+    """What makes the nodes' copies one: a folder is copied, but a hub name is already read
+    at one commit on every node (rank 0's), so its copies differ only where one node's
+    download of that commit is partial (an ``--include``) or damaged."""
+    commit = hub.snapshot_commit(source) if hub.local_model_dir(name) is None else None
+    if commit is None:
+        return "give every node the same model folder"
+    return (
+        f"one node's download of commit {commit} is partial or damaged; on the node whose "
+        f"copy is wrong: hf download {name} --revision {commit} --force-download"
+    )
 
 
 def _file_state(name: str, theirs: Mapping[str, str], rank0s: Mapping[str, str]) -> str:

@@ -323,3 +323,25 @@ def test_the_default_models_init_follows_the_seed_alone_not_the_processs_draws(t
     first, again, other = init(5), init(5), init(6)
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_a_hub_snapshot_that_differs_between_nodes_names_the_download_to_redo(tmp_path):
+    # every node reads rank 0's commit of a hub name: copies of it differ only where one
+    # node's download is partial or damaged, which "the same model folder" did not say
+    commit = "c" * 40
+    snapshots = tmp_path / "node0" / "models--org--m" / "snapshots"
+    snapshots.mkdir(parents=True)
+    node0 = _model_folder(snapshots / commit)
+    node1_snapshots = tmp_path / "node1" / "models--org--m" / "snapshots"
+    node1_snapshots.mkdir(parents=True)
+    node1 = _model_folder(node1_snapshots / commit, weights=b"torn")
+    env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
+    message = (
+        r"^rank 1 read another model from --model org/m than rank 0: its model\.safetensors "
+        rf"differs from rank 0's; one node's download of commit {commit} is partial or "
+        rf"damaged; on the node whose copy is wrong: hf download org/m --revision {commit} "
+        "--force-download$"
+    )
+    rank0s = same_job.folder_digests(node0)
+    with pytest.raises(ValueError, match=message):
+        same_job.check_same_model("org/m", node1, Gathers(None, rank0s), env)
