@@ -50,7 +50,7 @@ from distzo.export.multimodal import (
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
 from distzo.models.multimodal import origin_of
 from distzo.offload.bucket import BucketLayout
-from distzo.runtime.write_errors import safetensors_os_errors
+from distzo.runtime.safetensors_write import safetensors_write
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def export_hf(
             collected.setdefault(file, {})[name] = value
             missing[file].discard(name)
             if not missing[file]:
-                with safetensors_os_errors(tmp / file):
+                with safetensors_write(tmp / file):
                     save_file(collected.pop(file), str(tmp / file), metadata={"format": "pt"})
                 logger.info("export: wrote %s", file)
         if not rank0:
@@ -292,7 +292,7 @@ def _write_adapter(engine, values, peft_model, tmp: Path, directory: Path, token
     origin = origin_of(engine.model)
     if origin is not None and not engine.prefixes:  # LoRA: named as on the multimodal base
         state, config = multimodal_adapter(origin, state, config)
-    with safetensors_os_errors(tmp / ADAPTER_WEIGHTS):
+    with safetensors_write(tmp / ADAPTER_WEIGHTS):
         save_file(
             {k: v.contiguous() for k, v in state.items()},
             str(tmp / ADAPTER_WEIGHTS),

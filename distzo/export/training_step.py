@@ -36,6 +36,7 @@ from distzo.engine import ZOEngine
 from distzo.engine.build import compute_dtype
 from distzo.models.batched_linear import make_pass_batched
 from distzo.models.weights import WeightSource
+from distzo.runtime.safetensors_write import safetensors_write
 from distzo.zo import philox
 from distzo.zo.gaussian_table import gaussian_table
 
@@ -382,7 +383,8 @@ def _write(engine: ZOEngine, args: argparse.Namespace, directory: Path) -> list[
     files = save_training_step(engine, batch, directory, pte=args.pte)
     keys = torch.stack([step_keys(engine, t) for t in range(args.steps)])
     files.append(directory / "keys.safetensors")
-    save_file({"keys": keys}, str(files[-1]), metadata={"eps": str(args.eps)})
+    with safetensors_write(files[-1]):
+        save_file({"keys": keys}, str(files[-1]), metadata={"eps": str(args.eps)})
     return files
 
 

@@ -25,7 +25,7 @@ from distzo.job.same_job import check_same_model
 from distzo.job.seed_log import SEED_LOG, logged_header
 from distzo.models import hub
 from distzo.models.weights import WeightSource
-from distzo.runtime.write_errors import safetensors_os_errors
+from distzo.runtime.safetensors_write import safetensors_write
 
 
 def run_model(
@@ -81,7 +81,7 @@ def _built(
     if weights is None and not job.model.model:  # the default model, built whole
         assert isinstance(model, PreTrainedModel)
         if env.rank == 0 and job.run.resume == "no":
-            with no_library_bars(), safetensors_os_errors(run_dir / "base"):
+            with no_library_bars(), safetensors_write(run_dir / "base"):
                 model.save_pretrained(run_dir / "base")
             if tokenizer is not None:
                 tokenizer.save_pretrained(run_dir / "base")

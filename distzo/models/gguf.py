@@ -23,7 +23,7 @@ def gguf_to_hf(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distzo.runtime.write_errors import safetensors_os_errors
+    from distzo.runtime.safetensors_write import ordinary_mode, safetensors_write
 
     gguf_file, directory = Path(gguf_file), Path(directory)
     if (directory / "model.safetensors").is_file():
@@ -32,7 +32,8 @@ def gguf_to_hf(
         raise ValueError(f"{gguf_file}: no such GGUF file")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    # mkdtemp makes it private; the result is an ordinary directory
+    staging.chmod(ordinary_mode(directory=True))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype
@@ -41,7 +42,7 @@ def gguf_to_hf(
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # stored once, as the model's own save would
         weights = staging / "model.safetensors"
-        with safetensors_os_errors(weights):  # a full disk is an OSError, as for any file
+        with safetensors_write(weights):  # a full disk is an OSError, as for any file
             save_file(state, str(weights), metadata={"format": "pt"})
         if getattr(model.config, "quantization_config", None) is not None:
             # the weights written are plain floats, not GGUF blocks

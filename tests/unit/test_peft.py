@@ -740,6 +740,8 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     assert "Expect archive file" not in proc.stderr
     keys = load_file(str(out / "keys.safetensors"))["keys"]
     assert keys.shape == (3, 2, 2)  # steps x blocks of the tiny OPT x key words
+    # as readable as the program beside it (safetensors alone made it private)
+    assert (out / "keys.safetensors").stat().st_mode == (out / "step.pt2").stat().st_mode
     step = torch.export.load(out / "step.pt2").module()
     batch = random_batch(64, batch=2, seq=8, seed=1)
 
