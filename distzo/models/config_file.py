@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
-from distzo.models.hub import hub_answers
+from distzo.models.hub import bounded_reads, hub_answers
 from distzo.runtime import json_text
 
 JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}
@@ -36,10 +36,11 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
     from huggingface_hub.errors import StrictDataclassError
 
     # a hub name where the hub does not answer: the cache's (transformers would wait on
-    # the hub without a time limit)
+    # the hub without a time limit); where it answers, each read bounded (a hub that stalls)
     cached = not path.exists() and not hub_answers()
     try:
-        return AutoConfig.from_pretrained(name, local_files_only=cached)
+        with bounded_reads():
+            return AutoConfig.from_pretrained(name, local_files_only=cached)
     except StrictDataclassError as err:  # a field of the wrong type: its own line says which
         reason = str(err).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
         raise ValueError(f"{option} {name}: its {CONFIG_NAME}: {reason}; {FIX}") from None

@@ -18,6 +18,10 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx2
 
 # huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
 # while requesting ..."): every rank validates --model against the hub, so each would say
@@ -111,10 +115,81 @@ def hub_answers() -> bool:
             "Face cache; HF_HUB_OFFLINE=1 skips this wait",
             endpoint,
             timeout,
-            str(err).splitlines()[0] if str(err) else type(err).__name__,
+            first_line(err),
         )
         return False
     return True
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line, or its kind where it says nothing (httpx's timeouts)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def stalled(err: BaseException) -> bool:
+    """Whether ``err`` is (or was raised from) a request that timed out: a hub that
+    accepted it and sent nothing for ``HF_HUB_DOWNLOAD_TIMEOUT``."""
+    import httpx2  # huggingface_hub's HTTP client
+
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, httpx2.TimeoutException):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def note_stall(err: BaseException) -> None:
+    """Take a hub that stalled as one that does not answer (``hub_answers``), with the
+    probe's warning: the rest of the run reads the cache instead of waiting on it again."""
+    from huggingface_hub import constants
+
+    SILENT_SINCE[constants.ENDPOINT] = time.monotonic()
+    logger.warning(
+        "the hub (%s) answered, then sent nothing for %s s (%s): hub names are read from the "
+        "Hugging Face cache; HF_HUB_OFFLINE=1 skips this wait, a larger "
+        "HF_HUB_DOWNLOAD_TIMEOUT waits longer",
+        constants.ENDPOINT,
+        constants.HF_HUB_DOWNLOAD_TIMEOUT,
+        first_line(err),
+    )
+
+
+@contextlib.contextmanager
+def bounded_reads() -> Iterator[None]:
+    """huggingface_hub's requests in the block give up after ``HF_HUB_DOWNLOAD_TIMEOUT``
+    (10 s by default) without a byte, and connecting after as long. Its client waits
+    without a limit (``timeout=None``) wherever a call names no timeout of its own (the
+    ``repo_info`` of every snapshot and config, the tree listing), so a hub or proxy that
+    answered the probe and then stalled hung every rank with no output. A limit on each
+    read, not on the whole request: a slow download whose bytes keep coming is not cut
+    off. Calls that name their own timeout keep it. The library's client factory is
+    restored after the block: a notebook's other hub calls are left as they were."""
+    from huggingface_hub import constants, set_client_factory
+    from huggingface_hub.utils import _http
+
+    # the library has no getter for the factory set_client_factory replaces
+    previous = _http._GLOBAL_CLIENT_FACTORY
+    limit = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+    def bound(request: httpx2.Request) -> None:
+        timeouts = dict(request.extensions.get("timeout", {}))
+        for phase in ("connect", "read"):
+            if timeouts.get(phase) is None:
+                timeouts[phase] = limit
+        request.extensions["timeout"] = timeouts
+
+    def bounded_client() -> httpx2.Client:
+        client = previous()
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks, "request": [*hooks["request"], bound]}
+        return client
+
+    set_client_factory(bounded_client)
+    try:
+        yield
+    finally:
+        set_client_factory(previous)
 
 
 @contextlib.contextmanager
@@ -126,7 +201,8 @@ def offline_unless_answered() -> Iterator[None]:
     from huggingface_hub import constants
 
     if hub_answers():
-        yield
+        with bounded_reads():
+            yield
         return
     saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
@@ -147,19 +223,24 @@ def snapshot(
     replayed run's, or rank 0's on several nodes; else the repository's ``main``).
     ``download``: fetch what is missing (one rank per node); otherwise the cached snapshot
     that rank made (the node's other ranks, after it), with no network access. ``option``:
-    what the error calls the name; ``pinned_by``: why it is read at ``revision``."""
-    from huggingface_hub import list_repo_files, snapshot_download
+    what the error calls the name; ``pinned_by``: why it is read at ``revision``. A hub
+    that stalls after answering the probe: its cache, with a warning, where it holds the
+    snapshot; else one line naming the hub and the timeout."""
+    from huggingface_hub import constants, snapshot_download
 
     try:
         if not download or not hub_answers():
             return Path(snapshot_download(name, revision=revision, local_files_only=True))
-        try:
-            patterns = weight_patterns(list_repo_files(name, revision=revision))
-        except Exception:  # offline (HF_HUB_OFFLINE) or no listing: take what the cache holds
-            patterns = None
-        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
+        with bounded_reads():
+            return _download(name, revision)
     except Exception as err:  # network, authentication, a name that is not a repository
-        reason = str(err).splitlines()[0]
+        reason = first_line(err)
+        if stalled(err):
+            reason = (
+                f"the hub ({constants.ENDPOINT}) sent nothing for "
+                f"{constants.HF_HUB_DOWNLOAD_TIMEOUT} s (HF_HUB_DOWNLOAD_TIMEOUT; a larger "
+                "one waits longer, HF_HUB_OFFLINE=1 reads the cache where it holds the model)"
+            )
         if revision is None:
             raise ValueError(f"cannot download {option} {name!r}: {reason}") from None
         raise ValueError(
@@ -169,19 +250,51 @@ def snapshot(
         ) from None
 
 
+def _download(name: str, revision: str | None) -> Path:
+    """The snapshot, fetching what the repository's listing names. The listing is one
+    request, which the library does not retry (``list_repo_files`` retried a stalled
+    listing five times, over a minute): where it stalls, the cache's snapshot with a
+    warning, or the stall raised where the cache has none. Any other failure of the
+    listing is left to ``snapshot_download``: the cache, or its own error."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:  # an HfApi of now's endpoint, as snapshot_download makes (not the import's)
+        siblings = HfApi().model_info(name, revision=revision).siblings or []
+        patterns: list[str] | None = weight_patterns([s.rfilename for s in siblings])
+    except Exception as err:  # offline (HF_HUB_OFFLINE), no listing, a stall
+        if not stalled(err):
+            patterns = None
+        else:
+            try:
+                cached = snapshot_download(name, revision=revision, local_files_only=True)
+            except Exception:  # not in the cache: the stall is the reason
+                raise err from None
+            note_stall(err)
+            return Path(cached)
+    return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
+
+
 def main_commit(name: str, option: str = "--model") -> str:
     """The commit hub model ``name``'s ``main`` is now: the hub's answer, or where the hub
     does not answer, the cache's. On several nodes rank 0's is the one every node reads:
-    each node's own cache may hold another ``main`` (one filled last week, one today)."""
+    each node's own cache may hold another ``main`` (one filled last week, one today). A
+    hub that stalls on it is taken as one that does not answer (``note_stall``)."""
     from huggingface_hub import repo_info, snapshot_download
 
+    commit = None
     try:
         if hub_answers():
-            commit = repo_info(name).sha
-        else:
+            with bounded_reads():
+                try:
+                    commit = repo_info(name).sha
+                except Exception as err:
+                    if not stalled(err):
+                        raise
+                    note_stall(err)
+        if commit is None:
             commit = Path(snapshot_download(name, local_files_only=True)).name
     except Exception as err:  # network, authentication, a name that is not a repository
-        raise ValueError(f"cannot download {option} {name!r}: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"cannot download {option} {name!r}: {first_line(err)}") from None
     if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
         raise ValueError(f"cannot download {option} {name!r}: its main names no commit")
     return commit

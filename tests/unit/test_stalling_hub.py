@@ -1,0 +1,155 @@
+"""A hub (or a proxy) that answers the probe, then stalls: huggingface_hub's client waits
+without a time limit wherever a call names none (the model listing of every snapshot), so
+every rank hung with no output. Each read is bounded by ``HF_HUB_DOWNLOAD_TIMEOUT`` within
+distzo's calls: the cache where it holds the model, else one line; a download whose bytes
+keep coming is not cut off."""
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from distzo.models import hub
+from tests.helpers.models import LLAMA
+
+LIMIT_S = 0.3  # HF_HUB_DOWNLOAD_TIMEOUT in these tests
+BOUND_S = 10.0  # how long a call may take before the test calls it a hang
+SLOW_BODY = b"x" * 4  # a byte each LIMIT_S / 2: alive, longer than LIMIT_S in all
+
+
+def _serve(connection: socket.socket) -> None:
+    """HEAD / answered (the probe); /slow sent a byte at a time; huggingface_hub's agent
+    registry a 404 (not its own wait); anything else (a model's listing, its files) stalled."""
+    reader = connection.makefile("rb")
+    while line := reader.readline():
+        while reader.readline() not in (b"\r\n", b""):
+            pass
+        method, path = line.split()[:2]
+        if method == b"HEAD" and path == b"/":
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        elif path == b"/slow":
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(SLOW_BODY))
+            for byte in SLOW_BODY:
+                time.sleep(LIMIT_S / 2)
+                connection.sendall(bytes([byte]))
+        elif path == b"/api/agent-harnesses":
+            connection.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        else:
+            return  # accepted, never answered
+
+
+@pytest.fixture
+def stalling_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """huggingface_hub pointed at a local hub of the kind above, with a cache in tmp_path."""
+    from huggingface_hub import constants
+
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                connection = server.accept()[0]
+            except OSError:  # closed
+                return
+            held.append(connection)
+            threading.Thread(target=_serve, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    url = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, endpoint, 1)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)  # a file's address
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", LIMIT_S)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "SILENT_SINCE", {})
+    try:
+        yield endpoint
+    finally:
+        server.close()
+        for connection in held:  # ends a request the old code still waits on
+            connection.close()
+
+
+def within_bound(call: Callable[[], object]) -> object:
+    """``call``'s result or error, failing the test where it has not returned in BOUND_S."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as err:
+            outcome.append(err)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(BOUND_S)
+    assert outcome, f"still waiting on the hub after {BOUND_S} s"
+    return outcome[0]
+
+
+def cache_model(cache: Path, name: str) -> Path:
+    commit = "c" * 40
+    repo = cache / f"models--{name.replace('/', '--')}"
+    LlamaConfig(**LLAMA).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def test_a_hub_that_stalls_after_the_probe_is_read_from_the_cache(stalling_hub, caplog):
+    from huggingface_hub import constants
+
+    cached = cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        assert within_bound(lambda: hub.snapshot("tiny/llama", True)) == cached
+    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
+    assert f"sent nothing for {LIMIT_S} s" in said[0]
+    assert stalling_hub in hub.SILENT_SINCE  # not asked again: the config, the other ranks
+
+
+def test_a_stalled_hub_without_the_model_in_the_cache_is_one_line(stalling_hub):
+    error = within_bound(lambda: hub.snapshot("tiny/none", True))
+    assert isinstance(error, ValueError)
+    assert str(error) == (
+        f"cannot download --model 'tiny/none': the hub ({stalling_hub}) sent nothing for "
+        f"{LIMIT_S} s (HF_HUB_DOWNLOAD_TIMEOUT; a larger one waits longer, HF_HUB_OFFLINE=1 "
+        "reads the cache where it holds the model)"
+    )
+
+
+def test_each_read_is_bounded_not_the_download_and_the_client_is_restored(stalling_hub):
+    """A body whose bytes keep coming outlasts the limit and arrives whole; a stalled
+    answer times out; after the block the library's factory and client are as before."""
+    import httpx2
+    from huggingface_hub import get_session
+    from huggingface_hub.utils import _http
+
+    factory, hooks = _http._GLOBAL_CLIENT_FACTORY, get_session().event_hooks["request"][:]
+    with hub.bounded_reads():
+        started = time.monotonic()
+        assert get_session().get(f"{stalling_hub}/slow").content == SLOW_BODY
+        assert time.monotonic() - started > LIMIT_S
+        with pytest.raises(httpx2.ReadTimeout):
+            get_session().get(f"{stalling_hub}/api/models/tiny/llama", timeout=None)
+    assert _http._GLOBAL_CLIENT_FACTORY is factory
+    assert get_session().event_hooks["request"] == hooks
+
+
+def test_a_hub_models_config_is_read_from_the_cache_where_the_hub_stalls(stalling_hub, monkeypatch):
+    """transformers resolves the name's revision first (a listing with no time limit)."""
+    from huggingface_hub import constants
+
+    from distzo.models.config_file import read_config
+
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", LIMIT_S)  # its config's HEAD
+    cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
+    config = within_bound(lambda: read_config("tiny/llama"))
+    assert config.num_hidden_layers == LLAMA["num_hidden_layers"]
