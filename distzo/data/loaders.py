@@ -254,7 +254,7 @@ def _hub_rows(source: str) -> list[dict[str, Any]]:
     from distzo.models.hub import offline_unless_answered
 
     try:
-        with offline_unless_answered():  # a hub that never answers: the datasets cache
+        with offline_unless_answered(path):  # a hub that never answers: the datasets cache
             return list(datasets.load_dataset(path, config, split=split))
     except Exception as err:  # offline, unknown name, unknown split: all one message
         raise ValueError(

@@ -193,14 +193,17 @@ def bounded_reads() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def offline_unless_answered() -> Iterator[None]:
+def offline_unless_answered(dataset: str | None = None) -> Iterator[None]:
     """Offline, as ``HF_HUB_OFFLINE=1`` makes huggingface_hub and datasets (which read it
     once, when imported), while the hub does not answer (``hub_answers``): a library whose
-    calls have no time limit of their own reads its cache, not a silent route forever."""
+    calls have no time limit of their own reads its cache, not a silent route forever.
+    ``dataset``: asked about first, in one request the library does not retry; a hub that
+    stalls on it is taken as silent (``datasets`` retried a stalled file's metadata six
+    times, 60 s each, its own limit)."""
     import datasets.config
     from huggingface_hub import constants
 
-    if hub_answers():
+    if hub_answers() and (dataset is None or _dataset_answers(dataset)):
         with bounded_reads():
             yield
         return
@@ -210,6 +213,21 @@ def offline_unless_answered() -> Iterator[None]:
         yield
     finally:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def _dataset_answers(name: str) -> bool:
+    """Whether the hub answers about dataset ``name`` within ``HF_HUB_DOWNLOAD_TIMEOUT``;
+    any answer counts, an unknown name too (``datasets`` says why)."""
+    from huggingface_hub import HfApi
+
+    with bounded_reads():
+        try:  # an HfApi of now's endpoint
+            HfApi().dataset_info(name)
+        except Exception as err:
+            if stalled(err):
+                note_stall(err)
+                return False
+    return True
 
 
 def snapshot(

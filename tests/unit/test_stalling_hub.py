@@ -45,7 +45,9 @@ def _serve(connection: socket.socket) -> None:
 
 @pytest.fixture
 def stalling_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
-    """huggingface_hub pointed at a local hub of the kind above, with a cache in tmp_path."""
+    """huggingface_hub and datasets pointed at a local hub of the kind above, with a cache
+    in tmp_path."""
+    import datasets.config
     from huggingface_hub import constants
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -65,6 +67,8 @@ def stalling_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[st
     url = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, endpoint, 1)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)  # a file's address
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", LIMIT_S)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -153,3 +157,17 @@ def test_a_hub_models_config_is_read_from_the_cache_where_the_hub_stalls(stallin
     cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
     config = within_bound(lambda: read_config("tiny/llama"))
     assert config.num_hidden_layers == LLAMA["num_hidden_layers"]
+
+
+def test_a_hub_dataset_where_the_hub_stalls_is_one_line(stalling_hub, caplog):
+    """Asked about once, not through datasets' retries of a file's metadata (over six
+    minutes): then offline, as a hub that never answers."""
+    from distzo.data.loaders import load_rows
+
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        error = within_bound(lambda: load_rows("hf:org/none:train"))
+    assert isinstance(error, ValueError)
+    assert str(error).startswith("hf:org/none:train: cannot load from the hub (")
+    assert str(error).endswith("; use a local file") and "\n" not in str(error)
+    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
