@@ -276,9 +276,12 @@ def _download(name: str, revision: str | None) -> Path:
     listing is left to ``snapshot_download``: the cache, or its own error."""
     from huggingface_hub import HfApi, snapshot_download
 
-    try:  # an HfApi of now's endpoint, as snapshot_download makes (not the import's)
-        siblings = HfApi().model_info(name, revision=revision).siblings or []
-        patterns: list[str] | None = weight_patterns([s.rfilename for s in siblings])
+    api = HfApi()  # of now's endpoint, as snapshot_download makes (not the import's)
+    patterns: list[str] | None
+    try:
+        siblings = api.model_info(name, revision=revision).siblings
+        files = [s.rfilename for s in siblings] if siblings is not None else None
+        patterns = weight_patterns(files or api.list_repo_files(name, revision=revision))
     except Exception as err:  # offline (HF_HUB_OFFLINE), no listing, a stall
         if not stalled(err):
             patterns = None

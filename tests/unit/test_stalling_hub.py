@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import LlamaConfig
@@ -171,3 +172,41 @@ def test_a_hub_dataset_where_the_hub_stalls_is_one_line(stalling_hub, caplog):
     assert str(error).endswith("; use a local file") and "\n" not in str(error)
     said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
+
+
+class ListingHub:
+    """HfApi as a hub whose model listing names ``siblings`` (None: a listing without
+    them) and whose tree listing names ``tree``; snapshot_download as the patterns it got."""
+
+    def __init__(self, siblings: list[str] | None, tree: list[str]) -> None:
+        self.siblings, self.tree = siblings, tree
+        self.fetched: list[list[str]] = []
+
+    def model_info(self, name: str, revision: str | None) -> object:
+        from huggingface_hub.hf_api import RepoSibling
+
+        names = self.siblings
+        return SimpleNamespace(siblings=None if names is None else [RepoSibling(n) for n in names])
+
+    def list_repo_files(self, name: str, revision: str | None) -> list[str]:
+        return self.tree
+
+    def snapshot_download(self, name: str, revision: str | None, allow_patterns: list[str]) -> str:
+        self.fetched.append(allow_patterns)
+        return "folder"
+
+
+@pytest.mark.parametrize(
+    ("siblings", "weights"),
+    [(["config.json", "model.bin"], "*.bin"), (None, "*.safetensors")],
+)
+def test_the_listing_that_chooses_the_weights_is_the_models_own(monkeypatch, siblings, weights):
+    """One model_info request names the files (its tree listing where it names none): a
+    repository with safetensors is fetched without its .bin duplicates."""
+    import huggingface_hub
+
+    listing = ListingHub(siblings, tree=["config.json", "model.safetensors", "model.bin"])
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", listing.snapshot_download)
+    assert hub._download("org/model", None) == Path("folder")
+    assert listing.fetched == [hub.METADATA + [weights]]
