@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
-from distzo.models.hub import bounded_reads, hub_answers
+from distzo.models.hub import bounded_reads, hub_answers, repo_answers
 from distzo.runtime import json_text
 
 JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}
@@ -35,9 +35,9 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
         _check_object(path / CONFIG_NAME, option)
     from huggingface_hub.errors import StrictDataclassError
 
-    # a hub name where the hub does not answer: the cache's (transformers would wait on
-    # the hub without a time limit); where it answers, each read bounded (a hub that stalls)
-    cached = not path.exists() and not hub_answers()
+    # a hub name where the hub does not answer, or stalls on it: the cache's (transformers
+    # would wait on the hub without a time limit); where it answers, each read bounded
+    cached = not path.exists() and not (hub_answers() and repo_answers(str(name)))
     try:
         with bounded_reads():
             return AutoConfig.from_pretrained(name, local_files_only=cached)

@@ -197,13 +197,12 @@ def offline_unless_answered(dataset: str | None = None) -> Iterator[None]:
     """Offline, as ``HF_HUB_OFFLINE=1`` makes huggingface_hub and datasets (which read it
     once, when imported), while the hub does not answer (``hub_answers``): a library whose
     calls have no time limit of their own reads its cache, not a silent route forever.
-    ``dataset``: asked about first, in one request the library does not retry; a hub that
-    stalls on it is taken as silent (``datasets`` retried a stalled file's metadata six
-    times, 60 s each, its own limit)."""
+    ``dataset``: asked about first (``repo_answers``); a hub that stalls on it is taken as
+    silent."""
     import datasets.config
     from huggingface_hub import constants
 
-    if hub_answers() and (dataset is None or _dataset_answers(dataset)):
+    if hub_answers() and (dataset is None or repo_answers(dataset, "dataset")):
         with bounded_reads():
             yield
         return
@@ -215,14 +214,17 @@ def offline_unless_answered(dataset: str | None = None) -> Iterator[None]:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
-def _dataset_answers(name: str) -> bool:
-    """Whether the hub answers about dataset ``name`` within ``HF_HUB_DOWNLOAD_TIMEOUT``;
-    any answer counts, an unknown name too (``datasets`` says why)."""
+def repo_answers(name: str, kind: str = "model") -> bool:
+    """Whether the hub answers about repository ``name`` (a ``kind``: model, dataset)
+    within ``HF_HUB_DOWNLOAD_TIMEOUT``, in one request the library does not retry; any
+    answer counts, an unknown name too (the caller's load says why). A stall is noted
+    (``note_stall``): transformers and datasets retried a stalled file's metadata six
+    times, 60 s each, their own limit."""
     from huggingface_hub import HfApi
 
     with bounded_reads():
         try:  # an HfApi of now's endpoint
-            HfApi().dataset_info(name)
+            HfApi().repo_info(name, repo_type=kind)
         except Exception as err:
             if stalled(err):
                 note_stall(err)

@@ -148,16 +148,24 @@ def test_each_read_is_bounded_not_the_download_and_the_client_is_restored(stalli
     assert get_session().event_hooks["request"] == hooks
 
 
-def test_a_hub_models_config_is_read_from_the_cache_where_the_hub_stalls(stalling_hub, monkeypatch):
-    """transformers resolves the name's revision first (a listing with no time limit)."""
+def test_a_hub_models_config_is_read_from_the_cache_where_the_hub_stalls(stalling_hub, caplog):
+    """Asked about once, bounded, then read as offline: transformers had waited on its
+    revision listing without a limit, and on an uncached config.json retried its metadata
+    six times, 60 s each."""
     from huggingface_hub import constants
 
     from distzo.models.config_file import read_config
 
-    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", LIMIT_S)  # its config's HEAD
     cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
-    config = within_bound(lambda: read_config("tiny/llama"))
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        config = within_bound(lambda: read_config("tiny/llama"))
     assert config.num_hidden_layers == LLAMA["num_hidden_layers"]
+    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
+    hub.SILENT_SINCE.clear()  # the hub asked again, for a model the cache lacks
+    error = within_bound(lambda: read_config("tiny/none"))
+    assert isinstance(error, ValueError) and "\n" not in str(error)
+    assert str(error).startswith("cannot load --model 'tiny/none': ")
 
 
 def test_a_hub_dataset_where_the_hub_stalls_is_one_line(stalling_hub, caplog):
