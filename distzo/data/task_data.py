@@ -27,6 +27,7 @@ from distzo.data.encoding import (
     distinct,
 )
 from distzo.data.loaders import iter_numbered_rows, read_whole
+from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.synthetic import CountingTask
 from distzo.data.templates import TASKS, Example, build_numbered, get_task, not_text
 from distzo.objectives import OBJECTIVES
@@ -266,7 +267,10 @@ class PromptData:
         eval_batch_size: int,
         max_new_tokens: int = 16,
         objective: str | None = None,
+        share: RowShare = WHOLE,
     ) -> None:
+        """``share``: the part of each file's rows this process reads the lengths of (the
+        job's ranks split the pass; the batches are every rank's whole)."""
         self.kind = TASKS[rows.task].kind
         self.objective = objective or default_objective(rows.task)
         check_objective(rows.task, self.objective)
@@ -286,10 +290,8 @@ class PromptData:
             self.train = PromptOnlyTrainData(rows.train, encoder, seed, max_new_tokens)
         else:
             self.train = PromptTrainData(rows.train, encoder, seed)
-        train, train_longest, rows_per_example = self._cuts(
-            "--train-file", rows.train, trained=True
-        )
-        evals, eval_longest, _ = self._cuts("--eval-file", rows.eval, trained=False)
+        train, train_longest, rows_per_example = self._cuts("--train-file", rows.train, True, share)
+        evals, eval_longest, _ = self._cuts("--eval-file", rows.eval, False, share)
         extra = max_new_tokens if self.kind == "generation" else 0
         self.longest = min(max(train_longest, eval_longest) + extra, encoder.max_length)
         self.cut_notices = _notices(
@@ -311,11 +313,23 @@ class PromptData:
             f"--max-new-tokens {room})"
         )
 
-    def _cuts(self, file: str, examples: list[Example], trained: bool) -> tuple[Cuts, int, int]:
+    def _cuts(
+        self, file: str, examples: list[Example], trained: bool, share: RowShare
+    ) -> tuple[Cuts, int, int]:
         """The rows of ``file`` the token limit cuts, in the sequences training (or
         evaluation) runs, the file's longest joint sequence before any cut, and the most
-        rows a trained example becomes: one pass, each text tokenized once (batched), the
-        encodings dropped (a million rows' were gigabytes, on every rank)."""
+        rows a trained example becomes: each part of ``share`` reads its rows' lengths and
+        the parts' tallies add up (the longest and the most rows: the parts' largest)."""
+        span = share.span(len(examples))
+        parts = share.meet(lambda: self._tally(examples[span.start : span.stop], trained))
+        cut, answers, alike = (sum(part[k] for part in parts) for k in range(3))
+        longest, rows = (max(part[k] for part in parts) for k in (3, 4))
+        return Cuts(file, len(examples), cut, answers, alike), longest, rows
+
+    def _tally(self, examples: list[Example], trained: bool) -> tuple[int, int, int, int, int]:
+        """``_cuts``' counts over ``examples`` (rows cut, answers cut, candidates made
+        alike), its longest sequence and most rows: one pass, each text tokenized once
+        (batched), the encodings dropped (a million rows' were gigabytes, on every rank)."""
         encoder, longest, cut, answers, alike = self.encoder, 0, 0, 0, 0
         only_right = trained and self.objective == "lm"
         choices = trained and self.objective in ("classification", "accuracy")
@@ -334,7 +348,7 @@ class PromptData:
             lost = any(answer > encoder.answer_room for _, answer in used)
             answers += lost
             alike += lost and not only_right and not distinct(encoder.fitted(joints))
-        return Cuts(file, len(examples), cut, answers, alike), longest, rows
+        return cut, answers, alike, longest, rows
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)

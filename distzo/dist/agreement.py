@@ -41,3 +41,20 @@ def agreed(comm: Collectives, check: Callable[[], T]) -> T:
             raise ValueError(message)
         raise OSError(errno, message, filename)
     return result  # type: ignore[return-value]  # no rank failed: check() returned
+
+
+def gathered(comm: Collectives, compute: Callable[[], T]) -> list[T]:
+    """Every rank's ``compute()``, in rank order, on every rank; where it raised
+    ``ValueError`` on any rank, every rank raises the first failing rank's, as it was (a
+    rank's part of a pass over a file's rows: the error a pass over the whole file would
+    have raised first, not one of a rank)."""
+    outcome: tuple[T | None, str | None]
+    try:
+        outcome = (compute(), None)
+    except ValueError as err:
+        outcome = (None, str(err))
+    outcomes = comm.all_gather_object(outcome) if comm.distributed else [outcome]
+    for _, error in outcomes:
+        if error is not None:
+            raise ValueError(error)
+    return [result for result, _ in outcomes]  # type: ignore[misc]  # none failed

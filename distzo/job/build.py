@@ -17,10 +17,11 @@ from transformers import AutoConfig, PretrainedConfig
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig
 from distzo.data.encoding import PromptEncoder
+from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
-from distzo.dist.agreement import agreed
+from distzo.dist.agreement import agreed, gathered
 from distzo.engine import resolve_transfer
 from distzo.job.evaluation import planned_rows
 from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
@@ -231,10 +232,12 @@ def build_task_data(
     model_config: Any,
     seed: int,
     stop_ids: tuple[int, ...] = (),
+    share: RowShare = WHOLE,
 ) -> TaskData:
     """Needs the model's config (vocabulary, positions) and the end-of-sequence tokens its
     generation config lists, not its weights: built before the memory plan, so the plan
-    knows the real longest sequence."""
+    knows the real longest sequence. ``share``: the part of the rows' lengths this rank
+    reads (``rank_share``)."""
     data = job.data
     if rows is None:
         return CountingData(
@@ -246,8 +249,15 @@ def build_task_data(
     if data.task == "text":
         return TextData(rows, encoder, seed, data.eval_batch_size)
     return PromptData(
-        rows, encoder, seed, data.eval_batch_size, data.max_new_tokens, job.optim.objective
+        rows, encoder, seed, data.eval_batch_size, data.max_new_tokens, job.optim.objective, share
     )
+
+
+def rank_share(parallel: ParallelContext) -> RowShare:
+    """This rank's part of the pass over the rows' lengths: every rank builds the same
+    data, so each reads 1/N of the rows and the counts meet over the host group."""
+    comm = parallel.comm
+    return RowShare(parallel.env.rank, comm.world_size, lambda compute: gathered(comm, compute))
 
 
 def build_objective(name: str, data: TaskData) -> Objective:

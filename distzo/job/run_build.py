@@ -30,6 +30,7 @@ from distzo.job.build import (
     build_parallel,
     build_task_data,
     choose_slots,
+    rank_share,
 )
 from distzo.job.checkpoint import Checkpointer
 from distzo.job.memory_plan import check_fits
@@ -129,7 +130,8 @@ class _Build:
         model, weights, tokenizer, revision = run_model(job, self.seed, env, comm, self.run_dir)
         rows = self.checked.rows
         stop_ids = declared_stop_ids(model, special_ids(tokenizer))
-        data = build_task_data(job, rows, tokenizer, model.config, self.seed, stop_ids)
+        share = rank_share(self.parallel)
+        data = build_task_data(job, rows, tokenizer, model.config, self.seed, stop_ids, share)
         if env.rank == 0:  # MeZO warns of a cut too ("Exceed max length")
             for line in data.cut_notices:
                 logger.warning(line)
