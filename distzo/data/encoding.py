@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.templates import Example
 from distzo.objectives import ChoiceEncoding, collate_choices, collate_prompts
 from distzo.zo.noise import noise_seed
@@ -380,28 +381,51 @@ class PromptOnlyTrainData:
 
 
 class TextTrainData:
-    """Plain causal LM on raw text rows: every token of a row (up to max_length) is a label."""
+    """Plain causal LM on raw text rows: every token of a row (up to max_length) is a label.
+    A row is tokenized when a step takes it: the file's tokens, kept, were 4 bytes a token
+    on every rank (a gigabyte a million wikitext-sized rows), and the build that tokenized
+    them all, minutes, ran on every rank. The build reads the rows' lengths once, each rank
+    its ``share`` of them."""
 
-    def __init__(self, texts: list[str], encoder: PromptEncoder, seed: int) -> None:
+    def __init__(
+        self, texts: list[str], encoder: PromptEncoder, seed: int, share: RowShare = WHOLE
+    ) -> None:
         """A row of fewer than two tokens (an empty one: wikitext has many) has no next
         token to predict and is left out: a batch of only such rows stopped the run."""
-        self.cut = 0  # rows longer than max_length
-        self.sequences = TokenRows(self._kept(encoder.encode_texts(texts)))
-        if not len(self.sequences):
+        span = share.span(len(texts))
+        parts = share.meet(lambda: _text_lengths(encoder, texts, span))
+        self.cut = sum(cut for cut, _, _ in parts)  # rows longer than max_length
+        self.width = max(width for _, width, _ in parts)  # the longest kept row's tokens
+        left_out = {row for _, _, rows in parts for row in rows}
+        self.rows: Sequence[int] = (
+            array("q", (row for row in range(len(texts)) if row not in left_out))
+            if left_out
+            else range(len(texts))
+        )
+        if not len(self.rows):
             raise ValueError(
                 "--train-file: no row has a next token to predict (a row needs two tokens or "
                 "more after tokenization); give longer rows"
             )
-        self.encoder, self.seed = encoder, seed
-
-    def _kept(self, encoded: Iterable[tuple[list[int], bool]]) -> Iterator[list[int]]:
-        """The rows of two tokens or more, counting the cut ones."""
-        for ids, cut in encoded:
-            self.cut += cut
-            if len(ids) > 1:
-                yield ids
+        self.texts, self.encoder, self.seed = texts, encoder, seed
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
-        indices = step_indices(len(self.sequences), batch_size, step, self.seed)
-        rows = [self.sequences[i] for i in indices]
-        return self.encoder.collate([(ids, len(ids)) for ids in rows])
+        indices = step_indices(len(self.rows), batch_size, step, self.seed)
+        encoded = self.encoder.encode_texts([self.texts[self.rows[i]] for i in indices])
+        return self.encoder.collate([(ids, len(ids)) for ids, _ in encoded])
+
+
+def _text_lengths(
+    encoder: PromptEncoder, texts: list[str], span: range
+) -> tuple[int, int, list[int]]:
+    """Of the rows ``span`` of ``texts``: how many the limit cuts, the most tokens a kept
+    row has, and the rows left out (fewer than two tokens)."""
+    cut, width, left_out = 0, 0, []
+    encoded = encoder.encode_texts(texts[span.start : span.stop])
+    for row, (ids, lost) in zip(span, encoded):
+        cut += lost
+        if len(ids) > 1:
+            width = max(width, len(ids))
+        else:
+            left_out.append(row)
+    return cut, width, left_out

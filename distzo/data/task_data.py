@@ -226,9 +226,15 @@ class CountingData:
 
 class TextData:
     def __init__(
-        self, rows: LoadedRows, encoder: PromptEncoder, seed: int, eval_batch_size: int
+        self,
+        rows: LoadedRows,
+        encoder: PromptEncoder,
+        seed: int,
+        eval_batch_size: int,
+        share: RowShare = WHOLE,
     ) -> None:
-        self.train = TextTrainData(rows.train, encoder, seed)
+        """``share``: the part of the training rows this process reads the lengths of."""
+        self.train = TextTrainData(rows.train, encoder, seed, share)
         encoded = list(encoder.encode_texts(rows.eval))
         self.eval_set = PaddedRows((ids for ids, _ in encoded), encoder)
         if self.eval_set.width < 2:  # a next token to predict: the metrics' denominator
@@ -237,7 +243,7 @@ class TextData:
                 "more after tokenization); give longer rows"
             )
         self.eval_batch_size = eval_batch_size
-        self.longest = max(self.train.sequences.width, self.eval_set.width)
+        self.longest = max(self.train.width, self.eval_set.width)
         self.rows_per_example = 1
         limit = token_limit(encoder.max_length)
         self.cut_notices = _notices(

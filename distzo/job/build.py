@@ -247,7 +247,7 @@ def build_task_data(
         tokenizer, data.max_length or token_positions(job, model_config), stop_ids
     )
     if data.task == "text":
-        return TextData(rows, encoder, seed, data.eval_batch_size)
+        return TextData(rows, encoder, seed, data.eval_batch_size, share)
     return PromptData(
         rows, encoder, seed, data.eval_batch_size, data.max_new_tokens, job.optim.objective, share
     )

@@ -74,7 +74,7 @@ def test_a_text_row_of_exactly_the_limit_is_not_counted(tmp_path):
     )
     assert loaded is not None
     data = TextData(loaded, PromptEncoder(byte_tokenizer(), max_length=24), 0, 2)
-    assert data.train.sequences.width == 24 and data.cut_notices == ()
+    assert data.train.width == 24 and data.cut_notices == ()
 
 
 def test_a_squad_plan_holds_the_answer_decoded_after_the_longest_prompt(tmp_path):

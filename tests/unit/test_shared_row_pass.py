@@ -4,13 +4,14 @@ gives (the cut notices, the longest sequence, the rows an example becomes) and t
 batches. A million SST-2 rows' pass took 221 s of each rank's build."""
 
 import threading
+from typing import Any
 
 import pytest
 import torch
 
-from distzo.data.encoding import PromptEncoder
-from distzo.data.row_share import RowShare
-from distzo.data.task_data import LoadedRows, PromptData
+from distzo.data.encoding import PromptEncoder, step_indices
+from distzo.data.row_share import WHOLE, RowShare
+from distzo.data.task_data import LoadedRows, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist.agreement import gathered
 from distzo.models.tiny import byte_tokenizer
@@ -36,6 +37,12 @@ def copa_rows(count: int) -> list[Example]:
         Example(f"p{'x' * (i * 7 % 40)} because", (" a" * (i % 5 + 1), " bb" * (i % 9 + 1)), i % 2)
         for i in range(count)
     ]
+
+
+def build(loaded: LoadedRows, encoder: PromptEncoder, objective: str, share=WHOLE):
+    if loaded.task == "text":
+        return TextData(loaded, encoder, 0, 2, share)
+    return PromptData(loaded, encoder, 0, 2, 4, objective, share)
 
 
 class ThreadGroup:
@@ -64,22 +71,22 @@ class ThreadGroup:
         return Member()
 
 
-def build_parts(loaded: LoadedRows, parts: int, objective: str) -> list[tuple[PromptData, int]]:
+def build_parts(loaded: LoadedRows, parts: int, objective: str) -> list[tuple[Any, int]]:
     """Each part's data, built in a thread of its own as a rank builds it (``rank_share``'s
     meeting: ``gathered`` over the host group), with the texts its tokenizer took."""
     group = ThreadGroup(parts)
     built: list = [None] * parts
 
-    def build(part: int) -> None:
+    def run(part: int) -> None:
         tokenizer, comm = CountingTokenizer(), group.member(part)
         share = RowShare(part, parts, lambda compute: gathered(comm, compute))
         try:
-            data = PromptData(loaded, PromptEncoder(tokenizer, 24), 0, 2, 4, objective, share)
+            data = build(loaded, PromptEncoder(tokenizer, 24), objective, share)
             built[part] = (data, tokenizer.texts)
         except BaseException as err:
             built[part] = err
 
-    threads = [threading.Thread(target=build, args=(part,)) for part in range(parts)]
+    threads = [threading.Thread(target=run, args=(part,)) for part in range(parts)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -111,6 +118,44 @@ def test_ranks_sharing_the_pass_see_what_one_pass_sees_and_tokenize_a_part(objec
     # (50 + 11 rows) x 3 texts a row: each part tokenized its third of them, once
     assert passed[0] == 183 and sum(passed[1:]) == 183
     assert max(passed[1:]) <= 63
+
+
+def test_text_rows_are_read_in_parts_and_tokenized_when_a_step_takes_them():
+    """The text task kept every row's tokens (4 bytes a token, on every rank); now a step
+    tokenizes its rows, and the rows without a next token (an empty one: 1 token, the
+    leading </s>) stay out of the batches as they did."""
+    texts = [("w" * (i * 5 % 37)) if i % 6 else "" for i in range(40)]
+    loaded = LoadedRows("text", texts, texts[:7])
+    whole = CountingTokenizer()
+    alone = TextData(loaded, PromptEncoder(whole, 24), 0, 2)
+    built = whole.texts
+    parts = build_parts(loaded, 3, "lm")
+    assert alone.cut_notices and alone.longest == 24
+    assert list(alone.train.rows) == [i for i in range(40) if i % 6 and i * 5 % 37]
+    for data, _ in parts:
+        assert data.cut_notices == alone.cut_notices and data.longest == alone.longest
+        assert list(data.train.rows) == list(alone.train.rows)
+    for step in range(6):
+        batch = alone.batch(4, step)
+        assert all(torch.equal(batch[k], parts[2][0].batch(4, step)[k]) for k in batch)
+        assert (batch["attention_mask"].sum(1) > 1).all()  # no empty row
+        rows = [alone.train.rows[i] for i in step_indices(len(alone.train.rows), 4, step, 0)]
+        tokens = zip(batch["input_ids"], batch["attention_mask"].bool())
+        # a long row keeps its leading </s> (id 1) and its last 23 bytes
+        assert [ids[kept].tolist() for ids, kept in tokens] == [
+            [1, *byte_ids(texts[row])[-23:]] for row in rows
+        ]
+    probe = CountingTokenizer()
+    PromptEncoder(probe, 24)
+    # (40 + 7 rows): each part read its third of the 40 training rows' lengths, the
+    # evaluation rows whole
+    assert built - probe.texts == 47
+    assert sorted(texts - probe.texts for _, texts in parts) == [20, 20, 21]
+
+
+def byte_ids(text: str) -> list[int]:
+    """The byte tokenizer's ids of ``text``'s own tokens (no </s>)."""
+    return byte_tokenizer()(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_bad_row_in_one_part_is_every_parts_error_as_one_pass_says_it():
