@@ -130,3 +130,22 @@ def test_text_training_rows_rest_in_an_array(tmp_path):
     assert kept < 5 * tokens, kept / tokens
     batch = data.batch(3, 0)
     assert batch["input_ids"].shape == (3, 64) and (batch["labels"] == batch["input_ids"]).all()
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_loading_a_csv_holds_its_text_alone(tmp_path, suffix):
+    """A CSV or TSV file's text went through a StringIO (4 bytes a character: four times an
+    ASCII file) into a list of every row's dict, beside the Examples; its lines and rows now
+    come one at a time, so the peak above the loaded rows is the file's text, once."""
+    sep = "\t" if suffix == ".tsv" else ","
+    lines = [f"row {i} " + "x" * 200 + f"{sep}{i % 2}" for i in range(4000)]
+    path = tmp_path / f"t{suffix}"
+    path.write_text(f"sentence{sep}label\n" + "\n".join(lines) + "\n")
+    size = path.stat().st_size
+    gc.collect()
+    tracemalloc.start()
+    loaded = load_task_rows("sst2", str(path), str(path))
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert loaded is not None and len(loaded.train) == 4000
+    assert peak - kept < 2.5 * size, (peak - kept, size)  # the bytes and the text, at most
