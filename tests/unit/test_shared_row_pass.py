@@ -15,20 +15,7 @@ from distzo.data.task_data import LoadedRows, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist.agreement import gathered
 from distzo.models.tiny import byte_tokenizer
-
-
-class CountingTokenizer:
-    """The byte tokenizer, counting the texts it is given."""
-
-    def __init__(self) -> None:
-        self.inner, self.texts = byte_tokenizer(), 0
-
-    def __call__(self, texts, **options):
-        self.texts += len(texts) if isinstance(texts, list) else 1
-        return self.inner(texts, **options)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+from tests.unit.test_prompt_build_cost import CountingTokenizer
 
 
 def copa_rows(count: int) -> list[Example]:
@@ -78,7 +65,7 @@ def build_parts(loaded: LoadedRows, parts: int, objective: str) -> list[tuple[An
     built: list = [None] * parts
 
     def run(part: int) -> None:
-        tokenizer, comm = CountingTokenizer(), group.member(part)
+        tokenizer, comm = CountingTokenizer(byte_tokenizer()), group.member(part)
         share = RowShare(part, parts, lambda compute: gathered(comm, compute))
         try:
             data = build(loaded, PromptEncoder(tokenizer, 24), objective, share)
@@ -101,11 +88,11 @@ def build_parts(loaded: LoadedRows, parts: int, objective: str) -> list[tuple[An
 @pytest.mark.parametrize("objective", ["classification", "lm"])
 def test_ranks_sharing_the_pass_see_what_one_pass_sees_and_tokenize_a_part(objective):
     loaded = LoadedRows("copa", copa_rows(50), copa_rows(11))
-    whole = CountingTokenizer()
+    whole = CountingTokenizer(byte_tokenizer())
     parts = build_parts(loaded, 3, objective)
     alone = PromptData(loaded, PromptEncoder(whole, 24), 0, 2, 4, objective)
     assert alone.cut_notices and alone.longest == 24
-    probe = CountingTokenizer()
+    probe = CountingTokenizer(byte_tokenizer())
     PromptEncoder(probe, 24)  # its probe of the special tokens
     passed = [texts - probe.texts for texts in (whole.texts, *(t for _, t in parts))]
     for data, _ in parts:
@@ -126,7 +113,7 @@ def test_text_rows_are_read_in_parts_and_tokenized_when_a_step_takes_them():
     leading </s>) stay out of the batches as they did."""
     texts = [("w" * (i * 5 % 37)) if i % 6 else "" for i in range(40)]
     loaded = LoadedRows("text", texts, texts[:7])
-    whole = CountingTokenizer()
+    whole = CountingTokenizer(byte_tokenizer())
     alone = TextData(loaded, PromptEncoder(whole, 24), 0, 2)
     built = whole.texts
     parts = build_parts(loaded, 3, "lm")
@@ -145,7 +132,7 @@ def test_text_rows_are_read_in_parts_and_tokenized_when_a_step_takes_them():
         assert [ids[kept].tolist() for ids, kept in tokens] == [
             [1, *byte_ids(texts[row])[-23:]] for row in rows
         ]
-    probe = CountingTokenizer()
+    probe = CountingTokenizer(byte_tokenizer())
     PromptEncoder(probe, 24)
     # (40 + 7 rows): each part read its third of the 40 training rows' lengths, the
     # evaluation rows whole
