@@ -190,12 +190,14 @@ def test_the_gpu_session_script_packs_its_archive_when_a_stage_fails(tmp_path):
     assert (tmp_path / "peers.log").read_text() == log  # the log comes back beside it
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="here the stage would run for real")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here nvidia-smi names the real card")
 @pytest.mark.parametrize("card_mib", [None, 143771])
 def test_the_qwen3_peers_stage_interleaves_8b_only_on_a_card_that_holds_it(tmp_path, card_mib):
     """Without nvidia-smi (or on an 80 GB card) the 8B peers run one at a time; on a card
-    of 100 GB or more (an H200's 143771 MiB, from a stand-in nvidia-smi) they interleave."""
-    env = {"OUT": str(tmp_path / "out")}
+    of 100 GB or more (an H200's 143771 MiB, from a stand-in nvidia-smi) they interleave.
+    A dry run: the stage's choice is in the commands it lists (running them on a CPU only
+    failed each in a fresh interpreter; a run that fails is packed's test, above)."""
+    env = {"OUT": str(tmp_path / "out"), "DRY_RUN": "1"}
     if card_mib is not None:
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir()
