@@ -3,14 +3,12 @@ tensors, stream-ordered waits, a host sync at the end of every collective read-b
 
 import ast
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from distzo.dist import Collectives
-from tests.helpers.launch import child_env, free_port
+from tests.helpers.launch import child_env, free_port, run_python, torchrun_command
 
 PACKAGE = Path(__file__).resolve().parents[2] / "distzo"
 COLLECTIVES = {
@@ -96,18 +94,11 @@ def test_the_engine_follows_nccls_rules_against_a_stand_in(tmp_path):
     # tests/helpers/nccl_like.py refuses tensors not placed for the device group and holds every
     # collective outstanding until a host sync: evaluation summing a host tensor, or a
     # read-back returning before its gathers finished, fail here as under NCCL.
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "tests.helpers.nccl_like_probe",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=child_env())
+    # the ranks forked from a launcher that imported the probe (the fork server's child)
+    command = torchrun_command(
+        2, [str(tmp_path)], free_port(), module="tests.helpers.nccl_like_probe", preload=True
+    )
+    proc = run_python(command, child_env(), 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for record in records:

@@ -3,8 +3,6 @@ DCP's writer thread runs on the rank's device, a sliced resume reads only each r
 ranges."""
 
 import json
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -15,7 +13,7 @@ from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from distzo.job.dcp_ranges import load_ranges
 from tests.helpers.dcp_reads import counting_reads
 from tests.helpers.engines import LateOffloads, engine_for, train
-from tests.helpers.launch import child_env, free_port
+from tests.helpers.launch import child_env, free_port, run_python, torchrun_command
 from tests.helpers.models import tiny_opt
 
 
@@ -89,23 +87,11 @@ def test_a_sliced_resume_reads_only_each_ranks_share_of_the_blocks(tmp_path):
     # 2 sliced ranks of one node resume Adam from a checkpoint written by the saving path
     # (each block and moment stored whole by one rank): each rank reads its half of them
     # (and the resident bucket whole), not every block; the resumed run follows.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            "-m",
-            "tests.helpers.checkpoint_read_probe",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
+    # the ranks forked from a launcher that imported the probe (the fork server's child)
+    command = torchrun_command(
+        2, [str(tmp_path)], free_port(), module="tests.helpers.checkpoint_read_probe", preload=True
     )
+    proc = run_python(command, child_env(), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
