@@ -712,12 +712,11 @@ def test_an_adapter_under_another_name_than_default_is_refused_before_a_step():
 
 
 def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
-    import subprocess
     import sys
 
     from safetensors.torch import load_file
 
-    from tests.helpers.launch import child_env, main_in_process
+    from tests.helpers.launch import child_env, main_in_process, run_python
 
     out = tmp_path / "step"
     cmd = [
@@ -734,7 +733,7 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
         "--steps",
         "3",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env())
+    proc = run_python(cmd, child_env(), 300)  # a fork server's child where it can be
     assert proc.returncode == 0, proc.stderr[-2000:]
     # torch.export.save warns of (and means to refuse) an archive named other than *.pt2
     assert "Expect archive file" not in proc.stderr
