@@ -7,15 +7,13 @@ import errno
 import io
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.helpers.launch import child_env, main_in_process, python_train, train_in_process
+from tests.helpers.launch import main_in_process, python_train, train_in_process
 from tests.helpers.models import tiny_opt
 
 ROWS = [{"sentence": "good movie", "label": 1}, {"sentence": "bad", "label": 0}] * 4
@@ -286,15 +284,9 @@ def test_replay_on_a_full_disk_says_so_and_leaves_no_tmp(run, tmp_path, monkeypa
     assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 
 
-def test_the_seed_log_names_the_base_by_an_absolute_path(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "distzo.train", "--max-steps", "1", "--output-dir", "rel"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(),
-        cwd=tmp_path,
-    )
+def test_the_seed_log_names_the_base_by_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the command's working directory (the fork server's child's)
+    proc = python_train(["--max-steps", "1", "--output-dir", "rel"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     header = json.loads((tmp_path / "rel" / "seedlog.jsonl").read_text().splitlines()[0])
     assert Path(header["base"]).is_absolute() and Path(header["base"]).is_dir()
