@@ -8,11 +8,14 @@ Why: the suite runs about a hundred single-process trainings, replays and launch
 transformers on a two-core CI machine before a second of work.
 
 ``run(command, env, timeout, standard)`` serves a command of the form ``[sys.executable, "-m",
-MODULE, *ARGS]`` when nothing about it could tell a forked child from a fresh interpreter, and
-returns ``None`` otherwise (the caller then runs a fresh one): an environment that differs
-from the caller's standard one (the server's) in anything but the variables the product reads
-at run time (an import may have read it, ``HF_HOME`` say), another interpreter, a server busy
-with another command of this process. ``DISTZO_TEST_FORK_SERVER=0`` turns it off.
+MODULE, *ARGS]`` or ``[sys.executable, SCRIPT.py, *ARGS]`` (a benchmark script) when nothing
+about it could tell a forked child from a fresh interpreter, and returns ``None`` otherwise
+(the caller then runs a fresh one): an environment that differs from the caller's standard
+one (the server's) in anything but the variables the product reads at run time (an import
+may have read it, ``HF_HOME`` say), another interpreter, a server busy with another command
+of this process. (A served script could import a module the server imported that a fresh
+one could not find, ``tests`` say; the benchmark scripts import only installed packages.)
+``DISTZO_TEST_FORK_SERVER=0`` turns it off.
 
 The server (``python -m tests.helpers.fork_server``) reads one JSON request per line on stdin
 and answers on stdout with the child's pid, then its wait status. The child is the leader of a
@@ -31,6 +34,7 @@ dumps the stacks instead of ending it.
 from __future__ import annotations
 
 import atexit
+import builtins
 import faulthandler
 import importlib
 import json
@@ -44,6 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -139,21 +144,22 @@ class _Lines:
 
 
 def _child(request: dict, inherited: tuple[int, ...], sigint: Handler) -> None:
-    """Run the request as a fresh ``python -m`` would, then leave without returning."""
+    """Run the request as a fresh ``python -m`` (or ``python SCRIPT``) would, then leave
+    without returning."""
     code = SETUP_FAILED
     try:
         signal.signal(signal.SIGINT, sigint)
         os.setpgid(0, 0)
         for fd in inherited:
             os.close(fd)
-        code = _run_module(request)
+        code = _run_command(request)
     except BaseException:
         traceback.print_exc()
     finally:
         os._exit(code)
 
 
-def _run_module(request: dict) -> int:
+def _run_command(request: dict) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -163,12 +169,16 @@ def _run_module(request: dict) -> int:
         os.close(opened)
     # to the captured stderr (fd 2), inherited by every process the command forks
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
-    sys.path[0] = os.getcwd()  # as ``python -m`` puts it
-    sys.argv = [request["module"], *request["args"]]
-    # A fresh ``python -m MODULE`` has no module of that name (its code runs as __main__)
-    sys.modules.pop(request["module"], None)
+    script = request.get("script")
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if script is not None:
+            _run_script(script, request["args"])
+        else:
+            sys.path[0] = os.getcwd()  # as ``python -m`` puts it
+            sys.argv = [request["module"], *request["args"]]
+            # A fresh ``python -m MODULE`` has no module of that name (it runs as __main__)
+            sys.modules.pop(request["module"], None)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:
         code = _exit_code(exit_.code)
@@ -180,6 +190,21 @@ def _run_module(request: dict) -> int:
         code = 1
     _finalize()
     return code
+
+
+def _run_script(script: str, args: list[str]) -> None:
+    """``script`` as ``python SCRIPT ARGS`` runs it: its folder first on the path, argv[0]
+    as given, and a new ``__main__`` whose ``__file__`` is the path joined to the working
+    directory (``runpy.run_path`` would set both to the one path it is given)."""
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    sys.argv = [script, *args]
+    main = types.ModuleType("__main__")
+    main.__file__ = os.path.join(os.getcwd(), script)
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    with open(main.__file__, "rb") as source:
+        code = compile(source.read(), main.__file__, "exec")
+    exec(code, main.__dict__)
 
 
 def _exit_code(code: object) -> int:
@@ -239,10 +264,15 @@ class _Server:
         if self.replies.readline() != b"ready\n":
             raise RuntimeError(f"the fork server did not start (exit {self.process.wait()})")
 
-    def run(self, module: str, args: Sequence[str], env: Mapping[str, str], timeout: float):
+    def run(self, command: Sequence[str], env: Mapping[str, str], timeout: float):
+        """``command``: ``[sys.executable, "-m", MODULE, *ARGS]`` or ``[sys.executable,
+        SCRIPT, *ARGS]``."""
         stdout, stderr = (Path(self.folder.name) / name for name in ("stdout", "stderr"))
-        request = dict(module=module, args=list(args), env=dict(env), cwd=os.getcwd())
-        request.update(stdout=str(stdout), stderr=str(stderr))
+        if command[1] == "-m":
+            request: dict = dict(module=command[2], args=list(command[3:]))
+        else:
+            request = dict(script=command[1], args=list(command[2:]))
+        request.update(env=dict(env), cwd=os.getcwd(), stdout=str(stdout), stderr=str(stderr))
         self.requests.write(json.dumps(request).encode() + b"\n")
         self.requests.flush()
         pid = json.loads(self._reply())["pid"]
@@ -254,7 +284,7 @@ class _Server:
                 _kill_group(pid)
         status = json.loads(reply or self._reply())["status"]
         outputs = [_read_text(path) for path in (stdout, stderr)]
-        command = [sys.executable, "-m", module, *args]
+        command = list(command)
         if timed_out:
             raise Timeout(command, timeout, *outputs)
         code = os.waitstatus_to_exitcode(status)
@@ -315,12 +345,13 @@ _server: _Server | None = None
 def run(
     command: Sequence[str], env: Mapping[str, str], timeout: float, standard: Mapping[str, str]
 ) -> subprocess.CompletedProcess | None:
-    """``command`` (``[sys.executable, "-m", MODULE, *ARGS]``) run by a child of the fork
-    server, or ``None`` where it cannot stand for a fresh interpreter. The server runs with
+    """``command`` (``[sys.executable, "-m", MODULE, *ARGS]``, or ``[sys.executable, SCRIPT,
+    *ARGS]`` for a file ending in .py) run by a child of the fork server, or ``None`` where it
+    cannot stand for a fresh interpreter. The server runs with
     the ``standard`` environment of the caller's commands (a new server if that changed);
     an ``env`` that differs from it in more than run-time variables is not served."""
     global _server
-    if env.get(SWITCH) == "0" or len(command) < 3 or list(command[:2]) != [sys.executable, "-m"]:
+    if env.get(SWITCH) == "0" or not _servable(command):
         return None
     if _server is not None and (
         _server.process.poll() is not None  # it died
@@ -335,9 +366,19 @@ def run(
     if not _server.busy.acquire(blocking=False):  # another thread's command is running
         return None
     try:
-        return _server.run(command[2], command[3:], env, timeout)
+        return _server.run(command, env, timeout)
     finally:
         _server.busy.release()
+
+
+def _servable(command: Sequence[str]) -> bool:
+    """``python -m MODULE ...``, or ``python SCRIPT.py ...`` for a script that exists, of this
+    interpreter."""
+    if len(command) < 2 or command[0] != sys.executable:
+        return False
+    if command[1] == "-m":
+        return len(command) >= 3
+    return command[1].endswith(".py") and os.path.isfile(command[1])
 
 
 def stop() -> None:

@@ -5,6 +5,7 @@ program sees and what its caller gets back are the same, a timeout kills the chi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,6 +41,35 @@ def test_a_served_command_sees_and_returns_what_a_fresh_interpreter_does(args):
     assert seen["descriptors"][:3] == [0, 1, 2]
     assert got.stdout.splitlines()[1:] == ["thread finished", "exit handler ran"]
     assert got.stderr == "to stderr\n"  # universal newlines, as text=True gives
+
+
+# A script of the kind benchmarks/ holds: what it sees of the interpreter, and its exit code
+SCRIPT = """import json, os, sys
+seen = {"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0]}
+print(json.dumps({**seen, "cwd": os.getcwd()}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_served_script_sees_and_returns_what_a_fresh_interpreter_does(tmp_path):
+    script = tmp_path / "bench" / "report.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    command = [sys.executable, os.path.relpath(script), "3"]  # relative, as tests give them
+    expected, got = fresh(command, child_env()), served(command, child_env())
+    assert (got.returncode, got.stdout, got.stderr) == (
+        expected.returncode,
+        expected.stdout,
+        expected.stderr,
+    )
+    seen = json.loads(got.stdout)
+    assert seen["name"] == "__main__" and os.path.normpath(seen["file"]) == str(script)
+    assert got.returncode == 3
+    assert seen["path0"] == str(script.parent) and seen["argv"] == command[1:]
+    # a file that is not there, or not a Python file, runs fresh (and fails as it would)
+    for path in (tmp_path / "missing.py", script.with_suffix(".txt")):
+        assert fork_server.run([sys.executable, str(path)], child_env(), 60, child_env()) is None
 
 
 def test_a_served_command_past_its_timeout_is_killed_with_what_it_printed():
