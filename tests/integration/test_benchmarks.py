@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distzo.bench import validate_report
-from tests.helpers.launch import child_env, free_port
+from tests.helpers.launch import child_env, free_port, run_python
 
 
 def run(args, nproc=1, timeout=240):
@@ -28,7 +28,7 @@ def run(args, nproc=1, timeout=240):
             f"--master_port={free_port()}",
             *args,
         ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
+    proc = run_python(command, child_env(), timeout)  # a fork server's child where it can be
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -122,13 +122,8 @@ def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
 
 
 def test_a_malformed_sweep_is_one_clear_line():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/throughput.py", "--quick", "--sweep", "8by512"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-    )
+    command = [sys.executable, "benchmarks/throughput.py", "--quick", "--sweep", "8by512"]
+    proc = run_python(command, child_env(), 60)
     assert proc.returncode != 0 and "is not BATCHxSEQ" in proc.stderr
 
 
@@ -322,7 +317,7 @@ def test_noise_benchmark_times_the_named_ops_alone(tmp_path):
     assert names == {f"rounding-fp16_{path}" for path in ("old", "new", "torch")}
     command = [sys.executable, "benchmarks/noise.py", "--quick", "--ops", "rounding,roundng"]
     command += ["--out", str(tmp_path / "bad.json")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    proc = run_python(command, child_env(), 120)
     assert proc.returncode == 2
     assert "--ops: no op roundng; pick from perturb, update" in proc.stderr
     assert not (tmp_path / "bad.json").exists()
@@ -332,7 +327,7 @@ def test_noise_benchmark_times_launch_shapes_only_on_a_gpu(tmp_path):
     # --warps times the Triton kernels' launches: on a CPU it is refused before any work
     command = [sys.executable, "benchmarks/noise.py", "--quick", "--warps", "8,16"]
     command += ["--device", "cpu", "--out", str(tmp_path / "noise.json")]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    proc = run_python(command, child_env(), 120)
     assert proc.returncode == 2
     assert "--warps times the Triton kernels' launches on a GPU" in proc.stderr
     assert not (tmp_path / "noise.json").exists()
@@ -438,20 +433,8 @@ def test_throughput_compares_full_tuning_with_lora_fa_and_its_batched_passes(tmp
 
 
 def test_compare_adapters_refuses_layout_flags_of_its_own(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/throughput.py",
-            "--quick",
-            "--compare-adapters",
-            "--peft",
-            "lora",
-        ],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-    )
+    command = [sys.executable, "benchmarks/throughput.py", "--quick", "--compare-adapters"]
+    proc = run_python([*command, "--peft", "lora"], child_env(), 120)
     assert proc.returncode != 0 and "--compare-adapters runs its own layouts" in proc.stderr
 
 

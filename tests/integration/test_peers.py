@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, OPTConfig, Qwen3Config
 from benchmarks import peers
 from distzo.bench import validate_report
 from distzo.bench.peer_protocol import END, PHASES, read_request
-from tests.helpers.launch import child_env
+from tests.helpers.launch import child_env, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH, SEQ = 1, 8
@@ -40,13 +40,8 @@ def stand_in(name: str, log: Path, step_ms: float, *flags: str) -> str:
 
 
 def harness(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "benchmarks/peers.py", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-    )
+    """``python benchmarks/peers.py ARGS``: a fork server's child where it can be."""
+    return run_python([sys.executable, "benchmarks/peers.py", *args], child_env(), timeout)
 
 
 def events(log: Path, kind: str) -> list[dict]:
