@@ -275,10 +275,12 @@ def _hub_rows(source: str) -> Iterator[Row]:
     path, config, split = parse_hub_spec(source)
     import datasets
 
+    from distzo.data.read_only_cache import unlocked_where_read_only
     from distzo.models.hub import offline_unless_answered
 
     try:
-        with offline_unless_answered(path):  # a hub that never answers: the datasets cache
+        # a hub that never answers: the datasets cache, read where it is read-only too
+        with offline_unless_answered(path), unlocked_where_read_only():
             dataset = datasets.load_dataset(path, config, split=split)
         yield from dataset
     except Exception as err:  # offline, unknown name, unknown split: all one message

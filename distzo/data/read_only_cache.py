@@ -1,0 +1,64 @@
+"""A ``datasets`` cache this process cannot write, read as it stands.
+
+A cluster's group shares one Hugging Face cache on a read-only mount (or one the group may
+only read). ``load_dataset`` locks the cache (a ``.lock`` file beside the prepared dataset)
+even to read a dataset an earlier load prepared, so on such a cache it failed with
+``Read-only file system``, offline too, where the rows were all there. A lock file that
+cannot be made is one no writer of this process needs: the builder then reads the prepared
+dataset unlocked, as ``datasets`` does on a remote filesystem. A dataset the cache does not
+hold still fails where ``datasets`` writes it, with its own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+# what creating a lock file raises in a folder this process cannot write
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class LockUnlessReadOnly:
+    """``datasets``' ``FileLock``, or no lock where the lock file cannot be created."""
+
+    def __init__(self, lock_class: Any, lock_file: str, *args: Any, **kwargs: Any) -> None:
+        self.lock = lock_class(lock_file, *args, **kwargs)
+        self.held = False
+
+    def __enter__(self) -> LockUnlessReadOnly:
+        try:
+            self.lock.acquire()
+        except OSError as err:
+            if err.errno not in READ_ONLY:
+                raise
+        else:
+            self.held = True
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        err: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+
+@contextlib.contextmanager
+def unlocked_where_read_only() -> Iterator[None]:
+    """Within the block, ``datasets``' builder takes its cache locks where it can and reads
+    without them where the cache is read-only; its own lock class restored after."""
+    import datasets.builder
+
+    original = datasets.builder.FileLock
+    datasets.builder.FileLock = functools.partial(LockUnlessReadOnly, original)
+    try:
+        yield
+    finally:
+        datasets.builder.FileLock = original

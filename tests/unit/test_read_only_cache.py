@@ -1,0 +1,120 @@
+"""An ``hf:`` dataset a group's read-only Hugging Face cache holds is read from it: ``datasets``
+locked the cache to read it and failed with ``Read-only file system`` (or ``Permission
+denied``) where every row was there."""
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from distzo.data.loaders import load_rows
+
+ROWS = [{"sentence": f"row {i}", "label": i % 2} for i in range(4)]
+WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+
+def cache_dataset(cache: Path, staging: Path) -> None:
+    """What an earlier ``load_dataset("org/tiny", split="train")`` leaves in the datasets
+    cache ``cache``: the prepared split, under the dataset's name."""
+    import datasets
+
+    datasets.Dataset.from_list(ROWS).to_json(staging / "train.jsonl")
+    datasets.load_dataset(
+        "json", data_files={"train": str(staging / "train.jsonl")}, cache_dir=str(staging / "cache")
+    )
+    prepared = next((staging / "cache" / "json").glob("*/*/*/dataset_info.json")).parent
+    target = cache / "org___tiny" / "default" / "0.0.0" / prepared.name
+    shutil.copytree(prepared, target)
+    for arrow in target.glob("json-*.arrow"):
+        arrow.rename(target / arrow.name.replace("json-", "tiny-", 1))
+
+
+@contextlib.contextmanager
+def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``folder`` as a group member sees a cache it may only read: its modes without write
+    bits, and, since root ignores them, creating a file or folder in it refused as the
+    kernel refuses that member."""
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def inside(path: str) -> bool:
+        return Path(os.path.abspath(path)).is_relative_to(folder)
+
+    def refused(path: str) -> OSError:
+        return PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & WRITES and inside(path):
+            raise refused(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        if inside(path) and not os.path.isdir(path):
+            raise refused(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
+    for path, mode in modes.items():
+        path.chmod(mode & ~0o222)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(os, "open", real_open)
+        monkeypatch.setattr(os, "mkdir", real_mkdir)
+        for path, mode in modes.items():
+            path.chmod(mode)
+
+
+@pytest.fixture
+def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """datasets offline (``HF_HUB_OFFLINE=1``), its cache in tmp_path holding org/tiny."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    cache = tmp_path / "datasets"
+    cache_dataset(cache, tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_a_dataset_in_a_read_only_cache_is_read_from_it(offline_cache, monkeypatch):
+    before = sorted(offline_cache.rglob("*"))
+    with read_only(offline_cache, monkeypatch):
+        assert load_rows("hf:org/tiny:train") == ROWS
+    assert sorted(offline_cache.rglob("*")) == before  # nothing written, nothing tried half
+
+
+def test_a_writable_cache_is_still_locked(offline_cache):
+    """Where the lock file can be made, datasets takes it (a load preparing the dataset
+    beside another's keeps it), and its own lock class is back after the load."""
+    import datasets.builder
+
+    lock_class = datasets.builder.FileLock
+    assert load_rows("hf:org/tiny:train") == ROWS
+    assert list(offline_cache.glob("*.lock"))  # the builder's lock, as datasets leaves it
+    assert datasets.builder.FileLock is lock_class
+
+
+def test_only_a_read_only_folder_goes_unlocked():
+    """Another failure to lock (a full disk, a filesystem without locks) is raised as it was."""
+    from distzo.data.read_only_cache import LockUnlessReadOnly
+
+    class Refusing:
+        def __init__(self, path: str, error: int) -> None:
+            self.error = error
+
+        def acquire(self) -> None:
+            raise OSError(self.error, os.strerror(self.error))
+
+    with LockUnlessReadOnly(Refusing, "x.lock", errno.EROFS) as lock:
+        assert not lock.held
+    with pytest.raises(OSError, match="No space left"):
+        with LockUnlessReadOnly(Refusing, "x.lock", errno.ENOSPC):
+            pass
