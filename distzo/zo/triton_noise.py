@@ -56,7 +56,10 @@ def available() -> bool:
 @functools.cache
 def _kernels():
     from distzo.zo import triton_kernels
+    from distzo.zo.triton_cache import writable_kernel_cache
 
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter compiles nothing
+        writable_kernel_cache()  # a read-only home: compiled into a private folder
     return {
         "fill": triton_kernels.fill_kernel,
         "perturb": triton_kernels.perturb_kernel,
