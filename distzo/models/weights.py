@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import zipfile
 import zlib
@@ -222,12 +223,26 @@ def _check(name: str, got: tuple[int, ...], shape: tuple[int, ...], file: Path) 
         )
 
 
+def check_may_read(path: Path) -> None:
+    """A weights file this user may not read is one line saying so: safetensors called it
+    missing ("No such file or directory", a traceback) and torch a damaged archive. A model
+    a colleague saved often holds one: safetensors writes its files private to their owner,
+    whatever the umask."""
+    if not os.access(path, os.R_OK) and path.exists():
+        raise ValueError(
+            f"{path}: no permission to read it; its owner can share it (chmod a+r), or copy "
+            "the model to a folder you may read"
+        )
+
+
 @contextlib.contextmanager
 def safetensors_file(path: Path) -> Iterator[Any]:
     """``safe_open`` with safetensors' own error (a garbage or truncated file: its header
-    does not cover the file) as one line naming the file, rather than a traceback."""
+    does not cover the file) as one line naming the file, rather than a traceback; so too
+    a file this user may not read (``check_may_read``)."""
     from safetensors import SafetensorError, safe_open
 
+    check_may_read(path)
     try:
         handle = safe_open(str(path), "pt")
     except SafetensorError as err:
@@ -270,7 +285,8 @@ def torch_bin_file(path: Path) -> dict[str, torch.Tensor]:
     it: no unpickling of code, the tensors mapped, not read. A garbage or truncated file
     (not the zip archive torch.save writes, or one whose records do not hold together) is
     one line naming the file, rather than torch's traceback or an OSError that would read
-    as a failed write."""
+    as a failed write; so too a file this user may not read (``check_may_read``)."""
+    check_may_read(path)
     if not zipfile.is_zipfile(path):  # torch.load would say "mmap can only be used ..."
         reason = "not the zip archive torch.save writes: damaged, truncated, or pre-1.6 torch"
     else:

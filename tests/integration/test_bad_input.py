@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -312,6 +313,32 @@ def test_a_damaged_safetensors_file_is_named(tmp_path, damage):
     out = tmp_path / "out"
     line = one_line(train_in_process(["--model", str(model), "--output-dir", str(out)]))
     assert str(weights) in line and "safetensors" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["model.safetensors", "pytorch_model.bin"])
+def test_a_weights_file_this_user_may_not_read_is_named(tmp_path, monkeypatch, kind):
+    """A model a colleague saved, its weights private to them (safetensors writes its files
+    so): safetensors called the file missing, in a traceback, and torch a damaged one."""
+    model = tmp_path / "model"
+    original = tiny_opt()
+    original.save_pretrained(model)
+    weights = model / kind
+    if kind == "pytorch_model.bin":
+        (model / "model.safetensors").unlink()
+        torch.save(original.state_dict(), weights)
+    weights.chmod(0)  # unreadable to this user, unless it is root, which reads any file:
+    # for root, os.access answers as it does a user without root's override
+    access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: access(path, mode) and Path(path) != weights
+    )
+    out = tmp_path / "out"
+    line = one_line(train_in_process(["--model", str(model), "--output-dir", str(out)]))
+    assert line == (
+        f"error: {weights}: no permission to read it; its owner can share it (chmod a+r), "
+        "or copy the model to a folder you may read"
+    )
     assert not out.exists()
 
 
