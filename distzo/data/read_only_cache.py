@@ -4,9 +4,10 @@ A cluster's group shares one Hugging Face cache on a read-only mount (or one the
 only read). ``load_dataset`` locks the cache (a ``.lock`` file beside the prepared dataset)
 even to read a dataset an earlier load prepared, so on such a cache it failed with
 ``Read-only file system``, offline too, where the rows were all there. A lock file that
-cannot be made is one no writer of this process needs: the builder then reads the prepared
-dataset unlocked, as ``datasets`` does on a remote filesystem. A dataset the cache does not
-hold still fails where ``datasets`` writes it, with its own error.
+cannot be made, in a folder this process may not write, guards nothing this process could
+write: the builder then reads the prepared dataset unlocked, as ``datasets`` does on a
+remote filesystem. A dataset the cache does not hold still fails where ``datasets``
+writes it, with its own error.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import os
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -23,17 +25,21 @@ READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class LockUnlessReadOnly:
-    """``datasets``' ``FileLock``, or no lock where the lock file cannot be created."""
+    """``datasets``' ``FileLock``, or no lock where the lock file cannot be created in a
+    folder this process may not write. A lock refused in a folder it may write (another
+    user's lock file, private to them) is raised as before: a second writer there could
+    prepare the dataset beside the first."""
 
     def __init__(self, lock_class: Any, lock_file: str, *args: Any, **kwargs: Any) -> None:
         self.lock = lock_class(lock_file, *args, **kwargs)
+        self.folder = os.path.dirname(os.path.abspath(lock_file))
         self.held = False
 
     def __enter__(self) -> LockUnlessReadOnly:
         try:
             self.lock.acquire()
         except OSError as err:
-            if err.errno not in READ_ONLY:
+            if err.errno not in READ_ONLY or os.access(self.folder, os.W_OK):
                 raise
         else:
             self.held = True

@@ -36,9 +36,9 @@ def cache_dataset(cache: Path, staging: Path) -> None:
 @contextlib.contextmanager
 def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``folder`` as a group member sees a cache it may only read: its modes without write
-    bits, and, since root ignores them, creating a file or folder in it refused as the
-    kernel refuses that member."""
-    real_open, real_mkdir = os.open, os.mkdir
+    bits, and, since root ignores them, creating a file or folder in it refused, and
+    ``os.access`` answering, as the kernel does for that member."""
+    real_open, real_mkdir, real_access = os.open, os.mkdir, os.access
 
     def inside(path: str) -> bool:
         return Path(os.path.abspath(path)).is_relative_to(folder)
@@ -56,16 +56,23 @@ def read_only(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             raise refused(path)
         return real_mkdir(path, *args, **kwargs)
 
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and inside(path):
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
     modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
     for path, mode in modes.items():
         path.chmod(mode & ~0o222)
     monkeypatch.setattr(os, "open", open_)
     monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "access", access)
     try:
         yield
     finally:
         monkeypatch.setattr(os, "open", real_open)
         monkeypatch.setattr(os, "mkdir", real_mkdir)
+        monkeypatch.setattr(os, "access", real_access)
         for path, mode in modes.items():
             path.chmod(mode)
 
@@ -102,8 +109,10 @@ def test_a_writable_cache_is_still_locked(offline_cache):
     assert datasets.builder.FileLock is lock_class
 
 
-def test_only_a_read_only_folder_goes_unlocked():
-    """Another failure to lock (a full disk, a filesystem without locks) is raised as it was."""
+def test_only_a_read_only_folder_goes_unlocked(tmp_path, monkeypatch):
+    """Another failure to lock (a full disk, a filesystem without locks) is raised as it
+    was, and so is a lock refused in a folder this user may write (another user's lock
+    file, private to them: a second writer would prepare the dataset beside the first)."""
     from distzo.data.read_only_cache import LockUnlessReadOnly
 
     class Refusing:
@@ -113,8 +122,14 @@ def test_only_a_read_only_folder_goes_unlocked():
         def acquire(self) -> None:
             raise OSError(self.error, os.strerror(self.error))
 
-    with LockUnlessReadOnly(Refusing, "x.lock", errno.EROFS) as lock:
-        assert not lock.held
-    with pytest.raises(OSError, match="No space left"):
-        with LockUnlessReadOnly(Refusing, "x.lock", errno.ENOSPC):
+    shared, writable = tmp_path / "shared", tmp_path / "mine"
+    shared.mkdir(), writable.mkdir()
+    with read_only(shared, monkeypatch):
+        with LockUnlessReadOnly(Refusing, str(shared / "x.lock"), errno.EROFS) as lock:
+            assert not lock.held
+        with pytest.raises(OSError, match="No space left"):
+            with LockUnlessReadOnly(Refusing, str(shared / "x.lock"), errno.ENOSPC):
+                pass
+    with pytest.raises(PermissionError):
+        with LockUnlessReadOnly(Refusing, str(writable / "x.lock"), errno.EACCES):
             pass
