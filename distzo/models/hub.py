@@ -50,10 +50,17 @@ def weight_patterns(files: list[str]) -> list[str]:
 def local_model_dir(name: str, option: str = "--model") -> Path | None:
     """The directory a --model names when it is a path (one that exists, or one that looks
     like a path: absolute, ``./``, ``../``, ``~``); None for a hub name. A path that is not a
-    directory is refused here: hub name parsing would call it a malformed repo id. ``option``:
-    what the error calls the name (replay's ``--base``)."""
+    directory is refused here: hub name parsing would call it a malformed repo id; so is a
+    folder this user may not read (a colleague's, private to them), whose files would each
+    fail later, in a traceback or as a failed write. ``option``: what the error calls the
+    name (replay's ``--base``)."""
     path = Path(os.path.expanduser(name))  # ~user of no user stays as written, as in a shell
     if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ValueError(
+                f"{option} {name}: no permission to read this folder; its owner can share it "
+                "(chmod -R a+rX), or copy the model to a folder you may read"
+            )
         return path
     looks_local = path.is_absolute() or name.startswith(("./", "../", "~", ".\\", "..\\"))
     if path.exists() or looks_local or name in (".", ".."):

@@ -342,6 +342,34 @@ def test_a_weights_file_this_user_may_not_read_is_named(tmp_path, monkeypatch, k
     assert not out.exists()
 
 
+@pytest.mark.parametrize("program", ["distzo.train", "distzo.replay"])
+def test_a_model_folder_this_user_may_not_read_is_named(run, tmp_path, monkeypatch, program):
+    """A colleague's model folder, private to them: each file in it failed on its own, a
+    training in a traceback (``exists()`` of a shard index), a replay's --base as a
+    failed write ("cannot write .../config.json")."""
+    model = tmp_path / "model"
+    tiny_opt().save_pretrained(model)
+    model.chmod(0)  # closed to this user, unless it is root, which enters any folder:
+    # for root, os.access answers as it does a user without root's override
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and path != model)
+    out, option = tmp_path / "out", "--model" if program == "distzo.train" else "--base"
+    args = [option, str(model)]
+    if program == "distzo.train":
+        args += ["--max-steps", "1", "--output-dir", str(out)]
+    else:
+        args += ["--log", str(run / "seedlog.jsonl"), "--out", str(out)]
+    try:
+        line = one_line(main_in_process(program, args))
+    finally:
+        model.chmod(0o755)
+    assert line == (
+        f"error: {option} {model}: no permission to read this folder; its owner can share it "
+        "(chmod -R a+rX), or copy the model to a folder you may read"
+    )
+    assert not out.exists()
+
+
 class _Opens:
     """Pickled as a call to ``open(path, "w")``: what unpickling a .bin would run."""
 
