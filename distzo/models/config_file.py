@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
-from distzo.models.hub import bounded_reads, hub_answers, repo_answers
+from distzo.models.hub import bounded_reads, hub_answers, repo_answers, unwritable_cache
 from distzo.runtime import json_text
 
 JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}
@@ -47,7 +47,7 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
     # a missing path, a malformed name, no hub access; a config.json nested past the
     # recursion limit of transformers' json.load
     except (OSError, ValueError, RecursionError) as err:
-        reason = str(err).splitlines()[0]
+        reason = unwritable_cache(err, str(name)) or str(err).splitlines()[0]
         raise ValueError(f"cannot load {option} {str(name)!r}: {reason}") from None
 
 

@@ -12,6 +12,7 @@ configs, the tokenizer, and the weights in safetensors when the repository has t
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -30,6 +31,8 @@ HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
 logger = logging.getLogger(__name__)
 SILENT_HUB_S = 300.0  # how long a hub that did not answer is taken as unreachable
 SILENT_SINCE: dict[str, float] = {}  # endpoint -> when it last did not answer
+# what a write to a folder this process cannot write raises
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 METADATA = [
     "*.json",
@@ -131,6 +134,31 @@ def hub_answers() -> bool:
 def first_line(err: BaseException) -> str:
     """An error's first line, or its kind where it says nothing (httpx's timeouts)."""
     return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def unwritable_cache(err: BaseException, name: str) -> str | None:
+    """Why a download of hub model ``name`` failed where ``err`` is the Hugging Face cache
+    refusing its write: a group's cache on a read-only mount, or one this user may only
+    read, whose copy is not the hub's ``main`` now (or that holds none). The library
+    names only the folder it could not make (transformers: a lock file to remove, raised
+    from the refusal); None for any other error."""
+    from huggingface_hub import constants
+
+    cache = Path(constants.HF_HUB_CACHE).absolute()
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in READ_ONLY and cause.filename:
+            refused = Path(os.fsdecode(cause.filename)).absolute()
+            if refused == cache or cache in refused.parents:
+                break
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, OSError):
+        return None
+    return (
+        f"the Hugging Face cache {cache} cannot be written ({cause.strerror}) and does not hold "
+        f"{name} at the hub's main now: HF_HUB_OFFLINE=1 reads the copy it holds, or set "
+        "HF_HUB_CACHE to a folder you may write"
+    )
 
 
 def stalled(err: BaseException) -> bool:
@@ -261,7 +289,7 @@ def snapshot(
         with bounded_reads():
             return _download(name, revision)
     except Exception as err:  # network, authentication, a name that is not a repository
-        reason = first_line(err)
+        reason = unwritable_cache(err, name) or first_line(err)
         if stalled(err):
             reason = (
                 f"the hub ({constants.ENDPOINT}) sent nothing for "
