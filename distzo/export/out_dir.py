@@ -22,11 +22,22 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot make files in ``folder`` (an existing folder): a read-only
+    mount, which no permission opens, or its permissions, which its owner can change; None
+    where it can."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    read_only = os.statvfs(folder).f_flag & os.ST_RDONLY
+    return "a read-only file system" if read_only else "permission denied"
+
+
 def check_out(out: Path, overwrite: bool) -> Path:
     """An existing --out (a folder or a file) is replaced only when asked, and its staging
     folder must not be someone's: the command deletes and renames it. Returns ``out``
     normalised (``x/..`` is ``.``), the path to write: ``--out .. --overwrite`` deleted the
-    working directory's parent, then staged into ``...tmp`` inside it and failed."""
+    working directory's parent, then staged into ``...tmp`` inside it and failed. A folder
+    it cannot be written in is refused here: a replay found out after its last step."""
     full = Path(os.path.abspath(out))
     here = Path.cwd()
     if full == here or full in here.parents:
@@ -49,6 +60,9 @@ def check_out(out: Path, overwrite: bool) -> Path:
     existing = nearest_existing(full.parent)
     if not existing.is_dir():
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+    why = unwritable(existing)  # known now, not after the work the output holds
+    if why is not None:
+        raise ValueError(f"--out {out}: {existing} is not writable ({why}); give another --out")
     return full
 
 

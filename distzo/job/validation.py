@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
 from distzo.export.hf_model import check_shard_size
-from distzo.export.out_dir import nearest_existing
+from distzo.export.out_dir import nearest_existing, unwritable
 from distzo.job.build import (
     MASTER_DTYPES,
     default_model_config,
@@ -123,10 +122,11 @@ def check_output_dir(output_dir: str | None, flag: str = "--output-dir") -> None
         raise ValueError(
             f"{flag} {output_dir}: {existing} is a file, not a directory; give another {flag}"
         )
-    if not os.access(existing, os.W_OK | os.X_OK):
+    why = unwritable(existing)
+    if why is not None:
         raise ValueError(
-            f"{flag} {output_dir or 'runs/'}: {existing} is not writable (permission "
-            f"denied); give another {flag}"
+            f"{flag} {output_dir or 'runs/'}: {existing} is not writable ({why}); give "
+            f"another {flag}"
         )
 
 

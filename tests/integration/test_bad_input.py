@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -432,15 +433,50 @@ def test_an_output_dir_under_a_file_is_refused(tmp_path):
     assert "--output-dir" in line and "not a directory" in line
 
 
-def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
-    import distzo.job.validation as validation
-
+@pytest.mark.parametrize("mount", ["writable", "read-only"])
+def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch, mount):
+    """Why it is not writable: a folder's permissions, which its owner can change, or a
+    read-only mount (a shared project folder), which no permission opens."""
     # a stand-in for a read-only folder: the tests may run as root, which os.access never denies
-    monkeypatch.setattr(validation.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    if mount == "read-only":  # statvfs's answer on a read-only bind mount
+        statvfs = os.statvfs
+        monkeypatch.setattr(
+            os,
+            "statvfs",
+            lambda path: SimpleNamespace(f_flag=statvfs(path).f_flag | os.ST_RDONLY),
+        )
     out = tmp_path / "run"
     line = one_line(train_in_process(["--output-dir", str(out)]))
-    assert "not writable" in line and str(tmp_path) in line
+    why = "a read-only file system" if mount == "read-only" else "permission denied"
+    assert line == (
+        f"error: --output-dir {out}: {tmp_path} is not writable ({why}); give another --output-dir"
+    )
     assert not out.exists()
+
+
+@pytest.mark.parametrize("program", ["distzo.replay", "distzo.export.training_step"])
+def test_an_out_in_a_folder_this_user_may_not_write_is_refused_first(
+    run, tmp_path, monkeypatch, program
+):
+    """A replay found out after its last step (hours of a large model's) that its --out
+    could not be written, and the exported step after building its model."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o555)  # unwritable to this user, unless it is root, which writes
+    # anywhere: for root, os.access answers as it does a user without root's override
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and path != shared)
+    out = shared / "out"
+    args = ["--out", str(out)]
+    if program == "distzo.replay":
+        args += ["--log", str(run / "seedlog.jsonl")]
+    proc = main_in_process(program, args)
+    line = one_line(proc)
+    assert line == (
+        f"error: --out {out}: {shared} is not writable (permission denied); give another --out"
+    )
+    assert "replayed" not in proc.stderr and "ZO engine" not in proc.stderr  # no work done
+    assert not out.exists() and not (shared / "out.tmp").exists()
 
 
 def full_disk(*args, **kwargs):
