@@ -13,7 +13,9 @@ from distzo.data.encoding import PromptEncoder, step_indices
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.task_data import LoadedRows, PromptData, TextData
 from distzo.data.templates import Example
+from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist.agreement import gathered
+from distzo.job.build import rank_share
 from distzo.models.tiny import byte_tokenizer
 from tests.unit.test_prompt_build_cost import CountingTokenizer
 
@@ -58,7 +60,9 @@ class ThreadGroup:
         return Member()
 
 
-def build_parts(loaded: LoadedRows, parts: int, objective: str) -> list[tuple[Any, int]]:
+def build_parts(
+    loaded: LoadedRows, parts: int, objective: str, max_length: int = 24
+) -> list[tuple[Any, int]]:
     """Each part's data, built in a thread of its own as a rank builds it (``rank_share``'s
     meeting: ``gathered`` over the host group), with the texts its tokenizer took."""
     group = ThreadGroup(parts)
@@ -68,7 +72,7 @@ def build_parts(loaded: LoadedRows, parts: int, objective: str) -> list[tuple[An
         tokenizer, comm = CountingTokenizer(byte_tokenizer()), group.member(part)
         share = RowShare(part, parts, lambda compute: gathered(comm, compute))
         try:
-            data = build(loaded, PromptEncoder(tokenizer, 24), objective, share)
+            data = build(loaded, PromptEncoder(tokenizer, max_length), objective, share)
             built[part] = (data, tokenizer.texts)
         except BaseException as err:
             built[part] = err
@@ -173,3 +177,42 @@ def test_gathered_gives_every_ranks_result_or_the_first_failing_ranks_error():
     failing = Peers((None, "row 9: bad"), (None, "row 20: bad"))
     with pytest.raises(ValueError, match=r"^row 9: bad$"):
         gathered(failing, lambda: 1)
+
+
+@pytest.mark.parametrize("task", ["copa", "text"])
+def test_the_longest_row_of_any_part_is_every_parts_longest(task):
+    """The memory plan's longest sequence is the file's, wherever its longest row lies: a
+    part that took its own (or the first part's) would plan for shorter batches than a step
+    of the file takes."""
+    if task == "text":
+        loaded = LoadedRows("text", ["w" * 4] * 8 + ["w" * 60], ["w" * 4])
+    else:
+        short = [Example("p because", (" a", " b"), i % 2) for i in range(8)]
+        loaded = LoadedRows("copa", [*short, Example("p" + "x" * 60, (" a", " b"), 0)], short)
+    alone = build(loaded, PromptEncoder(byte_tokenizer(), 200), "classification")
+    assert alone.longest > 60  # the last row's, below the limit
+    parts = build_parts(loaded, 3, "classification", max_length=200)
+    assert [data.longest for data, _ in parts] == [alone.longest] * 3
+
+
+class Node:
+    """The host group of ``world_size`` ranks seen from one rank: every other rank's
+    outcome is ``("theirs", None)``."""
+
+    distributed = True
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def all_gather_object(self, mine):
+        return [mine if r == self.rank else (f"rank {r}", None) for r in range(self.world_size)]
+
+
+def test_a_ranks_share_is_its_part_of_the_job_meeting_every_ranks_part():
+    """Rank 4 of 6, the first local rank of the third node: its part is the job's fifth
+    sixth of the rows (not its node's second: two nodes' ranks would read the same rows and
+    none the rest), and its counts meet every rank's over the host group."""
+    env = LaunchEnv(rank=4, world_size=6, local_rank=0, local_world_size=2, node_rank=2)
+    share = rank_share(ParallelContext(env, ParallelDims(1, 6), comm=Node(4, 6)))
+    assert share.span(30) == range(20, 25)
+    assert share.meet(lambda: "mine") == ["rank 0", "rank 1", "rank 2", "rank 3", "mine", "rank 5"]
