@@ -122,3 +122,42 @@ def test_a_resumed_run_reads_its_logged_commit_on_every_node_without_asking_rank
     cache_with(offline_cache, NEW, OLD, NEW)
     source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=NEW), OLD)
     assert source.name == OLD
+
+
+def test_a_nodes_failed_download_is_every_ranks_line_with_its_own_reason(monkeypatch):
+    """The download's reason (a refused token, a stall), not the cache read that followed
+    it (the model is not in this node's cache), which hid it."""
+    from distzo.models import hub
+
+    downloads: list[bool] = []
+
+    def snapshot(name, download, revision=None, option="--model", pinned_by=""):
+        downloads.append(download)
+        reason = "401 Unauthorized" if download else "not in the local cache"
+        raise ValueError(f"cannot download --model {name!r} at commit {revision} ({reason})")
+
+    monkeypatch.setattr(hub, "snapshot", snapshot)
+    with pytest.raises(ValueError, match=r"^rank 1: cannot download .* \(401 Unauthorized\)$"):
+        build.model_source("tiny/llama", NODE_1, Peer(1), OLD)
+    assert downloads == [True]
+
+
+def test_a_node_whose_cache_names_no_main_reads_rank_0s_commit(offline_cache):
+    """Only rank 0 asks which commit ``main`` is: a node that fetched the commit by its hash
+    (``hf download --revision``) has no ``main`` of its own to name, and needs none."""
+    snapshot = offline_cache / "models--tiny--llama" / "snapshots" / OLD
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    assert build.model_source("tiny/llama", NODE_1, Peer(1, sent=OLD)) == snapshot
+
+
+def test_a_main_that_names_no_commit_is_one_line(offline_cache, monkeypatch):
+    """A hub (a mirror) whose answer names no commit hash: every node would read its own."""
+    import huggingface_hub
+
+    from distzo.models import hub
+
+    monkeypatch.setattr(hub, "hub_answers", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "repo_info", lambda name: SimpleNamespace(sha="v1.0"))
+    with pytest.raises(ValueError, match=r"^cannot download --model 'tiny/llama': its main names "):
+        hub.main_commit("tiny/llama")
