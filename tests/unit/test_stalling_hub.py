@@ -24,8 +24,9 @@ SLOW_BODY = b"x" * 4  # a byte each LIMIT_S / 2: alive, longer than LIMIT_S in a
 
 
 def _serve(connection: socket.socket) -> None:
-    """HEAD / answered (the probe); /slow sent a byte at a time; huggingface_hub's agent
-    registry a 404 (not its own wait); anything else (a model's listing, its files) stalled."""
+    """HEAD / answered (the probe); /slow sent a byte at a time, /late whole after twice
+    the limit; huggingface_hub's agent registry and dataset org/missing a 404 (not its own
+    wait); anything else (a model's listing, its files) stalled."""
     reader = connection.makefile("rb")
     while line := reader.readline():
         while reader.readline() not in (b"\r\n", b""):
@@ -38,7 +39,10 @@ def _serve(connection: socket.socket) -> None:
             for byte in SLOW_BODY:
                 time.sleep(LIMIT_S / 2)
                 connection.sendall(bytes([byte]))
-        elif path == b"/api/agent-harnesses":
+        elif path == b"/late":
+            time.sleep(2 * LIMIT_S)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nlate")
+        elif path == b"/api/agent-harnesses" or path.startswith(b"/api/datasets/org/missing"):
             connection.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
         else:
             return  # accepted, never answered
@@ -218,3 +222,49 @@ def test_the_listing_that_chooses_the_weights_is_the_models_own(monkeypatch, sib
     monkeypatch.setattr(huggingface_hub, "snapshot_download", listing.snapshot_download)
     assert hub._download("org/model", None) == Path("folder")
     assert listing.fetched == [hub.METADATA + [weights]]
+
+
+def test_a_call_that_names_its_own_timeout_keeps_it(stalling_hub):
+    """An answer later than the limit reaches a call that waits longer of its own."""
+    from huggingface_hub import get_session
+
+    with hub.bounded_reads():
+        assert get_session().get(f"{stalling_hub}/late", timeout=BOUND_S).content == b"late"
+
+
+def test_connecting_is_bounded_too(monkeypatch):
+    """A host that takes no connection (a firewall that drops the files' host, not the
+    hub's) is a stall after the limit: the client's own wait was the system's, minutes."""
+    from huggingface_hub import constants, get_session
+
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", LIMIT_S)
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as full:  # never accepts
+        address = full.getsockname()
+        with socket.create_connection(address):  # the one its queue holds
+            with hub.bounded_reads():
+                error = within_bound(lambda: get_session().get(f"http://{address[0]}:{address[1]}"))
+    assert hub.stalled(error), error
+
+
+def test_a_hub_that_answers_no_such_repository_has_answered(stalling_hub, caplog):
+    """Its load then says why; no stall is said, and the hub is asked again."""
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        assert hub.repo_answers("org/missing", "dataset")
+    assert not [r for r in caplog.records if r.name == hub.__name__]
+    assert not hub.SILENT_SINCE
+
+
+def test_the_commit_of_main_where_the_hub_stalls_on_it_is_the_caches(
+    stalling_hub, caplog, monkeypatch
+):
+    """Rank 0 asks which commit ``main`` is for every node: a stall there hung the job."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    # the library's repo_info asks the endpoint of its import: this one's, as HF_ENDPOINT
+    monkeypatch.setattr(huggingface_hub, "repo_info", huggingface_hub.HfApi().repo_info)
+    cached = cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        assert within_bound(lambda: hub.main_commit("tiny/llama")) == cached.name
+    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
