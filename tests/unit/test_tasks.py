@@ -8,7 +8,7 @@ import torch
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder, epoch_order, step_indices
-from distzo.data.loaders import load_rows, parse_hub_spec
+from distzo.data.loaders import load_numbered_rows, load_rows, parse_hub_spec
 from distzo.data.task_data import LoadedRows, TextData, load_task_rows
 from distzo.data.templates import TASKS, build_examples
 from distzo.dist import ParallelContext
@@ -849,3 +849,37 @@ def test_a_missing_tokenizer_names_how_to_get_it_for_a_folder_and_a_hub_name(tmp
         with pytest.raises(ValueError, match="no tokenizer to read the task's text") as err:
             load_tokenizer(job, tmp_path)
         assert str(err.value).endswith(fix), str(err.value)
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
+@pytest.mark.parametrize("delimiter", [",", "\t"])
+def test_a_csv_files_rows_and_numbers_are_the_same_whatever_its_line_ends(tmp_path, delimiter, end):
+    """Every row read, numbered by its line less the header's, whichever line end an editor
+    wrote and where the file stops at its last row's last character (no line end)."""
+    path = tmp_path / ("data.csv" if delimiter == "," else "data.tsv")
+    lines = ["sentence,label", "a,0", "", "b,1", "c,7"]
+    path.write_bytes(end.join(line.replace(",", delimiter) for line in lines).encode())
+    assert load_numbered_rows(str(path)) == [
+        (1, {"sentence": "a", "label": "0"}),
+        (3, {"sentence": "b", "label": "1"}),
+        (4, {"sentence": "c", "label": "7"}),
+    ]
+
+
+def test_a_quoted_csv_field_broken_by_a_lone_carriage_return_keeps_the_rows_numbers(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_bytes(b'sentence,label\n"a\rb",0\nc,1\n')
+    assert load_numbered_rows(str(path)) == [
+        (1, {"sentence": "a\rb", "label": "0"}),
+        (3, {"sentence": "c", "label": "1"}),
+    ]
+
+
+def test_a_parquet_tables_rows_are_numbered_from_one_as_a_json_lists_are(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"sentence": ["a", "b"], "label": [0, 7]}), path)
+    with pytest.raises(ValueError, match=r"t\.parquet, row 2: label 7 is outside"):
+        load_task_rows("sst2", str(path), str(path))
