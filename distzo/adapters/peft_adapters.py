@@ -24,6 +24,8 @@ base never exists whole in memory.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -133,6 +135,20 @@ class AdapterSpec:
         )
 
 
+# transformers 5's deprecation of a name peft still reads when it wraps a model: a
+# FutureWarning every run printed, about code that is neither the user's nor distzo's
+_PEFT_READS_DEPRECATED = r"`is_gradient_checkpointing` is deprecated"
+
+
+@contextlib.contextmanager
+def _without_peft_deprecations() -> Iterator[None]:
+    """Inside, peft's use of names transformers deprecated says nothing: the user can act
+    on neither (peft will follow transformers)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PEFT_READS_DEPRECATED, category=FutureWarning)
+        yield
+
+
 def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     """``peft.get_peft_model(model, LoraConfig(...))`` with its adapter initialised from
     ``seed`` (on CPU where the model is a meta skeleton) and, for lora-fa, ``A`` frozen;
@@ -154,7 +170,8 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     )
     with torch.random.fork_rng(devices=[]):  # the caller's generator state is left as it was
         try:
-            peft_model = get_peft_model(model, config)
+            with _without_peft_deprecations():
+                peft_model = get_peft_model(model, config)
         except ValueError as err:  # no target module matched, or a family peft has no default for
             raise ValueError(
                 f"--peft {spec.method}: {str(err).splitlines()[0]} (set --lora-targets)"
@@ -261,7 +278,8 @@ def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
 
     config = PrefixTuningConfig(num_virtual_tokens=spec.prefix_length, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
-        peft_model = get_peft_model(model, config)
+        with _without_peft_deprecations():
+            peft_model = get_peft_model(model, config)
         table = prefix_embedding(peft_model)
         if table.weight.is_meta:  # a skeleton's table: give it memory, on CPU
             table.to_empty(device="cpu")

@@ -908,3 +908,17 @@ def test_batched_passes_fit_the_widest_blocks_adapter_not_the_first():
         assert [layout.numel for layout in engine.block_layouts] == [0, 256, 0]
         losses.append(engine.step(random_batch(64)).losses)
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["lora", "prefix"])
+def test_attaching_an_adapter_prints_no_deprecation_of_peft_s_own_calls(method):
+    # transformers 5 deprecates is_gradient_checkpointing, which peft reads when it wraps a
+    # model: every --peft run printed its FutureWarning, about code no user can change
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adapted("opt", method=method)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [
+        str(w.message) for w in caught
+    ]
