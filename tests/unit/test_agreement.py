@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from distzo.dist.agreement import agreed
+from distzo.dist.agreement import agreed, gathered
 
 
 class Peers:
@@ -50,3 +50,10 @@ def test_a_failed_write_stays_a_failed_write():
         agreed(Peers(None, None), write)
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == "/runs/a/config.toml"
     assert "rank 0: No space left on device" in str(raised.value)
+
+
+def test_gathered_gives_every_ranks_result_or_the_first_failing_ranks_error():
+    assert gathered(Peers((2, None), (3, None)), lambda: 1) == [1, 2, 3]
+    failing = Peers((None, "row 9: bad"), (None, "row 20: bad"))
+    with pytest.raises(ValueError, match=r"^row 9: bad$"):
+        gathered(failing, lambda: 1)

@@ -160,25 +160,6 @@ def test_a_bad_row_in_one_part_is_every_parts_error_as_one_pass_says_it():
     assert str(shared.value) == str(alone.value) == "candidate '' has no tokens to score"
 
 
-class Peers:
-    """A host group of three ranks seen from rank 0: the others' outcomes are given."""
-
-    distributed = True
-
-    def __init__(self, *others) -> None:
-        self.others = others
-
-    def all_gather_object(self, mine):
-        return [mine, *self.others]
-
-
-def test_gathered_gives_every_ranks_result_or_the_first_failing_ranks_error():
-    assert gathered(Peers((2, None), (3, None)), lambda: 1) == [1, 2, 3]
-    failing = Peers((None, "row 9: bad"), (None, "row 20: bad"))
-    with pytest.raises(ValueError, match=r"^row 9: bad$"):
-        gathered(failing, lambda: 1)
-
-
 @pytest.mark.parametrize("task", ["copa", "text"])
 def test_the_longest_row_of_any_part_is_every_parts_longest(task):
     """The memory plan's longest sequence is the file's, wherever its longest row lies: a
