@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import transformers.utils.hub
 from transformers import LlamaConfig
 
 from distzo.models import hub
@@ -72,6 +73,9 @@ def moved_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]
     url = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, endpoint, 1)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)  # a file's address
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    # transformers keeps one HfApi, of the endpoint it was made under: a later test's
+    # stand-in hub would see its revision lookups sent to this one's port
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hub, "SILENT_SINCE", {})

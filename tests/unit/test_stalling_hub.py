@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import transformers.utils.hub
 from transformers import LlamaConfig
 
 from distzo.models import hub
@@ -72,6 +73,9 @@ def stalling_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[st
     url = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, endpoint, 1)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)  # a file's address
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    # transformers keeps one HfApi, of the endpoint it was made under: a later test's
+    # stand-in hub would see its revision lookups sent to this one's port
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
