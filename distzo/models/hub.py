@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,9 @@ SILENT_HUB_S = 300.0  # how long a hub that did not answer is taken as unreachab
 SILENT_SINCE: dict[str, float] = {}  # endpoint -> when it last did not answer
 # what a write to a folder this process cannot write raises
 READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+# huggingface_hub's HTTP client: httpx2 from hub 2.0, httpx before (transformers 5.20
+# accepts hub 1.31); only the installed one is there to import
+HTTP_CLIENTS = ("httpx2", "httpx")
 
 METADATA = [
     "*.json",
@@ -164,14 +168,21 @@ def unwritable_cache(err: BaseException, name: str) -> str | None:
 def stalled(err: BaseException) -> bool:
     """Whether ``err`` is (or was raised from) a request that timed out: a hub that
     accepted it and sent nothing for ``HF_HUB_DOWNLOAD_TIMEOUT``."""
-    import httpx2  # huggingface_hub's HTTP client
-
+    timeouts = timeout_types()
     cause: BaseException | None = err
     while cause is not None:
-        if isinstance(cause, httpx2.TimeoutException):
+        if isinstance(cause, timeouts):
             return True
         cause = cause.__cause__ or cause.__context__
     return False
+
+
+def timeout_types() -> tuple[type[BaseException], ...]:
+    """The timeout errors of the HTTP clients loaded in this process (``HTTP_CLIENTS``).
+    A client that was never imported raised nothing, so none is imported here: which one
+    huggingface_hub uses depends on its version."""
+    clients = [sys.modules.get(name) for name in HTTP_CLIENTS]
+    return tuple(client.TimeoutException for client in clients if client is not None)
 
 
 def note_stall(err: BaseException) -> None:
