@@ -15,7 +15,8 @@ it and read and write every element once. They are compiled without fp fusion an
 each fused multiply-add of the torch reference as ``tl.fma`` (torch's ``add(x, z,
 alpha=a)`` and ``addcmul`` round once on the CPU and on CUDA), and use the correctly
 rounded ``sqrt_rn``/``div_rn``: each result is then the reference's, bit for bit, on the
-GPU and under the interpreter alike.
+GPU and under the interpreter alike (from Triton 3.9: an older interpreter computes
+``tl.fma`` as a multiply, then an add).
 """
 
 import triton

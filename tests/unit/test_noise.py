@@ -161,6 +161,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from packaging.version import Version  # noqa: E402
+
 from distzo.zo import fast_noise, philox  # noqa: E402
 from distzo.zo.gaussian_table import gaussian_table  # noqa: E402
 
@@ -361,12 +363,17 @@ def test_legacy_noise_is_still_the_torch_generator_chunk_by_chunk():
 
 
 TRITON_PROBE = Path(__file__).parents[1] / "helpers" / "triton_noise_probe.py"
+# the first Triton whose interpreter rounds tl.fma once, as a GPU does; before it the
+# interpreter multiplies, then adds, and an update of several terms is a bit off
+FUSED_FMA_INTERPRETER = Version("3.9")
 
 
 def test_the_triton_kernels_interpreted_equal_the_reference():
     """The CUDA kernels, run by Triton's interpreter on the CPU: fill bit for bit, the
     fused perturb and update within an ulp of torch's arithmetic on the reference z."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if Version(triton.__version__) < FUSED_FMA_INTERPRETER:
+        pytest.skip(f"Triton {triton.__version__}'s interpreter rounds tl.fma twice (3.9's once)")
     env = os.environ | {"TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, str(TRITON_PROBE)], env=env, capture_output=True, text=True, timeout=600
