@@ -98,10 +98,26 @@ def _numbered_rows(source: str) -> Iterable[tuple[int, Row]]:
 PARQUET_BATCH = 10_000  # rows turned into dicts at a time
 
 
+def require_pyarrow(source: str) -> None:
+    """pyarrow importable, or one line naming ``source`` and the fix. pyarrow 26 needs
+    numpy 2 and does not declare it, so pip gives an environment pinned to numpy 1.x (our
+    floor is 1.24) a pyarrow that fails at import: a traceback from a parquet file or a
+    hub dataset, where ``datasets`` reads both through it."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError as err:
+        raise ValueError(
+            f"{source}: pyarrow cannot be imported ({str(err).splitlines()[0]}); install one "
+            "that works with this numpy (pyarrow 26 and later need numpy 2: pip install "
+            "'pyarrow<26', or 'numpy>=2')"
+        ) from None
+
+
 def _parquet_rows(path: Path, source: str) -> Iterator[Row]:
     """The table's rows, a batch of them at a time: the whole table as a list of dicts,
     beside the table and then the Examples, was 0.35 GB more at the peak than a TSV of the
     same million rows, on every rank."""
+    require_pyarrow(source)
     import pyarrow.parquet as pq  # a dependency of datasets
 
     try:
@@ -273,6 +289,7 @@ def _hub_rows(source: str) -> Iterator[Row]:
     """The split's rows one at a time: the dataset is memory-mapped, and a list of its
     dicts (the whole split, beside the Examples) was the peak of every rank's load."""
     path, config, split = parse_hub_spec(source)
+    require_pyarrow(source)
     import datasets
 
     from distzo.data.read_only_cache import unlocked_where_read_only

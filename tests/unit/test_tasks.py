@@ -2,6 +2,7 @@
 
 import csv
 import json
+import sys
 
 import pytest
 import torch
@@ -256,6 +257,26 @@ def test_malformed_files_are_one_line_errors(tmp_path, content, suffix, message)
     with pytest.raises(ValueError, match=message) as info:
         load_task_rows("sst2", str(path), str(path))
     assert "\n" not in str(info.value)
+
+
+def test_a_pyarrow_that_cannot_be_imported_is_one_line(tmp_path, monkeypatch):
+    """pip gives numpy 1.x (our floor) pyarrow 26, which needs numpy 2 and fails at
+    import: a parquet file's load was that ImportError's traceback."""
+    fake = tmp_path / "site" / "pyarrow"
+    fake.mkdir(parents=True)
+    broken = "pyarrow requires NumPy 2.0 or newer, found 1.24.4"
+    (fake / "__init__.py").write_text(f"raise ImportError({broken!r})\n")
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(fake.parent))
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ValueError) as info:
+        load_rows(str(path))
+    assert str(info.value) == (
+        f"{path}: pyarrow cannot be imported ({broken}); install one that works with this "
+        "numpy (pyarrow 26 and later need numpy 2: pip install 'pyarrow<26', or 'numpy>=2')"
+    )
 
 
 def test_missing_files_and_hub_specs():
