@@ -246,7 +246,8 @@ def _bind_scratch(
 
 
 def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
-    """One line of what was built (mode, transfer, dtypes, sizes), for the log."""
+    """One line of what was built (mode, dtypes, sizes, and how the blocks travel where they
+    do), for the log."""
     config, frozen = engine.config, engine.num_frozen
     queries = config.num_queries
     of_all = f" (of {format_count(engine.num_parameters + frozen)}: a frozen base)"
@@ -262,12 +263,20 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
         slices = engine.resident.num_slices if isinstance(engine.resident, SlicedResident) else 0
         if slices:
             rebuilt += f", the vocabulary in {slices} slice{'s' if slices > 1 else ''}"
+    compute = f"{str(dtype).replace('torch.', '')} compute"
+    # A resident model never travels: no transfer, wire format, slots or host copy to name.
+    if config.mode == "resident":
+        layout, slots, stored = f"({compute}{rebuilt})", "", ""
+    else:
+        wire = f"{engine.transfer} transfer, {config.transfer_dtype} on the wire"
+        layout = f"({wire}{rebuilt}, {compute})"
+        slots = f", {engine.streamed_store.num_slots} slots"
+        stored = f", {format_bytes(engine.host_bytes)} host"
     return (
-        f"ZO engine: {config.mode} mode ({engine.transfer} transfer, {config.transfer_dtype} "
-        f"on the wire{rebuilt}, {str(dtype).replace('torch.', '')} compute) on {engine.device}, "
-        f"{len(engine.blocks)} blocks, {engine.streamed_store.num_slots} slots, "
+        f"ZO engine: {config.mode} mode {layout} on {engine.device}, "
+        f"{len(engine.blocks)} blocks{slots}, "
         f"{format_count(engine.num_parameters)} trained parameters"
-        f"{of_all if engine.frozen_base else ''}, {format_bytes(engine.host_bytes)} host, "
+        f"{of_all if engine.frozen_base else ''}{stored}, "
         f"{config.estimator}, {queries} quer{'y' if queries == 1 else 'ies'} per step"
         f"{noise_note(engine)}"
     )

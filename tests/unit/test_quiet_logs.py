@@ -1,17 +1,21 @@
 """What the log says, and says once: figures in the unit that fits (never ``0.000 B
 parameters``), each hub retry warning once and only on a node's first rank,
-transformers' bars off while distzo saves and back afterwards, and the progress line's
-rate and ETA."""
+transformers' bars off while distzo saves and back afterwards, the progress line's
+rate and ETA, and an engine line that names only what its layout has."""
 
 import io
 import logging
 
 import pytest
+import torch
 from transformers.utils import logging as hf_logging
 
+from distzo import ZOConfig, ZOEngine
+from distzo.engine.parts import describe
 from distzo.job.progress import Progress, no_library_bars
 from distzo.models.hub import HUB_HTTP_LOGGER, OnceOnFirstLocalRank, quiet_hub_retries
 from distzo.runtime.units import format_bytes, format_count
+from tests.helpers.models import tiny_opt
 
 
 @pytest.mark.parametrize(
@@ -137,3 +141,17 @@ def test_the_step_line_is_logged_every_log_every_steps_and_at_the_last(caplog):
     logged = [r.getMessage().split(" loss")[0] for r in caplog.records]
     assert logged == ["step 0/8", "step 3/8", "step 6/8", "step 7/8"]
     progress.close()
+
+
+def test_the_engine_line_of_a_resident_model_names_no_transfer_slots_or_host_copy():
+    """Resident blocks never travel: the line said ``none transfer, fp32 on the wire``,
+    ``2 slots`` and ``0 B host``; the offloaded engine's line still names all three."""
+    config = dict(lr=1e-2, eps=1e-3, device="cpu", seed=0)
+    resident = ZOEngine(tiny_opt(seed=0), ZOConfig(mode="resident", **config))
+    said = describe(resident, torch.float32)
+    assert said.startswith("ZO engine: resident mode (float32 compute) on cpu, 2 blocks, ")
+    for absent in ("transfer", "on the wire", "slots", "host"):
+        assert absent not in said, absent
+    offload = describe(ZOEngine(tiny_opt(seed=0), ZOConfig(**config)), torch.float32)
+    assert "(naive transfer, fp32 on the wire, float32 compute)" in offload
+    assert "2 blocks, 3 slots, " in offload and " host, spsa" in offload
