@@ -120,10 +120,11 @@ class _Build:
         job, env, comm = self.checked.job, self.env, self.parallel.comm
         dims = self.checked.dims
         logger.info(
-            "run %s: seed %d; %d ranks as dp %d x pert %d",
+            "run %s: seed %d; %d rank%s as dp %d x pert %d",
             self.run_dir,
             self.seed,
             env.world_size,
+            "" if env.world_size == 1 else "s",
             dims.dp,
             dims.pert,
         )

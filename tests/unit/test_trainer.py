@@ -115,6 +115,14 @@ def test_a_cpu_run_takes_one_thread_unless_told(
     assert len(logged) == 1 and logged[0].startswith(f"CPU threads per rank: {threads} (")
 
 
+def test_a_single_process_run_says_it_runs_as_one_rank(tmp_path, caplog):
+    # every single-process run's third line said "1 ranks as dp 1 x pert 1"
+    with caplog.at_level("INFO", logger="distzo.train"), Trainer(job(tmp_path)) as trainer:
+        trainer.build()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run ")]
+    assert said == [f"run {tmp_path}: seed 0; 1 rank as dp 1 x pert 1"]
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_checkpoint_is_published_only_after_the_seed_log_reaches_it(
     tmp_path, monkeypatch, asynchronous
