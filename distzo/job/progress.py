@@ -35,7 +35,10 @@ class Progress:
         if show and sys.stderr.isatty():
             # Log lines are written above the bar rather than through it.
             self._scope.enter_context(logging_redirect_tqdm())
-            self.bar = tqdm(desc="train", initial=start, total=total, dynamic_ncols=True)
+            # counted in steps, as the step lines are (tqdm's own unit is "it")
+            self.bar = tqdm(
+                desc="train", initial=start, total=total, unit=" steps", dynamic_ncols=True
+            )
 
     def update(self, done: int, **postfix: str) -> None:
         """``done`` steps are done; ``postfix``: the figures the bar shows beside it."""

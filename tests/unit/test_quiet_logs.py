@@ -117,6 +117,16 @@ def test_a_bar_is_drawn_only_on_a_terminal_and_only_where_asked(monkeypatch):
     assert "loss=1.2345" in terminal.getvalue()
 
 
+def test_the_bar_counts_steps_per_second_as_the_step_line_does(monkeypatch):
+    # the bar said "60.75it/s" under a step line's "60.2 steps/s"
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    progress = Progress(start=0, total=10, show=True)
+    progress.update(5)
+    progress.close()
+    assert " steps/s" in terminal.getvalue() and "it/s" not in terminal.getvalue()
+
+
 def test_the_hubs_bars_stay_off_after_a_save_where_the_user_turned_them_off():
     from huggingface_hub import utils as hub_utils
 
