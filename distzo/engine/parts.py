@@ -18,6 +18,7 @@ from torch import nn
 
 from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
 from distzo.config.engine_options import ZOConfig
+from distzo.config.option_names import option_name as _n
 from distzo.dist import ParallelContext
 from distzo.engine.build import (
     check_transfer_dtype,
@@ -170,13 +171,20 @@ def _check_tuning(
     if largest > 1:
         tuning.batch_factors(model, layouts, resident_layout)
     elif (config.dual_forward or config.batch_queries) and at.parallel.dims.pert > 1:
-        logger.warning(
-            "dual_forward/batch_queries batch nothing: the %d pert ranks split a step's "
-            "passes so that each runs %d, none of them batchable together; use fewer pert "
-            "ranks (more dp) to batch them",
-            at.parallel.dims.pert,
-            len(at.passes),
-        )
+        # said once for the job, on rank 0: every rank builds the same grouping
+        if at.parallel.env.rank == 0:
+            asked = [_n(f) for f in ("dual_forward", "batch_queries") if getattr(config, f)]
+            logger.warning(
+                "%s %s nothing: the %d pert ranks split a step's passes so that each runs "
+                "%d, none of them batchable together; use fewer pert ranks (a smaller %s, "
+                "a larger %s) to batch them",
+                " and ".join(asked),
+                "batches" if len(asked) == 1 else "batch",
+                at.parallel.dims.pert,
+                len(at.passes),
+                _n("pert"),
+                _n("dp"),
+            )
     return groups, largest
 
 

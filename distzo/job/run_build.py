@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from distzo.config.job import JobConfig, write_resolved
+from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
 from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
@@ -138,14 +139,15 @@ class _Build:
                 logger.warning(line)
         self._plan_memory(model, data)
         objective = build_objective(job.optim.objective or "lm", data)
-        engine = ZOEngine(
-            model,
-            self.checked.config,
-            parallel=self.parallel,
-            run_seed=self.seed,
-            weights=weights,
-            objective=objective,
-        )
+        with named_as_flags():  # what the engine says names --dual-forward, not dual_forward
+            engine = ZOEngine(
+                model,
+                self.checked.config,
+                parallel=self.parallel,
+                run_seed=self.seed,
+                weights=weights,
+                objective=objective,
+            )
         checkpoints = self.run_dir / "checkpoints"
         checkpointer = Checkpointer(checkpoints, engine, job.run.keep_checkpoints)
         self.held.checkpointer = checkpointer

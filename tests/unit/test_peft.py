@@ -858,14 +858,17 @@ def test_lora_fa_with_batched_queries_lowers_the_default_tasks_loss():
     assert after < before - 0.1, (before, after)  # without learning it stays at log(64) = 4.16
 
 
-@pytest.mark.parametrize("pert, warned", [(2, True), (1, False)])
-def test_batched_passes_that_pert_ranks_split_apart_are_said_to_batch_nothing(caplog, pert, warned):
+@pytest.mark.parametrize("pert, rank, warned", [(2, 0, True), (2, 1, False), (1, 0, False)])
+def test_batched_passes_that_pert_ranks_split_apart_are_said_to_batch_nothing(
+    caplog, pert, rank, warned
+):
     """With 2 pert ranks each runs one of a query's two passes: --dual-forward batched
-    nothing, and the run did not say so."""
+    nothing, and the run did not say so. Said once, by rank 0: every rank said it, the
+    same line twice in a 2-rank launch's log."""
     from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
 
     parallel = ParallelContext(
-        LaunchEnv(rank=pert - 1, world_size=pert, local_world_size=pert),
+        LaunchEnv(rank=rank, world_size=pert, local_world_size=pert),
         ParallelDims(1, pert),
         comm=Collectives(torch.device("cpu")),
     )
@@ -873,16 +876,35 @@ def test_batched_passes_that_pert_ranks_split_apart_are_said_to_batch_nothing(ca
     with caplog.at_level("WARNING", logger="distzo.engine.parts"):
         engine = ZOEngine(adapted("llama", "lora-fa"), config, parallel=parallel)
     assert len(engine.passes) == 2 // pert
-    said = [r.getMessage() for r in caplog.records if "batch nothing" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "batch" in r.getMessage()]
     assert said == (
         [
-            "dual_forward/batch_queries batch nothing: the 2 pert ranks split a step's passes "
-            "so that each runs 1, none of them batchable together; use fewer pert ranks (more "
-            "dp) to batch them"
+            "dual_forward batches nothing: the 2 pert ranks split a step's passes so that each "
+            "runs 1, none of them batchable together; use fewer pert ranks (a smaller pert, a "
+            "larger dp) to batch them"
         ]
         if warned
         else []
     )
+
+
+def test_a_run_is_told_of_unbatched_passes_by_its_flags(caplog):
+    """The command line's user set --dual-forward and --pert, not dual_forward and pert."""
+    from distzo.config.option_names import named_as_flags
+    from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
+
+    parallel = ParallelContext(
+        LaunchEnv(rank=0, world_size=2, local_world_size=2),
+        ParallelDims(1, 2),
+        comm=Collectives(torch.device("cpu")),
+    )
+    config = ZOConfig(device="cpu", seed=0, dual_forward=True, batch_queries=True)
+    with caplog.at_level("WARNING", logger="distzo.engine.parts"), named_as_flags():
+        ZOEngine(adapted("llama", "lora-fa"), config, parallel=parallel)
+    said = [r.getMessage() for r in caplog.records if "batch nothing" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].startswith("--dual-forward and --batch-queries batch nothing: ")
+    assert said[0].endswith("(a smaller --pert, a larger --dp) to batch them")
 
 
 def test_an_adapter_with_no_trained_elements_is_refused_before_a_step():
