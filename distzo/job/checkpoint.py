@@ -417,6 +417,9 @@ class Checkpointer:
         # disk lacks (after a power loss, a resume refuses a checkpoint ahead of its log).
         self.before_publish: Callable[[], None] | None = None
         self._pending_save: tuple[Future, Path, Path] | None = None
+        # the steps of the checkpoint ``load`` restored: the engine holds its state until it
+        # steps on (or catches up from the seed log)
+        self.loaded_step: int | None = None
         # An asynchronous save's thread warns after ``dcp.async_save`` returns: in a single
         # process the note stays ignored until the save is waited for.
         self._quiet = contextlib.ExitStack()
@@ -695,4 +698,5 @@ class Checkpointer:
             recent_steps=recent,
         )
         logger.info("resumed from %s at step %d", path, engine.step_index)
+        self.loaded_step = engine.step_index
         return engine.step_index

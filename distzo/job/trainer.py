@@ -347,7 +347,12 @@ class Trainer:
         asked for by then ends the run after the checkpoint or the evaluation."""
         # Saved before the final evaluation, whose flush a longer run would not make here.
         _expect(signals, preemption.AFTER_FINAL_SAVE)
-        self.save(asynchronous=False)
+        if self.step != self.checkpointer.loaded_step:
+            self.save(asynchronous=False)
+        else:  # a finished run resumed (a requeue): its checkpoint holds this state already
+            logger.info(
+                "no steps left: the run's checkpoint of step %d is kept as it is", self.step
+            )
         self._stop_if_voted(signals)
         _expect(signals, preemption.IN_FINAL_EVALUATION)
         try:  # the last step's update checked

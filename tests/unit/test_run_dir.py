@@ -735,3 +735,16 @@ def test_a_seed_logs_lines_read_backwards_are_its_lines_whatever_the_block(tmp_p
         size = log.stat().st_size
         read = [line.decode() for line in seed_log._complete_lines_backwards(stream, size)]
     assert read == lines[::-1]
+
+
+def test_a_finished_run_resumed_keeps_its_final_checkpoint_as_it_is(run):
+    # a requeued job that had finished rewrote its final checkpoint (all of a large model's
+    # weights) with the state it had just read from it
+    final = run / "checkpoints" / "step-4"
+    written = {p.name: p.stat().st_mtime_ns for p in final.iterdir()}
+    proc = train_in_process([*SMALL, "--max-steps", "4", "--output-dir", str(run), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no steps left: the run's checkpoint of step 4 is kept as it is" in proc.stderr
+    assert "step-4 written" not in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in final.iterdir()} == written
+    assert (run / "export" / "model.safetensors").is_file()
