@@ -13,15 +13,13 @@ writes it, with its own error.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import os
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-# what creating a lock file raises in a folder this process cannot write
-READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+from distzo.models.hub import READ_ONLY  # what a write refused in a folder raises
 
 
 class LockUnlessReadOnly:

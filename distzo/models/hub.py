@@ -149,32 +149,38 @@ def unwritable_cache(err: BaseException, name: str) -> str | None:
     from huggingface_hub import constants
 
     cache = Path(constants.HF_HUB_CACHE).absolute()
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in READ_ONLY and cause.filename:
-            refused = Path(os.fsdecode(cause.filename)).absolute()
-            if refused == cache or cache in refused.parents:
-                break
-        cause = cause.__cause__ or cause.__context__
-    if not isinstance(cause, OSError):
+    refusal = next((c for c in causes(err) if _refused_in(c, cache)), None)
+    if not isinstance(refusal, OSError):
         return None
     return (
-        f"the Hugging Face cache {cache} cannot be written ({cause.strerror}) and does not hold "
+        f"the Hugging Face cache {cache} cannot be written ({refusal.strerror}) and does not hold "
         f"{name} at the hub's main now: HF_HUB_OFFLINE=1 reads the copy it holds, or set "
         "HF_HUB_CACHE to a folder you may write"
     )
+
+
+def _refused_in(error: BaseException, cache: Path) -> bool:
+    """Whether ``error`` is a write refused in ``cache`` or a folder of it."""
+    if not (isinstance(error, OSError) and error.errno in READ_ONLY and error.filename):
+        return False
+    refused = Path(os.fsdecode(error.filename)).absolute()
+    return refused == cache or cache in refused.parents
+
+
+def causes(err: BaseException) -> Iterator[BaseException]:
+    """``err``, then what it was raised from, and so on: the libraries wrap the HTTP
+    client's or the file system's error in their own."""
+    cause: BaseException | None = err
+    while cause is not None:
+        yield cause
+        cause = cause.__cause__ or cause.__context__
 
 
 def stalled(err: BaseException) -> bool:
     """Whether ``err`` is (or was raised from) a request that timed out: a hub that
     accepted it and sent nothing for ``HF_HUB_DOWNLOAD_TIMEOUT``."""
     timeouts = timeout_types()
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, timeouts):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
+    return any(isinstance(cause, timeouts) for cause in causes(err))
 
 
 def timeout_types() -> tuple[type[BaseException], ...]:
