@@ -51,10 +51,10 @@ class Progress:
         return (done - self.start) / max(time.perf_counter() - self.started, 1e-9)
 
     def describe(self, done: int) -> str:
-        """``12.3 steps/s, ETA 02:39``: the rate so far, the time the steps left take at it."""
+        """``12.30 steps/s, ETA 02:39``: the rate so far, the time the steps left take at it."""
         rate = self.steps_per_s(done)
         left = (self.total - done) / rate if rate > 0 else 0.0
-        return f"{rate:.3g} steps/s, ETA {tqdm.format_interval(left)}"
+        return f"{format_rate(rate)}, ETA {tqdm.format_interval(left)}"
 
     def log_step(self, step: int, result: Any, every: int) -> None:
         """The ``--log-every`` line of step ``step`` (every ``every`` steps, and the last):
@@ -76,6 +76,15 @@ class Progress:
             self.bar.close()
             self.bar = None
         self._scope.close()
+
+
+def format_rate(steps_per_s: float) -> str:
+    """A rate as tqdm's bar writes one: two decimals, fixed point at any speed (``%.3g``
+    wrote a tiny run's ``1.23e+03 steps/s``), and seconds per step below one a second,
+    where steps per second would read ``0.01``."""
+    if 0 < steps_per_s < 1:
+        return f"{1 / steps_per_s:.2f} s/step"
+    return f"{steps_per_s:.2f} steps/s"
 
 
 @contextlib.contextmanager

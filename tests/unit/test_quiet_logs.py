@@ -97,8 +97,22 @@ def test_the_progress_line_gives_the_sessions_rate_and_the_time_left(monkeypatch
     progress = Progress(start=200, total=1000, show=True)  # a resumed run, at step 200
     assert progress.bar is None  # pytest's stderr is no terminal
     # 50 steps in 10 s: 5 steps/s, 750 steps left: 150 s.
-    assert progress.describe(250) == "5 steps/s, ETA 02:30"
+    assert progress.describe(250) == "5.00 steps/s, ETA 02:30"
     progress.close()
+
+
+@pytest.mark.parametrize(
+    ("steps", "seconds", "written"),
+    [
+        (2469, 2.0, "1234.50 steps/s, ETA 00:00"),  # a tiny run: %.3g wrote 1.23e+03
+        (1, 80.0, "80.00 s/step, ETA 3:18:40"),  # a large model: not 0.0125 steps/s
+    ],
+)
+def test_the_step_lines_rate_is_written_as_tqdm_writes_it(monkeypatch, steps, seconds, written):
+    clock = iter([0.0, seconds])
+    monkeypatch.setattr("distzo.job.progress.time.perf_counter", lambda: next(clock))
+    progress = Progress(start=0, total=max(steps, 150), show=False)
+    assert progress.describe(steps) == written
 
 
 class Terminal(io.StringIO):
