@@ -8,28 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+from distzo.runtime.folders import nearest_existing, unwritable
+
 
 def staging_dir(out: Path) -> Path:
     """Where ``out`` is written before it is published."""
     return out.with_name(out.name + ".tmp")
-
-
-def nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest ancestor that exists (what a mkdir of ``path`` would need to
-    be a writable folder)."""
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def unwritable(folder: Path) -> str | None:
-    """Why this process cannot make files in ``folder`` (an existing folder): a read-only
-    mount, which no permission opens, or its permissions, which its owner can change; None
-    where it can."""
-    if os.access(folder, os.W_OK | os.X_OK):
-        return None
-    read_only = os.statvfs(folder).f_flag & os.ST_RDONLY
-    return "a read-only file system" if read_only else "permission denied"
 
 
 def check_out(out: Path, overwrite: bool) -> Path:

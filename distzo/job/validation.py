@@ -21,7 +21,6 @@ from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
 from distzo.export.hf_model import check_shard_size
-from distzo.export.out_dir import nearest_existing, unwritable
 from distzo.job.build import (
     MASTER_DTYPES,
     default_model_config,
@@ -37,6 +36,7 @@ from distzo.models import hub
 from distzo.models.config_file import model_size, read_config
 from distzo.models.multimodal import checked_trained_config
 from distzo.models.weights import check_float_weights, check_readable
+from distzo.runtime.folders import nearest_existing, unwritable
 
 logger = logging.getLogger("distzo.train")
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from distzo.runtime.folders import nearest_existing, unwritable
+
 
 def gguf_to_hf(
     gguf_file: str | Path, directory: str | Path, dtype: torch.dtype = torch.float32
@@ -30,6 +32,12 @@ def gguf_to_hf(
         return directory
     if not gguf_file.is_file():
         raise ValueError(f"{gguf_file}: no such GGUF file")
+    existing = nearest_existing(directory.parent.absolute())
+    why = unwritable(existing) if existing.is_dir() else "a file, not a directory"
+    if why is not None:  # known now, not after a read of the whole file
+        raise ValueError(
+            f"{directory}: {existing} cannot hold it ({why}); give a directory this user may write"
+        )
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
     # mkdtemp makes it private; the result is an ordinary directory

@@ -197,3 +197,29 @@ def test_a_gguf_conversion_is_an_ordinary_folder_reused_and_a_missing_file_is_on
     with pytest.raises(ValueError, match=r"gone\.gguf: no such GGUF file$"):
         gguf_to_hf(tmp_path / "gone.gguf", tmp_path / "out" / "hf")
     assert reads == ["m.gguf"] and not (tmp_path / "out").exists()  # refused before anything
+
+
+def test_a_gguf_conversion_into_a_read_only_folder_is_one_line_before_any_read(
+    tmp_path, monkeypatch
+):
+    """As the commands' --out says it: the folder named, not the PermissionError of
+    mkdtemp (or of the first file, after minutes of dequantising)."""
+    from distzo.models.gguf import gguf_to_hf
+    from tests.helpers.models import tiny_opt
+    from tests.helpers.read_only import read_only
+
+    reads = fake_gguf_reader(monkeypatch, tiny_opt())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with read_only(shared, monkeypatch):
+        with pytest.raises(ValueError) as raised:
+            gguf_to_hf(gguf, shared / "models" / "hf")
+    assert str(raised.value) == (
+        f"{shared / 'models' / 'hf'}: {shared} cannot hold it (permission denied); give a "
+        "directory this user may write"
+    )
+    assert reads == [] and list(shared.iterdir()) == []
+    with pytest.raises(ValueError, match=r"m\.gguf cannot hold it \(a file, not a directory\)"):
+        gguf_to_hf(gguf, gguf / "hf")
