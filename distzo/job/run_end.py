@@ -18,6 +18,7 @@ from distzo.job.curves import CURVES, draw_curves
 from distzo.job.records import describe
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, run_summary, write_summary
+from distzo.runtime.json_text import loads
 
 logger = logging.getLogger("distzo.train")
 
@@ -62,10 +63,12 @@ def report_run_end(
     session: Session,
     evals: tuple[dict[str, float] | None, dict[str, float]],
     export: Path | None,
+    export_options: dict[str, Any],
 ) -> None:
     """The closed run's curves and summary, and its last log line. ``options``: the
     summary's key options; ``evals``: the evaluation before this session's training (none
-    on a resume) and the final one."""
+    on a resume) and the final one; ``export_options``: those the export was written with
+    (``export_record``)."""
     # the whole run's loss, kept by the logs (a million steps' metrics.jsonl read back as
     # dicts was a gigabyte), and its evaluations, read once for the picture and the summary
     loss, eval_records = logs.loss_curve, read_records(logs.paths["eval"])
@@ -80,6 +83,8 @@ def report_run_end(
         "eval_log": logs.paths["eval"],
     }
     record = run_summary(options, steps, session.record(), loss.losses, eval_records, files)
+    if export is not None:
+        record["export_written"] = export_record(export, export_options)
     summary = write_summary(run_dir / SUMMARY, record)
     before, after = evals
     logger.info(
@@ -94,3 +99,34 @@ def report_run_end(
         summary,
         curves,
     )
+
+
+def export_record(export: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """What the summary keeps of the export: the options it was written with and the size
+    of each of its files, which a requeue of the finished run checks (``kept_export``)."""
+    files = sorted(p for p in export.rglob("*") if p.is_file())
+    return {**options, "files": {str(p.relative_to(export)): p.stat().st_size for p in files}}
+
+
+def kept_export(run_dir: Path, steps: int, options: dict[str, Any]) -> Path | None:
+    """The ``export/`` a finished run resumed keeps as it is (rewriting it is all of a
+    large model's weights again): the one its ``summary.json`` (written after the export
+    was renamed into place) records for ``steps`` steps with these ``options``, each of
+    its files there at its size. None where the run died before its summary, or while
+    ``export/`` was being replaced (missing, or partly deleted), or the options changed."""
+    try:
+        summary = loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    written = summary.get("export_written") if isinstance(summary, dict) else None
+    if not isinstance(written, dict) or summary.get("steps") != steps:
+        return None
+    files = written.pop("files", None)
+    if written != options or not isinstance(files, dict) or not files:
+        return None
+    export = run_dir / "export"
+    for name, size in files.items():
+        path = export / name
+        if not path.is_file() or path.stat().st_size != size:
+            return None
+    return export

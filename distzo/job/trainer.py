@@ -51,7 +51,7 @@ from distzo.job.progress import Progress
 from distzo.job.records import StepMeter, describe, rank_summary, seed_record
 from distzo.job.reporting import Reporter
 from distzo.job.run_build import build_run
-from distzo.job.run_end import Session, draw_run_curves, report_run_end
+from distzo.job.run_end import Session, draw_run_curves, kept_export, report_run_end
 from distzo.job.run_logs import RunLogs
 from distzo.job.run_resources import RunResources
 from distzo.job.summary import key_options
@@ -347,11 +347,15 @@ class Trainer:
         asked for by then ends the run after the checkpoint or the evaluation."""
         # Saved before the final evaluation, whose flush a longer run would not make here.
         _expect(signals, preemption.AFTER_FINAL_SAVE)
+        kept = False  # the export a finished run resumed (a requeue) has already
         if self.step != self.checkpointer.loaded_step:
             self.save(asynchronous=False)
-        else:  # a finished run resumed (a requeue): its checkpoint holds this state already
+        else:  # its checkpoint holds this state already, and its export may
+            kept = self._kept_export()
             logger.info(
-                "no steps left: the run's checkpoint of step %d is kept as it is", self.step
+                "no steps left: the run's checkpoint of step %d %s",
+                self.step,
+                "and its export/ are kept as they are" if kept else "is kept as it is",
             )
         self._stop_if_voted(signals)
         _expect(signals, preemption.IN_FINAL_EVALUATION)
@@ -369,13 +373,8 @@ class Trainer:
         peft, summary = self.job.peft.peft, self.run_dir / f"rank{self.env.rank}.json"
         own = rank_summary(self.engine, self.parallel, self.device, peft, self.eval_before, after)
         agreed(self.parallel.comm, lambda: summary.write_text(json.dumps(own)))
-        export = export_model(
-            self.engine,
-            self.run_dir / "export",
-            self.tokenizer,
-            self.job.run.export_shard_size,
-            self.job.peft.merge_adapter,
-            overwrite=True,  # the run's own export/, written again by a resumed run
+        export = (
+            (self.run_dir / "export" if self.env.rank == 0 else None) if kept else self._export()
         )
         self.held.close_logs()  # the run directory stays locked until its summary is written
         if self.logs:
@@ -390,11 +389,38 @@ class Trainer:
                 str(self.device),
                 self.env.world_size,
             )
+            evals = (self.eval_before, after)
             report_run_end(
-                self.run_dir, self.logs, options, session, (self.eval_before, after), export
+                self.run_dir, self.logs, options, session, evals, export, self._export_options
             )
         self.held.release()
         return after
+
+    @property
+    def _export_options(self) -> dict[str, Any]:
+        """The options that make one export of a state differ from another (a resume may
+        change them)."""
+        return {
+            "export_shard_size": self.job.run.export_shard_size,
+            "merge_adapter": self.job.peft.merge_adapter,
+        }
+
+    def _kept_export(self) -> bool:
+        """Whether the finished run's own ``export/`` is complete and of this state
+        (``kept_export``), as rank 0 finds it: every rank skips the collective export alike."""
+        found = self.env.rank == 0 and kept_export(self.run_dir, self.step, self._export_options)
+        return bool(self.parallel.comm.broadcast_object(bool(found)))
+
+    def _export(self) -> Path | None:
+        """The run's ``export/``, written (collective; the directory on rank 0)."""
+        return export_model(
+            self.engine,
+            self.run_dir / "export",
+            self.tokenizer,
+            self.job.run.export_shard_size,
+            self.job.peft.merge_adapter,
+            overwrite=True,  # the run's own export/, written again by a resumed run
+        )
 
     def close(self) -> None:
         """Complete an asynchronous save still in flight, then close the logs (the seed log

@@ -21,6 +21,7 @@ from distzo.dist import LaunchEnv
 from distzo.job import run_dir as run_dir_module
 from distzo.job.resume import check_resumed_rows, resume_mode
 from distzo.job.run_dir import check_resumed_options, clear_run, new_run_dir
+from distzo.job.run_end import kept_export
 from distzo.job.trainer import Trainer
 from tests.helpers.launch import main_in_process, python_train, train_in_process
 
@@ -737,14 +738,44 @@ def test_a_seed_logs_lines_read_backwards_are_its_lines_whatever_the_block(tmp_p
     assert read == lines[::-1]
 
 
-def test_a_finished_run_resumed_keeps_its_final_checkpoint_as_it_is(run):
-    # a requeued job that had finished rewrote its final checkpoint (all of a large model's
-    # weights) with the state it had just read from it
-    final = run / "checkpoints" / "step-4"
-    written = {p.name: p.stat().st_mtime_ns for p in final.iterdir()}
+def test_a_finished_run_resumed_keeps_its_final_checkpoint_and_export_as_they_are(run):
+    # a requeued job that had finished rewrote its final checkpoint, then its export (each
+    # all of a large model's weights) with the state it had just read from the checkpoint
+    final, export = run / "checkpoints" / "step-4", run / "export"
+    written = {p: p.stat().st_mtime_ns for d in (final, export) for p in d.iterdir()}
+    proc = train_in_process([*SMALL, "--max-steps", "4", "--output-dir", str(run), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        "no steps left: the run's checkpoint of step 4 and its export/ are kept as they are"
+        in proc.stderr
+    )
+    assert "step-4 written" not in proc.stderr
+    assert {p: p.stat().st_mtime_ns for d in (final, export) for p in d.iterdir()} == written
+    assert f"model exported to {export}" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["export"] == str(export.absolute()) and summary["steps"] == 4
+
+
+def test_a_finished_runs_export_cut_short_is_written_again_by_its_resume(run):
+    # killed while publish() replaced export/: its weights deleted, its config not yet
+    export = run / "export"
+    whole = hashes(export)
+    (export / "model.safetensors").unlink()
     proc = train_in_process([*SMALL, "--max-steps", "4", "--output-dir", str(run), "--resume"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no steps left: the run's checkpoint of step 4 is kept as it is" in proc.stderr
-    assert "step-4 written" not in proc.stderr
-    assert {p.name: p.stat().st_mtime_ns for p in final.iterdir()} == written
-    assert (run / "export" / "model.safetensors").is_file()
+    assert hashes(export) == whole
+
+
+def test_only_the_export_a_finished_runs_summary_records_whole_is_kept(run):
+    options = {"export_shard_size": "5GB", "merge_adapter": False}
+    assert kept_export(run, 4, options) == run / "export"
+    assert kept_export(run, 5, options) is None  # another state's
+    assert kept_export(run, 4, {**options, "export_shard_size": "1MB"}) is None  # resharded
+    assert kept_export(run, 4, {**options, "merge_adapter": True}) is None
+    (run / "export" / "config.json").write_text("{}")  # not the file the run wrote
+    assert kept_export(run, 4, options) is None
+    shutil.rmtree(run / "export")  # killed between publish()'s removal and its rename
+    assert kept_export(run, 4, options) is None
+    (run / "summary.json").write_text("[" * 100_000)  # damaged: written again, no traceback
+    assert kept_export(run, 4, options) is None
