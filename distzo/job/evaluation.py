@@ -33,7 +33,7 @@ evaluation for a task's data.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ from distzo.data.task_data import CountingData, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist import ParallelContext
 from distzo.engine import UNPERTURBED, ZOEngine
+from distzo.job.progress import evaluation_bar
 from distzo.objectives import (
     PassRunner,
     answer_text,
@@ -138,6 +139,15 @@ def _calls(count: int, per_call: int, parallel: ParallelContext) -> int:
     return max(1, math.ceil(largest / per_call))
 
 
+def _counted_calls(count: int, per_call: int, parallel: ParallelContext) -> Iterator[int]:
+    """Each forward call (``_calls``), counted on rank 0's bar (``evaluation_bar``)."""
+    calls = _calls(count, per_call, parallel)
+    with evaluation_bar(calls, show=parallel.env.rank == 0) as done:
+        for call in range(calls):
+            yield call
+            done()
+
+
 def _reduce(values: Sequence[torch.Tensor | float], parallel: ParallelContext) -> list[float]:
     """Sum each value over the ranks (on the device, through ``distzo.dist``); one host
     read for all of them."""
@@ -167,7 +177,7 @@ def evaluate_choices(
     encodings = [encoder.encode_choices(e) for e in mine]
     spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
     correct = broken = torch.zeros((), dtype=torch.long, device=engine.device)
-    for call in range(_calls(len(examples), per_call, parallel)):
+    for call in _counted_calls(len(examples), per_call, parallel):
         _check(stop)
         chunk = encodings[call * per_call : (call + 1) * per_call]
         prepared = prepare_choices(
@@ -207,7 +217,7 @@ def evaluate_generation(
     batch_size = rows_per_call(batch_size, parallel.env.world_size)
     f1 = em = 0.0
     broken = 0
-    for call in range(_calls(len(examples), batch_size, parallel)):
+    for call in _counted_calls(len(examples), batch_size, parallel):
         _check(stop)
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
         indices = chunk or [0]
@@ -260,7 +270,7 @@ def evaluate_lm(
     batch_size = rows_per_call(batch_size or sequences, parallel.env.world_size)
     loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
     count = 0
-    for call in range(_calls(sequences, batch_size, parallel)):
+    for call in _counted_calls(sequences, batch_size, parallel):
         _check(stop)
         chunk = rows[call * batch_size : (call + 1) * batch_size]
         shard = _take(batch, chunk or rows[:1] or [0])  # a spare call repeats a row

@@ -1,7 +1,8 @@
 """How far a run is and when it will end: a tqdm bar on rank 0 when stderr is a terminal,
 and on the ``--log-every`` step line, everywhere, the steps done of all, the steps per
 second of this session and the time left. A log that is a file never holds a bar: tqdm
-redraws with carriage returns, which a file keeps one after the other.
+redraws with carriage returns, which a file keeps one after the other. An evaluation (a
+minute for a small model's few hundred rows) has its own bar, by the same rules.
 
 Also: transformers' own bars ("Writing model shards" in ``save_pretrained``) silenced
 while distzo saves, the user's setting restored afterwards.
@@ -13,7 +14,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -76,6 +77,21 @@ class Progress:
             self.bar.close()
             self.bar = None
         self._scope.close()
+
+
+@contextlib.contextmanager
+def evaluation_bar(calls: int, show: bool) -> Iterator[Callable[[], None]]:
+    """A bar over an evaluation's ``calls`` forward calls, shown as the training bar is
+    (``show``: rank 0, on a terminal); yields what counts one call done. Cleared at the end:
+    the evaluation's figures are its log line's."""
+    if not (show and sys.stderr.isatty()):
+        yield lambda: None
+        return
+    with (
+        logging_redirect_tqdm(),
+        tqdm(desc="eval", total=calls, unit=" batches", leave=False, dynamic_ncols=True) as bar,
+    ):
+        yield bar.update
 
 
 def format_rate(steps_per_s: float) -> str:

@@ -4,10 +4,12 @@ every block twice)."""
 
 import collections
 import copy
+import io
 import math
 
 import pytest
 import torch
+from tqdm import tqdm
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder, PromptTrainData
@@ -186,3 +188,30 @@ def test_lm_evaluation_is_the_mean_next_token_loss_over_the_label_tokens():
         assert metrics["eval_loss"] == pytest.approx(nll[scored].mean().item(), rel=1e-5)
         hits = (logits.argmax(-1) == labels)[scored].double().mean().item()
         assert metrics["eval_accuracy"] == pytest.approx(hits)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_an_evaluation_shows_its_calls_on_rank_0s_terminal_and_leaves_its_figures_alone(
+    monkeypatch,
+):
+    # an evaluation of a minute (SmolLM2, 500 rows) printed nothing until it ended
+    engine, encoder = engine_and_encoder()
+    examples = build_examples(
+        TASKS["rte"],
+        [{"premise": f"P{i}.", "hypothesis": "H.", "label": i % 2} for i in range(6)],
+        "x",
+    )
+    quiet = evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert evaluate_choices(engine, examples, encoder, RankOf(1, 2), batch_size=4)
+    assert terminal.getvalue() == ""  # another rank than 0
+    shown = evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)
+    assert shown == quiet
+    drawn = terminal.getvalue()
+    assert "eval:   0%" in drawn and "0/3 [" in drawn and " batches/s]" in drawn  # 3 calls
+    assert drawn.endswith("\r") and not tqdm._instances  # cleared when it ends
