@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -257,12 +257,15 @@ class TokenRows:
     """Rows of tokens in one array, 4 bytes a token: a Python list of ints costs 8 bytes a
     token at best, 36 for an id over 256 (gigabytes a million rows, on each rank)."""
 
-    def __init__(self, sequences: Iterable[list[int]]) -> None:
+    def __init__(self, sequences: Iterable[list[int]] = ()) -> None:
         self.tokens, self.ends = array("i"), array("q")  # ids under 2**31
         for ids in sequences:
-            self.tokens.extend(ids)
-            self.ends.append(len(self.tokens))
-        self.width = max((len(self[i]) for i in range(len(self))), default=0)
+            self.append(ids)
+
+    def append(self, ids: list[int]) -> None:
+        """One more row."""
+        self.tokens.extend(ids)
+        self.ends.append(len(self.tokens))
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -272,15 +275,32 @@ class TokenRows:
         return self.tokens[start : self.ends[index]].tolist()
 
 
-class PaddedRows(TokenRows):
-    """Text rows to evaluate, every token a label, collated a call's rows at a time to the
-    width of the longest row of all: the tensors a call took from the whole set padded at
-    once, which cost 24 bytes a position of the longest row (6 GB a million rows, on each
-    rank)."""
+class PaddedRows:
+    """A text task's evaluation rows, every token a label, collated a call's rows at a
+    time to ``width``, the longest row's tokens of all. A rank holds the tokens of its
+    share (``held``: the rows ``span``, which its evaluation takes) and tokenizes any other
+    row a call takes: every rank tokenized and kept the whole file at its build (49 s and
+    343 MB for 100k rows of 1 KB), and the tensors of every row padded at once were 24
+    bytes a position of the longest row (6 GB a million rows, on each rank)."""
 
-    def __init__(self, sequences: Iterable[list[int]], encoder: PromptEncoder) -> None:
-        super().__init__(sequences)
-        self.encoder = encoder
+    def __init__(
+        self,
+        texts: Sequence[str],
+        encoder: PromptEncoder,
+        width: int,
+        held: TokenRows,
+        span: range,
+    ) -> None:
+        self.texts, self.encoder, self.width = texts, encoder, width
+        self.held, self.span = held, span
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int) -> list[int]:
+        if index in self.span:
+            return self.held[index - self.span.start]
+        return self.encoder.encode_text(self.texts[index])[0]
 
     def take(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The rows ``indices`` collated, each row a label on every token."""
@@ -393,7 +413,7 @@ class TextTrainData:
         """A row of fewer than two tokens (an empty one: wikitext has many) has no next
         token to predict and is left out: a batch of only such rows stopped the run."""
         span = share.span(len(texts))
-        parts = share.meet(lambda: _text_lengths(encoder, texts, span))
+        parts = share.meet(lambda: text_lengths(encoder, texts, span))
         self.cut = sum(cut for cut, _, _ in parts)  # rows longer than max_length
         self.width = max(width for _, width, _ in parts)  # the longest kept row's tokens
         left_out = {row for _, _, rows in parts for row in rows}
@@ -415,14 +435,20 @@ class TextTrainData:
         return self.encoder.collate([(ids, len(ids)) for ids, _ in encoded])
 
 
-def _text_lengths(
-    encoder: PromptEncoder, texts: list[str], span: range
+def text_lengths(
+    encoder: PromptEncoder,
+    texts: list[str],
+    span: range,
+    keep: Callable[[list[int]], object] | None = None,
 ) -> tuple[int, int, list[int]]:
     """Of the rows ``span`` of ``texts``: how many the limit cuts, the most tokens a kept
-    row has, and the rows left out (fewer than two tokens)."""
+    row has, and the rows left out (fewer than two tokens); ``keep``: handed each row's
+    tokens, in order."""
     cut, width, left_out = 0, 0, []
     encoded = encoder.encode_texts(texts[span.start : span.stop])
     for row, (ids, lost) in zip(span, encoded):
+        if keep is not None:
+            keep(ids)
         cut += lost
         if len(ids) > 1:
             width = max(width, len(ids))

@@ -23,8 +23,10 @@ from distzo.data.encoding import (
     PromptOnlyTrainData,
     PromptTrainData,
     TextTrainData,
+    TokenRows,
     choice_encoding,
     distinct,
+    text_lengths,
 )
 from distzo.data.loaders import iter_numbered_rows, read_whole
 from distzo.data.row_share import WHOLE, RowShare
@@ -233,10 +235,14 @@ class TextData:
         eval_batch_size: int,
         share: RowShare = WHOLE,
     ) -> None:
-        """``share``: the part of the training rows this process reads the lengths of."""
+        """``share``: the part of the training and evaluation rows this process reads the
+        lengths of."""
         self.train = TextTrainData(rows.train, encoder, seed, share)
-        encoded = list(encoder.encode_texts(rows.eval))
-        self.eval_set = PaddedRows((ids for ids, _ in encoded), encoder)
+        span, held = share.span(len(rows.eval)), TokenRows()  # the rows this rank evaluates
+        parts = share.meet(lambda: text_lengths(encoder, rows.eval, span, held.append))
+        eval_cut = sum(cut for cut, _, _ in parts)
+        width = max(width for _, width, _ in parts)
+        self.eval_set = PaddedRows(rows.eval, encoder, width, held, span)
         if self.eval_set.width < 2:  # a next token to predict: the metrics' denominator
             raise ValueError(
                 "--eval-file: no row has a next token to predict (a row needs two tokens or "
@@ -249,7 +255,7 @@ class TextData:
         self.cut_notices = _notices(
             [
                 Cuts("--train-file", len(rows.train), self.train.cut).notice(limit),
-                Cuts("--eval-file", len(rows.eval), sum(cut for _, cut in encoded)).notice(limit),
+                Cuts("--eval-file", len(rows.eval), eval_cut).notice(limit),
             ]
         )
 

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from distzo.data.encoding import PaddedRows, PromptEncoder
+from distzo.data.row_share import RowShare
 from distzo.data.task_data import CountingData, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist import ParallelContext
@@ -126,11 +127,9 @@ def planned_rows(data: CountingData | TextData | PromptData, world: int) -> int:
 
 
 def _share(count: int, parallel: ParallelContext) -> range:
-    """This rank's contiguous share of ``count`` items (sizes differ by at most one)."""
-    world, rank = parallel.env.world_size, parallel.env.rank
-    base, extra = divmod(count, world)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (rank < extra))
+    """This rank's contiguous share of ``count`` items (sizes differ by at most one): the
+    rows whose tokens a text task's data holds on this rank (``RowShare.span``)."""
+    return RowShare(parallel.env.rank, parallel.env.world_size).span(count)
 
 
 def _calls(count: int, per_call: int, parallel: ParallelContext) -> int:

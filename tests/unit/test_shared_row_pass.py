@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder, step_indices
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.task_data import LoadedRows, PromptData, TextData
@@ -16,8 +17,13 @@ from distzo.data.templates import Example
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist.agreement import gathered
 from distzo.job.build import rank_share
+from distzo.job.evaluation import evaluate_lm
 from distzo.models.tiny import byte_tokenizer
+from tests.helpers.models import tiny_opt
+from tests.unit.test_evaluation_transfers import SumsOf
 from tests.unit.test_prompt_build_cost import CountingTokenizer
+
+SINGLE = ParallelContext.single()
 
 
 def copa_rows(count: int) -> list[Example]:
@@ -138,10 +144,30 @@ def test_text_rows_are_read_in_parts_and_tokenized_when_a_step_takes_them():
         ]
     probe = CountingTokenizer(byte_tokenizer())
     PromptEncoder(probe, 24)
-    # (40 + 7 rows): each part read its third of the 40 training rows' lengths, the
-    # evaluation rows whole
+    # (40 + 7 rows): each part read its third of the 40 training rows' lengths and of the
+    # 7 evaluation rows (every rank tokenized and kept the evaluation file whole)
     assert built - probe.texts == 47
-    assert sorted(texts - probe.texts for _, texts in parts) == [20, 20, 21]
+    assert sorted(texts - probe.texts for _, texts in parts) == [13 + 2, 13 + 2, 14 + 3]
+    every = list(range(7))
+    for data, _ in parts:  # each holds its share's tokens, tokenizes any other row asked
+        assert len(data.eval_set.held) == len(data.eval_set.span) in (2, 3)
+        taken, expected = data.eval_set.take(every), alone.eval_set.take(every)
+        assert all(torch.equal(taken[k], expected[k]) for k in expected)
+    # each rank's evaluation takes the rows it holds: none tokenized again, the sums the
+    # one process's
+    engine = ZOEngine(
+        tiny_opt(seed=3, vocab_size=len(byte_tokenizer())), ZOConfig(device="cpu", seed=0)
+    )
+    sums: list[list[float]] = []
+    for part, (data, _) in enumerate(parts):
+        tokenizer = data.eval_set.encoder.tokenizer
+        before = tokenizer.texts
+        evaluate_lm(engine, data.eval_set, SumsOf(part, 3, sums), 2)
+        assert tokenizer.texts == before
+    loss, _, count = (sum(column) for column in zip(*sums))
+    assert loss / count == pytest.approx(
+        evaluate_lm(engine, alone.eval_set, SINGLE, 2)["eval_loss"]
+    )
 
 
 def byte_ids(text: str) -> list[int]:
