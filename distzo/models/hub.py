@@ -12,11 +12,13 @@ configs, the tokenizer, and the weights in safetensors when the repository has t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,41 +209,59 @@ def note_stall(err: BaseException) -> None:
     )
 
 
+# the limit on each read of the requests this thread makes in a ``bounded_reads`` block;
+# None outside one (a notebook's other threads, the user's own hub calls)
+READ_LIMIT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "distzo_hub_read_limit", default=None
+)
+_HOOK_LOCK = threading.Lock()
+
+
+def bound_reads(request: httpx2.Request) -> None:
+    """A request hook: within a ``bounded_reads`` block of this thread, a connect or read
+    phase without a timeout of its own gets the block's limit; elsewhere, nothing."""
+    limit = READ_LIMIT.get()
+    if limit is None:
+        return
+    timeouts = dict(request.extensions.get("timeout", {}))
+    for phase in ("connect", "read"):
+        if timeouts.get(phase) is None:
+            timeouts[phase] = limit
+    request.extensions["timeout"] = timeouts
+
+
+def hook_session() -> None:
+    """``bound_reads`` among the request hooks of huggingface_hub's shared client (once a
+    client: the library makes a new one after a fork, ``close_session`` or a user's
+    ``set_client_factory``). Replacing the client's factory instead closed the client
+    another thread of a notebook was downloading with, and bounded that thread too."""
+    from huggingface_hub import get_session
+
+    with _HOOK_LOCK:
+        client = get_session()
+        hooks = client.event_hooks
+        if bound_reads not in hooks["request"]:
+            client.event_hooks = {**hooks, "request": [*hooks["request"], bound_reads]}
+
+
 @contextlib.contextmanager
 def bounded_reads() -> Iterator[None]:
-    """huggingface_hub's requests in the block give up after ``HF_HUB_DOWNLOAD_TIMEOUT``
-    (10 s by default) without a byte, and connecting after as long. Its client waits
-    without a limit (``timeout=None``) wherever a call names no timeout of its own (the
-    ``repo_info`` of every snapshot and config, the tree listing), so a hub or proxy that
-    answered the probe and then stalled hung every rank with no output. A limit on each
-    read, not on the whole request: a slow download whose bytes keep coming is not cut
-    off. Calls that name their own timeout keep it. The library's client factory is
-    restored after the block: a notebook's other hub calls are left as they were."""
-    from huggingface_hub import constants, set_client_factory
-    from huggingface_hub.utils import _http
+    """huggingface_hub's requests that this thread makes in the block give up after
+    ``HF_HUB_DOWNLOAD_TIMEOUT`` (10 s by default) without a byte, and connecting after as
+    long. Its client waits without a limit (``timeout=None``) wherever a call names no
+    timeout of its own (the ``repo_info`` of every snapshot and config, the tree listing),
+    so a hub or proxy that answered the probe and then stalled hung every rank with no
+    output. A limit on each read, not on the whole request: a slow download whose bytes keep
+    coming is not cut off. Calls that name their own timeout keep it; other threads'
+    requests, and the shared client itself, are left as they were."""
+    from huggingface_hub import constants
 
-    # the library has no getter for the factory set_client_factory replaces
-    previous = _http._GLOBAL_CLIENT_FACTORY
-    limit = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
-
-    def bound(request: httpx2.Request) -> None:
-        timeouts = dict(request.extensions.get("timeout", {}))
-        for phase in ("connect", "read"):
-            if timeouts.get(phase) is None:
-                timeouts[phase] = limit
-        request.extensions["timeout"] = timeouts
-
-    def bounded_client() -> httpx2.Client:
-        client = previous()
-        hooks = client.event_hooks
-        client.event_hooks = {**hooks, "request": [*hooks["request"], bound]}
-        return client
-
-    set_client_factory(bounded_client)
+    hook_session()
+    token = READ_LIMIT.set(float(constants.HF_HUB_DOWNLOAD_TIMEOUT))
     try:
         yield
     finally:
-        set_client_factory(previous)
+        READ_LIMIT.reset(token)
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ class Session:
     def __init__(self, answers: bool) -> None:
         self.answers = answers
         self.asked: list[str] = []
+        self.event_hooks: dict[str, list] = {"request": [], "response": []}  # bounded_reads'
 
     def head(self, url: str, timeout: float) -> None:
         self.asked.append(url)

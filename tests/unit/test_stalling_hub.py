@@ -139,13 +139,14 @@ def test_a_stalled_hub_without_the_model_in_the_cache_is_one_line(stalling_hub):
     )
 
 
-def test_each_read_is_bounded_not_the_download_and_the_client_is_restored(stalling_hub):
+def test_each_read_is_bounded_not_the_download(stalling_hub):
     """A body whose bytes keep coming outlasts the limit and arrives whole; a stalled
-    answer times out; after the block the library's factory and client are as before."""
-    from huggingface_hub import get_session
-    from huggingface_hub.utils import _http
+    answer times out; on a client made after the library closed its last one too."""
+    from huggingface_hub import close_session, get_session
 
-    factory, hooks = _http._GLOBAL_CLIENT_FACTORY, get_session().event_hooks["request"][:]
+    with hub.bounded_reads():
+        pass
+    close_session()  # as after a fork, or a user's set_client_factory
     with hub.bounded_reads():
         started = time.monotonic()
         assert get_session().get(f"{stalling_hub}/slow").content == SLOW_BODY
@@ -153,8 +154,34 @@ def test_each_read_is_bounded_not_the_download_and_the_client_is_restored(stalli
         with pytest.raises(Exception) as raised:  # httpx2's or httpx's, as the hub's version
             get_session().get(f"{stalling_hub}/api/models/tiny/llama", timeout=None)
         assert type(raised.value).__name__ == "ReadTimeout"
-    assert _http._GLOBAL_CLIENT_FACTORY is factory
-    assert get_session().event_hooks["request"] == hooks
+
+
+def test_another_threads_client_and_its_waits_are_left_as_they_were(stalling_hub):
+    """A notebook thread that downloads while distzo bounds its own reads keeps its client
+    (the block closed the shared client, and that thread's next request raised) and waits
+    as long as it asked (the block's limit applied to every thread's request)."""
+    from huggingface_hub import get_session
+
+    client = get_session()
+    entered, answered = threading.Event(), threading.Event()
+    replies: list[object] = []
+
+    def notebook() -> None:
+        entered.wait(BOUND_S)
+        try:
+            replies.append(client.get(f"{stalling_hub}/late", timeout=None).content)
+        except Exception as err:
+            replies.append(err)
+        answered.set()
+
+    thread = threading.Thread(target=notebook, daemon=True)
+    thread.start()
+    with hub.bounded_reads():
+        entered.set()
+        assert answered.wait(BOUND_S)
+    assert replies == [b"late"]
+    assert get_session() is client
+    assert client.head(stalling_hub).status_code == 200
 
 
 def test_a_timeout_is_known_whichever_client_the_hub_sends_through(monkeypatch):
@@ -264,8 +291,12 @@ def test_connecting_is_bounded_too(monkeypatch):
     with socket.create_server(("127.0.0.1", 0), backlog=0) as full:  # never accepts
         address = full.getsockname()
         with socket.create_connection(address):  # the one its queue holds
-            with hub.bounded_reads():
-                error = within_bound(lambda: get_session().get(f"http://{address[0]}:{address[1]}"))
+
+            def connect() -> object:
+                with hub.bounded_reads():
+                    return get_session().get(f"http://{address[0]}:{address[1]}")
+
+            error = within_bound(connect)
     assert hub.stalled(error), error
 
 
