@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from distzo.models.family import ModelFamily
 from distzo.models.gemma import GemmaFamily
@@ -29,6 +29,9 @@ TEXT_MODELS = {
     "gemma3": "the language model of such a checkpoint given as --model, and Gemma 3's "
     "text-only models (1B, model type gemma3_text)"
 }
+
+
+OPTION = "model"  # what load_model's errors call its argument
 
 
 def supported_model_types() -> list[str]:
@@ -64,7 +67,17 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTrai
     """Load a pretrained causal LM from a local directory or a hub name.
 
     The config is read first so that an unsupported family fails before any weights load.
+    A hub name is read as ``--model`` reads it: each request bounded, the cache (with one
+    warning) where the hub does not answer or stalls, else one line; transformers' own
+    loader waited on such a hub for minutes, or without a limit.
     """
-    config = AutoConfig.from_pretrained(name_or_path)
-    check_supported(config.model_type)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    from distzo.models.config_file import read_config
+    from distzo.models.hub import local_model_dir, snapshot
+
+    local = local_model_dir(name_or_path, OPTION)
+    check_supported(read_config(local or name_or_path, OPTION).model_type)
+    source = local or snapshot(name_or_path, True, option=OPTION)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    if local is None:  # named as given, not as the cache folder it was read from
+        model.name_or_path = model.config.name_or_path = name_or_path
+    return model

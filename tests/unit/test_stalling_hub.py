@@ -322,3 +322,27 @@ def test_the_commit_of_main_where_the_hub_stalls_on_it_is_the_caches(
         assert within_bound(lambda: hub.main_commit("tiny/llama")) == cached.name
     said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
+
+
+def test_load_model_of_a_hub_name_is_bounded_as_the_clis_model(stalling_hub, caplog, tmp_path):
+    """The Python API's ``load_model("org/name")``, on a hub that stalls: the cache's model
+    with the one warning, or one line, as ``--model`` (it had waited out transformers'
+    retries of a file's metadata, 60 s each, or forever on its revision listing)."""
+    from huggingface_hub import constants
+
+    from distzo import load_model
+    from tests.helpers.models import base_model
+
+    cached = cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
+    base_model("llama").save_pretrained(cached)
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        model = within_bound(lambda: load_model("tiny/llama"))
+    assert not isinstance(model, Exception), model
+    assert model.config.num_hidden_layers == LLAMA["num_hidden_layers"]
+    assert model.name_or_path == model.config.name_or_path == "tiny/llama"
+    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
+    hub.SILENT_SINCE.clear()
+    error = within_bound(lambda: load_model("tiny/none"))
+    assert isinstance(error, ValueError) and "\n" not in str(error)
+    assert str(error).startswith("cannot load model 'tiny/none': ")
