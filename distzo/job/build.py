@@ -121,14 +121,18 @@ def model_source(
     if local is not None:
         return local
     pinned_by = "the one the run trained on"
+    main = None
     if revision is None and env.local_world_size < env.world_size:
         # each node's own main may be another commit (a cache filled last week)
-        revision, pinned_by = ranks_commit(name, env, comm), "the one rank 0 reads as main"
+        main = ranks_commit(name, env, comm)
+        revision, pinned_by = main.commit, "the one rank 0 reads as main"
     failure: ValueError | None = None
     path = None
     if env.local_rank == 0:
         try:
             path = hub.snapshot(name, True, revision, pinned_by=pinned_by)
+            if main is not None and main.hubs:  # the hub's main now: the node's too
+                hub.point_main(path)
         except ValueError as err:  # said by every rank, after the node's wait
             failure = err
     comm.barrier(DOWNLOAD_TIMEOUT)  # the node's download is complete (not --dist-timeout's wait)
@@ -145,11 +149,12 @@ def model_source(
     return agreed(comm, read)
 
 
-def ranks_commit(name: str, env: LaunchEnv, comm: Collectives) -> str:
+def ranks_commit(name: str, env: LaunchEnv, comm: Collectives) -> hub.MainCommit:
     """The commit rank 0 reads hub model ``name``'s ``main`` as, on every rank; a name rank
     0 cannot resolve fails every rank with its line."""
-    commit = agreed(comm, lambda: hub.main_commit(name) if env.rank == 0 else None)
-    return str(comm.broadcast_object(commit))
+    main = agreed(comm, lambda: hub.main_commit(name) if env.rank == 0 else None)
+    commit, hubs = comm.broadcast_object(None if main is None else tuple(main))
+    return hub.MainCommit(str(commit), bool(hubs))
 
 
 def source_tokenizer(source: Path) -> Any:

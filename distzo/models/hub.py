@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import httpx2
@@ -369,7 +369,14 @@ def _download(name: str, revision: str | None) -> Path:
     return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
 
 
-def main_commit(name: str, option: str = "--model") -> str:
+class MainCommit(NamedTuple):
+    """The commit a model's ``main`` is, and whether the hub said so now (not a cache)."""
+
+    commit: str
+    hubs: bool
+
+
+def main_commit(name: str, option: str = "--model") -> MainCommit:
     """The commit hub model ``name``'s ``main`` is now: the hub's answer, or where the hub
     does not answer, the cache's. On several nodes rank 0's is the one every node reads:
     each node's own cache may hold another ``main`` (one filled last week, one today). A
@@ -386,13 +393,35 @@ def main_commit(name: str, option: str = "--model") -> str:
                     if not stalled(err):
                         raise
                     note_stall(err)
+        hubs = commit is not None
         if commit is None:
             commit = Path(snapshot_download(name, local_files_only=True)).name
     except Exception as err:  # network, authentication, a name that is not a repository
         raise ValueError(f"cannot download {option} {name!r}: {first_line(err)}") from None
     if not isinstance(commit, str) or not COMMIT.fullmatch(commit):
         raise ValueError(f"cannot download {option} {name!r}: its main names no commit")
-    return commit
+    return MainCommit(commit, hubs)
+
+
+def point_main(folder: Path) -> None:
+    """The cache's ``main`` of the model whose snapshot ``folder`` is names its commit, as
+    huggingface_hub's download of ``main`` does: a download of the hub's ``main`` by its
+    hash (every node's, rank 0's answer) left it at an older commit, or none, and an offline
+    ``from_pretrained(name)`` on that node read the older model, or failed. Written whole
+    (a temporary file renamed); a cache this user may not write keeps its own."""
+    commit = snapshot_commit(folder)
+    if commit is None:
+        return
+    ref = folder.parent.parent / "refs" / "main"
+    try:
+        if ref.is_file() and ref.read_text() == commit:
+            return
+        ref.parent.mkdir(exist_ok=True)
+        partial = ref.with_name(f"main.{os.getpid()}.tmp")
+        partial.write_text(commit)
+        os.replace(partial, ref)
+    except OSError as err:  # a group's read-only cache: its main is its owners' to move
+        logger.debug("cannot point %s at %s: %s", ref, commit, err)
 
 
 class OnceOnFirstLocalRank(logging.Filter):

@@ -69,7 +69,7 @@ def test_a_node_whose_cache_moved_on_reads_rank_0s_commit(offline_cache):
     # node 1's main is NEW (an hf download today): it was read there, the folder check
     # then refused the run naming config.json, not the commit nor the fix
     cache_with(offline_cache, NEW, OLD, NEW)
-    source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=OLD))
+    source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=(OLD, False)))
     assert source == offline_cache / "models--tiny--llama" / "snapshots" / OLD
 
 
@@ -77,7 +77,7 @@ def test_rank_0_sends_every_node_the_commit_its_main_is(offline_cache):
     cache_with(offline_cache, OLD, OLD)
     comm = Peer(0)
     assert build.model_source("tiny/llama", NODE_0, comm).name == OLD
-    assert comm.sent == OLD
+    assert comm.sent == (OLD, False)  # the cache's main, not the hub's
 
 
 def test_rank_0_sends_the_hubs_main_where_the_hub_answers(offline_cache, monkeypatch):
@@ -88,7 +88,7 @@ def test_rank_0_sends_the_hubs_main_where_the_hub_answers(offline_cache, monkeyp
     cache_with(offline_cache, OLD, OLD, NEW)  # the hub's main is ahead of this cache's
     monkeypatch.setattr(hub, "hub_answers", lambda: True)
     monkeypatch.setattr(huggingface_hub, "repo_info", lambda name: SimpleNamespace(sha=NEW))
-    assert hub.main_commit("tiny/llama") == NEW
+    assert hub.main_commit("tiny/llama") == (NEW, True)
 
 
 def test_a_node_whose_cache_lacks_rank_0s_commit_fails_every_rank_with_the_fix(
@@ -96,7 +96,7 @@ def test_a_node_whose_cache_lacks_rank_0s_commit_fails_every_rank_with_the_fix(
 ):
     cache_with(offline_cache, NEW, NEW)
     with pytest.raises(ValueError) as err:
-        build.model_source("tiny/llama", NODE_1, Peer(1, sent=OLD))
+        build.model_source("tiny/llama", NODE_1, Peer(1, sent=(OLD, False)))
     message = str(err.value)
     assert message.startswith(f"rank 1: cannot download --model 'tiny/llama' at commit {OLD}")
     assert "the one rank 0 reads as main (" in message and "\n" not in message
@@ -120,7 +120,7 @@ def test_a_resumed_run_reads_its_logged_commit_on_every_node_without_asking_rank
     offline_cache,
 ):
     cache_with(offline_cache, NEW, OLD, NEW)
-    source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=NEW), OLD)
+    source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=(NEW, False)), OLD)
     assert source.name == OLD
 
 
@@ -148,7 +148,7 @@ def test_a_node_whose_cache_names_no_main_reads_rank_0s_commit(offline_cache):
     snapshot = offline_cache / "models--tiny--llama" / "snapshots" / OLD
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text('{"model_type": "llama"}')
-    assert build.model_source("tiny/llama", NODE_1, Peer(1, sent=OLD)) == snapshot
+    assert build.model_source("tiny/llama", NODE_1, Peer(1, sent=(OLD, False))) == snapshot
 
 
 def test_a_main_that_names_no_commit_is_one_line(offline_cache, monkeypatch):
@@ -161,3 +161,24 @@ def test_a_main_that_names_no_commit_is_one_line(offline_cache, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "repo_info", lambda name: SimpleNamespace(sha="v1.0"))
     with pytest.raises(ValueError, match=r"^cannot download --model 'tiny/llama': its main names "):
         hub.main_commit("tiny/llama")
+
+
+def test_a_node_that_read_the_hubs_main_by_its_hash_names_it_main(offline_cache):
+    """As a download of ``main`` on one node does: an offline ``from_pretrained(name)`` on
+    another node read the older ``main`` its cache named (or none, and failed)."""
+    from huggingface_hub import snapshot_download
+
+    cache_with(offline_cache, OLD, OLD, NEW)
+    source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=(NEW, True)))
+    assert Path(snapshot_download("tiny/llama", local_files_only=True)) == source
+    assert source.name == NEW
+    assert [p.name for p in (offline_cache / "models--tiny--llama" / "refs").iterdir()] == ["main"]
+
+
+def test_a_node_keeps_its_main_where_rank_0s_came_from_a_cache(offline_cache):
+    """Rank 0's cache's main (the hub did not answer it) may be older than this node's."""
+    from huggingface_hub import snapshot_download
+
+    cache_with(offline_cache, NEW, OLD, NEW)
+    assert build.model_source("tiny/llama", NODE_1, Peer(1, sent=(OLD, False))).name == OLD
+    assert Path(snapshot_download("tiny/llama", local_files_only=True)).name == NEW
