@@ -287,21 +287,41 @@ def offline_unless_answered(dataset: str | None = None) -> Iterator[None]:
 
 
 def repo_answers(name: str, kind: str = "model") -> bool:
-    """Whether the hub answers about repository ``name`` (a ``kind``: model, dataset)
-    within ``HF_HUB_DOWNLOAD_TIMEOUT``, in one request the library does not retry; any
-    answer counts, an unknown name too (the caller's load says why). A stall is noted
-    (``note_stall``): transformers and datasets retried a stalled file's metadata six
-    times, 60 s each, their own limit."""
+    """Whether the hub answers about repository ``name`` (a ``kind``: model, dataset), and
+    about one of its files, each within ``HF_HUB_DOWNLOAD_TIMEOUT``, in requests the
+    library does not retry; any answer counts, an unknown name too (the caller's load says
+    why). A stall is noted (``note_stall``): transformers and datasets retried a stalled
+    file's metadata for minutes (10 s, then 60 s a try), a limit their calls name, which
+    ``bounded_reads`` leaves to them."""
     from huggingface_hub import HfApi
 
     with bounded_reads():
         try:  # an HfApi of now's endpoint
-            HfApi().repo_info(name, repo_type=kind)
+            info = HfApi().repo_info(name, repo_type=kind)
+            files = [sibling.rfilename for sibling in getattr(info, "siblings", None) or []]
+            ask_about_a_file(name, kind, files, info.sha)
         except Exception as err:
             if stalled(err):
                 note_stall(err)
                 return False
     return True
+
+
+# the file each library asks about first: transformers a model's config, datasets its card
+FIRST_READ = ("config.json", "README.md")
+
+
+def ask_about_a_file(name: str, kind: str, files: list[str], commit: str | None) -> None:
+    """The metadata of one of repository ``name``'s ``files`` (the one its library reads
+    first, where it has it) at ``commit``: a hub whose API answers and whose files stall
+    (a proxy that passes one path and not the other) is a stall here, not in the load."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    if not files:
+        return
+    first = next((f for f in FIRST_READ if f in files), files[0])
+    url = hf_hub_url(name, first, repo_type=kind, revision=commit, endpoint=constants.ENDPOINT)
+    get_hf_file_metadata(url, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
 
 
 def snapshot(

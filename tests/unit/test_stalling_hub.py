@@ -23,12 +23,18 @@ from tests.helpers.models import LLAMA
 LIMIT_S = 0.3  # HF_HUB_DOWNLOAD_TIMEOUT in these tests
 BOUND_S = 10.0  # how long a call may take before the test calls it a hang
 SLOW_BODY = b"x" * 4  # a byte each LIMIT_S / 2: alive, longer than LIMIT_S in all
+# the API's answer about a repository (its name in %s) at a commit, and its files
+FILES_INFO = (
+    b'{"id": "%s", "sha": "' + b"d" * 40 + b'", "siblings": [{"rfilename": "README.md"}, '
+    b'{"rfilename": "config.json"}, {"rfilename": "train.csv"}]}'
+)
 
 
 def _serve(connection: socket.socket) -> None:
     """HEAD / answered (the probe); /slow sent a byte at a time, /late whole after twice
     the limit; huggingface_hub's agent registry and dataset org/missing a 404 (not its own
-    wait); anything else (a model's listing, its files) stalled."""
+    wait); the API's answers about model tiny/files and dataset org/files (not their
+    files); anything else (a model's listing, its files) stalled."""
     reader = connection.makefile("rb")
     while line := reader.readline():
         while reader.readline() not in (b"\r\n", b""):
@@ -46,6 +52,9 @@ def _serve(connection: socket.socket) -> None:
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nlate")
         elif path == b"/api/agent-harnesses" or path.startswith(b"/api/datasets/org/missing"):
             connection.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+        elif path.split(b"/")[3:5] in ([b"org", b"files"], [b"tiny", b"files"]):
+            info = FILES_INFO % b"/".join(path.split(b"/")[3:5])
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(info) + info)
         else:
             return  # accepted, never answered
 
@@ -346,3 +355,26 @@ def test_load_model_of_a_hub_name_is_bounded_as_the_clis_model(stalling_hub, cap
     error = within_bound(lambda: load_model("tiny/none"))
     assert isinstance(error, ValueError) and "\n" not in str(error)
     assert str(error).startswith("cannot load model 'tiny/none': ")
+
+
+def test_a_hub_whose_answers_come_and_files_stall_is_asked_once_then_read_offline(
+    stalling_hub, caplog
+):
+    """A proxy that passes the API and not the files: a model's config from the cache, a
+    dataset in one line, each with the one warning (datasets and transformers had asked
+    about a file six times, 10 s then 60 s each, their own limit)."""
+    from huggingface_hub import constants
+
+    from distzo.data.loaders import load_rows
+    from distzo.models.config_file import read_config
+
+    cache_model(Path(constants.HF_HUB_CACHE), "tiny/files")
+    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+        config = within_bound(lambda: read_config("tiny/files"))
+        assert config.num_hidden_layers == LLAMA["num_hidden_layers"]
+        hub.SILENT_SINCE.clear()
+        error = within_bound(lambda: load_rows("hf:org/files:train"))
+    assert isinstance(error, ValueError) and "\n" not in str(error)
+    assert str(error).startswith("hf:org/files:train: cannot load from the hub (")
+    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    assert len(said) == 2 and all(s.startswith(f"the hub ({stalling_hub}) answered") for s in said)
