@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from distzo.data.templates import GENERATION
+
 # option -> (whether it applies to the resolved options, what it needs)
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "beta1": (lambda j: j.optim.optimizer != "sgd", "--optimizer momentum or adam"),
@@ -33,7 +35,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "transfer_chunks": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
-    "max_new_tokens": (lambda j: j.data.task == "squad", "--task squad"),
+    "max_new_tokens": (lambda j: j.data.task in GENERATION, "--task squad or drop"),
     "batch_queries": (
         lambda j: _queries(j) > 1,
         "several queries a step (--num-queries 2 or more)",

@@ -126,7 +126,7 @@ class DataOptions:
     task: str = option(
         "counting",
         "counting (generated, no files), text (raw text, causal LM), or a prompt task: "
-        "sst2, rte, cb, boolq, wic, copa, multirc, squad",
+        "sst2, rte, cb, boolq, wic, wsc, copa, multirc, record, squad, drop",
     )
     train_file: str | None = option(None, "local training data file (task-specific schema)")
     eval_file: str | None = option(None, "local evaluation data file")
@@ -136,7 +136,7 @@ class DataOptions:
         0, "longest token sequence of text and prompt tasks (0: the model's limit)"
     )
     max_new_tokens: int = option(
-        16, "greedy decoding length when evaluating generation tasks (squad)"
+        16, "greedy decoding length when evaluating generation tasks (squad, drop)"
     )
     eval_batch_size: int = option(
         64,
@@ -187,7 +187,7 @@ class OptimOptions:
         "what a step minimises on prompt tasks: classification (cross-entropy over the "
         "candidates' scores), lm (teacher forcing on the answer), accuracy or f1 "
         "(non-differentiable metrics); default: MeZO's choice, classification for sst2, rte, cb, "
-        "boolq, wic, multirc and lm for copa, squad, text, counting",
+        "boolq, wic, wsc, multirc and lm for copa, record, squad, drop, text, counting",
         ("lm", "classification", "accuracy", "f1"),
     )
     estimator: str = engine_option(

@@ -245,12 +245,12 @@ def choice_encoding(example: Example, encoded: list[tuple[list[int], int]]) -> C
         scored = [
             (0, len(prompt) - 1, ids[-1], c_index) for c_index, (ids, _) in enumerate(encoded)
         ]
-        return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label)
+        return ChoiceEncoding((tuple(prompt),), tuple(scored), example.label, example.right)
     rows, scored = [], []
     for c_index, (ids, answer) in enumerate(encoded):
         scored += [(c_index, t - 1, ids[t], c_index) for t in range(len(ids) - answer, len(ids))]
         rows.append(tuple(ids))
-    return ChoiceEncoding(tuple(rows), tuple(scored), example.label)
+    return ChoiceEncoding(tuple(rows), tuple(scored), example.label, example.right)
 
 
 class TokenRows:

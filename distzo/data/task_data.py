@@ -37,9 +37,9 @@ from distzo.objectives import OBJECTIVES
 GENERATED = ("counting",)
 TEXT = ("text",)
 TASK_NAMES = GENERATED + TEXT + tuple(TASKS)
-# MeZO's scripts (large_models/mezo.sh) train every classification task with
-# --train_as_classification except COPA, which they train LM-style; SQuAD is LM-style.
-LM_TRAINED = ("copa", "squad")
+# MeZO's scripts (large_models/mezo.sh) train every task with --train_as_classification
+# except COPA, ReCoRD, SQuAD and DROP, which they train LM-style.
+LM_TRAINED = ("copa", "record", "squad", "drop")
 
 
 def default_objective(task: str) -> str:
@@ -154,10 +154,12 @@ def rows_digest(rows: list[Any]) -> str:
 
 
 def _plain(row: Any) -> Any:
-    """An Example as the tuple of its fields (its JSON list); ``dataclasses.astuple`` deep
-    copies each field, seconds a million rows."""
+    """An Example as the tuple of its fields (its JSON list), ``right`` left out where it
+    is empty (the rows of every task that has one right candidate hash as they did before
+    the field); ``dataclasses.astuple`` deep copies each field, seconds a million rows."""
     if isinstance(row, Example):
-        return tuple(getattr(row, field.name) for field in dataclasses.fields(row))
+        fields = tuple(getattr(row, field.name) for field in dataclasses.fields(row))
+        return fields if row.right else fields[:-1]
     return row
 
 

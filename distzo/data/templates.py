@@ -19,7 +19,10 @@ names as the Hugging Face datasets):
 | wic | word, sentence1, sentence2, label | 0 different, 1 same meaning |
 | copa | premise, question, choice1, choice2, label | 0 choice1, 1 choice2; question: cause/effect |
 | multirc | paragraph, question, answer, label | 0 wrong, 1 right answer |
+| wsc | text, span1_text, span2_text, label | 0 no, 1 the pronoun span2 refers to span1 |
+| record | passage, query, entities, answers | entities: the candidates; answers: the right ones |
 | squad | title, context, question, answers | answers: a list of strings, or {"text": [...]} |
+| drop | passage, question, answers_spans | answers_spans: {"spans": [...]}, or a list |
 
 A label is its index or, for sst2, rte and cb, its name as above: SuperGLUE's own RTE
 and CB files and GLUE's RTE TSV write the names.
@@ -41,8 +44,9 @@ from distzo.runtime import json_text
 class Example:
     prompt: str
     continuations: tuple[str, ...]  # appended to the prompt: one per candidate, or the answer
-    label: int  # index of the right continuation
+    label: int  # index of the right continuation (the one trained on)
     answers: tuple[str, ...] = ()  # generation tasks: every gold answer (scoring)
+    right: tuple[int, ...] = ()  # every right continuation where several are (ReCoRD)
 
 
 @dataclass(frozen=True)
@@ -183,36 +187,88 @@ def _multirc(row):
     return _verbalized(prompt, ("No", "Yes"), row)
 
 
-def _decoded(answers: Any) -> Any:
-    """A CSV cell holding a JSON list (or ``{"text": [...]}``) as its list; a bracketed cell
-    that is not JSON (pandas writes Python's repr) is refused, not taken as one answer."""
-    if not (isinstance(answers, str) and answers.strip()[:1] in ("[", "{")):
-        return answers
+def _wsc(row):
+    # SuperGLUE's span1_index and span2_index locate the spans; MeZO's template reads
+    # their text only, and so does this one
+    prompt = (
+        f"{row['text']}\nIn the previous sentence, does the pronoun "
+        f'"{row["span2_text"].lower()}" refer to {row["span1_text"]}? Yes or No?\n'
+    )
+    return _verbalized(prompt, ("No", "Yes"), row)
+
+
+def _decoded(column: str, value: Any) -> Any:
+    """A CSV cell holding a JSON list (or object) as its list; a bracketed cell that is not
+    JSON (pandas writes Python's repr) is refused, not taken as one string."""
+    if not (isinstance(value, str) and value.strip()[:1] in ("[", "{")):
+        return value
     try:
-        return json_text.loads(answers)
+        return json_text.loads(value)
     except json.JSONDecodeError:
         raise ValueError(
-            f"answers {reprlib.repr(answers)} is a list written as text but not as JSON; "
+            f"{column} {reprlib.repr(value)} is a list written as text but not as JSON; "
             'write it as JSON (["...", "..."]) or use a .jsonl or .parquet file'
         ) from None
 
 
+def _strings(row: dict[str, Any], column: str, key: str | None) -> list[str]:
+    """``row[column]`` as a non-empty list of non-blank strings: a list, one plain string,
+    or an object holding the list under ``key`` (SQuAD's ``text``, DROP's ``spans``)."""
+    values = _decoded(column, row[column])
+    if key is not None and isinstance(values, dict):
+        values = values.get(key, [])
+    if isinstance(values, str):
+        values = [values]
+    if not values or not all(isinstance(v, str) for v in values):
+        shape = f' (or {{"{key}": [...]}})' if key else ""
+        raise ValueError(f"{column} must be a non-empty list of strings{shape}")
+    if not all(v.strip() for v in values):  # trained on nothing, matched by any empty answer
+        raise ValueError(f"{column} {reprlib.repr(values)} hold an empty one; remove it")
+    return values
+
+
+def _generation(prompt: str, answers: list[str]) -> Example:
+    # trained on the first answer's own words: its surrounding whitespace would be label
+    # tokens; scored against every answer
+    return Example(prompt, (f" {answers[0].strip()}\n",), 0, tuple(answers))
+
+
 def _squad(row):
-    answers = _decoded(row["answers"])
-    if isinstance(answers, dict):
-        answers = answers.get("text", [])
-    if isinstance(answers, str):
-        answers = [answers]
-    if not answers or not all(isinstance(a, str) for a in answers):
-        raise ValueError('answers must be a non-empty list of strings (or {"text": [...]})')
-    if not all(a.strip() for a in answers):  # trained on nothing, matched by any empty answer
-        raise ValueError(f"answers {reprlib.repr(answers)} hold an empty one; remove it")
     prompt = (
         f"Title: {row['title']}\nContext: {row['context']}\n"
         f"Question: {row['question'].strip()}\nAnswer:"
     )
-    # trained on the answer's own words: its surrounding whitespace would be label tokens
-    return Example(prompt, (f" {answers[0].strip()}\n",), 0, tuple(answers))
+    return _generation(prompt, _strings(row, "answers", "text"))
+
+
+def _drop(row):
+    prompt = f"Passage: {row['passage']}\nQuestion: {row['question'].strip()}\nAnswer:"
+    return _generation(prompt, _strings(row, "answers_spans", "spans"))
+
+
+def _record(row):
+    """MeZO's GPT-3 style ReCoRD prompt: the passage's highlights as a list, each candidate
+    the query with an entity in its placeholder. Trained on the first answer; any answer
+    is a right pick (MeZO's accuracy)."""
+    if "@placeholder" not in row["query"]:  # every candidate would be the same text
+        raise ValueError(
+            f"query {reprlib.repr(row['query'])} holds no @placeholder; write the entity's "
+            "place in it as @placeholder"
+        )
+    # an entity named twice is one candidate: its copies score alike
+    entities = list(dict.fromkeys(_strings(row, "entities", None)))
+    answers = _strings(row, "answers", None)
+    stray = [a for a in answers if a not in entities]
+    if stray:
+        raise ValueError(
+            f"answer {reprlib.repr(stray[0])} is not one of the entities; a right answer "
+            "must be a candidate"
+        )
+    passage = row["passage"].replace("@highlight\n", "- ")
+    continuations = tuple(" " + row["query"].replace("@placeholder", e) for e in entities)
+    right = tuple(sorted({entities.index(a) for a in answers}))
+    right = right if len(right) > 1 else ()
+    return Example(f"{passage}\n-", continuations, entities.index(answers[0]), right=right)
 
 
 TASKS: dict[str, Task] = {
@@ -233,9 +289,15 @@ TASKS: dict[str, Task] = {
         Task(
             "multirc", "classification", ("paragraph", "question", "answer", "label"), _multirc, 2
         ),
+        Task("wsc", "classification", ("text", "span1_text", "span2_text", "label"), _wsc, 2),
+        Task("record", "classification", ("passage", "query", "entities", "answers"), _record),
         Task("squad", "generation", ("title", "context", "question", "answers"), _squad),
+        Task("drop", "generation", ("passage", "question", "answers_spans"), _drop),
     )
 }
+
+
+GENERATION = tuple(name for name, task in TASKS.items() if task.kind == "generation")
 
 
 def get_task(name: str) -> Task:
@@ -247,7 +309,8 @@ def get_task(name: str) -> Task:
         ) from None
 
 
-NOT_TEXT = ("label", "answers")  # the columns a template reads as something else
+# the columns a template reads as something else (a label, a list)
+NOT_TEXT = ("label", "answers", "entities", "answers_spans")
 # Other datasets' names for a task's columns: (task, theirs) -> (ours, whose names they are)
 OTHER_NAMES = {
     ("rte", "sentence1"): ("premise", "GLUE's rte (nyu-mll/glue)"),

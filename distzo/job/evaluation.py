@@ -11,8 +11,9 @@ reads its tokens back once per batch, to decode and score them); the LM head run
 the positions a metric reads.
 
 * classification / multiple choice: each candidate continuation scored by its mean
-  token log-likelihood (MeZO's rule); accuracy of the argmax.
-* generation (SQuAD): greedy decoding of a whole batch together, ``max_new_tokens``
+  token log-likelihood (MeZO's rule); accuracy of the argmax, a hit where it is any
+  right candidate (ReCoRD's answers: MeZO's rule too).
+* generation (SQuAD, DROP): greedy decoding of a whole batch together, ``max_new_tokens``
   tokens cut at the first newline; SQuAD's F1 and exact match against every gold
   answer (the best one counts).
 * language modelling: next-token loss and accuracy over the label tokens.
@@ -55,7 +56,7 @@ from distzo.objectives import (
     greedy_decode,
     lm_sums,
 )
-from distzo.objectives.choice import prepare_choices
+from distzo.objectives.choice import hits, prepare_choices
 from distzo.objectives.generation import PromptBatch, flagged, prepare_prompts
 from distzo.objectives.lm import prepare_lm
 from distzo.objectives.scoring import broken_rows
@@ -189,10 +190,10 @@ def evaluate_choices(
 
         scored = engine.evaluate(scores)
         if chunk:
-            correct = correct + (scored.argmax(dim=1) == prepared.labels).sum()
+            correct = correct + hits(scored, prepared.right).sum()
             broken = broken + broken_rows(scored).sum()
-    hits, bad, total = _reduce([correct, broken, len(mine)], parallel)
-    return {"eval_accuracy": _unless_broken(hits / total, bad)}
+    right, bad, total = _reduce([correct, broken, len(mine)], parallel)
+    return {"eval_accuracy": _unless_broken(right / total, bad)}
 
 
 def _unless_broken(metric: float, broken: float) -> float:

@@ -29,7 +29,8 @@ from distzo.zo.estimators import Pass
 
 # input_ids / attention_mask [E, R, L]; per scored token s of example e: score_position
 # [E, S] (flat r * L + t of the position whose logits predict it, -1 = none), score_token,
-# score_candidate (-1 = none); label [E].
+# score_candidate (-1 = none); label [E]. Optional, where an example has several right
+# candidates (ReCoRD's answers): right [E, K], their indices (-1 = none).
 CHOICE_KEYS = (
     "input_ids",
     "attention_mask",
@@ -47,6 +48,7 @@ class ChoiceEncoding:
     rows: tuple[tuple[int, ...], ...]
     scored: tuple[tuple[int, int, int, int], ...]
     label: int
+    right: tuple[int, ...] = ()  # every right candidate where several are; else ``label``
 
 
 def collate_choices(encodings: Sequence[ChoiceEncoding], pad_id: int) -> dict[str, torch.Tensor]:
@@ -71,7 +73,7 @@ def collate_choices(encodings: Sequence[ChoiceEncoding], pad_id: int) -> dict[st
         for s, (r, t, tok, c) in enumerate(encoding.scored):
             position[e, s], token[e, s], candidate[e, s] = r * length + t, tok, c
     label = torch.tensor([e.label for e in encodings], dtype=torch.long)
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": mask,
         "score_position": position,
@@ -79,6 +81,13 @@ def collate_choices(encodings: Sequence[ChoiceEncoding], pad_id: int) -> dict[st
         "score_candidate": candidate,
         "label": label,
     }
+    if any(e.right for e in encodings):  # a key of examples, so it shards with them
+        right = torch.full((count, max(len(e.right) for e in encodings)), -1, dtype=torch.long)
+        for e, encoding in enumerate(encodings):
+            indices = encoding.right or (encoding.label,)
+            right[e, : len(indices)] = torch.tensor(indices, dtype=torch.long)
+        batch["right"] = right
+    return batch
 
 
 @dataclass
@@ -88,7 +97,8 @@ class ChoiceBatch:
     targets: HeadTargets  # groups: e * C + candidate
     counts: torch.Tensor  # [E * C] tokens per candidate
     present: torch.Tensor  # [E, C] candidates that exist
-    labels: torch.Tensor  # [E]
+    labels: torch.Tensor  # [E] the right candidate trained on
+    right: torch.Tensor  # [E, C] every right candidate (a pick among them is a hit)
     examples: int
     candidates: int
 
@@ -122,9 +132,28 @@ def prepare_choices(
         to_device(counts, device),
         to_device((counts > 0).view(examples, candidates), device),
         to_device(batch["label"], device),
+        to_device(_right(batch, examples, candidates), device),
         examples,
         candidates,
     )
+
+
+def _right(batch: Mapping[str, torch.Tensor], examples: int, candidates: int) -> torch.Tensor:
+    """[E, C] on the host: the candidates of ``right`` where the batch has it, else each
+    example's label alone."""
+    indices = batch.get("right")
+    if indices is None:
+        indices = batch["label"].cpu().unsqueeze(1)
+    indices = indices.cpu()
+    mask = torch.zeros((examples, candidates + 1), dtype=torch.bool)
+    # -1 (no index) lands in the spare last column, dropped
+    mask.scatter_(1, indices.where(indices >= 0, candidates), True)
+    return mask[:, :candidates]
+
+
+def hits(scores: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """[E] whether each example's best-scored candidate (the first on ties) is a right one."""
+    return right.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
 def candidate_scores(
@@ -166,13 +195,12 @@ class _ChoiceObjective(ABC):
             {p: prepared.input_ids for p in passes}, prepared.attention_mask
         )
         return {
-            p: self.from_scores(candidate_scores(runner, prepared, p, hidden), prepared.labels)
-            / num_items
+            p: self.from_scores(candidate_scores(runner, prepared, p, hidden), prepared) / num_items
             for p, hidden in hiddens.items()
         }
 
     @abstractmethod
-    def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def from_scores(self, scores: torch.Tensor, prepared: ChoiceBatch) -> torch.Tensor:
         """The summed loss of the examples, from their [E, C] scores and right candidates."""
 
 
@@ -182,18 +210,18 @@ class Classification(_ChoiceObjective):
 
     name = "classification"
 
-    def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        right = scores.gather(1, labels.unsqueeze(1)).squeeze(1)
+    def from_scores(self, scores: torch.Tensor, prepared: ChoiceBatch) -> torch.Tensor:
+        right = scores.gather(1, prepared.labels.unsqueeze(1)).squeeze(1)
         return (torch.logsumexp(scores, dim=1) - right).sum()
 
 
 class Accuracy(_ChoiceObjective):
-    """Minus the number of examples whose best candidate (first on ties) is the right one."""
+    """Minus the number of examples whose best candidate (first on ties) is a right one."""
 
     name = "accuracy"
 
-    def from_scores(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def from_scores(self, scores: torch.Tensor, prepared: ChoiceBatch) -> torch.Tensor:
         """NaN where a score is: argmax would count a pick among NaNs as a hit or a miss,
         and the loss of broken weights would stay finite (no divergence stops the run)."""
-        hits = -(scores.argmax(dim=1) == labels).sum().to(torch.float64)  # exact in float64
-        return torch.where(broken_rows(scores).any(), torch.nan, hits)
+        count = -hits(scores, prepared.right).sum().to(torch.float64)  # exact in float64
+        return torch.where(broken_rows(scores).any(), torch.nan, count)

@@ -70,6 +70,41 @@ KNOWN = {
         ("No", "Yes"),
         1,
     ),
+    "wsc": (
+        {
+            "text": "Mark told Pete many lies about himself.",
+            "span1_index": 0,
+            "span2_index": 6,
+            "span1_text": "Mark",
+            "span2_text": "Himself",
+            "label": 1,
+        },
+        "Mark told Pete many lies about himself.\nIn the previous sentence, does the pronoun "
+        '"himself" refer to Mark? Yes or No?\n',
+        ("No", "Yes"),
+        1,
+    ),
+    "record": (
+        {
+            "passage": "Tom met Ann in Rome.\n@highlight\nA trip\n@highlight\nA visit",
+            "query": "@placeholder flew home from Rome.",
+            "entities": ["Tom", "Ann", "Rome"],
+            "answers": ["Ann"],
+        },
+        "Tom met Ann in Rome.\n- A trip\n- A visit\n-",
+        (" Tom flew home from Rome.", " Ann flew home from Rome.", " Rome flew home from Rome."),
+        1,
+    ),
+    "drop": (
+        {
+            "passage": "Tom scored 2 goals.",
+            "question": " How many goals? ",
+            "answers_spans": {"spans": ["2", "two"], "types": ["number", "number"]},
+        },
+        "Passage: Tom scored 2 goals.\nQuestion: How many goals?\nAnswer:",
+        (" 2\n",),
+        0,
+    ),
     "squad": (
         {
             "title": "Pets",
