@@ -36,9 +36,11 @@ from distzo.engine import ZOEngine
 from distzo.engine.build import compute_dtype
 from distzo.models.batched_linear import make_pass_batched
 from distzo.models.weights import WeightSource
+from distzo.offload.low_bit import COMPUTE_DTYPES
 from distzo.runtime.safetensors_write import safetensors_write
 from distzo.zo import philox
 from distzo.zo.gaussian_table import gaussian_table
+from distzo.zo.triton_noise import LOW_BIT_MASTERS, as_operand
 
 
 def step_keys(engine: ZOEngine, step: int) -> torch.Tensor:
@@ -57,8 +59,11 @@ class TrainingStep(nn.Module):
     def __init__(self, engine: ZOEngine) -> None:
         super().__init__()
         check_exportable(engine)
-        self.eps = engine.config.eps
         self.layouts = engine.block_layouts
+        self.dtype = self.layouts[0].dtype
+        # the dtype an op on the adapter computes in: float32 for a 16-bit one
+        self.wide = torch.float32 if self.dtype in LOW_BIT_MASTERS else self.dtype
+        self.eps = as_operand(engine.config.eps, self.dtype)
         values = dict(engine.stream_parameters()) | dict(engine.stream_parameters(frozen=True))
         self.model = model = _program_model(engine, values)
         for i, layout in enumerate(self.layouts):
@@ -86,6 +91,11 @@ class TrainingStep(nn.Module):
         bits = philox.torch_lanes((keys[:, :1], keys[:, 1:]), 0, self.widest, philox.LANES16)
         return self.table[bits]
 
+    def _operand(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the engine's ops on the adapter take it: rounded to a 16-bit adapter's
+        dtype, then computed with in float32 (``add_scaled``'s rule)."""
+        return x.to(self.dtype).to(self.wide)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -99,12 +109,16 @@ class TrainingStep(nn.Module):
         """``update_scale`` = -lr g of the previous step (0 at the first), ``shrink`` =
         1 - lr wd."""
         noise = self._noise(torch.cat([previous_keys, keys])).unflatten(0, (2, len(self.layouts)))
+        # a 16-bit adapter rounds as the engine's ops on its master do (``add_scaled``): z
+        # and each scalar in its dtype, each op's float32 result rounded to it
+        noise, update_scale = self._operand(noise), self._operand(update_scale)
         for i, layout in enumerate(self.layouts):
             theta = getattr(self, f"adapter_{i}")
-            decayed = torch.cat([theta[: self.decay_ends[i]] * shrink, theta[self.decay_ends[i] :]])
+            held, end = theta.to(self.wide), self.decay_ends[i]
+            decayed = self._operand(torch.cat([held[:end] * shrink, held[end:]]))
             theta.copy_(decayed + update_scale * noise[0, i, : layout.numel])
-            z = noise[1, i, : layout.numel]
-            both = torch.stack([theta + self.eps * z, theta - self.eps * z])
+            held, z = theta.to(self.wide), self.eps * noise[1, i, : layout.numel]
+            both = torch.stack([held + z, held - z]).to(self.dtype)
             for module, e in self.factors[i]:
                 module.stacked = both[:, e.offset : e.offset + e.numel].unflatten(1, e.shape)
         logits = self.model(
@@ -123,7 +137,7 @@ class TrainingStep(nn.Module):
 
 def check_exportable(engine: ZOEngine) -> None:
     """Refuse, in one line before anything is traced, an engine whose step the program
-    does not compute: P-RGE's on-device step is SPSA and ZO-SGD on a float32 LoRA
+    does not compute: P-RGE's on-device step is SPSA and ZO-SGD on a LoRA
     adapter inside the blocks, one query, one process, in the model's dtype."""
     if engine.config.estimator != "spsa":
         raise ValueError(
@@ -159,14 +173,6 @@ def check_exportable(engine: ZOEngine) -> None:
         raise ValueError(
             f"the exportable step computes in the model's dtype ({master}); the engine "
             f"computes in {engine.config.compute_dtype}: build it with compute_dtype auto"
-        )
-    if master in (torch.bfloat16, torch.float16):
-        # a 16-bit adapter's perturbation and update round as the engine's kernels do
-        # (add_scaled), which the program's float32 arithmetic does not: its B, float32,
-        # then met 16-bit activations (a bmm's dtype error deep inside torch.export)
-        raise ValueError(
-            f"the exportable step trains a float32 adapter; the engine's is {master}: "
-            "load the model in float32"
         )
 
 
@@ -275,6 +281,13 @@ def _parser() -> argparse.ArgumentParser:
         type=home_path,
         help="folder for step.pt2 (and step.pte), keys.safetensors",
     )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(COMPUTE_DTYPES),
+        default="fp32",
+        help="the model's dtype, the adapter's and the step's arithmetic (an on-device "
+        "model's bf16 or fp16: B and its updates round as the engine's on a model held so)",
+    )
     p.add_argument("--batch", type=int, default=1, help="rows per step (the program's fixed shape)")
     p.add_argument("--seq", type=int, default=64, help="tokens per row (the program's fixed shape)")
     p.add_argument(
@@ -347,7 +360,9 @@ def _lora_fa_engine(args: argparse.Namespace) -> ZOEngine:
     positions = cast(PretrainedConfig, base.config).max_position_embeddings
     if args.seq > positions:
         raise ValueError(f"--seq {args.seq} exceeds the model's {positions} positions")
-    model = attach_adapter(base, spec, args.seed)
+    # the adapter is attached in float32, then cast with the base: the engine trains a
+    # model of one dtype (peft would keep a 16-bit model's adapter in float32)
+    model = attach_adapter(base, spec, args.seed).to(COMPUTE_DTYPES[args.dtype])
     return ZOEngine(
         model,
         ZOConfig(device="cpu", mode="resident", seed=args.seed, eps=args.eps),
