@@ -23,9 +23,11 @@ import copy
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -45,10 +47,16 @@ from distzo.zo.triton_noise import LOW_BIT_MASTERS, as_operand
 
 def step_keys(engine: ZOEngine, step: int) -> torch.Tensor:
     """The Philox keys of every block's adapter draw at ``step``: int64 ``[blocks, 2]``."""
-    return torch.tensor(
-        [engine.noise.key(step, i + 1, 0) for i in range(len(engine.block_layouts))],
-        dtype=torch.int64,
-    )
+    return steps_keys(engine, [step])[0]
+
+
+def steps_keys(engine: ZOEngine, steps: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """``step_keys`` of each of ``steps``: int64 ``[steps, blocks, 2]``, by array ops (a
+    Python loop over the steps took 2.4 s and 63 MB for the command's ``--steps 100000``,
+    and 18 s of the command's 33 for a million)."""
+    blocks = np.arange(1, len(engine.block_layouts) + 1)
+    keys = philox.noise_keys(engine.noise.run_seed, steps, blocks, 0, philox.STREAM_NOISE)
+    return torch.from_numpy(keys)
 
 
 class TrainingStep(nn.Module):
@@ -396,7 +404,7 @@ def _write(engine: ZOEngine, args: argparse.Namespace, directory: Path) -> list[
     ids = torch.ones(args.batch, args.seq, dtype=torch.int64)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     files = save_training_step(engine, batch, directory, pte=args.pte)
-    keys = torch.stack([step_keys(engine, t) for t in range(args.steps)])
+    keys = steps_keys(engine, np.arange(args.steps))
     files.append(directory / "keys.safetensors")
     with safetensors_write(files[-1]):
         save_file({"keys": keys}, str(files[-1]), metadata={"eps": str(args.eps)})

@@ -25,9 +25,12 @@ paths in ``distzo.zo.fast_noise`` (C on CPU, Triton on CUDA). Tests hold them eq
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
-from distzo.zo.seeds import noise_seed
+from distzo.zo.seeds import noise_seed, noise_seeds
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
@@ -46,6 +49,18 @@ def noise_key(run_seed: int, step: int, block_id: int, query: int, stream: int) 
     # 63 bits, splitmix64-chained coordinates
     h = noise_seed(run_seed, step, block_id, stream, query)
     return h & _MASK32, h >> 32
+
+
+def noise_keys(
+    run_seed: int,
+    steps: Sequence[int] | np.ndarray,
+    block_ids: Sequence[int] | np.ndarray,
+    query: int,
+    stream: int,
+) -> np.ndarray:
+    """``noise_key`` of every (step, block): int64 ``[steps, blocks, 2]`` (the two words)."""
+    h = noise_seeds(run_seed, steps, block_ids, stream, query)
+    return np.stack([h & np.uint64(_MASK32), h >> np.uint64(32)], axis=-1).astype(np.int64)
 
 
 def counters_and_lanes(start: int, stop: int, lanes: int) -> tuple[range, list[tuple[int, int]]]:

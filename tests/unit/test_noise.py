@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,22 @@ def test_a_portable_z_is_pinned_by_value_from_its_seed_to_the_table():
         0.4604203402996063,
         0.5236730575561523,
     ]
+
+
+def test_the_keys_of_many_steps_are_each_steps_own_key():
+    """``noise_keys`` (array ops: an exported step's ``keys.safetensors`` of 100,000 steps,
+    once a Python loop of seconds) equals ``noise_key`` step by step: steps past 10**6,
+    2**31 and 2**32, the step before the first (-1), a 64-bit seed, a query and a stream."""
+    from distzo.zo import philox
+
+    steps = [0, 1, 2, 10**6, 2**31 - 1, 2**31 + 5, 2**32 + 7, 2**62 + 3, -1]
+    blocks = [0, 1, 2, 7]
+    for seed, query, stream in [(7, 0, philox.STREAM_NOISE), (2**64 - 1, 3, 1), (-5, 1, 2)]:
+        keys = philox.noise_keys(seed, steps, blocks, query, stream)
+        assert keys.dtype == np.int64 and keys.shape == (len(steps), len(blocks), 2)
+        assert keys.tolist() == [
+            [list(philox.noise_key(seed, s, b, query, stream)) for b in blocks] for s in steps
+        ]
 
 
 def test_a_chunk_does_not_depend_on_the_range_asked_for():

@@ -2,6 +2,7 @@
 base streams read-only, g is the adapter's directional derivative, and the export is a
 peft adapter (or a merged model) that gives the engine's logits."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -772,6 +773,20 @@ def test_export_step_command_writes_a_step_and_its_keys(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["keys.safetensors", "step.pt2"]
     assert torch.equal(load_file(str(out / "keys.safetensors"))["keys"], keys)
     assert not (tmp_path / "step.tmp").exists()
+
+
+def test_the_keys_of_many_steps_are_the_engines():
+    """The command's keys.safetensors (``steps_keys``, array ops) holds each block's key of
+    each step as the engine draws it, at steps past 10**6 and 2**31 too."""
+    from distzo.export.training_step import step_keys, steps_keys
+
+    engine = engine_for(adapted("opt", "lora-fa"), mode="resident", seed=11)
+    steps = [0, 1, 5, 10**6, 2**31 + 3, 2**32 + 1]
+    keys = steps_keys(engine, np.array(steps))
+    blocks = range(1, len(engine.block_layouts) + 1)
+    assert keys.dtype == torch.int64
+    assert keys.tolist() == [[list(engine.noise.key(t, b, 0)) for b in blocks] for t in steps]
+    assert torch.equal(step_keys(engine, 2**31 + 3), keys[4])
 
 
 def test_export_step_command_refuses_pte_without_executorch(tmp_path, monkeypatch, caplog):
