@@ -102,7 +102,8 @@ class ModelOptions:
     model: str | None = option(
         None,
         "hub name or local path of a model (gemma, gemma2, gemma3_text, gpt2, granite, llama, "
-        "mistral, olmo2, opt, phi3, qwen2, qwen3) or of a multimodal Gemma 3 (gemma3, 4B-27B: "
+        "mistral, mixtral, olmo2, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe) or of a "
+        "multimodal Gemma 3 (gemma3, 4B-27B: "
         "its text model trains); default: a tiny random-init OPT",
     )
     model_config: str | None = option(

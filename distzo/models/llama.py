@@ -21,7 +21,7 @@ DATA_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 # Families whose every layer uses the sliding window a config sets (their attention reads
 # ``config.sliding_window``); the others name a kind per layer or attend in full.
-WINDOW_ON_EVERY_LAYER = {"mistral", "phi3"}
+WINDOW_ON_EVERY_LAYER = {"mistral", "phi3", "mixtral", "qwen3_moe"}
 
 
 class LlamaFamily(ModelFamily):

@@ -136,7 +136,10 @@ def checkpoint_model(
     ``config``): a multimodal checkpoint's text model, reading only its tensors."""
     weights = open_checkpoint(source)
     if not is_multimodal(config):
-        return skeleton(config, dtype), weights
+        model = skeleton(config, dtype)
+        if isinstance(weights, HeaderChecked):
+            weights.convert_keys(model)  # a mixture's experts, stored one expert a key
+        return model, weights
     model = skeleton(trained_config(config), dtype)
     if not isinstance(weights, HeaderChecked):
         raise TypeError(f"{source}: a multimodal checkpoint's keys are read from its files")

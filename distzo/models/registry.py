@@ -12,12 +12,13 @@ from distzo.models.gemma import GemmaFamily
 from distzo.models.gpt2 import GPT2Family
 from distzo.models.granite import GraniteFamily
 from distzo.models.llama import LlamaFamily
+from distzo.models.moe import MoEFamily
 from distzo.models.opt import OPTFamily
 
 # Adding a family: one adapter file, its class here, and a blockwise == forward test.
 ADAPTERS: dict[str, type[ModelFamily]] = {
     t: cls
-    for cls in (OPTFamily, LlamaFamily, GemmaFamily, GraniteFamily, GPT2Family)
+    for cls in (OPTFamily, LlamaFamily, GemmaFamily, GraniteFamily, GPT2Family, MoEFamily)
     for t in cls.model_types
 }
 

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import GENERATION_CONFIG_NAME
 
+from distzo.models.converted_keys import Converted, key_conversions
 from distzo.runtime import json_text
 
 
@@ -90,6 +91,9 @@ def check_weights(weights: WeightSource | None, model: nn.Module) -> None:
     and every block but the last were read (minutes for a large model); so does one that
     holds more than the model takes (more layers than config.json's), which would
     otherwise train the model config.json describes and drop the rest without a word."""
+    convert = getattr(weights, "convert_keys", None)
+    if convert is not None:
+        convert(model)  # a mixture's experts stored one a key (the Python API's source)
     check = getattr(weights, "check_shapes", None)
     if check is not None:
         check(expected_tensors(model), functools.partial(unexpected_keys, model))
@@ -396,6 +400,56 @@ class HeaderChecked(ABC):
         # a parameter's key in the files where it differs from its name (``language_model``)
         self.stored: dict[str, str] = {}
         self.left_alone: frozenset[str] = frozenset()  # the files' keys no parameter reads
+        # parameters built from several stored tensors (a mixture's experts, one a key)
+        self.converted: dict[str, Converted] = {}
+
+    def convert_keys(self, model: nn.Module) -> None:
+        """Read ``model``'s parameters that transformers loads from keys of other names, or
+        builds from several (``distzo.models.converted_keys``: the experts of a mixture,
+        stored one expert a key), as it loads them; the other keys as they are."""
+        if not isinstance(model, PreTrainedModel):
+            return
+        found = key_conversions(model, self.weight_map)
+        parts = found.part_keys()
+        for name, key in found.renamed.items():
+            self.weight_map[name] = self.weight_map.pop(key)
+        for name, converted in found.converted.items():
+            self.weight_map[name] = self.files[converted.keys()[0]]
+        self.weight_map = {k: f for k, f in self.weight_map.items() if k not in parts}
+        self.stored.update(found.renamed)
+        self.converted.update(found.converted)
+        self.left_alone = self.left_alone | parts
+
+    def _converted(
+        self, name: str, shape: tuple[int, ...], read: Callable[[str], torch.Tensor]
+    ) -> torch.Tensor:
+        """Converted parameter ``name`` built from its stored tensors (each ``read(key)``:
+        its data, or a meta tensor of its header's shape), checked against ``shape``."""
+        converted = self.converted[name]
+        keys = converted.keys()
+        file = self.directory / self.files[keys[0]]
+        try:
+            value = converted.build(read)
+        except RuntimeError as err:  # a missing expert, experts of different shapes
+            counts = " and ".join(f"{len(k)} {p}" for p, k in converted.parts.items())
+            raise ValueError(
+                f"{file}: {name} is built from its tensors {counts}, which do not fit "
+                f"together ({str(err).splitlines()[0]}): {_FIX}"
+            ) from None
+        what = f"{name} (built from {len(keys)} tensors: {keys[0]}, ...)"
+        _check(what, tuple(value.shape), shape, file)
+        return value
+
+    def _header_meta(self, key: str) -> torch.Tensor:
+        """A meta tensor of the shape stored under ``key``, from its file's header."""
+        path = self.directory / self.files[key]
+        header = self._header(path)
+        if key not in header:
+            raise ValueError(
+                f"{path}: holds no tensor {key}, which {self.index_name} places there; "
+                "download or copy the model again"
+            )
+        return torch.empty(header[key], device="meta")
 
     def language_model(self, stored: Mapping[str, str], left_alone: set[str]) -> None:
         """Read the text model of a multimodal checkpoint (``distzo.models.multimodal``):
@@ -448,6 +502,9 @@ class HeaderChecked(ABC):
         by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         for names, shape in expected:
             name = self._held(names)
+            if name in self.converted:
+                self._converted(name, shape, self._header_meta)
+                continue
             by_file.setdefault(self.weight_map[name], []).append((name, shape))
         held = dict(self.weight_map)  # each tensor's file: the index's, and the headers'
         renamed = {key: name for name, key in self.stored.items()}
@@ -519,6 +576,8 @@ class SafetensorsWeights(HeaderChecked):
         # One mapping per tensor, closed at once: pages read from a file mapping that stays
         # open count as this process's memory, which would add up to the whole checkpoint.
         name = _pick(names, self.weight_map)
+        if name in self.converted:
+            return self._converted(name, shape, self.stored_tensor).to(dtype=dtype, copy=True)
         file, key = self.directory / self.weight_map[name], self._key(name)
         with self._open(file) as handle:
             value = handle.get_tensor(key)
@@ -539,8 +598,11 @@ class SafetensorsWeights(HeaderChecked):
         return super().stored_meta(key)
 
     def tensor_range(self, names, shape, dtype, start, stop):
-        """Reads only the rows that hold elements [start, stop)."""
+        """Reads only the rows that hold elements [start, stop) (of a converted parameter,
+        all its tensors: the experts are stacked first)."""
         name = _pick(names, self.weight_map)
+        if name in self.converted:
+            return _flat_range(self.tensor(names, shape, dtype), start, stop)
         row = 1
         for size in shape[1:]:
             row *= size
@@ -575,6 +637,8 @@ class TorchBinWeights(HeaderChecked):
 
     def tensor(self, names, shape, dtype):
         name = _pick(names, self.weight_map)
+        if name in self.converted:
+            return self._converted(name, shape, self.stored_tensor).to(dtype)
         file, key = self.weight_map[name], self._key(name)
         state = self._shard(file)
         _check(key, tuple(state[key].shape), shape, self.directory / file)

@@ -17,10 +17,14 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
+    OlmoeConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SiglipVisionConfig,
 )
 
@@ -111,6 +115,9 @@ GEMMA: dict[str, Any] = dict(
     head_dim=8, sliding_window=4, query_pre_attn_scalar=8, final_logit_softcapping=2.0, **COMMON
 )
 
+# the routed experts of a mixture (Qwen3-MoE, Qwen2-MoE): narrower than the dense MLP
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(num_hidden_layers=3, **COMMON),
@@ -148,6 +155,27 @@ CONFIGS = {
         num_hidden_layers=3,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         **GEMMA,
+    ),
+    # mixtures of experts: 4 experts, 2 a token
+    "qwen3_moe": lambda: Qwen3MoeConfig(num_hidden_layers=2, **MOE, **COMMON),
+    # a dense MLP on every other layer (decoder_sparse_step) and a window on every layer
+    "qwen3_moe_sparse_step": lambda: Qwen3MoeConfig(
+        num_hidden_layers=3,
+        decoder_sparse_step=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        **MOE,
+        **COMMON,
+    ),
+    # a shared expert beside the routed ones, its output gated
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        num_hidden_layers=2, shared_expert_intermediate_size=24, **MOE, **COMMON
+    ),
+    "mixtral": lambda: MixtralConfig(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, **COMMON
+    ),
+    "olmoe": lambda: OlmoeConfig(
+        num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, **COMMON
     ),
     "granite": lambda: GraniteConfig(
         num_hidden_layers=2,

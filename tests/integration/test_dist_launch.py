@@ -30,7 +30,7 @@ from tests.helpers.launch import (
     torchrun_command,
     train_in_process,
 )
-from tests.helpers.models import save_multimodal, tiny_opt
+from tests.helpers.models import build, save_multimodal, tiny_opt
 
 REPO = Path(__file__).resolve().parents[2]  # where ``tests`` is a package
 
@@ -490,6 +490,21 @@ def test_pipelined_pieces_do_not_change_the_trajectory(runs, tmp_path, chunks):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert Run(tmp_path).grads == runs["2d_sliced"].grads  # default: 4 pieces
+
+
+def test_a_mixture_of_experts_on_two_sliced_ranks_exports_one_process_bytes(tmp_path):
+    """A Qwen3-MoE checkpoint as save_pretrained (and the hub) store it, one key an expert:
+    each sliced rank reads its pieces of the fused experts the streamed read builds, and
+    the export, written by rank 0, is the one process's byte for byte."""
+    build("qwen3_moe", seed=2).save_pretrained(tmp_path / "moe")
+    args = ["--model", str(tmp_path / "moe"), "--task", "counting", "--seq-len", "8"]
+    args += ["--dtype", "fp64", "--lr", "1e-3", "--max-steps", "3", "--log-every", "0"]
+    one = python_train([*args, "--output-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, [*args, "--transfer", "sliced", "--output-dir", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    exported = [tmp_path / run / "export" / "model.safetensors" for run in ("one", "two")]
+    assert exported[0].read_bytes() == exported[1].read_bytes()
 
 
 def test_a_multimodal_gemma_3_on_two_sliced_ranks_exports_one_process_bytes(tmp_path):

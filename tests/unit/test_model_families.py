@@ -16,6 +16,7 @@ def test_every_family_is_registered():
     assert set(supported_model_types()) == {
         *("opt", "llama", "qwen2", "qwen3", "mistral", "gpt2"),
         *("phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "granite"),
+        *("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"),
     }
 
 
@@ -49,7 +50,10 @@ def test_blockwise_forward_equals_the_model_forward(name, pad):
     assert torch.allclose(loss, reference.loss, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_sliding", "gpt2", "gemma3", "granite"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "qwen2_sliding", "gpt2", "gemma3", "granite", "qwen3_moe", "qwen2_moe", "mixtral"],
+)
 def test_offload_trajectory_equals_resident(name):
     runs = {}
     for mode in ("offload", "resident"):

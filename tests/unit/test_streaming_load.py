@@ -38,7 +38,20 @@ def save(model, path: Path, fmt: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama_tied", "qwen2", "mistral", "gpt2", "opt", "gemma3", "granite", "phi3"]
+    "name",
+    [
+        "llama_tied",
+        "qwen2",
+        "mistral",
+        "gpt2",
+        "opt",
+        "gemma3",
+        "granite",
+        "phi3",
+        "qwen3_moe",
+        "mixtral",
+        "qwen2_moe",
+    ],
 )
 @pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin", "base"])
 def test_streamed_parameters_equal_from_pretrained(tmp_path, name, fmt):

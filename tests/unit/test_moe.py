@@ -1,0 +1,115 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): their checkpoints store the
+experts one a key, which the streamed read builds into the model's fused parameters as
+transformers does; the memory plan counts them.
+(Blockwise forward and offload == resident: ``test_model_families``; a per-expert checkpoint
+streamed as from_pretrained loads it: ``test_streaming_load``; the export loading back:
+``test_export``; two sliced ranks: ``test_dist_launch``.)"""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from distzo import ZOConfig, ZOEngine
+from distzo.job.memory_plan import plan_memory
+from distzo.models.weights import open_checkpoint, skeleton
+from tests.helpers.launch import train_in_process
+from tests.helpers.models import build, random_batch
+
+GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
+
+
+def test_experts_stored_fused_stream_as_stored(tmp_path):
+    """A checkpoint whose keys are the model's own names (the fused experts: what distzo's
+    export writes) is read as it is, no conversion."""
+    original = build("qwen3_moe", seed=3)
+    original.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in original.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    source = open_checkpoint(tmp_path)
+    engine = ZOEngine(
+        skeleton(original.config, torch.float32), ZOConfig(device="cpu"), weights=source
+    )
+    assert not source.converted
+    params = engine.named_parameters()
+    assert all(torch.equal(params[k], v) for k, v in state.items() if k in params)
+
+
+@pytest.mark.parametrize("start, stop", [(0, 40), (100, 1100), (4000, 4096)])
+def test_a_range_of_experts_stored_one_a_key_is_that_range_of_the_fused_tensor(
+    tmp_path, start, stop
+):
+    """A sliced rank reads its piece of a fused parameter built from per-expert keys."""
+    original = build("mixtral", seed=4)
+    original.save_pretrained(tmp_path)
+    source = open_checkpoint(tmp_path)
+    source.convert_keys(skeleton(original.config, torch.float32))
+    whole = original.state_dict()[GATE_UP]
+    piece = source.tensor_range((GATE_UP,), tuple(whole.shape), torch.float32, start, stop)
+    assert torch.equal(piece, whole.reshape(-1)[start:stop])
+
+
+@pytest.mark.parametrize(
+    "dropped, says",
+    [
+        (
+            "up_proj",
+            f"{GATE_UP} is built from its tensors 4 mlp.experts.*.gate_proj.weight and 3 "
+            "mlp.experts.*.up_proj.weight, which do not fit together (Sizes of tensors must "
+            "match except in dimension 1. Expected 4 in dimension 0 but got 3 for tensor number "
+            "1 in the list)",
+        ),
+        (
+            "down_proj",
+            "checkpoint tensor model.layers.1.mlp.experts.down_proj (built from 3 tensors: "
+            "model.layers.1.mlp.experts.0.down_proj.weight, ...) has shape (3, 32, 16), the "
+            "model expects (4, 32, 16) from {config}",
+        ),
+    ],
+)
+def test_a_checkpoint_short_of_an_expert_is_refused_before_any_tensor_is_read(
+    tmp_path, dropped, says
+):
+    build("qwen3_moe").save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    state = load_file(str(file))
+    del state[f"model.layers.1.mlp.experts.3.{dropped}.weight"]
+    save_file(state, str(file), metadata={"format": "pt"})
+    run = tmp_path / "run"
+    proc = train_in_process(["--model", str(tmp_path), "--output-dir", str(run)])
+    assert proc.returncode == 2 and not run.exists()
+    says = says.format(config=tmp_path / "config.json")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {file}: {says}: the weights and config.json are of different models; "
+        "download or copy the model again"
+    )
+
+
+def test_a_float64_mixture_steps_on_experts_that_compute_in_float64():
+    """transformers' default experts (torch's grouped matmul) take no float64: --dtype fp64
+    failed at the first forward ("Expected mat_a to be Float32, BFloat16 or Float16")."""
+    engine = ZOEngine(build("qwen3_moe", dtype=torch.float64), ZOConfig(device="cpu", seed=0))
+    result = engine.step(random_batch(64, seed=1))
+    assert result.loss_plus != result.loss_minus
+
+
+def test_a_mixture_perturbed_module_by_module_steps_as_the_whole_block():
+    """--perturb-scope module: the routed experts (every expert of a layer one module) and
+    the shared expert take their turns in the scratch as any module does."""
+    runs = []
+    for scope in ("block", "module"):
+        config = ZOConfig(lr=1e-2, eps=1e-2, seed=0, device="cpu", perturb_scope=scope)
+        engine = ZOEngine(build("qwen2_moe"), config)
+        losses = [engine.step(random_batch(64, pad="left", seed=s)).loss for s in range(3)]
+        engine.flush()
+        runs.append((losses, engine.named_parameters()))
+    (losses, weights), (module_losses, module_weights) = runs
+    assert module_losses == losses and len(set(losses)) == 3
+    assert all(torch.equal(module_weights[k], v) for k, v in weights.items())
+
+
+def test_the_memory_plan_counts_every_expert():
+    model = build("qwen2_moe")
+    plan = plan_memory(model, ZOConfig(device="cpu"), 1, False, batch=2, seq=8)
+    assert plan.parameters == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts > plan.parameters / 3
