@@ -25,6 +25,7 @@ base never exists whole in memory.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,16 +167,14 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
-        target_modules=list(spec.targets) if spec.targets else None,
+        target_modules=list(spec.targets) if spec.targets else _default_targets(model),
     )
     with torch.random.fork_rng(devices=[]):  # the caller's generator state is left as it was
         try:
             with _without_peft_deprecations():
                 peft_model = get_peft_model(model, config)
         except ValueError as err:  # no target module matched, or a family peft has no default for
-            raise ValueError(
-                f"--peft {spec.method}: {str(err).splitlines()[0]} (set --lora-targets)"
-            ) from None
+            raise ValueError(_peft_refusal(model, spec.method, str(err))) from None
         _check_linear_targets(peft_model, spec.method)
         torch.manual_seed(seed)
         for module in peft_model.modules():
@@ -191,6 +190,32 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
             if "lora_A" in name:
                 param.requires_grad_(False)
     return peft_model
+
+
+def _default_targets(model: nn.Module) -> list[str] | None:
+    """peft's own default LoRA targets for ``model``'s type, given to it explicitly: peft
+    turns targets left unset into none at all for a model whose checkpoints transformers
+    renames as it loads them (Mixtral's ``block_sparse_moe``), then refuses to find any."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    found = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(str(model_type))
+    return list(found) if found else None
+
+
+def _peft_refusal(model: nn.Module, method: str, text: str) -> str:
+    """peft's refusal of the targets as one line: a module of a kind it cannot adapt (a
+    mixture's experts, whose weights are 3-D parameters) named as ``_check_linear_targets``
+    names one, where peft's message prints the whole module over several lines."""
+    match = re.match(r"Target module (\w+)\(", text)
+    kind = match.group(1) if match else None
+    found = next((name for name, m in model.named_modules() if type(m).__name__ == kind), None)
+    if found:
+        return (
+            f"--lora-targets: {found} ({kind}) is not a linear layer; --peft {method} "
+            "trains LoRA on linear layers only (such as q_proj,v_proj)"
+        )
+    return f"--peft {method}: {text.splitlines()[0]} (set --lora-targets)"
 
 
 def name_base_revision(peft_model: nn.Module, revision: str | None) -> None:

@@ -1,6 +1,6 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): their checkpoints store the
 experts one a key, which the streamed read builds into the model's fused parameters as
-transformers does; the memory plan counts them.
+transformers does; the memory plan counts them; LoRA goes on their linear layers only.
 (Blockwise forward and offload == resident: ``test_model_families``; a per-expert checkpoint
 streamed as from_pretrained loads it: ``test_streaming_load``; the export loading back:
 ``test_export``; two sliced ranks: ``test_dist_launch``.)"""
@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distzo import ZOConfig, ZOEngine
+from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+from distzo.export.hf_model import export_model
 from distzo.job.memory_plan import plan_memory
 from distzo.models.weights import open_checkpoint, skeleton
 from tests.helpers.launch import train_in_process
@@ -113,3 +115,38 @@ def test_the_memory_plan_counts_every_expert():
     assert plan.parameters == sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts > plan.parameters / 3
+
+
+@pytest.mark.parametrize("name, targets", [("mixtral", None), ("qwen3_moe", ("q_proj", "v_proj"))])
+def test_a_lora_adapter_on_a_mixture_loads_with_peft_and_gives_the_engines_logits(
+    tmp_path, name, targets
+):
+    """Mixtral with peft's default targets (which peft itself, left to pick them, turned
+    into none: "No `target_modules` passed"), Qwen3-MoE with named ones."""
+    from peft import PeftModel
+
+    model = attach_adapter(build(name), AdapterSpec("lora", r=4, alpha=8, targets=targets), 5)
+    engine = ZOEngine(model, ZOConfig(device="cpu", lr=1e-2, eps=1e-3, seed=1))
+    for step in range(2):
+        engine.step(random_batch(64, pad="left", seed=step))
+    batch = random_batch(64, pad="right", seed=9)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(build(name), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool()
+    assert torch.allclose(theirs[mask], logits[mask], atol=1e-5)
+
+
+def test_lora_on_the_experts_is_one_line(tmp_path):
+    """Experts are 3-D parameters, not linear layers: peft's refusal printed the module over
+    several lines, the first of them "Target module Qwen3MoeExperts(" alone."""
+    build("qwen3_moe").save_pretrained(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--peft", "lora", "--lora-targets", "experts"]
+    proc = train_in_process([*args, "--output-dir", str(tmp_path / "run")])
+    assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (
+        2,
+        "error: --lora-targets: model.layers.0.mlp.experts (Qwen3MoeExperts) is not a linear "
+        "layer; --peft lora trains LoRA on linear layers only (such as q_proj,v_proj)",
+    )
