@@ -23,7 +23,7 @@ from transformers import OPTConfig, PretrainedConfig, Qwen3Config
 
 from distzo.models.shapes import OPT_SHAPES, OTHER_SHAPES
 
-QWEN3 = sorted(name for name in OTHER_SHAPES if name.startswith("qwen3-"))
+QWEN3 = sorted(n for n, s in OTHER_SHAPES.items() if s.cls is Qwen3Config)  # dense ones
 PEER_SHAPES = tuple(sorted(OPT_SHAPES) + QWEN3)
 HEAD_WIDTH = {"opt": 64, "qwen3": 128}  # the --hidden override's head width
 FFN_RATIO = {"opt": 4, "qwen3": 3}  # the --hidden override's ffn / hidden

@@ -1,8 +1,9 @@
 """Named model shapes for random init without a checkpoint (``--model-config``).
 
-The OPT sizes of the ZO2 paper's Table 4, a few Llama/Qwen2 shapes and the Qwen3 sizes
-of ZO2's Qwen3 speed test, with the published widths, depths, heads, head widths,
-vocabularies and head ties; ``layers`` shortens the stack so a machine without the
+The OPT sizes of the ZO2 paper's Table 4, a few Llama/Qwen2 shapes, the Qwen3 sizes
+of ZO2's Qwen3 speed test and three mixtures of experts (Qwen3-30B-A3B, Qwen3-235B-A22B,
+Mixtral 8x7B), with the published widths, depths, heads, head widths, vocabularies, head
+ties and experts; ``layers`` shortens the stack so a machine without the
 memory (or the weights) can still build and step the shape.
 """
 
@@ -10,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from transformers import LlamaConfig, OPTConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    MixtralConfig,
+    OPTConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 # name: (hidden, layers, heads, ffn) for OPT (vocab 50272, 2048 positions)
 OPT_SHAPES = {
@@ -26,8 +35,17 @@ OPT_SHAPES = {
 }
 
 
+class Experts(NamedTuple):
+    """A mixture's routed experts: how many a layer, how many a token, each one's width."""
+
+    number: int
+    per_token: int
+    ffn: int
+
+
 class Shape(NamedTuple):
-    """A rotary-family shape; ``head_dim`` None: hidden / heads (the config's default)."""
+    """A rotary-family shape; ``head_dim`` None: hidden / heads (the config's default);
+    ``experts``: a mixture's, in place of the dense MLP of ``ffn`` (None: dense)."""
 
     cls: type[PretrainedConfig]
     hidden: int
@@ -38,6 +56,7 @@ class Shape(NamedTuple):
     vocab: int
     tied: bool
     head_dim: int | None = None
+    experts: Experts | None = None
 
 
 OTHER_SHAPES = {
@@ -56,6 +75,21 @@ OTHER_SHAPES = {
     "qwen3-8b": Shape(Qwen3Config, 4096, 36, 32, 8, 12288, 151936, False, 128),
     "qwen3-14b": Shape(Qwen3Config, 5120, 40, 40, 8, 17408, 151936, False, 128),
     "qwen3-32b": Shape(Qwen3Config, 5120, 64, 64, 8, 25600, 151936, False, 128),
+    # mixtures of experts: every layer sparse (30.5 B, 235 B and 46.7 B parameters)
+    "qwen3-30b-a3b": Shape(
+        Qwen3MoeConfig, 2048, 48, 32, 4, 6144, 151936, False, 128, Experts(128, 8, 768)
+    ),
+    "qwen3-235b-a22b": Shape(
+        Qwen3MoeConfig, 4096, 94, 64, 4, 12288, 151936, False, 128, Experts(128, 8, 1536)
+    ),
+    "mixtral-8x7b": Shape(
+        MixtralConfig, 4096, 32, 32, 8, 14336, 32000, False, None, Experts(8, 2, 14336)
+    ),
+}
+# The config fields a mixture's experts set, by config class.
+EXPERT_FIELDS = {
+    Qwen3MoeConfig: ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    MixtralConfig: ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
 }
 SHAPES = sorted(OPT_SHAPES) + sorted(OTHER_SHAPES)
 
@@ -89,6 +123,8 @@ def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
         }
         if shape.head_dim is not None:
             fields["head_dim"] = shape.head_dim
+        if shape.experts is not None:
+            fields.update(zip(EXPERT_FIELDS[shape.cls], shape.experts, strict=True))
         return shape.cls(**fields)
     raise ValueError(f"unknown --model-config {name!r}; choose one of {', '.join(SHAPES)}")
 

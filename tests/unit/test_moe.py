@@ -13,6 +13,8 @@ from distzo import ZOConfig, ZOEngine
 from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
 from distzo.export.hf_model import export_model
 from distzo.job.memory_plan import plan_memory
+from distzo.models.config_file import model_size
+from distzo.models.shapes import shape_config
 from distzo.models.weights import open_checkpoint, skeleton
 from tests.helpers.launch import train_in_process
 from tests.helpers.models import build, random_batch
@@ -115,6 +117,15 @@ def test_the_memory_plan_counts_every_expert():
     assert plan.parameters == sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts > plan.parameters / 3
+
+
+@pytest.mark.parametrize(
+    "name, billions", [("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.1), ("mixtral-8x7b", 46.7)]
+)
+def test_a_named_mixture_has_its_published_size(name, billions):
+    """--model-config of a mixture (and the plan of it, python -m distzo.job.plan_report)
+    has every expert of the released model."""
+    assert round(model_size(shape_config(name), name).parameters / 1e9, 1) == billions
 
 
 @pytest.mark.parametrize("name, targets", [("mixtral", None), ("qwen3_moe", ("q_proj", "v_proj"))])

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from distzo.bench.peer_models import PEER_SHAPES, peer_config
+from distzo.bench.peer_models import PEER_SHAPES, QWEN3, peer_config
 from distzo.models.shapes import OPT_SHAPES, OTHER_SHAPES
 from tests.helpers.scripts import BENCHMARKS, benchmark_script
 
@@ -23,7 +23,7 @@ def peer():
 
 def test_zo2_peer_builds_the_shapes_distzo_builds(peer):
     assert peer.OPT_SHAPES == OPT_SHAPES
-    qwen3 = {n: s for n, s in OTHER_SHAPES.items() if n.startswith("qwen3-")}
+    qwen3 = {n: s for n, s in OTHER_SHAPES.items() if n in QWEN3}  # the dense ones
     assert peer.QWEN3_SHAPES == {
         n: (s.hidden, s.layers, s.heads, s.kv_heads, s.ffn) for n, s in qwen3.items()
     }
