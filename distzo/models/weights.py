@@ -402,6 +402,8 @@ class HeaderChecked(ABC):
         self.left_alone: frozenset[str] = frozenset()  # the files' keys no parameter reads
         # parameters built from several stored tensors (a mixture's experts, one a key)
         self.converted: dict[str, Converted] = {}
+        # the converted parameter whose ranges are being read, by (name, dtype)
+        self._built: tuple[tuple[str, torch.dtype], torch.Tensor] | None = None
 
     def convert_keys(self, model: nn.Module) -> None:
         """Read ``model``'s parameters that transformers loads from keys of other names, or
@@ -439,6 +441,27 @@ class HeaderChecked(ABC):
         what = f"{name} (built from {len(keys)} tensors: {keys[0]}, ...)"
         _check(what, tuple(value.shape), shape, file)
         return value
+
+    def _converted_range(
+        self,
+        names: tuple[str, ...],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        start: int,
+        stop: int,
+    ) -> torch.Tensor:
+        """Elements [start, stop) of a converted parameter, built once for the ranges a rank
+        reads of it in turn (a sliced rank reads its pieces a chunk at a time: built anew
+        for each, a layer's experts were read from disk as many times), and let go once its
+        last element is read, or another parameter's."""
+        if self._built is None or self._built[0] != (names[0], dtype):
+            self._built = None  # built anew: the previous one goes first
+            built = self._converted(_pick(names, self.weight_map), shape, self.stored_tensor)
+            self._built = ((names[0], dtype), built.to(dtype))
+        full = self._built[1]
+        if stop >= full.numel():
+            self._built = None
+        return _flat_range(full, start, stop)
 
     def _header_meta(self, key: str) -> torch.Tensor:
         """A meta tensor of the shape stored under ``key``, from its file's header."""
@@ -602,7 +625,8 @@ class SafetensorsWeights(HeaderChecked):
         all its tensors: the experts are stacked first)."""
         name = _pick(names, self.weight_map)
         if name in self.converted:
-            return _flat_range(self.tensor(names, shape, dtype), start, stop)
+            return self._converted_range(names, shape, dtype, start, stop)
+        self._built = None
         row = 1
         for size in shape[1:]:
             row *= size
@@ -648,6 +672,9 @@ class TorchBinWeights(HeaderChecked):
         return self._shard(self.files[key])[key].clone()
 
     def tensor_range(self, names, shape, dtype, start, stop):
+        if _pick(names, self.weight_map) in self.converted:
+            return self._converted_range(names, shape, dtype, start, stop)
+        self._built = None
         return _flat_range(self.tensor(names, shape, dtype), start, stop)
 
 

@@ -52,6 +52,43 @@ def test_a_range_of_experts_stored_one_a_key_is_that_range_of_the_fused_tensor(
     assert torch.equal(piece, whole.reshape(-1)[start:stop])
 
 
+def test_a_sliced_rank_builds_each_fused_parameter_once_for_all_its_chunks(tmp_path, monkeypatch):
+    """A sliced rank reads its pieces of a block a chunk at a time: each chunk touching a
+    fused parameter built it anew from its experts (8 chunks: 24 builds of 4 parameters
+    over 2 ranks, each a layer's experts read from disk), and the rank's pieces are the
+    whole block's."""
+    from distzo.engine import bucket_layouts, bucket_range
+    from distzo.models import converted_keys, family_for
+    from distzo.offload import Shard, StreamedBlocks
+
+    original = build("qwen3_moe", seed=5)
+    original.save_pretrained(tmp_path)
+    model = skeleton(original.config, torch.float32)
+    source = open_checkpoint(tmp_path)
+    source.convert_keys(model)
+    builds = []
+    build_of = converted_keys.Converted.build
+    monkeypatch.setattr(
+        converted_keys.Converted, "build", lambda c, read: builds.append(c) or build_of(c, read)
+    )
+    built, _ = bucket_layouts(model, family_for(model).blocks())
+    layouts = [layout for layout, _ in built]
+    whole = original.state_dict()
+    for rank in range(2):
+        shard = Shard(None, rank, 2)
+        blocks = StreamedBlocks(layouts, torch.device("cpu"), 1, shard=shard, chunks=8)
+        for i, layout in enumerate(layouts):
+            blocks.load_block_ranges(
+                i, lambda lo, hi, layout=layout: bucket_range(layout, source, lo, hi)
+            )
+            expected = torch.zeros(blocks.padded[i])
+            for e in layout.entries:
+                expected[e.offset : e.offset + e.numel] = whole[e.names[0]].reshape(-1)
+            for (h_lo, h_hi), (s_lo, s_hi) in blocks._pieces(i):
+                assert torch.equal(blocks.master(i)[h_lo:h_hi], expected[s_lo:s_hi])
+    assert len(builds) <= 2 * len(source.converted)
+
+
 @pytest.mark.parametrize(
     "dropped, says",
     [
