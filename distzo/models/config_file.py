@@ -74,17 +74,28 @@ class ModelSize:
     modules: int
 
 
+# Up to this many layers a model is counted whole, built on meta (a tenth of a second at
+# OPT-175B's 96): a mixture's layers differ (Qwen-MoE's ``decoder_sparse_step`` and
+# ``mlp_only_layers`` make some dense). Past it (no released model has as many), from
+# models of one and two layers, so that a damaged config of a million layers is counted
+# in a second, not built for an hour.
+COUNTED_WHOLE = 512
+
+
 def model_size(config: PretrainedConfig, where: str) -> ModelSize:
-    """The size of a model of ``config``, counted from models of one and two layers built on
-    the meta device: the layers of a supported family are all alike. Sizes that build no
-    model (a layer count under 1, a vocabulary of 0, a width its heads do not divide) are
-    one line naming ``where`` (the option and its model)."""
+    """The size of a model of ``config``: its skeleton built on the meta device, or past
+    ``COUNTED_WHOLE`` layers, counted from models of one and two layers as if all its
+    layers were alike. Sizes that build no model (a layer count under 1, a vocabulary of 0,
+    a width its heads do not divide) are one line naming ``where`` (the option and its
+    model)."""
     layers = config.num_hidden_layers
     if layers < 1:
         raise ValueError(
             f"{where}: its {CONFIG_NAME} gives num_hidden_layers {layers}; a model has one "
             f"layer at least; {FIX}"
         )
+    if layers <= COUNTED_WHOLE:
+        return _meta_size(config, layers, where)
     one, two = (_meta_size(config, count, where) for count in (1, 2))
     return ModelSize(
         one.parameters + (layers - 1) * (two.parameters - one.parameters),

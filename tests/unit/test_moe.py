@@ -17,7 +17,7 @@ from distzo.models.config_file import model_size
 from distzo.models.shapes import shape_config
 from distzo.models.weights import open_checkpoint, skeleton
 from tests.helpers.launch import train_in_process
-from tests.helpers.models import build, random_batch
+from tests.helpers.models import CONFIGS, build, random_batch
 
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 
@@ -163,6 +163,21 @@ def test_a_named_mixture_has_its_published_size(name, billions):
     """--model-config of a mixture (and the plan of it, python -m distzo.job.plan_report)
     has every expert of the released model."""
     assert round(model_size(shape_config(name), name).parameters / 1e9, 1) == billions
+
+
+@pytest.mark.parametrize("dense", [dict(decoder_sparse_step=2), dict(mlp_only_layers=[0, 2])])
+def test_a_mixture_with_dense_layers_between_is_counted_as_built(dense):
+    """Some of a Qwen-MoE's layers may be dense (``decoder_sparse_step``,
+    ``mlp_only_layers``): counted from one and two layers as if all were alike, the
+    pre-build size check took every layer for the first one's kind."""
+    config = CONFIGS["qwen3_moe"]()
+    config.num_hidden_layers = 4
+    for field, value in dense.items():
+        setattr(config, field, value)
+    model = skeleton(config, torch.float32)
+    size = model_size(config, "--model m")
+    assert size.parameters == sum(p.numel() for p in model.parameters())
+    assert size.modules == sum(1 for _ in model.modules())
 
 
 @pytest.mark.parametrize("name, targets", [("mixtral", None), ("qwen3_moe", ("q_proj", "v_proj"))])
