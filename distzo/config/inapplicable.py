@@ -34,6 +34,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "transfer": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "transfer_chunks": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
+    "train_set_seed": (
+        lambda j: j.data.sampling.samples,
+        "--num-train, --num-dev or --num-eval",
+    ),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task in GENERATION, "--task squad or drop"),
     "batch_queries": (

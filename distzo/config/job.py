@@ -46,6 +46,8 @@ from distzo.config.engine_options import ZOConfig, engine_default
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import ignored_warning, inapplicable
 from distzo.config.option_names import named_as_flags
+from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
+from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
 from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS
@@ -131,6 +133,20 @@ class DataOptions:
     )
     train_file: str | None = option(None, "local training data file (task-specific schema)")
     eval_file: str | None = option(None, "local evaluation data file")
+    num_train: int | None = option(
+        None, "train on N rows drawn from --train-file (MeZO's --num_train; default: all)"
+    )
+    num_dev: int | None = option(
+        None,
+        "also draw N dev rows from --train-file, evaluated every --eval-steps and at the end "
+        "(MeZO's --num_dev)",
+    )
+    num_eval: int | None = option(
+        None, "evaluate on N rows drawn from --eval-file (MeZO's --num_eval; default: all)"
+    )
+    train_set_seed: int = option(
+        0, "seed of the --num-train/--num-dev/--num-eval draw (MeZO's --train_set_seed)"
+    )
     batch_size: int = option(16, "global sequences per step (split over dp)")
     seq_len: int = option(16, "tokens per generated sequence (counting task)")
     max_length: int = option(
@@ -145,6 +161,11 @@ class DataOptions:
         "evaluated (counting: also the size of its generated evaluation set)",
     )
 
+    @property
+    def sampling(self) -> Sampling:
+        """The sets drawn from the files (``distzo.data.sampling``)."""
+        return Sampling(self.num_train, self.num_dev, self.num_eval, self.train_set_seed)
+
     def validate(self) -> None:
         """Sizes only: the task and its files are checked when the job loads the rows."""
         for flag, size in (
@@ -153,6 +174,18 @@ class DataOptions:
         ):
             if size < 1:
                 raise ValueError(f"{flag} must be >= 1, got {size}")
+        for flag, count in (
+            ("--num-train", self.num_train),
+            ("--num-dev", self.num_dev),
+            ("--num-eval", self.num_eval),
+        ):
+            if count is not None and count < 1:
+                raise ValueError(f"{flag} must be >= 1 (leave it out: every row), got {count}")
+        if not 0 <= self.train_set_seed < SAMPLING_SEED_LIMIT:
+            raise ValueError(
+                f"--train-set-seed must be in [0, 2^32) (numpy's seeds, as MeZO's), got "
+                f"{self.train_set_seed}"
+            )
         if self.max_length < 0:
             raise ValueError(
                 f"--max-length must be >= 0 (0: the model's limit), got {self.max_length}"
@@ -638,6 +671,9 @@ _METAVARS = {
     "task": "TASK",
     "train_file": "FILE",
     "eval_file": "FILE",
+    "num_train": "N",
+    "num_dev": "N",
+    "num_eval": "N",
     "lora_targets": "MODULES",
     "device": "DEVICE",
     "output_dir": "DIR",

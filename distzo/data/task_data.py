@@ -30,6 +30,7 @@ from distzo.data.encoding import (
 )
 from distzo.data.loaders import iter_numbered_rows, read_whole
 from distzo.data.row_share import WHOLE, RowShare
+from distzo.data.sampling import WHOLE_FILES, Sampling, sample_sets
 from distzo.data.synthetic import CountingTask
 from distzo.data.templates import TASKS, Example, build_numbered, get_task, not_text
 from distzo.objectives import OBJECTIVES
@@ -98,6 +99,9 @@ class Cuts:
         )
 
 
+DEV_ROWS = "--num-dev rows of --train-file"  # the dev set, where the notices name a file
+
+
 def token_limit(tokens: int) -> str:
     return f"{tokens} tokens (--max-length, or the model's positions)"
 
@@ -128,13 +132,16 @@ class LoadedRows:
     task: str
     train: list[Any]  # Examples for prompt tasks, texts for the text task
     eval: list[Any]
+    dev: list[Any] = dataclasses.field(default_factory=list)  # --num-dev: evaluated in training
 
     @functools.cached_property
     def digests(self) -> dict[str, str]:
         """Each file's rows as read, by its flag: a rank (another node's copy of the file)
         or a resumed session (a file rewritten since) that read other rows trains on other
-        batches under the same options, so these are compared."""
-        return {"--train-file": rows_digest(self.train), "--eval-file": rows_digest(self.eval)}
+        batches under the same options, so these are compared. Sampled sets are digested as
+        drawn; the dev rows, where there are any, under ``--num-dev``."""
+        digests = {"--train-file": rows_digest(self.train), "--eval-file": rows_digest(self.eval)}
+        return digests | ({"--num-dev": rows_digest(self.dev)} if self.dev else {})
 
 
 DIGEST_CHUNK = 10_000  # rows encoded at a time
@@ -163,12 +170,23 @@ def _plain(row: Any) -> Any:
     return row
 
 
-def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> LoadedRows | None:
-    """Read and check the files of a file-based task (one-line errors naming file and row)."""
+def load_task_rows(
+    task: str,
+    train_file: str | None,
+    eval_file: str | None,
+    sampling: Sampling = WHOLE_FILES,
+) -> LoadedRows | None:
+    """Read and check the files of a file-based task (one-line errors naming file and row),
+    and draw the sets ``sampling`` asks for (``distzo.data.sampling``)."""
     if task in GENERATED:
         if train_file or eval_file:
             raise ValueError(
                 f"--task {task} generates its data; --train-file/--eval-file do not apply to it"
+            )
+        if sampling.samples:
+            raise ValueError(
+                f"--task {task} generates its data; --num-train/--num-dev/--num-eval sample "
+                "the rows of a --train-file and --eval-file"
             )
         return None
     if task not in TASK_NAMES:
@@ -186,7 +204,8 @@ def load_task_rows(task: str, train_file: str | None, eval_file: str | None) -> 
             loaded.append(build_numbered(get_task(task), numbered, source))
         if not loaded[-1]:
             raise ValueError(f"{source}: no rows")
-    return LoadedRows(task, loaded[0], loaded[1])
+    train, dev, evals = sample_sets(loaded[0], loaded[1], sampling, train_file, eval_file)
+    return LoadedRows(task, train, evals, dev)
 
 
 def _texts(numbered: Iterator[tuple[int, dict[str, Any]]], source: str) -> list[str]:
@@ -240,18 +259,12 @@ class TextData:
         """``share``: the part of the training and evaluation rows this process reads the
         lengths of."""
         self.train = TextTrainData(rows.train, encoder, seed, share)
-        span, held = share.span(len(rows.eval)), TokenRows()  # the rows this rank evaluates
-        parts = share.meet(lambda: text_lengths(encoder, rows.eval, span, held.append))
-        eval_cut = sum(cut for cut, _, _ in parts)
-        width = max(width for _, width, _ in parts)
-        self.eval_set = PaddedRows(rows.eval, encoder, width, held, span)
-        if self.eval_set.width < 2:  # a next token to predict: the metrics' denominator
-            raise ValueError(
-                "--eval-file: no row has a next token to predict (a row needs two tokens or "
-                "more after tokenization); give longer rows"
-            )
+        self.eval_set, eval_cut = _padded(rows.eval, encoder, share, "--eval-file")
+        dev = _padded(rows.dev, encoder, share, "--num-dev") if rows.dev else None
+        self.dev_set: PaddedRows | None = dev[0] if dev else None
         self.eval_batch_size = eval_batch_size
-        self.longest = max(self.train.width, self.eval_set.width)
+        evaluated = [self.eval_set] + ([self.dev_set] if self.dev_set else [])
+        self.longest = max(self.train.width, *(padded.width for padded in evaluated))
         self.rows_per_example = 1
         limit = token_limit(encoder.max_length)
         self.cut_notices = _notices(
@@ -259,10 +272,28 @@ class TextData:
                 Cuts("--train-file", len(rows.train), self.train.cut).notice(limit),
                 Cuts("--eval-file", len(rows.eval), eval_cut).notice(limit),
             ]
+            + ([Cuts(DEV_ROWS, len(rows.dev), dev[1]).notice(limit)] if dev else [])
         )
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)
+
+
+def _padded(
+    texts: list[str], encoder: PromptEncoder, share: RowShare, flag: str
+) -> tuple[PaddedRows, int]:
+    """An evaluated set of texts, this rank holding the tokens of its share, and the rows
+    the token limit cuts in it (every share's count)."""
+    span, held = share.span(len(texts)), TokenRows()  # the rows this rank evaluates
+    parts = share.meet(lambda: text_lengths(encoder, texts, span, held.append))
+    width = max(width for _, width, _ in parts)
+    padded = PaddedRows(texts, encoder, width, held, span)
+    if padded.width < 2:  # a next token to predict: the metrics' denominator
+        raise ValueError(
+            f"{flag}: no row has a next token to predict (a row needs two tokens or "
+            "more after tokenization); give longer rows"
+        )
+    return padded, sum(cut for cut, _, _ in parts)
 
 
 def _notices(lines: Iterable[str | None]) -> tuple[str, ...]:
@@ -292,6 +323,7 @@ class PromptData:
             encoder.check_room(max_new_tokens)
         self.train_examples: list[Example] = rows.train
         self.eval_examples: list[Example] = rows.eval
+        self.dev_examples: list[Example] = rows.dev  # --num-dev: evaluated during training
         self.encoder, self.eval_batch_size, self.max_new_tokens = (
             encoder,
             eval_batch_size,
@@ -306,10 +338,16 @@ class PromptData:
             self.train = PromptTrainData(rows.train, encoder, seed)
         train, train_longest, rows_per_example = self._cuts("--train-file", rows.train, True, share)
         evals, eval_longest, _ = self._cuts("--eval-file", rows.eval, False, share)
+        devs, dev_longest, _ = (
+            self._cuts(DEV_ROWS, rows.dev, False, share) if rows.dev else (None, 0, 0)
+        )
         extra = max_new_tokens if self.kind == "generation" else 0
-        self.longest = min(max(train_longest, eval_longest) + extra, encoder.max_length)
+        longest = max(train_longest, eval_longest, dev_longest)
+        self.longest = min(longest + extra, encoder.max_length)
+        evaluated = self._limit(trained=False)
         self.cut_notices = _notices(
-            [train.notice(self._limit(trained=True)), evals.notice(self._limit(trained=False))]
+            [train.notice(self._limit(trained=True)), evals.notice(evaluated)]
+            + ([devs.notice(evaluated)] if devs else [])
         )
         self.rows_per_example = rows_per_example
 

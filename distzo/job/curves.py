@@ -97,7 +97,8 @@ def draw_curves(
     for i, (ax, name) in enumerate(zip(axes[1:], names), start=1):
         points = [(r["step"], r[name]) for r in evals if isinstance(r.get(name), (int, float))]
         ax.plot(*zip(*points), marker="o", color=f"C{i}")
-        ax.set_title(f"eval {name.removeprefix('eval_')}")
+        split, _, metric = name.partition("_")  # eval_accuracy, dev_accuracy: the rows scored
+        ax.set_title(f"{split} {metric}" if split in ("eval", "dev") else f"eval {name}")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

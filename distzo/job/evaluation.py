@@ -82,28 +82,51 @@ def _check(stop: StopVote | None) -> None:
         raise EvaluationStopped(received)
 
 
+# What an evaluation is of: the evaluation rows (--eval-file, --num-eval) or the dev rows
+# (--num-dev), whose metrics are named dev_loss, dev_accuracy... in the logs.
+SPLITS = ("eval", "dev")
+
+
+def has_dev(data: CountingData | TextData | PromptData) -> bool:
+    """Whether ``data`` holds dev rows, which the evaluations during training then score."""
+    if isinstance(data, PromptData):
+        return bool(data.dev_examples)
+    return isinstance(data, TextData) and data.dev_set is not None
+
+
 def evaluate(
     engine: ZOEngine,
     data: CountingData | TextData | PromptData,
     parallel: ParallelContext,
     stop: StopVote | None = None,
+    split: str = "eval",
 ) -> dict[str, float]:
-    """The evaluation that fits ``data``'s task; ``stop``: voted on before each forward call."""
+    """The evaluation that fits ``data``'s task, of its ``split`` rows; ``stop``: voted on
+    before each forward call."""
+    dev = split == "dev"
     if isinstance(data, PromptData):
+        examples = data.dev_examples if dev else data.eval_examples
         if data.kind == "generation":
-            return evaluate_generation(
+            metrics = evaluate_generation(
                 engine,
-                data.eval_examples,
+                examples,
                 data.encoder,
                 parallel,
                 data.eval_batch_size,
                 data.max_new_tokens,
                 stop,
             )
-        return evaluate_choices(
-            engine, data.eval_examples, data.encoder, parallel, data.eval_batch_size, stop=stop
-        )
-    return evaluate_lm(engine, data.eval_set, parallel, data.eval_batch_size, stop=stop)
+        else:
+            metrics = evaluate_choices(
+                engine, examples, data.encoder, parallel, data.eval_batch_size, stop=stop
+            )
+    else:
+        rows = data.dev_set if dev and isinstance(data, TextData) else data.eval_set
+        assert rows is not None, "a dev evaluation of data without dev rows"
+        metrics = evaluate_lm(engine, rows, parallel, data.eval_batch_size, stop=stop)
+    if not dev:
+        return metrics
+    return {"dev_" + name.removeprefix("eval_"): value for name, value in metrics.items()}
 
 
 def rows_per_call(batch_size: int, world: int) -> int:
@@ -122,7 +145,8 @@ def planned_rows(data: CountingData | TextData | PromptData, world: int) -> int:
     """The most rows one rank passes to a forward while evaluating ``data``."""
     per_call = rows_per_call(data.eval_batch_size, world)
     if isinstance(data, PromptData) and data.kind != "generation":
-        rows = max(data.encoder.choice_rows(e) for e in data.eval_examples)
+        evaluated = data.eval_examples + data.dev_examples
+        rows = max(data.encoder.choice_rows(e) for e in evaluated)
         return _choices_per_call(data.eval_batch_size, rows, world) * rows
     return per_call
 

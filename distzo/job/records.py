@@ -5,6 +5,7 @@ summary (``rankN.json``), and the one-line description of an evaluation."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -165,4 +166,15 @@ def rank_summary(
 
 def describe(metrics: dict[str, float]) -> str:
     """``loss 1.7585, accuracy 0.4333``: an evaluation in a log line."""
-    return ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in metrics.items())
+    return ", ".join(f"{metric_name(k)} {v:.4f}" for k, v in metrics.items())
+
+
+def metric_name(key: str) -> str:
+    """``accuracy`` of ``eval_accuracy`` or ``dev_accuracy``: what an evaluation measured."""
+    return key.removeprefix("eval_").removeprefix("dev_")
+
+
+def eval_split(record: Mapping[str, Any]) -> str:
+    """Which rows an evaluation record scored: ``dev`` (its metrics named ``dev_...``,
+    ``--num-dev``) or ``eval``."""
+    return "dev" if any(key.startswith("dev_") for key in record) else "eval"

@@ -13,6 +13,7 @@ from distzo.config.cli import names_file
 from distzo.config.field_types import is_of_type
 from distzo.job.curves import LossCurve
 from distzo.job.jsonl_text import TEXT_ENCODING, as_read_text
+from distzo.job.records import eval_split
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_as_kept, is_begun_log
 from distzo.runtime import json_text
@@ -122,7 +123,7 @@ class RunLogs:
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
         evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
-        self.kept_evals = {r["step"] for r in evals}
+        self.kept_evals = {(r["step"], eval_split(r)) for r in evals}
         self.closed = False
         # A failure from here (the header on a full disk) closes what was opened: the seed
         # log's syncer thread holds its file, and a Trainer retried in process kept both.
@@ -170,10 +171,11 @@ class RunLogs:
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation of the state after ``step`` steps (once: not one the resumed log
         already holds, nor a second of the same state: --max-steps 0 evaluates step 0
-        before and after training)."""
-        if step not in self.kept_evals:
+        before and after training). The dev rows' evaluation of a step is another record."""
+        kept = (step, eval_split(metrics))
+        if kept not in self.kept_evals:
             self.write("eval", {"step": step, **metrics})
-            self.kept_evals.add(step)
+            self.kept_evals.add(kept)
 
     def _keep(self, steps: int, loss: Callable[[dict[str, Any]], object] | None = None) -> None:
         """Cut every log back to the state after ``steps`` steps. Step records are 0-based

@@ -134,7 +134,8 @@ def check_same_rows(job: JobConfig, data: Mapping[str, str], comm: Collectives) 
     copy that is stale or another version): each rank would take its share of another
     global batch, and score its share of another evaluation set, without a word."""
     everyone: list[dict[str, str]] = comm.all_gather_object(dict(data))
-    paths = {"--train-file": job.data.train_file, "--eval-file": job.data.eval_file}
+    train, evals = job.data.train_file, job.data.eval_file
+    paths = {"--train-file": train, "--eval-file": evals, "--num-dev": f"rows of {train}"}
     for rank, differ in _differences(everyone):
         flag, digest = differ[0], everyone[0].get(differ[0])
         raise ValueError(

@@ -1,7 +1,8 @@
 """``summary.json``: the run at a glance, written by rank 0 at the end. The options that
 decide what was trained (the whole tree is ``config.toml``), the steps, this session's
-time and tokens per second, the training loss and the first, last and best evaluation,
-and where the last checkpoint, the export and the picture are.
+time and tokens per second, the training loss and the first, last and best evaluation
+(and dev evaluation, where --num-dev gave dev rows), and where the last checkpoint, the
+export and the picture are.
 
 The losses and evaluations come from metrics.jsonl and eval.jsonl, so a resumed run's
 summary covers the whole run; the time and throughput are those of the session that
@@ -17,6 +18,7 @@ from typing import Any
 
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig
+from distzo.job.records import eval_split
 
 SUMMARY = "summary.json"
 
@@ -77,6 +79,7 @@ def run_summary(
     process's ``start_step``, ``steps``, ``seconds``, ``tokens_per_s``; ``losses``: the
     training loss of every step metrics.jsonl holds, in order; ``paths``: the checkpoint,
     export, curves... (absolute in the file, so it reads from anywhere)."""
+    dev = [r for r in evals if eval_split(r) == "dev"]
     return {
         "options": options,
         "steps": steps,
@@ -84,12 +87,20 @@ def run_summary(
         "train_loss": (
             {"first": losses[0], "last": losses[-1], "min": min(losses)} if losses else None
         ),
-        "eval": {
-            "first": evals[0] if evals else None,
-            "last": evals[-1] if evals else None,
-            "best": best_eval(evals),
-        },
+        "eval": _at_a_glance([r for r in evals if eval_split(r) == "eval"]),
+        # --num-dev: the evaluations during training; "best" is the step MeZO's
+        # --load_best_model_at_end would keep (the earliest among equals)
+        **({"dev": _at_a_glance(dev)} if dev else {}),
         **{name: str(p.absolute()) if p is not None else None for name, p in paths.items()},
+    }
+
+
+def _at_a_glance(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first, last and best of one split's evaluations."""
+    return {
+        "first": evals[0] if evals else None,
+        "last": evals[-1] if evals else None,
+        "best": best_eval(evals),
     }
 
 

@@ -45,7 +45,7 @@ from distzo.job.divergence import (
     is_finite_eval,
     warn_if_nothing_learns,
 )
-from distzo.job.evaluation import EvaluationStopped, StopVote, evaluate
+from distzo.job.evaluation import EvaluationStopped, StopVote, evaluate, has_dev
 from distzo.job.preemption import Preempted, StopSignals, stop_voted
 from distzo.job.progress import Progress
 from distzo.job.records import StepMeter, describe, rank_summary, seed_record
@@ -252,11 +252,14 @@ class Trainer:
         every, max_steps = self.job.run.eval_steps, self.job.optim.max_steps
         return bool(every) and done % every == 0 and 0 < done < max_steps
 
-    def _evaluate(self, done: int, stop: StopVote | None = None) -> dict[str, float]:
-        """The evaluation of the weights after ``done`` steps; a non-finite one (reduced:
-        the same on every rank) is step ``done``'s divergence, before it is logged.
-        ``stop``: voted on before each forward call (``EvaluationStopped``)."""
-        metrics = evaluate(self.engine, self.data, self.parallel, stop)
+    def _evaluate(
+        self, done: int, stop: StopVote | None = None, split: str = "eval"
+    ) -> dict[str, float]:
+        """The evaluation of the weights after ``done`` steps on the ``split`` rows; a
+        non-finite one (reduced: the same on every rank) is step ``done``'s divergence,
+        before it is logged. ``stop``: voted on before each forward call
+        (``EvaluationStopped``)."""
+        metrics = evaluate(self.engine, self.data, self.parallel, stop, split)
         if not is_finite_eval(metrics):
             self._diverge(done, lambda last: eval_diverged(done, metrics, self.config, last))
         self.checkpointer.confirm(done)
@@ -266,12 +269,13 @@ class Trainer:
         """The evaluation every --eval-steps; a signal stops it (and the run) between two
         forward calls, as the kill at a grace period's end would not wait for its end."""
         _expect(signals, preemption.IN_EVALUATION)
+        split = "dev" if has_dev(self.data) else "eval"  # MeZO's: the dev rows, where given
         try:
-            metrics = self._evaluate(done, self._stop_vote(signals))
+            metrics = self._evaluate(done, self._stop_vote(signals), split)
         except EvaluationStopped as stopped:
             self._stop(stopped.received)  # nothing logged: a resume evaluates here again
         _expect(signals, preemption.AFTER_STEP)
-        logger.info("eval at step %d: %s", done, describe(metrics))
+        logger.info("%s at step %d: %s", split, done, describe(metrics))
         if self.logs:
             self.logs.write_eval(done, metrics)
             draw_run_curves(self.run_dir, self.logs)
@@ -359,13 +363,19 @@ class Trainer:
             )
         self._stop_if_voted(signals)
         _expect(signals, preemption.IN_FINAL_EVALUATION)
+        max_steps, vote = self.job.optim.max_steps, self._stop_vote(signals)
         try:  # the last step's update checked
-            after = self._evaluate(self.job.optim.max_steps, self._stop_vote(signals))
+            if has_dev(self.data):  # the dev rows' last point too, as MeZO's run.py scores
+                dev = self._evaluate(max_steps, vote, "dev")
+                logger.info("dev at step %d: %s", max_steps, describe(dev))
+                if self.logs:
+                    self.logs.write_eval(max_steps, dev)
+            after = self._evaluate(max_steps, vote)
         except EvaluationStopped as stopped:  # the checkpoint holds every step
             self._preempted(stopped.received)
         self.eval_after = after
         if self.logs:
-            self.logs.write_eval(self.job.optim.max_steps, after)
+            self.logs.write_eval(max_steps, after)
         self._stop_if_voted(signals)
         _expect(signals, preemption.IN_EXPORT)
         # Before the export, and agreed on: a rank whose disk is full (another node's, say)

@@ -172,7 +172,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")
     # every row checked, before any model
-    rows = load_task_rows(job.data.task, job.data.train_file, job.data.eval_file)
+    data = job.data
+    rows = load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
     check_shard_size(job.run.export_shard_size)
     check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env)

@@ -1,0 +1,115 @@
+"""MeZO's sampled sets (--num-train, --num-dev, --num-eval, --train-set-seed): the rows
+MeZO's run.py draws, the dev rows evaluated during training and logged apart from the
+evaluation rows, and the errors for counts a file cannot give."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distzo.config.job import resolve
+from distzo.data.sampling import Sampling, mezo_draw, sample_sets
+from distzo.data.task_data import load_task_rows
+from distzo.job.evaluation import evaluate
+from distzo.job.trainer import Trainer
+
+
+def test_the_draw_is_mezos_permutation_of_numpys_seeded_generator():
+    assert mezo_draw(10, 4, 0) == [2, 8, 4, 9]
+    np.random.seed(7)  # MeZO's temp_seed(7), then np.random.permutation
+    assert mezo_draw(30, 12, 7) == np.random.permutation(30)[:12].tolist()
+
+
+def test_dev_rows_are_the_last_of_the_drawn_training_rows_and_eval_rows_share_the_seed():
+    train, evals = list(range(12)), [f"e{i}" for i in range(10)]
+    sampled = sample_sets(train, evals, Sampling(6, 4, 5, seed=3), "t", "e")
+    drawn = [5, 4, 1, 2, 11, 6, 7, 0, 3, 9]  # permutation(12) under seed 3, first 10
+    assert sampled == (drawn[:6], drawn[6:], [evals[i] for i in mezo_draw(10, 5, 3)])
+    # --num-dev alone: every row drawn, the last 4 of them dev
+    rest, dev, same = sample_sets(train, evals, Sampling(num_dev=4, seed=3), "t", "e")
+    assert dev == mezo_draw(12, 12, 3)[-4:] and sorted(rest + dev) == train and same is evals
+    # --num-eval alone leaves the training file's rows as they are
+    assert sample_sets(train, evals, Sampling(num_eval=2), "t", "e")[0] is train
+
+
+@pytest.mark.parametrize(
+    "sampling, message",
+    [
+        (
+            Sampling(10, 4),
+            "--num-train 10 and --num-dev 4 ask 14 rows, more than the 12 of --train-file "
+            "t.jsonl; give --num-train 8 or less (MeZO's run.py takes the 12 there are: 8 to "
+            "train, 4 dev)",
+        ),
+        (Sampling(num_dev=12), "--num-dev 12 leaves no training rows of the 12 of"),
+        (Sampling(num_eval=11), "--num-eval 11 asks more rows than the 10 of --eval-file e"),
+    ],
+)
+def test_counts_the_files_cannot_give_are_one_line_naming_their_rows(sampling, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        sample_sets(list(range(12)), list(range(10)), sampling, "t.jsonl", "e")
+
+
+def _sst2_rows(path: Path, count: int) -> str:
+    rows = [{"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}"} for i in range(count)]
+    lines = (json.dumps(row | {"label": int(i % 3 > 0)}) + "\n" for i, row in enumerate(rows))
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def test_sampled_rows_are_digested_as_drawn_so_another_draw_is_another_run(tmp_path):
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    whole = load_task_rows("sst2", data, data)
+    assert whole is not None and set(whole.digests) == {"--train-file", "--eval-file"}
+    drawn = load_task_rows("sst2", data, data, Sampling(6, 4, 5, seed=3))
+    assert drawn is not None and drawn.dev == [whole.train[i] for i in [7, 0, 3, 9]]
+    other = load_task_rows("sst2", data, data, Sampling(6, 4, 5, seed=4))
+    assert other is not None and set(drawn.digests) == {"--train-file", "--eval-file", "--num-dev"}
+    assert all(drawn.digests[flag] != other.digests[flag] for flag in drawn.digests)
+
+
+def test_dev_rows_are_evaluated_during_training_and_logged_apart_from_the_eval_rows(tmp_path):
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    out = tmp_path / "run"
+    flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
+    flags += ["--max-steps", "4", "--eval-steps", "2", "--log-every", "0", "--batch-size", "2"]
+    flags += ["--output-dir", str(out), "--num-train", "6", "--num-dev", "4", "--num-eval", "5"]
+    with Trainer(resolve(flags + ["--train-set-seed", "3"])) as trainer:
+        trainer.train()
+        dev = evaluate(trainer.engine, trainer.data, trainer.parallel, split="dev")
+        trainer.data.eval_examples = trainer.data.dev_examples  # the dev rows, evaluated
+        as_eval = evaluate(trainer.engine, trainer.data, trainer.parallel)
+    assert dev == {"dev_accuracy": as_eval["eval_accuracy"]}
+    records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], *r) for r in records] == [
+        (0, "step", "eval_accuracy"),
+        (2, "step", "dev_accuracy"),
+        (4, "step", "dev_accuracy"),  # the dev rows' last point, then the final evaluation
+        (4, "step", "eval_accuracy"),
+    ]
+    assert records[2]["dev_accuracy"] == dev["dev_accuracy"]
+    summary = json.loads((out / "summary.json").read_text())
+    best = max(records[1:3], key=lambda r: r["dev_accuracy"])  # the earliest among equals
+    assert summary["dev"]["best"] == {"by": "dev_accuracy", **best}
+    assert summary["eval"]["last"] == records[3]
+    # another draw would train other rows: a resume with it is refused in one line
+    with pytest.raises(ValueError, match="--train-set-seed 3 -> 4 would change the trajectory"):
+        Trainer(resolve(flags + ["--train-set-seed", "4", "--resume"])).train()
+
+
+def test_the_text_tasks_dev_rows_are_an_evaluation_set_of_their_own():
+    from distzo.data.encoding import PromptEncoder
+    from distzo.data.task_data import LoadedRows, TextData
+    from distzo.models.tiny import byte_tokenizer
+
+    encoder = PromptEncoder(byte_tokenizer(), max_length=12)
+    dev = ["a fine film", "much too long for the limit here"]
+    data = TextData(LoadedRows("text", ["some text"], ["ok then"], dev), encoder, 0, 2)
+    assert data.dev_set is not None and data.dev_set.texts == dev
+    assert data.longest == data.dev_set.width == 12  # the memory plan sees the dev rows
+    assert data.cut_notices == (
+        "--num-dev rows of --train-file: 1 of 2 rows are longer than 12 tokens "
+        "(--max-length, or the model's positions): they lose tokens from the left; raise "
+        "--max-length or shorten the rows",
+    )
