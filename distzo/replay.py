@@ -1,5 +1,6 @@
-"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR [--overwrite]``: a ZO
-run rebuilt from its seeds and scalars.
+"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR [--step N] [--overwrite]``:
+a ZO run rebuilt from its seeds and scalars, at its end or after its first N steps (the
+step a dev set chose, say).
 
 A ZO-SGD run is fully described by its base weights and, per step, (step, g per query,
 lr): z is regenerated from (run seed, step, block, query) and the element, so replaying
@@ -213,20 +214,35 @@ def merged_export(spec: AdapterSpec, header: dict, merge_adapter: bool) -> bool:
     return merge and spec.enabled
 
 
+def steps_up_to(log: Path, steps: list[dict], step: int | None) -> list[dict]:
+    """The records of the first ``step`` steps (all with None): the model an evaluation "at
+    step N" scored. A step the log has not reached is one line, before any model is built."""
+    if step is None:
+        return steps
+    if not 0 <= step <= len(steps):
+        raise ValueError(
+            f"--step {step}: --log {log} holds {len(steps)} steps; give --step 0 to "
+            f"{len(steps)} (0: the base, {len(steps)}: the run's end)"
+        )
+    return steps[:step]
+
+
 def replay(
     base: str | None,
     log: Path,
     out: Path,
     device: str | None = None,
     merge_adapter: bool = False,
+    step: int | None = None,
 ) -> Path | None:
     """Rebuild the run that ``log`` records onto its base, written to ``out`` as the run's
     own export is (``merge_adapter``, or the run's: an adapter merged into its base; the
-    base's tokenizer beside the weights); returns the directory (a replay is one process,
-    so rank 0's: never None there)."""
-    header, steps = read_seed_log(log)
+    base's tokenizer beside the weights); ``step``: after that many steps (default: all);
+    returns the directory (a replay is one process, so rank 0's: never None there)."""
+    header, logged = read_seed_log(log)
     spec = AdapterSpec.from_record(header.get("peft"))
     check_replayable(log, header, spec)
+    steps = steps_up_to(log, logged, step)
     merge = merged_export(spec, header, merge_adapter)
     config = replay_config(header, device)
     folder = base_folder(base, header)
@@ -279,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         type=home_path,
         help="where to write the rebuilt model (Hugging Face format)",
     )
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rebuild the model after the run's first N steps (default: all the log holds)",
+    )
     p.add_argument("--device", default=None, help="default: the device type the run trained on")
     p.add_argument(
         "--merge-adapter",
@@ -299,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.base == "":  # "" would read as unset: the log's base, where one was named
             raise ValueError("--base is empty; give the base's hub name or folder, or leave it out")
         target = check_out(args.out, args.overwrite)
-        out = replay(args.base, args.log, target, args.device, args.merge_adapter)
+        out = replay(args.base, args.log, target, args.device, args.merge_adapter, args.step)
     except ValueError as err:
         return fail(str(err).splitlines()[0])
     except OSError as err:  # a full disk, an unwritable --out: a failure, one line
