@@ -70,9 +70,30 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
             f"{data.batch_size // dims.dp} sequences of a rank's batch (--batch-size / dp); "
             "change one of them"
         )
+    if job.run.export_best:
+        check_best_replayable(job)
     if data.eval_batch_size < env.world_size:
         raise ValueError(
             f"--eval-batch-size {data.eval_batch_size} is smaller than the {env.world_size} "
             "ranks; raise it"
         )
     return dims
+
+
+def check_best_replayable(job: JobConfig) -> None:
+    """``--export-best`` replays the seed log to the best dev step: refused before training
+    where the weights are no function of the log (stochastic rounding on the host), as the
+    replay itself would refuse the log at the end."""
+    transfer, state = job.offload.transfer_dtype, job.optim.state_dtype
+    rounds = None
+    if transfer not in (None, "fp32") and job.peft.peft == "none":
+        rounds = f"--transfer-dtype {transfer}"
+    elif state not in (None, "fp32"):
+        rounds = f"--state-dtype {state}"
+    if rounds is not None:
+        raise ValueError(
+            f"--export-best replays the seed log to the best dev step, but {rounds} rounds "
+            "stochastically on the host, so a step's weights are not a function of the log; "
+            "drop --export-best (--save-steps with --eval-steps keeps checkpoints of the "
+            "evaluated steps)"
+        )

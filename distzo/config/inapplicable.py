@@ -34,6 +34,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "transfer": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "transfer_chunks": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
+    "export_best": (lambda j: j.data.num_dev is not None, "--num-dev"),
     "train_set_seed": (
         lambda j: j.data.sampling.samples,
         "--num-train, --num-dev or --num-eval",

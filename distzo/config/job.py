@@ -520,6 +520,11 @@ class RunOptions:
     force: bool = option(
         False, "start even when the memory plan does not fit what this machine has free"
     )
+    export_best: bool = option(
+        False,
+        "with --num-dev: also write the model of the best dev step to export-best/, replayed "
+        "from the seed log (MeZO's --load_best_model_at_end)",
+    )
 
     @property
     def engine_seed(self) -> int | None:

@@ -67,6 +67,7 @@ RESUME_MAY_CHANGE = (
     "keep_checkpoints",
     "report_to",
     "export_shard_size",
+    "export_best",
     "merge_adapter",
     "force",
     "mode",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from distzo.config.job import resolve
 from distzo.data.sampling import Sampling, mezo_draw, sample_sets
@@ -113,3 +114,44 @@ def test_the_text_tasks_dev_rows_are_an_evaluation_set_of_their_own():
         "(--max-length, or the model's positions): they lose tokens from the left; raise "
         "--max-length or shorten the rows",
     )
+
+
+def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps(tmp_path):
+    from safetensors.torch import load_file
+
+    from distzo.train import main
+
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
+    flags += ["--eval-steps", "2", "--log-every", "0", "--batch-size", "2", "--lr", "0.1"]
+    flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
+    out = tmp_path / "run"
+    assert main(flags + ["--max-steps", "4", "--output-dir", str(out), "--export-best"]) == 0
+    dev = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()][1:3]
+    best = max(dev, key=lambda r: r["dev_accuracy"])["step"]  # the earliest among equals
+    assert best == 2  # a tie, not the run's end: the export compared is another step's
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dev"]["best"]["step"] == best
+    assert summary["dev"]["export_best"] == str(out / "export-best")
+    shorter = tmp_path / "shorter"
+    assert main(flags + ["--max-steps", str(best), "--output-dir", str(shorter)]) == 0
+    ours, theirs = (
+        load_file(d / "model.safetensors") for d in (out / "export-best", shorter / "export")
+    )
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training(tmp_path):
+    from distzo.config.checks import check_best_replayable
+
+    job = resolve(["--num-dev", "2", "--export-best", "--transfer-dtype", "bf16"])
+    with pytest.raises(
+        ValueError,
+        match="^--export-best replays the seed log to the best dev "
+        "step, but --transfer-dtype bf16 rounds stochastically on the host",
+    ):
+        check_best_replayable(job)
+    lora = resolve(
+        ["--num-dev", "2", "--export-best", "--transfer-dtype", "bf16", "--peft", "lora"]
+    )
+    check_best_replayable(lora)  # an adapter's base was rounded to nearest once: replayable
