@@ -18,7 +18,6 @@ This module is the entry point only: the job itself is ``distzo.job.trainer.Trai
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -175,45 +174,16 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     # that a dead peer will never join can hang.
     pg.shutdown()
     if config.run.export_best and env.rank == 0:
+        from distzo.replay import BEST_EXPORT, export_best
+
         try:
-            _export_best(trainer)
+            assert trainer.logs is not None  # rank 0's
+            export_best(trainer.run_dir, trainer.logs.paths["eval"])
         except ValueError as err:  # a log the replay refuses (a copied start): one line
             return fail(str(err).splitlines()[0])
         except OSError as err:
             return fail(write_failure(err, trainer.run_dir / BEST_EXPORT), 1)
     return 0
-
-
-BEST_EXPORT = "export-best"  # in the run directory, beside export/
-
-
-def _export_best(trainer: Trainer) -> None:
-    """MeZO's ``--load_best_model_at_end``: the model of the best dev step, replayed from
-    the seed log into ``export-best/`` (rank 0, once the run has ended and its logs are
-    closed), and named in ``summary.json``."""
-    from distzo.export.out_dir import check_out
-    from distzo.job.records import eval_split
-    from distzo.job.run_logs import read_records
-    from distzo.job.seed_log import SEED_LOG
-    from distzo.job.summary import SUMMARY, best_eval, write_summary
-    from distzo.replay import replay
-
-    assert trainer.logs is not None  # rank 0's
-    dev = [r for r in read_records(trainer.logs.paths["eval"]) if eval_split(r) == "dev"]
-    best = best_eval(dev)
-    assert best is not None, "a run with --num-dev evaluates its dev rows at its end"
-    out = check_out(trainer.run_dir / BEST_EXPORT, overwrite=True)  # distzo's own folder
-    replay(None, trainer.run_dir / SEED_LOG, out, step=best["step"])
-    summary = json.loads((trainer.run_dir / SUMMARY).read_text())
-    summary["dev"]["export_best"] = str(out.absolute())
-    write_summary(trainer.run_dir / SUMMARY, summary)
-    logger.info(
-        "best dev step %d (%s %.4f): its model exported to %s",
-        best["step"],
-        best["by"],
-        best[best["by"]],
-        out,
-    )
 
 
 def _close_failed(trainer: Trainer) -> None:

@@ -277,8 +277,9 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
         resolve([*argv, "--max-new-tokens", "4", "--optimizer", "momentum"])
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warning == (  # in --help's order
-        "ignored: --max-new-tokens (it applies only with --task squad or drop), --beta2 (it applies "
-        "only with --optimizer adam), --lora-r (it applies only with --peft lora or lora-fa), "
+        "ignored: --max-new-tokens (it applies only with --task squad or drop), "
+        "--beta2 (it applies only with --optimizer adam), "
+        "--lora-r (it applies only with --peft lora or lora-fa), "
         "--num-slots (it applies only with --mode offload)"
     )
     caplog.clear()
