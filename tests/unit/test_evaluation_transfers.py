@@ -215,3 +215,31 @@ def test_an_evaluation_shows_its_calls_on_rank_0s_terminal_and_leaves_its_figure
     drawn = terminal.getvalue()
     assert "eval:   0%" in drawn and "0/3 [" in drawn and " batches/s]" in drawn  # 3 calls
     assert drawn.endswith("\r") and not tqdm._instances  # cleared when it ends
+
+
+def test_an_evaluations_bar_counts_each_call_and_a_log_file_holds_none(monkeypatch):
+    # a bar that never moved (its count left at 0 of 3) read as a hung evaluation; a bar
+    # in a log file is tqdm's carriage returns kept one after the other
+    from distzo.job import progress
+
+    bars = []
+
+    class Counted(tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(progress, "tqdm", Counted)
+    engine, encoder = engine_and_encoder()
+    examples = build_examples(
+        TASKS["rte"],
+        [{"premise": f"P{i}.", "hypothesis": "H.", "label": i % 2} for i in range(6)],
+        "x",
+    )
+    log_file = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log_file)
+    evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)
+    assert log_file.getvalue() == "" and bars == []
+    monkeypatch.setattr("sys.stderr", Terminal())
+    evaluate_choices(engine, examples, encoder, ParallelContext.single(), batch_size=4)
+    assert [(bar.n, bar.total) for bar in bars] == [(3, 3)]
