@@ -3,6 +3,7 @@ candidates and right answers, the objectives each takes, how each is evaluated, 
 short run of each through the command line. The templates' rendered text is checked with
 the other tasks' in test_tasks.py."""
 
+import hashlib
 import json
 
 import pyarrow as pa
@@ -11,8 +12,15 @@ import pytest
 import torch
 
 from distzo import ZOConfig, ZOEngine
+from distzo.config.job import resolve
 from distzo.data.encoding import PromptEncoder
-from distzo.data.task_data import LoadedRows, check_objective, default_objective, load_task_rows
+from distzo.data.task_data import (
+    LoadedRows,
+    check_objective,
+    default_objective,
+    load_task_rows,
+    rows_digest,
+)
 from distzo.data.templates import TASKS, build_examples
 from distzo.dist import ParallelContext
 from distzo.job.evaluation import evaluate_choices
@@ -152,6 +160,17 @@ def test_each_task_takes_mezos_objective_and_refuses_those_that_do_not_apply():
         check_objective("drop", "classification")
 
 
+def test_drop_decodes_max_new_tokens_and_a_one_answer_tasks_rows_hash_as_before(caplog):
+    # --max-new-tokens was ignored (with a warning) on DROP, decoded at squad's 16 tokens
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        assert resolve(["--task", "drop", "--max-new-tokens", "4"]).data.max_new_tokens == 4
+    assert caplog.records == []
+    # a run logged before the ``right`` field resumes: its rows' JSON has four fields
+    examples = build_examples(TASKS["sst2"], [{"sentence": "a fine film", "label": 1}], "x")
+    logged = [[e.prompt, list(e.continuations), e.label, list(e.answers)] for e in examples]
+    assert rows_digest(examples) == hashlib.sha256(json.dumps(logged).encode()).hexdigest()[:16]
+
+
 def test_a_pick_among_any_right_candidates_is_a_hit_for_the_accuracy_objective():
     """MeZO's ReCoRD accuracy: the best-scored entity is right if it is any of the answers."""
     rows = [
@@ -255,3 +274,12 @@ def test_each_task_trains_and_evaluates_through_the_cli(tmp_path, task, objectiv
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2] and metrics <= evals[-1].keys()
     assert all(0 <= e[m] <= 1 for e in evals for m in metrics)
+
+
+def test_a_drop_answer_in_one_string_is_one_answer_and_a_bad_list_cell_names_its_column():
+    # a string taken as the list of its letters: trained on "t", every letter a right answer
+    row = {"passage": "Tom scored twice.", "question": "How many?", "answers_spans": "two"}
+    (example,) = build_examples(TASKS["drop"], [row], "x")
+    assert example.answers == ("two",)
+    with pytest.raises(ValueError, match="^x, row 1: answers_spans .* not as JSON"):
+        build_examples(TASKS["drop"], [dict(row, answers_spans="['two']")], "x")
