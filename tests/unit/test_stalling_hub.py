@@ -291,6 +291,21 @@ def test_a_call_that_names_its_own_timeout_keeps_it(stalling_hub):
         assert get_session().get(f"{stalling_hub}/late", timeout=BOUND_S).content == b"late"
 
 
+def test_the_limit_ends_with_the_block_and_its_hook_is_added_once(stalling_hub):
+    """A notebook's own hub calls after a run wait as long as they ask, and each run adds
+    no hook of its own to the shared client."""
+    from huggingface_hub import get_session
+
+    for _ in range(2):
+        with hub.bounded_reads():
+            pass
+    assert get_session().event_hooks["request"].count(hub.bound_reads) == 1
+    assert get_session().get(f"{stalling_hub}/late", timeout=None).content == b"late"
+    request = SimpleNamespace(extensions={"timeout": {"connect": None, "read": None}})
+    hub.bound_reads(request)  # outside a block: the user's call
+    assert request.extensions["timeout"] == {"connect": None, "read": None}
+
+
 def test_connecting_is_bounded_too(monkeypatch):
     """A host that takes no connection (a firewall that drops the files' host, not the
     hub's) is a stall after the limit: the client's own wait was the system's, minutes."""
