@@ -182,3 +182,17 @@ def test_a_node_keeps_its_main_where_rank_0s_came_from_a_cache(offline_cache):
     cache_with(offline_cache, NEW, OLD, NEW)
     assert build.model_source("tiny/llama", NODE_1, Peer(1, sent=(OLD, False))).name == OLD
     assert Path(snapshot_download("tiny/llama", local_files_only=True)).name == NEW
+
+
+def test_a_node_whose_cache_it_may_only_read_keeps_its_main_and_loads(offline_cache, monkeypatch):
+    """A group's shared cache: its ``main`` is its owners' to move, and the run goes on."""
+    cache_with(offline_cache, OLD, OLD, NEW)
+
+    def refused(path: Path, *args, **kwargs) -> None:  # as for a member, root included
+        raise PermissionError(13, "Permission denied", str(path))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "write_text", refused)
+        source = build.model_source("tiny/llama", NODE_1, Peer(1, sent=(NEW, True)))
+    assert source.name == NEW
+    assert (offline_cache / "models--tiny--llama" / "refs" / "main").read_text() == OLD
