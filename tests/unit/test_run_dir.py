@@ -773,6 +773,14 @@ def test_only_the_export_a_finished_runs_summary_records_whole_is_kept(run):
     assert kept_export(run, 5, options) is None  # another state's
     assert kept_export(run, 4, {**options, "export_shard_size": "1MB"}) is None  # resharded
     assert kept_export(run, 4, {**options, "merge_adapter": True}) is None
+    summary = json.loads((run / "summary.json").read_text())
+    listed = summary["export_written"]["files"]
+    summary["export_written"]["files"] = {}  # a record that vouches for no file
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert kept_export(run, 4, options) is None
+    summary["export_written"]["files"] = listed
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert kept_export(run, 4, options) == run / "export"
     (run / "export" / "config.json").write_text("{}")  # not the file the run wrote
     assert kept_export(run, 4, options) is None
     shutil.rmtree(run / "export")  # killed between publish()'s removal and its rename
