@@ -492,6 +492,15 @@ def test_pipelined_pieces_do_not_change_the_trajectory(runs, tmp_path, chunks):
     assert Run(tmp_path).grads == runs["2d_sliced"].grads  # default: 4 pieces
 
 
+def _one_process_and_two_sliced_ranks(tmp_path: Path, args: list[str]) -> list[Path]:
+    """The exports of the job ``args`` run in one process and on two sliced ranks."""
+    one = python_train([*args, "--output-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, [*args, "--transfer", "sliced", "--output-dir", str(tmp_path / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    return [tmp_path / run / "export" / "model.safetensors" for run in ("one", "two")]
+
+
 def test_a_mixture_of_experts_on_two_sliced_ranks_exports_one_process_bytes(tmp_path):
     """A Qwen3-MoE checkpoint as save_pretrained (and the hub) store it, one key an expert:
     each sliced rank reads its pieces of the fused experts the streamed read builds, and
@@ -499,11 +508,7 @@ def test_a_mixture_of_experts_on_two_sliced_ranks_exports_one_process_bytes(tmp_
     build("qwen3_moe", seed=2).save_pretrained(tmp_path / "moe")
     args = ["--model", str(tmp_path / "moe"), "--task", "counting", "--seq-len", "8"]
     args += ["--dtype", "fp64", "--lr", "1e-3", "--max-steps", "3", "--log-every", "0"]
-    one = python_train([*args, "--output-dir", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, [*args, "--transfer", "sliced", "--output-dir", str(tmp_path / "two")])
-    assert two.returncode == 0, two.stderr[-3000:]
-    exported = [tmp_path / run / "export" / "model.safetensors" for run in ("one", "two")]
+    exported = _one_process_and_two_sliced_ranks(tmp_path, args)
     assert exported[0].read_bytes() == exported[1].read_bytes()
 
 
@@ -514,11 +519,7 @@ def test_a_multimodal_gemma_3_on_two_sliced_ranks_exports_one_process_bytes(tmp_
     folder = save_multimodal(tmp_path / "mm")
     args = ["--model", str(folder), "--task", "counting", "--seq-len", "8", "--dtype", "fp64"]
     args += ["--lr", "1e-3", "--max-steps", "4", "--log-every", "0"]
-    one = python_train([*args, "--output-dir", str(tmp_path / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, [*args, "--transfer", "sliced", "--output-dir", str(tmp_path / "two")])
-    assert two.returncode == 0, two.stderr[-3000:]
-    exported = [tmp_path / run / "export" / "model.safetensors" for run in ("one", "two")]
+    exported = _one_process_and_two_sliced_ranks(tmp_path, args)
     assert exported[0].read_bytes() == exported[1].read_bytes()
     with safe_open(str(exported[1]), "pt") as export:
         assert any(key.startswith("vision_tower.") for key in export.keys())
