@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from distzo.config.cli import fail, write_failure
@@ -173,16 +174,26 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     # process group is torn down only after success: tearing it down under a collective
     # that a dead peer will never join can hang.
     pg.shutdown()
-    if config.run.export_best and env.rank == 0:
-        from distzo.replay import BEST_EXPORT, export_best
+    if not (config.run.export_best and env.rank == 0):
+        return 0
+    assert trainer.logs is not None  # rank 0's
+    run_dir, eval_log = trainer.run_dir, trainer.logs.paths["eval"]
+    # The trained model let go first: the replay builds another, resident on the same
+    # device, which a model over half the device (or the host) would not fit beside it.
+    del trainer
+    return _export_best(run_dir, eval_log)
 
-        try:
-            assert trainer.logs is not None  # rank 0's
-            export_best(trainer.run_dir, trainer.logs.paths["eval"])
-        except ValueError as err:  # a log the replay refuses (a copied start): one line
-            return fail(str(err).splitlines()[0])
-        except OSError as err:
-            return fail(write_failure(err, trainer.run_dir / BEST_EXPORT), 1)
+
+def _export_best(run_dir: Path, eval_log: Path) -> int:
+    """``--export-best``'s replay, once the run has ended; a failure is one line."""
+    from distzo.replay import BEST_EXPORT, export_best
+
+    try:
+        export_best(run_dir, eval_log)
+    except ValueError as err:  # a log the replay refuses (a copied start): one line
+        return fail(str(err).splitlines()[0])
+    except OSError as err:
+        return fail(write_failure(err, run_dir / BEST_EXPORT), 1)
     return 0
 
 

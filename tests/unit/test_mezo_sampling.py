@@ -3,6 +3,7 @@ MeZO's run.py draws, the dev rows evaluated during training and logged apart fro
 evaluation rows, and the errors for counts a file cannot give."""
 
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from distzo.config.job import resolve
 from distzo.data.sampling import Sampling, mezo_draw, sample_sets
 from distzo.data.task_data import load_task_rows
 from distzo.job.evaluation import evaluate
-from distzo.job.trainer import Trainer
+from distzo.job.trainer import Trainer, TrainerCallback
 
 
 def test_the_draw_is_mezos_permutation_of_numpys_seeded_generator():
@@ -116,17 +117,38 @@ def test_the_text_tasks_dev_rows_are_an_evaluation_set_of_their_own():
     )
 
 
-def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps(tmp_path):
+class _TrainedEngine(TrainerCallback):
+    """Keeps a weak reference to the run's engine: whether the trained model is let go."""
+
+    engine: weakref.ref | None = None
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+        self.engine = weakref.ref(trainer.engine)
+
+
+def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps(
+    tmp_path, monkeypatch
+):
     from safetensors.torch import load_file
 
+    import distzo.replay
     from distzo.train import main
 
     data = _sst2_rows(tmp_path / "rows.jsonl", 12)
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
     flags += ["--eval-steps", "2", "--log-every", "0", "--batch-size", "2", "--lr", "0.1"]
     flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
-    out = tmp_path / "run"
-    assert main(flags + ["--max-steps", "4", "--output-dir", str(out), "--export-best"]) == 0
+    out, trained, replayed = tmp_path / "run", _TrainedEngine(), []
+
+    def replay_with_the_trained_engine_gone(run_dir: Path, eval_log: Path) -> None:
+        # the replay builds the model again on the run's device: the trained one let go
+        assert trained.engine is not None and trained.engine() is None
+        replayed.append(export_best(run_dir, eval_log))
+
+    export_best = distzo.replay.export_best
+    monkeypatch.setattr(distzo.replay, "export_best", replay_with_the_trained_engine_gone)
+    flags_best = ["--max-steps", "4", "--output-dir", str(out), "--export-best"]
+    assert main(flags + flags_best, [trained]) == 0 and replayed == [None]
     dev = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()][1:3]
     best = max(dev, key=lambda r: r["dev_accuracy"])["step"]  # the earliest among equals
     assert best == 2  # a tie, not the run's end: the export compared is another step's
