@@ -40,10 +40,8 @@ from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
-from distzo.job.records import eval_split
-from distzo.job.run_logs import read_records
 from distzo.job.seed_log import SEED_LOG, first_step, logged_noise, read_seed_log, step_grads
-from distzo.job.summary import SUMMARY, best_eval, write_summary
+from distzo.job.summary import SUMMARY, write_summary
 from distzo.models import hub
 from distzo.models.config_file import read_config
 from distzo.models.multimodal import checkpoint_model, trained_config
@@ -270,18 +268,17 @@ def replay(
 BEST_EXPORT = "export-best"  # in the run directory, beside export/
 
 
-def export_best(run_dir: Path, eval_log: Path) -> None:
+def export_best(run_dir: Path) -> None:
     """MeZO's ``--load_best_model_at_end`` (``--export-best``): the model of the best dev
-    step in ``eval_log``, replayed from the run's seed log into ``export-best/`` (rank 0,
-    once the run has ended and its logs are closed) and named in ``summary.json``. A
-    checkpoint at every dev evaluation would be the model's size each time; the seed log
-    rebuilds any step."""
-    dev = [r for r in read_records(eval_log) if eval_split(r) == "dev"]
-    best = best_eval(dev)
+    step, which the run's ``summary.json`` names (``dev.best``), replayed from the run's
+    seed log into ``export-best/`` (rank 0, once the run has ended and its logs are
+    closed) and named in the summary too. A checkpoint at every dev evaluation would be
+    the model's size each time; the seed log rebuilds any step."""
+    summary = json_text.loads((run_dir / SUMMARY).read_text())
+    best = summary["dev"]["best"]
     assert best is not None, "a run with --num-dev evaluates its dev rows at its end"
     out = check_out(run_dir / BEST_EXPORT, overwrite=True)  # distzo's own folder
     replay(None, run_dir / SEED_LOG, out, step=best["step"])
-    summary = json_text.loads((run_dir / SUMMARY).read_text())
     summary["dev"]["export_best"] = str(out.absolute())
     write_summary(run_dir / SUMMARY, summary)
     logger.info(

@@ -176,20 +176,19 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     pg.shutdown()
     if not (config.run.export_best and env.rank == 0):
         return 0
-    assert trainer.logs is not None  # rank 0's
-    run_dir, eval_log = trainer.run_dir, trainer.logs.paths["eval"]
+    run_dir = trainer.run_dir
     # The trained model let go first: the replay builds another, resident on the same
     # device, which a model over half the device (or the host) would not fit beside it.
     del trainer
-    return _export_best(run_dir, eval_log)
+    return _export_best(run_dir)
 
 
-def _export_best(run_dir: Path, eval_log: Path) -> int:
+def _export_best(run_dir: Path) -> int:
     """``--export-best``'s replay, once the run has ended; a failure is one line."""
     from distzo.replay import BEST_EXPORT, export_best
 
     try:
-        export_best(run_dir, eval_log)
+        export_best(run_dir)
     except ValueError as err:  # a log the replay refuses (a copied start): one line
         return fail(str(err).splitlines()[0])
     except OSError as err:

@@ -140,10 +140,10 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
     out, trained, replayed = tmp_path / "run", _TrainedEngine(), []
 
-    def replay_with_the_trained_engine_gone(run_dir: Path, eval_log: Path) -> None:
+    def replay_with_the_trained_engine_gone(run_dir: Path) -> None:
         # the replay builds the model again on the run's device: the trained one let go
         assert trained.engine is not None and trained.engine() is None
-        replayed.append(export_best(run_dir, eval_log))
+        replayed.append(export_best(run_dir))
 
     export_best = distzo.replay.export_best
     monkeypatch.setattr(distzo.replay, "export_best", replay_with_the_trained_engine_gone)
