@@ -9,12 +9,15 @@ may well refuse what another accepts: a data file or a model folder at a path th
 exists on one node only. So the rendezvous store torchrun already provides carries the
 verdicts: a rank that refuses its input writes why (``report_refusal``), and a rank that
 passed waits there until every rank has passed (``await_every_rank``), or raises the
-refusal, naming the rank and its node, within a poll interval.
+refusal, naming the rank and its node, within a poll interval. A question every rank
+needs answered from a shared service (the hub) is asked by rank 0 alone, its answer told to
+the others through the same store (``rank_0_answers``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -30,6 +33,8 @@ REPORT_S = 5.0
 REFUSAL = "refusal"  # the first refusing rank's line
 PASSED = "passed"  # how many ranks passed their checks
 TOLD = "told"  # how many ranks have read the refusal
+ANSWER = "answer/"  # rank 0's answers, by question (``rank_0_answers``)
+ASKING = "asking"  # how many ranks wait for one of rank 0's answers
 
 
 def gate_store(store: dist.Store, env: LaunchEnv) -> dist.Store:
@@ -63,7 +68,7 @@ def report_refusal(env: LaunchEnv, err: BaseException) -> None:
         store = gate_store(rendezvous_store(env, timedelta(seconds=REPORT_S)), env)
         store.compare_set(REFUSAL, "", line)  # the first refusal stands
         deadline = time.monotonic() + REPORT_S
-        while int(store.add(TOLD, 0)) < int(store.add(PASSED, 0)):
+        while int(store.add(TOLD, 0)) < int(store.add(PASSED, 0)) or int(store.add(ASKING, 0)) > 0:
             if time.monotonic() > deadline:
                 return
             time.sleep(POLL_S)
@@ -90,5 +95,53 @@ def await_every_rank(store: dist.Store, env: LaunchEnv, timeout_s: float) -> Non
             raise dist.DistError(
                 f"{env.world_size - passed} of {env.world_size} ranks did not finish checking "
                 f"their input within --dist-timeout {timeout_s:g}s"
+            )
+        time.sleep(POLL_S)
+
+
+def rank_0_answers(
+    env: LaunchEnv, question: str, answer: Callable[[], str], timeout_s: float
+) -> str:
+    """``answer()`` asked on rank 0 alone and told to every other rank through the
+    launcher's store, before the process group forms: a question to a shared service (the
+    hub, whose rate limit answered a launch of 64 ranks asking at once with HTTP 429) is
+    asked once a launch, not once a rank. Where rank 0 fails (its ``report_refusal``) a
+    waiting rank raises its line at once; where it never answers, after ``timeout_s``."""
+    if not env.launched or env.world_size == 1:
+        return answer()
+    store = gate_store(rendezvous_store(env, timedelta(seconds=timeout_s)), env)
+    if env.rank == 0:
+        told = answer()
+        store.set(ANSWER + question, told)
+        return told
+    store.add(ASKING, 1)  # a refusing rank 0 waits until this rank has read its line
+    try:
+        return _await_answer(store, question, timeout_s)
+    finally:
+        try:
+            store.add(ASKING, -1)
+        except RuntimeError:  # the store went with rank 0's node: nobody waits any more
+            pass
+
+
+def _await_answer(store: dist.Store, question: str, timeout_s: float) -> str:
+    """Rank 0's answer to ``question`` once it is in ``store``; its refusal, or a rank 0
+    silent for ``timeout_s``, raised."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if store.check([ANSWER + question]):
+                return store.get(ANSWER + question).decode()
+            refusal = store.get(REFUSAL).decode() if store.check([REFUSAL]) else None
+        except RuntimeError as err:  # the launcher's store went with rank 0's node
+            raise ValueError(
+                f"the launcher's store went away before rank 0 answered ({question}): "
+                f"{refusal_line(err)}; rank 0's node says why"
+            ) from None
+        if refusal is not None:
+            raise ValueError(f"{refusal}; fix it on that node and launch again")
+        if time.monotonic() > deadline:
+            raise dist.DistError(
+                f"rank 0 did not answer ({question}) within --dist-timeout {timeout_s:g}s"
             )
         time.sleep(POLL_S)

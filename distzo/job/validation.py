@@ -20,6 +20,7 @@ from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
+from distzo.dist.launch_gate import rank_0_answers
 from distzo.export.hf_model import check_shard_size
 from distzo.job.build import (
     MASTER_DTYPES,
@@ -33,7 +34,7 @@ from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.job.run_lock import check_not_running
 from distzo.models import hub
-from distzo.models.config_file import model_size, read_config
+from distzo.models.config_file import config_from_text, config_text, model_size, read_config
 from distzo.models.multimodal import checked_trained_config
 from distzo.models.weights import check_float_weights, check_readable
 from distzo.runtime.folders import nearest_existing, unwritable
@@ -61,24 +62,39 @@ def resolve_device(name: str, env: LaunchEnv) -> str:
     return name
 
 
-def model_config_of(job: JobConfig) -> PretrainedConfig:
-    """The model's config alone (a small file): enough to reject bad input before loading."""
+def model_config_of(job: JobConfig, env: LaunchEnv) -> PretrainedConfig:
+    """The model's config alone (a small file): enough to reject bad input before loading.
+    A hub name's is rank 0's, told to the other ranks (``hub_model_config``)."""
     if job.model.model_config:
         return random_shape_config(job)
     name = job.model.model
     if name is None:
         return default_model_config(job.data.task)
     local = hub.local_model_dir(name)
-    if local is not None:
-        check_readable(local)
+    if local is None:
+        return hub_model_config(name, env, job.parallel.dist_timeout)
+    check_readable(local)
     return read_config(name)
 
 
-def check_model(job: JobConfig, config: ZOConfig) -> None:
+def hub_model_config(name: str, env: LaunchEnv, timeout_s: float) -> PretrainedConfig:
+    """Hub model ``name``'s config, read by rank 0 alone and told to the others before the
+    process group forms: each rank reading its own asked the hub 7 times (distzo's probe and
+    two questions, transformers' three, huggingface_hub's one), 448 requests as 64 ranks
+    launched, which the hub's rate limit refused (HTTP 429). Rank 0's refusal is every
+    rank's line. The weights are downloaded later, once a node, in the build."""
+    told = rank_0_answers(
+        env, f"--model {name}'s config", lambda: config_text(read_config(name)), timeout_s
+    )
+    return config_from_text(told)
+
+
+def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> None:
     """A supported family whose weights the node can hold, with room for the task's
     longest sequence."""
     # a multimodal checkpoint: its text model, which is what trains and what the host holds
-    model_config = checked_trained_config(model_config_of(job), job.peft.adapter_spec().targets)
+    trained = model_config_of(job, env)
+    model_config = checked_trained_config(trained, job.peft.adapter_spec().targets)
     job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)
@@ -165,7 +181,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     pg.resolve_backend(job.parallel.backend, config.torch_device())
     cpu = config.torch_device().type == "cpu"
     threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
-    check_model(job, config)
+    check_model(job, config, env)
     check_output_dir(job.run.output_dir)
     if job.run.output_dir is not None:  # a live job's files would mislead the checks below
         check_not_running(Path(job.run.output_dir))

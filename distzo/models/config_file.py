@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
 from distzo.models.hub import bounded_reads, hub_answers, repo_answers, unwritable_cache
@@ -49,6 +49,19 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
     except (OSError, ValueError, RecursionError) as err:
         reason = unwritable_cache(err, str(name)) or str(err).splitlines()[0]
         raise ValueError(f"cannot load {option} {str(name)!r}: {reason}") from None
+
+
+def config_text(config: PretrainedConfig) -> str:
+    """``config`` whole as JSON text, which ``config_from_text`` reads back as it was: how
+    a config one rank read is told to the others (no pickle)."""
+    return config.to_json_string(use_diff=False)
+
+
+def config_from_text(text: str) -> PretrainedConfig:
+    """The config ``config_text`` wrote, of its own class (a multimodal one with its
+    sub-configs)."""
+    data = json_text.loads(text)
+    return CONFIG_MAPPING[data["model_type"]].from_dict(data)
 
 
 def _check_object(file: Path, option: str) -> None:

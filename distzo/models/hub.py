@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import httpx2
 
 # huggingface_hub's HTTP retries ("Retrying in 1s [Retry 1/5].", "HTTP Error 503 thrown
-# while requesting ..."): every rank validates --model against the hub, so each would say
-# each retry.
+# while requesting ..."): every rank may ask the hub (a hub dataset's rows), so each would
+# say each retry.
 HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
 logger = logging.getLogger(__name__)
 SILENT_HUB_S = 300.0  # how long a hub that did not answer is taken as unreachable

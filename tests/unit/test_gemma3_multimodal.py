@@ -15,6 +15,7 @@ from transformers import (
 )
 
 from distzo.config.job import resolve
+from distzo.dist import LaunchEnv
 from distzo.job.trainer import Trainer, TrainerCallback
 from distzo.job.validation import check_model
 from distzo.models import family_for
@@ -245,7 +246,7 @@ def test_a_text_config_of_another_family_is_one_line(tmp_path):
     edit_config(folder, lambda c: c["text_config"].update(model_type="llama"))
     run = job(folder, tmp_path / "run")
     with pytest.raises(ValueError, match="text_config says model_type 'llama', where a gemma3"):
-        check_model(run, run.engine_config("cpu"))
+        check_model(run, run.engine_config("cpu"), LaunchEnv())
 
 
 def sharded(folder: Path) -> Path:
@@ -333,7 +334,7 @@ def test_lora_targets_named_as_in_the_multimodal_model_are_one_line(tmp_path, ou
         "multimodal model does"
     )
     with pytest.raises(ValueError) as err:
-        check_model(named, named.engine_config("cpu"))
+        check_model(named, named.engine_config("cpu"), LaunchEnv())
     assert str(err.value) == message
 
 

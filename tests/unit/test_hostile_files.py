@@ -326,9 +326,10 @@ def test_weights_of_other_shapes_than_the_config_name_the_file_and_the_fix(tmp_p
 
 def test_a_model_config_json_nested_too_deeply_is_one_line(tmp_path):
     from distzo.config.job import resolve
+    from distzo.dist import LaunchEnv
     from distzo.job.validation import model_config_of
 
     (tmp_path / "config.json").write_text('{"model_type": "opt", "a": ' + DEEP + "}")
     job = resolve(["--model", str(tmp_path)])
     with pytest.raises(ValueError, match=r"^--model: .*config.json is not JSON \(nested too deep"):
-        model_config_of(job)
+        model_config_of(job, LaunchEnv())

@@ -1,0 +1,83 @@
+"""A local stand-in for the Hugging Face hub holding one model, tiny/llama, that records
+every request it answers: huggingface_hub and transformers pointed at it, a cache of the
+test's own."""
+
+import contextlib
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import transformers.utils.hub
+from transformers import LlamaConfig
+
+from distzo.models import hub
+from tests.helpers.models import LLAMA
+
+COMMIT = "b" * 40  # the hub's main
+CONFIG = json.dumps(LlamaConfig(**LLAMA).to_dict()).encode()
+
+
+class Hub(BaseHTTPRequestHandler):
+    """tiny/llama at COMMIT: its model info, its file listing and its config.json; each
+    request's method and path appended to the server's ``requests``."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def answer(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None):
+        self.send_response(code)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        self.server.requests.append(f"{self.command} {path}")  # type: ignore[attr-defined]
+        oid = hashlib.sha1(CONFIG).hexdigest()
+        if path == "/":
+            return self.answer(200)
+        if path.startswith("/api/models/tiny/llama/tree/"):
+            listing = [{"type": "file", "path": "config.json", "size": len(CONFIG), "oid": oid}]
+            return self.answer(200, json.dumps(listing).encode())
+        if path.startswith("/api/models/tiny/llama"):
+            info = {"id": "tiny/llama", "sha": COMMIT, "siblings": [{"rfilename": "config.json"}]}
+            return self.answer(200, json.dumps(info).encode())
+        if path.startswith("/tiny/llama/") and path.endswith("/config.json"):
+            return self.answer(200, CONFIG, {"X-Repo-Commit": COMMIT, "ETag": f'"{oid}"'})
+        return self.answer(404, headers={"X-Error-Code": "EntryNotFound"})
+
+
+@contextlib.contextmanager
+def stand_in_hub(monkeypatch: pytest.MonkeyPatch, cache: Path) -> Iterator[list[str]]:
+    """huggingface_hub pointed at a ``Hub`` with its cache in ``cache``; yields the list
+    of requests the hub answered, as they come."""
+    from huggingface_hub import constants
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    server.requests = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    url = constants.HUGGINGFACE_CO_URL_TEMPLATE.replace(constants.ENDPOINT, endpoint, 1)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)  # a file's address
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    # transformers keeps one HfApi, of the endpoint it was made under: a later test's
+    # stand-in hub would see its revision lookups sent to this one's port
+    monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "SILENT_SINCE", {})
+    try:
+        yield server.requests  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
