@@ -442,6 +442,29 @@ class HeaderChecked(ABC):
         _check(what, tuple(value.shape), shape, file)
         return value
 
+    def tensor_range(
+        self,
+        names: tuple[str, ...],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        start: int,
+        stop: int,
+    ) -> torch.Tensor:
+        """Elements [start, stop) of the parameter ``names`` name, flattened: a converted
+        one's from its build (all its tensors: the experts are stacked first), kept for
+        its next range; any other's as the format reads a range, the build let go."""
+        name = _pick(names, self.weight_map)
+        if name in self.converted:
+            return self._converted_range(names, shape, dtype, start, stop)
+        self._built = None
+        return self._stored_range(name, shape, dtype, start, stop)
+
+    @abstractmethod
+    def _stored_range(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, start: int, stop: int
+    ) -> torch.Tensor:
+        """Elements [start, stop) of parameter ``name`` as stored under its key."""
+
     def _converted_range(
         self,
         names: tuple[str, ...],
@@ -620,13 +643,8 @@ class SafetensorsWeights(HeaderChecked):
                 return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
         return super().stored_meta(key)
 
-    def tensor_range(self, names, shape, dtype, start, stop):
-        """Reads only the rows that hold elements [start, stop) (of a converted parameter,
-        all its tensors: the experts are stacked first)."""
-        name = _pick(names, self.weight_map)
-        if name in self.converted:
-            return self._converted_range(names, shape, dtype, start, stop)
-        self._built = None
+    def _stored_range(self, name, shape, dtype, start, stop):
+        """Reads only the rows that hold elements [start, stop)."""
         row = 1
         for size in shape[1:]:
             row *= size
@@ -671,11 +689,8 @@ class TorchBinWeights(HeaderChecked):
     def stored_tensor(self, key: str) -> torch.Tensor:
         return self._shard(self.files[key])[key].clone()
 
-    def tensor_range(self, names, shape, dtype, start, stop):
-        if _pick(names, self.weight_map) in self.converted:
-            return self._converted_range(names, shape, dtype, start, stop)
-        self._built = None
-        return _flat_range(self.tensor(names, shape, dtype), start, stop)
+    def _stored_range(self, name, shape, dtype, start, stop):
+        return _flat_range(self.tensor((name,), shape, dtype), start, stop)
 
 
 DEVICE_DRAW_CHUNK = 1 << 24  # Gaussians a device draws at a time: 64 MB of float32 staging

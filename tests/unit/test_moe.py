@@ -52,6 +52,38 @@ def test_a_range_of_experts_stored_one_a_key_is_that_range_of_the_fused_tensor(
     assert torch.equal(piece, whole.reshape(-1)[start:stop])
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_fused_parameter_is_built_once_until_another_is_read(tmp_path, monkeypatch, fmt):
+    """Either format keeps a fused parameter built from its experts for its next range,
+    and lets it go when a stored parameter's range is read."""
+    from distzo.models import converted_keys
+
+    original = build("mixtral", seed=4)
+    original.save_pretrained(tmp_path)
+    if fmt == "bin":  # written by hand: transformers 5 writes safetensors
+        torch.save(load_file(str(tmp_path / "model.safetensors")), tmp_path / "pytorch_model.bin")
+        (tmp_path / "model.safetensors").unlink()
+    source = open_checkpoint(tmp_path)
+    source.convert_keys(skeleton(original.config, torch.float32))
+    builds = []
+    build_of = converted_keys.Converted.build
+    monkeypatch.setattr(
+        converted_keys.Converted, "build", lambda c, read: builds.append(c) or build_of(c, read)
+    )
+    whole = original.state_dict()
+    fused, stored = (whole[GATE_UP].reshape(-1), whole["model.embed_tokens.weight"].reshape(-1))
+
+    def piece(name: str, start: int, stop: int) -> torch.Tensor:
+        return source.tensor_range((name,), tuple(whole[name].shape), torch.float32, start, stop)
+
+    assert torch.equal(piece(GATE_UP, 0, 40), fused[:40])
+    assert torch.equal(piece(GATE_UP, 40, 80), fused[40:80])
+    assert len(builds) == 1
+    assert torch.equal(piece("model.embed_tokens.weight", 8, 24), stored[8:24])
+    assert torch.equal(piece(GATE_UP, 80, 120), fused[80:120])
+    assert len(builds) == 2
+
+
 def test_a_sliced_rank_builds_each_fused_parameter_once_for_all_its_chunks(tmp_path, monkeypatch):
     """A sliced rank reads its pieces of a block a chunk at a time: each chunk touching a
     fused parameter built it anew from its experts (8 chunks: 24 builds of 4 parameters
