@@ -40,7 +40,14 @@ from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
-from distzo.job.seed_log import SEED_LOG, first_step, logged_noise, read_seed_log, step_grads
+from distzo.job.seed_log import (
+    SEED_LOG,
+    first_step,
+    logged_noise,
+    logged_revision,
+    read_seed_log,
+    step_grads,
+)
 from distzo.job.summary import SUMMARY, write_summary
 from distzo.models import hub
 from distzo.models.config_file import read_config
@@ -73,19 +80,11 @@ def base_folder(base: str | None, header: dict) -> Path | None:
         local = hub.local_model_dir(name, option)
         if local is not None:
             return local
-        return hub.snapshot(name, True, logged_revision(base, header), option=option)
+        return hub.snapshot(
+            name, True, logged_revision(header, "the log's header", base), option=option
+        )
     except ValueError as err:
         raise ValueError(str(err) if base else f"{err}; pass --base") from None
-
-
-def logged_revision(base: str | None, header: dict) -> str | None:
-    """The hub commit the run read its base at, where the replay reads that base (no
-    ``--base``, or the log's own name): the same weights after the cache's ``main`` moved
-    on. None for a log from before it was recorded, or another ``--base``."""
-    revision = header.get("base_revision")
-    if revision is None or (base is not None and base != header.get("base")):
-        return None
-    return hub.check_commit(revision, "the log's header")
 
 
 def base_model(folder: Path | None, name: str, header: dict, dtype: torch.dtype):
@@ -252,7 +251,8 @@ def replay(
     model, weights = base_model(folder, name, header, DTYPES[header["dtype"]])
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
-        name_base_revision(model, logged_revision(base, header))  # as the run's adapter
+        # the base the run's adapter names
+        name_base_revision(model, logged_revision(header, "the log's header", base))
         weights = AdapterWeights(weights, model) if weights is not None else None
     if merge:
         check_mergeable(model)

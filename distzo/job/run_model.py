@@ -22,7 +22,7 @@ from distzo.dist.agreement import agreed
 from distzo.job.build import build_model, load_tokenizer, model_source
 from distzo.job.progress import no_library_bars
 from distzo.job.same_job import check_same_model
-from distzo.job.seed_log import SEED_LOG, logged_header
+from distzo.job.seed_log import SEED_LOG, logged_header, logged_revision
 from distzo.models import hub
 from distzo.models.weights import WeightSource
 from distzo.runtime.safetensors_write import safetensors_write
@@ -38,7 +38,9 @@ def run_model(
     a refusal on one rank (a checkpoint that disagrees with its config.json, rank 0's
     write of ``base/``) ends every rank with its line, not the others in their next
     collective, after a wait, with no word of the cause."""
-    revision = logged_revision(run_dir) if job.run.resume != "no" else None
+    log = run_dir / SEED_LOG  # a resumed run reads the commit its log records
+    header = logged_header(log) if job.run.resume != "no" and log.is_file() else None
+    revision = logged_revision(header, f"{log}'s header")
     source = model_source(job.model.model, env, comm, revision)
     if job.model.model and source is not None:
         check_same_model(job.model.model, source, comm, env)
@@ -55,15 +57,6 @@ def hub_commit(name: str | None, source: Path | None) -> str | None:
     if not name or source is None or hub.local_model_dir(name) is not None:
         return None
     return hub.snapshot_commit(source)
-
-
-def logged_revision(run_dir: Path) -> str | None:
-    """The hub commit a resumed run's seed log says it trained on (None: a fresh log, a
-    local or random-init model, a log from before the commit was recorded)."""
-    path = run_dir / SEED_LOG
-    header = logged_header(path) if path.is_file() else None
-    revision = header.get("base_revision") if header is not None else None
-    return None if revision is None else hub.check_commit(revision, f"{path}'s header")
 
 
 def _built(

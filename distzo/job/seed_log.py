@@ -28,6 +28,7 @@ from distzo.config.cli import names_file
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.field_types import is_of_type
 from distzo.job.jsonl_text import as_read_text, as_rewritten
+from distzo.models import hub
 from distzo.runtime import json_text
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,20 @@ def logged_header(path: Path) -> dict | None:
     except json.JSONDecodeError:
         return None
     return header if isinstance(header, dict) and header.get("kind") == "header" else None
+
+
+def logged_revision(header: dict | None, where: str, base: str | None = None) -> str | None:
+    """The hub commit a log's run read its base at, for a reader of that base (a resumed
+    run; a replay without ``--base``, or whose ``--base`` is the log's own name): the same
+    weights after the cache's ``main`` moved on. None without a header, for a local or
+    random-init model, a log from before the commit was recorded, or another ``base``
+    (the log's commit is no commit of that repository). A damaged one: one line naming
+    ``where`` the header came from."""
+    if header is None or header.get("base_revision") is None:
+        return None
+    if base is not None and base != header.get("base"):
+        return None
+    return hub.check_commit(header["base_revision"], where)
 
 
 TAIL_BLOCK = 1 << 16  # bytes read at a time from a log's end

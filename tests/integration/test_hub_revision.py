@@ -65,15 +65,17 @@ def test_a_resume_and_a_replay_read_the_commit_the_run_trained_on(tmp_path):
 def test_a_replay_pins_the_logged_commit_only_for_the_logged_base():
     """``--base`` naming the log's own base keeps its commit; another base is read at its
     own ``main`` (the log's commit is no commit of that repository); a damaged header's
-    revision is one line."""
-    from distzo.replay import logged_revision
+    revision is one line naming where it came from; a resume (no base of its own) reads
+    its log's commit, and none without a log."""
+    from distzo.job.seed_log import logged_revision
 
     header = {"base": "tiny/llama", "base_revision": OLD}
-    assert logged_revision(None, header) == logged_revision("tiny/llama", header) == OLD
-    assert logged_revision("other/llama", header) is None
-    assert logged_revision(None, {"base": "tiny/llama"}) is None
-    with pytest.raises(ValueError, match="the log's header: base_revision 'main' is not a"):
-        logged_revision(None, {**header, "base_revision": "main"})
+    assert logged_revision(header, "log") == logged_revision(header, "log", "tiny/llama") == OLD
+    assert logged_revision(header, "log", "other/llama") is None
+    assert logged_revision({"base": "tiny/llama"}, "log") is None
+    assert logged_revision(None, "log") is None
+    with pytest.raises(ValueError, match="^the log's header: base_revision 'main' is not a"):
+        logged_revision({**header, "base_revision": "main"}, "the log's header")
 
 
 def test_only_a_hub_name_records_its_snapshots_commit(tmp_path):
