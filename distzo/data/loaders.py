@@ -293,7 +293,7 @@ def _hub_rows(source: str) -> Iterator[Row]:
     import datasets
 
     from distzo.data.read_only_cache import unlocked_where_read_only
-    from distzo.models.hub import offline_unless_answered
+    from distzo.models.hub_reads import offline_unless_answered
 
     try:
         # a hub that never answers: the datasets cache, read where it is read-only too

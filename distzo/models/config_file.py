@@ -19,7 +19,8 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
-from distzo.models.hub import bounded_reads, hub_answers, repo_answers, unwritable_cache
+from distzo.models.hub import unwritable_cache
+from distzo.models.hub_reads import bounded_reads, hub_answers, repo_answers
 from distzo.runtime import json_text
 
 JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}

@@ -14,7 +14,7 @@ import pytest
 import transformers.utils.hub
 from transformers import LlamaConfig
 
-from distzo.models import hub
+from distzo.models import hub_reads
 from tests.helpers.models import LLAMA
 
 COMMIT = "b" * 40  # the hub's main
@@ -75,7 +75,7 @@ def stand_in_hub(monkeypatch: pytest.MonkeyPatch, cache: Path) -> Iterator[list[
     monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hub, "SILENT_SINCE", {})
+    monkeypatch.setattr(hub_reads, "SILENT_SINCE", {})
     try:
         yield server.requests  # type: ignore[attr-defined]
     finally:

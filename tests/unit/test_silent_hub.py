@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from distzo.models import hub
+from distzo.models import hub, hub_reads
 from tests.helpers.launch import child_env
 from tests.helpers.models import LLAMA
 
@@ -100,7 +100,7 @@ def patch_hub(monkeypatch: pytest.MonkeyPatch, answers: bool, offline: bool) -> 
     session = Session(answers)
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: session)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
-    monkeypatch.setattr(hub, "SILENT_SINCE", {})
+    monkeypatch.setattr(hub_reads, "SILENT_SINCE", {})
     return session
 
 
@@ -108,12 +108,12 @@ def test_the_hub_is_asked_once_and_only_where_it_may_answer(monkeypatch, caplog)
     """Offline: no request at all (no wait, no warning); a hub that answers is read from; one
     that did not is not asked again within ``SILENT_HUB_S``."""
     session = patch_hub(monkeypatch, answers=True, offline=True)
-    assert not hub.hub_answers() and session.asked == []
+    assert not hub_reads.hub_answers() and session.asked == []
     session = patch_hub(monkeypatch, answers=True, offline=False)
-    assert hub.hub_answers() and hub.hub_answers() and len(session.asked) == 2
-    assert hub.SILENT_SINCE == {} and "did not answer" not in caplog.text
+    assert hub_reads.hub_answers() and hub_reads.hub_answers() and len(session.asked) == 2
+    assert hub_reads.SILENT_SINCE == {} and "did not answer" not in caplog.text
     session = patch_hub(monkeypatch, answers=False, offline=False)
-    assert not hub.hub_answers() and not hub.hub_answers() and len(session.asked) == 1
+    assert not hub_reads.hub_answers() and not hub_reads.hub_answers() and len(session.asked) == 1
 
 
 def test_offline_while_silent_restores_both_libraries_flags(monkeypatch):
@@ -125,11 +125,11 @@ def test_offline_while_silent_restores_both_libraries_flags(monkeypatch):
 
     patch_hub(monkeypatch, answers=False, offline=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    with hub.offline_unless_answered():
+    with hub_reads.offline_unless_answered():
         assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
     assert not constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
     patch_hub(monkeypatch, answers=True, offline=False)
-    with hub.offline_unless_answered():
+    with hub_reads.offline_unless_answered():
         assert not constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
 
 

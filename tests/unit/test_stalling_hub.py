@@ -17,7 +17,7 @@ import pytest
 import transformers.utils.hub
 from transformers import LlamaConfig
 
-from distzo.models import hub
+from distzo.models import hub, hub_reads
 from tests.helpers.models import LLAMA
 
 LIMIT_S = 0.3  # HF_HUB_DOWNLOAD_TIMEOUT in these tests
@@ -91,7 +91,7 @@ def stalling_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[st
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", LIMIT_S)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(hub, "SILENT_SINCE", {})
+    monkeypatch.setattr(hub_reads, "SILENT_SINCE", {})
     try:
         yield endpoint
     finally:
@@ -130,12 +130,12 @@ def test_a_hub_that_stalls_after_the_probe_is_read_from_the_cache(stalling_hub, 
     from huggingface_hub import constants
 
     cached = cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
         assert within_bound(lambda: hub.snapshot("tiny/llama", True)) == cached
-    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
     assert f"sent nothing for {LIMIT_S} s" in said[0]
-    assert stalling_hub in hub.SILENT_SINCE  # not asked again: the config, the other ranks
+    assert stalling_hub in hub_reads.SILENT_SINCE  # not asked again: the config, the other ranks
 
 
 def test_a_stalled_hub_without_the_model_in_the_cache_is_one_line(stalling_hub):
@@ -153,10 +153,10 @@ def test_each_read_is_bounded_not_the_download(stalling_hub):
     answer times out; on a client made after the library closed its last one too."""
     from huggingface_hub import close_session, get_session
 
-    with hub.bounded_reads():
+    with hub_reads.bounded_reads():
         pass
     close_session()  # as after a fork, or a user's set_client_factory
-    with hub.bounded_reads():
+    with hub_reads.bounded_reads():
         started = time.monotonic()
         assert get_session().get(f"{stalling_hub}/slow").content == SLOW_BODY
         assert time.monotonic() - started > LIMIT_S
@@ -185,7 +185,7 @@ def test_another_threads_client_and_its_waits_are_left_as_they_were(stalling_hub
 
     thread = threading.Thread(target=notebook, daemon=True)
     thread.start()
-    with hub.bounded_reads():
+    with hub_reads.bounded_reads():
         entered.set()
         assert answered.wait(BOUND_S)
     assert replies == [b"late"]
@@ -207,8 +207,8 @@ def test_a_timeout_is_known_whichever_client_the_hub_sends_through(monkeypatch):
     monkeypatch.setitem(sys.modules, "httpx", SimpleNamespace(TimeoutException=TimeoutException))
     listing = ValueError("the listing failed")
     listing.__context__ = ReadTimeout("timed out")
-    assert hub.stalled(listing)
-    assert not hub.stalled(ValueError("404 Not Found"))
+    assert hub_reads.stalled(listing)
+    assert not hub_reads.stalled(ValueError("404 Not Found"))
 
 
 def test_a_hub_models_config_is_read_from_the_cache_where_the_hub_stalls(stalling_hub, caplog):
@@ -220,12 +220,12 @@ def test_a_hub_models_config_is_read_from_the_cache_where_the_hub_stalls(stallin
     from distzo.models.config_file import read_config
 
     cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
         config = within_bound(lambda: read_config("tiny/llama"))
     assert config.num_hidden_layers == LLAMA["num_hidden_layers"]
-    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
-    hub.SILENT_SINCE.clear()  # the hub asked again, for a model the cache lacks
+    hub_reads.SILENT_SINCE.clear()  # the hub asked again, for a model the cache lacks
     error = within_bound(lambda: read_config("tiny/none"))
     assert isinstance(error, ValueError) and "\n" not in str(error)
     assert str(error).startswith("cannot load --model 'tiny/none': ")
@@ -236,12 +236,12 @@ def test_a_hub_dataset_where_the_hub_stalls_is_one_line(stalling_hub, caplog):
     minutes): then offline, as a hub that never answers."""
     from distzo.data.loaders import load_rows
 
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
         error = within_bound(lambda: load_rows("hf:org/none:train"))
     assert isinstance(error, ValueError)
     assert str(error).startswith("hf:org/none:train: cannot load from the hub (")
     assert str(error).endswith("; use a local file") and "\n" not in str(error)
-    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
 
 
@@ -287,7 +287,7 @@ def test_a_call_that_names_its_own_timeout_keeps_it(stalling_hub):
     """An answer later than the limit reaches a call that waits longer of its own."""
     from huggingface_hub import get_session
 
-    with hub.bounded_reads():
+    with hub_reads.bounded_reads():
         assert get_session().get(f"{stalling_hub}/late", timeout=BOUND_S).content == b"late"
 
 
@@ -297,12 +297,12 @@ def test_the_limit_ends_with_the_block_and_its_hook_is_added_once(stalling_hub):
     from huggingface_hub import get_session
 
     for _ in range(2):
-        with hub.bounded_reads():
+        with hub_reads.bounded_reads():
             pass
-    assert get_session().event_hooks["request"].count(hub.bound_reads) == 1
+    assert get_session().event_hooks["request"].count(hub_reads.bound_reads) == 1
     assert get_session().get(f"{stalling_hub}/late", timeout=None).content == b"late"
     request = SimpleNamespace(extensions={"timeout": {"connect": None, "read": None}})
-    hub.bound_reads(request)  # outside a block: the user's call
+    hub_reads.bound_reads(request)  # outside a block: the user's call
     assert request.extensions["timeout"] == {"connect": None, "read": None}
 
 
@@ -317,19 +317,19 @@ def test_connecting_is_bounded_too(monkeypatch):
         with socket.create_connection(address):  # the one its queue holds
 
             def connect() -> object:
-                with hub.bounded_reads():
+                with hub_reads.bounded_reads():
                     return get_session().get(f"http://{address[0]}:{address[1]}")
 
             error = within_bound(connect)
-    assert hub.stalled(error), error
+    assert hub_reads.stalled(error), error
 
 
 def test_a_hub_that_answers_no_such_repository_has_answered(stalling_hub, caplog):
     """Its load then says why; no stall is said, and the hub is asked again."""
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
-        assert hub.repo_answers("org/missing", "dataset")
-    assert not [r for r in caplog.records if r.name == hub.__name__]
-    assert not hub.SILENT_SINCE
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
+        assert hub_reads.repo_answers("org/missing", "dataset")
+    assert not [r for r in caplog.records if r.name == hub_reads.__name__]
+    assert not hub_reads.SILENT_SINCE
 
 
 def test_the_commit_of_main_where_the_hub_stalls_on_it_is_the_caches(
@@ -342,9 +342,9 @@ def test_the_commit_of_main_where_the_hub_stalls_on_it_is_the_caches(
     # the library's repo_info asks the endpoint of its import: this one's, as HF_ENDPOINT
     monkeypatch.setattr(huggingface_hub, "repo_info", huggingface_hub.HfApi().repo_info)
     cached = cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
         assert within_bound(lambda: hub.main_commit("tiny/llama")) == (cached.name, False)
-    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
 
 
@@ -359,14 +359,14 @@ def test_load_model_of_a_hub_name_is_bounded_as_the_clis_model(stalling_hub, cap
 
     cached = cache_model(Path(constants.HF_HUB_CACHE), "tiny/llama")
     base_model("llama").save_pretrained(cached)
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
         model = within_bound(lambda: load_model("tiny/llama"))
     assert not isinstance(model, Exception), model
     assert model.config.num_hidden_layers == LLAMA["num_hidden_layers"]
     assert model.name_or_path == model.config.name_or_path == "tiny/llama"
-    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
-    hub.SILENT_SINCE.clear()
+    hub_reads.SILENT_SINCE.clear()
     error = within_bound(lambda: load_model("tiny/none"))
     assert isinstance(error, ValueError) and "\n" not in str(error)
     assert str(error).startswith("cannot load model 'tiny/none': ")
@@ -384,12 +384,12 @@ def test_a_hub_whose_answers_come_and_files_stall_is_asked_once_then_read_offlin
     from distzo.models.config_file import read_config
 
     cache_model(Path(constants.HF_HUB_CACHE), "tiny/files")
-    with caplog.at_level(logging.WARNING, logger=hub.__name__):
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
         config = within_bound(lambda: read_config("tiny/files"))
         assert config.num_hidden_layers == LLAMA["num_hidden_layers"]
-        hub.SILENT_SINCE.clear()
+        hub_reads.SILENT_SINCE.clear()
         error = within_bound(lambda: load_rows("hf:org/files:train"))
     assert isinstance(error, ValueError) and "\n" not in str(error)
     assert str(error).startswith("hf:org/files:train: cannot load from the hub (")
-    said = [r.getMessage() for r in caplog.records if r.name == hub.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 2 and all(s.startswith(f"the hub ({stalling_hub}) answered") for s in said)
