@@ -275,10 +275,16 @@ class Trainer:
         except EvaluationStopped as stopped:
             self._stop(stopped.received)  # nothing logged: a resume evaluates here again
         _expect(signals, preemption.AFTER_STEP)
+        self._record_eval(done, split, metrics)
+        if self.logs:
+            draw_run_curves(self.run_dir, self.logs)
+
+    def _record_eval(self, done: int, split: str, metrics: dict[str, float]) -> None:
+        """An evaluation of the state after ``done`` steps on the ``split`` rows: its log
+        line and (rank 0) its record, once (``RunLogs.write_eval``)."""
         logger.info("%s at step %d: %s", split, done, describe(metrics))
         if self.logs:
             self.logs.write_eval(done, metrics)
-            draw_run_curves(self.run_dir, self.logs)
 
     def save(self, asynchronous: bool = False) -> None:
         """Checkpoint the state after ``step`` steps (``asynchronous``: written by a thread
@@ -366,10 +372,7 @@ class Trainer:
         max_steps, vote = self.job.optim.max_steps, self._stop_vote(signals)
         try:  # the last step's update checked
             if has_dev(self.data):  # the dev rows' last point too, as MeZO's run.py scores
-                dev = self._evaluate(max_steps, vote, "dev")
-                logger.info("dev at step %d: %s", max_steps, describe(dev))
-                if self.logs:
-                    self.logs.write_eval(max_steps, dev)
+                self._record_eval(max_steps, "dev", self._evaluate(max_steps, vote, "dev"))
             after = self._evaluate(max_steps, vote)
         except EvaluationStopped as stopped:  # the checkpoint holds every step
             self._preempted(stopped.received)
