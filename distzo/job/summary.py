@@ -1,8 +1,8 @@
 """``summary.json``: the run at a glance, written by rank 0 at the end. The options that
 decide what was trained (the whole tree is ``config.toml``), the steps, this session's
 time and tokens per second, the training loss and the first, last and best evaluation
-(and dev evaluation, where --num-dev gave dev rows), and where the last checkpoint, the
-export and the picture are.
+(and dev evaluation, where --num-dev gave dev rows: then the best step is the dev rows'
+choice, as MeZO's), and where the last checkpoint, the export and the picture are.
 
 The losses and evaluations come from metrics.jsonl and eval.jsonl, so a resumed run's
 summary covers the whole run; the time and throughput are those of the session that
@@ -80,6 +80,10 @@ def run_summary(
     training loss of every step metrics.jsonl holds, in order; ``paths``: the checkpoint,
     export, curves... (absolute in the file, so it reads from anywhere)."""
     dev = [r for r in evals if eval_split(r) == "dev"]
+    on_eval_rows = [r for r in evals if eval_split(r) == "eval"]
+    scored = _at_a_glance(on_eval_rows)
+    if dev:  # the best step is chosen on the dev rows, as MeZO does, never on the eval rows
+        scored["best"] = scored_at_best_dev(on_eval_rows, best_eval(dev))
     return {
         "options": options,
         "steps": steps,
@@ -87,12 +91,25 @@ def run_summary(
         "train_loss": (
             {"first": losses[0], "last": losses[-1], "min": min(losses)} if losses else None
         ),
-        "eval": _at_a_glance([r for r in evals if eval_split(r) == "eval"]),
+        "eval": scored,
         # --num-dev: the evaluations during training; "best" is the step MeZO's
         # --load_best_model_at_end would keep (the earliest among equals)
         **({"dev": _at_a_glance(dev)} if dev else {}),
         **{name: str(p.absolute()) if p is not None else None for name, p in paths.items()},
     }
+
+
+def scored_at_best_dev(
+    evals: list[dict[str, Any]], best_dev: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """With dev rows, ``eval.best``: the eval rows' score of the model the dev rows chose
+    (the figure MeZO reports), ``by`` the dev metric that chose it; None where the eval
+    rows did not score that step (one before the run's end). The best of the eval (test)
+    rows' own scores would be a figure chosen on the rows it is reported on."""
+    if best_dev is None:
+        return None
+    record = next((r for r in evals if r["step"] == best_dev["step"]), None)
+    return {"by": best_dev["by"], **record} if record is not None else None
 
 
 def _at_a_glance(evals: list[dict[str, Any]]) -> dict[str, Any]:

@@ -258,6 +258,27 @@ def test_the_best_evaluation_is_the_highest_accuracy_and_the_lowest_loss():
     assert best_eval(losses) == {"by": "eval_loss", "step": 4, "eval_loss": 1.5}
 
 
+def test_with_dev_rows_the_best_is_chosen_on_them_and_eval_best_is_its_test_score():
+    """MeZO picks its step on the dev rows and reports the eval (test) rows' score of that
+    step's model; the best of the eval rows' own scores (the base's, here) was a figure
+    chosen on the rows it reports."""
+    from distzo.job.summary import run_summary
+
+    base = {"step": 0, "eval_accuracy": 0.9}
+    end = {"step": 4, "eval_accuracy": 0.6}
+
+    def summary_eval(dev_at_2: float, dev_at_4: float) -> dict:
+        dev = [{"step": 2, "dev_accuracy": dev_at_2}, {"step": 4, "dev_accuracy": dev_at_4}]
+        return run_summary({}, 4, {}, [], [base, *dev, end], {})["eval"]
+
+    assert summary_eval(0.5, 0.75) == {
+        "first": base,
+        "last": end,
+        "best": {"by": "dev_accuracy", **end},  # the end's model, chosen on dev
+    }
+    assert summary_eval(0.75, 0.5)["best"] is None  # step 2's model: the eval rows never scored it
+
+
 def test_the_summary_names_its_files_by_absolute_path_and_its_resolved_lr(tmp_path, monkeypatch):
     """A relative --output-dir still gives paths that read from anywhere; the lr is the
     one the run used, also where a default gave it (``--lr`` not passed)."""
