@@ -33,6 +33,7 @@ from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
 from distzo.job.run_lock import check_not_running
+from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
 from distzo.models.multimodal import checked_trained_config
@@ -157,6 +158,21 @@ def resumed_noise(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> ZOConfig:
     return dataclasses.replace(config, noise=drawn)
 
 
+def check_log_from_step_zero(run_dir: Path, done: int) -> None:
+    """``--export-best`` replays the seed log from step 0 at the run's end: a resume whose
+    log begins later (a checkpoint copied in, now or by an earlier session, after ``done``
+    steps) is refused here, before it trains, rather than by the replay after training."""
+    log = run_dir / SEED_LOG
+    first = logged_first_step(log) if is_begun_log(log) else done
+    if first > 0:
+        raise ValueError(
+            f"--export-best replays the seed log from step 0, but the run in {run_dir} went "
+            f"on from a checkpoint copied in at step {first} (its seed log begins there); drop "
+            "--export-best (--save-steps with --eval-steps keeps checkpoints of the evaluated "
+            "steps)"
+        )
+
+
 def check_one_group(env: LaunchEnv) -> None:
     """A launched process trains one job: the process group is the job's, and a second
     group of the same torchrun attempt would meet the first one's keys in its store. A
@@ -201,6 +217,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
                 f"--max-steps {job.optim.max_steps}; give --max-steps {done} or more"
             )
         check_resumed_options(job, env)  # may take the run's seed for -1
+        if job.run.export_best:
+            check_log_from_step_zero(Path(job.run.output_dir or "."), done)
         check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
         config = dataclasses.replace(config, seed=job.run.engine_seed)
     else:

@@ -177,3 +177,22 @@ def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training
         ["--num-dev", "2", "--export-best", "--transfer-dtype", "bf16", "--peft", "lora"]
     )
     check_best_replayable(lora)  # an adapter's base was rounded to nearest once: replayable
+
+
+def test_export_best_of_a_resume_from_a_copied_checkpoint_is_refused_before_training(tmp_path):
+    """Its seed log begins at the checkpoint's step, which the replay at the run's end
+    refused after all the training; the resume is refused as it starts."""
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    out = tmp_path / "run"
+    flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
+    flags += ["--log-every", "0", "--batch-size", "2", "--num-train", "6", "--num-dev", "4"]
+    flags += ["--output-dir", str(out)]
+    with Trainer(resolve(flags + ["--max-steps", "2"])) as trainer:
+        trainer.train()
+    (out / "seedlog.jsonl").unlink()  # the checkpoint alone, as copied into a directory
+    with pytest.raises(
+        ValueError,
+        match=r"^--export-best replays the seed log from step 0, but the run in .* went on "
+        r"from a checkpoint copied in at step 2 \(its seed log begins there\); drop --export-best",
+    ):
+        Trainer(resolve(flags + ["--max-steps", "4", "--resume", "--export-best"]))
