@@ -83,7 +83,13 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
 def check_best_replayable(job: JobConfig) -> None:
     """``--export-best`` replays the seed log to the best dev step: refused before training
     where the weights are no function of the log (stochastic rounding on the host), as the
-    replay itself would refuse the log at the end."""
+    replay itself would refuse the log at the end, and where nothing trains (a copy of the
+    model loaded is no best step)."""
+    if job.optim.max_steps == 0:
+        raise ValueError(
+            "--export-best with --max-steps 0: nothing is trained, so the best dev step's "
+            "model is the one loaded; drop --export-best"
+        )
     transfer, state = job.offload.transfer_dtype, job.optim.state_dtype
     rounds = None
     if transfer not in (None, "fp32") and job.peft.peft == "none":

@@ -67,8 +67,9 @@ def report_run_end(
 ) -> None:
     """The closed run's curves and summary, and its last log line. ``options``: the
     summary's key options; ``evals``: the evaluation before this session's training (none
-    on a resume) and the final one; ``export_options``: those the export was written with
-    (``export_record``)."""
+    on a resume) and the final one; ``export``: None for a run of no steps (--max-steps 0:
+    a scoring run, which saves nothing); ``export_options``: those the export was written
+    with (``export_record``)."""
     # the whole run's loss, kept by the logs (a million steps' metrics.jsonl read back as
     # dicts was a gigabyte), and its evaluations, read once for the picture and the summary
     loss, eval_records = logs.loss_curve, read_records(logs.paths["eval"])
@@ -87,6 +88,16 @@ def report_run_end(
         record["export_written"] = export_record(export, export_options)
     summary = write_summary(run_dir / SUMMARY, record)
     before, after = evals
+    if export is None:  # --max-steps 0 (rank 0 has the export of a run that trained)
+        logger.info(
+            "done: scored without training (--max-steps 0): eval %s; nothing was trained, so "
+            "no checkpoint or export/ was written (the model is the one loaded); summary %s, "
+            "curves %s",
+            describe(after),
+            summary,
+            curves,
+        )
+        return
     logger.info(
         "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s; "
         "summary %s, curves %s",

@@ -358,7 +358,10 @@ class Trainer:
         # Saved before the final evaluation, whose flush a longer run would not make here.
         _expect(signals, preemption.AFTER_FINAL_SAVE)
         kept = False  # the export a finished run resumed (a requeue) has already
-        if self.step != self.checkpointer.loaded_step:
+        scoring = self.step == 0  # --max-steps 0: the model loaded is scored, nothing trained
+        if scoring:  # nothing to keep that the run did not load: no checkpoint, no export
+            pass
+        elif self.step != self.checkpointer.loaded_step:
             self.save(asynchronous=False)
         else:  # its checkpoint holds this state already, and its export may
             kept = self._kept_export()
@@ -373,7 +376,10 @@ class Trainer:
         try:  # the last step's update checked
             if has_dev(self.data):  # the dev rows' last point too, as MeZO's run.py scores
                 self._record_eval(max_steps, "dev", self._evaluate(max_steps, vote, "dev"))
-            after = self._evaluate(max_steps, vote)
+            if scoring and self.eval_before is not None:  # the weights it scored already
+                after = self.eval_before
+            else:
+                after = self._evaluate(max_steps, vote)
         except EvaluationStopped as stopped:  # the checkpoint holds every step
             self._preempted(stopped.received)
         self.eval_after = after
@@ -386,9 +392,7 @@ class Trainer:
         peft, summary = self.job.peft.peft, self.run_dir / f"rank{self.env.rank}.json"
         own = rank_summary(self.engine, self.parallel, self.device, peft, self.eval_before, after)
         agreed(self.parallel.comm, lambda: summary.write_text(json.dumps(own)))
-        export = (
-            (self.run_dir / "export" if self.env.rank == 0 else None) if kept else self._export()
-        )
+        export = None if scoring else self._final_export(kept)
         self.held.close_logs()  # the run directory stays locked until its summary is written
         if self.logs:
             session = Session(
@@ -423,6 +427,12 @@ class Trainer:
         (``kept_export``), as rank 0 finds it: every rank skips the collective export alike."""
         found = self.env.rank == 0 and kept_export(self.run_dir, self.step, self._export_options)
         return bool(self.parallel.comm.broadcast_object(bool(found)))
+
+    def _final_export(self, kept: bool) -> Path | None:
+        """The run's ``export/`` (on rank 0): ``kept`` as a requeue found it, else written."""
+        if kept:
+            return self.run_dir / "export" if self.env.rank == 0 else None
+        return self._export()
 
     def _export(self) -> Path | None:
         """The run's ``export/``, written (collective; the directory on rank 0)."""

@@ -177,6 +177,9 @@ def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training
         ["--num-dev", "2", "--export-best", "--transfer-dtype", "bf16", "--peft", "lora"]
     )
     check_best_replayable(lora)  # an adapter's base was rounded to nearest once: replayable
+    scoring = resolve(["--num-dev", "2", "--export-best", "--max-steps", "0"])
+    with pytest.raises(ValueError, match="^--export-best with --max-steps 0: nothing is trained"):
+        check_best_replayable(scoring)
 
 
 def test_export_best_of_a_resume_from_a_copied_checkpoint_is_refused_before_training(tmp_path):

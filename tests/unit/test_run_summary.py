@@ -144,10 +144,32 @@ def test_a_session_that_goes_on_drops_the_summary_of_the_one_before(tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
 
 
-def test_a_run_of_no_steps_records_its_one_evaluation_once(tmp_path):
+def test_a_run_of_no_steps_scores_once_saves_nothing_and_says_so(tmp_path, monkeypatch, caplog):
+    """--max-steps 0 scores the model it loads (MeZO's zero-shot baseline): once, as the
+    weights after training are those before; a checkpoint and an export of it were minutes
+    and a copy of a large model on disk, for nothing the run did not load."""
+    from distzo.job import trainer as trainer_module
+
+    scored = []
+
+    def counted(*args, **kwargs):
+        scored.append(kwargs.get("split", args[4] if len(args) > 4 else "eval"))
+        return evaluate(*args, **kwargs)
+
+    evaluate = trainer_module.evaluate
+    monkeypatch.setattr(trainer_module, "evaluate", counted)
     out = tmp_path / "run"
-    Trainer(job(out, "--max-steps", "0")).train()
-    assert [e["step"] for e in read_records(out / "eval.jsonl")] == [0]
+    with caplog.at_level(logging.INFO, logger="distzo.train"):
+        after = Trainer(job(out, "--max-steps", "0")).train()
+    records = read_records(out / "eval.jsonl")
+    assert [e["step"] for e in records] == [0] and scored == ["eval"]
+    assert after == {k: v for k, v in records[0].items() if k != "step"}
+    assert not (out / "export").exists() and not list((out / "checkpoints").glob("step-*"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["export"] is None and summary["checkpoint"] is None
+    done = caplog.records[-1].getMessage()
+    assert done.startswith("done: scored without training (--max-steps 0): eval loss ")
+    assert "nothing was trained, so no checkpoint or export/ was written" in done
 
 
 def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
