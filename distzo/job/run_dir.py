@@ -329,6 +329,27 @@ def _same(old: Any, new: Any) -> bool:
     return bool(old == new)
 
 
+# Options a resume may change that change what the final evaluation measures (the rows,
+# the model and its weights cannot change): a finished run's recorded figures stand only
+# where this command evaluates as the run did.
+EVALUATION_OPTIONS = ("max_new_tokens",)
+
+
+def evaluates_as_recorded(job: JobConfig) -> bool:
+    """Whether a resumed run evaluates as its ``config.toml`` records (False without one),
+    so that a requeue of the finished run may report its recorded final evaluation."""
+    path = Path(job.run.output_dir or ".") / "config.toml"
+    if not path.is_file():
+        return False
+    recorded, _ = _recorded(job, path)
+    return all(
+        _same(recorded[f.name], getattr(values, f.name))
+        for values in job.sections().values()
+        for f in dataclasses.fields(values)
+        if f.name in EVALUATION_OPTIONS
+    )
+
+
 def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
     """A resume goes on with the options its run started with (its ``config.toml``, the
     resolved tree): a change that alters the trajectory is refused, naming each option with

@@ -15,7 +15,7 @@ from typing import Any
 
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES, draw_curves
-from distzo.job.records import describe
+from distzo.job.records import describe, eval_split
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, run_summary, write_summary
 from distzo.runtime.json_text import loads
@@ -141,3 +141,19 @@ def kept_export(run_dir: Path, steps: int, options: dict[str, Any]) -> Path | No
         if not path.is_file() or path.stat().st_size != size:
             return None
     return export
+
+
+def recorded_final_evals(
+    logs: RunLogs | None, steps: int, splits: tuple[str, ...]
+) -> dict[str, dict[str, float]] | None:
+    """The evaluations of the state after ``steps`` steps that the run's ``eval.jsonl``
+    records, one per split of ``splits``, without their step: the final ones a finished
+    run wrote, which a requeue reports again rather than evaluating again. None where one
+    is missing (the run died before it), or without ``logs`` (only rank 0 has them)."""
+    if logs is None:
+        return None
+    found = {}
+    for record in read_records(logs.paths["eval"]):
+        if record.get("step") == steps and eval_split(record) in splits:
+            found[eval_split(record)] = {k: v for k, v in record.items() if k != "step"}
+    return found if len(found) == len(splits) else None

@@ -51,7 +51,13 @@ from distzo.job.progress import Progress
 from distzo.job.records import StepMeter, describe, rank_summary, seed_record
 from distzo.job.reporting import Reporter
 from distzo.job.run_build import build_run
-from distzo.job.run_end import Session, draw_run_curves, kept_export, report_run_end
+from distzo.job.run_end import (
+    Session,
+    draw_run_curves,
+    kept_export,
+    recorded_final_evals,
+    report_run_end,
+)
 from distzo.job.run_logs import RunLogs
 from distzo.job.run_resources import RunResources
 from distzo.job.summary import key_options
@@ -357,34 +363,20 @@ class Trainer:
         asked for by then ends the run after the checkpoint or the evaluation."""
         # Saved before the final evaluation, whose flush a longer run would not make here.
         _expect(signals, preemption.AFTER_FINAL_SAVE)
-        kept = False  # the export a finished run resumed (a requeue) has already
+        kept, recorded = False, None  # what a finished run resumed (a requeue) has already
         scoring = self.step == 0  # --max-steps 0: the model loaded is scored, nothing trained
         if scoring:  # nothing to keep that the run did not load: no checkpoint, no export
             pass
         elif self.step != self.checkpointer.loaded_step:
             self.save(asynchronous=False)
-        else:  # its checkpoint holds this state already, and its export may
-            kept = self._kept_export()
-            logger.info(
-                "no steps left: the run's checkpoint of step %d %s",
-                self.step,
-                "and its export/ are kept as they are" if kept else "is kept as it is",
-            )
+        else:  # its checkpoint holds this state already, its export and evaluation may
+            kept, recorded = self._requeued_end()
         self._stop_if_voted(signals)
         _expect(signals, preemption.IN_FINAL_EVALUATION)
-        max_steps, vote = self.job.optim.max_steps, self._stop_vote(signals)
-        try:  # the last step's update checked
-            if has_dev(self.data):  # the dev rows' last point too, as MeZO's run.py scores
-                self._record_eval(max_steps, "dev", self._evaluate(max_steps, vote, "dev"))
-            if scoring and self.eval_before is not None:  # the weights it scored already
-                after = self.eval_before
-            else:
-                after = self._evaluate(max_steps, vote)
-        except EvaluationStopped as stopped:  # the checkpoint holds every step
-            self._preempted(stopped.received)
+        after = self._final_evaluation(signals, scoring, recorded)
         self.eval_after = after
         if self.logs:
-            self.logs.write_eval(max_steps, after)
+            self.logs.write_eval(self.job.optim.max_steps, after)
         self._stop_if_voted(signals)
         _expect(signals, preemption.IN_EXPORT)
         # Before the export, and agreed on: a rank whose disk is full (another node's, say)
@@ -413,6 +405,50 @@ class Trainer:
         self.held.release()
         return after
 
+    def _final_evaluation(
+        self,
+        signals: StopSignals | None,
+        scoring: bool,
+        recorded: dict[str, dict[str, float]] | None,
+    ) -> dict[str, float]:
+        """The dev rows' last evaluation (with --num-dev, as MeZO's run.py scores), then the
+        final one, which checks the last step's update: ``recorded`` by the finished run a
+        requeue resumed, else evaluated (a run of no steps: the evaluation before it)."""
+        max_steps, vote = self.job.optim.max_steps, self._stop_vote(signals)
+        if recorded is not None:  # finite, or the run would have ended at its divergence
+            if "dev" in recorded:
+                self._record_eval(max_steps, "dev", recorded["dev"])
+            return recorded["eval"]
+        try:
+            if has_dev(self.data):
+                self._record_eval(max_steps, "dev", self._evaluate(max_steps, vote, "dev"))
+            if scoring and self.eval_before is not None:  # the weights it scored already
+                return self.eval_before
+            return self._evaluate(max_steps, vote)
+        except EvaluationStopped as stopped:  # the checkpoint holds every step
+            self._preempted(stopped.received)
+
+    def _requeued_end(self) -> tuple[bool, dict[str, dict[str, float]] | None]:
+        """What a finished run resumed (a requeue) keeps, as rank 0 finds it and every rank
+        acts on alike: whether its ``export/`` is complete and of this state
+        (``kept_export``), and its final evaluations as ``eval.jsonl`` records them, by
+        split (``recorded_final_evals``; None where a record is missing, or this command
+        evaluates otherwise than the run did). Either spares the run's end its minutes."""
+        found: tuple[bool, dict[str, dict[str, float]] | None] = (False, None)
+        if self.env.rank == 0:
+            splits = ("dev", "eval") if has_dev(self.data) else ("eval",)
+            evals = recorded_final_evals(self.logs, self.step, splits)
+            kept = kept_export(self.run_dir, self.step, self._export_options) is not None
+            found = (kept, evals if self.checked.evaluates_as_recorded else None)
+        kept, recorded = self.parallel.comm.broadcast_object(found)
+        logger.info(
+            "no steps left: the run's checkpoint of step %d %s%s",
+            self.step,
+            "and its export/ are kept as they are" if kept else "is kept as it is",
+            "; its final evaluation is the one eval.jsonl records" if recorded else "",
+        )
+        return kept, recorded
+
     @property
     def _export_options(self) -> dict[str, Any]:
         """The options that make one export of a state differ from another (a resume may
@@ -421,12 +457,6 @@ class Trainer:
             "export_shard_size": self.job.run.export_shard_size,
             "merge_adapter": self.job.peft.merge_adapter,
         }
-
-    def _kept_export(self) -> bool:
-        """Whether the finished run's own ``export/`` is complete and of this state
-        (``kept_export``), as rank 0 finds it: every rank skips the collective export alike."""
-        found = self.env.rank == 0 and kept_export(self.run_dir, self.step, self._export_options)
-        return bool(self.parallel.comm.broadcast_object(bool(found)))
 
     def _final_export(self, kept: bool) -> Path | None:
         """The run's ``export/`` (on rank 0): ``kept`` as a requeue found it, else written."""

@@ -31,7 +31,12 @@ from distzo.job.build import (
 from distzo.job.memory_plan import check_weights_fit, fewest_bytes_a_parameter
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
-from distzo.job.run_dir import check_fresh, check_log_leads_to_checkpoint, check_resumed_options
+from distzo.job.run_dir import (
+    check_fresh,
+    check_log_leads_to_checkpoint,
+    check_resumed_options,
+    evaluates_as_recorded,
+)
 from distzo.job.run_lock import check_not_running
 from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
@@ -54,6 +59,8 @@ class CheckedJob:
     dims: ParallelDims
     rows: LoadedRows | None
     threads: tuple[int, str] | None = None
+    # a resume that evaluates as its run did: a finished run's final evaluation stands
+    evaluates_as_recorded: bool = False
 
 
 def resolve_device(name: str, env: LaunchEnv) -> str:
@@ -216,16 +223,18 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
                 f"--resume: the run in {job.run.output_dir} has done {done} steps, more than "
                 f"--max-steps {job.optim.max_steps}; give --max-steps {done} or more"
             )
+        as_recorded = evaluates_as_recorded(job)  # before the resume's own options are kept
         check_resumed_options(job, env)  # may take the run's seed for -1
         if job.run.export_best:
             check_log_from_step_zero(Path(job.run.output_dir or "."), done)
         check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
         config = dataclasses.replace(config, seed=job.run.engine_seed)
     else:
+        as_recorded = False
         check_fresh(job)
     if job.run.resume != "no":
         config = resumed_noise(job, config, env)
     job.optim.noise = config.noise  # resolved: config.toml records it
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", job.optim.lr)
-    return CheckedJob(job, config, dims, rows, threads)
+    return CheckedJob(job, config, dims, rows, threads, as_recorded)

@@ -172,6 +172,39 @@ def test_a_run_of_no_steps_scores_once_saves_nothing_and_says_so(tmp_path, monke
     assert "nothing was trained, so no checkpoint or export/ was written" in done
 
 
+def test_a_requeue_of_a_finished_run_reports_its_recorded_final_evaluation(
+    tmp_path, monkeypatch, caplog
+):
+    """A finished run resumed (a requeued job) evaluated its final state again: minutes on
+    a large model, for the figures eval.jsonl holds. It reports those; it evaluates again
+    only where a record is missing (the run died before writing it)."""
+    from distzo.job import trainer as trainer_module
+    from distzo.job.records import describe
+
+    out = tmp_path / "run"
+    finished = Trainer(job(out, "--max-steps", "4")).train()
+    scored: list[int] = []
+    evaluate = trainer_module.evaluate
+    monkeypatch.setattr(
+        trainer_module, "evaluate", lambda *a, **k: scored.append(1) or evaluate(*a, **k)
+    )
+    with caplog.at_level(logging.INFO, logger="distzo.train"):
+        assert Trainer(job(out, "--max-steps", "4", "--resume")).train() == finished
+    assert scored == []
+    assert "its final evaluation is the one eval.jsonl records" in caplog.text
+    assert f"(resumed at step 4) {describe(finished)}; model exported" in caplog.text
+    records = read_records(out / "eval.jsonl")
+    (out / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    assert Trainer(job(out, "--max-steps", "4", "--resume")).train() == finished
+    assert scored == [1] and read_records(out / "eval.jsonl") == records
+    from distzo.job.run_dir import evaluates_as_recorded
+
+    again = job(out, "--max-steps", "4", "--resume")
+    assert evaluates_as_recorded(again)
+    again.data.max_new_tokens += 1  # a generation task's answers, scored at another length
+    assert not evaluates_as_recorded(again)
+
+
 def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
