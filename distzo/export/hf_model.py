@@ -6,10 +6,11 @@ rank's share), that is the model twice. Here the engine streams its parameters b
 by bucket, rank 0 collects them into Hugging Face's own shard plan
 (``split_torch_state_dict_into_shards``, computed from shapes alone) and writes each
 safetensors shard as soon as its last tensor arrives, so the peak is about one shard
-plus one block. The directory is the format ``from_pretrained`` reads: config,
-generation config, ``model.safetensors`` or ``model-XXXXX-of-YYYYY.safetensors`` with
-``model.safetensors.index.json``, and the tokenizer when one is given. It is written
-under ``<name>.tmp`` and renamed when complete.
+plus one block. The tensors are under the keys ``save_pretrained`` writes (a mixture's
+experts one a key, ``original_format``). The directory is the format ``from_pretrained``
+reads: config, generation config, ``model.safetensors`` or
+``model-XXXXX-of-YYYYY.safetensors`` with ``model.safetensors.index.json``, and the
+tokenizer when one is given. It is written under ``<name>.tmp`` and renamed when complete.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from distzo.export.multimodal import (
     multimodal_shapes,
     multimodal_tensors,
 )
+from distzo.export.original_format import original_keys, original_tensors
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
 from distzo.models.multimodal import origin_of
 from distzo.offload.bucket import BucketLayout
@@ -209,7 +211,8 @@ def export_hf(
     with _removed_on_failure(tmp, rank0):
         for name, value in tensors:
             file = file_of[name]
-            collected.setdefault(file, {})[name] = value
+            # under the keys save_pretrained writes (a mixture's experts one a key)
+            collected.setdefault(file, {}).update(original_tensors(engine.model, name, value))
             missing[file].discard(name)
             if not missing[file]:
                 with safetensors_write(tmp / file):
@@ -221,9 +224,11 @@ def export_hf(
 
         if plan.is_sharded:
             total = sum(t.numel() for t in shapes.values())  # a merge leaves the adapter out
+            keys = original_keys(engine.model, shapes)
+            weight_map = {key: file_of[name] for name in shapes for key in keys[name]}
             index = {
                 "metadata": {**plan.metadata, "total_parameters": total},
-                "weight_map": file_of,
+                "weight_map": weight_map,
             }
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_configs(engine, tmp, tokenizer)

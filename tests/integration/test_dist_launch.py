@@ -504,12 +504,18 @@ def _one_process_and_two_sliced_ranks(tmp_path: Path, args: list[str]) -> list[P
 def test_a_mixture_of_experts_on_two_sliced_ranks_exports_one_process_bytes(tmp_path):
     """A Qwen3-MoE checkpoint as save_pretrained (and the hub) store it, one key an expert:
     each sliced rank reads its pieces of the fused experts the streamed read builds, and
-    the export, written by rank 0, is the one process's byte for byte."""
+    the export, written by rank 0 under the checkpoint's keys, is the one process's byte
+    for byte."""
     build("qwen3_moe", seed=2).save_pretrained(tmp_path / "moe")
     args = ["--model", str(tmp_path / "moe"), "--task", "counting", "--seq-len", "8"]
     args += ["--dtype", "fp64", "--lr", "1e-3", "--max-steps", "3", "--log-every", "0"]
     exported = _one_process_and_two_sliced_ranks(tmp_path, args)
     assert exported[0].read_bytes() == exported[1].read_bytes()
+    with (
+        safe_open(str(exported[1]), "pt") as export,
+        safe_open(str(tmp_path / "moe" / "model.safetensors"), "pt") as checkpoint,
+    ):
+        assert set(export.keys()) == set(checkpoint.keys())
 
 
 def test_a_multimodal_gemma_3_on_two_sliced_ranks_exports_one_process_bytes(tmp_path):

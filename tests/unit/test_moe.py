@@ -3,7 +3,8 @@ experts one a key, which the streamed read builds into the model's fused paramet
 transformers does; the memory plan counts them; LoRA goes on their linear layers only.
 (Blockwise forward and offload == resident: ``test_model_families``; a per-expert checkpoint
 streamed as from_pretrained loads it: ``test_streaming_load``; the export loading back:
-``test_export``; two sliced ranks: ``test_dist_launch``.)"""
+``test_export``, under save_pretrained's keys: ``test_export_original_format``; two sliced
+ranks: ``test_dist_launch``.)"""
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 
 
 def test_experts_stored_fused_stream_as_stored(tmp_path):
-    """A checkpoint whose keys are the model's own names (the fused experts: what distzo's
-    export writes) is read as it is, no conversion."""
+    """A checkpoint whose keys are the model's own names (the fused experts, as
+    ``save_pretrained(save_original_format=False)`` writes them) is read as it is."""
     original = build("qwen3_moe", seed=3)
     original.save_pretrained(tmp_path)
     state = {k: v.contiguous() for k, v in original.state_dict().items()}
