@@ -25,7 +25,6 @@ base never exists whole in memory.
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # peft is imported where an adapter is used (its import is heavy)
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
     from distzo.models.weights import Expected, Unexpected
 
@@ -169,13 +168,14 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
         task_type="CAUSAL_LM",
         target_modules=list(spec.targets) if spec.targets else _default_targets(model),
     )
+    _check_linear_targets(model, config, spec.method)
     with torch.random.fork_rng(devices=[]):  # the caller's generator state is left as it was
         try:
             with _without_peft_deprecations():
                 peft_model = get_peft_model(model, config)
         except ValueError as err:  # no target module matched, or a family peft has no default for
-            raise ValueError(_peft_refusal(model, spec.method, str(err))) from None
-        _check_linear_targets(peft_model, spec.method)
+            line = str(err).splitlines()[0]
+            raise ValueError(f"--peft {spec.method}: {line} (set --lora-targets)") from None
         torch.manual_seed(seed)
         for module in peft_model.modules():
             if isinstance(module, LoraLayer):
@@ -203,21 +203,6 @@ def _default_targets(model: nn.Module) -> list[str] | None:
     return list(found) if found else None
 
 
-def _peft_refusal(model: nn.Module, method: str, text: str) -> str:
-    """peft's refusal of the targets as one line: a module of a kind it cannot adapt (a
-    mixture's experts, whose weights are 3-D parameters) named as ``_check_linear_targets``
-    names one, where peft's message prints the whole module over several lines."""
-    match = re.match(r"Target module (\w+)\(", text)
-    kind = match.group(1) if match else None
-    found = next((name for name, m in model.named_modules() if type(m).__name__ == kind), None)
-    if found:
-        return (
-            f"--lora-targets: {found} ({kind}) is not a linear layer; --peft {method} "
-            "trains LoRA on linear layers only (such as q_proj,v_proj)"
-        )
-    return f"--peft {method}: {text.splitlines()[0]} (set --lora-targets)"
-
-
 def name_base_revision(peft_model: nn.Module, revision: str | None) -> None:
     """Record the hub commit the base was read at as the adapter's ``revision``, which
     ``AutoPeftModelForCausalLM`` loads the base at (else the hub's newest ``main``, maybe
@@ -240,13 +225,22 @@ def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module, str | 
             yield name.removeprefix(PEFT_PREFIX), base, not_linear
 
 
-def _check_linear_targets(peft_model: nn.Module, method: str) -> None:
-    """LoRA on a linear layer only (``_lora_layers``)."""
-    for name, _, not_linear in _lora_layers(peft_model):
-        if not_linear is not None:
+def _check_linear_targets(model: nn.Module, config: LoraConfig, method: str) -> None:
+    """LoRA on linear layers only, checked before peft adapts any module: each that
+    ``config`` targets, found by peft's own matcher, is one its LoRA ``Linear`` wraps
+    (``nn.Linear``, transformers' ``Conv1D``). peft itself refuses a mixture's experts (3-D
+    parameters) only after adapting the modules before them, printing the module over
+    several lines, and adapts an embedding, but not as a linear layer (``_lora_layers``)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers.pytorch_utils import Conv1D
+
+    if config.target_modules is None:  # none named and no default: peft says so
+        return
+    for name, module in model.named_modules():
+        if check_target_module_exists(config, name) and not isinstance(module, (nn.Linear, Conv1D)):
             raise ValueError(
-                f"--lora-targets: {name} ({not_linear}) is not a linear layer; --peft {method} "
-                "trains LoRA on linear layers only (such as q_proj,v_proj)"
+                f"--lora-targets: {name} ({type(module).__name__}) is not a linear layer; "
+                f"--peft {method} trains LoRA on linear layers only (such as q_proj,v_proj)"
             )
 
 

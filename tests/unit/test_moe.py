@@ -246,3 +246,25 @@ def test_lora_on_the_experts_is_one_line(tmp_path):
         "error: --lora-targets: model.layers.0.mlp.experts (Qwen3MoeExperts) is not a linear "
         "layer; --peft lora trains LoRA on linear layers only (such as q_proj,v_proj)",
     )
+
+
+@pytest.mark.parametrize(
+    "targets, named",
+    [
+        (("q_proj", "experts"), "model.layers.0.mlp.experts (Qwen3MoeExperts)"),
+        (("q_proj", "model.layers.1.mlp.experts"), "model.layers.1.mlp.experts (Qwen3MoeExperts)"),
+        (("v_proj", "gate"), "model.layers.0.mlp.gate (Qwen3MoeTopKRouter)"),
+    ],
+)
+def test_a_target_that_is_not_linear_is_refused_before_peft_adapts_any(targets, named):
+    """Checked by peft's own matcher, not read out of peft's message: the module named is
+    the one targeted (the first module of its kind was named, layer 0's for layer 1's), and
+    the model is left as it was (peft had wrapped the projections before it in LoRA)."""
+    model = build("qwen3_moe")
+    with pytest.raises(ValueError) as refused:
+        attach_adapter(model, AdapterSpec("lora", targets=targets), seed=0)
+    assert str(refused.value) == (
+        f"--lora-targets: {named} is not a linear layer; --peft lora trains LoRA on linear "
+        "layers only (such as q_proj,v_proj)"
+    )
+    assert not any(type(m).__module__.startswith("peft.") for m in model.modules())
