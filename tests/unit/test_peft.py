@@ -469,6 +469,7 @@ def adapted_family(family: str):
         ("gemma3", "left", torch.float32),
         ("gpt2", "left", torch.float32),
         ("gemma2", "left", torch.float32),  # an eager model: the program's attention is eager too
+        ("mixtral", "left", torch.float32),  # routed experts: grouped_mm, traced as the engine runs
         # a model held in 16 bits (an on-device one) was refused: the program's float32
         # arithmetic met its bf16 activations in a bmm. B rounds as the engine's does
         ("llama", "left", torch.bfloat16),
