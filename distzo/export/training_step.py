@@ -184,6 +184,14 @@ def check_exportable(engine: ZOEngine) -> None:
         )
 
 
+# The experts' implementation the program traces where the engine's computes them one
+# expert at a time (``eager``, a float64 mixture's: ``distzo.models.moe``): that loop over
+# the experts the tokens were routed to is data-dependent, which torch.export refused
+# ("Could not guard on data-dependent expression"); transformers' ``batched_mm`` computes
+# the same products as one batched matmul of each token's chosen experts.
+TRACEABLE_EXPERTS = "batched_mm"
+
+
 def _program_model(engine: ZOEngine, values: dict[str, torch.Tensor]) -> nn.Module:
     """A copy of the engine's model holding ``values`` as parameters of its own (the
     engine's are views of its scratch buckets): the frozen base becomes the program's
@@ -194,6 +202,8 @@ def _program_model(engine: ZOEngine, values: dict[str, torch.Tensor]) -> nn.Modu
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     if isinstance(base, PreTrainedModel):
         base.set_attn_implementation(_engines_attention(base))
+        if getattr(base.config, "_experts_implementation", None) == "eager":
+            base.set_experts_implementation(TRACEABLE_EXPERTS)
     with torch.no_grad():
         for name, _ in list(model.named_parameters()):
             owner, _, attr = name.rpartition(".")

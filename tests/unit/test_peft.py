@@ -523,6 +523,24 @@ def test_the_exported_training_step_equals_the_engines_steps(family, pad, dtype,
             assert held.abs().sum() > 0
 
 
+def test_a_float64_mixtures_step_exports_with_the_engines_losses():
+    """A float64 mixture computes its experts one at a time (grouped_mm takes no float64),
+    a loop over the routed experts that torch.export refused ("Could not guard on
+    data-dependent expression"): the program computes them batched, the engine's losses."""
+    from distzo.export.training_step import export_training_step, step_keys
+
+    model = adapted_family("mixtral").to(torch.float64)
+    engine = engine_for(model, mode="resident")
+    batch = random_batch(model.config.vocab_size, pad="left", seed=60)
+    program = export_training_step(engine, batch).module()
+    keys = step_keys(engine, 0)
+    plus, minus = program(*batch.values(), keys, torch.tensor(0.0), torch.tensor(1.0), keys)
+    result = engine.step(batch)
+    assert (plus.item(), minus.item()) == pytest.approx(
+        (result.loss_plus, result.loss_minus), rel=1e-6
+    )
+
+
 def test_a_step_exported_from_labels_that_are_the_input_ids_reads_both():
     """A batch whose labels are its input_ids tensor (the command's own example batch)
     was traced as one input: the program embedded its labels and ignored its input_ids,
