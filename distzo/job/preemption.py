@@ -119,6 +119,12 @@ class StopSignals:
         self._previous.clear()
 
 
+def expect(signals: StopSignals | None, stopping: str) -> None:
+    """Tell ``signals`` (if any) what a signal does in the phase that starts."""
+    if signals is not None:
+        signals.expect(stopping)
+
+
 def stop_voted(signals: StopSignals | None, comm: Collectives) -> str | None:
     """Whether a rank was signalled, agreed on every rank (one gather): a vote outside the
     steps, at the end of a run. This rank's signal's name, or "a signal to another rank"

@@ -1,9 +1,9 @@
 """The end of a run, on rank 0: the training curves drawn from the whole run's logs,
 ``summary.json``, and the one line that says what the run did and where its files are.
 
-The trainer hands over what it measured (``Session``) and where the files went; what is
-read back (every step's loss, every evaluation) comes from the logs, so a resumed run's
-curves and summary cover the whole run.
+The run's finish (``distzo.job.run_finish``) hands over what it measured (``Session``)
+and where the files went; what is read back (every step's loss, every evaluation) comes
+from the logs, so a resumed run's curves and summary cover the whole run.
 """
 
 from __future__ import annotations

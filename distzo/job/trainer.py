@@ -4,7 +4,8 @@
 from Python the same job runs in process. The trainer checks the options when it is
 made (every rank alike, before any process group or model), builds the parts on
 ``build()`` (``distzo.job.run_build``; the first ``train()`` does), runs the loop,
-evaluates, checkpoints and exports, and keeps its state readable: ``step`` (steps done), ``engine``,
+evaluates and checkpoints, ends the run (``distzo.job.run_finish``: the final checkpoint,
+evaluation and export), and keeps its state readable: ``step`` (steps done), ``engine``,
 ``last_metrics`` (the last step's record), ``eval_before``/``eval_after``.
 
 Callbacks (``TrainerCallback``) see each step start and end and each checkpoint save;
@@ -15,7 +16,6 @@ failures through them).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -27,10 +27,8 @@ import torch
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig
 from distzo.dist import LaunchEnv, ParallelContext
-from distzo.dist.agreement import agreed
 from distzo.dist.launch_gate import report_refusal
 from distzo.engine import StepResult, ZOEngine
-from distzo.export.hf_model import export_model
 from distzo.job import preemption
 from distzo.job.build import (
     TaskData,
@@ -46,21 +44,15 @@ from distzo.job.divergence import (
     warn_if_nothing_learns,
 )
 from distzo.job.evaluation import EvaluationStopped, StopVote, evaluate, has_dev
-from distzo.job.preemption import Preempted, StopSignals, stop_voted
+from distzo.job.preemption import Preempted, StopSignals, expect, stop_voted
 from distzo.job.progress import Progress
-from distzo.job.records import StepMeter, describe, rank_summary, seed_record
+from distzo.job.records import StepMeter, describe, seed_record
 from distzo.job.reporting import Reporter
 from distzo.job.run_build import build_run
-from distzo.job.run_end import (
-    Session,
-    draw_run_curves,
-    kept_export,
-    recorded_final_evals,
-    report_run_end,
-)
+from distzo.job.run_end import draw_run_curves
+from distzo.job.run_finish import RunFinish
 from distzo.job.run_logs import RunLogs
 from distzo.job.run_resources import RunResources
-from distzo.job.summary import key_options
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
 from distzo.objectives import Objective
@@ -211,7 +203,7 @@ class Trainer:
                 self._after_step(step, result, signals)
         finally:
             self.progress.close()
-        return self._finish(time.perf_counter() - started, signals)
+        return RunFinish(self, signals).run(time.perf_counter() - started)
 
     def _train_step(self, step: int, signals: StopSignals | None) -> StepResult:
         """One ZO step on the global batch (the same rows on every rank), and its records."""
@@ -245,12 +237,12 @@ class Trainer:
         if self._evaluates_at(done):
             self._periodic_eval(done, signals)
         if run.save_steps and done % run.save_steps == 0 and done < max_steps:
-            _expect(signals, preemption.AFTER_SAVE)
+            expect(signals, preemption.AFTER_SAVE)
             self.save(asynchronous=run.save_async)
             # A signal during a save of minutes stops the run here, rather than after one
             # more step and, with --save-on-signal, a second save: this one holds every step.
             self._stop_if_voted(signals)
-            _expect(signals, preemption.AFTER_STEP)
+            expect(signals, preemption.AFTER_STEP)
         self.checkpointer.poll()
 
     def _evaluates_at(self, done: int) -> bool:
@@ -274,13 +266,13 @@ class Trainer:
     def _periodic_eval(self, done: int, signals: StopSignals | None = None) -> None:
         """The evaluation every --eval-steps; a signal stops it (and the run) between two
         forward calls, as the kill at a grace period's end would not wait for its end."""
-        _expect(signals, preemption.IN_EVALUATION)
+        expect(signals, preemption.IN_EVALUATION)
         split = "dev" if has_dev(self.data) else "eval"  # MeZO's: the dev rows, where given
         try:
             metrics = self._evaluate(done, self._stop_vote(signals), split)
         except EvaluationStopped as stopped:
             self._stop(stopped.received)  # nothing logged: a resume evaluates here again
-        _expect(signals, preemption.AFTER_STEP)
+        expect(signals, preemption.AFTER_STEP)
         self._record_eval(done, split, metrics)
         if self.logs:
             draw_run_curves(self.run_dir, self.logs)
@@ -358,123 +350,6 @@ class Trainer:
         self.step, last = cut_back(step, self.checkpointer, self.logs, self.run_dir)
         raise error(str(last) if last is not None else None)
 
-    def _finish(self, elapsed: float, signals: StopSignals | None = None) -> dict[str, float]:
-        """The final checkpoint, evaluation and export, and this rank's summary; a stop
-        asked for by then ends the run after the checkpoint or the evaluation."""
-        # Saved before the final evaluation, whose flush a longer run would not make here.
-        _expect(signals, preemption.AFTER_FINAL_SAVE)
-        kept, recorded = False, None  # what a finished run resumed (a requeue) has already
-        scoring = self.step == 0  # --max-steps 0: the model loaded is scored, nothing trained
-        if scoring:  # nothing to keep that the run did not load: no checkpoint, no export
-            pass
-        elif self.step != self.checkpointer.loaded_step:
-            self.save(asynchronous=False)
-        else:  # its checkpoint holds this state already, its export and evaluation may
-            kept, recorded = self._requeued_end()
-        self._stop_if_voted(signals)
-        _expect(signals, preemption.IN_FINAL_EVALUATION)
-        after = self._final_evaluation(signals, scoring, recorded)
-        self.eval_after = after
-        if self.logs:
-            self.logs.write_eval(self.job.optim.max_steps, after)
-        self._stop_if_voted(signals)
-        _expect(signals, preemption.IN_EXPORT)
-        # Before the export, and agreed on: a rank whose disk is full (another node's, say)
-        # ends every rank with its line, and no export stands for a run that failed.
-        peft, summary = self.job.peft.peft, self.run_dir / f"rank{self.env.rank}.json"
-        own = rank_summary(self.engine, self.parallel, self.device, peft, self.eval_before, after)
-        agreed(self.parallel.comm, lambda: summary.write_text(json.dumps(own)))
-        export = None if scoring else self._final_export(kept)
-        self.held.close_logs()  # the run directory stays locked until its summary is written
-        if self.logs:
-            session = Session(
-                self.start_step, self.step - self.start_step, elapsed, self.meter.tokens
-            )
-            options = key_options(
-                self.job,
-                self.config,
-                self.objective.name,
-                self.engine.transfer,
-                str(self.device),
-                self.env.world_size,
-            )
-            evals = (self.eval_before, after)
-            report_run_end(
-                self.run_dir, self.logs, options, session, evals, export, self._export_options
-            )
-        self.held.release()
-        return after
-
-    def _final_evaluation(
-        self,
-        signals: StopSignals | None,
-        scoring: bool,
-        recorded: dict[str, dict[str, float]] | None,
-    ) -> dict[str, float]:
-        """The dev rows' last evaluation (with --num-dev, as MeZO's run.py scores), then the
-        final one, which checks the last step's update: ``recorded`` by the finished run a
-        requeue resumed, else evaluated (a run of no steps: the evaluation before it)."""
-        max_steps, vote = self.job.optim.max_steps, self._stop_vote(signals)
-        if recorded is not None:  # finite, or the run would have ended at its divergence
-            if "dev" in recorded:
-                self._record_eval(max_steps, "dev", recorded["dev"])
-            return recorded["eval"]
-        try:
-            if has_dev(self.data):
-                self._record_eval(max_steps, "dev", self._evaluate(max_steps, vote, "dev"))
-            if scoring and self.eval_before is not None:  # the weights it scored already
-                return self.eval_before
-            return self._evaluate(max_steps, vote)
-        except EvaluationStopped as stopped:  # the checkpoint holds every step
-            self._preempted(stopped.received)
-
-    def _requeued_end(self) -> tuple[bool, dict[str, dict[str, float]] | None]:
-        """What a finished run resumed (a requeue) keeps, as rank 0 finds it and every rank
-        acts on alike: whether its ``export/`` is complete and of this state
-        (``kept_export``), and its final evaluations as ``eval.jsonl`` records them, by
-        split (``recorded_final_evals``; None where a record is missing, or this command
-        evaluates otherwise than the run did). Either spares the run's end its minutes."""
-        found: tuple[bool, dict[str, dict[str, float]] | None] = (False, None)
-        if self.env.rank == 0:
-            splits = ("dev", "eval") if has_dev(self.data) else ("eval",)
-            evals = recorded_final_evals(self.logs, self.step, splits)
-            kept = kept_export(self.run_dir, self.step, self._export_options) is not None
-            found = (kept, evals if self.checked.evaluates_as_recorded else None)
-        kept, recorded = self.parallel.comm.broadcast_object(found)
-        logger.info(
-            "no steps left: the run's checkpoint of step %d %s%s",
-            self.step,
-            "and its export/ are kept as they are" if kept else "is kept as it is",
-            "; its final evaluation is the one eval.jsonl records" if recorded else "",
-        )
-        return kept, recorded
-
-    @property
-    def _export_options(self) -> dict[str, Any]:
-        """The options that make one export of a state differ from another (a resume may
-        change them)."""
-        return {
-            "export_shard_size": self.job.run.export_shard_size,
-            "merge_adapter": self.job.peft.merge_adapter,
-        }
-
-    def _final_export(self, kept: bool) -> Path | None:
-        """The run's ``export/`` (on rank 0): ``kept`` as a requeue found it, else written."""
-        if kept:
-            return self.run_dir / "export" if self.env.rank == 0 else None
-        return self._export()
-
-    def _export(self) -> Path | None:
-        """The run's ``export/``, written (collective; the directory on rank 0)."""
-        return export_model(
-            self.engine,
-            self.run_dir / "export",
-            self.tokenizer,
-            self.job.run.export_shard_size,
-            self.job.peft.merge_adapter,
-            overwrite=True,  # the run's own export/, written again by a resumed run
-        )
-
     def close(self) -> None:
         """Complete an asynchronous save still in flight, then close the logs (the seed log
         synced); the trainer's state stays readable. A run that fails mid-way so keeps the
@@ -490,9 +365,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _expect(signals: StopSignals | None, stopping: str) -> None:
-    """Tell ``signals`` (if any) what a signal does in the phase that starts."""
-    if signals is not None:
-        signals.expect(stopping)

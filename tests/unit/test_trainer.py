@@ -503,16 +503,16 @@ def test_logs_that_fail_to_close_still_follow_the_save_they_wait_for():
 def test_the_run_directory_stays_locked_until_its_summary_is_written(tmp_path, monkeypatch):
     """A finished run unlocked its directory only after its summary and curves: another job
     taking it sooner would find a run without them (or race their write)."""
-    from distzo.job import trainer as trainer_module
+    from distzo.job import run_finish
 
     run, seen = tmp_path / "run", []
-    report = trainer_module.report_run_end
+    report = run_finish.report_run_end
 
     def spying(*args, **kwargs):
         seen.append(((run / ".distzo.lock").exists(), (run / "rank0.json").exists()))
         return report(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "report_run_end", spying)
+    monkeypatch.setattr(run_finish, "report_run_end", spying)
     with Trainer(job(run, "--max-steps", "2")) as trainer:
         trainer.train()
         assert seen == [(True, True)]
