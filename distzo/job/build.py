@@ -290,7 +290,8 @@ def memory_plan(
     shard = parallel.shard_group.size if parallel.shard_group else 1
     # candidates on rows of their own
     rows = job.data.batch_size // parallel.dims.dp * data.rows_per_example
-    batch = max(rows, planned_rows(data, parallel.env.world_size))
+    eval_rows = planned_rows(data, parallel.env.world_size)
+    batch = max(rows, eval_rows)
     env = parallel.env
     return plan_memory(
         model,
@@ -308,6 +309,7 @@ def memory_plan(
         # only rank 0 exports: another node's host holds none of it
         export_shard_size=job.run.export_shard_size if env.on_rank_zeros_node else None,
         merge_adapter=job.peft.merge_adapter,
+        eval_rows=eval_rows,
     )
 
 

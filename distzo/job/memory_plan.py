@@ -6,7 +6,7 @@ figures are the engine's own allocations (buckets, slots, staging, scratch, the 
 workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocated``;
 the activation figure is an estimate of the largest transient (the bigger of one
 block's intermediates, for one micro-batch under --grad-accum times the passes batched
-together, and the fp32 logits of one
+together or for an evaluation forward, which runs whole, and the fp32 logits of one
 head chunk: the head runs at most
 ``HEAD_CHUNK`` positions at a time). Beside the engine's own: the attention masks a
 forward keeps, and on a CUDA job of several ranks NCCL's buffers (from the NCCL
@@ -212,6 +212,7 @@ def plan_memory(
     device_type: str | None = None,
     export_shard_size: int | str | None = None,
     merge_adapter: bool = False,
+    eval_rows: int = 0,
 ) -> MemoryPlan:
     """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
 
@@ -225,7 +226,8 @@ def plan_memory(
     rest in host memory. ``device_type`` is where the engine runs (the config's device
     when None): "cuda" plans a GPU job from a machine without one. ``export_shard_size``
     (``--export-shard-size``; None: no export planned) and ``merge_adapter`` size the
-    run's final export on rank 0.
+    run's final export on rank 0. ``eval_rows``: the rows of one evaluation forward, which
+    runs them in one piece whatever --grad-accum (``batch`` must count them too).
     """
     on = device_type or config.torch_device().type
     passes = rank_share(config.step_passes(), pert, pert_rank)
@@ -255,7 +257,9 @@ def plan_memory(
         device_resident=resident_bytes,
         device_blocks=blocks,
         device_scratch=scratch + _noise_bytes(b, config, on),
-        activations=_activation_bytes(model.config, config, b.compute, batch, seq, passes),
+        activations=_activation_bytes(
+            model.config, config, b.compute, batch, seq, passes, eval_rows
+        ),
         checkpoint_bytes=_checkpoint_bytes(
             b,
             config,
@@ -340,11 +344,18 @@ def _noise_bytes(b: _Buckets, config: ZOConfig, device_type: str) -> int:
 
 
 def _activation_bytes(
-    cfg: Any, config: ZOConfig, compute: int, batch: int, seq: int, passes: tuple[Pass, ...]
+    cfg: Any,
+    config: ZOConfig,
+    compute: int,
+    batch: int,
+    seq: int,
+    passes: tuple[Pass, ...],
+    eval_rows: int = 0,
 ) -> int:
     """An estimate of the largest transient: the live hidden states, plus the bigger of one
-    block's intermediates (one micro-batch, times the passes batched together) and the LM
-    head's logits of one chunk."""
+    block's intermediates (one micro-batch, times the passes batched together, or an
+    evaluation's ``eval_rows``: --grad-accum splits a step only) and the LM head's logits
+    of one chunk."""
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
     heads = _width(cfg, "num_attention_heads", "n_head", default=1)
@@ -354,6 +365,7 @@ def _activation_bytes(
     # a group of batched passes (--dual-forward, --batch-queries) runs its micro-batch
     # once per pass in one forward
     micro *= _largest_group(config, passes)
+    micro = max(micro, eval_rows)  # an evaluation forward: one pass, never split
     block_tmp = micro * seq * (4 * hidden + 2 * ffn) * compute
     block_tmp += micro * _score_planes(cfg, heads) * seq * seq * compute
     # the LM head runs on at most HEAD_CHUNK positions at a time: their logits, fp32 copy and

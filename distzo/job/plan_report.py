@@ -129,7 +129,8 @@ def report(args: argparse.Namespace) -> str:
             "ranks; raise it"
         )
     model = skeleton(shape_config(args.model_config), torch.float32)
-    rows = max(args.batch_size // dp, rows_per_call(args.eval_batch_size, args.nproc))
+    eval_rows = rows_per_call(args.eval_batch_size, args.nproc)
+    rows = max(args.batch_size // dp, eval_rows)
     sliced = args.transfer == "sliced"
     plan = plan_memory(
         model,
@@ -143,6 +144,7 @@ def report(args: argparse.Namespace) -> str:
         local_ranks=args.nproc,
         device_type="cuda",
         export_shard_size=args.export_shard_size,
+        eval_rows=eval_rows,
     )
     return _lines(plan, args, dims, rows, config)
 

@@ -106,3 +106,33 @@ def test_a_call_plans_whole_candidate_sets_whatever_its_share_of_rows(eval_batch
     from distzo.job.evaluation import planned_rows
 
     assert planned_rows(task_data("rte", eval_batch_size), 8) == 2
+
+
+def test_the_plan_counts_an_evaluation_forward_whole_under_grad_accum(monkeypatch):
+    """--grad-accum splits a step's rows, never an evaluation's: the plan counted a block's
+    intermediates for a step's micro-batch (4 rows here), while evaluation ran 16 at once."""
+    encoder = PromptEncoder(TOKENIZER, max_length=256)
+    texts = [f"Text {i}: " + "a long one " * 20 for i in range(32)]  # a block's work dominates
+    data = TextData(LoadedRows("text", texts, texts), encoder, 0, 16)
+    job = JobConfig()
+    job.data.batch_size, job.data.eval_batch_size = 4, 16
+    model = tiny_opt(seed=1, vocab_size=len(TOKENIZER), max_position_embeddings=256)
+    parallel = ParallelContext(
+        LaunchEnv(rank=0, world_size=1, local_world_size=1),
+        ParallelDims(1, 1),
+        comm=Collectives(torch.device("cpu")),
+    )
+    activations = {}
+    for grad_accum in (1, 4):
+        config = ZOConfig(device="cpu", seed=0, mode="offload", num_slots=2, grad_accum=grad_accum)
+        plan = build.memory_plan(job, model, data, config, parallel, torch.device("cpu"))
+        activations[grad_accum] = plan.activations
+    engine = ZOEngine(model, config)
+    forwarded = []
+    embed = engine.family.embed
+    monkeypatch.setattr(
+        engine.family, "embed", lambda ids, ctx: forwarded.append(ids.shape[0]) or embed(ids, ctx)
+    )
+    evaluate(engine, data, parallel)
+    assert max(forwarded) == 16  # one piece under --grad-accum 4
+    assert activations[4] == activations[1]
