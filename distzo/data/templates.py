@@ -77,6 +77,10 @@ def _named(value: Any, names: tuple[str, ...]) -> Any:
     return value
 
 
+# GLUE's and SuperGLUE's test splits on the hub hide their labels (-1) and answers ([])
+HIDDEN_ANSWERS = "a test split hides them (GLUE's, SuperGLUE's): use its validation split"
+
+
 def _not_a_label(value: Any, count: int, names: tuple[str, ...]) -> ValueError:
     named = f" or a name: {', '.join(names)}" if names else ""
     return ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}{named}")
@@ -99,6 +103,8 @@ def _label(row: dict[str, Any], count: int, names: tuple[str, ...] = ()) -> int:
         label = int(value)
     except (TypeError, ValueError):
         raise _not_a_label(value, count, names) from None
+    if label == -1:  # datasets' ClassLabel for "no label", what hub test splits hold
+        raise ValueError(f"label -1 marks a row with no label; {HIDDEN_ANSWERS}")
     if not 0 <= label < count:
         raise ValueError(f"label {label} is outside 0..{count - 1}")
     return label
@@ -257,6 +263,8 @@ def _record(row):
         )
     # an entity named twice is one candidate: its copies score alike
     entities = list(dict.fromkeys(_strings(row, "entities", None)))
+    if isinstance(row["answers"], list) and not row["answers"]:
+        raise ValueError(f"answers is empty: the row has no right entity; {HIDDEN_ANSWERS}")
     answers = _strings(row, "answers", None)
     stray = [a for a in answers if a not in entities]
     if stray:

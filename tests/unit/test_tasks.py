@@ -144,7 +144,7 @@ def test_squad_keeps_every_gold_answer():
         ("sst2", {"sentence": "s", "label": 5}, "row 1: label 5 is outside 0..1"),
         # one past the last class: the first index without a candidate
         ("cb", {"premise": "p", "hypothesis": "h", "label": 3}, "row 1: label 3 is outside 0..2"),
-        ("sst2", {"sentence": "s", "label": -1}, "row 1: label -1 is outside 0..1"),
+        ("sst2", {"sentence": "s", "label": -1}, "row 1: label -1 marks a row with no label"),
         ("sst2", {"sentence": "s", "label": "pos"}, "row 1: label 'pos' is not an integer"),
         (
             "copa",
