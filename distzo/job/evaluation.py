@@ -2,10 +2,12 @@
 examples and the sums are added up, so the metric covers the whole set once.
 
 ``--eval-batch-size`` is the rows of one forward call over all the ranks, like
-``--batch-size``: each rank forwards its ``rows_per_call`` share of them (at least one
-candidate set under a choice task), the rows the memory plan counts (``planned_rows``).
-Every rank makes the same number of forward calls (a rank short of work repeats a
-spare batch): under the sliced transfer each forward's uploads are collectives.
+``--batch-size``: each rank forwards its ``rows_per_call`` share of them, the rows the
+memory plan counts (``planned_rows``). A choice task's call takes whole examples, or, where
+an example has more candidate rows than that (ReCoRD), one piece of an example
+(``split_choices``), the pieces' scores joined before the argmax. Every rank makes the
+same number of forward calls (a rank short of work repeats a spare batch): under the
+sliced transfer each forward's uploads are collectives.
 Scores and sums stay on the device until the end of the evaluation (a generation task
 reads its tokens back once per batch, to decode and score them); the LM head runs only at
 the positions a metric reads.
@@ -56,10 +58,18 @@ from distzo.objectives import (
     greedy_decode,
     lm_sums,
 )
-from distzo.objectives.choice import hits, prepare_choices
+from distzo.objectives.choice import ChoiceEncoding, hits, prepare_choices
+from distzo.objectives.choice_pieces import (
+    ChoicePiece,
+    candidate_count,
+    join_scores,
+    right_candidates,
+    split_choices,
+)
 from distzo.objectives.generation import PromptBatch, flagged, prepare_prompts
 from distzo.objectives.lm import prepare_lm
 from distzo.objectives.scoring import broken_rows
+from distzo.runtime.devices import to_device
 from distzo.zo.estimators import Pass
 
 # Before each forward call of an evaluation: the name of a stop signal some rank got, agreed
@@ -137,17 +147,19 @@ def rows_per_call(batch_size: int, world: int) -> int:
 
 
 def _choices_per_call(batch_size: int, rows: int, world: int) -> int:
-    """Examples per call when each takes ``rows`` rows (one at least)."""
-    return max(1, rows_per_call(batch_size, world) // rows)
+    """Whole examples per call when each takes ``rows`` rows; 0 where one takes more than
+    a rank's rows a call (``rows_per_call``): its rows then go in pieces, one a call."""
+    return rows_per_call(batch_size, world) // rows
 
 
 def planned_rows(data: CountingData | TextData | PromptData, world: int) -> int:
-    """The most rows one rank passes to a forward while evaluating ``data``."""
+    """The most rows one rank passes to a forward while evaluating ``data``: never more
+    than its ``rows_per_call``, an example of more candidates being scored in pieces."""
     per_call = rows_per_call(data.eval_batch_size, world)
     if isinstance(data, PromptData) and data.kind != "generation":
         evaluated = data.eval_examples + data.dev_examples
         rows = max(data.encoder.choice_rows(e) for e in evaluated)
-        return _choices_per_call(data.eval_batch_size, rows, world) * rows
+        return _choices_per_call(data.eval_batch_size, rows, world) * rows or per_call
     return per_call
 
 
@@ -163,9 +175,8 @@ def _calls(count: int, per_call: int, parallel: ParallelContext) -> int:
     return max(1, math.ceil(largest / per_call))
 
 
-def _counted_calls(count: int, per_call: int, parallel: ParallelContext) -> Iterator[int]:
-    """Each forward call (``_calls``), counted on rank 0's bar (``evaluation_bar``)."""
-    calls = _calls(count, per_call, parallel)
+def _counted_calls(calls: int, parallel: ParallelContext) -> Iterator[int]:
+    """Each of ``calls`` forward calls, counted on rank 0's bar (``evaluation_bar``)."""
     with evaluation_bar(calls, show=parallel.env.rank == 0) as done:
         for call in range(calls):
             yield call
@@ -194,30 +205,75 @@ def evaluate_choices(
     stop: StopVote | None = None,
 ) -> dict[str, float]:
     """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call
-    over all the ranks."""
+    over all the ranks, an example of more candidate rows than a rank's share scored in
+    pieces (``split_choices``)."""
     mine = [examples[i] for i in _share(len(examples), parallel)]
     rows = max(encoder.choice_rows(e) for e in examples)  # the same on every rank
-    per_call = _choices_per_call(batch_size, rows, parallel.env.world_size)
-    encodings = [encoder.encode_choices(e) for e in mine]
-    spare = [encoder.encode_choices(examples[0])]  # for a call past this rank's share
+    per_rank = rows_per_call(batch_size, parallel.env.world_size)
+    work = _choice_work([encoder.encode_choices(e) for e in mine], rows, per_rank)
+    # for a call past this rank's share
+    spare = [split_choices(encoder.encode_choices(examples[0]), per_rank)[0].encoding]
     correct = broken = torch.zeros((), dtype=torch.long, device=engine.device)
-    for call in _counted_calls(len(examples), per_call, parallel):
+    pending: list[tuple[torch.Tensor, ChoicePiece]] = []  # an example's pieces scored so far
+    calls = _choice_calls(len(examples), rows, per_rank, parallel)
+    for call in _counted_calls(calls, parallel):
         _check(stop)
-        chunk = encodings[call * per_call : (call + 1) * per_call]
+        chunk = work[call] if call < len(work) else []
         prepared = prepare_choices(
-            collate_choices(chunk or spare, encoder.pad_id), engine.device, full_head
+            collate_choices([p.encoding for p in chunk] or spare, encoder.pad_id),
+            engine.device,
+            full_head,
         )
 
         def scores(runner: PassRunner) -> torch.Tensor:
             hidden = _hidden(runner, prepared.input_ids, prepared.attention_mask)
             return candidate_scores(runner, prepared, UNPERTURBED, hidden)
 
-        scored = engine.evaluate(scores)
+        scored, right = engine.evaluate(scores), prepared.right
+        if chunk and not chunk[0].whole:
+            pending.append((scored, chunk[0]))
+            if not chunk[0].last:
+                continue
+            scored, right = _joined(pending, engine.device)
+            pending = []
         if chunk:
-            correct = correct + hits(scored, prepared.right).sum()
+            correct = correct + hits(scored, right).sum()
             broken = broken + broken_rows(scored).sum()
-    right, bad, total = _reduce([correct, broken, len(mine)], parallel)
-    return {"eval_accuracy": _unless_broken(right / total, bad)}
+    right_sum, bad, total = _reduce([correct, broken, len(mine)], parallel)
+    return {"eval_accuracy": _unless_broken(right_sum / total, bad)}
+
+
+def _choice_work(
+    encodings: Sequence[ChoiceEncoding], rows: int, per_rank: int
+) -> list[list[ChoicePiece]]:
+    """This rank's forward calls: as many whole examples a call as ``per_rank`` rows hold
+    where the widest (``rows``) fits, else one piece of an example a call."""
+    whole = per_rank // rows
+    if whole:
+        return [
+            [ChoicePiece(e, e, 0, True) for e in encodings[i : i + whole]]
+            for i in range(0, len(encodings), whole)
+        ]
+    return [[piece] for e in encodings for piece in split_choices(e, per_rank)]
+
+
+def _choice_calls(count: int, rows: int, per_rank: int, parallel: ParallelContext) -> int:
+    """The calls of ``_choice_work`` for the largest share, which every rank makes."""
+    whole = per_rank // rows
+    if whole:
+        return _calls(count, whole, parallel)
+    largest = math.ceil(count / parallel.env.world_size)
+    return max(1, largest * math.ceil(rows / per_rank))
+
+
+def _joined(
+    pending: list[tuple[torch.Tensor, ChoicePiece]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An example's scores [1, C], joined from its pieces', and its right candidates."""
+    example = pending[0][1].example
+    candidates = candidate_count(example)
+    scores = join_scores([s for s, _ in pending], [p for _, p in pending], candidates)
+    return scores, to_device(right_candidates(example, candidates), device)
 
 
 def _unless_broken(metric: float, broken: float) -> float:
@@ -241,7 +297,7 @@ def evaluate_generation(
     batch_size = rows_per_call(batch_size, parallel.env.world_size)
     f1 = em = 0.0
     broken = 0
-    for call in _counted_calls(len(examples), batch_size, parallel):
+    for call in _counted_calls(_calls(len(examples), batch_size, parallel), parallel):
         _check(stop)
         chunk = list(share[call * batch_size : (call + 1) * batch_size])
         indices = chunk or [0]
@@ -294,7 +350,7 @@ def evaluate_lm(
     batch_size = rows_per_call(batch_size or sequences, parallel.env.world_size)
     loss = hits = torch.zeros((), dtype=torch.float64, device=engine.device)
     count = 0
-    for call in _counted_calls(sequences, batch_size, parallel):
+    for call in _counted_calls(_calls(sequences, batch_size, parallel), parallel):
         _check(stop)
         chunk = rows[call * batch_size : (call + 1) * batch_size]
         shard = _take(batch, chunk or rows[:1] or [0])  # a spare call repeats a row

@@ -99,13 +99,16 @@ def test_only_the_node_of_rank_0_plans_the_export():
     assert exports[0] == exports[3] > 0 and exports[8] == exports[11] == 0
 
 
-@pytest.mark.parametrize("eval_batch_size", [8, 24])
-def test_a_call_plans_whole_candidate_sets_whatever_its_share_of_rows(eval_batch_size):
-    """Over 8 ranks, 8 rows a call leave each rank 1 row, and 24 leave 3: a choice task
-    still forwards whole sets of 2 candidates (2 rows), which is what the plan counts."""
+@pytest.mark.parametrize("eval_batch_size, rows", [(8, 1), (24, 2)])
+def test_a_call_plans_whole_candidate_sets_where_a_ranks_share_of_rows_holds_one(
+    eval_batch_size, rows
+):
+    """Over 8 ranks, 24 rows a call leave each rank 3 rows: one whole set of 2 candidates
+    (2 rows). 8 leave each rank 1 row: an example's candidates then go one a forward
+    (``split_choices``), and the plan counts that row."""
     from distzo.job.evaluation import planned_rows
 
-    assert planned_rows(task_data("rte", eval_batch_size), 8) == 2
+    assert planned_rows(task_data("rte", eval_batch_size), 8) == rows
 
 
 def test_the_plan_counts_an_evaluation_forward_whole_under_grad_accum(monkeypatch):
