@@ -81,9 +81,17 @@ def _too_many(sampling: Sampling, rows: int, train_file: str) -> str:
         )
     asked = f"--num-train {sampling.num_train}" + (f" and --num-dev {dev}" if dev else "")
     room = max(rows - dev, 0)
-    fix = f"give --num-train {room} or less" if room else f"give --num-dev {rows - 1} or less"
+    fix = f"give --num-train {room} or less" if room else _dev_fix(sampling.num_train, rows)
     taken = f": {room} to train, {dev} dev" if dev and room else ""
     return (
         f"{asked} ask {sampling.num_train + dev} rows, more than the {rows} of --train-file "
         f"{train_file}; {fix} (MeZO's run.py takes the {rows} there are{taken})"
     )
+
+
+def _dev_fix(num_train: int, rows: int) -> str:
+    """The fix where --num-dev alone fills the file: the dev count that leaves room for
+    --num-train's rows, so that following it is not refused again."""
+    if num_train < rows:
+        return f"give --num-dev {rows - num_train} or less"
+    return f"give a --num-train and --num-dev that add up to {rows} or less"

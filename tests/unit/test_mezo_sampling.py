@@ -45,12 +45,33 @@ def test_dev_rows_are_the_last_of_the_drawn_training_rows_and_eval_rows_share_th
             "train, 4 dev)",
         ),
         (Sampling(num_dev=12), "--num-dev 12 leaves no training rows of the 12 of"),
+        (  # the dev rows alone fill the file: the fix is the dev count that fits
+            Sampling(2, 14),
+            "--num-train 2 and --num-dev 14 ask 16 rows, more than the 12 of --train-file "
+            "t.jsonl; give --num-dev 10 or less (MeZO's run.py takes the 12 there are)$",
+        ),
+        (
+            Sampling(12, 12),
+            "--num-train 12 and --num-dev 12 ask 24 rows, more than the 12 of --train-file "
+            "t.jsonl; give a --num-train and --num-dev that add up to 12 or less "
+            "(MeZO's run.py takes the 12 there are)$",
+        ),
         (Sampling(num_eval=11), "--num-eval 11 asks more rows than the 10 of --eval-file e"),
     ],
 )
 def test_counts_the_files_cannot_give_are_one_line_naming_their_rows(sampling, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         sample_sets(list(range(12)), list(range(10)), sampling, "t.jsonl", "e")
+
+
+def test_num_eval_alone_draws_and_may_take_every_row_in_its_drawn_order():
+    evals = [f"e{i}" for i in range(10)]
+    train, _, drawn = sample_sets([1, 2], evals, Sampling(num_eval=10, seed=3), "t", "e")
+    assert drawn == [evals[i] for i in mezo_draw(10, 10, 3)] and drawn != evals
+    assert train == [1, 2]
+    resolve(["--num-eval", "2", "--train-set-seed", "3"])  # the seed applies to its draw
+    with pytest.raises(ValueError, match="^--task counting generates its data; --num-train"):
+        load_task_rows("counting", None, None, Sampling(num_eval=2))
 
 
 def _sst2_rows(path: Path, count: int) -> str:
