@@ -167,6 +167,9 @@ def test_a_run_of_no_steps_scores_once_saves_nothing_and_says_so(tmp_path, monke
     assert not (out / "export").exists() and not list((out / "checkpoints").glob("step-*"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["export"] is None and summary["checkpoint"] is None
+    only = records[0]  # the one evaluation is the first, the last and the best; no dev rows
+    assert summary["eval"] == {"first": only, "last": only, "best": {"by": "eval_loss", **only}}
+    assert "dev" not in summary
     done = caplog.records[-1].getMessage()
     assert done.startswith("done: scored without training (--max-steps 0): eval loss ")
     assert "nothing was trained, so no checkpoint or export/ was written" in done
@@ -203,6 +206,28 @@ def test_a_requeue_of_a_finished_run_reports_its_recorded_final_evaluation(
     assert evaluates_as_recorded(again)
     again.data.max_new_tokens += 1  # a generation task's answers, scored at another length
     assert not evaluates_as_recorded(again)
+    again.data.max_new_tokens -= 1
+    (out / "config.toml").unlink()  # a checkpoint copied in alone: how it scored is unknown
+    assert not evaluates_as_recorded(again)
+
+
+def test_a_requeue_with_dev_rows_reports_its_final_evaluation_only_with_both_splits(tmp_path):
+    """A run with dev rows killed between the final dev and eval records left one of its
+    two final evaluations: the requeue evaluates again rather than report half of it."""
+    from distzo.job.run_end import recorded_final_evals
+    from distzo.job.run_logs import RunLogs
+
+    logs = RunLogs(tmp_path, tmp_path, 0, {"kind": "header"})
+    logs.write("eval", {"step": 2, "eval_accuracy": 0.25})
+    logs.write("eval", {"step": 4, "dev_accuracy": 0.5})
+    assert recorded_final_evals(logs, 4, ("dev", "eval")) is None
+    logs.write("eval", {"step": 4, "eval_accuracy": 0.75})
+    logs.close()
+    assert recorded_final_evals(logs, 4, ("dev", "eval")) == {
+        "dev": {"dev_accuracy": 0.5},
+        "eval": {"eval_accuracy": 0.75},
+    }
+    assert recorded_final_evals(None, 4, ("eval",)) is None  # not rank 0: no logs
 
 
 def test_overwrite_deletes_the_summary_and_the_curves(tmp_path):
