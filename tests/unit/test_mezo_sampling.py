@@ -182,6 +182,9 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
         load_file(d / "model.safetensors") for d in (out / "export-best", shorter / "export")
     )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    export_best(out)  # a requeue of the finished run replays again over its own export-best/
+    again = load_file(out / "export-best" / "model.safetensors")
+    assert all(torch.equal(ours[k], again[k]) for k in ours)
 
 
 def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training(tmp_path):
@@ -198,6 +201,9 @@ def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training
         ["--num-dev", "2", "--export-best", "--transfer-dtype", "bf16", "--peft", "lora"]
     )
     check_best_replayable(lora)  # an adapter's base was rounded to nearest once: replayable
+    state = resolve(["--num-dev", "2", "--export-best", "--state-dtype", "bf16"])
+    with pytest.raises(ValueError, match="^--export-best .* but --state-dtype bf16 rounds"):
+        check_best_replayable(state)  # the optimizer's 16-bit state rounds stochastically too
     scoring = resolve(["--num-dev", "2", "--export-best", "--max-steps", "0"])
     with pytest.raises(ValueError, match="^--export-best with --max-steps 0: nothing is trained"):
         check_best_replayable(scoring)
@@ -220,3 +226,18 @@ def test_export_best_of_a_resume_from_a_copied_checkpoint_is_refused_before_trai
         r"from a checkpoint copied in at step 2 \(its seed log begins there\); drop --export-best",
     ):
         Trainer(resolve(flags + ["--max-steps", "4", "--resume", "--export-best"]))
+
+
+def test_export_best_goes_on_with_a_seed_log_from_step_0_and_refuses_one_begun_later(tmp_path):
+    """Only the log's first step matters: a resume after 4 steps of a log begun at step 0
+    replays; a log an earlier session began at step 1 (a checkpoint copied in) cannot."""
+    from distzo.job.run_logs import RunLogs
+    from distzo.job.validation import check_log_from_step_zero
+
+    whole, copied = tmp_path / "whole", tmp_path / "copied"
+    for run_dir, first in ((whole, 0), (copied, 1)):
+        RunLogs(run_dir, run_dir, first, {"kind": "header"}).close()
+    check_log_from_step_zero(whole, 4)
+    check_log_from_step_zero(tmp_path / "fresh", 0)  # no log yet, nothing done
+    with pytest.raises(ValueError, match="copied in at step 1 \\(its seed log begins there\\)"):
+        check_log_from_step_zero(copied, 4)

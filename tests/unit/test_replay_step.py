@@ -39,6 +39,15 @@ def test_a_replay_to_step_n_is_the_export_of_a_run_of_n_steps_bit_for_bit(tmp_pa
     assert not (tmp_path / "at7").exists()
 
 
+def test_step_0_is_the_base_and_the_logs_length_its_end():
+    from distzo.replay import steps_up_to
+
+    logged = [{"step": i} for i in range(6)]
+    assert steps_up_to(Path("seedlog.jsonl"), logged, 0) == []
+    assert steps_up_to(Path("seedlog.jsonl"), logged, 6) == logged
+    assert steps_up_to(Path("seedlog.jsonl"), logged, None) == logged
+
+
 @pytest.mark.parametrize("step", [-1, 7])
 def test_a_step_outside_the_log_is_refused_before_any_model_is_built(tmp_path, step, monkeypatch):
     import distzo.replay as module
