@@ -53,6 +53,26 @@ def test_a_range_of_experts_stored_one_a_key_is_that_range_of_the_fused_tensor(
     assert torch.equal(piece, whole.reshape(-1)[start:stop])
 
 
+def test_experts_ten_and_up_stack_after_expert_nine_as_from_pretrained_loads_them(tmp_path):
+    """Per-expert keys sort as text with expert 10 before expert 2: the fused parameters
+    stack them in the experts' order (transformers' natural sort), as from_pretrained does."""
+    from transformers import AutoModelForCausalLM
+
+    config = CONFIGS["mixtral"]()
+    config.num_local_experts = 12
+    torch.manual_seed(5)
+    original = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    original.save_pretrained(tmp_path)
+    source = open_checkpoint(tmp_path)
+    source.convert_keys(skeleton(original.config, torch.float32))
+    state = original.state_dict()
+    assert {name.rsplit(".", 1)[-1] for name in source.converted} == {"gate_up_proj", "down_proj"}
+    for name in source.converted:
+        whole = state[name]
+        built = source.tensor_range((name,), tuple(whole.shape), torch.float32, 0, whole.numel())
+        assert torch.equal(built, whole.reshape(-1)), name
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_a_fused_parameter_is_built_once_until_another_is_read(tmp_path, monkeypatch, fmt):
     """Either format keeps a fused parameter built from its experts for its next range,
