@@ -13,11 +13,14 @@ number ``load_numbered_rows`` gives it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +33,17 @@ Row = dict[str, Any]
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class HubPin:
+    """How a rank of a launch reads an ``hf:`` dataset: at ``revision``, the commit rank 0
+    was told (None: the hub did not answer rank 0, so the cache's), and from its node's
+    cache alone where ``cached`` (the node's first rank downloaded it): each rank asking the
+    hub for itself made 13 to 15 requests a file (distzo's 3, datasets' 10 to 12)."""
+
+    revision: str | None
+    cached: bool = False
+
+
 def load_rows(source: str) -> list[Row]:
     return [row for _, row in load_numbered_rows(source)]
 
@@ -40,12 +54,13 @@ def load_numbered_rows(source: str) -> list[tuple[int, Row]]:
     return list(iter_numbered_rows(source))
 
 
-def iter_numbered_rows(source: str) -> Iterator[tuple[int, Row]]:
+def iter_numbered_rows(source: str, pin: HubPin | None = None) -> Iterator[tuple[int, Row]]:
     """``load_numbered_rows``'s rows one at a time, a JSONL or text file's read a line at
     a time (a reader that keeps what it needs of a row holds no file's worth of dicts).
     An error comes where its row does; a bad JSONL row's after the rest is decoded, where a
-    non-UTF-8 byte further on is named instead, as when the file was decoded whole."""
-    yield from _numbered_rows(source)
+    non-UTF-8 byte further on is named instead, as when the file was decoded whole.
+    ``pin``: how an ``hf:`` dataset is read (None: as one process asks the hub)."""
+    yield from _numbered_rows(source, pin)
 
 
 def read_whole(
@@ -62,9 +77,9 @@ def read_whole(
         raise
 
 
-def _numbered_rows(source: str) -> Iterable[tuple[int, Row]]:
+def _numbered_rows(source: str, pin: HubPin | None) -> Iterable[tuple[int, Row]]:
     if source.startswith("hf:"):
-        return enumerate(_hub_rows(source), 1)
+        return enumerate(_hub_rows(source, pin), 1)
     path = Path(source)
     if path.is_dir():
         raise ValueError(
@@ -285,9 +300,37 @@ def parse_hub_spec(source: str) -> tuple[str, str | None, str]:
     )
 
 
-def _hub_rows(source: str) -> Iterator[Row]:
+def hub_dataset_revision(source: str) -> str:
+    """The commit ``hf:`` dataset ``source`` is now on the hub, or "" where the hub does not
+    answer (or stalls): the cache is read. A dataset the hub does not have is the load's
+    one-line error."""
+    from distzo.models.hub_reads import dataset_commit
+
+    path = parse_hub_spec(source)[0]
+    try:
+        return dataset_commit(path)
+    except Exception as err:  # an unknown name, no access: the load's message
+        raise _not_loaded(source, err) from None
+
+
+def fill_hub_cache(source: str, revision: str | None) -> None:
+    """``hf:`` dataset ``source`` at ``revision`` prepared in this node's datasets cache
+    (None: the hub did not answer rank 0, so the cache as it is), for the node's ranks to
+    read offline: one download and one set of datasets' questions a node."""
+    _hub_dataset(source, HubPin(revision))
+
+
+def _hub_rows(source: str, pin: HubPin | None) -> Iterator[Row]:
     """The split's rows one at a time: the dataset is memory-mapped, and a list of its
     dicts (the whole split, beside the Examples) was the peak of every rank's load."""
+    dataset = _hub_dataset(source, pin)
+    try:
+        yield from dataset
+    except Exception as err:
+        raise _not_loaded(source, err) from None
+
+
+def _hub_dataset(source: str, pin: HubPin | None) -> Any:
     path, config, split = parse_hub_spec(source)
     require_pyarrow(source)
     import datasets
@@ -295,12 +338,42 @@ def _hub_rows(source: str) -> Iterator[Row]:
     from distzo.data.read_only_cache import unlocked_where_read_only
     from distzo.models.hub_reads import offline_unless_answered
 
+    revision = pin.revision if pin else None
+    cached = pin is not None and (pin.cached or revision is None)
     try:
         # a hub that never answers: the datasets cache, read where it is read-only too
-        with offline_unless_answered(path), unlocked_where_read_only():
-            dataset = datasets.load_dataset(path, config, split=split)
-        yield from dataset
+        with (
+            _read_cache_quietly() if cached else offline_unless_answered(path),
+            unlocked_where_read_only(),
+        ):
+            return datasets.load_dataset(path, config, split=split, revision=revision)
     except Exception as err:  # offline, unknown name, unknown split: all one message
-        raise ValueError(
-            f"{source}: cannot load from the hub ({str(err).splitlines()[0]}); use a local file"
-        ) from None
+        raise _not_loaded(source, err) from None
+
+
+# datasets' warnings on reading its cache offline: "couldn't be found on the Hugging Face
+# Hub", twice a file on each of a node's ranks, where the node's first rank just filled it
+CACHE_READ_LOGGERS = ("datasets.load", "datasets.packaged_modules.cache.cache")
+
+
+@contextlib.contextmanager
+def _read_cache_quietly() -> Iterator[None]:
+    """Offline (``hub_offline``), datasets' warnings about it left unsaid."""
+    from distzo.models.hub_reads import hub_offline
+
+    loggers = [logging.getLogger(name) for name in CACHE_READ_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with hub_offline():
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _not_loaded(source: str, err: BaseException) -> ValueError:
+    return ValueError(
+        f"{source}: cannot load from the hub ({str(err).splitlines()[0]}); use a local file"
+    )

@@ -28,7 +28,7 @@ from distzo.data.encoding import (
     distinct,
     text_lengths,
 )
-from distzo.data.loaders import iter_numbered_rows, read_whole
+from distzo.data.loaders import HubPin, iter_numbered_rows, read_whole
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.sampling import WHOLE_FILES, Sampling, sample_sets
 from distzo.data.synthetic import CountingTask
@@ -175,9 +175,11 @@ def load_task_rows(
     train_file: str | None,
     eval_file: str | None,
     sampling: Sampling = WHOLE_FILES,
+    pins: dict[str, HubPin] | None = None,
 ) -> LoadedRows | None:
     """Read and check the files of a file-based task (one-line errors naming file and row),
-    and draw the sets ``sampling`` asks for (``distzo.data.sampling``)."""
+    and draw the sets ``sampling`` asks for (``distzo.data.sampling``); ``pins``: how each
+    ``hf:`` source is read on this rank (by default, as one process asks the hub)."""
     if task in GENERATED:
         if train_file or eval_file:
             raise ValueError(
@@ -197,7 +199,7 @@ def load_task_rows(
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
     loaded: list[list[Any]] = []
     for source in (train_file, eval_file):
-        numbered = iter_numbered_rows(source)
+        numbered = iter_numbered_rows(source, (pins or {}).get(source))
         if task in TEXT:
             loaded.append(_texts(numbered, source))
         else:

@@ -11,7 +11,8 @@ verdicts: a rank that refuses its input writes why (``report_refusal``), and a r
 passed waits there until every rank has passed (``await_every_rank``), or raises the
 refusal, naming the rank and its node, within a poll interval. A question every rank
 needs answered from a shared service (the hub) is asked by rank 0 alone, its answer told to
-the others through the same store (``rank_0_answers``).
+the others through the same store (``rank_0_answers``); one a node's ranks share (its cache
+filled), by the node's first rank (``node_first_answers``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def report_refusal(env: LaunchEnv, err: BaseException) -> None:
             if time.monotonic() > deadline:
                 return
             time.sleep(POLL_S)
+
     except (RuntimeError, ValueError, TimeoutError):  # no store (DistError is a RuntimeError)
         return
 
@@ -107,16 +109,42 @@ def rank_0_answers(
     hub, whose rate limit answered a launch of 64 ranks asking at once with HTTP 429) is
     asked once a launch, not once a rank. Where rank 0 fails (its ``report_refusal``) a
     waiting rank raises its line at once; where it never answers, after ``timeout_s``."""
+    asker = None if env.rank == 0 else "rank 0"
+    limit = f"--dist-timeout {timeout_s:g}s"
+    return _answered(env, question, answer, (timedelta(seconds=timeout_s), limit), asker)
+
+
+def node_first_answers(
+    env: LaunchEnv, question: str, answer: Callable[[], str], timeout: timedelta
+) -> str:
+    """``answer()`` asked on each node's first local rank and told to that node's other
+    ranks, as ``rank_0_answers`` does (work a node's ranks share: its cache filled once):
+    its failure is every waiting rank's line; ``timeout``: the wait's limit (a download's)."""
+    asker = None if env.local_rank == 0 else f"node {env.node_rank}'s first rank"
+    limit = f"{timeout.total_seconds():g}s (a node's download)"
+    question = f"{question}, on node {env.node_rank}"
+    return _answered(env, question, answer, (timeout, limit), asker)
+
+
+def _answered(
+    env: LaunchEnv,
+    question: str,
+    answer: Callable[[], str],
+    timeout: tuple[timedelta, str],
+    asker: str | None,
+) -> str:
+    """``answer()`` where ``asker`` is None (this rank asks), else ``asker``'s answer read
+    from the launcher's store; ``timeout``: the wait's limit, and how a timeout names it."""
     if not env.launched or env.world_size == 1:
         return answer()
-    store = gate_store(rendezvous_store(env, timedelta(seconds=timeout_s)), env)
-    if env.rank == 0:
+    store = gate_store(rendezvous_store(env, timeout[0]), env)
+    if asker is None:
         told = answer()
         store.set(ANSWER + question, told)
         return told
     store.add(ASKING, 1)  # a refusing rank 0 waits until this rank has read its line
     try:
-        return _await_answer(store, question, timeout_s)
+        return _await_answer(store, question, timeout, asker)
     finally:
         try:
             store.add(ASKING, -1)
@@ -124,10 +152,12 @@ def rank_0_answers(
             pass
 
 
-def _await_answer(store: dist.Store, question: str, timeout_s: float) -> str:
-    """Rank 0's answer to ``question`` once it is in ``store``; its refusal, or a rank 0
-    silent for ``timeout_s``, raised."""
-    deadline = time.monotonic() + timeout_s
+def _await_answer(
+    store: dist.Store, question: str, timeout: tuple[timedelta, str], asker: str
+) -> str:
+    """``asker``'s answer to ``question`` once it is in ``store``; a refusal, or an asker
+    silent for ``timeout``, raised."""
+    deadline = time.monotonic() + timeout[0].total_seconds()
     while True:
         try:
             if store.check([ANSWER + question]):
@@ -135,13 +165,11 @@ def _await_answer(store: dist.Store, question: str, timeout_s: float) -> str:
             refusal = store.get(REFUSAL).decode() if store.check([REFUSAL]) else None
         except RuntimeError as err:  # the launcher's store went with rank 0's node
             raise ValueError(
-                f"the launcher's store went away before rank 0 answered ({question}): "
+                f"the launcher's store went away before {asker} answered ({question}): "
                 f"{refusal_line(err)}; rank 0's node says why"
             ) from None
         if refusal is not None:
             raise ValueError(f"{refusal}; fix it on that node and launch again")
         if time.monotonic() > deadline:
-            raise dist.DistError(
-                f"rank 0 did not answer ({question}) within --dist-timeout {timeout_s:g}s"
-            )
+            raise dist.DistError(f"{asker} did not answer ({question}) within {timeout[1]}")
         time.sleep(POLL_S)

@@ -6,6 +6,7 @@ process group or model exists."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +17,15 @@ from transformers import PretrainedConfig
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, expand_home
+from distzo.data.loaders import HubPin, fill_hub_cache, hub_dataset_revision
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
-from distzo.dist.launch_gate import rank_0_answers
+from distzo.dist.launch_gate import node_first_answers, rank_0_answers
 from distzo.export.hf_model import check_shard_size
 from distzo.job.build import (
+    DOWNLOAD_TIMEOUT,
     MASTER_DTYPES,
     default_model_config,
     random_shape_config,
@@ -138,6 +141,35 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> None:
         )
 
 
+def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
+    """The task's rows, an ``hf:`` dataset's read at the commit rank 0 was told (the hub's
+    questions, rank 0's alone) and downloaded into each node's cache by its first rank, then
+    read offline by all: each rank asking for itself made 15 requests, 960 as 64 ranks
+    launched. A refusal (rank 0's, a node's first rank's) is every waiting rank's line."""
+    data = job.data
+    sources = dict.fromkeys(s for s in (data.train_file, data.eval_file) if s)
+    hub = [source for source in sources if source.startswith("hf:")]
+    if not hub or not env.launched or env.world_size == 1:
+        return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
+    timeout = job.parallel.dist_timeout
+    revisions = {
+        source: rank_0_answers(
+            env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
+        )
+        for source in hub
+    }
+
+    def fill_node_cache() -> str:
+        for source, commit in revisions.items():
+            fill_hub_cache(source, commit or None)
+        return "filled"
+
+    question = f"{', '.join(hub)} in the node's cache"
+    node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
+    pins = {source: HubPin(commit or None, cached=True) for source, commit in revisions.items()}
+    return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins)
+
+
 def check_output_dir(output_dir: str | None, flag: str = "--output-dir") -> None:
     """A run (or log) directory that can be made: refused before any run directory exists
     when a path component is a file, or the nearest existing folder is not writable."""
@@ -211,8 +243,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")
     # every row checked, before any model
-    data = job.data
-    rows = load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
+    rows = task_rows(job, env)
     check_shard_size(job.run.export_shard_size)
     check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env)

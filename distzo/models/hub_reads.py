@@ -164,19 +164,43 @@ def offline_unless_answered(dataset: str | None = None) -> Iterator[None]:
     calls have no time limit of their own reads its cache, not a silent route forever.
     ``dataset``: asked about first (``repo_answers``); a hub that stalls on it is taken as
     silent."""
-    import datasets.config
-    from huggingface_hub import constants
-
     if hub_answers() and (dataset is None or repo_answers(dataset, "dataset")):
         with bounded_reads():
             yield
         return
+    with hub_offline():
+        yield
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """huggingface_hub and datasets offline in the block: their caches alone are read."""
+    import datasets.config
+    from huggingface_hub import constants
+
     saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def dataset_commit(name: str) -> str:
+    """The commit hub dataset ``name`` is now, or "" where the hub does not answer (or
+    stalls on it; ``note_stall``): a launch's ranks read it at this one commit."""
+    from huggingface_hub import HfApi
+
+    if not hub_answers():
+        return ""
+    with bounded_reads():
+        try:
+            return str(HfApi().repo_info(name, repo_type="dataset").sha or "")
+        except Exception as err:
+            if not stalled(err):
+                raise
+            note_stall(err)
+            return ""
 
 
 def repo_answers(name: str, kind: str = "model") -> bool:

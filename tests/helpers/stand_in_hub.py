@@ -1,6 +1,6 @@
-"""A local stand-in for the Hugging Face hub holding one model, tiny/llama, that records
-every request it answers: huggingface_hub and transformers pointed at it, a cache of the
-test's own."""
+"""A local stand-in for the Hugging Face hub holding one model, tiny/llama, and one dataset,
+org/tiny (a ``train.jsonl`` of ``ROWS``), that records every request it answers:
+huggingface_hub, transformers and datasets pointed at it, caches of the test's own."""
 
 import contextlib
 import hashlib
@@ -19,6 +19,8 @@ from tests.helpers.models import LLAMA
 
 COMMIT = "b" * 40  # the hub's main
 CONFIG = json.dumps(LlamaConfig(**LLAMA).to_dict()).encode()
+ROWS = [{"sentence": f"row {i}", "label": i % 2} for i in range(4)]
+TRAIN = "".join(json.dumps(row) + "\n" for row in ROWS).encode()  # org/tiny's train.jsonl
 
 
 class Hub(BaseHTTPRequestHandler):
@@ -40,6 +42,15 @@ class Hub(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self.do_GET()
 
+    def dataset_api(self, path: str) -> None:
+        """org/tiny's info, and its tree's listing: one file."""
+        entry = {"type": "file", "path": "train.jsonl", "size": len(TRAIN)}
+        entry["oid"] = hashlib.sha1(TRAIN).hexdigest()
+        if "/tree/" in path:
+            return self.answer(200, json.dumps([entry]).encode())
+        info = {"id": "org/tiny", "sha": COMMIT, "siblings": [{"rfilename": "train.jsonl"}]}
+        return self.answer(200, json.dumps(info).encode())
+
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
         self.server.requests.append(f"{self.command} {path}")  # type: ignore[attr-defined]
@@ -54,13 +65,19 @@ class Hub(BaseHTTPRequestHandler):
             return self.answer(200, json.dumps(info).encode())
         if path.startswith("/tiny/llama/") and path.endswith("/config.json"):
             return self.answer(200, CONFIG, {"X-Repo-Commit": COMMIT, "ETag": f'"{oid}"'})
+        if path.startswith("/api/datasets/org/tiny"):
+            return self.dataset_api(path)
+        if path.startswith("/datasets/org/tiny/resolve/") and path.endswith("/train.jsonl"):
+            tag = hashlib.sha1(TRAIN).hexdigest()
+            return self.answer(200, TRAIN, {"X-Repo-Commit": COMMIT, "ETag": f'"{tag}"'})
         return self.answer(404, headers={"X-Error-Code": "EntryNotFound"})
 
 
 @contextlib.contextmanager
 def stand_in_hub(monkeypatch: pytest.MonkeyPatch, cache: Path) -> Iterator[list[str]]:
-    """huggingface_hub pointed at a ``Hub`` with its cache in ``cache``; yields the list
-    of requests the hub answered, as they come."""
+    """huggingface_hub and datasets pointed at a ``Hub`` with their caches in ``cache``;
+    yields the list of requests the hub answered, as they come."""
+    import datasets.config
     from huggingface_hub import constants
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
@@ -75,6 +92,11 @@ def stand_in_hub(monkeypatch: pytest.MonkeyPatch, cache: Path) -> Iterator[list[
     monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+    url = datasets.config.HUB_DATASETS_URL.replace(datasets.config.HF_ENDPOINT, endpoint, 1)
+    monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", url)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache / "datasets")
     monkeypatch.setattr(hub_reads, "SILENT_SINCE", {})
     try:
         yield server.requests  # type: ignore[attr-defined]
