@@ -35,11 +35,13 @@ from distzo.adapters.peft_adapters import (
 )
 from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
+from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.config.option_names import named_as_flags
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
 from distzo.export.out_dir import check_out
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
+from distzo.job.run_end import BEST_WRITTEN, complete_export, export_record
 from distzo.job.seed_log import (
     SEED_LOG,
     first_step,
@@ -235,11 +237,13 @@ def replay(
     device: str | None = None,
     merge_adapter: bool = False,
     step: int | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path | None:
     """Rebuild the run that ``log`` records onto its base, written to ``out`` as the run's
     own export is (``merge_adapter``, or the run's: an adapter merged into its base; the
     base's tokenizer beside the weights); ``step``: after that many steps (default: all);
-    returns the directory (a replay is one process, so rank 0's: never None there)."""
+    ``max_shard_size``: as the run's ``--export-shard-size``; returns the directory (a
+    replay is one process, so rank 0's: never None there)."""
     header, logged = read_seed_log(log)
     spec = AdapterSpec.from_record(header.get("peft"))
     check_replayable(log, header, spec)
@@ -262,32 +266,54 @@ def replay(
     logger.info("replayed %d steps onto %s", len(steps), name)
     # the command checked --out (an existing one only with --overwrite)
     tokenizer = run_tokenizer(folder, header)
-    return export_model(engine, out, tokenizer, merge_adapter=merge, overwrite=True)
+    return export_model(engine, out, tokenizer, max_shard_size, merge, overwrite=True)
 
 
 BEST_EXPORT = "export-best"  # in the run directory, beside export/
 
 
-def export_best(run_dir: Path) -> None:
+def export_best(run_dir: Path, options: dict[str, Any]) -> None:
     """MeZO's ``--load_best_model_at_end`` (``--export-best``): the model of the best dev
     step, which the run's ``summary.json`` names (``dev.best``), replayed from the run's
     seed log into ``export-best/`` (rank 0, once the run has ended and its logs are
-    closed) and named in the summary too. A checkpoint at every dev evaluation would be
-    the model's size each time; the seed log rebuilds any step."""
+    closed) with the run's export ``options`` (``export_options``), and named in the
+    summary too. A checkpoint at every dev evaluation would be the model's size each time;
+    the seed log rebuilds any step. A requeue of the finished run keeps the folder as it is
+    where the summary's record of it (``BEST_WRITTEN``) says it is complete and of this
+    step and these options: a replay of the whole log spared."""
     summary = json_text.loads((run_dir / SUMMARY).read_text())
     best = summary["dev"]["best"]
     assert best is not None, "a run with --num-dev evaluates its dev rows at its end"
-    out = check_out(run_dir / BEST_EXPORT, overwrite=True)  # distzo's own folder
-    replay(None, run_dir / SEED_LOG, out, step=best["step"])
-    summary["dev"]["export_best"] = str(out.absolute())
+    step, out = best["step"], Path(os.path.abspath(run_dir / BEST_EXPORT))
+    written = summary.pop(BEST_WRITTEN, None)
+    if (
+        isinstance(written, dict)
+        and written.get("step") == step
+        and complete_export(out, {k: v for k, v in written.items() if k != "step"}, options)
+    ):
+        logger.info("best dev step %d: its export-best/ is kept as it is", step)
+    else:
+        out = check_out(out, overwrite=True)  # distzo's own folder
+        if written is not None:  # the record no longer describes the folder replaced
+            write_summary(run_dir / SUMMARY, summary)
+        replay(
+            None,
+            run_dir / SEED_LOG,
+            out,
+            merge_adapter=options["merge_adapter"],
+            step=step,
+            max_shard_size=options["export_shard_size"],
+        )
+        logger.info(
+            "best dev step %d (%s %.4f): its model exported to %s",
+            step,
+            best["by"],
+            best[best["by"]],
+            out,
+        )
+    summary["dev"]["export_best"] = str(out)
+    summary[BEST_WRITTEN] = {"step": step, **export_record(out, options)}
     write_summary(run_dir / SUMMARY, summary)
-    logger.info(
-        "best dev step %d (%s %.4f): its model exported to %s",
-        best["step"],
-        best["by"],
-        best[best["by"]],
-        out,
-    )
 
 
 def run_tokenizer(folder: Path | None, header: dict) -> Any:

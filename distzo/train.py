@@ -41,6 +41,7 @@ from distzo.dist.failure_report import (
 from distzo.job.preemption import EXIT_INTERRUPTED, Preempted, StopSignals
 
 if TYPE_CHECKING:  # the trainer imports transformers: loaded once the options parse
+    from distzo.config.job import JobConfig
     from distzo.job.trainer import Trainer, TrainerCallback
 
 logger = logging.getLogger("distzo.train")
@@ -180,15 +181,17 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     # The trained model let go first: the replay builds another, resident on the same
     # device, which a model over half the device (or the host) would not fit beside it.
     del trainer
-    return _export_best(run_dir)
+    return _export_best(run_dir, config)
 
 
-def _export_best(run_dir: Path) -> int:
-    """``--export-best``'s replay, once the run has ended; a failure is one line."""
+def _export_best(run_dir: Path, job: JobConfig) -> int:
+    """``--export-best``'s replay, once the run has ended, with the run's export options;
+    a failure is one line."""
+    from distzo.job.run_end import export_options
     from distzo.replay import BEST_EXPORT, export_best
 
     try:
-        export_best(run_dir)
+        export_best(run_dir, export_options(job))
     except ValueError as err:  # a log the replay refuses (a copied start): one line
         return fail(str(err).splitlines()[0])
     except OSError as err:

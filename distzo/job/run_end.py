@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from distzo.config.job import JobConfig
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES, draw_curves
 from distzo.job.records import describe, eval_split
@@ -86,7 +87,7 @@ def report_run_end(
     record = run_summary(options, steps, session.record(), loss.losses, eval_records, files)
     if export is not None:
         record["export_written"] = export_record(export, export_options)
-    summary = write_summary(run_dir / SUMMARY, record)
+    summary = write_summary(run_dir / SUMMARY, {**record, **later_records(run_dir)})
     before, after = evals
     if export is None:  # --max-steps 0 (rank 0 has the export of a run that trained)
         logger.info(
@@ -112,6 +113,25 @@ def report_run_end(
     )
 
 
+# What the command adds to the summary once the run has ended: ``--export-best``'s record
+# of export-best/ (its step, export options and files' sizes), as export_written's.
+BEST_WRITTEN = "export_best_written"
+
+
+def later_records(run_dir: Path) -> dict[str, Any]:
+    """The records the command added to an earlier session's summary after its end, which
+    a requeue of the finished run (whose summary a run with steps left has removed) keeps
+    for that command to judge: ``--export-best`` keeps the folder they describe where they
+    still hold, rather than replaying the whole seed log to write it again."""
+    try:
+        summary = loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(summary, dict):
+        return {}
+    return {key: summary[key] for key in (BEST_WRITTEN,) if key in summary}
+
+
 def export_record(export: Path, options: dict[str, Any]) -> dict[str, Any]:
     """What the summary keeps of the export: the options it was written with and the size
     of each of its files, which a requeue of the finished run checks (``kept_export``)."""
@@ -129,18 +149,34 @@ def kept_export(run_dir: Path, steps: int, options: dict[str, Any]) -> Path | No
         summary = loads((run_dir / SUMMARY).read_text())
     except (OSError, ValueError):
         return None
-    written = summary.get("export_written") if isinstance(summary, dict) else None
-    if not isinstance(written, dict) or summary.get("steps") != steps:
-        return None
-    files = written.pop("files", None)
-    if written != options or not isinstance(files, dict) or not files:
+    if not isinstance(summary, dict) or summary.get("steps") != steps:
         return None
     export = run_dir / "export"
+    return export if complete_export(export, summary.get("export_written"), options) else None
+
+
+def complete_export(folder: Path, written: Any, options: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds the export that ``written`` (an ``export_record``) describes
+    and it was written with ``options``: each of its files there at its size. A kill while
+    the folder was being replaced leaves it missing or partly deleted, never half-written
+    (exports are renamed into place), so the sizes tell a complete one."""
+    if not isinstance(written, dict):
+        return False
+    recorded = {k: v for k, v in written.items() if k != "files"}
+    files = written.get("files")
+    if recorded != options or not isinstance(files, dict) or not files:
+        return False
     for name, size in files.items():
-        path = export / name
+        path = folder / name
         if not path.is_file() or path.stat().st_size != size:
-            return None
-    return export
+            return False
+    return True
+
+
+def export_options(job: JobConfig) -> dict[str, Any]:
+    """The options that make one export of a state differ from another (a resume may
+    change them): the summary records them, and a requeue keeps an export only of these."""
+    return {"export_shard_size": job.run.export_shard_size, "merge_adapter": job.peft.merge_adapter}
 
 
 def recorded_final_evals(

@@ -23,7 +23,13 @@ from distzo.job import preemption
 from distzo.job.evaluation import EvaluationStopped, has_dev
 from distzo.job.preemption import StopSignals, expect
 from distzo.job.records import rank_summary
-from distzo.job.run_end import Session, kept_export, recorded_final_evals, report_run_end
+from distzo.job.run_end import (
+    Session,
+    export_options,
+    kept_export,
+    recorded_final_evals,
+    report_run_end,
+)
 from distzo.job.summary import key_options
 
 if TYPE_CHECKING:
@@ -138,11 +144,7 @@ class RunFinish:
     def export_options(self) -> dict[str, Any]:
         """The options that make one export of a state differ from another (a resume may
         change them)."""
-        job = self.trainer.job
-        return {
-            "export_shard_size": job.run.export_shard_size,
-            "merge_adapter": job.peft.merge_adapter,
-        }
+        return export_options(self.trainer.job)
 
     def _final_export(self, kept: bool) -> Path | None:
         """The run's ``export/`` (on rank 0): ``kept`` as a requeue found it, else written

@@ -142,9 +142,12 @@ class _TrainedEngine(TrainerCallback):
     """Keeps a weak reference to the run's engine: whether the trained model is let go."""
 
     engine: weakref.ref | None = None
+    parts: list[weakref.ref] = []  # its model and each of the model's tensors
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
         self.engine = weakref.ref(trainer.engine)
+        model = trainer.engine.model
+        self.parts = [weakref.ref(model), *map(weakref.ref, model.state_dict().values())]
 
 
 def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps(
@@ -161,10 +164,11 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
     out, trained, replayed = tmp_path / "run", _TrainedEngine(), []
 
-    def replay_with_the_trained_engine_gone(run_dir: Path) -> None:
+    def replay_with_the_trained_engine_gone(run_dir: Path, options: dict) -> None:
         # the replay builds the model again on the run's device: the trained one let go
         assert trained.engine is not None and trained.engine() is None
-        replayed.append(export_best(run_dir))
+        assert trained.parts and all(part() is None for part in trained.parts)
+        replayed.append(export_best(run_dir, options))
 
     export_best = distzo.replay.export_best
     monkeypatch.setattr(distzo.replay, "export_best", replay_with_the_trained_engine_gone)
@@ -182,9 +186,55 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
         load_file(d / "model.safetensors") for d in (out / "export-best", shorter / "export")
     )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    export_best(out)  # a requeue of the finished run replays again over its own export-best/
-    again = load_file(out / "export-best" / "model.safetensors")
+    (out / "export-best" / "config.json").unlink()  # partly deleted: a kill while replaced
+    export_best(out, _OPTIONS)
+    again = load_file(out / "export-best" / "model.safetensors")  # replayed over its own
     assert all(torch.equal(ours[k], again[k]) for k in ours)
+    assert (out / "export-best" / "config.json").is_file()
+
+
+_OPTIONS = {"export_shard_size": "5GB", "merge_adapter": False}  # the run's export options
+
+
+def test_a_requeue_of_a_finished_export_best_run_keeps_its_export_best_as_it_is(
+    tmp_path, monkeypatch
+):
+    """Rewriting export-best/ replays the whole seed log (minutes on a large model): a
+    requeue keeps the one the summary records, complete, of the same best step and export
+    options; it replays where the options changed, or the record is of another step."""
+    import distzo.replay
+    from distzo.train import main
+
+    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    out = tmp_path / "run"
+    flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
+    flags += ["--eval-steps", "2", "--log-every", "0", "--batch-size", "2", "--lr", "0.1"]
+    flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
+    flags += ["--max-steps", "4", "--output-dir", str(out), "--export-best"]
+    assert main(flags) == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert first["export_best_written"]["step"] == first["dev"]["best"]["step"] == 2
+    weights = out / "export-best" / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    replayed, replay = [], distzo.replay.replay
+    monkeypatch.setattr(
+        distzo.replay, "replay", lambda *a, **k: replayed.append(k["step"]) or replay(*a, **k)
+    )
+    assert main(flags + ["--resume"]) == 0 and replayed == []
+    assert weights.stat().st_mtime_ns == written  # the folder as it was
+    again = json.loads((out / "summary.json").read_text())
+    assert again["dev"]["export_best"] == str(out / "export-best")
+    assert again["export_best_written"] == first["export_best_written"]
+    # another --export-shard-size: written again, with it (as the run's export/ is)
+    assert main(flags + ["--resume", "--export-shard-size", "100KB"]) == 0 and replayed == [2]
+    shards = sorted(p.name for p in (out / "export-best").glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "export-best" / "model.safetensors.index.json").is_file()
+    # a record of another step (an earlier session's best) does not describe this one's
+    summary = json.loads((out / "summary.json").read_text())
+    summary["export_best_written"]["step"] = 4
+    (out / "summary.json").write_text(json.dumps(summary))
+    distzo.replay.export_best(out, {"export_shard_size": "100KB", "merge_adapter": False})
+    assert replayed == [2, 2]
 
 
 def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training(tmp_path):
