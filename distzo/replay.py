@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,10 @@ from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.config.option_names import named_as_flags
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import export_model
-from distzo.export.out_dir import check_out
+from distzo.export.out_dir import check_out, staging_dir
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.run_end import BEST_WRITTEN, complete_export, export_record
+from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
     first_step,
@@ -281,6 +283,18 @@ def export_best(run_dir: Path, options: dict[str, Any]) -> None:
     the seed log rebuilds any step. A requeue of the finished run keeps the folder as it is
     where the summary's record of it (``BEST_WRITTEN``) says it is complete and of this
     step and these options: a replay of the whole log spared."""
+    # the run let go of its directory at its end: taken again, so that no other job
+    # (a requeue started meanwhile) writes export-best/ beside this one
+    lock = RunLock(run_dir)
+    lock.acquire()
+    try:
+        _export_best_locked(run_dir, options)
+    finally:
+        lock.release()
+
+
+def _export_best_locked(run_dir: Path, options: dict[str, Any]) -> None:
+    """``export_best`` in the run directory this process has locked."""
     summary = json_text.loads((run_dir / SUMMARY).read_text())
     best = summary["dev"]["best"]
     assert best is not None, "a run with --num-dev evaluates its dev rows at its end"
@@ -293,6 +307,8 @@ def export_best(run_dir: Path, options: dict[str, Any]) -> None:
     ):
         logger.info("best dev step %d: its export-best/ is kept as it is", step)
     else:
+        # a replay killed before its rename left export-best.tmp/: the run's own (locked)
+        shutil.rmtree(staging_dir(out), ignore_errors=True)
         out = check_out(out, overwrite=True)  # distzo's own folder
         if written is not None:  # the record no longer describes the folder replaced
             write_summary(run_dir / SUMMARY, summary)

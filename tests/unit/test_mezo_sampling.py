@@ -14,6 +14,7 @@ from distzo.config.job import resolve
 from distzo.data.sampling import Sampling, mezo_draw, sample_sets
 from distzo.data.task_data import load_task_rows
 from distzo.job.evaluation import evaluate
+from distzo.job.run_lock import RunLock
 from distzo.job.trainer import Trainer, TrainerCallback
 
 
@@ -187,10 +188,18 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     (out / "export-best" / "config.json").unlink()  # partly deleted: a kill while replaced
-    export_best(out, _OPTIONS)
-    again = load_file(out / "export-best" / "model.safetensors")  # replayed over its own
+    (out / "export-best.tmp").mkdir()  # and a kill in a replay, before its rename
+    (out / "export-best.tmp" / "model.safetensors").write_bytes(b"cut short")
+    held = RunLock(out)  # another job in the directory meanwhile: none writes beside it
+    held.acquire()
+    with pytest.raises(ValueError, match="another Trainer of this process holds it"):
+        export_best(out, _OPTIONS)
+    held.release()
+    export_best(out, _OPTIONS)  # the requeue's replay, over its own leftovers
+    again = load_file(out / "export-best" / "model.safetensors")
     assert all(torch.equal(ours[k], again[k]) for k in ours)
     assert (out / "export-best" / "config.json").is_file()
+    assert not (out / "export-best.tmp").exists()
 
 
 _OPTIONS = {"export_shard_size": "5GB", "merge_adapter": False}  # the run's export options
