@@ -5,6 +5,8 @@ Rank 0's failure is every rank's line at once; a rank 0 that never answers, a ti
 
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -24,18 +26,51 @@ def place(rank: int) -> LaunchEnv:
     return LaunchEnv(rank=rank, world_size=2, node_rank=rank, launched=True)
 
 
+def until(condition: Callable[[], bool], within_s: float = 2.0) -> bool:
+    """Whether ``condition`` came true within ``within_s``: a waiting test fails, not hangs."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def asking(
+    rank: int, question: str, told: list[object], timeout_s: float = 2.0
+) -> threading.Thread:
+    """Rank ``rank`` waiting for rank 0's answer to ``question`` in a thread of its own,
+    what it was told (or what it raised) appended to ``told``."""
+
+    def wait() -> None:
+        try:
+            told.append(rank_0_answers(place(rank), question, lambda: "asked", timeout_s))
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            told.append(err)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    return waiting
+
+
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> dist.Store:
-    """The launcher's store every rank reaches."""
+    """The launcher's store every rank reaches, its reads bounded by the caller's timeout
+    as ``rendezvous_store`` bounds them (a read of a key never written fails, not hangs)."""
     shared = dist.HashStore()
-    monkeypatch.setattr(launch_gate, "rendezvous_store", lambda env, timeout: shared)
+
+    def reach(env: LaunchEnv, timeout: timedelta) -> dist.Store:
+        shared.set_timeout(timeout)
+        return shared
+
+    monkeypatch.setattr(launch_gate, "rendezvous_store", reach)
     return shared
 
 
 def test_rank_0_alone_asks_the_hub_for_the_models_config(store, monkeypatch, tmp_path):
     from huggingface_hub import constants
 
-    job = resolve(["--model", "tiny/llama"])
+    job = resolve(["--model", "tiny/llama", "--dist-timeout", "3"])  # a bug fails, not hangs
     with stand_in_hub(monkeypatch, tmp_path / "node0") as requests:
         zero = model_config_of(job, place(0))
         asked = list(requests)
@@ -48,7 +83,7 @@ def test_rank_0_alone_asks_the_hub_for_the_models_config(store, monkeypatch, tmp
 
 
 def test_rank_0s_refusal_is_the_waiting_ranks_line(store, monkeypatch, tmp_path):
-    job = resolve(["--model", "tiny/none"])
+    job = resolve(["--model", "tiny/none", "--dist-timeout", "3"])  # a bug fails, not hangs
     failed: list[BaseException] = []
 
     def rank_1() -> None:
@@ -60,8 +95,7 @@ def test_rank_0s_refusal_is_the_waiting_ranks_line(store, monkeypatch, tmp_path)
     waiting = threading.Thread(target=rank_1)
     waiting.start()
     gate = launch_gate.gate_store(store, place(0))
-    while int(gate.add(launch_gate.ASKING, 0)) == 0 and waiting.is_alive():
-        time.sleep(0.01)  # rank 1 waits for rank 0's answer
+    assert until(lambda: int(gate.add(launch_gate.ASKING, 0)) == 1)  # rank 1 waits
     with stand_in_hub(monkeypatch, tmp_path / "hub"), pytest.raises(ValueError) as raised:
         model_config_of(job, place(0))
     report_refusal(place(0), raised.value)  # as the trainer does, before its node's exit
@@ -79,6 +113,27 @@ def test_rank_0s_refusal_is_the_waiting_ranks_line(store, monkeypatch, tmp_path)
 def test_a_rank_0_that_never_answers_is_a_timeout(store):
     with pytest.raises(dist.DistError, match=r"^rank 0 did not answer \(q\) within --dist-timeout"):
         rank_0_answers(place(1), "q", lambda: pytest.fail("rank 1 asked"), timeout_s=0.2)
+
+
+def test_each_question_waits_for_its_own_answer(store):
+    # rank 0 answered one question: a rank asking another is not told that answer
+    assert rank_0_answers(place(0), "--model a's config", lambda: "config a", 5) == "config a"
+    told: list[object] = []
+    asking(1, "--model a's config", told).join(5)
+    assert told == ["config a"]
+    with pytest.raises(dist.DistError, match=r"^rank 0 did not answer \(--model b's config\)"):
+        rank_0_answers(place(1), "--model b's config", lambda: "rank 1 asked", timeout_s=0.3)
+
+
+def test_a_waiting_rank_is_counted_until_it_is_told(store):
+    # a refusing rank 0 stays while the count is above 0: the store leaves with its node
+    told: list[object] = []
+    waiting = asking(1, "q", told)
+    gate = launch_gate.gate_store(store, place(0))
+    assert until(lambda: int(gate.add(launch_gate.ASKING, 0)) == 1)
+    assert rank_0_answers(place(0), "q", lambda: "answer", 5) == "answer"
+    waiting.join(5)
+    assert told == ["answer"] and int(gate.add(launch_gate.ASKING, 0)) == 0
 
 
 def test_a_plain_run_asks_itself():
