@@ -15,8 +15,8 @@ from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
 from distzo.job import build, evaluation
 from distzo.job.evaluation import evaluate_choices, planned_rows
 from distzo.models.tiny import byte_tokenizer
-from distzo.objectives.choice import ChoiceEncoding
-from distzo.objectives.choice_pieces import join_scores, split_choices
+from distzo.objectives.choice import ChoiceEncoding, collate_choices, prepare_choices
+from distzo.objectives.choice_pieces import join_scores, right_candidates, split_choices
 from tests.helpers.models import base_model
 
 TOKENIZER = byte_tokenizer()
@@ -89,6 +89,22 @@ def test_a_split_example_keeps_each_candidates_rows_and_tokens():
     assert [p.encoding for p in split_choices(one_row, 1)] == [one_row]
 
 
+def test_a_joined_example_picks_as_the_whole_example_picks():
+    # ReCoRD names an entity twice: a pick of either is a hit, as prepare_choices marks it
+    rows, scored = tuple((5, 6, 7 + c) for c in range(5)), tuple((c, 2, 7 + c, c) for c in range(5))
+    twice = ChoiceEncoding(rows, scored, label=1, right=(1, 3))
+    whole = prepare_choices(collate_choices([twice], pad_id=0), torch.device("cpu")).right
+    assert torch.equal(right_candidates(twice, 5), whole)
+    assert right_candidates(twice, 5).tolist() == [[False, True, False, True, False]]
+    # a candidate no piece scored is never the pick, as candidate_scores marks it
+    gap = ChoiceEncoding(twice.rows[:4], tuple(s for s in twice.scored[:4] if s[3] != 1), 0)
+    pieces = split_choices(gap, 2)
+    joined = join_scores([torch.tensor([[-2.0]]), torch.tensor([[-3.0, -1.0]])], pieces, 4)
+    assert joined.tolist() == [[-2.0, float("-inf"), -3.0, -1.0]]
+    with pytest.raises(ValueError, match="^a piece holds at least one row, not 0$"):
+        split_choices(twice, 0)
+
+
 @pytest.mark.parametrize("family", ["opt", "llama"])
 def test_pieces_score_as_the_whole_example_and_no_forward_exceeds_the_batch(monkeypatch, family):
     """Right-padded rows never see their pads: scores of one padding length are the same
@@ -133,6 +149,10 @@ def test_the_memory_plan_counts_a_piece_not_the_whole_candidate_set(monkeypatch)
     assert planned_rows(data, 2) == 2
     data.eval_batch_size = 64
     assert planned_rows(data, 1) == 63  # 7 whole examples of 9 rows
+    # --num-dev's examples go through the same forwards: the widest of either set plans
+    narrow = record(SAME, count=1)  # 5 candidates
+    data = PromptData(LoadedRows("record", narrow, narrow, dev=examples), encoder(), 0, 64, 2)
+    assert planned_rows(data, 1) == 63  # not 60, 12 of 5 rows
     job = JobConfig()
     job.data.batch_size, job.data.eval_batch_size = 1, 4
     data.eval_batch_size = 4
