@@ -200,6 +200,10 @@ def test_lora_on_an_embedding_is_refused_in_one_line():
     # peft keeps an embedding's factors in lora_embedding_A/B: once a bare KeyError
     with pytest.raises(ValueError, match=r"embed_tokens \(Embedding\) is not a linear layer"):
         attach_adapter(base_model("llama"), AdapterSpec("lora", targets=("embed_tokens",)), 0)
+    # the module peft would adapt is the one named: "norm" is model.norm, not the
+    # input_layernorm whose name merely ends in it
+    with pytest.raises(ValueError, match=r"^--lora-targets: model.norm \(LlamaRMSNorm\) is not"):
+        attach_adapter(base_model("llama"), AdapterSpec("lora", targets=("q_proj", "norm")), 0)
 
 
 def test_a_lora_on_a_tied_head_is_refused_before_training_not_merged_away(tmp_path):
