@@ -3,6 +3,7 @@ MeZO's run.py draws, the dev rows evaluated during training and logged apart fro
 evaluation rows, and the errors for counts a file cannot give."""
 
 import json
+import logging
 import weakref
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from distzo.config.job import resolve
 from distzo.data.sampling import Sampling, mezo_draw, sample_sets
 from distzo.data.task_data import load_task_rows
 from distzo.job.evaluation import evaluate
+from distzo.job.records import describe
 from distzo.job.run_lock import RunLock
 from distzo.job.trainer import Trainer, TrainerCallback
 
@@ -93,7 +95,9 @@ def test_sampled_rows_are_digested_as_drawn_so_another_draw_is_another_run(tmp_p
     assert all(drawn.digests[flag] != other.digests[flag] for flag in drawn.digests)
 
 
-def test_dev_rows_are_evaluated_during_training_and_logged_apart_from_the_eval_rows(tmp_path):
+def test_dev_rows_are_evaluated_during_training_and_logged_apart_from_the_eval_rows(
+    tmp_path, caplog
+):
     data = _sst2_rows(tmp_path / "rows.jsonl", 12)
     out = tmp_path / "run"
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
@@ -117,6 +121,10 @@ def test_dev_rows_are_evaluated_during_training_and_logged_apart_from_the_eval_r
     best = max(records[1:3], key=lambda r: r["dev_accuracy"])  # the earliest among equals
     assert summary["dev"]["best"] == {"by": "dev_accuracy", **best}
     assert summary["eval"]["last"] == records[3]
+    # a requeue of the finished run says both final evaluations eval.jsonl records
+    with caplog.at_level(logging.INFO, logger="distzo.train"):
+        Trainer(resolve(flags + ["--train-set-seed", "3", "--resume"])).train()
+    assert f"dev at step 4: {describe({'dev_accuracy': dev['dev_accuracy']})}" in caplog.text
     # another draw would train other rows: a resume with it is refused in one line
     with pytest.raises(ValueError, match="--train-set-seed 3 -> 4 would change the trajectory"):
         Trainer(resolve(flags + ["--train-set-seed", "4", "--resume"])).train()
