@@ -209,6 +209,8 @@ def test_a_requeue_of_a_finished_run_reports_its_recorded_final_evaluation(
     again.data.max_new_tokens -= 1
     (out / "config.toml").unlink()  # a checkpoint copied in alone: how it scored is unknown
     assert not evaluates_as_recorded(again)
+    assert Trainer(job(out, "--max-steps", "4", "--resume")).train() == finished
+    assert scored == [1, 1]  # evaluated again, not read off a record of unknown options
 
 
 def test_a_requeue_with_dev_rows_reports_its_final_evaluation_only_with_both_splits(tmp_path):
