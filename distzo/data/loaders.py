@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from distzo.runtime import json_text
+from distzo.runtime.gc_paused import gc_paused
 
 FORMATS = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt")
 
@@ -68,13 +69,15 @@ def read_whole(
 ) -> T:
     """``build(numbered)``; a bad row's ``ValueError`` waits for the rest of the rows to be
     read, where the file's own error (bad JSON, a non-UTF-8 byte) further on comes first, as
-    it did when the file was read whole before any row was built."""
-    try:
-        return build(numbered)
-    except ValueError:
-        for _ in numbered:
-            pass
-        raise
+    it did when the file was read whole before any row was built. The cycle collector
+    waits (``gc_paused``): its passes over the rows built so far were 60% of the time."""
+    with gc_paused():
+        try:
+            return build(numbered)
+        except ValueError:
+            for _ in numbered:
+                pass
+            raise
 
 
 def _numbered_rows(source: str, pin: HubPin | None) -> Iterable[tuple[int, Row]]:

@@ -2,6 +2,7 @@
 million SST-2 rows it made seven tokenizer calls a row (888 s) and kept every training
 example's encodings (+3 GB), on every rank; the training steps kept an epoch's more."""
 
+import dataclasses
 import gc
 import json
 import tracemalloc
@@ -191,3 +192,34 @@ def test_a_hub_split_is_read_a_row_at_a_time(monkeypatch):
     rows = iter_numbered_rows("hf:org/sst2-like:train")
     assert next(rows) == (1, {"sentence": "row 0", "label": 0}) and given == [0]
     assert len(list(rows)) == 999
+
+
+def test_rows_are_built_with_the_cycle_collector_paused(tmp_path, monkeypatch):
+    """The collector's full passes over the Examples built so far were 60% of a million
+    SST-2 rows' load (19.3 s, 7.5 s paused); it runs again after, a bad row's error too,
+    and a caller who disabled it keeps it disabled."""
+    from distzo.data import templates
+
+    seen: list[bool] = []
+    sst2 = templates.TASKS["sst2"]
+
+    def recording(row):
+        seen.append(gc.isenabled())
+        return sst2.build(row)
+
+    monkeypatch.setitem(templates.TASKS, "sst2", dataclasses.replace(sst2, build=recording))
+    good, bad = tmp_path / "t.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"sentence": "fine", "label": 1}\n{"sentence": "dull", "label": 0}\n')
+    bad.write_text('{"sentence": "fine", "label": 7}\n')
+    loaded = load_task_rows("sst2", str(good), str(good))
+    assert loaded is not None and [e.label for e in loaded.train] == [1, 0]
+    assert seen == [False] * 4 and gc.isenabled()
+    with pytest.raises(ValueError, match="row 1: label 7"):
+        load_task_rows("sst2", str(bad), str(good))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load_task_rows("sst2", str(good), str(good))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
