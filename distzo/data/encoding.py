@@ -29,6 +29,17 @@ from distzo.zo.noise import noise_seed
 
 ENCODE_CHUNK = 1024  # examples whose texts go through one tokenizer call
 
+# A call's ids alone: the attention masks (and type ids) a call returns by default were a
+# third of a fast tokenizer's time in a large file's lengths pass, and were never read.
+# Quiet about the tokenizer's ``model_max_length``: its warning of "indexing errors" is
+# false here, where ``max_length`` cuts (and the run counts the rows it cuts).
+IDS_ONLY = {
+    "add_special_tokens": True,
+    "verbose": False,
+    "return_attention_mask": False,
+    "return_token_type_ids": False,
+}
+
 Joint = tuple[list[int], int]  # a joint text's ids, and its continuation's token count
 
 
@@ -55,25 +66,25 @@ class PromptEncoder:
         ones (Llama's ``</s>`` with ``add_eos_token``): a prompt ends where its continuation
         or its decoding starts, and a candidate is scored on its own tokens."""
         ids = self._all_ids(text)
-        return ids[: len(ids) - self.trail]
+        return ids[: len(ids) - self.trail] if self.trail else ids
 
     def _ids_many(self, texts: list[str]) -> list[list[int]]:
         """``_ids`` of each text through one tokenizer call: a fast tokenizer runs the
-        batch in Rust, and the call's own cost (most of a short text's) is paid once."""
-        return [ids[: len(ids) - self.trail] for ids in self._all_ids_many(texts)]
+        batch in Rust, and the call's own cost (most of a short text's) is paid once. The
+        ids are the tokenizer's own lists, copied only where a trailing token comes off."""
+        batch = self._all_ids_many(texts)
+        return [ids[: len(ids) - self.trail] for ids in batch] if self.trail else batch
 
     def _all_ids_many(self, texts: list[str]) -> list[list[int]]:
         """``_all_ids`` of each text through one tokenizer call."""
         if not texts:
             return []
-        batch = self.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]
-        return [list(ids) for ids in batch]
+        batch = self.tokenizer(texts, **IDS_ONLY)["input_ids"]
+        return [ids if isinstance(ids, list) else list(ids) for ids in batch]
 
     def _all_ids(self, text: str) -> list[int]:
-        """``text``'s tokens with every special token the tokenizer adds. Quiet about the
-        tokenizer's ``model_max_length``: its warning of "indexing errors" is false here,
-        where ``max_length`` cuts (and the run counts the rows it cuts)."""
-        return list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        """``text``'s tokens with every special token the tokenizer adds (``IDS_ONLY``)."""
+        return list(self.tokenizer(text, **IDS_ONLY)["input_ids"])
 
     def _keep(self, ids: list[int], budget: int) -> list[int]:
         """At most ``budget`` tokens: the leading special ones and the last of the rest."""

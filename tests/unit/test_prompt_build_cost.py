@@ -223,3 +223,84 @@ def test_rows_are_built_with_the_cycle_collector_paused(tmp_path, monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def varied_texts() -> list[str]:
+    """A few hundred texts a data file may hold: empty, blank, unicode of every width,
+    control characters, newlines, and long ones."""
+    pieces = ["", " ", "\n", "a", "It was", " great", "naïve café", "日本語のテキスト"]
+    pieces += ["🙂👍🏽", "x\ty"]
+    pieces += ["Ünïcödé\u2028line", "\u200bzero width", "\x00nul", "  lead", "trail  ", "\r\n"]
+    texts = [a + b for a in pieces for b in pieces]  # 256
+    texts += ["word " * n for n in (50, 300)] + ["é" * 700, "🙂" * 400]
+    return texts
+
+
+def tokenizer_with_end_token():
+    """Llama's with ``add_eos_token``: ``<s> text </s>``, the ``</s>`` cut off a prompt."""
+    tokenizer = sentencepiece_bpe()
+    tokenizer.add_bos_token = tokenizer.add_eos_token = True
+    assert PromptEncoder(tokenizer, 64).trail == 1
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    "make", [byte_tokenizer, byte_level_bpe, sentencepiece_bpe, tokenizer_with_end_token]
+)
+def test_encodings_are_the_tokenizers_own_calls_on_varied_texts(make):
+    """Asking for ids alone and taking the tokenizer's lists uncopied changes no token:
+    each text's ids are those a plain call of the tokenizer gives it, less the trailing
+    special token where there is one."""
+    tokenizer = make()
+    encoder = PromptEncoder(tokenizer, 64)
+    texts = varied_texts()
+    plain = [list(tokenizer(t)["input_ids"]) for t in texts]
+    assert encoder._all_ids_many(texts) == plain
+    assert [encoder._all_ids(t) for t in texts] == plain
+    trimmed = [ids[: len(ids) - encoder.trail] for ids in plain]
+    assert encoder._ids_many(texts) == trimmed == [encoder._ids(t) for t in texts]
+    assert list(encoder.encode_texts(texts)) == [
+        (encoder._keep(ids, 64), len(ids) > 64) for ids in plain
+    ]
+
+
+class RecordingTokenizer:
+    """A tokenizer that keeps what each call returned."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.returned: list[dict[str, list]] = []
+
+    def __call__(self, text, **kwargs):
+        self.returned.append(self.tokenizer(text, **kwargs))
+        return self.returned[-1]
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_tokenizer_call_returns_ids_alone_taken_uncopied():
+    """The attention masks a call returns by default, never read, and a copy of every id
+    list were a third of a million SST-2 rows' lengths pass with the byte tokenizer."""
+    recording = RecordingTokenizer(byte_tokenizer())
+    encoder = PromptEncoder(recording, 64)
+    texts = ["a gripping film", "It was great", ""]
+    recording.returned.clear()
+    ids = encoder._ids_many(texts)
+    (returned,) = recording.returned
+    assert list(returned) == ["input_ids"]
+    assert all(a is b for a, b in zip(ids, returned["input_ids"], strict=True))
+    assert list(encoder.encode_texts(texts))[0][0] == returned["input_ids"][0]
+    encoder._ids("one text")
+    assert list(recording.returned[-1]) == ["input_ids"]
+
+
+def test_a_real_fast_tokenizers_encodings_are_its_own_calls(smollm2_dir):
+    """SmolLM2's own tokenizer (a real BPE with merges), as the varied-texts test."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    encoder = PromptEncoder(tokenizer, 64)
+    texts = varied_texts()
+    plain = [list(tokenizer(t)["input_ids"]) for t in texts]
+    assert encoder._ids_many(texts) == plain == [encoder._ids(t) for t in texts]
