@@ -20,6 +20,7 @@ from distzo.job.checkpoint import (
     latest_checkpoint,
 )
 from distzo.job.run_dir import check_log_leads_to_checkpoint, run_contents
+from distzo.job.scoring_requeue import scoring_summary
 from distzo.job.seed_log import (
     SEED_LOG,
     check_header_types,
@@ -40,11 +41,13 @@ from distzo.zo import identity_kind
 logger = logging.getLogger("distzo.train")
 
 
-def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
+def resume_mode(run: RunOptions, env: LaunchEnv, scoring: bool = False) -> str:
     """``no`` or ``yes``, resolved: ``auto`` (the default under torchrun --max-restarts > 0)
-    resumes when the run directory holds a checkpoint or logged steps to go on from, else
-    starts afresh over it (it holds no step: ``run.overwrite`` is set). ``--overwrite``
-    starts afresh, except in a torchrun restart, which goes on from the first attempt."""
+    resumes when the run directory holds a checkpoint or logged steps to go on from, or,
+    for a ``scoring`` command (--max-steps 0), a finished scoring run (whose recorded
+    evaluation a requeue reports: ``distzo.job.scoring_requeue``), else starts afresh over
+    it (it holds no step: ``run.overwrite`` is set). ``--overwrite`` starts afresh, except
+    in a torchrun restart, which goes on from the first attempt."""
     if run.overwrite:
         if run.resume in ("yes", "auto"):
             raise ValueError(
@@ -71,6 +74,8 @@ def resume_mode(run: RunOptions, env: LaunchEnv) -> str:
     if latest_checkpoint(directory / "checkpoints"):
         return "yes"
     steps = logged_steps(directory / SEED_LOG)
+    if scoring and not steps and scoring_summary(directory) is not None:
+        return "yes"  # a requeue of a finished scoring run
     if mode == "yes":
         if steps:  # dropping --resume would overwrite them
             check_log_leads_to_checkpoint(directory, every_record=False)  # one from step 0?

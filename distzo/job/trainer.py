@@ -53,6 +53,7 @@ from distzo.job.run_end import draw_run_curves
 from distzo.job.run_finish import RunFinish
 from distzo.job.run_logs import RunLogs
 from distzo.job.run_resources import RunResources
+from distzo.job.scoring_requeue import report_recorded_score
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
 from distzo.objectives import Objective
@@ -160,10 +161,13 @@ class Trainer:
         """Train to --max-steps, then save, evaluate and export; returns the final
         evaluation. ``signals``: a preemption notice or Ctrl-C stops every rank after the
         same step (``Preempted``); a non-finite loss or ``g`` stops every rank at that step,
-        which is not kept (``Diverged``)."""
+        which is not kept (``Diverged``). A requeue of a finished scoring run (--max-steps 0)
+        returns the evaluation it recorded, with nothing built (``distzo.job.scoring_requeue``)."""
         # A run that failed mid-way would go on from its first step with the engine where it
         # stopped: every step logged twice, the weights trained further.
         self._refuse_when_over("train()", built=True)
+        if self.checked.recorded_score is not None:
+            return self._report_recorded_score(self.checked.recorded_score)
         self.build()
         try:
             return self._train(signals)
@@ -171,6 +175,16 @@ class Trainer:
             self.failed = True
             self.held.end_failed(isinstance(exc, Preempted) and exc.before_training)
             raise
+
+    def _report_recorded_score(self, recorded: dict[str, dict[str, float]]) -> dict[str, float]:
+        """A requeue of a finished scoring run (``distzo.job.scoring_requeue``): its recorded
+        evaluation, with nothing built, loaded or written; the run is over."""
+        self.run_dir = Path(self.job.run.output_dir or ".")
+        self.eval_before = self.eval_after = recorded["eval"]
+        if self.env.rank == 0:
+            report_recorded_score(self.run_dir, recorded)
+        self.held.close()
+        return recorded["eval"]
 
     def _train(self, signals: StopSignals | None) -> dict[str, float]:
         if self.env.rank == 0:

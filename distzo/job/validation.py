@@ -41,6 +41,7 @@ from distzo.job.run_dir import (
     evaluates_as_recorded,
 )
 from distzo.job.run_lock import check_not_running
+from distzo.job.scoring_requeue import recorded_score
 from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
@@ -64,6 +65,8 @@ class CheckedJob:
     threads: tuple[int, str] | None = None
     # a resume that evaluates as its run did: a finished run's final evaluation stands
     evaluates_as_recorded: bool = False
+    # a requeue of a finished scoring run whose record stands: its evaluations, by split
+    recorded_score: dict[str, dict[str, float]] | None = None
 
 
 def resolve_device(name: str, env: LaunchEnv) -> str:
@@ -212,6 +215,20 @@ def check_log_from_step_zero(run_dir: Path, done: int) -> None:
         )
 
 
+def score_again(job: JobConfig, env: LaunchEnv) -> None:
+    """A requeue of a finished scoring run whose record does not stand (cut short, or this
+    command evaluates otherwise): it scores afresh over the old run's files, said first."""
+    if env.rank == 0:
+        logger.warning(
+            "--resume: the scoring run in %s finished, but its eval.jsonl does not record "
+            "what this command evaluates (a record is missing, or an option such as "
+            "--max-new-tokens changed): scoring again; its old run's files go, as with "
+            "--overwrite",
+            job.run.output_dir,
+        )
+    job.run.resume, job.run.overwrite = "no", True
+
+
 def check_one_group(env: LaunchEnv) -> None:
     """A launched process trains one job: the process group is the job's, and a second
     group of the same torchrun attempt would meet the first one's keys in its store. A
@@ -246,7 +263,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     rows = task_rows(job, env)
     check_shard_size(job.run.export_shard_size)
     check_reporter(job.run.report_to)
-    job.run.resume = resume_mode(job.run, env)
+    job.run.resume = resume_mode(job.run, env, scoring=job.optim.max_steps == 0)
+    recorded = None
     if job.run.resume == "yes":  # the run directory's own checks, before reading a checkpoint
         done = check_log_leads_to_checkpoint(Path(job.run.output_dir or "."), env.rank == 0)
         if job.optim.max_steps < done:
@@ -260,6 +278,10 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
             check_log_from_step_zero(Path(job.run.output_dir or "."), done)
         check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
         config = dataclasses.replace(config, seed=job.run.engine_seed)
+        if job.optim.max_steps == 0:  # a finished scoring run (none done: no checkpoint)
+            recorded = recorded_score(job, as_recorded)
+            if recorded is None:
+                score_again(job, env)
     else:
         as_recorded = False
         check_fresh(job)
@@ -268,4 +290,4 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     job.optim.noise = config.noise  # resolved: config.toml records it
     if lr_defaulted and env.rank == 0:  # only once every check passed: bad input stays one line
         logger.info("lr %g: the default for this model and task (--lr sets it)", job.optim.lr)
-    return CheckedJob(job, config, dims, rows, threads, as_recorded)
+    return CheckedJob(job, config, dims, rows, threads, as_recorded, recorded)

@@ -1,0 +1,73 @@
+"""A requeue of a finished scoring run (``--max-steps 0``, MeZO's zero-shot or in-context
+baseline): the same command again, with ``--resume`` or ``--resume auto``, reports the
+evaluation the run recorded rather than loading the model and scoring it again (on a large
+generation eval the evaluation is the whole run), and touches none of its files.
+
+The run is recognised by its ``summary.json`` of 0 steps: the summary is the last file a
+run writes, renamed into place once its evaluation is in ``eval.jsonl``, so it stands for a
+scoring run that ended (``eval.jsonl`` alone also holds the evaluation of a run killed
+later on, and ``config.toml`` is written before anything is scored). Its record stands
+where ``eval.jsonl`` holds the step-0 evaluation of every split the summary names and the
+command evaluates as the run did (``evaluates_as_recorded``); else the run scores again.
+Every rank reads the same files and takes the same decision, before any process group.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from distzo.config.job import JobConfig
+from distzo.job.records import describe, eval_split
+from distzo.job.run_logs import read_records
+from distzo.job.summary import SUMMARY
+from distzo.runtime.json_text import loads
+
+logger = logging.getLogger("distzo.train")
+
+Evals = dict[str, dict[str, float]]  # evaluations by split ("dev", "eval")
+
+
+def scoring_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The ``summary.json`` of the finished scoring run in ``run_dir`` (one of 0 steps),
+    or None: no summary (the run died before its end), an unreadable one, or a summary of
+    a run that trained."""
+    try:
+        summary = loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != 0:
+        return None
+    return summary
+
+
+def recorded_score(job: JobConfig, as_recorded: bool) -> Evals | None:
+    """The evaluations, by split, that the finished scoring run in ``--output-dir`` recorded
+    (its ``eval.jsonl``, in ``--log-dir`` where given), without their step: the result of
+    this command too where it evaluates ``as_recorded``. None where the run did not finish,
+    or a split its summary names has no step-0 record (a file cut short by hand)."""
+    run_dir = Path(job.run.output_dir or ".")
+    summary = scoring_summary(run_dir)
+    if summary is None or not as_recorded:
+        return None
+    splits = ("dev", "eval") if "dev" in summary else ("eval",)
+    log = Path(job.run.log_dir or run_dir) / "eval.jsonl"
+    found = {}
+    for record in read_records(log):
+        if record.get("step") == 0 and eval_split(record) in splits:
+            found[eval_split(record)] = {k: v for k, v in record.items() if k != "step"}
+    return found if len(found) == len(splits) else None
+
+
+def report_recorded_score(run_dir: Path, recorded: Evals) -> None:
+    """The line a requeue of a finished scoring run ends with, as its run's did."""
+    logger.info(
+        "done: scored without training (--max-steps 0): eval %s, as the run in %s recorded "
+        "it (a requeue of a finished run: nothing was loaded, scored or written again); "
+        "summary %s, curves %s",
+        describe(recorded["eval"]),
+        run_dir,
+        run_dir / SUMMARY,
+        run_dir / "curves.png",
+    )

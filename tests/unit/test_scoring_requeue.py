@@ -1,0 +1,122 @@
+"""A requeue of a finished scoring run (--max-steps 0): the same command with --resume (a
+script that always passes it) or --resume auto reports the recorded evaluation, exits 0
+and touches nothing, without scoring again; it scores again where the record is cut
+short or the command evaluates otherwise, and a command that trains is refused as
+before."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from distzo.config.job import resolve
+from distzo.job import trainer as trainer_module
+from distzo.job.run_logs import read_records
+from distzo.job.trainer import Trainer
+from tests.helpers.launch import train_in_process
+
+SCORING = ["--max-steps", "0", "--device", "cpu", "--eval-batch-size", "8"]
+
+
+def contents(directory: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``directory``: its sha256 and its modification time."""
+    return {
+        str(p.relative_to(directory)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+        )
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory) -> Path:
+    """A finished scoring run (in process: no interpreter's imports)."""
+    run = tmp_path_factory.mktemp("scored") / "run"
+    with Trainer(resolve([*SCORING, "--output-dir", str(run)])) as trainer:
+        trainer.train()
+    return run
+
+
+@pytest.fixture
+def run(scored, tmp_path) -> Path:
+    """A copy of the finished scoring run that a test may change."""
+    copy = tmp_path / "run"
+    shutil.copytree(scored, copy)
+    config = copy / "config.toml"  # it names the directory it was written in
+    config.write_text(config.read_text().replace(str(scored), str(copy)))
+    return copy
+
+
+@pytest.fixture
+def scorings(monkeypatch) -> list[str]:
+    """The evaluations run from here on (their splits)."""
+    calls: list[str] = []
+    evaluate = trainer_module.evaluate
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("split", "eval"))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "evaluate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("resume", ["yes", "auto"])
+def test_a_requeue_of_a_finished_scoring_run_reports_its_record_touching_nothing(
+    run, scorings, resume
+):
+    before = contents(run)
+    (recorded,) = read_records(run / "eval.jsonl")
+    proc = train_in_process([*SCORING, "--output-dir", str(run), "--resume", resume])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert scorings == [] and contents(run) == before
+    done = proc.stderr.strip().splitlines()[-1]
+    assert "done: scored without training (--max-steps 0): eval loss " in done
+    assert f"loss {recorded['eval_loss']:.4f}" in done
+    assert f"as the run in {run} recorded it (a requeue of a finished run" in done
+
+
+def test_a_requeue_whose_record_is_cut_short_scores_again(run, scorings):
+    (run / "eval.jsonl").write_text("")  # a file cut short by hand: the record is gone
+    proc = train_in_process([*SCORING, "--output-dir", str(run), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert scorings == ["eval"]
+    assert "its eval.jsonl does not record what this command evaluates" in proc.stderr
+    assert [r["step"] for r in read_records(run / "eval.jsonl")] == [0]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 0
+
+
+def test_a_requeue_that_decodes_otherwise_scores_again(tmp_path, scorings):
+    """A generation task's score is the eval's whole cost, and --max-new-tokens (which a
+    resume may change) changes it: the record stands for the same budget only."""
+    row = {"title": "T", "context": "The code is 4.", "question": "Code?", "answers": ["4"]}
+    rows = tmp_path / "squad.jsonl"
+    rows.write_text((json.dumps(row) + "\n") * 4)
+    out = tmp_path / "run"
+    squad = [*SCORING, "--task", "squad", "--train-file", str(rows), "--eval-file", str(rows)]
+    squad += ["--output-dir", str(out), "--max-new-tokens"]
+    assert train_in_process([*squad, "3"]).returncode == 0
+    assert scorings == ["eval"]
+    proc = train_in_process([*squad, "5", "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert scorings == ["eval", "eval"]
+    assert "scoring again; its old run's files go, as with --overwrite" in proc.stderr
+    assert "max_new_tokens = 5\n" in (out / "config.toml").read_text()
+    assert [r["step"] for r in read_records(out / "eval.jsonl")] == [0]
+
+
+def test_a_scoring_run_that_died_before_its_summary_is_no_finished_run(run):
+    (run / "summary.json").unlink()
+    proc = train_in_process([*SCORING, "--output-dir", str(run), "--resume"])
+    assert proc.returncode == 2
+    assert "no checkpoint" in proc.stderr and "--overwrite instead" in proc.stderr
+
+
+def test_training_on_from_a_finished_scoring_run_is_refused_as_before(run):
+    proc = train_in_process([*SCORING, "--output-dir", str(run), "--resume", "--max-steps", "2"])
+    assert proc.returncode == 2
+    assert "no logged step to go on from; --overwrite instead" in proc.stderr
