@@ -9,16 +9,20 @@ scoring run that ended (``eval.jsonl`` alone also holds the evaluation of a run 
 later on, and ``config.toml`` is written before anything is scored). Its record stands
 where ``eval.jsonl`` holds the step-0 evaluation of every split the summary names and the
 command evaluates as the run did (``evaluates_as_recorded``); else the run scores again.
-Every rank reads the same files and takes the same decision, before any process group.
+Rank 0 reads the record and tells every rank (``agreed_recorded_score``), before any
+process group: a ``--log-dir`` on rank 0's node alone holds ``eval.jsonl`` there only.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from distzo.config.job import JobConfig
+from distzo.dist import LaunchEnv
+from distzo.dist.launch_gate import rank_0_answers
 from distzo.job.records import describe, eval_split
 from distzo.job.run_logs import read_records
 from distzo.job.summary import SUMMARY
@@ -58,6 +62,21 @@ def recorded_score(job: JobConfig, as_recorded: bool) -> Evals | None:
         if record.get("step") == 0 and eval_split(record) in splits:
             found[eval_split(record)] = {k: v for k, v in record.items() if k != "step"}
     return found if len(found) == len(splits) else None
+
+
+def agreed_recorded_score(job: JobConfig, env: LaunchEnv, as_recorded: bool) -> Evals | None:
+    """``recorded_score`` as rank 0 finds it, told to every rank before the process group
+    forms: only rank 0 writes the logs, and a --log-dir on its node's disk is not on the
+    others', whose own reading (no record: score again) would build a run that rank 0,
+    which reported the record and exited, never joins."""
+    told = rank_0_answers(
+        env,
+        "the scoring run's recorded evaluation",
+        lambda: json.dumps(recorded_score(job, as_recorded)),
+        job.parallel.dist_timeout,
+    )
+    recorded: Evals | None = json.loads(told)
+    return recorded
 
 
 def report_recorded_score(run_dir: Path, recorded: Evals) -> None:

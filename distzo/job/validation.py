@@ -41,7 +41,7 @@ from distzo.job.run_dir import (
     evaluates_as_recorded,
 )
 from distzo.job.run_lock import check_not_running
-from distzo.job.scoring_requeue import recorded_score
+from distzo.job.scoring_requeue import agreed_recorded_score
 from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
@@ -279,7 +279,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
         check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
         config = dataclasses.replace(config, seed=job.run.engine_seed)
         if job.optim.max_steps == 0:  # a finished scoring run (none done: no checkpoint)
-            recorded = recorded_score(job, as_recorded)
+            recorded = agreed_recorded_score(job, env, as_recorded)
             if recorded is None:
                 score_again(job, env)
     else:

@@ -10,11 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from distzo.config.job import resolve
+from distzo.dist import LaunchEnv, launch_gate
 from distzo.job import trainer as trainer_module
 from distzo.job.run_logs import read_records
 from distzo.job.trainer import Trainer
+from distzo.job.validation import validate
 from tests.helpers.launch import train_in_process
 
 SCORING = ["--max-steps", "0", "--device", "cpu", "--eval-batch-size", "8"]
@@ -120,3 +123,26 @@ def test_training_on_from_a_finished_scoring_run_is_refused_as_before(run):
     proc = train_in_process([*SCORING, "--output-dir", str(run), "--resume", "--max-steps", "2"])
     assert proc.returncode == 2
     assert "no logged step to go on from; --overwrite instead" in proc.stderr
+
+
+def test_every_rank_takes_rank_0s_record_from_a_log_dir_on_its_node_alone(run, monkeypatch):
+    """Only rank 0 writes the logs: a --log-dir on its node's disk holds eval.jsonl there
+    alone. A rank reading its own node's (none: score again) built a run that rank 0,
+    which reported the record and exited, never joined: a wait to --dist-timeout."""
+    store = dist.HashStore()  # the launcher's store every rank reaches
+    monkeypatch.setattr(launch_gate, "rendezvous_store", lambda env, timeout: store)
+    logs = run.parent / "node0-logs"
+    logs.mkdir()
+    for name in ("eval.jsonl", "metrics.jsonl"):
+        (run / name).rename(logs / name)
+    (recorded,) = read_records(logs / "eval.jsonl")
+    flags = [*SCORING, "--output-dir", str(run), "--log-dir", str(logs), "--resume"]
+    checked = {}
+    for rank in (0, 1):
+        if rank == 1:
+            shutil.rmtree(logs)  # rank 1's node has no such folder
+        env = LaunchEnv(rank=rank, world_size=2, node_rank=rank, launched=True)
+        checked[rank] = validate(resolve(flags), env)
+    expected = {"eval": {k: v for k, v in recorded.items() if k != "step"}}
+    assert checked[0].recorded_score == checked[1].recorded_score == expected
+    assert checked[1].job.run.resume == "yes" and not checked[1].job.run.overwrite
