@@ -140,8 +140,9 @@ class Trainer:
     def build(self) -> None:
         """Make every part (``distzo.job.run_build``): the process group, the model and its
         data, the engine, the restored state of a resumed run, the logs. Once; ``train``
-        calls it."""
-        if self.built:
+        calls it. A requeue of a finished scoring run builds nothing: a resume of no steps
+        opened its logs afresh, deleting the record that ``train`` reports."""
+        if self.built or self.checked.recorded_score is not None:
             return
         try:
             parts = build_run(self.checked, self.env, self.held)

@@ -146,3 +146,14 @@ def test_every_rank_takes_rank_0s_record_from_a_log_dir_on_its_node_alone(run, m
     expected = {"eval": {k: v for k, v in recorded.items() if k != "step"}}
     assert checked[0].recorded_score == checked[1].recorded_score == expected
     assert checked[1].job.run.resume == "yes" and not checked[1].job.run.overwrite
+
+
+def test_a_requeue_built_from_python_keeps_the_record_it_reports(run, scorings):
+    """Trainer.build() before train(), as a script inspecting the run does: the build of a
+    resume of no steps opened the logs afresh, emptying the eval.jsonl it then reported."""
+    before = contents(run)
+    (recorded,) = read_records(run / "eval.jsonl")
+    with Trainer(resolve([*SCORING, "--output-dir", str(run), "--resume"])) as trainer:
+        trainer.build()
+        assert trainer.train() == {k: v for k, v in recorded.items() if k != "step"}
+    assert scorings == [] and contents(run) == before
