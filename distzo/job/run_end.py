@@ -18,10 +18,11 @@ from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES, draw_curves
 from distzo.job.records import describe, eval_split
 from distzo.job.run_logs import RunLogs, read_records
-from distzo.job.summary import SUMMARY, run_summary, write_summary
-from distzo.runtime.json_text import loads
+from distzo.job.summary import SUMMARY, read_summary, run_summary, write_summary
 
 logger = logging.getLogger("distzo.train")
+
+Evals = dict[str, dict[str, float]]  # evaluations by split ("dev", "eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +124,7 @@ def later_records(run_dir: Path) -> dict[str, Any]:
     a requeue of the finished run (whose summary a run with steps left has removed) keeps
     for that command to judge: ``--export-best`` keeps the folder they describe where they
     still hold, rather than replaying the whole seed log to write it again."""
-    try:
-        summary = loads((run_dir / SUMMARY).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(summary, dict):
-        return {}
+    summary = read_summary(run_dir) or {}
     return {key: summary[key] for key in (BEST_WRITTEN,) if key in summary}
 
 
@@ -145,11 +141,8 @@ def kept_export(run_dir: Path, steps: int, options: dict[str, Any]) -> Path | No
     was renamed into place) records for ``steps`` steps with these ``options``, each of
     its files there at its size. None where the run died before its summary, or while
     ``export/`` was being replaced (missing, or partly deleted), or the options changed."""
-    try:
-        summary = loads((run_dir / SUMMARY).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("steps") != steps:
+    summary = read_summary(run_dir)
+    if summary is None or summary.get("steps") != steps:
         return None
     export = run_dir / "export"
     return export if complete_export(export, summary.get("export_written"), options) else None
@@ -179,17 +172,20 @@ def export_options(job: JobConfig) -> dict[str, Any]:
     return {"export_shard_size": job.run.export_shard_size, "merge_adapter": job.peft.merge_adapter}
 
 
-def recorded_final_evals(
-    logs: RunLogs | None, steps: int, splits: tuple[str, ...]
-) -> dict[str, dict[str, float]] | None:
+def recorded_final_evals(logs: RunLogs | None, steps: int, splits: tuple[str, ...]) -> Evals | None:
     """The evaluations of the state after ``steps`` steps that the run's ``eval.jsonl``
-    records, one per split of ``splits``, without their step: the final ones a finished
-    run wrote, which a requeue reports again rather than evaluating again. None where one
-    is missing (the run died before it), or without ``logs`` (only rank 0 has them)."""
-    if logs is None:
-        return None
+    records (``recorded_evals``): the final ones a finished run wrote, which a requeue
+    reports again rather than evaluating again. None without ``logs`` (only rank 0 has
+    them)."""
+    return None if logs is None else recorded_evals(logs.paths["eval"], steps, splits)
+
+
+def recorded_evals(eval_log: Path, steps: int, splits: tuple[str, ...]) -> Evals | None:
+    """The evaluations of the state after ``steps`` steps that ``eval_log`` records, one
+    per split of ``splits``, without their step; None where one is missing (the run died
+    before it)."""
     found = {}
-    for record in read_records(logs.paths["eval"]):
+    for record in read_records(eval_log):
         if record.get("step") == steps and eval_split(record) in splits:
             found[eval_split(record)] = {k: v for k, v in record.items() if k != "step"}
     return found if len(found) == len(splits) else None

@@ -24,6 +24,7 @@ from distzo.job.evaluation import EvaluationStopped, has_dev
 from distzo.job.preemption import StopSignals, expect
 from distzo.job.records import rank_summary
 from distzo.job.run_end import (
+    Evals,
     Session,
     export_options,
     kept_export,
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
     from distzo.job.trainer import Trainer
 
 logger = logging.getLogger("distzo.train")
-
-Evals = dict[str, dict[str, float]]  # evaluations by split ("dev", "eval")
 
 
 class RunFinish:

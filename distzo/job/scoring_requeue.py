@@ -23,27 +23,19 @@ from typing import Any
 from distzo.config.job import JobConfig
 from distzo.dist import LaunchEnv
 from distzo.dist.launch_gate import rank_0_answers
-from distzo.job.records import describe, eval_split
-from distzo.job.run_logs import read_records
-from distzo.job.summary import SUMMARY
-from distzo.runtime.json_text import loads
+from distzo.job.records import describe
+from distzo.job.run_end import Evals, recorded_evals
+from distzo.job.summary import SUMMARY, read_summary
 
 logger = logging.getLogger("distzo.train")
-
-Evals = dict[str, dict[str, float]]  # evaluations by split ("dev", "eval")
 
 
 def scoring_summary(run_dir: Path) -> dict[str, Any] | None:
     """The ``summary.json`` of the finished scoring run in ``run_dir`` (one of 0 steps),
     or None: no summary (the run died before its end), an unreadable one, or a summary of
     a run that trained."""
-    try:
-        summary = loads((run_dir / SUMMARY).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("steps") != 0:
-        return None
-    return summary
+    summary = read_summary(run_dir)
+    return summary if summary is not None and summary.get("steps") == 0 else None
 
 
 def recorded_score(job: JobConfig, as_recorded: bool) -> Evals | None:
@@ -56,12 +48,7 @@ def recorded_score(job: JobConfig, as_recorded: bool) -> Evals | None:
     if summary is None or not as_recorded:
         return None
     splits = ("dev", "eval") if "dev" in summary else ("eval",)
-    log = Path(job.run.log_dir or run_dir) / "eval.jsonl"
-    found = {}
-    for record in read_records(log):
-        if record.get("step") == 0 and eval_split(record) in splits:
-            found[eval_split(record)] = {k: v for k, v in record.items() if k != "step"}
-    return found if len(found) == len(splits) else None
+    return recorded_evals(Path(job.run.log_dir or run_dir) / "eval.jsonl", 0, splits)
 
 
 def agreed_recorded_score(job: JobConfig, env: LaunchEnv, as_recorded: bool) -> Evals | None:

@@ -19,6 +19,7 @@ from typing import Any
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig
 from distzo.job.records import eval_split
+from distzo.runtime.json_text import loads
 
 SUMMARY = "summary.json"
 
@@ -127,3 +128,13 @@ def write_summary(path: Path, summary: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The ``summary.json`` of the run in ``run_dir``, or None: none yet (the run died
+    before its end, or it is being rewritten) or one that is not a JSON object."""
+    try:
+        summary = loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
