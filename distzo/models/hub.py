@@ -24,6 +24,7 @@ from distzo.models.hub_reads import (
     causes,
     first_line,
     hub_answers,
+    hub_commit,
     note_stall,
     stalled,
 )
@@ -210,16 +211,8 @@ def main_commit(name: str, option: str = "--model") -> MainCommit:
     hub that stalls on it is taken as one that does not answer (``note_stall``)."""
     from huggingface_hub import repo_info, snapshot_download
 
-    commit = None
     try:
-        if hub_answers():
-            with bounded_reads():
-                try:
-                    commit = repo_info(name).sha
-                except Exception as err:
-                    if not stalled(err):
-                        raise
-                    note_stall(err)
+        commit = hub_commit(lambda: repo_info(name).sha)
         hubs = commit is not None
         if commit is None:
             commit = Path(snapshot_download(name, local_files_only=True)).name

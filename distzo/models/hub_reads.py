@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -186,21 +186,27 @@ def hub_offline() -> Iterator[None]:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
-def dataset_commit(name: str) -> str:
-    """The commit hub dataset ``name`` is now, or "" where the hub does not answer (or
-    stalls on it; ``note_stall``): a launch's ranks read it at this one commit."""
-    from huggingface_hub import HfApi
-
+def hub_commit(ask: Callable[[], str | None]) -> str | None:
+    """``ask()`` (a repository's commit, from the hub) within bounded reads, or None where
+    the hub does not answer or stalls on it (``note_stall``): the cache is read then."""
     if not hub_answers():
-        return ""
+        return None
     with bounded_reads():
         try:
-            return str(HfApi().repo_info(name, repo_type="dataset").sha or "")
+            return ask()
         except Exception as err:
             if not stalled(err):
                 raise
             note_stall(err)
-            return ""
+            return None
+
+
+def dataset_commit(name: str) -> str:
+    """The commit hub dataset ``name`` is now, or "" where the hub does not answer (or
+    stalls on it; ``hub_commit``): a launch's ranks read it at this one commit."""
+    from huggingface_hub import HfApi
+
+    return str(hub_commit(lambda: HfApi().repo_info(name, repo_type="dataset").sha) or "")
 
 
 def repo_answers(name: str, kind: str = "model") -> bool:

@@ -83,10 +83,10 @@ def test_rank_0_sends_every_node_the_commit_its_main_is(offline_cache):
 def test_rank_0_sends_the_hubs_main_where_the_hub_answers(offline_cache, monkeypatch):
     import huggingface_hub
 
-    from distzo.models import hub
+    from distzo.models import hub, hub_reads
 
     cache_with(offline_cache, OLD, OLD, NEW)  # the hub's main is ahead of this cache's
-    monkeypatch.setattr(hub, "hub_answers", lambda: True)
+    monkeypatch.setattr(hub_reads, "hub_answers", lambda: True)
     monkeypatch.setattr(huggingface_hub, "repo_info", lambda name: SimpleNamespace(sha=NEW))
     assert hub.main_commit("tiny/llama") == (NEW, True)
 
@@ -155,9 +155,9 @@ def test_a_main_that_names_no_commit_is_one_line(offline_cache, monkeypatch):
     """A hub (a mirror) whose answer names no commit hash: every node would read its own."""
     import huggingface_hub
 
-    from distzo.models import hub
+    from distzo.models import hub, hub_reads
 
-    monkeypatch.setattr(hub, "hub_answers", lambda: True)
+    monkeypatch.setattr(hub_reads, "hub_answers", lambda: True)
     monkeypatch.setattr(huggingface_hub, "repo_info", lambda name: SimpleNamespace(sha="v1.0"))
     with pytest.raises(ValueError, match=r"^cannot download --model 'tiny/llama': its main names "):
         hub.main_commit("tiny/llama")
