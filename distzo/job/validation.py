@@ -151,15 +151,15 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     launched. A refusal (rank 0's, a node's first rank's) is every waiting rank's line."""
     data = job.data
     sources = dict.fromkeys(s for s in (data.train_file, data.eval_file) if s)
-    hub = [source for source in sources if source.startswith("hf:")]
-    if not hub or not env.launched or env.world_size == 1:
+    hub_sources = [source for source in sources if source.startswith("hf:")]
+    if not hub_sources or not env.launched or env.world_size == 1:
         return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
     timeout = job.parallel.dist_timeout
     revisions = {
         source: rank_0_answers(
             env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
         )
-        for source in hub
+        for source in hub_sources
     }
 
     def fill_node_cache() -> str:
@@ -167,7 +167,7 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
             fill_hub_cache(source, commit or None)
         return "filled"
 
-    question = f"{', '.join(hub)} in the node's cache"
+    question = f"{', '.join(hub_sources)} in the node's cache"
     node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
     pins = {source: HubPin(commit or None, cached=True) for source, commit in revisions.items()}
     return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins)
