@@ -80,6 +80,17 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
                 yield record
 
 
+def _record_key(line: str) -> tuple[int, str] | None:
+    """(step, split) of an evaluation log's line; None for a line that is no record."""
+    try:
+        record = json_text.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or not is_of_type(record.get("step"), int):
+        return None
+    return record["step"], eval_split(record)
+
+
 def _close_quietly(seeds: SeedLogWriter) -> None:
     """Close the seed log of logs that failed to open: the failure under way is the one to
     report, not a second one of the same disk."""
@@ -123,7 +134,7 @@ class RunLogs:
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
         evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
-        self.kept_evals = {(r["step"], eval_split(r)) for r in evals}
+        self.kept_evals = {(r["step"], eval_split(r)): r for r in evals}
         self.closed = False
         # A failure from here (the header on a full disk) closes what was opened: the seed
         # log's syncer thread holds its file, and a Trainer retried in process kept both.
@@ -169,13 +180,40 @@ class RunLogs:
         self.reporter.log(scalars, record["step"])
 
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """An evaluation of the state after ``step`` steps (once: not one the resumed log
-        already holds, nor a second of the same state: --max-steps 0 evaluates step 0
-        before and after training). The dev rows' evaluation of a step is another record."""
-        kept = (step, eval_split(metrics))
-        if kept not in self.kept_evals:
-            self.write("eval", {"step": step, **metrics})
-            self.kept_evals.add(kept)
+        """An evaluation of the state after ``step`` steps, one record per state and split
+        (the dev rows' evaluation of a step is another): one the log already holds with
+        these figures is not repeated (a resumed run evaluates the state it starts from
+        again; --max-steps 0 evaluates step 0 before and after training), and one it holds
+        with other figures is replaced, so that the log, the summary drawn from it and the
+        next requeue's report give the figures of the latest evaluation (a requeue that
+        changed --max-new-tokens scores its final state again)."""
+        key, record = (step, eval_split(metrics)), {"step": step, **metrics}
+        kept = self.kept_evals.get(key)
+        if kept is None:
+            self.write("eval", record)
+        elif kept != record:
+            self._replace_eval(key, record)
+        self.kept_evals[key] = record
+
+    def _replace_eval(self, key: tuple[int, str], record: dict[str, Any]) -> None:
+        """``eval.jsonl`` with the record of ``key`` (step, split) replaced by ``record``
+        where it stands, through a temporary file and a rename (a crash leaves the old log
+        or the new one, whole); the append handle reopened on the new file."""
+        path = self.paths["eval"]
+        self.files["eval"].close()
+        try:
+            raw = path.read_bytes()
+            lines = list(filter(None, as_read_text(raw).split("\n")))
+            at = [i for i, line in enumerate(lines) if _record_key(line) == key]
+            for i in at:  # one: this log writes a state's record of a split once
+                lines[i] = json.dumps(record)
+            if not at:  # the file was cut by hand since the run opened it
+                lines.append(json.dumps(record))
+            with names_file(path):
+                _rewrite(path, "".join(line + "\n" for line in lines), raw)
+        finally:
+            self.files["eval"] = open(path, "a")
+        self._report("eval", record)
 
     def _keep(self, steps: int, loss: Callable[[dict[str, Any]], object] | None = None) -> None:
         """Cut every log back to the state after ``steps`` steps. Step records are 0-based

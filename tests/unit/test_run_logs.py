@@ -108,3 +108,25 @@ def test_a_wandb_run_is_the_run_directorys_however_named_and_logs_each_step(tmp_
     inits = [c["id"] for c in calls if c["call"] == "init"]
     assert len(inits) == 2 and inits[0] == inits[1]
     assert [c["step"] for c in calls if c["call"] == "log"] == [7, 7]
+
+
+def test_a_state_evaluated_again_otherwise_replaces_its_record_in_place(tmp_path):
+    """A requeue that changes --max-new-tokens scores the finished run's final state again;
+    eval.jsonl kept the older record of that step, so the summary drawn from it and the next
+    requeue's report gave the stale figure. The newer record takes the old one's place."""
+    from distzo.job.run_end import recorded_evals
+
+    session(tmp_path, 0, range(4), lr=1.0, eval_at={2, 4})
+    logs = RunLogs(tmp_path, tmp_path, 4, {"seed": 0})
+    logs.write_eval(4, {"eval_loss": 0.5})  # the same figures: not repeated
+    assert (tmp_path / "eval.jsonl").read_text().count('"step": 4') == 1
+    logs.write_eval(4, {"eval_loss": 0.25})  # scored otherwise: replaced where it stood
+    logs.write_eval(4, {"dev_loss": 0.75})  # another split of the step: a record of its own
+    logs.close()
+    assert read_records(tmp_path / "eval.jsonl") == [
+        {"step": 2, "eval_loss": 0.5},
+        {"step": 4, "eval_loss": 0.25},
+        {"step": 4, "dev_loss": 0.75},  # written through the handle reopened on the new file
+    ]
+    assert recorded_evals(tmp_path / "eval.jsonl", 4, ("eval",)) == {"eval": {"eval_loss": 0.25}}
+    assert not (tmp_path / "eval.jsonl.tmp").exists()
