@@ -1,6 +1,7 @@
-"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR [--step N] [--overwrite]``:
-a ZO run rebuilt from its seeds and scalars, at its end or after its first N steps (the
-step a dev set chose, say).
+"""``python -m distzo.replay [--base MODEL] --log SEEDLOG --out DIR [--step N] [--overwrite]
+[--[no-]merge-adapter] [--export-shard-size SIZE]``: a ZO run rebuilt from its seeds and
+scalars, at its end or after its first N steps (the step a dev set chose, say), exported as
+``distzo.train``'s export options (the same flags) ask.
 
 A ZO-SGD run is fully described by its base weights and, per step, (step, g per query,
 lr): z is regenerated from (run seed, step, block, query) and the element, so replaying
@@ -36,10 +37,11 @@ from distzo.adapters.peft_adapters import (
 )
 from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
-from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
+from distzo.config.inapplicable import RULES, ignored_warning
+from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, add_job_flag
 from distzo.config.option_names import named_as_flags
 from distzo.engine import ZOEngine
-from distzo.export.hf_model import export_model
+from distzo.export.hf_model import check_shard_size, export_model
 from distzo.export.out_dir import check_out, staging_dir
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.run_end import BEST_WRITTEN, complete_export, export_record
@@ -201,16 +203,17 @@ def replay_config(header: dict, device: str | None) -> ZOConfig:
     return config
 
 
-def merged_export(spec: AdapterSpec, header: dict, merge_adapter: bool) -> bool:
-    """Whether the export merges the adapter into its base (``--merge-adapter``, or the
-    run's choice); refused in one line before the base is fetched or a step replayed where
-    there is nothing to merge (training refuses it) or a prefix (the export would)."""
+def merged_export(spec: AdapterSpec, header: dict, merge_adapter: bool | None) -> bool:
+    """Whether the export merges the adapter into its base (``--merge-adapter`` or
+    ``--no-merge-adapter``; None: the run's choice); refused in one line before the base is
+    fetched or a step replayed where there is nothing to merge (training refuses it) or a
+    prefix (the export would)."""
     if merge_adapter and not spec.enabled:
         raise ValueError(
             "--merge-adapter: the run tuned the full model, with no adapter to merge; "
             "drop --merge-adapter"
         )
-    merge = merge_adapter or bool(header.get("merge_adapter"))
+    merge = bool(header.get("merge_adapter")) if merge_adapter is None else merge_adapter
     if merge and spec.method == "prefix":
         raise ValueError(
             "--merge-adapter: the run trained a prefix, which cannot be merged into the "
@@ -237,20 +240,25 @@ def replay(
     log: Path,
     out: Path,
     device: str | None = None,
-    merge_adapter: bool = False,
+    merge_adapter: bool | None = None,
     step: int | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: str | None = None,
 ) -> Path | None:
     """Rebuild the run that ``log`` records onto its base, written to ``out`` as the run's
-    own export is (``merge_adapter``, or the run's: an adapter merged into its base; the
-    base's tokenizer beside the weights); ``step``: after that many steps (default: all);
-    ``max_shard_size``: as the run's ``--export-shard-size``; returns the directory (a
-    replay is one process, so rank 0's: never None there)."""
+    own export is (``merge_adapter``, None: as the run's, an adapter merged into its base
+    or not; the base's tokenizer beside the weights); ``step``: after that many steps
+    (default: all); ``max_shard_size``: as ``distzo.train``'s ``--export-shard-size``
+    (None: its default); returns the directory (a replay is one process, so rank 0's:
+    never None there)."""
+    if max_shard_size is not None:
+        check_shard_size(max_shard_size)
     header, logged = read_seed_log(log)
     spec = AdapterSpec.from_record(header.get("peft"))
     check_replayable(log, header, spec)
     steps = steps_up_to(log, logged, step)
     merge = merged_export(spec, header, merge_adapter)
+    if max_shard_size not in (None, DEFAULT_MAX_SHARD_SIZE) and spec.enabled and not merge:
+        logger.warning(ignored_warning({"export_shard_size": RULES["export_shard_size"][1]}))
     config = replay_config(header, device)
     folder = base_folder(base, header)
     name = base or header.get("base") or header["model_config"]
@@ -268,7 +276,8 @@ def replay(
     logger.info("replayed %d steps onto %s", len(steps), name)
     # the command checked --out (an existing one only with --overwrite)
     tokenizer = run_tokenizer(folder, header)
-    return export_model(engine, out, tokenizer, max_shard_size, merge, overwrite=True)
+    shards = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+    return export_model(engine, out, tokenizer, shards, merge, overwrite=True)
 
 
 BEST_EXPORT = "export-best"  # in the run directory, beside export/
@@ -372,12 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         help="rebuild the model after the run's first N steps (default: all the log holds)",
     )
     p.add_argument("--device", default=None, help="default: the device type the run trained on")
-    p.add_argument(
-        "--merge-adapter",
-        action="store_true",
-        help="write an adapter run's base with the adapter merged in (default: as the run's "
-        "export, which its --merge-adapter decided)",
+    add_job_flag(  # distzo.train's flags, which the run's own export took
+        p,
+        "merge_adapter",
+        default=None,
+        help="write an adapter run's base with the adapter merged in, or (--no-merge-adapter) "
+        "the peft adapter alone (default: as the run's export, which its --merge-adapter "
+        "decided)",
     )
+    add_job_flag(p, "export_shard_size", default=None)
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -391,7 +403,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.base == "":  # "" would read as unset: the log's base, where one was named
             raise ValueError("--base is empty; give the base's hub name or folder, or leave it out")
         target = check_out(args.out, args.overwrite)
-        out = replay(args.base, args.log, target, args.device, args.merge_adapter, args.step)
+        out = replay(
+            args.base,
+            args.log,
+            target,
+            args.device,
+            args.merge_adapter,
+            args.step,
+            args.export_shard_size,
+        )
     except ValueError as err:
         return fail(str(err).splitlines()[0])
     except OSError as err:  # a full disk, an unwritable --out: a failure, one line

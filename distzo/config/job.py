@@ -639,34 +639,53 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, f in _options():
         group = groups.setdefault(section, p.add_argument_group(f"[{section}]"))
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(f)
         # An option that defaults to None says what that means in its own help.
         text = (
             f.metadata["help"]
             if f.default is None
             else f"{f.metadata['help']} (default: {f.default})"
         )
-        if kind is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
-            )
-        else:
-            bare = (
-                {"nargs": "?", "const": f.metadata["bare"]}
-                if f.metadata.get("bare") is not None
-                else {}
-            )
-            group.add_argument(
-                flag,
-                type=kind,
-                choices=f.metadata["choices"],
-                default=argparse.SUPPRESS,
-                help=text,
-                metavar=None if f.metadata["choices"] else _metavar(f.name, kind),
-                **bare,
-            )
+        _add_flag(group, f, text, argparse.SUPPRESS)
     return p
+
+
+def add_job_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    name: str,
+    default: Any,
+    help: str | None = None,
+) -> None:
+    """The job option ``name``'s flag on another command's ``parser`` (the replay's export
+    options), as ``distzo.train`` takes it (flag, type, choices, metavar), so that the two
+    commands cannot drift. ``default``: what the command reads when the flag is not given
+    (None: not given); ``help`` where the command means it otherwise than the job (None:
+    the option's own, with the job's default)."""
+    f = next(f for _, f in _options() if f.name == name)
+    _add_flag(parser, f, help or f"{f.metadata['help']} (default: {f.default})", default)
+
+
+def _add_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    f: dataclasses.Field,
+    text: str,
+    default: Any,
+) -> None:
+    """The flag of option ``f``: its name with dashes; a bool's with its ``--no-`` form."""
+    flag = "--" + f.name.replace("_", "-")
+    kind = _base_type(f)
+    if kind is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        return
+    bare = {"nargs": "?", "const": f.metadata["bare"]} if f.metadata.get("bare") is not None else {}
+    parser.add_argument(
+        flag,
+        type=kind,
+        choices=f.metadata["choices"],
+        default=default,
+        help=text,
+        metavar=None if f.metadata["choices"] else _metavar(f.name, kind),
+        **bare,
+    )
 
 
 # What --help shows a string option takes, where "STR" would say nothing.

@@ -54,6 +54,32 @@ def llama_dir(path: Path) -> Path:
 # -- distzo.replay
 
 
+def test_replay_takes_distzo_trains_export_shard_size_its_check_and_its_shards(run, tmp_path):
+    """A replay exporting a large run wrote 5GB shards, with no way to choose: it takes
+    distzo.train's --export-shard-size, refused in train's one line before any step."""
+    from safetensors.torch import load_file
+
+    log, out = str(run / "seedlog.jsonl"), tmp_path / "out"
+    proc = main_in_process(
+        "distzo.replay", ["--log", log, "--out", str(out), "--export-shard-size", "0GB"]
+    )
+    assert (
+        one_line(proc) == "error: --export-shard-size '0GB' is not a size; write e.g. 5GB or 500MB"
+    )
+    assert not out.exists()
+    proc = main_in_process(
+        "distzo.replay", ["--log", log, "--out", str(out), "--export-shard-size", "60KB"]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    assert all(shard.stat().st_size <= 60_000 + 10_000 for shard in shards)  # a header's worth
+    replayed = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
+    exported = load_file(str(run / "export" / "model.safetensors"))
+    assert replayed.keys() == exported.keys()
+    assert all(torch.equal(replayed[k], exported[k]) for k in exported)
+
+
 def test_replay_refuses_a_base_of_another_model(run, tmp_path):
     out = tmp_path / "out"
     proc = main_in_process(

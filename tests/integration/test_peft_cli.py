@@ -205,6 +205,17 @@ def test_a_merged_model_run_keeps_its_generation_config_tokenizer_and_replays_me
         AutoModelForCausalLM.from_pretrained(replayed).state_dict(),
         AutoModelForCausalLM.from_pretrained(run / "export").state_dict(),
     )
+    # distzo.train's --no-merge-adapter: the adapter alone, which the run never wrote
+    from tests.helpers.launch import main_in_process
+
+    adapter = tmp_path / "adapter"
+    flags = ["--log", str(run / "seedlog.jsonl"), "--out", str(adapter), "--no-merge-adapter"]
+    proc = main_in_process("distzo.replay", [*flags, "--export-shard-size", "20KB"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ignored: --export-shard-size (it applies only with " in proc.stderr  # as train's
+    assert not list(adapter.glob("model*.safetensors"))
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    assert lora and all("lora_" in name for name in lora)
 
 
 @pytest.mark.parametrize(
