@@ -45,7 +45,7 @@ from distzo.export.hf_model import check_shard_size, export_model
 from distzo.export.out_dir import check_out, staging_dir
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.run_end import BEST_WRITTEN, complete_export, export_record
-from distzo.job.run_lock import RunLock
+from distzo.job.run_lock import DirectoryLocked, RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
     first_step,
@@ -281,6 +281,7 @@ def replay(
 
 
 BEST_EXPORT = "export-best"  # in the run directory, beside export/
+BEST_LOCK_WAIT_S = 5.0  # how long export-best waits for its run directory's lock
 
 
 def export_best(run_dir: Path, options: dict[str, Any]) -> None:
@@ -295,7 +296,15 @@ def export_best(run_dir: Path, options: dict[str, Any]) -> None:
     # the run let go of its directory at its end: taken again, so that no other job
     # (a requeue started meanwhile) writes export-best/ beside this one
     lock = RunLock(run_dir)
-    lock.acquire()
+    try:
+        lock.acquire(wait_s=BEST_LOCK_WAIT_S)  # another job's start-up check lasts an instant
+    except DirectoryLocked as taken:  # a job started in the instant the directory was free
+        raise ValueError(
+            f"--export-best: another job took {run_dir} as this run ended ({taken.holder}), "
+            "so export-best/ was not written; once that job ends, python -m distzo.replay "
+            f"--log {run_dir / SEED_LOG} --out {run_dir / BEST_EXPORT} --step N, with N its "
+            "summary.json's dev.best.step, writes it"
+        ) from None
     try:
         _export_best_locked(run_dir, options)
     finally:

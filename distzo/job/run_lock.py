@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -28,6 +29,16 @@ logger = logging.getLogger("distzo.train")
 LOCK_FILE = ".distzo.lock"
 # What a filesystem without locks (some network mounts) answers: the job runs unlocked.
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_RETRY_S = 0.05  # how often ``acquire(wait_s=...)`` asks again
+
+
+class DirectoryLocked(ValueError):
+    """The one-line refusal of a run directory that another job (``holder``: what its lock
+    file says, "a process" where it says nothing) holds."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
 class RunLock:
@@ -47,8 +58,20 @@ class RunLock:
     def path(self) -> Path:
         return self.run_dir / LOCK_FILE
 
-    def acquire(self) -> None:
-        """Take the lock, or refuse in one line naming the job that holds it."""
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lock, or refuse in one line naming the job that holds it
+        (``DirectoryLocked``); ``wait_s``: asked again for that long first, for a lock
+        held an instant (another job's start-up check, ``check_not_running``)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._acquire()
+            except DirectoryLocked:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_RETRY_S)
+
+    def _acquire(self) -> None:
         if self._file is not None:
             return
         self._made = not self.run_dir.exists()
@@ -73,7 +96,8 @@ class RunLock:
             handle.seek(0)
             holder = handle.read()
             handle.close()
-            raise ValueError(_refusal(holder, self.run_dir, self.flag)) from None
+            refusal = _refusal(holder, self.run_dir, self.flag)
+            raise DirectoryLocked(refusal, holder.strip() or "a process") from None
         except OSError as err:
             handle.close()
             if err.errno not in _NO_LOCKS:

@@ -4,6 +4,8 @@ evaluation rows, and the errors for counts a file cannot give."""
 
 import json
 import logging
+import os
+import socket
 import weakref
 from pathlib import Path
 
@@ -200,8 +202,15 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     (out / "export-best.tmp" / "model.safetensors").write_bytes(b"cut short")
     held = RunLock(out)  # another job in the directory meanwhile: none writes beside it
     held.acquire()
-    with pytest.raises(ValueError, match="another Trainer of this process holds it"):
+    monkeypatch.setattr(distzo.replay, "BEST_LOCK_WAIT_S", 0.0)
+    with pytest.raises(ValueError) as refused:
         export_best(out, _OPTIONS)
+    assert str(refused.value) == (
+        f"--export-best: another job took {out} as this run ended (pid {os.getpid()} on "
+        f"{socket.gethostname()}), so export-best/ was not written; once that job ends, "
+        f"python -m distzo.replay --log {out / 'seedlog.jsonl'} --out {out / 'export-best'} "
+        "--step N, with N its summary.json's dev.best.step, writes it"
+    )
     held.release()
     export_best(out, _OPTIONS)  # the requeue's replay, over its own leftovers
     again = load_file(out / "export-best" / "model.safetensors")

@@ -629,6 +629,31 @@ def test_a_filesystem_without_locks_runs_the_job_unlocked_and_says_so(
         RunLock(tmp_path / "run").acquire()
 
 
+def test_a_lock_held_an_instant_is_waited_for_and_one_held_on_is_refused(tmp_path):
+    """export-best takes its run directory again once the run let go of it: another job's
+    start-up check (a shared lock, held an instant) at that moment refused the replay, and
+    its export-best/ was never written. ``acquire(wait_s)`` asks again meanwhile."""
+    import fcntl
+    import threading
+
+    from distzo.job.run_lock import LOCK_FILE, DirectoryLocked, RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    checking = open(run / LOCK_FILE, "a+")  # check_not_running's shared lock
+    fcntl.flock(checking, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    with pytest.raises(DirectoryLocked, match="another job is running in it") as refused:
+        RunLock(run).acquire()
+    assert refused.value.holder == "a process"  # its file names no job
+    lock = RunLock(run)
+    threading.Timer(0.05, checking.close).start()  # the check ends: its lock goes
+    lock.acquire(wait_s=30)  # a bound far above the instant: no timing asserted
+    assert lock.held
+    with pytest.raises(DirectoryLocked):
+        RunLock(run).acquire(wait_s=0.1)  # held on: refused once the wait is over
+    lock.release()
+
+
 def test_a_run_that_ended_in_the_directory_since_the_checks_is_refused_under_the_lock(
     tmp_path, monkeypatch
 ):
