@@ -38,8 +38,9 @@ T = TypeVar("T")
 class HubPin:
     """How a rank of a launch reads an ``hf:`` dataset: at ``revision``, the commit rank 0
     was told (None: the hub did not answer rank 0, so the cache's), and from its node's
-    cache alone where ``cached`` (the node's first rank downloaded it): each rank asking the
-    hub for itself made 13 to 15 requests a file (distzo's 3, datasets' 10 to 12)."""
+    cache alone where ``cached`` (the node's first rank downloaded it), the copy of that
+    commit (``hub_cache.pinned_folder``): each rank asking the hub for itself made 13 to 15
+    requests a file (distzo's 3, datasets' 10 to 12)."""
 
     revision: str | None
     cached: bool = False
@@ -338,12 +339,18 @@ def _hub_dataset(source: str, pin: HubPin | None) -> Any:
     require_pyarrow(source)
     import datasets
 
+    from distzo.data.hub_cache import pinned_folder, read_prepared
     from distzo.data.read_only_cache import unlocked_where_read_only
     from distzo.models.hub_reads import offline_unless_answered
 
     revision = pin.revision if pin else None
     cached = pin is not None and (pin.cached or revision is None)
+    # datasets offline reads the cache's newest copy, of whichever commit: the pinned one's
+    pinned = pinned_folder(path, config, split, revision, source) if cached and revision else None
     try:
+        if pinned is not None:
+            with unlocked_where_read_only():
+                return read_prepared(path, pinned, split)
         # a hub that never answers: the datasets cache, read where it is read-only too
         with (
             _read_cache_quietly() if cached else offline_unless_answered(path),

@@ -1,6 +1,7 @@
 """A local stand-in for the Hugging Face hub holding one model, tiny/llama, and one dataset,
-org/tiny (a ``train.jsonl`` of ``ROWS``), that records every request it answers:
-huggingface_hub, transformers and datasets pointed at it, caches of the test's own."""
+org/tiny (a ``train.jsonl`` of ``ROWS`` at its main, ``COMMIT``; of ``OLD_ROWS`` at an
+earlier commit, ``OLD_COMMIT``), that records every request it answers: huggingface_hub,
+transformers and datasets pointed at it, caches of the test's own."""
 
 import contextlib
 import hashlib
@@ -20,7 +21,22 @@ from tests.helpers.models import LLAMA
 COMMIT = "b" * 40  # the hub's main
 CONFIG = json.dumps(LlamaConfig(**LLAMA).to_dict()).encode()
 ROWS = [{"sentence": f"row {i}", "label": i % 2} for i in range(4)]
-TRAIN = "".join(json.dumps(row) + "\n" for row in ROWS).encode()  # org/tiny's train.jsonl
+OLD_COMMIT = "a" * 40  # an earlier commit of org/tiny, whose rows differ
+OLD_ROWS = [{"sentence": f"old row {i}", "label": 1 - i % 2} for i in range(3)]
+TRAIN = {  # org/tiny's train.jsonl, by commit
+    commit: "".join(json.dumps(row) + "\n" for row in rows).encode()
+    for commit, rows in ((COMMIT, ROWS), (OLD_COMMIT, OLD_ROWS))
+}
+
+
+def named_commit(path: str) -> str | None:
+    """The commit of org/tiny an API or file path names (its main: ``COMMIT``)."""
+    parts = path.split("/")
+    named = next((parts[i + 1] for i, p in enumerate(parts[:-1]) if p in REVISION_AT), "main")
+    return COMMIT if named == "main" else named if named in TRAIN else None
+
+
+REVISION_AT = ("revision", "tree", "resolve")  # what a path's revision follows
 
 
 class Hub(BaseHTTPRequestHandler):
@@ -43,12 +59,16 @@ class Hub(BaseHTTPRequestHandler):
         self.do_GET()
 
     def dataset_api(self, path: str) -> None:
-        """org/tiny's info, and its tree's listing: one file."""
-        entry = {"type": "file", "path": "train.jsonl", "size": len(TRAIN)}
-        entry["oid"] = hashlib.sha1(TRAIN).hexdigest()
+        """org/tiny's info, and its tree's listing: one file, at the commit named."""
+        commit = named_commit(path)
+        if commit is None:
+            return self.answer(404, headers={"X-Error-Code": "RevisionNotFound"})
+        train = TRAIN[commit]
+        entry = {"type": "file", "path": "train.jsonl", "size": len(train)}
+        entry["oid"] = hashlib.sha1(train).hexdigest()
         if "/tree/" in path:
             return self.answer(200, json.dumps([entry]).encode())
-        info = {"id": "org/tiny", "sha": COMMIT, "siblings": [{"rfilename": "train.jsonl"}]}
+        info = {"id": "org/tiny", "sha": commit, "siblings": [{"rfilename": "train.jsonl"}]}
         return self.answer(200, json.dumps(info).encode())
 
     def do_GET(self) -> None:
@@ -67,9 +87,12 @@ class Hub(BaseHTTPRequestHandler):
             return self.answer(200, CONFIG, {"X-Repo-Commit": COMMIT, "ETag": f'"{oid}"'})
         if path.startswith("/api/datasets/org/tiny"):
             return self.dataset_api(path)
+        commit = named_commit(path)
         if path.startswith("/datasets/org/tiny/resolve/") and path.endswith("/train.jsonl"):
-            tag = hashlib.sha1(TRAIN).hexdigest()
-            return self.answer(200, TRAIN, {"X-Repo-Commit": COMMIT, "ETag": f'"{tag}"'})
+            if commit is None:
+                return self.answer(404, headers={"X-Error-Code": "RevisionNotFound"})
+            tag = hashlib.sha1(TRAIN[commit]).hexdigest()
+            return self.answer(200, TRAIN[commit], {"X-Repo-Commit": commit, "ETag": f'"{tag}"'})
         return self.answer(404, headers={"X-Error-Code": "EntryNotFound"})
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distzo.data.loaders import load_rows
+from distzo.data.loaders import HubPin, iter_numbered_rows, load_rows
 from tests.helpers.read_only import read_only
 
 ROWS = [{"sentence": f"row {i}", "label": i % 2} for i in range(4)]
@@ -50,6 +50,14 @@ def test_a_dataset_in_a_read_only_cache_is_read_from_it(offline_cache, monkeypat
     with read_only(offline_cache, monkeypatch):
         assert load_rows("hf:org/tiny:train") == ROWS
     assert sorted(offline_cache.rglob("*")) == before  # nothing written, nothing tried half
+
+
+def test_a_launchs_copy_at_its_commit_is_read_from_a_read_only_cache(offline_cache, monkeypatch):
+    """A launch's rank reads the copy at rank 0's commit (``HubPin``), not datasets' newest."""
+    commit = next(offline_cache.glob("org___tiny/default/0.0.0/*")).name
+    with read_only(offline_cache, monkeypatch):
+        read = iter_numbered_rows("hf:org/tiny:train", HubPin(commit, cached=True))
+        assert [row for _, row in read] == ROWS
 
 
 def test_a_writable_cache_is_still_locked(offline_cache):

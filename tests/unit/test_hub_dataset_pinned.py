@@ -1,0 +1,50 @@
+"""A launch's ranks read an ``hf:`` dataset offline from their node's datasets cache at the
+commit rank 0 was told: ``datasets`` offline reads the cache's most recently prepared copy,
+whatever its commit, so a node whose cache held another commit's copy, prepared later,
+trained on that copy's rows; a rank's row digests agree with its node's, so one node (or
+nodes sharing one cache) did so without a word."""
+
+import os
+
+import pytest
+
+from distzo.data.loaders import HubPin, fill_hub_cache, iter_numbered_rows
+from tests.helpers.stand_in_hub import COMMIT, OLD_COMMIT, OLD_ROWS, ROWS, stand_in_hub
+
+SOURCE = "hf:org/tiny:train"
+
+
+def rows_at(commit: str) -> list[dict]:
+    """The rows a launch's rank reads from its node's cache at ``commit``."""
+    return [row for _, row in iter_numbered_rows(SOURCE, HubPin(commit, cached=True))]
+
+
+def test_the_pinned_commits_copy_is_read_where_the_cache_has_a_newer_one(monkeypatch, tmp_path):
+    with stand_in_hub(monkeypatch, tmp_path) as requests:
+        fill_hub_cache(SOURCE, COMMIT)  # a past run's copy, of the commit the hub is on now
+        copies = tmp_path / "datasets" / "org___tiny" / "default" / "0.0.0"
+        os.utime(copies / COMMIT, (1e9, 1e9))
+        fill_hub_cache(SOURCE, OLD_COMMIT)  # then a script read an earlier commit
+        asked = list(requests)
+        assert rows_at(COMMIT) == ROWS
+        assert rows_at(OLD_COMMIT) == OLD_ROWS
+        assert requests == asked  # offline: the node's cache alone
+
+
+def test_a_cache_without_the_pinned_commits_copy_is_one_line(monkeypatch, tmp_path):
+    with stand_in_hub(monkeypatch, tmp_path):
+        fill_hub_cache(SOURCE, OLD_COMMIT)
+        with pytest.raises(ValueError) as raised:
+            rows_at(COMMIT)
+    assert str(raised.value) == (
+        f"{SOURCE}: this node's datasets cache ({tmp_path / 'datasets' / 'org___tiny'}) holds "
+        f"no copy at commit {COMMIT}, which rank 0 pinned and the node's first rank "
+        "downloaded; give a node's ranks one HF_DATASETS_CACHE"
+    )
+
+
+def test_an_unknown_split_of_the_pinned_copy_is_the_loads_line(monkeypatch, tmp_path):
+    with stand_in_hub(monkeypatch, tmp_path):
+        fill_hub_cache(SOURCE, COMMIT)
+        with pytest.raises(ValueError, match=r"^hf:org/tiny:test: cannot load from the hub \("):
+            list(iter_numbered_rows("hf:org/tiny:test", HubPin(COMMIT, cached=True)))
