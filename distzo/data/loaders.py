@@ -44,6 +44,9 @@ class HubPin:
 
     revision: str | None
     cached: bool = False
+    # this process was just told ``revision`` by the hub (rank 0, ``dataset_commit``): its
+    # download asks no more whether the hub answers (rank 0 asked twice: 16 requests, now 14)
+    answered: bool = False
 
 
 def load_rows(source: str) -> list[Row]:
@@ -317,11 +320,12 @@ def hub_dataset_revision(source: str) -> str:
         raise _not_loaded(source, err) from None
 
 
-def fill_hub_cache(source: str, revision: str | None) -> None:
+def fill_hub_cache(source: str, revision: str | None, answered: bool = False) -> None:
     """``hf:`` dataset ``source`` at ``revision`` prepared in this node's datasets cache
     (None: the hub did not answer rank 0, so the cache as it is), for the node's ranks to
-    read offline: one download and one set of datasets' questions a node."""
-    _hub_dataset(source, HubPin(revision))
+    read offline: one download and one set of datasets' questions a node. ``answered``:
+    this process was told ``revision`` by the hub (``HubPin.answered``)."""
+    _hub_dataset(source, HubPin(revision, answered=answered))
 
 
 def _hub_rows(source: str, pin: HubPin | None) -> Iterator[Row]:
@@ -341,7 +345,6 @@ def _hub_dataset(source: str, pin: HubPin | None) -> Any:
 
     from distzo.data.hub_cache import pinned_folder, read_prepared
     from distzo.data.read_only_cache import unlocked_where_read_only
-    from distzo.models.hub_reads import offline_unless_answered
 
     revision = pin.revision if pin else None
     cached = pin is not None and (pin.cached or revision is None)
@@ -352,13 +355,23 @@ def _hub_dataset(source: str, pin: HubPin | None) -> Any:
             with unlocked_where_read_only():
                 return read_prepared(path, pinned, split)
         # a hub that never answers: the datasets cache, read where it is read-only too
-        with (
-            _read_cache_quietly() if cached else offline_unless_answered(path),
-            unlocked_where_read_only(),
-        ):
+        with _hub_reads(path, pin, cached), unlocked_where_read_only():
             return datasets.load_dataset(path, config, split=split, revision=revision)
     except Exception as err:  # offline, unknown name, unknown split: all one message
         raise _not_loaded(source, err) from None
+
+
+def _hub_reads(
+    path: str, pin: HubPin | None, cached: bool
+) -> contextlib.AbstractContextManager[None]:
+    """How a load reaches the hub: not at all (``cached``); bounded, where this process was
+    just told the commit (``HubPin.answered``); or once asked whether the hub answers about
+    ``path`` (``offline_unless_answered``): a hub that does not, read as offline."""
+    from distzo.models.hub_reads import bounded_reads, offline_unless_answered
+
+    if cached:
+        return _read_cache_quietly()
+    return bounded_reads() if pin and pin.answered else offline_unless_answered(path)
 
 
 # datasets' warnings on reading its cache offline: "couldn't be found on the Hugging Face

@@ -163,8 +163,8 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     }
 
     def fill_node_cache() -> str:
-        for source, commit in revisions.items():
-            fill_hub_cache(source, commit or None)
+        for source, commit in revisions.items():  # rank 0 asked which commit: the hub answers
+            fill_hub_cache(source, commit or None, answered=env.rank == 0)
         return "filled"
 
     question = f"{', '.join(hub_sources)} in the node's cache"

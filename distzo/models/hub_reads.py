@@ -203,10 +203,18 @@ def hub_commit(ask: Callable[[], str | None]) -> str | None:
 
 def dataset_commit(name: str) -> str:
     """The commit hub dataset ``name`` is now, or "" where the hub does not answer (or
-    stalls on it; ``hub_commit``): a launch's ranks read it at this one commit."""
+    stalls on it, or on one of its files: ``hub_commit``, ``ask_about_a_file``): a
+    launch's ranks read it at this one commit. Asked as ``repo_answers`` asks, so the
+    download that follows, in the process that asked, asks no more whether the hub answers."""
     from huggingface_hub import HfApi
 
-    return str(hub_commit(lambda: HfApi().repo_info(name, repo_type="dataset").sha) or "")
+    def ask() -> str:
+        info = HfApi().repo_info(name, repo_type="dataset")
+        files = [sibling.rfilename for sibling in getattr(info, "siblings", None) or []]
+        ask_about_a_file(name, "dataset", files, info.sha)
+        return str(info.sha)
+
+    return str(hub_commit(ask) or "")
 
 
 def repo_answers(name: str, kind: str = "model") -> bool:

@@ -55,7 +55,9 @@ def test_a_nodes_first_rank_alone_asks_the_hub_about_a_dataset(store, monkeypatc
         monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "node1" / "ds")
         by_rank.append(task_rows(job, place(2)))
         node_1 = requests[len(asked) :]
-    assert "GET /api/datasets/org/tiny" in asked  # rank 0 asked which commit
+    # rank 0 asked which commit, and whether the hub answers, once: its download asked no more
+    assert asked.count("GET /api/datasets/org/tiny") == 1 == asked.count("HEAD /")
+    assert node_1.count("HEAD /") == 1  # node 1's first rank asks for its own route
     assert [r for r in asked if "/resolve/" in r and "/train.jsonl" in r]  # and downloaded
     # node 1 downloaded its own copy, at the commit rank 0 was told
     assert any(r.startswith("GET /datasets/org/tiny/resolve/") for r in node_1)

@@ -393,3 +393,15 @@ def test_a_hub_whose_answers_come_and_files_stall_is_asked_once_then_read_offlin
     assert str(error).startswith("hf:org/files:train: cannot load from the hub (")
     said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
     assert len(said) == 2 and all(s.startswith(f"the hub ({stalling_hub}) answered") for s in said)
+
+
+def test_rank_0s_commit_of_a_dataset_whose_files_stall_is_the_caches(stalling_hub, caplog):
+    """Rank 0's question (which commit?) asks about one of the dataset's files too: its
+    download that follows asks no more whether the hub answers, so a stall on the files is
+    found here, in one bounded request, not in datasets' retries (10 s, then 60 s a try)."""
+    from distzo.data.loaders import hub_dataset_revision
+
+    with caplog.at_level(logging.WARNING, logger=hub_reads.__name__):
+        assert within_bound(lambda: hub_dataset_revision("hf:org/files:train")) == ""
+    said = [r.getMessage() for r in caplog.records if r.name == hub_reads.__name__]
+    assert len(said) == 1 and said[0].startswith(f"the hub ({stalling_hub}) answered, then ")
