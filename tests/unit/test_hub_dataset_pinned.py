@@ -4,7 +4,9 @@ whatever its commit, so a node whose cache held another commit's copy, prepared 
 trained on that copy's rows; a rank's row digests agree with its node's, so one node (or
 nodes sharing one cache) did so without a word."""
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -48,3 +50,21 @@ def test_an_unknown_split_of_the_pinned_copy_is_the_loads_line(monkeypatch, tmp_
         fill_hub_cache(SOURCE, COMMIT)
         with pytest.raises(ValueError, match=r"^hf:org/tiny:test: cannot load from the hub \("):
             list(iter_numbered_rows("hf:org/tiny:test", HubPin(COMMIT, cached=True)))
+
+
+def test_copies_of_several_configs_at_the_commit_need_one_named(monkeypatch, tmp_path):
+    with stand_in_hub(monkeypatch, tmp_path):
+        fill_hub_cache(SOURCE, COMMIT)
+        tiny = tmp_path / "datasets" / "org___tiny"
+        other = tiny / "other" / "0.0.0" / COMMIT
+        shutil.copytree(tiny / "default" / "0.0.0" / COMMIT, other)
+        info = json.loads((other / "dataset_info.json").read_text())
+        (other / "dataset_info.json").write_text(json.dumps(info | {"config_name": "other"}))
+        with pytest.raises(ValueError) as raised:
+            rows_at(COMMIT)
+        named = iter_numbered_rows("hf:org/tiny:default:train", HubPin(COMMIT, cached=True))
+        assert [row for _, row in named] == ROWS
+    assert str(raised.value) == (
+        f"{SOURCE}: the datasets cache holds configs default, other at commit {COMMIT}; "
+        "name one: hf:org/tiny:CONFIG:train"
+    )
