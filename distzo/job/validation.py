@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import PretrainedConfig
@@ -17,7 +19,7 @@ from transformers import PretrainedConfig
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, expand_home
-from distzo.data.loaders import HubPin, fill_hub_cache, hub_dataset_revision
+from distzo.data.loaders import HubPin, fill_hub_cache, hub_dataset_revision, parse_hub_spec
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
@@ -50,6 +52,7 @@ from distzo.models.weights import check_float_weights, check_readable
 from distzo.runtime.folders import nearest_existing, unwritable
 
 logger = logging.getLogger("distzo.train")
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -148,29 +151,41 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     """The task's rows, an ``hf:`` dataset's read at the commit rank 0 was told (the hub's
     questions, rank 0's alone) and downloaded into each node's cache by its first rank, then
     read offline by all: each rank asking for itself made 15 requests, 960 as 64 ranks
-    launched. A refusal (rank 0's, a node's first rank's) is every waiting rank's line."""
+    launched. One question a dataset and one download a config: its first split's prepares
+    every split (a train and a validation split asked twice made 27 requests on rank 0, not
+    16). A refusal (rank 0's, a node's first rank's) is every waiting rank's line."""
     data = job.data
     sources = dict.fromkeys(s for s in (data.train_file, data.eval_file) if s)
     hub_sources = [source for source in sources if source.startswith("hf:")]
     if not hub_sources or not env.launched or env.world_size == 1:
         return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
     timeout = job.parallel.dist_timeout
-    revisions = {
-        source: rank_0_answers(
+    asked = {
+        repo: rank_0_answers(
             env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
         )
-        for source in hub_sources
+        for repo, source in first_of_each(hub_sources, lambda s: parse_hub_spec(s)[0]).items()
     }
+    revisions = {source: asked[parse_hub_spec(source)[0]] for source in hub_sources}
+    filled = first_of_each(hub_sources, lambda s: parse_hub_spec(s)[:2]).values()
 
     def fill_node_cache() -> str:
-        for source, commit in revisions.items():  # rank 0 asked which commit: the hub answers
-            fill_hub_cache(source, commit or None, answered=env.rank == 0)
+        for source in filled:  # rank 0 asked which commit: the hub answers
+            fill_hub_cache(source, revisions[source] or None, answered=env.rank == 0)
         return "filled"
 
     question = f"{', '.join(hub_sources)} in the node's cache"
     node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
     pins = {source: HubPin(commit or None, cached=True) for source, commit in revisions.items()}
     return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins)
+
+
+def first_of_each(sources: list[str], key: Callable[[str], K]) -> dict[K, str]:
+    """The first of ``sources`` of each ``key``, in their order."""
+    first: dict[K, str] = {}
+    for source in sources:
+        first.setdefault(key(source), source)
+    return first
 
 
 def check_output_dir(output_dir: str | None, flag: str = "--output-dir") -> None:

@@ -1,7 +1,8 @@
 """A local stand-in for the Hugging Face hub holding one model, tiny/llama, and one dataset,
-org/tiny (a ``train.jsonl`` of ``ROWS`` at its main, ``COMMIT``; of ``OLD_ROWS`` at an
-earlier commit, ``OLD_COMMIT``), that records every request it answers: huggingface_hub,
-transformers and datasets pointed at it, caches of the test's own."""
+org/tiny (a ``train.jsonl`` of ``ROWS`` and a ``validation.jsonl`` at its main,
+``COMMIT``; a ``train.jsonl`` of ``OLD_ROWS`` at an earlier commit, ``OLD_COMMIT``), that
+records every request it answers: huggingface_hub, transformers and datasets pointed at
+it, caches of the test's own."""
 
 import contextlib
 import hashlib
@@ -21,11 +22,18 @@ from tests.helpers.models import LLAMA
 COMMIT = "b" * 40  # the hub's main
 CONFIG = json.dumps(LlamaConfig(**LLAMA).to_dict()).encode()
 ROWS = [{"sentence": f"row {i}", "label": i % 2} for i in range(4)]
+VALIDATION_ROWS = [{"sentence": f"held-out row {i}", "label": i % 2} for i in range(2)]
 OLD_COMMIT = "a" * 40  # an earlier commit of org/tiny, whose rows differ
 OLD_ROWS = [{"sentence": f"old row {i}", "label": 1 - i % 2} for i in range(3)]
-TRAIN = {  # org/tiny's train.jsonl, by commit
-    commit: "".join(json.dumps(row) + "\n" for row in rows).encode()
-    for commit, rows in ((COMMIT, ROWS), (OLD_COMMIT, OLD_ROWS))
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+FILES = {  # org/tiny's files, by commit: its main a train and a validation split
+    COMMIT: {"train.jsonl": jsonl(ROWS), "validation.jsonl": jsonl(VALIDATION_ROWS)},
+    OLD_COMMIT: {"train.jsonl": jsonl(OLD_ROWS)},
 }
 
 
@@ -33,7 +41,7 @@ def named_commit(path: str) -> str | None:
     """The commit of org/tiny an API or file path names (its main: ``COMMIT``)."""
     parts = path.split("/")
     named = next((parts[i + 1] for i, p in enumerate(parts[:-1]) if p in REVISION_AT), "main")
-    return COMMIT if named == "main" else named if named in TRAIN else None
+    return COMMIT if named == "main" else named if named in FILES else None
 
 
 REVISION_AT = ("revision", "tree", "resolve")  # what a path's revision follows
@@ -59,16 +67,19 @@ class Hub(BaseHTTPRequestHandler):
         self.do_GET()
 
     def dataset_api(self, path: str) -> None:
-        """org/tiny's info, and its tree's listing: one file, at the commit named."""
+        """org/tiny's info, and its tree's listing: its files at the commit named."""
         commit = named_commit(path)
         if commit is None:
             return self.answer(404, headers={"X-Error-Code": "RevisionNotFound"})
-        train = TRAIN[commit]
-        entry = {"type": "file", "path": "train.jsonl", "size": len(train)}
-        entry["oid"] = hashlib.sha1(train).hexdigest()
+        files = FILES[commit]
+        entries = [
+            {"type": "file", "path": name, "size": len(body), "oid": hashlib.sha1(body).hexdigest()}
+            for name, body in files.items()
+        ]
         if "/tree/" in path:
-            return self.answer(200, json.dumps([entry]).encode())
-        info = {"id": "org/tiny", "sha": commit, "siblings": [{"rfilename": "train.jsonl"}]}
+            return self.answer(200, json.dumps(entries).encode())
+        siblings = [{"rfilename": name} for name in files]
+        info = {"id": "org/tiny", "sha": commit, "siblings": siblings}
         return self.answer(200, json.dumps(info).encode())
 
     def do_GET(self) -> None:
@@ -88,11 +99,13 @@ class Hub(BaseHTTPRequestHandler):
         if path.startswith("/api/datasets/org/tiny"):
             return self.dataset_api(path)
         commit = named_commit(path)
-        if path.startswith("/datasets/org/tiny/resolve/") and path.endswith("/train.jsonl"):
+        name = path.rsplit("/", 1)[-1]
+        if path.startswith("/datasets/org/tiny/resolve/") and name.endswith(".jsonl"):
             if commit is None:
                 return self.answer(404, headers={"X-Error-Code": "RevisionNotFound"})
-            tag = hashlib.sha1(TRAIN[commit]).hexdigest()
-            return self.answer(200, TRAIN[commit], {"X-Repo-Commit": commit, "ETag": f'"{tag}"'})
+            if name in FILES[commit]:
+                body, tag = FILES[commit][name], hashlib.sha1(FILES[commit][name]).hexdigest()
+                return self.answer(200, body, {"X-Repo-Commit": commit, "ETag": f'"{tag}"'})
         return self.answer(404, headers={"X-Error-Code": "EntryNotFound"})
 
 

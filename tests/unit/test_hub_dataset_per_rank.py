@@ -15,9 +15,10 @@ from distzo.config.job import resolve
 from distzo.dist import LaunchEnv, launch_gate
 from distzo.dist.launch_gate import node_first_answers, report_refusal
 from distzo.job.validation import task_rows
-from tests.helpers.stand_in_hub import COMMIT, ROWS, stand_in_hub
+from tests.helpers.stand_in_hub import COMMIT, ROWS, VALIDATION_ROWS, stand_in_hub
 
-JOB = ["--task", "sst2", "--train-file", "hf:org/tiny:train", "--eval-file", "hf:org/tiny:train"]
+JOB = ["--task", "sst2", "--train-file", "hf:org/tiny:train"]
+JOB += ["--eval-file", "hf:org/tiny:validation"]
 
 
 def place(rank: int) -> LaunchEnv:
@@ -58,13 +59,17 @@ def test_a_nodes_first_rank_alone_asks_the_hub_about_a_dataset(store, monkeypatc
     # rank 0 asked which commit, and whether the hub answers, once: its download asked no more
     assert asked.count("GET /api/datasets/org/tiny") == 1 == asked.count("HEAD /")
     assert node_1.count("HEAD /") == 1  # node 1's first rank asks for its own route
+    # datasets resolved org/tiny once a node: its train split's download prepared both splits
+    listing = f"GET /api/datasets/org/tiny/tree/{COMMIT}"
+    assert asked.count(listing) == 1 == node_1.count(listing)
     assert [r for r in asked if "/resolve/" in r and "/train.jsonl" in r]  # and downloaded
     # node 1 downloaded its own copy, at the commit rank 0 was told
     assert any(r.startswith("GET /datasets/org/tiny/resolve/") for r in node_1)
     assert all(COMMIT in r for r in node_1 if "/resolve/" in r)
     assert all("/main" not in r for r in node_1)
     for rows in by_rank:
-        assert rows is not None and len(rows.train) == len(ROWS) == len(rows.eval)
+        assert rows is not None and len(rows.train) == len(ROWS)
+        assert len(rows.eval) == len(VALIDATION_ROWS)
         assert rows.digests == by_rank[0].digests
     # a node's other ranks read its cache without datasets' warnings about being offline
     assert "couldn't be found on the Hugging Face Hub" not in capfd.readouterr().err
