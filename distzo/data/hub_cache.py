@@ -15,11 +15,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+# why a node's cache lacks the pinned copy, as a rank reading it finds, and as its first
+# rank finds after the download (a hub silent to that node: datasets read its cache instead)
+READ_MISSING = "and the node's first rank downloaded; give a node's ranks one HF_DATASETS_CACHE"
+FILL_MISSING = (
+    "and the hub did not give this node (its warning says why); let the node reach the hub, "
+    "or download the dataset at that commit on it first"
+)
 
-def pinned_folder(path: str, config: str | None, split: str, commit: str, source: str) -> Path:
+
+def pinned_folder(
+    path: str,
+    config: str | None,
+    split: str,
+    commit: str,
+    source: str,
+    missing: str = READ_MISSING,
+) -> Path:
     """The folder of hub dataset ``path``'s copy at ``commit`` (``config``: None, its
     default) in this node's cache, found with no request; a cache that holds no copy at
-    that commit, or copies of several configs where none was named, is a one-line error."""
+    that commit (``missing``: why, and the fix), or copies of several configs where none
+    was named, is a one-line error."""
     import datasets.config
     from datasets.naming import camelcase_to_snakecase
 
@@ -34,8 +50,7 @@ def pinned_folder(path: str, config: str | None, split: str, commit: str, source
     if not copies:
         raise ValueError(
             f"{source}: this node's datasets cache ({root}) holds no copy at commit {commit}, "
-            "which rank 0 pinned and the node's first rank downloaded; give a node's ranks "
-            "one HF_DATASETS_CACHE"
+            f"which rank 0 pinned {missing}"
         )
     configs = sorted({folder.parts[-3] for folder in copies})
     if len(configs) > 1:

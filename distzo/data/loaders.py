@@ -324,8 +324,15 @@ def fill_hub_cache(source: str, revision: str | None, answered: bool = False) ->
     """``hf:`` dataset ``source`` at ``revision`` prepared in this node's datasets cache
     (None: the hub did not answer rank 0, so the cache as it is), for the node's ranks to
     read offline: one download and one set of datasets' questions a node. ``answered``:
-    this process was told ``revision`` by the hub (``HubPin.answered``)."""
+    this process was told ``revision`` by the hub (``HubPin.answered``). A hub silent to
+    this node leaves the cache as it is: one without that commit's copy is refused here,
+    once, not on each of the node's ranks with another cause."""
+    from distzo.data.hub_cache import FILL_MISSING, pinned_folder
+
     _hub_dataset(source, HubPin(revision, answered=answered))
+    if revision is not None:
+        path, config, split = parse_hub_spec(source)
+        pinned_folder(path, config, split, revision, source, FILL_MISSING)
 
 
 def _hub_rows(source: str, pin: HubPin | None) -> Iterator[Row]:

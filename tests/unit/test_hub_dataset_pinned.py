@@ -45,6 +45,28 @@ def test_a_cache_without_the_pinned_commits_copy_is_one_line(monkeypatch, tmp_pa
     )
 
 
+def test_a_node_the_hub_is_silent_to_refuses_a_cache_without_the_commit(monkeypatch, tmp_path):
+    """Its first rank read the cache as it was (another commit's copy): refused there, once,
+    naming the cause, not on every rank as a cache the ranks do not share."""
+    import time
+
+    from huggingface_hub import constants
+
+    from distzo.models import hub_reads
+
+    with stand_in_hub(monkeypatch, tmp_path):
+        fill_hub_cache(SOURCE, OLD_COMMIT)
+        monkeypatch.setitem(hub_reads.SILENT_SINCE, constants.ENDPOINT, time.monotonic())
+        with pytest.raises(ValueError) as raised:
+            fill_hub_cache(SOURCE, COMMIT)
+    assert str(raised.value) == (
+        f"{SOURCE}: this node's datasets cache ({tmp_path / 'datasets' / 'org___tiny'}) holds "
+        f"no copy at commit {COMMIT}, which rank 0 pinned and the hub did not give this node "
+        "(its warning says why); let the node reach the hub, or download the dataset at that "
+        "commit on it first"
+    )
+
+
 def test_an_unknown_split_of_the_pinned_copy_is_the_loads_line(monkeypatch, tmp_path):
     with stand_in_hub(monkeypatch, tmp_path):
         fill_hub_cache(SOURCE, COMMIT)
