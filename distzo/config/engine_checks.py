@@ -255,6 +255,11 @@ def _check_batching(config: ZOConfig) -> None:
             f"{_n('grad_accum')} must be >= 1, got {config.grad_accum}; 1 runs the whole batch "
             "at once"
         )
+    if config.micro_batch_rows < 0:
+        raise ValueError(
+            f"{_n('micro_batch_rows')} must be >= 0, got {config.micro_batch_rows}; 0 leaves "
+            "a micro-batch's rows unbounded"
+        )
     if config.num_queries < 1:
         raise ValueError(
             f"{_n('num_queries')} must be >= 1, got {config.num_queries}; use 1 for MeZO's SPSA, "

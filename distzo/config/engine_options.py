@@ -60,6 +60,10 @@ class ZOConfig:
     step's z: each runs through a block while the block is on the device (one upload per
     block per step), so the activations are one micro-batch's; the losses, and so g, are
     those of the whole batch.
+    ``micro_batch_rows`` (0: no bound) bounds the rows of a pass that one such micro-batch
+    holds: a step runs as many as that takes, at least ``grad_accum``. A choice batch's
+    rows are its examples' candidate rows, so one example of 50 candidates can run a few
+    rows a forward (``grad_accum`` counts micro-batches, and cannot go below one example).
     ``optimizer`` ``sgd`` is MeZO's ZO-SGD; ``momentum`` is ZO-SGD with momentum
     (``m_t = beta1 m_{t-1} + g_t z_t``, ``theta -= lr (m_t + wd theta)``) held as MeZO's
     appendix B.2 suggests: no state memory, ``m_t`` regenerated at each update from the
@@ -105,6 +109,7 @@ class ZOConfig:
     dual_forward: bool = False
     batch_queries: bool = False
     grad_accum: int = 1
+    micro_batch_rows: int = 0
     optimizer: str = "sgd"
     beta1: float = 0.9
     momentum_window: int = 32

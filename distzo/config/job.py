@@ -294,6 +294,12 @@ class OptimOptions:
         "device (one upload "
         "per block per step), so activations are one micro-batch's; g is the whole batch's",
     )
+    micro_batch_rows: int = engine_option(
+        "micro_batch_rows",
+        "at most this many rows of a pass in a step's micro-batch (0: no bound): a step runs as "
+        "many micro-batches as that takes, at least --grad-accum; a choice task's candidates "
+        "are rows, so an example of 50 candidates can run a few at a time; g is unchanged",
+    )
 
     def validate(self) -> None:
         """The loop's length; the update's options are the engine's, checked by ZOConfig."""

@@ -288,7 +288,7 @@ class ZOEngine:
             # host work and copies, queued before any kernel
             prepared = self.objective.prepare(batch, self.device)
             with self.streams.compute_scope():
-                runner = StepRunner(self, t, self.passes, cfg.grad_accum)
+                runner = StepRunner(self, t, self.passes, cfg.grad_accum, cfg.micro_batch_rows)
                 losses = self.objective.losses(runner, prepared, self.passes, num_items)
                 vector = loss_contribution(losses, self.step_passes)
                 # the stop vote rides on the losses' all-reduce: filled on the device, no copy

@@ -5,7 +5,10 @@ link once per step), and then runs every pass: alone, perturbed out of place int
 one block scratch, or several passes in one batched forward (P-RGE), each with its own
 perturbed adapter. With gradient accumulation each pass's rows are split into
 micro-batches run one after another while the block is on the device, the hidden states
-of every micro-batch carried between blocks.
+of every micro-batch carried between blocks. A bound on a micro-batch's rows
+(``micro_batch_rows``) adds micro-batches where a batch has more rows: a choice batch's
+rows are candidates, which never attend to each other, so even one example's candidates
+split without changing a score.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
         bounds.append((lo, hi))
         lo = hi
     return bounds
+
+
+def micro_batch_count(rows: int, micro_batches: int, most_rows: int) -> int:
+    """The micro-batches a pass's ``rows`` run in: ``micro_batches`` (--grad-accum), or more
+    where a near-equal split would leave one above ``most_rows`` (--micro-batch-rows; 0: no
+    bound). ``micro_batch_bounds`` of that count holds at most ``most_rows`` a micro-batch."""
+    if most_rows < 1:
+        return micro_batches
+    return max(micro_batches, -(-rows // most_rows))
 
 
 def pass_grouping(dual: bool, queries: bool) -> Callable[[tuple[Pass, ...]], list[Group]]:
@@ -257,10 +269,15 @@ class StepRunner:
     """The engine seen by an objective: one step's passes, blocks streamed per call."""
 
     def __init__(
-        self, engine: ZOEngine, step: int, passes: tuple[Pass, ...], micro_batches: int = 1
+        self,
+        engine: ZOEngine,
+        step: int,
+        passes: tuple[Pass, ...],
+        micro_batches: int = 1,
+        most_rows: int = 0,
     ) -> None:
         self.engine, self.step, self.passes = engine, step, passes
-        self.micro_batches = micro_batches
+        self.micro_batches, self.most_rows = micro_batches, most_rows
         self.device = engine.device
 
     def hidden_states(
@@ -272,8 +289,10 @@ class StepRunner:
                 f"hidden_states needs token ids for the passes {self.passes}, "
                 f"got {tuple(input_ids)}"
             )
+        rows = next(iter(input_ids.values())).shape[0] if input_ids else 0
+        micro_batches = micro_batch_count(rows, self.micro_batches, self.most_rows)
         return self.engine._stream_pass(
-            self.passes, self.step, input_ids, attention_mask, self.micro_batches
+            self.passes, self.step, input_ids, attention_mask, micro_batches
         )
 
     def head(self, p: Pass, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,10 @@ fit the free device memory or the host memory it sees, unless ``--force``. The
 figures are the engine's own allocations (buckets, slots, staging, scratch, the noise
 workspaces), so on CUDA they can be checked against ``torch.cuda.memory_allocated``;
 the activation figure is an estimate of the largest transient (the bigger of one
-block's intermediates, for one micro-batch under --grad-accum times the passes batched
-together or for an evaluation forward, which runs whole, and the fp32 logits of one
-head chunk: the head runs at most
-``HEAD_CHUNK`` positions at a time). Beside the engine's own: the attention masks a
+block's intermediates, for one micro-batch under --grad-accum and --micro-batch-rows
+times the passes batched together or for an evaluation forward, which runs whole, and
+the fp32 logits of one head chunk: the head runs at most ``HEAD_CHUNK`` positions at a
+time). Beside the engine's own: the attention masks a
 forward keeps, and on a CUDA job of several ranks NCCL's buffers (from the NCCL
 variables in the environment). A refusal names the largest term of what does not
 fit. Host memory is pinned at exactly its size, so the host figure is what a CUDA
@@ -353,8 +353,9 @@ def _activation_bytes(
     eval_rows: int = 0,
 ) -> int:
     """An estimate of the largest transient: the live hidden states, plus the bigger of one
-    block's intermediates (one micro-batch, times the passes batched together, or an
-    evaluation's ``eval_rows``: --grad-accum splits a step only) and the LM head's logits
+    block's intermediates (one micro-batch, --grad-accum's or at most --micro-batch-rows,
+    times the passes batched together, or an evaluation's ``eval_rows``: they split a step
+    only) and the LM head's logits
     of one chunk."""
     hidden = _width(cfg, "hidden_size", "n_embd")
     ffn = _width(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)
@@ -362,6 +363,8 @@ def _activation_bytes(
     vocab = _width(cfg, "vocab_size")
     tokens = batch * seq
     micro = -(-batch // config.grad_accum)  # a block runs one micro-batch at a time (the largest)
+    if config.micro_batch_rows:  # --micro-batch-rows: as many micro-batches as bound it
+        micro = min(micro, config.micro_batch_rows)
     # a group of batched passes (--dual-forward, --batch-queries) runs its micro-batch
     # once per pass in one forward
     micro *= _largest_group(config, passes)
