@@ -69,6 +69,19 @@ def _parser() -> argparse.ArgumentParser:
         "--num-queries", type=int, default=None, help="default: the estimator's (spsa 1, fzoo 8)"
     )
     parser.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
+    parser.add_argument(
+        "--rows-per-example",
+        type=int,
+        default=1,
+        help="rows a step's example takes: a choice task's candidates of several tokens are a "
+        "row each (ReCoRD: up to 50)",
+    )
+    parser.add_argument(
+        "--micro-batch-rows",
+        type=int,
+        default=0,
+        help="at most this many rows of a pass in a step's micro-batch (0: no bound)",
+    )
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     parser.add_argument(
@@ -86,6 +99,7 @@ def check_sizes(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--nproc", args.nproc),
         ("--batch-size", args.batch_size),
+        ("--rows-per-example", args.rows_per_example),
         ("--eval-batch-size", args.eval_batch_size),
         ("--seq-len", args.seq_len),
     ):
@@ -119,6 +133,7 @@ def report(args: argparse.Namespace) -> str:
             estimator=args.estimator,
             num_queries=queries,
             noise=rule.default_noise,
+            micro_batch_rows=args.micro_batch_rows,
         )
     dims.check_passes(args.estimator, queries)  # after --num-queries >= 1, as in training
     dims.check_batch(args.batch_size)  # what distzo.train refuses, refused here too
@@ -130,7 +145,7 @@ def report(args: argparse.Namespace) -> str:
         )
     model = skeleton(shape_config(args.model_config), torch.float32)
     eval_rows = rows_per_call(args.eval_batch_size, args.nproc)
-    rows = max(args.batch_size // dp, eval_rows)
+    rows = max(args.batch_size // dp * args.rows_per_example, eval_rows)
     sliced = args.transfer == "sliced"
     plan = plan_memory(
         model,
@@ -163,10 +178,13 @@ def _lines(
         "recompute": "block masters recomputed, ",
     }[config.low_bit_master]
     master += "" if config.perturb_scope == "block" else "perturbed module by module, "
+    bound = config.micro_batch_rows
+    split = f" (a step's at most {bound} at a time)" if 0 < bound < rows else ""
     out = [
         f"{args.model_config}, {args.nproc} GPUs on one node, dp {dims.dp} x pert {dims.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
-        f"{args.num_slots} slots, {master}{step}{rows} rows x {args.seq_len} tokens per forward",
+        f"{args.num_slots} slots, {master}{step}{rows} rows x {args.seq_len} tokens per "
+        f"forward{split}",
         f"memory plan: {plan.describe()}",
         "device, per rank:",
         *(f"  {name:<24} {b(size):>10}" for name, size in plan.device_terms().items()),

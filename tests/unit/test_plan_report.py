@@ -114,10 +114,40 @@ def test_the_documented_opt_175b_plans_are_what_the_command_prints():
     assert "15.4 GB of GPU memory for OPT-175B" in readme and "(11.8 GB with\ntwo" in readme
 
 
+def test_a_50_candidate_example_plans_the_rows_a_training_forward_takes():
+    """docs/optimizers.md quotes OPT-13B on one GPU at 2048 tokens in fp16, one ReCoRD-like
+    example of 50 candidate rows a step: whole, and at most 4 rows a forward."""
+    base = "--model-config opt-13b --nproc 1 --transfer naive --transfer-dtype fp16"
+    base += " --compute-dtype fp16 --batch-size 1 --eval-batch-size 4 --seq-len 2048"
+    base += " --rows-per-example 50"
+
+    def plan(*flags):
+        text = plan_report.report(plan_report._parser().parse_args([*base.split(), *flags]))
+        figures = {
+            line.split()[0]: " ".join(line.split()[-2:])
+            for line in text.splitlines()
+            if line.strip().startswith(("activations", "device total"))
+        }
+        return text.splitlines()[0], figures["activations"], figures["device"]
+
+    head, *whole = plan()
+    assert head.endswith("50 rows x 2048 tokens per forward") and whole == ["15.10 GB", "20.73 GB"]
+    head, *bounded = plan("--micro-batch-rows", "4")
+    assert head.endswith("(a step's at most 4 at a time)") and bounded == ["3.14 GB", "8.76 GB"]
+    guide = (DOC.parent / "optimizers.md").read_text()
+    assert "20.73 GB of device memory" in guide and "`--micro-batch-rows 4` 8.76 GB" in guide
+
+
 @pytest.mark.parametrize(
     "flags, line",
     [
         (["--seq-len", "-5"], "error: --seq-len must be >= 1, got -5"),
+        (["--rows-per-example", "0"], "error: --rows-per-example must be >= 1, got 0"),
+        (
+            ["--micro-batch-rows", "-1"],
+            "error: --micro-batch-rows must be >= 0, got -1; 0 leaves a micro-batch's rows "
+            "unbounded",
+        ),
         (
             ["--seq-len", "4096"],
             "error: --seq-len 4096 exceeds opt-125m's max_position_embeddings 2048; lower "
