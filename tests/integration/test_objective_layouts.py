@@ -27,10 +27,11 @@ LAYOUTS = {
     # micro-batches give the whole batch's g
     "ddp": (2, ["--pert", "1", "--grad-accum", "2"], "single"),
     "2d_adam": (4, ["--dp", "2", "--pert", "2", "--grad-accum", "2", *ADAM], "single_adam"),
-    # Adam's moments sliced over the node like the weights, all-gathered with them
+    # Adam's moments sliced over the node like the weights, all-gathered with them; a rank's
+    # 4 rows run one a forward (--micro-batch-rows 1) while each block is gathered once
     "2d_sliced_adam": (
         4,
-        ["--dp", "2", "--pert", "2", "--transfer", "sliced", *ADAM],
+        ["--dp", "2", "--pert", "2", "--transfer", "sliced", "--micro-batch-rows", "1", *ADAM],
         "single_adam",
     ),
     "2d_sliced": (4, ["--dp", "2", "--pert", "2", "--transfer", "sliced"], "single"),
