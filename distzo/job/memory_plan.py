@@ -588,9 +588,9 @@ def check_fits(plan: MemoryPlan, device: torch.device, local_ranks: int, force: 
     if problems and not force:
         raise ValueError(
             f"the run does not fit: it needs {'; '.join(problems)}. Lower --num-slots, "
-            "--batch-size, --eval-batch-size or --export-shard-size, use a low-bit "
-            "--transfer-dtype or --transfer sliced, fewer --model-layers, or pass --force to "
-            "start anyway"
+            "--batch-size, --eval-batch-size or --export-shard-size, bound a step's forward "
+            "with --micro-batch-rows, use a low-bit --transfer-dtype or --transfer sliced, "
+            "fewer --model-layers, or pass --force to start anyway"
         )
     for problem in problems:
         logger.warning("starting anyway (--force): the plan needs %s", problem)

@@ -3,6 +3,8 @@ ReCoRD example of 30-50 candidate rows need not go through a block in one forwar
 (--grad-accum counts micro-batches and cannot split below one example); the step's losses,
 g and update are the whole batch's, since candidate rows never attend to each other."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from distzo import ZOConfig, ZOEngine
 from distzo.data.encoding import PromptEncoder
 from distzo.data.templates import TASKS, build_examples
 from distzo.engine.passes import micro_batch_bounds, micro_batch_count
-from distzo.job.memory_plan import plan_memory
+from distzo.job.memory_plan import check_fits, plan_memory
 from distzo.models.tiny import byte_tokenizer
 from distzo.objectives import Classification, collate_choices
 from tests.helpers.models import base_model
@@ -124,3 +126,12 @@ def test_the_memory_plan_counts_a_bounded_micro_batch():
     assert bounded.activations == plan(grad_accum=13).activations
     assert plan(micro_batch_rows=50).activations == whole.activations
     assert bounded.device_bytes == whole.device_bytes  # buckets, slots and scratch alike
+
+
+def test_a_run_that_does_not_fit_is_told_of_the_bound():
+    """A ReCoRD run at --batch-size 1 has no batch left to lower: the refusal names the
+    flag that bounds its forward."""
+    plan = plan_memory(base_model("opt"), ZOConfig(device="cpu"), 1, False, batch=50, seq=64)
+    too_large = dataclasses.replace(plan, host_bytes=2**60)
+    with pytest.raises(ValueError, match="bound a step's forward with --micro-batch-rows, "):
+        check_fits(too_large, torch.device("cpu"), 1, force=False)
