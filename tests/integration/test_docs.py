@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,44 @@ def test_every_flag_the_docs_give_the_training_job_exists():
         if flag not in known
     }
     assert not missing, sorted(missing)
+
+
+def help_flags(main: Callable[[list[str]], int], argv: list[str]) -> set[str]:
+    """The flags a command's ``--help`` lists, from its ``main`` in this process."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(argv)
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out.getvalue()))
+
+
+def test_every_flag_the_docs_give_the_other_commands_exists():
+    """Flags given to replay, plan_report and the exported training step on one line of a
+    page (a code block's or a sentence's) are flags of that command, as for distzo.train."""
+    from distzo import replay
+    from distzo.export import training_step
+    from distzo.job import plan_report
+
+    programs = {
+        "distzo.replay": help_flags(replay.main, ["--help"]),
+        "distzo-replay": help_flags(replay.main, ["--help"]),
+        "distzo.job.plan_report": help_flags(plan_report.main, ["--help"]),
+        "distzo.export.training_step": help_flags(training_step.main, ["--help"]),
+    }
+    assert all(len(flags) > 3 for flags in programs.values()), programs
+    missing, named = [], 0
+    for page in [*PAGES, *LAUNCH_FILES]:
+        text = re.sub(r"\\\n\s*", " ", page.read_text())  # a command continued with \
+        for line in text.splitlines():
+            for program, known in programs.items():
+                if program in line:
+                    given = line.split(program, 1)[1].split("`", 1)[0]
+                    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", given))
+                    named += len(flags)
+                    missing += [f"{page.name}: {program} {f}" for f in flags - known]
+    assert named >= 10 and not missing, sorted(missing)
 
 
 def test_every_relative_link_resolves():
