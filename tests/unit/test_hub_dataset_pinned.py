@@ -90,3 +90,63 @@ def test_copies_of_several_configs_at_the_commit_need_one_named(monkeypatch, tmp
         f"{SOURCE}: the datasets cache holds configs default, other at commit {COMMIT}; "
         "name one: hf:org/tiny:CONFIG:train"
     )
+
+
+def prepared_copy(folder, config):
+    """A stand-in prepared copy: the folder and the ``dataset_info.json`` datasets writes."""
+    folder.mkdir(parents=True)
+    (folder / "dataset_info.json").write_text(json.dumps({"config_name": config}))
+    return folder
+
+
+def test_a_camel_case_name_is_found_where_datasets_prepares_it(monkeypatch, tmp_path):
+    """datasets names a dataset's cache folder in snake case (org/TinySet: org___tiny_set)."""
+    import datasets.config
+
+    from distzo.data.hub_cache import pinned_folder
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
+    copy = prepared_copy(tmp_path / "org___tiny_set" / "default" / "0.0.0" / COMMIT, "default")
+    assert pinned_folder("org/TinySet", None, "train", COMMIT, "hf:org/TinySet:train") == copy
+
+
+def test_copies_of_other_options_or_unreadable_infos_are_not_another_config(monkeypatch, tmp_path):
+    """A copy prepared with other options (datasets' ``default-HASH`` folder, its info
+    naming ``default``) or one whose info cannot be read is no config of its own: the
+    pinned copy is read, not refused as one of several configs."""
+    import datasets.config
+
+    from distzo.data.hub_cache import pinned_folder
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
+    tiny = tmp_path / "org___tiny"
+    copy = prepared_copy(tiny / "default" / "0.0.0" / COMMIT, "default")
+    prepared_copy(tiny / "default-6f2a9c" / "0.0.0" / COMMIT, "default")
+    (prepared_copy(tiny / "cut" / "0.0.0" / COMMIT, "cut") / "dataset_info.json").write_text("{")
+    (prepared_copy(tiny / "listed" / "0.0.0" / COMMIT, "x") / "dataset_info.json").write_text("[]")
+    assert pinned_folder("org/tiny", None, "train", COMMIT, SOURCE) == copy
+
+
+def test_a_named_config_is_read_from_its_own_copy_at_its_version(monkeypatch, tmp_path):
+    """hf:org/tiny:other:train reads the ``other`` copy (rows of its own), whatever the
+    version folder datasets prepared it under."""
+    with stand_in_hub(monkeypatch, tmp_path):
+        fill_hub_cache(SOURCE, COMMIT)
+        fill_hub_cache(SOURCE, OLD_COMMIT)
+        tiny = tmp_path / "datasets" / "org___tiny"
+        other = tiny / "other" / "1.2.0" / COMMIT
+        shutil.copytree(tiny / "default" / "0.0.0" / OLD_COMMIT, other)
+        info = json.loads((other / "dataset_info.json").read_text())
+        (other / "dataset_info.json").write_text(json.dumps(info | {"config_name": "other"}))
+        named = iter_numbered_rows("hf:org/tiny:other:train", HubPin(COMMIT, cached=True))
+        assert [row for _, row in named] == OLD_ROWS
+
+
+def test_a_node_told_no_commit_fills_from_its_cache_without_asking_the_hub(monkeypatch, tmp_path):
+    """The hub did not answer rank 0: a node's first rank reads its cache as it is, not
+    asking a hub that was silent."""
+    with stand_in_hub(monkeypatch, tmp_path) as requests:
+        fill_hub_cache(SOURCE, COMMIT)
+        asked = list(requests)
+        fill_hub_cache(SOURCE, None)
+        assert requests == asked
