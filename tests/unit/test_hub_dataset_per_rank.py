@@ -125,3 +125,22 @@ def test_a_nodes_first_rank_that_never_answers_is_a_timeout(store):
     assert str(raised.value) == (
         "node 0's first rank did not answer (q, on node 0) within 0.2s (a node's download)"
     )
+
+
+def test_each_config_of_a_dataset_is_filled_and_once(store, monkeypatch):
+    """One download a config: a train and an eval split of two configs of one dataset fill
+    both configs' copies (the second's was refused as missing), one of one config once."""
+    from distzo.job import validation
+
+    filled: list[str] = []
+    monkeypatch.setattr(validation, "hub_dataset_revision", lambda source: COMMIT)
+    monkeypatch.setattr(
+        validation, "fill_hub_cache", lambda source, *_, **kw: filled.append(source)
+    )
+    monkeypatch.setattr(validation, "load_task_rows", lambda *args: None)
+    two = ["--task", "sst2", "--train-file", "hf:org/tiny:a:train"]
+    task_rows(resolve([*two, "--eval-file", "hf:org/tiny:b:validation"]), place(0))
+    assert filled == ["hf:org/tiny:a:train", "hf:org/tiny:b:validation"]
+    filled.clear()
+    task_rows(resolve([*two, "--eval-file", "hf:org/tiny:a:validation"]), place(0))
+    assert filled == ["hf:org/tiny:a:train"]
