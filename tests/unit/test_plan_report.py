@@ -134,6 +134,8 @@ def test_a_50_candidate_example_plans_the_rows_a_training_forward_takes():
     assert head.endswith("50 rows x 2048 tokens per forward") and whole == ["15.10 GB", "20.73 GB"]
     head, *bounded = plan("--micro-batch-rows", "4")
     assert head.endswith("(a step's at most 4 at a time)") and bounded == ["3.14 GB", "8.76 GB"]
+    head, *at_the_rows = plan("--micro-batch-rows", "50")  # a bound the step fits: no split
+    assert head.endswith("50 rows x 2048 tokens per forward") and at_the_rows == whole
     guide = (DOC.parent / "optimizers.md").read_text()
     assert "20.73 GB of device memory" in guide and "`--micro-batch-rows 4` 8.76 GB" in guide
 
