@@ -130,3 +130,28 @@ def test_a_state_evaluated_again_otherwise_replaces_its_record_in_place(tmp_path
     ]
     assert recorded_evals(tmp_path / "eval.jsonl", 4, ("eval",)) == {"eval": {"eval_loss": 0.25}}
     assert not (tmp_path / "eval.jsonl.tmp").exists()
+
+
+def test_a_state_evaluated_twice_in_one_session_is_one_record(tmp_path):
+    """--max-steps 0 evaluates step 0 before and after training: one record, and the
+    later of two other figures in its place."""
+    logs = RunLogs(tmp_path, tmp_path, 0, {"seed": 0})
+    logs.write_eval(0, {"eval_loss": 0.5})
+    logs.write_eval(0, {"eval_loss": 0.5})
+    logs.write_eval(1, {"eval_loss": 0.5})
+    logs.write_eval(1, {"eval_loss": 0.25})
+    logs.close()
+    assert read_records(tmp_path / "eval.jsonl") == [
+        {"step": 0, "eval_loss": 0.5},
+        {"step": 1, "eval_loss": 0.25},
+    ]
+
+
+def test_a_record_cut_from_the_log_by_hand_is_written_again_on_replacing(tmp_path):
+    session(tmp_path, 0, range(4), lr=1.0, eval_at={2, 4})
+    logs = RunLogs(tmp_path, tmp_path, 4, {"seed": 0})
+    eval_log = tmp_path / "eval.jsonl"
+    eval_log.write_text(eval_log.read_text().splitlines(keepends=True)[0])  # step 4's cut
+    logs.write_eval(4, {"eval_loss": 0.25})
+    logs.close()
+    assert read_records(eval_log) == [{"step": 2, "eval_loss": 0.5}, {"step": 4, "eval_loss": 0.25}]
