@@ -33,6 +33,13 @@ def test_the_pinned_commits_copy_is_read_where_the_cache_has_a_newer_one(monkeyp
         assert requests == asked  # offline: the node's cache alone
 
 
+def copied_as_other(prepared, folder) -> None:
+    """A prepared copy copied to ``folder`` as config ``other``'s (its info renamed)."""
+    shutil.copytree(prepared, folder)
+    info = json.loads((folder / "dataset_info.json").read_text())
+    (folder / "dataset_info.json").write_text(json.dumps(info | {"config_name": "other"}))
+
+
 def test_a_cache_without_the_pinned_commits_copy_is_one_line(monkeypatch, tmp_path):
     with stand_in_hub(monkeypatch, tmp_path):
         fill_hub_cache(SOURCE, OLD_COMMIT)
@@ -78,10 +85,7 @@ def test_copies_of_several_configs_at_the_commit_need_one_named(monkeypatch, tmp
     with stand_in_hub(monkeypatch, tmp_path):
         fill_hub_cache(SOURCE, COMMIT)
         tiny = tmp_path / "datasets" / "org___tiny"
-        other = tiny / "other" / "0.0.0" / COMMIT
-        shutil.copytree(tiny / "default" / "0.0.0" / COMMIT, other)
-        info = json.loads((other / "dataset_info.json").read_text())
-        (other / "dataset_info.json").write_text(json.dumps(info | {"config_name": "other"}))
+        copied_as_other(tiny / "default" / "0.0.0" / COMMIT, tiny / "other" / "0.0.0" / COMMIT)
         with pytest.raises(ValueError) as raised:
             rows_at(COMMIT)
         named = iter_numbered_rows("hf:org/tiny:default:train", HubPin(COMMIT, cached=True))
@@ -134,10 +138,7 @@ def test_a_named_config_is_read_from_its_own_copy_at_its_version(monkeypatch, tm
         fill_hub_cache(SOURCE, COMMIT)
         fill_hub_cache(SOURCE, OLD_COMMIT)
         tiny = tmp_path / "datasets" / "org___tiny"
-        other = tiny / "other" / "1.2.0" / COMMIT
-        shutil.copytree(tiny / "default" / "0.0.0" / OLD_COMMIT, other)
-        info = json.loads((other / "dataset_info.json").read_text())
-        (other / "dataset_info.json").write_text(json.dumps(info | {"config_name": "other"}))
+        copied_as_other(tiny / "default" / "0.0.0" / OLD_COMMIT, tiny / "other" / "1.2.0" / COMMIT)
         named = iter_numbered_rows("hf:org/tiny:other:train", HubPin(COMMIT, cached=True))
         assert [row for _, row in named] == OLD_ROWS
 
