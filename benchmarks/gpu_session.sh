@@ -232,10 +232,11 @@ for stage in "${RUN[@]}"; do
         bounded 110 adapters.log python3 benchmarks/throughput.py --compare-adapters --shape llama-2-7b --layers 4 \
             --compute-dtype bf16 --sweep 1x64,16x256 --steps 3 --out "$WORK/throughput-llama-2-7b-adapters.json"
         ;;
-    optimizers-brief)  # brief: OPT-1.3B offload, SGD vs streamed fp32 momentum and Adam moments at 8 x 512
-        bounded 110 optimizers.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
-            --sweep 8x512 --optimizers sgd,momentum,adam --state-dtype fp32 --steps 3 --skip-resident \
-            --out "$WORK/throughput-opt-1.3b-optimizers-fp32.json"
+    optimizers-brief)  # brief: OPT-1.3B offload, SGD vs streamed fp32 momentum and Adam moments at 8 x 512, and
+        # --micro-batch-rows 2 (4 micro-batches of 2 rows) against the whole batch: its peak_device_gb
+        bounded 125 optimizers.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \
+            --sweep 8x512 --optimizers sgd,momentum,adam --state-dtype fp32 --micro-batch-rows 2 --steps 3 \
+            --skip-resident --out "$WORK/throughput-opt-1.3b-optimizers-fp32.json"
         ;;
     queries)  # optional: n-SPSA's 4 queries (8 passes per upload) at the small points where 1 query is transfer-bound
         bounded 270 queries.log python3 benchmarks/throughput.py --shape opt-1.3b --compute-dtype bf16 \

@@ -6,6 +6,9 @@
     # P-RGE's layouts
     python benchmarks/throughput.py --compare-adapters --shape opt-125m --sweep 1x64,8x64
     torchrun --nproc_per_node=2 benchmarks/throughput.py     # adds PertP, DDP (and 2D on 4 ranks)
+    # a step in micro-batches (a count, or at most N rows each): tokens/s and peak memory
+    python benchmarks/throughput.py --shape mini --layers 1 --sweep 32x512 --skip-resident \
+        --grad-accum 1,4 --micro-batch-rows 8,2
 
 Single process: tokens/s and peak device memory of resident, offload without overlap
 (one slot), offload with 2 slots and offload with K slots (default 3: the slot counts
@@ -149,6 +152,7 @@ class Bench:
         parallel: ParallelContext,
         grad_accum: int = 1,
         optimizer: str = "sgd",
+        micro_batch_rows: int = 0,
     ) -> ZOEngine:
         config = ZOConfig(
             lr=1e-7,
@@ -162,6 +166,7 @@ class Bench:
             num_queries=self.args.num_queries,
             dual_forward=self.args.dual_forward,
             grad_accum=grad_accum,
+            micro_batch_rows=micro_batch_rows,
             optimizer=optimizer,
             state_dtype=self.args.state_dtype
             if optimizer != "sgd" and mode == "offload"
@@ -185,6 +190,7 @@ class Bench:
         participates: bool = True,
         grad_accum: int = 1,
         optimizer: str = "sgd",
+        micro_batch_rows: int = 0,
     ) -> dict[tuple[int, int], Measurement]:
         """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the
         barrier."""
@@ -192,7 +198,7 @@ class Bench:
         if not participates:
             self.barrier()
             return {}
-        engine = self.engine(mode, slots, parallel, grad_accum, optimizer)
+        engine = self.engine(mode, slots, parallel, grad_accum, optimizer, micro_batch_rows)
         out = {}
         for point in self.points:
             out[point] = m = self.measure_point(engine, name, point)
@@ -256,6 +262,7 @@ class Bench:
             "peft": self.args.peft,
             "dual_forward": self.args.dual_forward,
             "grad_accum": engine.config.grad_accum,
+            "micro_batch_rows": engine.config.micro_batch_rows,
             "optimizer": engine.config.optimizer,
             "state_dtype": engine.config.state_dtype,
         }
@@ -294,6 +301,27 @@ class Bench:
                         m.metrics[metric] / base[point].metrics[metric]
                     )
 
+    def compare_micro_batches(
+        self, offload: dict, label: str, grad_accum: int = 1, micro_batch_rows: int = 0
+    ) -> None:
+        """Offload in micro-batches against the whole batch at once: tokens/s and the peak
+        memory of the step (the device's on CUDA, RSS growth on CPU)."""
+        runs = self.measure(
+            f"offload_{label}",
+            "offload",
+            self.args.slots,
+            ParallelContext.single(),
+            self.env.rank == 0,
+            grad_accum=grad_accum,
+            micro_batch_rows=micro_batch_rows,
+        )
+        memory = "peak_device_gb" if self.device.type == "cuda" else "step_extra_rss_gb"
+        self.derive_against(
+            offload,
+            runs,
+            {f"{label}_vs_offload": "tokens_per_s", f"{label}_peak_memory_vs_offload": memory},
+        )
+
     def run(self) -> BenchReport:
         single = ParallelContext.single()
         first = self.env.rank == 0
@@ -316,22 +344,13 @@ class Bench:
             for point, m in offload.items():
                 ratio = m.metrics["tokens_per_s"] / two[point].metrics["tokens_per_s"]
                 self.report.derived[self.ratio_key("offload_vs_2slots", point)] = ratio
-        # micro-batches per step: the same step, less activation memory
+        # micro-batches per step: the same step, less activation memory; a count
+        # (--grad-accum) or a bound on each one's rows (--micro-batch-rows)
         for n in self.args.grad_accum:
-            if n == 1:
-                continue
-            runs = self.measure(
-                f"offload_accum{n}", "offload", self.args.slots, single, first, grad_accum=n
-            )
-            memory = "peak_device_gb" if self.device.type == "cuda" else "step_extra_rss_gb"
-            self.derive_against(
-                offload,
-                runs,
-                {
-                    f"accum{n}_vs_offload": "tokens_per_s",
-                    f"accum{n}_peak_memory_vs_offload": memory,
-                },
-            )
+            if n > 1:
+                self.compare_micro_batches(offload, f"accum{n}", grad_accum=n)
+        for n in self.args.micro_batch_rows:
+            self.compare_micro_batches(offload, f"rows{n}", micro_batch_rows=n)
         for (
             optimizer
         ) in self.args.optimizers:  # stored moments ride with every block: more bytes per step
@@ -686,6 +705,13 @@ def parse_args() -> argparse.Namespace:
         "at once",
     )
     p.add_argument(
+        "--micro-batch-rows",
+        default="",
+        help="bounds on a micro-batch's rows to compare, e.g. 4,2 (--micro-batch-rows of "
+        "distzo.train): offload at each, tokens/s and peak memory against the whole batch "
+        "at once (default: none)",
+    )
+    p.add_argument(
         "--optimizers",
         default="sgd",
         help="optimizers to compare offloaded, e.g. sgd,momentum,adam: momentum and adam "
@@ -779,6 +805,18 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(
             f"--grad-accum takes comma-separated counts such as 1,2,4, got {args.grad_accum!r}"
         ) from None
+    try:
+        args.micro_batch_rows = [int(n) for n in args.micro_batch_rows.split(",") if n]
+    except ValueError:
+        raise SystemExit(
+            "--micro-batch-rows takes comma-separated row counts such as 4,2, got "
+            f"{args.micro_batch_rows!r}"
+        ) from None
+    if any(n < 1 for n in args.micro_batch_rows):
+        raise SystemExit(
+            f"--micro-batch-rows bounds must be >= 1, got {args.micro_batch_rows}; leave the "
+            "flag out to measure the whole batch alone"
+        )
     args.optimizers = args.optimizers.split(",")
     if not set(args.optimizers) <= {"sgd", "momentum", "adam"}:
         raise SystemExit(
@@ -837,6 +875,7 @@ def report_columns(args: argparse.Namespace) -> list[str]:
         "pert",
         "queries",
         "grad_accum",
+        "micro_batch_rows",
         "batch",
         "seq",
         "tokens_per_s",

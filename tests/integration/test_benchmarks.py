@@ -100,11 +100,21 @@ def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
             "2",
             "--optimizers",
             "sgd,adam",
+            "--micro-batch-rows",
+            "1",
             "--out",
             str(out),
         ]
     )
     data = load(out)
+    # --micro-batch-rows 1: offload again at each point, one row a micro-batch, against offload
+    rows1 = [m for m in data["measurements"] if m["name"] == "offload_rows1"]
+    assert [(m["params"]["batch"], m["params"]["micro_batch_rows"]) for m in rows1] == [
+        (1, 1),
+        (2, 1),
+    ]
+    for key in ("rows1_vs_offload", "rows1_peak_memory_vs_offload"):
+        assert {f"{key}[1x8]", f"{key}[2x16]"} <= set(data["derived"]), data["derived"]
     assert {m["params"]["queries"] for m in data["measurements"]} == {2}
     # Adam's two fp32 moments cross the link with every block: three times SGD's bytes
     assert data["derived"]["adam_link_bytes_vs_sgd[1x8]"] == pytest.approx(3.0)
@@ -143,7 +153,7 @@ def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path
     # what a lease would run, at no device time: brief's stages one by one, then a peers stage
     proc = subprocess.run(
         ["bash", "benchmarks/gpu_session.sh", "tests-brief", "noise-brief", "noise-rounding"]
-        + ["peers-1.3b", "profile-qwen3"],
+        + ["peers-1.3b", "profile-qwen3", "optimizers-brief"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -151,7 +161,7 @@ def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [line for line in proc.stdout.splitlines() if line.startswith("+ python3")]
-    assert len(runs) == 5, proc.stdout[-2000:]
+    assert len(runs) == 6, proc.stdout[-2000:]
     assert runs[0].startswith("+ python3 -m pytest -m cuda")
     assert runs[0].endswith("(at most 200 s; dry run)")
     assert "benchmarks/noise.py" in runs[1] and "--warps 4,8,16,32" in runs[1]
@@ -161,7 +171,9 @@ def test_a_dry_run_of_the_gpu_session_lists_each_runs_command_and_limit(tmp_path
     assert "benchmarks/peers.py --shape qwen3-1.7b --batch 1 --seq 2048 --dtype fp16" in runs[4]
     assert "--systems distzo-resident,distzo-offload,distzo-offload-double" in runs[4]
     assert re.search(r"--distzo-profile-dir \S+/profiles-qwen3-1\.7b ", runs[4]), runs[4]
-    stages = "tests-brief-noise-brief-noise-rounding-peers-1.3b-profile-qwen3"
+    # --micro-batch-rows's peak device memory beside the streamed moments, within its bound
+    assert "--micro-batch-rows 2 " in runs[5] and runs[5].endswith("(at most 125 s; dry run)")
+    stages = "tests-brief-noise-brief-noise-rounding-peers-1.3b-profile-qwen3-optimizers-brief"
     archive = tmp_path / f"results-{stages}.tgz"
     assert archive.is_file()
     assert not (tmp_path / "noise.json").exists()  # nothing ran
