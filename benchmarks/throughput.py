@@ -191,16 +191,17 @@ class Bench:
         grad_accum: int = 1,
         optimizer: str = "sgd",
         micro_batch_rows: int = 0,
+        points: list[tuple[int, int]] | None = None,
     ) -> dict[tuple[int, int], Measurement]:
-        """Time ``--steps`` steps of one layout at every point; ranks outside it wait at the
-        barrier."""
+        """Time ``--steps`` steps of one layout at every point (or at ``points``); ranks
+        outside it wait at the barrier."""
         self.barrier()
         if not participates:
             self.barrier()
             return {}
         engine = self.engine(mode, slots, parallel, grad_accum, optimizer, micro_batch_rows)
         out = {}
-        for point in self.points:
+        for point in self.points if points is None else points:
             out[point] = m = self.measure_point(engine, name, point)
             if self.env.rank == 0:
                 self.report.measurements.append(m)
@@ -305,7 +306,9 @@ class Bench:
         self, offload: dict, label: str, grad_accum: int = 1, micro_batch_rows: int = 0
     ) -> None:
         """Offload in micro-batches against the whole batch at once: tokens/s and the peak
-        memory of the step (the device's on CUDA, RSS growth on CPU)."""
+        memory of the step (the device's on CUDA, RSS growth on CPU). A bound on the rows
+        splits only a batch of more rows: the points it leaves whole are not run again."""
+        points = [p for p in self.points if micro_batch_rows < 1 or p[0] > micro_batch_rows]
         runs = self.measure(
             f"offload_{label}",
             "offload",
@@ -314,6 +317,7 @@ class Bench:
             self.env.rank == 0,
             grad_accum=grad_accum,
             micro_batch_rows=micro_batch_rows,
+            points=points,
         )
         memory = "peak_device_gb" if self.device.type == "cuda" else "step_extra_rss_gb"
         self.derive_against(
