@@ -488,3 +488,16 @@ def test_the_time_to_accuracy_race_reports_and_continues(tmp_path, smollm2_dir):
     again = run(command, timeout=120)
     assert "finished before, read" in again.stdout and "+ " not in again.stdout
     assert load(out)["derived"] == derived
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("4,x", "takes comma-separated row counts"), ("0", "bounds must be >= 1")],
+)
+def test_a_bad_micro_batch_rows_bound_is_one_clear_line(monkeypatch, value, message):
+    from benchmarks.throughput import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--quick", "--micro-batch-rows", value])
+    with pytest.raises(SystemExit, match=message) as refused:
+        parse_args()
+    assert "\n" not in str(refused.value)
