@@ -222,6 +222,34 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
 _OPTIONS = {"export_shard_size": "5GB", "merge_adapter": False}  # the run's export options
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_export_best_lets_go_of_its_run_directory_however_its_replay_ends(
+    tmp_path, monkeypatch, fails
+):
+    """export_best takes the run directory's lock again: a replay that ends, or fails, leaves
+    no lock file and no lock held, so the next job (a requeue) starts there."""
+    import distzo.replay
+
+    held = []
+
+    def replay_in_the_locked_directory(run_dir: Path, options: dict) -> None:
+        held.append((run_dir / ".distzo.lock").is_file())
+        if fails:
+            raise OSError("no space left on device")
+
+    monkeypatch.setattr(distzo.replay, "_export_best_locked", replay_in_the_locked_directory)
+    tmp_path.joinpath("run").mkdir()
+    if fails:
+        with pytest.raises(OSError, match="no space left"):
+            distzo.replay.export_best(tmp_path / "run", _OPTIONS)
+    else:
+        distzo.replay.export_best(tmp_path / "run", _OPTIONS)
+    assert held == [True] and not (tmp_path / "run" / ".distzo.lock").exists()
+    following = RunLock(tmp_path / "run")
+    following.acquire()  # the next job's: not refused
+    following.release()
+
+
 def test_a_requeue_of_a_finished_export_best_run_keeps_its_export_best_as_it_is(
     tmp_path, monkeypatch
 ):
