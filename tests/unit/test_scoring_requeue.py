@@ -157,3 +157,23 @@ def test_a_requeue_built_from_python_keeps_the_record_it_reports(run, scorings):
         trainer.build()
         assert trainer.train() == {k: v for k, v in recorded.items() if k != "step"}
     assert scorings == [] and contents(run) == before
+
+
+def test_the_record_stands_for_a_finished_scoring_run_with_every_split_its_summary_names(
+    tmp_path,
+):
+    """A summary of 0 steps stands for a finished scoring run, and its record holds where
+    eval.jsonl has the step-0 evaluation of each split the summary names (dev too, with
+    --num-dev); a run that trained (its seed log gone) is no scoring run."""
+    from distzo.job.scoring_requeue import recorded_score
+
+    job = resolve([*SCORING, "--output-dir", str(tmp_path)])
+    dev, scored = {"step": 0, "dev_loss": 2.5}, {"step": 0, "eval_loss": 3.5}
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 0, "dev": {"best": None}}))
+    (tmp_path / "eval.jsonl").write_text(json.dumps(scored) + "\n")
+    assert recorded_score(job, True) is None  # its dev record is gone: scored again
+    (tmp_path / "eval.jsonl").write_text(f"{json.dumps(dev)}\n{json.dumps(scored)}\n")
+    assert recorded_score(job, True) == {"dev": {"dev_loss": 2.5}, "eval": {"eval_loss": 3.5}}
+    assert recorded_score(job, False) is None  # the command evaluates otherwise
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "dev": {"best": None}}))
+    assert recorded_score(job, True) is None  # a run that trained
