@@ -401,3 +401,21 @@ def test_a_metrics_record_without_a_numeric_step_or_loss_draws_nothing(tmp_path)
     logs.close()
     assert list(logs.loss_curve.steps) == [0.0, 3.0]
     assert list(logs.loss_curve.losses) == [2.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [None, "", '{"steps": 0', "[" * 100_000, '["steps", 0]', "0"],
+    ids=["missing", "empty", "cut-short", "nested-too-deep", "a-list", "a-number"],
+)
+def test_a_summary_missing_cut_short_or_not_an_object_reads_as_none(tmp_path, text):
+    """A requeue judges a run by its summary (kept export, scoring record, export-best):
+    one it cannot read reads as no summary, a finished run's end not vouched for, never
+    a traceback of json or of a list's missing .get."""
+    from distzo.job.summary import read_summary
+
+    if text is not None:
+        (tmp_path / "summary.json").write_text(text)
+    assert read_summary(tmp_path) is None
+    (tmp_path / "summary.json").write_text('{"steps": 0}')
+    assert read_summary(tmp_path) == {"steps": 0}
