@@ -331,3 +331,11 @@ def test_an_added_special_token_is_special_and_an_added_plain_one_is_not():
     assert turn not in tokenizer.all_special_ids
     assert special_ids(tokenizer) == {*tokenizer.all_special_ids, turn}
     assert plain not in special_ids(tokenizer) and special_ids(None) == frozenset()
+
+
+def test_no_texts_encode_to_no_ids_without_a_tokenizer_call():
+    """A fast tokenizer's batch call on no texts fails inside it (an IndexError): an empty
+    batch of prompts, texts or examples is no ids, as it is no work."""
+    encoder = PromptEncoder(byte_tokenizer(), max_length=16)
+    assert encoder.encode_prompts([], 4) == []
+    assert list(encoder.encode_texts([])) == [] and list(encoder.joints([])) == []
