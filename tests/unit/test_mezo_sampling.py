@@ -291,6 +291,29 @@ def test_a_requeue_of_a_finished_export_best_run_keeps_its_export_best_as_it_is(
     assert replayed == [2, 2]
 
 
+def test_export_best_drops_its_record_before_a_replay_replaces_the_folder(tmp_path, monkeypatch):
+    """The record of export-best/ no longer describes the folder a replay replaces: it
+    leaves the summary first, so a replay killed part-way leaves no record that a later
+    requeue of that step could keep a folder of other weights by."""
+    import distzo.replay
+
+    run = tmp_path / "run"
+    (run / "export-best").mkdir(parents=True)
+    (run / "export-best" / "model.safetensors").write_bytes(b"step 4's weights")
+    written = {"step": 4, **_OPTIONS, "files": {"model.safetensors": 16}}
+    best = {"step": 2, "by": "dev_accuracy", "dev_accuracy": 0.75}
+    summary = {"dev": {"best": best}, "export_best_written": written}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+    def killed(*args, **kwargs) -> None:
+        raise KeyboardInterrupt  # the job stopped while the replay ran
+
+    monkeypatch.setattr(distzo.replay, "replay", killed)
+    with pytest.raises(KeyboardInterrupt):
+        distzo.replay.export_best(run, _OPTIONS)
+    assert json.loads((run / "summary.json").read_text()) == {"dev": {"best": best}}
+
+
 def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training(tmp_path):
     from distzo.config.checks import check_best_replayable
 
