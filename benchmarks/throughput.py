@@ -294,10 +294,11 @@ class Bench:
 
     def derive_against(self, base: dict, runs: dict, ratios: dict[str, str]) -> None:
         """``derived[name] = metric of runs / metric of base`` at every point, for each
-        ``name: metric`` the base has (peak RSS is not measurable everywhere)."""
+        ``name: metric`` the base has and is not 0 at (peak RSS is not measurable
+        everywhere, and a small step's RSS may not grow at all: no ratio to give)."""
         for point, m in runs.items():
             for name, metric in ratios.items():
-                if metric in base[point].metrics:
+                if base[point].metrics.get(metric):
                     self.report.derived[self.ratio_key(name, point)] = (
                         m.metrics[metric] / base[point].metrics[metric]
                     )

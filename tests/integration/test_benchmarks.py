@@ -1,5 +1,6 @@
 """The benchmarks run in their --quick form and write reports that match the schema."""
 
+import functools
 import json
 import os
 import re
@@ -113,8 +114,14 @@ def test_throughput_sweep_reports_every_point_and_the_crossover(tmp_path):
     # points it splits (a batch of one row is the whole batch again)
     rows1 = [m for m in data["measurements"] if m["name"] == "offload_rows1"]
     assert [(m["params"]["batch"], m["params"]["micro_batch_rows"]) for m in rows1] == [(2, 1)]
-    for key in ("rows1_vs_offload", "rows1_peak_memory_vs_offload"):
-        assert f"{key}[2x16]" in data["derived"] and f"{key}[1x8]" not in data["derived"]
+    assert "rows1_vs_offload[2x16]" in data["derived"]
+    assert not any(key.endswith("[1x8]") for key in data["derived"] if key.startswith("rows1"))
+    # the memory ratio where the whole batch's step grew the RSS at all (a ratio to 0 is none)
+    whole = next(
+        m for m in data["measurements"] if m["name"] == "offload" and m["params"]["batch"] == 2
+    )
+    grew = whole["metrics"]["step_extra_rss_gb"] > 0
+    assert ("rows1_peak_memory_vs_offload[2x16]" in data["derived"]) == grew
     assert {m["params"]["queries"] for m in data["measurements"]} == {2}
     # Adam's two fp32 moments cross the link with every block: three times SGD's bytes
     assert data["derived"]["adam_link_bytes_vs_sgd[1x8]"] == pytest.approx(3.0)
@@ -501,3 +508,30 @@ def test_a_bad_micro_batch_rows_bound_is_one_clear_line(monkeypatch, value, mess
     with pytest.raises(SystemExit, match=message) as refused:
         parse_args()
     assert "\n" not in str(refused.value)
+
+
+def test_a_ratio_to_a_step_that_grew_no_memory_is_left_out():
+    """A small step's RSS may not grow at all: its ratio was a ZeroDivisionError that ended
+    the whole sweep (the whole-batch offload at 2 x 16 under --micro-batch-rows 1)."""
+    from types import SimpleNamespace
+
+    from benchmarks.throughput import Bench
+    from distzo.bench import BenchReport, Measurement
+
+    def measured(**metrics: float) -> Measurement:
+        return Measurement("offload", {}, 1, 1.0, 1.0, 1.0, 0.0, metrics)
+
+    bench = SimpleNamespace(report=BenchReport("throughput", "cpu", 1), points=[(2, 16), (4, 16)])
+    bench.ratio_key = functools.partial(Bench.ratio_key, bench)
+    base = {
+        (2, 16): measured(tokens_per_s=100.0, step_extra_rss_gb=0.0),
+        (4, 16): measured(tokens_per_s=100.0, step_extra_rss_gb=0.5),
+    }
+    runs = {point: measured(tokens_per_s=90.0, step_extra_rss_gb=0.25) for point in base}
+    ratios = {"rows1_vs_offload": "tokens_per_s", "rows1_memory": "step_extra_rss_gb"}
+    Bench.derive_against(bench, base, runs, ratios)
+    assert bench.report.derived == {
+        "rows1_vs_offload[2x16]": 0.9,
+        "rows1_vs_offload[4x16]": 0.9,
+        "rows1_memory[4x16]": 0.5,
+    }
