@@ -29,7 +29,7 @@ from torch import nn
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import split_layouts, unwrap_peft
 from distzo.engine.parts import scratch_sizes
-from distzo.engine.passes import pass_grouping
+from distzo.engine.passes import micro_batch_count, pass_grouping
 from distzo.export.hf_model import export_shapes, shard_plan
 from distzo.export.multimodal import multimodal_shapes
 from distzo.models import family_for
@@ -362,9 +362,9 @@ def _activation_bytes(
     heads = _width(cfg, "num_attention_heads", "n_head", default=1)
     vocab = _width(cfg, "vocab_size")
     tokens = batch * seq
-    micro = -(-batch // config.grad_accum)  # a block runs one micro-batch at a time (the largest)
-    if config.micro_batch_rows:  # --micro-batch-rows: as many micro-batches as bound it
-        micro = min(micro, config.micro_batch_rows)
+    # a block runs one micro-batch at a time (the largest), as many as the engine splits into
+    micro_batches = micro_batch_count(batch, config.grad_accum, config.micro_batch_rows)
+    micro = -(-batch // micro_batches)
     # a group of batched passes (--dual-forward, --batch-queries) runs its micro-batch
     # once per pass in one forward
     micro *= _largest_group(config, passes)

@@ -126,6 +126,9 @@ def test_the_memory_plan_counts_a_bounded_micro_batch():
     assert bounded.activations == plan(grad_accum=13).activations
     assert plan(micro_batch_rows=50).activations == whole.activations
     assert bounded.device_bytes == whole.device_bytes  # buckets, slots and scratch alike
+    # at most 30 of 50 rows: the engine runs two near-equal micro-batches of 25, as under
+    # --grad-accum 2, not the 30 rows the bound would allow
+    assert plan(micro_batch_rows=30).activations == plan(grad_accum=2).activations
 
 
 def test_a_run_that_does_not_fit_is_told_of_the_bound():
