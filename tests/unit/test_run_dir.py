@@ -24,6 +24,7 @@ from distzo.job.run_dir import check_resumed_options, clear_run, new_run_dir
 from distzo.job.run_end import kept_export
 from distzo.job.trainer import Trainer
 from tests.helpers.launch import main_in_process, python_train, train_in_process
+from tests.helpers.run_copies import copied_run
 
 SMALL = ["--batch-size", "8", "--eval-batch-size", "8", "--log-every", "0"]
 
@@ -49,11 +50,7 @@ def finished(tmp_path_factory) -> Path:
 @pytest.fixture
 def run(finished, tmp_path) -> Path:
     """A copy of the finished run that a test may change."""
-    copy = tmp_path / "run"
-    shutil.copytree(finished, copy)
-    config = copy / "config.toml"  # it names the directory it was written in
-    config.write_text(config.read_text().replace(str(finished), str(copy)))
-    return copy
+    return copied_run(finished, tmp_path / "run")
 
 
 @pytest.fixture

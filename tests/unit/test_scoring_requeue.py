@@ -19,6 +19,7 @@ from distzo.job.run_logs import read_records
 from distzo.job.trainer import Trainer
 from distzo.job.validation import validate
 from tests.helpers.launch import train_in_process
+from tests.helpers.run_copies import copied_run
 
 SCORING = ["--max-steps", "0", "--device", "cpu", "--eval-batch-size", "8"]
 
@@ -47,11 +48,7 @@ def scored(tmp_path_factory) -> Path:
 @pytest.fixture
 def run(scored, tmp_path) -> Path:
     """A copy of the finished scoring run that a test may change."""
-    copy = tmp_path / "run"
-    shutil.copytree(scored, copy)
-    config = copy / "config.toml"  # it names the directory it was written in
-    config.write_text(config.read_text().replace(str(scored), str(copy)))
-    return copy
+    return copied_run(scored, tmp_path / "run")
 
 
 @pytest.fixture
