@@ -44,7 +44,7 @@ from distzo.bench.phases import step_phases
 from distzo.config.engine_checks import PERTURB_SCOPES
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
-from distzo.job.memory_plan import plan_memory
+from distzo.job.memory_plan import RankPlace, plan_memory
 from distzo.models.weights import RandomWeights, skeleton
 
 SYSTEMS = (
@@ -131,10 +131,7 @@ def planned_terms(
         sliced,
         rows,
         seq,
-        pert=parallel.dims.pert,
-        pert_rank=parallel.pert_rank,
-        world=parallel.env.world_size,
-        local_ranks=parallel.env.local_world_size,
+        place=RankPlace.of(parallel),
         device_type=zo.torch_device().type,
     )
     terms = {PLAN_METRICS[name]: size / 1e9 for name, size in plan.device_terms().items()}

@@ -24,7 +24,13 @@ from distzo.dist import process_group as pg
 from distzo.dist.agreement import agreed, gathered
 from distzo.engine import resolve_transfer
 from distzo.job.evaluation import planned_rows
-from distzo.job.memory_plan import MemoryPlan, check_fits, plan_memory
+from distzo.job.memory_plan import (
+    MemoryPlan,
+    PlannedExport,
+    RankPlace,
+    check_fits,
+    plan_memory,
+)
 from distzo.models import hub, model_from_config
 from distzo.models.multimodal import checkpoint_model
 from distzo.models.shapes import shape_config
@@ -292,7 +298,7 @@ def memory_plan(
     rows = job.data.batch_size // parallel.dims.dp * data.rows_per_example
     eval_rows = planned_rows(data, parallel.env.world_size)
     batch = max(rows, eval_rows)
-    env = parallel.env
+    export = PlannedExport(job.run.export_shard_size, job.peft.merge_adapter)
     return plan_memory(
         model,
         config,
@@ -300,15 +306,10 @@ def memory_plan(
         sliced,
         batch,
         data.longest,
-        pert=parallel.dims.pert,
-        pert_rank=parallel.pert_rank,
-        world=env.world_size,
-        local_ranks=env.local_world_size,
-        node=env.node_rank,
+        place=RankPlace.of(parallel),
         async_save=job.run.save_async and job.run.save_steps > 0,
         # only rank 0 exports: another node's host holds none of it
-        export_shard_size=job.run.export_shard_size if env.on_rank_zeros_node else None,
-        merge_adapter=job.peft.merge_adapter,
+        export=export if parallel.env.on_rank_zeros_node else None,
         eval_rows=eval_rows,
     )
 

@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from distzo.zo.estimators import Pass, rank_share
 from distzo.zo.lowrank import planned_lowrank_bytes
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
+
+if TYPE_CHECKING:
+    from distzo.dist.parallel_context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +198,53 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     )
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where the planned rank sits in the job. ``pert`` ranks share each step's passes,
+    this one running its ``pert_rank`` share (``ParallelContext.own_passes``: one hidden
+    state per pass crosses the blocks); ``world`` ranks, ``local_ranks`` to a node, this one
+    on ``node`` (torchrun's GROUP_RANK; rank 0 is on node 0), for the checkpoint's copies on
+    its node and NCCL's buffers."""
+
+    pert: int = 1
+    pert_rank: int = 0
+    world: int = 1
+    local_ranks: int = 1
+    node: int = 0
+
+    @classmethod
+    def of(cls, parallel: ParallelContext) -> RankPlace:
+        """The place of this process's rank, as the trainer built its context."""
+        env = parallel.env
+        return cls(
+            parallel.dims.pert,
+            parallel.pert_rank,
+            env.world_size,
+            env.local_world_size,
+            env.node_rank,
+        )
+
+    def saved_blocks(self, count: int, sliced: bool, shard_size: int) -> list[int]:
+        """The blocks a save copies on this node, as ``Checkpointer._state`` shares them
+        out: block i from rank i % world (torchrun numbers a node's ranks in a row), or
+        under the sliced transfer (shard groups of ``shard_size``) from node i % nodes."""
+        if sliced:
+            nodes = max(self.world // shard_size, 1)
+            return [i for i in range(count) if i % nodes == self.node]
+        return [i for i in range(count) if (i % self.world) // self.local_ranks == self.node]
+
+
+ONE_RANK = RankPlace()
+
+
+@dataclass(frozen=True)
+class PlannedExport:
+    """The run's final export on rank 0: ``--export-shard-size`` and ``--merge-adapter``."""
+
+    shard_size: int | str
+    merge_adapter: bool = False
+
+
 def plan_memory(
     model: nn.Module,
     config: ZOConfig,
@@ -203,34 +253,23 @@ def plan_memory(
     batch: int,
     seq: int,
     *,
-    pert: int = 1,
-    pert_rank: int = 0,
-    world: int = 1,
-    local_ranks: int = 1,
-    node: int = 0,
+    place: RankPlace = ONE_RANK,
     async_save: bool = True,
     device_type: str | None = None,
-    export_shard_size: int | str | None = None,
-    merge_adapter: bool = False,
+    export: PlannedExport | None = None,
     eval_rows: int = 0,
 ) -> MemoryPlan:
-    """The plan of ``ZOEngine(model, config)`` on one rank (the model may be a meta skeleton).
-
-    ``pert`` ranks share each step's passes, this rank running its ``pert_rank`` share
-    (``ParallelContext.own_passes``): one hidden state per pass crosses the blocks.
-    ``world``, ``local_ranks`` and ``node`` (torchrun's GROUP_RANK) place the rank in the
-    job, for the checkpoint's copies on its node: block i is copied by one rank (i % world,
-    or under the sliced transfer a member of node i % nodes), plus the resident bucket on
-    rank 0, whose node is node 0. A synchronous save
-    (``async_save`` False; the final save always is) copies only what does not already
-    rest in host memory. ``device_type`` is where the engine runs (the config's device
-    when None): "cuda" plans a GPU job from a machine without one. ``export_shard_size``
-    (``--export-shard-size``; None: no export planned) and ``merge_adapter`` size the
+    """The plan of ``ZOEngine(model, config)`` on the rank at ``place`` (the model may be a
+    meta skeleton). A checkpoint copies block i by one rank (``RankPlace.saved_blocks``)
+    plus the resident bucket on rank 0; a synchronous save (``async_save`` False; the
+    final save always is) copies only what does not already rest in host memory.
+    ``device_type`` is where the engine runs (the config's device when None): "cuda" plans
+    a GPU job from a machine without one. ``export`` (None: no export planned) sizes the
     run's final export on rank 0. ``eval_rows``: the rows of one evaluation forward, which
     runs them in one piece whatever --grad-accum (``batch`` must count them too).
     """
     on = device_type or config.torch_device().type
-    passes = rank_share(config.step_passes(), pert, pert_rank)
+    passes = rank_share(config.step_passes(), place.pert, place.pert_rank)
     model, peft_model = unwrap_peft(model)
     b = _buckets(model, config, shard_size, sliced)
     host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
@@ -264,7 +303,8 @@ def plan_memory(
             b,
             config,
             sliced and not b.frozen,
-            _Place(world, local_ranks, shard_size, node),
+            place,
+            shard_size,
             async_save,
             on,
         ),
@@ -272,11 +312,11 @@ def plan_memory(
         state_host_bytes=state_host,
         state_device_bytes=state_device,
         device_masks=_mask_bytes(model.config, config, b.compute, batch, seq, passes),
-        device_comm=nccl_buffer_bytes(_nccl_groups(on, world, local_ranks, shard_size, sliced)),
+        device_comm=nccl_buffer_bytes(_nccl_groups(on, place, shard_size, sliced)),
         export_bytes=0
-        if export_shard_size is None
+        if export is None
         else _export_bytes(
-            b, export_shard_size, peft_model is None or merge_adapter, origin_of(model)
+            b, export.shard_size, peft_model is None or export.merge_adapter, origin_of(model)
         ),
     )
 
@@ -434,15 +474,13 @@ NCCL_CHANNELS = 32  # NCCL's most channels per communicator (NCCL_MAX_NCHANNELS 
 NCCL_NVLS_CHANNELS = 16  # NCCL's default NCCL_NVLS_NCHANNELS
 
 
-def _nccl_groups(
-    device_type: str, world: int, local_ranks: int, shard_size: int, sliced: bool
-) -> list[int]:
+def _nccl_groups(device_type: str, place: RankPlace, shard_size: int, sliced: bool) -> list[int]:
     """The local ranks of each NCCL communicator that carries collectives: the job's
     (the step's all-reduce, evaluation's sums) and, under the sliced transfer, the
     node's shard group; none on CPU or in one process."""
-    if device_type != "cuda" or world < 2:
+    if device_type != "cuda" or place.world < 2:
         return []
-    return [local_ranks] + ([shard_size] if sliced else [])
+    return [place.local_ranks] + ([shard_size] if sliced else [])
 
 
 def nccl_buffer_bytes(groups: list[int], environ: Mapping[str, str] | None = None) -> int:
@@ -464,31 +502,12 @@ def nccl_buffer_bytes(groups: list[int], environ: Mapping[str, str] | None = Non
     return total
 
 
-@dataclass(frozen=True)
-class _Place:
-    """A rank's node in the job: the world, its ranks per node, its shard group's size and
-    the node's index (torchrun's GROUP_RANK; rank 0 is on node 0)."""
-
-    world: int
-    local_ranks: int
-    shard_size: int
-    node: int
-
-    def saved_blocks(self, count: int, sliced: bool) -> list[int]:
-        """The blocks a save copies on this node, as ``Checkpointer._state`` shares them
-        out: block i from rank i % world (torchrun numbers a node's ranks in a row), or
-        under the sliced transfer from node i % nodes."""
-        if sliced:
-            nodes = max(self.world // self.shard_size, 1)
-            return [i for i in range(count) if i % nodes == self.node]
-        return [i for i in range(count) if (i % self.world) // self.local_ranks == self.node]
-
-
 def _checkpoint_bytes(
     b: _Buckets,
     config: ZOConfig,
     sliced: bool,
-    place: _Place,
+    place: RankPlace,
+    shard_size: int,
     async_save: bool,
     device_type: str,
 ) -> int:
@@ -496,7 +515,7 @@ def _checkpoint_bytes(
     their moments, and on rank 0's node, node 0, the resident bucket; a synchronous save
     reads what already rests on the host. ``sliced``: the blocks are sliced over a shard
     group (an adapter's state is whole on every rank)."""
-    numel = sum(b.trained[i].numel for i in place.saved_blocks(len(b.trained), sliced))
+    numel = sum(b.trained[i].numel for i in place.saved_blocks(len(b.trained), sliced, shard_size))
     offloaded = config.mode == "offload" and not b.frozen
     on_device = device_type != "cpu"
     copies_blocks = async_save or sliced or ((config.mode == "resident" or b.frozen) and on_device)

@@ -28,7 +28,13 @@ from distzo.config.option_names import named_as_flags
 from distzo.dist.parallel_dims import ParallelDims
 from distzo.export.hf_model import check_shard_size
 from distzo.job.evaluation import rows_per_call
-from distzo.job.memory_plan import MemoryPlan, host_terms, plan_memory
+from distzo.job.memory_plan import (
+    MemoryPlan,
+    PlannedExport,
+    RankPlace,
+    host_terms,
+    plan_memory,
+)
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
 from distzo.runtime.units import format_bytes
@@ -154,11 +160,9 @@ def report(args: argparse.Namespace) -> str:
         sliced,
         rows,
         args.seq_len,
-        pert=dims.pert,
-        world=args.nproc,
-        local_ranks=args.nproc,
+        place=RankPlace(pert=dims.pert, world=args.nproc, local_ranks=args.nproc),
         device_type="cuda",
-        export_shard_size=args.export_shard_size,
+        export=PlannedExport(args.export_shard_size),
         eval_rows=eval_rows,
     )
     return _lines(plan, args, dims, rows, config)

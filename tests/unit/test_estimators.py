@@ -11,7 +11,7 @@ from distzo import ZOConfig, ZOEngine
 from distzo.config.checks import check_job
 from distzo.config.job import resolve
 from distzo.dist import LaunchEnv
-from distzo.job.memory_plan import plan_memory
+from distzo.job.memory_plan import RankPlace, plan_memory
 from distzo.zo import NoiseSource
 from distzo.zo.estimators import ESTIMATORS, FZOO
 from tests.helpers.engines import Counting, buckets_of
@@ -244,7 +244,9 @@ def test_fzoo_moves_each_block_once_per_step_and_plans_a_hidden_state_per_pass(q
     spsa = ZOConfig(**options)
     hidden = model.config.hidden_size * 4 * 12 * 4  # rows x tokens x fp32 bytes
     plan = {
-        (name, pert): plan_memory(model, config, 1, False, batch=4, seq=12, pert=pert)
+        (name, pert): plan_memory(
+            model, config, 1, False, batch=4, seq=12, place=RankPlace(pert=pert)
+        )
         for name, config in (("fzoo", fzoo), ("spsa", spsa))
         for pert in (1, 2)
     }

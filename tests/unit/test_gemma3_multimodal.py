@@ -342,13 +342,13 @@ def test_lora_targets_named_as_in_the_multimodal_model_are_one_line(tmp_path, ou
 def test_the_memory_plan_counts_the_vision_tower_the_export_holds(tmp_path, monkeypatch, shard):
     # rank 0 holds each shard's tensors before writing it, the vision tower's among them
     from distzo import ZOConfig, ZOEngine
-    from distzo.job.memory_plan import plan_memory
+    from distzo.job.memory_plan import PlannedExport, plan_memory
     from tests.helpers.engines import export_shard_bytes
 
     folder = save_multimodal(tmp_path / "mm")
     model, weights = checkpoint_model(folder, AutoConfig.from_pretrained(folder), torch.float32)
     config = ZOConfig(device="cpu", seed=0)
-    plan = plan_memory(model, config, 1, False, 2, 8, async_save=False, export_shard_size=shard)
+    plan = plan_memory(model, config, 1, False, 2, 8, async_save=False, export=PlannedExport(shard))
     engine = ZOEngine(model, config, weights=weights)
     held = export_shard_bytes(monkeypatch, engine, tmp_path / "export", shard)
     block = max(layout.numel for layout in engine.block_layouts) * 4

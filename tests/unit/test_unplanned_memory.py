@@ -13,7 +13,13 @@ import torch
 from distzo import ZOConfig, ZOEngine
 from distzo.engine import layouts
 from distzo.job import memory_plan
-from distzo.job.memory_plan import check_fits, nccl_buffer_bytes, plan_memory
+from distzo.job.memory_plan import (
+    PlannedExport,
+    RankPlace,
+    check_fits,
+    nccl_buffer_bytes,
+    plan_memory,
+)
 from distzo.models.shapes import shape_config
 from distzo.models.weights import RandomWeights, open_checkpoint, skeleton
 from distzo.offload.low_bit import TRANSFER_DTYPES
@@ -144,9 +150,7 @@ def test_the_plan_counts_nccl_buffers_for_the_job_and_the_shard_group(monkeypatc
             sliced,
             2,
             8,
-            pert=2,
-            world=world,
-            local_ranks=8,
+            place=RankPlace(pert=2, world=world, local_ranks=8),
             device_type=device,
         )
         return plan.device_comm
@@ -161,7 +165,14 @@ def test_a_refusal_names_the_largest_term(monkeypatch):
     monkeypatch.setenv("NCCL_BUFFSIZE", str(64 * MIB))
     model, config = build("llama"), ZOConfig(device="cpu")
     plan = plan_memory(
-        model, config, 8, True, 2, 8, pert=2, world=8, local_ranks=8, device_type="cuda"
+        model,
+        config,
+        8,
+        True,
+        2,
+        8,
+        place=RankPlace(pert=2, world=8, local_ranks=8),
+        device_type="cuda",
     )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (MIB, 80 << 30))
     monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: 1 << 40)
@@ -226,7 +237,7 @@ def test_the_plan_counts_the_shard_the_export_holds(tmp_path, monkeypatch, shard
 
     model = build("llama")
     config = ZOConfig(device="cpu", seed=0)
-    plan = plan_memory(model, config, 1, False, 2, 8, async_save=False, export_shard_size=shard)
+    plan = plan_memory(model, config, 1, False, 2, 8, async_save=False, export=PlannedExport(shard))
     engine = ZOEngine(build("llama"), config)
     held = export_shard_bytes(monkeypatch, engine, tmp_path / "export", shard)
     block = max(layout.numel for layout in engine.block_layouts) * 4
@@ -269,7 +280,13 @@ def test_each_node_plans_the_checkpoint_copies_its_own_ranks_make(
     def copies(node: int, world: int, local: int) -> int:
         shard = local if sliced else 1
         plan = plan_memory(
-            model, config, shard, sliced, 2, 8, world=world, local_ranks=local, node=node
+            model,
+            config,
+            shard,
+            sliced,
+            2,
+            8,
+            place=RankPlace(world=world, local_ranks=local, node=node),
         )
         return plan.checkpoint_bytes
 
