@@ -63,7 +63,7 @@ from torch import nn
 
 from distzo import ZOConfig, ZOEngine
 from distzo.bench import BenchReport, Measurement, time_repeated
-from distzo.bench.arguments import at_least
+from distzo.bench.arguments import at_least, counts
 from distzo.bench.timing import Timer, synchronize
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import tiny_opt_config
@@ -406,6 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--warps",
+        type=counts(1),
         default="",
         help="comma-separated num_warps to time every fused kernel with too, beside the "
         "engine's launch options (triton_noise.LAUNCH_OPTIONS): path new_w<N> (CUDA; the same "
@@ -426,10 +427,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ops: no op {', '.join(unknown)}; pick from {', '.join(BYTES)} or step")
     args.with_step = "step" in args.ops
     args.ops = [op for op in args.ops if op != "step"]
-    try:
-        args.warps = [at_least(1)(w) for w in args.warps.split(",") if w]
-    except argparse.ArgumentTypeError as exc:
-        p.error(f"--warps: {exc}")
     args.elements = args.elements or (1 << 16 if args.quick else 1 << 24)
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.steps = args.steps or (2 if args.quick else 5)

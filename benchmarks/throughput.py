@@ -53,7 +53,7 @@ from transformers import PretrainedConfig
 from distzo import ZOConfig, ZOEngine
 from distzo.adapters.peft_adapters import AdapterSpec, AdapterWeights, attach_adapter
 from distzo.bench import BenchReport, Measurement
-from distzo.bench.arguments import at_least
+from distzo.bench.arguments import at_least, counts
 from distzo.bench.phases import block_phases
 from distzo.bench.timing import Timer, synchronize
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
@@ -704,6 +704,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--grad-accum",
+        type=counts(1),
         default="1",
         help="micro-batches per step to compare, e.g. 1,2,4: offload at each "
         "(one upload per block per step), tokens/s and peak memory against the whole batch "
@@ -711,6 +712,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--micro-batch-rows",
+        type=counts(1),
         default="",
         help="bounds on a micro-batch's rows to compare, e.g. 4,2 (--micro-batch-rows of "
         "distzo.train): offload at each, tokens/s and peak memory against the whole batch "
@@ -804,34 +806,14 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.num_queries < 1:
         raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
-    try:
-        args.grad_accum = [int(n) for n in args.grad_accum.split(",")]
-    except ValueError:
-        raise SystemExit(
-            f"--grad-accum takes comma-separated counts such as 1,2,4, got {args.grad_accum!r}"
-        ) from None
-    try:
-        args.micro_batch_rows = [int(n) for n in args.micro_batch_rows.split(",") if n]
-    except ValueError:
-        raise SystemExit(
-            "--micro-batch-rows takes comma-separated row counts such as 4,2, got "
-            f"{args.micro_batch_rows!r}"
-        ) from None
-    if any(n < 1 for n in args.micro_batch_rows):
-        raise SystemExit(
-            f"--micro-batch-rows bounds must be >= 1, got {args.micro_batch_rows}; leave the "
-            "flag out to measure the whole batch alone"
-        )
     args.optimizers = args.optimizers.split(",")
     if not set(args.optimizers) <= {"sgd", "momentum", "adam"}:
         raise SystemExit(
             "--optimizers takes sgd, momentum, adam, comma-separated, got "
             f"{','.join(args.optimizers)}"
         )
-    if any(n < 1 or n > b for n in args.grad_accum for b, _ in args.points):
-        raise SystemExit(
-            f"--grad-accum counts must be between 1 and the batch, got {args.grad_accum}"
-        )
+    if any(n > b for n in args.grad_accum for b, _ in args.points):
+        raise SystemExit(f"--grad-accum counts must be at most the batch, got {args.grad_accum}")
     return args
 
 

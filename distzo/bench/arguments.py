@@ -30,6 +30,18 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def counts(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers >= ``minimum`` ("1,2,4"; "" is none), each
+    refused as ``at_least`` refuses one."""
+    one = at_least(minimum)
+
+    def parse(text: str) -> list[int]:
+        return [one(part) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = f"integers >= {minimum}"
+    return parse
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0 (a rate, a bandwidth)."""
     try:

@@ -497,19 +497,6 @@ def test_the_time_to_accuracy_race_reports_and_continues(tmp_path, smollm2_dir):
     assert load(out)["derived"] == derived
 
 
-@pytest.mark.parametrize(
-    "value, message",
-    [("4,x", "takes comma-separated row counts"), ("0", "bounds must be >= 1")],
-)
-def test_a_bad_micro_batch_rows_bound_is_one_clear_line(monkeypatch, value, message):
-    from benchmarks.throughput import parse_args
-
-    monkeypatch.setattr(sys, "argv", ["throughput.py", "--quick", "--micro-batch-rows", value])
-    with pytest.raises(SystemExit, match=message) as refused:
-        parse_args()
-    assert "\n" not in str(refused.value)
-
-
 def test_a_ratio_to_a_step_that_grew_no_memory_is_left_out():
     """A small step's RSS may not grow at all: its ratio was a ZeroDivisionError that ended
     the whole sweep (the whole-batch offload at 2 x 16 under --micro-batch-rows 1)."""

@@ -49,10 +49,15 @@ def test_the_projection_refuses_a_count_or_rate_out_of_range(monkeypatch, capsys
         ("throughput", ["--quick", "--slots", "0"], "argument --slots: must be >= 1, got 0"),
         ("throughput", ["--quick", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
         ("throughput", ["--quick", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        ("throughput", ["--quick", "--grad-accum", "2,0"], "--grad-accum: must be >= 1, got 0"),
+        ("throughput", ["--quick", "--grad-accum", "8"], "--grad-accum counts must be at most"),
+        ("throughput", ["--micro-batch-rows", "4,x"], "--micro-batch-rows: 'x' is not an integer"),
+        ("throughput", ["--micro-batch-rows", "0"], "--micro-batch-rows: must be >= 1, got 0"),
         ("noise", ["--quick", "--repeats", "-1"], "argument --repeats: must be >= 1, got -1"),
         ("noise", ["--quick", "--elements", "-5"], "argument --elements: must be >= 1, got -5"),
         ("noise", ["--quick", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
         ("noise", ["--quick", "--warps", "4,x"], "--warps: 'x' is not an integer"),
+        ("noise", ["--quick", "--warps", "0"], "--warps: must be >= 1, got 0"),
     ],
 )
 def test_a_bad_count_is_one_line_before_any_measurement(monkeypatch, capsys, script, argv, message):
