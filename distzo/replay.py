@@ -44,6 +44,7 @@ from distzo.engine import ZOEngine
 from distzo.export.hf_model import check_shard_size, export_model
 from distzo.export.out_dir import check_out, staging_dir
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
+from distzo.job.replay_defaults import run_export_options
 from distzo.job.run_end import BEST_WRITTEN, complete_export, export_record
 from distzo.job.run_lock import DirectoryLocked, RunLock
 from distzo.job.seed_log import (
@@ -203,17 +204,17 @@ def replay_config(header: dict, device: str | None) -> ZOConfig:
     return config
 
 
-def merged_export(spec: AdapterSpec, header: dict, merge_adapter: bool | None) -> bool:
+def merged_export(spec: AdapterSpec, run_merged: bool, merge_adapter: bool | None) -> bool:
     """Whether the export merges the adapter into its base (``--merge-adapter`` or
-    ``--no-merge-adapter``; None: the run's choice); refused in one line before the base is
-    fetched or a step replayed where there is nothing to merge (training refuses it) or a
-    prefix (the export would)."""
+    ``--no-merge-adapter``; None: the run's choice, ``run_merged``); refused in one line
+    before the base is fetched or a step replayed where there is nothing to merge (training
+    refuses it) or a prefix (the export would)."""
     if merge_adapter and not spec.enabled:
         raise ValueError(
             "--merge-adapter: the run tuned the full model, with no adapter to merge; "
             "drop --merge-adapter"
         )
-    merge = bool(header.get("merge_adapter")) if merge_adapter is None else merge_adapter
+    merge = run_merged if merge_adapter is None else merge_adapter
     if merge and spec.method == "prefix":
         raise ValueError(
             "--merge-adapter: the run trained a prefix, which cannot be merged into the "
@@ -248,17 +249,20 @@ def replay(
     own export is (``merge_adapter``, None: as the run's, an adapter merged into its base
     or not; the base's tokenizer beside the weights); ``step``: after that many steps
     (default: all); ``max_shard_size``: as ``distzo.train``'s ``--export-shard-size``
-    (None: its default); returns the directory (a replay is one process, so rank 0's:
-    never None there)."""
+    (None: the run's, ``run_export_options``); returns the directory (a replay is one
+    process, so rank 0's: never None there)."""
     if max_shard_size is not None:
         check_shard_size(max_shard_size)
     header, logged = read_seed_log(log)
     spec = AdapterSpec.from_record(header.get("peft"))
     check_replayable(log, header, spec)
     steps = steps_up_to(log, logged, step)
-    merge = merged_export(spec, header, merge_adapter)
+    run_options = run_export_options(log, header)
+    merge = merged_export(spec, run_options["merge_adapter"], merge_adapter)
     if max_shard_size not in (None, DEFAULT_MAX_SHARD_SIZE) and spec.enabled and not merge:
         logger.warning(ignored_warning({"export_shard_size": RULES["export_shard_size"][1]}))
+    shards = run_options["export_shard_size"] if max_shard_size is None else max_shard_size
+    check_shard_size(shards)  # the run's: a damaged record is one line, before any model
     config = replay_config(header, device)
     folder = base_folder(base, header)
     name = base or header.get("base") or header["model_config"]
@@ -276,7 +280,6 @@ def replay(
     logger.info("replayed %d steps onto %s", len(steps), name)
     # the command checked --out (an existing one only with --overwrite)
     tokenizer = run_tokenizer(folder, header)
-    shards = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
     return export_model(engine, out, tokenizer, shards, merge, overwrite=True)
 
 
@@ -398,7 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         "the peft adapter alone (default: as the run's export, which its --merge-adapter "
         "decided)",
     )
-    add_job_flag(p, "export_shard_size", default=None)
+    add_job_flag(
+        p,
+        "export_shard_size",
+        default=None,
+        help="largest safetensors file of the exported model (e.g. 5GB, 500MB) (default: as "
+        "the run's export, which its --export-shard-size decided)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

@@ -116,7 +116,9 @@ def run_header(
         "init_seed": init_seed,
         "objective": objective,
         "peft": spec.record() if spec.enabled else None,
-        "merge_adapter": job.peft.merge_adapter,  # how a replay writes the adapter
+        # how a replay writes its export (a resume's change: the run's config.toml)
+        "merge_adapter": job.peft.merge_adapter,
+        "export_shard_size": job.run.export_shard_size,
         "optimizer": optimizer_record(config),
         "estimator": config.estimator,
         "train_rows": train_rows,  # None: generated data

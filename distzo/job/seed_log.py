@@ -65,6 +65,7 @@ HEADER_TYPES: dict[str, type] = {
     "optimizer": dict,
     "peft": dict,
     "lowrank": dict,
+    "export_shard_size": str,
 }
 TYPE_NAMES = {int: "a whole number", str: "a string", dict: "a JSON object"}
 

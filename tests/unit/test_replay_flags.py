@@ -6,11 +6,10 @@ import pytest
 from distzo.replay import main
 
 
-def test_the_replays_help_gives_its_own_default_of_merge_adapter_and_trains_of_shards(
-    capsys, monkeypatch
-):
-    """A replay merges as the run's export did: its --help must not say train's default
-    (False), which would tell a user that a --merge-adapter run replays unmerged."""
+def test_the_replays_help_gives_the_runs_export_options_as_its_defaults(capsys, monkeypatch):
+    """A replay merges and shards as the run's export did: its --help must not say train's
+    defaults (False, 5GB), which would tell a user that a --merge-adapter run replays
+    unmerged, or a --export-shard-size 1GB run into 5GB files."""
     monkeypatch.setenv("COLUMNS", "1000")  # each flag's help on one line, as written
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -25,5 +24,6 @@ def test_the_replays_help_gives_its_own_default_of_merge_adapter_and_trains_of_s
     shards = text[text.index("--export-shard-size SIZE largest") :]
     assert shards.startswith(
         "--export-shard-size SIZE largest safetensors file of the exported model (e.g. 5GB, "
-        "500MB) (default: 5GB)"
+        "500MB) (default: as the run's export, which its --export-shard-size decided)"
     )
+    assert "(default: 5GB)" not in text
