@@ -30,6 +30,10 @@ class Reporter(Protocol):
 
     def log(self, scalars: dict[str, float], step: int) -> None: ...
 
+    def drop_from(self, step: int) -> None:
+        """Drop the reports of steps from ``step`` on, which the run reports again (an
+        evaluation replaced): only a dashboard that ``purges``."""
+
     def close(self) -> None: ...
 
 
@@ -61,6 +65,14 @@ class TensorBoardReporter:
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, step)
+
+    def drop_from(self, step: int) -> None:
+        """A new events file whose session starts at ``step``: TensorBoard's readers drop
+        every earlier event from that step on, as at a resume (``start``)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -97,6 +109,9 @@ class WandbReporter:
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
+
+    def drop_from(self, step: int) -> None:
+        """Never called (``purges`` is False): a wandb run keeps what it logged."""
 
     def close(self) -> None:
         self.run.finish()

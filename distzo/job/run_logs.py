@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from distzo.job.records import eval_split
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_as_kept, is_begun_log
 from distzo.runtime import json_text
+
+logger = logging.getLogger("distzo.train")
 
 
 def truncate_jsonl(
@@ -189,11 +192,12 @@ class RunLogs:
         changed --max-new-tokens scores its final state again)."""
         key, record = (step, eval_split(metrics)), {"step": step, **metrics}
         kept = self.kept_evals.get(key)
+        self.kept_evals[key] = record
         if kept is None:
             self.write("eval", record)
         elif kept != record:
             self._replace_eval(key, record)
-        self.kept_evals[key] = record
+            self._report_replaced(key)
 
     def _replace_eval(self, key: tuple[int, str], record: dict[str, Any]) -> None:
         """``eval.jsonl`` with the record of ``key`` (step, split) replaced by ``record``
@@ -213,7 +217,30 @@ class RunLogs:
                 _rewrite(path, "".join(line + "\n" for line in lines), raw)
         finally:
             self.files["eval"] = open(path, "a")
-        self._report("eval", record)
+
+    def _report_replaced(self, key: tuple[int, str]) -> None:
+        """A replaced evaluation to the dashboard, as the log now holds it. TensorBoard
+        drops its events from that step on (the earlier figure, reported again when this
+        session began, included) and is sent the step's evaluations again: one point per
+        step and metric, the new one (no step after it is logged yet: a state is scored
+        again before the run goes on from it). wandb cannot replace a step it logged: it
+        keeps the earlier figure, which a warning says, rather than ignoring the new one
+        with a warning of its own."""
+        if self.reporter is None:
+            return
+        step, split = key
+        if not self.reporter.purges:
+            logger.warning(
+                "--report-to: the dashboard keeps the earlier %s figures of step %d (it cannot "
+                "replace a logged step); eval.jsonl and summary.json hold the new ones",
+                split,
+                step,
+            )
+            return
+        self.reporter.drop_from(step)
+        for (at, _), record in self.kept_evals.items():
+            if at >= step:
+                self._report("eval", record)
 
     def _keep(self, steps: int, loss: Callable[[dict[str, Any]], object] | None = None) -> None:
         """Cut every log back to the state after ``steps`` steps. Step records are 0-based

@@ -155,3 +155,73 @@ def test_a_record_cut_from_the_log_by_hand_is_written_again_on_replacing(tmp_pat
     logs.write_eval(4, {"eval_loss": 0.25})
     logs.close()
     assert read_records(eval_log) == [{"step": 2, "eval_loss": 0.5}, {"step": 4, "eval_loss": 0.25}]
+
+
+class DashboardStandIn:
+    """A dashboard's points by metric as its reader shows them: a purging one (TensorBoard)
+    drops its points from a session's start step on, as ``purge_step`` has its readers do."""
+
+    def __init__(self, purges: bool) -> None:
+        self.purges = purges
+        self.points: dict[str, list[tuple[int, float]]] = {}
+
+    def start(self, resume_step: int) -> None:
+        if self.purges and resume_step:
+            self.drop_from(resume_step)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.points.setdefault(name, []).append((step, value))
+
+    def drop_from(self, step: int) -> None:
+        self.points = {k: [p for p in v if p[0] < step] for k, v in self.points.items()}
+
+    def close(self) -> None:
+        pass
+
+
+def _rescored(tmp_path, dashboard, new_figures):
+    """A finished run of 4 steps (evaluated after 2 and 4), then a requeue that scores its
+    final state again: with other figures (--max-new-tokens changed), or the same."""
+    logs = RunLogs(tmp_path, tmp_path, 0, {"seed": 0}, reporter=dashboard)
+    for step in range(4):
+        logs.write("metrics", {"step": step, "loss": 1.0})
+        if step + 1 in (2, 4):
+            logs.write_eval(step + 1, {"eval_loss": 0.5})
+    logs.close()
+    logs = RunLogs(tmp_path, tmp_path, 4, {"seed": 0}, reporter=dashboard)
+    logs.write_eval(4, new_figures)
+    logs.close()
+
+
+@pytest.mark.parametrize("figures", [{"eval_loss": 0.25}, {"eval_loss": 0.5}])
+def test_a_rescored_state_is_one_point_of_the_latest_figures_on_tensorboard(tmp_path, figures):
+    """The requeue reported step 4's kept figure when it began (its purge had dropped it),
+    then the new one beside it: two points at step 4, the stale one first."""
+    dashboard = DashboardStandIn(purges=True)
+    _rescored(tmp_path, dashboard, figures)
+    assert dashboard.points["eval/loss"] == [(2, 0.5), (4, figures["eval_loss"])]
+    assert dashboard.points["train/loss"] == [(s, 1.0) for s in range(4)]
+
+
+def test_wandb_keeps_its_logged_figure_of_a_rescored_state_and_a_warning_says_so(tmp_path, caplog):
+    dashboard = DashboardStandIn(purges=False)  # wandb ignores a step below its last one
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        _rescored(tmp_path, dashboard, {"eval_loss": 0.25})
+    assert dashboard.points["eval/loss"] == [(2, 0.5), (4, 0.5)]  # not sent to be dropped
+    assert (
+        "--report-to: the dashboard keeps the earlier eval figures of step 4 (it cannot "
+        "replace a logged step); eval.jsonl and summary.json hold the new ones"
+    ) in caplog.text
+
+
+def test_tensorboards_reader_shows_a_rescored_state_once_with_its_new_figure(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _rescored(tmp_path, make_reporter("tensorboard", tmp_path, {}), {"eval_loss": 0.25})
+    # each session's reporter is started by its RunLogs; the first one's closed by its close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, 0.5), (4, 0.25)]
+    assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2, 3]
