@@ -67,6 +67,7 @@ from distzo.models.weights import (
     with_generation_config,
 )
 from distzo.runtime import json_text
+from distzo.runtime.units import counted
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
@@ -230,7 +231,7 @@ def steps_up_to(log: Path, steps: list[dict], step: int | None) -> list[dict]:
         return steps
     if not 0 <= step <= len(steps):
         raise ValueError(
-            f"--step {step}: --log {log} holds {len(steps)} steps; give --step 0 to "
+            f"--step {step}: --log {log} holds {counted(len(steps), 'step')}; give --step 0 to "
             f"{len(steps)} (0: the base, {len(steps)}: the run's end)"
         )
     return steps[:step]
@@ -277,7 +278,7 @@ def replay(
     engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
     # every logged update in one pass over the blocks, in order: the run's trajectory
     engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
-    logger.info("replayed %d steps onto %s", len(steps), name)
+    logger.info("replayed %s onto %s", counted(len(steps), "step"), name)
     # the command checked --out (an existing one only with --overwrite)
     tokenizer = run_tokenizer(folder, header)
     return export_model(engine, out, tokenizer, shards, merge, overwrite=True)

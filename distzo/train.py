@@ -39,6 +39,7 @@ from distzo.dist.failure_report import (
     report_peer_failure,
 )
 from distzo.job.preemption import EXIT_INTERRUPTED, Preempted, StopSignals
+from distzo.runtime.units import counted
 
 if TYPE_CHECKING:  # the trainer imports transformers: loaded once the options parse
     from distzo.config.job import JobConfig
@@ -156,7 +157,9 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
             done = "no step was trained in this session; the same command starts it again"
         else:
             pg.shutdown()  # every rank stopped after the same step: no collective is pending
-            done = f"{stopped.step} steps done, --resume (or a restart) goes on from there"
+            done = (
+                f"{counted(stopped.step, 'step')} done, --resume (or a restart) goes on from there"
+            )
         return _stopped(
             env,
             f"{what}: {stopped}; {done}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distzo.runtime.units import counted
 from distzo.zo.estimators import estimator_for
 
 
@@ -42,8 +43,8 @@ class ParallelDims:
             if dp is not None:
                 if world_size % dp:
                     raise ValueError(
-                        f"--dp {dp} does not divide the {world_size} launched ranks, so no "
-                        f"--pert fills the rest; use {_choices('--dp', world_size)}"
+                        f"--dp {dp} does not divide the {counted(world_size, 'launched rank')}, "
+                        f"so no --pert fills the rest; use {_choices('--dp', world_size)}"
                     )
                 pert = world_size // dp
             else:
@@ -52,13 +53,13 @@ class ParallelDims:
             dp = world_size // pert if world_size % pert == 0 else 0
             if dp == 0:
                 raise ValueError(
-                    f"--pert {pert} does not divide the {world_size} launched ranks; use "
-                    f"{_choices('--pert', world_size)} (--pert 1: every rank data-parallel)"
+                    f"--pert {pert} does not divide the {counted(world_size, 'launched rank')}; "
+                    f"use {_choices('--pert', world_size)} (--pert 1: every rank data-parallel)"
                 )
         if dp * pert != world_size:
             raise ValueError(
                 f"--dp {dp} x --pert {pert} = {dp * pert} does not match the "
-                f"{world_size} launched ranks; "
+                f"{counted(world_size, 'launched rank')}; "
                 "make dp * pert equal nproc_per_node x nodes"
             )
         return cls(dp, pert)

@@ -32,6 +32,7 @@ import torch
 from distzo.config.engine_options import ZOConfig
 from distzo.engine import StepResult
 from distzo.job.checkpoint import latest_checkpoint
+from distzo.runtime.units import counted
 
 if TYPE_CHECKING:
     from distzo.job.checkpoint import Checkpointer
@@ -139,7 +140,7 @@ def eval_diverged(
             "give NaN or infinite scores; check the model's weights, and use --compute-dtype "
             "fp32 if a half-precision forward overflows",
         )
-    what = f"the evaluation of the weights after {done} steps gives {values}"
+    what = f"the evaluation of the weights after {counted(done, 'step')} gives {values}"
     dropped = f"step {done - 1}'s update, which led to it, is not kept"
     return _diverged(done, f"{what}; {dropped}", config, checkpoint)
 

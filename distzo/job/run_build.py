@@ -46,6 +46,7 @@ from distzo.job.summary import SUMMARY
 from distzo.job.validation import CheckedJob
 from distzo.models.weights import declared_stop_ids, special_ids
 from distzo.objectives import Objective
+from distzo.runtime.units import counted
 
 logger = logging.getLogger("distzo.train")
 
@@ -121,11 +122,10 @@ class _Build:
         job, env, comm = self.checked.job, self.env, self.parallel.comm
         dims = self.checked.dims
         logger.info(
-            "run %s: seed %d; %d rank%s as dp %d x pert %d",
+            "run %s: seed %d; %s as dp %d x pert %d",
             self.run_dir,
             self.seed,
-            env.world_size,
-            "" if env.world_size == 1 else "s",
+            counted(env.world_size, "rank"),
             dims.dp,
             dims.pert,
         )

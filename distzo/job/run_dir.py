@@ -40,6 +40,7 @@ from distzo.job.seed_log import (
 )
 from distzo.job.summary import SUMMARY
 from distzo.runtime import json_text
+from distzo.runtime.units import counted
 
 logger = logging.getLogger("distzo.train")
 
@@ -248,7 +249,9 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     done = int(checkpoint.name.removeprefix("step-")) if checkpoint is not None else 0
     if not is_begun_log(log):
         return done
-    start = f"{checkpoint} ({done} steps)" if checkpoint is not None else "the initial weights"
+    start = "the initial weights"
+    if checkpoint is not None:
+        start = f"{checkpoint} ({counted(done, 'step')})"
     fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
     if logged_header(log) is None:
         raise ValueError(
@@ -278,7 +281,7 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     if end < done or done < first:
         ends = f"step {last}" if last is not None else "its header"
         raise ValueError(
-            f"--resume: {checkpoint} holds {done} steps but {log} ends at {ends}; {fix}"
+            f"--resume: {checkpoint} holds {counted(done, 'step')} but {log} ends at {ends}; {fix}"
         )
     return end
 

@@ -19,6 +19,7 @@ from distzo.job.curves import CURVES, draw_curves
 from distzo.job.records import describe, eval_split
 from distzo.job.run_logs import RunLogs, read_records
 from distzo.job.summary import SUMMARY, read_summary, run_summary, write_summary
+from distzo.runtime.units import counted
 
 logger = logging.getLogger("distzo.train")
 
@@ -101,9 +102,9 @@ def report_run_end(
         )
         return
     logger.info(
-        "done: %d steps in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s; "
+        "done: %s in %.1f s (%.0f tokens/s); eval %s%s; model exported to %s; "
         "summary %s, curves %s",
-        session.steps,
+        counted(session.steps, "step"),
         session.seconds,
         session.tokens_per_s,
         f"{describe(before)} -> " if before else f"(resumed at step {session.start_step}) ",

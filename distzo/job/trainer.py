@@ -57,6 +57,7 @@ from distzo.job.scoring_requeue import report_recorded_score
 from distzo.job.validation import validate
 from distzo.models.hub import quiet_hub_retries
 from distzo.objectives import Objective
+from distzo.runtime.units import counted
 
 logger = logging.getLogger("distzo.train")
 
@@ -321,8 +322,8 @@ class Trainer:
         state = "failed" if self.failed else "is closed"
         if self.failed or self.closed:
             raise RuntimeError(
-                f"Trainer.{call}: this Trainer's run {state} after {self.step} steps; make a "
-                "new Trainer to go on (resume=yes goes on from its checkpoint); save() runs "
+                f"Trainer.{call}: this Trainer's run {state} after {counted(self.step, 'step')}; "
+                "make a new Trainer to go on (resume=yes goes on from its checkpoint); save() runs "
                 "while it trains (from a callback)"
             )
 

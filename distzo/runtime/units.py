@@ -33,3 +33,9 @@ def format_count(n: float) -> str:
     """A parameter count: ``0``, ``999``, ``1.20 M``, ``7.00 B`` (thousands, millions,
     billions; decimal)."""
     return _scaled(n, _COUNT_UNITS)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and its noun, singular for one (``1 step``, ``2 steps``): a line a user reads
+    says "done: 1 step", not "1 steps"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -174,7 +174,7 @@ def test_a_failed_trainer_says_so_when_trained_again(tmp_path):
 def test_a_closed_trainer_says_so_when_trained_again(tmp_path):
     with Trainer(job(tmp_path / "run", "--max-steps", "1")) as trainer:
         trainer.train()
-    with pytest.raises(RuntimeError, match="run is closed after 1 steps; make a new Trainer"):
+    with pytest.raises(RuntimeError, match="run is closed after 1 step; make a new Trainer"):
         trainer.train()
 
 
