@@ -288,7 +288,7 @@ BEST_EXPORT = "export-best"  # in the run directory, beside export/
 BEST_LOCK_WAIT_S = 5.0  # how long export-best waits for its run directory's lock
 
 
-def export_best(run_dir: Path, options: dict[str, Any]) -> None:
+def export_best(run_dir: Path, options: dict[str, Any], lock: RunLock | None = None) -> None:
     """MeZO's ``--load_best_model_at_end`` (``--export-best``): the model of the best dev
     step, which the run's ``summary.json`` names (``dev.best``), replayed from the run's
     seed log into ``export-best/`` (rank 0, once the run has ended and its logs are
@@ -296,13 +296,14 @@ def export_best(run_dir: Path, options: dict[str, Any]) -> None:
     summary too. A checkpoint at every dev evaluation would be the model's size each time;
     the seed log rebuilds any step. A requeue of the finished run keeps the folder as it is
     where the summary's record of it (``BEST_WRITTEN``) says it is complete and of this
-    step and these options: a replay of the whole log spared."""
-    # the run let go of its directory at its end: taken again, so that no other job
-    # (a requeue started meanwhile) writes export-best/ beside this one
-    lock = RunLock(run_dir)
+    step and these options: a replay of the whole log spared. ``lock``: the run's, held
+    since it began (``distzo.train``), released here; None: taken again, so that no other
+    job (a requeue) writes export-best/ beside this one."""
     try:
-        lock.acquire(wait_s=BEST_LOCK_WAIT_S)  # another job's start-up check lasts an instant
-    except DirectoryLocked as taken:  # a job started in the instant the directory was free
+        if lock is None:
+            lock = RunLock(run_dir)
+            lock.acquire(wait_s=BEST_LOCK_WAIT_S)  # another job's start-up check: an instant
+    except DirectoryLocked as taken:  # a job started while the directory was free
         raise ValueError(
             f"--export-best: another job took {run_dir} as this run ended ({taken.holder}), "
             "so export-best/ was not written; once that job ends, python -m distzo.replay "

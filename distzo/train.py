@@ -43,6 +43,7 @@ from distzo.runtime.units import counted
 
 if TYPE_CHECKING:  # the trainer imports transformers: loaded once the options parse
     from distzo.config.job import JobConfig
+    from distzo.job.run_lock import RunLock
     from distzo.job.trainer import Trainer, TrainerCallback
 
 logger = logging.getLogger("distzo.train")
@@ -138,6 +139,9 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     except ValueError as err:
         return _failed(env, str(err))  # every rank, the same line, before any model
     signals = StopSignals()
+    # rank 0's --export-best replays in the run directory once the run has ended: locked
+    # all along, so that no other job (a requeue) starts there in between
+    trainer.held.lock_past_end = config.run.export_best and env.rank == 0
     try:
         with signals:
             trainer.train(signals)
@@ -180,21 +184,21 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
     pg.shutdown()
     if not (config.run.export_best and env.rank == 0):
         return 0
-    run_dir = trainer.run_dir
+    run_dir, lock = trainer.run_dir, trainer.held.hand_over_lock()
     # The trained model let go first: the replay builds another, resident on the same
     # device, which a model over half the device (or the host) would not fit beside it.
     del trainer
-    return _export_best(run_dir, config)
+    return _export_best(run_dir, config, lock)
 
 
-def _export_best(run_dir: Path, job: JobConfig) -> int:
-    """``--export-best``'s replay, once the run has ended, with the run's export options;
-    a failure is one line."""
+def _export_best(run_dir: Path, job: JobConfig, lock: RunLock | None) -> int:
+    """``--export-best``'s replay, once the run has ended, with the run's export options,
+    under the run's ``lock`` (None: taken again); a failure is one line."""
     from distzo.job.run_end import export_options
     from distzo.replay import BEST_EXPORT, export_best
 
     try:
-        export_best(run_dir, export_options(job))
+        export_best(run_dir, export_options(job), lock)
     except ValueError as err:  # a log the replay refuses (a copied start): one line
         return fail(str(err).splitlines()[0])
     except OSError as err:

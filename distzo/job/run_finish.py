@@ -80,7 +80,7 @@ class RunFinish:
         trainer.held.close_logs()  # the run directory stays locked until its summary is written
         if trainer.logs:
             self._report(elapsed, after, export)
-        trainer.held.release()
+        trainer.held.release_at_end()
         return after
 
     def _final_evaluation(self, scoring: bool, recorded: Evals | None) -> dict[str, float]:

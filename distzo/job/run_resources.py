@@ -15,6 +15,7 @@ import logging
 from distzo.job.checkpoint import Checkpointer
 from distzo.job.cpu_threads import CpuThreads
 from distzo.job.run_claim import RunClaim
+from distzo.job.run_lock import RunLock
 from distzo.job.run_logs import RunLogs
 
 logger = logging.getLogger("distzo.train")
@@ -27,6 +28,9 @@ class RunResources:
         self.checkpointer: Checkpointer | None = None  # its save in flight, if any
         self.logs: RunLogs | None = None  # rank 0's
         self.closed = False  # the logs closed: a finished or failed run, or close()
+        # the command goes on in the run directory once the run has ended (its --export-best
+        # replay): a finished run keeps the lock for it (``hand_over_lock``)
+        self.lock_past_end = False
 
     def close(self) -> None:
         """Close the logs (``close_logs``), then unlock the run directory for the next job."""
@@ -60,6 +64,21 @@ class RunResources:
         """Unlock the run directory (a no-op before it was claimed, and once released)."""
         if self.claim is not None:
             self.claim.release()
+
+    def release_at_end(self) -> None:
+        """A finished run's release: none where the command goes on in the directory
+        (``lock_past_end``), so that no other job (a requeue) starts there in between."""
+        if not self.lock_past_end:
+            self.release()
+
+    def hand_over_lock(self) -> RunLock | None:
+        """The run directory's lock, still held, for the caller to release: these resources
+        let go of it no more. None where none is held (another rank's, or let go)."""
+        claim = self.claim
+        if claim is None or claim.lock is None or not claim.lock.held:
+            return None
+        lock, claim.lock = claim.lock, None
+        return lock
 
     def end_failed(self, unstarted: bool) -> None:
         """A failed run (a Ctrl-C, a callback that raised, ``Diverged``) gives everything

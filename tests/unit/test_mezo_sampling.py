@@ -18,7 +18,7 @@ from distzo.data.sampling import Sampling, mezo_draw, sample_sets
 from distzo.data.task_data import load_task_rows
 from distzo.job.evaluation import evaluate
 from distzo.job.records import describe
-from distzo.job.run_lock import RunLock
+from distzo.job.run_lock import DirectoryLocked, RunLock
 from distzo.job.trainer import Trainer, TrainerCallback
 
 
@@ -175,11 +175,14 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
     out, trained, replayed = tmp_path / "run", _TrainedEngine(), []
 
-    def replay_with_the_trained_engine_gone(run_dir: Path, options: dict) -> None:
+    def replay_with_the_trained_engine_gone(run_dir: Path, options: dict, lock) -> None:
         # the replay builds the model again on the run's device: the trained one let go
         assert trained.engine is not None and trained.engine() is None
         assert trained.parts and all(part() is None for part in trained.parts)
-        replayed.append(export_best(run_dir, options))
+        # the directory locked since the run began: no other job (a requeue) starts there
+        with pytest.raises(DirectoryLocked):
+            RunLock(run_dir).acquire()
+        replayed.append(export_best(run_dir, options, lock))
 
     export_best = distzo.replay.export_best
     monkeypatch.setattr(distzo.replay, "export_best", replay_with_the_trained_engine_gone)
