@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -138,6 +139,8 @@ class FailingTrainer:
 
     def __init__(self, config, env, callbacks) -> None:
         self.closed, self.step, self.run_dir = 0, 3, "the run"
+        # what main sets for --export-best (the run's lock kept past its end)
+        self.held = SimpleNamespace(lock_past_end=False)
         FailingTrainer.last = self
 
     def train(self, signals) -> None:
