@@ -43,7 +43,7 @@ from distzo.engine.vocab_slices import SlicedResident, shared_scratch_numel, sli
 from distzo.models.weights import WeightSource, check_weights
 from distzo.offload import BucketLayout, StreamedBlocks
 from distzo.offload.moment_stores import CarriedStore, Moments
-from distzo.runtime.units import format_bytes, format_count
+from distzo.runtime.units import counted, format_bytes, format_count
 from distzo.zo import NoiseSource, Pass
 
 if TYPE_CHECKING:
@@ -278,11 +278,11 @@ def describe(engine: ZOEngine, dtype: torch.dtype) -> str:
     else:
         wire = f"{engine.transfer} transfer, {config.transfer_dtype} on the wire"
         layout = f"({wire}{rebuilt}, {compute})"
-        slots = f", {engine.streamed_store.num_slots} slots"
+        slots = f", {counted(engine.streamed_store.num_slots, 'slot')}"
         stored = f", {format_bytes(engine.host_bytes)} host"
     return (
         f"ZO engine: {config.mode} mode {layout} on {engine.device}, "
-        f"{len(engine.blocks)} blocks{slots}, "
+        f"{counted(len(engine.blocks), 'block')}{slots}, "
         f"{format_count(engine.num_parameters)} trained parameters"
         f"{of_all if engine.frozen_base else ''}{stored}, "
         f"{config.estimator}, {queries} quer{'y' if queries == 1 else 'ies'} per step"

@@ -37,7 +37,7 @@ from distzo.job.memory_plan import (
 )
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
-from distzo.runtime.units import format_bytes
+from distzo.runtime.units import counted, format_bytes
 from distzo.zo.estimators import estimator_for
 
 
@@ -185,15 +185,17 @@ def _lines(
     bound = config.micro_batch_rows
     split = f" (a step's at most {bound} at a time)" if 0 < bound < rows else ""
     out = [
-        f"{args.model_config}, {args.nproc} GPUs on one node, dp {dims.dp} x pert {dims.pert}, "
+        f"{args.model_config}, {counted(args.nproc, 'GPU')} on one node, dp {dims.dp} x pert "
+        f"{dims.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
-        f"{args.num_slots} slots, {master}{step}{rows} rows x {args.seq_len} tokens per "
+        f"{counted(args.num_slots, 'slot')}, {master}{step}{counted(rows, 'row')} x "
+        f"{args.seq_len} tokens per "
         f"forward{split}",
         f"memory plan: {plan.describe()}",
         "device, per rank:",
         *(f"  {name:<24} {b(size):>10}" for name, size in plan.device_terms().items()),
         f"  {'device total':<24} {b(plan.device_need):>10}",
-        f"host, per node ({args.nproc} ranks):",
+        f"host, per node ({counted(args.nproc, 'rank')}):",
         *(f"  {name:<24} {b(size):>10}" for name, size in host.items()),
         f"  {'host total':<24} {b(sum(host.values())):>10}",
     ]

@@ -24,3 +24,22 @@ def test_a_one_step_runs_last_line_says_1_step(tmp_path, caplog):
         report_run_end(tmp_path, logs, {}, session, evals, tmp_path / "export", {})
     done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done:"))
     assert done.startswith("done: 1 step in 0.5 s (200 tokens/s); eval loss 0.7500")
+
+
+def test_a_one_gpu_one_row_plan_and_a_one_block_engine_say_it_in_the_singular():
+    """``plan_report --nproc 1`` headed its plan "1 GPUs on one node ... (1 ranks)", and a
+    one-block engine's line said "1 blocks"."""
+    import torch
+
+    from distzo import ZOConfig, ZOEngine
+    from distzo.engine.parts import describe
+    from distzo.job import plan_report
+    from tests.helpers.models import tiny_opt
+
+    argv = "--model-config opt-125m --nproc 1 --batch-size 1 --eval-batch-size 1 --seq-len 64"
+    head = plan_report.report(plan_report._parser().parse_args(argv.split())).splitlines()
+    assert head[0].startswith("opt-125m, 1 GPU on one node, ")
+    assert "1 row x 64 tokens per forward" in head[0]
+    assert "host, per node (1 rank):" in head
+    engine = ZOEngine(tiny_opt(seed=0, num_hidden_layers=1), ZOConfig(device="cpu", seed=0))
+    assert ", 1 block, 3 slots, " in describe(engine, torch.float32)
