@@ -127,8 +127,15 @@ def evaluate(
                 stop,
             )
         else:
+            widest = data.dev_rows if dev else data.eval_rows
             metrics = evaluate_choices(
-                engine, examples, data.encoder, parallel, data.eval_batch_size, stop=stop
+                engine,
+                examples,
+                data.encoder,
+                parallel,
+                data.eval_batch_size,
+                stop=stop,
+                rows=widest,
             )
     else:
         rows = data.dev_set if dev and isinstance(data, TextData) else data.eval_set
@@ -157,8 +164,7 @@ def planned_rows(data: CountingData | TextData | PromptData, world: int) -> int:
     than its ``rows_per_call``, an example of more candidates being scored in pieces."""
     per_call = rows_per_call(data.eval_batch_size, world)
     if isinstance(data, PromptData) and data.kind != "generation":
-        evaluated = data.eval_examples + data.dev_examples
-        rows = max(data.encoder.choice_rows(e) for e in evaluated)
+        rows = max(data.eval_rows, data.dev_rows)  # the build's count, every rank's share
         return _choices_per_call(data.eval_batch_size, rows, world) * rows or per_call
     return per_call
 
@@ -203,12 +209,16 @@ def evaluate_choices(
     batch_size: int,
     full_head: bool = False,
     stop: StopVote | None = None,
+    rows: int | None = None,
 ) -> dict[str, float]:
     """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call
     over all the ranks, an example of more candidate rows than a rank's share scored in
-    pieces (``split_choices``)."""
+    pieces (``split_choices``). ``rows``: the most rows an example of ``examples`` takes,
+    the same on every rank (``PromptData.eval_rows``, counted in the build's shared pass);
+    None: counted here, every example encoded on every rank."""
     mine = [examples[i] for i in _share(len(examples), parallel)]
-    rows = max(encoder.choice_rows(e) for e in examples)  # the same on every rank
+    if rows is None:
+        rows = max(encoder.choice_rows(e) for e in examples)
     per_rank = rows_per_call(batch_size, parallel.env.world_size)
     work = _choice_work([encoder.encode_choices(e) for e in mine], rows, per_rank)
     # for a call past this rank's share
