@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import io
+import os
 import pickle
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -54,9 +56,7 @@ class TensorOnlyReader(dcp.FileSystemReader):
     tensors only."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        with path.open("rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+        metadata = _MetadataUnpickler(io.BytesIO(metadata_bytes(Path(self.path)))).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
         entries = metadata.state_dict_metadata
@@ -74,6 +74,27 @@ class TensorOnlyReader(dcp.FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+_last_read: tuple[tuple[int, ...], bytes] | None = None  # (a .metadata's stat, its bytes)
+
+
+def metadata_bytes(checkpoint: Path) -> bytes:
+    """The bytes of ``checkpoint``'s ``.metadata``, read again only where the file changed
+    (another file, size or mtime): a resume's checks and load read the chosen checkpoint's
+    metadata ten times on every rank, a node's eight ranks eighty opens of one shared file.
+    The last file's alone is kept; each reader unpickles its own copy of it."""
+    global _last_read
+    path = checkpoint / ".metadata"
+    if _last_read is not None and _last_read[0] == _identity(path, os.stat(path)):
+        return _last_read[1]
+    with path.open("rb") as stream:  # the file opened's own stat, never a replaced one's
+        _last_read = (_identity(path, os.fstat(stream.fileno())), stream.read())
+    return _last_read[1]
+
+
+def _identity(path: Path, found: os.stat_result) -> tuple[int, ...]:
+    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, hash(str(path)))
 
 
 def _check_storage(storage: Any) -> None:

@@ -5,6 +5,7 @@ refused."""
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,30 @@ def test_metadata_placing_items_oddly_or_outside_is_one_line(tmp_path, change, m
         TensorOnlyReader(str(path)).read_metadata()
     with pytest.raises(ValueError, match=r"step-3 is damaged: .*\.metadata is unreadable"):
         check_complete(path)
+
+
+def test_a_checkpoints_metadata_is_read_again_only_where_it_changed(tmp_path, monkeypatch):
+    """A resume's checks and load read the chosen checkpoint's .metadata ten times on every
+    rank (eighty opens of one shared file on a node of eight); the bytes are now kept for
+    the file as it is, and a file replaced since is read again."""
+    save(tmp_path / "step-1", {"a": torch.zeros(3)})
+    save(tmp_path / "step-2", {"a": torch.zeros(3), "b": torch.ones(2)})
+    opened = []
+    real_open = Path.open
+
+    def counted(self, *args, **kwargs):
+        if self.name == ".metadata":
+            opened.append(self.parent.name)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", counted)
+
+    def keys(step):
+        return set(TensorOnlyReader(str(tmp_path / step)).read_metadata().state_dict_metadata)
+
+    assert [keys("step-1") for _ in range(3)] == [{"a"}] * 3
+    assert keys("step-2") == {"a", "b"} and keys("step-1") == {"a"}
+    assert opened == ["step-1", "step-2", "step-1"]
+    os.replace(tmp_path / "step-2" / ".metadata", tmp_path / "step-1" / ".metadata")
+    assert keys("step-1") == {"a", "b"}  # the file replaced: read again
+    assert opened[-1] == "step-1" and len(opened) == 4
