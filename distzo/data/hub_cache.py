@@ -6,12 +6,15 @@ cache's most recently modified prepared copy of the dataset, whatever its commit
 (``packaged_modules.cache``), so a node whose cache held a copy of another commit prepared
 later (an earlier run, a script at another revision) trained on that copy's rows without a
 word. ``datasets`` keeps each prepared copy in a folder named by its commit
-(``NAMESPACE___NAME/CONFIG/VERSION/COMMIT``); here that one folder is read.
+(``NAMESPACE___NAME/CONFIG/VERSION/COMMIT``); here that one folder is read, and where
+the hub answers rank 0 nothing, the commit of the copy ``datasets`` would read on rank 0 is
+the launch's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,11 @@ READ_MISSING = "and the node's first rank downloaded; give a node's ranks one HF
 FILL_MISSING = (
     "and the hub did not give this node (its warning says why); let the node reach the hub, "
     "or download the dataset at that commit on it first"
+)
+# and the hub answered rank 0 nothing: the commit is that of the copy rank 0's cache holds
+CACHE_MISSING = (
+    "from its own cache (the hub did not answer it); give the nodes one HF_DATASETS_CACHE "
+    "(a shared filesystem), or run with the hub reachable"
 )
 
 
@@ -36,17 +44,8 @@ def pinned_folder(
     default) in this node's cache, found with no request; a cache that holds no copy at
     that commit (``missing``: why, and the fix), or copies of several configs where none
     was named, is a one-line error."""
-    import datasets.config
-    from datasets.naming import camelcase_to_snakecase
-
-    *namespace, name = path.split("/")
-    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser()
-    root /= "___".join([*namespace, camelcase_to_snakecase(name)])
-    copies = [
-        folder
-        for folder in sorted(root.glob(f"{config or '*'}/*/{commit}"))
-        if folder.is_dir() and _config_name(folder) == folder.parts[-3]
-    ]
+    root = _dataset_root(path)
+    copies = _prepared_copies(root, config, commit)
     if not copies:
         raise ValueError(
             f"{source}: this node's datasets cache ({root}) holds no copy at commit {commit}, "
@@ -59,6 +58,41 @@ def pinned_folder(
             f"{commit}; name one: hf:{path}:CONFIG:{split}"
         )
     return copies[-1]
+
+
+def cached_commit(path: str, config: str | None) -> str:
+    """The commit of the copy of hub dataset ``path`` (``config``: None, any) that
+    ``datasets`` offline reads from this node's cache, its most recently modified prepared
+    copy, or "" where it holds none: where the hub answers rank 0 nothing, a launch's nodes
+    read this commit, rank 0's, not each its own cache's newest (two commits' rows)."""
+    copies = _prepared_copies(_dataset_root(path), config, "*")
+    commits = [folder for folder in copies if COMMIT_NAME.fullmatch(folder.name)]
+    return max(commits, key=lambda folder: folder.stat().st_mtime).name if commits else ""
+
+
+# a prepared copy's folder name where datasets prepared a hub dataset (``COMMIT.incomplete``
+# is one being written)
+COMMIT_NAME = re.compile("[0-9a-f]{40}")
+
+
+def _dataset_root(path: str) -> Path:
+    """The folder of hub dataset ``path``'s prepared copies in this node's cache."""
+    import datasets.config
+    from datasets.naming import camelcase_to_snakecase
+
+    *namespace, name = path.split("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser()
+    return root / "___".join([*namespace, camelcase_to_snakecase(name)])
+
+
+def _prepared_copies(root: Path, config: str | None, commit: str) -> list[Path]:
+    """The prepared copies under ``root`` of ``config`` (None: any) at ``commit`` ("*":
+    any), as ``datasets`` offline finds them: a folder whose info names its config."""
+    return [
+        folder
+        for folder in sorted(root.glob(f"{config or '*'}/*/{commit}"))
+        if folder.is_dir() and _config_name(folder) == folder.parts[-3]
+    ]
 
 
 def read_prepared(path: str, folder: Path, split: str) -> Any:

@@ -37,10 +37,11 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class HubPin:
     """How a rank of a launch reads an ``hf:`` dataset: at ``revision``, the commit rank 0
-    was told (None: the hub did not answer rank 0, so the cache's), and from its node's
-    cache alone where ``cached`` (the node's first rank downloaded it), the copy of that
-    commit (``hub_cache.pinned_folder``): each rank asking the hub for itself made 13 to 15
-    requests a file (distzo's 3, datasets' 10 to 12)."""
+    was told, or read from its cache where the hub did not answer it (None: neither, so
+    the node's cache's), and from its node's cache alone where ``cached`` (the node's first
+    rank downloaded it), the copy of that commit (``hub_cache.pinned_folder``): each rank
+    asking the hub for itself made 13 to 15 requests a file (distzo's 3, datasets' 10 to
+    12)."""
 
     revision: str | None
     cached: bool = False
@@ -320,19 +321,34 @@ def hub_dataset_revision(source: str) -> str:
         raise _not_loaded(source, err) from None
 
 
-def fill_hub_cache(source: str, revision: str | None, answered: bool = False) -> None:
-    """``hf:`` dataset ``source`` at ``revision`` prepared in this node's datasets cache
-    (None: the hub did not answer rank 0, so the cache as it is), for the node's ranks to
-    read offline: one download and one set of datasets' questions a node. ``answered``:
-    this process was told ``revision`` by the hub (``HubPin.answered``). A hub silent to
-    this node leaves the cache as it is: one without that commit's copy is refused here,
-    once, not on each of the node's ranks with another cause."""
-    from distzo.data.hub_cache import FILL_MISSING, pinned_folder
+def cached_dataset_revision(source: str) -> str:
+    """The commit of the copy of ``hf:`` dataset ``source`` that this node's datasets cache
+    holds and ``datasets`` offline reads, or "" where it holds none (the load's error)."""
+    from distzo.data.hub_cache import cached_commit
 
-    _hub_dataset(source, HubPin(revision, answered=answered))
+    path, config, _ = parse_hub_spec(source)
+    return cached_commit(path, config)
+
+
+def fill_hub_cache(
+    source: str, revision: str | None, answered: bool = False, from_cache: bool = False
+) -> None:
+    """``hf:`` dataset ``source`` at ``revision`` prepared in this node's datasets cache
+    (None: neither the hub nor its cache gave rank 0 one, so the cache as it is), for the
+    node's ranks to read offline: one download and one set of datasets' questions a node.
+    ``answered``: this process was told ``revision`` by the hub (``HubPin.answered``);
+    ``from_cache``: rank 0 read ``revision`` from its cache, the hub silent to it, so none
+    is asked. A hub silent to this node leaves the cache as it is: one without that
+    commit's copy is refused here, once, not on each of the node's ranks with another
+    cause."""
+    from distzo.data.hub_cache import CACHE_MISSING, FILL_MISSING, pinned_folder
+
+    if not from_cache:
+        _hub_dataset(source, HubPin(revision, answered=answered))
     if revision is not None:
         path, config, split = parse_hub_spec(source)
-        pinned_folder(path, config, split, revision, source, FILL_MISSING)
+        missing = CACHE_MISSING if from_cache else FILL_MISSING
+        pinned_folder(path, config, split, revision, source, missing)
 
 
 def _hub_rows(source: str, pin: HubPin | None) -> Iterator[Row]:

@@ -19,7 +19,13 @@ from transformers import PretrainedConfig
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, expand_home
-from distzo.data.loaders import HubPin, fill_hub_cache, hub_dataset_revision, parse_hub_spec
+from distzo.data.loaders import (
+    HubPin,
+    cached_dataset_revision,
+    fill_hub_cache,
+    hub_dataset_revision,
+    parse_hub_spec,
+)
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
@@ -159,25 +165,69 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     hub_sources = [source for source in sources if source.startswith("hf:")]
     if not hub_sources or not env.launched or env.world_size == 1:
         return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
-    timeout = job.parallel.dist_timeout
-    asked = {
-        repo: rank_0_answers(
-            env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
-        )
-        for repo, source in first_of_each(hub_sources, lambda s: parse_hub_spec(s)[0]).items()
-    }
-    revisions = {source: asked[parse_hub_spec(source)[0]] for source in hub_sources}
+    revisions = launch_commits(env, hub_sources, job.parallel.dist_timeout)
     filled = first_of_each(hub_sources, lambda s: parse_hub_spec(s)[:2]).values()
 
     def fill_node_cache() -> str:
-        for source in filled:  # rank 0 asked which commit: the hub answers
-            fill_hub_cache(source, revisions[source] or None, answered=env.rank == 0)
+        for source in filled:  # rank 0 asked which commit: the hub answers, or its cache
+            commit, from_cache = revisions[source]
+            answered = env.rank == 0 and not from_cache
+            fill_hub_cache(source, commit or None, answered, from_cache)
         return "filled"
 
     question = f"{', '.join(hub_sources)} in the node's cache"
     node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
-    pins = {source: HubPin(commit or None, cached=True) for source, commit in revisions.items()}
+    pins = {source: HubPin(pin[0] or None, cached=True) for source, pin in revisions.items()}
     return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins)
+
+
+def launch_commits(
+    env: LaunchEnv, hub_sources: list[str], timeout: float
+) -> dict[str, tuple[str, bool]]:
+    """Each ``hf:`` source's commit, rank 0's answer told to every rank, and whether it is
+    that of the copy rank 0's cache holds: the hub's, asked once a dataset; where the hub
+    answers rank 0 nothing, its cache's copy's, once a config (each node read its own
+    cache's newest copy, so nodes whose caches held two commits' copies read two sets of
+    rows). "": neither, each node's cache read as it is (the load's error)."""
+
+    def repo(source: str) -> str:
+        return parse_hub_spec(source)[0]
+
+    def config(source: str) -> tuple[str, str | None]:
+        return parse_hub_spec(source)[:2]
+
+    asked = {
+        name: rank_0_answers(
+            env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
+        )
+        for name, source in first_of_each(hub_sources, repo).items()
+    }
+    silent = [source for source in hub_sources if not asked[repo(source)]]
+    cached = {
+        key: rank_0_answers(
+            env, f"{source}'s cached commit", functools.partial(rank_0s_copy, source), timeout
+        )
+        for key, source in first_of_each(silent, config).items()
+    }
+    commits = {source: (asked[repo(source)], False) for source in hub_sources}
+    for source in silent:
+        if cached[config(source)]:
+            commits[source] = (cached[config(source)], True)
+    return commits
+
+
+def rank_0s_copy(source: str) -> str:
+    """The commit of ``hf:`` dataset ``source``'s copy in rank 0's cache (the hub silent to
+    it), said in rank 0's log: the launch reads it on every node."""
+    commit = cached_dataset_revision(source)
+    if commit:
+        logger.warning(
+            "%s: the hub did not answer rank 0; every node reads the copy at commit %s in its "
+            "datasets cache, as rank 0 does",
+            source,
+            commit,
+        )
+    return commit
 
 
 def first_of_each(sources: list[str], key: Callable[[str], K]) -> dict[K, str]:
