@@ -10,12 +10,17 @@ transformers on a two-core CI machine before a second of work.
 ``run(command, env, timeout, standard)`` serves a command of the form ``[sys.executable, "-m",
 MODULE, *ARGS]`` or ``[sys.executable, SCRIPT.py, *ARGS]`` (a benchmark script) when nothing
 about it could tell a forked child from a fresh interpreter, and returns ``None`` otherwise
-(the caller then runs a fresh one): an environment that differs from the caller's standard
-one (the server's) in anything but the variables the product reads at run time (an import
-may have read it, ``HF_HOME`` say), another interpreter, a server busy with another command
+(the caller then runs a fresh one): another interpreter, a server busy with another command
 of this process. (A served script could import a module the server imported that a fresh
 one could not find, ``tests`` say; the benchmark scripts import only installed packages.)
 ``DISTZO_TEST_FORK_SERVER=0`` turns it off.
+
+The server's environment is the caller's standard one; a command whose environment differs
+from it in anything but the variables the product reads at run time (an import may have read
+it: ``HF_HUB_CACHE``, which huggingface_hub reads at import, say) is served by a second
+server started with that environment, which serves the test's next commands of that
+environment too (a hub test's train, resume and replays: one start of imports, not one per
+command), and ends when a standard command comes.
 
 The server (``python -m tests.helpers.fork_server``) reads one JSON request per line on stdin
 and answers on stdout with the child's pid, then its wait status. The child is the leader of a
@@ -76,6 +81,7 @@ DUMP_SIGNAL = signal.SIGUSR2
 DUMP_WAIT_S = 2.0
 # How much of the stderr the TimeoutExpired's message says (an agent and 4 ranks: ~25 KB)
 REPORTED_CHARS = 40_000
+REPO = Path(__file__).resolve().parents[2]
 
 
 # The server side.
@@ -254,6 +260,7 @@ class _Server:
         self.folder = tempfile.TemporaryDirectory(prefix="fork-server-")
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__],
+            cwd=REPO,  # where ``-m`` finds ``tests``, whatever folder the test is in
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -339,36 +346,51 @@ def _read_text(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-_server: _Server | None = None
+_server: _Server | None = None  # the standard environment's
+_other: _Server | None = None  # the last command's, where its import-time one was another
 
 
 def run(
     command: Sequence[str], env: Mapping[str, str], timeout: float, standard: Mapping[str, str]
 ) -> subprocess.CompletedProcess | None:
     """``command`` (``[sys.executable, "-m", MODULE, *ARGS]``, or ``[sys.executable, SCRIPT,
-    *ARGS]`` for a file ending in .py) run by a child of the fork server, or ``None`` where it
-    cannot stand for a fresh interpreter. The server runs with
-    the ``standard`` environment of the caller's commands (a new server if that changed);
-    an ``env`` that differs from it in more than run-time variables is not served."""
-    global _server
+    *ARGS]`` for a file ending in .py) run by a child of a fork server, or ``None`` where it
+    cannot stand for a fresh interpreter. The server runs with the ``standard`` environment
+    of the caller's commands (a new server if that changed); an ``env`` that differs from it
+    in more than run-time variables is served by a server started with ``env``'s."""
+    global _server, _other
     if env.get(SWITCH) == "0" or not _servable(command):
         return None
-    if _server is not None and (
-        _server.process.poll() is not None  # it died
-        or _import_time(_server.env) != _import_time(standard)
-    ):
+    if _server is not None and not _serves(_server, standard):
         stop()
-    if _import_time(env) != _import_time(standard):
-        return None
-    if _server is None:
-        _server = _Server(standard)
-        atexit.register(stop)
-    if not _server.busy.acquire(blocking=False):  # another thread's command is running
+    if _import_time(env) == _import_time(standard):
+        _stop_other()
+        if _server is None:
+            _server = _start(standard)
+        server = _server
+    else:
+        if _other is not None and not _serves(_other, env):
+            _stop_other()
+        if _other is None:
+            _other = _start(_import_time(env))
+        server = _other
+    if not server.busy.acquire(blocking=False):  # another thread's command is running
         return None
     try:
-        return _server.run(command, env, timeout)
+        return server.run(command, env, timeout)
     finally:
-        _server.busy.release()
+        server.busy.release()
+
+
+def _start(env: Mapping[str, str]) -> _Server:
+    atexit.unregister(stop)  # once, whichever servers start
+    atexit.register(stop)
+    return _Server(env)
+
+
+def _serves(server: _Server, env: Mapping[str, str]) -> bool:
+    """Whether ``server`` is alive and can stand for a fresh interpreter given ``env``."""
+    return server.process.poll() is None and _import_time(server.env) == _import_time(env)
 
 
 def _servable(command: Sequence[str]) -> bool:
@@ -382,11 +404,19 @@ def _servable(command: Sequence[str]) -> bool:
 
 
 def stop() -> None:
-    """End this process's server (the next command starts a new one)."""
+    """End this process's servers (the next command starts a new one)."""
     global _server
+    _stop_other()
     if _server is not None:
         _server.close()
         _server = None
+
+
+def _stop_other() -> None:
+    global _other
+    if _other is not None:
+        _other.close()
+        _other = None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""``python -m tests.helpers.interpreter_report [EXIT] [--hang]``: prints what a program can
-see of the interpreter that runs it (its arguments, path, folder, environment, signal
-handling, open descriptors, whether it is imported under its own name), then exits the way
+"""``python -m tests.helpers.interpreter_report [EXIT] [--hang] [--hub-cache]``: prints what a
+program can see of the interpreter that runs it (its arguments, path, folder, environment,
+signal handling, open descriptors, whether it is imported under its own name, with
+``--hub-cache`` the cache huggingface_hub read at its import), then exits the way
 an interpreter does: non-daemon threads joined, exit handlers run, ``sys.exit(EXIT)``. The
 fork server's children must print what fresh interpreters print (tests/unit/test_fork_server.py).
 """
@@ -32,6 +33,10 @@ if __name__ == "__main__":
         "signals": {sig.name: disposition(signal.getsignal(sig)) for sig in AGENT_SIGNALS},
         "descriptors": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
     }
+    if "--hub-cache" in sys.argv:
+        from huggingface_hub import constants
+
+        seen["hub cache"] = constants.HF_HUB_CACHE
     print(json.dumps(seen), flush=True)
     print("to stderr\r\n", end="", file=sys.stderr)
     atexit.register(print, "exit handler ran")

@@ -85,13 +85,22 @@ def test_a_served_command_past_its_timeout_is_killed_with_what_it_printed():
     assert served(REPORT + ["4"], child_env()).returncode == 4
 
 
-def test_what_an_import_may_have_read_runs_in_a_fresh_interpreter():
-    fork_server.stop()
+def test_what_an_import_may_have_read_is_served_by_a_server_started_with_it(tmp_path):
+    """A variable an import reads (huggingface_hub's cache) is the command's in a served
+    child as in a fresh one: a second server started with it serves it, and the next
+    commands of that environment; a standard command ends it and finds its own server."""
     standard = child_env()
-    # the first command of a test process, with a variable its imports read: run fresh, and
-    # the server it starts runs with the standard environment
-    assert fork_server.run(REPORT, child_env({"HF_HOME": "/elsewhere"}), 60, standard) is None
-    assert served(REPORT, child_env()).returncode == 0
+    assert served(REPORT, standard).returncode == 0
+    first = fork_server._server
+    hub = child_env({"HF_HUB_CACHE": str(tmp_path / "hub")})
+    got = served(REPORT + ["--hub-cache"], hub)
+    assert json.loads(got.stdout.splitlines()[0])["hub cache"] == str(tmp_path / "hub")
+    other = fork_server._other
+    assert other is not None and other is not first
+    assert served(REPORT + ["7"], hub).returncode == 7 and fork_server._other is other
+    assert served(REPORT, standard).returncode == 0
+    assert fork_server._server is first and fork_server._other is None
+    assert other.process.poll() is not None  # ended, not left running
     assert fork_server.run(REPORT, child_env({fork_server.SWITCH: "0"}), 60, standard) is None
     python3 = ["python3", "-m", "tests.helpers.interpreter_report"]
     assert fork_server.run(python3, standard, 60, standard) is None
