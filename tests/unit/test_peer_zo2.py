@@ -10,6 +10,7 @@ import torch
 
 from distzo.bench.peer_models import PEER_SHAPES, QWEN3, peer_config
 from distzo.models.shapes import OPT_SHAPES, OTHER_SHAPES
+from tests.helpers.launch import child_env, run_python
 from tests.helpers.scripts import BENCHMARKS, benchmark_script
 
 PEER = BENCHMARKS / "peer_zo2.py"
@@ -73,9 +74,8 @@ def test_a_qwen3_width_off_the_head_width_is_one_error_line(tmp_path):
 
 
 def run_peer(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(PEER), *argv], capture_output=True, text=True, timeout=120
-    )
+    """``python benchmarks/peer_zo2.py ARGV`` (a fork server's child where it can be)."""
+    return run_python([sys.executable, str(PEER), *argv], child_env(), 120)
 
 
 def test_a_missing_checkout_is_one_error_line(tmp_path):
