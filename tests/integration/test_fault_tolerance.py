@@ -20,6 +20,7 @@ from tests.helpers.launch import (
     child_env,
     free_port,
     python_train,
+    run_python,
     torchrun,
     torchrun_command,
     train_in_process,
@@ -522,13 +523,9 @@ def test_wandb_gets_every_step_and_evaluation_and_a_resumed_run_continues_its_wa
         str(tmp_path / "run"),
     ]
     for extra in ([], ["--max-steps", "6", "--resume"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "distzo.train", *args, *extra],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=child_env(env),
-        )
+        # both from one fork server started with the stand-in's path (tests.helpers.fork_server)
+        command = [sys.executable, "-m", "distzo.train", *args, *extra]
+        proc = run_python(command, child_env(env), 120)
         assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(line) for line in calls.read_text().splitlines()]
     inits = [r for r in records if r["call"] == "init"]
