@@ -304,13 +304,8 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     ]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert python_train(flags + ["--output-dir", str(full)]).returncode == 0
-    proc = subprocess.run(
-        [sys.executable, "-m", FAULTY_TRAIN, *flags, "--output-dir", str(stopped)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env({"DISTZO_SIGNAL_AT": "0:6"}),
-    )
+    command = [sys.executable, "-m", FAULTY_TRAIN, *flags, "--output-dir", str(stopped)]
+    proc = run_python(command, child_env({"DISTZO_SIGNAL_AT": "0:6"}), 120)
     assert proc.returncode == 143 and not (stopped / "checkpoints").exists()
     log = stopped / "seedlog.jsonl"
     text = log.read_text()

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.helpers.launch import FAULTY_TRAIN, child_env, torchrun
+from tests.helpers.launch import FAULTY_TRAIN, child_env, run_python, torchrun
 
 FLAGS = [
     "--max-steps",
@@ -65,14 +65,9 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     # Two SIGINTs before step 3: the first asks for a stop after the step, the second ends
     # the run there, without the step or the signal's checkpoint.
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", FAULTY_TRAIN, *FLAGS, "--save-steps", "2", "--save-on-signal"]
-        + ["--output-dir", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env({"DISTZO_SIGNAL_AT": "0:3:SIGINT,0:3:SIGINT"}),
-    )
+    command = [sys.executable, "-m", FAULTY_TRAIN, *FLAGS, "--save-steps", "2"]
+    command += ["--save-on-signal", "--output-dir", str(out)]
+    proc = run_python(command, child_env({"DISTZO_SIGNAL_AT": "0:3:SIGINT,0:3:SIGINT"}), 120)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert (
