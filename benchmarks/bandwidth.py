@@ -248,7 +248,8 @@ def plot(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line alone: gpu_session.sh's flags are checked against it without a GPU."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -270,7 +271,11 @@ def main() -> None:
     p.add_argument(
         "--out", default="benchmarks/out/bandwidth.json", help="JSON path; .md and .png beside it"
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.bytes:  # before the process group and the first copy
         for size in args.bytes.split(","):
             parse_bytes(size)

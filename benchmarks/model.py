@@ -84,7 +84,8 @@ def project(
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line alone: gpu_session.sh's flags are checked against it without a GPU."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -127,7 +128,11 @@ def main() -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="also write the table (Markdown) and JSON here"
     )
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.bandwidth is not None:
         b_h2d, b_d2h, source = measured_links(args.bandwidth)
     elif args.b_h2d and args.b_d2h:

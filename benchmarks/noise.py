@@ -359,9 +359,8 @@ def measure_steps(args: argparse.Namespace, device: torch.device, report: BenchR
         )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, with the quick run's and the ops' defaults resolved; a bad op or a
-    ``--warps`` without CUDA is refused here, before any work."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line alone: gpu_session.sh's flags are checked against it without a GPU."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -420,6 +419,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/noise.json"))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the quick run's and the ops' defaults resolved; a bad op or a
+    ``--warps`` without CUDA is refused here, before any work."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.ops = [op for op in args.ops.split(",") if op] or [*BYTES, "step"]
     unknown = [op for op in args.ops if op not in BYTES and op != "step"]

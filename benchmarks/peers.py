@@ -199,6 +199,13 @@ class Run:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line alone: gpu_session.sh's flags are checked against it without a GPU."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -272,9 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="start, measure and stop the peers one after another (no interleaving)",
     )
     p.add_argument("--out", default=None, help="JSON report (default benchmarks/results/...)")
-    args = p.parse_args(argv)
-    check_args(args)
-    return args
+    return p
 
 
 def check_args(args: argparse.Namespace) -> None:

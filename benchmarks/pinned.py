@@ -62,14 +62,19 @@ def measure(name: str, params: dict, build) -> tuple[Measurement, object]:
     return Measurement(name, params, 1, seconds, seconds, seconds, 0.0, metrics), held
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line alone: gpu_session.sh's flags are checked against it without a GPU."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shape", default="opt-13b", choices=SHAPES)
     p.add_argument("--layers", type=at_least(1), default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/pinned.json"))
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pinned.py needs a CUDA device: pinning is what it measures")
     device = torch.device("cuda")

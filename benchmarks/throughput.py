@@ -656,9 +656,14 @@ class HeadBench:
         return self.report
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, its defaults settled by the kind of comparison (``--quick``,
     ``--compare-head``, ``--compare-adapters``) and refused in one line where they clash."""
+    return settle(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line alone: gpu_session.sh's flags are checked against it without a GPU."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -743,7 +748,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="benchmarks/out/throughput.json")
     add_comparison_arguments(p)
-    return settle(p.parse_args())
+    return p
 
 
 def add_comparison_arguments(p: argparse.ArgumentParser) -> None:
