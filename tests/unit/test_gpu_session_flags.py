@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib.util
 import io
 import re
 import shlex
@@ -22,9 +21,6 @@ from tests.helpers.scripts import BENCHMARKS, benchmark_script
 ROOT = BENCHMARKS.parent
 SESSION = BENCHMARKS / "gpu_session.sh"
 DRY_RUN_LINE = re.compile(r"^\+ (python3 .*?)  \(at most \d+ s; dry run\)$")
-# options of pytest plugins the lent machine's image has and the test extras do not:
-# (plugin module, values the option takes)
-PLUGIN_OPTIONS = {"--timeout": ("pytest_timeout", 1)}
 
 
 def session_stages() -> list[str]:
@@ -106,10 +102,6 @@ def defined_tests(path: Path) -> set[str]:
 def pytest_refusal(pytestconfig: pytest.Config, argv: list[str]) -> str | None:
     """pytest's own parser on the options; the files it names exist, its -k word names a
     test there and its -m marker is registered and marks a test."""
-    for option, (plugin, values) in PLUGIN_OPTIONS.items():
-        if option in argv and importlib.util.find_spec(plugin) is None:  # not here: drop it
-            at = argv.index(option)
-            argv = argv[:at] + argv[at + 1 + values :]
     # this session's parser: pytest's options and every installed plugin's (xdist's -n)
     options, unknown = pytestconfig._parser.parse_known_and_unknown_args(argv)
     if unknown:
