@@ -5,11 +5,13 @@ recorded them replays with the defaults."""
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+import distzo.replay
 from distzo.config.job import resolve
 from distzo.job.replay_defaults import run_export_options
 from distzo.job.trainer import Trainer
@@ -80,3 +82,41 @@ def test_merge_adapter_comes_from_config_toml_then_the_header(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert run_export_options(log, header)["merge_adapter"] is True
     assert "unreadable" in caplog.text
+
+
+def test_a_config_toml_value_of_the_wrong_type_leaves_the_headers(tmp_path):
+    """A hand-edited ``merge_adapter = "no"`` is truthy: taken, it would merge."""
+    log = tmp_path / "seedlog.jsonl"
+    (tmp_path / "config.toml").write_text(
+        '[run]\nexport_shard_size = 40\n[peft]\nmerge_adapter = "no"\n'
+    )
+    header = {"merge_adapter": False, "export_shard_size": "2GB"}
+    assert run_export_options(log, header) == {"export_shard_size": "2GB", "merge_adapter": False}
+
+
+def test_no_config_toml_is_no_warning_and_a_too_deep_one_is_one(tmp_path, caplog):
+    log = tmp_path / "seedlog.jsonl"
+    header = {"merge_adapter": True, "export_shard_size": "2GB"}
+    with caplog.at_level(logging.WARNING):
+        assert run_export_options(log, header)["merge_adapter"] is True  # a log copied alone
+    assert caplog.text == ""
+    (tmp_path / "config.toml").write_text("x = " + "[" * 5000)  # tomllib: RecursionError
+    with caplog.at_level(logging.WARNING):
+        assert run_export_options(log, header)["merge_adapter"] is True
+    assert "unreadable" in caplog.text
+
+
+def test_a_damaged_recorded_shard_size_is_one_line_before_any_model(run, tmp_path, monkeypatch):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    lines = (run / "seedlog.jsonl").read_text().splitlines(keepends=True)
+    header = {**json.loads(lines[0]), "export_shard_size": "lots"}
+    (alone / "seedlog.jsonl").write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the base model was built before the size was checked")
+
+    monkeypatch.setattr(distzo.replay, "base_model", no_model)
+    message = "--export-shard-size 'lots' is not a size; write e.g. 5GB or 500MB"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        distzo.replay.replay(None, alone / "seedlog.jsonl", tmp_path / "out")
