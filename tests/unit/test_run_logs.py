@@ -2,6 +2,7 @@
 once, as metrics.jsonl does, with the values of the run that went on."""
 
 import sys
+import threading
 
 import pytest
 
@@ -225,3 +226,32 @@ def test_tensorboards_reader_shows_a_rescored_state_once_with_its_new_figure(tmp
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, 0.5), (4, 0.25)]
     assert [e.step for e in events.Scalars("train/loss")] == [0, 1, 2, 3]
+
+
+def test_wandb_is_not_warned_of_a_state_scored_again_with_the_same_figures(tmp_path, caplog):
+    """Only a replaced figure is one the dashboard keeps stale; the same figures are no news."""
+    dashboard = DashboardStandIn(purges=False)
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        _rescored(tmp_path, dashboard, {"eval_loss": 0.5})
+    assert "--report-to" not in caplog.text
+    assert dashboard.points["eval/loss"] == [(2, 0.5), (4, 0.5)]
+
+
+def test_tensorboard_dropping_a_step_closes_its_earlier_writer(tmp_path):
+    """Each rescored state opens a new events file: the one before is flushed and closed,
+    its writer thread ended, not left open to the run's end."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    threads = threading.active_count()
+    reporter = make_reporter("tensorboard", tmp_path, {})
+    assert reporter is not None
+    reporter.start(0)
+    reporter.log({"eval/loss": 0.5}, 1)
+    [first_file] = (tmp_path / "tensorboard").iterdir()
+    reporter.drop_from(2)
+    first = EventAccumulator(str(first_file))
+    first.Reload()  # the first file, written out whole before the second began
+    assert [(e.step, e.value) for e in first.Scalars("eval/loss")] == [(1, 0.5)]
+    reporter.close()
+    assert threading.active_count() == threads
