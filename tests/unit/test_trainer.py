@@ -737,3 +737,26 @@ def test_a_signal_stops_a_text_or_generation_evaluation_at_its_next_batch(
     signalled = True
     assert main([*flags, "--output-dir", str(tmp_path / "stopped")]) == EXIT_PREEMPTED
     assert whole >= 6 and len(calls) < whole / 2, (whole, len(calls))
+
+
+def test_a_handed_over_lock_is_the_callers_alone_and_a_let_go_one_is_none(tmp_path):
+    """--export-best's replay holds the run directory's lock handed over at the run's end:
+    the run's resources closing after that must not unlock the directory under the replay;
+    a lock already let go is not handed over, so that the replay locks the directory again."""
+    from distzo.job.run_claim import RunClaim
+    from distzo.job.run_lock import DirectoryLocked, RunLock
+    from distzo.job.run_resources import RunResources
+
+    assert RunResources().hand_over_lock() is None  # a run that never claimed its directory
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    held = RunResources()
+    held.claim = RunClaim(tmp_path, resolve([]), 0, False, lock)
+    assert held.hand_over_lock() is lock
+    held.release()  # the resources let go of what they hold: no longer this lock
+    with pytest.raises(DirectoryLocked):
+        RunLock(tmp_path).acquire()
+    lock.release()
+    assert held.hand_over_lock() is None
+    held.claim = RunClaim(tmp_path, resolve([]), 0, False, lock)  # held no more
+    assert held.hand_over_lock() is None
