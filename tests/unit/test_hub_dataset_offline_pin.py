@@ -127,3 +127,17 @@ def test_rank_0s_copy_is_its_newest_whole_one_of_the_config(monkeypatch, tmp_pat
     assert cached_commit("org/tiny", "other") == "c" * 40
     os.utime(tiny / "default" / "0.0.0" / OLD_COMMIT)
     assert cached_commit("org/tiny", "default") == OLD_COMMIT
+
+
+def test_a_node_the_hub_answers_asks_it_nothing_for_rank_0s_cached_commit(monkeypatch, tmp_path):
+    """Rank 0 pinned its cache's commit (the hub silent to it): a node the hub does answer
+    reads its own copy of that commit, and asks the hub nothing (``from_cache``)."""
+    from tests.unit.test_hub_dataset_pinned import prepared_copy
+
+    with stand_in_hub(monkeypatch, tmp_path / "hub") as requests:
+        on_node(monkeypatch, tmp_path / "node1")
+        prepared_copy(
+            tmp_path / "node1" / "org___tiny" / "default" / "0.0.0" / OLD_COMMIT, "default"
+        )
+        fill_hub_cache(SOURCE, OLD_COMMIT, from_cache=True)
+        assert requests == []
