@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from distzo.job.checkpoint import check_complete
-from distzo.job.dcp_safe import TensorOnlyReader, load_tensors
+from distzo.job.dcp_safe import TensorOnlyReader, load_tensors, metadata_bytes
 
 
 def save(path, state):
@@ -160,3 +160,24 @@ def test_a_checkpoints_metadata_is_read_again_only_where_it_changed(tmp_path, mo
     os.replace(tmp_path / "step-2" / ".metadata", tmp_path / "step-1" / ".metadata")
     assert keys("step-1") == {"a", "b"}  # the file replaced: read again
     assert opened[-1] == "step-1" and len(opened) == 4
+
+
+def test_metadata_is_read_again_where_only_its_inode_size_or_mtime_changed(tmp_path):
+    """Any one of them tells another file: a rewrite in place of the same size (a later
+    mtime), one of another size within the same mtime tick, a replacement copied with its
+    size and mtime kept (``cp -p``, rsync)."""
+    meta = tmp_path / ".metadata"
+    meta.write_bytes(b"first")
+    later = meta.stat().st_mtime_ns + 10**9
+    assert metadata_bytes(tmp_path) == b"first"
+    meta.write_bytes(b"other")  # in place: the same inode and size
+    os.utime(meta, ns=(later, later))
+    assert metadata_bytes(tmp_path) == b"other"
+    meta.write_bytes(b"longer")  # in place, the mtime as it was
+    os.utime(meta, ns=(later, later))
+    assert metadata_bytes(tmp_path) == b"longer"
+    copy = tmp_path / "copy"
+    copy.write_bytes(b"copied")  # another file: the same size and mtime
+    os.utime(copy, ns=(later, later))
+    os.replace(copy, meta)
+    assert metadata_bytes(tmp_path) == b"copied"
