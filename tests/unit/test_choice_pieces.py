@@ -165,3 +165,18 @@ def test_the_memory_plan_counts_a_piece_not_the_whole_candidate_set(monkeypatch)
     )
     build.memory_plan(job, model, data, config, parallel, torch.device("cpu"))
     assert planned == [4]
+
+
+def test_a_dev_evaluation_forwards_no_more_rows_than_the_batch_of_its_own_widest(monkeypatch):
+    """The dev rows' evaluation plans its forwards by the widest dev example (dev_rows), not
+    the eval set's: eval examples of 5 rows take two a call of 10, dev ones of 9 one."""
+    engine = engine_of("opt")
+    narrow, wide = record(SAME, count=1), record(SAME)  # 5 candidates; 5 to 9
+    data = PromptData(LoadedRows("record", narrow, narrow, dev=wide), encoder(), 0, 10, 2)
+    forwarded, embed = [], engine.family.embed
+    monkeypatch.setattr(
+        engine.family, "embed", lambda ids, ctx: forwarded.append(ids.shape[0]) or embed(ids, ctx)
+    )
+    metrics = evaluation.evaluate(engine, data, ParallelContext.single(), split="dev")
+    assert set(metrics) == {"dev_accuracy"}
+    assert max(forwarded) == 9 and len(forwarded) == len(wide)  # an example a call
