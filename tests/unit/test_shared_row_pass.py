@@ -251,3 +251,14 @@ def test_a_ranks_share_is_its_part_of_the_job_meeting_every_ranks_part():
     share = rank_share(ParallelContext(env, ParallelDims(1, 6), comm=Node(4, 6)))
     assert share.span(30) == range(20, 25)
     assert share.meet(lambda: "mine") == ["rank 0", "rank 1", "rank 2", "rank 3", "mine", "rank 5"]
+
+
+@pytest.mark.parametrize(("objective", "per_example"), [("lm", 1), ("classification", 2)])
+def test_a_trained_example_takes_one_row_or_its_candidates_and_an_evaluated_one_its_candidates(
+    objective, per_example
+):
+    """The memory plan's rows: a language-model step's example is one row (its right
+    answer's), a classification step's one a candidate; evaluation picks a candidate."""
+    loaded = LoadedRows("copa", copa_rows(6), copa_rows(3))
+    data = PromptData(loaded, PromptEncoder(byte_tokenizer(), 24), 0, 2, 4, objective)
+    assert (data.rows_per_example, data.eval_rows, data.dev_rows) == (per_example, 2, 0)
