@@ -25,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from distzo.runtime.file_state import file_state
+
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 FUNCTIONS = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
@@ -76,7 +78,7 @@ class TensorOnlyReader(dcp.FileSystemReader):
         return metadata
 
 
-_last_read: tuple[tuple[int, ...], bytes] | None = None  # (a .metadata's stat, its bytes)
+_last_read: tuple[tuple[str, int, int, int, int], bytes] | None = None  # (path, state), bytes
 
 
 def metadata_bytes(checkpoint: Path) -> bytes:
@@ -86,15 +88,11 @@ def metadata_bytes(checkpoint: Path) -> bytes:
     The last file's alone is kept; each reader unpickles its own copy of it."""
     global _last_read
     path = checkpoint / ".metadata"
-    if _last_read is not None and _last_read[0] == _identity(path, os.stat(path)):
+    if _last_read is not None and _last_read[0] == (str(path), *file_state(os.stat(path))):
         return _last_read[1]
     with path.open("rb") as stream:  # the file opened's own stat, never a replaced one's
-        _last_read = (_identity(path, os.fstat(stream.fileno())), stream.read())
+        _last_read = ((str(path), *file_state(os.fstat(stream.fileno()))), stream.read())
     return _last_read[1]
-
-
-def _identity(path: Path, found: os.stat_result) -> tuple[int, ...]:
-    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, hash(str(path)))
 
 
 def _check_storage(storage: Any) -> None:

@@ -37,6 +37,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from distzo.models.converted_keys import Converted, key_conversions
 from distzo.runtime import json_text
+from distzo.runtime.file_state import file_state
 
 
 class WeightSource(Protocol):
@@ -274,8 +275,7 @@ def _safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
 def _once_per_state(read: Header, path: Path) -> Mapping[str, tuple[int, ...]]:
     """``read(path)``, read once per state of the file (device, inode, size, mtime): a
     file rewritten in place, even under its inode, is read again."""
-    state = path.stat()
-    return _cached(read, str(path), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
+    return _cached(read, str(path), *file_state(path.stat()))
 
 
 @functools.lru_cache(maxsize=4096)  # files: a 405B model has 191; a header is kilobytes
