@@ -166,7 +166,7 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     if not hub_sources or not env.launched or env.world_size == 1:
         return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
     revisions = launch_commits(env, hub_sources, job.parallel.dist_timeout)
-    filled = first_of_each(hub_sources, lambda s: parse_hub_spec(s)[:2]).values()
+    filled = first_of_each(hub_sources, _dataset_config).values()
 
     def fill_node_cache() -> str:
         for source in filled:  # rank 0 asked which commit: the hub answers, or its cache
@@ -189,31 +189,34 @@ def launch_commits(
     answers rank 0 nothing, its cache's copy's, once a config (each node read its own
     cache's newest copy, so nodes whose caches held two commits' copies read two sets of
     rows). "": neither, each node's cache read as it is (the load's error)."""
-
-    def repo(source: str) -> str:
-        return parse_hub_spec(source)[0]
-
-    def config(source: str) -> tuple[str, str | None]:
-        return parse_hub_spec(source)[:2]
-
     asked = {
         name: rank_0_answers(
             env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
         )
-        for name, source in first_of_each(hub_sources, repo).items()
+        for name, source in first_of_each(hub_sources, _dataset).items()
     }
-    silent = [source for source in hub_sources if not asked[repo(source)]]
+    silent = [source for source in hub_sources if not asked[_dataset(source)]]
     cached = {
         key: rank_0_answers(
             env, f"{source}'s cached commit", functools.partial(rank_0s_copy, source), timeout
         )
-        for key, source in first_of_each(silent, config).items()
+        for key, source in first_of_each(silent, _dataset_config).items()
     }
-    commits = {source: (asked[repo(source)], False) for source in hub_sources}
+    commits = {source: (asked[_dataset(source)], False) for source in hub_sources}
     for source in silent:
-        if cached[config(source)]:
-            commits[source] = (cached[config(source)], True)
+        if cached[_dataset_config(source)]:
+            commits[source] = (cached[_dataset_config(source)], True)
     return commits
+
+
+def _dataset(source: str) -> str:
+    """An ``hf:`` source's dataset: the hub's commit is asked once for it."""
+    return parse_hub_spec(source)[0]
+
+
+def _dataset_config(source: str) -> tuple[str, str | None]:
+    """An ``hf:`` source's dataset and config: a copy is prepared once for each."""
+    return parse_hub_spec(source)[:2]
 
 
 def rank_0s_copy(source: str) -> str:
