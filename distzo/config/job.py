@@ -21,7 +21,6 @@ import dataclasses
 import difflib
 import logging
 import os
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from distzo.config.option_names import named_as_flags
 from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
 from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
+from distzo.runtime.toml_file import UnreadableToml, read_toml
 from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
@@ -743,16 +743,9 @@ def _unknown_section(section: str, known: dict[str, set[str]]) -> str:
 
 def load_toml(path: str) -> dict[str, dict[str, Any]]:
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"--config {path}: no such file") from None
-    except OSError as err:  # a folder, a file it may not read
-        raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--config {path}: not valid TOML ({err})") from None
-    except RecursionError:  # tomllib recurses once per level of nesting
-        raise ValueError(f"--config {path}: not valid TOML (nested too deeply)") from None
+        data = read_toml(path)
+    except UnreadableToml as err:
+        raise ValueError(f"--config {err}; correct the path or the file") from None
     known = {
         section: {f.name for f in dataclasses.fields(type(obj))}
         for section, obj in JobConfig().sections().items()

@@ -5,12 +5,12 @@ merged or not) rather than ``distzo.train``'s defaults."""
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from distzo.config.field_types import is_of_type
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
+from distzo.runtime.toml_file import UnreadableToml, read_toml
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,10 @@ def run_export_options(log: Path, header: dict) -> dict[str, Any]:
 def _config_toml(path: Path) -> Any:
     """The run's config.toml as read; none ({}) where there is none, and a warning, not a
     failure, where it cannot be read: the header holds what the replay needs."""
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError, RecursionError) as err:
-        logger.warning("%s: unreadable (%s); the log's header gives the export options", path, err)
+        return read_toml(path)
+    except UnreadableToml as err:
+        logger.warning("%s; the log's header gives the export options", err)
         return {}

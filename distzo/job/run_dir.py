@@ -20,7 +20,6 @@ import json
 import logging
 import re
 import shutil
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from distzo.job.seed_log import (
 )
 from distzo.job.summary import SUMMARY
 from distzo.runtime import json_text
+from distzo.runtime.toml_file import UnreadableToml, read_toml
 from distzo.runtime.units import counted
 
 logger = logging.getLogger("distzo.train")
@@ -296,10 +296,9 @@ def _recorded(job: JobConfig, path: Path) -> tuple[dict[str, Any], set[str]]:
     with its default (a file from an earlier version: ``RECORDED_BEFORE``) or was unset
     (None)."""
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError, RecursionError) as err:  # nested too deeply
-        raise ValueError(f"--resume: cannot read {path} ({err}); repair or remove it") from None
+        data = read_toml(path)
+    except UnreadableToml as err:
+        raise ValueError(f"--resume: {err}; repair or remove it") from None
     recorded, absent = {}, set()
     for section, values in JobConfig().sections().items():
         saved = data.get(section, {})

@@ -134,7 +134,7 @@ def test_a_config_whose_sizes_no_tensor_has_is_one_line(vocab, reason):
     ("text", "message"),
     [
         ("data = 5\n", r"records data = 5, not a \[data\] table"),
-        ("a = " + "[" * 5000 + "]" * 5000 + "\n", "maximum recursion depth"),
+        ("a = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
     ],
 )
 def test_a_runs_config_toml_of_the_wrong_shape_is_one_line_on_resume(tmp_path, text, message):
