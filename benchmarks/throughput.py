@@ -809,8 +809,6 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
             "--compare-adapters runs its own layouts: leave out --compare-head, --peft and "
             "--dual-forward"
         )
-    if args.num_queries < 1:
-        raise SystemExit(f"--num-queries must be >= 1, got {args.num_queries}")
     args.optimizers = args.optimizers.split(",")
     if not set(args.optimizers) <= {"sgd", "momentum", "adam"}:
         raise SystemExit(

@@ -49,6 +49,7 @@ def test_the_projection_refuses_a_count_or_rate_out_of_range(monkeypatch, capsys
         ("throughput", ["--quick", "--slots", "0"], "argument --slots: must be >= 1, got 0"),
         ("throughput", ["--quick", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
         ("throughput", ["--quick", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        ("throughput", ["--num-queries", "0"], "argument --num-queries: must be >= 1, got 0"),
         ("throughput", ["--quick", "--grad-accum", "2,0"], "--grad-accum: must be >= 1, got 0"),
         ("throughput", ["--quick", "--grad-accum", "8"], "--grad-accum counts must be at most"),
         ("throughput", ["--micro-batch-rows", "4,x"], "--micro-batch-rows: 'x' is not an integer"),
