@@ -32,9 +32,9 @@ from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
     checked_log_end,
+    first_step,
     is_begun_log,
     last_logged_step,
-    logged_first_step,
     logged_header,
 )
 from distzo.job.summary import SUMMARY
@@ -253,14 +253,15 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     if checkpoint is not None:
         start = f"{checkpoint} ({counted(done, 'step')})"
     fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
-    if logged_header(log) is None:
+    header = logged_header(log)
+    if header is None:
         raise ValueError(
             f"--resume: {log} does not begin with a seed log's header (damaged, or not "
             f"distzo's); restore it, move it aside to resume from {start} alone (a replay "
             "then cannot rebuild the run), or start afresh with --overwrite or another "
             "--output-dir"
         )
-    first = logged_first_step(log)
+    first = first_step(header)  # its line read once: each read is an open on a shared mount
     if every_record and checked_log_end(log) is None:  # not whole and in order: say where
         steps = logged_steps_of(log)
         gap = next((i for i, step in enumerate(steps) if step != first + i), None)

@@ -86,6 +86,22 @@ def test_a_resume_parses_the_seed_log_once_and_rewrites_no_log(tmp_path, monkeyp
     assert list(logs.loss_curve.losses) == [2.0 + s for s in range(50)]
 
 
+def test_another_ranks_log_check_opens_the_seed_log_twice(tmp_path, monkeypatch):
+    """A rank other than 0 reads the log's header line and its tail, each once: every
+    open is a request to a shared mount, from each rank of each node (before: the header
+    line twice, for the header and again for its first step)."""
+    write_run(tmp_path, steps=50, checkpoint=40)
+    opened: list[str] = []
+
+    def counting_open(file, *args, **kwargs):
+        opened.append(Path(file).name)
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(seed_log, "open", counting_open, raising=False)
+    assert check_log_leads_to_checkpoint(tmp_path, every_record=False) == 50
+    assert opened == ["seedlog.jsonl"] * 2
+
+
 def test_metrics_are_parsed_once_for_the_cut_and_the_loss_curve(tmp_path, monkeypatch):
     write_run(tmp_path, steps=20, checkpoint=10)
     parses = []
