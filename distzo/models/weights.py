@@ -690,7 +690,13 @@ class TorchBinWeights(HeaderChecked):
         return self._shard(self.files[key])[key].clone()
 
     def _stored_range(self, name, shape, dtype, start, stop):
-        return _flat_range(self.tensor((name,), shape, dtype), start, stop)
+        """Only [start, stop) converted: a rank reads a tensor in chunks, and converting it
+        whole for each (fp16 weights into float32 masters) cost a float32 copy of the
+        tensor per chunk, as many times over as it has chunks."""
+        file, key = self.weight_map[name], self._key(name)
+        stored = self._shard(file)[key]
+        _check(key, tuple(stored.shape), shape, self.directory / file)
+        return _flat_range(stored, start, stop).to(dtype)
 
 
 DEVICE_DRAW_CHUNK = 1 << 24  # Gaussians a device draws at a time: 64 MB of float32 staging
