@@ -1,0 +1,65 @@
+"""benchmarks/peer_steps.py on stand-in peers (tests/helpers/stand_in_zo_peers/): it reads
+a peer's ZO methods from its file, feeds them distzo's z, and tells agreement from a
+one-line difference in the peer's step."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.scripts import benchmark_script
+
+STAND_INS = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo_peers"
+
+
+@pytest.fixture(scope="module")
+def peer_steps():
+    with benchmark_script("peer_steps") as module:
+        yield module
+
+
+def run(peer_steps, capsys, *argv: str) -> tuple[int, str]:
+    code = peer_steps.main(["--steps", "1", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_a_faithful_peer_agrees_to_rounding(peer_steps, capsys):
+    mezo, fzoo = STAND_INS / "mezo_trainer.py", STAND_INS / "fzoo_trainer.py"
+    code, out = run(peer_steps, capsys, "--mezo", str(mezo), "--fzoo", str(fzoo))
+    assert code == 0, out
+    assert "mezo: agrees with distzo" in out and "fzoo: agrees with distzo" in out
+
+
+@pytest.mark.parametrize(
+    "peer, old, new",
+    [
+        ("mezo", "if param.data.dim() >= 2 else 0.0", "if True else 0.0"),  # biases too
+        ("fzoo", "std(unbiased=False)", "std(unbiased=True)"),  # sample std, not FZOO's
+        ("fzoo", "(losses - at_theta)", "(losses - perturbed[0])"),  # not L(theta)
+    ],
+)
+def test_a_one_line_difference_in_the_peers_step_is_reported(
+    peer_steps, capsys, tmp_path, peer, old, new
+):
+    source = (STAND_INS / f"{peer}_trainer.py").read_text()
+    assert old in source
+    mutant = tmp_path / peer_steps.TRAINER_FILES[peer]
+    mutant.parent.mkdir(exist_ok=True)
+    mutant.write_text(source.replace(old, new))
+    code, out = run(peer_steps, capsys, f"--{peer}", str(tmp_path))  # a checkout's root
+    assert code == 1, out
+    assert f"{peer}: DIFFERS from distzo" in out
+
+
+def test_fzoos_float32_losses_are_kept_only_when_asked(peer_steps, capsys):
+    fzoo = str(STAND_INS / "fzoo_trainer.py")
+    code, out = run(peer_steps, capsys, "--fzoo", fzoo, "--float32-losses")
+    assert code == 1 and "fzoo: DIFFERS from distzo" in out
+
+
+def test_a_path_without_the_peers_trainer_is_one_line(peer_steps, tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.main(["--mezo", str(tmp_path)])
+    assert str(refused.value) == (
+        f"--mezo {tmp_path}: no large_models/trainer.py there; give a checkout of the peer "
+        "or its trainer file"
+    )
