@@ -36,7 +36,7 @@ over U alone is ``G V V^T``: the steps move in the subspace V spans.
 regenerates U from another position of torch's generator than the perturbation drew it
 from, so that step moves along another direction than the one it measured. Here the
 perturbation and the update draw the same U (from its key): the method as the paper
-states it.
+states it. ``benchmarks/peer_lozo.py`` runs LOZO's own step beside this one.
 """
 
 from __future__ import annotations
