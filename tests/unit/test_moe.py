@@ -186,13 +186,33 @@ def test_a_float64_mixture_steps_on_experts_that_compute_in_float64():
     assert result.loss_plus != result.loss_minus
 
 
-def test_a_mixture_perturbed_module_by_module_steps_as_the_whole_block():
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("qwen2_moe", {}),
+        # the other estimators, a low-bit link and micro-batches: each module perturbed
+        # before every run of it, an expert's for each micro-batch
+        (
+            "mixtral",
+            dict(
+                estimator="fzoo",
+                num_queries=3,
+                noise="rademacher",
+                transfer_dtype="fp8",
+                grad_accum=2,
+            ),
+        ),
+        ("olmoe", dict(estimator="lozo", noise="lowrank", optimizer="adam", transfer_dtype="bf16")),
+    ],
+    ids=["qwen2_moe", "mixtral-fzoo-fp8-micro-batches", "olmoe-lozo-adam-bf16"],
+)
+def test_a_mixture_perturbed_module_by_module_steps_as_the_whole_block(name, options):
     """--perturb-scope module: the routed experts (every expert of a layer one module) and
     the shared expert take their turns in the scratch as any module does."""
     runs = []
     for scope in ("block", "module"):
-        config = ZOConfig(lr=1e-2, eps=1e-2, seed=0, device="cpu", perturb_scope=scope)
-        engine = ZOEngine(build("qwen2_moe"), config)
+        config = ZOConfig(lr=1e-2, eps=1e-2, seed=0, device="cpu", perturb_scope=scope, **options)
+        engine = ZOEngine(build(name), config)
         losses = [engine.step(random_batch(64, pad="left", seed=s)).loss for s in range(3)]
         engine.flush()
         runs.append((losses, engine.named_parameters()))
