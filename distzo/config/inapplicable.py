@@ -32,7 +32,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "num_slots": (lambda j: j.offload.mode != "resident", "--mode offload"),
     "transfer": (lambda j: j.offload.mode != "resident", "--mode offload"),
-    "transfer_chunks": (lambda j: j.offload.mode != "resident", "--mode offload"),
+    "transfer_chunks": (  # pieces of a sliced rank's share; auto may resolve to sliced
+        lambda j: j.offload.mode != "resident" and j.offload.transfer != "naive",
+        "--mode offload and --transfer sliced or auto",
+    ),
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
     "export_best": (lambda j: j.data.num_dev is not None, "--num-dev"),
     "train_set_seed": (

@@ -316,6 +316,24 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
     assert job.run.export_shard_size == "5GB"
 
 
+def test_transfer_chunks_under_the_naive_transfer_are_named_as_ignored(caplog):
+    """Only the sliced transfer stripes a rank's slice into pieces: --transfer-chunks with
+    --transfer naive did nothing, silently (auto may resolve to sliced: kept)."""
+    from distzo.config.job import resolve
+
+    chunks = ["--transfer-chunks", "2"]
+    with caplog.at_level("WARNING", logger="distzo.train"):
+        assert resolve(chunks).offload.transfer_chunks == 2
+        assert resolve([*chunks, "--transfer", "sliced"]).offload.transfer_chunks == 2
+        job = resolve([*chunks, "--transfer", "naive"])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning == (
+        "ignored: --transfer-chunks (it applies only with --mode offload and --transfer "
+        "sliced or auto)"
+    )
+    assert job.offload.transfer_chunks == 4
+
+
 def test_a_momentum_window_with_stored_momentum_is_named_as_ignored(caplog):
     """A stored momentum is one buffer, not a window of recomputed steps: --momentum-window
     does nothing there, so it is warned about and set back (recomputed, it is kept)."""
