@@ -44,8 +44,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task in GENERATION, "--task squad or drop"),
-    "batch_queries": (
-        lambda j: _queries(j) > 1,
+    "batch_queries": (  # full tuning refuses it at any count: it needs an adapter first
+        lambda j: _queries(j) > 1 or j.peft.peft == "none",
         "several queries a step (--num-queries 2 or more)",
     ),
     "lozo_rank": (lambda j: _noise(j) == "lowrank", "--noise lowrank (--estimator lozo)"),

@@ -303,6 +303,11 @@ def test_flags_the_command_makes_meaningless_are_named_in_one_warning(caplog):
         "ignored: --batch-queries (it applies only with several queries a step (--num-queries "
         "2 or more))"
     )
+    # full tuning cannot batch at any count: refused as with --num-queries 2, not ignored
+    for queries in ("1", "2"):
+        argv = ["--batch-queries", "--num-queries", queries]
+        with pytest.raises(ValueError, match="^--dual-forward and --batch-queries need an adapter"):
+            resolve(argv).validate()
     caplog.clear()  # an adapter's export is adapter_model.safetensors, never sharded
     with caplog.at_level("WARNING", logger="distzo.train"):
         resolve(["--peft", "lora", "--merge-adapter", "--export-shard-size", "1GB"])
