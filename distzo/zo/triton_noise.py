@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -78,9 +79,6 @@ def _kernels():
 
 
 KINDS = {"gaussian": 0, "rademacher": 1, "uniform": 2}
-# theta + a * z as one fused multiply-add, as torch's CPU kernels compute add(..., alpha=a):
-# the CPU and the GPU then round the perturbation and the update alike.
-FUSED_MULTIPLY_ADD = {"enable_fp_fusion": True}
 # Launch options by kernel name (Triton's default otherwise: 4 warps). The kernels that hold
 # a whole [8, 512] tile in registers need more threads to spread it over: compiled for sm_90
 # with 4 warps, ptxas gives update 168 registers a thread, momentum 247 and Adam 255 with a
@@ -118,6 +116,12 @@ KERNEL_NAMES = (
     "round_bf16",
     "round_low_bit",
 )
+# The kernels that spell out each fused multiply-add (tl.fma) compile without fp fusion:
+# no other product and sum of theirs may fuse, or they would round unlike torch. The others
+# (the draws, the perturbation, bf16's rounding) compile with it: theta + a * z as one fused
+# multiply-add, as torch's CPU kernels compute add(..., alpha=a), so that the CPU and the
+# GPU round the perturbation alike.
+EXACT_KERNELS = frozenset(KERNEL_NAMES) - {"fill", "perturb", "round_bf16"}
 # the at-rest formats rebuild_perturb upcasts (fp8 takes the buffered ops: no load of it
 # below compute capability 8.9)
 REBUILDS_FROM = (torch.bfloat16, torch.float16)
@@ -128,12 +132,27 @@ def _grid(start: int, n: int, lanes: int) -> tuple[int]:
     return ((start + n + tile - 1) // tile - start // tile,)
 
 
+def compile_options(name: str) -> dict[str, Any]:
+    """What kernel ``name`` compiles with: the fp fusion its rounding needs (off for the
+    ``EXACT_KERNELS``) and its ``LAUNCH_OPTIONS``. One home for the launches here, the
+    probes' direct launches and the compile probe's check of the variant a run uses."""
+    return {"enable_fp_fusion": name not in EXACT_KERNELS, **LAUNCH_OPTIONS.get(name, {})}
+
+
+def _launch(name: str, start: int, n: int, lanes: int) -> Callable[..., Any]:
+    """Kernel ``name`` bound to its grid over elements [start, start + n) (tiles of
+    ``lanes`` lanes), its tile width and its ``compile_options``: call it with the
+    kernel's own arguments."""
+    grid = _grid(start, n, lanes)
+    return functools.partial(_kernels()[name][grid], BLOCKS=TILE_BLOCKS, **compile_options(name))
+
+
 def fill(
     out: torch.Tensor, start: int, key: tuple[int, int], kind: str, table: torch.Tensor
 ) -> None:
     """out[0:n] <- the draws of elements [start, start + n) (float32, contiguous)."""
     lanes = 4 if kind == "uniform" else 8
-    _kernels()["fill"][_grid(start, out.numel(), lanes)](
+    _launch("fill", start, out.numel(), lanes)(
         out,
         table,
         start,
@@ -141,9 +160,6 @@ def fill(
         key[0],
         key[1],
         KIND=KINDS[kind],
-        BLOCKS=TILE_BLOCKS,
-        **FUSED_MULTIPLY_ADD,
-        **LAUNCH_OPTIONS.get("fill", {}),
     )
 
 
@@ -160,7 +176,7 @@ def perturb(
     stored). A 16-bit theta (``out`` of its dtype) rounds as ``noise.add_scaled`` does."""
     n = theta.numel()
     scale = as_operand(scale, theta.dtype)
-    _kernels()["perturb"][_grid(start, n, 8)](
+    _launch("perturb", start, n, 8)(
         out,
         theta,
         table,
@@ -170,9 +186,6 @@ def perturb(
         key[1],
         scale,
         KIND=KINDS[kind],
-        BLOCKS=TILE_BLOCKS,
-        **FUSED_MULTIPLY_ADD,
-        **LAUNCH_OPTIONS.get("perturb", {}),
     )
 
 
@@ -204,11 +217,6 @@ def as_operand(alpha: float, dtype: torch.dtype) -> float:
     return torch.full((), alpha, dtype=dtype).item()
 
 
-# The kernels that spell out each fused multiply-add (tl.fma) compile without fp fusion:
-# no other product and sum of theirs may fuse, or they would round unlike torch.
-EXACT = {"enable_fp_fusion": False}
-
-
 def update(
     theta: torch.Tensor,
     decay_end: int,
@@ -229,7 +237,7 @@ def update(
     the decay and after each term, as ``NoiseSource.apply_terms``'s chunked path rounds it."""
     n = theta.numel()
     if len(keys) == 1:
-        _kernels()["update_one"][_grid(start, n, 8)](
+        _launch("update_one", start, n, 8)(
             theta,
             table,
             start,
@@ -240,9 +248,6 @@ def update(
             keys[0][1],
             as_operand(alphas[0], theta.dtype),
             KIND=KINDS[kind],
-            BLOCKS=TILE_BLOCKS,
-            **EXACT,
-            **LAUNCH_OPTIONS.get("update_one", {}),
         )
         return
     update_table(theta, decay_end, shrink, keys, alphas, kind, table, start)
@@ -263,7 +268,7 @@ def update_table(
     one-term launch beside ``update_one_kernel``)."""
     n = theta.numel()
     alphas = [as_operand(a, theta.dtype) for a in alphas]
-    _kernels()["update"][_grid(start, n, 8)](
+    _launch("update", start, n, 8)(
         theta,
         table,
         packed_terms(keys, alphas, theta.device),
@@ -273,9 +278,6 @@ def update_table(
         decay_end,
         shrink,
         KIND=KINDS[kind],
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("update", {}),
     )
 
 
@@ -300,7 +302,7 @@ def rebuild_perturb(
     n = rest.numel()
     if len(keys) <= 1:
         uk0, uk1, alpha = _at_most_one(keys, alphas)
-        _kernels()["rebuild_perturb_one"][_grid(start, n, 8)](
+        _launch("rebuild_perturb_one", start, n, 8)(
             out,
             rest,
             table,
@@ -317,9 +319,6 @@ def rebuild_perturb(
             KIND=KINDS[kind],
             TERM=len(keys),
             PART=int(start != 0),
-            BLOCKS=TILE_BLOCKS,
-            **EXACT,
-            **LAUNCH_OPTIONS.get("rebuild_perturb_one", {}),
         )
         return
     rebuild_perturb_table(
@@ -351,7 +350,7 @@ def rebuild_perturb_table(
     """``rebuild_perturb`` through the tiled kernel and its table of terms, whatever their
     number (benchmarks/noise.py times it beside the one-term kernel)."""
     n = rest.numel()
-    _kernels()["rebuild_perturb"][_grid(start, n, 8)](
+    _launch("rebuild_perturb", start, n, 8)(
         out,
         rest,
         table,
@@ -365,9 +364,6 @@ def rebuild_perturb_table(
         key[1],
         scale,
         KIND=KINDS[kind],
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("rebuild_perturb", {}),
     )
 
 
@@ -392,7 +388,7 @@ def rebuild_round(
     n = rest.numel()
     dst, (mantissa, bias, limit) = _round_target(rest)
     uk0, uk1, alpha = _at_most_one(keys, alphas)
-    _kernels()["rebuild_round_one"][_grid(start, n, 8)](
+    _launch("rebuild_round_one", start, n, 8)(
         dst,
         rest,
         table,
@@ -410,9 +406,6 @@ def rebuild_round(
         MANTISSA=mantissa,
         BIAS=bias,
         LIMIT=limit,
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("rebuild_round_one", {}),
     )
 
 
@@ -440,7 +433,7 @@ def rebuild_round_table(
     number (benchmarks/noise.py times it beside the one-term kernel)."""
     n = rest.numel()
     dst, (mantissa, bias, limit) = _round_target(rest)
-    _kernels()["rebuild_round"][_grid(start, n, 8)](
+    _launch("rebuild_round", start, n, 8)(
         dst,
         rest,
         table,
@@ -456,9 +449,6 @@ def rebuild_round_table(
         MANTISSA=mantissa,
         BIAS=bias,
         LIMIT=limit,
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("rebuild_round", {}),
     )
 
 
@@ -481,7 +471,7 @@ def momentum(
     lane-by-lane perturbation at 1.4-1.6e11); more, the tiled kernel."""
     n = theta.numel()
     if len(keys) == 1:
-        _kernels()["momentum_one"][_grid(0, n, 8)](
+        _launch("momentum_one", 0, n, 8)(
             theta,
             m,
             table,
@@ -494,9 +484,6 @@ def momentum(
             beta1,
             -lr,
             KIND=KINDS[kind],
-            BLOCKS=TILE_BLOCKS,
-            **EXACT,
-            **LAUNCH_OPTIONS.get("momentum_one", {}),
         )
         return
     momentum_table(theta, m, decay_end, shrink, keys, alphas, beta1, lr, kind, table)
@@ -517,7 +504,7 @@ def momentum_table(
     """``momentum`` through the tiled kernel and its table of terms, whatever their number
     (benchmarks/noise.py times its one-query launch beside ``momentum_one_kernel``)."""
     n = theta.numel()
-    _kernels()["momentum"][_grid(0, n, 8)](
+    _launch("momentum", 0, n, 8)(
         theta,
         m,
         table,
@@ -530,9 +517,6 @@ def momentum_table(
         beta1,
         -lr,
         KIND=KINDS[kind],
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("momentum", {}),
     )
 
 
@@ -554,7 +538,7 @@ def adam(
     thread on sm_90 (Rademacher), too many for half an SM's warps."""
     beta1, beta2, eps, step_size = coefficients
     n = theta.numel()
-    _kernels()["adam"][_grid(0, n, 8)](
+    _launch("adam", 0, n, 8)(
         theta,
         m,
         v,
@@ -572,9 +556,6 @@ def adam(
         eps,
         -step_size,
         KIND=KINDS[kind],
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("adam", {}),
     )
 
 
@@ -582,16 +563,13 @@ def round_bf16(dst: torch.Tensor, src: torch.Tensor, start: int, key: tuple[int,
     """dst[0:n] (bfloat16) <- src[0:n] (float32) rounded stochastically with the uniforms of
     bucket elements [start, start + n): one read of src, one write of dst."""
     n = src.numel()
-    _kernels()["round_bf16"][_grid(start, n, 4)](
+    _launch("round_bf16", start, n, 4)(
         dst,
         src,
         start,
         n,
         key[0],
         key[1],
-        BLOCKS=TILE_BLOCKS,
-        **FUSED_MULTIPLY_ADD,
-        **LAUNCH_OPTIONS.get("round_bf16", {}),
     )
 
 
@@ -617,7 +595,7 @@ def round_stochastic(
         return
     mantissa, bias, limit, as_int = LOW_BIT[dst.dtype]
     n = src.numel()
-    _kernels()["round_low_bit"][_grid(start, n, 4)](
+    _launch("round_low_bit", start, n, 4)(
         dst.view(as_int),
         src,
         start,
@@ -627,7 +605,4 @@ def round_stochastic(
         MANTISSA=mantissa,
         BIAS=bias,
         LIMIT=limit,
-        BLOCKS=TILE_BLOCKS,
-        **EXACT,
-        **LAUNCH_OPTIONS.get("round_low_bit", {}),
     )

@@ -36,19 +36,6 @@ ONE_TERM = {
     "alpha": "fp32",
 }
 ADAM = ["beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "neg_step_size"]
-# the kernels that spell out their fused multiply-adds compile without fp fusion
-EXACT = {
-    k.update_kernel,
-    k.update_one_kernel,
-    k.rebuild_perturb_one_kernel,
-    k.rebuild_round_one_kernel,
-    k.rebuild_perturb_kernel,
-    k.rebuild_round_kernel,
-    k.momentum_kernel,
-    k.momentum_one_kernel,
-    k.adam_kernel,
-    k.round_low_bit_kernel,
-}
 LOW_BIT = ["MANTISSA", "BIAS", "LIMIT", "BLOCKS"]
 # The ops on a master (theta_ptr; out_ptr of its dtype), float32 or a 16-bit model's
 MASTER_OPS = {
@@ -291,13 +278,12 @@ for target in targets:
     for fn, signature, variants in KERNELS:
         for constexprs in variants:
             source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-            launch = triton_noise.LAUNCH_OPTIONS.get(NAMES[fn], {})
-            options = {"enable_fp_fusion": fn not in EXACT, **launch}
+            options = triton_noise.compile_options(NAMES[fn])  # what a run's launch compiles
             compiled = triton.compile(source, target=target, options=options)
             assert compiled.asm.get("cubin"), (fn.__name__, constexprs)
-            if fn in EXACT:  # torch's rounding: no approximate division or square root
-                assert ".approx" not in compiled.asm["ptx"], fn.__name__
-            warps = launch.get("num_warps", 4)
+            if not options["enable_fp_fusion"]:  # torch's rounding: no approximate division
+                assert ".approx" not in compiled.asm["ptx"], fn.__name__  # or square root
+            warps = options.get("num_warps", 4)
             registers, resident = resident_warps(compiled.asm["cubin"], warps, fn.__name__)
             assert resident >= SM_WARPS // 2, (fn.__name__, constexprs, registers, resident)
             print(

@@ -255,7 +255,8 @@ for kind in ("gaussian", "rademacher"):
         out = torch.full((n,), float("nan"))
         kernels["perturb"][triton_noise._grid(start, n, 8)](
             out, torch.zeros(n), table, start, n, key[0], key[1], 1.0,
-            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.FUSED_MULTIPLY_ADD,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS,
+            **triton_noise.compile_options("perturb"),
         )  # fmt: skip
         assert torch.equal(out, z), ("perturb", kind, start)
         decay_end = start + n // 2  # absolute, like the bucket's resident prefix
@@ -264,7 +265,8 @@ for kind in ("gaussian", "rademacher"):
         pair = triton_noise.packed_terms([key, second], [1.0, -2.0], theta.device)
         kernels["update"][triton_noise._grid(start, n, 8)](
             theta, table, pair, 2, start, n, decay_end, 0.5,
-            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS,
+            **triton_noise.compile_options("update"),
         )  # fmt: skip
         expected = torch.full((n,), 2.0)
         expected[: n // 2] = 1.0
@@ -273,7 +275,8 @@ for kind in ("gaussian", "rademacher"):
         theta = torch.full((n,), 2.0)  # one term: update_one_kernel, lane by lane
         kernels["update_one"][triton_noise._grid(start, n, 8)](
             theta, table, start, n, decay_end, 0.5, key[0], key[1], -2.0,
-            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
+            KIND=triton_noise.KINDS[kind], BLOCKS=TILE_BLOCKS,
+            **triton_noise.compile_options("update_one"),
         )  # fmt: skip
         expected = torch.full((n,), 2.0)
         expected[: n // 2] = 1.0
@@ -404,7 +407,8 @@ for rule in RULES:
             scalars = (rule.beta1, rule.beta2, 1 - rule.beta1, 1 - rule.beta2, rule.eps, -step_size)
         kernels[rule.optimizer][triton_noise._grid(start, n, 8)](
             theta, *moments, table, *common, *scalars,
-            KIND=0, BLOCKS=TILE_BLOCKS, **triton_noise.EXACT,
+            KIND=0, BLOCKS=TILE_BLOCKS,
+            **triton_noise.compile_options(rule.optimizer),
         )  # fmt: skip
         for a, b in zip(bits((theta, *moments)), bits(large_expected)):
             assert torch.equal(a, b), (rule.optimizer, start)
