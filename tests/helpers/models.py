@@ -75,7 +75,8 @@ def random_batch(
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-LLAMA: dict[str, Any] = dict(
+# The tiny shape of the Llama-layout families' tests (each adds its layers and twists)
+COMMON: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=32,
     intermediate_size=64,
@@ -83,8 +84,9 @@ LLAMA: dict[str, Any] = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
     pad_token_id=0,
-    num_hidden_layers=3,
 )
+# a 3-layer Llama of that shape
+LLAMA: dict[str, Any] = dict(COMMON, num_hidden_layers=3)
 
 
 def base_model(family, seed=0, dtype=torch.float32, **overrides):
@@ -99,16 +101,6 @@ def adapted(family, method="lora", seed=0, dtype=torch.float32, **overrides):
         base_model(family, seed, dtype, **overrides), AdapterSpec(method, r=4, alpha=8), seed=5
     )
 
-
-COMMON: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-)
 
 # Gemma 2 and 3: a window shorter than the sequence, and their soft-capped head
 GEMMA: dict[str, Any] = dict(
