@@ -16,6 +16,9 @@ from tests.helpers import faults, fork_server
 
 TRAIN = "distzo.train"
 FAULTY_TRAIN = "tests.helpers.faulty_train"  # the same entry point, with injected failures
+# The flags the tests of cut and resumed runs share: a constant lr (the schedule then does not
+# depend on where a run was cut), seed 5, batches of 8, no console log; each adds --max-steps.
+RESUMABLE_RUN = "--batch-size 8 --log-every 0 --seed 5 --lr-schedule constant".split()
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -14,6 +14,7 @@ from distzo.data import CountingTask
 from distzo.export.hf_model import export_hf
 from distzo.job.checkpoint import latest_checkpoint
 from tests.helpers.launch import (
+    RESUMABLE_RUN,
     Run,
     checkpoint_writers,
     child_env,
@@ -33,14 +34,7 @@ from tests.helpers.models import random_batch, tiny_opt
 COMMON = [
     "--max-steps",
     "10",
-    "--batch-size",
-    "8",
-    "--log-every",
-    "0",
-    "--seed",
-    "5",
-    "--lr-schedule",
-    "constant",
+    *RESUMABLE_RUN,
 ]
 # ``distzo.train`` with one rank's listing of the checkpoints late (``DISTZO_LAG``).
 LAGGING_TRAIN = "tests.helpers.lagging_train"

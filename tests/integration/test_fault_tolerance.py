@@ -16,6 +16,7 @@ from distzo.job.seed_log import SeedLogWriter, check_same_run, read_seed_log
 from tests.helpers.engines import engine_for
 from tests.helpers.launch import (
     FAULTY_TRAIN,
+    RESUMABLE_RUN,
     Run,
     child_env,
     free_port,
@@ -168,16 +169,9 @@ def test_a_killed_rank_restarts_the_job_which_catches_up_from_the_seed_log(tmp_p
     flags = [
         "--max-steps",
         "45",
-        "--batch-size",
-        "8",
+        *RESUMABLE_RUN,
         "--eval-batch-size",
         "8",
-        "--log-every",
-        "0",
-        "--seed",
-        "5",
-        "--lr-schedule",
-        "constant",
         "--save-steps",
         "20",
         "--transfer",
@@ -218,16 +212,9 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_and_the_run_r
     flags = [
         "--max-steps",
         "12",
-        "--batch-size",
-        "8",
+        *RESUMABLE_RUN,
         "--eval-batch-size",
         "8",
-        "--log-every",
-        "0",
-        "--seed",
-        "5",
-        "--lr-schedule",
-        "constant",
         "--dp",
         "2",
         "--save-steps",
@@ -291,16 +278,9 @@ def test_a_signalled_run_with_a_torn_log_and_no_checkpoint_resumes_from_the_log_
     flags = [
         "--max-steps",
         "10",
-        "--batch-size",
-        "8",
+        *RESUMABLE_RUN,
         "--eval-batch-size",
         "8",
-        "--log-every",
-        "0",
-        "--seed",
-        "5",
-        "--lr-schedule",
-        "constant",
     ]
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     assert python_train(flags + ["--output-dir", str(full)]).returncode == 0

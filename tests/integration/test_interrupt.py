@@ -6,21 +6,14 @@ import json
 import subprocess
 import sys
 
-from tests.helpers.launch import FAULTY_TRAIN, child_env, run_python, torchrun
+from tests.helpers.launch import FAULTY_TRAIN, RESUMABLE_RUN, child_env, run_python, torchrun
 
 FLAGS = [
     "--max-steps",
     "12",
-    "--batch-size",
-    "8",
+    *RESUMABLE_RUN,
     "--eval-batch-size",
     "8",
-    "--log-every",
-    "0",
-    "--seed",
-    "5",
-    "--lr-schedule",
-    "constant",
     "--save-steps",
     "4",
     "--no-save-async",

@@ -11,20 +11,20 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from distzo.models.tiny import byte_tokenizer
-from tests.helpers.launch import child_env, python_replay, python_train, run_python, torchrun
+from tests.helpers.launch import (
+    RESUMABLE_RUN,
+    child_env,
+    python_replay,
+    python_train,
+    run_python,
+    torchrun,
+)
 from tests.helpers.models import LLAMA
 
 COMMON = [
     "--max-steps",
     "8",
-    "--batch-size",
-    "8",
-    "--log-every",
-    "0",
-    "--seed",
-    "5",
-    "--lr-schedule",
-    "constant",
+    *RESUMABLE_RUN,
     "--eval-batch-size",
     "8",
     "--lora-r",

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.engines import engine_for, reference_momentum, train
-from tests.helpers.launch import python_replay, python_train
+from tests.helpers.launch import RESUMABLE_RUN, python_replay, python_train
 from tests.helpers.models import base_model, random_batch
 
 
@@ -85,14 +85,7 @@ def test_a_momentum_run_resumes_from_its_checkpoint_and_replays_exactly(tmp_path
     flags = [
         "--max-steps",
         "8",
-        "--batch-size",
-        "8",
-        "--log-every",
-        "0",
-        "--seed",
-        "5",
-        "--lr-schedule",
-        "constant",
+        *RESUMABLE_RUN,
         "--eval-batch-size",
         "8",
         "--optimizer",
