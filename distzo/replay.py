@@ -38,7 +38,7 @@ from distzo.adapters.peft_adapters import (
 from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.config.inapplicable import RULES, ignored_warning
-from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, add_job_flag
+from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, MASTER_DTYPES, add_job_flag
 from distzo.config.option_names import named_as_flags
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import check_shard_size, export_model
@@ -71,7 +71,6 @@ from distzo.runtime.units import counted
 from distzo.zo import drawable, identity_kind
 
 logger = logging.getLogger("distzo.replay")
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def base_folder(base: str | None, header: dict) -> Path | None:
@@ -133,10 +132,10 @@ def check_header(log: Path, header: dict) -> None:
             f"--log {log}: its header has no {', '.join(missing)} (every distzo seed log "
             "records them); is the log damaged, or written by another tool?"
         )
-    if header["dtype"] not in DTYPES:
+    if header["dtype"] not in MASTER_DTYPES:
         raise ValueError(
             f"--log {log}: its header's dtype {header['dtype']!r} is not one of "
-            f"{', '.join(DTYPES)}; is the log damaged?"
+            f"{', '.join(MASTER_DTYPES)}; is the log damaged?"
         )
 
 
@@ -267,7 +266,7 @@ def replay(
     config = replay_config(header, device)
     folder = base_folder(base, header)
     name = base or header.get("base") or header["model_config"]
-    model, weights = base_model(folder, name, header, DTYPES[header["dtype"]])
+    model, weights = base_model(folder, name, header, MASTER_DTYPES[header["dtype"]])
     if spec.enabled:  # the run's adapter, initialised as the run did (seeded by the run)
         model = attach_adapter(model, spec, header["init_seed"])
         # the base the run's adapter names

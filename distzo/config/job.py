@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpec
 from distzo.config.cli import program, takes_negative_exponents
 from distzo.config.engine_checks import (
@@ -99,6 +101,11 @@ def engine_option(
     )
 
 
+# --dtype's master (parameter) dtypes: what a run builds its model in, and what a replay
+# rebuilds it in from the seed log's header (one table, so that the two always agree).
+MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
 @dataclass
 class ModelOptions:
     model: str | None = option(
@@ -114,7 +121,7 @@ class ModelOptions:
     model_layers: int | None = option(
         None, "override the layer count of --model-config (memory checks, benchmarks)"
     )
-    dtype: str = option("fp32", "master (parameter) dtype", ("fp32", "fp64"))
+    dtype: str = option("fp32", "master (parameter) dtype", tuple(MASTER_DTYPES))
 
     def validate(self) -> None:
         """One model source; the shape's own checks come when its config is read."""

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.job import JobConfig
+from distzo.config.job import MASTER_DTYPES, JobConfig
 from distzo.data.encoding import PromptEncoder
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
@@ -47,7 +47,6 @@ from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Ob
 
 logger = logging.getLogger("distzo.train")
 
-MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 # How long a node's other ranks wait for its first rank to download a hub model: hours (a
 # 405B model is ~800 GB), not --dist-timeout's minutes. A failed download ends that rank,
 # and its peers with it, at once.

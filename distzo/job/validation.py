@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
-from distzo.config.job import JobConfig, expand_home
+from distzo.config.job import MASTER_DTYPES, JobConfig, expand_home
 from distzo.data.loaders import (
     HubPin,
     cached_dataset_revision,
@@ -34,7 +34,6 @@ from distzo.dist.launch_gate import node_first_answers, rank_0_answers
 from distzo.export.hf_model import check_shard_size
 from distzo.job.build import (
     DOWNLOAD_TIMEOUT,
-    MASTER_DTYPES,
     default_model_config,
     random_shape_config,
     token_positions,
