@@ -17,6 +17,7 @@ from tests.helpers.launch import (
     torchrun,
     train_in_process,
 )
+from tests.helpers.rows import sst2_like, write_jsonl
 
 ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
 # layout: (ranks, flags, the single-process run it must follow)
@@ -47,17 +48,9 @@ OBJECTIVES = {
 }
 
 
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def task_files(tmp_path, task):
     if task == "sst2":
-        rows = [
-            {"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}", "label": int(i % 3 > 0)}
-            for i in range(16)
-        ]
+        rows = sst2_like(16)
     else:
         # Every one-character word the byte tokenizer decodes to (punctuation normalises to
         # nothing, which SQuAD's F1 scores 0; bytes past ASCII decode to U+FFFD): a random

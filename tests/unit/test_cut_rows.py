@@ -1,17 +1,11 @@
 """Rows longer than the token limit: cut from the left as MeZO cuts them, and counted in one
 warning line per file (MeZO warns "Exceed max length"); the run cut them silently."""
 
-import json
-
 from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import LoadedRows, PromptData, TextData, load_task_rows
 from distzo.data.templates import Example
 from distzo.models.tiny import byte_tokenizer
-
-
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from tests.helpers.rows import write_jsonl
 
 
 def prompt_data(

@@ -20,6 +20,7 @@ from distzo.job.evaluation import evaluate
 from distzo.job.records import describe
 from distzo.job.run_lock import DirectoryLocked, RunLock
 from distzo.job.trainer import Trainer, TrainerCallback
+from tests.helpers.rows import sst2_like, write_jsonl
 
 
 def test_the_draw_is_mezos_permutation_of_numpys_seeded_generator():
@@ -79,15 +80,8 @@ def test_num_eval_alone_draws_and_may_take_every_row_in_its_drawn_order():
         load_task_rows("counting", None, None, Sampling(num_eval=2))
 
 
-def _sst2_rows(path: Path, count: int) -> str:
-    rows = [{"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}"} for i in range(count)]
-    lines = (json.dumps(row | {"label": int(i % 3 > 0)}) + "\n" for i, row in enumerate(rows))
-    path.write_text("".join(lines))
-    return str(path)
-
-
 def test_sampled_rows_are_digested_as_drawn_so_another_draw_is_another_run(tmp_path):
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))
     whole = load_task_rows("sst2", data, data)
     assert whole is not None and set(whole.digests) == {"--train-file", "--eval-file"}
     drawn = load_task_rows("sst2", data, data, Sampling(6, 4, 5, seed=3))
@@ -100,7 +94,7 @@ def test_sampled_rows_are_digested_as_drawn_so_another_draw_is_another_run(tmp_p
 def test_dev_rows_are_evaluated_during_training_and_logged_apart_from_the_eval_rows(
     tmp_path, caplog
 ):
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))
     out = tmp_path / "run"
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
     flags += ["--max-steps", "4", "--eval-steps", "2", "--log-every", "0", "--batch-size", "2"]
@@ -169,7 +163,7 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     import distzo.replay
     from distzo.train import main
 
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
     flags += ["--eval-steps", "2", "--log-every", "0", "--batch-size", "2", "--lr", "0.1"]
     flags += ["--lr-schedule", "constant", "--num-train", "6", "--num-dev", "4"]
@@ -262,7 +256,7 @@ def test_a_requeue_of_a_finished_export_best_run_keeps_its_export_best_as_it_is(
     import distzo.replay
     from distzo.train import main
 
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))
     out = tmp_path / "run"
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
     flags += ["--eval-steps", "2", "--log-every", "0", "--batch-size", "2", "--lr", "0.1"]
@@ -342,7 +336,7 @@ def test_export_best_of_a_run_whose_log_cannot_replay_is_refused_before_training
 def test_export_best_of_a_resume_from_a_copied_checkpoint_is_refused_before_training(tmp_path):
     """Its seed log begins at the checkpoint's step, which the replay at the run's end
     refused after all the training; the resume is refused as it starts."""
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))
     out = tmp_path / "run"
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--device", "cpu"]
     flags += ["--log-every", "0", "--batch-size", "2", "--num-train", "6", "--num-dev", "4"]

@@ -19,6 +19,7 @@ from distzo.models.tiny import byte_tokenizer
 from distzo.objectives import answer_text, exact_match, f1_score
 from distzo.zo.noise import noise_seed
 from tests.helpers.models import tiny_opt
+from tests.helpers.rows import write_jsonl
 
 KNOWN = {
     "sst2": (
@@ -495,11 +496,6 @@ def test_an_answer_ends_at_the_first_newline_even_a_leading_one():
     text = {(1,): " \nParis\n", (2,): "Paris \nLyon"}
     assert answer_text(lambda ids: text[tuple(ids)], [1]) == ""
     assert answer_text(lambda ids: text[tuple(ids)], [2]) == "Paris"
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def test_prompt_tasks_train_and_evaluate_through_the_cli(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from distzo.config.job import resolve
 from distzo.job.trainer import Trainer, TrainerCallback
+from tests.helpers.rows import sst2_like, write_jsonl
 
 STEPS = 8
 
@@ -558,18 +559,6 @@ def test_a_drawn_seed_is_the_one_config_toml_records(tmp_path):
     assert f"\nseed = {trainer.seed}\n" in (run / "config.toml").read_text()
 
 
-def _sst2_rows(path: Path, count: int) -> str:
-    """A small SST-2-like file: ``count`` rows, each one forward call of a 2-row evaluation."""
-    import json
-
-    rows = [
-        {"sentence": f"review {i} was {'fine' if i % 3 else 'poor'}", "label": int(i % 3 > 0)}
-        for i in range(count)
-    ]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
-
-
 @pytest.mark.parametrize("at", [2, 4], ids=["periodic", "final"])
 def test_a_signal_during_an_evaluation_stops_it_at_its_next_batch_and_the_run_resumes_exactly(
     tmp_path, monkeypatch, caplog, at
@@ -585,7 +574,7 @@ def test_a_signal_during_an_evaluation_stops_it_at_its_next_batch_and_the_run_re
     from distzo.job.preemption import EXIT_PREEMPTED
     from distzo.train import main
 
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))
     common = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--eval-batch-size", "2"]
     common += ["--batch-size", "4", "--max-steps", "4", "--eval-steps", "2", "--device", "cpu"]
     common += ["--log-every", "0", "--save-on-signal"]
@@ -629,7 +618,7 @@ def test_a_signal_during_the_final_evaluations_last_batch_stops_before_the_expor
     from distzo.job.preemption import EXIT_PREEMPTED
     from distzo.train import main
 
-    data = _sst2_rows(tmp_path / "rows.jsonl", 12)  # an evaluation of 12 engine calls
+    data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(12))  # an evaluation of 12 engine calls
     flags = ["--task", "sst2", "--train-file", data, "--eval-file", data, "--eval-batch-size"]
     flags += ["2", "--batch-size", "4", "--max-steps", "2", "--device", "cpu", "--log-every"]
     flags += ["0", "--output-dir", str(tmp_path / "run")]

@@ -28,6 +28,7 @@ from distzo.models.tiny import byte_tokenizer
 from distzo.objectives import Accuracy, collate_choices
 from distzo.objectives.choice import prepare_choices
 from tests.helpers.models import tiny_opt
+from tests.helpers.rows import write_jsonl
 from tests.unit.test_shared_row_pass import build_parts
 
 
@@ -234,11 +235,6 @@ def test_ranks_sharing_the_row_pass_see_what_one_pass_sees(task):
         batch, expected = data.batch(4, 1), alone.batch(4, 1)
         assert batch.keys() == expected.keys()
         assert all(torch.equal(batch[k], expected[k]) for k in batch)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 @pytest.mark.parametrize(
