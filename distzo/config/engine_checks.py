@@ -5,6 +5,7 @@ that bad input fails before any model is built."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,13 @@ STATE_DTYPES = ("fp32", "bf16")
 LOW_BIT_MASTERS = ("buffer", "double", "recompute")
 PERTURB_SCOPES = ("block", "module")
 MAX_MOMENTUM_WINDOW = 256  # noise draws per block per update
+
+
+def _check_choice(config: ZOConfig, name: str, choices: Collection[str], hint: str = "") -> None:
+    """Option ``name`` is one of ``choices``; else one line naming them (and ``hint``)."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(f"{_n(name)} must be one of {', '.join(choices)}, got {value!r}{hint}")
 
 
 def check_options(config: ZOConfig) -> None:
@@ -85,10 +93,7 @@ def _check_step_rule(config: ZOConfig) -> None:
         )
     if not config.weight_decay >= 0:
         raise ValueError(f"{_n('weight_decay')} must be >= 0, got {config.weight_decay}")
-    if config.lr_schedule not in SCHEDULES:
-        raise ValueError(
-            f"{_n('lr_schedule')} must be one of {', '.join(SCHEDULES)}, got {config.lr_schedule!r}"
-        )
+    _check_choice(config, "lr_schedule", SCHEDULES)
     if config.lr_schedule == "linear" and config.max_steps is None:
         raise ValueError(
             f"{_n('lr_schedule')} linear needs {_n('max_steps')}; set {_n('max_steps')} or use "
@@ -102,8 +107,7 @@ def _check_step_rule(config: ZOConfig) -> None:
 
 def _check_layout(config: ZOConfig) -> None:
     """Where blocks live and how they travel, and the noise they draw."""
-    if config.mode not in MODES:
-        raise ValueError(f"{_n('mode')} must be one of {', '.join(MODES)}, got {config.mode!r}")
+    _check_choice(config, "mode", MODES)
     if config.num_slots < 1:
         raise ValueError(
             f"{_n('num_slots')} must be >= 1, got {config.num_slots}; use 2 or 3 to overlap "
@@ -111,26 +115,11 @@ def _check_layout(config: ZOConfig) -> None:
         )
     if config.noise_chunk < 1:
         raise ValueError(f"noise_chunk must be >= 1 element, got {config.noise_chunk}")
-    if config.noise not in NOISE_KINDS:
-        raise ValueError(
-            f"{_n('noise')} must be one of {', '.join(NOISE_KINDS)}, got {config.noise!r}; "
-            "gaussian is MeZO's z, rademacher SPSA's +-1"
-        )
+    _check_choice(config, "noise", NOISE_KINDS, "; gaussian is MeZO's z, rademacher SPSA's +-1")
     _check_lowrank(config)
-    if config.transfer not in TRANSFERS:
-        raise ValueError(
-            f"{_n('transfer')} must be one of {', '.join(TRANSFERS)}, got {config.transfer!r}"
-        )
-    if config.transfer_dtype not in TRANSFER_DTYPE_NAMES:
-        raise ValueError(
-            f"{_n('transfer_dtype')} must be one of {', '.join(TRANSFER_DTYPE_NAMES)}, got "
-            f"{config.transfer_dtype!r}"
-        )
-    if config.compute_dtype not in COMPUTE_DTYPE_NAMES:
-        raise ValueError(
-            f"{_n('compute_dtype')} must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got "
-            f"{config.compute_dtype!r}"
-        )
+    _check_choice(config, "transfer", TRANSFERS)
+    _check_choice(config, "transfer_dtype", TRANSFER_DTYPE_NAMES)
+    _check_choice(config, "compute_dtype", COMPUTE_DTYPE_NAMES)
     if config.transfer_dtype != "fp32" and config.mode != "offload":
         raise ValueError(
             f"{_n('transfer_dtype')} {config.transfer_dtype} only applies to {_n('mode')} "
@@ -144,11 +133,7 @@ def _check_layout(config: ZOConfig) -> None:
 def _check_low_bit_master(config: ZOConfig) -> None:
     """A master placed otherwise than in one buffer needs a low-bit transfer, and one
     rebuilt for each pass a stateless update."""
-    if config.low_bit_master not in LOW_BIT_MASTERS:
-        raise ValueError(
-            f"{_n('low_bit_master')} must be one of {', '.join(LOW_BIT_MASTERS)}, got "
-            f"{config.low_bit_master!r}"
-        )
+    _check_choice(config, "low_bit_master", LOW_BIT_MASTERS)
     if config.low_bit_master == "buffer":
         return
     if config.mode != "offload" or config.transfer_dtype == "fp32":
@@ -167,11 +152,7 @@ def _check_low_bit_master(config: ZOConfig) -> None:
 
 def _check_perturb_scope(config: ZOConfig) -> None:
     """A module-wise scratch serves passes that run alone (no batched adapters)."""
-    if config.perturb_scope not in PERTURB_SCOPES:
-        raise ValueError(
-            f"{_n('perturb_scope')} must be one of {', '.join(PERTURB_SCOPES)}, got "
-            f"{config.perturb_scope!r}"
-        )
+    _check_choice(config, "perturb_scope", PERTURB_SCOPES)
     if config.perturb_scope == "module" and (config.dual_forward or config.batch_queries):
         raise ValueError(
             f"{_n('perturb_scope')} module perturbs a trained block's modules one pass at a "
@@ -221,11 +202,7 @@ def _check_optimizer(config: ZOConfig) -> None:
         raise ValueError(f"{_n('beta2')} must be in [0, 1), got {config.beta2}")
     if not config.adam_eps > 0:
         raise ValueError(f"{_n('adam_eps')} must be > 0, got {config.adam_eps}; MeZO's is 1e-8")
-    if config.optimizer_state not in OPTIMIZER_STATES:
-        raise ValueError(
-            f"{_n('optimizer_state')} must be one of {', '.join(OPTIMIZER_STATES)}, got "
-            f"{config.optimizer_state!r}"
-        )
+    _check_choice(config, "optimizer_state", OPTIMIZER_STATES)
     if config.optimizer_state == "recomputed" and config.optimizer == "adam":
         raise ValueError(
             f"{_n('optimizer_state')} recomputed applies to momentum only (Adam's second "
@@ -235,11 +212,7 @@ def _check_optimizer(config: ZOConfig) -> None:
         raise ValueError(
             f"ZO-SGD has no optimizer state to store; choose {_n('optimizer')} momentum or adam"
         )
-    if config.state_dtype not in STATE_DTYPES:
-        raise ValueError(
-            f"{_n('state_dtype')} must be one of {', '.join(STATE_DTYPES)}, got "
-            f"{config.state_dtype!r}"
-        )
+    _check_choice(config, "state_dtype", STATE_DTYPES)
     if config.state_dtype != "fp32" and not (config.stored_state and config.mode == "offload"):
         raise ValueError(
             f"{_n('state_dtype')} {config.state_dtype} applies to stored optimizer state at rest "
@@ -269,10 +242,7 @@ def _check_batching(config: ZOConfig) -> None:
 
 def _check_estimator(config: ZOConfig) -> None:
     """The estimator, and the options it cannot honour."""
-    if config.estimator not in ESTIMATORS:
-        raise ValueError(
-            f"{_n('estimator')} must be one of {', '.join(ESTIMATORS)}, got {config.estimator!r}"
-        )
+    _check_choice(config, "estimator", ESTIMATORS)
     rule = config.estimator_rule
     if config.num_queries < rule.min_queries:
         raise ValueError(
