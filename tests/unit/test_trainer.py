@@ -749,3 +749,17 @@ def test_a_handed_over_lock_is_the_callers_alone_and_a_let_go_one_is_none(tmp_pa
     assert held.hand_over_lock() is None
     held.claim = RunClaim(tmp_path, resolve([]), 0, False, lock)  # held no more
     assert held.hand_over_lock() is None
+
+
+def test_the_trainer_declares_each_part_a_build_gives_it_with_the_parts_type():
+    # build() copies RunParts' fields onto the trainer with setattr, which mypy does not
+    # see: the trainer's own annotations are what it checks trainer.engine and the rest
+    # against, so they must stay those of RunParts (a part added or retyped in one only
+    # would leave the other wrong, silently).
+    import dataclasses
+
+    from distzo.job.run_build import RunParts
+
+    parts = {field.name: field.type for field in dataclasses.fields(RunParts)}
+    declared = {name: Trainer.__annotations__.get(name) for name in parts}
+    assert declared == parts
