@@ -149,6 +149,52 @@ def test_every_flag_the_docs_give_the_other_commands_exists():
     assert named >= 10 and not missing, sorted(missing)
 
 
+# Values a page gives to show the one-line error the job answers them with.
+QUOTED_AS_REFUSED = {"--mode foo"}
+PLACEHOLDER = re.compile(r"[A-Z_]+|[a-z]|<[^>]*>|\.\.\.")
+
+
+def test_every_value_the_docs_give_a_training_flag_is_one_it_takes():
+    """A backticked ``--flag value`` (or ``--flag a|b|c``, each alternative) is one the
+    job's parser takes: one of its choices, a number of its type. The flag tests above
+    check the names only, so a value renamed or dropped in the code (a choice, a unit
+    added to a number) would stay in the pages; a placeholder (``N``, ``q``) is let by,
+    and so is a flag of another command the paragraph names (the exported step's
+    ``--dtype bf16``)."""
+    import contextlib
+    import io
+
+    from distzo import replay
+    from distzo.export import training_step
+    from distzo.job import plan_report
+
+    others = {
+        "distzo.replay": help_flags(replay.main, ["--help"]),
+        "distzo-replay": help_flags(replay.main, ["--help"]),
+        "plan_report": help_flags(plan_report.main, ["--help"]),
+        "training_step": help_flags(training_step.main, ["--help"]),
+    }
+    parser = build_parser()
+    valued = {o for a in parser._actions if a.nargs != 0 for o in a.option_strings}
+    refused, checked = [], 0
+    for page in PAGES:
+        for paragraph in page.read_text().split("\n\n"):
+            theirs = set().union(*(f for name, f in others.items() if name in paragraph))
+            for flag, given in re.findall(r"`(--[a-z][a-z0-9-]*) \[?([^`\s\]]+)\]?`", paragraph):
+                if flag not in valued or flag in theirs or PLACEHOLDER.fullmatch(given):
+                    continue
+                for value in given.replace("\\|", "|").split("|"):
+                    if f"{flag} {value}" in QUOTED_AS_REFUSED:
+                        continue
+                    checked += 1
+                    error = io.StringIO()
+                    with contextlib.redirect_stderr(error), contextlib.suppress(SystemExit):
+                        parser.parse_args([flag, value])
+                    if error.getvalue():
+                        refused.append(f"{page.name}: {error.getvalue().splitlines()[-1]}")
+    assert checked >= 100 and not refused, refused
+
+
 def test_every_relative_link_resolves():
     broken = []
     for page in [*PAGES, ROOT / "benchmarks" / "README.md"]:
