@@ -30,13 +30,14 @@ def run_export_options(log: Path, header: dict) -> dict[str, Any]:
     }
     recorded = _config_toml(log.parent / "config.toml")
     for name, (section, kind) in EXPORT_OPTIONS.items():
-        value = recorded.get(section, {}).get(name) if isinstance(recorded, dict) else None
+        table = recorded.get(section)  # a hand-edited ``run = 1`` is no table
+        value = table.get(name) if isinstance(table, dict) else None
         if is_of_type(value, kind):
             options[name] = value
     return options
 
 
-def _config_toml(path: Path) -> Any:
+def _config_toml(path: Path) -> dict[str, Any]:
     """The run's config.toml as read; none ({}) where there is none, and a warning, not a
     failure, where it cannot be read: the header holds what the replay needs."""
     if not path.exists():

@@ -23,9 +23,9 @@ BROKEN: dict[str, tuple[bytes | str, str]] = {
         "not valid TOML (nested too deeply)",
     ),
     "folder": ("folder", "cannot read it (Is a directory)"),
-    "bytes": (
-        b"[run]\nseed = 1 \xff\n",
-        "not valid TOML (not UTF-8: byte 0xff at line 2, column 10)",
+    "bytes": (  # a Latin-1 comment on line 3: the line counted from the last newline
+        b"[run]\nseed = 1\n# caf\xe9 \xff\n",
+        "not valid TOML (not UTF-8: byte 0xe9 at line 3, column 6)",
     ),
 }
 
@@ -80,3 +80,18 @@ def test_a_replays_broken_config_toml_is_a_warning_and_the_header_serves(tmp_pat
     assert options == {"export_shard_size": "40KB", "merge_adapter": True}
     [record] = caplog.records
     assert record.getMessage() == f"{path}: {problem}; the log's header gives the export options"
+
+
+def test_a_section_that_is_no_table_is_refused_by_a_resume_and_passed_over_by_a_replay(tmp_path):
+    """A hand-edited ``run = 1`` parses: a resume refuses it in one line; a replay, which
+    crashed on it (``'int' object has no attribute 'get'``), takes the log's header."""
+    path = tmp_path / "config.toml"
+    path.write_text("run = 1\n[peft]\nmerge_adapter = true\n")
+    with pytest.raises(
+        ValueError,
+        match="^" + re.escape(f"--resume: {path} records run = 1, not a [run] table; repair"),
+    ):
+        _recorded(JobConfig(), path)
+    header = {"export_shard_size": "40KB", "merge_adapter": False}
+    options = run_export_options(tmp_path / "seedlog.jsonl", header)
+    assert options == {"export_shard_size": "40KB", "merge_adapter": True}
