@@ -304,21 +304,22 @@ def test_a_model_the_hosts_and_devices_memory_hold_together_is_not_refused(monke
         memory_plan.check_weights_fit(size, 4, cuda, False, "--model big")
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "range", "bin"])
+@pytest.mark.parametrize("kind", ["safetensors", "range", "bin", "bin range"])
 def test_weights_of_other_shapes_than_the_config_name_the_file_and_the_fix(tmp_path, kind):
     from safetensors.torch import save_file
 
     state = {"model.decoder.layers.0.fc1.weight": torch.zeros(64, 32)}
-    file = tmp_path / ("pytorch_model.bin" if kind == "bin" else "model.safetensors")
-    torch.save(state, file) if kind == "bin" else save_file(state, str(file))
-    source = (TorchBinWeights if kind == "bin" else SafetensorsWeights)(tmp_path)
+    is_bin = kind.startswith("bin")
+    file = tmp_path / ("pytorch_model.bin" if is_bin else "model.safetensors")
+    torch.save(state, file) if is_bin else save_file(state, str(file))
+    source = (TorchBinWeights if is_bin else SafetensorsWeights)(tmp_path)
     names, shape = ("model.decoder.layers.0.fc1.weight",), (128, 32)
     with pytest.raises(
         ValueError,
         match=rf"^{file}: checkpoint tensor .*fc1.weight has shape \(64, 32\), the model expects "
         rf"\(128, 32\) from {tmp_path}/config.json: the weights and config.json are of different",
     ):
-        if kind == "range":
+        if kind.endswith("range"):
             source.tensor_range(names, shape, torch.float32, 0, 10)
         else:
             source.tensor(names, shape, torch.float32)

@@ -761,3 +761,14 @@ def test_a_bin_range_read_converts_only_that_range(tmp_path):
         got = source.tensor_range(("w",), (64, 48), torch.float32, start, stop)
         assert torch.equal(got, full.reshape(-1)[start:stop].float())
         assert got.untyped_storage().nbytes() == (stop - start) * 4
+
+
+def test_a_bin_range_read_in_its_own_dtype_is_a_view_of_the_mapped_file(tmp_path):
+    # fp16 weights into fp16 host blocks: the range is copied once, into its block; a copy
+    # here as well would allocate every chunk twice
+    full = torch.randn(64, 48).half()
+    torch.save({"w": full}, tmp_path / "pytorch_model.bin")
+    source = open_checkpoint(tmp_path)
+    got = source.tensor_range(("w",), (64, 48), torch.float16, 1000, 1537)
+    assert torch.equal(got, full.reshape(-1)[1000:1537])
+    assert got.untyped_storage().nbytes() == full.numel() * 2  # the mapped tensor's storage
