@@ -261,3 +261,37 @@ def test_the_loss_curve_of_a_resume_holds_the_training_losses_alone(tmp_path):
     logs = RunLogs(tmp_path, tmp_path, 10, HEADER)
     logs.close()
     assert list(logs.loss_curve.losses) == [2.0 + s for s in range(10)]
+
+
+def went_on_from(run: Path, first: int, steps: list[int], checkpoint: int | None) -> Path:
+    """The seed log of a run that went on from a copied checkpoint of ``first`` steps (its
+    header's ``first_step``), holding ``steps``; a checkpoint folder of ``checkpoint``."""
+    if checkpoint is not None:
+        (run / "checkpoints" / f"step-{checkpoint}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{checkpoint}" / ".metadata").write_bytes(b"")
+    records = [{"step": s, "projected_grads": [0.5], "lr": 0.1} for s in steps]
+    lines = [json.dumps({**HEADER, "first_step": first}), *map(json.dumps, records)]
+    (run / "seedlog.jsonl").write_text("".join(line + "\n" for line in lines))
+    return run / "seedlog.jsonl"
+
+
+def test_a_gap_in_a_log_that_went_on_from_a_checkpoint_is_named_by_its_steps(tmp_path):
+    """Counted from the header's first step, not from 0: from 0, the log's first record
+    (step 4) read as the gap, "from its header"."""
+    log = went_on_from(tmp_path, 4, [4, 5, 7], checkpoint=4)
+    with pytest.raises(ValueError, match=f"^--resume: {log} jumps from step 5 to step 7, so"):
+        check_log_leads_to_checkpoint(tmp_path)
+
+
+def test_a_log_of_its_header_alone_goes_on_from_the_checkpoint_it_began_at(tmp_path):
+    """A resume of a copied checkpoint that stopped before its first step was logged: its
+    log ends where it begins, at the checkpoint, not at step 0 (which would be refused)."""
+    went_on_from(tmp_path, 4, [], checkpoint=4)
+    assert check_log_leads_to_checkpoint(tmp_path) == 4
+
+
+@pytest.mark.parametrize("first", [1, 4])
+def test_a_log_that_went_on_from_a_checkpoint_no_longer_there_is_refused(tmp_path, first):
+    log = went_on_from(tmp_path, first, [first, first + 1], checkpoint=None)
+    with pytest.raises(ValueError, match=f"^--resume: {log} begins at step {first} \\(its run"):
+        check_log_leads_to_checkpoint(tmp_path)
