@@ -63,3 +63,12 @@ def test_a_path_without_the_peers_trainer_is_one_line(peer_steps, tmp_path):
         f"--mezo {tmp_path}: no large_models/trainer.py there; give a checkout of the peer "
         "or its trainer file"
     )
+
+
+def test_faithful_peers_agree_at_the_peers_own_small_learning_rate(peer_steps, capsys):
+    """At MeZO's lr 1e-7 a step moves a weight by ~1e-8, whose 1e-9 is below the weights'
+    own float64 rounding: a faithful peer was reported as differing."""
+    mezo, fzoo = STAND_INS / "mezo_trainer.py", STAND_INS / "fzoo_trainer.py"
+    argv = ["--mezo", str(mezo), "--fzoo", str(fzoo), "--lr", "1e-7", "--steps", "2"]
+    code, out = run(peer_steps, capsys, *argv)
+    assert code == 0, out
