@@ -5,6 +5,7 @@ one-line difference in the peer's step."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.scripts import benchmark_script
 
@@ -65,6 +66,43 @@ def test_a_path_without_the_peers_trainer_is_one_line(peer_steps, tmp_path):
     )
 
 
+def mutated(peer_steps, tmp_path: Path, peer: str, old: str, new: str) -> Path:
+    """A checkout of ``peer`` whose trainer has ``old`` replaced by ``new``."""
+    source = (STAND_INS / f"{peer}_trainer.py").read_text()
+    assert old in source
+    checkout = tmp_path / peer
+    mutant = checkout / peer_steps.TRAINER_FILES[peer]
+    mutant.parent.mkdir(parents=True)
+    mutant.write_text(source.replace(old, new))
+    return checkout
+
+
+@pytest.mark.parametrize(
+    "peer, old, new, options",
+    [
+        ("mezo", "        return plus", "        return minus", []),  # the loss alone
+        ("fzoo", "std(unbiased=False)", "std(unbiased=True)", ["--lr", "0"]),  # c alone
+        # c off by 1e-8 of itself (2e-10): below an absolute 1e-9
+        ("mezo", "(2 * self.args.zo_eps)", "(2.00000002 * self.args.zo_eps)", ["--lr", "0"]),
+        # weights off by 1e-13 in a step of 1e-13, below 1e-9 of c, above their rounding
+        ("mezo", "if param.data.dim() >= 2 else 0.0", "if True else 0.0", ["--lr", "1e-12"]),
+    ],
+)
+def test_each_difference_counts_against_its_own_magnitude(
+    peer_steps, capsys, tmp_path, peer, old, new, options
+):
+    checkout = mutated(peer_steps, tmp_path, peer, old, new)
+    code, out = run(peer_steps, capsys, f"--{peer}", str(checkout), *options)
+    assert code == 1 and f"{peer}: DIFFERS from distzo" in out, out
+
+
+def test_one_differing_peer_of_two_is_exit_1(peer_steps, capsys, tmp_path):
+    checkout = mutated(peer_steps, tmp_path, "mezo", "        return plus", "        return minus")
+    fzoo = str(STAND_INS / "fzoo_trainer.py")
+    code, out = run(peer_steps, capsys, "--mezo", str(checkout), "--fzoo", fzoo)
+    assert code == 1 and "mezo: DIFFERS" in out and "fzoo: agrees" in out
+
+
 def test_faithful_peers_agree_at_the_peers_own_small_learning_rate(peer_steps, capsys):
     """At MeZO's lr 1e-7 a step moves a weight by ~1e-8, whose 1e-9 is below the weights'
     own float64 rounding: a faithful peer was reported as differing."""
@@ -72,3 +110,29 @@ def test_faithful_peers_agree_at_the_peers_own_small_learning_rate(peer_steps, c
     argv = ["--mezo", str(mezo), "--fzoo", str(fzoo), "--lr", "1e-7", "--steps", "2"]
     code, out = run(peer_steps, capsys, *argv)
     assert code == 0, out
+
+
+def test_a_trainer_without_the_peers_methods_is_one_line(peer_steps, tmp_path):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text("class T:\n    def zo_step(self):\n        pass\n")
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.main(["--mezo", str(trainer)])
+    assert str(refused.value) == (
+        f"{trainer}: class T has no zo_perturb_parameters, zo_update, zo_forward"
+    )
+    trainer.write_text("class T:\n    def zo_update(self):\n        pass\n")
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.main(["--mezo", str(trainer)])
+    assert (
+        str(refused.value) == f"{trainer}: no class defines zo_step; is it the peer's trainer.py?"
+    )
+
+
+def test_a_draw_of_another_parameters_shape_is_caught(peer_steps):
+    """The stand-in torch serves z in the order of the model's parameters: a peer walking
+    them in another order is told so, not fed one parameter's z for another."""
+    z = {"a": torch.zeros(2, 3), "b": torch.ones(4)}
+    noise = peer_steps.DistzoNoise(lambda step, query: z, ["a", "b"], False)
+    noise.manual_seed(0)
+    with pytest.raises(RuntimeError, match=r"^the peer drew \(4,\) where z is \(2, 3\)$"):
+        noise.normal(0, 1, torch.Size([4]), dtype=torch.float64)
