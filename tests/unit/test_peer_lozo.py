@@ -5,6 +5,7 @@ LOZO's own file does) moves off its measured direction on exactly the steps that
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.scripts import benchmark_script
 
@@ -63,3 +64,43 @@ def test_the_peer_alone_draws_with_torch_and_moves_along_what_it_measured(peer_l
     )
     assert [round(s["peer_moved_along_measured"], 6) for s in report["steps"]] == [1.0] * 3
     assert report["peer_commit"] is None  # the stand-in lies in no LOZO clone
+
+
+def stand_in_with(tmp_path, old: str, new: str):
+    """The stand-in's trainer file with ``old`` replaced by ``new``."""
+    source = (STAND_IN / "large_models" / "LOZOtrainer.py").read_text()
+    assert old in source
+    changed = tmp_path / "LOZOtrainer.py"
+    changed.write_text(source.replace(old, new))
+    return changed
+
+
+def test_a_difference_in_the_vectors_alone_is_in_the_weights_difference(peer_lozo, tmp_path):
+    """The largest difference of any tensor: a peer that decays the 1-D tensors too (the
+    matrices' weights agree) differs by lr * wd of a norm's scale of 1."""
+    decays_all = stand_in_with(tmp_path, "            if p.ndim >= 2:\n", "            if True:\n")
+    for s in compare(peer_lozo, decays_all, "--weight-decay", "0.1"):
+        assert s["g_diff"] < 1e-11 and s["weights_diff"] > 1e-4, s
+
+
+def test_a_peer_counting_steps_otherwise_is_one_line(peer_lozo, tmp_path):
+    # its step picks when V is redrawn (every step at interval 1, where nothing else
+    # would tell): one step ahead, its V windows would not be distzo's
+    ahead = stand_in_with(tmp_path, "self.step, self.v = -1, {}", "self.step, self.v = 0, {}")
+    with pytest.raises(RuntimeError, match="^the peer counts step 1 where distzo takes 0$"):
+        compare(peer_lozo, ahead, "--interval", "1")
+
+
+def test_a_draw_past_the_steps_stream_is_one_line(peer_lozo):
+    streamed = peer_lozo.StreamTorch({0: torch.arange(8.0)})
+    streamed.manual_seed(0)
+    assert torch.equal(streamed.randn(2, 3), torch.arange(6.0).view(2, 3))
+    with pytest.raises(RuntimeError, match="^the peer drew past the stream built for its step$"):
+        streamed.randn(3)
+
+
+@pytest.mark.parametrize("option", ["--steps", "--interval", "--rank"])
+def test_a_count_below_1_is_refused(peer_lozo, capsys, option):
+    with pytest.raises(SystemExit):
+        peer_lozo.parse_args(["--lozo", ".", option, "0"])
+    assert "--steps, --interval and --rank must be >= 1" in capsys.readouterr().err
