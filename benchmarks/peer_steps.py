@@ -1,6 +1,7 @@
 """distzo's MeZO-SGD and FZOO steps against the peers' own code, on the same z.
 
     python benchmarks/peer_steps.py --mezo ../MeZO --fzoo ../FZOO [--steps 3] [--family llama]
+    python benchmarks/peer_steps.py --zo2 ../zo2 [--steps 3]
 
 ``--mezo``: a checkout of princeton-nlp/MeZO (its ``large_models/trainer.py``) or that file;
 ``--fzoo``: a checkout of DKmiyan/FZOO (its ``trainer.py``) or that file. Nothing of theirs
@@ -26,13 +27,33 @@ tiny OPT at eps 1e-3 it moves the coefficients by about 0.5 %: float32's 2^-24 o
 loss near 4 against differences of order 1e-4). The loss is the next-token
 cross-entropy in float64 for both (a Hugging Face model's ``.loss`` casts the logits to
 float32). Exit 0 when every step of every peer agrees, 1 otherwise.
+
+``--zo2``: a checkout of liangyuwang/zo2, the peer of ``benchmarks/peers.py``'s race. Its
+classes ``BaseOptimizer``, ``MeZOSGDConfig``, ``MeZOSGD`` (its ``zo2=False`` step) and
+``MeZO2SGD`` (its ``zo2=True`` offload) are compiled from its files, built by their own
+constructors and run as written, in this interpreter (their package, which needs
+transformers 4.51, is never imported), on an untied tiny float64 OPT in eval mode, as the
+race's models and ZO2's ``zo_train()``. What ZO2's OPT model classes add is stood in: the
+loss (the next-token cross-entropy of the head's logits) and, for the offload, the walk
+through its units (embeddings, ``project_in``, each layer, the final norm with weight
+decay 0, ``project_out``, the head): the model's own forward runs on the batch twice over,
+and at each unit ZO2's ``module_dual_forward`` takes the two halves as its two passes.
+Its ``torch.normal`` draws follow a stand-in generator whose state (``torch.cuda``'s
+get/set_rng_state) is the seed and the count drawn, so the offload's replay of the
+previous step's z for its update is ZO2's own. Each ZO2 step is compared with a resident
+and an offloaded ``ZOEngine``; the offload applies a step's update in the next step's
+pass, so its weights are compared with distzo's one step earlier.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import contextlib
+import dataclasses
+import functools
+import inspect
 import logging
 import sys
 import types
@@ -153,9 +174,10 @@ class StepSeeds:
         self.step, self.draws = step, 0
 
 
-def tiny_model(family: str, seed: int) -> torch.nn.Module:
+def tiny_model(family: str, seed: int, tied: bool = True) -> torch.nn.Module:
     """A float64 model of a few thousand parameters (GELU for OPT: a difference across
-    ReLU's kink is not the derivative)."""
+    ReLU's kink is not the derivative). ``tied=False``: OPT's head is its own matrix, as in
+    the race's models (Llama's always is)."""
     torch.manual_seed(seed)
     if family == "opt":
         config: Any = tiny_opt_config(
@@ -165,6 +187,7 @@ def tiny_model(family: str, seed: int) -> torch.nn.Module:
             word_embed_proj_dim=8,
             max_position_embeddings=16,
             activation_function="gelu",
+            tie_word_embeddings=tied,
         )
     else:
         config = LlamaConfig(
@@ -232,7 +255,11 @@ def next_token_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     """The causal-LM loss in the model's dtype, as distzo's objective takes it (the
     ``.loss`` of a Hugging Face model casts the logits to float32 first)."""
     logits = model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-    labels = inputs["labels"][:, 1:].reshape(-1)
+    return next_token_loss_of(logits, inputs["labels"])
+
+
+def next_token_loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    labels = labels[:, 1:].reshape(-1)
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(labels.numel(), -1), labels, ignore_index=-100
     )
@@ -295,10 +322,273 @@ def compare(peer: str, source: Path, args: argparse.Namespace) -> bool:
     return agree
 
 
-def main(argv: list[str] | None = None) -> int:
+# ZO2 (liangyuwang/zo2): the classes its step is made of, by file in a checkout
+ZO2_CLASSES = (
+    ("zo2/optimizer/base.py", "BaseOptimizer"),
+    ("zo2/config/mezo_sgd.py", "MeZOSGDConfig"),
+    ("zo2/optimizer/mezo_sgd/zo.py", "MeZOSGD"),
+    ("zo2/optimizer/mezo_sgd/zo2.py", "MeZO2SGD"),
+)
+
+
+def zo2_checkout(checkout: Path) -> Path:
+    """``checkout`` if it holds ZO2's optimizer files, else a one-line refusal."""
+    for relative, _ in ZO2_CLASSES:
+        if not (checkout / relative).is_file():
+            raise SystemExit(
+                f"--zo2 {checkout}: no {relative} there; give a clone of liangyuwang/zo2"
+            )
+    return checkout
+
+
+def zo2_classes(checkout: Path, namespace: dict[str, Any]) -> dict[str, type]:
+    """ZO2's optimizer classes compiled from its own files with ``namespace`` as their
+    globals (their imports never run: ZO2's package needs transformers 4.51)."""
+    for relative, name in ZO2_CLASSES:
+        source = checkout / relative
+        tree = ast.parse(source.read_text(), filename=str(source))
+        found: list[ast.stmt] = [
+            n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name
+        ]
+        if not found:
+            raise SystemExit(f"{source}: no class {name}; is it ZO2's?")
+        module = ast.Module(body=found, type_ignores=[])  # annotations evaluated, as ZO2's
+        exec(compile(module, str(source), "exec", dont_inherit=True), namespace)
+    return {name: namespace[name] for _, name in ZO2_CLASSES}
+
+
+@dataclasses.dataclass
+class RngState:
+    """A generator's state: the seed and how many tensors were drawn since it was set."""
+
+    seed: int
+    drawn: int = 0
+
+    def clone(self) -> RngState:
+        return RngState(self.seed, self.drawn)
+
+
+class RngStream:
+    """Stands in for ZO2's ``torch``: the generator seeded with (step t, draw j) yields
+    distzo's z of (t, j) for the trained parameters in ``walk``'s order, the order in
+    which ZO2 draws them; ``torch.cuda``'s get/set_rng_state save and rewind it, as ZO2's
+    offload does to replay a step's z for the next step's update."""
+
+    def __init__(self, z_of: Callable[[int, int], dict[str, torch.Tensor]]):
+        self.z_of, self.walk = functools.cache(z_of), [""]
+        self.state, self.seeds = RngState(0), StepSeeds()  # seeds: ZO2's ``np``
+        self.cuda = types.SimpleNamespace(
+            manual_seed=self.manual_seed,
+            get_rng_state=lambda: self.state.clone(),
+            set_rng_state=self.set_rng_state,
+            synchronize=lambda: None,
+            Stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        )
+
+    def manual_seed(self, seed: int) -> None:
+        self.state = RngState(int(seed))
+
+    def set_rng_state(self, state: RngState) -> None:
+        self.state = state.clone()
+
+    def normal(self, mean: float, std: float, size: torch.Size, **where: Any) -> torch.Tensor:
+        assert (mean, std) == (0, 1), (mean, std)
+        if self.state.drawn >= len(self.walk):
+            raise RuntimeError(f"ZO2 drew {self.state.drawn + 1} tensors of one seed's stream")
+        name = self.walk[self.state.drawn]
+        z = self.z_of(*divmod(self.state.seed, SEED_STRIDE))[name]
+        self.state.drawn += 1
+        if tuple(size) != tuple(z.shape):
+            raise RuntimeError(f"ZO2 drew {tuple(size)} for {name}, whose z is {tuple(z.shape)}")
+        return z.to(where["dtype"])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def split_rows(value: Any, rows: int) -> tuple[Any, Any]:
+    """The two passes' halves of an argument with the doubled batch's rows, else itself."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 2 * rows:
+        return value[:rows], value[rows:]
+    return value, value
+
+
+def joined(first: Any, second: Any) -> Any:
+    if isinstance(first, torch.Tensor):
+        return torch.cat([first, second])
+    if isinstance(first, tuple):
+        return tuple(joined(a, b) for a, b in zip(first, second, strict=True))
+    return first
+
+
+class DualUnit(torch.nn.Module):
+    """One of ZO2's offload units (an embedding, a decoder layer, a norm, the head) inside
+    the model's own forward. The batch arrives doubled; its halves are ZO2's two passes,
+    which its ``module_dual_forward`` runs as written: the previous step's update, then
+    the unit at +eps z and at -eps z, then the restore. (ZO2's ``task_compute_module``
+    adds only CUDA stream waits and an autocast that is off by default.)"""
+
+    def __init__(self, unit: torch.nn.Module, optimizer: Any, weight_decay: float | None):
+        super().__init__()
+        self.unit, self.weight_decay = unit, weight_decay
+        self.optimizer = [optimizer]  # a list: not a submodule of the model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(self.unit.forward).bind(*args, **kwargs)
+        named = dict(bound.arguments)
+        named.update(named.pop("kwargs", {}))
+        optimizer = self.optimizer[0]
+        halves = [split_rows(v, optimizer.rows) for v in named.values()]
+        first = dict(zip(named, (h[0] for h in halves), strict=True))
+        second = dict(zip(named, (h[1] for h in halves), strict=True))
+        out = optimizer.module_dual_forward(
+            self.unit, first, second, optimizer.projected_grad, self.weight_decay
+        )
+        return joined(*out)
+
+
+def zo2_units(model: Any) -> list[tuple[str, torch.nn.Module, float | None]]:
+    """ZO2's offload units of an OPT with the weight decay ZO2's OPT model passes each
+    (``OptimizerOPTDecoder.inner_zo_forward``: 0 for the final layer norm, else its
+    name rule), by module name."""
+    decoder = model.model.decoder
+    named = {module: name for name, module in model.named_modules()}
+    units = [decoder.embed_tokens, decoder.embed_positions, decoder.project_in]
+    units += [*decoder.layers, decoder.final_layer_norm, decoder.project_out, model.lm_head]
+    return [
+        (named[u], u, 0.0 if u is decoder.final_layer_norm else None)
+        for u in units
+        if u is not None
+    ]
+
+
+def zo2_walk(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module, Any]]) -> list[str]:
+    """The trained parameters in the order ZO2's offload draws their z: unit by unit as
+    the forward calls them (recorded on a forward), each unit's own order within."""
+    called: list[str] = []
+    hooks = [
+        unit.register_forward_pre_hook(lambda *_, name=name: called.append(name))
+        for name, unit, _ in units
+    ]
+    with torch.no_grad():
+        model(torch.ones(1, 2, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+    units_by_name = {name: unit for name, unit, _ in units}
+    walk = [
+        f"{name}.{p_name}"
+        for name in called
+        for p_name, p in units_by_name[name].named_parameters()
+        if p.requires_grad
+    ]
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    if sorted(walk) != sorted(trained):
+        raise SystemExit(f"ZO2's units miss {sorted(set(trained) - set(walk))}")
+    return walk
+
+
+def zo2_optimizer(
+    checkout: Path, model: torch.nn.Module, offload: bool, args: argparse.Namespace, noise: Any
+) -> Any:
+    """ZO2's MeZO-SGD (``zo2=False``) or its offload (``zo2=True``) on ``model``, built by
+    its own constructors; only the loss (ZO2's OPT model's: the next-token cross-entropy
+    of the head's logits) is stood in, with ZO2's model classes that wrap it."""
+    namespace: dict[str, Any] = {
+        "__name__": "zo2_peer",
+        "torch": noise,
+        "nn": torch.nn,
+        "F": torch.nn.functional,
+        "np": noise.seeds,
+        "deque": collections.deque,
+        "dataclass": dataclasses.dataclass,
+        "Optimizer": torch.optim.Optimizer,
+    }
+    classes = zo2_classes(checkout, namespace)
+    base = classes["MeZO2SGD" if offload else "MeZOSGD"]
+
+    class OnTinyOPT(base):  # type: ignore[valid-type, misc]
+        rows = 0
+
+        def init_zo2_upload(self) -> None:
+            """Everything stays on the host, where this check runs."""
+
+        def inner_zo_forward(self, batch: dict[str, torch.Tensor]) -> Any:
+            if not offload:
+                return next_token_loss(self.model, batch)
+            self.rows = len(batch["input_ids"])
+            doubled = {k: torch.cat([v, v]) for k, v in batch.items()}
+            logits = self.model(  # no cache: the second pass of a layer would attend to the first's
+                doubled["input_ids"], attention_mask=doubled["attention_mask"], use_cache=False
+            )
+            halves = split_rows(logits.logits, self.rows)
+            return tuple(next_token_loss_of(h, batch["labels"]) for h in halves)
+
+    config = classes["MeZOSGDConfig"](
+        lr=args.lr, weight_decay=args.weight_decay, eps=args.eps, zo2=offload
+    )
+    config.working_device = "cpu"
+    return OnTinyOPT(model, config)
+
+
+def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool:
+    """``args.steps`` steps of ZO2's MeZO-SGD (or its offload) and of distzo's engine, in
+    each of its modes, from the same weights (an untied float64 OPT, as the race's), on the
+    same batches and z; print each; True if all agree."""
+    label = "zo2-offload" if offload else "zo2-mezo"
+    config = dict(eps=args.eps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
+    engines = {
+        mode: ZOEngine(
+            tiny_model("opt", args.seed, tied=False), ZOConfig(mode=mode, device="cpu", **config)
+        )
+        for mode in ("resident", "offload")
+    }
+    model = tiny_model("opt", args.seed, tied=False).eval()  # as ZO2's zo_train() sets it
+    noise = RngStream(engine_z(engines["resident"]))
+    optimizer = zo2_optimizer(checkout, model, offload, args, noise)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    noise.walk = names
+    if offload:
+        units = zo2_units(model)
+        noise.walk = zo2_walk(model, units)
+        for name, unit, decay in units:
+            model.set_submodule(name, DualUnit(unit, optimizer, decay))
+    agree = True
+    print(f"{label} ({checkout}): opt, {len(names)} tensors, wd = {args.weight_decay}")
+    if offload:
+        print("(ZO2 applies a step's update in the next step's pass: d(theta) is one step late)")
+    print(
+        "step  engine    loss distzo / ZO2          |g|        d(g)      |step| max  d(theta) max"
+    )
+    for t in range(args.steps):
+        batch = batch_of(t)
+        noise.seeds.start(t)
+        peer_loss = float(optimizer.zo_forward(batch))
+        peer_g = float(optimizer.projected_grad)
+        theirs = {name: p.detach().clone() for name, p in params.items()}
+        for mode, engine in engines.items():
+            before = engine.named_parameters()
+            result = engine.step(batch)
+            after = engine.named_parameters()
+            ours = before if offload else after  # ZO2's offload is one update behind
+            moved = largest([after[n] - before[n] for n in names])
+            dtheta = largest([ours[n] - theirs[n] for n in names])
+            g, dg = abs(result.projected_grads[0]), abs(result.projected_grads[0] - peer_g)
+            print(
+                f"{t:>4}  {mode:<8}  {result.loss_plus:.10f} / {peer_loss:.10f}  {g:9.3e}  "
+                f"{dg:9.3e}  {moved:10.3e}  {dtheta:10.3e}"
+            )
+            agree &= dg <= args.rtol * g and dtheta <= args.rtol * moved
+            agree &= abs(result.loss_plus - peer_loss) <= args.rtol * abs(result.loss_plus)
+    print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
+    return agree
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mezo", type=Path, help="a MeZO checkout or its large_models/trainer.py")
     p.add_argument("--fzoo", type=Path, help="an FZOO checkout or its trainer.py")
+    p.add_argument("--zo2", type=Path, help="a ZO2 checkout (liangyuwang/zo2): both its modes")
     p.add_argument("--family", choices=("opt", "llama"), default="opt")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--queries", type=int, default=8, help="FZOO's N (its fzoo.sh's 8)")
@@ -313,11 +603,19 @@ def main(argv: list[str] | None = None) -> int:
         help="keep FZOO's float32 loss vector (its rounding, not its algorithm)",
     )
     args = p.parse_args(argv)
-    if args.mezo is None and args.fzoo is None:
-        p.error("give --mezo PATH, --fzoo PATH or both: the peers' checkouts")
+    if args.mezo is None and args.fzoo is None and args.zo2 is None:
+        p.error("give --mezo PATH, --fzoo PATH, --zo2 PATH or several: the peers' checkouts")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     peers = [(name, getattr(args, name)) for name in ("mezo", "fzoo") if getattr(args, name)]
     sources = [(name, trainer_file(name, path)) for name, path in peers]
+    zo2 = None if args.zo2 is None else zo2_checkout(args.zo2)
     results = [compare(name, source, args) for name, source in sources]
+    if zo2 is not None:
+        results += [compare_zo2(zo2, offload, args) for offload in (False, True)]
     return 0 if all(results) else 1
 
 

@@ -2,6 +2,7 @@
 a peer's ZO methods from its file, feeds them distzo's z, and tells agreement from a
 one-line difference in the peer's step."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,43 @@ def test_a_draw_of_another_parameters_shape_is_caught(peer_steps):
     noise.manual_seed(0)
     with pytest.raises(RuntimeError, match=r"^the peer drew \(4,\) where z is \(2, 3\)$"):
         noise.normal(0, 1, torch.Size([4]), dtype=torch.float64)
+
+
+ZO2_STAND_IN = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo2"
+
+
+def test_zo2s_mezo_and_offload_steps_agree_with_a_faithful_stand_in(peer_steps, capsys):
+    code, out = run(peer_steps, capsys, "--zo2", str(ZO2_STAND_IN), "--steps", "2")
+    assert code == 0, out
+    assert "zo2-mezo: agrees with distzo" in out and "zo2-offload: agrees with distzo" in out
+
+
+@pytest.mark.parametrize(
+    "file, old, new, offload",
+    [  # step 1's pass applies step 0's update: two steps
+        ("mezo_sgd/zo2.py", "if projected_grad != 0:", "if False:", True),  # never applied
+        ("mezo_sgd/zo2.py", "set_rng_state(self.last_rstate)", "set_rng_state(self.rstate)", True),
+        ("mezo_sgd/zo.py", '"layer_norm", ', "", False),  # layer norm scales decayed
+    ],
+)
+def test_a_one_line_difference_in_zo2s_step_is_reported(
+    peer_steps, capsys, tmp_path, file, old, new, offload
+):
+    checkout = tmp_path / "zo2"
+    shutil.copytree(ZO2_STAND_IN, checkout)
+    mutated = checkout / "zo2" / "optimizer" / file
+    source = mutated.read_text()
+    assert old in source
+    mutated.write_text(source.replace(old, new))
+    args = peer_steps.parse_args(["--zo2", str(checkout), "--steps", "2"])
+    assert not peer_steps.compare_zo2(checkout, offload, args)
+    label = "zo2-offload" if offload else "zo2-mezo"
+    assert f"{label}: DIFFERS from distzo" in capsys.readouterr().out
+
+
+def test_a_path_without_zo2s_optimizer_is_refused_before_any_run(peer_steps, tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.main(["--zo2", str(tmp_path)])
+    assert str(refused.value) == (
+        f"--zo2 {tmp_path}: no zo2/optimizer/base.py there; give a clone of liangyuwang/zo2"
+    )
