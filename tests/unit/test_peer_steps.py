@@ -113,6 +113,17 @@ def test_faithful_peers_agree_at_the_peers_own_small_learning_rate(peer_steps, c
     assert code == 0, out
 
 
+@pytest.mark.parametrize("peer", ["mezo", "fzoo", "zo2"])
+def test_faithful_peers_agree_at_a_small_eps(peer_steps, capsys, peer):
+    """At eps 1e-6 a coefficient is a loss difference of ~1e-7 over ~1e-6: the losses' own
+    last place (and the weights' carried difference) is ~1e-8 of it, past rtol 1e-9, and
+    the weights carry it from step to step: faithful peers were reported as differing."""
+    path = {"mezo": "mezo_trainer.py", "fzoo": "fzoo_trainer.py"}
+    where = STAND_INS / path[peer] if peer in path else ZO2_STAND_IN
+    code, out = run(peer_steps, capsys, f"--{peer}", str(where), "--eps", "1e-6", "--steps", "3")
+    assert code == 0, out
+
+
 def test_a_trainer_without_the_peers_methods_is_one_line(peer_steps, tmp_path):
     trainer = tmp_path / "trainer.py"
     trainer.write_text("class T:\n    def zo_step(self):\n        pass\n")
