@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import datetime
 import itertools
-import json
 import logging
 import re
 import shutil
@@ -28,6 +27,7 @@ from distzo.dist import LaunchEnv
 from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
+from distzo.job.jsonl_text import line_record, log_lines, record_step
 from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
@@ -38,7 +38,6 @@ from distzo.job.seed_log import (
     logged_header,
 )
 from distzo.job.summary import SUMMARY
-from distzo.runtime import json_text
 from distzo.runtime.toml_file import UnreadableToml, read_toml
 from distzo.runtime.units import counted
 
@@ -222,15 +221,8 @@ def discard_unstarted_run(run_dir: Path, made: bool, lock: RunLock | None = None
 def logged_steps_of(path: Path) -> list[int]:
     """The step of each complete record of a seed log, as written (gaps kept; a torn last
     line, a header or a line that is not a step record skipped)."""
-    steps = []
-    for line in path.read_text(encoding="utf-8", errors="replace").split("\n")[:-1]:
-        try:
-            record = json_text.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            steps.append(record["step"])
-    return steps
+    steps = (record_step(line_record(line)) for line in log_lines(path.read_bytes())[:-1])
+    return [step for step in steps if step is not None]
 
 
 def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> int:

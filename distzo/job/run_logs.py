@@ -13,11 +13,10 @@ from typing import Any
 from distzo.config.cli import names_file
 from distzo.config.field_types import is_of_type
 from distzo.job.curves import LossCurve
-from distzo.job.jsonl_text import TEXT_ENCODING, as_read_text
+from distzo.job.jsonl_text import line_record, log_lines, record_step
 from distzo.job.records import eval_split
 from distzo.job.reporting import Reporter
 from distzo.job.seed_log import SEED_LOG, SeedLogWriter, in_order_as_kept, is_begun_log
-from distzo.runtime import json_text
 
 logger = logging.getLogger("distzo.train")
 
@@ -35,63 +34,58 @@ def truncate_jsonl(
         return
     raw = path.read_bytes()  # read once: the parse and the comparison that may skip the write
     kept = []
-    # cut at "\n" as every reader of these logs cuts them (not at U+2028, as splitlines)
-    for line in filter(None, as_read_text(raw).split("\n")):
-        try:
-            record = json_text.loads(line)
-        except json.JSONDecodeError:
+    for line in filter(None, log_lines(raw)):
+        record = line_record(line)
+        if record is None:
             continue
-        if not isinstance(record, dict):
-            continue
-        step = record.get("step", -1)
-        if is_of_type(step, int) and step < keep_below:
+        # a record without a step is kept (the seed log's header); one whose step is no
+        # step (``record_step``) is dropped, as every other reader skips it
+        step = record_step(record) if "step" in record else -1
+        if step is not None and step < keep_below:
             kept.append(line)
             if each_kept is not None:
                 each_kept(record)
-    _rewrite(path, "".join(line + "\n" for line in kept), raw)
+    _rewrite(path, b"".join(line + b"\n" for line in kept), raw)
 
 
-def _rewrite(path: Path, text: str, raw: bytes) -> None:
-    """``path`` holding ``text``, as ``write_text`` writes it: through a temporary file and a
-    rename, unless it already does (its bytes are ``raw``; then a temporary file a crash
-    left is removed)."""
+def _rewrite(path: Path, data: bytes, raw: bytes) -> None:
+    """``path`` holding ``data``, through a temporary file and a rename, unless it already
+    does (its bytes are ``raw``; then a temporary file a crash left is removed). The kept
+    lines are written back as they were read, byte for byte."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    if text.encode(TEXT_ENCODING) == raw:
+    if data == raw:
         tmp.unlink(missing_ok=True)
         return
-    tmp.write_text(text)
+    tmp.write_bytes(data)
     tmp.replace(path)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The complete records of a JSON-lines log (none when it does not exist; a torn last
-    line skipped), for what is drawn or summed up from the whole run."""
+    """The step records of a JSON-lines log (none when it does not exist; a torn last line
+    or any other that is no step record skipped), for what is drawn or summed up from the
+    whole run."""
     return list(iter_records(path))
 
 
 def iter_records(path: Path) -> Iterator[dict[str, Any]]:
-    """``read_records``, one line at a time."""
+    """``read_records``, one line at a time: the step records (``record_step``)."""
     if not path.is_file():
         return
-    with open(path) as stream:
-        for line in stream:
-            try:
-                record = json_text.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                yield record
+    with open(path, "rb") as stream:
+        for chunk in stream:  # cut at b"\n": an old Mac editor's "\r" ends lines too
+            for line in log_lines(chunk):
+                record = line_record(line)
+                if record is not None and record_step(record) is not None:
+                    yield record
 
 
-def _record_key(line: str) -> tuple[int, str] | None:
-    """(step, split) of an evaluation log's line; None for a line that is no record."""
-    try:
-        record = json_text.loads(line)
-    except json.JSONDecodeError:
+def _record_key(line: bytes) -> tuple[int, str] | None:
+    """(step, split) of an evaluation log's line; None for a line that is no step record."""
+    record = line_record(line)
+    step = record_step(record)
+    if record is None or step is None:
         return None
-    if not isinstance(record, dict) or not is_of_type(record.get("step"), int):
-        return None
-    return record["step"], eval_split(record)
+    return step, eval_split(record)
 
 
 def _close_quietly(seeds: SeedLogWriter) -> None:
@@ -136,7 +130,7 @@ class RunLogs:
                 path.unlink(missing_ok=True)
         # A resumed run evaluates the state it starts from again where the uninterrupted run
         # evaluated it (for the flush): a record the log already holds is not repeated.
-        evals = [r for r in read_records(self.paths["eval"]) if "step" in r]
+        evals = read_records(self.paths["eval"])
         self.kept_evals = {(r["step"], eval_split(r)): r for r in evals}
         self.closed = False
         # A failure from here (the header on a full disk) closes what was opened: the seed
@@ -207,14 +201,14 @@ class RunLogs:
         self.files["eval"].close()
         try:
             raw = path.read_bytes()
-            lines = list(filter(None, as_read_text(raw).split("\n")))
+            lines = list(filter(None, log_lines(raw)))
             at = [i for i, line in enumerate(lines) if _record_key(line) == key]
             for i in at:  # one: this log writes a state's record of a split once
-                lines[i] = json.dumps(record)
+                lines[i] = json.dumps(record).encode()
             if not at:  # the file was cut by hand since the run opened it
-                lines.append(json.dumps(record))
+                lines.append(json.dumps(record).encode())
             with names_file(path):
-                _rewrite(path, "".join(line + "\n" for line in lines), raw)
+                _rewrite(path, b"".join(line + b"\n" for line in lines), raw)
         finally:
             self.files["eval"] = open(path, "a")
 

@@ -27,7 +27,13 @@ from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.cli import names_file
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.field_types import is_of_type
-from distzo.job.jsonl_text import as_read_text, as_rewritten
+from distzo.job.jsonl_text import (
+    as_read_text,
+    as_rewritten,
+    line_record,
+    log_lines,
+    record_step,
+)
 from distzo.models import hub
 from distzo.runtime import json_text
 
@@ -191,7 +197,7 @@ def _is_step_record(record: Any, step: int) -> bool:
     (it drops the step), nor one whose lr x g overflows (its update would have made the
     weights infinite, and the next loss would have stopped the run before the step was
     kept), so such a line is a damaged one, whose replay would make every weight NaN."""
-    if not isinstance(record, dict) or record.get("step") != step:
+    if record_step(record) != step:  # ``true`` or ``1.0`` is no step 1
         return False
     grads = record.get("projected_grads", [record.get("projected_grad")])
     if not isinstance(grads, list) or not grads:
@@ -243,13 +249,9 @@ def logged_first_step(path: Path) -> int:
 def logged_header(path: Path) -> dict | None:
     """The header of the log at ``path``, from its first line alone (None without one, or
     where the file is not text)."""
-    with open(path, encoding="utf-8", errors="replace") as stream:
-        line = stream.readline()
-    try:
-        header = json_text.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return header if isinstance(header, dict) and header.get("kind") == "header" else None
+    with open(path, "rb") as stream:  # the first line, ended as ``log_lines`` ends one
+        header = line_record(log_lines(stream.readline())[0])
+    return header if header is not None and header.get("kind") == "header" else None
 
 
 def logged_revision(header: dict | None, where: str, base: str | None = None) -> str | None:
@@ -277,12 +279,9 @@ def last_logged_step(path: Path) -> int | None:
     with open(path, "rb") as stream:
         lines = _complete_lines_backwards(stream, stream.seek(0, os.SEEK_END))
         for line in lines:
-            try:
-                record = json_text.loads(line.decode("utf-8", errors="replace"))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                return int(record["step"])
+            step = record_step(line_record(line))
+            if step is not None:
+                return step
     return None
 
 
@@ -330,20 +329,20 @@ def _state(path: Path) -> tuple[int, int] | None:
 
 def checked_log_end(path: Path) -> int | None:
     """The step after the log's last record, where ``read_seed_log`` accepts it whole and
-    every record's step is a plain whole number (so ``run_dir.logged_steps_of`` reads the
-    same steps, without a gap); None otherwise, for the caller's own scan to name what is
-    wrong. Rank 0 of a resume checks the log so, once: the answer is remembered for the
-    file's state (``in_order_end``, ``in_order_as_kept``), and the catch-up and the logs'
-    truncation then read only the records they need, where each read all of a long log
-    (seconds a restart). The parse is not kept: it is a dict per step, and the model is
-    built after this."""
+    its header is no step record (so ``run_dir.logged_steps_of``, by the same
+    ``record_step``, reads the same steps, without a gap); None otherwise, for the
+    caller's own scan to name what is wrong. Rank 0 of a resume checks the log so, once:
+    the answer is remembered for the file's state (``in_order_end``, ``in_order_as_kept``),
+    and the catch-up and the logs' truncation then read only the records they need, where
+    each read all of a long log (seconds a restart). The parse is not kept: it is a dict
+    per step, and the model is built after this."""
     before = _state(path)
     try:
         raw = _log_bytes(path)
         header, steps = _parsed(path, raw)
     except ValueError:
         return None
-    if "step" in header or any(type(record["step"]) is not int for record in steps):
+    if record_step(header) is not None:  # a step record to the scan: the scan's refusal
         return None
     end = steps[-1]["step"] + 1 if steps else first_step(header)
     if before is not None and _state(path) == before:
@@ -389,11 +388,8 @@ def records_from(path: Path, start: int) -> list[dict] | None:
         lines = _complete_lines_backwards(stream, stream.seek(0, os.SEEK_END))
         for step in range(end - 1, start - 1, -1):
             line = next(lines, None)
-            try:
-                record = json_text.loads(line) if line is not None else None
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(record, dict) or not _is_step_record(record, step):
+            record = line_record(line) if line is not None else None
+            if record is None or not _is_step_record(record, step):
                 return None
             records.append(record)
     return records[::-1]

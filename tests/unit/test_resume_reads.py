@@ -14,7 +14,7 @@ import pytest
 
 from distzo.dist import ParallelContext
 from distzo.engine import ZOEngine
-from distzo.job import run_logs, seed_log
+from distzo.job import jsonl_text, seed_log
 from distzo.job.resume import catch_up_from_log
 from distzo.job.run_dir import check_log_leads_to_checkpoint
 from distzo.job.run_logs import RunLogs, truncate_jsonl
@@ -105,8 +105,8 @@ def test_another_ranks_log_check_opens_the_seed_log_twice(tmp_path, monkeypatch)
 def test_metrics_are_parsed_once_for_the_cut_and_the_loss_curve(tmp_path, monkeypatch):
     write_run(tmp_path, steps=20, checkpoint=10)
     parses = []
-    loads = run_logs.json_text.loads
-    monkeypatch.setattr(run_logs.json_text, "loads", lambda line: parses.append(1) or loads(line))
+    loads = jsonl_text.json_text.loads
+    monkeypatch.setattr(jsonl_text.json_text, "loads", lambda line: parses.append(1) or loads(line))
     logs = RunLogs(tmp_path, tmp_path, 12, HEADER)  # resumed after 12 steps: 8 dropped
     logs.close()
     assert len(parses) == 20 + 21  # metrics.jsonl once (before: twice), the seed log once

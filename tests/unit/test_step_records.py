@@ -1,0 +1,64 @@
+"""Every reader of the run's JSON-lines logs takes the same lines for steps
+(``jsonl_text.record_step``) and decodes them alike (``line_record``): a resume, a replay,
+a catch-up and the logs' cut never disagree on one file."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distzo.job import seed_log
+from distzo.job.run_dir import check_log_leads_to_checkpoint
+from distzo.job.run_end import recorded_evals
+from distzo.job.run_logs import RunLogs
+from tests.unit.test_resume_reads import HEADER, write_run
+
+
+def _with_step_1_as(run: Path, spelled: str) -> Path:
+    """The run's seed log with step 1's record naming its step ``spelled``."""
+    log = run / "seedlog.jsonl"
+    log.write_text(log.read_text().replace('{"step": 1,', '{"step": ' + spelled + ",", 1))
+    return log
+
+
+@pytest.mark.parametrize("spelled", ["true", "1.0"])
+def test_a_step_that_is_no_whole_number_is_refused_by_the_resume_and_the_replay(tmp_path, spelled):
+    """``true`` and ``1.0`` equal 1 in Python: the replay's read took either as step 1 and
+    the resume's check ``true`` (then the resume's cut dropped the line, leaving a gap its
+    next resume refused); the check refused ``1.0`` as a gap that the replay did not see."""
+    write_run(tmp_path, steps=6, checkpoint=4)
+    log = _with_step_1_as(tmp_path, spelled)
+    with pytest.raises(ValueError, match="jumps from step 0 to step 2"):
+        check_log_leads_to_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="line 3: expected the record of step 1"):
+        seed_log.read_seed_log(log)
+
+
+def test_a_resume_goes_on_past_a_metrics_line_that_is_not_utf8(tmp_path):
+    """A damaged line of metrics.jsonl is no record, which the cut drops: its bytes not
+    being text ended the resume in a ``UnicodeDecodeError`` traceback."""
+    write_run(tmp_path, steps=6, checkpoint=6)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = metrics.read_bytes().split(b"\n")
+    lines[2] = b'{"step": 2, "loss": 4.0, "note": "\xff"}'
+    metrics.write_bytes(b"\n".join(lines))
+    logs = RunLogs(tmp_path, tmp_path, 6, HEADER)
+    logs.close()
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [
+        0,
+        1,
+        3,
+        4,
+        5,
+    ]
+    assert list(logs.loss_curve.steps) == [0, 1, 3, 4, 5]
+
+
+def test_an_evaluation_whose_step_is_false_is_no_evaluation_of_step_0(tmp_path):
+    """A scoring run's requeue reports the step-0 evaluations its eval.jsonl holds: a
+    ``false`` step (equal to 0 in Python) was taken for one, and its figures reported."""
+    log = tmp_path / "eval.jsonl"
+    log.write_text(json.dumps({"step": False, "eval_loss": 9.0}) + "\n")
+    assert recorded_evals(log, 0, ("eval",)) is None
+    log.write_text(json.dumps({"step": 0, "eval_loss": 2.0}) + "\n")
+    assert recorded_evals(log, 0, ("eval",)) == {"eval": {"eval_loss": 2.0}}
