@@ -131,6 +131,7 @@ def test_a_state_evaluated_again_otherwise_replaces_its_record_in_place(tmp_path
     ]
     assert recorded_evals(tmp_path / "eval.jsonl", 4, ("eval",)) == {"eval": {"eval_loss": 0.25}}
     assert not (tmp_path / "eval.jsonl.tmp").exists()
+    assert (tmp_path / "eval.jsonl").read_text().count("\n\n") == 0  # no empty line added
 
 
 def test_a_state_evaluated_twice_in_one_session_is_one_record(tmp_path):

@@ -21,11 +21,12 @@ def _with_step_1_as(run: Path, spelled: str) -> Path:
     return log
 
 
-@pytest.mark.parametrize("spelled", ["true", "1.0"])
+@pytest.mark.parametrize("spelled", ["true", "1.0", "-1"])
 def test_a_step_that_is_no_whole_number_is_refused_by_the_resume_and_the_replay(tmp_path, spelled):
     """``true`` and ``1.0`` equal 1 in Python: the replay's read took either as step 1 and
     the resume's check ``true`` (then the resume's cut dropped the line, leaving a gap its
-    next resume refused); the check refused ``1.0`` as a gap that the replay did not see."""
+    next resume refused); the check refused ``1.0`` as a gap that the replay did not see.
+    No run writes a step below 0: ``-1`` is no step either."""
     write_run(tmp_path, steps=6, checkpoint=4)
     log = _with_step_1_as(tmp_path, spelled)
     with pytest.raises(ValueError, match="jumps from step 0 to step 2"):
@@ -62,3 +63,35 @@ def test_an_evaluation_whose_step_is_false_is_no_evaluation_of_step_0(tmp_path):
     assert recorded_evals(log, 0, ("eval",)) is None
     log.write_text(json.dumps({"step": 0, "eval_loss": 2.0}) + "\n")
     assert recorded_evals(log, 0, ("eval",)) == {"eval": {"eval_loss": 2.0}}
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        {"step": 1, "projected_grads": [], "lr": 0.1},  # no query's g
+        {"step": 1, "projected_grads": [1e300], "lr": 1e300},  # lr x g overflows
+        {"step": 1, "projected_grads": [0.5], "lr": float("nan")},
+        {"step": 1, "projected_grads": ["0.5"], "lr": 0.1},  # a g that is no number
+    ],
+)
+def test_a_step_record_whose_update_is_no_finite_one_is_refused(tmp_path, damaged):
+    """A run never logs such a step (it drops a step whose g is not finite): replayed, the
+    line would make every weight NaN, so it is a damaged line, named by its number."""
+    write_run(tmp_path, steps=4, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    lines = log.read_text().splitlines()
+    lines[2] = json.dumps(damaged)
+    log.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(ValueError, match="line 3: expected the record of step 1"):
+        seed_log.read_seed_log(log)
+    assert seed_log.checked_log_end(log) is None
+
+
+def test_a_seed_log_that_begins_with_a_step_record_has_no_header(tmp_path):
+    """A log whose header line was lost begins with step 0's record: no header to resume by."""
+    write_run(tmp_path, steps=4, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[1:]))
+    assert seed_log.logged_header(log) is None
+    with pytest.raises(ValueError, match="does not begin with a seed log's header"):
+        check_log_leads_to_checkpoint(tmp_path)
