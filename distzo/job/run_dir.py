@@ -36,6 +36,7 @@ from distzo.job.seed_log import (
     is_begun_log,
     last_logged_step,
     logged_header,
+    read_seed_log,
 )
 from distzo.job.summary import SUMMARY
 from distzo.runtime.toml_file import UnreadableToml, read_toml
@@ -249,12 +250,11 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     if header is None:
         raise ValueError(
             f"--resume: {log} does not begin with a seed log's header (damaged, or not "
-            f"distzo's); restore it, move it aside to resume from {start} alone (a replay "
-            "then cannot rebuild the run), or start afresh with --overwrite or another "
-            "--output-dir"
+            f"distzo's); {_damaged_log_fix(start)}"
         )
     first = first_step(header)  # its line read once: each read is an open on a shared mount
-    if every_record and checked_log_end(log) is None:  # not whole and in order: say where
+    damaged = every_record and checked_log_end(log) is None
+    if damaged:  # not whole and in order: say where
         steps = logged_steps_of(log)
         gap = next((i for i, step in enumerate(steps) if step != first + i), None)
         if gap is not None:
@@ -276,7 +276,29 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
         raise ValueError(
             f"--resume: {checkpoint} holds {counted(done, 'step')} but {log} ends at {ends}; {fix}"
         )
+    if damaged:  # in order where it ends, yet a line between is no record
+        _refuse_damaged_line(log, start)
     return end
+
+
+def _damaged_log_fix(start: str) -> str:
+    """What a resume whose seed log is damaged can do, going on from ``start``."""
+    return (
+        f"restore it, move it aside to resume from {start} alone (a replay then cannot "
+        "rebuild the run), or start afresh with --overwrite or another --output-dir"
+    )
+
+
+def _refuse_damaged_line(log: Path, start: str) -> None:
+    """Refuse a log without a gap that ``read_seed_log`` refuses all the same (a line that
+    is not JSON, or a step record whose update is no finite one): the catch-up read it so
+    after the model was built and the checkpoint loaded, and failed on a replay's
+    ``--log`` words that named no fix."""
+    try:
+        read_seed_log(log)
+    except ValueError as err:
+        where = str(err).removeprefix("--log ")
+        raise ValueError(f"--resume: {where} (damaged); {_damaged_log_fix(start)}") from None
 
 
 # What a config.toml without an option that every run now records meant, where that is

@@ -76,7 +76,9 @@ def test_an_evaluation_whose_step_is_false_is_no_evaluation_of_step_0(tmp_path):
 )
 def test_a_step_record_whose_update_is_no_finite_one_is_refused(tmp_path, damaged):
     """A run never logs such a step (it drops a step whose g is not finite): replayed, the
-    line would make every weight NaN, so it is a damaged line, named by its number."""
+    line would make every weight NaN, so it is a damaged line, named by its number. The
+    resume's check, which saw no gap, let it by: the catch-up refused it, after the model
+    was built and the checkpoint loaded, in a replay's ``--log`` words."""
     write_run(tmp_path, steps=4, checkpoint=4)
     log = tmp_path / "seedlog.jsonl"
     lines = log.read_text().splitlines()
@@ -85,6 +87,13 @@ def test_a_step_record_whose_update_is_no_finite_one_is_refused(tmp_path, damage
     with pytest.raises(ValueError, match="line 3: expected the record of step 1"):
         seed_log.read_seed_log(log)
     assert seed_log.checked_log_end(log) is None
+    with pytest.raises(ValueError) as refused:
+        check_log_leads_to_checkpoint(tmp_path)
+    assert str(refused.value) == (
+        f"--resume: {log}, line 3: expected the record of step 1 (damaged); restore it, move "
+        f"it aside to resume from {tmp_path}/checkpoints/step-4 (4 steps) alone (a replay then "
+        "cannot rebuild the run), or start afresh with --overwrite or another --output-dir"
+    )
 
 
 def test_a_seed_log_that_begins_with_a_step_record_has_no_header(tmp_path):
