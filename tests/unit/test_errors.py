@@ -331,12 +331,30 @@ def test_transfer_chunks_under_the_naive_transfer_are_named_as_ignored(caplog):
         assert resolve(chunks).offload.transfer_chunks == 2
         assert resolve([*chunks, "--transfer", "sliced"]).offload.transfer_chunks == 2
         job = resolve([*chunks, "--transfer", "naive"])
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warning == (
+        resident = resolve([*chunks, "--mode", "resident"])  # no block travels at all
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == 2 * [
         "ignored: --transfer-chunks (it applies only with --mode offload and --transfer "
         "sliced or auto)"
+    ]
+    assert job.offload.transfer_chunks == resident.offload.transfer_chunks == 4
+
+
+def test_an_engine_option_outside_its_choices_names_them_and_its_hint():
+    """The engine's choice check names the option as its caller spelled it (the API's
+    field, the command line's flag), every choice, and the option's hint."""
+    from distzo.config.engine_checks import check_options
+    from distzo.config.engine_options import ZOConfig
+    from distzo.config.option_names import named_as_flags
+
+    with pytest.raises(ValueError) as refused:
+        check_options(ZOConfig(noise="uniform"))
+    assert str(refused.value) == (
+        "noise must be one of gaussian, rademacher, legacy, lowrank, got 'uniform'; gaussian "
+        "is MeZO's z, rademacher SPSA's +-1"
     )
-    assert job.offload.transfer_chunks == 4
+    with named_as_flags(), pytest.raises(ValueError, match="^--noise must be one of gaussian"):
+        check_options(ZOConfig(noise="uniform"))
 
 
 def test_a_momentum_window_with_stored_momentum_is_named_as_ignored(caplog):
