@@ -355,6 +355,13 @@ def test_an_engine_option_outside_its_choices_names_them_and_its_hint():
     )
     with named_as_flags(), pytest.raises(ValueError, match="^--noise must be one of gaussian"):
         check_options(ZOConfig(noise="uniform"))
+    for name, choices in [
+        ("optimizer_state", "auto, recomputed, stored"),
+        ("state_dtype", "fp32, bf16"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            check_options(ZOConfig(**{name: "bogus"}))
+        assert str(refused.value) == f"{name} must be one of {choices}, got 'bogus'"
 
 
 def test_a_momentum_window_with_stored_momentum_is_named_as_ignored(caplog):
