@@ -442,3 +442,19 @@ def test_the_engines_log_line_says_the_noise_comes_from_torch_ops(monkeypatch, c
 
     monkeypatch.setattr(engine.noise, "_c", True)  # the kernel's engine says nothing more
     assert noise_note(engine) == ""
+
+
+def test_only_the_draws_the_perturbation_and_bf16s_rounding_compile_with_fp_fusion():
+    """The kernels that spell out each fma round like torch only unfused, and the
+    perturbation like torch's CPU add(alpha=) only fused: the interpreter's probes round
+    alike either way, and the compile probe checks the unfused ones alone, so a kernel
+    moved to the other side passed both."""
+    from distzo.zo import triton_noise
+
+    fused = {
+        name
+        for name in triton_noise.KERNEL_NAMES
+        if triton_noise.compile_options(name)["enable_fp_fusion"]
+    }
+    assert fused == {"fill", "perturb", "round_bf16"}
+    assert triton_noise.compile_options("update")["enable_fp_fusion"] is False
