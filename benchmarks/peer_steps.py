@@ -18,10 +18,10 @@ coefficients (MeZO's ``projected_grad``; FZOO's ``projected_grad[j]``, which is 
 The verdict is relative: a peer step agrees when its loss, coefficients and weights are
 within ``--rtol`` of distzo's, measured against the loss, the coefficients' and the step's
 largest magnitude, or within float64's rounding of what each is computed from
-(``Tolerance``): the weights within ``ROUNDING_ULPS`` of themselves per step, which a small
+(``agrees``): the weights within ``ROUNDING_ULPS`` of themselves per step, which a small
 ``--lr``'s step falls below, and a coefficient within its losses' last place (and their
-difference) over the losses' spread, which a small ``--eps`` makes large; the weights'
-difference is carried from step to step, and so is what it may be.
+difference) over the losses' spread, which a small ``--eps`` makes large, and a step
+within its coefficient's.
 
 FZOO gathers its perturbed losses in float32 (``torch.tensor(loss1s,
 dtype=torch.float32)``): the stand-in ``torch.tensor`` keeps them in float64 like the rest,
@@ -89,42 +89,34 @@ VOCAB = 64
 ROUNDING_ULPS = 4
 
 
-@dataclasses.dataclass
-class Tolerance:
-    """What one peer's steps may differ by: ``rtol`` of distzo's loss, coefficients and
-    step, or float64's rounding of what each is computed from (``ROUNDING_ULPS``). The
-    weights are compared after every step, their difference carried from step to step, so
-    what they may differ by is carried too (``drift``)."""
-
-    rtol: float
-    drift: float = 0.0
-
-    def agrees(
-        self,
-        t: int,
-        loss: float,
-        peer_loss: float,
-        coefficients: tuple[float, float],
-        weights: tuple[float, float, float],
-        losses: tuple[float, ...],
-    ) -> bool:
-        """Step ``t``'s verdict: ``coefficients`` are (largest, difference), ``weights``
-        (this step's move, the weights' difference, the largest weight), ``losses`` the
-        step's (their spread over a coefficient is the length it divides by)."""
-        ulp = torch.finfo(torch.float64).eps
-        (c, dc), (step, dtheta, largest_weight) = coefficients, weights
-        spread = max(losses) - min(losses)
-        # each loss known to its last place, and to the weights' carried difference (which
-        # the loss's own shows)
-        loss_error = ROUNDING_ULPS * ulp * max(map(abs, losses)) + abs(loss - peer_loss)
-        c_rounding = loss_error * c / spread if spread else 0.0
-        self.drift += (self.rtol + (c_rounding / c if c else 0.0)) * step  # c's, carried
-        w_rounding = (t + 1) * ROUNDING_ULPS * ulp * largest_weight
-        return (
-            dc <= self.rtol * c + c_rounding
-            and dtheta <= self.drift + w_rounding
-            and abs(loss - peer_loss) <= self.rtol * abs(loss)
-        )
+def agrees(
+    rtol: float,
+    t: int,
+    loss: float,
+    peer_loss: float,
+    coefficients: tuple[float, float],
+    weights: tuple[float, float, float],
+    losses: tuple[float, ...],
+) -> bool:
+    """Step ``t``'s verdict: within ``rtol`` of distzo's loss, coefficients and step, or
+    within float64's rounding of what each is computed from (``ROUNDING_ULPS``).
+    ``coefficients`` are (largest, difference), ``weights`` (this step's move, the weights'
+    difference, the largest weight), ``losses`` the step's (their spread over a coefficient
+    is the length it divides by)."""
+    ulp = torch.finfo(torch.float64).eps
+    (c, dc), (step, dtheta, largest_weight) = coefficients, weights
+    spread = max(losses) - min(losses)
+    # each loss known to its last place, and to the weights' difference so far (which the
+    # loss's own shows)
+    loss_error = ROUNDING_ULPS * ulp * max(map(abs, losses)) + abs(loss - peer_loss)
+    c_rounding = loss_error * c / spread if spread else 0.0
+    relative = rtol + (c_rounding / c if c else 0.0)  # a step carries its coefficient's
+    w_rounding = (t + 1) * ROUNDING_ULPS * ulp * largest_weight
+    return (
+        dc <= rtol * c + c_rounding
+        and dtheta <= relative * step + w_rounding
+        and abs(loss - peer_loss) <= rtol * abs(loss)
+    )
 
 
 def trainer_file(peer: str, path: Path) -> Path:
@@ -336,7 +328,7 @@ def compare(peer: str, source: Path, args: argparse.Namespace) -> bool:
     namespace = {"torch": noise, "np": seeds}
     namespace["logger"] = logging.getLogger(peer)
     trainer = peer_trainer(peer_methods(source, namespace), args, n)
-    agree, tolerance = True, Tolerance(args.rtol)
+    agree = True
     print(f"{peer} ({source}): {args.family}, {len(names)} tensors, N = {n}, wd = {wd}")
     print("step  loss distzo / peer        |c| max   d(c) max   |step| max  d(theta) max")
     for t in range(args.steps):
@@ -361,7 +353,7 @@ def compare(peer: str, source: Path, args: argparse.Namespace) -> bool:
         )
         losses = (*result.losses, result.loss_plus, result.loss_minus)
         weight_figures = (step, dtheta, largest(weights))
-        agree &= tolerance.agrees(t, loss, peer_loss, (c, dc), weight_figures, losses)
+        agree &= agrees(args.rtol, t, loss, peer_loss, (c, dc), weight_figures, losses)
     print(f"{peer}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
     return agree
 
@@ -597,7 +589,7 @@ def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool
         noise.walk = zo2_walk(model, units)
         for name, unit, decay in units:
             model.set_submodule(name, DualUnit(unit, optimizer, decay))
-    agree, tolerances = True, {mode: Tolerance(args.rtol) for mode in engines}
+    agree = True
     print(f"{label} ({checkout}): opt, {len(names)} tensors, wd = {args.weight_decay}")
     if offload:
         print("(ZO2 applies a step's update in the next step's pass: d(theta) is one step late)")
@@ -624,9 +616,7 @@ def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool
             )
             weights = (moved, dtheta, largest(list(theirs.values())))
             losses = (*result.losses, result.loss_plus, result.loss_minus)
-            verdict = tolerances[mode].agrees(
-                t, result.loss_plus, peer_loss, (g, dg), weights, losses
-            )
+            verdict = agrees(args.rtol, t, result.loss_plus, peer_loss, (g, dg), weights, losses)
             agree &= verdict
     print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
     return agree
