@@ -36,6 +36,7 @@ from distzo.job.seed_log import (
     is_begun_log,
     last_logged_step,
     logged_header,
+    logged_twice,
     read_seed_log,
 )
 from distzo.job.summary import SUMMARY
@@ -219,11 +220,22 @@ def discard_unstarted_run(run_dir: Path, made: bool, lock: RunLock | None = None
             run_dir.rmdir()
 
 
-def logged_steps_of(path: Path) -> list[int]:
-    """The step of each complete record of a seed log, as written (gaps kept; a torn last
-    line, a header or a line that is not a step record skipped)."""
-    steps = (record_step(line_record(line)) for line in log_lines(path.read_bytes())[:-1])
-    return [step for step in steps if step is not None]
+def logged_steps_of(path: Path) -> list[tuple[int, int]]:
+    """The line number and step of each complete record of a seed log, as written (gaps
+    kept; a torn last line, a header or a line that is not a step record skipped)."""
+    lines = enumerate(log_lines(path.read_bytes())[:-1], 1)
+    steps = ((number, record_step(line_record(line))) for number, line in lines)
+    return [(number, step) for number, step in steps if step is not None]
+
+
+def _out_of_order(steps: list[tuple[int, int]], gap: int, first: int) -> str:
+    """What is wrong where a log's ``steps`` (``logged_steps_of``), in order from ``first``
+    before ``gap``, first leave it: a step logged again, or a jump."""
+    line, step = steps[gap]
+    if first <= step < first + gap:  # its first record is at steps[step - first]
+        return logged_twice(step, steps[step - first][0], line)
+    after = f"step {first + gap - 1}" if gap else "its header"
+    return f"jumps from {after} to step {step}"
 
 
 def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> int:
@@ -256,12 +268,11 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     damaged = every_record and checked_log_end(log) is None
     if damaged:  # not whole and in order: say where
         steps = logged_steps_of(log)
-        gap = next((i for i, step in enumerate(steps) if step != first + i), None)
+        gap = next((i for i, (_, step) in enumerate(steps) if step != first + i), None)
         if gap is not None:
-            after = f"step {first + gap - 1}" if gap else "its header"
             raise ValueError(
-                f"--resume: {log} jumps from {after} to step {steps[gap]}, so it does not go "
-                f"on from {start}; {fix}"
+                f"--resume: {log} {_out_of_order(steps, gap, first)}, so it does not go on "
+                f"from {start}; {fix}"
             )
     if checkpoint is None and first > 0:  # "None holds 0 steps" was all it said
         raise ValueError(

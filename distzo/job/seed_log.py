@@ -182,13 +182,21 @@ def _parsed(path: Path, raw: bytes) -> tuple[dict, list[dict]]:
         )
     header, steps = records[0], records[1:]
     check_header_types(path, header)
-    for expected, record in enumerate(steps, first_step(header)):
+    first = first_step(header)
+    for expected, record in enumerate(steps, first):
         if not _is_step_record(record, expected):
-            raise ValueError(
-                f"--log {path}, line {expected - first_step(header) + 2}: expected the record "
-                f"of step {expected}"
-            )
+            number, step = expected - first + 2, record_step(record)
+            if step is not None and first <= step < expected:  # its record is at its line
+                raise ValueError(f"--log {path}: {logged_twice(step, step - first + 2, number)}")
+            raise ValueError(f"--log {path}, line {number}: expected the record of step {expected}")
     return header, steps
+
+
+def logged_twice(step: int, first_line: int, line: int) -> str:
+    """What a log that holds ``step`` again at ``line`` (a requeue that logged it anew) is
+    called, by the replay and by the resume's scan alike: "expected the record of step 3"
+    at the second, or "jumps from step 2 to step 2", did not say what was wrong."""
+    return f"logs step {step} twice (lines {first_line} and {line})"
 
 
 def _is_step_record(record: Any, step: int) -> bool:

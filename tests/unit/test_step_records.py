@@ -104,3 +104,23 @@ def test_a_seed_log_that_begins_with_a_step_record_has_no_header(tmp_path):
     assert seed_log.logged_header(log) is None
     with pytest.raises(ValueError, match="does not begin with a seed log's header"):
         check_log_leads_to_checkpoint(tmp_path)
+
+
+def test_a_step_logged_twice_is_named_so_by_the_resume_and_the_replay(tmp_path):
+    """A requeue that logged step 2 again: the resume's scan said the log "jumps from step
+    2 to step 2", the replay "line 5: expected the record of step 3"; neither said that a
+    step was logged twice, nor where."""
+    write_run(tmp_path, steps=5, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("".join(line + "\n" for line in [*lines[:4], lines[3], *lines[4:]]))
+    with pytest.raises(ValueError) as refused:
+        check_log_leads_to_checkpoint(tmp_path)
+    assert str(refused.value) == (
+        f"--resume: {log} logs step 2 twice (lines 4 and 5), so it does not go on from "
+        f"{tmp_path}/checkpoints/step-4 (4 steps); the two are not one run; start afresh with "
+        "--overwrite or another --output-dir"
+    )
+    with pytest.raises(ValueError) as replayed:
+        seed_log.read_seed_log(log)
+    assert str(replayed.value) == f"--log {log}: logs step 2 twice (lines 4 and 5)"
