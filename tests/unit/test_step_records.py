@@ -124,3 +124,24 @@ def test_a_step_logged_twice_is_named_so_by_the_resume_and_the_replay(tmp_path):
     with pytest.raises(ValueError) as replayed:
         seed_log.read_seed_log(log)
     assert str(replayed.value) == f"--log {log}: logs step 2 twice (lines 4 and 5)"
+
+
+def test_a_torn_last_line_is_no_step_to_the_resume_as_to_the_replay(tmp_path):
+    """A last line without its newline is torn (the replay drops it): though it is a whole
+    record, of a step logged again, the resume's scan of a log damaged elsewhere must
+    skip it too, and name the damaged line the replay refuses, not the torn one."""
+    write_run(tmp_path, steps=4, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    lines = log.read_text().splitlines()
+    lines[2] = json.dumps({"step": 1, "projected_grads": ["0.5"], "lr": 0.1})
+    log.write_text("".join(line + "\n" for line in lines) + lines[-1])  # step 3 again, torn
+    with pytest.raises(ValueError) as refused:
+        check_log_leads_to_checkpoint(tmp_path)
+    assert str(refused.value) == (
+        f"--resume: {log}, line 3: expected the record of step 1 (damaged); restore it, move "
+        f"it aside to resume from {tmp_path}/checkpoints/step-4 (4 steps) alone (a replay then "
+        "cannot rebuild the run), or start afresh with --overwrite or another --output-dir"
+    )
+    with pytest.raises(ValueError) as replayed:
+        seed_log.read_seed_log(log)
+    assert str(replayed.value) == f"--log {log}, line 3: expected the record of step 1"
