@@ -36,6 +36,7 @@ from distzo.job.jsonl_text import (
 )
 from distzo.models import hub
 from distzo.runtime import json_text
+from distzo.runtime.file_state import file_state
 
 logger = logging.getLogger(__name__)
 
@@ -320,19 +321,19 @@ def _pieces_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
         yield carry  # the file's first line
 
 
-# The log last found whole and in order by ``checked_log_end``: its path, its state
-# (mtime_ns, size) then, the step after its last record, and whether its bytes are what a
+# The log last found whole and in order by ``checked_log_end``: its path and state
+# (``file_state``) then, the step after its last record, and whether its bytes are what a
 # rewrite of its lines writes (``jsonl_text.as_rewritten``).
-_in_order: tuple[str, int, int, int, bool] | None = None
+_in_order: tuple[tuple[str, int, int, int, int], int, bool] | None = None
 
 
-def _state(path: Path) -> tuple[int, int] | None:
-    """The file's (mtime_ns, size), which change with every write (None: no file)."""
+def _state(path: Path) -> tuple[int, int, int, int] | None:
+    """The file's ``file_state``, which every write or replacement changes (None: no
+    file)."""
     try:
-        stat = path.stat()
+        return file_state(path.stat())
     except OSError:
         return None
-    return stat.st_mtime_ns, stat.st_size
 
 
 def checked_log_end(path: Path) -> int | None:
@@ -355,7 +356,7 @@ def checked_log_end(path: Path) -> int | None:
     end = steps[-1]["step"] + 1 if steps else first_step(header)
     if before is not None and _state(path) == before:
         global _in_order
-        _in_order = (str(path), *before, end, as_rewritten(raw))
+        _in_order = ((str(path), *before), end, as_rewritten(raw))
     return end
 
 
@@ -363,9 +364,9 @@ def _vouched(path: Path) -> tuple[int, bool] | None:
     """What ``checked_log_end`` found of the log as it is now (its end, and whether it is
     as rewritten), read from nothing (None: not checked so, or written since)."""
     state = _state(path)
-    if _in_order is None or state is None or _in_order[:3] != (str(path), *state):
+    if _in_order is None or state is None or _in_order[0] != (str(path), *state):
         return None
-    return _in_order[3], _in_order[4]
+    return _in_order[1], _in_order[2]
 
 
 def in_order_end(path: Path) -> int | None:
@@ -414,7 +415,7 @@ def read_seed_log_once(path: Path) -> tuple[dict, list[dict]]:
 
 
 @functools.lru_cache(maxsize=2)
-def _read_seed_log_cached(path: str, mtime_ns: int, size: int) -> tuple[dict, list[dict]]:
+def _read_seed_log_cached(path: str, *state: int) -> tuple[dict, list[dict]]:
     return read_seed_log(Path(path))
 
 

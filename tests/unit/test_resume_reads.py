@@ -295,3 +295,21 @@ def test_a_log_that_went_on_from_a_checkpoint_no_longer_there_is_refused(tmp_pat
     log = went_on_from(tmp_path, first, [first, first + 1], checkpoint=None)
     with pytest.raises(ValueError, match=f"^--resume: {log} begins at step {first} \\(its run"):
         check_log_leads_to_checkpoint(tmp_path)
+
+
+def test_a_log_replaced_by_one_of_its_size_and_mtime_is_not_vouched_for(tmp_path):
+    """What ``checked_log_end`` found is kept for the file's state: a log replaced by
+    another of the same size and mtime (a copy that kept the times, ``cp -p``, rsync) is
+    another file, whose records must be read again, not served from the first's check."""
+    write_run(tmp_path, steps=4, checkpoint=4)
+    log = tmp_path / "seedlog.jsonl"
+    assert seed_log.checked_log_end(log) == 4
+    assert seed_log.in_order_end(log) == 4
+    size = log.stat().st_size
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(log.read_bytes().replace(b'"step": 2', b'"step": 7'))  # same size
+    os.utime(other, ns=(OLD, OLD))
+    os.replace(other, log)
+    assert (log.stat().st_size, log.stat().st_mtime_ns) == (size, OLD)
+    assert seed_log.in_order_end(log) is None
+    assert seed_log.records_from(log, 2) is None
