@@ -1,7 +1,8 @@
-"""distzo's MeZO-SGD and FZOO steps against the peers' own code, on the same z.
+"""distzo's ZO-SGD, FZOO, momentum and Adam steps against the peers' own code, on the same z.
 
     python benchmarks/peer_steps.py --mezo ../MeZO --fzoo ../FZOO [--steps 3] [--family llama]
     python benchmarks/peer_steps.py --zo2 ../zo2 [--steps 3]
+    python benchmarks/peer_steps.py --zobench ../ZO-LLM [--adam-eps 1e-30] [--zobench-queries 2]
 
 ``--mezo``: a checkout of princeton-nlp/MeZO (its ``large_models/trainer.py``) or that file;
 ``--fzoo``: a checkout of DKmiyan/FZOO (its ``trainer.py``) or that file. Nothing of theirs
@@ -46,6 +47,17 @@ get/set_rng_state) is the seed and the count drawn, so the offload's replay of t
 previous step's z for its update is ZO2's own. Each ZO2 step is compared with a resident
 and an offloaded ``ZOEngine``; the offload applies a step's update in the next step's
 pass, so its weights are compared with distzo's one step earlier.
+
+``--zobench``: a checkout of OPTML-Group/ZO-LLM (ZO-Bench, its ``zo-bench/trainer.py``) or
+that file. Its ``zo_step`` (``zo_step_v1`` with ``--zobench-queries`` above 1, as its
+training loop picks) hands ``g z`` to a torch optimizer as ``p.grad``; the statement of its
+``_inner_training_loop`` that builds that optimizer (``SGD(lr, momentum)`` for ``zo_sgd``,
+``Adam(lr)`` for ``zo_adam``) is compiled from the file and run as written, with its
+sweeps' settings (momentum 0.9, weight decay 0, constant lr). Three runs: ``zo_sgd`` beside
+distzo's momentum stored and recomputed (a window longer than the run), ``zo_adam``
+beside distzo's Adam. ``--adam-eps`` sets both sides' eps (torch's default 1e-8): torch's
+Adam adds it to ``sqrt(v / (1 - beta2^t))``, distzo's to ``sqrt(v)``, which the check
+reports as a difference; at 1e-30 only the algorithm is left.
 """
 
 from __future__ import annotations
@@ -74,7 +86,11 @@ from distzo.models.tiny import tiny_opt_config
 
 PEER_METHODS = ("zo_perturb_parameters", "zo_step", "zo_update", "zo_forward")
 # where each peer keeps its trainer in a checkout
-TRAINER_FILES = {"mezo": "large_models/trainer.py", "fzoo": "trainer.py"}
+TRAINER_FILES = {
+    "mezo": "large_models/trainer.py",
+    "fzoo": "trainer.py",
+    "zobench": "zo-bench/trainer.py",
+}
 SEED_STRIDE = 1000  # the seed the peer draws for (step t, its j-th draw) is t * 1000 + j
 VOCAB = 64
 # A float64 weight is known to its last place: each side rounds every weight at each
@@ -130,23 +146,29 @@ def trainer_file(peer: str, path: Path) -> Path:
     return found
 
 
-def peer_methods(source: Path, namespace: dict[str, Any]) -> dict[str, Callable[..., Any]]:
-    """The peer's ZO methods, compiled from its own source with ``namespace`` as their
-    globals: the class that defines ``zo_step`` is searched for them."""
+def trainer_class(source: Path) -> tuple[ast.ClassDef, dict[str, ast.FunctionDef]]:
+    """The class of the peer's trainer (the one that defines ``zo_step``) and its methods."""
     tree = ast.parse(source.read_text(), filename=str(source))
     for node in ast.walk(tree):
-        if not isinstance(node, ast.ClassDef):
-            continue
-        defs = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
-        if "zo_step" not in defs:
-            continue
-        missing = [name for name in PEER_METHODS if name not in defs]
-        if missing:
-            raise SystemExit(f"{source}: class {node.name} has no {', '.join(missing)}")
-        module = ast.Module(body=[defs[name] for name in PEER_METHODS], type_ignores=[])
-        exec(compile(module, str(source), "exec"), namespace)
-        return {name: namespace[name] for name in PEER_METHODS}
+        if isinstance(node, ast.ClassDef):
+            defs = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+            if "zo_step" in defs:
+                return node, defs
     raise SystemExit(f"{source}: no class defines zo_step; is it the peer's trainer.py?")
+
+
+def peer_methods(
+    source: Path, namespace: dict[str, Any], names: tuple[str, ...] = PEER_METHODS
+) -> dict[str, Callable[..., Any]]:
+    """The peer's ZO methods ``names``, compiled from its own source with ``namespace`` as
+    their globals: the class that defines ``zo_step`` is searched for them."""
+    node, defs = trainer_class(source)
+    missing = [name for name in names if name not in defs]
+    if missing:
+        raise SystemExit(f"{source}: class {node.name} has no {', '.join(missing)}")
+    module = ast.Module(body=[defs[name] for name in names], type_ignores=[])
+    exec(compile(module, str(source), "exec"), namespace)
+    return {name: namespace[name] for name in names}
 
 
 class DistzoNoise:
@@ -622,17 +644,149 @@ def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool
     return agree
 
 
+# ZO-Bench (OPTML-Group/ZO-LLM): its zo_step hands ``g z`` to the torch optimizer that its
+# ``_inner_training_loop`` builds (``if args.trainer == "zo_adam": ...``), one parameter
+# at a time. Each run: (label, ZO-Bench's --trainer, distzo's optimizer options).
+ZOBENCH_METHODS = (*PEER_METHODS, "zo_step_v1", "get_grad_sparsity_by_name")  # v1: q > 1
+ZOBENCH_SETUP = "zo_adam"  # the trainer name the optimizer set-up statement first tests
+
+
+def zobench_runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    """ZO-Bench's momentum (zo_sgd with its sweeps' momentum) against distzo's stored and
+    recomputed momentum (a window longer than the run: no truncation), and zo_adam
+    against distzo's Adam."""
+    momentum = dict(optimizer="momentum", beta1=args.momentum)
+    return [
+        ("zobench-momentum (stored)", "zo_sgd", {**momentum, "optimizer_state": "stored"}),
+        (
+            "zobench-momentum (recomputed)",
+            "zo_sgd",
+            {**momentum, "optimizer_state": "recomputed", "momentum_window": args.steps + 1},
+        ),
+        ("zobench-adam", "zo_adam", dict(optimizer="adam", adam_eps=args.adam_eps)),
+    ]
+
+
+def zobench_setup(source: Path) -> ast.Module:
+    """The statement of ZO-Bench's ``_inner_training_loop`` that builds its optimizer
+    (``if args.trainer == "zo_adam": self.optimizer = Adam(...)``, ``elif ... SGD``)."""
+    node, defs = trainer_class(source)
+    loop = defs.get("_inner_training_loop")
+    for statement in ast.walk(loop) if loop else ():
+        if isinstance(statement, ast.If) and ZOBENCH_SETUP in ast.unparse(statement.test):
+            return ast.Module(body=[statement], type_ignores=[])
+    raise SystemExit(
+        f"{source}: class {node.name} builds no optimizer for {ZOBENCH_SETUP} in "
+        f"_inner_training_loop; is it ZO-Bench's zo-bench/trainer.py?"
+    )
+
+
+def zobench_trainer(
+    source: Path,
+    args: argparse.Namespace,
+    name: str,
+    model: torch.nn.Module,
+    noise: DistzoNoise,
+    seeds: StepSeeds,
+) -> Any:
+    """ZO-Bench's trainer as far as its ZO step reaches: its methods and its optimizer
+    set-up run as written on ``model`` (``Adam``'s eps is ``--adam-eps``, torch's default
+    unless given), with its sweeps' arguments."""
+    namespace = {"torch": noise, "np": seeds, "logger": logging.getLogger("zobench")}
+    trainer = peer_trainer(peer_methods(source, namespace, ZOBENCH_METHODS), args, 1)
+    trainer.args.__dict__.update(
+        trainer=name,
+        q=args.zobench_queries,
+        perturbation_mode="two_side",
+        momentum=args.momentum,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        optimizer="sgd",
+    )
+    trainer.model, trainer.gradient_sparsity = model, None
+    trainer.sparse_grad_rng, trainer.sparse_grad_random_seed = torch.Generator(), 0
+    optimizers = {
+        "args": trainer.args,
+        "self": trainer,
+        "SGD": torch.optim.SGD,
+        "Adam": functools.partial(torch.optim.Adam, eps=args.adam_eps),
+    }
+    exec(compile(zobench_setup(source), str(source), "exec"), optimizers)
+    return trainer
+
+
+def compare_zobench_run(
+    source: Path, args: argparse.Namespace, label: str, name: str, options: dict[str, Any]
+) -> bool:
+    """``args.steps`` steps of ZO-Bench's ``name`` trainer and of a ``ZOEngine`` with
+    ``options``, weight decay 0 (ZO-Bench's optimizers take none, whatever its
+    --weight_decay), constant lr; print each; True if all agree. With q queries ZO-Bench
+    steps by ``zo_step_v1``, as its training loop does, and keeps the last query's g and
+    ``L+``, which are compared with distzo's last."""
+    q = args.zobench_queries
+    config = ZOConfig(
+        eps=args.eps, lr=args.lr, seed=args.seed, device="cpu", num_queries=q, **options
+    )
+    engine = ZOEngine(tiny_model(args.family, args.seed), config)
+    model = tiny_model(args.family, args.seed)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    seeds, noise = StepSeeds(), DistzoNoise(engine_z(engine), names, float32_losses=False)
+    trainer = zobench_trainer(source, args, name, model, noise, seeds)
+    zo_step = trainer.zo_step if q == 1 else trainer.zo_step_v1
+    print(f"{label} ({source}): {args.family}, {len(names)} tensors, q = {q}, {options}")
+    print("step  loss distzo / ZO-Bench    |g|        d(g)       |step| max  d(theta) max")
+    agree = True
+    for t in range(args.steps):
+        batch = batch_of(t)
+        before = engine.named_parameters()
+        seeds.start(t)
+        peer_loss = float(zo_step(model, batch))
+        trainer.zo_update(model)
+        result = engine.step(batch)
+        after = engine.named_parameters()
+        loss = result.losses[-2]  # the last query's L+ (SPSA's losses: L+_j, L-_j, ...)
+        g = largest([torch.tensor(result.projected_grads)])
+        dg = abs(result.projected_grads[-1] - trainer.projected_grad)
+        step = largest([after[n] - before[n] for n in names])
+        dtheta = largest([after[n] - p.detach() for n, p in model.named_parameters()])
+        print(
+            f"{t:>4}  {loss:.10f} / {peer_loss:.10f}  {g:9.3e}  {dg:9.3e}  "
+            f"{step:10.3e}  {dtheta:10.3e}"
+        )
+        weights = (step, dtheta, largest([p.detach() for p in model.parameters()]))
+        losses = (*result.losses, result.loss_plus, result.loss_minus)
+        agree &= agrees(args.rtol, t, loss, peer_loss, (g, dg), weights, losses)
+    print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
+    return agree
+
+
+def compare_zobench(source: Path, args: argparse.Namespace) -> bool:
+    """Each of ``zobench_runs``; True if all agree."""
+    return all([compare_zobench_run(source, args, *run) for run in zobench_runs(args)])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mezo", type=Path, help="a MeZO checkout or its large_models/trainer.py")
     p.add_argument("--fzoo", type=Path, help="an FZOO checkout or its trainer.py")
     p.add_argument("--zo2", type=Path, help="a ZO2 checkout (liangyuwang/zo2): both its modes")
+    p.add_argument(
+        "--zobench",
+        type=Path,
+        help="a ZO-Bench checkout (OPTML-Group/ZO-LLM) or its zo-bench/trainer.py: "
+        "momentum and Adam",
+    )
     p.add_argument("--family", choices=("opt", "llama"), default="opt")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--queries", type=int, default=8, help="FZOO's N (its fzoo.sh's 8)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eps", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1, help="MeZO's; FZOO has none")
+    p.add_argument("--momentum", type=float, default=0.9, help="ZO-Bench's sweeps' momentum")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's eps (torch's default)")
+    p.add_argument(
+        "--zobench-queries", type=int, default=1, help="ZO-Bench's q (its zo_step_v1 when > 1)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rtol", type=float, default=1e-9)
     p.add_argument(
@@ -641,8 +795,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep FZOO's float32 loss vector (its rounding, not its algorithm)",
     )
     args = p.parse_args(argv)
-    if args.mezo is None and args.fzoo is None and args.zo2 is None:
-        p.error("give --mezo PATH, --fzoo PATH, --zo2 PATH or several: the peers' checkouts")
+    if not any(getattr(args, peer) for peer in ("mezo", "fzoo", "zo2", "zobench")):
+        p.error(
+            "give --mezo PATH, --fzoo PATH, --zo2 PATH, --zobench PATH or several: the "
+            "peers' checkouts"
+        )
     return args
 
 
@@ -651,9 +808,12 @@ def main(argv: list[str] | None = None) -> int:
     peers = [(name, getattr(args, name)) for name in ("mezo", "fzoo") if getattr(args, name)]
     sources = [(name, trainer_file(name, path)) for name, path in peers]
     zo2 = None if args.zo2 is None else zo2_checkout(args.zo2)
+    zobench = None if args.zobench is None else trainer_file("zobench", args.zobench)
     results = [compare(name, source, args) for name, source in sources]
     if zo2 is not None:
         results += [compare_zo2(zo2, offload, args) for offload in (False, True)]
+    if zobench is not None:
+        results.append(compare_zobench(zobench, args))
     return 0 if all(results) else 1
 
 

@@ -188,3 +188,63 @@ def test_a_path_without_zo2s_optimizer_is_refused_before_any_run(peer_steps, tmp
     assert str(refused.value) == (
         f"--zo2 {tmp_path}: no zo2/optimizer/base.py there; give a clone of liangyuwang/zo2"
     )
+
+
+ZOBENCH_STAND_IN = STAND_INS / "zobench_trainer.py"
+MOMENTUM_RUNS = ("zobench-momentum (stored)", "zobench-momentum (recomputed)")
+ADAM_RUNS = ("zobench-adam",)
+ZOBENCH_RUNS = (*MOMENTUM_RUNS, *ADAM_RUNS)
+
+
+def test_zobenchs_momentum_and_adam_agree_with_a_faithful_stand_in(peer_steps, capsys):
+    """Adam's eps at 1e-30: what is left is the algorithm, with eps's placement gone."""
+    argv = ["--zobench", str(ZOBENCH_STAND_IN), "--steps", "2", "--adam-eps", "1e-30"]
+    code, out = run(peer_steps, capsys, *argv)
+    assert code == 0, out
+    assert all(f"{label}: agrees with distzo" in out for label in ZOBENCH_RUNS), out
+
+
+def test_zobenchs_adam_differs_by_where_eps_is_added(peer_steps, capsys):
+    """torch's Adam adds eps to sqrt(v / (1 - beta2^t)), distzo's (transformers' AdamW,
+    MeZO's) to sqrt(v): at torch's default eps the check reports it (docs/optimizers.md)."""
+    code, out = run(peer_steps, capsys, "--zobench", str(ZOBENCH_STAND_IN))
+    assert code == 1, out
+    assert "zobench-adam: DIFFERS from distzo" in out
+    assert "zobench-momentum (stored): agrees" in out
+    assert "zobench-momentum (recomputed): agrees" in out
+
+
+@pytest.mark.parametrize(
+    "old, new, options, differing",
+    [  # torch's SGD dampens from its second step on: two steps
+        ("momentum=args.momentum", "momentum=args.momentum, dampening=0.9", [], MOMENTUM_RUNS),
+        ("lr=args.learning_rate)", "lr=args.learning_rate, weight_decay=0.1)", [], ADAM_RUNS),
+        ("z / self.args.q", "z", ["--zobench-queries", "2"], MOMENTUM_RUNS),  # sum, not mean
+    ],
+)
+def test_a_one_line_difference_in_zobenchs_step_is_reported(
+    peer_steps, capsys, tmp_path, old, new, options, differing
+):
+    source = ZOBENCH_STAND_IN.read_text()
+    assert source.count(old) == 1
+    mutant = tmp_path / "zo-bench" / "trainer.py"
+    mutant.parent.mkdir()
+    mutant.write_text(source.replace(old, new))
+    argv = ["--zobench", str(tmp_path), "--steps", "2", "--adam-eps", "1e-30", *options]
+    code, out = run(peer_steps, capsys, *argv)
+    assert code == 1, out
+    for label in ZOBENCH_RUNS:
+        verdict = "DIFFERS from" if label in differing else "agrees with"
+        assert f"{label}: {verdict} distzo" in out, out
+
+
+def test_a_trainer_without_zobenchs_optimizer_set_up_is_one_line(peer_steps, tmp_path):
+    trainer = tmp_path / "trainer.py"
+    source = ZOBENCH_STAND_IN.read_text()
+    trainer.write_text(source.replace('args.trainer == "zo_adam"', 'args.trainer == "adam"'))
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.main(["--zobench", str(trainer)])
+    assert str(refused.value) == (
+        f"{trainer}: class OurTrainer builds no optimizer for zo_adam in "
+        "_inner_training_loop; is it ZO-Bench's zo-bench/trainer.py?"
+    )
