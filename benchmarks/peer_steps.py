@@ -781,7 +781,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queries", type=int, default=8, help="FZOO's N (its fzoo.sh's 8)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eps", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1, help="MeZO's; FZOO has none")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="MeZO's; FZOO, ZO-Bench: none")
     p.add_argument("--momentum", type=float, default=0.9, help="ZO-Bench's sweeps' momentum")
     p.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's eps (torch's default)")
     p.add_argument(
