@@ -14,19 +14,28 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from distzo.config.engine_options import ZOConfig
+from distzo.config.option_names import option_name as _n
 from distzo.dist import ParallelContext, broadcast_seed
 from distzo.engine import layouts as engine_layouts
-from distzo.engine.layouts import LaidOut, bucket_range, bucket_values, copy_in_chunks
+from distzo.engine.layouts import (
+    LaidOut,
+    bucket_range,
+    bucket_values,
+    copy_in_chunks,
+    unwrap_peft,
+)
 from distzo.engine.state import StoredBuckets
+from distzo.models import family_for
 from distzo.models.weights import WeightSource
 from distzo.offload import BlockStore, BucketLayout, ResidentBlocks, Shard, StreamedBlocks
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.offload.streamed_blocks import ROUNDING_STREAM
 from distzo.zo import NoiseSource
-from distzo.zo.lowrank import LowRankNoise
+from distzo.zo.lowrank import LowRankNoise, narrowest_matrix
 
 # Makes the store of the blocks that stream, from their layouts (read_only: never written back).
 StoreMaker = Callable[[list[BucketLayout], bool], BlockStore]
@@ -93,6 +102,35 @@ def compute_dtype(config: ZOConfig, master: torch.dtype) -> torch.dtype:
     return master if config.compute_dtype == "auto" else COMPUTE_DTYPES[config.compute_dtype]
 
 
+def check_lozo_rank(config: ZOConfig, layouts: list[BucketLayout]) -> None:
+    """Refuse a low-rank noise whose rank exceeds a trained matrix's smaller side: its
+    ``U V^T`` cannot have a higher rank, but its entries' variance (and with it the step)
+    grows with the rank, so the run diverges; checked from the shapes, before any weight
+    is read. ``layouts``: the trained buckets (with an adapter, LoRA's A and B)."""
+    if config.noise != "lowrank":
+        return
+    narrowest = narrowest_matrix(layouts)
+    if narrowest is None or config.lozo_rank <= narrowest[0]:
+        return
+    side, entry = narrowest
+    rows, rank = entry.shape[0], _n("lozo_rank")
+    raise ValueError(
+        f"{rank} {config.lozo_rank} exceeds the smaller side of {entry.names[0]} "
+        f"({rows} x {entry.numel // rows}): its U V^T has rank {side} at most, while the "
+        f"step grows with {rank}; set {rank} {side} or less"
+    )
+
+
+def check_model_lozo_rank(model: nn.Module, config: ZOConfig) -> None:
+    """``check_lozo_rank`` of ``model`` (a skeleton will do, a peft model its adapter's
+    matrices): what a job asks before it builds its data or the engine reads a weight."""
+    if config.noise != "lowrank":
+        return
+    model, _ = unwrap_peft(model)
+    (built, (resident, _)), _ = engine_layouts.split_layouts(model, family_for(model).blocks())
+    check_lozo_rank(config, [resident, *(layout for layout, _ in built)])
+
+
 def make_noise(
     config: ZOConfig,
     run_seed: int,
@@ -109,6 +147,7 @@ def make_noise(
     kind, chunk = config.noise, config.noise_chunk
     noise: NoiseSource
     if kind == "lowrank":
+        check_lozo_rank(config, layouts)
         rank, interval = config.lozo_rank, config.lozo_interval
         noise = LowRankNoise(run_seed, chunk, device, dtype, layouts, rank, interval)
     else:

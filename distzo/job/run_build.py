@@ -25,6 +25,7 @@ from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
 from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
+from distzo.engine.build import check_model_lozo_rank
 from distzo.job.build import (
     TaskData,
     build_objective,
@@ -130,6 +131,8 @@ class _Build:
             dims.pert,
         )
         model, weights, tokenizer, revision = run_model(job, self.seed, env, comm, self.run_dir)
+        with named_as_flags():  # from the shapes: before the data, or a weight, is read
+            check_model_lozo_rank(model, self.checked.config)
         rows = self.checked.rows
         stop_ids = declared_stop_ids(model, special_ids(tokenizer))
         share = rank_share(self.parallel)

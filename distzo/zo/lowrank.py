@@ -56,6 +56,8 @@ class EntryShape(Protocol):
     """Where a tensor lies in a bucket (``distzo.offload.bucket.Entry`` is one)."""
 
     @property
+    def names(self) -> tuple[str, ...]: ...
+    @property
     def offset(self) -> int: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
@@ -113,6 +115,20 @@ def segments(layout: BucketShape, rank: int) -> tuple[Segment, ...]:
     if at < layout.numel:
         out.append(Segment(at, layout.numel, gaussian=False))
     return tuple(out)
+
+
+def narrowest_matrix(layouts: Sequence[BucketShape]) -> tuple[int, EntryShape] | None:
+    """The smallest side of the matrices in ``layouts`` and the first matrix that has it
+    (None: no matrix). A ``U V^T`` of that matrix has at most that rank whatever ``rank``,
+    while its entries' variance is ``rank``: a larger rank only scales the step."""
+    narrowest: tuple[int, EntryShape] | None = None
+    for layout in layouts:
+        for e in sorted(layout.entries, key=lambda e: e.offset):
+            if len(e.shape) >= 2 and e.numel:
+                side = min(e.shape[0], e.numel // e.shape[0])
+                if narrowest is None or side < narrowest[0]:
+                    narrowest = (side, e)
+    return narrowest
 
 
 def factor_elements(layouts: Sequence[BucketShape], rank: int, piece: int) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from distzo import ZOConfig, ZOEngine
+from distzo.engine.build import check_model_lozo_rank
 from distzo.offload.bucket import BucketLayout
 from distzo.zo import NoiseSource
 from distzo.zo.lowrank import LowRankNoise
@@ -153,6 +154,43 @@ def test_bad_sources_are_refused_in_one_line():
 def test_lozo_options_it_cannot_honour_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         ZOConfig(device="cpu", **options)
+
+
+def test_a_rank_above_a_trained_matrixs_smaller_side_is_refused_from_its_shapes():
+    # U V^T of a 64 x 32 matrix has rank 32 at most, but its entries' variance is the rank:
+    # rank 1000 on the tiny model diverged at step 15
+    with torch.device("meta"):  # the shapes alone, no weights
+        skeleton = tiny_opt()
+    with pytest.raises(ValueError) as refused:
+        check_model_lozo_rank(skeleton, ZOConfig(noise="lowrank", lozo_rank=33))
+    assert str(refused.value) == (
+        "lozo_rank 33 exceeds the smaller side of model.decoder.embed_tokens.weight (64 x 32): "
+        "its U V^T has rank 32 at most, while the step grows with lozo_rank; "
+        "set lozo_rank 32 or less"
+    )
+    check_model_lozo_rank(skeleton, ZOConfig(noise="lowrank", lozo_rank=32))
+    check_model_lozo_rank(skeleton, ZOConfig(noise="gaussian"))  # no low-rank noise
+    # an adapter's trained matrices are LoRA's A and B (r 4), and the engine refuses it too
+    with pytest.raises(ValueError, match=r"lozo_rank 5 exceeds .*lora_A.default.weight \(4 x 32\)"):
+        engine_for(adapted("opt"), noise="lowrank", lozo_rank=5)
+
+
+def test_a_job_refuses_the_rank_before_it_builds_its_data(tmp_path, capsys, monkeypatch):
+    from distzo.job import run_build
+    from distzo.train import main
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was built before the refusal")
+
+    monkeypatch.setattr(run_build, "build_task_data", no_data)
+    argv = ["--estimator", "lozo", "--lozo-rank", "1000", "--output-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: --lozo-rank 1000 exceeds the smaller side of model.decoder.embed_tokens.weight "
+        "(64 x 32): its U V^T has rank 32 at most, while the step grows with --lozo-rank; "
+        "set --lozo-rank 32 or less"
+    ]
 
 
 # -- the estimate
