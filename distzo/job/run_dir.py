@@ -220,6 +220,9 @@ def discard_unstarted_run(run_dir: Path, made: bool, lock: RunLock | None = None
             run_dir.rmdir()
 
 
+_AFRESH = "start afresh with --overwrite or another --output-dir"
+
+
 def logged_steps_of(path: Path) -> list[tuple[int, int]]:
     """The line number and step of each complete record of a seed log, as written (gaps
     kept; a torn last line, a header or a line that is not a step record skipped)."""
@@ -228,14 +231,24 @@ def logged_steps_of(path: Path) -> list[tuple[int, int]]:
     return [(number, step) for number, step in steps if step is not None]
 
 
-def _out_of_order(steps: list[tuple[int, int]], gap: int, first: int) -> str:
-    """What is wrong where a log's ``steps`` (``logged_steps_of``), in order from ``first``
-    before ``gap``, first leave it: a step logged again, or a jump."""
+def _out_of_order(log: Path, steps: list[tuple[int, int]], gap: int, first: int, start: str) -> str:
+    """The resume's refusal where a log's ``steps`` (``logged_steps_of``), in order from
+    ``first`` before ``gap``, first leave it: a step logged again, or a jump. A step's
+    record written twice by one run needs its repeats deleted, not the run started over."""
     line, step = steps[gap]
     if first <= step < first + gap:  # its first record is at steps[step - first]
-        return logged_twice(step, steps[step - first][0], line)
+        first_line = steps[step - first][0]
+        lines = log_lines(log.read_bytes())  # once, on the way out
+        records = (line_record(lines[first_line - 1]), line_record(lines[line - 1]))
+        twice = logged_twice(step, first_line, line, *records)
+        if records[0] == records[1]:
+            return f"--resume: {log} {twice}, then resume again"
+        return f"--resume: {log} {twice}, so it does not go on from {start}; {_AFRESH}"
     after = f"step {first + gap - 1}" if gap else "its header"
-    return f"jumps from {after} to step {step}"
+    return (
+        f"--resume: {log} jumps from {after} to step {step}, so it does not go on from "
+        f"{start}; the two are not one run; {_AFRESH}"
+    )
 
 
 def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> int:
@@ -257,7 +270,7 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     start = "the initial weights"
     if checkpoint is not None:
         start = f"{checkpoint} ({counted(done, 'step')})"
-    fix = "the two are not one run; start afresh with --overwrite or another --output-dir"
+    fix = f"the two are not one run; {_AFRESH}"
     header = logged_header(log)
     if header is None:
         raise ValueError(
@@ -270,10 +283,7 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
         steps = logged_steps_of(log)
         gap = next((i for i, (_, step) in enumerate(steps) if step != first + i), None)
         if gap is not None:
-            raise ValueError(
-                f"--resume: {log} {_out_of_order(steps, gap, first)}, so it does not go on "
-                f"from {start}; {fix}"
-            )
+            raise ValueError(_out_of_order(log, steps, gap, first, start))
     if checkpoint is None and first > 0:  # "None holds 0 steps" was all it said
         raise ValueError(
             f"--resume: {log} begins at step {first} (its run went on from a checkpoint), but "

@@ -188,16 +188,27 @@ def _parsed(path: Path, raw: bytes) -> tuple[dict, list[dict]]:
         if not _is_step_record(record, expected):
             number, step = expected - first + 2, record_step(record)
             if step is not None and first <= step < expected:  # its record is at its line
-                raise ValueError(f"--log {path}: {logged_twice(step, step - first + 2, number)}")
+                twice = logged_twice(step, step - first + 2, number, steps[step - first], record)
+                raise ValueError(f"--log {path}: {twice}")
             raise ValueError(f"--log {path}, line {number}: expected the record of step {expected}")
     return header, steps
 
 
-def logged_twice(step: int, first_line: int, line: int) -> str:
-    """What a log that holds ``step`` again at ``line`` (a requeue that logged it anew) is
-    called, by the replay and by the resume's scan alike: "expected the record of step 3"
-    at the second, or "jumps from step 2 to step 2", did not say what was wrong."""
-    return f"logs step {step} twice (lines {first_line} and {line})"
+def logged_twice(step: int, first_line: int, line: int, first: Any, again: Any) -> str:
+    """What a log that holds ``step`` again at ``line`` is called, by the replay and by the
+    resume's scan alike, from its two records, ``first`` and ``again``. Equal (the same run
+    seed, lr and c's, to the bit), they are one run's step written twice, by two jobs of it
+    writing the log at once (a requeue started before the old job ended, in a directory
+    its lock could not hold): the log is the run's once the repeats go. Different, they
+    are two runs' steps, and no resume or replay can tell which is this run's."""
+    where = f"logs step {step} twice (lines {first_line} and {line})"
+    if first == again:
+        return (
+            f"{where}, the same record both times: two jobs of this run wrote it at once (a "
+            "requeue that started before the old job ended, in a directory that cannot be "
+            f"locked); delete line {line} and any later repeat of a step"
+        )
+    return f"{where}, two different records: two runs wrote it"
 
 
 def _is_step_record(record: Any, step: int) -> bool:

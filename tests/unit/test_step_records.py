@@ -3,6 +3,7 @@
 a catch-up and the logs' cut never disagree on one file."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -106,24 +107,58 @@ def test_a_seed_log_that_begins_with_a_step_record_has_no_header(tmp_path):
         check_log_leads_to_checkpoint(tmp_path)
 
 
-def test_a_step_logged_twice_is_named_so_by_the_resume_and_the_replay(tmp_path):
-    """A requeue that logged step 2 again: the resume's scan said the log "jumps from step
-    2 to step 2", the replay "line 5: expected the record of step 3"; neither said that a
-    step was logged twice, nor where."""
-    write_run(tmp_path, steps=5, checkpoint=4)
-    log = tmp_path / "seedlog.jsonl"
+def _with_step_2_again(run: Path, record: str | None = None) -> Path:
+    """The run's seed log with step 2 logged a second time, after its first record: the
+    same line again, or ``record``."""
+    log = run / "seedlog.jsonl"
     lines = log.read_text().splitlines()
-    log.write_text("".join(line + "\n" for line in [*lines[:4], lines[3], *lines[4:]]))
+    again = lines[3] if record is None else record
+    log.write_text("".join(line + "\n" for line in [*lines[:4], again, *lines[4:]]))
+    return log
+
+
+def test_one_runs_step_logged_twice_is_named_with_the_repeat_to_delete(tmp_path):
+    """Two jobs of one run writing its log at once (a requeue started before the old job
+    ended, where the directory cannot be locked) write each step's record twice, the same
+    to the bit. The resume refused it with "the two are not one run; start afresh", which
+    was false (the log is the run's) and would have thrown the run away; the replay named
+    no fix at all."""
+    write_run(tmp_path, steps=5, checkpoint=4)
+    log = _with_step_2_again(tmp_path)
+    twice = (
+        "logs step 2 twice (lines 4 and 5), the same record both times: two jobs of this run "
+        "wrote it at once (a requeue that started before the old job ended, in a directory "
+        "that cannot be locked); delete line 5 and any later repeat of a step"
+    )
+    with pytest.raises(ValueError) as refused:
+        check_log_leads_to_checkpoint(tmp_path)
+    assert str(refused.value) == f"--resume: {log} {twice}, then resume again"
+    with pytest.raises(ValueError) as replayed:
+        seed_log.read_seed_log(log)
+    assert str(replayed.value) == f"--log {log}: {twice}"
+    # the fix it names is the fix: with line 5 deleted, the resume goes on after step 4
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(lines[:4] + lines[5:]))
+    assert check_log_leads_to_checkpoint(tmp_path) == 5
+
+
+def test_a_step_logged_twice_by_two_runs_is_refused_as_two_runs(tmp_path):
+    """The same step with another g (another run's, in the same directory): the two
+    records are of two runs, and neither the resume nor the replay can tell which is this
+    run's. Only the lowest bit of g differs."""
+    write_run(tmp_path, steps=5, checkpoint=4)
+    other = {"step": 2, "projected_grads": [math.nextafter(2.5, 3.0)], "lr": 0.1}  # was 2.5
+    log = _with_step_2_again(tmp_path, json.dumps(other))
+    twice = "logs step 2 twice (lines 4 and 5), two different records: two runs wrote it"
     with pytest.raises(ValueError) as refused:
         check_log_leads_to_checkpoint(tmp_path)
     assert str(refused.value) == (
-        f"--resume: {log} logs step 2 twice (lines 4 and 5), so it does not go on from "
-        f"{tmp_path}/checkpoints/step-4 (4 steps); the two are not one run; start afresh with "
-        "--overwrite or another --output-dir"
+        f"--resume: {log} {twice}, so it does not go on from {tmp_path}/checkpoints/step-4 "
+        "(4 steps); start afresh with --overwrite or another --output-dir"
     )
     with pytest.raises(ValueError) as replayed:
         seed_log.read_seed_log(log)
-    assert str(replayed.value) == f"--log {log}: logs step 2 twice (lines 4 and 5)"
+    assert str(replayed.value) == f"--log {log}: {twice}"
 
 
 def test_a_torn_last_line_is_no_step_to_the_resume_as_to_the_replay(tmp_path):
