@@ -33,7 +33,7 @@ COMPUTE_DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 
 ESTIMATOR_NAMES = tuple(ESTIMATORS)
 OPTIMIZERS = ("sgd", "momentum", "adam")
-OPTIMIZER_STATES = ("auto", "recomputed", "stored")
+OPTIMIZER_STATES = ("auto", "recomputed", "stored", "lowrank")
 STATE_DTYPES = ("fp32", "bf16")
 LOW_BIT_MASTERS = ("buffer", "double", "recompute")
 PERTURB_SCOPES = ("block", "module")
@@ -142,10 +142,11 @@ def _check_low_bit_master(config: ZOConfig) -> None:
             f"block that travels in a low-bit {_n('transfer_dtype')}; use {_n('mode')} offload "
             f"with {_n('transfer_dtype')} bf16, fp16 or fp8, or {_n('low_bit_master')} buffer"
         )
-    if config.low_bit_master == "recompute" and config.stored_state:
+    if config.low_bit_master == "recompute" and (config.stored_state or config.lowrank_state):
         raise ValueError(
             f"{_n('low_bit_master')} recompute applies the update again for each pass, which "
-            f"stored moments (Adam, {_n('optimizer_state')} stored) cannot take twice; use "
+            f"stored moments (Adam, {_n('optimizer_state')} stored or lowrank) cannot take "
+            "twice; use "
             f"{_n('low_bit_master')} buffer"
         )
 
@@ -212,12 +213,37 @@ def _check_optimizer(config: ZOConfig) -> None:
         raise ValueError(
             f"ZO-SGD has no optimizer state to store; choose {_n('optimizer')} momentum or adam"
         )
+    _check_lowrank_state(config)
     _check_choice(config, "state_dtype", STATE_DTYPES)
     if config.state_dtype != "fp32" and not (config.stored_state and config.mode == "offload"):
         raise ValueError(
             f"{_n('state_dtype')} {config.state_dtype} applies to stored optimizer state at rest "
             f"in host memory ({_n('optimizer')} adam, or momentum with {_n('optimizer_state')} "
-            f"stored, in {_n('mode')} offload); use {_n('state_dtype')} fp32"
+            f"stored, in {_n('mode')} offload; lowrank's factors stay on the device); use "
+            f"{_n('state_dtype')} fp32"
+        )
+
+
+def _check_lowrank_state(config: ZOConfig) -> None:
+    """LOZO-M keeps a momentum of one low-rank estimate a step in that estimate's factors."""
+    if config.optimizer_state != "lowrank":
+        return
+    state = f"{_n('optimizer_state')} lowrank"
+    if config.optimizer != "momentum":
+        raise ValueError(
+            f"{state} is LOZO-M, a momentum kept in the low-rank factors; use "
+            f"{_n('optimizer')} momentum, or {_n('optimizer_state')} stored for {config.optimizer}"
+        )
+    if config.noise != "lowrank":
+        raise ValueError(
+            f"{state} keeps the momentum in the factors of low-rank z, the run draws "
+            f"{_n('noise')} {config.noise}: use {_n('estimator')} lozo, or "
+            f"{_n('optimizer_state')} stored or recomputed"
+        )
+    if config.num_queries != 1:
+        raise ValueError(
+            f"{state} takes one low-rank estimate a step, got {_n('num_queries')} "
+            f"{config.num_queries}: use {_n('num_queries')} 1, or {_n('optimizer_state')} stored"
         )
 
 

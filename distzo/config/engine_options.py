@@ -73,7 +73,9 @@ class ZOConfig:
     ``beta1``/``beta2``, bias-corrected, ``adam_eps`` added to ``sqrt(v)`` and the weight
     decay decoupled, as the AdamW of transformers that MeZO trains with.
     ``optimizer_state`` says how a momentum or Adam keeps its state: ``recomputed``
-    (momentum only, the default for it) or ``stored``: moment buckets beside each
+    (momentum only, the default for it), ``lowrank`` (LOZO-M: momentum with ``noise``
+    lowrank, kept as m x r factors on the device, ``distzo.zo.lowrank_momentum``) or
+    ``stored``: moment buckets beside each
     trained bucket, exact at any length, 1x (momentum) or 2x (Adam) the trained
     parameters' memory; streamed blocks carry theirs through the link with them, in
     ``state_dtype`` at rest in host memory (``bf16`` rounds them stochastically, as a
@@ -142,6 +144,11 @@ class ZOConfig:
         )
 
     @property
+    def lowrank_state(self) -> bool:
+        """Whether the momentum is LOZO-M's, kept in the low-rank factors on the device."""
+        return self.optimizer == "momentum" and self.optimizer_state == "lowrank"
+
+    @property
     def rounds_on_host(self) -> bool:
         """Whether something rests on the host in a low-bit format, rounded stochastically at
         every offload (a low-bit transfer, bf16 moments): a step's result then depends on
@@ -206,6 +213,8 @@ def optimizer_record(config: ZOConfig) -> dict:
         "adam_eps": config.adam_eps,
         "state": "stored"
         if config.stored_state
+        else "lowrank"
+        if config.lowrank_state
         else "recomputed"
         if config.optimizer == "momentum"
         else "none",
@@ -240,6 +249,6 @@ def optimizer_options(record: dict | None) -> dict:
     }
     if "beta2" in record:
         options.update(beta2=record["beta2"], adam_eps=record["adam_eps"])
-    if record.get("state") == "stored":
-        options["optimizer_state"] = "stored"
+    if record.get("state") in ("stored", "lowrank"):
+        options["optimizer_state"] = record["state"]
     return options

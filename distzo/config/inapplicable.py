@@ -18,7 +18,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "beta2": (lambda j: j.optim.optimizer == "adam", "--optimizer adam"),
     "adam_eps": (lambda j: j.optim.optimizer == "adam", "--optimizer adam"),
     "momentum_window": (
-        lambda j: j.optim.optimizer == "momentum" and j.optim.optimizer_state != "stored",
+        lambda j: (
+            j.optim.optimizer == "momentum" and j.optim.optimizer_state not in ("stored", "lowrank")
+        ),
         "--optimizer momentum with its state recomputed",
     ),
     "lora_r": (lambda j: j.peft.peft in ("lora", "lora-fa"), "--peft lora or lora-fa"),

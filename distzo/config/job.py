@@ -285,8 +285,9 @@ class OptimOptions:
     optimizer_state: str = engine_option(
         "optimizer_state",
         "how momentum or Adam keeps its state: recomputed (momentum only, the default for it: no "
-        "memory) or stored (moment buckets beside the weights, moved with each block: exact at "
-        "any length, 1x the trained parameters for momentum, 2x for Adam, always for adam)",
+        "memory), stored (moment buckets beside the weights, moved with each block: exact at "
+        "any length, 1x the trained parameters for momentum, 2x for Adam, always for adam) or "
+        "lowrank (LOZO-M: momentum with --noise lowrank, m x r factors on the device)",
         OPTIMIZER_STATES,
     )
     state_dtype: str = engine_option(

@@ -237,7 +237,17 @@ def state_dict(engine: ZOEngine) -> dict[str, Any]:
         "params": {name: params[name] for name in engine.canonical_names},
         "optimizer_state": _moment_values(engine),
         "optimizer": optimizer_record(engine.config),
+        "lowrank_momentum": _lowrank_momentum(engine),
     }
+
+
+def _lowrank_momentum(engine: ZOEngine) -> list[torch.Tensor] | None:
+    """LOZO-M's state of each bucket by noise id (CPU copies), or None without it."""
+    lozo_m = engine.update_rule.lowrank_momentum
+    if lozo_m is None:
+        return None
+    with engine.streams.compute_scope():  # the updates write it on the compute stream
+        return [state.to("cpu", copy=True) for state in lozo_m.states]
 
 
 def _moment_values(engine: ZOEngine) -> dict[str, dict[str, torch.Tensor]]:
@@ -340,8 +350,17 @@ def load_state_dict(engine: ZOEngine, state: Mapping[str, Any]) -> None:
     engine.trained.check_shapes(params, "the state's parameter")
     for k, name in enumerate(names):
         engine.moment_buckets(k).check_shapes(moments[name], f"the state's {name} of")
+    lozo_m, factors = engine.update_rule.lowrank_momentum, state.get("lowrank_momentum")
+    if (lozo_m is None) != (factors is None):
+        raise ValueError(
+            f"the state {'holds' if factors is not None else 'lacks'} LOZO-M's factors, the "
+            f"engine {'keeps none' if lozo_m is None else 'needs them'}; load it with the "
+            "optimizer it was trained with"
+        )
     engine.streams.synchronize()
     with torch.no_grad():
+        if lozo_m is not None and factors is not None:
+            lozo_m.load(factors)
         engine.trained.load(params)
         for k, name in enumerate(names):
             engine.moment_buckets(k).load(moments[name])

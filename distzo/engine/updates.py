@@ -18,6 +18,8 @@ import torch
 from distzo.config.engine_options import ZOConfig
 from distzo.offload import BucketLayout
 from distzo.zo import NoiseSource
+from distzo.zo.lowrank import LowRankNoise
+from distzo.zo.lowrank_momentum import LowRankMomentum
 from distzo.zo.moments import MomentRule, MomentUpdater
 
 # (step, projected_grads) of recent steps, newest first: a momentum's history
@@ -145,6 +147,12 @@ class UpdateRule:
         self.moment_rule = MomentRule.of(config)
         # its scratch is sized by the first noise source; each apply draws from the current one
         self.moment_updater = MomentUpdater(self.moment_rule, noise) if self.moment_rule else None
+        # LOZO-M: the momentum's factors of every bucket, on the device whatever the layout
+        self.lowrank_momentum = (
+            LowRankMomentum(noise, config.beta1)
+            if config.lowrank_state and isinstance(noise, LowRankNoise)
+            else None
+        )
 
     @property
     def moment_names(self) -> tuple[str, ...]:
@@ -153,8 +161,9 @@ class UpdateRule:
 
     @property
     def device_bytes(self) -> int:
-        """The moment update's scratch on the device."""
-        return self.moment_updater.device_bytes if self.moment_updater else 0
+        """The moment update's scratch, or LOZO-M's factors, on the device."""
+        lowrank = self.lowrank_momentum.device_bytes if self.lowrank_momentum else 0
+        return (self.moment_updater.device_bytes if self.moment_updater else 0) + lowrank
 
     def apply(
         self,
@@ -172,6 +181,20 @@ class UpdateRule:
         if not layout.numel:
             return
         wd = self.weight_decay
+        if self.lowrank_momentum is not None:
+            if start or bucket.numel() != layout.numel or not isinstance(noise, LowRankNoise):
+                raise ValueError("LOZO-M updates whole buckets with low-rank noise")
+            self.lowrank_momentum.apply(
+                noise,
+                bucket,
+                layout.decay_end,
+                update.lr,
+                wd,
+                update.step,
+                update.projected_grads[0],
+                block_id,
+            )
+            return
         if self.moment_updater is not None:
             if start or bucket.numel() != layout.numel:
                 raise ValueError("stored moments update whole buckets, not a piece of one")

@@ -345,7 +345,7 @@ def device_fallbacks(job: JobConfig, config: ZOConfig) -> list[tuple[ZOConfig, l
     if (
         job.offload.low_bit_master is None
         and config.transfer_dtype != "fp32"
-        and not config.stored_state
+        and not (config.stored_state or config.lowrank_state)
         and full
     ):
         tries += [

@@ -204,6 +204,9 @@ def _lowrank_of(vector: torch.Tensor) -> dict | None:
     return {"rank": rank, "interval": interval} if rank else None
 
 
+# The checkpoint's keys of LOZO-M's factors: ``lozo_momentum/<noise id>``.
+LOWRANK_MOMENTUM = "lozo_momentum"
+
 # The options the optimizer vector holds after [optimizer index, moments stored], in order
 # (a checkpoint from before momentum_window was recorded holds the first three).
 _OPTIMIZER_OPTIONS = ("beta1", "beta2", "adam_eps", "momentum_window")
@@ -215,8 +218,17 @@ def _optimizer_vector(engine: ZOEngine) -> torch.Tensor:
     cfg = engine.config
     options = [float(getattr(cfg, name)) for name in _OPTIMIZER_OPTIONS]
     return torch.tensor(
-        [OPTIMIZERS.index(cfg.optimizer), cfg.num_moments, *options], dtype=torch.float64
+        [OPTIMIZERS.index(cfg.optimizer), _state_code(cfg), *options], dtype=torch.float64
     )
+
+
+# The "moments stored" entry of LOZO-M, whose state is the factors, no moment buckets.
+LOWRANK_STATE = -1
+
+
+def _state_code(config: ZOConfig) -> int:
+    """The optimizer vector's state entry: the moment buckets stored, or ``LOWRANK_STATE``."""
+    return LOWRANK_STATE if config.lowrank_state else config.num_moments
 
 
 def _optimizer_of(vector: torch.Tensor) -> tuple[str, int, dict[str, float]]:
@@ -231,7 +243,8 @@ def _update_options(config: ZOConfig) -> tuple[str, ...]:
     if config.optimizer == "adam":
         return ("beta1", "beta2", "adam_eps")
     if config.optimizer == "momentum":
-        return ("beta1",) if config.stored_state else ("beta1", "momentum_window")
+        stateful = config.stored_state or config.lowrank_state
+        return ("beta1",) if stateful else ("beta1", "momentum_window")
     return ()
 
 
@@ -454,6 +467,10 @@ class Checkpointer:
                 state["resident"] = contribution(engine.resident_master, private)
                 for name, moment in zip(engine.moments.names, engine.moments.resident):
                     state[f"{name}/resident"] = contribution(moment, private)
+                lozo_m = engine.update_rule.lowrank_momentum
+                for block_id, factors in enumerate(lozo_m.states if lozo_m else ()):
+                    # whole on every rank: rank 0 writes them
+                    state[f"{LOWRANK_MOMENTUM}/{block_id}"] = contribution(factors, private)
         shard = engine.parallel.shard_group
 
         def mine(i: int) -> bool:
@@ -611,6 +628,18 @@ class Checkpointer:
             load_tensors(buffer, path, process_group=self._group)
             store.load_block(i, buffer[key])
 
+    def _load_lowrank_momentum(self, path: Path) -> None:
+        """LOZO-M's factors of every bucket, read whole on every rank."""
+        lozo_m = self.engine.update_rule.lowrank_momentum
+        if lozo_m is None:
+            return
+        factors = {
+            f"{LOWRANK_MOMENTUM}/{block_id}": torch.empty_like(state, device="cpu")
+            for block_id, state in enumerate(lozo_m.states)
+        }
+        load_tensors(factors, path, process_group=self._group)
+        lozo_m.load(list(factors.values()))
+
     def _check_optimizer(self, path: Path, saved) -> None:
         """A run resumes with the optimizer state it was saved with: the same optimizer, its
         moments stored or not alike, the same betas, Adam eps and momentum window (a
@@ -630,17 +659,18 @@ class Checkpointer:
                 {},
             )
         cfg = self.engine.config
-        if (optimizer, moments) != (cfg.optimizer, cfg.num_moments):
+        if (optimizer, moments) != (cfg.optimizer, _state_code(cfg)):
 
             def says(name: str, count: int) -> str:
+                state = "lowrank" if count == LOWRANK_STATE else "stored"
                 return f"--optimizer {name}" + (
-                    " --optimizer-state stored" if name == "momentum" and count else ""
+                    f" --optimizer-state {state}" if name == "momentum" and count else ""
                 )
 
             raise ValueError(
                 f"{path} was trained with {says(optimizer, moments)}, this run has "
-                f"{says(cfg.optimizer, cfg.num_moments)}; resume with the optimizer it was trained "
-                "with"
+                f"{says(cfg.optimizer, _state_code(cfg))}; resume with the optimizer it was "
+                "trained with"
             )
         _check_update_options(path, cfg, options)
 
@@ -688,6 +718,7 @@ class Checkpointer:
             load_tensors(resident, path, process_group=self._group)
             engine.moments.resident[k].copy_(resident[f"{name}/resident"])
             self._load_blocks(path, f"{name}/block", engine.moments.blocks[k])
+        self._load_lowrank_momentum(path)
         with torch.no_grad():
             engine.resident_master.copy_(meta["resident"])
         recent = _recent_steps(meta["meta/recent_steps"]) if "meta/recent_steps" in meta else ()

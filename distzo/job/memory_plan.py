@@ -41,7 +41,8 @@ from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.runtime.host_memory import available_host_bytes
 from distzo.runtime.units import format_bytes, format_count
 from distzo.zo.estimators import Pass, rank_share
-from distzo.zo.lowrank import planned_lowrank_bytes
+from distzo.zo.lowrank import planned_lowrank_bytes, segments
+from distzo.zo.lowrank_momentum import state_elements
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
@@ -276,7 +277,7 @@ def plan_memory(
     scratch += _pass_scratch_bytes(b, config, passes)
     state_host, state_device = _state_bytes(
         config,
-        b.resident.numel,
+        b.resident,
         b.trained,
         b.padded,
         b.owners,
@@ -522,13 +523,26 @@ def _checkpoint_bytes(
     # a stored optimizer's moments are saved beside the weights, in their at-rest dtype
     at_rest = numel * (b.wire if offloaded else b.master) if copies_blocks else 0
     state_rest = numel * (b.state_wire if offloaded else b.master) if copies_blocks else 0
-    resident = b.resident.numel * b.master if place.node == 0 and (async_save or on_device) else 0
-    return at_rest + resident + config.num_moments * (state_rest + resident)
+    copies_resident = place.node == 0 and (async_save or on_device)
+    resident = b.resident.numel * b.master if copies_resident else 0
+    # LOZO-M's factors are whole on every rank: rank 0 saves them, as the resident bucket
+    factors = (
+        _lowrank_state_bytes(config, [b.resident, *b.trained], b.master)
+        if copies_resident and config.lowrank_state
+        else 0
+    )
+    return at_rest + resident + config.num_moments * (state_rest + resident) + factors
+
+
+def _lowrank_state_bytes(config: ZOConfig, layouts: list[BucketLayout], itemsize: int) -> int:
+    """LOZO-M's factors of the buckets laid out by ``layouts`` (``LowRankMomentum.states``)."""
+    rank = config.lozo_rank
+    return itemsize * sum(state_elements(segments(layout, rank), rank) for layout in layouts)
 
 
 def _state_bytes(
     config: ZOConfig,
-    resident_numel: int,
+    resident: BucketLayout,
     layouts: list[BucketLayout],
     padded: list[int],
     owners: int,
@@ -544,6 +558,8 @@ def _state_bytes(
     denominator)."""
     moments = config.num_moments
     rule = MomentRule.of(config)
+    if config.lowrank_state:  # LOZO-M: each bucket's factors, on the device in every layout
+        return 0, _lowrank_state_bytes(config, [resident, *layouts], master)
     if not moments or rule is None:
         return 0, 0
     if streams:
@@ -558,7 +574,7 @@ def _state_bytes(
         * workspace_elements(config.noise_chunk, device_type, config.noise)
         * master
     )
-    return host, moments * resident_numel * master + blocks + scratch
+    return host, moments * resident.numel * master + blocks + scratch
 
 
 def _largest(terms: dict[str, int]) -> str:

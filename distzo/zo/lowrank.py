@@ -244,6 +244,25 @@ class LowRankNoise(NoiseSource):
         v = self._v_of(segment, keys.v).clone()
         return u.view(segment.rows, r), v
 
+    def column_factor(self, step: int, block_id: int, offset: int, query: int = 0) -> torch.Tensor:
+        """V (a copy) of the matrix entry at bucket ``offset`` in step ``step``'s window,
+        without drawing U: LOZO-M's V_old at a redraw."""
+        segment = (
+            self._matrices[block_id].get(offset) if 0 <= block_id < len(self._matrices) else None
+        )
+        if segment is None:
+            raise ValueError(f"bucket {block_id} has no matrix entry at offset {offset}")
+        return self._v_of(segment, self.keys(step, block_id, query).v).clone()
+
+    @property
+    def num_buckets(self) -> int:
+        """The buckets (noise ids) the source has layouts of."""
+        return len(self._segments)
+
+    def segments_of(self, block_id: int) -> tuple[Segment, ...]:
+        """Bucket ``block_id`` cut into segments (``segments``)."""
+        return self._segments[block_id]
+
     def _fill_range(self, z: torch.Tensor, lo: int, block_id: int, keys: Keys) -> None:
         """z <- elements [lo, lo + len(z)) of the bucket's z, segment by segment."""
         segs, hi = self._segments[block_id], lo + z.numel()

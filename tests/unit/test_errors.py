@@ -356,7 +356,7 @@ def test_an_engine_option_outside_its_choices_names_them_and_its_hint():
     with named_as_flags(), pytest.raises(ValueError, match="^--noise must be one of gaussian"):
         check_options(ZOConfig(noise="uniform"))
     for name, choices in [
-        ("optimizer_state", "auto, recomputed, stored"),
+        ("optimizer_state", "auto, recomputed, stored, lowrank"),
         ("state_dtype", "fp32, bf16"),
     ]:
         with pytest.raises(ValueError) as refused:
@@ -392,8 +392,8 @@ def test_the_engine_names_a_field_for_the_api_and_a_flag_for_the_command_line():
         job.engine_config("cpu")
     assert str(refused.value) == (
         "--state-dtype bf16 applies to stored optimizer state at rest in host memory "
-        "(--optimizer adam, or momentum with --optimizer-state stored, in --mode offload); "
-        "use --state-dtype fp32"
+        "(--optimizer adam, or momentum with --optimizer-state stored, in --mode offload; "
+        "lowrank's factors stay on the device); use --state-dtype fp32"
     )
     with pytest.raises(ValueError, match=api):  # the API's names again after the job's build
         ZOConfig(device="cpu", state_dtype="bf16")

@@ -1,0 +1,218 @@
+"""LOZO-M (``optimizer_state="lowrank"``): the momentum kept in the low-rank factors, held
+to a dense implementation of its formulas, on every layout, across a resume, and its
+refusals."""
+
+import pytest
+import torch
+
+from distzo import ZOConfig, ZOEngine
+from tests.helpers.engines import buckets_of, train
+from tests.helpers.models import FLOAT64_TINY, random_batch, tiny_opt
+from tests.unit.test_engine import assert_same_trajectory, run
+
+LOZO_M = dict(noise="lowrank", estimator="lozo", optimizer="momentum", optimizer_state="lowrank")
+
+
+def lozo_m_engine(**overrides):
+    options = dict(lr=1e-2, eps=1e-3, seed=5, device="cpu", weight_decay=0.1, beta1=0.8)
+    options.update(LOZO_M, lozo_interval=2, **overrides)
+    model = tiny_opt(seed=0, **FLOAT64_TINY)
+    model.initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return ZOEngine(model, ZOConfig(**options)), model
+
+
+def dense_lozo_m(engine, initial, results, beta1, wd, interval):
+    """LOZO-M written densely: per matrix M = N V^T, so a kept V gives
+    M <- beta1 M + (1 - beta1) g Z and a redrawn one M <- beta1 M V V^T / n + (1 - beta1) g Z
+    (N V_old^T V_new / n, times V_new^T); step 0 takes M = g Z. A 1-D entry's M is dense
+    with its Gaussian z. W <- W (1 - lr wd on matrices) - lr M."""
+    theta = {
+        e.names[0]: initial[e.names[0]].clone().double()
+        for layout, _ in buckets_of(engine)
+        for e in layout.entries
+    }
+    moment = {name: torch.zeros_like(w) for name, w in theta.items()}
+    for t, r in enumerate(results):
+        (g,) = r.projected_grads
+        for layout, block in buckets_of(engine):
+            z = engine.noise.full(layout.numel, step=t, block_id=block)
+            for e in layout.entries:
+                name = e.names[0]
+                zt = z[e.offset : e.offset + e.numel].view(e.shape[0], -1)
+                m = moment[name].view(e.shape[0], -1)
+                if t == 0:
+                    m.copy_(g * zt)
+                    continue
+                if len(e.shape) >= 2 and t % interval == 0:
+                    v = engine.noise.factors(t, block, e.offset)[1]
+                    m.copy_(m @ v @ v.T / v.shape[0])
+                m.copy_(beta1 * m + (1 - beta1) * g * zt)
+            for e in layout.entries:
+                name = e.names[0]
+                if wd and e.offset < layout.decay_end:
+                    theta[name] = theta[name] * (1 - r.lr * wd)
+                theta[name] = theta[name] - r.lr * moment[name]
+    return theta
+
+
+def test_the_factored_momentum_equals_its_dense_formulas_across_two_redraws():
+    """fp64, V redrawn at steps 2 and 4 of 6: every trained tensor, the embedding tables,
+    the blocks' matrices and their biases and norm scales, lands where the dense
+    formulas put it."""
+    engine, model = lozo_m_engine()
+    initial = model.initial
+    results = train(engine, model.config.vocab_size, steps=6)
+    expected = dense_lozo_m(engine, initial, results, 0.8, 0.1, 2)
+    got = engine.named_parameters()
+    assert set(expected) <= set(got) and len(expected) > 10  # lm_head is tied to embed_tokens
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-12, atol=1e-14)
+        assert not torch.equal(got[name], initial[name]), name
+    # and it is not LOZO's plain update, nor a dense stored momentum
+    for state in ("stored", None):
+        options = (
+            dict(optimizer_state=state) if state else dict(optimizer="sgd", optimizer_state="auto")
+        )
+        other, other_model = lozo_m_engine(**options)
+        train(other, other_model.config.vocab_size, steps=6)
+        table = "model.decoder.embed_tokens.weight"
+        assert not torch.equal(other.named_parameters()[table], got[table])
+
+
+def test_the_state_is_a_factor_per_matrix_and_a_moment_per_vector():
+    """An m x n matrix keeps m x r numbers, a 1-D tensor its own length."""
+    engine, _ = lozo_m_engine(lozo_rank=3)
+    states = engine.update_rule.lowrank_momentum.states
+    for (layout, _), state in zip(buckets_of(engine), states, strict=True):
+        expected = sum(e.shape[0] * 3 if len(e.shape) >= 2 else e.numel for e in layout.entries)
+        assert state.numel() == expected < layout.numel
+    assert engine.state_device_bytes == sum(s.nbytes for s in states)
+
+
+def test_offload_equals_resident():
+    options = dict(LOZO_M, lozo_interval=2, steps=5)
+    resident = run("resident", **options)
+    assert_same_trajectory(run("offload", **options), resident)
+    assert_same_trajectory(run("offload", flush_at=(1, 2), noise_chunk=333, **options), resident)
+
+
+def test_a_state_dict_resumes_mid_window_onto_the_uninterrupted_weights():
+    """Cut at step 3 (mid-window of 2: V drawn at 2, redrawn at 4), resumed through the
+    redraw onto the uninterrupted run's weights bit for bit; a state of another kind refused."""
+    batches = [random_batch(64, pad="left", seed=i) for i in range(7)]
+    uninterrupted, _ = lozo_m_engine()
+    expected = [uninterrupted.step(b).projected_grads for b in batches]
+    first, _ = lozo_m_engine()
+    for b in batches[:3]:
+        first.step(b)
+    saved = first.state_dict()
+    assert saved["optimizer"]["state"] == "lowrank" and len(saved["lowrank_momentum"]) == 3
+    resumed, _ = lozo_m_engine()
+    resumed.load_state_dict(saved)
+    assert [resumed.step(b).projected_grads for b in batches[3:]] == expected[3:]
+    ours, theirs = resumed.named_parameters(), uninterrupted.named_parameters()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    stored, _ = lozo_m_engine(optimizer_state="stored")
+    with pytest.raises(ValueError, match="trained with state 'lowrank', the engine has 'stored'"):
+        stored.load_state_dict(saved)
+    with pytest.raises(ValueError, match="the engine needs them"):
+        lozo_m_engine()[0].load_state_dict({**saved, "lowrank_momentum": None})
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(optimizer="adam"), "optimizer_state lowrank is LOZO-M, a momentum kept in the"),
+        (dict(optimizer="sgd"), "use optimizer momentum, or optimizer_state stored for sgd"),
+        (
+            dict(noise="gaussian", estimator="spsa"),
+            "keeps the momentum in the factors of low-rank z, the run draws noise gaussian: "
+            "use estimator lozo",
+        ),
+        (dict(num_queries=2), "takes one low-rank estimate a step, got num_queries 2"),
+        (
+            dict(mode="offload", transfer_dtype="bf16", low_bit_master="recompute"),
+            "stored or lowrank",
+        ),
+        (dict(mode="offload", state_dtype="bf16"), "lowrank's factors stay on the device"),
+    ],
+)
+def test_what_it_cannot_honour_is_refused_in_one_line(options, message):
+    config = dict(LOZO_M, device="cpu")
+    config.update(options)
+    with pytest.raises(ValueError, match=message) as refused:
+        ZOConfig(**config)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_replay_rebuilds_the_lowrank_state_kind():
+    from tests.helpers.engines import replayed_config
+
+    again = replayed_config(ZOConfig(**LOZO_M))
+    assert (again.optimizer, again.optimizer_state) == ("momentum", "lowrank")
+
+
+def test_a_checkpoint_resumes_mid_window_onto_the_uninterrupted_weights(tmp_path):
+    """The job's checkpoint holds the factors (``lozo_momentum/<id>``): saved at step 3,
+    resumed across the redraw at step 4 onto the uninterrupted weights; a run of another
+    state kind refuses it in one line."""
+    from distzo.job.checkpoint import Checkpointer, latest_checkpoint
+
+    batches = [random_batch(64, pad="left", seed=i) for i in range(6)]
+    uninterrupted, _ = lozo_m_engine()
+    expected = [uninterrupted.step(b).projected_grads for b in batches]
+    first, _ = lozo_m_engine()
+    for b in batches[:3]:
+        first.step(b)
+    Checkpointer(tmp_path, first).save()
+    path = latest_checkpoint(tmp_path)
+    resumed, _ = lozo_m_engine(mode="offload")
+    assert Checkpointer(tmp_path, resumed).load(path) == 3
+    assert [resumed.step(b).projected_grads for b in batches[3:]] == expected[3:]
+    ours, theirs = resumed.named_parameters(), uninterrupted.named_parameters()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    for state, says in (
+        ("stored", "has --optimizer momentum --optimizer-state stored;"),
+        ("recomputed", "has --optimizer momentum;"),
+    ):
+        other, _ = lozo_m_engine(optimizer_state=state)
+        with pytest.raises(ValueError, match="--optimizer-state lowrank, this run has") as refused:
+            Checkpointer(tmp_path, other).load(path)
+        assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_plan_counts_the_factors_the_engine_allocates_and_a_save_copies(tmp_path):
+    from distzo.job.checkpoint import Checkpointer
+    from distzo.job.memory_plan import plan_memory
+
+    for mode in ("resident", "offload"):
+        config = ZOConfig(device="cpu", num_slots=2, mode=mode, lozo_rank=3, **LOZO_M)
+        lozo = ZOConfig(device="cpu", num_slots=2, mode=mode, lozo_rank=3, noise="lowrank")
+        model = tiny_opt(seed=0, num_hidden_layers=2)
+        plan = plan_memory(model, config, 1, False, 2, 8)
+        engine = ZOEngine(tiny_opt(seed=0, num_hidden_layers=2), config)
+        assert plan.state_device_bytes == engine.state_device_bytes > 0
+        assert plan.state_host_bytes == engine.state_host_bytes == 0
+        assert "optimizer state" in plan.describe()
+        # an asynchronous save copies the factors (rank 0's), a synchronous one on the CPU
+        # writes them as they are
+        saved = Checkpointer(tmp_path, engine)._state(private=True)
+        factors = sum(v.nbytes for k, v in saved.items() if k.startswith("lozo_momentum/"))
+        for async_save, copied in ((True, factors), (False, 0)):
+            ours, theirs = (
+                plan_memory(model, c, 1, False, 2, 8, async_save=async_save).checkpoint_bytes
+                for c in (config, lozo)
+            )
+            assert ours - theirs == copied
+        assert factors == engine.state_device_bytes
+
+
+def test_the_jobs_memory_fallbacks_never_try_to_recompute_the_master():
+    """A low-bit run that does not fit tries ``low_bit_master recompute``, which would
+    advance the factors once per pass: LOZO-M's fallbacks leave it out (they were a
+    refusal of the job's own choice before)."""
+    from tests.unit.test_rebuilt_master import fallbacks_of
+
+    flags = ["--transfer-dtype", "bf16", "--estimator", "lozo", "--optimizer", "momentum"]
+    tried = fallbacks_of(*flags, "--optimizer-state", "lowrank", "--perturb-scope", "block")
+    assert tried == [(3, "buffer", "block", []), (2, "buffer", "block", [tried[1][3][0]])]
