@@ -1,6 +1,7 @@
 """distzo's LOZO step beside LOZO's own code, fed the same U, V and z.
 
     python benchmarks/peer_lozo.py --lozo PATH [--steps 7 --interval 3 --rank 2]
+    python benchmarks/peer_lozo.py --lozo PATH --momentum [--beta1 0.9]   # LOZO-M
 
 ``PATH`` is a clone of optsuite/LOZO (its ``large_models/LOZOtrainer.py`` is read) or that
 file itself; it is never vendored here. Why this way: a claim about a peer is measured
@@ -17,6 +18,16 @@ parameters, distzo's V (on a step where the peer redraws V), U of each matrix an
 each 1-D tensor, all from distzo's ``LowRankNoise`` of that step. ``numpy``'s
 ``random.randint`` (the peer's per-step seed) returns the step, so reseeding a step rewinds
 its stream, as ``torch.manual_seed`` rewinds the generator.
+
+``--momentum`` runs LOZO-M instead: LOZO's ``medium_models/src/LOZOtrainer.py`` (its
+RoBERTa trainer, the one with LOZO-M), its ``lowrank_zo_update_momentum`` for the update,
+beside distzo's ``--optimizer-state lowrank``. Each side keeps its own momentum factors
+from step to step, so the weights after each step compare the factors' recursion,
+through V's redraws. That update regenerates U by rewinding the generator, which on a
+step that redraws V stands where the perturbation drew V, not U (the difference the
+plain update has, above); here the update's stream holds the perturbation's U and z, so
+that the comparison is of the momentum's arithmetic, and ``--update-draws as-written``
+serves it the perturbation's stream as the real generator would.
 
 Each step starts both from distzo's weights before it (a float64 tiny OPT built from a
 config, so that differences are the method's, not rounding), on the same batch, and
@@ -57,6 +68,9 @@ PEER_METHODS = (
     "random_gaussian_matrix",
     "zo_forward",
 )
+# LOZO-M lives in LOZO's RoBERTa trainer only
+MOMENTUM_FILE = Path("medium_models") / "src" / "LOZOtrainer.py"
+MOMENTUM_METHODS = (*PEER_METHODS[:2], "lowrank_zo_update_momentum", *PEER_METHODS[3:])
 # A float64 tiny OPT with GELU (a central difference across a ReLU kink is no derivative).
 MODEL = dict(
     num_hidden_layers=2,
@@ -81,6 +95,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the report here as JSON")
     p.add_argument(
+        "--momentum",
+        action="store_true",
+        help="LOZO-M: medium_models' lowrank_zo_update_momentum beside --optimizer-state lowrank",
+    )
+    p.add_argument("--beta1", type=float, default=0.9, help="LOZO-M's beta1 (with --momentum)")
+    p.add_argument(
+        "--update-draws",
+        choices=("perturbation", "as-written"),
+        default="perturbation",
+        help="LOZO-M's update draws the perturbation's U (default) or, as its code does, "
+        "rewinds to the perturbation's stream",
+    )
+    p.add_argument(
         "--peer-draws",
         action="store_true",
         help="the peer alone with its own torch and numpy draws: only its cosine column",
@@ -88,33 +115,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.interval < 1 or args.rank < 1:
         p.error("--steps, --interval and --rank must be >= 1")
+    if args.momentum and args.peer_draws:
+        p.error("--peer-draws measures the plain update's direction; drop it or --momentum")
+    if args.momentum and args.interval < 2:
+        p.error("--momentum needs --interval >= 2: LOZO's code keeps V_old only then")
     return args
 
 
-def peer_file(path: str) -> Path:
-    """The peer's trainer file: ``path`` itself or ``large_models/LOZOtrainer.py`` under it."""
-    given = Path(path)
-    found = given / PEER_FILE if given.is_dir() else given
+def peer_file(path: str, momentum: bool = False) -> Path:
+    """The peer's trainer file: ``path`` itself or ``large_models/LOZOtrainer.py`` under it
+    (``medium_models/src/LOZOtrainer.py`` for LOZO-M)."""
+    given, wanted = Path(path), MOMENTUM_FILE if momentum else PEER_FILE
+    found = given / wanted if given.is_dir() else given
     if not found.is_file():
-        raise SystemExit(f"--lozo {path}: no {PEER_FILE} there; give a clone of optsuite/LOZO")
+        raise SystemExit(f"--lozo {path}: no {wanted} there; give a clone of optsuite/LOZO")
     return found
 
 
-def peer_methods(source: str, torch_module: Any, numpy_module: Any) -> dict[str, Callable]:
-    """The peer's LOZO methods, compiled from its source with ``torch`` and ``np`` bound to
-    the given modules (the rest of its module, and its imports, never run)."""
+def peer_methods(
+    source: str, torch_module: Any, numpy_module: Any, names: tuple[str, ...] = PEER_METHODS
+) -> dict[str, Callable]:
+    """The peer's LOZO methods ``names``, compiled from its source with ``torch`` and ``np``
+    bound to the given modules (the rest of its module, and its imports, never run)."""
     found: dict[str, str] = {}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name in PEER_METHODS:
+                if isinstance(item, ast.FunctionDef) and item.name in names:
                     found[item.name] = textwrap.dedent(ast.get_source_segment(source, item) or "")
-    missing = [name for name in PEER_METHODS if name not in found]
+    missing = [name for name in names if name not in found]
     if missing:
         raise SystemExit(f"the peer's file has no method {', '.join(missing)}: is it LOZO's?")
     namespace: dict[str, Any] = {"torch": torch_module, "np": numpy_module}
     exec(compile("\n\n".join(found.values()), "<LOZOtrainer methods>", "exec"), namespace)
-    return {name: namespace[name] for name in PEER_METHODS}
+    return {name: namespace[name] for name in names}
 
 
 class StreamTorch(types.ModuleType):
@@ -153,6 +187,7 @@ class PeerTrainer:
     zo_forward: Callable[[torch.nn.Module, dict], torch.Tensor]
     lowrank_zo_step: Callable[[torch.nn.Module, dict], torch.Tensor]
     lowrank_zo_update: Callable[[], None]
+    lowrank_zo_update_momentum: Callable[[], None]
     step: int
     projected_grad: float
 
@@ -160,6 +195,8 @@ class PeerTrainer:
         self.args = types.SimpleNamespace(
             step_interval=args.interval,
             rank_r=args.rank,
+            rank=args.rank,  # medium_models' name for it
+            beta1=args.beta1,
             zo_eps=args.eps,
             weight_decay=args.weight_decay,
             gradient_accumulation_steps=1,
@@ -252,7 +289,7 @@ def measured_direction(trainer: PeerTrainer, model: torch.nn.Module) -> Iterator
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     """Run the steps; one record per step."""
-    found = peer_file(args.lozo)
+    found = peer_file(args.lozo, args.momentum)
     source = found.read_text()
     config = tiny_opt_config(**MODEL)
     torch.manual_seed(args.seed)
@@ -270,11 +307,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             device="cpu",
             lozo_rank=args.rank,
             lozo_interval=args.interval,
+            **_momentum_options(args),
         ),
     )
     streams: dict[int, torch.Tensor] = {}
     numpy_seed = types.SimpleNamespace(random=types.SimpleNamespace(randint=None))
-    trainer = PeerTrainer(args, peer_methods(source, StreamTorch(streams), numpy_seed))
+    names = MOMENTUM_METHODS if args.momentum else PEER_METHODS
+    trainer = PeerTrainer(args, peer_methods(source, StreamTorch(streams), numpy_seed, names))
     gen = torch.Generator().manual_seed(args.seed)
     steps = []
     for step in range(args.steps):
@@ -290,7 +329,12 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         theta = {n: p.detach().clone() for n, p in peer_model.named_parameters()}
         with measured_direction(trainer, peer_model) as peer_z:
             trainer.lowrank_zo_step(peer_model, batch)
-        trainer.lowrank_zo_update()
+        if not args.momentum:
+            trainer.lowrank_zo_update()
+        else:
+            if args.update_draws == "perturbation":  # U and z as the perturbation drew them
+                streams[step] = peer_stream(peer_model, draws, False)
+            trainer.lowrank_zo_update_momentum()
         if trainer.step != step:
             raise RuntimeError(f"the peer counts step {trainer.step} where distzo takes {step}")
         result = engine.step(batch)
@@ -326,8 +370,16 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "peer_sha256": hashlib.sha256(source.encode()).hexdigest(),
         "peer_commit": peer_commit(found),
         "options": {k: v for k, v in vars(args).items() if k not in ("lozo", "out")},
+        "peer_method": "lowrank_zo_update_momentum" if args.momentum else "lowrank_zo_update",
         "steps": steps,
     }
+
+
+def _momentum_options(args: argparse.Namespace) -> dict[str, Any]:
+    """distzo's LOZO-M with ``--momentum``, else its plain LOZO step."""
+    if not args.momentum:
+        return {}
+    return dict(optimizer="momentum", optimizer_state="lowrank", beta1=args.beta1)
 
 
 def own_draws(args: argparse.Namespace) -> dict[str, Any]:
@@ -371,7 +423,7 @@ def peer_commit(found: Path) -> str | None:
 
     try:
         top = Path(git("rev-parse", "--show-toplevel"))
-        if (top / PEER_FILE).resolve() != found.resolve():
+        if found.resolve() not in ((top / PEER_FILE).resolve(), (top / MOMENTUM_FILE).resolve()):
             return None
         return git("rev-parse", "HEAD")
     except (OSError, subprocess.CalledProcessError):

@@ -104,3 +104,65 @@ def test_a_count_below_1_is_refused(peer_lozo, capsys, option):
     with pytest.raises(SystemExit):
         peer_lozo.parse_args(["--lozo", ".", option, "0"])
     assert "--steps, --interval and --rank must be >= 1" in capsys.readouterr().err
+
+
+MOMENTUM_STAND_IN = STAND_IN / "medium_models" / "src" / "LOZOtrainer.py"
+
+
+def momentum_steps(peer_lozo, path, *options):
+    """LOZO-M over 4 steps, V redrawn at steps 0 and 2, weight decay 0.1."""
+    return compare(peer_lozo, path, "--momentum", "--steps", "4", "--weight-decay", "0.1", *options)
+
+
+def test_a_lozo_m_peer_that_follows_the_formulas_takes_distzos_steps(peer_lozo):
+    """Each side keeps its own factors: the weights after each step agree through a redraw
+    (the projection onto the new V) and from the first step (N = g U)."""
+    steps = momentum_steps(peer_lozo, STAND_IN)
+    assert [s["redraws_v"] for s in steps] == [True, False, True, False]
+    for s in steps:
+        assert s["g_diff"] < 1e-11 and s["weights_diff"] < 1e-12, s
+
+
+@pytest.mark.parametrize(
+    "old, new, first_off",
+    [
+        # the first step from a zero N, (1 - beta1) g U: off from step 0 on
+        ("self.exp_avg_m[name] = g * u", "self.exp_avg_m[name] = (1 - beta1) * g * u", 0),
+        # a redraw that keeps N as it is, unprojected: off from the redraw at step 2 on
+        ("m = m @ (self.v_old[name].t() @ v) / v.shape[0]", "m = m", 2),
+    ],
+)
+def test_a_lozo_m_peer_off_the_formulas_differs_from_where_it_is_off(
+    peer_lozo, tmp_path, old, new, first_off
+):
+    source = MOMENTUM_STAND_IN.read_text()
+    assert old in source
+    changed = tmp_path / "LOZOtrainer.py"
+    changed.write_text(source.replace(old, new))
+    for s in momentum_steps(peer_lozo, changed):
+        assert (s["weights_diff"] > 1e-6) == (s["step"] >= first_off), s
+
+
+def test_a_lozo_m_update_served_the_perturbations_stream_moves_off_on_a_redraw(peer_lozo):
+    """``--update-draws as-written``: the update rewinds to where the perturbation drew V
+    first, as LOZO's generator does, and its momentum carries the wrong U on."""
+    steps = momentum_steps(peer_lozo, STAND_IN, "--update-draws", "as-written")
+    assert all(s["g_diff"] < 1e-11 and s["weights_diff"] > 1e-6 for s in steps), steps
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--peer-draws"], "--peer-draws measures the plain update's direction"),
+        (["--interval", "1"], "--momentum needs --interval >= 2"),
+    ],
+)
+def test_lozo_m_options_it_cannot_compare_are_refused(peer_lozo, capsys, options, message):
+    with pytest.raises(SystemExit):
+        peer_lozo.parse_args(["--lozo", ".", "--momentum", *options])
+    assert message in capsys.readouterr().err
+
+
+def test_a_clone_without_the_roberta_trainer_is_one_line(peer_lozo, tmp_path):
+    with pytest.raises(SystemExit, match="no medium_models/src/LOZOtrainer.py there"):
+        peer_lozo.peer_file(str(tmp_path), momentum=True)
