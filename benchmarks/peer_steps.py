@@ -36,12 +36,17 @@ float32). Exit 0 when every step of every peer agrees, 1 otherwise.
 classes ``BaseOptimizer``, ``MeZOSGDConfig``, ``MeZOSGD`` (its ``zo2=False`` step) and
 ``MeZO2SGD`` (its ``zo2=True`` offload) are compiled from its files, built by their own
 constructors and run as written, in this interpreter (their package, which needs
-transformers 4.51, is never imported), on an untied tiny float64 OPT in eval mode, as the
-race's models and ZO2's ``zo_train()``. What ZO2's OPT model classes add is stood in: the
-loss (the next-token cross-entropy of the head's logits) and, for the offload, the walk
-through its units (embeddings, ``project_in``, each layer, the final norm with weight
-decay 0, ``project_out``, the head): the model's own forward runs on the batch twice over,
-and at each unit ZO2's ``module_dual_forward`` takes the two halves as its two passes.
+transformers 4.51, is never imported), on an untied tiny float64 OPT (``--family qwen3``:
+a Qwen3; ``--zo2-tied``: its head tied to the embeddings, as small Qwen3s) in eval mode,
+as the race's models and ZO2's ``zo_train()``. What ZO2's model classes add is stood in:
+the loss (the next-token cross-entropy of the head's logits) and, for the offload, the walk
+through its units (OPT's: embeddings, ``project_in``, each layer, the final norm with weight
+decay 0, ``project_out``, the head; Qwen3's read off ZO2's
+``zo2/model/huggingface/qwen3/mezo_sgd/zo2.py``: each module with parameters that its
+training forwards hand ``task_compute_module``, with the ``weight_decay`` each call
+passes): the model's own forward runs on the batch twice over, and at each unit ZO2's
+``module_dual_forward`` takes the two halves as its two passes. A step that differs names
+the tensors whose weights differ most.
 Its ``torch.normal`` draws follow a stand-in generator whose state (``torch.cuda``'s
 get/set_rng_state) is the seed and the count drawn, so the offload's replay of the
 previous step's z for its update is ZO2's own. Each ZO2 step is compared with a resident
@@ -77,7 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
 from distzo import ZOConfig, ZOEngine
 from distzo.engine import RESIDENT_BLOCK_ID
@@ -234,8 +239,8 @@ class StepSeeds:
 
 def tiny_model(family: str, seed: int, tied: bool = True) -> torch.nn.Module:
     """A float64 model of a few thousand parameters (GELU for OPT: a difference across
-    ReLU's kink is not the derivative). ``tied=False``: OPT's head is its own matrix, as in
-    the race's models (Llama's always is)."""
+    ReLU's kink is not the derivative). ``tied=False``: OPT's or Qwen3's head is its own
+    matrix, as in the race's models (Llama's always is); Qwen3 has ``q_norm``/``k_norm``."""
     torch.manual_seed(seed)
     if family == "opt":
         config: Any = tiny_opt_config(
@@ -248,15 +253,18 @@ def tiny_model(family: str, seed: int, tied: bool = True) -> torch.nn.Module:
             tie_word_embeddings=tied,
         )
     else:
-        config = LlamaConfig(
+        family_config = Qwen3Config if family == "qwen3" else LlamaConfig
+        config = family_config(
             vocab_size=VOCAB,
             hidden_size=16,
             intermediate_size=32,
             num_attention_heads=2,
             num_key_value_heads=1,
+            head_dim=8,
             num_hidden_layers=2,
             max_position_embeddings=16,
             pad_token_id=0,
+            tie_word_embeddings=tied and family == "qwen3",
         )
     return model_from_config(config, dtype=torch.float64)
 
@@ -430,10 +438,13 @@ class RngStream:
     """Stands in for ZO2's ``torch``: the generator seeded with (step t, draw j) yields
     distzo's z of (t, j) for the trained parameters in ``walk``'s order, the order in
     which ZO2 draws them; ``torch.cuda``'s get/set_rng_state save and rewind it, as ZO2's
-    offload does to replay a step's z for the next step's update."""
+    offload does to replay a step's z for the next step's update. A tensor drawn again
+    under another name (a head tied to the embeddings, a unit of its own in ZO2's offload)
+    gets a z independent of its first, as from ZO2's generator: distzo has no such z."""
 
     def __init__(self, z_of: Callable[[int, int], dict[str, torch.Tensor]]):
         self.z_of, self.walk = functools.cache(z_of), [""]
+        self.again: set[int] = set()  # draws of a tensor the stream already drew (tied)
         self.state, self.seeds = RngState(0), StepSeeds()  # seeds: ZO2's ``np``
         self.cuda = types.SimpleNamespace(
             manual_seed=self.manual_seed,
@@ -455,6 +466,9 @@ class RngStream:
             raise RuntimeError(f"ZO2 drew {self.state.drawn + 1} tensors of one seed's stream")
         name = self.walk[self.state.drawn]
         z = self.z_of(*divmod(self.state.seed, SEED_STRIDE))[name]
+        if self.state.drawn in self.again:  # ZO2's generator gives it a z of its own
+            seed = self.state.seed * SEED_STRIDE + self.state.drawn
+            z = torch.randn(z.shape, generator=torch.Generator().manual_seed(seed), dtype=z.dtype)
         self.state.drawn += 1
         if tuple(size) != tuple(z.shape):
             raise RuntimeError(f"ZO2 drew {tuple(size)} for {name}, whose z is {tuple(z.shape)}")
@@ -505,7 +519,63 @@ class DualUnit(torch.nn.Module):
         return joined(*out)
 
 
-def zo2_units(model: Any) -> list[tuple[str, torch.nn.Module, float | None]]:
+ZO2_QWEN3_MODEL = "zo2/model/huggingface/qwen3/mezo_sgd/zo2.py"
+# ZO2's Qwen3 optimizers (its offload's) and the module each one's ``self.model`` is
+ZO2_QWEN3_OPTIMIZERS = (("OptimizerQwen3Model", "model"), ("OptimizerQwen3ForCausalLM", ""))
+
+
+def zo2_units(
+    checkout: Path, family: str, model: Any
+) -> list[tuple[str, torch.nn.Module, float | None]]:
+    """ZO2's offload units of the family's model with the weight decay its model code
+    passes each (None: its rule by name), by module name; Qwen3's read off ZO2's file."""
+    if family == "qwen3":
+        return zo2_qwen3_units(checkout, model)
+    return zo2_opt_units(model)
+
+
+def zo2_qwen3_units(
+    checkout: Path, model: torch.nn.Module
+) -> list[tuple[str, torch.nn.Module, float | None]]:
+    """The modules (with parameters) that ZO2's Qwen3 offload hands ``task_compute_module``
+    in its training forwards (``inner_zo_forward``), and the ``weight_decay`` each call
+    passes, as written in its file: which tensors it perturbs, unit by unit, is ITS choice
+    (a tied head, a unit of its own, is drawn for again)."""
+    source = checkout / ZO2_QWEN3_MODEL
+    if not source.is_file():
+        raise SystemExit(f"--zo2 {checkout}: no {ZO2_QWEN3_MODEL} there; ZO2's Qwen3 code")
+    classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
+    named = {module: name for name, module in model.named_modules()}
+    units: dict[str, tuple[torch.nn.Module, float | None]] = {}
+    for cls, owner in ZO2_QWEN3_OPTIMIZERS:
+        body = classes[cls].body if cls in classes else []
+        forward = [
+            f for f in body if isinstance(f, ast.FunctionDef) and f.name == "inner_zo_forward"
+        ]
+        if not forward:
+            raise SystemExit(f"{source}: no {cls}.inner_zo_forward; is it ZO2's?")
+        for call in ast.walk(forward[0]):
+            if not (
+                isinstance(call, ast.Call)
+                and ast.unparse(call.func).endswith("task_compute_module")
+            ):
+                continue
+            keywords = {k.arg: k.value for k in call.keywords}
+            path = ast.unparse(call.args[0] if call.args else keywords["module"])
+            attribute = path.removeprefix("self.model.").split("[")[0]  # layers[i-1]: each layer
+            module = model.get_submodule(".".join(filter(None, (owner, attribute))))
+            given = keywords.get("weight_decay")
+            decay = None if given is None else float(ast.literal_eval(given))
+            for unit in list(module.children()) if "[" in path else [module]:
+                if not any(True for _ in unit.parameters()):  # rotary_emb: nothing to draw
+                    continue
+                if units.get(named[unit], (unit, decay))[1] != decay:
+                    raise SystemExit(f"{source}: {cls} decays {path} unlike its other calls")
+                units[named[unit]] = (unit, decay)
+    return [(name, unit, decay) for name, (unit, decay) in units.items()]
+
+
+def zo2_opt_units(model: Any) -> list[tuple[str, torch.nn.Module, float | None]]:
     """ZO2's offload units of an OPT with the weight decay ZO2's OPT model passes each
     (``OptimizerOPTDecoder.inner_zo_forward``: 0 for the final layer norm, else its
     name rule), by module name."""
@@ -522,7 +592,8 @@ def zo2_units(model: Any) -> list[tuple[str, torch.nn.Module, float | None]]:
 
 def zo2_walk(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module, Any]]) -> list[str]:
     """The trained parameters in the order ZO2's offload draws their z: unit by unit as
-    the forward calls them (recorded on a forward), each unit's own order within."""
+    the forward calls them (recorded on a forward), each unit's own order within; a tied
+    tensor once per unit that holds it."""
     called: list[str] = []
     hooks = [
         unit.register_forward_pre_hook(lambda *_, name=name: called.append(name))
@@ -539,9 +610,10 @@ def zo2_walk(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module, Any
         for p_name, p in units_by_name[name].named_parameters()
         if p.requires_grad
     ]
-    trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    if sorted(walk) != sorted(trained):
-        raise SystemExit(f"ZO2's units miss {sorted(set(trained) - set(walk))}")
+    walked = {id(model.get_parameter(name)) for name in walk}
+    missed = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in walked]
+    if missed:
+        raise SystemExit(f"ZO2's units miss {missed}")
     return walk
 
 
@@ -549,8 +621,8 @@ def zo2_optimizer(
     checkout: Path, model: torch.nn.Module, offload: bool, args: argparse.Namespace, noise: Any
 ) -> Any:
     """ZO2's MeZO-SGD (``zo2=False``) or its offload (``zo2=True``) on ``model``, built by
-    its own constructors; only the loss (ZO2's OPT model's: the next-token cross-entropy
-    of the head's logits) is stood in, with ZO2's model classes that wrap it."""
+    its own constructors; only the loss (ZO2's OPT and Qwen3 models': the next-token
+    cross-entropy of the head's logits) is stood in, with ZO2's model classes that wrap it."""
     namespace: dict[str, Any] = {
         "__name__": "zo2_peer",
         "torch": noise,
@@ -564,7 +636,7 @@ def zo2_optimizer(
     classes = zo2_classes(checkout, namespace)
     base = classes["MeZO2SGD" if offload else "MeZOSGD"]
 
-    class OnTinyOPT(base):  # type: ignore[valid-type, misc]
+    class OnTinyModel(base):  # type: ignore[valid-type, misc]
         rows = 0
 
         def init_zo2_upload(self) -> None:
@@ -585,34 +657,38 @@ def zo2_optimizer(
         lr=args.lr, weight_decay=args.weight_decay, eps=args.eps, zo2=offload
     )
     config.working_device = "cpu"
-    return OnTinyOPT(model, config)
+    return OnTinyModel(model, config)
 
 
 def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool:
     """``args.steps`` steps of ZO2's MeZO-SGD (or its offload) and of distzo's engine, in
-    each of its modes, from the same weights (an untied float64 OPT, as the race's), on the
-    same batches and z; print each; True if all agree."""
+    each of its modes, from the same weights (a float64 OPT or Qwen3, untied as the race's
+    unless ``--zo2-tied``), on the same batches and z; print each; True if all agree."""
     label = "zo2-offload" if offload else "zo2-mezo"
+    family, tied = args.family, args.zo2_tied
     config = dict(eps=args.eps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
     engines = {
         mode: ZOEngine(
-            tiny_model("opt", args.seed, tied=False), ZOConfig(mode=mode, device="cpu", **config)
+            tiny_model(family, args.seed, tied=tied), ZOConfig(mode=mode, device="cpu", **config)
         )
         for mode in ("resident", "offload")
     }
-    model = tiny_model("opt", args.seed, tied=False).eval()  # as ZO2's zo_train() sets it
+    model = tiny_model(family, args.seed, tied=tied).eval()  # as ZO2's zo_train() sets it
     noise = RngStream(engine_z(engines["resident"]))
     optimizer = zo2_optimizer(checkout, model, offload, args, noise)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     params = dict(model.named_parameters())
     noise.walk = names
     if offload:
-        units = zo2_units(model)
+        units = zo2_units(checkout, family, model)
         noise.walk = zo2_walk(model, units)
+        drawn = [id(model.get_parameter(name)) for name in noise.walk]
+        noise.again = {i for i, tensor in enumerate(drawn) if tensor in drawn[:i]}
         for name, unit, decay in units:
             model.set_submodule(name, DualUnit(unit, optimizer, decay))
     agree = True
-    print(f"{label} ({checkout}): opt, {len(names)} tensors, wd = {args.weight_decay}")
+    model_is = f"{family}{', tied' if tied else ''}"
+    print(f"{label} ({checkout}): {model_is}, {len(names)} tensors, wd = {args.weight_decay}")
     if offload:
         print("(ZO2 applies a step's update in the next step's pass: d(theta) is one step late)")
     print(
@@ -639,9 +715,25 @@ def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool
             weights = (moved, dtheta, largest(list(theirs.values())))
             losses = (*result.losses, result.loss_plus, result.loss_minus)
             verdict = agrees(args.rtol, t, result.loss_plus, peer_loss, (g, dg), weights, losses)
+            if not verdict:
+                rounding = (t + 1) * ROUNDING_ULPS * torch.finfo(torch.float64).eps * weights[2]
+                print(f"      differs most in: {most_apart(ours, theirs, names, rounding)}")
             agree &= verdict
     print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
     return agree
+
+
+def most_apart(
+    ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], names: list[str], over: float
+) -> str:
+    """The tensors whose weights differ by more than ``over`` (their rounding), largest
+    first: where a difference lives (a decay rule, a tied tensor) tells its cause."""
+    apart = sorted(((largest([ours[n] - theirs[n]]), n) for n in names), reverse=True)
+    apart = [(d, name) for d, name in apart if d > over]
+    if not apart:
+        return "no tensor yet (the loss and g differ)"
+    more = f" and {len(apart) - 5} more" if len(apart) > 5 else ""
+    return ", ".join(f"{name} {d:.1e}" for d, name in apart[:5]) + more
 
 
 # ZO-Bench (OPTML-Group/ZO-LLM): its zo_step hands ``g z`` to the torch optimizer that its
@@ -776,7 +868,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a ZO-Bench checkout (OPTML-Group/ZO-LLM) or its zo-bench/trainer.py: "
         "momentum and Adam",
     )
-    p.add_argument("--family", choices=("opt", "llama"), default="opt")
+    p.add_argument("--family", choices=("opt", "llama", "qwen3"), default="opt")
+    p.add_argument(
+        "--zo2-tied",
+        action="store_true",
+        help="ZO2's check on a model whose head is its embeddings (small Qwen3s'); "
+        "default untied, as the race's",
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--queries", type=int, default=8, help="FZOO's N (its fzoo.sh's 8)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -795,6 +893,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep FZOO's float32 loss vector (its rounding, not its algorithm)",
     )
     args = p.parse_args(argv)
+    if args.zo2 and args.family not in ("opt", "qwen3"):
+        p.error(f"--zo2 checks --family opt or qwen3 (the race's), not {args.family}")
     if not any(getattr(args, peer) for peer in ("mezo", "fzoo", "zo2", "zobench")):
         p.error(
             "give --mezo PATH, --fzoo PATH, --zo2 PATH, --zobench PATH or several: the "

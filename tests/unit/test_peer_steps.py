@@ -182,6 +182,85 @@ def test_a_one_line_difference_in_zo2s_step_is_reported(
     assert f"{label}: DIFFERS from distzo" in capsys.readouterr().out
 
 
+QWEN3_NORMS = {
+    f"model.layers.{i}.self_attn.{norm}.weight" for i in (0, 1) for norm in ("q_norm", "k_norm")
+} | {"model.norm.weight"}
+
+
+def apart_in(out: str) -> list[list[str]]:
+    """Each "differs most in" line's tensor names, largest difference first."""
+    lines = [line.split(": ", 1)[1] for line in out.splitlines() if "differs most in" in line]
+    return [[part.split()[0] for part in line.split(", ")] for line in lines]
+
+
+def test_zo2s_qwen3_steps_agree_with_a_faithful_stand_in(peer_steps, capsys):
+    """Without weight decay ZO2's Qwen3 units (read from its model file) draw every
+    untied tensor once: both its modes take distzo's steps."""
+    argv = ("--zo2", str(ZO2_STAND_IN), "--family", "qwen3", "--weight-decay", "0")
+    code, out = run(peer_steps, capsys, *argv)
+    assert code == 0, out
+    assert "zo2-mezo: agrees with distzo" in out and "zo2-offload: agrees with distzo" in out
+
+
+def test_zo2s_decay_by_name_reaches_qwen3s_q_norm_k_norm_and_final_norm(peer_steps, capsys):
+    """ZO2 spares names holding bias/layer_norm/layernorm/ln: Qwen3's q_norm, k_norm and
+    final norm decay there, not in distzo (1-D), and the check names exactly those."""
+    args = peer_steps.parse_args(["--zo2", str(ZO2_STAND_IN), "--family", "qwen3", "--steps", "1"])
+    assert not peer_steps.compare_zo2(ZO2_STAND_IN, False, args)
+    apart = apart_in(capsys.readouterr().out)
+    assert apart and all(set(names) == QWEN3_NORMS for names in apart), apart
+
+
+def test_zo2s_offload_gives_a_tied_head_a_z_of_its_own(peer_steps, capsys):
+    """The tied head is a unit of its own in ZO2's offload: drawn again (a second z) and
+    updated again; ZO2's MeZO step, which walks the model's parameters, draws it once."""
+    argv = ["--zo2", str(ZO2_STAND_IN), "--family", "qwen3", "--zo2-tied", "--weight-decay", "0"]
+    args = peer_steps.parse_args([*argv, "--steps", "2"])
+    assert peer_steps.compare_zo2(ZO2_STAND_IN, False, args)
+    capsys.readouterr()
+    assert not peer_steps.compare_zo2(ZO2_STAND_IN, True, args)
+    out = capsys.readouterr().out
+    assert "differs most in: no tensor yet (the loss and g differ)" in out  # step 0: g
+    assert apart_in(out)[-1][0] == "model.embed_tokens.weight"  # step 1: the tied matrix
+
+
+QWEN3_MODEL = Path("model", "huggingface", "qwen3", "mezo_sgd", "zo2.py")
+
+
+def test_a_one_line_decay_in_zo2s_qwen3_units_is_reported(peer_steps, capsys, tmp_path):
+    """A weight decay of the head's own in ZO2's Qwen3 model file reaches its update."""
+    checkout = tmp_path / "zo2"
+    shutil.copytree(ZO2_STAND_IN, checkout)
+    mutated = checkout / "zo2" / QWEN3_MODEL
+    old = '{"input": hidden[1]},'
+    assert old in mutated.read_text()
+    mutated.write_text(mutated.read_text().replace(old, old + " weight_decay=0.1,"))
+    argv = ["--zo2", str(checkout), "--family", "qwen3", "--weight-decay", "0", "--steps", "2"]
+    assert not peer_steps.compare_zo2(checkout, True, peer_steps.parse_args(argv))
+    out = capsys.readouterr().out
+    assert "zo2-offload: DIFFERS from distzo" in out
+    assert apart_in(out)[-1] == ["lm_head.weight"]
+
+
+def test_a_norm_zo2s_qwen3_units_skip_is_named(peer_steps, tmp_path):
+    checkout = tmp_path / "zo2"
+    shutil.copytree(ZO2_STAND_IN, checkout)
+    mutated = checkout / "zo2" / QWEN3_MODEL
+    source = mutated.read_text()
+    assert "module=self.model.norm," in source
+    mutated.write_text(source.replace("module=self.model.norm,", "module=self.model.rotary_emb,"))
+    args = peer_steps.parse_args(["--zo2", str(checkout), "--family", "qwen3"])
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.compare_zo2(checkout, True, args)
+    assert str(refused.value) == "ZO2's units miss ['model.norm.weight']"
+
+
+def test_zo2_checks_only_the_races_families(peer_steps, capsys):
+    with pytest.raises(SystemExit):
+        peer_steps.parse_args(["--zo2", str(ZO2_STAND_IN), "--family", "llama"])
+    assert "--zo2 checks --family opt or qwen3 (the race's), not llama" in capsys.readouterr().err
+
+
 def test_a_path_without_zo2s_optimizer_is_refused_before_any_run(peer_steps, tmp_path):
     with pytest.raises(SystemExit) as refused:
         peer_steps.main(["--zo2", str(tmp_path)])
