@@ -395,11 +395,16 @@ ZO2_CLASSES = (
     ("zo2/optimizer/mezo_sgd/zo.py", "MeZOSGD"),
     ("zo2/optimizer/mezo_sgd/zo2.py", "MeZO2SGD"),
 )
+# the file of ZO2's Qwen3 offload, its optimizers and the module each one's ``self.model`` is
+ZO2_QWEN3_MODEL = "zo2/model/huggingface/qwen3/mezo_sgd/zo2.py"
+ZO2_QWEN3_OPTIMIZERS = (("OptimizerQwen3Model", "model"), ("OptimizerQwen3ForCausalLM", ""))
 
 
-def zo2_checkout(checkout: Path) -> Path:
-    """``checkout`` if it holds ZO2's optimizer files, else a one-line refusal."""
-    for relative, _ in ZO2_CLASSES:
+def zo2_checkout(checkout: Path, family: str) -> Path:
+    """``checkout`` if it holds ZO2's optimizer files (and the family's model file that
+    the check reads), else a one-line refusal before any run."""
+    model_files = [(ZO2_QWEN3_MODEL, "")] if family == "qwen3" else []
+    for relative, _ in [*ZO2_CLASSES, *model_files]:
         if not (checkout / relative).is_file():
             raise SystemExit(
                 f"--zo2 {checkout}: no {relative} there; give a clone of liangyuwang/zo2"
@@ -519,11 +524,6 @@ class DualUnit(torch.nn.Module):
         return joined(*out)
 
 
-ZO2_QWEN3_MODEL = "zo2/model/huggingface/qwen3/mezo_sgd/zo2.py"
-# ZO2's Qwen3 optimizers (its offload's) and the module each one's ``self.model`` is
-ZO2_QWEN3_OPTIMIZERS = (("OptimizerQwen3Model", "model"), ("OptimizerQwen3ForCausalLM", ""))
-
-
 def zo2_units(
     checkout: Path, family: str, model: Any
 ) -> list[tuple[str, torch.nn.Module, float | None]]:
@@ -541,9 +541,7 @@ def zo2_qwen3_units(
     in its training forwards (``inner_zo_forward``), and the ``weight_decay`` each call
     passes, as written in its file: which tensors it perturbs, unit by unit, is ITS choice
     (a tied head, a unit of its own, is drawn for again)."""
-    source = checkout / ZO2_QWEN3_MODEL
-    if not source.is_file():
-        raise SystemExit(f"--zo2 {checkout}: no {ZO2_QWEN3_MODEL} there; ZO2's Qwen3 code")
+    source = checkout / ZO2_QWEN3_MODEL  # zo2_checkout: there
     classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
     named = {module: name for name, module in model.named_modules()}
     units: dict[str, tuple[torch.nn.Module, float | None]] = {}
@@ -907,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peers = [(name, getattr(args, name)) for name in ("mezo", "fzoo") if getattr(args, name)]
     sources = [(name, trainer_file(name, path)) for name, path in peers]
-    zo2 = None if args.zo2 is None else zo2_checkout(args.zo2)
+    zo2 = None if args.zo2 is None else zo2_checkout(args.zo2, args.family)
     zobench = None if args.zobench is None else trainer_file("zobench", args.zobench)
     results = [compare(name, source, args) for name, source in sources]
     if zo2 is not None:

@@ -255,6 +255,18 @@ def test_a_norm_zo2s_qwen3_units_skip_is_named(peer_steps, tmp_path):
     assert str(refused.value) == "ZO2's units miss ['model.norm.weight']"
 
 
+def test_a_checkout_without_zo2s_qwen3_code_is_refused_before_any_run(peer_steps, capsys, tmp_path):
+    checkout = tmp_path / "zo2"
+    shutil.copytree(ZO2_STAND_IN, checkout)
+    (checkout / "zo2" / QWEN3_MODEL).unlink()
+    with pytest.raises(SystemExit) as refused:
+        peer_steps.main(["--zo2", str(checkout), "--family", "qwen3"])
+    assert str(refused.value) == (
+        f"--zo2 {checkout}: no zo2/{QWEN3_MODEL.as_posix()} there; give a clone of liangyuwang/zo2"
+    )
+    assert capsys.readouterr().out == ""  # no step of either mode ran
+
+
 def test_zo2_checks_only_the_races_families(peer_steps, capsys):
     with pytest.raises(SystemExit):
         peer_steps.parse_args(["--zo2", str(ZO2_STAND_IN), "--family", "llama"])
