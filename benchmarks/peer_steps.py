@@ -1,7 +1,7 @@
 """distzo's ZO-SGD, FZOO, momentum and Adam steps against the peers' own code, on the same z.
 
-    python benchmarks/peer_steps.py --mezo ../MeZO --fzoo ../FZOO [--steps 3] [--family llama]
-    python benchmarks/peer_steps.py --zo2 ../zo2 [--steps 3]
+    python benchmarks/peer_steps.py --mezo ../MeZO --fzoo ../FZOO [--steps 3] [--family llama|qwen3]
+    python benchmarks/peer_steps.py --zo2 ../zo2 [--steps 3] [--family qwen3 [--zo2-tied]]
     python benchmarks/peer_steps.py --zobench ../ZO-LLM [--adam-eps 1e-30] [--zobench-queries 2]
 
 ``--mezo``: a checkout of princeton-nlp/MeZO (its ``large_models/trainer.py``) or that file;
