@@ -417,6 +417,7 @@ MEZO_ADAPTERS = {
 
 
 PREFIXED_LENGTH = 11
+PADDED = 3
 LEGACY_ATTENTION = "mezo_legacy"
 
 
@@ -581,8 +582,13 @@ def prefix_tokens(model: Any) -> torch.Tensor | None:
 
 
 def prefixed_batch(step: int) -> dict[str, torch.Tensor]:
-    """``batch_of(step)`` cut to leave the tiny OPT's 16 positions room for a 5-token prefix."""
-    return {key: value[:, :PREFIXED_LENGTH] for key, value in batch_of(step).items()}
+    """``batch_of(step)`` cut to leave the tiny OPT's 16 positions room for a 5-token prefix,
+    its second row padded on the right (MeZO's OPT tokenizer's side) by ``PADDED``
+    positions, which the loss leaves out: the prefix widens a mask that hides some."""
+    batch = {key: value[:, :PREFIXED_LENGTH].clone() for key, value in batch_of(step).items()}
+    batch["attention_mask"][1, -PADDED:] = 0
+    batch["labels"][1, -PADDED:] = -100
+    return batch
 
 
 def compare_mezo_adapter(checkout: Path, source: Path, args: argparse.Namespace) -> bool:
@@ -614,7 +620,9 @@ def compare_mezo_adapter(checkout: Path, source: Path, args: argparse.Namespace)
                 params[name].copy_(start[name])
         probe = prefixed_batch(args.steps)
         logits = engine.forward(probe)[0]
-        logit_gap = largest([logits - model(probe["input_ids"]).logits])
+        theirs = model(probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+        real = probe["attention_mask"].bool()  # a pad's own logits are read by no loss
+        logit_gap = largest([logits[real] - theirs[real]])
     at_init = init_gap <= args.rtol * largest(list(start.values())) and logit_gap <= (
         args.rtol * largest([logits])
     )
