@@ -583,11 +583,13 @@ def prefix_tokens(model: Any) -> torch.Tensor | None:
 
 def prefixed_batch(step: int) -> dict[str, torch.Tensor]:
     """``batch_of(step)`` cut to leave the tiny OPT's 16 positions room for a 5-token prefix,
-    its second row padded on the right (MeZO's OPT tokenizer's side) by ``PADDED``
-    positions, which the loss leaves out: the prefix widens a mask that hides some."""
+    its second row padded on the left by ``PADDED`` positions: the prefix widens a mask
+    that hides keys its real tokens would see (a right pad is never seen, being later).
+    The loss leaves out the pads and the first real token, which only a pad's logits
+    predict (each side gives a pad its own position)."""
     batch = {key: value[:, :PREFIXED_LENGTH].clone() for key, value in batch_of(step).items()}
-    batch["attention_mask"][1, -PADDED:] = 0
-    batch["labels"][1, -PADDED:] = -100
+    batch["attention_mask"][1, :PADDED] = 0
+    batch["labels"][1, : PADDED + 1] = -100
     return batch
 
 

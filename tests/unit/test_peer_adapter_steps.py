@@ -64,6 +64,13 @@ def test_mezos_prefix_positions_are_reported_as_the_difference(peer_steps, capsy
         ("lora.py", 'for name in ("q_proj", "v_proj")', 'for name in ("q_proj",)', "lora"),
         ("prefix.py", "for i in (0, 1)]", "for i in (1, 0)]", "prefix"),  # keys <-> values
         ("prefix.py", "dtype=mask.dtype)", "dtype=mask.dtype) - 1e9", "prefix"),  # not attended
+        # every row masked as the first, which has no pads: only a padded row tells
+        (
+            "prefix.py",
+            'mask = kwargs["attention_mask"]',
+            'mask = kwargs["attention_mask"][:1]',
+            "prefix",
+        ),
     ],
 )
 def test_a_one_line_difference_in_mezos_adapter_is_reported(
