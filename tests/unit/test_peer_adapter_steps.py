@@ -89,3 +89,17 @@ def test_a_checkout_without_mezos_adapter_file_is_one_line(peer_steps, tmp_path)
     assert str(refused.value) == (
         f"--mezo {checkout}: no large_models/prefix.py there; give a checkout of MeZO"
     )
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--fzoo", "x", "--peft", "lora"], "--peft compares MeZO's adapters: give --mezo PATH"),
+        (["--mezo", "x", "--peft", "prefix", "--family", "llama"], "--peft runs MeZO's adapters"),
+    ],
+)
+def test_peft_without_mezos_opt_is_refused_in_one_line(peer_steps, capsys, argv, line):
+    with pytest.raises(SystemExit):
+        peer_steps.parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert line in err[-1], err
