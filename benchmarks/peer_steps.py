@@ -475,18 +475,22 @@ def legacy_cache_indexing() -> Iterator[None]:
         return cache.layers[layer].keys, cache.layers[layer].values
 
     cache_class: Any = DynamicCache  # given a method it does not declare, for a while
+    own = cache_class.__dict__.get("__getitem__")
     cache_class.__getitem__ = legacy
     try:
         yield
     finally:
-        del cache_class.__getitem__
+        if own is None:
+            del cache_class.__getitem__
+        else:
+            cache_class.__getitem__ = own
 
 
 def legacy_attention(forward: Callable[..., Any], layer: int) -> Callable[..., Any]:
     """An OPT attention's forward taking transformers 4.28's ``past_key_value`` tuple, which
     MeZO's ``attn_forward_hook`` passes: its keys and values go before the layer's own, as
     4.28's ``torch.cat([past_key_value[0], key_states], dim=2)``; the 4-D additive mask
-    MeZO widened goes as it is (eager attention, as 4.28's)."""
+    MeZO widened goes as it is (to ``legacy_opt_attention``)."""
     from transformers import DynamicCache
 
     def forward_with_tuple(*args: Any, **kwargs: Any) -> Any:
