@@ -103,3 +103,17 @@ def test_peft_without_mezos_opt_is_refused_in_one_line(peer_steps, capsys, argv,
         peer_steps.parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert line in err[-1], err
+
+
+def test_the_legacy_cache_indexing_leaves_transformers_own_in_place(peer_steps, monkeypatch):
+    """The stand-in for transformers 4.28's tuple indexing is taken away after MeZO's init;
+    a ``DynamicCache`` with an indexing of its own keeps it."""
+    from transformers import DynamicCache
+
+    def own(cache, layer):
+        return "own"
+
+    monkeypatch.setattr(DynamicCache, "__getitem__", own, raising=False)
+    with peer_steps.legacy_cache_indexing():
+        assert DynamicCache.__dict__["__getitem__"] is not own
+    assert DynamicCache.__dict__["__getitem__"] is own
