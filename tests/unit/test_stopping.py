@@ -5,11 +5,14 @@ raises ``KeyboardInterrupt``."""
 import logging
 import math
 import signal
+import threading
+from typing import Any
 
 import pytest
 import torch
 
 from distzo.config.engine_options import ZOConfig
+from distzo.dist.collectives import Collectives
 from distzo.engine import StepResult
 from distzo.job.divergence import (
     diverged,
@@ -19,7 +22,13 @@ from distzo.job.divergence import (
     steps_kept,
     warn_if_nothing_learns,
 )
-from distzo.job.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, Preempted, StopSignals
+from distzo.job.preemption import (
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    Preempted,
+    StopSignals,
+    stop_voted,
+)
 from distzo.zo.estimators import FZOO, SPSA
 
 
@@ -66,6 +75,73 @@ def test_a_first_sigint_asks_for_a_stop_and_a_second_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is before
     assert Preempted(4, "SIGINT").exit_code == EXIT_INTERRUPTED == 130
     assert Preempted(4, "SIGTERM").exit_code == EXIT_PREEMPTED == 143
+
+
+@pytest.mark.parametrize(
+    "sig, hint",
+    [
+        (signal.SIGUSR1, ""),  # SLURM's --signal=USR1 notice: not a kill
+        (signal.SIGTERM, ""),
+        (signal.SIGINT, " (Ctrl-C again stops at once, unsaved)"),
+    ],
+)
+def test_each_stop_signal_is_noted_in_one_line_and_only_ctrl_c_offers_a_second(sig, hint, caplog):
+    with caplog.at_level(logging.WARNING), StopSignals() as signals:
+        signals.defer()
+        signal.raise_signal(sig)
+    assert signals.received == sig.name
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{sig.name} received: stopping after the step under way{hint}"
+    ]
+
+
+def test_stop_signals_entered_off_the_main_thread_leave_the_handlers_alone():
+    """Python installs handlers from the main thread only (ValueError elsewhere)."""
+    before = signal.getsignal(signal.SIGTERM)
+    failed: list[BaseException] = []
+
+    def enter() -> None:
+        try:
+            with StopSignals():
+                assert signal.getsignal(signal.SIGTERM) is before
+        except BaseException as err:  # reported on the main thread
+            failed.append(err)
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join()
+    assert failed == []
+
+
+class Votes(Collectives):
+    """One process standing in for a job whose other ranks voted ``others``."""
+
+    def __init__(self, others: list[str | None]) -> None:
+        super().__init__(torch.device("cpu"))
+        self.others = others
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        return [value, *self.others]
+
+
+@pytest.mark.parametrize(
+    "mine, others, voted",
+    [
+        (None, [None, None], None),
+        ("SIGTERM", [None], "SIGTERM"),
+        ("SIGUSR1", ["SIGTERM"], "SIGUSR1"),  # this rank's own signal first
+        (None, [None, "SIGTERM"], "a signal to another rank"),
+    ],
+)
+def test_a_stop_vote_outside_the_steps_stops_every_rank_if_any_was_signalled(mine, others, voted):
+    signals = StopSignals()
+    signals.received = mine
+    assert stop_voted(signals, Votes(others)) == voted
+
+
+def test_a_rank_without_stop_signals_still_follows_the_others_vote():
+    assert stop_voted(None, Votes([None])) is None
+    assert stop_voted(None, Votes(["SIGTERM"])) == "a signal to another rank"
 
 
 NAN = ([math.nan, math.nan], (math.nan,))
@@ -139,6 +215,13 @@ def test_a_nan_evaluation_names_the_update_that_led_to_it_or_the_initial_weights
         "runs/a/checkpoints/step-1 and the seed log up to step 0: --resume goes on from step "
         "1, with a lower --lr (0.001 in this run) or a larger --eps (0.001); if it persists, "
         "check the data"
+    )
+    first = eval_diverged(1, {"eval_loss": math.nan}, config, None)  # step 0's update
+    assert (first.step, first.kept) == (1, 0)
+    assert str(first).startswith(
+        "training diverged at step 1: the evaluation of the weights after 1 step gives loss "
+        "nan; step 0's update, which led to it, is not kept; no step is kept: start afresh "
+        "(--overwrite), with a lower --lr (0.001 in this run)"
     )
     before = eval_diverged(0, {"eval_loss": math.inf, "eval_accuracy": math.nan}, config, None)
     assert (before.step, before.kept) == (0, 0)
