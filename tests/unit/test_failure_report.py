@@ -4,7 +4,9 @@ integration test tests/integration/test_root_cause.py)."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import signal
 import time
 from types import SimpleNamespace
 
@@ -16,6 +18,7 @@ from distzo.dist.failure_report import (
     ERROR_FILE,
     ERRORS,
     _first_sentence,
+    await_torchrun,
     is_peer_failure,
     report_peer_failure,
 )
@@ -35,6 +38,22 @@ def test_a_recorded_line_is_what_torchruns_summary_shows(tmp_path, monkeypatch):
     assert abs(failure.timestamp - time.time()) < 5
     summary = str(ChildFailedError("distzo.train", {0: failure}))
     assert "traceback : error: --batch-size must be >= 1, got 0\n" in summary
+
+
+def test_an_error_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun parses the file for its summary: a half-written one (a full disk) would be
+    read as the rank's error instead of nothing."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE, str(error_file))
+
+    def disk_fills(data, out) -> None:
+        out.write('{"message": {"mess')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("distzo.dist.failure_report.json.dump", disk_fills)
+    with pytest.raises(OSError, match="No space left"):
+        ERRORS.record_message("error: anything")
+    assert not error_file.exists()
 
 
 def test_without_torchrun_nothing_is_recorded(tmp_path, monkeypatch):
@@ -127,6 +146,28 @@ def test_a_backends_long_error_is_cut_to_its_gist():
     err = RuntimeError("[gloo/transport.cc:12] Connection closed by peer " + "x" * 500)
     message = _first_sentence(err)
     assert message.startswith("Connection closed by peer x") and len(message) == 160
+
+
+def test_a_backend_error_without_a_message_is_named_by_its_type():
+    assert _first_sentence(dist.DistBackendError("")) == "DistBackendError"
+    assert _first_sentence(RuntimeError(" \n")) == "RuntimeError"
+
+
+def test_the_wait_for_torchrun_lets_its_sigterm_end_the_process(tmp_path, monkeypatch):
+    """A handler left in place (a callback's, a fork server's) would note torchrun's SIGTERM
+    and keep waiting; the rank would then record its own line as if no peer had failed."""
+    monkeypatch.setenv(ERROR_FILE, str(tmp_path / "error.json"))
+    handlers: list[object] = []
+    monkeypatch.setattr(
+        "distzo.dist.failure_report.time.sleep",
+        lambda s: handlers.append(signal.getsignal(signal.SIGTERM)),
+    )
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        await_torchrun(0.5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert handlers == [signal.SIG_DFL]
 
 
 class FailingTrainer:
