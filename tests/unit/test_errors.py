@@ -19,6 +19,7 @@ from tests.helpers.models import random_batch, tiny_opt
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"lr_schedule": "cosine"}, "lr_schedule"),
         ({"lr_schedule": "linear"}, "max_steps"),
+        ({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),  # else a shifted decay
         ({"mode": "disk"}, "mode"),
         ({"noise_chunk": 0}, "noise_chunk"),
         ({"device": "tpu:x"}, "device"),

@@ -44,6 +44,14 @@ def test_a_step_past_max_steps_has_lr_0_as_transformers(warmup):
     assert lrs == [0.0] * 4
 
 
+def test_a_direct_call_refuses_a_schedule_it_cannot_compute():
+    """``distzo.zo.learning_rate`` is public: no config check stands before it there."""
+    with pytest.raises(ValueError, match="^unknown lr_schedule 'cosine'; choose one of "):
+        learning_rate(0.5, 3, "cosine", 0, 10)
+    with pytest.raises(ValueError, match="^lr_schedule 'linear' needs max_steps; "):
+        learning_rate(0.5, 3, "linear")
+
+
 def test_the_engine_steps_with_its_steps_lr_so_warm_up_step_0_moves_nothing():
     """Step t runs with the schedule's lr of t, not of t + 1: the first step of a warm-up
     leaves the weights as they were, bit for bit."""
