@@ -65,6 +65,14 @@ def test_batch_must_split_over_dp():
         ParallelDims(2, 2).check_batch(7)
 
 
+def test_a_batch_that_does_not_split_over_dp_is_refused_not_cut():
+    """``shard_batch`` is the Python API's split: 7 rows over dp 2 gave 3 + 3, the last row
+    dropped while the global batch's num_items still counted it."""
+    ctx = ParallelContext(LaunchEnv(rank=2, world_size=4, launched=True), ParallelDims(2, 2))
+    with pytest.raises(ValueError, match="--batch-size 7 is not divisible by --dp 2"):
+        ctx.shard_batch({"input_ids": torch.arange(7).view(7, 1)})
+
+
 def test_row_major_mesh_coordinates_pair_neighbours():
     dims = ParallelDims(2, 2)
     assert [dims.coordinates(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
