@@ -635,6 +635,53 @@ def test_a_signal_during_the_final_evaluations_last_batch_stops_before_the_expor
     assert len(calls) == 12 and not (tmp_path / "run" / "export").exists()
 
 
+class SaveLog(TrainerCallback):
+    """Records each save's step count."""
+
+    def __init__(self) -> None:
+        self.saves: list[int] = []
+
+    def on_save(self, trainer: Trainer, step: int, asynchronous: bool) -> None:
+        self.saves.append(step)
+
+
+def test_a_run_whose_last_step_is_a_save_step_saves_it_once(tmp_path):
+    """The final save holds the last step: a periodic one there too wrote the whole model
+    twice (minutes at scale), step-4 "written" twice in the log."""
+    log = SaveLog()
+    flags = ("--max-steps", "4", "--save-steps", "2", "--no-save-async", "--eval-steps", "0")
+    with Trainer(job(tmp_path, *flags), callbacks=[log]) as trainer:
+        trainer.train()
+    assert log.saves == [2, 4]
+
+
+class SignalAt(TrainerCallback):
+    """Sends this process SIGTERM as step ``step`` starts."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        if step == self.step:
+            import signal
+
+            signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("after", [["--save-steps", "2", "--no-save-async"], ["--eval-steps", "2"]])
+def test_a_signal_in_a_step_after_a_save_or_evaluation_says_it_waits_for_the_step(
+    tmp_path, caplog, after
+):
+    """Once a periodic save or evaluation is over, a signal's line is the step's again."""
+    from distzo.job.preemption import Preempted, StopSignals
+
+    flags = ("--max-steps", "4", "--eval-steps", "0", *after)
+    with Trainer(job(tmp_path, *flags), callbacks=[SignalAt(2)]) as trainer:
+        with StopSignals() as signals, pytest.raises(Preempted, match="after step 2"):
+            trainer.train(signals)
+    assert "SIGTERM received: stopping after the step under way" in caplog.text
+
+
 def test_a_signal_during_a_save_stops_after_it_without_another_step_or_save(
     tmp_path, monkeypatch, caplog
 ):
