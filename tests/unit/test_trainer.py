@@ -682,6 +682,50 @@ def test_a_signal_in_a_step_after_a_save_or_evaluation_says_it_waits_for_the_ste
     assert "SIGTERM received: stopping after the step under way" in caplog.text
 
 
+class SignalInFinalSave(TrainerCallback):
+    """Sends this process SIGTERM as the final checkpoint (a synchronous one) is saved."""
+
+    def on_save(self, trainer: Trainer, step: int, asynchronous: bool) -> None:
+        if step == trainer.job.optim.max_steps:
+            import signal
+
+            signal.raise_signal(signal.SIGTERM)
+
+
+def test_a_signal_in_the_final_save_stops_before_the_final_evaluation(tmp_path, caplog):
+    from distzo.job.preemption import Preempted, StopSignals
+
+    with Trainer(job(tmp_path, "--max-steps", "2"), callbacks=[SignalInFinalSave()]) as trainer:
+        with StopSignals() as signals, pytest.raises(Preempted, match="after step 1"):
+            trainer.train(signals)
+    assert trainer.eval_after is None and not (tmp_path / "export").exists()
+    assert "SIGTERM received: stopping once the final checkpoint is written (a resume " in (
+        caplog.text
+    )
+
+
+def test_a_signal_during_the_export_says_the_run_ends_once_it_is_written(
+    tmp_path, monkeypatch, caplog
+):
+    """Past the last vote nothing stops the run: its line says so, not "after the step"."""
+    import signal
+
+    from distzo.job.preemption import StopSignals
+    from distzo.job.run_finish import RunFinish
+
+    summary = RunFinish._write_rank_summary
+
+    def signalled(self, after):
+        signal.raise_signal(signal.SIGTERM)
+        return summary(self, after)
+
+    monkeypatch.setattr(RunFinish, "_write_rank_summary", signalled)
+    with Trainer(job(tmp_path, "--max-steps", "2")) as trainer, StopSignals() as signals:
+        trainer.train(signals)
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert "SIGTERM received: the run ends once its export is written" in caplog.text
+
+
 def test_a_signal_during_a_save_stops_after_it_without_another_step_or_save(
     tmp_path, monkeypatch, caplog
 ):
