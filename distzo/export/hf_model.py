@@ -65,19 +65,18 @@ def _is_rank0() -> bool:
     return world_rank()[0] == 0
 
 
-def check_shard_size(size: str) -> None:
+def check_shard_size(size: int | str, name: str = "--export-shard-size") -> None:
     """A one-line error, before any work, for a size Hugging Face's shard planner cannot read,
-    or one of no bytes (which it takes as a shard per tensor)."""
-    probes = {name: torch.empty(1, device="meta") for name in ("a", "b")}  # 4 bytes each
+    or one of no bytes (which it takes as a shard per tensor); ``name`` is how the caller
+    gave it (the flag, or ``export_hf``'s ``max_shard_size``)."""
+    probes = {key: torch.empty(1, device="meta") for key in ("a", "b")}  # 4 bytes each
     try:
-        if size.strip().startswith("-"):
+        if str(size).strip().startswith("-"):
             raise ValueError(size)
         if split_torch_state_dict_into_shards(probes, max_shard_size=size).is_sharded:
             raise ValueError(size)  # under 8 bytes: 0GB, the smallest a unit can write but 0
     except (ValueError, TypeError):
-        raise ValueError(
-            f"--export-shard-size {size!r} is not a size; write e.g. 5GB or 500MB"
-        ) from None
+        raise ValueError(f"{name} {size!r} is not a size; write e.g. 5GB or 500MB") from None
 
 
 def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
@@ -191,6 +190,12 @@ def export_hf(
     only with ``overwrite``."""
     directory = Path(directory)
     check_replaceable(directory, overwrite)
+    check_shard_size(max_shard_size, "max_shard_size")
+    if merged and not engine.frozen_base:
+        raise ValueError(
+            "merged=True folds an adapter into its frozen base, and this engine trains every "
+            "parameter (no adapter, no frozen base): export it with merged=False"
+        )
     rank0 = _is_rank0()
     shapes = _shapes(engine, merged)
     plan = shard_plan(shapes, max_shard_size)

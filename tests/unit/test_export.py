@@ -142,6 +142,18 @@ def test_an_unreadable_shard_size_is_a_clear_error(size):
         check_shard_size(size)
 
 
+def test_export_hf_refuses_its_own_bad_arguments_by_name_before_writing(tmp_path):
+    """From Python, merged=True on a fully trained model failed deep in the shard plan
+    (AttributeError: 'NoneType' object has no attribute 'entries'), and an unreadable
+    max_shard_size was transformers' "Unit 'GS' not supported", naming neither argument."""
+    engine = trained(tiny_opt(), steps=1)
+    with pytest.raises(ValueError, match="merged=True folds an adapter .* with merged=False$"):
+        export_hf(engine, tmp_path / "merged", merged=True)
+    with pytest.raises(ValueError, match="^max_shard_size '5 gigs' is not a size; write e.g. 5GB"):
+        export_hf(engine, tmp_path / "sized", max_shard_size="5 gigs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_an_export_leaves_a_folder_with_files_unless_asked_to_replace_it(tmp_path):
     engine = trained(tiny_opt(), steps=1)
     folder = tmp_path / "my-models"
