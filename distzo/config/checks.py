@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from distzo.config.engine_options import engine_default
 from distzo.config.job import JobConfig
+from distzo.config.option_names import named_as_flags
 from distzo.data.task_data import TASK_NAMES, check_objective, default_objective
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.zo.estimators import ESTIMATORS
@@ -41,11 +42,13 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
     world's size, whether a process group exists); returns the parallel layout."""
     job.validate()
     data, optim = job.data, job.optim
-    dims = ParallelDims.resolve(env.world_size, job.parallel.dp, job.parallel.pert)
-    dims.check_batch(data.batch_size)
-    # (a count below 1 is the engine options' own one-line error, raised later)
-    if optim.estimator in ESTIMATORS and optim.num_queries is not None and optim.num_queries >= 1:
-        dims.check_passes(optim.estimator, optim.num_queries)
+    with named_as_flags():  # the layout's errors name --dp and --pert, as typed
+        dims = ParallelDims.resolve(env.world_size, job.parallel.dp, job.parallel.pert)
+        dims.check_batch(data.batch_size)
+        # (a count below 1 is the engine options' own one-line error, raised later)
+        queries = optim.num_queries
+        if optim.estimator in ESTIMATORS and queries is not None and queries >= 1:
+            dims.check_passes(optim.estimator, queries)
     if job.offload.transfer == "sliced" and not env.launched:
         raise ValueError(
             "--transfer sliced needs a torchrun launch (a process group); use --transfer naive "

@@ -104,7 +104,11 @@ class ParallelContext:
         """This dp group's contiguous share of a global batch; the ranks of a pert group
         get the same rows."""
         size = next(iter(batch.values())).shape[0]
-        self.dims.check_batch(size)
+        if size % self.dims.dp:
+            raise ValueError(
+                f"shard_batch: the batch's {size} rows do not split over dp {self.dims.dp}; "
+                f"pass a multiple of {self.dims.dp} rows"
+            )
         share = size // self.dims.dp
         lo = self.dp_rank * share
         return {key: value[lo : lo + share] for key, value in batch.items()}

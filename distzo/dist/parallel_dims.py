@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distzo.config.option_names import option_name as _n
 from distzo.runtime.units import counted
 from distzo.zo.estimators import estimator_for
 
@@ -31,20 +32,22 @@ class ParallelDims:
 
         auto: pert = 2 when the world is even (two ranks per step halve the passes per
         rank), else 1; dp takes the rest. Any pert dividing the world is valid here;
-        ``check_passes`` holds it to the step's passes.
+        ``check_passes`` holds it to the step's passes. The errors name ``dp`` and ``pert`` as
+        the caller wrote them (the flags, within ``named_as_flags``).
         """
         if world_size < 1:
             raise ValueError(f"a job needs at least one rank, got {world_size}")
         if pert is not None and pert < 1:
-            raise ValueError(f"--pert must be >= 1, got {pert}")
+            raise ValueError(f"{_n('pert')} must be >= 1, got {pert}")
         if dp is not None and dp < 1:
-            raise ValueError(f"--dp must be >= 1, got {dp}")
+            raise ValueError(f"{_n('dp')} must be >= 1, got {dp}")
         if pert is None:
             if dp is not None:
                 if world_size % dp:
                     raise ValueError(
-                        f"--dp {dp} does not divide the {counted(world_size, 'launched rank')}, "
-                        f"so no --pert fills the rest; use {_choices('--dp', world_size)}"
+                        f"{_n('dp')} {dp} does not divide the "
+                        f"{counted(world_size, 'launched rank')}, so no {_n('pert')} fills the "
+                        f"rest; use {_choices(_n('dp'), world_size)}"
                     )
                 pert = world_size // dp
             else:
@@ -53,12 +56,13 @@ class ParallelDims:
             dp = world_size // pert if world_size % pert == 0 else 0
             if dp == 0:
                 raise ValueError(
-                    f"--pert {pert} does not divide the {counted(world_size, 'launched rank')}; "
-                    f"use {_choices('--pert', world_size)} (--pert 1: every rank data-parallel)"
+                    f"{_n('pert')} {pert} does not divide the "
+                    f"{counted(world_size, 'launched rank')}; use "
+                    f"{_choices(_n('pert'), world_size)} ({_n('pert')} 1: every rank data-parallel)"
                 )
         if dp * pert != world_size:
             raise ValueError(
-                f"--dp {dp} x --pert {pert} = {dp * pert} does not match the "
+                f"{_n('dp')} {dp} x {_n('pert')} {pert} = {dp * pert} does not match the "
                 f"{counted(world_size, 'launched rank')}; "
                 "make dp * pert equal nproc_per_node x nodes"
             )
@@ -70,12 +74,13 @@ class ParallelDims:
         step_passes = len(estimator_for(estimator).passes(queries))
         if self.pert > step_passes:
             raise ValueError(
-                f"--pert {self.pert} is more ranks than the {step_passes} forward passes of a "
-                f"step (--estimator {estimator}, --num-queries {queries}); use --pert "
-                f"{step_passes} or fewer, or more --num-queries"
+                f"{_n('pert')} {self.pert} is more ranks than the {step_passes} forward passes "
+                f"of a step ({_n('estimator')} {estimator}, {_n('num_queries')} {queries}); use "
+                f"{_n('pert')} {step_passes} or fewer, or more {_n('num_queries')}"
             )
 
     def check_batch(self, global_batch_size: int) -> None:
+        """The job's ``--batch-size`` splits over dp (``shard_batch`` checks its own rows)."""
         if global_batch_size % self.dp:
             raise ValueError(
                 f"--batch-size {global_batch_size} is not divisible by --dp {self.dp}; "

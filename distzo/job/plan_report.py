@@ -123,7 +123,8 @@ def report(args: argparse.Namespace) -> str:
     """The plan's lines for ``args`` (the command line, parsed)."""
     check_sizes(args)
     pert = 1 if args.pert is None and args.dp is None else args.pert
-    dims = ParallelDims.resolve(args.nproc, args.dp, pert)
+    with named_as_flags():  # the layout's errors name --dp and --pert, as typed here
+        dims = ParallelDims.resolve(args.nproc, args.dp, pert)
     dp = dims.dp
     rule = estimator_for(args.estimator)
     queries = args.num_queries if args.num_queries is not None else rule.default_queries
@@ -141,7 +142,8 @@ def report(args: argparse.Namespace) -> str:
             noise=rule.default_noise,
             micro_batch_rows=args.micro_batch_rows,
         )
-    dims.check_passes(args.estimator, queries)  # after --num-queries >= 1, as in training
+    with named_as_flags():  # after --num-queries >= 1, as in training
+        dims.check_passes(args.estimator, queries)
     dims.check_batch(args.batch_size)  # what distzo.train refuses, refused here too
     check_shard_size(args.export_shard_size)
     if args.eval_batch_size < args.nproc:

@@ -393,7 +393,11 @@ def test_a_pert_group_wider_than_a_steps_passes_is_refused_in_one_line():
         ParallelDims(1, 4),
         comm=Collectives(torch.device("cpu")),
     )
-    with pytest.raises(ValueError, match=r"^--pert 4 is more ranks than the 2 forward passes"):
+    with pytest.raises(  # named as the Python caller set them: no --pert flag here
+        ValueError,
+        match=r"^pert 4 is more ranks than the 2 forward passes of a step \(estimator spsa, "
+        r"num_queries 1\); use pert 2 or fewer, or more num_queries$",
+    ):
         ZOEngine(tiny_opt(seed=0), ZOConfig(device="cpu", seed=0), parallel=parallel)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from distzo import ZOConfig
+from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
 from tests.helpers.launch import main_in_process
@@ -43,18 +44,47 @@ def test_auto_and_explicit_layouts(world, dp, pert, expected):
     ],
 )
 def test_invalid_layouts_are_one_line_errors(world, dp, pert, message):
-    with pytest.raises(ValueError, match=message) as info:
+    with named_as_flags(), pytest.raises(ValueError, match=message) as info:
         ParallelDims.resolve(world, dp, pert)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "world, dp, pert, message",
+    [
+        (
+            8,
+            3,
+            None,
+            "^dp 3 does not divide .*, so no pert fills .*; use dp 1, dp 2, dp 4 or dp 8$",
+        ),
+        (4, None, 3, r"^pert 3 does not divide the 4 launched ranks; .* \(pert 1: every rank"),
+        (4, 3, 2, "^dp 3 x pert 2 = 6 does not match the 4 launched ranks"),
+        (2, 0, None, "^dp must be >= 1"),
+    ],
+)
+def test_a_layout_resolved_from_python_names_its_arguments(world, dp, pert, message):
+    """The docs' torchrun script calls ``ParallelDims.resolve(world, dp, pert)``, which has no
+    --dp flag: its errors name the arguments."""
+    with pytest.raises(ValueError, match=message):
+        ParallelDims.resolve(world, dp, pert)
 
 
 def test_a_pert_group_needs_a_pass_for_every_rank():
     ParallelDims(1, 9).check_passes("fzoo", 8)  # N + 1 passes
     ParallelDims(1, 6).check_passes("spsa", 3)  # 2q passes
-    with pytest.raises(ValueError, match="--pert 3 is more ranks than the 2 forward passes"):
+    with named_as_flags():
+        with pytest.raises(ValueError, match="--pert 3 is more ranks than the 2 forward passes"):
+            ParallelDims(1, 3).check_passes("spsa", 1)
+        with pytest.raises(ValueError, match=r"forward passes of a step \(--estimator fzoo, "):
+            ParallelDims(1, 10).check_passes("fzoo", 8)
+    # a ZOEngine given that layout from Python: its config's fields, not flags
+    with pytest.raises(
+        ValueError,
+        match=r"^pert 3 is .* \(estimator spsa, num_queries 1\); use pert 2 or fewer, or more "
+        "num_queries$",
+    ):
         ParallelDims(1, 3).check_passes("spsa", 1)
-    with pytest.raises(ValueError, match=r"the 9 forward passes of a step \(--estimator fzoo, "):
-        ParallelDims(1, 10).check_passes("fzoo", 8)
 
 
 def test_batch_must_split_over_dp():
@@ -67,9 +97,13 @@ def test_batch_must_split_over_dp():
 
 def test_a_batch_that_does_not_split_over_dp_is_refused_not_cut():
     """``shard_batch`` is the Python API's split: 7 rows over dp 2 gave 3 + 3, the last row
-    dropped while the global batch's num_items still counted it."""
+    dropped while the global batch's num_items still counted it. Its caller passed rows,
+    not a --batch-size."""
     ctx = ParallelContext(LaunchEnv(rank=2, world_size=4, launched=True), ParallelDims(2, 2))
-    with pytest.raises(ValueError, match="--batch-size 7 is not divisible by --dp 2"):
+    with pytest.raises(
+        ValueError,
+        match="^shard_batch: the batch's 7 rows do not split over dp 2; pass a multiple of 2 rows$",
+    ):
         ctx.shard_batch({"input_ids": torch.arange(7).view(7, 1)})
 
 
