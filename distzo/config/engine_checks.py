@@ -12,6 +12,7 @@ import torch
 
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.option_names import option_name as _n
+from distzo.config.option_names import options_are_flags
 from distzo.zo.estimators import ESTIMATORS
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES
@@ -271,10 +272,15 @@ def _check_estimator(config: ZOConfig) -> None:
     _check_choice(config, "estimator", ESTIMATORS)
     rule = config.estimator_rule
     if config.num_queries < rule.min_queries:
+        default = (  # ZOConfig's num_queries is 1 whatever the estimator; the job's follows it
+            f"its default is {rule.default_queries}"
+            if options_are_flags()
+            else f"the command line's default for it is {rule.default_queries}"
+        )
         raise ValueError(
             f"{_n('estimator')} {config.estimator} needs {_n('num_queries')} >= "
             f"{rule.min_queries}, got {config.num_queries}: sigma, the spread of its perturbed "
-            f"losses, is 0 for one; its default is {rule.default_queries}"
+            f"losses, is 0 for one; {default}"
         )
     if config.estimator == "fzoo" and config.dual_forward:
         raise ValueError(
@@ -283,15 +289,20 @@ def _check_estimator(config: ZOConfig) -> None:
             "fzoo's perturbed passes)"
         )
     if config.estimator == "lozo" and config.noise != "lowrank":
+        why = (  # ZOConfig's noise is gaussian whatever the estimator; the job's follows it
+            f"the default of {_n('estimator')} lozo"
+            if options_are_flags()
+            else "lozo's only noise; ZOConfig's noise is gaussian whatever the estimator"
+        )
         raise ValueError(
             f"{_n('estimator')} lozo perturbs along low-rank z, got {_n('noise')} "
-            f"{config.noise}: set {_n('noise')} lowrank (the default of {_n('estimator')} lozo), "
+            f"{config.noise}: set {_n('noise')} lowrank ({why}), "
             f"or use {_n('estimator')} spsa for {config.noise} z"
         )
     if config.estimator == "fzoo" and config.noise == "legacy":
         raise ValueError(
             f"{_n('noise')} legacy replays earlier versions' SPSA runs; fzoo draws rademacher "
-            "(its default) or gaussian"
+            f"({'its default' if options_are_flags() else 'as in its paper'}) or gaussian"
         )
 
 

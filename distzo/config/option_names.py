@@ -22,6 +22,16 @@ def named_as_flags() -> Iterator[None]:
         _AS_FLAGS.reset(token)
 
 
-def option_name(field: str) -> str:
-    """``field`` as the user who set it wrote it: ``state_dtype`` or ``--state-dtype``."""
-    return "--" + field.replace("_", "-") if _AS_FLAGS.get() else field
+def options_are_flags() -> bool:
+    """Whether the caller is the command line (within ``named_as_flags``), whose defaults
+    differ: there ``--noise`` and ``--num-queries`` follow the estimator."""
+    return _AS_FLAGS.get()
+
+
+def option_name(field: str, python: str | None = None) -> str:
+    """``field`` as the user who set it wrote it: ``state_dtype`` or ``--state-dtype``;
+    ``python`` is the Python caller's own name for a job option that is no ``ZOConfig``
+    field (``--lora-targets``: the ``LoraConfig``'s ``target_modules``)."""
+    if _AS_FLAGS.get():
+        return "--" + field.replace("_", "-")
+    return field if python is None else python

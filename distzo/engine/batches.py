@@ -39,10 +39,10 @@ def global_items(
     if num_items is not None:
         # a float (a count divided by dp) or a bool scaled the loss and g without a word
         count = whole_number(num_items)
-        if count is None:
+        if count is None or count < 0:  # a negative one said "the batch has nothing to train on"
             raise ValueError(
                 f"num_items must be a whole count of label tokens or examples, got "
-                f"{num_items!r}; pass an int"
+                f"{num_items!r}; pass the global batch's count, an int >= 0"
             )
         return count
     if dp > 1:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distzo.config.option_names import option_name as _n
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
 from distzo.engine.module_scratch import Fill
 from distzo.engine.rebuilt_master import BlockVisit
@@ -39,8 +40,9 @@ def micro_batch_bounds(rows: int, micro_batches: int) -> list[tuple[int, int]]:
     larger when ``rows`` does not divide); refused when there are fewer rows than that."""
     if micro_batches > rows:
         raise ValueError(
-            f"--grad-accum {micro_batches} needs at least {micro_batches} rows per rank, "
-            f"the batch has {rows}; lower --grad-accum or raise --batch-size"
+            f"{_n('grad_accum')} {micro_batches} needs at least {micro_batches} rows per rank, "
+            f"the batch has {rows}; lower {_n('grad_accum')} or raise "
+            f"{_n('batch_size', python='the rows passed')}"
         )
     size, extra = divmod(rows, micro_batches)
     bounds, lo = [], 0

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from distzo.config.engine_options import ZOConfig
+from distzo.config.option_names import option_name as _n
 from distzo.engine.build import StoreMaker, fill_store
 from distzo.engine.layouts import ModelLayouts, device_bucket
 from distzo.engine.scratch import bound_scratch
@@ -369,15 +370,17 @@ def make_tuning(
 
 def _refuse_outside_blocks(name: str) -> NoReturn:
     """A batched forward gives each pass its own weights inside the blocks only."""
+    both = f"{_n('dual_forward')} and {_n('batch_queries')}"
     raise ValueError(
-        f"--dual-forward and --batch-queries batch the adapter inside the blocks, but {name} "
-        "is trained outside them; leave its module out of --lora-targets, or drop "
-        "--dual-forward and --batch-queries"
+        f"{both} batch the adapter inside the blocks, but {name} is trained outside them; "
+        f"leave its module out of {_n('lora_targets', python='target_modules')}, or "
+        f"drop {both}"
     )
 
 
 def _refuse_batched() -> NoReturn:
     raise ValueError(
-        "--dual-forward and --batch-queries need an adapter that trains only inside the blocks "
-        "(--peft lora, lora-fa or prefix); drop them for full tuning"
+        f"{_n('dual_forward')} and {_n('batch_queries')} need an adapter that trains only "
+        f"inside the blocks ({_n('peft', python='peft:')} lora, lora-fa or prefix); drop "
+        "them for full tuning"
     )

@@ -10,6 +10,7 @@ import torch
 from distzo import ZOConfig, ZOEngine
 from distzo.config.checks import check_job
 from distzo.config.job import resolve
+from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv
 from distzo.job.memory_plan import RankPlace, plan_memory
 from distzo.zo import NoiseSource
@@ -188,7 +189,7 @@ def test_a_fzoo_step_runs_its_passes_and_moves_theta_by_fzoos_update():
         (
             dict(estimator="fzoo", num_queries=1),
             "estimator fzoo needs num_queries >= 2, got 1: sigma, the spread of its perturbed "
-            "losses, is 0 for one; its default is 8",
+            "losses, is 0 for one; the command line's default for it is 8",
         ),
         (
             dict(estimator="fzoo", num_queries=8, dual_forward=True),
@@ -197,21 +198,39 @@ def test_a_fzoo_step_runs_its_passes_and_moves_theta_by_fzoos_update():
         ),
         (
             dict(estimator="fzoo", num_queries=8, noise="legacy"),
-            "noise legacy replays earlier versions' SPSA runs; fzoo draws rademacher (its "
-            "default) or gaussian",
+            "noise legacy replays earlier versions' SPSA runs; fzoo draws rademacher (as in "
+            "its paper) or gaussian",
         ),
         (dict(estimator="mezo"), "estimator must be one of spsa, fzoo, lozo, got 'mezo'"),
         (
             dict(estimator="lozo", noise="gaussian"),
             "estimator lozo perturbs along low-rank z, got noise gaussian: set noise lowrank "
-            "(the default of estimator lozo), or use estimator spsa for gaussian z",
+            "(lozo's only noise; ZOConfig's noise is gaussian whatever the estimator), or use "
+            "estimator spsa for gaussian z",
         ),
     ],
 )
 def test_a_pairing_an_estimator_cannot_honour_is_one_line(options, message):
+    """From Python, ZOConfig's noise and num_queries default to gaussian and 1 whatever the
+    estimator: "the default of estimator lozo" sent a notebook user after a default that
+    ZOConfig does not have."""
     with pytest.raises(ValueError) as refused:
         ZOConfig(device="cpu", **options)
     assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(estimator="fzoo", num_queries=1), "is 0 for one; its default is 8$"),
+        (dict(estimator="fzoo", num_queries=8, noise="legacy"), r"rademacher \(its default\) or"),
+        (dict(estimator="lozo", noise="gaussian"), r"lowrank \(the default of --estimator lozo\)"),
+    ],
+)
+def test_the_command_line_names_the_estimators_own_defaults(options, message):
+    """There --noise and --num-queries follow the estimator (``JobConfig.engine_config``)."""
+    with named_as_flags(), pytest.raises(ValueError, match=message):
+        ZOConfig(device="cpu", **options)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import torch
 
 from distzo import ZOConfig
 from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+from distzo.config.option_names import named_as_flags
 from distzo.job.memory_plan import plan_memory
 from tests.helpers.engines import Counting, engine_for, train
 from tests.helpers.models import base_model, random_batch
@@ -111,9 +112,13 @@ def test_each_block_goes_up_once_per_step_whatever_the_micro_batches():
 
 def test_more_micro_batches_than_rows_is_a_one_line_error():
     engine = engine_for(base_model("opt"), grad_accum=5)
-    with pytest.raises(
-        ValueError, match="--grad-accum 5 needs at least 5 rows per rank, the batch has 4"
+    with pytest.raises(  # from Python: the config's field and the rows passed, not flags
+        ValueError,
+        match="^grad_accum 5 needs at least 5 rows per rank, the batch has 4; lower "
+        "grad_accum or raise the rows passed$",
     ):
+        engine.step(random_batch(64, seed=0))
+    with named_as_flags(), pytest.raises(ValueError, match="lower --grad-accum or raise --batch"):
         engine.step(random_batch(64, seed=0))
     with pytest.raises(ValueError, match="grad_accum must be >= 1"):
         ZOConfig(grad_accum=0)

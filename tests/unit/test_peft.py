@@ -14,6 +14,7 @@ from distzo.adapters.peft_adapters import (
     attach_adapter,
     merge_problem,
 )
+from distzo.config.option_names import named_as_flags
 from distzo.data import CountingTask
 from distzo.export.hf_model import export_model
 from distzo.models.weights import SafetensorsWeights, skeleton
@@ -322,7 +323,10 @@ def test_fzoos_perturbed_passes_batched_equal_them_one_by_one(family):
 
 
 def test_batched_passes_need_an_adapter():
-    with pytest.raises(ValueError, match="--dual-forward and --batch-queries need an adapter"):
+    """Named as the caller set them: ZOConfig's fields from Python, the flags in the job."""
+    with pytest.raises(ValueError, match="^dual_forward and batch_queries need an adapter"):
+        engine_for(base_model("opt"), dual_forward=True)
+    with named_as_flags(), pytest.raises(ValueError, match=r"\(--peft lora, lora-fa or prefix\)"):
         engine_for(base_model("opt"), dual_forward=True)
 
 
@@ -348,10 +352,15 @@ class ReadCounting:
     [
         (
             AdapterSpec("lora", r=4, targets=("q_proj", "lm_head")),
-            "lm_head.lora_A.default.weight is trained outside them; leave its module out of "
-            "--lora-targets",
+            "^dual_forward and batch_queries batch .* lm_head.lora_A.default.weight is trained "
+            "outside them; leave its module out of target_modules, or drop dual_forward and "
+            "batch_queries$",
         ),
-        (None, "need an adapter that trains only inside the blocks"),
+        (
+            None,
+            r"^dual_forward and batch_queries need an adapter that trains only inside the "
+            r"blocks \(peft: lora, lora-fa or prefix\); drop them for full tuning$",
+        ),
     ],
     ids=["lora_on_the_head", "full_tuning"],
 )
