@@ -24,7 +24,9 @@ element is ``sum_k U[i,k] V[j,k]`` formed by separate multiplies and adds in k o
 fused multiply-add, no matmul whose summation order depends on the shape), so the CPU
 and a GPU form the same z from the same U and V. Memory: a piece of z, a product buffer
 of the same size, the U rows of one piece and one matrix's V: ``U V^T`` of a whole matrix
-never exists.
+never exists. On CUDA the perturbation and the update of a matrix's elements form z in
+registers instead, in the same order (``distzo.zo.triton_lowrank``): theta read once and
+written once, no piece of z or product in memory.
 
 **Expectation.** For iid standard Gaussian U and V, ``E[Z_ab Z_ij] = r`` when (a, b) =
 (i, j) and 0 otherwise, so ``E[Z <Z, G>] = r G``: on matrices the estimate ``g Z`` is r
@@ -163,7 +165,9 @@ class LowRankNoise(NoiseSource):
     """The ``lowrank`` kind: z of every matrix entry of a bucket is ``U V^T``, of every
     1-D entry Gaussian. ``layouts[block_id]`` is the layout of the bucket a block id
     names (the resident bucket's first). Every op of ``NoiseSource`` runs on its generic
-    path over ``chunks`` (``fuses`` is False): perturb, update, moments, ``full``."""
+    path over ``chunks`` (``fuses`` is False: moments, ``full``, rebuilt masters), but for
+    the perturbation and the update on CUDA (``fuses_master``): there a matrix's elements
+    take one ``triton_lowrank`` kernel a run of rows at a time, the same bits."""
 
     def __init__(
         self,
@@ -199,8 +203,144 @@ class LowRankNoise(NoiseSource):
         return super().device_bytes + self._u.nbytes + self._v.nbytes + self._product.nbytes
 
     def fuses(self, *tensors: torch.Tensor) -> bool:
-        """Never: the low-rank z is formed by torch ops, chunk by chunk."""
+        """Never: the kernels this gates (the stored moments', the rebuilt master's) draw
+        z element by element; the low-rank kind's fused ops are ``fuses_master``'s."""
         return False
+
+    def fuses_master(self, theta: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+        """The perturbation and the update of the matrices as one low-rank kernel each
+        (``triton_lowrank``): CUDA with Triton, contiguous float32, bf16 or fp16 operands
+        and factors, out of theta's dtype for a 16-bit theta (``add_scaled``'s rule)."""
+        from distzo.zo.triton_lowrank import DTYPES
+
+        if out is not None and not (
+            out.is_contiguous()
+            and out.dtype in DTYPES
+            and (out.dtype == theta.dtype or theta.dtype == torch.float32)
+        ):
+            return False
+        return (
+            self._triton
+            and self.dtype in DTYPES
+            and theta.dtype in DTYPES
+            and theta.is_contiguous()
+        )
+
+    def perturb_into(
+        self,
+        out: torch.Tensor,
+        theta: torch.Tensor,
+        scale: float,
+        step: int,
+        block_id: int,
+        query: int = 0,
+        start: int = 0,
+        total: int | None = None,
+    ) -> None:
+        """``NoiseSource.perturb_into``: where ``fuses_master``, a matrix's elements in one
+        kernel a run of rows at a time, its 1-D entries and padding on the generic path."""
+        stop = start + theta.numel()
+        total = stop if total is None else total
+        if scale == 0.0 or not self.fuses_master(theta, out):
+            super().perturb_into(out, theta, scale, step, block_id, query, start, total)
+            return
+        if out.numel() < theta.numel():
+            raise ValueError(
+                f"the perturbation's out holds {out.numel()} elements, fewer than the "
+                f"{theta.numel()} it is given"
+            )
+        from distzo.zo import triton_lowrank
+
+        keys = self.keys(step, block_id, query)
+        for s, lo, hi in self._spans(start, stop, total, block_id):
+            piece = slice(lo - start, hi - start)
+            if s is None:
+                self.perturb_chunks(
+                    out[piece], theta[piece], scale, step, block_id, query, lo, total
+                )
+                continue
+            v = self._v_of(s, keys.v)
+            for a, b, first in self._row_runs(s, lo, hi, keys.u):
+                run = slice(a - start, b - start)
+                triton_lowrank.perturb(out[run], theta[run], self._u, v, first, scale)
+
+    def apply_terms(
+        self,
+        theta: torch.Tensor,
+        decay_end: int,
+        shrink: float,
+        terms: Sequence[tuple[int, int, float]],
+        block_id: int,
+        start: int = 0,
+        total: int | None = None,
+    ) -> None:
+        """``NoiseSource.apply_terms``: where ``fuses_master``, a matrix's elements take the
+        decay and each term's ``alpha z`` in one kernel per term (the decay in the first), a
+        run of rows at a time; its 1-D entries and padding the generic path."""
+        stop = start + theta.numel()
+        total = stop if total is None else total
+        if not terms or not self.fuses_master(theta):
+            super().apply_terms(theta, decay_end, shrink, terms, block_id, start, total)
+            return
+        from distzo.zo import triton_lowrank
+
+        for s, lo, hi in self._spans(start, stop, total, block_id):
+            piece = theta[lo - start : hi - start]
+            if s is None:
+                self.terms_chunks(piece, decay_end, shrink, terms, block_id, lo, total)
+                continue
+            for index, (step, query, alpha) in enumerate(terms):
+                keys = self.keys(step, block_id, query)
+                v = self._v_of(s, keys.v)
+                for a, b, first in self._row_runs(s, lo, hi, keys.u):
+                    decay = decay_end - a if index == 0 else 0
+                    run = theta[a - start : b - start]
+                    triton_lowrank.update(run, self._u, v, first, decay, shrink, alpha)
+
+    def _spans(
+        self, start: int, stop: int, total: int, block_id: int
+    ) -> Iterator[tuple[Segment | None, int, int]]:
+        """Bucket elements [start, stop) cut where segments meet: (the matrix segment, lo,
+        hi), or (None, lo, hi) for a run of 1-D entries, padding or elements past the
+        layout (the generic path's). Refuses a range outside the bucket or an unknown id."""
+        if not 0 <= start <= stop <= total:
+            raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
+        if not 0 <= block_id < len(self._segments):
+            raise ValueError(
+                f"block id {block_id} has no layout in this low-rank noise source "
+                f"({len(self._segments)} buckets)"
+            )
+        segs, at = self._segments[block_id], start
+        i = max(0, bisect.bisect_right(self._starts[block_id], start) - 1)
+        generic = start  # the start of the run of generic elements not yet yielded
+        while at < stop:  # the walk of ``_fill_range``
+            s = segs[i] if i < len(segs) else None
+            end = stop if s is None else min(s.stop, stop)
+            if s is not None and s.cols:
+                if generic < at:
+                    yield None, generic, at
+                yield s, at, end
+                generic = end
+            at, i = end, i + 1
+        if generic < stop:
+            yield None, generic, stop
+
+    def _row_runs(
+        self, s: Segment, lo: int, hi: int, u_key: tuple[int, int]
+    ) -> Iterator[tuple[int, int, int]]:
+        """Bucket elements [lo, hi) of matrix ``s`` in runs of the rows the U buffer holds:
+        each run's U rows are drawn into it (from their row) before it is yielded as (its
+        first, its end, its first's place in its first row)."""
+        r, cols = self.rank, s.cols
+        batch = max(1, self._u.numel() // r)
+        first, end = lo - s.start, hi - s.start
+        row = first // cols
+        while row * cols < end:
+            k = min(batch, (end - 1) // cols + 1 - row)
+            self._draw_range(self._u[: k * r], s.u_offset + row * r, u_key)
+            a = max(first, row * cols)
+            yield s.start + a, s.start + min(end, (row + k) * cols), a - row * cols
+            row += k
 
     def keys(self, step: int, block_id: int, query: int = 0) -> Keys:
         """The keys of a draw: V's is its window's first step's."""

@@ -318,6 +318,21 @@ class NoiseSource:
             key = self.key(step, block_id, query)
             triton_noise.perturb(out[:n], theta, scale, key, self.kind, self.kind_table, start)
             return
+        self.perturb_chunks(out, theta, scale, step, block_id, query, start, total)
+
+    def perturb_chunks(
+        self,
+        out: torch.Tensor,
+        theta: torch.Tensor,
+        scale: float,
+        step: int,
+        block_id: int,
+        query: int,
+        start: int,
+        total: int | None,
+    ) -> None:
+        """``perturb_into``'s generic path: z a chunk at a time, then the add."""
+        stop = start + theta.numel()
         for lo, hi, z in self.chunks(
             start, stop, stop if total is None else total, step, block_id, query
         ):
@@ -461,7 +476,21 @@ class NoiseSource:
                 start,
             )
             return
-        c = self.piece
+        self.terms_chunks(theta, decay_end, shrink, terms, block_id, start, total)
+
+    def terms_chunks(
+        self,
+        theta: torch.Tensor,
+        decay_end: int,
+        shrink: float,
+        terms: Sequence[tuple[int, int, float]],
+        block_id: int,
+        start: int,
+        total: int,
+    ) -> None:
+        """``apply_terms``' generic path: a chunk of theta decayed, then each term's z
+        drawn a chunk at a time and added."""
+        stop, c = start + theta.numel(), self.piece
         for lo in range(start - start % c, stop, c):  # the pieces ``chunks`` draws
             lo, hi = max(lo, start), min(lo + c, stop)
             piece = theta[lo - start : hi - start]

@@ -7,6 +7,7 @@ resident; and check, with the binder Triton's launcher uses to pick a compiled v
 the keys and offsets of 50 steps select one variant per kernel (no recompile as they
 change)."""
 
+import itertools
 import os
 import random
 import re
@@ -20,8 +21,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from distzo.zo import lowrank_kernels as lk
 from distzo.zo import triton_kernels as k
-from distzo.zo import triton_noise
+from distzo.zo import triton_lowrank, triton_noise
 
 RANGE = {"start": "i64", "n": "i64", "k0": "u32", "k1": "u32"}
 TERMS = {"terms_ptr": "*i32", "num_terms": "i32"}  # a launch's keys and alphas, on the device
@@ -357,4 +359,81 @@ for fn, arguments in CALLS.items():
         seen.add(repr(binder(*args, **constexprs)[1]))
     assert len(seen) == 1, (fn.__name__, sorted(seen))
     print(f"{fn.__name__}: one variant over 50 steps of keys and offsets")
+# LOZO's low-rank kernels (``triton_lowrank``): ranks 1, 2 and 4; a float32 master (its out
+# in float32 or bf16, factors in float32 or bf16) and a model held in bf16 or fp16
+RUN = {"n": "i64", "first": "i64", "cols": "i64"}
+for (theta, out, factors), rank in itertools.product(
+    (
+        ("*fp32", "*fp32", "*fp32"),
+        ("*fp32", "*bf16", "*fp32"),
+        ("*fp32", "*fp32", "*bf16"),
+        ("*bf16", "*bf16", "*bf16"),
+        ("*fp16", "*fp16", "*fp16"),
+    ),
+    (1, 2, 4),
+):
+    factor_ptrs = {"u_ptr": factors, "v_ptr": factors}
+    for fn, signature in (
+        (
+            lk.lowrank_perturb_kernel,
+            {"out_ptr": out, "theta_ptr": theta, **factor_ptrs, **RUN, "scale": "fp32"},
+        ),
+        (
+            lk.lowrank_update_kernel,
+            {
+                "theta_ptr": theta,
+                **factor_ptrs,
+                **RUN,
+                **{"decay_left": "i64", "shrink": "fp32", "alpha": "fp32"},
+            },
+        ),
+    ):
+        constexprs = {"RANK": rank, "BLOCK": triton_lowrank.BLOCK}
+        source = ASTSource(
+            fn=fn,
+            signature={**signature, "RANK": "constexpr", "BLOCK": "constexpr"},
+            constexprs=constexprs,
+        )
+        options = triton_lowrank.COMPILE_OPTIONS
+        compiled = triton.compile(source, target=targets[0], options=options)
+        assert ".approx" not in compiled.asm["ptx"], fn.__name__
+        registers, resident = resident_warps(compiled.asm["cubin"], 4, fn.__name__)
+        assert resident >= SM_WARPS // 2, (fn.__name__, signature, rank, registers, resident)
+        print(
+            f"{fn.__name__} {theta} {factors} rank {rank}: {registers} registers, {resident} warps"
+        )
+LOWRANK_CALLS = {
+    lk.lowrank_perturb_kernel: lambda n, first, cols, d: (
+        bf16,
+        bf16,
+        bf16,
+        bf16,
+        n,
+        first,
+        cols,
+        -1e-3,
+    ),
+    lk.lowrank_update_kernel: lambda n, first, cols, d: (
+        bf16,
+        bf16,
+        bf16,
+        n,
+        first,
+        cols,
+        d,
+        0.99,
+        -1e-3,
+    ),
+}
+for fn, run_arguments in LOWRANK_CALLS.items():  # one variant whatever the run and the matrix
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    seen.clear()
+    for _ in range(50):
+        args = run_arguments(
+            *(rng.choice([1, 3000, 2**31 + 5]), rng.choice([0, 7, 2**31 + 3])),
+            *(rng.choice([1, 16, 768, 3072]), rng.choice([0, 16, 2**33])),
+        )
+        seen.add(repr(binder(*args, RANK=2, BLOCK=triton_lowrank.BLOCK)[1]))
+    assert len(seen) == 1, (fn.__name__, sorted(seen))
+    print(f"{fn.__name__}: one variant over 50 runs")
 print("triton kernels compile")

@@ -1,10 +1,15 @@
 """LOZO's low-rank noise: its ranges, its factors' keys, its expectation, and the engine
 running it on every layout the noise source serves."""
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
 from distzo import ZOConfig, ZOEngine
@@ -360,3 +365,28 @@ def test_a_replay_draws_the_runs_low_rank_noise_rank_and_interval():
     config = ZOConfig(noise="lowrank", lozo_rank=3, lozo_interval=7)
     again = replayed_config(config)
     assert (again.noise, again.lozo_rank, again.lozo_interval) == ("lowrank", 3, 7)
+
+
+def test_the_low_rank_kernels_interpreted_equal_the_generic_path():
+    """The CUDA kernels of the perturbation and the update (``triton_lowrank``), run by
+    Triton's interpreter on the CPU: bit for bit the generic path's results over ranks,
+    dtypes, runs of rows, 1-D entries and padding, and offsets past 2^31 (the probe)."""
+    from tests.unit.test_noise import FUSED_FMA_INTERPRETER
+
+    triton = pytest.importorskip("triton")
+    if Version(triton.__version__) < FUSED_FMA_INTERPRETER:
+        pytest.skip(f"Triton {triton.__version__}'s interpreter rounds tl.fma twice (3.9's once)")
+    probe = Path(__file__).parents[1] / "helpers" / "triton_lowrank_probe.py"
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "low-rank kernels == generic path" in done.stdout
+
+
+def test_the_low_rank_source_fuses_only_on_cuda_with_triton():
+    """On the CPU (or without Triton) the perturbation and the update keep the generic
+    path, and the kernels gated by ``fuses`` (moments, rebuilt masters) are never LOZO's."""
+    src = source(150, dtype=torch.float32)
+    assert not src.fuses_master(torch.zeros(4)) and not src.fuses(torch.zeros(4))
