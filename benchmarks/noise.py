@@ -13,7 +13,10 @@ is the portable Gaussian noise on its fastest backend (the C kernel on CPU, one 
 Triton kernel per op on CUDA); ``torch`` is the portable noise's torch implementation
 (the same bits, for reference); ``lowrank`` (with ``--lowrank``) is LOZO's noise
 (``--noise lowrank``, rank ``--lozo-rank``) over the bucket laid out as matrices
-``--lowrank-cols`` wide, its U V^T formed by torch ops on the factors' portable draws.
+``--lowrank-cols`` wide: on CUDA its perturb and update kernels (``triton_lowrank``, U V^T
+formed in registers), and ``lowrank-chunked`` beside it, the same ops on the generic path
+(a piece of z from torch ops on the factors' portable draws, then the add; elsewhere
+both are that path).
 Ops on one float32 bucket of ``--elements``:
 
 * ``perturb``: out = theta + eps * z (reads theta, writes out: 8 bytes per element)
@@ -104,6 +107,7 @@ WIRE = {
     "rounding-fp8": torch.float8_e4m3fn,
 }
 PATHS = {"old": "legacy", "new": "gaussian", "torch": "gaussian", "lowrank": "lowrank"}
+LOWRANK_PATHS = ("lowrank", "lowrank-chunked")  # its kernels; its generic path
 LOWRANK_OPS = ("perturb", "update", "window")  # the ops the low-rank path is measured on
 LOWRANK = {"rank": 2, "cols": 768}  # set from --lozo-rank and --lowrank-cols
 
@@ -126,9 +130,12 @@ def source(
     n: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> NoiseSource:
-    if path == "lowrank":
+    if path in LOWRANK_PATHS:
         layout = matrices(n, LOWRANK["cols"])
-        return LowRankNoise(0, chunk, device, dtype, [layout, layout], LOWRANK["rank"], 50)
+        lowrank = LowRankNoise(0, chunk, device, dtype, [layout, layout], LOWRANK["rank"], 50)
+        if path == "lowrank-chunked":
+            lowrank.fuses_master = lambda theta, out=None: False  # type: ignore[method-assign]
+        return lowrank
     src = NoiseSource(0, chunk, device, dtype, distribution, kind=PATHS[path])
     if path == "torch":  # the portable bits from the torch implementation
         src._c = src._triton = False
@@ -234,7 +241,7 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
         medians = {}
         variants = [(path, None) for path in paths]
         variants += [("new", warps) for warps in args.warps]
-        variants += [("lowrank", None)] if args.lowrank and op in LOWRANK_OPS else []
+        variants += [(p, None) for p in LOWRANK_PATHS] if args.lowrank and op in LOWRANK_OPS else []
         for path, warps in variants:
             run = op_runner(op, path, device, args.elements, args.chunk)
             engine_options = dict(triton_noise.LAUNCH_OPTIONS)
@@ -270,7 +277,7 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
             medians[label] = timer.median
             extra = f"  {metrics['of_copy']:.2f} of copy" if copy_gbs else ""
             print(
-                f"{op:13s} {label:6s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
+                f"{op:13s} {label:15s} {per_s / 1e6:9.1f} M elements/s  {metrics['gb_per_s']:7.2f} "
                 f"GB/s{extra}"
             )
         report.derived[f"{op}_new_over_old_speed"] = medians["old"] / medians["new"]
@@ -280,6 +287,9 @@ def measure_ops(args: argparse.Namespace, device: torch.device, report: BenchRep
             )
         if "lowrank" in medians:
             report.derived[f"{op}_lowrank_over_new_time"] = medians["lowrank"] / medians["new"]
+            report.derived[f"{op}_lowrank_over_chunked_speed"] = (
+                medians["lowrank-chunked"] / medians["lowrank"]
+            )
 
 
 def step_model(args: argparse.Namespace):

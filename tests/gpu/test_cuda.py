@@ -799,6 +799,43 @@ def test_cuda_low_rank_noise_equals_cpu_noise_bit_for_bit(dtype):
     assert all(torch.equal(offload[name], value) for name, value in resident.items())
 
 
+@pytest.mark.parametrize(
+    "dtype,held", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+)
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_cuda_low_rank_kernels_equal_the_cpu_generic_path_bit_for_bit(dtype, held, rank):
+    """LOZO's perturbation and update as one kernel each on the GPU (``triton_lowrank``):
+    bit for bit the CPU's generic path (torch ops on the same U and V), on runs that cut
+    rows, 1-D entries between matrices, a small workspace (runs of a few rows), one and
+    two terms, the decay ending inside a matrix."""
+    from distzo.zo.lowrank import LowRankNoise
+    from tests.helpers.lowrank_layouts import LAYOUT, Entry, Layout
+
+    big = Layout((*LAYOUT.entries, Entry(("w",), 2048, (1000, 1000))), 1_002_048)
+    gen = torch.Generator().manual_seed(rank)
+    for chunk in (40, 1 << 20):
+        gpu, cpu = (
+            LowRankNoise(11, chunk, torch.device(d), dtype, [big], rank, 5) for d in ("cuda", "cpu")
+        )
+        theta = (torch.randn(big.numel, generator=gen) * 0.1).to(held)
+        for start, stop in ((0, big.numel), (5, 300), (530, 900_017)):
+            if chunk == 40 and stop - start > 10_000:
+                continue  # one launch a row: the small workspace on small ranges
+            piece = theta[start:stop]
+            assert gpu.fuses_master(piece.cuda(), piece.cuda())
+            out_gpu, out_cpu = torch.empty_like(piece, device="cuda"), torch.empty_like(piece)
+            gpu.perturb_into(out_gpu, piece.cuda(), -1e-3, 7, 0, 1, start, big.numel)
+            cpu.perturb_into(out_cpu, piece, -1e-3, 7, 0, 1, start, big.numel)
+            assert torch.equal(out_gpu.cpu().view(torch.uint8), out_cpu.view(torch.uint8))
+            for terms in ([(7, 0, -0.3)], [(7, 0, -0.3), (9, 1, 0.2)]):
+                updated_gpu, updated_cpu = piece.cuda(), piece.clone()
+                gpu.apply_terms(updated_gpu, 1_000_000, 0.99, terms, 0, start, big.numel)
+                cpu.apply_terms(updated_cpu, 1_000_000, 0.99, terms, 0, start, big.numel)
+                assert torch.equal(
+                    updated_gpu.cpu().view(torch.uint8), updated_cpu.view(torch.uint8)
+                ), (chunk, start, len(terms))
+
+
 def test_benchmark_weights_drawn_on_the_gpu_land_whole_on_the_host():
     """The peers' and throughput's random models draw their Gaussians on the GPU: every
     element of the host tensor written (a chunk edge inside it), N(0, std), rounded to

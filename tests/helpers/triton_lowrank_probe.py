@@ -1,16 +1,16 @@
-"""Run by tests/unit/test_lowrank.py under TRITON_INTERPRET=1: LOZO's low-rank kernels
-(``triton_lowrank``) on the CPU against ``LowRankNoise``'s generic path, bit for bit, on
-ranges that cut rows across runs and chunks, ranks 1, 2 and 4, 1-D entries and padding
-between matrices, float32 and 16-bit masters and factors, and bucket offsets past 2^31 and
-2^32. Exits non-zero (an assertion) on any difference."""
+"""Run by tests/unit/test_lowrank.py (``python -m``) under TRITON_INTERPRET=1: LOZO's
+low-rank kernels (``triton_lowrank``) on the CPU against ``LowRankNoise``'s generic path,
+bit for bit, on ranges that cut rows across runs and chunks, ranks 1, 2 and 4, 1-D entries
+and padding between matrices, float32 and 16-bit masters and factors, and bucket offsets
+past 2^31 and 2^32. Exits non-zero (an assertion) on any difference."""
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from distzo.zo import triton_lowrank, triton_noise
 from distzo.zo.lowrank import LowRankNoise
+from tests.helpers.lowrank_layouts import LAYOUT, Entry, Layout
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 assert triton_noise.available()
@@ -40,40 +40,6 @@ class Launches:
 
 
 launches = Launches()
-
-
-@dataclass(frozen=True)
-class Entry:
-    names: tuple[str, ...]
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
-
-
-@dataclass(frozen=True)
-class Layout:
-    entries: tuple[Entry, ...]
-    numel: int
-
-
-# 1-D entries between matrices, padding, a matrix of three dimensions (its first by the
-# rest), a wide one, a one-row one
-LAYOUT = Layout(
-    (
-        Entry(("a",), 0, (7, 13)),
-        Entry(("b",), 91, (13,)),
-        Entry(("c",), 110, (5, 3, 4)),
-        Entry(("d",), 170, (3,)),
-        Entry(("e",), 173, (2, 150)),
-        Entry(("f",), 480, (1, 9)),
-        Entry(("g",), 489, (40, 33)),
-        Entry(("h",), 1809, (1,)),
-    ),
-    1816,
-)
 
 
 def pair(chunk, dtype, rank, layouts=(LAYOUT,)):

@@ -376,10 +376,14 @@ def test_the_low_rank_kernels_interpreted_equal_the_generic_path():
     triton = pytest.importorskip("triton")
     if Version(triton.__version__) < FUSED_FMA_INTERPRETER:
         pytest.skip(f"Triton {triton.__version__}'s interpreter rounds tl.fma twice (3.9's once)")
-    probe = Path(__file__).parents[1] / "helpers" / "triton_lowrank_probe.py"
     env = os.environ | {"TRITON_INTERPRET": "1"}
     done = subprocess.run(
-        [sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "tests.helpers.triton_lowrank_probe"],
+        cwd=Path(__file__).parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "low-rank kernels == generic path" in done.stdout
