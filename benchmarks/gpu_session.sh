@@ -222,7 +222,8 @@ for stage in "${RUN[@]}"; do
         ;;
     noise-brief)  # brief: noise.py at 64 M elements (the kernels' tests ran in tests-brief), every kernel
         # also launched with 4 (Triton's default), 8, 16 and 32 warps beside the engine's choice, and
-        # LOZO's low-rank noise (torch ops on CUDA: never timed on a GPU)
+        # LOZO's low-rank noise (its kernels, path lowrank, beside its generic path lowrank-chunked and SPSA's
+        # step: the kernels not yet timed on a GPU)
         bounded 100 noise.log python3 benchmarks/noise.py --elements 67108864 --skip-torch --repeats 3 --batch 8 \
             --seq 512 --steps 3 --warps 4,8,16,32 --lowrank --out "$WORK/noise.json"
         ;;
