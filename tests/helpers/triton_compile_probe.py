@@ -7,7 +7,6 @@ resident; and check, with the binder Triton's launcher uses to pick a compiled v
 the keys and offsets of 50 steps select one variant per kernel (no recompile as they
 change)."""
 
-import itertools
 import os
 import random
 import re
@@ -359,18 +358,15 @@ for fn, arguments in CALLS.items():
         seen.add(repr(binder(*args, **constexprs)[1]))
     assert len(seen) == 1, (fn.__name__, sorted(seen))
     print(f"{fn.__name__}: one variant over 50 steps of keys and offsets")
-# LOZO's low-rank kernels (``triton_lowrank``): ranks 1, 2 and 4; a float32 master (its out
-# in float32 or bf16, factors in float32 or bf16) and a model held in bf16 or fp16
+# LOZO's low-rank kernels (``triton_lowrank``): a float32 master at ranks 1, 2 and 4 (the
+# registers grow with the rank), its out in bf16 (a compute-dtype scratch), and models held
+# in bf16 or fp16 (factors in their dtype, as the engine's source draws them)
 RUN = {"n": "i64", "first": "i64", "cols": "i64"}
-for (theta, out, factors), rank in itertools.product(
-    (
-        ("*fp32", "*fp32", "*fp32"),
-        ("*fp32", "*bf16", "*fp32"),
-        ("*fp32", "*fp32", "*bf16"),
-        ("*bf16", "*bf16", "*bf16"),
-        ("*fp16", "*fp16", "*fp16"),
-    ),
-    (1, 2, 4),
+for theta, out, factors, rank in (
+    *(("*fp32", "*fp32", "*fp32", rank) for rank in (1, 2, 4)),
+    ("*fp32", "*bf16", "*fp32", 2),
+    ("*bf16", "*bf16", "*bf16", 2),
+    ("*fp16", "*fp16", "*fp16", 4),
 ):
     factor_ptrs = {"u_ptr": factors, "v_ptr": factors}
     for fn, signature in (
@@ -400,29 +396,14 @@ for (theta, out, factors), rank in itertools.product(
         registers, resident = resident_warps(compiled.asm["cubin"], 4, fn.__name__)
         assert resident >= SM_WARPS // 2, (fn.__name__, signature, rank, registers, resident)
         print(
-            f"{fn.__name__} {theta} {factors} rank {rank}: {registers} registers, {resident} warps"
+            f"{fn.__name__} {theta} into {out}, factors {factors}, rank {rank}: "
+            f"{registers} registers, {resident} warps per SM"
         )
+# a run's length, its first's place, the matrix's width (and the update's decay)
 LOWRANK_CALLS = {
-    lk.lowrank_perturb_kernel: lambda n, first, cols, d: (
-        bf16,
-        bf16,
-        bf16,
-        bf16,
-        n,
-        first,
-        cols,
-        -1e-3,
-    ),
+    lk.lowrank_perturb_kernel: lambda n, first, cols, d: (*[bf16] * 4, n, first, cols, -1e-3),
     lk.lowrank_update_kernel: lambda n, first, cols, d: (
-        bf16,
-        bf16,
-        bf16,
-        n,
-        first,
-        cols,
-        d,
-        0.99,
-        -1e-3,
+        *(bf16, bf16, bf16, n, first, cols, d, 0.99, -1e-3),
     ),
 }
 for fn, run_arguments in LOWRANK_CALLS.items():  # one variant whatever the run and the matrix
