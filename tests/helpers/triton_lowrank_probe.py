@@ -146,4 +146,18 @@ assert not fused.fuses_master(torch.zeros(4, 2).t())
 assert not fused.fuses_master(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4))
 assert not pair(150, torch.float64, 2)[0].fuses_master(torch.zeros(4))
 assert not fused.fuses()  # the stored moments' and the rebuilt master's kernels
+# the fused path refuses what the generic one does, before any launch
+before = dict(launches.count)
+for call, message in (
+    (lambda: fused.perturb_into(torch.empty(3), torch.zeros(10), 1e-3, 0, 0), "fewer than"),
+    (lambda: fused.perturb_into(torch.empty(10), torch.zeros(10), 1e-3, 0, 0, 0, 5, 9), "outside"),
+    (lambda: fused.apply_terms(torch.zeros(10), 0, 1.0, [(0, 0, 1.0)], 0, 5, 9), "outside"),
+    (lambda: fused.apply_terms(torch.zeros(10), 0, 1.0, [(0, 0, 1.0)], 3), "no layout"),
+):
+    try:
+        call()
+        raise AssertionError(f"not refused: {message}")
+    except ValueError as err:
+        assert message in str(err), err
+assert launches.count == before
 print("low-rank kernels == generic path", launches.count)
