@@ -39,7 +39,6 @@ from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.config.inapplicable import RULES, ignored_warning
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, MASTER_DTYPES, add_job_flag
-from distzo.config.option_names import named_as_flags
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import check_shard_size, export_model
 from distzo.export.out_dir import check_out, staging_dir
@@ -67,6 +66,7 @@ from distzo.models.weights import (
     with_generation_config,
 )
 from distzo.runtime import json_text
+from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.units import counted
 from distzo.zo import drawable, identity_kind
 

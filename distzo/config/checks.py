@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from distzo.config.engine_options import engine_default
 from distzo.config.job import JobConfig
-from distzo.config.option_names import named_as_flags
 from distzo.data.task_data import TASK_NAMES, check_objective, default_objective
 from distzo.dist import LaunchEnv, ParallelDims
+from distzo.runtime.option_names import named_as_flags
 from distzo.zo.estimators import ESTIMATORS
 
 

@@ -1,5 +1,5 @@
 """The checks of the engine's options (``ZOConfig.validate``) and the choices they accept:
-each names its option (``distzo.config.option_names``) and the fix, in a fixed order, so
+each names its option (``distzo.runtime.option_names``) and the fix, in a fixed order, so
 that bad input fails before any model is built."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distzo.config.field_types import field_types, is_of_type
-from distzo.config.option_names import option_name as _n
-from distzo.config.option_names import options_are_flags
+from distzo.runtime.option_names import option_name as _n
+from distzo.runtime.option_names import options_are_flags
 from distzo.zo.estimators import ESTIMATORS
 from distzo.zo.noise import NOISE_KINDS
 from distzo.zo.schedule import SCHEDULES

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from distzo.config.engine_checks import check_options
-from distzo.config.option_names import option_name as _n
+from distzo.runtime.option_names import option_name as _n
 from distzo.zo.estimators import Estimator, Pass, estimator_for
 
 

@@ -46,10 +46,10 @@ from distzo.config.engine_checks import (
 from distzo.config.engine_options import ZOConfig, engine_default
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import ignored_warning, inapplicable
-from distzo.config.option_names import named_as_flags
 from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
 from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
+from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.toml_file import UnreadableToml, read_toml
 from distzo.zo.estimators import estimator_for
 from distzo.zo.noise import NOISE_KINDS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distzo.config.option_names import option_name as _n
+from distzo.runtime.option_names import option_name as _n
 from distzo.runtime.units import counted
 from distzo.zo.estimators import estimator_for
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.option_names import option_name as _n
 from distzo.dist import ParallelContext, broadcast_seed
 from distzo.engine import layouts as engine_layouts
 from distzo.engine.layouts import (
@@ -34,6 +33,7 @@ from distzo.offload import BlockStore, BucketLayout, ResidentBlocks, Shard, Stre
 from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.offload.moment_stores import CarriedStore, Moments
 from distzo.offload.streamed_blocks import ROUNDING_STREAM
+from distzo.runtime.option_names import option_name as _n
 from distzo.zo import NoiseSource
 from distzo.zo.lowrank import LowRankNoise, narrowest_matrix
 

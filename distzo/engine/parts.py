@@ -18,7 +18,6 @@ from torch import nn
 
 from distzo.adapters.peft_adapters import install_block_prefixes, is_prefix_tuned
 from distzo.config.engine_options import ZOConfig
-from distzo.config.option_names import option_name as _n
 from distzo.dist import ParallelContext
 from distzo.engine.build import (
     check_transfer_dtype,
@@ -43,6 +42,7 @@ from distzo.engine.vocab_slices import SlicedResident, shared_scratch_numel, sli
 from distzo.models.weights import WeightSource, check_weights
 from distzo.offload import BucketLayout, StreamedBlocks
 from distzo.offload.moment_stores import CarriedStore, Moments
+from distzo.runtime.option_names import option_name as _n
 from distzo.runtime.units import counted, format_bytes, format_count
 from distzo.zo import NoiseSource, Pass
 

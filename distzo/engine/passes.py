@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distzo.config.option_names import option_name as _n
 from distzo.engine.layouts import RESIDENT_BLOCK_ID
 from distzo.engine.module_scratch import Fill
 from distzo.engine.rebuilt_master import BlockVisit
 from distzo.engine.resident_sides import EMBEDDING, HEAD
 from distzo.engine.updates import PendingUpdate
+from distzo.runtime.option_names import option_name as _n
 from distzo.zo import Pass
 
 if TYPE_CHECKING:

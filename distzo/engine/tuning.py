@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.option_names import option_name as _n
 from distzo.engine.build import StoreMaker, fill_store
 from distzo.engine.layouts import ModelLayouts, device_bucket
 from distzo.engine.scratch import bound_scratch
@@ -32,6 +31,7 @@ from distzo.models.weights import WeightSource
 from distzo.offload import BlockStore, BucketLayout, ResidentBlocks, Streams, bind
 from distzo.offload.bucket import Entry
 from distzo.offload.moment_stores import CarriedStore
+from distzo.runtime.option_names import option_name as _n
 
 # A store the scheduler moves: a block store, or one that carries the blocks' moments too.
 Streamed = BlockStore | CarriedStore

@@ -24,7 +24,6 @@ from distzo.config.engine_checks import (
 )
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
-from distzo.config.option_names import named_as_flags
 from distzo.dist.parallel_dims import ParallelDims
 from distzo.export.hf_model import check_shard_size
 from distzo.job.evaluation import rows_per_call
@@ -37,6 +36,7 @@ from distzo.job.memory_plan import (
 )
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
+from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.units import counted, format_bytes
 from distzo.zo.estimators import estimator_for
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from distzo.config.job import JobConfig, write_resolved
-from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv, ParallelContext, broadcast_seed
 from distzo.dist.agreement import agreed
 from distzo.engine import ZOEngine
@@ -47,6 +46,7 @@ from distzo.job.summary import SUMMARY
 from distzo.job.validation import CheckedJob
 from distzo.models.weights import declared_stop_ids, special_ids
 from distzo.objectives import Objective
+from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.units import counted
 
 logger = logging.getLogger("distzo.train")

@@ -346,7 +346,7 @@ def test_an_engine_option_outside_its_choices_names_them_and_its_hint():
     field, the command line's flag), every choice, and the option's hint."""
     from distzo.config.engine_checks import check_options
     from distzo.config.engine_options import ZOConfig
-    from distzo.config.option_names import named_as_flags
+    from distzo.runtime.option_names import named_as_flags
 
     with pytest.raises(ValueError) as refused:
         check_options(ZOConfig(noise="uniform"))

@@ -10,9 +10,9 @@ import torch
 from distzo import ZOConfig, ZOEngine
 from distzo.config.checks import check_job
 from distzo.config.job import resolve
-from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv
 from distzo.job.memory_plan import RankPlace, plan_memory
+from distzo.runtime.option_names import named_as_flags
 from distzo.zo import NoiseSource
 from distzo.zo.estimators import ESTIMATORS, FZOO
 from tests.helpers.engines import Counting, buckets_of

@@ -7,8 +7,8 @@ import torch
 
 from distzo import ZOConfig
 from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
-from distzo.config.option_names import named_as_flags
 from distzo.job.memory_plan import plan_memory
+from distzo.runtime.option_names import named_as_flags
 from tests.helpers.engines import Counting, engine_for, train
 from tests.helpers.models import base_model, random_batch
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from distzo import ZOConfig
-from distzo.config.option_names import named_as_flags
 from distzo.dist import LaunchEnv, ParallelContext, ParallelDims
 from distzo.dist import process_group as pg
+from distzo.runtime.option_names import named_as_flags
 from tests.helpers.launch import main_in_process
 
 

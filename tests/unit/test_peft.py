@@ -14,10 +14,10 @@ from distzo.adapters.peft_adapters import (
     attach_adapter,
     merge_problem,
 )
-from distzo.config.option_names import named_as_flags
 from distzo.data import CountingTask
 from distzo.export.hf_model import export_model
 from distzo.models.weights import SafetensorsWeights, skeleton
+from distzo.runtime.option_names import named_as_flags
 from tests.helpers.engines import BATCHINGS, FLOAT64, Counting, engine_for, frozen_values, train
 from tests.helpers.launch import train_in_process
 from tests.helpers.models import adapted, base_model, build, random_batch, tiny_opt
@@ -939,8 +939,8 @@ def test_batched_passes_that_pert_ranks_split_apart_are_said_to_batch_nothing(
 
 def test_a_run_is_told_of_unbatched_passes_by_its_flags(caplog):
     """The command line's user set --dual-forward and --pert, not dual_forward and pert."""
-    from distzo.config.option_names import named_as_flags
     from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
+    from distzo.runtime.option_names import named_as_flags
 
     parallel = ParallelContext(
         LaunchEnv(rank=0, world_size=2, local_world_size=2),
