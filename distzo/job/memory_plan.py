@@ -42,7 +42,7 @@ from distzo.runtime.host_memory import available_host_bytes
 from distzo.runtime.units import format_bytes, format_count
 from distzo.zo.estimators import Pass, rank_share
 from distzo.zo.lowrank import planned_lowrank_bytes, segments
-from distzo.zo.lowrank_momentum import state_elements
+from distzo.zo.lowrank_momentum import scratch_elements, state_elements
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
 
@@ -559,7 +559,9 @@ def _state_bytes(
     moments = config.num_moments
     rule = MomentRule.of(config)
     if config.lowrank_state:  # LOZO-M: each bucket's factors, on the device in every layout
-        return 0, _lowrank_state_bytes(config, [resident, *layouts], master)
+        buckets, rank = [resident, *layouts], config.lozo_rank
+        scratch = master * scratch_elements([segments(b, rank) for b in buckets], rank)
+        return 0, _lowrank_state_bytes(config, buckets, master) + scratch
     if not moments or rule is None:
         return 0, 0
     if streams:

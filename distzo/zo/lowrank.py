@@ -371,28 +371,46 @@ class LowRankNoise(NoiseSource):
             yield lo, hi, z
 
     def factors(
-        self, step: int, block_id: int, offset: int, query: int = 0
+        self,
+        step: int,
+        block_id: int,
+        offset: int,
+        query: int = 0,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(U, V) of the matrix entry at bucket ``offset`` (copies): its z is ``U @ V.T``."""
+        """(U, V) of the matrix entry at bucket ``offset``: its z is ``U @ V.T``. Copies, or
+        drawn into ``out`` (two flat buffers of at least rows x r and cols x r elements, so
+        that a step's update allocates nothing), viewed as rows x r and cols x r."""
+        segment, r = self._matrix(block_id, offset), self.rank
+        keys = self.keys(step, block_id, query)
+        u_out, v_out = out or (
+            torch.empty(segment.rows * r, device=self.device, dtype=self.dtype),
+            None,
+        )
+        u = u_out[: segment.rows * r]
+        self._draw_range(u, segment.u_offset, keys.u)
+        return u.view(segment.rows, r), _copy(self._v_of(segment, keys.v), v_out)
+
+    def column_factor(
+        self,
+        step: int,
+        block_id: int,
+        offset: int,
+        query: int = 0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """V of the matrix entry at bucket ``offset`` in step ``step``'s window, without
+        drawing U: LOZO-M's V_old at a redraw. A copy, or written into the flat ``out``."""
+        segment = self._matrix(block_id, offset)
+        return _copy(self._v_of(segment, self.keys(step, block_id, query).v), out)
+
+    def _matrix(self, block_id: int, offset: int) -> Segment:
+        """The matrix entry at bucket ``offset``, or a one-line error."""
         matrices = self._matrices[block_id] if 0 <= block_id < len(self._matrices) else {}
         segment = matrices.get(offset)
         if segment is None:
             raise ValueError(f"bucket {block_id} has no matrix entry at offset {offset}")
-        keys, r = self.keys(step, block_id, query), self.rank
-        u = torch.empty(segment.rows * r, device=self.device, dtype=self.dtype)
-        self._draw_range(u, segment.u_offset, keys.u)
-        v = self._v_of(segment, keys.v).clone()
-        return u.view(segment.rows, r), v
-
-    def column_factor(self, step: int, block_id: int, offset: int, query: int = 0) -> torch.Tensor:
-        """V (a copy) of the matrix entry at bucket ``offset`` in step ``step``'s window,
-        without drawing U: LOZO-M's V_old at a redraw."""
-        segment = (
-            self._matrices[block_id].get(offset) if 0 <= block_id < len(self._matrices) else None
-        )
-        if segment is None:
-            raise ValueError(f"bucket {block_id} has no matrix entry at offset {offset}")
-        return self._v_of(segment, self.keys(step, block_id, query).v).clone()
+        return segment
 
     @property
     def num_buckets(self) -> int:
@@ -477,3 +495,9 @@ class LowRankNoise(NoiseSource):
         """out <- Gaussian draws [start, start + len) of ``key``, a workspace piece at a time."""
         for at in range(0, out.numel(), self.piece):
             self._fill(out[at : at + self.piece], start + at, key)
+
+
+def _copy(v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``v`` copied out of the shared V buffer (the next draw overwrites it): a clone, or
+    into the front of the flat buffer ``out``, viewed as ``v``."""
+    return v.clone() if out is None else out[: v.numel()].view_as(v).copy_(v)

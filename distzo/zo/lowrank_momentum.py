@@ -23,7 +23,9 @@ the previous window, regenerated from its key like every other draw.
 The state of a bucket is one flat tensor on the device: each matrix entry's N (rows x r,
 row-major) then each 1-D entry's moment, in the bucket's element order. It is kept whole
 on every rank in every layout (it is tiny), so a streamed block's update reads it where
-the block is uploaded and nothing of it crosses the host link.
+the block is uploaded and nothing of it crosses the host link. The factors an update
+draws (U, V, V_old) and its projection go to scratch sized once for the widest matrix, so
+a step allocates nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +45,39 @@ def state_elements(segments: Sequence[Segment], rank: int) -> int:
     )
 
 
+def scratch_elements(segment_lists: Sequence[Sequence[Segment]], rank: int) -> int:
+    """Elements of the update's scratch (``FactorScratch``): U and the projected N for the
+    most rows, V and V_old for the most columns, and the r x r projection."""
+    rows, cols = _widest(segment_lists)
+    return 2 * rows * rank + 2 * cols * rank + rank * rank
+
+
+def _widest(segment_lists: Sequence[Sequence[Segment]]) -> tuple[int, int]:
+    """The most rows and the most columns of any matrix entry (0, 0 without one)."""
+    matrices = [s for segs in segment_lists for s in segs if s.cols]
+    return max((s.rows for s in matrices), default=0), max((s.cols for s in matrices), default=0)
+
+
+class FactorScratch:
+    """Flat buffers an update draws its factors into and projects N through, allocated
+    once for the widest matrix: the step loop's rule that steps allocate nothing."""
+
+    def __init__(
+        self, segment_lists: Sequence[Sequence[Segment]], rank: int, noise: LowRankNoise
+    ) -> None:
+        rows, cols = _widest(segment_lists)
+        device, dtype = noise.device, noise.dtype
+        self.u, self.projected = (
+            torch.empty(rows * rank, device=device, dtype=dtype) for _ in "up"
+        )
+        self.v, self.v_old = (torch.empty(cols * rank, device=device, dtype=dtype) for _ in "vo")
+        self.projection = torch.empty(rank, rank, device=device, dtype=dtype)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.u, self.projected, self.v, self.v_old, self.projection))
+
+
 class LowRankMomentum:
     """The LOZO-M state of every trained bucket (by noise id) and the update that advances
     it with a bucket. Made zero; ``load`` replaces it from a state or a checkpoint."""
@@ -55,10 +90,12 @@ class LowRankMomentum:
             torch.zeros(state_elements(segs, self.rank), device=noise.device, dtype=noise.dtype)
             for segs in self.segments
         ]
+        self.scratch = FactorScratch(self.segments, self.rank, noise)
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.nbytes for t in self.states)
+        """The states and the update's scratch."""
+        return sum(t.nbytes for t in self.states) + self.scratch.device_bytes
 
     def load(self, states: Sequence[torch.Tensor]) -> None:
         """Copy saved states in (one per bucket, as ``states`` holds them)."""
@@ -110,14 +147,18 @@ class LowRankMomentum:
         self, draw: _Draw, w: torch.Tensor, moment: torch.Tensor, s: Segment, lr: float
     ) -> None:
         """N and W of one matrix entry; W -= lr N V^T in one in-place matmul."""
-        noise, step, g = draw.noise, draw.step, draw.projected_grad
-        u, v = noise.factors(step, draw.block_id, s.start)
+        noise, step, g, scratch = draw.noise, draw.step, draw.projected_grad, self.scratch
+        u, v = noise.factors(step, draw.block_id, s.start, out=(scratch.u, scratch.v))
         if step == 0:
             torch.mul(u, g, out=moment)
         else:
             if step % self.interval == 0:  # V redrawn: project N onto the new subspace
-                v_old = noise.column_factor(step - 1, draw.block_id, s.start)
-                moment.copy_(moment @ (v_old.T @ v) / s.cols)
+                v_old = noise.column_factor(step - 1, draw.block_id, s.start, out=scratch.v_old)
+                projection = torch.mm(v_old.T, v, out=scratch.projection)
+                projected = torch.mm(
+                    moment, projection, out=scratch.projected[: moment.numel()].view_as(moment)
+                )
+                torch.div(projected, s.cols, out=moment)
             moment.mul_(self.beta1).add_(u, alpha=(1.0 - self.beta1) * g)
         w.addmm_(moment, v.T, alpha=-lr)
 

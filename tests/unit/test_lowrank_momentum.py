@@ -4,8 +4,11 @@ refusals."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distzo import ZOConfig, ZOEngine
+from distzo.zo import fast_noise
 from tests.helpers.engines import buckets_of, train
 from tests.helpers.models import FLOAT64_TINY, random_batch, tiny_opt
 from tests.unit.test_engine import assert_same_trajectory, run
@@ -80,13 +83,19 @@ def test_the_factored_momentum_equals_its_dense_formulas_across_two_redraws():
 
 
 def test_the_state_is_a_factor_per_matrix_and_a_moment_per_vector():
-    """An m x n matrix keeps m x r numbers, a 1-D tensor its own length."""
+    """An m x n matrix keeps m x r numbers, a 1-D tensor its own length; the update's
+    scratch holds U and N for the most rows, V and V_old for the most columns."""
     engine, _ = lozo_m_engine(lozo_rank=3)
-    states = engine.update_rule.lowrank_momentum.states
-    for (layout, _), state in zip(buckets_of(engine), states, strict=True):
+    lozo_m = engine.update_rule.lowrank_momentum
+    for (layout, _), state in zip(buckets_of(engine), lozo_m.states, strict=True):
         expected = sum(e.shape[0] * 3 if len(e.shape) >= 2 else e.numel for e in layout.entries)
         assert state.numel() == expected < layout.numel
-    assert engine.state_device_bytes == sum(s.nbytes for s in states)
+    matrices = [
+        e.shape for layout, _ in buckets_of(engine) for e in layout.entries if len(e.shape) == 2
+    ]
+    rows, cols = max(m[0] for m in matrices), max(m[1] for m in matrices)
+    scratch = (2 * rows * 3 + 2 * cols * 3 + 9) * 8  # float64
+    assert engine.state_device_bytes == sum(s.nbytes for s in lozo_m.states) + scratch
 
 
 def test_offload_equals_resident():
@@ -204,7 +213,8 @@ def test_the_plan_counts_the_factors_the_engine_allocates_and_a_save_copies(tmp_
                 for c in (config, lozo)
             )
             assert ours - theirs == copied
-        assert factors == engine.state_device_bytes
+        lozo_m = engine.update_rule.lowrank_momentum
+        assert factors == engine.state_device_bytes - lozo_m.scratch.device_bytes > 0
 
 
 def test_the_jobs_memory_fallbacks_never_try_to_recompute_the_master():
@@ -216,3 +226,61 @@ def test_the_jobs_memory_fallbacks_never_try_to_recompute_the_master():
     flags = ["--transfer-dtype", "bf16", "--estimator", "lozo", "--optimizer", "momentum"]
     tried = fallbacks_of(*flags, "--optimizer-state", "lowrank", "--perturb-scope", "block")
     assert tried == [(3, "buffer", "block", []), (2, "buffer", "block", [tried[1][3][0]])]
+
+
+class Allocations(TorchDispatchMode):
+    """The ops that return a tensor in storage none of their inputs hold (allocations),
+    except inside the noise source's draws (its torch fallback, without the C kernel, has
+    temporaries of its own: the noise's business, not the update's)."""
+
+    def __init__(self, noise):
+        super().__init__()
+        self.made, self.drawing = [], False
+        fill = noise._fill
+
+        def drawn(*args, **kwargs):
+            self.drawing = True
+            try:
+                return fill(*args, **kwargs)
+            finally:
+                self.drawing = False
+
+        noise._fill = drawn
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}  # fmt: skip
+        if not self.drawing:
+            self.made += [
+                str(func)
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given
+            ]
+        return out
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "torch-draws"])
+def test_a_step_allocates_nothing_not_even_at_a_redraw(monkeypatch, kernel):
+    """U, V and V_old are drawn into scratch made with the state, the projection of N
+    runs there: six steps of interval 2 (redraws at 2 and 4), every bucket's update, no
+    tensor allocated (each update drew its factors into new tensors before)."""
+    if kernel and not fast_noise.available():
+        pytest.skip("the compiled noise kernel is not built")
+    monkeypatch.setattr("distzo.zo.fast_noise.available", lambda: kernel)
+    engine, model = lozo_m_engine()
+    rule = engine.update_rule.lowrank_momentum
+    apply, allocations = rule.apply, Allocations(engine.noise)
+
+    def watched(*args, **kwargs):
+        with allocations:
+            apply(*args, **kwargs)
+
+    rule.apply = watched
+    train(engine, model.config.vocab_size, steps=6)
+    engine.flush()
+    assert allocations.made == []
+    # the probe sees an allocation where there is one
+    with allocations:
+        engine.noise.column_factor(2, 1, engine.block_layouts[0].entries[0].offset)
+    assert allocations.made == ["aten.clone.default"]
