@@ -142,10 +142,14 @@ class Recipe:
 # gradient, so its lr is about 100x SPSA's here); LOZO half SPSA's (its rank-2 z doubles
 # the estimate); LoRA-FA 1e-2 (1e-3 barely moved in 300 steps). LoRA-FA with FZOO 1e-1 (seed 0,
 # 400 passes, 500 rows: 3e-2 slower, 1e-2 barely moved, 3e-1 touched 0.59 and fell to 0.5).
+# LOZO-M (--optimizer-state lowrank): LOZO's rank 2 and interval 50 with beta1 0.9; its
+# moment is an average, so its steps are about LOZO's length and its sweep starts at LOZO's lr
+LOZO_M_FLAGS = ("--estimator", "lozo", "--optimizer", "momentum", "--optimizer-state", "lowrank")
 RECIPES = {
     "spsa": Recipe((), 1e-3, (3e-5, 1e-5, 1e-4), 2),
     "fzoo": Recipe(("--estimator", "fzoo"), 1e-3, (3e-3, 1e-3, 1e-2), 9),  # N = 8, and L(theta)
     "lozo": Recipe(("--estimator", "lozo"), 1e-3, (1.5e-5, 5e-6, 5e-5), 2),
+    "lozo-m": Recipe(LOZO_M_FLAGS, 1e-3, (1.5e-5, 5e-6, 5e-5), 2),
     "lora-fa": Recipe(("--peft", "lora-fa"), 1e-2, (1e-2, 3e-3, 3e-2), 2),
     "lora-fa-fzoo": Recipe(
         ("--peft", "lora-fa", "--estimator", "fzoo"), 1e-2, (1e-1, 3e-2, 3e-1), 9
@@ -553,7 +557,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--prefix-length", type=int, default=5)
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam"])
-    p.add_argument("--optimizer-state", default="auto", choices=["auto", "recomputed", "stored"])
+    p.add_argument(
+        "--optimizer-state", default="auto", choices=["auto", "recomputed", "stored", "lowrank"]
+    )
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.999)
     p.add_argument("--momentum-window", type=int, default=32)
