@@ -7,13 +7,13 @@ import re
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from distzo.bench import validate_report
 from tests.helpers.launch import child_env, free_port, run_python
+from tests.helpers.rows import SST2_SAMPLE, SST2_SAMPLE_MISSING
 
 
 def run(args, nproc=1, timeout=240):
@@ -352,13 +352,8 @@ def test_noise_benchmark_times_launch_shapes_only_on_a_gpu(tmp_path):
     assert not (tmp_path / "noise.json").exists()
 
 
-SST2_SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2-sample"
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample"
-)
+@pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason=SST2_SAMPLE_MISSING)
 def test_the_learning_recipe_runs_and_reports_its_curve(tmp_path, smollm2_dir):
     out = tmp_path / "learning.json"
     proc = run(
@@ -458,9 +453,7 @@ def test_compare_adapters_refuses_layout_flags_of_its_own(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample"
-)
+@pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason=SST2_SAMPLE_MISSING)
 def test_the_time_to_accuracy_race_reports_and_continues(tmp_path, smollm2_dir):
     out = tmp_path / "race.json"
     command = [

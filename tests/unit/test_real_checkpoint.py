@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distzo import ZOConfig, ZOEngine
 from distzo.models.weights import open_checkpoint, skeleton
+from tests.helpers.rows import SST2_SAMPLE, SST2_SAMPLE_MISSING
 
 # Skipped without DISTZO_SMOLLM2_GGUF: the smollm2_dir fixture (tests/conftest.py) says so.
 pytestmark = pytest.mark.slow
@@ -51,12 +52,7 @@ def test_smollm2_streams_in_unchanged_and_still_knows_paris(tmp_path, smollm2_di
     assert all(abs(r.projected_grad) < 1e3 and r.loss < 10 for r in results)
 
 
-SST2_SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sst2-sample"
-
-
-@pytest.mark.skipif(
-    not (SST2_SAMPLE / "train.tsv").is_file(), reason="needs ../shared/data/sst2-sample"
-)
+@pytest.mark.skipif(not (SST2_SAMPLE / "train.tsv").is_file(), reason=SST2_SAMPLE_MISSING)
 def test_smollm2_learns_real_sst2_rows_with_the_classification_objective(smollm2_dir):
     """The CI-sized form of benchmarks/learning.py: 8 ZO steps on 32 real rows lower the
     classification loss on those rows (1.34 -> 0.70 at seed 0; 0.58 and 1.00 at seeds 1, 2)."""
