@@ -297,12 +297,8 @@ class LowRankNoise(NoiseSource):
                     run = theta[a - start : b - start]
                     triton_lowrank.update(run, self._u, v, first, decay, shrink, alpha)
 
-    def _spans(
-        self, start: int, stop: int, total: int, block_id: int
-    ) -> Iterator[tuple[Segment | None, int, int]]:
-        """Bucket elements [start, stop) cut where segments meet: (the matrix segment, lo,
-        hi), or (None, lo, hi) for a run of 1-D entries, padding or elements past the
-        layout (the generic path's). Refuses a range outside the bucket or an unknown id."""
+    def _refuse_range(self, start: int, stop: int, total: int, block_id: int) -> None:
+        """Refuse a range outside its bucket, or a bucket id this source has no layout of."""
         if not 0 <= start <= stop <= total:
             raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
         if not 0 <= block_id < len(self._segments):
@@ -310,6 +306,14 @@ class LowRankNoise(NoiseSource):
                 f"block id {block_id} has no layout in this low-rank noise source "
                 f"({len(self._segments)} buckets)"
             )
+
+    def _spans(
+        self, start: int, stop: int, total: int, block_id: int
+    ) -> Iterator[tuple[Segment | None, int, int]]:
+        """Bucket elements [start, stop) cut where segments meet: (the matrix segment, lo,
+        hi), or (None, lo, hi) for a run of 1-D entries, padding or elements past the
+        layout (the generic path's). Refuses a range outside the bucket or an unknown id."""
+        self._refuse_range(start, stop, total, block_id)
         segs, at = self._segments[block_id], start
         i = max(0, bisect.bisect_right(self._starts[block_id], start) - 1)
         generic = start  # the start of the run of generic elements not yet yielded
@@ -356,13 +360,7 @@ class LowRankNoise(NoiseSource):
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yield ``(lo, hi, z)`` as ``NoiseSource.chunks`` does; elements past the bucket's
         layout (a padded slot) are 0."""
-        if not 0 <= start <= stop <= total:
-            raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
-        if not 0 <= block_id < len(self._segments):
-            raise ValueError(
-                f"block id {block_id} has no layout in this low-rank noise source "
-                f"({len(self._segments)} buckets)"
-            )
+        self._refuse_range(start, stop, total, block_id)
         keys, c = self.keys(step, block_id, query), self.piece
         for lo in range(start - start % c, stop, c):
             lo, hi = max(lo, start), min(lo + c, stop)
