@@ -260,6 +260,11 @@ def export_adapter(
     the base model (an existing ``directory`` with files in it replaced only with
     ``overwrite``). Collective: call on every rank; returns the directory on rank 0."""
     directory = Path(directory)
+    if engine.peft_model is None:
+        raise ValueError(
+            "export_adapter writes a peft adapter, and this engine's model has none: export "
+            "the model with export_model, or attach an adapter before building the engine"
+        )
     check_replaceable(directory, overwrite)
     rank0 = _is_rank0()
     values = dict(engine.stream_parameters(materialize=rank0))

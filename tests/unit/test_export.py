@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
-from distzo.export.hf_model import INDEX_NAME, check_shard_size, export_hf
+from distzo.export.hf_model import INDEX_NAME, check_shard_size, export_adapter, export_hf
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from tests.helpers.models import build, random_batch, tiny_opt
 
@@ -151,6 +151,15 @@ def test_export_hf_refuses_its_own_bad_arguments_by_name_before_writing(tmp_path
         export_hf(engine, tmp_path / "merged", merged=True)
     with pytest.raises(ValueError, match="^max_shard_size '5 gigs' is not a size; write e.g. 5GB"):
         export_hf(engine, tmp_path / "sized", max_shard_size="5 gigs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_export_adapter_of_a_model_without_one_names_the_call_and_the_fix(tmp_path):
+    """It said "frozen=True reads the frozen base of an adapter run; there is none", an
+    argument of an internal call the user never passed."""
+    engine = trained(tiny_opt(), steps=1)
+    with pytest.raises(ValueError, match="^export_adapter writes a peft adapter, .* has none: "):
+        export_adapter(engine, tmp_path / "adapter")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
