@@ -122,6 +122,11 @@ def export_model(
     model). An existing ``directory`` with files in it is replaced only with ``overwrite``.
     Collective: call on every rank; returns the directory on rank 0."""
     check_replaceable(Path(directory), overwrite)
+    if merge_adapter and engine.peft_model is None:
+        raise ValueError(
+            "merge_adapter=True merges a peft adapter into its base, and this engine's model "
+            "has none: export it with merge_adapter=False"
+        )
     if engine.peft_model is None:  # a plain model, some of it perhaps frozen: every parameter
         return export_hf(
             engine, directory, tokenizer, max_shard_size, merged=engine.frozen_base, overwrite=True

@@ -9,7 +9,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
-from distzo.export.hf_model import INDEX_NAME, check_shard_size, export_adapter, export_hf
+from distzo.export.hf_model import (
+    INDEX_NAME,
+    check_shard_size,
+    export_adapter,
+    export_hf,
+    export_model,
+)
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
 from tests.helpers.models import build, random_batch, tiny_opt
 
@@ -160,6 +166,15 @@ def test_export_adapter_of_a_model_without_one_names_the_call_and_the_fix(tmp_pa
     engine = trained(tiny_opt(), steps=1)
     with pytest.raises(ValueError, match="^export_adapter writes a peft adapter, .* has none: "):
         export_adapter(engine, tmp_path / "adapter")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_export_model_refuses_merge_adapter_without_an_adapter_before_writing(tmp_path):
+    """merge_adapter=True on a model without peft was quietly ignored: the full model was
+    written, as if the flag meant nothing (export_hf(merged=True) refuses the same)."""
+    engine = trained(tiny_opt(), steps=1)
+    with pytest.raises(ValueError, match="^merge_adapter=True merges .* with merge_adapter=False$"):
+        export_model(engine, tmp_path / "merged", merge_adapter=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
