@@ -364,6 +364,11 @@ class ZOEngine:
         """``measure(runner)`` on the model at its current parameters (the pending update
         applied first, as a flush would): the one pass is ``UNPERTURBED``. Whatever tensors
         it returns are safe to use on the caller's stream."""
+        if not callable(measure):  # evaluate(3) was "'int' object is not callable"
+            raise TypeError(
+                "evaluate takes a measure, a function of the pass runner (measure(runner), as "
+                f"distzo.job.evaluation builds them), got a {type(measure).__name__}"
+            )
         self._in_eval_mode()
         with self.failures.guard(), torch.no_grad(), self.streams.compute_scope():
             result = measure(StepRunner(self, self.step_index, (UNPERTURBED,)))

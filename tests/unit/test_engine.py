@@ -321,6 +321,16 @@ def test_a_measure_that_fails_before_the_blocks_leaves_the_engine_usable(pending
     assert engine.step(random_batch(64, seed=1)) == reference.step(random_batch(64, seed=1))
 
 
+@pytest.mark.parametrize("measure", [3, None, "accuracy"])
+def test_evaluate_refuses_what_is_no_measure_in_one_line(measure):
+    """``evaluate(3)`` was Python's bare "'int' object is not callable", naming neither
+    the call nor what it takes."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    kind = type(measure).__name__
+    with pytest.raises(TypeError, match=rf"^evaluate takes a measure, .* got a {kind}$"):
+        engine.evaluate(measure)
+
+
 def test_a_pass_that_fails_with_no_update_to_take_leaves_the_engine_usable(monkeypatch):
     """The first step's pass has no pending update to write into the buckets: a failure in
     its last block leaves every bucket as it was, and the step taken again is the
