@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distzo.config.engine_options import ZOConfig
+from distzo.config.field_types import whole_number
 from distzo.dist import ParallelContext, broadcast_seed
 from distzo.engine import layouts as engine_layouts
 from distzo.engine.layouts import (
@@ -47,9 +48,13 @@ def resolve_run_seed(
     """``run_seed``, else ``config.seed``, else a random draw: rank 0's, broadcast under
     torchrun. Ranks drawing their own would perturb along different ``z`` (a PertP pair's
     ``L+`` and ``L-`` of two directions) and their weights would part."""
-    seed = run_seed if run_seed is not None else config_seed
-    if seed is not None:
-        return int(seed)
+    if run_seed is not None:  # config.seed is checked with the config
+        whole = whole_number(run_seed)
+        if whole is None:  # int() read 1.5 as 1 and "3" as 3: another run's noise
+            raise ValueError(f"run_seed must be a whole number, got {run_seed!r}")
+        return whole
+    if config_seed is not None:
+        return config_seed
     if parallel.is_distributed:
         return broadcast_seed(None, parallel.comm)
     return secrets.randbits(63)

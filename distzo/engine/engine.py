@@ -197,6 +197,11 @@ class ZOEngine:
         weights: WeightSource | None = None,
         objective: Objective | None = None,
     ) -> None:
+        if not isinstance(config, ZOConfig):  # a dict was "object has no attribute 'validate'"
+            raise TypeError(
+                f"config must be a ZOConfig, got a {type(config).__name__}: "
+                "ZOEngine(model, ZOConfig(lr=..., ...))"
+            )
         config.validate()
         if weights is None and any(p.is_meta for p in model.parameters()):
             raise ValueError(

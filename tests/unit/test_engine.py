@@ -461,6 +461,23 @@ def test_a_count_that_is_no_whole_number_is_refused(num_items):
     assert engine.step(random_batch(64), num_items=torch.tensor(44)).step == 0
 
 
+@pytest.mark.parametrize("run_seed", [1.5, "1", True])
+def test_a_run_seed_that_is_no_whole_number_is_refused(run_seed):
+    """``int()`` took them: 1.5 and True drew run seed 1's noise, "1" as well, with no
+    word said (``ZOConfig.seed`` refuses the same values)."""
+    with pytest.raises(ValueError, match=rf"^run_seed must be a whole number, got {run_seed!r}$"):
+        ZOEngine(tiny_opt(), ZOConfig(device="cpu"), run_seed=run_seed)
+    assert ZOEngine(tiny_opt(), ZOConfig(device="cpu"), run_seed=torch.tensor(1)).run_seed == 1
+
+
+@pytest.mark.parametrize("config", [{"lr": 1e-3}, None, "tiny"])
+def test_a_config_that_is_no_zoconfig_is_refused_in_one_line(config):
+    """A dict of its fields was "'dict' object has no attribute 'validate'"."""
+    kind = type(config).__name__
+    with pytest.raises(TypeError, match=rf"^config must be a ZOConfig, got a {kind}: ZOEngine"):
+        ZOEngine(tiny_opt(), config)
+
+
 def test_load_state_dict_refuses_what_is_no_state_before_writing():
     """A state missing a key, with a step no run reaches, or with a malformed pending
     update is refused in one line, and the engine keeps its own parameters."""
