@@ -79,6 +79,16 @@ def check_shard_size(size: int | str, name: str = "--export-shard-size") -> None
         raise ValueError(f"{name} {size!r} is not a size; write e.g. 5GB or 500MB") from None
 
 
+def check_tokenizer(tokenizer: object) -> None:
+    """A tokenizer is written beside the model by its own ``save_pretrained``; anything else
+    (a hub name) is refused before the shards are written, not after them."""
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(
+            "tokenizer must be a transformers tokenizer (its save_pretrained writes it), got a "
+            f"{type(tokenizer).__name__}: load it with AutoTokenizer.from_pretrained(...)"
+        )
+
+
 def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
     """Meta tensors of what the export holds, by name: the trained parameters, or for a
     merged adapter the base model's own parameters (adapter folded in)."""
@@ -196,6 +206,7 @@ def export_hf(
     directory = Path(directory)
     check_replaceable(directory, overwrite)
     check_shard_size(max_shard_size, "max_shard_size")
+    check_tokenizer(tokenizer)
     if merged and not engine.frozen_base:
         raise ValueError(
             "merged=True folds an adapter into its frozen base, and this engine trains every "
@@ -247,11 +258,12 @@ def export_hf(
 
 @contextlib.contextmanager
 def _removed_on_failure(tmp: Path, owner: bool) -> Iterator[None]:
-    """A failed write (a full disk, a path that turned unwritable) leaves no ``<name>.tmp``
-    behind: the half-written export is of no use, and its bytes are what the disk lacks."""
+    """A failed write (a full disk, a path that turned unwritable, any error on the way)
+    leaves no ``<name>.tmp`` behind: the half-written export is of no use, and its bytes
+    may be what the disk lacks."""
     try:
         yield
-    except OSError:
+    except Exception:
         if owner:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -271,6 +283,7 @@ def export_adapter(
             "the model with export_model, or attach an adapter before building the engine"
         )
     check_replaceable(directory, overwrite)
+    check_tokenizer(tokenizer)
     rank0 = _is_rank0()
     values = dict(engine.stream_parameters(materialize=rank0))
     # A frozen lora_A (lora-fa) is part of the adapter too; it rests with the base.

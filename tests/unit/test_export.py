@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distzo import ZOConfig, ZOEngine
+from distzo.export import hf_model
 from distzo.export.hf_model import (
     INDEX_NAME,
     check_shard_size,
@@ -17,7 +18,7 @@ from distzo.export.hf_model import (
     export_model,
 )
 from distzo.job.checkpoint import Checkpointer, latest_checkpoint
-from tests.helpers.models import build, random_batch, tiny_opt
+from tests.helpers.models import adapted, build, random_batch, tiny_opt
 
 
 def trained(model, mode="offload", steps=3):
@@ -175,6 +176,28 @@ def test_export_model_refuses_merge_adapter_without_an_adapter_before_writing(tm
     engine = trained(tiny_opt(), steps=1)
     with pytest.raises(ValueError, match="^merge_adapter=True merges .* with merge_adapter=False$"):
         export_model(engine, tmp_path / "merged", merge_adapter=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_a_tokenizer_given_by_name_is_refused_before_any_shard(tmp_path, adapter):
+    """tokenizer="gpt2" failed with "'str' object has no attribute 'save_pretrained'" once
+    every shard was written, and left the half-written ``<name>.tmp`` behind."""
+    engine = trained(adapted("opt") if adapter else tiny_opt(), steps=1)
+    with pytest.raises(TypeError, match="^tokenizer must be a transformers tokenizer .* got a str"):
+        export_model(engine, tmp_path / "export", tokenizer="gpt2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_export_that_fails_on_the_way_leaves_no_staging_folder(tmp_path, monkeypatch):
+    """Only an OSError removed ``<name>.tmp``: any other error left the shards written so far."""
+
+    def fails(*args):
+        raise RuntimeError("a config that does not serialise")
+
+    monkeypatch.setattr(hf_model, "_write_configs", fails)
+    with pytest.raises(RuntimeError, match="does not serialise"):
+        export_hf(trained(tiny_opt(), steps=1), tmp_path / "export")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
