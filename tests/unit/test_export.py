@@ -215,6 +215,20 @@ def test_an_export_leaves_a_folder_with_files_unless_asked_to_replace_it(tmp_pat
     assert (folder / "model.safetensors").is_file() and not (folder / "notes.txt").exists()
 
 
+@pytest.mark.parametrize("export", [export_model, export_hf, export_adapter])
+def test_an_overwrite_that_is_no_bool_is_refused_and_the_folder_kept(tmp_path, export):
+    """overwrite="no" (or "False", or 0.0 read from a config) is truthy: the export replaced
+    the user's folder, files and all."""
+    engine = trained(adapted("opt"), steps=1)
+    folder = tmp_path / "my-models"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(TypeError, match="^overwrite must be True or False, got str 'no': "):
+        export(engine, folder, overwrite="no")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-models"]
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
 def test_a_checkpointer_from_python_saves_a_complete_checkpoint_at_once(tmp_path):
     """save() once left only step-N.tmp unless the caller knew to wait(); a str directory
     failed inside."""
