@@ -3,6 +3,8 @@ config."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -56,15 +58,41 @@ def family_for(model: nn.Module) -> ModelFamily:
     return check_supported(getattr(model.config, "model_type", type(model).__name__))(model)
 
 
+def model_dtype(dtype: torch.dtype | str, auto: bool = False) -> torch.dtype | str:
+    """The dtype a model is built in: a floating torch dtype, a name ``--dtype`` takes
+    (``fp32``, ``fp64``), a torch dtype's name (``"bfloat16"``, as transformers reads it), or
+    with ``auto`` the checkpoint's own (``"auto"``). Transformers' answer to another name
+    (``"bf16"``) was "module 'torch' has no attribute 'bf16'", naming neither the argument
+    nor what it takes."""
+    from distzo.config.job import MASTER_DTYPES
+
+    if isinstance(dtype, str):
+        named = MASTER_DTYPES.get(dtype, getattr(torch, dtype, None))
+        if isinstance(named, torch.dtype) and named.is_floating_point:
+            return named
+        if auto and dtype == "auto":
+            return dtype
+    elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    takes = ", ".join(MASTER_DTYPES) + (", auto" if auto else "")
+    raise ValueError(
+        f"dtype {dtype!r} is not a floating-point dtype: give a torch.dtype (torch.float32, "
+        f"torch.bfloat16) or one of {takes}"
+    )
+
+
 def model_from_config(
-    config: PretrainedConfig, dtype: torch.dtype = torch.float32
+    config: PretrainedConfig, dtype: torch.dtype | str = torch.float32
 ) -> PreTrainedModel:
     """A randomly initialised model of ``config``'s shape (tests, benchmarks, the default run)."""
+    dtype = model_dtype(dtype)
     check_supported(config.model_type)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_model(
+    name_or_path: str | os.PathLike[str], dtype: torch.dtype | str = torch.float32
+) -> PreTrainedModel:
     """Load a pretrained causal LM from a local directory or a hub name.
 
     The config is read first so that an unsupported family fails before any weights load.
@@ -75,6 +103,13 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> PreTrai
     from distzo.models.config_file import read_config
     from distzo.models.hub import local_model_dir, snapshot
 
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(
+            f"load_model takes a hub name or a local folder (a str or a Path), got "
+            f"{type(name_or_path).__name__} {name_or_path!r}"
+        )
+    name_or_path = os.fspath(name_or_path)  # a relative Path that is no folder: one line too
+    dtype = model_dtype(dtype, auto=True)
     local = local_model_dir(name_or_path, OPTION)
     check_supported(read_config(local or name_or_path, OPTION).model_type)
     source = local or snapshot(name_or_path, True, option=OPTION)

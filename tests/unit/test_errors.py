@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from distzo import ZOConfig, ZOEngine, load_model
+from distzo import ZOConfig, ZOEngine, load_model, model_from_config
 from tests.helpers.launch import train_in_process
 from tests.helpers.models import random_batch, tiny_opt
 
@@ -112,6 +112,21 @@ def test_unsupported_checkpoint_fails_before_loading_weights(tmp_path):
     )  # a config and no weights: loading them would fail differently
     with pytest.raises(ValueError, match="unsupported model type 'gpt_neox'"):
         load_model(str(tmp_path))
+
+
+def test_load_model_takes_the_dtype_names_of_dtype_and_refuses_others_in_one_line(tmp_path):
+    """dtype="bf16" (or "fp32", the name --dtype takes) failed in transformers with "module
+    'torch' has no attribute 'bf16'"; load_model(3) with "expected str, bytes or
+    os.PathLike object, not int"."""
+    tiny_opt().save_pretrained(tmp_path)
+    assert load_model(tmp_path, dtype="fp64").dtype == torch.float64
+    assert load_model(str(tmp_path), dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"^dtype 'bf16' is not a .* one of fp32, fp64, auto$"):
+        load_model(tmp_path, dtype="bf16")
+    with pytest.raises(ValueError, match=r"^dtype torch.int8 is not a floating-point dtype"):
+        model_from_config(tiny_opt().config, dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"^load_model takes a hub name or a local .* int 3$"):
+        load_model(3)
 
 
 def run_cli(*args):
