@@ -33,6 +33,7 @@ from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine import state
+from distzo.engine.arguments import check_engine_arguments
 from distzo.engine.batches import (
     check_batch,
     check_mapping,
@@ -197,11 +198,7 @@ class ZOEngine:
         weights: WeightSource | None = None,
         objective: Objective | None = None,
     ) -> None:
-        if not isinstance(config, ZOConfig):  # a dict was "object has no attribute 'validate'"
-            raise TypeError(
-                f"config must be a ZOConfig, got a {type(config).__name__}: "
-                "ZOEngine(model, ZOConfig(lr=..., ...))"
-            )
+        check_engine_arguments(model, config, family, parallel, weights, objective)
         config.validate()
         if weights is None and any(p.is_meta for p in model.parameters()):
             raise ValueError(

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -476,6 +478,25 @@ def test_a_config_that_is_no_zoconfig_is_refused_in_one_line(config):
     kind = type(config).__name__
     with pytest.raises(TypeError, match=rf"^config must be a ZOConfig, got a {kind}: ZOEngine"):
         ZOEngine(tiny_opt(), config)
+
+
+@pytest.mark.parametrize(
+    "argument, value, got",
+    [
+        ("objective", "lm", "an Objective, got str 'lm': one from distzo.objectives"),
+        ("family", "opt", "a ModelFamily, got str 'opt': omit it"),
+        ("weights", "x", "a WeightSource, got str 'x': open_checkpoint(path)"),
+        ("parallel", 1, "a distzo.dist.ParallelContext, got int 1: a torchrun job's"),
+        ("model", torch.nn.Linear(4, 4), "a transformers causal LM (or a peft model of one), got"),
+    ],
+)
+def test_an_argument_of_the_wrong_type_is_refused_at_construction(argument, value, got):
+    """objective="lm" was accepted and the first step failed with "'str' object has no
+    attribute 'num_items'"; family="opt", parallel=1, weights="x" and an nn.Linear failed
+    in the build on an attribute of theirs, naming neither the argument nor its type."""
+    arguments = {"model": tiny_opt(), "config": ZOConfig(device="cpu", seed=0), argument: value}
+    with pytest.raises(TypeError, match=rf"^{argument} must be {re.escape(got)}"):
+        ZOEngine(**arguments)
 
 
 def test_load_state_dict_refuses_what_is_no_state_before_writing():

@@ -1,0 +1,81 @@
+"""``ZOEngine``'s arguments checked by type before any work: a string where an object
+belongs (``objective="lm"``, ``family="opt"``) was accepted and failed later, at the first
+step or deep in the build, with an attribute error that named neither the argument nor
+what it takes."""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from distzo.config.engine_options import ZOConfig
+from distzo.dist import ParallelContext
+from distzo.models import ModelFamily
+
+# What a WeightSource and an Objective are: protocols, so their methods are what is checked.
+WEIGHT_SOURCE_METHODS = ("tensor", "tensor_range")
+OBJECTIVE_METHODS = ("num_items", "prepare", "losses")
+
+
+def _has_methods(value: object, names: tuple[str, ...]) -> bool:
+    return all(callable(getattr(value, name, None)) for name in names)
+
+
+def _refused(argument: str, value: object, takes: str, how: str) -> TypeError:
+    """The value as a short repr (a model's would be pages), then how to make one."""
+    got = f"{type(value).__name__} {reprlib.repr(value)}"
+    return TypeError(f"{argument} must be {takes}, got {got}: {how}")
+
+
+def check_engine_arguments(
+    model: Any, config: Any, family: Any, parallel: Any, weights: Any, objective: Any
+) -> None:
+    """Each argument of ``ZOEngine`` of the type it takes (None: the default), else a
+    one-line TypeError naming the argument, the type and how to make one."""
+    if not (
+        isinstance(model, nn.Module)
+        and isinstance(getattr(model, "config", None), PretrainedConfig)
+    ):
+        raise _refused(
+            "model",
+            model,
+            "a transformers causal LM (or a peft model of one)",
+            "load_model(name_or_path) or model_from_config(config)",
+        )
+    if not isinstance(config, ZOConfig):  # a dict was "object has no attribute 'validate'"
+        raise TypeError(
+            f"config must be a ZOConfig, got a {type(config).__name__}: "
+            "ZOEngine(model, ZOConfig(lr=..., ...))"
+        )
+    if family is not None and not isinstance(family, ModelFamily):
+        raise _refused(
+            "family",
+            family,
+            "a ModelFamily",
+            "omit it: the default, family_for(model), is the model's own",
+        )
+    if parallel is not None and not isinstance(parallel, ParallelContext):
+        raise _refused(
+            "parallel",
+            parallel,
+            "a distzo.dist.ParallelContext",
+            "a torchrun job's (docs/python-api.md builds one), or None for one process",
+        )
+    if weights is not None and not _has_methods(weights, WEIGHT_SOURCE_METHODS):
+        raise _refused(
+            "weights",
+            weights,
+            "a WeightSource",
+            "open_checkpoint(path) or RandomWeights(seed) (distzo.models.weights), or None",
+        )
+    if objective is not None and not _has_methods(objective, OBJECTIVE_METHODS):
+        raise _refused(
+            "objective",
+            objective,
+            "an Objective",
+            "one from distzo.objectives (LanguageModeling(), Classification(), Accuracy(), "
+            "F1(decode, answers)), or None for LanguageModeling()",
+        )
