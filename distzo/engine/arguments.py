@@ -1,7 +1,7 @@
-"""``ZOEngine``'s arguments checked by type before any work: a string where an object
-belongs (``objective="lm"``, ``family="opt"``) was accepted and failed later, at the first
-step or deep in the build, with an attribute error that named neither the argument nor
-what it takes."""
+"""``ZOEngine``'s arguments (its constructor's, ``step``'s ``stop``) checked by type before
+any work: a string where an object belongs (``objective="lm"``, ``family="opt"``) was
+accepted and failed later, at the first step or deep in the build, with an attribute error
+that named neither the argument nor what it takes."""
 
 from __future__ import annotations
 
@@ -78,4 +78,16 @@ def check_engine_arguments(
             "an Objective",
             "one from distzo.objectives (LanguageModeling(), Classification(), Accuracy(), "
             "F1(decode, answers)), or None for LanguageModeling()",
+        )
+
+
+def check_stop(stop: object) -> None:
+    """``step``'s vote rides on the all-reduce as ``float(stop)``: ``"yes"`` failed there
+    ("could not convert string to float"), and 0.5 would be half a vote."""
+    if not isinstance(stop, bool):
+        raise _refused(
+            "stop",
+            stop,
+            "True or False",
+            "this rank's vote to stop after this step (a preemption notice it caught)",
         )

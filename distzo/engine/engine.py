@@ -33,7 +33,7 @@ from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine import state
-from distzo.engine.arguments import check_engine_arguments
+from distzo.engine.arguments import check_engine_arguments, check_stop
 from distzo.engine.batches import (
     check_batch,
     check_mapping,
@@ -276,6 +276,7 @@ class ZOEngine:
         """Everything of a step up to its one host read, queued without reading the device
         (the CUDA tests hold it to that with the sync debug mode set to "error")."""
         check_mapping(batch)
+        check_stop(stop)
         t, cfg = self.step_index, self.config
         lr = learning_rate(cfg.lr, t, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
         check_objective_batch = getattr(self.objective, "check_batch", None)

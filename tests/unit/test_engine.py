@@ -499,6 +499,16 @@ def test_an_argument_of_the_wrong_type_is_refused_at_construction(argument, valu
         ZOEngine(**arguments)
 
 
+@pytest.mark.parametrize("stop", ["yes", 0.5, None])
+def test_a_stop_vote_that_is_no_bool_is_refused_before_the_step(stop):
+    """stop="yes" failed inside the step with "could not convert string to float: 'yes'"
+    and 0.5 went into the all-reduce as half a vote; the step count stays where it was."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu", seed=0))
+    with pytest.raises(TypeError, match=r"^stop must be True or False, got .*: this rank's vote"):
+        engine.step(random_batch(8), stop=stop)
+    assert engine.step(random_batch(8), stop=True).stop and engine.step_index == 1
+
+
 def test_load_state_dict_refuses_what_is_no_state_before_writing():
     """A state missing a key, with a step no run reaches, or with a malformed pending
     update is refused in one line, and the engine keeps its own parameters."""
