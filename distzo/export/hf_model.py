@@ -89,6 +89,14 @@ def check_tokenizer(tokenizer: object) -> None:
         )
 
 
+def check_flag(value: object, argument: str, meaning: str) -> None:
+    """A flag is a bool: ``merge_adapter="no"`` is truthy, and merged what it meant not to."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{argument} must be True or False, got {type(value).__name__} {value!r}: {meaning}"
+        )
+
+
 def _shapes(engine: ZOEngine, merged: bool) -> dict[str, torch.Tensor]:
     """Meta tensors of what the export holds, by name: the trained parameters, or for a
     merged adapter the base model's own parameters (adapter folded in)."""
@@ -132,6 +140,7 @@ def export_model(
     model). An existing ``directory`` with files in it is replaced only with ``overwrite``.
     Collective: call on every rank; returns the directory on rank 0."""
     check_replaceable(Path(directory), overwrite)
+    check_flag(merge_adapter, "merge_adapter", "True writes the base with the adapter merged in")
     if merge_adapter and engine.peft_model is None:
         raise ValueError(
             "merge_adapter=True merges a peft adapter into its base, and this engine's model "
@@ -205,6 +214,7 @@ def export_hf(
     only with ``overwrite``."""
     directory = Path(directory)
     check_replaceable(directory, overwrite)
+    check_flag(merged, "merged", "True writes an adapter run's base with the adapter merged in")
     check_shard_size(max_shard_size, "max_shard_size")
     check_tokenizer(tokenizer)
     if merged and not engine.frozen_base:

@@ -229,6 +229,16 @@ def test_an_overwrite_that_is_no_bool_is_refused_and_the_folder_kept(tmp_path, e
     assert (folder / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("export, flag", [(export_model, "merge_adapter"), (export_hf, "merged")])
+def test_a_merge_flag_that_is_no_bool_is_refused_before_writing(tmp_path, export, flag):
+    """merge_adapter="no" (merged="no") is truthy: the adapter run's base was written with
+    the adapter merged in, the export the user said no to."""
+    engine = trained(adapted("opt"), steps=1)
+    with pytest.raises(TypeError, match=rf"^{flag} must be True or False, got str 'no': True "):
+        export(engine, tmp_path / "export", **{flag: "no"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_checkpointer_from_python_saves_a_complete_checkpoint_at_once(tmp_path):
     """save() once left only step-N.tmp unless the caller knew to wait(); a str directory
     failed inside."""
