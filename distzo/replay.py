@@ -38,7 +38,7 @@ from distzo.adapters.peft_adapters import (
 from distzo.config.cli import fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.config.inapplicable import RULES, ignored_warning
-from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, MASTER_DTYPES, add_job_flag
+from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, add_job_flag
 from distzo.engine import ZOEngine
 from distzo.export.hf_model import check_shard_size, export_model
 from distzo.export.out_dir import check_out, staging_dir
@@ -58,6 +58,7 @@ from distzo.job.summary import SUMMARY, write_summary
 from distzo.models import hub
 from distzo.models.config_file import read_config
 from distzo.models.multimodal import checkpoint_model, trained_config
+from distzo.models.registry import MASTER_DTYPES
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.tiny import byte_tokenizer
 from distzo.models.weights import (

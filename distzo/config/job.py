@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpec
 from distzo.config.cli import program, takes_negative_exponents
 from distzo.config.engine_checks import (
@@ -49,6 +47,7 @@ from distzo.config.inapplicable import ignored_warning, inapplicable
 from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
 from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
+from distzo.models.registry import MASTER_DTYPES
 from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.toml_file import UnreadableToml, read_toml
 from distzo.zo.estimators import estimator_for
@@ -103,7 +102,6 @@ def engine_option(
 
 # --dtype's master (parameter) dtypes: what a run builds its model in, and what a replay
 # rebuilds it in from the seed log's header (one table, so that the two always agree).
-MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass

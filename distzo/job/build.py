@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.job import MASTER_DTYPES, JobConfig
+from distzo.config.job import JobConfig
 from distzo.data.encoding import PromptEncoder
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
@@ -33,6 +33,7 @@ from distzo.job.memory_plan import (
 )
 from distzo.models import hub, model_from_config
 from distzo.models.multimodal import checkpoint_model
+from distzo.models.registry import MASTER_DTYPES
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, shared_byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (

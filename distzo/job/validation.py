@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
-from distzo.config.job import MASTER_DTYPES, JobConfig, expand_home
+from distzo.config.job import JobConfig, expand_home
 from distzo.data.loaders import (
     HubPin,
     cached_dataset_revision,
@@ -53,6 +53,7 @@ from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
 from distzo.models.multimodal import checked_trained_config
+from distzo.models.registry import MASTER_DTYPES
 from distzo.models.weights import check_float_weights, check_readable
 from distzo.runtime.folders import nearest_existing, unwritable
 

@@ -58,14 +58,16 @@ def family_for(model: nn.Module) -> ModelFamily:
     return check_supported(getattr(model.config, "model_type", type(model).__name__))(model)
 
 
+# The master dtypes a job's --dtype names (float32 by default; float64 for exact checks).
+MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
 def model_dtype(dtype: torch.dtype | str, auto: bool = False) -> torch.dtype | str:
     """The dtype a model is built in: a floating torch dtype, a name ``--dtype`` takes
     (``fp32``, ``fp64``), a torch dtype's name (``"bfloat16"``, as transformers reads it), or
     with ``auto`` the checkpoint's own (``"auto"``). Transformers' answer to another name
     (``"bf16"``) was "module 'torch' has no attribute 'bf16'", naming neither the argument
     nor what it takes."""
-    from distzo.config.job import MASTER_DTYPES
-
     if isinstance(dtype, str):
         named = MASTER_DTYPES.get(dtype, getattr(torch, dtype, None))
         if isinstance(named, torch.dtype) and named.is_floating_point:
