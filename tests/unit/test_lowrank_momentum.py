@@ -116,6 +116,7 @@ def test_a_state_dict_resumes_mid_window_onto_the_uninterrupted_weights():
         first.step(b)
     saved = first.state_dict()
     assert saved["optimizer"]["state"] == "lowrank" and len(saved["lowrank_momentum"]) == 3
+    first.step(batches[3])  # the state is a copy: training on leaves it as it was saved
     resumed, _ = lozo_m_engine()
     resumed.load_state_dict(saved)
     assert [resumed.step(b).projected_grads for b in batches[3:]] == expected[3:]
@@ -126,6 +127,26 @@ def test_a_state_dict_resumes_mid_window_onto_the_uninterrupted_weights():
         stored.load_state_dict(saved)
     with pytest.raises(ValueError, match="the engine needs them"):
         lozo_m_engine()[0].load_state_dict({**saved, "lowrank_momentum": None})
+
+
+def test_saved_factors_of_other_buckets_are_refused_before_any_is_copied():
+    """A bucket too few, one too many or one of another size: one line naming both
+    lists of sizes, and the state as it was (zip would silently drop the extra bucket)."""
+    from distzo.zo.lowrank import LowRankNoise
+    from distzo.zo.lowrank_momentum import LowRankMomentum
+    from tests.unit.test_lowrank import LAYOUT
+
+    noise = LowRankNoise(3, 1 << 10, torch.device("cpu"), torch.float64, [LAYOUT] * 2, 2, 5)
+    lozo_m = LowRankMomentum(noise, 0.9)
+    sizes = [state.numel() for state in lozo_m.states]
+    good = [torch.full((n,), 1.0, dtype=torch.float64) for n in sizes]
+    for bad in (good[:1], [*good, good[0]], [good[0], good[1][:-1]]):
+        with pytest.raises(ValueError, match=rf"this model's are \[{sizes[0]}, {sizes[1]}\]") as e:
+            lozo_m.load(bad)
+        assert "\n" not in str(e.value) and "same lozo rank" in str(e.value)
+        assert not any(state.any() for state in lozo_m.states)
+    lozo_m.load(good)
+    assert all(torch.equal(state, saved) for state, saved in zip(lozo_m.states, good))
 
 
 @pytest.mark.parametrize(
