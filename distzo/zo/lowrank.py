@@ -280,7 +280,10 @@ class LowRankNoise(NoiseSource):
         stop = start + theta.numel()
         total = stop if total is None else total
         if not terms or not self.fuses_master(theta):
-            super().apply_terms(theta, decay_end, shrink, terms, block_id, start, total)
+            # the chunked path itself: ``NoiseSource.apply_terms`` would ask ``fuses_master``
+            # again and hand this kind to the element-wise kernel, which has no low-rank z
+            self._refuse_range(start, stop, total, block_id)
+            self.terms_chunks(theta, decay_end, shrink, terms, block_id, start, total)
             return
         from distzo.zo import triton_lowrank
 

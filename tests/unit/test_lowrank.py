@@ -394,3 +394,30 @@ def test_the_low_rank_source_fuses_only_on_cuda_with_triton():
     path, and the kernels gated by ``fuses`` (moments, rebuilt masters) are never LOZO's."""
     src = source(150, dtype=torch.float32)
     assert not src.fuses_master(torch.zeros(4)) and not src.fuses(torch.zeros(4))
+
+
+def test_the_fused_dispatch_sends_what_no_kernel_takes_to_the_generic_path(monkeypatch):
+    """A source that fuses (forced on the CPU; the kernels made to raise): a zero
+    perturbation, an update of no terms (the decay alone, matrices too) and an out the
+    kernel cannot write (strided, float64) never reach a kernel and give the generic bits."""
+    from distzo.zo import triton_lowrank, triton_noise
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    for module, name in ((triton_lowrank, "perturb"), (triton_lowrank, "update")):
+        monkeypatch.setattr(module, name, no_kernel)
+    monkeypatch.setattr(triton_noise, "update", no_kernel)
+    fused, generic = source(150, torch.float32), source(150, torch.float32)
+    fused._triton = True
+    theta = torch.randn(LAYOUT.numel, generator=torch.Generator().manual_seed(1))
+    assert fused.fuses_master(theta, torch.empty(0, dtype=torch.bfloat16))
+    assert not fused.fuses_master(theta, torch.empty(0, dtype=torch.float64))
+    assert not fused.fuses_master(theta, torch.empty(2 * LAYOUT.numel)[::2])
+    out = torch.full_like(theta, float("nan"))
+    fused.perturb_into(out, theta, 0.0, 7, 0)
+    assert torch.equal(out, theta)
+    decayed, expected = theta.clone(), theta.clone()
+    fused.apply_terms(decayed, 200, 0.5, [], 0)
+    generic.apply_terms(expected, 200, 0.5, [], 0)
+    assert torch.equal(decayed, expected) and torch.equal(decayed[:200], theta[:200] * 0.5)
