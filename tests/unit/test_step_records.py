@@ -180,3 +180,41 @@ def test_a_torn_last_line_is_no_step_to_the_resume_as_to_the_replay(tmp_path):
     with pytest.raises(ValueError) as replayed:
         seed_log.read_seed_log(log)
     assert str(replayed.value) == f"--log {log}, line 3: expected the record of step 1"
+
+
+def _log_from_step_4(run: Path, again: dict) -> Path:
+    """A run that went on from a checkpoint of 4 steps: its seed log begins at step 4
+    (``first_step``), holds steps 4 and 5, then ``again``, then 6 and 7."""
+    write_run(run, steps=0, checkpoint=6)
+    records = [{"step": s, "projected_grads": [0.5 + s], "lr": 0.1} for s in (4, 5)]
+    records += [again, *({"step": s, "projected_grads": [0.5 + s], "lr": 0.1} for s in (6, 7))]
+    lines = [json.dumps({**HEADER, "first_step": 4}), *map(json.dumps, records)]
+    log = run / "seedlog.jsonl"
+    log.write_text("".join(line + "\n" for line in lines))
+    return log
+
+
+def test_a_log_that_begins_past_step_0_counts_its_repeats_from_its_first_step(tmp_path):
+    """Its first step logged again is a repeat at line 2, named as one (not a line that
+    should hold step 6); a step before its first has no record in it to be a repeat of
+    (not step 1 compared with a record counted back from the log's end)."""
+    first = {"step": 4, "projected_grads": [4.5], "lr": 0.1}
+    log = _log_from_step_4(tmp_path / "a", first)
+    twice = (
+        "logs step 4 twice (lines 2 and 4), the same record both times: two jobs of this run "
+        "wrote it at once (a requeue that started before the old job ended, in a directory "
+        "that cannot be locked); delete line 4 and any later repeat of a step"
+    )
+    with pytest.raises(ValueError) as refused:
+        check_log_leads_to_checkpoint(tmp_path / "a")
+    assert str(refused.value) == f"--resume: {log} {twice}, then resume again"
+    with pytest.raises(ValueError) as replayed:
+        seed_log.read_seed_log(log)
+    assert str(replayed.value) == f"--log {log}: {twice}"
+    log = _log_from_step_4(tmp_path / "b", {**first, "step": 1})
+    with pytest.raises(ValueError) as refused:
+        check_log_leads_to_checkpoint(tmp_path / "b")
+    assert str(refused.value).startswith(f"--resume: {log} jumps from step 5 to step 1, ")
+    with pytest.raises(ValueError) as replayed:
+        seed_log.read_seed_log(log)
+    assert str(replayed.value) == f"--log {log}, line 4: expected the record of step 6"
