@@ -149,6 +149,26 @@ def test_saved_factors_of_other_buckets_are_refused_before_any_is_copied():
     assert all(torch.equal(state, saved) for state, saved in zip(lozo_m.states, good))
 
 
+def test_an_update_of_a_piece_of_a_bucket_is_refused_not_applied_as_the_whole():
+    """The factors index a whole bucket's matrices from its start: a piece (a master
+    rebuilt a range at a time) or another noise would move the wrong elements."""
+    from distzo.engine.updates import PendingUpdate
+    from distzo.zo import NoiseSource
+
+    engine, _ = lozo_m_engine()
+    (layout, block), update = buckets_of(engine)[1], PendingUpdate(0, (0.5,), 1e-2)
+    bucket = torch.zeros(layout.numel, dtype=torch.float64)
+    gaussian = NoiseSource(5, 1 << 10, torch.device("cpu"), torch.float64)
+    for noise, piece, start in (
+        (engine.noise, bucket[8:], 8),
+        (engine.noise, bucket[:-8], 0),
+        (gaussian, bucket, 0),
+    ):
+        with pytest.raises(ValueError, match="^LOZO-M updates whole buckets with low-rank noise$"):
+            engine.update_rule.apply(noise, update, piece, layout, block, [], start)
+    assert not bucket.any() and not any(s.any() for s in engine.update_rule.lowrank_momentum.states)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
