@@ -58,7 +58,6 @@ from distzo.job.summary import SUMMARY, write_summary
 from distzo.models import hub
 from distzo.models.config_file import read_config
 from distzo.models.multimodal import checkpoint_model, trained_config
-from distzo.models.registry import MASTER_DTYPES
 from distzo.models.shapes import check_signature, shape_config, signature
 from distzo.models.tiny import byte_tokenizer
 from distzo.models.weights import (
@@ -67,6 +66,7 @@ from distzo.models.weights import (
     with_generation_config,
 )
 from distzo.runtime import json_text
+from distzo.runtime.master_dtypes import MASTER_DTYPES
 from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.units import counted
 from distzo.zo import drawable, identity_kind

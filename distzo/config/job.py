@@ -47,7 +47,7 @@ from distzo.config.inapplicable import ignored_warning, inapplicable
 from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
 from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
-from distzo.models.registry import MASTER_DTYPES
+from distzo.runtime.master_dtypes import MASTER_DTYPES
 from distzo.runtime.option_names import named_as_flags
 from distzo.runtime.toml_file import UnreadableToml, read_toml
 from distzo.zo.estimators import estimator_for

@@ -33,7 +33,6 @@ from distzo.job.memory_plan import (
 )
 from distzo.models import hub, model_from_config
 from distzo.models.multimodal import checkpoint_model
-from distzo.models.registry import MASTER_DTYPES
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, shared_byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (
@@ -45,6 +44,7 @@ from distzo.models.weights import (
     with_generation_config,
 )
 from distzo.objectives import F1, Accuracy, Classification, LanguageModeling, Objective
+from distzo.runtime.master_dtypes import MASTER_DTYPES
 
 logger = logging.getLogger("distzo.train")
 

@@ -53,9 +53,9 @@ from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
 from distzo.models.multimodal import checked_trained_config
-from distzo.models.registry import MASTER_DTYPES
 from distzo.models.weights import check_float_weights, check_readable
 from distzo.runtime.folders import nearest_existing, unwritable
+from distzo.runtime.master_dtypes import MASTER_DTYPES
 
 logger = logging.getLogger("distzo.train")
 K = TypeVar("K", bound=Hashable)

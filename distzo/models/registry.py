@@ -16,6 +16,7 @@ from distzo.models.granite import GraniteFamily
 from distzo.models.llama import LlamaFamily
 from distzo.models.moe import MoEFamily
 from distzo.models.opt import OPTFamily
+from distzo.runtime.master_dtypes import MASTER_DTYPES
 
 # Adding a family: one adapter file, its class here, and a blockwise == forward test.
 ADAPTERS: dict[str, type[ModelFamily]] = {
@@ -56,10 +57,6 @@ def check_supported(model_type: str) -> type[ModelFamily]:
 
 def family_for(model: nn.Module) -> ModelFamily:
     return check_supported(getattr(model.config, "model_type", type(model).__name__))(model)
-
-
-# The master dtypes a job's --dtype names (float32 by default; float64 for exact checks).
-MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def model_dtype(dtype: torch.dtype | str, auto: bool = False) -> torch.dtype | str:

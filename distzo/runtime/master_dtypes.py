@@ -1,0 +1,10 @@
+"""The dtypes a model's masters are held in, by the names ``--dtype`` takes: read by the
+job's options (which answer ``--help`` before transformers is imported) and by
+``load_model`` / ``model_from_config`` alike, so it lives where neither pulls in the other."""
+
+from __future__ import annotations
+
+import torch
+
+# float32 by default; float64 for exact checks.
+MASTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
