@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import reprlib
 import types
 import typing
 from typing import Any
@@ -48,3 +49,12 @@ def whole_number(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_flag(value: Any, argument: str, meaning: str) -> None:
+    """A flag is a bool: a string where one belongs is truthy (``overwrite="no"`` replaced the
+    folder it meant to keep), a number half a vote. A one-line TypeError naming ``argument``,
+    what it got, and ``meaning``, what it does."""
+    if not isinstance(value, bool):
+        got = f"{type(value).__name__} {reprlib.repr(value)}"
+        raise TypeError(f"{argument} must be True or False, got {got}: {meaning}")

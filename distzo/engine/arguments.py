@@ -12,6 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from distzo.config.engine_options import ZOConfig
+from distzo.config.field_types import check_flag
 from distzo.dist import ParallelContext
 from distzo.models import ModelFamily
 
@@ -84,10 +85,6 @@ def check_engine_arguments(
 def check_stop(stop: object) -> None:
     """``step``'s vote rides on the all-reduce as ``float(stop)``: ``"yes"`` failed there
     ("could not convert string to float"), and 0.5 would be half a vote."""
-    if not isinstance(stop, bool):
-        raise _refused(
-            "stop",
-            stop,
-            "True or False",
-            "this rank's vote to stop after this step (a preemption notice it caught)",
-        )
+    check_flag(
+        stop, "stop", "this rank's vote to stop after this step (a preemption notice it caught)"
+    )

@@ -39,6 +39,7 @@ from distzo.adapters.peft_adapters import (
     prefix_embedding,
     prefix_table,
 )
+from distzo.config.field_types import check_flag
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
@@ -86,14 +87,6 @@ def check_tokenizer(tokenizer: object) -> None:
         raise TypeError(
             "tokenizer must be a transformers tokenizer (its save_pretrained writes it), got a "
             f"{type(tokenizer).__name__}: load it with AutoTokenizer.from_pretrained(...)"
-        )
-
-
-def check_flag(value: object, argument: str, meaning: str) -> None:
-    """A flag is a bool: ``merge_adapter="no"`` is truthy, and merged what it meant not to."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{argument} must be True or False, got {type(value).__name__} {value!r}: {meaning}"
         )
 
 

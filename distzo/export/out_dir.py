@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from distzo.config.field_types import check_flag
 from distzo.runtime.folders import nearest_existing, unwritable
 
 
@@ -54,11 +55,7 @@ def check_replaceable(directory: Path, overwrite: bool) -> None:
     """An export from Python replaces an empty folder, or anything with ``overwrite``; a
     file or a folder with files in it is someone's, refused before any work. ``overwrite``
     must be a bool: ``overwrite="no"`` is truthy and replaced the folder it meant to keep."""
-    if not isinstance(overwrite, bool):
-        raise TypeError(
-            f"overwrite must be True or False, got {type(overwrite).__name__} {overwrite!r}: "
-            "pass overwrite=True to replace an existing directory"
-        )
+    check_flag(overwrite, "overwrite", "pass overwrite=True to replace an existing directory")
     if overwrite or not (directory.exists() or directory.is_symlink()):
         return
     if directory.is_dir() and not directory.is_symlink() and not any(directory.iterdir()):
