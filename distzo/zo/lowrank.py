@@ -51,7 +51,13 @@ from typing import Protocol
 import torch
 
 from distzo.zo import philox
-from distzo.zo.noise import NoiseSource, planned_noise_bytes, workspace_elements
+from distzo.zo.noise import (
+    NoiseSource,
+    planned_noise_bytes,
+    refuse_outside,
+    refuse_short,
+    workspace_elements,
+)
 
 
 class EntryShape(Protocol):
@@ -244,11 +250,7 @@ class LowRankNoise(NoiseSource):
         if scale == 0.0 or not self.fuses_master(theta, out):
             super().perturb_into(out, theta, scale, step, block_id, query, start, total)
             return
-        if out.numel() < theta.numel():
-            raise ValueError(
-                f"the perturbation's out holds {out.numel()} elements, fewer than the "
-                f"{theta.numel()} it is given"
-            )
+        refuse_short(out, theta.numel(), "the perturbation's out")
         from distzo.zo import triton_lowrank
 
         keys = self.keys(step, block_id, query)
@@ -302,8 +304,7 @@ class LowRankNoise(NoiseSource):
 
     def _refuse_range(self, start: int, stop: int, total: int, block_id: int) -> None:
         """Refuse a range outside its bucket, or a bucket id this source has no layout of."""
-        if not 0 <= start <= stop <= total:
-            raise ValueError(f"noise range [{start}, {stop}) is outside a bucket of {total}")
+        refuse_outside(start, stop, total)
         if not 0 <= block_id < len(self._segments):
             raise ValueError(
                 f"block id {block_id} has no layout in this low-rank noise source "

@@ -38,11 +38,17 @@ import torch
 from distzo.zo.lowrank import LowRankNoise, Segment
 
 
+def moment_elements(segment: Segment, rank: int) -> int:
+    """Elements of one segment's LOZO-M moment: rows x r for a matrix, its length for a 1-D
+    entry, none for padding."""
+    if segment.cols:
+        return segment.rows * rank
+    return segment.stop - segment.start if segment.gaussian else 0
+
+
 def state_elements(segments: Sequence[Segment], rank: int) -> int:
-    """Elements of a bucket's LOZO-M state: rows x r per matrix, its length per 1-D entry."""
-    return sum(
-        s.rows * rank if s.cols else (s.stop - s.start if s.gaussian else 0) for s in segments
-    )
+    """Elements of a bucket's LOZO-M state: its segments' moments, in the bucket's order."""
+    return sum(moment_elements(s, rank) for s in segments)
 
 
 def scratch_elements(segment_lists: Sequence[Sequence[Segment]], rank: int) -> int:
@@ -134,7 +140,7 @@ class LowRankMomentum:
             piece = theta[s.start : s.stop]
             if s.stop <= decay_end:
                 piece.mul_(shrink)
-            size = s.rows * self.rank if s.cols else s.stop - s.start
+            size = moment_elements(s, self.rank)
             moment = state[at : at + size]
             if s.cols:
                 w = piece.view(s.rows, s.cols)

@@ -100,14 +100,14 @@ def add_scaled(out: torch.Tensor, x: torch.Tensor, z: torch.Tensor, alpha: float
     out.copy_(torch.add(x.float(), z.float(), alpha=triton_noise.as_operand(alpha, x.dtype)))
 
 
-def _refuse_short(out: torch.Tensor, n: int, what: str) -> None:
+def refuse_short(out: torch.Tensor, n: int, what: str) -> None:
     """Refuse an output of fewer than ``n`` elements before any work: a fused kernel would
     write past its end (torch's chunked ops would resize a view over what follows)."""
     if out.numel() < n:
         raise ValueError(f"{what} holds {out.numel()} elements, fewer than the {n} it is given")
 
 
-def _refuse_outside(start: int, stop: int, total: int) -> None:
+def refuse_outside(start: int, stop: int, total: int) -> None:
     """Refuse a range of elements outside its bucket, before any element is drawn or
     changed (on every path: the fused kernels would draw it, the chunked ops stop midway)."""
     if not 0 <= start <= stop <= total:
@@ -224,7 +224,7 @@ class NoiseSource:
         drawn. Portable kinds: a pure function of each element, so the chunking changes
         nothing. Legacy: each chunk is drawn whole from its own seed.
         """
-        _refuse_outside(start, stop, total)
+        refuse_outside(start, stop, total)
         c = self.piece
         if self.kind != "legacy":
             key = self.key(step, block_id, query)
@@ -279,7 +279,7 @@ class NoiseSource:
         format (bf16, fp16, fp8) in one fused kernel, where there is one (CUDA with Triton,
         uniform draws of a portable kind, float32 source): True if it ran. Otherwise the
         caller rounds chunk by chunk with ``chunks`` (the same result, bit for bit)."""
-        _refuse_short(dst, src.numel(), "the rounding's destination")
+        refuse_short(dst, src.numel(), "the rounding's destination")
         fused = (
             self.distribution == "uniform"
             and self._triton
@@ -309,8 +309,8 @@ class NoiseSource:
         (the whole bucket by default), and takes their z."""
         n = theta.numel()
         stop = start + n
-        _refuse_short(out, n, "the perturbation's out")
-        _refuse_outside(start, stop, stop if total is None else total)
+        refuse_short(out, n, "the perturbation's out")
+        refuse_outside(start, stop, stop if total is None else total)
         if scale == 0.0:
             out[:n].copy_(theta)
             return
@@ -363,7 +363,7 @@ class NoiseSource:
         (CUDA with Triton, a portable kind, a bf16 or fp16 block at rest): True if it ran.
         Otherwise the caller rebuilds the master and perturbs it (the same result).
         ``at_rest`` holds the block's elements [start, start + n) and takes their z."""
-        _refuse_short(out, at_rest.numel(), "the rebuilt perturbation's out")
+        refuse_short(out, at_rest.numel(), "the rebuilt perturbation's out")
         fused = (
             self.fuses()  # CUDA, Triton, a kind drawn element by element
             and at_rest.dtype in triton_noise.REBUILDS_FROM
@@ -464,7 +464,7 @@ class NoiseSource:
         n = theta.numel()
         stop = start + n
         total = stop if total is None else total
-        _refuse_outside(start, stop, total)
+        refuse_outside(start, stop, total)
         if self.fuses_master(theta):
             triton_noise.update(
                 theta,
