@@ -100,10 +100,6 @@ def engine_option(
     )
 
 
-# --dtype's master (parameter) dtypes: what a run builds its model in, and what a replay
-# rebuilds it in from the seed log's header (one table, so that the two always agree).
-
-
 @dataclass
 class ModelOptions:
     model: str | None = option(
