@@ -5,14 +5,13 @@ that named neither the argument nor what it takes."""
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.field_types import check_flag
+from distzo.config.field_types import check_flag, type_and_repr
 from distzo.dist import ParallelContext
 from distzo.models import ModelFamily
 
@@ -26,9 +25,8 @@ def _has_methods(value: object, names: tuple[str, ...]) -> bool:
 
 
 def _refused(argument: str, value: object, takes: str, how: str) -> TypeError:
-    """The value as a short repr (a model's would be pages), then how to make one."""
-    got = f"{type(value).__name__} {reprlib.repr(value)}"
-    return TypeError(f"{argument} must be {takes}, got {got}: {how}")
+    """What the argument takes, what it got, then how to make one."""
+    return TypeError(f"{argument} must be {takes}, got {type_and_repr(value)}: {how}")
 
 
 def check_engine_arguments(
@@ -47,10 +45,7 @@ def check_engine_arguments(
             "load_model(name_or_path) or model_from_config(config)",
         )
     if not isinstance(config, ZOConfig):  # a dict was "object has no attribute 'validate'"
-        raise TypeError(
-            f"config must be a ZOConfig, got a {type(config).__name__}: "
-            "ZOEngine(model, ZOConfig(lr=..., ...))"
-        )
+        raise _refused("config", config, "a ZOConfig", "ZOEngine(model, ZOConfig(lr=..., ...))")
     if family is not None and not isinstance(family, ModelFamily):
         raise _refused(
             "family",

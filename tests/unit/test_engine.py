@@ -472,11 +472,13 @@ def test_a_run_seed_that_is_no_whole_number_is_refused(run_seed):
     assert ZOEngine(tiny_opt(), ZOConfig(device="cpu"), run_seed=torch.tensor(1)).run_seed == 1
 
 
-@pytest.mark.parametrize("config", [{"lr": 1e-3}, None, "tiny"])
-def test_a_config_that_is_no_zoconfig_is_refused_in_one_line(config):
-    """A dict of its fields was "'dict' object has no attribute 'validate'"."""
-    kind = type(config).__name__
-    with pytest.raises(TypeError, match=rf"^config must be a ZOConfig, got a {kind}: ZOEngine"):
+@pytest.mark.parametrize(
+    "config, got", [({"lr": 1e-3}, "dict {'lr': 0.001}"), (None, "NoneType None"), ("t", "str 't'")]
+)
+def test_a_config_that_is_no_zoconfig_is_refused_in_one_line(config, got):
+    """A dict of its fields was "'dict' object has no attribute 'validate'"; the refusal
+    then said "got a dict" where every other argument's says its type and value."""
+    with pytest.raises(TypeError, match=rf"^config must be a ZOConfig, got {re.escape(got)}: ZOE"):
         ZOEngine(tiny_opt(), config)
 
 
