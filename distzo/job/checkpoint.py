@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_checks import OPTIMIZERS
 from distzo.config.engine_options import ZOConfig, lowrank_record
+from distzo.config.field_types import check_flag
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.job.dcp_ranges import load_ranges
@@ -496,6 +497,11 @@ class Checkpointer:
         """Checkpoint the engine's current state as ``step-<step>``; at most one save in flight.
         ``asynchronous``: written by a thread while training goes on, and complete (renamed
         into place) once ``poll`` finds it done or ``wait`` is called."""
+        check_flag(
+            asynchronous,
+            "asynchronous",
+            "True writes it from a thread while training goes on, False before returning",
+        )
         self.wait()
         step = self.engine.step_index
         final = self.directory / f"step-{step}"

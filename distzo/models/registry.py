@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from distzo.config.field_types import type_and_repr
 from distzo.models.family import ModelFamily
 from distzo.models.gemma import GemmaFamily
 from distzo.models.gpt2 import GPT2Family
@@ -83,7 +84,14 @@ def model_dtype(dtype: torch.dtype | str, auto: bool = False) -> torch.dtype | s
 def model_from_config(
     config: PretrainedConfig, dtype: torch.dtype | str = torch.float32
 ) -> PreTrainedModel:
-    """A randomly initialised model of ``config``'s shape (tests, benchmarks, the default run)."""
+    """A randomly initialised model of ``config``'s shape (tests, benchmarks, the default run).
+    A dict or a hub name where the config belongs was "'dict' object has no attribute
+    'model_type'", naming neither the argument nor what it takes."""
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(
+            f"config must be a transformers PretrainedConfig, got {type_and_repr(config)}: "
+            "AutoConfig.from_pretrained(name_or_path) or a family's own (OPTConfig(...))"
+        )
     dtype = model_dtype(dtype)
     check_supported(config.model_type)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)

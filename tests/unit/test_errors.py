@@ -1,10 +1,13 @@
 """Bad input fails early with one line that names the option and the fix."""
 
+import re
+
 import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from distzo import ZOConfig, ZOEngine, load_model, model_from_config
+from distzo.job.checkpoint import Checkpointer
 from tests.helpers.launch import train_in_process
 from tests.helpers.models import random_batch, tiny_opt
 
@@ -93,6 +96,29 @@ def tiny_neox():
             max_position_embeddings=32,
         )
     )
+
+
+@pytest.mark.parametrize(
+    "config, got", [({"model_type": "opt"}, "dict {'model_type': 'opt'}"), ("x", "str 'x'")]
+)
+def test_model_from_config_refuses_what_is_no_config_in_one_line(config, got):
+    """A dict or a hub name was "'dict' object has no attribute 'model_type'"."""
+    with pytest.raises(
+        TypeError,
+        match=rf"^config must be a transformers PretrainedConfig, got "
+        rf"{re.escape(got)}: AutoConfig.from_pretrained\(name_or_path\)",
+    ):
+        model_from_config(config)
+
+
+@pytest.mark.parametrize("asynchronous", ["no", 0, None])
+def test_a_save_whose_asynchronous_is_no_bool_is_refused_before_writing(tmp_path, asynchronous):
+    """asynchronous="no" was truthy: the save went to a thread, and step-N stayed step-N.tmp
+    until a wait the caller, who asked for a save done on return, never made."""
+    checkpointer = Checkpointer(tmp_path, ZOEngine(tiny_opt(), ZOConfig(device="cpu")))
+    with pytest.raises(TypeError, match=r"^asynchronous must be True or False, got .*: True wr"):
+        checkpointer.save(asynchronous=asynchronous)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unsupported_model_type_lists_the_supported_ones():
