@@ -41,7 +41,7 @@ from distzo.offload.low_bit import COMPUTE_DTYPES, TRANSFER_DTYPES
 from distzo.runtime.host_memory import available_host_bytes
 from distzo.runtime.units import format_bytes, format_count
 from distzo.zo.estimators import Pass, rank_share
-from distzo.zo.lowrank import planned_lowrank_bytes, segments
+from distzo.zo.lowrank import Segment, planned_lowrank_bytes, segments
 from distzo.zo.lowrank_momentum import scratch_elements, state_elements
 from distzo.zo.moments import MomentRule
 from distzo.zo.noise import planned_noise_bytes, workspace_elements
@@ -153,6 +153,10 @@ class _Buckets:
     state_wire: int  # a stored optimizer's moments at rest
     owners: int  # ranks that each hold a share of a streamed block (sliced transfer)
     padded: list[int]  # each streamed block's elements, padded for its owners' chunks
+    # The resident bucket's then each trained block's low-rank segments (``segments``),
+    # cut once for the noise's buffers and LOZO-M's factors, state and save (empty when
+    # the noise is not lowrank)
+    lowrank_segments: list[tuple[Segment, ...]]
 
     @property
     def frozen(self) -> bool:
@@ -183,6 +187,8 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
     block_scratch, resident_scratch = scratch_sizes(
         model, trained, resident, config.perturb_scope, full_tuning=resident_base is None
     )
+    lowrank = config.noise == "lowrank" or config.lowrank_state
+    cut = [segments(b, config.lozo_rank) for b in (resident, *trained)] if lowrank else []
     return _Buckets(
         trained,
         resident,
@@ -196,6 +202,7 @@ def _buckets(model: nn.Module, config: ZOConfig, shard_size: int, sliced: bool) 
         state_wire,
         owners,
         padded,
+        cut,
     )
 
 
@@ -279,6 +286,7 @@ def plan_memory(
         config,
         b.resident,
         b.trained,
+        b.lowrank_segments,
         b.padded,
         b.owners,
         b.master,
@@ -375,7 +383,7 @@ def _noise_bytes(b: _Buckets, config: ZOConfig, device_type: str) -> int:
     """The noise workspaces, and stochastic rounding's float32 uniforms for a low-bit rest."""
     if config.noise == "lowrank":  # its factors' buffers depend on the matrices' shapes
         noise = planned_lowrank_bytes(
-            [b.resident, *b.trained], config.lozo_rank, config.noise_chunk, b.master, device_type
+            b.lowrank_segments, config.lozo_rank, config.noise_chunk, b.master, device_type
         )
     else:
         noise = planned_noise_bytes(config.noise_chunk, b.master, device_type, config.noise)
@@ -527,23 +535,26 @@ def _checkpoint_bytes(
     resident = b.resident.numel * b.master if copies_resident else 0
     # LOZO-M's factors are whole on every rank: rank 0 saves them, as the resident bucket
     factors = (
-        _lowrank_state_bytes(config, [b.resident, *b.trained], b.master)
+        _lowrank_state_bytes(config, b.lowrank_segments, b.master)
         if copies_resident and config.lowrank_state
         else 0
     )
     return at_rest + resident + config.num_moments * (state_rest + resident) + factors
 
 
-def _lowrank_state_bytes(config: ZOConfig, layouts: list[BucketLayout], itemsize: int) -> int:
-    """LOZO-M's factors of the buckets laid out by ``layouts`` (``LowRankMomentum.states``)."""
+def _lowrank_state_bytes(
+    config: ZOConfig, segment_lists: list[tuple[Segment, ...]], itemsize: int
+) -> int:
+    """LOZO-M's factors of the buckets cut into ``segment_lists`` (``LowRankMomentum.states``)."""
     rank = config.lozo_rank
-    return itemsize * sum(state_elements(segments(layout, rank), rank) for layout in layouts)
+    return itemsize * sum(state_elements(segs, rank) for segs in segment_lists)
 
 
 def _state_bytes(
     config: ZOConfig,
     resident: BucketLayout,
     layouts: list[BucketLayout],
+    lowrank_segments: list[tuple[Segment, ...]],
     padded: list[int],
     owners: int,
     master: int,
@@ -559,9 +570,8 @@ def _state_bytes(
     moments = config.num_moments
     rule = MomentRule.of(config)
     if config.lowrank_state:  # LOZO-M: each bucket's factors, on the device in every layout
-        buckets, rank = [resident, *layouts], config.lozo_rank
-        scratch = master * scratch_elements([segments(b, rank) for b in buckets], rank)
-        return 0, _lowrank_state_bytes(config, buckets, master) + scratch
+        scratch = master * scratch_elements(lowrank_segments, config.lozo_rank)
+        return 0, _lowrank_state_bytes(config, lowrank_segments, master) + scratch
     if not moments or rule is None:
         return 0, 0
     if streams:

@@ -139,12 +139,14 @@ def narrowest_matrix(layouts: Sequence[BucketShape]) -> tuple[int, EntryShape] |
     return narrowest
 
 
-def factor_elements(layouts: Sequence[BucketShape], rank: int, piece: int) -> tuple[int, int]:
+def factor_elements(
+    segment_lists: Sequence[Sequence[Segment]], rank: int, piece: int
+) -> tuple[int, int]:
     """The elements of the U buffer (the rows one piece of z touches) and of the V buffer
-    (the widest matrix's V) a source over ``layouts`` holds."""
+    (the widest matrix's V) a source over buckets cut into ``segment_lists`` holds."""
     u = v = 0
-    for layout in layouts:
-        for s in segments(layout, rank):
+    for segs in segment_lists:
+        for s in segs:
             if s.cols:
                 u = max(u, min(s.rows, max(1, piece // s.cols)) * rank)
                 v = max(v, s.cols * rank)
@@ -152,16 +154,17 @@ def factor_elements(layouts: Sequence[BucketShape], rank: int, piece: int) -> tu
 
 
 def planned_lowrank_bytes(
-    layouts: Sequence[BucketShape],
+    segment_lists: Sequence[Sequence[Segment]],
     rank: int,
     chunk: int,
     itemsize: int,
     device_type: str,
 ) -> int:
-    """What a ``LowRankNoise`` of ``chunk`` elements over ``layouts`` allocates: a portable
-    source's workspace, the product buffer (rank > 1) and the factor buffers."""
+    """What a ``LowRankNoise`` of ``chunk`` elements over buckets cut into
+    ``segment_lists`` (``segments``; the plan cuts them once for every use) allocates: a
+    portable source's workspace, the product buffer (rank > 1) and the factor buffers."""
     piece = workspace_elements(chunk, device_type, "lowrank")
-    u, v = factor_elements(layouts, rank, piece)
+    u, v = factor_elements(segment_lists, rank, piece)
     product = piece if rank > 1 else 0
     base = planned_noise_bytes(chunk, itemsize, device_type, "lowrank")
     return base + (product + u + v) * itemsize
@@ -196,7 +199,7 @@ class LowRankNoise(NoiseSource):
         self._starts = [[s.start for s in segs] for segs in self._segments]
         # matrix entries by their offset, for ``factors``
         self._matrices = [{s.start: s for s in segs if s.cols} for segs in self._segments]
-        u, v = factor_elements(layouts, self.rank, self.piece)
+        u, v = factor_elements(self._segments, self.rank, self.piece)
         self._u = torch.empty(u, device=self.device, dtype=dtype)
         self._v = torch.empty(v, device=self.device, dtype=dtype)
         self._v_holds: tuple | None = None  # (key, v_offset, cols) of the V in self._v

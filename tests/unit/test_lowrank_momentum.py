@@ -258,6 +258,26 @@ def test_the_plan_counts_the_factors_the_engine_allocates_and_a_save_copies(tmp_
         assert factors == engine.state_device_bytes - lozo_m.scratch.device_bytes > 0
 
 
+def test_the_plan_cuts_each_bucket_into_segments_once(monkeypatch):
+    """The plan of a LOZO-M run cut every bucket four times (the noise's buffers, the
+    update's scratch, the factors on the device, the factors a save copies)."""
+    import distzo.job.memory_plan as memory_plan
+    import distzo.zo.lowrank as lowrank
+    from distzo.job.memory_plan import plan_memory
+
+    cut, segments = [], lowrank.segments
+
+    def counted(layout, rank):
+        cut.append(layout)
+        return segments(layout, rank)
+
+    monkeypatch.setattr(memory_plan, "segments", counted)
+    monkeypatch.setattr(lowrank, "segments", counted)
+    config = ZOConfig(device="cpu", num_slots=2, mode="offload", lozo_rank=3, **LOZO_M)
+    plan_memory(tiny_opt(seed=0, num_hidden_layers=2), config, 1, False, 2, 8)
+    assert len(cut) == len({id(layout) for layout in cut}) == 3  # the resident bucket, 2 blocks
+
+
 def test_the_jobs_memory_fallbacks_never_try_to_recompute_the_master():
     """A low-bit run that does not fit tries ``low_bit_master recompute``, which would
     advance the factors once per pass: LOZO-M's fallbacks leave it out (they were a
