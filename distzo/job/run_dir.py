@@ -31,13 +31,12 @@ from distzo.job.jsonl_text import line_record, log_lines, record_step
 from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
-    checked_log_end,
+    checked_log,
     first_step,
     is_begun_log,
     last_logged_step,
     logged_header,
     logged_twice,
-    read_seed_log,
 )
 from distzo.job.summary import SUMMARY
 from distzo.runtime.toml_file import UnreadableToml, read_toml
@@ -223,22 +222,25 @@ def discard_unstarted_run(run_dir: Path, made: bool, lock: RunLock | None = None
 _AFRESH = "start afresh with --overwrite or another --output-dir"
 
 
-def logged_steps_of(path: Path) -> list[tuple[int, int]]:
-    """The line number and step of each complete record of a seed log, as written (gaps
-    kept; a torn last line, a header or a line that is not a step record skipped)."""
-    lines = enumerate(log_lines(path.read_bytes())[:-1], 1)
+def logged_steps_of(raw: bytes) -> list[tuple[int, int]]:
+    """The line number and step of each complete record of a seed log's bytes, as written
+    (gaps kept; a torn last line, a header or a line that is not a step record skipped)."""
+    lines = enumerate(log_lines(raw)[:-1], 1)
     steps = ((number, record_step(line_record(line))) for number, line in lines)
     return [(number, step) for number, step in steps if step is not None]
 
 
-def _out_of_order(log: Path, steps: list[tuple[int, int]], gap: int, first: int, start: str) -> str:
-    """The resume's refusal where a log's ``steps`` (``logged_steps_of``), in order from
-    ``first`` before ``gap``, first leave it: a step logged again, or a jump. A step's
-    record written twice by one run needs its repeats deleted, not the run started over."""
+def _out_of_order(
+    log: Path, raw: bytes, steps: list[tuple[int, int]], gap: int, first: int, start: str
+) -> str:
+    """The resume's refusal where a log's ``steps`` (``logged_steps_of`` of its bytes,
+    ``raw``), in order from ``first`` before ``gap``, first leave it: a step logged again,
+    or a jump. A step's record written twice by one run needs its repeats deleted, not the
+    run started over."""
     line, step = steps[gap]
     if first <= step < first + gap:  # its first record is at steps[step - first]
         first_line = steps[step - first][0]
-        lines = log_lines(log.read_bytes())  # once, on the way out
+        lines = log_lines(raw)
         records = (line_record(lines[first_line - 1]), line_record(lines[line - 1]))
         twice = logged_twice(step, first_line, line, *records)
         if records[0] == records[1]:
@@ -261,7 +263,8 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
     from. Where the log ends is read from its tail; ``every_record`` (rank 0's check)
     also reads every record for a gap, which the other ranks, that learn a refusal through
     the launch gate, need not parse again (seconds per rank at a million steps); rank 0's
-    one parse, ``checked_log_end``, also serves its catch-up and truncation."""
+    one read and parse, ``checked_log``, also serves its catch-up and truncation, and a
+    damaged log's scan and refusal."""
     log = run_dir / SEED_LOG
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     done = int(checkpoint.name.removeprefix("step-")) if checkpoint is not None else 0
@@ -278,12 +281,13 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
             f"distzo's); {_damaged_log_fix(start)}"
         )
     first = first_step(header)  # its line read once: each read is an open on a shared mount
-    damaged = every_record and checked_log_end(log) is None
-    if damaged:  # not whole and in order: say where
-        steps = logged_steps_of(log)
+    checked = checked_log(log) if every_record else None
+    damaged = checked is not None and checked.end is None
+    if checked is not None and damaged:  # not whole and in order: say where
+        steps = logged_steps_of(checked.raw)
         gap = next((i for i, (_, step) in enumerate(steps) if step != first + i), None)
         if gap is not None:
-            raise ValueError(_out_of_order(log, steps, gap, first, start))
+            raise ValueError(_out_of_order(log, checked.raw, steps, gap, first, start))
     if checkpoint is None and first > 0:  # "None holds 0 steps" was all it said
         raise ValueError(
             f"--resume: {log} begins at step {first} (its run went on from a checkpoint), but "
@@ -297,8 +301,8 @@ def check_log_leads_to_checkpoint(run_dir: Path, every_record: bool = True) -> i
         raise ValueError(
             f"--resume: {checkpoint} holds {counted(done, 'step')} but {log} ends at {ends}; {fix}"
         )
-    if damaged:  # in order where it ends, yet a line between is no record
-        _refuse_damaged_line(log, start)
+    if checked is not None and checked.refusal is not None:  # in order, a line no record
+        _refuse_damaged_line(checked.refusal, start)
     return end
 
 
@@ -310,16 +314,13 @@ def _damaged_log_fix(start: str) -> str:
     )
 
 
-def _refuse_damaged_line(log: Path, start: str) -> None:
-    """Refuse a log without a gap that ``read_seed_log`` refuses all the same (a line that
-    is not JSON, or a step record whose update is no finite one): the catch-up read it so
-    after the model was built and the checkpoint loaded, and failed on a replay's
-    ``--log`` words that named no fix."""
-    try:
-        read_seed_log(log)
-    except ValueError as err:
-        where = str(err).removeprefix("--log ")
-        raise ValueError(f"--resume: {where} (damaged); {_damaged_log_fix(start)}") from None
+def _refuse_damaged_line(refusal: str, start: str) -> None:
+    """Refuse a log without a gap that ``read_seed_log`` refuses all the same, in its
+    ``refusal`` (a line that is not JSON, or a step record whose update is no finite one):
+    the catch-up read it so after the model was built and the checkpoint loaded, and failed
+    on a replay's ``--log`` words that named no fix."""
+    where = refusal.removeprefix("--log ")
+    raise ValueError(f"--resume: {where} (damaged); {_damaged_log_fix(start)}")
 
 
 # What a config.toml without an option that every run now records meant, where that is

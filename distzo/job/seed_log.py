@@ -20,6 +20,7 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -332,7 +333,7 @@ def _pieces_backwards(stream: BinaryIO, size: int) -> Iterator[bytes]:
         yield carry  # the file's first line
 
 
-# The log last found whole and in order by ``checked_log_end``: its path and state
+# The log last found whole and in order by ``checked_log``: its path and state
 # (``file_state``) then, the step after its last record, and whether its bytes are what a
 # rewrite of its lines writes (``jsonl_text.as_rewritten``).
 _in_order: tuple[tuple[str, int, int, int, int], int, bool] | None = None
@@ -347,32 +348,44 @@ def _state(path: Path) -> tuple[int, int, int, int] | None:
         return None
 
 
-def checked_log_end(path: Path) -> int | None:
-    """The step after the log's last record, where ``read_seed_log`` accepts it whole and
-    its header is no step record (so ``run_dir.logged_steps_of``, by the same
-    ``record_step``, reads the same steps, without a gap); None otherwise, for the
-    caller's own scan to name what is wrong. Rank 0 of a resume checks the log so, once:
-    the answer is remembered for the file's state (``in_order_end``, ``in_order_as_kept``),
-    and the catch-up and the logs' truncation then read only the records they need, where
-    each read all of a long log (seconds a restart). The parse is not kept: it is a dict
-    per step, and the model is built after this."""
+@dataclass(frozen=True)
+class CheckedLog:
+    """What ``checked_log`` read of a seed log: its bytes, kept so that a damaged log's
+    scan and refusal read them again from memory, not from disk (a long log on a shared
+    mount was read whole three times to say what is wrong with it)."""
+
+    raw: bytes
+    end: int | None  # the step after its last record (None: not whole and in order)
+    refusal: str | None  # ``read_seed_log``'s one line refusing it (None: it accepts it)
+
+
+def checked_log(path: Path) -> CheckedLog:
+    """The log read whole once, its ``end`` the step after its last record where
+    ``read_seed_log`` accepts it whole and its header is no step record (so
+    ``run_dir.logged_steps_of``, by the same ``record_step``, reads the same steps,
+    without a gap); None otherwise, for the caller's own scan of ``raw`` to name what is
+    wrong. Rank 0 of a resume checks the log so, once: the end is remembered for the
+    file's state (``in_order_end``, ``in_order_as_kept``), and the catch-up and the logs'
+    truncation then read only the records they need, where each read all of a long log
+    (seconds a restart). The parse is not kept: it is a dict per step, and the model is
+    built after this."""
     before = _state(path)
+    raw = path.read_bytes()
     try:
-        raw = _log_bytes(path)
         header, steps = _parsed(path, raw)
-    except ValueError:
-        return None
+    except ValueError as err:
+        return CheckedLog(raw, None, str(err))
     if record_step(header) is not None:  # a step record to the scan: the scan's refusal
-        return None
+        return CheckedLog(raw, None, None)
     end = steps[-1]["step"] + 1 if steps else first_step(header)
     if before is not None and _state(path) == before:
         global _in_order
         _in_order = ((str(path), *before), end, as_rewritten(raw))
-    return end
+    return CheckedLog(raw, end, None)
 
 
 def _vouched(path: Path) -> tuple[int, bool] | None:
-    """What ``checked_log_end`` found of the log as it is now (its end, and whether it is
+    """What ``checked_log`` found of the log as it is now (its end, and whether it is
     as rewritten), read from nothing (None: not checked so, or written since)."""
     state = _state(path)
     if _in_order is None or state is None or _in_order[0] != (str(path), *state):
@@ -381,7 +394,7 @@ def _vouched(path: Path) -> tuple[int, bool] | None:
 
 
 def in_order_end(path: Path) -> int | None:
-    """``checked_log_end``'s answer for the log as it is now, read from nothing (None: not
+    """``checked_log``'s answer for the log as it is now, read from nothing (None: not
     checked so, or written since)."""
     vouched = _vouched(path)
     return vouched[0] if vouched is not None else None
@@ -389,7 +402,7 @@ def in_order_end(path: Path) -> int | None:
 
 def in_order_as_kept(path: Path, keep_below: int) -> bool:
     """Whether cutting the log back to the steps below ``keep_below`` would leave it as it
-    is, known without reading it: ``checked_log_end`` found it ending there at most, each
+    is, known without reading it: ``checked_log`` found it ending there at most, each
     line a record (or the header) ended by a newline, and it is unchanged since."""
     vouched = _vouched(path)
     return vouched is not None and vouched[0] <= keep_below and vouched[1]

@@ -86,6 +86,30 @@ def test_a_resume_parses_the_seed_log_once_and_rewrites_no_log(tmp_path, monkeyp
     assert list(logs.loss_curve.losses) == [2.0 + s for s in range(50)]
 
 
+@pytest.mark.parametrize(
+    "damage, refusal",
+    [
+        (lambda lines: lines.insert(4, "not a record"), r", line 5: not JSON \(damaged\); restore"),
+        (
+            lambda lines: lines.insert(4, lines[3]),
+            r" logs step 2 twice \(lines 4 and 5\), the same",
+        ),
+    ],
+)
+def test_a_damaged_seed_log_is_read_once_to_refuse_it(tmp_path, monkeypatch, damage, refusal):
+    """The check, the scan for a gap and the refusal's words each read the log whole
+    (three reads of a long log on a shared mount, to say what is wrong with it)."""
+    write_run(tmp_path, steps=8, checkpoint=6)
+    log = tmp_path / "seedlog.jsonl"
+    lines = log.read_text().splitlines()
+    damage(lines)
+    log.write_text("".join(line + "\n" for line in lines))
+    reads = whole_reads(monkeypatch)
+    with pytest.raises(ValueError, match=f"^--resume: {log}{refusal}"):
+        check_log_leads_to_checkpoint(tmp_path)
+    assert reads == ["seedlog.jsonl"]
+
+
 def test_another_ranks_log_check_opens_the_seed_log_twice(tmp_path, monkeypatch):
     """A rank other than 0 reads the log's header line and its tail, each once: every
     open is a request to a shared mount, from each rank of each node (before: the header
@@ -150,7 +174,7 @@ def test_a_record_whose_step_is_not_a_plain_number_keeps_the_scans_words(tmp_pat
     write_run(tmp_path, steps=6, checkpoint=4)
     log = tmp_path / "seedlog.jsonl"
     log.write_text(log.read_text().replace('{"step": 3,', '{"step": 3.0,'))
-    assert seed_log.checked_log_end(log) is None
+    assert seed_log.checked_log(log).end is None
     with pytest.raises(ValueError, match="jumps from step 2 to step 4"):
         check_log_leads_to_checkpoint(tmp_path)
 
@@ -161,7 +185,7 @@ def test_a_header_that_holds_a_step_is_refused_as_the_scan_refuses_it(tmp_path):
     write_run(tmp_path, steps=6, checkpoint=4)
     log = tmp_path / "seedlog.jsonl"
     log.write_text(log.read_text().replace('"run_seed": 0}', '"run_seed": 0, "step": 9}', 1))
-    assert seed_log.checked_log_end(log) is None
+    assert seed_log.checked_log(log).end is None
     with pytest.raises(ValueError, match="jumps from its header to step 9"):
         check_log_leads_to_checkpoint(tmp_path)
 
@@ -298,12 +322,12 @@ def test_a_log_that_went_on_from_a_checkpoint_no_longer_there_is_refused(tmp_pat
 
 
 def test_a_log_replaced_by_one_of_its_size_and_mtime_is_not_vouched_for(tmp_path):
-    """What ``checked_log_end`` found is kept for the file's state: a log replaced by
+    """What ``checked_log`` found is kept for the file's state: a log replaced by
     another of the same size and mtime (a copy that kept the times, ``cp -p``, rsync) is
     another file, whose records must be read again, not served from the first's check."""
     write_run(tmp_path, steps=4, checkpoint=4)
     log = tmp_path / "seedlog.jsonl"
-    assert seed_log.checked_log_end(log) == 4
+    assert seed_log.checked_log(log).end == 4
     assert seed_log.in_order_end(log) == 4
     size = log.stat().st_size
     other = tmp_path / "other.jsonl"

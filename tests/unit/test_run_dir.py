@@ -712,7 +712,7 @@ def test_only_rank_0_parses_the_whole_seed_log_of_a_resume(run, monkeypatch, che
     """Every rank parsed every record of the log to validate a resume, once or (resuming
     from the log alone) three times: 4.4 s per parse and rank at a million steps. The
     others read its header and its end; rank 0's full check refuses for all of them, in one
-    parse (``checked_log_end``) that the noise of a resume without a checkpoint reuses."""
+    parse (``checked_log``) that the noise of a resume without a checkpoint reuses."""
     from distzo.job.validation import validate
 
     if not checkpoint:
@@ -737,7 +737,11 @@ def test_a_long_seed_log_ends_where_its_last_record_says(tmp_path):
     records = [json.dumps({"step": s, "projected_grads": [0.5], "lr": 0.1}) for s in range(3, 9000)]
     others = ["not json", "[1]", '{"step": null}', '{"step": "9001"}', ""]  # no step records
     log.write_text("\n".join([header, *records, *others]) + '{"step": 9000')
-    assert seed_log.last_logged_step(log) == 8999 == run_dir_module.logged_steps_of(log)[-1][1]
+    assert (
+        seed_log.last_logged_step(log)
+        == 8999
+        == run_dir_module.logged_steps_of(log.read_bytes())[-1][1]
+    )
     log.write_text(header + "\n\xff\xfe binary\n")
     assert seed_log.last_logged_step(log) is None
     log.write_text('{"step": 4}')  # no complete line

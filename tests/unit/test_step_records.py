@@ -87,7 +87,7 @@ def test_a_step_record_whose_update_is_no_finite_one_is_refused(tmp_path, damage
     log.write_text("".join(line + "\n" for line in lines))
     with pytest.raises(ValueError, match="line 3: expected the record of step 1"):
         seed_log.read_seed_log(log)
-    assert seed_log.checked_log_end(log) is None
+    assert seed_log.checked_log(log).end is None
     with pytest.raises(ValueError) as refused:
         check_log_leads_to_checkpoint(tmp_path)
     assert str(refused.value) == (
