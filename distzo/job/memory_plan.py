@@ -282,18 +282,7 @@ def plan_memory(
     b = _buckets(model, config, shard_size, sliced)
     host, blocks, scratch, resident_bytes = _weight_bytes(b, config)
     scratch += _pass_scratch_bytes(b, config, passes)
-    state_host, state_device = _state_bytes(
-        config,
-        b.resident,
-        b.trained,
-        b.lowrank_segments,
-        b.padded,
-        b.owners,
-        b.master,
-        b.state_wire,
-        streams=config.mode == "offload" and not b.frozen,
-        device_type=on,
-    )
+    state_host, state_device = _state_bytes(b, config, on)
     frozen_parameters = 0
     if b.resident_base is not None:
         frozen_parameters = b.resident_base.num_parameters + sum(
@@ -550,43 +539,32 @@ def _lowrank_state_bytes(
     return itemsize * sum(state_elements(segs, rank) for segs in segment_lists)
 
 
-def _state_bytes(
-    config: ZOConfig,
-    resident: BucketLayout,
-    layouts: list[BucketLayout],
-    lowrank_segments: list[tuple[Segment, ...]],
-    padded: list[int],
-    owners: int,
-    master: int,
-    state_wire: int,
-    streams: bool,
-    device_type: str,
-) -> tuple[int, int]:
+def _state_bytes(b: _Buckets, config: ZOConfig, device_type: str) -> tuple[int, int]:
     """(host, device) bytes of a stored optimizer's moments, as the engine allocates them:
     beside the resident bucket on the device; beside streamed blocks as host shards in
     the state dtype with K slots of their own (+ one float32 buffer when low-bit), else on
     the device; plus the update's scratch (one noise piece for ghat, one more for Adam's
     denominator)."""
-    moments = config.num_moments
+    moments, master = config.num_moments, b.master
     rule = MomentRule.of(config)
     if config.lowrank_state:  # LOZO-M: each bucket's factors, on the device in every layout
-        scratch = master * scratch_elements(lowrank_segments, config.lozo_rank)
-        return 0, _lowrank_state_bytes(config, lowrank_segments, master) + scratch
+        scratch = master * scratch_elements(b.lowrank_segments, config.lozo_rank)
+        return 0, _lowrank_state_bytes(config, b.lowrank_segments, master) + scratch
     if not moments or rule is None:
         return 0, 0
-    if streams:
-        host = moments * (sum(padded) // owners) * state_wire
+    if config.mode == "offload" and not b.frozen:  # the moments stream beside the blocks
+        host = moments * (sum(b.padded) // b.owners) * b.state_wire
         # K slots in the state dtype, and a low-bit moment's master buffers (its blocks')
-        rebuilt = config.master_buffers * master if state_wire != master else 0
-        blocks = moments * max(padded) * (config.num_slots * state_wire + rebuilt)
+        rebuilt = config.master_buffers * master if b.state_wire != master else 0
+        blocks = moments * max(b.padded) * (config.num_slots * b.state_wire + rebuilt)
     else:
-        host, blocks = 0, moments * sum(layout.numel for layout in layouts) * master
+        host, blocks = 0, moments * sum(layout.numel for layout in b.trained) * master
     scratch = (
         rule.scratch_pieces
         * workspace_elements(config.noise_chunk, device_type, config.noise)
         * master
     )
-    return host, moments * resident.numel * master + blocks + scratch
+    return host, moments * b.resident.numel * master + blocks + scratch
 
 
 def _largest(terms: dict[str, int]) -> str:
