@@ -65,6 +65,21 @@ class Shard:
     comm: Collectives | None = None
 
 
+def _host_slices(
+    lengths: list[int], dtype: torch.dtype, pin: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One zeroed host allocation for every block's slice, and the slices, in order: pinned
+    (for a CUDA device) at its exact size, which the caching allocator behind
+    ``pin_memory=True`` would round up to 2^k."""
+    total = sum(lengths)
+    storage = pinned_zeros(total, dtype) if pin else torch.zeros(total, dtype=dtype)
+    slices, offset = [], 0
+    for length in lengths:
+        slices.append(storage[offset : offset + length])
+        offset += length
+    return storage, slices
+
+
 class StreamedBlocks:
     def __init__(
         self,
@@ -105,19 +120,8 @@ class StreamedBlocks:
         self.slice_len = [p // n for p in self.padded]
 
         pin = device.type == "cuda"
-        total = sum(self.slice_len)
-        # Pinned at its exact size (the caching allocator behind pin_memory=True rounds up to 2^k).
-        self.host_storage = (
-            pinned_zeros(total, self.transfer_dtype)
-            if pin
-            else torch.zeros(total, dtype=self.transfer_dtype)
-        )
+        self.host_storage, self.host_slices = _host_slices(self.slice_len, self.transfer_dtype, pin)
         self.host_pinned = pin
-        self.host_slices: list[torch.Tensor] = []
-        offset = 0
-        for length in self.slice_len:
-            self.host_slices.append(self.host_storage[offset : offset + length])
-            offset += length
 
         biggest = max(self.padded)
         # The K slots hold what crosses the link: uploads land there, offloads leave from
