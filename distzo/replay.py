@@ -363,7 +363,8 @@ def run_tokenizer(folder: Path | None, header: dict) -> Any:
     return byte_tokenizer() if header.get("byte_tokenizer") else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the log and where to write, and the export's flags of distzo.train."""
     p = argparse.ArgumentParser(
         prog=program("distzo.replay"),
         description=__doc__,
@@ -415,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="replace an existing --out (without it, an existing one is refused)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
