@@ -11,9 +11,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from distzo.config.engine_options import ZOConfig
-from distzo.config.field_types import check_flag, type_and_repr
 from distzo.dist import ParallelContext
 from distzo.models import ModelFamily
+from distzo.runtime.argument_values import check_flag, type_and_repr
 
 # What a WeightSource and an Objective are: protocols, so their methods are what is checked.
 WEIGHT_SOURCE_METHODS = ("tensor", "tensor_range")

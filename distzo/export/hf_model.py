@@ -39,7 +39,6 @@ from distzo.adapters.peft_adapters import (
     prefix_embedding,
     prefix_table,
 )
-from distzo.config.field_types import check_flag
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE
 from distzo.dist.collectives import world_rank
 from distzo.engine import ZOEngine
@@ -53,6 +52,7 @@ from distzo.export.original_format import original_keys, original_tensors
 from distzo.export.out_dir import check_replaceable, publish, staging_dir
 from distzo.models.multimodal import origin_of
 from distzo.offload.bucket import BucketLayout
+from distzo.runtime.argument_values import check_flag
 from distzo.runtime.safetensors_write import safetensors_write
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from distzo.config.field_types import check_flag
+from distzo.runtime.argument_values import check_flag
 from distzo.runtime.folders import nearest_existing, unwritable
 
 

@@ -40,12 +40,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_checks import OPTIMIZERS
 from distzo.config.engine_options import ZOConfig, lowrank_record
-from distzo.config.field_types import check_flag
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.job.dcp_ranges import load_ranges
 from distzo.job.dcp_safe import TensorOnlyReader, load_tensors
 from distzo.offload import StreamedBlocks
+from distzo.runtime.argument_values import check_flag
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)

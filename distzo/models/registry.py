@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from distzo.config.field_types import type_and_repr
 from distzo.models.family import ModelFamily
 from distzo.models.gemma import GemmaFamily
 from distzo.models.gpt2 import GPT2Family
@@ -17,6 +16,7 @@ from distzo.models.granite import GraniteFamily
 from distzo.models.llama import LlamaFamily
 from distzo.models.moe import MoEFamily
 from distzo.models.opt import OPTFamily
+from distzo.runtime.argument_values import type_and_repr
 from distzo.runtime.master_dtypes import MASTER_DTYPES
 
 # Adding a family: one adapter file, its class here, and a blockwise == forward test.
