@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.peer_checks import harness
 from tests.helpers.scripts import benchmark_script
 
 STAND_INS = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo_peers"
@@ -44,7 +45,7 @@ def test_a_one_line_difference_in_the_peers_step_is_reported(
 ):
     source = (STAND_INS / f"{peer}_trainer.py").read_text()
     assert old in source
-    mutant = tmp_path / peer_steps.TRAINER_FILES[peer]
+    mutant = tmp_path / harness.TRAINER_FILES[peer]
     mutant.parent.mkdir(exist_ok=True)
     mutant.write_text(source.replace(old, new))
     code, out = run(peer_steps, capsys, f"--{peer}", str(tmp_path))  # a checkout's root
@@ -72,7 +73,7 @@ def mutated(peer_steps, tmp_path: Path, peer: str, old: str, new: str) -> Path:
     source = (STAND_INS / f"{peer}_trainer.py").read_text()
     assert old in source
     checkout = tmp_path / peer
-    mutant = checkout / peer_steps.TRAINER_FILES[peer]
+    mutant = checkout / harness.TRAINER_FILES[peer]
     mutant.parent.mkdir(parents=True)
     mutant.write_text(source.replace(old, new))
     return checkout
@@ -144,7 +145,7 @@ def test_a_draw_of_another_parameters_shape_is_caught(peer_steps):
     """The stand-in torch serves z in the order of the model's parameters: a peer walking
     them in another order is told so, not fed one parameter's z for another."""
     z = {"a": torch.zeros(2, 3), "b": torch.ones(4)}
-    noise = peer_steps.DistzoNoise(lambda step, query: z, ["a", "b"], False)
+    noise = harness.DistzoNoise(lambda step, query: z, ["a", "b"], False)
     noise.manual_seed(0)
     with pytest.raises(RuntimeError, match=r"^the peer drew \(4,\) where z is \(2, 3\)$"):
         noise.normal(0, 1, torch.Size([4]), dtype=torch.float64)

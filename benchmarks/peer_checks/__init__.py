@@ -1,0 +1,2 @@
+"""The step checks of ``benchmarks/peer_steps.py``, one module per peer: each runs the
+peer's own code beside a ``ZOEngine`` on the machinery of ``harness``."""
