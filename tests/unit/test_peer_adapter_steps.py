@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.peer_checks import mezo_adapters
 from tests.helpers.scripts import benchmark_script
 
 STAND_INS = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo_peers"
@@ -105,7 +106,7 @@ def test_peft_without_mezos_opt_is_refused_in_one_line(peer_steps, capsys, argv,
     assert line in err[-1], err
 
 
-def test_the_legacy_cache_indexing_leaves_transformers_own_in_place(peer_steps, monkeypatch):
+def test_the_legacy_cache_indexing_leaves_transformers_own_in_place(monkeypatch):
     """The stand-in for transformers 4.28's tuple indexing is taken away after MeZO's init;
     a ``DynamicCache`` with an indexing of its own keeps it."""
     from transformers import DynamicCache
@@ -114,6 +115,6 @@ def test_the_legacy_cache_indexing_leaves_transformers_own_in_place(peer_steps, 
         return "own"
 
     monkeypatch.setattr(DynamicCache, "__getitem__", own, raising=False)
-    with peer_steps.legacy_cache_indexing():
+    with mezo_adapters.legacy_cache_indexing():
         assert DynamicCache.__dict__["__getitem__"] is not own
     assert DynamicCache.__dict__["__getitem__"] is own
