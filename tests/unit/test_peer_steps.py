@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.peer_checks import harness
+from benchmarks.peer_checks import harness, zo2
 from tests.helpers.scripts import benchmark_script
 
 STAND_INS = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo_peers"
@@ -178,7 +178,7 @@ def test_a_one_line_difference_in_zo2s_step_is_reported(
     assert old in source
     mutated.write_text(source.replace(old, new))
     args = peer_steps.parse_args(["--zo2", str(checkout), "--steps", "2"])
-    assert not peer_steps.compare_zo2(checkout, offload, args)
+    assert not zo2.compare_zo2(checkout, offload, args)
     label = "zo2-offload" if offload else "zo2-mezo"
     assert f"{label}: DIFFERS from distzo" in capsys.readouterr().out
 
@@ -207,7 +207,7 @@ def test_zo2s_decay_by_name_reaches_qwen3s_q_norm_k_norm_and_final_norm(peer_ste
     """ZO2 spares names holding bias/layer_norm/layernorm/ln: Qwen3's q_norm, k_norm and
     final norm decay there, not in distzo (1-D), and the check names exactly those."""
     args = peer_steps.parse_args(["--zo2", str(ZO2_STAND_IN), "--family", "qwen3", "--steps", "1"])
-    assert not peer_steps.compare_zo2(ZO2_STAND_IN, False, args)
+    assert not zo2.compare_zo2(ZO2_STAND_IN, False, args)
     apart = apart_in(capsys.readouterr().out)
     assert apart and all(set(names) == QWEN3_NORMS for names in apart), apart
 
@@ -217,9 +217,9 @@ def test_zo2s_offload_gives_a_tied_head_a_z_of_its_own(peer_steps, capsys):
     updated again; ZO2's MeZO step, which walks the model's parameters, draws it once."""
     argv = ["--zo2", str(ZO2_STAND_IN), "--family", "qwen3", "--zo2-tied", "--weight-decay", "0"]
     args = peer_steps.parse_args([*argv, "--steps", "2"])
-    assert peer_steps.compare_zo2(ZO2_STAND_IN, False, args)
+    assert zo2.compare_zo2(ZO2_STAND_IN, False, args)
     capsys.readouterr()
-    assert not peer_steps.compare_zo2(ZO2_STAND_IN, True, args)
+    assert not zo2.compare_zo2(ZO2_STAND_IN, True, args)
     out = capsys.readouterr().out
     assert "differs most in: no tensor yet (the loss and g differ)" in out  # step 0: g
     assert apart_in(out)[-1][0] == "model.embed_tokens.weight"  # step 1: the tied matrix
@@ -237,7 +237,7 @@ def test_a_one_line_decay_in_zo2s_qwen3_units_is_reported(peer_steps, capsys, tm
     assert old in mutated.read_text()
     mutated.write_text(mutated.read_text().replace(old, old + " weight_decay=0.1,"))
     argv = ["--zo2", str(checkout), "--family", "qwen3", "--weight-decay", "0", "--steps", "2"]
-    assert not peer_steps.compare_zo2(checkout, True, peer_steps.parse_args(argv))
+    assert not zo2.compare_zo2(checkout, True, peer_steps.parse_args(argv))
     out = capsys.readouterr().out
     assert "zo2-offload: DIFFERS from distzo" in out
     assert apart_in(out)[-1] == ["lm_head.weight"]
@@ -252,7 +252,7 @@ def test_a_norm_zo2s_qwen3_units_skip_is_named(peer_steps, tmp_path):
     mutated.write_text(source.replace("module=self.model.norm,", "module=self.model.rotary_emb,"))
     args = peer_steps.parse_args(["--zo2", str(checkout), "--family", "qwen3"])
     with pytest.raises(SystemExit) as refused:
-        peer_steps.compare_zo2(checkout, True, args)
+        zo2.compare_zo2(checkout, True, args)
     assert str(refused.value) == "ZO2's units miss ['model.norm.weight']"
 
 
