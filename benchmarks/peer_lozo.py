@@ -50,9 +50,10 @@ import textwrap
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from transformers import OPTConfig
 
 from distzo import ZOConfig, ZOEngine
 from distzo.engine import RESIDENT_BLOCK_ID
@@ -292,6 +293,45 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     found = peer_file(args.lozo, args.momentum)
     source = found.read_text()
     config = tiny_opt_config(**MODEL)
+    engine, peer_model = twin_models(config, args)
+    streams: dict[int, torch.Tensor] = {}
+    numpy_seed = types.SimpleNamespace(random=types.SimpleNamespace(randint=None))
+    names = MOMENTUM_METHODS if args.momentum else PEER_METHODS
+    trainer = PeerTrainer(args, peer_methods(source, StreamTorch(streams), numpy_seed, names))
+    gen = torch.Generator().manual_seed(args.seed)
+    steps = []
+    for step in range(args.steps):
+        ids = torch.randint(3, config.vocab_size, (4, 12), generator=gen)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        start = engine.named_parameters()
+        with torch.no_grad():
+            for name, param in peer_model.named_parameters():
+                param.copy_(start[name])
+        draws = distzo_draws(engine, step)
+        streams[step] = peer_stream(peer_model, draws, step % args.interval == 0)
+        numpy_seed.random.randint = lambda high, s=step: s  # the peer's seed names the step
+        theta = {n: p.detach().clone() for n, p in peer_model.named_parameters()}
+        peer_z = peer_step(args, trainer, peer_model, batch, step, streams, draws)
+        result = engine.step(batch)
+        ours = engine.named_parameters()
+        peer = {n: p.detach() for n, p in peer_model.named_parameters()}
+        g_peer, g_ours = float(trainer.projected_grad), float(result.projected_grad)
+        ours_z = drawn_direction(draws, theta)
+        steps.append(
+            step_record(step, args, theta, Side(peer, peer_z, g_peer), Side(ours, ours_z, g_ours))
+        )
+    return {
+        "peer_file": str(found),
+        "peer_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "peer_commit": peer_commit(found),
+        "options": {k: v for k, v in vars(args).items() if k not in ("lozo", "out")},
+        "peer_method": "lowrank_zo_update_momentum" if args.momentum else "lowrank_zo_update",
+        "steps": steps,
+    }
+
+
+def twin_models(config: OPTConfig, args: argparse.Namespace) -> tuple[ZOEngine, torch.nn.Module]:
+    """distzo's LOZO engine and the peer's model: two float64 tiny OPTs of one seed."""
     torch.manual_seed(args.seed)
     ours_model = model_from_config(config, dtype=torch.float64)
     peer_model = model_from_config(config, dtype=torch.float64)
@@ -310,68 +350,66 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             **_momentum_options(args),
         ),
     )
-    streams: dict[int, torch.Tensor] = {}
-    numpy_seed = types.SimpleNamespace(random=types.SimpleNamespace(randint=None))
-    names = MOMENTUM_METHODS if args.momentum else PEER_METHODS
-    trainer = PeerTrainer(args, peer_methods(source, StreamTorch(streams), numpy_seed, names))
-    gen = torch.Generator().manual_seed(args.seed)
-    steps = []
-    for step in range(args.steps):
-        ids = torch.randint(3, config.vocab_size, (4, 12), generator=gen)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-        start = engine.named_parameters()
-        with torch.no_grad():
-            for name, param in peer_model.named_parameters():
-                param.copy_(start[name])
-        draws = distzo_draws(engine, step)
-        streams[step] = peer_stream(peer_model, draws, step % args.interval == 0)
-        numpy_seed.random.randint = lambda high, s=step: s  # the peer's seed names the step
-        theta = {n: p.detach().clone() for n, p in peer_model.named_parameters()}
-        with measured_direction(trainer, peer_model) as peer_z:
-            trainer.lowrank_zo_step(peer_model, batch)
-        if not args.momentum:
-            trainer.lowrank_zo_update()
-        else:
-            if args.update_draws == "perturbation":  # U and z as the perturbation drew them
-                streams[step] = peer_stream(peer_model, draws, False)
-            trainer.lowrank_zo_update_momentum()
-        if trainer.step != step:
-            raise RuntimeError(f"the peer counts step {trainer.step} where distzo takes {step}")
-        result = engine.step(batch)
-        ours = engine.named_parameters()
-        peer = {n: p.detach() for n, p in peer_model.named_parameters()}
-        g_peer, g_ours = float(trainer.projected_grad), float(result.projected_grad)
-        ours_z = {
-            n: (draws[n][0] @ draws[n][1].T).view_as(theta[n])
-            if theta[n].ndim >= 2
-            else draws[n][0]
-            for n in theta
-        }
-        moved = {n: peer[n] - theta[n] for n in theta}
-        moved_ours = {n: ours[n] - theta[n] for n in theta}
-        steps.append(
-            {
-                "step": step,
-                "redraws_v": step % args.interval == 0,
-                "g_peer": g_peer,
-                "g_distzo": g_ours,
-                "g_diff": abs(g_peer - g_ours),
-                "peer_z_vs_distzo_z": max(
-                    float((peer_z[n] - ours_z[n]).abs().max()) for n in theta
-                ),
-                "weights_diff": max(float((peer[n] - ours[n]).abs().max()) for n in theta),
-                "peer_moved_along_measured": -cosine(moved, peer_z) * (1 if g_peer >= 0 else -1),
-                "distzo_moved_along_measured": -cosine(moved_ours, ours_z)
-                * (1 if g_ours >= 0 else -1),
-            }
-        )
+    return engine, peer_model
+
+
+def peer_step(
+    args: argparse.Namespace,
+    trainer: PeerTrainer,
+    model: torch.nn.Module,
+    batch: dict,
+    step: int,
+    streams: dict[int, torch.Tensor],
+    draws: dict,
+) -> dict[str, torch.Tensor]:
+    """The peer's step and update on ``model``, drawing from ``streams`` (the update's of a
+    LOZO-M step served from ``draws``, distzo's); the direction it measured."""
+    with measured_direction(trainer, model) as peer_z:
+        trainer.lowrank_zo_step(model, batch)
+    if not args.momentum:
+        trainer.lowrank_zo_update()
+    else:
+        if args.update_draws == "perturbation":  # U and z as the perturbation drew them
+            streams[step] = peer_stream(model, draws, False)
+        trainer.lowrank_zo_update_momentum()
+    if trainer.step != step:
+        raise RuntimeError(f"the peer counts step {trainer.step} where distzo takes {step}")
+    return peer_z
+
+
+class Side(NamedTuple):
+    """One side of a step: its weights after it, the direction z, the projected gradient."""
+
+    weights: dict[str, torch.Tensor]
+    z: dict[str, torch.Tensor]
+    g: float
+
+
+def drawn_direction(draws: dict, theta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """distzo's z of each tensor from its draws: ``U V^T`` of a matrix, z of a 1-D tensor."""
     return {
-        "peer_file": str(found),
-        "peer_sha256": hashlib.sha256(source.encode()).hexdigest(),
-        "peer_commit": peer_commit(found),
-        "options": {k: v for k, v in vars(args).items() if k not in ("lozo", "out")},
-        "peer_method": "lowrank_zo_update_momentum" if args.momentum else "lowrank_zo_update",
-        "steps": steps,
+        n: (draws[n][0] @ draws[n][1].T).view_as(theta[n]) if theta[n].ndim >= 2 else draws[n][0]
+        for n in theta
+    }
+
+
+def step_record(
+    step: int, args: argparse.Namespace, theta: dict[str, torch.Tensor], peer: Side, ours: Side
+) -> dict[str, Any]:
+    """A step's record, from both sides' weights before (``theta``) and after it: the two
+    g, z and weights apart, and the cosine of each side's move with what it measured."""
+    moved = {n: peer.weights[n] - theta[n] for n in theta}
+    moved_ours = {n: ours.weights[n] - theta[n] for n in theta}
+    return {
+        "step": step,
+        "redraws_v": step % args.interval == 0,
+        "g_peer": peer.g,
+        "g_distzo": ours.g,
+        "g_diff": abs(peer.g - ours.g),
+        "peer_z_vs_distzo_z": max(float((peer.z[n] - ours.z[n]).abs().max()) for n in theta),
+        "weights_diff": max(float((peer.weights[n] - ours.weights[n]).abs().max()) for n in theta),
+        "peer_moved_along_measured": -cosine(moved, peer.z) * (1 if peer.g >= 0 else -1),
+        "distzo_moved_along_measured": -cosine(moved_ours, ours.z) * (1 if ours.g >= 0 else -1),
     }
 
 
