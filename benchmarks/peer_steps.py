@@ -25,60 +25,18 @@ largest magnitude, or within float64's rounding of what each is computed from
 difference) over the losses' spread, which a small ``--eps`` makes large, and a step
 within its coefficient's.
 
-FZOO gathers its perturbed losses in float32 (``torch.tensor(loss1s,
-dtype=torch.float32)``): the stand-in ``torch.tensor`` keeps them in float64 like the rest,
-so that a difference is the algorithm's; ``--float32-losses`` keeps its rounding (on the
-tiny OPT at eps 1e-3 it moves the coefficients by about 0.5 %: float32's 2^-24 of a
-loss near 4 against differences of order 1e-4). The loss is the next-token
-cross-entropy in float64 for both (a Hugging Face model's ``.loss`` casts the logits to
-float32). Exit 0 when every step of every peer agrees, 1 otherwise.
+The loss is the next-token cross-entropy in float64 for both (a Hugging Face model's
+``.loss`` casts the logits to float32). Exit 0 when every step of every peer agrees, 1
+otherwise.
 
-``--mezo PATH --peft lora|prefix``: MeZO's adapters as its ``run.py`` applies them, by its
-own ``large_models/lora.py`` (``LoRA``: r 8, alpha 16) and ``prefix.py`` (``PrefixTuning``:
-5 tokens, no reparameterisation, init by real activations), compiled from the checkout,
-on one tiny float64 OPT; distzo's ``--peft`` on another from the same base. It prints the
-adapters' and logits' differences at init (LoRA's random ``A`` is drawn apart, both within
-Kaiming's bound, then both start from distzo's; the prefix's tokens are distzo's, served
-to MeZO's ``torch.randint``), then MeZO's steps beside the engine's, z served by
-parameter name (a block's ``key_values`` is MeZO's ``prefix_keys`` and ``prefix_values``).
-MeZO's prefix code is written for transformers 4.28's OPT attention; it runs as written,
-with 4.28's interface stood in: its cache indexed as a tuple, its ``past_key_value``
-handed to the attention as a cache, an attention given a 4-D additive mask and a softmax
-in float64. MeZO's batch keeps positions 0.. beside the prefix, peft's and distzo's start
-after it (docs/peft.md): ``--prefix-positions peft`` shifts MeZO's by the prefix to compare
-all the rest.
-
-``--zo2``: a checkout of liangyuwang/zo2, the peer of ``benchmarks/peers.py``'s race. Its
-classes ``BaseOptimizer``, ``MeZOSGDConfig``, ``MeZOSGD`` (its ``zo2=False`` step) and
-``MeZO2SGD`` (its ``zo2=True`` offload) are compiled from its files, built by their own
-constructors and run as written, in this interpreter (their package, which needs
-transformers 4.51, is never imported), on an untied tiny float64 OPT (``--family qwen3``:
-a Qwen3; ``--zo2-tied``: its head tied to the embeddings, as small Qwen3s) in eval mode,
-as the race's models and ZO2's ``zo_train()``. What ZO2's model classes add is stood in:
-the loss (the next-token cross-entropy of the head's logits) and, for the offload, the walk
-through its units (OPT's: embeddings, ``project_in``, each layer, the final norm with weight
-decay 0, ``project_out``, the head; Qwen3's read off ZO2's
-``zo2/model/huggingface/qwen3/mezo_sgd/zo2.py``: each module with parameters that its
-training forwards hand ``task_compute_module``, with the ``weight_decay`` each call
-passes): the model's own forward runs on the batch twice over, and at each unit ZO2's
-``module_dual_forward`` takes the two halves as its two passes. A step that differs names
-the tensors whose weights differ most.
-Its ``torch.normal`` draws follow a stand-in generator whose state (``torch.cuda``'s
-get/set_rng_state) is the seed and the count drawn, so the offload's replay of the
-previous step's z for its update is ZO2's own. Each ZO2 step is compared with a resident
-and an offloaded ``ZOEngine``; the offload applies a step's update in the next step's
-pass, so its weights are compared with distzo's one step earlier.
-
-``--zobench``: a checkout of OPTML-Group/ZO-LLM (ZO-Bench, its ``zo-bench/trainer.py``) or
-that file. Its ``zo_step`` (``zo_step_v1`` with ``--zobench-queries`` above 1, as its
-training loop picks) hands ``g z`` to a torch optimizer as ``p.grad``; the statement of its
-``_inner_training_loop`` that builds that optimizer (``SGD(lr, momentum)`` for ``zo_sgd``,
-``Adam(lr)`` for ``zo_adam``) is compiled from the file and run as written, with its
-sweeps' settings (momentum 0.9, weight decay 0, constant lr). Three runs: ``zo_sgd`` beside
-distzo's momentum stored and recomputed (a window longer than the run), ``zo_adam``
-beside distzo's Adam. ``--adam-eps`` sets both sides' eps (torch's default 1e-8): torch's
-Adam adds it to ``sqrt(v / (1 - beta2^t))``, distzo's to ``sqrt(v)``, which the check
-reports as a difference; at 1e-30 only the algorithm is left.
+Each peer's check is a module of ``benchmarks/peer_checks/``, whose docstring says what of
+the peer runs as written and what is stood in: ``mezo_fzoo`` (``--mezo``, ``--fzoo``, and
+FZOO's float32 losses, ``--float32-losses``), ``mezo_adapters`` (``--mezo PATH --peft
+lora|prefix``: MeZO's ``lora.py`` and ``prefix.py``), ``zo2`` and ``zo2_units`` (``--zo2``:
+ZO2's MeZO-SGD and its offload, on OPT or Qwen3) and ``zobench`` (``--zobench``: ZO-Bench's
+momentum and Adam), all on ``harness`` (the peer's methods read from its file, the tiny
+model, the batches, the z served to its draws, ``agrees``). A new peer gets a module of
+its own, and its flags here.
 """
 
 from __future__ import annotations
