@@ -78,6 +78,11 @@ def agrees(
     )
 
 
+def verdict_line(label: str, agree: bool, rtol: float) -> str:
+    """The last line of a peer's check, the one a reader (and a test) looks for."""
+    return f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {rtol})"
+
+
 def trainer_file(peer: str, path: Path) -> Path:
     """The peer's trainer: ``path`` itself, or its file in a checkout."""
     found = path / TRAINER_FILES[peer] if path.is_dir() else path

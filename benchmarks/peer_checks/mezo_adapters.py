@@ -42,6 +42,7 @@ from .harness import (
     peer_methods,
     peer_trainer,
     tiny_model,
+    verdict_line,
 )
 
 # MeZO's LoRA and prefix (large_models/lora.py, prefix.py): what each file defines that
@@ -314,5 +315,5 @@ def mezo_adapter_steps(
         losses = (*result.losses, result.loss_plus, result.loss_minus)
         agree &= agrees(args.rtol, t, result.loss_plus, peer_loss, (g, dg), weights, losses)
     label = f"mezo {args.peft}"
-    print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
+    print(verdict_line(label, agree, args.rtol))
     return agree

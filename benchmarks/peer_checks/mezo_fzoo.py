@@ -29,6 +29,7 @@ from .harness import (
     peer_methods,
     peer_trainer,
     tiny_model,
+    verdict_line,
 )
 
 
@@ -81,5 +82,5 @@ def compare(peer: str, source: Path, args: argparse.Namespace) -> bool:
         losses = (*result.losses, result.loss_plus, result.loss_minus)
         weight_figures = (step, dtheta, largest(weights))
         agree &= agrees(args.rtol, t, loss, peer_loss, (c, dc), weight_figures, losses)
-    print(f"{peer}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
+    print(verdict_line(peer, agree, args.rtol))
     return agree

@@ -44,6 +44,7 @@ from .harness import (
     next_token_loss,
     next_token_loss_of,
     tiny_model,
+    verdict_line,
 )
 from .zo2_units import ZO2_QWEN3_MODEL, DualUnit, split_rows, zo2_units, zo2_walk
 
@@ -241,7 +242,7 @@ def compare_zo2(checkout: Path, offload: bool, args: argparse.Namespace) -> bool
                 rounding = (t + 1) * ROUNDING_ULPS * torch.finfo(torch.float64).eps * weights[2]
                 print(f"      differs most in: {most_apart(ours, theirs, names, rounding)}")
             agree &= verdict
-    print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
+    print(verdict_line(label, agree, args.rtol))
     return agree
 
 

@@ -37,6 +37,7 @@ from .harness import (
     peer_trainer,
     tiny_model,
     trainer_class,
+    verdict_line,
 )
 
 # ZO-Bench (OPTML-Group/ZO-LLM): its zo_step hands ``g z`` to the torch optimizer that its
@@ -151,7 +152,7 @@ def compare_zobench_run(
         weights = (step, dtheta, largest([p.detach() for p in model.parameters()]))
         losses = (*result.losses, result.loss_plus, result.loss_minus)
         agree &= agrees(args.rtol, t, loss, peer_loss, (g, dg), weights, losses)
-    print(f"{label}: {'agrees with' if agree else 'DIFFERS from'} distzo (rtol {args.rtol})")
+    print(verdict_line(label, agree, args.rtol))
     return agree
 
 
