@@ -40,12 +40,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from distzo.config.engine_checks import OPTIMIZERS
 from distzo.config.engine_options import ZOConfig, lowrank_record
+from distzo.config.field_types import whole_number
 from distzo.dist.collectives import host_barrier, initialized, world_rank
 from distzo.engine import PendingUpdate, ZOEngine
 from distzo.job.dcp_ranges import load_ranges
 from distzo.job.dcp_safe import TensorOnlyReader, load_tensors
 from distzo.offload import StreamedBlocks
-from distzo.runtime.argument_values import check_flag
+from distzo.runtime.argument_values import check_flag, type_and_repr
 from distzo.zo import NOISE_KINDS, NOISE_VERSION, identity_kind
 
 logger = logging.getLogger(__name__)
@@ -418,9 +419,16 @@ def _stale_saves(directory: Path) -> list[Path]:
 
 class Checkpointer:
     def __init__(self, directory: str | Path, engine: ZOEngine, keep: int = 0) -> None:
+        count = whole_number(keep)
+        if count is None or count < 0:
+            # a float or a string failed at the first prune, after a save's work; -1 kept all
+            raise TypeError(
+                f"keep must be a whole number >= 0, got {type_and_repr(keep)}: the complete "
+                "checkpoints kept on disk, the newest first (0 keeps all)"
+            )
         self.directory = Path(directory)
         self.engine = engine
-        self.keep = keep  # complete checkpoints kept on disk (0: all)
+        self.keep = count  # complete checkpoints kept on disk (0: all)
         # The most steps of a checkpoint whose last update a finite loss has measured
         # (``confirm``): only those count towards ``keep``, so that a divergence right after
         # a save, which drops that save, still finds the one before it on disk.

@@ -121,6 +121,16 @@ def test_a_save_whose_asynchronous_is_no_bool_is_refused_before_writing(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("keep", [2.5, "3", -1, True, None])
+def test_a_checkpointer_whose_keep_is_no_count_is_refused_at_construction(tmp_path, keep):
+    """keep=2.5 or "3" failed at the first prune, after the save's work (a float is no slice
+    index, a string no number); keep=-1 silently kept every checkpoint."""
+    engine = ZOEngine(tiny_opt(), ZOConfig(device="cpu"))
+    with pytest.raises(TypeError, match=r"^keep must be a whole number >= 0, got .*: the comp"):
+        Checkpointer(tmp_path, engine, keep)
+    assert Checkpointer(tmp_path, engine, 2).keep == 2
+
+
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(
         ValueError,
