@@ -158,6 +158,9 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
+    from distzo.models.family import CAUSAL
+    from distzo.models.registry import family_for
+
     config = LoraConfig(
         r=spec.r,
         # peft annotates lora_alpha as int, but only divides it by r: a float is what
@@ -165,7 +168,9 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
         lora_alpha=spec.alpha,  # type: ignore[arg-type]
         lora_dropout=0.0,
         bias="none",
-        task_type="CAUSAL_LM",
+        # peft has no masked-LM task: a masked LM's adapter is a plain PeftModel, which
+        # PeftModel.from_pretrained loads onto AutoModelForMaskedLM's model
+        task_type="CAUSAL_LM" if family_for(model).lm_kind == CAUSAL else None,
         target_modules=list(spec.targets) if spec.targets else _default_targets(model),
     )
     _check_linear_targets(model, config, spec.method)
@@ -293,8 +298,14 @@ def check_mergeable(peft_model: nn.Module) -> None:
 def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     from peft import PrefixTuningConfig, get_peft_model
 
-    from distzo.models.registry import family_for
+    from distzo.models.registry import check_causal_lm, family_for
 
+    family = family_for(model)
+    check_causal_lm(
+        family.model.config.model_type,
+        "--peft prefix",
+        "tune it with --peft lora or lora-fa, or in full",
+    )
     config = PrefixTuningConfig(num_virtual_tokens=spec.prefix_length, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
         with _without_peft_deprecations():
@@ -307,7 +318,6 @@ def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
         # give a streamed --model and its replay another prefix than a model built whole
         torch.manual_seed(seed)
         table.reset_parameters()
-    family = family_for(model)
     prefixes = install_block_prefixes(peft_model, family.blocks())
     # MeZO: the keys and values of random tokens, computed by the engine
     if spec.prefix_init == "real":

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.models import ModelFamily
+from distzo.models.family import MASKED
 from distzo.runtime.argument_values import check_flag, type_and_repr
 
 # What a WeightSource and an Objective are: protocols, so their methods are what is checked.
@@ -82,4 +83,19 @@ def check_stop(stop: object) -> None:
     ("could not convert string to float"), and 0.5 would be half a vote."""
     check_flag(
         stop, "stop", "this rank's vote to stop after this step (a preemption notice it caught)"
+    )
+
+
+def check_objective_fits(family: ModelFamily, objective: object, defaulted: bool) -> None:
+    """A masked LM (``MASKED``: RoBERTa) has no next token, so an objective that reads one
+    (``predicts_next_token``: LanguageModeling, F1's greedy decoding) would train on the
+    logits of the wrong position; refused in one line before anything is built."""
+    if family.lm_kind != MASKED or not getattr(objective, "predicts_next_token", False):
+        return
+    name = type(objective).__name__ + (" (the default objective)" if defaulted else "")
+    model_type = getattr(family.model.config, "model_type", type(family.model).__name__)
+    raise ValueError(
+        f"objective {name} reads a causal LM's next token, and model type {model_type!r} is "
+        "a masked LM; give objective=Classification() or Accuracy() on choice batches "
+        "whose score_position is each candidate's <mask> position"
     )

@@ -33,7 +33,7 @@ from distzo.config.engine_checks import SEED_LIMIT
 from distzo.config.engine_options import ZOConfig
 from distzo.dist import ParallelContext
 from distzo.engine import state
-from distzo.engine.arguments import check_engine_arguments, check_stop
+from distzo.engine.arguments import check_engine_arguments, check_objective_fits, check_stop
 from distzo.engine.batches import (
     check_batch,
     check_mapping,
@@ -209,6 +209,7 @@ class ZOEngine:
         check_unbound(model)
         self.objective: Objective = objective if objective is not None else LanguageModeling()
         self.family = family if family is not None else family_for(model)
+        check_objective_fits(self.family, self.objective, objective is None)
         self.config, self.model = config, model
         self.device = config.torch_device()
         self.parallel = parallel if parallel is not None else ParallelContext.single(self.device)

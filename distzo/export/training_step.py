@@ -397,11 +397,16 @@ def _checkpoint(name: str, targets: tuple[str, ...] | None) -> tuple[nn.Module, 
     from distzo.models.config_file import read_config
     from distzo.models.hub import local_model_dir, snapshot
     from distzo.models.multimodal import checked_trained_config, checkpoint_model
+    from distzo.models.registry import check_causal_lm
     from distzo.models.weights import check_weights
 
     source = local_model_dir(name) or snapshot(name, True)
     config = read_config(source)
-    checked_trained_config(config, targets)
+    check_causal_lm(
+        checked_trained_config(config, targets).model_type,
+        "the exported training step (its loss is next-token cross-entropy)",
+        "export the step of a causal LM",
+    )
     model, weights = checkpoint_model(source, config, torch.float32)
     check_weights(weights, model)
     return model, weights

@@ -53,6 +53,7 @@ from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
 from distzo.models.multimodal import checked_trained_config
+from distzo.models.registry import check_causal_lm
 from distzo.models.weights import check_float_weights, check_readable
 from distzo.runtime.folders import nearest_existing, unwritable
 from distzo.runtime.master_dtypes import MASTER_DTYPES
@@ -118,6 +119,12 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> None:
     # a multimodal checkpoint: its text model, which is what trains and what the host holds
     trained = model_config_of(job, env)
     model_config = checked_trained_config(trained, job.peft.adapter_spec().targets)
+    check_causal_lm(
+        model_config.model_type,
+        f"--task {job.data.task}",
+        "distzo's tasks have no masked-LM prompts yet: train it through the Python API "
+        "(ZOEngine, objective=Classification() on choice batches scored at each <mask>)",
+    )
     job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)

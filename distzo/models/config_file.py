@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
 from distzo.models.hub import unwritable_cache
@@ -123,9 +123,12 @@ def _meta_size(config: PretrainedConfig, layers: int, where: str) -> ModelSize:
     cut.num_hidden_layers = layers
     if getattr(cut, "layer_types", None):  # one attention kind a layer (Qwen): as many
         cut.layer_types = [cut.layer_types[min(i, len(cut.layer_types) - 1)] for i in range(layers)]
+    from distzo.models.registry import auto_class
+
+    loader = auto_class(cut.model_type)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cut)
+            model = loader.from_config(cut)
     except (RuntimeError, ValueError, IndexError, AssertionError, TypeError) as err:
         raise ValueError(
             f"{where}: its {CONFIG_NAME}'s sizes build no model "

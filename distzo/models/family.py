@@ -1,4 +1,4 @@
-"""What the engine needs from a causal LM: resident embed/head, and a list of blocks.
+"""What the engine needs from a language model: resident embed/head, and a list of blocks.
 
 An adapter wraps the model's *own* modules; it copies no modeling code. Per-batch
 tensors that every block needs (the attention mask in the form the model's
@@ -32,6 +32,13 @@ CACHE_KEYWORD = (
 )
 
 
+# What a family's models are, which decides the transformers class that loads them
+# (``distzo.models.registry.auto_class``) and what they can be trained on: a causal LM predicts
+# the next token (its logits at position t score token t + 1), a masked LM (RoBERTa) the
+# token under a ``<mask>`` (its logits at the mask's own position score it).
+CAUSAL, MASKED = "causal", "masked"
+
+
 @dataclass
 class BatchContext:
     attention_mask: Any  # whatever the model's mask builder returned (None, a tensor, a BlockMask)
@@ -40,9 +47,10 @@ class BatchContext:
 
 
 class ModelFamily(ABC):
-    """Splits a Hugging Face causal LM into embed -> blocks -> head."""
+    """Splits a Hugging Face language model into embed -> blocks -> head."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    lm_kind: ClassVar[str] = CAUSAL  # CAUSAL or MASKED: the one marker every loader reads
 
     def __init__(self, model: nn.Module) -> None:
         # Typed Any: which submodules (``model.decoder``, ``transformer.h``, ``lm_head``) and
@@ -53,7 +61,7 @@ class ModelFamily(ABC):
 
     @classmethod
     def check_config(cls, config: Any) -> None:
-        """Refuse, in one line, a config of the family's model types that is no causal LM
+        """Refuse, in one line, a config of the family's model types that is no model
         the adapter runs; the checks read the config alone, before any weights load."""
         return None  # every config of most families
 

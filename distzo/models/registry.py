@@ -7,23 +7,45 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
-from distzo.models.family import ModelFamily
+from distzo.models.family import CAUSAL, MASKED, ModelFamily
 from distzo.models.gemma import GemmaFamily
 from distzo.models.gpt2 import GPT2Family
 from distzo.models.granite import GraniteFamily
 from distzo.models.llama import LlamaFamily
 from distzo.models.moe import MoEFamily
 from distzo.models.opt import OPTFamily
+from distzo.models.roberta import RobertaFamily
 from distzo.runtime.argument_values import type_and_repr
 from distzo.runtime.master_dtypes import MASTER_DTYPES
 
 # Adding a family: one adapter file, its class here, and a blockwise == forward test.
 ADAPTERS: dict[str, type[ModelFamily]] = {
     t: cls
-    for cls in (OPTFamily, LlamaFamily, GemmaFamily, GraniteFamily, GPT2Family, MoEFamily)
+    for cls in (
+        OPTFamily,
+        LlamaFamily,
+        GemmaFamily,
+        GraniteFamily,
+        GPT2Family,
+        MoEFamily,
+        RobertaFamily,
+    )
     for t in cls.model_types
+}
+
+# The class that loads each kind of family (``ModelFamily.lm_kind``): the only place that
+# decides it, for a checkpoint, a config, a skeleton and a size count alike.
+AUTO_CLASSES: dict[str, type[_BaseAutoModelClass]] = {
+    CAUSAL: AutoModelForCausalLM,
+    MASKED: AutoModelForMaskedLM,
 }
 
 
@@ -54,6 +76,23 @@ def check_supported(model_type: str) -> type[ModelFamily]:
             f"unsupported model type {model_type!r}{hint}: distzo supports "
             f"{', '.join(supported_model_types())}; pick a model of one of these families"
         ) from None
+
+
+def auto_class(model_type: str) -> type[_BaseAutoModelClass]:
+    """The transformers Auto class that builds a model of ``model_type`` as distzo trains
+    it: ``AutoModelForMaskedLM`` for an encoder (``RobertaForMaskedLM``), else
+    ``AutoModelForCausalLM``."""
+    return AUTO_CLASSES[check_supported(model_type).lm_kind]
+
+
+def check_causal_lm(model_type: str, use: str, fix: str) -> None:
+    """Refuse, in one line before any weights load, ``use`` (what needs a next token to
+    predict) of a masked LM, whose head predicts the token under a mask."""
+    if check_supported(model_type).lm_kind == MASKED:
+        raise ValueError(
+            f"{use} needs a causal LM, and model type {model_type!r} is a masked LM "
+            f"(its head predicts the token under a <mask>, no next token); {fix}"
+        )
 
 
 def family_for(model: nn.Module) -> ModelFamily:
@@ -93,14 +132,14 @@ def model_from_config(
             "AutoConfig.from_pretrained(name_or_path) or a family's own (OPTConfig(...))"
         )
     dtype = model_dtype(dtype)
-    check_supported(config.model_type)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return auto_class(config.model_type).from_config(config, dtype=dtype)
 
 
 def load_model(
     name_or_path: str | os.PathLike[str], dtype: torch.dtype | str = torch.float32
 ) -> PreTrainedModel:
-    """Load a pretrained causal LM from a local directory or a hub name.
+    """Load a pretrained model of a supported family (a causal LM, or an encoder as its
+    masked LM) from a local directory or a hub name.
 
     The config is read first so that an unsupported family fails before any weights load.
     A hub name is read as ``--model`` reads it: each request bounded, the cache (with one
@@ -118,9 +157,9 @@ def load_model(
     name_or_path = os.fspath(name_or_path)  # a relative Path that is no folder: one line too
     dtype = model_dtype(dtype, auto=True)
     local = local_model_dir(name_or_path, OPTION)
-    check_supported(read_config(local or name_or_path, OPTION).model_type)
+    loader = auto_class(read_config(local or name_or_path, OPTION).model_type)
     source = local or snapshot(name_or_path, True, option=OPTION)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = loader.from_pretrained(source, dtype=dtype)
     if local is None:  # named as given, not as the cache folder it was read from
         model.name_or_path = model.config.name_or_path = name_or_path
     return model

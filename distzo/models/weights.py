@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from distzo.models.converted_keys import Converted, key_conversions
@@ -129,9 +129,12 @@ def skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     config, not the allocator's traceback."""
     from accelerate import init_empty_weights
 
+    from distzo.models.registry import auto_class
+
+    loader = auto_class(config.model_type)
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = loader.from_config(config, dtype=dtype)
     except (RuntimeError, AssertionError) as err:  # torch's allocator or size checks
         where = getattr(config, "name_or_path", "") or config.model_type
         raise ValueError(

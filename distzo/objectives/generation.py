@@ -123,6 +123,7 @@ class F1:
     """
 
     name = "f1"
+    predicts_next_token = True  # greedy decoding: a masked LM's engine refuses it
 
     def __init__(
         self, decode: Callable[[Sequence[int]], str], answers: Sequence[Sequence[str]]

@@ -74,6 +74,7 @@ class LanguageModeling:
     summed and divided by the global label count (the HF Trainer's device-invariant loss)."""
 
     name = "lm"
+    predicts_next_token = True  # a causal LM's loss: a masked LM's engine refuses it
 
     def __init__(self, full_head: bool = False) -> None:
         self.full_head = full_head

@@ -25,11 +25,14 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    RobertaConfig,
     SiglipVisionConfig,
+    XLMRobertaConfig,
 )
 
 from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
 from distzo.models import model_from_config
+from distzo.models.registry import auto_class
 from distzo.models.tiny import tiny_opt_config
 
 
@@ -83,6 +86,15 @@ COMMON: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
+    pad_token_id=0,
+)
+# the tiny shape of the encoders (RoBERTa, XLM-RoBERTa)
+ENCODER: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=40,
     pad_token_id=0,
 )
 # a 3-layer Llama of that shape
@@ -177,12 +189,17 @@ CONFIGS = {
         attention_multiplier=0.3,
         **COMMON,
     ),
+    # encoders, as masked LMs: positions from the ids (pad 0 here, as random_batch pads)
+    "roberta": lambda: RobertaConfig(num_hidden_layers=2, **ENCODER),
+    "xlm_roberta": lambda: XLMRobertaConfig(num_hidden_layers=2, **ENCODER),
 }
 
 
 def build(name, seed=0, dtype=torch.float32):
+    """``CONFIGS[name]``'s model as distzo loads it (a causal LM, or an encoder's masked LM)."""
+    config = CONFIGS[name]()
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
+    return auto_class(config.model_type).from_config(config, dtype=dtype).eval()
 
 
 def save_multimodal(folder: Path, layout: str = "legacy") -> Path:

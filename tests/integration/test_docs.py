@@ -595,4 +595,4 @@ def test_the_python_api_names_every_supported_model_type():
 
     text = " ".join((ROOT / "docs" / "python-api.md").read_text().split())
     listed = text.split("The supported `model_type`s are", 1)[1].split("(", 1)[0]
-    assert re.findall(r"`([a-z0-9_]+)`", listed) == list(supported_model_types())
+    assert re.findall(r"`([a-z0-9_-]+)`", listed) == list(supported_model_types())

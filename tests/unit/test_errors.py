@@ -136,7 +136,7 @@ def test_unsupported_model_type_lists_the_supported_ones():
         ValueError,
         match=r"unsupported model type 'gpt_neox': distzo supports gemma, gemma2, gemma3_text, "
         r"gpt2, granite, llama, mistral, mixtral, olmo2, olmoe, opt, phi3, qwen2, qwen2_moe, "
-        r"qwen3, qwen3_moe;",
+        r"qwen3, qwen3_moe, roberta, xlm-roberta;",
     ) as info:
         ZOEngine(tiny_neox(), ZOConfig(device="cpu"))
     assert "\n" not in str(info.value)

@@ -1,0 +1,197 @@
+"""Encoders as masked LMs (RoBERTa, XLM-RoBERTa): loaded as ``...ForMaskedLM``, a candidate
+scored by the logits at its ``<mask>`` (MeZO's and LOZO's prompt fine-tuning), trained
+offloaded as resident, exported for transformers and peft, and refused in one line where
+a next token is needed."""
+
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM
+
+from distzo import ZOConfig, ZOEngine
+from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
+from distzo.engine.passes import UNPERTURBED
+from distzo.export.hf_model import export_model
+from distzo.models.config_file import model_size
+from distzo.models.weights import skeleton
+from distzo.objectives import ChoiceEncoding, Classification, LanguageModeling, collate_choices
+from tests.helpers.models import CONFIGS, build, random_batch
+
+MASK, GREAT, TERRIBLE = 4, 10, 20  # a <mask> token and two label words of the tiny vocabulary
+
+
+def mask_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Three examples, one row each (a prompt with one <mask>, right-padded), both label
+    words scored at the mask's own position, as MeZO's RoBERTa prompts are."""
+    g = torch.Generator().manual_seed(seed)
+    encodings = []
+    for e, (length, at) in enumerate([(9, 6), (6, 2), (8, 7)]):
+        ids = torch.randint(5, 64, (length,), generator=g).tolist()
+        ids[at] = MASK
+        scored = ((0, at, GREAT, 0), (0, at, TERRIBLE, 1))
+        encodings.append(ChoiceEncoding((tuple(ids),), scored, label=e % 2))
+    return collate_choices(encodings, pad_id=0)
+
+
+def engine_of(model, **options) -> ZOEngine:
+    config = dict(lr=1e-3, eps=1e-3, seed=4, device="cpu", noise_chunk=300, weight_decay=0.1)
+    return ZOEngine(model, ZOConfig(**{**config, **options}), objective=Classification())
+
+
+@pytest.mark.parametrize("name", ["roberta", "xlm_roberta"])
+def test_a_candidate_is_scored_by_the_logits_at_its_mask(name):
+    """The classification loss is MeZO's: cross-entropy over the label words' logits at
+    the <mask> position of the model's own forward (no shift to the position before)."""
+    model = build(name, seed=1, dtype=torch.float64)
+    batch = mask_batch()
+    rows = batch["input_ids"][:, 0]
+    with torch.no_grad():  # before the engine takes the model's parameters over
+        logits = model(input_ids=rows, attention_mask=batch["attention_mask"][:, 0]).logits
+    engine = engine_of(model)
+    objective = Classification()
+    prepared = objective.prepare(batch, engine.device)
+    loss = engine.evaluate(lambda runner: objective.losses(runner, prepared, (UNPERTURBED,), 3))
+    at = batch["score_position"][:, 0]  # flat r * L + t, one row: the mask's position
+    words = logits[torch.arange(3), at][:, [GREAT, TERRIBLE]]
+    expected = torch.nn.functional.cross_entropy(words, batch["label"])
+    assert loss[UNPERTURBED].item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("method", [None, "lora-fa"])
+def test_offload_trajectory_equals_resident(method):
+    runs = {}
+    for mode in ("offload", "resident"):
+        model = build("roberta", dtype=torch.float64)
+        if method is not None:
+            model = attach_adapter(model, AdapterSpec(method, r=4, alpha=8), seed=5)
+        engine = engine_of(model, mode=mode)
+        results = [engine.step(mask_batch(seed=i)) for i in range(4)]
+        runs[mode] = ([r.projected_grad for r in results], engine.named_parameters())
+    assert runs["offload"][0] == runs["resident"][0]
+    assert len(set(runs["offload"][0])) == 4  # the steps moved the model
+    for key, value in runs["resident"][1].items():
+        assert torch.equal(runs["offload"][1][key], value), key
+
+
+def test_the_head_is_tied_to_the_word_embeddings():
+    params = engine_of(build("roberta")).named_parameters()
+    tied = params["lm_head.decoder.weight"]
+    assert tied is params["roberta.embeddings.word_embeddings.weight"]
+    assert params["lm_head.decoder.bias"] is params["lm_head.bias"]
+
+
+def test_the_loaders_build_the_masked_lm():
+    """A config of an encoder is built as its masked LM by every loader: the model, the
+    meta skeleton a checkpoint fills, and the size count the memory plan reads."""
+    config = CONFIGS["roberta"]()
+    model = skeleton(config, torch.float32)
+    assert type(model).__name__ == "RobertaForMaskedLM"
+    built = sum(p.numel() for p in build("roberta").parameters())
+    assert model_size(config, "--model x").parameters == built
+
+
+def test_a_full_export_loads_back_as_a_masked_lm_with_the_engines_logits(tmp_path):
+    engine = engine_of(build("roberta", dtype=torch.float64), mode="offload")
+    for i in range(2):
+        engine.step(mask_batch(seed=i))
+    batch = random_batch(64, pad="right", seed=9)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path / "export")
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path / "export").eval()
+    assert type(loaded).__name__ == "RobertaForMaskedLM"
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.equal(theirs.logits, logits)
+
+
+def test_a_lora_adapter_loads_with_peft_onto_the_masked_lm(tmp_path):
+    from peft import PeftModel
+
+    build("roberta", dtype=torch.float64).save_pretrained(tmp_path / "base")
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path / "base", dtype=torch.float64)
+    engine = engine_of(attach_adapter(model, AdapterSpec("lora", r=4, alpha=8), seed=5))
+    for i in range(2):
+        engine.step(mask_batch(seed=i))
+    batch = random_batch(64, pad="right", seed=9)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path / "adapter")
+    base = AutoModelForMaskedLM.from_pretrained(tmp_path / "base", dtype=torch.float64)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.allclose(theirs.logits, logits, rtol=0, atol=1e-12)
+    # peft's own RoBERTa targets; no task type (peft has no masked-LM one)
+    config = loaded.peft_config["default"]
+    assert (set(config.target_modules), config.task_type) == ({"query", "value"}, None)
+    with torch.no_grad():  # the adapter trained: without it the logits are others
+        with loaded.disable_adapter():
+            plain = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert not torch.allclose(plain.logits, logits, rtol=0, atol=1e-9)
+
+
+NO_NEXT_TOKEN = (
+    "reads a causal LM's next token, and model type 'roberta' is a masked LM; give "
+    "objective=Classification() or Accuracy() on choice batches whose score_position is "
+    "each candidate's <mask> position"
+)
+
+
+def test_an_objective_reading_a_next_token_is_refused_naming_the_fix():
+    with pytest.raises(ValueError) as err:
+        ZOEngine(build("roberta"), ZOConfig(device="cpu"))
+    assert str(err.value) == f"objective LanguageModeling (the default objective) {NO_NEXT_TOKEN}"
+    with pytest.raises(ValueError) as err:
+        ZOEngine(build("roberta"), ZOConfig(device="cpu"), objective=LanguageModeling())
+    assert str(err.value) == f"objective LanguageModeling {NO_NEXT_TOKEN}"
+
+
+def test_prefix_tuning_of_a_masked_lm_is_refused_naming_the_fix():
+    with pytest.raises(ValueError) as err:
+        attach_adapter(build("roberta"), AdapterSpec("prefix", prefix_length=2), seed=0)
+    assert str(err.value) == (
+        "--peft prefix needs a causal LM, and model type 'roberta' is a masked LM (its head "
+        "predicts the token under a <mask>, no next token); tune it with --peft lora or "
+        "lora-fa, or in full"
+    )
+
+
+def test_a_decoder_config_is_refused():
+    from distzo.models.registry import check_supported
+
+    config = CONFIGS["roberta"]()
+    config.is_decoder = True
+    with pytest.raises(ValueError) as err:
+        check_supported(config.model_type).check_config(config)
+    assert str(err.value) == (
+        "this roberta config sets is_decoder (a causal decoder, not the masked LM distzo "
+        "loads it as); set is_decoder to false in its config.json"
+    )
+
+
+def test_the_job_refuses_a_masked_lm_from_its_config_before_any_run_directory(tmp_path):
+    from tests.helpers.launch import train_in_process
+
+    CONFIGS["roberta"]().save_pretrained(tmp_path / "model")  # a config, no weights
+    run = tmp_path / "run"
+    proc = train_in_process(
+        ["--model", str(tmp_path / "model"), "--task", "text", "--output-dir", str(run)]
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        "error: --task text needs a causal LM, and model type 'roberta' is a masked LM (its "
+        "head predicts the token under a <mask>, no next token); distzo's tasks have no "
+        "masked-LM prompts yet: train it through the Python API (ZOEngine, "
+        "objective=Classification() on choice batches scored at each <mask>)",
+    )
+    assert not run.exists()
+
+
+def test_the_exported_training_step_refuses_a_masked_lm(tmp_path):
+    from distzo.export.training_step import _lora_fa_engine, _parser
+
+    CONFIGS["roberta"]().save_pretrained(tmp_path / "model")  # a config, no weights
+    args = _parser().parse_args(["--model", str(tmp_path / "model"), "--out", str(tmp_path)])
+    with pytest.raises(ValueError) as err:
+        _lora_fa_engine(args)
+    assert str(err.value).startswith(
+        "the exported training step (its loss is next-token cross-entropy) needs a causal LM"
+    )
