@@ -4,6 +4,7 @@
     python benchmarks/peer_steps.py --zo2 ../zo2 [--steps 3] [--family qwen3 [--zo2-tied]]
     python benchmarks/peer_steps.py --mezo ../MeZO --peft lora|prefix [--prefix-positions peft]
     python benchmarks/peer_steps.py --zobench ../ZO-LLM [--adam-eps 1e-30] [--zobench-queries 2]
+    python benchmarks/peer_steps.py --mezo-medium ../MeZO --weight-decay 0 [--medium-tie]
 
 ``--mezo``: a checkout of princeton-nlp/MeZO (its ``large_models/trainer.py``) or that file;
 ``--fzoo``: a checkout of DKmiyan/FZOO (its ``trainer.py``) or that file. Nothing of theirs
@@ -26,17 +27,20 @@ difference) over the losses' spread, which a small ``--eps`` makes large, and a 
 within its coefficient's.
 
 The loss is the next-token cross-entropy in float64 for both (a Hugging Face model's
-``.loss`` casts the logits to float32). Exit 0 when every step of every peer agrees, 1
-otherwise.
+``.loss`` casts the logits to float32); ``--mezo-medium``'s is MeZO's prompt loss, the
+cross-entropy of the label words' logits at the ``<mask>``. Exit 0 when every step of
+every peer agrees, 1 otherwise.
 
 Each peer's check is a module of ``benchmarks/peer_checks/``, whose docstring says what of
 the peer runs as written and what is stood in: ``mezo_fzoo`` (``--mezo``, ``--fzoo``, and
-FZOO's float32 losses, ``--float32-losses``), ``mezo_adapters`` (``--mezo PATH --peft
-lora|prefix``: MeZO's ``lora.py`` and ``prefix.py``), ``zo2`` and ``zo2_units`` (``--zo2``:
-ZO2's MeZO-SGD and its offload, on OPT or Qwen3) and ``zobench`` (``--zobench``: ZO-Bench's
-momentum and Adam), all on ``harness`` (the peer's methods read from its file, the tiny
-model, the batches, the z served to its draws, ``agrees``). A new peer gets a module of
-its own, and its flags here.
+FZOO's float32 losses, ``--float32-losses``), ``mezo_medium`` (``--mezo-medium PATH``:
+MeZO's ``medium_models`` RoBERTa step, its prompt model's loss at the ``<mask>``, beside
+the ``Classification`` objective; ``--medium-tie``: its ``tie_emb``), ``mezo_adapters``
+(``--mezo PATH --peft lora|prefix``: MeZO's ``lora.py`` and ``prefix.py``), ``zo2`` and
+``zo2_units`` (``--zo2``: ZO2's MeZO-SGD and its offload, on OPT or Qwen3) and
+``zobench`` (``--zobench``: ZO-Bench's momentum and Adam), all on ``harness`` (the peer's
+methods read from its file, the tiny model, the batches, the z served to its draws,
+``agrees``). A new peer gets a module of its own, and its flags here.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ if REPOSITORY not in sys.path:
 from benchmarks.peer_checks.harness import trainer_file  # noqa: E402
 from benchmarks.peer_checks.mezo_adapters import compare_mezo_adapter  # noqa: E402
 from benchmarks.peer_checks.mezo_fzoo import compare  # noqa: E402
+from benchmarks.peer_checks.mezo_medium import compare_mezo_medium, medium_checkout  # noqa: E402
 from benchmarks.peer_checks.zo2 import compare_zo2, zo2_checkout  # noqa: E402
 from benchmarks.peer_checks.zobench import compare_zobench  # noqa: E402
 
@@ -68,6 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="a ZO-Bench checkout (OPTML-Group/ZO-LLM) or its zo-bench/trainer.py: "
         "momentum and Adam",
+    )
+    p.add_argument(
+        "--mezo-medium",
+        type=Path,
+        help="a MeZO checkout: its medium_models RoBERTa step (src/trainer.py, src/models.py)",
+    )
+    p.add_argument(
+        "--medium-tie",
+        action="store_true",
+        help="with --mezo-medium: MeZO's --tie_emb (the head on the word embeddings) beside "
+        "distzo's tied RoBERTa; default both untied, MeZO's default",
     )
     p.add_argument("--family", choices=("opt", "llama", "qwen3"), default="opt")
     p.add_argument(
@@ -112,10 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peft compares MeZO's adapters: give --mezo PATH, a checkout of MeZO")
     if args.peft and args.family != "opt":
         p.error("--peft runs MeZO's adapters on OPT, the family its lora.py adapts: drop --family")
-    if not any(getattr(args, peer) for peer in ("mezo", "fzoo", "zo2", "zobench")):
+    if args.medium_tie and not args.mezo_medium:
+        p.error("--medium-tie ties MeZO's RoBERTa head: give --mezo-medium PATH")
+    if not any(getattr(args, peer) for peer in ("mezo", "fzoo", "zo2", "zobench", "mezo_medium")):
         p.error(
-            "give --mezo PATH, --fzoo PATH, --zo2 PATH, --zobench PATH or several: the "
-            "peers' checkouts"
+            "give --mezo PATH, --fzoo PATH, --zo2 PATH, --zobench PATH, --mezo-medium PATH "
+            "or several: the peers' checkouts"
         )
     return args
 
@@ -126,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     sources = [(name, trainer_file(name, path)) for name, path in peers]
     zo2 = None if args.zo2 is None else zo2_checkout(args.zo2, args.family)
     zobench = None if args.zobench is None else trainer_file("zobench", args.zobench)
+    if args.mezo_medium is not None:  # its files, refused before any peer runs
+        medium_checkout(args.mezo_medium)
     if args.peft and args.mezo:  # MeZO's adapter files are read from its checkout
         results = [compare_mezo_adapter(args.mezo, sources[0][1], args)]
         results += [compare(name, source, args) for name, source in sources[1:]]
@@ -135,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         results += [compare_zo2(zo2, offload, args) for offload in (False, True)]
     if zobench is not None:
         results.append(compare_zobench(zobench, args))
+    if args.mezo_medium is not None:
+        results.append(compare_mezo_medium(args.mezo_medium, args))
     return 0 if all(results) else 1
 
 
