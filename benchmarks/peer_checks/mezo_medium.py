@@ -150,7 +150,7 @@ class PromptModelStandIn(torch.nn.Module):
         self.config.num_labels = len(LABEL_WORDS)
         self.num_labels, self.model_type = len(LABEL_WORDS), "roberta"
         self.roberta, self.lm_head = masked_lm.roberta, masked_lm.lm_head
-        self.label_word_list = list(LABEL_WORDS)
+        self.label_word_list = torch.tensor(LABEL_WORDS).long()  # as run.py sets it
         self.model_args = types.SimpleNamespace(use_task_word=False, l2_loss=False, sfc=False)
         self.return_full_softmax = None
         self.lb, self.ub = 0.0, 1.0

@@ -57,7 +57,7 @@ def test_a_faithful_medium_trainer_agrees_to_rounding(peer_steps, capsys, tmp_pa
         (mezo_medium.TRAINER, "(2 * self.args.zero_order_eps)", "self.args.zero_order_eps"),
         (mezo_medium.TRAINER, "random_seed, -2)", "random_seed, -1)"),  # L- at theta
         (mezo_medium.MODELS, "mask_pos.squeeze()]", "mask_pos.squeeze() - 1]"),  # causal's
-        (mezo_medium.MODELS, "model.label_word_list]", "model.label_word_list[::-1]]"),
+        (mezo_medium.MODELS, "model.label_word_list]", "model.label_word_list.flip(0)]"),
     ],
 )
 def test_a_one_line_difference_in_mezos_medium_code_is_reported(
