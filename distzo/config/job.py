@@ -105,9 +105,10 @@ class ModelOptions:
     model: str | None = option(
         None,
         "hub name or local path of a model (gemma, gemma2, gemma3_text, gpt2, granite, llama, "
-        "mistral, mixtral, olmo2, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe) or of a "
-        "multimodal Gemma 3 (gemma3, 4B-27B: "
-        "its text model trains); default: a tiny random-init OPT",
+        "mistral, mixtral, olmo2, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, roberta, "
+        "xlm-roberta) or of a multimodal Gemma 3 (gemma3, 4B-27B: its text model trains); "
+        "roberta and xlm-roberta train as masked LMs on MeZO's RoBERTa prompts; default: a "
+        "tiny random-init OPT",
     )
     model_config: str | None = option(
         None, "a named shape with random weights, no checkpoint (e.g. opt-13b, llama-2-7b)"
@@ -130,7 +131,9 @@ class DataOptions:
     task: str = option(
         "counting",
         "counting (generated, no files), text (raw text, causal LM), or a prompt task: "
-        "sst2, rte, cb, boolq, wic, wsc, copa, multirc, record, squad, drop",
+        "sst2, rte, cb, boolq, wic, wsc, copa, multirc, record, squad, drop; a masked LM's "
+        "(MeZO's RoBERTa prompts): sst2, sst5, mr, cr, mpqa, subj, trec, cola, qqp, mrpc, qnli, "
+        "rte, mnli, snli",
     )
     train_file: str | None = option(None, "local training data file (task-specific schema)")
     eval_file: str | None = option(None, "local evaluation data file")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +42,19 @@ IDS_ONLY = {
 }
 
 Joint = tuple[list[int], int]  # a joint text's ids, and its continuation's token count
+
+
+class ChoiceEncoder(Protocol):
+    """What training and evaluating on choices read of an encoder: a causal LM's
+    ``PromptEncoder``, or a masked LM's ``MaskedPromptEncoder``."""
+
+    pad_id: int
+
+    def choices_many(self, examples: Sequence[Any]) -> list[ChoiceEncoding]: ...
+
+    def encode_choices(self, example: Any) -> ChoiceEncoding: ...
+
+    def choice_rows(self, example: Any) -> int: ...
 
 
 class PromptEncoder:
@@ -376,7 +390,7 @@ class ChoiceTrainData:
     """Training batches that score every candidate (``classification``, ``accuracy``),
     tokenized when a step takes them, as ``PromptTrainData``'s."""
 
-    def __init__(self, examples: list[Example], encoder: PromptEncoder, seed: int) -> None:
+    def __init__(self, examples: Sequence[Any], encoder: ChoiceEncoder, seed: int) -> None:
         self.examples, self.encoder, self.seed = examples, encoder, seed
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:

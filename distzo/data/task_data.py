@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from distzo.data.encoding import (
+    ENCODE_CHUNK,
     ChoiceTrainData,
     PaddedRows,
     PromptEncoder,
@@ -29,15 +30,26 @@ from distzo.data.encoding import (
     text_lengths,
 )
 from distzo.data.loaders import HubPin, iter_numbered_rows, read_whole
+from distzo.data.masked_prompts import MASKED_TASKS, MaskedPromptEncoder, masked_task
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.sampling import WHOLE_FILES, Sampling, sample_sets
 from distzo.data.synthetic import CountingTask
-from distzo.data.templates import TASKS, Example, build_numbered, get_task, not_text
+from distzo.data.templates import (
+    TASKS,
+    Example,
+    MaskedExample,
+    Task,
+    build_numbered,
+    get_task,
+    not_text,
+)
 from distzo.objectives import OBJECTIVES
 
 GENERATED = ("counting",)
 TEXT = ("text",)
-TASK_NAMES = GENERATED + TEXT + tuple(TASKS)
+# the prompt tasks: MeZO's OPT tasks (a causal LM's), then those of its RoBERTa tasks
+# that only a masked LM has a prompt for (sst2 and rte have both)
+TASK_NAMES = GENERATED + TEXT + tuple(TASKS) + tuple(t for t in MASKED_TASKS if t not in TASKS)
 # MeZO's scripts (large_models/mezo.sh) train every task with --train_as_classification
 # except COPA, ReCoRD, SQuAD and DROP, which they train LM-style.
 LM_TRAINED = ("copa", "record", "squad", "drop")
@@ -56,7 +68,8 @@ def check_objective(task: str, objective: str) -> None:
         raise ValueError(
             f"unknown --objective {objective!r}; choose one of {', '.join(OBJECTIVES)}"
         )
-    kind = TASKS[task].kind if task in TASKS else "text"
+    known = TASKS.get(task) or MASKED_TASKS.get(task)
+    kind = known.kind if known else "text"
     allowed = {
         "text": ("lm",),
         "classification": ("lm", "classification", "accuracy"),
@@ -167,6 +180,8 @@ def _plain(row: Any) -> Any:
     if isinstance(row, Example):
         fields = tuple(getattr(row, field.name) for field in dataclasses.fields(row))
         return fields if row.right else fields[:-1]
+    if isinstance(row, MaskedExample):
+        return (row.sentences, row.label)
     return row
 
 
@@ -176,10 +191,12 @@ def load_task_rows(
     eval_file: str | None,
     sampling: Sampling = WHOLE_FILES,
     pins: dict[str, HubPin] | None = None,
+    masked: bool = False,
 ) -> LoadedRows | None:
     """Read and check the files of a file-based task (one-line errors naming file and row),
     and draw the sets ``sampling`` asks for (``distzo.data.sampling``); ``pins``: how each
-    ``hf:`` source is read on this rank (by default, as one process asks the hub)."""
+    ``hf:`` source is read on this rank (by default, as one process asks the hub);
+    ``masked``: the rows of a masked LM's prompt (``MaskedExample``s)."""
     if task in GENERATED:
         if train_file or eval_file:
             raise ValueError(
@@ -193,6 +210,7 @@ def load_task_rows(
         return None
     if task not in TASK_NAMES:
         raise ValueError(f"unknown --task {task!r}; choose one of {', '.join(TASK_NAMES)}")
+    schema = None if task in TEXT else prompt_task(task, masked)  # before any file is read
     if not train_file or not eval_file:
         given = {"--train-file": train_file, "--eval-file": eval_file}
         missing = [flag for flag, path in given.items() if not path]
@@ -200,14 +218,27 @@ def load_task_rows(
     loaded: list[list[Any]] = []
     for source in (train_file, eval_file):
         numbered = iter_numbered_rows(source, (pins or {}).get(source))
-        if task in TEXT:
+        if schema is None:
             loaded.append(_texts(numbered, source))
         else:
-            loaded.append(build_numbered(get_task(task), numbered, source))
+            loaded.append(build_numbered(schema, numbered, source))
         if not loaded[-1]:
             raise ValueError(f"{source}: no rows")
     train, dev, evals = sample_sets(loaded[0], loaded[1], sampling, train_file, eval_file)
     return LoadedRows(task, train, evals, dev)
+
+
+def prompt_task(task: str, masked: bool) -> Task:
+    """The rows' schema: a masked LM's prompt task (MeZO's RoBERTa prompts), or a causal
+    LM's; a task only the other kind of model has a prompt for is refused in one line."""
+    if masked:
+        return masked_task(task)
+    if task in MASKED_TASKS and task not in TASKS:
+        raise ValueError(
+            f"--task {task} has a masked-LM prompt only (MeZO's RoBERTa tasks): give --model "
+            "a masked LM (roberta, xlm-roberta), or pick a causal LM's task"
+        )
+    return get_task(task)
 
 
 def _texts(numbered: Iterator[tuple[int, dict[str, Any]]], source: str) -> list[str]:
@@ -415,6 +446,73 @@ class PromptData:
             answers += lost
             alike += lost and not only_right and not distinct(encoder.fitted(joints))
         return cut, answers, alike, longest, rows
+
+    def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
+        return self.train.batch(batch_size, step)
+
+
+class MaskedPromptData:
+    """A masked LM's prompt task (MeZO's RoBERTa prompts, ``distzo.data.masked_prompts``):
+    one row per example, every label word scored at its ``<mask>``, trained and evaluated
+    as a causal LM's choices are (``ChoiceTrainData``, the job's choice evaluation)."""
+
+    kind = "classification"
+    rows_per_example = eval_rows = dev_rows = 1  # the prompt scores every candidate
+    max_new_tokens = 0
+
+    def __init__(
+        self,
+        rows: LoadedRows,
+        encoder: MaskedPromptEncoder,
+        seed: int,
+        eval_batch_size: int,
+        objective: str | None = None,
+        share: RowShare = WHOLE,
+    ) -> None:
+        self.objective = objective or "classification"
+        if self.objective not in ("classification", "accuracy"):
+            raise ValueError(
+                f"--objective {self.objective} does not apply to a masked LM's --task "
+                f"{rows.task}; choose classification (MeZO's loss) or accuracy"
+            )
+        self.train_examples: list[MaskedExample] = rows.train
+        self.eval_examples: list[MaskedExample] = rows.eval
+        self.dev_examples: list[MaskedExample] = rows.dev
+        self.encoder, self.eval_batch_size = encoder, eval_batch_size
+        self.train = ChoiceTrainData(rows.train, encoder, seed)
+        files = [("--train-file", rows.train), ("--eval-file", rows.eval)]
+        files += [(DEV_ROWS, rows.dev)] if rows.dev else []
+        notices: list[str | None] = []
+        self.longest = 0
+        for flag, examples in files:
+            span = share.span(len(examples))
+            parts = share.meet(lambda: self._lengths(examples, span, flag))
+            self.longest = max(self.longest, *(longest for longest, _ in parts))
+            cut = sum(cut for _, cut in parts)
+            notices.append(
+                f"{flag}: {cut} of {len(examples)} rows are longer than "
+                f"{token_limit(encoder.max_length)}: they lose tokens from the end, their "
+                "<mask> kept (MeZO's cut); raise --max-length or shorten the rows"
+                if cut
+                else None
+            )
+        self.cut_notices = _notices(notices)
+
+    def _lengths(self, examples: list[MaskedExample], span: range, flag: str) -> tuple[int, int]:
+        """The longest row of ``span``'s examples, and how many the limit cuts; a row whose
+        ``<mask>`` the limit cuts off is refused (MeZO's assertion), naming its row."""
+        longest = cut = 0
+        for start in range(span.start, span.stop, ENCODE_CHUNK):
+            chunk = examples[start : min(start + ENCODE_CHUNK, span.stop)]
+            for index, (ids, full) in enumerate(self.encoder.encode_ids(chunk), start):
+                if self.encoder.mask_id not in ids:
+                    raise ValueError(
+                        f"{flag}, example {index + 1}: the prompt is {full} tokens and its "
+                        f"<mask> falls past the {self.encoder.max_length}-token limit; raise "
+                        "--max-length or shorten the row"
+                    )
+                longest, cut = max(longest, len(ids)), cut + (full > len(ids))
+        return longest, cut
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_size, step)

@@ -51,12 +51,22 @@ class Example:
     right: tuple[int, ...] = ()  # every right continuation where several are (ReCoRD)
 
 
+@dataclass(frozen=True, slots=True)
+class MaskedExample:
+    """A row of a masked LM's prompt task (MeZO's RoBERTa tasks): its sentences as written,
+    in the template's order. No prompt text: the template tokenizes each part on its own
+    (``distzo.data.masked_prompts``), which a joint text would not reproduce."""
+
+    sentences: tuple[str, ...]
+    label: int
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
     kind: str  # "classification" (incl. multiple choice) or "generation"
     columns: tuple[str, ...]
-    build: Callable[[dict[str, Any]], Example]
+    build: Callable[[dict[str, Any]], Example | MaskedExample]
     num_labels: int = 0
 
 
@@ -88,7 +98,7 @@ def _not_a_label(value: Any, count: int, names: tuple[str, ...]) -> ValueError:
     return ValueError(f"label {value!r} is not an integer; write one of 0..{count - 1}{named}")
 
 
-def _label(row: dict[str, Any], count: int, names: tuple[str, ...] = ()) -> int:
+def row_label(row: dict[str, Any], count: int, names: tuple[str, ...] = ()) -> int:
     value = _named(row["label"], names)
     if isinstance(value, bool):
         value = int(value)
@@ -119,7 +129,7 @@ def _verbalized(
     separator: str = "",
     names: tuple[str, ...] = (),
 ) -> Example:
-    label = _label(row, len(words), names)
+    label = row_label(row, len(words), names)
     return Example(prompt, _candidates(words, separator), label)
 
 
@@ -193,7 +203,7 @@ def _copa(row):
         )
     # its own Example: ``_verbalized`` keeps a verbalizer's tuple for good, and COPA's
     # choices differ each row
-    return Example(premise + conjunctions[row["question"]], choices, _label(row, 2))
+    return Example(premise + conjunctions[row["question"]], choices, row_label(row, 2))
 
 
 def _multirc(row):
@@ -356,7 +366,7 @@ def not_text(source: str, number: int, column: str, value: Any) -> ValueError:
 
 def build_examples(
     task: Task, rows: list[dict[str, Any]], source: str, numbers: Sequence[int] | None = None
-) -> list[Example]:
+) -> list[Any]:
     """Every row as an Example; a bad row is a one-line error naming the file and the row
     (``numbers``: each row's number in its file, where blank lines make it differ)."""
     return build_numbered(task, zip(numbers or range(1, len(rows) + 1), rows), source)
@@ -364,16 +374,14 @@ def build_examples(
 
 def build_numbered(
     task: Task, numbered: Iterable[tuple[int, dict[str, Any]]], source: str
-) -> list[Example]:
+) -> list[Any]:
     """``build_examples`` of (number, row) pairs as they come (a file's, read a row at a
     time: no list of a million dicts beside their Examples); a bad row's error comes once
     the rest is read (``read_whole``)."""
     return read_whole(iter(numbered), lambda rows: _build(task, rows, source))
 
 
-def _build(
-    task: Task, numbered: Iterator[tuple[int, dict[str, Any]]], source: str
-) -> list[Example]:
+def _build(task: Task, numbered: Iterator[tuple[int, dict[str, Any]]], source: str) -> list[Any]:
     examples = []
     for number, row in numbered:
         missing = [c for c in task.columns if c not in row or row[c] is None]

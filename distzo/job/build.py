@@ -17,13 +17,20 @@ from transformers import AutoConfig, PretrainedConfig
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig
 from distzo.data.encoding import PromptEncoder
+from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
 from distzo.data.row_share import WHOLE, RowShare
-from distzo.data.task_data import CountingData, LoadedRows, PromptData, TextData
+from distzo.data.task_data import (
+    CountingData,
+    LoadedRows,
+    MaskedPromptData,
+    PromptData,
+    TextData,
+)
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims, ShardGroup
 from distzo.dist import process_group as pg
 from distzo.dist.agreement import agreed, gathered
 from distzo.engine import resolve_transfer
-from distzo.job.evaluation import planned_rows
+from distzo.job.evaluation import TaskData, planned_rows
 from distzo.job.memory_plan import (
     MemoryPlan,
     PlannedExport,
@@ -32,7 +39,9 @@ from distzo.job.memory_plan import (
     plan_memory,
 )
 from distzo.models import hub, model_from_config
+from distzo.models.family import MASKED
 from distzo.models.multimodal import checkpoint_model
+from distzo.models.registry import check_supported
 from distzo.models.shapes import shape_config
 from distzo.models.tiny import byte_tokenizer, shared_byte_tokenizer, tiny_opt_config
 from distzo.models.weights import (
@@ -52,7 +61,6 @@ logger = logging.getLogger("distzo.train")
 # 405B model is ~800 GB), not --dist-timeout's minutes. A failed download ends that rank,
 # and its peers with it, at once.
 DOWNLOAD_TIMEOUT = timedelta(hours=12)
-TaskData = CountingData | TextData | PromptData
 
 
 def default_model_config(task: str) -> PretrainedConfig:
@@ -94,7 +102,7 @@ def token_positions(job: JobConfig, model_config: PretrainedConfig) -> int:
     """The positions a sequence's own tokens may take: the model's, less a prefix adapter's
     virtual tokens (they come first; a learned position table has no row past its end)."""
     prefix = job.peft.prefix_length if job.peft.peft == "prefix" else 0
-    return int(model_config.max_position_embeddings) - prefix
+    return check_supported(model_config.model_type).token_positions(model_config) - prefix
 
 
 def build_parallel(
@@ -253,6 +261,14 @@ def build_task_data(
     if rows is None:
         return CountingData(
             model_config.vocab_size, data.seq_len, data.eval_batch_size, seed, data.eval_batch_size
+        )
+    if check_supported(model_config.model_type).lm_kind == MASKED:
+        # MeZO's limit for the task (128, or 256), unless --max-length says another
+        prompt = MASKED_PROMPTS[data.task]
+        length = data.max_length or min(prompt.max_length, token_positions(job, model_config))
+        masked = MaskedPromptEncoder(tokenizer, data.task, length)
+        return MaskedPromptData(
+            rows, masked, seed, data.eval_batch_size, job.optim.objective, share
         )
     encoder = PromptEncoder(
         tokenizer, data.max_length or token_positions(job, model_config), stop_ids

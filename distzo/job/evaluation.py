@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from distzo.data.encoding import PaddedRows, PromptEncoder
+from distzo.data.encoding import ChoiceEncoder, PaddedRows, PromptEncoder
 from distzo.data.row_share import RowShare
-from distzo.data.task_data import CountingData, PromptData, TextData
+from distzo.data.task_data import CountingData, MaskedPromptData, PromptData, TextData
 from distzo.data.templates import Example
 from distzo.dist import ParallelContext
 from distzo.engine import UNPERTURBED, ZOEngine
@@ -97,16 +98,20 @@ def _check(stop: StopVote | None) -> None:
 SPLITS = ("eval", "dev")
 
 
-def has_dev(data: CountingData | TextData | PromptData) -> bool:
+# what a job's task builds (``distzo.job.build.build_task_data``)
+TaskData = CountingData | TextData | PromptData | MaskedPromptData
+
+
+def has_dev(data: TaskData) -> bool:
     """Whether ``data`` holds dev rows, which the evaluations during training then score."""
-    if isinstance(data, PromptData):
+    if isinstance(data, (PromptData, MaskedPromptData)):
         return bool(data.dev_examples)
     return isinstance(data, TextData) and data.dev_set is not None
 
 
 def evaluate(
     engine: ZOEngine,
-    data: CountingData | TextData | PromptData,
+    data: TaskData,
     parallel: ParallelContext,
     stop: StopVote | None = None,
     split: str = "eval",
@@ -114,12 +119,12 @@ def evaluate(
     """The evaluation that fits ``data``'s task, of its ``split`` rows; ``stop``: voted on
     before each forward call."""
     dev = split == "dev"
-    if isinstance(data, PromptData):
+    if isinstance(data, (PromptData, MaskedPromptData)):
         examples = data.dev_examples if dev else data.eval_examples
-        if data.kind == "generation":
+        if isinstance(data, PromptData) and data.kind == "generation":
             metrics = evaluate_generation(
                 engine,
-                examples,
+                data.dev_examples if dev else data.eval_examples,
                 data.encoder,
                 parallel,
                 data.eval_batch_size,
@@ -159,11 +164,11 @@ def _choices_per_call(batch_size: int, rows: int, world: int) -> int:
     return rows_per_call(batch_size, world) // rows
 
 
-def planned_rows(data: CountingData | TextData | PromptData, world: int) -> int:
+def planned_rows(data: TaskData, world: int) -> int:
     """The most rows one rank passes to a forward while evaluating ``data``: never more
     than its ``rows_per_call``, an example of more candidates being scored in pieces."""
     per_call = rows_per_call(data.eval_batch_size, world)
-    if isinstance(data, PromptData) and data.kind != "generation":
+    if isinstance(data, (PromptData, MaskedPromptData)) and data.kind != "generation":
         rows = max(data.eval_rows, data.dev_rows)  # the build's count, every rank's share
         return _choices_per_call(data.eval_batch_size, rows, world) * rows or per_call
     return per_call
@@ -203,8 +208,8 @@ def _hidden(
 
 def evaluate_choices(
     engine: ZOEngine,
-    examples: Sequence[Example],
-    encoder: PromptEncoder,
+    examples: Sequence[Any],
+    encoder: ChoiceEncoder,
     parallel: ParallelContext,
     batch_size: int,
     full_head: bool = False,

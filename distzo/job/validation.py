@@ -26,6 +26,7 @@ from distzo.data.loaders import (
     hub_dataset_revision,
     parse_hub_spec,
 )
+from distzo.data.masked_prompts import MASKED_TASKS, masked_task
 from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
@@ -52,8 +53,9 @@ from distzo.job.scoring_requeue import agreed_recorded_score
 from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
+from distzo.models.family import MASKED
 from distzo.models.multimodal import checked_trained_config
-from distzo.models.registry import check_causal_lm
+from distzo.models.registry import check_causal_lm, check_supported
 from distzo.models.weights import check_float_weights, check_readable
 from distzo.runtime.folders import nearest_existing, unwritable
 from distzo.runtime.master_dtypes import MASTER_DTYPES
@@ -113,18 +115,13 @@ def hub_model_config(name: str, env: LaunchEnv, timeout_s: float) -> PretrainedC
     return config_from_text(told)
 
 
-def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> None:
+def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
     """A supported family whose weights the node can hold, with room for the task's
-    longest sequence."""
+    longest sequence; whether it is a masked LM (its task's rows are a masked LM's)."""
     # a multimodal checkpoint: its text model, which is what trains and what the host holds
     trained = model_config_of(job, env)
     model_config = checked_trained_config(trained, job.peft.adapter_spec().targets)
-    check_causal_lm(
-        model_config.model_type,
-        f"--task {job.data.task}",
-        "distzo's tasks have no masked-LM prompts yet: train it through the Python API "
-        "(ZOEngine, objective=Classification() on choice batches scored at each <mask>)",
-    )
+    check_masked_job(job, model_config.model_type)
     job.peft.adapter_spec().check_default_targets(model_config.model_type)
     where = f"--model {job.model.model}"
     check_float_weights(getattr(model_config, "quantization_config", None), where)
@@ -152,15 +149,41 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> None:
             "leaves no room for a sequence; lower --prefix-length"
         )
     longest = data.seq_len if data.task == "counting" else data.max_length
+    table = int(model_config.max_position_embeddings) - (
+        job.peft.prefix_length if job.peft.peft == "prefix" else 0
+    )
+    # RoBERTa's positions count from its pad id + 1: fewer tokens than table rows
+    held = f" ({positions} token positions)" if positions != table else ""
     if longest > positions:
         flag = "--seq-len" if data.task == "counting" else "--max-length"
         raise ValueError(
             f"{flag} {longest} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}{prefix}; lower {flag}"
+            f"{model_config.max_position_embeddings}{prefix}{held}; lower {flag}"
         )
+    return check_supported(model_config.model_type).lm_kind == MASKED
 
 
-def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
+def check_masked_job(job: JobConfig, model_type: str) -> None:
+    """What a masked LM (RoBERTa) cannot train on, refused in one line from its config
+    alone: a task with no masked-LM prompt (``MASKED_TASKS``: MeZO's RoBERTa tasks), the
+    next-token objective, prefix tuning (the choices it reads have no prefix)."""
+    if check_supported(model_type).lm_kind != MASKED:
+        return
+    task, objective = job.data.task, job.optim.objective
+    fix = (
+        f"train it on one of MeZO's RoBERTa tasks ({', '.join(MASKED_TASKS)}) with "
+        "--objective classification (their default) or accuracy"
+    )
+    if task in ("counting", "text"):
+        check_causal_lm(model_type, f"--task {task}", fix)
+    masked_task(task)  # a task with no masked-LM prompt: its one line
+    if objective in ("lm", "f1"):
+        check_causal_lm(model_type, f"--objective {objective}", fix)
+    if job.peft.peft == "prefix":
+        check_causal_lm(model_type, "--peft prefix", "tune it with --peft lora or lora-fa")
+
+
+def task_rows(job: JobConfig, env: LaunchEnv, masked: bool = False) -> LoadedRows | None:
     """The task's rows, an ``hf:`` dataset's read at the commit rank 0 was told (the hub's
     questions, rank 0's alone) and downloaded into each node's cache by its first rank, then
     read offline by all: each rank asking for itself made 15 requests, 960 as 64 ranks
@@ -171,7 +194,9 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     sources = dict.fromkeys(s for s in (data.train_file, data.eval_file) if s)
     hub_sources = [source for source in sources if source.startswith("hf:")]
     if not hub_sources or not env.launched or env.world_size == 1:
-        return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling)
+        return load_task_rows(
+            data.task, data.train_file, data.eval_file, data.sampling, masked=masked
+        )
     revisions = launch_commits(env, hub_sources, job.parallel.dist_timeout)
     filled = first_of_each(hub_sources, _dataset_config).values()
 
@@ -185,7 +210,7 @@ def task_rows(job: JobConfig, env: LaunchEnv) -> LoadedRows | None:
     question = f"{', '.join(hub_sources)} in the node's cache"
     node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
     pins = {source: HubPin(pin[0] or None, cached=True) for source, pin in revisions.items()}
-    return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins)
+    return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins, masked)
 
 
 def launch_commits(
@@ -328,14 +353,14 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     pg.resolve_backend(job.parallel.backend, config.torch_device())
     cpu = config.torch_device().type == "cpu"
     threads = pg.cpu_threads(job.parallel.threads, env) if cpu else None
-    check_model(job, config, env)
+    masked = check_model(job, config, env)
     check_output_dir(job.run.output_dir)
     if job.run.output_dir is not None:  # a live job's files would mislead the checks below
         check_not_running(Path(job.run.output_dir))
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")
     # every row checked, before any model
-    rows = task_rows(job, env)
+    rows = task_rows(job, env, masked)
     check_shard_size(job.run.export_shard_size)
     check_reporter(job.run.report_to)
     job.run.resume = resume_mode(job.run, env, scoring=job.optim.max_steps == 0)

@@ -60,6 +60,12 @@ class ModelFamily(ABC):
         self.check_config(model.config)
 
     @classmethod
+    def token_positions(cls, config: Any) -> int:
+        """The positions a sequence's tokens may take: the model's position table, of most
+        families one row a position."""
+        return int(config.max_position_embeddings)
+
+    @classmethod
     def check_config(cls, config: Any) -> None:
         """Refuse, in one line, a config of the family's model types that is no model
         the adapter runs; the checks read the config alone, before any weights load."""

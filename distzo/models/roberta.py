@@ -33,6 +33,11 @@ class RobertaFamily(ModelFamily):
                 "the masked LM distzo loads it as); set is_decoder to false in its config.json"
             )
 
+    @classmethod
+    def token_positions(cls, config: Any) -> int:
+        # positions count from padding_idx + 1: roberta-large's 514 rows hold 512 tokens
+        return int(config.max_position_embeddings) - int(config.pad_token_id) - 1
+
     @property
     def _body(self) -> Any:
         return self.model.roberta

@@ -178,9 +178,9 @@ def test_the_job_refuses_a_masked_lm_from_its_config_before_any_run_directory(tm
     assert (proc.returncode, proc.stderr.strip()) == (
         2,
         "error: --task text needs a causal LM, and model type 'roberta' is a masked LM (its "
-        "head predicts the token under a <mask>, no next token); distzo's tasks have no "
-        "masked-LM prompts yet: train it through the Python API (ZOEngine, "
-        "objective=Classification() on choice batches scored at each <mask>)",
+        "head predicts the token under a <mask>, no next token); train it on one of MeZO's "
+        "RoBERTa tasks (sst2, sst5, mr, cr, mpqa, subj, cola, trec, qqp, mrpc, qnli, rte, "
+        "mnli, snli) with --objective classification (their default) or accuracy",
     )
     assert not run.exists()
 

@@ -350,8 +350,8 @@ def test_missing_files_and_hub_specs():
         parse_hub_spec("hf:only")
     with pytest.raises(ValueError, match="give --train-file and --eval-file"):
         load_task_rows("sst2", None, None)
-    with pytest.raises(ValueError, match="unknown --task 'mnli'"):
-        load_task_rows("mnli", "a", "b")
+    with pytest.raises(ValueError, match="unknown --task 'stsb'"):
+        load_task_rows("stsb", "a", "b")
 
 
 def test_training_labels_cover_the_answer_tokens_only():
@@ -623,7 +623,7 @@ def test_a_generated_task_refuses_either_data_file():
             ["--task", "counting", "--train-file", "x.jsonl"],
             "error: --task counting generates its data",
         ),
-        (["--task", "mnli"], "error: unknown --task 'mnli'"),
+        (["--task", "stsb"], "error: unknown --task 'stsb'"),
         (
             ["--peft", "prefix", "--prefix-length", "50"],
             "error: --seq-len 16 exceeds the model's max_position_embeddings 64 less the "

@@ -1,0 +1,206 @@
+"""MeZO's RoBERTa prompts (``distzo.data.masked_prompts``) and the job that trains a masked
+LM on them: the encodings MeZO's own ``tokenize_multipart_input`` gives, the refusals, and
+``python -m distzo.train --model <a RoBERTa folder> --task sst2`` end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM
+
+from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
+from distzo.data.task_data import MaskedPromptData, load_task_rows
+from distzo.data.templates import MaskedExample
+from distzo.models.tiny import shared_byte_tokenizer
+from tests.helpers.launch import train_in_process
+from tests.helpers.masked_prompts import WORDS, roberta_tokenizer, save_tiny_roberta
+
+SHORT = ("A cat is an animal.", "The plot is dull and slow")
+LONG = ("a gripping, funny film. " * 30, "What city hosts the games? " * 12)
+IT_WAS = [0, 37, 393, 289, 357, 410, 18, 324, 343, 4, 18, 2]
+THIS_IS = [0, 37, 393, 289, 357, 410, 18, 346, 289, 4, 18, 2]
+PAIR = [0, 37, 393, 289, 357, 410, 18, 4, 16, 363, 400, 289, 405, 390, 408, 2]
+INFERENCE = [0, 37, 393, 289, 357, 410, 35, 4, 16, 363, 400, 289, 405, 390, 408, 2]
+CUT_110 = (116, 113, [16, 412, 411, 324, 343, 4, 18, 2])
+CUT_256 = (256, 211, [35, 225, 403, 394, 414, 363, 407, 35])
+# What MeZO's tokenize_multipart_input (medium_models/src/dataset.py, run as written on the
+# tiny tokenizer by benchmarks/masked_prompts_check.py) gives each task's SHORT row (ids,
+# mask position) and LONG row (length, mask position, last ids; None: its assertion, the
+# <mask> cut off).
+MEZO = {
+    "sst2": ((IT_WAS, 9), None),
+    "sst5": ((IT_WAS, 9), CUT_110),
+    "mr": ((IT_WAS, 9), CUT_110),
+    "cr": ((IT_WAS, 9), CUT_110),
+    "mpqa": ((IT_WAS, 9), CUT_110),
+    "subj": ((THIS_IS, 9), (116, 113, [16, 412, 411, 346, 289, 4, 18, 2])),
+    "cola": ((THIS_IS, 9), None),
+    "trec": (
+        ([0, 4, 30, 225, 37, 393, 289, 357, 410, 18, 2], 1),
+        (114, 1, [411, 18, 225, 69, 406, 16, 412, 2]),
+    ),
+    "qqp": ((PAIR, 7), None),
+    "mrpc": ((PAIR, 7), None),
+    "qnli": ((INFERENCE, 7), None),
+    "rte": ((INFERENCE, 7), CUT_256),
+    "mnli": ((INFERENCE, 7), CUT_256),
+    "snli": ((INFERENCE, 7), CUT_256),
+}
+
+
+def encoded(task: str, sentences: tuple[str, ...]):
+    prompt = MASKED_PROMPTS[task]
+    encoder = MaskedPromptEncoder(roberta_tokenizer(), task, prompt.max_length)
+    example = MaskedExample(sentences[: len(prompt.columns)], 0)
+    (encoding,) = encoder.choices_many([example])
+    return encoder, encoding
+
+
+def test_every_task_of_mezos_run_fewshot_has_a_prompt():
+    assert sorted(MEZO) == sorted(MASKED_PROMPTS)
+
+
+@pytest.mark.parametrize("task", sorted(MEZO))
+def test_a_row_encodes_as_mezos_tokenize_multipart_input(task):
+    """The template's parts each tokenized alone, the sentence limits and the row's limit
+    (its end cut) as MeZO's, and every label word scored at the <mask> itself."""
+    short, long = MEZO[task]
+    encoder, encoding = encoded(task, SHORT)
+    ids, at = short
+    assert encoding.rows == (tuple(ids),)
+    tokenizer = encoder.tokenizer
+    words = [tokenizer.convert_tokens_to_ids("Ġ" + w) for w in MASKED_PROMPTS[task].words]
+    assert encoding.scored == tuple((0, at, word, c) for c, word in enumerate(words))
+    if long is None:
+        with pytest.raises(ValueError, match="its <mask> falls past the 128-token limit"):
+            encoded(task, LONG)
+        return
+    _, encoding = encoded(task, LONG)
+    (row,) = encoding.rows
+    assert (len(row), encoding.scored[0][1], list(row[-8:])) == long
+
+
+def test_a_tokenizer_with_no_mask_token_is_refused():
+    with pytest.raises(ValueError) as err:
+        MaskedPromptEncoder(shared_byte_tokenizer(), "sst2", 128)
+    assert str(err.value) == (
+        "--task sst2: the model's tokenizer has no mask token, which MeZO's masked-LM prompt "
+        "(*cls**sent_0*_It_was*mask*.*sep+*) needs; give the masked LM's own tokenizer "
+        "(RoBERTa's has <s>, </s> and <mask>)"
+    )
+
+
+def test_a_label_word_of_several_tokens_is_refused():
+    tokenizer = roberta_tokenizer(tuple(w for w in WORDS if w != "great"))
+    MaskedPromptEncoder(tokenizer, "cola", 128)  # its words are one token each
+    with pytest.raises(ValueError) as err:
+        MaskedPromptEncoder(tokenizer, "sst2", 128)
+    message = str(err.value)
+    assert message.startswith("--task sst2: label word 'great' (with its leading space) is ")
+    assert message.endswith(
+        "MeZO's prompts score one token at the <mask>: give a tokenizer with the word in its "
+        "vocabulary (RoBERTa's)"
+    )
+
+
+def test_rows_are_read_as_mezos_columns_and_label_names(tmp_path):
+    """RTE's GLUE names as its labels (entailment: MeZO's "Yes", the first word)."""
+    train = tmp_path / "rte.jsonl"
+    train.write_text(
+        '{"premise": "A cat is an animal.", "hypothesis": "Cats purr.", "label": '
+        '"not_entailment"}\n{"premise": "P.", "hypothesis": "H.", "label": 0}\n'
+    )
+    rows = load_task_rows("rte", str(train), str(train), masked=True)
+    assert rows.train == [
+        MaskedExample(("A cat is an animal.", "Cats purr."), 1),
+        MaskedExample(("P.", "H."), 0),
+    ]
+    assert MASKED_PROMPTS["rte"].words[:2] == ("Yes", "No")
+
+
+def test_a_masked_only_task_is_refused_for_a_causal_lm(tmp_path):
+    train = tmp_path / "sst5.jsonl"
+    train.write_text('{"sentence": "fine", "label": 3}\n')
+    with pytest.raises(ValueError, match="^--task sst5 has a masked-LM prompt only"):
+        load_task_rows("sst5", str(train), str(train))
+
+
+def test_a_cut_row_is_counted_and_the_data_has_one_row_an_example(tmp_path):
+    encoder = MaskedPromptEncoder(roberta_tokenizer(), "rte", 40)
+    long, short = MaskedExample(("Cats purr.", LONG[1]), 0), MaskedExample(SHORT, 1)
+    rows = type("Rows", (), {"task": "rte", "train": [short, long], "eval": [short], "dev": []})
+    data = MaskedPromptData(rows, encoder, seed=0, eval_batch_size=2)
+    assert data.cut_notices == (
+        "--train-file: 1 of 2 rows are longer than 40 tokens (--max-length, or the model's "
+        "positions): they lose tokens from the end, their <mask> kept (MeZO's cut); raise "
+        "--max-length or shorten the rows",
+    )
+    batch = data.batch(2, step=0)
+    assert batch["input_ids"].shape == (2, 1, 40)
+    assert batch["score_token"].shape == (2, 2)
+
+
+@pytest.fixture(scope="module")
+def roberta_folder(tmp_path_factory) -> Path:
+    return save_tiny_roberta(tmp_path_factory.mktemp("roberta") / "model")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            ["--task", "copa"],
+            "--task copa has no masked-LM prompt (MeZO's RoBERTa tasks are sst2, sst5, mr, "
+            "cr, mpqa, subj, cola, trec, qqp, mrpc, qnli, rte, mnli, snli); pick one of them, "
+            "or train --task copa on a causal LM",
+        ),
+        (
+            ["--task", "sst2", "--objective", "lm"],
+            "--objective lm needs a causal LM, and model type 'roberta' is a masked LM",
+        ),
+        (
+            ["--task", "sst2", "--peft", "prefix"],
+            "--peft prefix needs a causal LM, and model type 'roberta' is a masked LM",
+        ),
+        (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
+            ["--task", "sst2", "--max-length", "129"],
+            "--max-length 129 exceeds the model's max_position_embeddings 130 (128 token "
+            "positions); lower --max-length",
+        ),
+    ],
+)
+def test_the_job_refuses_what_a_masked_lm_cannot_train(roberta_folder, tmp_path, options, message):
+    run = tmp_path / "run"
+    files = ["--train-file", str(tmp_path / "none.tsv"), "--eval-file", str(tmp_path / "x")]
+    proc = train_in_process(
+        ["--model", str(roberta_folder), *options, *files, "--output-dir", str(run)]
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: " + message), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not run.exists()
+
+
+def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(roberta_folder, tmp_path):
+    rows = [("a gripping, funny film", 1), ("dull and slow", 0), ("funny", 1), ("slow", 0)]
+    text = "sentence\tlabel\n" + "".join(f"{s}\t{label}\n" for s, label in rows)
+    (tmp_path / "train.tsv").write_text(text)
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.train", "--model", str(roberta_folder), "--task", "sst2"]
+        + ["--train-file", str(tmp_path / "train.tsv"), "--eval-file", str(tmp_path / "train.tsv")]
+        + ["--max-steps", "2", "--batch-size", "2", "--lr", "1e-3", "--output-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "eval before training: accuracy " in proc.stderr
+    assert "-> accuracy " in proc.stderr
+    model = AutoModelForMaskedLM.from_pretrained(run / "export")
+    assert type(model).__name__ == "RobertaForMaskedLM"
+    base = AutoModelForMaskedLM.from_pretrained(roberta_folder)
+    moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters())]
+    assert any(moved)  # the steps trained it
