@@ -39,10 +39,13 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "--mode offload and --transfer sliced or auto",
     ),
     "seq_len": (lambda j: j.data.task == "counting", "--task counting"),
-    "export_best": (lambda j: j.data.num_dev is not None, "--num-dev"),
+    "export_best": (
+        lambda j: j.data.num_dev is not None or j.data.dev_per_class is not None,
+        "--num-dev or --dev-per-class",
+    ),
     "train_set_seed": (
         lambda j: j.data.sampling.samples,
-        "--num-train, --num-dev or --num-eval",
+        "--num-train, --num-dev, --num-eval or --train-per-class",
     ),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task in GENERATION, "--task squad or drop"),

@@ -148,6 +148,16 @@ class DataOptions:
     num_eval: int | None = option(
         None, "evaluate on N rows drawn from --eval-file (MeZO's --num_eval; default: all)"
     )
+    train_per_class: int | None = option(
+        None,
+        "train on K rows of each label drawn from --train-file (LM-BFF's k-shot sets, MeZO's "
+        "RoBERTa runs: K=16 or 512; --train-set-seed is its data seed)",
+    )
+    dev_per_class: int | None = option(
+        None,
+        "with --train-per-class: also draw K dev rows of each label from the rest (LM-BFF's "
+        "dev set: as many as --train-per-class)",
+    )
     train_set_seed: int = option(
         0, "seed of the --num-train/--num-dev/--num-eval draw (MeZO's --train_set_seed)"
     )
@@ -168,7 +178,14 @@ class DataOptions:
     @property
     def sampling(self) -> Sampling:
         """The sets drawn from the files (``distzo.data.sampling``)."""
-        return Sampling(self.num_train, self.num_dev, self.num_eval, self.train_set_seed)
+        return Sampling(
+            self.num_train,
+            self.num_dev,
+            self.num_eval,
+            self.train_set_seed,
+            self.train_per_class,
+            self.dev_per_class,
+        )
 
     def validate(self) -> None:
         """Sizes only: the task and its files are checked when the job loads the rows."""
@@ -182,9 +199,12 @@ class DataOptions:
             ("--num-train", self.num_train),
             ("--num-dev", self.num_dev),
             ("--num-eval", self.num_eval),
+            ("--train-per-class", self.train_per_class),
+            ("--dev-per-class", self.dev_per_class),
         ):
             if count is not None and count < 1:
                 raise ValueError(f"{flag} must be >= 1 (leave it out: every row), got {count}")
+        self._validate_per_class()
         if not 0 <= self.train_set_seed < SAMPLING_SEED_LIMIT:
             raise ValueError(
                 f"--train-set-seed must be in [0, 2^32) (numpy's seeds, as MeZO's), got "
@@ -198,6 +218,23 @@ class DataOptions:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.seq_len < 2:  # a token and the next one it is trained to predict
             raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
+
+    def _validate_per_class(self) -> None:
+        """A draw per class (LM-BFF's) or a draw of counts (MeZO's run.py), never both."""
+        if self.train_per_class is not None:
+            counts = [
+                f for f, n in (("--num-train", self.num_train), ("--num-dev", self.num_dev)) if n
+            ]
+            if counts:
+                raise ValueError(
+                    f"--train-per-class and {' and '.join(counts)} both draw the training "
+                    "file's rows; keep --train-per-class (with --dev-per-class) or the counts"
+                )
+        elif self.dev_per_class is not None:
+            raise ValueError(
+                "--dev-per-class draws dev rows beside --train-per-class's; give "
+                "--train-per-class too (or --num-dev for MeZO's run.py draw)"
+            )
 
 
 @dataclass
@@ -709,6 +746,8 @@ _METAVARS = {
     "num_train": "N",
     "num_dev": "N",
     "num_eval": "N",
+    "train_per_class": "K",
+    "dev_per_class": "K",
     "lora_targets": "MODULES",
     "device": "DEVICE",
     "output_dir": "DIR",

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from distzo.data.per_class import example_labels, per_class_draw
+
 Row = TypeVar("Row")
 SEED_LIMIT = 2**32  # numpy's legacy generator takes seeds below this
 
@@ -31,11 +33,14 @@ class Sampling:
     num_dev: int | None = None
     num_eval: int | None = None
     seed: int = 0  # --train-set-seed
+    train_per_class: int | None = None  # LM-BFF's k-shot draw (``distzo.data.per_class``)
+    dev_per_class: int | None = None
 
     @property
     def samples(self) -> bool:
         """Whether any set is drawn (else every file's rows are taken as they are)."""
-        return (self.num_train, self.num_dev, self.num_eval) != (None, None, None)
+        counts = (self.num_train, self.num_dev, self.num_eval, self.train_per_class)
+        return counts != (None, None, None, None)
 
 
 WHOLE_FILES = Sampling()
@@ -48,11 +53,27 @@ def mezo_draw(count: int, wanted: int, seed: int) -> list[int]:
 
 
 def sample_sets(
-    train: list[Row], evals: list[Any], sampling: Sampling, train_file: str, eval_file: str
+    train: list[Row],
+    evals: list[Any],
+    sampling: Sampling,
+    train_file: str,
+    eval_file: str,
+    num_labels: int = 0,
 ) -> tuple[list[Row], list[Row], list[Any]]:
-    """The training, dev and evaluation rows ``sampling`` draws from the files' rows."""
+    """The training, dev and evaluation rows ``sampling`` draws from the files' rows
+    (``num_labels``: the task's, for a draw per class of built rows)."""
     dev: list[Row] = []
-    if (sampling.num_train, sampling.num_dev) != (None, None):
+    if sampling.train_per_class is not None:
+        train, dev = per_class_draw(
+            train,
+            example_labels(train),
+            num_labels,
+            sampling.train_per_class,
+            sampling.dev_per_class or 0,
+            sampling.seed,
+            train_file,
+        )
+    elif (sampling.num_train, sampling.num_dev) != (None, None):
         dev_count = sampling.num_dev or 0
         # without --num-train, every row is drawn and the last --num-dev of them are dev
         wanted = len(train) if sampling.num_train is None else sampling.num_train + dev_count

@@ -211,6 +211,12 @@ def load_task_rows(
     if task not in TASK_NAMES:
         raise ValueError(f"unknown --task {task!r}; choose one of {', '.join(TASK_NAMES)}")
     schema = None if task in TEXT else prompt_task(task, masked)  # before any file is read
+    num_labels = schema.num_labels if schema else 0
+    if sampling.train_per_class is not None and not num_labels:
+        raise ValueError(
+            f"--train-per-class draws rows of each label, and --task {task}'s rows have no "
+            "labels of a fixed set; draw them with --num-train and --num-dev"
+        )
     if not train_file or not eval_file:
         given = {"--train-file": train_file, "--eval-file": eval_file}
         missing = [flag for flag, path in given.items() if not path]
@@ -224,7 +230,9 @@ def load_task_rows(
             loaded.append(build_numbered(schema, numbered, source))
         if not loaded[-1]:
             raise ValueError(f"{source}: no rows")
-    train, dev, evals = sample_sets(loaded[0], loaded[1], sampling, train_file, eval_file)
+    train, dev, evals = sample_sets(
+        loaded[0], loaded[1], sampling, train_file, eval_file, num_labels
+    )
     return LoadedRows(task, train, evals, dev)
 
 

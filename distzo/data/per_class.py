@@ -1,0 +1,71 @@
+"""LM-BFF's k-shot sets, which MeZO's RoBERTa runs train on: ``--train-per-class K`` and
+``--dev-per-class D`` draw K training rows and D dev rows of each label.
+
+LM-BFF's ``tools/generate_k_shot_data.py`` seeds numpy's global generator with the data
+seed (13, 21, 42, 87, 100), shuffles the training split's rows with ``np.random.shuffle``,
+groups the shuffled rows by label (the labels in the order they first come), and writes
+the first K of each label as the training set and the next K (``[K:2K]``) as the dev set.
+``numpy.random.RandomState(seed).permutation(n)`` shuffles ``range(n)`` with the same
+draws, so given the same rows in the same order the sets are LM-BFF's row for row, in its
+files' order (``benchmarks/k_shot_check.py`` runs its code on the same rows and compares).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+Row = TypeVar("Row")
+
+
+def per_class_draw(
+    rows: Sequence[Row],
+    labels: Sequence[int],
+    num_labels: int,
+    train_per_class: int,
+    dev_per_class: int,
+    seed: int,
+    train_file: str,
+) -> tuple[list[Row], list[Row]]:
+    """The training and dev rows: of each label, the first ``train_per_class`` of the
+    seeded shuffle and the ``dev_per_class`` after them. A label with fewer rows than that
+    (none, say, where a file lacks a class) is refused in one line naming it."""
+    wanted = train_per_class + dev_per_class
+    counts = Counter(labels)
+    counts.update({label: 0 for label in range(num_labels)})  # a label no row has: 0
+    short = [(label, counts[label]) for label in sorted(counts) if counts[label] < wanted]
+    if short:
+        raise ValueError(_too_few(short, train_per_class, dev_per_class, train_file))
+    groups: dict[int, list[int]] = {}  # by label, in the order each label first comes
+    for index in np.random.RandomState(seed).permutation(len(rows)).tolist():
+        group = groups.setdefault(labels[index], [])
+        if len(group) < wanted:
+            group.append(index)
+    train = [rows[i] for group in groups.values() for i in group[:train_per_class]]
+    dev = [rows[i] for group in groups.values() for i in group[train_per_class:]]
+    return train, dev
+
+
+def _too_few(short: list[tuple[int, int]], train: int, dev: int, train_file: str) -> str:
+    """The line for labels the file holds too few rows of: each with its count."""
+    asked = f"--train-per-class {train}" + (f" and --dev-per-class {dev}" if dev else "")
+    labels = ", ".join(f"label {label} has {count}" for label, count in short)
+    fewest = min(count for _, count in short)
+    if dev == train and fewest >= 2:  # LM-BFF's sets: as many dev rows as training rows
+        fix = f"give --train-per-class and --dev-per-class {fewest // 2} or less"
+    elif fewest > dev:
+        fix = f"give --train-per-class {fewest - dev} or less"
+    else:
+        fix = "add rows of that label"
+    return (
+        f"{asked} ask {train + dev} rows of each label, but in --train-file {train_file} "
+        f"{labels}; {fix} (LM-BFF's draw takes K of every label)"
+    )
+
+
+def example_labels(rows: Sequence[Any]) -> list[int]:
+    """Each built row's label (an ``Example``'s or a ``MaskedExample``'s)."""
+    return [row.label for row in rows]
