@@ -44,15 +44,26 @@ class MaskedPrompt:
     other_limit: int | None = None
     max_length: int = MASKED_LENGTH
     label_names: tuple[str, ...] = ()
+    drops_unlabelled: bool = False  # rows of label -1 (no gold label) left out, not refused
 
 
 NLI_NAMES = ("entailment", "neutral", "contradiction")  # GLUE's MNLI and SNLI's index order
+SST5_NAMES = ("very_negative", "negative", "neutral", "positive", "very_positive")  # SetFit's
+# TREC's coarse classes in LM-BFF's numbering (Description, Entity, Expression...): the
+# names CogComp/trec's ClassLabel gives them, whose own numbers order them ABBR, ENTY,
+# DESC, so that its 0 and 2 are LM-BFF's 2 and 0; a row names its class to be read right.
+TREC_NAMES = ("desc", "enty", "abbr", "hum", "loc", "num")
 MASKED_PROMPTS: dict[str, MaskedPrompt] = {
     "sst2": MaskedPrompt(
         SENTIMENT, ("terrible", "great"), ("sentence",), label_names=LABEL_NAMES["sst2"]
     ),
     "sst5": MaskedPrompt(
-        SENTIMENT, ("terrible", "bad", "okay", "good", "great"), ("sentence",), 110, 20
+        SENTIMENT,
+        ("terrible", "bad", "okay", "good", "great"),
+        ("sentence",),
+        110,
+        20,
+        label_names=SST5_NAMES,
     ),
     "mr": MaskedPrompt(SENTIMENT, ("terrible", "great"), ("sentence",), 110, 50),
     "cr": MaskedPrompt(SENTIMENT, ("terrible", "great"), ("sentence",), 110, 50),
@@ -64,6 +75,7 @@ MASKED_PROMPTS: dict[str, MaskedPrompt] = {
         ("Description", "Entity", "Expression", "Human", "Location", "Number"),
         ("sentence",),
         110,
+        label_names=TREC_NAMES,
     ),
     "qqp": MaskedPrompt(PAIR, ("No", "Yes"), ("question1", "question2")),
     "mrpc": MaskedPrompt(PAIR, ("No", "Yes"), ("sentence1", "sentence2")),
@@ -95,11 +107,14 @@ MASKED_PROMPTS: dict[str, MaskedPrompt] = {
         ("premise", "hypothesis"),
         max_length=256,
         label_names=NLI_NAMES,
+        drops_unlabelled=True,  # LM-BFF's SNLI files hold no row without a gold label
     ),
 }
 
 
-def _masked_example(prompt: MaskedPrompt, row: dict[str, Any]) -> MaskedExample:
+def _masked_example(prompt: MaskedPrompt, row: dict[str, Any]) -> MaskedExample | None:
+    if prompt.drops_unlabelled and str(row["label"]).strip() in ("-1", "-"):
+        return None  # no gold label (datasets' -1, SNLI's own files' "-"): no row of the set
     label = row_label(row, len(prompt.words), prompt.label_names)
     return MaskedExample(tuple(row[column] for column in prompt.columns), label)
 

@@ -66,7 +66,7 @@ class Task:
     name: str
     kind: str  # "classification" (incl. multiple choice) or "generation"
     columns: tuple[str, ...]
-    build: Callable[[dict[str, Any]], Example | MaskedExample]
+    build: Callable[[dict[str, Any]], Example | MaskedExample | None]  # None: a row left out
     num_labels: int = 0
 
 
@@ -345,6 +345,16 @@ OTHER_NAMES = {
     ("rte", "sentence1"): ("premise", "GLUE's rte (nyu-mll/glue)"),
     ("rte", "sentence2"): ("hypothesis", "GLUE's rte (nyu-mll/glue)"),
     ("boolq", "answer"): ("label", "google/boolq"),
+    ("sst5", "text"): ("sentence", "SetFit/sst5"),
+    ("trec", "text"): ("sentence", "CogComp/trec"),
+    ("trec", "coarse_label"): ("label", "CogComp/trec"),
+}
+# what the renamed column must hold, where the other dataset's values mean something else
+RENAMING_NOTES = {
+    ("trec", "coarse_label"): (
+        " and write its class names (ABBR, DESC...), not its numbers: its 0 is ABBR, "
+        "LM-BFF's 0 Description"
+    ),
 }
 
 
@@ -352,7 +362,8 @@ def _renaming(task: str, row: dict[str, Any], column: str) -> str:
     """A hint where ``row`` has ``column`` under another dataset's name."""
     for (name, theirs), (ours, whose) in OTHER_NAMES.items():
         if name == task and ours == column and theirs in row:
-            return f"; the file has {theirs!r}, as {whose} names it: rename it {column!r}"
+            note = RENAMING_NOTES.get((name, theirs), "")
+            return f"; the file has {theirs!r}, as {whose} names it: rename it {column!r}{note}"
     return ""
 
 
@@ -394,7 +405,9 @@ def _build(task: Task, numbered: Iterator[tuple[int, dict[str, Any]]], source: s
         if wrong:  # a number or a list would be formatted into the prompt as its repr
             raise not_text(source, number, wrong[0], row[wrong[0]])
         try:
-            examples.append(task.build(row))
+            example = task.build(row)
         except (ValueError, AttributeError, TypeError) as err:
             raise ValueError(f"{source}, row {number}: {err}") from None
+        if example is not None:
+            examples.append(example)
     return examples

@@ -2,6 +2,7 @@
 LM on them: the encodings MeZO's own ``tokenize_multipart_input`` gives, the refusals, and
 ``python -m distzo.train --model <a RoBERTa folder> --task sst2`` end to end."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,55 @@ def test_rows_are_read_as_mezos_columns_and_label_names(tmp_path):
         MaskedExample(("P.", "H."), 0),
     ]
     assert MASKED_PROMPTS["rte"].words[:2] == ("Yes", "No")
+
+
+def test_trec_and_sst5_read_their_class_names_as_lm_bffs_numbers(tmp_path):
+    """CogComp/trec's ClassLabel orders ABBR, ENTY, DESC, HUM, LOC, NUM; LM-BFF numbers
+    Description 0, Entity 1, Expression 2: a name is read as LM-BFF's number, an int as
+    LM-BFF's own (its files'). SetFit/sst5's label_text names its 0..4 as MeZO's words."""
+    trec = tmp_path / "trec.jsonl"
+    names = ["ABBR", "ENTY", "DESC", "HUM", "LOC", "NUM", 2]
+    trec.write_text("".join(json.dumps({"sentence": "Q?", "label": n}) + "\n" for n in names))
+    rows = load_task_rows("trec", str(trec), str(trec), masked=True)
+    words = MASKED_PROMPTS["trec"].words
+    assert [words[row.label] for row in rows.train] == [
+        "Expression", "Entity", "Description", "Human", "Location", "Number", "Expression"
+    ]  # fmt: skip
+    sst5 = tmp_path / "sst5.jsonl"
+    names = ["very negative", "negative", "neutral", "positive", "very positive"]
+    sst5.write_text("".join(json.dumps({"sentence": "s", "label": n}) + "\n" for n in names))
+    assert [r.label for r in load_task_rows("sst5", str(sst5), str(sst5), masked=True).train] == [
+        0, 1, 2, 3, 4
+    ]  # fmt: skip
+
+
+def test_trec_rows_in_cogcomps_columns_are_told_to_name_their_class(tmp_path):
+    trec = tmp_path / "trec.jsonl"
+    trec.write_text('{"sentence": "Q?", "coarse_label": 0}\n')
+    with pytest.raises(ValueError) as err:
+        load_task_rows("trec", str(trec), str(trec), masked=True)
+    assert str(err.value).endswith(
+        "the file has 'coarse_label', as CogComp/trec names it: rename it 'label' and write "
+        "its class names (ABBR, DESC...), not its numbers: its 0 is ABBR, LM-BFF's 0 Description"
+    )
+
+
+def test_snli_rows_without_a_gold_label_are_left_out_as_lm_bffs_files_lack_them(tmp_path):
+    """stanfordnlp/snli labels -1 the rows its annotators did not agree on (SNLI's own
+    files write "-"); LM-BFF's SNLI files hold none, so they are no rows of the sets."""
+    snli = tmp_path / "snli.jsonl"
+    labels = [0, -1, 2, "-", "neutral"]
+    snli.write_text(
+        "".join(
+            json.dumps({"premise": "P.", "hypothesis": "H.", "label": n}) + "\n" for n in labels
+        )
+    )
+    rows = load_task_rows("snli", str(snli), str(snli), masked=True)
+    assert [row.label for row in rows.train] == [0, 2, 1] == [row.label for row in rows.eval]
+    mnli = tmp_path / "mnli.jsonl"  # GLUE's MNLI has no such rows: one is an error there
+    mnli.write_text(snli.read_text())
+    with pytest.raises(ValueError, match="row 2: label -1 marks a row with no label"):
+        load_task_rows("mnli", str(mnli), str(mnli), masked=True)
 
 
 def test_a_masked_only_task_is_refused_for_a_causal_lm(tmp_path):
