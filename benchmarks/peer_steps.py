@@ -5,6 +5,7 @@
     python benchmarks/peer_steps.py --mezo ../MeZO --peft lora|prefix [--prefix-positions peft]
     python benchmarks/peer_steps.py --zobench ../ZO-LLM [--adam-eps 1e-30] [--zobench-queries 2]
     python benchmarks/peer_steps.py --mezo-medium ../MeZO --weight-decay 0 [--medium-tie]
+    python benchmarks/peer_steps.py --mezo-medium ../MeZO --peft lora [--medium-lora-as peft]
 
 ``--mezo``: a checkout of princeton-nlp/MeZO (its ``large_models/trainer.py``) or that file;
 ``--fzoo``: a checkout of DKmiyan/FZOO (its ``trainer.py``) or that file. Nothing of theirs
@@ -36,7 +37,9 @@ the peer runs as written and what is stood in: ``mezo_fzoo`` (``--mezo``, ``--fz
 FZOO's float32 losses, ``--float32-losses``), ``mezo_medium`` (``--mezo-medium PATH``:
 MeZO's ``medium_models`` RoBERTa step, its prompt model's loss at the ``<mask>``, beside
 the ``Classification`` objective; ``--medium-tie``: its ``tie_emb``), ``mezo_adapters``
-(``--mezo PATH --peft lora|prefix``: MeZO's ``lora.py`` and ``prefix.py``), ``zo2`` and
+(``--mezo PATH --peft lora|prefix``: MeZO's ``lora.py`` and ``prefix.py``),
+``mezo_medium_lora`` (``--mezo-medium PATH --peft lora``: MeZO's RoBERTa LoRA, loralib's
+layers; ``--medium-lora-as peft``: its head frozen, its merge off), ``zo2`` and
 ``zo2_units`` (``--zo2``: ZO2's MeZO-SGD and its offload, on OPT or Qwen3) and
 ``zobench`` (``--zobench``: ZO-Bench's momentum and Adam), all on ``harness`` (the peer's
 methods read from its file, the tiny model, the batches, the z served to its draws,
@@ -59,6 +62,10 @@ from benchmarks.peer_checks.harness import trainer_file  # noqa: E402
 from benchmarks.peer_checks.mezo_adapters import compare_mezo_adapter  # noqa: E402
 from benchmarks.peer_checks.mezo_fzoo import compare  # noqa: E402
 from benchmarks.peer_checks.mezo_medium import compare_mezo_medium, medium_checkout  # noqa: E402
+from benchmarks.peer_checks.mezo_medium_lora import (  # noqa: E402
+    compare_mezo_medium_lora,
+    lora_checkout,
+)
 from benchmarks.peer_checks.zo2 import compare_zo2, zo2_checkout  # noqa: E402
 from benchmarks.peer_checks.zobench import compare_zobench  # noqa: E402
 
@@ -95,7 +102,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peft",
         choices=("lora", "prefix"),
-        help="with --mezo: MeZO's LoRA or prefix (its lora.py, prefix.py) beside distzo's",
+        help="with --mezo: MeZO's LoRA or prefix (its lora.py, prefix.py) beside distzo's; "
+        "with --mezo-medium: lora, MeZO's RoBERTa LoRA (--apply_lora, loralib's layers)",
+    )
+    p.add_argument(
+        "--medium-lora-as",
+        choices=("mezo", "peft"),
+        default="mezo",
+        help="with --mezo-medium --peft lora: MeZO's run as written (its head trains too, "
+        "loralib merges the adapters in eval mode), or its head frozen and the merge off, as "
+        "peft's LoRA (to compare all else)",
     )
     p.add_argument(
         "--prefix-positions",
@@ -124,9 +140,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.zo2 and args.family not in ("opt", "qwen3"):
         p.error(f"--zo2 checks --family opt or qwen3 (the race's), not {args.family}")
-    if args.peft and not args.mezo:
+    if args.peft and not (args.mezo or args.mezo_medium):
         p.error("--peft compares MeZO's adapters: give --mezo PATH, a checkout of MeZO")
-    if args.peft and args.family != "opt":
+    if args.peft == "prefix" and args.mezo_medium:
+        p.error(
+            "--mezo-medium --peft prefix: distzo's --peft prefix refuses a masked LM "
+            "(RoBERTa); give --peft lora"
+        )
+    if args.medium_lora_as != "mezo" and not (args.mezo_medium and args.peft == "lora"):
+        p.error(
+            "--medium-lora-as compares MeZO's RoBERTa LoRA: give --mezo-medium PATH --peft lora"
+        )
+    if args.peft and args.mezo and args.family != "opt":
         p.error("--peft runs MeZO's adapters on OPT, the family its lora.py adapts: drop --family")
     if args.medium_tie and not args.mezo_medium:
         p.error("--medium-tie ties MeZO's RoBERTa head: give --mezo-medium PATH")
@@ -146,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     zobench = None if args.zobench is None else trainer_file("zobench", args.zobench)
     if args.mezo_medium is not None:  # its files, refused before any peer runs
         medium_checkout(args.mezo_medium)
+        if args.peft:
+            lora_checkout(args.mezo_medium)
     if args.peft and args.mezo:  # MeZO's adapter files are read from its checkout
         results = [compare_mezo_adapter(args.mezo, sources[0][1], args)]
         results += [compare(name, source, args) for name, source in sources[1:]]
@@ -155,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         results += [compare_zo2(zo2, offload, args) for offload in (False, True)]
     if zobench is not None:
         results.append(compare_zobench(zobench, args))
-    if args.mezo_medium is not None:
+    if args.mezo_medium is not None and args.peft:
+        results.append(compare_mezo_medium_lora(args.mezo_medium, args))
+    elif args.mezo_medium is not None:
         results.append(compare_mezo_medium(args.mezo_medium, args))
     return 0 if all(results) else 1
 

@@ -53,7 +53,15 @@ from distzo import ZOConfig, ZOEngine
 from distzo.models import model_from_config
 from distzo.objectives import ChoiceEncoding, Classification, collate_choices
 
-from .harness import DistzoNoise, StepSeeds, agrees, engine_z, largest, verdict_line
+from .harness import (
+    SEED_STRIDE,
+    DistzoNoise,
+    StepSeeds,
+    agrees,
+    engine_z,
+    largest,
+    verdict_line,
+)
 
 TRAINER = "medium_models/src/trainer.py"
 MODELS = "medium_models/src/models.py"
@@ -271,46 +279,64 @@ def compare_mezo_medium(checkout: Path, args: argparse.Namespace) -> bool:
 
 
 def medium_steps(
-    source: Path, args: argparse.Namespace, engine: ZOEngine, model: Any, names: list[str]
+    source: Path,
+    args: argparse.Namespace,
+    engine: ZOEngine,
+    model: Any,
+    names: list[str],
+    as_mezos: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = dict,
 ) -> bool:
     """``args.steps`` runs of MeZO's ZO branch on ``model`` and steps of ``engine``, MeZO's
-    z distzo's of the same tensor; print each, and at a weight decay the tensors distzo
+    z distzo's of the same tensor (``as_mezos``: distzo's tensors by MeZO's names), a tensor
+    only MeZO trains its own z; print each, and at a weight decay the tensors distzo
     exempts from it apart; True if all agree."""
+    z_of = engine_z(engine)
+    shared = [n for n in names if n in as_mezos(engine.named_parameters())]
+    params = dict(model.named_parameters())
+
+    def mezos_z(step: int, query: int) -> dict[str, torch.Tensor]:
+        own = torch.Generator().manual_seed(step * SEED_STRIDE + query + 1)
+        z = {
+            n: torch.randn(params[n].shape, generator=own, dtype=params[n].dtype)
+            for n in names
+            if n not in shared
+        }
+        return {**z, **as_mezos(z_of(step, query))}
+
     seeds = StepSeeds()
     namespace = {
-        "torch": DistzoNoise(engine_z(engine), names, False),
+        "torch": DistzoNoise(mezos_z, names, False),
         "np": seeds,
         "nn": torch.nn,
         "F": torch.nn.functional,
         "logger": logging.getLogger("mezo"),
     }
     trainer = medium_trainer(medium_trainer_code(source, namespace), model, args)
-    params = dict(model.named_parameters())
-    exempt = [n for n in names if params[n].dim() < 2]  # decayed by MeZO, not by distzo
+    exempt = [n for n in shared if params[n].dim() < 2]  # decayed by MeZO, not by distzo
     print("step  loss distzo / peer        |g|        d(g)       |step| max  d(theta) max")
     agree, exempt_gap, gaps = True, 0.0, {}
     for t in range(args.steps):
         batch = prompt_batch(t)
-        before = {n: p.clone() for n, p in engine.named_parameters().items() if n in names}
+        before = {n: p.clone() for n, p in as_mezos(engine.named_parameters()).items()}
         seeds.start(t)
         loss1, _, projected_grad = trainer.zo_train_step(model, mezo_inputs(batch), t, 0, [batch])
         result = engine.step(batch)
-        after = engine.named_parameters()
+        after = as_mezos(engine.named_parameters())
         g = abs(result.projected_grads[0])
         dg = abs(result.projected_grads[0] - float(projected_grad))
-        step = largest([after[n] - before[n] for n in names])
-        gaps = {n: largest([after[n] - params[n].detach()]) for n in names}
+        step = largest([after[n] - before[n] for n in shared])
+        gaps = {n: largest([after[n] - params[n].detach()]) for n in shared}
         dtheta = max(gaps.values())
         exempt_gap = max([exempt_gap] + [gaps[n] for n in exempt])
         print(
             f"{t:>4}  {result.loss_plus:.10f} / {float(loss1):.10f}  {g:9.3e}  {dg:9.3e}  "
             f"{step:10.3e}  {dtheta:10.3e}"
         )
-        weights = (step, dtheta, largest([params[n].detach() for n in names]))
+        weights = (step, dtheta, largest([params[n].detach() for n in shared]))
         losses = (*result.losses, result.loss_plus, result.loss_minus)
         agree &= agrees(args.rtol, t, result.loss_plus, float(loss1), (g, dg), weights, losses)
-    if args.weight_decay:
-        rest = max(gaps[n] for n in names if n not in exempt)
+    if args.weight_decay and exempt:
+        rest = max(gaps[n] for n in shared if n not in exempt)
         print(
             f"d(theta) in the {len(exempt)} tensors distzo exempts from decay (biases, "
             f"LayerNorms): {exempt_gap:.3e}; in the rest: {rest:.3e}"
