@@ -144,8 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peft compares MeZO's adapters: give --mezo PATH, a checkout of MeZO")
     if args.peft == "prefix" and args.mezo_medium:
         p.error(
-            "--mezo-medium --peft prefix: distzo's --peft prefix refuses a masked LM "
-            "(RoBERTa); give --peft lora"
+            "--mezo-medium --peft prefix: MeZO's RoBERTa prefix (its src/prefix.py) has no "
+            "check yet; give --peft lora"
         )
     if args.medium_lora_as != "mezo" and not (args.mezo_medium and args.peft == "lora"):
         p.error(

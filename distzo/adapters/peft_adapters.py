@@ -298,15 +298,18 @@ def check_mergeable(peft_model: nn.Module) -> None:
 def _attach_prefix(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
     from peft import PrefixTuningConfig, get_peft_model
 
-    from distzo.models.registry import check_causal_lm, family_for
+    from distzo.models.family import CAUSAL
+    from distzo.models.registry import family_for
 
     family = family_for(model)
-    check_causal_lm(
-        family.model.config.model_type,
-        "--peft prefix",
-        "tune it with --peft lora or lora-fa, or in full",
+    # peft has no masked-LM task: an encoder's prefix is FEATURE_EXTRACTION's, whose model
+    # hands the base its prefix cache and widened mask and returns the base's own output
+    # (a masked LM's logits); PeftModel.from_pretrained loads it so onto the masked LM
+    causal = family.lm_kind == CAUSAL
+    config = PrefixTuningConfig(
+        num_virtual_tokens=spec.prefix_length,
+        task_type="CAUSAL_LM" if causal else "FEATURE_EXTRACTION",
     )
-    config = PrefixTuningConfig(num_virtual_tokens=spec.prefix_length, task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
         with _without_peft_deprecations():
             peft_model = get_peft_model(model, config)

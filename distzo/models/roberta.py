@@ -6,17 +6,29 @@ batch scores a candidate at the mask's position, not at the one before it as for
 causal LM. Its positions come from the token ids (counted from ``padding_idx + 1``, pad
 tokens kept at ``padding_idx``), which the model's own embeddings module computes; the
 head's decoder is tied to the word embeddings, so the resident bucket stays one side.
+
+A prefix (peft's prefix tuning) is what peft makes of it on ``RobertaModel``: each layer's
+self-attention takes its prefix keys and values as a cache and puts its own after them, the
+padding mask is widened by ones in front (every token sees the prefix), and the embeddings
+count the positions from after it, as they do after any cache.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask
 
-from distzo.models.family import MASKED, BatchContext, ModelFamily, host_built_mask
+from distzo.models.family import (
+    CACHE_KEYWORD,
+    MASKED,
+    BatchContext,
+    ModelFamily,
+    host_built_mask,
+)
 
 
 class RobertaFamily(ModelFamily):
@@ -53,20 +65,30 @@ class RobertaFamily(ModelFamily):
         dtype: torch.dtype,
     ) -> BatchContext:
         # As RobertaModel.forward for an encoder: the bidirectional mask of the padding
-        # (None where nothing is padded and the attention needs none); positions are the
-        # embeddings' own, from the ids.
+        # (None where nothing is padded and the attention needs none), widened by a
+        # prefix as peft widens it; positions are the embeddings' own, from the ids.
+        _, attention_mask, _ = self.prefixed(attention_mask)
         mask = host_built_mask(
             create_bidirectional_mask, self.model.config, attention_mask, shape, device, dtype
         )
         return BatchContext(mask, None)
 
     def embed(self, input_ids: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        return self._body.embeddings(input_ids=input_ids)
+        embeddings = self._body.embeddings
+        if not self.prefix_length:
+            return embeddings(input_ids=input_ids)
+        # positions after the prefix, as the model counts them after a cache of its length
+        return embeddings(
+            input_ids=input_ids, **{cache_length_keyword(embeddings): self.prefix_length}
+        )
 
     def block_forward(
         self, block: nn.Module, hidden: torch.Tensor, ctx: BatchContext
     ) -> torch.Tensor:
-        return block(hidden, ctx.attention_mask)
+        cache = self.block_cache(block, hidden.shape[0])
+        if cache is None:
+            return block(hidden, ctx.attention_mask)
+        return block(hidden, ctx.attention_mask, **{CACHE_KEYWORD: cache})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
@@ -86,3 +108,10 @@ class RobertaFamily(ModelFamily):
             return nn.functional.cross_entropy(flat, targets, ignore_index=-100)
         summed = nn.functional.cross_entropy(flat, targets, ignore_index=-100, reduction="sum")
         return summed / num_items
+
+
+def cache_length_keyword(embeddings: nn.Module) -> str:
+    """The keyword by which the embeddings take a cache's length: transformers 5.24 renamed
+    ``past_key_values_length`` to ``cache_length``."""
+    parameters = inspect.signature(embeddings.forward).parameters
+    return "cache_length" if "cache_length" in parameters else "past_key_values_length"

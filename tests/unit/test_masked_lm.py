@@ -3,6 +3,8 @@ scored by the logits at its ``<mask>`` (MeZO's and LOZO's prompt fine-tuning), t
 offloaded as resident, exported for transformers and peft, and refused in one line where
 a next token is needed."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForMaskedLM
@@ -12,6 +14,7 @@ from distzo.adapters.peft_adapters import AdapterSpec, attach_adapter
 from distzo.engine.passes import UNPERTURBED
 from distzo.export.hf_model import export_model
 from distzo.models.config_file import model_size
+from distzo.models.registry import family_for
 from distzo.models.weights import skeleton
 from distzo.objectives import ChoiceEncoding, Classification, LanguageModeling, collate_choices
 from tests.helpers.models import CONFIGS, build, random_batch
@@ -144,14 +147,75 @@ def test_an_objective_reading_a_next_token_is_refused_naming_the_fix():
     assert str(err.value) == f"objective LanguageModeling {NO_NEXT_TOKEN}"
 
 
-def test_prefix_tuning_of_a_masked_lm_is_refused_naming_the_fix():
-    with pytest.raises(ValueError) as err:
-        attach_adapter(build("roberta"), AdapterSpec("prefix", prefix_length=2), seed=0)
-    assert str(err.value) == (
-        "--peft prefix needs a causal LM, and model type 'roberta' is a masked LM (its head "
-        "predicts the token under a <mask>, no next token); tune it with --peft lora or "
-        "lora-fa, or in full"
-    )
+@pytest.mark.parametrize("name, pad", [("roberta", "left"), ("xlm_roberta", "right")])
+def test_the_blockwise_forward_with_a_prefix_is_pefts_own_on_an_encoder(name, pad):
+    """peft's prefix on an encoder: the layers take it as a cache, the padding mask is
+    widened by it and the positions count from after it; distzo's blocks, each with its
+    own prefix, give peft's logits bit for bit."""
+    spec = AdapterSpec("prefix", prefix_length=3, prefix_init="random")
+    model = attach_adapter(build(name), spec, seed=5).eval()
+    assert type(model).__name__ == "PeftModelForFeatureExtraction"
+    batch = random_batch(64, pad=pad, seed=1)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad(), warnings.catch_warnings():
+        theirs = model(input_ids=ids, attention_mask=mask).logits
+        plain = model.get_base_model()(input_ids=ids, attention_mask=mask).logits
+        warnings.simplefilter("error", FutureWarning)  # the prefix's cache: no deprecated keyword
+        ours, _ = family_for(model.get_base_model()).forward(ids, mask)
+    assert torch.equal(ours, theirs)
+    assert not torch.allclose(plain, theirs, atol=1e-2)  # the prefix does change the function
+
+
+def test_a_prefixed_encoder_trains_offloaded_as_resident_and_loads_with_peft(tmp_path):
+    from peft import PeftModel
+
+    runs = {}
+    for mode in ("offload", "resident"):
+        spec = AdapterSpec("prefix", prefix_length=2)  # MeZO's init: real activations
+        model = attach_adapter(build("roberta", dtype=torch.float64), spec, seed=5)
+        engine = engine_of(model, mode=mode)
+        results = [engine.step(mask_batch(seed=i)) for i in range(3)]
+        runs[mode] = ([r.projected_grad for r in results], engine.named_parameters())
+    assert runs["offload"][0] == runs["resident"][0] and len(set(runs["offload"][0])) == 3
+    assert all(n.endswith(".prefix_tuning.key_values") for n in runs["resident"][1])
+    for key, value in runs["resident"][1].items():
+        assert torch.equal(runs["offload"][1][key], value), key
+    batch = random_batch(64, pad="right", seed=9)
+    logits, _ = engine.forward(batch)
+    export_model(engine, tmp_path / "adapter")
+    base = build("roberta", dtype=torch.float64)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert loaded.peft_config["default"].peft_type == "PREFIX_TUNING"
+    with torch.no_grad():
+        theirs = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    # the export writes the prefix into peft's own table, float32 (as peft builds it)
+    assert torch.allclose(theirs.logits, logits, rtol=0, atol=1e-9)
+    with torch.no_grad():  # the prefix trained: the base alone gives other logits
+        plain = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert not torch.allclose(plain.logits, logits, rtol=0, atol=1e-3)
+
+
+def test_the_real_prefix_init_is_each_layers_keys_and_values_of_random_tokens():
+    """MeZO's init on RoBERTa (its prefix.py): each layer's keys and values of random
+    tokens run through the encoder alone, positions from the start, no prefix before."""
+    model = attach_adapter(build("roberta"), AdapterSpec("prefix", prefix_length=4), seed=5)
+    base = model.get_base_model()
+    tokens = base.roberta.encoder.layer[0].prefix_tuning.init_tokens
+    engine = engine_of(model, mode="offload")
+    projected = {}
+    reference = build("roberta")
+    for i, layer in enumerate(reference.roberta.encoder.layer):
+        for kind in ("key", "value"):
+            getattr(layer.attention.self, kind).register_forward_hook(
+                lambda module, args, out, at=(i, kind): projected.__setitem__(at, out[0])
+            )
+    with torch.no_grad():
+        reference.roberta(input_ids=tokens)
+    values = engine.named_parameters()
+    for i in range(len(reference.roberta.encoder.layer)):
+        kv = values[f"roberta.encoder.layer.{i}.prefix_tuning.key_values"]  # (4, 2, heads, dim)
+        assert torch.allclose(kv[:, 0].flatten(1), projected[i, "key"], atol=1e-6)
+        assert torch.allclose(kv[:, 1].flatten(1), projected[i, "value"], atol=1e-6)
 
 
 def test_a_decoder_config_is_refused():

@@ -147,7 +147,7 @@ def test_a_checkout_without_modeling_roberta_is_one_line(peer_steps, tmp_path):
     [
         (
             ["--peft", "prefix"],
-            "distzo's --peft prefix refuses a masked LM (RoBERTa); give --peft lora",
+            "MeZO's RoBERTa prefix (its src/prefix.py) has no check yet; give --peft lora",
         ),
         (["--medium-lora-as", "peft"], "--medium-lora-as compares MeZO's RoBERTa LoRA: give"),
     ],
