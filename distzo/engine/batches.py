@@ -70,9 +70,11 @@ def check_batch(
     prefix: int,
     vocab: int | None = None,
     dims: int = 2,
+    reserved: int = 0,
 ) -> None:
     """Refuse a batch without token ids, with sequences longer than the model's ``limit``
-    of positions once a ``prefix``-token prefix takes the first ones, or (ids on the host:
+    of positions once the ``reserved`` rows before a first token (RoBERTa's) and a
+    ``prefix``-token prefix take the first ones, or (ids on the host:
     no device read) with ids outside a ``vocab``-row embedding, which a lookup in
     vocabulary slices would not catch: caught here, before any block has been updated.
     ``dims``: the objective's ``input_ids`` dimensions (2, batch x sequence; a choice
@@ -111,11 +113,12 @@ def check_batch(
                 "tokenize with the model's own tokenizer"
             )
     length = ids.shape[-1]
-    if limit is not None and length + prefix > limit:
+    if limit is not None and length + prefix + reserved > limit:
         after = f" after a {prefix}-token prefix" if prefix else ""
+        less = f" less the {reserved} it keeps before a first token" if reserved else ""
         raise ValueError(
             f"sequences of {length} tokens{after} exceed the model's "
-            f"max_position_embeddings {limit}; truncate them"
+            f"max_position_embeddings {limit}{less}; truncate them"
         )
 
 

@@ -427,8 +427,9 @@ class ZOEngine:
         self._in_eval_mode()
         limit = getattr(self.model.config, "max_position_embeddings", None)
         vocab = self.family.model.get_input_embeddings().weight.shape[0]
-        # the prefix's positions come first
-        check_batch(batch, limit, self.family.prefix_length, vocab, dims)
+        # the prefix's positions come first, after those the model reserves (RoBERTa's)
+        reserved = self.family.reserved_positions(self.model.config)
+        check_batch(batch, limit, self.family.prefix_length, vocab, dims, reserved)
 
     # ------------------------------------------------------------------ state
 

@@ -99,8 +99,10 @@ def with_byte_tokenizer_ids(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def token_positions(job: JobConfig, model_config: PretrainedConfig) -> int:
-    """The positions a sequence's own tokens may take: the model's, less a prefix adapter's
-    virtual tokens (they come first; a learned position table has no row past its end)."""
+    """The positions a sequence's own tokens may take: the model's, less the rows it keeps
+    before a first token (RoBERTa's, ``ModelFamily.token_positions``) and a prefix
+    adapter's virtual tokens (they come first; a learned position table has no row past
+    its end)."""
     prefix = job.peft.prefix_length if job.peft.peft == "prefix" else 0
     return check_supported(model_config.model_type).token_positions(model_config) - prefix
 

@@ -61,15 +61,21 @@ class ModelFamily(ABC):
 
     @classmethod
     def token_positions(cls, config: Any) -> int:
-        """The positions a sequence's tokens may take: the model's position table, of most
-        families one row a position."""
-        return int(config.max_position_embeddings)
+        """The positions a sequence's tokens may take: the model's position table less the
+        rows it keeps before a first token (``reserved_positions``)."""
+        return int(config.max_position_embeddings) - cls.reserved_positions(config)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
         """Refuse, in one line, a config of the family's model types that is no model
         the adapter runs; the checks read the config alone, before any weights load."""
         return None  # every config of most families
+
+    @classmethod
+    def reserved_positions(cls, config: Any) -> int:
+        """Rows of the model's position table that come before a sequence's first token
+        (none for most: positions count from 0), which a sequence cannot take."""
+        return 0
 
     @property
     def prefix_length(self) -> int:

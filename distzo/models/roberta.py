@@ -46,9 +46,10 @@ class RobertaFamily(ModelFamily):
             )
 
     @classmethod
-    def token_positions(cls, config: Any) -> int:
-        # positions count from padding_idx + 1: roberta-large's 514 rows hold 512 tokens
-        return int(config.max_position_embeddings) - int(config.pad_token_id) - 1
+    def reserved_positions(cls, config: Any) -> int:
+        # positions count from padding_idx + 1 (padding_idx is the pad id): RoBERTa's 514
+        # rows hold 512 tokens
+        return int(config.pad_token_id) + 1
 
     @property
     def _body(self) -> Any:

@@ -218,6 +218,37 @@ def test_the_real_prefix_init_is_each_layers_keys_and_values_of_random_tokens():
         assert torch.allclose(kv[:, 1].flatten(1), projected[i, "value"], atol=1e-6)
 
 
+@pytest.mark.parametrize("prefix", [0, 3])
+def test_positions_count_from_after_the_pad_id_and_the_longest_sequence_runs(prefix):
+    """RoBERTa's positions start at pad id + 1 (its 514 rows hold 512 tokens): a sequence
+    one token longer than what is left is refused in one line, not an index error in the
+    embeddings; the job's tokenizer truncates to the same count."""
+    from distzo.config.job import JobConfig
+    from distzo.job.build import token_positions
+
+    model = build("roberta")  # 40 positions, pad id 0: 39 tokens, less a prefix
+    if prefix:
+        model = attach_adapter(model, AdapterSpec("prefix", prefix_length=prefix), seed=5)
+    engine = engine_of(model)
+    longest = 39 - prefix
+    for length in (longest, longest + 1):
+        ids = torch.randint(5, 64, (2, length), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if length == longest:
+            engine.forward(batch)
+            continue
+        with pytest.raises(ValueError) as err:
+            engine.forward(batch)
+    after = f" after a {prefix}-token prefix" if prefix else ""
+    assert str(err.value) == (
+        f"sequences of {longest + 1} tokens{after} exceed the model's max_position_embeddings "
+        "40 less the 1 it keeps before a first token; truncate them"
+    )
+    job = JobConfig()
+    job.peft.peft, job.peft.prefix_length = ("prefix", prefix) if prefix else ("none", 5)
+    assert token_positions(job, CONFIGS["roberta"]()) == longest
+
+
 def test_a_decoder_config_is_refused():
     from distzo.models.registry import check_supported
 
