@@ -166,7 +166,7 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
 def check_masked_job(job: JobConfig, model_type: str) -> None:
     """What a masked LM (RoBERTa) cannot train on, refused in one line from its config
     alone: a task with no masked-LM prompt (``MASKED_TASKS``: MeZO's RoBERTa tasks), the
-    next-token objective, prefix tuning (the choices it reads have no prefix)."""
+    next-token objective."""
     if check_supported(model_type).lm_kind != MASKED:
         return
     task, objective = job.data.task, job.optim.objective
@@ -179,8 +179,6 @@ def check_masked_job(job: JobConfig, model_type: str) -> None:
     masked_task(task)  # a task with no masked-LM prompt: its one line
     if objective in ("lm", "f1"):
         check_causal_lm(model_type, f"--objective {objective}", fix)
-    if job.peft.peft == "prefix":
-        check_causal_lm(model_type, "--peft prefix", "tune it with --peft lora or lora-fa")
 
 
 def task_rows(job: JobConfig, env: LaunchEnv, masked: bool = False) -> LoadedRows | None:

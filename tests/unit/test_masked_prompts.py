@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForMaskedLM
 
 from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
@@ -210,10 +211,6 @@ def roberta_folder(tmp_path_factory) -> Path:
             ["--task", "sst2", "--objective", "lm"],
             "--objective lm needs a causal LM, and model type 'roberta' is a masked LM",
         ),
-        (
-            ["--task", "sst2", "--peft", "prefix"],
-            "--peft prefix needs a causal LM, and model type 'roberta' is a masked LM",
-        ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
             ["--task", "sst2", "--max-length", "129"],
             "--max-length 129 exceeds the model's max_position_embeddings 130 (128 token "
@@ -233,7 +230,12 @@ def test_the_job_refuses_what_a_masked_lm_cannot_train(roberta_folder, tmp_path,
     assert not run.exists()
 
 
-def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(roberta_folder, tmp_path):
+@pytest.mark.parametrize("adapter", [[], ["--peft", "prefix", "--prefix-length", "3"]])
+def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(
+    roberta_folder, tmp_path, adapter
+):
+    """The full model, and MeZO's prefix row (the job refused --peft prefix on a masked LM
+    after the engine had learned to run it)."""
     rows = [("a gripping, funny film", 1), ("dull and slow", 0), ("funny", 1), ("slow", 0)]
     text = "sentence\tlabel\n" + "".join(f"{s}\t{label}\n" for s, label in rows)
     (tmp_path / "train.tsv").write_text(text)
@@ -241,7 +243,8 @@ def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(roberta_fo
     proc = subprocess.run(
         [sys.executable, "-m", "distzo.train", "--model", str(roberta_folder), "--task", "sst2"]
         + ["--train-file", str(tmp_path / "train.tsv"), "--eval-file", str(tmp_path / "train.tsv")]
-        + ["--max-steps", "2", "--batch-size", "2", "--lr", "1e-3", "--output-dir", str(run)],
+        + ["--max-steps", "2", "--batch-size", "2", "--lr", "1e-3", "--output-dir", str(run)]
+        + adapter,
         capture_output=True,
         text=True,
         timeout=120,
@@ -249,8 +252,15 @@ def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(roberta_fo
     assert proc.returncode == 0, proc.stderr
     assert "eval before training: accuracy " in proc.stderr
     assert "-> accuracy " in proc.stderr
+    base = AutoModelForMaskedLM.from_pretrained(roberta_folder)
+    if adapter:  # a peft prefix adapter onto the masked LM: its logits are the base's no more
+        ids = torch.tensor([[0, 5, 6, 7, 2]])
+        tuned = PeftModel.from_pretrained(
+            AutoModelForMaskedLM.from_pretrained(roberta_folder), run / "export"
+        )
+        assert not torch.allclose(tuned(input_ids=ids).logits, base(input_ids=ids).logits)
+        return
     model = AutoModelForMaskedLM.from_pretrained(run / "export")
     assert type(model).__name__ == "RobertaForMaskedLM"
-    base = AutoModelForMaskedLM.from_pretrained(roberta_folder)
     moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), base.parameters())]
     assert any(moved)  # the steps trained it
