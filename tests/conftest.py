@@ -10,6 +10,14 @@ import torch
 # threads per process thrash (measured 40x slower); one keeps the suite fast and steady.
 torch.set_num_threads(1)
 
+# The doc blocks, launch and SLURM scripts the tests run call `python`, `torchrun` and
+# `distzo-train` by name: they must be this interpreter's. A virtualenv's python run
+# without activating it (`venv312/bin/python -m pytest`) ran whichever came first on PATH:
+# another install's distzo, or a python without torch.
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = os.pathsep.join(filter(None, [_BIN, os.environ.get("PATH")]))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
