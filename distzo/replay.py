@@ -65,6 +65,7 @@ from distzo.models.weights import (
     skeleton,
     with_generation_config,
 )
+from distzo.objectives import Accuracy, Classification, Objective
 from distzo.runtime import json_text
 from distzo.runtime.master_dtypes import MASTER_DTYPES
 from distzo.runtime.option_names import named_as_flags
@@ -205,6 +206,19 @@ def replay_config(header: dict, device: str | None) -> ZOConfig:
     return config
 
 
+# The choice objectives a log may name, for the engine's check that a masked LM's objective
+# scores a <mask>; any other (lm, f1: causal LMs only) is the engine's default.
+CHOICE_OBJECTIVES = {"classification": Classification, "accuracy": Accuracy}
+
+
+def logged_objective(header: dict) -> Objective | None:
+    """The run's objective where it scored choices: a replay computes no loss, but the
+    engine refuses a masked LM (RoBERTa) the default ``LanguageModeling``, and a masked
+    run trained only on choices. None: the default, as for every causal run."""
+    kind = CHOICE_OBJECTIVES.get(header.get("objective") or "")
+    return kind() if kind is not None else None
+
+
 def merged_export(spec: AdapterSpec, run_merged: bool, merge_adapter: bool | None) -> bool:
     """Whether the export merges the adapter into its base (``--merge-adapter`` or
     ``--no-merge-adapter``; None: the run's choice, ``run_merged``); refused in one line
@@ -275,7 +289,10 @@ def replay(
         weights = AdapterWeights(weights, model) if weights is not None else None
     if merge:
         check_mergeable(model)
-    engine = ZOEngine(model, config, run_seed=header["run_seed"], weights=weights)
+    objective = logged_objective(header)
+    engine = ZOEngine(
+        model, config, run_seed=header["run_seed"], weights=weights, objective=objective
+    )
     # every logged update in one pass over the blocks, in order: the run's trajectory
     engine.catch_up([(record["step"], step_grads(record), record["lr"]) for record in steps])
     logger.info("replayed %s onto %s", counted(len(steps), "step"), name)

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 
 from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
 from distzo.data.task_data import MaskedPromptData, load_task_rows
 from distzo.data.templates import MaskedExample
 from distzo.models.tiny import shared_byte_tokenizer
+from distzo.replay import replay
 from tests.helpers.launch import train_in_process
 from tests.helpers.masked_prompts import WORDS, roberta_tokenizer, save_tiny_roberta
 
@@ -235,7 +237,7 @@ def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(
     roberta_folder, tmp_path, adapter
 ):
     """The full model, and MeZO's prefix row (the job refused --peft prefix on a masked LM
-    after the engine had learned to run it)."""
+    after the engine had learned to run it); the seed log replays either to the export."""
     rows = [("a gripping, funny film", 1), ("dull and slow", 0), ("funny", 1), ("slow", 0)]
     text = "sentence\tlabel\n" + "".join(f"{s}\t{label}\n" for s, label in rows)
     (tmp_path / "train.tsv").write_text(text)
@@ -252,6 +254,14 @@ def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(
     assert proc.returncode == 0, proc.stderr
     assert "eval before training: accuracy " in proc.stderr
     assert "-> accuracy " in proc.stderr
+    # the seed log rebuilds the export (--export-best's replay too): the replay's engine
+    # refused a masked LM its default objective, LanguageModeling, before it was given the run's
+    weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+    replayed = replay(None, run / "seedlog.jsonl", tmp_path / "replayed")
+    assert replayed is not None
+    exported, rebuilt = load_file(run / "export" / weights), load_file(replayed / weights)
+    assert exported.keys() == rebuilt.keys()
+    assert all(torch.equal(rebuilt[k], v) for k, v in exported.items())
     base = AutoModelForMaskedLM.from_pretrained(roberta_folder)
     if adapter:  # a peft prefix adapter onto the masked LM: its logits are the base's no more
         ids = torch.tensor([[0, 5, 6, 7, 2]])
