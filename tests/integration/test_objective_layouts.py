@@ -1,5 +1,6 @@
 """Every objective under every parallel layout follows the single process (fp64 masters),
-launched through the CLI with torchrun + gloo, and records which objective it trained.
+launched through the CLI with torchrun + gloo, and records which objective it trained;
+a masked LM's (RoBERTa's) prompt job too, on the 2D sliced mesh.
 
 A data-parallel rank's loss is its examples' sum over the *global* example count, so
 the ranks' values add up in the step's one all-reduce to the single process's mean.
@@ -9,7 +10,10 @@ import json
 import string
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from distzo.replay import replay
 from tests.helpers.launch import (
     Run,
     max_relative_difference,
@@ -17,6 +21,7 @@ from tests.helpers.launch import (
     torchrun,
     train_in_process,
 )
+from tests.helpers.masked_prompts import save_tiny_roberta
 from tests.helpers.rows import sst2_like, write_jsonl
 
 ADAM = ["--optimizer", "adam", "--lr", "1e-3"]
@@ -194,3 +199,45 @@ def test_an_objective_that_does_not_fit_the_task_is_one_line_before_any_file(arg
     proc = train_in_process(args)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {message}", proc.stderr
+
+
+# MeZO's RoBERTa prompt on a tiny random RoBERTa (a masked LM: its candidates scored at the
+# <mask>, its decoder tied to the word embeddings, its head dense + LayerNorm + decoder):
+# one process, and dp 2 x pert 2 with the sliced transfer, which shards the blocks only.
+MASKED_LAYOUTS = {"single": (1, []), "2d_sliced": LAYOUTS["2d_sliced"][:2]}
+
+
+@pytest.fixture(scope="module")
+def masked_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("masked")
+    model = save_tiny_roberta(root / "model")
+    data = write_jsonl(root / "sst2.jsonl", sst2_like(16))
+    out = {}
+    for layout, (nproc, flags) in MASKED_LAYOUTS.items():
+        path = root / layout
+        args = ["--model", str(model), "--task", "sst2", "--train-file", data]
+        args += ["--eval-file", data, "--max-steps", "4", "--batch-size", "8"]
+        args += ["--eval-batch-size", "8", "--log-every", "0", "--seed", "3", "--lr", "1e-3"]
+        args += ["--dtype", "fp64", "--output-dir", str(path), *flags]
+        proc = python_train(args) if nproc == 1 else torchrun(nproc, args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[layout] = Run(path)
+    return out
+
+
+def test_a_masked_lm_on_the_2d_sliced_mesh_follows_the_single_process(masked_runs, tmp_path):
+    """The masked job's steps, its tied export, and the seed log's replay of the mesh's run
+    (which refused a masked LM's engine the default objective)."""
+    single, mesh = masked_runs["single"], masked_runs["2d_sliced"]
+    assert {r["transfer"] for r in mesh.ranks.values()} == {"sliced"} and len(mesh.ranks) == 4
+    assert all(g != 0 for g in single.grads)
+    g_diff, param_diff = max_relative_difference(mesh, single)
+    assert g_diff <= 1e-9 and param_diff <= 1e-9, (g_diff, param_diff)
+    # the decoder stays the word embeddings: no key of its own in either export
+    assert "lm_head.decoder.weight" not in mesh.params
+    assert mesh.params.keys() == single.params.keys()
+    replayed = replay(None, mesh.out / "seedlog.jsonl", tmp_path / "replayed")
+    assert replayed is not None
+    rebuilt = load_file(replayed / "model.safetensors")
+    assert rebuilt.keys() == mesh.params.keys()
+    assert all(torch.equal(rebuilt[k], v) for k, v in mesh.params.items())
