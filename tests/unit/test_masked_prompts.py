@@ -86,6 +86,67 @@ def test_a_row_encodes_as_mezos_tokenize_multipart_input(task):
     assert (len(row), encoding.scored[0][1], list(row[-8:])) == long
 
 
+# MeZO's medium_models/run_fewshot.sh, each task's --mapping as written (a label as LM-BFF's
+# files write it: its number, or its name), and the columns that fill sent_0, sent_1.
+MEZO_MAPPING = {
+    "sst2": ({0: "terrible", 1: "great"}, ("sentence",)),
+    "sst5": ({0: "terrible", 1: "bad", 2: "okay", 3: "good", 4: "great"}, ("sentence",)),
+    "mr": ({0: "terrible", 1: "great"}, ("sentence",)),
+    "cr": ({0: "terrible", 1: "great"}, ("sentence",)),
+    "mpqa": ({0: "terrible", 1: "great"}, ("sentence",)),
+    "subj": ({0: "subjective", 1: "objective"}, ("sentence",)),
+    "cola": ({0: "incorrect", 1: "correct"}, ("sentence",)),
+    "trec": (
+        {0: "Description", 1: "Entity", 2: "Expression", 3: "Human", 4: "Location", 5: "Number"},
+        ("sentence",),
+    ),
+    "qqp": ({0: "No", 1: "Yes"}, ("question1", "question2")),
+    "mrpc": ({0: "No", 1: "Yes"}, ("sentence1", "sentence2")),
+    "qnli": ({"not_entailment": "No", "entailment": "Yes"}, ("question", "sentence")),
+    "rte": ({"not_entailment": "No", "entailment": "Yes"}, ("premise", "hypothesis")),
+    "mnli": (
+        {"contradiction": "No", "entailment": "Yes", "neutral": "Maybe"},
+        ("premise", "hypothesis"),
+    ),
+    "snli": (
+        {"contradiction": "No", "entailment": "Yes", "neutral": "Maybe"},
+        ("premise", "hypothesis"),
+    ),
+}
+
+
+@pytest.mark.parametrize("task", sorted(MEZO_MAPPING))
+def test_each_label_is_scored_by_mezos_word_for_it(task, tmp_path):
+    """A row of each label, read from a file, is scored by the word MeZO's --mapping gives
+    that label, its columns filling sent_0 and sent_1 in MeZO's order."""
+    mapping, columns = MEZO_MAPPING[task]
+    assert sorted(MEZO_MAPPING) == sorted(MASKED_PROMPTS)
+    data = tmp_path / f"{task}.jsonl"
+    texts = {column: f"Text of {column}." for column in columns}
+    data.write_text("".join(json.dumps({**texts, "label": k}) + "\n" for k in mapping))
+    rows = load_task_rows(task, str(data), str(data), masked=True)
+    words = MASKED_PROMPTS[task].words
+    assert [words[row.label] for row in rows.train] == list(mapping.values())
+    assert {row.sentences for row in rows.train} == {tuple(texts[c] for c in columns)}
+
+
+@pytest.mark.parametrize("task", ["rte", "mnli", "snli"])
+def test_rte_and_mnli_keep_240_tokens_of_the_premise_snli_all(task):
+    """MeZO's --first_sent_limit 240 (RTE, MNLI; not SNLI): a premise of over 256 tokens
+    keeps its first 240, so the <mask> stays in the 256-token row; SNLI's is cut off."""
+    premise = "a gripping, funny film. " * 60
+    if task == "snli":
+        with pytest.raises(ValueError, match="its <mask> falls past the 256-token limit"):
+            encoded(task, (premise, "Cats purr."))
+        return
+    encoder, encoding = encoded(task, (premise, "Cats purr."))
+    kept = encoder.tokenizer(premise[:-1], add_special_tokens=False)["input_ids"]
+    assert len(kept) > 256
+    (row,) = encoding.rows
+    assert list(row[1:241]) == kept[:240]
+    assert encoding.scored[0][1] == 242  # <s>, 240 premise tokens, "?", then the <mask>
+
+
 def test_a_tokenizer_with_no_mask_token_is_refused():
     with pytest.raises(ValueError) as err:
         MaskedPromptEncoder(shared_byte_tokenizer(), "sst2", 128)
