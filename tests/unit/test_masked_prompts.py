@@ -3,6 +3,7 @@ LM on them: the encodings MeZO's own ``tokenize_multipart_input`` gives, the ref
 ``python -m distzo.train --model <a RoBERTa folder> --task sst2`` end to end."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,14 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForMaskedLM
+from transformers import AutoModelForMaskedLM, RobertaConfig
 
+from distzo.config.job import JobConfig
 from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
-from distzo.data.task_data import MaskedPromptData, load_task_rows
+from distzo.data.task_data import LoadedRows, MaskedPromptData, load_task_rows
 from distzo.data.templates import MaskedExample
+from distzo.job.build import build_task_data
+from distzo.job.evaluation import has_dev
 from distzo.models.tiny import shared_byte_tokenizer
 from distzo.replay import replay
 from tests.helpers.launch import train_in_process
@@ -254,6 +258,58 @@ def test_a_cut_row_is_counted_and_the_data_has_one_row_an_example(tmp_path):
     batch = data.batch(2, step=0)
     assert batch["input_ids"].shape == (2, 1, 40)
     assert batch["score_token"].shape == (2, 2)
+
+
+def test_the_dev_rows_are_their_own_and_a_row_whose_mask_is_cut_is_refused_by_number():
+    """The dev rows (--num-dev) are encoded, counted and evaluated as themselves; a row
+    whose <mask> the limit cuts off is refused at load, naming it, not mid-training; the
+    default objective is MeZO's classification, and a causal LM's lm is refused."""
+    encoder = MaskedPromptEncoder(roberta_tokenizer(), "rte", 40)
+    long, short = MaskedExample(("Cats purr.", LONG[1]), 0), MaskedExample(SHORT, 1)
+    data = MaskedPromptData(LoadedRows("rte", [short], [short], [long]), encoder, 0, 2)
+    assert (data.objective, data.dev_examples, data.eval_examples) == (
+        "classification", [long], [short]
+    )  # fmt: skip
+    assert has_dev(data)  # the evaluations during training score them
+    assert data.cut_notices == (
+        "--num-dev rows of --train-file: 1 of 1 rows are longer than 40 tokens (--max-length, "
+        "or the model's positions): they lose tokens from the end, their <mask> kept (MeZO's "
+        "cut); raise --max-length or shorten the rows",
+    )
+    with pytest.raises(ValueError) as err:
+        MaskedPromptData(LoadedRows("rte", [short], [short]), encoder, 0, 2, objective="lm")
+    assert str(err.value) == (
+        "--objective lm does not apply to a masked LM's --task rte; choose classification "
+        "(MeZO's loss) or accuracy"
+    )
+    sst2 = MaskedPromptEncoder(roberta_tokenizer(), "sst2", 40)
+    sst2_short, cut_off = MaskedExample(SHORT[:1], 0), MaskedExample((LONG[0],), 1)
+    with pytest.raises(ValueError) as err:
+        MaskedPromptData(LoadedRows("sst2", [sst2_short, cut_off], [sst2_short]), sst2, 0, 2)
+    assert re.fullmatch(
+        r"--train-file, example 2: the prompt is \d+ tokens and its <mask> falls past the "
+        r"40-token limit; raise --max-length or shorten the row",
+        str(err.value),
+    )
+
+
+@pytest.mark.parametrize(
+    ("task", "table", "max_length", "limit"),
+    [("rte", 130, None, 128), ("rte", 514, None, 256), ("sst2", 514, None, 128)]
+    + [("rte", 130, 40, 40)],
+)
+def test_a_rows_limit_is_mezos_within_the_models_positions_or_max_length(
+    task, table, max_length, limit
+):
+    """MeZO's --max_seq_length for the task (128; 256 for RTE), no more than the model's
+    token positions (RoBERTa's table less its pad id + 1), unless --max-length says."""
+    tokenizer = roberta_tokenizer()
+    config = RobertaConfig(vocab_size=len(tokenizer), max_position_embeddings=table)
+    job = JobConfig()
+    job.data.task, job.data.max_length = task, max_length
+    rows = LoadedRows(task, [MaskedExample(SHORT[: len(MASKED_PROMPTS[task].columns)], 0)], [])
+    data = build_task_data(job, rows, tokenizer, config, 0)
+    assert isinstance(data, MaskedPromptData) and data.encoder.max_length == limit
 
 
 @pytest.fixture(scope="module")
