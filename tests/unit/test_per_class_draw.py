@@ -94,3 +94,27 @@ def test_per_class_dev_rows_take_export_best_and_the_seed_as_num_dev_does(caplog
     assert "ignored: --export-best (it applies only with --num-dev or --dev-per-class)" in (
         caplog.text
     )
+
+
+def test_a_label_of_exactly_k_plus_d_rows_gives_them_all_and_each_fix_fits_its_case():
+    rows, labels = list(range(8)), [0, 1] * 4  # 4 rows of each label: K=2 and D=2 exactly
+    train, dev = per_class_draw(rows, labels, 2, 2, 2, 0, "t")
+    assert sorted(train + dev) == rows
+    one = "label 1 has 1; add rows of that label"  # K=D: no K//2 >= 1 fits a label of 1
+    with pytest.raises(ValueError, match=one):
+        per_class_draw(rows, [0] * 7 + [1], 2, 2, 2, 0, "t")
+    two = "label 1 has 2; add rows of that label"  # its 2 rows are all --dev-per-class's
+    with pytest.raises(ValueError, match=two):
+        per_class_draw(rows, [0] * 6 + [1] * 2, 2, 3, 2, 0, "t")
+
+
+def test_num_train_beside_it_is_refused_and_the_seed_names_it_where_ignored(caplog):
+    with pytest.raises(ValueError, match="^--train-per-class and --num-train both draw"):
+        resolve(["--train-per-class", "16", "--num-train", "16"]).validate()
+    assert not Sampling().samples and Sampling(train_per_class=2).samples
+    with caplog.at_level(logging.WARNING, logger="distzo.train"):
+        resolve(["--train-set-seed", "13"])
+    assert (
+        "ignored: --train-set-seed (it applies only with --num-train, --num-dev, --num-eval "
+        "or --train-per-class)" in caplog.text
+    )
