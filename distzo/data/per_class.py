@@ -8,6 +8,9 @@ the first K of each label as the training set and the next K (``[K:2K]``) as the
 ``numpy.random.RandomState(seed).permutation(n)`` shuffles ``range(n)`` with the same
 draws, so given the same rows in the same order the sets are LM-BFF's row for row, in its
 files' order (``benchmarks/k_shot_check.py`` runs its code on the same rows and compares).
+One exception: GLUE's CoLA ``train.tsv`` has no header, so the script shuffles that file's
+own list in place, once per seed of its default order (100, 13, 21, 42, 87): CoLA's set of
+seed 13 is the shuffle of 13 applied to the shuffle of 100, and so on (``_lm_bff_order``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import numpy as np
 
 Row = TypeVar("Row")
 
+LM_BFF_SEEDS = (100, 13, 21, 42, 87)  # generate_k_shot_data.py's default --seed, in its order
+# tasks whose training list the script shuffles in place across its seeds (split_header
+# returns the list itself where a GLUE file has no header line: CoLA's)
+IN_PLACE_TASKS = ("cola",)
+
 
 def per_class_draw(
     rows: Sequence[Row],
@@ -29,6 +37,7 @@ def per_class_draw(
     dev_per_class: int,
     seed: int,
     train_file: str,
+    task: str = "",
 ) -> tuple[list[Row], list[Row]]:
     """The training and dev rows: of each label, the first ``train_per_class`` of the
     seeded shuffle and the ``dev_per_class`` after them. A label with fewer rows than that
@@ -40,13 +49,26 @@ def per_class_draw(
     if short:
         raise ValueError(_too_few(short, train_per_class, dev_per_class, train_file))
     groups: dict[int, list[int]] = {}  # by label, in the order each label first comes
-    for index in np.random.RandomState(seed).permutation(len(rows)).tolist():
+    for index in _lm_bff_order(len(rows), seed, task):
         group = groups.setdefault(labels[index], [])
         if len(group) < wanted:
             group.append(index)
     train = [rows[i] for group in groups.values() for i in group[:train_per_class]]
     dev = [rows[i] for group in groups.values() for i in group[train_per_class:]]
     return train, dev
+
+
+def _lm_bff_order(count: int, seed: int, task: str) -> list[int]:
+    """The row indices in the order LM-BFF's shuffle leaves them for ``seed``: its one
+    shuffle, or, for a task shuffled in place (CoLA), those of every default seed up to
+    ``seed`` in the script's order (a seed outside them: its own shuffle alone)."""
+    seeds = [seed]
+    if task in IN_PLACE_TASKS and seed in LM_BFF_SEEDS:
+        seeds = list(LM_BFF_SEEDS[: LM_BFF_SEEDS.index(seed) + 1])
+    order = np.arange(count)
+    for each in seeds:  # list[i] = previous[perm[i]]: the shuffles compose as indices
+        order = order[np.random.RandomState(each).permutation(count)]
+    return order.tolist()
 
 
 def _too_few(short: list[tuple[int, int]], train: int, dev: int, train_file: str) -> str:

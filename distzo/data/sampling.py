@@ -59,9 +59,10 @@ def sample_sets(
     train_file: str,
     eval_file: str,
     num_labels: int = 0,
+    task: str = "",
 ) -> tuple[list[Row], list[Row], list[Any]]:
     """The training, dev and evaluation rows ``sampling`` draws from the files' rows
-    (``num_labels``: the task's, for a draw per class of built rows)."""
+    (``num_labels``, ``task``: the task's, for a draw per class of built rows)."""
     dev: list[Row] = []
     if sampling.train_per_class is not None:
         train, dev = per_class_draw(
@@ -72,6 +73,7 @@ def sample_sets(
             sampling.dev_per_class or 0,
             sampling.seed,
             train_file,
+            task,
         )
     elif (sampling.num_train, sampling.num_dev) != (None, None):
         dev_count = sampling.num_dev or 0

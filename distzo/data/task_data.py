@@ -231,7 +231,7 @@ def load_task_rows(
         if not loaded[-1]:
             raise ValueError(f"{source}: no rows")
     train, dev, evals = sample_sets(
-        loaded[0], loaded[1], sampling, train_file, eval_file, num_labels
+        loaded[0], loaded[1], sampling, train_file, eval_file, num_labels, task
     )
     return LoadedRows(task, train, evals, dev)
 

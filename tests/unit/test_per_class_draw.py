@@ -20,6 +20,10 @@ def _lm_bff_sets(rows: list[tuple[str, int]], k: int, seed: int) -> tuple[list, 
     np.random.seed(seed)
     shuffled = list(rows)
     np.random.shuffle(shuffled)
+    return _k_of_each(shuffled, k)
+
+
+def _k_of_each(shuffled: list[tuple[str, int]], k: int) -> tuple[list, list]:
     by_label: dict[int, list] = {}
     for row in shuffled:
         by_label.setdefault(row[1], []).append(row)
@@ -34,6 +38,31 @@ def test_the_draw_is_lm_bffs_k_shot_sets_row_for_row_in_its_order(seed):
     rows = [(f"row {i}", (i * 7 + i // 5) % 3) for i in range(90)]
     labels = [label for _, label in rows]
     assert per_class_draw(rows, labels, 3, 4, 4, seed, "t") == _lm_bff_sets(rows, 4, seed)
+
+
+def test_colas_sets_follow_lm_bffs_in_place_shuffles_of_its_seeds_in_order(tmp_path):
+    """GLUE's CoLA train.tsv has no header: LM-BFF's script shuffles the file's own list
+    in place for each of its seeds (100, 13, 21, 42, 87), so a seed's set comes from the
+    list every earlier seed shuffled (MeZO's script, run as written on 300 CoLA-like rows,
+    gives these sets for all five seeds); every other task's list is shuffled afresh."""
+    rows = [(f"row {i}", (i * 7 + i // 5) % 2) for i in range(60)]
+    labels = [label for _, label in rows]
+    in_place = list(rows)
+    for seed in (100, 13, 21, 42, 87):
+        np.random.seed(seed)
+        np.random.shuffle(in_place)
+        want = _k_of_each(in_place, 4)
+        assert per_class_draw(rows, labels, 2, 4, 4, seed, "t", task="cola") == want
+        assert per_class_draw(rows, labels, 2, 4, 4, seed, "t") == _lm_bff_sets(rows, 4, seed)
+    assert per_class_draw(rows, labels, 2, 4, 4, 7, "t", task="cola") == _lm_bff_sets(
+        rows, 4, 7
+    )  # a seed outside the script's: its shuffle alone
+    data = write_jsonl(tmp_path / "cola.jsonl", [{"sentence": s, "label": y} for s, y in rows])
+    sampling = Sampling(seed=21, train_per_class=4, dev_per_class=4)
+    loaded = load_task_rows("cola", data, data, sampling, masked=True)
+    assert loaded is not None
+    sets = ([(r.sentences[0], r.label) for r in part] for part in (loaded.train, loaded.dev))
+    assert tuple(sets) == per_class_draw(rows, labels, 2, 4, 4, 21, "t", task="cola")
 
 
 def test_sample_sets_draws_k_of_each_label_of_the_built_rows(tmp_path):
