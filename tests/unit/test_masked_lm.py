@@ -290,3 +290,26 @@ def test_the_exported_training_step_refuses_a_masked_lm(tmp_path):
     assert str(err.value).startswith(
         "the exported training step (its loss is next-token cross-entropy) needs a causal LM"
     )
+
+
+def test_the_masked_lm_loss_is_the_models_own_in_float32_and_sums_over_num_items():
+    """ZOEngine.forward's loss of a masked LM: the model's own masked-LM cross-entropy of
+    each labelled position's logits (no shift), upcast from bfloat16 logits, and the
+    family contract's summed form divided by ``num_items``."""
+    from distzo.models.registry import family_for
+
+    model = build("roberta", seed=1)
+    rows = torch.randint(5, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(rows, -100)
+    labels[0, 3], labels[1, 5] = GREAT, TERRIBLE
+    with torch.no_grad():
+        out = model(input_ids=rows, labels=labels)
+    family = family_for(model)
+    assert family.loss(out.logits, labels, None).item() == pytest.approx(out.loss.item())
+    assert family.loss(out.logits, labels, 4).item() == pytest.approx(out.loss.item() * 2 / 4)
+    low = out.logits.to(torch.bfloat16)
+    upcast = torch.nn.functional.cross_entropy(
+        low.float().reshape(-1, low.shape[-1]), labels.reshape(-1)
+    )
+    loss = family.loss(low, labels, None)
+    assert loss.dtype == torch.float32 and loss.item() == upcast.item()
