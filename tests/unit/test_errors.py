@@ -474,3 +474,16 @@ def test_lora_on_a_family_peft_has_no_default_for_needs_targets_up_front(tmp_pat
     AdapterSpec(method, targets=("q_proj",)).check_default_targets("granite")
     AdapterSpec(method).check_default_targets("llama")  # peft's q_proj,v_proj
     AdapterSpec("prefix").check_default_targets("granite")
+
+
+def test_a_refusal_names_a_long_value_in_one_short_line(tmp_path):
+    """A flag given a long list (or a model) is named by its type and a short repr, not
+    pages of it; the line still ends with what the argument means."""
+    from distzo.runtime.argument_values import check_flag
+
+    with pytest.raises(TypeError) as err:
+        check_flag(list(range(10_000)), "overwrite", "pass overwrite=True to replace it")
+    message = str(err.value)
+    assert message.startswith("overwrite must be True or False, got list [0, 1, 2, 3, 4, 5, ")
+    assert message.endswith(": pass overwrite=True to replace it")
+    assert len(message) < 150 and "\n" not in message
