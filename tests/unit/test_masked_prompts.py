@@ -220,6 +220,17 @@ def test_trec_rows_in_cogcomps_columns_are_told_to_name_their_class(tmp_path):
     )
 
 
+@pytest.mark.parametrize(("task", "whose"), [("sst5", "SetFit/sst5"), ("trec", "CogComp/trec")])
+def test_a_text_column_of_the_hubs_sst5_and_trec_is_told_to_be_renamed(tmp_path, task, whose):
+    data = tmp_path / f"{task}.jsonl"
+    data.write_text('{"text": "Q?", "label": 1}\n')
+    with pytest.raises(ValueError) as err:
+        load_task_rows(task, str(data), str(data), masked=True)
+    assert str(err.value).endswith(
+        f"; the file has 'text', as {whose} names it: rename it 'sentence'"
+    )
+
+
 def test_snli_rows_without_a_gold_label_are_left_out_as_lm_bffs_files_lack_them(tmp_path):
     """stanfordnlp/snli labels -1 the rows its annotators did not agree on (SNLI's own
     files write "-"); LM-BFF's SNLI files hold none, so they are no rows of the sets."""
