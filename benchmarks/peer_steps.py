@@ -6,6 +6,7 @@
     python benchmarks/peer_steps.py --zobench ../ZO-LLM [--adam-eps 1e-30] [--zobench-queries 2]
     python benchmarks/peer_steps.py --mezo-medium ../MeZO --weight-decay 0 [--medium-tie]
     python benchmarks/peer_steps.py --mezo-medium ../MeZO --peft lora [--medium-lora-as peft]
+    python benchmarks/peer_steps.py --mezo-medium ../MeZO --peft prefix [--prefix-positions peft]
 
 ``--mezo``: a checkout of princeton-nlp/MeZO (its ``large_models/trainer.py``) or that file;
 ``--fzoo``: a checkout of DKmiyan/FZOO (its ``trainer.py``) or that file. Nothing of theirs
@@ -39,7 +40,8 @@ MeZO's ``medium_models`` RoBERTa step, its prompt model's loss at the ``<mask>``
 the ``Classification`` objective; ``--medium-tie``: its ``tie_emb``), ``mezo_adapters``
 (``--mezo PATH --peft lora|prefix``: MeZO's ``lora.py`` and ``prefix.py``),
 ``mezo_medium_lora`` (``--mezo-medium PATH --peft lora``: MeZO's RoBERTa LoRA, loralib's
-layers; ``--medium-lora-as peft``: its head frozen, its merge off), ``zo2`` and
+layers; ``--medium-lora-as peft``: its head frozen, its merge off), ``mezo_medium_prefix``
+(``--mezo-medium PATH --peft prefix``: MeZO's RoBERTa prefix, its ``src/prefix.py``), ``zo2`` and
 ``zo2_units`` (``--zo2``: ZO2's MeZO-SGD and its offload, on OPT or Qwen3) and
 ``zobench`` (``--zobench``: ZO-Bench's momentum and Adam), all on ``harness`` (the peer's
 methods read from its file, the tiny model, the batches, the z served to its draws,
@@ -65,6 +67,10 @@ from benchmarks.peer_checks.mezo_medium import compare_mezo_medium, medium_check
 from benchmarks.peer_checks.mezo_medium_lora import (  # noqa: E402
     compare_mezo_medium_lora,
     lora_checkout,
+)
+from benchmarks.peer_checks.mezo_medium_prefix import (  # noqa: E402
+    compare_mezo_medium_prefix,
+    prefix_checkout,
 )
 from benchmarks.peer_checks.zo2 import compare_zo2, zo2_checkout  # noqa: E402
 from benchmarks.peer_checks.zobench import compare_zobench  # noqa: E402
@@ -103,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peft",
         choices=("lora", "prefix"),
         help="with --mezo: MeZO's LoRA or prefix (its lora.py, prefix.py) beside distzo's; "
-        "with --mezo-medium: lora, MeZO's RoBERTa LoRA (--apply_lora, loralib's layers)",
+        "with --mezo-medium: MeZO's RoBERTa LoRA (--apply_lora, loralib's layers) or prefix "
+        "(--prefix_tuning, its src/prefix.py)",
     )
     p.add_argument(
         "--medium-lora-as",
@@ -142,11 +149,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--zo2 checks --family opt or qwen3 (the race's), not {args.family}")
     if args.peft and not (args.mezo or args.mezo_medium):
         p.error("--peft compares MeZO's adapters: give --mezo PATH, a checkout of MeZO")
-    if args.peft == "prefix" and args.mezo_medium:
-        p.error(
-            "--mezo-medium --peft prefix: MeZO's RoBERTa prefix (its src/prefix.py) has no "
-            "check yet; give --peft lora"
-        )
     if args.medium_lora_as != "mezo" and not (args.mezo_medium and args.peft == "lora"):
         p.error(
             "--medium-lora-as compares MeZO's RoBERTa LoRA: give --mezo-medium PATH --peft lora"
@@ -171,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     zobench = None if args.zobench is None else trainer_file("zobench", args.zobench)
     if args.mezo_medium is not None:  # its files, refused before any peer runs
         medium_checkout(args.mezo_medium)
-        if args.peft:
+        if args.peft == "lora":
             lora_checkout(args.mezo_medium)
+        elif args.peft == "prefix":
+            prefix_checkout(args.mezo_medium)
     if args.peft and args.mezo:  # MeZO's adapter files are read from its checkout
         results = [compare_mezo_adapter(args.mezo, sources[0][1], args)]
         results += [compare(name, source, args) for name, source in sources[1:]]
@@ -182,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         results += [compare_zo2(zo2, offload, args) for offload in (False, True)]
     if zobench is not None:
         results.append(compare_zobench(zobench, args))
-    if args.mezo_medium is not None and args.peft:
+    if args.mezo_medium is not None and args.peft == "lora":
         results.append(compare_mezo_medium_lora(args.mezo_medium, args))
+    elif args.mezo_medium is not None and args.peft == "prefix":
+        results.append(compare_mezo_medium_prefix(args.mezo_medium, args))
     elif args.mezo_medium is not None:
         results.append(compare_mezo_medium(args.mezo_medium, args))
     return 0 if all(results) else 1

@@ -53,6 +53,11 @@ MEZO_ADAPTERS = {
         "large_models/prefix.py",
         ("find_module", "attn_forward_hook", "prepare_inputs_for_generation", "PrefixTuning"),
     ),
+    # its medium_models' (RoBERTa), which mezo_medium_prefix runs
+    "medium_prefix": (
+        "medium_models/src/prefix.py",
+        ("find_module", "attn_forward_hook", "PrefixTuning"),
+    ),
 }
 
 

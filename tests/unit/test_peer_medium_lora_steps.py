@@ -145,10 +145,6 @@ def test_a_checkout_without_modeling_roberta_is_one_line(peer_steps, tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (
-            ["--peft", "prefix"],
-            "MeZO's RoBERTa prefix (its src/prefix.py) has no check yet; give --peft lora",
-        ),
         (["--medium-lora-as", "peft"], "--medium-lora-as compares MeZO's RoBERTa LoRA: give"),
     ],
 )
