@@ -124,8 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefix-positions",
         choices=("mezo", "peft"),
         default="mezo",
-        help="with --peft prefix: MeZO's batch positions from 0, as its code, or from the "
-        "prefix's length, as peft's and distzo's (to compare all else)",
+        help="with --peft prefix: MeZO's batch positions as without a prefix (OPT's from 0, "
+        "RoBERTa's from padding_idx + 1), as its code, or after the prefix, as peft's and "
+        "distzo's (to compare all else)",
     )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--queries", type=int, default=8, help="FZOO's N (its fzoo.sh's 8)")
