@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.peer_checks import mezo_medium, mezo_medium_lora
 from tests.helpers.scripts import benchmark_script
+from tests.helpers.stand_in_checkout import write_checkout
 
 STAND_INS = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo_peers"
 FILES = {
@@ -49,15 +50,7 @@ def loralib(monkeypatch):
 
 def checkout(root: Path, relative: str = "", old: str = "", new: str = "") -> Path:
     """A MeZO checkout of the stand-ins, ``relative``'s ``old`` replaced by ``new``."""
-    for path, stand_in in FILES.items():
-        target = root / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        source = stand_in.read_text()
-        if path == relative:
-            assert old in source
-            source = source.replace(old, new)
-        target.write_text(source)
-    return root
+    return write_checkout(root, FILES, relative, old, new)
 
 
 def run(peer_steps, capsys, root: Path, *argv: str) -> tuple[int, str]:

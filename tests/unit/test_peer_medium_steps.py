@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.peer_checks import mezo_medium
 from tests.helpers.scripts import benchmark_script
+from tests.helpers.stand_in_checkout import write_checkout
 
 STAND_INS = Path(__file__).resolve().parents[1] / "helpers" / "stand_in_zo_peers"
 FILES = {
@@ -26,15 +27,7 @@ def peer_steps():
 
 def checkout(root: Path, relative: str = "", old: str = "", new: str = "") -> Path:
     """A MeZO checkout of the stand-ins, ``relative``'s ``old`` replaced by ``new``."""
-    for path, stand_in in FILES.items():
-        target = root / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(stand_in, target)
-        if path == relative:
-            source = stand_in.read_text()
-            assert old in source
-            target.write_text(source.replace(old, new))
-    return root
+    return write_checkout(root, FILES, relative, old, new)
 
 
 def run(peer_steps, capsys, root: Path, *argv: str) -> tuple[int, str]:
