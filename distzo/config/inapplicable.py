@@ -48,6 +48,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "--num-train, --num-dev, --num-eval or --train-per-class",
     ),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
+    "columns": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task in GENERATION, "--task squad or drop"),
     "batch_queries": (  # full tuning refuses it at any count: it needs an adapter first
         lambda j: _queries(j) > 1 or j.peft.peft == "none",

@@ -44,6 +44,7 @@ from distzo.config.engine_checks import (
 from distzo.config.engine_options import ZOConfig, engine_default
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import ignored_warning, inapplicable
+from distzo.data.column_map import ColumnMap, parse_columns
 from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
 from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
@@ -137,6 +138,11 @@ class DataOptions:
     )
     train_file: str | None = option(None, "local training data file (task-specific schema)")
     eval_file: str | None = option(None, "local evaluation data file")
+    columns: str | None = option(
+        None,
+        "the task's columns read from other names in --train-file and --eval-file, "
+        "TASK_COLUMN=SOURCE_COLUMN pairs: sentence=text,label=coarse_label (CogComp/trec)",
+    )
     num_train: int | None = option(
         None, "train on N rows drawn from --train-file (MeZO's --num_train; default: all)"
     )
@@ -187,8 +193,15 @@ class DataOptions:
             self.dev_per_class,
         )
 
+    @property
+    def column_map(self) -> ColumnMap:
+        """``--columns`` as (task column, source column) pairs (``distzo.data.column_map``)."""
+        return parse_columns(self.columns)
+
     def validate(self) -> None:
-        """Sizes only: the task and its files are checked when the job loads the rows."""
+        """Sizes and the --columns syntax: the task and its files are checked when the job
+        loads the rows."""
+        parse_columns(self.columns)
         for flag, size in (
             ("--batch-size", self.batch_size),
             ("--eval-batch-size", self.eval_batch_size),
@@ -743,6 +756,7 @@ _METAVARS = {
     "task": "TASK",
     "train_file": "FILE",
     "eval_file": "FILE",
+    "columns": "TASK=SOURCE,...",
     "num_train": "N",
     "num_dev": "N",
     "num_eval": "N",

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from distzo.data.column_map import ColumnMap, check_columns, renamed
 from distzo.data.encoding import (
     ENCODE_CHUNK,
     ChoiceTrainData,
@@ -192,15 +193,18 @@ def load_task_rows(
     sampling: Sampling = WHOLE_FILES,
     pins: dict[str, HubPin] | None = None,
     masked: bool = False,
+    columns: ColumnMap = (),
 ) -> LoadedRows | None:
     """Read and check the files of a file-based task (one-line errors naming file and row),
     and draw the sets ``sampling`` asks for (``distzo.data.sampling``); ``pins``: how each
     ``hf:`` source is read on this rank (by default, as one process asks the hub);
-    ``masked``: the rows of a masked LM's prompt (``MaskedExample``s)."""
+    ``masked``: the rows of a masked LM's prompt (``MaskedExample``s); ``columns``: the
+    task's columns read from the sources' (``--columns``)."""
     if task in GENERATED:
-        if train_file or eval_file:
+        if train_file or eval_file or columns:
             raise ValueError(
-                f"--task {task} generates its data; --train-file/--eval-file do not apply to it"
+                f"--task {task} generates its data; --train-file/--eval-file/--columns do not "
+                "apply to it"
             )
         if sampling.samples:
             raise ValueError(
@@ -211,6 +215,7 @@ def load_task_rows(
     if task not in TASK_NAMES:
         raise ValueError(f"unknown --task {task!r}; choose one of {', '.join(TASK_NAMES)}")
     schema = None if task in TEXT else prompt_task(task, masked)  # before any file is read
+    check_columns(columns, task, schema.columns if schema else ("text",))  # text's one column
     num_labels = schema.num_labels if schema else 0
     if sampling.train_per_class is not None and not num_labels:
         raise ValueError(
@@ -224,6 +229,8 @@ def load_task_rows(
     loaded: list[list[Any]] = []
     for source in (train_file, eval_file):
         numbered = iter_numbered_rows(source, (pins or {}).get(source))
+        if columns:
+            numbered = renamed(numbered, columns, source)
         if schema is None:
             loaded.append(_texts(numbered, source))
         else:

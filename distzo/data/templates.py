@@ -348,6 +348,7 @@ OTHER_NAMES = {
     ("sst5", "text"): ("sentence", "SetFit/sst5"),
     ("trec", "text"): ("sentence", "CogComp/trec"),
     ("trec", "coarse_label"): ("label", "CogComp/trec"),
+    **{(task, "text"): ("sentence", "a hub copy") for task in ("mr", "cr", "mpqa", "subj")},
 }
 # what the renamed column must hold, where the other dataset's values mean something else
 RENAMING_NOTES = {
@@ -359,11 +360,21 @@ RENAMING_NOTES = {
 
 
 def _renaming(task: str, row: dict[str, Any], column: str) -> str:
-    """A hint where ``row`` has ``column`` under another dataset's name."""
+    """A hint where ``row`` has ``column`` under another dataset's name: the ``--columns``
+    that reads every column the row has under that dataset's names."""
     for (name, theirs), (ours, whose) in OTHER_NAMES.items():
         if name == task and ours == column and theirs in row:
-            note = RENAMING_NOTES.get((name, theirs), "")
-            return f"; the file has {theirs!r}, as {whose} names it: rename it {column!r}{note}"
+            pairs = [
+                (o, t)
+                for (n, t), (o, w) in OTHER_NAMES.items()
+                if n == task and w == whose and t in row
+            ]
+            notes = "".join(RENAMING_NOTES.get((task, t), "") for _, t in pairs)
+            mapping = ",".join(f"{o}={t}" for o, t in pairs)
+            return (
+                f"; the file has {theirs!r}, as {whose} names it: read it as {column!r} with "
+                f"--columns {mapping}{notes}"
+            )
     return ""
 
 

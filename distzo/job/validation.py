@@ -193,7 +193,12 @@ def task_rows(job: JobConfig, env: LaunchEnv, masked: bool = False) -> LoadedRow
     hub_sources = [source for source in sources if source.startswith("hf:")]
     if not hub_sources or not env.launched or env.world_size == 1:
         return load_task_rows(
-            data.task, data.train_file, data.eval_file, data.sampling, masked=masked
+            data.task,
+            data.train_file,
+            data.eval_file,
+            data.sampling,
+            masked=masked,
+            columns=data.column_map,
         )
     revisions = launch_commits(env, hub_sources, job.parallel.dist_timeout)
     filled = first_of_each(hub_sources, _dataset_config).values()
@@ -208,7 +213,9 @@ def task_rows(job: JobConfig, env: LaunchEnv, masked: bool = False) -> LoadedRow
     question = f"{', '.join(hub_sources)} in the node's cache"
     node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
     pins = {source: HubPin(pin[0] or None, cached=True) for source, pin in revisions.items()}
-    return load_task_rows(data.task, data.train_file, data.eval_file, data.sampling, pins, masked)
+    return load_task_rows(
+        data.task, data.train_file, data.eval_file, data.sampling, pins, masked, data.column_map
+    )
 
 
 def launch_commits(

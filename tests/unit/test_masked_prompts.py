@@ -215,20 +215,38 @@ def test_trec_rows_in_cogcomps_columns_are_told_to_name_their_class(tmp_path):
     with pytest.raises(ValueError) as err:
         load_task_rows("trec", str(trec), str(trec), masked=True)
     assert str(err.value).endswith(
-        "the file has 'coarse_label', as CogComp/trec names it: rename it 'label' and write "
-        "its class names (ABBR, DESC...), not its numbers: its 0 is ABBR, LM-BFF's 0 Description"
+        "the file has 'coarse_label', as CogComp/trec names it: read it as 'label' with "
+        "--columns label=coarse_label and write its class names (ABBR, DESC...), not its "
+        "numbers: its 0 is ABBR, LM-BFF's 0 Description"
     )
 
 
-@pytest.mark.parametrize(("task", "whose"), [("sst5", "SetFit/sst5"), ("trec", "CogComp/trec")])
-def test_a_text_column_of_the_hubs_sst5_and_trec_is_told_to_be_renamed(tmp_path, task, whose):
+@pytest.mark.parametrize(
+    ("task", "whose"),
+    [
+        ("sst5", "SetFit/sst5"),
+        ("trec", "CogComp/trec"),
+        ("mr", "a hub copy"),
+        ("subj", "a hub copy"),
+    ],
+)
+def test_a_text_column_of_the_hubs_copies_is_told_the_columns_option(tmp_path, task, whose):
     data = tmp_path / f"{task}.jsonl"
     data.write_text('{"text": "Q?", "label": 1}\n')
     with pytest.raises(ValueError) as err:
         load_task_rows(task, str(data), str(data), masked=True)
     assert str(err.value).endswith(
-        f"; the file has 'text', as {whose} names it: rename it 'sentence'"
+        f"; the file has 'text', as {whose} names it: read it as 'sentence' with --columns "
+        "sentence=text"
     )
+
+
+def test_cogcomps_two_columns_are_named_in_one_columns_option(tmp_path):
+    data = tmp_path / "trec.jsonl"
+    data.write_text('{"text": "Q?", "coarse_label": "ABBR"}\n')
+    with pytest.raises(ValueError) as err:
+        load_task_rows("trec", str(data), str(data), masked=True)
+    assert "with --columns sentence=text,label=coarse_label and write" in str(err.value)
 
 
 def test_snli_rows_without_a_gold_label_are_left_out_as_lm_bffs_files_lack_them(tmp_path):
@@ -340,6 +358,11 @@ def roberta_folder(tmp_path_factory) -> Path:
         (
             ["--task", "sst2", "--objective", "lm"],
             "--objective lm needs a causal LM, and model type 'roberta' is a masked LM",
+        ),
+        (  # the task's columns are checked before any file (none.tsv is never read)
+            ["--task", "sst5", "--columns", "text=text"],
+            "--columns text=text: --task sst5 has no column 'text'; its columns are sentence, "
+            "label (write TASK_COLUMN=SOURCE_COLUMN)",
         ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
             ["--task", "sst2", "--max-length", "129"],

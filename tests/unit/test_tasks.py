@@ -843,13 +843,14 @@ def test_a_csv_label_written_as_a_whole_float_is_read_as_datasets_reads_it(tmp_p
             "rte",
             {"sentence1": "p", "sentence2": "h", "label": 0},
             "missing column 'premise' .*; the file has 'sentence1', as GLUE's rte "
-            r"\(nyu-mll/glue\) names it: rename it 'premise'",
+            r"\(nyu-mll/glue\) names it: read it as 'premise' with --columns "
+            "premise=sentence1,hypothesis=sentence2$",
         ),
         (
             "boolq",
             {"passage": "p", "question": "q", "answer": True},
-            "missing column 'label' .*; the file has 'answer', as google/boolq names it: rename "
-            "it 'label'",
+            "missing column 'label' .*; the file has 'answer', as google/boolq names it: read it "
+            "as 'label' with --columns label=answer$",
         ),
     ],
 )

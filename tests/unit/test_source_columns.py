@@ -1,0 +1,110 @@
+"""``--columns``: a source's columns read under the task's names (SetFit/sst5's and
+CogComp/trec's ``text`` as ``sentence``, CogComp/trec's ``coarse_label`` as ``label``), for
+local files and ``hf:`` splits alike, checked in one line before a row builds an example.
+The hub datasets are parquet folders written here, read as ``hf:FOLDER:SPLIT`` offline."""
+
+import json
+
+import pytest
+from datasets import Dataset
+
+from distzo.config.checks import resolve_defaults
+from distzo.config.job import resolve, to_toml
+from distzo.data.task_data import load_task_rows
+from distzo.dist import LaunchEnv
+from distzo.job.run_dir import check_resumed_options
+from distzo.models import hub_reads
+
+SST5_NAMES = ["very negative", "negative", "neutral", "positive", "very positive"]
+SST5_ROWS = [{"text": f"a film {i}", "label": i, "label_text": SST5_NAMES[i]} for i in range(5)]
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No hub: datasets offline, its cache in tmp_path."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(hub_reads, "hub_answers", lambda: False)
+
+
+def hub_split(folder, rows, features=None) -> str:
+    """``rows`` as the train split of a hub-style parquet dataset in ``folder``."""
+    (folder / "data").mkdir(parents=True)
+    path = folder / "data" / "train-00000-of-00001.parquet"
+    Dataset.from_list(rows, features=features).to_parquet(str(path))
+    return f"hf:{folder}:train"
+
+
+def jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("label", ["label", "label_text"])
+def test_setfits_sst5_file_and_split_read_through_columns(offline, tmp_path, label):
+    renamed = [{"sentence": r["text"], "label": r["label"]} for r in SST5_ROWS]
+    expected = load_task_rows(
+        "sst5", *[jsonl(tmp_path / "renamed.jsonl", renamed)] * 2, masked=True
+    )
+    columns = (("sentence", "text"), ("label", label))
+    for source in (hub_split(tmp_path / "sst5", SST5_ROWS), jsonl(tmp_path / "s.jsonl", SST5_ROWS)):
+        rows = load_task_rows("sst5", source, source, masked=True, columns=columns)
+        assert rows is not None and expected is not None
+        assert rows.train == expected.train and rows.digests == expected.digests
+
+
+def test_a_column_the_task_lacks_is_refused_before_any_file_is_read(tmp_path):
+    missing = str(tmp_path / "none.jsonl")  # never read: the mapping is refused first
+    with pytest.raises(ValueError) as err:
+        load_task_rows("sst5", missing, missing, masked=True, columns=(("text", "text"),))
+    assert str(err.value) == (
+        "--columns text=text: --task sst5 has no column 'text'; its columns are sentence, label "
+        "(write TASK_COLUMN=SOURCE_COLUMN)"
+    )
+
+
+def test_a_source_column_a_row_lacks_is_named_with_the_columns_it_has(tmp_path):
+    data = jsonl(tmp_path / "sst5.jsonl", SST5_ROWS)
+    with pytest.raises(ValueError) as err:
+        load_task_rows("sst5", data, data, masked=True, columns=(("sentence", "review"),))
+    assert str(err.value) == (
+        f"{data}, row 1: no column 'review' (--columns sentence=review); its columns are "
+        "text, label, label_text"
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("sentence", "'sentence' is not TASK_COLUMN=SOURCE_COLUMN; write e.g. --columns "),
+        ("sentence=text,=label", "'=label' is not TASK_COLUMN=SOURCE_COLUMN"),
+        ("label=a,label=b", "the task's column 'label' is mapped twice; map it once"),
+    ],
+)
+def test_a_malformed_columns_option_is_one_line_as_the_options_are_read(given, message):
+    with pytest.raises(ValueError, match=f"^--columns {given}: {message}"):
+        resolve(["--task", "sst2", "--columns", given]).validate()
+
+
+def resolved(*argv: str, run=None):
+    """The job of ``argv`` in run directory ``run``, its defaults resolved (as validate's)."""
+    job = resolve(["--task", "text", *argv] + (["--output-dir", str(run)] if run else []))
+    resolve_defaults(job)
+    return job
+
+
+def test_columns_are_recorded_and_a_resume_with_another_mapping_is_refused(tmp_path):
+    """config.toml holds the mapping (a TOML file's [data] columns gives it); a resume
+    reading other columns would train on other rows, so it is refused as other data
+    options are, and a run from before the option (no columns recorded) resumes unset."""
+    job = resolved("--columns", "text=body", run=tmp_path)
+    (tmp_path / "config.toml").write_text(to_toml(job))
+    recorded = resolve(["--config", str(tmp_path / "config.toml")])
+    assert recorded.data.column_map == (("text", "body"),)
+    check_resumed_options(job, LaunchEnv())  # the run's own mapping resumes
+    other = resolved("--columns", "text=title", run=tmp_path)
+    with pytest.raises(ValueError, match=r"^--resume: --columns text=body -> text=title would"):
+        check_resumed_options(other, LaunchEnv())
+    (tmp_path / "config.toml").write_text(to_toml(resolved()))  # unset: no columns key
+    check_resumed_options(resolved(run=tmp_path), LaunchEnv())
