@@ -19,7 +19,7 @@ import io
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,13 +60,21 @@ def load_numbered_rows(source: str) -> list[tuple[int, Row]]:
     return list(iter_numbered_rows(source))
 
 
-def iter_numbered_rows(source: str, pin: HubPin | None = None) -> Iterator[tuple[int, Row]]:
+# whether a reader takes a ClassLabel's names (its class names, in the split's order)
+ReadsNames = Callable[[Sequence[str]], bool]
+
+
+def iter_numbered_rows(
+    source: str, pin: HubPin | None = None, reads_names: ReadsNames | None = None
+) -> Iterator[tuple[int, Row]]:
     """``load_numbered_rows``'s rows one at a time, a JSONL or text file's read a line at
     a time (a reader that keeps what it needs of a row holds no file's worth of dicts).
     An error comes where its row does; a bad JSONL row's after the rest is decoded, where a
     non-UTF-8 byte further on is named instead, as when the file was decoded whole.
-    ``pin``: how an ``hf:`` dataset is read (None: as one process asks the hub)."""
-    yield from _numbered_rows(source, pin)
+    ``pin``: how an ``hf:`` dataset is read (None: as one process asks the hub);
+    ``reads_names``: an ``hf:`` split's ``ClassLabel`` columns whose names it accepts give
+    the class's name, not the split's number for it (the reader's numbering may differ)."""
+    yield from _numbered_rows(source, pin, reads_names)
 
 
 def read_whole(
@@ -85,9 +93,11 @@ def read_whole(
             raise
 
 
-def _numbered_rows(source: str, pin: HubPin | None) -> Iterable[tuple[int, Row]]:
+def _numbered_rows(
+    source: str, pin: HubPin | None, reads_names: ReadsNames | None
+) -> Iterable[tuple[int, Row]]:
     if source.startswith("hf:"):
-        return enumerate(_hub_rows(source, pin), 1)
+        return enumerate(_hub_rows(source, pin, reads_names), 1)
     path = Path(source)
     if path.is_dir():
         raise ValueError(
@@ -351,14 +361,33 @@ def fill_hub_cache(
         pinned_folder(path, config, split, revision, source, missing)
 
 
-def _hub_rows(source: str, pin: HubPin | None) -> Iterator[Row]:
+def _hub_rows(source: str, pin: HubPin | None, reads_names: ReadsNames | None) -> Iterator[Row]:
     """The split's rows one at a time: the dataset is memory-mapped, and a list of its
-    dicts (the whole split, beside the Examples) was the peak of every rank's load."""
+    dicts (the whole split, beside the Examples) was the peak of every rank's load. A
+    ``ClassLabel`` column whose names ``reads_names`` accepts gives its names."""
     dataset = _hub_dataset(source, pin)
+    named = class_names(dataset, reads_names) if reads_names else {}
     try:
-        yield from dataset
+        for row in dataset:
+            for column, names in named.items():
+                if 0 <= row[column] < len(names):  # -1, no label, stays the row's to refuse
+                    row[column] = names[row[column]]
+            yield row
     except Exception as err:
         raise _not_loaded(source, err) from None
+
+
+def class_names(dataset: Any, reads_names: ReadsNames) -> dict[str, list[str]]:
+    """The names of each of ``dataset``'s ``ClassLabel`` columns that ``reads_names``
+    accepts, by column."""
+    import datasets
+
+    features = getattr(dataset, "features", None) or {}
+    return {
+        column: feature.names
+        for column, feature in features.items()
+        if isinstance(feature, datasets.ClassLabel) and reads_names(feature.names)
+    }
 
 
 def _hub_dataset(source: str, pin: HubPin | None) -> Any:

@@ -126,6 +126,7 @@ MASKED_TASKS: dict[str, Task] = {
         (*prompt.columns, "label"),
         functools.partial(_masked_example, prompt),
         len(prompt.words),
+        prompt.label_names,
     )
     for name, prompt in MASKED_PROMPTS.items()
 }

@@ -228,7 +228,8 @@ def load_task_rows(
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
     loaded: list[list[Any]] = []
     for source in (train_file, eval_file):
-        numbered = iter_numbered_rows(source, (pins or {}).get(source))
+        reads_names = schema.reads_names if schema else None
+        numbered = iter_numbered_rows(source, (pins or {}).get(source), reads_names)
         if columns:
             numbered = renamed(numbered, columns, source)
         if schema is None:

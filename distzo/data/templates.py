@@ -68,6 +68,15 @@ class Task:
     columns: tuple[str, ...]
     build: Callable[[dict[str, Any]], Example | MaskedExample | None]  # None: a row left out
     num_labels: int = 0
+    label_names: tuple[str, ...] = ()  # the class names a row's label may give, by index
+
+    def reads_names(self, names: Sequence[str]) -> bool:
+        """Whether every one of ``names`` (an ``hf:`` split's ``ClassLabel``'s) is a class
+        name this task reads: its rows then give the name, whose index is the task's, where
+        the split's own numbering may differ (CogComp/trec's 0 is ABBR, the task's 0 DESC)."""
+        return bool(self.label_names) and all(
+            isinstance(_named(name, self.label_names), int) for name in names
+        )
 
 
 # The names a dataset's own files write for a label, in index order (SuperGLUE's RTE and
@@ -300,12 +309,13 @@ def _record(row):
     return Example(f"{passage}\n-", continuations, entities.index(answers[0]), right=right)
 
 
+PREMISE = ("premise", "hypothesis", "label")  # RTE's and CB's columns
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("sst2", "classification", ("sentence", "label"), _sst2, 2),
-        Task("rte", "classification", ("premise", "hypothesis", "label"), _rte, 2),
-        Task("cb", "classification", ("premise", "hypothesis", "label"), _cb, 3),
+        Task("sst2", "classification", ("sentence", "label"), _sst2, 2, LABEL_NAMES["sst2"]),
+        Task("rte", "classification", PREMISE, _rte, 2, LABEL_NAMES["rte"]),
+        Task("cb", "classification", PREMISE, _cb, 3, LABEL_NAMES["cb"]),
         Task("boolq", "classification", ("passage", "question", "label"), _boolq, 2),
         Task("wic", "classification", ("word", "sentence1", "sentence2", "label"), _wic, 2),
         Task(
@@ -353,8 +363,8 @@ OTHER_NAMES = {
 # what the renamed column must hold, where the other dataset's values mean something else
 RENAMING_NOTES = {
     ("trec", "coarse_label"): (
-        " and write its class names (ABBR, DESC...), not its numbers: its 0 is ABBR, "
-        "LM-BFF's 0 Description"
+        " (an hf: split gives its class names; a file must write them (ABBR, DESC...), not "
+        "its numbers: its 0 is ABBR, LM-BFF's 0 Description)"
     ),
 }
 

@@ -216,8 +216,8 @@ def test_trec_rows_in_cogcomps_columns_are_told_to_name_their_class(tmp_path):
         load_task_rows("trec", str(trec), str(trec), masked=True)
     assert str(err.value).endswith(
         "the file has 'coarse_label', as CogComp/trec names it: read it as 'label' with "
-        "--columns label=coarse_label and write its class names (ABBR, DESC...), not its "
-        "numbers: its 0 is ABBR, LM-BFF's 0 Description"
+        "--columns label=coarse_label (an hf: split gives its class names; a file must write "
+        "them (ABBR, DESC...), not its numbers: its 0 is ABBR, LM-BFF's 0 Description)"
     )
 
 
@@ -246,7 +246,7 @@ def test_cogcomps_two_columns_are_named_in_one_columns_option(tmp_path):
     data.write_text('{"text": "Q?", "coarse_label": "ABBR"}\n')
     with pytest.raises(ValueError) as err:
         load_task_rows("trec", str(data), str(data), masked=True)
-    assert "with --columns sentence=text,label=coarse_label and write" in str(err.value)
+    assert "with --columns sentence=text,label=coarse_label (an hf: split" in str(err.value)
 
 
 def test_snli_rows_without_a_gold_label_are_left_out_as_lm_bffs_files_lack_them(tmp_path):

@@ -1,20 +1,33 @@
 """``--columns``: a source's columns read under the task's names (SetFit/sst5's and
 CogComp/trec's ``text`` as ``sentence``, CogComp/trec's ``coarse_label`` as ``label``), for
-local files and ``hf:`` splits alike, checked in one line before a row builds an example.
-The hub datasets are parquet folders written here, read as ``hf:FOLDER:SPLIT`` offline."""
+local files and ``hf:`` splits alike, checked in one line before a row builds an example;
+and an ``hf:`` split's ``ClassLabel`` read by its class names where the task reads names,
+so CogComp/trec's 0 (ABBR) is LM-BFF's Expression, not Description. The hub datasets are
+parquet folders written here, read as ``hf:FOLDER:SPLIT`` offline."""
 
 import json
 
 import pytest
-from datasets import Dataset
+from datasets import ClassLabel, Dataset, Features, Value
 
 from distzo.config.checks import resolve_defaults
 from distzo.config.job import resolve, to_toml
+from distzo.data.masked_prompts import MASKED_PROMPTS
 from distzo.data.task_data import load_task_rows
 from distzo.dist import LaunchEnv
 from distzo.job.run_dir import check_resumed_options
 from distzo.models import hub_reads
 
+# CogComp/trec's classes in its own ClassLabel order, and its rows' questions
+TREC_COARSE = ["ABBR", "ENTY", "DESC", "HUM", "LOC", "NUM"]
+TREC_ROWS = [{"text": f"Question {i}?", "coarse_label": i, "fine_label": i} for i in range(6)]
+TREC = Features(
+    {
+        "text": Value("string"),
+        "coarse_label": ClassLabel(names=TREC_COARSE),
+        "fine_label": ClassLabel(names=[f"{name}:other" for name in TREC_COARSE]),
+    }
+)
 SST5_NAMES = ["very negative", "negative", "neutral", "positive", "very positive"]
 SST5_ROWS = [{"text": f"a film {i}", "label": i, "label_text": SST5_NAMES[i]} for i in range(5)]
 
@@ -39,6 +52,45 @@ def hub_split(folder, rows, features=None) -> str:
 def jsonl(path, rows) -> str:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def test_cogcomps_trec_split_trains_with_lm_bffs_labels(offline, tmp_path):
+    source = hub_split(tmp_path / "trec", TREC_ROWS, TREC)
+    columns = (("sentence", "text"), ("label", "coarse_label"))
+    rows = load_task_rows("trec", source, source, masked=True, columns=columns)
+    assert rows is not None
+    words = MASKED_PROMPTS["trec"].words
+    assert [words[example.label] for example in rows.train] == [
+        "Expression", "Entity", "Description", "Human", "Location", "Number"
+    ]  # fmt: skip
+    assert [example.sentences for example in rows.train] == [(r["text"],) for r in TREC_ROWS]
+
+
+def test_a_class_label_whose_names_the_task_does_not_read_gives_its_numbers(offline, tmp_path):
+    """fine_label's names are no task class names: its numbers are read as they were."""
+    source = hub_split(tmp_path / "trec", TREC_ROWS, TREC)
+    columns = (("sentence", "text"), ("label", "fine_label"))
+    rows = load_task_rows("trec", source, source, masked=True, columns=columns)
+    assert rows is not None and [example.label for example in rows.train] == list(range(6))
+
+
+def test_glues_sst2_split_reads_as_it_did_for_the_causal_task(offline, tmp_path):
+    """GLUE's ClassLabel names (negative, positive) are the task's, in its order."""
+    glue = [{"sentence": f"film {i}", "label": i % 2, "idx": i} for i in range(4)]
+    features = Features(
+        {
+            "sentence": Value("string"),
+            "label": ClassLabel(names=["negative", "positive"]),
+            "idx": Value("int32"),
+        }
+    )
+    source = hub_split(tmp_path / "glue", glue, features)
+    plain = jsonl(tmp_path / "plain.jsonl", glue)
+    for masked in (False, True):
+        hub = load_task_rows("sst2", source, source, masked=masked)
+        local = load_task_rows("sst2", plain, plain, masked=masked)
+        assert hub is not None and local is not None
+        assert hub.train == local.train and hub.digests == local.digests
 
 
 @pytest.mark.parametrize("label", ["label", "label_text"])
