@@ -369,9 +369,10 @@ RENAMING_NOTES = {
 }
 
 
-def _renaming(task: str, row: dict[str, Any], column: str) -> str:
-    """A hint where ``row`` has ``column`` under another dataset's name: the ``--columns``
-    that reads every column the row has under that dataset's names."""
+def _renaming(task: str, columns: tuple[str, ...], row: dict[str, Any], column: str) -> str:
+    """A hint where ``row`` lacks ``column`` of the task's ``columns``: the ``--columns``
+    that reads every column the row has under another dataset's names, or else the
+    ``--columns`` that would read one of the row's other columns."""
     for (name, theirs), (ours, whose) in OTHER_NAMES.items():
         if name == task and ours == column and theirs in row:
             pairs = [
@@ -385,6 +386,12 @@ def _renaming(task: str, row: dict[str, Any], column: str) -> str:
                 f"; the file has {theirs!r}, as {whose} names it: read it as {column!r} with "
                 f"--columns {mapping}{notes}"
             )
+    others = [name for name in row if name not in columns]
+    if others:  # SetFit/sst2's text, a file of the user's own names
+        return (
+            f"; the row also has {', '.join(map(repr, others))}: --columns {column}=COLUMN "
+            f"reads one of them as {column!r}"
+        )
     return ""
 
 
@@ -420,7 +427,7 @@ def _build(task: Task, numbered: Iterator[tuple[int, dict[str, Any]]], source: s
         if missing:
             raise ValueError(
                 f"{source}, row {number}: missing column {missing[0]!r} (task {task.name} needs "
-                f"{', '.join(task.columns)}){_renaming(task.name, row, missing[0])}"
+                f"{', '.join(task.columns)}){_renaming(task.name, task.columns, row, missing[0])}"
             )
         wrong = [c for c in task.columns if c not in NOT_TEXT and not isinstance(row[c], str)]
         if wrong:  # a number or a list would be formatted into the prompt as its repr

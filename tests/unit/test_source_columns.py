@@ -160,3 +160,15 @@ def test_columns_are_recorded_and_a_resume_with_another_mapping_is_refused(tmp_p
         check_resumed_options(other, LaunchEnv())
     (tmp_path / "config.toml").write_text(to_toml(resolved()))  # unset: no columns key
     check_resumed_options(resolved(run=tmp_path), LaunchEnv())
+
+
+def test_a_missing_column_names_the_rows_other_columns_and_the_option(tmp_path):
+    """A source of names no hint knows (SetFit/sst2's text, a user's own) was refused
+    naming the task's columns alone; the row's others and --columns are named now."""
+    data = jsonl(tmp_path / "sst2.jsonl", [{"text": "a film", "label": 1, "idx": 0}])
+    with pytest.raises(ValueError) as err:
+        load_task_rows("sst2", data, data)
+    assert str(err.value) == (
+        f"{data}, row 1: missing column 'sentence' (task sst2 needs sentence, label); the row "
+        "also has 'text', 'idx': --columns sentence=COLUMN reads one of them as 'sentence'"
+    )
