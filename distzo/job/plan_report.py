@@ -34,6 +34,7 @@ from distzo.job.memory_plan import (
     host_terms,
     plan_memory,
 )
+from distzo.models.registry import check_supported
 from distzo.models.shapes import SHAPES, shape_config
 from distzo.models.weights import skeleton
 from distzo.runtime.option_names import named_as_flags
@@ -101,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 def check_sizes(args: argparse.Namespace) -> None:
     """The counts ``distzo.train`` refuses, refused here in its words: a plan for a batch of
     0 or a sequence of -5 tokens printed negative activations, and one past the shape's
-    positions a plan no run of it can reach."""
+    token positions a plan no run of it can reach."""
     for flag, value in (
         ("--nproc", args.nproc),
         ("--batch-size", args.batch_size),
@@ -111,11 +112,15 @@ def check_sizes(args: argparse.Namespace) -> None:
     ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    positions = shape_config(args.model_config).max_position_embeddings
+    config = shape_config(args.model_config)
+    # RoBERTa's positions count from its pad id + 1: its 514 rows hold 512 tokens
+    positions = check_supported(config.model_type).token_positions(config)
+    table = config.max_position_embeddings
+    held = f" ({positions} token positions)" if positions != table else ""
     if args.seq_len > positions:
         raise ValueError(
             f"--seq-len {args.seq_len} exceeds {args.model_config}'s max_position_embeddings "
-            f"{positions}; lower --seq-len"
+            f"{table}{held}; lower --seq-len"
         )
 
 

@@ -165,10 +165,19 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
 
 def check_masked_job(job: JobConfig, model_type: str) -> None:
     """What a masked LM (RoBERTa) cannot train on, refused in one line from its config
-    alone: a task with no masked-LM prompt (``MASKED_TASKS``: MeZO's RoBERTa tasks), the
-    next-token objective."""
+    alone: a named shape (its text goes through the byte tokenizer, which has no
+    ``<mask>``), a task with no masked-LM prompt (``MASKED_TASKS``: MeZO's RoBERTa tasks),
+    the next-token objective."""
     if check_supported(model_type).lm_kind != MASKED:
         return
+    shape = job.model.model_config
+    if shape:
+        raise ValueError(
+            f"--model-config {shape} is a masked LM, and a named shape reads text through the "
+            "byte tokenizer, which has no <mask> for its prompts; train --model with a "
+            f"checkpoint of it, or see its memory plan: python -m distzo.job.plan_report "
+            f"--model-config {shape}"
+        )
     task, objective = job.data.task, job.optim.objective
     fix = (
         f"train it on one of MeZO's RoBERTa tasks ({', '.join(MASKED_TASKS)}) with "

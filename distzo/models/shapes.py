@@ -2,7 +2,8 @@
 
 The OPT sizes of the ZO2 paper's Table 4, a few Llama/Qwen2 shapes, the Qwen3 sizes
 of ZO2's Qwen3 speed test and three mixtures of experts (Qwen3-30B-A3B, Qwen3-235B-A22B,
-Mixtral 8x7B), with the published widths, depths, heads, head widths, vocabularies, head
+Mixtral 8x7B) and RoBERTa's masked LMs (their memory plan: a shape has no tokenizer with a
+``<mask>``), with the published widths, depths, heads, head widths, vocabularies, head
 ties and experts; ``layers`` shortens the stack so a machine without the
 memory (or the weights) can still build and step the shape.
 """
@@ -19,6 +20,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    RobertaConfig,
 )
 
 # name: (hidden, layers, heads, ffn) for OPT (vocab 50272, 2048 positions)
@@ -91,7 +93,14 @@ EXPERT_FIELDS = {
     Qwen3MoeConfig: ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
     MixtralConfig: ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
 }
-SHAPES = sorted(OPT_SHAPES) + sorted(OTHER_SHAPES)
+# RoBERTa's masked LMs (MeZO's and LOZO's encoders): name: (hidden, layers, heads, ffn),
+# with RoBERTa's vocabulary of 50265, one token type and 514 positions (pad id 1: 512 usable);
+# the masked-LM head's decoder is tied to the word embeddings.
+ENCODER_SHAPES = {
+    "roberta-base": (768, 12, 12, 3072),
+    "roberta-large": (1024, 24, 16, 4096),
+}
+SHAPES = sorted(OPT_SHAPES) + sorted(OTHER_SHAPES) + sorted(ENCODER_SHAPES)
 
 
 def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
@@ -126,6 +135,18 @@ def shape_config(name: str, layers: int | None = None) -> PretrainedConfig:
         if shape.experts is not None:
             fields.update(zip(EXPERT_FIELDS[shape.cls], shape.experts, strict=True))
         return shape.cls(**fields)
+    if name in ENCODER_SHAPES:
+        hidden, depth, heads, ffn = ENCODER_SHAPES[name]
+        return RobertaConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers or depth,
+            num_attention_heads=heads,
+            intermediate_size=ffn,
+            vocab_size=50265,
+            max_position_embeddings=514,
+            type_vocab_size=1,
+            layer_norm_eps=1e-5,
+        )
     raise ValueError(f"unknown --model-config {name!r}; choose one of {', '.join(SHAPES)}")
 
 

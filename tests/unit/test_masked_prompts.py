@@ -383,6 +383,24 @@ def test_the_job_refuses_what_a_masked_lm_cannot_train(roberta_folder, tmp_path,
     assert not run.exists()
 
 
+def test_a_named_roberta_shape_is_refused_to_train_naming_its_plan(tmp_path):
+    """A random-init shape reads its text through the byte tokenizer, which has no <mask>:
+    refused from the config, before any run directory, with the plan it is there for."""
+    run = tmp_path / "run"
+    files = ["--train-file", str(tmp_path / "none.tsv"), "--eval-file", str(tmp_path / "x")]
+    proc = train_in_process(
+        ["--model-config", "roberta-large", "--task", "sst2", *files, "--output-dir", str(run)]
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        "error: --model-config roberta-large is a masked LM, and a named shape reads text "
+        "through the byte tokenizer, which has no <mask> for its prompts; train --model with "
+        "a checkpoint of it, or see its memory plan: python -m distzo.job.plan_report "
+        "--model-config roberta-large",
+    )
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("adapter", [[], ["--peft", "prefix", "--prefix-length", "3"]])
 def test_the_job_trains_a_roberta_on_mezos_sst2_prompt_and_exports_it(
     roberta_folder, tmp_path, adapter

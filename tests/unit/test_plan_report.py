@@ -20,17 +20,26 @@ def documented_reports():
     ]
 
 
-def test_the_documented_llama_70b_plan_is_what_the_command_prints(monkeypatch, capsys):
+def test_the_documented_plans_are_what_the_command_prints(monkeypatch, capsys):
+    """Llama-2-70B's, and MeZO's RoBERTa-large run on one GPU (the tied decoder counted
+    once: 355.41 M parameters, a resident bucket of the embeddings and the head's dense)."""
     for name in ("NCCL_BUFFSIZE", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_NVLS_NCHANNELS"):
         monkeypatch.delenv(name, raising=False)  # the doc's figures are NCCL's defaults
     reports = documented_reports()
+    roberta = "--model-config roberta-large --nproc 1 --transfer naive --transfer-dtype fp32"
+    roberta += " --compute-dtype fp32 --batch-size 32 --seq-len 128"
     assert [args for args, _ in reports] == [
-        ["--model-config", "llama-2-70b", "--dp", "4", "--pert", "2"]
+        roberta.split(),
+        ["--model-config", "llama-2-70b", "--dp", "4", "--pert", "2"],
     ]
+    printed = []
     for args, block in reports:
         assert plan_report.main(args) == 0
-        assert capsys.readouterr().out.strip() == block.strip()
+        printed.append(capsys.readouterr().out.strip())
+        assert printed[-1] == block.strip()
     assert "NCCL buffers" in block and "device total" in block and "host total" in block
+    assert "355.41 M parameters" in printed[0] and "resident 424.82 MB" in printed[0]
+    assert "the export +1.63 GB host on rank 0" in printed[0]
 
 
 def test_a_layout_that_is_not_the_node_is_refused_in_one_line(capsys):
@@ -154,6 +163,11 @@ def test_a_50_candidate_example_plans_the_rows_a_training_forward_takes():
             ["--seq-len", "4096"],
             "error: --seq-len 4096 exceeds opt-125m's max_position_embeddings 2048; lower "
             "--seq-len",
+        ),
+        (
+            ["--model-config", "roberta-large", "--seq-len", "513"],
+            "error: --seq-len 513 exceeds roberta-large's max_position_embeddings 514 (512 "
+            "token positions); lower --seq-len",
         ),
         (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
         (["--nproc", "0"], "error: --nproc must be >= 1, got 0"),

@@ -65,3 +65,19 @@ def test_opt_350m_is_the_released_config():
     assert tuple(params["model.decoder.embed_tokens.weight"].shape) == (50272, 512)
     assert tuple(params["model.decoder.project_in.weight"].shape) == (1024, 512)
     assert shape_config("opt-1.3b").word_embed_proj_dim == 2048
+
+
+def test_roberta_shapes_count_the_tied_decoder_once():
+    """MeZO's RoBERTa-large: 355 M parameters, its masked-LM head's decoder the word
+    embeddings (counted twice: 406.9 M); 514 positions, of which 512 hold tokens."""
+    for name, millions in (("roberta-base", "124.70"), ("roberta-large", "355.41")):
+        model = skeleton(shape_config(name), torch.float32)
+        params = dict(model.named_parameters())  # a tied head is one parameter, counted once
+        assert f"{sum(p.numel() for p in params.values()) / 1e6:.2f}" == millions, name
+        decoder = model.get_output_embeddings().weight
+        assert decoder is model.get_input_embeddings().weight, name
+        assert (model.config.model_type, model.config.max_position_embeddings) == (
+            "roberta",
+            514,
+        )
+    assert shape_config("roberta-large", layers=2).num_hidden_layers == 2
