@@ -167,7 +167,8 @@ def check_masked_job(job: JobConfig, model_type: str) -> None:
     """What a masked LM (RoBERTa) cannot train on, refused in one line from its config
     alone: a named shape (its text goes through the byte tokenizer, which has no
     ``<mask>``), a task with no masked-LM prompt (``MASKED_TASKS``: MeZO's RoBERTa tasks),
-    the next-token objective."""
+    the next-token objective (``f1`` scores a generation task, which none of them is:
+    ``check_objective`` refuses it with the options)."""
     if check_supported(model_type).lm_kind != MASKED:
         return
     shape = job.model.model_config
@@ -186,7 +187,7 @@ def check_masked_job(job: JobConfig, model_type: str) -> None:
     if task in ("counting", "text"):
         check_causal_lm(model_type, f"--task {task}", fix)
     masked_task(task)  # a task with no masked-LM prompt: its one line
-    if objective in ("lm", "f1"):
+    if objective == "lm":
         check_causal_lm(model_type, f"--objective {objective}", fix)
 
 

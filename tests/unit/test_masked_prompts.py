@@ -364,6 +364,11 @@ def roberta_folder(tmp_path_factory) -> Path:
             "--columns text=text: --task sst5 has no column 'text'; its columns are sentence, "
             "label (write TASK_COLUMN=SOURCE_COLUMN)",
         ),
+        (  # f1 scores a generation task, which no masked-LM task is: refused with the options
+            ["--task", "sst2", "--objective", "f1"],
+            "--objective f1 does not apply to --task sst2; choose one of lm, classification, "
+            "accuracy",
+        ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
             ["--task", "sst2", "--max-length", "129"],
             "--max-length 129 exceeds the model's max_position_embeddings 130 (128 token "
