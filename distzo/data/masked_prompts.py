@@ -112,11 +112,11 @@ MASKED_PROMPTS: dict[str, MaskedPrompt] = {
 }
 
 
-def _masked_example(prompt: MaskedPrompt, row: dict[str, Any]) -> MaskedExample | None:
+def _masked_example(prompt: MaskedPrompt, row: dict[str, Any], number: int) -> MaskedExample | None:
     if prompt.drops_unlabelled and str(row["label"]).strip() in ("-1", "-"):
         return None  # no gold label (datasets' -1, SNLI's own files' "-"): no row of the set
     label = row_label(row, len(prompt.words), prompt.label_names)
-    return MaskedExample(tuple(row[column] for column in prompt.columns), label)
+    return MaskedExample(tuple(row[column] for column in prompt.columns), label, number)
 
 
 MASKED_TASKS: dict[str, Task] = {
@@ -127,6 +127,7 @@ MASKED_TASKS: dict[str, Task] = {
         functools.partial(_masked_example, prompt),
         len(prompt.words),
         prompt.label_names,
+        numbered=True,
     )
     for name, prompt in MASKED_PROMPTS.items()
 }

@@ -113,7 +113,10 @@ class Cuts:
         )
 
 
-DEV_ROWS = "--num-dev rows of --train-file"  # the dev set, where the notices name a file
+def dev_set_name(option: str) -> str:
+    """The dev set, where the notices name a file: the rows of --train-file ``option``
+    (--num-dev, or LM-BFF's --dev-per-class) drew."""
+    return f"{option} rows of --train-file"
 
 
 def token_limit(tokens: int) -> str:
@@ -147,6 +150,8 @@ class LoadedRows:
     train: list[Any]  # Examples for prompt tasks, texts for the text task
     eval: list[Any]
     dev: list[Any] = dataclasses.field(default_factory=list)  # --num-dev: evaluated in training
+    dev_option: str = "--num-dev"  # the option that drew ``dev`` (or --dev-per-class)
+    notices: tuple[str, ...] = ()  # what reading the files left out, a line each
 
     @functools.cached_property
     def digests(self) -> dict[str, str]:
@@ -227,7 +232,8 @@ def load_task_rows(
         missing = [flag for flag, path in given.items() if not path]
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
     loaded: list[list[Any]] = []
-    for source in (train_file, eval_file):
+    read = [0, 0]  # each file's rows, of which a task's build may leave some out
+    for file, source in enumerate((train_file, eval_file)):
         reads_names = schema.reads_names if schema else None
         numbered = iter_numbered_rows(source, (pins or {}).get(source), reads_names)
         if columns:
@@ -235,13 +241,40 @@ def load_task_rows(
         if schema is None:
             loaded.append(_texts(numbered, source))
         else:
-            loaded.append(build_numbered(schema, numbered, source))
+            loaded.append(build_numbered(schema, _counted(numbered, read, file), source))
         if not loaded[-1]:
             raise ValueError(f"{source}: no rows")
     train, dev, evals = sample_sets(
         loaded[0], loaded[1], sampling, train_file, eval_file, num_labels, task
     )
-    return LoadedRows(task, train, evals, dev)
+    drew = "--dev-per-class" if sampling.train_per_class is not None else "--num-dev"
+    notices = _left_out(task, read, [len(rows) for rows in loaded]) if schema else ()
+    return LoadedRows(task, train, evals, dev, drew, notices)
+
+
+def _counted(
+    rows: Iterator[tuple[int, dict[str, Any]]], read: list[int], file: int
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``rows`` as they come, counted into ``read[file]``."""
+    for row in rows:
+        read[file] += 1
+        yield row
+
+
+def _left_out(task: str, read: list[int], built: list[int]) -> tuple[str, ...]:
+    """One line for the rows the task's build left out (SNLI's without a gold label), or
+    none: they are no rows of any set, which a count of the file's lines would not show."""
+    counts = [
+        f"{r - b} of {flag}'s {r}"
+        for flag, r, b in zip(("--train-file", "--eval-file"), read, built, strict=True)
+        if r > b
+    ]
+    if not counts:
+        return ()
+    return (
+        f"--task {task} leaves out the rows without a gold label (label -1 or -), as "
+        f"LM-BFF's files hold none: {' and '.join(counts)}",
+    )
 
 
 def prompt_task(task: str, masked: bool) -> Task:
@@ -321,7 +354,11 @@ class TextData:
                 Cuts("--train-file", len(rows.train), self.train.cut).notice(limit),
                 Cuts("--eval-file", len(rows.eval), eval_cut).notice(limit),
             ]
-            + ([Cuts(DEV_ROWS, len(rows.dev), dev[1]).notice(limit)] if dev else [])
+            + (
+                [Cuts(dev_set_name(rows.dev_option), len(rows.dev), dev[1]).notice(limit)]
+                if dev
+                else []
+            )
         )
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
@@ -388,7 +425,9 @@ class PromptData:
         train, train_longest, rows_per_example = self._cuts("--train-file", rows.train, True, share)
         evals, eval_longest, eval_rows = self._cuts("--eval-file", rows.eval, False, share)
         devs, dev_longest, dev_rows = (
-            self._cuts(DEV_ROWS, rows.dev, False, share) if rows.dev else (None, 0, 0)
+            self._cuts(dev_set_name(rows.dev_option), rows.dev, False, share)
+            if rows.dev
+            else (None, 0, 0)
         )
         # the most rows an evaluated example takes (a choice evaluation's, which the memory
         # plan and the calls read): counted here, each rank its share, where every rank
@@ -497,7 +536,7 @@ class MaskedPromptData:
         self.encoder, self.eval_batch_size = encoder, eval_batch_size
         self.train = ChoiceTrainData(rows.train, encoder, seed)
         files = [("--train-file", rows.train), ("--eval-file", rows.eval)]
-        files += [(DEV_ROWS, rows.dev)] if rows.dev else []
+        files += [(dev_set_name(rows.dev_option), rows.dev)] if rows.dev else []
         notices: list[str | None] = []
         self.longest = 0
         for flag, examples in files:
@@ -522,8 +561,11 @@ class MaskedPromptData:
             chunk = examples[start : min(start + ENCODE_CHUNK, span.stop)]
             for index, (ids, full) in enumerate(self.encoder.encode_ids(chunk), start):
                 if self.encoder.mask_id not in ids:
+                    # the row as its file numbers it (the drawn sets' order is no file's)
+                    row = examples[index].row
+                    named = f"row {row}" if row else f"example {index + 1}"
                     raise ValueError(
-                        f"{flag}, example {index + 1}: the prompt is {full} tokens and its "
+                        f"{flag}, {named}: the prompt is {full} tokens and its "
                         f"<mask> falls past the {self.encoder.max_length}-token limit; raise "
                         "--max-length or shorten the row"
                     )

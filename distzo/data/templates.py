@@ -34,7 +34,7 @@ import functools
 import json
 import reprlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distzo.data.loaders import read_whole
@@ -59,6 +59,9 @@ class MaskedExample:
 
     sentences: tuple[str, ...]
     label: int
+    # the row's number in its file (0: not read from one), for a refusal of its encoding
+    # to name it after the sets are drawn: no part of the row's identity or digest
+    row: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,11 @@ class Task:
     name: str
     kind: str  # "classification" (incl. multiple choice) or "generation"
     columns: tuple[str, ...]
-    build: Callable[[dict[str, Any]], Example | MaskedExample | None]  # None: a row left out
+    # the row (and, where ``numbered``, its number in its file) -> its example, None: left out
+    build: Callable[..., Example | MaskedExample | None]
     num_labels: int = 0
     label_names: tuple[str, ...] = ()  # the class names a row's label may give, by index
+    numbered: bool = False
 
     def reads_names(self, names: Sequence[str]) -> bool:
         """Whether every one of ``names`` (an ``hf:`` split's ``ClassLabel``'s) is a class
@@ -366,6 +371,8 @@ RENAMING_NOTES = {
         " (an hf: split gives its class names; a file must write them (ABBR, DESC...), not "
         "its numbers: its 0 is ABBR, LM-BFF's 0 Description)"
     ),
+    # SentEval's numbers, LM-BFF's: a copy that counts objective first swaps them silently
+    ("subj", "text"): " and keep LM-BFF's labels: 0 subjective, 1 objective",
 }
 
 
@@ -433,7 +440,7 @@ def _build(task: Task, numbered: Iterator[tuple[int, dict[str, Any]]], source: s
         if wrong:  # a number or a list would be formatted into the prompt as its repr
             raise not_text(source, number, wrong[0], row[wrong[0]])
         try:
-            example = task.build(row)
+            example = task.build(row, number) if task.numbered else task.build(row)
         except (ValueError, AttributeError, TypeError) as err:
             raise ValueError(f"{source}, row {number}: {err}") from None
         if example is not None:

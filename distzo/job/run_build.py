@@ -138,7 +138,7 @@ class _Build:
         share = rank_share(self.parallel)
         data = build_task_data(job, rows, tokenizer, model.config, self.seed, stop_ids, share)
         if env.rank == 0:  # MeZO warns of a cut too ("Exceed max length")
-            for line in data.cut_notices:
+            for line in (*(rows.notices if rows else ()), *data.cut_notices):
                 logger.warning(line)
         self._plan_memory(model, data)
         objective = build_objective(job.optim.objective or "lm", data)

@@ -16,6 +16,7 @@ from transformers import AutoModelForMaskedLM, RobertaConfig
 
 from distzo.config.job import JobConfig
 from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
+from distzo.data.sampling import Sampling
 from distzo.data.task_data import LoadedRows, MaskedPromptData, load_task_rows
 from distzo.data.templates import MaskedExample
 from distzo.job.build import build_task_data
@@ -223,21 +224,21 @@ def test_trec_rows_in_cogcomps_columns_are_told_to_name_their_class(tmp_path):
 
 @pytest.mark.parametrize(
     ("task", "whose"),
-    [
-        ("sst5", "SetFit/sst5"),
-        ("trec", "CogComp/trec"),
-        ("mr", "a hub copy"),
-        ("subj", "a hub copy"),
-    ],
+    [("sst5", "SetFit/sst5"), ("trec", "CogComp/trec")]
+    + [(task, "a hub copy") for task in ("mr", "cr", "mpqa", "subj")],
 )
 def test_a_text_column_of_the_hubs_copies_is_told_the_columns_option(tmp_path, task, whose):
+    """SST-5's, TREC's, and the hub's copies of LM-BFF's mr, cr, mpqa and subj name their
+    sentence 'text'; subj's numbers are told too (a copy counting objective first would
+    swap its labels silently)."""
     data = tmp_path / f"{task}.jsonl"
     data.write_text('{"text": "Q?", "label": 1}\n')
     with pytest.raises(ValueError) as err:
         load_task_rows(task, str(data), str(data), masked=True)
+    note = " and keep LM-BFF's labels: 0 subjective, 1 objective" if task == "subj" else ""
     assert str(err.value).endswith(
         f"; the file has 'text', as {whose} names it: read it as 'sentence' with --columns "
-        "sentence=text"
+        f"sentence=text{note}"
     )
 
 
@@ -261,6 +262,15 @@ def test_snli_rows_without_a_gold_label_are_left_out_as_lm_bffs_files_lack_them(
     )
     rows = load_task_rows("snli", str(snli), str(snli), masked=True)
     assert [row.label for row in rows.train] == [0, 2, 1] == [row.label for row in rows.eval]
+    assert rows.notices == (  # counted in one line, which the job logs (they were silent)
+        "--task snli leaves out the rows without a gold label (label -1 or -), as LM-BFF's "
+        "files hold none: 2 of --train-file's 5 and 2 of --eval-file's 5",
+    )
+    labelled = tmp_path / "labelled.jsonl"
+    labelled.write_text(snli.read_text().splitlines()[0] + "\n")
+    rows = load_task_rows("snli", str(snli), str(labelled), masked=True)
+    assert rows.notices[0].endswith("files hold none: 2 of --train-file's 5")
+    assert load_task_rows("snli", str(labelled), str(labelled), masked=True).notices == ()
     mnli = tmp_path / "mnli.jsonl"  # GLUE's MNLI has no such rows: one is an error there
     mnli.write_text(snli.read_text())
     with pytest.raises(ValueError, match="row 2: label -1 marks a row with no label"):
@@ -318,6 +328,37 @@ def test_the_dev_rows_are_their_own_and_a_row_whose_mask_is_cut_is_refused_by_nu
     assert re.fullmatch(
         r"--train-file, example 2: the prompt is \d+ tokens and its <mask> falls past the "
         r"40-token limit; raise --max-length or shorten the row",
+        str(err.value),
+    )
+
+
+def test_drawn_rows_are_named_by_the_option_and_the_file_row_that_gave_them(tmp_path):
+    """LM-BFF's --dev-per-class rows were called --num-dev rows in the cut warning, and a
+    drawn row whose <mask> the limit cuts off was named by its place in the drawn set."""
+    lines = [("great fun", 1), ("dull", 0), ("fine", 1), ("slow", 0), (LONG[0], 1), ("ok", 0)]
+    data, evals = tmp_path / "mr.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"sentence": t, "label": n}) + "\n" for t, n in lines))
+    evals.write_text(json.dumps({"sentence": "fun", "label": 1}) + "\n")
+    drawn = Sampling(seed=0, train_per_class=1, dev_per_class=2)
+    rows = load_task_rows("mr", str(data), str(evals), drawn, masked=True)
+    # LM-BFF's draw at seed 0: rows 6, 3 to train, 2, 4, 1, 5 as dev (LONG's 5 the 4th)
+    assert [[row.row for row in part] for part in (rows.train, rows.dev)] == [
+        [6, 3],
+        [2, 4, 1, 5],
+    ]
+    # mr keeps 110 tokens of a sentence: LONG's row is 116 tokens, its <mask> at 113
+    cut = MaskedPromptEncoder(roberta_tokenizer(), "mr", 115)
+    assert MaskedPromptData(rows, cut, 0, 2).cut_notices == (
+        "--dev-per-class rows of --train-file: 1 of 4 rows are longer than 115 tokens "
+        "(--max-length, or the model's positions): they lose tokens from the end, their "
+        "<mask> kept (MeZO's cut); raise --max-length or shorten the rows",
+    )
+    cut_off = MaskedPromptEncoder(roberta_tokenizer(), "mr", 40)  # the <mask> falls past it
+    with pytest.raises(ValueError) as err:
+        MaskedPromptData(rows, cut_off, 0, 2)
+    assert re.fullmatch(
+        r"--dev-per-class rows of --train-file, row 5: the prompt is \d+ tokens and its "
+        "<mask> falls past the 40-token limit; raise --max-length or shorten the row",
         str(err.value),
     )
 
