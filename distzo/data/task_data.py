@@ -233,8 +233,8 @@ def load_task_rows(
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
     loaded: list[list[Any]] = []
     read = [0, 0]  # each file's rows, of which a task's build may leave some out
+    reads_names = schema.reads_names if schema else None
     for file, source in enumerate((train_file, eval_file)):
-        reads_names = schema.reads_names if schema else None
         numbered = iter_numbered_rows(source, (pins or {}).get(source), reads_names)
         if columns:
             numbered = renamed(numbered, columns, source)

@@ -149,18 +149,16 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
             "leaves no room for a sequence; lower --prefix-length"
         )
     longest = data.seq_len if data.task == "counting" else data.max_length
-    table = int(model_config.max_position_embeddings) - (
-        job.peft.prefix_length if job.peft.peft == "prefix" else 0
-    )
+    family = check_supported(model_config.model_type)
     # RoBERTa's positions count from its pad id + 1: fewer tokens than table rows
-    held = f" ({positions} token positions)" if positions != table else ""
+    held = f" ({positions} token positions)" if family.reserved_positions(model_config) else ""
     if longest > positions:
         flag = "--seq-len" if data.task == "counting" else "--max-length"
         raise ValueError(
             f"{flag} {longest} exceeds the model's max_position_embeddings "
             f"{model_config.max_position_embeddings}{prefix}{held}; lower {flag}"
         )
-    return check_supported(model_config.model_type).lm_kind == MASKED
+    return family.lm_kind == MASKED
 
 
 def check_masked_job(job: JobConfig, model_type: str) -> None:
