@@ -76,10 +76,19 @@ def check_objective(task: str, objective: str) -> None:
         "classification": ("lm", "classification", "accuracy"),
         "generation": ("lm", "f1"),
     }[kind]
+    named = list(allowed)
+    if task in MASKED_TASKS and "lm" in allowed:
+        # a masked LM has no next token: lm is a causal LM's, and a task only a masked LM
+        # has a prompt for has none
+        if task in TASKS:
+            named[named.index("lm")] = "lm (a causal LM's)"
+        else:
+            allowed = tuple(name for name in allowed if name != "lm")
+            named.remove("lm")
     if objective not in allowed:
         raise ValueError(
             f"--objective {objective} does not apply to --task {task}; choose one of "
-            f"{', '.join(allowed)}"
+            f"{', '.join(named)}"
         )
 
 

@@ -42,7 +42,7 @@ def check_engine_arguments(
         raise _refused(
             "model",
             model,
-            "a transformers causal LM (or a peft model of one)",
+            "a transformers causal or masked LM (or a peft model of one)",
             "load_model(name_or_path) or model_from_config(config)",
         )
     if not isinstance(config, ZOConfig):  # a dict was "object has no attribute 'validate'"

@@ -178,8 +178,8 @@ NO_FILES = [
     [
         (
             ["--task", "sst2", "--objective", "f1", *NO_FILES],
-            "--objective f1 does not apply to --task sst2; choose one of lm, classification, "
-            "accuracy",
+            "--objective f1 does not apply to --task sst2; choose one of lm (a causal LM's), "
+            "classification, accuracy",
         ),
         (
             ["--task", "text", "--objective", "classification", *NO_FILES],

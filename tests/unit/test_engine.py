@@ -489,7 +489,11 @@ def test_a_config_that_is_no_zoconfig_is_refused_in_one_line(config, got):
         ("family", "opt", "a ModelFamily, got str 'opt': omit it"),
         ("weights", "x", "a WeightSource, got str 'x': open_checkpoint(path)"),
         ("parallel", 1, "a distzo.dist.ParallelContext, got int 1: a torchrun job's"),
-        ("model", torch.nn.Linear(4, 4), "a transformers causal LM (or a peft model of one), got"),
+        (
+            "model",
+            torch.nn.Linear(4, 4),
+            "a transformers causal or masked LM (or a peft model of one), got",
+        ),
     ],
 )
 def test_an_argument_of_the_wrong_type_is_refused_at_construction(argument, value, got):

@@ -405,9 +405,15 @@ def roberta_folder(tmp_path_factory) -> Path:
             "--columns text=text: --task sst5 has no column 'text'; its columns are sentence, "
             "label (write TASK_COLUMN=SOURCE_COLUMN)",
         ),
-        (  # f1 scores a generation task, which no masked-LM task is: refused with the options
+        (  # f1 scores a generation task, which no masked-LM task is: refused with the
+            # options, lm named as a causal LM's (the model is not read yet)
             ["--task", "sst2", "--objective", "f1"],
-            "--objective f1 does not apply to --task sst2; choose one of lm, classification, "
+            "--objective f1 does not apply to --task sst2; choose one of lm (a causal LM's), "
+            "classification, accuracy",
+        ),
+        (  # a task only a masked LM has a prompt for has no lm objective at all
+            ["--task", "sst5", "--objective", "lm"],
+            "--objective lm does not apply to --task sst5; choose one of classification, "
             "accuracy",
         ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
