@@ -413,8 +413,7 @@ def roberta_folder(tmp_path_factory) -> Path:
         ),
         (  # a task only a masked LM has a prompt for has no lm objective at all
             ["--task", "sst5", "--objective", "lm"],
-            "--objective lm does not apply to --task sst5; choose one of classification, "
-            "accuracy",
+            "--objective lm does not apply to --task sst5; choose one of classification, accuracy",
         ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
             ["--task", "sst2", "--max-length", "129"],
