@@ -20,7 +20,7 @@ layers compute with whatever perturbation the scratch currently holds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
@@ -46,8 +46,9 @@ from distzo.engine.failures import FailureLatch
 from distzo.engine.layouts import unwrap_peft
 from distzo.engine.parts import Placement, build_parts, check_unbound, describe
 from distzo.engine.passes import UNPERTURBED, BlockPass, StepRunner, micro_batch_bounds
+from distzo.engine.reads import ReadBacks
 from distzo.engine.resident_sides import HEAD
-from distzo.engine.state import BucketReader, StoredBuckets
+from distzo.engine.state import BucketReader
 from distzo.engine.tuning import Streamed
 from distzo.engine.updates import History, PendingUpdate, UpdateQueue
 from distzo.models import ModelFamily, family_for
@@ -138,7 +139,7 @@ class Delegate(Generic[T]):
         setattr(getattr(engine, self.part), str(self.name), value)
 
 
-class ZOEngine:
+class ZOEngine(ReadBacks):
     """MeZO-SGD on a model whose blocks are resident (MeZO) or streamed from host memory (ZO2).
 
     ``parallel`` places this rank in a torchrun job (DistZO2): which perturbed passes it
@@ -470,50 +471,6 @@ class ZOEngine:
         self.resident.forget()
         self.failures.reset()
 
-    def named_parameters(self) -> dict[str, torch.Tensor]:
-        """Flushed values by Hugging Face name (aliases of tied weights included), as CPU
-        copies in the master dtype. Collective under the sliced transfer: call on every rank."""
-        self.flush()
-        return self.reader.collect(self.trained)
-
-    def stream_parameters(
-        self, materialize: bool = True, frozen: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Flushed values, one bucket at a time, as ``(canonical name, CPU tensor)`` with
-        storage of their own: an export holds one block, never the model twice.
-        ``frozen``: the frozen base of an adapter run instead of the trained parameters.
-
-        Collective under the sliced transfer (each block is gathered through the device):
-        every rank must drain it. A rank with ``materialize=False`` takes part in the
-        gathers but copies nothing to the host and yields nothing.
-        """
-        self.flush()
-        stored = self.tuning.frozen_buckets if frozen else self.trained
-        if stored is None:
-            raise ValueError("frozen=True reads the frozen base of an adapter run; there is none")
-        for _, entry, value in self.reader.values(stored, materialize):
-            yield entry.names[0], value
-
-    def stream_buckets(self, materialize: bool = True) -> Iterator[dict[str, torch.Tensor]]:
-        """Flushed values, resident modules first, then block by block, as one dict per
-        bucket by every alias, frozen base and adapter together (a merge of an adapter
-        into its base needs both halves of a block at once). Collective as ``stream_parameters``."""
-        self.flush()
-        yield from self.reader.merged(self.trained, self.tuning.frozen_buckets, materialize)
-
-    def blocks_at_rest(
-        self, wanted: Callable[[int], bool], private: bool, moment: int | None = None
-    ) -> Iterator[tuple[int, torch.Tensor]]:
-        """``(i, block i exactly as stored, in its at-rest dtype)`` for every block with
-        ``wanted(i)`` (``moment``: that optimizer moment of the block): what a checkpoint
-        holds. Collective under the sliced transfer (``BucketReader.at_rest``)."""
-        store = self.store if moment is None else self.moments.blocks[moment]
-        return self.reader.at_rest(store, len(self.blocks), wanted, private, self.state_sliced)
-
-    def moment_buckets(self, k: int) -> StoredBuckets:
-        """Optimizer moment ``k`` of every trained bucket, laid out as the bucket."""
-        return self.trained.beside(self.moments.resident[k], self.moments.blocks[k])
-
     # ------------------------------------------------------------------ sizes
 
     @property
@@ -521,12 +478,6 @@ class ZOEngine:
         """The store whose blocks the scheduler moves: the frozen base under an adapter,
         the blocks with their moments when those travel too."""
         return self.tuning.streamed(self.carried if self.carried is not None else self.store)
-
-    @property
-    def state_sliced(self) -> bool:
-        """Whether the trained state is split over the node's ranks (the sliced transfer of
-        whole blocks); an adapter's state is small and whole on every rank."""
-        return self.transfer == "sliced" and self.tuning.streams_trained
 
     @property
     def link_bytes_per_step(self) -> int:
