@@ -152,7 +152,9 @@ class DataOptions:
         "(MeZO's --num_dev)",
     )
     num_eval: int | None = option(
-        None, "evaluate on N rows drawn from --eval-file (MeZO's --num_eval; default: all)"
+        None,
+        "evaluate on N rows drawn from --eval-file (MeZO's --num_eval; default: all); with "
+        "--train-per-class, LM-BFF's 1k-test rows: seed 42, a file of N rows or fewer whole",
     )
     train_per_class: int | None = option(
         None,

@@ -11,6 +11,10 @@ files' order (``benchmarks/k_shot_check.py`` runs its code on the same rows and 
 One exception: GLUE's CoLA ``train.tsv`` has no header, so the script shuffles that file's
 own list in place, once per seed of its default order (100, 13, 21, 42, 87): CoLA's set of
 seed 13 is the shuffle of 13 applied to the shuffle of 100, and so on (``_lm_bff_order``).
+
+Its ``--mode k-shot-1k-test`` (the evaluation rows of MeZO's RoBERTa table) also cuts the
+test set, a GLUE task's dev file, to 1,000 rows: ``lm_bff_test_draw``, which ``--num-eval``
+beside ``--train-per-class`` takes.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import numpy as np
 Row = TypeVar("Row")
 
 LM_BFF_SEEDS = (100, 13, 21, 42, 87)  # generate_k_shot_data.py's default --seed, in its order
-# tasks whose training list the script shuffles in place across its seeds (split_header
-# returns the list itself where a GLUE file has no header line: CoLA's)
+# tasks whose training and dev lists the script shuffles in place across its seeds
+# (split_header returns the list itself where a GLUE file has no header line: CoLA's)
 IN_PLACE_TASKS = ("cola",)
+LM_BFF_TEST_SEED = 42  # the 1k-test mode's np.random.seed (and pandas' random_state)
 
 
 def per_class_draw(
@@ -65,6 +70,28 @@ def _lm_bff_order(count: int, seed: int, task: str) -> list[int]:
     seeds = [seed]
     if task in IN_PLACE_TASKS and seed in LM_BFF_SEEDS:
         seeds = list(LM_BFF_SEEDS[: LM_BFF_SEEDS.index(seed) + 1])
+    return _shuffled(count, seeds)
+
+
+def lm_bff_test_draw(count: int, wanted: int, seed: int, task: str = "") -> list[int]:
+    """The indices of the test rows LM-BFF's ``--mode k-shot-1k-test`` writes for the data
+    seed ``seed`` (``wanted``: its 1,000): MeZO's RoBERTa table reports those, not a draw
+    of the data seed. A file of more than ``wanted`` rows is shuffled under seed 42 whatever
+    the data seed (GLUE's ``np.random.shuffle``; the other tasks' ``DataFrame.sample(n,
+    random_state=42)``, numpy's ``permutation(count)[:n]`` too) and its first ``wanted``
+    kept; one of ``wanted`` or fewer is whole, in its order (the script's ``len > 1000``).
+    CoLA's dev file, headerless, is shuffled in place once per seed of the script's order,
+    so the i-th seed's set is that shuffle applied i + 1 times."""
+    if count <= wanted:
+        return list(range(count))
+    times = 1
+    if task in IN_PLACE_TASKS and seed in LM_BFF_SEEDS:
+        times = LM_BFF_SEEDS.index(seed) + 1
+    return _shuffled(count, [LM_BFF_TEST_SEED] * times)[:wanted]
+
+
+def _shuffled(count: int, seeds: list[int]) -> list[int]:
+    """The indices of ``count`` rows after numpy's seeded shuffles of one list, in turn."""
     order = np.arange(count)
     for each in seeds:  # list[i] = previous[perm[i]]: the shuffles compose as indices
         order = order[np.random.RandomState(each).permutation(count)]

@@ -10,6 +10,10 @@ so given the same rows in the same order (GLUE's splits through ``datasets``) th
 MeZO's row for row. Where MeZO asks more rows than a split holds it takes them all; here
 that is a one-line error naming the file's count, since a count that silently means
 "all" would record a run's size wrongly.
+
+Beside ``--train-per-class`` (LM-BFF's k-shot sets, MeZO's RoBERTa runs) ``--num-eval``
+draws LM-BFF's 1k-test rows instead (``per_class.lm_bff_test_draw``: seed 42, and a file
+of N rows or fewer whole, as that script takes it).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from distzo.data.per_class import example_labels, per_class_draw
+from distzo.data.per_class import example_labels, lm_bff_test_draw, per_class_draw
 
 Row = TypeVar("Row")
 SEED_LIMIT = 2**32  # numpy's legacy generator takes seeds below this
@@ -83,7 +87,10 @@ def sample_sets(
             raise ValueError(_too_many(sampling, len(train), train_file))
         drawn = [train[i] for i in mezo_draw(len(train), wanted, sampling.seed)]
         train, dev = drawn[: wanted - dev_count], drawn[wanted - dev_count :]
-    if sampling.num_eval is not None:
+    if sampling.num_eval is not None and sampling.train_per_class is not None:
+        drawn_eval = lm_bff_test_draw(len(evals), sampling.num_eval, sampling.seed, task)
+        evals = [evals[i] for i in drawn_eval]
+    elif sampling.num_eval is not None:
         if sampling.num_eval > len(evals):
             raise ValueError(
                 f"--num-eval {sampling.num_eval} asks more rows than the {len(evals)} of "
