@@ -167,7 +167,9 @@ class DataOptions:
         "dev set: as many as --train-per-class)",
     )
     train_set_seed: int = option(
-        0, "seed of the --num-train/--num-dev/--num-eval draw (MeZO's --train_set_seed)"
+        0,
+        "seed of the --num-train/--num-dev/--num-eval and --train-per-class draws (MeZO's "
+        "--train_set_seed, LM-BFF's data seed; its 1k-test rows: 42)",
     )
     batch_size: int = option(16, "global sequences per step (split over dp)")
     seq_len: int = option(16, "tokens per generated sequence (counting task)")
