@@ -81,7 +81,7 @@ def lm_bff_test_draw(count: int, wanted: int, seed: int, task: str = "") -> list
     random_state=42)``, numpy's ``permutation(count)[:n]`` too) and its first ``wanted``
     kept; one of ``wanted`` or fewer is whole, in its order (the script's ``len > 1000``).
     CoLA's dev file, headerless, is shuffled in place once per seed of the script's order,
-    so the i-th seed's set is that shuffle applied i + 1 times."""
+    so a seed's set is that shuffle applied once per seed up to it (13's: twice)."""
     if count <= wanted:
         return list(range(count))
     times = 1
