@@ -143,13 +143,19 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
         )
     positions = token_positions(job, model_config)
     prefix = f" less the {job.peft.prefix_length}-token prefix" if job.peft.peft == "prefix" else ""
+    family = check_supported(model_config.model_type)
     if positions < 2:
+        # RoBERTa's rows before a first token named too: "130 less the 127-token prefix"
+        # left 3 rows, and no reason why that was no room
+        reserved = family.reserved_positions(model_config)
+        taken = [f"the {reserved} it keeps before a first token"] if reserved else []
+        taken += [f"the {job.peft.prefix_length}-token prefix"] if prefix else []
+        less = f" less {' and '.join(taken)}" if taken else ""
         raise ValueError(
-            f"the model's max_position_embeddings {model_config.max_position_embeddings}{prefix} "
+            f"the model's max_position_embeddings {model_config.max_position_embeddings}{less} "
             "leaves no room for a sequence; lower --prefix-length"
         )
     longest = data.seq_len if data.task == "counting" else data.max_length
-    family = check_supported(model_config.model_type)
     # RoBERTa's positions count from its pad id + 1: fewer tokens than table rows
     held = f" ({positions} token positions)" if family.reserved_positions(model_config) else ""
     if longest > positions:

@@ -415,6 +415,11 @@ def roberta_folder(tmp_path_factory) -> Path:
             ["--task", "sst5", "--objective", "lm"],
             "--objective lm does not apply to --task sst5; choose one of classification, accuracy",
         ),
+        (  # 130 rows less the prefix's 127 leave 3, of which RoBERTa keeps 2 before a token
+            ["--task", "sst2", "--peft", "prefix", "--prefix-length", "127"],
+            "the model's max_position_embeddings 130 less the 2 it keeps before a first token "
+            "and the 127-token prefix leaves no room for a sequence; lower --prefix-length",
+        ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
             ["--task", "sst2", "--max-length", "129"],
             "--max-length 129 exceeds the model's max_position_embeddings 130 (128 token "
