@@ -241,11 +241,13 @@ def _check_linear_targets(model: nn.Module, config: LoraConfig, method: str) -> 
 
     if config.target_modules is None:  # none named and no default: peft says so
         return
+    # the example is the model's own (RoBERTa's query,value), not a module it lacks
+    example = ",".join(_default_targets(model) or ("q_proj", "v_proj"))
     for name, module in model.named_modules():
         if check_target_module_exists(config, name) and not isinstance(module, (nn.Linear, Conv1D)):
             raise ValueError(
                 f"--lora-targets: {name} ({type(module).__name__}) is not a linear layer; "
-                f"--peft {method} trains LoRA on linear layers only (such as q_proj,v_proj)"
+                f"--peft {method} trains LoRA on linear layers only (such as {example})"
             )
 
 

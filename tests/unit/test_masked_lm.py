@@ -131,6 +131,17 @@ def test_a_lora_adapter_loads_with_peft_onto_the_masked_lm(tmp_path):
     assert not torch.allclose(plain.logits, logits, rtol=0, atol=1e-9)
 
 
+def test_a_lora_target_that_is_not_linear_is_refused_naming_robertas_own_targets():
+    """The example of linear targets is the model's own (peft's RoBERTa targets), not
+    OPT's and Llama's q_proj,v_proj, which a RoBERTa has no module of."""
+    with pytest.raises(ValueError) as err:
+        attach_adapter(build("roberta"), AdapterSpec("lora", targets=("word_embeddings",)), 0)
+    assert str(err.value) == (
+        "--lora-targets: roberta.embeddings.word_embeddings (Embedding) is not a linear "
+        "layer; --peft lora trains LoRA on linear layers only (such as query,value)"
+    )
+
+
 NO_NEXT_TOKEN = (
     "reads a causal LM's next token, and model type 'roberta' is a masked LM; give "
     "objective=Classification() or Accuracy() on choice batches whose score_position is "
