@@ -130,20 +130,22 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
         size = model_size(model_config, where)
         check_weights_fit(size, each, config.torch_device(), job.run.force, where)
     data = job.data
+    family = check_supported(model_config.model_type)
     if data.task != "counting" and 0 < data.max_length < 2:
-        # a prompt keeps one token at least, so a candidate or answer gets max_length - 1
-        scored = (
-            "next token to predict"
-            if data.task == "text"
-            else ("token of a candidate or answer to score after its prompt")
-        )
+        # a prompt keeps one token at least, so a candidate or answer gets max_length - 1;
+        # a masked LM's label words are scored at its <mask>, inside the prompt
+        scored, limit = "token of a candidate or answer to score after its prompt", "the model's"
+        if data.task == "text":
+            scored = "next token to predict"
+        elif family.lm_kind == MASKED:
+            scored, limit = "room for the <mask> after the row's first token", "MeZO's"
+        for_task = " for the task" if family.lm_kind == MASKED else ""
         raise ValueError(
             f"--max-length {data.max_length} leaves no {scored}; raise --max-length (at least "
-            "2, or 0: the model's limit)"
+            f"2, or 0: {limit} limit{for_task})"
         )
     positions = token_positions(job, model_config)
     prefix = f" less the {job.peft.prefix_length}-token prefix" if job.peft.peft == "prefix" else ""
-    family = check_supported(model_config.model_type)
     if positions < 2:
         # RoBERTa's rows before a first token named too: "130 less the 127-token prefix"
         # left 3 rows, and no reason why that was no room

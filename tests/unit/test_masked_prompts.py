@@ -420,6 +420,11 @@ def roberta_folder(tmp_path_factory) -> Path:
             "the model's max_position_embeddings 130 less the 2 it keeps before a first token "
             "and the 127-token prefix leaves no room for a sequence; lower --prefix-length",
         ),
+        (  # the label words are scored at the <mask>, inside the prompt, not after it
+            ["--task", "trec", "--max-length", "1"],
+            "--max-length 1 leaves no room for the <mask> after the row's first token; raise "
+            "--max-length (at least 2, or 0: MeZO's limit for the task)",
+        ),
         (  # RoBERTa's positions count from its pad id + 1: 130 rows hold 128 tokens
             ["--task", "sst2", "--max-length", "129"],
             "--max-length 129 exceeds the model's max_position_embeddings 130 (128 token "
