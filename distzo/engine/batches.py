@@ -95,9 +95,10 @@ def check_batch(
         other = batch.get(name)
         if other is not None and (not isinstance(other, torch.Tensor) or other.shape != ids.shape):
             shape = tuple(other.shape) if isinstance(other, torch.Tensor) else type(other)
-            hint = (
-                "; labels are the input ids themselves (-100 where no loss is taken), which "
-                "the model shifts"
+            hint = (  # the same positions for either kind of model: no shift by the caller
+                "; labels are token ids at input_ids' own positions (-100 where no loss is "
+                "taken): a causal LM's loss shifts them itself, a masked LM's reads each "
+                "where it stands"
                 if name == "labels"
                 else ""
             )

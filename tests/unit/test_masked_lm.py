@@ -260,6 +260,20 @@ def test_positions_count_from_after_the_pad_id_and_the_longest_sequence_runs(pre
     assert token_positions(job, CONFIGS["roberta"]()) == longest
 
 
+def test_labels_of_another_shape_are_refused_without_saying_a_masked_lm_shifts_them():
+    """The hint said labels are the ids themselves 'which the model shifts': a masked LM
+    reads each label at its own position, so a user of one was told the wrong thing."""
+    engine = engine_of(build("roberta"))
+    rows = torch.randint(5, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as err:
+        engine.forward({"input_ids": rows, "labels": rows[:, 1:]})
+    assert str(err.value) == (
+        "labels must have input_ids' shape (2, 7), got (2, 6); labels are token ids at "
+        "input_ids' own positions (-100 where no loss is taken): a causal LM's loss shifts "
+        "them itself, a masked LM's reads each where it stands"
+    )
+
+
 def test_a_decoder_config_is_refused():
     from distzo.models.registry import check_supported
 
