@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from distzo.data.encoding import IDS_ONLY
 from distzo.data.templates import LABEL_NAMES, MaskedExample, Task, row_label
 from distzo.objectives import ChoiceEncoding
 
@@ -213,8 +214,12 @@ class MaskedPromptEncoder:
         sentences of all of them through one tokenizer call."""
         sentences = [p for p in self.parts if isinstance(p, _Sentence)]
         texts = [s.text(e.sentences) for e in examples for s in sentences]
+        # the ids alone, without the tokenizer's false "indexing errors" warning for a
+        # sentence over its maximum: the limits cut every row (``IDS_ONLY``)
         encoded = iter(
-            self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ()
+            self.tokenizer(texts, **{**IDS_ONLY, "add_special_tokens": False})["input_ids"]
+            if texts
+            else ()
         )
         for _ in examples:
             ids: list[int] = []

@@ -152,6 +152,29 @@ def test_rte_and_mnli_keep_240_tokens_of_the_premise_snli_all(task):
     assert encoding.scored[0][1] == 242  # <s>, 240 premise tokens, "?", then the <mask>
 
 
+def test_a_sentence_longer_than_the_tokenizers_maximum_raises_no_false_warning():
+    """RoBERTa's tokenizer warns of "indexing errors" for a text over its 512 tokens, but
+    the sentence limits and the row's limit cut it (and the run counts the rows cut):
+    the warning was false, on every long premise of a run."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    tokenizer = roberta_tokenizer()
+    tokenizer.model_max_length = 16
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    hf_logging.get_logger("transformers").addHandler(handler)
+    try:
+        encoder = MaskedPromptEncoder(tokenizer, "rte", 40)
+        ((ids, full),) = encoder.encode_ids([MaskedExample((LONG[0], "Cats purr."), 0)])
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(handler)
+    assert (len(ids), full > 40) == (40, True)
+    assert [m for m in heard if "indexing errors" in m] == []
+
+
 def test_a_tokenizer_with_no_mask_token_is_refused():
     with pytest.raises(ValueError) as err:
         MaskedPromptEncoder(shared_byte_tokenizer(), "sst2", 128)
