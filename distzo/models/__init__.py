@@ -1,5 +1,6 @@
-"""Model families: a Hugging Face causal LM split into resident embed/head and streamed
-blocks; and where its weights come from (checkpoints, named shapes, the hub, GGUF)."""
+"""Model families: a Hugging Face causal LM (or an encoder as its masked LM, RoBERTa) split
+into resident embed/head and streamed blocks; and where its weights come from
+(checkpoints, named shapes, the hub, GGUF)."""
 
 from distzo.models.family import BatchContext, ModelFamily
 from distzo.models.opt import OPTFamily

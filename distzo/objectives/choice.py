@@ -10,8 +10,9 @@ A batch holds whole examples along dim 0, so it shards over data-parallel ranks 
 batch; each rank's loss is its examples' sum divided by the *global* example count, and
 the ranks' values add up to the global mean in the step's one all-reduce. An example
 whose candidates are all single tokens (SST-2's " terrible" / " great") is one row, its
-prompt: the logits of the prompt's last position score every candidate. Otherwise each
-candidate is a row of its own (prompt + candidate).
+prompt: the logits of the prompt's last position score every candidate (a masked LM's,
+RoBERTa's: those at its ``<mask>``, wherever the batch's ``score_position`` says).
+Otherwise each candidate is a row of its own (prompt + candidate).
 """
 
 from __future__ import annotations
