@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from distzo.data.hub_errors import not_loaded
 from distzo.runtime import json_text
 from distzo.runtime.gc_paused import gc_paused
 
@@ -449,6 +450,4 @@ def _read_cache_quietly() -> Iterator[None]:
 
 
 def _not_loaded(source: str, err: BaseException) -> ValueError:
-    return ValueError(
-        f"{source}: cannot load from the hub ({str(err).splitlines()[0]}); use a local file"
-    )
+    return not_loaded(source, parse_hub_spec(source), err)

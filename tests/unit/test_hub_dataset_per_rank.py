@@ -111,7 +111,11 @@ def test_a_refusal_is_the_waiting_ranks_line(store, monkeypatch, tmp_path, sourc
     assert str(failed[0]) == (
         f"rank 0 on node 0 refused its input: {raised.value}; fix it on that node and launch again"
     )
-    assert str(raised.value).startswith(f"{source}: cannot load from the hub (")
+    assert str(raised.value).startswith(
+        f"{source}: cannot load from the hub ("
+        if asked == "revision"
+        else f"{source}: org/tiny has no split 'nosplit'; its splits are train, validation"
+    )
     # rank 0 had answered which commit where the node's cache failed, not where that did
     told = gate.check([launch_gate.ANSWER + f"{source}'s revision"])
     assert told == (asked == "node's cache")

@@ -1,0 +1,87 @@
+"""An ``hf:`` spec that names no config of a dataset with several, a split or config the
+dataset lacks, or a folder ``save_to_disk`` wrote: one line naming what is wrong and the
+spec to write, not the first line of ``datasets``' message and "use a local file". The
+datasets are folders written here, read as ``hf:FOLDER...`` offline."""
+
+import pytest
+from datasets import Dataset
+
+from distzo.data.loaders import load_rows
+from distzo.models import hub_reads
+
+ROWS = [{"sentence": "a film", "label": 1}]
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No hub: datasets offline, its cache in tmp_path."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(hub_reads, "hub_answers", lambda: False)
+
+
+def configured(folder) -> str:
+    """A dataset of configs ``first`` and ``second`` (a train split each), as GLUE's."""
+    card = ["---", "configs:"]
+    for config in ("first", "second"):
+        (folder / config).mkdir(parents=True)
+        Dataset.from_list(ROWS).to_parquet(str(folder / config / "train-00000-of-00001.parquet"))
+        card += [f"- config_name: {config}", "  data_files:", "  - split: train"]
+        card += [f"    path: {config}/*.parquet"]
+    (folder / "README.md").write_text("\n".join([*card, "---", ""]))
+    return str(folder)
+
+
+def test_a_spec_naming_no_config_of_several_names_them(offline, tmp_path):
+    path = configured(tmp_path / "glue")
+    assert load_rows(f"hf:{path}:first:train") == ROWS
+    with pytest.raises(ValueError) as err:
+        load_rows(f"hf:{path}:train")
+    assert str(err.value) == (
+        f"hf:{path}:train: {path} has configs first, second and the spec names none; write "
+        f"hf:{path}:CONFIG:SPLIT, e.g. hf:{path}:first:train"
+    )
+
+
+def test_a_config_written_without_its_split_is_named_as_a_config(offline, tmp_path):
+    """hf:nyu-mll/glue:sst2 reads sst2 as the split: the user left the split out."""
+    path = configured(tmp_path / "glue")
+    with pytest.raises(ValueError) as err:
+        load_rows(f"hf:{path}:second")
+    assert str(err.value) == (
+        f"hf:{path}:second: second is a config of {path} and the spec names no split; write "
+        f"hf:{path}:second:SPLIT, e.g. hf:{path}:second:train"
+    )
+
+
+def test_a_config_the_dataset_lacks_names_its_configs(offline, tmp_path):
+    path = configured(tmp_path / "glue")
+    with pytest.raises(ValueError) as err:
+        load_rows(f"hf:{path}:third:train")
+    assert str(err.value) == (
+        f"hf:{path}:third:train: {path} has no config 'third'; its configs are first, second: "
+        f"write e.g. hf:{path}:first:train"
+    )
+
+
+def test_a_split_the_dataset_lacks_names_its_splits(offline, tmp_path):
+    path = configured(tmp_path / "glue")
+    with pytest.raises(ValueError) as err:
+        load_rows(f"hf:{path}:first:validation")
+    assert str(err.value) == (
+        f"hf:{path}:first:validation: {path} has no split 'validation'; its splits are train: "
+        f"write e.g. hf:{path}:first:train"
+    )
+
+
+def test_a_save_to_disk_folder_is_named_with_the_file_to_write(offline, tmp_path):
+    folder = tmp_path / "saved"
+    Dataset.from_list(ROWS).save_to_disk(str(folder))
+    with pytest.raises(ValueError) as err:
+        load_rows(f"hf:{folder}:train")
+    assert str(err.value) == (
+        f"hf:{folder}:train: {folder} is a folder Dataset.save_to_disk wrote, which is read "
+        "as no dataset; write its rows to a file (Dataset.to_parquet('train.parquet')) and "
+        "give that file"
+    )
