@@ -371,7 +371,8 @@ def _hub_rows(source: str, pin: HubPin | None, reads_names: ReadsNames | None) -
     try:
         for row in dataset:
             for column, names in named.items():
-                if 0 <= row[column] < len(names):  # -1, no label, stays the row's to refuse
+                # -1 (no label) and a null stay the row's to refuse, as a file's would be
+                if isinstance(row[column], int) and 0 <= row[column] < len(names):
                     row[column] = names[row[column]]
             yield row
     except Exception as err:

@@ -172,3 +172,18 @@ def test_a_missing_column_names_the_rows_other_columns_and_the_option(tmp_path):
         f"{data}, row 1: missing column 'sentence' (task sst2 needs sentence, label); the row "
         "also has 'text', 'idx': --columns sentence=COLUMN reads one of them as 'sentence'"
     )
+
+
+def test_a_class_label_cell_holding_no_value_is_the_rows_missing_label(offline, tmp_path):
+    """A null in a ClassLabel column was compared with the class count, a TypeError said
+    as 'cannot load from the hub'; the row is refused as a file's row without its label."""
+    features = Features(
+        {"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"])}
+    )
+    rows = [{"sentence": "a film", "label": 1}, {"sentence": "a play", "label": None}]
+    source = hub_split(tmp_path / "glue", rows, features)
+    with pytest.raises(ValueError) as err:
+        load_task_rows("sst2", source, source)
+    assert str(err.value) == (
+        f"{source}, row 2: missing column 'label' (task sst2 needs sentence, label)"
+    )
