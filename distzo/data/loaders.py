@@ -7,8 +7,9 @@ causal-LM task). Lines end at ``\n`` (or ``\r\n``) only: a JSON string may hold 
 and a text line a form feed. A ``.tsv`` file is read as GLUE writes it: no quoting, so a
 ``"`` is text (a field cannot hold a tab or a newline). A UTF-8 byte-order mark is
 skipped. A ``.json`` file is a list of objects or JSON Lines (``datasets``' ``to_json``
-writes those by default). Errors are one line naming the file and the row, by the
-number ``load_numbered_rows`` gives it.
+writes those by default). A ``.parquet`` file ``datasets`` wrote keeps a split's
+features: its ``ClassLabel`` columns read as an ``hf:`` split's are. Errors are one line
+naming the file and the row, by the number ``load_numbered_rows`` gives it.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _numbered_rows(
             f"{source}: unsupported format {suffix or '(none)'}; use one of {', '.join(FORMATS)}"
         )
     if suffix == ".parquet":
-        return enumerate(_parquet_rows(path, source), 1)
+        return enumerate(_parquet_rows(path, source, reads_names), 1)
     if suffix == ".jsonl":
         return _jsonl_rows(_file_lines(path, source), source)
     if suffix == ".txt":
@@ -147,16 +148,20 @@ def require_pyarrow(source: str) -> None:
         ) from None
 
 
-def _parquet_rows(path: Path, source: str) -> Iterator[Row]:
+def _parquet_rows(path: Path, source: str, reads_names: ReadsNames | None) -> Iterator[Row]:
     """The table's rows, a batch of them at a time: the whole table as a list of dicts,
     beside the table and then the Examples, was 0.35 GB more at the peak than a TSV of the
-    same million rows, on every rank."""
+    same million rows, on every rank. A ``ClassLabel`` column of a file ``datasets`` wrote
+    (its features in the schema) gives its names as an ``hf:`` split's does."""
     require_pyarrow(source)
     import pyarrow.parquet as pq  # a dependency of datasets
 
     try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH):
-            yield from batch.to_pylist()
+        table = pq.ParquetFile(path)
+        named = _schema_class_names(table.schema_arrow, reads_names) if reads_names else {}
+        for batch in table.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                yield _with_names(row, named)
     except Exception as err:  # pyarrow raises several kinds for a damaged file
         raise ValueError(
             f"{source}: not a readable parquet file ({str(err).splitlines()[0]})"
@@ -367,24 +372,39 @@ def _hub_rows(source: str, pin: HubPin | None, reads_names: ReadsNames | None) -
     dicts (the whole split, beside the Examples) was the peak of every rank's load. A
     ``ClassLabel`` column whose names ``reads_names`` accepts gives its names."""
     dataset = _hub_dataset(source, pin)
-    named = class_names(dataset, reads_names) if reads_names else {}
+    named = class_names(getattr(dataset, "features", None), reads_names) if reads_names else {}
     try:
         for row in dataset:
-            for column, names in named.items():
-                # -1 (no label) and a null stay the row's to refuse, as a file's would be
-                if isinstance(row[column], int) and 0 <= row[column] < len(names):
-                    row[column] = names[row[column]]
-            yield row
+            yield _with_names(row, named)
     except Exception as err:
         raise _not_loaded(source, err) from None
 
 
-def class_names(dataset: Any, reads_names: ReadsNames) -> dict[str, list[str]]:
-    """The names of each of ``dataset``'s ``ClassLabel`` columns that ``reads_names``
-    accepts, by column."""
+def _with_names(row: Row, named: dict[str, list[str]]) -> Row:
+    """``row`` with each ``ClassLabel`` column of ``named`` given as its class's name."""
+    for column, names in named.items():
+        # -1 (no label) and a null stay the row's to refuse, as a file's would be
+        if isinstance(row.get(column), int) and 0 <= row[column] < len(names):
+            row[column] = names[row[column]]
+    return row
+
+
+def _schema_class_names(schema: Any, reads_names: ReadsNames) -> dict[str, list[str]]:
+    """``class_names`` of the features ``datasets`` keeps in a parquet file's schema
+    (none: a file another tool wrote)."""
+    if b"huggingface" not in (schema.metadata or {}):
+        return {}
     import datasets
 
-    features = getattr(dataset, "features", None) or {}
+    return class_names(datasets.Features.from_arrow_schema(schema), reads_names)
+
+
+def class_names(features: Any, reads_names: ReadsNames) -> dict[str, list[str]]:
+    """The names of each ``ClassLabel`` column of ``features`` (a split's, by column) that
+    ``reads_names`` accepts, by column."""
+    import datasets
+
+    features = features or {}
     return {
         column: feature.names
         for column, feature in features.items()

@@ -187,3 +187,26 @@ def test_a_class_label_cell_holding_no_value_is_the_rows_missing_label(offline, 
     assert str(err.value) == (
         f"{source}, row 2: missing column 'label' (task sst2 needs sentence, label)"
     )
+
+
+def test_a_parquet_file_datasets_wrote_reads_its_class_labels_by_name(offline, tmp_path):
+    """CogComp/trec's split written with Dataset.to_parquet keeps its ClassLabel in the
+    file's schema: read as numbers, its 0 (ABBR) trained as LM-BFF's 0 (Description), where
+    the same rows as an hf: split read Expression."""
+    path = tmp_path / "trec.parquet"
+    Dataset.from_list(TREC_ROWS, features=TREC).to_parquet(str(path))
+    columns = (("sentence", "text"), ("label", "coarse_label"))
+    local = load_task_rows("trec", str(path), str(path), masked=True, columns=columns)
+    source = hub_split(tmp_path / "trec", TREC_ROWS, TREC)
+    hub = load_task_rows("trec", source, source, masked=True, columns=columns)
+    assert local is not None and hub is not None
+    assert local.train == hub.train and local.digests == hub.digests
+    assert local.train[0].label == MASKED_PROMPTS["trec"].words.index("Expression")
+    fine = load_task_rows(  # fine_label's names are no task's: its numbers, as an hf: split's
+        "trec",
+        str(path),
+        str(path),
+        masked=True,
+        columns=(("sentence", "text"), ("label", "fine_label")),
+    )
+    assert fine is not None and [example.label for example in fine.train] == list(range(6))
