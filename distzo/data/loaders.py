@@ -261,6 +261,13 @@ def _csv_rows(text: str, source: str, delimiter: str) -> Iterator[tuple[int, Row
     )
     ended = 1  # the line the last row read (or the header) ends on
     try:
+        header = list(reader.fieldnames or ())
+        twice = [name for name in header if header.count(name) > 1]
+        if twice:  # the reader keeps the last column of a name: the first one's text lost
+            raise ValueError(
+                f"{source}: the header names column {twice[0]!r} twice; give each column its "
+                "own name"
+            )
         for row in reader:
             # line_num is the row's last line; a quoted field may span lines of its own
             number = reader.line_num - 1 - sum(_breaks(v) for v in row.values())

@@ -784,6 +784,23 @@ def test_a_csv_row_the_reader_fails_on_is_numbered_as_a_row_it_reads(tmp_path, b
         load_rows(str(path))
 
 
+@pytest.mark.parametrize(
+    ("name", "header"),
+    [("data.csv", "sentence,label,sentence"), ("data.tsv", "sentence\tlabel\tsentence")],
+)
+def test_a_header_naming_a_column_twice_is_refused(tmp_path, name, header):
+    """The csv reader keeps the last of two same-named columns: the first column's text
+    was dropped without a word (pandas, datasets' reader, names the second sentence.1)."""
+    path = tmp_path / name
+    sep = "\t" if name.endswith(".tsv") else ","
+    path.write_text(header + "\n" + sep.join(["good", "1", "ignored"]) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path))
+    assert str(err.value) == (
+        f"{path}: the header names column 'sentence' twice; give each column its own name"
+    )
+
+
 def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
     """datasets' Dataset.to_json writes JSON Lines by default, to a .json name."""
     path = tmp_path / "data.json"
