@@ -334,10 +334,14 @@ def parse_hub_spec(source: str) -> tuple[str, str | None, str]:
 def hub_dataset_revision(source: str) -> str:
     """The commit ``hf:`` dataset ``source`` is now on the hub, or "" where the hub does not
     answer (or stalls): the cache is read. A dataset the hub does not have is the load's
-    one-line error."""
+    one-line error. A local folder (a clone of a dataset's repository), which ``datasets``
+    reads before any hub name, has no commit: every rank reads the folder (the hub refused
+    its path as a name, and the launch with it)."""
     from distzo.models.hub_reads import dataset_commit
 
     path = parse_hub_spec(source)[0]
+    if Path(path).is_dir():
+        return ""
     try:
         return dataset_commit(path)
     except Exception as err:  # an unknown name, no access: the load's message

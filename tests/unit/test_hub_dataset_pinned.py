@@ -155,3 +155,23 @@ def test_a_node_told_no_commit_fills_from_its_cache_without_asking_the_hub(monke
         asked = list(requests)
         fill_hub_cache(SOURCE, None)
         assert requests == asked
+
+
+def test_a_local_dataset_folder_is_read_in_a_launch_as_by_one_process(monkeypatch, tmp_path):
+    """hf:FOLDER:SPLIT (a clone of a hub dataset's repository) is read from the folder by
+    one process; a launch's rank 0 asked the hub which commit the folder was, a name the hub
+    refuses ("Repo id must be in the form..."), so the launch was refused where the hub
+    answers. A folder has no commit: every rank reads it, the hub asked nothing."""
+    from datasets import Dataset
+
+    from distzo.data.loaders import hub_dataset_revision
+
+    folder = tmp_path / "clone"
+    (folder / "data").mkdir(parents=True)
+    Dataset.from_list(ROWS).to_parquet(str(folder / "data" / "train-00000-of-00001.parquet"))
+    source = f"hf:{folder}:train"
+    with stand_in_hub(monkeypatch, tmp_path / "hub") as requests:
+        assert hub_dataset_revision(source) == ""  # rank 0: no commit to pin
+        fill_hub_cache(source, None)  # a node's first rank
+        rows = [row for _, row in iter_numbered_rows(source, HubPin(None, cached=True))]
+    assert rows == ROWS and not [request for request in requests if "clone" in request]
