@@ -232,8 +232,9 @@ def _file_lines(path: Path, source: str) -> Iterator[tuple[int, str]]:
 
 
 def _utf8(path: Path, source: str, header: bool) -> str:
-    """The file as text, or a one-line error at its first non-UTF-8 byte naming the row
-    (the line; a CSV's header line is not a row) rather than the codec's byte offset."""
+    """The file as text, or a one-line error at its first non-UTF-8 byte naming the row (a
+    CSV's line less its header's), or a JSON file's line (a list's rows span lines), rather
+    than the codec's byte offset."""
     try:
         data = path.read_bytes()
     except OSError as err:  # unreadable (permissions, an I/O error): one line, not a traceback
@@ -242,7 +243,13 @@ def _utf8(path: Path, source: str, header: bool) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        where = "the header" if header and line == 1 else f"row {line - 1 if header else line}"
+        where = (
+            "the header"
+            if header and line == 1
+            else f"row {line - 1}"
+            if header
+            else f"line {line}"
+        )
         raise ValueError(
             f"{source}, {where}: not UTF-8 (byte 0x{data[err.start]:02x}); save the file as UTF-8"
         ) from None

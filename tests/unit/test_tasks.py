@@ -801,6 +801,17 @@ def test_a_header_naming_a_column_twice_is_refused(tmp_path, name, header):
     )
 
 
+def test_a_json_lists_non_utf8_byte_is_named_by_its_line(tmp_path):
+    """A JSON list's rows are numbered by their place in the list, not by line: the byte
+    in the second row of an indented list was named "row 7", its line."""
+    path = tmp_path / "data.json"
+    text = json.dumps([ROWS[0], {"sentence": "XX", "label": 0}], indent=2)
+    path.write_bytes(text.encode().replace(b"XX", b"\xff"))
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path))
+    assert str(err.value) == f"{path}, line 7: not UTF-8 (byte 0xff); save the file as UTF-8"
+
+
 def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
     """datasets' Dataset.to_json writes JSON Lines by default, to a .json name."""
     path = tmp_path / "data.json"
