@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.config.job import RUN_ACTIONS, JobConfig
+from distzo.data.column_map import parse_columns
 from distzo.dist import LaunchEnv
 from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
@@ -368,6 +369,15 @@ def _same(old: Any, new: Any) -> bool:
     return bool(old == new)
 
 
+def _same_columns(old: Any, new: Any) -> bool:
+    """Whether two ``--columns`` give one mapping: its pairs, however spaced or ordered
+    (the text of the option compared refused a resume of the run's own mapping)."""
+    try:
+        return dict(parse_columns(old)) == dict(parse_columns(new))
+    except (ValueError, AttributeError):  # a hand-edited config.toml's: as text
+        return _same(old, new)
+
+
 # Options a resume may change that change what the final evaluation measures (the rows,
 # the model and its weights cannot change): a finished run's recorded figures stand only
 # where this command evaluates as the run did.
@@ -405,7 +415,8 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
     for values in job.sections().values():
         for f in dataclasses.fields(values):
             name, new = f.name, getattr(values, f.name)
-            if name in INVOCATION or _same(recorded[name], new) or (name, new) == ("noise", None):
+            same = _same_columns if name == "columns" else _same
+            if name in INVOCATION or same(recorded[name], new) or (name, new) == ("noise", None):
                 continue
             change = f"{_flag(name)} {_shown(recorded[name])} -> {_shown(new)}"
             # the linear schedule decays the lr to 0 at --max-steps

@@ -210,3 +210,16 @@ def test_a_parquet_file_datasets_wrote_reads_its_class_labels_by_name(offline, t
         columns=(("sentence", "text"), ("label", "fine_label")),
     )
     assert fine is not None and [example.label for example in fine.train] == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "written", ["text = body", "title=title, text=body", "text=body,title=title"]
+)
+def test_a_resume_with_the_same_mapping_written_otherwise_goes_on(tmp_path, written):
+    """The mapping was compared as the option's text: the run's own pairs, spaced or in
+    another order, were refused as 'would change the trajectory'."""
+    job = resolved(
+        "--columns", "title=title,text=body" if "title" in written else "text=body", run=tmp_path
+    )
+    (tmp_path / "config.toml").write_text(to_toml(job))
+    check_resumed_options(resolved("--columns", written, run=tmp_path), LaunchEnv())
