@@ -50,12 +50,20 @@ def renamed(
     numbered: Iterable[tuple[int, dict[str, Any]]], columns: ColumnMap, source: str
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Each row with the task's columns read from the source's (the source's kept too); a
-    row without a mapped column is a one-line error naming the columns it has."""
+    row without a mapped column is a one-line error naming the columns it has, and one whose
+    mapped column is null one naming the mapping (the task's check of the column it reads
+    would offer the very ``--columns`` given)."""
     for number, row in numbered:
         for ours, theirs in columns:
             if theirs not in row:
                 raise ValueError(
                     f"{source}, row {number}: no column {theirs!r} (--columns {ours}={theirs}); "
                     f"its columns are {', '.join(row)}"
+                )
+            if row[theirs] is None:
+                raise ValueError(
+                    f"{source}, row {number}: column {theirs!r} is empty (null), and --columns "
+                    f"{ours}={theirs} reads it as {ours!r}; give the row a value or leave the "
+                    "row out"
                 )
         yield number, row | {ours: row[theirs] for ours, theirs in columns}

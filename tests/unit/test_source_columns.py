@@ -223,3 +223,15 @@ def test_a_resume_with_the_same_mapping_written_otherwise_goes_on(tmp_path, writ
     )
     (tmp_path / "config.toml").write_text(to_toml(job))
     check_resumed_options(resolved("--columns", written, run=tmp_path), LaunchEnv())
+
+
+def test_a_null_in_a_mapped_column_names_the_mapping_not_another(tmp_path):
+    """A row whose mapped column held null was refused as 'missing column sentence', with
+    the hint to map sentence from a column: the very one --columns already maps."""
+    data = jsonl(tmp_path / "sst5.jsonl", [SST5_ROWS[0], {"text": None, "label": 1}])
+    with pytest.raises(ValueError) as err:
+        load_task_rows("sst5", data, data, masked=True, columns=(("sentence", "text"),))
+    assert str(err.value) == (
+        f"{data}, row 2: column 'text' is empty (null), and --columns sentence=text reads it "
+        "as 'sentence'; give the row a value or leave the row out"
+    )
