@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import itertools
 import json
 import logging
 import re
@@ -260,13 +261,13 @@ def _csv_rows(text: str, source: str, delimiter: str) -> Iterator[tuple[int, Row
     byte is), one at a time (a list of a million rows' dicts, beside their Examples, was a
     third of a gigabyte more at the peak, on every rank); a malformed row (a field over
     ``csv.field_size_limit``, the wrong number of fields) is one line naming it."""
-    stream = _universal_lines(text)
+    stream, skipped = _after_blank_lines(_universal_lines(text))
     reader = (
         csv.DictReader(stream, delimiter=delimiter, quoting=csv.QUOTE_NONE)  # GLUE's TSVs
         if delimiter == "\t"
         else csv.DictReader(stream, delimiter=delimiter)
     )
-    ended = 1  # the line the last row read (or the header) ends on
+    ended = skipped + 1  # the line the last row read (or the header) ends on
     try:
         header = list(reader.fieldnames or ())
         twice = [name for name in header if header.count(name) > 1]
@@ -277,8 +278,8 @@ def _csv_rows(text: str, source: str, delimiter: str) -> Iterator[tuple[int, Row
             )
         for row in reader:
             # line_num is the row's last line; a quoted field may span lines of its own
-            number = reader.line_num - 1 - sum(_breaks(v) for v in row.values())
-            ended = reader.line_num
+            number = skipped + reader.line_num - 1 - sum(_breaks(v) for v in row.values())
+            ended = skipped + reader.line_num
             if None in row or None in row.values():
                 raise ValueError(
                     f"{source}, row {number}: wrong number of fields for the header "
@@ -295,6 +296,18 @@ def _csv_rows(text: str, source: str, delimiter: str) -> Iterator[tuple[int, Row
                 f"({csv.field_size_limit()} characters); shorten it or use a .jsonl file"
             ) from None
         raise ValueError(f"{source}, row {number}: not valid CSV ({err})") from None
+
+
+def _after_blank_lines(lines: Iterator[str]) -> tuple[Iterator[str], int]:
+    """``lines`` from the first that is not blank, and how many were: the csv reader takes
+    its first line for the header, a blank one too (every row then refused as having the
+    wrong number of fields for the header []); pandas, datasets' reader, skips them."""
+    skipped = 0
+    for line in lines:
+        if line.strip("\r\n"):
+            return itertools.chain([line], lines), skipped
+        skipped += 1
+    return iter(()), skipped
 
 
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")

@@ -812,6 +812,23 @@ def test_a_json_lists_non_utf8_byte_is_named_by_its_line(tmp_path):
     assert str(err.value) == f"{path}, line 7: not UTF-8 (byte 0xff); save the file as UTF-8"
 
 
+@pytest.mark.parametrize("name", ["data.csv", "data.tsv"])
+def test_blank_lines_before_the_header_are_skipped_as_pandas_skips_them(tmp_path, name):
+    """The csv reader took the first line, blank, for the header: every row was refused as
+    'row 1: wrong number of fields for the header []'. A row is its line less one, as after
+    blank lines between rows."""
+    path = tmp_path / name
+    sep = "\t" if name.endswith(".tsv") else ","
+    path.write_text(f"\n\r\nsentence{sep}label\ngood{sep}1\n\nbad{sep}0\n")
+    assert load_numbered_rows(str(path)) == [
+        (3, {"sentence": "good", "label": "1"}),
+        (5, {"sentence": "bad", "label": "0"}),
+    ]
+    path.write_text(f"\n\nsentence{sep}label\ngood\n")
+    with pytest.raises(ValueError, match=f"{name}, row 3: wrong number of fields"):
+        load_rows(str(path))
+
+
 def test_a_json_file_of_json_lines_loads_as_datasets_reads_it(tmp_path):
     """datasets' Dataset.to_json writes JSON Lines by default, to a .json name."""
     path = tmp_path / "data.json"
