@@ -421,13 +421,20 @@ def _with_names(row: Row, named: dict[str, list[str]]) -> Row:
 
 
 def _schema_class_names(schema: Any, reads_names: ReadsNames) -> dict[str, list[str]]:
-    """``class_names`` of the features ``datasets`` keeps in a parquet file's schema
-    (none: a file another tool wrote)."""
-    if b"huggingface" not in (schema.metadata or {}):
+    """``class_names`` of the features ``datasets`` keeps in a parquet file's schema (none:
+    a file another tool wrote). Read from its JSON, not by ``datasets``, which refuses the
+    whole schema where another version wrote a feature type it does not know: the file's
+    rows read as they did before."""
+    try:
+        features = json.loads((schema.metadata or {})[b"huggingface"])["info"]["features"]
+        labels = {
+            column: [str(name) for name in feature["names"]]
+            for column, feature in features.items()
+            if feature.get("_type") == "ClassLabel"
+        }
+    except (KeyError, TypeError, AttributeError, ValueError):
         return {}
-    import datasets
-
-    return class_names(datasets.Features.from_arrow_schema(schema), reads_names)
+    return {column: names for column, names in labels.items() if reads_names(names)}
 
 
 def class_names(features: Any, reads_names: ReadsNames) -> dict[str, list[str]]:

@@ -235,3 +235,24 @@ def test_a_null_in_a_mapped_column_names_the_mapping_not_another(tmp_path):
         f"{data}, row 2: column 'text' is empty (null), and --columns sentence=text reads it "
         "as 'sentence'; give the row a value or leave the row out"
     )
+
+
+def test_a_parquet_schema_of_a_feature_type_datasets_lacks_still_reads(tmp_path):
+    """A file another datasets version wrote may name a feature type this one does not
+    know: its ClassLabel names are read from the schema's JSON, the rest as it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    features = {
+        "text": {"_type": "FutureText"},  # a type no installed datasets has
+        "coarse_label": {"names": TREC_COARSE, "_type": "ClassLabel"},
+    }
+    metadata = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    table = pa.Table.from_pylist([{"text": "Question?", "coarse_label": 0}])
+    path = tmp_path / "trec.parquet"
+    pq.write_table(table.replace_schema_metadata(metadata), path)
+    columns = (("sentence", "text"), ("label", "coarse_label"))
+    rows = load_task_rows("trec", str(path), str(path), masked=True, columns=columns)
+    assert rows is not None and rows.train[0].label == MASKED_PROMPTS["trec"].words.index(
+        "Expression"
+    )
