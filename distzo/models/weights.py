@@ -105,7 +105,8 @@ def unexpected_keys(model: nn.Module, names: set[str]) -> set[str]:
     that a transformers load reports as unexpected: not a persistent buffer of the model
     (under its name or a base model's, as ``_pick`` reads), nor a key the model's class
     ignores, by transformers' own rule (``_keys_to_ignore_on_load_unexpected``, such as
-    GPT-2's ``attn.bias``, and the ``rotary_emb.inv_freq`` of old Llama checkpoints)."""
+    GPT-2's ``attn.bias``, and the ``rotary_emb.inv_freq`` of old Llama checkpoints), nor
+    a tensor of a part the model's class leaves out (``left_out``)."""
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = set(model.state_dict()) - params
     buffers = {form for name in buffers for form in _forms(name)}
@@ -113,7 +114,25 @@ def unexpected_keys(model: nn.Module, names: set[str]) -> set[str]:
     adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
     if adjust is not None:  # a transformers model: its class's patterns, filtered in place
         adjust(info)
-    return set(info.unexpected_keys)
+    return {name for name in info.unexpected_keys if not left_out(model, name)}
+
+
+def left_out(model: nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a part that ``model``'s class sets to
+    None: ``RobertaForMaskedLM`` builds its body without the pooler (``roberta.pooler``),
+    which a checkpoint of the pretrained encoder holds. The head never reads it, so
+    training and the export are the same without it (transformers 4 ignored the pooler by
+    pattern; 5 loads the model and reports the keys); a checkpoint of more layers than
+    config.json's is refused still, as its layers are parts the model has no place for."""
+    for root in (model, getattr(model, "base_model", None)):  # its name, or a base model's
+        held: Any = root
+        for part in name.split(".")[:-1]:
+            if held is None or not hasattr(held, part):
+                break
+            held = getattr(held, part)
+            if held is None:
+                return True
+    return False
 
 
 def _flat_range(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -11,10 +11,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
-from distzo.models.weights import SafetensorsWeights
+from distzo.config import ZOConfig
+from distzo.engine import ZOEngine
+from distzo.models.weights import SafetensorsWeights, open_checkpoint, skeleton
+from distzo.objectives import Classification
 from tests.helpers.launch import train_in_process
+from tests.helpers.masked_prompts import save_tiny_roberta
 from tests.helpers.models import build, tiny_opt
 from tests.unit.test_weight_shapes import engine_of, family, no_reads, saved
 
@@ -176,3 +180,30 @@ def test_a_bin_checkpoint_is_checked_as_a_safetensors_one(tmp_path, no_reads, sh
     as_bin(other)
     with pytest.raises(ValueError, match=r"\.bin: checkpoint tensor model\.layers\.0\.mlp\."):
         engine_of(other)
+
+
+def test_a_roberta_checkpoint_s_pooler_is_left_out_as_its_masked_lm_leaves_it(tmp_path):
+    """A pretrained RoBERTa's checkpoint holds the encoder's pooler, which
+    RobertaForMaskedLM builds without (transformers loads it and reports the keys): the
+    engine loads it too, its logits the model's own, and a layer too many is still refused."""
+    folder = save_tiny_roberta(tmp_path / "model")
+    pooler = {
+        "roberta.pooler.dense.weight": torch.randn(32, 32),
+        "roberta.pooler.dense.bias": torch.randn(32),
+    }
+    extra(folder, pooler)
+    reference: Any = AutoModelForMaskedLM.from_pretrained(folder, output_loading_info=True)
+    assert sorted(reference[1]["unexpected_keys"]) == sorted(pooler)
+    engine = masked_engine_of(folder)
+    ids = torch.tensor([[0, 5, 9, 12, 2]])
+    logits, _ = engine.forward({"input_ids": ids})
+    torch.testing.assert_close(logits, reference[0](input_ids=ids).logits, rtol=0, atol=0)
+    one_layer_less(folder)
+    with pytest.raises(ValueError, match=r"holds 16 tensors the model built from "):
+        masked_engine_of(folder)
+
+
+def masked_engine_of(folder: Path) -> ZOEngine:
+    model = skeleton(AutoConfig.from_pretrained(folder), torch.float32)
+    config = ZOConfig(device="cpu", seed=0)
+    return ZOEngine(model, config, weights=open_checkpoint(folder), objective=Classification())
