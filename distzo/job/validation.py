@@ -153,9 +153,11 @@ def check_model(job: JobConfig, config: ZOConfig, env: LaunchEnv) -> bool:
         taken = [f"the {reserved} it keeps before a first token"] if reserved else []
         taken += [f"the {job.peft.prefix_length}-token prefix"] if prefix else []
         less = f" less {' and '.join(taken)}" if taken else ""
+        # without a prefix the config itself is wrong: the model holds no sequence at all
+        fix = "lower --prefix-length" if prefix else "check the model's config.json"
         raise ValueError(
             f"the model's max_position_embeddings {model_config.max_position_embeddings}{less} "
-            "leaves no room for a sequence; lower --prefix-length"
+            f"leaves no room for a sequence; {fix}"
         )
     longest = data.seq_len if data.task == "counting" else data.max_length
     # RoBERTa's positions count from its pad id + 1: fewer tokens than table rows

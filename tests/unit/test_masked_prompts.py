@@ -4,6 +4,7 @@ LM on them: the encodings MeZO's own ``tokenize_multipart_input`` gives, the ref
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -465,6 +466,24 @@ def test_the_job_refuses_what_a_masked_lm_cannot_train(roberta_folder, tmp_path,
     assert proc.stderr.strip().startswith("error: " + message), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not run.exists()
+
+
+def test_a_config_of_too_few_positions_is_named_without_a_prefix_to_lower(roberta_folder, tmp_path):
+    """Three rows, two of them RoBERTa's before a first token, and no prefix: the fix is the
+    config, not a --prefix-length the run does not have."""
+    folder = tmp_path / "model"
+    shutil.copytree(roberta_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 3}))
+    files = ["--train-file", str(tmp_path / "none.tsv"), "--eval-file", str(tmp_path / "x")]
+    proc = train_in_process(
+        ["--model", str(folder), "--task", "sst2", *files, "--output-dir", str(tmp_path / "r")]
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: the model's max_position_embeddings 3 less the 2 it keeps before a first "
+        "token leaves no room for a sequence; check the model's config.json"
+    ), proc.stderr
 
 
 def test_a_named_roberta_shape_is_refused_to_train_naming_its_plan(tmp_path):
