@@ -230,13 +230,29 @@ class MaskedPromptEncoder:
                     ids += part
             yield ids[: self.max_length], len(ids)
 
-    def _encoding(self, example: MaskedExample, ids: list[int], full: int) -> ChoiceEncoding:
+    def mask_problem(self, ids: list[int], full: int) -> str | None:
+        """What keeps a row's prompt (``ids``, cut from ``full`` tokens) from being scored
+        at its ``<mask>``, or None: the limit cut it off (MeZO's assertion), or the row's
+        text holds the mask token's text, which the tokenizer reads as the mask, so the
+        first, the row's, would be scored."""
         if self.mask_id not in ids:
-            raise ValueError(
+            return (
                 f"the prompt is {full} tokens and its <mask> falls past the "
-                f"{self.max_length}-token limit (MeZO's --max_seq_length); raise --max-length "
-                "or shorten the row"
+                f"{self.max_length}-token limit; raise --max-length or shorten the row"
             )
+        if ids.count(self.mask_id) > 1:
+            mask = self.tokenizer.mask_token
+            return (
+                f"the row's text holds {mask!r}, which the tokenizer reads as the mask token, "
+                f"so the prompt has {ids.count(self.mask_id)} and the label words would be "
+                f"scored at the row's; remove {mask!r} from the row"
+            )
+        return None
+
+    def _encoding(self, example: MaskedExample, ids: list[int], full: int) -> ChoiceEncoding:
+        problem = self.mask_problem(ids, full)
+        if problem:
+            raise ValueError(problem)
         at = ids.index(self.mask_id)
         scored = tuple((0, at, word, c) for c, word in enumerate(self.word_ids))
         return ChoiceEncoding((tuple(ids),), scored, example.label)

@@ -569,15 +569,12 @@ class MaskedPromptData:
         for start in range(span.start, span.stop, ENCODE_CHUNK):
             chunk = examples[start : min(start + ENCODE_CHUNK, span.stop)]
             for index, (ids, full) in enumerate(self.encoder.encode_ids(chunk), start):
-                if self.encoder.mask_id not in ids:
+                problem = self.encoder.mask_problem(ids, full)
+                if problem:
                     # the row as its file numbers it (the drawn sets' order is no file's)
                     row = examples[index].row
                     named = f"row {row}" if row else f"example {index + 1}"
-                    raise ValueError(
-                        f"{flag}, {named}: the prompt is {full} tokens and its "
-                        f"<mask> falls past the {self.encoder.max_length}-token limit; raise "
-                        "--max-length or shorten the row"
-                    )
+                    raise ValueError(f"{flag}, {named}: {problem}")
                 longest, cut = max(longest, len(ids)), cut + (full > len(ids))
         return longest, cut
 

@@ -468,6 +468,20 @@ def test_the_job_refuses_what_a_masked_lm_cannot_train(roberta_folder, tmp_path,
     assert not run.exists()
 
 
+def test_a_row_holding_the_mask_token_s_text_is_refused_by_number():
+    """The tokenizer reads a row's "<mask>" as the mask token: the label words would be
+    scored at the row's, which comes before the prompt's, without a word."""
+    sst2 = MaskedPromptEncoder(roberta_tokenizer(), "sst2", 40)
+    fine, masked = MaskedExample(SHORT[:1], 0), MaskedExample(("a <mask> film",), 1)
+    with pytest.raises(ValueError) as err:
+        MaskedPromptData(LoadedRows("sst2", [fine, masked], [fine]), sst2, 0, 2)
+    assert str(err.value) == (
+        "--train-file, example 2: the row's text holds '<mask>', which the tokenizer reads as "
+        "the mask token, so the prompt has 2 and the label words would be scored at the "
+        "row's; remove '<mask>' from the row"
+    )
+
+
 def test_a_config_of_too_few_positions_is_named_without_a_prefix_to_lower(roberta_folder, tmp_path):
     """Three rows, two of them RoBERTa's before a first token, and no prefix: the fix is the
     config, not a --prefix-length the run does not have."""
