@@ -52,18 +52,27 @@ def renamed(
     """Each row with the task's columns read from the source's (the source's kept too); a
     row without a mapped column is a one-line error naming the columns it has, and one whose
     mapped column is null one naming the mapping (the task's check of the column it reads
-    would offer the very ``--columns`` given)."""
-    for number, row in numbered:
-        for ours, theirs in columns:
-            if theirs not in row:
-                raise ValueError(
-                    f"{source}, row {number}: no column {theirs!r} (--columns {ours}={theirs}); "
-                    f"its columns are {', '.join(row)}"
-                )
-            if row[theirs] is None:
-                raise ValueError(
-                    f"{source}, row {number}: column {theirs!r} is empty (null), and --columns "
-                    f"{ours}={theirs} reads it as {ours!r}; give the row a value or leave the "
-                    "row out"
-                )
+    would offer the very ``--columns`` given). As the task's own check (``read_whole``),
+    it reads the rest of the source before it refuses a row, so the file's own error
+    further on (bad JSON, a non-UTF-8 byte) comes first."""
+    rows = iter(numbered)
+    for number, row in rows:
+        problem = _mapping_problem(row, columns)
+        if problem:
+            for _ in rows:
+                pass
+            raise ValueError(f"{source}, row {number}: {problem}")
         yield number, row | {ours: row[theirs] for ours, theirs in columns}
+
+
+def _mapping_problem(row: dict[str, Any], columns: ColumnMap) -> str | None:
+    for ours, theirs in columns:
+        if theirs not in row:
+            names = ", ".join(row)
+            return f"no column {theirs!r} (--columns {ours}={theirs}); its columns are {names}"
+        if row[theirs] is None:
+            return (
+                f"column {theirs!r} is empty (null), and --columns {ours}={theirs} reads it as "
+                f"{ours!r}; give the row a value or leave the row out"
+            )
+    return None

@@ -237,6 +237,18 @@ def test_a_null_in_a_mapped_column_names_the_mapping_not_another(tmp_path):
     )
 
 
+@pytest.mark.parametrize("columns", [(), (("sentence", "text"),)], ids=["as-is", "mapped"])
+def test_a_files_own_error_further_on_comes_before_a_rows_missing_column(tmp_path, columns):
+    """A bad line further on is the file's problem and comes first, whether the row before
+    it lacks the task's column or the one --columns maps: a mapped column's refusal left
+    the rest unread, and the bad line, which a fix of the row would meet next, unnamed."""
+    data = tmp_path / "sst5.jsonl"
+    data.write_text('{"label": 1}\n{"text": "fine", "label": 0}\n{"text": \n')
+    with pytest.raises(ValueError) as err:
+        load_task_rows("sst5", str(data), str(data), masked=True, columns=columns)
+    assert str(err.value).startswith(f"{data}, row 3: not valid JSON"), str(err.value)
+
+
 def test_a_parquet_schema_of_a_feature_type_datasets_lacks_still_reads(tmp_path):
     """A file another datasets version wrote may name a feature type this one does not
     know: its ClassLabel names are read from the schema's JSON, the rest as it was."""
