@@ -117,3 +117,9 @@ def _config_name(folder: Path) -> str | None:
         return str(json.loads((folder / "dataset_info.json").read_text("utf-8"))["config_name"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def holds_copy(path: str, config: str | None, commit: str) -> bool:
+    """Whether this node's cache holds a prepared copy of hub dataset ``path`` (``config``:
+    None, any) at ``commit``."""
+    return bool(_prepared_copies(_dataset_root(path), config, commit))

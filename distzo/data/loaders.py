@@ -1,7 +1,8 @@
 """Rows from local files (jsonl, json, csv, tsv, parquet, txt) or a Hugging Face dataset.
 
-``hf:PATH[:CONFIG]:SPLIT`` names a hub dataset (needs network access), e.g.
-``hf:nyu-mll/glue:sst2:train``; anything else is a local file chosen by its extension.
+``hf:PATH[@REVISION][:CONFIG]:SPLIT`` names a hub dataset (needs network access), e.g.
+``hf:nyu-mll/glue:sst2:train`` (``distzo.data.hub_spec``); anything else is a local file
+chosen by its extension.
 A ``.txt`` file gives one ``{"text": line}`` row per non-empty line (the plain
 causal-LM task). Lines end at ``\n`` (or ``\r\n``) only: a JSON string may hold U+2028
 and a text line a form feed. A ``.tsv`` file is read as GLUE writes it: no quoting, so a
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from distzo.data.hub_errors import not_loaded
+from distzo.data.hub_spec import COMMIT, hub_spec, revision_commit
 from distzo.runtime import json_text
 from distzo.runtime.gc_paused import gc_paused
 
@@ -339,42 +341,43 @@ def _breaks(value: Any) -> int:
 
 
 def parse_hub_spec(source: str) -> tuple[str, str | None, str]:
-    parts = source[3:].split(":")
-    if "" in parts:
-        parts = []  # an empty name would reach the hub, or be taken for no config
-    if len(parts) == 2:
-        return parts[0], None, parts[1]
-    if len(parts) == 3:
-        return parts[0], parts[1], parts[2]
-    raise ValueError(
-        f"{source}: write a hub dataset as hf:PATH[:CONFIG]:SPLIT, e.g. hf:nyu-mll/glue:sst2:train"
-    )
+    """``hf:`` source ``source``'s path, config and split (its revision: ``hub_spec``)."""
+    spec = hub_spec(source)
+    return spec.path, spec.config, spec.split
 
 
 def hub_dataset_revision(source: str) -> str:
-    """The commit ``hf:`` dataset ``source`` is now on the hub, or "" where the hub does not
-    answer (or stalls): the cache is read. A dataset the hub does not have is the load's
-    one-line error. A local folder (a clone of a dataset's repository), which ``datasets``
-    reads before any hub name, has no commit: every rank reads the folder (the hub refused
-    its path as a name, and the launch with it)."""
+    """The commit ``hf:`` dataset ``source`` is now on the hub (at the revision the spec
+    names, else its ``main``), or "" where the hub does not answer (or stalls): the cache is
+    read. A dataset or revision the hub does not have is the load's one-line error. A
+    local folder (a clone of a dataset's repository), which ``datasets`` reads before any
+    hub name, has no commit: every rank reads the folder (the hub refused its path as a
+    name, and the launch with it)."""
     from distzo.models.hub_reads import dataset_commit
 
-    path = parse_hub_spec(source)[0]
-    if Path(path).is_dir():
+    spec = hub_spec(source)
+    if Path(spec.path).is_dir():
         return ""
     try:
-        return dataset_commit(path)
-    except Exception as err:  # an unknown name, no access: the load's message
+        if spec.revision is not None:
+            return revision_commit(spec.path, spec.revision)
+        return dataset_commit(spec.path)
+    except Exception as err:  # an unknown name or revision, no access: the load's message
         raise _not_loaded(source, err) from None
 
 
 def cached_dataset_revision(source: str) -> str:
     """The commit of the copy of ``hf:`` dataset ``source`` that this node's datasets cache
-    holds and ``datasets`` offline reads, or "" where it holds none (the load's error)."""
-    from distzo.data.hub_cache import cached_commit
+    holds and ``datasets`` offline reads, or "" where it holds none (the load's error). Of
+    a spec naming a commit, that commit where the cache holds its copy; a tag or branch
+    only the hub resolves (``datasets`` keeps no record of which commit it named)."""
+    from distzo.data.hub_cache import cached_commit, holds_copy
 
-    path, config, _ = parse_hub_spec(source)
-    return cached_commit(path, config)
+    spec = hub_spec(source)
+    if spec.revision is None:
+        return cached_commit(spec.path, spec.config)
+    named = COMMIT.fullmatch(spec.revision) is not None
+    return spec.revision if named and holds_copy(spec.path, spec.config, spec.revision) else ""
 
 
 def fill_hub_cache(
@@ -458,7 +461,7 @@ def _hub_dataset(source: str, pin: HubPin | None) -> Any:
     from distzo.data.hub_cache import pinned_folder, read_prepared
     from distzo.data.read_only_cache import unlocked_where_read_only
 
-    revision = pin.revision if pin else None
+    revision = pin.revision if pin else hub_spec(source).revision
     cached = pin is not None and (pin.cached or revision is None)
     # datasets offline reads the cache's newest copy, of whichever commit: the pinned one's
     pinned = pinned_folder(path, config, split, revision, source) if cached and revision else None

@@ -161,6 +161,8 @@ class LoadedRows:
     dev: list[Any] = dataclasses.field(default_factory=list)  # --num-dev: evaluated in training
     dev_option: str = "--num-dev"  # the option that drew ``dev`` (or --dev-per-class)
     notices: tuple[str, ...] = ()  # what reading the files left out, a line each
+    # the commit each hf: source was read at, by its flag (the seed log's data_commits)
+    commits: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def digests(self) -> dict[str, str]:

@@ -90,6 +90,7 @@ def run_header(
     model_config: PretrainedConfig | None = None,
     train_rows: str | None = None,
     base_revision: str | None = None,
+    data_commits: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The seed log's header: what a replay rebuilds the run from, and what a resumed run
     must share with it (``seed_log.TRAJECTORY_FIELDS``; ``train_rows``, the digest of the
@@ -122,6 +123,8 @@ def run_header(
         "optimizer": optimizer_record(config),
         "estimator": config.estimator,
         "train_rows": train_rows,  # None: generated data
+        # each hf: source's commit: a resume reads it, not the hub's newer main
+        "data_commits": data_commits,
         # what a replay checks its --base against (None: a caller without the model's config)
         **({"model": signature(model_config)} if model_config is not None else {}),
     }

@@ -34,6 +34,7 @@ from distzo.job.build import (
     rank_share,
 )
 from distzo.job.checkpoint import Checkpointer
+from distzo.job.hub_data_commits import data_commits_record
 from distzo.job.memory_plan import check_fits
 from distzo.job.records import StepMeter, run_header
 from distzo.job.reporting import Reporter, make_reporter
@@ -212,6 +213,7 @@ class _Build:
             getattr(engine.model, "config", None),
             rows.digests["--train-file"] if rows is not None else None,
             revision,
+            data_commits_record(job, rows.commits) if rows is not None else None,
         )
         if resuming:
             step = catch_up_from_log(engine, self.run_dir, header, self.parallel)

@@ -68,6 +68,7 @@ HEADER_TYPES: dict[str, type] = {
     "first_step": int,
     "base": str,
     "base_revision": str,
+    "data_commits": dict,
     "model_config": str,
     "model": dict,
     "optimizer": dict,

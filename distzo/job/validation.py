@@ -19,12 +19,12 @@ from transformers import PretrainedConfig
 from distzo.config.checks import check_job, resolve_defaults
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig, expand_home
+from distzo.data.hub_spec import COMMIT, hub_spec
 from distzo.data.loaders import (
     HubPin,
     cached_dataset_revision,
     fill_hub_cache,
     hub_dataset_revision,
-    parse_hub_spec,
 )
 from distzo.data.masked_prompts import MASKED_TASKS, masked_task
 from distzo.data.task_data import LoadedRows, load_task_rows
@@ -39,6 +39,7 @@ from distzo.job.build import (
     random_shape_config,
     token_positions,
 )
+from distzo.job.hub_data_commits import resumed_commits
 from distzo.job.memory_plan import check_weights_fit, fewest_bytes_a_parameter
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
@@ -199,17 +200,25 @@ def check_masked_job(job: JobConfig, model_type: str) -> None:
         check_causal_lm(model_type, f"--objective {objective}", fix)
 
 
-def task_rows(job: JobConfig, env: LaunchEnv, masked: bool = False) -> LoadedRows | None:
+def task_rows(
+    job: JobConfig, env: LaunchEnv, masked: bool = False, resumed: dict[str, str] | None = None
+) -> LoadedRows | None:
     """The task's rows, an ``hf:`` dataset's read at the commit rank 0 was told (the hub's
     questions, rank 0's alone) and downloaded into each node's cache by its first rank, then
     read offline by all: each rank asking for itself made 15 requests, 960 as 64 ranks
-    launched. One question a dataset and one download a config: its first split's prepares
-    every split (a train and a validation split asked twice made 27 requests on rank 0, not
-    16). A refusal (rank 0's, a node's first rank's) is every waiting rank's line."""
+    launched. One question a dataset and revision and one download a config and commit: its
+    first split's prepares every split (a train and a validation split asked twice made 27
+    requests on rank 0, not 16). A refusal (rank 0's, a node's first rank's) is every
+    waiting rank's line. ``resumed``: the commit a resume reads a source at, by source (the
+    run's, ``hub_data_commits``), asked of no hub. The commit each source was read at is
+    ``LoadedRows.commits``, which the seed log records. One process reads the same way
+    (its own rank 0 and node), a local folder (a clone) as ``datasets`` reads it."""
     data = job.data
     sources = dict.fromkeys(s for s in (data.train_file, data.eval_file) if s)
     hub_sources = [source for source in sources if source.startswith("hf:")]
-    if not hub_sources or not env.launched or env.world_size == 1:
+    if not env.launched or env.world_size == 1:  # a folder has no commit to record
+        hub_sources = [source for source in hub_sources if not Path(_dataset(source)[0]).is_dir()]
+    if not hub_sources:
         return load_task_rows(
             data.task,
             data.train_file,
@@ -218,70 +227,117 @@ def task_rows(job: JobConfig, env: LaunchEnv, masked: bool = False) -> LoadedRow
             masked=masked,
             columns=data.column_map,
         )
-    revisions = launch_commits(env, hub_sources, job.parallel.dist_timeout)
-    filled = first_of_each(hub_sources, _dataset_config).values()
+    resumed = resumed or {}
+    revisions = launch_commits(env, hub_sources, job.parallel.dist_timeout, resumed)
+    filled = first_of_each(hub_sources, lambda source: _copy(source, revisions)).values()
 
     def fill_node_cache() -> str:
         for source in filled:  # rank 0 asked which commit: the hub answers, or its cache
             commit, from_cache = revisions[source]
-            answered = env.rank == 0 and not from_cache
+            answered = env.rank == 0 and not from_cache and source not in resumed
             fill_hub_cache(source, commit or None, answered, from_cache)
         return "filled"
 
     question = f"{', '.join(hub_sources)} in the node's cache"
     node_first_answers(env, question, fill_node_cache, DOWNLOAD_TIMEOUT)
     pins = {source: HubPin(pin[0] or None, cached=True) for source, pin in revisions.items()}
-    return load_task_rows(
+    rows = load_task_rows(
         data.task, data.train_file, data.eval_file, data.sampling, pins, masked, data.column_map
     )
+    if rows is not None:
+        given = {"--train-file": data.train_file, "--eval-file": data.eval_file}
+        read = {flag: revisions.get(source or "", ("", False))[0] for flag, source in given.items()}
+        rows.commits = {flag: commit for flag, commit in read.items() if commit}
+    return rows
 
 
 def launch_commits(
-    env: LaunchEnv, hub_sources: list[str], timeout: float
+    env: LaunchEnv, hub_sources: list[str], timeout: float, known: dict[str, str] | None = None
 ) -> dict[str, tuple[str, bool]]:
     """Each ``hf:`` source's commit, rank 0's answer told to every rank, and whether it is
-    that of the copy rank 0's cache holds: the hub's, asked once a dataset; where the hub
-    answers rank 0 nothing, its cache's copy's, once a config (each node read its own
-    cache's newest copy, so nodes whose caches held two commits' copies read two sets of
-    rows). "": neither, each node's cache read as it is (the load's error)."""
+    that of the copy rank 0's cache holds: the hub's, asked once a dataset and revision;
+    where the hub answers rank 0 nothing, its cache's copy's, once a config (each node read
+    its own cache's newest copy, so nodes whose caches held two commits' copies read two
+    sets of rows). "": neither, each node's cache read as it is (the load's error), but for
+    a spec naming a revision: refused. ``known``: a source's commit, asked of no one."""
+    known = known or {}
+    asking = [source for source in hub_sources if source not in known]
     asked = {
         name: rank_0_answers(
             env, f"{source}'s revision", functools.partial(hub_dataset_revision, source), timeout
         )
-        for name, source in first_of_each(hub_sources, _dataset).items()
+        for name, source in first_of_each(asking, _dataset).items()
     }
-    silent = [source for source in hub_sources if not asked[_dataset(source)]]
+    silent = [source for source in asking if not asked[_dataset(source)]]
+    launched = env.launched and env.world_size > 1
     cached = {
         key: rank_0_answers(
-            env, f"{source}'s cached commit", functools.partial(rank_0s_copy, source), timeout
+            env,
+            f"{source}'s cached commit",
+            functools.partial(rank_0s_copy, source, launched),
+            timeout,
         )
         for key, source in first_of_each(silent, _dataset_config).items()
     }
-    commits = {source: (asked[_dataset(source)], False) for source in hub_sources}
+    commits = {source: (known[source], False) for source in hub_sources if source in known}
+    commits |= {source: (asked[_dataset(source)], False) for source in asking}
     for source in silent:
         if cached[_dataset_config(source)]:
             commits[source] = (cached[_dataset_config(source)], True)
+        elif hub_spec(source).revision is not None:
+            raise ValueError(unresolved(source))
     return commits
 
 
-def _dataset(source: str) -> str:
-    """An ``hf:`` source's dataset: the hub's commit is asked once for it."""
-    return parse_hub_spec(source)[0]
+def unresolved(source: str) -> str:
+    """Why ``hf:`` source ``source``'s revision names no commit here: the hub is silent and
+    the cache holds no copy of it (a tag or a branch only the hub resolves)."""
+    revision = hub_spec(source).revision
+    held = (
+        "holds no copy at that commit"
+        if COMMIT.fullmatch(revision or "")
+        else ("cannot say which commit a tag or branch names")
+    )
+    return (
+        f"{source}: the hub did not answer about revision {revision}, and the datasets cache "
+        f"{held}; run with the hub reachable, or name a commit the cache holds a copy of "
+        f"({hub_spec(source).at('COMMIT')})"
+    )
 
 
-def _dataset_config(source: str) -> tuple[str, str | None]:
-    """An ``hf:`` source's dataset and config: a copy is prepared once for each."""
-    return parse_hub_spec(source)[:2]
+def _dataset(source: str) -> tuple[str, str | None]:
+    """An ``hf:`` source's dataset and revision: the hub's commit is asked once for each."""
+    spec = hub_spec(source)
+    return spec.path, spec.revision
 
 
-def rank_0s_copy(source: str) -> str:
+def _dataset_config(source: str) -> tuple[str, str | None, str | None]:
+    """An ``hf:`` source's dataset, config and revision: a cached copy is looked for once
+    for each."""
+    spec = hub_spec(source)
+    return spec.path, spec.config, spec.revision
+
+
+def _copy(source: str, commits: dict[str, tuple[str, bool]]) -> tuple[str, str | None, str]:
+    """An ``hf:`` source's dataset, config and commit: a copy is prepared once for each."""
+    spec = hub_spec(source)
+    return spec.path, spec.config, commits[source][0]
+
+
+def rank_0s_copy(source: str, launched: bool = True) -> str:
     """The commit of ``hf:`` dataset ``source``'s copy in rank 0's cache (the hub silent to
     it), said in rank 0's log: the launch reads it on every node."""
     commit = cached_dataset_revision(source)
-    if commit:
+    if commit and launched:
         logger.warning(
             "%s: the hub did not answer rank 0; every node reads the copy at commit %s in its "
             "datasets cache, as rank 0 does",
+            source,
+            commit,
+        )
+    elif commit:
+        logger.warning(
+            "%s: the hub did not answer; the copy at commit %s in the datasets cache is read",
             source,
             commit,
         )
@@ -382,11 +438,14 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
         check_not_running(Path(job.run.output_dir))
     if job.run.log_dir:
         check_output_dir(job.run.log_dir, "--log-dir")
+    job.run.resume = resume_mode(job.run, env, scoring=job.optim.max_steps == 0)
+    run_dir = Path(job.run.output_dir or ".")
+    # a resume reads each hf: source at the commit its run read
+    resumed = resumed_commits(job, run_dir, env.rank) if job.run.resume == "yes" else None
     # every row checked, before any model
-    rows = task_rows(job, env, masked)
+    rows = task_rows(job, env, masked, resumed)
     check_shard_size(job.run.export_shard_size)
     check_reporter(job.run.report_to)
-    job.run.resume = resume_mode(job.run, env, scoring=job.optim.max_steps == 0)
     recorded = None
     if job.run.resume == "yes":  # the run directory's own checks, before reading a checkpoint
         done = check_log_leads_to_checkpoint(Path(job.run.output_dir or "."), env.rank == 0)

@@ -1,8 +1,9 @@
 """A local stand-in for the Hugging Face hub holding one model, tiny/llama, and one dataset,
 org/tiny (a ``train.jsonl`` of ``ROWS`` and a ``validation.jsonl`` at its main,
-``COMMIT``; a ``train.jsonl`` of ``OLD_ROWS`` at an earlier commit, ``OLD_COMMIT``), that
-records every request it answers: huggingface_hub, transformers and datasets pointed at
-it, caches of the test's own."""
+``COMMIT``; a ``train.jsonl`` of ``OLD_ROWS`` at an earlier commit, ``OLD_COMMIT``, which
+its tag ``v1`` names; both splits of other rows at a later commit, ``NEW_COMMIT``, which
+``REFS`` may move main to), that records every request it answers: huggingface_hub,
+transformers and datasets pointed at it, caches of the test's own."""
 
 import contextlib
 import hashlib
@@ -25,6 +26,8 @@ ROWS = [{"sentence": f"row {i}", "label": i % 2} for i in range(4)]
 VALIDATION_ROWS = [{"sentence": f"held-out row {i}", "label": i % 2} for i in range(2)]
 OLD_COMMIT = "a" * 40  # an earlier commit of org/tiny, whose rows differ
 OLD_ROWS = [{"sentence": f"old row {i}", "label": 1 - i % 2} for i in range(3)]
+NEW_COMMIT = "c" * 40  # a later commit of org/tiny, no ref names it until a test moves main
+NEW_ROWS = [{"sentence": f"new row {i}", "label": i % 2} for i in range(5)]
 
 
 def jsonl(rows: list[dict]) -> bytes:
@@ -34,14 +37,17 @@ def jsonl(rows: list[dict]) -> bytes:
 FILES = {  # org/tiny's files, by commit: its main a train and a validation split
     COMMIT: {"train.jsonl": jsonl(ROWS), "validation.jsonl": jsonl(VALIDATION_ROWS)},
     OLD_COMMIT: {"train.jsonl": jsonl(OLD_ROWS)},
+    NEW_COMMIT: {"train.jsonl": jsonl(NEW_ROWS), "validation.jsonl": jsonl(VALIDATION_ROWS)},
 }
+# org/tiny's branches and tags, by name: a test moves main (monkeypatch.setitem)
+REFS = {"main": COMMIT, "v1": OLD_COMMIT}
 
 
 def named_commit(path: str) -> str | None:
-    """The commit of org/tiny an API or file path names (its main: ``COMMIT``)."""
+    """The commit of org/tiny an API or file path names (a ref: its commit in ``REFS``)."""
     parts = path.split("/")
     named = next((parts[i + 1] for i, p in enumerate(parts[:-1]) if p in REVISION_AT), "main")
-    return COMMIT if named == "main" else named if named in FILES else None
+    return REFS.get(named, named if named in FILES else None)
 
 
 REVISION_AT = ("revision", "tree", "resolve")  # what a path's revision follows
