@@ -227,3 +227,46 @@ def test_a_resume_after_main_moved_reads_the_commit_the_run_started_with(monkeyp
     # a fresh run reads the hub's main now, and records it
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert header_of(tmp_path / "fresh")["data_commits"]["--train-file"]["commit"] == NEW_COMMIT
+
+
+def test_a_resumed_launch_reads_the_recorded_commit_on_every_node_asking_none(
+    store, monkeypatch, tmp_path
+):
+    """main moved to NEW_COMMIT: the resume's ranks read COMMIT, the run's, which each
+    node's first rank downloads; no rank 0 question which commit the dataset is now."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    from tests.helpers.stand_in_hub import ROWS
+
+    job = resolve(["--task", "sst2", "--train-file", "hf:org/tiny:train"])
+    job.data.eval_file = "hf:org/tiny:validation"
+    recorded = {job.data.train_file: COMMIT, job.data.eval_file: COMMIT}
+    with stand_in_hub(monkeypatch, tmp_path / "node0") as requests:
+        monkeypatch.setitem(hub.REFS, "main", NEW_COMMIT)
+        by_rank = [task_rows(job, place(rank), resumed=recorded) for rank in (0, 1)]
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "node1"))
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "node1" / "ds")
+        by_rank.append(task_rows(job, place(2), resumed=recorded))
+    # each node's first rank asks whether the hub answers (about main, its reachability
+    # probe), once; every download is of the recorded commit
+    assert requests.count("GET /api/datasets/org/tiny") == 2
+    downloads = [r for r in requests if r.startswith("GET /datasets/org/tiny/resolve/")]
+    assert downloads and all(COMMIT in r for r in downloads)
+    for rows in by_rank:
+        assert rows is not None and sentences(rows.train) == [r["sentence"] for r in ROWS]
+        assert rows.commits == {"--train-file": COMMIT, "--eval-file": COMMIT}
+
+
+def test_a_damaged_record_of_the_commits_is_one_line(tmp_path):
+    from distzo.job.hub_data_commits import recorded_data_commits
+
+    header = {"kind": "header", "data_commits": {"--train-file": {"source": "hf:x:train"}}}
+    (tmp_path / "seedlog.jsonl").write_text(json.dumps(header) + "\n")
+    with pytest.raises(ValueError) as raised:
+        recorded_data_commits(tmp_path)
+    assert str(raised.value) == (
+        f"{tmp_path / 'seedlog.jsonl'}: its header's data_commits "
+        "{'--train-file': {'source': 'hf:x:train'}} does not name a source and a commit hash "
+        "(40 hex digits) by flag; is the log damaged?"
+    )
