@@ -91,20 +91,3 @@ def _is_repo_id(name: str) -> bool:
     except HFValidationError:
         return False
     return True
-
-
-def revision_commit(name: str, revision: str) -> str:
-    """The commit ``revision`` of hub dataset ``name`` names now, or "" where the hub does
-    not answer (or stalls): asked as ``dataset_commit`` asks about ``main``, one of its
-    files too, so the download that follows asks no more whether the hub answers."""
-    from huggingface_hub import HfApi
-
-    from distzo.models.hub_reads import ask_about_a_file, hub_commit
-
-    def ask() -> str:
-        info = HfApi().repo_info(name, repo_type="dataset", revision=revision)
-        files = [sibling.rfilename for sibling in getattr(info, "siblings", None) or []]
-        ask_about_a_file(name, "dataset", files, info.sha)
-        return str(info.sha)
-
-    return str(hub_commit(ask) or "")

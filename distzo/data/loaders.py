@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from distzo.data.hub_errors import not_loaded
-from distzo.data.hub_spec import COMMIT, hub_spec, revision_commit
+from distzo.data.hub_spec import COMMIT, hub_spec
 from distzo.runtime import json_text
 from distzo.runtime.gc_paused import gc_paused
 
@@ -359,9 +359,7 @@ def hub_dataset_revision(source: str) -> str:
     if Path(spec.path).is_dir():
         return ""
     try:
-        if spec.revision is not None:
-            return revision_commit(spec.path, spec.revision)
-        return dataset_commit(spec.path)
+        return dataset_commit(spec.path, spec.revision)
     except Exception as err:  # an unknown name or revision, no access: the load's message
         raise _not_loaded(source, err) from None
 

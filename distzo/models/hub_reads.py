@@ -201,15 +201,16 @@ def hub_commit(ask: Callable[[], str | None]) -> str | None:
             return None
 
 
-def dataset_commit(name: str) -> str:
-    """The commit hub dataset ``name`` is now, or "" where the hub does not answer (or
-    stalls on it, or on one of its files: ``hub_commit``, ``ask_about_a_file``): a
-    launch's ranks read it at this one commit. Asked as ``repo_answers`` asks, so the
-    download that follows, in the process that asked, asks no more whether the hub answers."""
+def dataset_commit(name: str, revision: str | None = None) -> str:
+    """The commit hub dataset ``name`` is now (at ``revision``, a tag, branch or commit;
+    None: its main), or "" where the hub does not answer (or stalls on it, or on one of its
+    files: ``hub_commit``, ``ask_about_a_file``): a launch's ranks read it at this one
+    commit. Asked as ``repo_answers`` asks, so the download that follows, in the process
+    that asked, asks no more whether the hub answers."""
     from huggingface_hub import HfApi
 
     def ask() -> str:
-        info = HfApi().repo_info(name, repo_type="dataset")
+        info = HfApi().repo_info(name, repo_type="dataset", revision=revision)
         files = [sibling.rfilename for sibling in getattr(info, "siblings", None) or []]
         ask_about_a_file(name, "dataset", files, info.sha)
         return str(info.sha)
