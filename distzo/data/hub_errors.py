@@ -24,6 +24,12 @@ def not_loaded(source: str, spec: tuple[str, str | None, str], err: BaseExceptio
     dataset has, else its first line."""
     message = str(err)
     path, config, split = spec
+    if type(err).__name__ == "RevisionNotFoundError":  # huggingface_hub's, for an @REVISION
+        revision = source.partition("@")[2].partition(":")[0]
+        return ValueError(
+            f"{source}: {path} has no revision {revision!r} (a tag, branch or commit of its "
+            f"repository); name one it has, or leave @{revision} out to read its main"
+        )
     if _SAVED_TO_DISK in message:
         return ValueError(
             f"{source}: {path} is a folder Dataset.save_to_disk wrote, which is read as no "

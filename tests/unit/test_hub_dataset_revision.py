@@ -171,12 +171,15 @@ def test_a_silent_hub_reads_a_named_commits_copy_and_refuses_a_tag(monkeypatch, 
     )
 
 
-def test_an_unknown_revision_is_the_loads_line(monkeypatch, tmp_path):
+def test_an_unknown_revision_is_named_with_the_fix(monkeypatch, tmp_path):
     job = resolve(["--task", "sst2", "--train-file", "hf:org/tiny@v9:train"])
     job.data.eval_file = job.data.train_file
     with stand_in_hub(monkeypatch, tmp_path), pytest.raises(ValueError) as raised:
         task_rows(job, LaunchEnv())
-    assert str(raised.value).startswith("hf:org/tiny@v9:train: cannot load from the hub (")
+    assert str(raised.value) == (
+        "hf:org/tiny@v9:train: org/tiny has no revision 'v9' (a tag, branch or commit of its "
+        "repository); name one it has, or leave @v9 out to read its main"
+    )
 
 
 RUN = ["--task", "sst2", "--train-file", "hf:org/tiny:train"]
