@@ -46,6 +46,9 @@ class MaskedPrompt:
     max_length: int = MASKED_LENGTH
     label_names: tuple[str, ...] = ()
     drops_unlabelled: bool = False  # rows of label -1 (no gold label) left out, not refused
+    # GLUE's metric of the task beside accuracy (``distzo.objectives.confusion``), by which
+    # MeZO's trainer chooses the best dev step (``default_dev_objective``: f1, then mcc)
+    metric: str = "accuracy"
 
 
 NLI_NAMES = ("entailment", "neutral", "contradiction")  # GLUE's MNLI and SNLI's index order
@@ -70,7 +73,7 @@ MASKED_PROMPTS: dict[str, MaskedPrompt] = {
     "cr": MaskedPrompt(SENTIMENT, ("terrible", "great"), ("sentence",), 110, 50),
     "mpqa": MaskedPrompt(SENTIMENT, ("terrible", "great"), ("sentence",), 110),
     "subj": MaskedPrompt(THIS_IS, ("subjective", "objective"), ("sentence",), 110, 50),
-    "cola": MaskedPrompt(THIS_IS, ("incorrect", "correct"), ("sentence",)),
+    "cola": MaskedPrompt(THIS_IS, ("incorrect", "correct"), ("sentence",), metric="mcc"),
     "trec": MaskedPrompt(
         QUESTION,
         ("Description", "Entity", "Expression", "Human", "Location", "Number"),
@@ -78,8 +81,8 @@ MASKED_PROMPTS: dict[str, MaskedPrompt] = {
         110,
         label_names=TREC_NAMES,
     ),
-    "qqp": MaskedPrompt(PAIR, ("No", "Yes"), ("question1", "question2")),
-    "mrpc": MaskedPrompt(PAIR, ("No", "Yes"), ("sentence1", "sentence2")),
+    "qqp": MaskedPrompt(PAIR, ("No", "Yes"), ("question1", "question2"), metric="f1"),
+    "mrpc": MaskedPrompt(PAIR, ("No", "Yes"), ("sentence1", "sentence2"), metric="f1"),
     "qnli": MaskedPrompt(
         INFERENCE,
         ("Yes", "No"),

@@ -31,7 +31,12 @@ from distzo.data.encoding import (
     text_lengths,
 )
 from distzo.data.loaders import HubPin, iter_numbered_rows, read_whole
-from distzo.data.masked_prompts import MASKED_TASKS, MaskedPromptEncoder, masked_task
+from distzo.data.masked_prompts import (
+    MASKED_PROMPTS,
+    MASKED_TASKS,
+    MaskedPromptEncoder,
+    masked_task,
+)
 from distzo.data.row_share import WHOLE, RowShare
 from distzo.data.sampling import WHOLE_FILES, Sampling, sample_sets
 from distzo.data.synthetic import CountingTask
@@ -544,6 +549,8 @@ class MaskedPromptData:
         self.train_examples: list[MaskedExample] = rows.train
         self.eval_examples: list[MaskedExample] = rows.eval
         self.dev_examples: list[MaskedExample] = rows.dev
+        # scored beside accuracy, and what the best dev step is chosen by (cola's mcc...)
+        self.metric = MASKED_PROMPTS[rows.task].metric
         self.encoder, self.eval_batch_size = encoder, eval_batch_size
         self.train = ChoiceTrainData(rows.train, encoder, seed)
         files = [("--train-file", rows.train), ("--eval-file", rows.eval)]

@@ -14,7 +14,8 @@ the positions a metric reads.
 
 * classification / multiple choice: each candidate continuation scored by its mean
   token log-likelihood (MeZO's rule); accuracy of the argmax, a hit where it is any
-  right candidate (ReCoRD's answers: MeZO's rule too).
+  right candidate (ReCoRD's answers: MeZO's rule too). A masked LM's CoLA, MRPC and QQP
+  also get GLUE's metric (``eval_mcc``, ``eval_f1``), of the ranks' summed confusion counts.
 * generation (SQuAD, DROP): greedy decoding of a whole batch together, ``max_new_tokens``
   tokens cut at the first newline; SQuAD's F1 and exact match against every gold
   answer (the best one counts).
@@ -67,6 +68,7 @@ from distzo.objectives.choice_pieces import (
     right_candidates,
     split_choices,
 )
+from distzo.objectives.confusion import binary_metric, confusion_counts
 from distzo.objectives.generation import PromptBatch, flagged, prepare_prompts
 from distzo.objectives.lm import prepare_lm
 from distzo.objectives.scoring import broken_rows
@@ -141,6 +143,7 @@ def evaluate(
                 data.eval_batch_size,
                 stop=stop,
                 rows=widest,
+                metric=data.metric if isinstance(data, MaskedPromptData) else "accuracy",
             )
     else:
         rows = data.dev_set if dev and isinstance(data, TextData) else data.eval_set
@@ -215,12 +218,15 @@ def evaluate_choices(
     full_head: bool = False,
     stop: StopVote | None = None,
     rows: int | None = None,
+    metric: str = "accuracy",
 ) -> dict[str, float]:
     """Accuracy of the best-scored candidate; ``batch_size`` rows (sequences) per call
     over all the ranks, an example of more candidate rows than a rank's share scored in
     pieces (``split_choices``). ``rows``: the most rows an example of ``examples`` takes,
     the same on every rank (``PromptData.eval_rows``, counted in the build's shared pass);
-    None: counted here, every example encoded on every rank."""
+    None: counted here, every example encoded on every rank. ``metric``: a two-label
+    task's GLUE metric (``BINARY_METRICS``: ``eval_mcc``, ``eval_f1``), reported first,
+    before the accuracy, read off the confusion counts summed over the ranks."""
     mine = [examples[i] for i in _share(len(examples), parallel)]
     if rows is None:
         rows = max(encoder.choice_rows(e) for e in examples)
@@ -229,6 +235,7 @@ def evaluate_choices(
     # for a call past this rank's share
     spare = [split_choices(encoder.encode_choices(examples[0]), per_rank)[0].encoding]
     correct = broken = torch.zeros((), dtype=torch.long, device=engine.device)
+    counts = torch.zeros(4, dtype=torch.long, device=engine.device)  # a binary metric's
     pending: list[tuple[torch.Tensor, ChoicePiece]] = []  # an example's pieces scored so far
     calls = _choice_calls(len(examples), rows, per_rank, parallel)
     for call in _counted_calls(calls, parallel):
@@ -254,8 +261,14 @@ def evaluate_choices(
         if chunk:
             correct = correct + hits(scored, right).sum()
             broken = broken + broken_rows(scored).sum()
-    right_sum, bad, total = _reduce([correct, broken, len(mine)], parallel)
-    return {"eval_accuracy": _unless_broken(right_sum / total, bad)}
+            if metric != "accuracy":
+                counts = counts + confusion_counts(scored, right)
+    binary = list(counts) if metric != "accuracy" else []
+    right_sum, bad, total, *summed = _reduce([correct, broken, len(mine), *binary], parallel)
+    accuracy = {"eval_accuracy": _unless_broken(right_sum / total, bad)}
+    if metric == "accuracy":
+        return accuracy
+    return {f"eval_{metric}": _unless_broken(binary_metric(metric, summed), bad), **accuracy}
 
 
 def _choice_work(

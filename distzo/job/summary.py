@@ -2,7 +2,8 @@
 decide what was trained (the whole tree is ``config.toml``), the steps, this session's
 time and tokens per second, the training loss and the first, last and best evaluation
 (and dev evaluation, where --num-dev gave dev rows: then the best step is the dev rows'
-choice, as MeZO's), and where the last checkpoint, the export and the picture are.
+choice, by the task's metric, ``chosen_by``), and where the last checkpoint, the export
+and the picture are.
 
 The losses and evaluations come from metrics.jsonl and eval.jsonl, so a resumed run's
 summary covers the whole run; the time and throughput are those of the session that
@@ -18,7 +19,7 @@ from typing import Any
 
 from distzo.config.engine_options import ZOConfig
 from distzo.config.job import JobConfig
-from distzo.job.records import eval_split
+from distzo.job.records import eval_split, metric_name
 from distzo.runtime.json_text import loads
 
 SUMMARY = "summary.json"
@@ -54,12 +55,26 @@ def key_options(
     }
 
 
+# What the best evaluation is chosen by: the first of these metrics the first record
+# holds. MeZO's ``default_dev_objective`` takes F1 (SQuAD, DROP, MRPC, QQP), then MCC
+# (CoLA), then accuracy; language modelling's loss comes before its next-token accuracy.
+CHOSEN_BY = ("f1", "mcc", "loss", "accuracy")
+
+
+def chosen_by(record: dict[str, Any]) -> str | None:
+    """The key of ``record`` the best evaluation is chosen by (``dev_mcc``, ``eval_loss``):
+    read off the first record, so that a resumed run keeps choosing as it began."""
+    keys = [k for k in record if k != "step"]
+    by_name = {metric_name(k): k for k in keys}
+    return next((by_name[n] for n in CHOSEN_BY if n in by_name), keys[0] if keys else None)
+
+
 def best_eval(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The best evaluation by the first metric they hold (``eval_loss`` on language
-    modelling, else accuracy or F1): the lowest loss, or the highest of the others."""
+    """The best evaluation by its task's metric (``chosen_by``): the lowest loss, or the
+    highest F1, MCC or accuracy; of equals, the earliest."""
     if not evals:
         return None
-    key = next((k for k in evals[0] if k != "step"), None)
+    key = chosen_by(evals[0])
     if key is None:
         return None
     scored = [r for r in evals if isinstance(r.get(key), (int, float))]
@@ -93,8 +108,8 @@ def run_summary(
             {"first": losses[0], "last": losses[-1], "min": min(losses)} if losses else None
         ),
         "eval": scored,
-        # --num-dev: the evaluations during training; "best" is the step MeZO's
-        # --load_best_model_at_end would keep (the earliest among equals)
+        # --num-dev: the evaluations during training; "best" the step of the best dev
+        # metric (``chosen_by``), the earliest among equals
         **({"dev": _at_a_glance(dev)} if dev else {}),
         **{name: str(p.absolute()) if p is not None else None for name, p in paths.items()},
     }

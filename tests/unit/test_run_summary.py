@@ -419,3 +419,36 @@ def test_a_summary_missing_cut_short_or_not_an_object_reads_as_none(tmp_path, te
     assert read_summary(tmp_path) is None
     (tmp_path / "summary.json").write_text('{"steps": 0}')
     assert read_summary(tmp_path) == {"steps": 0}
+
+
+@pytest.mark.parametrize("metric", ["mcc", "f1"])
+@pytest.mark.parametrize("accuracy_first", [False, True])
+def test_a_glue_tasks_best_dev_step_is_chosen_by_its_metric_not_its_accuracy(
+    metric, accuracy_first
+):
+    """CoLA's dev steps are chosen by MCC, MRPC's and QQP's by F1, as MeZO's
+    ``default_dev_objective`` chooses them, whatever order a record holds its metrics in:
+    accuracy would choose step 2 here, the task's metric step 4."""
+    from distzo.job.summary import best_eval, run_summary
+
+    def dev(step: int, accuracy: float, score: float) -> dict:
+        figures = [("dev_accuracy", accuracy), (f"dev_{metric}", score)]
+        return {"step": step, **dict(figures if accuracy_first else figures[::-1])}
+
+    records = [dev(2, 0.75, 0.1), dev(4, 0.7, 0.4), dev(6, 0.7, 0.4)]
+    assert best_eval(records) == {"by": f"dev_{metric}", **records[1]}  # the earliest
+    end = {"step": 4, "eval_accuracy": 0.6, f"eval_{metric}": 0.3}
+    summary = run_summary({}, 4, {}, [], [records[0], records[1], end], {})
+    assert summary["dev"]["best"]["by"] == f"dev_{metric}"
+    assert summary["eval"]["best"] == {"by": f"dev_{metric}", **end}
+    assert best_eval([end]) == {"by": f"eval_{metric}", **end}
+
+
+def test_a_run_whose_first_dev_records_lack_the_metric_is_chosen_by_theirs():
+    """A resumed run whose first session scored accuracy alone (an earlier distzo) keeps
+    choosing by accuracy: a step chosen by MCC among the later records alone would skip
+    the first session's steps."""
+    from distzo.job.summary import best_eval
+
+    records = [{"step": 2, "dev_accuracy": 0.8}, {"step": 4, "dev_mcc": 0.5, "dev_accuracy": 0.6}]
+    assert best_eval(records) == {"by": "dev_accuracy", **records[0]}
