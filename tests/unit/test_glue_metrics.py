@@ -190,3 +190,34 @@ def test_cola_s_dev_rows_are_scored_and_logged_by_mcc():
     sst2 = MaskedPromptEncoder(TOKENIZER, "sst2", 128)
     data = MaskedPromptData(LoadedRows("sst2", examples, examples), sst2, 0, 4)
     assert list(evaluation.evaluate(engine, data, ParallelContext.single())) == ["eval_accuracy"]
+
+
+def test_a_cola_run_logs_its_dev_mcc_and_exports_the_step_mcc_chose(tmp_path):
+    """Through the CLI: eval.jsonl's dev records hold dev_mcc, the summary's dev.best is
+    chosen by it and says so, and --export-best names it in its log line."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.masked_prompts import save_tiny_roberta
+
+    model = save_tiny_roberta(tmp_path / "model")
+    rows = [{"sentence": e.sentences[0], "label": e.label} for e in cola_examples(12)]
+    data = tmp_path / "cola.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["--model", str(model), "--task", "cola", "--train-file", str(data)]
+    args += ["--eval-file", str(data), "--num-dev", "6", "--eval-steps", "1", "--max-steps"]
+    args += ["3", "--batch-size", "2", "--lr", "1e-2", "--export-best", "--output-dir", str(run)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "distzo.train", *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    dev = [r for r in records if "dev_accuracy" in r]
+    assert dev and all(list(r) == ["step", "dev_mcc", "dev_accuracy"] for r in dev)
+    assert list(records[0]) == ["step", "eval_mcc", "eval_accuracy"]
+    summary = json.loads((run / "summary.json").read_text())
+    best = max(dev, key=lambda r: r["dev_mcc"])  # the earliest of the highest
+    assert summary["dev"]["best"] == {"by": "dev_mcc", **best}
+    assert f"best dev step {best['step']} (dev_mcc {best['dev_mcc']:.4f})" in proc.stderr
