@@ -44,6 +44,7 @@ from distzo.export.hf_model import check_shard_size, export_model
 from distzo.export.out_dir import check_out, staging_dir
 from distzo.job.build import source_tokenizer, with_byte_tokenizer_ids
 from distzo.job.replay_defaults import run_export_options
+from distzo.job.run_dir import BEST_EXPORT
 from distzo.job.run_end import BEST_WRITTEN, complete_export, export_record
 from distzo.job.run_lock import DirectoryLocked, RunLock
 from distzo.job.seed_log import (
@@ -301,7 +302,6 @@ def replay(
     return export_model(engine, out, tokenizer, shards, merge, overwrite=True)
 
 
-BEST_EXPORT = "export-best"  # in the run directory, beside export/
 BEST_LOCK_WAIT_S = 5.0  # how long export-best waits for its run directory's lock
 
 

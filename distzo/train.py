@@ -194,8 +194,9 @@ def _run(argv: list[str] | None, env: LaunchEnv, callbacks: Iterable[TrainerCall
 def _export_best(run_dir: Path, job: JobConfig, lock: RunLock | None) -> int:
     """``--export-best``'s replay, once the run has ended, with the run's export options,
     under the run's ``lock`` (None: taken again); a failure is one line."""
+    from distzo.job.run_dir import BEST_EXPORT
     from distzo.job.run_end import export_options
-    from distzo.replay import BEST_EXPORT, export_best
+    from distzo.replay import export_best
 
     try:
         export_best(run_dir, export_options(job), lock)

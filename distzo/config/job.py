@@ -553,8 +553,9 @@ class RunOptions:
         False,
         "start afresh in an --output-dir that holds a run (without it that is refused): first "
         "delete the old run's own files and folders, config.toml, seedlog.jsonl, metrics.jsonl, "
-        "eval.jsonl, rankN.json, checkpoints/, export/, base/, tensorboard/ and wandb/ (and the "
-        "logs in --log-dir), never other files in the directory",
+        "eval.jsonl, summary.json, curves.png, rankN.json, checkpoints/, export/, export-best/, "
+        "base/, tensorboard/ and wandb/ (and the logs in --log-dir), never other files in the "
+        "directory",
     )
     report_to: str = option(
         "none",

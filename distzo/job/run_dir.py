@@ -47,7 +47,8 @@ logger = logging.getLogger("distzo.train")
 
 # What a run writes into its directory (each also under a ``.tmp`` name while written).
 RUN_FILES = ("config.toml", SEED_LOG, "metrics.jsonl", "eval.jsonl", SUMMARY, CURVES)
-RUN_FOLDERS = ("checkpoints", "export", "base", "tensorboard", "wandb")
+BEST_EXPORT = "export-best"  # --export-best's model of the best dev step, beside export/
+RUN_FOLDERS = ("checkpoints", "export", BEST_EXPORT, "base", "tensorboard", "wandb")
 LOG_FILES = ("metrics.jsonl", "eval.jsonl")  # what goes to --log-dir instead, when given
 _RANK_SUMMARY = re.compile(r"^rank\d+\.json$")
 

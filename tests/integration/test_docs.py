@@ -569,7 +569,7 @@ def test_the_overwrite_sentence_names_what_a_run_writes():
 
     text = " ".join((ROOT / "docs" / "training.md").read_text().split())
     sentence = text.split("`--overwrite` deletes the old run first", 1)[1].split("; anything", 1)[0]
-    named = set(re.findall(r"`([\w.]+/?)`", sentence.split("(and their", 1)[0]))
+    named = set(re.findall(r"`([\w.-]+/?)`", sentence.split("(and their", 1)[0]))
     assert named == {*RUN_FILES, "rankN.json", *(f"{folder}/" for folder in RUN_FOLDERS)}
 
 

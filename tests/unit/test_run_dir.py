@@ -132,6 +132,17 @@ def test_overwrite_deletes_the_runs_own_files_and_nothing_else(run):
     assert "\noverwrite =" not in (run / "config.toml").read_text()
 
 
+def test_overwrite_deletes_the_old_runs_export_best(run):
+    """An ``--export-best`` run's ``export-best/`` is the old run's model: left by
+    ``--overwrite``, it sat beside the new run's files as if the new run had chosen it."""
+    (run / "export-best").mkdir()
+    (run / "export-best" / "model.safetensors").write_bytes(b"the old run's best step")
+    (run / "export-best.tmp").mkdir()  # a replay killed before its rename
+    proc = train_in_process([*SMALL, "--max-steps", "2", "--output-dir", str(run), "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (run / "export-best").exists() and not (run / "export-best.tmp").exists()
+
+
 def test_a_resumed_runs_config_records_the_run_not_the_resume(run, tmp_path):
     proc = train_in_process([*SMALL, "--max-steps", "5", "--output-dir", str(run), "--resume"])
     assert proc.returncode == 0, proc.stderr[-2000:]
