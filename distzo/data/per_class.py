@@ -110,7 +110,8 @@ def _too_few(short: list[tuple[int, int]], train: int, dev: int, train_file: str
     else:
         fix = "add rows of that label"
     return (
-        f"{asked} ask {train + dev} rows of each label, but in --train-file {train_file} "
+        f"{asked} {'ask' if dev else 'asks'} {train + dev} rows of each label, but in "
+        f"--train-file {train_file} "
         f"{labels}; {fix} (LM-BFF's draw takes K of every label)"
     )
 

@@ -114,8 +114,9 @@ def _too_many(sampling: Sampling, rows: int, train_file: str) -> str:
     fix = f"give --num-train {room} or less" if room else _dev_fix(sampling.num_train, rows)
     taken = f": {room} to train, {dev} dev" if dev and room else ""
     return (
-        f"{asked} ask {sampling.num_train + dev} rows, more than the {rows} of --train-file "
-        f"{train_file}; {fix} (MeZO's run.py takes the {rows} there are{taken})"
+        f"{asked} {'ask' if dev else 'asks'} {sampling.num_train + dev} rows, more than the "
+        f"{rows} of --train-file {train_file}; {fix} (MeZO's run.py takes the {rows} there "
+        f"are{taken})"
     )
 
 

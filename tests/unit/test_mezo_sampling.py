@@ -51,6 +51,11 @@ def test_dev_rows_are_the_last_of_the_drawn_training_rows_and_eval_rows_share_th
             "train, 4 dev)",
         ),
         (Sampling(num_dev=12), "--num-dev 12 leaves no training rows of the 12 of"),
+        (  # one flag asks: "asks", as --num-eval's line says
+            Sampling(20),
+            "--num-train 20 asks 20 rows, more than the 12 of --train-file t.jsonl; give "
+            "--num-train 12 or less (MeZO's run.py takes the 12 there are)$",
+        ),
         (  # the dev rows alone fill the file: the fix is the dev count that fits
             Sampling(2, 14),
             "--num-train 2 and --num-dev 14 ask 16 rows, more than the 12 of --train-file "

@@ -97,6 +97,8 @@ def test_a_label_with_too_few_rows_is_named_with_its_count_in_one_line():
         per_class_draw(rows, [0] * 9 + [1] * 3, 2, 2, 2, 0, "t.jsonl")
     with pytest.raises(ValueError, match="label 1 has 3; give --train-per-class 2 or less"):
         per_class_draw(rows, [0] * 9 + [1] * 3, 2, 4, 1, 0, "t.jsonl")
+    with pytest.raises(ValueError, match="^--train-per-class 4 asks 4 rows of each label, "):
+        per_class_draw(rows, [0] * 9 + [1] * 3, 2, 4, 0, 0, "t.jsonl")  # one flag: "asks"
 
 
 def test_a_task_without_labels_and_mezos_counts_beside_it_are_refused(tmp_path):
