@@ -181,8 +181,9 @@ class DataOptions:
     )
     eval_batch_size: int = option(
         64,
-        "sequences per evaluation forward call over all ranks; the whole --eval-file is "
-        "evaluated (counting: also the size of its generated evaluation set)",
+        "sequences per evaluation forward call over all ranks; the whole --eval-file (its "
+        "--num-eval rows with that flag) is evaluated (counting: also the size of its generated "
+        "evaluation set)",
     )
 
     @property
@@ -571,8 +572,9 @@ class RunOptions:
     )
     save_on_signal: bool = option(
         False,
-        "on SIGTERM or SIGUSR1 (a preemption notice) write a checkpoint after the step under way "
-        "before exiting; without it the seed log, synced, is what the restart catches up from",
+        "on SIGTERM or SIGUSR1 (a preemption notice) or Ctrl-C (SIGINT) write a checkpoint "
+        "after the step under way before exiting (143, or 130 after Ctrl-C); without it the "
+        "seed log, synced, is what the restart catches up from",
     )
     log_sync_steps: int = option(
         1,

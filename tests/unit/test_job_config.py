@@ -137,9 +137,19 @@ def test_help_documents_every_option_with_its_default():
 
 def test_eval_batch_size_help_says_it_sizes_a_call_not_the_evaluation_set():
     """It read "sequences in the evaluation set": true of counting only; a file task
-    evaluates every row of its --eval-file, this many per forward call."""
+    evaluates every row of its --eval-file (or the --num-eval drawn), this many per call."""
     flat = " ".join(build_parser().format_help().split())
-    assert "sequences per evaluation forward call over all ranks; the whole --eval-file" in flat
+    assert (
+        "sequences per evaluation forward call over all ranks; the whole --eval-file (its "
+        "--num-eval rows with that flag) is evaluated" in flat
+    )
+
+
+def test_save_on_signal_help_names_ctrl_c_as_the_docs_table_does():
+    """The handler stops on SIGINT too (exit 130) and --save-on-signal saves then: the
+    help named SIGTERM and SIGUSR1 alone."""
+    flat = " ".join(build_parser().format_help().split())
+    assert "or Ctrl-C (SIGINT) write a checkpoint after the step under way" in flat
 
 
 EXAMPLES = sorted(Path(__file__).parents[2].joinpath("launch", "configs").glob("*.toml"))
