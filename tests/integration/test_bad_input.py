@@ -664,6 +664,27 @@ def test_non_utf8_bytes_name_the_file_and_row(tmp_path):
     assert str(bad) in line and "row 2" in line and "UTF-8" in line
 
 
+@pytest.mark.parametrize("missing", ["--train-file", "--eval-file"])
+def test_a_missing_data_file_is_named_by_its_flag(tmp_path, missing):
+    """``data file d.tsv does not exist`` named neither the flag nor a fix: with both flags
+    in one command, the user had to guess which path was wrong."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    files = {"--train-file": str(good), "--eval-file": str(good), missing: "nope/d.tsv"}
+    out = tmp_path / "out"
+    line = one_line(
+        train_in_process(
+            ["--task", "sst2", *(x for kv in files.items() for x in kv)]
+            + ["--output-dir", str(out)]
+        )
+    )
+    assert line == (
+        f"error: {missing} nope/d.tsv: no such file; correct the path, or give a hub "
+        "dataset's split as hf:PATH[:CONFIG]:SPLIT"
+    )
+    assert not out.exists()
+
+
 def test_a_csv_field_over_the_limit_is_one_line(tmp_path):
     good, big = tmp_path / "good.jsonl", tmp_path / "big.csv"
     good.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
