@@ -180,7 +180,10 @@ def attach_adapter(model: nn.Module, spec: AdapterSpec, seed: int) -> nn.Module:
                 peft_model = get_peft_model(model, config)
         except ValueError as err:  # no target module matched, or a family peft has no default for
             line = str(err).splitlines()[0]
-            raise ValueError(f"--peft {spec.method}: {line} (set --lora-targets)") from None
+            raise ValueError(
+                f"--peft {spec.method}: {line} (set --lora-targets to some of the model's "
+                f"linear layers: {', '.join(_linear_names(model))})"
+            ) from None
         torch.manual_seed(seed)
         for module in peft_model.modules():
             if isinstance(module, LoraLayer):
@@ -228,6 +231,21 @@ def _lora_layers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module, str | 
             base: nn.Module = module.get_base_layer()
             not_linear = None if isinstance(module, LoraLinear) else type(base).__name__
             yield name.removeprefix(PEFT_PREFIX), base, not_linear
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    """The names ``--lora-targets`` can take: each linear layer's own name, once, in the
+    model's order, the LM head left out (peft's matcher reads the name's last part)."""
+    from transformers.pytorch_utils import Conv1D
+
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
+    names = (
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, Conv1D)) and module is not head
+    )
+    return list(dict.fromkeys(names))
 
 
 def _check_linear_targets(model: nn.Module, config: LoraConfig, method: str) -> None:

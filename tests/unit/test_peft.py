@@ -193,8 +193,14 @@ def test_bad_adapter_options_are_one_line_errors():
     assert AdapterSpec.parse_targets(" q_proj,,v_proj, ") == ("q_proj", "v_proj")
     with pytest.raises(ValueError, match="--lora-targets names no module"):
         AdapterSpec("lora", targets=AdapterSpec.parse_targets(" , ")).validate()
-    with pytest.raises(ValueError, match="--lora-targets"):
+    with pytest.raises(ValueError) as refused:
         attach_adapter(base_model("opt"), AdapterSpec("lora", targets=("no_such_proj",)), seed=0)
+    # peft's line said to "check the target modules": the model's own linear layers are named
+    assert str(refused.value) == (
+        "--peft lora: Target modules {'no_such_proj'} not found in the base model. Please "
+        "check the target modules and try again. (set --lora-targets to some of the model's "
+        "linear layers: k_proj, v_proj, q_proj, out_proj, fc1, fc2)"
+    )
 
 
 def test_lora_on_an_embedding_is_refused_in_one_line():
