@@ -399,7 +399,7 @@ def _renaming(task: str, columns: tuple[str, ...], row: dict[str, Any], column: 
             f"; the row also has {', '.join(map(repr, others))}: --columns {column}=COLUMN "
             f"reads one of them as {column!r}"
         )
-    return ""
+    return f"; give every row its {column!r}"  # no column to read it from: the data lacks it
 
 
 def not_text(source: str, number: int, column: str, value: Any) -> ValueError:

@@ -647,8 +647,10 @@ def test_a_malformed_row_stops_the_cli_with_file_and_row(tmp_path):
     )
     proc = train_in_process(["--task", "sst2", "--train-file", bad, "--eval-file", bad])
     assert proc.returncode == 2
+    # the row has no other column to read as its label: the fix is the data's
     assert proc.stderr.strip() == (
-        f"error: {bad}, row 2: missing column 'label' (task sst2 needs sentence, label)"
+        f"error: {bad}, row 2: missing column 'label' (task sst2 needs sentence, label); "
+        "give every row its 'label'"
     )
 
 
