@@ -590,8 +590,8 @@ class RunOptions:
     )
     export_best: bool = option(
         False,
-        "with --num-dev: also write the model of the best dev step to export-best/, replayed "
-        "from the seed log (MeZO's --load_best_model_at_end)",
+        "with --num-dev or --dev-per-class: also write the model of the best dev step to "
+        "export-best/, replayed from the seed log (MeZO's --load_best_model_at_end)",
     )
 
     @property
