@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -247,6 +248,14 @@ def load_task_rows(
         given = {"--train-file": train_file, "--eval-file": eval_file}
         missing = [flag for flag, path in given.items() if not path]
         raise ValueError(f"--task {task} reads its data: give {' and '.join(missing)}")
+    for flag, source in (("--train-file", train_file), ("--eval-file", eval_file)):
+        if not source.startswith("hf:") and not Path(source).exists():
+            # named by its flag, both before either is read: the loader's line named the
+            # path alone, and with both flags in one command the user had to guess
+            raise ValueError(
+                f"{flag} {source}: no such file; correct the path, or give a hub dataset's "
+                "split as hf:PATH[:CONFIG]:SPLIT"
+            )
     loaded: list[list[Any]] = []
     read = [0, 0]  # each file's rows, of which a task's build may leave some out
     reads_names = schema.reads_names if schema else None

@@ -27,7 +27,7 @@ from distzo.data.loaders import (
     hub_dataset_revision,
 )
 from distzo.data.masked_prompts import MASKED_TASKS, masked_task
-from distzo.data.task_data import GENERATED, TASK_NAMES, LoadedRows, load_task_rows
+from distzo.data.task_data import LoadedRows, load_task_rows
 from distzo.dist import LaunchEnv, ParallelDims
 from distzo.dist import process_group as pg
 from distzo.dist.collectives import initialized
@@ -214,8 +214,6 @@ def task_rows(
     ``LoadedRows.commits``, which the seed log records. One process reads the same way
     (its own rank 0 and node), a local folder (a clone) as ``datasets`` reads it."""
     data = job.data
-    if data.task in TASK_NAMES and data.task not in GENERATED:  # else the task's own line
-        check_data_files_exist(data.train_file, data.eval_file)
     sources = dict.fromkeys(s for s in (data.train_file, data.eval_file) if s)
     hub_sources = [source for source in sources if source.startswith("hf:")]
     if not env.launched or env.world_size == 1:  # a folder has no commit to record
@@ -251,19 +249,6 @@ def task_rows(
         read = {flag: revisions.get(source or "", ("", False))[0] for flag, source in given.items()}
         rows.commits = {flag: commit for flag, commit in read.items() if commit}
     return rows
-
-
-def check_data_files_exist(train_file: str | None, eval_file: str | None) -> None:
-    """A local data file that is not there, named by its flag: the loader's line named the
-    path alone, and with both flags in one command the user had to guess which was wrong."""
-    if not (train_file and eval_file):  # the task's line asks for the one not given
-        return
-    for flag, source in (("--train-file", train_file), ("--eval-file", eval_file)):
-        if not source.startswith("hf:") and not Path(source).exists():
-            raise ValueError(
-                f"{flag} {source}: no such file; correct the path, or give a hub dataset's "
-                "split as hf:PATH[:CONFIG]:SPLIT"
-            )
 
 
 def launch_commits(

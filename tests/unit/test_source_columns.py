@@ -185,7 +185,8 @@ def test_a_class_label_cell_holding_no_value_is_the_rows_missing_label(offline, 
     with pytest.raises(ValueError) as err:
         load_task_rows("sst2", source, source)
     assert str(err.value) == (
-        f"{source}, row 2: missing column 'label' (task sst2 needs sentence, label)"
+        f"{source}, row 2: missing column 'label' (task sst2 needs sentence, label); give "
+        "every row its 'label'"
     )
 
 
