@@ -53,12 +53,9 @@ def roberta_tokenizer(words: tuple[str, ...] = WORDS) -> RobertaTokenizer:
     return RobertaTokenizer(vocab=dict(vocab), merges=list(merges))  # type: ignore[arg-type]
 
 
-def save_tiny_roberta(folder: Path, seed: int = 0) -> Path:
-    """A random 2-layer RobertaForMaskedLM of the tiny vocabulary and its tokenizer."""
-    import torch
-
-    tokenizer = roberta_tokenizer()
-    config = RobertaConfig(
+def tiny_roberta_config(tokenizer: RobertaTokenizer) -> RobertaConfig:
+    """A 2-layer RoBERTa of ``tokenizer``'s vocabulary, 130 position rows (128 tokens)."""
+    return RobertaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -69,6 +66,14 @@ def save_tiny_roberta(folder: Path, seed: int = 0) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+
+
+def save_tiny_roberta(folder: Path, seed: int = 0) -> Path:
+    """A random 2-layer RobertaForMaskedLM of the tiny vocabulary and its tokenizer."""
+    import torch
+
+    tokenizer = roberta_tokenizer()
+    config = tiny_roberta_config(tokenizer)
     torch.manual_seed(seed)
     RobertaForMaskedLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import RobertaConfig, RobertaForMaskedLM
+from transformers import RobertaForMaskedLM
 
 from distzo import ZOConfig, ZOEngine
 from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
@@ -27,7 +27,7 @@ from distzo.objectives.confusion import (
     matthews_correlation,
     positive_f1,
 )
-from tests.helpers.masked_prompts import WORDS, roberta_tokenizer
+from tests.helpers.masked_prompts import WORDS, roberta_tokenizer, tiny_roberta_config
 
 TOKENIZER = roberta_tokenizer()
 
@@ -76,17 +76,8 @@ def test_the_counts_of_picks_give_the_correlation_and_f1_of_their_definitions():
 
 
 def tiny_engine() -> ZOEngine:
-    config = RobertaConfig(
-        vocab_size=len(TOKENIZER),
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        max_position_embeddings=130,
-        pad_token_id=TOKENIZER.pad_token_id,
-    )
     torch.manual_seed(0)
-    model = RobertaForMaskedLM(config).eval()
+    model = RobertaForMaskedLM(tiny_roberta_config(TOKENIZER)).eval()
     return ZOEngine(model, ZOConfig(device="cpu", seed=0), objective=Classification())
 
 

@@ -33,46 +33,38 @@ def configured(folder) -> str:
     return str(folder)
 
 
-def test_a_spec_naming_no_config_of_several_names_them(offline, tmp_path):
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        (  # no config of several
+            "{p}:train",
+            "{p} has configs first, second and the spec names none; write hf:{p}:CONFIG:SPLIT, "
+            "e.g. hf:{p}:first:train",
+        ),
+        (  # hf:nyu-mll/glue:sst2 reads sst2 as the split: the user left the split out
+            "{p}:second",
+            "second is a config of {p} and the spec names no split; write hf:{p}:second:SPLIT, "
+            "e.g. hf:{p}:second:train",
+        ),
+        (
+            "{p}:third:train",
+            "{p} has no config 'third'; its configs are first, second: write e.g. "
+            "hf:{p}:first:train",
+        ),
+        (
+            "{p}:first:validation",
+            "{p} has no split 'validation'; its splits are train: write e.g. hf:{p}:first:train",
+        ),
+    ],
+    ids=["no-config", "no-split", "unknown-config", "unknown-split"],
+)
+def test_a_spec_the_dataset_does_not_answer_names_what_it_has(offline, tmp_path, spec, said):
     path = configured(tmp_path / "glue")
     assert load_rows(f"hf:{path}:first:train") == ROWS
+    source = "hf:" + spec.format(p=path)
     with pytest.raises(ValueError) as err:
-        load_rows(f"hf:{path}:train")
-    assert str(err.value) == (
-        f"hf:{path}:train: {path} has configs first, second and the spec names none; write "
-        f"hf:{path}:CONFIG:SPLIT, e.g. hf:{path}:first:train"
-    )
-
-
-def test_a_config_written_without_its_split_is_named_as_a_config(offline, tmp_path):
-    """hf:nyu-mll/glue:sst2 reads sst2 as the split: the user left the split out."""
-    path = configured(tmp_path / "glue")
-    with pytest.raises(ValueError) as err:
-        load_rows(f"hf:{path}:second")
-    assert str(err.value) == (
-        f"hf:{path}:second: second is a config of {path} and the spec names no split; write "
-        f"hf:{path}:second:SPLIT, e.g. hf:{path}:second:train"
-    )
-
-
-def test_a_config_the_dataset_lacks_names_its_configs(offline, tmp_path):
-    path = configured(tmp_path / "glue")
-    with pytest.raises(ValueError) as err:
-        load_rows(f"hf:{path}:third:train")
-    assert str(err.value) == (
-        f"hf:{path}:third:train: {path} has no config 'third'; its configs are first, second: "
-        f"write e.g. hf:{path}:first:train"
-    )
-
-
-def test_a_split_the_dataset_lacks_names_its_splits(offline, tmp_path):
-    path = configured(tmp_path / "glue")
-    with pytest.raises(ValueError) as err:
-        load_rows(f"hf:{path}:first:validation")
-    assert str(err.value) == (
-        f"hf:{path}:first:validation: {path} has no split 'validation'; its splits are train: "
-        f"write e.g. hf:{path}:first:train"
-    )
+        load_rows(source)
+    assert str(err.value) == f"{source}: {said.format(p=path)}"
 
 
 def test_a_save_to_disk_folder_is_named_with_the_file_to_write(offline, tmp_path):
