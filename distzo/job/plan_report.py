@@ -43,9 +43,23 @@ from distzo.zo.estimators import estimator_for
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m distzo.job.plan_report", description=__doc__)
-    parser.add_argument("--model-config", required=True, choices=sorted(SHAPES))
-    parser.add_argument("--nproc", type=int, default=8, help="ranks on the node (one node)")
+    parser = argparse.ArgumentParser(
+        prog="python -m distzo.job.plan_report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model-config", required=True, choices=sorted(SHAPES), help="the named shape planned"
+    )
+    parser.add_argument(
+        "--model-layers",
+        type=int,
+        default=None,
+        help="layer count of --model-config, as distzo.train takes it (default: the shape's)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=8, help="ranks on the node (one node; default: 8)"
+    )
     parser.add_argument("--dp", type=int, default=None, help="default: nproc / pert")
     parser.add_argument(
         "--pert",
@@ -54,34 +68,60 @@ def _parser() -> argparse.ArgumentParser:
         help="ranks sharing a step's passes (at most the passes); default: nproc / dp, or 1 "
         "without --dp",
     )
-    parser.add_argument("--transfer", default="sliced", choices=("naive", "sliced"))
-    parser.add_argument("--transfer-dtype", default="bf16", choices=TRANSFER_DTYPE_NAMES)
-    parser.add_argument("--compute-dtype", default="bf16", choices=COMPUTE_DTYPE_NAMES)
-    parser.add_argument("--num-slots", type=int, default=3)
+    parser.add_argument(
+        "--transfer",
+        default="sliced",
+        choices=("naive", "sliced"),
+        help="whole blocks per rank, or 1/nproc of each block per rank, all-gathered "
+        "(default: sliced)",
+    )
+    parser.add_argument(
+        "--transfer-dtype",
+        default="bf16",
+        choices=TRANSFER_DTYPE_NAMES,
+        help="the blocks at rest and on the link (default: bf16)",
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        default="bf16",
+        choices=COMPUTE_DTYPE_NAMES,
+        help="the dtype the forward computes in (default: bf16)",
+    )
+    parser.add_argument(
+        "--num-slots", type=int, default=3, help="device slots blocks stream through (default: 3)"
+    )
     parser.add_argument(
         "--low-bit-master",
         default="buffer",
         choices=LOW_BIT_MASTERS,
         help="a low-bit block's float32 master: one buffer, two (upcast and rounded beside "
-        "the compute), or rebuilt a chunk at a time",
+        "the compute), or rebuilt a chunk at a time (default: buffer)",
     )
     parser.add_argument(
         "--perturb-scope",
         default="block",
         choices=PERTURB_SCOPES,
-        help="a block perturbed whole, or module by module in a scratch the size of one",
+        help="a block perturbed whole, or module by module in a scratch the size of one "
+        "(default: block)",
     )
-    parser.add_argument("--estimator", default="spsa", choices=ESTIMATOR_NAMES)
+    parser.add_argument(
+        "--estimator",
+        default="spsa",
+        choices=ESTIMATOR_NAMES,
+        help="the gradient estimator, whose passes a step runs (default: spsa)",
+    )
     parser.add_argument(
         "--num-queries", type=int, default=None, help="default: the estimator's (spsa 1, fzoo 8)"
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="global sequences per step (default: 16)"
+    )
     parser.add_argument(
         "--rows-per-example",
         type=int,
         default=1,
         help="rows a step's example takes: a choice task's candidates of several tokens are a "
-        "row each (ReCoRD: up to 50)",
+        "row each (ReCoRD: up to 50; default: 1)",
     )
     parser.add_argument(
         "--micro-batch-rows",
@@ -89,12 +129,20 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="at most this many rows of a pass in a step's micro-batch (0: no bound)",
     )
-    parser.add_argument("--eval-batch-size", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    parser.add_argument(
+        "--eval-batch-size",
+        type=int,
+        default=64,
+        help="rows of one evaluation call over all the ranks (default: 64)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=512, help="tokens per sequence (default: 512)"
+    )
     parser.add_argument(
         "--export-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
-        help="largest safetensors file of the final export (rank 0 holds one while writing)",
+        help="largest safetensors file of the final export (rank 0 holds one while writing; "
+        f"default: {DEFAULT_MAX_SHARD_SIZE})",
     )
     return parser
 
@@ -112,7 +160,7 @@ def check_sizes(args: argparse.Namespace) -> None:
     ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    config = shape_config(args.model_config)
+    config = shape_config(args.model_config, args.model_layers)
     # RoBERTa's positions count from its pad id + 1: its 514 rows hold 512 tokens
     positions = check_supported(config.model_type).token_positions(config)
     table = config.max_position_embeddings
@@ -156,7 +204,7 @@ def report(args: argparse.Namespace) -> str:
             f"--eval-batch-size {args.eval_batch_size} is smaller than the {args.nproc} "
             "ranks; raise it"
         )
-    model = skeleton(shape_config(args.model_config), torch.float32)
+    model = skeleton(shape_config(args.model_config, args.model_layers), torch.float32)
     eval_rows = rows_per_call(args.eval_batch_size, args.nproc)
     rows = max(args.batch_size // dp * args.rows_per_example, eval_rows)
     sliced = args.transfer == "sliced"
@@ -191,9 +239,10 @@ def _lines(
     master += "" if config.perturb_scope == "block" else "perturbed module by module, "
     bound = config.micro_batch_rows
     split = f" (a step's at most {bound} at a time)" if 0 < bound < rows else ""
+    layers = f" ({counted(args.model_layers, 'layer')})" if args.model_layers else ""
     out = [
-        f"{args.model_config}, {counted(args.nproc, 'GPU')} on one node, dp {dims.dp} x pert "
-        f"{dims.pert}, "
+        f"{args.model_config}{layers}, {counted(args.nproc, 'GPU')} on one node, "
+        f"dp {dims.dp} x pert {dims.pert}, "
         f"{args.transfer} transfer, {args.transfer_dtype} at rest, {args.compute_dtype} compute, "
         f"{counted(args.num_slots, 'slot')}, {master}{step}{counted(rows, 'row')} x "
         f"{args.seq_len} tokens per "

@@ -194,3 +194,18 @@ def test_sizes_training_refuses_are_one_line_naming_the_flag(flags, line, capsys
     named num_slots where the user typed --num-slots."""
     assert plan_report.main(["--model-config", "opt-125m", *flags]) == 2
     assert capsys.readouterr().err == line + "\n"
+
+
+def test_model_layers_plans_the_shape_cut_as_distzo_train_cuts_it(capsys):
+    """--model-layers, as distzo.train takes it: the plan of the shape's first N layers,
+    named in the report's first line; a count below 1 is distzo.train's one line."""
+    argv = ["--model-config", "opt-13b", "--nproc", "1", "--seq-len", "2048", "--batch-size", "1"]
+    assert plan_report.main(argv) == 0
+    whole = capsys.readouterr().out
+    assert plan_report.main([*argv, "--model-layers", "2"]) == 0
+    cut = capsys.readouterr().out
+    assert whole.startswith("opt-13b, 1 GPU on one node") and "12.85 B parameters" in whole
+    assert cut.startswith("opt-13b (2 layers), 1 GPU on one node")
+    assert "897.18 M parameters" in cut  # the embeddings, the head and 2 of 40 blocks
+    assert plan_report.main([*argv, "--model-layers", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --model-layers must be >= 1, got 0"
