@@ -49,7 +49,29 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
     # recursion limit of transformers' json.load
     except (OSError, ValueError, RecursionError) as err:
         reason = unwritable_cache(err, str(name)) or str(err).splitlines()[0]
+        if not path.exists() and not _hub_name(name):  # transformers': "Repo id must use..."
+            reason = "no such folder, nor a hub name (org/name); give the model's folder"
+        elif cached and isinstance(err, OSError) and not unwritable_cache(err, str(name)):
+            # transformers' line says what failed; the user needs what to do about it
+            reason = (
+                "the hub is out of reach (HF_HUB_OFFLINE=1, or no answer) and the Hugging Face "
+                f"cache holds no copy of it; download it where the hub answers (hf download "
+                f"{name}) or give {option} a local folder"
+            )
         raise ValueError(f"cannot load {option} {str(name)!r}: {reason}") from None
+
+
+def _hub_name(name: str | Path) -> bool:
+    """Whether ``name``, which no folder holds, is a hub repository's id (``org/name``): a
+    path (``./nope``) gets transformers' own line."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(name))
+    except HFValidationError:
+        return False
+    return True
 
 
 def config_text(config: PretrainedConfig) -> str:

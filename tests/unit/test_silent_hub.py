@@ -153,3 +153,30 @@ def test_only_a_snapshot_folder_names_a_commit_and_only_a_hash_is_one(tmp_path):
     for damaged in ("main", commit[:7], commit + "0", commit.upper(), 7, None):
         with pytest.raises(ValueError, match=r"^log: base_revision .* is not a commit hash"):
             hub.check_commit(damaged, "log")
+
+
+def test_a_model_the_hub_cannot_give_says_what_to_do(monkeypatch, tmp_path):
+    """A hub name the cache lacks, the hub out of reach: transformers' line said what
+    failed, not what to do; a path that is no folder was read as a bad hub name ('Repo id
+    must use alphanumeric chars...')."""
+    from huggingface_hub import constants
+
+    from distzo.models import config_file
+
+    patch_hub(monkeypatch, answers=False, offline=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as err:
+        config_file.read_config("nosuchorg/nosuchmodel")
+    assert str(err.value) == (
+        "cannot load --model 'nosuchorg/nosuchmodel': the hub is out of reach "
+        "(HF_HUB_OFFLINE=1, or no answer) and the Hugging Face cache holds no copy of it; "
+        "download it where the hub answers (hf download nosuchorg/nosuchmodel) or give "
+        "--model a local folder"
+    )
+    missing = f"{tmp_path}/nope"
+    with pytest.raises(ValueError) as err:
+        config_file.read_config(missing, "--base")
+    assert str(err.value) == (
+        f"cannot load --base {missing!r}: no such folder, nor a hub name (org/name); give "
+        "the model's folder"
+    )
