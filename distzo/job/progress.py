@@ -58,17 +58,20 @@ class Progress:
         return f"{format_rate(rate)}, ETA {tqdm.format_interval(left)}"
 
     def log_step(self, step: int, result: Any, every: int) -> None:
-        """The ``--log-every`` line of step ``step`` (every ``every`` steps, and the last):
-        its loss, g and lr, and how far the run is."""
-        if every and (step % every == 0 or step == self.total - 1):
+        """The ``--log-every`` line of step ``step`` (0-based, as metrics.jsonl numbers it):
+        its loss, g and lr, and how far the run is, counted in steps done as the evaluation
+        and ``done:`` lines count (``step 2000/2000`` is the last, not ``1999/2000``); every
+        ``every`` steps done, the first step (the run is under way) and the last."""
+        done = step + 1
+        if every and (done % every == 0 or step == 0 or done == self.total):
             logger.info(
                 "step %d/%d loss %.4f g %+.4g lr %.3g (%s)",
-                step,
+                done,
                 self.total,
                 result.loss,
                 result.projected_grad,
                 result.lr,
-                self.describe(step + 1),
+                self.describe(done),
             )
 
     def close(self) -> None:

@@ -158,12 +158,14 @@ class Result:
 
 
 def test_the_step_line_is_logged_every_log_every_steps_and_at_the_last(caplog):
+    """Counted in steps done, as the evaluation and done lines are: the last line said
+    step 7/8 just before 'done: 8 steps'."""
     caplog.set_level(logging.INFO, logger="distzo.train")
     progress = Progress(start=0, total=8, show=False)
     for step in range(8):
         progress.log_step(step, Result(), every=3)
     logged = [r.getMessage().split(" loss")[0] for r in caplog.records]
-    assert logged == ["step 0/8", "step 3/8", "step 6/8", "step 7/8"]
+    assert logged == ["step 1/8", "step 3/8", "step 6/8", "step 8/8"]
     progress.close()
 
 
