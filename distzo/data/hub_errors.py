@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import re
 
+from distzo.data.hub_spec import hub_spec
+
 # datasets' messages (datasets.builder, datasets.arrow_reader, datasets.load), each with
 # the names it lists
 _NO_CONFIG = re.compile(
@@ -25,7 +27,7 @@ def not_loaded(source: str, spec: tuple[str, str | None, str], err: BaseExceptio
     message = str(err)
     path, config, split = spec
     if type(err).__name__ == "RevisionNotFoundError":  # huggingface_hub's, for an @REVISION
-        revision = source.partition("@")[2].partition(":")[0]
+        revision = hub_spec(source).revision
         return ValueError(
             f"{source}: {path} has no revision {revision!r} (a tag, branch or commit of its "
             f"repository); name one it has, or leave @{revision} out to read its main"

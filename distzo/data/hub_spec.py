@@ -56,7 +56,10 @@ def _revision(source: str, written: str) -> tuple[str, str | None]:
         return written, None
     name, _, revision = written.partition("@")
     if Path(written).is_dir():  # a local folder whose name holds an @
-        if _is_repo_id(name) and revision:
+        # imported here: the models package loads transformers, which --help must not wait on
+        from distzo.models.hub_reads import is_repo_id
+
+        if is_repo_id(name) and revision:
             raise ValueError(
                 f"{source}: {written} is a local folder, and also reads as hub dataset {name} "
                 f"at revision {revision}; write hf:./{written}:... for the folder, or run where "
@@ -80,14 +83,3 @@ def _revision(source: str, written: str) -> tuple[str, str | None]:
             "(check the revision out in the folder)"
         )
     return name, revision
-
-
-def _is_repo_id(name: str) -> bool:
-    """Whether ``name`` may be a hub repository's id (``org/name`` or ``name``)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True

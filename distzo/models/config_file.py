@@ -20,7 +20,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 from transformers.utils import CONFIG_NAME
 
 from distzo.models.hub import unwritable_cache
-from distzo.models.hub_reads import bounded_reads, hub_answers, repo_answers
+from distzo.models.hub_reads import bounded_reads, hub_answers, is_repo_id, repo_answers
 from distzo.runtime import json_text
 
 JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}
@@ -49,7 +49,7 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
     # recursion limit of transformers' json.load
     except (OSError, ValueError, RecursionError) as err:
         reason = unwritable_cache(err, str(name)) or str(err).splitlines()[0]
-        if not path.exists() and not _hub_name(name):  # transformers': "Repo id must use..."
+        if not path.exists() and not is_repo_id(str(name)):  # transformers': "Repo id must use..."
             reason = "no such folder, nor a hub name (org/name); give the model's folder"
         elif cached and isinstance(err, OSError) and not unwritable_cache(err, str(name)):
             # transformers' line says what failed; the user needs what to do about it
@@ -59,19 +59,6 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
                 f"{name}) or give {option} a local folder"
             )
         raise ValueError(f"cannot load {option} {str(name)!r}: {reason}") from None
-
-
-def _hub_name(name: str | Path) -> bool:
-    """Whether ``name``, which no folder holds, is a hub repository's id (``org/name``): a
-    path (``./nope``) gets transformers' own line."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(str(name))
-    except HFValidationError:
-        return False
-    return True
 
 
 def config_text(config: PretrainedConfig) -> str:

@@ -201,6 +201,19 @@ def hub_commit(ask: Callable[[], str | None]) -> str | None:
             return None
 
 
+def is_repo_id(name: str) -> bool:
+    """Whether ``name`` may be a hub repository's id (``org/name`` or ``name``), by
+    huggingface_hub's own rule: a path such as ``./model`` or ``/data/x`` is none."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def dataset_commit(name: str, revision: str | None = None) -> str:
     """The commit hub dataset ``name`` is now (at ``revision``, a tag, branch or commit;
     None: its main), or "" where the hub does not answer (or stalls on it, or on one of its
