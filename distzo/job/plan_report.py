@@ -48,103 +48,121 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
+    _add_layout(parser)
+    _add_engine(parser)
+    _add_rows(parser)
+    return parser
+
+
+def _add_layout(parser: argparse.ArgumentParser) -> None:
+    """The shape planned and how its ranks share it."""
+    group = parser.add_argument_group("model and ranks")
+    group.add_argument(
         "--model-config", required=True, choices=sorted(SHAPES), help="the named shape planned"
     )
-    parser.add_argument(
+    group.add_argument(
         "--model-layers",
         type=int,
         default=None,
         help="layer count of --model-config, as distzo.train takes it (default: the shape's)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--nproc", type=int, default=8, help="ranks on the node (one node; default: 8)"
     )
-    parser.add_argument("--dp", type=int, default=None, help="default: nproc / pert")
-    parser.add_argument(
+    group.add_argument("--dp", type=int, default=None, help="default: nproc / pert")
+    group.add_argument(
         "--pert",
         type=int,
         default=None,
         help="ranks sharing a step's passes (at most the passes); default: nproc / dp, or 1 "
         "without --dp",
     )
-    parser.add_argument(
+    group.add_argument(
         "--transfer",
         default="sliced",
         choices=("naive", "sliced"),
         help="whole blocks per rank, or 1/nproc of each block per rank, all-gathered "
         "(default: sliced)",
     )
-    parser.add_argument(
+
+
+def _add_engine(parser: argparse.ArgumentParser) -> None:
+    """The engine's options that size its buffers."""
+    group = parser.add_argument_group("engine")
+    group.add_argument(
         "--transfer-dtype",
         default="bf16",
         choices=TRANSFER_DTYPE_NAMES,
         help="the blocks at rest and on the link (default: bf16)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--compute-dtype",
         default="bf16",
         choices=COMPUTE_DTYPE_NAMES,
         help="the dtype the forward computes in (default: bf16)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--num-slots", type=int, default=3, help="device slots blocks stream through (default: 3)"
     )
-    parser.add_argument(
+    group.add_argument(
         "--low-bit-master",
         default="buffer",
         choices=LOW_BIT_MASTERS,
         help="a low-bit block's float32 master: one buffer, two (upcast and rounded beside "
         "the compute), or rebuilt a chunk at a time (default: buffer)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--perturb-scope",
         default="block",
         choices=PERTURB_SCOPES,
         help="a block perturbed whole, or module by module in a scratch the size of one "
         "(default: block)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--estimator",
         default="spsa",
         choices=ESTIMATOR_NAMES,
         help="the gradient estimator, whose passes a step runs (default: spsa)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--num-queries", type=int, default=None, help="default: the estimator's (spsa 1, fzoo 8)"
     )
-    parser.add_argument(
+
+
+def _add_rows(parser: argparse.ArgumentParser) -> None:
+    """The rows a step and an evaluation call take, and the export."""
+    group = parser.add_argument_group("rows and export")
+    group.add_argument(
         "--batch-size", type=int, default=16, help="global sequences per step (default: 16)"
     )
-    parser.add_argument(
+    group.add_argument(
         "--rows-per-example",
         type=int,
         default=1,
         help="rows a step's example takes: a choice task's candidates of several tokens are a "
         "row each (ReCoRD: up to 50; default: 1)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--micro-batch-rows",
         type=int,
         default=0,
         help="at most this many rows of a pass in a step's micro-batch (0: no bound)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--eval-batch-size",
         type=int,
         default=64,
         help="rows of one evaluation call over all the ranks (default: 64)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--seq-len", type=int, default=512, help="tokens per sequence (default: 512)"
     )
-    parser.add_argument(
+    group.add_argument(
         "--export-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
         help="largest safetensors file of the final export (rank 0 holds one while writing; "
         f"default: {DEFAULT_MAX_SHARD_SIZE})",
     )
-    return parser
 
 
 def check_sizes(args: argparse.Namespace) -> None:
