@@ -181,6 +181,11 @@ def _jsonl_rows(lines: Iterator[tuple[int, str]], source: str) -> Iterator[tuple
             row = json_text.loads(line)
         except json.JSONDecodeError as err:
             problem = f"{source}, row {number}: not valid JSON ({err.msg})"
+            if err.msg == "Extra data" and "\r" in line:  # rows parted by CR alone
+                problem += (
+                    "; its lines end in a carriage return alone (classic Mac OS endings): "
+                    "end them in \\n (e.g. tr '\\r' '\\n' < FILE > NEW.jsonl)"
+                )
         else:
             if isinstance(row, dict):
                 yield number, row

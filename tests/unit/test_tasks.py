@@ -306,6 +306,18 @@ def test_a_tsv_is_read_as_glue_writes_it_quotes_and_all(tmp_path):
     [
         ('{"sentence": "a", "label": 1}\n{broken\n', "jsonl", "data.jsonl, row 2: not valid JSON"),
         ("[1, 2]", "json", "expected a JSON list of objects"),
+        # CR-only endings (classic Mac OS): the file is one line, named with the fix
+        (
+            '{"sentence": "a", "label": 1}\r{"sentence": "b", "label": 0}\r',
+            "jsonl",
+            "row 1: "
+            r"not valid JSON \(Extra data\); its lines end in a carriage return alone .* tr ",
+        ),
+        (
+            '{"sentence": "a", "label": 1}\r{"sentence": "b", "label": 0}\r',
+            "json",
+            "data.json, row 1: .*carriage return alone",
+        ),
         ("sentence,label\na,1,extra\n", "csv", "data.csv, row 1: wrong number of fields"),
         ("x", "xml", "unsupported format .xml"),
         ("not parquet", "parquet", "not a readable parquet file"),
