@@ -35,7 +35,7 @@ from distzo.adapters.peft_adapters import (
     check_mergeable,
     name_base_revision,
 )
-from distzo.config.cli import fail, home_path, program, write_failure
+from distzo.config.cli import add_version_flag, fail, home_path, program, write_failure
 from distzo.config.engine_options import ZOConfig, lowrank_options, optimizer_options
 from distzo.config.inapplicable import RULES, ignored_warning
 from distzo.config.job import DEFAULT_MAX_SHARD_SIZE, add_job_flag
@@ -387,6 +387,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_flag(p)
     p.add_argument(
         "--base",
         default=None,

@@ -30,6 +30,39 @@ def takes_negative_exponents(parser: argparse.ArgumentParser) -> argparse.Argume
     return parser
 
 
+class _Versions(argparse.Action):
+    """``--version``: distzo's version and those of the libraries a bug report needs, read
+    from their installed metadata (importing torch would take seconds)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        sys.stdout.write(versions() + "\n")  # stdout, as argparse's own version action
+        parser.exit()
+
+
+def versions() -> str:
+    """``distzo 0.1.0 (torch 2.13.0, transformers 4.57.1, peft ..., python 3.11.9)``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} not installed"
+
+    libraries = ", ".join(installed(n) for n in ("torch", "transformers", "peft", "triton"))
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"{installed('distzo')} ({libraries}, python {python})"
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` with ``--version`` (``versions()``), as ``pip --version`` answers."""
+    parser.add_argument("--version", action=_Versions)
+    return parser
+
+
 def home_path(value: str) -> Path:
     """A command's path argument with a leading ``~`` read as the home folder, as a shell
     reads it (``--out=~/x`` reaches the command as written); ``~name`` of no such user stays

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distzo.adapters.peft_adapters import PEFT_METHODS, PREFIX_INITS, AdapterSpec
-from distzo.config.cli import program, takes_negative_exponents
+from distzo.config.cli import add_version_flag, program, takes_negative_exponents
 from distzo.config.engine_checks import (
     COMPUTE_DTYPE_NAMES,
     ESTIMATOR_NAMES,
@@ -701,6 +701,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "also be set in a TOML file (--config), as [section] key = value; flags override the file.",
     )
     takes_negative_exponents(p)
+    add_version_flag(p)
     p.add_argument(
         "--config", default=None, metavar="FILE", help="a TOML file of options (flags override it)"
     )

@@ -279,7 +279,12 @@ def save_training_step(
 
 
 def _parser() -> argparse.ArgumentParser:
-    from distzo.config.cli import home_path, program, takes_negative_exponents
+    from distzo.config.cli import (
+        add_version_flag,
+        home_path,
+        program,
+        takes_negative_exponents,
+    )
 
     p = argparse.ArgumentParser(
         prog=program("distzo.export.training_step"),
@@ -287,6 +292,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     takes_negative_exponents(p)
+    add_version_flag(p)
     p.add_argument(
         "--model",
         default=None,

@@ -19,7 +19,7 @@ def _loaded_after(code: str) -> set[str]:
     return set(out.stderr.split())  # the help text is stdout's
 
 
-@pytest.mark.parametrize("flag", ["--help", "--no-such-flag"])
+@pytest.mark.parametrize("flag", ["--help", "--no-such-flag", "--version"])
 def test_help_and_a_bad_flag_answer_before_transformers_loads(flag):
     """``--help`` took 5 s, 3 of them importing the trainer's engine and transformers only
     for argparse to print and exit."""
@@ -40,3 +40,19 @@ def test_importing_the_package_loads_its_names_on_first_use():
     assert set(distzo.__all__) <= set(dir(distzo))
     with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
         distzo.Trainer  # noqa: B018 - the attribute access is what is tested
+
+
+@pytest.mark.parametrize("module", ["distzo.train", "distzo.replay", "distzo.export.training_step"])
+def test_version_names_distzo_and_the_libraries_a_bug_report_needs(module):
+    """``--version`` answers as ``pip --version`` does: one line, exit 0, the versions of
+    distzo and of the libraries its behaviour depends on, read from their metadata."""
+    from importlib.metadata import version
+
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    line = out.stdout.rstrip("\n")
+    assert "\n" not in line
+    assert line.startswith(f"distzo {version('distzo')} (torch {version('torch')}, "), line
+    assert f"transformers {version('transformers')}" in line and ", python 3." in line
