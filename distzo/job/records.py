@@ -91,10 +91,13 @@ def run_header(
     train_rows: str | None = None,
     base_revision: str | None = None,
     data_commits: dict[str, Any] | None = None,
+    eval_rows: str | None = None,
 ) -> dict[str, Any]:
     """The seed log's header: what a replay rebuilds the run from, and what a resumed run
     must share with it (``seed_log.TRAJECTORY_FIELDS``; ``train_rows``, the digest of the
-    rows the steps draw from, is checked before any model: ``resume.check_resumed_rows``)."""
+    rows the steps draw from, is checked before any model: ``resume.check_resumed_rows``;
+    it and ``eval_rows``, the evaluation rows', let a resume read a data file that moved:
+    ``moved_data``)."""
     model = job.model
     spec: AdapterSpec = job.peft.adapter_spec()
     return {
@@ -123,6 +126,7 @@ def run_header(
         "optimizer": optimizer_record(config),
         "estimator": config.estimator,
         "train_rows": train_rows,  # None: generated data
+        "eval_rows": eval_rows,
         # each hf: source's commit: a resume reads it, not the hub's newer main
         "data_commits": data_commits,
         # what a replay checks its --base against (None: a caller without the model's config)

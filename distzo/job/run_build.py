@@ -214,6 +214,7 @@ class _Build:
             rows.digests["--train-file"] if rows is not None else None,
             revision,
             data_commits_record(job, rows.commits) if rows is not None else None,
+            rows.digests["--eval-file"] if rows is not None else None,
         )
         if resuming:
             step = catch_up_from_log(engine, self.run_dir, header, self.parallel)

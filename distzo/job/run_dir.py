@@ -24,11 +24,13 @@ from typing import Any
 
 from distzo.config.job import RUN_ACTIONS, JobConfig
 from distzo.data.column_map import parse_columns
+from distzo.data.task_data import LoadedRows
 from distzo.dist import LaunchEnv
 from distzo.dist.collectives import Collectives
 from distzo.job.checkpoint import latest_checkpoint
 from distzo.job.curves import CURVES
 from distzo.job.jsonl_text import line_record, log_lines, record_step
+from distzo.job.moved_data import DATA_FILES, moved_data_file
 from distzo.job.run_lock import RunLock
 from distzo.job.seed_log import (
     SEED_LOG,
@@ -400,10 +402,12 @@ def evaluates_as_recorded(job: JobConfig) -> bool:
     )
 
 
-def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
+def check_resumed_options(job: JobConfig, env: LaunchEnv, rows: LoadedRows | None = None) -> None:
     """A resume goes on with the options its run started with (its ``config.toml``, the
     resolved tree): a change that alters the trajectory is refused, naming each option with
-    the run's value and the new one; the others are accepted, named in one warning. A run
+    the run's value and the new one; the others are accepted, named in one warning. A data
+    file at another path holding the run's rows (``rows``, this session's: their digest is
+    the seed log's) is the run's file moved, said in one line (``moved_data``). A run
     seed of -1 (draw one) takes the run's, and an unset noise the checkpoint's (checked
     after this). Resolves ``job`` in place."""
     path = Path(job.run.output_dir or ".") / "config.toml"
@@ -412,7 +416,7 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
     recorded, absent = _recorded(job, path)
     if job.run.seed == -1 and isinstance(recorded["seed"], int):
         job.run.seed = recorded["seed"]  # the seed that run drew
-    refused, allowed, retuned, unwritten = [], [], [], []
+    refused, allowed, retuned, unwritten, moved = [], [], [], [], []
     for values in job.sections().values():
         for f in dataclasses.fields(values):
             name, new = f.name, getattr(values, f.name)
@@ -424,6 +428,10 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
             decays_to = name == "max_steps" and job.optim.lr_schedule == "linear"
             if name in RESUME_MAY_RETUNE or decays_to:
                 retuned.append(change)
+            elif name in DATA_FILES and (
+                line := moved_data_file(name, recorded[name], new, path.parent, rows)
+            ):
+                moved.append(line)
             elif name not in RESUME_MAY_CHANGE:
                 refused.append(change)
                 if name in absent and name in RECORDED_BEFORE:  # --config cannot give it
@@ -437,6 +445,8 @@ def check_resumed_options(job: JobConfig, env: LaunchEnv) -> None:
             f"{''.join(unwritten)}--resume gives all of them), or start afresh with "
             "--overwrite or another --output-dir"
         )
+    for line in moved if env.rank == 0 else []:
+        logger.info("%s", line)
     if allowed and env.rank == 0:
         logger.warning("--resume: changed since the run started: %s", ", ".join(allowed))
     if retuned and env.rank == 0:

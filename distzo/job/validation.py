@@ -455,7 +455,7 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
                 f"--max-steps {job.optim.max_steps}; give --max-steps {done} or more"
             )
         as_recorded = evaluates_as_recorded(job)  # before the resume's own options are kept
-        check_resumed_options(job, env)  # may take the run's seed for -1
+        check_resumed_options(job, env, rows)  # may take the run's seed for -1
         if job.run.export_best:
             check_log_from_step_zero(Path(job.run.output_dir or "."), done)
         check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
