@@ -391,15 +391,18 @@ def fill_hub_cache(
     node's ranks to read offline: one download and one set of datasets' questions a node.
     ``answered``: this process was told ``revision`` by the hub (``HubPin.answered``);
     ``from_cache``: rank 0 read ``revision`` from its cache, the hub silent to it, so none
-    is asked. A hub silent to this node leaves the cache as it is: one without that
-    commit's copy is refused here, once, not on each of the node's ranks with another
-    cause."""
-    from distzo.data.hub_cache import CACHE_MISSING, FILL_MISSING, pinned_folder
+    is asked. A cache that already holds the copy of ``revision`` (a resume's recorded
+    commit, an earlier run's) is read as it is, with no request: ``datasets`` asked the hub
+    a dozen questions to find the copy it had. A hub silent to this node leaves the cache
+    as it is: one without that commit's copy is refused here, once, not on each of the
+    node's ranks with another cause."""
+    from distzo.data.hub_cache import CACHE_MISSING, FILL_MISSING, holds_copy, pinned_folder
 
-    if not from_cache:
+    path, config, split = parse_hub_spec(source)
+    held = revision is not None and holds_copy(path, config, revision)
+    if not (from_cache or held):
         _hub_dataset(source, HubPin(revision, answered=answered))
     if revision is not None:
-        path, config, split = parse_hub_spec(source)
         missing = CACHE_MISSING if from_cache else FILL_MISSING
         pinned_folder(path, config, split, revision, source, missing)
 
@@ -473,23 +476,26 @@ def _hub_dataset(source: str, pin: HubPin | None) -> Any:
             with unlocked_where_read_only():
                 return read_prepared(path, pinned, split)
         # a hub that never answers: the datasets cache, read where it is read-only too
-        with _hub_reads(path, pin, cached), unlocked_where_read_only():
+        with _hub_reads(path, revision, pin, cached), unlocked_where_read_only():
             return datasets.load_dataset(path, config, split=split, revision=revision)
     except Exception as err:  # offline, unknown name, unknown split: all one message
         raise _not_loaded(source, err) from None
 
 
 def _hub_reads(
-    path: str, pin: HubPin | None, cached: bool
+    path: str, revision: str | None, pin: HubPin | None, cached: bool
 ) -> contextlib.AbstractContextManager[None]:
     """How a load reaches the hub: not at all (``cached``); bounded, where this process was
     just told the commit (``HubPin.answered``); or once asked whether the hub answers about
-    ``path`` (``offline_unless_answered``): a hub that does not, read as offline."""
+    ``path`` at the ``revision`` the load reads (``offline_unless_answered``; a resume's
+    recorded commit, not ``main``): a hub that does not, read as offline."""
     from distzo.models.hub_reads import bounded_reads, offline_unless_answered
 
     if cached:
         return _read_cache_quietly()
-    return bounded_reads() if pin and pin.answered else offline_unless_answered(path)
+    if pin and pin.answered:
+        return bounded_reads()
+    return offline_unless_answered(path, revision)
 
 
 # datasets' warnings on reading its cache offline: "couldn't be found on the Hugging Face

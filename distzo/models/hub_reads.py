@@ -158,13 +158,15 @@ def bounded_reads() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def offline_unless_answered(dataset: str | None = None) -> Iterator[None]:
+def offline_unless_answered(
+    dataset: str | None = None, revision: str | None = None
+) -> Iterator[None]:
     """Offline, as ``HF_HUB_OFFLINE=1`` makes huggingface_hub and datasets (which read it
     once, when imported), while the hub does not answer (``hub_answers``): a library whose
     calls have no time limit of their own reads its cache, not a silent route forever.
-    ``dataset``: asked about first (``repo_answers``); a hub that stalls on it is taken as
-    silent."""
-    if hub_answers() and (dataset is None or repo_answers(dataset, "dataset")):
+    ``dataset``: asked about first (``repo_answers``), at ``revision`` (None: its main), the
+    one the load reads; a hub that stalls on it is taken as silent."""
+    if hub_answers() and (dataset is None or repo_answers(dataset, "dataset", revision)):
         with bounded_reads():
             yield
         return
@@ -231,18 +233,20 @@ def dataset_commit(name: str, revision: str | None = None) -> str:
     return str(hub_commit(ask) or "")
 
 
-def repo_answers(name: str, kind: str = "model") -> bool:
-    """Whether the hub answers about repository ``name`` (a ``kind``: model, dataset), and
-    about one of its files, each within ``HF_HUB_DOWNLOAD_TIMEOUT``, in requests the
-    library does not retry; any answer counts, an unknown name too (the caller's load says
-    why). A stall is noted (``note_stall``): transformers and datasets retried a stalled
-    file's metadata for minutes (10 s, then 60 s a try), a limit their calls name, which
-    ``bounded_reads`` leaves to them."""
+def repo_answers(name: str, kind: str = "model", revision: str | None = None) -> bool:
+    """Whether the hub answers about repository ``name`` (a ``kind``: model, dataset) at
+    ``revision`` (None: its main; a resume's recorded commit, which its load reads, so
+    ``main`` is not asked about), and about one of its files, each within
+    ``HF_HUB_DOWNLOAD_TIMEOUT``, in requests the library does not retry; any answer
+    counts, an unknown name too (the caller's load says why). A stall is noted
+    (``note_stall``): transformers and datasets retried a stalled file's metadata for
+    minutes (10 s, then 60 s a try), a limit their calls name, which ``bounded_reads``
+    leaves to them."""
     from huggingface_hub import HfApi
 
     with bounded_reads():
         try:  # an HfApi of now's endpoint
-            info = HfApi().repo_info(name, repo_type=kind)
+            info = HfApi().repo_info(name, repo_type=kind, revision=revision)
             files = [sibling.rfilename for sibling in getattr(info, "siblings", None) or []]
             ask_about_a_file(name, kind, files, info.sha)
         except Exception as err:

@@ -236,7 +236,9 @@ def test_a_resumed_launch_reads_the_recorded_commit_on_every_node_asking_none(
     store, monkeypatch, tmp_path
 ):
     """main moved to NEW_COMMIT: the resume's ranks read COMMIT, the run's, which each
-    node's first rank downloads; no rank 0 question which commit the dataset is now."""
+    node's first rank downloads; no rank 0 question which commit the dataset is now, and
+    none about main (each node's first rank asked about it, then read another commit). A
+    node whose cache holds the copy of COMMIT asks nothing at all."""
     import datasets.config
     from huggingface_hub import constants
 
@@ -251,9 +253,16 @@ def test_a_resumed_launch_reads_the_recorded_commit_on_every_node_asking_none(
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "node1"))
         monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "node1" / "ds")
         by_rank.append(task_rows(job, place(2), resumed=recorded))
-    # each node's first rank asks whether the hub answers (about main, its reachability
-    # probe), once; every download is of the recorded commit
-    assert requests.count("GET /api/datasets/org/tiny") == 2
+        asked = list(requests)
+        by_rank.append(task_rows(job, place(2), resumed=recorded))  # a requeue on node 1
+        assert requests == asked
+    # each node's first rank asks whether the hub answers about the recorded commit (its
+    # reachability probe), as datasets' download does, and never about main; every
+    # download is of that commit
+    api = [r for r in requests if r.startswith("GET /api/datasets/org/tiny")]
+    assert api and all(COMMIT in r for r in api)
+    assert "GET /api/datasets/org/tiny" not in requests
+    assert not [r for r in requests if "/main" in r or NEW_COMMIT in r]
     downloads = [r for r in requests if r.startswith("GET /datasets/org/tiny/resolve/")]
     assert downloads and all(COMMIT in r for r in downloads)
     for rows in by_rank:
