@@ -31,6 +31,12 @@ def data_commits_record(job: JobConfig, commits: dict[str, str]) -> dict[str, An
     return record or None
 
 
+def commits_by_source(record: dict[str, Any] | None) -> dict[str, str]:
+    """A header's ``data_commits`` (``data_commits_record``'s) as each source -> its commit,
+    as ``summary.json`` lists them."""
+    return {entry["source"]: entry["commit"] for entry in (record or {}).values()}
+
+
 def recorded_data_commits(run_dir: Path) -> dict[str, tuple[str, str]]:
     """The run's ``data_commits``, by flag: (the source as the run was given it, the
     commit it read); none for a run without a log or from before the record. A damaged

@@ -21,6 +21,7 @@ from distzo.dist.agreement import agreed
 from distzo.export.hf_model import export_model
 from distzo.job import preemption
 from distzo.job.evaluation import EvaluationStopped, has_dev
+from distzo.job.hub_data_commits import commits_by_source
 from distzo.job.preemption import StopSignals, expect
 from distzo.job.records import rank_summary
 from distzo.job.run_end import (
@@ -174,6 +175,7 @@ class RunFinish:
             trainer.engine.transfer,
             str(trainer.device),
             trainer.env.world_size,
+            commits_by_source(trainer.header.get("data_commits")),
         )
         evals = (trainer.eval_before, after)
         report_run_end(

@@ -26,10 +26,17 @@ SUMMARY = "summary.json"
 
 
 def key_options(
-    job: JobConfig, config: ZOConfig, objective: str, transfer: str, device: str, world_size: int
+    job: JobConfig,
+    config: ZOConfig,
+    objective: str,
+    transfer: str,
+    device: str,
+    world_size: int,
+    data_commits: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The options a reader compares runs by, resolved (the lr a default gave, the
-    transfer and the device ``auto`` chose; rank 0's device)."""
+    transfer and the device ``auto`` chose; rank 0's device; ``data_commits``: the commit
+    each ``hf:`` source was read at, by source, where ``main`` names another by now)."""
     model = job.model
     return {
         "model": model.model or model.model_config or "built-in tiny OPT",
@@ -52,6 +59,7 @@ def key_options(
         "device": device,
         "world_size": world_size,
         "seed": job.run.seed,
+        "data_commits": data_commits or {},
     }
 
 

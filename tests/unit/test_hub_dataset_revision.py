@@ -191,6 +191,10 @@ def header_of(run) -> dict:
     return json.loads((run / "seedlog.jsonl").read_text().splitlines()[0])
 
 
+def summary_of(run) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
 def test_a_resume_after_main_moved_reads_the_commit_the_run_started_with(monkeypatch, tmp_path):
     run = tmp_path / "run"
     argv = [*RUN, "--output-dir", str(run), "--max-steps", "2", "--save-steps", "1"]
@@ -198,8 +202,10 @@ def test_a_resume_after_main_moved_reads_the_commit_the_run_started_with(monkeyp
         first = train_in_process([*argv[:-4], "--max-steps", "1", "--save-steps", "1"])
         assert first.returncode == 0, first.stderr[-2000:]
         header = header_of(run)
+        first_summary = summary_of(run)
         monkeypatch.setitem(hub.REFS, "main", NEW_COMMIT)  # main moves on
         resumed = train_in_process([*argv, "--resume"])
+        resumed_summary = summary_of(run)
         tagged = train_in_process([*argv, "--resume", "--train-file", "hf:org/tiny@v1:train"])
         named = train_in_process([*argv[:-4], "--max-steps", "3", "--resume"])
         by_sha = [*argv[:-4], "--max-steps", "4", "--resume"]
@@ -218,6 +224,10 @@ def test_a_resume_after_main_moved_reads_the_commit_the_run_started_with(monkeyp
         "started with, not at the hub's newest"
     ) in resumed.stderr
     assert header_of(run)["data_commits"] == header["data_commits"]
+    # summary.json lists the commit each source was read at, the resume's the run's
+    read_at = {"hf:org/tiny:train": COMMIT, "hf:org/tiny:validation": COMMIT}
+    assert first_summary["options"]["data_commits"] == read_at
+    assert resumed_summary["options"]["data_commits"] == read_at
     assert tagged.returncode == 2
     assert tagged.stderr.strip().splitlines()[-1] == (
         "error: --resume: --train-file hf:org/tiny@v1:train names revision v1, and the run in "
@@ -230,6 +240,10 @@ def test_a_resume_after_main_moved_reads_the_commit_the_run_started_with(monkeyp
     # a fresh run reads the hub's main now, and records it
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert header_of(tmp_path / "fresh")["data_commits"]["--train-file"]["commit"] == NEW_COMMIT
+    assert summary_of(tmp_path / "fresh")["options"]["data_commits"] == {
+        "hf:org/tiny:train": NEW_COMMIT,
+        "hf:org/tiny:validation": NEW_COMMIT,
+    }
 
 
 def test_a_resumed_launch_reads_the_recorded_commit_on_every_node_asking_none(

@@ -57,6 +57,8 @@ def test_a_moved_train_and_eval_file_resume_and_the_config_records_the_new_paths
     proc = train_in_process(again)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "moved from" not in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["options"]["data_commits"] == {}  # local files: no hub commit
 
 
 def test_a_new_path_with_other_rows_is_refused_naming_both_paths_and_digests(tmp_path):
