@@ -22,7 +22,7 @@ from distzo.dist.agreement import agreed
 from distzo.job.build import build_model, load_tokenizer, model_source
 from distzo.job.progress import no_library_bars
 from distzo.job.same_job import check_same_model
-from distzo.job.seed_log import SEED_LOG, logged_header, logged_revision
+from distzo.job.seed_log import resumed_base_revision
 from distzo.models import hub
 from distzo.models.weights import WeightSource
 from distzo.runtime.safetensors_write import safetensors_write
@@ -38,9 +38,7 @@ def run_model(
     a refusal on one rank (a checkpoint that disagrees with its config.json, rank 0's
     write of ``base/``) ends every rank with its line, not the others in their next
     collective, after a wait, with no word of the cause."""
-    log = run_dir / SEED_LOG  # a resumed run reads the commit its log records
-    header = logged_header(log) if job.run.resume != "no" and log.is_file() else None
-    revision = logged_revision(header, f"{log}'s header")
+    revision = resumed_base_revision(run_dir, job.run.resume)  # the commit its log records
     source = model_source(job.model.model, env, comm, revision)
     if job.model.model and source is not None:
         check_same_model(job.model.model, source, comm, env)

@@ -290,6 +290,15 @@ def logged_revision(header: dict | None, where: str, base: str | None = None) ->
     return hub.check_commit(header["base_revision"], where)
 
 
+def resumed_base_revision(run_dir: Path, resume: str | None) -> str | None:
+    """The hub commit the run in ``run_dir`` read its base at, where this launch may resume
+    it (``resume``: ``--resume``'s auto (None too), yes or no): what a resume reads, the model's config
+    as its weights, not the cache's newer ``main``. None as ``logged_revision``."""
+    log = run_dir / SEED_LOG
+    header = logged_header(log) if resume != "no" and log.is_file() else None
+    return logged_revision(header, f"{log}'s header")
+
+
 TAIL_BLOCK = 1 << 16  # bytes read at a time from a log's end
 
 

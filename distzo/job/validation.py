@@ -51,7 +51,7 @@ from distzo.job.run_dir import (
 )
 from distzo.job.run_lock import check_not_running
 from distzo.job.scoring_requeue import agreed_recorded_score
-from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step
+from distzo.job.seed_log import SEED_LOG, is_begun_log, logged_first_step, resumed_base_revision
 from distzo.models import hub
 from distzo.models.config_file import config_from_text, config_text, model_size, read_config
 from distzo.models.family import MASKED
@@ -98,20 +98,26 @@ def model_config_of(job: JobConfig, env: LaunchEnv) -> PretrainedConfig:
     if name is None:
         return default_model_config(job.data.task)
     local = hub.local_model_dir(name)
-    if local is None:
-        return hub_model_config(name, env, job.parallel.dist_timeout)
+    if local is None:  # a resume's: the commit its weights are read at, not main's
+        revision = resumed_base_revision(Path(job.run.output_dir or "."), job.run.resume)
+        return hub_model_config(name, env, job.parallel.dist_timeout, revision)
     check_readable(local)
     return read_config(name)
 
 
-def hub_model_config(name: str, env: LaunchEnv, timeout_s: float) -> PretrainedConfig:
+def hub_model_config(
+    name: str, env: LaunchEnv, timeout_s: float, revision: str | None = None
+) -> PretrainedConfig:
     """Hub model ``name``'s config, read by rank 0 alone and told to the others before the
     process group forms: each rank reading its own asked the hub 7 times (distzo's probe and
     two questions, transformers' three, huggingface_hub's one), 448 requests as 64 ranks
     launched, which the hub's rate limit refused (HTTP 429). Rank 0's refusal is every
     rank's line. The weights are downloaded later, once a node, in the build."""
     told = rank_0_answers(
-        env, f"--model {name}'s config", lambda: config_text(read_config(name)), timeout_s
+        env,
+        f"--model {name}'s config",
+        lambda: config_text(read_config(name, revision=revision)),
+        timeout_s,
     )
     return config_from_text(told)
 

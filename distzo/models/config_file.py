@@ -27,9 +27,12 @@ JSON_KINDS = {list: "an array", str: "a string", type(None): "null", bool: "a bo
 FIX = "is its config.json damaged? download or copy the model again"
 
 
-def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
-    """The config of model ``name`` (a folder or a hub name); a config.json that is not a
-    JSON object, or whose fields have the wrong type, is one line naming it. ``option``:
+def read_config(
+    name: str | Path, option: str = "--model", revision: str | None = None
+) -> PretrainedConfig:
+    """The config of model ``name`` (a folder or a hub name, at commit ``revision``: a
+    resumed run's, whose weights it describes; None: ``main``); a config.json that is not
+    a JSON object, or whose fields have the wrong type, is one line naming it. ``option``:
     what the error calls the model (replay's ``--base``)."""
     path = Path(name)
     if (path / CONFIG_NAME).is_file():
@@ -38,10 +41,13 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
 
     # a hub name where the hub does not answer, or stalls on it: the cache's (transformers
     # would wait on the hub without a time limit); where it answers, each read bounded
-    cached = not path.exists() and not (hub_answers() and repo_answers(str(name)))
+    cached = not path.exists() and not (
+        hub_answers() and repo_answers(str(name), revision=revision)
+    )
+    at = {"revision": revision} if revision is not None and not path.exists() else {}
     try:
         with bounded_reads():
-            return AutoConfig.from_pretrained(name, local_files_only=cached)
+            return AutoConfig.from_pretrained(name, local_files_only=cached, **at)
     except StrictDataclassError as err:  # a field of the wrong type: its own line says which
         reason = str(err).strip().splitlines()[-1].strip().removeprefix("TypeError: ")
         raise ValueError(f"{option} {name}: its {CONFIG_NAME}: {reason}; {FIX}") from None
@@ -52,11 +58,12 @@ def read_config(name: str | Path, option: str = "--model") -> PretrainedConfig:
         if not path.exists() and not is_repo_id(str(name)):  # transformers': "Repo id must use..."
             reason = "no such folder, nor a hub name (org/name); give the model's folder"
         elif cached and isinstance(err, OSError) and not unwritable_cache(err, str(name)):
+            pinned = "" if revision is None else f" --revision {revision}"
             # transformers' line says what failed; the user needs what to do about it
             reason = (
                 "the hub is out of reach (HF_HUB_OFFLINE=1, or no answer) and the Hugging Face "
                 f"cache holds no copy of it; download it where the hub answers (hf download "
-                f"{name}) or give {option} a local folder"
+                f"{name}{pinned}) or give {option} a local folder"
             )
         raise ValueError(f"cannot load {option} {str(name)!r}: {reason}") from None
 

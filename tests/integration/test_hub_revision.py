@@ -87,3 +87,25 @@ def test_only_a_hub_name_records_its_snapshots_commit(tmp_path):
     assert hub_commit("tiny/llama", snapshot) == OLD
     assert hub_commit(str(snapshot), snapshot) is None
     assert hub_commit(None, None) is None
+
+
+def test_a_resume_checks_the_config_of_the_commit_it_reads_not_mains(tmp_path):
+    """The checks before the build read ``main``'s config.json: a resume whose cache's
+    ``main`` moved to a checkpoint the checks refuse (here a quantized one) was refused,
+    though it reads, and trains on, the commit its log records."""
+    cache = tmp_path / "hub"
+    add_commit(cache, OLD, seed=0)
+    env = child_env({"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    run = tmp_path / "run"
+    flags = ["--model", "tiny/llama", "--batch-size", "2", "--eval-batch-size", "2"]
+    train = [sys.executable, "-m", "distzo.train", *flags, "--output-dir", str(run)]
+    proc = run_python(train + ["--max-steps", "1"], env, 120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    add_commit(cache, NEW, seed=1)
+    config = cache / "models--tiny--llama" / "snapshots" / NEW / "config.json"
+    quantized = {**json.loads(config.read_text()), "quantization_config": {"quant_method": "gptq"}}
+    config.write_text(json.dumps(quantized))
+    proc = run_python(train + ["--max-steps", "2", "--resume", "yes"], env, 120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fresh = run_python(train[:-1] + [str(tmp_path / "fresh"), "--max-steps", "1"], env, 120)
+    assert fresh.returncode == 2 and "quantized" in fresh.stderr, fresh.stderr[-2000:]
