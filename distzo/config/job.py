@@ -934,6 +934,8 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
     for section, f in _options():
         if f.name in args:
             setattr(getattr(config, section), f.name, args[f.name])
+    if args.get("config") and "output_dir" not in args:
+        config.run.output_dir = _run_folder(Path(args["config"]), config.run.output_dir)
     ignored = inapplicable(config, [f.name for _, f in _options() if f.name in args])
     if ignored and LaunchEnv.from_environ().rank == 0:
         logger.warning(ignored_warning(ignored))
@@ -941,6 +943,32 @@ def resolve(argv: list[str] | None = None) -> JobConfig:
         if f.name in ignored:
             setattr(getattr(config, section), f.name, f.default)
     return config
+
+
+# A run's own files: its config.toml, written beside its seed log (distzo.job.seed_log's)
+RUN_CONFIG, SEED_LOG_NAME = "config.toml", "seedlog.jsonl"
+
+
+def _run_folder(file: Path, recorded: str | None) -> str | None:
+    """The run directory of ``--config FILE`` without ``--output-dir``: ``FILE``'s folder
+    where ``FILE`` is a run's own config.toml (beside its seed log) and the folder it
+    records is another, the run's folder moved or copied since (the old one gone, its
+    resume was "no checkpoint"; still there, the copy's resume went on in the original).
+    Else ``recorded``, as the file says."""
+    folder = file.parent
+    if file.name != RUN_CONFIG or not (folder / SEED_LOG_NAME).is_file():
+        return recorded
+    if recorded is not None and Path(recorded).resolve() == folder.resolve():
+        return recorded
+    if LaunchEnv.from_environ().rank == 0:
+        logger.warning(
+            "--config %s: the run's folder is %s, not the %s its config.toml records (moved "
+            "or copied since); give --output-dir to name another",
+            file,
+            folder,
+            recorded or "new ./runs/<timestamp>",
+        )
+    return str(folder)
 
 
 def to_toml(config: JobConfig) -> str:

@@ -28,6 +28,7 @@ from distzo.adapters.peft_adapters import AdapterSpec
 from distzo.config.cli import names_file
 from distzo.config.engine_options import ZOConfig, optimizer_record
 from distzo.config.field_types import is_of_type
+from distzo.config.job import SEED_LOG_NAME
 from distzo.job.jsonl_text import (
     as_read_text,
     as_rewritten,
@@ -41,7 +42,7 @@ from distzo.runtime.file_state import file_state
 
 logger = logging.getLogger(__name__)
 
-SEED_LOG = "seedlog.jsonl"  # its name in the run directory
+SEED_LOG = SEED_LOG_NAME  # its name in the run directory
 
 # Header fields a continuing run must share with the log: they change the trajectory.
 TRAJECTORY_FIELDS = (
@@ -292,8 +293,9 @@ def logged_revision(header: dict | None, where: str, base: str | None = None) ->
 
 def resumed_base_revision(run_dir: Path, resume: str | None) -> str | None:
     """The hub commit the run in ``run_dir`` read its base at, where this launch may resume
-    it (``resume``: ``--resume``'s auto (None too), yes or no): what a resume reads, the model's config
-    as its weights, not the cache's newer ``main``. None as ``logged_revision``."""
+    it (``resume``: ``--resume``'s auto, None too, yes or no): what a resume reads, the
+    model's config as its weights, not the cache's newer ``main``. None as
+    ``logged_revision``."""
     log = run_dir / SEED_LOG
     header = logged_header(log) if resume != "no" and log.is_file() else None
     return logged_revision(header, f"{log}'s header")

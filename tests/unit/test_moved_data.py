@@ -111,3 +111,30 @@ def test_a_run_folder_moved_with_its_data_and_relative_paths_resumes(tmp_path, m
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--resume: --train-file moved from data/train.txt to moved/data/train.txt" in proc.stderr
     assert 'train_file = "moved/data/train.txt"' in (moved / "runs/a/config.toml").read_text()
+
+
+def test_a_moved_or_copied_run_folder_resumes_in_the_folder_its_config_is_in(tmp_path):
+    """``--config RUN/config.toml --resume`` without --output-dir: the folder recorded in
+    the file (absolute) was the run directory; moved, the resume found no checkpoint there,
+    and a copy's resume went on in the original."""
+    train = corpus(tmp_path / "data/train.txt")
+    started(tmp_path / "run", train, train)
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    proc = train_in_process(
+        ["--config", str(tmp_path / "moved/config.toml"), "--max-steps", "2", "--resume"]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"the run's folder is {tmp_path / 'moved'}, not the {tmp_path / 'run'}" in proc.stderr
+    assert not (tmp_path / "run").exists()
+    assert f'output_dir = "{tmp_path / "moved"}"' in (tmp_path / "moved/config.toml").read_text()
+    shutil.copytree(tmp_path / "moved", tmp_path / "copy")
+    original = (tmp_path / "moved/seedlog.jsonl").read_text()
+    proc = train_in_process(
+        ["--config", str(tmp_path / "copy/config.toml"), "--max-steps", "3", "--resume"]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "moved/seedlog.jsonl").read_text() == original
+    steps = [
+        json.loads(line) for line in (tmp_path / "copy/metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in steps if "loss" in r] == [0, 1, 2]
