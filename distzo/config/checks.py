@@ -73,6 +73,12 @@ def check_job(job: JobConfig, env: LaunchEnv) -> ParallelDims:
             f"{data.batch_size // dims.dp} sequences of a rank's batch (--batch-size / dp); "
             "change one of them"
         )
+    if data.num_demos is not None and optim.max_steps > 0:
+        raise ValueError(
+            f"--num-demos evaluates with demonstrations and trains nothing (MeZO: no "
+            f"in-context learning if there is training), but --max-steps is "
+            f"{optim.max_steps}; give --max-steps 0, or drop --num-demos to train"
+        )
     if job.run.export_best:
         check_best_replayable(job)
     if data.eval_batch_size < env.world_size:

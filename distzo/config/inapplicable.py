@@ -45,8 +45,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "train_set_seed": (
         lambda j: j.data.sampling.samples,
-        "--num-train, --num-dev, --num-eval or --train-per-class",
+        "--num-train, --num-dev, --num-eval, --train-per-class or --num-demos",
     ),
+    "demo_sets": (lambda j: j.data.num_demos is not None, "--num-demos"),
     "max_length": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "columns": (lambda j: j.data.task != "counting", "a text or prompt --task"),
     "max_new_tokens": (lambda j: j.data.task in GENERATION, "--task squad or drop"),

@@ -45,6 +45,7 @@ from distzo.config.engine_options import ZOConfig, engine_default
 from distzo.config.field_types import field_types, is_of_type
 from distzo.config.inapplicable import ignored_warning, inapplicable
 from distzo.data.column_map import ColumnMap, parse_columns
+from distzo.data.demonstrations import DEMO_SETS, check_demonstrable
 from distzo.data.sampling import SEED_LIMIT as SAMPLING_SEED_LIMIT
 from distzo.data.sampling import Sampling
 from distzo.dist import LaunchEnv
@@ -171,6 +172,18 @@ class DataOptions:
         "seed of the --num-train/--num-dev/--num-eval and --train-per-class draws (MeZO's "
         "--train_set_seed, LM-BFF's data seed; its 1k-test rows: 42)",
     )
+    num_demos: int | None = option(
+        None,
+        "evaluate with N training rows as demonstrations before every --eval-file prompt "
+        "(MeZO's in-context learning: its --num_train with --trainer none); with --max-steps 0",
+    )
+    demo_sets: str = option(
+        "per-row",
+        "with --num-demos: per-row (a set per evaluation row, MeZO's seeds, drawn under "
+        "--train-set-seed) or shared (one set for all, under --train-set-seed: MeZO's "
+        "--train_set_seed)",
+        DEMO_SETS,
+    )
     batch_size: int = option(16, "global sequences per step (split over dp)")
     seq_len: int = option(16, "tokens per generated sequence (counting task)")
     max_length: int = option(
@@ -196,6 +209,8 @@ class DataOptions:
             self.train_set_seed,
             self.train_per_class,
             self.dev_per_class,
+            self.num_demos,
+            self.demo_sets,
         )
 
     @property
@@ -219,10 +234,12 @@ class DataOptions:
             ("--num-eval", self.num_eval),
             ("--train-per-class", self.train_per_class),
             ("--dev-per-class", self.dev_per_class),
+            ("--num-demos", self.num_demos),
         ):
             if count is not None and count < 1:
                 raise ValueError(f"{flag} must be >= 1 (leave it out: every row), got {count}")
         self._validate_per_class()
+        self._validate_demos()
         if not 0 <= self.train_set_seed < SAMPLING_SEED_LIMIT:
             raise ValueError(
                 f"--train-set-seed must be in [0, 2^32) (numpy's seeds, as MeZO's), got "
@@ -236,6 +253,29 @@ class DataOptions:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.seq_len < 2:  # a token and the next one it is trained to predict
             raise ValueError(f"--seq-len must be >= 2, got {self.seq_len}")
+
+    def _validate_demos(self) -> None:
+        """MeZO's ICL draws its demonstrations from the whole training file and trains on
+        none of it: no training draw beside it (the step count: ``distzo.config.checks``)."""
+        if self.num_demos is None:
+            return
+        if self.task in ("counting", "text"):
+            check_demonstrable(self.task, masked=False)
+        draws = [
+            flag
+            for flag, value in (
+                ("--num-train", self.num_train),
+                ("--num-dev", self.num_dev),
+                ("--train-per-class", self.train_per_class),
+                ("--dev-per-class", self.dev_per_class),
+            )
+            if value is not None
+        ]
+        if draws:
+            raise ValueError(
+                f"--num-demos draws its demonstrations from the whole --train-file, as MeZO's "
+                f"in-context learning does, and trains nothing: drop {' and '.join(draws)}"
+            )
 
     def _validate_per_class(self) -> None:
         """A draw per class (LM-BFF's) or a draw of counts (MeZO's run.py), never both."""
@@ -770,6 +810,7 @@ _METAVARS = {
     "num_eval": "N",
     "train_per_class": "K",
     "dev_per_class": "K",
+    "num_demos": "N",
     "lora_targets": "MODULES",
     "device": "DEVICE",
     "output_dir": "DIR",

@@ -39,12 +39,14 @@ class Sampling:
     seed: int = 0  # --train-set-seed
     train_per_class: int | None = None  # LM-BFF's k-shot draw (``distzo.data.per_class``)
     dev_per_class: int | None = None
+    num_demos: int | None = None  # MeZO's ICL (``distzo.data.demonstrations``)
+    demo_sets: str = "per-row"
 
     @property
     def samples(self) -> bool:
         """Whether any set is drawn (else every file's rows are taken as they are)."""
         counts = (self.num_train, self.num_dev, self.num_eval, self.train_per_class)
-        return counts != (None, None, None, None)
+        return counts != (None, None, None, None) or self.num_demos is not None
 
 
 WHOLE_FILES = Sampling()

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from distzo.data.column_map import ColumnMap, check_columns, renamed
+from distzo.data.demonstrations import check_demonstrable, with_demonstrations
 from distzo.data.encoding import (
     ENCODE_CHUNK,
     ChoiceTrainData,
@@ -237,6 +238,8 @@ def load_task_rows(
     if task not in TASK_NAMES:
         raise ValueError(f"unknown --task {task!r}; choose one of {', '.join(TASK_NAMES)}")
     schema = None if task in TEXT else prompt_task(task, masked)  # before any file is read
+    if sampling.num_demos is not None:
+        check_demonstrable(task, masked)
     check_columns(columns, task, schema.columns if schema else ("text",))  # text's one column
     num_labels = schema.num_labels if schema else 0
     if sampling.train_per_class is not None and not num_labels:
@@ -272,6 +275,10 @@ def load_task_rows(
     train, dev, evals = sample_sets(
         loaded[0], loaded[1], sampling, train_file, eval_file, num_labels, task
     )
+    if sampling.num_demos is not None:
+        evals = with_demonstrations(
+            train, evals, sampling.num_demos, sampling.demo_sets, sampling.seed, train_file
+        )
     drew = "--dev-per-class" if sampling.train_per_class is not None else "--num-dev"
     notices = _left_out(task, read, [len(rows) for rows in loaded]) if schema else ()
     return LoadedRows(task, train, evals, dev, drew, notices)

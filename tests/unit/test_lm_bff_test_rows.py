@@ -2,6 +2,8 @@
 set its generate_k_shot_data.py writes, seed 42 whatever the data seed, a file of N rows or
 fewer whole, CoLA's headerless dev list shuffled in place seed after seed."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -88,7 +90,7 @@ def test_colas_test_set_is_the_seed_42_shuffle_applied_once_per_seed_in_the_scri
 def test_the_eval_rows_digest_follows_the_draw_so_another_option_is_another_set(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", sst2_like(40))
 
-    def digests(**options: int) -> dict[str, str]:
+    def digests(**options: Any) -> dict[str, str]:
         loaded = load_task_rows("sst2", data, data, Sampling(**options))
         assert loaded is not None
         return loaded.digests

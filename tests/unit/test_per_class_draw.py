@@ -146,6 +146,6 @@ def test_num_train_beside_it_is_refused_and_the_seed_names_it_where_ignored(capl
     with caplog.at_level(logging.WARNING, logger="distzo.train"):
         resolve(["--train-set-seed", "13"])
     assert (
-        "ignored: --train-set-seed (it applies only with --num-train, --num-dev, --num-eval "
-        "or --train-per-class)" in caplog.text
+        "ignored: --train-set-seed (it applies only with --num-train, --num-dev, --num-eval, "
+        "--train-per-class or --num-demos)" in caplog.text
     )
