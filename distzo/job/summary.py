@@ -2,8 +2,8 @@
 decide what was trained (the whole tree is ``config.toml``), the steps, this session's
 time and tokens per second, the training loss and the first, last and best evaluation
 (and dev evaluation, where --num-dev gave dev rows: then the best step is the dev rows'
-choice, by the task's metric, ``chosen_by``), and where the last checkpoint, the export
-and the picture are.
+choice, by the lowest loss or the task's metric, ``chosen_by``), and where the last
+checkpoint, the export and the picture are.
 
 The losses and evaluations come from metrics.jsonl and eval.jsonl, so a resumed run's
 summary covers the whole run; the time and throughput are those of the session that
@@ -64,9 +64,14 @@ def key_options(
 
 
 # What the best evaluation is chosen by: the first of these metrics the first record
-# holds. MeZO's ``default_dev_objective`` takes F1 (SQuAD, DROP, MRPC, QQP), then MCC
-# (CoLA), then accuracy; language modelling's loss comes before its next-token accuracy.
-CHOSEN_BY = ("f1", "mcc", "loss", "accuracy")
+# holds. A causal LM's records hold the loss of its training objective (language
+# modelling's, or a prompt task's ``lm`` or ``classification``): MeZO's OPT runs keep the
+# step of the lowest dev loss (``--load_best_model_at_end``, no ``--metric_for_best_model``).
+# A masked LM's hold none: MeZO's RoBERTa trainer (``default_dev_objective``) takes F1
+# (MRPC, QQP), then MCC (CoLA), then accuracy; so does a run trained on ``accuracy`` or
+# ``f1``, whose objective is minus that metric. A resumed run's first record, written
+# before the loss was reported, keeps choosing by its metric.
+CHOSEN_BY = ("loss", "f1", "mcc", "accuracy")
 
 
 def chosen_by(record: dict[str, Any]) -> str | None:
@@ -116,8 +121,8 @@ def run_summary(
             {"first": losses[0], "last": losses[-1], "min": min(losses)} if losses else None
         ),
         "eval": scored,
-        # --num-dev: the evaluations during training; "best" the step of the best dev
-        # metric (``chosen_by``), the earliest among equals
+        # --num-dev: the evaluations during training; "best" the step of the lowest dev
+        # loss or best dev metric (``chosen_by``), the earliest among equals
         **({"dev": _at_a_glance(dev)} if dev else {}),
         **{name: str(p.absolute()) if p is not None else None for name, p in paths.items()},
     }

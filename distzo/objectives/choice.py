@@ -205,6 +205,39 @@ class _ChoiceObjective(ABC):
         """The summed loss of the examples, from their [E, C] scores and right candidates."""
 
 
+def classification_losses(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[E]: each example's -log softmax(scores)[label], its [E, C] candidates' scores."""
+    right = scores.gather(1, labels.unsqueeze(1)).squeeze(1)
+    return torch.logsumexp(scores, dim=1) - right
+
+
+def label_tokens(prepared: ChoiceBatch) -> torch.Tensor:
+    """[E]: the tokens of each example's trained candidate (its ``label``)."""
+    counts = prepared.counts.view(prepared.examples, prepared.candidates)
+    return counts.gather(1, prepared.labels.unsqueeze(1)).squeeze(1)
+
+
+# The objectives whose loss an evaluation reports beside its metrics (``choice_loss``):
+# the differentiable ones; ``accuracy`` and ``f1`` are minus the metric reported.
+SCORED_LOSSES = ("lm", "classification")
+
+
+def choice_loss(
+    objective: str, scores: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, what it is a mean over) of examples under ``objective``, read off
+    their [E, C] candidate scores, [E] labels and [E] tokens of the labelled candidate:
+    ``classification``'s cross-entropy per example; ``lm``'s negative log-likelihood of
+    the right answer's tokens (a score is their mean: the row ``PromptEncoder.encode``
+    lays out, which teacher forcing trains on), per token."""
+    if objective == "classification":
+        return classification_losses(scores, labels).sum(), labels.new_tensor(labels.shape[0])
+    if objective == "lm":
+        right = scores.gather(1, labels.unsqueeze(1)).squeeze(1)
+        return -(right * tokens).sum(), tokens.sum()
+    raise ValueError(f"no loss read off candidate scores for --objective {objective}")
+
+
 class Classification(_ChoiceObjective):
     """Sum over examples of -log softmax(scores)[label] (MeZO: CrossEntropyLoss over the
     candidates' mean log-likelihoods)."""
@@ -212,8 +245,7 @@ class Classification(_ChoiceObjective):
     name = "classification"
 
     def from_scores(self, scores: torch.Tensor, prepared: ChoiceBatch) -> torch.Tensor:
-        right = scores.gather(1, prepared.labels.unsqueeze(1)).squeeze(1)
-        return (torch.logsumexp(scores, dim=1) - right).sum()
+        return classification_losses(scores, prepared.labels).sum()
 
 
 class Accuracy(_ChoiceObjective):

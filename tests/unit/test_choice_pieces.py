@@ -12,7 +12,7 @@ from distzo.data.encoding import PromptEncoder
 from distzo.data.task_data import LoadedRows, PromptData
 from distzo.data.templates import TASKS, build_examples
 from distzo.dist import Collectives, LaunchEnv, ParallelContext, ParallelDims
-from distzo.job import build, evaluation
+from distzo.job import build, eval_calls, evaluation
 from distzo.job.evaluation import evaluate_choices, planned_rows
 from distzo.models.tiny import byte_tokenizer
 from distzo.objectives.choice import ChoiceEncoding, collate_choices, prepare_choices
@@ -137,7 +137,7 @@ def test_every_rank_makes_as_many_forwards_and_covers_its_share(monkeypatch):
         metrics, _, rows = scored(monkeypatch, engine, examples, 6, parallel)
         assert max(rows) == 3  # 6 rows a call over 2 ranks: 3 a rank
         calls.append(len(rows))
-        right += metrics["eval_accuracy"] * len(evaluation._share(3, parallel))
+        right += metrics["eval_accuracy"] * len(eval_calls.share(3, parallel))
     assert calls == [6, 6]  # the largest share (2 examples) in pieces of 3 rows: 2 x 3
     assert right / 3 == pytest.approx(whole["eval_accuracy"])
 
@@ -178,5 +178,5 @@ def test_a_dev_evaluation_forwards_no_more_rows_than_the_batch_of_its_own_widest
         engine.family, "embed", lambda ids, ctx: forwarded.append(ids.shape[0]) or embed(ids, ctx)
     )
     metrics = evaluation.evaluate(engine, data, ParallelContext.single(), split="dev")
-    assert set(metrics) == {"dev_accuracy"}
+    assert set(metrics) == {"dev_loss", "dev_accuracy"}  # record trains on lm: its loss too
     assert max(forwarded) == 9 and len(forwarded) == len(wide)  # an example a call

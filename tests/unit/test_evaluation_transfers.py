@@ -125,7 +125,7 @@ def test_every_rank_makes_as_many_lm_forward_calls_as_its_peers(batch_size):
 def test_the_ranks_shares_cover_the_evaluation_set_once(count, world):
     """The metric covers the whole set once: the ranks' shares, in rank order, are every
     example exactly once, and no share is more than one example larger than another."""
-    from distzo.job.evaluation import _share
+    from distzo.job.eval_calls import share as _share
 
     shares = [list(_share(count, RankOf(rank, world))) for rank in range(world)]
     assert [i for share in shares for i in share] == list(range(count))

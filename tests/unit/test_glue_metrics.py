@@ -18,7 +18,7 @@ from distzo.data.masked_prompts import MASKED_PROMPTS, MaskedPromptEncoder
 from distzo.data.task_data import LoadedRows, MaskedPromptData
 from distzo.data.templates import MaskedExample
 from distzo.dist import LaunchEnv, ParallelContext
-from distzo.job import evaluation
+from distzo.job import eval_calls, evaluation
 from distzo.job.records import describe
 from distzo.objectives import Classification
 from distzo.objectives.confusion import (
@@ -163,7 +163,7 @@ def test_two_ranks_sum_their_confusion_counts_before_the_metric(monkeypatch):
     assert results[0] == results[1] == whole
     own = []
     for r in (0, 1):  # each rank's share alone, its sums not reduced
-        share = [examples[i] for i in evaluation._share(len(examples), ThreadRank(r, [], barrier))]
+        share = [examples[i] for i in eval_calls.share(len(examples), ThreadRank(r, [], barrier))]
         own.append(picks_of(monkeypatch, tiny_engine(), share, "mcc", ParallelContext.single()))
     mean = sum(metrics["eval_mcc"] for metrics, _ in own) / 2
     assert mean != pytest.approx(whole["eval_mcc"])

@@ -109,23 +109,24 @@ def test_dev_rows_are_evaluated_during_training_and_logged_apart_from_the_eval_r
         dev = evaluate(trainer.engine, trainer.data, trainer.parallel, split="dev")
         trainer.data.eval_examples = trainer.data.dev_examples  # the dev rows, evaluated
         as_eval = evaluate(trainer.engine, trainer.data, trainer.parallel)
-    assert dev == {"dev_accuracy": as_eval["eval_accuracy"]}
+    # the classification objective's loss first: MeZO's OPT runs keep its lowest dev step
+    assert dev == {"dev_loss": as_eval["eval_loss"], "dev_accuracy": as_eval["eval_accuracy"]}
     records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [(r["step"], *r) for r in records] == [
-        (0, "step", "eval_accuracy"),
-        (2, "step", "dev_accuracy"),
-        (4, "step", "dev_accuracy"),  # the dev rows' last point, then the final evaluation
-        (4, "step", "eval_accuracy"),
+        (0, "step", "eval_loss", "eval_accuracy"),
+        (2, "step", "dev_loss", "dev_accuracy"),
+        (4, "step", "dev_loss", "dev_accuracy"),  # the dev rows' last, then the final evaluation
+        (4, "step", "eval_loss", "eval_accuracy"),
     ]
-    assert records[2]["dev_accuracy"] == dev["dev_accuracy"]
+    assert records[2] == {"step": 4, **dev}
     summary = json.loads((out / "summary.json").read_text())
-    best = max(records[1:3], key=lambda r: r["dev_accuracy"])  # the earliest among equals
-    assert summary["dev"]["best"] == {"by": "dev_accuracy", **best}
+    best = min(records[1:3], key=lambda r: r["dev_loss"])  # the earliest among equals
+    assert summary["dev"]["best"] == {"by": "dev_loss", **best}
     assert summary["eval"]["last"] == records[3]
     # a requeue of the finished run says both final evaluations eval.jsonl records
     with caplog.at_level(logging.INFO, logger="distzo.train"):
         Trainer(resolve(flags + ["--train-set-seed", "3", "--resume"])).train()
-    assert f"dev at step 4: {describe({'dev_accuracy': dev['dev_accuracy']})}" in caplog.text
+    assert f"dev at step 4: {describe(dev)}" in caplog.text
     # another draw would train other rows: a resume with it is refused in one line
     with pytest.raises(ValueError, match="--train-set-seed 3 -> 4 would change the trajectory"):
         Trainer(resolve(flags + ["--train-set-seed", "4", "--resume"])).train()
@@ -188,8 +189,8 @@ def test_export_best_writes_the_best_dev_steps_model_as_a_run_of_that_many_steps
     flags_best = ["--max-steps", "4", "--output-dir", str(out), "--export-best"]
     assert main(flags + flags_best, [trained]) == 0 and replayed == [None]
     dev = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()][1:3]
-    best = max(dev, key=lambda r: r["dev_accuracy"])["step"]  # the earliest among equals
-    assert best == 2  # a tie, not the run's end: the export compared is another step's
+    best = min(dev, key=lambda r: r["dev_loss"])["step"]  # the lowest dev loss (MeZO's OPT)
+    assert best == 2  # not the run's end: the export compared is another step's
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dev"]["best"]["step"] == best
     assert summary["dev"]["export_best"] == str(out / "export-best")

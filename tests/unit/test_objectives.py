@@ -367,13 +367,13 @@ def test_a_float64_models_picked_log_probs_stay_float64():
 def test_an_answer_scores_against_its_best_gold_answer_not_the_first(monkeypatch):
     """SQuAD lists several gold answers; the F1 objective and the evaluation (F1 and exact
     match) take the best of them."""
-    from distzo.job import evaluation
+    from distzo.job import generation_evaluation
 
     f1 = F1(lambda ids: "Paris", [["Lyon", "the city of Paris"]])
     assert f1.score(torch.tensor([[1, 2]]), [0]) == pytest.approx(0.5)  # 1 of 3 tokens
     rows = [{"title": "T", "context": "C.", "question": "Q?", "answers": ["Lyon", "Paris"]}]
     examples = build_examples(TASKS["squad"], rows, "x")
-    monkeypatch.setattr(evaluation, "answer_text", lambda decode, ids: "Paris")
+    monkeypatch.setattr(generation_evaluation, "answer_text", lambda decode, ids: "Paris")
     engine = ZOEngine(model(), ZOConfig(device="cpu", seed=0))
     encoder = PromptEncoder(TOKENIZER, max_length=256)
     metrics = evaluate_generation(engine, examples, encoder, SINGLE, 1, 2)

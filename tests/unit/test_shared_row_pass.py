@@ -194,8 +194,10 @@ def test_the_plan_and_a_rank_s_evaluation_encode_its_share_of_the_examples_alone
         evaluate(engine, data, SumsOf(part, 3, sums))
         mine = {evals[i] for i in RowShare(part, 3).span(len(evals))}
         assert set(encoder._choices) == mine | {evals[0]}  # and the spare call's example
-    right, _, count = (sum(column) for column in zip(*sums))
-    assert right / count == evaluate(engine, alone, SINGLE)["eval_accuracy"]
+    right, _, loss, tokens, count = (sum(column) for column in zip(*sums))
+    metrics = evaluate(engine, alone, SINGLE)
+    assert right / count == metrics["eval_accuracy"]
+    assert loss / tokens == pytest.approx(metrics["eval_loss"], rel=1e-6)  # copa: lm's
 
 
 def byte_ids(text: str) -> list[int]:
