@@ -1,7 +1,7 @@
 """distzo's --num-demos (in-context learning) against MeZO's own draw and ``encode_prompt``.
 
     python benchmarks/icl_check.py --mezo path/to/MeZO --tokenizer MODEL_DIR_OR_NAME
-        [--rows train.tsv] [--eval-rows heldout.tsv] [--num-demos 32] [--num-eval 40]
+        [--rows train.tsv] [--eval-rows heldout.tsv] [--num-demos 32] [--num-eval 40] [--bos]
 
 MeZO's ``large_models`` modules are imported from its checkout as they are: ``tasks.py``
 (its ``Dataset.sample_train_sets`` and ``sample_subset``, on a ``Dataset`` whose
@@ -18,6 +18,8 @@ rows of their schema written below), each draw (``per-row``: MeZO's run without
   ``load_task_rows`` (``Sampling(num_demos=...)``) and ``PromptEncoder`` against
   ``encode_prompt``'s.
 
+``--bos`` loads the tokenizer with ``add_bos_token``, for one that adds no leading token
+(SmolLM2's): MeZO's cut then keeps the first token, and distzo's must too.
 A line per task, draw and length says AGREE or DIFFER; the last line sums them up.
 """
 
@@ -212,6 +214,18 @@ def with_bos_flag(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def load_tokenizer(name: str, bos: bool) -> Any:
+    """The tokenizer compared on; ``bos``: made to put its ``bos_token`` before every
+    text (``add_bos_token``, which MeZO's cut reads), so that the cut keeping a leading
+    special token is compared too. One that will not is refused."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, **({"add_bos_token": True} if bos else {}))
+    if bos and tokenizer("a")["input_ids"][:1] != [tokenizer.bos_token_id]:
+        raise SystemExit(f"--bos: {name}'s tokenizer puts no bos_token before a text")
+    return with_bos_flag(tokenizer)
+
+
 def check_task(
     modules: tuple, task: str, splits: tuple[list, list], tokenizer: Any, counts: tuple[int, int],
     work: Path,
@@ -253,11 +267,14 @@ def main() -> int:
     parser.add_argument("--eval-rows", type=Path, default=SAMPLE / "heldout.tsv")
     parser.add_argument("--num-demos", type=int, default=32)
     parser.add_argument("--num-eval", type=int, default=40)
+    parser.add_argument(
+        "--bos",
+        action="store_true",
+        help="load the tokenizer with add_bos_token (a leading <s>, as OPT's and Llama's)",
+    )
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
     modules = mezo_modules(args.mezo)
-    tokenizer = with_bos_flag(AutoTokenizer.from_pretrained(args.tokenizer))
+    tokenizer = load_tokenizer(args.tokenizer, args.bos)
     counts = (args.num_demos, args.num_eval)
     agree = True
     with tempfile.TemporaryDirectory() as work:

@@ -18,10 +18,12 @@ from distzo.data.demonstrations import (
     demonstration,
     with_demonstrations,
 )
+from distzo.data.encoding import PromptEncoder
 from distzo.data.sampling import Sampling
 from distzo.data.task_data import load_task_rows
-from distzo.data.templates import TASKS, Example
+from distzo.data.templates import TASKS, Example, build_examples
 from distzo.dist import LaunchEnv
+from distzo.models.tiny import byte_tokenizer
 from tests.helpers.rows import sst2_like, write_jsonl
 
 
@@ -123,3 +125,25 @@ def test_with_demonstrations_keeps_a_records_right_answers():
     (shown,) = with_demonstrations([record(row)], [record(row)], 1, "shared", 0, "t")
     assert shown.prompt == "A met B.\n- B won\n- B won\n\nA met B.\n- B won\n-"
     assert shown.continuations == (" A won", " B won") and shown.label == 1
+
+
+def test_a_cut_demonstrated_row_keeps_the_leading_token_as_mezos_encode_prompt():
+    """MeZO's cut with a tokenizer that adds a leading token (``add_bos_token``: OPT's,
+    Llama's) keeps that token and the last max_length - 1 of the rest: the demonstrations
+    lose their start, the row and its candidate stay. The byte tokenizer adds ``</s>``."""
+    tokenizer = byte_tokenizer()
+    rows = sst2_like(6)
+    examples = build_examples(TASKS["sst2"], rows, "t")
+    (shown,) = with_demonstrations(examples[:4], examples[4:5], 4, "shared", 0, "t")
+    encoder = PromptEncoder(tokenizer, max_length=40)
+    bos = tokenizer.bos_token_id
+    for candidate in shown.continuations:
+        ids, answer = encoder.encode(shown.prompt, candidate)
+        whole = tokenizer(shown.prompt + candidate)["input_ids"]  # MeZO's encode of the text
+        # its option_len: the row's verbalized ids less its prompt's, demonstrations aside
+        option = len(tokenizer(examples[4].prompt + candidate)["input_ids"]) - len(
+            tokenizer(examples[4].prompt)["input_ids"]
+        )
+        assert len(whole) > 40 and whole[0] == bos
+        assert (ids, answer) == (whole[:1] + whole[1:][-39:], option)
+        assert tokenizer.decode(ids[1:]).endswith(examples[4].prompt + candidate)
