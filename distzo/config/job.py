@@ -228,16 +228,16 @@ class DataOptions:
         ):
             if size < 1:
                 raise ValueError(f"{flag} must be >= 1, got {size}")
-        for flag, count in (
-            ("--num-train", self.num_train),
-            ("--num-dev", self.num_dev),
-            ("--num-eval", self.num_eval),
-            ("--train-per-class", self.train_per_class),
-            ("--dev-per-class", self.dev_per_class),
-            ("--num-demos", self.num_demos),
+        for flag, count, unset in (  # unset: what leaving the flag out gives
+            ("--num-train", self.num_train, "every row"),
+            ("--num-dev", self.num_dev, "no dev rows"),
+            ("--num-eval", self.num_eval, "every row"),
+            ("--train-per-class", self.train_per_class, "every row"),
+            ("--dev-per-class", self.dev_per_class, "no dev rows"),
+            ("--num-demos", self.num_demos, "no demonstrations, zero-shot"),
         ):
             if count is not None and count < 1:
-                raise ValueError(f"{flag} must be >= 1 (leave it out: every row), got {count}")
+                raise ValueError(f"{flag} must be >= 1 (leave it out: {unset}), got {count}")
         self._validate_per_class()
         self._validate_demos()
         if not 0 <= self.train_set_seed < SAMPLING_SEED_LIMIT:

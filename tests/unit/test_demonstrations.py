@@ -95,8 +95,12 @@ def test_demonstrations_are_refused_where_mezos_icl_does_not_apply(tmp_path):
         resolve(
             ["--task", "sst2", "--num-demos", "2", "--num-train", "8", "--num-dev", "2"]
         ).validate()
-    with pytest.raises(ValueError, match="^--num-demos must be >= 1"):
+    with pytest.raises(ValueError) as zero:
         resolve(["--task", "sst2", "--num-demos", "0"]).validate()
+    # leaving it out scores zero-shot: not "every row", as the draws' counts said
+    assert str(zero.value) == (
+        "--num-demos must be >= 1 (leave it out: no demonstrations, zero-shot), got 0"
+    )
     with pytest.raises(ValueError, match="but --max-steps is 2000; give --max-steps 0"):
         check_job(resolve(["--task", "sst2", "--num-demos", "2"]), LaunchEnv())
 
