@@ -46,8 +46,10 @@ def demo_draws(train_rows: int, eval_rows: int, num: int, sets: str, seed: int) 
     (``per-row``) or one for all (``shared``), each MeZO's ``sample_subset``."""
     if sets == "shared":
         return [mezo_draw(train_rows, num, seed)] * eval_rows
-    drawn: dict[int, list[int]] = {}  # seeds repeat (10,000 of them): a permutation each
-    return [drawn.setdefault(s, mezo_draw(train_rows, num, s)) for s in demo_seeds(eval_rows, seed)]
+    seeds = demo_seeds(eval_rows, seed)
+    # seeds repeat (10,000 of them): one permutation of the training rows per distinct seed
+    drawn = {s: mezo_draw(train_rows, num, s) for s in dict.fromkeys(seeds)}
+    return [drawn[s] for s in seeds]
 
 
 def demonstration(example: Example) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from distzo.config.checks import check_job
 from distzo.config.job import resolve, to_toml
+from distzo.data import demonstrations
 from distzo.data.demonstrations import (
     demo_draws,
     demo_seeds,
@@ -19,7 +20,7 @@ from distzo.data.demonstrations import (
     with_demonstrations,
 )
 from distzo.data.encoding import PromptEncoder
-from distzo.data.sampling import Sampling
+from distzo.data.sampling import Sampling, mezo_draw
 from distzo.data.task_data import load_task_rows
 from distzo.data.templates import TASKS, Example, build_examples
 from distzo.dist import LaunchEnv
@@ -50,6 +51,22 @@ def test_per_row_sets_take_mezos_seeds_and_a_shared_set_its_train_set_seed():
     per_row = demo_draws(50, 7, 5, "per-row", 0)
     assert len({tuple(d) for d in per_row}) == 7  # a set of its own for every row
     assert demo_draws(50, 7, 5, "per-row", 1) != per_row  # --train-set-seed draws the seeds
+
+
+def test_a_seed_that_repeats_permutes_the_training_rows_once(monkeypatch):
+    """1,000 rows' seeds of 10,000 repeat: a permutation of a large --train-file per
+    evaluation row was the draw's cost, where one per distinct seed gives the same sets."""
+    seeds = demo_seeds(1000, 0)
+    calls: list[int] = []
+
+    def counted(rows: int, num: int, seed: int) -> list[int]:
+        calls.append(seed)
+        return mezo_draw(rows, num, seed)
+
+    monkeypatch.setattr(demonstrations, "mezo_draw", counted)
+    draws = demo_draws(30, 1000, 4, "per-row", 0)
+    assert len(set(seeds)) < 1000 and sorted(calls) == sorted(set(seeds))
+    assert draws == [mezo_draw(30, 4, s) for s in seeds]
 
 
 def test_a_demonstration_is_the_right_candidates_text_joined_by_a_blank_line():
