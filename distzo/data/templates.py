@@ -173,10 +173,12 @@ def _cb(row):
 
 
 def _boolq(row):
+    # MeZO's BoolQDataset.get_template() defaults to version 2, BoolQTemplateV3: the answer
+    # on a line of its own ("...?\nYes"), not the version 0 "...? Yes"
     question = row["question"].strip()
     question = question if question.endswith("?") else question + "?"
     return _verbalized(
-        f"{row['passage']} {question[0].upper() + question[1:]}", ("No", "Yes"), row, " "
+        f"{row['passage']} {question[0].upper() + question[1:]}\n", ("No", "Yes"), row
     )
 
 

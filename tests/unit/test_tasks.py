@@ -42,8 +42,8 @@ KNOWN = {
     ),
     "boolq": (
         {"passage": "Water boils at 100 C.", "question": "does water boil at 100 c", "label": True},
-        "Water boils at 100 C. Does water boil at 100 c?",
-        (" No", " Yes"),
+        "Water boils at 100 C. Does water boil at 100 c?\n",
+        ("No", "Yes"),
         1,
     ),
     "wic": (
@@ -151,11 +151,12 @@ def test_a_tasks_rows_share_its_candidates_and_hold_no_dict():
 
 def test_the_rows_digest_of_every_tasks_examples_is_the_one_logged_runs_hold():
     """Runs logged before compare this digest on resume: how an Example is held must not
-    change it (the value is the one the code before ``slots`` gave)."""
+    change it (the value is the one the code before ``slots`` gave, but boolq's prompt,
+    MeZO's BoolQTemplateV3 since: its runs logged before are refused as other rows)."""
     examples = [
         e for name in sorted(TASKS) for e in build_examples(TASKS[name], [KNOWN[name][0]], "k")
     ]
-    assert rows_digest(examples) == "ad3f899a6d765865"
+    assert rows_digest(examples) == "c2e3908af1f898d9"
 
 
 @pytest.mark.parametrize(
