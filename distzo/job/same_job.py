@@ -7,7 +7,9 @@ never take (until --dist-timeout), with no error; a node whose ``--output-dir`` 
 directory rank 0 writes (another path, or a local disk) would leave every checkpoint
 missing its files; a node with another distzo (another commit's noise or update) or
 another torch would train other weights. All are refused once the process group exists,
-in one line on every rank, before any model is built. So is a node whose copy of the
+in one line on every rank, before any model is built. A node's data files are compared by
+the rows read from them, not by their paths: each node may read its own copy (a node-local
+disk) at a path of its own, where every node read rank 0's rows. So is a node whose copy of the
 ``--model`` folder is another model (another config.json, tokenizer or checkpoint): its
 ranks would tokenize the rows into other ids, or compute with other weights, without a
 word.
@@ -37,6 +39,10 @@ from distzo.models import hub
 # node (the run directory itself is checked by ``check_shared_run_dir``; the logs are rank
 # 0's), and the CPU threads of a node's ranks.
 PER_NODE_OPTIONS = ("output_dir", "log_dir", "threads")
+# The data files, whose path on several nodes may be each node's own copy's where every
+# node's rows digest is rank 0's (``check_same_rows``): a local file, not an ``hf:`` spec.
+DATA_FILE_FLAGS = ("--train-file", "--eval-file")
+A_NODES_OWN_FILE = "a local file at each node's own path"
 # How long a rank looks for rank 0's probe: a network filesystem may show a new file to
 # another node a moment late.
 PROBE_WAIT_S = 5.0
@@ -76,7 +82,7 @@ def check_one_job(
     if several_nodes:  # one node's ranks share one install, and read one copy of the files
         check_same_software(comm)
     check_shared_run_dir(run_dir, comm, env.rank, several_nodes)
-    check_same_options(job, comm)
+    check_same_options(job, comm, node_data_paths=several_nodes and bool(data))
     if several_nodes and data:
         check_same_rows(job, data, comm)
 
@@ -114,13 +120,15 @@ def check_same_software(comm: Collectives) -> None:
         )
 
 
-def check_same_options(job: JobConfig, comm: Collectives) -> None:
+def check_same_options(job: JobConfig, comm: Collectives, node_data_paths: bool = False) -> None:
     """Refuse a launch whose ranks were started with different options; every rank sees
-    every rank's options and raises the same line."""
+    every rank's options and raises the same line. ``node_data_paths``: each node's data
+    files may lie at paths of its own (their rows are compared, ``check_same_rows``)."""
     if not comm.distributed:
         return
     everyone: list[dict[str, str]] = comm.all_gather_object(_values(job))
-    for rank, differ in _differences(everyone):
+    compared = [_compared(values, node_data_paths) for values in everyone]
+    for rank, differ in _differences(compared):
         flag, theirs, first = differ[0], everyone[rank], everyone[0]
         raise ValueError(
             f"rank {rank} was started with {_shown(flag, theirs.get(flag))}, rank 0 with "
@@ -129,19 +137,45 @@ def check_same_options(job: JobConfig, comm: Collectives) -> None:
         )
 
 
+def _compared(values: dict[str, str], node_data_paths: bool) -> dict[str, str]:
+    """A rank's options as they must equal rank 0's: with ``node_data_paths``, a data file
+    that is a local file stands for any such path (an ``hf:`` spec, or none, still differs
+    from a file, and from another spec)."""
+    if not node_data_paths:
+        return values
+    local = [flag for flag in DATA_FILE_FLAGS if _is_local_file(values.get(flag))]
+    return values | dict.fromkeys(local, A_NODES_OWN_FILE)
+
+
+def _is_local_file(shown: str | None) -> bool:
+    """Whether an option's repr (``_values``) is a path, not None nor an ``hf:`` spec."""
+    return shown is not None and shown[:1] in ("'", '"') and not shown[1:].startswith("hf:")
+
+
+def rows_read(job: JobConfig, data: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Each data file's rows digest (``data``, by flag) beside where this rank read them."""
+    train = job.data.train_file
+    paths = {"--train-file": train, "--eval-file": job.data.eval_file}
+    where = {flag: str(paths.get(flag, f"rows of {train}")) for flag in data}  # --num-dev
+    return {flag: (where[flag], digest) for flag, digest in data.items()}
+
+
 def check_same_rows(job: JobConfig, data: Mapping[str, str], comm: Collectives) -> None:
-    """Refuse a launch whose nodes read other rows from the same data file (a node-local
-    copy that is stale or another version): each rank would take its share of another
-    global batch, and score its share of another evaluation set, without a word."""
-    everyone: list[dict[str, str]] = comm.all_gather_object(dict(data))
-    train, evals = job.data.train_file, job.data.eval_file
-    paths = {"--train-file": train, "--eval-file": evals, "--num-dev": f"rows of {train}"}
-    for rank, differ in _differences(everyone):
-        flag, digest = differ[0], everyone[0].get(differ[0])
+    """Refuse a launch whose nodes read other rows from their data files (a node-local copy
+    that is stale or another version): each rank would take its share of another global
+    batch, and score its share of another evaluation set, without a word. The line names
+    each rank's own path where the two differ, and is the same on every rank."""
+    everyone: list[dict[str, tuple[str, str]]] = comm.all_gather_object(rows_read(job, data))
+    digests = [{flag: read[1] for flag, read in ranks.items()} for ranks in everyone]
+    for rank, differ in _differences(digests):
+        flag = differ[0]
+        theirs, digest = everyone[rank].get(flag, ("no file", "none"))
+        first, rank0s = everyone[0].get(flag, ("no file", "none"))
+        read = f"{flag} {theirs} than rank 0" + ("" if theirs == first else f" from {first}")
+        fix = "the same file" if theirs == first else "a copy of rank 0's file"
         raise ValueError(
-            f"rank {rank} read other rows from {flag} {paths.get(flag)} than rank 0 "
-            f"(rows digest {everyone[rank].get(flag)}, rank 0's {digest}); give every node "
-            "the same file"
+            f"rank {rank} read other rows from {read} (rows digest {digest}, rank 0's "
+            f"{rank0s}); give every node {fix}"
         )
 
 

@@ -114,17 +114,20 @@ def test_a_node_whose_copy_of_a_data_file_holds_other_rows_is_refused_naming_it(
     job = resolve(["--task", "sst2", "--train-file", "data.jsonl", "--eval-file", "eval.jsonl"])
     rows = LoadedRows("sst2", ["a", "b"], ["c"])
     stale = LoadedRows("sst2", ["a", "B"], ["c"])
-    same_job.check_same_rows(job, rows.digests, Ranks(1, dict(rows.digests)))
+    same_job.check_same_rows(job, rows.digests, Ranks(1, same_job.rows_read(job, rows.digests)))
     message = (
         r"^rank 1 read other rows from --train-file data\.jsonl than rank 0 \(rows digest "
         r"[0-9a-f]{16}, rank 0's [0-9a-f]{16}\); give every node the same file$"
     )
     for rank, mine, theirs in ((0, rows, stale), (1, stale, rows)):  # one line on either node
         with pytest.raises(ValueError, match=message):
-            same_job.check_same_rows(job, mine.digests, Ranks(rank, dict(theirs.digests)))
+            read = same_job.rows_read(job, theirs.digests)
+            same_job.check_same_rows(job, mine.digests, Ranks(rank, read))
     other_eval = LoadedRows("sst2", ["a", "b"], ["d"])
     with pytest.raises(ValueError, match=r"^rank 1 read other rows from --eval-file eval\.jsonl"):
-        same_job.check_same_rows(job, rows.digests, Ranks(0, dict(other_eval.digests)))
+        same_job.check_same_rows(
+            job, rows.digests, Ranks(0, same_job.rows_read(job, other_eval.digests))
+        )
 
 
 def test_the_rows_digest_hashes_the_rows_json_a_chunk_at_a_time(monkeypatch):
@@ -178,10 +181,79 @@ def test_claiming_a_run_across_nodes_refuses_a_nodes_stale_data_file(tmp_path, m
     monkeypatch.setattr(same_job, "check_shared_run_dir", lambda *args: None)
     job = resolve(["--task", "sst2", "--train-file", "d.jsonl", "--output-dir", str(tmp_path)])
     rows, stale = LoadedRows("sst2", ["a", "b"], ["c"]), LoadedRows("sst2", ["a", "B"], ["c"])
-    comm = Gathers(_values(job), dict(rows.digests))
+    comm = Gathers(_values(job), same_job.rows_read(job, rows.digests))
     env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
     with pytest.raises(ValueError, match=r"^rank 1 read other rows from --train-file d\.jsonl"):
         RunClaim.take(job, SimpleNamespace(comm=comm), env, stale.digests)
+
+
+def _sst2(train: str, evals: str) -> Any:
+    return resolve(["--task", "sst2", "--train-file", train, "--eval-file", evals])
+
+
+def test_nodes_may_read_their_own_copies_of_the_data_at_paths_of_their_own():
+    """torchtitan's and DeepSpeed's users stage the data on each node's local disk, at a
+    path of that node's: on several nodes (where each node's rows are compared) the paths
+    may differ; an hf: spec against a file is still another option."""
+    node0 = _sst2("/scratch/node0/train.jsonl", "/scratch/node0/dev.jsonl")
+    node1 = _sst2("/local/train.jsonl", "/local/dev.jsonl")
+    for rank, mine, theirs in ((0, node0, node1), (1, node1, node0)):
+        check_same_options(mine, Ranks(rank, _values(theirs)), node_data_paths=True)
+    one_command = (
+        r"^rank 1 was started with --train-file '/local/train\.jsonl', rank 0 with "
+        r"--train-file '/scratch/node0/train\.jsonl' \(and 1 more options\); start every node"
+    )
+    with pytest.raises(ValueError, match=one_command):  # one node: its ranks share one line
+        check_same_options(node0, Ranks(0, _values(node1)))
+    hub = _sst2("hf:glue:sst2:train", "/local/dev.jsonl")
+    message = (
+        r"^rank 1 was started with --train-file 'hf:glue:sst2:train', rank 0 with "
+        r"--train-file '/scratch/node0/train\.jsonl'; start every node with the same options$"
+    )
+    for rank, mine, theirs in ((0, node0, hub), (1, hub, node0)):
+        with pytest.raises(ValueError, match=message):
+            check_same_options(mine, Ranks(rank, _values(theirs)), node_data_paths=True)
+
+
+def test_a_nodes_own_copy_holding_other_rows_is_named_by_both_paths_on_every_rank():
+    node0 = _sst2("/scratch/train.jsonl", "/scratch/dev.jsonl")
+    node1 = _sst2("/local/train.jsonl", "/local/dev.jsonl")
+    rows, stale = LoadedRows("sst2", ["a", "b"], ["c"]), LoadedRows("sst2", ["a", "B"], ["c"])
+    same_job.check_same_rows(node0, rows.digests, Ranks(0, same_job.rows_read(node1, rows.digests)))
+    ours, theirs = rows.digests["--train-file"], stale.digests["--train-file"]
+    message = (
+        r"^rank 1 read other rows from --train-file /local/train\.jsonl than rank 0 from "
+        rf"/scratch/train\.jsonl \(rows digest {theirs}, rank 0's {ours}\); give every node a "
+        "copy of rank 0's file$"
+    )
+    with pytest.raises(ValueError, match=message):
+        same_job.check_same_rows(
+            node0, rows.digests, Ranks(0, same_job.rows_read(node1, stale.digests))
+        )
+    with pytest.raises(ValueError, match=message):
+        same_job.check_same_rows(
+            node1, stale.digests, Ranks(1, same_job.rows_read(node0, rows.digests))
+        )
+
+
+def test_claiming_a_run_across_nodes_takes_each_nodes_own_copy_of_the_same_rows(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(same_job, "check_same_software", lambda comm: None)
+    monkeypatch.setattr(same_job, "check_shared_run_dir", lambda *args: None)
+    run = ["--output-dir", str(tmp_path)]
+    node0 = resolve(
+        ["--task", "sst2", "--train-file", "/scratch/d.jsonl", "--eval-file", "e", *run]
+    )
+    node1 = resolve(["--task", "sst2", "--train-file", "/local/d.jsonl", "--eval-file", "e", *run])
+    rows = LoadedRows("sst2", ["a", "b"], ["c"])
+    rank0s = (_values(node0), same_job.rows_read(node0, rows.digests), None)  # None: locked
+    env = LaunchEnv(rank=1, world_size=2, local_world_size=1, node_rank=1)
+    claim = RunClaim.take(node1, SimpleNamespace(comm=Gathers(*rank0s)), env, rows.digests)
+    assert claim.path == tmp_path
+    one_node = LaunchEnv(rank=1, world_size=2, local_world_size=2, node_rank=0)
+    with pytest.raises(ValueError, match=r"^rank 1 was started with --train-file '/local/d"):
+        RunClaim.take(node1, SimpleNamespace(comm=Gathers(*rank0s)), one_node, rows.digests)
 
 
 def test_the_rows_digest_follows_every_field_and_the_order_of_the_rows():
@@ -244,7 +316,9 @@ def test_a_stale_data_file_is_refused_with_each_ranks_own_digest():
     ours, theirs = rows.digests["--train-file"], stale.digests["--train-file"]
     message = rf"\(rows digest {theirs}, rank 0's {ours}\)"
     with pytest.raises(ValueError, match=message):  # rank 0 holds rows, rank 1 the stale copy
-        same_job.check_same_rows(job, rows.digests, Ranks(0, dict(stale.digests)))
+        same_job.check_same_rows(
+            job, rows.digests, Ranks(0, same_job.rows_read(job, stale.digests))
+        )
 
 
 def test_a_large_checkpoint_is_digested_by_its_size_and_pieces_across_it(tmp_path, monkeypatch):
