@@ -41,6 +41,7 @@ from distzo.job.build import (
 )
 from distzo.job.hub_data_commits import resumed_commits
 from distzo.job.memory_plan import check_weights_fit, fewest_bytes_a_parameter
+from distzo.job.moved_data import check_resumed_files_exist
 from distzo.job.reporting import check_reporter
 from distzo.job.resume import check_resumed_rows, drawn_noise, resume_mode
 from distzo.job.run_dir import (
@@ -448,6 +449,8 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
     run_dir = Path(job.run.output_dir or ".")
     # a resume reads each hf: source at the commit its run read
     resumed = resumed_commits(job, run_dir, env.rank) if job.run.resume == "yes" else None
+    if job.run.resume == "yes":  # the run's data file gone: said as the run's, with the way on
+        check_resumed_files_exist(job, run_dir)
     # every row checked, before any model
     rows = task_rows(job, env, masked, resumed)
     check_shard_size(job.run.export_shard_size)

@@ -138,3 +138,130 @@ def test_a_moved_or_copied_run_folder_resumes_in_the_folder_its_config_is_in(tmp
         json.loads(line) for line in (tmp_path / "copy/metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in steps if "loss" in r] == [0, 1, 2]
+
+
+def test_the_runs_data_file_gone_says_it_was_the_runs_and_that_a_new_path_goes_on(tmp_path):
+    """The file moved, and the resume gave the run's path again (its --config, or the same
+    command): the loader's "no such file; correct the path" said nothing of the run."""
+    run, train, evals = tmp_path / "run", corpus(tmp_path / "train.txt"), tmp_path / "ev.txt"
+    argv = started(run, train, corpus(evals, ROWS[:4]))
+    shutil.move(train, tmp_path / "moved.txt")
+    line = error_line(train_in_process([*files(train, evals), *argv, "--resume"]))
+    assert line == (
+        f"error: --resume: --train-file {train}: no such file, and the run in {run} read its "
+        f"rows there (rows digest {rows_digest(ROWS)}); give --train-file with the file's new "
+        "path (its rows are checked against that digest), or restore it there, or start "
+        "afresh with --overwrite or another --output-dir"
+    )
+    typo = tmp_path / "mvoed.txt"  # a path the run never read: the loader's own line
+    line = error_line(train_in_process([*files(typo, evals), *argv, "--resume"]))
+    assert line.startswith(f"error: --train-file {typo}: no such file; correct the path")
+    # a log of an earlier version has no eval_rows: only the file at its path goes on
+    shutil.move(tmp_path / "moved.txt", train)
+    evals.unlink()
+    log = run / "seedlog.jsonl"
+    header, *records = log.read_text().splitlines()
+    older = {k: v for k, v in json.loads(header).items() if k != "eval_rows"}
+    log.write_text("".join(line + "\n" for line in [json.dumps(older), *records]))
+    proc = train_in_process(["--config", str(run / "config.toml"), "--resume"])
+    assert error_line(proc) == (
+        f"error: --resume: --eval-file {evals}: no such file, and the run in {run} read its "
+        "rows there; its seed log records no digest of them to check another path against, "
+        "so restore the file at that path, or start afresh with --overwrite or another "
+        "--output-dir"
+    )
+
+
+def test_a_link_whose_target_moved_is_named_and_the_target_goes_on(tmp_path):
+    run, target = tmp_path / "run", corpus(tmp_path / "store/train.txt")
+    link = tmp_path / "train.txt"
+    link.symlink_to(target)
+    argv = started(run, link, link)
+    shutil.move(tmp_path / "store", tmp_path / "store2")
+    line = error_line(train_in_process([*files(link, link), *argv, "--resume"]))
+    assert line.startswith(
+        f"error: --resume: --train-file {link}: no such file (a link to {target}, which is "
+        f"gone), and the run in {run} read its rows there (rows digest {rows_digest(ROWS)})"
+    )
+    new = tmp_path / "store2/train.txt"
+    proc = train_in_process([*files(new, new), *argv, "--max-steps", "2", "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"--resume: --train-file moved from {link} to {new}, with the run's rows" in proc.stderr
+
+
+def test_the_runs_file_named_otherwise_is_said_so_and_its_edit_refused(tmp_path, monkeypatch):
+    """./data/train.txt for the run's data/train.txt (or a link to it) is no move: the line
+    says it is the run's file; edited since, its fix is the run's rows, not its path."""
+    monkeypatch.chdir(tmp_path)
+    corpus(tmp_path / "data/train.txt")
+    argv = [*TINY, "--max-steps", "1", "--output-dir", "run"]
+    proc = train_in_process([*files("data/train.txt", "data/train.txt"), *argv])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    two_steps = [*argv, "--max-steps", "2"]
+    proc = train_in_process([*files("./data/train.txt", "data/train.txt"), *two_steps, "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        "--resume: --train-file ./data/train.txt is the run's data/train.txt, named otherwise: "
+        "reading ./data/train.txt, which the run's config.toml now records"
+    ) in proc.stderr
+    corpus(tmp_path / "data/train.txt", [*ROWS, "a row added since"])
+    line = error_line(
+        train_in_process([*files("data/train.txt", "data/train.txt"), *two_steps, "--resume"])
+    )
+    assert line.startswith(
+        "error: --resume: --train-file data/train.txt (the run's ./data/train.txt, named "
+        "otherwise) holds other rows than the run in run read (rows digest "
+    )
+    assert line.endswith(
+        "restore the rows the run started with, or start afresh with "
+        "--overwrite or another --output-dir"
+    )
+
+
+def test_a_home_path_resumes_as_the_same_path(tmp_path, monkeypatch):
+    """``~/data/train.txt`` is expanded before config.toml records it and before a resume
+    compares it: the same file, no line of a move."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    corpus(tmp_path / "data/train.txt")
+    home = files("~/data/train.txt", "~/data/train.txt")
+    argv = started(tmp_path / "run", tmp_path / "data/train.txt", tmp_path / "data/train.txt")
+    assert (
+        f'train_file = "{tmp_path / "data/train.txt"}"'
+        in (tmp_path / "run/config.toml").read_text()
+    )
+    proc = train_in_process([*home, *argv, "--max-steps", "2", "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--resume: --train-file" not in proc.stderr
+
+
+def test_a_hub_split_and_a_file_of_its_rows_stand_for_each_other(tmp_path, monkeypatch):
+    """A hub split exported to a file (an offline cluster) holds the run's rows: the rows
+    decide, as for a moved file; other rows are refused, the fix fitting a hub spec."""
+    import datasets.config
+    from datasets import Dataset
+
+    from distzo.models import hub_reads
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(hub_reads, "hub_answers", lambda: False)
+    (tmp_path / "hub/data").mkdir(parents=True)
+    parquet = tmp_path / "hub/data/train-00000-of-00001.parquet"
+    Dataset.from_list([{"text": row} for row in ROWS]).to_parquet(str(parquet))
+    hub, run = f"hf:{tmp_path / 'hub'}:train", tmp_path / "run"
+    argv = [*TINY, "--max-steps", "1", "--output-dir", str(run)]
+    proc = train_in_process([*files(hub, hub), *argv])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    other = corpus(tmp_path / "other.txt", ROWS[:6])
+    line = error_line(train_in_process([*files(other, hub), *argv, "--resume"]))
+    assert line.endswith(
+        f"give --train-file {hub}, or its rows as a file, or start afresh with --overwrite "
+        "or another --output-dir"
+    )
+    exported = corpus(tmp_path / "exported.txt")
+    proc = train_in_process([*files(exported, hub), *argv, "--max-steps", "2", "--resume"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        f"--resume: --train-file {exported} holds the rows the run read from {hub} (rows "
+        f"digest {rows_digest(ROWS)}): reading {exported}, which the run's config.toml now "
+        "records"
+    ) in proc.stderr
