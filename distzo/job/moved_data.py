@@ -81,19 +81,23 @@ def _other_rows(
 
 def check_resumed_files_exist(job: JobConfig, run_dir: Path) -> None:
     """A resume's data file that is gone from the path its run read it at (the one its
-    ``config.toml`` records, given again): refused as the run's file, saying that its new
-    path goes on (checked against the seed log's digest), before any row is read. The
-    loader's line ("no such file; correct the path") did not say that the path was the
-    run's, nor that a new one was allowed."""
+    ``config.toml`` records, given again, ``./x`` as ``x``): refused as the run's file,
+    saying that its new path goes on (checked against the seed log's digest), before any
+    row is read. The loader's line ("no such file; correct the path") did not say that the
+    path was the run's, nor that a new one was allowed."""
     recorded = _recorded_data(run_dir)
     for name, (flag, field) in DATA_FILES.items():
         path = getattr(job.data, name)
-        if not isinstance(path, str) or _is_hub(path) or path != recorded.get(name):
+        run_path = recorded.get(name)
+        if not isinstance(path, str) or _is_hub(path) or not isinstance(run_path, str):
+            continue
+        if os.path.normpath(path) != os.path.normpath(run_path):  # ./x is x: the run's
             continue
         if Path(path).exists():
             continue
         link = f" (a link to {os.readlink(path)}, which is gone)" if Path(path).is_symlink() else ""
-        gone = f"--resume: {flag} {path}: no such file{link}, and the run in {run_dir} read"
+        here = "" if Path(path).is_absolute() else f" under {Path.cwd()}"  # run from elsewhere?
+        gone = f"--resume: {flag} {path}: no such file{here}{link}, and the run in {run_dir} read"
         logged = logged_digest(run_dir, field)
         if logged is None:
             raise ValueError(

@@ -216,6 +216,14 @@ def test_the_runs_file_named_otherwise_is_said_so_and_its_edit_refused(tmp_path,
         "restore the rows the run started with, or start afresh with "
         "--overwrite or another --output-dir"
     )
+    (tmp_path / "data/train.txt").unlink()  # relative: from which folder is said
+    line = error_line(
+        train_in_process([*files("data/train.txt", "data/train.txt"), *two_steps, "--resume"])
+    )
+    assert line.startswith(
+        f"error: --resume: --train-file data/train.txt: no such file under {tmp_path}, and the "
+        "run in run read its rows there"
+    )
 
 
 def test_a_home_path_resumes_as_the_same_path(tmp_path, monkeypatch):
