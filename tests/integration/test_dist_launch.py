@@ -6,6 +6,7 @@ float32 DDP and single agree only to ~1e-4 relative in g, while in float64 the s
 reassociation is ~1e-12. PertP splits nothing and is checked bitwise in float32 too.
 """
 
+import json
 import os
 import subprocess
 import time
@@ -308,6 +309,36 @@ def test_a_node_whose_model_folder_is_another_model_ends_every_node_at_once(tmp_
     ended = both_fail_saying(agents, started, line)
     assert abs(ended[0] - ended[1]) < 5, ended
     assert not run_contents(tmp_path / "a")
+
+
+def test_nodes_reading_their_own_copies_of_the_data_train_resume_and_record_rank_0s(tmp_path):
+    # torchtitan's and DeepSpeed's users stage the data on each node's local disk, at a
+    # path of that node's: refused as another --train-file, although the rows were equal
+    rows = "".join(f"row {i} of the corpus\n" for i in range(8))
+    copies = (tmp_path / "node0/data/train.txt", tmp_path / "node1/local/t.txt")
+    for copy in copies:
+        copy.parent.mkdir(parents=True)
+        copy.write_text(rows)
+    run = ["--task", "text", "--batch-size", "4", "--eval-batch-size", "4", "--log-every", "0"]
+
+    def launch(run_dir: str, steps: str, *resume: str) -> list[subprocess.Popen]:
+        args = [*run, "--max-steps", steps, "--output-dir", str(tmp_path / run_dir), *resume]
+        own = [["--train-file", str(copy), "--eval-file", str(copy)] for copy in copies]
+        return start_two_nodes(args + own[0], args + own[1], free_port())
+
+    for steps, resume in (("1", ()), ("2", ("--resume",))):  # a resume reads each node's own
+        agents = launch("a", steps, *resume)
+        errors = [agent.communicate(timeout=120)[1] for agent in agents]
+        assert [agent.returncode for agent in agents] == [0, 0], [e[-2000:] for e in errors]
+    assert f'train_file = "{copies[0]}"' in (tmp_path / "a/config.toml").read_text()
+    metrics = (tmp_path / "a/metrics.jsonl").read_text().splitlines()
+    assert [r["step"] for r in map(json.loads, metrics) if "loss" in r] == [0, 1]
+    copies[1].write_text(rows + "a row added on node 1\n")
+    line = (
+        f"error: rank 1 read other rows from --train-file {copies[1]} than rank 0 from "
+        f"{copies[0]} (rows digest "
+    )
+    both_fail_saying(launch("b", "1"), time.monotonic(), line)
 
 
 def test_a_node_that_cannot_write_its_summary_fails_every_node_before_the_export(tmp_path):
