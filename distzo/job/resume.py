@@ -108,23 +108,33 @@ def logged_steps(path: Path) -> int:
     return 0 if last is None else max(1, last + 1 - logged_first_step(path))
 
 
-def check_resumed_rows(run_dir: Path, rows: LoadedRows | None, train_file: str | None) -> None:
+def check_resumed_rows(
+    run_dir: Path, rows: LoadedRows | None, train_file: str | None, eval_file: str | None = None
+) -> None:
     """Refuse a resume whose --train-file holds other rows than the run started with (its
     seed log's ``train_rows``): the same path, rewritten since, would give the steps from
     the resume on other batches than the run's (the batch of a step is a function of the
-    rows and the step). A log from before the digest existed has nothing to compare."""
+    rows and the step). So too an --eval-file's (``eval_rows``): the evaluations after the
+    resume would score another set than those before it, in one curve, and a finished
+    scoring run's record would stand for rows it never scored. A log from before a digest
+    existed has nothing to compare."""
     log = run_dir / SEED_LOG
     header = logged_header(log) if rows is not None and log.is_file() else None
-    logged = header.get("train_rows") if header is not None else None
-    if rows is None or logged is None or logged == rows.digests["--train-file"]:
+    if rows is None or header is None:
         return
-    raise ValueError(
-        f"--resume: --train-file {train_file} holds other rows than the run in {run_dir} "
-        f"trained on (rows digest {rows.digests['--train-file']} of the task's examples, its "
-        f"seed log's {logged}); restore the file the run started with (or the distzo: "
-        "another version may build the examples otherwise), or start afresh with --overwrite "
-        "or another --output-dir"
-    )
+    for flag, key, path, did in (
+        ("--train-file", "train_rows", train_file, "trained on"),
+        ("--eval-file", "eval_rows", eval_file, "evaluated"),
+    ):
+        logged, digest = header.get(key), rows.digests[flag]
+        if logged is None or logged == digest:
+            continue
+        raise ValueError(
+            f"--resume: {flag} {path} holds other rows than the run in {run_dir} {did} (rows "
+            f"digest {digest} of the task's examples, its seed log's {logged}); restore the "
+            "file the run started with (or the distzo: another version may build the "
+            "examples otherwise), or start afresh with --overwrite or another --output-dir"
+        )
 
 
 def agreed_checkpoint(run_dir: Path, comm: Collectives, rank: int) -> Path | None:

@@ -467,7 +467,9 @@ def validate(job: JobConfig, env: LaunchEnv) -> CheckedJob:
         check_resumed_options(job, env, rows)  # may take the run's seed for -1
         if job.run.export_best:
             check_log_from_step_zero(Path(job.run.output_dir or "."), done)
-        check_resumed_rows(Path(job.run.output_dir or "."), rows, job.data.train_file)
+        check_resumed_rows(
+            Path(job.run.output_dir or "."), rows, job.data.train_file, job.data.eval_file
+        )
         config = dataclasses.replace(config, seed=job.run.engine_seed)
         if job.optim.max_steps == 0:  # a finished scoring run (none done: no checkpoint)
             recorded = agreed_recorded_score(job, env, as_recorded)

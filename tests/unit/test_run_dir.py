@@ -596,6 +596,31 @@ def test_a_resume_from_a_train_file_whose_rows_changed_is_refused(tmp_path):
     assert train_in_process([*argv, "--resume"]).returncode == 0
 
 
+def test_a_resume_from_an_eval_file_whose_rows_changed_is_refused(tmp_path):
+    # The evaluations after the resume scored another set than those before it, in one
+    # curve, with no word: the digest was compared only where the path had changed.
+    corpus, held_out = tmp_path / "corpus.txt", tmp_path / "held_out.txt"
+    corpus.write_text("".join(f"row {i} of the corpus\n" for i in range(8)))
+    evals = [f"held-out row {i}" for i in range(4)]
+    held_out.write_text("".join(row + "\n" for row in evals))
+    run = tmp_path / "run"
+    argv = ["--task", "text", "--train-file", str(corpus), "--eval-file", str(held_out)]
+    argv += ["--batch-size", "4", "--eval-batch-size", "4", "--log-every", "0"]
+    argv += ["--max-steps", "1", "--output-dir", str(run)]
+    assert train_in_process(argv).returncode == 0
+    held_out.write_text("".join(row + "\n" for row in [*evals[:3], "another row"]))
+    line = error_line(train_in_process([*argv, "--resume"]))
+    assert line == (
+        f"error: --resume: --eval-file {held_out} holds other rows than the run in {run} "
+        f"evaluated (rows digest {rows_digest([*evals[:3], 'another row'])} of the task's "
+        f"examples, its seed log's {rows_digest(evals)}); restore the file the run started "
+        "with (or the distzo: another version may build the examples otherwise), or start "
+        "afresh with --overwrite or another --output-dir"
+    )
+    held_out.write_text("".join(row + "\n" for row in evals))  # the run's own rows
+    assert train_in_process([*argv, "--resume"]).returncode == 0
+
+
 def test_a_seed_log_from_before_the_rows_digest_resumes(tmp_path):
     header = {"kind": "header", "run_seed": 0}  # no train_rows: nothing to compare
     (tmp_path / "seedlog.jsonl").write_text(json.dumps(header) + "\n")
