@@ -154,7 +154,9 @@ class TaskData(Protocol):
 
     @property
     def rows_per_example(self) -> int:
-        """Sequences a training example becomes (candidates scored on rows of their own)."""
+        """Sequences a training example becomes (candidates scored on rows of their own);
+        0 where a scoring run's build (``--max-steps 0``) left the training rows out: the
+        memory plan then plans the evaluation alone."""
         ...
 
 
@@ -369,21 +371,27 @@ class TextData:
         seed: int,
         eval_batch_size: int,
         share: RowShare = WHOLE,
+        trains: bool = True,
     ) -> None:
         """``share``: the part of the training and evaluation rows this process reads the
-        lengths of."""
-        self.train = TextTrainData(rows.train, encoder, seed, share)
+        lengths of; ``trains``: False for a scoring run (``--max-steps 0``), whose training
+        rows are never tokenized (minutes on every rank for a million rows) nor counted
+        in a cut notice, as no step takes them."""
+        self.train = TextTrainData(rows.train, encoder, seed, share) if trains else None
         self.eval_set, eval_cut = _padded(rows.eval, encoder, share, "--eval-file")
         dev = _padded(rows.dev, encoder, share, "--num-dev") if rows.dev else None
         self.dev_set: PaddedRows | None = dev[0] if dev else None
         self.eval_batch_size = eval_batch_size
         evaluated = [self.eval_set] + ([self.dev_set] if self.dev_set else [])
-        self.longest = max(self.train.width, *(padded.width for padded in evaluated))
-        self.rows_per_example = 1
+        trained = self.train.width if self.train else 0
+        self.longest = max(trained, *(padded.width for padded in evaluated))
+        self.rows_per_example = 1 if trains else 0
         limit = token_limit(encoder.max_length)
         self.cut_notices = _notices(
             [
-                Cuts("--train-file", len(rows.train), self.train.cut).notice(limit),
+                Cuts("--train-file", len(rows.train), self.train.cut).notice(limit)
+                if self.train
+                else None,
                 Cuts("--eval-file", len(rows.eval), eval_cut).notice(limit),
             ]
             + (
@@ -394,6 +402,8 @@ class TextData:
         )
 
     def batch(self, batch_size: int, step: int) -> dict[str, torch.Tensor]:
+        if self.train is None:
+            raise RuntimeError("a scoring run (--max-steps 0) has no training batches")
         return self.train.batch(batch_size, step)
 
 
@@ -431,9 +441,12 @@ class PromptData:
         max_new_tokens: int = 16,
         objective: str | None = None,
         share: RowShare = WHOLE,
+        trains: bool = True,
     ) -> None:
         """``share``: the part of each file's rows this process reads the lengths of (the
-        job's ranks split the pass; the batches are every rank's whole)."""
+        job's ranks split the pass; the batches are every rank's whole); ``trains``: False
+        for a scoring run (``--max-steps 0``), whose training rows (``--num-demos``' source,
+        as text) are never tokenized nor counted in a cut notice, as no step takes them."""
         self.kind = TASKS[rows.task].kind
         self.objective = objective or default_objective(rows.task)
         check_objective(rows.task, self.objective)
@@ -454,7 +467,9 @@ class PromptData:
             self.train = PromptOnlyTrainData(rows.train, encoder, seed, max_new_tokens)
         else:
             self.train = PromptTrainData(rows.train, encoder, seed)
-        train, train_longest, rows_per_example = self._cuts("--train-file", rows.train, True, share)
+        train, train_longest, rows_per_example = (
+            self._cuts("--train-file", rows.train, True, share) if trains else (None, 0, 0)
+        )
         evals, eval_longest, eval_rows = self._cuts("--eval-file", rows.eval, False, share)
         devs, dev_longest, dev_rows = (
             self._cuts(dev_set_name(rows.dev_option), rows.dev, False, share)
@@ -471,7 +486,7 @@ class PromptData:
         self.longest = min(longest + extra, encoder.max_length)
         evaluated = self._limit(trained=False)
         self.cut_notices = _notices(
-            [train.notice(self._limit(trained=True)), evals.notice(evaluated)]
+            [train.notice(self._limit(trained=True)) if train else None, evals.notice(evaluated)]
             + ([devs.notice(evaluated)] if devs else [])
         )
         self.rows_per_example = rows_per_example
@@ -544,7 +559,7 @@ class MaskedPromptData:
     as a causal LM's choices are (``ChoiceTrainData``, the job's choice evaluation)."""
 
     kind = "classification"
-    rows_per_example = eval_rows = dev_rows = 1  # the prompt scores every candidate
+    eval_rows = dev_rows = 1  # the prompt scores every candidate
     max_new_tokens = 0
 
     def __init__(
@@ -555,7 +570,10 @@ class MaskedPromptData:
         eval_batch_size: int,
         objective: str | None = None,
         share: RowShare = WHOLE,
+        trains: bool = True,
     ) -> None:
+        """``trains``: False for a scoring run (``--max-steps 0``): its training rows are
+        never tokenized nor counted in a cut notice."""
         self.objective = objective or "classification"
         if self.objective not in ("classification", "accuracy"):
             raise ValueError(
@@ -569,7 +587,9 @@ class MaskedPromptData:
         self.metric = MASKED_PROMPTS[rows.task].metric
         self.encoder, self.eval_batch_size = encoder, eval_batch_size
         self.train = ChoiceTrainData(rows.train, encoder, seed)
-        files = [("--train-file", rows.train), ("--eval-file", rows.eval)]
+        self.rows_per_example = 1 if trains else 0
+        files = [("--train-file", rows.train)] if trains else []
+        files += [("--eval-file", rows.eval)]
         files += [(dev_set_name(rows.dev_option), rows.dev)] if rows.dev else []
         notices: list[str | None] = []
         self.longest = 0

@@ -258,8 +258,8 @@ def build_task_data(
     """Needs the model's config (vocabulary, positions) and the end-of-sequence tokens its
     generation config lists, not its weights: built before the memory plan, so the plan
     knows the real longest sequence. ``share``: the part of the rows' lengths this rank
-    reads (``rank_share``)."""
-    data = job.data
+    reads (``rank_share``). A scoring run (``--max-steps 0``) tokenizes no training row."""
+    data, trains = job.data, job.optim.max_steps > 0
     if rows is None:
         return CountingData(
             model_config.vocab_size, data.seq_len, data.eval_batch_size, seed, data.eval_batch_size
@@ -270,15 +270,22 @@ def build_task_data(
         length = data.max_length or min(prompt.max_length, token_positions(job, model_config))
         masked = MaskedPromptEncoder(tokenizer, data.task, length)
         return MaskedPromptData(
-            rows, masked, seed, data.eval_batch_size, job.optim.objective, share
+            rows, masked, seed, data.eval_batch_size, job.optim.objective, share, trains
         )
     encoder = PromptEncoder(
         tokenizer, data.max_length or token_positions(job, model_config), stop_ids
     )
     if data.task == "text":
-        return TextData(rows, encoder, seed, data.eval_batch_size, share)
+        return TextData(rows, encoder, seed, data.eval_batch_size, share, trains)
     return PromptData(
-        rows, encoder, seed, data.eval_batch_size, data.max_new_tokens, job.optim.objective, share
+        rows,
+        encoder,
+        seed,
+        data.eval_batch_size,
+        data.max_new_tokens,
+        job.optim.objective,
+        share,
+        trains,
     )
 
 
